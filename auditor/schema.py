@@ -1,0 +1,75 @@
+"""The log format of SPEC §2: one row per backward pass of one rank, shared by hooks and auditor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+Kind = Literal["int", "float", "bool", "string", "timestamp"]
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One column of the log format."""
+
+    name: str
+    """Column name, exactly as written in Parquet."""
+    kind: Kind
+    """Family of Arrow types accepted on read (any width of it)."""
+    arrow_type: pa.DataType
+    """Type the recorder writes."""
+    required: bool
+    """A shard without this column is rejected."""
+    meaning: str
+    """One line for docs and error messages."""
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("step", "int", pa.int64(), True, "optimizer-update index"),
+    Column("micro", "int", pa.int32(), True, "microbatch index inside the step, 0-based"),
+    Column("rank", "int", pa.int32(), True, "rank inside the gradient-averaging group"),
+    Column("world_size", "int", pa.int32(), True, "W: size of the averaging group"),
+    Column("loss_sum", "float", pa.float64(), True, "S: sum of per-token losses over valid tokens"),
+    Column("valid_tokens", "int", pa.int64(), True, "n: valid tokens of the microbatch"),
+    Column("backward_scalar", "float", pa.float64(), True, "b: the scalar backward() ran on"),
+    Column("run_id", "string", pa.string(), False, "groups rows into runs"),
+    Column("group", "string", pa.string(), False, "id of the averaging group"),
+    Column("grad_divisor", "float", pa.float64(), False, "D: divisor of the gradient reduction"),
+    Column("grad_scale", "float", pa.float64(), False, "g: rescale after backward"),
+    Column("positions", "int", pa.int64(), False, "T: positions in the per-token loss tensor"),
+    Column("token_weight_sum", "float", pa.float64(), False, "probe: sum of db/dl over valid tokens"),
+    Column("token_weight_min", "float", pa.float64(), False, "probe: min of db/dl over valid tokens"),
+    Column("token_weight_max", "float", pa.float64(), False, "probe: max of db/dl over valid tokens"),
+    Column("masked_weight_abs_sum", "float", pa.float64(), False, "probe: sum of |db/dl| elsewhere"),
+    Column("reported_loss", "float", pa.float64(), False, "loss the trainer reports for the step"),
+    Column("sync", "bool", pa.bool_(), False, "this backward synchronized gradients"),
+    Column("skipped", "bool", pa.bool_(), False, "the trainer skipped this update by policy"),
+    Column("time", "timestamp", pa.timestamp("us", tz="UTC"), False, "when the record was written"),
+    Column("schema_version", "int", pa.int32(), False, "log format version"),
+)
+
+COLUMNS_BY_NAME = {column.name: column for column in COLUMNS}
+REQUIRED_COLUMNS = tuple(column.name for column in COLUMNS if column.required)
+PROBE_COLUMNS = ("token_weight_sum", "token_weight_min", "token_weight_max", "masked_weight_abs_sum")
+
+# Columns the recorder always writes; the auditor accepts any superset of the required ones.
+WRITER_SCHEMA = pa.schema([pa.field(column.name, column.arrow_type) for column in COLUMNS])
+
+
+def kind_accepts(kind: Kind, arrow_type: pa.DataType) -> bool:
+    """Whether a file's Arrow type fits a column family (narrower widths and dictionaries included)."""
+    if pa.types.is_dictionary(arrow_type):
+        arrow_type = arrow_type.value_type
+    if kind == "int":
+        return pa.types.is_integer(arrow_type)
+    if kind == "float":
+        return pa.types.is_floating(arrow_type) or pa.types.is_integer(arrow_type)
+    if kind == "bool":
+        return pa.types.is_boolean(arrow_type)
+    if kind == "string":
+        return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
+    return pa.types.is_timestamp(arrow_type)

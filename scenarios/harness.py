@@ -1,0 +1,92 @@
+"""Run a function on W real gloo processes with a strict teardown and a kill timeout."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+GLOO_TIMEOUT_S = 30
+_context: Any = None
+
+
+def _forkserver() -> Any:
+    # forkserver imports torch (and torch._dynamo, which the first DDP() imports: 1.5 s) once; each job then forks in well under a second, where
+    # spawn pays 5-10 s per job. Fork from a parent that has run torch is not safe.
+    global _context
+    if _context is None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel",
+                                          "scenarios.strategies"])
+    return _context
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, args: tuple[Any, ...]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    outcome: tuple[str, Any]
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=GLOO_TIMEOUT_S))
+        try:
+            outcome = ("ok", fn(rank, world_size, *args))
+        finally:
+            gc.collect()
+            dist.destroy_process_group()
+    except BaseException:
+        outcome = ("error", traceback.format_exc())
+    with open(f"{workdir}/result-{rank}.pkl.tmp", "wb") as handle:
+        pickle.dump(outcome, handle)
+    os.replace(f"{workdir}/result-{rank}.pkl.tmp", f"{workdir}/result-{rank}.pkl")
+
+
+def run_ddp(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90.0) -> list[Any]:
+    """Call `fn(rank, world_size, *args)` on `world_size` gloo processes; return each rank's value.
+
+    Raises RuntimeError with the rank's traceback when one fails, TimeoutError when a job hangs
+    (every process is then killed, so a hung collective never stalls the suite).
+    """
+    context = _forkserver()
+    workdir = tempfile.mkdtemp(prefix="tokaudit-ddp-")
+    processes = [context.Process(target=_worker, args=(fn, rank, world_size, workdir, args), daemon=True)
+                 for rank in range(world_size)]
+    try:
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+        if hung:
+            raise TimeoutError(f"ranks {hung} still running after {timeout:.0f}s")
+        results = []
+        for rank in range(world_size):
+            path = Path(workdir) / f"result-{rank}.pkl"
+            if not path.exists():
+                raise RuntimeError(f"rank {rank} died (exit code {processes[rank].exitcode}) without a result")
+            status, value = pickle.loads(path.read_bytes())
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results.append(value)
+        return results
+    finally:
+        for process in processes:
+            if process.pid is None:
+                continue
+            if process.is_alive():
+                process.kill()
+            process.join(5)
+        shutil.rmtree(workdir, ignore_errors=True)
