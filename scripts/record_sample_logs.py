@@ -1,0 +1,33 @@
+"""Record `sample_logs/`: one folder per scenario, each a real multi-process DDP run (gloo, CPU).
+
+Usage: python scripts/record_sample_logs.py [OUT_DIR]   (default: sample_logs)
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scenarios.harness import run_ddp  # noqa: E402
+from scenarios.strategies import SCENARIOS, run_scenario  # noqa: E402
+
+
+def main() -> None:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "sample_logs")
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["# Sample logs", "", "Recorded by `python scripts/record_sample_logs.py` from real DDP runs "
+             "(torch.distributed, gloo, CPU), one folder per scenario:", ""]
+    for scenario in SCENARIOS:
+        shutil.rmtree(out / scenario.name, ignore_errors=True)
+        run_ddp(run_scenario, scenario.world_size, scenario, str(out))
+        verdict = "correct" if scenario.correct else "deliberate mistake"
+        lines.append(f"- `{scenario.name}/` ({verdict}, {scenario.world_size} processes): {scenario.description}")
+        print(f"recorded {scenario.name}", file=sys.stderr)
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Recorder and probe in one process: identity, no host sync, atomic shards, never crashing training."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from scenarios.harness import run_ddp
+from tokaudit.hooks import Recorder
+from tokaudit.schema import WRITER_SCHEMA
+
+
+def read_rows(log_dir: Path) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for shard in sorted(log_dir.glob("*.parquet")):
+        rows.extend(pq.read_table(shard).to_pylist())
+    return rows
+
+
+@pytest.mark.parametrize("shape", [(7,), (2, 5), (3, 2, 4)])
+@pytest.mark.parametrize("valid_fraction", [0.0, 0.4, 1.0])
+def test_probe_is_identity_to_the_bit_and_measures_each_weight(tmp_path: Path, shape: tuple[int, ...],
+                                                               valid_fraction: float) -> None:
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(*shape, generator=generator, requires_grad=True)
+    valid = torch.rand(*shape, generator=generator) < valid_fraction
+    token_scale = torch.rand(*shape, generator=generator) + 0.5  # every token a different weight
+
+    def backward(probe: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        logits.grad = None
+        per_token = logits.sigmoid() * 3
+        with Recorder(tmp_path, run_id=f"probe{probe}") as rec:
+            if probe:
+                per_token = rec.probe(per_token, valid)
+            scalar = (per_token * token_scale * valid).sum() / 3 + (per_token * ~valid).sum() * 0.25
+            out = scalar.detach()
+            rec.record(loss_sum=(per_token * valid).sum(), valid_tokens=valid.sum(), backward_scalar=scalar)
+            scalar.backward()
+        assert logits.grad is not None
+        return logits.grad.clone(), out
+
+    plain, _ = backward(False)
+    probed, _ = backward(True)
+    assert torch.equal(plain, probed)
+    (row,) = read_rows(tmp_path / "probeTrue")
+    expected = (token_scale / 3)[valid]
+    assert row["valid_tokens"] == int(valid.sum())
+    assert row["token_weight_sum"] == pytest.approx(float(expected.sum()), rel=1e-6)
+    assert row["masked_weight_abs_sum"] == pytest.approx(0.25 * int((~valid).sum()), rel=1e-6)
+    if valid.any():
+        assert row["token_weight_min"] == pytest.approx(float(expected.min()), rel=1e-6)
+        assert row["token_weight_max"] == pytest.approx(float(expected.max()), rel=1e-6)
+    else:
+        assert row["token_weight_min"] is None and row["token_weight_max"] is None
+
+
+def test_no_host_sync_between_flushes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    for name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self: torch.Tensor, *args: Any, _name: str = name, _original: Any = original) -> Any:
+            calls.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = Recorder(tmp_path, run_id="sync", optimizer=optimizer, flush_every=1000)
+    for step in range(5):
+        for micro in range(2):
+            x = torch.randn(6, 4)
+            labels = torch.tensor([0, 1, 2, -100, 1, -100])
+            per_token = torch.nn.functional.cross_entropy(model(x), labels, reduction="none")
+            per_token = rec.probe(per_token, labels != -100)
+            loss_sum = per_token.sum()
+            valid_tokens = (labels != -100).sum()
+            scalar = loss_sum / 8
+            rec.record(loss_sum=loss_sum, valid_tokens=valid_tokens, backward_scalar=scalar, positions=6,
+                       reported_loss=scalar.detach())
+            scalar.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert calls == [], f"host syncs while recording: {calls}"
+    monkeypatch.undo()
+    rec.close()
+    rows = read_rows(tmp_path / "sync")
+    assert [(r["step"], r["micro"]) for r in rows] == [(s, m) for s in range(5) for m in range(2)]
+    assert all(r["valid_tokens"] == 4 and r["positions"] == 6 for r in rows)
+
+
+def test_shards_rotate_atomically_and_a_resumed_run_never_overwrites(tmp_path: Path) -> None:
+    for attempt in range(2):
+        with Recorder(tmp_path, run_id="resume", flush_every=3) as rec:
+            for step in range(4):
+                rec.record(loss_sum=1.0, valid_tokens=2, backward_scalar=0.5, step=step + 10 * attempt)
+    names = sorted(p.name for p in (tmp_path / "resume").iterdir())
+    assert names == [f"rank-00000-{i:06d}.parquet" for i in range(4)]
+    steps = [row["step"] for row in read_rows(tmp_path / "resume")]
+    assert steps == [0, 1, 2, 3, 10, 11, 12, 13]
+    for shard in (tmp_path / "resume").iterdir():
+        assert pq.read_schema(shard).equals(WRITER_SCHEMA, check_metadata=False)
+
+
+def test_write_failure_warns_once_and_training_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pq, "write_table", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rec = Recorder(tmp_path, run_id="broken", flush_every=1)
+        for step in range(3):
+            rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0, step=step)
+        rec.close()
+        rec.close()  # idempotent
+    messages = [str(w.message) for w in caught if "could not write" in str(w.message)]
+    assert len(messages) == 1 and "disk full" in messages[0]
+    assert not list((tmp_path / "broken").glob("*.parquet"))
+
+
+def test_unwritable_log_dir_warns_and_records_nothing(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.warns(RuntimeWarning, match="cannot create"):
+        rec = Recorder(blocker / "logs")
+    rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rec.close()
+
+
+def test_steps_come_from_the_optimizer_and_explicit_values_win(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(tmp_path, run_id="steps", optimizer=optimizer) as rec:
+        for _ in range(2):
+            for _ in range(3):
+                rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0)
+            optimizer.step()
+        rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0, step=42, micro=7)
+    keys = [(r["step"], r["micro"]) for r in read_rows(tmp_path / "steps")]
+    assert keys == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (42, 7)]
+
+
+def test_without_optimizer_or_step_every_backward_is_its_own_update(tmp_path: Path) -> None:
+    with Recorder(tmp_path, run_id="auto") as rec:
+        for _ in range(3):
+            rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0)
+    rows = read_rows(tmp_path / "auto")
+    assert [(r["step"], r["micro"], r["world_size"], r["rank"]) for r in rows] == [(0, 0, 1, 0), (1, 0, 1, 0),
+                                                                                   (2, 0, 1, 0)]
+
+
+def _comm_hook_job(rank: int, world_size: int, log_dir: str) -> list[str]:
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    messages = []
+    for name, hook, divisor in (("default", None, None), ("known", default_hooks.allreduce_hook, None),
+                                ("custom", _custom_hook, None), ("declared", _custom_hook, 1.0)):
+        model = DDP(torch.nn.Linear(2, 1))
+        if hook is not None:
+            model.register_comm_hook(None, hook)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with Recorder(log_dir, run_id=name, model=model, grad_divisor=divisor) as rec:
+                rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=model(torch.ones(1, 2)).sum())
+        messages.append(" | ".join(str(w.message) for w in caught))
+        del model
+    dist.barrier()
+    return messages
+
+
+def _custom_hook(state, bucket):  # type: ignore[no-untyped-def]
+    import torch.distributed as dist
+
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+@pytest.mark.distributed
+def test_divisor_comes_from_the_comm_hook_or_a_warning(tmp_path: Path) -> None:
+    messages = run_ddp(_comm_hook_job, 2, str(tmp_path))[0]
+    assert messages[0] == "" and messages[1] == "" and messages[3] == ""
+    assert "grad_divisor" in messages[2] and "_custom_hook" in messages[2]
+    divisors = {run: read_rows(tmp_path / run)[0]["grad_divisor"] for run in ("default", "known", "custom", "declared")}
+    assert divisors == {"default": 2.0, "known": 2.0, "custom": None, "declared": 1.0}
