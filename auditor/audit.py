@@ -1,0 +1,126 @@
+"""The audit: load → aggregate per step → checks → AuditReport. Returns data, never prints."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import duckdb
+import pandas as pd
+import pyarrow.parquet as pq
+
+from tokaudit.checks import DEFAULT_RTOL, StepDiagnosis, check_run
+from tokaudit.codes import Code, Severity
+from tokaudit.engine import Engine
+from tokaudit.errors import LogFormatError, UsageError
+from tokaudit.reader import LogSet, Shard, load
+from tokaudit.report import AuditReport, Finding, RunSummary, StepRange, Verdict
+
+Progress = Callable[[str], None]
+
+_CODE_ORDER = {code: index for index, code in enumerate(Code)}
+
+
+@dataclass
+class StepView:
+    """The per-step table of an opened log, with each step's diagnosis (for post-mortems)."""
+
+    steps: pd.DataFrame
+    diagnoses: dict[tuple[str, str, int], StepDiagnosis]
+
+
+def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL,
+              progress: Progress | None = None) -> tuple[LogSet, Engine | None, pd.DataFrame]:
+    """Load, validate and aggregate. A shard DuckDB cannot decode is reported and left out."""
+    logset = load(paths)
+    shards = list(logset.shards)
+    problems = list(logset.problems)
+    if progress and shards:
+        progress(f"reading {len(shards)} file(s), {sum(s.rows for s in shards):,} rows")
+    while shards:
+        engine = Engine.open(shards)
+        try:
+            return LogSet(shards, problems), engine, engine.step_table(rtol)
+        except duckdb.Error as error:
+            engine.close()
+            broken = _undecodable(shards)
+            if not broken:
+                raise LogFormatError(", ".join(str(s.path) for s in shards[:3]),
+                                     f"cannot be aggregated ({str(error).splitlines()[0][:200]})") from None
+            problems.extend(broken.values())
+            shards = [s for s in shards if s.path not in broken]
+    return LogSet(shards, problems), None, pd.DataFrame()
+
+
+def _undecodable(shards: list[Shard]) -> dict[object, LogFormatError]:
+    """Shards whose footer reads but whose data pages do not (corruption inside the file)."""
+    broken: dict[object, LogFormatError] = {}
+    for shard in shards:
+        try:
+            pq.read_table(shard.path)
+        except Exception as error:
+            broken[shard.path] = LogFormatError(str(shard.path), f"corrupt data ({str(error).splitlines()[0][:160]})")
+    return broken
+
+
+def audit(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL, runs: Sequence[str] = (),
+          progress: Progress | None = None) -> AuditReport:
+    """Audit every run under `paths`. Unreadable files become `problems`; the rest is still audited."""
+    if not (0 < rtol < 1):
+        raise UsageError(f"--rtol must be between 0 and 1, got {rtol}")
+    logset, engine, steps = open_logs(paths, rtol, progress)
+    problems = [str(p) for p in logset.problems]
+    if engine is None:
+        return AuditReport(runs=[], findings=[], problems=problems, files=0)
+    try:
+        if runs:
+            unknown = sorted(set(runs) - set(steps.run))
+            if unknown:
+                raise UsageError(f"no run named {', '.join(map(repr, unknown))} in the logs "
+                                 f"(runs: {', '.join(sorted(set(steps.run)))})")
+            steps = steps[steps.run.isin(runs)]
+        summaries: list[RunSummary] = []
+        findings: list[Finding] = []
+        for run, frame in steps.groupby("run", sort=True):
+            run = str(run)
+            frame = frame.reset_index(drop=True)
+            run_findings, segments, diagnoses = check_run(
+                run, frame, rtol, lambda group, step, run=run: engine.ranks_at(run, group, step))  # type: ignore[misc]
+            if run in engine.duplicates:
+                copies, first, last, count = engine.duplicates[run]
+                run_findings.append(Finding(
+                    run=run, code=Code.DUPLICATE_RECORDS, severity=Severity.WARNING,
+                    steps=StepRange(first, last, count),
+                    message=f"{copies} record(s) repeat a (group, step, micro, rank) already logged, e.g. after a "
+                            "resume that replayed steps; the later record (by `time`, then file) was kept.",
+                    fix="resume from the checkpoint's step and start a new shard sequence; or delete the older shards",
+                    evidence={"dropped_records": copies}))
+            findings.extend(run_findings)
+            summaries.append(_summary(run, frame, run_findings, segments))
+        findings.sort(key=lambda f: (-f.severity.rank, f.run, _CODE_ORDER[f.code], f.steps.first))
+        return AuditReport(runs=summaries, findings=findings, problems=problems, files=len(logset.shards))
+    finally:
+        engine.close()
+
+
+def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: list) -> RunSummary:  # type: ignore[type-arg]
+    worst = max((f.severity.rank for f in findings), default=-1)
+    verdict: Verdict
+    if worst >= Severity.WARNING.rank:
+        verdict = "incorrect"
+    elif any(f.code == Code.BALANCED_COUNTS for f in findings) or not (frame.tokens > 0).any():
+        verdict = "inconclusive"
+    else:
+        verdict = "correct"
+    weighted = frame[(frame.weighted_records > 0) & (frame.tok_low > 0)]
+    ratios = (weighted.tok_high / weighted.tok_low).tolist()
+    if ((frame.weighted_records > 0) & (frame.tok_low <= 0)).any():
+        ratios.append(math.inf)
+    normalization = max(segments, key=lambda s: s.steps) if segments else None
+    sizes = sorted({int(w) for w in pd.concat([frame.w_low, frame.w_high])})
+    return RunSummary(run=run, rows=int(frame.records.sum()), steps=int(frame.step.nunique()),
+                      ranks=int(frame.rank_max.max()) + 1, world_size=sizes, groups=int(frame.grp.nunique()),
+                      verdict=verdict, normalization=normalization, segments=segments,
+                      max_weight_ratio=float(max(ratios, default=1.0)), microbatches=int(frame.m_high.max()))

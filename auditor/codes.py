@@ -1,0 +1,66 @@
+"""Stable finding codes and severities (SPEC §3). Tests and JSON match on these, never on text."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Severity(str, Enum):
+    """How bad a finding is; ordered info < warning < error."""
+
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+    @property
+    def rank(self) -> int:
+        return {"info": 0, "warning": 1, "error": 2}[self.value]
+
+
+class Code(str, Enum):
+    """What a finding says."""
+
+    LOCAL_MEAN = "local_mean"
+    PER_MICRO_DENOMINATOR = "per_micro_denominator"
+    WORLD_SIZE_MISMATCH = "world_size_mismatch"
+    SCALE_MISMATCH = "scale_mismatch"
+    PADDED_DENOMINATOR = "padded_denominator"
+    UNEXPLAINED_WEIGHTING = "unexplained_weighting"
+    NONUNIFORM_IN_MICROBATCH = "nonuniform_in_microbatch"
+    MASKED_TOKENS_WEIGHTED = "masked_tokens_weighted"
+    MISSING_RANK = "missing_rank"
+    UNEVEN_MICROBATCHES = "uneven_microbatches"
+    WORLD_SIZE_INCONSISTENT = "world_size_inconsistent"
+    WORLD_SIZE_CHANGED = "world_size_changed"
+    DUPLICATE_RECORDS = "duplicate_records"
+    EMPTY_UPDATE = "empty_update"
+    ZERO_TOKEN_NONFINITE = "zero_token_nonfinite"
+    NONFINITE_VALUES = "nonfinite_values"
+    REPORTED_LOSS_MISMATCH = "reported_loss_mismatch"
+    MISSING_SYNC = "missing_sync"
+    SYNC_EVERY_MICRO = "sync_every_micro"
+    BALANCED_COUNTS = "balanced_counts"
+
+
+DEFAULT_SEVERITY: dict[Code, Severity] = {
+    Code.LOCAL_MEAN: Severity.ERROR,
+    Code.PER_MICRO_DENOMINATOR: Severity.ERROR,
+    Code.WORLD_SIZE_MISMATCH: Severity.ERROR,
+    Code.SCALE_MISMATCH: Severity.WARNING,
+    Code.PADDED_DENOMINATOR: Severity.ERROR,
+    Code.UNEXPLAINED_WEIGHTING: Severity.ERROR,
+    Code.NONUNIFORM_IN_MICROBATCH: Severity.WARNING,
+    Code.MASKED_TOKENS_WEIGHTED: Severity.WARNING,
+    Code.MISSING_RANK: Severity.ERROR,
+    Code.UNEVEN_MICROBATCHES: Severity.WARNING,
+    Code.WORLD_SIZE_INCONSISTENT: Severity.ERROR,
+    Code.WORLD_SIZE_CHANGED: Severity.INFO,
+    Code.DUPLICATE_RECORDS: Severity.WARNING,
+    Code.EMPTY_UPDATE: Severity.INFO,  # error when a record is non-finite or ranks disagree on `skipped`
+    Code.ZERO_TOKEN_NONFINITE: Severity.ERROR,
+    Code.NONFINITE_VALUES: Severity.ERROR,
+    Code.REPORTED_LOSS_MISMATCH: Severity.WARNING,
+    Code.MISSING_SYNC: Severity.ERROR,
+    Code.SYNC_EVERY_MICRO: Severity.INFO,
+    Code.BALANCED_COUNTS: Severity.INFO,
+}

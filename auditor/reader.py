@@ -1,0 +1,220 @@
+"""Find and validate log shards (SPEC §2) without modifying them; bad files are reported, not fatal."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from tokaudit.errors import LogFormatError
+from tokaudit.schema import COLUMNS_BY_NAME, REQUIRED_COLUMNS, SCHEMA_VERSION, kind_accepts
+
+KIND_WORDS = {"int": "an integer type", "float": "a numeric type", "bool": "bool", "string": "string",
+              "timestamp": "a timestamp"}
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One readable log file."""
+
+    path: Path
+    """Where it is."""
+    columns: frozenset[str]
+    """Schema columns it holds (extra columns are ignored)."""
+    rows: int
+    """Row count from the footer."""
+    default_run: str
+    """Run id for rows without one: the file's parent folder name."""
+
+
+@dataclass(frozen=True, slots=True)
+class LogSet:
+    """What `load` found: readable shards and one line per unreadable input."""
+
+    shards: list[Shard]
+    """Validated shards, in path order."""
+    problems: list[LogFormatError]
+    """Files or paths that could not be used."""
+
+
+def discover(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[Path], list[LogFormatError]]:
+    """Every *.parquet under the paths; dot-files (a killed writer's temporaries) are skipped."""
+    found: list[Path] = []
+    problems: list[LogFormatError] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists():
+            problems.append(LogFormatError(str(raw), "no such file or directory"))
+        elif path.is_file():
+            found.append(path)
+        else:
+            shards = sorted(p for p in path.rglob("*.parquet")
+                            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            if not shards:
+                problems.append(LogFormatError(str(raw), "no Parquet files (*.parquet) in this folder"))
+            found.extend(shards)
+    unique = list(dict.fromkeys(p.resolve() for p in found))
+    return unique, problems
+
+
+def load(paths: Sequence[str | os.PathLike[str]]) -> LogSet:
+    """Discover and validate; a damaged shard never hides the others."""
+    files, problems = discover(paths)
+    shards = []
+    for path in files:
+        try:
+            shards.append(inspect_shard(path))
+        except LogFormatError as error:
+            problems.append(error)
+    return LogSet(shards=shards, problems=problems)
+
+
+def inspect_shard(path: Path) -> Shard:
+    """Check one file against SPEC §2: columns, types, version, and values no audit can use."""
+    name = str(path)
+    try:
+        parquet = pq.ParquetFile(path)
+        schema = parquet.schema_arrow
+    except Exception as error:
+        raise LogFormatError(name, f"not a readable Parquet file ({_short(error)})") from None
+    for column in REQUIRED_COLUMNS:
+        if column not in schema.names:
+            raise LogFormatError(name, f"missing column '{column}'")
+    present = {column for column in schema.names if column in COLUMNS_BY_NAME}
+    for column in sorted(present):
+        expected = COLUMNS_BY_NAME[column].kind
+        arrow_type = schema.field(column).type
+        if not kind_accepts(expected, arrow_type):
+            raise LogFormatError(name, f"column '{column}' has type {arrow_type}, expected {KIND_WORDS[expected]}")
+    try:
+        _check_values(parquet, present)
+    except LogFormatError as error:
+        raise LogFormatError(name, error.problem) from None
+    except Exception as error:
+        raise LogFormatError(name, f"cannot read the file's data ({_short(error)})") from None
+    return Shard(path=path, columns=frozenset(present), rows=parquet.metadata.num_rows,
+                 default_run=path.parent.name)
+
+
+# (column, lowest allowed value, what it means); null never allowed for required columns.
+_LOWER_BOUNDS: tuple[tuple[str, int, str], ...] = (
+    ("valid_tokens", 0, "a negative count"),
+    ("positions", 0, "a negative count"),
+    ("world_size", 1, "a world size below 1"),
+    ("rank", 0, "a negative rank"),
+    ("micro", 0, "a negative microbatch index"),
+)
+
+
+def _check_values(parquet: pq.ParquetFile, present: set[str]) -> None:
+    """Statistics first (no data read); the columns themselves only when statistics cannot decide."""
+    stats = _column_stats(parquet, present)
+    need: set[str] = set()
+    if "schema_version" in present:
+        high = stats["schema_version"][1]
+        if high is None:
+            need.add("schema_version")
+        elif high > SCHEMA_VERSION:
+            raise LogFormatError("", _newer_version(high))
+    for column in REQUIRED_COLUMNS:
+        if column == "backward_scalar":
+            continue
+        if stats[column][2] != 0:
+            need.add(column)
+    if stats["backward_scalar"][2] != 0:
+        need.update({"backward_scalar", "token_weight_sum"} & present)
+        if "token_weight_sum" not in present:
+            need.add("backward_scalar")
+    for column, lowest, _ in _LOWER_BOUNDS:
+        if column in present and (stats[column][0] is None or stats[column][0] < lowest):
+            need.add(column)
+    rank_high, world_low = stats["rank"][1], stats["world_size"][0]
+    if rank_high is None or world_low is None or rank_high >= world_low:
+        need.update({"rank", "world_size"})
+    for column in ("grad_divisor", "grad_scale"):
+        if column in present:
+            need.add(column)  # NaN never shows in statistics
+    if need:
+        _check_rows(parquet.read(columns=sorted(need | {"step"}), use_threads=True), need)
+
+
+def _column_stats(parquet: pq.ParquetFile, present: set[str]) -> dict[str, tuple[Any, Any, int | None]]:
+    """(min, max, null count) per column over all row groups; None where a statistic is missing."""
+    metadata = parquet.metadata
+    index = {metadata.schema.column(i).name: i for i in range(metadata.num_columns)}
+    out: dict[str, tuple[Any, Any, int | None]] = {}
+    for column in present:
+        low: Any = None
+        high: Any = None
+        nulls: int | None = 0
+        for group in range(metadata.num_row_groups):
+            chunk = metadata.row_group(group).column(index[column]) if column in index else None
+            statistics = chunk.statistics if chunk is not None else None
+            if statistics is None or not statistics.has_min_max or nulls is None:
+                low = high = nulls = None
+                break
+            low = statistics.min if low is None else min(low, statistics.min)
+            high = statistics.max if high is None else max(high, statistics.max)
+            nulls = nulls + statistics.null_count if statistics.has_null_count else None
+        if metadata.num_row_groups == 0:
+            low = high = None
+        out[column] = (low, high, nulls)
+    return out
+
+
+def _check_rows(table: pa.Table, columns: Iterable[str]) -> None:
+    columns = set(columns)
+    if "schema_version" in columns:
+        high = pc.max(table["schema_version"]).as_py()
+        if high is not None and high > SCHEMA_VERSION:
+            raise LogFormatError("", _newer_version(high))
+    for column in REQUIRED_COLUMNS:
+        if column in columns and column != "backward_scalar":
+            _no_nulls(table, column)
+    if "backward_scalar" in columns:
+        missing = pc.is_null(table["backward_scalar"])
+        if "token_weight_sum" in table.column_names:
+            missing = pc.and_(missing, pc.is_null(table["token_weight_sum"]))
+        _raise_at_first(missing, "column 'backward_scalar' is null where no probe weights were recorded")
+    for column, lowest, meaning in _LOWER_BOUNDS:
+        if column in columns:
+            _raise_at_first(pc.less(table[column], lowest), f"column '{column}' has {meaning}", table[column])
+    if {"rank", "world_size"} <= columns:
+        _raise_at_first(pc.greater_equal(table["rank"], table["world_size"]),
+                        "column 'rank' is not below 'world_size'", table["rank"])
+    if "grad_divisor" in columns:
+        bad = pc.or_(pc.is_nan(pc.cast(table["grad_divisor"], pa.float64())),
+                     pc.less_equal(table["grad_divisor"], 0))
+        _raise_at_first(bad, "column 'grad_divisor' is not a positive number", table["grad_divisor"])
+    if "grad_scale" in columns:
+        _raise_at_first(pc.is_nan(pc.cast(table["grad_scale"], pa.float64())),
+                        "column 'grad_scale' is NaN", table["grad_scale"])
+
+
+def _no_nulls(table: pa.Table, column: str) -> None:
+    _raise_at_first(pc.is_null(table[column]), f"column '{column}' has a null value")
+
+
+def _raise_at_first(mask: Any, problem: str, values: Any = None) -> None:
+    mask = pc.fill_null(mask, False)
+    if not pc.any(mask).as_py():
+        return
+    row = pc.index(mask, True).as_py()
+    shown = f" ({values[row].as_py()!r})" if values is not None else ""
+    raise LogFormatError("", f"{problem}{shown} at row {row}")
+
+
+def _newer_version(version: int) -> str:
+    return (f"schema_version {version} is newer than this tokaudit reads ({SCHEMA_VERSION}); "
+            "upgrade tokaudit (pip install -U tokaudit)")
+
+
+def _short(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text[:160]

@@ -1,0 +1,100 @@
+"""Results of an audit: frozen data the renderers format and the CLI turns into an exit code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tokaudit.codes import Code, Severity
+
+Verdict = Literal["correct", "incorrect", "inconclusive"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepRange:
+    """Which steps a finding covers."""
+
+    first: int
+    """First affected step."""
+    last: int
+    """Last affected step."""
+    count: int
+    """Number of affected steps (not last - first + 1 when they are not contiguous)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One diagnosis for one run."""
+
+    run: str
+    """Run id."""
+    code: Code
+    """Stable identifier."""
+    severity: Severity
+    """info, warning or error."""
+    steps: StepRange
+    """Affected steps."""
+    message: str
+    """What happened, with numbers from the logs."""
+    fix: str
+    """What to change, written for this run."""
+    evidence: dict[str, Any] = field(default_factory=dict)
+    """Numbers a user can check by hand."""
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Consecutive steps that used the same normalization."""
+
+    first: int
+    """First step of the segment."""
+    last: int
+    """Last step of the segment."""
+    steps: int
+    """Steps in it with valid tokens."""
+    denominator: str
+    """Recovered denominator: N, N_m, n_rank, n_micro*M, n_micro, T, T_step, 1, undetermined, unexplained."""
+    factor: float | None
+    """α in b·g = α·S/denominator (W for a correct averaging reduction, 1 for a summing one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """One run, as the summary table and the JSON `runs` list show it."""
+
+    run: str
+    """Run id (the shards' parent folder unless the log says otherwise)."""
+    rows: int
+    """Records read (after removing duplicates)."""
+    steps: int
+    """Distinct optimizer steps."""
+    ranks: int
+    """Distinct ranks (per averaging group)."""
+    world_size: list[int]
+    """Distinct W values seen."""
+    groups: int
+    """Averaging groups (more than one under DP×TP)."""
+    verdict: Verdict
+    """correct, incorrect or inconclusive."""
+    normalization: Segment | None
+    """The normalization of most steps; None when no step had valid tokens."""
+    segments: list[Segment]
+    """Every change of normalization, in step order."""
+    max_weight_ratio: float
+    """Largest ratio between two valid tokens' effective weights inside one step."""
+    microbatches: int
+    """Most microbatches one rank ran in one step."""
+
+
+@dataclass(frozen=True, slots=True)
+class AuditReport:
+    """Everything `tokaudit check` found."""
+
+    runs: list[RunSummary]
+    """One summary per run, sorted by run id."""
+    findings: list[Finding]
+    """All findings, most severe first."""
+    problems: list[str]
+    """Unreadable input, one line each (file: problem); the rest was still audited."""
+    files: int
+    """Parquet files read."""
