@@ -20,6 +20,9 @@ from tokaudit.report import AuditReport, Finding, RunSummary, StepRange, Verdict
 
 Progress = Callable[[str], None]
 
+PROGRESS_ROWS = 1_000_000
+"""Logs larger than this say on stderr what is being read."""
+
 _CODE_ORDER = {code: index for index, code in enumerate(Code)}
 
 
@@ -37,7 +40,7 @@ def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTO
     logset = load(paths)
     shards = list(logset.shards)
     problems = list(logset.problems)
-    if progress and shards:
+    if progress and sum(s.rows for s in shards) > PROGRESS_ROWS:
         progress(f"reading {len(shards)} file(s), {sum(s.rows for s in shards):,} rows")
     while shards:
         engine = Engine.open(shards)

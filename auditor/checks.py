@@ -226,7 +226,7 @@ def _weighting_code(diagnosis: StepDiagnosis, rtol: float) -> Code | None:
                 "N_m": Code.PER_MICRO_DENOMINATOR, "T": Code.PADDED_DENOMINATOR}.get(
                     diagnosis.denominator, Code.UNEXPLAINED_WEIGHTING)
     if diagnosis.kind == "uniform_off":
-        if diagnosis.denominator == "T_step":
+        if diagnosis.denominator in ("T", "T_step"):
             return Code.PADDED_DENOMINATOR
         if diagnosis.denominator == "1":
             return Code.SCALE_MISMATCH
@@ -248,7 +248,7 @@ def _weighting_finding(code: Code, denominator: str, factor: float | None, row: 
     group = f" (group {row.grp})" if row.grp != "0" else ""
     if diagnosis.kind == "nonuniform":
         heavy, light = row.heaviest, row.lightest
-        ratio = heavy["e"] / light["e"]
+        ratio = heavy["e"] / light["e"] if light["e"] > 0 else math.inf
         evidence.update({"heaviest": _describe(heavy, tokens), "lightest": _describe(light, tokens),
                          "weight_ratio": ratio})
         where = (f"at step {step}{group} a token on rank {heavy['rank']} (microbatch {heavy['micro']}, n={heavy['n']}) "
@@ -256,13 +256,14 @@ def _weighting_finding(code: Code, denominator: str, factor: float | None, row: 
                  f"{light['micro']}, n={light['n']}); the correct weight is 1/N = 1/{tokens}, they got "
                  f"{heavy['e'] * tokens:.3g}/N and {light['e'] * tokens:.3g}/N")
         words = DENOMINATOR_WORDS[denominator]
+        alpha = "?" if factor is None else f"{factor:g}"
         message = {
-            Code.LOCAL_MEAN: f"Each loss was divided by {words} (b·g = {factor:g}·S/{denominator}), so ranks "
+            Code.LOCAL_MEAN: f"Each loss was divided by {words} (b·g = {alpha}·S/{denominator}), so ranks "
                              f"and microbatches count equally instead of tokens: {where}.",
             Code.PER_MICRO_DENOMINATOR: f"Each microbatch was divided by its own global count N_m instead of the "
-                                        f"step's N (b·g = {factor:g}·S/N_m): {where}.",
+                                        f"step's N (b·g = {alpha}·S/N_m): {where}.",
             Code.PADDED_DENOMINATOR: f"The loss was divided by the positions T of each microbatch, padding and "
-                                     f"ignored labels included (b·g = {factor:g}·S/T): {where}.",
+                                     f"ignored labels included (b·g = {alpha}·S/T): {where}.",
             Code.UNEXPLAINED_WEIGHTING: f"Tokens of one step received different weights and no denominator "
                                         f"(n, n_r, n·M, N_m, N, T, 1) explains them: {where}.",
         }[code]

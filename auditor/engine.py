@@ -130,20 +130,24 @@ class Engine:
 
 # Per-record weights e are only defined for valid records (n > 0) with a finite value.
 STEP_SQL = """
-WITH rec AS (
+WITH flagged AS (
     SELECT *,
-        valid_tokens > 0 AND isfinite(eff) AS weighted,
-        coalesce(token_weight_min * grad_scale / grad_divisor, eff) AS eff_low,
-        coalesce(token_weight_max * grad_scale / grad_divisor, eff) AS eff_high,
         valid_tokens > 0 AND NOT (isfinite(loss_sum) AND coalesce(isfinite(backward_scalar), true)
             AND coalesce(isfinite(token_weight_sum), true) AND coalesce(isfinite(token_weight_min), true)
             AND coalesce(isfinite(token_weight_max), true)) AS nonfinite_valid,
         valid_tokens = 0 AND NOT (coalesce(isfinite(backward_scalar), true)
-            AND coalesce(isfinite(token_weight_sum), true)) AS nonfinite_zero,
+            AND coalesce(isfinite(token_weight_sum), true)) AS nonfinite_zero
+    FROM records
+),
+rec AS (
+    SELECT *,
+        valid_tokens > 0 AND isfinite(eff) AND NOT nonfinite_valid AS weighted,
+        coalesce(token_weight_min * grad_scale / grad_divisor, eff) AS eff_low,
+        coalesce(token_weight_max * grad_scale / grad_divisor, eff) AS eff_high,
         token_weight_max - token_weight_min > $rtol * abs(token_weight_max) AS probe_nonuniform,
         masked_weight_abs_sum > 0 AND masked_weight_abs_sum > $rtol * coalesce(abs(eff * grad_divisor / grad_scale), 0)
             AS masked_weighted
-    FROM records
+    FROM flagged
 ),
 per_rank AS (
     SELECT run, grp, step, rank,

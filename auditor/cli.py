@@ -1,0 +1,196 @@
+"""The `tokaudit` command line: load → audit → render → exit code (SPEC §5)."""
+
+from __future__ import annotations
+
+import io
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+
+from tokaudit import __version__
+from tokaudit.checks import DEFAULT_RTOL
+from tokaudit.codes import Code, Severity
+from tokaudit.errors import LogFormatError, TokauditError
+
+EXIT_OK, EXIT_FINDINGS, EXIT_BAD_INPUT = 0, 1, 2
+FAIL_ON = {"error": Severity.ERROR.rank, "warning": Severity.WARNING.rank, "info": Severity.INFO.rank,
+           "never": 99}
+
+
+def _stderr() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+def _problem(line: str) -> None:
+    _stderr().print(f"tokaudit: error: {line}", markup=False, highlight=False)
+
+
+def _fail(error: TokauditError) -> None:
+    _problem(str(error))
+    if isinstance(error, LogFormatError):
+        _stderr().print("Tip: the file is left as it is; fix or remove it, or pass only the good folders.",
+                        style="dim")
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def _emit(text: str, output: Path | None) -> None:
+    if output is None:
+        click.echo(text, nl=False)
+    else:
+        output.write_text(text, encoding="utf-8")
+
+
+def _rich_text(render: Callable[[Console], None], output: Path | None) -> str | None:
+    """Render to the terminal (colors when it is one), or to plain text for --output."""
+    if output is None:
+        render(Console(highlight=False))
+        return None
+    buffer = io.StringIO()
+    render(Console(file=buffer, width=140, no_color=True, highlight=False, force_terminal=False))
+    return buffer.getvalue()
+
+
+PATHS = click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="tokaudit")
+def main() -> None:
+    """Audit how distributed training normalized its token losses, from per-rank logs."""
+
+
+@main.command()
+@PATHS
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown"]), default="table",
+              show_default=True, help="table for people, json for CI (SPEC §4), markdown for a PR comment.")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Write the report here.")
+@click.option("--fail-on", type=click.Choice(list(FAIL_ON)), default="error", show_default=True,
+              help="Exit 1 when a finding of this severity or worse exists.")
+@click.option("--rtol", type=float, default=DEFAULT_RTOL, show_default=True,
+              help="Relative tolerance on weights (default suits float32 logs).")
+@click.option("--run", "runs", multiple=True, help="Audit only this run (repeatable).")
+def check(paths: tuple[Path, ...], fmt: str, output: Path | None, fail_on: str, rtol: float,
+          runs: tuple[str, ...]) -> None:
+    """Recover the normalization every run used and diagnose it.
+
+    Exit 0: nothing at or above --fail-on; 1: findings; 2: bad usage or unreadable input.
+    """
+    from tokaudit.audit import audit
+
+    progress = _stderr()
+    try:
+        report = audit(paths, rtol=rtol, runs=runs,
+                       progress=lambda message: progress.print(message, style="dim", markup=False))
+    except TokauditError as error:
+        _fail(error)
+    if fmt == "json":
+        from tokaudit.render.json_report import render_json
+
+        _emit(render_json(report), output)
+    elif fmt == "markdown":
+        from tokaudit.render.markdown import render_markdown
+
+        _emit(render_markdown(report), output)
+    else:
+        from tokaudit.render.console import render_report
+
+        text = _rich_text(lambda console: render_report(report, console), output)
+        if text is not None:
+            _emit(text, output)
+    for problem in report.problems:
+        _problem(problem)
+    if report.problems:
+        sys.exit(EXIT_BAD_INPUT)
+    worst = max((f.severity.rank for f in report.findings), default=-1)
+    sys.exit(EXIT_FINDINGS if worst >= FAIL_ON[fail_on] else EXIT_OK)
+
+
+@main.command()
+@PATHS
+@click.option("--step", type=int, required=True, help="Optimizer step to show.")
+@click.option("--run", default=None, help="Run id (needed when the logs hold several).")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+def weights(paths: tuple[Path, ...], step: int, run: str | None, fmt: str) -> None:
+    """Per rank and microbatch at one step: n, S, b, c, e and q = e·N (1 when correct)."""
+    from tokaudit.postmortem import step_weights
+
+    try:
+        chosen, records, problems = step_weights(paths, step, run)
+    except TokauditError as error:
+        _fail(error)
+    if fmt == "csv":
+        click.echo(records.to_csv(index=False), nl=False)
+    elif fmt == "json":
+        click.echo(records.to_json(orient="records", indent=2))
+    else:
+        from tokaudit.render.console import render_weights
+
+        render_weights(chosen, step, records, Console(highlight=False))
+    _exit_for_problems(problems)
+
+
+@main.command()
+@PATHS
+@click.option("--run", default=None, help="Run id (needed when the logs hold several).")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write every step's values as CSV.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Draw the curves as a PNG (needs matplotlib).")
+def curve(paths: tuple[Path, ...], run: str | None, csv_path: Path | None, plot_path: Path | None) -> None:
+    """Loss per step: the true token mean ΣS/N, the mean of local means, the reported loss, and the
+    objective the optimizer followed (Σe·S)."""
+    from tokaudit.postmortem import loss_curve
+    from tokaudit.render.chart import line_chart
+    from tokaudit.render.console import CURVE_COLUMNS, render_curve_table
+
+    try:
+        chosen, frame, problems = loss_curve(paths, run)
+        if csv_path is not None:
+            frame.to_csv(csv_path, index=False)
+        if plot_path is not None:
+            from tokaudit.render.plot import write_png
+
+            write_png(chosen, frame, plot_path)
+    except TokauditError as error:
+        _fail(error)
+    console = Console(highlight=False)
+    series: dict[str, Any] = {label: [None if v != v else float(v) for v in frame[key]]
+                              for key, label in CURVE_COLUMNS if frame[key].notna().any()}
+    console.print(line_chart([float(s) for s in frame.step], series), markup=False, highlight=False)
+    render_curve_table(chosen, frame, console)
+    for path in (csv_path, plot_path):
+        if path is not None:
+            _stderr().print(f"wrote {path}", style="dim")
+    _exit_for_problems(problems)
+
+
+@main.command()
+@click.argument("code", required=False)
+def explain(code: str | None) -> None:
+    """The derivation, the fix and a worked two-rank example for a finding CODE (all codes without one)."""
+    from tokaudit.explain import EXPLANATIONS, explain as explain_text
+
+    if code is None:
+        for known, (title, *_rest) in EXPLANATIONS.items():
+            click.echo(f"{known.value:<26} {title}")
+        return
+    try:
+        chosen = Code(code)
+    except ValueError:
+        _problem(f"unknown code {code!r}; `tokaudit explain` lists them")
+        sys.exit(EXIT_BAD_INPUT)
+    click.echo(explain_text(chosen))
+
+
+def _exit_for_problems(problems: list[LogFormatError]) -> None:
+    for problem in problems:
+        _problem(str(problem))
+    sys.exit(EXIT_BAD_INPUT if problems else EXIT_OK)
+
+
+if __name__ == "__main__":
+    main()

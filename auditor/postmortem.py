@@ -1,0 +1,61 @@
+"""Post-mortem views: the weight of every record at one step, and the loss curves of a run."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import pandas as pd
+
+from tokaudit.audit import Progress, open_logs
+from tokaudit.checks import DEFAULT_RTOL
+from tokaudit.errors import LogFormatError, UsageError
+
+
+def _pick_run(steps: pd.DataFrame, run: str | None) -> str:
+    runs = sorted(set(steps.run))
+    if run is None:
+        if len(runs) != 1:
+            raise UsageError(f"the logs hold {len(runs)} runs; choose one with --run ({', '.join(runs[:10])})")
+        return runs[0]
+    if run not in runs:
+        raise UsageError(f"no run named {run!r} in the logs (runs: {', '.join(runs[:10])})")
+    return run
+
+
+def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | None = None
+                 ) -> tuple[str, pd.DataFrame, list[LogFormatError]]:
+    """Every record of one step: n, S, b, c = b/S (or the probe's), e = c·g/D and q = e·N."""
+    logset, engine, steps = open_logs(paths)
+    if engine is None:
+        raise UsageError("no readable log to inspect")
+    try:
+        chosen = _pick_run(steps, run)
+        if step not in set(steps.step[steps.run == chosen]):
+            known = sorted(set(steps.step[steps.run == chosen]))
+            raise UsageError(f"run {chosen!r} has no step {step} (steps {known[0]}–{known[-1]})")
+        return chosen, engine.records_at(chosen, step), logset.problems
+    finally:
+        engine.close()
+
+
+def loss_curve(paths: Sequence[str | os.PathLike[str]], run: str | None = None, progress: Progress | None = None
+               ) -> tuple[str, pd.DataFrame, list[LogFormatError]]:
+    """Per step: the true token mean ΣS/N, the mean of per-rank means, the reported loss, and the
+    objective the optimizer actually followed, Σ e·S (equal to ΣS/N when the run is correct)."""
+    logset, engine, steps = open_logs(paths, DEFAULT_RTOL, progress)
+    if engine is None:
+        raise UsageError("no readable log to inspect")
+    engine.close()
+    chosen = _pick_run(steps, run)
+    frame = steps[steps.run == chosen].copy()
+    frame["token_mean"] = frame.loss / frame.tokens.where(frame.tokens > 0)
+    frame["reported"] = ((frame.reported_low + frame.reported_high) / 2).where(frame.reported > 0)
+    frame["optimized"] = frame.objective.where(frame.weighted_records > 0)
+    # Under DP×TP every data-parallel group sees the whole batch: average the groups' curves.
+    curve = frame.groupby("step", as_index=False).agg(
+        tokens=("tokens", "max"), token_mean=("token_mean", "mean"),
+        mean_of_local_means=("mean_of_local_means", "mean"), reported=("reported", "mean"),
+        optimized=("optimized", "mean"))
+    curve["tokens"] = curve.tokens.astype("int64")
+    return chosen, curve, logset.problems

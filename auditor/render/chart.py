@@ -1,0 +1,40 @@
+"""A plain-text line chart for the terminal (no dependency), several series on shared axes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+MARKS = "●○◆·"
+
+
+def line_chart(x: Sequence[float], series: dict[str, Sequence[float | None]], width: int = 64,
+               height: int = 14) -> str:
+    """Plot each series with its own mark; where marks collide the earlier series wins."""
+    values = [v for ys in series.values() for v in ys if v is not None and math.isfinite(v)]
+    if not x or not values:
+        return "(nothing to plot)"
+    low, high = min(values), max(values)
+    if high == low:
+        low, high = low - 0.5, high + 0.5
+    x_low, x_high = min(x), max(x)
+    grid = [[" "] * width for _ in range(height)]
+    for index, ys in enumerate(reversed(list(series.values()))):
+        mark = MARKS[(len(series) - 1 - index) % len(MARKS)]
+        for xv, yv in zip(x, ys):
+            if yv is None or not math.isfinite(yv):
+                continue
+            column = 0 if x_high == x_low else round((xv - x_low) / (x_high - x_low) * (width - 1))
+            row = height - 1 - round((yv - low) / (high - low) * (height - 1))
+            grid[row][column] = mark
+    label_width = max(len(f"{high:.4g}"), len(f"{low:.4g}"))
+    lines = []
+    for row_index, row in enumerate(grid):
+        label = f"{high:.4g}" if row_index == 0 else f"{low:.4g}" if row_index == height - 1 else ""
+        lines.append(f"{label:>{label_width}} ┤{''.join(row)}")
+    lines.append(" " * label_width + " └" + "─" * width)
+    x_labels = f"{x_low:g}".ljust(width - len(f"{x_high:g}")) + f"{x_high:g}"
+    lines.append(" " * (label_width + 2) + x_labels + "  (step)")
+    legend = "   ".join(f"{MARKS[i % len(MARKS)]} {name}" for i, name in enumerate(series))
+    lines.append(" " * (label_width + 2) + legend)
+    return "\n".join(lines)

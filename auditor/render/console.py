@@ -1,0 +1,97 @@
+"""Every rich table tokaudit prints: the check report, per-record weights, the loss curve."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+from rich import box
+from rich.console import Console
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
+
+from tokaudit.render.text import factor_text, ratio_text, steps_text
+from tokaudit.report import AuditReport
+
+VERDICT_STYLE = {"correct": "bold green", "incorrect": "bold red", "inconclusive": "bold yellow"}
+SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def render_report(report: AuditReport, console: Console) -> None:
+    """Run summary, then findings most severe first, each with its numbers and its fix."""
+    if report.runs:
+        runs = Table(title="tokaudit: token-loss normalization", box=box.SIMPLE_HEAD, pad_edge=False,
+                     title_justify="left")
+        runs.add_column("run", overflow="fold", ratio=1)
+        for header in ("steps", "ranks", "W"):
+            runs.add_column(header, justify="right", no_wrap=True)
+        runs.add_column("normalization", no_wrap=True)
+        runs.add_column("max ratio", justify="right", no_wrap=True)
+        runs.add_column("verdict", no_wrap=True)
+        for run in report.runs:
+            runs.add_row(run.run, str(run.steps), str(run.ranks), ", ".join(map(str, run.world_size)),
+                         factor_text(run.normalization), ratio_text(run.max_weight_ratio),
+                         Text(run.verdict, style=VERDICT_STYLE[run.verdict]))
+        console.print(runs)
+    if report.findings:
+        console.print(Text("findings, most severe first", style="bold"))
+        for f in report.findings:
+            header = Text()
+            header.append(f"{f.severity.value:<8}", style=SEVERITY_STYLE[f.severity.value])
+            header.append(f" {f.code.value}", style="bold")
+            header.append(f"  {f.run}  steps {steps_text(f.steps)}", style="dim")
+            console.print(header)
+            body = Text(f.message)
+            body.append("\nfix: ", style="bold")
+            body.append(f.fix)
+            console.print(Padding(body, (0, 0, 1, 9)))
+    elif report.runs:
+        console.print("No findings.", style="green")
+    counts = {s: sum(f.severity.value == s for f in report.findings) for s in ("error", "warning", "info")}
+    console.print(f"{len(report.runs)} run(s), {report.files} file(s): {counts['error']} error(s), "
+                  f"{counts['warning']} warning(s), {counts['info']} info. "
+                  "`tokaudit explain CODE` derives each finding.", style="dim")
+
+
+def _number(value: object, digits: int = 6) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def render_weights(run: str, step: int, records: pd.DataFrame, console: Console) -> None:
+    """One row per record of one step: n, S, b, c, e and q = e·N (1 when correct)."""
+    table = Table(title=f"{run}, step {step}: weight of one valid token (correct: q = e·N = 1)",
+                  box=box.SIMPLE_HEAVY, title_justify="left")
+    columns = ["group", "rank", "micro", "n", "S", "b", "c = b/S", "D", "g", "e = c·g/D", "q = e·N", "sync"]
+    for header in columns:
+        table.add_column(header, justify="left" if header in ("group", "sync") else "right")
+    for row in records.itertuples(index=False):
+        q = row.q
+        style = "" if pd.isna(q) else ("green" if abs(q - 1) <= 1e-4 else "red")
+        table.add_row(str(row.grp), str(row.rank), str(row.micro), str(row.valid_tokens), _number(row.loss_sum),
+                      _number(row.backward_scalar), _number(row.implied_weight), _number(row.grad_divisor, 4),
+                      _number(row.grad_scale, 4), _number(row.eff), Text(_number(q, 4), style=style),
+                      _number(None if pd.isna(row.sync) else bool(row.sync)))
+    console.print(table)
+
+
+CURVE_COLUMNS = (("token_mean", "ΣS/N (true)"), ("mean_of_local_means", "mean of local means"),
+                 ("reported", "reported"), ("optimized", "optimized Σe·S"))
+
+
+def render_curve_table(run: str, curve: pd.DataFrame, console: Console, limit: int = 40) -> None:
+    table = Table(title=f"{run}: loss per step", box=box.SIMPLE_HEAVY, title_justify="left")
+    table.add_column("step", justify="right")
+    table.add_column("N", justify="right")
+    for _, header in CURVE_COLUMNS:
+        table.add_column(header, justify="right")
+    shown = curve if len(curve) <= limit else curve.iloc[:: max(1, len(curve) // limit)]
+    for row in shown.itertuples(index=False):
+        table.add_row(str(row.step), str(row.tokens), *(_number(getattr(row, key)) for key, _ in CURVE_COLUMNS))
+    console.print(table)
+    if len(shown) < len(curve):
+        console.print(f"({len(shown)} of {len(curve)} steps shown; --csv writes all)", style="dim")

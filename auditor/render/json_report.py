@@ -1,0 +1,65 @@
+"""The JSON report of SPEC §4."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from typing import Any
+
+from tokaudit import __version__
+from tokaudit.report import AuditReport, RunSummary, Segment
+
+
+def _finite(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else value
+
+
+def _segment(segment: Segment | None) -> dict[str, Any]:
+    if segment is None:
+        return {"denominator": "undetermined", "factor": None}
+    return {"denominator": segment.denominator, "factor": _finite(segment.factor)}
+
+
+def run_dict(run: RunSummary) -> dict[str, Any]:
+    return {
+        "run": run.run, "rows": run.rows, "steps": run.steps, "ranks": run.ranks, "world_size": run.world_size,
+        "verdict": run.verdict, "normalization": _segment(run.normalization),
+        "max_weight_ratio": _finite(run.max_weight_ratio),
+        "groups": run.groups, "microbatches": run.microbatches,
+        "segments": [{"first": s.first, "last": s.last, "steps": s.steps, **_segment(s)} for s in run.segments],
+    }
+
+
+def report_dict(report: AuditReport) -> dict[str, Any]:
+    return {
+        "tokaudit_version": __version__,
+        "runs": [run_dict(run) for run in report.runs],
+        "findings": [{"run": f.run, "code": f.code.value, "severity": f.severity.value, "steps": asdict(f.steps),
+                      "message": f.message, "fix": f.fix, "evidence": f.evidence} for f in report.findings],
+        "problems": report.problems,
+        "files": report.files,
+    }
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars and non-finite floats, as JSON can carry them."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, float | int | str | bool) or value is None:
+        return value
+    return str(value)
+
+
+def render_json(report: AuditReport) -> str:
+    return json.dumps(_sanitize(report_dict(report)), indent=2, ensure_ascii=False) + "\n"
+
+
+def _sanitize(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _sanitize(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_sanitize(v) for v in value]
+    return _plain(value)

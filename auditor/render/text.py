@@ -1,0 +1,31 @@
+"""Small phrases shared by every renderer."""
+
+from __future__ import annotations
+
+import math
+
+from tokaudit.report import Segment, StepRange
+
+
+def factor_text(segment: Segment | None) -> str:
+    """`b·g = 2·S/N` style, the recovered normalization in one phrase."""
+    if segment is None:
+        return "no valid tokens"
+    if segment.denominator == "undetermined":
+        return "undetermined (balanced counts)"
+    if segment.denominator == "unexplained" or segment.factor is None:
+        return "unexplained"
+    factor = f"{segment.factor:g}·" if segment.factor != 1 else ""
+    if segment.denominator == "1":
+        return f"b·g = {factor}S"
+    return f"b·g = {factor}S/{segment.denominator}"
+
+
+def ratio_text(ratio: float) -> str:
+    return "∞" if not math.isfinite(ratio) else f"{ratio:.3g}"
+
+
+def steps_text(steps: StepRange) -> str:
+    if steps.first == steps.last:
+        return str(steps.first)
+    return f"{steps.first}–{steps.last} ({steps.count})"

@@ -1,0 +1,258 @@
+"""Each finding code from a small hand-made log, and the normalization recovered from it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.logs import UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
+from tokaudit.audit import audit
+from tokaudit.codes import Code, Severity
+from tokaudit.report import AuditReport, Finding
+
+
+def audit_rows(tmp_path: Path, rows: list[dict[str, Any]], **kwargs: Any) -> AuditReport:
+    return audit([write_by_rank(tmp_path / "run", rows)], **kwargs)
+
+
+def codes(report: AuditReport) -> set[str]:
+    return {f.code.value for f in report.findings}
+
+
+def only(report: AuditReport, code: Code) -> Finding:
+    (finding,) = [f for f in report.findings if f.code == code]
+    return finding
+
+
+@pytest.mark.parametrize("name, counts, scalar, extra", [
+    ("average", UNEVEN, token_mean, {}),
+    ("average_ga", UNEVEN_GA, token_mean, {}),
+    ("sum", UNEVEN_GA, lambda S, N, **_: S / N, {"grad_divisor": 1.0}),
+    ("raw_sum_rescaled", UNEVEN, lambda S, **_: S, {}),  # g = W/N is added per step below
+])
+def test_correct_constructions_pass(tmp_path: Path, name: str, counts: Any, scalar: Any, extra: dict[str, Any]) -> None:
+    rows = records(counts, scalar, **extra)
+    if name == "raw_sum_rescaled":
+        for row in rows:  # torchtune: b = S, then scale_grads(W/N)
+            step_tokens = sum(sum(r) for r in counts[row["step"]])
+            row["grad_scale"] = row["world_size"] / step_tokens
+    report = audit_rows(tmp_path, rows)
+    (run,) = report.runs
+    assert report.findings == [] and run.verdict == "correct"
+    assert run.max_weight_ratio == pytest.approx(1.0)
+    assert run.normalization is not None and run.normalization.denominator == "N"
+    expected_factor = 1.0 if name == "sum" else 2.0
+    assert run.normalization.factor == pytest.approx(expected_factor)
+
+
+def test_local_mean_names_the_heaviest_and_lightest_token(tmp_path: Path) -> None:
+    report = audit_rows(tmp_path, records(UNEVEN, local_mean))
+    finding = only(report, Code.LOCAL_MEAN)
+    assert finding.severity == Severity.ERROR and finding.steps.count == 3
+    assert report.runs[0].verdict == "incorrect"
+    assert report.runs[0].normalization.denominator == "n_rank"  # type: ignore[union-attr]
+    # Step 0: n = (1, 3), W = 2, D = 2: e0 = 1/2, e1 = 1/6, ratio 3; at step 1 n = (5, 2): ratio 2.5.
+    evidence = finding.evidence
+    assert evidence["step"] == 0 and evidence["weight_ratio"] == pytest.approx(3.0)
+    assert evidence["heaviest"]["rank"] == 0 and evidence["heaviest"]["valid_tokens"] == 1
+    assert evidence["lightest"]["rank"] == 1 and evidence["lightest"]["valid_tokens"] == 3
+    assert evidence["heaviest"]["distortion"] == pytest.approx(0.5 * 4)
+    assert "3× the weight" in finding.message and "W=2" in finding.fix
+    assert report.runs[0].max_weight_ratio == pytest.approx(3.0)
+
+
+def test_local_mean_over_accumulation_recovers_n_times_m(tmp_path: Path) -> None:
+    report = audit_rows(tmp_path, records(UNEVEN_GA, lambda S, n, M, **_: S / n / M))
+    finding = only(report, Code.LOCAL_MEAN)
+    assert finding.evidence["denominator"] == "n_micro*M" and finding.evidence["factor"] == pytest.approx(1.0)
+    assert "all 2 microbatches" in finding.fix
+
+
+def test_per_micro_global_denominator(tmp_path: Path) -> None:
+    report = audit_rows(tmp_path, records(UNEVEN_GA, lambda S, N_m, M, W, **_: W * S / (M * N_m)))
+    finding = only(report, Code.PER_MICRO_DENOMINATOR)
+    assert finding.evidence["denominator"] == "N_m"
+    assert codes(report) == {"per_micro_denominator"}
+
+
+@pytest.mark.parametrize("scalar, divisor, factor, cause", [
+    (lambda S, N, **_: S / N, None, "1/2", "W factor is missing"),           # S/N into an average
+    (lambda S, N, **_: 8 * S / N, None, 4, "hard-coded W"),                  # 8·S/N on W = 2
+    (lambda S, N, W, **_: W * S / N, 1.0, 2, "summing reduction"),           # W·S/N into a sum
+])
+def test_world_size_mismatch(tmp_path: Path, scalar: Any, divisor: float | None, factor: Any, cause: str) -> None:
+    extra = {} if divisor is None else {"grad_divisor": divisor}
+    report = audit_rows(tmp_path, records(UNEVEN_GA, scalar, **extra))
+    finding = only(report, Code.WORLD_SIZE_MISMATCH)
+    assert finding.evidence["integer_factor"] == factor and cause in finding.message
+    assert codes(report) == {"world_size_mismatch"}
+    assert report.runs[0].max_weight_ratio == pytest.approx(1.0)
+
+
+def test_scale_mismatch_and_unnormalized_sum(tmp_path: Path) -> None:
+    report = audit_rows(tmp_path / "a", records(UNEVEN_GA, lambda S, N, W, **_: 0.7 * W * S / N))
+    assert only(report, Code.SCALE_MISMATCH).evidence["distortion"] == pytest.approx(0.7)
+    report = audit_rows(tmp_path / "b", records(UNEVEN_GA, lambda S, **_: S))
+    finding = only(report, Code.SCALE_MISMATCH)
+    assert finding.evidence["denominator"] == "1" and "without a token denominator" in finding.message
+    assert finding.severity == Severity.WARNING
+
+
+def test_padded_denominators(tmp_path: Path) -> None:
+    # Local: every microbatch divided by its own positions, which differ between ranks.
+    rows = records(UNEVEN, lambda S, **_: S)
+    for row in rows:
+        row["positions"] = 8 if row["rank"] == 0 else 16
+        row["backward_scalar"] = row["loss_sum"] / row["positions"]
+    finding = only(audit_rows(tmp_path / "local", rows), Code.PADDED_DENOMINATOR)
+    assert finding.evidence["denominator"] == "T"
+    # Global: W·S/ΣT, uniform weights but q = N/ΣT.
+    rows = records(UNEVEN, lambda S, W, **_: W * S / 16, positions=8)
+    finding = only(audit_rows(tmp_path / "global", rows), Code.PADDED_DENOMINATOR)
+    assert finding.evidence["denominator"] in ("T", "T_step") and finding.evidence["positions"] == 16
+    assert finding.evidence["distortion"] == pytest.approx(4 / 16)
+
+
+def test_unexplained_weighting(tmp_path: Path) -> None:
+    weights = iter([0.9, 0.1, 0.3, 0.2, 0.5, 0.05])
+    report = audit_rows(tmp_path, records(UNEVEN, lambda S, **_: S * next(weights)))
+    assert codes(report) == {"unexplained_weighting"}
+
+
+def test_probe_findings(tmp_path: Path) -> None:
+    rows = records(UNEVEN, token_mean)
+    for row in rows:
+        weight = row["backward_scalar"] / row["loss_sum"]
+        row.update(token_weight_sum=weight * row["valid_tokens"], token_weight_min=weight,
+                   token_weight_max=weight, masked_weight_abs_sum=0.0, backward_scalar=None)
+    rows[0].update(token_weight_min=rows[0]["token_weight_min"] * 0.5, token_weight_max=rows[0]["token_weight_max"] * 2)
+    rows[1]["masked_weight_abs_sum"] = 0.25
+    report = audit_rows(tmp_path, rows)
+    assert codes(report) == {"nonuniform_in_microbatch", "masked_tokens_weighted"}
+    assert report.runs[0].max_weight_ratio == pytest.approx(4.0)
+
+
+def test_missing_rank_uneven_microbatches_and_world_size(tmp_path: Path) -> None:
+    rows = records(UNEVEN_GA, token_mean)
+    rows = [r for r in rows if not (r["step"] == 1 and r["rank"] == 1)]
+    report = audit_rows(tmp_path / "missing", rows)
+    finding = only(report, Code.MISSING_RANK)
+    assert finding.evidence["missing_ranks"] == [1] and finding.steps.first == 1
+
+    rows = records([[[3, 2], [4]], [[1, 1], [2, 2]]], token_mean)
+    assert only(audit_rows(tmp_path / "uneven", rows), Code.UNEVEN_MICROBATCHES).steps.first == 0
+
+    rows = records(UNEVEN, token_mean)
+    rows[1]["world_size"] = 8
+    assert Code.WORLD_SIZE_INCONSISTENT in {f.code for f in audit_rows(tmp_path / "inconsistent", rows).findings}
+
+    rows = records(UNEVEN, token_mean) + records([[[2], [3], [4], [1]]], token_mean, step_offset=3)
+    report = audit_rows(tmp_path / "changed", rows)
+    changed = only(report, Code.WORLD_SIZE_CHANGED)
+    assert changed.severity == Severity.INFO and changed.evidence["world_sizes"] == [2, 4]
+    assert report.runs[0].verdict == "correct" and report.runs[0].world_size == [2, 4]
+
+
+def test_duplicates_keep_the_later_record(tmp_path: Path) -> None:
+    good = records(UNEVEN, token_mean)
+    stale = [dict(row, backward_scalar=row["backward_scalar"] * 3) for row in good if row["step"] == 2]
+    folder = tmp_path / "run"
+    write(folder / "rank-all-000000.parquet", stale)  # written first (older file)
+    write(folder / "rank-all-000001.parquet", good)
+    report = audit([folder])
+    finding = only(report, Code.DUPLICATE_RECORDS)
+    assert finding.evidence["dropped_records"] == 2 and finding.steps.first == 2
+    assert codes(report) == {"duplicate_records"}
+    # With `time`, the newer record wins whatever the file order.
+    from datetime import datetime, timezone
+    older, newer = datetime(2026, 1, 1, tzinfo=timezone.utc), datetime(2026, 1, 2, tzinfo=timezone.utc)
+    write(tmp_path / "timed" / "a.parquet", [dict(r, time=newer) for r in good])
+    write(tmp_path / "timed" / "b.parquet", [dict(r, time=older) for r in stale])
+    assert codes(audit([tmp_path / "timed"])) == {"duplicate_records"}
+
+
+def test_empty_updates(tmp_path: Path) -> None:
+    counts = [[[2], [3]], [[0], [0]], [[1], [4]]]
+    rows = records(counts, token_mean)
+    for row in rows:
+        row["skipped"] = True if row["step"] == 1 else None
+    finding = only(audit_rows(tmp_path / "skipped", rows), Code.EMPTY_UPDATE)
+    assert finding.severity == Severity.INFO and finding.steps.first == 1
+
+    rows = records(counts, token_mean)
+    for row in rows:
+        row["skipped"] = (row["rank"] == 0) if row["step"] == 1 else None
+    finding = only(audit_rows(tmp_path / "disagree", rows), Code.EMPTY_UPDATE)
+    assert finding.severity == Severity.ERROR and "disagree" in finding.message
+
+    rows = records(counts, lambda S, N, W, **_: W * S / N if N else float("nan"))
+    report = audit_rows(tmp_path / "nan", rows)
+    assert only(report, Code.EMPTY_UPDATE).severity == Severity.ERROR
+    assert Code.ZERO_TOKEN_NONFINITE in {f.code for f in report.findings}
+
+
+def test_zero_token_rank_with_nan_and_nonfinite_values(tmp_path: Path) -> None:
+    rows = records([[[0], [3]], [[2], [2]], [[1], [5]]], local_mean)
+    report = audit_rows(tmp_path / "zero", rows)
+    assert only(report, Code.ZERO_TOKEN_NONFINITE).steps.first == 0
+
+    rows = records(UNEVEN, token_mean)
+    rows[2]["loss_sum"] = math.inf
+    assert only(audit_rows(tmp_path / "inf", rows), Code.NONFINITE_VALUES).evidence["first_step"] == 1
+
+
+def test_reported_loss_mismatch_names_the_mean_of_local_means(tmp_path: Path) -> None:
+    rows = records(UNEVEN, token_mean)
+    for step, counts in enumerate(UNEVEN):
+        mine = [r for r in rows if r["step"] == step]
+        local = sum(r["loss_sum"] / r["valid_tokens"] for r in mine) / len(mine)
+        for row in mine:
+            row["reported_loss"] = local
+    finding = only(audit_rows(tmp_path, rows), Code.REPORTED_LOSS_MISMATCH)
+    assert "mean of per-rank means" in finding.message and finding.steps.count == 3
+
+    rows = records(UNEVEN, token_mean)
+    for row in rows:
+        step_rows = [r for r in rows if r["step"] == row["step"]]
+        row["reported_loss"] = sum(r["loss_sum"] for r in step_rows) / sum(r["valid_tokens"] for r in step_rows)
+    assert codes(audit_rows(tmp_path / "ok", rows)) == set()
+
+
+def test_sync_findings(tmp_path: Path) -> None:
+    rows = records(UNEVEN_GA, token_mean)
+    for row in rows:
+        row["sync"] = row["micro"] == 1 and not (row["step"] == 2 and row["rank"] == 0)
+    finding = only(audit_rows(tmp_path / "missing", rows), Code.MISSING_SYNC)
+    assert finding.steps.first == 2 and finding.evidence["rank_steps"] == 1
+
+    rows = records(UNEVEN_GA, token_mean, sync=True)
+    finding = only(audit_rows(tmp_path / "every", rows), Code.SYNC_EVERY_MICRO)
+    assert finding.severity == Severity.INFO
+
+
+def test_balanced_counts_are_inconclusive(tmp_path: Path) -> None:
+    report = audit_rows(tmp_path, records([[[4], [4]], [[3], [3]]], local_mean))
+    assert codes(report) == {"balanced_counts"}
+    assert report.runs[0].verdict == "inconclusive"
+    assert report.runs[0].normalization.denominator == "undetermined"  # type: ignore[union-attr]
+
+
+def test_a_change_of_normalization_shows_as_segments(tmp_path: Path) -> None:
+    counts = UNEVEN * 3
+    rows = records(counts[:5], local_mean) + records(counts[5:], token_mean, step_offset=5)
+    report = audit_rows(tmp_path, rows)
+    segments = [(s.first, s.last, s.denominator) for s in report.runs[0].segments]
+    assert segments == [(0, 4, "n_rank"), (5, 8, "N")]
+    assert only(report, Code.LOCAL_MEAN).steps.last == 4
+
+
+def test_runs_are_audited_separately(tmp_path: Path) -> None:
+    write_by_rank(tmp_path / "good", records(UNEVEN, token_mean))
+    write_by_rank(tmp_path / "bad", records(UNEVEN, local_mean))
+    report = audit([tmp_path])
+    assert {r.run: r.verdict for r in report.runs} == {"good": "correct", "bad": "incorrect"}
+    assert {f.run for f in report.findings} == {"bad"}
+    assert [r.run for r in audit([tmp_path], runs=["good"]).runs] == ["good"]

@@ -1,0 +1,69 @@
+"""Hand-made logs for tests: records built from counts and a normalization, written as shards."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tokaudit.schema import WRITER_SCHEMA
+
+Counts = Sequence[Sequence[Sequence[int]]]  # counts[step][rank][micro]
+
+
+def token_loss(step: int, rank: int, micro: int, n: int) -> float:
+    """A deterministic, positive loss sum S for n tokens (≈2.3 per token, never 0 when n > 0)."""
+    return n * (2.0 + 0.1 * ((7 * step + 3 * rank + micro) % 5))
+
+
+def records(counts: Counts, scalar: Callable[..., float], world_size: int | None = None,
+            step_offset: int = 0, **columns: Any) -> list[dict[str, Any]]:
+    """One record per (step, rank, micro). `scalar(S=, n=, N=, N_m=, n_r=, M=, W=)` gives b."""
+    rows = []
+    for step_index, step_counts in enumerate(counts):
+        step = step_index + step_offset
+        w = world_size or len(step_counts)
+        step_tokens = sum(sum(r) for r in step_counts)
+        for rank, mine in enumerate(step_counts):
+            for micro, n in enumerate(mine):
+                micro_tokens = sum(r[micro] for r in step_counts if micro < len(r))
+                loss = token_loss(step, rank, micro, n)
+                b = scalar(S=loss, n=n, N=step_tokens, N_m=micro_tokens, n_r=sum(mine), M=len(mine), W=w)
+                rows.append({"step": step, "micro": micro, "rank": rank, "world_size": w, "loss_sum": loss,
+                             "valid_tokens": n, "backward_scalar": b, **columns})
+    return rows
+
+
+def write(path: Path, rows: list[dict[str, Any]], schema: pa.Schema | None = None) -> Path:
+    """Write rows as one shard with the recorder's schema (columns absent from rows are dropped)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = [f.name for f in WRITER_SCHEMA if any(f.name in row for row in rows)] if rows else \
+        [f.name for f in WRITER_SCHEMA][:7]
+    schema = schema or pa.schema([WRITER_SCHEMA.field(n) for n in names])
+    table = pa.table({n: pa.array([row.get(n) for row in rows], type=schema.field(n).type) for n in schema.names},
+                     schema=schema)
+    pq.write_table(table, path)
+    return path
+
+
+def write_by_rank(folder: Path, rows: list[dict[str, Any]]) -> Path:
+    """One shard per rank, as the recorder writes them."""
+    for rank in sorted({row["rank"] for row in rows}):
+        write(folder / f"rank-{rank:05d}-000000.parquet", [row for row in rows if row["rank"] == rank])
+    return folder
+
+
+# Backward scalars of the usual constructions (b per record; D = W unless the test says otherwise).
+def token_mean(S: float, N: int, W: int, **_: Any) -> float:
+    return W * S / max(N, 1)
+
+
+def local_mean(S: float, n: int, **_: Any) -> float:
+    return S / n if n else float("nan")
+
+
+UNEVEN: Counts = [[[1], [3]], [[5], [2]], [[4], [6]]]
+UNEVEN_GA: Counts = [[[5, 1], [3, 7]], [[2, 6], [6, 2]], [[8, 4], [2, 8]]]
