@@ -43,11 +43,14 @@ def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTO
     if progress and sum(s.rows for s in shards) > PROGRESS_ROWS:
         progress(f"reading {len(shards)} file(s), {sum(s.rows for s in shards):,} rows")
     while shards:
-        engine = Engine.open(shards)
         try:
-            return LogSet(shards, problems), engine, engine.step_table(rtol)
+            engine = Engine.open(shards)
+            try:
+                return LogSet(shards, problems), engine, engine.step_table(rtol)
+            except duckdb.Error:
+                engine.close()
+                raise
         except duckdb.Error as error:
-            engine.close()
             broken = _undecodable(shards)
             if not broken:
                 raise LogFormatError(", ".join(str(s.path) for s in shards[:3]),

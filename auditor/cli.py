@@ -26,14 +26,13 @@ def _stderr() -> Console:
 
 
 def _problem(line: str) -> None:
-    _stderr().print(f"tokaudit: error: {line}", markup=False, highlight=False)
+    click.echo(f"tokaudit: error: {line}", err=True)  # one unwrapped line, whatever the terminal width
 
 
 def _fail(error: TokauditError) -> None:
     _problem(str(error))
     if isinstance(error, LogFormatError):
-        _stderr().print("Tip: the file is left as it is; fix or remove it, or pass only the good folders.",
-                        style="dim")
+        click.echo("Tip: the file is left as it is; fix or remove it, or pass only the good folders.", err=True)
     sys.exit(EXIT_BAD_INPUT)
 
 

@@ -42,6 +42,15 @@ class Engine:
         connection = duckdb.connect(":memory:", config={"memory_limit": memory_limit,
                                                         "temp_directory": tempfile.gettempdir(),
                                                         "preserve_insertion_order": False})
+        try:
+            return cls._prepare(connection, shards, threads)
+        except BaseException:
+            connection.close()
+            raise
+
+    @classmethod
+    def _prepare(cls, connection: duckdb.DuckDBPyConnection, shards: Sequence[Shard], threads: int | None
+                 ) -> Engine:
         if threads:
             connection.execute(f"SET threads = {int(threads)}")
         connection.execute("CREATE TEMP TABLE shard_files (filename VARCHAR, default_run VARCHAR, file_index INTEGER)")

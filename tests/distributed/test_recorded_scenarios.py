@@ -137,3 +137,17 @@ def test_shards_round_trip_with_probe_weights(recordings: dict[str, Any], scenar
 def _group_of(members: list[int]) -> str:
     stride = members[1] - members[0]
     return f"{members[0]}:{members[-1] + 1}:{stride}"
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_fresh_recordings_are_diagnosed(recordings: dict[str, Any], scenario: Scenario) -> None:
+    from tests.expected import EXPECTED_CODES, EXPECTED_NORMALIZATION
+    from tokaudit.audit import audit
+
+    _, log_dir = recordings[scenario.name]
+    report = audit([log_dir])
+    (run,) = report.runs
+    assert {f.code.value for f in report.findings} == EXPECTED_CODES[scenario.name]
+    assert run.verdict == ("correct" if scenario.correct else "incorrect")
+    assert run.normalization is not None
+    assert (run.normalization.denominator, run.normalization.factor) == EXPECTED_NORMALIZATION[scenario.name]

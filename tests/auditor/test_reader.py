@@ -1,0 +1,155 @@
+"""Bad input: one line naming the file and the problem, exit code 2, the other files still read,
+nothing modified. Good input in any legal shape is accepted."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from tests.logs import UNEVEN, records, token_mean, write, write_by_rank
+from tokaudit.audit import audit
+from tokaudit.cli import main
+from tokaudit.reader import inspect_shard, load
+
+
+def good_run(folder: Path) -> Path:
+    return write_by_rank(folder, records(UNEVEN, token_mean))
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def table_without(column: str) -> pa.Table:
+    table = pa.Table.from_pylist(records(UNEVEN, token_mean))
+    return table.drop_columns([column])
+
+
+def bad_files(folder: Path) -> dict[str, str]:
+    """file name → words its error line must contain."""
+    folder.mkdir(parents=True)
+    pq.write_table(table_without("valid_tokens"), folder / "missing.parquet")
+    typed = pa.Table.from_pylist(records(UNEVEN, token_mean)).set_column(
+        5, "valid_tokens", pa.array(["3"] * 6))
+    pq.write_table(typed, folder / "mistyped.parquet")
+    negative = records(UNEVEN, token_mean)
+    negative[3]["valid_tokens"] = -4
+    write(folder / "negative.parquet", negative)
+    newer = records(UNEVEN, token_mean, schema_version=2)
+    write(folder / "newer.parquet", newer)
+    null_step = records(UNEVEN, token_mean)
+    null_step[1]["step"] = None
+    write(folder / "null.parquet", null_step)
+    nan_divisor = records(UNEVEN, token_mean, grad_divisor=float("nan"))
+    write(folder / "nan_divisor.parquet", nan_divisor)
+    rank_too_big = records(UNEVEN, token_mean)
+    rank_too_big[0]["rank"] = 5
+    write(folder / "rank.parquet", rank_too_big)
+    (folder / "text.parquet").write_text("step,micro\n1,2\n")
+    whole = write(folder / "whole.parquet", records(UNEVEN, token_mean))
+    (folder / "truncated.parquet").write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    whole.unlink()
+    return {"missing.parquet": "missing column 'valid_tokens'",
+            "mistyped.parquet": "column 'valid_tokens' has type string, expected an integer type",
+            "negative.parquet": "column 'valid_tokens' has a negative count (-4) at row 3",
+            "newer.parquet": "schema_version 2 is newer than this tokaudit reads (1)",
+            "null.parquet": "column 'step' has a null value at row 1",
+            "nan_divisor.parquet": "column 'grad_divisor' is not a positive number",
+            "rank.parquet": "column 'rank' is not below 'world_size'",
+            "text.parquet": "not a readable Parquet file",
+            "truncated.parquet": "not a readable Parquet file"}
+
+
+def test_every_bad_file_gets_one_line_and_the_good_run_is_still_audited(tmp_path: Path) -> None:
+    good_run(tmp_path / "logs" / "good")
+    expected = bad_files(tmp_path / "logs" / "bad")
+    before = tree_digest(tmp_path / "logs")
+    result = CliRunner().invoke(main, ["check", str(tmp_path / "logs"), "--format", "json"])
+    assert result.exit_code == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("tokaudit: error:")]
+    assert len(lines) == len(expected)
+    for name, words in expected.items():
+        (line,) = [line for line in lines if f"/{name}:" in line]
+        assert words in line, line
+    import json
+    report = json.loads(result.stdout)
+    assert [r["run"] for r in report["runs"]] == ["good"] and report["runs"][0]["verdict"] == "correct"
+    assert len(report["problems"]) == len(expected)
+    assert tree_digest(tmp_path / "logs") == before, "input modified"
+
+
+@pytest.mark.parametrize("setup, words", [
+    (lambda p: p.mkdir(), "no Parquet files"),
+    (lambda p: None, "no such file or directory"),
+])
+def test_empty_or_missing_paths(tmp_path: Path, setup: Any, words: str) -> None:
+    setup(tmp_path / "runs")
+    result = CliRunner().invoke(main, ["check", str(tmp_path / "runs")])
+    assert result.exit_code == 2
+    assert f"{tmp_path / 'runs'}: {words}" in result.stderr
+
+
+def test_corrupt_data_pages_are_reported_and_the_rest_read(tmp_path: Path) -> None:
+    good_run(tmp_path / "good")
+    path = write(tmp_path / "bad" / "rank-00000-000000.parquet", records(UNEVEN * 50, token_mean))
+    data = bytearray(path.read_bytes())
+    # Overwrite the middle of the data pages, leaving the footer intact.
+    for i in range(200, min(len(data) - 400, 1200)):
+        data[i] = 0xFF
+    path.write_bytes(bytes(data))
+    report = audit([tmp_path])
+    assert [r.run for r in report.runs] == ["good"]
+    assert len(report.problems) == 1 and str(path) in report.problems[0]
+
+
+def test_killed_writer_temporaries_are_ignored(tmp_path: Path) -> None:
+    good_run(tmp_path / "run")
+    (tmp_path / "run" / ".rank-00000-000001.parquet.123.tmp").write_bytes(b"PAR1 half")
+    (tmp_path / "run" / ".hidden.parquet").write_bytes(b"garbage")
+    logset = load([tmp_path])
+    assert logset.problems == [] and len(logset.shards) == 2
+
+
+def test_any_legal_shape_is_accepted(tmp_path: Path) -> None:
+    rows = records(UNEVEN, token_mean, run_id="shaped", group="0")
+    table = pa.Table.from_pylist(rows)
+    narrow = pa.table({
+        "backward_scalar": pa.array([r["backward_scalar"] for r in rows], pa.float32()),
+        "extra_column": pa.array(["x"] * len(rows)),
+        "valid_tokens": pa.array([r["valid_tokens"] for r in rows], pa.int16()),
+        "loss_sum": pa.array([r["loss_sum"] for r in rows], pa.float32()),
+        "world_size": pa.array([r["world_size"] for r in rows], pa.int8()),
+        "rank": pa.array([r["rank"] for r in rows], pa.int16()),
+        "micro": pa.array([r["micro"] for r in rows], pa.int8()),
+        "step": pa.array([r["step"] for r in rows], pa.int32()),
+        "run_id": pa.array([r["run_id"] for r in rows]).dictionary_encode(),
+        "group": table["group"].combine_chunks().dictionary_encode(),
+    })
+    (tmp_path / "run").mkdir()
+    pq.write_table(narrow, tmp_path / "run" / "narrow.parquet")
+    shard = inspect_shard(tmp_path / "run" / "narrow.parquet")
+    assert "valid_tokens" in shard.columns and "extra_column" not in shard.columns
+    report = audit([tmp_path], rtol=1e-5)
+    assert report.problems == [] and report.runs[0].run == "shaped"
+    assert report.runs[0].verdict == "correct"
+
+
+def test_backward_scalar_may_be_null_only_with_probe_weights(tmp_path: Path) -> None:
+    rows = records(UNEVEN, token_mean)
+    for row in rows:
+        row["token_weight_sum"] = row["backward_scalar"] / row["loss_sum"] * row["valid_tokens"]
+        row["backward_scalar"] = None
+    write(tmp_path / "probe" / "a.parquet", rows)
+    assert audit([tmp_path / "probe"]).runs[0].verdict == "correct"
+    rows = records(UNEVEN, token_mean)
+    rows[0]["backward_scalar"] = None
+    write(tmp_path / "noprobe" / "a.parquet", rows)
+    report = audit([tmp_path / "noprobe"])
+    assert "backward_scalar' is null where no probe weights were recorded" in report.problems[0]

@@ -1,0 +1,30 @@
+"""What tokaudit must say about each recorded scenario (held here, apart from the scenarios)."""
+
+from __future__ import annotations
+
+EXPECTED_CODES: dict[str, set[str]] = {
+    "correct_token_mean_ga": set(),
+    "correct_token_mean_w3": set(),
+    "correct_sum_hook": set(),
+    "correct_empty_update_skipped": {"empty_update"},
+    "bug_local_mean": {"local_mean", "reported_loss_mismatch"},
+    "bug_local_mean_accumulation": {"local_mean", "reported_loss_mismatch"},
+    "bug_per_micro_denominator": {"per_micro_denominator"},
+    "bug_missing_world_size": {"world_size_mismatch"},
+    "bug_hard_coded_world_size": {"world_size_mismatch"},
+    "bug_global_world_size_on_dp_group": {"world_size_mismatch"},
+}
+
+# Recovered normalization: (denominator, α in b·g = α·S/denominator).
+EXPECTED_NORMALIZATION: dict[str, tuple[str, float]] = {
+    "correct_token_mean_ga": ("N", 2.0),
+    "correct_token_mean_w3": ("N", 3.0),
+    "correct_sum_hook": ("N", 1.0),
+    "correct_empty_update_skipped": ("N", 2.0),
+    "bug_local_mean": ("n_rank", 1.0),
+    "bug_local_mean_accumulation": ("n_micro*M", 1.0),
+    "bug_per_micro_denominator": ("N_m", 1.0),
+    "bug_missing_world_size": ("N", 1.0),
+    "bug_hard_coded_world_size": ("N", 8.0),
+    "bug_global_world_size_on_dp_group": ("N", 4.0),
+}

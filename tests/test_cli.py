@@ -1,0 +1,127 @@
+"""The CLI as a user drives it: exit codes, formats, post-mortems; one real subprocess run."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tests.logs import UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write_by_rank
+from tokaudit.cli import main
+
+
+@pytest.fixture()
+def logs(tmp_path: Path) -> Path:
+    write_by_rank(tmp_path / "good", records(UNEVEN_GA, token_mean))
+    rows = records(UNEVEN, local_mean)
+    for row in rows:  # reports the mean of local means, as such code does
+        mine = [r for r in rows if r["step"] == row["step"]]
+        row["reported_loss"] = sum(r["loss_sum"] / r["valid_tokens"] for r in mine) / len(mine)
+    write_by_rank(tmp_path / "bad", rows)
+    return tmp_path
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_exit_codes_follow_fail_on(logs: Path) -> None:
+    assert invoke("check", str(logs / "good"))[0] == 0
+    assert invoke("check", str(logs))[0] == 1
+    assert invoke("check", str(logs), "--fail-on", "never")[0] == 0
+    assert invoke("check", str(logs), "--run", "bad", "--fail-on", "error")[0] == 1
+    write_by_rank(logs / "info_only" / "x", records([[[2], [3]], [[0], [0]]], token_mean, skipped=True))
+    assert invoke("check", str(logs / "info_only"))[0] == 0
+    assert invoke("check", str(logs / "info_only"), "--fail-on", "info")[0] == 1
+    code, _, err = invoke("check", str(logs), "--run", "nope")
+    assert code == 2 and "no run named 'nope'" in err
+    assert invoke("check", str(logs), "--rtol", "2")[0] == 2
+    assert invoke("check")[0] == 2  # click usage error
+
+
+def test_json_report_follows_the_spec(logs: Path) -> None:
+    code, out, _ = invoke("check", str(logs), "--format", "json")
+    report = json.loads(out)
+    assert code == 1 and set(report) >= {"tokaudit_version", "runs", "findings"}
+    runs = {r["run"]: r for r in report["runs"]}
+    for run in runs.values():
+        assert set(run) >= {"run", "rows", "steps", "ranks", "world_size", "verdict", "normalization",
+                            "max_weight_ratio"}
+        assert set(run["normalization"]) == {"denominator", "factor"}
+    assert runs["good"]["verdict"] == "correct" and runs["good"]["max_weight_ratio"] == pytest.approx(1.0)
+    assert runs["good"]["normalization"] == {"denominator": "N", "factor": 2.0}
+    assert runs["bad"]["verdict"] == "incorrect" and runs["bad"]["world_size"] == [2]
+    assert runs["bad"]["rows"] == 6 and runs["bad"]["steps"] == 3 and runs["bad"]["ranks"] == 2
+    finding = next(f for f in report["findings"] if f["code"] == "local_mean")
+    assert set(finding) == {"run", "code", "severity", "steps", "message", "fix", "evidence"}
+    assert finding["severity"] == "error" and finding["steps"] == {"first": 0, "last": 2, "count": 3}
+    codes = [f["code"] for f in report["findings"]]
+    assert codes == ["local_mean", "reported_loss_mismatch"]  # most severe first
+
+
+def test_table_markdown_and_output_file(logs: Path, tmp_path: Path) -> None:
+    code, out, _ = invoke("check", str(logs))
+    assert code == 1 and "local_mean" in out and "incorrect" in out and "b·g = 2·S/N" in out
+    code, out, _ = invoke("check", str(logs), "--format", "markdown")
+    assert out.startswith("## tokaudit") and "| `bad` |" in out and "`local_mean`" in out
+    target = tmp_path / "report.json"
+    code, out, _ = invoke("check", str(logs), "--format", "json", "--output", str(target))
+    assert code == 1 and out == "" and json.loads(target.read_text())["runs"]
+    target = tmp_path / "report.txt"
+    invoke("check", str(logs), "--output", str(target))
+    assert "findings, most severe first" in target.read_text() and "\x1b[" not in target.read_text()
+
+
+def test_weights_shows_q_per_record(logs: Path) -> None:
+    code, out, _ = invoke("weights", str(logs), "--run", "bad", "--step", "0", "--format", "csv")
+    rows = list(csv.DictReader(out.splitlines()))
+    assert code == 0 and [int(r["rank"]) for r in rows] == [0, 1]
+    # local mean, n = (1, 3), W = 2: q = N/(W·n) = 2 and 2/3
+    assert [round(float(r["q"]), 6) for r in rows] == [2.0, round(2 / 3, 6)]
+    code, out, _ = invoke("weights", str(logs), "--run", "bad", "--step", "0")
+    assert code == 0 and "q = e·N" in out
+    code, _, err = invoke("weights", str(logs), "--step", "0")
+    assert code == 2 and "choose one with --run" in err
+    assert invoke("weights", str(logs), "--run", "bad", "--step", "99")[0] == 2
+
+
+def test_curve_writes_csv_and_png(logs: Path, tmp_path: Path) -> None:
+    csv_path, png_path = tmp_path / "curve.csv", tmp_path / "curve.png"
+    code, out, _ = invoke("curve", str(logs), "--run", "bad", "--csv", str(csv_path), "--plot", str(png_path))
+    assert code == 0 and "ΣS/N (true)" in out and "●" in out
+    rows = list(csv.DictReader(csv_path.read_text().splitlines()))
+    step0 = rows[0]
+    loss = [r for r in records(UNEVEN, local_mean) if r["step"] == 0]
+    true_mean = sum(r["loss_sum"] for r in loss) / sum(r["valid_tokens"] for r in loss)
+    local = sum(r["loss_sum"] / r["valid_tokens"] for r in loss) / 2
+    assert float(step0["token_mean"]) == pytest.approx(true_mean)
+    assert float(step0["mean_of_local_means"]) == pytest.approx(local)
+    assert float(step0["reported"]) == pytest.approx(local)
+    assert float(step0["optimized"]) == pytest.approx(local)  # the optimizer followed the local means
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_explain_every_code() -> None:
+    from tokaudit.codes import Code
+
+    code, out, _ = invoke("explain")
+    assert code == 0 and all(c.value in out for c in Code)
+    for known in Code:
+        code, out, _ = invoke("explain", known.value)
+        assert code == 0 and "Worked example" in out and "Fix" in out
+    assert invoke("explain", "nonsense")[0] == 2
+
+
+def test_real_subprocess_and_no_torch_import(logs: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "tokaudit.cli", "check", str(logs), "--format", "json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and json.loads(done.stdout)["findings"]
+    probe = subprocess.run([sys.executable, "-c", "import sys, tokaudit.cli, tokaudit.audit; "
+                            "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=120)
+    assert probe.stdout.strip() == "False"
