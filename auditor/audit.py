@@ -92,8 +92,7 @@ def audit(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL, r
         for run, frame in steps.groupby("run", sort=True):
             run = str(run)
             frame = frame.reset_index(drop=True)
-            run_findings, segments, diagnoses = check_run(
-                run, frame, rtol, lambda group, step, run=run: engine.ranks_at(run, group, step))  # type: ignore[misc]
+            run_findings, segments, diagnoses = check_run(run, frame, rtol, engine)
             if run in engine.duplicates:
                 copies, first, last, count = engine.duplicates[run]
                 run_findings.append(Finding(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import pandas as pd
 
@@ -123,8 +123,8 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> list[StepDiagnosis]:
     while remaining:
         votes: dict[tuple[str, float], int] = {}
         for i in remaining:
-            for hypothesis in candidates[i].items():
-                votes[hypothesis] = votes.get(hypothesis, 0) + 1
+            for fit in candidates[i].items():
+                votes[fit] = votes.get(fit, 0) + 1
         best = max(votes, key=lambda h: (votes[h], -PREFERENCE.index(h[0])))
         for i in [i for i in remaining if candidates[i].get(best[0]) == best[1]]:
             assigned[i] = best
@@ -142,7 +142,8 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> list[StepDiagnosis]:
             diagnoses.append(StepDiagnosis(kind, "unexplained" if kind == "nonuniform" else "undetermined",
                                            None, None, balanced))
             continue
-        denominator, factor = hypothesis
+        denominator, alpha = hypothesis
+        factor: float | None = alpha
         uniform = spread(row.e_low, row.e_high) <= rtol
         q = (row.e_low + row.e_high) / 2 * float(row.tokens) if uniform else None
         if q is not None and close(q, 1.0, rtol):
@@ -170,17 +171,25 @@ class RunContext:
     rtol: float
 
 
-def check_run(run: str, steps: pd.DataFrame, rtol: float, ranks_at: Callable[[str, int], list[int]]
+class LogQueries(Protocol):
+    """What the checks may still ask of the log for evidence, one step at a time."""
+
+    def ranks_at(self, run: str, group: str, step: int) -> list[int]: ...
+
+    def extremes(self, run: str, group: str, step: int) -> tuple[dict[str, float], dict[str, float]]: ...
+
+
+def check_run(run: str, steps: pd.DataFrame, rtol: float, log: LogQueries
               ) -> tuple[list[Finding], list[Segment], list[StepDiagnosis]]:
     """All checks for one run's steps (every group). Returns findings, segments, and per-step diagnoses."""
     diagnoses = diagnose_steps(steps, rtol)
     context = RunContext(run=run, world_size=int(steps.w_high.mode().iloc[0]),
                          microbatches=int(steps.m_high.max()), divisor=float(steps.d_high.mode().iloc[0]), rtol=rtol)
     findings: list[Finding] = []
-    findings.extend(_weighting_findings(steps, diagnoses, context))
+    findings.extend(_weighting_findings(steps, diagnoses, context, log))
     for check in (_structure_findings, _value_findings, _sync_findings, _reported_findings, _probe_findings):
         findings.extend(check(steps, context))
-    findings.extend(_missing_ranks(steps, context, ranks_at))
+    findings.extend(_missing_ranks(steps, context, log))
     findings.extend(_balanced(steps, diagnoses, findings, context))
     return findings, _segments(steps, diagnoses), diagnoses
 
@@ -202,8 +211,8 @@ def _fix_average(context: RunContext) -> str:
             "counted before the first backward with one all-reduce")
 
 
-def _weighting_findings(steps: pd.DataFrame, diagnoses: list[StepDiagnosis], context: RunContext
-                        ) -> Iterator[Finding]:
+def _weighting_findings(steps: pd.DataFrame, diagnoses: list[StepDiagnosis], context: RunContext,
+                        log: LogQueries) -> Iterator[Finding]:
     """local_mean, per_micro_denominator, padded_denominator, unexplained_weighting,
     world_size_mismatch, scale_mismatch: one finding per (code, denominator, factor)."""
     groups: dict[tuple[Code, str, float | None], list[tuple[Any, StepDiagnosis]]] = {}
@@ -217,7 +226,8 @@ def _weighting_findings(steps: pd.DataFrame, diagnoses: list[StepDiagnosis], con
         # Evidence from the step where tokens were weighted most unequally (or q is furthest from 1).
         row, diagnosis = max(members, key=lambda m: (_ratio(m[0]), abs(math.log(abs(m[1].distortion)))
                                                      if m[1].distortion else 0.0))
-        yield _weighting_finding(code, denominator, factor, row, diagnosis, step_numbers, context)
+        extremes = log.extremes(context.run, str(row.grp), int(row.step)) if diagnosis.kind == "nonuniform" else None
+        yield _weighting_finding(code, denominator, factor, row, diagnosis, step_numbers, context, extremes)
 
 
 def _weighting_code(diagnosis: StepDiagnosis, rtol: float) -> Code | None:
@@ -241,13 +251,14 @@ def _ratio(row: Any) -> float:
 
 
 def _weighting_finding(code: Code, denominator: str, factor: float | None, row: Any, diagnosis: StepDiagnosis,
-                       steps: list[int], context: RunContext) -> Finding:
+                       steps: list[int], context: RunContext,
+                       extremes: tuple[dict[str, Any], dict[str, Any]] | None) -> Finding:
     step, w, tokens = int(row.step), int(row.w_high), int(row.tokens)
     evidence: dict[str, Any] = {"step": step, "denominator": denominator, "factor": factor,
                                 "world_size": w, "grad_divisor": float(row.d_high), "global_tokens": tokens}
     group = f" (group {row.grp})" if row.grp != "0" else ""
-    if diagnosis.kind == "nonuniform":
-        heavy, light = row.heaviest, row.lightest
+    if extremes is not None:
+        heavy, light = extremes
         ratio = heavy["e"] / light["e"] if light["e"] > 0 else math.inf
         evidence.update({"heaviest": _describe(heavy, tokens), "lightest": _describe(light, tokens),
                          "weight_ratio": ratio})
@@ -453,14 +464,13 @@ def _probe_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Findin
                        {"records": int(steps.masked_weighted.sum())})
 
 
-def _missing_ranks(steps: pd.DataFrame, context: RunContext, ranks_at: Callable[[str, int], list[int]]
-                   ) -> Iterator[Finding]:
+def _missing_ranks(steps: pd.DataFrame, context: RunContext, log: LogQueries) -> Iterator[Finding]:
     """missing_rank: fewer ranks than W recorded a step that others recorded."""
     missing = steps.ranks < steps.w_high
     if not missing.any():
         return
     first = steps[missing].iloc[0]
-    present = ranks_at(str(first.grp), int(first.step))
+    present = log.ranks_at(context.run, str(first.grp), int(first.step))
     absent = [r for r in range(int(first.w_high)) if r not in present]
     yield _finding(context, Code.MISSING_RANK, _steps_where(steps, missing),
                    f"{int(missing.sum())} step(s) lack records from some ranks (step {int(first.step)}: ranks "

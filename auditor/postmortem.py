@@ -17,7 +17,7 @@ def _pick_run(steps: pd.DataFrame, run: str | None) -> str:
     if run is None:
         if len(runs) != 1:
             raise UsageError(f"the logs hold {len(runs)} runs; choose one with --run ({', '.join(runs[:10])})")
-        return runs[0]
+        return str(runs[0])
     if run not in runs:
         raise UsageError(f"no run named {run!r} in the logs (runs: {', '.join(runs[:10])})")
     return run

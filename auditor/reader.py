@@ -31,6 +31,8 @@ class Shard:
     """Row count from the footer."""
     default_run: str
     """Run id for rows without one: the file's parent folder name."""
+    step_range: tuple[int, int] | None = None
+    """Lowest and highest step, from the footer's statistics (None when they are missing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,13 +95,16 @@ def inspect_shard(path: Path) -> Shard:
         if not kind_accepts(expected, arrow_type):
             raise LogFormatError(name, f"column '{column}' has type {arrow_type}, expected {KIND_WORDS[expected]}")
     try:
-        _check_values(parquet, present)
+        stats = _column_stats(parquet, present)
+        _check_values(parquet, present, stats)
     except LogFormatError as error:
         raise LogFormatError(name, error.problem) from None
     except Exception as error:
         raise LogFormatError(name, f"cannot read the file's data ({_short(error)})") from None
+    low, high, nulls = stats["step"]
+    step_range = (int(low), int(high)) if low is not None and high is not None and nulls == 0 else None
     return Shard(path=path, columns=frozenset(present), rows=parquet.metadata.num_rows,
-                 default_run=path.parent.name)
+                 default_run=path.parent.name, step_range=step_range)
 
 
 # (column, lowest allowed value, what it means); null never allowed for required columns.
@@ -112,9 +117,8 @@ _LOWER_BOUNDS: tuple[tuple[str, int, str], ...] = (
 )
 
 
-def _check_values(parquet: pq.ParquetFile, present: set[str]) -> None:
+def _check_values(parquet: pq.ParquetFile, present: set[str], stats: dict[str, tuple[Any, Any, int | None]]) -> None:
     """Statistics first (no data read); the columns themselves only when statistics cannot decide."""
-    stats = _column_stats(parquet, present)
     need: set[str] = set()
     if "schema_version" in present:
         high = stats["schema_version"][1]

@@ -65,11 +65,11 @@ def kind_accepts(kind: Kind, arrow_type: pa.DataType) -> bool:
     if pa.types.is_dictionary(arrow_type):
         arrow_type = arrow_type.value_type
     if kind == "int":
-        return pa.types.is_integer(arrow_type)
+        return bool(pa.types.is_integer(arrow_type))
     if kind == "float":
-        return pa.types.is_floating(arrow_type) or pa.types.is_integer(arrow_type)
+        return bool(pa.types.is_floating(arrow_type) or pa.types.is_integer(arrow_type))
     if kind == "bool":
-        return pa.types.is_boolean(arrow_type)
+        return bool(pa.types.is_boolean(arrow_type))
     if kind == "string":
-        return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
-    return pa.types.is_timestamp(arrow_type)
+        return bool(pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type))
+    return bool(pa.types.is_timestamp(arrow_type))

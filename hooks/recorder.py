@@ -7,7 +7,7 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +109,7 @@ def _known_hook_divisor(hook: Callable[..., Any], world_size: int) -> float | No
     return float(world_size) if hook in averaging else None
 
 
-def _to_host(values: list[Value], dtype: torch.dtype) -> list[Any]:
+def _to_host(values: Sequence[Value], dtype: torch.dtype) -> list[Any]:
     """One device→host copy per device for a whole column, instead of one per record."""
     out: list[Any] = list(values)
     by_device: dict[torch.device, list[int]] = {}
@@ -146,7 +146,7 @@ class Recorder:
             raise ValueError(f"flush_every must be at least 1, got {flush_every}")
         self._closed = False
         self._warned: set[str] = set()
-        self._records: list[dict[str, Value]] = []
+        self._records: list[dict[str, Any]] = []
         self._pending_probe: ProbeResult | None = None
         self._handles: list[Any] = []
         self._flush_every = flush_every
@@ -200,7 +200,8 @@ class Recorder:
                 valid = valid_mask.to(device=per_token_loss.device, dtype=torch.bool).expand_as(per_token_loss)
             if self._pending_probe is None:
                 self._pending_probe = ProbeResult()
-            result: torch.Tensor = _TokenProbe.apply(per_token_loss, valid, self._pending_probe, self._probe_failed)
+            result: torch.Tensor = _TokenProbe.apply(  # type: ignore[no-untyped-call]
+                per_token_loss, valid, self._pending_probe, self._probe_failed)
             return result
         except Exception as error:
             self._warn_once("probe", f"tokaudit: probe disabled for this call ({error!r})")
@@ -262,8 +263,8 @@ class Recorder:
             return
         ready, waiting = self._records, []
         if wait_for_backward and len(self._records) < 2 * self._flush_every:
-            ready = [r for r in self._records if r["probe"] is None or r["probe"].filled]  # type: ignore[union-attr]
-            waiting = [r for r in self._records if not (r["probe"] is None or r["probe"].filled)]  # type: ignore[union-attr]
+            ready = [r for r in self._records if r["probe"] is None or r["probe"].filled]
+            waiting = [r for r in self._records if not (r["probe"] is None or r["probe"].filled)]
         self._records = waiting
         if not ready:
             return
@@ -320,7 +321,7 @@ class Recorder:
         taken = [int(m.group(1)) for p in self.log_dir.iterdir() if (m := pattern.match(p.name))]
         return max(taken, default=-1) + 1
 
-    def _table(self, records: list[dict[str, Value]]) -> pa.Table:
+    def _table(self, records: list[dict[str, Any]]) -> pa.Table:
         count = len(records)
         probes = [r["probe"] for r in records]
         valid_tokens = _to_host([r["valid_tokens"] for r in records], torch.int64)

@@ -25,13 +25,13 @@ def line_chart(x: Sequence[float], series: dict[str, Sequence[float | None]], wi
             if yv is None or not math.isfinite(yv):
                 continue
             column = 0 if x_high == x_low else round((xv - x_low) / (x_high - x_low) * (width - 1))
-            row = height - 1 - round((yv - low) / (high - low) * (height - 1))
-            grid[row][column] = mark
+            line = height - 1 - round((yv - low) / (high - low) * (height - 1))
+            grid[line][column] = mark
     label_width = max(len(f"{high:.4g}"), len(f"{low:.4g}"))
     lines = []
-    for row_index, row in enumerate(grid):
+    for row_index, cells in enumerate(grid):
         label = f"{high:.4g}" if row_index == 0 else f"{low:.4g}" if row_index == height - 1 else ""
-        lines.append(f"{label:>{label_width}} ┤{''.join(row)}")
+        lines.append(f"{label:>{label_width}} ┤{''.join(cells)}")
     lines.append(" " * label_width + " └" + "─" * width)
     x_labels = f"{x_low:g}".ljust(width - len(f"{x_high:g}")) + f"{x_high:g}"
     lines.append(" " * (label_width + 2) + x_labels + "  (step)")

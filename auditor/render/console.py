@@ -24,8 +24,8 @@ def render_report(report: AuditReport, console: Console) -> None:
         runs = Table(title="tokaudit: token-loss normalization", box=box.SIMPLE_HEAD, pad_edge=False,
                      title_justify="left")
         runs.add_column("run", overflow="fold", ratio=1)
-        for header in ("steps", "ranks", "W"):
-            runs.add_column(header, justify="right", no_wrap=True)
+        for title in ("steps", "ranks", "W"):
+            runs.add_column(title, justify="right", no_wrap=True)
         runs.add_column("normalization", no_wrap=True)
         runs.add_column("max ratio", justify="right", no_wrap=True)
         runs.add_column("verdict", no_wrap=True)
@@ -42,10 +42,10 @@ def render_report(report: AuditReport, console: Console) -> None:
             header.append(f" {f.code.value}", style="bold")
             header.append(f"  {f.run}  steps {steps_text(f.steps)}", style="dim")
             console.print(header)
-            body = Text(f.message)
-            body.append("\nfix: ", style="bold")
-            body.append(f.fix)
-            console.print(Padding(body, (0, 0, 1, 9)))
+            detail = Text(f.message)
+            detail.append("\nfix: ", style="bold")
+            detail.append(f.fix)
+            console.print(Padding(detail, (0, 0, 1, 9)))
     elif report.runs:
         console.print("No findings.", style="green")
     counts = {s: sum(f.severity.value == s for f in report.findings) for s in ("error", "warning", "info")}

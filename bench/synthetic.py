@@ -1,0 +1,66 @@
+"""Write a large synthetic log: a correct run (b = W·S/N) with uneven counts, laid out as shards."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tokaudit.schema import WRITER_SCHEMA
+
+
+def write_log(out: Path, ranks: int, steps: int, micro: int, steps_per_file: int = 500, ranks_per_file: int = 64,
+              seed: int = 0) -> int:
+    """Rows = ranks × steps × micro, one file per (step chunk, rank block), rows sorted by step."""
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    rows = 0
+    names = [f.name for f in WRITER_SCHEMA][:11] + ["positions", "sync"]
+    schema = pa.schema([WRITER_SCHEMA.field(n) for n in names])
+    for first in range(0, steps, steps_per_file):
+        chunk = min(steps_per_file, steps - first)
+        counts = rng.integers(0, 513, size=(chunk, ranks, micro))
+        step_tokens = counts.sum(axis=(1, 2))  # N per step
+        losses = counts * rng.uniform(1.5, 3.5, size=counts.shape)
+        for block in range(0, ranks, ranks_per_file):
+            r = slice(block, min(block + ranks_per_file, ranks))
+            n = counts[:, r, :]
+            shape = n.shape
+            step = np.broadcast_to((first + np.arange(chunk))[:, None, None], shape)
+            rank = np.broadcast_to(np.arange(r.start, r.stop)[None, :, None], shape)
+            micro_index = np.broadcast_to(np.arange(micro)[None, None, :], shape)
+            loss = losses[:, r, :]
+            scalar = ranks * loss / np.maximum(step_tokens, 1)[:, None, None]  # W·S/N
+            size = n.size
+            table = pa.table({
+                "step": pa.array(step.ravel(), pa.int64()), "micro": pa.array(micro_index.ravel(), pa.int32()),
+                "rank": pa.array(rank.ravel(), pa.int32()), "world_size": pa.array(np.full(size, ranks), pa.int32()),
+                "loss_sum": pa.array(loss.ravel()), "valid_tokens": pa.array(n.ravel(), pa.int64()),
+                "backward_scalar": pa.array(scalar.ravel()), "run_id": pa.array(["synthetic"] * size),
+                "group": pa.array(["0"] * size), "grad_divisor": pa.array(np.full(size, float(ranks))),
+                "grad_scale": pa.array(np.ones(size)), "positions": pa.array(np.full(size, 512), pa.int64()),
+                "sync": pa.array(micro_index.ravel() == micro - 1),
+            }, schema=schema)
+            pq.write_table(table, out / f"chunk-{first:07d}-ranks-{r.start:05d}.parquet", row_group_size=65536)
+            rows += size
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--ranks", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=2500)
+    parser.add_argument("--micro", type=int, default=4)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    rows = write_log(args.out, args.ranks, args.steps, args.micro)
+    print(f"wrote {rows:,} rows to {args.out} in {time.perf_counter() - start:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
