@@ -135,7 +135,7 @@ class Engine:
         high = max(r[1] for r in ranges if r)
         count = min(math.ceil(total / self.chunk_rows), high - low + 1)
         edges = [low + (high - low + 1) * i // count for i in range(count + 1)]
-        chunks = []
+        chunks: list[tuple[tuple[int, int] | None, list[Shard]]] = []
         for first, stop in zip(edges, edges[1:]):
             members = [s for s in self.shards if s.step_range and s.step_range[0] < stop and s.step_range[1] >= first]
             if members:

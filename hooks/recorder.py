@@ -41,13 +41,14 @@ class ProbeResult:
         self.filled = False
 
     def add(self, grad: torch.Tensor, valid: torch.Tensor) -> None:
-        # grad = ∂b/∂ℓᵢ for every position; reductions stay on the device (no host sync).
-        weight = grad.detach().to(torch.float64)
-        inf = torch.tensor(float("inf"), dtype=torch.float64, device=weight.device)
-        weight_sum = torch.where(valid, weight, 0.0).sum()
-        weight_min = torch.where(valid, weight, inf).amin()
-        weight_max = torch.where(valid, weight, -inf).amax()
-        masked_abs_sum = torch.where(valid, 0.0, weight.abs()).sum()
+        # grad = ∂b/∂ℓᵢ for every position; reductions stay on the device (no host sync) and
+        # accumulate in float64, the per-token values stay in the gradient's own dtype.
+        weight = grad.detach()
+        inf = torch.tensor(float("inf"), dtype=weight.dtype, device=weight.device)
+        weight_sum = torch.where(valid, weight, 0).sum(dtype=torch.float64)
+        weight_min = torch.where(valid, weight, inf).amin().double()
+        weight_max = torch.where(valid, weight, -inf).amax().double()
+        masked_abs_sum = torch.where(valid, 0, weight.abs()).sum(dtype=torch.float64)
         valid_count = valid.sum()
         if self.weight_sum is None:
             self.weight_sum, self.weight_min, self.weight_max = weight_sum, weight_min, weight_max

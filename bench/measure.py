@@ -1,0 +1,34 @@
+"""Run one command in this process and print its wall time and peak RSS as JSON (for bench/run.py)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+
+
+def main() -> None:
+    kind, *args = sys.argv[1:]
+    start = time.perf_counter()
+    if kind == "check":
+        from tokaudit.cli import main as cli
+
+        try:
+            cli(["check", *args, "--format", "json", "--output", "/dev/null"])
+        except SystemExit as done:
+            if done.code not in (0, 1):
+                raise
+    elif kind == "naive":
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).parent))
+        from naive import naive_check
+
+        naive_check(Path(args[0]))
+    wall = time.perf_counter() - start
+    print(json.dumps({"wall_s": wall, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+if __name__ == "__main__":
+    main()
