@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+from contextlib import AbstractContextManager
 import os
 import re
 import time
@@ -49,7 +50,18 @@ class ProbeResult:
         weight_min = torch.where(valid, weight, inf).amin().double()
         weight_max = torch.where(valid, weight, -inf).amax().double()
         masked_abs_sum = torch.where(valid, 0, weight.abs()).sum(dtype=torch.float64)
-        valid_count = valid.sum()
+        self._accumulate(weight_sum, weight_min, weight_max, masked_abs_sum, valid.sum())
+
+    def add_uniform(self, weight: torch.Tensor, valid_count: torch.Tensor) -> None:
+        """Every valid token got the same weight (a reduced loss); positions that are not valid got 0."""
+        weight = weight.detach().to(torch.float64).reshape(())
+        inf = torch.tensor(float("inf"), dtype=torch.float64, device=weight.device)
+        has_tokens = valid_count > 0
+        self._accumulate(weight * valid_count, torch.where(has_tokens, weight, inf),
+                         torch.where(has_tokens, weight, -inf), torch.zeros_like(weight), valid_count)
+
+    def _accumulate(self, weight_sum: torch.Tensor, weight_min: torch.Tensor, weight_max: torch.Tensor,
+                    masked_abs_sum: torch.Tensor, valid_count: torch.Tensor) -> None:
         if self.weight_sum is None:
             self.weight_sum, self.weight_min, self.weight_max = weight_sum, weight_min, weight_max
             self.masked_abs_sum, self.valid_count = masked_abs_sum, valid_count
@@ -210,7 +222,7 @@ class Recorder:
 
     def record(self, loss_sum: Value, valid_tokens: Value, backward_scalar: Value, step: int | None = None,
                micro: int | None = None, positions: Value = None, reported_loss: Value = None,
-               skipped: bool | None = None, grad_scale: Value = None) -> None:
+               skipped: bool | None = None, grad_scale: Value = None, _captured: bool = False) -> None:
         """Store one backward pass. Tensors are kept (detached) until the next flush."""
         if self._closed:
             return
@@ -238,12 +250,20 @@ class Recorder:
                 "sync": self._forward_sync,
                 "time": time.time_ns() // 1000,
                 "probe": self._pending_probe,
+                "captured": _captured,
             })
             self._pending_probe = None
             if len(self._records) >= self._flush_every:
                 self.flush(wait_for_backward=True)
         except Exception as error:
             self._warn_once("record", f"tokaudit: a record was dropped ({error!r})")
+
+    def capture_cross_entropy(self) -> AbstractContextManager[None]:
+        """While active, every cross-entropy call with grad (F.cross_entropy, nn.CrossEntropyLoss)
+        is recorded with its probe; it returns exactly what it would have. See `tokaudit.hooks.capture`."""
+        from tokaudit.hooks.capture import capture_cross_entropy
+
+        return capture_cross_entropy(self)
 
     def end_step(self, skipped: bool | None = None) -> None:
         """Close the current optimizer update (called by the optimizer's step hook when one is given).
@@ -267,6 +287,8 @@ class Recorder:
             ready = [r for r in self._records if r["probe"] is None or r["probe"].filled]
             waiting = [r for r in self._records if not (r["probe"] is None or r["probe"].filled)]
         self._records = waiting
+        # A captured loss that never reached backward (computed with grad, then unused) is no record.
+        ready = [r for r in ready if not (r["captured"] and not r["probe"].filled)]
         if not ready:
             return
         try:

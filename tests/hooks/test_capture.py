@@ -1,0 +1,112 @@
+"""capture_cross_entropy returns exactly what cross_entropy returns, and records what backward did."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokaudit.hooks import Recorder
+
+C = 5
+
+
+def inputs(shape: str, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(11)
+    if shape == "unbatched":
+        logits, target = torch.randn(C, generator=generator), torch.tensor(2)
+    elif shape == "probabilities":
+        logits = torch.randn(6, C, generator=generator)
+        target = torch.softmax(torch.randn(6, C, generator=generator), dim=1)
+    else:
+        batch = (6,) if shape == "2d" else (3, 4)
+        logits = torch.randn(batch[0], C, *batch[1:], generator=generator)
+        target = torch.randint(0, C, batch, generator=generator)
+        target.view(-1)[::3] = ignore_index
+    return logits.requires_grad_(), target
+
+
+GRID = list(itertools.product(["mean", "sum", "none"], [-100, 3], [0.0, 0.1], [False, True],
+                              ["2d", "3d", "unbatched", "probabilities"]))
+
+
+@pytest.mark.parametrize("reduction, ignore_index, smoothing, weighted, shape", GRID)
+def test_capture_is_bit_identical_and_measures_the_weights(tmp_path: Path, reduction: str, ignore_index: int,
+                                                           smoothing: float, weighted: bool, shape: str) -> None:
+    weight = torch.linspace(0.5, 2.0, C) if weighted else None
+
+    def run(capture: bool, module: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, target = inputs(shape, ignore_index)
+        kwargs: dict[str, Any] = {"weight": weight, "reduction": reduction, "label_smoothing": smoothing}
+        if not target.is_floating_point():
+            kwargs["ignore_index"] = ignore_index
+        with Recorder(tmp_path, run_id=f"{capture}-{module}") as rec:
+            with rec.capture_cross_entropy() if capture else _null():
+                loss_fn = torch.nn.CrossEntropyLoss(**kwargs) if module else (lambda x, y: F.cross_entropy(x, y, **kwargs))
+                out = loss_fn(logits, target)
+                scale = torch.linspace(1, 2, out.numel()).view_as(out) if out.dim() else torch.tensor(3.0)
+                (out * scale).sum().backward()
+        assert logits.grad is not None
+        return out.detach(), logits.grad
+
+    for module in (False, True):
+        plain_out, plain_grad = run(False, module)
+        out, grad = run(True, module)
+        assert torch.equal(plain_out, out) and torch.equal(plain_grad, grad)
+        (row,) = pq.read_table(next((tmp_path / f"True-{module}").glob("*.parquet"))).to_pylist()
+        assert row["backward_scalar"] is None
+        logits, target = inputs(shape, ignore_index)
+        reference_kwargs = {"weight": weight, "label_smoothing": smoothing}
+        if not target.is_floating_point():
+            reference_kwargs["ignore_index"] = ignore_index
+        per_token = F.cross_entropy(logits, target, reduction="none", **reference_kwargs)
+        valid = torch.ones_like(per_token, dtype=torch.bool) if target.is_floating_point() else target != ignore_index
+        assert row["valid_tokens"] == int(valid.sum()) and row["positions"] == valid.numel()
+        assert row["loss_sum"] == pytest.approx(float(per_token.detach().sum()), rel=1e-5)
+        # ∂b/∂ℓᵢ by autograd, through the same reduction and scale as the run.
+        per_token = per_token.detach().requires_grad_()
+        if reduction == "none":
+            reduced = per_token
+        elif reduction == "sum":  # the reductions leave ignored positions out
+            reduced = (per_token * valid).sum()
+        elif target.is_floating_point():
+            reduced = per_token.sum() / valid.numel()
+        else:
+            denominator = (weight[target.masked_fill(~valid, 0)] * valid).sum() if weight is not None else valid.sum()
+            reduced = (per_token * valid).sum() / denominator
+        scale = torch.linspace(1, 2, reduced.numel()).view_as(reduced) if reduced.dim() else torch.tensor(3.0)
+        (reduced * scale).sum().backward()
+        expected = per_token.grad[valid]
+        assert row["token_weight_sum"] == pytest.approx(float(expected.sum()), rel=1e-5)
+        if valid.any():
+            assert row["token_weight_min"] == pytest.approx(float(expected.min()), rel=1e-5)
+            assert row["token_weight_max"] == pytest.approx(float(expected.max()), rel=1e-5)
+        masked = per_token.grad[~valid].abs().sum()  # b = Σ scaleᵢ·ℓᵢ weighs ignored positions too
+        assert row["masked_weight_abs_sum"] == pytest.approx(float(masked), rel=1e-5, abs=1e-12)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_calls_without_grad_and_unused_losses_are_not_records(tmp_path: Path) -> None:
+    logits, target = inputs("2d", -100)
+    model_step = torch.optim.SGD([logits], lr=0.1)
+    with Recorder(tmp_path, run_id="eval", optimizer=model_step) as rec, rec.capture_cross_entropy():
+        with torch.no_grad():
+            F.cross_entropy(logits, target)  # evaluation
+        F.cross_entropy(logits, target)  # computed, never backpropagated
+        F.cross_entropy(logits, target).backward()
+        model_step.step()
+    assert F.cross_entropy.__name__ == "cross_entropy", "the original is restored"
+    rows = pq.read_table(next((tmp_path / "eval").glob("*.parquet"))).to_pylist()
+    assert len(rows) == 1 and rows[0]["token_weight_sum"] == pytest.approx(1.0)
