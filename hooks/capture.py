@@ -68,7 +68,7 @@ def capture_cross_entropy(recorder: Recorder) -> Iterator[None]:
             recorder._warn_once("capture", f"tokaudit: a cross-entropy call was not recorded ({error!r})")
             return out
 
-    F.cross_entropy = captured  # type: ignore[assignment]
+    F.cross_entropy = captured
     try:
         yield
     finally:
@@ -106,4 +106,4 @@ def _record(recorder: Recorder, out: torch.Tensor, input: torch.Tensor, target: 
     recorder._pending_probe = result
     recorder.record(loss_sum=loss_sum, valid_tokens=valid_count, backward_scalar=None, positions=valid.numel(),
                     _captured=True)
-    return probed  # type: ignore[no-any-return]
+    return probed
