@@ -54,7 +54,7 @@ def render_report(report: AuditReport, console: Console) -> None:
                   "`tokaudit explain CODE` derives each finding.", style="dim")
 
 
-def _number(value: object, digits: int = 6) -> str:
+def _number(value: object, digits: int = 5) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
     if isinstance(value, float):

@@ -1,0 +1,57 @@
+"""Hugging Face `transformers.Trainer`: one line records a run.
+
+    TokauditCallback.attach(trainer, "runs")      # before trainer.train()
+
+Every training cross-entropy call is captured with its probe (evaluation runs without grad and is
+not recorded), so the weight each token received is measured whatever the Trainer and the model do
+with the loss: num_items_in_batch, the ×W of average_tokens_across_devices, ÷GAS, auxiliary terms.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+from transformers import TrainerCallback
+
+from tokaudit.hooks.recorder import Recorder
+
+
+class TokauditCallback(TrainerCallback):  # type: ignore[misc]
+    """Records a Trainer run to `log_dir` (one shard set per rank)."""
+
+    def __init__(self, log_dir: str | os.PathLike[str], run_id: str | None = None, trainer: Any = None,
+                 **recorder_options: Any) -> None:
+        self.log_dir = log_dir
+        self.run_id = run_id
+        self.trainer = trainer
+        self.recorder_options = recorder_options
+        self.recorder: Recorder | None = None
+        self._capture: Any = None
+
+    @classmethod
+    def attach(cls, trainer: Any, log_dir: str | os.PathLike[str], run_id: str | None = None,
+               **recorder_options: Any) -> TokauditCallback:
+        """Add the callback to `trainer`, with access to its DDP-wrapped model (for the sync flag)."""
+        callback = cls(log_dir, run_id=run_id, trainer=trainer, **recorder_options)
+        trainer.add_callback(callback)
+        return callback
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       **kwargs: Any) -> None:
+        wrapped = getattr(self.trainer, "model_wrapped", None) if self.trainer is not None else None
+        ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
+        # Accelerate wraps the optimizer; its step() reaches the torch optimizer once per update.
+        torch_optimizer = getattr(optimizer, "optimizer", optimizer)
+        self.recorder = Recorder(self.log_dir, run_id=self.run_id, model=ddp, optimizer=torch_optimizer,
+                                 **self.recorder_options)
+        self._capture = self.recorder.capture_cross_entropy()
+        self._capture.__enter__()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._capture is not None:
+            self._capture.__exit__(None, None, None)
+            self._capture = None
+        if self.recorder is not None:
+            self.recorder.close()

@@ -1,0 +1,87 @@
+"""A real transformers.Trainer run on 2 gloo processes, recorded by one line and audited."""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scenarios.harness import run_ddp
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
+
+
+def trainer_job(rank: int, world_size: int, log_dir: str, average_tokens: bool) -> None:
+    import torch
+    from torch.utils.data import Dataset
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1"})
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from tokaudit.hooks.huggingface import TokauditCallback
+
+    class Padded(Dataset):  # type: ignore[type-arg]
+        """Sequences of uneven length, right-padded; labels -100 on padding."""
+
+        def __len__(self) -> int:
+            return 48
+
+        def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+            generator = torch.Generator().manual_seed(index)
+            length = int(torch.randint(2, 16, (), generator=generator))
+            ids = torch.randint(1, 64, (16,), generator=generator)
+            keep = torch.arange(16) < length
+            return {"input_ids": ids.masked_fill(~keep, 0), "attention_mask": keep.long(),
+                    "labels": ids.masked_fill(~keep, -100)}
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    model = LlamaForCausalLM(config)
+    args = TrainingArguments(output_dir=f"{log_dir}/out-{rank}", use_cpu=True, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3, logging_steps=1,
+                             report_to=[], save_strategy="no", disable_tqdm=True, seed=0, ddp_backend="gloo",
+                             average_tokens_across_devices=average_tokens, dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=Padded())
+    TokauditCallback.attach(trainer, log_dir, run_id=f"average_tokens_{average_tokens}")  # the one line
+    trainer.train()
+    del trainer, model
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def hf_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("hf")
+    for average in (True, False):
+        run_ddp(trainer_job, 2, str(root), average, timeout=240)
+    return root
+
+
+def audit_run(root: Path, run: str) -> Any:
+    from tokaudit.audit import audit
+
+    return audit([root / run])
+
+
+def test_trainer_with_token_averaging_across_devices_is_correct(hf_logs: Path) -> None:
+    report = audit_run(hf_logs, "average_tokens_True")
+    (run,) = report.runs
+    assert report.problems == []
+    assert run.verdict == "correct", [f.message for f in report.findings]
+    assert run.steps == 4 and run.ranks == 2 and run.microbatches == 2
+    assert run.normalization.denominator == "N"
+
+
+def test_trainer_without_token_averaging_is_a_local_mean(hf_logs: Path) -> None:
+    report = audit_run(hf_logs, "average_tokens_False")
+    codes = {f.code.value for f in report.findings}
+    assert report.runs[0].verdict == "incorrect"
+    assert "local_mean" in codes, codes
+    finding = next(f for f in report.findings if f.code.value == "local_mean")
+    assert finding.evidence["denominator"] == "n_rank"  # num_items_in_batch counted on the rank only
