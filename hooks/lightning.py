@@ -1,0 +1,49 @@
+"""PyTorch Lightning: one callback records a run.
+
+    trainer = L.Trainer(..., callbacks=[TokauditLightningCallback("runs")])
+
+Every training cross-entropy call is captured with its probe, so tokaudit sees what Lightning's
+own normalization (the loss divided by accumulate_grad_batches, DDP's average) did to each token.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from tokaudit.hooks.recorder import Recorder
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:  # the standalone package
+    from pytorch_lightning import Callback
+
+
+class TokauditLightningCallback(Callback):  # type: ignore[misc]
+    """Records a Lightning run to `log_dir` (one shard set per rank)."""
+
+    def __init__(self, log_dir: str | os.PathLike[str], run_id: str | None = None, **recorder_options: Any) -> None:
+        super().__init__()
+        self.log_dir = log_dir
+        self.run_id = run_id
+        self.recorder_options = recorder_options
+        self.recorder: Recorder | None = None
+        self._capture: Any = None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        wrapped = getattr(trainer.strategy, "model", None)
+        ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        self.recorder = Recorder(self.log_dir, run_id=self.run_id, model=ddp, optimizer=optimizer,
+                                 **self.recorder_options)
+        self._capture = self.recorder.capture_cross_entropy()
+        self._capture.__enter__()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._capture is not None:
+            self._capture.__exit__(None, None, None)
+            self._capture = None
+        if self.recorder is not None:
+            self.recorder.close()
