@@ -18,7 +18,7 @@ from transformers import TrainerCallback
 from tokaudit.hooks.recorder import Recorder
 
 
-class TokauditCallback(TrainerCallback):  # type: ignore[misc]
+class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     """Records a Trainer run to `log_dir` (one shard set per rank)."""
 
     def __init__(self, log_dir: str | os.PathLike[str], run_id: str | None = None, trainer: Any = None,

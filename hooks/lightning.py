@@ -18,10 +18,10 @@ from tokaudit.hooks.recorder import Recorder
 try:
     from lightning.pytorch import Callback
 except ImportError:  # the standalone package
-    from pytorch_lightning import Callback
+    from pytorch_lightning import Callback  # type: ignore[assignment,unused-ignore]
 
 
-class TokauditLightningCallback(Callback):  # type: ignore[misc]
+class TokauditLightningCallback(Callback):  # type: ignore[misc,unused-ignore]
     """Records a Lightning run to `log_dir` (one shard set per rank)."""
 
     def __init__(self, log_dir: str | os.PathLike[str], run_id: str | None = None, **recorder_options: Any) -> None:
