@@ -37,12 +37,12 @@ typecheck: setup
 # does not. Build it once and import everything from it.
 wheel-smoke: setup
 	rm -rf build/wheel build/wheel-unpacked
-	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w build/wheel .
+	$(BIN)/python -m pip wheel -q --no-deps -w build/wheel .
 	$(BIN)/python -m zipfile -e build/wheel/tokaudit-*.whl build/wheel-unpacked
-	cd build && PYTHONPATH=$(CURDIR)/build/wheel-unpacked ../$(BIN)/python -c \
-	  "import tokaudit, tokaudit.cli, tokaudit.hooks, tokaudit.render, sys; \
+	cd build && PYTHONPATH=$(CURDIR)/build/wheel-unpacked $(abspath $(BIN))/python -c \
+	  "import tokaudit, tokaudit.cli, tokaudit.hooks, tokaudit.render, tokaudit.render.console; \
 	   assert tokaudit.__file__.startswith('$(CURDIR)/build/wheel-unpacked'), tokaudit.__file__; \
-	   assert 'torch' not in sys.modules or True; print('wheel ok:', tokaudit.__version__)"
+	   print('wheel ok:', tokaudit.__version__)"
 
 bench: setup
 	$(BIN)/python bench/run.py

@@ -7,7 +7,7 @@ N = Σn over the step. A step is correct iff q = e·N = 1 for every record with 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 

@@ -66,6 +66,6 @@ def test_fix_matches_the_token_mean_reference(reduction: str) -> None:
             assert record["tokens"] == expected_tokens
             assert record["empty"] is (expected_tokens == 0)
             assert record["reported"] == pytest.approx(sum(sums) / max(expected_tokens, 1), rel=1e-12)
-            for got, want in zip(record["grads"], expected):
+            for got, want in zip(record["grads"], expected, strict=True):
                 assert torch.isfinite(got).all()
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -58,8 +58,8 @@ def recordings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list
 def test_recorder_changes_no_gradient(recordings: dict[str, Any], scenario: Scenario) -> None:
     results, _ = recordings[scenario.name]
     for result in results:
-        for plain, recorded in zip(result["plain"], result["recorded"]):
-            for a, b in zip(plain["grads"], recorded["grads"]):
+        for plain, recorded in zip(result["plain"], result["recorded"], strict=True):
+            for a, b in zip(plain["grads"], recorded["grads"], strict=True):
                 assert torch.equal(a, b), f"rank {result['rank']}: gradient changed by the recorder"
 
 
@@ -73,11 +73,11 @@ def test_reduced_gradient_matches_theory_and_reference(recordings: dict[str, Any
             weights = {(r, m): theory_weight(scenario, r, m, step, members) / divisor
                        for r in members for m in range(len(scenario.counts[step][r]))}
             expected = reference_gradient(record["before"], scenario, step, members, weights)
-            for got, want in zip(record["grads"], expected):
+            for got, want in zip(record["grads"], expected, strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
             if scenario.correct:
                 token_mean = reference_gradient(record["before"], scenario, step, members)
-                for got, want in zip(record["grads"], token_mean):
+                for got, want in zip(record["grads"], token_mean, strict=True):
                     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
