@@ -40,13 +40,14 @@ def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTO
     logset = load(paths)
     shards = list(logset.shards)
     problems = list(logset.problems)
-    if progress and sum(s.rows for s in shards) > PROGRESS_ROWS:
+    large = sum(s.rows for s in shards) > PROGRESS_ROWS
+    if progress and large:
         progress(f"reading {len(shards)} file(s), {sum(s.rows for s in shards):,} rows")
     while shards:
         try:
             engine = Engine.open(shards)
             try:
-                return LogSet(shards, problems), engine, engine.step_table(rtol)
+                return LogSet(shards, problems), engine, engine.step_table(rtol, progress if large else None)
             except duckdb.Error:
                 engine.close()
                 raise

@@ -126,6 +126,11 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> list[StepDiagnosis]:
             for fit in candidates[i].items():
                 votes[fit] = votes.get(fit, 0) + 1
         best = max(votes, key=lambda h: (votes[h], -PREFERENCE.index(h[0])))
+        if votes[best] == 1:
+            # Nothing is shared any more: each step keeps its own best fit (keeps this linear).
+            for i in remaining:
+                assigned[i] = min(candidates[i].items(), key=lambda h: PREFERENCE.index(h[0]))
+            break
         for i in [i for i in remaining if candidates[i].get(best[0]) == best[1]]:
             assigned[i] = best
             remaining.discard(i)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import duckdb
@@ -142,14 +142,17 @@ class Engine:
                 chunks.append(((first, stop - 1), members))
         return chunks
 
-    def step_table(self, rtol: float) -> pd.DataFrame:
+    def step_table(self, rtol: float, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
         """One row per (run, grp, step) with everything the checks need (see STEP_SQL).
 
         Large logs are aggregated a step range at a time. Duplicates are looked for only where the
         cheap per-rank count says there may be some; those records are then deduplicated.
         """
         frames = []
-        for steps, shards in self._chunks():
+        chunks = self._chunks()
+        for index, (steps, shards) in enumerate(chunks):
+            if progress and len(chunks) > 1 and steps:
+                progress(f"aggregating steps {steps[0]}–{steps[1]} ({index + 1}/{len(chunks)})")
             self._define(shards, steps, deduplicate=False)
             frame = self.connection.execute(STEP_SQL, {"rtol": rtol}).df()
             if len(frame) and (frame.repeated_micro.sum() > 0 or frame.wide_micro.sum() > 0):
