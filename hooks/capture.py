@@ -90,7 +90,7 @@ def _record(recorder: Recorder, out: torch.Tensor, input: torch.Tensor, target: 
         # count for probability targets); sum = Σℓᵢ. So ∂loss/∂ℓᵢ is 1/Σw or 1 for every valid i.
         if reduction == "mean":
             if target.is_floating_point():
-                denominator = torch.tensor(float(valid.numel()), device=out.device)
+                denominator = torch.full((), float(valid.numel()), device=out.device)
             elif weight is not None:
                 denominator = (weight[target.masked_fill(~valid, 0)] * valid).sum()
             else:

@@ -45,7 +45,7 @@ class ProbeResult:
         # grad = ∂b/∂ℓᵢ for every position; reductions stay on the device (no host sync) and
         # accumulate in float64, the per-token values stay in the gradient's own dtype.
         weight = grad.detach()
-        inf = torch.tensor(float("inf"), dtype=weight.dtype, device=weight.device)
+        inf = float("inf")  # Python scalars: no host-to-device copy inside backward
         weight_sum = torch.where(valid, weight, 0).sum(dtype=torch.float64)
         weight_min = torch.where(valid, weight, inf).amin().double()
         weight_max = torch.where(valid, weight, -inf).amax().double()
@@ -55,7 +55,7 @@ class ProbeResult:
     def add_uniform(self, weight: torch.Tensor, valid_count: torch.Tensor) -> None:
         """Every valid token got the same weight (a reduced loss); positions that are not valid got 0."""
         weight = weight.detach().to(torch.float64).reshape(())
-        inf = torch.tensor(float("inf"), dtype=torch.float64, device=weight.device)
+        inf = float("inf")
         has_tokens = valid_count > 0
         self._accumulate(weight * valid_count, torch.where(has_tokens, weight, inf),
                          torch.where(has_tokens, weight, -inf), torch.zeros_like(weight), valid_count)

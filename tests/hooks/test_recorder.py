@@ -191,3 +191,28 @@ def test_divisor_comes_from_the_comm_hook_or_a_warning(tmp_path: Path) -> None:
     assert "grad_divisor" in messages[2] and "_custom_hook" in messages[2]
     divisors = {run: read_rows(tmp_path / run)[0]["grad_divisor"] for run in ("default", "known", "custom", "declared")}
     assert divisors == {"default": 2.0, "known": 2.0, "custom": None, "declared": 1.0}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_device_sync_on_cuda(tmp_path: Path) -> None:
+    """On a GPU, CUDA's own sync detector errors on any synchronizing call while recording."""
+    model = torch.nn.Linear(16, 8).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = Recorder(tmp_path, run_id="cuda", optimizer=optimizer, flush_every=1000)
+    labels = torch.tensor([0, 1, 2, -100, 1, -100], device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            per_token = torch.nn.functional.cross_entropy(model(torch.randn(6, 16, device="cuda")), labels,
+                                                          reduction="none")
+            per_token = rec.probe(per_token, labels != -100)
+            loss_sum = per_token.sum()
+            scalar = loss_sum / 4
+            rec.record(loss_sum=loss_sum, valid_tokens=(labels != -100).sum(), backward_scalar=scalar)
+            scalar.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    rec.close()
+    assert [row["valid_tokens"] for row in read_rows(tmp_path / "cuda")] == [4, 4, 4]
