@@ -49,6 +49,17 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         self._capture = self.recorder.capture_cross_entropy()
         self._capture.__enter__()
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.recorder is not None:
+            self.recorder.begin_step(state.global_step)  # a resumed run keeps its step numbers
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               **kwargs: Any) -> None:
+        # The logged loss averages the updates since the last log; it is one step's loss only
+        # when logging every step.
+        if self.recorder is not None and logs and "loss" in logs and args.logging_steps == 1:
+            self.recorder.report_loss(float(logs["loss"]), step=state.global_step - 1)
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._capture is not None:
             self._capture.__exit__(None, None, None)

@@ -41,6 +41,10 @@ class TokauditLightningCallback(Callback):  # type: ignore[misc,unused-ignore]
         self._capture = self.recorder.capture_cross_entropy()
         self._capture.__enter__()
 
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.recorder is not None:
+            self.recorder.begin_step(trainer.global_step)  # a resumed run keeps its step numbers
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._capture is not None:
             self._capture.__exit__(None, None, None)

@@ -265,6 +265,21 @@ class Recorder:
 
         return capture_cross_entropy(self)
 
+    def begin_step(self, step: int) -> None:
+        """The next records belong to optimizer update `step` (a trainer's global step, so a resumed
+        run continues its numbering instead of starting at 0 again)."""
+        if step != self._step:
+            self._step = step
+            self._micro_next = {}
+
+    def report_loss(self, value: Value, step: int | None = None) -> None:
+        """The loss the trainer reported for `step` (default: the update just closed), stamped on its
+        buffered records as `reported_loss`."""
+        step = self._step - 1 if step is None else step
+        for record in self._records:
+            if record["step"] == step:
+                record["reported_loss"] = _detached(value)
+
     def end_step(self, skipped: bool | None = None) -> None:
         """Close the current optimizer update (called by the optimizer's step hook when one is given).
 

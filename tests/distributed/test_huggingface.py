@@ -83,5 +83,8 @@ def test_trainer_without_token_averaging_is_a_local_mean(hf_logs: Path) -> None:
     codes = {f.code.value for f in report.findings}
     assert report.runs[0].verdict == "incorrect"
     assert "local_mean" in codes, codes
+    # The Trainer logs the mean over ranks of each rank's own mean, not ΣS/N.
+    reported = next(f for f in report.findings if f.code.value == "reported_loss_mismatch")
+    assert "mean of per-rank means" in reported.message
     finding = next(f for f in report.findings if f.code.value == "local_mean")
     assert finding.evidence["denominator"] == "n_rank"  # num_items_in_batch counted on the rank only

@@ -216,3 +216,18 @@ def test_no_device_sync_on_cuda(tmp_path: Path) -> None:
         torch.cuda.set_sync_debug_mode("default")
     rec.close()
     assert [row["valid_tokens"] for row in read_rows(tmp_path / "cuda")] == [4, 4, 4]
+
+
+def test_begin_step_and_report_loss(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(tmp_path, run_id="resumed", optimizer=optimizer) as rec:
+        rec.begin_step(100)  # a run resumed at update 100
+        for _ in range(2):
+            for _ in range(2):
+                rec.record(loss_sum=2.0, valid_tokens=4, backward_scalar=0.25)
+            optimizer.step()
+            rec.report_loss(0.5)  # the trainer's log for the update just closed
+    rows = read_rows(tmp_path / "resumed")
+    assert [(r["step"], r["micro"], r["reported_loss"]) for r in rows] == [
+        (100, 0, 0.5), (100, 1, 0.5), (101, 0, 0.5), (101, 1, 0.5)]
