@@ -231,3 +231,14 @@ def test_begin_step_and_report_loss(tmp_path: Path) -> None:
     rows = read_rows(tmp_path / "resumed")
     assert [(r["step"], r["micro"], r["reported_loss"]) for r in rows] == [
         (100, 0, 0.5), (100, 1, 0.5), (101, 0, 0.5), (101, 1, 0.5)]
+
+
+def test_records_are_flushed_at_interpreter_exit(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("from tokaudit.hooks import Recorder\n"
+            f"rec = Recorder({str(tmp_path)!r}, run_id='exit')\n"
+            "rec.record(loss_sum=1.0, valid_tokens=2, backward_scalar=0.5)\n")  # no close()
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert [row["valid_tokens"] for row in read_rows(tmp_path / "exit")] == [2]
