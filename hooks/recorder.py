@@ -170,7 +170,7 @@ class Recorder:
         self._forward_sync: bool | None = None
         self._step = 0
         self._micro_next: dict[int, int] = {}
-        self._has_optimizer = optimizer is not None
+        self._steps_known = optimizer is not None  # else until begin_step/end_step is called
 
         process_group = group if group is not None else getattr(model, "process_group", None)
         if dist.is_available() and dist.is_initialized():
@@ -231,7 +231,7 @@ class Recorder:
                 self._resolve_divisor()
             if step is None:
                 step = self._step
-                if not self._has_optimizer:
+                if not self._steps_known:
                     # No step boundaries known: every backward is its own update.
                     self._step += 1
             if micro is None:
@@ -268,6 +268,7 @@ class Recorder:
     def begin_step(self, step: int) -> None:
         """The next records belong to optimizer update `step` (a trainer's global step, so a resumed
         run continues its numbering instead of starting at 0 again)."""
+        self._steps_known = True
         if step != self._step:
             self._step = step
             self._micro_next = {}
@@ -285,6 +286,7 @@ class Recorder:
 
         `skipped=True` marks the buffered records of this update as skipped by policy (e.g. N = 0).
         """
+        self._steps_known = True
         if skipped is not None:
             for record in self._records:
                 if record["step"] == self._step:

@@ -242,3 +242,13 @@ def test_records_are_flushed_at_interpreter_exit(tmp_path: Path) -> None:
             "rec.record(loss_sum=1.0, valid_tokens=2, backward_scalar=0.5)\n")  # no close()
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert [row["valid_tokens"] for row in read_rows(tmp_path / "exit")] == [2]
+
+
+def test_manual_step_boundaries_without_optimizer(tmp_path: Path) -> None:
+    with Recorder(tmp_path, run_id="manual") as rec:
+        for step in range(2):
+            rec.begin_step(step)
+            rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0)
+            rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0)
+    keys = [(r["step"], r["micro"]) for r in read_rows(tmp_path / "manual")]
+    assert keys == [(0, 0), (0, 1), (1, 0), (1, 1)]
