@@ -73,8 +73,12 @@ def _undecodable(shards: list[Shard]) -> dict[object, LogFormatError]:
 
 
 def audit(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL, runs: Sequence[str] = (),
-          progress: Progress | None = None) -> AuditReport:
-    """Audit every run under `paths`. Unreadable files become `problems`; the rest is still audited."""
+          progress: Progress | None = None, live: bool = False) -> AuditReport:
+    """Audit every run under `paths`. Unreadable files become `problems`; the rest is still audited.
+
+    `live`: the logs are still being written, so steps after the last one every rank has recorded
+    are left out instead of being reported as missing ranks.
+    """
     if not (0 < rtol < 1):
         raise UsageError(f"--rtol must be between 0 and 1, got {rtol}")
     logset, engine, steps = open_logs(paths, rtol, progress)
@@ -88,6 +92,8 @@ def audit(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL, r
                 raise UsageError(f"no run named {', '.join(map(repr, unknown))} in the logs "
                                  f"(runs: {', '.join(sorted(set(steps.run)))})")
             steps = steps[steps.run.isin(runs)]
+        if live:
+            steps = _complete_steps(steps, engine.complete_through(), progress)
         summaries: list[RunSummary] = []
         findings: list[Finding] = []
         for run, frame in steps.groupby("run", sort=True):
@@ -109,6 +115,15 @@ def audit(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL, r
         return AuditReport(runs=summaries, findings=findings, problems=problems, files=len(logset.shards))
     finally:
         engine.close()
+
+
+def _complete_steps(steps: pd.DataFrame, horizon: dict[tuple[str, str], int], progress: Progress | None
+                    ) -> pd.DataFrame:
+    limit = [horizon.get((str(run), str(group)), -1) for run, group in zip(steps.run, steps.grp, strict=True)]
+    keep = steps.step <= pd.Series(limit, index=steps.index)
+    if progress and (~keep).any():
+        progress(f"--live: left out {int((~keep).sum())} step(s) not yet recorded by every rank")
+    return steps[keep].reset_index(drop=True)
 
 
 def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: list) -> RunSummary:  # type: ignore[type-arg]

@@ -72,8 +72,10 @@ def main() -> None:
 @click.option("--rtol", type=float, default=DEFAULT_RTOL, show_default=True,
               help="Relative tolerance on weights (default suits float32 logs).")
 @click.option("--run", "runs", multiple=True, help="Audit only this run (repeatable).")
+@click.option("--live", is_flag=True, help="The run is still training: leave out the newest steps that not "
+                                           "every rank has flushed yet.")
 def check(paths: tuple[Path, ...], fmt: str, output: Path | None, fail_on: str, rtol: float,
-          runs: tuple[str, ...]) -> None:
+          runs: tuple[str, ...], live: bool) -> None:
     """Recover the normalization every run used and diagnose it.
 
     Exit 0: nothing at or above --fail-on; 1: findings; 2: bad usage or unreadable input.
@@ -82,7 +84,7 @@ def check(paths: tuple[Path, ...], fmt: str, output: Path | None, fail_on: str, 
 
     progress = _stderr()
     try:
-        report = audit(paths, rtol=rtol, runs=runs,
+        report = audit(paths, rtol=rtol, runs=runs, live=live,
                        progress=lambda message: progress.print(message, style="dim", markup=False))
     except TokauditError as error:
         _fail(error)

@@ -195,6 +195,16 @@ class Engine:
         assert row is not None
         return row[0], row[1]
 
+    def complete_through(self) -> dict[tuple[str, str], int]:
+        """Per (run, group): the last step that every rank has recorded. Steps after it are still
+        being written when the log is read during training (ranks flush at different times)."""
+        rows = self.connection.execute("""
+            SELECT run, grp, min(last_step) FROM (
+                SELECT run, grp, rank, max(step) AS last_step FROM raw_records GROUP BY run, grp, rank)
+            GROUP BY run, grp
+        """).fetchall()
+        return {(str(run), str(group)): int(step) for run, group, step in rows}
+
     def ranks_at(self, run: str, group: str, step: int) -> list[int]:
         """Ranks that recorded one step of one group."""
         rows = self.connection.execute(

@@ -125,3 +125,15 @@ def test_real_subprocess_and_no_torch_import(logs: Path) -> None:
     probe = subprocess.run([sys.executable, "-c", "import sys, tokaudit.cli, tokaudit.audit; "
                             "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=120)
     assert probe.stdout.strip() == "False"
+
+
+def test_live_leaves_out_steps_not_every_rank_has_flushed(tmp_path: Path) -> None:
+    rows = records(UNEVEN_GA * 2, token_mean)
+    # Rank 1 has flushed through step 3 only; rank 0 through step 5 (training goes on).
+    rows = [r for r in rows if not (r["rank"] == 1 and r["step"] > 3)]
+    write_by_rank(tmp_path / "run", rows)
+    code, out, _ = invoke("check", str(tmp_path), "--format", "json")
+    assert code == 1 and "missing_rank" in {f["code"] for f in json.loads(out)["findings"]}
+    code, out, err = invoke("check", str(tmp_path), "--format", "json", "--live")
+    report = json.loads(out)
+    assert code == 0 and report["findings"] == [] and report["runs"][0]["steps"] == 4
