@@ -13,6 +13,12 @@ EXPECTED_CODES: dict[str, set[str]] = {
     "bug_missing_world_size": {"world_size_mismatch"},
     "bug_hard_coded_world_size": {"world_size_mismatch"},
     "bug_global_world_size_on_dp_group": {"world_size_mismatch"},
+    "inconclusive_balanced_local_mean": {"balanced_counts"},
+}
+
+EXPECTED_VERDICT: dict[str, str] = {
+    run: "correct" if run.startswith("correct_") else "inconclusive" if run.startswith("inconclusive_") else "incorrect"
+    for run in EXPECTED_CODES
 }
 
 # Recovered normalization: (denominator, α in b·g = α·S/denominator).
@@ -27,4 +33,5 @@ EXPECTED_NORMALIZATION: dict[str, tuple[str, float]] = {
     "bug_missing_world_size": ("N", 1.0),
     "bug_hard_coded_world_size": ("N", 8.0),
     "bug_global_world_size_on_dp_group": ("N", 4.0),
+    "inconclusive_balanced_local_mean": ("undetermined", 2.0),
 }

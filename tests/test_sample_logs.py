@@ -7,7 +7,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from tests.expected import EXPECTED_CODES, EXPECTED_NORMALIZATION
+from tests.expected import EXPECTED_CODES, EXPECTED_NORMALIZATION, EXPECTED_VERDICT
 from tokaudit.cli import main
 
 SAMPLE_LOGS = Path(__file__).resolve().parents[1] / "sample_logs"
@@ -22,7 +22,7 @@ def test_sample_logs_are_diagnosed() -> None:
     for run, codes in EXPECTED_CODES.items():
         found = {f["code"] for f in report["findings"] if f["run"] == run}
         assert found == codes, (run, found)
-        assert runs[run]["verdict"] == ("incorrect" if run.startswith("bug_") else "correct"), run
+        assert runs[run]["verdict"] == EXPECTED_VERDICT[run], run
         denominator, factor = EXPECTED_NORMALIZATION[run]
         assert runs[run]["normalization"] == {"denominator": denominator, "factor": factor}, run
 

@@ -141,13 +141,13 @@ def _group_of(members: list[int]) -> str:
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_fresh_recordings_are_diagnosed(recordings: dict[str, Any], scenario: Scenario) -> None:
-    from tests.expected import EXPECTED_CODES, EXPECTED_NORMALIZATION
+    from tests.expected import EXPECTED_CODES, EXPECTED_NORMALIZATION, EXPECTED_VERDICT
     from tokaudit.audit import audit
 
     _, log_dir = recordings[scenario.name]
     report = audit([log_dir])
     (run,) = report.runs
     assert {f.code.value for f in report.findings} == EXPECTED_CODES[scenario.name]
-    assert run.verdict == ("correct" if scenario.correct else "incorrect")
+    assert run.verdict == EXPECTED_VERDICT[scenario.name]
     assert run.normalization is not None
     assert (run.normalization.denominator, run.normalization.factor) == EXPECTED_NORMALIZATION[scenario.name]
