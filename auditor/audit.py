@@ -5,18 +5,17 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import duckdb
 import pandas as pd
 import pyarrow.parquet as pq
 
-from tokaudit.checks import DEFAULT_RTOL, StepDiagnosis, check_run
+from tokaudit.checks import DEFAULT_RTOL, check_run
 from tokaudit.codes import Code, Severity
 from tokaudit.engine import Engine
 from tokaudit.errors import LogFormatError, UsageError
 from tokaudit.reader import LogSet, Shard, load
-from tokaudit.report import AuditReport, Finding, RunSummary, StepRange, Verdict
+from tokaudit.report import AuditReport, Finding, RunSummary, Segment, StepRange, Verdict
 
 Progress = Callable[[str], None]
 
@@ -24,14 +23,6 @@ PROGRESS_ROWS = 1_000_000
 """Logs larger than this say on stderr what is being read."""
 
 _CODE_ORDER = {code: index for index, code in enumerate(Code)}
-
-
-@dataclass
-class StepView:
-    """The per-step table of an opened log, with each step's diagnosis (for post-mortems)."""
-
-    steps: pd.DataFrame
-    diagnoses: dict[tuple[str, str, int], StepDiagnosis]
 
 
 def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL,
@@ -99,7 +90,7 @@ def audit(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL, r
         for run, frame in steps.groupby("run", sort=True):
             run = str(run)
             frame = frame.reset_index(drop=True)
-            run_findings, segments, diagnoses = check_run(run, frame, rtol, engine)
+            run_findings, segments = check_run(run, frame, rtol, engine)
             if run in engine.duplicates:
                 copies, first, last, count = engine.duplicates[run]
                 run_findings.append(Finding(
@@ -126,7 +117,7 @@ def _complete_steps(steps: pd.DataFrame, horizon: dict[tuple[str, str], int], pr
     return steps[keep].reset_index(drop=True)
 
 
-def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: list) -> RunSummary:  # type: ignore[type-arg]
+def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: list[Segment]) -> RunSummary:
     worst = max((f.severity.rank for f in findings), default=-1)
     verdict: Verdict
     if worst >= Severity.WARNING.rank:

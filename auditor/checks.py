@@ -184,9 +184,8 @@ class LogQueries(Protocol):
     def extremes(self, run: str, group: str, step: int) -> tuple[dict[str, float], dict[str, float]]: ...
 
 
-def check_run(run: str, steps: pd.DataFrame, rtol: float, log: LogQueries
-              ) -> tuple[list[Finding], list[Segment], list[StepDiagnosis]]:
-    """All checks for one run's steps (every group). Returns findings, segments, and per-step diagnoses."""
+def check_run(run: str, steps: pd.DataFrame, rtol: float, log: LogQueries) -> tuple[list[Finding], list[Segment]]:
+    """All checks for one run's steps (every group): its findings and its normalization segments."""
     diagnoses = diagnose_steps(steps, rtol)
     context = RunContext(run=run, world_size=int(steps.w_high.mode().iloc[0]),
                          microbatches=int(steps.m_high.max()), divisor=float(steps.d_high.mode().iloc[0]), rtol=rtol)
@@ -196,7 +195,7 @@ def check_run(run: str, steps: pd.DataFrame, rtol: float, log: LogQueries
         findings.extend(check(steps, context))
     findings.extend(_missing_ranks(steps, context, log))
     findings.extend(_balanced(steps, diagnoses, findings, context))
-    return findings, _segments(steps, diagnoses), diagnoses
+    return findings, _segments(steps, diagnoses)
 
 
 def _finding(context: RunContext, code: Code, steps: list[int], message: str, fix: str,

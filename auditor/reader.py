@@ -145,7 +145,7 @@ def _check_values(parquet: pq.ParquetFile, present: set[str], stats: dict[str, t
         if column in present:
             need.add(column)  # NaN never shows in statistics
     if need:
-        _check_rows(parquet.read(columns=sorted(need | {"step"}), use_threads=True), need)
+        _check_rows(parquet.read(columns=sorted(need), use_threads=True), need)
 
 
 def _column_stats(parquet: pq.ParquetFile, present: set[str]) -> dict[str, tuple[Any, Any, int | None]]:
