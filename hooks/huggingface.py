@@ -28,7 +28,6 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         self.trainer = trainer
         self.recorder_options = recorder_options
         self.recorder: Recorder | None = None
-        self._capture: Any = None
 
     @classmethod
     def attach(cls, trainer: Any, log_dir: str | os.PathLike[str], run_id: str | None = None,
@@ -46,8 +45,7 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         torch_optimizer = getattr(optimizer, "optimizer", optimizer)
         self.recorder = Recorder(self.log_dir, run_id=self.run_id, model=ddp, optimizer=torch_optimizer,
                                  **self.recorder_options)
-        self._capture = self.recorder.capture_cross_entropy()
-        self._capture.__enter__()
+        self.recorder.start_capture()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.recorder is not None:
@@ -61,8 +59,5 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             self.recorder.report_loss(float(logs["loss"]), step=state.global_step - 1)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._capture is not None:
-            self._capture.__exit__(None, None, None)
-            self._capture = None
         if self.recorder is not None:
-            self.recorder.close()
+            self.recorder.close()  # also ends the capture

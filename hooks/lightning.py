@@ -30,7 +30,6 @@ class TokauditLightningCallback(Callback):  # type: ignore[misc,unused-ignore]
         self.run_id = run_id
         self.recorder_options = recorder_options
         self.recorder: Recorder | None = None
-        self._capture: Any = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         wrapped = getattr(trainer.strategy, "model", None)
@@ -38,16 +37,12 @@ class TokauditLightningCallback(Callback):  # type: ignore[misc,unused-ignore]
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         self.recorder = Recorder(self.log_dir, run_id=self.run_id, model=ddp, optimizer=optimizer,
                                  **self.recorder_options)
-        self._capture = self.recorder.capture_cross_entropy()
-        self._capture.__enter__()
+        self.recorder.start_capture()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.recorder is not None:
             self.recorder.begin_step(trainer.global_step)  # a resumed run keeps its step numbers
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._capture is not None:
-            self._capture.__exit__(None, None, None)
-            self._capture = None
         if self.recorder is not None:
-            self.recorder.close()
+            self.recorder.close()  # also ends the capture

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import atexit
-from contextlib import AbstractContextManager
 import os
 import re
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +161,7 @@ class Recorder:
         self._warned: set[str] = set()
         self._records: list[dict[str, Any]] = []
         self._pending_probe: ProbeResult | None = None
+        self._capture: AbstractContextManager[None] | None = None
         self._handles: list[Any] = []
         self._flush_every = flush_every
         self._model = model
@@ -265,6 +266,12 @@ class Recorder:
 
         return capture_cross_entropy(self)
 
+    def start_capture(self) -> None:
+        """`capture_cross_entropy()` without a `with` block: active until `close()` (trainer callbacks)."""
+        if self._capture is None:
+            self._capture = self.capture_cross_entropy()
+            self._capture.__enter__()
+
     def begin_step(self, step: int) -> None:
         """The next records belong to optimizer update `step` (a trainer's global step, so a resumed
         run continues its numbering instead of starting at 0 again)."""
@@ -299,10 +306,11 @@ class Recorder:
         not yet seen its backward stay buffered for the next shard."""
         if not self._records:
             return
-        ready, waiting = self._records, []
+        ready, waiting = self._records, list[dict[str, Any]]()
         if wait_for_backward and len(self._records) < 2 * self._flush_every:
-            ready = [r for r in self._records if r["probe"] is None or r["probe"].filled]
-            waiting = [r for r in self._records if not (r["probe"] is None or r["probe"].filled)]
+            ready = []
+            for record in self._records:
+                (ready if record["probe"] is None or record["probe"].filled else waiting).append(record)
         self._records = waiting
         # A captured loss that never reached backward (computed with grad, then unused) is no record.
         ready = [r for r in ready if not (r["captured"] and not r["probe"].filled)]
@@ -315,9 +323,12 @@ class Recorder:
                                      "training goes on without these records")
 
     def close(self) -> None:
-        """Flush everything and detach the hooks. Safe to call twice."""
+        """Stop a started capture, flush everything and detach the hooks. Safe to call twice."""
         if self._closed:
             return
+        if self._capture is not None:
+            self._capture.__exit__(None, None, None)
+            self._capture = None
         self.flush()
         self._closed = True
         for handle in self._handles:

@@ -110,3 +110,15 @@ def test_calls_without_grad_and_unused_losses_are_not_records(tmp_path: Path) ->
     assert F.cross_entropy.__name__ == "cross_entropy", "the original is restored"
     rows = pq.read_table(next((tmp_path / "eval").glob("*.parquet"))).to_pylist()
     assert len(rows) == 1 and rows[0]["token_weight_sum"] == pytest.approx(1.0)
+
+
+def test_start_capture_lasts_until_close(tmp_path: Path) -> None:
+    original = F.cross_entropy
+    rec = Recorder(tmp_path, run_id="started")
+    rec.start_capture()
+    assert F.cross_entropy is not original
+    logits, target = inputs("2d", -100)
+    F.cross_entropy(logits, target).backward()
+    rec.close()
+    assert F.cross_entropy is original
+    assert len(pq.read_table(next((tmp_path / "started").glob("*.parquet")))) == 1
