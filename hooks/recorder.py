@@ -306,7 +306,8 @@ class Recorder:
         not yet seen its backward stay buffered for the next shard."""
         if not self._records:
             return
-        ready, waiting = self._records, list[dict[str, Any]]()
+        ready = self._records
+        waiting: list[dict[str, Any]] = []
         if wait_for_backward and len(self._records) < 2 * self._flush_every:
             ready = []
             for record in self._records:
