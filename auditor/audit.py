@@ -15,7 +15,7 @@ from tokaudit.codes import Code, Severity
 from tokaudit.engine import Engine
 from tokaudit.errors import LogFormatError, UsageError
 from tokaudit.reader import LogSet, Shard, load
-from tokaudit.report import AuditReport, Finding, RunSummary, Segment, StepRange, Verdict
+from tokaudit.report import AuditReport, Finding, RunSummary, Segment, Verdict
 
 Progress = Callable[[str], None]
 
@@ -90,16 +90,7 @@ def audit(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL, r
         for run, frame in steps.groupby("run", sort=True):
             run = str(run)
             frame = frame.reset_index(drop=True)
-            run_findings, segments = check_run(run, frame, rtol, engine)
-            if run in engine.duplicates:
-                copies, first, last, count = engine.duplicates[run]
-                run_findings.append(Finding(
-                    run=run, code=Code.DUPLICATE_RECORDS, severity=Severity.WARNING,
-                    steps=StepRange(first, last, count),
-                    message=f"{copies} record(s) repeat a (group, step, micro, rank) already logged, e.g. after a "
-                            "resume that replayed steps; the later record (by `time`, then file) was kept.",
-                    fix="resume from the checkpoint's step and start a new shard sequence; or delete the older shards",
-                    evidence={"dropped_records": copies}))
+            run_findings, segments = check_run(run, frame, rtol, engine, engine.duplicates.get(run))
             findings.extend(run_findings)
             summaries.append(_summary(run, frame, run_findings, segments))
         findings.sort(key=lambda f: (-f.severity.rank, f.run, _CODE_ORDER[f.code], f.steps.first))

@@ -184,8 +184,11 @@ class LogQueries(Protocol):
     def extremes(self, run: str, group: str, step: int) -> tuple[dict[str, float], dict[str, float]]: ...
 
 
-def check_run(run: str, steps: pd.DataFrame, rtol: float, log: LogQueries) -> tuple[list[Finding], list[Segment]]:
-    """All checks for one run's steps (every group): its findings and its normalization segments."""
+def check_run(run: str, steps: pd.DataFrame, rtol: float, log: LogQueries,
+              duplicates: tuple[int, int, int, int] | None = None) -> tuple[list[Finding], list[Segment]]:
+    """All checks for one run's steps (every group): its findings and its normalization segments.
+
+    `duplicates`: (records dropped, first step, last step, steps) when the reader found repeated keys."""
     diagnoses = diagnose_steps(steps, rtol)
     context = RunContext(run=run, world_size=int(steps.w_high.mode().iloc[0]),
                          microbatches=int(steps.m_high.max()), divisor=float(steps.d_high.mode().iloc[0]), rtol=rtol)
@@ -194,7 +197,9 @@ def check_run(run: str, steps: pd.DataFrame, rtol: float, log: LogQueries) -> tu
     for check in (_structure_findings, _value_findings, _sync_findings, _reported_findings, _probe_findings):
         findings.extend(check(steps, context))
     findings.extend(_missing_ranks(steps, context, log))
-    findings.extend(_balanced(steps, diagnoses, findings, context))
+    if duplicates is not None:
+        findings.append(_duplicates(duplicates, context))
+    findings.extend(_balanced(steps, diagnoses, context))
     return findings, _segments(steps, diagnoses)
 
 
@@ -485,8 +490,18 @@ def _missing_ranks(steps: pd.DataFrame, context: RunContext, log: LogQueries) ->
                    {"step": int(first.step), "missing_ranks": absent, "world_size": int(first.w_high)})
 
 
-def _balanced(steps: pd.DataFrame, diagnoses: list[StepDiagnosis], findings: list[Finding],
-              context: RunContext) -> Iterator[Finding]:
+def _duplicates(duplicates: tuple[int, int, int, int], context: RunContext) -> Finding:
+    """duplicate_records: the engine kept the later of each repeated (group, step, micro, rank)."""
+    copies, first, last, count = duplicates
+    return Finding(run=context.run, code=Code.DUPLICATE_RECORDS, severity=DEFAULT_SEVERITY[Code.DUPLICATE_RECORDS],
+                   steps=StepRange(first, last, count),
+                   message=f"{copies} record(s) repeat a (group, step, micro, rank) already logged, e.g. after a "
+                           "resume that replayed steps; the later record (by `time`, then file) was kept.",
+                   fix="resume from the checkpoint's step and start a new shard sequence; or delete the older shards",
+                   evidence={"dropped_records": copies})
+
+
+def _balanced(steps: pd.DataFrame, diagnoses: list[StepDiagnosis], context: RunContext) -> Iterator[Finding]:
     """balanced_counts: every step with tokens had equal counts everywhere, so the logs cannot tell."""
     nonempty = [d for d in diagnoses if d.kind != "empty"]
     if not nonempty or not all(d.balanced for d in nonempty):
