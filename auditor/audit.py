@@ -11,7 +11,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from tokaudit.checks import DEFAULT_RTOL, check_run
-from tokaudit.codes import Code, Severity
+from tokaudit.codes import UNDECIDABLE, Code, Severity
 from tokaudit.engine import Engine
 from tokaudit.errors import LogFormatError, UsageError
 from tokaudit.reader import LogSet, Shard, load
@@ -90,10 +90,12 @@ def audit(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL, r
         for run, frame in steps.groupby("run", sort=True):
             run = str(run)
             frame = frame.reset_index(drop=True)
-            run_findings, segments = check_run(run, frame, rtol, engine, engine.duplicates.get(run))
+            run_findings, spans = check_run(run, frame, rtol, engine.duplicates.get(run))
             findings.extend(run_findings)
+            segments = [Segment(s.first, s.last, s.steps, s.denominator.value, s.factor, s.group, s.term)
+                        for s in spans]
             summaries.append(_summary(run, frame, run_findings, segments))
-        findings.sort(key=lambda f: (-f.severity.rank, f.run, _CODE_ORDER[f.code], f.steps.first))
+        findings.sort(key=lambda f: (-f.severity.rank, f.run, f.term != "0", f.term, _CODE_ORDER[f.code], f.steps.first))
         return AuditReport(runs=summaries, findings=findings, problems=problems, files=len(logset.shards))
     finally:
         engine.close()
@@ -108,22 +110,30 @@ def _complete_steps(steps: pd.DataFrame, horizon: dict[tuple[str, str], int], pr
     return steps[keep].reset_index(drop=True)
 
 
+def verdict_of(findings: Sequence[Finding], judged: bool) -> Verdict:
+    """SPEC §4: incorrect when a warning or error says so; inconclusive when the only ones say the logs
+    cannot tell (or the counts are balanced, or nothing could be judged); correct otherwise."""
+    serious = [f for f in findings if f.severity.rank >= Severity.WARNING.rank]
+    if any(f.code not in UNDECIDABLE for f in serious):
+        return "incorrect"
+    if serious or any(f.code == Code.BALANCED_COUNTS for f in findings) or not judged:
+        return "inconclusive"
+    return "correct"
+
+
 def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: list[Segment]) -> RunSummary:
-    worst = max((f.severity.rank for f in findings), default=-1)
-    verdict: Verdict
-    if worst >= Severity.WARNING.rank:
-        verdict = "incorrect"
-    elif any(f.code == Code.BALANCED_COUNTS for f in findings) or not (frame.tokens > 0).any():
-        verdict = "inconclusive"
-    else:
-        verdict = "correct"
+    judged = bool(((frame.tokens > 0) & (frame.weighted_records > 0)).any())
     weighted = frame[(frame.weighted_records > 0) & (frame.tok_low > 0)]
     ratios = (weighted.tok_high / weighted.tok_low).tolist()
     if ((frame.weighted_records > 0) & (frame.tok_low <= 0)).any():
         ratios.append(math.inf)
-    normalization = max(segments, key=lambda s: s.steps) if segments else None
+    terms = sorted(set(frame.term.astype(str)), key=lambda t: (t != "0", t))
+    main = [s for s in segments if s.term == terms[0]]
+    normalization = max(main, key=lambda s: s.steps) if main else None
     sizes = sorted({int(w) for w in pd.concat([frame.w_low, frame.w_high])})
+    skipped = int(frame.step[frame.skipped_true > 0].nunique())
     return RunSummary(run=run, rows=int(frame.records.sum()), steps=int(frame.step.nunique()),
                       ranks=int(frame.rank_max.max()) + 1, world_size=sizes, groups=int(frame.grp.nunique()),
-                      verdict=verdict, normalization=normalization, segments=segments,
-                      max_weight_ratio=float(max(ratios, default=1.0)), microbatches=int(frame.m_high.max()))
+                      verdict=verdict_of(findings, judged), normalization=normalization, segments=segments,
+                      max_weight_ratio=float(max(ratios, default=1.0)), microbatches=int(frame.m_high.max()),
+                      terms=terms, skipped_steps=skipped)

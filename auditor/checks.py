@@ -1,7 +1,9 @@
-"""Pure checks over the per-step table: recover the normalization and turn each problem into findings.
+"""Checks over the per-step table: each problem becomes one finding with its numbers and its fix.
 
+Pure functions of the step table (one row per run, group, term and step): no Parquet, no DuckDB.
 Notation (SPEC §1): per record S, n, b; c = b/S (or the probe's Σ∂b/∂ℓ / n); e = c·g/D;
-N = Σn over the step. A step is correct iff q = e·N = 1 for every record with n > 0.
+N = Σn over the step of one term. A step is correct iff q = e·N = 1 for every record with n > 0.
+How the normalization is recovered lives in `tokaudit.normalization`.
 """
 
 from __future__ import annotations
@@ -9,205 +11,108 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
-from tokaudit.report import Finding, Segment, StepRange
+from tokaudit.normalization import (
+    Denominator,
+    FactorExplanation,
+    FactorKind,
+    Span,
+    StepDiagnosis,
+    StepKind,
+    diagnose_steps,
+    explain_factor,
+    segments,
+)
+from tokaudit.report import Finding, StepRange
 
 DEFAULT_RTOL = 1e-4
 """Relative tolerance: float32 sums of a few thousand tokens agree to ~1e-6; 1e-4 leaves room."""
 
-# Candidate denominators, in the order that names a mistake when several explain the weights.
-# Each maps to the per-step (low, high) columns of e·Den from the engine.
-NONUNIFORM_CANDIDATES: tuple[tuple[str, str, str], ...] = (
-    ("n_rank", "er_low", "er_high"),      # the rank's own count over the step: rank-local mean
-    ("n_micro*M", "enm_low", "enm_high"),  # microbatch count × microbatches: local mean ÷ GAS
-    ("n_micro", "en_low", "en_high"),      # the microbatch's own count
-    ("N_m", "em_low", "em_high"),          # the microbatch's global count
-    ("T", "et_low", "et_high"),            # positions, padding included
-)
 DENOMINATOR_WORDS = {
-    "N": "the step's global valid-token count N",
-    "N_m": "each microbatch's own global count N_m",
-    "n_rank": "each rank's own valid-token count n_r",
-    "n_micro*M": "each microbatch's own count n times the number of microbatches M",
-    "n_micro": "each microbatch's own count n",
-    "T": "the positions of each microbatch, padding and ignored labels included",
-    "T_step": "the positions of the whole step, padding and ignored labels included",
-    "1": "nothing (a raw loss sum)",
-    "undetermined": "undetermined: counts are equal everywhere, so local and global means coincide",
-    "unexplained": "no single denominator",
+    Denominator.N: "the step's global valid-token count N",
+    Denominator.MICRO_GLOBAL: "each microbatch's own global count N_m",
+    Denominator.RANK: "each rank's own valid-token count n_r",
+    Denominator.MICRO_TIMES_M: "each microbatch's own mean (its own count n) divided by the number of microbatches M",
+    Denominator.MICRO: "each microbatch's own count n",
+    Denominator.POSITIONS: "the positions of each microbatch, padding and ignored labels included",
+    Denominator.STEP_POSITIONS: "the positions of the whole step, padding and ignored labels included",
+    Denominator.ONE: "nothing (a raw loss sum)",
+    Denominator.UNDETERMINED: "undetermined: counts are equal everywhere, so local and global means coincide",
+    Denominator.UNEXPLAINED: "no single denominator",
 }
+
+FORMULA = {
+    Denominator.N: "S/N", Denominator.MICRO_GLOBAL: "S/N_m", Denominator.RANK: "S/n_r",
+    Denominator.MICRO_TIMES_M: "S/(n·M)", Denominator.MICRO: "S/n", Denominator.POSITIONS: "S/T",
+    Denominator.STEP_POSITIONS: "S/T_step", Denominator.ONE: "S",
+}
+
+_NONUNIFORM_CODES = {
+    Denominator.RANK: Code.LOCAL_MEAN, Denominator.MICRO_TIMES_M: Code.LOCAL_MEAN, Denominator.MICRO: Code.LOCAL_MEAN,
+    Denominator.MICRO_GLOBAL: Code.PER_MICRO_DENOMINATOR, Denominator.POSITIONS: Code.PADDED_DENOMINATOR,
+}
+
+MAX_DECIMALS = 6
+"""A reported loss rounded to at most this many decimals is compared within half its last digit."""
 
 
 @dataclass(frozen=True, slots=True)
-class StepDiagnosis:
-    """What one step's weights say."""
-
-    kind: str
-    """correct, empty, unweighted, nonuniform or uniform_off."""
-    denominator: str
-    """Recovered denominator name (see DENOMINATOR_WORDS)."""
-    factor: float | None
-    """α in b·g = α·S/denominator."""
-    distortion: float | None
-    """q = e·N when the step's weights are uniform, else None."""
-    balanced: bool
-    """Every record of the step had the same count: local and global normalization coincide."""
-
-
-# Tie-break when several denominators explain as many steps: the correct one first, then the
-# mistakes from the most to the least common in the wild.
-PREFERENCE = ("N", "n_rank", "n_micro*M", "n_micro", "N_m", "T", "T_step", "1")
-
-
-def spread(low: float, high: float) -> float:
-    """Relative width of [low, high]; 0 when both are equal."""
-    scale = max(abs(low), abs(high))
-    return 0.0 if scale == 0 else (high - low) / scale
-
-
-def close(value: float, target: float, rtol: float) -> bool:
-    return abs(value - target) <= rtol * max(abs(target), 1e-300)
-
-
-def integer_factor(q: float, rtol: float) -> int | None:
-    """k when q ≈ k or q ≈ 1/k for an integer k ≥ 2; negative k stands for 1/k."""
-    for value, sign in ((q, 1), (1 / q if q else math.inf, -1)):
-        k = round(value)
-        if 2 <= k <= 1_000_000 and close(value, k, rtol):
-            return sign * k
-    return None
-
-
-def _rounded(alpha: float) -> float:
-    return float(f"{alpha:.4g}")
-
-
-def step_hypotheses(row: Any, rtol: float) -> dict[str, float]:
-    """Every denominator Den for which α = e·Den·D is constant over the step's valid records.
-
-    α reads as the factor in b·g = α·S/Den: W for W·S/N into an average, 1 for S/N into a sum.
-    """
-    divisor = float(row.d_high)
-    fits: dict[str, float] = {}
-    if spread(row.e_low, row.e_high) <= rtol:
-        weight = (row.e_low + row.e_high) / 2
-        fits["N"] = _rounded(weight * row.tokens * divisor)
-        fits["1"] = _rounded(weight * divisor)
-        if row.positions_known == row.records and row.positions:
-            fits["T_step"] = _rounded(weight * row.positions * divisor)
-    for name, low, high in NONUNIFORM_CANDIDATES:
-        lo, hi = getattr(row, low), getattr(row, high)
-        if not pd.isna(lo) and not pd.isna(hi) and spread(lo, hi) <= rtol:
-            fits[name] = _rounded((lo + hi) / 2 * divisor)
-    return fits
-
-
-def diagnose_steps(steps: pd.DataFrame, rtol: float) -> list[StepDiagnosis]:
-    """Recover each step's normalization, letting the whole run vote.
-
-    Small steps fit several denominators by coincidence (two equal counts, N = ΣT/2, ...). The
-    hypothesis (denominator, α) that explains the most steps of the run wins those steps, then the
-    next one takes what is left; a run that changed normalization at a resume shows both.
-    """
-    rows = list(steps.itertuples(index=False))
-    candidates: list[dict[str, float]] = []
-    for row in rows:
-        usable = row.tokens > 0 and row.weighted_records > 0 and not pd.isna(row.e_low)
-        candidates.append(step_hypotheses(row, rtol) if usable else {})
-    assigned: list[tuple[str, float] | None] = [None] * len(rows)
-    remaining = {i for i, fits in enumerate(candidates) if fits}
-    while remaining:
-        votes: dict[tuple[str, float], int] = {}
-        for i in remaining:
-            for fit in candidates[i].items():
-                votes[fit] = votes.get(fit, 0) + 1
-        best = max(votes, key=lambda h: (votes[h], -PREFERENCE.index(h[0])))
-        if votes[best] == 1:
-            # Nothing is shared any more: each step keeps its own best fit (keeps this linear).
-            for i in remaining:
-                assigned[i] = min(candidates[i].items(), key=lambda h: PREFERENCE.index(h[0]))
-            break
-        for i in [i for i in remaining if candidates[i].get(best[0]) == best[1]]:
-            assigned[i] = best
-            remaining.discard(i)
-    nonempty = [row for row in rows if row.tokens > 0]
-    all_balanced = bool(nonempty) and all(_balanced_row(row) for row in nonempty)
-    diagnoses = []
-    for row, hypothesis in zip(rows, assigned):
-        balanced = _balanced_row(row)
-        if row.tokens == 0:
-            diagnoses.append(StepDiagnosis("empty", "undetermined", None, None, balanced))
-            continue
-        if hypothesis is None:
-            kind = "nonuniform" if row.weighted_records > 0 and not pd.isna(row.e_low) else "unweighted"
-            diagnoses.append(StepDiagnosis(kind, "unexplained" if kind == "nonuniform" else "undetermined",
-                                           None, None, balanced))
-            continue
-        denominator, alpha = hypothesis
-        factor: float | None = alpha
-        uniform = spread(row.e_low, row.e_high) <= rtol
-        q = (row.e_low + row.e_high) / 2 * float(row.tokens) if uniform else None
-        if q is not None and close(q, 1.0, rtol):
-            kind = "correct"
-        else:
-            kind = "uniform_off" if uniform else "nonuniform"
-        if all_balanced and kind == "correct":
-            denominator = "undetermined"
-        diagnoses.append(StepDiagnosis(kind, denominator, factor, q, balanced))
-    return diagnoses
-
-
-def _balanced_row(row: Any) -> bool:
-    return bool(row.n_low == row.n_high and row.m_low == row.m_high)
-
-
-@dataclass
 class RunContext:
-    """What the fixes and messages of one run need to name."""
+    """What the fixes and messages of one run (and one loss term) need to name."""
 
     run: str
+    term: str
     world_size: int
+    world_sizes: tuple[int, ...]
     microbatches: int
     divisor: float
     rtol: float
 
 
-class LogQueries(Protocol):
-    """What the checks may still ask of the log for evidence, one step at a time."""
+def check_run(run: str, steps: pd.DataFrame, rtol: float,
+              duplicates: tuple[int, int, int, int] | None = None) -> tuple[list[Finding], list[Span]]:
+    """All checks for one run's steps (every group and term): its findings and its normalization spans.
 
-    def ranks_at(self, run: str, group: str, step: int) -> list[int]: ...
-
-    def extremes(self, run: str, group: str, step: int) -> tuple[dict[str, float], dict[str, float]]: ...
-
-
-def check_run(run: str, steps: pd.DataFrame, rtol: float, log: LogQueries,
-              duplicates: tuple[int, int, int, int] | None = None) -> tuple[list[Finding], list[Segment]]:
-    """All checks for one run's steps (every group): its findings and its normalization segments.
-
+    Each loss term is its own token mean (SPEC §1): recovery and weight checks run per term.
     `duplicates`: (records dropped, first step, last step, steps) when the reader found repeated keys."""
-    diagnoses = diagnose_steps(steps, rtol)
-    context = RunContext(run=run, world_size=int(steps.w_high.mode().iloc[0]),
-                         microbatches=int(steps.m_high.max()), divisor=float(steps.d_high.mode().iloc[0]), rtol=rtol)
     findings: list[Finding] = []
-    findings.extend(_weighting_findings(steps, diagnoses, context, log))
-    for check in (_structure_findings, _value_findings, _sync_findings, _reported_findings, _probe_findings):
-        findings.extend(check(steps, context))
-    findings.extend(_missing_ranks(steps, context, log))
+    spans: list[Span] = []
+    sizes = tuple(sorted({int(w) for w in pd.concat([steps.w_low, steps.w_high])}))
+    terms = sorted(set(steps.term.astype(str)), key=lambda t: (t != "0", t))
+    for term in terms:
+        frame = steps[steps.term.astype(str) == term].reset_index(drop=True)
+        diagnoses = diagnose_steps(frame, rtol)
+        context = RunContext(run=run, term=term, world_size=int(frame.w_high.mode().iloc[0]), world_sizes=sizes,
+                             microbatches=int(frame.m_high.max()), divisor=float(frame.d_high.mode().iloc[0]),
+                             rtol=rtol)
+        findings.extend(_weighting_findings(frame, diagnoses, context))
+        checks = [_value_findings, _probe_findings, _missing_ranks, _divisor_findings, _weight_presence]
+        if term == terms[0]:
+            # What concerns the backward passes themselves (W, microbatches, sync) is said once.
+            checks = [_structure_findings, _sync_findings, *checks]
+        for check in checks:
+            findings.extend(check(frame, context))
+        findings.extend(_balanced(frame, diagnoses, context))
+        spans.extend(segments(frame, diagnoses))
+    findings.extend(_reported_findings(steps, run, rtol, terms[0]))
     if duplicates is not None:
-        findings.append(_duplicates(duplicates, context))
-    findings.extend(_balanced(steps, diagnoses, context))
-    return findings, _segments(steps, diagnoses)
+        findings.append(_duplicates(duplicates, run))
+    return findings, spans
 
 
-def _finding(context: RunContext, code: Code, steps: list[int], message: str, fix: str,
+def _finding(context: RunContext, code: Code, steps: list[int] | np.ndarray, message: str, fix: str,
              evidence: dict[str, Any], severity: Severity | None = None) -> Finding:
+    numbers = [int(s) for s in steps]
+    if context.term != "0":
+        message = f"[term {context.term}] {message}"
     return Finding(run=context.run, code=code, severity=severity or DEFAULT_SEVERITY[code],
-                   steps=StepRange(first=min(steps), last=max(steps), count=len(set(steps))),
-                   message=message, fix=fix, evidence=evidence)
+                   steps=StepRange(first=min(numbers), last=max(numbers), count=len(set(numbers))),
+                   message=message, fix=fix, evidence=evidence, term=context.term)
 
 
 def _fix_average(context: RunContext) -> str:
@@ -220,112 +125,187 @@ def _fix_average(context: RunContext) -> str:
             "counted before the first backward with one all-reduce")
 
 
-def _weighting_findings(steps: pd.DataFrame, diagnoses: list[StepDiagnosis], context: RunContext,
-                        log: LogQueries) -> Iterator[Finding]:
-    """local_mean, per_micro_denominator, padded_denominator, unexplained_weighting,
-    world_size_mismatch, scale_mismatch: one finding per (code, denominator, factor)."""
-    groups: dict[tuple[Code, str, float | None], list[tuple[Any, StepDiagnosis]]] = {}
-    for row, diagnosis in zip(steps.itertuples(index=False), diagnoses):
-        code = _weighting_code(diagnosis, context.rtol)
+# ---------------------------------------------------------------------------------- weights
+
+
+def _weighting_code(diagnosis: StepDiagnosis, explanation: FactorExplanation | None) -> Code | None:
+    if diagnosis.kind == StepKind.NONUNIFORM:
+        return _NONUNIFORM_CODES.get(diagnosis.denominator, Code.UNEXPLAINED_WEIGHTING)
+    if diagnosis.kind != StepKind.UNIFORM_OFF:
+        return None
+    if diagnosis.denominator in (Denominator.POSITIONS, Denominator.STEP_POSITIONS):
+        return Code.PADDED_DENOMINATOR
+    if diagnosis.denominator == Denominator.ONE or explanation is None:
+        return Code.SCALE_MISMATCH
+    return {FactorKind.WORLD_SIZE: Code.WORLD_SIZE_MISMATCH, FactorKind.LOSS_SCALE: Code.LOSS_SCALE,
+            FactorKind.OTHER: Code.SCALE_MISMATCH}[explanation.kind]
+
+
+def _weighting_findings(steps: pd.DataFrame, diagnoses: list[StepDiagnosis], context: RunContext
+                        ) -> Iterator[Finding]:
+    """local_mean, per_micro_denominator, padded_denominator, unexplained_weighting, world_size_mismatch,
+    loss_scale, scale_mismatch: one finding per (code, denominator, kind of factor), however many
+    steps it spans, with the range of its factor."""
+    groups: dict[tuple[Code, Denominator, str, bool], list[int]] = {}
+    explanations: dict[int, FactorExplanation] = {}
+    w_high = steps.w_high.to_numpy()
+    for i, diagnosis in enumerate(diagnoses):
+        explanation = None
+        if diagnosis.kind == StepKind.UNIFORM_OFF and diagnosis.distortion is not None:
+            explanation = explain_factor(diagnosis.distortion, int(w_high[i]), context.world_sizes, context.rtol)
+            explanations[i] = explanation
+        code = _weighting_code(diagnosis, explanation)
         if code is None:
             continue
-        groups.setdefault((code, diagnosis.denominator, diagnosis.factor), []).append((row, diagnosis))
-    for (code, denominator, factor), members in groups.items():
-        step_numbers = [int(row.step) for row, _ in members]
+        label = explanation.label if explanation is not None and code in (
+            Code.WORLD_SIZE_MISMATCH, Code.LOSS_SCALE) else ""
+        key = (code, diagnosis.denominator, label, diagnosis.approximate is not None)
+        groups.setdefault(key, []).append(i)
+    ratio = _ratios(steps)
+    for (code, denominator, _, approximate), members in groups.items():
         # Evidence from the step where tokens were weighted most unequally (or q is furthest from 1).
-        row, diagnosis = max(members, key=lambda m: (_ratio(m[0]), abs(math.log(abs(m[1].distortion)))
-                                                     if m[1].distortion else 0.0))
-        extremes = log.extremes(context.run, str(row.grp), int(row.step)) if diagnosis.kind == "nonuniform" else None
-        yield _weighting_finding(code, denominator, factor, row, diagnosis, step_numbers, context, extremes)
+        def badness(i: int) -> tuple[float, float]:
+            q = diagnoses[i].distortion
+            return ratio[i], abs(math.log(abs(q))) if q else 0.0
+        worst = max(members, key=badness)
+        yield _weighting_finding(code, denominator, steps, diagnoses, members, worst, explanations.get(worst),
+                                 context)
 
 
-def _weighting_code(diagnosis: StepDiagnosis, rtol: float) -> Code | None:
-    if diagnosis.kind == "nonuniform":
-        return {"n_rank": Code.LOCAL_MEAN, "n_micro*M": Code.LOCAL_MEAN, "n_micro": Code.LOCAL_MEAN,
-                "N_m": Code.PER_MICRO_DENOMINATOR, "T": Code.PADDED_DENOMINATOR}.get(
-                    diagnosis.denominator, Code.UNEXPLAINED_WEIGHTING)
-    if diagnosis.kind == "uniform_off":
-        if diagnosis.denominator in ("T", "T_step"):
-            return Code.PADDED_DENOMINATOR
-        if diagnosis.denominator == "1":
-            return Code.SCALE_MISMATCH
-        if diagnosis.distortion and integer_factor(diagnosis.distortion, rtol):
-            return Code.WORLD_SIZE_MISMATCH
-        return Code.SCALE_MISMATCH
-    return None
+def _ratios(steps: pd.DataFrame) -> np.ndarray:
+    low, high = steps.tok_low.to_numpy(dtype=float), steps.tok_high.to_numpy(dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(low > 0, high / low, np.inf)
 
 
-def _ratio(row: Any) -> float:
-    return float(row.tok_high / row.tok_low) if row.tok_low and row.tok_low > 0 else math.inf
+def _range(values: list[float]) -> list[float]:
+    return [float(min(values)), float(max(values))]
 
 
-def _weighting_finding(code: Code, denominator: str, factor: float | None, row: Any, diagnosis: StepDiagnosis,
-                       steps: list[int], context: RunContext,
-                       extremes: tuple[dict[str, Any], dict[str, Any]] | None) -> Finding:
+def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame, diagnoses: list[StepDiagnosis],
+                       members: list[int], worst: int, explanation: FactorExplanation | None,
+                       context: RunContext) -> Finding:
+    row = steps.iloc[worst]
+    diagnosis = diagnoses[worst]
     step, w, tokens = int(row.step), int(row.w_high), int(row.tokens)
-    evidence: dict[str, Any] = {"step": step, "denominator": denominator, "factor": factor,
+    step_numbers = steps.step.to_numpy()[members]
+    factors = [d.factor for d in (diagnoses[i] for i in members) if d.factor is not None]
+    evidence: dict[str, Any] = {"step": step, "denominator": denominator.value, "factor": diagnosis.factor,
                                 "world_size": w, "grad_divisor": float(row.d_high), "global_tokens": tokens}
-    group = f" (group {row.grp})" if row.grp != "0" else ""
-    if extremes is not None:
-        heavy, light = extremes
-        ratio = heavy["e"] / light["e"] if light["e"] > 0 else math.inf
-        evidence.update({"heaviest": _describe(heavy, tokens), "lightest": _describe(light, tokens),
-                         "weight_ratio": ratio})
-        where = (f"at step {step}{group} a token on rank {heavy['rank']} (microbatch {heavy['micro']}, n={heavy['n']}) "
-                 f"received {ratio:.3g}× the weight of a token on rank {light['rank']} (microbatch "
-                 f"{light['micro']}, n={light['n']}); the correct weight is 1/N = 1/{tokens}, they got "
-                 f"{heavy['e'] * tokens:.3g}/N and {light['e'] * tokens:.3g}/N")
-        words = DENOMINATOR_WORDS[denominator]
-        alpha = "?" if factor is None else f"{factor:g}"
-        message = {
-            Code.LOCAL_MEAN: f"Each loss was divided by {words} (b·g = {alpha}·S/{denominator}), so ranks "
-                             f"and microbatches count equally instead of tokens: {where}.",
-            Code.PER_MICRO_DENOMINATOR: f"Each microbatch was divided by its own global count N_m instead of the "
-                                        f"step's N (b·g = {alpha}·S/N_m): {where}.",
-            Code.PADDED_DENOMINATOR: f"The loss was divided by the positions T of each microbatch, padding and "
-                                     f"ignored labels included (b·g = {alpha}·S/T): {where}.",
-            Code.UNEXPLAINED_WEIGHTING: f"Tokens of one step received different weights and no denominator "
-                                        f"(n, n_r, n·M, N_m, N, T, 1) explains them: {where}.",
-        }[code]
-        return _finding(context, code, steps, message, _fix_average(context), evidence)
+    if factors:
+        evidence["factor_range"] = _range(factors)
+    group = f" (group {row.grp})" if str(row.grp) != "0" else ""
+    if diagnosis.kind == StepKind.NONUNIFORM:
+        heavy_e, light_e = float(row.e_high), float(row.e_low)
+        ratio = heavy_e / light_e if light_e > 0 else math.inf
+        heavy = _describe(row, "heavy", heavy_e, tokens)
+        light = _describe(row, "light", light_e, tokens)
+        evidence.update({"heaviest": heavy, "lightest": light, "weight_ratio": ratio})
+        where = (f"at step {step}{group} a token on rank {heavy['rank']} (microbatch {heavy['micro']}, "
+                 f"n={heavy['valid_tokens']}) received {ratio:.3g}× the weight of a token on rank {light['rank']} "
+                 f"(microbatch {light['micro']}, n={light['valid_tokens']}); the correct weight is 1/N = 1/{tokens}, "
+                 f"they got {heavy_e * tokens:.3g}/N and {light_e * tokens:.3g}/N")
+        alpha = "?" if diagnosis.factor is None else f"{diagnosis.factor:.4g}"
+        formula = f"b·g = {alpha}·{FORMULA.get(denominator, '?')}"
+        near = ""
+        if diagnosis.approximate is not None:
+            off = max(d.approximate or 0.0 for d in (diagnoses[i] for i in members))
+            evidence.update({"approximate": True, "approximation_error": off})
+            near = (f"The weights fit {DENOMINATOR_WORDS[denominator]} only approximately (α varies by up to "
+                    f"{off:.2%}; a count that is off by a few tokens per sequence, such as one extra label per "
+                    "row from unshifted labels, does this). ")
+        if code == Code.LOCAL_MEAN and denominator == Denominator.MICRO_TIMES_M:
+            message = (f"{near}Each microbatch's loss was its own mean over its n valid tokens, divided by the "
+                       f"number of microbatches M={context.microbatches} (loss.mean() / gradient_accumulation_steps; "
+                       f"{formula}), so microbatches count equally instead of tokens: {where}.")
+        elif code == Code.LOCAL_MEAN:
+            message = (f"{near}Each loss was divided by {DENOMINATOR_WORDS[denominator]} ({formula}), so ranks "
+                       f"and microbatches count equally instead of tokens: {where}.")
+        elif code == Code.PER_MICRO_DENOMINATOR:
+            message = (f"{near}Each microbatch was divided by its own global count N_m instead of the step's N "
+                       f"({formula}): {where}.")
+        elif code == Code.PADDED_DENOMINATOR:
+            message = (f"{near}The loss was divided by the positions T of each microbatch, padding and ignored "
+                       f"labels included ({formula}): {where}.")
+        elif diagnosis.approximate is not None:
+            message = (f"Tokens of one step received different weights; the nearest denominator is "
+                       f"{DENOMINATOR_WORDS[denominator]} ({formula}), off by up to "
+                       f"{evidence['approximation_error']:.2%}: {where}.")
+        else:
+            message = (f"Tokens of one step received different weights and no denominator (n, n_r, n·M, N_m, N, T, "
+                       f"1) explains them: {where}.")
+        return _finding(context, code, step_numbers, message, _fix_average(context), evidence)
+
     q = diagnosis.distortion or 0.0
-    evidence.update({"distortion": q, "effective_weight": q / tokens})
-    scaled = f"every valid token received {q:.4g}/N instead of 1/N (step {step}{group}, N={tokens}, W={w}, D={row.d_high:g})"
+    distortions = [d.distortion for d in (diagnoses[i] for i in members) if d.distortion is not None]
+    evidence.update({"distortion": q, "effective_weight": q / tokens, "distortion_range": _range(distortions)})
+    spread = "" if len(set(np.round(distortions, 12))) == 1 else \
+        f"; over the {len(members)} step(s) q ranges from {min(distortions):.4g} to {max(distortions):.4g}"
+    scaled = (f"every valid token received {q:.4g}/N instead of 1/N (step {step}{group}, N={tokens}, W={w}, "
+              f"D={row.d_high:g}){spread}")
     if code == Code.PADDED_DENOMINATOR:
         evidence["positions"] = int(row.positions)
         message = (f"The loss was divided by all {int(row.positions)} positions of the step, padding and ignored "
                    f"labels included, instead of its {tokens} valid tokens: {scaled}.")
-        return _finding(context, code, steps, message, _fix_average(context), evidence)
+        return _finding(context, code, step_numbers, message, _fix_average(context), evidence)
+    if code == Code.LOSS_SCALE:
+        assert explanation is not None
+        exponents = sorted({e.integer for i in members if (e := explain_factor(
+            diagnoses[i].distortion or 1.0, int(steps.w_high.iloc[i]), context.world_sizes, context.rtol)).integer})
+        evidence["loss_scale_exponents"] = exponents
+        shown = " to ".join(f"2^{j}" for j in ([exponents[0], exponents[-1]] if len(exponents) > 1 else exponents))
+        message = (f"Weights are uniform but carry a power-of-two factor ({shown}) that W={w} does not explain: "
+                   f"{scaled}. This is the loss scale of mixed precision (a GradScaler), which the log does not "
+                   "record, so the gradient's true scale cannot be judged here.")
+        fix = ("pass the scaler to the recorder, Recorder(..., scaler=scaler), so its scale is divided out of the "
+               "weights (the Hugging Face and Lightning callbacks find the trainer's scaler themselves)")
+        return _finding(context, code, step_numbers, message, fix, evidence)
     if code == Code.WORLD_SIZE_MISMATCH:
-        k = integer_factor(q, context.rtol) or 1
-        evidence["integer_factor"] = k if k > 0 else f"1/{-k}"
-        if k < 0 and -k == w:
-            cause = (f"the W factor is missing: S/N went into a reduction that averages over W={w}" if row.d_high != 1
-                     else f"S/N was divided by W={w} once more")
-        elif k > 0 and row.d_high == 1 and k == w:
-            cause = f"W·S/N (W={w}) went into a summing reduction (D=1), which needs S/N"
-        else:
-            used = q * w
-            cause = (f"the code scaled by {used:.4g} where the averaging group has W={w}: a hard-coded W, a stale "
-                     "constant, or the global world size used on a data-parallel subgroup (DP×TP)")
-        message = f"Weights are uniform but off by an integer factor: {scaled}; {cause}."
-        return _finding(context, code, steps, message, _fix_average(context), evidence)
-    if denominator == "1":
-        message = (f"The loss sum was backpropagated without a token denominator (b·g = {factor:g}·S): {scaled}; "
-                   "the effective learning rate grows with the number of valid tokens.")
+        assert explanation is not None
+        cause = _world_size_cause(explanation, q, w, float(row.d_high))
+        evidence["integer_factor"] = {"1/W": f"1/{w}", "1/k": f"1/{explanation.integer}", "W'/W": f"{explanation.integer}/{w}",
+                                      "k/W": f"{explanation.integer}/{w}"}.get(explanation.label, explanation.integer)
+        if explanation.label == "W'/W":
+            evidence["world_sizes"] = [explanation.integer, w]
+            evidence["stale_world_size"] = explanation.integer
+        message = f"Weights are uniform but off by a world-size factor: {scaled}; {cause}."
+        return _finding(context, code, step_numbers, message, _fix_average(context), evidence)
+    if denominator == Denominator.ONE:
+        message = (f"The loss sum was backpropagated without a token denominator (b·g = {diagnosis.factor:g}·S): "
+                   f"{scaled}; the effective learning rate grows with the number of valid tokens.")
     else:
-        message = f"Weights are uniform but scaled by a constant: {scaled}."
-    return _finding(context, code, steps, message, _fix_average(context), evidence)
+        aux = (" If this term is weighted on purpose (an auxiliary loss coefficient λ), this is that λ."
+               if context.term != "0" else "")
+        message = f"Weights are uniform but scaled by a constant: {scaled}.{aux}"
+    return _finding(context, code, step_numbers, message, _fix_average(context), evidence)
 
 
-def _describe(record: dict[str, Any], tokens: int) -> dict[str, Any]:
-    return {"rank": int(record["rank"]), "micro": int(record["micro"]), "valid_tokens": int(record["n"]),
-            "rank_tokens": int(record["rank_tokens"]), "effective_weight": float(record["e"]),
-            "distortion": float(record["e"] * tokens)}
+def _world_size_cause(explanation: FactorExplanation, q: float, w: int, divisor: float) -> str:
+    k = explanation.integer
+    if explanation.label == "1/W":
+        return (f"the W factor is missing: S/N went into a reduction that averages over W={w}" if divisor != 1
+                else f"S/N was divided by W={w} once more")
+    if explanation.label == "W":
+        return (f"W·S/N (W={w}) went into a summing reduction (D=1), which needs S/N" if divisor == 1
+                else f"W={w} was applied twice")
+    if explanation.label == "W'/W":
+        return (f"the code still scales by W={k} while the averaging group now has W={w}: a stale W kept "
+                "across an elastic resize or a resume on other hardware")
+    if explanation.label == "1/k":
+        return (f"the gradient is {k}× too small: N counted {k}× the tokens (ranks that replicate the batch, "
+                f"such as tensor- or context-parallel ranks, counted in N), or a constant 1/{k} in the code")
+    used = q * w
+    return (f"the code scaled by {used:.4g} where the averaging group has W={w}: a hard-coded W, a stale "
+            "constant, or the global world size used on a data-parallel subgroup (DP×TP)")
 
 
-def _steps_where(steps: pd.DataFrame, mask: pd.Series) -> list[int]:
-    return [int(s) for s in steps.step[mask]]
+def _describe(row: Any, which: str, weight: float, tokens: int) -> dict[str, Any]:
+    return {"rank": int(getattr(row, f"{which}_rank")), "micro": int(getattr(row, f"{which}_micro")),
+            "valid_tokens": int(getattr(row, f"{which}_n")), "rank_tokens": int(getattr(row, f"{which}_rank_tokens")),
+            "effective_weight": weight, "distortion": weight * tokens}
+
+
+# ---------------------------------------------------------------------------------- other checks
 
 
 def _structure_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding]:
@@ -333,7 +313,7 @@ def _structure_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Fi
     inconsistent = steps.w_low != steps.w_high
     if inconsistent.any():
         row = steps[inconsistent].iloc[0]
-        yield _finding(context, Code.WORLD_SIZE_INCONSISTENT, _steps_where(steps, inconsistent),
+        yield _finding(context, Code.WORLD_SIZE_INCONSISTENT, steps.step[inconsistent].to_numpy(),
                        f"Ranks disagree on W within one step (step {int(row.step)}: W from {int(row.w_low)} to "
                        f"{int(row.w_high)}).",
                        "derive W from the process group that averages the gradients "
@@ -343,7 +323,7 @@ def _structure_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Fi
         sizes = list(dict.fromkeys(int(w) for w in per_group.w_high))
         if len(sizes) > 1:
             changed = per_group.w_high != per_group.w_high.iloc[0]
-            yield _finding(context, Code.WORLD_SIZE_CHANGED, _steps_where(per_group, changed),
+            yield _finding(context, Code.WORLD_SIZE_CHANGED, per_group.step[changed].to_numpy(),
                            f"W changed between steps{'' if group == '0' else f' in group {group}'}: "
                            f"{' → '.join(map(str, sizes))} (an elastic restart or a resume on other hardware).",
                            "nothing to fix if the restart was intended; check that N and W were recomputed after it",
@@ -351,7 +331,7 @@ def _structure_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Fi
     uneven = steps.m_low != steps.m_high
     if uneven.any():
         row = steps[uneven].iloc[0]
-        yield _finding(context, Code.UNEVEN_MICROBATCHES, _steps_where(steps, uneven),
+        yield _finding(context, Code.UNEVEN_MICROBATCHES, steps.step[uneven].to_numpy(),
                        f"Ranks ran different numbers of microbatches in one step (step {int(row.step)}: from "
                        f"{int(row.m_low)} to {int(row.m_high)}); every backward that syncs must be matched on all "
                        "ranks, and N must count every microbatch.",
@@ -362,17 +342,21 @@ def _structure_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Fi
 
 
 def _value_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding]:
-    """nonfinite_values, zero_token_nonfinite, empty_update."""
-    nonfinite = steps.nonfinite_valid > 0
+    """nonfinite_values, zero_token_nonfinite, empty_update. Non-finite values of an update the
+    trainer skipped (a GradScaler overflow) did not reach the weights: they are not errors."""
+    skipped = steps.skipped_true > 0
+    nonfinite = (steps.nonfinite_valid > 0) & ~skipped
     if nonfinite.any():
-        yield _finding(context, Code.NONFINITE_VALUES, _steps_where(steps, nonfinite),
-                       f"NaN or infinity in S, b or the probe columns of {int(steps.nonfinite_valid.sum())} "
-                       "record(s) with valid tokens; the reduced gradient of those steps is not finite.",
-                       "find the first non-finite loss (torch.autograd.set_detect_anomaly) and guard the division",
-                       {"records": int(steps.nonfinite_valid.sum()), "first_step": int(steps.step[nonfinite].min())})
+        records = int(steps.nonfinite_valid[nonfinite].sum())
+        yield _finding(context, Code.NONFINITE_VALUES, steps.step[nonfinite].to_numpy(),
+                       f"NaN or infinity in S, b, g, D or the probe columns of {records} record(s) with valid tokens; "
+                       "the reduced gradient of those steps is not finite, or its weight cannot be read.",
+                       "find the first non-finite loss (torch.autograd.set_detect_anomaly) and guard the division; "
+                       "record finite grad_scale and grad_divisor values",
+                       {"records": records, "first_step": int(steps.step[nonfinite].min())})
     zero_bad = steps.nonfinite_zero > 0
     if zero_bad.any():
-        yield _finding(context, Code.ZERO_TOKEN_NONFINITE, _steps_where(steps, zero_bad),
+        yield _finding(context, Code.ZERO_TOKEN_NONFINITE, steps.step[zero_bad].to_numpy(),
                        f"{int(steps.nonfinite_zero.sum())} record(s) with no valid token have a non-finite backward "
                        "scalar: the code divided by its own zero count (0/0), and DDP spreads the NaN to every rank.",
                        "divide by the global count N (clamped to at least 1), never by the local count; a rank "
@@ -383,7 +367,7 @@ def _value_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Findin
         rows = steps[empty]
         disagree = (rows.skipped_true > 0) & (rows.skipped_false > 0)
         bad = (rows.nonfinite_zero > 0) | disagree
-        unmarked = (rows.skipped_true == 0)
+        unmarked = rows.skipped_true == 0
         severity = Severity.ERROR if bad.any() else Severity.INFO
         details = []
         if disagree.any():
@@ -393,9 +377,9 @@ def _value_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Findin
         if unmarked.any() and not disagree.any():
             details.append("the log does not say the update was skipped; an optimizer step on zero gradients still "
                            "moves weights through momentum and weight decay")
-        yield _finding(context, Code.EMPTY_UPDATE, _steps_where(steps, empty),
+        yield _finding(context, Code.EMPTY_UPDATE, rows.step.to_numpy(),
                        f"No valid token anywhere in {int(empty.sum())} step(s) (N = 0)"
-                       + (": " + "; ".join(details) if details else ", and every rank skipped it together.") + "",
+                       + (": " + "; ".join(details) if details else ", and every rank skipped it together."),
                        "decide from the global N (known to every rank after one all-reduce): when N = 0, every rank "
                        "runs backward on a zero loss and skips optimizer.step() together",
                        {"steps": _list(rows.step)}, severity=severity)
@@ -405,7 +389,7 @@ def _sync_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding
     """missing_sync, sync_every_micro."""
     missing = steps.unsynced_ranks > 0
     if missing.any():
-        yield _finding(context, Code.MISSING_SYNC, _steps_where(steps, missing),
+        yield _finding(context, Code.MISSING_SYNC, steps.step[missing].to_numpy(),
                        f"The last microbatch of a step did not synchronize gradients on "
                        f"{int(steps.unsynced_ranks.sum())} rank-step(s): those ranks stepped on their local gradient.",
                        "run the last microbatch's forward and backward outside model.no_sync()",
@@ -413,52 +397,88 @@ def _sync_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding
     multi = (steps.m_high > 1) & (steps.sync_known == steps.records)
     every = multi & (steps.sync_true == steps.records)
     if every.any() and every.sum() == multi.sum():
-        yield _finding(context, Code.SYNC_EVERY_MICRO, _steps_where(steps, every),
+        yield _finding(context, Code.SYNC_EVERY_MICRO, steps.step[every].to_numpy(),
                        f"Every microbatch synchronized gradients in {int(every.sum())} multi-microbatch step(s): "
                        f"correct, but {context.microbatches}× the communication.",
                        "wrap all but the last microbatch in model.no_sync()", {"steps": int(every.sum())})
 
 
-def _reported_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding]:
-    """reported_loss_mismatch."""
-    known = (steps.reported > 0) & (steps.tokens > 0)
-    if not known.any():
+def decimals(values: np.ndarray) -> np.ndarray:
+    """Per value, the fewest decimals (0..MAX_DECIMALS) it is rounded to, float32 storage allowed
+    for; −1 when it has more."""
+    out = np.full(len(values), -1)
+    for k in range(MAX_DECIMALS, -1, -1):
+        rounded = np.round(values, k)
+        exact = np.abs(values - rounded) <= 1e-7 * np.maximum(np.abs(values), 1e-12)
+        out = np.where(exact, k, out)
+    return out
+
+
+def rounding_of(values: np.ndarray) -> float:
+    """Half a unit of the last decimal a trainer rounded its logged losses to, read from all of
+    them (a value with few decimals by chance says nothing alone); 0 when they are not rounded."""
+    if not len(values):
+        return 0.0
+    k = decimals(values)
+    if (k < 0).any():
+        return 0.0
+    return 0.5 * 10.0 ** (-int(k.max())) * (1 + 1e-6)
+
+
+def _agrees(reported: np.ndarray, truth: np.ndarray, rtol: float, rounding: float) -> np.ndarray:
+    """reported equals truth within rtol, or within half a unit of the decimal it was rounded to."""
+    tolerance = np.maximum(rtol * np.abs(truth), rounding)
+    agrees: np.ndarray = np.abs(reported - truth) <= tolerance
+    return agrees
+
+
+def _reported_findings(steps: pd.DataFrame, run: str, rtol: float, main_term: str) -> Iterator[Finding]:
+    """reported_loss_mismatch: the logged loss against ΣS/N of the main term, or against the sum of
+    the terms' token means when the trainer logs the whole objective."""
+    known = steps[(steps.reported > 0) & (steps.tokens > 0)]
+    if known.empty:
         return
-    rows = steps[known]
-    truth = rows.loss / rows.tokens  # true token mean ΣS/N
-    off = ~(_close_series(rows.reported_low, truth, context.rtol) & _close_series(rows.reported_high, truth, context.rtol))
-    if not off.any():
+    means = known.assign(mean=known.loss / known.tokens)
+    total = means.groupby(["grp", "step"])["mean"].transform("sum")
+    rows = means[means.term.astype(str) == main_term].copy()
+    if rows.empty:
         return
-    bad = rows[off]
-    local = _close_series(bad.reported_low, bad.mean_of_local_means, context.rtol) & \
-        _close_series(bad.reported_high, bad.mean_of_local_means, context.rtol)
+    rows["total"] = total[rows.index]
+    low, high = rows.reported_low.to_numpy(float), rows.reported_high.to_numpy(float)
+    truth, whole = rows["mean"].to_numpy(float), rows["total"].to_numpy(float)
+    rounding = rounding_of(np.concatenate([low, high]))
+    fine = (_agrees(low, truth, rtol, rounding) & _agrees(high, truth, rtol, rounding)) | \
+        (_agrees(low, whole, rtol, rounding) & _agrees(high, whole, rtol, rounding))
+    if fine.all():
+        return
+    bad = rows[~fine]
+    local_of = bad.mean_of_local_means.to_numpy(float)
+    local = _agrees(bad.reported_low.to_numpy(float), local_of, rtol, rounding) & \
+        _agrees(bad.reported_high.to_numpy(float), local_of, rtol, rounding)
     first = bad.iloc[0]
     true_value = float(first.loss / first.tokens)
     evidence = {"step": int(first.step), "reported": float(first.reported_high), "token_mean": true_value,
-                "mean_of_local_means": float(first.mean_of_local_means)}
+                "mean_of_local_means": float(first.mean_of_local_means), "rounding": rounding}
     if local.all():
         what = "the mean of per-rank means, not the token mean"
     elif local.any():
         what = "partly the mean of per-rank means"
     else:
         what = f"{float(first.reported_high) / true_value:.4g}× the token mean" if true_value else "not the token mean"
-    yield _finding(context, Code.REPORTED_LOSS_MISMATCH, _steps_where(bad, pd.Series(True, index=bad.index)),
-                   f"The reported loss differs from ΣS/N in {len(bad)} step(s); it is {what} (step {int(first.step)}: "
-                   f"reported {float(first.reported_high):.6g}, ΣS/N = {true_value:.6g}, mean of local means "
-                   f"{float(first.mean_of_local_means):.6g}).",
+    context = RunContext(run=run, term=main_term, world_size=0, world_sizes=(), microbatches=0, divisor=0.0, rtol=rtol)
+    yield _finding(context, Code.REPORTED_LOSS_MISMATCH, bad.step.to_numpy(),
+                   f"The reported loss differs from ΣS/N in {len(bad)} step(s), beyond rounding; it is {what} (step "
+                   f"{int(first.step)}: reported {float(first.reported_high):.6g}, ΣS/N = {true_value:.6g}, mean of "
+                   f"local means {float(first.mean_of_local_means):.6g}).",
                    "report all_reduce(Σ S)/all_reduce(Σ n) over the step from detached sums and counts",
                    evidence)
-
-
-def _close_series(values: pd.Series, target: pd.Series, rtol: float) -> pd.Series:
-    return (values - target).abs() <= rtol * target.abs().clip(lower=1e-300)
 
 
 def _probe_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding]:
     """nonuniform_in_microbatch, masked_tokens_weighted."""
     nonuniform = steps.probe_nonuniform > 0
     if nonuniform.any():
-        yield _finding(context, Code.NONUNIFORM_IN_MICROBATCH, _steps_where(steps, nonuniform),
+        yield _finding(context, Code.NONUNIFORM_IN_MICROBATCH, steps.step[nonuniform].to_numpy(),
                        f"Valid tokens of one microbatch got different weights in {int(steps.probe_nonuniform.sum())} "
                        "record(s): a per-sequence or per-document mean, or a token weighting. Legitimate only when "
                        "chosen on purpose.",
@@ -466,36 +486,77 @@ def _probe_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Findin
                        {"records": int(steps.probe_nonuniform.sum())})
     masked = steps.masked_weighted > 0
     if masked.any():
-        yield _finding(context, Code.MASKED_TOKENS_WEIGHTED, _steps_where(steps, masked),
+        yield _finding(context, Code.MASKED_TOKENS_WEIGHTED, steps.step[masked].to_numpy(),
                        f"Positions that are not valid (padding, ignored labels) carry weight in "
                        f"{int(steps.masked_weighted.sum())} record(s): the loss averages over them.",
                        "mask per-token losses before reducing, and divide by the valid-token count, not the positions",
                        {"records": int(steps.masked_weighted.sum())})
 
 
-def _missing_ranks(steps: pd.DataFrame, context: RunContext, log: LogQueries) -> Iterator[Finding]:
+def _missing_ranks(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding]:
     """missing_rank: fewer ranks than W recorded a step that others recorded."""
     missing = steps.ranks < steps.w_high
     if not missing.any():
         return
     first = steps[missing].iloc[0]
-    present = log.ranks_at(context.run, str(first.grp), int(first.step))
-    absent = [r for r in range(int(first.w_high)) if r not in present]
-    yield _finding(context, Code.MISSING_RANK, _steps_where(steps, missing),
-                   f"{int(missing.sum())} step(s) lack records from some ranks (step {int(first.step)}: ranks "
-                   f"{_list(absent)} of W={int(first.w_high)} have none). A rank that skips backward or a collective "
-                   "desynchronizes DDP; if it only skipped recording, its tokens are missing from N here.",
+    w = int(first.w_high)
+    mask = 0 if pd.isna(first.rank_mask) else int(first.rank_mask)
+    absent = [r for r in range(min(w, 64)) if not mask >> r & 1]
+    listed = f"ranks {_list(absent)}" if w <= 64 else f"{w - int(first.ranks)} ranks (of those below 64: {_list(absent)})"
+    yield _finding(context, Code.MISSING_RANK, steps.step[missing].to_numpy(),
+                   f"{int(missing.sum())} step(s) lack records from some ranks (step {int(first.step)}: {listed} "
+                   f"of W={w} have none). A rank that skips backward or a collective desynchronizes DDP; if it only "
+                   "skipped recording, its tokens are missing from N here.",
                    "every rank runs forward, backward and every collective each microbatch, with a zero loss when "
                    "it has no valid token",
-                   {"step": int(first.step), "missing_ranks": absent, "world_size": int(first.w_high)})
+                   {"step": int(first.step), "missing_ranks": absent, "world_size": w})
 
 
-def _duplicates(duplicates: tuple[int, int, int, int], context: RunContext) -> Finding:
-    """duplicate_records: the engine kept the later of each repeated (group, step, micro, rank)."""
+def _divisor_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding]:
+    """unknown_divisor: D could not be seen, so the weights' absolute scale is not judged."""
+    unknown = (steps.unknown_divisor > 0) & (steps.tokens > 0)
+    if not unknown.any():
+        return
+    rows = steps[unknown]
+    weighted = rows[rows.weighted_records > 0]
+    evidence: dict[str, Any] = {"records": int(rows.unknown_divisor.sum()), "world_size": context.world_size}
+    detail = ""
+    if not weighted.empty:
+        # The log assumed D = W; with a summing reduction (D = 1) every weight is W× larger.
+        q = float(((weighted.e_low + weighted.e_high) / 2 * weighted.tokens).median())
+        evidence.update({"distortion_if_average": q, "distortion_if_sum": q * context.world_size})
+        detail = (f" If the reduction averages (D = W = {context.world_size}), tokens got q = e·N = {q:.4g}; "
+                  f"if it sums (D = 1), q = {q * context.world_size:.4g} (correct is 1).")
+    yield _finding(context, Code.UNKNOWN_DIVISOR, rows.step.to_numpy(),
+                   f"The divisor D of the gradient reduction could not be seen in {len(rows)} step(s) (a DDP comm hook "
+                   "the recorder does not know, or no DDP model given), so the absolute scale of the weights is not "
+                   f"judged; relative checks (local means, per-microbatch denominators) still ran.{detail}",
+                   "tell the recorder what the reduction divides by: Recorder(..., grad_divisor=1) for a summing "
+                   f"hook, grad_divisor={context.world_size} for an average (or pass the DDP model as model=)",
+                   evidence)
+
+
+def _weight_presence(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding]:
+    """no_weights: valid records without a usable weight (no b and no probe, or S = 0 without a probe)."""
+    unweighted = steps.unweighted_records > 0
+    if not unweighted.any():
+        return
+    records = int(steps.unweighted_records[unweighted].sum())
+    none_at_all = int((unweighted & (steps.weighted_records == 0)).sum())
+    yield _finding(context, Code.NO_WEIGHTS, steps.step[unweighted].to_numpy(),
+                   f"{records} record(s) with valid tokens carry no usable weight (no backward scalar and no probe, "
+                   f"or a loss sum of 0 without a probe); {none_at_all} step(s) have no weight at all, so their "
+                   "normalization cannot be judged.",
+                   "record backward_scalar= with every record, or wrap the per-token loss in rec.probe()",
+                   {"records": records, "steps_without_weight": none_at_all})
+
+
+def _duplicates(duplicates: tuple[int, int, int, int], run: str) -> Finding:
+    """duplicate_records: the engine kept the later of each repeated (group, term, step, micro, rank)."""
     copies, first, last, count = duplicates
-    return Finding(run=context.run, code=Code.DUPLICATE_RECORDS, severity=DEFAULT_SEVERITY[Code.DUPLICATE_RECORDS],
+    return Finding(run=run, code=Code.DUPLICATE_RECORDS, severity=DEFAULT_SEVERITY[Code.DUPLICATE_RECORDS],
                    steps=StepRange(first, last, count),
-                   message=f"{copies} record(s) repeat a (group, step, micro, rank) already logged, e.g. after a "
+                   message=f"{copies} record(s) repeat a (group, term, step, micro, rank) already logged, e.g. after a "
                            "resume that replayed steps; the later record (by `time`, then file) was kept.",
                    fix="resume from the checkpoint's step and start a new shard sequence; or delete the older shards",
                    evidence={"dropped_records": copies})
@@ -503,11 +564,11 @@ def _duplicates(duplicates: tuple[int, int, int, int], context: RunContext) -> F
 
 def _balanced(steps: pd.DataFrame, diagnoses: list[StepDiagnosis], context: RunContext) -> Iterator[Finding]:
     """balanced_counts: every step with tokens had equal counts everywhere, so the logs cannot tell."""
-    nonempty = [d for d in diagnoses if d.kind != "empty"]
+    nonempty = [d for d in diagnoses if d.kind != StepKind.EMPTY]
     if not nonempty or not all(d.balanced for d in nonempty):
         return
     counts = sorted({int(n) for n in steps.n_high[steps.tokens > 0]})
-    yield _finding(context, Code.BALANCED_COUNTS, [int(s) for s in steps.step[steps.tokens > 0]],
+    yield _finding(context, Code.BALANCED_COUNTS, steps.step[steps.tokens > 0].to_numpy(),
                    f"Every record of every step had the same valid-token count ({_list(counts)}), so a local mean "
                    "and the global token mean give the same weights here: this run cannot show which one the code "
                    "uses.",
@@ -515,23 +576,7 @@ def _balanced(steps: pd.DataFrame, diagnoses: list[StepDiagnosis], context: RunC
                    {"counts": counts})
 
 
-def _segments(steps: pd.DataFrame, diagnoses: list[StepDiagnosis]) -> list[Segment]:
-    """Consecutive steps with the same recovered normalization, merged."""
-    segments: list[Segment] = []
-    ordered = sorted(zip(steps.itertuples(index=False), diagnoses), key=lambda pair: (pair[0].step, pair[0].grp))
-    for row, diagnosis in ordered:
-        if diagnosis.kind == "empty":
-            continue
-        factor = diagnosis.factor
-        step = int(row.step)
-        last = segments[-1] if segments else None
-        if last and last.denominator == diagnosis.denominator and last.factor == factor and last.last <= step:
-            segments[-1] = Segment(last.first, step, last.steps + (step != last.last), last.denominator, factor)
-        else:
-            segments.append(Segment(step, step, 1, diagnosis.denominator, factor))
-    return segments
-
-
 def _list(values: Any) -> str:
     items = [str(int(v)) for v in values]
     return ", ".join(items[:8]) + (f", … ({len(items)} in all)" if len(items) > 8 else "")
+

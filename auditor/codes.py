@@ -40,6 +40,10 @@ class Code(str, Enum):
     MISSING_SYNC = "missing_sync"
     SYNC_EVERY_MICRO = "sync_every_micro"
     BALANCED_COUNTS = "balanced_counts"
+    LOSS_SCALE = "loss_scale"
+    UNKNOWN_DIVISOR = "unknown_divisor"
+    NO_WEIGHTS = "no_weights"
+    RECORDS_DROPPED = "records_dropped"
 
 
 DEFAULT_SEVERITY: dict[Code, Severity] = {
@@ -63,4 +67,12 @@ DEFAULT_SEVERITY: dict[Code, Severity] = {
     Code.MISSING_SYNC: Severity.ERROR,
     Code.SYNC_EVERY_MICRO: Severity.INFO,
     Code.BALANCED_COUNTS: Severity.INFO,
+    Code.LOSS_SCALE: Severity.WARNING,
+    Code.UNKNOWN_DIVISOR: Severity.WARNING,
+    Code.NO_WEIGHTS: Severity.WARNING,
+    Code.RECORDS_DROPPED: Severity.WARNING,
 }
+
+UNDECIDABLE: frozenset[Code] = frozenset({Code.LOSS_SCALE, Code.UNKNOWN_DIVISOR, Code.NO_WEIGHTS,
+                                          Code.RECORDS_DROPPED})
+"""Warnings that say the logs cannot tell (SPEC §4): alone, they make a run `inconclusive`, not `incorrect`."""

@@ -1,4 +1,4 @@
-"""DuckDB over the shards: per-record weights aggregated to one row per (run, group, step).
+"""DuckDB over the shards: per-record weights aggregated to one row per (run, group, term, step).
 
 Memory stays bounded however large the log: DuckDB streams the Parquet files, aggregates
 spill to disk past `memory_limit`, and only the per-step table (one row per optimizer step and
@@ -38,7 +38,7 @@ class Engine:
     """The validated shards this engine reads."""
     duplicates: dict[str, tuple[int, int, int, int]]
     """Filled by `step_table`. Per run: (records dropped, first step, last step, steps) where a
-    (run, group, step, micro, rank) key appeared more than once."""
+    (run, group, term, step, micro, rank) key appeared more than once."""
     chunk_rows: int = CHUNK_ROWS
     """Rows aggregated at a time: bounds memory whatever the size of the log."""
 
@@ -79,12 +79,14 @@ class Engine:
                 SELECT
                     coalesce({column('run_id')}, {_sql_string(default_run)}) AS run,
                     coalesce({column('group')}, '0') AS grp,
+                    coalesce({column('term')}, '0') AS term,
                     {column('step')} AS step, {column('micro')} AS micro, {column('rank')} AS rank,
                     {column('world_size')} AS world_size,
                     {column('loss_sum')} AS loss_sum, {column('valid_tokens')} AS valid_tokens,
                     {column('backward_scalar')} AS backward_scalar,
                     coalesce({column('grad_divisor')}, {column('world_size')}::DOUBLE) AS grad_divisor,
                     coalesce({column('grad_scale')}, 1.0) AS grad_scale,
+                    coalesce({column('divisor_known')}, true) AS divisor_known,
                     {column('positions')} AS positions,
                     {column('token_weight_sum')} AS token_weight_sum,
                     {column('token_weight_min')} AS token_weight_min,
@@ -100,7 +102,7 @@ class Engine:
     def _define(self, shards: Sequence[Shard], steps: tuple[int, int] | None, deduplicate: bool) -> None:
         self.connection.execute(f"CREATE OR REPLACE TEMP VIEW raw_records AS {self._source(shards, steps)}")
         # Of two records with one key, the later `time` wins, then the later file and row.
-        dedup = ("QUALIFY row_number() OVER (PARTITION BY run, grp, step, rank, micro "
+        dedup = ("QUALIFY row_number() OVER (PARTITION BY run, grp, term, step, rank, micro "
                  "ORDER BY written DESC NULLS LAST, filename DESC, file_row_number DESC) = 1") if deduplicate else ""
         # c: implied weight per valid token before reduction = probe Σ∂b/∂ℓ / n, else b/S.
         # e = c·g/D: effective weight after the reduction. Correct iff e·N = 1.
@@ -119,7 +121,7 @@ class Engine:
         for run, copies, first, last, steps in self.connection.execute("""
             SELECT run, sum(copies - 1), min(step), max(step), count(DISTINCT step) FROM (
                 SELECT run, step, count(*) AS copies FROM raw_records
-                GROUP BY run, grp, step, rank, micro HAVING count(*) > 1)
+                GROUP BY run, grp, term, step, rank, micro HAVING count(*) > 1)
             GROUP BY run
         """).fetchall():
             found[str(run)] = (int(copies), int(first), int(last), int(steps))
@@ -143,7 +145,7 @@ class Engine:
         return chunks
 
     def step_table(self, rtol: float, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
-        """One row per (run, grp, step) with everything the checks need (see STEP_SQL).
+        """One row per (run, grp, term, step) with everything the checks need (see STEP_SQL).
 
         Large logs are aggregated a step range at a time. Duplicates are looked for only where the
         cheap per-rank count says there may be some; those records are then deduplicated.
@@ -167,33 +169,19 @@ class Engine:
             frames.append(frame)
         self._define(self.shards, None, deduplicate=bool(self.duplicates))  # for the per-step queries
         frame = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
-        return frame.sort_values(["run", "grp", "step"], ignore_index=True)
+        return frame.sort_values(["run", "grp", "term", "step"], ignore_index=True)
 
     def records_at(self, run: str, step: int) -> pd.DataFrame:
         """Every record of one step of one run, with c, e and q = e·N."""
         return self.connection.execute("""
-            SELECT grp, rank, micro, world_size, valid_tokens, loss_sum, backward_scalar, grad_divisor,
+            SELECT grp, term, rank, micro, world_size, valid_tokens, loss_sum, backward_scalar, grad_divisor,
                    grad_scale, eff * grad_divisor / grad_scale AS implied_weight, eff,
-                   eff * sum(valid_tokens) OVER (PARTITION BY grp) AS q,
+                   eff * sum(valid_tokens) OVER (PARTITION BY grp, term) AS q,
                    token_weight_min * grad_scale / grad_divisor AS eff_min,
                    token_weight_max * grad_scale / grad_divisor AS eff_max,
                    sync, reported_loss
-            FROM records WHERE run = ? AND step = ? ORDER BY grp, rank, micro
+            FROM records WHERE run = ? AND step = ? ORDER BY grp, term, rank, micro
         """, [run, step]).df()
-
-    def extremes(self, run: str, group: str, step: int) -> tuple[dict[str, float], dict[str, float]]:
-        """The valid records with the heaviest and the lightest effective weight in one step."""
-        row = self.connection.execute("""
-            WITH step_records AS (
-                SELECT rank, micro, valid_tokens AS n, eff AS e,
-                       sum(valid_tokens) OVER (PARTITION BY rank) AS rank_tokens
-                FROM records WHERE run = ? AND grp = ? AND step = ?)
-            SELECT arg_max({'rank': rank, 'micro': micro, 'n': n, 'e': e, 'rank_tokens': rank_tokens}, e),
-                   arg_min({'rank': rank, 'micro': micro, 'n': n, 'e': e, 'rank_tokens': rank_tokens}, e)
-            FROM step_records WHERE n > 0 AND isfinite(e)
-        """, [run, group, step]).fetchone()
-        assert row is not None
-        return row[0], row[1]
 
     def complete_through(self) -> dict[tuple[str, str], int]:
         """Per (run, group): the last step that every rank has recorded. Steps after it are still
@@ -205,39 +193,35 @@ class Engine:
         """).fetchall()
         return {(str(run), str(group)): int(step) for run, group, step in rows}
 
-    def ranks_at(self, run: str, group: str, step: int) -> list[int]:
-        """Ranks that recorded one step of one group."""
-        rows = self.connection.execute(
-            "SELECT DISTINCT rank FROM records WHERE run = ? AND grp = ? AND step = ? ORDER BY rank",
-            [run, group, step]).fetchall()
-        return [int(row[0]) for row in rows]
-
     def close(self) -> None:
         self.connection.close()
 
 
-# Per-record weights e are only defined for valid records (n > 0) with a finite value.
+# Per-record weights e are only defined for valid records (n > 0) with every value finite.
 STEP_SQL = """
 WITH rec AS (
-    SELECT run, grp, step, rank, micro, world_size, grad_divisor, valid_tokens, loss_sum, positions,
-        sync, skipped, reported_loss, token_weight_sum,
-        -- e only where it is a weight: valid tokens and every value finite (NULL elsewhere)
-        CASE WHEN valid_tokens > 0 AND isfinite(eff) AND isfinite(loss_sum)
-                  AND coalesce(isfinite(backward_scalar), true) THEN eff END AS w,
+    SELECT run, grp, term, step, rank, micro, world_size, grad_divisor, valid_tokens, loss_sum, positions,
+        sync, skipped, reported_loss, token_weight_sum, divisor_known,
         valid_tokens > 0 AND NOT (isfinite(loss_sum) AND coalesce(isfinite(backward_scalar), true)
             AND coalesce(isfinite(token_weight_sum), true) AND coalesce(isfinite(token_weight_min), true)
-            AND coalesce(isfinite(token_weight_max), true)) AS nonfinite_valid,
+            AND coalesce(isfinite(token_weight_max), true) AND coalesce(isfinite(masked_weight_abs_sum), true)
+            AND isfinite(grad_scale) AND isfinite(grad_divisor) AND coalesce(isfinite(eff), true)) AS nonfinite_valid,
         valid_tokens = 0 AND NOT (coalesce(isfinite(backward_scalar), true)
             AND coalesce(isfinite(token_weight_sum), true)) AS nonfinite_zero,
         token_weight_min * grad_scale / grad_divisor AS probe_low,
         token_weight_max * grad_scale / grad_divisor AS probe_high,
         token_weight_max - token_weight_min > $rtol * abs(token_weight_max) AS probe_nonuniform,
         masked_weight_abs_sum > 0 AND masked_weight_abs_sum > $rtol * coalesce(abs(eff * grad_divisor / grad_scale), 0)
-            AS masked_weighted
+            AS masked_weighted,
+        eff
     FROM records
 ),
+weighted AS (
+    -- w: the effective weight e, only where it is one (valid tokens, every value finite)
+    SELECT *, CASE WHEN valid_tokens > 0 AND NOT nonfinite_valid THEN eff END AS w FROM rec
+),
 step_level AS (
-    SELECT run, grp, step,
+    SELECT run, grp, term, step,
         count(*) AS records, max(rank) AS rank_max,
         min(world_size) AS w_low, max(world_size) AS w_high,
         min(grad_divisor) AS d_low, max(grad_divisor) AS d_high,
@@ -249,6 +233,8 @@ step_level AS (
         -- the probe's per-token extremes where recorded, else the record's mean weight
         min(coalesce(probe_low, w) + 0 * w) AS tok_low, max(coalesce(probe_high, w) + 0 * w) AS tok_high,
         count(w) AS weighted_records,
+        count_if(valid_tokens > 0 AND w IS NULL AND NOT nonfinite_valid) AS unweighted_records,
+        count_if(valid_tokens > 0 AND NOT divisor_known) AS unknown_divisor,
         coalesce(sum(w * loss_sum), 0) AS objective,
         count_if(nonfinite_valid) AS nonfinite_valid,
         count_if(nonfinite_zero) AS nonfinite_zero,
@@ -260,41 +246,49 @@ step_level AS (
         min(reported_loss) AS reported_low, max(reported_loss) AS reported_high, count(reported_loss) AS reported,
         sum(positions) AS positions, count(positions) AS positions_known,
         count_if(micro >= 64) AS wide_micro
-    FROM rec GROUP BY run, grp, step
+    FROM weighted GROUP BY run, grp, term, step
 ),
 -- Few aggregates per (rank, step): millions of groups at scale must stay narrow.
 per_rank AS (
-    SELECT run, grp, step, rank,
+    SELECT run, grp, term, step, rank,
         count(*) AS microbatches, sum(valid_tokens) AS rank_tokens, sum(loss_sum) AS rank_loss,
         min(w) AS e_low, max(w) AS e_high,
+        arg_max(micro, w) AS heavy_micro, arg_max(valid_tokens, w) AS heavy_n,
+        arg_min(micro, w) AS light_micro, arg_min(valid_tokens, w) AS light_n,
         min(w * valid_tokens) AS en_low, max(w * valid_tokens) AS en_high,
         arg_max(sync, micro) AS last_sync,
         -- distinct microbatch indices below 64, as set bits: fewer bits than rows means a repeated key
         count_if(micro < 64)
             - coalesce(bit_count(bit_or(CASE WHEN micro < 64 THEN CAST(1 AS UBIGINT) << CAST(micro AS UBIGINT) END)), 0)
             AS repeated
-    FROM rec GROUP BY run, grp, step, rank
+    FROM weighted GROUP BY run, grp, term, step, rank
 ),
 rank_level AS (
-    SELECT run, grp, step,
+    SELECT run, grp, term, step,
         count(*) AS ranks, min(microbatches) AS m_low, max(microbatches) AS m_high,
         avg(rank_loss / rank_tokens) FILTER (rank_tokens > 0) AS mean_of_local_means,
         min(en_low * microbatches) AS enm_low, max(en_high * microbatches) AS enm_high,
         min(e_low * rank_tokens) AS er_low, max(e_high * rank_tokens) AS er_high,
+        -- the heaviest and the lightest valid record of the step, for the evidence
+        arg_max(rank, e_high) AS heavy_rank, arg_max(heavy_micro, e_high) AS heavy_micro,
+        arg_max(heavy_n, e_high) AS heavy_n, arg_max(rank_tokens, e_high) AS heavy_rank_tokens,
+        arg_min(rank, e_low) AS light_rank, arg_min(light_micro, e_low) AS light_micro,
+        arg_min(light_n, e_low) AS light_n, arg_min(rank_tokens, e_low) AS light_rank_tokens,
+        -- ranks below 64 present in the step, as set bits (the missing-rank evidence)
+        bit_or(CASE WHEN rank < 64 THEN CAST(1 AS UBIGINT) << CAST(rank AS UBIGINT) END) AS rank_mask,
         count_if(last_sync = false) AS unsynced_ranks,
         coalesce(sum(repeated), 0) AS repeated_micro
-    FROM per_rank GROUP BY run, grp, step
+    FROM per_rank GROUP BY run, grp, term, step
 ),
 per_micro AS (
-    SELECT run, grp, step, micro, sum(valid_tokens) AS micro_tokens, min(w) AS e_low, max(w) AS e_high
-    FROM rec GROUP BY run, grp, step, micro
+    SELECT run, grp, term, step, micro, sum(valid_tokens) AS micro_tokens, min(w) AS e_low, max(w) AS e_high
+    FROM weighted GROUP BY run, grp, term, step, micro
 ),
 micro_level AS (
-    SELECT run, grp, step, min(e_low * micro_tokens) AS em_low, max(e_high * micro_tokens) AS em_high
-    FROM per_micro GROUP BY run, grp, step
+    SELECT run, grp, term, step, min(e_low * micro_tokens) AS em_low, max(e_high * micro_tokens) AS em_high
+    FROM per_micro GROUP BY run, grp, term, step
 )
 SELECT * FROM step_level
-JOIN rank_level USING (run, grp, step)
-LEFT JOIN micro_level USING (run, grp, step)
+JOIN rank_level USING (run, grp, term, step)
+LEFT JOIN micro_level USING (run, grp, term, step)
 """
-

@@ -43,7 +43,9 @@ EXPLANATIONS: dict[Code, tuple[str, str, str, str]] = {
         "(dist.get_world_size(ddp_model.process_group)) and match the reduction: W·S/N for an average, "
         "S/N for a sum.",
         "b_r = S_r/N (no W): after the average e = 1/(2·4) = 0.125 for every token, q = 0.5. The direction "
-        "is right; the step is half as long as intended.",
+        "is right but the gradient is half its size: under SGD the step halves; under Adam(W) the step "
+        "barely changes, but epsilon now weighs 2× more, gradient clipping thresholds and the logged "
+        "grad norm are off by 2, and the balance against weight decay shifts.",
     ),
     Code.SCALE_MISMATCH: (
         "uniform weights, off by a constant",
@@ -174,6 +176,43 @@ EXPLANATIONS: dict[Code, tuple[str, str, str, str]] = {
         "same weights and the logs cannot show which one the code uses.",
         "Audit a run with uneven counts (real padding, ignored labels, packing).",
         "n0 = n1 = 2: b_r = S_r/2 (a local mean) and 2·S_r/4 (the token mean) are the same number.",
+    ),
+    Code.LOSS_SCALE: (
+        "uniform weights with a power-of-two factor: an unrecorded loss scale",
+        "Mixed precision multiplies the loss by a scale S_amp (GradScaler: 2^16 at the start, halved at "
+        "every overflow) before backward and divides it out of the gradients before the optimizer step. The "
+        "probe measures ∂(S_amp·b)/∂ℓ, so without the scaler every token shows q = S_amp·q_true: a large "
+        "power of two that W does not explain. The true scale cannot be read, so the run is inconclusive, "
+        "not incorrect.",
+        "Pass the scaler: Recorder(..., scaler=scaler). Its scale is then divided out (g = 1/S_amp) and the "
+        "updates it skips are marked. The Hugging Face and Lightning callbacks find the trainer's scaler.",
+        "W·S_r/N under a GradScaler at 65536: the probe sees e = 65536·0.25 for every token, q = 65536 = 2^16.",
+    ),
+    Code.UNKNOWN_DIVISOR: (
+        "the gradient reduction's divisor could not be seen",
+        "A DDP comm hook the recorder does not know (or a model it was not given) may average (D = W) or sum "
+        "(D = 1). The same backward scalar is then right or W× off, so tokaudit does not judge the absolute "
+        "scale: local means and per-microbatch denominators are still found, since they show in the weights' "
+        "ratios whatever D is.",
+        "Tell the recorder: Recorder(..., grad_divisor=1) for a summing hook, grad_divisor=W for an average; "
+        "or pass the DDP-wrapped model as model=.",
+        "A custom hook all-reduces with SUM: W·S_r/N = 2·S_r/4 gives e = 0.5 per token (q = 2, wrong) while "
+        "the log, assuming an average, shows q = 1.",
+    ),
+    Code.NO_WEIGHTS: (
+        "valid records carry no usable weight",
+        "A weight needs the backward scalar b with a non-zero loss sum S (c = b/S) or the probe's measurement. "
+        "Records with neither cannot be judged; a step made only of them is not called correct.",
+        "Pass backward_scalar= with every record, or wrap the per-token loss in rec.probe().",
+        "Rank 1 records S = 0 (every token predicted perfectly) with b = 0 and no probe: c = 0/0 is unknown.",
+    ),
+    Code.RECORDS_DROPPED: (
+        "the recorder could not write some records",
+        "A write failed (a full or read-only disk) and the records could not be kept until a later write. The "
+        "recorder notes which steps lost records; those steps are left out of the audit instead of being "
+        "judged on part of their tokens.",
+        "Give the log folder room, and check the training's warnings for the recorder's write errors.",
+        "The disk filled during steps 120–131: those steps are listed and not judged.",
     ),
 }
 

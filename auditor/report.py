@@ -40,11 +40,13 @@ class Finding:
     """What to change, written for this run."""
     evidence: dict[str, Any] = field(default_factory=dict)
     """Numbers a user can check by hand."""
+    term: str = "0"
+    """The loss term it concerns ("0": the main one, or the only one)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """Consecutive steps that used the same normalization."""
+    """Consecutive steps of one averaging group and loss term that used the same normalization."""
 
     first: int
     """First step of the segment."""
@@ -56,6 +58,10 @@ class Segment:
     """Recovered denominator: N, N_m, n_rank, n_micro*M, n_micro, T, T_step, 1, undetermined, unexplained."""
     factor: float | None
     """α in b·g = α·S/denominator (W for a correct averaging reduction, 1 for a summing one)."""
+    group: str = "0"
+    """Averaging group."""
+    term: str = "0"
+    """Loss term."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +90,10 @@ class RunSummary:
     """Largest ratio between two valid tokens' effective weights inside one step."""
     microbatches: int
     """Most microbatches one rank ran in one step."""
+    terms: list[str] = field(default_factory=lambda: ["0"])
+    """Loss terms, each audited as its own token mean."""
+    skipped_steps: int = 0
+    """Steps the trainer marked skipped (a GradScaler overflow, an inf/NaN guard, N = 0)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,29 +16,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from tokaudit.hooks.probe import ScalarProbe
+
 if TYPE_CHECKING:
-    from tokaudit.hooks.recorder import ProbeResult, Recorder
-
-
-class _ScalarProbe(torch.autograd.Function):
-    """Identity on a reduced loss; backward sees g = ∂b/∂loss, so every valid token got g·∂loss/∂ℓᵢ."""
-
-    @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, token_factor: torch.Tensor, valid_count: torch.Tensor,
-                result: ProbeResult, on_error: Callable[[BaseException], None]) -> torch.Tensor:
-        ctx.save_for_backward(token_factor, valid_count)
-        ctx.result = result
-        ctx.on_error = on_error
-        return loss.view_as(loss)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        token_factor, valid_count = ctx.saved_tensors
-        try:
-            ctx.result.add_uniform(grad * token_factor, valid_count)
-        except Exception as error:  # the probe never breaks training
-            ctx.on_error(error)
-        return grad, None, None, None, None
+    from tokaudit.hooks.recorder import Recorder
 
 
 def _valid_mask(input: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -77,33 +58,27 @@ def capture_cross_entropy(recorder: Recorder) -> Iterator[None]:
 
 def _record(recorder: Recorder, out: torch.Tensor, input: torch.Tensor, target: torch.Tensor,
             weight: torch.Tensor | None, ignore_index: int, reduction: str) -> torch.Tensor:
-    from tokaudit.hooks.recorder import ProbeResult
-
     valid = _valid_mask(input, target, ignore_index)
     valid_count = valid.sum()
     if reduction == "none":
-        probed = recorder.probe(out, valid)
-        result = recorder._pending_probe
         loss_sum = out.detach().sum()  # positions that are not valid hold 0
-    else:
-        # mean = Σℓᵢ / Σw_{yᵢ} over valid positions (Σw = n without class weights; the sample
-        # count for probability targets); sum = Σℓᵢ. So ∂loss/∂ℓᵢ is 1/Σw or 1 for every valid i.
-        if reduction == "mean":
-            if target.is_floating_point():
-                denominator = torch.full((), float(valid.numel()), device=out.device)
-            elif weight is not None:
-                denominator = (weight[target.masked_fill(~valid, 0)] * valid).sum()
-            else:
-                denominator = valid_count.to(out.dtype)
-            loss_sum = torch.where(denominator > 0, out.detach() * denominator, 0.0)
-            token_factor = 1 / denominator.to(torch.float64)
+        result = recorder._captured_call(loss_sum, valid_count, valid.numel(), target)
+        return recorder._probe_into(out, valid, result)
+    # mean = Σℓᵢ / Σw_{yᵢ} over valid positions (Σw = n without class weights; the sample
+    # count for probability targets); sum = Σℓᵢ. So ∂loss/∂ℓᵢ is 1/Σw or 1 for every valid i.
+    if reduction == "mean":
+        if target.is_floating_point():
+            denominator = torch.full((), float(valid.numel()), device=out.device)
+        elif weight is not None:
+            denominator = (weight[target.masked_fill(~valid, 0)] * valid).sum()
         else:
-            loss_sum = out.detach()
-            token_factor = torch.ones((), dtype=torch.float64, device=out.device)
-        result = ProbeResult()
-        probed = _ScalarProbe.apply(  # type: ignore[no-untyped-call]
-            out, token_factor, valid_count, result, recorder._probe_failed)
-    recorder._pending_probe = result
-    recorder.record(loss_sum=loss_sum, valid_tokens=valid_count, backward_scalar=None, positions=valid.numel(),
-                    _captured=True)
+            denominator = valid_count.to(out.dtype)
+        loss_sum = torch.where(denominator > 0, out.detach() * denominator, 0.0)
+        token_factor = 1 / denominator.to(torch.float64)
+    else:
+        loss_sum = out.detach()
+        token_factor = torch.ones((), dtype=torch.float64, device=out.device)
+    result = recorder._captured_call(loss_sum, valid_count, valid.numel(), target)
+    probed: torch.Tensor = ScalarProbe.apply(  # type: ignore[no-untyped-call]
+        out, token_factor, valid_count, result, recorder._probe_failed)
     return probed

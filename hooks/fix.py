@@ -58,18 +58,22 @@ def token_mean_loss(loss_sum: torch.Tensor, global_tokens: torch.Tensor | int, r
 
     reduction="mean" (DDP's default average, D = W): W·S/N. reduction="sum" (a summing comm hook,
     FSDP2 with divide factor 1, D = 1): S/N. W is the size of `group`, the group that averages.
-    N is clamped to 1, so an update without valid tokens gives an exact 0; a rank with none still
-    backpropagates a 0 connected to the graph, provided `loss_sum` is built from the per-token
-    losses (`(per_token * valid).sum()`), never a Python 0.
+    The result is float32 (float64 for a float64 loss). N is clamped to 1, so an update without
+    valid tokens gives an exact 0; a rank with none still backpropagates a 0 connected to the
+    graph, provided `loss_sum` is built from the per-token losses (`(per_token * valid).sum()`),
+    never a Python 0.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' (the gradient reduction averages) or 'sum', got {reduction!r}")
     if world_size is None:
         world_size = dist.get_world_size(group) if _distributed() else 1
-    tokens = torch.as_tensor(global_tokens, device=loss_sum.device).clamp(min=1).to(loss_sum.dtype)
+    # The division runs in float32 or wider: in float16 N > 65504 is inf (a silent zero gradient),
+    # in bfloat16 N itself is rounded (N = 1001 becomes 1000).
+    dtype = torch.promote_types(loss_sum.dtype, torch.float32)
+    tokens = torch.as_tensor(global_tokens, device=loss_sum.device).clamp(min=1).to(dtype)
     # b = W·S_r/N with an average (D = W), S_r/N with a sum (D = 1): e = b/S·1/D = 1/N either way.
     scale = world_size if reduction == "mean" else 1
-    return loss_sum * scale / tokens
+    return loss_sum.to(dtype) * scale / tokens
 
 
 def is_empty_update(global_tokens: torch.Tensor | int) -> bool:

@@ -1,4 +1,4 @@
-"""Recorder: per-rank, per-microbatch records of S, n, b, W, D, g, sync and step, written to Parquet shards."""
+"""Recorder: per-rank, per-microbatch, per-term records of S, n, b, W, D, g, sync and step, written to Parquet shards."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,84 +18,15 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
+from tokaudit.hooks.amp import ScalerWatch
+from tokaudit.hooks.probe import ProbeResult, TokenProbe
+from tokaudit.hooks.terms import Footprint
 from tokaudit.schema import SCHEMA_VERSION, WRITER_SCHEMA
 
 Number = int | float | bool
 Value = Number | torch.Tensor | None
 
 DEFAULT_FLUSH_EVERY = 4096
-
-
-class ProbeResult:
-    """Per-microbatch weights that backward gave the per-token losses, kept on the device.
-
-    Filled by `_TokenProbe.backward`; several probes in one microbatch accumulate.
-    """
-
-    __slots__ = ("weight_sum", "weight_min", "weight_max", "masked_abs_sum", "valid_count", "filled")
-
-    def __init__(self) -> None:
-        self.weight_sum: torch.Tensor | None = None
-        self.weight_min: torch.Tensor | None = None
-        self.weight_max: torch.Tensor | None = None
-        self.masked_abs_sum: torch.Tensor | None = None
-        self.valid_count: torch.Tensor | None = None
-        self.filled = False
-
-    def add(self, grad: torch.Tensor, valid: torch.Tensor) -> None:
-        # grad = ∂b/∂ℓᵢ for every position; reductions stay on the device (no host sync) and
-        # accumulate in float64, the per-token values stay in the gradient's own dtype.
-        weight = grad.detach()
-        inf = float("inf")  # Python scalars: no host-to-device copy inside backward
-        weight_sum = torch.where(valid, weight, 0).sum(dtype=torch.float64)
-        weight_min = torch.where(valid, weight, inf).amin().double()
-        weight_max = torch.where(valid, weight, -inf).amax().double()
-        masked_abs_sum = torch.where(valid, 0, weight.abs()).sum(dtype=torch.float64)
-        self._accumulate(weight_sum, weight_min, weight_max, masked_abs_sum, valid.sum())
-
-    def add_uniform(self, weight: torch.Tensor, valid_count: torch.Tensor) -> None:
-        """Every valid token got the same weight (a reduced loss); positions that are not valid got 0."""
-        weight = weight.detach().to(torch.float64).reshape(())
-        inf = float("inf")
-        has_tokens = valid_count > 0
-        self._accumulate(weight * valid_count, torch.where(has_tokens, weight, inf),
-                         torch.where(has_tokens, weight, -inf), torch.zeros_like(weight), valid_count)
-
-    def _accumulate(self, weight_sum: torch.Tensor, weight_min: torch.Tensor, weight_max: torch.Tensor,
-                    masked_abs_sum: torch.Tensor, valid_count: torch.Tensor) -> None:
-        if self.weight_sum is None:
-            self.weight_sum, self.weight_min, self.weight_max = weight_sum, weight_min, weight_max
-            self.masked_abs_sum, self.valid_count = masked_abs_sum, valid_count
-        else:
-            assert self.weight_min is not None and self.weight_max is not None
-            assert self.masked_abs_sum is not None and self.valid_count is not None
-            self.weight_sum = self.weight_sum + weight_sum
-            self.weight_min = torch.minimum(self.weight_min, weight_min)
-            self.weight_max = torch.maximum(self.weight_max, weight_max)
-            self.masked_abs_sum = self.masked_abs_sum + masked_abs_sum
-            self.valid_count = self.valid_count + valid_count
-        self.filled = True
-
-
-class _TokenProbe(torch.autograd.Function):
-    """Identity in forward; in backward it reads ∂b/∂ℓᵢ and passes the gradient on unchanged."""
-
-    @staticmethod
-    def forward(ctx: Any, per_token_loss: torch.Tensor, valid: torch.Tensor, result: ProbeResult,
-                on_error: Callable[[BaseException], None]) -> torch.Tensor:
-        ctx.save_for_backward(valid)
-        ctx.result = result
-        ctx.on_error = on_error
-        return per_token_loss.view_as(per_token_loss)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        (valid,) = ctx.saved_tensors
-        try:
-            ctx.result.add(grad, valid)
-        except Exception as error:  # the probe never breaks training
-            ctx.on_error(error)
-        return grad, None, None, None
 
 
 def _group_id(process_group: Any) -> str:
@@ -153,7 +85,7 @@ class Recorder:
 
     def __init__(self, log_dir: str | os.PathLike[str], run_id: str | None = None, model: Any = None,
                  optimizer: torch.optim.Optimizer | None = None, group: Any = None,
-                 grad_divisor: float | None = None, grad_scale: float | None = None,
+                 grad_divisor: float | None = None, grad_scale: float | None = None, scaler: Any = None,
                  flush_every: int = DEFAULT_FLUSH_EVERY) -> None:
         if flush_every < 1:
             raise ValueError(f"flush_every must be at least 1, got {flush_every}")
@@ -162,15 +94,24 @@ class Recorder:
         self._records: list[dict[str, Any]] = []
         self._pending_probe: ProbeResult | None = None
         self._capture: AbstractContextManager[None] | None = None
+        self._open_calls: list[_OpenCall] = []
         self._handles: list[Any] = []
         self._flush_every = flush_every
         self._model = model
+        self._optimizer = optimizer
         self._grad_divisor = None if grad_divisor is None else float(grad_divisor)
+        self._divisor_known = True
         self._divisor_resolved = grad_divisor is not None
         self._grad_scale = grad_scale
         self._forward_sync: bool | None = None
         self._step = 0
-        self._micro_next: dict[int, int] = {}
+        self._step_records = 0
+        self._closed_step: int | None = None
+        self._auto_closed: int | None = None
+        self._micro_next: dict[str, int] = {}
+        self._active_term: str | None = None
+        self._awaiting_scale: list[dict[str, Any]] = []
+        self._zero_grad_wrapper: Callable[..., Any] | None = None
         self._steps_known = optimizer is not None  # else until begin_step/end_step is called
 
         process_group = group if group is not None else getattr(model, "process_group", None)
@@ -198,7 +139,9 @@ class Recorder:
             # DDP decides at forward time whether this backward all-reduces, so read the flag there.
             self._handles.append(model.register_forward_pre_hook(self._capture_sync))
         if optimizer is not None:
-            self._handles.append(optimizer.register_step_post_hook(lambda *_: self.end_step()))
+            self._handles.append(optimizer.register_step_post_hook(lambda *_: self._on_optimizer_step()))
+            self._watch_zero_grad(optimizer)
+        self._scaler = ScalerWatch(scaler, self._on_scaler_update, self._on_scale) if scaler is not None else None
         atexit.register(self.close)
 
     # ---------------------------------------------------------------- public API
@@ -207,40 +150,47 @@ class Recorder:
         """Return `per_token_loss` unchanged; backward records ∂b/∂ℓᵢ for this microbatch's record."""
         if self._closed or not per_token_loss.requires_grad:
             return per_token_loss
-        try:
-            if valid_mask is None:
-                valid = torch.ones_like(per_token_loss, dtype=torch.bool)
-            else:
-                valid = valid_mask.to(device=per_token_loss.device, dtype=torch.bool).expand_as(per_token_loss)
-            if self._pending_probe is None:
-                self._pending_probe = ProbeResult()
-            result: torch.Tensor = _TokenProbe.apply(  # type: ignore[no-untyped-call]
-                per_token_loss, valid, self._pending_probe, self._probe_failed)
-            return result
-        except Exception as error:
-            self._warn_once("probe", f"tokaudit: probe disabled for this call ({error!r})")
-            return per_token_loss
+        if self._pending_probe is None:
+            self._pending_probe = ProbeResult()
+        return self._probe_into(per_token_loss, valid_mask, self._pending_probe)
 
     def record(self, loss_sum: Value, valid_tokens: Value, backward_scalar: Value, step: int | None = None,
                micro: int | None = None, positions: Value = None, reported_loss: Value = None,
-               skipped: bool | None = None, grad_scale: Value = None, _captured: bool = False) -> None:
-        """Store one backward pass. Tensors are kept (detached) until the next flush."""
+               skipped: bool | None = None, grad_scale: Value = None, term: str | None = None,
+               _captured: bool = False) -> None:
+        """Store one backward pass of one loss term. Tensors are kept (detached) until the next flush.
+
+        `term` names the loss term when a microbatch's objective has several (an auxiliary head,
+        the heads of multi-token prediction), each its own token mean; default "0", or the name
+        of an enclosing `loss_term()`. Under a GradScaler, `backward_scalar` is the loss before
+        `scaler.scale()` (or the scaled tensor itself): the log holds b = scale·loss, g = 1/scale.
+        """
         if self._closed:
             return
         try:
             if not self._divisor_resolved:
                 self._resolve_divisor()
+            term = str(term) if term is not None else (self._active_term or "0")
             if step is None:
                 step = self._step
-                if not self._steps_known:
-                    # No step boundaries known: every backward is its own update.
-                    self._step += 1
+                if not self._steps_known and self._micro_next.get(term, 0) > 0:
+                    # No step boundaries known: every backward of a term is its own update.
+                    self._advance()
+                    step = self._step
+                self._step_records += 1  # records of the open update: its end may still mark them skipped
             if micro is None:
-                micro = self._micro_next.get(step, 0)
-            self._micro_next = {step: micro + 1}
-            self._records.append({
+                micro = self._micro_next.get(term, 0) if step == self._step else 0
+            if step == self._step:
+                self._micro_next[term] = micro + 1
+            scale = None
+            prescaled = False
+            if self._scaler is not None and self._scaler.enabled():
+                scale = self._scaler.current()
+                prescaled = self._scaler.is_scaled(backward_scalar)
+            entry = {
                 "step": step,
                 "micro": micro,
+                "term": term,
                 "loss_sum": _detached(loss_sum),
                 "valid_tokens": _detached(valid_tokens),
                 "backward_scalar": _detached(backward_scalar),
@@ -248,16 +198,31 @@ class Recorder:
                 "reported_loss": _detached(reported_loss),
                 "skipped": skipped,
                 "grad_scale": _detached(grad_scale if grad_scale is not None else self._grad_scale),
+                "loss_scale": scale,
+                "prescaled": prescaled,
                 "sync": self._forward_sync,
                 "time": time.time_ns() // 1000,
                 "probe": self._pending_probe,
                 "captured": _captured,
-            })
+            }
+            self._records.append(entry)
+            if self._scaler is not None and self._scaler.enabled() and scale is None:
+                self._awaiting_scale.append(entry)  # before the scaler's first scale(): filled then
             self._pending_probe = None
             if len(self._records) >= self._flush_every:
                 self.flush(wait_for_backward=True)
         except Exception as error:
             self._warn_once("record", f"tokaudit: a record was dropped ({error!r})")
+
+    @contextmanager
+    def loss_term(self, name: str) -> Iterator[None]:
+        """Records, probes and captured calls inside belong to loss term `name` (an auxiliary head,
+        MTP head k): each term is audited as its own token mean."""
+        previous, self._active_term = self._active_term, str(name)
+        try:
+            yield
+        finally:
+            self._active_term = previous
 
     def capture_cross_entropy(self) -> AbstractContextManager[None]:
         """While active, every cross-entropy call with grad (F.cross_entropy, nn.CrossEntropyLoss)
@@ -272,13 +237,20 @@ class Recorder:
             self._capture = self.capture_cross_entropy()
             self._capture.__enter__()
 
+    def watch_scaler(self, scaler: Any) -> None:
+        """Follow a GradScaler found after construction (trainer callbacks): as `Recorder(scaler=...)`."""
+        if self._scaler is None and scaler is not None:
+            self._scaler = ScalerWatch(scaler, self._on_scaler_update, self._on_scale)
+
     def begin_step(self, step: int) -> None:
         """The next records belong to optimizer update `step` (a trainer's global step, so a resumed
         run continues its numbering instead of starting at 0 again)."""
         self._steps_known = True
+        self._auto_closed = None
         if step != self._step:
             self._step = step
             self._micro_next = {}
+            self._step_records = 0
 
     def report_loss(self, value: Value, step: int | None = None) -> None:
         """The loss the trainer reported for `step` (default: the update just closed), stamped on its
@@ -289,21 +261,27 @@ class Recorder:
                 record["reported_loss"] = _detached(value)
 
     def end_step(self, skipped: bool | None = None) -> None:
-        """Close the current optimizer update (called by the optimizer's step hook when one is given).
+        """Close the current optimizer update (the optimizer's step hook calls it when one is given).
 
-        `skipped=True` marks the buffered records of this update as skipped by policy (e.g. N = 0).
+        `skipped=True` marks this update's records as skipped: by policy (N = 0), or because an
+        inf/NaN guard or the GradScaler did not step. With `optimizer=` or `scaler=`, skipped
+        updates are found without this call.
         """
         self._steps_known = True
+        if self._auto_closed is not None and not self._step_records:
+            # zero_grad or the scaler already closed this skipped update: say it, do not close another.
+            if skipped is not None:
+                self._mark_skipped(self._auto_closed, skipped)
+            self._auto_closed = None
+            return
         if skipped is not None:
-            for record in self._records:
-                if record["step"] == self._step:
-                    record["skipped"] = skipped
-        self._step += 1
-        self._micro_next = {}
+            self._mark_skipped(self._step, skipped)
+        self._advance()
 
     def flush(self, wait_for_backward: bool = False) -> None:
-        """Write buffered records to a new shard. With `wait_for_backward`, records whose probe has
-        not yet seen its backward stay buffered for the next shard."""
+        """Write buffered records to a new shard. With `wait_for_backward` (the automatic flush),
+        the current update's records and those whose probe has not yet seen its backward stay
+        buffered for the next shard."""
         if not self._records:
             return
         ready = self._records
@@ -311,7 +289,9 @@ class Recorder:
         if wait_for_backward and len(self._records) < 2 * self._flush_every:
             ready = []
             for record in self._records:
-                (ready if record["probe"] is None or record["probe"].filled else waiting).append(record)
+                done = record["probe"] is None or record["probe"].filled
+                still_open = self._step_records > 0 and record["step"] == self._step
+                (ready if done and not still_open else waiting).append(record)
         self._records = waiting
         # A captured loss that never reached backward (computed with grad, then unused) is no record.
         ready = [r for r in ready if not (r["captured"] and not r["probe"].filled)]
@@ -335,6 +315,10 @@ class Recorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._scaler is not None:
+            self._scaler.close()
+        if self._optimizer is not None and self._optimizer.__dict__.get("zero_grad") == self._zero_grad_wrapper:
+            del self._optimizer.__dict__["zero_grad"]
         atexit.unregister(self.close)
 
     def __enter__(self) -> Recorder:
@@ -343,7 +327,126 @@ class Recorder:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # ---------------------------------------------------------------- internals
+    # ---------------------------------------------------------------- internals: steps
+
+    def _close_skipped(self) -> None:
+        closed = self._step
+        self.end_step(skipped=True)
+        self._auto_closed = closed
+
+    def _advance(self) -> None:
+        self._auto_closed = None
+        self._step += 1
+        self._micro_next = {}
+        self._step_records = 0
+        self._open_calls = []
+
+    def _mark_skipped(self, step: int, skipped: bool | torch.Tensor) -> None:
+        for record in self._records:
+            if record["step"] == step and record["skipped"] is None:
+                record["skipped"] = skipped
+
+    def _on_optimizer_step(self) -> None:
+        self._closed_step = self._step
+        self.end_step()
+
+    def _on_scaler_update(self, found_inf: torch.Tensor | None) -> None:
+        """GradScaler.update(), once per update after step(): a step with records that no
+        optimizer step closed was skipped; a fused optimizer steps anyway, and found_inf says it."""
+        try:
+            if self._step_records:
+                self._close_skipped()
+            elif self._closed_step is not None and found_inf is not None:
+                self._mark_skipped(self._closed_step, found_inf > 0)
+            self._closed_step = None
+        except Exception as error:
+            self._warn_once("scaler", f"tokaudit: could not read the GradScaler's update ({error!r})")
+
+    def _on_scale(self) -> None:
+        if self._awaiting_scale and self._scaler is not None:
+            scale = self._scaler.current()
+            for record in self._awaiting_scale:
+                record["loss_scale"] = scale
+            self._awaiting_scale = []
+
+    def _watch_zero_grad(self, optimizer: Any) -> None:
+        original = optimizer.zero_grad
+
+        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            try:
+                self._on_zero_grad()
+            except Exception as error:
+                self._warn_once("zero_grad", f"tokaudit: could not follow zero_grad ({error!r})")
+            return original(*args, **kwargs)
+
+        self._zero_grad_wrapper = zero_grad
+        optimizer.zero_grad = zero_grad
+
+    def _on_zero_grad(self) -> None:
+        """Gradients cleared while this update holds backpropagated records and no optimizer step
+        closed it: the update was skipped (an inf/NaN guard). Records whose backward is still to
+        come (a trainer that clears before the first backward) move to the next update."""
+        if not self._step_records:
+            return
+        current = [r for r in self._records if r["step"] == self._step]
+        done = [r for r in current if r["probe"] is None or r["probe"].filled]
+        if not done:
+            return
+        self._close_skipped()
+        for record in current:
+            if not (record["probe"] is None or record["probe"].filled):
+                record["step"], record["skipped"] = self._step, None
+                record["micro"] = self._micro_next.get(record["term"], 0)
+                self._micro_next[record["term"]] = record["micro"] + 1
+                self._step_records += 1
+
+    # ---------------------------------------------------------------- internals: capture
+
+    def _probe_into(self, per_token_loss: torch.Tensor, valid_mask: torch.Tensor | None,
+                    result: ProbeResult) -> torch.Tensor:
+        try:
+            if valid_mask is None:
+                valid = torch.ones_like(per_token_loss, dtype=torch.bool)
+            else:
+                valid = valid_mask.to(device=per_token_loss.device, dtype=torch.bool).expand_as(per_token_loss)
+            probed: torch.Tensor = TokenProbe.apply(  # type: ignore[no-untyped-call]
+                per_token_loss, valid, result, self._probe_failed)
+            return probed
+        except Exception as error:
+            self._warn_once("probe", f"tokaudit: probe disabled for this call ({error!r})")
+            return per_token_loss
+
+    def _captured_call(self, loss_sum: torch.Tensor, valid_tokens: torch.Tensor, positions: int,
+                       target: torch.Tensor) -> ProbeResult:
+        """Where one captured cross-entropy call goes. Calls since the last backward belong to one
+        microbatch: a call over slices disjoint from an open record's (a chunk) or inside the same
+        `loss_term()` adds into that record; any other call (another head over the same tokens,
+        an MTP head) opens the next term."""
+        self._open_calls = [c for c in self._open_calls if not c.probe.filled]
+        footprint = Footprint.of(target)
+        for call in self._open_calls:
+            same = (call.named and call.term == self._active_term) if self._active_term is not None else \
+                (not call.named and call.footprint.disjoint(footprint))
+            if same:
+                record = call.record
+                record["loss_sum"] = record["loss_sum"] + loss_sum.detach()
+                record["valid_tokens"] = record["valid_tokens"] + valid_tokens.detach()
+                record["positions"] = record["positions"] + positions
+                call.footprint = footprint
+                return call.probe
+        term = self._active_term
+        if term is None:
+            term = str(len({c.term for c in self._open_calls if not c.named}))
+        probe = ProbeResult()
+        self._pending_probe = probe
+        self.record(loss_sum=loss_sum, valid_tokens=valid_tokens, backward_scalar=None, positions=positions,
+                    term=term, _captured=True)
+        if self._records and self._records[-1]["probe"] is probe:
+            self._open_calls.append(_OpenCall(self._records[-1], probe, term, self._active_term is not None,
+                                              footprint))
+        return probe
+
+    # ---------------------------------------------------------------- internals: identity, shards
 
     def _capture_sync(self, module: Any, args: Any) -> None:
         self._forward_sync = bool(module.require_backward_grad_sync)
@@ -352,20 +455,30 @@ class Recorder:
         self._warn_once("probe-backward", f"tokaudit: probe could not read a backward ({error!r})")
 
     def _resolve_divisor(self) -> None:
+        """D from what can be seen: DDP without a comm hook averages (D = W); a known hook says its
+        divisor; otherwise D is unknown and the log says so (divisor_known = false)."""
         self._divisor_resolved = True
         hooks = getattr(self._model, "_comm_hooks", None)
-        if self._model is None or hooks is None:
+        if self._model is not None and hooks is not None:
+            if not hooks:
+                self._grad_divisor = float(self.world_size)  # DDP's default: all-reduce, then divide by W
+                return
+            hook = hooks[-1][0]
+            self._grad_divisor = _known_hook_divisor(hook, self.world_size)
+            if self._grad_divisor is None:
+                self._divisor_known = False
+                name = getattr(hook, "__qualname__", repr(hook))
+                self._warn_once("divisor", f"tokaudit: DDP comm hook {name} is registered and its divisor cannot "
+                                           "be seen; pass Recorder(grad_divisor=...) (1 for a summing hook, W for "
+                                           "an average). Until then the audit does not judge the gradient's scale.")
             return
-        if not hooks:
-            self._grad_divisor = float(self.world_size)  # DDP's default: all-reduce, then divide by W
-            return
-        hook = hooks[-1][0]
-        self._grad_divisor = _known_hook_divisor(hook, self.world_size)
-        if self._grad_divisor is None:
-            name = getattr(hook, "__qualname__", repr(hook))
-            self._warn_once("divisor", f"tokaudit: DDP comm hook {name} is registered and its divisor cannot be "
-                                       "seen; pass Recorder(grad_divisor=...) (1 for a summing hook, W for an "
-                                       "average). Until then the audit assumes D = W.")
+        if self.world_size > 1:
+            self._divisor_known = False
+            self._warn_once("divisor", "tokaudit: the gradient reduction cannot be seen (no DDP model= given); "
+                                       "pass Recorder(model=ddp_model) or grad_divisor=... (W for an average, 1 "
+                                       "for a sum). Until then the audit does not judge the gradient's scale.")
+        else:
+            self._grad_divisor = 1.0
 
     def _next_sequence(self) -> int:
         # A resumed run never overwrites the shards of the run before it.
@@ -377,6 +490,16 @@ class Recorder:
         count = len(records)
         probes = [r["probe"] for r in records]
         valid_tokens = _to_host([r["valid_tokens"] for r in records], torch.int64)
+        backward = _to_host([r["backward_scalar"] for r in records], torch.float64)
+        grad_scale = _to_host([r["grad_scale"] for r in records], torch.float64)
+        loss_scale = _to_host([r["loss_scale"] for r in records], torch.float64)
+        skipped = _to_host([r["skipped"] for r in records], torch.bool)
+        for i, (record, scale) in enumerate(zip(records, loss_scale)):
+            if scale is not None:
+                # The probe saw ∂(scale·loss)/∂ℓ: b is the scaled scalar, g = g_user/scale divides it out.
+                grad_scale[i] = (1.0 if grad_scale[i] is None else grad_scale[i]) / scale
+                if backward[i] is not None and not record["prescaled"]:
+                    backward[i] = backward[i] * scale
         columns: dict[str, Iterable[Any]] = {
             "step": [r["step"] for r in records],
             "micro": [r["micro"] for r in records],
@@ -384,15 +507,17 @@ class Recorder:
             "world_size": [self.world_size] * count,
             "loss_sum": _to_host([r["loss_sum"] for r in records], torch.float64),
             "valid_tokens": valid_tokens,
-            "backward_scalar": _to_host([r["backward_scalar"] for r in records], torch.float64),
+            "backward_scalar": backward,
             "run_id": [self.run_id] * count,
             "group": [self.group] * count,
+            "term": [r["term"] for r in records],
             "grad_divisor": [self._grad_divisor] * count,
-            "grad_scale": _to_host([r["grad_scale"] for r in records], torch.float64),
+            "divisor_known": [self._divisor_known] * count,
+            "grad_scale": grad_scale,
             "positions": _to_host([r["positions"] for r in records], torch.int64),
             "reported_loss": _to_host([r["reported_loss"] for r in records], torch.float64),
             "sync": [r["sync"] for r in records],
-            "skipped": [r["skipped"] for r in records],
+            "skipped": [None if v is None else bool(v) for v in skipped],
             "time": [r["time"] for r in records],
             "schema_version": [SCHEMA_VERSION] * count,
         }
@@ -418,6 +543,17 @@ class Recorder:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+@dataclass(eq=False)
+class _OpenCall:
+    """A captured call of the current microbatch whose backward has not run yet."""
+
+    record: dict[str, Any]
+    probe: ProbeResult
+    term: str
+    named: bool
+    footprint: Footprint
 
 
 def _detached(value: Value) -> Value:

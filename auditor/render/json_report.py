@@ -8,7 +8,10 @@ from dataclasses import asdict
 from typing import Any
 
 from tokaudit import __version__
-from tokaudit.report import AuditReport, RunSummary, Segment
+from tokaudit.report import AuditReport, Finding, RunSummary, Segment
+
+REPORT_VERSION = 1
+"""Changes only when a key is removed or renamed (SPEC §4)."""
 
 
 def _finite(value: float | None) -> float | None:
@@ -26,17 +29,28 @@ def run_dict(run: RunSummary) -> dict[str, Any]:
         "run": run.run, "rows": run.rows, "steps": run.steps, "ranks": run.ranks, "world_size": run.world_size,
         "verdict": run.verdict, "normalization": _segment(run.normalization),
         "max_weight_ratio": _finite(run.max_weight_ratio),
-        "groups": run.groups, "microbatches": run.microbatches,
-        "segments": [{"first": s.first, "last": s.last, "steps": s.steps, **_segment(s)} for s in run.segments],
+        "groups": run.groups, "microbatches": run.microbatches, "terms": run.terms,
+        "skipped_steps": run.skipped_steps,
+        "segments": [{"first": s.first, "last": s.last, "steps": s.steps, **_segment(s), "group": s.group,
+                      "term": s.term} for s in run.segments],
     }
+
+
+def finding_dict(finding: Finding) -> dict[str, Any]:
+    out = {"run": finding.run, "code": finding.code.value, "severity": finding.severity.value,
+           "steps": asdict(finding.steps), "message": finding.message, "fix": finding.fix,
+           "evidence": finding.evidence}
+    if finding.term != "0":
+        out["term"] = finding.term
+    return out
 
 
 def report_dict(report: AuditReport) -> dict[str, Any]:
     return {
         "tokaudit_version": __version__,
+        "report_version": REPORT_VERSION,
         "runs": [run_dict(run) for run in report.runs],
-        "findings": [{"run": f.run, "code": f.code.value, "severity": f.severity.value, "steps": asdict(f.steps),
-                      "message": f.message, "fix": f.fix, "evidence": f.evidence} for f in report.findings],
+        "findings": [finding_dict(f) for f in report.findings],
         "problems": report.problems,
         "files": report.files,
     }

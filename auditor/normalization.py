@@ -1,0 +1,352 @@
+"""Normalization recovery (SPEC §1): which denominator and which factor explain each step's weights.
+
+Pure functions of the per-step table (one row per run, group, term and step, see `engine.STEP_SQL`);
+no Parquet, no DuckDB. Per record, e = c·g/D is the effective weight of one valid token and
+N = Σn over the step (of one group and one term); the step is correct iff q = e·N = 1 for every
+record with n > 0. For a candidate denominator Den, α = e·Den·D is the factor in b·g = α·S/Den
+(W for W·S/N into an average, 1 for S/N into a sum); Den explains a step when α is the same for
+every valid record of it, within rtol.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+import numpy.typing as npt
+import pandas as pd
+
+Floats = npt.NDArray[np.float64]
+
+
+class Denominator(str, Enum):
+    """A recovered denominator: the count each loss sum was divided by."""
+
+    N = "N"                        # the step's global valid-token count: the token mean
+    MICRO_GLOBAL = "N_m"           # the microbatch's count over all ranks
+    RANK = "n_rank"                # the rank's own count over the step: a rank-local mean
+    MICRO_TIMES_M = "n_micro*M"    # the microbatch's own count times the microbatches M: loss.mean() / M
+    MICRO = "n_micro"              # the microbatch's own count
+    POSITIONS = "T"                # the microbatch's positions, padding included
+    STEP_POSITIONS = "T_step"      # the step's positions, padding included
+    ONE = "1"                      # nothing: a raw loss sum
+    UNDETERMINED = "undetermined"  # equal counts everywhere: local and global means coincide
+    UNEXPLAINED = "unexplained"    # weights differ and nothing explains them
+
+
+class StepKind(str, Enum):
+    """What one step's weights say."""
+
+    CORRECT = "correct"          # every token weighs 1/N
+    UNIFORM_OFF = "uniform_off"  # every token weighs the same, q = e·N ≠ 1
+    NONUNIFORM = "nonuniform"    # tokens of one step weigh differently
+    UNJUDGED = "unjudged"        # uniform, but D could not be seen: the absolute scale is not judged
+    UNWEIGHTED = "unweighted"    # valid tokens without a usable weight
+    EMPTY = "empty"              # N = 0
+
+
+class FactorKind(str, Enum):
+    """What a uniform factor q ≠ 1 most plausibly is."""
+
+    WORLD_SIZE = "world_size"  # W, 1/W, W'/W, or a small integer: a world-size mistake
+    LOSS_SCALE = "loss_scale"  # a large power of two: an AMP loss scale that was not recorded
+    OTHER = "other"            # any other constant
+
+
+# Tie-break when several denominators explain as many steps: the correct one first, then the
+# mistakes from the most to the least common in the wild.
+PREFERENCE: tuple[Denominator, ...] = (
+    Denominator.N, Denominator.RANK, Denominator.MICRO_TIMES_M, Denominator.MICRO, Denominator.MICRO_GLOBAL,
+    Denominator.POSITIONS, Denominator.STEP_POSITIONS, Denominator.ONE,
+)
+
+# Record-level candidates: (denominator, low, high) columns of e·Den over the step's records.
+_RECORD_BOUNDS = (
+    (Denominator.RANK, "er_low", "er_high"),
+    (Denominator.MICRO_TIMES_M, "enm_low", "enm_high"),
+    (Denominator.MICRO, "en_low", "en_high"),
+    (Denominator.MICRO_GLOBAL, "em_low", "em_high"),
+    (Denominator.POSITIONS, "et_low", "et_high"),
+)
+
+APPROXIMATE_SPREAD = 0.1
+"""A denominator that leaves α spread by at most 10% (and 3× less than any other) is named as approximate."""
+APPROXIMATE_MARGIN = 3.0
+RESOLVABLE = 0.05
+"""An integer k is told from its neighbours only while the tolerance rtol·k stays below this."""
+MAX_WORLD_SIZE = 1 << 20
+LOSS_SCALE_MIN_EXPONENT = 8
+"""Powers of two from 2^8 up are read as a loss scale (GradScaler starts at 2^16), not as a W."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepDiagnosis:
+    """The recovered normalization of one step."""
+
+    kind: StepKind
+    """What the weights say."""
+    denominator: Denominator
+    """The denominator that explains them (or undetermined/unexplained)."""
+    factor: float | None
+    """α in b·g = α·S/denominator; the cluster's representative when the run voted for it."""
+    distortion: float | None
+    """q = e·N when the step's weights are uniform, else None."""
+    balanced: bool
+    """Every record had the same count and every rank as many microbatches."""
+    approximate: float | None = None
+    """For a denominator that fits only nearly: the relative spread of α it leaves (0.03 = 3%)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FactorExplanation:
+    """Why a uniform q ≠ 1 is what it is."""
+
+    kind: FactorKind
+    label: str
+    """1/W, W, W'/W, 2^j, k, 1/k, k/W or c (any constant)."""
+    integer: int | None = None
+    """k, W' or the exponent j, where the label has one."""
+
+
+def spread(low: Floats, high: Floats) -> Floats:
+    """Relative width (high − low)/max(|low|, |high|); 0 when both are 0; NaN where either is."""
+    scale = np.maximum(np.abs(low), np.abs(high))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(scale == 0, 0.0, (high - low) / scale)
+
+
+def close(value: float, target: float, rtol: float) -> bool:
+    return abs(value - target) <= rtol * max(abs(target), 1e-300)
+
+
+def cluster(values: Floats, rtol: float) -> npt.NDArray[np.int64]:
+    """Labels grouping values that agree within rtol: sorted, each cluster spans at most 2·rtol of
+    its first member (noise of ±rtol around one true value). NaN gets −1."""
+    labels = np.full(len(values), -1, dtype=np.int64)
+    order = np.argsort(values, kind="stable")
+    order = order[~np.isnan(values[order])]
+    label, anchor = -1, math.nan
+    for index in order:
+        value = float(values[index])
+        if label < 0 or value - anchor > 2 * rtol * max(abs(anchor), abs(value)):
+            label, anchor = label + 1, value
+        labels[index] = label
+    return labels
+
+
+def _column(steps: pd.DataFrame, name: str) -> Floats:
+    return np.asarray(pd.to_numeric(steps[name], errors="coerce"), dtype=np.float64)
+
+
+def candidate_bounds(steps: pd.DataFrame) -> dict[Denominator, tuple[Floats, Floats]]:
+    """Per candidate denominator, the step's lowest and highest e·Den over its valid records."""
+    e_low, e_high, tokens = _column(steps, "e_low"), _column(steps, "e_high"), _column(steps, "tokens")
+    positions = _column(steps, "positions")
+    all_positions = (_column(steps, "positions_known") == _column(steps, "records")) & (positions > 0)
+    step_positions = np.where(all_positions, positions, np.nan)
+    bounds = {
+        Denominator.N: (e_low * tokens, e_high * tokens),
+        Denominator.STEP_POSITIONS: (e_low * step_positions, e_high * step_positions),
+        Denominator.ONE: (e_low, e_high),
+    }
+    for denominator, low, high in _RECORD_BOUNDS:
+        bounds[denominator] = (_column(steps, low), _column(steps, high))
+    return {denominator: bounds[denominator] for denominator in PREFERENCE}
+
+
+def diagnose_steps(steps: pd.DataFrame, rtol: float) -> list[StepDiagnosis]:
+    """Recover every step's normalization, letting the whole table vote.
+
+    Small steps fit several denominators by coincidence (two equal counts, N = ΣT/2, ...). The
+    hypothesis (denominator, α within rtol) that explains the most steps wins them, then the next
+    one takes what is left; a run that changed normalization at a resume shows both. Call it on
+    one (group, term) or on a whole run: hypotheses are shared, the weights are per row.
+    """
+    count = len(steps)
+    if count == 0:
+        return []
+    bounds = candidate_bounds(steps)
+    divisor = _column(steps, "d_high")
+    tokens = _column(steps, "tokens")
+    usable = (tokens > 0) & (_column(steps, "weighted_records") > 0) & ~np.isnan(_column(steps, "e_low"))
+    spreads = np.column_stack([spread(*bounds[d]) for d in PREFERENCE])
+    alphas = np.column_stack([(bounds[d][0] + bounds[d][1]) / 2 * divisor for d in PREFERENCE])
+    fits = usable[:, None] & (spreads <= rtol)
+    chosen, representative = _vote(fits, alphas, rtol)
+
+    n_equal = _column(steps, "n_low") == _column(steps, "n_high")
+    balanced = n_equal & (_column(steps, "m_low") == _column(steps, "m_high"))
+    all_balanced = bool((tokens > 0).any()) and bool(balanced[tokens > 0].all())
+    unknown_divisor = _column(steps, "unknown_divisor") > 0 if "unknown_divisor" in steps else np.zeros(count, bool)
+    uniform = fits[:, 0]  # e·N constant ⇔ e constant
+    distortion = (bounds[Denominator.N][0] + bounds[Denominator.N][1]) / 2
+    nearest, nearest_spread = _nearest(spreads, usable)
+
+    diagnoses = []
+    for i in range(count):
+        if tokens[i] == 0:
+            diagnoses.append(StepDiagnosis(StepKind.EMPTY, Denominator.UNDETERMINED, None, None, bool(balanced[i])))
+            continue
+        if not usable[i]:
+            diagnoses.append(StepDiagnosis(StepKind.UNWEIGHTED, Denominator.UNDETERMINED, None, None,
+                                           bool(balanced[i])))
+            continue
+        q = float(distortion[i]) if uniform[i] else None
+        approximate = None
+        if chosen[i] >= 0:
+            denominator, factor = PREFERENCE[chosen[i]], float(representative[i])
+        elif nearest[i] >= 0:
+            denominator, factor = PREFERENCE[nearest[i]], float(alphas[i, nearest[i]])
+            approximate = float(nearest_spread[i])
+        else:
+            denominator, factor = Denominator.UNEXPLAINED, None
+        if q is None:
+            kind = StepKind.NONUNIFORM
+        elif unknown_divisor[i]:
+            kind = StepKind.UNJUDGED
+        else:
+            kind = StepKind.CORRECT if close(q, 1.0, rtol) else StepKind.UNIFORM_OFF
+        if all_balanced and kind in (StepKind.CORRECT, StepKind.UNJUDGED):
+            denominator = Denominator.UNDETERMINED
+        diagnoses.append(StepDiagnosis(kind, denominator, factor, q, bool(balanced[i]), approximate))
+    return diagnoses
+
+
+def _vote(fits: npt.NDArray[np.bool_], alphas: Floats, rtol: float
+          ) -> tuple[npt.NDArray[np.int64], Floats]:
+    """Greedy set cover of the steps by hypotheses (candidate, α-cluster), most steps first.
+
+    Returns per step the index in PREFERENCE of its winning candidate (−1: none) and the winning
+    cluster's representative α (its median). A lazy max-heap keeps this near-linear: a popped
+    hypothesis whose count has shrunk is pushed back with its true count.
+    """
+    steps, candidates = fits.shape
+    members: list[npt.NDArray[np.int64]] = []
+    owner: list[int] = []
+    values: list[float] = []
+    for c in range(candidates):
+        rows = np.flatnonzero(fits[:, c])
+        if not len(rows):
+            continue
+        labels = cluster(alphas[rows, c], rtol)
+        order = np.argsort(labels, kind="stable")
+        cuts = np.flatnonzero(np.diff(labels[order])) + 1
+        for group in np.split(order, cuts):
+            members.append(rows[group])
+            owner.append(c)
+            values.append(float(np.median(alphas[rows[group], c])))
+    chosen = np.full(steps, -1, dtype=np.int64)
+    representative = np.full(steps, np.nan)
+    taken = np.zeros(steps, dtype=bool)
+    heap = [(-len(rows), owner[h], h) for h, rows in enumerate(members)]
+    heapq.heapify(heap)
+    while heap:
+        stored, preference, h = heapq.heappop(heap)
+        free = members[h][~taken[members[h]]]
+        if len(free) < -stored:
+            if len(free):
+                heapq.heappush(heap, (-len(free), preference, h))
+            continue
+        if len(free) < 2:
+            break  # nothing shared any more: every step left keeps its own most preferred fit
+        chosen[free], representative[free], taken[free] = owner[h], values[h], True
+    for i in np.flatnonzero(~taken & fits.any(axis=1)):
+        c = int(np.argmax(fits[i]))
+        chosen[i], representative[i] = c, alphas[i, c]
+    return chosen, representative
+
+
+def _nearest(spreads: Floats, usable: npt.NDArray[np.bool_]) -> tuple[npt.NDArray[np.int64], Floats]:
+    """Per step, the candidate that leaves α least spread when none fits exactly, if it stands out:
+    at most APPROXIMATE_SPREAD and APPROXIMATE_MARGIN× below every candidate that differs from it."""
+    filled = np.where(np.isnan(spreads), np.inf, spreads)
+    best = np.argmin(filled, axis=1)  # first in PREFERENCE among ties
+    best_spread = filled[np.arange(len(filled)), best]
+    others = np.where(filled > best_spread[:, None] * (1 + 1e-9) + 1e-15, filled, np.inf).min(axis=1)
+    stands_out = usable & (best_spread <= APPROXIMATE_SPREAD) & (others >= APPROXIMATE_MARGIN * best_spread)
+    return np.where(stands_out, best, -1), best_spread
+
+
+def resolvable_integer(value: float, rtol: float) -> int | None:
+    """k when value ≈ k for an integer 2 ≤ k that rtol can still tell from k ± 1."""
+    if not math.isfinite(value):
+        return None
+    k = round(value)
+    if 2 <= k <= MAX_WORLD_SIZE and rtol * k <= RESOLVABLE and abs(value - k) <= rtol * k:
+        return int(k)
+    return None
+
+
+def power_of_two(value: float, rtol: float) -> int | None:
+    """j when value ≈ 2^j."""
+    if not (math.isfinite(value) and value > 0):
+        return None
+    j = round(math.log2(value))
+    return j if close(value, 2.0 ** j, rtol) else None
+
+
+def explain_factor(q: float, world_size: int, run_world_sizes: Iterable[int], rtol: float) -> FactorExplanation:
+    """Name a uniform factor q = e·N ≠ 1. Only plausible world-size factors count as W mistakes:
+    what W explains first (1/W, W, a stale W'/W), then a large power of two (a loss scale), then a
+    small resolvable integer, its reciprocal, or a hard-coded integer W' (q = W'/W)."""
+    w = world_size
+    if w >= 2 and close(q, 1 / w, rtol):
+        return FactorExplanation(FactorKind.WORLD_SIZE, "1/W", w)
+    if w >= 2 and close(q, w, rtol):
+        return FactorExplanation(FactorKind.WORLD_SIZE, "W", w)
+    for other in sorted(set(run_world_sizes) - {w}):
+        if close(q, other / w, rtol):
+            return FactorExplanation(FactorKind.WORLD_SIZE, "W'/W", other)
+    for base in (1.0, float(w), 1.0 / w):
+        j = power_of_two(q / base, rtol)
+        if j is not None and j >= LOSS_SCALE_MIN_EXPONENT:
+            return FactorExplanation(FactorKind.LOSS_SCALE, "2^j", j)
+    if (k := resolvable_integer(q, rtol)) is not None:
+        return FactorExplanation(FactorKind.WORLD_SIZE, "k", k)
+    if q > 0 and (k := resolvable_integer(1 / q, rtol)) is not None:
+        return FactorExplanation(FactorKind.WORLD_SIZE, "1/k", k)
+    if (k := resolvable_integer(q * w, rtol)) is not None:
+        return FactorExplanation(FactorKind.WORLD_SIZE, "k/W", k)
+    return FactorExplanation(FactorKind.OTHER, "c")
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Consecutive steps of one (group, term) that used the same normalization."""
+
+    group: str
+    term: str
+    first: int
+    last: int
+    steps: int
+    denominator: Denominator
+    factor: float | None
+
+
+def segments(steps: pd.DataFrame, diagnoses: list[StepDiagnosis]) -> list[Span]:
+    """Consecutive steps with the same recovered normalization, merged per (group, term): two
+    data-parallel groups never interleave."""
+    spans: list[Span] = []
+    frame = pd.DataFrame({"grp": steps.grp.astype(str).to_numpy(), "term": steps.term.astype(str).to_numpy(),
+                          "step": steps.step.to_numpy(), "index": np.arange(len(steps))})
+    for (group, term), rows in frame.groupby(["grp", "term"], sort=True):
+        current: Span | None = None
+        for step, index in zip(rows.step.to_numpy(), rows["index"].to_numpy()):
+            diagnosis = diagnoses[int(index)]
+            if diagnosis.kind == StepKind.EMPTY:
+                continue
+            step = int(step)
+            if current and current.denominator == diagnosis.denominator and current.factor == diagnosis.factor:
+                current = Span(str(group), str(term), current.first, step, current.steps + 1, current.denominator,
+                               current.factor)
+            else:
+                if current:
+                    spans.append(current)
+                current = Span(str(group), str(term), step, step, 1, diagnosis.denominator, diagnosis.factor)
+        if current:
+            spans.append(current)
+    return spans

@@ -1,0 +1,101 @@
+"""The backward probe: an identity in forward that reads ∂b/∂ℓᵢ, the weight each token's loss got."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class ProbeResult:
+    """Per-microbatch weights that backward gave the per-token losses, kept on the device.
+
+    Filled by `_TokenProbe.backward`; several probes in one microbatch accumulate.
+    """
+
+    __slots__ = ("weight_sum", "weight_min", "weight_max", "masked_abs_sum", "valid_count", "filled")
+
+    def __init__(self) -> None:
+        self.weight_sum: torch.Tensor | None = None
+        self.weight_min: torch.Tensor | None = None
+        self.weight_max: torch.Tensor | None = None
+        self.masked_abs_sum: torch.Tensor | None = None
+        self.valid_count: torch.Tensor | None = None
+        self.filled = False
+
+    def add(self, grad: torch.Tensor, valid: torch.Tensor) -> None:
+        # grad = ∂b/∂ℓᵢ for every position; reductions stay on the device (no host sync) and
+        # accumulate in float64, the per-token values stay in the gradient's own dtype.
+        weight = grad.detach()
+        inf = float("inf")  # Python scalars: no host-to-device copy inside backward
+        weight_sum = torch.where(valid, weight, 0).sum(dtype=torch.float64)
+        weight_min = torch.where(valid, weight, inf).amin().double()
+        weight_max = torch.where(valid, weight, -inf).amax().double()
+        masked_abs_sum = torch.where(valid, 0, weight.abs()).sum(dtype=torch.float64)
+        self._accumulate(weight_sum, weight_min, weight_max, masked_abs_sum, valid.sum())
+
+    def add_uniform(self, weight: torch.Tensor, valid_count: torch.Tensor) -> None:
+        """Every valid token got the same weight (a reduced loss); positions that are not valid got 0."""
+        weight = weight.detach().to(torch.float64).reshape(())
+        inf = float("inf")
+        has_tokens = valid_count > 0
+        self._accumulate(weight * valid_count, torch.where(has_tokens, weight, inf),
+                         torch.where(has_tokens, weight, -inf), torch.zeros_like(weight), valid_count)
+
+    def _accumulate(self, weight_sum: torch.Tensor, weight_min: torch.Tensor, weight_max: torch.Tensor,
+                    masked_abs_sum: torch.Tensor, valid_count: torch.Tensor) -> None:
+        if self.weight_sum is None:
+            self.weight_sum, self.weight_min, self.weight_max = weight_sum, weight_min, weight_max
+            self.masked_abs_sum, self.valid_count = masked_abs_sum, valid_count
+        else:
+            assert self.weight_min is not None and self.weight_max is not None
+            assert self.masked_abs_sum is not None and self.valid_count is not None
+            self.weight_sum = self.weight_sum + weight_sum
+            self.weight_min = torch.minimum(self.weight_min, weight_min)
+            self.weight_max = torch.maximum(self.weight_max, weight_max)
+            self.masked_abs_sum = self.masked_abs_sum + masked_abs_sum
+            self.valid_count = self.valid_count + valid_count
+        self.filled = True
+
+
+class TokenProbe(torch.autograd.Function):
+    """Identity in forward; in backward it reads ∂b/∂ℓᵢ and passes the gradient on unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, per_token_loss: torch.Tensor, valid: torch.Tensor, result: ProbeResult,
+                on_error: Callable[[BaseException], None]) -> torch.Tensor:
+        ctx.save_for_backward(valid)
+        ctx.result = result
+        ctx.on_error = on_error
+        return per_token_loss.view_as(per_token_loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (valid,) = ctx.saved_tensors
+        try:
+            ctx.result.add(grad, valid)
+        except Exception as error:  # the probe never breaks training
+            ctx.on_error(error)
+        return grad, None, None, None
+
+
+class ScalarProbe(torch.autograd.Function):
+    """Identity on a reduced loss; backward sees g = ∂b/∂loss, so every valid token got g·∂loss/∂ℓᵢ."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, token_factor: torch.Tensor, valid_count: torch.Tensor,
+                result: ProbeResult, on_error: Callable[[BaseException], None]) -> torch.Tensor:
+        ctx.save_for_backward(token_factor, valid_count)
+        ctx.result = result
+        ctx.on_error = on_error
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        token_factor, valid_count = ctx.saved_tensors
+        try:
+            ctx.result.add_uniform(grad * token_factor, valid_count)
+        except Exception as error:  # the probe never breaks training
+            ctx.on_error(error)
+        return grad, None, None, None, None
