@@ -24,6 +24,7 @@ from tokaudit.normalization import (
     Span,
     StepDiagnosis,
     StepKind,
+    cluster,
     diagnose_steps,
     explain_factor,
     segments,
@@ -56,6 +57,11 @@ _NONUNIFORM_CODES = {
     Denominator.RANK: Code.LOCAL_MEAN, Denominator.MICRO_TIMES_M: Code.LOCAL_MEAN, Denominator.MICRO: Code.LOCAL_MEAN,
     Denominator.MICRO_GLOBAL: Code.PER_MICRO_DENOMINATOR, Denominator.POSITIONS: Code.PADDED_DENOMINATOR,
 }
+
+VARYING_CLUSTERS = 3
+PLAUSIBLE_SHARE = 0.9
+"""More distinct uniform factors than VARYING_CLUSTERS, most of them no plausible W or loss scale:
+one factor that varies from step to step, whatever a few steps happen to land on."""
 
 MAX_DECIMALS = 6
 """A reported loss rounded to at most this many decimals is compared within half its last digit."""
@@ -147,13 +153,9 @@ def _weighting_findings(steps: pd.DataFrame, diagnoses: list[StepDiagnosis], con
     loss_scale, scale_mismatch: one finding per (code, denominator, kind of factor), however many
     steps it spans, with the range of its factor."""
     groups: dict[tuple[Code, Denominator, str, bool], list[int]] = {}
-    explanations: dict[int, FactorExplanation] = {}
-    w_high = steps.w_high.to_numpy()
+    explanations = _factor_explanations(steps, diagnoses, context)
     for i, diagnosis in enumerate(diagnoses):
-        explanation = None
-        if diagnosis.kind == StepKind.UNIFORM_OFF and diagnosis.distortion is not None:
-            explanation = explain_factor(diagnosis.distortion, int(w_high[i]), context.world_sizes, context.rtol)
-            explanations[i] = explanation
+        explanation = explanations.get(i)
         code = _weighting_code(diagnosis, explanation)
         if code is None:
             continue
@@ -166,10 +168,36 @@ def _weighting_findings(steps: pd.DataFrame, diagnoses: list[StepDiagnosis], con
         # Evidence from the step where tokens were weighted most unequally (or q is furthest from 1).
         def badness(i: int) -> tuple[float, float]:
             q = diagnoses[i].distortion
-            return ratio[i], abs(math.log(abs(q))) if q else 0.0
+            unequal = float(ratio[i]) if ratio[i] > 1 + context.rtol else 1.0
+            return unequal, abs(math.log(abs(q))) if q else 0.0
         worst = max(members, key=badness)
         yield _weighting_finding(code, denominator, steps, diagnoses, members, worst, explanations.get(worst),
                                  context)
+
+
+def _factor_explanations(steps: pd.DataFrame, diagnoses: list[StepDiagnosis], context: RunContext
+                         ) -> dict[int, FactorExplanation]:
+    """Name each uniform factor q ≠ 1, per cluster of equal q. A factor that differs from step to step
+    (a count off by a few tokens per row: q = N/(N+4)) is one varying constant: its steps that land
+    on 1/2 or 1/3 by chance are no world-size mistake."""
+    off = [i for i, d in enumerate(diagnoses) if d.kind == StepKind.UNIFORM_OFF and d.distortion is not None]
+    if not off:
+        return {}
+    q = np.array([diagnoses[i].distortion for i in off], dtype=float)
+    labels = cluster(q, context.rtol)
+    w_high = steps.w_high.to_numpy()
+    named: dict[tuple[int, int], FactorExplanation] = {}
+    out = {}
+    for i, label in zip(off, labels):
+        key = (int(label), int(w_high[i]))
+        if key not in named:
+            center = float(np.median(q[labels == label]))
+            named[key] = explain_factor(center, int(w_high[i]), context.world_sizes, context.rtol)
+        out[i] = named[key]
+    plausible = sum(e.kind != FactorKind.OTHER for e in out.values())
+    if len(named) > VARYING_CLUSTERS and plausible < PLAUSIBLE_SHARE * len(off):
+        return {i: FactorExplanation(FactorKind.OTHER, "c") for i in off}
+    return out
 
 
 def _ratios(steps: pd.DataFrame) -> np.ndarray:
@@ -276,7 +304,8 @@ def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame
     else:
         aux = (" If this term is weighted on purpose (an auxiliary loss coefficient λ), this is that λ."
                if context.term != "0" else "")
-        message = f"Weights are uniform but scaled by a constant: {scaled}.{aux}"
+        what = "a constant" if not spread else "a factor that changes from step to step"
+        message = f"Weights are uniform within each step but scaled by {what}: {scaled}.{aux}"
     return _finding(context, code, step_numbers, message, _fix_average(context), evidence)
 
 
@@ -286,8 +315,8 @@ def _world_size_cause(explanation: FactorExplanation, q: float, w: int, divisor:
         return (f"the W factor is missing: S/N went into a reduction that averages over W={w}" if divisor != 1
                 else f"S/N was divided by W={w} once more")
     if explanation.label == "W":
-        return (f"W·S/N (W={w}) went into a summing reduction (D=1), which needs S/N" if divisor == 1
-                else f"W={w} was applied twice")
+        if divisor == 1:
+            return f"W·S/N (W={w}) went into a summing reduction (D=1), which needs S/N"
     if explanation.label == "W'/W":
         return (f"the code still scales by W={k} while the averaging group now has W={w}: a stale W kept "
                 "across an elastic resize or a resume on other hardware")
@@ -296,7 +325,7 @@ def _world_size_cause(explanation: FactorExplanation, q: float, w: int, divisor:
                 f"such as tensor- or context-parallel ranks, counted in N), or a constant 1/{k} in the code")
     used = q * w
     return (f"the code scaled by {used:.4g} where the averaging group has W={w}: a hard-coded W, a stale "
-            "constant, or the global world size used on a data-parallel subgroup (DP×TP)")
+            "constant, the global world size used on a data-parallel subgroup (DP×TP), or W applied twice")
 
 
 def _describe(row: Any, which: str, weight: float, tokens: int) -> dict[str, Any]:

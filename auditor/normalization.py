@@ -242,14 +242,17 @@ def _vote(fits: npt.NDArray[np.bool_], alphas: Floats, rtol: float
     chosen = np.full(steps, -1, dtype=np.int64)
     representative = np.full(steps, np.nan)
     taken = np.zeros(steps, dtype=bool)
-    heap = [(-len(rows), owner[h], h) for h, rows in enumerate(members)]
+    # Among hypotheses that explain as many steps: N (the token mean) first, then α = 1, the simplest
+    # reading (S/n rather than 2·S/(n·M)), then PREFERENCE.
+    plain = [0 if owner[h] == 0 else 1 if close(values[h], 1.0, rtol) else 2 for h in range(len(values))]
+    heap = [(-len(rows), plain[h], owner[h], h) for h, rows in enumerate(members)]
     heapq.heapify(heap)
     while heap:
-        stored, preference, h = heapq.heappop(heap)
+        stored, simple, preference, h = heapq.heappop(heap)
         free = members[h][~taken[members[h]]]
         if len(free) < -stored:
             if len(free):
-                heapq.heappush(heap, (-len(free), preference, h))
+                heapq.heappush(heap, (-len(free), simple, preference, h))
             continue
         if len(free) < 2:
             break  # nothing shared any more: every step left keeps its own most preferred fit

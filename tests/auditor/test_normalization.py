@@ -1,0 +1,208 @@
+"""Normalization recovery on small hand-made per-step tables: no Parquet, no DuckDB.
+
+Each table row is built here from per-record weights by the definitions of SPEC §1 (e·Den over the
+step's records, low and high), independently of the engine's SQL.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from tokaudit.normalization import (
+    Denominator,
+    FactorKind,
+    StepKind,
+    cluster,
+    diagnose_steps,
+    explain_factor,
+    resolvable_integer,
+    segments,
+)
+
+# One record: (rank, micro, n, e), e the effective weight of one of its valid tokens.
+Record = tuple[int, int, int, float]
+
+
+def step_row(step: int, records: Sequence[Record], world_size: int = 2, divisor: float | None = None,
+             positions: int | None = None, group: str = "0", unknown_divisor: bool = False) -> dict[str, Any]:
+    """The per-step columns normalization reads, from the definitions."""
+    divisor = float(world_size) if divisor is None else divisor
+    valid = [r for r in records if r[2] > 0]
+    tokens = sum(r[2] for r in records)
+    rank_tokens: dict[int, int] = {}
+    micro_tokens: dict[int, int] = {}
+    microbatches: dict[int, int] = {}
+    for rank, micro, n, _ in records:
+        rank_tokens[rank] = rank_tokens.get(rank, 0) + n
+        micro_tokens[micro] = micro_tokens.get(micro, 0) + n
+        microbatches[rank] = microbatches.get(rank, 0) + 1
+
+    def bounds(values: list[float]) -> tuple[float, float]:
+        return (min(values), max(values)) if values else (math.nan, math.nan)
+
+    e = [r[3] for r in valid]
+    row = {"grp": group, "term": "0", "step": step, "records": len(records), "tokens": tokens,
+           "weighted_records": len(valid), "d_high": divisor, "w_high": world_size,
+           "n_low": min(r[2] for r in records), "n_high": max(r[2] for r in records),
+           "m_low": min(microbatches.values()), "m_high": max(microbatches.values()),
+           "positions": (positions or 0) * len(records), "positions_known": len(records) if positions else 0,
+           "unknown_divisor": len(valid) if unknown_divisor else 0}
+    row["e_low"], row["e_high"] = bounds(e)
+    row["en_low"], row["en_high"] = bounds([r[3] * r[2] for r in valid])
+    row["er_low"], row["er_high"] = bounds([r[3] * rank_tokens[r[0]] for r in valid])
+    row["enm_low"], row["enm_high"] = bounds([r[3] * r[2] * microbatches[r[0]] for r in valid])
+    row["em_low"], row["em_high"] = bounds([r[3] * micro_tokens[r[1]] for r in valid])
+    row["et_low"], row["et_high"] = bounds([r[3] * positions for r in valid]) if positions else (math.nan, math.nan)
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    return pd.DataFrame(rows)
+
+
+def weights(counts: Sequence[Sequence[int]], weight: Any, world_size: int = 2) -> list[Record]:
+    """Records of one step from counts[rank][micro] and weight(n=, n_r=, N=, N_m=, M=) → e."""
+    total = sum(sum(c) for c in counts)
+    out = []
+    for rank, mine in enumerate(counts):
+        for micro, n in enumerate(mine):
+            n_m = sum(c[micro] for c in counts)
+            out.append((rank, micro, n, weight(n=n, n_r=sum(mine), N=total, N_m=n_m, M=len(mine), W=world_size)))
+    return out
+
+
+UNEVEN = [[[1], [3]], [[5], [2]], [[4], [6]]]
+UNEVEN_GA = [[[5, 1], [3, 6]], [[2, 6], [6, 1]], [[8, 4], [2, 8]]]
+
+
+def diagnose(counts: Any, weight: Any, rtol: float = 1e-4, **row: Any) -> list[Any]:
+    steps = table([step_row(i, weights(c, weight), **row) for i, c in enumerate(counts)])
+    return diagnose_steps(steps, rtol)
+
+
+@pytest.mark.parametrize("weight, denominator, factor, kind", [
+    (lambda N, W, **_: 1 / N, Denominator.N, 2.0, StepKind.CORRECT),                 # W·S/N into an average
+    (lambda n_r, W, **_: 1 / (W * n_r), Denominator.RANK, 1.0, StepKind.NONUNIFORM),  # S_r/n_r
+    (lambda n, M, W, **_: 1 / (W * n * M), Denominator.MICRO_TIMES_M, 1.0, StepKind.NONUNIFORM),
+    (lambda N_m, M, W, **_: 1 / (M * N_m), Denominator.MICRO_GLOBAL, 1.0, StepKind.NONUNIFORM),  # α = W/M
+    (lambda N, W, **_: 1 / (W * N), Denominator.N, 1.0, StepKind.UNIFORM_OFF),       # missing W
+])
+def test_each_denominator_is_recovered_with_its_factor(weight: Any, denominator: Denominator, factor: float,
+                                                       kind: StepKind) -> None:
+    for diagnosis in diagnose(UNEVEN_GA, weight):
+        assert (diagnosis.denominator, diagnosis.kind) == (denominator, kind)
+        assert diagnosis.factor == pytest.approx(factor)
+        assert diagnosis.approximate is None
+
+
+def test_the_whole_run_votes_so_a_coincidence_in_one_step_does_not_decide() -> None:
+    # Step 1 has equal counts on both ranks: n_rank fits it too, with α = 1 (local mean) and the
+    # token mean (W·S/N, α = 2 for N) fits every step. Token mean wins everywhere.
+    counts = [[[1], [3]], [[4], [4]], [[2], [7]]]
+    diagnoses = diagnose(counts, lambda N, **_: 1 / N)
+    assert {d.denominator for d in diagnoses} == {Denominator.N}
+    assert all(d.kind == StepKind.CORRECT for d in diagnoses)
+
+
+def test_balanced_steps_are_undetermined() -> None:
+    diagnoses = diagnose([[[4], [4]], [[3], [3]]], lambda n_r, W, **_: 1 / (W * n_r))
+    assert all(d.balanced and d.denominator == Denominator.UNDETERMINED for d in diagnoses)
+    assert all(d.kind == StepKind.CORRECT for d in diagnoses)  # the weights are 1/N: only the code can differ
+
+
+def test_alpha_is_clustered_within_rtol_not_rounded_to_digits() -> None:
+    # bf16-like noise: each record's e off by up to ±0.4%; at rtol 1e-2 that is one hypothesis.
+    rng = np.random.default_rng(3)
+    rows = []
+    for step in range(40):
+        counts = [[int(rng.integers(1, 50))], [int(rng.integers(1, 50))]]
+        records = weights(counts, lambda n_r, W, **_: 1 / (W * n_r))
+        rows.append(step_row(step, [(r, m, n, e * (1 + rng.uniform(-0.004, 0.004))) for r, m, n, e in records]))
+    steps = table(rows)
+    diagnoses = diagnose_steps(steps, 1e-2)
+    assert {d.denominator for d in diagnoses} == {Denominator.RANK}
+    assert len({d.factor for d in diagnoses}) == 1, "one α for the whole run"
+    (span,) = segments(steps, diagnoses)
+    assert (span.first, span.last, span.steps) == (0, 39, 40)
+
+
+def test_cluster_labels() -> None:
+    values = np.array([1.0, 1.00005, 2.0, 0.99995, np.nan, 2.0001])
+    labels = cluster(values, 1e-4)
+    assert labels[4] == -1
+    assert labels[0] == labels[1] == labels[3] != labels[2] == labels[5]
+
+
+def test_segments_are_per_group_and_never_interleave() -> None:
+    rows = []
+    for step in range(4):
+        # group A is always correct; group B switches from a local mean to the token mean at step 2
+        rows.append(step_row(step, weights(UNEVEN[step % 3], lambda N, **_: 1 / N), group="A"))
+        local = step < 2
+        rows.append(step_row(step, weights(UNEVEN[step % 3], (lambda n_r, W, **_: 1 / (W * n_r)) if local
+                                           else (lambda N, **_: 1 / N)), group="B"))
+    steps = table(rows)
+    spans = [(s.group, s.first, s.last, s.denominator) for s in segments(steps, diagnose_steps(steps, 1e-4))]
+    assert spans == [("A", 0, 3, Denominator.N), ("B", 0, 1, Denominator.RANK), ("B", 2, 3, Denominator.N)]
+
+
+def test_a_near_miss_names_the_nearest_denominator_as_approximate() -> None:
+    # Unshifted labels under a rank-local mean: each rank divides by n_r + 2 (one extra label per row).
+    counts = [[[40], [90]], [[70], [25]], [[55], [60]]]
+    diagnoses = diagnose(counts, lambda n_r, W, **_: 1 / (W * (n_r + 2)))
+    for diagnosis in diagnoses:
+        assert diagnosis.kind == StepKind.NONUNIFORM and diagnosis.denominator == Denominator.RANK
+        assert diagnosis.approximate is not None and 0 < diagnosis.approximate < 0.05
+    # Weights with no structure stay unexplained.
+    noise = iter([0.9, 0.1, 0.3, 0.2, 0.5, 0.05])
+    assert {d.denominator for d in diagnose(UNEVEN, lambda **_: next(noise))} == {Denominator.UNEXPLAINED}
+
+
+def test_an_unknown_divisor_leaves_uniform_weights_unjudged() -> None:
+    diagnoses = diagnose(UNEVEN, lambda N, **_: 1 / N, unknown_divisor=True)
+    assert {d.kind for d in diagnoses} == {StepKind.UNJUDGED}
+    # A local mean still shows: it is in the ratios, whatever D is.
+    diagnoses = diagnose(UNEVEN, lambda n_r, W, **_: 1 / (W * n_r), unknown_divisor=True)
+    assert {(d.kind, d.denominator) for d in diagnoses} == {(StepKind.NONUNIFORM, Denominator.RANK)}
+
+
+def test_empty_and_unweighted_steps() -> None:
+    empty = step_row(0, [(0, 0, 0, math.nan), (1, 0, 0, math.nan)])
+    unweighted = step_row(1, [(0, 0, 3, 0.25), (1, 0, 2, 0.25)])
+    unweighted.update(weighted_records=0, e_low=math.nan, e_high=math.nan)
+    kinds = [d.kind for d in diagnose_steps(table([empty, unweighted]), 1e-4)]
+    assert kinds == [StepKind.EMPTY, StepKind.UNWEIGHTED]
+
+
+@pytest.mark.parametrize("q, world_size, sizes, kind, label, integer", [
+    (0.5, 2, [2], FactorKind.WORLD_SIZE, "1/W", 2),            # S/N into an average
+    (1 / 1024, 1024, [1024], FactorKind.WORLD_SIZE, "1/W", 1024),
+    (2.0, 2, [2], FactorKind.WORLD_SIZE, "W", 2),              # W·S/N into a sum
+    (1.5, 2, [2, 3], FactorKind.WORLD_SIZE, "W'/W", 3),        # stale W=3 after a resize to 2
+    (4.0, 2, [2], FactorKind.WORLD_SIZE, "k", 4),              # hard-coded 8 on W=2
+    (8 / 3, 3, [3], FactorKind.WORLD_SIZE, "k/W", 8),          # hard-coded 8 on W=3
+    (1 / 3, 2, [2], FactorKind.WORLD_SIZE, "1/k", 3),          # N counted 3× (replicated ranks)
+    (65536.0, 2, [2], FactorKind.LOSS_SCALE, "2^j", 16),       # an unrecorded GradScaler
+    (32768.0, 2, [2], FactorKind.LOSS_SCALE, "2^j", 15),
+    (65536 / 3, 3, [3], FactorKind.LOSS_SCALE, "2^j", 16),     # a scale on a missing W=3
+    (1234.93, 2, [2], FactorKind.OTHER, "c", None),            # not an integer that rtol can resolve
+    (0.7, 2, [2], FactorKind.OTHER, "c", None),
+])
+def test_uniform_factors_are_named_only_when_plausible(q: float, world_size: int, sizes: list[int], kind: FactorKind,
+                                                       label: str, integer: int | None) -> None:
+    explanation = explain_factor(q, world_size, sizes, 1e-4)
+    assert (explanation.kind, explanation.label, explanation.integer) == (kind, label, integer)
+
+
+def test_resolvable_integers_depend_on_rtol() -> None:
+    assert resolvable_integer(4.0002, 1e-4) == 4
+    assert resolvable_integer(1235.0, 1e-4) is None  # rtol·k = 0.12: 1234.93 and 1235 cannot be told apart
+    assert resolvable_integer(4.03, 1e-2) == 4
+    assert resolvable_integer(40.0, 1e-2) is None
+    assert resolvable_integer(1.0, 1e-4) is None and resolvable_integer(math.inf, 1e-4) is None

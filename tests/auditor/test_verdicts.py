@@ -1,0 +1,211 @@
+"""The verdict on hand-made logs of the set-ups people run: AMP loss scales, skipped updates, several
+loss terms, unseen divisors, elastic resizes, rounded logged losses, noisy low-precision logs, long
+runs. A correct construction is never `incorrect`, a broken one never `correct`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.logs import UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write_by_rank
+from tokaudit.audit import audit
+from tokaudit.codes import Code, Severity
+from tokaudit.render.json_report import render_json
+from tokaudit.report import AuditReport, Finding
+
+
+def audit_rows(tmp_path: Path, rows: list[dict[str, Any]], **kwargs: Any) -> AuditReport:
+    return audit([write_by_rank(tmp_path / "run", rows)], **kwargs)
+
+
+def codes(report: AuditReport) -> set[str]:
+    return {f.code.value for f in report.findings}
+
+
+def only(report: AuditReport, code: Code) -> Finding:
+    (finding,) = [f for f in report.findings if f.code == code]
+    return finding
+
+
+def verdict(report: AuditReport) -> str:
+    (run,) = report.runs
+    return run.verdict
+
+
+def scaled(rows: list[dict[str, Any]], scale: Any) -> list[dict[str, Any]]:
+    """b as the probe sees it under a loss scale (scale(step) per step)."""
+    return [dict(row, backward_scalar=row["backward_scalar"] * scale(row["step"])) for row in rows]
+
+
+def test_an_unrecorded_loss_scale_is_inconclusive_and_a_recorded_one_is_correct(tmp_path: Path) -> None:
+    dynamic = scaled(records(UNEVEN_GA * 2, token_mean), lambda step: 2.0 ** 16 if step < 3 else 2.0 ** 15)
+    report = audit_rows(tmp_path / "untold", dynamic)
+    finding = only(report, Code.LOSS_SCALE)
+    assert finding.severity == Severity.WARNING and finding.steps.count == 6
+    assert finding.evidence["loss_scale_exponents"] == [15, 16]
+    assert "Recorder(..., scaler=scaler)" in finding.fix
+    assert codes(report) == {"loss_scale"} and verdict(report) == "inconclusive"
+
+    told = [dict(row, grad_scale=1 / (2.0 ** 16 if row["step"] < 3 else 2.0 ** 15)) for row in dynamic]
+    report = audit_rows(tmp_path / "told", told)
+    assert report.findings == [] and verdict(report) == "correct"
+
+
+def test_a_skipped_update_with_non_finite_values_is_not_an_error(tmp_path: Path) -> None:
+    rows = records(UNEVEN_GA, token_mean)
+    for row in rows:
+        if row["step"] == 1:
+            row.update(skipped=True, backward_scalar=math.inf if row["rank"] == 0 else row["backward_scalar"])
+    report = audit_rows(tmp_path, rows)
+    assert report.findings == [] and verdict(report) == "correct"
+    assert report.runs[0].skipped_steps == 1
+    # Not skipped, the same value is an error.
+    for row in rows:
+        row["skipped"] = None
+    assert Code.NONFINITE_VALUES in {f.code for f in audit_rows(tmp_path / "unskipped", rows).findings}
+
+
+def test_loss_terms_are_audited_each_on_its_own(tmp_path: Path) -> None:
+    main = records(UNEVEN_GA, token_mean, term="0")
+    aux = [dict(row, term="aux", loss_sum=row["loss_sum"] / 3, backward_scalar=row["backward_scalar"] / 3)
+           for row in main]  # W·S_aux/N over the same tokens
+    report = audit_rows(tmp_path / "ok", main + aux)
+    assert report.findings == [] and verdict(report) == "correct"
+    assert report.runs[0].terms == ["0", "aux"]
+
+    aux_local = [dict(row, backward_scalar=local_mean(S=row["loss_sum"], n=row["valid_tokens"])) for row in aux]
+    report = audit_rows(tmp_path / "bad", main + aux_local)
+    finding = only(report, Code.LOCAL_MEAN)
+    assert finding.term == "aux" and "[term aux]" in finding.message
+    assert verdict(report) == "incorrect"
+    document = json.loads(render_json(report))
+    assert [f.get("term") for f in document["findings"]] == ["aux"]
+    assert document["report_version"] == 1
+    assert {(s["term"], s["denominator"]) for s in document["runs"][0]["segments"]} == {("0", "N"), ("aux", "n_micro")}
+
+
+def test_an_unseen_divisor_is_never_correct_but_local_means_still_show(tmp_path: Path) -> None:
+    for name, scalar in (("right_for_a_sum", lambda S, N, **_: S / N), ("right_for_an_average", token_mean)):
+        report = audit_rows(tmp_path / name, records(UNEVEN_GA, scalar, divisor_known=False))
+        assert codes(report) == {"unknown_divisor"} and verdict(report) == "inconclusive", name
+    finding = only(audit_rows(tmp_path / "w", records(UNEVEN_GA, token_mean, divisor_known=False)),
+                   Code.UNKNOWN_DIVISOR)
+    assert finding.evidence["distortion_if_average"] == pytest.approx(1.0)
+    assert finding.evidence["distortion_if_sum"] == pytest.approx(2.0)
+    report = audit_rows(tmp_path / "local", records(UNEVEN_GA, local_mean, divisor_known=False))
+    assert codes(report) == {"unknown_divisor", "local_mean"} and verdict(report) == "incorrect"
+
+
+def test_a_stale_world_size_after_an_elastic_resize_is_an_error_naming_both(tmp_path: Path) -> None:
+    before = records([[[2], [5], [1]], [[4], [3], [6]]], token_mean)  # W = 3, correct
+    after = records([[[2], [7]], [[5], [1]], [[3], [3]]], lambda S, N, **_: 3 * S / N, step_offset=2)  # W = 2, stale 3
+    report = audit_rows(tmp_path, before + after)
+    finding = only(report, Code.WORLD_SIZE_MISMATCH)
+    assert finding.severity == Severity.ERROR and (finding.steps.first, finding.steps.last) == (2, 4)
+    assert finding.evidence["world_sizes"] == [3, 2] and "W=3" in finding.message and "W=2" in finding.message
+    assert Code.WORLD_SIZE_CHANGED in {f.code for f in report.findings} and verdict(report) == "incorrect"
+
+
+def test_a_near_miss_is_named_approximately(tmp_path: Path) -> None:
+    counts = [[[40], [90]], [[70], [25]], [[55], [61]]]
+    rows = records(counts, lambda S, n_r, **_: S / (n_r + 2))  # one extra label per row, 2 rows per rank
+    finding = only(audit_rows(tmp_path, rows), Code.LOCAL_MEAN)
+    assert finding.evidence["approximate"] is True and 0 < finding.evidence["approximation_error"] < 0.05
+    assert "only approximately" in finding.message
+
+
+def test_a_mean_per_microbatch_divided_by_m_reads_in_the_users_words(tmp_path: Path) -> None:
+    finding = only(audit_rows(tmp_path, records(UNEVEN_GA, lambda S, n, M, **_: S / n / M)), Code.LOCAL_MEAN)
+    assert "loss.mean() / gradient_accumulation_steps" in finding.message and "M=2" in finding.message
+
+
+def test_a_rounded_logged_loss_is_not_a_mismatch(tmp_path: Path) -> None:
+    rows = [dict(row, loss_sum=row["loss_sum"] / 12.3456789, backward_scalar=row["backward_scalar"] / 12.3456789)
+            for row in records(UNEVEN, token_mean)]  # losses near 0.18
+    for row in rows:
+        step_rows = [r for r in rows if r["step"] == row["step"]]
+        truth = sum(r["loss_sum"] for r in step_rows) / sum(r["valid_tokens"] for r in step_rows)
+        row["reported_loss"] = round(truth, 4)  # logged to 4 decimals, as transformers does
+        assert row["reported_loss"] != truth
+    report = audit_rows(tmp_path / "rounded", rows)
+    assert report.findings == [] and verdict(report) == "correct"
+    # Rounded or not, the mean of local means is still told apart when it differs by more than the rounding.
+    for step in range(len(UNEVEN)):
+        mine = [r for r in rows if r["step"] == step]
+        local = sum(r["loss_sum"] / r["valid_tokens"] for r in mine) / len(mine)
+        for row in mine:
+            row["reported_loss"] = round(local, 4)
+    finding = only(audit_rows(tmp_path / "local", rows), Code.REPORTED_LOSS_MISMATCH)
+    assert "mean of per-rank means" in finding.message
+
+
+def test_factors_that_are_no_plausible_world_size(tmp_path: Path) -> None:
+    report = audit_rows(tmp_path, records(UNEVEN_GA, lambda S, N, W, **_: 1234.93 * W * S / N))
+    assert codes(report) == {"scale_mismatch"} and verdict(report) == "incorrect"
+
+
+def test_a_noisy_bf16_log_at_a_wide_rtol_is_one_finding_and_one_segment(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    counts = [[[int(rng.integers(1, 400))], [int(rng.integers(1, 400))]] for _ in range(30)]
+    rows = records(counts, local_mean)
+    for row in rows:  # b and S rounded to bfloat16's 8 bits of mantissa
+        row["backward_scalar"] *= 1 + rng.uniform(-2 ** -8, 2 ** -8)
+    report = audit_rows(tmp_path, rows, rtol=1e-2)
+    assert codes(report) == {"local_mean"} and only(report, Code.LOCAL_MEAN).steps.count == 30
+    assert len(report.runs[0].segments) == 1
+
+
+def test_numbers_that_must_not_pass(tmp_path: Path) -> None:
+    cases: dict[str, Any] = {
+        "inf_grad_scale": lambda rows: rows[0].update(grad_scale=math.inf),
+        "subnormal_divisor": lambda rows: rows[0].update(grad_divisor=5e-324),
+        "nan_masked_weight": lambda rows: rows[0].update(masked_weight_abs_sum=math.nan),
+    }
+    for name, spoil in cases.items():
+        rows = records(UNEVEN, token_mean)
+        for row in rows:
+            row.setdefault("grad_divisor", float(row["world_size"]))
+            row.setdefault("masked_weight_abs_sum", 0.0)
+        spoil(rows)
+        report = audit_rows(tmp_path / name, rows)
+        assert verdict(report) == "incorrect" and Code.NONFINITE_VALUES in {f.code for f in report.findings}, name
+
+
+def test_records_without_a_usable_weight_are_not_correct(tmp_path: Path) -> None:
+    rows = records(UNEVEN, token_mean)
+    for row in rows:
+        row.update(loss_sum=0.0, backward_scalar=0.0)  # S = 0 and no probe: c = 0/0
+    report = audit_rows(tmp_path, rows)
+    assert codes(report) == {"no_weights"} and verdict(report) == "inconclusive"
+    assert only(report, Code.NO_WEIGHTS).evidence["steps_without_weight"] == 3
+
+
+def test_a_long_run_with_a_constant_per_step_mistake_is_one_finding(tmp_path: Path) -> None:
+    # 100,000 steps, 2 ranks; b = W·S/(N + 4): uniform in every step, q = N/(N+4) different in each.
+    steps = 100_000
+    rng = np.random.default_rng(1)
+    counts = rng.integers(1, 512, size=(steps, 2))
+    tokens = counts.sum(axis=1)
+    folder = tmp_path / "long"
+    folder.mkdir()
+    for rank in range(2):
+        n = counts[:, rank]
+        loss = n * 2.3
+        pq.write_table(pa.table({
+            "step": pa.array(np.arange(steps), pa.int64()), "micro": pa.array(np.zeros(steps), pa.int32()),
+            "rank": pa.array(np.full(steps, rank), pa.int32()), "world_size": pa.array(np.full(steps, 2), pa.int32()),
+            "loss_sum": loss, "valid_tokens": pa.array(n, pa.int64()),
+            "backward_scalar": 2 * loss / (tokens + 4)}), folder / f"rank-{rank:05d}-000000.parquet")
+    report = audit([folder])
+    (finding,) = report.findings
+    assert finding.code == Code.SCALE_MISMATCH and finding.steps.count == steps
+    low, high = finding.evidence["distortion_range"]
+    assert low == pytest.approx(float((tokens / (tokens + 4)).min()))
+    assert high == pytest.approx(float((tokens / (tokens + 4)).max()))
