@@ -12,6 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scenarios.harness import run_ddp  # noqa: E402
+from scenarios.setups import ELASTIC, SETUPS, job  # noqa: E402
 from scenarios.strategies import SCENARIOS, run_scenario  # noqa: E402
 
 
@@ -26,6 +27,19 @@ def main() -> None:
         verdict = "correct" if scenario.correct else "deliberate mistake"
         lines.append(f"- `{scenario.name}/` ({verdict}, {scenario.world_size} processes): {scenario.description}")
         print(f"recorded {scenario.name}", file=sys.stderr)
+    lines += ["", "Set-ups people run (mixed precision, skipped updates, several loss terms, an unseen "
+              "divisor, an elastic resize), from `scenarios/setups.py`:", ""]
+    for setup in SETUPS:
+        shutil.rmtree(out / setup.name, ignore_errors=True)
+        run_ddp(job, setup.world_size, setup, str(out))
+        verdict = "correct" if setup.correct else "deliberate mistake"
+        lines.append(f"- `{setup.name}/` ({verdict}, {setup.world_size} processes): {setup.description}")
+        print(f"recorded {setup.name}", file=sys.stderr)
+    shutil.rmtree(out / ELASTIC[0].name, ignore_errors=True)
+    for part in ELASTIC:  # one run, two jobs: the resumed job appends its shards
+        run_ddp(job, part.world_size, part, str(out))
+    lines.append(f"- `{ELASTIC[0].name}/` (deliberate mistake): {ELASTIC[0].description}, then "
+                 f"{ELASTIC[1].description}")
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 

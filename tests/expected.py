@@ -14,10 +14,30 @@ EXPECTED_CODES: dict[str, set[str]] = {
     "bug_hard_coded_world_size": {"world_size_mismatch"},
     "bug_global_world_size_on_dp_group": {"world_size_mismatch"},
     "inconclusive_balanced_local_mean": {"balanced_counts"},
+    # scenarios/setups.py: the float64 reference in tests/distributed/test_setups.py decides which are correct
+    "amp_told": set(),
+    "amp_untold": {"loss_scale"},
+    "nan_guard_skip": set(),
+    "aux_head_named": set(),
+    "aux_head_captured": set(),
+    "aux_head_local_mean": {"local_mean"},
+    "chunked_cross_entropy": set(),
+    "mtp_heads": set(),
+    "unknown_hook_right": {"unknown_divisor"},
+    "unknown_hook_wrong": {"unknown_divisor"},
+    "elastic_stale_w": {"world_size_mismatch", "world_size_changed"},
+}
+
+SETUP_VERDICT: dict[str, str] = {
+    "amp_told": "correct", "amp_untold": "inconclusive", "nan_guard_skip": "correct", "aux_head_named": "correct",
+    "aux_head_captured": "correct", "aux_head_local_mean": "incorrect", "chunked_cross_entropy": "correct",
+    "mtp_heads": "correct", "unknown_hook_right": "inconclusive", "unknown_hook_wrong": "inconclusive",
+    "elastic_stale_w": "incorrect",
 }
 
 EXPECTED_VERDICT: dict[str, str] = {
-    run: "correct" if run.startswith("correct_") else "inconclusive" if run.startswith("inconclusive_") else "incorrect"
+    run: SETUP_VERDICT.get(run) or ("correct" if run.startswith("correct_") else
+                                    "inconclusive" if run.startswith("inconclusive_") else "incorrect")
     for run in EXPECTED_CODES
 }
 
@@ -34,4 +54,12 @@ EXPECTED_NORMALIZATION: dict[str, tuple[str, float]] = {
     "bug_hard_coded_world_size": ("N", 8.0),
     "bug_global_world_size_on_dp_group": ("N", 4.0),
     "inconclusive_balanced_local_mean": ("undetermined", 2.0),
+    "amp_told": ("N", 2.0),
+    "nan_guard_skip": ("N", 2.0),
+    "aux_head_named": ("N", 2.0),
+    "aux_head_captured": ("N", 2.0),
+    "aux_head_local_mean": ("N", 2.0),  # the main term; the auxiliary one is in `segments`
+    "chunked_cross_entropy": ("N", 2.0),
+    "mtp_heads": ("N", 2.0),
+    "elastic_stale_w": ("N", 3.0),  # 3·S/N throughout: right on 3 ranks, stale on 2
 }

@@ -1,0 +1,256 @@
+"""Training set-ups people run, in real DDP: mixed precision (GradScaler), skipped updates, several
+loss terms (an auxiliary head, chunked cross-entropy, multi-token prediction), a comm hook the
+recorder cannot see, an elastic resize that keeps a stale W.
+
+Each job trains a float64 model and returns, per step, the parameters before it and the reduced
+gradient the optimizer saw (unscaled), so a test can compare it with a single-process float64
+reference of the intended objective. The recordings are then audited.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from scenarios.strategies import IGNORE_INDEX, SEQ, VOCAB, WIDTH, Counts, _summing_hook, microbatch
+from tokaudit.hooks import Recorder, global_valid_tokens, token_mean_loss
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """One training set-up and how it is recorded."""
+
+    name: str
+    """Run id of its logs."""
+    counts: Counts
+    """Valid tokens per step, rank and microbatch."""
+    correct: bool
+    """Whether the gradient is the token mean of every term (the reference decides; the test checks)."""
+    heads: int = 1
+    """Loss terms: heads over the same tokens (`aux`), or MTP heads predicting token t+k (`mtp`)."""
+    terms: str = "aux"
+    """aux: every head predicts the same labels; mtp: head k predicts the labels shifted by k."""
+    capture: bool = False
+    """Record through capture_cross_entropy (terms guessed) instead of probe/record (terms named)."""
+    chunks: int = 1
+    """Cross-entropy computed over this many disjoint slices of the flattened sequence."""
+    aux_local_mean: bool = False
+    """The last head is a local mean (F.cross_entropy's default reduction) instead of a token mean."""
+    scaler: str = "none"
+    """none, told (Recorder(scaler=...)) or untold (a GradScaler the recorder is not given)."""
+    overflow: tuple[int, int] | None = None
+    """(step, rank) whose gradient overflows (inf): the update is skipped."""
+    guard: bool = False
+    """Skip optimizer.step() when a gradient is not finite (no GradScaler)."""
+    summing_hook: bool = False
+    """A DDP comm hook that sums (D = 1) and that the recorder cannot see."""
+    factor: float | None = None
+    """b = factor·S/N; None: W for an average, 1 for a summing hook."""
+    first_step: int = 0
+    """Step number of the first update (a resumed run)."""
+    world_size: int = 2
+    description: str = ""
+    """One line for people."""
+
+
+class Heads(nn.Module):
+    """Embedding → tanh → one linear head per loss term."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.heads = nn.ModuleList(nn.Linear(WIDTH, VOCAB) for _ in range(heads))
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        hidden = torch.tanh(self.embed(tokens))
+        return tuple(head(hidden) for head in self.heads)
+
+
+def make_heads(heads: int) -> Heads:
+    torch.manual_seed(99)
+    return Heads(heads).double()
+
+
+def term_targets(setup: Setup, head: int, logits: torch.Tensor, labels: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, labels) of one head: the same labels, or for MTP head k the labels k positions on,
+    as views of the one label tensor."""
+    if setup.terms == "mtp" and head > 0:
+        return logits[:, : SEQ - head], labels[:, head:]
+    return logits, labels
+
+
+def term_sum(setup: Setup, head: int, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """S and n of one term of one microbatch, in float64, without the recorder (the reference)."""
+    logits, labels = term_targets(setup, head, logits, labels)
+    per_token = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                                reduction="none")
+    return per_token.sum(), int((labels != IGNORE_INDEX).sum())
+
+
+def step_counts(setup: Setup, step: int, members: list[int]) -> list[int]:
+    """N per term over the members' microbatches."""
+    totals = [0] * setup.heads
+    for rank in members:
+        for micro, count in enumerate(setup.counts[step][rank]):
+            tokens, labels, _ = microbatch(step, rank, micro, count)
+            for head in range(setup.heads):
+                totals[head] += int((term_targets(setup, head, tokens, labels)[1] != IGNORE_INDEX).sum())
+    return totals
+
+
+def reference_gradient(setup: Setup, params: list[torch.Tensor], step: int, members: list[int]
+                       ) -> list[torch.Tensor]:
+    """Single process, float64: ∇ Σ_terms ΣS_term/N_term over the group's tokens of one step."""
+    model = make_heads(setup.heads)
+    with torch.no_grad():
+        for target, source in zip(model.parameters(), params, strict=True):
+            target.copy_(source)
+    totals = step_counts(setup, step, members)
+    objective = torch.zeros((), dtype=torch.float64)
+    for rank in members:
+        for micro, count in enumerate(setup.counts[step][rank]):
+            tokens, labels, _ = microbatch(step, rank, micro, count)
+            for head, logits in enumerate(model(tokens)):
+                loss_sum, _ = term_sum(setup, head, logits, labels)
+                objective = objective + loss_sum / max(totals[head], 1)
+    objective.backward()
+    return [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+def _microbatch_loss(setup: Setup, recorder: Recorder | None, outputs: tuple[torch.Tensor, ...],
+                     labels: torch.Tensor, global_tokens: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The backward scalar b of one microbatch (every term), recorded as this set-up records it."""
+    factor = setup.factor if setup.factor is not None else (1 if setup.summing_hook else world_size)
+    total = torch.zeros((), dtype=torch.float64)
+    for head, logits in enumerate(outputs):
+        logits, targets = term_targets(setup, head, logits, labels)
+        valid = targets != IGNORE_INDEX
+        local_mean = setup.aux_local_mean and head == setup.heads - 1
+        if recorder is not None and setup.capture:
+            # What a trainer does when tokaudit only captures its cross-entropy calls.
+            flat_logits, flat_targets = logits.reshape(-1, VOCAB), targets.reshape(-1)
+            if local_mean:
+                term = F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX)
+            else:
+                bounds = [len(flat_targets) * i // setup.chunks for i in range(setup.chunks + 1)]
+                term = sum(F.cross_entropy(flat_logits[a:b], flat_targets[a:b], ignore_index=IGNORE_INDEX,
+                                           reduction="sum") for a, b in zip(bounds, bounds[1:]))
+                term = factor * term / global_tokens[head].clamp(min=1)
+            total = total + term
+            continue
+        per_token = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                                    reduction="none").view(targets.shape)
+        name = "0" if head == 0 else f"head{head}"
+        context = recorder.loss_term(name) if recorder is not None else nullcontext()
+        with context:
+            if recorder is not None:
+                per_token = recorder.probe(per_token, valid)
+            loss_sum = (per_token * valid).sum()
+            n = valid.sum()
+            term = loss_sum / n if local_mean else factor * loss_sum / global_tokens[head].clamp(min=1)
+            if recorder is not None:
+                recorder.record(loss_sum=loss_sum, valid_tokens=n, backward_scalar=term)
+        total = total + term
+    return total
+
+
+def train(rank: int, world_size: int, setup: Setup, log_dir: str | None) -> list[dict[str, Any]]:
+    """Train through the set-up's steps (one job); per step the parameters before it, the reduced
+    gradient before the optimizer (unscaled), and whether the update was skipped."""
+    model = make_heads(setup.heads)
+    ddp = DDP(model)
+    if setup.summing_hook:
+        ddp.register_comm_hook(None, _summing_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if setup.scaler != "none" else None
+    recorder = None
+    if log_dir is not None:
+        recorder = Recorder(log_dir, run_id=setup.name, model=ddp, optimizer=optimizer,
+                            scaler=scaler if setup.scaler == "told" else None)
+        if setup.first_step:
+            recorder.begin_step(setup.first_step)
+    capture = recorder.capture_cross_entropy() if recorder is not None and setup.capture else nullcontext()
+    history = []
+    with capture:
+        for step, per_rank in enumerate(setup.counts):
+            batches = [microbatch(step, rank, micro, count) for micro, count in enumerate(per_rank[rank])]
+            # N per term for the whole update, counted before the first backward (one all-reduce each).
+            global_tokens = torch.stack([global_valid_tokens([term_targets(setup, head, tokens, labels)[1]
+                                                              for tokens, labels, _ in batches])
+                                         for head in range(setup.heads)])
+            before = [p.detach().clone() for p in model.parameters()]
+            for micro, (tokens, labels, _) in enumerate(batches):
+                last = micro == len(batches) - 1
+                with nullcontext() if last else ddp.no_sync():
+                    outputs = ddp(tokens)
+                    if setup.overflow == (step, rank) and micro == 0:
+                        outputs[0].register_hook(lambda grad: grad * math.inf)  # an fp16 overflow
+                    scalar = _microbatch_loss(setup, recorder, outputs, labels, global_tokens, world_size)
+                    (scaler.scale(scalar) if scaler is not None else scalar).backward()
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            grads = [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
+            finite = all(bool(torch.isfinite(g).all()) for g in grads)
+            if scaler is not None:
+                scaler.step(optimizer)  # skips optimizer.step() on an overflow
+                scaler.update()
+            elif finite or not setup.guard:
+                optimizer.step()
+            optimizer.zero_grad()
+            history.append({"before": before, "grads": grads, "skipped": not finite})
+    if recorder is not None:
+        recorder.close()
+    del ddp, model, optimizer, scaler
+    gc.collect()
+    return history
+
+
+def job(rank: int, world_size: int, setup: Setup, log_dir: str) -> dict[str, Any]:
+    """DDP job body: the set-up trained once, recorded."""
+    return {"rank": rank, "history": train(rank, world_size, setup, log_dir)}
+
+
+# Uneven counts, no microbatch without a valid token (a local mean of an empty one is NaN).
+_UNEVEN: Counts = (((5, 1), (3, 7)), ((2, 6), (6, 1)), ((8, 4), (2, 8)), ((3, 3), (7, 2)))
+
+SETUPS: tuple[Setup, ...] = (
+    Setup(name="amp_told", counts=_UNEVEN, scaler="told", overflow=(1, 0), correct=True,
+          description="W·S/N under a GradScaler passed to the recorder; step 1 overflows and is skipped"),
+    Setup(name="amp_untold", counts=_UNEVEN, scaler="untold", overflow=(1, 0), correct=True,
+          description="the same loop, the GradScaler not given to the recorder: its scale cannot be divided out"),
+    Setup(name="nan_guard_skip", counts=_UNEVEN, guard=True, overflow=(2, 1), correct=True,
+          description="W·S/N; an inf/NaN guard skips optimizer.step() at step 2 (no GradScaler)"),
+    Setup(name="aux_head_named", counts=_UNEVEN, heads=2, correct=True,
+          description="main + auxiliary head over the same tokens, each W·S/N, recorded as named terms"),
+    Setup(name="aux_head_captured", counts=_UNEVEN, heads=2, capture=True, correct=True,
+          description="main + auxiliary head, each W·S/N, captured from F.cross_entropy (terms guessed)"),
+    Setup(name="aux_head_local_mean", counts=_UNEVEN, heads=2, capture=True, aux_local_mean=True, correct=False,
+          description="main head W·S/N, auxiliary head F.cross_entropy's default mean (a local mean)"),
+    Setup(name="chunked_cross_entropy", counts=_UNEVEN, capture=True, chunks=2, correct=True,
+          description="one W·S/N cross-entropy computed over two disjoint chunks of the sequence"),
+    Setup(name="mtp_heads", counts=_UNEVEN, heads=3, terms="mtp", capture=True, correct=True,
+          description="multi-token prediction: 3 heads predicting tokens t+1..t+3, each its own W·S/N"),
+    Setup(name="unknown_hook_right", counts=_UNEVEN, summing_hook=True, correct=True,
+          description="S/N into a summing comm hook the recorder cannot see (right, but not visible)"),
+    Setup(name="unknown_hook_wrong", counts=_UNEVEN, summing_hook=True, factor=2, correct=False,
+          description="W·S/N into a summing comm hook the recorder cannot see (W× too large)"),
+)
+"""Each in real DDP on 2 gloo processes; `elastic_stale_w` is two jobs (W = 3, then W = 2)."""
+
+ELASTIC: tuple[Setup, Setup] = (
+    Setup(name="elastic_stale_w", counts=(((2, 5), (4, 1), (3, 3)), ((6, 2), (1, 1), (5, 4))), world_size=3,
+          correct=True, description="W·S/N on 3 ranks"),
+    Setup(name="elastic_stale_w", counts=(((2, 7), (5, 1)), ((3, 3), (8, 2)), ((4, 6), (1, 5))), world_size=2,
+          factor=3, first_step=2, correct=False,
+          description="resumed on 2 ranks at step 2, the code still multiplies by W=3"),
+)

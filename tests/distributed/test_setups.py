@@ -1,0 +1,136 @@
+"""Mixed precision, skipped updates, several loss terms, an unseen divisor and an elastic resize, in
+real DDP (gloo): the float64 reference decides what is correct, then tokaudit must agree.
+
+A correct set-up is never `incorrect`; a wrong one is never `correct`; where the logs cannot tell
+(an unrecorded loss scale, a divisor nobody can see) the verdict is `inconclusive` with the code
+that says why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from scenarios.harness import run_ddp
+from scenarios.setups import ELASTIC, SETUPS, Setup, job, reference_gradient
+from tests.expected import EXPECTED_CODES, EXPECTED_VERDICT
+from tokaudit.audit import audit
+
+pytestmark = pytest.mark.distributed
+
+# name: (loss terms, skipped steps); codes and verdicts are in tests/expected.py, shared with sample_logs/
+SHAPE: dict[str, tuple[list[str], list[int]]] = {
+    "amp_told": (["0"], [1]),
+    "amp_untold": (["0"], [1]),
+    "nan_guard_skip": (["0"], [2]),
+    "aux_head_named": (["0", "head1"], []),
+    "aux_head_captured": (["0", "1"], []),
+    "aux_head_local_mean": (["0", "1"], []),
+    "chunked_cross_entropy": (["0"], []),
+    "mtp_heads": (["0", "1", "2"], []),
+    "unknown_hook_right": (["0"], []),
+    "unknown_hook_wrong": (["0"], []),
+    "elastic_stale_w": (["0"], []),
+}
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[list[dict[str, Any]]]]]:
+    root = tmp_path_factory.mktemp("setups")
+    histories: dict[str, list[list[dict[str, Any]]]] = {}
+    for setup in SETUPS:
+        histories[setup.name] = [r["history"] for r in run_ddp(job, setup.world_size, setup, str(root))]
+    for part in ELASTIC:
+        histories[f"{part.name}/W={part.world_size}"] = [r["history"] for r in
+                                                         run_ddp(job, part.world_size, part, str(root))]
+    return root, histories
+
+
+def _matches(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    return all(torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(got, want, strict=True))
+
+
+def _check_against_reference(setup: Setup, histories: list[list[dict[str, Any]]]) -> None:
+    members = list(range(setup.world_size))
+    judged = 0
+    agree = []
+    for history in histories:
+        for step, record in enumerate(history):
+            if record["skipped"]:
+                assert setup.overflow is not None and step == setup.overflow[0]
+                # The skipped update left the parameters where they were.
+                assert all(torch.equal(a, b) for a, b in zip(record["before"], history[step + 1]["before"]))
+                continue
+            judged += 1
+            agree.append(_matches(record["grads"], reference_gradient(setup, record["before"], step, members)))
+    assert judged
+    if setup.correct:
+        assert all(agree), f"{setup.name}: the reduced gradient is not the token mean of every term"
+    else:
+        assert not any(agree), f"{setup.name}: a wrong set-up that trains the token mean"
+
+
+@pytest.mark.parametrize("setup", SETUPS, ids=lambda s: s.name)
+def test_the_float64_reference_says_which_set_ups_are_correct(recorded: Any, setup: Setup) -> None:
+    _, histories = recorded
+    _check_against_reference(setup, histories[setup.name])
+
+
+def test_the_elastic_resize_trains_right_then_wrong(recorded: Any) -> None:
+    _, histories = recorded
+    for part in ELASTIC:
+        _check_against_reference(part, histories[f"{part.name}/W={part.world_size}"])
+
+
+@pytest.mark.parametrize("name", list(SHAPE))
+def test_the_verdict_agrees_with_the_reference(recorded: Any, name: str) -> None:
+    root, _ = recorded
+    terms, skipped = SHAPE[name]
+    report = audit([root / name])
+    (run,) = report.runs
+    assert {f.code.value for f in report.findings} == EXPECTED_CODES[name]
+    assert run.verdict == EXPECTED_VERDICT[name]
+    if not any(s.name == name and s.correct for s in SETUPS):
+        assert run.verdict != "correct"
+    assert run.terms == terms
+    rows = [row for shard in sorted((root / name).glob("*.parquet")) for row in pq.read_table(shard).to_pylist()]
+    steps = sorted({row["step"] for row in rows})
+    assert steps == list(range(len(steps))), "step numbers are the loop's, a skipped update included"
+    assert sorted({row["step"] for row in rows if row["skipped"]}) == skipped
+
+
+def test_a_told_scaler_is_divided_out_and_its_overflow_marked(recorded: Any) -> None:
+    root, _ = recorded
+    rows = [row for shard in sorted((root / "amp_told").glob("*.parquet")) for row in pq.read_table(shard).to_pylist()]
+    by_step = {row["step"]: row for row in rows if row["rank"] == 0 and row["micro"] == 0}
+    # GradScaler starts at 2^16 and halves at the overflow of step 1.
+    assert [by_step[s]["grad_scale"] for s in range(4)] == [2.0 ** -16, 2.0 ** -16, 2.0 ** -15, 2.0 ** -15]
+    assert all(row["skipped"] is (row["step"] == 1) for row in rows)
+    untold = audit([root / "amp_untold"])
+    (finding,) = untold.findings
+    assert finding.evidence["loss_scale_exponents"] == [15, 16]
+
+
+def test_terms_are_guessed_from_the_targets(recorded: Any) -> None:
+    root, _ = recorded
+    report = audit([root / "aux_head_local_mean"])
+    (finding,) = report.findings
+    assert finding.term == "1" and finding.evidence["denominator"] in ("n_micro", "n_rank")
+    chunked = [row for shard in sorted((root / "chunked_cross_entropy").glob("*.parquet"))
+               for row in pq.read_table(shard).to_pylist()]
+    setup = next(s for s in SETUPS if s.name == "chunked_cross_entropy")
+    # The two chunks of each microbatch are one record: its n is the microbatch's whole count.
+    assert sorted((r["step"], r["rank"], r["micro"], r["valid_tokens"]) for r in chunked) == sorted(
+        (step, rank, micro, n) for step, per_rank in enumerate(setup.counts) for rank, mine in enumerate(per_rank)
+        for micro, n in enumerate(mine))
+
+
+def test_an_unseen_divisor_is_written_down(recorded: Any) -> None:
+    root, _ = recorded
+    for name in ("unknown_hook_right", "unknown_hook_wrong"):
+        table = pq.read_table(sorted((root / name).glob("*.parquet"))[0])
+        assert set(table.column("divisor_known").to_pylist()) == {False}
