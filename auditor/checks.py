@@ -27,6 +27,7 @@ from tokaudit.normalization import (
     cluster,
     diagnose_steps,
     explain_factor,
+    indistinguishable,
     segments,
 )
 from tokaudit.report import Finding, StepRange
@@ -591,18 +592,32 @@ def _duplicates(duplicates: tuple[int, int, int, int], run: str) -> Finding:
                    evidence={"dropped_records": copies})
 
 
+_CONFUSED_COUNTS = {
+    Denominator.RANK: ("each rank held the same number of valid tokens n_r", "a rank-local mean"),
+    Denominator.MICRO_TIMES_M: ("every microbatch held the same number of valid tokens",
+                                "a per-microbatch mean divided by M"),
+    Denominator.MICRO: ("every microbatch held the same number of valid tokens", "a per-microbatch mean"),
+    Denominator.MICRO_GLOBAL: ("every microbatch index held the same number of valid tokens over the ranks",
+                               "a per-microbatch global count N_m"),
+}
+
+
 def _balanced(steps: pd.DataFrame, diagnoses: list[StepDiagnosis], context: RunContext) -> Iterator[Finding]:
-    """balanced_counts: every step with tokens had equal counts everywhere, so the logs cannot tell."""
-    nonempty = [d for d in diagnoses if d.kind != StepKind.EMPTY]
-    if not nonempty or not all(d.balanced for d in nonempty):
+    """balanced_counts: in every step the counts that a local normalization needs to differ were
+    equal, so the logs cannot tell it from the token mean."""
+    confused = indistinguishable(steps, context.rtol)
+    if confused is None:
         return
-    counts = sorted({int(n) for n in steps.n_high[steps.tokens > 0]})
-    yield _finding(context, Code.BALANCED_COUNTS, steps.step[steps.tokens > 0].to_numpy(),
-                   f"Every record of every step had the same valid-token count ({_list(counts)}), so a local mean "
-                   "and the global token mean give the same weights here: this run cannot show which one the code "
-                   "uses.",
+    nonempty = steps.tokens > 0
+    counts = sorted({int(n) for n in steps.n_high[nonempty]})
+    what, mistake = _CONFUSED_COUNTS[confused]
+    detail = f"every record had the same valid-token count ({_list(counts)})" if all(
+        d.balanced for d, keep in zip(diagnoses, nonempty) if keep) else what
+    yield _finding(context, Code.BALANCED_COUNTS, steps.step[nonempty].to_numpy(),
+                   f"In every step {detail}, so {mistake} and the global token mean give the same weights here: "
+                   "this run cannot show which one the code uses.",
                    "audit a run with uneven counts (padding, ignored labels, different sequence lengths per rank)",
-                   {"counts": counts})
+                   {"counts": counts, "indistinguishable_from": confused.value})
 
 
 def _list(values: Any) -> str:

@@ -180,7 +180,8 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> list[StepDiagnosis]:
 
     n_equal = _column(steps, "n_low") == _column(steps, "n_high")
     balanced = n_equal & (_column(steps, "m_low") == _column(steps, "m_high"))
-    all_balanced = bool((tokens > 0).any()) and bool(balanced[tokens > 0].all())
+    ambiguous = _confusable(fits, alphas, usable, _column(steps, "w_high"), _column(steps, "m_high"),
+                            rtol) is not None
     unknown_divisor = _column(steps, "unknown_divisor") > 0 if "unknown_divisor" in steps else np.zeros(count, bool)
     uniform = fits[:, 0]  # e·N constant ⇔ e constant
     distortion = (bounds[Denominator.N][0] + bounds[Denominator.N][1]) / 2
@@ -210,10 +211,54 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> list[StepDiagnosis]:
             kind = StepKind.UNJUDGED
         else:
             kind = StepKind.CORRECT if close(q, 1.0, rtol) else StepKind.UNIFORM_OFF
-        if all_balanced and kind in (StepKind.CORRECT, StepKind.UNJUDGED):
+        if ambiguous and kind in (StepKind.CORRECT, StepKind.UNJUDGED):
             denominator = Denominator.UNDETERMINED
         diagnoses.append(StepDiagnosis(kind, denominator, factor, q, bool(balanced[i]), approximate))
     return diagnoses
+
+
+_LOCAL = (Denominator.RANK, Denominator.MICRO_TIMES_M, Denominator.MICRO, Denominator.MICRO_GLOBAL)
+
+
+def indistinguishable(steps: pd.DataFrame, rtol: float) -> Denominator | None:
+    """The local normalization that the logs cannot tell from the token mean, if any.
+
+    Code that divides by a local count gives the same weights as the token mean when the counts it
+    needs to differ never did: the rank-local mean b = S_r/n_r (α = α_N/W for n_r) when every rank
+    holds the same n_r; the per-microbatch mean (n, n·M) when every microbatch holds the same n;
+    the per-microbatch global count (α = α_N/M for N_m) when every microbatch index holds the same
+    N_m. Checked over every usable step; a count that is N itself (one rank, one microbatch) is no
+    other normalization.
+    """
+    if not len(steps):
+        return None
+    bounds = candidate_bounds(steps)
+    divisor = _column(steps, "d_high")
+    usable = (_column(steps, "tokens") > 0) & (_column(steps, "weighted_records") > 0) & \
+        ~np.isnan(_column(steps, "e_low"))
+    spreads = np.column_stack([spread(*bounds[d]) for d in PREFERENCE])
+    alphas = np.column_stack([(bounds[d][0] + bounds[d][1]) / 2 * divisor for d in PREFERENCE])
+    return _confusable(usable[:, None] & (spreads <= rtol), alphas, usable, _column(steps, "w_high"),
+                       _column(steps, "m_high"), rtol)
+
+
+def _confusable(fits: npt.NDArray[np.bool_], alphas: Floats, usable: npt.NDArray[np.bool_], world: Floats,
+                microbatches: Floats, rtol: float) -> Denominator | None:
+    rows = np.flatnonzero(usable)
+    if not len(rows) or not fits[rows, 0].all():
+        return None
+    alpha_n, w, m = alphas[rows, 0], world[rows], microbatches[rows]
+    for denominator in _LOCAL:
+        c = PREFERENCE.index(denominator)
+        if denominator == Denominator.MICRO_GLOBAL:
+            natural, nontrivial = alpha_n / m, bool((m > 1).any())
+        else:
+            natural = alpha_n / w
+            nontrivial = bool((w > 1).any()) if denominator == Denominator.RANK else bool(((w > 1) | (m > 1)).any())
+        if nontrivial and fits[rows, c].all() and bool(
+                (np.abs(alphas[rows, c] - natural) <= rtol * np.abs(natural)).all()):
+            return denominator
+    return None
 
 
 def _vote(fits: npt.NDArray[np.bool_], alphas: Floats, rtol: float

@@ -5,6 +5,7 @@
 Every training cross-entropy call is captured with its probe (evaluation runs without grad and is
 not recorded), so the weight each token received is measured whatever the Trainer and the model do
 with the loss: num_items_in_batch, the ×W of average_tokens_across_devices, ÷GAS, auxiliary terms.
+Under fp16 the Trainer's GradScaler (`trainer.accelerator.scaler`) is found and followed.
 """
 
 from __future__ import annotations
@@ -43,8 +44,12 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
         # Accelerate wraps the optimizer; its step() reaches the torch optimizer once per update.
         torch_optimizer = getattr(optimizer, "optimizer", optimizer)
-        self.recorder = Recorder(self.log_dir, run_id=self.run_id, model=ddp, optimizer=torch_optimizer,
-                                 **self.recorder_options)
+        # fp16: Accelerate's GradScaler multiplies the loss before backward; its scale is divided out and
+        # the updates it skips are marked (the Trainer still counts them as global steps).
+        accelerator = getattr(self.trainer, "accelerator", None) if self.trainer is not None else None
+        options = dict(self.recorder_options)
+        options.setdefault("scaler", getattr(accelerator, "scaler", None))
+        self.recorder = Recorder(self.log_dir, run_id=self.run_id, model=ddp, optimizer=torch_optimizer, **options)
         self.recorder.start_capture()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -4,6 +4,7 @@
 
 Every training cross-entropy call is captured with its probe, so tokaudit sees what Lightning's
 own normalization (the loss divided by accumulate_grad_batches, DDP's average) did to each token.
+Under "16-mixed" the precision plugin's GradScaler is found and followed.
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ class TokauditLightningCallback(Callback):  # type: ignore[misc,unused-ignore]
         wrapped = getattr(trainer.strategy, "model", None)
         ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        self.recorder = Recorder(self.log_dir, run_id=self.run_id, model=ddp, optimizer=optimizer,
-                                 **self.recorder_options)
+        # "16-mixed": the precision plugin's GradScaler scales the loss; its scale is divided out and the
+        # updates it skips are marked (Lightning still counts them as global steps).
+        plugin = getattr(trainer.strategy, "precision_plugin", None)
+        options = dict(self.recorder_options)
+        options.setdefault("scaler", getattr(plugin, "scaler", None))
+        self.recorder = Recorder(self.log_dir, run_id=self.run_id, model=ddp, optimizer=optimizer, **options)
         self.recorder.start_capture()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:

@@ -21,6 +21,7 @@ from tokaudit.normalization import (
     cluster,
     diagnose_steps,
     explain_factor,
+    indistinguishable,
     resolvable_integer,
     segments,
 )
@@ -206,3 +207,19 @@ def test_resolvable_integers_depend_on_rtol() -> None:
     assert resolvable_integer(4.03, 1e-2) == 4
     assert resolvable_integer(40.0, 1e-2) is None
     assert resolvable_integer(1.0, 1e-4) is None and resolvable_integer(math.inf, 1e-4) is None
+
+
+@pytest.mark.parametrize("counts, confused", [
+    ([[[3, 1], [2, 2]], [[5, 1], [4, 2]]], Denominator.RANK),    # n_r equal in every step, n is not
+    ([[[0, 1]]], Denominator.MICRO),                            # the only valid microbatch holds all of N
+    ([[[1, 4], [3, 0]]], Denominator.MICRO_GLOBAL),             # N_m = 4 for both microbatch indices
+    ([[[4], [4]], [[3], [3]]], Denominator.RANK),               # equal counts everywhere
+    ([[[1], [3]], [[4], [4]]], None),                           # step 0 tells them apart
+    ([[[3]], [[5]]], None),                                     # one rank, one microbatch: n_r is N
+])
+def test_a_token_mean_run_that_a_local_count_explains_just_as_well(counts: Any, confused: Denominator | None) -> None:
+    steps = table([step_row(i, weights(c, lambda N, **_: 1 / N, world_size=len(c)), world_size=len(c))
+                   for i, c in enumerate(counts)])
+    assert indistinguishable(steps, 1e-4) == confused
+    undetermined = {d.denominator for d in diagnose_steps(steps, 1e-4)} == {Denominator.UNDETERMINED}
+    assert undetermined == (confused is not None)

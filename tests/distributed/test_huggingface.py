@@ -16,7 +16,7 @@ pytest.importorskip("accelerate")
 pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
 
-def trainer_job(rank: int, world_size: int, log_dir: str, average_tokens: bool) -> None:
+def trainer_job(rank: int, world_size: int, log_dir: str, average_tokens: bool, fp16_scaler: bool = False) -> None:
     import torch
     from torch.utils.data import Dataset
 
@@ -49,7 +49,21 @@ def trainer_job(rank: int, world_size: int, log_dir: str, average_tokens: bool) 
                              report_to=[], save_strategy="no", disable_tqdm=True, seed=0, ddp_backend="gloo",
                              average_tokens_across_devices=average_tokens, dataloader_num_workers=0)
     trainer = Trainer(model=model, args=args, train_dataset=Padded())
-    TokauditCallback.attach(trainer, log_dir, run_id=f"average_tokens_{average_tokens}")  # the one line
+    run_id = f"average_tokens_{average_tokens}"
+    if fp16_scaler:
+        # fp16 on CPU: Accelerate builds no GradScaler there, so give the Trainer the one it builds on a
+        # GPU, before train() (prepare() hands it to the optimizer). Then overflow step 1 on rank 0.
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        forwards = {"count": 0}
+
+        def overflow(module: Any, inputs: Any, output: torch.Tensor) -> None:
+            forwards["count"] += 1
+            if rank == 0 and forwards["count"] == 3 and torch.is_grad_enabled():
+                output.register_hook(lambda grad: grad * float("inf"))
+
+        model.lm_head.register_forward_hook(overflow)
+        run_id = "fp16_scaler"
+    TokauditCallback.attach(trainer, log_dir, run_id=run_id)  # the one line
     trainer.train()
     del trainer, model
     gc.collect()
@@ -60,6 +74,7 @@ def hf_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("hf")
     for average in (True, False):
         run_ddp(trainer_job, 2, str(root), average, timeout=240)
+    run_ddp(trainer_job, 2, str(root), True, True, timeout=240)
     return root
 
 
@@ -88,3 +103,17 @@ def test_trainer_without_token_averaging_is_a_local_mean(hf_logs: Path) -> None:
     assert "mean of per-rank means" in reported.message
     finding = next(f for f in report.findings if f.code.value == "local_mean")
     assert finding.evidence["denominator"] == "n_rank"  # num_items_in_batch counted on the rank only
+
+
+def test_trainer_under_a_grad_scaler_is_correct_and_its_overflow_is_a_skipped_step(hf_logs: Path) -> None:
+    import pyarrow.parquet as pq
+
+    report = audit_run(hf_logs, "fp16_scaler")
+    (run,) = report.runs
+    assert run.verdict == "correct", [f.message for f in report.findings]
+    assert run.steps == 4 and run.skipped_steps == 1
+    rows = [row for shard in sorted((hf_logs / "fp16_scaler").glob("*.parquet")) for row in pq.read_table(shard).to_pylist()]
+    assert {row["step"] for row in rows if row["skipped"]} == {1}, "the Trainer counts the skipped update as a step"
+    # The callback found the Trainer's scaler: 2^16, halved by the overflow.
+    assert {row["grad_scale"] for row in rows if row["step"] <= 1} == {2.0 ** -16}
+    assert {row["grad_scale"] for row in rows if row["step"] >= 2} == {2.0 ** -15}

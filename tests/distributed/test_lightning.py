@@ -14,7 +14,7 @@ pytest.importorskip("lightning")
 pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
 
-def lightning_job(rank: int, world_size: int, log_dir: str) -> None:
+def lightning_job(rank: int, world_size: int, log_dir: str, fp16_scaler: bool = False) -> None:
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, Dataset
@@ -52,9 +52,15 @@ def lightning_job(rank: int, world_size: int, log_dir: str) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     torch.manual_seed(0)
+    # "16-mixed" on CPU falls back to bf16 without a scaler; the plugin keeps fp16 and its GradScaler.
+    plugins = []
+    if fp16_scaler:
+        from lightning.pytorch.plugins import MixedPrecision
+
+        plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 16))]
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy="ddp", max_steps=3,
                         accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
+                        enable_progress_bar=False, enable_model_summary=False, plugins=plugins,
                         callbacks=[TokauditLightningCallback(log_dir, run_id="lightning")])  # the one line
     trainer.fit(TinyLM(), DataLoader(Padded(), batch_size=2, shuffle=False))
     del trainer
@@ -72,3 +78,17 @@ def test_lightning_default_normalization_is_a_per_microbatch_local_mean(tmp_path
     # mean over the microbatch's own tokens, then ÷ accumulate_grad_batches: b·g = S/(n·M)
     assert finding.evidence["denominator"] == "n_micro*M" and finding.evidence["factor"] == 1.0
     assert run.verdict == "incorrect"
+
+
+def test_lightning_16_mixed_divides_its_loss_scale_out(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from tokaudit.audit import audit
+
+    run_ddp(lightning_job, 2, str(tmp_path), True, timeout=240)
+    report = audit([tmp_path / "lightning"])
+    (run,) = report.runs
+    codes = {f.code.value for f in report.findings}
+    assert "loss_scale" not in codes and "local_mean" in codes, codes  # the same mistake, no false alarm
+    rows = [row for shard in sorted((tmp_path / "lightning").glob("*.parquet")) for row in pq.read_table(shard).to_pylist()]
+    assert {row["grad_scale"] for row in rows} == {2.0 ** -16}
