@@ -191,6 +191,8 @@ def test_divisor_comes_from_the_comm_hook_or_a_warning(tmp_path: Path) -> None:
     assert "grad_divisor" in messages[2] and "_custom_hook" in messages[2]
     divisors = {run: read_rows(tmp_path / run)[0]["grad_divisor"] for run in ("default", "known", "custom", "declared")}
     assert divisors == {"default": 2.0, "known": 2.0, "custom": None, "declared": 1.0}
+    known = {run: read_rows(tmp_path / run)[0]["divisor_known"] for run in ("default", "known", "custom", "declared")}
+    assert known == {"default": True, "known": True, "custom": False, "declared": True}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

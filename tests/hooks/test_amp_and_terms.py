@@ -1,0 +1,258 @@
+"""Recorder in one process: a GradScaler's scale divided out and its skipped updates marked, skipped
+updates found from zero_grad, loss terms told from chunks, and the fix helper in low precision."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokaudit.hooks import Recorder, token_mean_loss
+from tokaudit.hooks.terms import Footprint
+
+
+def read_rows(log_dir: Path) -> list[dict[str, Any]]:
+    return [row for shard in sorted(log_dir.glob("*.parquet")) for row in pq.read_table(shard).to_pylist()]
+
+
+def amp_loop(rec: Recorder | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
+             overflow_step: int, steps: int = 4, prescaled: bool = False) -> list[float]:
+    """W = 1, one microbatch per step, b = S/N; step `overflow_step` gets an infinite gradient."""
+    scalars = []
+    for step in range(steps):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(step))
+        labels = torch.tensor([0, 1, 2, -100, 1, -100])
+        logits = model(x)
+        if step == overflow_step:
+            logits.register_hook(lambda grad: grad * math.inf)
+        per_token = F.cross_entropy(logits, labels, reduction="none")
+        valid = labels != -100
+        if rec is not None:
+            per_token = rec.probe(per_token, valid)
+        loss_sum = (per_token * valid).sum()
+        scalar = loss_sum / valid.sum()
+        scaled = scaler.scale(scalar) if prescaled else None
+        if rec is not None:
+            rec.record(loss_sum=loss_sum, valid_tokens=valid.sum(), backward_scalar=scaled if prescaled else scalar)
+        (scaled if prescaled else scaler.scale(scalar)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        scalars.append(float(scalar.detach()))
+    return scalars
+
+
+@pytest.mark.parametrize("prescaled", [False, True])
+def test_a_grad_scaler_is_divided_out_and_its_skipped_update_marked(tmp_path: Path, prescaled: bool) -> None:
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    with Recorder(tmp_path, run_id="amp", optimizer=optimizer, scaler=scaler) as rec:
+        scalars = amp_loop(rec, model, optimizer, scaler, overflow_step=1, prescaled=prescaled)
+    rows = read_rows(tmp_path / "amp")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3], "the skipped update is its own step"
+    # update() reads found_inf of every update: False where the optimizer stepped
+    assert [r["skipped"] for r in rows] == [False, True, False, False]
+    scales = [2.0 ** 10, 2.0 ** 10, 2.0 ** 9, 2.0 ** 9]
+    assert [r["grad_scale"] for r in rows] == [1 / s for s in scales]
+    # b in the log is what backward ran on, scale·loss, whether the user passed loss or scale(loss).
+    for row, scalar, scale in zip(rows, scalars, scales, strict=True):
+        assert row["backward_scalar"] == pytest.approx(scalar * scale, rel=1e-6)
+        assert row["token_weight_sum"] / row["valid_tokens"] * row["grad_scale"] == pytest.approx(1 / 4, rel=1e-6)
+    assert scaler.scale.__func__ is torch.amp.GradScaler.scale, "the scaler gets its own methods back"
+
+
+def test_a_fused_optimizer_steps_through_an_overflow_and_found_inf_marks_it(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 3)
+    try:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    except (RuntimeError, ValueError) as error:
+        pytest.skip(f"no fused SGD on this device: {error}")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    hooked = []
+    optimizer.register_step_post_hook(lambda *_: hooked.append(1))
+    with Recorder(tmp_path, run_id="fused", optimizer=optimizer, scaler=scaler) as rec:
+        amp_loop(rec, model, optimizer, scaler, overflow_step=2)
+    rows = read_rows(tmp_path / "fused")
+    assert len(hooked) == 4, "the step hook fired on the skipped update too"
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["skipped"] for r in rows] == [False, False, True, False]
+
+
+def test_an_untold_scaler_shows_as_a_loss_scale(tmp_path: Path) -> None:
+    from tokaudit.audit import audit
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    with Recorder(tmp_path, run_id="untold", optimizer=optimizer) as rec:
+        amp_loop(rec, model, optimizer, scaler, overflow_step=1)
+    rows = read_rows(tmp_path / "untold")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[1]["skipped"] is True  # found from zero_grad
+    report = audit([tmp_path / "untold"])
+    assert {f.code.value for f in report.findings} == {"loss_scale"} and report.runs[0].verdict == "inconclusive"
+
+
+def test_recording_under_a_scaler_adds_no_host_sync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    for name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self: torch.Tensor, *args: Any, _name: str = name, _original: Any = original) -> Any:
+            calls.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+
+    def syncs(record: bool) -> int:
+        calls.clear()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        rec = Recorder(tmp_path, run_id=f"sync{record}", optimizer=optimizer, scaler=scaler) if record else None
+        for step in range(3):
+            x = torch.randn(6, 4)
+            labels = torch.tensor([0, 1, 2, -100, 1, -100])
+            per_token = F.cross_entropy(model(x), labels, reduction="none")
+            if rec is not None:
+                per_token = rec.probe(per_token, labels != -100)
+            scalar = per_token.sum() / 4
+            if rec is not None:
+                rec.record(loss_sum=per_token.sum(), valid_tokens=(labels != -100).sum(), backward_scalar=scalar)
+            scaler.scale(scalar).backward()
+            scaler.step(optimizer)  # GradScaler itself reads found_inf on the host
+            scaler.update()
+            optimizer.zero_grad()
+        count = len(calls)
+        if rec is not None:
+            monkeypatch.undo()
+            rec.close()
+        return count
+
+    plain = syncs(False)
+    assert syncs(True) == plain, "the recorder added host syncs to a GradScaler loop"
+
+
+def test_zero_grad_ends_an_update_the_optimizer_skipped(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(tmp_path, run_id="guard", optimizer=optimizer) as rec:
+        for step in range(4):
+            for micro in range(2):
+                scalar = model(torch.ones(1, 2)).sum()
+                rec.record(loss_sum=1.0, valid_tokens=2, backward_scalar=scalar)
+                scalar.backward()
+            if step != 1:  # an inf/NaN guard skips step 1
+                optimizer.step()
+            optimizer.zero_grad()
+            if step == 1:
+                rec.end_step(skipped=True)  # said by hand as well: no second boundary
+    rows = read_rows(tmp_path / "guard")
+    assert [(r["step"], r["micro"]) for r in rows] == [(s, m) for s in range(4) for m in range(2)]
+    assert [r["skipped"] for r in rows] == [None, None, True, True, None, None, None, None]
+
+
+def test_a_capture_before_zero_grad_belongs_to_the_next_update(tmp_path: Path) -> None:
+    # Lightning clears gradients after the first microbatch's forward, before its backward.
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    labels = torch.tensor([0, 1, 2, -100])
+    with Recorder(tmp_path, run_id="order", optimizer=optimizer) as rec, rec.capture_cross_entropy():
+        for step in range(3):
+            loss = F.cross_entropy(model(torch.randn(4, 4)), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            if step != 1:
+                optimizer.step()
+    rows = read_rows(tmp_path / "order")
+    assert [(r["step"], r["micro"], r["skipped"]) for r in rows] == [(0, 0, None), (1, 0, True), (2, 0, None)]
+
+
+def test_terms_are_told_from_chunks_by_their_targets(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    heads = [torch.nn.Linear(4, 5) for _ in range(3)]
+    hidden = torch.randn(2, 6, 4)
+    labels = torch.randint(0, 5, (2, 6))
+    labels[0, 4:] = -100
+    with Recorder(tmp_path, run_id="terms", flush_every=1000) as rec, rec.capture_cross_entropy():
+        rec.begin_step(0)
+        # main + auxiliary head over the same labels: two terms
+        main = F.cross_entropy(heads[0](hidden).flatten(0, 1), labels.flatten(), reduction="sum")
+        aux = F.cross_entropy(heads[1](hidden).flatten(0, 1), labels.flatten(), reduction="sum")
+        (main + aux).backward()
+        rec.begin_step(1)
+        # one cross-entropy in two chunks of the flattened sequence: one term
+        logits, flat = heads[0](hidden).flatten(0, 1), labels.flatten()
+        (F.cross_entropy(logits[:5], flat[:5], reduction="sum")
+         + F.cross_entropy(logits[5:], flat[5:], reduction="sum")).backward()
+        rec.begin_step(2)
+        # chunks along the sequence of a 2-D batch (class dimension second): disjoint views, one term
+        logits = heads[0](hidden).transpose(1, 2)
+        (F.cross_entropy(logits[..., :3], labels[:, :3], reduction="sum")
+         + F.cross_entropy(logits[..., 3:], labels[:, 3:], reduction="sum")).backward()
+        rec.begin_step(5)
+        # chunks whose labels were copied (flatten of a 2-D slice) cannot be told from another head
+        # by their targets: named, they are one term
+        logits = heads[0](hidden)
+        with rec.loss_term("0"):
+            (F.cross_entropy(logits[:, :3].flatten(0, 1), labels[:, :3].flatten(), reduction="sum")
+             + F.cross_entropy(logits[:, 3:].flatten(0, 1), labels[:, 3:].flatten(), reduction="sum")).backward()
+        rec.begin_step(3)
+        # multi-token prediction: head k predicts the labels k positions on (overlapping views): 3 terms
+        total = sum(F.cross_entropy(heads[k](hidden)[:, : 6 - k].flatten(0, 1), labels[:, k:].flatten(),
+                                    reduction="sum") for k in range(3))
+        total.backward()
+        rec.begin_step(4)
+        # named terms: the user says which is which
+        with rec.loss_term("lm"):
+            main = F.cross_entropy(heads[0](hidden).flatten(0, 1), labels.flatten())
+        with rec.loss_term("router"):
+            aux = F.cross_entropy(heads[1](hidden).flatten(0, 1), labels.flatten())
+        (main + aux).backward()
+    rows = read_rows(tmp_path / "terms")
+    valid = int((labels != -100).sum())
+    shape = sorted((r["step"], r["term"], r["micro"], r["valid_tokens"]) for r in rows)
+    assert shape == [(0, "0", 0, valid), (0, "1", 0, valid), (1, "0", 0, valid), (2, "0", 0, valid),
+                     (3, "0", 0, valid), (3, "1", 0, int((labels[:, 1:] != -100).sum())),
+                     (3, "2", 0, int((labels[:, 2:] != -100).sum())), (4, "lm", 0, valid), (4, "router", 0, valid),
+                     (5, "0", 0, valid)]
+    for row in rows:  # every captured term's probe saw its own tokens' weights
+        expected = 1 / valid if row["step"] == 4 else 1.0
+        assert row["token_weight_sum"] / row["valid_tokens"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_footprints() -> None:
+    labels = torch.arange(24).view(4, 6)
+    flat = labels.view(-1)
+    assert Footprint.of(flat[:10]).disjoint(Footprint.of(flat[10:]))
+    assert Footprint.of(labels[:, :3]).disjoint(Footprint.of(labels[:, 3:]))  # interleaved rows, no shared element
+    assert not Footprint.of(labels[:, 1:]).disjoint(Footprint.of(labels[:, :-1]))  # shifted: overlap
+    assert not Footprint.of(labels).disjoint(Footprint.of(labels))
+    assert not Footprint.of(labels[:, :3].clone()).disjoint(Footprint.of(labels[:, 3:].clone()))  # other storage
+
+
+@pytest.mark.parametrize("dtype, tokens", [(torch.float16, 70_000), (torch.bfloat16, 1001)])
+def test_the_fix_divides_in_float32(dtype: torch.dtype, tokens: int) -> None:
+    per_token = torch.full((8,), 2.0, dtype=dtype, requires_grad=True)
+    loss_sum = per_token.sum()
+    scalar = token_mean_loss(loss_sum, torch.tensor(tokens), world_size=2)
+    assert scalar.dtype == torch.float32
+    scalar.backward()
+    assert per_token.grad is not None
+    # ∂b/∂ℓ = W/N: finite and non-zero in float16 (N > 65504 is inf there) and, in float32, exact to 1e-6
+    # before the gradient is rounded into ℓ's own dtype.
+    weight = per_token.grad.double()
+    assert torch.isfinite(weight).all() and (weight > 0).all()
+    assert float(weight[0]) == pytest.approx(2 / tokens, rel=2 ** -7)
+    assert float(scalar) == pytest.approx(2 * 16.0 / tokens, rel=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        narrow = loss_sum.detach() * 2 / torch.tensor(tokens).to(dtype)  # what casting N to the loss dtype gave
+    assert not math.isclose(float(narrow), 2 * 16.0 / tokens, rel_tol=1e-4)
