@@ -18,6 +18,7 @@ import pandas as pd
 
 from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
 from tokaudit.normalization import (
+    FORMULA,
     Denominator,
     FactorExplanation,
     FactorKind,
@@ -46,12 +47,6 @@ DENOMINATOR_WORDS = {
     Denominator.ONE: "nothing (a raw loss sum)",
     Denominator.UNDETERMINED: "undetermined: counts are equal everywhere, so local and global means coincide",
     Denominator.UNEXPLAINED: "no single denominator",
-}
-
-FORMULA = {
-    Denominator.N: "S/N", Denominator.MICRO_GLOBAL: "S/N_m", Denominator.RANK: "S/n_r",
-    Denominator.MICRO_TIMES_M: "S/(n·M)", Denominator.MICRO: "S/n", Denominator.POSITIONS: "S/T",
-    Denominator.STEP_POSITIONS: "S/T_step", Denominator.ONE: "S",
 }
 
 _NONUNIFORM_CODES = {

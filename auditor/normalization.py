@@ -57,6 +57,13 @@ class FactorKind(str, Enum):
     OTHER = "other"            # any other constant
 
 
+FORMULA: dict[Denominator, str] = {
+    Denominator.N: "S/N", Denominator.MICRO_GLOBAL: "S/N_m", Denominator.RANK: "S/n_r",
+    Denominator.MICRO_TIMES_M: "S/(n·M)", Denominator.MICRO: "S/n", Denominator.POSITIONS: "S/T",
+    Denominator.STEP_POSITIONS: "S/T_step", Denominator.ONE: "S",
+}
+"""How each denominator reads in b·g = α·S/Den."""
+
 # Tie-break when several denominators explain as many steps: the correct one first, then the
 # mistakes from the most to the least common in the wild.
 PREFERENCE: tuple[Denominator, ...] = (

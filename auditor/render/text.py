@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from tokaudit.normalization import FORMULA, Denominator
 from tokaudit.report import Segment, StepRange
 
 
@@ -15,10 +16,9 @@ def factor_text(segment: Segment | None) -> str:
         return "undetermined (balanced counts)"
     if segment.denominator == "unexplained" or segment.factor is None:
         return "unexplained"
-    factor = f"{segment.factor:g}·" if segment.factor != 1 else ""
-    if segment.denominator == "1":
-        return f"b·g = {factor}S"
-    return f"b·g = {factor}S/{segment.denominator}"
+    factor = f"{segment.factor:.4g}·" if segment.factor != 1 else ""
+    formula = FORMULA.get(Denominator(segment.denominator), f"S/{segment.denominator}")
+    return f"b·g = {factor}{formula}"
 
 
 def ratio_text(ratio: float) -> str:
