@@ -57,6 +57,10 @@ class Setup:
     """b = factor·S/N; None: W for an average, 1 for a summing hook."""
     first_step: int = 0
     """Step number of the first update (a resumed run)."""
+    length: int = SEQ
+    """Positions per microbatch."""
+    near_miss: bool = False
+    """A microbatch-local mean that counts one label too many per row (unshifted labels): S/(n + 1)."""
     world_size: int = 2
     description: str = ""
     """One line for people."""
@@ -85,7 +89,7 @@ def term_targets(setup: Setup, head: int, logits: torch.Tensor, labels: torch.Te
     """(logits, labels) of one head: the same labels, or for MTP head k the labels k positions on,
     as views of the one label tensor."""
     if setup.terms == "mtp" and head > 0:
-        return logits[:, : SEQ - head], labels[:, head:]
+        return logits[:, : labels.shape[1] - head], labels[:, head:]
     return logits, labels
 
 
@@ -102,7 +106,7 @@ def step_counts(setup: Setup, step: int, members: list[int]) -> list[int]:
     totals = [0] * setup.heads
     for rank in members:
         for micro, count in enumerate(setup.counts[step][rank]):
-            tokens, labels, _ = microbatch(step, rank, micro, count)
+            tokens, labels, _ = microbatch(step, rank, micro, count, setup.length)
             for head in range(setup.heads):
                 totals[head] += int((term_targets(setup, head, tokens, labels)[1] != IGNORE_INDEX).sum())
     return totals
@@ -119,7 +123,7 @@ def reference_gradient(setup: Setup, params: list[torch.Tensor], step: int, memb
     objective = torch.zeros((), dtype=torch.float64)
     for rank in members:
         for micro, count in enumerate(setup.counts[step][rank]):
-            tokens, labels, _ = microbatch(step, rank, micro, count)
+            tokens, labels, _ = microbatch(step, rank, micro, count, setup.length)
             for head, logits in enumerate(model(tokens)):
                 loss_sum, _ = term_sum(setup, head, logits, labels)
                 objective = objective + loss_sum / max(totals[head], 1)
@@ -157,7 +161,10 @@ def _microbatch_loss(setup: Setup, recorder: Recorder | None, outputs: tuple[tor
                 per_token = recorder.probe(per_token, valid)
             loss_sum = (per_token * valid).sum()
             n = valid.sum()
-            term = loss_sum / n if local_mean else factor * loss_sum / global_tokens[head].clamp(min=1)
+            if setup.near_miss:
+                term = loss_sum / (n + 1)
+            else:
+                term = loss_sum / n if local_mean else factor * loss_sum / global_tokens[head].clamp(min=1)
             if recorder is not None:
                 recorder.record(loss_sum=loss_sum, valid_tokens=n, backward_scalar=term)
         total = total + term
@@ -183,7 +190,8 @@ def train(rank: int, world_size: int, setup: Setup, log_dir: str | None) -> list
     history = []
     with capture:
         for step, per_rank in enumerate(setup.counts):
-            batches = [microbatch(step, rank, micro, count) for micro, count in enumerate(per_rank[rank])]
+            batches = [microbatch(step, rank, micro, count, setup.length)
+                       for micro, count in enumerate(per_rank[rank])]
             # N per term for the whole update, counted before the first backward (one all-reduce each).
             global_tokens = torch.stack([global_valid_tokens([term_targets(setup, head, tokens, labels)[1]
                                                               for tokens, labels, _ in batches])
@@ -223,6 +231,8 @@ def job(rank: int, world_size: int, setup: Setup, log_dir: str) -> dict[str, Any
 # Uneven counts, no microbatch without a valid token (a local mean of an empty one is NaN).
 _UNEVEN: Counts = (((5, 1), (3, 7)), ((2, 6), (6, 1)), ((8, 4), (2, 8)), ((3, 3), (7, 2)))
 
+_LONG: Counts = (((40, 21), (63, 30)), ((25, 58), (47, 33)), ((60, 44), (22, 51)))
+
 SETUPS: tuple[Setup, ...] = (
     Setup(name="amp_told", counts=_UNEVEN, scaler="told", overflow=(1, 0), correct=True,
           description="W·S/N under a GradScaler passed to the recorder; step 1 overflows and is skipped"),
@@ -240,6 +250,8 @@ SETUPS: tuple[Setup, ...] = (
           description="one W·S/N cross-entropy computed over two disjoint chunks of the sequence"),
     Setup(name="mtp_heads", counts=_UNEVEN, heads=3, terms="mtp", capture=True, correct=True,
           description="multi-token prediction: 3 heads predicting tokens t+1..t+3, each its own W·S/N"),
+    Setup(name="near_miss_local_mean", counts=_LONG, length=64, near_miss=True, correct=False,
+          description="each microbatch divided by its own count plus one (one extra label per row)"),
     Setup(name="unknown_hook_right", counts=_UNEVEN, summing_hook=True, correct=True,
           description="S/N into a summing comm hook the recorder cannot see (right, but not visible)"),
     Setup(name="unknown_hook_wrong", counts=_UNEVEN, summing_hook=True, factor=2, correct=False,

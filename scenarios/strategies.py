@@ -69,13 +69,14 @@ def make_model() -> TinyLM:
     return TinyLM().double()
 
 
-def microbatch(step: int, rank: int, micro: int, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def microbatch(step: int, rank: int, micro: int, count: int, length: int = SEQ
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens, labels (IGNORE_INDEX where not valid) and the valid mask, the same in every process."""
     generator = torch.Generator().manual_seed(1_000_003 * step + 1009 * rank + 31 * micro + 17)
-    tokens = torch.randint(0, VOCAB, (1, SEQ), generator=generator)
-    labels = torch.randint(0, VOCAB, (1, SEQ), generator=generator)
-    valid = torch.zeros(1, SEQ, dtype=torch.bool)
-    valid[0, torch.randperm(SEQ, generator=generator)[:count]] = True
+    tokens = torch.randint(0, VOCAB, (1, length), generator=generator)
+    labels = torch.randint(0, VOCAB, (1, length), generator=generator)
+    valid = torch.zeros(1, length, dtype=torch.bool)
+    valid[0, torch.randperm(length, generator=generator)[:count]] = True
     return tokens, labels.masked_fill(~valid, IGNORE_INDEX), valid
 
 

@@ -23,6 +23,7 @@ EXPECTED_CODES: dict[str, set[str]] = {
     "aux_head_local_mean": {"local_mean"},
     "chunked_cross_entropy": set(),
     "mtp_heads": set(),
+    "near_miss_local_mean": {"local_mean"},
     "unknown_hook_right": {"unknown_divisor"},
     "unknown_hook_wrong": {"unknown_divisor"},
     "elastic_stale_w": {"world_size_mismatch", "world_size_changed"},
@@ -31,7 +32,7 @@ EXPECTED_CODES: dict[str, set[str]] = {
 SETUP_VERDICT: dict[str, str] = {
     "amp_told": "correct", "amp_untold": "inconclusive", "nan_guard_skip": "correct", "aux_head_named": "correct",
     "aux_head_captured": "correct", "aux_head_local_mean": "incorrect", "chunked_cross_entropy": "correct",
-    "mtp_heads": "correct", "unknown_hook_right": "inconclusive", "unknown_hook_wrong": "inconclusive",
+    "mtp_heads": "correct", "near_miss_local_mean": "incorrect", "unknown_hook_right": "inconclusive", "unknown_hook_wrong": "inconclusive",
     "elastic_stale_w": "incorrect",
 }
 

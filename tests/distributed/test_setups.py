@@ -32,6 +32,7 @@ SHAPE: dict[str, tuple[list[str], list[int]]] = {
     "aux_head_local_mean": (["0", "1"], []),
     "chunked_cross_entropy": (["0"], []),
     "mtp_heads": (["0", "1", "2"], []),
+    "near_miss_local_mean": (["0"], []),
     "unknown_hook_right": (["0"], []),
     "unknown_hook_wrong": (["0"], []),
     "elastic_stale_w": (["0"], []),
@@ -134,3 +135,10 @@ def test_an_unseen_divisor_is_written_down(recorded: Any) -> None:
     for name in ("unknown_hook_right", "unknown_hook_wrong"):
         table = pq.read_table(sorted((root / name).glob("*.parquet"))[0])
         assert set(table.column("divisor_known").to_pylist()) == {False}
+
+
+def test_a_near_miss_is_named_with_how_far_it_is_off(recorded: Any) -> None:
+    root, _ = recorded
+    (finding,) = audit([root / "near_miss_local_mean"]).findings
+    assert finding.evidence["approximate"] is True and finding.evidence["denominator"] in ("n_micro", "n_micro*M")
+    assert 0 < finding.evidence["approximation_error"] < 0.1
