@@ -192,7 +192,7 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> list[StepDiagnosis]:
     unknown_divisor = _column(steps, "unknown_divisor") > 0 if "unknown_divisor" in steps else np.zeros(count, bool)
     uniform = fits[:, 0]  # e·N constant ⇔ e constant
     distortion = (bounds[Denominator.N][0] + bounds[Denominator.N][1]) / 2
-    nearest, nearest_spread = _nearest(spreads, usable)
+    nearest, nearest_spread = _nearest(spreads, alphas, usable)
 
     diagnoses = []
     for i in range(count):
@@ -315,13 +315,20 @@ def _vote(fits: npt.NDArray[np.bool_], alphas: Floats, rtol: float
     return chosen, representative
 
 
-def _nearest(spreads: Floats, usable: npt.NDArray[np.bool_]) -> tuple[npt.NDArray[np.int64], Floats]:
+def _nearest(spreads: Floats, alphas: Floats, usable: npt.NDArray[np.bool_]
+             ) -> tuple[npt.NDArray[np.int64], Floats]:
     """Per step, the candidate that leaves α least spread when none fits exactly, if it stands out:
-    at most APPROXIMATE_SPREAD and APPROXIMATE_MARGIN× below every candidate that differs from it."""
+    at most APPROXIMATE_SPREAD and APPROXIMATE_MARGIN× below every candidate that differs from it.
+    Among equally spread candidates (n and n·M under a fixed M), the one whose α is nearest 1."""
     filled = np.where(np.isnan(spreads), np.inf, spreads)
-    best = np.argmin(filled, axis=1)  # first in PREFERENCE among ties
-    best_spread = filled[np.arange(len(filled)), best]
-    others = np.where(filled > best_spread[:, None] * (1 + 1e-9) + 1e-15, filled, np.inf).min(axis=1)
+    best_spread = filled.min(axis=1)
+    tied = filled <= best_spread[:, None] * (1 + 1e-9) + 1e-15
+    with np.errstate(divide="ignore", invalid="ignore"):
+        plainness = np.where(tied, np.abs(np.log(np.abs(alphas))), np.inf)
+    plainness = np.where(tied & np.isnan(plainness), np.inf, plainness)
+    best = np.argmin(np.where(tied, plainness, np.inf), axis=1)  # first in PREFERENCE among ties
+    best = np.where(np.isfinite(plainness[np.arange(len(best)), best]), best, np.argmin(filled, axis=1))
+    others = np.where(~tied, filled, np.inf).min(axis=1)
     stands_out = usable & (best_spread <= APPROXIMATE_SPREAD) & (others >= APPROXIMATE_MARGIN * best_spread)
     return np.where(stands_out, best, -1), best_spread
 
