@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import pyarrow as pa
 
@@ -75,3 +76,25 @@ def kind_accepts(kind: Kind, arrow_type: pa.DataType) -> bool:
     if kind == "string":
         return bool(pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type))
     return bool(pa.types.is_timestamp(arrow_type))
+
+
+DROPPED_KEY = b"tokaudit.dropped_steps"
+"""Shard footer metadata the recorder writes when it had to drop records: JSON
+{"run", "group", "rank", "steps": [[first step, last step, records], ...]}."""
+
+
+def dropped_metadata(run: str, group: str, rank: int, steps: list[tuple[int, int, int]]) -> dict[bytes, bytes]:
+    return {DROPPED_KEY: json.dumps({"run": run, "group": group, "rank": rank,
+                                     "steps": [list(s) for s in steps]}).encode()}
+
+
+def read_dropped(metadata: dict[bytes, bytes] | None) -> dict[str, Any] | None:
+    """The dropped-steps note of a shard's footer, if any (never raises)."""
+    if not metadata or DROPPED_KEY not in metadata:
+        return None
+    try:
+        note = json.loads(metadata[DROPPED_KEY])
+        steps = [(int(a), int(b), int(c)) for a, b, c in note["steps"]]
+        return {"run": str(note["run"]), "group": str(note["group"]), "rank": int(note["rank"]), "steps": steps}
+    except (ValueError, KeyError, TypeError):
+        return None

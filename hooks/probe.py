@@ -14,7 +14,7 @@ class ProbeResult:
     Filled by `_TokenProbe.backward`; several probes in one microbatch accumulate.
     """
 
-    __slots__ = ("weight_sum", "weight_min", "weight_max", "masked_abs_sum", "valid_count", "filled")
+    __slots__ = ("weight_sum", "weight_min", "weight_max", "masked_abs_sum", "valid_count", "filled", "on_fill")
 
     def __init__(self) -> None:
         self.weight_sum: torch.Tensor | None = None
@@ -23,6 +23,8 @@ class ProbeResult:
         self.masked_abs_sum: torch.Tensor | None = None
         self.valid_count: torch.Tensor | None = None
         self.filled = False
+        self.on_fill: Callable[[], None] | None = None
+        """Called once, when the first backward reaches this probe."""
 
     def add(self, grad: torch.Tensor, valid: torch.Tensor) -> None:
         # grad = ∂b/∂ℓᵢ for every position; reductions stay on the device (no host sync) and
@@ -56,7 +58,10 @@ class ProbeResult:
             self.weight_max = torch.maximum(self.weight_max, weight_max)
             self.masked_abs_sum = self.masked_abs_sum + masked_abs_sum
             self.valid_count = self.valid_count + valid_count
+        first = not self.filled
         self.filled = True
+        if first and self.on_fill is not None:
+            self.on_fill()
 
 
 class TokenProbe(torch.autograd.Function):

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import re
+import signal
+import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -19,39 +23,20 @@ import torch
 import torch.distributed as dist
 
 from tokaudit.hooks.amp import ScalerWatch
+from tokaudit.hooks.identity import Identity, known_hook_divisor, resolve_identity
 from tokaudit.hooks.probe import ProbeResult, TokenProbe
+from tokaudit.hooks.shards import ShardWriter
 from tokaudit.hooks.terms import Footprint
-from tokaudit.schema import SCHEMA_VERSION, WRITER_SCHEMA
+from tokaudit.schema import SCHEMA_VERSION, WRITER_SCHEMA, dropped_metadata
 
 Number = int | float | bool
 Value = Number | torch.Tensor | None
 
 DEFAULT_FLUSH_EVERY = 4096
-
-
-def _group_id(process_group: Any) -> str:
-    """A name every member of a group derives alike, with no collective: its global ranks."""
-    if process_group is None or process_group is dist.group.WORLD:
-        return "0"
-    ranks = sorted(dist.get_process_group_ranks(process_group))
-    if len(ranks) == dist.get_world_size():
-        return "0"
-    stride = ranks[1] - ranks[0] if len(ranks) > 1 else 1
-    if all(b - a == stride for a, b in zip(ranks, ranks[1:])):
-        return f"{ranks[0]}:{ranks[-1] + 1}:{stride}"
-    return "-".join(str(rank) for rank in ranks)
-
-
-def _known_hook_divisor(hook: Callable[..., Any], world_size: int) -> float | None:
-    """D for DDP comm hooks whose reduction is known: the default ones all-reduce then divide by W."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    averaging = {
-        default_hooks.allreduce_hook,
-        default_hooks.fp16_compress_hook,
-        getattr(default_hooks, "bf16_compress_hook", default_hooks.allreduce_hook),
-    }
-    return float(world_size) if hook in averaging else None
+BACKLOG_SHARDS = 8
+"""Shards' worth of records kept in memory while writes fail (a full disk); older ones are dropped
+and written down as dropped steps in the next shard that can be written."""
+INT64_MAX = (1 << 63) - 1
 
 
 def _to_host(values: Sequence[Value], dtype: torch.dtype) -> list[Any]:
@@ -112,28 +97,24 @@ class Recorder:
         self._active_term: str | None = None
         self._awaiting_scale: list[dict[str, Any]] = []
         self._zero_grad_wrapper: Callable[..., Any] | None = None
+        self._late_micro: dict[tuple[int, str], int] = {}
         self._steps_known = optimizer is not None  # else until begin_step/end_step is called
 
-        process_group = group if group is not None else getattr(model, "process_group", None)
-        if dist.is_available() and dist.is_initialized():
-            self.world_size = dist.get_world_size(process_group)
-            self.rank = dist.get_rank(process_group)
-            self.group = _group_id(process_group)
-        else:
-            self.world_size, self.rank, self.group = 1, 0, "0"
-
+        self._process_group = group if group is not None else getattr(model, "process_group", None)
+        self._identity: Identity | None = None
+        self._writer: ShardWriter | None = None
+        self._backlog: list[pa.Table] = []
+        self._dropped: dict[int, int] = {}  # step → records that could not be kept
+        self._invalid = 0
+        self._run_id = run_id
         base = Path(log_dir)
         self.log_dir = base / run_id if run_id else base
-        self.run_id = run_id or self.log_dir.resolve().name
-        self._prefix = f"rank-{self.rank:05d}"
-        if self.group != "0":
-            self._prefix = f"group-{re.sub(r'[^0-9A-Za-z]+', '_', self.group)}-{self._prefix}"
-        self._sequence = 0
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._sequence = self._next_sequence()
         except OSError as error:
-            self._warn_once("mkdir", f"tokaudit: cannot create {self.log_dir} ({error}); nothing will be recorded")
+            self._warn_once("mkdir", f"tokaudit: cannot create {self.log_dir} ({error}); records are kept in "
+                                     "memory and written when it can be created")
+        self.run_id = run_id or self.log_dir.absolute().name
 
         if model is not None and hasattr(model, "require_backward_grad_sync"):
             # DDP decides at forward time whether this backward all-reduces, so read the flag there.
@@ -143,6 +124,22 @@ class Recorder:
             self._watch_zero_grad(optimizer)
         self._scaler = ScalerWatch(scaler, self._on_scaler_update, self._on_scale) if scaler is not None else None
         atexit.register(self.close)
+        _on_termination(self)
+
+    @property
+    def rank(self) -> int:
+        """Rank inside the averaging group (read at the first record, so after init_process_group)."""
+        return self._resolve_identity().rank
+
+    @property
+    def world_size(self) -> int:
+        """W: the size of the averaging group."""
+        return self._resolve_identity().world_size
+
+    @property
+    def group(self) -> str:
+        """Id of the averaging group ("0": the whole world)."""
+        return self._resolve_identity().group
 
     # ---------------------------------------------------------------- public API
 
@@ -168,9 +165,17 @@ class Recorder:
         if self._closed:
             return
         try:
+            self._resolve_identity()
             if not self._divisor_resolved:
                 self._resolve_divisor()
             term = str(term) if term is not None else (self._active_term or "0")
+            for name, value in (("loss_sum", loss_sum), ("valid_tokens", valid_tokens),
+                                ("backward_scalar", backward_scalar), ("positions", positions),
+                                ("reported_loss", reported_loss), ("grad_scale", grad_scale)):
+                _check_scalar(name, value)
+            for name, number in (("step", step), ("micro", micro)):
+                if number is not None and not (isinstance(number, int) and 0 <= number <= INT64_MAX):
+                    raise ValueError(f"{name} must be a non-negative int, got {number!r}")
             if step is None:
                 step = self._step
                 if not self._steps_known and self._micro_next.get(term, 0) > 0:
@@ -178,10 +183,15 @@ class Recorder:
                     self._advance()
                     step = self._step
                 self._step_records += 1  # records of the open update: its end may still mark them skipped
-            if micro is None:
-                micro = self._micro_next.get(term, 0) if step == self._step else 0
-            if step == self._step:
-                self._micro_next[term] = micro + 1
+            probe = self._pending_probe
+            deferred = micro is None and _captured and probe is not None
+            if deferred:
+                micro = -1  # a captured call takes its index when its backward runs (an evaluation never does)
+            else:
+                if micro is None:
+                    micro = self._micro_next.get(term, 0) if step == self._step else 0
+                if step == self._step:
+                    self._micro_next[term] = micro + 1
             scale = None
             prescaled = False
             if self._scaler is not None and self._scaler.enabled():
@@ -202,9 +212,12 @@ class Recorder:
                 "prescaled": prescaled,
                 "sync": self._forward_sync,
                 "time": time.time_ns() // 1000,
-                "probe": self._pending_probe,
+                "probe": probe,
                 "captured": _captured,
             }
+            if deferred:
+                assert probe is not None
+                probe.on_fill = lambda: self._number_captured(entry)
             self._records.append(entry)
             if self._scaler is not None and self._scaler.enabled() and scale is None:
                 self._awaiting_scale.append(entry)  # before the scaler's first scale(): filled then
@@ -212,7 +225,10 @@ class Recorder:
             if len(self._records) >= self._flush_every:
                 self.flush(wait_for_backward=True)
         except Exception as error:
-            self._warn_once("record", f"tokaudit: a record was dropped ({error!r})")
+            self._pending_probe = None
+            self._note_dropped(step if isinstance(step, int) else self._step, 1)
+            self._warn_once("record", f"tokaudit: a record was dropped ({error}); it is noted in the log as a "
+                                      "dropped record, and training goes on")
 
     @contextmanager
     def loss_term(self, name: str) -> Iterator[None]:
@@ -295,13 +311,16 @@ class Recorder:
         self._records = waiting
         # A captured loss that never reached backward (computed with grad, then unused) is no record.
         ready = [r for r in ready if not (r["captured"] and not r["probe"].filled)]
-        if not ready:
+        if not ready and not self._backlog:
             return
         try:
-            self._write(self._table(ready))
+            if ready:
+                self._backlog.append(self._table(ready))
         except Exception as error:
-            self._warn_once("write", f"tokaudit: could not write a shard to {self.log_dir} ({error!r}); "
-                                     "training goes on without these records")
+            self._note_dropped_records(ready)
+            self._warn_once("table", f"tokaudit: {len(ready)} record(s) could not be read back ({error!r}); "
+                                     "they are noted in the log as dropped")
+        self._write_backlog()
 
     def close(self) -> None:
         """Stop a started capture, flush everything and detach the hooks. Safe to call twice."""
@@ -396,8 +415,9 @@ class Recorder:
         for record in current:
             if not (record["probe"] is None or record["probe"].filled):
                 record["step"], record["skipped"] = self._step, None
-                record["micro"] = self._micro_next.get(record["term"], 0)
-                self._micro_next[record["term"]] = record["micro"] + 1
+                if record["micro"] >= 0:  # a captured call is numbered when its backward runs
+                    record["micro"] = self._micro_next.get(record["term"], 0)
+                    self._micro_next[record["term"]] = record["micro"] + 1
                 self._step_records += 1
 
     # ---------------------------------------------------------------- internals: capture
@@ -464,7 +484,7 @@ class Recorder:
                 self._grad_divisor = float(self.world_size)  # DDP's default: all-reduce, then divide by W
                 return
             hook = hooks[-1][0]
-            self._grad_divisor = _known_hook_divisor(hook, self.world_size)
+            self._grad_divisor = known_hook_divisor(hook, self.world_size)
             if self._grad_divisor is None:
                 self._divisor_known = False
                 name = getattr(hook, "__qualname__", repr(hook))
@@ -480,11 +500,60 @@ class Recorder:
         else:
             self._grad_divisor = 1.0
 
-    def _next_sequence(self) -> int:
-        # A resumed run never overwrites the shards of the run before it.
-        pattern = re.compile(re.escape(self._prefix) + r"-(\d{6})\.parquet$")
-        taken = [int(m.group(1)) for p in self.log_dir.iterdir() if (m := pattern.match(p.name))]
-        return max(taken, default=-1) + 1
+    def _resolve_identity(self) -> Identity:
+        if self._identity is None:
+            self._identity = resolve_identity(self._process_group)
+            if self._identity.announced_world_size:
+                self._warn_once("identity", f"tokaudit: WORLD_SIZE={self._identity.announced_world_size} but no "
+                                            "process group is initialized: each process is recorded as its own "
+                                            "group of W=1 (make the first record after init_process_group)")
+                self._identity = Identity(0, 1, f"process-{self._identity.rank}")
+        return self._identity
+
+    def _number_captured(self, record: dict[str, Any]) -> None:
+        """A captured call's backward ran: it is a microbatch of its term (calls never backpropagated,
+        an evaluation with grad, take no index)."""
+        key = (record["step"], record["term"])
+        if record["step"] == self._step:
+            record["micro"] = self._micro_next.get(record["term"], 0)
+            self._micro_next[record["term"]] = record["micro"] + 1
+        else:
+            record["micro"] = self._late_micro.get(key, 0)
+            self._late_micro[key] = record["micro"] + 1
+
+    def _note_dropped(self, step: int, count: int) -> None:
+        self._dropped[step] = self._dropped.get(step, 0) + count
+
+    def _note_dropped_records(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            self._note_dropped(int(record["step"]), 1)
+
+    def _write_backlog(self) -> None:
+        """Write everything waiting, as one shard; on failure keep it (bounded) for the next flush."""
+        if not self._backlog:
+            return
+        table = pa.concat_tables(self._backlog) if len(self._backlog) > 1 else self._backlog[0]
+        try:
+            if self._writer is None:
+                identity = self._resolve_identity()
+                prefix = f"rank-{identity.rank:05d}"
+                if identity.group != "0":
+                    prefix = f"group-{re.sub(r'[^0-9A-Za-z]+', '_', identity.group)}-{prefix}"
+                self._writer = ShardWriter(self.log_dir, prefix)
+            metadata = None
+            if self._dropped:
+                metadata = dropped_metadata(self.run_id, self.group, self.rank, _ranges(self._dropped))
+            self._writer.write(table, metadata)
+            self._backlog.clear()
+            self._dropped.clear()
+        except Exception as error:
+            self._warn_once("write", f"tokaudit: could not write a shard to {self.log_dir} ({error!r}); the "
+                                     "records are kept and written at the next flush, training goes on")
+            limit = BACKLOG_SHARDS * self._flush_every
+            while sum(t.num_rows for t in self._backlog) > limit and len(self._backlog) > 1:
+                lost = self._backlog.pop(0)
+                for step in lost.column("step").to_pylist():
+                    self._note_dropped(int(step), 1)
 
     def _table(self, records: list[dict[str, Any]]) -> pa.Table:
         count = len(records)
@@ -528,16 +597,18 @@ class Recorder:
                 # min/max over an empty set of valid tokens is ±inf on the device: null in the log.
                 host = [None if v is not None and abs(v) == float("inf") else v for v in host]
             columns["masked_weight_abs_sum" if name == "masked_abs_sum" else f"token_{name}"] = host
+        keep = _writable_rows(columns, [isinstance(p, ProbeResult) and p.filled for p in probes])
+        if not all(keep):
+            bad = [r for r, ok in zip(records, keep) if not ok]
+            self._note_dropped_records(bad)
+            self._invalid += len(bad)
+            self._warn_once("invalid", f"tokaudit: {len(bad)} record(s) with a value no audit can use (a null or "
+                                       "negative count, a missing loss sum, a NaN scale) were left out and noted "
+                                       "in the log as dropped")
+            columns = {name: [v for v, ok in zip(values, keep) if ok] for name, values in columns.items()}
         arrays = {name: pa.array(list(values), type=WRITER_SCHEMA.field(name).type)
                   for name, values in columns.items()}
         return pa.table([arrays[field.name] for field in WRITER_SCHEMA], schema=WRITER_SCHEMA)
-
-    def _write(self, table: pa.Table) -> None:
-        final = self.log_dir / f"{self._prefix}-{self._sequence:06d}.parquet"
-        temporary = self.log_dir / f".{final.name}.{os.getpid()}.tmp"
-        pq.write_table(table, temporary)
-        os.replace(temporary, final)  # atomic: a killed writer leaves only whole shards
-        self._sequence += 1
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -557,4 +628,100 @@ class _OpenCall:
 
 
 def _detached(value: Value) -> Value:
-    return value.detach() if isinstance(value, torch.Tensor) else value
+    """A snapshot: a device copy of a tensor (no sync), so an accumulator changed in place after
+    `record()` is recorded with the value it had then."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _check_scalar(name: str, value: object) -> None:
+    """One number per value, checked without touching the device: a wrong type costs one record,
+    never a shard."""
+    if value is None or isinstance(value, bool | float):
+        return
+    if isinstance(value, int):
+        if abs(value) > INT64_MAX:
+            raise ValueError(f"{name}={value} does not fit in 64 bits")
+        return
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must hold one number, got a tensor of shape {tuple(value.shape)}")
+        if value.is_complex():
+            raise ValueError(f"{name} must be real, got {value.dtype}")
+        return
+    if hasattr(value, "item") and getattr(value, "size", 1) == 1 and not isinstance(value, str | bytes):
+        return  # a numpy scalar
+    raise ValueError(f"{name} must be a number or a one-element tensor, got {type(value).__name__}")
+
+
+def _writable_rows(columns: dict[str, Any], probed: list[bool]) -> list[bool]:
+    """Rows the auditor accepts (SPEC §2): counts present and non-negative, a loss sum, a backward
+    scalar unless the probe measured the weights, a grad_scale that is not NaN. Whole floats in
+    integer columns become ints."""
+    keep = []
+    for i in range(len(probed)):
+        ok = True
+        for name in ("valid_tokens", "positions"):
+            value = columns[name][i]
+            if isinstance(value, float):
+                ok = ok and value.is_integer() and 0 <= value <= INT64_MAX
+                if ok:
+                    columns[name][i] = int(value)
+            if value is None:
+                ok = ok and name == "positions"
+            elif not isinstance(value, float):
+                ok = ok and 0 <= value <= INT64_MAX
+        ok = ok and columns["loss_sum"][i] is not None
+        ok = ok and (columns["backward_scalar"][i] is not None or probed[i])
+        scale = columns["grad_scale"][i]
+        ok = ok and not (isinstance(scale, float) and math.isnan(scale))
+        keep.append(ok)
+    return keep
+
+
+def _ranges(counts: dict[int, int]) -> list[tuple[int, int, int]]:
+    """{step: records} as runs of consecutive steps: (first, last, records)."""
+    ranges: list[tuple[int, int, int]] = []
+    for step in sorted(counts):
+        if ranges and ranges[-1][1] == step - 1:
+            first, _, records = ranges[-1]
+            ranges[-1] = (first, step, records + counts[step])
+        else:
+            ranges.append((step, step, counts[step]))
+    return ranges
+
+
+_LIVE: weakref.WeakSet[Recorder] = weakref.WeakSet()
+_PREVIOUS: dict[int, Any] = {}
+
+
+def _on_termination(recorder: Recorder) -> None:
+    """Flush every live Recorder on SIGTERM (what torchrun, Slurm and Kubernetes send first) and
+    SIGINT, then hand the signal to whatever handled it before: the trainer's own handler still runs,
+    and a default action still ends the process."""
+    _LIVE.add(recorder)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        if signum in _PREVIOUS:
+            continue
+        try:
+            _PREVIOUS[signum] = signal.getsignal(signum)
+            signal.signal(signum, _flush_then_chain)
+        except (ValueError, OSError):
+            _PREVIOUS.pop(signum, None)
+
+
+def _flush_then_chain(signum: int, frame: Any) -> None:
+    for recorder in list(_LIVE):
+        try:
+            recorder.flush()
+        except Exception:  # the signal's own action matters more than one last shard
+            pass
+    previous = _PREVIOUS.get(signum)
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_IGN:
+        return
+    else:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)

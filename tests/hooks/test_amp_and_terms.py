@@ -251,7 +251,7 @@ def test_the_fix_divides_in_float32(dtype: torch.dtype, tokens: int) -> None:
     weight = per_token.grad.double()
     assert torch.isfinite(weight).all() and (weight > 0).all()
     assert float(weight[0]) == pytest.approx(2 / tokens, rel=2 ** -7)
-    assert float(scalar) == pytest.approx(2 * 16.0 / tokens, rel=1e-6)
+    assert float(scalar.detach()) == pytest.approx(2 * 16.0 / tokens, rel=1e-6)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         narrow = loss_sum.detach() * 2 / torch.tensor(tokens).to(dtype)  # what casting N to the loss dtype gave

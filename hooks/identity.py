@@ -1,0 +1,60 @@
+"""Who this process is in the gradient-averaging group, and what that group's reduction divides by."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Rank, W and group id of one recording process."""
+
+    rank: int
+    world_size: int
+    group: str
+    """"0" for the whole world, else the group's global ranks ("0:8:2" for 0, 2, 4, 6)."""
+    announced_world_size: int | None = None
+    """WORLD_SIZE from the environment when no process group exists (a launch without init)."""
+
+
+def group_id(process_group: Any) -> str:
+    """A name every member of a group derives alike, with no collective: its global ranks."""
+    if process_group is None or process_group is dist.group.WORLD:
+        return "0"
+    ranks = sorted(dist.get_process_group_ranks(process_group))
+    if len(ranks) == dist.get_world_size():
+        return "0"
+    stride = ranks[1] - ranks[0] if len(ranks) > 1 else 1
+    if all(b - a == stride for a, b in zip(ranks, ranks[1:])):
+        return f"{ranks[0]}:{ranks[-1] + 1}:{stride}"
+    return "-".join(str(rank) for rank in ranks)
+
+
+def resolve_identity(process_group: Any) -> Identity:
+    """Read once the first record is made, not when the Recorder is built: a Recorder made before
+    init_process_group still records the right rank and W."""
+    if dist.is_available() and dist.is_initialized():
+        return Identity(dist.get_rank(process_group), dist.get_world_size(process_group), group_id(process_group))
+    announced = os.environ.get("WORLD_SIZE", "")
+    size = int(announced) if announced.isdigit() else None
+    rank_text = os.environ.get("RANK", "")
+    # torchrun started us but no process group exists: keep the launcher's rank, so shards never collide.
+    rank = int(rank_text) if size and size > 1 and rank_text.isdigit() else 0
+    return Identity(rank, 1, "0", size if size and size > 1 else None)
+
+
+def known_hook_divisor(hook: Callable[..., Any], world_size: int) -> float | None:
+    """D for DDP comm hooks whose reduction is known: the default ones all-reduce then divide by W."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    averaging = {
+        default_hooks.allreduce_hook,
+        default_hooks.fp16_compress_hook,
+        getattr(default_hooks, "bf16_compress_hook", default_hooks.allreduce_hook),
+    }
+    return float(world_size) if hook in averaging else None

@@ -1,0 +1,102 @@
+"""One rank's shard files: exclusive names, written whole (fsync, then published), never replaced.
+
+A shard is written to a dot-prefixed temporary, fsynced, then published under the next free
+`{prefix}-{seq:06d}.parquet` with a hard link, which fails instead of replacing a shard another
+writer (a second Recorder, a misconfigured launch) already published: the writer then takes the
+next number. The folder is fsynced after, so a power loss never leaves an empty published shard.
+Steps whose records could not be kept are written down in the next shard's footer metadata.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+class ShardWriter:
+    """Publishes one rank's shards into one folder."""
+
+    def __init__(self, folder: Path, prefix: str) -> None:
+        self.folder = folder
+        self.prefix = prefix
+        self._pattern = re.compile(re.escape(prefix) + r"-(\d{6})\.parquet$")
+        self._temporary = re.compile(r"\." + re.escape(prefix) + r"-\d{6}\.parquet\.(\d+)\.tmp$")
+        folder.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_temporaries()
+        self.sequence = self._next_sequence()
+
+    def write(self, table: pa.Table, metadata: dict[bytes, bytes] | None = None) -> Path:
+        """Write and publish one shard; raises OSError when it cannot (nothing half-written stays)."""
+        if metadata:
+            table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+        temporary = self.folder / f".{self.prefix}-{self.sequence:06d}.parquet.{os.getpid()}.tmp"
+        try:
+            pq.write_table(table, temporary)
+            with open(temporary, "rb") as handle:
+                os.fsync(handle.fileno())
+            final = self._publish(temporary)
+        finally:
+            temporary.unlink(missing_ok=True)
+        self._sync_folder()
+        return final
+
+    def _publish(self, temporary: Path) -> Path:
+        while True:
+            final = self.folder / f"{self.prefix}-{self.sequence:06d}.parquet"
+            try:
+                os.link(temporary, final)  # exclusive: never replaces a published shard
+            except FileExistsError:
+                self.sequence = max(self.sequence + 1, self._next_sequence())
+                continue
+            except OSError as error:
+                if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+                    raise
+                # No hard links here: claim the name, then move the whole file onto it.
+                try:
+                    os.close(os.open(final, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                except FileExistsError:
+                    self.sequence = max(self.sequence + 1, self._next_sequence())
+                    continue
+                os.replace(temporary, final)
+            self.sequence += 1
+            return final
+
+    def _sync_folder(self) -> None:
+        try:
+            descriptor = os.open(self.folder, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(descriptor)
+        except OSError:
+            pass  # some filesystems cannot fsync a folder; the shard itself is synced
+        finally:
+            os.close(descriptor)
+
+    def _next_sequence(self) -> int:
+        # A resumed run never overwrites the shards of the run before it.
+        taken = [int(m.group(1)) for p in self.folder.iterdir() if (m := self._pattern.match(p.name))]
+        return max(taken, default=-1) + 1
+
+    def _remove_stale_temporaries(self) -> None:
+        """A killed writer of this rank leaves a temporary; remove it unless its process still runs."""
+        for path in self.folder.iterdir():
+            match = self._temporary.match(path.name)
+            if match and not _running(int(match.group(1))):
+                path.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
