@@ -5,17 +5,18 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import duckdb
 import pandas as pd
 import pyarrow.parquet as pq
 
 from tokaudit.checks import DEFAULT_RTOL, check_run
-from tokaudit.codes import UNDECIDABLE, Code, Severity
+from tokaudit.codes import DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
 from tokaudit.engine import Engine
 from tokaudit.errors import LogFormatError, UsageError
 from tokaudit.reader import LogSet, Shard, load
-from tokaudit.report import AuditReport, Finding, RunSummary, Segment, Verdict
+from tokaudit.report import AuditReport, Finding, RunSummary, Segment, StepRange, Verdict
 
 Progress = Callable[[str], None]
 
@@ -87,10 +88,25 @@ def audit(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL, r
             steps = _complete_steps(steps, engine.complete_through(), progress)
         summaries: list[RunSummary] = []
         findings: list[Finding] = []
+        dropped = _dropped_steps(logset.shards)
         for run, frame in steps.groupby("run", sort=True):
             run = str(run)
             frame = frame.reset_index(drop=True)
+            lost = dropped.get(run)
+            if lost:
+                # Steps that lost records are not judged on the part of their tokens that was kept.
+                judged = ~pd.Series([(str(g), int(s)) in lost.keys for g, s in zip(frame.grp, frame.step)],
+                                    index=frame.index, dtype=bool)
+                frame = frame[judged].reset_index(drop=True)
+                if frame.empty:
+                    findings.append(lost.finding(run))
+                    summaries.append(RunSummary(run=run, rows=0, steps=0, ranks=0, world_size=[], groups=0,
+                                                verdict="inconclusive", normalization=None, segments=[],
+                                                max_weight_ratio=1.0, microbatches=0))
+                    continue
             run_findings, spans = check_run(run, frame, rtol, engine.duplicates.get(run))
+            if lost:
+                run_findings.append(lost.finding(run))
             findings.extend(run_findings)
             segments = [Segment(s.first, s.last, s.steps, s.denominator.value, s.factor, s.group, s.term)
                         for s in spans]
@@ -99,6 +115,42 @@ def audit(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL, r
         return AuditReport(runs=summaries, findings=findings, problems=problems, files=len(logset.shards))
     finally:
         engine.close()
+
+
+@dataclass
+class _Dropped:
+    """Records one run's recorders could not keep, from their shards' footers."""
+
+    keys: set[tuple[str, int]] = field(default_factory=set)
+    """(group, step) that lost records."""
+    records: int = 0
+    ranks: set[tuple[str, int]] = field(default_factory=set)
+
+    def finding(self, run: str) -> Finding:
+        steps = sorted({step for _, step in self.keys})
+        shown = ", ".join(map(str, steps[:8])) + (f", … ({len(steps)} in all)" if len(steps) > 8 else "")
+        return Finding(run=run, code=Code.RECORDS_DROPPED, severity=DEFAULT_SEVERITY[Code.RECORDS_DROPPED],
+                       steps=StepRange(steps[0], steps[-1], len(steps)),
+                       message=f"The recorder could not write {self.records} record(s) of {len(self.ranks)} rank(s) "
+                               f"(a full or read-only disk, or a value no audit can use) at step(s) {shown}; those "
+                               "steps are left out instead of being judged on part of their tokens.",
+                       fix="give the log folder room and check the training's warnings from tokaudit; the other "
+                           "steps were audited as usual",
+                       evidence={"records": self.records, "steps": steps[:1000]})
+
+
+def _dropped_steps(shards: Sequence[Shard]) -> dict[str, _Dropped]:
+    out: dict[str, _Dropped] = {}
+    for shard in shards:
+        note = shard.dropped
+        if note is None:
+            continue
+        entry = out.setdefault(note["run"], _Dropped())
+        entry.ranks.add((note["group"], note["rank"]))
+        for first, last, records in note["steps"]:
+            entry.records += records
+            entry.keys.update((note["group"], step) for step in range(first, min(last, first + 100_000) + 1))
+    return out
 
 
 def _complete_steps(steps: pd.DataFrame, horizon: dict[tuple[str, str], int], progress: Progress | None

@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokaudit.errors import LogFormatError
-from tokaudit.schema import COLUMNS_BY_NAME, REQUIRED_COLUMNS, SCHEMA_VERSION, kind_accepts
+from tokaudit.schema import COLUMNS_BY_NAME, REQUIRED_COLUMNS, SCHEMA_VERSION, kind_accepts, read_dropped
 
 KIND_WORDS = {"int": "an integer type", "float": "a numeric type", "bool": "bool", "string": "string",
               "timestamp": "a timestamp"}
@@ -33,6 +33,8 @@ class Shard:
     """Run id for rows without one: the file's parent folder name."""
     step_range: tuple[int, int] | None = None
     """Lowest and highest step, from the footer's statistics (None when they are missing)."""
+    dropped: dict[str, Any] | None = None
+    """The recorder's note of records it could not keep ({"run", "group", "rank", "steps"})."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +106,7 @@ def inspect_shard(path: Path) -> Shard:
     low, high, nulls = stats["step"]
     step_range = (int(low), int(high)) if low is not None and high is not None and nulls == 0 else None
     return Shard(path=path, columns=frozenset(present), rows=parquet.metadata.num_rows,
-                 default_run=path.parent.name, step_range=step_range)
+                 default_run=path.parent.name, step_range=step_range, dropped=read_dropped(schema.metadata))
 
 
 # (column, lowest allowed value, what it means); null never allowed for required columns.

@@ -97,7 +97,9 @@ class Recorder:
         self._active_term: str | None = None
         self._awaiting_scale: list[dict[str, Any]] = []
         self._zero_grad_wrapper: Callable[..., Any] | None = None
-        self._late_micro: dict[tuple[int, str], int] = {}
+        self._captured_micro: dict[tuple[int, str], int] = {}
+        self._call_group = 0
+        self._fills = 0
         self._steps_known = optimizer is not None  # else until begin_step/end_step is called
 
         self._process_group = group if group is not None else getattr(model, "process_group", None)
@@ -217,7 +219,8 @@ class Recorder:
             }
             if deferred:
                 assert probe is not None
-                probe.on_fill = lambda: self._number_captured(entry)
+                entry.update(call_group=self._call_group, named=self._active_term is not None, filled_at=-1)
+                probe.on_fill = lambda: self._filled(entry)
             self._records.append(entry)
             if self._scaler is not None and self._scaler.enabled() and scale is None:
                 self._awaiting_scale.append(entry)  # before the scaler's first scale(): filled then
@@ -311,6 +314,7 @@ class Recorder:
         self._records = waiting
         # A captured loss that never reached backward (computed with grad, then unused) is no record.
         ready = [r for r in ready if not (r["captured"] and not r["probe"].filled)]
+        self._number_captured(ready)
         if not ready and not self._backlog:
             return
         try:
@@ -442,7 +446,11 @@ class Recorder:
         microbatch: a call over slices disjoint from an open record's (a chunk) or inside the same
         `loss_term()` adds into that record; any other call (another head over the same tokens,
         an MTP head) opens the next term."""
-        self._open_calls = [c for c in self._open_calls if not c.probe.filled]
+        if not self._open_calls or any(c.probe.filled for c in self._open_calls):
+            # A backward ran since the open calls: a new microbatch. Calls it never reached (an
+            # evaluation with grad) are left behind and never written.
+            self._open_calls = []
+            self._call_group += 1
         footprint = Footprint.of(target)
         for call in self._open_calls:
             same = (call.named and call.term == self._active_term) if self._active_term is not None else \
@@ -510,16 +518,29 @@ class Recorder:
                 self._identity = Identity(0, 1, f"process-{self._identity.rank}")
         return self._identity
 
-    def _number_captured(self, record: dict[str, Any]) -> None:
-        """A captured call's backward ran: it is a microbatch of its term (calls never backpropagated,
-        an evaluation with grad, take no index)."""
-        key = (record["step"], record["term"])
-        if record["step"] == self._step:
-            record["micro"] = self._micro_next.get(record["term"], 0)
-            self._micro_next[record["term"]] = record["micro"] + 1
-        else:
-            record["micro"] = self._late_micro.get(key, 0)
-            self._late_micro[key] = record["micro"] + 1
+    def _filled(self, record: dict[str, Any]) -> None:
+        self._fills += 1
+        record["filled_at"] = self._fills
+
+    def _number_captured(self, records: list[dict[str, Any]]) -> None:
+        """Final terms and microbatch indices of captured calls, once their backward has run: among
+        the calls of one microbatch that reached backward, unnamed terms are numbered in call order
+        (an evaluation call with grad in between takes no term), and each term's microbatches in the
+        order their backward ran."""
+        groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        for record in records:
+            if record["captured"] and record["micro"] < 0:
+                groups.setdefault((record["step"], record["call_group"]), []).append(record)
+        for members in groups.values():
+            unnamed = sorted({int(r["term"]) for r in members if not r["named"]})
+            relabel = {str(t): str(i) for i, t in enumerate(unnamed)}
+            for record in members:
+                if not record["named"]:
+                    record["term"] = relabel[record["term"]]
+        for record in sorted((r for m in groups.values() for r in m), key=lambda r: r["filled_at"]):
+            key = (record["step"], record["term"])
+            record["micro"] = self._captured_micro.get(key, 0)
+            self._captured_micro[key] = record["micro"] + 1
 
     def _note_dropped(self, step: int, count: int) -> None:
         self._dropped[step] = self._dropped.get(step, 0) + count

@@ -1,0 +1,263 @@
+"""The recorder under faults: kills, signals, failing and full disks, two writers, bad values, a
+Recorder made before the process group. Records made are counted against records read back."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scenarios.harness import run_ddp
+from tokaudit.audit import audit
+from tokaudit.hooks import Recorder
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def read_rows(log_dir: Path) -> list[dict[str, Any]]:
+    return [row for shard in sorted(log_dir.glob("*.parquet")) for row in pq.read_table(shard).to_pylist()]
+
+
+def token_mean_records(rec: Recorder, steps: range, counts: tuple[int, int] = (3, 5)) -> None:
+    """One process (W = 1), one microbatch per step, b = S/N: a correct log."""
+    for step in steps:
+        n = counts[step % 2]
+        rec.record(loss_sum=2.0 * n, valid_tokens=n, backward_scalar=2.0, step=step)
+
+
+def _before_init_job(rank: int, world_size: int, folder: str, rendezvous: str) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    rec = Recorder(folder, run_id="early")  # made before init_process_group, as trainers often do
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0, step=0)
+    rec.close()
+    return rec.rank, rec.world_size
+
+
+@pytest.mark.distributed
+def test_a_recorder_made_before_the_process_group_records_the_right_rank(tmp_path: Path) -> None:
+    identities = run_ddp(_before_init_job, 2, str(tmp_path), str(tmp_path / "rendezvous"))
+    assert identities == [(0, 2), (1, 2)]
+    names = sorted(p.name for p in (tmp_path / "early").glob("*.parquet"))
+    assert names == ["rank-00000-000000.parquet", "rank-00001-000000.parquet"]
+    assert sorted((r["rank"], r["world_size"]) for r in read_rows(tmp_path / "early")) == [(0, 2), (1, 2)]
+
+
+def test_two_writers_of_one_rank_lose_nothing(tmp_path: Path) -> None:
+    first = Recorder(tmp_path, run_id="clash", flush_every=3)
+    second = Recorder(tmp_path, run_id="clash", flush_every=3)
+    for step in range(40):
+        (first if step % 2 else second).record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0, step=step // 2)
+    first.close()
+    second.close()
+    rows = read_rows(tmp_path / "clash")
+    assert len(rows) == 40, "a shard was replaced"
+    assert {f.code.value for f in audit([tmp_path / "clash"]).findings} >= {"duplicate_records"}
+
+
+def test_one_bad_value_costs_one_record_and_is_written_down(tmp_path: Path) -> None:
+    bad_values: list[dict[str, Any]] = [
+        {"loss_sum": "2.0"}, {"valid_tokens": [3]}, {"backward_scalar": torch.ones(3)}, {"valid_tokens": 1 << 70},
+        {"valid_tokens": None}, {"valid_tokens": -4}, {"loss_sum": None}, {"grad_scale": float("nan")},
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Recorder(tmp_path, run_id="bad", flush_every=4096) as rec:
+            token_mean_records(rec, range(0, 10))
+            for step, bad in enumerate(bad_values, start=10):
+                good = {"loss_sum": 6.0, "valid_tokens": 3, "backward_scalar": 2.0, "step": step}
+                rec.record(**{**good, **bad})
+                rec.record(**{**good, "step": step + 100})
+            token_mean_records(rec, range(200, 210))
+    rows = read_rows(tmp_path / "bad")
+    assert len(rows) == 10 + len(bad_values) + 10, "only the bad records are left out"
+    assert {r["step"] for r in rows} & set(range(10, 10 + len(bad_values))) == set()
+    assert sum("dropped" in str(w.message) or "left out" in str(w.message) for w in caught) <= 2, "warned once each"
+    report = audit([tmp_path / "bad"])
+    assert {f.code.value for f in report.findings} == {"records_dropped"} and report.runs[0].verdict == "inconclusive"
+    finding = report.findings[0]
+    assert finding.evidence["records"] == len(bad_values)
+    assert finding.evidence["steps"] == list(range(10, 10 + len(bad_values)))
+
+
+def _failing_writes(monkeypatch: pytest.MonkeyPatch, failures: int) -> list[int]:
+    import tokaudit.hooks.shards as shards
+
+    original = shards.pq.write_table
+    attempts = [0]
+
+    def write_table(*args: Any, **kwargs: Any) -> Any:
+        attempts[0] += 1
+        if attempts[0] <= failures:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(shards.pq, "write_table", write_table)
+    return attempts
+
+
+def test_a_full_disk_loses_nothing_once_space_returns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _failing_writes(monkeypatch, failures=3)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        with Recorder(tmp_path, run_id="full", flush_every=2) as rec:
+            token_mean_records(rec, range(20))
+    rows = read_rows(tmp_path / "full")
+    assert sorted(r["step"] for r in rows) == list(range(20))
+    report = audit([tmp_path / "full"])
+    assert report.findings == [] and report.runs[0].verdict == "correct"
+
+
+def test_a_long_outage_is_written_down_and_those_steps_are_not_judged(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two ranks of W = 2; rank 1's disk is full for its first 12 flushes: the backlog (8 shards of 2
+    # records) cannot hold it all, so its oldest steps are dropped and noted.
+    for rank in range(2):
+        attempts = _failing_writes(monkeypatch, failures=12 if rank == 1 else 0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rec = Recorder(tmp_path, run_id="outage", flush_every=2, grad_divisor=2.0)
+            rec._identity = __import__("tokaudit.hooks.identity", fromlist=["Identity"]).Identity(rank, 2, "0")
+            for step in range(40):
+                n = 3 + rank * 4
+                rec.record(loss_sum=2.0 * n, valid_tokens=n, backward_scalar=2 * 2.0 * n / 10, step=step)
+            rec.close()
+        monkeypatch.undo()
+        assert attempts[0] > 0
+    rows = read_rows(tmp_path / "outage")
+    kept = {r["step"] for r in rows if r["rank"] == 1}
+    lost = set(range(40)) - kept
+    assert lost, "the outage outlasted the backlog"
+    report = audit([tmp_path / "outage"])
+    codes = {f.code.value for f in report.findings}
+    assert codes == {"records_dropped"}, codes  # no missing_rank, no false scale_mismatch
+    finding = report.findings[0]
+    assert finding.evidence["steps"] == sorted(lost) and finding.evidence["records"] == len(lost)
+    assert report.runs[0].verdict == "inconclusive" and report.runs[0].steps == 40 - len(lost)
+
+
+SIGNAL_SCRIPT = textwrap.dedent("""
+    import signal, sys, time
+    sys.path.insert(0, {root!r})
+    from tokaudit.hooks import Recorder
+    marker = sys.argv[2]
+    if sys.argv[3] == "trainer":
+        def handler(signum, frame):  # the trainer's own handler: must still run
+            open(marker, "w").write("trainer handler ran")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, handler)
+    rec = Recorder(sys.argv[1], run_id="signal", flush_every=100_000)
+    for step in range(700):
+        rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=0.5, step=step)
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("handler", ["trainer", "default"])
+def test_sigterm_flushes_every_record_and_keeps_the_trainers_handler(tmp_path: Path, handler: str) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(SIGNAL_SCRIPT.format(root=str(ROOT)))
+    marker = tmp_path / "marker"
+    child = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(marker), handler],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        child.send_signal(signal.SIGTERM)
+        code = child.wait(timeout=30)
+    finally:
+        child.kill()
+    assert len(read_rows(tmp_path / "signal")) == 700, "records lost on SIGTERM"
+    if handler == "trainer":
+        assert code == 0 and marker.read_text() == "trainer handler ran"
+    else:
+        assert code == -signal.SIGTERM, "the default action still ends the process"
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    from tokaudit.hooks import Recorder
+    rec = Recorder(sys.argv[1], run_id="killed", flush_every=50)
+    step = 0
+    while True:
+        rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=0.5, step=step)
+        step += 1
+        if step % 50 == 0:
+            print(step, flush=True)
+""")
+
+
+def test_sigkill_during_flushes_leaves_only_whole_shards(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(KILL_SCRIPT.format(root=str(ROOT)))
+    child = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        flushed = 0
+        while flushed < 2000:
+            flushed = int(child.stdout.readline())
+        child.kill()
+        child.wait(timeout=30)
+    finally:
+        child.kill()
+    rows = read_rows(tmp_path / "killed")  # every published shard reads whole
+    assert len(rows) >= flushed - 50 and len(rows) % 50 == 0
+    assert sorted(r["step"] for r in rows) == list(range(len(rows)))
+    report = audit([tmp_path / "killed"])
+    assert report.problems == []
+    # The next start of this rank removes what the killed writer left behind.
+    Recorder(tmp_path, run_id="killed").close()
+    assert not list((tmp_path / "killed").glob(".*.tmp"))
+
+
+def test_stale_temporaries_of_dead_writers_are_removed(tmp_path: Path) -> None:
+    folder = tmp_path / "stale"
+    folder.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leftover = folder / f".rank-00000-000000.parquet.{int(dead.stdout)}.tmp"
+    leftover.write_bytes(b"PAR1 half a shard")
+    with Recorder(tmp_path, run_id="stale") as rec:
+        rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0)
+    assert not leftover.exists() and len(read_rows(folder)) == 1
+
+
+def test_recorded_values_are_snapshots(tmp_path: Path) -> None:
+    accumulator = torch.zeros(())
+    count = torch.tensor(3)
+    with Recorder(tmp_path, run_id="snap") as rec:
+        accumulator += 2.5
+        rec.record(loss_sum=accumulator, valid_tokens=count, backward_scalar=accumulator / 3)
+        accumulator += 100.0  # changed in place before the flush
+        count += 7
+    (row,) = read_rows(tmp_path / "snap")
+    assert row["loss_sum"] == 2.5 and row["valid_tokens"] == 3
+
+
+def test_evaluation_with_grad_takes_no_microbatch_and_no_term(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    labels = torch.tensor([0, 1, 2, -100])
+    with Recorder(tmp_path, run_id="eval", optimizer=optimizer) as rec, rec.capture_cross_entropy():
+        for step in range(2):
+            for micro in range(2):
+                F.cross_entropy(model(torch.randn(4, 4)), labels.clone())  # an evaluation with grad, never used
+                F.cross_entropy(model(torch.randn(4, 4)), labels).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    rows = read_rows(tmp_path / "eval")
+    assert [(r["step"], r["term"], r["micro"]) for r in rows] == [(0, "0", 0), (0, "0", 1), (1, "0", 0), (1, "0", 1)]
