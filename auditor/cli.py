@@ -14,7 +14,8 @@ from rich.console import Console
 from tokaudit import __version__
 from tokaudit.checks import DEFAULT_RTOL
 from tokaudit.codes import Code, Severity
-from tokaudit.errors import LogFormatError, TokauditError
+from tokaudit.errors import LogFormatError, TokauditError, UsageError
+from tokaudit.render.text import printable
 
 EXIT_OK, EXIT_FINDINGS, EXIT_BAD_INPUT = 0, 1, 2
 FAIL_ON = {"error": Severity.ERROR.rank, "warning": Severity.WARNING.rank, "info": Severity.INFO.rank,
@@ -26,7 +27,8 @@ def _stderr() -> Console:
 
 
 def _problem(line: str) -> None:
-    click.echo(f"tokaudit: error: {line}", err=True)  # one unwrapped line, whatever the terminal width
+    # one unwrapped line, whatever the terminal width; text from files and logs printed literally
+    click.echo(f"tokaudit: error: {printable(line)}", err=True)
 
 
 def _fail(error: TokauditError) -> None:
@@ -39,8 +41,49 @@ def _fail(error: TokauditError) -> None:
 def _emit(text: str, output: Path | None) -> None:
     if output is None:
         click.echo(text, nl=False)
-    else:
+        return
+    try:
         output.write_text(text, encoding="utf-8")
+    except OSError as error:
+        raise UsageError(f"{output}: cannot write the report ({error.strerror or error})") from None
+
+
+def _refuse_inputs(output: Path | None, paths: tuple[Path, ...]) -> None:
+    """An output that is one of the inputs would overwrite a log shard: refused before anything runs."""
+    if output is None:
+        return
+    from tokaudit.reader import discover
+
+    target = output.resolve()
+    files, _ = discover(paths)
+    if target in set(files) or any(target == p.resolve() for p in paths):
+        raise UsageError(f"{output}: is one of the logs being audited; choose another --output")
+
+
+class _Guarded(click.Group):
+    """Every failure ends in exit 2 with one line (SPEC §5): exit 1 means findings and nothing else."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort, SystemExit):
+            raise
+        except TokauditError as error:
+            _fail(error)
+        except BrokenPipeError:
+            sys.stderr.close()  # the reader went away (| head): nothing left to say
+            sys.exit(EXIT_BAD_INPUT)
+        except OSError as error:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            _problem(f"{getattr(error, 'filename', None) or 'output'}: {error.strerror or error}")
+            sys.exit(EXIT_BAD_INPUT)
+        except Exception as error:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            _problem(f"internal error: {type(error).__name__}: {printable(str(error))[:300]} "
+                     "(rerun with --debug for the traceback, and please report it)")
+            sys.exit(EXIT_BAD_INPUT)
 
 
 def _rich_text(render: Callable[[Console], None], output: Path | None) -> str | None:
@@ -56,10 +99,13 @@ def _rich_text(render: Callable[[Console], None], output: Path | None) -> str | 
 PATHS = click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Guarded, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="tokaudit")
-def main() -> None:
+@click.option("--debug", is_flag=True, help="Show the Python traceback of an internal error.")
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
     """Audit how distributed training normalized its token losses, from per-rank logs."""
+    ctx.obj = {"debug": debug}
 
 
 @main.command()
@@ -84,8 +130,9 @@ def check(paths: tuple[Path, ...], fmt: str, output: Path | None, fail_on: str, 
 
     progress = _stderr()
     try:
+        _refuse_inputs(output, paths)
         report = audit(paths, rtol=rtol, runs=runs, live=live,
-                       progress=lambda message: progress.print(message, style="dim", markup=False))
+                       progress=lambda message: progress.print(printable(message), style="dim", markup=False))
     except TokauditError as error:
         _fail(error)
     if fmt == "json":
@@ -149,9 +196,18 @@ def curve(paths: tuple[Path, ...], run: str | None, csv_path: Path | None, plot_
     from tokaudit.render.console import CURVE_COLUMNS, render_curve_table
 
     try:
+        for target in (csv_path, plot_path):
+            _refuse_inputs(target, paths)
+        if plot_path is not None:
+            from tokaudit.render.plot import check_format
+
+            check_format(plot_path)
         chosen, frame, problems = loss_curve(paths, run)
         if csv_path is not None:
-            frame.to_csv(csv_path, index=False)
+            try:
+                frame.to_csv(csv_path, index=False)
+            except OSError as error:
+                raise UsageError(f"{csv_path}: cannot write the CSV ({error.strerror or error})") from None
         if plot_path is not None:
             from tokaudit.render.plot import write_png
 
@@ -165,7 +221,7 @@ def curve(paths: tuple[Path, ...], run: str | None, csv_path: Path | None, plot_
     render_curve_table(chosen, frame, console)
     for path in (csv_path, plot_path):
         if path is not None:
-            _stderr().print(f"wrote {path}", style="dim")
+            _stderr().print(f"wrote {printable(str(path))}", style="dim", markup=False)
     _exit_for_problems(problems)
 
 

@@ -9,18 +9,34 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import duckdb
 import pandas as pd
 
+from tokaudit.errors import UsageError
 from tokaudit.reader import Shard
 from tokaudit.schema import COLUMNS_BY_NAME
 
-DEFAULT_MEMORY_LIMIT = os.environ.get("TOKAUDIT_MEMORY_LIMIT", "768MB")
-CHUNK_ROWS = int(os.environ.get("TOKAUDIT_CHUNK_ROWS", "8000000"))
+DEFAULT_MEMORY_LIMIT = "768MB"
+CHUNK_ROWS = 8_000_000
+_MEMORY = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|%)?\s*$", re.IGNORECASE)
+
+
+def settings_from_environment() -> tuple[str, int]:
+    """(memory limit, chunk rows) from TOKAUDIT_MEMORY_LIMIT and TOKAUDIT_CHUNK_ROWS, checked."""
+    memory = os.environ.get("TOKAUDIT_MEMORY_LIMIT", DEFAULT_MEMORY_LIMIT)
+    if not _MEMORY.match(memory):
+        raise UsageError(f"TOKAUDIT_MEMORY_LIMIT={memory!r} is not a size (examples: 768MB, 2GiB)")
+    chunk = os.environ.get("TOKAUDIT_CHUNK_ROWS", str(CHUNK_ROWS))
+    if not chunk.strip().isdigit() or int(chunk) < 1:
+        raise UsageError(f"TOKAUDIT_CHUNK_ROWS={chunk!r} is not a positive whole number of rows")
+    return memory.strip(), int(chunk)
 DUCKDB_TYPES = {"int": "BIGINT", "float": "DOUBLE", "bool": "BOOLEAN", "string": "VARCHAR",
                 "timestamp": "TIMESTAMPTZ"}
 
@@ -42,22 +58,38 @@ class Engine:
     chunk_rows: int = CHUNK_ROWS
     """Rows aggregated at a time: bounds memory whatever the size of the log."""
 
+    link_names: dict[Path, str] = field(default_factory=dict)
+    links: Path | None = None
+    """A private folder of plainly named links to the shards: DuckDB expands [ ] * ? { } in file
+    names, so it is only ever given these names and reads exactly the files it was given."""
+
     @classmethod
-    def open(cls, shards: Sequence[Shard], memory_limit: str = DEFAULT_MEMORY_LIMIT,
-             threads: int | None = None, chunk_rows: int = CHUNK_ROWS) -> Engine:
-        connection = duckdb.connect(":memory:", config={"memory_limit": memory_limit,
+    def open(cls, shards: Sequence[Shard], memory_limit: str | None = None,
+             threads: int | None = None, chunk_rows: int | None = None) -> Engine:
+        environment_memory, environment_chunk = settings_from_environment()
+        links = Path(tempfile.mkdtemp(prefix="tokaudit-shards-"))
+        connection = duckdb.connect(":memory:", config={"memory_limit": memory_limit or environment_memory,
                                                         "temp_directory": tempfile.gettempdir(),
                                                         "preserve_insertion_order": False})
         try:
             connection.execute("SET enable_progress_bar = false")
             if threads:
                 connection.execute(f"SET threads = {int(threads)}")
-            engine = cls(connection=connection, shards=list(shards), duplicates={}, chunk_rows=chunk_rows)
+            engine = cls(connection=connection, shards=list(shards), duplicates={},
+                         chunk_rows=chunk_rows or environment_chunk, links=links)
+            for index, shard in enumerate(engine.shards):
+                name = links / f"{index:08d}.parquet"  # in shard order: "the later file wins" still holds
+                os.symlink(shard.path.absolute(), name)
+                engine.link_names[shard.path] = str(name)
             engine._define(engine.shards, None, deduplicate=False)
             return engine
         except BaseException:
             connection.close()
+            shutil.rmtree(links, ignore_errors=True)
             raise
+
+    def _link(self, shard: Shard) -> str:
+        return self.link_names[shard.path]
 
     def _source(self, shards: Sequence[Shard], steps: tuple[int, int] | None) -> str:
         """SQL for the raw records of these shards: one Parquet scan per default run id (the
@@ -73,7 +105,7 @@ class Engine:
                 kind = DUCKDB_TYPES[COLUMNS_BY_NAME[name].kind]
                 return f'CAST(r."{name}" AS {kind})' if name in present else f"CAST(NULL AS {kind})"
 
-            files = "[" + ", ".join(_sql_string(str(s.path)) for s in members) + "]"
+            files = "[" + ", ".join(_sql_string(self._link(s)) for s in members) + "]"
             where = f"WHERE r.step BETWEEN {steps[0]} AND {steps[1]}" if steps else ""
             parts.append(f"""
                 SELECT
@@ -195,6 +227,8 @@ class Engine:
 
     def close(self) -> None:
         self.connection.close()
+        if self.links is not None:
+            shutil.rmtree(self.links, ignore_errors=True)
 
 
 # Per-record weights e are only defined for valid records (n > 0) with every value finite.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,23 +50,76 @@ class LogSet:
 
 
 def discover(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[Path], list[LogFormatError]]:
-    """Every *.parquet under the paths; dot-files (a killed writer's temporaries) are skipped."""
+    """Every *.parquet under the paths, each path taken literally. Dot-files (a killed writer's
+    temporaries) are skipped; anything else that cannot be read is one problem line, never a silence:
+    an unreadable folder, a dangling or looping link, a FIFO or a folder named *.parquet."""
     found: list[Path] = []
     problems: list[LogFormatError] = []
     for raw in paths:
         path = Path(raw)
-        if not path.exists():
+        if not path.exists() and not path.is_symlink():
             problems.append(LogFormatError(str(raw), "no such file or directory"))
-        elif path.is_file():
+            continue
+        problem = _not_a_file(path)
+        if problem is None:
             found.append(path)
+        elif not path.is_dir():
+            problems.append(LogFormatError(str(raw), problem))
         else:
-            shards = sorted(p for p in path.rglob("*.parquet")
-                            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
-            if not shards:
+            before = len(found)
+            _walk(path, found, problems)
+            if len(found) == before and not any(p.path.startswith(str(path)) for p in problems):
                 problems.append(LogFormatError(str(raw), "no Parquet files (*.parquet) in this folder"))
-            found.extend(shards)
     unique = list(dict.fromkeys(p.resolve() for p in found))
     return unique, problems
+
+
+def _walk(root: Path, found: list[Path], problems: list[LogFormatError]) -> None:
+    seen: set[tuple[int, int]] = set()
+
+    def unreadable(error: OSError) -> None:
+        problems.append(LogFormatError(str(error.filename or root), f"cannot read this folder ({error.strerror})"))
+
+    for folder, folders, files in os.walk(root, onerror=unreadable, followlinks=True):
+        here = Path(folder)
+        try:
+            identity = os.stat(here)
+        except OSError:
+            continue
+        if (identity.st_dev, identity.st_ino) in seen:  # a link back up the tree
+            folders[:] = []
+            continue
+        seen.add((identity.st_dev, identity.st_ino))
+        folders[:] = sorted(f for f in folders if not f.startswith("."))
+        for name in sorted(files + [f for f in folders if f.endswith(".parquet")]):
+            if name.startswith(".") or not name.endswith(".parquet"):
+                continue
+            path = here / name
+            problem = _not_a_file(path)
+            if problem is None:
+                found.append(path)
+            else:
+                problems.append(LogFormatError(str(path), problem))
+        folders[:] = [f for f in folders if not f.endswith(".parquet")]
+
+
+def _not_a_file(path: Path) -> str | None:
+    """Why `path` is no readable regular file, or None."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a link to nothing (dangling symlink)"
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return "a link that loops back on itself"
+        return f"cannot be read ({error.strerror})"
+    if stat.S_ISDIR(mode):
+        return "a folder, not a file" if path.name.endswith(".parquet") else "a folder"
+    if not stat.S_ISREG(mode):
+        return "not a regular file (a FIFO, socket or device)"
+    if not os.access(path, os.R_OK):
+        return "cannot be read (permission denied)"
+    return None
 
 
 def load(paths: Sequence[str | os.PathLike[str]]) -> LogSet:
@@ -90,6 +145,9 @@ def inspect_shard(path: Path) -> Shard:
     for column in REQUIRED_COLUMNS:
         if column not in schema.names:
             raise LogFormatError(name, f"missing column '{column}'")
+    repeated = sorted({column for column in schema.names if schema.names.count(column) > 1 and column in COLUMNS_BY_NAME})
+    if repeated:
+        raise LogFormatError(name, f"column '{repeated[0]}' appears more than once")
     present = {column for column in schema.names if column in COLUMNS_BY_NAME}
     for column in sorted(present):
         expected = COLUMNS_BY_NAME[column].kind
@@ -98,6 +156,11 @@ def inspect_shard(path: Path) -> Shard:
             raise LogFormatError(name, f"column '{column}' has type {arrow_type}, expected {KIND_WORDS[expected]}")
     try:
         stats = _column_stats(parquet, present)
+        for column in sorted(present):
+            if pa.types.is_uint64(schema.field(column).type):
+                high = stats[column][1]
+                if high is None or high > INT64_MAX:
+                    _raise_beyond_int64(parquet, column)
         _check_values(parquet, present, stats)
     except LogFormatError as error:
         raise LogFormatError(name, error.problem) from None
@@ -201,6 +264,15 @@ def _check_rows(table: pa.Table, columns: Iterable[str]) -> None:
     if "grad_scale" in columns:
         _raise_at_first(pc.is_nan(pc.cast(table["grad_scale"], pa.float64())),
                         "column 'grad_scale' is NaN", table["grad_scale"])
+
+
+INT64_MAX = (1 << 63) - 1
+
+
+def _raise_beyond_int64(parquet: pq.ParquetFile, column: str) -> None:
+    values = parquet.read(columns=[column])[column]
+    _raise_at_first(pc.greater(values, pa.scalar(INT64_MAX, pa.uint64())),
+                    f"column '{column}' holds a value beyond the int64 range", values)
 
 
 def _no_nulls(table: pa.Table, column: str) -> None:

@@ -11,7 +11,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from tokaudit.render.text import factor_text, ratio_text, steps_text
+from tokaudit.render.text import factor_text, printable, ratio_text, steps_text
 from tokaudit.report import AuditReport
 
 VERDICT_STYLE = {"correct": "bold green", "incorrect": "bold red", "inconclusive": "bold yellow"}
@@ -30,7 +30,7 @@ def render_report(report: AuditReport, console: Console) -> None:
         runs.add_column("max ratio", justify="right", no_wrap=True)
         runs.add_column("verdict", no_wrap=True)
         for run in report.runs:
-            runs.add_row(run.run, str(run.steps), str(run.ranks), ", ".join(map(str, run.world_size)),
+            runs.add_row(Text(printable(run.run)), str(run.steps), str(run.ranks), ", ".join(map(str, run.world_size)),
                          factor_text(run.normalization), ratio_text(run.max_weight_ratio),
                          Text(run.verdict, style=VERDICT_STYLE[run.verdict]))
         console.print(runs)
@@ -40,11 +40,11 @@ def render_report(report: AuditReport, console: Console) -> None:
             header = Text()
             header.append(f"{f.severity.value:<8}", style=SEVERITY_STYLE[f.severity.value])
             header.append(f" {f.code.value}", style="bold")
-            header.append(f"  {f.run}  steps {steps_text(f.steps)}", style="dim")
+            header.append(f"  {printable(f.run)}  steps {steps_text(f.steps)}", style="dim")
             console.print(header)
-            detail = Text(f.message)
+            detail = Text(printable(f.message))
             detail.append("\nfix: ", style="bold")
-            detail.append(f.fix)
+            detail.append(printable(f.fix))
             console.print(Padding(detail, (0, 0, 1, 9)))
     elif report.runs:
         console.print("No findings.", style="green")
@@ -64,7 +64,7 @@ def _number(value: object, digits: int = 5) -> str:
 
 def render_weights(run: str, step: int, records: pd.DataFrame, console: Console) -> None:
     """One row per record of one step: n, S, b, c, e and q = e·N (1 when correct)."""
-    table = Table(title=f"{run}, step {step}: weight of one valid token (correct: q = e·N = 1)",
+    table = Table(title=Text(f"{printable(run)}, step {step}: weight of one valid token (correct: q = e·N = 1)"),
                   box=box.SIMPLE_HEAVY, title_justify="left")
     columns = ["group", "rank", "micro", "n", "S", "b", "c = b/S", "D", "g", "e = c·g/D", "q = e·N", "sync"]
     for header in columns:
@@ -72,7 +72,7 @@ def render_weights(run: str, step: int, records: pd.DataFrame, console: Console)
     for row in records.itertuples(index=False):
         q = row.q
         style = "" if pd.isna(q) else ("green" if abs(q - 1) <= 1e-4 else "red")
-        table.add_row(str(row.grp), str(row.rank), str(row.micro), str(row.valid_tokens), _number(row.loss_sum),
+        table.add_row(Text(printable(str(row.grp))), str(row.rank), str(row.micro), str(row.valid_tokens), _number(row.loss_sum),
                       _number(row.backward_scalar), _number(row.implied_weight), _number(row.grad_divisor, 4),
                       _number(row.grad_scale, 4), _number(row.eff), Text(_number(q, 4), style=style),
                       _number(None if pd.isna(row.sync) else bool(row.sync)))
@@ -84,7 +84,7 @@ CURVE_COLUMNS = (("token_mean", "ΣS/N (true)"), ("mean_of_local_means", "mean o
 
 
 def render_curve_table(run: str, curve: pd.DataFrame, console: Console, limit: int = 40) -> None:
-    table = Table(title=f"{run}: loss per step", box=box.SIMPLE_HEAVY, title_justify="left")
+    table = Table(title=Text(f"{printable(run)}: loss per step"), box=box.SIMPLE_HEAVY, title_justify="left")
     table.add_column("step", justify="right")
     table.add_column("N", justify="right")
     for _, header in CURVE_COLUMNS:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from tokaudit.render.text import factor_text, ratio_text, steps_text
+from tokaudit.render.text import factor_text, printable, ratio_text, steps_text
 from tokaudit.report import AuditReport
 
 ICONS = {"correct": "✅", "incorrect": "❌", "inconclusive": "❔", "error": "❌", "warning": "⚠️", "info": "ℹ️"}
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    return printable(text).replace("|", "\\|").replace("`", "'")
 
 
 def render_markdown(report: AuditReport) -> str:

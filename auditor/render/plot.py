@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
 from tokaudit.errors import UsageError
 from tokaudit.render.console import CURVE_COLUMNS
+from tokaudit.render.text import printable
 
 
-def write_png(run: str, curve: pd.DataFrame, path: Path) -> None:
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -18,6 +20,22 @@ def write_png(run: str, curve: pd.DataFrame, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'tokaudit[plot]'") from None
+    return plt
+
+
+def check_format(path: Path) -> None:
+    """The file extension names an image format matplotlib writes (png, svg, pdf, ...)."""
+    plt = _pyplot()
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    extension = path.suffix.lower().lstrip(".")
+    if extension not in formats:
+        raise UsageError(f"{path}: --plot writes {', '.join(sorted(formats))}; the name ends in "
+                         f"{'.' + extension if extension else 'no extension'}")
+
+
+def write_png(run: str, curve: pd.DataFrame, path: Path) -> None:
+    plt = _pyplot()
     figure, axis = plt.subplots(figsize=(9, 4.8), dpi=110)
     styles = {"token_mean": "-", "mean_of_local_means": "--", "reported": ":", "optimized": "-."}
     for key, label in CURVE_COLUMNS:
@@ -25,9 +43,14 @@ def write_png(run: str, curve: pd.DataFrame, path: Path) -> None:
             axis.plot(curve.step, curve[key], styles[key], marker="o", markersize=3, label=label)
     axis.set_xlabel("step")
     axis.set_ylabel("loss per token")
-    axis.set_title(f"tokaudit · {run}")
+    axis.set_title(f"tokaudit · {printable(run)}")
+    axis.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    try:
+        figure.savefig(path)
+    except OSError as error:
+        raise UsageError(f"{path}: cannot write the plot ({error.strerror or error})") from None
+    finally:
+        plt.close(figure)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import unicodedata
 
 from tokaudit.normalization import FORMULA, Denominator
 from tokaudit.report import Segment, StepRange
@@ -29,3 +30,18 @@ def steps_text(steps: StepRange) -> str:
     if steps.first == steps.last:
         return str(steps.first)
     return f"{steps.first}–{steps.last} ({steps.count})"
+
+
+def printable(text: str) -> str:
+    """Text from a log or a file name, shown literally: control and format characters (escape codes,
+    bidirectional overrides) become visible escapes instead of acting on the terminal."""
+    if text.isprintable():
+        return text
+    out = []
+    for char in text:
+        if unicodedata.category(char) not in ("Cc", "Cf", "Zl", "Zp"):
+            out.append(char)
+        else:
+            code = ord(char)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+    return "".join(out)

@@ -1,0 +1,211 @@
+"""Malformed inputs and CLI calls: each exits 2 with one line naming the file or option, never a
+traceback, the input bytes unchanged, and the good files still audited."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from tests.logs import UNEVEN, local_mean, records, token_mean, write, write_by_rank
+from tokaudit.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args), env=env)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("tokaudit: error:")]
+
+
+def no_traceback(*texts: str) -> None:
+    for text in texts:
+        assert "Traceback" not in text and 'File "' not in text, text
+
+
+# Each case: file name → (how to make it in a folder, words its one error line must contain)
+def _uint64(folder: Path) -> None:
+    rows = records(UNEVEN, token_mean)
+    table = pa.Table.from_pylist(rows).set_column(0, "step", pa.array([r["step"] for r in rows[:-1]] + [1 << 63],
+                                                                       pa.uint64()))
+    pq.write_table(table, folder / "uint64.parquet")
+
+
+def _duplicate_step(folder: Path) -> None:
+    table = pa.Table.from_pylist(records(UNEVEN, token_mean))
+    pq.write_table(table.append_column("step", table["step"]), folder / "twice.parquet")
+
+
+def _fifo(folder: Path) -> None:
+    os.mkfifo(folder / "fifo.parquet")
+
+
+def _dangling(folder: Path) -> None:
+    os.symlink(folder / "nowhere.parquet", folder / "dangling.parquet")
+
+
+def _loop(folder: Path) -> None:
+    os.symlink(folder / "loop.parquet", folder / "loop.parquet")
+
+
+def _directory(folder: Path) -> None:
+    (folder / "adir.parquet").mkdir()
+
+
+def _empty(folder: Path) -> None:
+    (folder / "empty.parquet").write_bytes(b"")
+
+
+def _random(folder: Path) -> None:
+    (folder / "random.parquet").write_bytes(os.urandom(4096))
+
+
+def _huge_world(folder: Path) -> None:
+    rows = records(UNEVEN, token_mean, world_size=2**31 - 1)
+    write(folder / "huge_world.parquet", rows)
+
+
+CASES: dict[str, tuple[Any, str]] = {
+    "uint64.parquet": (_uint64, "column 'step' holds a value beyond the int64 range"),
+    "twice.parquet": (_duplicate_step, "column 'step' appears more than once"),
+    "fifo.parquet": (_fifo, "not a regular file"),
+    "dangling.parquet": (_dangling, "dangling symlink"),
+    "loop.parquet": (_loop, "loops back on itself"),
+    "adir.parquet": (_directory, "a folder, not a file"),
+    "empty.parquet": (_empty, "not a readable Parquet file"),
+    "random.parquet": (_random, "not a readable Parquet file"),
+}
+
+
+def test_each_bad_file_is_one_line_and_never_hides_the_good_run(tmp_path: Path) -> None:
+    write_by_rank(tmp_path / "logs" / "good", records(UNEVEN, token_mean))
+    bad = tmp_path / "logs" / "bad"
+    bad.mkdir()
+    for make, _ in CASES.values():
+        make(bad)
+    before = digest(tmp_path / "logs")
+    code, out, err = invoke("check", str(tmp_path / "logs"), "--format", "json")
+    no_traceback(out, err)
+    assert code == 2
+    lines = error_lines(err)
+    assert len(lines) == len(CASES), lines
+    for name, (_, words) in CASES.items():
+        (line,) = [line for line in lines if f"{bad / name}:" in line]
+        assert words in line, line
+    report = json.loads(out)
+    assert [r["run"] for r in report["runs"]] == ["good"] and report["runs"][0]["verdict"] == "correct"
+    assert digest(tmp_path / "logs") == before, "input modified"
+
+
+def test_a_world_size_of_two_billion_is_no_memory_error(tmp_path: Path) -> None:
+    _huge_world(tmp_path)
+    code, out, err = invoke("check", str(tmp_path), "--format", "json")
+    no_traceback(out, err)
+    assert code == 1 and "missing_rank" in {f["code"] for f in json.loads(out)["findings"]}
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any folder")
+def test_an_unreadable_folder_is_reported(tmp_path: Path) -> None:
+    write_by_rank(tmp_path / "good", records(UNEVEN, token_mean))
+    locked = tmp_path / "locked"
+    write_by_rank(locked, records(UNEVEN, token_mean))
+    locked.chmod(0)
+    try:
+        code, out, err = invoke("check", str(tmp_path))
+    finally:
+        locked.chmod(0o755)
+    assert code == 2 and any(str(locked) in line and "cannot read" in line for line in error_lines(err))
+
+
+def test_the_path_given_is_the_path_read(tmp_path: Path) -> None:
+    write_by_rank(tmp_path / "run[1]", records(UNEVEN, local_mean))  # glob characters in the name
+    write_by_rank(tmp_path / "run1", records(UNEVEN, token_mean))
+    code, out, _ = invoke("check", str(tmp_path / "run[1]"), "--format", "json")
+    report = json.loads(out)
+    assert code == 1 and [r["run"] for r in report["runs"]] == ["run[1]"]
+    assert report["runs"][0]["verdict"] == "incorrect"
+
+
+def test_output_paths_that_cannot_be_used(tmp_path: Path) -> None:
+    logs = write_by_rank(tmp_path / "run", records(UNEVEN, token_mean))
+    shard = logs / "rank-00000-000000.parquet"
+    before = digest(tmp_path)
+    for args, words in [
+        (["check", str(logs), "-o", str(shard)], "is one of the logs being audited"),
+        (["check", str(logs), "-o", str(tmp_path / "missing" / "report.txt")], "cannot write the report"),
+        (["curve", str(logs), "--csv", str(tmp_path / "missing" / "curve.csv")], "cannot write the CSV"),
+        (["curve", str(logs), "--plot", str(tmp_path / "curve.xyz")], "--plot writes"),
+        (["curve", str(logs), "--plot", str(tmp_path / "missing" / "curve.png")], "cannot write the plot"),
+    ]:
+        code, out, err = invoke(*args)
+        no_traceback(out, err)
+        (line,) = error_lines(err)
+        assert code == 2 and words in line, (args, line)
+    assert digest(tmp_path) == before, "input modified"
+
+
+@pytest.mark.parametrize("variable, value", [("TOKAUDIT_CHUNK_ROWS", "many"), ("TOKAUDIT_CHUNK_ROWS", "0"),
+                                             ("TOKAUDIT_MEMORY_LIMIT", "lots")])
+def test_bad_environment_names_the_variable(tmp_path: Path, variable: str, value: str) -> None:
+    logs = write_by_rank(tmp_path / "run", records(UNEVEN, token_mean))
+    code, out, err = invoke("check", str(logs), env={variable: value})
+    no_traceback(out, err)
+    (line,) = error_lines(err)
+    assert code == 2 and variable in line and str(logs) not in line
+
+
+def test_text_from_the_log_is_printed_literally(tmp_path: Path) -> None:
+    rows = records(UNEVEN, local_mean, run_id="[/x]\x1b[31mred[bold]")
+    logs = write_by_rank(tmp_path / "run", rows)
+    for fmt in ("table", "markdown", "json"):
+        code, out, err = invoke("check", str(logs), "--format", fmt)
+        no_traceback(out, err)
+        assert code == 1 and "\x1b" not in out, fmt
+        if fmt == "json":
+            assert json.loads(out)["runs"][0]["run"] == "[/x]\x1b[31mred[bold]"
+        else:
+            assert "[/x]\\x1b[31mred[bold]" in out, fmt
+
+
+def test_an_internal_error_is_one_line_and_debug_shows_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    logs = write_by_rank(tmp_path / "run", records(UNEVEN, token_mean))
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("something unforeseen")
+
+    monkeypatch.setattr("tokaudit.audit.audit", broken)
+    code, out, err = invoke("check", str(logs))
+    no_traceback(out, err)
+    (line,) = error_lines(err)
+    assert code == 2 and "something unforeseen" in line and "--debug" in line
+    result = CliRunner().invoke(main, ["--debug", "check", str(logs)])
+    assert isinstance(result.exception, RuntimeError)
+
+
+def test_a_full_stdout_is_exit_2_without_a_traceback(tmp_path: Path) -> None:
+    logs = write_by_rank(tmp_path / "run", records(UNEVEN, token_mean))
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "tokaudit.cli", "check", str(logs), "--format", "json"],
+                              stdout=full, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120)
+    no_traceback(done.stderr)
+    assert done.returncode == 2 and len(error_lines(done.stderr)) == 1
