@@ -3,54 +3,32 @@
 from __future__ import annotations
 
 import atexit
-import math
 import os
 import re
-import signal
-import threading
 import time
 import warnings
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
-import torch.distributed as dist
 
 from tokaudit.hooks.amp import ScalerWatch
+from tokaudit.hooks.columns import INT64_MAX, Value, check_scalar, ranges, to_host, writable_rows
 from tokaudit.hooks.identity import Identity, known_hook_divisor, resolve_identity
 from tokaudit.hooks.probe import ProbeResult, TokenProbe
 from tokaudit.hooks.shards import ShardWriter
+from tokaudit.hooks.signals import on_termination, run_deferred
 from tokaudit.hooks.terms import Footprint
 from tokaudit.schema import SCHEMA_VERSION, WRITER_SCHEMA, dropped_metadata
-
-Number = int | float | bool
-Value = Number | torch.Tensor | None
 
 DEFAULT_FLUSH_EVERY = 4096
 BACKLOG_SHARDS = 8
 """Shards' worth of records kept in memory while writes fail (a full disk); older ones are dropped
 and written down as dropped steps in the next shard that can be written."""
-INT64_MAX = (1 << 63) - 1
-
-
-def _to_host(values: Sequence[Value], dtype: torch.dtype) -> list[Any]:
-    """One device→host copy per device for a whole column, instead of one per record."""
-    out: list[Any] = list(values)
-    by_device: dict[torch.device, list[int]] = {}
-    for index, value in enumerate(values):
-        if isinstance(value, torch.Tensor):
-            by_device.setdefault(value.device, []).append(index)
-    for indices in by_device.values():
-        stacked = torch.stack([values[i].detach().reshape(()).to(dtype) for i in indices])  # type: ignore[union-attr]
-        for index, host_value in zip(indices, stacked.cpu().tolist()):
-            out[index] = host_value
-    return out
 
 
 class Recorder:
@@ -75,6 +53,8 @@ class Recorder:
         if flush_every < 1:
             raise ValueError(f"flush_every must be at least 1, got {flush_every}")
         self._closed = False
+        self.flushing = False
+        """A flush is writing (a signal handler then waits for it instead of starting another)."""
         self._warned: set[str] = set()
         self._records: list[dict[str, Any]] = []
         self._pending_probe: ProbeResult | None = None
@@ -126,7 +106,7 @@ class Recorder:
             self._watch_zero_grad(optimizer)
         self._scaler = ScalerWatch(scaler, self._on_scaler_update, self._on_scale) if scaler is not None else None
         atexit.register(self.close)
-        _on_termination(self)
+        on_termination(self)
 
     @property
     def rank(self) -> int:
@@ -174,7 +154,7 @@ class Recorder:
             for name, value in (("loss_sum", loss_sum), ("valid_tokens", valid_tokens),
                                 ("backward_scalar", backward_scalar), ("positions", positions),
                                 ("reported_loss", reported_loss), ("grad_scale", grad_scale)):
-                _check_scalar(name, value)
+                check_scalar(name, value)
             for name, number in (("step", step), ("micro", micro)):
                 if number is not None and not (isinstance(number, int) and 0 <= number <= INT64_MAX):
                     raise ValueError(f"{name} must be a non-negative int, got {number!r}")
@@ -301,8 +281,16 @@ class Recorder:
         """Write buffered records to a new shard. With `wait_for_backward` (the automatic flush),
         the current update's records and those whose probe has not yet seen its backward stay
         buffered for the next shard."""
-        if not self._records:
+        if self.flushing or (not self._records and not self._backlog):
             return
+        self.flushing = True
+        try:
+            self._flush(wait_for_backward)
+        finally:
+            self.flushing = False
+            run_deferred()  # a SIGTERM that arrived meanwhile acts now, on whole shards
+
+    def _flush(self, wait_for_backward: bool) -> None:
         ready = self._records
         waiting: list[dict[str, Any]] = []
         if wait_for_backward and len(self._records) < 2 * self._flush_every:
@@ -563,7 +551,7 @@ class Recorder:
                 self._writer = ShardWriter(self.log_dir, prefix)
             metadata = None
             if self._dropped:
-                metadata = dropped_metadata(self.run_id, self.group, self.rank, _ranges(self._dropped))
+                metadata = dropped_metadata(self.run_id, self.group, self.rank, ranges(self._dropped))
             self._writer.write(table, metadata)
             self._backlog.clear()
             self._dropped.clear()
@@ -579,11 +567,11 @@ class Recorder:
     def _table(self, records: list[dict[str, Any]]) -> pa.Table:
         count = len(records)
         probes = [r["probe"] for r in records]
-        valid_tokens = _to_host([r["valid_tokens"] for r in records], torch.int64)
-        backward = _to_host([r["backward_scalar"] for r in records], torch.float64)
-        grad_scale = _to_host([r["grad_scale"] for r in records], torch.float64)
-        loss_scale = _to_host([r["loss_scale"] for r in records], torch.float64)
-        skipped = _to_host([r["skipped"] for r in records], torch.bool)
+        valid_tokens = to_host([r["valid_tokens"] for r in records], torch.int64)
+        backward = to_host([r["backward_scalar"] for r in records], torch.float64)
+        grad_scale = to_host([r["grad_scale"] for r in records], torch.float64)
+        loss_scale = to_host([r["loss_scale"] for r in records], torch.float64)
+        skipped = to_host([r["skipped"] for r in records], torch.bool)
         for i, (record, scale) in enumerate(zip(records, loss_scale)):
             if scale is not None:
                 # The probe saw ∂(scale·loss)/∂ℓ: b is the scaled scalar, g = g_user/scale divides it out.
@@ -595,7 +583,7 @@ class Recorder:
             "micro": [r["micro"] for r in records],
             "rank": [self.rank] * count,
             "world_size": [self.world_size] * count,
-            "loss_sum": _to_host([r["loss_sum"] for r in records], torch.float64),
+            "loss_sum": to_host([r["loss_sum"] for r in records], torch.float64),
             "valid_tokens": valid_tokens,
             "backward_scalar": backward,
             "run_id": [self.run_id] * count,
@@ -604,8 +592,8 @@ class Recorder:
             "grad_divisor": [self._grad_divisor] * count,
             "divisor_known": [self._divisor_known] * count,
             "grad_scale": grad_scale,
-            "positions": _to_host([r["positions"] for r in records], torch.int64),
-            "reported_loss": _to_host([r["reported_loss"] for r in records], torch.float64),
+            "positions": to_host([r["positions"] for r in records], torch.int64),
+            "reported_loss": to_host([r["reported_loss"] for r in records], torch.float64),
             "sync": [r["sync"] for r in records],
             "skipped": [None if v is None else bool(v) for v in skipped],
             "time": [r["time"] for r in records],
@@ -613,12 +601,12 @@ class Recorder:
         }
         for name in ("weight_sum", "weight_min", "weight_max", "masked_abs_sum"):
             values = [getattr(p, name) if isinstance(p, ProbeResult) and p.filled else None for p in probes]
-            host = _to_host(values, torch.float64)
+            host = to_host(values, torch.float64)
             if name in ("weight_min", "weight_max"):
                 # min/max over an empty set of valid tokens is ±inf on the device: null in the log.
                 host = [None if v is not None and abs(v) == float("inf") else v for v in host]
             columns["masked_weight_abs_sum" if name == "masked_abs_sum" else f"token_{name}"] = host
-        keep = _writable_rows(columns, [isinstance(p, ProbeResult) and p.filled for p in probes])
+        keep = writable_rows(columns, [isinstance(p, ProbeResult) and p.filled for p in probes])
         if not all(keep):
             bad = [r for r, ok in zip(records, keep) if not ok]
             self._note_dropped_records(bad)
@@ -652,97 +640,3 @@ def _detached(value: Value) -> Value:
     """A snapshot: a device copy of a tensor (no sync), so an accumulator changed in place after
     `record()` is recorded with the value it had then."""
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
-
-
-def _check_scalar(name: str, value: object) -> None:
-    """One number per value, checked without touching the device: a wrong type costs one record,
-    never a shard."""
-    if value is None or isinstance(value, bool | float):
-        return
-    if isinstance(value, int):
-        if abs(value) > INT64_MAX:
-            raise ValueError(f"{name}={value} does not fit in 64 bits")
-        return
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must hold one number, got a tensor of shape {tuple(value.shape)}")
-        if value.is_complex():
-            raise ValueError(f"{name} must be real, got {value.dtype}")
-        return
-    if hasattr(value, "item") and getattr(value, "size", 1) == 1 and not isinstance(value, str | bytes):
-        return  # a numpy scalar
-    raise ValueError(f"{name} must be a number or a one-element tensor, got {type(value).__name__}")
-
-
-def _writable_rows(columns: dict[str, Any], probed: list[bool]) -> list[bool]:
-    """Rows the auditor accepts (SPEC §2): counts present and non-negative, a loss sum, a backward
-    scalar unless the probe measured the weights, a grad_scale that is not NaN. Whole floats in
-    integer columns become ints."""
-    keep = []
-    for i in range(len(probed)):
-        ok = True
-        for name in ("valid_tokens", "positions"):
-            value = columns[name][i]
-            if isinstance(value, float):
-                ok = ok and value.is_integer() and 0 <= value <= INT64_MAX
-                if ok:
-                    columns[name][i] = int(value)
-            if value is None:
-                ok = ok and name == "positions"
-            elif not isinstance(value, float):
-                ok = ok and 0 <= value <= INT64_MAX
-        ok = ok and columns["loss_sum"][i] is not None
-        ok = ok and (columns["backward_scalar"][i] is not None or probed[i])
-        scale = columns["grad_scale"][i]
-        ok = ok and not (isinstance(scale, float) and math.isnan(scale))
-        keep.append(ok)
-    return keep
-
-
-def _ranges(counts: dict[int, int]) -> list[tuple[int, int, int]]:
-    """{step: records} as runs of consecutive steps: (first, last, records)."""
-    ranges: list[tuple[int, int, int]] = []
-    for step in sorted(counts):
-        if ranges and ranges[-1][1] == step - 1:
-            first, _, records = ranges[-1]
-            ranges[-1] = (first, step, records + counts[step])
-        else:
-            ranges.append((step, step, counts[step]))
-    return ranges
-
-
-_LIVE: weakref.WeakSet[Recorder] = weakref.WeakSet()
-_PREVIOUS: dict[int, Any] = {}
-
-
-def _on_termination(recorder: Recorder) -> None:
-    """Flush every live Recorder on SIGTERM (what torchrun, Slurm and Kubernetes send first) and
-    SIGINT, then hand the signal to whatever handled it before: the trainer's own handler still runs,
-    and a default action still ends the process."""
-    _LIVE.add(recorder)
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        if signum in _PREVIOUS:
-            continue
-        try:
-            _PREVIOUS[signum] = signal.getsignal(signum)
-            signal.signal(signum, _flush_then_chain)
-        except (ValueError, OSError):
-            _PREVIOUS.pop(signum, None)
-
-
-def _flush_then_chain(signum: int, frame: Any) -> None:
-    for recorder in list(_LIVE):
-        try:
-            recorder.flush()
-        except Exception:  # the signal's own action matters more than one last shard
-            pass
-    previous = _PREVIOUS.get(signum)
-    if callable(previous):
-        previous(signum, frame)
-    elif previous == signal.SIG_IGN:
-        return
-    else:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)

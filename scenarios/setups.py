@@ -16,13 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scenarios.strategies import IGNORE_INDEX, SEQ, VOCAB, WIDTH, Counts, _summing_hook, microbatch
-from tokaudit.hooks import Recorder, global_valid_tokens, token_mean_loss
+from tokaudit.hooks import Recorder, global_valid_tokens
 
 
 @dataclass(frozen=True, kw_only=True)

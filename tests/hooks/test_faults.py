@@ -4,12 +4,10 @@ Recorder made before the process group. Records made are counted against records
 from __future__ import annotations
 
 import errno
-import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -261,3 +259,36 @@ def test_evaluation_with_grad_takes_no_microbatch_and_no_term(tmp_path: Path) ->
             optimizer.zero_grad()
     rows = read_rows(tmp_path / "eval")
     assert [(r["step"], r["term"], r["micro"]) for r in rows] == [(0, "0", 0), (0, "0", 1), (1, "0", 0), (1, "0", 1)]
+
+
+DURING_FLUSH_SCRIPT = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {root!r})
+    import tokaudit.hooks.shards as shards
+    from tokaudit.hooks import Recorder
+    original = shards.pq.write_table
+    def slow(*args, **kwargs):  # a slow disk: the signal lands in the middle of a flush
+        print("writing", flush=True)
+        time.sleep(1.5)
+        return original(*args, **kwargs)
+    shards.pq.write_table = slow
+    rec = Recorder(sys.argv[1], run_id="during", flush_every=100)
+    for step in range(130):
+        rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=0.5, step=step)
+    time.sleep(60)
+""")
+
+
+def test_sigterm_during_a_flush_waits_for_it_and_writes_each_record_once(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(DURING_FLUSH_SCRIPT.format(root=str(ROOT)))
+    child = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "writing"
+        child.send_signal(signal.SIGTERM)
+        code = child.wait(timeout=30)
+    finally:
+        child.kill()
+    assert code == -signal.SIGTERM
+    steps = sorted(r["step"] for r in read_rows(tmp_path / "during"))
+    assert steps == list(range(100)), "the shard in flight is whole and written once"

@@ -1,0 +1,61 @@
+"""SIGTERM and SIGINT: flush every live Recorder, then hand the signal on to whoever had it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import weakref
+from typing import Any
+
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+_PREVIOUS: dict[int, Any] = {}
+
+
+def on_termination(recorder: Any) -> None:
+    """Flush every live Recorder on SIGTERM (what torchrun, Slurm and Kubernetes send first) and
+    SIGINT, then hand the signal to whatever handled it before: the trainer's own handler still runs,
+    and a default action still ends the process."""
+    _LIVE.add(recorder)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        if signum in _PREVIOUS:
+            continue
+        try:
+            _PREVIOUS[signum] = signal.getsignal(signum)
+            signal.signal(signum, _flush_then_chain)
+        except (ValueError, OSError):
+            _PREVIOUS.pop(signum, None)
+
+
+_DEFERRED: list[tuple[int, Any]] = []
+
+
+def _flush_then_chain(signum: int, frame: Any) -> None:
+    recorders = list(_LIVE)
+    if any(getattr(r, "flushing", False) for r in recorders):
+        # The signal came in the middle of a flush: let it finish, then act (see run_deferred).
+        _DEFERRED.append((signum, frame))
+        return
+    for recorder in recorders:
+        try:
+            recorder.flush()
+        except Exception:  # the signal's own action matters more than one last shard
+            pass
+    previous = _PREVIOUS.get(signum)
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_IGN:
+        return
+    else:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+
+def run_deferred() -> None:
+    """Act on a signal that arrived during a flush, now that the flush is complete."""
+    while _DEFERRED:
+        signum, frame = _DEFERRED.pop(0)
+        _flush_then_chain(signum, frame)
