@@ -3,9 +3,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= test,integrations
+EXTRAS ?= hooks,hf,lightning,plot,test
+DEMO_VENV ?= .venv-demo
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tokaudit-installed
+DEMO_STAMP := $(DEMO_VENV)/.tokaudit-installed
+AUDITOR_SOURCES := $(wildcard auditor/*.py auditor/*/*.py auditor/*.json)
 
 .PHONY: setup demo test test-fast typecheck wheel-smoke bench sample-logs clean
 
@@ -18,10 +21,16 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]" --config-settings editable_mode=strict
 	touch $(STAMP)
 
+# The demo installs only what the audit needs (no torch, no trainers) in its own venv.
+$(DEMO_STAMP): pyproject.toml Makefile $(AUDITOR_SOURCES)
+	test -x $(DEMO_VENV)/bin/python || $(PYTHON) -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/python -m pip install -q --disable-pip-version-check .
+	touch $(DEMO_STAMP)
+
 # Sample logs hold deliberate mistakes: exit 1 (findings) is the expected
 # outcome; exit 2 (unreadable input) still fails the target.
-demo: setup
-	@rc=0; $(BIN)/tokaudit check sample_logs/ || rc=$$?; \
+demo: $(DEMO_STAMP)
+	@rc=0; $(DEMO_VENV)/bin/tokaudit check sample_logs/ || rc=$$?; \
 	if [ $$rc -gt 1 ]; then exit $$rc; fi
 
 test: setup typecheck wheel-smoke
@@ -43,6 +52,7 @@ wheel-smoke: setup
 	  "import tokaudit, tokaudit.cli, tokaudit.hooks, tokaudit.render, tokaudit.render.console; \
 	   assert tokaudit.__file__.startswith('$(CURDIR)/build/wheel-unpacked'), tokaudit.__file__; \
 	   print('wheel ok:', tokaudit.__version__)"
+	cd build && PYTHONPATH=$(CURDIR)/build/wheel-unpacked $(abspath $(BIN))/python -m tokaudit --version
 
 bench: setup
 	$(BIN)/python bench/run.py
@@ -51,4 +61,4 @@ sample-logs: setup
 	$(BIN)/python scripts/record_sample_logs.py sample_logs
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(DEMO_VENV) build *.egg-info .pytest_cache .mypy_cache

@@ -1,7 +1,33 @@
-"""tokaudit: audit how distributed training normalized its token losses."""
+"""tokaudit: audit how distributed training normalized its token losses.
+
+    import tokaudit
+    report = tokaudit.audit(["runs/"])           # AuditReport: runs, findings, problems
+    report.runs[0].verdict, report.to_pandas()   # the findings as a DataFrame
+"""
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["__version__"]
+__version__ = "0.2.0"
+
+if TYPE_CHECKING:
+    from tokaudit.auditing import audit
+    from tokaudit.report import AuditReport, Finding, RunSummary
+
+    Report = AuditReport
+
+__all__ = ["AuditReport", "Finding", "Report", "RunSummary", "__version__", "audit"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: `tokaudit --version` and `tokaudit explain` need no DuckDB or pandas.
+    if name == "audit":
+        from tokaudit.auditing import audit
+
+        return audit
+    if name in ("AuditReport", "Report", "Finding", "RunSummary"):
+        from tokaudit import report
+
+        return getattr(report, "AuditReport" if name == "Report" else name)
+    raise AttributeError(f"module 'tokaudit' has no attribute {name!r}")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import io
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import click
 from rich.console import Console
+from rich.text import Text
 
 from tokaudit import __version__
 from tokaudit.checks import DEFAULT_RTOL
@@ -18,8 +20,11 @@ from tokaudit.errors import LogFormatError, TokauditError, UsageError
 from tokaudit.render.text import printable
 
 EXIT_OK, EXIT_FINDINGS, EXIT_BAD_INPUT = 0, 1, 2
-FAIL_ON = {"error": Severity.ERROR.rank, "warning": Severity.WARNING.rank, "info": Severity.INFO.rank,
-           "never": 99}
+WEIGHT_NAMES = {"grp": "group", "eff": "effective_weight", "q": "distortion", "eff_min": "effective_weight_min",
+                "eff_max": "effective_weight_max"}
+"""`weights` columns under the names the log schema and the JSON report use."""
+FAIL_ON = {"error": Severity.ERROR.rank, "inconclusive": Severity.ERROR.rank, "warning": Severity.WARNING.rank,
+           "info": Severity.INFO.rank, "never": 99}
 
 
 def _stderr() -> Console:
@@ -110,31 +115,36 @@ def main(ctx: click.Context, debug: bool) -> None:
 
 @main.command()
 @PATHS
-@click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown"]), default="table",
-              show_default=True, help="table for people, json for CI (SPEC §4), markdown for a PR comment.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown", "github"]), default="table",
+              show_default=True, help="table for people, json for CI (SPEC §4), markdown for a PR comment, github "
+                                      "for workflow annotations (and the step summary when GITHUB_STEP_SUMMARY is set).")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Write the report here.")
 @click.option("--fail-on", type=click.Choice(list(FAIL_ON)), default="error", show_default=True,
-              help="Exit 1 when a finding of this severity or worse exists.")
+              help="Exit 1 when a finding of this severity or worse exists; `inconclusive`: also when a run "
+                   "cannot be shown correct.")
+@click.option("--ignore", "ignore", multiple=True, metavar="CODE",
+              help="Leave out findings with this code (repeatable).")
+@click.option("--min-ratio", type=float, default=None, metavar="R",
+              help="A weighting finding whose heaviest token weighs less than R× the lightest is information, "
+                   "not an error (e.g. 1.01).")
 @click.option("--rtol", type=float, default=DEFAULT_RTOL, show_default=True,
-              help="Relative tolerance on weights (default suits float32 logs).")
+              help="Relative tolerance on weights (default suits float32 logs; 1e-2 for bf16).")
 @click.option("--run", "runs", multiple=True, help="Audit only this run (repeatable).")
 @click.option("--live", is_flag=True, help="The run is still training: leave out the newest steps that not "
                                            "every rank has flushed yet.")
-def check(paths: tuple[Path, ...], fmt: str, output: Path | None, fail_on: str, rtol: float,
-          runs: tuple[str, ...], live: bool) -> None:
+@click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
+def check(paths: tuple[Path, ...], fmt: str, output: Path | None, fail_on: str, ignore: tuple[str, ...],
+          min_ratio: float | None, rtol: float, runs: tuple[str, ...], live: bool, quiet: bool) -> None:
     """Recover the normalization every run used and diagnose it.
 
     Exit 0: nothing at or above --fail-on; 1: findings; 2: bad usage or unreadable input.
     """
-    from tokaudit.audit import audit
+    from tokaudit.auditing import audit
 
-    progress = _stderr()
-    try:
+    with _progress(quiet) as progress:
         _refuse_inputs(output, paths)
-        report = audit(paths, rtol=rtol, runs=runs, live=live,
-                       progress=lambda message: progress.print(printable(message), style="dim", markup=False))
-    except TokauditError as error:
-        _fail(error)
+        report = audit(paths, rtol=rtol, runs=runs, live=live, progress=progress, ignore=ignore,
+                       min_ratio=min_ratio)
     if fmt == "json":
         from tokaudit.render.json_report import render_json
 
@@ -143,6 +153,11 @@ def check(paths: tuple[Path, ...], fmt: str, output: Path | None, fail_on: str, 
         from tokaudit.render.markdown import render_markdown
 
         _emit(render_markdown(report), output)
+    elif fmt == "github":
+        from tokaudit.render.github import render_annotations, write_step_summary
+
+        _emit(render_annotations(report), output)
+        write_step_summary(report)
     else:
         from tokaudit.render.console import render_report
 
@@ -154,7 +169,25 @@ def check(paths: tuple[Path, ...], fmt: str, output: Path | None, fail_on: str, 
     if report.problems:
         sys.exit(EXIT_BAD_INPUT)
     worst = max((f.severity.rank for f in report.findings), default=-1)
-    sys.exit(EXIT_FINDINGS if worst >= FAIL_ON[fail_on] else EXIT_OK)
+    if fail_on == "inconclusive":
+        failed = worst >= Severity.ERROR.rank or any(run.verdict != "correct" for run in report.runs)
+    else:
+        failed = worst >= FAIL_ON[fail_on]
+    sys.exit(EXIT_FINDINGS if failed else EXIT_OK)
+
+
+@contextmanager
+def _progress(quiet: bool) -> Iterator[Callable[[str], None] | None]:
+    """What the audit is reading: a transient status line on a terminal, plain lines in a pipe or CI log."""
+    if quiet:
+        yield None
+        return
+    console = _stderr()
+    if not console.is_terminal:
+        yield lambda message: console.print(printable(message), style="dim", markup=False)
+        return
+    with console.status("reading logs", spinner="dots") as status:
+        yield lambda message: status.update(Text(printable(message), style="dim"))
 
 
 @main.command()
@@ -171,9 +204,15 @@ def weights(paths: tuple[Path, ...], step: int, run: str | None, fmt: str) -> No
     except TokauditError as error:
         _fail(error)
     if fmt == "csv":
-        click.echo(records.to_csv(index=False), nl=False)
+        click.echo(records.rename(columns=WEIGHT_NAMES).to_csv(index=False), nl=False)
     elif fmt == "json":
-        click.echo(records.to_json(orient="records", indent=2))
+        import json
+
+        from tokaudit.render.json_report import _sanitize
+
+        rows = records.rename(columns=WEIGHT_NAMES).to_dict(orient="records")
+        click.echo(json.dumps(_sanitize({"run": chosen, "step": step, "records": rows}), indent=2,
+                              ensure_ascii=False))
     else:
         from tokaudit.render.console import render_weights
 
@@ -217,7 +256,8 @@ def curve(paths: tuple[Path, ...], run: str | None, csv_path: Path | None, plot_
     console = Console(highlight=False)
     series: dict[str, Any] = {label: [None if v != v else float(v) for v in frame[key]]
                               for key, label in CURVE_COLUMNS if frame[key].notna().any()}
-    console.print(line_chart([float(s) for s in frame.step], series), markup=False, highlight=False)
+    width = max(20, min(console.width - 18, 160))  # the chart fills the terminal, labels included
+    console.print(line_chart([float(s) for s in frame.step], series, width=width), markup=False, highlight=False)
     render_curve_table(chosen, frame, console)
     for path in (csv_path, plot_path):
         if path is not None:

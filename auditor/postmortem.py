@@ -7,19 +7,24 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from tokaudit.audit import Progress, open_logs
+from tokaudit.auditing import Progress, open_logs
 from tokaudit.checks import DEFAULT_RTOL
 from tokaudit.errors import LogFormatError, UsageError
 
 
+def _names(runs: list[str], shown: int = 50) -> str:
+    more = f", and {len(runs) - shown} more" if len(runs) > shown else ""
+    return ", ".join(runs[:shown]) + more
+
+
 def _pick_run(steps: pd.DataFrame, run: str | None) -> str:
-    runs = sorted(set(steps.run))
+    runs = sorted(str(r) for r in set(steps.run))
     if run is None:
         if len(runs) != 1:
-            raise UsageError(f"the logs hold {len(runs)} runs; choose one with --run ({', '.join(runs[:10])})")
-        return str(runs[0])
+            raise UsageError(f"the logs hold {len(runs)} runs; choose one with --run: {_names(runs)}")
+        return runs[0]
     if run not in runs:
-        raise UsageError(f"no run named {run!r} in the logs (runs: {', '.join(runs[:10])})")
+        raise UsageError(f"no run named {run!r} in the logs (runs: {_names(runs)})")
     return run
 
 

@@ -94,6 +94,10 @@ class RunSummary:
     """Loss terms, each audited as its own token mean."""
     skipped_steps: int = 0
     """Steps the trainer marked skipped (a GradScaler overflow, an inf/NaN guard, N = 0)."""
+    divisors: list[float] = field(default_factory=list)
+    """Distinct divisors D of the gradient reduction (W for DDP's average, 1 for a sum)."""
+    weight_range: tuple[float, float] | None = None
+    """Lowest and highest q = e·N of a valid token over the run: its weight relative to 1/N (1 when correct)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,3 +112,35 @@ class AuditReport:
     """Unreadable input, one line each (file: problem); the rest was still audited."""
     files: int
     """Parquet files read."""
+    steps: Any = None
+    """With `audit(..., keep_steps=True)`: the per-step table (a pandas DataFrame, one row per run,
+    group, term and step), for notebooks."""
+
+    @property
+    def verdicts(self) -> dict[str, Verdict]:
+        """Run id → verdict."""
+        return {run.run: run.verdict for run in self.runs}
+
+    def to_pandas(self) -> Any:
+        """The findings as a DataFrame: run, term, code, severity, first/last step, count, message, fix."""
+        import pandas as pd
+
+        return pd.DataFrame([{"run": f.run, "term": f.term, "code": f.code.value, "severity": f.severity.value,
+                              "first_step": f.steps.first, "last_step": f.steps.last, "steps": f.steps.count,
+                              "message": f.message, "fix": f.fix} for f in self.findings],
+                            columns=["run", "term", "code", "severity", "first_step", "last_step", "steps",
+                                     "message", "fix"])
+
+    def runs_frame(self) -> Any:
+        """The run summaries as a DataFrame."""
+        import pandas as pd
+
+        return pd.DataFrame([{"run": r.run, "verdict": r.verdict, "steps": r.steps, "ranks": r.ranks,
+                              "world_size": r.world_size, "normalization": None if r.normalization is None else
+                              r.normalization.denominator, "factor": None if r.normalization is None else
+                              r.normalization.factor, "max_weight_ratio": r.max_weight_ratio} for r in self.runs])
+
+    def _repr_markdown_(self) -> str:
+        from tokaudit.render.markdown import render_markdown
+
+        return render_markdown(self)

@@ -122,7 +122,7 @@ def test_real_subprocess_and_no_torch_import(logs: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "tokaudit.cli", "check", str(logs), "--format", "json"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and json.loads(done.stdout)["findings"]
-    probe = subprocess.run([sys.executable, "-c", "import sys, tokaudit.cli, tokaudit.audit; "
+    probe = subprocess.run([sys.executable, "-c", "import sys, tokaudit, tokaudit.cli, tokaudit.auditing; tokaudit.audit; "
                             "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=120)
     assert probe.stdout.strip() == "False"
 

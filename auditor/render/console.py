@@ -12,28 +12,47 @@ from rich.table import Table
 from rich.text import Text
 
 from tokaudit.render.text import factor_text, printable, ratio_text, steps_text
-from tokaudit.report import AuditReport
+from tokaudit.report import AuditReport, RunSummary
 
 VERDICT_STYLE = {"correct": "bold green", "incorrect": "bold red", "inconclusive": "bold yellow"}
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 
 
+WIDE = 100
+"""Below this many columns, each run is a block instead of a table row: names and verdicts never vanish."""
+LEGEND = ("q = e·N: each valid token's weight relative to 1/N (1 when correct) · max ratio: the largest ratio "
+          "between two tokens' weights in one step · steps a–b (n): first and last affected step (how many)")
+
+
+def _q_range(run: RunSummary) -> str:
+    if run.weight_range is None:
+        return "–"
+    low, high = run.weight_range
+    return f"{low:.4g}" if abs(high - low) <= 1e-9 * max(abs(high), 1e-300) else f"{low:.4g}–{high:.4g}"
+
+
+def _divisors(run: RunSummary) -> str:
+    return ", ".join(f"{d:g}" for d in run.divisors) or "–"
+
+
 def render_report(report: AuditReport, console: Console) -> None:
     """Run summary, then findings most severe first, each with its numbers and its fix."""
     if report.runs:
-        runs = Table(title="tokaudit: token-loss normalization", box=box.SIMPLE_HEAD, pad_edge=False,
-                     title_justify="left")
-        runs.add_column("run", overflow="fold", ratio=1)
-        for title in ("steps", "ranks", "W"):
-            runs.add_column(title, justify="right", no_wrap=True)
-        runs.add_column("normalization", no_wrap=True)
-        runs.add_column("max ratio", justify="right", no_wrap=True)
-        runs.add_column("verdict", no_wrap=True)
-        for run in report.runs:
-            runs.add_row(Text(printable(run.run)), str(run.steps), str(run.ranks), ", ".join(map(str, run.world_size)),
-                         factor_text(run.normalization), ratio_text(run.max_weight_ratio),
-                         Text(run.verdict, style=VERDICT_STYLE[run.verdict]))
-        console.print(runs)
+        console.print(Text("tokaudit: token-loss normalization", style="bold"))
+        if console.width >= WIDE:
+            _runs_table(report, console)
+        else:
+            for run in report.runs:
+                head = Text(printable(run.run), style="bold")
+                head.append(": ")
+                head.append(run.verdict, style=VERDICT_STYLE[run.verdict])
+                console.print(head)
+                console.print(Padding(Text(
+                    f"{factor_text(run.normalization)} · q {_q_range(run)} · max ratio "
+                    f"{ratio_text(run.max_weight_ratio)} · {run.steps} steps, {run.ranks} ranks, W "
+                    f"{', '.join(map(str, run.world_size))}, D {_divisors(run)}"), (0, 0, 0, 2)))
+        console.print(Text(LEGEND, style="dim"))
+        console.print()
     if report.findings:
         console.print(Text("findings, most severe first", style="bold"))
         for f in report.findings:
@@ -51,7 +70,24 @@ def render_report(report: AuditReport, console: Console) -> None:
     counts = {s: sum(f.severity.value == s for f in report.findings) for s in ("error", "warning", "info")}
     console.print(f"{len(report.runs)} run(s), {report.files} file(s): {counts['error']} error(s), "
                   f"{counts['warning']} warning(s), {counts['info']} info. "
-                  "`tokaudit explain CODE` derives each finding.", style="dim")
+                  "`tokaudit explain CODE` derives each finding.", style="dim", markup=False)
+
+
+def _runs_table(report: AuditReport, console: Console) -> None:
+    runs = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    longest = max(len(printable(run.run)) for run in report.runs)
+    runs.add_column("run", overflow="fold", min_width=min(longest, 24))
+    runs.add_column("verdict", no_wrap=True)
+    for title in ("steps", "ranks", "W", "D"):
+        runs.add_column(title, justify="right", no_wrap=True)
+    runs.add_column("normalization", overflow="fold")
+    runs.add_column("q = e·N", justify="right", no_wrap=True)
+    runs.add_column("max ratio", justify="right", no_wrap=True)
+    for run in report.runs:
+        runs.add_row(Text(printable(run.run)), Text(run.verdict, style=VERDICT_STYLE[run.verdict]), str(run.steps),
+                     str(run.ranks), ", ".join(map(str, run.world_size)), _divisors(run),
+                     factor_text(run.normalization), _q_range(run), ratio_text(run.max_weight_ratio))
+    console.print(runs)
 
 
 def _number(value: object, digits: int = 5) -> str:
@@ -68,7 +104,7 @@ def render_weights(run: str, step: int, records: pd.DataFrame, console: Console)
                   box=box.SIMPLE_HEAVY, title_justify="left")
     columns = ["group", "rank", "micro", "n", "S", "b", "c = b/S", "D", "g", "e = c·g/D", "q = e·N", "sync"]
     for header in columns:
-        table.add_column(header, justify="left" if header in ("group", "sync") else "right")
+        table.add_column(header, justify="left" if header in ("group", "sync") else "right", overflow="fold")
     for row in records.itertuples(index=False):
         q = row.q
         style = "" if pd.isna(q) else ("green" if abs(q - 1) <= 1e-4 else "red")

@@ -1,10 +1,14 @@
-"""Markdown for a pull-request comment."""
+"""Markdown for a pull-request comment or a CI step summary: a one-line summary, the runs, then one
+`<details>` per finding. The first line is a stable marker a bot can find to update its comment."""
 
 from __future__ import annotations
+
+import html
 
 from tokaudit.render.text import factor_text, printable, ratio_text, steps_text
 from tokaudit.report import AuditReport
 
+MARKER = "<!-- tokaudit-report -->"
 ICONS = {"correct": "✅", "incorrect": "❌", "inconclusive": "❔", "error": "❌", "warning": "⚠️", "info": "ℹ️"}
 
 
@@ -12,24 +16,37 @@ def _cell(text: str) -> str:
     return printable(text).replace("|", "\\|").replace("`", "'")
 
 
+def summary_line(report: AuditReport) -> str:
+    verdicts = [run.verdict for run in report.runs]
+    parts = [f"{verdicts.count(v)} {v}" for v in ("incorrect", "inconclusive", "correct") if v in verdicts]
+    counts = {s: sum(f.severity.value == s for f in report.findings) for s in ("error", "warning", "info")}
+    worst = "incorrect" if "incorrect" in verdicts else "inconclusive" if "inconclusive" in verdicts else "correct"
+    line = (f"{ICONS[worst]} **tokaudit**: {len(report.runs)} run(s): {', '.join(parts) or 'none'}; "
+            f"{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} info")
+    if report.problems:
+        line += f"; {len(report.problems)} unreadable input(s)"
+    return line
+
+
 def render_markdown(report: AuditReport) -> str:
-    lines = ["## tokaudit", ""]
+    lines = [MARKER, summary_line(report), ""]
     if report.runs:
-        lines += ["| run | steps | ranks | W | normalization | max weight ratio | verdict |",
-                  "|---|---:|---:|---|---|---:|---|"]
+        lines += ["| run | verdict | steps | ranks | W | D | normalization | q = e·N | max ratio |",
+                  "|---|---|---:|---:|---|---|---|---|---:|"]
         for run in report.runs:
-            norm = run.normalization
-            lines.append(f"| `{_cell(run.run)}` | {run.steps} | {run.ranks} | {', '.join(map(str, run.world_size))} "
-                         f"| {_cell(factor_text(norm))} | {ratio_text(run.max_weight_ratio)} "
-                         f"| {ICONS[run.verdict]} {run.verdict} |")
-        lines.append("")
-    if report.findings:
-        lines += ["| severity | run | code | steps | finding | fix |", "|---|---|---|---|---|---|"]
-        for f in report.findings:
-            lines.append(f"| {ICONS[f.severity.value]} {f.severity.value} | `{_cell(f.run)}` | `{f.code.value}` "
-                         f"| {steps_text(f.steps)} | {_cell(f.message)} | {_cell(f.fix)} |")
-        lines.append("")
-    elif report.runs:
+            q = "–" if run.weight_range is None else " – ".join(f"{v:.4g}" for v in run.weight_range)
+            lines.append(f"| `{_cell(run.run)}` | {ICONS[run.verdict]} {run.verdict} | {run.steps} | {run.ranks} "
+                         f"| {', '.join(map(str, run.world_size))} | {', '.join(f'{d:g}' for d in run.divisors)} "
+                         f"| {_cell(factor_text(run.normalization))} | {q} | {ratio_text(run.max_weight_ratio)} |")
+        lines += ["", "q = e·N is each valid token's weight relative to 1/N (1 when correct); max ratio is the "
+                      "largest ratio between two tokens' weights in one step.", ""]
+    for f in report.findings:
+        term = f" · term `{_cell(f.term)}`" if f.term != "0" else ""
+        lines += [f"<details><summary>{ICONS[f.severity.value]} <b>{f.severity.value}</b> <code>{f.code.value}</code> "
+                  f"· {html.escape(printable(f.run))}{html.escape(term)} · steps {steps_text(f.steps)}</summary>", "",
+                  html.escape(printable(f.message)), "", f"**Fix:** {html.escape(printable(f.fix))}", "",
+                  f"`tokaudit explain {f.code.value}` derives it.", "", "</details>", ""]
+    if report.runs and not report.findings:
         lines += ["No findings.", ""]
     for problem in report.problems:
         lines.append(f"- ❌ unreadable: `{_cell(problem)}`")

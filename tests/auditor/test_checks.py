@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tests.logs import UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
-from tokaudit.audit import audit
+from tokaudit.auditing import audit
 from tokaudit.codes import Code, Severity
 from tokaudit.report import AuditReport, Finding
 

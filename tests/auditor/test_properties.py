@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.logs import records, write_by_rank
-from tokaudit.audit import audit
+from tokaudit.auditing import audit
 from tokaudit.report import AuditReport
 
 SETTINGS = settings(max_examples=int(__import__("os").environ.get("TOKAUDIT_EXAMPLES", "40")), deadline=None, suppress_health_check=[HealthCheck.too_slow])

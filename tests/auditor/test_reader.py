@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.logs import UNEVEN, records, token_mean, write, write_by_rank
-from tokaudit.audit import audit
+from tokaudit.auditing import audit
 from tokaudit.cli import main
 from tokaudit.reader import inspect_shard, load
 

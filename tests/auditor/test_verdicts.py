@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.logs import UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write_by_rank
-from tokaudit.audit import audit
+from tokaudit.auditing import audit
 from tokaudit.codes import Code, Severity
 from tokaudit.render.json_report import render_json
 from tokaudit.report import AuditReport, Finding

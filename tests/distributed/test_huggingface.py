@@ -79,7 +79,7 @@ def hf_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def audit_run(root: Path, run: str) -> Any:
-    from tokaudit.audit import audit
+    from tokaudit.auditing import audit
 
     return audit([root / run])
 

@@ -142,7 +142,7 @@ def _group_of(members: list[int]) -> str:
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_fresh_recordings_are_diagnosed(recordings: dict[str, Any], scenario: Scenario) -> None:
     from tests.expected import EXPECTED_CODES, EXPECTED_NORMALIZATION, EXPECTED_VERDICT
-    from tokaudit.audit import audit
+    from tokaudit.auditing import audit
 
     _, log_dir = recordings[scenario.name]
     report = audit([log_dir])

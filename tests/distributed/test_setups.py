@@ -18,7 +18,7 @@ import torch
 from scenarios.harness import run_ddp
 from scenarios.setups import ELASTIC, SETUPS, Setup, job, reference_gradient
 from tests.expected import EXPECTED_CODES, EXPECTED_VERDICT
-from tokaudit.audit import audit
+from tokaudit.auditing import audit
 
 pytestmark = pytest.mark.distributed
 

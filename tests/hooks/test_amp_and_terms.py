@@ -86,7 +86,7 @@ def test_a_fused_optimizer_steps_through_an_overflow_and_found_inf_marks_it(tmp_
 
 
 def test_an_untold_scaler_shows_as_a_loss_scale(tmp_path: Path) -> None:
-    from tokaudit.audit import audit
+    from tokaudit.auditing import audit
 
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from scenarios.harness import run_ddp
-from tokaudit.audit import audit
+from tokaudit.auditing import audit
 from tokaudit.hooks import Recorder
 
 ROOT = Path(__file__).resolve().parents[2]

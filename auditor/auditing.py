@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import duckdb
 import pandas as pd
@@ -64,15 +64,28 @@ def _undecodable(shards: list[Shard]) -> dict[object, LogFormatError]:
     return broken
 
 
-def audit(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL, runs: Sequence[str] = (),
-          progress: Progress | None = None, live: bool = False) -> AuditReport:
+def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol: float = DEFAULT_RTOL,
+          runs: Sequence[str] = (), progress: Progress | None = None, live: bool = False,
+          ignore: Sequence[str | Code] = (), min_ratio: float | None = None, keep_steps: bool = False
+          ) -> AuditReport:
     """Audit every run under `paths`. Unreadable files become `problems`; the rest is still audited.
 
     `live`: the logs are still being written, so steps after the last one every rank has recorded
-    are left out instead of being reported as missing ranks.
+    are left out instead of being reported as missing ranks. `ignore`: finding codes to leave out.
+    `min_ratio`: a weighting finding whose heaviest token weighs less than this many times the
+    lightest is information, not an error (verdicts follow). `keep_steps`: keep the per-step table
+    in `report.steps`.
     """
+    if isinstance(paths, str | os.PathLike):
+        paths = [paths]
     if not (0 < rtol < 1):
         raise UsageError(f"--rtol must be between 0 and 1, got {rtol}")
+    if min_ratio is not None and not min_ratio >= 1:
+        raise UsageError(f"--min-ratio must be at least 1, got {min_ratio}")
+    try:
+        ignored = {Code(code) for code in ignore}
+    except ValueError as error:
+        raise UsageError(f"--ignore: {error}; `tokaudit explain` lists the codes") from None
     logset, engine, steps = open_logs(paths, rtol, progress)
     problems = [str(p) for p in logset.problems]
     if engine is None:
@@ -107,12 +120,14 @@ def audit(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL, r
             run_findings, spans = check_run(run, frame, rtol, engine.duplicates.get(run))
             if lost:
                 run_findings.append(lost.finding(run))
+            run_findings = _policy(run_findings, ignored, min_ratio)
             findings.extend(run_findings)
             segments = [Segment(s.first, s.last, s.steps, s.denominator.value, s.factor, s.group, s.term)
                         for s in spans]
             summaries.append(_summary(run, frame, run_findings, segments))
         findings.sort(key=lambda f: (-f.severity.rank, f.run, f.term != "0", f.term, _CODE_ORDER[f.code], f.steps.first))
-        return AuditReport(runs=summaries, findings=findings, problems=problems, files=len(logset.shards))
+        return AuditReport(runs=summaries, findings=findings, problems=problems, files=len(logset.shards),
+                           steps=steps if keep_steps else None)
     finally:
         engine.close()
 
@@ -162,6 +177,24 @@ def _complete_steps(steps: pd.DataFrame, horizon: dict[tuple[str, str], int], pr
     return steps[keep].reset_index(drop=True)
 
 
+_WEIGHTING = frozenset({Code.LOCAL_MEAN, Code.PER_MICRO_DENOMINATOR, Code.PADDED_DENOMINATOR,
+                        Code.UNEXPLAINED_WEIGHTING})
+
+
+def _policy(findings: list[Finding], ignored: set[Code], min_ratio: float | None) -> list[Finding]:
+    """--ignore and --min-ratio: what a CI gate chose to accept, applied before the verdict."""
+    kept = []
+    for finding in findings:
+        if finding.code in ignored:
+            continue
+        ratio = finding.evidence.get("weight_ratio")
+        if min_ratio is not None and finding.code in _WEIGHTING and isinstance(ratio, float) and ratio < min_ratio:
+            finding = replace(finding, severity=Severity.INFO,
+                              message=f"{finding.message} (Below --min-ratio {min_ratio:g}: information only.)")
+        kept.append(finding)
+    return kept
+
+
 def verdict_of(findings: Sequence[Finding], judged: bool) -> Verdict:
     """SPEC §4: incorrect when a warning or error says so; inconclusive when the only ones say the logs
     cannot tell (or the counts are balanced, or nothing could be judged); correct otherwise."""
@@ -184,8 +217,15 @@ def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: l
     normalization = max(main, key=lambda s: s.steps) if main else None
     sizes = sorted({int(w) for w in pd.concat([frame.w_low, frame.w_high])})
     skipped = int(frame.step[frame.skipped_true > 0].nunique())
+    divisors = sorted({float(d) for d in pd.concat([frame.d_low, frame.d_high]).dropna()})
+    weighted_steps = frame[frame.weighted_records > 0]
+    weight_range = None
+    if not weighted_steps.empty:
+        # q = e·N per token: the probe's extremes where recorded, else the records' mean weights
+        q = pd.concat([weighted_steps.tok_low * weighted_steps.tokens, weighted_steps.tok_high * weighted_steps.tokens])
+        weight_range = (float(q.min()), float(q.max()))
     return RunSummary(run=run, rows=int(frame.records.sum()), steps=int(frame.step.nunique()),
                       ranks=int(frame.rank_max.max()) + 1, world_size=sizes, groups=int(frame.grp.nunique()),
                       verdict=verdict_of(findings, judged), normalization=normalization, segments=segments,
                       max_weight_ratio=float(max(ratios, default=1.0)), microbatches=int(frame.m_high.max()),
-                      terms=terms, skipped_steps=skipped)
+                      terms=terms, skipped_steps=skipped, divisors=divisors, weight_range=weight_range)

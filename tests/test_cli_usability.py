@@ -1,0 +1,210 @@
+"""The CLI, CI gate and Python API as an ML engineer uses them: readable at any width, gates that
+say what they gate, a JSON contract with a shipped schema, a notebook API, a pytest helper."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from rich.console import Console
+
+import tokaudit
+from tests.logs import UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write_by_rank
+from tokaudit.auditing import audit
+from tokaudit.cli import main
+from tokaudit.render.chart import SHARED, line_chart
+from tokaudit.render.console import render_report
+from tokaudit.testing import assert_token_mean
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE_LOGS = ROOT / "sample_logs"
+
+
+def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args), env=env)
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.fixture(scope="module")
+def sample_report() -> tokaudit.AuditReport:
+    return audit([SAMPLE_LOGS])
+
+
+@pytest.mark.parametrize("width", [60, 80, 120])
+def test_every_run_name_and_verdict_is_readable_at_any_width(sample_report: tokaudit.AuditReport, width: int) -> None:
+    buffer = io.StringIO()
+    render_report(sample_report, Console(file=buffer, width=width, no_color=True, force_terminal=False))
+    text = buffer.getvalue()
+    for run in sample_report.runs:
+        assert re.search(rf"{re.escape(run.run)}\s*:?\s*{run.verdict}\b", text) or (
+            run.run in text and f" {run.verdict} " in text), (width, run.run)
+    assert "…" not in text, "nothing is cut"
+    assert all(len(line) <= width for line in text.splitlines())
+
+
+def test_in_a_pipe_the_run_names_stay(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "tokaudit", "check", str(SAMPLE_LOGS)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120, env={**os.environ, "COLUMNS": "80"})
+    assert done.returncode == 1
+    for run in ("bug_local_mean", "correct_sum_hook", "inconclusive_balanced_local_mean"):
+        assert run in done.stdout
+
+
+def test_the_table_shows_what_decides_the_verdict(tmp_path: Path) -> None:
+    code, out, _ = invoke("check", str(SAMPLE_LOGS / "bug_missing_world_size"), str(SAMPLE_LOGS / "correct_sum_hook"),
+                          env={"COLUMNS": "120"})
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip().startswith(("bug_", "correct_"))}
+    # Both read b·g = S/N; D and q tell them apart.
+    assert re.search(r"incorrect\s+3\s+2\s+2\s+2\s+b·g = S/N\s+0\.5\s", rows["bug_missing_world_size"])
+    assert re.search(r"correct\s+3\s+2\s+2\s+1\s+b·g = S/N\s+1\s", rows["correct_sum_hook"])
+    assert "q = e·N: each valid token's weight relative to 1/N" in out and "max ratio:" in out
+
+
+def test_explanations_make_no_sgd_only_claims() -> None:
+    _, out, _ = invoke("explain")
+    for code in tokaudit.report.Code:
+        _, text, _ = invoke("explain", code.value)
+        assert "halves the step" not in text and "half as long" not in text, code
+    _, text, _ = invoke("explain", "world_size_mismatch")
+    assert "Adam" in text
+
+
+def test_the_chart_fills_the_console_and_shows_coinciding_series() -> None:
+    narrow = line_chart([0, 1, 2], {"a": [1.0, 2.0, 3.0], "b": [1.0, 2.5, 3.0]}, width=30)
+    wide = line_chart([0, 1, 2], {"a": [1.0, 2.0, 3.0], "b": [1.0, 2.5, 3.0]}, width=90)
+    assert max(map(len, wide.splitlines())) > max(map(len, narrow.splitlines())) + 50
+    assert SHARED in narrow and "several series at one point" in narrow and "○" in narrow
+
+
+def test_choosing_a_run_lists_them_all() -> None:
+    code, _, err = invoke("curve", str(SAMPLE_LOGS))
+    assert code == 2 and "bug_local_mean" in err and "unknown_hook_wrong" in err and "more" not in err
+
+
+def test_fail_on_inconclusive_ignore_and_min_ratio(tmp_path: Path) -> None:
+    balanced = write_by_rank(tmp_path / "balanced", records([[[4], [4]], [[3], [3]]], local_mean))
+    assert invoke("check", str(balanced))[0] == 0
+    assert invoke("check", str(balanced), "--fail-on", "inconclusive")[0] == 1
+    good = write_by_rank(tmp_path / "good", records(UNEVEN, token_mean))
+    assert invoke("check", str(good), "--fail-on", "inconclusive")[0] == 0
+
+    bad = write_by_rank(tmp_path / "bad", records(UNEVEN, local_mean))
+    assert invoke("check", str(bad))[0] == 1
+    code, out, _ = invoke("check", str(bad), "--ignore", "local_mean", "--format", "json")
+    assert code == 0 and json.loads(out)["findings"] == [] and json.loads(out)["runs"][0]["verdict"] == "correct"
+    code, _, err = invoke("check", str(bad), "--ignore", "no_such_code")
+    assert code == 2 and "--ignore" in err
+
+    # A local mean whose counts differ by 1 in 400: tokens weigh at most 1.0025× each other.
+    nearly = write_by_rank(tmp_path / "nearly", records([[[400], [401]], [[399], [400]]], local_mean))
+    assert invoke("check", str(nearly))[0] == 1
+    code, out, _ = invoke("check", str(nearly), "--min-ratio", "1.01", "--format", "json")
+    report = json.loads(out)
+    assert code == 0 and [f["severity"] for f in report["findings"]] == ["info"]
+    assert invoke("check", str(nearly), "--min-ratio", "1.001")[0] == 1
+    assert invoke("check", str(nearly), "--min-ratio", "0.5")[0] == 2
+
+
+def test_github_annotations_and_step_summary(tmp_path: Path) -> None:
+    write_by_rank(tmp_path / "logs" / "bad", records(UNEVEN, local_mean))
+    summary = tmp_path / "summary.md"
+    code, out, _ = invoke("check", str(tmp_path / "logs"), "--format", "github",
+                          env={"GITHUB_STEP_SUMMARY": str(summary)})
+    assert code == 1
+    assert any(line.startswith("::error title=tokaudit local_mean · bad::steps 0–2 (3)") for line in out.splitlines())
+    assert "::notice title=tokaudit bad::verdict%3A incorrect" not in out  # data is escaped, titles too
+    text = summary.read_text()
+    assert text.startswith("<!-- tokaudit-report -->\n") and "<details>" in text
+
+
+def test_markdown_is_a_summary_line_and_one_details_per_finding() -> None:
+    code, out, _ = invoke("check", str(SAMPLE_LOGS), "--format", "markdown")
+    lines = out.splitlines()
+    assert lines[0] == "<!-- tokaudit-report -->" and lines[1].startswith("❌ **tokaudit**: 23 run(s)")
+    findings = json.loads(invoke("check", str(SAMPLE_LOGS), "--format", "json")[1])["findings"]
+    assert out.count("<details>") == len(findings) == out.count("</details>")
+    assert all("|" not in line or line.startswith("|") for line in lines), "no paragraph sits in a table cell"
+
+
+def test_json_follows_the_shipped_schema(tmp_path: Path) -> None:
+    import jsonschema
+
+    schema = json.loads(resources.files("tokaudit").joinpath("report.schema.json").read_text())
+    rows = records(UNEVEN_GA, local_mean)
+    write_by_rank(tmp_path / "aux", rows + [dict(r, term="aux") for r in records(UNEVEN_GA, token_mean)])
+    for paths in ([str(SAMPLE_LOGS)], [str(tmp_path)]):
+        code, out, _ = invoke("check", *paths, "--format", "json")
+        document = json.loads(out)
+        jsonschema.validate(document, schema)
+        assert document["report_version"] == 1
+    documented = (ROOT / "docs" / "REPORT.md").read_text()
+    for finding in document["findings"]:
+        for key in finding["evidence"]:
+            assert f"`{key}`" in documented, f"evidence key {key} is not documented"
+
+
+def test_weights_json_uses_the_report_names_at_full_precision() -> None:
+    code, out, _ = invoke("weights", str(SAMPLE_LOGS), "--run", "bug_local_mean", "--step", "1", "--format", "json")
+    document = json.loads(out)
+    record = document["records"][0]
+    assert {"group", "effective_weight", "distortion", "valid_tokens", "loss_sum"} <= set(record)
+    assert not {"grp", "eff", "q"} & set(record)
+    assert record["loss_sum"] == audit([SAMPLE_LOGS / "bug_local_mean"], keep_steps=True).steps.query(
+        "step == 1").loss.iloc[0] - sum(r["loss_sum"] for r in document["records"][1:])
+
+
+def test_packaging_one_version_a_license_and_python_m() -> None:
+    assert importlib.metadata.version("tokaudit") == tokaudit.__version__
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
+    assert importlib.metadata.metadata("tokaudit")["License"] == "Apache-2.0"
+    done = subprocess.run([sys.executable, "-m", "tokaudit", "--version"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0 and tokaudit.__version__ in done.stdout
+    done = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; import tokaudit.hooks"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode != 0 and "pip install 'tokaudit[hooks]'" in done.stderr
+
+
+def test_the_python_api(tmp_path: Path) -> None:
+    bad = write_by_rank(tmp_path / "bad", records(UNEVEN, local_mean))
+    good = write_by_rank(tmp_path / "good", records(UNEVEN, token_mean))
+    report = tokaudit.audit(tmp_path, keep_steps=True)
+    assert report.verdicts == {"bad": "incorrect", "good": "correct"}
+    frame = report.to_pandas()
+    assert list(frame.code) == ["local_mean"] and frame.run.iloc[0] == "bad"
+    assert set(report.steps.run) == {"bad", "good"} and "tokens" in report.steps
+    assert report._repr_markdown_().startswith("<!-- tokaudit-report -->")
+    assert_token_mean(good)
+    with pytest.raises(AssertionError, match="(?s)local_mean.*fix:"):
+        assert_token_mean(bad)
+    assert_token_mean(bad, ignore=["local_mean"])
+
+
+def test_progress_goes_to_stderr_and_quiet_silences_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tokaudit.auditing.PROGRESS_ROWS", 1)
+    logs = write_by_rank(tmp_path / "run", records(UNEVEN, token_mean))
+    code, out, err = invoke("check", str(logs), "--format", "json")
+    assert code == 0 and "reading 2 file(s)" in err and json.loads(out)
+    code, out, err = invoke("check", str(logs), "--format", "json", "-q")
+    assert code == 0 and err == ""
+
+
+@pytest.mark.integration
+def test_make_demo_on_a_fresh_venv_needs_no_torch(tmp_path: Path) -> None:
+    venv = tmp_path / "demo-venv"
+    done = subprocess.run(["make", "demo", f"DEMO_VENV={venv}"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "bug_local_mean" in done.stdout
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import importlib.util as u; "
+                            "print(u.find_spec('torch') is None, u.find_spec('transformers') is None)"],
+                           capture_output=True, text=True)
+    assert probe.stdout.split() == ["True", "True"]
