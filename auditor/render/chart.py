@@ -41,6 +41,6 @@ def line_chart(x: Sequence[float], series: dict[str, Sequence[float | None]], wi
     lines.append(" " * (label_width + 2) + x_labels + "  (step)")
     legend = "   ".join(f"{MARKS[i % len(MARKS)]} {name}" for i, name in enumerate(series))
     if any(len(indices) > 1 for indices in owners.values()):
-        legend += f"   {SHARED} several series at one point"
+        legend += "\n" + " " * (label_width + 2) + f"{SHARED} several series at one point"
     lines.append(" " * (label_width + 2) + legend)
     return "\n".join(lines)

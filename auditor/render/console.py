@@ -27,8 +27,8 @@ LEGEND = ("q = e·N: each valid token's weight relative to 1/N (1 when correct) 
 def _q_range(run: RunSummary) -> str:
     if run.weight_range is None:
         return "–"
-    low, high = run.weight_range
-    return f"{low:.4g}" if abs(high - low) <= 1e-9 * max(abs(high), 1e-300) else f"{low:.4g}–{high:.4g}"
+    low, high = (f"{v:.4g}" for v in run.weight_range)
+    return low if low == high else f"{low}–{high}"
 
 
 def _divisors(run: RunSummary) -> str:

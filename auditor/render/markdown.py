@@ -34,7 +34,8 @@ def render_markdown(report: AuditReport) -> str:
         lines += ["| run | verdict | steps | ranks | W | D | normalization | q = e·N | max ratio |",
                   "|---|---|---:|---:|---|---|---|---|---:|"]
         for run in report.runs:
-            q = "–" if run.weight_range is None else " – ".join(f"{v:.4g}" for v in run.weight_range)
+            low, high = ("–", "–") if run.weight_range is None else (f"{v:.4g}" for v in run.weight_range)
+            q = low if low == high else f"{low} – {high}"
             lines.append(f"| `{_cell(run.run)}` | {ICONS[run.verdict]} {run.verdict} | {run.steps} | {run.ranks} "
                          f"| {', '.join(map(str, run.world_size))} | {', '.join(f'{d:g}' for d in run.divisors)} "
                          f"| {_cell(factor_text(run.normalization))} | {q} | {ratio_text(run.max_weight_ratio)} |")

@@ -17,7 +17,7 @@ def factor_text(segment: Segment | None) -> str:
         return "undetermined (balanced counts)"
     if segment.denominator == "unexplained" or segment.factor is None:
         return "unexplained"
-    factor = f"{segment.factor:.4g}·" if segment.factor != 1 else ""
+    factor = f"{segment.factor:.4g}·" if f"{segment.factor:.4g}" != "1" else ""
     formula = FORMULA.get(Denominator(segment.denominator), f"S/{segment.denominator}")
     return f"b·g = {factor}{formula}"
 
