@@ -69,7 +69,7 @@ def test_table_markdown_and_output_file(logs: Path, tmp_path: Path) -> None:
     code, out, _ = invoke("check", str(logs))
     assert code == 1 and "local_mean" in out and "incorrect" in out and "b·g = 2·S/N" in out
     code, out, _ = invoke("check", str(logs), "--format", "markdown")
-    assert out.startswith("## tokaudit") and "| `bad` |" in out and "`local_mean`" in out
+    assert out.startswith("<!-- tokaudit-report -->") and "| `bad` |" in out and "<code>local_mean</code>" in out
     target = tmp_path / "report.json"
     code, out, _ = invoke("check", str(logs), "--format", "json", "--output", str(target))
     assert code == 1 and out == "" and json.loads(target.read_text())["runs"]
