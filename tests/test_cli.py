@@ -83,7 +83,7 @@ def test_weights_shows_q_per_record(logs: Path) -> None:
     rows = list(csv.DictReader(out.splitlines()))
     assert code == 0 and [int(r["rank"]) for r in rows] == [0, 1]
     # local mean, n = (1, 3), W = 2: q = N/(W·n) = 2 and 2/3
-    assert [round(float(r["q"]), 6) for r in rows] == [2.0, round(2 / 3, 6)]
+    assert [round(float(r["distortion"]), 6) for r in rows] == [2.0, round(2 / 3, 6)]
     code, out, _ = invoke("weights", str(logs), "--run", "bad", "--step", "0")
     assert code == 0 and "q = e·N" in out
     code, _, err = invoke("weights", str(logs), "--step", "0")
