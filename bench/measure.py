@@ -19,6 +19,13 @@ def main() -> None:
         except SystemExit as done:
             if done.code not in (0, 1):
                 raise
+    elif kind == "floor":
+        import duckdb
+
+        # The one-query floor: per-step N and the extremes of b/S over the same files, nothing else.
+        files = [str(p) for p in sorted(__import__("pathlib").Path(args[0]).rglob("*.parquet"))]
+        duckdb.sql(f"""SELECT step, sum(valid_tokens), min(backward_scalar / loss_sum), max(backward_scalar / loss_sum)
+                       FROM read_parquet({files!r}) GROUP BY step""").fetchall()
     elif kind == "naive":
         from pathlib import Path
 

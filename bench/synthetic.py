@@ -14,12 +14,13 @@ from tokaudit.schema import WRITER_SCHEMA
 
 
 def write_log(out: Path, ranks: int, steps: int, micro: int, steps_per_file: int = 500, ranks_per_file: int = 64,
-              seed: int = 0) -> int:
+              seed: int = 0, local_mean_every: int = 0) -> int:
     """Rows = ranks × steps × micro, one file per (step chunk, rank block), rows sorted by step."""
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     rows = 0
-    names = [f.name for f in WRITER_SCHEMA][:11] + ["positions", "sync"]
+    names = ["step", "micro", "rank", "world_size", "loss_sum", "valid_tokens", "backward_scalar", "run_id", "group",
+             "grad_divisor", "grad_scale", "positions", "sync"]
     schema = pa.schema([WRITER_SCHEMA.field(n) for n in names])
     for first in range(0, steps, steps_per_file):
         chunk = min(steps_per_file, steps - first)
@@ -35,6 +36,11 @@ def write_log(out: Path, ranks: int, steps: int, micro: int, steps_per_file: int
             micro_index = np.broadcast_to(np.arange(micro)[None, None, :], shape)
             loss = losses[:, r, :]
             scalar = ranks * loss / np.maximum(step_tokens, 1)[:, None, None]  # W·S/N
+            if local_mean_every:
+                # every other step a rank-local mean S_r/n_r: a mistake planted in known steps
+                planted = (first + np.arange(chunk)) % local_mean_every == 1
+                rank_tokens = np.broadcast_to(n.sum(axis=2, keepdims=True), shape)
+                scalar = np.where(planted[:, None, None], loss / np.maximum(rank_tokens, 1), scalar)
             size = n.size
             table = pa.table({
                 "step": pa.array(step.ravel(), pa.int64()), "micro": pa.array(micro_index.ravel(), pa.int32()),
