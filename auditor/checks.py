@@ -14,16 +14,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
 from tokaudit.normalization import (
+    DENOMINATORS,
     FORMULA,
     Denominator,
+    Diagnoses,
     FactorExplanation,
     FactorKind,
     Span,
-    StepDiagnosis,
     StepKind,
     cluster,
     diagnose_steps,
@@ -130,70 +132,85 @@ def _fix_average(context: RunContext) -> str:
 # ---------------------------------------------------------------------------------- weights
 
 
-def _weighting_code(diagnosis: StepDiagnosis, explanation: FactorExplanation | None) -> Code | None:
-    if diagnosis.kind == StepKind.NONUNIFORM:
-        return _NONUNIFORM_CODES.get(diagnosis.denominator, Code.UNEXPLAINED_WEIGHTING)
-    if diagnosis.kind != StepKind.UNIFORM_OFF:
-        return None
-    if diagnosis.denominator in (Denominator.POSITIONS, Denominator.STEP_POSITIONS):
-        return Code.PADDED_DENOMINATOR
-    if diagnosis.denominator == Denominator.ONE or explanation is None:
-        return Code.SCALE_MISMATCH
-    return {FactorKind.WORLD_SIZE: Code.WORLD_SIZE_MISMATCH, FactorKind.LOSS_SCALE: Code.LOSS_SCALE,
-            FactorKind.OTHER: Code.SCALE_MISMATCH}[explanation.kind]
+_CODES: tuple[Code, ...] = tuple(Code)
 
 
-def _weighting_findings(steps: pd.DataFrame, diagnoses: list[StepDiagnosis], context: RunContext
-                        ) -> Iterator[Finding]:
+def _weighting_codes(diagnoses: Diagnoses, explanation: npt.NDArray[np.int64],
+                     table: list[FactorExplanation]) -> tuple[npt.NDArray[np.int64], list[str]]:
+    """Per step, the index in _CODES of its weighting finding (−1: none), and the factor's label
+    (for world_size_mismatch and loss_scale, whose kinds of factor are told apart)."""
+    count = len(diagnoses)
+    code = np.full(count, -1, dtype=np.int64)
+    denominator = np.array([DENOMINATORS[d] for d in range(len(DENOMINATORS))], dtype=object)[diagnoses.denominator] \
+        if count else np.zeros(0, dtype=object)
+    nonuniform = diagnoses.kind_is(StepKind.NONUNIFORM)
+    for i in np.flatnonzero(nonuniform):
+        code[i] = _CODES.index(_NONUNIFORM_CODES.get(denominator[i], Code.UNEXPLAINED_WEIGHTING))
+    labels = [""] * count
+    kinds = {FactorKind.WORLD_SIZE: Code.WORLD_SIZE_MISMATCH, FactorKind.LOSS_SCALE: Code.LOSS_SCALE,
+             FactorKind.OTHER: Code.SCALE_MISMATCH}
+    for i in np.flatnonzero(diagnoses.kind_is(StepKind.UNIFORM_OFF)):
+        if denominator[i] in (Denominator.POSITIONS, Denominator.STEP_POSITIONS):
+            code[i] = _CODES.index(Code.PADDED_DENOMINATOR)
+        elif denominator[i] == Denominator.ONE or explanation[i] < 0:
+            code[i] = _CODES.index(Code.SCALE_MISMATCH)
+        else:
+            found = table[explanation[i]]
+            code[i] = _CODES.index(kinds[found.kind])
+            if found.kind != FactorKind.OTHER:
+                labels[i] = found.label
+    return code, labels
+
+
+def _weighting_findings(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext) -> Iterator[Finding]:
     """local_mean, per_micro_denominator, padded_denominator, unexplained_weighting, world_size_mismatch,
     loss_scale, scale_mismatch: one finding per (code, denominator, kind of factor), however many
-    steps it spans, with the range of its factor."""
-    groups: dict[tuple[Code, Denominator, str, bool], list[int]] = {}
-    explanations = _factor_explanations(steps, diagnoses, context)
-    for i, diagnosis in enumerate(diagnoses):
-        explanation = explanations.get(i)
-        code = _weighting_code(diagnosis, explanation)
-        if code is None:
-            continue
-        label = explanation.label if explanation is not None and code in (
-            Code.WORLD_SIZE_MISMATCH, Code.LOSS_SCALE) else ""
-        key = (code, diagnosis.denominator, label, diagnosis.approximate is not None)
-        groups.setdefault(key, []).append(i)
+    steps it spans, with the range of its factor. Steps are grouped as columns, not one by one."""
+    explanation, table = _factor_explanations(steps, diagnoses, context)
+    code, labels = _weighting_codes(diagnoses, explanation, table)
+    flagged = np.flatnonzero(code >= 0)
+    if not len(flagged):
+        return
+    keys = pd.DataFrame({"code": code[flagged], "denominator": diagnoses.denominator[flagged],
+                         "label": [labels[i] for i in flagged],
+                         "approximate": ~np.isnan(diagnoses.approximate[flagged]), "row": flagged})
     ratio = _ratios(steps)
-    for (code, denominator, _, approximate), members in groups.items():
+    unequal = np.where(ratio > 1 + context.rtol, ratio, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        far = np.nan_to_num(np.abs(np.log(np.abs(diagnoses.distortion))), nan=0.0)
+    for (code_index, denominator, _, _), group in keys.groupby(["code", "denominator", "label", "approximate"],
+                                                                sort=False):
+        members = group.row.to_numpy()
         # Evidence from the step where tokens were weighted most unequally (or q is furthest from 1).
-        def badness(i: int) -> tuple[float, float]:
-            q = diagnoses[i].distortion
-            unequal = float(ratio[i]) if ratio[i] > 1 + context.rtol else 1.0
-            return unequal, abs(math.log(abs(q))) if q else 0.0
-        worst = max(members, key=badness)
-        yield _weighting_finding(code, denominator, steps, diagnoses, members, worst, explanations.get(worst),
-                                 context)
+        worst = int(members[np.lexsort((far[members], unequal[members]))[-1]])
+        yield _weighting_finding(_CODES[int(code_index)], DENOMINATORS[int(denominator)], steps, diagnoses, members,
+                                 worst, explanation, table, context)
 
 
-def _factor_explanations(steps: pd.DataFrame, diagnoses: list[StepDiagnosis], context: RunContext
-                         ) -> dict[int, FactorExplanation]:
-    """Name each uniform factor q ≠ 1, per cluster of equal q. A factor that differs from step to step
-    (a count off by a few tokens per row: q = N/(N+4)) is one varying constant: its steps that land
-    on 1/2 or 1/3 by chance are no world-size mistake."""
-    off = [i for i, d in enumerate(diagnoses) if d.kind == StepKind.UNIFORM_OFF and d.distortion is not None]
-    if not off:
-        return {}
-    q = np.array([diagnoses[i].distortion for i in off], dtype=float)
+def _factor_explanations(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext
+                         ) -> tuple[npt.NDArray[np.int64], list[FactorExplanation]]:
+    """Name each uniform factor q ≠ 1, per cluster of equal q: per step an index into the returned
+    table (−1: none). A factor that differs from step to step (a count off by a few tokens per
+    row: q = N/(N+4)) is one varying constant: its steps that land on 1/2 or 1/3 by chance are no
+    world-size mistake."""
+    ids = np.full(len(diagnoses), -1, dtype=np.int64)
+    off = np.flatnonzero(diagnoses.kind_is(StepKind.UNIFORM_OFF) & ~np.isnan(diagnoses.distortion))
+    if not len(off):
+        return ids, []
+    q = diagnoses.distortion[off]
     labels = cluster(q, context.rtol)
-    w_high = steps.w_high.to_numpy()
-    named: dict[tuple[int, int], FactorExplanation] = {}
-    out = {}
-    for i, label in zip(off, labels):
-        key = (int(label), int(w_high[i]))
-        if key not in named:
-            center = float(np.median(q[labels == label]))
-            named[key] = explain_factor(center, int(w_high[i]), context.world_sizes, context.rtol)
-        out[i] = named[key]
-    plausible = sum(e.kind != FactorKind.OTHER for e in out.values())
-    if len(named) > VARYING_CLUSTERS and plausible < PLAUSIBLE_SHARE * len(off):
-        return {i: FactorExplanation(FactorKind.OTHER, "c") for i in off}
-    return out
+    world = steps.w_high.to_numpy()[off].astype(np.int64)
+    pairs, inverse = np.unique(np.stack([labels, world], axis=1), axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    table = []
+    for index, (label, w) in enumerate(pairs):
+        center = float(np.median(q[inverse == index]))
+        table.append(explain_factor(center, int(w), context.world_sizes, context.rtol))
+    plausible = np.array([e.kind != FactorKind.OTHER for e in table])[inverse].sum()
+    if len(table) > VARYING_CLUSTERS and plausible < PLAUSIBLE_SHARE * len(off):
+        table, inverse = [FactorExplanation(FactorKind.OTHER, "c")], np.zeros(len(off), dtype=np.int64)
+    ids[off] = inverse
+    return ids, table
 
 
 def _ratios(steps: pd.DataFrame) -> np.ndarray:
@@ -206,14 +223,15 @@ def _range(values: list[float]) -> list[float]:
     return [float(min(values)), float(max(values))]
 
 
-def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame, diagnoses: list[StepDiagnosis],
-                       members: list[int], worst: int, explanation: FactorExplanation | None,
-                       context: RunContext) -> Finding:
+def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame, diagnoses: Diagnoses,
+                       members: npt.NDArray[np.int64], worst: int, explanations: npt.NDArray[np.int64],
+                       table: list[FactorExplanation], context: RunContext) -> Finding:
     row = steps.iloc[worst]
     diagnosis = diagnoses[worst]
     step, w, tokens = int(row.step), int(row.w_high), int(row.tokens)
     step_numbers = steps.step.to_numpy()[members]
-    factors = [d.factor for d in (diagnoses[i] for i in members) if d.factor is not None]
+    explanation = table[explanations[worst]] if explanations[worst] >= 0 else None
+    factors = [float(f) for f in diagnoses.factor[members] if not np.isnan(f)]
     evidence: dict[str, Any] = {"step": step, "denominator": denominator.value, "factor": diagnosis.factor,
                                 "world_size": w, "grad_divisor": float(row.d_high), "global_tokens": tokens}
     if factors:
@@ -233,7 +251,7 @@ def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame
         formula = f"b·g = {alpha}·{FORMULA.get(denominator, '?')}"
         near = ""
         if diagnosis.approximate is not None:
-            off = max(d.approximate or 0.0 for d in (diagnoses[i] for i in members))
+            off = float(np.nanmax(diagnoses.approximate[members]))
             evidence.update({"approximate": True, "approximation_error": off})
             near = (f"The weights fit {DENOMINATOR_WORDS[denominator]} only approximately (α varies by up to "
                     f"{off:.2%}; a count that is off by a few tokens per sequence, such as one extra label per "
@@ -261,7 +279,7 @@ def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame
         return _finding(context, code, step_numbers, message, _fix_average(context), evidence)
 
     q = diagnosis.distortion or 0.0
-    distortions = [d.distortion for d in (diagnoses[i] for i in members) if d.distortion is not None]
+    distortions = [float(d) for d in diagnoses.distortion[members] if not np.isnan(d)]
     evidence.update({"distortion": q, "effective_weight": q / tokens, "distortion_range": _range(distortions)})
     spread = "" if len(set(np.round(distortions, 12))) == 1 else \
         f"; over the {len(members)} step(s) q ranges from {min(distortions):.4g} to {max(distortions):.4g}"
@@ -274,8 +292,8 @@ def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame
         return _finding(context, code, step_numbers, message, _fix_average(context), evidence)
     if code == Code.LOSS_SCALE:
         assert explanation is not None
-        exponents = sorted({e.integer for i in members if (e := explain_factor(
-            diagnoses[i].distortion or 1.0, int(steps.w_high.iloc[i]), context.world_sizes, context.rtol)).integer})
+        exponents = sorted({j for i in np.unique(explanations[members]) if i >= 0
+                            and (j := table[i].integer) is not None})
         evidence["loss_scale_exponents"] = exponents
         shown = " to ".join(f"2^{j}" for j in ([exponents[0], exponents[-1]] if len(exponents) > 1 else exponents))
         message = (f"Weights are uniform but carry a power-of-two factor ({shown}) that W={w} does not explain: "
@@ -597,7 +615,7 @@ _CONFUSED_COUNTS = {
 }
 
 
-def _balanced(steps: pd.DataFrame, diagnoses: list[StepDiagnosis], context: RunContext) -> Iterator[Finding]:
+def _balanced(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext) -> Iterator[Finding]:
     """balanced_counts: in every step the counts that a local normalization needs to differ were
     equal, so the logs cannot tell it from the token mean."""
     confused = indistinguishable(steps, context.rtol)
@@ -606,8 +624,8 @@ def _balanced(steps: pd.DataFrame, diagnoses: list[StepDiagnosis], context: RunC
     nonempty = steps.tokens > 0
     counts = sorted({int(n) for n in steps.n_high[nonempty]})
     what, mistake = _CONFUSED_COUNTS[confused]
-    detail = f"every record had the same valid-token count ({_list(counts)})" if all(
-        d.balanced for d, keep in zip(diagnoses, nonempty) if keep) else what
+    detail = f"every record had the same valid-token count ({_list(counts)})" if bool(
+        diagnoses.balanced[nonempty.to_numpy()].all()) else what
     yield _finding(context, Code.BALANCED_COUNTS, steps.step[nonempty].to_numpy(),
                    f"In every step {detail}, so {mistake} and the global token mean give the same weights here: "
                    "this run cannot show which one the code uses.",

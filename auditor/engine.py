@@ -287,10 +287,10 @@ per_rank AS (
     SELECT run, grp, term, step, rank,
         count(*) AS microbatches, sum(valid_tokens) AS rank_tokens, sum(loss_sum) AS rank_loss,
         min(w) AS e_low, max(w) AS e_high,
-        -- the heaviest and lightest record; exact ties go to the lowest microbatch (the order key moves
-        -- w by at most 2^-32 of itself), so the evidence never depends on the scan order
-        arg_max(micro, w * (1 - micro * 2e-16)) AS heavy_micro, arg_max(valid_tokens, w * (1 - micro * 2e-16)) AS heavy_n,
-        arg_min(micro, w * (1 + micro * 2e-16)) AS light_micro, arg_min(valid_tokens, w * (1 + micro * 2e-16)) AS light_n,
+        -- the heaviest and lightest record; ties, rounding noise included, go to the lowest microbatch
+        -- and rank (the order key moves w by 1e-12 of itself per index), so the scan order never decides
+        arg_max(micro, w * (1 - micro * 1e-12)) AS heavy_micro, arg_max(valid_tokens, w * (1 - micro * 1e-12)) AS heavy_n,
+        arg_min(micro, w * (1 + micro * 1e-12)) AS light_micro, arg_min(valid_tokens, w * (1 + micro * 1e-12)) AS light_n,
         min(w * valid_tokens) AS en_low, max(w * valid_tokens) AS en_high,
         arg_max(sync, micro) AS last_sync,
         -- distinct microbatch indices below 64, as set bits: fewer bits than rows means a repeated key
@@ -306,12 +306,12 @@ rank_level AS (
         min(en_low * microbatches) AS enm_low, max(en_high * microbatches) AS enm_high,
         min(e_low * rank_tokens) AS er_low, max(e_high * rank_tokens) AS er_high,
         -- the heaviest and the lightest valid record of the step, for the evidence
-        arg_max(rank, e_high * (1 - rank * 2e-16)) AS heavy_rank, arg_max(heavy_micro, e_high * (1 - rank * 2e-16)) AS heavy_micro,
-        arg_max(heavy_n, e_high * (1 - rank * 2e-16)) AS heavy_n,
-        arg_max(rank_tokens, e_high * (1 - rank * 2e-16)) AS heavy_rank_tokens,
-        arg_min(rank, e_low * (1 + rank * 2e-16)) AS light_rank, arg_min(light_micro, e_low * (1 + rank * 2e-16)) AS light_micro,
-        arg_min(light_n, e_low * (1 + rank * 2e-16)) AS light_n,
-        arg_min(rank_tokens, e_low * (1 + rank * 2e-16)) AS light_rank_tokens,
+        arg_max(rank, e_high * (1 - rank * 1e-12)) AS heavy_rank, arg_max(heavy_micro, e_high * (1 - rank * 1e-12)) AS heavy_micro,
+        arg_max(heavy_n, e_high * (1 - rank * 1e-12)) AS heavy_n,
+        arg_max(rank_tokens, e_high * (1 - rank * 1e-12)) AS heavy_rank_tokens,
+        arg_min(rank, e_low * (1 + rank * 1e-12)) AS light_rank, arg_min(light_micro, e_low * (1 + rank * 1e-12)) AS light_micro,
+        arg_min(light_n, e_low * (1 + rank * 1e-12)) AS light_n,
+        arg_min(rank_tokens, e_low * (1 + rank * 1e-12)) AS light_rank_tokens,
         -- ranks below 64 present in the step, as set bits (the missing-rank evidence)
         bit_or(CASE WHEN rank < 64 THEN CAST(1 AS UBIGINT) << CAST(rank AS UBIGINT) END) AS rank_mask,
         count_if(last_sync = false) AS unsynced_ranks,

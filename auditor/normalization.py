@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 
@@ -165,7 +165,45 @@ def candidate_bounds(steps: pd.DataFrame) -> dict[Denominator, tuple[Floats, Flo
     return {denominator: bounds[denominator] for denominator in PREFERENCE}
 
 
-def diagnose_steps(steps: pd.DataFrame, rtol: float) -> list[StepDiagnosis]:
+KINDS: tuple[StepKind, ...] = tuple(StepKind)
+DENOMINATORS: tuple[Denominator, ...] = tuple(Denominator)
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnoses:
+    """Every step's diagnosis as columns (one entry per row of the step table): no Python object per
+    step, so a run of millions of steps costs a few arrays. Indexing or iterating gives StepDiagnosis."""
+
+    kind: npt.NDArray[np.int8]
+    """Index into KINDS."""
+    denominator: npt.NDArray[np.int8]
+    """Index into DENOMINATORS."""
+    factor: Floats
+    """α (NaN: none)."""
+    distortion: Floats
+    """q = e·N where the weights are uniform (NaN elsewhere)."""
+    balanced: npt.NDArray[np.bool_]
+    approximate: Floats
+    """The spread α leaves under a denominator that fits only nearly (NaN: an exact fit or none)."""
+
+    def __len__(self) -> int:
+        return len(self.kind)
+
+    def __getitem__(self, i: int) -> StepDiagnosis:
+        def number(values: Floats) -> float | None:
+            return None if np.isnan(values[i]) else float(values[i])
+
+        return StepDiagnosis(KINDS[self.kind[i]], DENOMINATORS[self.denominator[i]], number(self.factor),
+                             number(self.distortion), bool(self.balanced[i]), number(self.approximate))
+
+    def __iter__(self) -> Iterator[StepDiagnosis]:
+        return (self[i] for i in range(len(self)))
+
+    def kind_is(self, *kinds: StepKind) -> npt.NDArray[np.bool_]:
+        return np.isin(self.kind, [KINDS.index(k) for k in kinds])
+
+
+def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
     """Recover every step's normalization, letting the whole table vote.
 
     Small steps fit several denominators by coincidence (two equal counts, N = ΣT/2, ...). The
@@ -175,7 +213,8 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> list[StepDiagnosis]:
     """
     count = len(steps)
     if count == 0:
-        return []
+        empty = np.zeros(0)
+        return Diagnoses(np.zeros(0, np.int8), np.zeros(0, np.int8), empty, empty, np.zeros(0, bool), empty)
     bounds = candidate_bounds(steps)
     divisor = _column(steps, "d_high")
     tokens = _column(steps, "tokens")
@@ -191,37 +230,40 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> list[StepDiagnosis]:
                             rtol) is not None
     unknown_divisor = _column(steps, "unknown_divisor") > 0 if "unknown_divisor" in steps else np.zeros(count, bool)
     uniform = fits[:, 0]  # e·N constant ⇔ e constant
-    distortion = (bounds[Denominator.N][0] + bounds[Denominator.N][1]) / 2
+    distortion = np.where(uniform, (bounds[Denominator.N][0] + bounds[Denominator.N][1]) / 2, np.nan)
     nearest, nearest_spread = _nearest(spreads, alphas, usable)
 
-    diagnoses = []
-    for i in range(count):
-        if tokens[i] == 0:
-            diagnoses.append(StepDiagnosis(StepKind.EMPTY, Denominator.UNDETERMINED, None, None, bool(balanced[i])))
-            continue
-        if not usable[i]:
-            diagnoses.append(StepDiagnosis(StepKind.UNWEIGHTED, Denominator.UNDETERMINED, None, None,
-                                           bool(balanced[i])))
-            continue
-        q = float(distortion[i]) if uniform[i] else None
-        approximate = None
-        if chosen[i] >= 0:
-            denominator, factor = PREFERENCE[chosen[i]], float(representative[i])
-        elif nearest[i] >= 0:
-            denominator, factor = PREFERENCE[nearest[i]], float(alphas[i, nearest[i]])
-            approximate = float(nearest_spread[i])
-        else:
-            denominator, factor = Denominator.UNEXPLAINED, None
-        if q is None:
-            kind = StepKind.NONUNIFORM
-        elif unknown_divisor[i]:
-            kind = StepKind.UNJUDGED
-        else:
-            kind = StepKind.CORRECT if close(q, 1.0, rtol) else StepKind.UNIFORM_OFF
-        if ambiguous and kind in (StepKind.CORRECT, StepKind.UNJUDGED):
-            denominator = Denominator.UNDETERMINED
-        diagnoses.append(StepDiagnosis(kind, denominator, factor, q, bool(balanced[i]), approximate))
-    return diagnoses
+    # The denominator: the vote's winner, else the nearest approximate fit, else unexplained.
+    rows = np.arange(count)
+    preference = np.array([DENOMINATORS.index(d) for d in PREFERENCE], dtype=np.int8)
+    approximate_fit = (chosen < 0) & (nearest >= 0)
+    denominator = np.full(count, DENOMINATORS.index(Denominator.UNEXPLAINED), dtype=np.int8)
+    denominator = np.where(chosen >= 0, preference[np.maximum(chosen, 0)], denominator)
+    denominator = np.where(approximate_fit, preference[np.maximum(nearest, 0)], denominator).astype(np.int8)
+    factor = np.where(chosen >= 0, representative,
+                      np.where(approximate_fit, alphas[rows, np.maximum(nearest, 0)], np.nan))
+    approximate = np.where(approximate_fit, nearest_spread, np.nan)
+
+    def index(kind: StepKind) -> int:
+        return KINDS.index(kind)
+
+    with np.errstate(invalid="ignore"):
+        correct = np.abs(distortion - 1.0) <= rtol
+    kind = np.where(correct, index(StepKind.CORRECT), index(StepKind.UNIFORM_OFF))
+    kind = np.where(uniform & unknown_divisor, index(StepKind.UNJUDGED), kind)
+    kind = np.where(~uniform, index(StepKind.NONUNIFORM), kind)
+    kind = np.where(~usable, index(StepKind.UNWEIGHTED), kind)
+    kind = np.where(tokens == 0, index(StepKind.EMPTY), kind).astype(np.int8)
+    unjudged_here = ~usable | (tokens == 0)
+    undetermined = DENOMINATORS.index(Denominator.UNDETERMINED)
+    denominator = np.where(unjudged_here, undetermined, denominator).astype(np.int8)
+    if ambiguous:
+        settled = np.isin(kind, [index(StepKind.CORRECT), index(StepKind.UNJUDGED)])
+        denominator = np.where(settled, undetermined, denominator).astype(np.int8)
+    factor = np.where(unjudged_here, np.nan, factor)
+    distortion = np.where(unjudged_here, np.nan, distortion)
+    approximate = np.where(unjudged_here, np.nan, approximate)
+    return Diagnoses(kind, denominator, factor, distortion, balanced, approximate)
 
 
 _LOCAL = (Denominator.RANK, Denominator.MICRO_TIMES_M, Denominator.MICRO, Denominator.MICRO_GLOBAL)
@@ -389,26 +431,22 @@ class Span:
     factor: float | None
 
 
-def segments(steps: pd.DataFrame, diagnoses: list[StepDiagnosis]) -> list[Span]:
+def segments(steps: pd.DataFrame, diagnoses: Diagnoses) -> list[Span]:
     """Consecutive steps with the same recovered normalization, merged per (group, term): two
-    data-parallel groups never interleave."""
-    spans: list[Span] = []
-    frame = pd.DataFrame({"grp": steps.grp.astype(str).to_numpy(), "term": steps.term.astype(str).to_numpy(),
-                          "step": steps.step.to_numpy(), "index": np.arange(len(steps))})
-    for (group, term), rows in frame.groupby(["grp", "term"], sort=True):
-        current: Span | None = None
-        for step, index in zip(rows.step.to_numpy(), rows["index"].to_numpy()):
-            diagnosis = diagnoses[int(index)]
-            if diagnosis.kind == StepKind.EMPTY:
-                continue
-            step = int(step)
-            if current and current.denominator == diagnosis.denominator and current.factor == diagnosis.factor:
-                current = Span(str(group), str(term), current.first, step, current.steps + 1, current.denominator,
-                               current.factor)
-            else:
-                if current:
-                    spans.append(current)
-                current = Span(str(group), str(term), step, step, 1, diagnosis.denominator, diagnosis.factor)
-        if current:
-            spans.append(current)
-    return spans
+    data-parallel groups never interleave. Columnar: a span starts wherever (denominator, α) changes."""
+    keep = ~diagnoses.kind_is(StepKind.EMPTY)
+    if not keep.any():
+        return []
+    frame = pd.DataFrame({"grp": steps.grp.astype(str).to_numpy()[keep], "term": steps.term.astype(str).to_numpy()[keep],
+                          "step": steps.step.to_numpy()[keep], "denominator": diagnoses.denominator[keep],
+                          "factor": diagnoses.factor[keep]}).sort_values(["grp", "term", "step"], kind="stable")
+    grp, term = frame.grp.to_numpy(), frame.term.to_numpy()
+    denominator, factor = frame.denominator.to_numpy(), frame.factor.to_numpy()
+    same_factor = (factor[1:] == factor[:-1]) | (np.isnan(factor[1:]) & np.isnan(factor[:-1]))
+    starts = np.concatenate([[True], (grp[1:] != grp[:-1]) | (term[1:] != term[:-1])
+                             | (denominator[1:] != denominator[:-1]) | ~same_factor])
+    first = np.flatnonzero(starts)
+    last = np.concatenate([first[1:], [len(frame)]]) - 1
+    step = frame.step.to_numpy()
+    return [Span(str(grp[a]), str(term[a]), int(step[a]), int(step[b]), int(b - a + 1), DENOMINATORS[denominator[a]],
+                 None if np.isnan(factor[a]) else float(factor[a])) for a, b in zip(first, last)]
