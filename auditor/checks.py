@@ -86,7 +86,7 @@ def check_run(run: str, steps: pd.DataFrame, rtol: float,
     `duplicates`: (records dropped, first step, last step, steps) when the reader found repeated keys."""
     findings: list[Finding] = []
     spans: list[Span] = []
-    sizes = tuple(sorted({int(w) for w in pd.concat([steps.w_low, steps.w_high])}))
+    sizes = tuple(int(w) for w in np.unique(np.concatenate([steps.w_low.to_numpy(), steps.w_high.to_numpy()])))
     terms = sorted(set(steps.term.astype(str)), key=lambda t: (t != "0", t))
     for term in terms:
         frame = steps[steps.term.astype(str) == term].reset_index(drop=True)
@@ -111,11 +111,11 @@ def check_run(run: str, steps: pd.DataFrame, rtol: float,
 
 def _finding(context: RunContext, code: Code, steps: list[int] | np.ndarray, message: str, fix: str,
              evidence: dict[str, Any], severity: Severity | None = None) -> Finding:
-    numbers = [int(s) for s in steps]
+    numbers = np.asarray(steps, dtype=np.int64)
     if context.term != "0":
         message = f"[term {context.term}] {message}"
     return Finding(run=context.run, code=code, severity=severity or DEFAULT_SEVERITY[code],
-                   steps=StepRange(first=min(numbers), last=max(numbers), count=len(set(numbers))),
+                   steps=StepRange(first=int(numbers.min()), last=int(numbers.max()), count=len(np.unique(numbers))),
                    message=message, fix=fix, evidence=evidence, term=context.term)
 
 
@@ -136,30 +136,28 @@ _CODES: tuple[Code, ...] = tuple(Code)
 
 
 def _weighting_codes(diagnoses: Diagnoses, explanation: npt.NDArray[np.int64],
-                     table: list[FactorExplanation]) -> tuple[npt.NDArray[np.int64], list[str]]:
-    """Per step, the index in _CODES of its weighting finding (−1: none), and the factor's label
-    (for world_size_mismatch and loss_scale, whose kinds of factor are told apart)."""
+                     table: list[FactorExplanation]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Per step, the index in _CODES of its weighting finding (−1: none), and the explanation whose
+    label tells kinds of factor apart (for world_size_mismatch and loss_scale; −1 otherwise)."""
     count = len(diagnoses)
-    code = np.full(count, -1, dtype=np.int64)
-    denominator = np.array([DENOMINATORS[d] for d in range(len(DENOMINATORS))], dtype=object)[diagnoses.denominator] \
-        if count else np.zeros(0, dtype=object)
-    nonuniform = diagnoses.kind_is(StepKind.NONUNIFORM)
-    for i in np.flatnonzero(nonuniform):
-        code[i] = _CODES.index(_NONUNIFORM_CODES.get(denominator[i], Code.UNEXPLAINED_WEIGHTING))
-    labels = [""] * count
+    by_denominator = np.array([_CODES.index(_NONUNIFORM_CODES.get(d, Code.UNEXPLAINED_WEIGHTING))
+                               for d in DENOMINATORS], dtype=np.int64)
+    code = np.where(diagnoses.kind_is(StepKind.NONUNIFORM), by_denominator[diagnoses.denominator], -1)
     kinds = {FactorKind.WORLD_SIZE: Code.WORLD_SIZE_MISMATCH, FactorKind.LOSS_SCALE: Code.LOSS_SCALE,
              FactorKind.OTHER: Code.SCALE_MISMATCH}
-    for i in np.flatnonzero(diagnoses.kind_is(StepKind.UNIFORM_OFF)):
-        if denominator[i] in (Denominator.POSITIONS, Denominator.STEP_POSITIONS):
-            code[i] = _CODES.index(Code.PADDED_DENOMINATOR)
-        elif denominator[i] == Denominator.ONE or explanation[i] < 0:
-            code[i] = _CODES.index(Code.SCALE_MISMATCH)
-        else:
-            found = table[explanation[i]]
-            code[i] = _CODES.index(kinds[found.kind])
-            if found.kind != FactorKind.OTHER:
-                labels[i] = found.label
-    return code, labels
+    by_explanation = np.array([_CODES.index(kinds[e.kind]) for e in table] + [_CODES.index(Code.SCALE_MISMATCH)],
+                              dtype=np.int64)  # the last entry stands for "none"
+    labelled = np.array([e.kind != FactorKind.OTHER for e in table] + [False])
+    off = diagnoses.kind_is(StepKind.UNIFORM_OFF)
+    padded = np.isin(diagnoses.denominator, [DENOMINATORS.index(Denominator.POSITIONS),
+                                             DENOMINATORS.index(Denominator.STEP_POSITIONS)])
+    raw = diagnoses.denominator == DENOMINATORS.index(Denominator.ONE)
+    named = np.where(explanation >= 0, explanation, len(table))
+    uniform_code = np.where(padded, _CODES.index(Code.PADDED_DENOMINATOR),
+                            np.where(raw, _CODES.index(Code.SCALE_MISMATCH), by_explanation[named]))
+    code = np.where(off, uniform_code, code)
+    label = np.where(off & ~padded & ~raw & labelled[named], named, -1)
+    return code.astype(np.int64) if count else np.zeros(0, np.int64), label.astype(np.int64)
 
 
 def _weighting_findings(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext) -> Iterator[Finding]:
@@ -167,12 +165,13 @@ def _weighting_findings(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunC
     loss_scale, scale_mismatch: one finding per (code, denominator, kind of factor), however many
     steps it spans, with the range of its factor. Steps are grouped as columns, not one by one."""
     explanation, table = _factor_explanations(steps, diagnoses, context)
-    code, labels = _weighting_codes(diagnoses, explanation, table)
+    code, label = _weighting_codes(diagnoses, explanation, table)
     flagged = np.flatnonzero(code >= 0)
     if not len(flagged):
         return
+    names = np.array([e.label for e in table] + [""], dtype=object)
     keys = pd.DataFrame({"code": code[flagged], "denominator": diagnoses.denominator[flagged],
-                         "label": [labels[i] for i in flagged],
+                         "label": names[label[flagged]],
                          "approximate": ~np.isnan(diagnoses.approximate[flagged]), "row": flagged})
     ratio = _ratios(steps)
     unequal = np.where(ratio > 1 + context.rtol, ratio, 1.0)
@@ -231,7 +230,9 @@ def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame
     step, w, tokens = int(row.step), int(row.w_high), int(row.tokens)
     step_numbers = steps.step.to_numpy()[members]
     explanation = table[explanations[worst]] if explanations[worst] >= 0 else None
-    factors = [float(f) for f in diagnoses.factor[members] if not np.isnan(f)]
+    member_factors = diagnoses.factor[members]
+    factors = [float(np.nanmin(member_factors)), float(np.nanmax(member_factors))] \
+        if not np.isnan(member_factors).all() else []
     evidence: dict[str, Any] = {"step": step, "denominator": denominator.value, "factor": diagnosis.factor,
                                 "world_size": w, "grad_divisor": float(row.d_high), "global_tokens": tokens}
     if factors:
@@ -279,9 +280,10 @@ def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame
         return _finding(context, code, step_numbers, message, _fix_average(context), evidence)
 
     q = diagnosis.distortion or 0.0
-    distortions = [float(d) for d in diagnoses.distortion[members] if not np.isnan(d)]
+    member_q = diagnoses.distortion[members]
+    distortions = [float(np.nanmin(member_q)), float(np.nanmax(member_q))] if not np.isnan(member_q).all() else []
     evidence.update({"distortion": q, "effective_weight": q / tokens, "distortion_range": _range(distortions)})
-    spread = "" if len(set(np.round(distortions, 12))) == 1 else \
+    spread = "" if len(set(np.round(distortions, 12))) <= 1 else \
         f"; over the {len(members)} step(s) q ranges from {min(distortions):.4g} to {max(distortions):.4g}"
     scaled = (f"every valid token received {q:.4g}/N instead of 1/N (step {step}{group}, N={tokens}, W={w}, "
               f"D={row.d_high:g}){spread}")
@@ -363,7 +365,8 @@ def _structure_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Fi
                        "(dist.get_world_size(ddp_model.process_group)) on every rank",
                        {"step": int(row.step), "world_size_low": int(row.w_low), "world_size_high": int(row.w_high)})
     for group, per_group in steps.groupby("grp", sort=True):
-        sizes = list(dict.fromkeys(int(w) for w in per_group.w_high))
+        values = per_group.w_high.to_numpy()
+        sizes = [int(w) for w in values[np.sort(np.unique(values, return_index=True)[1])]]  # in order of appearance
         if len(sizes) > 1:
             changed = per_group.w_high != per_group.w_high.iloc[0]
             yield _finding(context, Code.WORLD_SIZE_CHANGED, per_group.step[changed].to_numpy(),

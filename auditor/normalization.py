@@ -132,16 +132,21 @@ def close(value: float, target: float, rtol: float) -> bool:
 
 def cluster(values: Floats, rtol: float) -> npt.NDArray[np.int64]:
     """Labels grouping values that agree within rtol: sorted, each cluster spans at most 2·rtol of
-    its first member (noise of ±rtol around one true value). NaN gets −1."""
+    its first member (noise of ±rtol around one true value). NaN gets −1. One binary search per
+    cluster, not a Python step per value."""
     labels = np.full(len(values), -1, dtype=np.int64)
     order = np.argsort(values, kind="stable")
     order = order[~np.isnan(values[order])]
-    label, anchor = -1, math.nan
-    for index in order:
-        value = float(values[index])
-        if label < 0 or value - anchor > 2 * rtol * max(abs(anchor), abs(value)):
-            label, anchor = label + 1, value
-        labels[index] = label
+    ordered = values[order]
+    start, label = 0, 0
+    while start < len(ordered):
+        anchor = float(ordered[start])
+        # members: value - anchor <= 2·rtol·max(|anchor|, |value|); for a positive anchor that is
+        # value <= anchor/(1 - 2·rtol); else value <= anchor + 2·rtol·|anchor|
+        limit = anchor / (1 - 2 * rtol) if anchor > 0 else anchor + 2 * rtol * abs(anchor)
+        stop = max(start + 1, int(np.searchsorted(ordered, limit, side="right")))
+        labels[order[start:stop]] = label
+        start, label = stop, label + 1
     return labels
 
 
@@ -448,5 +453,8 @@ def segments(steps: pd.DataFrame, diagnoses: Diagnoses) -> list[Span]:
     first = np.flatnonzero(starts)
     last = np.concatenate([first[1:], [len(frame)]]) - 1
     step = frame.step.to_numpy()
-    return [Span(str(grp[a]), str(term[a]), int(step[a]), int(step[b]), int(b - a + 1), DENOMINATORS[denominator[a]],
-                 None if np.isnan(factor[a]) else float(factor[a])) for a, b in zip(first, last)]
+    names = [DENOMINATORS[d] for d in denominator[first].tolist()]
+    factors = [None if f != f else f for f in factor[first].tolist()]  # NaN: none
+    return [Span(g, t, a, b, n, d, f) for g, t, a, b, n, d, f in zip(
+        grp[first].tolist(), term[first].tolist(), step[first].tolist(), step[last].tolist(),
+        (last - first + 1).tolist(), names, factors)]

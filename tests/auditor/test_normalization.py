@@ -223,3 +223,40 @@ def test_a_token_mean_run_that_a_local_count_explains_just_as_well(counts: Any, 
     assert indistinguishable(steps, 1e-4) == confused
     undetermined = {d.denominator for d in diagnose_steps(steps, 1e-4)} == {Denominator.UNDETERMINED}
     assert undetermined == (confused is not None)
+
+
+def test_a_long_run_costs_columns_not_an_object_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory bound's mechanism: diagnoses, votes, codes and spans are arrays; a Python object is
+    made per finding or per span, never per step."""
+    import tokaudit.normalization as normalization
+    from tokaudit.checks import check_run
+
+    rng = np.random.default_rng(5)
+    rows = []
+    for step in range(20_000):
+        counts = [[int(rng.integers(1, 300))], [int(rng.integers(1, 300))]]
+        rows.append(step_row(step, weights(counts, lambda n_r, W, **_: 1 / (W * n_r))))
+    steps = table(rows)
+    for column in ("w_low", "d_low", "probe_nonuniform", "masked_weighted", "nonfinite_valid", "nonfinite_zero",
+                   "unsynced_ranks", "skipped_true", "skipped_false", "sync_known", "sync_true", "reported",
+                   "unweighted_records"):
+        steps[column] = steps["w_high"] if column == "w_low" else steps["d_high"] if column == "d_low" else 0
+    steps["ranks"], steps["rank_mask"] = 2, 3
+    for which in ("heavy", "light"):
+        for field in ("rank", "micro", "n", "rank_tokens"):
+            steps[f"{which}_{field}"] = 1
+    steps["tok_low"], steps["tok_high"] = steps.e_low, steps.e_high
+    made = []
+    original = normalization.StepDiagnosis.__init__
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> None:
+        made.append(1)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(normalization.StepDiagnosis, "__init__", counting)
+    diagnoses = diagnose_steps(steps, 1e-4)
+    assert isinstance(diagnoses.kind, np.ndarray) and len(diagnoses.kind) == 20_000
+    findings, spans = check_run("long", steps, 1e-4)
+    uneven = sum(row["n_low"] != row["n_high"] for row in rows)  # equal counts weigh the same either way
+    assert [f.code.value for f in findings] == ["local_mean"] and findings[0].steps.count == uneven
+    assert len(spans) == 1 and len(made) < 10
