@@ -8,12 +8,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import duckdb
+import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
 from tokaudit.checks import DEFAULT_RTOL, check_run
 from tokaudit.codes import DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
 from tokaudit.engine import Engine
+from tokaudit.normalization import Denominator
 from tokaudit.errors import LogFormatError, UsageError
 from tokaudit.reader import LogSet, Shard, load
 from tokaudit.report import AuditReport, Finding, RunSummary, Segment, StepRange, Verdict
@@ -122,7 +124,8 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
                 run_findings.append(lost.finding(run))
             run_findings = _policy(run_findings, ignored, min_ratio)
             findings.extend(run_findings)
-            segments = [Segment(s.first, s.last, s.steps, s.denominator.value, s.factor, s.group, s.term)
+            value = {d: d.value for d in Denominator}
+            segments = [Segment(s.first, s.last, s.steps, value[s.denominator], s.factor, s.group, s.term)
                         for s in spans]
             summaries.append(_summary(run, frame, run_findings, segments))
         findings.sort(key=lambda f: (-f.severity.rank, f.run, f.term != "0", f.term, _CODE_ORDER[f.code], f.steps.first))
@@ -215,9 +218,10 @@ def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: l
     terms = sorted(set(frame.term.astype(str)), key=lambda t: (t != "0", t))
     main = [s for s in segments if s.term == terms[0]]
     normalization = max(main, key=lambda s: s.steps) if main else None
-    sizes = sorted({int(w) for w in pd.concat([frame.w_low, frame.w_high])})
+    sizes = [int(w) for w in np.unique(np.concatenate([frame.w_low.to_numpy(), frame.w_high.to_numpy()]))]
     skipped = int(frame.step[frame.skipped_true > 0].nunique())
-    divisors = sorted({float(d) for d in pd.concat([frame.d_low, frame.d_high]).dropna()})
+    both = np.concatenate([frame.d_low.to_numpy(dtype=float), frame.d_high.to_numpy(dtype=float)])
+    divisors = [float(d) for d in np.unique(both[~np.isnan(both)])]
     weighted_steps = frame[frame.weighted_records > 0]
     weight_range = None
     if not weighted_steps.empty:

@@ -316,7 +316,8 @@ def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame
         return _finding(context, code, step_numbers, message, _fix_average(context), evidence)
     if denominator == Denominator.ONE:
         message = (f"The loss sum was backpropagated without a token denominator (b·g = {diagnosis.factor:g}·S): "
-                   f"{scaled}; the effective learning rate grows with the number of valid tokens.")
+                   f"{scaled}; the gradient's size grows with the number of valid tokens (under SGD so does the step; "
+                   "under Adam(W) its balance against epsilon, weight decay and gradient clipping shifts).")
     else:
         aux = (" If this term is weighted on purpose (an auxiliary loss coefficient λ), this is that λ."
                if context.term != "0" else "")

@@ -36,7 +36,7 @@ EXPLANATIONS: dict[Code, tuple[str, str, str, str]] = {
     Code.WORLD_SIZE_MISMATCH: (
         "uniform weights, off by an integer factor (W)",
         "Every token weighs the same, but q = e·N is an integer k or 1/k. Typical causes: S/N into an average "
-        "(q = 1/W, learning rate silently ÷W); W·S/N into a summing hook or FSDP with divide factor 1 (q = W); "
+        "(q = 1/W: the gradient silently ÷W); W·S/N into a summing hook or FSDP with divide factor 1 (q = W); "
         "a hard-coded or stale W; the global world size used on a data-parallel subgroup under DP×TP "
         "(q = TP); N summed over replicated ranks (q = 1/TP).",
         "Take W from the process group that averages the gradients "

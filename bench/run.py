@@ -1,7 +1,9 @@
 """All benchmarks in one command: `make bench` (or python bench/run.py [--rows N] [--skip-overhead]).
 
-Prints one table: recorder overhead on a CPU transformer LM, and `tokaudit check` against a naive
-pandas audit on a synthetic log of N rows (default 10⁷: 1024 ranks × 2500 steps × 4 microbatches).
+Prints one table: recorder overhead on a CPU transformer LM, and `tokaudit check` next to a
+one-query DuckDB floor (per-step N and the extremes of b/S over the same files) and a naive pandas
+audit, on synthetic logs in the recorder's layout (default 10⁷ rows as 64 ranks × 4 microbatches
+and as 8 ranks × 1 microbatch, plus 10,000 one-row shards; --rows 1e8 for 1,024 ranks × 4).
 """
 
 from __future__ import annotations
@@ -19,6 +21,18 @@ def measured(kind: str, path: Path) -> dict[str, float]:
     done = subprocess.run([sys.executable, str(HERE / "measure.py"), kind, str(path)], capture_output=True,
                           text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _compare(label: str, log: Path, naive: bool) -> list[tuple[str, str]]:
+    """tokaudit check next to the one-query floor (and naive pandas), run one after the other."""
+    floor, check = measured("floor", log), measured("check", log)
+    rows = [(f"{label}: tokaudit check", f"{check['wall_s']:.2f} s, {check['peak_rss_mb']:.0f} MiB, "
+                                        f"{check['wall_s'] / floor['wall_s']:.1f}× the floor"),
+            (f"{label}: one-query floor", f"{floor['wall_s']:.2f} s, {floor['peak_rss_mb']:.0f} MiB")]
+    if naive:
+        result = measured("naive", log)
+        rows.append((f"{label}: naive pandas", f"{result['wall_s']:.2f} s, {result['peak_rss_mb']:.0f} MiB"))
+    return rows
 
 
 def main() -> None:
@@ -40,21 +54,27 @@ def main() -> None:
                  ("recorder: median step, Recorder + probe", f"{result['recorded_ms']:.1f} ms"),
                  ("recorder: step-time ratio", f"{result['ratio']:.4f}"),
                  ("recorder: ratio with shard flushes amortized", f"{result['ratio_with_flush']:.4f}")]
-    ranks, micro = 1024, 4
-    steps = int(args.rows) // (ranks * micro)
-    log = args.out / f"synthetic-{ranks}x{steps}x{micro}"
-    if not log.exists():
-        sys.path.insert(0, str(HERE))
-        from synthetic import write_log
+    sys.path.insert(0, str(HERE))
+    from synthetic import write_log, write_small_shards
 
-        print(f"writing {ranks * steps * micro:,} rows to {log} (once)…", file=sys.stderr)
-        write_log(log, ranks, steps, micro)
-    check, naive = measured("check", log), measured("naive", log)
-    label = f"{ranks * steps * micro:,} rows"
-    rows += [(f"tokaudit check, {label}: wall", f"{check['wall_s']:.2f} s"),
-             (f"tokaudit check, {label}: peak RSS", f"{check['peak_rss_mb']:.0f} MiB"),
-             (f"naive pandas audit, {label}: wall", f"{naive['wall_s']:.2f} s"),
-             (f"naive pandas audit, {label}: peak RSS", f"{naive['peak_rss_mb']:.0f} MiB")]
+    # (label, ranks, micro, steps per file, ranks per file): the recorder's layout, one shard per rank
+    # and 4096 records; half the steps rank-local means, planted.
+    layouts = [("64 ranks × 4 micro", 64, 4, 1024, 1), ("8 ranks × 1 micro", 8, 1, 4096, 1)]
+    if args.rows >= 1e8:
+        layouts = [("1,024 ranks × 4 micro", 1024, 4, 1024, 1)]
+    for label, ranks, micro, steps_per_file, ranks_per_file in layouts:
+        steps = int(args.rows) // (ranks * micro)
+        log = args.out / f"synthetic-{ranks}x{steps}x{micro}"
+        if not log.exists():
+            print(f"writing {ranks * steps * micro:,} rows to {log} (once)…", file=sys.stderr)
+            write_log(log, ranks, steps, micro, steps_per_file=steps_per_file, ranks_per_file=ranks_per_file,
+                      local_mean_every=2)
+        rows += _compare(f"{ranks * steps * micro:.0e} rows, {label} ({steps:,} steps)", log,
+                         naive=ranks * steps * micro <= 2e7)
+    small = args.out / "small-10000"
+    if not small.exists():
+        write_small_shards(small, 100, 100)
+    rows += _compare("10,000 one-row shards", small, naive=False)
     width = max(len(name) for name, _ in rows)
     print(f"{'benchmark':<{width}}  figure")
     print(f"{'-' * width}  ------")

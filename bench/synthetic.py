@@ -56,6 +56,21 @@ def write_log(out: Path, ranks: int, steps: int, micro: int, steps_per_file: int
     return rows
 
 
+def write_small_shards(out: Path, steps: int, ranks: int) -> None:
+    """steps × ranks one-row shards of a correct run (the many-small-files case)."""
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for step in range(steps):
+        counts = rng.integers(1, 100, size=ranks)
+        for rank in range(ranks):
+            pq.write_table(pa.table({
+                "step": pa.array([step], pa.int64()), "micro": pa.array([0], pa.int32()),
+                "rank": pa.array([rank], pa.int32()), "world_size": pa.array([ranks], pa.int32()),
+                "loss_sum": [2.0 * counts[rank]], "valid_tokens": pa.array([int(counts[rank])], pa.int64()),
+                "backward_scalar": [ranks * 2.0 * counts[rank] / counts.sum()]}),
+                out / f"rank-{rank:05d}-{step:06d}.parquet")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("out", type=Path)
