@@ -50,9 +50,11 @@ def capture_cross_entropy(recorder: Recorder) -> Iterator[None]:
             return out
 
     F.cross_entropy = captured
+    recorder._capturing += 1
     try:
         yield
     finally:
+        recorder._capturing -= 1
         F.cross_entropy = original
 
 

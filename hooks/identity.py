@@ -58,3 +58,27 @@ def known_hook_divisor(hook: Callable[..., Any], world_size: int) -> float | Non
         getattr(default_hooks, "bf16_compress_hook", default_hooks.allreduce_hook),
     }
     return float(world_size) if hook in averaging else None
+
+
+def fsdp2_divisor(model: Any) -> float | None:
+    """D of an FSDP2 module (`fully_shard`): the factor set by set_gradient_divide_factor, else the
+    data-parallel size, reduce-scatter group × all-reduce group (HSDP); `force_sum_reduction_for_comms`
+    moves the division out of the collective but keeps it (torch's _get_gradient_divide_factors).
+    None when the parameter groups disagree or cannot be read."""
+    factors = set()
+    try:
+        for module in model.modules():
+            get_state = getattr(module, "_get_fsdp_state", None)
+            if get_state is None:
+                continue
+            group = getattr(get_state(), "_fsdp_param_group", None)
+            if group is None:
+                continue
+            factor = group.gradient_divide_factor
+            if factor is None:
+                mesh = group.mesh_info  # HSDP adds a replicate (all-reduce) dimension to the shard one
+                factor = mesh.shard_mesh_size * getattr(mesh, "replicate_mesh_size", 1)
+            factors.add(float(factor))
+    except Exception:
+        return None
+    return factors.pop() if len(factors) == 1 else None

@@ -18,7 +18,7 @@ import torch
 
 from tokaudit.hooks.amp import ScalerWatch
 from tokaudit.hooks.columns import INT64_MAX, Value, check_scalar, ranges, to_host, writable_rows
-from tokaudit.hooks.identity import Identity, known_hook_divisor, resolve_identity
+from tokaudit.hooks.identity import Identity, fsdp2_divisor, known_hook_divisor, resolve_identity
 from tokaudit.hooks.probe import ProbeResult, TokenProbe
 from tokaudit.hooks.shards import ShardWriter
 from tokaudit.hooks.signals import on_termination, run_deferred
@@ -78,6 +78,7 @@ class Recorder:
         self._awaiting_scale: list[dict[str, Any]] = []
         self._zero_grad_wrapper: Callable[..., Any] | None = None
         self._captured_micro: dict[tuple[int, str], int] = {}
+        self._capturing = 0
         self._call_group = 0
         self._fills = 0
         self._steps_known = optimizer is not None  # else until begin_step/end_step is called
@@ -358,6 +359,13 @@ class Recorder:
                 record["skipped"] = skipped
 
     def _on_optimizer_step(self) -> None:
+        if self._capturing and not self._step_records:
+            # The optimizer stepped on a loss that never went through F.cross_entropy.
+            self._warn_once("invisible", f"tokaudit: no cross-entropy call was captured in optimizer step "
+                                         f"{self._step}: the loss is computed by a kernel tokaudit cannot see (a "
+                                         "fused or vocab-parallel cross-entropy such as Liger's, cut-cross-entropy "
+                                         "or Megatron's); record it with rec.probe(per_token_loss, valid) and "
+                                         "rec.record(...) around that loss")
         self._closed_step = self._step
         self.end_step()
 
@@ -472,7 +480,8 @@ class Recorder:
 
     def _resolve_divisor(self) -> None:
         """D from what can be seen: DDP without a comm hook averages (D = W); a known hook says its
-        divisor; otherwise D is unknown and the log says so (divisor_known = false)."""
+        divisor; an FSDP2 module (fully_shard) says its divide factor; otherwise D is unknown and the
+        log says so (divisor_known = false)."""
         self._divisor_resolved = True
         hooks = getattr(self._model, "_comm_hooks", None)
         if self._model is not None and hooks is not None:
@@ -487,6 +496,15 @@ class Recorder:
                 self._warn_once("divisor", f"tokaudit: DDP comm hook {name} is registered and its divisor cannot "
                                            "be seen; pass Recorder(grad_divisor=...) (1 for a summing hook, W for "
                                            "an average). Until then the audit does not judge the gradient's scale.")
+            return
+        if self._model is not None and hasattr(self._model, "_get_fsdp_state"):
+            self._grad_divisor = fsdp2_divisor(self._model)
+            if self._grad_divisor is not None:
+                return
+            self._divisor_known = False
+            self._warn_once("divisor", "tokaudit: the FSDP2 module's reduce-scatter divisor cannot be read; pass "
+                                       "Recorder(grad_divisor=...) (the divide factor, or the data-parallel size). "
+                                       "Until then the audit does not judge the gradient's scale.")
             return
         if self.world_size > 1:
             self._divisor_known = False

@@ -256,3 +256,23 @@ def test_the_fix_divides_in_float32(dtype: torch.dtype, tokens: int) -> None:
         warnings.simplefilter("error")
         narrow = loss_sum.detach() * 2 / torch.tensor(tokens).to(dtype)  # what casting N to the loss dtype gave
     assert not math.isclose(float(narrow), 2 * 16.0 / tokens, rel_tol=1e-4)
+
+
+def test_a_loss_the_capture_cannot_see_is_said_at_the_first_step(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    labels = torch.tensor([0, 1, 2, 1])
+
+    def fused_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # what a fused kernel computes, without calling F.cross_entropy
+        return -(logits.log_softmax(-1).gather(1, target[:, None])).mean()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Recorder(tmp_path, run_id="fused", optimizer=optimizer) as rec, rec.capture_cross_entropy():
+            for _ in range(3):
+                fused_cross_entropy(model(torch.randn(4, 4)), labels).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    said = [str(w.message) for w in caught if "no cross-entropy call was captured" in str(w.message)]
+    assert len(said) == 1 and "rec.probe" in said[0] and "step 0" in said[0]

@@ -1,0 +1,89 @@
+"""FSDP2 (`fully_shard`) on 2 gloo processes: the recorder reads D from the module (the data-parallel
+size, or set_gradient_divide_factor), the float64 reference says which loop is right, the audit agrees."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from scenarios.harness import run_ddp
+from scenarios.strategies import Scenario, make_model, microbatch, per_token_loss, reference_gradient
+
+pytestmark = pytest.mark.distributed
+
+COUNTS = (((5,), (2,)), ((1,), (7,)), ((6,), (3,)))
+
+
+def fsdp_job(rank: int, world_size: int, log_dir: str, variant: str) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from tokaudit.hooks import Recorder, global_valid_tokens
+
+    model = make_model()  # the same float64 start on every rank
+    fully_shard(model)
+    if variant == "sum_factor":
+        model.set_gradient_divide_factor(1.0)  # a summing reduce-scatter (torchtitan's choice)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    recorder = Recorder(log_dir, run_id=variant, model=model, optimizer=optimizer)
+    history = []
+    for step, per_rank in enumerate(COUNTS):
+        count = per_rank[rank][0]
+        tokens, labels, valid = microbatch(step, rank, 0, count)
+        global_tokens = global_valid_tokens([labels])
+        before = [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[operator]
+        per_token = recorder.probe(per_token_loss(model, tokens, labels), valid)
+        loss_sum = (per_token * valid).sum()
+        if variant == "token_mean":
+            scalar = world_size * loss_sum / global_tokens  # W·S/N into the averaging reduce-scatter
+        elif variant == "sum_factor":
+            scalar = loss_sum / global_tokens
+        else:
+            scalar = loss_sum / count  # a rank-local mean
+        recorder.record(loss_sum=loss_sum, valid_tokens=count, backward_scalar=scalar)
+        scalar.backward()
+        grads = [p.grad.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
+        optimizer.step()
+        optimizer.zero_grad()
+        history.append({"before": before, "grads": grads})
+    recorder.close()
+    divisor = recorder._grad_divisor
+    del model, optimizer
+    gc.collect()
+    dist.barrier()
+    return [{"divisor": divisor}, *history]
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[Any]]]:
+    root = tmp_path_factory.mktemp("fsdp2")
+    return root, {variant: run_ddp(fsdp_job, 2, str(root), variant, timeout=120)
+                  for variant in ("token_mean", "sum_factor", "local_mean")}
+
+
+@pytest.mark.parametrize("variant, divisor, correct, codes", [
+    ("token_mean", 2.0, True, set()),
+    ("sum_factor", 1.0, True, set()),
+    ("local_mean", 2.0, False, {"local_mean"}),
+])
+def test_fsdp2_divisor_is_read_and_the_verdict_follows_the_reference(fsdp_runs: Any, variant: str, divisor: float,
+                                                                     correct: bool, codes: set[str]) -> None:
+    from tokaudit.auditing import audit
+
+    root, runs = fsdp_runs
+    scenario = Scenario(name=variant, strategy="token_mean", world_size=2, counts=COUNTS, correct=correct,
+                        description="")
+    for result in runs[variant]:
+        assert result[0]["divisor"] == divisor, "D read from the FSDP2 module"
+        for step, record in enumerate(result[1:]):
+            want = reference_gradient(record["before"], scenario, step, [0, 1])  # the token mean, float64
+            same = all(torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(record["grads"], want, strict=True))
+            assert same == correct, (variant, step)
+    report = audit([root / variant])
+    (run,) = report.runs
+    assert {f.code.value for f in report.findings} == codes
+    assert run.verdict == ("correct" if correct else "incorrect")
