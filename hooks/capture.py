@@ -39,6 +39,13 @@ def capture_cross_entropy(recorder: Recorder) -> Iterator[None]:
                  size_average: bool | None = None, ignore_index: int = -100, reduce: bool | None = None,
                  reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
         out = original(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        if torch.compiler.is_compiling():
+            # Inside a compiled region recording would break the graph at every step: leave the call
+            # alone (the optimizer step then says nothing was captured) and say how to record instead.
+            recorder._warn_once("compiled", "tokaudit: a cross-entropy inside torch.compile is not captured; "
+                                            "return the per-token loss from the compiled function and wrap it "
+                                            "with rec.probe() and rec.record() outside it")
+            return out
         if not (torch.is_grad_enabled() and out.requires_grad):
             return out
         try:
