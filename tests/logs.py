@@ -9,6 +9,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tokaudit.codes import Code
+from tokaudit.report import AuditReport, Finding
 from tokaudit.schema import WRITER_SCHEMA
 
 Counts = Sequence[Sequence[Sequence[int]]]  # counts[step][rank][micro]
@@ -54,6 +56,22 @@ def write_by_rank(folder: Path, rows: list[dict[str, Any]]) -> Path:
     for rank in sorted({row["rank"] for row in rows}):
         write(folder / f"rank-{rank:05d}-000000.parquet", [row for row in rows if row["rank"] == rank])
     return folder
+
+
+def audit_rows(tmp_path: Path, rows: list[dict[str, Any]], **kwargs: Any) -> AuditReport:
+    """Audit rows written as one shard per rank under tmp_path/run."""
+    from tokaudit.auditing import audit
+
+    return audit([write_by_rank(tmp_path / "run", rows)], **kwargs)
+
+
+def codes(report: AuditReport) -> set[str]:
+    return {f.code.value for f in report.findings}
+
+
+def only(report: AuditReport, code: Code) -> Finding:
+    (finding,) = [f for f in report.findings if f.code == code]
+    return finding
 
 
 # Backward scalars of the usual constructions (b per record; D = W unless the test says otherwise).

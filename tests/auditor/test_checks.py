@@ -8,23 +8,9 @@ from typing import Any
 
 import pytest
 
-from tests.logs import UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
+from tests.logs import audit_rows, codes, only, UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
 from tokaudit.auditing import audit
 from tokaudit.codes import Code, Severity
-from tokaudit.report import AuditReport, Finding
-
-
-def audit_rows(tmp_path: Path, rows: list[dict[str, Any]], **kwargs: Any) -> AuditReport:
-    return audit([write_by_rank(tmp_path / "run", rows)], **kwargs)
-
-
-def codes(report: AuditReport) -> set[str]:
-    return {f.code.value for f in report.findings}
-
-
-def only(report: AuditReport, code: Code) -> Finding:
-    (finding,) = [f for f in report.findings if f.code == code]
-    return finding
 
 
 @pytest.mark.parametrize("name, counts, scalar, extra", [

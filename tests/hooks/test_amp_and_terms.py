@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.hooks.syncs import count_host_syncs
 from tokaudit.hooks import Recorder, token_mean_loss
 from tokaudit.hooks.terms import Footprint
 
@@ -100,15 +101,7 @@ def test_an_untold_scaler_shows_as_a_loss_scale(tmp_path: Path) -> None:
 
 
 def test_recording_under_a_scaler_adds_no_host_sync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[str] = []
-    for name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__"):
-        original = getattr(torch.Tensor, name)
-
-        def counting(self: torch.Tensor, *args: Any, _name: str = name, _original: Any = original) -> Any:
-            calls.append(_name)
-            return _original(self, *args)
-
-        monkeypatch.setattr(torch.Tensor, name, counting)
+    calls = count_host_syncs(monkeypatch)
 
     def syncs(record: bool) -> int:
         calls.clear()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from scenarios.harness import run_ddp
+from tests.hooks.syncs import count_host_syncs
 from tokaudit.hooks import Recorder
 from tokaudit.schema import WRITER_SCHEMA
 
@@ -60,15 +61,7 @@ def test_probe_is_identity_to_the_bit_and_measures_each_weight(tmp_path: Path, s
 
 
 def test_no_host_sync_between_flushes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[str] = []
-    for name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__"):
-        original = getattr(torch.Tensor, name)
-
-        def counting(self: torch.Tensor, *args: Any, _name: str = name, _original: Any = original) -> Any:
-            calls.append(_name)
-            return _original(self, *args)
-
-        monkeypatch.setattr(torch.Tensor, name, counting)
+    calls = count_host_syncs(monkeypatch)
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     rec = Recorder(tmp_path, run_id="sync", optimizer=optimizer, flush_every=1000)
