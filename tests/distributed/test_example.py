@@ -35,3 +35,18 @@ def test_the_fixed_example_is_correct_and_the_mistake_is_caught(tmp_path: Path) 
     assert report["runs"][0]["steps"] == 10 and report["runs"][0]["ranks"] == 2
     code, report = check(tmp_path / "broken")
     assert code == 1 and "local_mean" in {f["code"] for f in report["findings"]}
+
+
+TORCHTITAN = Path(__file__).resolve().parents[2] / "examples" / "torchtitan_style.py"
+
+
+def test_the_torchtitan_style_example_is_correct(tmp_path: Path) -> None:
+    """FSDP2 with a summing reduce-scatter, N all-reduced before the first backward, a compiled loss."""
+    torchrun_path = Path(sys.executable).with_name("torchrun")
+    subprocess.run([str(torchrun_path), "--standalone", "--nproc-per-node", "2", str(TORCHTITAN), "--log-dir",
+                    str(tmp_path), "--steps", "4"], check=True, capture_output=True, timeout=420,
+                   env={"PATH": "/usr/bin:/bin", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+    code, report = check(tmp_path / "torchtitan_style")
+    (run,) = report["runs"]
+    assert code == 0 and run["verdict"] == "correct" and report["findings"] == [], report["findings"]
+    assert run["divisors"] == [1.0] and run["steps"] == 4 and run["microbatches"] == 2
