@@ -42,10 +42,12 @@ def resolve_identity(process_group: Any) -> Identity:
         return Identity(dist.get_rank(process_group), dist.get_world_size(process_group), group_id(process_group))
     announced = os.environ.get("WORLD_SIZE", "")
     size = int(announced) if announced.isdigit() else None
-    rank_text = os.environ.get("RANK", "")
-    # torchrun started us but no process group exists: keep the launcher's rank, so shards never collide.
-    rank = int(rank_text) if size and size > 1 and rank_text.isdigit() else 0
-    return Identity(rank, 1, "0", size if size and size > 1 else None)
+    if size is None or size < 2:
+        return Identity(0, 1, "0")
+    # A launcher started several processes but no process group exists: nothing averages, so each
+    # process is its own group of one, named by the launcher's rank (its shards never collide).
+    rank = os.environ.get("RANK", "")
+    return Identity(0, 1, f"process-{rank if rank.isdigit() else 0}", size)
 
 
 def known_hook_divisor(hook: Callable[..., Any], world_size: int) -> float | None:

@@ -88,8 +88,6 @@ class Recorder:
         self._writer: ShardWriter | None = None
         self._backlog: list[pa.Table] = []
         self._dropped: dict[int, int] = {}  # step → records that could not be kept
-        self._invalid = 0
-        self._run_id = run_id
         base = Path(log_dir)
         self.log_dir = base / run_id if run_id else base
         try:
@@ -236,11 +234,6 @@ class Recorder:
         if self._capture is None:
             self._capture = self.capture_cross_entropy()
             self._capture.__enter__()
-
-    def watch_scaler(self, scaler: Any) -> None:
-        """Follow a GradScaler found after construction (trainer callbacks): as `Recorder(scaler=...)`."""
-        if self._scaler is None and scaler is not None:
-            self._scaler = ScalerWatch(scaler, self._on_scaler_update, self._on_scale)
 
     def begin_step(self, step: int) -> None:
         """The next records belong to optimizer update `step` (a trainer's global step, so a resumed
@@ -521,7 +514,6 @@ class Recorder:
                 self._warn_once("identity", f"tokaudit: WORLD_SIZE={self._identity.announced_world_size} but no "
                                             "process group is initialized: each process is recorded as its own "
                                             "group of W=1 (make the first record after init_process_group)")
-                self._identity = Identity(0, 1, f"process-{self._identity.rank}")
         return self._identity
 
     def _filled(self, record: dict[str, Any]) -> None:
@@ -628,7 +620,6 @@ class Recorder:
         if not all(keep):
             bad = [r for r, ok in zip(records, keep) if not ok]
             self._note_dropped_records(bad)
-            self._invalid += len(bad)
             self._warn_once("invalid", f"tokaudit: {len(bad)} record(s) with a value no audit can use (a null or "
                                        "negative count, a missing loss sum, a NaN scale) were left out and noted "
                                        "in the log as dropped")
