@@ -443,13 +443,13 @@ class Recorder:
         footprint = Footprint.of(target)
         for call in self._open_calls:
             same = (call.named and call.term == self._active_term) if self._active_term is not None else \
-                (not call.named and call.footprint.disjoint(footprint))
+                (not call.named and all(seen.disjoint(footprint) for seen in call.footprints))
             if same:
                 record = call.record
                 record["loss_sum"] = record["loss_sum"] + loss_sum.detach()
                 record["valid_tokens"] = record["valid_tokens"] + valid_tokens.detach()
                 record["positions"] = record["positions"] + positions
-                call.footprint = footprint
+                call.footprints.append(footprint)  # a later call must miss every chunk, not only the last
                 return call.probe
         term = self._active_term
         if term is None:
@@ -460,7 +460,7 @@ class Recorder:
                     term=term, _captured=True)
         if self._records and self._records[-1]["probe"] is probe:
             self._open_calls.append(_OpenCall(self._records[-1], probe, term, self._active_term is not None,
-                                              footprint))
+                                              [footprint]))
         return probe
 
     # ---------------------------------------------------------------- internals: identity, shards
@@ -642,7 +642,8 @@ class _OpenCall:
     probe: ProbeResult
     term: str
     named: bool
-    footprint: Footprint
+    footprints: list[Footprint]
+    """The targets of every call merged into it (the chunks of one term)."""
 
 
 def _detached(value: Value) -> Value:

@@ -190,6 +190,12 @@ def test_terms_are_told_from_chunks_by_their_targets(tmp_path: Path) -> None:
         logits = heads[0](hidden).transpose(1, 2)
         (F.cross_entropy(logits[..., :3], labels[:, :3], reduction="sum")
          + F.cross_entropy(logits[..., 3:], labels[:, 3:], reduction="sum")).backward()
+        rec.begin_step(6)
+        # two chunks, then a second head over the first chunk's labels: another term, though its
+        # labels miss the last chunk
+        logits, flat = heads[0](hidden).flatten(0, 1), labels.flatten()
+        (F.cross_entropy(logits[:5], flat[:5], reduction="sum") + F.cross_entropy(logits[5:], flat[5:], reduction="sum")
+         + F.cross_entropy(heads[1](hidden).flatten(0, 1)[:5], flat[:5], reduction="sum")).backward()
         rec.begin_step(5)
         # chunks whose labels were copied (flatten of a 2-D slice) cannot be told from another head
         # by their targets: named, they are one term
@@ -215,7 +221,7 @@ def test_terms_are_told_from_chunks_by_their_targets(tmp_path: Path) -> None:
     assert shape == [(0, "0", 0, valid), (0, "1", 0, valid), (1, "0", 0, valid), (2, "0", 0, valid),
                      (3, "0", 0, valid), (3, "1", 0, int((labels[:, 1:] != -100).sum())),
                      (3, "2", 0, int((labels[:, 2:] != -100).sum())), (4, "lm", 0, valid), (4, "router", 0, valid),
-                     (5, "0", 0, valid)]
+                     (5, "0", 0, valid), (6, "0", 0, valid), (6, "1", 0, int((flat[:5] != -100).sum()))]
     for row in rows:  # every captured term's probe saw its own tokens' weights
         expected = 1 / valid if row["step"] == 4 else 1.0
         assert row["token_weight_sum"] / row["valid_tokens"] == pytest.approx(expected, rel=1e-6)
