@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import duckdb
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 import pyarrow.parquet as pq
 
@@ -110,9 +111,7 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
             lost = dropped.get(run)
             if lost:
                 # Steps that lost records are not judged on the part of their tokens that was kept.
-                judged = ~pd.Series([(str(g), int(s)) in lost.keys for g, s in zip(frame.grp, frame.step)],
-                                    index=frame.index, dtype=bool)
-                frame = frame[judged].reset_index(drop=True)
+                frame = frame[~lost.covers(frame)].reset_index(drop=True)
                 if frame.empty:
                     findings.append(lost.finding(run))
                     summaries.append(RunSummary(run=run, rows=0, steps=0, ranks=0, world_size=[], groups=0,
@@ -139,22 +138,44 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
 class _Dropped:
     """Records one run's recorders could not keep, from their shards' footers."""
 
-    keys: set[tuple[str, int]] = field(default_factory=set)
-    """(group, step) that lost records."""
+    spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    """Per group, the step ranges (first, last) that lost records."""
     records: int = 0
     ranks: set[tuple[str, int]] = field(default_factory=set)
 
+    def covers(self, frame: pd.DataFrame) -> npt.NDArray[np.bool_]:
+        """Rows of the step table whose (group, step) lost records."""
+        hit = np.zeros(len(frame), dtype=bool)
+        groups, steps = frame.grp.astype(str).to_numpy(), frame.step.to_numpy()
+        for group, spans in self.spans.items():
+            mine = groups == group
+            for first, last in spans:
+                hit |= mine & (steps >= first) & (steps <= last)
+        return hit
+
+    def merged(self) -> list[tuple[int, int]]:
+        """The step ranges of every group, as disjoint ranges in step order."""
+        merged: list[tuple[int, int]] = []
+        for first, last in sorted(span for spans in self.spans.values() for span in spans):
+            if merged and first <= merged[-1][1] + 1:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+            else:
+                merged.append((first, last))
+        return merged
+
     def finding(self, run: str) -> Finding:
-        steps = sorted({step for _, step in self.keys})
-        shown = ", ".join(map(str, steps[:8])) + (f", … ({len(steps)} in all)" if len(steps) > 8 else "")
+        merged = self.merged()
+        count = sum(last - first + 1 for first, last in merged)
+        listed = [step for first, last in merged for step in range(first, min(last, first + 1000) + 1)][:1000]
+        shown = ", ".join(map(str, listed[:8])) + (f", … ({count} in all)" if count > 8 else "")
         return Finding(run=run, code=Code.RECORDS_DROPPED, severity=DEFAULT_SEVERITY[Code.RECORDS_DROPPED],
-                       steps=StepRange(steps[0], steps[-1], len(steps)),
+                       steps=StepRange(merged[0][0], merged[-1][1], count),
                        message=f"The recorder could not write {self.records} record(s) of {len(self.ranks)} rank(s) "
                                f"(a full or read-only disk, or a value no audit can use) at step(s) {shown}; those "
                                "steps are left out instead of being judged on part of their tokens.",
                        fix="give the log folder room and check the training's warnings from tokaudit; the other "
                            "steps were audited as usual",
-                       evidence={"records": self.records, "steps": steps[:1000]})
+                       evidence={"records": self.records, "steps": listed})
 
 
 def _dropped_steps(shards: Sequence[Shard]) -> dict[str, _Dropped]:
@@ -167,7 +188,7 @@ def _dropped_steps(shards: Sequence[Shard]) -> dict[str, _Dropped]:
         entry.ranks.add((note["group"], note["rank"]))
         for first, last, records in note["steps"]:
             entry.records += records
-            entry.keys.update((note["group"], step) for step in range(first, min(last, first + 100_000) + 1))
+            entry.spans.setdefault(note["group"], []).append((first, last))
     return out
 
 
