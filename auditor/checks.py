@@ -30,7 +30,6 @@ from tokaudit.normalization import (
     cluster,
     diagnose_steps,
     explain_factor,
-    indistinguishable,
     segments,
 )
 from tokaudit.report import Finding, StepRange
@@ -622,7 +621,7 @@ _CONFUSED_COUNTS = {
 def _balanced(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext) -> Iterator[Finding]:
     """balanced_counts: in every step the counts that a local normalization needs to differ were
     equal, so the logs cannot tell it from the token mean."""
-    confused = indistinguishable(steps, context.rtol)
+    confused = diagnoses.confused
     if confused is None:
         return
     nonempty = steps.tokens > 0

@@ -190,6 +190,8 @@ class Diagnoses:
     balanced: npt.NDArray[np.bool_]
     approximate: Floats
     """The spread α leaves under a denominator that fits only nearly (NaN: an exact fit or none)."""
+    confused: Denominator | None = None
+    """The local denominator that explains these steps as well as the token mean (balanced_counts)."""
 
     def __len__(self) -> int:
         return len(self.kind)
@@ -231,8 +233,7 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
 
     n_equal = _column(steps, "n_low") == _column(steps, "n_high")
     balanced = n_equal & (_column(steps, "m_low") == _column(steps, "m_high"))
-    ambiguous = _confusable(fits, alphas, usable, _column(steps, "w_high"), _column(steps, "m_high"),
-                            rtol) is not None
+    confused = _confusable(fits, alphas, usable, _column(steps, "w_high"), _column(steps, "m_high"), rtol)
     unknown_divisor = _column(steps, "unknown_divisor") > 0 if "unknown_divisor" in steps else np.zeros(count, bool)
     uniform = fits[:, 0]  # e·N constant ⇔ e constant
     distortion = np.where(uniform, (bounds[Denominator.N][0] + bounds[Denominator.N][1]) / 2, np.nan)
@@ -262,19 +263,20 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
     unjudged_here = ~usable | (tokens == 0)
     undetermined = DENOMINATORS.index(Denominator.UNDETERMINED)
     denominator = np.where(unjudged_here, undetermined, denominator).astype(np.int8)
-    if ambiguous:
+    if confused is not None:
         settled = np.isin(kind, [index(StepKind.CORRECT), index(StepKind.UNJUDGED)])
         denominator = np.where(settled, undetermined, denominator).astype(np.int8)
     factor = np.where(unjudged_here, np.nan, factor)
     distortion = np.where(unjudged_here, np.nan, distortion)
     approximate = np.where(unjudged_here, np.nan, approximate)
-    return Diagnoses(kind, denominator, factor, distortion, balanced, approximate)
+    return Diagnoses(kind, denominator, factor, distortion, balanced, approximate, confused)
 
 
 _LOCAL = (Denominator.RANK, Denominator.MICRO_TIMES_M, Denominator.MICRO, Denominator.MICRO_GLOBAL)
 
 
-def indistinguishable(steps: pd.DataFrame, rtol: float) -> Denominator | None:
+def _confusable(fits: npt.NDArray[np.bool_], alphas: Floats, usable: npt.NDArray[np.bool_], world: Floats,
+                microbatches: Floats, rtol: float) -> Denominator | None:
     """The local normalization that the logs cannot tell from the token mean, if any.
 
     Code that divides by a local count gives the same weights as the token mean when the counts it
@@ -284,20 +286,6 @@ def indistinguishable(steps: pd.DataFrame, rtol: float) -> Denominator | None:
     N_m. Checked over every usable step; a count that is N itself (one rank, one microbatch) is no
     other normalization.
     """
-    if not len(steps):
-        return None
-    bounds = candidate_bounds(steps)
-    divisor = _column(steps, "d_high")
-    usable = (_column(steps, "tokens") > 0) & (_column(steps, "weighted_records") > 0) & \
-        ~np.isnan(_column(steps, "e_low"))
-    spreads = np.column_stack([spread(*bounds[d]) for d in PREFERENCE])
-    alphas = np.column_stack([(bounds[d][0] + bounds[d][1]) / 2 * divisor for d in PREFERENCE])
-    return _confusable(usable[:, None] & (spreads <= rtol), alphas, usable, _column(steps, "w_high"),
-                       _column(steps, "m_high"), rtol)
-
-
-def _confusable(fits: npt.NDArray[np.bool_], alphas: Floats, usable: npt.NDArray[np.bool_], world: Floats,
-                microbatches: Floats, rtol: float) -> Denominator | None:
     rows = np.flatnonzero(usable)
     if not len(rows) or not fits[rows, 0].all():
         return None
