@@ -21,20 +21,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     lines = ["# Sample logs", "", "Recorded by `python scripts/record_sample_logs.py` from real DDP runs "
              "(torch.distributed, gloo, CPU), one folder per scenario:", ""]
-    for scenario in SCENARIOS:
-        shutil.rmtree(out / scenario.name, ignore_errors=True)
-        run_ddp(run_scenario, scenario.world_size, scenario, str(out))
-        verdict = "correct" if scenario.correct else "deliberate mistake"
-        lines.append(f"- `{scenario.name}/` ({verdict}, {scenario.world_size} processes): {scenario.description}")
-        print(f"recorded {scenario.name}", file=sys.stderr)
-    lines += ["", "Set-ups people run (mixed precision, skipped updates, several loss terms, an unseen "
-              "divisor, an elastic resize), from `scenarios/setups.py`:", ""]
-    for setup in SETUPS:
-        shutil.rmtree(out / setup.name, ignore_errors=True)
-        run_ddp(job, setup.world_size, setup, str(out))
-        verdict = "correct" if setup.correct else "deliberate mistake"
-        lines.append(f"- `{setup.name}/` ({verdict}, {setup.world_size} processes): {setup.description}")
-        print(f"recorded {setup.name}", file=sys.stderr)
+    for heading, runs, body in (("", SCENARIOS, run_scenario), (
+            "Set-ups people run (mixed precision, skipped updates, several loss terms, an unseen divisor, an "
+            "elastic resize), from `scenarios/setups.py`:", SETUPS, job)):
+        if heading:
+            lines += ["", heading, ""]
+        for run in runs:
+            shutil.rmtree(out / run.name, ignore_errors=True)
+            run_ddp(body, run.world_size, run, str(out))
+            verdict = "correct" if run.correct else "deliberate mistake"
+            lines.append(f"- `{run.name}/` ({verdict}, {run.world_size} processes): {run.description}")
+            print(f"recorded {run.name}", file=sys.stderr)
     shutil.rmtree(out / ELASTIC[0].name, ignore_errors=True)
     for part in ELASTIC:  # one run, two jobs: the resumed job appends its shards
         run_ddp(job, part.world_size, part, str(out))

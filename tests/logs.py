@@ -39,6 +39,11 @@ def records(counts: Counts, scalar: Callable[..., float], world_size: int | None
     return rows
 
 
+def read_rows(log_dir: Path) -> list[dict[str, Any]]:
+    """Every record of the shards in one folder, in shard order."""
+    return [row for shard in sorted(log_dir.glob("*.parquet")) for row in pq.read_table(shard).to_pylist()]
+
+
 def write(path: Path, rows: list[dict[str, Any]], schema: pa.Schema | None = None) -> Path:
     """Write rows as one shard with the recorder's schema (columns absent from rows are dropped)."""
     path.parent.mkdir(parents=True, exist_ok=True)

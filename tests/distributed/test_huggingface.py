@@ -106,13 +106,13 @@ def test_trainer_without_token_averaging_is_a_local_mean(hf_logs: Path) -> None:
 
 
 def test_trainer_under_a_grad_scaler_is_correct_and_its_overflow_is_a_skipped_step(hf_logs: Path) -> None:
-    import pyarrow.parquet as pq
+    from tests.logs import read_rows
 
     report = audit_run(hf_logs, "fp16_scaler")
     (run,) = report.runs
     assert run.verdict == "correct", [f.message for f in report.findings]
     assert run.steps == 4 and run.skipped_steps == 1
-    rows = [row for shard in sorted((hf_logs / "fp16_scaler").glob("*.parquet")) for row in pq.read_table(shard).to_pylist()]
+    rows = read_rows(hf_logs / "fp16_scaler")
     assert {row["step"] for row in rows if row["skipped"]} == {1}, "the Trainer counts the skipped update as a step"
     # The callback found the Trainer's scaler: 2^16, halved by the overflow.
     assert {row["grad_scale"] for row in rows if row["step"] <= 1} == {2.0 ** -16}

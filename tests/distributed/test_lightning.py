@@ -81,7 +81,7 @@ def test_lightning_default_normalization_is_a_per_microbatch_local_mean(tmp_path
 
 
 def test_lightning_16_mixed_divides_its_loss_scale_out(tmp_path: Path) -> None:
-    import pyarrow.parquet as pq
+    from tests.logs import read_rows
 
     from tokaudit.auditing import audit
 
@@ -90,5 +90,5 @@ def test_lightning_16_mixed_divides_its_loss_scale_out(tmp_path: Path) -> None:
     (run,) = report.runs
     codes = {f.code.value for f in report.findings}
     assert "loss_scale" not in codes and "local_mean" in codes, codes  # the same mistake, no false alarm
-    rows = [row for shard in sorted((tmp_path / "lightning").glob("*.parquet")) for row in pq.read_table(shard).to_pylist()]
+    rows = read_rows(tmp_path / "lightning")
     assert {row["grad_scale"] for row in rows} == {2.0 ** -16}

@@ -18,6 +18,7 @@ import torch
 from scenarios.harness import run_ddp
 from scenarios.setups import ELASTIC, SETUPS, Setup, job, reference_gradient
 from tests.expected import EXPECTED_CODES, EXPECTED_VERDICT
+from tests.logs import read_rows
 from tokaudit.auditing import audit
 
 pytestmark = pytest.mark.distributed
@@ -98,7 +99,7 @@ def test_the_verdict_agrees_with_the_reference(recorded: Any, name: str) -> None
     if not any(s.name == name and s.correct for s in SETUPS):
         assert run.verdict != "correct"
     assert run.terms == terms
-    rows = [row for shard in sorted((root / name).glob("*.parquet")) for row in pq.read_table(shard).to_pylist()]
+    rows = read_rows(root / name)
     steps = sorted({row["step"] for row in rows})
     assert steps == list(range(len(steps))), "step numbers are the loop's, a skipped update included"
     assert sorted({row["step"] for row in rows if row["skipped"]}) == skipped
@@ -106,7 +107,7 @@ def test_the_verdict_agrees_with_the_reference(recorded: Any, name: str) -> None
 
 def test_a_told_scaler_is_divided_out_and_its_overflow_marked(recorded: Any) -> None:
     root, _ = recorded
-    rows = [row for shard in sorted((root / "amp_told").glob("*.parquet")) for row in pq.read_table(shard).to_pylist()]
+    rows = read_rows(root / "amp_told")
     by_step = {row["step"]: row for row in rows if row["rank"] == 0 and row["micro"] == 0}
     # GradScaler starts at 2^16 and halves at the overflow of step 1.
     assert [by_step[s]["grad_scale"] for s in range(4)] == [2.0 ** -16, 2.0 ** -16, 2.0 ** -15, 2.0 ** -15]
@@ -121,8 +122,7 @@ def test_terms_are_guessed_from_the_targets(recorded: Any) -> None:
     report = audit([root / "aux_head_local_mean"])
     (finding,) = report.findings
     assert finding.term == "1" and finding.evidence["denominator"] in ("n_micro", "n_rank")
-    chunked = [row for shard in sorted((root / "chunked_cross_entropy").glob("*.parquet"))
-               for row in pq.read_table(shard).to_pylist()]
+    chunked = read_rows(root / "chunked_cross_entropy")
     setup = next(s for s in SETUPS if s.name == "chunked_cross_entropy")
     # The two chunks of each microbatch are one record: its n is the microbatch's whole count.
     assert sorted((r["step"], r["rank"], r["micro"], r["valid_tokens"]) for r in chunked) == sorted(

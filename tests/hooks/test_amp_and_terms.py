@@ -8,18 +8,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tests.hooks.syncs import count_host_syncs
+from tests.logs import read_rows
 from tokaudit.hooks import Recorder, token_mean_loss
 from tokaudit.hooks.terms import Footprint
-
-
-def read_rows(log_dir: Path) -> list[dict[str, Any]]:
-    return [row for shard in sorted(log_dir.glob("*.parquet")) for row in pq.read_table(shard).to_pylist()]
 
 
 def amp_loop(rec: Recorder | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,

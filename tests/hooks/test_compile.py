@@ -5,11 +5,11 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.logs import read_rows
 from tokaudit.hooks import Recorder
 
 
@@ -40,7 +40,7 @@ def test_a_compiled_loss_is_probed_outside_and_a_captured_one_is_said(tmp_path: 
     assert not any("graph break" in m.lower() for m in messages)
     said = [m for m in messages if m.startswith("tokaudit:")]
     assert len(said) == 1 and "inside torch.compile is not captured" in said[0], said  # once, not per step
-    rows = [r for shard in sorted((tmp_path / "probed").glob("*.parquet")) for r in pq.read_table(shard).to_pylist()]
+    rows = read_rows(tmp_path / "probed")
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows:  # every valid token weighs 1/n: b = S/n with W = 1
         assert row["token_weight_sum"] == pytest.approx(1.0) and row["masked_weight_abs_sum"] == 0.0

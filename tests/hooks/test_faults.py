@@ -12,20 +12,16 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
 
 from scenarios.harness import run_ddp
+from tests.logs import read_rows
 from tokaudit.auditing import audit
 from tokaudit.hooks import Recorder
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def read_rows(log_dir: Path) -> list[dict[str, Any]]:
-    return [row for shard in sorted(log_dir.glob("*.parquet")) for row in pq.read_table(shard).to_pylist()]
 
 
 def token_mean_records(rec: Recorder, steps: range, counts: tuple[int, int] = (3, 5)) -> None:
@@ -148,6 +144,20 @@ def test_a_long_outage_is_written_down_and_those_steps_are_not_judged(tmp_path: 
     assert report.runs[0].verdict == "inconclusive" and report.runs[0].steps == 40 - len(lost)
 
 
+def terminate_when(script_text: str, tmp_path: Path, line: str, *args: str) -> int:
+    """Run a recording script (its log folder is tmp_path), send SIGTERM once it prints `line`,
+    and return its exit code."""
+    script = tmp_path / "job.py"
+    script.write_text(script_text.format(root=str(ROOT)))
+    child = subprocess.Popen([sys.executable, str(script), str(tmp_path), *args], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == line
+        child.send_signal(signal.SIGTERM)
+        return child.wait(timeout=30)
+    finally:
+        child.kill()
+
+
 SIGNAL_SCRIPT = textwrap.dedent("""
     import signal, sys, time
     sys.path.insert(0, {root!r})
@@ -168,17 +178,8 @@ SIGNAL_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("handler", ["trainer", "default"])
 def test_sigterm_flushes_every_record_and_keeps_the_trainers_handler(tmp_path: Path, handler: str) -> None:
-    script = tmp_path / "job.py"
-    script.write_text(SIGNAL_SCRIPT.format(root=str(ROOT)))
     marker = tmp_path / "marker"
-    child = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(marker), handler],
-                             stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-        child.send_signal(signal.SIGTERM)
-        code = child.wait(timeout=30)
-    finally:
-        child.kill()
+    code = terminate_when(SIGNAL_SCRIPT, tmp_path, "ready", str(marker), handler)
     assert len(read_rows(tmp_path / "signal")) == 700, "records lost on SIGTERM"
     if handler == "trainer":
         assert code == 0 and marker.read_text() == "trainer handler ran"
@@ -280,15 +281,7 @@ DURING_FLUSH_SCRIPT = textwrap.dedent("""
 
 
 def test_sigterm_during_a_flush_waits_for_it_and_writes_each_record_once(tmp_path: Path) -> None:
-    script = tmp_path / "job.py"
-    script.write_text(DURING_FLUSH_SCRIPT.format(root=str(ROOT)))
-    child = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "writing"
-        child.send_signal(signal.SIGTERM)
-        code = child.wait(timeout=30)
-    finally:
-        child.kill()
+    code = terminate_when(DURING_FLUSH_SCRIPT, tmp_path, "writing")
     assert code == -signal.SIGTERM
     steps = sorted(r["step"] for r in read_rows(tmp_path / "during"))
     assert steps == list(range(100)), "the shard in flight is whole and written once"

@@ -12,15 +12,9 @@ import torch
 
 from scenarios.harness import run_ddp
 from tests.hooks.syncs import count_host_syncs
+from tests.logs import read_rows
 from tokaudit.hooks import Recorder
 from tokaudit.schema import WRITER_SCHEMA
-
-
-def read_rows(log_dir: Path) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for shard in sorted(log_dir.glob("*.parquet")):
-        rows.extend(pq.read_table(shard).to_pylist())
-    return rows
 
 
 @pytest.mark.parametrize("shape", [(7,), (2, 5), (3, 2, 4)])
