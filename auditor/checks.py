@@ -533,9 +533,11 @@ def _probe_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Findin
     masked = steps.masked_weighted > 0
     if masked.any():
         yield _finding(context, Code.MASKED_TOKENS_WEIGHTED, steps.step[masked].to_numpy(),
-                       f"Positions that are not valid (padding, ignored labels) carry weight in "
-                       f"{int(steps.masked_weighted.sum())} record(s): the loss averages over them.",
-                       "mask per-token losses before reducing, and divide by the valid-token count, not the positions",
+                       f"Positions that are not valid and whose loss is not 0 (padding labelled as a real token, "
+                       f"a mask applied after the loss) carry weight in {int(steps.masked_weighted.sum())} "
+                       "record(s): their loss is trained.",
+                       "label padding and ignored positions with ignore_index (their loss is then exactly 0), or "
+                       "mask per-token losses before reducing; divide by the valid-token count",
                        {"records": int(steps.masked_weighted.sum())})
 
 

@@ -47,7 +47,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("token_weight_sum", "float", pa.float64(), False, "probe: sum of db/dl over valid tokens"),
     Column("token_weight_min", "float", pa.float64(), False, "probe: min of db/dl over valid tokens"),
     Column("token_weight_max", "float", pa.float64(), False, "probe: max of db/dl over valid tokens"),
-    Column("masked_weight_abs_sum", "float", pa.float64(), False, "probe: sum of |db/dl| elsewhere"),
+    Column("masked_weight_abs_sum", "float", pa.float64(), False, "probe: sum of |db/dl| over positions not valid whose loss is not 0"),
     Column("reported_loss", "float", pa.float64(), False, "loss the trainer reports for the step"),
     Column("sync", "bool", pa.bool_(), False, "this backward synchronized gradients"),
     Column("skipped", "bool", pa.bool_(), False, "the trainer skipped this update by policy"),

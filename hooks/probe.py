@@ -26,7 +26,8 @@ class ProbeResult:
         self.on_fill: Callable[[], None] | None = None
         """Called once, when the first backward reaches this probe."""
 
-    def add(self, grad: torch.Tensor, valid: torch.Tensor) -> None:
+    def add(self, grad: torch.Tensor, valid: torch.Tensor, masked_live: torch.Tensor) -> None:
+        """`masked_live`: positions that are not valid and whose loss is not an exact 0."""
         # grad = ∂b/∂ℓᵢ for every position; reductions stay on the device (no host sync) and
         # accumulate in float64, the per-token values stay in the gradient's own dtype.
         weight = grad.detach()
@@ -34,7 +35,11 @@ class ProbeResult:
         weight_sum = torch.where(valid, weight, 0).sum(dtype=torch.float64)
         weight_min = torch.where(valid, weight, inf).amin().double()
         weight_max = torch.where(valid, weight, -inf).amax().double()
-        masked_abs_sum = torch.where(valid, 0, weight.abs()).sum(dtype=torch.float64)
+        # A masked position whose loss is an exact 0 (cross_entropy's ignore_index) passes no gradient
+        # to the model whatever weight it gets: ∂b/∂θ = Σᵢ wᵢ·∂ℓᵢ/∂θ and ∂ℓᵢ/∂θ = 0 there. So
+        # `per_token.sum() / N` is not flagged; weight on a masked loss that is not 0 (padding
+        # labelled as a real token) is.
+        masked_abs_sum = torch.where(masked_live, weight.abs(), 0).sum(dtype=torch.float64)
         self._accumulate(weight_sum, weight_min, weight_max, masked_abs_sum, valid.sum())
 
     def add_uniform(self, weight: torch.Tensor, valid_count: torch.Tensor) -> None:
@@ -70,16 +75,17 @@ class TokenProbe(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, per_token_loss: torch.Tensor, valid: torch.Tensor, result: ProbeResult,
                 on_error: Callable[[BaseException], None]) -> torch.Tensor:
-        ctx.save_for_backward(valid)
+        # One elementwise op on the device, no sync: which masked positions hold a loss that is not 0.
+        ctx.save_for_backward(valid, ~valid & (per_token_loss.detach() != 0))
         ctx.result = result
         ctx.on_error = on_error
         return per_token_loss.view_as(per_token_loss)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        (valid,) = ctx.saved_tensors
+        valid, masked_live = ctx.saved_tensors
         try:
-            ctx.result.add(grad, valid)
+            ctx.result.add(grad, valid, masked_live)
         except Exception as error:  # the probe never breaks training
             ctx.on_error(error)
         return grad, None, None, None

@@ -60,6 +60,9 @@ class Setup:
     """Positions per microbatch."""
     near_miss: bool = False
     """A microbatch-local mean that counts one label too many per row (unshifted labels): S/(n + 1)."""
+    masked_sum: str = "valid"
+    """How S is summed: valid (Σ over valid positions), all (per_token.sum(): ignored positions hold
+    an exact 0 loss) or padded (padding labelled as a real token, then per_token.sum(): its loss counts)."""
     world_size: int = 2
     description: str = ""
     """One line for people."""
@@ -151,14 +154,16 @@ def _microbatch_loss(setup: Setup, recorder: Recorder | None, outputs: tuple[tor
                 term = factor * term / global_tokens[head].clamp(min=1)
             total = total + term
             continue
-        per_token = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+        # Padding labelled as a real token (id 0) instead of IGNORE_INDEX: its loss is not 0.
+        labelled = targets.masked_fill(~valid, 0) if setup.masked_sum == "padded" else targets
+        per_token = F.cross_entropy(logits.reshape(-1, VOCAB), labelled.reshape(-1), ignore_index=IGNORE_INDEX,
                                     reduction="none").view(targets.shape)
         name = "0" if head == 0 else f"head{head}"
         context = recorder.loss_term(name) if recorder is not None else nullcontext()
         with context:
             if recorder is not None:
                 per_token = recorder.probe(per_token, valid)
-            loss_sum = (per_token * valid).sum()
+            loss_sum = (per_token * valid).sum() if setup.masked_sum == "valid" else per_token.sum()
             n = valid.sum()
             if setup.near_miss:
                 term = loss_sum / (n + 1)
@@ -251,6 +256,11 @@ SETUPS: tuple[Setup, ...] = (
           description="multi-token prediction: 3 heads predicting tokens t+1..t+3, each its own W·S/N"),
     Setup(name="near_miss_local_mean", counts=_LONG, length=64, near_miss=True, correct=False,
           description="each microbatch divided by its own count plus one (one extra label per row)"),
+    Setup(name="ignored_positions_summed", counts=_UNEVEN, masked_sum="all", correct=True,
+          description="W·per_token.sum()/N over cross_entropy(ignore_index=-100, reduction='none'): ignored "
+                      "positions hold an exact 0"),
+    Setup(name="padding_labelled", counts=_UNEVEN, masked_sum="padded", correct=False,
+          description="padding labelled as a real token, then W·per_token.sum()/N: the padding's loss is trained"),
     Setup(name="unknown_hook_right", counts=_UNEVEN, summing_hook=True, correct=True,
           description="S/N into a summing comm hook the recorder cannot see (right, but not visible)"),
     Setup(name="unknown_hook_wrong", counts=_UNEVEN, summing_hook=True, factor=2, correct=False,

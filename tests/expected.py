@@ -24,6 +24,8 @@ EXPECTED_CODES: dict[str, set[str]] = {
     "chunked_cross_entropy": set(),
     "mtp_heads": set(),
     "near_miss_local_mean": {"local_mean"},
+    "ignored_positions_summed": set(),
+    "padding_labelled": {"masked_tokens_weighted"},
     "unknown_hook_right": {"unknown_divisor"},
     "unknown_hook_wrong": {"unknown_divisor"},
     "elastic_stale_w": {"world_size_mismatch", "world_size_changed"},
@@ -32,7 +34,8 @@ EXPECTED_CODES: dict[str, set[str]] = {
 SETUP_VERDICT: dict[str, str] = {
     "amp_told": "correct", "amp_untold": "inconclusive", "nan_guard_skip": "correct", "aux_head_named": "correct",
     "aux_head_captured": "correct", "aux_head_local_mean": "incorrect", "chunked_cross_entropy": "correct",
-    "mtp_heads": "correct", "near_miss_local_mean": "incorrect", "unknown_hook_right": "inconclusive", "unknown_hook_wrong": "inconclusive",
+    "mtp_heads": "correct", "near_miss_local_mean": "incorrect",
+    "ignored_positions_summed": "correct", "padding_labelled": "incorrect", "unknown_hook_right": "inconclusive", "unknown_hook_wrong": "inconclusive",
     "elastic_stale_w": "incorrect",
 }
 
@@ -62,5 +65,6 @@ EXPECTED_NORMALIZATION: dict[str, tuple[str, float]] = {
     "aux_head_local_mean": ("N", 2.0),  # the main term; the auxiliary one is in `segments`
     "chunked_cross_entropy": ("N", 2.0),
     "mtp_heads": ("N", 2.0),
+    "ignored_positions_summed": ("N", 2.0),
     "elastic_stale_w": ("N", 3.0),  # 3·S/N throughout: right on 3 ranks, stale on 2
 }

@@ -34,6 +34,8 @@ SHAPE: dict[str, tuple[list[str], list[int]]] = {
     "chunked_cross_entropy": (["0"], []),
     "mtp_heads": (["0", "1", "2"], []),
     "near_miss_local_mean": (["0"], []),
+    "ignored_positions_summed": (["0"], []),
+    "padding_labelled": (["0"], []),
     "unknown_hook_right": (["0"], []),
     "unknown_hook_wrong": (["0"], []),
     "elastic_stale_w": (["0"], []),

@@ -86,7 +86,11 @@ def test_capture_is_bit_identical_and_measures_the_weights(tmp_path: Path, reduc
         if valid.any():
             assert row["token_weight_min"] == pytest.approx(float(expected.min()), rel=1e-5)
             assert row["token_weight_max"] == pytest.approx(float(expected.max()), rel=1e-5)
-        masked = per_token.grad[~valid].abs().sum()  # b = Σ scaleᵢ·ℓᵢ weighs ignored positions too
+        # b = Σ scaleᵢ·ℓᵢ weighs ignored positions too, but their loss is an exact 0 (no gradient):
+        # only masked positions whose loss is not 0 count.
+        live = ~valid & (per_token.detach() != 0)
+        assert not live.any()
+        masked = per_token.grad[live].abs().sum()
         assert row["masked_weight_abs_sum"] == pytest.approx(float(masked), rel=1e-5, abs=1e-12)
 
 
