@@ -26,8 +26,9 @@ def fsdp_job(rank: int, world_size: int, log_dir: str, variant: str) -> list[dic
 
     model = make_model()  # the same float64 start on every rank
     fully_shard(model)
-    if variant == "sum_factor":
+    if variant.startswith("sum_factor"):
         model.set_gradient_divide_factor(1.0)  # a summing reduce-scatter (torchtitan's choice)
+        model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (float32 needs it; harmless here)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     recorder = Recorder(log_dir, run_id=variant, model=model, optimizer=optimizer)
     history = []
@@ -38,9 +39,9 @@ def fsdp_job(rank: int, world_size: int, log_dir: str, variant: str) -> list[dic
         before = [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[operator]
         per_token = recorder.probe(per_token_loss(model, tokens, labels), valid)
         loss_sum = (per_token * valid).sum()
-        if variant == "token_mean":
+        if variant in ("token_mean", "sum_factor_wrong"):
             scalar = world_size * loss_sum / global_tokens  # W·S/N into the averaging reduce-scatter
-        elif variant == "sum_factor":
+        elif variant == "sum_factor":  # S/N into the sum
             scalar = loss_sum / global_tokens
         else:
             scalar = loss_sum / count  # a rank-local mean
@@ -62,12 +63,13 @@ def fsdp_job(rank: int, world_size: int, log_dir: str, variant: str) -> list[dic
 def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[Any]]]:
     root = tmp_path_factory.mktemp("fsdp2")
     return root, {variant: run_ddp(fsdp_job, 2, str(root), variant, timeout=120)
-                  for variant in ("token_mean", "sum_factor", "local_mean")}
+                  for variant in ("token_mean", "sum_factor", "sum_factor_wrong", "local_mean")}
 
 
 @pytest.mark.parametrize("variant, divisor, correct, codes", [
     ("token_mean", 2.0, True, set()),
     ("sum_factor", 1.0, True, set()),
+    ("sum_factor_wrong", 1.0, False, {"world_size_mismatch"}),  # W·S/N into a sum: W× too large
     ("local_mean", 2.0, False, {"local_mean"}),
 ])
 def test_fsdp2_divisor_is_read_and_the_verdict_follows_the_reference(fsdp_runs: Any, variant: str, divisor: float,
@@ -87,3 +89,22 @@ def test_fsdp2_divisor_is_read_and_the_verdict_follows_the_reference(fsdp_runs: 
     (run,) = report.runs
     assert {f.code.value for f in report.findings} == codes
     assert run.verdict == ("correct" if correct else "incorrect")
+
+
+class _UnreadableFSDP(torch.nn.Module):
+    """A module that looks like FSDP2 but whose state cannot be read (another torch version)."""
+
+    def _get_fsdp_state(self) -> None:
+        raise RuntimeError("no state")
+
+
+def test_an_fsdp2_module_whose_divisor_cannot_be_read_logs_it_unknown(tmp_path: Path) -> None:
+    """Never the DDP default: the log says D is unknown, and the audit does not judge the scale."""
+    from tests.logs import read_rows
+    from tokaudit.hooks import Recorder
+
+    with pytest.warns(RuntimeWarning, match="FSDP2 module's reduce-scatter divisor cannot be read"):
+        with Recorder(tmp_path, run_id="fsdp", model=_UnreadableFSDP()) as recorder:
+            recorder.record(loss_sum=torch.tensor(2.0), valid_tokens=2, backward_scalar=torch.tensor(1.0))
+    (row,) = read_rows(tmp_path / "fsdp")
+    assert row["divisor_known"] is False and row["grad_divisor"] is None
