@@ -7,6 +7,7 @@ import os
 import re
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -49,9 +50,7 @@ class Recorder:
     def __init__(self, log_dir: str | os.PathLike[str], run_id: str | None = None, model: Any = None,
                  optimizer: torch.optim.Optimizer | None = None, group: Any = None,
                  grad_divisor: float | None = None, grad_scale: float | None = None, scaler: Any = None,
-                 flush_every: int = DEFAULT_FLUSH_EVERY) -> None:
-        if flush_every < 1:
-            raise ValueError(f"flush_every must be at least 1, got {flush_every}")
+                 flush_every: int = DEFAULT_FLUSH_EVERY, accelerator: Any = None) -> None:
         self._closed = False
         self.flushing = False
         """A flush is writing (a signal handler then waits for it instead of starting another)."""
@@ -61,9 +60,29 @@ class Recorder:
         self._capture: AbstractContextManager[None] | None = None
         self._open_calls: list[_OpenCall] = []
         self._handles: list[Any] = []
-        self._flush_every = flush_every
+        self._flush_every = DEFAULT_FLUSH_EVERY
+        if isinstance(flush_every, int) and flush_every >= 1:
+            self._flush_every = flush_every
+        else:
+            self._warn_once("flush_every", f"tokaudit: flush_every must be an int of at least 1, got "
+                                           f"{flush_every!r}; using {DEFAULT_FLUSH_EVERY}")
+        self._accelerator = accelerator
+        self._accelerate_losses: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        """Tensors passed to accelerator.backward() in the open update, with the steps it divided them by."""
+        if accelerator is not None:
+            # Accelerate holds what the recorder needs: the prepared (DDP) model, its wrapped optimizer
+            # and, under fp16, its GradScaler. What the caller passes wins.
+            models = list(getattr(accelerator, "_models", []))
+            optimizers = list(getattr(accelerator, "_optimizers", []))
+            model = model if model is not None else (models[0] if len(models) == 1 else None)
+            optimizer = optimizer if optimizer is not None else (optimizers[0] if len(optimizers) == 1 else None)
+            scaler = scaler if scaler is not None else getattr(accelerator, "scaler", None)
         self._model = model
-        self._optimizer = optimizer
+        self._optimizer = _torch_optimizer(optimizer)
+        if optimizer is not None and self._optimizer is None:
+            self._warn_once("optimizer", f"tokaudit: cannot hook the optimizer {type(optimizer).__name__} (no "
+                                         "torch.optim.Optimizer inside it); every backward is recorded as its own "
+                                         "update unless you call rec.begin_step()/rec.end_step()")
         self._grad_divisor = None if grad_divisor is None else float(grad_divisor)
         self._divisor_known = True
         self._divisor_resolved = grad_divisor is not None
@@ -81,29 +100,41 @@ class Recorder:
         self._capturing = 0
         self._call_group = 0
         self._fills = 0
-        self._steps_known = optimizer is not None  # else until begin_step/end_step is called
+        self._steps_known = self._optimizer is not None  # else until begin_step/end_step is called
 
-        self._process_group = group if group is not None else getattr(model, "process_group", None)
+        self._process_group = group
+        if group is None:
+            try:
+                self._process_group = getattr(model, "process_group", None)
+            except Exception:  # a model whose attributes raise: the default group
+                pass
         self._identity: Identity | None = None
         self._writer: ShardWriter | None = None
         self._backlog: list[pa.Table] = []
         self._dropped: dict[int, int] = {}  # step → records that could not be kept
-        base = Path(log_dir)
-        self.log_dir = base / run_id if run_id else base
+        self._scaler: ScalerWatch | None = None
         try:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
+            base = Path(log_dir)
+            self.log_dir = base / run_id if run_id else base
+        except TypeError as error:
+            self._warn_once("log_dir", f"tokaudit: log_dir {log_dir!r} is not a path ({error}); nothing is recorded")
+            self.log_dir, self._closed = Path(os.devnull), True
+        try:
+            if not self._closed:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             self._warn_once("mkdir", f"tokaudit: cannot create {self.log_dir} ({error}); records are kept in "
                                      "memory and written when it can be created")
         self.run_id = run_id or self.log_dir.absolute().name
-
-        if model is not None and hasattr(model, "require_backward_grad_sync"):
-            # DDP decides at forward time whether this backward all-reduces, so read the flag there.
-            self._handles.append(model.register_forward_pre_hook(self._capture_sync))
-        if optimizer is not None:
-            self._handles.append(optimizer.register_step_post_hook(lambda *_: self._on_optimizer_step()))
-            self._watch_zero_grad(optimizer)
-        self._scaler = ScalerWatch(scaler, self._on_scaler_update, self._on_scale) if scaler is not None else None
+        # Nothing the recorder cannot hook stops the training: each hook that fails warns and the
+        # recording goes on without it.
+        for name, attach in (("model", self._hook_model), ("optimizer", self._hook_optimizer),
+                             ("scaler", lambda: self._hook_scaler(scaler)), ("accelerator", self._hook_accelerator)):
+            try:
+                attach()
+            except Exception as error:
+                self._warn_once(f"hook-{name}", f"tokaudit: cannot hook the {name} ({error!r}); recording goes "
+                                                "on without it")
         atexit.register(self.close)
         on_termination(self)
 
@@ -191,11 +222,16 @@ class Recorder:
                 "grad_scale": _detached(grad_scale if grad_scale is not None else self._grad_scale),
                 "loss_scale": scale,
                 "prescaled": prescaled,
-                "sync": self._forward_sync,
+                "sync": self._forward_sync if self._forward_sync is not None else self._accelerate_sync(),
                 "time": time.time_ns() // 1000,
                 "probe": probe,
                 "captured": _captured,
+                "divide": 1,
             }
+            if self._accelerator is not None and isinstance(backward_scalar, torch.Tensor):
+                # b recorded before accelerator.backward(b) is divided there; recorded after, here.
+                entry["scalar_ref"] = weakref.ref(backward_scalar)
+                entry["divide"] = next((n for ref, n in self._accelerate_losses if ref() is backward_scalar), 1)
             if deferred:
                 assert probe is not None
                 entry.update(call_group=self._call_group, named=self._active_term is not None, filled_at=-1)
@@ -465,6 +501,69 @@ class Recorder:
 
     # ---------------------------------------------------------------- internals: identity, shards
 
+    def _hook_model(self) -> None:
+        if self._model is not None and hasattr(self._model, "require_backward_grad_sync"):
+            # DDP decides at forward time whether this backward all-reduces, so read the flag there.
+            self._handles.append(self._model.register_forward_pre_hook(self._capture_sync))
+
+    def _hook_optimizer(self) -> None:
+        if self._optimizer is None:
+            return
+        try:
+            self._handles.append(self._optimizer.register_step_post_hook(lambda *_: self._on_optimizer_step()))
+        except Exception:
+            self._optimizer = None
+            self._steps_known = False
+            raise
+        self._watch_zero_grad(self._optimizer)
+
+    def _hook_scaler(self, scaler: Any) -> None:
+        if scaler is not None:
+            self._scaler = ScalerWatch(scaler, self._on_scaler_update, self._on_scale)
+
+    def _hook_accelerator(self) -> None:
+        """accelerator.backward(loss) backpropagates loss / gradient_accumulation_steps (DeepSpeed's
+        engine divides the same way): a recorded b that went through it is divided in the log too."""
+        accelerator = self._accelerator
+        if accelerator is None:
+            return
+        original = accelerator.backward
+
+        def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                self._on_accelerate_backward(loss, int(getattr(accelerator, "gradient_accumulation_steps", 1)))
+            except Exception as error:
+                self._warn_once("accelerate", f"tokaudit: could not follow accelerator.backward ({error!r})")
+            return original(loss, *args, **kwargs)
+
+        accelerator.backward = backward
+        self._handles.append(_Restore(accelerator, "backward", backward))
+
+    def _accelerate_sync(self) -> bool | None:
+        """Under `accelerator.accumulate`, whether this backward synchronizes gradients."""
+        if self._accelerator is None:
+            return None
+        sync = getattr(self._accelerator, "sync_gradients", None)
+        return sync if isinstance(sync, bool) else None
+
+    def _on_accelerate_backward(self, loss: Any, steps: int) -> None:
+        if not isinstance(loss, torch.Tensor):
+            return
+        for record in reversed(self._records):
+            if record["step"] != self._step:
+                break
+            source = record.get("scalar_ref")
+            if source is not None and source() is loss:
+                record["divide"] = steps
+        self._accelerate_losses = [(ref, n) for ref, n in self._accelerate_losses if ref() is not None]
+        self._accelerate_losses.append((weakref.ref(loss), steps))
+
+    def _accelerate_ddp(self) -> bool:
+        """Accelerate prepared the model with DistributedDataParallel (`prepare` returns the DDP
+        wrapper and keeps the bare module, so the wrapper itself may not have been given)."""
+        kind = getattr(getattr(self._accelerator, "distributed_type", None), "value", "")
+        return isinstance(kind, str) and kind.startswith("MULTI_")
+
     def _capture_sync(self, module: Any, args: Any) -> None:
         self._forward_sync = bool(module.require_backward_grad_sync)
 
@@ -498,6 +597,11 @@ class Recorder:
             self._warn_once("divisor", "tokaudit: the FSDP2 module's reduce-scatter divisor cannot be read; pass "
                                        "Recorder(grad_divisor=...) (the divide factor, or the data-parallel size). "
                                        "Until then the audit does not judge the gradient's scale.")
+            return
+        if self._accelerate_ddp():
+            # Accelerate wrapped the model in DDP (its comm hooks, fp16/bf16 compression and PowerSGD,
+            # all average too): D = W.
+            self._grad_divisor = float(self.world_size)
             return
         if self.world_size > 1:
             self._divisor_known = False
@@ -583,6 +687,8 @@ class Recorder:
         loss_scale = to_host([r["loss_scale"] for r in records], torch.float64)
         skipped = to_host([r["skipped"] for r in records], torch.bool)
         for i, (record, scale) in enumerate(zip(records, loss_scale)):
+            if backward[i] is not None and record["divide"] != 1:
+                backward[i] = backward[i] / record["divide"]  # what accelerator.backward backpropagated
             if scale is not None:
                 # The probe saw ∂(scale·loss)/∂ℓ: b is the scaled scalar, g = g_user/scale divides it out.
                 grad_scale[i] = (1.0 if grad_scale[i] is None else grad_scale[i]) / scale
@@ -650,3 +756,30 @@ def _detached(value: Value) -> Value:
     """A snapshot: a device copy of a tensor (no sync), so an accumulator changed in place after
     `record()` is recorded with the value it had then."""
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside a wrapper (Accelerate's AcceleratedOptimizer, and others that keep
+    it as `.optimizer` without running Optimizer.__init__): the one whose step() runs once per update
+    and whose step hooks exist."""
+    try:
+        for _ in range(8):
+            if optimizer is None:
+                return None
+            if isinstance(optimizer, torch.optim.Optimizer) and "_optimizer_step_post_hooks" in vars(optimizer):
+                return optimizer
+            optimizer = getattr(optimizer, "optimizer", None)
+    except Exception:  # a wrapper whose attributes raise: nothing to hook
+        return None
+    return None
+
+
+class _Restore:
+    """A removable handle that gives an object back its own method (an instance attribute we set)."""
+
+    def __init__(self, owner: Any, name: str, ours: Any) -> None:
+        self.owner, self.name, self.ours = owner, name, ours
+
+    def remove(self) -> None:
+        if vars(self.owner).get(self.name) is self.ours:
+            delattr(self.owner, self.name)

@@ -54,6 +54,32 @@ def test_probe_is_identity_to_the_bit_and_measures_each_weight(tmp_path: Path, s
         assert row["token_weight_min"] is None and row["token_weight_max"] is None
 
 
+@pytest.mark.parametrize("padding_label, counted", [(-100, False), (0, True)])
+def test_weight_on_an_exact_zero_loss_is_not_counted_as_masked_weight(tmp_path: Path, padding_label: int,
+                                                                      counted: bool) -> None:
+    """per_token.sum() / N over ignore_index positions (exact 0 loss, no gradient) is a token mean;
+    padding labelled as a real token (a loss that is not 0) summed the same way is not."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 6, 5, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 5, (2, 6), generator=generator)
+    valid = torch.rand(2, 6, generator=generator) < 0.6
+    labels = labels.masked_fill(~valid, padding_label)
+    with Recorder(tmp_path, run_id="masked") as rec:
+        per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+        per_token = rec.probe(per_token, valid)
+        scalar = per_token.sum() / valid.sum()
+        rec.record(loss_sum=per_token.sum(), valid_tokens=valid.sum(), backward_scalar=scalar)
+        scalar.backward()
+    (row,) = read_rows(tmp_path / "masked")
+    masked_losses = per_token.detach()[~valid]
+    assert bool((masked_losses != 0).all()) is counted
+    if counted:
+        assert row["masked_weight_abs_sum"] == pytest.approx(int((~valid).sum()) / int(valid.sum()))
+    else:
+        assert row["masked_weight_abs_sum"] == 0.0
+    assert row["token_weight_sum"] == pytest.approx(1.0)
+
+
 def test_no_host_sync_between_flushes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = count_host_syncs(monkeypatch)
     model = torch.nn.Linear(4, 3)
@@ -241,3 +267,67 @@ def test_manual_step_boundaries_without_optimizer(tmp_path: Path) -> None:
             rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0)
     keys = [(r["step"], r["micro"]) for r in read_rows(tmp_path / "manual")]
     assert keys == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+ACCELERATE_LOOP = """
+import sys, warnings
+import torch
+from accelerate import Accelerator
+from tokaudit.hooks import Recorder
+
+accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+model = torch.nn.Linear(4, 3)
+model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+with warnings.catch_warnings():
+    warnings.simplefilter("error")  # nothing to warn about: the wrapped optimizer is unwrapped
+    rec = Recorder(sys.argv[1], run_id="wrapped", optimizer=optimizer)
+for update in range(2):
+    for micro in range(2):
+        with accelerator.accumulate(model):
+            loss_sum = torch.nn.functional.cross_entropy(model(torch.randn(5, 4)), torch.arange(5) % 3,
+                                                         reduction="sum")
+            loss = loss_sum / 10
+            rec.record(loss_sum=loss_sum, valid_tokens=5, backward_scalar=loss)
+            accelerator.backward(loss)
+            optimizer.step()  # Accelerate's wrapper: reaches SGD on the update's last microbatch only
+            optimizer.zero_grad()
+rec.close()
+"""
+
+
+def test_accelerates_optimizer_wrapper_is_unwrapped_and_counts_updates_once(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    # Its own process: Accelerator keeps process-wide state.
+    subprocess.run([sys.executable, "-c", ACCELERATE_LOOP, str(tmp_path)], check=True, timeout=120,
+                   capture_output=True)
+    rows = read_rows(tmp_path / "wrapped")
+    assert [(r["step"], r["micro"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+class _Unhookable:
+    """A model and an optimizer the recorder cannot hook: every hook it tries raises."""
+
+    require_backward_grad_sync = True
+
+    def register_forward_pre_hook(self, hook: Any) -> None:
+        raise RuntimeError("no hooks here")
+
+    @property
+    def optimizer(self) -> Any:
+        raise AttributeError("_optimizer_step_post_hooks")
+
+
+def test_the_recorder_never_raises_at_construction_and_records_on(tmp_path: Path) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rec = Recorder(tmp_path, run_id="unhookable", model=_Unhookable(), optimizer=_Unhookable(),  # type: ignore[arg-type]
+                       flush_every=0)
+        rec.record(loss_sum=torch.tensor(3.0), valid_tokens=3, backward_scalar=torch.tensor(1.0))
+        rec.close()
+    messages = " ".join(str(w.message) for w in caught)
+    assert "cannot hook the model" in messages and "cannot hook the optimizer" in messages
+    assert "flush_every" in messages
+    (row,) = read_rows(tmp_path / "unhookable")
+    assert row["valid_tokens"] == 3 and row["loss_sum"] == 3.0

@@ -1,0 +1,78 @@
+"""An Accelerate training loop, launched like `accelerate launch` does it (torchrun, 2 CPU processes,
+gloo), with gradient accumulation 2, recorded with `Recorder(accelerator=...)`.
+
+    torchrun --standalone --nproc-per-node 2 -m scenarios.accelerate_job --log-dir runs --variant token_mean
+
+Variants:
+- token_mean: GA·W·S/N, N the valid tokens of the whole update (both microbatches, both ranks),
+  counted before the first backward; accelerator.backward divides by GA and DDP averages over W,
+  so the reduced gradient is ∇ΣS/N.
+- local_mean: Accelerate's usual `loss = per_token[valid].mean()`; accelerator.backward divides it
+  by GA: each microbatch weighs the same whatever its count.
+
+Rank 0 saves, per update, the parameters before it and the reduced gradient the optimizer saw
+(float64) to `<log-dir>/<variant>.pt`, for the test's single-process reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from scenarios.strategies import microbatch, per_token_loss
+from scenarios.strategies import make_model as make_tiny_lm
+from tokaudit.hooks import Recorder, global_valid_tokens
+
+# Valid tokens per step, rank and microbatch: uneven, so a local mean is not the token mean.
+COUNTS = (((5, 1), (3, 7)), ((2, 6), (6, 1)), ((8, 4), (2, 8)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--log-dir", required=True)
+    parser.add_argument("--variant", choices=("token_mean", "local_mean"), required=True)
+    args = parser.parse_args()
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = make_tiny_lm()  # float64, the same start in every process
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    recorder = Recorder(args.log_dir, run_id=f"accelerate_{args.variant}", accelerator=accelerator)
+
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    history = []
+    for step, per_rank in enumerate(COUNTS):
+        batches = [microbatch(step, rank, micro, count) for micro, count in enumerate(per_rank[rank])]
+        global_tokens = global_valid_tokens([labels for _, labels, _ in batches])  # one all-reduce
+        before = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+        grads: list[torch.Tensor] = []
+        for tokens, labels, valid in batches:
+            with accelerator.accumulate(model):
+                per_token = recorder.probe(per_token_loss(model, tokens, labels), valid)
+                loss_sum = (per_token * valid).sum()
+                if args.variant == "token_mean":
+                    loss = accelerator.gradient_accumulation_steps * world_size * loss_sum / global_tokens
+                else:
+                    loss = loss_sum / valid.sum()
+                recorder.record(loss_sum=loss_sum, valid_tokens=valid.sum(), backward_scalar=loss)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grads = [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
+                optimizer.step()  # steps the SGD only on the update's last microbatch
+                optimizer.zero_grad()
+        history.append({"before": before, "grads": grads})
+    recorder.close()
+    if rank == 0:
+        torch.save(history, Path(args.log_dir) / f"{args.variant}.pt")
+    accelerator.end_training()
+    del model, optimizer
+    if os.environ.get("TOKAUDIT_JOB_DONE"):
+        print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

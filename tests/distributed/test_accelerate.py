@@ -1,0 +1,60 @@
+"""Accelerate, launched as `accelerate launch` launches it on CPU (torchrun, 2 processes, gloo), with
+gradient accumulation 2 and the one-line attach `Recorder(..., accelerator=accelerator)`: the float64
+reference says which loop trains the token mean, and the audit agrees."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from scenarios.accelerate_job import COUNTS
+from scenarios.strategies import Scenario, reference_gradient
+from tests.logs import read_rows
+from tokaudit.auditing import audit
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("accelerate")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    for variant in ("token_mean", "local_mean"):
+        subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "scenarios.accelerate_job",
+                        "--log-dir", str(root), "--variant", variant], check=True, capture_output=True, timeout=180,
+                       cwd=ROOT, env={"PATH": "/usr/bin:/bin", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+    return root
+
+
+@pytest.mark.parametrize("variant, correct, codes", [("token_mean", True, set()),
+                                                     ("local_mean", False, {"local_mean"})])
+def test_the_verdict_follows_the_float64_reference(runs: Path, variant: str, correct: bool, codes: set[str]) -> None:
+    history: list[dict[str, Any]] = torch.load(runs / f"{variant}.pt")
+    scenario = Scenario(name=variant, strategy="token_mean", world_size=2, counts=COUNTS, correct=correct,
+                        description="")
+    agree = [all(torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in
+                 zip(record["grads"], reference_gradient(record["before"], scenario, step, [0, 1]), strict=True))
+             for step, record in enumerate(history)]
+    assert agree == [correct] * len(COUNTS)
+    report = audit([runs / f"accelerate_{variant}"])
+    (run,) = report.runs
+    assert {f.code.value for f in report.findings} == codes
+    assert run.verdict == ("correct" if correct else "incorrect")
+    # The wrapped optimizer's step() runs every microbatch; an update is counted once, at the sync.
+    assert run.steps == len(COUNTS) and run.microbatches == 2 and run.divisors == [2.0]
+
+
+def test_the_log_holds_what_accelerator_backward_backpropagated(runs: Path) -> None:
+    rows = read_rows(runs / "accelerate_token_mean")
+    for row in rows:
+        # b = GA·W·S/N before accelerator.backward, which divides by GA: the log holds W·S/N, so the
+        # probe's Σ weights (of the same backward) equals b/S per token sum.
+        assert row["backward_scalar"] == pytest.approx(row["token_weight_sum"] * row["loss_sum"] / row["valid_tokens"])
+        assert row["sync"] is (row["micro"] == 1)
