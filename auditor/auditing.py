@@ -49,7 +49,7 @@ def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTO
         except duckdb.Error as error:
             broken = _undecodable(shards)
             if not broken:
-                raise LogFormatError(", ".join(str(s.path) for s in shards[:3]),
+                raise LogFormatError(", ".join(s.name for s in shards[:3]),
                                      f"cannot be aggregated ({str(error).splitlines()[0][:200]})") from None
             problems.extend(broken.values())
             shards = [s for s in shards if s.path not in broken]
@@ -61,9 +61,9 @@ def _undecodable(shards: list[Shard]) -> dict[object, LogFormatError]:
     broken: dict[object, LogFormatError] = {}
     for shard in shards:
         try:
-            pq.read_table(shard.path)
+            pq.read_table(shard.open())
         except Exception as error:
-            broken[shard.path] = LogFormatError(str(shard.path), f"corrupt data ({str(error).splitlines()[0][:160]})")
+            broken[shard.path] = LogFormatError(shard.name, f"corrupt data ({str(error).splitlines()[0][:160]})")
     return broken
 
 

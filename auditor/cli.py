@@ -53,15 +53,18 @@ def _emit(text: str, output: Path | None) -> None:
         raise UsageError(f"{output}: cannot write the report ({error.strerror or error})") from None
 
 
-def _refuse_inputs(output: Path | None, paths: tuple[Path, ...]) -> None:
+def _refuse_inputs(output: Path | None, paths: tuple[str, ...]) -> None:
     """An output that is one of the inputs would overwrite a log shard: refused before anything runs."""
     if output is None:
         return
     from tokaudit.reader import discover
 
+    from tokaudit.storage import is_url
+
+    local = [Path(p) for p in paths if not is_url(p)]  # an output is a local file: no URL can be it
     target = output.resolve()
-    files, _ = discover(paths)
-    if target in set(files) or any(target == p.resolve() for p in paths):
+    files, _ = discover(local)
+    if target in set(files) or any(target == p.resolve() for p in local):
         raise UsageError(f"{output}: is one of the logs being audited; choose another --output")
 
 
@@ -101,7 +104,8 @@ def _rich_text(render: Callable[[Console], None], output: Path | None) -> str | 
     return buffer.getvalue()
 
 
-PATHS = click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+# Plain strings: a URL (s3://bucket/runs/) must reach the reader as written, not as a Path.
+PATHS = click.argument("paths", nargs=-1, required=True, type=str)
 
 
 @click.group(cls=_Guarded, context_settings={"help_option_names": ["-h", "--help"]})
@@ -133,7 +137,7 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--live", is_flag=True, help="The run is still training: leave out the newest steps that not "
                                            "every rank has flushed yet.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
-def check(paths: tuple[Path, ...], fmt: str, output: Path | None, fail_on: str, ignore: tuple[str, ...],
+def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, ignore: tuple[str, ...],
           min_ratio: float | None, rtol: float, runs: tuple[str, ...], live: bool, quiet: bool) -> None:
     """Recover the normalization every run used and diagnose it.
 
@@ -195,7 +199,7 @@ def _progress(quiet: bool) -> Iterator[Callable[[str], None] | None]:
 @click.option("--step", type=int, required=True, help="Optimizer step to show.")
 @click.option("--run", default=None, help="Run id (needed when the logs hold several).")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
-def weights(paths: tuple[Path, ...], step: int, run: str | None, fmt: str) -> None:
+def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str) -> None:
     """Per rank and microbatch at one step: n, S, b, c, e and q = e·N (1 when correct)."""
     from tokaudit.postmortem import step_weights
 
@@ -227,7 +231,7 @@ def weights(paths: tuple[Path, ...], step: int, run: str | None, fmt: str) -> No
               help="Write every step's values as CSV.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Draw the curves as a PNG (needs matplotlib).")
-def curve(paths: tuple[Path, ...], run: str | None, csv_path: Path | None, plot_path: Path | None) -> None:
+def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_path: Path | None) -> None:
     """Loss per step: the true token mean ΣS/N, the mean of local means, the reported loss, and the
     objective the optimizer followed (Σe·S)."""
     from tokaudit.postmortem import loss_curve

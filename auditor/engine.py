@@ -18,6 +18,7 @@ from pathlib import Path
 
 import duckdb
 import pandas as pd
+import pyarrow.dataset as pads
 
 from tokaudit.errors import UsageError
 from tokaudit.reader import Shard
@@ -58,7 +59,10 @@ class Engine:
     chunk_rows: int = CHUNK_ROWS
     """Rows aggregated at a time: bounds memory whatever the size of the log."""
 
-    link_names: dict[Path, str] = field(default_factory=dict)
+    link_names: dict[int, str] = field(default_factory=dict)
+    """Per shard (by id): its link's name, or for a remote shard the name it goes by in dedup order."""
+    remote_views: dict[int, str] = field(default_factory=dict)
+    """Per remote shard (by id): the DuckDB view over its Arrow dataset."""
     links: Path | None = None
     """A private folder of plainly named links to the shards: DuckDB expands [ ] * ? { } in file
     names, so it is only ever given these names and reads exactly the files it was given."""
@@ -79,8 +83,15 @@ class Engine:
                          chunk_rows=chunk_rows or environment_chunk, links=links)
             for index, shard in enumerate(engine.shards):
                 name = links / f"{index:08d}.parquet"  # in shard order: "the later file wins" still holds
-                os.symlink(shard.path.absolute(), name)
-                engine.link_names[shard.path] = str(name)
+                if shard.store is None:
+                    os.symlink(Path(shard.path).absolute(), name)
+                else:
+                    # On object storage DuckDB scans the file through pyarrow (no httpfs extension, no
+                    # local copy): one Arrow dataset per shard, streamed with the columns and steps asked.
+                    dataset = pads.dataset(str(shard.path), filesystem=shard.store.filesystem, format="parquet")
+                    connection.register(f"remote_{index}", dataset)
+                    engine.remote_views[id(shard)] = f"remote_{index}"
+                engine.link_names[id(shard)] = str(name)
             engine._define(engine.shards, None, deduplicate=False)
             return engine
         except BaseException:
@@ -89,7 +100,22 @@ class Engine:
             raise
 
     def _link(self, shard: Shard) -> str:
-        return self.link_names[shard.path]
+        return self.link_names[id(shard)]
+
+    def _scans(self, members: list[Shard]) -> list[str]:
+        """FROM clauses (as `r`) with `filename` and `file_row_number`: one read_parquet over the local
+        shards, one view per remote shard (its row number unknown: a remote duplicate inside one file
+        keeps an arbitrary copy; across files the later file still wins)."""
+        local = [s for s in members if s.store is None]
+        scans = []
+        if local:
+            files = "[" + ", ".join(_sql_string(self._link(s)) for s in local) + "]"
+            scans.append(f"read_parquet({files}, union_by_name = true, filename = true, file_row_number = true) r")
+        for shard in members:
+            if shard.store is not None:
+                scans.append(f"(SELECT *, {_sql_string(self._link(shard))} AS filename, CAST(NULL AS BIGINT) "
+                             f"AS file_row_number FROM {self.remote_views[id(shard)]}) r")
+        return scans
 
     def _source(self, shards: Sequence[Shard], steps: tuple[int, int] | None) -> str:
         """SQL for the raw records of these shards: one Parquet scan per default run id (the
@@ -97,7 +123,7 @@ class Engine:
         by_run: dict[str, list[Shard]] = {}
         for shard in shards:
             by_run.setdefault(shard.default_run, []).append(shard)
-        parts = []
+        parts: list[str] = []
         for default_run, members in by_run.items():
             present = set().union(*(s.columns for s in members))
 
@@ -105,9 +131,8 @@ class Engine:
                 kind = DUCKDB_TYPES[COLUMNS_BY_NAME[name].kind]
                 return f'CAST(r."{name}" AS {kind})' if name in present else f"CAST(NULL AS {kind})"
 
-            files = "[" + ", ".join(_sql_string(self._link(s)) for s in members) + "]"
             where = f"WHERE r.step BETWEEN {steps[0]} AND {steps[1]}" if steps else ""
-            parts.append(f"""
+            parts.extend(f"""
                 SELECT
                     coalesce({column('run_id')}, {_sql_string(default_run)}) AS run,
                     coalesce({column('group')}, '0') AS grp,
@@ -127,8 +152,8 @@ class Engine:
                     {column('reported_loss')} AS reported_loss,
                     {column('sync')} AS sync, {column('skipped')} AS skipped, {column('time')} AS written,
                     r.filename, r.file_row_number
-                FROM read_parquet({files}, union_by_name = true, filename = true, file_row_number = true) r
-                {where}""")
+                FROM {scan}
+                {where}""" for scan in self._scans(members))
         return " UNION ALL ".join(parts)
 
     def _define(self, shards: Sequence[Shard], steps: tuple[int, int] | None, deduplicate: bool) -> None:

@@ -7,7 +7,7 @@ import os
 import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 import pyarrow as pa
@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from tokaudit.errors import LogFormatError
 from tokaudit.schema import COLUMNS_BY_NAME, REQUIRED_COLUMNS, SCHEMA_VERSION, kind_accepts, read_dropped
+from tokaudit.storage import Store, describe, discover_url, is_url
 
 KIND_WORDS = {"int": "an integer type", "float": "a numeric type", "bool": "bool", "string": "string",
               "timestamp": "a timestamp"}
@@ -25,8 +26,8 @@ KIND_WORDS = {"int": "an integer type", "float": "a numeric type", "bool": "bool
 class Shard:
     """One readable log file."""
 
-    path: Path
-    """Where it is."""
+    path: PurePath
+    """Where it is: a local path, or the path inside `store`."""
     columns: frozenset[str]
     """Schema columns it holds (extra columns are ignored)."""
     rows: int
@@ -37,6 +38,17 @@ class Shard:
     """Lowest and highest step, from the footer's statistics (None when they are missing)."""
     dropped: dict[str, Any] | None = None
     """The recorder's note of records it could not keep ({"run", "group", "rank", "steps"})."""
+    store: Store | None = None
+    """The object store holding it (s3://, gs://, …); None for a local file."""
+
+    @property
+    def name(self) -> str:
+        """How it is named to people: its local path, or its URL."""
+        return self.store.url(self.path) if self.store is not None else str(self.path)
+
+    def open(self) -> Any:
+        """What pyarrow reads it from: the local path, or a file opened in its store."""
+        return self.store.filesystem.open_input_file(str(self.path)) if self.store is not None else self.path
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,23 +135,33 @@ def _not_a_file(path: Path) -> str | None:
 
 
 def load(paths: Sequence[str | os.PathLike[str]]) -> LogSet:
-    """Discover and validate; a damaged shard never hides the others."""
-    files, problems = discover(paths)
+    """Discover and validate; a damaged shard never hides the others. Local paths and URLs
+    (s3://bucket/runs/, see `tokaudit.storage`) may be mixed."""
+    files, problems = discover([p for p in paths if not is_url(p)])
+    located: list[tuple[PurePath, Store | None]] = [(path, None) for path in files]
+    for url in (str(p) for p in paths if is_url(p)):
+        store, found, trouble = discover_url(url)
+        problems.extend(trouble)
+        located.extend((PurePosixPath(path), store) for path in found)
     shards = []
-    for path in files:
+    for path, store in located:
         try:
-            shards.append(inspect_shard(path))
+            shards.append(inspect_shard(path, store))
         except LogFormatError as error:
             problems.append(error)
     return LogSet(shards=shards, problems=problems)
 
 
-def inspect_shard(path: Path) -> Shard:
+def inspect_shard(path: PurePath, store: Store | None = None) -> Shard:
     """Check one file against SPEC §2: columns, types, version, and values no audit can use."""
-    name = str(path)
+    name = store.url(path) if store is not None else str(path)
     try:
-        parquet = pq.ParquetFile(path)
+        parquet = pq.ParquetFile(store.filesystem.open_input_file(str(path)) if store is not None else path)
         schema = parquet.schema_arrow
+    except OSError as error:
+        if store is None:
+            raise LogFormatError(name, f"not a readable Parquet file ({_short(error)})") from None
+        raise LogFormatError(name, describe(error)) from None
     except Exception as error:
         raise LogFormatError(name, f"not a readable Parquet file ({_short(error)})") from None
     for column in REQUIRED_COLUMNS:
@@ -169,7 +191,8 @@ def inspect_shard(path: Path) -> Shard:
     low, high, nulls = stats["step"]
     step_range = (int(low), int(high)) if low is not None and high is not None and nulls == 0 else None
     return Shard(path=path, columns=frozenset(present), rows=parquet.metadata.num_rows,
-                 default_run=path.parent.name, step_range=step_range, dropped=read_dropped(schema.metadata))
+                 default_run=path.parent.name, step_range=step_range, dropped=read_dropped(schema.metadata),
+                 store=store)
 
 
 # (column, lowest allowed value, what it means); null never allowed for required columns.

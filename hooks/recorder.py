@@ -21,10 +21,11 @@ from tokaudit.hooks.amp import ScalerWatch
 from tokaudit.hooks.columns import INT64_MAX, Value, check_scalar, ranges, to_host, writable_rows
 from tokaudit.hooks.identity import Identity, fsdp2_divisor, known_hook_divisor, resolve_identity
 from tokaudit.hooks.probe import ProbeResult, TokenProbe
-from tokaudit.hooks.shards import ShardWriter
+from tokaudit.hooks.shards import ShardWriter, StoreShardWriter
 from tokaudit.hooks.signals import on_termination, run_deferred
 from tokaudit.hooks.terms import Footprint
 from tokaudit.schema import SCHEMA_VERSION, WRITER_SCHEMA, dropped_metadata
+from tokaudit.storage import is_url
 
 DEFAULT_FLUSH_EVERY = 4096
 BACKLOG_SHARDS = 8
@@ -109,23 +110,32 @@ class Recorder:
             except Exception:  # a model whose attributes raise: the default group
                 pass
         self._identity: Identity | None = None
-        self._writer: ShardWriter | None = None
+        self._writer: ShardWriter | StoreShardWriter | None = None
         self._backlog: list[pa.Table] = []
         self._dropped: dict[int, int] = {}  # step → records that could not be kept
         self._scaler: ScalerWatch | None = None
-        try:
-            base = Path(log_dir)
-            self.log_dir = base / run_id if run_id else base
-        except TypeError as error:
-            self._warn_once("log_dir", f"tokaudit: log_dir {log_dir!r} is not a path ({error}); nothing is recorded")
-            self.log_dir, self._closed = Path(os.devnull), True
-        try:
-            if not self._closed:
-                self.log_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            self._warn_once("mkdir", f"tokaudit: cannot create {self.log_dir} ({error}); records are kept in "
-                                     "memory and written when it can be created")
-        self.run_id = run_id or self.log_dir.absolute().name
+        self.log_dir: Path | str
+        """Where the shards go: a local folder, or a URL on object storage (s3://bucket/runs/exp1)."""
+        if is_url(log_dir):
+            # Opened at the first flush (a store that cannot be reached then warns and retries).
+            url = str(log_dir).rstrip("/")
+            self.log_dir = f"{url}/{run_id}" if run_id else url
+            self.run_id = run_id or self.log_dir.rsplit("/", 1)[-1]
+        else:
+            try:
+                base = Path(log_dir)
+                self.log_dir = base / run_id if run_id else base
+            except TypeError as error:
+                self._warn_once("log_dir", f"tokaudit: log_dir {log_dir!r} is not a path ({error}); nothing is "
+                                           "recorded")
+                self.log_dir, self._closed = Path(os.devnull), True
+            try:
+                if not self._closed:
+                    self.log_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                self._warn_once("mkdir", f"tokaudit: cannot create {self.log_dir} ({error}); records are kept in "
+                                         "memory and written when it can be created")
+            self.run_id = run_id or self.log_dir.absolute().name
         # Nothing the recorder cannot hook stops the training: each hook that fails warns and the
         # recording goes on without it.
         for name, attach in (("model", self._hook_model), ("optimizer", self._hook_optimizer),
@@ -662,7 +672,8 @@ class Recorder:
                 prefix = f"rank-{identity.rank:05d}"
                 if identity.group != "0":
                     prefix = f"group-{re.sub(r'[^0-9A-Za-z]+', '_', identity.group)}-{prefix}"
-                self._writer = ShardWriter(self.log_dir, prefix)
+                self._writer = StoreShardWriter(self.log_dir, prefix) if isinstance(self.log_dir, str) else \
+                    ShardWriter(self.log_dir, prefix)
             metadata = None
             if self._dropped:
                 metadata = dropped_metadata(self.run_id, self.group, self.rank, ranges(self._dropped))

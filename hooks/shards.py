@@ -100,3 +100,49 @@ def _running(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class StoreShardWriter:
+    """Publishes one rank's shards into a folder on object storage (`s3://bucket/runs/exp1`).
+
+    An object store has no rename to publish with, but one upload is atomic: the shard is
+    serialized whole in memory, then uploaded under its final name, so a reader lists either the
+    complete file or nothing (never a prefix of it). A name already taken (a resumed run, a second
+    writer) is skipped, as locally. The store's credentials and endpoint come from the environment
+    (see `tokaudit.storage`).
+    """
+
+    def __init__(self, url: str, prefix: str) -> None:
+        from tokaudit.storage import open_url
+
+        self.store, self.folder = open_url(url)
+        self.prefix = prefix
+        self._pattern = re.compile(re.escape(prefix) + r"-(\d{6})\.parquet$")
+        self.sequence = self._next_sequence()
+
+    def write(self, table: pa.Table, metadata: dict[bytes, bytes] | None = None) -> str:
+        """Upload one shard; raises OSError when it cannot (nothing partial is ever listed)."""
+        from pyarrow import fs
+
+        if metadata:
+            table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink)
+        data = sink.getvalue()
+        filesystem = self.store.filesystem
+        while True:
+            final = f"{self.folder}/{self.prefix}-{self.sequence:06d}.parquet"
+            if filesystem.get_file_info(final).type != fs.FileType.NotFound:
+                self.sequence = max(self.sequence + 1, self._next_sequence())
+                continue
+            with filesystem.open_output_stream(final) as stream:
+                stream.write(data)
+            self.sequence += 1
+            return str(self.store.url(final))
+
+    def _next_sequence(self) -> int:
+        from pyarrow import fs
+
+        entries = self.store.filesystem.get_file_info(fs.FileSelector(self.folder, allow_not_found=True))
+        taken = [int(m.group(1)) for e in entries if (m := self._pattern.match(e.base_name))]
+        return max(taken, default=-1) + 1

@@ -1,0 +1,118 @@
+"""Logs on object storage: `s3://bucket/runs/`, `gs://…`, any URL pyarrow or fsspec can open.
+
+Shards are read where they are (footers first, then the columns an audit needs), never copied to
+local disk. The filesystem comes from the URL and the standard environment of its SDK: for S3,
+`AWS_ENDPOINT_URL` (an S3-compatible server), the credential chain (`AWS_ACCESS_KEY_ID`/
+`AWS_SECRET_ACCESS_KEY`, profiles, instance roles) and `AWS_REGION`. Failures become one line that
+says what went wrong (no such bucket, access denied, endpoint unreachable), never a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import PurePath, PurePosixPath
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from tokaudit.errors import LogFormatError
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def is_url(raw: object) -> bool:
+    """Whether `raw` names a location by URL (s3://, gs://, …) rather than a local path."""
+    return isinstance(raw, str) and _URL.match(raw) is not None and not raw.startswith("file://")
+
+
+@dataclass(frozen=True, slots=True)
+class Store:
+    """An open filesystem and the URL scheme it was opened for (to write locations back as URLs)."""
+
+    filesystem: Any
+    scheme: str
+
+    def url(self, path: str | PurePath) -> str:
+        return f"{self.scheme}://{path}"
+
+
+def open_url(url: str) -> tuple[Store, str]:
+    """(store, path inside it) for a URL; raises LogFormatError with one line when it cannot."""
+    match = _URL.match(url)
+    scheme = match.group(1).lower() if match else ""
+    try:
+        filesystem, path = pafs.FileSystem.from_uri(url)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as arrow_error:
+        filesystem, path = _fsspec(url, arrow_error)
+    except OSError as error:
+        raise LogFormatError(url, describe(error)) from None
+    return Store(filesystem, scheme), path.rstrip("/")
+
+
+def _fsspec(url: str, arrow_error: Exception) -> tuple[Any, str]:
+    """A scheme pyarrow does not know, through fsspec when it is installed with that protocol."""
+    try:
+        import fsspec
+    except ImportError:
+        raise LogFormatError(url, f"pyarrow cannot open this URL ({_first_line(arrow_error)}) and fsspec is not "
+                                  "installed") from None
+    try:
+        filesystem, path = fsspec.core.url_to_fs(url)
+    except Exception as error:
+        raise LogFormatError(url, f"cannot open this URL ({_first_line(error)})") from None
+    return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem)), str(path)
+
+
+def describe(error: BaseException) -> str:
+    """One line for a storage error: what it means first, the SDK's own words after."""
+    text = _first_line(error)
+    lowered = text.lower()
+    if "access_denied" in lowered or "accessdenied" in lowered or "invalidaccesskeyid" in lowered or \
+            "signaturedoesnotmatch" in lowered or "forbidden" in lowered or " 403" in lowered:
+        meaning = "access denied (check the credentials and the bucket's policy)"
+    elif "network_connection" in lowered or "could not connect" in lowered or "could not resolve" in lowered or \
+            "timed out" in lowered or "timeout" in lowered:
+        meaning = "cannot reach the storage endpoint (check AWS_ENDPOINT_URL or the network)"
+    elif "nosuchbucket" in lowered or "bucket" in lowered and "not found" in lowered:
+        meaning = "no such bucket"
+    else:
+        meaning = "cannot be read"
+    return f"{meaning}: {text}"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:240]
+
+
+def discover_url(url: str) -> tuple[Store | None, list[str], list[LogFormatError]]:
+    """Every *.parquet under a URL (dot-files and dot-folders skipped), sorted, as paths in the store."""
+    try:
+        store, root = open_url(url)
+    except LogFormatError as error:
+        return None, [], [error]
+    filesystem = store.filesystem
+    try:
+        info = filesystem.get_file_info(root)
+        if info.type == pafs.FileType.NotFound:
+            bucket = root.split("/", 1)[0]
+            if "/" in root and filesystem.get_file_info(bucket).type == pafs.FileType.NotFound:
+                return store, [], [LogFormatError(url, f"no such bucket '{bucket}'")]
+            return store, [], [LogFormatError(url, "no such file or directory")]
+        if info.type == pafs.FileType.File:
+            return store, [root], []
+        entries = filesystem.get_file_info(pafs.FileSelector(root, recursive=True))
+    except OSError as error:
+        return store, [], [LogFormatError(url, describe(error))]
+    found = []
+    for entry in entries:
+        relative = PurePosixPath(entry.path).relative_to(PurePosixPath(root)) if entry.path != root else None
+        if relative is None or any(part.startswith(".") for part in relative.parts):
+            continue
+        if entry.type == pafs.FileType.File and entry.path.endswith(".parquet"):
+            found.append(entry.path)
+    if not found:
+        return store, [], [LogFormatError(url, "no Parquet files (*.parquet) under this URL")]
+    return store, sorted(found), []

@@ -1,0 +1,148 @@
+"""Logs on object storage, against a real S3-compatible server on localhost (moto's server mode):
+`tokaudit check s3://…` gives the same report as the local copy, the Recorder writes there from a
+real 2-process DDP run, and what cannot be read is one exit-2 line."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+moto_server = pytest.importorskip("moto.server")
+boto3 = pytest.importorskip("boto3")
+
+SAMPLE_LOGS = Path(__file__).resolve().parents[1] / "sample_logs"
+RUNS = ("bug_local_mean", "correct_token_mean_ga", "amp_told", "bug_global_world_size_on_dp_group")
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[dict[str, str]]:
+    """A moto S3 server in this process; the environment a user would set to reach it."""
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        client = boto3.client("s3")
+        client.create_bucket(Bucket="logs")
+        for run in RUNS:
+            for shard in sorted((SAMPLE_LOGS / run).glob("*.parquet")):
+                client.upload_file(str(shard), "logs", f"runs/{run}/{shard.name}")
+        yield env
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.stop()
+
+
+def tokaudit(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tokaudit", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def test_an_s3_log_gives_the_report_of_its_local_copy(endpoint: dict[str, str]) -> None:
+    remote = tokaudit("check", "s3://logs/runs/", "--format", "json", env=endpoint)
+    local = tokaudit("check", *(str(SAMPLE_LOGS / run) for run in RUNS), "--format", "json")
+    assert remote.returncode == local.returncode == 1, remote.stderr
+    remote_report, local_report = json.loads(remote.stdout), json.loads(local.stdout)
+    assert remote_report == local_report
+    assert {run["run"] for run in remote_report["runs"]} == set(RUNS)
+
+
+def test_weights_and_curve_read_from_s3(endpoint: dict[str, str]) -> None:
+    remote = tokaudit("weights", "s3://logs/runs/bug_local_mean", "--step", "1", env=endpoint)
+    local = tokaudit("weights", str(SAMPLE_LOGS / "bug_local_mean"), "--step", "1")
+    assert remote.returncode == local.returncode == 0 and remote.stdout == local.stdout
+
+
+def test_a_damaged_object_is_one_line_and_the_others_are_audited(endpoint: dict[str, str]) -> None:
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="damaged")
+    shard = sorted((SAMPLE_LOGS / "bug_local_mean").glob("*.parquet"))[0]
+    client.upload_file(str(shard), "damaged", "runs/bug_local_mean/rank-00000-000000.parquet")
+    client.put_object(Bucket="damaged", Key="runs/bug_local_mean/rank-00001-000000.parquet",
+                      Body=shard.read_bytes()[:200])  # truncated
+    done = tokaudit("check", "s3://damaged/runs", "--format", "json", env=endpoint)
+    assert done.returncode == 2
+    assert "s3://damaged/runs/bug_local_mean/rank-00001-000000.parquet: not a readable Parquet file" in done.stderr
+    assert json.loads(done.stdout)["files"] == 1
+    assert "Traceback" not in done.stderr
+
+
+def test_a_missing_bucket_and_an_unreachable_endpoint_are_one_line(endpoint: dict[str, str]) -> None:
+    missing = tokaudit("check", "s3://no-such-bucket/runs", env=endpoint)
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines()[-1] == "tokaudit: error: s3://no-such-bucket/runs: no such bucket " \
+                                                      "'no-such-bucket'"
+    unreachable = tokaudit("check", "s3://logs/runs", env={**endpoint, "AWS_ENDPOINT_URL": "http://127.0.0.1:1"})
+    assert unreachable.returncode == 2 and "Traceback" not in unreachable.stderr
+    assert "s3://logs/runs: cannot reach the storage endpoint" in unreachable.stderr
+
+
+def test_denied_access_is_one_line(tmp_path: Path) -> None:
+    """A server that checks credentials (moto with authentication on) and a key it does not know."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "moto server did not start"
+                time.sleep(0.1)
+        denied = tokaudit("check", "s3://logs/runs", env={**CREDENTIALS,
+                                                           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"})
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert denied.returncode == 2 and "Traceback" not in denied.stderr
+    assert "tokaudit: error: s3://logs/runs: access denied" in denied.stderr
+
+
+def recorded_job(rank: int, world_size: int, env: dict[str, str], log_dir: str) -> dict[str, Any]:
+    """A real DDP scenario recorded straight to `log_dir` (local or s3://)."""
+    os.environ.update(env)  # the forkserver may predate the test's environment
+    from scenarios.strategies import SCENARIOS, run_scenario
+
+    scenario = next(s for s in SCENARIOS if s.name == "bug_local_mean")
+    return run_scenario(rank, world_size, scenario, log_dir)
+
+
+@pytest.mark.distributed
+def test_the_recorder_writes_to_s3_from_a_ddp_run(endpoint: dict[str, str], tmp_path: Path) -> None:
+    from scenarios.harness import run_ddp
+    from tokaudit.auditing import audit
+
+    boto3.client("s3").create_bucket(Bucket="written")
+    run_ddp(recorded_job, 2, endpoint, "s3://written/runs")
+    run_ddp(recorded_job, 2, endpoint, str(tmp_path))
+    keys = sorted(o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="written")["Contents"])
+    assert keys == ["runs/bug_local_mean/rank-00000-000000.parquet", "runs/bug_local_mean/rank-00001-000000.parquet"]
+    remote, local = audit(["s3://written/runs"]), audit([tmp_path])
+    assert [f.code.value for f in remote.findings] == [f.code.value for f in local.findings] == \
+        ["local_mean", "reported_loss_mismatch"]
+    assert [r.verdict for r in remote.runs] == ["incorrect"]
+    # A resumed writer of the same rank takes the next free name instead of replacing a shard.
+    run_ddp(recorded_job, 2, endpoint, "s3://written/runs")
+    keys = sorted(o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="written")["Contents"])
+    assert keys[-2:] == ["runs/bug_local_mean/rank-00001-000000.parquet", "runs/bug_local_mean/rank-00001-000001.parquet"]
