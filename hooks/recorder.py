@@ -24,6 +24,7 @@ from tokaudit.hooks.probe import ProbeResult, TokenProbe
 from tokaudit.hooks.shards import ShardWriter, StoreShardWriter
 from tokaudit.hooks.signals import on_termination, run_deferred
 from tokaudit.hooks.terms import Footprint
+from tokaudit.hooks.trackers import AuditLoop
 from tokaudit.schema import SCHEMA_VERSION, WRITER_SCHEMA, dropped_metadata
 from tokaudit.storage import is_url
 
@@ -51,7 +52,8 @@ class Recorder:
     def __init__(self, log_dir: str | os.PathLike[str], run_id: str | None = None, model: Any = None,
                  optimizer: torch.optim.Optimizer | None = None, group: Any = None,
                  grad_divisor: float | None = None, grad_scale: float | None = None, scaler: Any = None,
-                 flush_every: int = DEFAULT_FLUSH_EVERY, accelerator: Any = None) -> None:
+                 flush_every: int = DEFAULT_FLUSH_EVERY, accelerator: Any = None, trackers: Any = None,
+                 audit_every: int | None = None) -> None:
         self._closed = False
         self.flushing = False
         """A flush is writing (a signal handler then waits for it instead of starting another)."""
@@ -136,6 +138,8 @@ class Recorder:
                 self._warn_once("mkdir", f"tokaudit: cannot create {self.log_dir} ({error}); records are kept in "
                                          "memory and written when it can be created")
             self.run_id = run_id or self.log_dir.absolute().name
+        # Global rank 0 audits the run for experiment trackers in a background thread (tokaudit.hooks.trackers).
+        self._audits = AuditLoop.create(self.log_dir, self.run_id, trackers, audit_every, accelerator, self._warn_once)
         # Nothing the recorder cannot hook stops the training: each hook that fails warns and the
         # recording goes on without it.
         for name, attach in (("model", self._hook_model), ("optimizer", self._hook_optimizer),
@@ -186,6 +190,9 @@ class Recorder:
         """
         if self._closed:
             return
+        if self._audits is not None and self._audits.due(step if isinstance(step, int) else self._step):
+            self.flush(wait_for_backward=True)  # every rank: the audit reads the steps before this one whole
+            self._audits.start(step if isinstance(step, int) else self._step)
         try:
             self._resolve_identity()
             if not self._divisor_resolved:
@@ -371,6 +378,8 @@ class Recorder:
         if self._optimizer is not None and self._optimizer.__dict__.get("zero_grad") == self._zero_grad_wrapper:
             del self._optimizer.__dict__["zero_grad"]
         atexit.unregister(self.close)
+        if self._audits is not None:
+            self._audits.close()  # rank 0: the final audit, logged to the trackers (a bounded wait)
 
     def __enter__(self) -> Recorder:
         return self
