@@ -6,11 +6,17 @@ Every training cross-entropy call is captured with its probe (evaluation runs wi
 not recorded), so the weight each token received is measured whatever the Trainer and the model do
 with the loss: num_items_in_batch, the ×W of average_tokens_across_devices, ÷GAS, auxiliary terms.
 Under fp16 the Trainer's GradScaler (`trainer.accelerator.scaler`) is found and followed.
+
+With `attach`, the trackers of `report_to` (TensorBoard's writer, the W&B run, the MLflow run) are
+found at train begin, and rank 0 logs the audit to them at train end (and every K steps with
+`audit_every=K`; see `tokaudit.hooks.trackers`). `trackers=[...]` chooses them instead; `trackers=[]`
+turns it off.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
@@ -49,6 +55,8 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         accelerator = getattr(self.trainer, "accelerator", None) if self.trainer is not None else None
         options = dict(self.recorder_options)
         options.setdefault("scaler", getattr(accelerator, "scaler", None))
+        if "trackers" not in options and self.trainer is not None and state.is_world_process_zero:
+            options["trackers"] = report_to_trackers(self.trainer)
         self.recorder = Recorder(self.log_dir, run_id=self.run_id, model=ddp, optimizer=torch_optimizer, **options)
         self.recorder.start_capture()
 
@@ -66,3 +74,26 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.recorder is not None:
             self.recorder.close()  # also ends the capture
+
+
+def report_to_trackers(trainer: Any) -> list[Any]:
+    """The trackers the Trainer's `report_to` callbacks opened (read after their on_train_begin, on
+    the world's process zero): TensorBoardCallback's writer, WandbCallback's run, MLflowCallback's run."""
+    try:
+        from transformers.integrations.integration_utils import MLflowCallback, TensorBoardCallback, WandbCallback
+
+        found: list[Any] = []
+        for callback in trainer.callback_handler.callbacks:
+            if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
+                found.append(callback.tb_writer)  # closed at train end: the audit reopens and closes it
+            elif isinstance(callback, WandbCallback) and getattr(callback._wandb, "run", None) is not None:
+                found.append(callback._wandb.run)
+            elif isinstance(callback, MLflowCallback) and callback._initialized:
+                run = callback._ml_flow.active_run()  # ended at train end: logged to by its id
+                if run is not None:
+                    found.append(run)
+        return found
+    except Exception as error:
+        warnings.warn(f"tokaudit: cannot find the Trainer's trackers ({error!r}); pass trackers=[...]",
+                      RuntimeWarning, stacklevel=2)
+        return []

@@ -5,6 +5,11 @@
 Every training cross-entropy call is captured with its probe, so tokaudit sees what Lightning's
 own normalization (the loss divided by accumulate_grad_batches, DDP's average) did to each token.
 Under "16-mixed" the precision plugin's GradScaler is found and followed.
+
+Rank 0 logs the audit to the trainer's loggers (`trainer.loggers`) at train end (and every K steps
+with `audit_every=K`; see `tokaudit.hooks.trackers`): TensorBoard, W&B and MLflow loggers get the
+numbers and the text, other loggers the numbers through `log_metrics`. `trackers=[...]` chooses
+them instead; `trackers=[]` turns it off.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class TokauditLightningCallback(Callback):  # type: ignore[misc,unused-ignore]
         plugin = getattr(trainer.strategy, "precision_plugin", None)
         options = dict(self.recorder_options)
         options.setdefault("scaler", getattr(plugin, "scaler", None))
+        if "trackers" not in options and trainer.is_global_zero:
+            options["trackers"] = list(trainer.loggers)
         self.recorder = Recorder(self.log_dir, run_id=self.run_id, model=ddp, optimizer=optimizer, **options)
         self.recorder.start_capture()
 
