@@ -18,7 +18,7 @@ from tokaudit.codes import DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
 from tokaudit.engine import Engine
 from tokaudit.normalization import Denominator
 from tokaudit.errors import LogFormatError, UsageError
-from tokaudit.reader import LogSet, Shard, load
+from tokaudit.reader import LogSet, Shard, inspect_shard, load
 from tokaudit.report import AuditReport, Finding, RunSummary, Segment, StepRange, Verdict
 
 Progress = Callable[[str], None]
@@ -31,8 +31,12 @@ _CODE_ORDER = {code: index for index, code in enumerate(Code)}
 
 def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL,
               progress: Progress | None = None) -> tuple[LogSet, Engine | None, pd.DataFrame]:
-    """Load, validate and aggregate. A shard DuckDB cannot decode is reported and left out."""
-    logset = load(paths)
+    """Load, validate and aggregate. A shard DuckDB cannot decode, or whose values no audit can use, is
+    reported and left out.
+
+    Files are validated from their footers; a NaN divisor or scale, which no footer shows, is counted
+    by the aggregation, and only the files holding one are then read in full to say where."""
+    logset = load(paths, thorough=False)
     shards = list(logset.shards)
     problems = list(logset.problems)
     large = sum(s.rows for s in shards) > PROGRESS_ROWS
@@ -42,7 +46,15 @@ def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTO
         try:
             engine = Engine.open(shards)
             try:
-                return LogSet(shards, problems), engine, engine.step_table(rtol, progress if large else None)
+                steps = engine.step_table(rtol, progress if large else None)
+                if len(steps) and steps.unusable_values.sum() > 0:
+                    unusable = _unusable(engine.unusable_files())
+                    if unusable:
+                        engine.close()
+                        problems.extend(unusable.values())
+                        shards = [s for s in shards if s.path not in unusable]
+                        continue
+                return LogSet(shards, problems), engine, steps
             except duckdb.Error:
                 engine.close()
                 raise
@@ -54,6 +66,17 @@ def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTO
             problems.extend(broken.values())
             shards = [s for s in shards if s.path not in broken]
     return LogSet(shards, problems), None, pd.DataFrame()
+
+
+def _unusable(shards: list[Shard]) -> dict[object, LogFormatError]:
+    """The thorough check of the shards the aggregation found a NaN divisor or scale in: one line each."""
+    found: dict[object, LogFormatError] = {}
+    for shard in shards:
+        try:
+            inspect_shard(shard.path, shard.store, thorough=True)
+        except LogFormatError as error:
+            found[shard.path] = error
+    return found
 
 
 def _undecodable(shards: list[Shard]) -> dict[object, LogFormatError]:
@@ -118,7 +141,7 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
                                                 verdict="inconclusive", normalization=None, segments=[],
                                                 max_weight_ratio=1.0, microbatches=0))
                     continue
-            run_findings, spans = check_run(run, frame, rtol, engine.duplicates.get(run))
+            run_findings, spans, omitted = check_run(run, frame, rtol, engine.duplicates.get(run))
             if lost:
                 run_findings.append(lost.finding(run))
             run_findings = _policy(run_findings, ignored, min_ratio)
@@ -126,7 +149,7 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
             value = {d: d.value for d in Denominator}
             segments = [Segment(s.first, s.last, s.steps, value[s.denominator], s.factor, s.group, s.term)
                         for s in spans]
-            summaries.append(_summary(run, frame, run_findings, segments))
+            summaries.append(_summary(run, frame, run_findings, segments, omitted))
         findings.sort(key=lambda f: (-f.severity.rank, f.run, f.term != "0", f.term, _CODE_ORDER[f.code], f.steps.first))
         return AuditReport(runs=summaries, findings=findings, problems=problems, files=len(logset.shards),
                            steps=steps if keep_steps else None)
@@ -230,7 +253,8 @@ def verdict_of(findings: Sequence[Finding], judged: bool) -> Verdict:
     return "correct"
 
 
-def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: list[Segment]) -> RunSummary:
+def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: list[Segment],
+             omitted: int = 0) -> RunSummary:
     judged = bool(((frame.tokens > 0) & (frame.weighted_records > 0)).any())
     weighted = frame[(frame.weighted_records > 0) & (frame.tok_low > 0)]
     ratios = (weighted.tok_high / weighted.tok_low).tolist()
@@ -253,4 +277,5 @@ def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: l
                       ranks=int(frame.rank_max.max()) + 1, world_size=sizes, groups=int(frame.grp.nunique()),
                       verdict=verdict_of(findings, judged), normalization=normalization, segments=segments,
                       max_weight_ratio=float(max(ratios, default=1.0)), microbatches=int(frame.m_high.max()),
-                      terms=terms, skipped_steps=skipped, divisors=divisors, weight_range=weight_range)
+                      terms=terms, skipped_steps=skipped, divisors=divisors, weight_range=weight_range,
+                      segments_omitted=omitted)

@@ -78,13 +78,15 @@ class RunContext:
 
 
 def check_run(run: str, steps: pd.DataFrame, rtol: float,
-              duplicates: tuple[int, int, int, int] | None = None) -> tuple[list[Finding], list[Span]]:
-    """All checks for one run's steps (every group and term): its findings and its normalization spans.
+              duplicates: tuple[int, int, int, int] | None = None) -> tuple[list[Finding], list[Span], int]:
+    """All checks for one run's steps (every group and term): its findings, its normalization spans
+    (at most `MAX_SPANS` per group and term) and how many spans were left out.
 
     Each loss term is its own token mean (SPEC §1): recovery and weight checks run per term.
     `duplicates`: (records dropped, first step, last step, steps) when the reader found repeated keys."""
     findings: list[Finding] = []
     spans: list[Span] = []
+    omitted = 0
     sizes = tuple(int(w) for w in np.unique(np.concatenate([steps.w_low.to_numpy(), steps.w_high.to_numpy()])))
     terms = sorted(set(steps.term.astype(str)), key=lambda t: (t != "0", t))
     for term in terms:
@@ -101,11 +103,13 @@ def check_run(run: str, steps: pd.DataFrame, rtol: float,
         for check in checks:
             findings.extend(check(frame, context))
         findings.extend(_balanced(frame, diagnoses, context))
-        spans.extend(segments(frame, diagnoses))
+        listed, left_out = segments(frame, diagnoses)
+        spans.extend(listed)
+        omitted += left_out
     findings.extend(_reported_findings(steps, run, rtol, terms[0]))
     if duplicates is not None:
         findings.append(_duplicates(duplicates, run))
-    return findings, spans
+    return findings, spans, omitted
 
 
 def _finding(context: RunContext, code: Code, steps: list[int] | np.ndarray, message: str, fix: str,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -64,7 +65,11 @@ def _refuse_inputs(output: Path | None, paths: tuple[str, ...]) -> None:
     local = [Path(p) for p in paths if not is_url(p)]  # an output is a local file: no URL can be it
     target = output.resolve()
     files, _ = discover(local)
-    if target in set(files) or any(target == p.resolve() for p in local):
+    if target.exists():
+        taken = any(os.path.samefile(target, f) for f in files)
+    else:
+        taken = any(target == p.resolve() for p in local)
+    if taken or any(target == p.resolve() for p in local):
         raise UsageError(f"{output}: is one of the logs being audited; choose another --output")
 
 

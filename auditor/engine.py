@@ -18,6 +18,7 @@ from pathlib import Path
 
 import duckdb
 import pandas as pd
+import pyarrow as pa
 import pyarrow.dataset as pads
 
 from tokaudit.errors import UsageError
@@ -25,7 +26,9 @@ from tokaudit.reader import Shard
 from tokaudit.schema import COLUMNS_BY_NAME
 
 DEFAULT_MEMORY_LIMIT = "768MB"
-CHUNK_ROWS = 8_000_000
+CHUNK_ROWS = 1_000_000
+_PLAIN_PATH = re.compile(r"^[A-Za-z0-9._/+=,@%:-]+$")
+"""Paths DuckDB reads literally (no pattern, no escape): others are given to it through a link."""
 _MEMORY = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|%)?\s*$", re.IGNORECASE)
 
 
@@ -64,14 +67,15 @@ class Engine:
     remote_views: dict[int, str] = field(default_factory=dict)
     """Per remote shard (by id): the DuckDB view over its Arrow dataset."""
     links: Path | None = None
-    """A private folder of plainly named links to the shards: DuckDB expands [ ] * ? { } in file
-    names, so it is only ever given these names and reads exactly the files it was given."""
+    """A private folder of plainly named links to the shards whose paths hold a character DuckDB could
+    read as a pattern ([ ] * ? { } and others): it is only given plain names and reads exactly the
+    files it was given."""
 
     @classmethod
     def open(cls, shards: Sequence[Shard], memory_limit: str | None = None,
              threads: int | None = None, chunk_rows: int | None = None) -> Engine:
         environment_memory, environment_chunk = settings_from_environment()
-        links = Path(tempfile.mkdtemp(prefix="tokaudit-shards-"))
+        links: Path | None = None
         connection = duckdb.connect(":memory:", config={"memory_limit": memory_limit or environment_memory,
                                                         "temp_directory": tempfile.gettempdir(),
                                                         "preserve_insertion_order": False})
@@ -80,87 +84,78 @@ class Engine:
             if threads:
                 connection.execute(f"SET threads = {int(threads)}")
             engine = cls(connection=connection, shards=list(shards), duplicates={},
-                         chunk_rows=chunk_rows or environment_chunk, links=links)
+                         chunk_rows=chunk_rows or environment_chunk)
             for index, shard in enumerate(engine.shards):
-                name = links / f"{index:08d}.parquet"  # in shard order: "the later file wins" still holds
-                if shard.store is None:
-                    os.symlink(Path(shard.path).absolute(), name)
-                else:
+                name = str(Path(shard.path).absolute()) if shard.store is None else f"remote/{index:08d}.parquet"
+                if shard.store is None and not _PLAIN_PATH.match(name):
+                    if engine.links is None:
+                        engine.links = links = Path(tempfile.mkdtemp(prefix="tokaudit-shards-"))
+                    link = engine.links / f"{index:08d}.parquet"
+                    os.symlink(name, link)
+                    name = str(link)
+                elif shard.store is not None:
                     # On object storage DuckDB scans the file through pyarrow (no httpfs extension, no
                     # local copy): one Arrow dataset per shard, streamed with the columns and steps asked.
                     dataset = pads.dataset(str(shard.path), filesystem=shard.store.filesystem, format="parquet")
                     connection.register(f"remote_{index}", dataset)
                     engine.remote_views[id(shard)] = f"remote_{index}"
-                engine.link_names[id(shard)] = str(name)
+                engine.link_names[id(shard)] = name
+            # "The later file wins" among duplicates: the shards' order, whatever their names.
+            order = pa.table({"filename": [engine.link_names[id(s)] for s in engine.shards],
+                              "file_index": pa.array(range(len(engine.shards)), pa.int64())})
+            connection.register("file_order_source", order)
+            connection.execute("CREATE TEMP TABLE file_order AS SELECT * FROM file_order_source")
+            connection.unregister("file_order_source")
             engine._define(engine.shards, None, deduplicate=False)
             return engine
         except BaseException:
             connection.close()
-            shutil.rmtree(links, ignore_errors=True)
+            if links is not None:
+                shutil.rmtree(links, ignore_errors=True)
             raise
 
     def _link(self, shard: Shard) -> str:
         return self.link_names[id(shard)]
 
-    def _scans(self, members: list[Shard]) -> list[str]:
+    def _scans(self, members: list[Shard]) -> list[tuple[list[Shard], str]]:
         """FROM clauses (as `r`) with `filename` and `file_row_number`: one read_parquet over the local
         shards, one view per remote shard (its row number unknown: a remote duplicate inside one file
         keeps an arbitrary copy; across files the later file still wins)."""
-        local = [s for s in members if s.store is None]
-        scans = []
-        if local:
+        by_schema: dict[tuple[tuple[str, str], ...], list[Shard]] = {}
+        for shard in members:
+            if shard.store is None:
+                by_schema.setdefault(shard.signature, []).append(shard)
+        scans: list[tuple[list[Shard], str]] = []
+        for signature, local in by_schema.items():
+            # Shards with one schema (all a recorder writes) need no union_by_name, which would read
+            # every file's footer when the query is bound, at every (re)definition of the view.
+            union = "true" if not signature else "false"
             files = "[" + ", ".join(_sql_string(self._link(s)) for s in local) + "]"
-            scans.append(f"read_parquet({files}, union_by_name = true, filename = true, file_row_number = true) r")
+            scans.append((local, f"read_parquet({files}, union_by_name = {union}, filename = true, "
+                                 "file_row_number = true) r"))
         for shard in members:
             if shard.store is not None:
-                scans.append(f"(SELECT *, {_sql_string(self._link(shard))} AS filename, CAST(NULL AS BIGINT) "
-                             f"AS file_row_number FROM {self.remote_views[id(shard)]}) r")
+                scans.append(([shard], f"(SELECT *, {_sql_string(self._link(shard))} AS filename, "
+                                       f"CAST(NULL AS BIGINT) AS file_row_number FROM {self.remote_views[id(shard)]}) r"))
         return scans
 
     def _source(self, shards: Sequence[Shard], steps: tuple[int, int] | None) -> str:
-        """SQL for the raw records of these shards: one Parquet scan per default run id (the
-        parent folder name), so filling a missing run_id costs no per-row string work."""
+        """SQL for the raw records of these shards: scans per default run id (the parent folder
+        name), so filling a missing run_id costs no per-row string work, and per schema."""
         by_run: dict[str, list[Shard]] = {}
         for shard in shards:
             by_run.setdefault(shard.default_run, []).append(shard)
-        parts: list[str] = []
-        for default_run, members in by_run.items():
-            present = set().union(*(s.columns for s in members))
-
-            def column(name: str) -> str:
-                kind = DUCKDB_TYPES[COLUMNS_BY_NAME[name].kind]
-                return f'CAST(r."{name}" AS {kind})' if name in present else f"CAST(NULL AS {kind})"
-
-            where = f"WHERE r.step BETWEEN {steps[0]} AND {steps[1]}" if steps else ""
-            parts.extend(f"""
-                SELECT
-                    coalesce({column('run_id')}, {_sql_string(default_run)}) AS run,
-                    coalesce({column('group')}, '0') AS grp,
-                    coalesce({column('term')}, '0') AS term,
-                    {column('step')} AS step, {column('micro')} AS micro, {column('rank')} AS rank,
-                    {column('world_size')} AS world_size,
-                    {column('loss_sum')} AS loss_sum, {column('valid_tokens')} AS valid_tokens,
-                    {column('backward_scalar')} AS backward_scalar,
-                    coalesce({column('grad_divisor')}, {column('world_size')}::DOUBLE) AS grad_divisor,
-                    coalesce({column('grad_scale')}, 1.0) AS grad_scale,
-                    coalesce({column('divisor_known')}, true) AS divisor_known,
-                    {column('positions')} AS positions,
-                    {column('token_weight_sum')} AS token_weight_sum,
-                    {column('token_weight_min')} AS token_weight_min,
-                    {column('token_weight_max')} AS token_weight_max,
-                    {column('masked_weight_abs_sum')} AS masked_weight_abs_sum,
-                    {column('reported_loss')} AS reported_loss,
-                    {column('sync')} AS sync, {column('skipped')} AS skipped, {column('time')} AS written,
-                    r.filename, r.file_row_number
-                FROM {scan}
-                {where}""" for scan in self._scans(members))
-        return " UNION ALL ".join(parts)
+        where = f"WHERE r.step BETWEEN {steps[0]} AND {steps[1]}" if steps else ""
+        return " UNION ALL ".join(_select(default_run, set().union(*(s.columns for s in scanned)), scan, where)
+                                  for default_run, members in by_run.items()
+                                  for scanned, scan in self._scans(members))
 
     def _define(self, shards: Sequence[Shard], steps: tuple[int, int] | None, deduplicate: bool) -> None:
         self.connection.execute(f"CREATE OR REPLACE TEMP VIEW raw_records AS {self._source(shards, steps)}")
         # Of two records with one key, the later `time` wins, then the later file and row.
-        dedup = ("QUALIFY row_number() OVER (PARTITION BY run, grp, term, step, rank, micro "
-                 "ORDER BY written DESC NULLS LAST, filename DESC, file_row_number DESC) = 1") if deduplicate else ""
+        dedup = ("LEFT JOIN file_order USING (filename) QUALIFY row_number() OVER (PARTITION BY run, grp, term, "
+                 "step, rank, micro ORDER BY written DESC NULLS LAST, file_index DESC, file_row_number DESC) = 1"
+                 ) if deduplicate else ""
         # c: implied weight per valid token before reduction = probe Σ∂b/∂ℓ / n, else b/S.
         # e = c·g/D: effective weight after the reduction. Correct iff e·N = 1.
         self.connection.execute(f"""
@@ -228,6 +223,12 @@ class Engine:
         frame = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
         return frame.sort_values(["run", "grp", "term", "step"], ignore_index=True)
 
+    def unusable_files(self) -> list[Shard]:
+        """The shards holding a NaN grad_divisor or grad_scale (after `step_table`, which counts them)."""
+        names = {name for (name,) in self.connection.execute(
+            "SELECT DISTINCT filename FROM raw_records WHERE isnan(grad_divisor) OR isnan(grad_scale)").fetchall()}
+        return [s for s in self.shards if self._link(s) in names]
+
     def records_at(self, run: str, step: int) -> pd.DataFrame:
         """Every record of one step of one run, with c, e and q = e·N."""
         return self.connection.execute("""
@@ -259,7 +260,10 @@ class Engine:
 # Per-record weights e are only defined for valid records (n > 0) with every value finite.
 STEP_SQL = """
 WITH rec AS (
-    SELECT run, grp, term, step, rank, micro, world_size, grad_divisor, valid_tokens, loss_sum, positions,
+    -- k stands for (run, grp, term) in the groupings: an integer hashes in a fraction of the time of
+    -- three strings, and the per-rank grouping has one group per record when M = 1
+    SELECT hash(run, grp, term) AS k, run, grp, term, step, rank, micro, world_size, grad_divisor, grad_scale,
+        valid_tokens, loss_sum, positions,
         sync, skipped, reported_loss, token_weight_sum, divisor_known,
         valid_tokens > 0 AND NOT (isfinite(loss_sum) AND coalesce(isfinite(backward_scalar), true)
             AND coalesce(isfinite(token_weight_sum), true) AND coalesce(isfinite(token_weight_min), true)
@@ -280,7 +284,7 @@ weighted AS (
     SELECT *, CASE WHEN valid_tokens > 0 AND NOT nonfinite_valid THEN eff END AS w FROM rec
 ),
 step_level AS (
-    SELECT run, grp, term, step,
+    SELECT k, any_value(run) AS run, any_value(grp) AS grp, any_value(term) AS term, step,
         count(*) AS records, max(rank) AS rank_max,
         min(world_size) AS w_low, max(world_size) AS w_high,
         min(grad_divisor) AS d_low, max(grad_divisor) AS d_high,
@@ -304,12 +308,14 @@ step_level AS (
         count_if(skipped) AS skipped_true, count_if(NOT skipped) AS skipped_false,
         min(reported_loss) AS reported_low, max(reported_loss) AS reported_high, count(reported_loss) AS reported,
         sum(positions) AS positions, count(positions) AS positions_known,
-        count_if(micro >= 64) AS wide_micro
-    FROM weighted GROUP BY run, grp, term, step
+        count_if(micro >= 64) AS wide_micro,
+        -- NaN never shows in a file's statistics: counted here, the files are then named (unusable_files)
+        count_if(isnan(grad_divisor) OR isnan(grad_scale)) AS unusable_values
+    FROM weighted GROUP BY k, step
 ),
 -- Few aggregates per (rank, step): millions of groups at scale must stay narrow.
 per_rank AS (
-    SELECT run, grp, term, step, rank,
+    SELECT k, step, rank,
         count(*) AS microbatches, sum(valid_tokens) AS rank_tokens, sum(loss_sum) AS rank_loss,
         min(w) AS e_low, max(w) AS e_high,
         -- the heaviest and lightest record; ties, rounding noise included, go to the lowest microbatch
@@ -322,10 +328,10 @@ per_rank AS (
         count_if(micro < 64)
             - coalesce(bit_count(bit_or(CASE WHEN micro < 64 THEN CAST(1 AS UBIGINT) << CAST(micro AS UBIGINT) END)), 0)
             AS repeated
-    FROM weighted GROUP BY run, grp, term, step, rank
+    FROM weighted GROUP BY k, step, rank
 ),
 rank_level AS (
-    SELECT run, grp, term, step,
+    SELECT k, step,
         count(*) AS ranks, min(microbatches) AS m_low, max(microbatches) AS m_high,
         avg(rank_loss / rank_tokens) FILTER (rank_tokens > 0) AS mean_of_local_means,
         min(en_low * microbatches) AS enm_low, max(en_high * microbatches) AS enm_high,
@@ -341,17 +347,48 @@ rank_level AS (
         bit_or(CASE WHEN rank < 64 THEN CAST(1 AS UBIGINT) << CAST(rank AS UBIGINT) END) AS rank_mask,
         count_if(last_sync = false) AS unsynced_ranks,
         coalesce(sum(repeated), 0) AS repeated_micro
-    FROM per_rank GROUP BY run, grp, term, step
+    FROM per_rank GROUP BY k, step
 ),
 per_micro AS (
-    SELECT run, grp, term, step, micro, sum(valid_tokens) AS micro_tokens, min(w) AS e_low, max(w) AS e_high
-    FROM weighted GROUP BY run, grp, term, step, micro
+    SELECT k, step, micro, sum(valid_tokens) AS micro_tokens, min(w) AS e_low, max(w) AS e_high
+    FROM weighted GROUP BY k, step, micro
 ),
 micro_level AS (
-    SELECT run, grp, term, step, min(e_low * micro_tokens) AS em_low, max(e_high * micro_tokens) AS em_high
-    FROM per_micro GROUP BY run, grp, term, step
+    SELECT k, step, min(e_low * micro_tokens) AS em_low, max(e_high * micro_tokens) AS em_high
+    FROM per_micro GROUP BY k, step
 )
-SELECT * FROM step_level
-JOIN rank_level USING (run, grp, term, step)
-LEFT JOIN micro_level USING (run, grp, term, step)
+SELECT * EXCLUDE (k) FROM step_level
+JOIN rank_level USING (k, step)
+LEFT JOIN micro_level USING (k, step)
 """
+
+
+def _select(default_run: str, present: set[str], scan: str, where: str) -> str:
+    """One scan's records with SPEC §2's defaults applied; columns its files lack are typed nulls."""
+
+    def column(name: str) -> str:
+        kind = DUCKDB_TYPES[COLUMNS_BY_NAME[name].kind]
+        return f'CAST(r."{name}" AS {kind})' if name in present else f"CAST(NULL AS {kind})"
+
+    return f"""
+        SELECT
+            coalesce({column('run_id')}, {_sql_string(default_run)}) AS run,
+            coalesce({column('group')}, '0') AS grp,
+            coalesce({column('term')}, '0') AS term,
+            {column('step')} AS step, {column('micro')} AS micro, {column('rank')} AS rank,
+            {column('world_size')} AS world_size,
+            {column('loss_sum')} AS loss_sum, {column('valid_tokens')} AS valid_tokens,
+            {column('backward_scalar')} AS backward_scalar,
+            coalesce({column('grad_divisor')}, {column('world_size')}::DOUBLE) AS grad_divisor,
+            coalesce({column('grad_scale')}, 1.0) AS grad_scale,
+            coalesce({column('divisor_known')}, true) AS divisor_known,
+            {column('positions')} AS positions,
+            {column('token_weight_sum')} AS token_weight_sum,
+            {column('token_weight_min')} AS token_weight_min,
+            {column('token_weight_max')} AS token_weight_max,
+            {column('masked_weight_abs_sum')} AS masked_weight_abs_sum,
+            {column('reported_loss')} AS reported_loss,
+            {column('sync')} AS sync, {column('skipped')} AS skipped, {column('time')} AS written,
+            r.filename, r.file_row_number
+        FROM {scan}
+        {where}"""

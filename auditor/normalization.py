@@ -424,25 +424,40 @@ class Span:
     factor: float | None
 
 
-def segments(steps: pd.DataFrame, diagnoses: Diagnoses) -> list[Span]:
+MAX_SPANS = 100
+"""Spans listed per (group, term): a normalization that alternates from step to step (a bug that
+fires every other update) would otherwise make one span per step; the longest are kept."""
+
+
+def segments(steps: pd.DataFrame, diagnoses: Diagnoses) -> tuple[list[Span], int]:
     """Consecutive steps with the same recovered normalization, merged per (group, term): two
-    data-parallel groups never interleave. Columnar: a span starts wherever (denominator, α) changes."""
+    data-parallel groups never interleave. Columnar: a span starts wherever (denominator, α) changes.
+    At most MAX_SPANS per (group, term), the longest (the earliest among equals), in step order;
+    the second value counts the spans left out."""
     keep = ~diagnoses.kind_is(StepKind.EMPTY)
     if not keep.any():
-        return []
+        return [], 0
     frame = pd.DataFrame({"grp": steps.grp.astype(str).to_numpy()[keep], "term": steps.term.astype(str).to_numpy()[keep],
                           "step": steps.step.to_numpy()[keep], "denominator": diagnoses.denominator[keep],
                           "factor": diagnoses.factor[keep]}).sort_values(["grp", "term", "step"], kind="stable")
     grp, term = frame.grp.to_numpy(), frame.term.to_numpy()
     denominator, factor = frame.denominator.to_numpy(), frame.factor.to_numpy()
     same_factor = (factor[1:] == factor[:-1]) | (np.isnan(factor[1:]) & np.isnan(factor[:-1]))
-    starts = np.concatenate([[True], (grp[1:] != grp[:-1]) | (term[1:] != term[:-1])
-                             | (denominator[1:] != denominator[:-1]) | ~same_factor])
+    new_block = np.concatenate([[True], (grp[1:] != grp[:-1]) | (term[1:] != term[:-1])])
+    starts = new_block | np.concatenate([[False], (denominator[1:] != denominator[:-1]) | ~same_factor])
     first = np.flatnonzero(starts)
     last = np.concatenate([first[1:], [len(frame)]]) - 1
+    length = last - first + 1
+    block = np.cumsum(new_block)[first]  # (group, term) of each span
+    # Rank spans within their block by length (longest first, then earliest); keep the top MAX_SPANS.
+    order = np.lexsort((first, -length, block))
+    block_start = np.searchsorted(block[order], block[order], side="left")
+    chosen = np.sort(order[np.arange(len(order)) - block_start < MAX_SPANS])
+    omitted = len(first) - len(chosen)
+    first, last, length = first[chosen], last[chosen], length[chosen]
     step = frame.step.to_numpy()
     names = [DENOMINATORS[d] for d in denominator[first].tolist()]
     factors = [None if f != f else f for f in factor[first].tolist()]  # NaN: none
     return [Span(g, t, a, b, n, d, f) for g, t, a, b, n, d, f in zip(
         grp[first].tolist(), term[first].tolist(), step[first].tolist(), step[last].tolist(),
-        (last - first + 1).tolist(), names, factors)]
+        length.tolist(), names, factors)], omitted

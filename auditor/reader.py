@@ -40,6 +40,9 @@ class Shard:
     """The recorder's note of records it could not keep ({"run", "group", "rank", "steps"})."""
     store: Store | None = None
     """The object store holding it (s3://, gs://, …); None for a local file."""
+    signature: tuple[tuple[str, str], ...] = ()
+    """(name, Arrow type) of its schema columns in file order: shards that share one are scanned together
+    without reconciling their schemas file by file."""
 
     @property
     def name(self) -> str:
@@ -82,8 +85,13 @@ def discover(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[Path], list[
             _walk(path, found, problems)
             if len(found) == before and not any(p.path.startswith(str(path)) for p in problems):
                 problems.append(LogFormatError(str(raw), "no Parquet files (*.parquet) in this folder"))
-    unique = list(dict.fromkeys(p.resolve() for p in found))
-    return unique, problems
+    # One file reached twice (two paths, a link to it) is read once: by its identity on disk, which
+    # the walk already stat'ed, rather than by resolving every path (a syscall per path component).
+    unique: dict[tuple[int, int], Path] = {}
+    for path in found:
+        identity = os.stat(path)
+        unique.setdefault((identity.st_dev, identity.st_ino), path.absolute())
+    return list(unique.values()), problems
 
 
 def _walk(root: Path, found: list[Path], problems: list[LogFormatError]) -> None:
@@ -134,7 +142,7 @@ def _not_a_file(path: Path) -> str | None:
     return None
 
 
-def load(paths: Sequence[str | os.PathLike[str]]) -> LogSet:
+def load(paths: Sequence[str | os.PathLike[str]], thorough: bool = True) -> LogSet:
     """Discover and validate; a damaged shard never hides the others. Local paths and URLs
     (s3://bucket/runs/, see `tokaudit.storage`) may be mixed."""
     files, problems = discover([p for p in paths if not is_url(p)])
@@ -146,17 +154,21 @@ def load(paths: Sequence[str | os.PathLike[str]]) -> LogSet:
     shards = []
     for path, store in located:
         try:
-            shards.append(inspect_shard(path, store))
+            shards.append(inspect_shard(path, store, thorough))
         except LogFormatError as error:
             problems.append(error)
     return LogSet(shards=shards, problems=problems)
 
 
-def inspect_shard(path: PurePath, store: Store | None = None) -> Shard:
-    """Check one file against SPEC §2: columns, types, version, and values no audit can use."""
+def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = True) -> Shard:
+    """Check one file against SPEC §2: columns, types, version, and values no audit can use.
+    `thorough=False` leaves out what only a full read of grad_divisor and grad_scale shows (NaN):
+    `load(..., thorough=False)` callers check those values in their aggregation instead."""
     name = store.url(path) if store is not None else str(path)
     try:
-        parquet = pq.ParquetFile(store.filesystem.open_input_file(str(path)) if store is not None else path)
+        # A NativeFile: pyarrow then skips resolving a filesystem for every local path.
+        parquet = pq.ParquetFile(store.filesystem.open_input_file(str(path)) if store is not None
+                                 else pa.OSFile(str(path)))
         schema = parquet.schema_arrow
     except OSError as error:
         if store is None:
@@ -183,7 +195,7 @@ def inspect_shard(path: PurePath, store: Store | None = None) -> Shard:
                 high = stats[column][1]
                 if high is None or high > INT64_MAX:
                     _raise_beyond_int64(parquet, column)
-        _check_values(parquet, present, stats)
+        _check_values(parquet, present, stats, thorough)
     except LogFormatError as error:
         raise LogFormatError(name, error.problem) from None
     except Exception as error:
@@ -192,7 +204,7 @@ def inspect_shard(path: PurePath, store: Store | None = None) -> Shard:
     step_range = (int(low), int(high)) if low is not None and high is not None and nulls == 0 else None
     return Shard(path=path, columns=frozenset(present), rows=parquet.metadata.num_rows,
                  default_run=path.parent.name, step_range=step_range, dropped=read_dropped(schema.metadata),
-                 store=store)
+                 store=store, signature=tuple((f.name, str(f.type)) for f in schema if f.name in COLUMNS_BY_NAME))
 
 
 # (column, lowest allowed value, what it means); null never allowed for required columns.
@@ -205,8 +217,11 @@ _LOWER_BOUNDS: tuple[tuple[str, int, str], ...] = (
 )
 
 
-def _check_values(parquet: pq.ParquetFile, present: set[str], stats: dict[str, tuple[Any, Any, int | None]]) -> None:
-    """Statistics first (no data read); the columns themselves only when statistics cannot decide."""
+def _check_values(parquet: pq.ParquetFile, present: set[str], stats: dict[str, tuple[Any, Any, int | None]],
+                  thorough: bool) -> None:
+    """Statistics first (no data read); the columns themselves only when statistics cannot decide.
+    A NaN divisor or scale never shows in statistics: `thorough` reads those columns; otherwise the
+    aggregation counts them and only the files it names are inspected thoroughly."""
     need: set[str] = set()
     if "schema_version" in present:
         high = stats["schema_version"][1]
@@ -226,12 +241,15 @@ def _check_values(parquet: pq.ParquetFile, present: set[str], stats: dict[str, t
     for column, lowest, _ in _LOWER_BOUNDS:
         if column in present and (stats[column][0] is None or stats[column][0] < lowest):
             need.add(column)
+    if "grad_divisor" in present and (stats["grad_divisor"][0] is None or stats["grad_divisor"][0] <= 0):
+        need.add("grad_divisor")
     rank_high, world_low = stats["rank"][1], stats["world_size"][0]
     if rank_high is None or world_low is None or rank_high >= world_low:
         need.update({"rank", "world_size"})
-    for column in ("grad_divisor", "grad_scale"):
-        if column in present:
-            need.add(column)  # NaN never shows in statistics
+    if thorough:
+        for column in ("grad_divisor", "grad_scale"):
+            if column in present:
+                need.add(column)  # NaN never shows in statistics
     if need:
         _check_rows(parquet.read(columns=sorted(need), use_threads=True), need)
 

@@ -85,7 +85,7 @@ class RunSummary:
     normalization: Segment | None
     """The normalization of most steps; None when no step had valid tokens."""
     segments: list[Segment]
-    """Every change of normalization, in step order."""
+    """Every change of normalization, in step order; at most 100 per group and term (the longest)."""
     max_weight_ratio: float
     """Largest ratio between two valid tokens' effective weights inside one step."""
     microbatches: int
@@ -98,6 +98,8 @@ class RunSummary:
     """Distinct divisors D of the gradient reduction (W for DDP's average, 1 for a sum)."""
     weight_range: tuple[float, float] | None = None
     """Lowest and highest q = e·N of a valid token over the run: its weight relative to 1/N (1 when correct)."""
+    segments_omitted: int = 0
+    """Segments not listed in `segments` (a normalization that changes at every step makes one per step)."""
 
 
 @dataclass(frozen=True, slots=True)

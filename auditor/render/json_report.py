@@ -34,6 +34,7 @@ def run_dict(run: RunSummary) -> dict[str, Any]:
         "weight_range": None if run.weight_range is None else list(run.weight_range),
         "segments": [{"first": s.first, "last": s.last, "steps": s.steps, **_segment(s), "group": s.group,
                       "term": s.term} for s in run.segments],
+        "segments_omitted": run.segments_omitted,
     }
 
 

@@ -27,3 +27,18 @@ def test_chunked_aggregation_equals_whole(tmp_path: Path) -> None:
     # After aggregating, per-step queries see the whole (deduplicated) log again.
     assert len(chunked.records_at("run", 7)) == 4
     assert set(got.rank_mask[got.step == 11]) == {0b11}
+
+
+def test_of_two_copies_without_time_the_later_file_wins(tmp_path: Path) -> None:
+    """The shards' order decides, whatever names DuckDB is given (a plain path, or a link for a
+    path with pattern characters)."""
+    rows = records(UNEVEN_GA, local_mean)
+    write(tmp_path / "run" / "rank-all-000000.parquet", rows)
+    changed = [dict(r, loss_sum=r["loss_sum"] + 1.0) for r in rows if r["step"] == 1]
+    write(tmp_path / "run" / "rank-all-000001[copy].parquet", changed)  # later in path order
+    engine = Engine.open(load([tmp_path]).shards)
+    engine.step_table(1e-4)
+    got = engine.records_at("run", 1).sort_values(["rank", "micro"])
+    want = sorted((r["rank"], r["micro"], r["loss_sum"]) for r in changed)
+    assert [(int(a), int(b), float(c)) for a, b, c in zip(got["rank"], got["micro"], got["loss_sum"])] == want
+    engine.close()

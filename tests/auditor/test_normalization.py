@@ -128,7 +128,7 @@ def test_alpha_is_clustered_within_rtol_not_rounded_to_digits() -> None:
     diagnoses = diagnose_steps(steps, 1e-2)
     assert {d.denominator for d in diagnoses} == {Denominator.RANK}
     assert len({d.factor for d in diagnoses}) == 1, "one α for the whole run"
-    (span,) = segments(steps, diagnoses)
+    (span,), _ = segments(steps, diagnoses)
     assert (span.first, span.last, span.steps) == (0, 39, 40)
 
 
@@ -148,8 +148,30 @@ def test_segments_are_per_group_and_never_interleave() -> None:
         rows.append(step_row(step, weights(UNEVEN[step % 3], (lambda n_r, W, **_: 1 / (W * n_r)) if local
                                            else (lambda N, **_: 1 / N)), group="B"))
     steps = table(rows)
-    spans = [(s.group, s.first, s.last, s.denominator) for s in segments(steps, diagnose_steps(steps, 1e-4))]
+    spans = [(s.group, s.first, s.last, s.denominator) for s in segments(steps, diagnose_steps(steps, 1e-4))[0]]
     assert spans == [("A", 0, 3, Denominator.N), ("B", 0, 1, Denominator.RANK), ("B", 2, 3, Denominator.N)]
+
+
+def test_a_normalization_that_alternates_lists_the_longest_spans_and_counts_the_rest() -> None:
+    """A bug that fires every other update makes one span per step: at most MAX_SPANS are listed,
+    the longest (so a long correct stretch is never dropped for a one-step one), in step order."""
+    from tokaudit.normalization import MAX_SPANS
+
+    rng = np.random.default_rng(11)
+    rows = []
+    for step in range(400):
+        counts = [[int(rng.integers(2, 60))], [int(rng.integers(61, 120))]]  # uneven: the two readings differ
+        local = step % 2 == 1 and not 300 <= step < 350  # steps 300..350 are one correct stretch
+        rows.append(step_row(step, weights(counts, (lambda n_r, W, **_: 1 / (W * n_r)) if local
+                                           else (lambda N, **_: 1 / N))))
+    steps = table(rows)
+    spans, omitted = segments(steps, diagnose_steps(steps, 1e-4))
+    # 0..299 and 351..399 alternate (349 one-step spans), 300..350 is one token-mean span of 51 steps
+    assert len(spans) == MAX_SPANS and omitted == 349 + 1 - MAX_SPANS
+    assert [s.first for s in spans] == sorted(s.first for s in spans)
+    longest = max(spans, key=lambda s: s.steps)
+    assert (longest.first, longest.last, longest.steps, longest.denominator) == (300, 350, 51, Denominator.N)
+    assert sum(s.steps == 1 for s in spans) == MAX_SPANS - 1 and spans[0].first == 0
 
 
 def test_a_near_miss_names_the_nearest_denominator_as_approximate() -> None:
@@ -256,7 +278,7 @@ def test_a_long_run_costs_columns_not_an_object_per_step(monkeypatch: pytest.Mon
     monkeypatch.setattr(normalization.StepDiagnosis, "__init__", counting)
     diagnoses = diagnose_steps(steps, 1e-4)
     assert isinstance(diagnoses.kind, np.ndarray) and len(diagnoses.kind) == 20_000
-    findings, spans = check_run("long", steps, 1e-4)
+    findings, spans, omitted = check_run("long", steps, 1e-4)
     uneven = sum(row["n_low"] != row["n_high"] for row in rows)  # equal counts weigh the same either way
     assert [f.code.value for f in findings] == ["local_mean"] and findings[0].steps.count == uneven
-    assert len(spans) == 1 and len(made) < 10
+    assert len(spans) == 1 and omitted == 0 and len(made) < 10

@@ -49,6 +49,8 @@ def bad_files(folder: Path) -> dict[str, str]:
     write(folder / "null.parquet", null_step)
     nan_divisor = records(UNEVEN, token_mean, grad_divisor=float("nan"))
     write(folder / "nan_divisor.parquet", nan_divisor)
+    # NaN never shows in a footer's statistics: the aggregation counts it, then names the file
+    write(folder / "nan_scale.parquet", records(UNEVEN, token_mean, grad_scale=float("nan")))
     rank_too_big = records(UNEVEN, token_mean)
     rank_too_big[0]["rank"] = 5
     write(folder / "rank.parquet", rank_too_big)
@@ -62,6 +64,7 @@ def bad_files(folder: Path) -> dict[str, str]:
             "newer.parquet": "schema_version 2 is newer than this tokaudit reads (1)",
             "null.parquet": "column 'step' has a null value at row 1",
             "nan_divisor.parquet": "column 'grad_divisor' is not a positive number",
+            "nan_scale.parquet": "column 'grad_scale' is NaN",
             "rank.parquet": "column 'rank' is not below 'world_size'",
             "text.parquet": "not a readable Parquet file",
             "truncated.parquet": "not a readable Parquet file"}
