@@ -118,17 +118,20 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
         return AuditReport(runs=[], findings=[], problems=problems, files=0)
     try:
         if runs:
-            unknown = sorted(set(runs) - set(steps.run))
+            unknown = sorted(set(runs) - set(steps.run.unique()))
             if unknown:
                 raise UsageError(f"no run named {', '.join(map(repr, unknown))} in the logs "
-                                 f"(runs: {', '.join(sorted(set(steps.run)))})")
+                                 f"(runs: {', '.join(sorted(set(steps.run.unique())))})")
             steps = steps[steps.run.isin(runs)]
         if live:
             steps = _complete_steps(steps, engine.complete_through(), progress)
         summaries: list[RunSummary] = []
         findings: list[Finding] = []
         dropped = _dropped_steps(logset.shards)
-        for run, frame in steps.groupby("run", sort=True):
+        # One run (the usual log) is the table itself: no copy of a table that can hold millions of steps.
+        by_run = [(steps.run.iloc[0], steps)] if len(steps) and steps.run.nunique() == 1 else \
+            steps.groupby("run", sort=True)
+        for run, frame in by_run:
             run = str(run)
             frame = frame.reset_index(drop=True)
             lost = dropped.get(run)
@@ -260,7 +263,7 @@ def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: l
     ratios = (weighted.tok_high / weighted.tok_low).tolist()
     if ((frame.weighted_records > 0) & (frame.tok_low <= 0)).any():
         ratios.append(math.inf)
-    terms = sorted(set(frame.term.astype(str)), key=lambda t: (t != "0", t))
+    terms = sorted(set(frame.term.astype(str).unique()), key=lambda t: (t != "0", t))
     main = [s for s in segments if s.term == terms[0]]
     normalization = max(main, key=lambda s: s.steps) if main else None
     sizes = [int(w) for w in np.unique(np.concatenate([frame.w_low.to_numpy(), frame.w_high.to_numpy()]))]

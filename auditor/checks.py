@@ -88,9 +88,9 @@ def check_run(run: str, steps: pd.DataFrame, rtol: float,
     spans: list[Span] = []
     omitted = 0
     sizes = tuple(int(w) for w in np.unique(np.concatenate([steps.w_low.to_numpy(), steps.w_high.to_numpy()])))
-    terms = sorted(set(steps.term.astype(str)), key=lambda t: (t != "0", t))
+    terms = sorted(set(steps.term.astype(str).unique()), key=lambda t: (t != "0", t))
     for term in terms:
-        frame = steps[steps.term.astype(str) == term].reset_index(drop=True)
+        frame = steps if len(terms) == 1 else steps[steps.term.astype(str) == term].reset_index(drop=True)
         diagnoses = diagnose_steps(frame, rtol)
         context = RunContext(run=run, term=term, world_size=int(frame.w_high.mode().iloc[0]), world_sizes=sizes,
                              microbatches=int(frame.m_high.max()), divisor=float(frame.d_high.mode().iloc[0]),

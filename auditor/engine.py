@@ -221,7 +221,11 @@ class Engine:
             frames.append(frame)
         self._define(self.shards, None, deduplicate=bool(self.duplicates))  # for the per-step queries
         frame = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
-        return frame.sort_values(["run", "grp", "term", "step"], ignore_index=True)
+        # Each chunk comes sorted and chunks follow each other in step order: with one (run, group,
+        # term) the whole table is in order already; only several need sorting after the concat.
+        if len(frames) > 1 and any(frame[c].nunique() > 1 for c in ("run", "grp", "term")):
+            frame = frame.sort_values(["run", "grp", "term", "step"], ignore_index=True, kind="stable")
+        return frame
 
     def unusable_files(self) -> list[Shard]:
         """The shards holding a NaN grad_divisor or grad_scale (after `step_table`, which counts them)."""
@@ -360,6 +364,7 @@ micro_level AS (
 SELECT * EXCLUDE (k) FROM step_level
 JOIN rank_level USING (k, step)
 LEFT JOIN micro_level USING (k, step)
+ORDER BY run, grp, term, step
 """
 
 

@@ -18,7 +18,7 @@ def _names(runs: list[str], shown: int = 50) -> str:
 
 
 def _pick_run(steps: pd.DataFrame, run: str | None) -> str:
-    runs = sorted(str(r) for r in set(steps.run))
+    runs = sorted(str(r) for r in set(steps.run.unique()))
     if run is None:
         if len(runs) != 1:
             raise UsageError(f"the logs hold {len(runs)} runs; choose one with --run: {_names(runs)}")
