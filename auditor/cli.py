@@ -64,12 +64,12 @@ def _refuse_inputs(output: Path | None, paths: tuple[str, ...]) -> None:
 
     local = [Path(p) for p in paths if not is_url(p)]  # an output is a local file: no URL can be it
     target = output.resolve()
-    files, _ = discover(local)
-    if target.exists():
+    taken = any(target == p.resolve() for p in local)
+    if not taken and target.name.endswith(".parquet") and target.is_file():
+        # Only a *.parquet file can be found inside an input folder (/dev/null never walks the tree).
+        files, _ = discover(local)
         taken = any(os.path.samefile(target, f) for f in files)
-    else:
-        taken = any(target == p.resolve() for p in local)
-    if taken or any(target == p.resolve() for p in local):
+    if taken:
         raise UsageError(f"{output}: is one of the logs being audited; choose another --output")
 
 

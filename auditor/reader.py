@@ -176,18 +176,15 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
         raise LogFormatError(name, describe(error)) from None
     except Exception as error:
         raise LogFormatError(name, f"not a readable Parquet file ({_short(error)})") from None
-    for column in REQUIRED_COLUMNS:
-        if column not in schema.names:
-            raise LogFormatError(name, f"missing column '{column}'")
-    repeated = sorted({column for column in schema.names if schema.names.count(column) > 1 and column in COLUMNS_BY_NAME})
-    if repeated:
-        raise LogFormatError(name, f"column '{repeated[0]}' appears more than once")
+    fields = tuple((f.name, str(f.type)) for f in schema)
+    if fields not in _SCHEMAS:  # the shards of one log share one or a few schemas: each is checked once
+        if len(_SCHEMAS) > 1024:
+            _SCHEMAS.clear()
+        _SCHEMAS[fields] = _schema_problem(schema)
+    problem = _SCHEMAS[fields]
+    if problem is not None:
+        raise LogFormatError(name, problem)
     present = {column for column in schema.names if column in COLUMNS_BY_NAME}
-    for column in sorted(present):
-        expected = COLUMNS_BY_NAME[column].kind
-        arrow_type = schema.field(column).type
-        if not kind_accepts(expected, arrow_type):
-            raise LogFormatError(name, f"column '{column}' has type {arrow_type}, expected {KIND_WORDS[expected]}")
     try:
         stats = _column_stats(parquet, present)
         for column in sorted(present):
@@ -204,7 +201,28 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
     step_range = (int(low), int(high)) if low is not None and high is not None and nulls == 0 else None
     return Shard(path=path, columns=frozenset(present), rows=parquet.metadata.num_rows,
                  default_run=path.parent.name, step_range=step_range, dropped=read_dropped(schema.metadata),
-                 store=store, signature=tuple((f.name, str(f.type)) for f in schema if f.name in COLUMNS_BY_NAME))
+                 store=store, signature=tuple(field for field in fields if field[0] in COLUMNS_BY_NAME))
+
+
+_SCHEMAS: dict[tuple[tuple[str, str], ...], str | None] = {}
+"""Schemas already checked (names and types in file order) and the problem each has, if any."""
+
+
+def _schema_problem(schema: pa.Schema) -> str | None:
+    """What makes a schema unusable (SPEC §2: required columns, no repeats, each column's type), or None."""
+    for column in REQUIRED_COLUMNS:
+        if column not in schema.names:
+            return f"missing column '{column}'"
+    repeated = sorted({column for column in schema.names if schema.names.count(column) > 1 and column in COLUMNS_BY_NAME})
+    if repeated:
+        return f"column '{repeated[0]}' appears more than once"
+    present = {column for column in schema.names if column in COLUMNS_BY_NAME}
+    for column in sorted(present):
+        expected = COLUMNS_BY_NAME[column].kind
+        arrow_type = schema.field(column).type
+        if not kind_accepts(expected, arrow_type):
+            return f"column '{column}' has type {arrow_type}, expected {KIND_WORDS[expected]}"
+    return None
 
 
 # (column, lowest allowed value, what it means); null never allowed for required columns.
