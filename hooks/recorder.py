@@ -29,6 +29,8 @@ from tokaudit.schema import SCHEMA_VERSION, WRITER_SCHEMA, dropped_metadata
 from tokaudit.storage import is_url
 
 DEFAULT_FLUSH_EVERY = 4096
+STORE_RETRY_S = 30.0
+"""After a failed write to object storage, the next attempt waits this long (or for close())."""
 BACKLOG_SHARDS = 8
 """Shards' worth of records kept in memory while writes fail (a full disk); older ones are dropped
 and written down as dropped steps in the next shard that can be written."""
@@ -116,6 +118,7 @@ class Recorder:
         self._backlog: list[pa.Table] = []
         self._dropped: dict[int, int] = {}  # step → records that could not be kept
         self._scaler: ScalerWatch | None = None
+        self._store_retry_at = 0.0
         self.log_dir: Path | str
         """Where the shards go: a local folder, or a URL on object storage (s3://bucket/runs/exp1)."""
         if is_url(log_dir):
@@ -368,6 +371,7 @@ class Recorder:
         if self._capture is not None:
             self._capture.__exit__(None, None, None)
             self._capture = None
+        self._store_retry_at = 0.0  # the last flush tries the store whatever failed before
         self.flush()
         self._closed = True
         for handle in self._handles:
@@ -674,6 +678,11 @@ class Recorder:
         """Write everything waiting, as one shard; on failure keep it (bounded) for the next flush."""
         if not self._backlog:
             return
+        if isinstance(self.log_dir, str) and time.monotonic() < self._store_retry_at:
+            # An object store that just failed (unreachable, denied) costs seconds of retries per try:
+            # the records wait in the (bounded) backlog until STORE_RETRY_S have passed, or close().
+            self._trim_backlog()
+            return
         table = pa.concat_tables(self._backlog) if len(self._backlog) > 1 else self._backlog[0]
         try:
             if self._writer is None:
@@ -692,11 +701,17 @@ class Recorder:
         except Exception as error:
             self._warn_once("write", f"tokaudit: could not write a shard to {self.log_dir} ({error!r}); the "
                                      "records are kept and written at the next flush, training goes on")
-            limit = BACKLOG_SHARDS * self._flush_every
-            while sum(t.num_rows for t in self._backlog) > limit and len(self._backlog) > 1:
-                lost = self._backlog.pop(0)
-                for step in lost.column("step").to_pylist():
-                    self._note_dropped(int(step), 1)
+            if isinstance(self.log_dir, str):
+                self._store_retry_at = time.monotonic() + STORE_RETRY_S
+            self._trim_backlog()
+
+    def _trim_backlog(self) -> None:
+        """Keep at most BACKLOG_SHARDS shards' worth of records waiting; older ones become dropped steps."""
+        limit = BACKLOG_SHARDS * self._flush_every
+        while sum(t.num_rows for t in self._backlog) > limit and len(self._backlog) > 1:
+            lost = self._backlog.pop(0)
+            for step in lost.column("step").to_pylist():
+                self._note_dropped(int(step), 1)
 
     def _table(self, records: list[dict[str, Any]]) -> pa.Table:
         count = len(records)

@@ -146,3 +146,43 @@ def test_the_recorder_writes_to_s3_from_a_ddp_run(endpoint: dict[str, str], tmp_
     run_ddp(recorded_job, 2, endpoint, "s3://written/runs")
     keys = sorted(o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="written")["Contents"])
     assert keys[-2:] == ["runs/bug_local_mean/rank-00001-000000.parquet", "runs/bug_local_mean/rank-00001-000001.parquet"]
+
+
+def test_an_unreachable_store_is_retried_after_a_pause_and_at_close(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed upload costs seconds of SDK retries: the next flushes keep the records instead of
+    trying again at once; close() tries once more, and what it writes is every record."""
+    import torch
+
+    import tokaudit.hooks.recorder as recorder_module
+    from tests.logs import read_rows
+
+    from tokaudit.hooks.shards import ShardWriter
+
+    attempts: list[str] = []
+    reachable = {"now": False}
+
+    class Flaky:
+        """The store's writer: unreachable at first, then writing (to a local folder standing in for it)."""
+
+        def __init__(self, url: str, prefix: str) -> None:
+            attempts.append(url)
+            if not reachable["now"]:
+                raise OSError("AWS Error NETWORK_CONNECTION: Could not connect to server")
+            self.inner = ShardWriter(tmp_path / "flaky", prefix)
+
+        def write(self, table: Any, metadata: Any = None) -> str:
+            return self.inner.write(table, metadata)
+
+    monkeypatch.setattr(recorder_module, "StoreShardWriter", Flaky)
+    monkeypatch.setattr(recorder_module, "STORE_RETRY_S", 3600.0)
+    with pytest.warns(RuntimeWarning, match="could not write a shard"):
+        rec = recorder_module.Recorder("s3://bucket/runs", run_id="flaky", flush_every=1)
+        for step in range(3):
+            rec.record(loss_sum=torch.tensor(2.0), valid_tokens=2, backward_scalar=torch.tensor(1.0), step=step)
+            rec.flush()
+    assert len(attempts) == 1, "one failed attempt, then the records wait"
+    reachable["now"] = True
+    rec.close()
+    assert len(attempts) == 2
+    assert [row["step"] for row in read_rows(tmp_path / "flaky")] == [0, 1, 2]
