@@ -17,7 +17,6 @@ Rank 0 saves, per update, the parameters before it and the reduced gradient the 
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
@@ -70,8 +69,6 @@ def main() -> None:
         torch.save(history, Path(args.log_dir) / f"{args.variant}.pt")
     accelerator.end_training()
     del model, optimizer
-    if os.environ.get("TOKAUDIT_JOB_DONE"):
-        print("done", flush=True)
 
 
 if __name__ == "__main__":
