@@ -30,7 +30,8 @@ _CODE_ORDER = {code: index for index, code in enumerate(Code)}
 
 
 def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL,
-              progress: Progress | None = None) -> tuple[LogSet, Engine | None, pd.DataFrame]:
+              progress: Progress | None = None, only_steps: tuple[int, int] | None = None
+              ) -> tuple[LogSet, Engine | None, pd.DataFrame]:
     """Load, validate and aggregate. A shard DuckDB cannot decode, or whose values no audit can use, is
     reported and left out.
 
@@ -38,13 +39,17 @@ def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTO
     by the aggregation, and only the files holding one are then read in full to say where."""
     logset = load(paths, thorough=False)
     shards = list(logset.shards)
+    if only_steps is not None:
+        # Files whose footer statistics put every step outside the range are not read at all.
+        first, last = only_steps
+        shards = [s for s in shards if s.step_range is None or (s.step_range[0] <= last and s.step_range[1] >= first)]
     problems = list(logset.problems)
     large = sum(s.rows for s in shards) > PROGRESS_ROWS
     if progress and large:
         progress(f"reading {len(shards)} file(s), {sum(s.rows for s in shards):,} rows")
     while shards:
         try:
-            engine = Engine.open(shards)
+            engine = Engine.open(shards, only_steps=only_steps)
             try:
                 steps = engine.step_table(rtol, progress if large else None)
                 if len(steps) and steps.unusable_values.sum() > 0:

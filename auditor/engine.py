@@ -61,6 +61,8 @@ class Engine:
     (run, group, term, step, micro, rank) key appeared more than once."""
     chunk_rows: int = CHUNK_ROWS
     """Rows aggregated at a time: bounds memory whatever the size of the log."""
+    only_steps: tuple[int, int] | None = None
+    """When set, every view holds only these steps (first, last): a one-step view of a large log."""
 
     link_names: dict[int, str] = field(default_factory=dict)
     """Per shard (by id): its link's name, or for a remote shard the name it goes by in dedup order."""
@@ -73,7 +75,8 @@ class Engine:
 
     @classmethod
     def open(cls, shards: Sequence[Shard], memory_limit: str | None = None,
-             threads: int | None = None, chunk_rows: int | None = None) -> Engine:
+             threads: int | None = None, chunk_rows: int | None = None,
+             only_steps: tuple[int, int] | None = None) -> Engine:
         environment_memory, environment_chunk = settings_from_environment()
         links: Path | None = None
         connection = duckdb.connect(":memory:", config={"memory_limit": memory_limit or environment_memory,
@@ -84,7 +87,7 @@ class Engine:
             if threads:
                 connection.execute(f"SET threads = {int(threads)}")
             engine = cls(connection=connection, shards=list(shards), duplicates={},
-                         chunk_rows=chunk_rows or environment_chunk)
+                         chunk_rows=chunk_rows or environment_chunk, only_steps=only_steps)
             for index, shard in enumerate(engine.shards):
                 name = str(Path(shard.path).absolute()) if shard.store is None else f"remote/{index:08d}.parquet"
                 if shard.store is None and not _PLAIN_PATH.match(name):
@@ -106,7 +109,7 @@ class Engine:
             connection.register("file_order_source", order)
             connection.execute("CREATE TEMP TABLE file_order AS SELECT * FROM file_order_source")
             connection.unregister("file_order_source")
-            engine._define(engine.shards, None, deduplicate=False)
+            engine._define(engine.shards, only_steps, deduplicate=False)
             return engine
         except BaseException:
             connection.close()
@@ -181,6 +184,8 @@ class Engine:
 
     def _chunks(self) -> list[tuple[tuple[int, int] | None, list[Shard]]]:
         """Step ranges of about `chunk_rows` rows each, with the shards that overlap them."""
+        if self.only_steps is not None:
+            return [(self.only_steps, self.shards)]
         total = sum(s.rows for s in self.shards)
         ranges = [s.step_range for s in self.shards]
         if total <= self.chunk_rows or any(r is None for r in ranges):
@@ -219,7 +224,7 @@ class Engine:
                     self._define(shards, steps, deduplicate=True)
                     frame = self.connection.execute(STEP_SQL, {"rtol": rtol}).df()
             frames.append(frame)
-        self._define(self.shards, None, deduplicate=bool(self.duplicates))  # for the per-step queries
+        self._define(self.shards, self.only_steps, deduplicate=bool(self.duplicates))  # for the per-step queries
         frame = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
         # Each chunk comes sorted and chunks follow each other in step order: with one (run, group,
         # term) the whole table is in order already; only several need sorting after the concat.

@@ -30,7 +30,20 @@ def _pick_run(steps: pd.DataFrame, run: str | None) -> str:
 
 def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | None = None
                  ) -> tuple[str, pd.DataFrame, list[LogFormatError]]:
-    """Every record of one step: n, S, b, c = b/S (or the probe's), e = c·g/D and q = e·N."""
+    """Every record of one step: n, S, b, c = b/S (or the probe's), e = c·g/D and q = e·N.
+
+    Only the shards whose footers may hold `step` are read, and only that step is aggregated; when
+    it is not there the whole log is opened to say which runs and steps it has."""
+    logset, engine, steps = open_logs(paths, only_steps=(step, step))
+    one_run = run is None and len({s.default_run for s in logset.shards}) == 1 and steps.run.nunique() == 1
+    if engine is not None and len(steps) and (one_run or run in set(steps.run.unique())):
+        try:
+            chosen = _pick_run(steps, run)
+            return chosen, engine.records_at(chosen, step), logset.problems
+        finally:
+            engine.close()
+    if engine is not None:
+        engine.close()
     logset, engine, steps = open_logs(paths)
     if engine is None:
         raise UsageError("no readable log to inspect")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tests.logs import UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write_by_rank
+from tests.logs import UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
 from tokaudit.cli import main
 
 
@@ -137,3 +137,21 @@ def test_live_leaves_out_steps_not_every_rank_has_flushed(tmp_path: Path) -> Non
     code, out, err = invoke("check", str(tmp_path), "--format", "json", "--live")
     report = json.loads(out)
     assert code == 0 and report["findings"] == [] and report["runs"][0]["steps"] == 4
+
+
+def test_weights_reads_only_the_shards_that_hold_its_step(tmp_path: Path) -> None:
+    """A one-step view of a large log: shards whose footer statistics put every step elsewhere are
+    not read (a shard with damaged data pages for steps 3–5 stays unread for step 1)."""
+    rows = records(UNEVEN * 200, token_mean)  # steps 0..599
+    write(tmp_path / "run" / "rank-all-000000.parquet", [r for r in rows if r["step"] < 3])
+    late = write(tmp_path / "run" / "rank-all-000001.parquet", [r for r in rows if r["step"] >= 3])
+    data = bytearray(late.read_bytes())
+    assert len(data) > 4000
+    for i in range(200, 1200):  # the data pages, not the footer
+        data[i] = 0xFF
+    late.write_bytes(bytes(data))
+    code, out, err = invoke("weights", str(tmp_path / "run"), "--step", "1", "--format", "csv")
+    assert code == 0 and err == "", err
+    assert len(out.strip().splitlines()) == 1 + sum(r["step"] == 1 for r in rows)
+    code, _, err = invoke("check", str(tmp_path / "run"))
+    assert code == 2 and "rank-all-000001.parquet: corrupt data" in err
