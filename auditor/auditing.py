@@ -30,8 +30,8 @@ _CODE_ORDER = {code: index for index, code in enumerate(Code)}
 
 
 def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL,
-              progress: Progress | None = None, only_steps: tuple[int, int] | None = None
-              ) -> tuple[LogSet, Engine | None, pd.DataFrame]:
+              progress: Progress | None = None, only_steps: tuple[int, int] | None = None,
+              threads: int | None = None) -> tuple[LogSet, Engine | None, pd.DataFrame]:
     """Load, validate and aggregate. A shard DuckDB cannot decode, or whose values no audit can use, is
     reported and left out.
 
@@ -49,7 +49,7 @@ def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTO
         progress(f"reading {len(shards)} file(s), {sum(s.rows for s in shards):,} rows")
     while shards:
         try:
-            engine = Engine.open(shards, only_steps=only_steps)
+            engine = Engine.open(shards, only_steps=only_steps, threads=threads)
             try:
                 steps = engine.step_table(rtol, progress if large else None)
                 if len(steps) and steps.unusable_values.sum() > 0:
@@ -97,15 +97,16 @@ def _undecodable(shards: list[Shard]) -> dict[object, LogFormatError]:
 
 def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol: float = DEFAULT_RTOL,
           runs: Sequence[str] = (), progress: Progress | None = None, live: bool = False,
-          ignore: Sequence[str | Code] = (), min_ratio: float | None = None, keep_steps: bool = False
-          ) -> AuditReport:
+          ignore: Sequence[str | Code] = (), min_ratio: float | None = None, keep_steps: bool = False,
+          threads: int | None = None) -> AuditReport:
     """Audit every run under `paths`. Unreadable files become `problems`; the rest is still audited.
 
     `live`: the logs are still being written, so steps after the last one every rank has recorded
     are left out instead of being reported as missing ranks. `ignore`: finding codes to leave out.
     `min_ratio`: a weighting finding whose heaviest token weighs less than this many times the
     lightest is information, not an error (verdicts follow). `keep_steps`: keep the per-step table
-    in `report.steps`.
+    in `report.steps`. `threads`: DuckDB's worker threads (default: every core); an audit running
+    beside training (the trackers' audit) takes one.
     """
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
@@ -117,7 +118,7 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
         ignored = {Code(code) for code in ignore}
     except ValueError as error:
         raise UsageError(f"--ignore: {error}; `tokaudit explain` lists the codes") from None
-    logset, engine, steps = open_logs(paths, rtol, progress)
+    logset, engine, steps = open_logs(paths, rtol, progress, threads=threads)
     problems = [str(p) for p in logset.problems]
     if engine is None:
         return AuditReport(runs=[], findings=[], problems=problems, files=0)

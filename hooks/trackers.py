@@ -338,7 +338,8 @@ class AuditLoop:
             from tokaudit.auditing import audit
 
             while True:
-                report = audit([self.log_dir], live=True, keep_steps=True)
+                # One DuckDB thread: the audit runs beside the training, which keeps the cores.
+                report = audit([self.log_dir], live=True, keep_steps=True, threads=1)
                 missing = _missing(report, self.run_id, step - 1)
                 if missing is None or missing == "run" or time.monotonic() + RETRY_S > deadline:
                     break

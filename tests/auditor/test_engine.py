@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
+import pytest
 
 from tests.logs import UNEVEN_GA, local_mean, records, write
 from tokaudit.engine import Engine
@@ -42,3 +44,23 @@ def test_of_two_copies_without_time_the_later_file_wins(tmp_path: Path) -> None:
     want = sorted((r["rank"], r["micro"], r["loss_sum"]) for r in changed)
     assert [(int(a), int(b), float(c)) for a, b, c in zip(got["rank"], got["micro"], got["loss_sum"])] == want
     engine.close()
+
+
+def test_an_audit_can_be_held_to_one_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trackers' audit runs beside training: `audit(threads=1)` reaches DuckDB, the report is the same."""
+    import tokaudit.auditing as auditing
+
+    write(tmp_path / "run" / "rank-all-000000.parquet", records(UNEVEN_GA, local_mean))
+    seen: list[int] = []
+    original = Engine.open
+
+    def counting(*args: Any, **kwargs: Any) -> Engine:
+        engine = original(*args, **kwargs)
+        seen.append(int(engine.connection.execute("SELECT current_setting('threads')").fetchone()[0]))
+        return engine
+
+    monkeypatch.setattr(auditing.Engine, "open", counting)
+    one = auditing.audit([tmp_path], threads=1)
+    every = auditing.audit([tmp_path])
+    assert seen[0] == 1 and seen[1] >= 1
+    assert [f.code for f in one.findings] == [f.code for f in every.findings] and one.findings
