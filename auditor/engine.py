@@ -121,9 +121,10 @@ class Engine:
         return self.link_names[id(shard)]
 
     def _scans(self, members: list[Shard]) -> list[tuple[list[Shard], str]]:
-        """FROM clauses (as `r`) with `filename` and `file_row_number`: one read_parquet over the local
-        shards, one view per remote shard (its row number unknown: a remote duplicate inside one file
-        keeps an arbitrary copy; across files the later file still wins)."""
+        """FROM clauses (as `r`) with `filename` and `file_row_number`, each with the shards it reads:
+        one read_parquet per schema of the local shards, one view per remote shard (its row number
+        unknown: a remote duplicate inside one file keeps an arbitrary copy; across files the later
+        file still wins)."""
         by_schema: dict[tuple[tuple[str, str], ...], list[Shard]] = {}
         for shard in members:
             if shard.store is None:

@@ -47,11 +47,20 @@ class Shard:
     @property
     def name(self) -> str:
         """How it is named to people: its local path, or its URL."""
-        return self.store.url(self.path) if self.store is not None else str(self.path)
+        return _name(self.path, self.store)
 
     def open(self) -> Any:
-        """What pyarrow reads it from: the local path, or a file opened in its store."""
-        return self.store.filesystem.open_input_file(str(self.path)) if self.store is not None else self.path
+        """A file pyarrow reads it from, on disk or in its store."""
+        return _open(self.path, self.store)
+
+
+def _name(path: PurePath, store: Store | None) -> str:
+    return store.url(path) if store is not None else str(path)
+
+
+def _open(path: PurePath, store: Store | None) -> Any:
+    # A NativeFile either way: for a local path pyarrow then skips resolving a filesystem.
+    return store.filesystem.open_input_file(str(path)) if store is not None else pa.OSFile(str(path))
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,16 +77,18 @@ def discover(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[Path], list[
     """Every *.parquet under the paths, each path taken literally. Dot-files (a killed writer's
     temporaries) are skipped; anything else that cannot be read is one problem line, never a silence:
     an unreadable folder, a dangling or looping link, a FIFO or a folder named *.parquet."""
-    found: list[Path] = []
+    # One file reached twice (two paths, a link to it) is read once: keyed by its identity on disk,
+    # from the stat that checks it is a file, rather than by resolving every path.
+    found: dict[tuple[int, int], Path] = {}
     problems: list[LogFormatError] = []
     for raw in paths:
         path = Path(raw)
         if not path.exists() and not path.is_symlink():
             problems.append(LogFormatError(str(raw), "no such file or directory"))
             continue
-        problem = _not_a_file(path)
-        if problem is None:
-            found.append(path)
+        identity, problem = _regular_file(path)
+        if identity is not None:
+            found.setdefault(identity, path.absolute())
         elif not path.is_dir():
             problems.append(LogFormatError(str(raw), problem))
         else:
@@ -85,16 +96,10 @@ def discover(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[Path], list[
             _walk(path, found, problems)
             if len(found) == before and not any(p.path.startswith(str(path)) for p in problems):
                 problems.append(LogFormatError(str(raw), "no Parquet files (*.parquet) in this folder"))
-    # One file reached twice (two paths, a link to it) is read once: by its identity on disk, which
-    # the walk already stat'ed, rather than by resolving every path (a syscall per path component).
-    unique: dict[tuple[int, int], Path] = {}
-    for path in found:
-        identity = os.stat(path)
-        unique.setdefault((identity.st_dev, identity.st_ino), path.absolute())
-    return list(unique.values()), problems
+    return list(found.values()), problems
 
 
-def _walk(root: Path, found: list[Path], problems: list[LogFormatError]) -> None:
+def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogFormatError]) -> None:
     seen: set[tuple[int, int]] = set()
 
     def unreadable(error: OSError) -> None:
@@ -115,31 +120,31 @@ def _walk(root: Path, found: list[Path], problems: list[LogFormatError]) -> None
             if name.startswith(".") or not name.endswith(".parquet"):
                 continue
             path = here / name
-            problem = _not_a_file(path)
-            if problem is None:
-                found.append(path)
+            key, problem = _regular_file(path)
+            if key is not None:
+                found.setdefault(key, path.absolute())
             else:
                 problems.append(LogFormatError(str(path), problem))
         folders[:] = [f for f in folders if not f.endswith(".parquet")]
 
 
-def _not_a_file(path: Path) -> str | None:
-    """Why `path` is no readable regular file, or None."""
+def _regular_file(path: Path) -> tuple[tuple[int, int] | None, str]:
+    """(device, inode) of a readable regular file; else (None, why it is not one)."""
     try:
-        mode = os.stat(path).st_mode
+        info = os.stat(path)
     except FileNotFoundError:
-        return "a link to nothing (dangling symlink)"
+        return None, "a link to nothing (dangling symlink)"
     except OSError as error:
         if error.errno == errno.ELOOP:
-            return "a link that loops back on itself"
-        return f"cannot be read ({error.strerror})"
-    if stat.S_ISDIR(mode):
-        return "a folder, not a file" if path.name.endswith(".parquet") else "a folder"
-    if not stat.S_ISREG(mode):
-        return "not a regular file (a FIFO, socket or device)"
+            return None, "a link that loops back on itself"
+        return None, f"cannot be read ({error.strerror})"
+    if stat.S_ISDIR(info.st_mode):
+        return None, "a folder, not a file" if path.name.endswith(".parquet") else "a folder"
+    if not stat.S_ISREG(info.st_mode):
+        return None, "not a regular file (a FIFO, socket or device)"
     if not os.access(path, os.R_OK):
-        return "cannot be read (permission denied)"
-    return None
+        return None, "cannot be read (permission denied)"
+    return (info.st_dev, info.st_ino), ""
 
 
 def load(paths: Sequence[str | os.PathLike[str]], thorough: bool = True) -> LogSet:
@@ -164,11 +169,9 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
     """Check one file against SPEC §2: columns, types, version, and values no audit can use.
     `thorough=False` leaves out what only a full read of grad_divisor and grad_scale shows (NaN):
     `load(..., thorough=False)` callers check those values in their aggregation instead."""
-    name = store.url(path) if store is not None else str(path)
+    name = _name(path, store)
     try:
-        # A NativeFile: pyarrow then skips resolving a filesystem for every local path.
-        parquet = pq.ParquetFile(store.filesystem.open_input_file(str(path)) if store is not None
-                                 else pa.OSFile(str(path)))
+        parquet = pq.ParquetFile(_open(path, store))
         schema = parquet.schema_arrow
     except OSError as error:
         if store is None:

@@ -8,7 +8,7 @@ import re
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +100,6 @@ class Recorder:
         self._micro_next: dict[str, int] = {}
         self._active_term: str | None = None
         self._awaiting_scale: list[dict[str, Any]] = []
-        self._zero_grad_wrapper: Callable[..., Any] | None = None
         self._captured_micro: dict[tuple[int, str], int] = {}
         self._capturing = 0
         self._call_group = 0
@@ -379,8 +378,6 @@ class Recorder:
         self._handles.clear()
         if self._scaler is not None:
             self._scaler.close()
-        if self._optimizer is not None and self._optimizer.__dict__.get("zero_grad") == self._zero_grad_wrapper:
-            del self._optimizer.__dict__["zero_grad"]
         atexit.unregister(self.close)
         if self._audits is not None:
             self._audits.close()  # rank 0: the final audit, logged to the trackers (a bounded wait)
@@ -450,8 +447,8 @@ class Recorder:
                 self._warn_once("zero_grad", f"tokaudit: could not follow zero_grad ({error!r})")
             return original(*args, **kwargs)
 
-        self._zero_grad_wrapper = zero_grad
         optimizer.zero_grad = zero_grad
+        self._handles.append(_Restore(optimizer, "zero_grad", zero_grad))  # close() gives it back
 
     def _on_zero_grad(self) -> None:
         """Gradients cleared while this update holds backpropagated records and no optimizer step

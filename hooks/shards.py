@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import pyarrow as pa
@@ -23,7 +24,6 @@ class ShardWriter:
     def __init__(self, folder: Path, prefix: str) -> None:
         self.folder = folder
         self.prefix = prefix
-        self._pattern = re.compile(re.escape(prefix) + r"-(\d{6})\.parquet$")
         self._temporary = re.compile(r"\." + re.escape(prefix) + r"-\d{6}\.parquet\.(\d+)\.tmp$")
         folder.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temporaries()
@@ -79,8 +79,7 @@ class ShardWriter:
 
     def _next_sequence(self) -> int:
         # A resumed run never overwrites the shards of the run before it.
-        taken = [int(m.group(1)) for p in self.folder.iterdir() if (m := self._pattern.match(p.name))]
-        return max(taken, default=-1) + 1
+        return next_sequence(self.prefix, (p.name for p in self.folder.iterdir()))
 
     def _remove_stale_temporaries(self) -> None:
         """A killed writer of this rank leaves a temporary; remove it unless its process still runs."""
@@ -88,6 +87,12 @@ class ShardWriter:
             match = self._temporary.match(path.name)
             if match and not _running(int(match.group(1))):
                 path.unlink(missing_ok=True)
+
+
+def next_sequence(prefix: str, names: Iterable[str]) -> int:
+    """The number after the highest `{prefix}-{seq:06d}.parquet` among `names` (0 when none)."""
+    pattern = re.compile(re.escape(prefix) + r"-(\d{6})\.parquet$")
+    return max((int(m.group(1)) for name in names if (m := pattern.match(name))), default=-1) + 1
 
 
 def _running(pid: int) -> bool:
@@ -117,7 +122,6 @@ class StoreShardWriter:
 
         self.store, self.folder = open_url(url)
         self.prefix = prefix
-        self._pattern = re.compile(re.escape(prefix) + r"-(\d{6})\.parquet$")
         self.sequence = self._next_sequence()
 
     def write(self, table: pa.Table, metadata: dict[bytes, bytes] | None = None) -> str:
@@ -144,5 +148,4 @@ class StoreShardWriter:
         from pyarrow import fs
 
         entries = self.store.filesystem.get_file_info(fs.FileSelector(self.folder, allow_not_found=True))
-        taken = [int(m.group(1)) for e in entries if (m := self._pattern.match(e.base_name))]
-        return max(taken, default=-1) + 1
+        return next_sequence(self.prefix, (e.base_name for e in entries))
