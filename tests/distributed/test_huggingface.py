@@ -18,27 +18,13 @@ pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
 def trainer_job(rank: int, world_size: int, log_dir: str, average_tokens: bool, fp16_scaler: bool = False) -> None:
     import torch
-    from torch.utils.data import Dataset
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1"})
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
+    from tests.distributed.padded import padded_sequences
     from tokaudit.hooks.huggingface import TokauditCallback
-
-    class Padded(Dataset):  # type: ignore[type-arg]
-        """Sequences of uneven length, right-padded; labels -100 on padding."""
-
-        def __len__(self) -> int:
-            return 48
-
-        def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-            generator = torch.Generator().manual_seed(index)
-            length = int(torch.randint(2, 16, (), generator=generator))
-            ids = torch.randint(1, 64, (16,), generator=generator)
-            keep = torch.arange(16) < length
-            return {"input_ids": ids.masked_fill(~keep, 0), "attention_mask": keep.long(),
-                    "labels": ids.masked_fill(~keep, -100)}
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -48,7 +34,7 @@ def trainer_job(rank: int, world_size: int, log_dir: str, average_tokens: bool, 
                              gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3, logging_steps=1,
                              report_to=[], save_strategy="no", disable_tqdm=True, seed=0, ddp_backend="gloo",
                              average_tokens_across_devices=average_tokens, dataloader_num_workers=0)
-    trainer = Trainer(model=model, args=args, train_dataset=Padded())
+    trainer = Trainer(model=model, args=args, train_dataset=padded_sequences())
     run_id = f"average_tokens_{average_tokens}"
     if fp16_scaler:
         # fp16 on CPU: Accelerate builds no GradScaler there, so give the Trainer the one it builds on a
