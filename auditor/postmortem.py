@@ -8,13 +8,23 @@ from collections.abc import Sequence
 import pandas as pd
 
 from tokaudit.auditing import Progress, open_logs
+from tokaudit.reader import LogSet
 from tokaudit.checks import DEFAULT_RTOL
-from tokaudit.errors import LogFormatError, UsageError
+from tokaudit.errors import LogFormatError, TokauditError, UsageError
 
 
 def _names(runs: list[str], shown: int = 50) -> str:
     more = f", and {len(runs) - shown} more" if len(runs) > shown else ""
     return ", ".join(runs[:shown]) + more
+
+
+def _nothing_readable(logset: LogSet) -> TokauditError:
+    """The one line for a post-mortem with no readable shard: what was wrong with the input."""
+    if not logset.problems:
+        return UsageError("no readable log to inspect")
+    if len(logset.problems) == 1:
+        return logset.problems[0]
+    return UsageError(f"no readable log to inspect: {logset.problems[0]} (and {len(logset.problems) - 1} more)")
 
 
 def _pick_run(steps: pd.DataFrame, run: str | None) -> str:
@@ -46,7 +56,7 @@ def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | 
         engine.close()
     logset, engine, steps = open_logs(paths)
     if engine is None:
-        raise UsageError("no readable log to inspect")
+        raise _nothing_readable(logset)
     try:
         chosen = _pick_run(steps, run)
         if step not in set(steps.step[steps.run == chosen]):
@@ -63,7 +73,7 @@ def loss_curve(paths: Sequence[str | os.PathLike[str]], run: str | None = None, 
     objective the optimizer actually followed, Σ e·S (equal to ΣS/N when the run is correct)."""
     logset, engine, steps = open_logs(paths, DEFAULT_RTOL, progress)
     if engine is None:
-        raise UsageError("no readable log to inspect")
+        raise _nothing_readable(logset)
     engine.close()
     chosen = _pick_run(steps, run)
     frame = steps[steps.run == chosen].copy()

@@ -209,3 +209,12 @@ def test_a_full_stdout_is_exit_2_without_a_traceback(tmp_path: Path) -> None:
                               stdout=full, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120)
     no_traceback(done.stderr)
     assert done.returncode == 2 and len(error_lines(done.stderr)) == 1
+
+
+@pytest.mark.parametrize("command", [["weights", "--step", "1"], ["curve"]])
+def test_a_post_mortem_of_nothing_readable_names_the_input(tmp_path: Path, command: list[str]) -> None:
+    missing = tmp_path / "no-such-run"
+    code, out, err = invoke(command[0], str(missing), *command[1:])
+    no_traceback(out, err)
+    assert code == 2
+    assert error_lines(err) == [f"tokaudit: error: {missing}: no such file or directory"]
