@@ -131,6 +131,9 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
             steps = steps[steps.run.isin(runs)]
         if live:
             steps = _complete_steps(steps, engine.complete_through(), progress)
+        # The checks need only the step table: DuckDB's memory is given back before they run.
+        duplicates = engine.duplicates
+        engine.close()
         summaries: list[RunSummary] = []
         findings: list[Finding] = []
         dropped = _dropped_steps(logset.shards)
@@ -150,7 +153,7 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
                                                 verdict="inconclusive", normalization=None, segments=[],
                                                 max_weight_ratio=1.0, microbatches=0))
                     continue
-            run_findings, spans, omitted = check_run(run, frame, rtol, engine.duplicates.get(run))
+            run_findings, spans, omitted = check_run(run, frame, rtol, duplicates.get(run))
             if lost:
                 run_findings.append(lost.finding(run))
             run_findings = _policy(run_findings, ignored, min_ratio)

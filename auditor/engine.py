@@ -7,6 +7,7 @@ group) comes back to Python.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import re
@@ -15,8 +16,11 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import duckdb
+import numpy as np
+import numpy.typing as npt
 import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as pads
@@ -26,7 +30,7 @@ from tokaudit.reader import Shard
 from tokaudit.schema import COLUMNS_BY_NAME
 
 DEFAULT_MEMORY_LIMIT = "768MB"
-CHUNK_ROWS = 1_000_000
+CHUNK_ROWS = 250_000
 _PLAIN_PATH = re.compile(r"^[A-Za-z0-9._/+=,@%:-]+$")
 """Paths DuckDB reads literally (no pattern, no escape): others are given to it through a link."""
 _MEMORY = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|%)?\s*$", re.IGNORECASE)
@@ -84,6 +88,7 @@ class Engine:
                                                         "preserve_insertion_order": False})
         try:
             connection.execute("SET enable_progress_bar = false")
+            connection.execute("SET allocator_flush_threshold = '16MB'")
             if threads:
                 connection.execute(f"SET threads = {int(threads)}")
             engine = cls(connection=connection, shards=list(shards), duplicates={},
@@ -206,16 +211,17 @@ class Engine:
         """One row per (run, grp, term, step) with everything the checks need (see STEP_SQL).
 
         Large logs are aggregated a step range at a time. Duplicates are looked for only where the
-        cheap per-rank count says there may be some; those records are then deduplicated.
+        cheap per-rank count says there may be some; those records are then deduplicated. Memory:
+        the table is never held twice (see `_join`), and only one range's aggregation is in DuckDB.
         """
-        frames = []
+        columns: dict[str, list[npt.NDArray[Any]]] = {}
         chunks = self._chunks()
         for index, (steps, shards) in enumerate(chunks):
             if progress and len(chunks) > 1 and steps:
                 progress(f"aggregating steps {steps[0]}–{steps[1]} ({index + 1}/{len(chunks)})")
             self._define(shards, steps, deduplicate=False)
-            frame = self.connection.execute(STEP_SQL, {"rtol": rtol}).df()
-            if len(frame) and (frame.repeated_micro.sum() > 0 or frame.wide_micro.sum() > 0):
+            table = self._aggregate(rtol)
+            if len(table) and (table.repeated_micro.sum() > 0 or table.wide_micro.sum() > 0):
                 found = self._find_duplicates()
                 if found:
                     for run, (copies, first, last, count) in found.items():
@@ -223,14 +229,31 @@ class Engine:
                         self.duplicates[run] = (old[0] + copies, min(old[1], first), max(old[2], last),
                                                 old[3] + count)
                     self._define(shards, steps, deduplicate=True)
-                    frame = self.connection.execute(STEP_SQL, {"rtol": rtol}).df()
-            frames.append(frame)
+                    table = self._aggregate(rtol)
+            if len(chunks) == 1:
+                frame = table
+                break
+            # Column by column out of the range's frame, which is then let go: at most one range is
+            # held twice.
+            for name in table.columns:
+                columns.setdefault(name, []).append(table[name].to_numpy(copy=True))
+            del table
         self._define(self.shards, self.only_steps, deduplicate=bool(self.duplicates))  # for the per-step queries
-        frame = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
+        if len(chunks) > 1:
+            frame = _join(columns)
         # Each chunk comes sorted and chunks follow each other in step order: with one (run, group,
         # term) the whole table is in order already; only several need sorting after the concat.
-        if len(frames) > 1 and any(frame[c].nunique() > 1 for c in ("run", "grp", "term")):
+        if len(chunks) > 1 and any(frame[c].nunique() > 1 for c in ("run", "grp", "term")):
             frame = frame.sort_values(["run", "grp", "term", "step"], ignore_index=True, kind="stable")
+        return frame
+
+    def _aggregate(self, rtol: float) -> pd.DataFrame:
+        frame = self.connection.execute(STEP_SQL, {"rtol": rtol}).df()
+        for name in frame.columns:
+            # A count with NULLs (no record of the step said) comes back as pandas' masked integers,
+            # whose NA neither compares nor sums like NaN: float64 with NaN, as the checks expect.
+            if isinstance(frame[name].dtype, pd.api.extensions.ExtensionDtype) and frame[name].dtype.kind in "iu":
+                frame[name] = frame[name].astype("float64")
         return frame
 
     def unusable_files(self) -> list[Shard]:
@@ -263,6 +286,7 @@ class Engine:
 
     def close(self) -> None:
         self.connection.close()
+        _trim_heap()
         if self.links is not None:
             shutil.rmtree(self.links, ignore_errors=True)
 
@@ -326,7 +350,7 @@ step_level AS (
 -- Few aggregates per (rank, step): millions of groups at scale must stay narrow.
 per_rank AS (
     SELECT k, step, rank,
-        count(*) AS microbatches, sum(valid_tokens) AS rank_tokens, sum(loss_sum) AS rank_loss,
+        count(*) AS microbatches, CAST(sum(valid_tokens) AS BIGINT) AS rank_tokens, sum(loss_sum) AS rank_loss,
         min(w) AS e_low, max(w) AS e_high,
         -- the heaviest and lightest record; ties, rounding noise included, go to the lowest microbatch
         -- and rank (the order key moves w by 1e-12 of itself per index), so the scan order never decides
@@ -353,8 +377,8 @@ rank_level AS (
         arg_min(rank, e_low * (1 + rank * 1e-12)) AS light_rank, arg_min(light_micro, e_low * (1 + rank * 1e-12)) AS light_micro,
         arg_min(light_n, e_low * (1 + rank * 1e-12)) AS light_n,
         arg_min(rank_tokens, e_low * (1 + rank * 1e-12)) AS light_rank_tokens,
-        -- ranks below 64 present in the step, as set bits (the missing-rank evidence)
-        bit_or(CASE WHEN rank < 64 THEN CAST(1 AS UBIGINT) << CAST(rank AS UBIGINT) END) AS rank_mask,
+        -- ranks below 64 present in the step, as set bits (the missing-rank evidence); 0: none of them
+        coalesce(bit_or(CASE WHEN rank < 64 THEN CAST(1 AS UBIGINT) << CAST(rank AS UBIGINT) END), 0) AS rank_mask,
         count_if(last_sync = false) AS unsynced_ranks,
         coalesce(sum(repeated), 0) AS repeated_micro
     FROM per_rank GROUP BY k, step
@@ -367,11 +391,53 @@ micro_level AS (
     SELECT k, step, min(e_low * micro_tokens) AS em_low, max(e_high * micro_tokens) AS em_high
     FROM per_micro GROUP BY k, step
 )
-SELECT * EXCLUDE (k) FROM step_level
+SELECT * EXCLUDE (k) REPLACE ({casts}) FROM step_level
 JOIN rank_level USING (k, step)
 LEFT JOIN micro_level USING (k, step)
 ORDER BY run, grp, term, step
 """
+
+INTEGER_COLUMNS = (
+    "records", "rank_max", "w_low", "w_high", "weighted_records", "unweighted_records", "unknown_divisor",
+    "nonfinite_valid", "nonfinite_zero", "probe_nonuniform", "masked_weighted", "probed", "sync_known", "sync_true",
+    "skipped_true", "skipped_false", "reported", "positions_known", "wide_micro", "unusable_values", "ranks", "m_low",
+    "m_high", "heavy_rank", "heavy_micro", "light_rank", "light_micro", "unsynced_ranks", "repeated_micro")
+"""Counts of records, ranks and microbatches and their indices: 4 bytes a step each, not 8 (or the 16 of
+DuckDB's HUGEINT sums), for a step table of millions of rows."""
+BIGINT_COLUMNS = ("tokens", "positions", "heavy_rank_tokens", "light_rank_tokens")
+"""Token counts: sums that could pass 2³¹ over a step of many ranks."""
+STEP_SQL = STEP_SQL.replace("{casts}", ", ".join(
+    [f"CAST({c} AS INTEGER) AS {c}" for c in INTEGER_COLUMNS] + [f"CAST({c} AS BIGINT) AS {c}" for c in BIGINT_COLUMNS]))
+
+
+def _join(columns: dict[str, list[npt.NDArray[Any]]]) -> pd.DataFrame:
+    """One frame from the ranges' columns, a column at a time: each column's parts are let go as soon
+    as they are copied, and the C heap's free pages are handed back to the system (glibc keeps the
+    freed parts otherwise, and the peak would be the table twice, as with a concat of frames)."""
+    rows = sum(len(part) for part in next(iter(columns.values())))
+    frame = pd.DataFrame(index=pd.RangeIndex(rows))
+    for name in list(columns):
+        parts = columns.pop(name)
+        frame[name] = np.concatenate(parts)
+        del parts
+        _trim_heap()
+    return frame
+
+
+def _trim_heap() -> None:
+    """glibc's malloc_trim(0): give the heap's free pages back to the system. Nothing elsewhere."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None
 
 
 def _select(default_run: str, present: set[str], scan: str, where: str) -> str:

@@ -222,13 +222,18 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
     if count == 0:
         empty = np.zeros(0)
         return Diagnoses(np.zeros(0, np.int8), np.zeros(0, np.int8), empty, empty, np.zeros(0, bool), empty)
-    bounds = candidate_bounds(steps)
-    divisor = _column(steps, "d_high")
-    tokens = _column(steps, "tokens")
-    usable = (tokens > 0) & (_column(steps, "weighted_records") > 0) & ~np.isnan(_column(steps, "e_low"))
-    spreads = np.column_stack([spread(*bounds[d]) for d in PREFERENCE])
-    alphas = np.column_stack([(bounds[d][0] + bounds[d][1]) / 2 * divisor for d in PREFERENCE])
-    fits = usable[:, None] & (spreads <= rtol)
+    candidates = len(PREFERENCE)
+    fits = np.empty((count, candidates), dtype=bool)
+    alphas = np.empty((count, candidates))
+    usable, distortion = np.empty(count, dtype=bool), np.empty(count)
+    nearest, nearest_spread = np.empty(count, dtype=np.int64), np.empty(count)
+    # Row by row the candidates are independent: computed a block of steps at a time, so the
+    # temporaries (bounds, spreads) stay a few MB whatever the number of steps; only the fits and
+    # the α, which the vote needs over the whole table, are kept.
+    for start in range(0, count, BLOCK_STEPS):
+        block = slice(start, min(start + BLOCK_STEPS, count))
+        fits[block], alphas[block], usable[block], distortion[block], nearest[block], nearest_spread[block] = \
+            _candidates(steps.iloc[block], rtol)
     chosen, representative = _vote(fits, alphas, rtol)
 
     n_equal = _column(steps, "n_low") == _column(steps, "n_high")
@@ -236,8 +241,7 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
     confused = _confusable(fits, alphas, usable, _column(steps, "w_high"), _column(steps, "m_high"), rtol)
     unknown_divisor = _column(steps, "unknown_divisor") > 0 if "unknown_divisor" in steps else np.zeros(count, bool)
     uniform = fits[:, 0]  # e·N constant ⇔ e constant
-    distortion = np.where(uniform, (bounds[Denominator.N][0] + bounds[Denominator.N][1]) / 2, np.nan)
-    nearest, nearest_spread = _nearest(spreads, alphas, usable)
+    tokens = _column(steps, "tokens")
 
     # The denominator: the vote's winner, else the nearest approximate fit, else unexplained.
     rows = np.arange(count)
@@ -270,6 +274,26 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
     distortion = np.where(unjudged_here, np.nan, distortion)
     approximate = np.where(unjudged_here, np.nan, approximate)
     return Diagnoses(kind, denominator, factor, distortion, balanced, approximate, confused)
+
+
+BLOCK_STEPS = 65_536
+
+
+def _candidates(steps: pd.DataFrame, rtol: float) -> tuple[npt.NDArray[np.bool_], Floats, npt.NDArray[np.bool_], Floats,
+                                                            npt.NDArray[np.int64], Floats]:
+    """Per step of this block: which candidates fit within rtol, their α = e·Den·D, whether the step
+    can be judged (valid tokens with a weight), q = e·N where the weights are uniform (else NaN), and
+    the nearest approximate fit with the spread it leaves (see `_nearest`)."""
+    bounds = candidate_bounds(steps)
+    divisor = _column(steps, "d_high")
+    usable = (_column(steps, "tokens") > 0) & (_column(steps, "weighted_records") > 0) & ~np.isnan(_column(steps, "e_low"))
+    spreads = np.column_stack([spread(*bounds[d]) for d in PREFERENCE])
+    alphas = np.column_stack([(bounds[d][0] + bounds[d][1]) / 2 * divisor for d in PREFERENCE])
+    fits = usable[:, None] & (spreads <= rtol)
+    low, high = bounds[Denominator.N]
+    distortion = np.where(fits[:, 0], (low + high) / 2, np.nan)
+    nearest, nearest_spread = _nearest(spreads, alphas, usable)
+    return fits, alphas, usable, distortion, nearest, nearest_spread
 
 
 _LOCAL = (Denominator.RANK, Denominator.MICRO_TIMES_M, Denominator.MICRO, Denominator.MICRO_GLOBAL)

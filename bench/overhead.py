@@ -2,21 +2,27 @@
 
 One model, data and optimizer; steps alternate between the plain and the recorded loop, so
 machine noise (a busy neighbour on 2 cores) hits both alike. The figure is the ratio of
-median step times, then the same with the default shard flush (every 4096 records) amortized.
+median step times, then the same with the default shard flush (every 4096 records) amortized,
+and the ratio of each fifth of the steps (how far noise moves it). Each part of the recorder is
+also timed alone, thousands of calls on one microbatch's tensors (`parts`): what the recorder
+itself adds to a step, free of the noise between two loops.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokaudit.hooks import Recorder
+from tokaudit.hooks.probe import ProbeResult
 
 VOCAB, WIDTH, HEADS, LAYERS, SEQ, BATCH, MICRO = 2048, 128, 4, 2, 128, 8, 2
 
@@ -89,9 +95,54 @@ def measure(steps: int) -> dict[str, float]:
         rec.close()
     plain, recorded = statistics.median(times["plain"]), statistics.median(times["recorded"])
     amortized = flush_s / max(records, 1) * MICRO  # flush cost per record × records per step
+    fifth = max(1, steps // 5)
+    blocks = [statistics.median(times["recorded"][i:i + fifth]) / statistics.median(times["plain"][i:i + fifth])
+              for i in range(0, fifth * 5, fifth)]
     return {"plain_ms": plain * 1e3, "recorded_ms": recorded * 1e3, "ratio": recorded / plain,
             "flush_ms": flush_s * 1e3, "flush_records": records,
-            "ratio_with_flush": (recorded + amortized) / plain}
+            "ratio_with_flush": (recorded + amortized) / plain, "block_ratios": blocks}
+
+
+def _per_call_us(call: Callable[[], object], calls: int = 2000) -> float:
+    """Best of 5 loops of `calls` calls, in µs per call."""
+    for _ in range(100):
+        call()
+    best = math.inf
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+def parts() -> dict[str, float]:
+    """µs per microbatch of each recorder part, on the benchmark's tensors (8×128 tokens): the
+    probe's forward (mask of masked positions with a loss, the autograd node), its backward (Σ,
+    min, max of ∂b/∂ℓᵢ and the masked weight, on the device) and `record` (values checked, kept
+    detached on the device)."""
+    tokens, labels = batches(0)[0]
+    valid = labels != -100
+    logits = torch.randn(tokens.numel(), VOCAB, requires_grad=True)
+    per_token = F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100, reduction="none").view_as(labels)
+    with tempfile.TemporaryDirectory() as folder:
+        rec = Recorder(folder, run_id="parts", flush_every=1 << 30)
+        forward = _per_call_us(lambda: rec.probe(per_token, valid))
+        rec._pending_probe = None
+        grad, live = torch.randn(labels.shape), ~valid & (per_token.detach() != 0)
+        backward = _per_call_us(lambda: ProbeResult().add(grad, valid, live))
+        loss_sum = (per_token * valid).sum().detach()
+        count, scalar = valid.sum(), loss_sum / 1000
+
+        def record() -> None:
+            rec.record(loss_sum=loss_sum, valid_tokens=count, backward_scalar=scalar, positions=labels.numel())
+            if len(rec._records) > 4096:
+                rec._records.clear()
+
+        recorded = _per_call_us(record)
+        rec._records.clear()
+        rec.close()
+    return {"probe_forward_us": forward, "probe_backward_us": backward, "record_us": recorded}
 
 
 def main() -> None:
@@ -101,7 +152,13 @@ def main() -> None:
     torch.set_num_threads(2)
     result = measure(args.steps)
     print(f"median step: plain {result['plain_ms']:.1f} ms, recorded {result['recorded_ms']:.1f} ms, "
-          f"ratio {result['ratio']:.4f} (with flushes amortized {result['ratio_with_flush']:.4f})")
+          f"ratio {result['ratio']:.4f} (with flushes amortized {result['ratio_with_flush']:.4f}; "
+          f"per fifth of the steps {', '.join(f'{r:.3f}' for r in result['block_ratios'])})")
+    cost = parts()
+    per_step = MICRO * sum(cost.values()) / 1e3
+    print(", ".join(f"{name[:-3]} {value:.0f} µs" for name, value in cost.items())
+          + f" per microbatch: {per_step:.2f} ms per step of {MICRO} microbatches, "
+          f"ratio {1 + per_step / result['plain_ms']:.4f}")
 
 
 if __name__ == "__main__":
