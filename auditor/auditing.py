@@ -139,7 +139,7 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
         dropped = _dropped_steps(logset.shards)
         # One run (the usual log) is the table itself: no copy of a table that can hold millions of steps.
         by_run = [(steps.run.iloc[0], steps)] if len(steps) and steps.run.nunique() == 1 else \
-            steps.groupby("run", sort=True)
+            steps.groupby("run", sort=True, observed=True)
         for run, frame in by_run:
             run = str(run)
             frame = frame.reset_index(drop=True)
@@ -267,11 +267,13 @@ def verdict_of(findings: Sequence[Finding], judged: bool) -> Verdict:
 
 def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: list[Segment],
              omitted: int = 0) -> RunSummary:
-    judged = bool(((frame.tokens > 0) & (frame.weighted_records > 0)).any())
-    weighted = frame[(frame.weighted_records > 0) & (frame.tok_low > 0)]
-    ratios = (weighted.tok_high / weighted.tok_low).tolist()
-    if ((frame.weighted_records > 0) & (frame.tok_low <= 0)).any():
-        ratios.append(math.inf)
+    # Columns, never a filtered copy of the table (millions of steps) nor a Python float per step.
+    weighted = frame.weighted_records > 0
+    judged = bool(((frame.tokens > 0) & weighted).any())
+    low, high = frame.tok_low[weighted], frame.tok_high[weighted]
+    ratio = float((high[low > 0] / low[low > 0]).max()) if bool((low > 0).any()) else 1.0
+    if bool((low <= 0).any()):
+        ratio = math.inf
     terms = sorted(set(frame.term.astype(str).unique()), key=lambda t: (t != "0", t))
     main = [s for s in segments if s.term == terms[0]]
     normalization = max(main, key=lambda s: s.steps) if main else None
@@ -279,15 +281,15 @@ def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: l
     skipped = int(frame.step[frame.skipped_true > 0].nunique())
     both = np.concatenate([frame.d_low.to_numpy(dtype=float), frame.d_high.to_numpy(dtype=float)])
     divisors = [float(d) for d in np.unique(both[~np.isnan(both)])]
-    weighted_steps = frame[frame.weighted_records > 0]
     weight_range = None
-    if not weighted_steps.empty:
+    if bool(weighted.any()):
         # q = e·N per token: the probe's extremes where recorded, else the records' mean weights
-        q = pd.concat([weighted_steps.tok_low * weighted_steps.tokens, weighted_steps.tok_high * weighted_steps.tokens])
-        weight_range = (float(q.min()), float(q.max()))
+        tokens = frame.tokens[weighted]
+        q_low, q_high = low * tokens, high * tokens
+        weight_range = (float(np.fmin(q_low.min(), q_high.min())), float(np.fmax(q_low.max(), q_high.max())))
     return RunSummary(run=run, rows=int(frame.records.sum()), steps=int(frame.step.nunique()),
                       ranks=int(frame.rank_max.max()) + 1, world_size=sizes, groups=int(frame.grp.nunique()),
                       verdict=verdict_of(findings, judged), normalization=normalization, segments=segments,
-                      max_weight_ratio=float(max(ratios, default=1.0)), microbatches=int(frame.m_high.max()),
+                      max_weight_ratio=ratio, microbatches=int(frame.m_high.max()),
                       terms=terms, skipped_steps=skipped, divisors=divisors, weight_range=weight_range,
                       segments_omitted=omitted)

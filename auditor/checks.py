@@ -361,14 +361,14 @@ def _structure_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Fi
     """world_size_inconsistent, world_size_changed, uneven_microbatches."""
     inconsistent = steps.w_low != steps.w_high
     if inconsistent.any():
-        row = steps[inconsistent].iloc[0]
+        row = _first(steps, inconsistent)
         yield _finding(context, Code.WORLD_SIZE_INCONSISTENT, steps.step[inconsistent].to_numpy(),
                        f"Ranks disagree on W within one step (step {int(row.step)}: W from {int(row.w_low)} to "
                        f"{int(row.w_high)}).",
                        "derive W from the process group that averages the gradients "
                        "(dist.get_world_size(ddp_model.process_group)) on every rank",
                        {"step": int(row.step), "world_size_low": int(row.w_low), "world_size_high": int(row.w_high)})
-    for group, per_group in steps.groupby("grp", sort=True):
+    for group, per_group in steps[["grp", "step", "w_high"]].groupby("grp", sort=True, observed=True):
         values = per_group.w_high.to_numpy()
         sizes = [int(w) for w in values[np.sort(np.unique(values, return_index=True)[1])]]  # in order of appearance
         if len(sizes) > 1:
@@ -380,7 +380,7 @@ def _structure_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Fi
                            {"world_sizes": sizes})
     uneven = steps.m_low != steps.m_high
     if uneven.any():
-        row = steps[uneven].iloc[0]
+        row = _first(steps, uneven)
         yield _finding(context, Code.UNEVEN_MICROBATCHES, steps.step[uneven].to_numpy(),
                        f"Ranks ran different numbers of microbatches in one step (step {int(row.step)}: from "
                        f"{int(row.m_low)} to {int(row.m_high)}); every backward that syncs must be matched on all "
@@ -414,7 +414,7 @@ def _value_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Findin
                        {"records": int(steps.nonfinite_zero.sum())})
     empty = steps.tokens == 0
     if empty.any():
-        rows = steps[empty]
+        rows = steps.loc[empty, ["step", "skipped_true", "skipped_false", "nonfinite_zero"]]
         disagree = (rows.skipped_true > 0) & (rows.skipped_false > 0)
         bad = (rows.nonfinite_zero > 0) | disagree
         unmarked = rows.skipped_true == 0
@@ -485,11 +485,12 @@ def _agrees(reported: np.ndarray, truth: np.ndarray, rtol: float, rounding: floa
 def _reported_findings(steps: pd.DataFrame, run: str, rtol: float, main_term: str) -> Iterator[Finding]:
     """reported_loss_mismatch: the logged loss against ΣS/N of the main term, or against the sum of
     the terms' token means when the trainer logs the whole objective."""
-    known = steps[(steps.reported > 0) & (steps.tokens > 0)]
+    known = steps.loc[(steps.reported > 0) & (steps.tokens > 0), ["grp", "term", "step", "loss", "tokens", "reported_low",
+                                                                  "reported_high", "mean_of_local_means"]]
     if known.empty:
         return
     means = known.assign(mean=known.loss / known.tokens)
-    total = means.groupby(["grp", "step"])["mean"].transform("sum")
+    total = means.groupby(["grp", "step"], observed=True)["mean"].transform("sum")
     rows = means[means.term.astype(str) == main_term].copy()
     if rows.empty:
         return
@@ -550,7 +551,7 @@ def _missing_ranks(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding
     missing = steps.ranks < steps.w_high
     if not missing.any():
         return
-    first = steps[missing].iloc[0]
+    first = _first(steps, missing)
     w = int(first.w_high)
     mask = 0 if pd.isna(first.rank_mask) else int(first.rank_mask)
     absent = [r for r in range(min(w, 64)) if not mask >> r & 1]
@@ -569,7 +570,7 @@ def _divisor_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Find
     unknown = (steps.unknown_divisor > 0) & (steps.tokens > 0)
     if not unknown.any():
         return
-    rows = steps[unknown]
+    rows = steps.loc[unknown, ["step", "unknown_divisor", "weighted_records", "e_low", "e_high", "tokens"]]
     weighted = rows[rows.weighted_records > 0]
     evidence: dict[str, Any] = {"records": int(rows.unknown_divisor.sum()), "world_size": context.world_size}
     detail = ""
@@ -640,6 +641,11 @@ def _balanced(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext) ->
                    "this run cannot show which one the code uses.",
                    "audit a run with uneven counts (padding, ignored labels, different sequence lengths per rank)",
                    {"counts": counts, "indistinguishable_from": confused.value})
+
+
+def _first(steps: pd.DataFrame, mask: pd.Series) -> Any:
+    """The first row where mask holds, without copying every row it holds."""
+    return steps.iloc[int(np.argmax(mask.to_numpy()))]
 
 
 def _list(values: Any) -> str:

@@ -20,17 +20,18 @@ from typing import Any
 
 import duckdb
 import numpy as np
-import numpy.typing as npt
 import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as pads
+from pandas.api.types import union_categoricals
 
 from tokaudit.errors import UsageError
 from tokaudit.reader import Shard
 from tokaudit.schema import COLUMNS_BY_NAME
 
 DEFAULT_MEMORY_LIMIT = "768MB"
-CHUNK_ROWS = 250_000
+CHUNK_ROWS = 1_000_000
+CHUNK_STEPS = 31_250
 _PLAIN_PATH = re.compile(r"^[A-Za-z0-9._/+=,@%:-]+$")
 """Paths DuckDB reads literally (no pattern, no escape): others are given to it through a link."""
 _MEMORY = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|%)?\s*$", re.IGNORECASE)
@@ -189,16 +190,22 @@ class Engine:
         return found
 
     def _chunks(self) -> list[tuple[tuple[int, int] | None, list[Shard]]]:
-        """Step ranges of about `chunk_rows` rows each, with the shards that overlap them."""
+        """Step ranges of at most about `chunk_rows` rows and CHUNK_STEPS steps each, with the shards
+        that overlap them. Rows bound DuckDB's aggregation; steps bound it too, and the range's share
+        of the step table, which is what grows when each step has few records (few ranks, one
+        microbatch)."""
         if self.only_steps is not None:
             return [(self.only_steps, self.shards)]
         total = sum(s.rows for s in self.shards)
         ranges = [s.step_range for s in self.shards]
-        if total <= self.chunk_rows or any(r is None for r in ranges):
+        if any(r is None for r in ranges):
             return [(None, self.shards)]
         low = min(r[0] for r in ranges if r)
         high = max(r[1] for r in ranges if r)
-        count = min(math.ceil(total / self.chunk_rows), high - low + 1)
+        steps = min(high - low + 1, total)  # at most one step per row, whatever the numbering
+        if total <= self.chunk_rows and steps <= CHUNK_STEPS:
+            return [(None, self.shards)]
+        count = min(max(math.ceil(total / self.chunk_rows), math.ceil(steps / CHUNK_STEPS)), high - low + 1)
         edges = [low + (high - low + 1) * i // count for i in range(count + 1)]
         chunks: list[tuple[tuple[int, int] | None, list[Shard]]] = []
         for first, stop in zip(edges, edges[1:]):
@@ -214,7 +221,7 @@ class Engine:
         cheap per-rank count says there may be some; those records are then deduplicated. Memory:
         the table is never held twice (see `_join`), and only one range's aggregation is in DuckDB.
         """
-        columns: dict[str, list[npt.NDArray[Any]]] = {}
+        columns: dict[str, list[Any]] = {}
         chunks = self._chunks()
         for index, (steps, shards) in enumerate(chunks):
             if progress and len(chunks) > 1 and steps:
@@ -236,7 +243,9 @@ class Engine:
             # Column by column out of the range's frame, which is then let go: at most one range is
             # held twice.
             for name in table.columns:
-                columns.setdefault(name, []).append(table[name].to_numpy(copy=True))
+                values = table[name]
+                columns.setdefault(name, []).append(values.array if isinstance(values.dtype, pd.CategoricalDtype)
+                                                    else values.to_numpy(copy=True))
             del table
         self._define(self.shards, self.only_steps, deduplicate=bool(self.duplicates))  # for the per-step queries
         if len(chunks) > 1:
@@ -254,6 +263,9 @@ class Engine:
             # whose NA neither compares nor sums like NaN: float64 with NaN, as the checks expect.
             if isinstance(frame[name].dtype, pd.api.extensions.ExtensionDtype) and frame[name].dtype.kind in "iu":
                 frame[name] = frame[name].astype("float64")
+        for name in ("run", "grp", "term"):
+            # A handful of names repeated on every step: one byte a step as categories.
+            frame[name] = frame[name].astype("category")
         return frame
 
     def unusable_files(self) -> list[Shard]:
@@ -410,7 +422,7 @@ STEP_SQL = STEP_SQL.replace("{casts}", ", ".join(
     [f"CAST({c} AS INTEGER) AS {c}" for c in INTEGER_COLUMNS] + [f"CAST({c} AS BIGINT) AS {c}" for c in BIGINT_COLUMNS]))
 
 
-def _join(columns: dict[str, list[npt.NDArray[Any]]]) -> pd.DataFrame:
+def _join(columns: dict[str, list[Any]]) -> pd.DataFrame:
     """One frame from the ranges' columns, a column at a time: each column's parts are let go as soon
     as they are copied, and the C heap's free pages are handed back to the system (glibc keeps the
     freed parts otherwise, and the peak would be the table twice, as with a concat of frames)."""
@@ -418,7 +430,8 @@ def _join(columns: dict[str, list[npt.NDArray[Any]]]) -> pd.DataFrame:
     frame = pd.DataFrame(index=pd.RangeIndex(rows))
     for name in list(columns):
         parts = columns.pop(name)
-        frame[name] = np.concatenate(parts)
+        frame[name] = union_categoricals(parts, sort_categories=True) if isinstance(parts[0], pd.Categorical) \
+            else np.concatenate(parts)
         del parts
         _trim_heap()
     return frame
