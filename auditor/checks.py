@@ -485,10 +485,11 @@ def _agrees(reported: np.ndarray, truth: np.ndarray, rtol: float, rounding: floa
 def _reported_findings(steps: pd.DataFrame, run: str, rtol: float, main_term: str) -> Iterator[Finding]:
     """reported_loss_mismatch: the logged loss against ΣS/N of the main term, or against the sum of
     the terms' token means when the trainer logs the whole objective."""
-    known = steps.loc[(steps.reported > 0) & (steps.tokens > 0), ["grp", "term", "step", "loss", "tokens", "reported_low",
-                                                                  "reported_high", "mean_of_local_means"]]
-    if known.empty:
+    reported = (steps.reported > 0) & (steps.tokens > 0)
+    if not reported.any():
         return
+    known = steps.loc[reported, ["grp", "term", "step", "loss", "tokens", "reported_low", "reported_high",
+                                 "mean_of_local_means"]]
     means = known.assign(mean=known.loss / known.tokens)
     total = means.groupby(["grp", "step"], observed=True)["mean"].transform("sum")
     rows = means[means.term.astype(str) == main_term].copy()
