@@ -32,6 +32,7 @@ from tokaudit.schema import COLUMNS_BY_NAME
 DEFAULT_MEMORY_LIMIT = "768MB"
 CHUNK_ROWS = 1_000_000
 CHUNK_STEPS = 31_250
+"""Steps aggregated at a time at most: a range's share of the step table and of DuckDB's groups."""
 _PLAIN_PATH = re.compile(r"^[A-Za-z0-9._/+=,@%:-]+$")
 """Paths DuckDB reads literally (no pattern, no escape): others are given to it through a link."""
 _MEMORY = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|%)?\s*$", re.IGNORECASE)
@@ -89,7 +90,6 @@ class Engine:
                                                         "preserve_insertion_order": False})
         try:
             connection.execute("SET enable_progress_bar = false")
-            connection.execute("SET allocator_flush_threshold = '16MB'")
             if threads:
                 connection.execute(f"SET threads = {int(threads)}")
             engine = cls(connection=connection, shards=list(shards), duplicates={},

@@ -85,7 +85,8 @@ def measure(steps: int) -> dict[str, float]:
         for index in range(2 * steps):
             mode = ("plain", "recorded")[(index + index // 2) % 2]  # plain, recorded, recorded, plain, ...
             start = time.perf_counter()
-            step(model, optimizer, data[index % 8], rec if mode == "recorded" else None)
+            # each pair of steps (one plain, one recorded) runs on one batch: both loops see every batch alike
+            step(model, optimizer, data[(index // 2) % 8], rec if mode == "recorded" else None)
             times[mode].append(time.perf_counter() - start)
         # The flush every 4096 records (default), amortized over the steps that filled it.
         records = len(rec._records)

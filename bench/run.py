@@ -3,7 +3,8 @@
 Prints one table: recorder overhead on a CPU transformer LM, and `tokaudit check` next to a
 one-query DuckDB floor (per-step N and the extremes of b/S over the same files) and a naive pandas
 audit, on synthetic logs in the recorder's layout (default 10⁷ rows as 64 ranks × 4 microbatches
-and as 8 ranks × 1 microbatch, plus 10,000 one-row shards; --rows 1e8 for 1,024 ranks × 4).
+and as 8 ranks × 1 microbatch, plus 10,000 one-row shards; --rows 1e8 for 1,024 ranks × 4 and
+8 ranks × 1, 12.5M steps).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def main() -> None:
     # and 4096 records; half the steps rank-local means, planted.
     layouts = [("64 ranks × 4 micro", 64, 4, 1024, 1), ("8 ranks × 1 micro", 8, 1, 4096, 1)]
     if args.rows >= 1e8:
-        layouts = [("1,024 ranks × 4 micro", 1024, 4, 1024, 1)]
+        layouts = [("1,024 ranks × 4 micro", 1024, 4, 1024, 1), ("8 ranks × 1 micro", 8, 1, 4096, 1)]
     for label, ranks, micro, steps_per_file, ranks_per_file in layouts:
         steps = int(args.rows) // (ranks * micro)
         log = args.out / f"synthetic-{ranks}x{steps}x{micro}"
