@@ -8,6 +8,7 @@ group) comes back to Python.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 import re
@@ -439,18 +440,19 @@ def _join(columns: dict[str, list[Any]]) -> pd.DataFrame:
 
 def _trim_heap() -> None:
     """glibc's malloc_trim(0): give the heap's free pages back to the system. Nothing elsewhere."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL("libc.so.6")
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
-_LIBC: Any = None
+@functools.cache
+def _glibc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None
 
 
 def _select(default_run: str, present: set[str], scan: str, where: str) -> str:

@@ -277,6 +277,7 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
 
 
 BLOCK_STEPS = 65_536
+"""Steps whose candidates are computed at a time (a few MB of temporaries)."""
 
 
 def _candidates(steps: pd.DataFrame, rtol: float) -> tuple[npt.NDArray[np.bool_], Floats, npt.NDArray[np.bool_], Floats,
