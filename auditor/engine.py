@@ -34,6 +34,9 @@ DEFAULT_MEMORY_LIMIT = "768MB"
 CHUNK_ROWS = 1_000_000
 CHUNK_STEPS = 31_250
 """Steps aggregated at a time at most: a range's share of the step table and of DuckDB's groups."""
+WHOLE_SEGMENT_ROWS = 5
+"""Files that overlap in steps are aggregated together, never read twice, up to this many times the
+chunk's rows (1,024 ranks' recorder shards, 4·10⁶ records, are one such segment)."""
 _PLAIN_PATH = re.compile(r"^[A-Za-z0-9._/+=,@%:-]+$")
 """Paths DuckDB reads literally (no pattern, no escape): others are given to it through a link."""
 _MEMORY = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|%)?\s*$", re.IGNORECASE)
@@ -194,25 +197,51 @@ class Engine:
         """Step ranges of at most about `chunk_rows` rows and CHUNK_STEPS steps each, with the shards
         that overlap them. Rows bound DuckDB's aggregation; steps bound it too, and the range's share
         of the step table, which is what grows when each step has few records (few ranks, one
-        microbatch)."""
+        microbatch).
+
+        Ranges end between files whenever they can: DuckDB decodes a file whole for each range that
+        overlaps it, so a file cut into k ranges is read k times. Files that overlap in steps form a
+        segment (the shards of 1,024 ranks' recorders that cover the same 1,024 steps hold 4·10⁶
+        records); segments are packed into ranges, a segment of up to WHOLE_SEGMENT_ROWS times
+        `chunk_rows` is never cut, and only a larger one is cut into equal step ranges."""
         if self.only_steps is not None:
             return [(self.only_steps, self.shards)]
-        total = sum(s.rows for s in self.shards)
-        ranges = [s.step_range for s in self.shards]
-        if any(r is None for r in ranges):
+        if any(s.step_range is None for s in self.shards):
             return [(None, self.shards)]
-        low = min(r[0] for r in ranges if r)
-        high = max(r[1] for r in ranges if r)
-        steps = min(high - low + 1, total)  # at most one step per row, whatever the numbering
-        if total <= self.chunk_rows and steps <= CHUNK_STEPS:
+        ordered = sorted(self.shards, key=lambda s: s.step_range or (0, 0))
+        segments: list[tuple[int, int, int, list[Shard]]] = []  # (first step, last step, rows, shards)
+        for shard in ordered:
+            first, last = shard.step_range or (0, 0)
+            if segments and first <= segments[-1][1]:
+                low, high, rows, members = segments[-1]
+                segments[-1] = (low, max(high, last), rows + shard.rows, members + [shard])
+            else:
+                segments.append((first, last, shard.rows, [shard]))
+        total = sum(segment[2] for segment in segments)
+        if total <= self.chunk_rows and _steps(segments[0][0], segments[-1][1], total) <= CHUNK_STEPS:
             return [(None, self.shards)]
-        count = min(max(math.ceil(total / self.chunk_rows), math.ceil(steps / CHUNK_STEPS)), high - low + 1)
-        edges = [low + (high - low + 1) * i // count for i in range(count + 1)]
         chunks: list[tuple[tuple[int, int] | None, list[Shard]]] = []
-        for first, stop in zip(edges, edges[1:]):
-            members = [s for s in self.shards if s.step_range and s.step_range[0] < stop and s.step_range[1] >= first]
-            if members:
-                chunks.append(((first, stop - 1), members))
+        packed: tuple[int, int, int, list[Shard]] | None = None
+        for first, last, rows, members in segments:
+            if packed is not None:
+                low, _, held, shards = packed
+                if held + rows <= self.chunk_rows and _steps(low, last, held + rows) <= CHUNK_STEPS:
+                    packed = (low, last, held + rows, shards + members)
+                    continue
+                chunks.append(((low, packed[1]), shards))
+                packed = None
+            if rows <= self.chunk_rows * WHOLE_SEGMENT_ROWS and _steps(first, last, rows) <= CHUNK_STEPS:
+                packed = (first, last, rows, members)
+                continue
+            count = min(max(math.ceil(rows / self.chunk_rows), math.ceil(_steps(first, last, rows) / CHUNK_STEPS)),
+                        last - first + 1)
+            edges = [first + (last - first + 1) * i // count for i in range(count + 1)]
+            for low, stop in zip(edges, edges[1:]):
+                inside = [s for s in members if s.step_range and s.step_range[0] < stop and s.step_range[1] >= low]
+                if inside:
+                    chunks.append(((low, stop - 1), inside))
+        if packed is not None:
+            chunks.append(((packed[0], packed[1]), packed[3]))
         return chunks
 
     def step_table(self, rtol: float, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
@@ -228,7 +257,7 @@ class Engine:
             if progress and len(chunks) > 1 and steps:
                 progress(f"aggregating steps {steps[0]}–{steps[1]} ({index + 1}/{len(chunks)})")
             self._define(shards, steps, deduplicate=False)
-            table = self._aggregate(rtol)
+            table = self._aggregate(rtol, shards)
             if len(table) and (table.repeated_micro.sum() > 0 or table.wide_micro.sum() > 0):
                 found = self._find_duplicates()
                 if found:
@@ -237,7 +266,7 @@ class Engine:
                         self.duplicates[run] = (old[0] + copies, min(old[1], first), max(old[2], last),
                                                 old[3] + count)
                     self._define(shards, steps, deduplicate=True)
-                    table = self._aggregate(rtol)
+                    table = self._aggregate(rtol, shards)
             if len(chunks) == 1:
                 frame = table
                 break
@@ -251,14 +280,14 @@ class Engine:
         self._define(self.shards, self.only_steps, deduplicate=bool(self.duplicates))  # for the per-step queries
         if len(chunks) > 1:
             frame = _join(columns)
-        # Each chunk comes sorted and chunks follow each other in step order: with one (run, group,
-        # term) the whole table is in order already; only several need sorting after the concat.
-        if len(chunks) > 1 and any(frame[c].nunique() > 1 for c in ("run", "grp", "term")):
+        # Each chunk comes sorted by step and chunks follow each other in step order: with one (run,
+        # group, term) the whole table is in order already; only several need sorting.
+        if any(frame[c].nunique() > 1 for c in ("run", "grp", "term")):
             frame = frame.sort_values(["run", "grp", "term", "step"], ignore_index=True, kind="stable")
         return frame
 
-    def _aggregate(self, rtol: float) -> pd.DataFrame:
-        frame = self.connection.execute(STEP_SQL, {"rtol": rtol}).df()
+    def _aggregate(self, rtol: float, shards: Sequence[Shard]) -> pd.DataFrame:
+        frame = self.connection.execute(step_sql(_single_ranks(shards)), {"rtol": rtol}).df()
         for name in frame.columns:
             # A count with NULLs (no record of the step said) comes back as pandas' masked integers,
             # whose NA neither compares nor sums like NaN: float64 with NaN, as the checks expect.
@@ -360,23 +389,7 @@ step_level AS (
         count_if(isnan(grad_divisor) OR isnan(grad_scale)) AS unusable_values
     FROM weighted GROUP BY k, step
 ),
--- Few aggregates per (rank, step): millions of groups at scale must stay narrow.
-per_rank AS (
-    SELECT k, step, rank,
-        count(*) AS microbatches, CAST(sum(valid_tokens) AS BIGINT) AS rank_tokens, sum(loss_sum) AS rank_loss,
-        min(w) AS e_low, max(w) AS e_high,
-        -- the heaviest and lightest record; ties, rounding noise included, go to the lowest microbatch
-        -- and rank (the order key moves w by 1e-12 of itself per index), so the scan order never decides
-        arg_max(micro, w * (1 - micro * 1e-12)) AS heavy_micro, arg_max(valid_tokens, w * (1 - micro * 1e-12)) AS heavy_n,
-        arg_min(micro, w * (1 + micro * 1e-12)) AS light_micro, arg_min(valid_tokens, w * (1 + micro * 1e-12)) AS light_n,
-        min(w * valid_tokens) AS en_low, max(w * valid_tokens) AS en_high,
-        arg_max(sync, micro) AS last_sync,
-        -- distinct microbatch indices below 64, as set bits: fewer bits than rows means a repeated key
-        count_if(micro < 64)
-            - coalesce(bit_count(bit_or(CASE WHEN micro < 64 THEN CAST(1 AS UBIGINT) << CAST(micro AS UBIGINT) END)), 0)
-            AS repeated
-    FROM weighted GROUP BY k, step, rank
-),
+{per_rank}
 rank_level AS (
     SELECT k, step,
         count(*) AS ranks, min(microbatches) AS m_low, max(microbatches) AS m_high,
@@ -393,21 +406,16 @@ rank_level AS (
         -- ranks below 64 present in the step, as set bits (the missing-rank evidence); 0: none of them
         coalesce(bit_or(CASE WHEN rank < 64 THEN CAST(1 AS UBIGINT) << CAST(rank AS UBIGINT) END), 0) AS rank_mask,
         count_if(last_sync = false) AS unsynced_ranks,
-        coalesce(sum(repeated), 0) AS repeated_micro
+        {repeated} AS repeated_micro
     FROM per_rank GROUP BY k, step
 ),
-per_micro AS (
-    SELECT k, step, micro, sum(valid_tokens) AS micro_tokens, min(w) AS e_low, max(w) AS e_high
-    FROM weighted GROUP BY k, step, micro
-),
-micro_level AS (
-    SELECT k, step, min(e_low * micro_tokens) AS em_low, max(e_high * micro_tokens) AS em_high
-    FROM per_micro GROUP BY k, step
-)
+{micro_level}
 SELECT * EXCLUDE (k) REPLACE ({casts}) FROM step_level
 JOIN rank_level USING (k, step)
 LEFT JOIN micro_level USING (k, step)
-ORDER BY run, grp, term, step
+-- by step only: sorting by the names as well costs more than the rest of the query at millions of steps;
+-- the rare table of several (run, group, term) is sorted as categories after (`step_table`)
+ORDER BY step
 """
 
 INTEGER_COLUMNS = (
@@ -421,6 +429,80 @@ BIGINT_COLUMNS = ("tokens", "positions", "heavy_rank_tokens", "light_rank_tokens
 """Token counts: sums that could pass 2³¹ over a step of many ranks."""
 STEP_SQL = STEP_SQL.replace("{casts}", ", ".join(
     [f"CAST({c} AS INTEGER) AS {c}" for c in INTEGER_COLUMNS] + [f"CAST({c} AS BIGINT) AS {c}" for c in BIGINT_COLUMNS]))
+
+PER_RANK = """
+-- Few aggregates per (rank, step): millions of groups at scale must stay narrow.
+per_rank AS (
+    SELECT k, step, rank,
+        count(*) AS microbatches, CAST(sum(valid_tokens) AS BIGINT) AS rank_tokens, sum(loss_sum) AS rank_loss,
+        min(w) AS e_low, max(w) AS e_high,
+        -- the heaviest and lightest record; ties, rounding noise included, go to the lowest microbatch
+        -- and rank (the order key moves w by 1e-12 of itself per index), so the scan order never decides
+        arg_max(micro, w * (1 - micro * 1e-12)) AS heavy_micro, arg_max(valid_tokens, w * (1 - micro * 1e-12)) AS heavy_n,
+        arg_min(micro, w * (1 + micro * 1e-12)) AS light_micro, arg_min(valid_tokens, w * (1 + micro * 1e-12)) AS light_n,
+        min(w * valid_tokens) AS en_low, max(w * valid_tokens) AS en_high,
+        arg_max(sync, micro) AS last_sync,
+        -- distinct microbatch indices below 64, as set bits: fewer bits than rows means a repeated key
+        count_if(micro < 64)
+            - coalesce(bit_count(bit_or(CASE WHEN micro < 64 THEN CAST(1 AS UBIGINT) << CAST(micro AS UBIGINT) END)), 0)
+            AS repeated
+    FROM weighted GROUP BY k, step, rank
+),"""
+PER_MICRO = """
+per_micro AS (
+    SELECT k, step, micro, sum(valid_tokens) AS micro_tokens, min(w) AS e_low, max(w) AS e_high
+    FROM weighted GROUP BY k, step, micro
+),
+micro_level AS (
+    SELECT k, step, min(e_low * micro_tokens) AS em_low, max(e_high * micro_tokens) AS em_high
+    FROM per_micro GROUP BY k, step
+)"""
+# One record per (rank, step) (every record microbatch 0, keys unique): each per-rank aggregate is its one
+# record's value (count 1, sums and extremes the value itself, arg_max the record's own field), so per_rank
+# is a projection, not a hash table of one group per record; the one microbatch's tokens are the step's,
+# so em = e·N. A repeated key is then a repeated rank, counted exactly by the
+# step's set of ranks: records − distinct ranks, what sum(repeated) counts in the general form.
+PER_RECORD_RANK = """
+per_rank AS (
+    SELECT k, step, rank, 1 AS microbatches, CAST(valid_tokens AS BIGINT) AS rank_tokens, loss_sum AS rank_loss,
+        w AS e_low, w AS e_high,
+        -- read only through arg_max/arg_min keyed on e, which pass over a record without w
+        micro AS heavy_micro, valid_tokens AS heavy_n, micro AS light_micro, valid_tokens AS light_n,
+        w * valid_tokens AS en_low, w * valid_tokens AS en_high, sync AS last_sync
+    FROM weighted
+),"""
+ONE_MICRO = """
+micro_level AS (
+    SELECT k, step, e_low * tokens AS em_low, e_high * tokens AS em_high FROM step_level
+)"""
+RANK_BITS_LIMIT = 4096
+"""Widest rank range the one-record-per-rank form counts distinct ranks over (a bitstring a step)."""
+
+
+def step_sql(single_ranks: tuple[int, int] | None) -> str:
+    """STEP_SQL for these records. `single_ranks`: the (lowest, highest) rank when the footers show every
+    record is microbatch 0, so that a (rank, step) holds one record unless a key is repeated."""
+    if single_ranks is None:
+        parts = (PER_RANK, "coalesce(sum(repeated), 0)", PER_MICRO)
+    else:
+        parts = (PER_RECORD_RANK, f"count(*) - bit_count(bitstring_agg(rank, {single_ranks[0]}, {single_ranks[1]}))",
+                 ONE_MICRO)
+    return STEP_SQL.replace("{per_rank}", parts[0]).replace("{repeated}", parts[1]).replace("{micro_level}", parts[2])
+
+
+def _steps(first: int, last: int, rows: int) -> int:
+    """Steps a range can hold: its span, and at most one a row whatever the numbering."""
+    return min(last - first + 1, rows)
+
+
+def _single_ranks(shards: Sequence[Shard]) -> tuple[int, int] | None:
+    """(lowest, highest) rank of these shards when their footers show every record is microbatch 0 (one
+    record per rank and step, unless a key is repeated) over a rank range narrow enough to count as bits."""
+    ranks = [s.rank_range for s in shards]
+    if not shards or any(s.micro_range != (0, 0) for s in shards) or any(r is None for r in ranks):
+        return None
+    low, high = min(r[0] for r in ranks if r), max(r[1] for r in ranks if r)
+    return (low, high) if high - low < RANK_BITS_LIMIT else None
 
 
 def _join(columns: dict[str, list[Any]]) -> pd.DataFrame:

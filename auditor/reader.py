@@ -36,6 +36,10 @@ class Shard:
     """Run id for rows without one: the file's parent folder name."""
     step_range: tuple[int, int] | None = None
     """Lowest and highest step, from the footer's statistics (None when they are missing)."""
+    rank_range: tuple[int, int] | None = None
+    """Lowest and highest rank, likewise."""
+    micro_range: tuple[int, int] | None = None
+    """Lowest and highest microbatch index, likewise."""
     dropped: dict[str, Any] | None = None
     """The recorder's note of records it could not keep ({"run", "group", "rank", "steps"})."""
     store: Store | None = None
@@ -200,11 +204,16 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
         raise LogFormatError(name, error.problem) from None
     except Exception as error:
         raise LogFormatError(name, f"cannot read the file's data ({_short(error)})") from None
-    low, high, nulls = stats["step"]
-    step_range = (int(low), int(high)) if low is not None and high is not None and nulls == 0 else None
     return Shard(path=path, columns=frozenset(present), rows=parquet.metadata.num_rows,
-                 default_run=path.parent.name, step_range=step_range, dropped=read_dropped(schema.metadata),
+                 default_run=path.parent.name, step_range=_range(stats["step"]), rank_range=_range(stats["rank"]),
+                 micro_range=_range(stats["micro"]), dropped=read_dropped(schema.metadata),
                  store=store, signature=tuple(field for field in fields if field[0] in COLUMNS_BY_NAME))
+
+
+def _range(stats: tuple[Any, Any, int | None]) -> tuple[int, int] | None:
+    """(lowest, highest) of an integer column when its statistics hold both and it has no nulls."""
+    low, high, nulls = stats
+    return (int(low), int(high)) if low is not None and high is not None and nulls == 0 else None
 
 
 _SCHEMAS: dict[tuple[tuple[str, str], ...], str | None] = {}

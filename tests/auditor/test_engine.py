@@ -97,3 +97,73 @@ def test_the_step_table_is_lean_and_its_ranges_are_joined_without_a_second_copy(
     assert list(frame.columns) == names and len(frame) == parts * rows_per_part
     assert frame.c3.iloc[-1] == 3.0 and frame.c3.iloc[0] == 0.0
     assert peak < whole * 1.25, f"joining allocated {peak / whole:.2f}× the table"
+
+
+def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_the_same_steps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logs of one microbatch (every record microbatch 0, from the footers) skip the per-(rank, step)
+    hash table. Its table must be the general one's, whatever the records hold: zero-token ranks, a
+    missing rank, non-finite values, probe weights on some records, unknown sync, two loss terms, and a
+    step written twice (found and deduplicated the same way)."""
+    import tokaudit.engine as engine_module
+    from tests.logs import token_mean
+
+    counts = [[[5], [0], [7], [3]], [[4], [9], [2], [6]], [[1], [1], [8], [0]], [[6], [6], [6], [6]]] * 3
+    rows = records(counts, local_mean, positions=16, reported_loss=2.3)
+    rows += [dict(r, term="aux", backward_scalar=0.01 * r["backward_scalar"]) for r in records(counts, token_mean)]
+    for index, row in enumerate(rows):
+        if index % 7 == 0:
+            row.update(token_weight_sum=1.0, token_weight_min=0.5, token_weight_max=1.5, masked_weight_abs_sum=0.0)
+        row["sync"] = None if index % 5 == 0 else index % 3 != 0
+    rows[9]["backward_scalar"] = float("nan")
+    rows = [r for r in rows if not (r["step"] == 5 and r["rank"] == 2)]  # a missing rank
+    for rank in range(4):
+        write(tmp_path / "run" / f"rank-{rank:05d}-000000.parquet", [r for r in rows if r["rank"] == rank])
+    write(tmp_path / "run" / "rank-00001-000001.parquet", [r for r in rows if r["rank"] == 1 and r["step"] == 6])
+    shards = load([tmp_path]).shards
+    assert engine_module._single_ranks(shards) == (0, 3)
+
+    fast = Engine.open(shards, chunk_rows=25)
+    fast_steps = fast.step_table(1e-4)
+    monkeypatch.setattr(engine_module, "_single_ranks", lambda shards: None)
+    general = Engine.open(shards, chunk_rows=25)
+    general_steps = general.step_table(1e-4)
+    pd.testing.assert_frame_equal(general_steps, fast_steps)
+    assert fast.duplicates == general.duplicates == {"run": (2, 6, 6, 1)}
+    assert fast_steps.repeated_micro.sum() == 0  # deduplicated before the table was kept
+
+
+def test_the_one_record_form_is_taken_only_when_every_footer_says_microbatch_0(tmp_path: Path) -> None:
+    from tokaudit.engine import RANK_BITS_LIMIT, _single_ranks
+
+    write(tmp_path / "a" / "rank-00000.parquet", records([[[3], [4]]], local_mean))
+    write(tmp_path / "b" / "rank-00000.parquet", records([[[3, 4], [4, 1]]], local_mean))
+    one, two = load([tmp_path / "a"]).shards, load([tmp_path / "b"]).shards
+    assert _single_ranks(one) == (0, 1)
+    assert _single_ranks(two) is None and _single_ranks(one + two) is None
+    wide = [one[0].__class__(**{**{f: getattr(one[0], f) for f in one[0].__slots__}, "rank_range": (0, RANK_BITS_LIMIT)})]
+    assert _single_ranks(wide) is None
+
+
+def test_ranges_end_between_files_so_that_no_file_is_read_twice(tmp_path: Path) -> None:
+    """Recorder layout: every rank's shard covers the same steps (a generation of files). Ranges end
+    where generations do, so each file is in one range, unless a generation is too large to hold whole;
+    either way the table is the whole aggregation's."""
+    counts = [[[3, 1], [2, 2], [0, 4]]] * 12  # 3 ranks × 2 microbatches: 6 records a step
+    rows = records(counts, local_mean)
+    for first in range(0, 12, 4):  # generations of 4 steps: 24 records in 3 files
+        for rank in range(3):
+            write(tmp_path / "run" / f"rank-{rank:05d}-{first:06d}.parquet",
+                  [r for r in rows if r["rank"] == rank and first <= r["step"] < first + 4])
+    shards = load([tmp_path]).shards
+    whole = Engine.open(shards).step_table(1e-4)
+    for chunk_rows, ranges in ((30, 3), (50, 2), (10, 3)):  # 24 ≤ 5 × 10: a generation is still whole
+        engine = Engine.open(shards, chunk_rows=chunk_rows)
+        chunks = engine._chunks()
+        assert len(chunks) == ranges
+        assert sorted(s.path for _, members in chunks for s in members) == sorted(s.path for s in shards)
+        pd.testing.assert_frame_equal(whole, engine.step_table(1e-4))
+    engine = Engine.open(shards, chunk_rows=4)  # 24 > 5 × 4: each generation is cut (one step a range)
+    chunks = engine._chunks()
+    assert len(chunks) == 12 and all(len(members) == 3 for _, members in chunks)
+    pd.testing.assert_frame_equal(whole, engine.step_table(1e-4))
