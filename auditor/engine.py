@@ -32,7 +32,7 @@ from tokaudit.schema import COLUMNS_BY_NAME
 
 DEFAULT_MEMORY_LIMIT = "768MB"
 CHUNK_ROWS = 1_000_000
-CHUNK_STEPS = 31_250
+CHUNK_STEPS = 62_500
 """Steps aggregated at a time at most: a range's share of the step table and of DuckDB's groups."""
 WHOLE_SEGMENT_ROWS = 5
 """Files that overlap in steps are aggregated together, never read twice, up to this many times the
@@ -245,7 +245,7 @@ class Engine:
         return chunks
 
     def step_table(self, rtol: float, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
-        """One row per (run, grp, term, step) with everything the checks need (see STEP_SQL).
+        """One row per (run, grp, term, step) with everything the checks need (see `step_sql`).
 
         Large logs are aggregated a step range at a time. Duplicates are looked for only where the
         cheap per-rank count says there may be some; those records are then deduplicated. Memory:
@@ -334,7 +334,7 @@ class Engine:
 
 
 # Per-record weights e are only defined for valid records (n > 0) with every value finite.
-STEP_SQL = """
+RECORDS_SQL = """
 WITH rec AS (
     -- k stands for (run, grp, term) in the groupings: an integer hashes in a fraction of the time of
     -- three strings, and the per-rank grouping has one group per record when M = 1
@@ -358,9 +358,9 @@ WITH rec AS (
 weighted AS (
     -- w: the effective weight e, only where it is one (valid tokens, every value finite)
     SELECT *, CASE WHEN valid_tokens > 0 AND NOT nonfinite_valid THEN eff END AS w FROM rec
-),
-step_level AS (
-    SELECT k, any_value(run) AS run, any_value(grp) AS grp, any_value(term) AS term, step,
+)
+"""
+STEP_AGGREGATES = """
         count(*) AS records, max(rank) AS rank_max,
         min(world_size) AS w_low, max(world_size) AS w_high,
         min(grad_divisor) AS d_low, max(grad_divisor) AS d_high,
@@ -387,11 +387,9 @@ step_level AS (
         count_if(micro >= 64) AS wide_micro,
         -- NaN never shows in a file's statistics: counted here, the files are then named (unusable_files)
         count_if(isnan(grad_divisor) OR isnan(grad_scale)) AS unusable_values
-    FROM weighted GROUP BY k, step
-),
-{per_rank}
-rank_level AS (
-    SELECT k, step,
+"""
+"""Per (run, group, term) and step, over the records."""
+RANK_AGGREGATES = """
         count(*) AS ranks, min(microbatches) AS m_low, max(microbatches) AS m_high,
         avg(rank_loss / rank_tokens) FILTER (rank_tokens > 0) AS mean_of_local_means,
         min(en_low * microbatches) AS enm_low, max(en_high * microbatches) AS enm_high,
@@ -407,17 +405,8 @@ rank_level AS (
         coalesce(bit_or(CASE WHEN rank < 64 THEN CAST(1 AS UBIGINT) << CAST(rank AS UBIGINT) END), 0) AS rank_mask,
         count_if(last_sync = false) AS unsynced_ranks,
         {repeated} AS repeated_micro
-    FROM per_rank GROUP BY k, step
-),
-{micro_level}
-SELECT * EXCLUDE (k) REPLACE ({casts}) FROM step_level
-JOIN rank_level USING (k, step)
-LEFT JOIN micro_level USING (k, step)
--- by step only: sorting by the names as well costs more than the rest of the query at millions of steps;
--- the rare table of several (run, group, term) is sorted as categories after (`step_table`)
-ORDER BY step
 """
-
+"""Per (run, group, term) and step, over the per-rank rows (`per_rank`)."""
 INTEGER_COLUMNS = (
     "records", "rank_max", "w_low", "w_high", "weighted_records", "unweighted_records", "unknown_divisor",
     "nonfinite_valid", "nonfinite_zero", "probe_nonuniform", "masked_weighted", "probed", "sync_known", "sync_true",
@@ -427,12 +416,16 @@ INTEGER_COLUMNS = (
 DuckDB's HUGEINT sums), for a step table of millions of rows."""
 BIGINT_COLUMNS = ("tokens", "positions", "heavy_rank_tokens", "light_rank_tokens")
 """Token counts: sums that could pass 2³¹ over a step of many ranks."""
-STEP_SQL = STEP_SQL.replace("{casts}", ", ".join(
-    [f"CAST({c} AS INTEGER) AS {c}" for c in INTEGER_COLUMNS] + [f"CAST({c} AS BIGINT) AS {c}" for c in BIGINT_COLUMNS]))
-
-PER_RANK = """
--- Few aggregates per (rank, step): millions of groups at scale must stay narrow.
+CASTS = ", ".join([f"CAST({c} AS INTEGER) AS {c}" for c in INTEGER_COLUMNS]
+                  + [f"CAST({c} AS BIGINT) AS {c}" for c in BIGINT_COLUMNS])
+STEP_KEYS = "k, any_value(run) AS run, any_value(grp) AS grp, any_value(term) AS term, step"
+# By step only: sorting by the names as well costs more than the rest of the query at millions of steps;
+# the rare table of several (run, group, term) is sorted as categories after (`step_table`).
+STEP_SQL = f"""
+{RECORDS_SQL},
+step_level AS (SELECT {STEP_KEYS}, {STEP_AGGREGATES} FROM weighted GROUP BY k, step),
 per_rank AS (
+    -- Few aggregates per (rank, step): millions of groups at scale must stay narrow.
     SELECT k, step, rank,
         count(*) AS microbatches, CAST(sum(valid_tokens) AS BIGINT) AS rank_tokens, sum(loss_sum) AS rank_loss,
         min(w) AS e_low, max(w) AS e_high,
@@ -447,8 +440,11 @@ per_rank AS (
             - coalesce(bit_count(bit_or(CASE WHEN micro < 64 THEN CAST(1 AS UBIGINT) << CAST(micro AS UBIGINT) END)), 0)
             AS repeated
     FROM weighted GROUP BY k, step, rank
-),"""
-PER_MICRO = """
+),
+rank_level AS (
+    SELECT k, step, {RANK_AGGREGATES}
+    FROM per_rank GROUP BY k, step
+),
 per_micro AS (
     SELECT k, step, micro, sum(valid_tokens) AS micro_tokens, min(w) AS e_low, max(w) AS e_high
     FROM weighted GROUP BY k, step, micro
@@ -456,38 +452,44 @@ per_micro AS (
 micro_level AS (
     SELECT k, step, min(e_low * micro_tokens) AS em_low, max(e_high * micro_tokens) AS em_high
     FROM per_micro GROUP BY k, step
-)"""
+)
+SELECT * EXCLUDE (k) REPLACE ({CASTS}) FROM step_level
+JOIN rank_level USING (k, step)
+LEFT JOIN micro_level USING (k, step)
+ORDER BY step
+""".replace("{repeated}", "coalesce(sum(repeated), 0)")
 # One record per (rank, step) (every record microbatch 0, keys unique): each per-rank aggregate is its one
 # record's value (count 1, sums and extremes the value itself, arg_max the record's own field), so per_rank
-# is a projection, not a hash table of one group per record; the one microbatch's tokens are the step's,
-# so em = e·N. A repeated key is then a repeated rank, counted exactly by the
-# step's set of ranks: records − distinct ranks, what sum(repeated) counts in the general form.
-PER_RECORD_RANK = """
+# is a projection of the records, and the per-rank aggregates run in the same grouping as the per-step ones:
+# one hash table of the steps instead of one of every record and a second of the steps. The one
+# microbatch's tokens are the step's, so em = e·N. A repeated key is then a repeated rank, counted exactly
+# by the step's set of ranks: records − distinct ranks, what sum(repeated) counts in the general form.
+ONE_RECORD_STEP_SQL = f"""
+{RECORDS_SQL},
 per_rank AS (
-    SELECT k, step, rank, 1 AS microbatches, CAST(valid_tokens AS BIGINT) AS rank_tokens, loss_sum AS rank_loss,
+    SELECT *, 1 AS microbatches, CAST(valid_tokens AS BIGINT) AS rank_tokens, loss_sum AS rank_loss,
         w AS e_low, w AS e_high,
         -- read only through arg_max/arg_min keyed on e, which pass over a record without w
         micro AS heavy_micro, valid_tokens AS heavy_n, micro AS light_micro, valid_tokens AS light_n,
         w * valid_tokens AS en_low, w * valid_tokens AS en_high, sync AS last_sync
     FROM weighted
-),"""
-ONE_MICRO = """
-micro_level AS (
-    SELECT k, step, e_low * tokens AS em_low, e_high * tokens AS em_high FROM step_level
-)"""
+),
+-- the per-rank names above are inputs here; the per-step aggregates' names (e_low, ...) are outputs
+step_level AS (SELECT {STEP_KEYS}, {STEP_AGGREGATES}, {RANK_AGGREGATES} FROM per_rank GROUP BY k, step)
+SELECT * EXCLUDE (k) REPLACE ({CASTS}), e_low * tokens AS em_low, e_high * tokens AS em_high FROM step_level
+ORDER BY step
+"""
 RANK_BITS_LIMIT = 4096
 """Widest rank range the one-record-per-rank form counts distinct ranks over (a bitstring a step)."""
 
 
 def step_sql(single_ranks: tuple[int, int] | None) -> str:
-    """STEP_SQL for these records. `single_ranks`: the (lowest, highest) rank when the footers show every
-    record is microbatch 0, so that a (rank, step) holds one record unless a key is repeated."""
+    """The per-step query for these records. `single_ranks`: the (lowest, highest) rank when the footers
+    show every record is microbatch 0, so that a (rank, step) holds one record unless a key is repeated."""
     if single_ranks is None:
-        parts = (PER_RANK, "coalesce(sum(repeated), 0)", PER_MICRO)
-    else:
-        parts = (PER_RECORD_RANK, f"count(*) - bit_count(bitstring_agg(rank, {single_ranks[0]}, {single_ranks[1]}))",
-                 ONE_MICRO)
-    return STEP_SQL.replace("{per_rank}", parts[0]).replace("{repeated}", parts[1]).replace("{micro_level}", parts[2])
+        return STEP_SQL
+    low, high = single_ranks
+    return ONE_RECORD_STEP_SQL.replace("{repeated}", f"count(*) - bit_count(bitstring_agg(rank, {low}, {high}))")
 
 
 def _steps(first: int, last: int, rows: int) -> int:

@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -226,7 +227,7 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
     fits = np.empty((count, candidates), dtype=bool)
     alphas = np.empty((count, candidates))
     usable, distortion = np.empty(count, dtype=bool), np.empty(count)
-    nearest, nearest_spread = np.empty(count, dtype=np.int64), np.empty(count)
+    nearest, nearest_spread = np.empty(count, dtype=np.int8), np.empty(count)
     # Row by row the candidates are independent: computed a block of steps at a time, so the
     # temporaries (bounds, spreads) stay a few MB whatever the number of steps; only the fits and
     # the α, which the vote needs over the whole table, are kept.
@@ -329,7 +330,7 @@ def _confusable(fits: npt.NDArray[np.bool_], alphas: Floats, usable: npt.NDArray
 
 
 def _vote(fits: npt.NDArray[np.bool_], alphas: Floats, rtol: float
-          ) -> tuple[npt.NDArray[np.int64], Floats]:
+          ) -> tuple[npt.NDArray[np.int8], Floats]:
     """Greedy set cover of the steps by hypotheses (candidate, α-cluster), most steps first.
 
     Returns per step the index in PREFERENCE of its winning candidate (−1: none) and the winning
@@ -337,11 +338,14 @@ def _vote(fits: npt.NDArray[np.bool_], alphas: Floats, rtol: float
     hypothesis whose count has shrunk is pushed back with its true count.
     """
     steps, candidates = fits.shape
-    members: list[npt.NDArray[np.int64]] = []
+    # Step indices as int32 below 2³¹ steps: the hypotheses' members cover each step once per fitting
+    # candidate, the largest thing the vote holds.
+    index_type = np.int32 if steps < 2**31 else np.int64
+    members: list[npt.NDArray[Any]] = []
     owner: list[int] = []
     values: list[float] = []
     for c in range(candidates):
-        rows = np.flatnonzero(fits[:, c])
+        rows = np.flatnonzero(fits[:, c]).astype(index_type)
         if not len(rows):
             continue
         labels = cluster(alphas[rows, c], rtol)
@@ -351,7 +355,7 @@ def _vote(fits: npt.NDArray[np.bool_], alphas: Floats, rtol: float
             members.append(rows[group])
             owner.append(c)
             values.append(float(np.median(alphas[rows[group], c])))
-    chosen = np.full(steps, -1, dtype=np.int64)
+    chosen = np.full(steps, -1, dtype=np.int8)
     representative = np.full(steps, np.nan)
     taken = np.zeros(steps, dtype=bool)
     # Among hypotheses that explain as many steps: N (the token mean) first, then α = 1, the simplest
