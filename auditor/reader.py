@@ -183,22 +183,16 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
         raise LogFormatError(name, describe(error)) from None
     except Exception as error:
         raise LogFormatError(name, f"not a readable Parquet file ({_short(error)})") from None
-    fields = tuple((f.name, str(f.type)) for f in schema)
-    if fields not in _SCHEMAS:  # the shards of one log share one or a few schemas: each is checked once
-        if len(_SCHEMAS) > 1024:
-            _SCHEMAS.clear()
-        _SCHEMAS[fields] = _schema_problem(schema)
-    problem = _SCHEMAS[fields]
-    if problem is not None:
-        raise LogFormatError(name, problem)
-    present = {column for column in schema.names if column in COLUMNS_BY_NAME}
+    facts = _checked_schema(schema)
+    if facts.problem is not None:
+        raise LogFormatError(name, facts.problem)
+    present = facts.present
     try:
-        stats = _column_stats(parquet, present)
-        for column in sorted(present):
-            if pa.types.is_uint64(schema.field(column).type):
-                high = stats[column][1]
-                if high is None or high > INT64_MAX:
-                    _raise_beyond_int64(parquet, column)
+        stats = _column_stats(parquet, facts.bounded)
+        for column in facts.unsigned:
+            high = stats[column][1]
+            if high is None or high > INT64_MAX:
+                _raise_beyond_int64(parquet, column)
         _check_values(parquet, present, stats, thorough)
     except LogFormatError as error:
         raise LogFormatError(name, error.problem) from None
@@ -207,7 +201,7 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
     return Shard(path=path, columns=frozenset(present), rows=parquet.metadata.num_rows,
                  default_run=path.parent.name, step_range=_range(stats["step"]), rank_range=_range(stats["rank"]),
                  micro_range=_range(stats["micro"]), dropped=read_dropped(schema.metadata),
-                 store=store, signature=tuple(field for field in fields if field[0] in COLUMNS_BY_NAME))
+                 store=store, signature=facts.signature)
 
 
 def _range(stats: tuple[Any, Any, int | None]) -> tuple[int, int] | None:
@@ -216,8 +210,48 @@ def _range(stats: tuple[Any, Any, int | None]) -> tuple[int, int] | None:
     return (int(low), int(high)) if low is not None and high is not None and nulls == 0 else None
 
 
-_SCHEMAS: dict[tuple[tuple[str, str], ...], str | None] = {}
-"""Schemas already checked (names and types in file order) and the problem each has, if any."""
+@dataclass(frozen=True, slots=True)
+class _SchemaFacts:
+    """What a schema says, worked out once for every shard that has it."""
+
+    fields: tuple[tuple[str, str], ...]
+    """(name, Arrow type) of every field, in file order."""
+    problem: str | None
+    """What makes it unusable (SPEC §2), or None."""
+    present: frozenset[str]
+    """Its schema columns."""
+    bounded: frozenset[str]
+    """Its columns whose statistics the checks read (`_check_values`, the step, rank and microbatch ranges)."""
+    unsigned: tuple[str, ...]
+    """Its uint64 columns, whose values may pass the int64 range."""
+    signature: tuple[tuple[str, str], ...]
+    """`Shard.signature`: the fields that are schema columns."""
+
+
+_SCHEMAS: dict[tuple[tuple[str, str], ...], _SchemaFacts] = {}
+"""Schemas already checked, by their fields."""
+_LAST_SCHEMA: list[tuple[pa.Schema, _SchemaFacts]] = []
+"""The schema seen last: the shards of one log share it, and comparing two schemas costs a fraction of
+naming every field's type."""
+_STATISTICS = frozenset(REQUIRED_COLUMNS) | {"schema_version", "grad_divisor", "positions"}
+"""Columns whose footer statistics the checks read."""
+
+
+def _checked_schema(schema: pa.Schema) -> _SchemaFacts:
+    if _LAST_SCHEMA and schema.equals(_LAST_SCHEMA[0][0]):
+        return _LAST_SCHEMA[0][1]
+    fields = tuple((f.name, str(f.type)) for f in schema)
+    facts = _SCHEMAS.get(fields)
+    if facts is None:
+        if len(_SCHEMAS) > 1024:
+            _SCHEMAS.clear()
+        problem = _schema_problem(schema)
+        present = frozenset(column for column in schema.names if column in COLUMNS_BY_NAME)
+        unsigned = () if problem else tuple(sorted(c for c in present if pa.types.is_uint64(schema.field(c).type)))
+        facts = _SCHEMAS[fields] = _SchemaFacts(fields, problem, present, (present & _STATISTICS) | set(unsigned),
+                                                unsigned, tuple(f for f in fields if f[0] in COLUMNS_BY_NAME))
+    _LAST_SCHEMA[:] = [(schema, facts)]
+    return facts
 
 
 def _schema_problem(schema: pa.Schema) -> str | None:
@@ -247,7 +281,7 @@ _LOWER_BOUNDS: tuple[tuple[str, int, str], ...] = (
 )
 
 
-def _check_values(parquet: pq.ParquetFile, present: set[str], stats: dict[str, tuple[Any, Any, int | None]],
+def _check_values(parquet: pq.ParquetFile, present: frozenset[str], stats: dict[str, tuple[Any, Any, int | None]],
                   thorough: bool) -> None:
     """Statistics first (no data read); the columns themselves only when statistics cannot decide.
     A NaN divisor or scale never shows in statistics: `thorough` reads those columns; otherwise the
@@ -284,17 +318,18 @@ def _check_values(parquet: pq.ParquetFile, present: set[str], stats: dict[str, t
         _check_rows(parquet.read(columns=sorted(need), use_threads=True), need)
 
 
-def _column_stats(parquet: pq.ParquetFile, present: set[str]) -> dict[str, tuple[Any, Any, int | None]]:
+def _column_stats(parquet: pq.ParquetFile, present: frozenset[str]) -> dict[str, tuple[Any, Any, int | None]]:
     """(min, max, null count) per column over all row groups; None where a statistic is missing."""
     metadata = parquet.metadata
     index = {metadata.schema.column(i).name: i for i in range(metadata.num_columns)}
+    groups = [metadata.row_group(group) for group in range(metadata.num_row_groups)]
     out: dict[str, tuple[Any, Any, int | None]] = {}
     for column in present:
         low: Any = None
         high: Any = None
         nulls: int | None = 0
-        for group in range(metadata.num_row_groups):
-            chunk = metadata.row_group(group).column(index[column]) if column in index else None
+        for group in groups:
+            chunk = group.column(index[column]) if column in index else None
             statistics = chunk.statistics if chunk is not None else None
             if statistics is None or not statistics.has_min_max or nulls is None:
                 low = high = nulls = None

@@ -156,3 +156,23 @@ def test_backward_scalar_may_be_null_only_with_probe_weights(tmp_path: Path) -> 
     write(tmp_path / "noprobe" / "a.parquet", rows)
     report = audit([tmp_path / "noprobe"])
     assert "backward_scalar' is null where no probe weights were recorded" in report.problems[0]
+
+
+def test_shards_of_one_schema_keep_their_own_footers(tmp_path: Path) -> None:
+    """A schema is checked once for all the shards that share it, but each shard's own footer still
+    decides its statistics, its dropped-steps note and its problems."""
+    from tokaudit.schema import WRITER_SCHEMA, dropped_metadata
+
+    rows = records(UNEVEN, token_mean)
+    names = [f.name for f in WRITER_SCHEMA if f.name in rows[0]]
+    schema = pa.schema([WRITER_SCHEMA.field(n) for n in names])
+    noted = schema.with_metadata(dropped_metadata("run", "0", 1, [(4, 6, 2)]))
+    write(tmp_path / "run" / "rank-00000.parquet", [r for r in rows if r["rank"] == 0], schema)
+    write(tmp_path / "run" / "rank-00001.parquet", [dict(r, step=r["step"] + 10) for r in rows if r["rank"] == 1], noted)
+    write(tmp_path / "run" / "rank-00002.parquet", [dict(r, valid_tokens=-1) for r in rows if r["rank"] == 0], schema)
+    found = load([tmp_path])
+    first, second = found.shards
+    assert first.dropped is None and second.dropped == {"run": "run", "group": "0", "rank": 1, "steps": [(4, 6, 2)]}
+    assert first.signature == second.signature
+    assert second.step_range[0] == first.step_range[0] + 10
+    assert [p.path.endswith("rank-00002.parquet") and "negative count" in p.problem for p in found.problems] == [True]
