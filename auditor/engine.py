@@ -78,6 +78,8 @@ class Engine:
     """Per shard (by id): its link's name, or for a remote shard the name it goes by in dedup order."""
     remote_views: dict[int, str] = field(default_factory=dict)
     """Per remote shard (by id): the DuckDB view over its Arrow dataset."""
+    defined: tuple[tuple[int, ...], tuple[int, int] | None, bool] | None = None
+    """What the views hold now: (the shards' ids, the step range, deduplicated)."""
     links: Path | None = None
     """A private folder of plainly named links to the shards whose paths hold a character DuckDB could
     read as a pattern ([ ] * ? { } and others): it is only given plain names and reads exactly the
@@ -99,7 +101,8 @@ class Engine:
             engine = cls(connection=connection, shards=list(shards), duplicates={},
                          chunk_rows=chunk_rows or environment_chunk, only_steps=only_steps)
             for index, shard in enumerate(engine.shards):
-                name = str(Path(shard.path).absolute()) if shard.store is None else f"remote/{index:08d}.parquet"
+                name = (str(shard.path) if shard.path.is_absolute() else str(Path(shard.path).absolute())) \
+                    if shard.store is None else f"remote/{index:08d}.parquet"
                 if shard.store is None and not _PLAIN_PATH.match(name):
                     if engine.links is None:
                         engine.links = links = Path(tempfile.mkdtemp(prefix="tokaudit-shards-"))
@@ -165,6 +168,12 @@ class Engine:
                                   for scanned, scan in self._scans(members))
 
     def _define(self, shards: Sequence[Shard], steps: tuple[int, int] | None, deduplicate: bool) -> None:
+        # The views of thousands of files take a while to write and bind: a definition that is already
+        # in place (one range, no duplicates: the usual log) is not written again.
+        definition = (tuple(id(s) for s in shards), steps, deduplicate)
+        if definition == self.defined:
+            return
+        self.defined = definition
         self.connection.execute(f"CREATE OR REPLACE TEMP VIEW raw_records AS {self._source(shards, steps)}")
         # Of two records with one key, the later `time` wins, then the later file and row.
         dedup = ("LEFT JOIN file_order USING (filename) QUALIFY row_number() OVER (PARTITION BY run, grp, term, "
