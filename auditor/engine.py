@@ -346,7 +346,7 @@ class Engine:
 RECORDS_SQL = """
 WITH rec AS (
     -- k stands for (run, grp, term) in the groupings: an integer hashes in a fraction of the time of
-    -- three strings, and the per-rank grouping has one group per record when M = 1
+    -- three strings, and the per-rank grouping of a many-microbatch log holds millions of groups
     SELECT hash(run, grp, term) AS k, run, grp, term, step, rank, micro, world_size, grad_divisor, grad_scale,
         valid_tokens, loss_sum, positions,
         sync, skipped, reported_loss, token_weight_sum, divisor_known,
