@@ -132,6 +132,13 @@ def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_th
     assert fast.duplicates == general.duplicates == {"run": (2, 6, 6, 1)}
     assert fast_steps.repeated_micro.sum() == 0  # deduplicated before the table was kept
 
+    # The mechanism: one grouping (per step) instead of four, none of them per record.
+    def groupings(single_ranks: tuple[int, int] | None) -> int:
+        sql = "EXPLAIN (FORMAT json) " + engine_module.step_sql(single_ranks)
+        return sum(text.count("GROUP_BY") for _, text in fast.connection.execute(sql, {"rtol": 1e-4}).fetchall())
+
+    assert groupings((0, 3)) == 1 and groupings(None) == 5
+
 
 def test_the_one_record_form_is_taken_only_when_every_footer_says_microbatch_0(tmp_path: Path) -> None:
     from tokaudit.engine import RANK_BITS_LIMIT, _single_ranks
