@@ -214,8 +214,6 @@ def _range(stats: tuple[Any, Any, int | None]) -> tuple[int, int] | None:
 class _SchemaFacts:
     """What a schema says, worked out once for every shard that has it."""
 
-    fields: tuple[tuple[str, str], ...]
-    """(name, Arrow type) of every field, in file order."""
     problem: str | None
     """What makes it unusable (SPEC §2), or None."""
     present: frozenset[str]
@@ -233,8 +231,6 @@ _SCHEMAS: dict[tuple[tuple[str, str], ...], _SchemaFacts] = {}
 _LAST_SCHEMA: list[tuple[pa.Schema, _SchemaFacts]] = []
 """The schema seen last: the shards of one log share it, and comparing two schemas costs a fraction of
 naming every field's type."""
-_STATISTICS = frozenset(REQUIRED_COLUMNS) | {"schema_version", "grad_divisor", "positions"}
-"""Columns whose footer statistics the checks read."""
 
 
 def _checked_schema(schema: pa.Schema) -> _SchemaFacts:
@@ -245,24 +241,24 @@ def _checked_schema(schema: pa.Schema) -> _SchemaFacts:
     if facts is None:
         if len(_SCHEMAS) > 1024:
             _SCHEMAS.clear()
-        problem = _schema_problem(schema)
         present = frozenset(column for column in schema.names if column in COLUMNS_BY_NAME)
+        problem = _schema_problem(schema, present)
         unsigned = () if problem else tuple(sorted(c for c in present if pa.types.is_uint64(schema.field(c).type)))
-        facts = _SCHEMAS[fields] = _SchemaFacts(fields, problem, present, (present & _STATISTICS) | set(unsigned),
-                                                unsigned, tuple(f for f in fields if f[0] in COLUMNS_BY_NAME))
+        facts = _SCHEMAS[fields] = _SchemaFacts(problem, present, (present & _STATISTICS) | set(unsigned), unsigned,
+                                                tuple(f for f in fields if f[0] in COLUMNS_BY_NAME))
     _LAST_SCHEMA[:] = [(schema, facts)]
     return facts
 
 
-def _schema_problem(schema: pa.Schema) -> str | None:
-    """What makes a schema unusable (SPEC §2: required columns, no repeats, each column's type), or None."""
+def _schema_problem(schema: pa.Schema, present: frozenset[str]) -> str | None:
+    """What makes a schema unusable (SPEC §2: required columns, no repeats, each column's type), or None.
+    `present`: its schema columns."""
     for column in REQUIRED_COLUMNS:
         if column not in schema.names:
             return f"missing column '{column}'"
     repeated = sorted({column for column in schema.names if schema.names.count(column) > 1 and column in COLUMNS_BY_NAME})
     if repeated:
         return f"column '{repeated[0]}' appears more than once"
-    present = {column for column in schema.names if column in COLUMNS_BY_NAME}
     for column in sorted(present):
         expected = COLUMNS_BY_NAME[column].kind
         arrow_type = schema.field(column).type
@@ -279,6 +275,9 @@ _LOWER_BOUNDS: tuple[tuple[str, int, str], ...] = (
     ("rank", 0, "a negative rank"),
     ("micro", 0, "a negative microbatch index"),
 )
+_STATISTICS = (frozenset(REQUIRED_COLUMNS) | {column for column, _, _ in _LOWER_BOUNDS}
+               | {"schema_version", "grad_divisor"})
+"""Columns whose footer statistics `_check_values` reads."""
 
 
 def _check_values(parquet: pq.ParquetFile, present: frozenset[str], stats: dict[str, tuple[Any, Any, int | None]],
@@ -318,13 +317,13 @@ def _check_values(parquet: pq.ParquetFile, present: frozenset[str], stats: dict[
         _check_rows(parquet.read(columns=sorted(need), use_threads=True), need)
 
 
-def _column_stats(parquet: pq.ParquetFile, present: frozenset[str]) -> dict[str, tuple[Any, Any, int | None]]:
+def _column_stats(parquet: pq.ParquetFile, columns: frozenset[str]) -> dict[str, tuple[Any, Any, int | None]]:
     """(min, max, null count) per column over all row groups; None where a statistic is missing."""
     metadata = parquet.metadata
     index = {metadata.schema.column(i).name: i for i in range(metadata.num_columns)}
     groups = [metadata.row_group(group) for group in range(metadata.num_row_groups)]
     out: dict[str, tuple[Any, Any, int | None]] = {}
-    for column in present:
+    for column in columns:
         low: Any = None
         high: Any = None
         nulls: int | None = 0
