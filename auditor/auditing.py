@@ -13,7 +13,7 @@ import numpy.typing as npt
 import pandas as pd
 import pyarrow.parquet as pq
 
-from tokaudit.checks import DEFAULT_RTOL, check_run
+from tokaudit.checks import DEFAULT_RTOL, check_run, loss_terms
 from tokaudit.codes import DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
 from tokaudit.engine import Engine
 from tokaudit.normalization import Denominator
@@ -274,7 +274,7 @@ def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: l
     ratio = float((high[low > 0] / low[low > 0]).max()) if bool((low > 0).any()) else 1.0
     if bool((low <= 0).any()):
         ratio = math.inf
-    terms = sorted(set(frame.term.astype(str).unique()), key=lambda t: (t != "0", t))
+    terms = loss_terms(frame)
     main = [s for s in segments if s.term == terms[0]]
     normalization = max(main, key=lambda s: s.steps) if main else None
     sizes = [int(w) for w in np.unique(np.concatenate([frame.w_low.to_numpy(), frame.w_high.to_numpy()]))]

@@ -88,7 +88,7 @@ def check_run(run: str, steps: pd.DataFrame, rtol: float,
     spans: list[Span] = []
     omitted = 0
     sizes = tuple(int(w) for w in np.unique(np.concatenate([steps.w_low.to_numpy(), steps.w_high.to_numpy()])))
-    terms = sorted(set(steps.term.astype(str).unique()), key=lambda t: (t != "0", t))
+    terms = loss_terms(steps)
     for term in terms:
         frame = steps if len(terms) == 1 else steps[steps.term.astype(str) == term].reset_index(drop=True)
         diagnoses = diagnose_steps(frame, rtol)
@@ -642,6 +642,12 @@ def _balanced(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext) ->
                    "this run cannot show which one the code uses.",
                    "audit a run with uneven counts (padding, ignored labels, different sequence lengths per rank)",
                    {"counts": counts, "indistinguishable_from": confused.value})
+
+
+def loss_terms(steps: pd.DataFrame) -> list[str]:
+    """The loss terms of a step table, as text, the main term ("0") first: each distinct value named
+    once, not every row converted."""
+    return sorted({str(term) for term in steps.term.unique()}, key=lambda t: (t != "0", t))
 
 
 def _first(steps: pd.DataFrame, mask: pd.Series) -> Any:
