@@ -101,8 +101,7 @@ class Engine:
             engine = cls(connection=connection, shards=list(shards), duplicates={},
                          chunk_rows=chunk_rows or environment_chunk, only_steps=only_steps)
             for index, shard in enumerate(engine.shards):
-                name = (str(shard.path) if shard.path.is_absolute() else str(Path(shard.path).absolute())) \
-                    if shard.store is None else f"remote/{index:08d}.parquet"
+                name = str(Path(shard.path).absolute()) if shard.store is None else f"remote/{index:08d}.parquet"
                 if shard.store is None and not _PLAIN_PATH.match(name):
                     if engine.links is None:
                         engine.links = links = Path(tempfile.mkdtemp(prefix="tokaudit-shards-"))
@@ -233,11 +232,11 @@ class Engine:
         packed: tuple[int, int, int, list[Shard]] | None = None
         for first, last, rows, members in segments:
             if packed is not None:
-                low, _, held, shards = packed
+                low, high, held, shards = packed
                 if held + rows <= self.chunk_rows and _steps(low, last, held + rows) <= CHUNK_STEPS:
                     packed = (low, last, held + rows, shards + members)
                     continue
-                chunks.append(((low, packed[1]), shards))
+                chunks.append(((low, high), shards))
                 packed = None
             if rows <= self.chunk_rows * WHOLE_SEGMENT_ROWS and _steps(first, last, rows) <= CHUNK_STEPS:
                 packed = (first, last, rows, members)
@@ -250,7 +249,8 @@ class Engine:
                 if inside:
                     chunks.append(((low, stop - 1), inside))
         if packed is not None:
-            chunks.append(((packed[0], packed[1]), packed[3]))
+            low, high, _, shards = packed
+            chunks.append(((low, high), shards))
         return chunks
 
     def step_table(self, rtol: float, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
