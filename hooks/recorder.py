@@ -192,9 +192,11 @@ class Recorder:
         """
         if self._closed:
             return
-        if self._audits is not None and self._audits.due(step if isinstance(step, int) else self._step):
-            self.flush(wait_for_backward=True)  # every rank: the audit reads the steps before this one whole
-            self._audits.start(step if isinstance(step, int) else self._step)
+        if self._audits is not None:
+            at = step if isinstance(step, int) else self._step
+            if self._audits.due(at):
+                self.flush(wait_for_backward=True)  # every rank: the audit reads the steps before this one whole
+                self._audits.start(at)
         try:
             self._resolve_identity()
             if not self._divisor_resolved:
