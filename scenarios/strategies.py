@@ -241,6 +241,7 @@ _UNEVEN_2x2: Counts = (((5, 1), (3, 7)), ((0, 0), (6, 2)), ((8, 4), (2, 8)))
 _UNEVEN_2x1: Counts = (((2,), (7,)), ((5,), (1,)), ((8,), (3,)))
 _UNEVEN_3x2: Counts = (((5, 1), (3, 7), (2, 2)), ((0, 0), (6, 2), (8, 1)), ((8, 4), (2, 8), (1, 0)))
 _SUBGROUPS_4x1: Counts = (((2,), (7,), (5,), (1,)), ((8,), (3,), (4,), (6,)))
+_UNEVEN_3x1: Counts = (((2,), (7,), (0,)), ((5,), (1,), (4,)), ((8,), (3,), (6,)))
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(name="correct_token_mean_ga", strategy="token_mean", world_size=2, counts=_UNEVEN_2x2, correct=True,
@@ -249,6 +250,11 @@ SCENARIOS: tuple[Scenario, ...] = (
              description="W·S/N with W=3 and uneven microbatches"),
     Scenario(name="correct_sum_hook", strategy="token_mean_summed", world_size=2, counts=_UNEVEN_2x2, correct=True,
              summing_hook=True, description="S/N into a summing comm hook (D=1)"),
+    # One microbatch a step (no accumulation): the audit aggregates these without a per-rank table.
+    Scenario(name="correct_token_mean_one_micro", strategy="token_mean", world_size=3, counts=_UNEVEN_3x1,
+             correct=True, description="W·S/N with W=3, one microbatch a step, a rank with no valid token"),
+    Scenario(name="correct_sum_hook_one_micro", strategy="token_mean_summed", world_size=2, counts=_UNEVEN_2x1,
+             correct=True, summing_hook=True, description="S/N into a summing comm hook, one microbatch a step"),
     Scenario(name="bug_local_mean", strategy="local_mean", world_size=2, counts=_UNEVEN_2x1, correct=False,
              report="mean_of_local_means", description="each rank backpropagates its own mean S_r/n_r"),
     Scenario(name="bug_local_mean_accumulation", strategy="local_mean_over_accumulation", world_size=2,
