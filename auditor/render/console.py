@@ -7,6 +7,7 @@ import math
 import pandas as pd
 from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
@@ -19,7 +20,8 @@ SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 
 
 WIDE = 100
-"""Below this many columns, each run is a block instead of a table row: names and verdicts never vanish."""
+"""Below this many columns, each run is a block instead of a table row (and above it too when the table
+would not fit): names and verdicts never vanish or fold."""
 LEGEND = ("q = e·N: each valid token's weight relative to 1/N (1 when correct) · max ratio: the largest ratio "
           "between two tokens' weights in one step · steps a–b (n): first and last affected step (how many)")
 
@@ -39,8 +41,9 @@ def render_report(report: AuditReport, console: Console) -> None:
     """Run summary, then findings most severe first, each with its numbers and its fix."""
     if report.runs:
         console.print(Text("tokaudit: token-loss normalization", style="bold"))
-        if console.width >= WIDE:
-            _runs_table(report, console)
+        table = _runs_table(report, console) if console.width >= WIDE else None
+        if table is not None:
+            console.print(table)
         else:
             for run in report.runs:
                 head = Text(printable(run.run), style="bold")
@@ -73,10 +76,12 @@ def render_report(report: AuditReport, console: Console) -> None:
                   "`tokaudit explain CODE` derives each finding.", style="dim", markup=False)
 
 
-def _runs_table(report: AuditReport, console: Console) -> None:
+def _runs_table(report: AuditReport, console: Console) -> Table | None:
+    """The runs as a table, or None when it would not fit the console's width as it is: a table that
+    does not fit folds run names across lines (then neither readable nor searchable) or crops its
+    last columns, so the runs are shown as blocks instead."""
     runs = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    longest = max(len(printable(run.run)) for run in report.runs)
-    runs.add_column("run", overflow="fold", min_width=min(longest, 24))
+    runs.add_column("run", overflow="fold")
     runs.add_column("verdict", no_wrap=True)
     for title in ("steps", "ranks", "W", "D"):
         runs.add_column(title, justify="right", no_wrap=True)
@@ -87,7 +92,8 @@ def _runs_table(report: AuditReport, console: Console) -> None:
         runs.add_row(Text(printable(run.run)), Text(run.verdict, style=VERDICT_STYLE[run.verdict]), str(run.steps),
                      str(run.ranks), ", ".join(map(str, run.world_size)), _divisors(run),
                      factor_text(run.normalization), _q_range(run), ratio_text(run.max_weight_ratio))
-    console.print(runs)
+    natural = Measurement.get(console, console.options.update_width(1 << 20), runs).maximum  # unconstrained
+    return runs if natural <= console.width else None
 
 
 def _number(value: object, digits: int = 5) -> str:
