@@ -37,7 +37,9 @@ def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTO
 
     Files are validated from their footers; a NaN divisor or scale, which no footer shows, is counted
     by the aggregation, and only the files holding one are then read in full to say where."""
-    logset = load(paths, thorough=False)
+    # Footers are validated by as many processes as DuckDB has threads: every core unless told
+    # (the trackers' audit beside training takes one, and so validates in its own process).
+    logset = load(paths, thorough=False, workers=threads or _cores())
     shards = list(logset.shards)
     if only_steps is not None:
         # Files whose footer statistics put every step outside the range are not read at all.
@@ -71,6 +73,14 @@ def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTO
             problems.extend(broken.values())
             shards = [s for s in shards if s.path not in broken]
     return LogSet(shards, problems), None, pd.DataFrame()
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _unusable(shards: list[Shard]) -> dict[object, LogFormatError]:

@@ -176,3 +176,66 @@ def test_shards_of_one_schema_keep_their_own_footers(tmp_path: Path) -> None:
     assert first.signature == second.signature
     assert second.step_range[0] == first.step_range[0] + 10
     assert [p.path.endswith("rank-00002.parquet") and "negative count" in p.problem for p in found.problems] == [True]
+
+
+def _many_files(folder: Path) -> dict[str, str]:
+    """A log of good shards (several schemas, a dropped-steps note) with every kind of bad file among them."""
+    from tokaudit.schema import WRITER_SCHEMA, dropped_metadata
+
+    expected = bad_files(folder / "bad")
+    rows = records(UNEVEN, token_mean)
+    names = [f.name for f in WRITER_SCHEMA if f.name in rows[0]]
+    noted = pa.schema([WRITER_SCHEMA.field(n) for n in names]).with_metadata(dropped_metadata("good", "0", 1, [(2, 3, 1)]))
+    for index in range(24):
+        shifted = [dict(r, step=r["step"] + 10 * index) for r in rows]
+        write(folder / "good" / f"rank-{index:05d}.parquet", shifted, noted if index == 7 else None)
+    write(folder / "good" / "other-schema.parquet", [dict(r, step=r["step"] + 500, positions=2 * r["valid_tokens"]) for r in rows])
+    return expected
+
+
+def test_footers_validated_in_worker_processes_give_the_serial_result(tmp_path: Path, monkeypatch: Any) -> None:
+    import subprocess
+
+    import tokaudit.reader as reader
+
+    expected = _many_files(tmp_path / "logs")
+    before = tree_digest(tmp_path / "logs")
+    serial = load([tmp_path / "logs"], thorough=False)
+    started = []
+    popen = subprocess.Popen
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        started.append(args)
+        return popen(*args, **kwargs)
+
+    monkeypatch.setattr(reader, "PARALLEL_FILES", 1)
+    monkeypatch.setattr(reader, "BATCH_FILES", 4)
+    monkeypatch.setattr(subprocess, "Popen", spy)
+    parallel = load([tmp_path / "logs"], thorough=False, workers=3)
+    assert len(started) == 2, "this process and two workers share the files"
+    # 24 good shards, the other schema's, and the NaN grad_scale that only the aggregation sees
+    assert parallel.shards == serial.shards and len(parallel.shards) == 26
+    assert [str(p) for p in parallel.problems] == [str(p) for p in serial.problems]
+    # every bad file named once with its problem (the NaN ones need a full read: not from footers)
+    footer_visible = {n: w for n, w in expected.items() if not n.startswith("nan_")}
+    for name, words in footer_visible.items():
+        assert [words in p.problem for p in parallel.problems if p.path.endswith(f"/{name}")] == [True], name
+    assert sum(s.dropped is not None for s in parallel.shards) == 1
+    assert tree_digest(tmp_path / "logs") == before, "input modified"
+
+
+@pytest.mark.parametrize("broken", ["no interpreter", "worker fails"])
+def test_footers_are_validated_here_when_no_worker_can(tmp_path: Path, monkeypatch: Any, broken: str) -> None:
+    import tokaudit.reader as reader
+
+    _many_files(tmp_path / "logs")
+    serial = load([tmp_path / "logs"], thorough=False)
+    monkeypatch.setattr(reader, "PARALLEL_FILES", 1)
+    monkeypatch.setattr(reader, "BATCH_FILES", 4)
+    if broken == "no interpreter":
+        monkeypatch.setattr(reader.sys, "executable", str(tmp_path / "no-python"))
+    else:
+        monkeypatch.setattr(reader, "_WORKER", "import sys; sys.exit(3)")
+    fallback = load([tmp_path / "logs"], thorough=False, workers=4)
+    assert fallback.shards == serial.shards
+    assert [str(p) for p in fallback.problems] == [str(p) for p in serial.problems]
