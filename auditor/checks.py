@@ -117,8 +117,11 @@ def _finding(context: RunContext, code: Code, steps: list[int] | np.ndarray, mes
     numbers = np.asarray(steps, dtype=np.int64)
     if context.term != "0":
         message = f"[term {context.term}] {message}"
+    # Steps of one group come in order, each once: counted without a hash of millions of them.
+    increasing = len(numbers) < 2 or bool((numbers[1:] > numbers[:-1]).all())
     return Finding(run=context.run, code=code, severity=severity or DEFAULT_SEVERITY[code],
-                   steps=StepRange(first=int(numbers.min()), last=int(numbers.max()), count=len(np.unique(numbers))),
+                   steps=StepRange(first=int(numbers.min()), last=int(numbers.max()),
+                                   count=len(numbers) if increasing else len(np.unique(numbers))),
                    message=message, fix=fix, evidence=evidence, term=context.term)
 
 

@@ -136,19 +136,27 @@ def cluster(values: Floats, rtol: float) -> npt.NDArray[np.int64]:
     its first member (noise of ±rtol around one true value). NaN gets −1. One binary search per
     cluster, not a Python step per value."""
     labels = np.full(len(values), -1, dtype=np.int64)
+    order, ordered, bounds = _sorted_clusters(values, rtol)
+    for label, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+        labels[order[start:stop]] = label
+    return labels
+
+
+def _sorted_clusters(values: Floats, rtol: float) -> tuple[npt.NDArray[np.int64], Floats, list[int]]:
+    """`cluster` as slices: the non-NaN values' indices in ascending order of value, those values, and
+    the offsets where each cluster starts (and the last one ends) in them."""
     order = np.argsort(values, kind="stable")
     order = order[~np.isnan(values[order])]
     ordered = values[order]
-    start, label = 0, 0
-    while start < len(ordered):
+    bounds = [0]
+    while bounds[-1] < len(ordered):
+        start = bounds[-1]
         anchor = float(ordered[start])
         # members: value - anchor <= 2·rtol·max(|anchor|, |value|); for a positive anchor that is
         # value <= anchor/(1 - 2·rtol); else value <= anchor + 2·rtol·|anchor|
         limit = anchor / (1 - 2 * rtol) if anchor > 0 else anchor + 2 * rtol * abs(anchor)
-        stop = max(start + 1, int(np.searchsorted(ordered, limit, side="right")))
-        labels[order[start:stop]] = label
-        start, label = stop, label + 1
-    return labels
+        bounds.append(max(start + 1, int(np.searchsorted(ordered, limit, side="right"))))
+    return order, ordered, bounds
 
 
 def _column(steps: pd.DataFrame, name: str) -> Floats:
@@ -348,13 +356,20 @@ def _vote(fits: npt.NDArray[np.bool_], alphas: Floats, rtol: float
         rows = np.flatnonzero(fits[:, c]).astype(index_type)
         if not len(rows):
             continue
-        labels = cluster(alphas[rows, c], rtol)
-        order = np.argsort(labels, kind="stable")
-        cuts = np.flatnonzero(np.diff(labels[order])) + 1
-        for group in np.split(order, cuts):
-            members.append(rows[group])
+        alpha = alphas[rows, c]
+        order, ordered, bounds = _sorted_clusters(alpha, rtol)
+        unordered = np.flatnonzero(np.isnan(alpha))
+        if len(unordered):  # α NaN: one hypothesis of its own, first (as label −1 sorts)
+            members.append(rows[unordered])
             owner.append(c)
-            values.append(float(np.median(alphas[rows[group], c])))
+            values.append(math.nan)
+        for start, stop in zip(bounds, bounds[1:]):
+            # A cluster is a slice of the sorted α: its median is its middle value (or the middle two's mean).
+            middle = (start + stop) // 2
+            median = ordered[middle] if (stop - start) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+            members.append(rows[order[start:stop]])
+            owner.append(c)
+            values.append(float(median))
     chosen = np.full(steps, -1, dtype=np.int8)
     representative = np.full(steps, np.nan)
     taken = np.zeros(steps, dtype=bool)
@@ -466,16 +481,17 @@ def segments(steps: pd.DataFrame, diagnoses: Diagnoses) -> tuple[list[Span], int
     keep = ~diagnoses.kind_is(StepKind.EMPTY)
     if not keep.any():
         return [], 0
-    frame = pd.DataFrame({"grp": steps.grp.astype(str).to_numpy()[keep], "term": steps.term.astype(str).to_numpy()[keep],
-                          "step": steps.step.to_numpy()[keep], "denominator": diagnoses.denominator[keep],
-                          "factor": diagnoses.factor[keep]}).sort_values(["grp", "term", "step"], kind="stable")
-    grp, term = frame.grp.to_numpy(), frame.term.to_numpy()
-    denominator, factor = frame.denominator.to_numpy(), frame.factor.to_numpy()
+    (grp, grp_names), (term, term_names) = _name_ranks(steps.grp), _name_ranks(steps.term)
+    step = steps.step.to_numpy()[keep]
+    grp, term = grp[keep], term[keep]
+    sorted_rows = np.lexsort((step, term, grp))  # by group, term, then step (lexsort is stable)
+    grp, term, step = grp[sorted_rows], term[sorted_rows], step[sorted_rows]
+    denominator, factor = diagnoses.denominator[keep][sorted_rows], diagnoses.factor[keep][sorted_rows]
     same_factor = (factor[1:] == factor[:-1]) | (np.isnan(factor[1:]) & np.isnan(factor[:-1]))
     new_block = np.concatenate([[True], (grp[1:] != grp[:-1]) | (term[1:] != term[:-1])])
     starts = new_block | np.concatenate([[False], (denominator[1:] != denominator[:-1]) | ~same_factor])
     first = np.flatnonzero(starts)
-    last = np.concatenate([first[1:], [len(frame)]]) - 1
+    last = np.concatenate([first[1:], [len(step)]]) - 1
     length = last - first + 1
     block = np.cumsum(new_block)[first]  # (group, term) of each span
     # Rank spans within their block by length (longest first, then earliest); keep the top MAX_SPANS.
@@ -484,9 +500,21 @@ def segments(steps: pd.DataFrame, diagnoses: Diagnoses) -> tuple[list[Span], int
     chosen = np.sort(order[np.arange(len(order)) - block_start < MAX_SPANS])
     omitted = len(first) - len(chosen)
     first, last, length = first[chosen], last[chosen], length[chosen]
-    step = frame.step.to_numpy()
     names = [DENOMINATORS[d] for d in denominator[first].tolist()]
     factors = [None if f != f else f for f in factor[first].tolist()]  # NaN: none
-    return [Span(g, t, a, b, n, d, f) for g, t, a, b, n, d, f in zip(
+    return [Span(grp_names[g], term_names[t], a, b, n, d, f) for g, t, a, b, n, d, f in zip(
         grp[first].tolist(), term[first].tolist(), step[first].tolist(), step[last].tolist(),
         length.tolist(), names, factors)], omitted
+
+
+def _name_ranks(column: pd.Series) -> tuple[npt.NDArray[np.int64], list[str]]:
+    """Per row, the rank of its name (as text) among the column's names, and the names in that order:
+    a column of a few names repeated on millions of steps is compared and sorted as integers, and no
+    row is turned into a string."""
+    categorical = column if isinstance(column.dtype, pd.CategoricalDtype) and not column.isna().any() \
+        else column.astype(str).astype("category")
+    names = [str(name) for name in categorical.cat.categories]
+    order = sorted(range(len(names)), key=names.__getitem__)
+    rank = np.empty(len(names), dtype=np.int64)
+    rank[order] = np.arange(len(names))
+    return rank[categorical.cat.codes.to_numpy()], [names[i] for i in order]

@@ -150,6 +150,10 @@ def test_segments_are_per_group_and_never_interleave() -> None:
     steps = table(rows)
     spans = [(s.group, s.first, s.last, s.denominator) for s in segments(steps, diagnose_steps(steps, 1e-4))[0]]
     assert spans == [("A", 0, 3, Denominator.N), ("B", 0, 1, Denominator.RANK), ("B", 2, 3, Denominator.N)]
+    # The engine's columns are categories, in any order of categories: spans still follow the names' order.
+    renamed = steps.assign(grp=pd.Categorical(steps.grp.map({"A": "10", "B": "9"}), categories=["9", "10"]))
+    spans = [(s.group, s.first, s.last, s.denominator) for s in segments(renamed, diagnose_steps(renamed, 1e-4))[0]]
+    assert spans == [("10", 0, 3, Denominator.N), ("9", 0, 1, Denominator.RANK), ("9", 2, 3, Denominator.N)]
 
 
 def test_a_normalization_that_alternates_lists_the_longest_spans_and_counts_the_rest() -> None:
@@ -310,3 +314,55 @@ def test_a_long_run_is_diagnosed_a_block_at_a_time() -> None:
     # The same diagnoses as a block of the table alone gets: blocks change memory, not results.
     alone = diagnose_steps(small, 1e-4)
     assert (diagnoses.kind[:2_000] == alone.kind).all() and (diagnoses.denominator[:2_000] == alone.denominator).all()
+
+
+def _vote_by_labels(fits: np.ndarray, alphas: np.ndarray, rtol: float) -> tuple[np.ndarray, np.ndarray]:
+    """The vote written plainly: hypotheses from `cluster`'s labels in label order (NaN first), each
+    represented by np.median of its α; the greedy cover recomputed from scratch at every pick."""
+    hypotheses = []  # (members, candidate, representative)
+    for c in range(fits.shape[1]):
+        rows = np.flatnonzero(fits[:, c])
+        if len(rows):
+            labels = cluster(alphas[rows, c], rtol)
+            for label in sorted(set(labels.tolist())):
+                members = rows[labels == label]
+                hypotheses.append((members, c, float(np.median(alphas[members, c]))))
+    chosen, representative = np.full(len(fits), -1), np.full(len(fits), np.nan)
+    taken = np.zeros(len(fits), dtype=bool)
+    plain = [0 if c == 0 else 1 if abs(v - 1) <= rtol else 2 for _, c, v in hypotheses]
+    while True:
+        best = min(range(len(hypotheses)), default=None,
+                   key=lambda h: (-int((~taken[hypotheses[h][0]]).sum()), plain[h], hypotheses[h][1], h))
+        if best is None:
+            break
+        members, c, value = hypotheses[best]
+        free = members[~taken[members]]
+        if len(free) < 2:
+            break
+        chosen[free], representative[free], taken[free] = c, value, True
+    for i in np.flatnonzero(~taken & fits.any(axis=1)):
+        c = int(np.argmax(fits[i]))
+        chosen[i], representative[i] = c, alphas[i, c]
+    return chosen, representative
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_vote_equals_the_plain_greedy_cover(seed: int) -> None:
+    """The vote's clusters are slices of the sorted α and their medians the slices' middles: the same
+    steps won by the same hypotheses as the plain construction, on tables of competing hypotheses
+    (several factors per candidate, noise at the tolerance, ties, α = 1, NaN α)."""
+    from tokaudit.normalization import _vote
+
+    rng = np.random.default_rng(seed)
+    rtol = 1e-4
+    steps, candidates = 300, 8
+    centers = np.array([1.0, 4.0, 0.25, 8.0, 1 / 3, 2.0])
+    alphas = centers[rng.integers(0, len(centers), (steps, candidates))]
+    alphas *= 1 + rng.uniform(-0.9, 0.9, alphas.shape) * rtol * rng.integers(0, 2, alphas.shape)
+    alphas[rng.random(alphas.shape) < 0.03] = np.nan
+    alphas[rng.random(alphas.shape) < 0.05] = rng.uniform(0.1, 10, 1)[0]  # an exact tie of many steps
+    fits = rng.random((steps, candidates)) < rng.uniform(0.1, 0.7, candidates)
+    chosen, representative = _vote(fits, alphas, rtol)
+    expected_chosen, expected_representative = _vote_by_labels(fits, alphas, rtol)
+    np.testing.assert_array_equal(chosen, expected_chosen)
+    np.testing.assert_array_equal(representative, expected_representative)  # NaN equals NaN here
