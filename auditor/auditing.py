@@ -6,6 +6,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import duckdb
 import numpy as np
@@ -15,7 +16,7 @@ import pyarrow.parquet as pq
 
 from tokaudit.checks import DEFAULT_RTOL, check_run, loss_terms
 from tokaudit.codes import DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
-from tokaudit.engine import Engine
+from tokaudit.engine import Engine, extremes_at
 from tokaudit.normalization import Denominator
 from tokaudit.errors import LogFormatError, UsageError
 from tokaudit.reader import LogSet, Shard, inspect_shard, load
@@ -144,6 +145,7 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
         # The checks need only the step table: DuckDB's memory is given back before they run.
         duplicates = engine.duplicates
         engine.close()
+        extremes = _Extremes(logset.shards, rtol, threads)
         summaries: list[RunSummary] = []
         findings: list[Finding] = []
         dropped = _dropped_steps(logset.shards)
@@ -163,7 +165,7 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
                                                 verdict="inconclusive", normalization=None, segments=[],
                                                 max_weight_ratio=1.0, microbatches=0))
                     continue
-            run_findings, spans, omitted = check_run(run, frame, rtol, duplicates.get(run))
+            run_findings, spans, omitted = check_run(run, frame, rtol, duplicates.get(run), extremes)
             if lost:
                 run_findings.append(lost.finding(run))
             run_findings = _policy(run_findings, ignored, min_ratio)
@@ -177,6 +179,26 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
                            steps=steps if keep_steps else None)
     finally:
         engine.close()
+
+
+@dataclass
+class _Extremes:
+    """Where the heaviest and the lightest token of an evidence step were (`engine.EXTREME_COLUMNS`),
+    aggregated for that step alone when a finding asks: a few steps, instead of every step's."""
+
+    shards: Sequence[Shard]
+    rtol: float
+    threads: int | None
+    found: dict[int, pd.DataFrame] = field(default_factory=dict)
+
+    def __call__(self, row: Any) -> Any:
+        step = int(row.step)
+        if step not in self.found:
+            self.found[step] = extremes_at(self.shards, step, self.rtol, self.threads)
+        table = self.found[step]
+        match = table[(table.run.astype(str) == str(row.run)) & (table.grp.astype(str) == str(row.grp))
+                      & (table.term.astype(str) == str(row.term))]
+        return match.iloc[0]
 
 
 @dataclass

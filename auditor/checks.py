@@ -9,7 +9,7 @@ How the normalization is recovered lives in `tokaudit.normalization`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,13 +77,20 @@ class RunContext:
     rtol: float
 
 
+Extremes = Callable[[Any], Any]
+"""Given a row of the step table without the evidence columns (`engine.EXTREME_COLUMNS`), a row with them."""
+
+
 def check_run(run: str, steps: pd.DataFrame, rtol: float,
-              duplicates: tuple[int, int, int, int] | None = None) -> tuple[list[Finding], list[Span], int]:
+              duplicates: tuple[int, int, int, int] | None = None,
+              extremes: Extremes | None = None) -> tuple[list[Finding], list[Span], int]:
     """All checks for one run's steps (every group and term): its findings, its normalization spans
     (at most `MAX_SPANS` per group and term) and how many spans were left out.
 
     Each loss term is its own token mean (SPEC §1): recovery and weight checks run per term.
-    `duplicates`: (records dropped, first step, last step, steps) when the reader found repeated keys."""
+    `duplicates`: (records dropped, first step, last step, steps) when the reader found repeated keys.
+    `extremes`: where the heaviest and lightest token of an evidence step were, when the table does not
+    hold them (the audit aggregates them for the few steps a finding names)."""
     findings: list[Finding] = []
     spans: list[Span] = []
     omitted = 0
@@ -95,7 +102,7 @@ def check_run(run: str, steps: pd.DataFrame, rtol: float,
         context = RunContext(run=run, term=term, world_size=int(frame.w_high.mode().iloc[0]), world_sizes=sizes,
                              microbatches=int(frame.m_high.max()), divisor=float(frame.d_high.mode().iloc[0]),
                              rtol=rtol)
-        findings.extend(_weighting_findings(frame, diagnoses, context))
+        findings.extend(_weighting_findings(frame, diagnoses, context, extremes))
         checks = [_value_findings, _probe_findings, _missing_ranks, _divisor_findings, _weight_presence]
         if term == terms[0]:
             # What concerns the backward passes themselves (W, microbatches, sync) is said once.
@@ -166,7 +173,8 @@ def _weighting_codes(diagnoses: Diagnoses, explanation: npt.NDArray[np.int64],
     return code.astype(np.int64) if count else np.zeros(0, np.int64), label.astype(np.int64)
 
 
-def _weighting_findings(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext) -> Iterator[Finding]:
+def _weighting_findings(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext,
+                        extremes: Extremes | None = None) -> Iterator[Finding]:
     """local_mean, per_micro_denominator, padded_denominator, unexplained_weighting, world_size_mismatch,
     loss_scale, scale_mismatch: one finding per (code, denominator, kind of factor), however many
     steps it spans, with the range of its factor. Steps are grouped as columns, not one by one."""
@@ -189,7 +197,7 @@ def _weighting_findings(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunC
         # Evidence from the step where tokens were weighted most unequally (or q is furthest from 1).
         worst = int(members[np.lexsort((far[members], unequal[members]))[-1]])
         yield _weighting_finding(_CODES[int(code_index)], DENOMINATORS[int(denominator)], steps, diagnoses, members,
-                                 worst, explanation, table, context)
+                                 worst, explanation, table, context, extremes)
 
 
 def _factor_explanations(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext
@@ -230,7 +238,7 @@ def _range(values: list[float]) -> list[float]:
 
 def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame, diagnoses: Diagnoses,
                        members: npt.NDArray[np.int64], worst: int, explanations: npt.NDArray[np.int64],
-                       table: list[FactorExplanation], context: RunContext) -> Finding:
+                       table: list[FactorExplanation], context: RunContext, extremes: Extremes | None = None) -> Finding:
     row = steps.iloc[worst]
     diagnosis = diagnoses[worst]
     step, w, tokens = int(row.step), int(row.w_high), int(row.tokens)
@@ -247,8 +255,14 @@ def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame
     if diagnosis.kind == StepKind.NONUNIFORM:
         heavy_e, light_e = float(row.e_high), float(row.e_low)
         ratio = heavy_e / light_e if light_e > 0 else math.inf
-        heavy = _describe(row, "heavy", heavy_e, tokens)
-        light = _describe(row, "light", light_e, tokens)
+        if "heavy_rank" in steps.columns:
+            located = row
+        elif extremes is not None:
+            located = extremes(row)
+        else:
+            raise ValueError("the step table lacks the evidence columns (heavy_rank, ...) and no way to find them")
+        heavy = _describe(located, "heavy", heavy_e, tokens)
+        light = _describe(located, "light", light_e, tokens)
         evidence.update({"heaviest": heavy, "lightest": light, "weight_ratio": ratio})
         where = (f"at step {step}{group} a token on rank {heavy['rank']} (microbatch {heavy['micro']}, "
                  f"n={heavy['valid_tokens']}) received {ratio:.3g}× the weight of a token on rank {light['rank']} "

@@ -73,6 +73,8 @@ class Engine:
     """Rows aggregated at a time: bounds memory whatever the size of the log."""
     only_steps: tuple[int, int] | None = None
     """When set, every view holds only these steps (first, last): a one-step view of a large log."""
+    extremes: bool = False
+    """The step table holds EXTREME_COLUMNS (the evidence of one step, see `extremes_at`)."""
 
     link_names: dict[int, str] = field(default_factory=dict)
     """Per shard (by id): its link's name, or for a remote shard the name it goes by in dedup order."""
@@ -88,7 +90,7 @@ class Engine:
     @classmethod
     def open(cls, shards: Sequence[Shard], memory_limit: str | None = None,
              threads: int | None = None, chunk_rows: int | None = None,
-             only_steps: tuple[int, int] | None = None) -> Engine:
+             only_steps: tuple[int, int] | None = None, extremes: bool = False) -> Engine:
         environment_memory, environment_chunk = settings_from_environment()
         links: Path | None = None
         connection = duckdb.connect(":memory:", config={"memory_limit": memory_limit or environment_memory,
@@ -99,7 +101,7 @@ class Engine:
             if threads:
                 connection.execute(f"SET threads = {int(threads)}")
             engine = cls(connection=connection, shards=list(shards), duplicates={},
-                         chunk_rows=chunk_rows or environment_chunk, only_steps=only_steps)
+                         chunk_rows=chunk_rows or environment_chunk, only_steps=only_steps, extremes=extremes)
             for index, shard in enumerate(engine.shards):
                 name = str(Path(shard.path).absolute()) if shard.store is None else f"remote/{index:08d}.parquet"
                 if shard.store is None and not _PLAIN_PATH.match(name):
@@ -296,7 +298,7 @@ class Engine:
         return frame
 
     def _aggregate(self, rtol: float, shards: Sequence[Shard]) -> pd.DataFrame:
-        frame = self.connection.execute(step_sql(_single_ranks(shards)), {"rtol": rtol}).df()
+        frame = self.connection.execute(step_sql(_single_ranks(shards), self.extremes), {"rtol": rtol}).df()
         for name in frame.columns:
             # A count with NULLs (no record of the step said) comes back as pandas' masked integers,
             # whose NA neither compares nor sums like NaN: float64 with NaN, as the checks expect.
@@ -403,6 +405,13 @@ RANK_AGGREGATES = """
         avg(rank_loss / rank_tokens) FILTER (rank_tokens > 0) AS mean_of_local_means,
         min(en_low * microbatches) AS enm_low, max(en_high * microbatches) AS enm_high,
         min(e_low * rank_tokens) AS er_low, max(e_high * rank_tokens) AS er_high,
+        -- ranks below 64 present in the step, as set bits (the missing-rank evidence); 0: none of them
+        coalesce(bit_or(CASE WHEN rank < 64 THEN CAST(1 AS UBIGINT) << CAST(rank AS UBIGINT) END), 0) AS rank_mask,
+        count_if(last_sync = false) AS unsynced_ranks,
+        {repeated} AS repeated_micro
+"""
+"""Per (run, group, term) and step, over the per-rank rows (`per_rank`)."""
+EXTREME_AGGREGATES = """
         -- the heaviest and the lightest valid record of the step, for the evidence
         arg_max(rank, e_high * (1 - rank * 1e-12)) AS heavy_rank, arg_max(heavy_micro, e_high * (1 - rank * 1e-12)) AS heavy_micro,
         arg_max(heavy_n, e_high * (1 - rank * 1e-12)) AS heavy_n,
@@ -410,23 +419,25 @@ RANK_AGGREGATES = """
         arg_min(rank, e_low * (1 + rank * 1e-12)) AS light_rank, arg_min(light_micro, e_low * (1 + rank * 1e-12)) AS light_micro,
         arg_min(light_n, e_low * (1 + rank * 1e-12)) AS light_n,
         arg_min(rank_tokens, e_low * (1 + rank * 1e-12)) AS light_rank_tokens,
-        -- ranks below 64 present in the step, as set bits (the missing-rank evidence); 0: none of them
-        coalesce(bit_or(CASE WHEN rank < 64 THEN CAST(1 AS UBIGINT) << CAST(rank AS UBIGINT) END), 0) AS rank_mask,
-        count_if(last_sync = false) AS unsynced_ranks,
-        {repeated} AS repeated_micro
 """
-"""Per (run, group, term) and step, over the per-rank rows (`per_rank`)."""
+"""Per (run, group, term) and step, over the per-rank rows: where the heaviest and the lightest token
+were. Only a finding's evidence step reads them, so they are aggregated for that step alone
+(`step_sql(..., extremes=True)`): over every step they cost a tenth of the query."""
+EXTREME_COLUMNS = ("heavy_rank", "heavy_micro", "heavy_n", "heavy_rank_tokens",
+                   "light_rank", "light_micro", "light_n", "light_rank_tokens")
 INTEGER_COLUMNS = (
     "records", "rank_max", "w_low", "w_high", "weighted_records", "unweighted_records", "unknown_divisor",
     "nonfinite_valid", "nonfinite_zero", "probe_nonuniform", "masked_weighted", "probed", "sync_known", "sync_true",
     "skipped_true", "skipped_false", "reported", "positions_known", "wide_micro", "unusable_values", "ranks", "m_low",
-    "m_high", "heavy_rank", "heavy_micro", "light_rank", "light_micro", "unsynced_ranks", "repeated_micro")
+    "m_high", "unsynced_ranks", "repeated_micro")
 """Counts of records, ranks and microbatches and their indices: 4 bytes a step each, not 8 (or the 16 of
 DuckDB's HUGEINT sums), for a step table of millions of rows."""
-BIGINT_COLUMNS = ("tokens", "positions", "heavy_rank_tokens", "light_rank_tokens")
+BIGINT_COLUMNS = ("tokens", "positions")
 """Token counts: sums that could pass 2³¹ over a step of many ranks."""
 CASTS = ", ".join([f"CAST({c} AS INTEGER) AS {c}" for c in INTEGER_COLUMNS]
                   + [f"CAST({c} AS BIGINT) AS {c}" for c in BIGINT_COLUMNS])
+EXTREME_CASTS = ", ".join(f"CAST({c} AS {'BIGINT' if c.endswith('tokens') else 'INTEGER'}) AS {c}"
+                          for c in EXTREME_COLUMNS)
 STEP_KEYS = "k, any_value(run) AS run, any_value(grp) AS grp, any_value(term) AS term, step"
 # By step only: sorting by the names as well costs more than the rest of the query at millions of steps;
 # the rare table of several (run, group, term) is sorted as categories after (`step_table`).
@@ -437,11 +448,7 @@ per_rank AS (
     -- Few aggregates per (rank, step): millions of groups at scale must stay narrow.
     SELECT k, step, rank,
         count(*) AS microbatches, CAST(sum(valid_tokens) AS BIGINT) AS rank_tokens, sum(loss_sum) AS rank_loss,
-        min(w) AS e_low, max(w) AS e_high,
-        -- the heaviest and lightest record; ties, rounding noise included, go to the lowest microbatch
-        -- and rank (the order key moves w by 1e-12 of itself per index), so the scan order never decides
-        arg_max(micro, w * (1 - micro * 1e-12)) AS heavy_micro, arg_max(valid_tokens, w * (1 - micro * 1e-12)) AS heavy_n,
-        arg_min(micro, w * (1 + micro * 1e-12)) AS light_micro, arg_min(valid_tokens, w * (1 + micro * 1e-12)) AS light_n,
+        min(w) AS e_low, max(w) AS e_high, {{rank_extremes}}
         min(w * valid_tokens) AS en_low, max(w * valid_tokens) AS en_high,
         arg_max(sync, micro) AS last_sync,
         -- distinct microbatch indices below 64, as set bits: fewer bits than rows means a repeated key
@@ -451,7 +458,7 @@ per_rank AS (
     FROM weighted GROUP BY k, step, rank
 ),
 rank_level AS (
-    SELECT k, step, {RANK_AGGREGATES}
+    SELECT k, step, {{extremes}} {RANK_AGGREGATES}
     FROM per_rank GROUP BY k, step
 ),
 per_micro AS (
@@ -462,11 +469,17 @@ micro_level AS (
     SELECT k, step, min(e_low * micro_tokens) AS em_low, max(e_high * micro_tokens) AS em_high
     FROM per_micro GROUP BY k, step
 )
-SELECT * EXCLUDE (k) REPLACE ({CASTS}) FROM step_level
+SELECT * EXCLUDE (k) REPLACE ({CASTS}{{extreme_casts}}) FROM step_level
 JOIN rank_level USING (k, step)
 LEFT JOIN micro_level USING (k, step)
 ORDER BY step
 """.replace("{repeated}", "coalesce(sum(repeated), 0)")
+RANK_EXTREMES = """
+        -- the heaviest and lightest record; ties, rounding noise included, go to the lowest microbatch
+        -- and rank (the order key moves w by 1e-12 of itself per index), so the scan order never decides
+        arg_max(micro, w * (1 - micro * 1e-12)) AS heavy_micro, arg_max(valid_tokens, w * (1 - micro * 1e-12)) AS heavy_n,
+        arg_min(micro, w * (1 + micro * 1e-12)) AS light_micro, arg_min(valid_tokens, w * (1 + micro * 1e-12)) AS light_n,
+"""
 # One record per (rank, step) (every record microbatch 0, keys unique): each per-rank aggregate is its one
 # record's value (count 1, sums and extremes the value itself, arg_max the record's own field), so per_rank
 # is a projection of the records, and the per-rank aggregates run in the same grouping as the per-step ones:
@@ -484,21 +497,39 @@ per_rank AS (
     FROM weighted
 ),
 -- the per-rank names above are inputs here; the per-step aggregates' names (e_low, ...) are outputs
-step_level AS (SELECT {STEP_KEYS}, {STEP_AGGREGATES}, {RANK_AGGREGATES} FROM per_rank GROUP BY k, step)
-SELECT * EXCLUDE (k) REPLACE ({CASTS}), e_low * tokens AS em_low, e_high * tokens AS em_high FROM step_level
+step_level AS (SELECT {STEP_KEYS}, {STEP_AGGREGATES}, {{extremes}} {RANK_AGGREGATES} FROM per_rank GROUP BY k, step)
+SELECT * EXCLUDE (k) REPLACE ({CASTS}{{extreme_casts}}), e_low * tokens AS em_low, e_high * tokens AS em_high FROM step_level
 ORDER BY step
 """
 RANK_BITS_LIMIT = 4096
 """Widest rank range the one-record-per-rank form counts distinct ranks over (a bitstring a step)."""
 
 
-def step_sql(single_ranks: tuple[int, int] | None) -> str:
+def step_sql(single_ranks: tuple[int, int] | None, extremes: bool = False) -> str:
     """The per-step query for these records. `single_ranks`: the (lowest, highest) rank when the footers
-    show every record is microbatch 0, so that a (rank, step) holds one record unless a key is repeated."""
+    show every record is microbatch 0, so that a (rank, step) holds one record unless a key is repeated.
+    `extremes`: with EXTREME_COLUMNS, where each step's heaviest and lightest token were."""
     if single_ranks is None:
-        return STEP_SQL
-    low, high = single_ranks
-    return ONE_RECORD_STEP_SQL.replace("{repeated}", f"count(*) - bit_count(bitstring_agg(rank, {low}, {high}))")
+        sql = STEP_SQL
+    else:
+        low, high = single_ranks
+        sql = ONE_RECORD_STEP_SQL.replace("{repeated}", f"count(*) - bit_count(bitstring_agg(rank, {low}, {high}))")
+    return (sql.replace("{rank_extremes}", RANK_EXTREMES if extremes else "")
+            .replace("{extremes}", EXTREME_AGGREGATES if extremes else "")
+            .replace("{extreme_casts}", ", " + EXTREME_CASTS if extremes else ""))
+
+
+def extremes_at(shards: Sequence[Shard], step: int, rtol: float, threads: int | None = None) -> pd.DataFrame:
+    """EXTREME_COLUMNS of one step, a row per (run, grp, term): the step aggregated again, alone, from the
+    files whose footers say they can hold it, with the evidence aggregates the full query leaves out.
+    The same records (deduplicated the same way) in the same aggregation as the full query's."""
+    covering = [s for s in shards if s.step_range is None or s.step_range[0] <= step <= s.step_range[1]]
+    engine = Engine.open(covering, threads=threads, only_steps=(step, step), extremes=True)
+    try:
+        table = engine.step_table(rtol)
+    finally:
+        engine.close()
+    return table[["run", "grp", "term", "step", *EXTREME_COLUMNS]]
 
 
 def _steps(first: int, last: int, rows: int) -> int:

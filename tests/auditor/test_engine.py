@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from tests.logs import UNEVEN_GA, local_mean, records, write
+from tokaudit.auditing import audit
 from tokaudit.engine import Engine
 from tokaudit.reader import load
 
@@ -125,10 +126,15 @@ def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_th
 
     fast = Engine.open(shards, chunk_rows=25)
     fast_steps = fast.step_table(1e-4)
+    fast_extremes = Engine.open(shards, chunk_rows=25, extremes=True).step_table(1e-4)
     monkeypatch.setattr(engine_module, "_single_ranks", lambda shards: None)
     general = Engine.open(shards, chunk_rows=25)
     general_steps = general.step_table(1e-4)
     pd.testing.assert_frame_equal(general_steps, fast_steps)
+    # and the evidence columns, aggregated in both forms
+    general_extremes = Engine.open(shards, chunk_rows=25, extremes=True).step_table(1e-4)
+    pd.testing.assert_frame_equal(general_extremes, fast_extremes)
+    pd.testing.assert_frame_equal(general_extremes.drop(columns=list(engine_module.EXTREME_COLUMNS)), general_steps)
     assert fast.duplicates == general.duplicates == {"run": (2, 6, 6, 1)}
     assert fast_steps.repeated_micro.sum() == 0  # deduplicated before the table was kept
 
@@ -174,3 +180,38 @@ def test_ranges_end_between_files_so_that_no_file_is_read_twice(tmp_path: Path) 
     chunks = engine._chunks()
     assert len(chunks) == 12 and all(len(members) == 3 for _, members in chunks)
     pd.testing.assert_frame_equal(whole, engine.step_table(1e-4))
+
+
+def test_the_evidence_of_one_step_is_the_whole_aggregation_s(tmp_path: Path) -> None:
+    """Where the heaviest and lightest token were is aggregated only for the steps a finding names, again
+    and alone, from the files whose footers can hold them: it must equal the same columns aggregated
+    over the whole log (ties, a repeated key, several groups and terms, steps spread over files)."""
+    from tests.logs import token_mean
+    from tokaudit.checks import check_run
+    from tokaudit.engine import EXTREME_COLUMNS, extremes_at
+
+    counts = [[[5, 2], [0, 3], [7, 7]], [[4, 4], [9, 1], [2, 2]], [[1, 1], [1, 1], [8, 0]], [[6, 3], [6, 3], [2, 6]]] * 2
+    rows = records(counts, local_mean, group="A") + records(counts, token_mean, group="B")
+    rows += [dict(r, term="aux") for r in records(counts, lambda S, n, **_: S / max(n, 1), group="A")]
+    for rank in range(3):
+        mine = [r for r in rows if r["rank"] == rank]
+        write(tmp_path / "run" / f"rank-{rank:05d}-000000.parquet", [r for r in mine if r["step"] < 4])
+        write(tmp_path / "run" / f"rank-{rank:05d}-000001.parquet", [r for r in mine if r["step"] >= 4])
+    write(tmp_path / "run" / "rank-00001-000002.parquet", [r for r in rows if r["rank"] == 1 and r["step"] == 5])
+    shards = load([tmp_path]).shards
+    whole = Engine.open(shards, chunk_rows=7, extremes=True).step_table(1e-4)
+    keys = ["run", "grp", "term", "step"]
+    for step in sorted(set(whole.step)):
+        alone = extremes_at(shards, step, 1e-4)
+        expected = whole[whole.step == step][keys + list(EXTREME_COLUMNS)]
+        pd.testing.assert_frame_equal(alone.reset_index(drop=True), expected.reset_index(drop=True), check_categorical=False)
+
+    # The audit's findings, from a table without the columns, name the same tokens as from one with them.
+    lean = Engine.open(shards).step_table(1e-4)
+    assert not set(EXTREME_COLUMNS) & set(lean.columns)
+    report = audit([tmp_path])
+    with_columns, _, _ = check_run("run", whole, 1e-4, (1, 5, 5, 1))
+    evidence = [(f.code, f.term, f.evidence.get("heaviest"), f.evidence.get("lightest")) for f in with_columns]
+    assert sorted(map(str, evidence)) == sorted(str((f.code, f.term, f.evidence.get("heaviest"), f.evidence.get("lightest")))
+                                                for f in report.findings)
+    assert any(f.evidence.get("heaviest") for f in report.findings)
