@@ -400,11 +400,20 @@ STEP_AGGREGATES = """
         count_if(isnan(grad_divisor) OR isnan(grad_scale)) AS unusable_values
 """
 """Per (run, group, term) and step, over the records."""
-RANK_AGGREGATES = """
-        count(*) AS ranks, min(microbatches) AS m_low, max(microbatches) AS m_high,
-        avg(rank_loss / rank_tokens) FILTER (rank_tokens > 0) AS mean_of_local_means,
+RANK_SHAPE = """
+        min(microbatches) AS m_low, max(microbatches) AS m_high,
         min(en_low * microbatches) AS enm_low, max(en_high * microbatches) AS enm_high,
-        min(e_low * rank_tokens) AS er_low, max(e_high * rank_tokens) AS er_high,
+        min(e_low * rank_tokens) AS er_low, max(e_high * rank_tokens) AS er_high
+"""
+"""Per (run, group, term) and step, over the per-rank rows: the microbatches and what a rank-local or
+per-microbatch mean would weigh. With one record per rank these are constants or e·n (`ONE_RECORD_SHAPE`)."""
+ONE_RECORD_SHAPE = ("CAST(1 AS INTEGER) AS m_low, CAST(1 AS INTEGER) AS m_high, en_low AS enm_low, en_high AS enm_high, en_low AS er_low, "
+                    "en_high AS er_high")
+"""RANK_SHAPE when each rank's step is one record: M = 1, and e·n_r = e·n·M = e·n exactly (×1 and the
+count's conversion to double change no bit), so no aggregate is needed."""
+RANK_AGGREGATES = """
+        count(*) AS ranks,
+        avg(rank_loss / rank_tokens) FILTER (rank_tokens > 0) AS mean_of_local_means,
         -- ranks below 64 present in the step, as set bits (the missing-rank evidence); 0: none of them
         coalesce(bit_or(CASE WHEN rank < 64 THEN CAST(1 AS UBIGINT) << CAST(rank AS UBIGINT) END), 0) AS rank_mask,
         count_if(last_sync = false) AS unsynced_ranks,
@@ -436,6 +445,8 @@ BIGINT_COLUMNS = ("tokens", "positions")
 """Token counts: sums that could pass 2³¹ over a step of many ranks."""
 CASTS = ", ".join([f"CAST({c} AS INTEGER) AS {c}" for c in INTEGER_COLUMNS]
                   + [f"CAST({c} AS BIGINT) AS {c}" for c in BIGINT_COLUMNS])
+ONE_RECORD_CASTS = ", ".join([f"CAST({c} AS INTEGER) AS {c}" for c in INTEGER_COLUMNS if c not in ("m_low", "m_high")]
+                             + [f"CAST({c} AS BIGINT) AS {c}" for c in BIGINT_COLUMNS])
 EXTREME_CASTS = ", ".join(f"CAST({c} AS {'BIGINT' if c.endswith('tokens') else 'INTEGER'}) AS {c}"
                           for c in EXTREME_COLUMNS)
 STEP_KEYS = "k, any_value(run) AS run, any_value(grp) AS grp, any_value(term) AS term, step"
@@ -458,7 +469,7 @@ per_rank AS (
     FROM weighted GROUP BY k, step, rank
 ),
 rank_level AS (
-    SELECT k, step, {{extremes}} {RANK_AGGREGATES}
+    SELECT k, step, {{extremes}} {RANK_AGGREGATES}, {RANK_SHAPE}
     FROM per_rank GROUP BY k, step
 ),
 per_micro AS (
@@ -498,7 +509,8 @@ per_rank AS (
 ),
 -- the per-rank names above are inputs here; the per-step aggregates' names (e_low, ...) are outputs
 step_level AS (SELECT {STEP_KEYS}, {STEP_AGGREGATES}, {{extremes}} {RANK_AGGREGATES} FROM per_rank GROUP BY k, step)
-SELECT * EXCLUDE (k) REPLACE ({CASTS}{{extreme_casts}}), e_low * tokens AS em_low, e_high * tokens AS em_high FROM step_level
+SELECT * EXCLUDE (k) REPLACE ({ONE_RECORD_CASTS}{{extreme_casts}}), {ONE_RECORD_SHAPE},
+    e_low * tokens AS em_low, e_high * tokens AS em_high FROM step_level
 ORDER BY step
 """
 RANK_BITS_LIMIT = 4096
