@@ -561,17 +561,18 @@ def _single_ranks(shards: Sequence[Shard]) -> tuple[int, int] | None:
 
 def _join(columns: dict[str, list[Any]]) -> pd.DataFrame:
     """One frame from the ranges' columns, a column at a time: each column's parts are let go as soon
-    as they are copied, and the C heap's free pages are handed back to the system (glibc keeps the
-    freed parts otherwise, and the peak would be the table twice, as with a concat of frames)."""
-    rows = sum(len(part) for part in next(iter(columns.values())))
-    frame = pd.DataFrame(index=pd.RangeIndex(rows))
+    as they are joined, and the C heap's free pages are handed back to the system (glibc keeps the
+    freed parts otherwise, and the peak would be the table twice, as with a concat of frames). The
+    frame is made around the joined arrays, not copied into pandas' blocks (assigning a column copies
+    it; so does a frame of one block per type)."""
+    joined: dict[str, Any] = {}
     for name in list(columns):
         parts = columns.pop(name)
-        frame[name] = union_categoricals(parts, sort_categories=True) if isinstance(parts[0], pd.Categorical) \
+        joined[name] = union_categoricals(parts, sort_categories=True) if isinstance(parts[0], pd.Categorical) \
             else np.concatenate(parts)
         del parts
         _trim_heap()
-    return frame
+    return pd.DataFrame(joined, copy=False)
 
 
 def _trim_heap() -> None:

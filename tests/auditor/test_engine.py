@@ -215,3 +215,22 @@ def test_the_evidence_of_one_step_is_the_whole_aggregation_s(tmp_path: Path) -> 
     assert sorted(map(str, evidence)) == sorted(str((f.code, f.term, f.evidence.get("heaviest"), f.evidence.get("lightest")))
                                                 for f in report.findings)
     assert any(f.evidence.get("heaviest") for f in report.findings)
+
+
+def test_a_large_range_comes_back_in_step_order(tmp_path: Path) -> None:
+    """DuckDB hands a large result back in record batches that need not follow its ORDER BY (DuckDB
+    2.0, insertion order not preserved): the table is put back in step order, whatever the batches."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    steps = 20_000
+    for rank in range(2):
+        pq.write_table(pa.table({"step": np.arange(steps), "micro": np.zeros(steps, np.int32),
+                                 "rank": np.full(steps, rank, np.int32), "world_size": np.full(steps, 2, np.int32),
+                                 "loss_sum": np.arange(steps) + 1.0, "valid_tokens": np.full(steps, 3),
+                                 "backward_scalar": np.ones(steps)}),
+                       tmp_path / f"rank-{rank}.parquet", row_group_size=4096)
+    table = Engine.open(load([tmp_path]).shards, chunk_rows=10 * steps).step_table(1e-4)
+    assert (table.step.to_numpy() == np.arange(steps)).all()
+    assert (table.loss.to_numpy() == 2 * (np.arange(steps) + 1.0)).all()  # each row still its own step's
