@@ -142,6 +142,17 @@ def cluster(values: Floats, rtol: float) -> npt.NDArray[np.int64]:
     return labels
 
 
+def _reach(anchor: float, rtol: float) -> float:
+    """The largest value in the cluster that starts at anchor: value − anchor ≤ 2·rtol·max(|anchor|,
+    |value|); for a positive anchor that is value ≤ anchor/(1 − 2·rtol), else value ≤ anchor + 2·rtol·|anchor|."""
+    return anchor / (1 - 2 * rtol) if anchor > 0 else anchor + 2 * rtol * abs(anchor)
+
+
+def _one_cluster(values: Floats, rtol: float) -> bool:
+    """The (non-NaN) values make a single cluster: the largest is within the smallest's reach."""
+    return bool(values.max() <= _reach(float(values.min()), rtol))
+
+
 def _sorted_clusters(values: Floats, rtol: float) -> tuple[npt.NDArray[np.int64], Floats, list[int]]:
     """`cluster` as slices: the non-NaN values' indices in ascending order of value, those values, and
     the offsets where each cluster starts (and the last one ends) in them."""
@@ -151,10 +162,7 @@ def _sorted_clusters(values: Floats, rtol: float) -> tuple[npt.NDArray[np.int64]
     bounds = [0]
     while bounds[-1] < len(ordered):
         start = bounds[-1]
-        anchor = float(ordered[start])
-        # members: value - anchor <= 2·rtol·max(|anchor|, |value|); for a positive anchor that is
-        # value <= anchor/(1 - 2·rtol); else value <= anchor + 2·rtol·|anchor|
-        limit = anchor / (1 - 2 * rtol) if anchor > 0 else anchor + 2 * rtol * abs(anchor)
+        limit = _reach(float(ordered[start]), rtol)
         bounds.append(max(start + 1, int(np.searchsorted(ordered, limit, side="right"))))
     return order, ordered, bounds
 
@@ -302,7 +310,11 @@ def _candidates(steps: pd.DataFrame, rtol: float) -> tuple[npt.NDArray[np.bool_]
     fits = usable[:, None] & (spreads <= rtol)
     low, high = bounds[Denominator.N]
     distortion = np.where(fits[:, 0], (low + high) / 2, np.nan)
-    nearest, nearest_spread = _nearest(spreads, alphas, usable)
+    # The nearest approximate fit is read only where nothing fits exactly (`diagnose_steps`).
+    nearest, nearest_spread = np.full(len(fits), -1, dtype=np.int64), np.full(len(fits), np.nan)
+    unfit = np.flatnonzero(~fits.any(axis=1))
+    if len(unfit):
+        nearest[unfit], nearest_spread[unfit] = _nearest(spreads[unfit], alphas[unfit], usable[unfit])
     return fits, alphas, usable, distortion, nearest, nearest_spread
 
 
@@ -357,12 +369,19 @@ def _vote(fits: npt.NDArray[np.bool_], alphas: Floats, rtol: float
         if not len(rows):
             continue
         alpha = alphas[rows, c]
-        order, ordered, bounds = _sorted_clusters(alpha, rtol)
-        unordered = np.flatnonzero(np.isnan(alpha))
-        if len(unordered):  # α NaN: one hypothesis of its own, first (as label −1 sorts)
+        unordered = np.isnan(alpha)
+        if unordered.any():  # α NaN: one hypothesis of its own, first (as label −1 sorts)
             members.append(rows[unordered])
             owner.append(c)
             values.append(math.nan)
+        if not unordered.all() and _one_cluster(alpha[~unordered], rtol):
+            # Every α within the first cluster's reach (a run that kept one normalization): the one
+            # cluster `_sorted_clusters` would make, its median found without sorting.
+            members.append(rows[~unordered] if unordered.any() else rows)
+            owner.append(c)
+            values.append(float(np.median(alpha[~unordered])))
+            continue
+        order, ordered, bounds = _sorted_clusters(alpha, rtol)
         for start, stop in zip(bounds, bounds[1:]):
             # A cluster is a slice of the sorted α: its median is its middle value (or the middle two's mean).
             middle = (start + stop) // 2
