@@ -193,11 +193,19 @@ class _Extremes:
 
     def __call__(self, row: Any) -> Any:
         step = int(row.step)
+        where = ", ".join(s.name for s in self.shards[:3]) + (", …" if len(self.shards) > 3 else "")
         if step not in self.found:
-            self.found[step] = extremes_at(self.shards, step, self.rtol, self.threads)
+            try:
+                self.found[step] = extremes_at(self.shards, step, self.rtol, self.threads)
+            except duckdb.Error as error:
+                raise LogFormatError(where, f"could not be read again for the evidence of step {step} "
+                                            f"({str(error).splitlines()[0][:160]})") from None
         table = self.found[step]
         match = table[(table.run.astype(str) == str(row.run)) & (table.grp.astype(str) == str(row.grp))
                       & (table.term.astype(str) == str(row.term))]
+        if match.empty:  # a shard removed or rewritten since it was aggregated
+            raise LogFormatError(where, f"changed while it was audited: step {step} of run {row.run!r} is no "
+                                        "longer there; audit it again")
         return match.iloc[0]
 
 

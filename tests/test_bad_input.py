@@ -218,3 +218,29 @@ def test_a_post_mortem_of_nothing_readable_names_the_input(tmp_path: Path, comma
     no_traceback(out, err)
     assert code == 2
     assert error_lines(err) == [f"tokaudit: error: {missing}: no such file or directory"]
+
+
+@pytest.mark.parametrize("change", ["removed", "unreadable"])
+def test_a_log_that_changes_while_it_is_audited_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            change: str) -> None:
+    """The evidence of a finding's step is read again after the whole log was aggregated: a shard removed
+    or rewritten in between is one line naming the files, exit 2, never a traceback."""
+    import duckdb
+
+    import tokaudit.auditing as auditing
+
+    write_by_rank(tmp_path / "run", records(UNEVEN, local_mean))
+    real = auditing.extremes_at
+
+    def changed(shards: Any, step: int, rtol: float, threads: Any = None) -> Any:
+        if change == "unreadable":
+            raise duckdb.IOException("IO Error: No files found that match the pattern")
+        return real(shards, step, rtol, threads).iloc[0:0]
+
+    monkeypatch.setattr(auditing, "extremes_at", changed)
+    result = CliRunner().invoke(main, ["check", str(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("tokaudit: error:")]
+    assert len(lines) == 1 and "rank-" in lines[0], result.stderr
+    assert ("could not be read again" if change == "unreadable" else "changed while it was audited") in lines[0]
+    assert "Traceback" not in result.output
