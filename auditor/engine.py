@@ -407,8 +407,8 @@ RANK_SHAPE = """
 """
 """Per (run, group, term) and step, over the per-rank rows: the microbatches and what a rank-local or
 per-microbatch mean would weigh. With one record per rank these are constants or e·n (`ONE_RECORD_SHAPE`)."""
-ONE_RECORD_SHAPE = ("CAST(1 AS INTEGER) AS m_low, CAST(1 AS INTEGER) AS m_high, en_low AS enm_low, en_high AS enm_high, en_low AS er_low, "
-                    "en_high AS er_high")
+ONE_RECORD_SHAPE = ("CAST(1 AS INTEGER) AS m_low, CAST(1 AS INTEGER) AS m_high, "
+                    "en_low AS enm_low, en_high AS enm_high, en_low AS er_low, en_high AS er_high")
 """RANK_SHAPE when each rank's step is one record: M = 1, and e·n_r = e·n·M = e·n exactly (×1 and the
 count's conversion to double change no bit), so no aggregate is needed."""
 RANK_AGGREGATES = """
