@@ -159,6 +159,9 @@ PARALLEL_FILES = 2048
 worker): a worker costs about 0.3 s to start (an interpreter importing pyarrow), a footer about 0.2 ms."""
 BATCH_FILES = 512
 """Fewest files given to one worker."""
+MAX_WORKERS = 8
+"""Most processes validating footers at once, this one included: each worker is an interpreter of about
+100 MiB, and footers are partly disk-bound, so a machine of 64 cores gains little from 64 of them."""
 
 
 def load(paths: Sequence[str | os.PathLike[str]], thorough: bool = True, workers: int = 1) -> LogSet:
@@ -216,7 +219,7 @@ def _inspect_in_workers(files: Sequence[PurePath], thorough: bool, workers: int
 
     Workers are fresh interpreters (`python -c`), not multiprocessing's: those fork the caller, which
     may hold threads (a training process, DuckDB's pool), or re-import the caller's main script."""
-    count = min(workers, len(files) // BATCH_FILES)
+    count = min(workers, MAX_WORKERS, len(files) // BATCH_FILES)
     if count < 2:
         return None
     # This process validates the first batch while the workers start and validate the others.

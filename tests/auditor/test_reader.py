@@ -239,3 +239,36 @@ def test_footers_are_validated_here_when_no_worker_can(tmp_path: Path, monkeypat
     fallback = load([tmp_path / "logs"], thorough=False, workers=4)
     assert fallback.shards == serial.shards
     assert [str(p) for p in fallback.problems] == [str(p) for p in serial.problems]
+
+
+def test_footer_workers_are_bounded_by_the_files_and_a_cap(monkeypatch: Any) -> None:
+    """Each process takes at least BATCH_FILES files, and at most MAX_WORKERS processes run, this one
+    included: 64 cores do not start 64 interpreters."""
+    import io
+    import pickle
+    import subprocess
+
+    import tokaudit.reader as reader
+
+    started: list[Any] = []
+
+    class Worker:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            started.append(args)
+            self.stdin, self.stdout = io.BytesIO(), io.BytesIO(pickle.dumps([]))
+
+        def wait(self) -> int:
+            return 0
+
+        def poll(self) -> int:
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Worker)
+    monkeypatch.setattr(reader, "_inspect_batch", lambda paths, thorough, stores=None: [])
+    files = [Path(f"/nowhere/{i}.parquet") for i in range(100 * reader.BATCH_FILES)]
+    for workers, count, expected in ((64, len(files), reader.MAX_WORKERS - 1), (2, len(files), 1),
+                                     (64, 3 * reader.BATCH_FILES, 2), (64, reader.BATCH_FILES + 1, 0)):
+        started.clear()
+        result = reader._inspect_in_workers(files[:count], False, workers)
+        assert len(started) == expected, (workers, count)
+        assert result == ([] if expected else None)
