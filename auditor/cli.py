@@ -236,7 +236,11 @@ def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str) -> Non
               help="Write every step's values as CSV.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Draw the curves as a PNG (needs matplotlib).")
-def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_path: Path | None) -> None:
+@click.option("--steps", "step_range", default=None, metavar="FIRST:LAST",
+              help="Only these steps (either end may be left open: 1000: or :2000); only the shards that can "
+                   "hold them are read.")
+def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_path: Path | None,
+          step_range: str | None) -> None:
     """Loss per step: the true token mean ΣS/N, the mean of local means, the reported loss, and the
     objective the optimizer followed (Σe·S)."""
     from tokaudit.postmortem import loss_curve
@@ -250,7 +254,7 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
             from tokaudit.render.plot import check_format
 
             check_format(plot_path)
-        chosen, frame, problems = loss_curve(paths, run)
+        chosen, frame, problems = loss_curve(paths, run, steps=_step_range(step_range))
         if csv_path is not None:
             try:
                 frame.to_csv(csv_path, index=False)
@@ -272,6 +276,26 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
         if path is not None:
             _stderr().print(f"wrote {printable(str(path))}", style="dim", markup=False)
     _exit_for_problems(problems)
+
+
+STEP_LIMIT = (1 << 63) - 1
+
+
+def _step_range(text: str | None) -> tuple[int, int] | None:
+    """--steps FIRST:LAST, either end open, as (first, last)."""
+    if text is None:
+        return None
+    first, colon, last = text.partition(":")
+    try:
+        if not colon:
+            raise ValueError
+        low = int(first) if first.strip() else 0
+        high = int(last) if last.strip() else STEP_LIMIT
+    except ValueError:
+        raise UsageError(f"--steps {text}: expected FIRST:LAST, such as 1000:2000, 1000: or :2000") from None
+    if not 0 <= low <= high <= STEP_LIMIT:
+        raise UsageError(f"--steps {text}: the first step must be at least 0 and at most the last")
+    return low, high
 
 
 @main.command()

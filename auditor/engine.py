@@ -213,9 +213,20 @@ class Engine:
         overlaps it, so a file cut into k ranges is read k times. Files that overlap in steps form a
         segment (the shards of 1,024 ranks' recorders that cover the same 1,024 steps hold 4·10⁶
         records); segments are packed into ranges, a segment of up to WHOLE_SEGMENT_ROWS times
-        `chunk_rows` is never cut, and only a larger one is cut into equal step ranges."""
-        if self.only_steps is not None:
-            return [(self.only_steps, self.shards)]
+        `chunk_rows` is never cut, and only a larger one is cut into equal step ranges. With `only_steps`,
+        the same ranges clipped to those steps (one step: one range)."""
+        if self.only_steps is None:
+            return self._ranges()
+        first, last = self.only_steps
+        clipped: list[tuple[tuple[int, int] | None, list[Shard]]] = []
+        for steps, shards in self._ranges():
+            low, high = steps if steps is not None else self.only_steps
+            if max(low, first) <= min(high, last):
+                clipped.append(((max(low, first), min(high, last)), shards))
+        return clipped or [(self.only_steps, self.shards)]
+
+    def _ranges(self) -> list[tuple[tuple[int, int] | None, list[Shard]]]:
+        """`_chunks` over every step of the shards."""
         if any(s.step_range is None for s in self.shards):
             return [(None, self.shards)]
         ordered = sorted(self.shards, key=lambda s: s.step_range or (0, 0))

@@ -67,16 +67,28 @@ def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | 
         engine.close()
 
 
-def loss_curve(paths: Sequence[str | os.PathLike[str]], run: str | None = None, progress: Progress | None = None
-               ) -> tuple[str, pd.DataFrame, list[LogFormatError]]:
+def loss_curve(paths: Sequence[str | os.PathLike[str]], run: str | None = None, progress: Progress | None = None,
+               steps: tuple[int, int] | None = None) -> tuple[str, pd.DataFrame, list[LogFormatError]]:
     """Per step: the true token mean ΣS/N, the mean of per-rank means, the reported loss, and the
-    objective the optimizer actually followed, Σ e·S (equal to ΣS/N when the run is correct)."""
-    logset, engine, steps = open_logs(paths, DEFAULT_RTOL, progress)
+    objective the optimizer actually followed, Σ e·S (equal to ΣS/N when the run is correct).
+
+    `steps`: only these (first, last), read from the shards whose footers may hold them and aggregated
+    a range at a time as the whole log would be: a window of a run of millions of steps costs its own size."""
+    logset, engine, table = open_logs(paths, DEFAULT_RTOL, progress, only_steps=steps)
     if engine is None:
+        if steps is not None and not logset.problems:
+            raise UsageError(f"no step from {steps[0]} to {steps[1]} in the logs")
         raise _nothing_readable(logset)
     engine.close()
-    chosen = _pick_run(steps, run)
-    frame = steps[steps.run == chosen].copy()
+    if steps is not None and table.empty:
+        raise UsageError(f"no step from {steps[0]} to {steps[1]} in the logs")
+    try:
+        chosen = _pick_run(table, run)
+    except UsageError as error:
+        if steps is None:
+            raise
+        raise UsageError(f"{error} (steps {steps[0]}–{steps[1]} only)") from None
+    frame = table[table.run == chosen].copy()
     frame["token_mean"] = frame.loss / frame.tokens.where(frame.tokens > 0)
     frame["reported"] = ((frame.reported_low + frame.reported_high) / 2).where(frame.reported > 0)
     frame["optimized"] = frame.objective.where(frame.weighted_records > 0)

@@ -107,6 +107,49 @@ def test_curve_writes_csv_and_png(logs: Path, tmp_path: Path) -> None:
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_curve_of_a_window_reads_only_the_shards_that_can_hold_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    """curve --steps: the window's rows are the whole curve's rows for those steps, read from the shards
+    whose footers overlap it and aggregated a range at a time as the whole log would be."""
+    import tokaudit.auditing as auditing
+
+    counts = [[[3, 1], [0, 4]], [[2, 2], [5, 1]], [[1, 1], [1, 6]]] * 20  # 60 steps
+    rows = records(counts, local_mean)
+    for rank in range(2):
+        for part in range(6):  # one shard per rank and 10 steps
+            write(tmp_path / "run" / f"rank-{rank:05d}-{part:06d}.parquet",
+                  [r for r in rows if r["rank"] == rank and 10 * part <= r["step"] < 10 * part + 10])
+    whole_csv, window_csv = tmp_path / "whole.csv", tmp_path / "window.csv"
+    assert invoke("curve", str(tmp_path / "run"), "--csv", str(whole_csv))[0] == 0
+    read: list[int] = []
+    original = auditing.Engine.open
+
+    def counting(shards: list, *args: object, **kwargs: object) -> object:
+        read.append(len(shards))
+        return original(shards, *args, **kwargs)
+
+    monkeypatch.setattr(auditing.Engine, "open", counting)
+    monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "20")  # several ranges inside the window
+    code, out, err = invoke("curve", str(tmp_path / "run"), "--steps", "15:33", "--csv", str(window_csv))
+    assert code == 0, err
+    whole = list(csv.DictReader(whole_csv.read_text().splitlines()))
+    window = list(csv.DictReader(window_csv.read_text().splitlines()))
+    assert [int(r["step"]) for r in window] == list(range(15, 34))
+    assert window == [r for r in whole if 15 <= int(r["step"]) <= 33]
+    assert read == [6], "the shards of steps 10-39 only"
+    assert invoke("curve", str(tmp_path / "run"), "--steps", "50:")[0] == 0
+
+
+@pytest.mark.parametrize("window, words", [
+    ("abc", "expected FIRST:LAST"), ("12", "expected FIRST:LAST"), ("5:2", "at most the last"),
+    ("-1:3", "at least 0"), ("100:200", "no step from 100 to 200"),
+])
+def test_curve_window_that_cannot_be_read_is_one_line(logs: Path, window: str, words: str) -> None:
+    code, _, err = invoke("curve", str(logs / "good"), "--steps", window)
+    lines = [line for line in err.splitlines() if line.startswith("tokaudit: error:")]
+    assert code == 2 and len(lines) == 1 and words in lines[0], err
+
+
 def test_explain_every_code() -> None:
     from tokaudit.codes import Code
 

@@ -234,3 +234,21 @@ def test_a_large_range_comes_back_in_step_order(tmp_path: Path) -> None:
     table = Engine.open(load([tmp_path]).shards, chunk_rows=10 * steps).step_table(1e-4)
     assert (table.step.to_numpy() == np.arange(steps)).all()
     assert (table.loss.to_numpy() == 2 * (np.arange(steps) + 1.0)).all()  # each row still its own step's
+
+
+def test_a_window_of_steps_is_aggregated_in_the_whole_log_s_ranges_clipped(tmp_path: Path) -> None:
+    """only_steps of many steps: the whole log's ranges (so memory stays bounded), clipped to the window,
+    and the table is the whole table's rows for those steps; one step is one range."""
+    counts = [[[3, 1], [0, 4]], [[2, 2], [5, 1]], [[1, 1], [1, 6]]] * 20
+    rows = records(counts, local_mean)
+    for rank in range(2):
+        for part in range(6):
+            write(tmp_path / "run" / f"rank-{rank:05d}-{part:06d}.parquet",
+                  [r for r in rows if r["rank"] == rank and 10 * part <= r["step"] < 10 * part + 10])
+    shards = load([tmp_path]).shards
+    whole = Engine.open(shards, chunk_rows=20).step_table(1e-4)
+    window = Engine.open(shards, chunk_rows=20, only_steps=(15, 33))
+    assert [steps for steps, _ in window._chunks()] == [(15, 19), (20, 29), (30, 33)]
+    expected = whole[(whole.step >= 15) & (whole.step <= 33)].reset_index(drop=True)
+    pd.testing.assert_frame_equal(window.step_table(1e-4), expected, check_categorical=False)
+    assert [steps for steps, _ in Engine.open(shards, chunk_rows=20, only_steps=(25, 25))._chunks()] == [(25, 25)]
