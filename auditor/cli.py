@@ -243,6 +243,8 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
           step_range: str | None) -> None:
     """Loss per step: the true token mean ΣS/N, the mean of local means, the reported loss, and the
     objective the optimizer followed (Σe·S)."""
+    import numpy as np
+
     from tokaudit.postmortem import loss_curve
     from tokaudit.render.chart import line_chart
     from tokaudit.render.console import CURVE_COLUMNS, render_curve_table
@@ -267,10 +269,10 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
     except TokauditError as error:
         _fail(error)
     console = Console(highlight=False)
-    series: dict[str, Any] = {label: [None if v != v else float(v) for v in frame[key]]
+    series: dict[str, Any] = {label: frame[key].to_numpy(dtype=float, na_value=np.nan)
                               for key, label in CURVE_COLUMNS if frame[key].notna().any()}
     width = max(20, min(console.width - 18, 160))  # the chart fills the terminal, labels included
-    console.print(line_chart([float(s) for s in frame.step], series, width=width), markup=False, highlight=False)
+    console.print(line_chart(frame.step.to_numpy(dtype=float), series, width=width), markup=False, highlight=False)
     render_curve_table(chosen, frame, console)
     for path in (csv_path, plot_path):
         if path is not None:

@@ -86,6 +86,56 @@ def test_the_chart_fills_the_console_and_shows_coinciding_series() -> None:
     assert SHARED in narrow and "several series at one point" in narrow and "○" in narrow
 
 
+def _plain_cells(x: list[float], series: dict[str, list[float | None]], width: int, height: int
+                 ) -> dict[tuple[int, int], set[int]]:
+    """The chart's cells point by point, as the definition reads: each finite point's column and line."""
+    import math
+
+    values = [v for ys in series.values() for v in ys if v is not None and math.isfinite(v)]
+    low, high = min(values), max(values)
+    if high == low:
+        low, high = low - 0.5, high + 0.5
+    owners: dict[tuple[int, int], set[int]] = {}
+    for index, ys in enumerate(series.values()):
+        for xv, yv in zip(x, ys):
+            if yv is None or not math.isfinite(yv):
+                continue
+            column = 0 if max(x) == min(x) else round((xv - min(x)) / (max(x) - min(x)) * (width - 1))
+            line = height - 1 - round((yv - low) / (high - low) * (height - 1))
+            owners.setdefault((line, column), set()).add(index)
+    return owners
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_chart_places_every_point_where_its_definition_says(seed: int) -> None:
+    """The chart is drawn a series at a time with arrays: the same cells as point by point (None, NaN and
+    infinities skipped, values on a cell's rounding edge, one x, one flat series)."""
+    import numpy as np
+
+    from tokaudit.render.chart import MARKS
+
+    rng = np.random.default_rng(seed)
+    count = [1, 7, 500, 2000, 3, 40][seed]
+    x = [float(v) for v in (np.arange(count) * 3 if seed != 4 else np.zeros(count))]
+    series: dict[str, list[float | None]] = {}
+    for name in ("a", "b", "c")[: 1 + seed % 3]:
+        ys: list[float | None] = [float(v) for v in np.round(rng.normal(2, 1, count), 1 + seed % 2)]
+        for i in range(1, count, 5):
+            ys[i] = [None, float("nan"), float("inf"), 2.0][i % 4]
+        series[name] = ys
+    if seed == 5:
+        series["flat"] = [1.0] * count
+    width, height = 40 + 7 * seed, 14
+    chart = line_chart(x, series, width=width, height=height).splitlines()
+    owners = _plain_cells(x, series, width, height)
+    label_width = chart[0].index("┤") - 1
+    for line in range(height):
+        cells = chart[line][label_width + 2:label_width + 2 + width]
+        expected = "".join(" " if (line, c) not in owners else MARKS[min(owners[(line, c)]) % len(MARKS)]
+                           if len(owners[(line, c)]) == 1 else SHARED for c in range(width))
+        assert cells.ljust(width) == expected, (seed, line)
+
+
 def test_choosing_a_run_lists_them_all() -> None:
     code, _, err = invoke("curve", str(SAMPLE_LOGS))
     assert code == 2 and "bug_local_mean" in err and "unknown_hook_wrong" in err and "more" not in err
