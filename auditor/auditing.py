@@ -44,8 +44,7 @@ def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTO
     shards = list(logset.shards)
     if only_steps is not None:
         # Files whose footer statistics put every step outside the range are not read at all.
-        first, last = only_steps
-        shards = [s for s in shards if s.step_range is None or (s.step_range[0] <= last and s.step_range[1] >= first)]
+        shards = [s for s in shards if s.may_hold(*only_steps)]
     problems = list(logset.problems)
     large = sum(s.rows for s in shards) > PROGRESS_ROWS
     if progress and large:
@@ -193,20 +192,22 @@ class _Extremes:
 
     def __call__(self, row: Any) -> Any:
         step = int(row.step)
-        where = ", ".join(s.name for s in self.shards[:3]) + (", …" if len(self.shards) > 3 else "")
         if step not in self.found:
             try:
                 self.found[step] = extremes_at(self.shards, step, self.rtol, self.threads)
             except duckdb.Error as error:
-                raise LogFormatError(where, f"could not be read again for the evidence of step {step} "
-                                            f"({str(error).splitlines()[0][:160]})") from None
+                raise LogFormatError(self._where(), f"could not be read again for the evidence of step {step} "
+                                                    f"({str(error).splitlines()[0][:160]})") from None
         table = self.found[step]
         match = table[(table.run.astype(str) == str(row.run)) & (table.grp.astype(str) == str(row.grp))
                       & (table.term.astype(str) == str(row.term))]
         if match.empty:  # a shard removed or rewritten since it was aggregated
-            raise LogFormatError(where, f"changed while it was audited: step {step} of run {row.run!r} is no "
-                                        "longer there; audit it again")
+            raise LogFormatError(self._where(), f"changed while it was audited: step {step} of run {row.run!r} is "
+                                                "no longer there; audit it again")
         return match.iloc[0]
+
+    def _where(self) -> str:
+        return ", ".join(s.name for s in self.shards[:3]) + (", …" if len(self.shards) > 3 else "")
 
 
 @dataclass

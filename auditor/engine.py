@@ -454,10 +454,16 @@ INTEGER_COLUMNS = (
 DuckDB's HUGEINT sums), for a step table of millions of rows."""
 BIGINT_COLUMNS = ("tokens", "positions")
 """Token counts: sums that could pass 2³¹ over a step of many ranks."""
-CASTS = ", ".join([f"CAST({c} AS INTEGER) AS {c}" for c in INTEGER_COLUMNS]
-                  + [f"CAST({c} AS BIGINT) AS {c}" for c in BIGINT_COLUMNS])
-ONE_RECORD_CASTS = ", ".join([f"CAST({c} AS INTEGER) AS {c}" for c in INTEGER_COLUMNS if c not in ("m_low", "m_high")]
-                             + [f"CAST({c} AS BIGINT) AS {c}" for c in BIGINT_COLUMNS])
+
+
+def _casts(leave_out: tuple[str, ...] = ()) -> str:
+    """The REPLACE list that gives the counts their narrow types, but for columns made elsewhere."""
+    return ", ".join([f"CAST({c} AS INTEGER) AS {c}" for c in INTEGER_COLUMNS if c not in leave_out]
+                     + [f"CAST({c} AS BIGINT) AS {c}" for c in BIGINT_COLUMNS if c not in leave_out])
+
+
+CASTS = _casts()
+ONE_RECORD_CASTS = _casts(leave_out=("m_low", "m_high"))  # constants of ONE_RECORD_SHAPE
 EXTREME_CASTS = ", ".join(f"CAST({c} AS {'BIGINT' if c.endswith('tokens') else 'INTEGER'}) AS {c}"
                           for c in EXTREME_COLUMNS)
 STEP_KEYS = "k, any_value(run) AS run, any_value(grp) AS grp, any_value(term) AS term, step"
@@ -546,8 +552,8 @@ def extremes_at(shards: Sequence[Shard], step: int, rtol: float, threads: int | 
     """EXTREME_COLUMNS of one step, a row per (run, grp, term): the step aggregated again, alone, from the
     files whose footers say they can hold it, with the evidence aggregates the full query leaves out.
     The same records (deduplicated the same way) in the same aggregation as the full query's."""
-    covering = [s for s in shards if s.step_range is None or s.step_range[0] <= step <= s.step_range[1]]
-    engine = Engine.open(covering, threads=threads, only_steps=(step, step), extremes=True)
+    engine = Engine.open([s for s in shards if s.may_hold(step, step)], threads=threads, only_steps=(step, step),
+                         extremes=True)
     try:
         table = engine.step_table(rtol)
     finally:

@@ -75,13 +75,13 @@ def loss_curve(paths: Sequence[str | os.PathLike[str]], run: str | None = None, 
     `steps`: only these (first, last), read from the shards whose footers may hold them and aggregated
     a range at a time as the whole log would be: a window of a run of millions of steps costs its own size."""
     logset, engine, table = open_logs(paths, DEFAULT_RTOL, progress, only_steps=steps)
-    if engine is None:
-        if steps is not None and not logset.problems:
-            raise UsageError(f"no step from {steps[0]} to {steps[1]} in the logs")
-        raise _nothing_readable(logset)
-    engine.close()
-    if steps is not None and table.empty:
+    if engine is not None:
+        engine.close()
+    # No shard in the window (and none unreadable), or shards whose records all lie outside it.
+    if steps is not None and table.empty and (engine is not None or not logset.problems):
         raise UsageError(f"no step from {steps[0]} to {steps[1]} in the logs")
+    if engine is None:
+        raise _nothing_readable(logset)
     try:
         chosen = _pick_run(table, run)
     except UsageError as error:

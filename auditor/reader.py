@@ -56,6 +56,10 @@ class Shard:
         """How it is named to people: its local path, or its URL."""
         return _name(self.path, self.store)
 
+    def may_hold(self, first: int, last: int) -> bool:
+        """Its footer does not rule out a step from first to last (no statistics: it may hold any)."""
+        return self.step_range is None or (self.step_range[0] <= last and self.step_range[1] >= first)
+
     def open(self) -> Any:
         """A file pyarrow reads it from, on disk or in its store."""
         return _open(self.path, self.store)

@@ -17,7 +17,7 @@ def line_chart(x: Sequence[float] | npt.ArrayLike, series: dict[str, Sequence[fl
     of numbers (None or NaN: no point), placed a whole series at a time: a curve of millions of steps
     costs a few array operations, not a Python step per point."""
     xs = np.asarray(x, dtype=np.float64)
-    columns = [np.asarray(np.array(ys, dtype=np.float64)) for ys in series.values()]
+    columns = [np.asarray(ys, dtype=np.float64) for ys in series.values()]
     finite = [np.isfinite(ys) for ys in columns]
     if not len(xs) or not any(mask.any() for mask in finite):
         return "(nothing to plot)"
