@@ -117,7 +117,9 @@ def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogForm
         problems.append(LogFormatError(str(error.filename or root), f"cannot read this folder ({error.strerror})"))
 
     for folder, folders, files in os.walk(root, onerror=unreadable, followlinks=True):
-        here = Path(folder)
+        # Paths as strings until a file is kept: pathlib's parsing cost more than the stat itself on a
+        # folder of 10,000 shards (Path.absolute() once per folder, not per file).
+        here = str(Path(folder).absolute())
         try:
             identity = os.stat(here)
         except OSError:
@@ -130,16 +132,17 @@ def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogForm
         for name in sorted(files + [f for f in folders if f.endswith(".parquet")]):
             if name.startswith(".") or not name.endswith(".parquet"):
                 continue
-            path = here / name
+            path = os.path.join(here, name)
             key, problem = _regular_file(path)
             if key is not None:
-                found.setdefault(key, path.absolute())
+                if key not in found:
+                    found[key] = Path(path)
             else:
-                problems.append(LogFormatError(str(path), problem))
+                problems.append(LogFormatError(path, problem))
         folders[:] = [f for f in folders if not f.endswith(".parquet")]
 
 
-def _regular_file(path: Path) -> tuple[tuple[int, int] | None, str]:
+def _regular_file(path: str | Path) -> tuple[tuple[int, int] | None, str]:
     """(device, inode) of a readable regular file; else (None, why it is not one)."""
     try:
         info = os.stat(path)
@@ -150,7 +153,7 @@ def _regular_file(path: Path) -> tuple[tuple[int, int] | None, str]:
             return None, "a link that loops back on itself"
         return None, f"cannot be read ({error.strerror})"
     if stat.S_ISDIR(info.st_mode):
-        return None, "a folder, not a file" if path.name.endswith(".parquet") else "a folder"
+        return None, "a folder, not a file" if os.path.basename(path).endswith(".parquet") else "a folder"
     if not stat.S_ISREG(info.st_mode):
         return None, "not a regular file (a FIFO, socket or device)"
     if not os.access(path, os.R_OK):

@@ -32,6 +32,26 @@ def test_chunked_aggregation_equals_whole(tmp_path: Path) -> None:
     assert set(got.rank_mask[got.step == 11]) == {0b11}
 
 
+def test_a_column_that_some_ranges_lack_joins_as_nan_there_and_as_values_elsewhere(tmp_path: Path) -> None:
+    """A count that is NULL in one range only (a file without `skipped`, one with it) comes back from
+    that range as NaN and from the others as integers: joined, it is float64 with NaN exactly where no
+    record said, and the other values as they were, as when the log is aggregated at once."""
+    import numpy as np
+
+    rows = records(UNEVEN_GA * 4, local_mean)
+    write(tmp_path / "run" / "rank-all-000000.parquet", [dict(r, skipped=r["rank"] == 1) for r in rows if r["step"] < 6])
+    write(tmp_path / "run" / "rank-all-000006.parquet", [r for r in rows if r["step"] >= 6])
+    shards = load([tmp_path]).shards
+    chunked = Engine.open(shards, chunk_rows=10)
+    assert len(chunked._chunks()) > 1
+    got, whole = chunked.step_table(1e-4), Engine.open(shards).step_table(1e-4)
+    pd.testing.assert_frame_equal(whole, got)
+    assert got.skipped_true.dtype == np.float64
+    assert got.skipped_true.isna().tolist() == [step >= 6 for step in got.step]
+    assert got.skipped_true[got.step < 6].tolist() == [2.0] * 6  # rank 1's two microbatches
+    assert isinstance(got.run.dtype, pd.CategoricalDtype) and list(got.run.cat.categories) == ["run"]
+
+
 def test_of_two_copies_without_time_the_later_file_wins(tmp_path: Path) -> None:
     """The shards' order decides, whatever names DuckDB is given (a plain path, or a link for a
     path with pattern characters)."""
