@@ -315,7 +315,7 @@ class Engine:
             elif isinstance(values, np.ma.MaskedArray):
                 # A column with NULLs (no record of the step said): NaN, which compares and sums as the
                 # checks expect; a count becomes float64 for it.
-                table[name] = (values.astype(np.float64).filled(np.nan) if values.mask.any()
+                table[name] = (np.ma.filled(values.astype(np.float64), np.nan) if values.mask.any()
                                else np.asarray(values.data))
         return table
 
