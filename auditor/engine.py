@@ -310,8 +310,7 @@ class Engine:
                                                         {"rtol": rtol}).fetchnumpy()
         for name, values in table.items():
             if name in ("run", "grp", "term"):
-                # A handful of names repeated on every step: one byte a step as categories.
-                table[name] = pd.Categorical(values)
+                table[name] = _categorical(values)
             elif isinstance(values, np.ma.MaskedArray):
                 # A column with NULLs (no record of the step said): NaN, which compares and sums as the
                 # checks expect; a count becomes float64 for it.
@@ -575,6 +574,21 @@ def _single_ranks(shards: Sequence[Shard]) -> tuple[int, int] | None:
     return (low, high) if high - low < RANK_BITS_LIMIT else None
 
 
+def _categorical(names: np.ndarray) -> pd.Categorical:
+    """A handful of names repeated on every step, as categories (one byte a step) in sorted order, as
+    pd.Categorical makes them: from a hash of the Python strings themselves, where pd.Categorical would
+    first turn every row into an Arrow string (three times as long)."""
+    codes, names_found = pd.factorize(names)
+    order = np.argsort(names_found)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return pd.Categorical.from_codes(rank[codes], categories=pd.Index(list(names_found[order])))
+
+
+TRIM_BYTES = 64 << 20
+"""Freed parts `_join` lets the heap keep before it hands them back: the most it adds to the peak."""
+
+
 def _join(columns: dict[str, list[Any]]) -> pd.DataFrame:
     """One frame from the ranges' columns, a column at a time: each column's parts are let go as soon
     as they are joined, and the C heap's free pages are handed back to the system (glibc keeps the
@@ -582,8 +596,10 @@ def _join(columns: dict[str, list[Any]]) -> pd.DataFrame:
     frame is made around the joined arrays, not copied into pandas' blocks (assigning a column copies
     it; so does a frame of one block per type)."""
     joined: dict[str, Any] = {}
+    freed = 0
     for name in list(columns):
         parts = columns.pop(name)
+        freed += sum(part.nbytes for part in parts)
         if len(parts) == 1:
             joined[name] = parts[0]
         elif isinstance(parts[0], pd.Categorical):
@@ -592,7 +608,10 @@ def _join(columns: dict[str, list[Any]]) -> pd.DataFrame:
             # A count with NULLs in some range only is float64 there: the joined column then is too.
             joined[name] = np.concatenate(parts)
         del parts
-        _trim_heap()
+        # A trim walks the whole heap (55 of them cost a second at 1.25M steps): one per TRIM_BYTES let go.
+        if freed >= TRIM_BYTES:
+            _trim_heap()
+            freed = 0
     return pd.DataFrame(joined, copy=False)
 
 

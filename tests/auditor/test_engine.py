@@ -272,3 +272,17 @@ def test_a_window_of_steps_is_aggregated_in_the_whole_log_s_ranges_clipped(tmp_p
     expected = whole[(whole.step >= 15) & (whole.step <= 33)].reset_index(drop=True)
     pd.testing.assert_frame_equal(window.step_table(1e-4), expected, check_categorical=False)
     assert [steps for steps, _ in Engine.open(shards, chunk_rows=20, only_steps=(25, 25))._chunks()] == [(25, 25)]
+
+
+def test_names_become_the_categories_pandas_would_make() -> None:
+    """The step table's run, group and term: sorted categories and the same codes as pd.Categorical,
+    whatever order, repeats and characters the names come in."""
+    import numpy as np
+
+    from tokaudit.engine import _categorical
+
+    for names in (["b", "a", "c", "a", "b"], ["ß", "z", "é", "a b", "z"], ["only"] * 4, []):
+        values = np.array(names, dtype=object)
+        got, want = _categorical(values), pd.Categorical(values)
+        assert list(got.categories) == list(want.categories) == sorted(set(names))
+        assert got.codes.tolist() == want.codes.tolist() and got.tolist() == names
