@@ -306,7 +306,8 @@ class Engine:
         """One range's step table as arrays, by column: numpy's, as DuckDB hands them over (a pandas
         frame of each range cost a copy of every column into pandas' blocks, and the names' strings a
         conversion to Arrow strings before they became categories: 1.5 s at 1.25M steps)."""
-        table: dict[str, Any] = self.connection.execute(step_sql(_single_ranks(shards), self.extremes),
+        single_ranks = _single_ranks(shards)
+        table: dict[str, Any] = self.connection.execute(step_sql(single_ranks, self.extremes),
                                                         {"rtol": rtol}).fetchnumpy()
         for name, values in table.items():
             if name in ("run", "grp", "term"):
@@ -316,6 +317,12 @@ class Engine:
                 # checks expect; a count becomes float64 for it.
                 table[name] = (np.ma.filled(values.astype(np.float64), np.nan) if values.mask.any()
                                else np.asarray(values.data))
+        if single_ranks is not None:
+            # The one-record form's RANK_SHAPE, where the general form has it (before em_low).
+            ones = np.ones(len(table["step"]), dtype=np.int32)
+            shape = {"m_low": ones, "m_high": ones, **{name: table[same] for name, same in ONE_RECORD_SHAPE.items()}}
+            table = {key: value for name, values in table.items()
+                     for key, value in ({**shape, name: values} if name == "em_low" else {name: values}).items()}
         return table
 
     def unusable_files(self) -> list[Shard]:
@@ -416,10 +423,10 @@ RANK_SHAPE = """
 """
 """Per (run, group, term) and step, over the per-rank rows: the microbatches and what a rank-local or
 per-microbatch mean would weigh. With one record per rank these are constants or e·n (`ONE_RECORD_SHAPE`)."""
-ONE_RECORD_SHAPE = ("CAST(1 AS INTEGER) AS m_low, CAST(1 AS INTEGER) AS m_high, "
-                    "en_low AS enm_low, en_high AS enm_high, en_low AS er_low, en_high AS er_high")
-"""RANK_SHAPE when each rank's step is one record: M = 1, and e·n_r = e·n·M = e·n exactly (×1 and the
-count's conversion to double change no bit), so no aggregate is needed."""
+ONE_RECORD_SHAPE = {"enm_low": "en_low", "enm_high": "en_high", "er_low": "en_low", "er_high": "en_high"}
+"""RANK_SHAPE when each rank's step is one record: M = 1 (m_low = m_high = 1), and e·n_r = e·n·M = e·n
+exactly (×1 and the count's conversion to double change no bit), so no aggregate is needed, nor a column:
+each of these is the same array as the column it equals (`_aggregate`; `_join` joins it once)."""
 RANK_AGGREGATES = """
         count(*) AS ranks,
         avg(rank_loss / rank_tokens) FILTER (rank_tokens > 0) AS mean_of_local_means,
@@ -461,7 +468,7 @@ def _casts(leave_out: tuple[str, ...] = ()) -> str:
 
 
 CASTS = _casts()
-ONE_RECORD_CASTS = _casts(leave_out=("m_low", "m_high"))  # constants of ONE_RECORD_SHAPE
+ONE_RECORD_CASTS = _casts(leave_out=("m_low", "m_high"))  # constants of the one-record form
 EXTREME_CASTS = ", ".join(f"CAST({c} AS {'BIGINT' if c.endswith('tokens') else 'INTEGER'}) AS {c}"
                           for c in EXTREME_COLUMNS)
 STEP_KEYS = "k, any_value(run) AS run, any_value(grp) AS grp, any_value(term) AS term, step"
@@ -524,7 +531,7 @@ per_rank AS (
 ),
 -- the per-rank names above are inputs here; the per-step aggregates' names (e_low, ...) are outputs
 step_level AS (SELECT {STEP_KEYS}, {STEP_AGGREGATES}, {{extremes}} {RANK_AGGREGATES} FROM per_rank GROUP BY k, step)
-SELECT * EXCLUDE (k) REPLACE ({ONE_RECORD_CASTS}{{extreme_casts}}), {ONE_RECORD_SHAPE},
+SELECT * EXCLUDE (k) REPLACE ({ONE_RECORD_CASTS}{{extreme_casts}}),
     e_low * tokens AS em_low, e_high * tokens AS em_high FROM step_level
 ORDER BY step
 """
@@ -596,9 +603,16 @@ def _join(columns: dict[str, list[Any]]) -> pd.DataFrame:
     frame is made around the joined arrays, not copied into pandas' blocks (assigning a column copies
     it; so does a frame of one block per type)."""
     joined: dict[str, Any] = {}
+    # A column made of the very arrays of one already joined (ONE_RECORD_SHAPE) is that column again:
+    # keyed by the parts' identities, which stay theirs while any column still holds them.
+    by_parts: dict[tuple[int, ...], Any] = {}
     freed = 0
     for name in list(columns):
         parts = columns.pop(name)
+        key = tuple(id(part) for part in parts)
+        if key in by_parts:
+            joined[name] = by_parts[key]
+            continue
         freed += sum(part.nbytes for part in parts)
         if len(parts) == 1:
             joined[name] = parts[0]
@@ -607,6 +621,7 @@ def _join(columns: dict[str, list[Any]]) -> pd.DataFrame:
         else:
             # A count with NULLs in some range only is float64 there: the joined column then is too.
             joined[name] = np.concatenate(parts)
+        by_parts[key] = joined[name]
         del parts
         # A trim walks the whole heap (55 of them cost a second at 1.25M steps): one per TRIM_BYTES let go.
         if freed >= TRIM_BYTES:

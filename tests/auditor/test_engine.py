@@ -164,6 +164,12 @@ def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_th
         return sum(text.count("GROUP_BY") for _, text in fast.connection.execute(sql, {"rtol": 1e-4}).fetchall())
 
     assert groupings((0, 3)) == 1 and groupings(None) == 5
+    # and the columns that equal another (M = 1, e·n_r = e·n) are that column's memory, not a copy
+    import numpy as np
+
+    for name, same in [*engine_module.ONE_RECORD_SHAPE.items(), ("m_high", "m_low")]:
+        assert np.shares_memory(fast_steps[name].to_numpy(), fast_steps[same].to_numpy()), name
+        assert not np.shares_memory(general_steps[name].to_numpy(), general_steps[same].to_numpy()), name
 
 
 def test_the_one_record_form_is_taken_only_when_every_footer_says_microbatch_0(tmp_path: Path) -> None:
