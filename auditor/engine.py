@@ -295,12 +295,13 @@ class Engine:
                 columns.setdefault(name, []).append(values)
             del table
         self._define(self.shards, self.only_steps, deduplicate=bool(self.duplicates))  # for the per-step queries
-        frame = _join(columns)
+        joined = _join(columns)
         # Each chunk comes sorted by step and chunks follow each other in step order: with one (run,
         # group, term) the whole table is in order already; only several need sorting.
-        if any(frame[c].nunique() > 1 for c in ("run", "grp", "term")):
-            frame = frame.sort_values(["run", "grp", "term", "step"], ignore_index=True, kind="stable")
-        return frame
+        if any(len(joined[c].categories) > 1 for c in ("run", "grp", "term")):
+            _reorder(joined, np.lexsort((joined["step"], joined["term"].codes, joined["grp"].codes,
+                                         joined["run"].codes)))
+        return pd.DataFrame(joined, copy=False)
 
     def _aggregate(self, rtol: float, shards: Sequence[Shard]) -> dict[str, Any]:
         """One range's step table as arrays, by column: numpy's, as DuckDB hands them over (a pandas
@@ -596,12 +597,12 @@ TRIM_BYTES = 64 << 20
 """Freed parts `_join` lets the heap keep before it hands them back: the most it adds to the peak."""
 
 
-def _join(columns: dict[str, list[Any]]) -> pd.DataFrame:
-    """One frame from the ranges' columns, a column at a time: each column's parts are let go as soon
+def _join(columns: dict[str, list[Any]]) -> dict[str, Any]:
+    """One table from the ranges' columns, a column at a time: each column's parts are let go as soon
     as they are joined, and the C heap's free pages are handed back to the system (glibc keeps the
     freed parts otherwise, and the peak would be the table twice, as with a concat of frames). The
-    frame is made around the joined arrays, not copied into pandas' blocks (assigning a column copies
-    it; so does a frame of one block per type)."""
+    frame is then made around the joined arrays, not copied into pandas' blocks (assigning a column
+    copies it; so does a frame of one block per type)."""
     joined: dict[str, Any] = {}
     # A column made of the very arrays of one already joined (ONE_RECORD_SHAPE) is that column again:
     # keyed by the parts' identities, which stay theirs while any column still holds them.
@@ -627,7 +628,21 @@ def _join(columns: dict[str, list[Any]]) -> pd.DataFrame:
         if freed >= TRIM_BYTES:
             _trim_heap()
             freed = 0
-    return pd.DataFrame(joined, copy=False)
+    return joined
+
+
+def _reorder(joined: dict[str, Any], order: np.ndarray) -> None:
+    """Every column put in this order, in place, one at a time, each old column let go before the next
+    is taken (a frame's sort_values holds the table twice), and an array shared by several columns
+    (ONE_RECORD_SHAPE) taken once and still shared."""
+    taken: dict[int, Any] = {}
+    for name in list(joined):
+        values = joined[name]
+        if id(values) not in taken:
+            taken[id(values)] = values.take(order)
+        joined[name] = taken[id(values)]
+        del values
+    _trim_heap()
 
 
 def _trim_heap() -> None:
