@@ -313,14 +313,18 @@ class Engine:
         for name, values in table.items():
             if name in ("run", "grp", "term"):
                 table[name] = _categorical(values)
-            elif isinstance(values, np.ma.MaskedArray):
+                continue
+            if isinstance(values, np.ma.MaskedArray):
                 # A column with NULLs (no record of the step said): NaN, which compares and sums as the
                 # checks expect; a count becomes float64 for it.
-                table[name] = (np.ma.filled(values.astype(np.float64), np.nan) if values.mask.any()
-                               else np.asarray(values.data))
+                values = np.ma.filled(values.astype(np.float64), np.nan) if values.mask.any() else np.asarray(values.data)
+            # A constant column is held as its one value from here on: the ranges wait for `_join` with
+            # about half their columns taking no memory.
+            constant = _constant([values])
+            table[name] = values if constant is None else constant
         if single_ranks is not None:
             # The one-record form's RANK_SHAPE, where the general form has it (before em_low).
-            ones = np.ones(len(table["step"]), dtype=np.int32)
+            ones = np.broadcast_to(np.ones(1, dtype=np.int32), (len(table["step"]),))
             shape = {"m_low": ones, "m_high": ones, **{name: table[same] for name, same in ONE_RECORD_SHAPE.items()}}
             table = {key: value for name, values in table.items()
                      for key, value in ({**shape, name: values} if name == "em_low" else {name: values}).items()}
@@ -615,7 +619,10 @@ def _join(columns: dict[str, list[Any]]) -> dict[str, Any]:
             joined[name] = by_parts[key]
             continue
         freed += sum(part.nbytes for part in parts)
-        if len(parts) == 1:
+        constant = _constant(parts)
+        if constant is not None:
+            joined[name] = constant
+        elif len(parts) == 1:
             joined[name] = parts[0]
         elif isinstance(parts[0], pd.Categorical):
             joined[name] = union_categoricals(parts, sort_categories=True)
@@ -631,6 +638,25 @@ def _join(columns: dict[str, list[Any]]) -> dict[str, Any]:
     return joined
 
 
+def _constant(parts: list[Any]) -> np.ndarray | None:
+    """A numeric column whose every row holds one value, bit for bit (W, D, a count that is always 0 or
+    always the ranks, a column no record has: about half the columns of a run that never changed its
+    set-up), as that value repeated without memory (a read-only array of stride 0); else None."""
+    dtype = parts[0].dtype if isinstance(parts[0], np.ndarray) else None
+    if dtype is None or dtype.kind not in "iuf" or any(part.dtype != dtype for part in parts):
+        return None
+    rows = sum(len(part) for part in parts)
+    if rows < 2:
+        return None
+    first = next(part[:1] for part in parts if len(part))
+    # Compared as bits: 0.0 and -0.0 differ, and NaN equals NaN when it is the same NaN.
+    as_bits = np.dtype(f"u{dtype.itemsize}")
+    value = first.view(as_bits)[0]
+    if not all(bool((part.view(as_bits) == value).all()) for part in parts):
+        return None
+    return np.broadcast_to(first.copy(), (rows,))
+
+
 def _reorder(joined: dict[str, Any], order: np.ndarray) -> None:
     """Every column put in this order, in place, one at a time, each old column let go before the next
     is taken (a frame's sort_values holds the table twice), and an array shared by several columns
@@ -638,6 +664,8 @@ def _reorder(joined: dict[str, Any], order: np.ndarray) -> None:
     taken: dict[int, Any] = {}
     for name in list(joined):
         values = joined[name]
+        if isinstance(values, np.ndarray) and values.strides == (0,):
+            continue  # one value in every row (`_constant`): in any order
         if id(values) not in taken:
             taken[id(values)] = values.take(order)
         joined[name] = taken[id(values)]

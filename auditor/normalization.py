@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -173,18 +173,44 @@ def _column(steps: pd.DataFrame, name: str) -> Floats:
 
 def candidate_bounds(steps: pd.DataFrame) -> dict[Denominator, tuple[Floats, Floats]]:
     """Per candidate denominator, the step's lowest and highest e·Den over its valid records."""
-    e_low, e_high, tokens = _column(steps, "e_low"), _column(steps, "e_high"), _column(steps, "tokens")
-    positions = _column(steps, "positions")
-    all_positions = (_column(steps, "positions_known") == _column(steps, "records")) & (positions > 0)
+    return {denominator: _bounds(steps, denominator) for denominator in PREFERENCE}
+
+
+_RECORD_COLUMNS = {denominator: (low, high) for denominator, low, high in _RECORD_BOUNDS}
+
+
+def _bounds(steps: pd.DataFrame, denominator: Denominator, rows: npt.NDArray[Any] | None = None
+            ) -> tuple[Floats, Floats]:
+    """One candidate's (lowest, highest) e·Den, at these rows of the table (all when None). Element by
+    element, so the rows' values are bit for bit those of the whole table's."""
+    def column(name: str) -> Floats:
+        return _column(steps, name) if rows is None else _column(steps, name)[rows]
+
+    if denominator in _RECORD_COLUMNS:
+        low, high = _RECORD_COLUMNS[denominator]
+        return column(low), column(high)
+    e_low, e_high = column("e_low"), column("e_high")
+    if denominator == Denominator.ONE:
+        return e_low, e_high
+    if denominator == Denominator.N:
+        tokens = column("tokens")
+        return e_low * tokens, e_high * tokens
+    positions = column("positions")
+    all_positions = (column("positions_known") == column("records")) & (positions > 0)
     step_positions = np.where(all_positions, positions, np.nan)
-    bounds = {
-        Denominator.N: (e_low * tokens, e_high * tokens),
-        Denominator.STEP_POSITIONS: (e_low * step_positions, e_high * step_positions),
-        Denominator.ONE: (e_low, e_high),
-    }
-    for denominator, low, high in _RECORD_BOUNDS:
-        bounds[denominator] = (_column(steps, low), _column(steps, high))
-    return {denominator: bounds[denominator] for denominator in PREFERENCE}
+    return e_low * step_positions, e_high * step_positions
+
+
+def alpha_at(steps: pd.DataFrame) -> Callable[[int, npt.NDArray[Any]], Floats]:
+    """α = e·Den·D of candidate PREFERENCE[c] at given rows, computed when asked: the vote reads it
+    for the steps each candidate fits, and a table of it for every candidate would be 64 bytes a step
+    (a sixth of the audit's peak at millions of steps). The same α as `_candidates` computes."""
+    def alpha(c: int, rows: npt.NDArray[Any]) -> Floats:
+        low, high = _bounds(steps, PREFERENCE[c], rows)
+        divisor: Floats = _column(steps, "d_high")[rows]
+        return (low + high) / 2 * divisor
+
+    return alpha
 
 
 KINDS: tuple[StepKind, ...] = tuple(StepKind)
@@ -241,34 +267,35 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
         return Diagnoses(np.zeros(0, np.int8), np.zeros(0, np.int8), empty, empty, np.zeros(0, bool), empty)
     candidates = len(PREFERENCE)
     fits = np.empty((count, candidates), dtype=bool)
-    alphas = np.empty((count, candidates))
     usable, distortion = np.empty(count, dtype=bool), np.empty(count)
     nearest, nearest_spread = np.empty(count, dtype=np.int8), np.empty(count)
     # Row by row the candidates are independent: computed a block of steps at a time, so the
-    # temporaries (bounds, spreads) stay a few MB whatever the number of steps; only the fits and
-    # the α, which the vote needs over the whole table, are kept.
+    # temporaries (bounds, spreads, α) stay a few MB whatever the number of steps; only the fits are
+    # kept whole, and α is computed again where the vote needs it (`alpha_at`).
     for start in range(0, count, BLOCK_STEPS):
         block = slice(start, min(start + BLOCK_STEPS, count))
-        fits[block], alphas[block], usable[block], distortion[block], nearest[block], nearest_spread[block] = \
+        fits[block], usable[block], distortion[block], nearest[block], nearest_spread[block] = \
             _candidates(steps.iloc[block], rtol)
-    chosen, representative = _vote(fits, alphas, rtol)
+    alpha = alpha_at(steps)
+    chosen, representative = _vote(fits, alpha, rtol)
 
     n_equal = _column(steps, "n_low") == _column(steps, "n_high")
     balanced = n_equal & (_column(steps, "m_low") == _column(steps, "m_high"))
-    confused = _confusable(fits, alphas, usable, _column(steps, "w_high"), _column(steps, "m_high"), rtol)
+    confused = _confusable(fits, alpha, usable, _column(steps, "w_high"), _column(steps, "m_high"), rtol)
     unknown_divisor = _column(steps, "unknown_divisor") > 0 if "unknown_divisor" in steps else np.zeros(count, bool)
     uniform = fits[:, 0]  # e·N constant ⇔ e constant
     tokens = _column(steps, "tokens")
 
     # The denominator: the vote's winner, else the nearest approximate fit, else unexplained.
-    rows = np.arange(count)
     preference = np.array([DENOMINATORS.index(d) for d in PREFERENCE], dtype=np.int8)
     approximate_fit = (chosen < 0) & (nearest >= 0)
     denominator = np.full(count, DENOMINATORS.index(Denominator.UNEXPLAINED), dtype=np.int8)
     denominator = np.where(chosen >= 0, preference[np.maximum(chosen, 0)], denominator)
     denominator = np.where(approximate_fit, preference[np.maximum(nearest, 0)], denominator).astype(np.int8)
-    factor = np.where(chosen >= 0, representative,
-                      np.where(approximate_fit, alphas[rows, np.maximum(nearest, 0)], np.nan))
+    factor = np.where(chosen >= 0, representative, np.nan)
+    for c in np.unique(nearest[approximate_fit]):
+        near = np.flatnonzero(approximate_fit & (nearest == c))
+        factor[near] = alpha(int(c), near)
     approximate = np.where(approximate_fit, nearest_spread, np.nan)
 
     def index(kind: StepKind) -> int:
@@ -297,11 +324,11 @@ BLOCK_STEPS = 65_536
 """Steps whose candidates are computed at a time (a few MB of temporaries)."""
 
 
-def _candidates(steps: pd.DataFrame, rtol: float) -> tuple[npt.NDArray[np.bool_], Floats, npt.NDArray[np.bool_], Floats,
+def _candidates(steps: pd.DataFrame, rtol: float) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_], Floats,
                                                             npt.NDArray[np.int64], Floats]:
-    """Per step of this block: which candidates fit within rtol, their α = e·Den·D, whether the step
-    can be judged (valid tokens with a weight), q = e·N where the weights are uniform (else NaN), and
-    the nearest approximate fit with the spread it leaves (see `_nearest`)."""
+    """Per step of this block: which candidates fit within rtol, whether the step can be judged (valid
+    tokens with a weight), q = e·N where the weights are uniform (else NaN), and the nearest approximate
+    fit with the spread it leaves (see `_nearest`), from each candidate's α = e·Den·D."""
     bounds = candidate_bounds(steps)
     divisor = _column(steps, "d_high")
     usable = (_column(steps, "tokens") > 0) & (_column(steps, "weighted_records") > 0) & ~np.isnan(_column(steps, "e_low"))
@@ -315,14 +342,14 @@ def _candidates(steps: pd.DataFrame, rtol: float) -> tuple[npt.NDArray[np.bool_]
     unfit = np.flatnonzero(~fits.any(axis=1))
     if len(unfit):
         nearest[unfit], nearest_spread[unfit] = _nearest(spreads[unfit], alphas[unfit], usable[unfit])
-    return fits, alphas, usable, distortion, nearest, nearest_spread
+    return fits, usable, distortion, nearest, nearest_spread
 
 
 _LOCAL = (Denominator.RANK, Denominator.MICRO_TIMES_M, Denominator.MICRO, Denominator.MICRO_GLOBAL)
 
 
-def _confusable(fits: npt.NDArray[np.bool_], alphas: Floats, usable: npt.NDArray[np.bool_], world: Floats,
-                microbatches: Floats, rtol: float) -> Denominator | None:
+def _confusable(fits: npt.NDArray[np.bool_], alpha: Callable[[int, npt.NDArray[Any]], Floats],
+                usable: npt.NDArray[np.bool_], world: Floats, microbatches: Floats, rtol: float) -> Denominator | None:
     """The local normalization that the logs cannot tell from the token mean, if any.
 
     Code that divides by a local count gives the same weights as the token mean when the counts it
@@ -335,7 +362,7 @@ def _confusable(fits: npt.NDArray[np.bool_], alphas: Floats, usable: npt.NDArray
     rows = np.flatnonzero(usable)
     if not len(rows) or not fits[rows, 0].all():
         return None
-    alpha_n, w, m = alphas[rows, 0], world[rows], microbatches[rows]
+    alpha_n, w, m = alpha(0, rows), world[rows], microbatches[rows]
     for denominator in _LOCAL:
         c = PREFERENCE.index(denominator)
         if denominator == Denominator.MICRO_GLOBAL:
@@ -344,14 +371,15 @@ def _confusable(fits: npt.NDArray[np.bool_], alphas: Floats, usable: npt.NDArray
             natural = alpha_n / w
             nontrivial = bool((w > 1).any()) if denominator == Denominator.RANK else bool(((w > 1) | (m > 1)).any())
         if nontrivial and fits[rows, c].all() and bool(
-                (np.abs(alphas[rows, c] - natural) <= rtol * np.abs(natural)).all()):
+                (np.abs(alpha(c, rows) - natural) <= rtol * np.abs(natural)).all()):
             return denominator
     return None
 
 
-def _vote(fits: npt.NDArray[np.bool_], alphas: Floats, rtol: float
+def _vote(fits: npt.NDArray[np.bool_], alpha_of: Callable[[int, npt.NDArray[Any]], Floats], rtol: float
           ) -> tuple[npt.NDArray[np.int8], Floats]:
     """Greedy set cover of the steps by hypotheses (candidate, α-cluster), most steps first.
+    `alpha_of(c, rows)`: candidate c's α at those steps (`alpha_at`).
 
     Returns per step the index in PREFERENCE of its winning candidate (−1: none) and the winning
     cluster's representative α (its median). A lazy max-heap keeps this near-linear: a popped
@@ -368,7 +396,7 @@ def _vote(fits: npt.NDArray[np.bool_], alphas: Floats, rtol: float
         rows = np.flatnonzero(fits[:, c]).astype(index_type)
         if not len(rows):
             continue
-        alpha = alphas[rows, c]
+        alpha = alpha_of(c, rows)
         unordered = np.isnan(alpha)
         if unordered.any():  # α NaN: one hypothesis of its own, first (as label −1 sorts)
             members.append(rows[unordered])
@@ -407,9 +435,12 @@ def _vote(fits: npt.NDArray[np.bool_], alphas: Floats, rtol: float
         if len(free) < 2:
             break  # nothing shared any more: every step left keeps its own most preferred fit
         chosen[free], representative[free], taken[free] = owner[h], values[h], True
-    for i in np.flatnonzero(~taken & fits.any(axis=1)):
-        c = int(np.argmax(fits[i]))
-        chosen[i], representative[i] = c, alphas[i, c]
+    # Every step left keeps its own most preferred fit.
+    left = np.flatnonzero(~taken & fits.any(axis=1))
+    first_fit = np.argmax(fits[left], axis=1)
+    for c in np.unique(first_fit):
+        rows = left[first_fit == c]
+        chosen[rows], representative[rows] = c, alpha_of(int(c), rows)
     return chosen, representative
 
 

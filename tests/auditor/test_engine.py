@@ -326,3 +326,32 @@ def test_a_table_of_several_names_is_put_in_order_a_column_at_a_time() -> None:
     pd.testing.assert_frame_equal(pd.DataFrame(joined), want)
     assert joined["e"] is joined["e_alias"]
     assert peak - before < table * 0.5, f"reordering added {(peak - before) / table:.2f}× the table"
+
+
+def test_a_column_that_never_changes_is_held_as_one_value(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """W, D and the counts a run that never changed its set-up repeats on every step are held as their
+    one value (a read-only array of stride 0), range by range and joined: the table equals the one made
+    without that, and only what is constant bit for bit is (0.0 and -0.0 differ, NaN is one value)."""
+    import numpy as np
+
+    import tokaudit.engine as engine_module
+    from tokaudit.engine import _constant
+
+    rows = records(UNEVEN_GA * 4, local_mean, positions=8)
+    write(tmp_path / "run" / "rank-all-000000.parquet", rows)
+    shards = load([tmp_path]).shards
+    held = Engine.open(shards, chunk_rows=10).step_table(1e-4)
+    constant = {name for name in held.columns
+                if not isinstance(held[name].dtype, pd.CategoricalDtype) and held[name].to_numpy().strides == (0,)}
+    assert {"w_low", "w_high", "d_low", "d_high", "records", "ranks", "nonfinite_valid", "skipped_true"} <= constant
+    assert not {"step", "tokens", "loss", "e_low", "e_high"} & constant
+    monkeypatch.setattr(engine_module, "_constant", lambda parts: None)
+    pd.testing.assert_frame_equal(held, Engine.open(shards, chunk_rows=10).step_table(1e-4))
+
+    assert _constant([np.array([0.0, -0.0])]) is None
+    assert _constant([np.array([2.0, 2.0]), np.array([2.0]), np.array([3.0])]) is None
+    assert _constant([np.array([1, 1], dtype=np.int32), np.array([1.0])]) is None  # joined as float64
+    nan = _constant([np.array([np.nan, np.nan]), np.array([np.nan])])
+    assert nan is not None and len(nan) == 3 and np.isnan(nan).all() and nan.strides == (0,)
+    seven = _constant([np.full(4, 7, dtype=np.int32), np.broadcast_to(np.int32(7), (3,))])
+    assert seven is not None and seven.dtype == np.int32 and seven.tolist() == [7] * 7 and not seven.flags.writeable
