@@ -183,21 +183,25 @@ def _weighting_findings(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunC
     flagged = np.flatnonzero(code >= 0)
     if not len(flagged):
         return
-    names = np.array([e.label for e in table] + [""], dtype=object)
-    keys = pd.DataFrame({"code": code[flagged], "denominator": diagnoses.denominator[flagged],
-                         "label": names[label[flagged]],
-                         "approximate": ~np.isnan(diagnoses.approximate[flagged]), "row": flagged})
-    ratio = _ratios(steps)
+    # One finding per (code, denominator, label of the factor, approximate fit), in order of first
+    # appearance: the four as one integer key (labels of equal text are one label).
+    names = [e.label for e in table] + [""]
+    label_number = np.array([names.index(name) for name in names], dtype=np.int64)[label[flagged]]
+    key = ((code[flagged] * len(DENOMINATORS) + diagnoses.denominator[flagged]) * len(names)
+           + label_number) * 2 + np.isnan(diagnoses.approximate[flagged])
+    keys, first, group = np.unique(key, return_index=True, return_inverse=True)
+    ratio = _ratios(steps, flagged)
     unequal = np.where(ratio > 1 + context.rtol, ratio, 1.0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        far = np.nan_to_num(np.abs(np.log(np.abs(diagnoses.distortion))), nan=0.0)
-    for (code_index, denominator, _, _), group in keys.groupby(["code", "denominator", "label", "approximate"],
-                                                                sort=False):
-        members = group.row.to_numpy()
+        far = np.nan_to_num(np.abs(np.log(np.abs(diagnoses.distortion[flagged]))), nan=0.0)
+    for number in np.argsort(first, kind="stable"):
+        inside = np.flatnonzero(group == number)
+        members = flagged[inside]
         # Evidence from the step where tokens were weighted most unequally (or q is furthest from 1).
-        worst = int(members[np.lexsort((far[members], unequal[members]))[-1]])
-        yield _weighting_finding(_CODES[int(code_index)], DENOMINATORS[int(denominator)], steps, diagnoses, members,
-                                 worst, explanation, table, context, extremes)
+        worst = int(members[np.lexsort((far[inside], unequal[inside]))[-1]])
+        code_index = int(code[members[0]])
+        yield _weighting_finding(_CODES[code_index], DENOMINATORS[int(diagnoses.denominator[members[0]])], steps,
+                                 diagnoses, members, worst, explanation, table, context, extremes)
 
 
 def _factor_explanations(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext
@@ -226,8 +230,11 @@ def _factor_explanations(steps: pd.DataFrame, diagnoses: Diagnoses, context: Run
     return ids, table
 
 
-def _ratios(steps: pd.DataFrame) -> np.ndarray:
+def _ratios(steps: pd.DataFrame, rows: np.ndarray | None = None) -> np.ndarray:
+    """Per step (at these rows), the heaviest token's weight over the lightest's (∞ when the lightest is 0)."""
     low, high = steps.tok_low.to_numpy(dtype=float), steps.tok_high.to_numpy(dtype=float)
+    if rows is not None:
+        low, high = low[rows], high[rows]
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(low > 0, high / low, np.inf)
 

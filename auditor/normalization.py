@@ -534,9 +534,16 @@ def segments(steps: pd.DataFrame, diagnoses: Diagnoses) -> tuple[list[Span], int
     (grp, grp_names), (term, term_names) = _name_ranks(steps.grp), _name_ranks(steps.term)
     step = steps.step.to_numpy()[keep]
     grp, term = grp[keep], term[keep]
-    sorted_rows = np.lexsort((step, term, grp))  # by group, term, then step (lexsort is stable)
-    grp, term, step = grp[sorted_rows], term[sorted_rows], step[sorted_rows]
-    denominator, factor = diagnoses.denominator[keep][sorted_rows], diagnoses.factor[keep][sorted_rows]
+    denominator, factor = diagnoses.denominator[keep], diagnoses.factor[keep]
+    # By group, term, then step: the step table comes in that order (one group and term: by step), and
+    # is only sorted (lexsort is stable) when it does not.
+    later = (grp[1:] > grp[:-1]) | ((grp[1:] == grp[:-1]) & (
+        (term[1:] > term[:-1]) | ((term[1:] == term[:-1]) & (step[1:] > step[:-1]))))
+    if not later.all():
+        sorted_rows = np.lexsort((step, term, grp))
+        grp, term, step = grp[sorted_rows], term[sorted_rows], step[sorted_rows]
+        denominator, factor = denominator[sorted_rows], factor[sorted_rows]
+    del later
     same_factor = (factor[1:] == factor[:-1]) | (np.isnan(factor[1:]) & np.isnan(factor[:-1]))
     new_block = np.concatenate([[True], (grp[1:] != grp[:-1]) | (term[1:] != term[:-1])])
     starts = new_block | np.concatenate([[False], (denominator[1:] != denominator[:-1]) | ~same_factor])
@@ -557,7 +564,7 @@ def segments(steps: pd.DataFrame, diagnoses: Diagnoses) -> tuple[list[Span], int
         length.tolist(), names, factors)], omitted
 
 
-def _name_ranks(column: pd.Series) -> tuple[npt.NDArray[np.int64], list[str]]:
+def _name_ranks(column: pd.Series) -> tuple[npt.NDArray[np.int32], list[str]]:
     """Per row, the rank of its name (as text) among the column's names, and the names in that order:
     a column of a few names repeated on millions of steps is compared and sorted as integers, and no
     row is turned into a string."""
@@ -565,6 +572,6 @@ def _name_ranks(column: pd.Series) -> tuple[npt.NDArray[np.int64], list[str]]:
         else column.astype(str).astype("category")
     names = [str(name) for name in categorical.cat.categories]
     order = sorted(range(len(names)), key=names.__getitem__)
-    rank = np.empty(len(names), dtype=np.int64)
+    rank = np.empty(len(names), dtype=np.int32)  # 4 bytes a step: fewer than 2³¹ names
     rank[order] = np.arange(len(names))
     return rank[categorical.cat.codes.to_numpy()], [names[i] for i in order]
