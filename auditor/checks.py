@@ -189,7 +189,7 @@ def _weighting_findings(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunC
     label_number = np.array([names.index(name) for name in names], dtype=np.int64)[label[flagged]]
     key = ((code[flagged] * len(DENOMINATORS) + diagnoses.denominator[flagged]) * len(names)
            + label_number) * 2 + np.isnan(diagnoses.approximate[flagged])
-    keys, first, group = np.unique(key, return_index=True, return_inverse=True)
+    _, first, group = np.unique(key, return_index=True, return_inverse=True)
     ratio = _ratios(steps, flagged)
     unequal = np.where(ratio > 1 + context.rtol, ratio, 1.0)
     with np.errstate(divide="ignore", invalid="ignore"):
