@@ -50,6 +50,9 @@ class Shard:
     signature: tuple[tuple[str, str], ...] = ()
     """(name, Arrow type) of its schema columns in file order: shards that share one are scanned together
     without reconciling their schemas file by file."""
+    names: tuple[str, str, str] | None = None
+    """The one (run, group, term) all its records carry, defaults applied, when its footer shows it (each
+    column absent, or one value with no null); None when it may hold several."""
 
     @property
     def name(self) -> str:
@@ -294,7 +297,30 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
     return Shard(path=path, columns=frozenset(present), rows=parquet.metadata.num_rows,
                  default_run=path.parent.name, step_range=_range(stats["step"]), rank_range=_range(stats["rank"]),
                  micro_range=_range(stats["micro"]), dropped=read_dropped(schema.metadata),
-                 store=store, signature=facts.signature)
+                 store=store, signature=facts.signature,
+                 names=_names(stats, present, path.parent.name))
+
+
+_NAME_COLUMNS = (("run_id", None), ("group", "0"), ("term", "0"))
+"""The columns that name a record's (run, group, term), and their defaults (SPEC §2; the run's is the
+file's parent folder)."""
+
+
+def _names(stats: dict[str, tuple[Any, Any, int | None]], present: frozenset[str], default_run: str
+           ) -> tuple[str, str, str] | None:
+    """`Shard.names` from the footer's statistics: a column's one value when its min and max are equal
+    and it has no null, its default when it is absent; otherwise None (a column of nulls only has no
+    min or max, so it is None too: the names are then aggregated as for any log)."""
+    names: list[str] = []
+    for column, default in _NAME_COLUMNS:
+        if column not in present:
+            names.append(default_run if default is None else default)
+            continue
+        low, high, nulls = stats[column]
+        if nulls != 0 or not isinstance(low, str) or low != high:
+            return None
+        names.append(low)
+    return names[0], names[1], names[2]
 
 
 def _range(stats: tuple[Any, Any, int | None]) -> tuple[int, int] | None:
@@ -369,8 +395,8 @@ _LOWER_BOUNDS: tuple[tuple[str, int, str], ...] = (
     ("micro", 0, "a negative microbatch index"),
 )
 _STATISTICS = (frozenset(REQUIRED_COLUMNS) | {column for column, _, _ in _LOWER_BOUNDS}
-               | {"schema_version", "grad_divisor"})
-"""Columns whose footer statistics `_check_values` reads."""
+               | {"schema_version", "grad_divisor", "run_id", "group", "term"})
+"""Columns whose footer statistics are read: `_check_values`'s, and the names' (`_names`)."""
 
 
 def _check_values(parquet: pq.ParquetFile, present: frozenset[str], stats: dict[str, tuple[Any, Any, int | None]],

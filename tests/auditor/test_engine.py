@@ -355,3 +355,36 @@ def test_a_column_that_never_changes_is_held_as_one_value(tmp_path: Path, monkey
     assert nan is not None and len(nan) == 3 and np.isnan(nan).all() and nan.strides == (0,)
     seven = _constant([np.full(4, 7, dtype=np.int32), np.broadcast_to(np.int32(7), (3,))])
     assert seven is not None and seven.dtype == np.int32 and seven.tolist() == [7] * 7 and not seven.flags.writeable
+
+
+def test_a_range_of_one_run_group_and_term_is_aggregated_without_hashing_names(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When every footer of a range shows one (run, group, term), the query neither hashes the names per
+    record nor aggregates them per step: they are passed as parameters (any text, quotes included). The
+    table is the one the general query makes; a range whose files name two runs takes the general query."""
+    import tokaudit.engine as engine_module
+
+    rows = [dict(r, run_id="it's \"x\" ∑ {names}", group="dp'0") for r in records(UNEVEN_GA * 4, local_mean)]
+    for first in range(0, 12, 3):
+        write(tmp_path / "run" / f"rank-all-{first:06d}.parquet", [r for r in rows if first <= r["step"] < first + 3])
+    other = [dict(r, run_id="second") for r in records(UNEVEN_GA, local_mean)]
+    write(tmp_path / "run" / "rank-all-999999.parquet", other)
+    shards = load([tmp_path]).shards
+    assert engine_module._one_name(shards) is None
+    single = [s for s in shards if s.names == ("it's \"x\" ∑ {names}", "dp'0", "0")]
+    assert len(single) == 4 and engine_module._one_name(single) == single[0].names
+    used: list[bool] = []
+    original = engine_module.step_sql
+
+    def recording(single_ranks: Any, extremes: bool = False, one_name: bool = False) -> str:
+        used.append(one_name)
+        return original(single_ranks, extremes, one_name)
+
+    monkeypatch.setattr(engine_module, "step_sql", recording)
+    fast = Engine.open(single, chunk_rows=10).step_table(1e-4)
+    both = Engine.open(shards).step_table(1e-4)
+    assert all(used[:-1]) and not used[-1]
+    monkeypatch.setattr(engine_module, "_one_name", lambda shards: None)
+    pd.testing.assert_frame_equal(fast, Engine.open(single, chunk_rows=10).step_table(1e-4))
+    pd.testing.assert_frame_equal(both, Engine.open(shards).step_table(1e-4))
+    assert set(both.run.astype(str)) == {"it's \"x\" ∑ {names}", "second"}

@@ -272,3 +272,21 @@ def test_footer_workers_are_bounded_by_the_files_and_a_cap(monkeypatch: Any) -> 
         result = reader._inspect_in_workers(files[:count], False, workers)
         assert len(started) == expected, (workers, count)
         assert result == ([] if expected else None)
+
+
+def test_a_shard_names_its_one_run_group_and_term_only_when_its_footer_shows_it(tmp_path: Path) -> None:
+    """`Shard.names`: a column's one value (min = max, no null), its default when it is absent (the
+    run's default is the folder), and None as soon as the footer allows two names, or says nothing (a
+    column of nulls only has no min or max)."""
+    rows = records(UNEVEN, token_mean)
+    cases = {
+        "absent": ([{k: v for k, v in r.items() if k not in ("run_id", "group", "term")} for r in rows],
+                   ("folder", "0", "0")),
+        "one": ([dict(r, run_id="it's ∑", group="dp0", term="aux") for r in rows], ("it's ∑", "dp0", "aux")),
+        "all null": ([dict(r, run_id=None, term=None) for r in rows], None),
+        "two terms": ([dict(r, term="aux" if r["rank"] else "lm") for r in rows], None),
+        "a null among values": ([dict(r, group=None if r["rank"] else "dp0") for r in rows], None),
+    }
+    for name, (written, expected) in cases.items():
+        path = write(tmp_path / name.replace(" ", "_") / "folder" / "rank-all-000000.parquet", written)
+        assert inspect_shard(path).names == expected, name
