@@ -28,7 +28,7 @@ from pandas.api.types import union_categoricals
 
 from tokaudit.errors import UsageError
 from tokaudit.reader import Shard
-from tokaudit.schema import COLUMNS_BY_NAME
+from tokaudit.schema import COLUMNS_BY_NAME, UNNAMED
 
 DEFAULT_MEMORY_LIMIT = "768MB"
 CHUNK_ROWS = 1_000_000
@@ -330,8 +330,12 @@ class Engine:
             # The one-record form's RANK_SHAPE, where the general form has it (before em_low).
             ones = np.broadcast_to(np.ones(1, dtype=np.int32), (len(table["step"]),))
             shape = {"m_low": ones, "m_high": ones, **{name: table[same] for name, same in ONE_RECORD_SHAPE.items()}}
-            table = {key: value for name, values in table.items()
-                     for key, value in ({**shape, name: values} if name == "em_low" else {name: values}).items()}
+            ordered: dict[str, Any] = {}
+            for name, values in table.items():
+                if name == "em_low":
+                    ordered.update(shape)
+                ordered[name] = values
+            table = ordered
         return table
 
     def unusable_files(self) -> list[Shard]:
@@ -600,6 +604,12 @@ def _single_ranks(shards: Sequence[Shard]) -> tuple[int, int] | None:
     return (low, high) if high - low < RANK_BITS_LIMIT else None
 
 
+def _one_name(shards: Sequence[Shard]) -> tuple[str, str, str] | None:
+    """The (run, group, term) of every record of these shards, when their footers show there is one."""
+    names = {shard.names for shard in shards}
+    return names.pop() if len(names) == 1 and None not in names else None
+
+
 def _categorical(names: np.ndarray) -> pd.Categorical:
     """A handful of names repeated on every step, as categories (one byte a step) in sorted order, as
     pd.Categorical makes them: from a hash of the Python strings themselves, where pd.Categorical would
@@ -613,12 +623,6 @@ def _categorical(names: np.ndarray) -> pd.Categorical:
 
 TRIM_BYTES = 64 << 20
 """Freed parts `_join` lets the heap keep before it hands them back: the most it adds to the peak."""
-
-
-def _one_name(shards: Sequence[Shard]) -> tuple[str, str, str] | None:
-    """The (run, group, term) of every record of these shards, when their footers show there is one."""
-    names = {shard.names for shard in shards}
-    return names.pop() if len(names) == 1 and None not in names else None
 
 
 def _join(columns: dict[str, list[Any]]) -> dict[str, Any]:
@@ -638,7 +642,7 @@ def _join(columns: dict[str, list[Any]]) -> dict[str, Any]:
         if key in by_parts:
             joined[name] = by_parts[key]
             continue
-        freed += sum(part.nbytes for part in parts)
+        freed += sum(part.nbytes for part in parts if not _one_value(part))
         constant = _constant(parts)
         if constant is not None:
             joined[name] = constant
@@ -669,12 +673,18 @@ def _constant(parts: list[Any]) -> np.ndarray | None:
     if rows < 2:
         return None
     first = next(part[:1] for part in parts if len(part))
-    # Compared as bits: 0.0 and -0.0 differ, and NaN equals NaN when it is the same NaN.
+    # Compared as bits: 0.0 and -0.0 differ, and NaN equals NaN when it is the same NaN. A part that is
+    # one value already is compared by that value.
     as_bits = np.dtype(f"u{dtype.itemsize}")
     value = first.view(as_bits)[0]
-    if not all(bool((part.view(as_bits) == value).all()) for part in parts):
+    if not all(bool(((part[:1] if _one_value(part) else part).view(as_bits) == value).all()) for part in parts):
         return None
     return np.broadcast_to(first.copy(), (rows,))
+
+
+def _one_value(values: Any) -> bool:
+    """An array that is one value repeated without memory (`_constant`'s, stride 0)."""
+    return isinstance(values, np.ndarray) and values.strides == (0,) and len(values) > 0
 
 
 def _reorder(joined: dict[str, Any], order: np.ndarray) -> None:
@@ -684,7 +694,7 @@ def _reorder(joined: dict[str, Any], order: np.ndarray) -> None:
     taken: dict[int, Any] = {}
     for name in list(joined):
         values = joined[name]
-        if isinstance(values, np.ndarray) and values.strides == (0,):
+        if _one_value(values):
             continue  # one value in every row (`_constant`): in any order
         if id(values) not in taken:
             taken[id(values)] = values.take(order)
@@ -720,8 +730,8 @@ def _select(default_run: str, present: set[str], scan: str, where: str) -> str:
     return f"""
         SELECT
             coalesce({column('run_id')}, {_sql_string(default_run)}) AS run,
-            coalesce({column('group')}, '0') AS grp,
-            coalesce({column('term')}, '0') AS term,
+            coalesce({column('group')}, {_sql_string(UNNAMED)}) AS grp,
+            coalesce({column('term')}, {_sql_string(UNNAMED)}) AS term,
             {column('step')} AS step, {column('micro')} AS micro, {column('rank')} AS rank,
             {column('world_size')} AS world_size,
             {column('loss_sum')} AS loss_sum, {column('valid_tokens')} AS valid_tokens,

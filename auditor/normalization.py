@@ -72,14 +72,14 @@ PREFERENCE: tuple[Denominator, ...] = (
     Denominator.POSITIONS, Denominator.STEP_POSITIONS, Denominator.ONE,
 )
 
-# Record-level candidates: (denominator, low, high) columns of e·Den over the step's records.
-_RECORD_BOUNDS = (
-    (Denominator.RANK, "er_low", "er_high"),
-    (Denominator.MICRO_TIMES_M, "enm_low", "enm_high"),
-    (Denominator.MICRO, "en_low", "en_high"),
-    (Denominator.MICRO_GLOBAL, "em_low", "em_high"),
-    (Denominator.POSITIONS, "et_low", "et_high"),
-)
+# Record-level candidates: the (low, high) columns of e·Den over the step's records.
+_RECORD_BOUNDS = {
+    Denominator.RANK: ("er_low", "er_high"),
+    Denominator.MICRO_TIMES_M: ("enm_low", "enm_high"),
+    Denominator.MICRO: ("en_low", "en_high"),
+    Denominator.MICRO_GLOBAL: ("em_low", "em_high"),
+    Denominator.POSITIONS: ("et_low", "et_high"),
+}
 
 APPROXIMATE_SPREAD = 0.1
 """A denominator that leaves α spread by at most 10% (and 3× less than any other) is named as approximate."""
@@ -176,9 +176,6 @@ def candidate_bounds(steps: pd.DataFrame) -> dict[Denominator, tuple[Floats, Flo
     return {denominator: _bounds(steps, denominator) for denominator in PREFERENCE}
 
 
-_RECORD_COLUMNS = {denominator: (low, high) for denominator, low, high in _RECORD_BOUNDS}
-
-
 def _bounds(steps: pd.DataFrame, denominator: Denominator, rows: npt.NDArray[Any] | None = None
             ) -> tuple[Floats, Floats]:
     """One candidate's (lowest, highest) e·Den, at these rows of the table (all when None). Element by
@@ -186,8 +183,8 @@ def _bounds(steps: pd.DataFrame, denominator: Denominator, rows: npt.NDArray[Any
     def column(name: str) -> Floats:
         return _column(steps, name) if rows is None else _column(steps, name)[rows]
 
-    if denominator in _RECORD_COLUMNS:
-        low, high = _RECORD_COLUMNS[denominator]
+    if denominator in _RECORD_BOUNDS:
+        low, high = _RECORD_BOUNDS[denominator]
         return column(low), column(high)
     e_low, e_high = column("e_low"), column("e_high")
     if denominator == Denominator.ONE:
@@ -206,10 +203,14 @@ def alpha_at(steps: pd.DataFrame) -> Callable[[int, npt.NDArray[Any]], Floats]:
     for the steps each candidate fits, and a table of it for every candidate would be 64 bytes a step
     (a sixth of the audit's peak at millions of steps). The same α as `_candidates` computes."""
     def alpha(c: int, rows: npt.NDArray[Any]) -> Floats:
-        low, high = _bounds(steps, PREFERENCE[c], rows)
-        divisor: Floats = _column(steps, "d_high")[rows]
-        return (low + high) / 2 * divisor
+        return _alpha(*_bounds(steps, PREFERENCE[c], rows), _column(steps, "d_high")[rows])
 
+    return alpha
+
+
+def _alpha(low: Floats, high: Floats, divisor: Floats) -> Floats:
+    """α = e·Den·D: the middle of a candidate's bounds times the reduction's divisor."""
+    alpha: Floats = (low + high) / 2 * divisor
     return alpha
 
 
@@ -333,7 +334,7 @@ def _candidates(steps: pd.DataFrame, rtol: float) -> tuple[npt.NDArray[np.bool_]
     divisor = _column(steps, "d_high")
     usable = (_column(steps, "tokens") > 0) & (_column(steps, "weighted_records") > 0) & ~np.isnan(_column(steps, "e_low"))
     spreads = np.column_stack([spread(*bounds[d]) for d in PREFERENCE])
-    alphas = np.column_stack([(bounds[d][0] + bounds[d][1]) / 2 * divisor for d in PREFERENCE])
+    alphas = np.column_stack([_alpha(*bounds[d], divisor) for d in PREFERENCE])
     fits = usable[:, None] & (spreads <= rtol)
     low, high = bounds[Denominator.N]
     distortion = np.where(fits[:, 0], (low + high) / 2, np.nan)

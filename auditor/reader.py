@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokaudit.errors import LogFormatError
-from tokaudit.schema import COLUMNS_BY_NAME, REQUIRED_COLUMNS, SCHEMA_VERSION, kind_accepts, read_dropped
+from tokaudit.schema import COLUMNS_BY_NAME, REQUIRED_COLUMNS, SCHEMA_VERSION, UNNAMED, kind_accepts, read_dropped
 from tokaudit.storage import Store, describe, discover_url, is_url
 
 KIND_WORDS = {"int": "an integer type", "float": "a numeric type", "bool": "bool", "string": "string",
@@ -301,9 +301,9 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
                  names=_names(stats, present, path.parent.name))
 
 
-_NAME_COLUMNS = (("run_id", None), ("group", "0"), ("term", "0"))
-"""The columns that name a record's (run, group, term), and their defaults (SPEC §2; the run's is the
-file's parent folder)."""
+_NAME_COLUMNS = (("run_id", None), ("group", UNNAMED), ("term", UNNAMED))
+"""The columns that name a record's (run, group, term), and their defaults (None: the file's folder),
+as `engine._select` applies them."""
 
 
 def _names(stats: dict[str, tuple[Any, Any, int | None]], present: frozenset[str], default_run: str

@@ -56,6 +56,8 @@ COLUMNS: tuple[Column, ...] = (
 )
 
 COLUMNS_BY_NAME = {column.name: column for column in COLUMNS}
+UNNAMED = "0"
+"""The group and the term of a record whose column is absent or null (the run's is its file's folder)."""
 REQUIRED_COLUMNS = tuple(column.name for column in COLUMNS if column.required)
 PROBE_COLUMNS = ("token_weight_sum", "token_weight_min", "token_weight_max", "masked_weight_abs_sum")
 
