@@ -405,7 +405,7 @@ STEP_AGGREGATES = """
         min(world_size) AS w_low, max(world_size) AS w_high,
         min(grad_divisor) AS d_low, max(grad_divisor) AS d_high,
         min(valid_tokens) AS n_low, max(valid_tokens) AS n_high,
-        sum(valid_tokens) AS tokens, sum(loss_sum) AS loss,
+        sum(valid_tokens) AS tokens, fsum(loss_sum) AS loss,
         min(w) AS e_low, max(w) AS e_high,
         min(w * valid_tokens) AS en_low, max(w * valid_tokens) AS en_high,
         min(w * positions) AS et_low, max(w * positions) AS et_high,
@@ -414,7 +414,7 @@ STEP_AGGREGATES = """
         count(w) AS weighted_records,
         count_if(valid_tokens > 0 AND w IS NULL AND NOT nonfinite_valid) AS unweighted_records,
         count_if(valid_tokens > 0 AND NOT divisor_known) AS unknown_divisor,
-        coalesce(sum(w * loss_sum), 0) AS objective,
+        coalesce(fsum(w * loss_sum), 0) AS objective,
         count_if(nonfinite_valid) AS nonfinite_valid,
         count_if(nonfinite_zero) AS nonfinite_zero,
         count_if(probe_nonuniform) AS probe_nonuniform,
@@ -442,7 +442,7 @@ exactly (×1 and the count's conversion to double change no bit), so no aggregat
 each of these is the same array as the column it equals (`_aggregate`; `_join` joins it once)."""
 RANK_AGGREGATES = """
         count(*) AS ranks,
-        avg(rank_loss / rank_tokens) FILTER (rank_tokens > 0) AS mean_of_local_means,
+        favg(rank_loss / rank_tokens) FILTER (rank_tokens > 0) AS mean_of_local_means,
         -- ranks below 64 present in the step, as set bits (the missing-rank evidence); 0: none of them
         coalesce(bit_or(CASE WHEN rank < 64 THEN CAST(1 AS UBIGINT) << CAST(rank AS UBIGINT) END), 0) AS rank_mask,
         count_if(last_sync = false) AS unsynced_ranks,
@@ -500,7 +500,7 @@ step_level AS (SELECT {STEP_KEYS}, {STEP_AGGREGATES} FROM weighted GROUP BY k, s
 per_rank AS (
     -- Few aggregates per (rank, step): millions of groups at scale must stay narrow.
     SELECT k, step, rank,
-        count(*) AS microbatches, CAST(sum(valid_tokens) AS BIGINT) AS rank_tokens, sum(loss_sum) AS rank_loss,
+        count(*) AS microbatches, CAST(sum(valid_tokens) AS BIGINT) AS rank_tokens, fsum(loss_sum) AS rank_loss,
         min(w) AS e_low, max(w) AS e_high, {{rank_extremes}}
         min(w * valid_tokens) AS en_low, max(w * valid_tokens) AS en_high,
         arg_max(sync, micro) AS last_sync,

@@ -388,3 +388,36 @@ def test_a_range_of_one_run_group_and_term_is_aggregated_without_hashing_names(
     pd.testing.assert_frame_equal(fast, Engine.open(single, chunk_rows=10).step_table(1e-4))
     pd.testing.assert_frame_equal(both, Engine.open(shards).step_table(1e-4))
     assert set(both.run.astype(str)) == {"it's \"x\" ∑ {names}", "second"}
+
+
+def test_the_same_log_gives_the_same_sums_bit_for_bit_whatever_the_threads_did(tmp_path: Path) -> None:
+    """DuckDB's threads each sum the records they happened to read, then add their partial sums: with a
+    plain floating-point sum the last bits of ΣS, Σe·S and the mean of local means changed from one run
+    to the next (so did `curve --csv`). Compensated sums (fsum, favg) carry what each addition rounded
+    off, so the partial sums add up to the same double. Losses spanning six orders of magnitude, over
+    files read by four threads, make a plain sum differ between runs (this test fails against
+    `sum`/`avg` in every run we made)."""
+    import numpy as np
+
+    generator = np.random.default_rng(7)
+    ranks, steps, micros = 32, 64, 2
+    for rank in range(ranks):
+        rows = []
+        for step in range(steps):
+            for micro in range(micros):
+                n = int(generator.integers(1, 512))
+                loss = n * float(10 ** generator.uniform(-3, 3))
+                rows.append({"step": step, "micro": micro, "rank": rank, "world_size": ranks, "loss_sum": loss,
+                             "valid_tokens": n, "backward_scalar": loss / n})
+        write(tmp_path / "run" / f"rank-{rank:05d}-000000.parquet", rows)
+    shards = load([tmp_path]).shards
+    tables = []
+    for _ in range(6):
+        engine = Engine.open(shards, threads=4)
+        try:
+            tables.append(engine.step_table(1e-4))
+        finally:
+            engine.close()
+    for column in ("loss", "objective", "mean_of_local_means"):
+        bits = {tables[i][column].to_numpy().tobytes() for i in range(len(tables))}
+        assert len(bits) == 1, f"{column}: {len(bits)} different results in {len(tables)} runs"
