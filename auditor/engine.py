@@ -326,6 +326,10 @@ class Engine:
             # about half their columns taking no memory.
             constant = _constant([values])
             table[name] = values if constant is None else constant
+        for name, same in MEAN_WEIGHT_EXTREMES.items():
+            # Without a probe value the token extremes are the records' mean weights: one array, not two.
+            if _same_bits(table[name], table[same]):
+                table[name] = table[same]
         if single_ranks is not None:
             # The one-record form's RANK_SHAPE, where the general form has it (before em_low).
             ones = np.broadcast_to(np.ones(1, dtype=np.int32), (len(table["step"]),))
@@ -440,6 +444,11 @@ ONE_RECORD_SHAPE = {"enm_low": "en_low", "enm_high": "en_high", "er_low": "en_lo
 """RANK_SHAPE when each rank's step is one record: M = 1 (m_low = m_high = 1), and e·n_r = e·n·M = e·n
 exactly (×1 and the count's conversion to double change no bit), so no aggregate is needed, nor a column:
 each of these is the same array as the column it equals (`_aggregate`; `_join` joins it once)."""
+MEAN_WEIGHT_EXTREMES = {"tok_low": "e_low", "tok_high": "e_high"}
+"""Columns that equal another bit for bit in a range whose records hold no probe value (min and max of
+coalesce(probe, w) + 0·w are then those of w: w is finite where it is not NULL, and w + 0·w is w, −0.0
+included): the step table then holds the one array for both (`_aggregate`, which compares the bits
+rather than trust this), 16 bytes a step less."""
 RANK_AGGREGATES = """
         count(*) AS ranks,
         favg(rank_loss / rank_tokens) FILTER (rank_tokens > 0) AS mean_of_local_means,
@@ -680,6 +689,15 @@ def _constant(parts: list[Any]) -> np.ndarray | None:
     if not all(bool(((part[:1] if _one_value(part) else part).view(as_bits) == value).all()) for part in parts):
         return None
     return np.broadcast_to(first.copy(), (rows,))
+
+
+def _same_bits(one: Any, other: Any) -> bool:
+    """Two numeric arrays of one dtype and length that hold the same bits in every row (NaN included)."""
+    if not (isinstance(one, np.ndarray) and isinstance(other, np.ndarray)) or one.dtype != other.dtype \
+            or one.dtype.kind not in "iuf" or one.shape != other.shape:
+        return False
+    as_bits = np.dtype(f"u{one.dtype.itemsize}")
+    return bool((one.view(as_bits) == other.view(as_bits)).all())
 
 
 def _one_value(values: Any) -> bool:

@@ -421,3 +421,39 @@ def test_the_same_log_gives_the_same_sums_bit_for_bit_whatever_the_threads_did(t
     for column in ("loss", "objective", "mean_of_local_means"):
         bits = {tables[i][column].to_numpy().tobytes() for i in range(len(tables))}
         assert len(bits) == 1, f"{column}: {len(bits)} different results in {len(tables)} runs"
+
+
+def test_without_a_probe_the_token_extremes_are_the_mean_weights_array(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log with no probe value: the probe-or-mean token extremes (tok_low, tok_high) are e_low and
+    e_high bit for bit, so the table holds one array for both (16 bytes a step), range by range and
+    joined; the table equals the one made without that. With probe values the columns stay apart and
+    keep their own values; the arrays are compared as bits (0.0 and −0.0 differ, NaN is NaN)."""
+    import numpy as np
+
+    import tokaudit.engine as engine_module
+    from tokaudit.engine import _same_bits
+
+    rows = records(UNEVEN_GA * 4, local_mean)
+    write(tmp_path / "plain" / "rank-all-000000.parquet", rows)
+    shards = load([tmp_path / "plain"]).shards
+    for chunk_rows in (10, None):
+        shared = Engine.open(shards, chunk_rows=chunk_rows).step_table(1e-4)
+        assert np.shares_memory(shared.tok_low.to_numpy(), shared.e_low.to_numpy())
+        assert np.shares_memory(shared.tok_high.to_numpy(), shared.e_high.to_numpy())
+    monkeypatch.setattr(engine_module, "MEAN_WEIGHT_EXTREMES", {})
+    apart = Engine.open(shards, chunk_rows=10).step_table(1e-4)
+    assert not np.shares_memory(apart.tok_low.to_numpy(), apart.e_low.to_numpy())
+    pd.testing.assert_frame_equal(shared, apart)
+    monkeypatch.undo()
+
+    probed = [dict(r, token_weight_sum=r["backward_scalar"] * r["valid_tokens"] / r["loss_sum"],
+                   token_weight_min=0.5 * r["backward_scalar"] / r["loss_sum"],
+                   token_weight_max=2.0 * r["backward_scalar"] / r["loss_sum"]) for r in rows]
+    write(tmp_path / "probed" / "rank-all-000000.parquet", probed)
+    table = Engine.open(load([tmp_path / "probed"]).shards).step_table(1e-4)
+    assert not np.shares_memory(table.tok_low.to_numpy(), table.e_low.to_numpy())
+    assert (table.tok_high > table.e_high).all() and (table.tok_low < table.e_low).all()
+
+    assert not _same_bits(np.array([0.0]), np.array([-0.0])) and _same_bits(np.array([np.nan]), np.array([np.nan]))
+    assert not _same_bits(np.array([1], dtype=np.int32), np.array([1.0]))
