@@ -306,31 +306,83 @@ def verdict_of(findings: Sequence[Finding], judged: bool) -> Verdict:
     return "correct"
 
 
+SUMMARY_BLOCK = 1 << 16
+"""Steps `_summary` reads at a time: its temporaries stay a few MB whatever the number of steps."""
+
+
 def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: list[Segment],
              omitted: int = 0) -> RunSummary:
-    # Columns, never a filtered copy of the table (millions of steps) nor a Python float per step.
-    weighted = frame.weighted_records > 0
-    judged = bool(((frame.tokens > 0) & weighted).any())
-    low, high = frame.tok_low[weighted], frame.tok_high[weighted]
-    ratio = float((high[low > 0] / low[low > 0]).max()) if bool((low > 0).any()) else 1.0
-    if bool((low <= 0).any()):
-        ratio = math.inf
+    # Columns read a block of steps at a time, never a filtered copy of the table (millions of steps)
+    # nor a Python float per step; a column held as one value is read as that value.
+    weighted_all = frame.weighted_records.to_numpy() > 0
+    tokens_all = frame.tokens.to_numpy()
+    low_all, high_all = frame.tok_low.to_numpy(dtype=float), frame.tok_high.to_numpy(dtype=float)
+    judged = False
+    ratio_seen, ratio, unbounded = False, -math.inf, False
+    ratios_exist = False
+    q_low, q_high = _Extreme(), _Extreme()
+    for start in range(0, len(frame), SUMMARY_BLOCK):
+        block = slice(start, start + SUMMARY_BLOCK)
+        weighted = weighted_all[block]
+        tokens = tokens_all[block][weighted]
+        judged = judged or bool((tokens > 0).any())
+        low, high = low_all[block][weighted], high_all[block][weighted]
+        positive = low > 0
+        unbounded = unbounded or bool((low <= 0).any())
+        if positive.any():
+            # the heaviest token over the lightest, NaN skipped (pandas' max)
+            ratios_exist = True
+            ratios = high[positive] / low[positive]
+            ratios = ratios[~np.isnan(ratios)]
+            if len(ratios):
+                ratio_seen, ratio = True, max(ratio, float(ratios.max()))
+        # q = e·N per token: the probe's extremes where recorded, else the records' mean weights
+        for q in (low * tokens, high * tokens):
+            q_low.add(q)
+            q_high.add(-q)
+    max_ratio = (ratio if ratio_seen else math.nan) if ratios_exist else 1.0
+    if unbounded:
+        max_ratio = math.inf
+    weight_range = (q_low.value(), -q_high.value()) if bool(weighted_all.any()) else None
     terms = loss_terms(frame)
     main = [s for s in segments if s.term == terms[0]]
     normalization = max(main, key=lambda s: s.steps) if main else None
-    sizes = [int(w) for w in np.unique(np.concatenate([frame.w_low.to_numpy(), frame.w_high.to_numpy()]))]
-    skipped = int(frame.step[frame.skipped_true > 0].nunique())
-    both = np.concatenate([frame.d_low.to_numpy(dtype=float), frame.d_high.to_numpy(dtype=float)])
+    sizes = [int(w) for w in np.unique(np.concatenate([_distinct(frame.w_low), _distinct(frame.w_high)]))]
+    skipped_steps = frame.step.to_numpy()[frame.skipped_true.to_numpy() > 0]
+    both = np.concatenate([_distinct(frame.d_low).astype(float), _distinct(frame.d_high).astype(float)])
     divisors = [float(d) for d in np.unique(both[~np.isnan(both)])]
-    weight_range = None
-    if bool(weighted.any()):
-        # q = e·N per token: the probe's extremes where recorded, else the records' mean weights
-        tokens = frame.tokens[weighted]
-        q_low, q_high = low * tokens, high * tokens
-        weight_range = (float(np.fmin(q_low.min(), q_high.min())), float(np.fmax(q_low.max(), q_high.max())))
-    return RunSummary(run=run, rows=int(frame.records.sum()), steps=int(frame.step.nunique()),
+    return RunSummary(run=run, rows=int(frame.records.sum()), steps=_count_distinct(frame.step.to_numpy()),
                       ranks=int(frame.rank_max.max()) + 1, world_size=sizes, groups=int(frame.grp.nunique()),
                       verdict=verdict_of(findings, judged), normalization=normalization, segments=segments,
-                      max_weight_ratio=ratio, microbatches=int(frame.m_high.max()),
-                      terms=terms, skipped_steps=skipped, divisors=divisors, weight_range=weight_range,
-                      segments_omitted=omitted)
+                      max_weight_ratio=max_ratio, microbatches=int(frame.m_high.max()),
+                      terms=terms, skipped_steps=_count_distinct(skipped_steps), divisors=divisors,
+                      weight_range=weight_range, segments_omitted=omitted)
+
+
+class _Extreme:
+    """The lowest value seen over blocks, NaN skipped; NaN when none was a number (pandas' min)."""
+
+    def __init__(self) -> None:
+        self.low = math.inf
+        self.seen = False
+
+    def add(self, values: npt.NDArray[np.float64]) -> None:
+        values = values[~np.isnan(values)]
+        if len(values):
+            self.low, self.seen = min(self.low, float(values.min())), True
+
+    def value(self) -> float:
+        return self.low if self.seen else math.nan
+
+
+def _distinct(column: pd.Series) -> npt.NDArray[Any]:
+    """The distinct values of a column: its one value when it is held as one (`engine._constant`)."""
+    values = column.to_numpy()
+    return np.unique(values[:1] if values.strides == (0,) and len(values) else values)
+
+
+def _count_distinct(values: npt.NDArray[Any]) -> int:
+    """How many distinct values: the length of an increasing column (one group's steps) without a hash."""
+    if len(values) < 2 or bool((values[1:] > values[:-1]).all()):
+        return len(values)
+    return len(pd.unique(values))

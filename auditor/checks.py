@@ -148,29 +148,30 @@ def _fix_average(context: RunContext) -> str:
 _CODES: tuple[Code, ...] = tuple(Code)
 
 
-def _weighting_codes(diagnoses: Diagnoses, explanation: npt.NDArray[np.int64],
-                     table: list[FactorExplanation]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+def _weighting_codes(diagnoses: Diagnoses, explanation: npt.NDArray[np.int32],
+                     table: list[FactorExplanation]) -> tuple[npt.NDArray[np.int16], npt.NDArray[np.int32]]:
     """Per step, the index in _CODES of its weighting finding (−1: none), and the explanation whose
-    label tells kinds of factor apart (for world_size_mismatch and loss_scale; −1 otherwise)."""
-    count = len(diagnoses)
+    label tells kinds of factor apart (for world_size_mismatch and loss_scale; −1 otherwise).
+    Narrow integers (2 and 4 bytes a step): at millions of steps every per-step array counts."""
     by_denominator = np.array([_CODES.index(_NONUNIFORM_CODES.get(d, Code.UNEXPLAINED_WEIGHTING))
-                               for d in DENOMINATORS], dtype=np.int64)
-    code = np.where(diagnoses.kind_is(StepKind.NONUNIFORM), by_denominator[diagnoses.denominator], -1)
+                               for d in DENOMINATORS], dtype=np.int16)
+    code = np.where(diagnoses.kind_is(StepKind.NONUNIFORM), by_denominator[diagnoses.denominator], np.int16(-1))
     kinds = {FactorKind.WORLD_SIZE: Code.WORLD_SIZE_MISMATCH, FactorKind.LOSS_SCALE: Code.LOSS_SCALE,
              FactorKind.OTHER: Code.SCALE_MISMATCH}
     by_explanation = np.array([_CODES.index(kinds[e.kind]) for e in table] + [_CODES.index(Code.SCALE_MISMATCH)],
-                              dtype=np.int64)  # the last entry stands for "none"
+                              dtype=np.int16)  # the last entry stands for "none"
     labelled = np.array([e.kind != FactorKind.OTHER for e in table] + [False])
     off = diagnoses.kind_is(StepKind.UNIFORM_OFF)
     padded = np.isin(diagnoses.denominator, [DENOMINATORS.index(Denominator.POSITIONS),
                                              DENOMINATORS.index(Denominator.STEP_POSITIONS)])
     raw = diagnoses.denominator == DENOMINATORS.index(Denominator.ONE)
-    named = np.where(explanation >= 0, explanation, len(table))
-    uniform_code = np.where(padded, _CODES.index(Code.PADDED_DENOMINATOR),
-                            np.where(raw, _CODES.index(Code.SCALE_MISMATCH), by_explanation[named]))
-    code = np.where(off, uniform_code, code)
-    label = np.where(off & ~padded & ~raw & labelled[named], named, -1)
-    return code.astype(np.int64) if count else np.zeros(0, np.int64), label.astype(np.int64)
+    named = np.where(explanation >= 0, explanation, np.int32(len(table)))
+    # Written in place, one condition at a time: no nested np.where of whole columns.
+    code[off] = by_explanation[named[off]]
+    code[off & raw] = _CODES.index(Code.SCALE_MISMATCH)
+    code[off & padded] = _CODES.index(Code.PADDED_DENOMINATOR)
+    label = np.where(off & ~padded & ~raw & labelled[named], named, np.int32(-1))
+    return code, label
 
 
 def _weighting_findings(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext,
@@ -187,30 +188,34 @@ def _weighting_findings(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunC
     # appearance: the four as one integer key (labels of equal text are one label).
     names = [e.label for e in table] + [""]
     label_number = np.array([names.index(name) for name in names], dtype=np.int64)[label[flagged]]
-    key = ((code[flagged] * len(DENOMINATORS) + diagnoses.denominator[flagged]) * len(names)
+    key = ((code[flagged].astype(np.int64) * len(DENOMINATORS) + diagnoses.denominator[flagged]) * len(names)
            + label_number) * 2 + np.isnan(diagnoses.approximate[flagged])
-    _, first, group = np.unique(key, return_index=True, return_inverse=True)
-    ratio = _ratios(steps, flagged)
-    unequal = np.where(ratio > 1 + context.rtol, ratio, 1.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        far = np.nan_to_num(np.abs(np.log(np.abs(diagnoses.distortion[flagged]))), nan=0.0)
-    for number in np.argsort(first, kind="stable"):
-        inside = np.flatnonzero(group == number)
-        members = flagged[inside]
-        # Evidence from the step where tokens were weighted most unequally (or q is furthest from 1).
-        worst = int(members[np.lexsort((far[inside], unequal[inside]))[-1]])
+    # The keys in order of first appearance, each row's as a number: a hash of a few distinct keys,
+    # not a sort of every flagged step.
+    group, _ = pd.factorize(key)
+    del key, label_number
+    for number in range(int(group.max()) + 1):
+        members = flagged[group == number]
+        # Evidence from the step where tokens were weighted most unequally (or q is furthest from 1),
+        # worked out over this finding's steps only.
+        ratio = _ratios(steps, members)
+        unequal = np.where(ratio > 1 + context.rtol, ratio, 1.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            far = np.nan_to_num(np.abs(np.log(np.abs(diagnoses.distortion[members]))), nan=0.0)
+        worst = int(members[np.lexsort((far, unequal))[-1]])
+        del ratio, unequal, far
         code_index = int(code[members[0]])
         yield _weighting_finding(_CODES[code_index], DENOMINATORS[int(diagnoses.denominator[members[0]])], steps,
                                  diagnoses, members, worst, explanation, table, context, extremes)
 
 
 def _factor_explanations(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext
-                         ) -> tuple[npt.NDArray[np.int64], list[FactorExplanation]]:
+                         ) -> tuple[npt.NDArray[np.int32], list[FactorExplanation]]:
     """Name each uniform factor q ≠ 1, per cluster of equal q: per step an index into the returned
     table (−1: none). A factor that differs from step to step (a count off by a few tokens per
     row: q = N/(N+4)) is one varying constant: its steps that land on 1/2 or 1/3 by chance are no
     world-size mistake."""
-    ids = np.full(len(diagnoses), -1, dtype=np.int64)
+    ids = np.full(len(diagnoses), -1, dtype=np.int32)
     off = np.flatnonzero(diagnoses.kind_is(StepKind.UNIFORM_OFF) & ~np.isnan(diagnoses.distortion))
     if not len(off):
         return ids, []
@@ -244,7 +249,7 @@ def _range(values: list[float]) -> list[float]:
 
 
 def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame, diagnoses: Diagnoses,
-                       members: npt.NDArray[np.int64], worst: int, explanations: npt.NDArray[np.int64],
+                       members: npt.NDArray[np.int64], worst: int, explanations: npt.NDArray[np.int32],
                        table: list[FactorExplanation], context: RunContext, extremes: Extremes | None = None) -> Finding:
     row = steps.iloc[worst]
     diagnosis = diagnoses[worst]

@@ -168,7 +168,23 @@ def _sorted_clusters(values: Floats, rtol: float) -> tuple[npt.NDArray[np.int64]
 
 
 def _column(steps: pd.DataFrame, name: str) -> Floats:
-    return np.asarray(pd.to_numeric(steps[name], errors="coerce"), dtype=np.float64)
+    """A column as float64 (what is not a number as NaN): a column held as one value (`engine._constant`)
+    stays one value (read-only, no memory), a float64 column is the column itself."""
+    values = steps[name].to_numpy()
+    if values.dtype.kind in "iuf" and values.strides == (0,) and len(values):
+        return np.broadcast_to(values[:1].astype(np.float64), values.shape)
+    converted: Floats = np.asarray(pd.to_numeric(steps[name], errors="coerce"), dtype=np.float64)
+    return converted
+
+
+def _column_at(steps: pd.DataFrame, name: str, rows: npt.NDArray[Any]) -> Floats:
+    """`_column(steps, name)[rows]`, converting only those rows (not the whole column at every call)."""
+    values = steps[name].to_numpy()
+    if values.dtype.kind in "iufb":
+        taken: Floats = values[rows].astype(np.float64)
+        return taken
+    picked: Floats = _column(steps, name)[rows]
+    return picked
 
 
 def candidate_bounds(steps: pd.DataFrame) -> dict[Denominator, tuple[Floats, Floats]]:
@@ -181,7 +197,7 @@ def _bounds(steps: pd.DataFrame, denominator: Denominator, rows: npt.NDArray[Any
     """One candidate's (lowest, highest) e·Den, at these rows of the table (all when None). Element by
     element, so the rows' values are bit for bit those of the whole table's."""
     def column(name: str) -> Floats:
-        return _column(steps, name) if rows is None else _column(steps, name)[rows]
+        return _column(steps, name) if rows is None else _column_at(steps, name, rows)
 
     if denominator in _RECORD_BOUNDS:
         low, high = _RECORD_BOUNDS[denominator]
@@ -203,7 +219,13 @@ def alpha_at(steps: pd.DataFrame) -> Callable[[int, npt.NDArray[Any]], Floats]:
     for the steps each candidate fits, and a table of it for every candidate would be 64 bytes a step
     (a sixth of the audit's peak at millions of steps). The same α as `_candidates` computes."""
     def alpha(c: int, rows: npt.NDArray[Any]) -> Floats:
-        return _alpha(*_bounds(steps, PREFERENCE[c], rows), _column(steps, "d_high")[rows])
+        # A block of rows at a time: the bounds' temporaries stay a few MB however many steps fit.
+        out = np.empty(len(rows))
+        for start in range(0, len(rows), BLOCK_STEPS):
+            part = rows[start:start + BLOCK_STEPS]
+            out[start:start + len(part)] = _alpha(*_bounds(steps, PREFERENCE[c], part),
+                                                  _column_at(steps, "d_high", part))
+        return out
 
     return alpha
 
@@ -280,44 +302,50 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
     alpha = alpha_at(steps)
     chosen, representative = _vote(fits, alpha, rtol)
 
-    n_equal = _column(steps, "n_low") == _column(steps, "n_high")
-    balanced = n_equal & (_column(steps, "m_low") == _column(steps, "m_high"))
+    # Per-step arrays are made narrow (int8 indices) and written in place, each condition applied in
+    # turn (a later one overrides): at millions of steps no whole float column is copied to be compared.
+    balanced = _column(steps, "n_low") == _column(steps, "n_high")
+    balanced &= _column(steps, "m_low") == _column(steps, "m_high")
     confused = _confusable(fits, alpha, usable, _column(steps, "w_high"), _column(steps, "m_high"), rtol)
     unknown_divisor = _column(steps, "unknown_divisor") > 0 if "unknown_divisor" in steps else np.zeros(count, bool)
     uniform = fits[:, 0]  # e·N constant ⇔ e constant
-    tokens = _column(steps, "tokens")
+    empty = _column(steps, "tokens") == 0
 
     # The denominator: the vote's winner, else the nearest approximate fit, else unexplained.
     preference = np.array([DENOMINATORS.index(d) for d in PREFERENCE], dtype=np.int8)
     approximate_fit = (chosen < 0) & (nearest >= 0)
     denominator = np.full(count, DENOMINATORS.index(Denominator.UNEXPLAINED), dtype=np.int8)
-    denominator = np.where(chosen >= 0, preference[np.maximum(chosen, 0)], denominator)
-    denominator = np.where(approximate_fit, preference[np.maximum(nearest, 0)], denominator).astype(np.int8)
-    factor = np.where(chosen >= 0, representative, np.nan)
+    won = chosen >= 0
+    denominator[won] = preference[chosen[won]]
+    del won
+    denominator[approximate_fit] = preference[nearest[approximate_fit]]
+    factor = representative  # NaN where the vote chose nothing
     for c in np.unique(nearest[approximate_fit]):
         near = np.flatnonzero(approximate_fit & (nearest == c))
         factor[near] = alpha(int(c), near)
-    approximate = np.where(approximate_fit, nearest_spread, np.nan)
+    approximate = nearest_spread
+    approximate[~approximate_fit] = np.nan
+    del approximate_fit, chosen, nearest
 
-    def index(kind: StepKind) -> int:
-        return KINDS.index(kind)
+    def index(kind: StepKind) -> np.int8:
+        return np.int8(KINDS.index(kind))
 
     with np.errstate(invalid="ignore"):
         correct = np.abs(distortion - 1.0) <= rtol
     kind = np.where(correct, index(StepKind.CORRECT), index(StepKind.UNIFORM_OFF))
-    kind = np.where(uniform & unknown_divisor, index(StepKind.UNJUDGED), kind)
-    kind = np.where(~uniform, index(StepKind.NONUNIFORM), kind)
-    kind = np.where(~usable, index(StepKind.UNWEIGHTED), kind)
-    kind = np.where(tokens == 0, index(StepKind.EMPTY), kind).astype(np.int8)
-    unjudged_here = ~usable | (tokens == 0)
+    del correct
+    kind[uniform & unknown_divisor] = index(StepKind.UNJUDGED)
+    kind[~uniform] = index(StepKind.NONUNIFORM)
+    kind[~usable] = index(StepKind.UNWEIGHTED)
+    kind[empty] = index(StepKind.EMPTY)
+    unjudged_here = ~usable | empty
     undetermined = DENOMINATORS.index(Denominator.UNDETERMINED)
-    denominator = np.where(unjudged_here, undetermined, denominator).astype(np.int8)
+    denominator[unjudged_here] = undetermined
     if confused is not None:
-        settled = np.isin(kind, [index(StepKind.CORRECT), index(StepKind.UNJUDGED)])
-        denominator = np.where(settled, undetermined, denominator).astype(np.int8)
-    factor = np.where(unjudged_here, np.nan, factor)
-    distortion = np.where(unjudged_here, np.nan, distortion)
-    approximate = np.where(unjudged_here, np.nan, approximate)
+        denominator[np.isin(kind, [index(StepKind.CORRECT), index(StepKind.UNJUDGED)])] = undetermined
+    factor[unjudged_here] = np.nan
+    distortion[unjudged_here] = np.nan
+    approximate[unjudged_here] = np.nan
     return Diagnoses(kind, denominator, factor, distortion, balanced, approximate, confused)
 
 
@@ -390,7 +418,11 @@ def _vote(fits: npt.NDArray[np.bool_], alpha_of: Callable[[int, npt.NDArray[Any]
     # Step indices as int32 below 2³¹ steps: the hypotheses' members cover each step once per fitting
     # candidate, the largest thing the vote holds.
     index_type = np.int32 if steps < 2**31 else np.int64
-    members: list[npt.NDArray[Any]] = []
+    # A hypothesis made of every row its candidate fits (one cluster, no NaN α: the usual run) is kept as
+    # the candidate's number and its rows found again when read: each step fits several candidates at
+    # once (N, 1, T and N_m all fit a correct step of one microbatch and constant T), 4 bytes each.
+    members: list[npt.NDArray[Any] | int] = []
+    sizes: list[int] = []
     owner: list[int] = []
     values: list[float] = []
     for c in range(candidates):
@@ -401,21 +433,26 @@ def _vote(fits: npt.NDArray[np.bool_], alpha_of: Callable[[int, npt.NDArray[Any]
         unordered = np.isnan(alpha)
         if unordered.any():  # α NaN: one hypothesis of its own, first (as label −1 sorts)
             members.append(rows[unordered])
+            sizes.append(int(unordered.sum()))
             owner.append(c)
             values.append(math.nan)
-        if not unordered.all() and _one_cluster(alpha[~unordered], rtol):
+        finite = alpha[~unordered] if unordered.any() else alpha
+        if len(finite) and _one_cluster(finite, rtol):
             # Every α within the first cluster's reach (a run that kept one normalization): the one
             # cluster `_sorted_clusters` would make, its median found without sorting.
-            members.append(rows[~unordered] if unordered.any() else rows)
+            members.append(rows[~unordered] if unordered.any() else c)
+            sizes.append(len(finite))
             owner.append(c)
-            values.append(float(np.median(alpha[~unordered])))
+            values.append(float(np.median(finite)))
             continue
+        del finite
         order, ordered, bounds = _sorted_clusters(alpha, rtol)
         for start, stop in zip(bounds, bounds[1:]):
             # A cluster is a slice of the sorted α: its median is its middle value (or the middle two's mean).
             middle = (start + stop) // 2
             median = ordered[middle] if (stop - start) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
             members.append(rows[order[start:stop]])
+            sizes.append(stop - start)
             owner.append(c)
             values.append(float(median))
     chosen = np.full(steps, -1, dtype=np.int8)
@@ -424,11 +461,14 @@ def _vote(fits: npt.NDArray[np.bool_], alpha_of: Callable[[int, npt.NDArray[Any]
     # Among hypotheses that explain as many steps: N (the token mean) first, then α = 1, the simplest
     # reading (S/n rather than 2·S/(n·M)), then PREFERENCE.
     plain = [0 if owner[h] == 0 else 1 if close(values[h], 1.0, rtol) else 2 for h in range(len(values))]
-    heap = [(-len(rows), plain[h], owner[h], h) for h, rows in enumerate(members)]
+    heap = [(-size, plain[h], owner[h], h) for h, size in enumerate(sizes)]
     heapq.heapify(heap)
     while heap:
         stored, simple, preference, h = heapq.heappop(heap)
-        free = members[h][~taken[members[h]]]
+        member = members[h]
+        rows = np.flatnonzero(fits[:, member]) if isinstance(member, int) else member
+        free = rows[~taken[rows]]
+        del rows
         if len(free) < -stored:
             if len(free):
                 heapq.heappush(heap, (-len(free), simple, preference, h))
@@ -524,27 +564,128 @@ MAX_SPANS = 100
 fires every other update) would otherwise make one span per step; the longest are kept."""
 
 
+SPAN_BLOCK = 1 << 16
+"""Rows `segments` reads at a time: its temporaries stay about 10 MB whatever the number of steps."""
+
+
 def segments(steps: pd.DataFrame, diagnoses: Diagnoses) -> tuple[list[Span], int]:
     """Consecutive steps with the same recovered normalization, merged per (group, term): two
     data-parallel groups never interleave. Columnar: a span starts wherever (denominator, α) changes.
     At most MAX_SPANS per (group, term), the longest (the earliest among equals), in step order;
-    the second value counts the spans left out."""
+    the second value counts the spans left out.
+
+    The step table comes in (group, term, step) order: it is read SPAN_BLOCK rows at a time, each
+    block's spans added to the longest kept so far (a normalization that changes at every step makes
+    a span per step: held whole, they were 90 bytes a step). A table in another order is sorted first."""
     keep = ~diagnoses.kind_is(StepKind.EMPTY)
     if not keep.any():
         return [], 0
-    (grp, grp_names), (term, term_names) = _name_ranks(steps.grp), _name_ranks(steps.term)
-    step = steps.step.to_numpy()[keep]
-    grp, term = grp[keep], term[keep]
-    denominator, factor = diagnoses.denominator[keep], diagnoses.factor[keep]
-    # By group, term, then step: the step table comes in that order (one group and term: by step), and
-    # is only sorted (lexsort is stable) when it does not.
-    later = (grp[1:] > grp[:-1]) | ((grp[1:] == grp[:-1]) & (
-        (term[1:] > term[:-1]) | ((term[1:] == term[:-1]) & (step[1:] > step[:-1]))))
-    if not later.all():
-        sorted_rows = np.lexsort((step, term, grp))
-        grp, term, step = grp[sorted_rows], term[sorted_rows], step[sorted_rows]
-        denominator, factor = denominator[sorted_rows], factor[sorted_rows]
-    del later
+    grp, grp_names = _name_ranks(steps.grp)
+    term, term_names = _name_ranks(steps.term)
+    step = steps.step.to_numpy()
+    spans = _Spans()
+    for start in range(0, len(step), SPAN_BLOCK):
+        rows = start + np.flatnonzero(keep[start:start + SPAN_BLOCK])
+        if not spans.add(grp.values(rows), term.values(rows), step[rows], diagnoses.denominator[rows],
+                         diagnoses.factor[rows]):
+            rows = np.flatnonzero(keep)
+            return _sorted_segments(grp.values(rows), term.values(rows), step[rows], diagnoses.denominator[rows],
+                                    diagnoses.factor[rows], grp_names, term_names)
+    return spans.listed(grp_names, term_names)
+
+
+class _Spans:
+    """`segments` a block of kept rows at a time: the span still open at the end of the last block, and
+    the longest closed spans of each (group, term), at most MAX_SPANS."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+        """Kept rows added so far: a span's first row is numbered among them (the earliest wins ties)."""
+        self.last: tuple[int, int, int, int, float] | None = None
+        """The last kept row: (group, term, step, denominator, α)."""
+        self.open: tuple[int, int, int, int, int, float] | None = None
+        """The open span: (first row, group, term, first step, denominator, α)."""
+        self.kept = {name: np.zeros(0, dtype) for name, dtype in _SPAN_FIELDS}
+        self.closed = 0
+
+    def add(self, grp: npt.NDArray[np.int32], term: npt.NDArray[np.int32], step: npt.NDArray[np.int64],
+            denominator: npt.NDArray[np.int8], factor: Floats) -> bool:
+        """Take the next kept rows; False when they are not in (group, term, step) order after the last."""
+        if not len(step):
+            return True
+        if self.last is not None:
+            g, t, s, d, f = self.last
+            grp, term, step = np.r_[g, grp], np.r_[t, term], np.r_[s, step]
+            denominator, factor = np.r_[np.int8(d), denominator], np.r_[f, factor]
+        later = (grp[1:] > grp[:-1]) | ((grp[1:] == grp[:-1]) & (
+            (term[1:] > term[:-1]) | ((term[1:] == term[:-1]) & (step[1:] > step[:-1]))))
+        if not later.all():
+            return False
+        del later
+        same_factor = (factor[1:] == factor[:-1]) | (np.isnan(factor[1:]) & np.isnan(factor[:-1]))
+        changed = (grp[1:] != grp[:-1]) | (term[1:] != term[:-1]) | (denominator[1:] != denominator[:-1]) | ~same_factor
+        # Positions (in this block's arrays, the carried row at 0 when there is one) where a span starts.
+        starts = np.flatnonzero(changed) + 1 if self.last is not None else np.r_[0, np.flatnonzero(changed) + 1]
+        offset = self.rows - (1 if self.last is not None else 0)  # row number of position 0
+        if len(starts):
+            first = np.r_[self.open[0], offset + starts] if self.open is not None else offset + starts
+            closing = len(first) - 1  # every span but the last starting here is closed by the next start
+            group_of = np.r_[self.open[1], grp[starts]] if self.open is not None else grp[starts]
+            term_of = np.r_[self.open[2], term[starts]] if self.open is not None else term[starts]
+            first_step = np.r_[self.open[3], step[starts]] if self.open is not None else step[starts]
+            denominators = np.r_[np.int8(self.open[4]), denominator[starts]] if self.open is not None \
+                else denominator[starts]
+            factors = np.r_[self.open[5], factor[starts]] if self.open is not None else factor[starts]
+            self._keep({"first": first[:closing], "length": first[1:] - first[:-1], "grp": group_of[:closing],
+                        "term": term_of[:closing], "first_step": first_step[:closing],
+                        "last_step": step[starts - 1][-closing:] if closing else step[:0],
+                        "denominator": denominators[:closing], "factor": factors[:closing]})
+            self.open = (int(first[-1]), int(group_of[-1]), int(term_of[-1]), int(first_step[-1]),
+                         int(denominators[-1]), float(factors[-1]))
+        self.rows = offset + len(step)
+        self.last = (int(grp[-1]), int(term[-1]), int(step[-1]), int(denominator[-1]), float(factor[-1]))
+        return True
+
+    def _keep(self, closed: dict[str, npt.NDArray[Any]]) -> None:
+        """Add closed spans and keep, per (group, term), the MAX_SPANS longest (the earliest among equals)."""
+        self.closed += len(closed["first"])
+        pool = {name: np.concatenate([self.kept[name], closed[name].astype(dtype)]) for name, dtype in _SPAN_FIELDS}
+        order = np.lexsort((pool["first"], -pool["length"], pool["term"], pool["grp"]))
+        pair = np.stack([pool["grp"][order], pool["term"][order]], axis=1)
+        new_pair = np.r_[True, (pair[1:] != pair[:-1]).any(axis=1)]
+        pair_start = np.maximum.accumulate(np.where(new_pair, np.arange(len(order)), 0))
+        chosen = order[np.arange(len(order)) - pair_start < MAX_SPANS]
+        self.kept = {name: values[chosen] for name, values in pool.items()}
+
+    def listed(self, grp_names: list[str], term_names: list[str]) -> tuple[list[Span], int]:
+        if self.open is not None and self.last is not None:
+            first, g, t, first_step, d, f = self.open
+            self._keep({"first": np.array([first]), "length": np.array([self.rows - first]), "grp": np.array([g]),
+                        "term": np.array([t]), "first_step": np.array([first_step]),
+                        "last_step": np.array([self.last[2]]), "denominator": np.array([d]),
+                        "factor": np.array([f])})
+            self.open = None
+        kept = self.kept
+        order = np.argsort(kept["first"], kind="stable")
+        spans = [Span(grp_names[g], term_names[t], a, b, n, DENOMINATORS[d], None if f != f else f)
+                 for g, t, a, b, n, d, f in zip(kept["grp"][order].tolist(), kept["term"][order].tolist(),
+                                                kept["first_step"][order].tolist(), kept["last_step"][order].tolist(),
+                                                kept["length"][order].tolist(), kept["denominator"][order].tolist(),
+                                                kept["factor"][order].tolist())]
+        return spans, self.closed - len(spans)
+
+
+_SPAN_FIELDS = (("first", np.int64), ("length", np.int64), ("grp", np.int32), ("term", np.int32),
+                ("first_step", np.int64), ("last_step", np.int64), ("denominator", np.int8), ("factor", np.float64))
+
+
+def _sorted_segments(grp: npt.NDArray[np.int32], term: npt.NDArray[np.int32], step: npt.NDArray[np.int64],
+                     denominator: npt.NDArray[np.int8], factor: Floats, grp_names: list[str], term_names: list[str]
+                     ) -> tuple[list[Span], int]:
+    """`segments` of kept rows in any order, all at once: sorted by group, term, then step (lexsort is stable)."""
+    sorted_rows = np.lexsort((step, term, grp))
+    grp, term, step = grp[sorted_rows], term[sorted_rows], step[sorted_rows]
+    denominator, factor = denominator[sorted_rows], factor[sorted_rows]
     same_factor = (factor[1:] == factor[:-1]) | (np.isnan(factor[1:]) & np.isnan(factor[:-1]))
     new_block = np.concatenate([[True], (grp[1:] != grp[:-1]) | (term[1:] != term[:-1])])
     starts = new_block | np.concatenate([[False], (denominator[1:] != denominator[:-1]) | ~same_factor])
@@ -565,7 +706,20 @@ def segments(steps: pd.DataFrame, diagnoses: Diagnoses) -> tuple[list[Span], int
         length.tolist(), names, factors)], omitted
 
 
-def _name_ranks(column: pd.Series) -> tuple[npt.NDArray[np.int32], list[str]]:
+@dataclass(frozen=True, slots=True)
+class _NameRanks:
+    """Per row, the rank of its name among the column's names, read for the rows asked (4 bytes a row
+    of those only): the codes of the column's categories and, per code, its rank."""
+
+    codes: npt.NDArray[Any]
+    rank: npt.NDArray[np.int32]
+
+    def values(self, rows: npt.NDArray[Any]) -> npt.NDArray[np.int32]:
+        ranks: npt.NDArray[np.int32] = self.rank[self.codes[rows]]
+        return ranks
+
+
+def _name_ranks(column: pd.Series) -> tuple[_NameRanks, list[str]]:
     """Per row, the rank of its name (as text) among the column's names, and the names in that order:
     a column of a few names repeated on millions of steps is compared and sorted as integers, and no
     row is turned into a string."""
@@ -575,4 +729,4 @@ def _name_ranks(column: pd.Series) -> tuple[npt.NDArray[np.int32], list[str]]:
     order = sorted(range(len(names)), key=names.__getitem__)
     rank = np.empty(len(names), dtype=np.int32)  # 4 bytes a step: fewer than 2³¹ names
     rank[order] = np.arange(len(names))
-    return rank[categorical.cat.codes.to_numpy()], [names[i] for i in order]
+    return _NameRanks(categorical.cat.codes.to_numpy(), rank), [names[i] for i in order]

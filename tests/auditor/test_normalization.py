@@ -392,3 +392,61 @@ def test_vote_equals_the_plain_greedy_cover(seed: int) -> None:
     expected_chosen, expected_representative = _vote_by_labels(fits, alphas, rtol)
     np.testing.assert_array_equal(chosen, expected_chosen)
     np.testing.assert_array_equal(representative, expected_representative)  # NaN equals NaN here
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 7, 64, 1 << 20])
+def test_spans_read_a_block_at_a_time_are_the_spans_of_the_whole_table(block: int,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`segments` reads SPAN_BLOCK rows at a time, carrying the open span and the longest kept ones:
+    whatever the block size, its spans and count left out are those of the table taken at once (the
+    path a table out of order takes), on random diagnoses with empty steps, NaN α, runs of equal and
+    alternating normalizations, several groups and terms and more spans than MAX_SPANS. A table out of
+    (group, term, step) order, even only in a later block, gives the same spans too."""
+    import tokaudit.normalization as normalization
+    from tokaudit.normalization import DENOMINATORS, KINDS, Diagnoses
+
+    monkeypatch.setattr(normalization, "SPAN_BLOCK", block)
+    rng = np.random.default_rng(block)
+    left_out = []
+    for trial in range(12):
+        groups, terms = ["b", "a", "10", "9"][:1 + trial % 4], ["0", "aux"][:1 + trial % 2]
+        rows = []
+        for group in sorted(groups):
+            for term in sorted(terms):
+                count = 600 if trial == 0 else int(rng.integers(0, 260))
+                steps = np.sort(rng.choice(10_000, size=count, replace=False))
+                # long runs and alternating stretches, from a few values of (denominator, α)
+                choice = np.repeat(rng.integers(0, 3, size=count // 5 + 1), 5)[:count]
+                choice = np.where(rng.random(count) < 0.3, rng.integers(0, 3, size=count), choice)
+                for step, c in zip(steps.tolist(), choice.tolist()):
+                    rows.append((group, term, step, c))
+        frame = pd.DataFrame(rows, columns=["grp", "term", "step", "choice"])
+        frame["grp"] = pd.Categorical(frame.grp, categories=list(reversed(groups)))  # categories in any order
+        frame["term"] = pd.Categorical(frame.term)
+        count = len(frame)
+        choice = frame.choice.to_numpy()
+        empty = rng.random(count) < 0.1
+        kind = np.where(empty, KINDS.index(StepKind.EMPTY), KINDS.index(StepKind.NONUNIFORM)).astype(np.int8)
+        denominator = np.array([DENOMINATORS.index(Denominator.N), DENOMINATORS.index(Denominator.RANK),
+                                DENOMINATORS.index(Denominator.RANK)], dtype=np.int8)[choice]
+        factor = np.array([1.0, 0.5, np.nan])[choice]
+        diagnoses = Diagnoses(kind, denominator, factor, np.full(count, np.nan), np.zeros(count, bool),
+                              np.full(count, np.nan))
+        keep = ~empty
+        grp, grp_names = normalization._name_ranks(frame.grp)
+        term, term_names = normalization._name_ranks(frame.term)
+        rows_kept = np.flatnonzero(keep)
+        whole = normalization._sorted_segments(grp.values(rows_kept), term.values(rows_kept),
+                                               frame.step.to_numpy()[rows_kept], denominator[rows_kept],
+                                               factor[rows_kept], grp_names, term_names)
+        got = segments(frame, diagnoses)
+        assert got == whole, (block, trial)
+        left_out.append(got[1])
+        if count > 2:
+            # out of order from the middle on: the whole table is sorted and taken at once
+            late = np.r_[np.arange(count // 2), np.arange(count // 2, count)[::-1]]
+            shuffled = frame.iloc[late].reset_index(drop=True)
+            moved = Diagnoses(kind[late], denominator[late], factor[late], diagnoses.distortion, diagnoses.balanced,
+                              diagnoses.approximate)
+            assert segments(shuffled, moved) == whole, (block, trial)
+    assert max(left_out) > 0 and min(left_out) == 0  # tables of more spans than MAX_SPANS, and of fewer
