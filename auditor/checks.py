@@ -662,7 +662,7 @@ def _balanced(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext) ->
     if confused is None:
         return
     nonempty = steps.tokens > 0
-    counts = sorted({int(n) for n in steps.n_high[nonempty]})
+    counts = [int(n) for n in np.unique(steps.n_high.to_numpy()[nonempty.to_numpy()])]  # not a Python int a step
     what, mistake = _CONFUSED_COUNTS[confused]
     detail = f"every record had the same valid-token count ({_list(counts)})" if bool(
         diagnoses.balanced[nonempty.to_numpy()].all()) else what

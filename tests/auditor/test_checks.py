@@ -222,6 +222,7 @@ def test_sync_findings(tmp_path: Path) -> None:
 def test_balanced_counts_are_inconclusive(tmp_path: Path) -> None:
     report = audit_rows(tmp_path, records([[[4], [4]], [[3], [3]]], local_mean))
     assert codes(report) == {"balanced_counts"}
+    assert only(report, Code.BALANCED_COUNTS).evidence["counts"] == [3, 4]  # each count once, in order
     assert report.runs[0].verdict == "inconclusive"
     assert report.runs[0].normalization.denominator == "undetermined"  # type: ignore[union-attr]
 
