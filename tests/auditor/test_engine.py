@@ -457,3 +457,32 @@ def test_without_a_probe_the_token_extremes_are_the_mean_weights_array(tmp_path:
 
     assert not _same_bits(np.array([0.0]), np.array([-0.0])) and _same_bits(np.array([np.nan]), np.array([np.nan]))
     assert not _same_bits(np.array([1], dtype=np.int32), np.array([1.0]))
+
+
+def test_the_view_of_every_shard_is_written_only_when_a_per_step_query_reads_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log aggregated in ranges defines each range's view; the view of every shard (0.35 s to write
+    and bind at 24,576 files) is defined only when records_at, complete_through or unusable_files
+    asks, and then gives every record."""
+    rows = records(UNEVEN_GA * 4, local_mean)
+    for index, start in enumerate(range(0, len(rows), 8)):
+        write(tmp_path / "run" / f"rank-all-{index:06d}.parquet", rows[start:start + 8])
+    shards = load([tmp_path]).shards
+    defined: list[int] = []
+    original = Engine._define
+
+    def counting(self: Engine, shards: Any, steps: Any, deduplicate: bool) -> None:
+        defined.append(len(shards))
+        original(self, shards, steps, deduplicate)
+
+    monkeypatch.setattr(Engine, "_define", counting)
+    engine = Engine.open(shards, chunk_rows=10)
+    try:
+        engine.step_table(1e-4)
+        assert len(defined) > 1 and len(shards) not in defined  # ranges only
+        step = rows[-1]["step"]
+        assert len(engine.records_at("run", step)) == sum(r["step"] == step for r in rows)
+        assert defined[-1] == len(shards)
+        assert engine.complete_through() == {("run", "0"): max(r["step"] for r in rows)}
+    finally:
+        engine.close()
