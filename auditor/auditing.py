@@ -21,6 +21,7 @@ from tokaudit.normalization import Denominator
 from tokaudit.errors import LogFormatError, UsageError
 from tokaudit.reader import LogSet, Shard, inspect_shard, load
 from tokaudit.report import AuditReport, Finding, RunSummary, Segment, StepRange, Verdict
+from tokaudit.schema import UNNAMED
 
 Progress = Callable[[str], None]
 
@@ -173,7 +174,7 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
             segments = [Segment(s.first, s.last, s.steps, value[s.denominator], s.factor, s.group, s.term)
                         for s in spans]
             summaries.append(_summary(run, frame, run_findings, segments, omitted))
-        findings.sort(key=lambda f: (-f.severity.rank, f.run, f.term != "0", f.term, _CODE_ORDER[f.code], f.steps.first))
+        findings.sort(key=lambda f: (-f.severity.rank, f.run, f.term != UNNAMED, f.term, _CODE_ORDER[f.code], f.steps.first))
         return AuditReport(runs=summaries, findings=findings, problems=problems, files=len(logset.shards),
                            steps=steps if keep_steps else None)
     finally:

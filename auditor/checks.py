@@ -33,6 +33,7 @@ from tokaudit.normalization import (
     segments,
 )
 from tokaudit.report import Finding, StepRange
+from tokaudit.schema import UNNAMED
 
 DEFAULT_RTOL = 1e-4
 """Relative tolerance: float32 sums of a few thousand tokens agree to ~1e-6; 1e-4 leaves room."""
@@ -122,7 +123,7 @@ def check_run(run: str, steps: pd.DataFrame, rtol: float,
 def _finding(context: RunContext, code: Code, steps: list[int] | np.ndarray, message: str, fix: str,
              evidence: dict[str, Any], severity: Severity | None = None) -> Finding:
     numbers = np.asarray(steps, dtype=np.int64)
-    if context.term != "0":
+    if context.term != UNNAMED:
         message = f"[term {context.term}] {message}"
     # Steps of one group come in order, each once: counted without a hash of millions of them.
     increasing = len(numbers) < 2 or bool((numbers[1:] > numbers[:-1]).all())
@@ -263,7 +264,7 @@ def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame
                                 "world_size": w, "grad_divisor": float(row.d_high), "global_tokens": tokens}
     if factors:
         evidence["factor_range"] = _range(factors)
-    group = f" (group {row.grp})" if str(row.grp) != "0" else ""
+    group = f" (group {row.grp})" if str(row.grp) != UNNAMED else ""
     if diagnosis.kind == StepKind.NONUNIFORM:
         heavy_e, light_e = float(row.e_high), float(row.e_low)
         ratio = heavy_e / light_e if light_e > 0 else math.inf
@@ -352,7 +353,7 @@ def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame
                    "under Adam(W) its balance against epsilon, weight decay and gradient clipping shifts).")
     else:
         aux = (" If this term is weighted on purpose (an auxiliary loss coefficient λ), this is that λ."
-               if context.term != "0" else "")
+               if context.term != UNNAMED else "")
         what = "a constant" if not spread else "a factor that changes from step to step"
         message = f"Weights are uniform within each step but scaled by {what}: {scaled}.{aux}"
     return _finding(context, code, step_numbers, message, _fix_average(context), evidence)
@@ -403,7 +404,7 @@ def _structure_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Fi
         if len(sizes) > 1:
             changed = per_group.w_high != per_group.w_high.iloc[0]
             yield _finding(context, Code.WORLD_SIZE_CHANGED, per_group.step[changed].to_numpy(),
-                           f"W changed between steps{'' if group == '0' else f' in group {group}'}: "
+                           f"W changed between steps{'' if group == UNNAMED else f' in group {group}'}: "
                            f"{' → '.join(map(str, sizes))} (an elastic restart or a resume on other hardware).",
                            "nothing to fix if the restart was intended; check that N and W were recomputed after it",
                            {"world_sizes": sizes})
@@ -674,9 +675,9 @@ def _balanced(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext) ->
 
 
 def loss_terms(steps: pd.DataFrame) -> list[str]:
-    """The loss terms of a step table, as text, the main term ("0") first: each distinct value named
+    """The loss terms of a step table, as text, the main term (UNNAMED, "0") first: each distinct value named
     once, not every row converted."""
-    return sorted({str(term) for term in steps.term.unique()}, key=lambda t: (t != "0", t))
+    return sorted({str(term) for term in steps.term.unique()}, key=lambda t: (t != UNNAMED, t))
 
 
 def _first(steps: pd.DataFrame, mask: pd.Series) -> Any:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tokaudit.codes import Code, Severity
+from tokaudit.schema import UNNAMED
 
 Verdict = Literal["correct", "incorrect", "inconclusive"]
 
@@ -40,8 +41,8 @@ class Finding:
     """What to change, written for this run."""
     evidence: dict[str, Any] = field(default_factory=dict)
     """Numbers a user can check by hand."""
-    term: str = "0"
-    """The loss term it concerns ("0": the main one, or the only one)."""
+    term: str = UNNAMED
+    """The loss term it concerns ("0", UNNAMED: the main one, or the only one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +59,9 @@ class Segment:
     """Recovered denominator: N, N_m, n_rank, n_micro*M, n_micro, T, T_step, 1, undetermined, unexplained."""
     factor: float | None
     """α in b·g = α·S/denominator (W for a correct averaging reduction, 1 for a summing one)."""
-    group: str = "0"
+    group: str = UNNAMED
     """Averaging group."""
-    term: str = "0"
+    term: str = UNNAMED
     """Loss term."""
 
 
@@ -90,7 +91,7 @@ class RunSummary:
     """Largest ratio between two valid tokens' effective weights inside one step."""
     microbatches: int
     """Most microbatches one rank ran in one step."""
-    terms: list[str] = field(default_factory=lambda: ["0"])
+    terms: list[str] = field(default_factory=lambda: [UNNAMED])
     """Loss terms, each audited as its own token mean."""
     skipped_steps: int = 0
     """Steps the trainer marked skipped (a GradScaler overflow, an inf/NaN guard, N = 0)."""

@@ -7,6 +7,7 @@ import os
 from tokaudit.render.markdown import render_markdown
 from tokaudit.render.text import printable, steps_text
 from tokaudit.report import AuditReport
+from tokaudit.schema import UNNAMED
 
 COMMAND = {"error": "error", "warning": "warning", "info": "notice"}
 
@@ -25,7 +26,7 @@ def render_annotations(report: AuditReport) -> str:
     for run in report.runs:
         lines.append(f"::notice title={_property(f'tokaudit {run.run}')}::{_data(f'verdict: {run.verdict}')}")
     for f in report.findings:
-        title = _property(f"tokaudit {f.code.value} · {f.run}" + (f" · term {f.term}" if f.term != "0" else ""))
+        title = _property(f"tokaudit {f.code.value} · {f.run}" + (f" · term {f.term}" if f.term != UNNAMED else ""))
         body = _data(f"steps {steps_text(f.steps)}: {f.message} Fix: {f.fix}")
         lines.append(f"::{COMMAND[f.severity.value]} title={title}::{body}")
     for problem in report.problems:

@@ -9,6 +9,7 @@ from typing import Any
 
 from tokaudit import __version__
 from tokaudit.report import AuditReport, Finding, RunSummary, Segment
+from tokaudit.schema import UNNAMED
 
 REPORT_VERSION = 1
 """Changes only when a key is removed or renamed (SPEC §4)."""
@@ -42,7 +43,7 @@ def finding_dict(finding: Finding) -> dict[str, Any]:
     out = {"run": finding.run, "code": finding.code.value, "severity": finding.severity.value,
            "steps": asdict(finding.steps), "message": finding.message, "fix": finding.fix,
            "evidence": finding.evidence}
-    if finding.term != "0":
+    if finding.term != UNNAMED:
         out["term"] = finding.term
     return out
 

@@ -7,6 +7,7 @@ import html
 
 from tokaudit.render.text import factor_text, printable, ratio_text, steps_text
 from tokaudit.report import AuditReport
+from tokaudit.schema import UNNAMED
 
 MARKER = "<!-- tokaudit-report -->"
 ICONS = {"correct": "✅", "incorrect": "❌", "inconclusive": "❔", "error": "❌", "warning": "⚠️", "info": "ℹ️"}
@@ -42,7 +43,7 @@ def render_markdown(report: AuditReport) -> str:
         lines += ["", "q = e·N is each valid token's weight relative to 1/N (1 when correct); max ratio is the "
                       "largest ratio between two tokens' weights in one step.", ""]
     for f in report.findings:
-        term = f" · term `{_cell(f.term)}`" if f.term != "0" else ""
+        term = f" · term `{_cell(f.term)}`" if f.term != UNNAMED else ""
         lines += [f"<details><summary>{ICONS[f.severity.value]} <b>{f.severity.value}</b> <code>{f.code.value}</code> "
                   f"· {html.escape(printable(f.run))}{html.escape(term)} · steps {steps_text(f.steps)}</summary>", "",
                   html.escape(printable(f.message)), "", f"**Fix:** {html.escape(printable(f.fix))}", "",
