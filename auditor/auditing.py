@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from tokaudit.checks import DEFAULT_RTOL, check_run, loss_terms
 from tokaudit.codes import DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
-from tokaudit.engine import Engine, extremes_at
+from tokaudit.engine import Engine, extremes_at, one_value
 from tokaudit.normalization import Denominator
 from tokaudit.errors import LogFormatError, UsageError
 from tokaudit.reader import LogSet, Shard, inspect_shard, load
@@ -379,7 +379,7 @@ class _Extreme:
 def _distinct(column: pd.Series) -> npt.NDArray[Any]:
     """The distinct values of a column: its one value when it is held as one (`engine._constant`)."""
     values = column.to_numpy()
-    return np.unique(values[:1] if values.strides == (0,) and len(values) else values)
+    return np.unique(values[:1] if one_value(values) else values)
 
 
 def _count_distinct(values: npt.NDArray[Any]) -> int:

@@ -659,7 +659,7 @@ def _join(columns: dict[str, list[Any]]) -> dict[str, Any]:
         if key in by_parts:
             joined[name] = by_parts[key]
             continue
-        freed += sum(part.nbytes for part in parts if not _one_value(part))
+        freed += sum(part.nbytes for part in parts if not one_value(part))
         constant = _constant(parts)
         if constant is not None:
             joined[name] = constant
@@ -690,12 +690,12 @@ def _constant(parts: list[Any]) -> np.ndarray | None:
     if rows < 2:
         return None
     first = next(part[:1] for part in parts if len(part))
-    # Compared as bits: 0.0 and -0.0 differ, and NaN equals NaN when it is the same NaN. A part that is
+    # Compared as bits (0.0 and -0.0 differ, and NaN equals NaN when it is the same NaN); a part that is
     # one value already is compared by that value.
-    as_bits = np.dtype(f"u{dtype.itemsize}")
-    value = first.view(as_bits)[0]
-    if not all(bool(((part[:1] if _one_value(part) else part).view(as_bits) == value).all()) for part in parts):
-        return None
+    for part in parts:
+        values = part[:1] if one_value(part) else part
+        if not _same_bits(values, np.broadcast_to(first, values.shape)):
+            return None
     return np.broadcast_to(first.copy(), (rows,))
 
 
@@ -708,7 +708,7 @@ def _same_bits(one: Any, other: Any) -> bool:
     return bool((one.view(as_bits) == other.view(as_bits)).all())
 
 
-def _one_value(values: Any) -> bool:
+def one_value(values: Any) -> bool:
     """An array that is one value repeated without memory (`_constant`'s, stride 0)."""
     return isinstance(values, np.ndarray) and values.strides == (0,) and len(values) > 0
 
@@ -720,7 +720,7 @@ def _reorder(joined: dict[str, Any], order: np.ndarray) -> None:
     taken: dict[int, Any] = {}
     for name in list(joined):
         values = joined[name]
-        if _one_value(values):
+        if one_value(values):
             continue  # one value in every row (`_constant`): in any order
         if id(values) not in taken:
             taken[id(values)] = values.take(order)

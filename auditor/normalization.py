@@ -21,6 +21,8 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
+from tokaudit.engine import one_value
+
 Floats = npt.NDArray[np.float64]
 
 
@@ -171,7 +173,7 @@ def _column(steps: pd.DataFrame, name: str) -> Floats:
     """A column as float64 (what is not a number as NaN): a column held as one value (`engine._constant`)
     stays one value (read-only, no memory), a float64 column is the column itself."""
     values = steps[name].to_numpy()
-    if values.dtype.kind in "iuf" and values.strides == (0,) and len(values):
+    if values.dtype.kind in "iuf" and one_value(values):
         return np.broadcast_to(values[:1].astype(np.float64), values.shape)
     converted: Floats = np.asarray(pd.to_numeric(steps[name], errors="coerce"), dtype=np.float64)
     return converted
@@ -583,40 +585,45 @@ def segments(steps: pd.DataFrame, diagnoses: Diagnoses) -> tuple[list[Span], int
     grp, grp_names = _name_ranks(steps.grp)
     term, term_names = _name_ranks(steps.term)
     step = steps.step.to_numpy()
+
+    def kept(rows: npt.NDArray[Any]) -> dict[str, npt.NDArray[Any]]:
+        return {"grp": grp.values(rows), "term": term.values(rows), "step": step[rows],
+                "denominator": diagnoses.denominator[rows], "factor": diagnoses.factor[rows]}
+
     spans = _Spans()
     for start in range(0, len(step), SPAN_BLOCK):
-        rows = start + np.flatnonzero(keep[start:start + SPAN_BLOCK])
-        if not spans.add(grp.values(rows), term.values(rows), step[rows], diagnoses.denominator[rows],
-                         diagnoses.factor[rows]):
-            rows = np.flatnonzero(keep)
-            return _sorted_segments(grp.values(rows), term.values(rows), step[rows], diagnoses.denominator[rows],
-                                    diagnoses.factor[rows], grp_names, term_names)
+        if not spans.add(kept(start + np.flatnonzero(keep[start:start + SPAN_BLOCK]))):
+            # Out of order: every kept row at once, sorted by group, term, then step (lexsort is stable).
+            rows = kept(np.flatnonzero(keep))
+            order = np.lexsort((rows["step"], rows["term"], rows["grp"]))
+            spans = _Spans()
+            spans.add({name: values[order] for name, values in rows.items()})
+            break
     return spans.listed(grp_names, term_names)
 
 
 class _Spans:
-    """`segments` a block of kept rows at a time: the span still open at the end of the last block, and
-    the longest closed spans of each (group, term), at most MAX_SPANS."""
+    """`segments` a block of kept rows at a time, each row (group, term, step, denominator, α) as arrays:
+    the last row added and the span still open, and the longest closed spans of each (group, term),
+    at most MAX_SPANS. A span is numbered by its first row among the rows added (the earliest wins ties)."""
 
     def __init__(self) -> None:
         self.rows = 0
-        """Kept rows added so far: a span's first row is numbered among them (the earliest wins ties)."""
-        self.last: tuple[int, int, int, int, float] | None = None
-        """The last kept row: (group, term, step, denominator, α)."""
-        self.open: tuple[int, int, int, int, int, float] | None = None
-        """The open span: (first row, group, term, first step, denominator, α)."""
+        """Rows added so far."""
+        self.last: dict[str, npt.NDArray[Any]] = {name: np.zeros(0, dtype) for name, dtype in _ROW_FIELDS}
+        """The last row added (none yet: empty arrays)."""
+        self.open: dict[str, npt.NDArray[Any]] = {name: np.zeros(0, dtype) for name, dtype in _OPEN_FIELDS}
+        """The span still open: its first row's number, group, term, step, denominator and α."""
         self.kept = {name: np.zeros(0, dtype) for name, dtype in _SPAN_FIELDS}
         self.closed = 0
 
-    def add(self, grp: npt.NDArray[np.int32], term: npt.NDArray[np.int32], step: npt.NDArray[np.int64],
-            denominator: npt.NDArray[np.int8], factor: Floats) -> bool:
-        """Take the next kept rows; False when they are not in (group, term, step) order after the last."""
-        if not len(step):
+    def add(self, block: dict[str, npt.NDArray[Any]]) -> bool:
+        """Take the next rows; False when they are not in (group, term, step) order after the last."""
+        if not len(block["step"]):
             return True
-        if self.last is not None:
-            g, t, s, d, f = self.last
-            grp, term, step = np.r_[g, grp], np.r_[t, term], np.r_[s, step]
-            denominator, factor = np.r_[np.int8(d), denominator], np.r_[f, factor]
+        carried = len(self.last["step"])  # the last row, at position 0 when there is one
+        rows = {name: np.concatenate([self.last[name], block[name]]) for name, _ in _ROW_FIELDS}
+        grp, term, step, denominator, factor = (rows[name] for name, _ in _ROW_FIELDS)
         later = (grp[1:] > grp[:-1]) | ((grp[1:] == grp[:-1]) & (
             (term[1:] > term[:-1]) | ((term[1:] == term[:-1]) & (step[1:] > step[:-1]))))
         if not later.all():
@@ -624,26 +631,21 @@ class _Spans:
         del later
         same_factor = (factor[1:] == factor[:-1]) | (np.isnan(factor[1:]) & np.isnan(factor[:-1]))
         changed = (grp[1:] != grp[:-1]) | (term[1:] != term[:-1]) | (denominator[1:] != denominator[:-1]) | ~same_factor
-        # Positions (in this block's arrays, the carried row at 0 when there is one) where a span starts.
-        starts = np.flatnonzero(changed) + 1 if self.last is not None else np.r_[0, np.flatnonzero(changed) + 1]
-        offset = self.rows - (1 if self.last is not None else 0)  # row number of position 0
-        if len(starts):
-            first = np.r_[self.open[0], offset + starts] if self.open is not None else offset + starts
-            closing = len(first) - 1  # every span but the last starting here is closed by the next start
-            group_of = np.r_[self.open[1], grp[starts]] if self.open is not None else grp[starts]
-            term_of = np.r_[self.open[2], term[starts]] if self.open is not None else term[starts]
-            first_step = np.r_[self.open[3], step[starts]] if self.open is not None else step[starts]
-            denominators = np.r_[np.int8(self.open[4]), denominator[starts]] if self.open is not None \
-                else denominator[starts]
-            factors = np.r_[self.open[5], factor[starts]] if self.open is not None else factor[starts]
-            self._keep({"first": first[:closing], "length": first[1:] - first[:-1], "grp": group_of[:closing],
-                        "term": term_of[:closing], "first_step": first_step[:closing],
-                        "last_step": step[starts - 1][-closing:] if closing else step[:0],
-                        "denominator": denominators[:closing], "factor": factors[:closing]})
-            self.open = (int(first[-1]), int(group_of[-1]), int(term_of[-1]), int(first_step[-1]),
-                         int(denominators[-1]), float(factors[-1]))
-        self.rows = offset + len(step)
-        self.last = (int(grp[-1]), int(term[-1]), int(step[-1]), int(denominator[-1]), float(factor[-1]))
+        # Positions where a span starts: after each change, and at the very first row.
+        starts = np.flatnonzero(changed) + 1 if carried else np.r_[0, np.flatnonzero(changed) + 1]
+        number = self.rows - carried  # the row number of position 0
+        spans = {name: np.concatenate([self.open[name], number + starts if name == "first" else rows[name][starts]])
+                 for name, _ in _OPEN_FIELDS}
+        # Every span but the last is closed by the next start, its last row just before that start.
+        closing = len(spans["first"]) - 1
+        self._keep({"first": spans["first"][:-1], "length": np.diff(spans["first"]), "grp": spans["grp"][:-1],
+                    "term": spans["term"][:-1], "first_step": spans["step"][:-1],
+                    "last_step": step[starts - 1][len(starts) - closing:],
+                    "denominator": spans["denominator"][:-1], "factor": spans["factor"][:-1]})
+        # copies: a view of the last element would keep the whole block's arrays alive
+        self.open = {name: values[-1:].copy() for name, values in spans.items()}
+        self.rows = number + len(step)
+        self.last = {name: values[-1:].copy() for name, values in rows.items()}
         return True
 
     def _keep(self, closed: dict[str, npt.NDArray[Any]]) -> None:
@@ -658,52 +660,26 @@ class _Spans:
         self.kept = {name: values[chosen] for name, values in pool.items()}
 
     def listed(self, grp_names: list[str], term_names: list[str]) -> tuple[list[Span], int]:
-        if self.open is not None and self.last is not None:
-            first, g, t, first_step, d, f = self.open
-            self._keep({"first": np.array([first]), "length": np.array([self.rows - first]), "grp": np.array([g]),
-                        "term": np.array([t]), "first_step": np.array([first_step]),
-                        "last_step": np.array([self.last[2]]), "denominator": np.array([d]),
-                        "factor": np.array([f])})
-            self.open = None
-        kept = self.kept
-        order = np.argsort(kept["first"], kind="stable")
-        spans = [Span(grp_names[g], term_names[t], a, b, n, DENOMINATORS[d], None if f != f else f)
-                 for g, t, a, b, n, d, f in zip(kept["grp"][order].tolist(), kept["term"][order].tolist(),
-                                                kept["first_step"][order].tolist(), kept["last_step"][order].tolist(),
-                                                kept["length"][order].tolist(), kept["denominator"][order].tolist(),
-                                                kept["factor"][order].tolist())]
+        """The spans kept, the open one closed at the last row, in order; and how many were left out."""
+        if len(self.open["first"]):
+            self._keep({"first": self.open["first"], "length": self.rows - self.open["first"],
+                        "grp": self.open["grp"], "term": self.open["term"], "first_step": self.open["step"],
+                        "last_step": self.last["step"], "denominator": self.open["denominator"],
+                        "factor": self.open["factor"]})
+            self.open = {name: values[:0] for name, values in self.open.items()}
+        order = np.argsort(self.kept["first"], kind="stable")
+        kept = {name: values[order].tolist() for name, values in self.kept.items()}
+        spans = [Span(grp_names[g], term_names[t], a, b, n, DENOMINATORS[d], None if f != f else f)  # NaN: none
+                 for g, t, a, b, n, d, f in zip(kept["grp"], kept["term"], kept["first_step"], kept["last_step"],
+                                                kept["length"], kept["denominator"], kept["factor"])]
         return spans, self.closed - len(spans)
 
 
+_ROW_FIELDS = (("grp", np.int32), ("term", np.int32), ("step", np.int64), ("denominator", np.int8),
+               ("factor", np.float64))
+_OPEN_FIELDS = (("first", np.int64), *_ROW_FIELDS)
 _SPAN_FIELDS = (("first", np.int64), ("length", np.int64), ("grp", np.int32), ("term", np.int32),
                 ("first_step", np.int64), ("last_step", np.int64), ("denominator", np.int8), ("factor", np.float64))
-
-
-def _sorted_segments(grp: npt.NDArray[np.int32], term: npt.NDArray[np.int32], step: npt.NDArray[np.int64],
-                     denominator: npt.NDArray[np.int8], factor: Floats, grp_names: list[str], term_names: list[str]
-                     ) -> tuple[list[Span], int]:
-    """`segments` of kept rows in any order, all at once: sorted by group, term, then step (lexsort is stable)."""
-    sorted_rows = np.lexsort((step, term, grp))
-    grp, term, step = grp[sorted_rows], term[sorted_rows], step[sorted_rows]
-    denominator, factor = denominator[sorted_rows], factor[sorted_rows]
-    same_factor = (factor[1:] == factor[:-1]) | (np.isnan(factor[1:]) & np.isnan(factor[:-1]))
-    new_block = np.concatenate([[True], (grp[1:] != grp[:-1]) | (term[1:] != term[:-1])])
-    starts = new_block | np.concatenate([[False], (denominator[1:] != denominator[:-1]) | ~same_factor])
-    first = np.flatnonzero(starts)
-    last = np.concatenate([first[1:], [len(step)]]) - 1
-    length = last - first + 1
-    block = np.cumsum(new_block)[first]  # (group, term) of each span
-    # Rank spans within their block by length (longest first, then earliest); keep the top MAX_SPANS.
-    order = np.lexsort((first, -length, block))
-    block_start = np.searchsorted(block[order], block[order], side="left")
-    chosen = np.sort(order[np.arange(len(order)) - block_start < MAX_SPANS])
-    omitted = len(first) - len(chosen)
-    first, last, length = first[chosen], last[chosen], length[chosen]
-    names = [DENOMINATORS[d] for d in denominator[first].tolist()]
-    factors = [None if f != f else f for f in factor[first].tolist()]  # NaN: none
-    return [Span(grp_names[g], term_names[t], a, b, n, d, f) for g, t, a, b, n, d, f in zip(
-        grp[first].tolist(), term[first].tolist(), step[first].tolist(), step[last].tolist(),
-        length.tolist(), names, factors)], omitted
 
 
 @dataclass(frozen=True, slots=True)

@@ -394,14 +394,39 @@ def test_vote_equals_the_plain_greedy_cover(seed: int) -> None:
     np.testing.assert_array_equal(representative, expected_representative)  # NaN equals NaN here
 
 
+def _plain_spans(frame: pd.DataFrame, keep: np.ndarray, denominator: np.ndarray, factor: np.ndarray
+                 ) -> tuple[list[Any], int]:
+    """The spans by definition, one row at a time: the kept rows sorted by (group, term, step) as text
+    and number, a span per run of equal (group, term, denominator, α) with NaN equal to NaN, the
+    MAX_SPANS longest (the earliest among equals) of each (group, term), in order; and how many were left out."""
+    from tokaudit.normalization import DENOMINATORS, MAX_SPANS, Span
+
+    rows = sorted((str(g), str(t), int(s), int(d), float(f))
+                  for g, t, s, d, f, k in zip(frame.grp, frame.term, frame.step, denominator, factor, keep) if k)
+    runs: list[list[Any]] = []  # [group, term, first step, last step, length, denominator, α, first row]
+    for index, (g, t, s, d, f) in enumerate(rows):
+        last = runs[-1] if runs else None
+        if last and (last[0], last[1], last[5]) == (g, t, d) and (last[6] == f or (f != f and last[6] != last[6])):
+            last[3], last[4] = s, last[4] + 1
+        else:
+            runs.append([g, t, s, s, 1, d, f, index])
+    chosen = []
+    for pair in sorted({(r[0], r[1]) for r in runs}):
+        mine = sorted((r for r in runs if (r[0], r[1]) == pair), key=lambda r: (-r[4], r[7]))
+        chosen += mine[:MAX_SPANS]
+    chosen.sort(key=lambda r: r[7])
+    return [Span(g, t, a, b, n, DENOMINATORS[d], None if f != f else f) for g, t, a, b, n, d, f, _ in chosen], \
+        len(runs) - len(chosen)
+
+
 @pytest.mark.parametrize("block", [1, 2, 3, 7, 64, 1 << 20])
 def test_spans_read_a_block_at_a_time_are_the_spans_of_the_whole_table(block: int,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """`segments` reads SPAN_BLOCK rows at a time, carrying the open span and the longest kept ones:
-    whatever the block size, its spans and count left out are those of the table taken at once (the
-    path a table out of order takes), on random diagnoses with empty steps, NaN α, runs of equal and
-    alternating normalizations, several groups and terms and more spans than MAX_SPANS. A table out of
-    (group, term, step) order, even only in a later block, gives the same spans too."""
+    whatever the block size, its spans and count left out are those of a plain walk over the sorted
+    rows (`_plain_spans`), on random diagnoses with empty steps, NaN α, runs of equal and alternating
+    normalizations, several groups and terms and more spans than MAX_SPANS. A table out of (group,
+    term, step) order, even only in a later block, gives the same spans too."""
     import tokaudit.normalization as normalization
     from tokaudit.normalization import DENOMINATORS, KINDS, Diagnoses
 
@@ -432,13 +457,7 @@ def test_spans_read_a_block_at_a_time_are_the_spans_of_the_whole_table(block: in
         factor = np.array([1.0, 0.5, np.nan])[choice]
         diagnoses = Diagnoses(kind, denominator, factor, np.full(count, np.nan), np.zeros(count, bool),
                               np.full(count, np.nan))
-        keep = ~empty
-        grp, grp_names = normalization._name_ranks(frame.grp)
-        term, term_names = normalization._name_ranks(frame.term)
-        rows_kept = np.flatnonzero(keep)
-        whole = normalization._sorted_segments(grp.values(rows_kept), term.values(rows_kept),
-                                               frame.step.to_numpy()[rows_kept], denominator[rows_kept],
-                                               factor[rows_kept], grp_names, term_names)
+        whole = _plain_spans(frame, ~empty, denominator, factor)
         got = segments(frame, diagnoses)
         assert got == whole, (block, trial)
         left_out.append(got[1])
