@@ -53,6 +53,10 @@ class Shard:
     names: tuple[str, str, str] | None = None
     """The one (run, group, term) all its records carry, defaults applied, when its footer shows it (each
     column absent, or one value with no null); None when it may hold several."""
+    null_columns: frozenset[str] = frozenset()
+    """Its columns of NULLABLE_COLUMNS whose footer shows no value at all (in every row group a null count
+    equal to the rows): what the recorder writes for what it was not given (no probe, no reported loss).
+    The aggregation reads these as it reads a column the file lacks (`engine.step_sql`'s `missing`)."""
 
     @property
     def name(self) -> str:
@@ -284,7 +288,9 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
         raise LogFormatError(name, facts.problem)
     present = facts.present
     try:
-        stats = _column_stats(parquet, facts.bounded)
+        metadata = parquet.metadata
+        index = {metadata.schema.column(i).name: i for i in range(metadata.num_columns)}
+        stats = _column_stats(metadata, index, facts.bounded)
         for column in facts.unsigned:
             high = stats[column][1]
             if high is None or high > INT64_MAX:
@@ -294,11 +300,35 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
         raise LogFormatError(name, error.problem) from None
     except Exception as error:
         raise LogFormatError(name, f"cannot read the file's data ({_short(error)})") from None
-    return Shard(path=path, columns=frozenset(present), rows=parquet.metadata.num_rows,
+    return Shard(path=path, columns=frozenset(present), rows=metadata.num_rows,
                  default_run=path.parent.name, step_range=_range(stats["step"]), rank_range=_range(stats["rank"]),
                  micro_range=_range(stats["micro"]), dropped=read_dropped(schema.metadata),
                  store=store, signature=facts.signature,
-                 names=_names(stats, present, path.parent.name))
+                 names=_names(stats, present, path.parent.name),
+                 null_columns=_null_columns(metadata, index, present & NULLABLE_COLUMNS))
+
+
+NULLABLE_COLUMNS = frozenset({"token_weight_sum", "token_weight_min", "token_weight_max", "masked_weight_abs_sum",
+                              "reported_loss", "sync", "skipped", "positions", "divisor_known"})
+"""Optional columns whose absence lets the aggregation leave out aggregates (`engine.MISSING_AGGREGATES`)."""
+
+
+def _null_columns(metadata: pq.FileMetaData, index: dict[str, int], columns: frozenset[str]) -> frozenset[str]:
+    """Those of `columns` that hold only nulls by the footer: a null count equal to the rows of every row
+    group. A column without a null count in its statistics is not claimed."""
+    if not columns:
+        return frozenset()
+    empty = set(columns)
+    for group in range(metadata.num_row_groups):
+        row_group = metadata.row_group(group)
+        rows = row_group.num_rows
+        for column in list(empty):
+            statistics = row_group.column(index[column]).statistics
+            if statistics is None or not statistics.has_null_count or statistics.null_count != rows:
+                empty.discard(column)
+        if not empty:
+            break
+    return frozenset(empty)
 
 
 _NAME_COLUMNS = (("run_id", None), ("group", UNNAMED), ("term", UNNAMED))
@@ -436,10 +466,10 @@ def _check_values(parquet: pq.ParquetFile, present: frozenset[str], stats: dict[
         _check_rows(parquet.read(columns=sorted(need), use_threads=True), need)
 
 
-def _column_stats(parquet: pq.ParquetFile, columns: frozenset[str]) -> dict[str, tuple[Any, Any, int | None]]:
-    """(min, max, null count) per column over all row groups; None where a statistic is missing."""
-    metadata = parquet.metadata
-    index = {metadata.schema.column(i).name: i for i in range(metadata.num_columns)}
+def _column_stats(metadata: pq.FileMetaData, index: dict[str, int], columns: frozenset[str]
+                  ) -> dict[str, tuple[Any, Any, int | None]]:
+    """(min, max, null count) per column over all row groups; None where a statistic is missing.
+    `index`: each column's position in the footer."""
     groups = [metadata.row_group(group) for group in range(metadata.num_row_groups)]
     out: dict[str, tuple[Any, Any, int | None]] = {}
     for column in columns:

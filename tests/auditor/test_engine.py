@@ -376,9 +376,9 @@ def test_a_range_of_one_run_group_and_term_is_aggregated_without_hashing_names(
     used: list[bool] = []
     original = engine_module.step_sql
 
-    def recording(single_ranks: Any, extremes: bool = False, one_name: bool = False) -> str:
+    def recording(single_ranks: Any, extremes: bool = False, one_name: bool = False, *rest: Any) -> str:
         used.append(one_name)
-        return original(single_ranks, extremes, one_name)
+        return original(single_ranks, extremes, one_name, *rest)
 
     monkeypatch.setattr(engine_module, "step_sql", recording)
     fast = Engine.open(single, chunk_rows=10).step_table(1e-4)
@@ -486,3 +486,72 @@ def test_the_view_of_every_shard_is_written_only_when_a_per_step_query_reads_it(
         assert engine.complete_through() == {("run", "0"): max(r["step"] for r in rows)}
     finally:
         engine.close()
+
+
+def _same_table(one: pd.DataFrame, other: pd.DataFrame) -> list[str]:
+    """The columns in which two step tables differ: name, order, dtype, or any bit (0.0 is not −0.0)."""
+    from tokaudit.engine import _same_bits
+
+    assert list(one.columns) == list(other.columns)
+    return [c for c in one.columns if one[c].dtype != other[c].dtype or not (
+        one[c].equals(other[c]) if one[c].dtype.name == "category" else _same_bits(one[c].to_numpy(), other[c].to_numpy()))]
+
+
+@pytest.mark.parametrize("counts", [[[[5], [0], [7], [3]], [[4], [9], [2], [6]]], UNEVEN_GA], ids=["one micro", "two micro"])
+def test_aggregates_of_columns_no_record_holds_are_constants_and_change_no_bit(
+        tmp_path: Path, counts: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A range whose files lack an optional column or hold only nulls in it (`Shard.null_columns`) reads
+    it as a typed NULL and takes MISSING_AGGREGATES' constants instead of aggregating it. The step table
+    must be the full query's bit for bit: ranges with nothing recorded (some files written with the
+    recorder's full schema and null columns, some without the columns), a range where every optional
+    column holds values on some records only, and the evidence columns, joined across ranges."""
+    import pyarrow as pa
+
+    import tokaudit.engine as engine_module
+    from tests.logs import token_mean
+    from tokaudit.schema import WRITER_SCHEMA
+
+    optional = sorted(engine_module.NULLABLE_COLUMNS)
+    plain = records(counts * 6, local_mean)
+    full = pa.schema([WRITER_SCHEMA.field(n) for n in [*plain[0], *optional]])
+    quiet = plain[:len(plain) // 3]
+    write(tmp_path / "log" / "a-000000.parquet", quiet[:len(quiet) // 2], schema=full)  # every value null
+    write(tmp_path / "log" / "b-000000.parquet", quiet[len(quiet) // 2:])  # the columns absent
+    loud = records(counts * 6, token_mean)[len(plain) // 3:]
+    for index, row in enumerate(loud):
+        if index % 3 == 0:
+            row.update(token_weight_sum=0.01 * row["valid_tokens"],
+                       token_weight_min=-0.0, token_weight_max=0.5, masked_weight_abs_sum=0.25, divisor_known=False)
+        if index % 4 == 1:
+            row.update(reported_loss=2.25, positions=16, sync=index % 8 == 1, skipped=False)
+    write(tmp_path / "log" / "c-000000.parquet", loud, schema=full)
+    shards = load([tmp_path / "log"]).shards
+    by_name = {s.path.name: s for s in shards}
+    assert by_name["a-000000.parquet"].null_columns == set(optional)
+    assert engine_module.missing_columns([by_name["a-000000.parquet"], by_name["b-000000.parquet"]]) == set(optional)
+    assert engine_module.missing_columns(shards) == frozenset()
+    asked: list[frozenset[str]] = []
+    full_query = engine_module.step_sql
+    monkeypatch.setattr(engine_module, "step_sql", lambda *args: asked.append(args[3]) or full_query(*args))
+    for extremes in (False, True):
+        tables = {}
+        for prune in (True, False):
+            engine = Engine.open(shards, chunk_rows=len(quiet) // 2, extremes=extremes)
+            engine.prune = prune
+            tables[prune] = engine.step_table(1e-4)
+            engine.close()
+        assert len(tables[True]) == len(counts) * 6
+        assert not _same_table(tables[True], tables[False])
+        assert tables[True].reported.gt(0).any() and tables[True].probed.gt(0).any()
+    # ranges of nothing recorded were aggregated without those columns, the others with them
+    assert set(optional) in asked and frozenset() in asked
+    # The mechanism: the query of a range with nothing recorded aggregates none of those columns.
+    import re
+
+    for single_ranks in (None, (0, 3)):
+        query = full_query(single_ranks, False, False, frozenset(optional))
+        aggregated = query.split("weighted AS")[1].split("SELECT * EXCLUDE")[0]  # not the final casts
+        for name in [*optional, "probe_low", "probe_high", "probe_nonuniform", "masked_weighted", "last_sync"]:
+            # named as an output (AS name) or passed through (sync AS last_sync), never aggregated
+            read = re.sub(rf"(AS {name}\b|\bsync AS last_sync)", "", aggregated)
+            assert not re.search(rf"\b{name}\b", read), (single_ranks, name)

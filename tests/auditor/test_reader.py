@@ -16,6 +16,7 @@ from tests.logs import UNEVEN, records, token_mean, write, write_by_rank
 from tokaudit.auditing import audit
 from tokaudit.cli import main
 from tokaudit.reader import inspect_shard, load
+from tokaudit.schema import WRITER_SCHEMA
 
 
 def good_run(folder: Path) -> Path:
@@ -161,7 +162,7 @@ def test_backward_scalar_may_be_null_only_with_probe_weights(tmp_path: Path) -> 
 def test_shards_of_one_schema_keep_their_own_footers(tmp_path: Path) -> None:
     """A schema is checked once for all the shards that share it, but each shard's own footer still
     decides its statistics, its dropped-steps note and its problems."""
-    from tokaudit.schema import WRITER_SCHEMA, dropped_metadata
+    from tokaudit.schema import dropped_metadata
 
     rows = records(UNEVEN, token_mean)
     names = [f.name for f in WRITER_SCHEMA if f.name in rows[0]]
@@ -290,3 +291,22 @@ def test_a_shard_names_its_one_run_group_and_term_only_when_its_footer_shows_it(
     for name, (written, expected) in cases.items():
         path = write(tmp_path / name.replace(" ", "_") / "folder" / "rank-all-000000.parquet", written)
         assert inspect_shard(path).names == expected, name
+
+
+def test_a_shard_names_the_optional_columns_that_hold_no_value_from_its_footer(tmp_path: Path) -> None:
+    """`Shard.null_columns`: a nullable column whose every row group counts as many nulls as rows (what
+    the recorder writes for a probe or a reported loss it was not given); a value in any row group, or a
+    footer without null counts, keeps the column out. Absent columns are not listed (the file lacks them)."""
+    rows = records(UNEVEN * 4, token_mean)
+    full = pa.schema([WRITER_SCHEMA.field(n) for n in [*rows[0], "reported_loss", "positions", "sync", "token_weight_sum"]])
+    valued = [dict(r, reported_loss=2.0 if index == len(rows) - 1 else None, positions=None,
+                   sync=True, token_weight_sum=None) for index, r in enumerate(rows)]
+    table = pa.Table.from_pylist(valued, schema=full)
+    path = tmp_path / "groups.parquet"
+    pq.write_table(table, path, row_group_size=5)  # the one reported loss sits in the last row group
+    assert pq.ParquetFile(path).metadata.num_row_groups > 2
+    assert inspect_shard(path).null_columns == {"positions", "token_weight_sum"}
+    pq.write_table(table.drop_columns(["reported_loss"]), path, row_group_size=5)
+    assert inspect_shard(path).null_columns == {"positions", "token_weight_sum"}
+    pq.write_table(table, path, write_statistics=False)
+    assert inspect_shard(path).null_columns == frozenset()
