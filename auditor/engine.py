@@ -76,8 +76,8 @@ class Engine:
     extremes: bool = False
     """The step table holds EXTREME_COLUMNS (the evidence of one step, see `extremes_at`)."""
     prune: bool = True
-    """Aggregates of columns no record holds a value of are constants (MISSING_AGGREGATES); off only to
-    check that this changes nothing."""
+    """Aggregates whose value the files' footers give are constants (FOOTER_CONSTANTS); off only to check
+    that this changes nothing."""
 
     link_names: dict[int, str] = field(default_factory=dict)
     """Per shard (by id): its link's name, or for a remote shard the name it goes by in dedup order."""
@@ -183,7 +183,7 @@ class Engine:
         """The columns a scan of these shards reads: a column none of them holds a value of is a typed
         NULL, as for a file that lacks it (no column read, and the checks of its finiteness fold away)."""
         present = set().union(*(s.columns for s in shards))
-        return present - missing_columns(shards) if self.prune else present
+        return present - (footer_facts(shards)[0] & NULLABLE_COLUMNS) if self.prune else present
 
     def _define(self, shards: Sequence[Shard], steps: tuple[int, int] | None, deduplicate: bool) -> None:
         # The views of thousands of files take a while to write and bind: a definition that is already
@@ -326,9 +326,10 @@ class Engine:
         parameters: dict[str, Any] = {"rtol": rtol}
         if names is not None:
             parameters.update(run_name=names[0], grp_name=names[1], term_name=names[2])
-        missing = missing_columns(shards) if self.prune else frozenset()
+        facts, known = footer_facts(shards) if self.prune else (frozenset(), {})
+        parameters.update(known)
         table: dict[str, Any] = self.connection.execute(
-            step_sql(single_ranks, self.extremes, names is not None, missing), parameters).fetchnumpy()
+            step_sql(single_ranks, self.extremes, names is not None, facts), parameters).fetchnumpy()
         for name, values in table.items():
             if name in ("run", "grp", "term"):
                 table[name] = _categorical(values)
@@ -586,7 +587,7 @@ RANK_BITS_LIMIT = 4096
 """Widest rank range the one-record-per-rank form counts distinct ranks over (a bitstring a step)."""
 
 
-MISSING_AGGREGATES: dict[frozenset[str], tuple[tuple[str, str], ...]] = {
+FOOTER_CONSTANTS: dict[frozenset[str], tuple[tuple[str, str], ...]] = {
     # min(coalesce(NULL, w) + 0·w) is min(w) bit for bit (see MEAN_WEIGHT_EXTREMES), an aggregate the
     # query holds already (DuckDB computes equal aggregates once); the spread of a NULL probe is NULL.
     frozenset({"token_weight_min", "token_weight_max"}): (
@@ -612,35 +613,60 @@ MISSING_AGGREGATES: dict[frozenset[str], tuple[tuple[str, str], ...]] = {
     # divisor_known defaults to true: valid_tokens > 0 AND NOT true is false (not NULL) on every record
     frozenset({"divisor_known"}): (("count_if(valid_tokens > 0 AND NOT divisor_known) AS unknown_divisor",
                                     "0 AS unknown_divisor"),),
+    # one value on every record: its min and max on every step (each step has a record), as a parameter
+    frozenset({"world_size="}): (("min(world_size) AS w_low, max(world_size) AS w_high",
+                                  "CAST($world_size AS INTEGER) AS w_low, CAST($world_size AS INTEGER) AS w_high"),),
+    frozenset({"grad_divisor="}): (("min(grad_divisor) AS d_low, max(grad_divisor) AS d_high",
+                                    "CAST($grad_divisor AS DOUBLE) AS d_low, CAST($grad_divisor AS DOUBLE) AS d_high"),),
+    frozenset({"micro<64"}): (("count_if(micro >= 64) AS wide_micro", "0 AS wide_micro"),),
 }
-"""Aggregates that are constants when no record of the range holds a value of these columns (each file
-lacks them or holds only nulls in them, `Shard.null_columns`), with those constants: what each aggregate
-gives over NULL on every record (count 0; count_if, sum, min and max NULL), typed as the query casts it.
-About a sixth of the query's time on a log without probe, reported loss or skip flags; a test checks the
-step tables with and without them are equal bit for bit."""
+"""Aggregates whose value the footers of a range's files already give, with that value, per fact
+(`footer_facts`). A column named alone: no record holds a value of it (each file lacks it or holds only
+nulls in it, `Shard.null_columns`), and each aggregate is what it gives over NULL on every record (count
+0; count_if, sum, min and max NULL), typed as the query casts it. "world_size=" and "grad_divisor=": one
+value on every record, passed as the parameter of that name. "micro<64": no microbatch index reaches 64.
+A sixth to a fifth of the query's time on a log without probe, reported loss or skip flags, of one W and
+D; a test checks the step tables with and without them are equal bit for bit."""
 
 
-def missing_columns(shards: Sequence[Shard]) -> frozenset[str]:
-    """The columns no record of these shards holds a value of, by their footers (absent or all null)."""
-    return frozenset(column for column in NULLABLE_COLUMNS
-                     if all(column not in s.columns or column in s.null_columns for s in shards))
+def footer_facts(shards: Sequence[Shard]) -> tuple[frozenset[str], dict[str, Any]]:
+    """What the footers of these shards say of all their records, as FOOTER_CONSTANTS' facts, and the
+    parameters those facts need: the columns no record holds a value of (absent or all null), the one
+    world_size and grad_divisor when there is one, and whether every microbatch index is below 64."""
+    facts = {column for column in NULLABLE_COLUMNS
+             if all(column not in s.columns or column in s.null_columns for s in shards)}
+    parameters: dict[str, Any] = {}
+    worlds = {s.world_range for s in shards}
+    if len(worlds) == 1 and (world := worlds.pop()) is not None and world[0] == world[1]:
+        facts.add("world_size=")
+        parameters["world_size"] = world[0]
+    # D is grad_divisor where written; exact as a double (a float, or an integer a double holds exactly) and
+    # positive (0.0 and −0.0 compare equal in Python, but neither is a valid divisor)
+    divisors = {s.divisor_range if "grad_divisor" in s.columns else None for s in shards}
+    if len(divisors) == 1 and (divisor := divisors.pop()) is not None and divisor[0] == divisor[1] and (
+            isinstance(divisor[0], float) or abs(divisor[0]) < 2**53) and divisor[0] > 0:
+        facts.add("grad_divisor=")
+        parameters["grad_divisor"] = float(divisor[0])
+    if shards and all(s.micro_range is not None and s.micro_range[1] < 64 for s in shards):
+        facts.add("micro<64")
+    return frozenset(facts), parameters
 
 
 def step_sql(single_ranks: tuple[int, int] | None, extremes: bool = False, one_name: bool = False,
-             missing: frozenset[str] = frozenset()) -> str:
+             facts: frozenset[str] = frozenset()) -> str:
     """The per-step query for these records. `single_ranks`: the (lowest, highest) rank when the footers
     show every record is microbatch 0, so that a (rank, step) holds one record unless a key is repeated.
     `extremes`: with EXTREME_COLUMNS, where each step's heaviest and lightest token were. `one_name`:
     every record has one (run, group, term), given as the parameters $run_name, $grp_name, $term_name.
-    `missing`: columns no record holds a value of (`missing_columns`), whose aggregates are then constants."""
+    `facts`: what the footers say of every record (`footer_facts`): the aggregates it gives are constants."""
     if single_ranks is None:
         sql = STEP_SQL
     else:
         low, high = single_ranks
         sql = ONE_RECORD_STEP_SQL.replace("{repeated}", f"count(*) - bit_count(bitstring_agg(rank, {low}, {high}))")
     key, names = ONE_NAME_KEYS if one_name else KEYS
-    for columns, replacements in MISSING_AGGREGATES.items():
-        if columns <= missing:
+    for needed, replacements in FOOTER_CONSTANTS.items():
+        if needed <= facts:
             for aggregate, constant in replacements:
                 sql = sql.replace(aggregate, constant)
     return (sql.replace("{rank_extremes}", RANK_EXTREMES if extremes else "")

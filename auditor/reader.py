@@ -53,6 +53,11 @@ class Shard:
     names: tuple[str, str, str] | None = None
     """The one (run, group, term) all its records carry, defaults applied, when its footer shows it (each
     column absent, or one value with no null); None when it may hold several."""
+    world_range: tuple[int, int] | None = None
+    """Lowest and highest world_size, from the footer's statistics."""
+    divisor_range: tuple[Any, Any] | None = None
+    """Lowest and highest grad_divisor as the footer's statistics give them (None when it lacks them, or
+    the column is absent or holds a null)."""
     null_columns: frozenset[str] = frozenset()
     """Its columns of NULLABLE_COLUMNS whose footer shows no value at all (in every row group a null count
     equal to the rows): what the recorder writes for what it was not given (no probe, no reported loss).
@@ -302,7 +307,9 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
         raise LogFormatError(name, f"cannot read the file's data ({_short(error)})") from None
     return Shard(path=path, columns=frozenset(present), rows=metadata.num_rows,
                  default_run=path.parent.name, step_range=_range(stats["step"]), rank_range=_range(stats["rank"]),
-                 micro_range=_range(stats["micro"]), dropped=read_dropped(schema.metadata),
+                 micro_range=_range(stats["micro"]), world_range=_range(stats["world_size"]),
+                 divisor_range=_bounds(stats["grad_divisor"]) if "grad_divisor" in stats else None,
+                 dropped=read_dropped(schema.metadata),
                  store=store, signature=facts.signature,
                  names=_names(stats, present, path.parent.name),
                  null_columns=_null_columns(metadata, index, present & NULLABLE_COLUMNS))
@@ -310,7 +317,7 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
 
 NULLABLE_COLUMNS = frozenset({"token_weight_sum", "token_weight_min", "token_weight_max", "masked_weight_abs_sum",
                               "reported_loss", "sync", "skipped", "positions", "divisor_known"})
-"""Optional columns whose absence lets the aggregation leave out aggregates (`engine.MISSING_AGGREGATES`)."""
+"""Optional columns whose absence lets the aggregation leave out aggregates (`engine.FOOTER_CONSTANTS`)."""
 
 
 def _null_columns(metadata: pq.FileMetaData, index: dict[str, int], columns: frozenset[str]) -> frozenset[str]:
@@ -355,8 +362,14 @@ def _names(stats: dict[str, tuple[Any, Any, int | None]], present: frozenset[str
 
 def _range(stats: tuple[Any, Any, int | None]) -> tuple[int, int] | None:
     """(lowest, highest) of an integer column when its statistics hold both and it has no nulls."""
+    bounds = _bounds(stats)
+    return (int(bounds[0]), int(bounds[1])) if bounds is not None else None
+
+
+def _bounds(stats: tuple[Any, Any, int | None]) -> tuple[Any, Any] | None:
+    """(lowest, highest) of a column when its statistics hold both and it has no nulls."""
     low, high, nulls = stats
-    return (int(low), int(high)) if low is not None and high is not None and nulls == 0 else None
+    return (low, high) if low is not None and high is not None and nulls == 0 else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -498,13 +498,15 @@ def _same_table(one: pd.DataFrame, other: pd.DataFrame) -> list[str]:
 
 
 @pytest.mark.parametrize("counts", [[[[5], [0], [7], [3]], [[4], [9], [2], [6]]], UNEVEN_GA], ids=["one micro", "two micro"])
-def test_aggregates_of_columns_no_record_holds_are_constants_and_change_no_bit(
+def test_aggregates_the_footers_give_are_constants_and_change_no_bit(
         tmp_path: Path, counts: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A range whose files lack an optional column or hold only nulls in it (`Shard.null_columns`) reads
-    it as a typed NULL and takes MISSING_AGGREGATES' constants instead of aggregating it. The step table
-    must be the full query's bit for bit: ranges with nothing recorded (some files written with the
-    recorder's full schema and null columns, some without the columns), a range where every optional
-    column holds values on some records only, and the evidence columns, joined across ranges."""
+    it as a typed NULL and takes FOOTER_CONSTANTS' constants instead of aggregating it; so does one whose
+    footers show one W, one D, or no microbatch index of 64 or more. The step table must be the full
+    query's bit for bit: ranges with nothing recorded (files written with the recorder's full schema and
+    null columns, and without the columns) and one W and D, a range where every optional column holds
+    values on some records only, W and D vary and (with microbatches) an index passes 64, and the
+    evidence columns, joined across ranges."""
     import pyarrow as pa
 
     import tokaudit.engine as engine_module
@@ -513,23 +515,32 @@ def test_aggregates_of_columns_no_record_holds_are_constants_and_change_no_bit(
 
     optional = sorted(engine_module.NULLABLE_COLUMNS)
     plain = records(counts * 6, local_mean)
+    world = plain[0]["world_size"]
+    divisor = world * 1.1  # a D no float32 holds
+    plain = [dict(r, grad_divisor=divisor) for r in plain]
     full = pa.schema([WRITER_SCHEMA.field(n) for n in [*plain[0], *optional]])
     quiet = plain[:len(plain) // 3]
     write(tmp_path / "log" / "a-000000.parquet", quiet[:len(quiet) // 2], schema=full)  # every value null
     write(tmp_path / "log" / "b-000000.parquet", quiet[len(quiet) // 2:])  # the columns absent
-    loud = records(counts * 6, token_mean)[len(plain) // 3:]
+    loud = records(counts * 6, token_mean, grad_divisor=divisor)[len(plain) // 3:]
     for index, row in enumerate(loud):
         if index % 3 == 0:
             row.update(token_weight_sum=0.01 * row["valid_tokens"],
                        token_weight_min=-0.0, token_weight_max=0.5, masked_weight_abs_sum=0.25, divisor_known=False)
         if index % 4 == 1:
             row.update(reported_loss=2.25, positions=16, sync=index % 8 == 1, skipped=False)
+        if index % 5 == 2:
+            row.update(world_size=8, grad_divisor=2.0 * divisor)
+        if row["micro"] == 1:
+            row["micro"] = 65
     write(tmp_path / "log" / "c-000000.parquet", loud, schema=full)
     shards = load([tmp_path / "log"]).shards
     by_name = {s.path.name: s for s in shards}
     assert by_name["a-000000.parquet"].null_columns == set(optional)
-    assert engine_module.missing_columns([by_name["a-000000.parquet"], by_name["b-000000.parquet"]]) == set(optional)
-    assert engine_module.missing_columns(shards) == frozenset()
+    quiet_facts = engine_module.footer_facts([by_name["a-000000.parquet"], by_name["b-000000.parquet"]])
+    assert quiet_facts == ({*optional, "world_size=", "grad_divisor=", "micro<64"},
+                           {"world_size": world, "grad_divisor": divisor})
+    assert engine_module.footer_facts(shards)[0] <= {"micro<64"}
     asked: list[frozenset[str]] = []
     full_query = engine_module.step_sql
     monkeypatch.setattr(engine_module, "step_sql", lambda *args: asked.append(args[3]) or full_query(*args))
@@ -543,8 +554,23 @@ def test_aggregates_of_columns_no_record_holds_are_constants_and_change_no_bit(
         assert len(tables[True]) == len(counts) * 6
         assert not _same_table(tables[True], tables[False])
         assert tables[True].reported.gt(0).any() and tables[True].probed.gt(0).any()
-    # ranges of nothing recorded were aggregated without those columns, the others with them
-    assert set(optional) in asked and frozenset() in asked
+        assert tables[True].w_high.nunique() == 2 and tables[True].d_high.nunique() == 2
+    # ranges of nothing recorded and one W and D took the constants, the others aggregated
+    assert quiet_facts[0] in asked and any(not facts & {*optional, "world_size=", "grad_divisor="} for facts in asked)
+
+    # A NaN divisor is in no footer's statistics (D looks constant): the aggregation still counts it, and
+    # the file is named and left out as without the constants.
+    nan = [dict(r, grad_divisor=float("nan") if index == 1 else r["grad_divisor"]) for index, r in enumerate(quiet)]
+    write(tmp_path / "nan" / "a-000000.parquet", nan)
+    write(tmp_path / "nan" / "b-000000.parquet", plain[len(quiet):])
+    assert load([tmp_path / "nan" / "a-000000.parquet"], thorough=False).shards[0].divisor_range == (divisor, divisor)
+    from tokaudit.render.json_report import render_json
+
+    with_facts = render_json(audit([tmp_path / "nan"]))
+    assert quiet_facts[0] <= asked[-1]
+    monkeypatch.setattr(engine_module, "footer_facts", lambda shards: (frozenset(), {}))
+    assert render_json(audit([tmp_path / "nan"])) == with_facts and not asked[-1]
+    assert "a-000000.parquet" in with_facts and "not a positive number" in with_facts
     # The mechanism: the query of a range with nothing recorded aggregates none of those columns.
     import re
 
