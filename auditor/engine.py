@@ -403,7 +403,7 @@ RECORDS_SQL = """
 WITH rec AS (
     -- k stands for (run, grp, term) in the groupings: an integer hashes in a fraction of the time of
     -- three strings, and the per-rank grouping of a many-microbatch log holds millions of groups
-    SELECT {key} AS k, run, grp, term, step, rank, micro, world_size, grad_divisor, grad_scale,
+    SELECT {key} AS k, {record_names}step, rank, micro, world_size, grad_divisor, grad_scale,
         valid_tokens, loss_sum, positions,
         sync, skipped, reported_loss, token_weight_sum, divisor_known,
         valid_tokens > 0 AND NOT (isfinite(loss_sum) AND coalesce(isfinite(backward_scalar), true)
@@ -515,13 +515,15 @@ ONE_RECORD_CASTS = _casts(leave_out=("m_low", "m_high"))  # constants of the one
 EXTREME_CASTS = ", ".join(f"CAST({c} AS {'BIGINT' if c.endswith('tokens') else 'INTEGER'}) AS {c}"
                           for c in EXTREME_COLUMNS)
 STEP_KEYS = "k, {names}step"
-KEYS = ("hash(run, grp, term)", "any_value(run) AS run, any_value(grp) AS grp, any_value(term) AS term, ")
-"""{key} and {names} of the query: k a hash of the names, the names any row's."""
-ONE_NAME_KEYS = ("CAST(0 AS UBIGINT)", "")
-"""{key} and {names} when the footers show every record of the range has one (run, group, term)
-(`Shard.names`): no hash of three strings per record, no string aggregate per step (the query's CPU
-15% less), and no name at all: the names' categories are made in Python (`_aggregate`), not a string
-a step handed over and hashed again (0.25 s at 1.25M steps)."""
+KEYS = ("hash(run, grp, term)", "any_value(run) AS run, any_value(grp) AS grp, any_value(term) AS term, ",
+        "run, grp, term, ")
+"""{key}, {names} and {record_names} of the query: k a hash of the names, the names any row's."""
+ONE_NAME_KEYS = ("CAST(0 AS UBIGINT)", "", "")
+"""{key}, {names} and {record_names} when the footers show every record of the range has one (run,
+group, term) (`Shard.names`): no hash of three strings per record, no string aggregate per step (the
+query's CPU 15% less), and no name at all, neither read nor kept in the records the groupings share (6%
+of the query with microbatches): the names' categories are made in Python (`_aggregate`), not a string a
+step handed over and hashed again (0.25 s at 1.25M steps)."""
 # By step only: sorting by the names as well costs more than the rest of the query at millions of steps;
 # the rare table of several (run, group, term) is sorted as categories after (`step_table`).
 STEP_SQL = f"""
@@ -666,7 +668,7 @@ def step_sql(single_ranks: tuple[int, int] | None, extremes: bool = False, one_n
     else:
         low, high = single_ranks
         sql = ONE_RECORD_STEP_SQL.replace("{repeated}", f"count(*) - bit_count(bitstring_agg(rank, {low}, {high}))")
-    key, names = ONE_NAME_KEYS if one_name else KEYS
+    key, names, record_names = ONE_NAME_KEYS if one_name else KEYS
     for needed, replacements in FOOTER_CONSTANTS.items():
         if needed <= facts:
             for aggregate, constant in replacements:
@@ -674,7 +676,7 @@ def step_sql(single_ranks: tuple[int, int] | None, extremes: bool = False, one_n
     return (sql.replace("{rank_extremes}", RANK_EXTREMES if extremes else "")
             .replace("{extremes}", EXTREME_AGGREGATES if extremes else "")
             .replace("{extreme_casts}", ", " + EXTREME_CASTS if extremes else "")
-            .replace("{key}", key).replace("{names}", names))
+            .replace("{key}", key).replace("{names}", names).replace("{record_names}", record_names))
 
 
 def extremes_at(shards: Sequence[Shard], step: int, rtol: float, threads: int | None = None) -> pd.DataFrame:
