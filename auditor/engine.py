@@ -629,8 +629,8 @@ FOOTER_CONSTANTS: dict[frozenset[str], tuple[tuple[str, str], ...]] = {
 nulls in it, `Shard.null_columns`), and each aggregate is what it gives over NULL on every record (count
 0; count_if, sum, min and max NULL), typed as the query casts it. "world_size=" and "grad_divisor=": one
 value on every record, passed as the parameter of that name. "micro<64": no microbatch index reaches 64.
-A sixth to a fifth of the query's time on a log without probe, reported loss or skip flags, of one W and
-D; a test checks the step tables with and without them are equal bit for bit."""
+The range query at 1.25M steps (no probe, reported loss or skip flags; one W and D) 0.20 → 0.16 s; a test
+checks the step tables with and without them are equal bit for bit."""
 
 
 def footer_facts(shards: Sequence[Shard]) -> tuple[frozenset[str], dict[str, Any]]:

@@ -427,7 +427,15 @@ def _vote(fits: npt.NDArray[np.bool_], alpha_of: Callable[[int, npt.NDArray[Any]
     sizes: list[int] = []
     owner: list[int] = []
     values: list[float] = []
+    token_mean_whole = False
     for c in range(candidates):
+        if token_mean_whole and not (fits[:, c] & ~fits[:, 0]).any():
+            # Every step this candidate fits is a member of N's one hypothesis (all N fits, one cluster, no
+            # NaN α): none of its hypotheses can win a step. Each is a subset K of those rows, so at any
+            # pick free(K) ≤ free(N's), and N wins every tie (plainest, first in PREFERENCE); once N's is
+            # picked, K has nothing left. Leaving them out changes no pick (nor when the picks stop), and
+            # saves their α and its sort: in a correct run 1, T and ΣT fit exactly the steps N fits.
+            continue
         rows = np.flatnonzero(fits[:, c]).astype(index_type)
         if not len(rows):
             continue
@@ -446,6 +454,7 @@ def _vote(fits: npt.NDArray[np.bool_], alpha_of: Callable[[int, npt.NDArray[Any]
             sizes.append(len(finite))
             owner.append(c)
             values.append(float(np.median(finite)))
+            token_mean_whole = token_mean_whole or (c == 0 and not unordered.any())
             continue
         del finite
         order, ordered, bounds = _sorted_clusters(alpha, rtol)

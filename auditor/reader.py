@@ -61,7 +61,7 @@ class Shard:
     null_columns: frozenset[str] = frozenset()
     """Its columns of NULLABLE_COLUMNS whose footer shows no value at all (in every row group a null count
     equal to the rows): what the recorder writes for what it was not given (no probe, no reported loss).
-    The aggregation reads these as it reads a column the file lacks (`engine.step_sql`'s `missing`)."""
+    The aggregation reads these as it reads a column the file lacks (`engine.footer_facts`)."""
 
     @property
     def name(self) -> str:

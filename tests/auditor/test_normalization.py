@@ -469,3 +469,61 @@ def test_spans_read_a_block_at_a_time_are_the_spans_of_the_whole_table(block: in
                               diagnoses.approximate)
             assert segments(shuffled, moved) == whole, (block, trial)
     assert max(left_out) > 0 and min(left_out) == 0  # tables of more spans than MAX_SPANS, and of fewer
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_the_vote_leaves_out_what_the_token_mean_covers_and_picks_the_same(seed: int) -> None:
+    """A candidate that fits only steps of N's one hypothesis (N fits them all in one cluster, no NaN α)
+    can win nothing: the vote leaves its hypotheses out. The picks must stay the plain greedy cover's:
+    tables where N is one cluster and other candidates fit subsets of its steps (equal to them, as 1 and T
+    in a correct run, or smaller, with several factors and NaN α), where candidates outside N take some
+    of its steps first so that ties with N's shrinking count occur, and where N has a NaN α or two
+    clusters (nothing may be left out then)."""
+    from tokaudit.normalization import _vote
+
+    rng = np.random.default_rng(100 + seed)
+    rtol = 1e-4
+    steps, candidates = int(rng.integers(4, 60)), 8
+    fits = np.zeros((steps, candidates), dtype=bool)
+    fits[:, 0] = rng.random(steps) < rng.uniform(0.3, 1.0)
+    alphas = rng.choice([0.5, 1.0, 2.0, 3.0], (steps, candidates)) * (1 + rng.uniform(-0.4, 0.4, (steps, candidates)) * rtol)
+    alphas[:, 0] = 8.0 * (1 + rng.uniform(-0.4, 0.4, steps) * rtol)
+    for c in range(1, candidates):
+        kind = rng.integers(0, 4)
+        if kind == 0:
+            fits[:, c] = fits[:, 0]  # the same steps (1, T, ΣT in a correct run)
+        elif kind == 1:
+            fits[:, c] = fits[:, 0] & (rng.random(steps) < 0.6)  # a subset
+        elif kind == 2:
+            fits[:, c] = rng.random(steps) < 0.5  # steps outside N too: competes with it
+        if rng.random() < 0.2:
+            alphas[rng.random(steps) < 0.2, c] = np.nan
+    if seed % 6 == 5:
+        alphas[int(rng.integers(0, steps)), 0] = np.nan  # nothing may be left out then
+    if seed % 6 == 4:
+        alphas[: steps // 3, 0] *= 3.0  # N in two clusters
+    chosen, representative = _vote(fits, lambda c, rows: alphas[rows, c], rtol)
+    expected_chosen, expected_representative = _vote_by_labels(fits, alphas, rtol)
+    np.testing.assert_array_equal(chosen, expected_chosen)
+    np.testing.assert_array_equal(representative, expected_representative)
+
+
+def test_the_vote_leaves_nothing_out_when_n_is_not_one_whole_cluster() -> None:
+    """Only N's own one hypothesis, covering every step N fits, lets the vote leave candidates out:
+    with NaN α on half of N's steps, a candidate fitting all of them in one cluster is larger than
+    either of N's hypotheses and wins them; with N in two clusters, a candidate of α = 1 (plainer) wins
+    a tie against another candidate's one cluster, not by being left out."""
+    from tokaudit.normalization import PREFERENCE, _vote
+
+    fits = np.zeros((10, len(PREFERENCE)), dtype=bool)
+    fits[:, :3] = True
+    alphas = np.full(fits.shape, np.nan)
+    alphas[5:, 0] = 8.0
+    alphas[:, 1], alphas[:, 2] = 2.0, 1.0
+    chosen, _ = _vote(fits, lambda c, rows: alphas[rows, c], 1e-4)
+    np.testing.assert_array_equal(chosen, _vote_by_labels(fits, alphas, 1e-4)[0])
+    assert (chosen == 2).all()  # α = 1 beats α = 2 at equal size; N's halves are smaller
+    alphas[:, 0] = [1.0] * 5 + [3.0] * 5  # N's two clusters of five
+    chosen, _ = _vote(fits, lambda c, rows: alphas[rows, c], 1e-4)
+    np.testing.assert_array_equal(chosen, _vote_by_labels(fits, alphas, 1e-4)[0])
+    assert (chosen == 2).all()
