@@ -177,7 +177,8 @@ def _column(steps: pd.DataFrame, name: str) -> Floats:
         return np.broadcast_to(values[:1].astype(np.float64), values.shape)
     if values.dtype.kind in "iufb":
         # what pd.to_numeric and float64 make of a number, without building a Series each time
-        return values if values.dtype == np.float64 else values.astype(np.float64)
+        number: Floats = values if values.dtype == np.float64 else values.astype(np.float64)
+        return number
     converted: Floats = np.asarray(pd.to_numeric(steps[name], errors="coerce"), dtype=np.float64)
     return converted
 
