@@ -18,7 +18,9 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
+from tokaudit.engine import one_value
 from tokaudit.normalization import (
+    BLOCK_STEPS,
     DENOMINATORS,
     FORMULA,
     Denominator,
@@ -30,6 +32,7 @@ from tokaudit.normalization import (
     cluster,
     diagnose_steps,
     explain_factor,
+    row_indices,
     segments,
 )
 from tokaudit.report import Finding, StepRange
@@ -182,32 +185,51 @@ def _weighting_findings(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunC
     steps it spans, with the range of its factor. Steps are grouped as columns, not one by one."""
     explanation, table = _factor_explanations(steps, diagnoses, context)
     code, label = _weighting_codes(diagnoses, explanation, table)
-    flagged = np.flatnonzero(code >= 0)
+    flagged = row_indices(code >= 0, np.int32 if len(code) < 2**31 else np.int64)
     if not len(flagged):
         return
     # One finding per (code, denominator, label of the factor, approximate fit), in order of first
-    # appearance: the four as one integer key (labels of equal text are one label).
+    # appearance: the four as one integer key (labels of equal text are one label), each flagged step's
+    # key's number found a block of steps at a time (a few distinct keys: no sort of every flagged step).
     names = [e.label for e in table] + [""]
-    label_number = np.array([names.index(name) for name in names], dtype=np.int64)[label[flagged]]
-    key = ((code[flagged].astype(np.int64) * len(DENOMINATORS) + diagnoses.denominator[flagged]) * len(names)
-           + label_number) * 2 + np.isnan(diagnoses.approximate[flagged])
-    # The keys in order of first appearance, each row's as a number: a hash of a few distinct keys,
-    # not a sort of every flagged step.
-    group, _ = pd.factorize(key)
-    del key, label_number
-    for number in range(int(group.max()) + 1):
+    label_numbers = np.array([names.index(name) for name in names], dtype=np.int64)
+    group = np.empty(len(flagged), dtype=np.int32)
+    numbers: dict[int, int] = {}
+    for start in range(0, len(flagged), BLOCK_STEPS):
+        rows = flagged[start:start + BLOCK_STEPS]
+        key = ((code[rows].astype(np.int64) * len(DENOMINATORS) + diagnoses.denominator[rows]) * len(names)
+               + label_numbers[label[rows]]) * 2 + np.isnan(diagnoses.approximate[rows])
+        distinct, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        for value in distinct[np.argsort(first)]:
+            numbers.setdefault(int(value), len(numbers))
+        group[start:start + len(rows)] = np.array([numbers[int(value)] for value in distinct], np.int32)[inverse]
+    del label
+    for number in range(len(numbers)):
         members = flagged[group == number]
-        # Evidence from the step where tokens were weighted most unequally (or q is furthest from 1),
-        # worked out over this finding's steps only.
-        ratio = _ratios(steps, members)
-        unequal = np.where(ratio > 1 + context.rtol, ratio, 1.0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            far = np.nan_to_num(np.abs(np.log(np.abs(diagnoses.distortion[members]))), nan=0.0)
-        worst = int(members[np.lexsort((far, unequal))[-1]])
-        del ratio, unequal, far
+        worst = _worst(steps, diagnoses, members, context.rtol)
         code_index = int(code[members[0]])
         yield _weighting_finding(_CODES[code_index], DENOMINATORS[int(diagnoses.denominator[members[0]])], steps,
                                  diagnoses, members, worst, explanation, table, context, extremes)
+
+
+def _worst(steps: pd.DataFrame, diagnoses: Diagnoses, members: npt.NDArray[Any], rtol: float) -> int:
+    """The step of a finding its evidence comes from: where tokens were weighted most unequally, then
+    where q is furthest from 1, the last of equals (np.lexsort((far, unequal))[-1] over every member),
+    found a block of members at a time (no ratio, log and sort of millions of steps at once)."""
+    best: tuple[float, float, int] | None = None
+    for start in range(0, len(members), BLOCK_STEPS):
+        rows = members[start:start + BLOCK_STEPS]
+        ratio = _ratios(steps, rows)
+        unequal = np.where(ratio > 1 + rtol, ratio, 1.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            far = np.nan_to_num(np.abs(np.log(np.abs(diagnoses.distortion[rows]))), nan=0.0)
+        here = int(np.lexsort((far, unequal))[-1])
+        candidate = (float(unequal[here]), float(far[here]), int(rows[here]))
+        # a later block wins ties, as the later row does within one
+        if best is None or candidate[:2] >= best[:2]:
+            best = candidate
+    assert best is not None
+    return best[2]
 
 
 def _factor_explanations(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext
@@ -388,30 +410,32 @@ def _describe(row: Any, which: str, weight: float, tokens: int) -> dict[str, Any
 
 
 def _structure_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding]:
-    """world_size_inconsistent, world_size_changed, uneven_microbatches."""
-    inconsistent = steps.w_low != steps.w_high
-    if inconsistent.any():
+    """world_size_inconsistent, world_size_changed, uneven_microbatches. W and M are compared as arrays
+    (one held as one value, `engine._constant`, as that value), and W's changes are looked for group by
+    group only when W is not one value: a frame's comparisons and group-by copied 43 bytes a step."""
+    inconsistent = _unequal(steps, "w_low", "w_high")
+    if inconsistent is not None:
         row = _first(steps, inconsistent)
-        yield _finding(context, Code.WORLD_SIZE_INCONSISTENT, steps.step[inconsistent].to_numpy(),
+        yield _finding(context, Code.WORLD_SIZE_INCONSISTENT, steps.step.to_numpy()[inconsistent],
                        f"Ranks disagree on W within one step (step {int(row.step)}: W from {int(row.w_low)} to "
                        f"{int(row.w_high)}).",
                        "derive W from the process group that averages the gradients "
                        "(dist.get_world_size(ddp_model.process_group)) on every rank",
                        {"step": int(row.step), "world_size_low": int(row.w_low), "world_size_high": int(row.w_high)})
-    for group, per_group in steps[["grp", "step", "w_high"]].groupby("grp", sort=True, observed=True):
-        values = per_group.w_high.to_numpy()
+    world = steps.w_high.to_numpy()
+    for group, rows in ([] if one_value(world) else _groups(steps.grp)):
+        values = world[rows]
         sizes = [int(w) for w in values[np.sort(np.unique(values, return_index=True)[1])]]  # in order of appearance
         if len(sizes) > 1:
-            changed = per_group.w_high != per_group.w_high.iloc[0]
-            yield _finding(context, Code.WORLD_SIZE_CHANGED, per_group.step[changed].to_numpy(),
+            yield _finding(context, Code.WORLD_SIZE_CHANGED, steps.step.to_numpy()[rows][values != values[0]],
                            f"W changed between steps{'' if group == UNNAMED else f' in group {group}'}: "
                            f"{' → '.join(map(str, sizes))} (an elastic restart or a resume on other hardware).",
                            "nothing to fix if the restart was intended; check that N and W were recomputed after it",
                            {"world_sizes": sizes})
-    uneven = steps.m_low != steps.m_high
-    if uneven.any():
+    uneven = _unequal(steps, "m_low", "m_high")
+    if uneven is not None:
         row = _first(steps, uneven)
-        yield _finding(context, Code.UNEVEN_MICROBATCHES, steps.step[uneven].to_numpy(),
+        yield _finding(context, Code.UNEVEN_MICROBATCHES, steps.step.to_numpy()[uneven],
                        f"Ranks ran different numbers of microbatches in one step (step {int(row.step)}: from "
                        f"{int(row.m_low)} to {int(row.m_high)}); every backward that syncs must be matched on all "
                        "ranks, and N must count every microbatch.",
@@ -419,6 +443,32 @@ def _structure_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Fi
                        "still run backward with a zero contribution)",
                        {"step": int(row.step), "microbatches_low": int(row.m_low),
                         "microbatches_high": int(row.m_high)})
+
+
+def _unequal(steps: pd.DataFrame, low: str, high: str) -> npt.NDArray[np.bool_] | None:
+    """Where two columns differ (NaN differs from everything, as pandas compares), None where nowhere;
+    two columns held as one value each compare as those values."""
+    one, other = steps[low].to_numpy(), steps[high].to_numpy()
+    if one_value(one) and one_value(other):
+        return None if one[0] == other[0] else np.ones(len(one), dtype=bool)
+    differ: npt.NDArray[np.bool_] = one != other
+    return differ if differ.any() else None
+
+
+def _groups(column: pd.Series) -> Iterator[tuple[str, Any]]:
+    """(name, rows) per group, in a group-by's order (the categories', or the names sorted): rows a slice of
+    every row when there is one group, else the group's indices."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        codes, names = column.cat.codes.to_numpy(), list(column.cat.categories)
+    else:
+        codes, uniques = pd.factorize(column, sort=True)
+        names = list(uniques)
+    present = [int(code) for code in np.unique(codes) if code >= 0]
+    if len(present) == 1:
+        yield names[present[0]], slice(None)
+        return
+    for code in present:
+        yield names[code], np.flatnonzero(codes == code)
 
 
 def _value_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding]:
@@ -680,9 +730,9 @@ def loss_terms(steps: pd.DataFrame) -> list[str]:
     return sorted({str(term) for term in steps.term.unique()}, key=lambda t: (t != UNNAMED, t))
 
 
-def _first(steps: pd.DataFrame, mask: pd.Series) -> Any:
+def _first(steps: pd.DataFrame, mask: pd.Series | npt.NDArray[np.bool_]) -> Any:
     """The first row where mask holds, without copying every row it holds."""
-    return steps.iloc[int(np.argmax(mask.to_numpy()))]
+    return steps.iloc[int(np.argmax(np.asarray(mask)))]
 
 
 def _list(values: Any) -> str:

@@ -310,12 +310,18 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
 
     # Per-step arrays are made narrow (int8 indices) and written in place, each condition applied in
     # turn (a later one overrides): at millions of steps no whole float column is copied to be compared.
-    balanced = _column(steps, "n_low") == _column(steps, "n_high")
-    balanced &= _column(steps, "m_low") == _column(steps, "m_high")
-    confused = _confusable(fits, alpha, usable, _column(steps, "w_high"), _column(steps, "m_high"), rtol)
-    unknown_divisor = _column(steps, "unknown_divisor") > 0 if "unknown_divisor" in steps else np.zeros(count, bool)
+    balanced, unknown_divisor, empty = np.empty(count, bool), np.zeros(count, bool), np.empty(count, bool)
+    for start in range(0, count, BLOCK_STEPS):
+        # a block at a time: a count column read as float64 whole is 8 bytes a step for a 1-byte answer
+        block = slice(start, min(start + BLOCK_STEPS, count))
+        part = steps.iloc[block]
+        balanced[block] = (_column(part, "n_low") == _column(part, "n_high")) & (
+            _column(part, "m_low") == _column(part, "m_high"))
+        if "unknown_divisor" in steps:
+            unknown_divisor[block] = _column(part, "unknown_divisor") > 0
+        empty[block] = _column(part, "tokens") == 0
+    confused = _confusable(fits, alpha, usable, steps, rtol)
     uniform = fits[:, 0]  # e·N constant ⇔ e constant
-    empty = _column(steps, "tokens") == 0
 
     # The denominator: the vote's winner, else the nearest approximate fit, else unexplained.
     preference = np.array([DENOMINATORS.index(d) for d in PREFERENCE], dtype=np.int8)
@@ -336,8 +342,11 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
     def index(kind: StepKind) -> np.int8:
         return np.int8(KINDS.index(kind))
 
-    with np.errstate(invalid="ignore"):
-        correct = np.abs(distortion - 1.0) <= rtol
+    correct = np.empty(count, dtype=bool)
+    for start in range(0, count, BLOCK_STEPS):  # |q − 1| a block at a time: two float temporaries a step
+        block = slice(start, start + BLOCK_STEPS)
+        with np.errstate(invalid="ignore"):
+            correct[block] = np.abs(distortion[block] - 1.0) <= rtol
     kind = np.where(correct, index(StepKind.CORRECT), index(StepKind.UNIFORM_OFF))
     del correct
     kind[uniform & unknown_divisor] = index(StepKind.UNJUDGED)
@@ -384,7 +393,7 @@ _LOCAL = (Denominator.RANK, Denominator.MICRO_TIMES_M, Denominator.MICRO, Denomi
 
 
 def _confusable(fits: npt.NDArray[np.bool_], alpha: Callable[[int, npt.NDArray[Any]], Floats],
-                usable: npt.NDArray[np.bool_], world: Floats, microbatches: Floats, rtol: float) -> Denominator | None:
+                usable: npt.NDArray[np.bool_], steps: pd.DataFrame, rtol: float) -> Denominator | None:
     """The local normalization that the logs cannot tell from the token mean, if any.
 
     Code that divides by a local count gives the same weights as the token mean when the counts it
@@ -392,23 +401,33 @@ def _confusable(fits: npt.NDArray[np.bool_], alpha: Callable[[int, npt.NDArray[A
     holds the same n_r; the per-microbatch mean (n, n·M) when every microbatch holds the same n;
     the per-microbatch global count (α = α_N/M for N_m) when every microbatch index holds the same
     N_m. Checked over every usable step; a count that is N itself (one rank, one microbatch) is no
-    other normalization.
+    other normalization. Each condition is an "every step" or "some step": read a block of steps at a
+    time (a correct run reaches this with every step usable, and whole columns of α, W and M were
+    49 bytes a step).
     """
-    rows = np.flatnonzero(usable)
-    if not len(rows) or not fits[rows, 0].all():
+    if not usable.any() or not (fits[:, 0] | ~usable).all():
         return None
-    alpha_n, w, m = alpha(0, rows), world[rows], microbatches[rows]
-    for denominator in _LOCAL:
-        c = PREFERENCE.index(denominator)
-        if denominator == Denominator.MICRO_GLOBAL:
-            natural, nontrivial = alpha_n / m, bool((m > 1).any())
-        else:
-            natural = alpha_n / w
-            nontrivial = bool((w > 1).any()) if denominator == Denominator.RANK else bool(((w > 1) | (m > 1)).any())
-        if nontrivial and fits[rows, c].all() and bool(
-                (np.abs(alpha(c, rows) - natural) <= rtol * np.abs(natural)).all()):
-            return denominator
-    return None
+    # per local denominator: whether some usable step makes it nontrivial, and whether every one fits it
+    # with α at the natural multiple of α_N
+    nontrivial = dict.fromkeys(_LOCAL, False)
+    agrees = dict.fromkeys(_LOCAL, True)
+    for start in range(0, len(usable), BLOCK_STEPS):
+        rows = start + np.flatnonzero(usable[start:start + BLOCK_STEPS])
+        if not len(rows):
+            continue
+        alpha_n = alpha(0, rows)
+        w, m = _column_at(steps, "w_high", rows), _column_at(steps, "m_high", rows)
+        for denominator in _LOCAL:
+            if denominator == Denominator.MICRO_GLOBAL:
+                natural, here = alpha_n / m, bool((m > 1).any())
+            else:
+                natural = alpha_n / w
+                here = bool((w > 1).any()) if denominator == Denominator.RANK else bool(((w > 1) | (m > 1)).any())
+            nontrivial[denominator] |= here
+            c = PREFERENCE.index(denominator)
+            agrees[denominator] = agrees[denominator] and bool(fits[rows, c].all()) and bool(
+                (np.abs(alpha(c, rows) - natural) <= rtol * np.abs(natural)).all())
+    return next((d for d in _LOCAL if nontrivial[d] and agrees[d]), None)
 
 
 def _vote(fits: npt.NDArray[np.bool_], alpha_of: Callable[[int, npt.NDArray[Any]], Floats], rtol: float
@@ -440,36 +459,13 @@ def _vote(fits: npt.NDArray[np.bool_], alpha_of: Callable[[int, npt.NDArray[Any]
             # picked, K has nothing left. Leaving them out changes no pick (nor when the picks stop), and
             # saves their α and its sort: in a correct run 1, T and ΣT fit exactly the steps N fits.
             continue
-        rows = np.flatnonzero(fits[:, c]).astype(index_type)
+        rows = row_indices(fits[:, c], index_type)
         if not len(rows):
             continue
-        alpha = alpha_of(c, rows)
-        unordered = np.isnan(alpha)
-        if unordered.any():  # α NaN: one hypothesis of its own, first (as label −1 sorts)
-            members.append(rows[unordered])
-            sizes.append(int(unordered.sum()))
-            owner.append(c)
-            values.append(math.nan)
-        finite = alpha[~unordered] if unordered.any() else alpha
-        if len(finite) and _one_cluster(finite, rtol):
-            # Every α within the first cluster's reach (a run that kept one normalization): the one
-            # cluster `_sorted_clusters` would make, its median found without sorting.
-            members.append(rows[~unordered] if unordered.any() else c)
-            sizes.append(len(finite))
-            owner.append(c)
-            values.append(float(np.median(finite)))
-            token_mean_whole = token_mean_whole or (c == 0 and not unordered.any())
-            continue
-        del finite
-        order, ordered, bounds = _sorted_clusters(alpha, rtol)
-        for start, stop in zip(bounds, bounds[1:]):
-            # A cluster is a slice of the sorted α: its median is its middle value (or the middle two's mean).
-            middle = (start + stop) // 2
-            median = ordered[middle] if (stop - start) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-            members.append(rows[order[start:stop]])
-            sizes.append(stop - start)
-            owner.append(c)
-            values.append(float(median))
+        # its α lives only in the call, and its rows are let go: the picks below hold neither
+        whole = _add_hypotheses(c, rows, alpha_of(c, rows), rtol, members, sizes, owner, values)
+        token_mean_whole = token_mean_whole or (c == 0 and whole)
+        del rows
     chosen = np.full(steps, -1, dtype=np.int8)
     representative = np.full(steps, np.nan)
     taken = np.zeros(steps, dtype=bool)
@@ -481,14 +477,14 @@ def _vote(fits: npt.NDArray[np.bool_], alpha_of: Callable[[int, npt.NDArray[Any]
     while heap:
         stored, simple, preference, h = heapq.heappop(heap)
         member = members[h]
-        rows = np.flatnonzero(fits[:, member]) if isinstance(member, int) else member
-        free = rows[~taken[rows]]
-        del rows
-        if len(free) < -stored:
-            if len(free):
-                heapq.heappush(heap, (-len(free), simple, preference, h))
+        # the steps still free, as a mask for a whole candidate (no index of every step it fits)
+        free = fits[:, member] & ~taken if isinstance(member, int) else member[~taken[member]]
+        count = int(np.count_nonzero(free)) if isinstance(member, int) else len(free)
+        if count < -stored:
+            if count:
+                heapq.heappush(heap, (-count, simple, preference, h))
             continue
-        if len(free) < 2:
+        if count < 2:
             break  # nothing shared any more: every step left keeps its own most preferred fit
         chosen[free], representative[free], taken[free] = owner[h], values[h], True
     # Every step left keeps its own most preferred fit.
@@ -498,6 +494,49 @@ def _vote(fits: npt.NDArray[np.bool_], alpha_of: Callable[[int, npt.NDArray[Any]
         rows = left[first_fit == c]
         chosen[rows], representative[rows] = c, alpha_of(int(c), rows)
     return chosen, representative
+
+
+def _add_hypotheses(c: int, rows: npt.NDArray[Any], alpha: Floats, rtol: float, members: list[npt.NDArray[Any] | int],
+                    sizes: list[int], owner: list[int], values: list[float]) -> bool:
+    """Candidate c's hypotheses (`_vote`) from the rows it fits and its α there: one of the NaN α, then one
+    per cluster. True when one hypothesis holds every row it fits (one cluster, no NaN α)."""
+    unordered = np.isnan(alpha)
+    if unordered.any():  # α NaN: one hypothesis of its own, first (as label −1 sorts)
+        members.append(rows[unordered])
+        sizes.append(int(unordered.sum()))
+        owner.append(c)
+        values.append(math.nan)
+    finite = alpha[~unordered] if unordered.any() else alpha
+    if len(finite) and _one_cluster(finite, rtol):
+        # Every α within the first cluster's reach (a run that kept one normalization): the one
+        # cluster `_sorted_clusters` would make, its median found without sorting.
+        members.append(rows[~unordered] if unordered.any() else c)
+        sizes.append(len(finite))
+        owner.append(c)
+        values.append(float(np.median(finite, overwrite_input=True)))  # α is read no more: sorted in place
+        return not unordered.any()
+    del finite
+    order, ordered, bounds = _sorted_clusters(alpha, rtol)
+    for start, stop in zip(bounds, bounds[1:]):
+        # A cluster is a slice of the sorted α: its median is its middle value (or the middle two's mean).
+        middle = (start + stop) // 2
+        median = ordered[middle] if (stop - start) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+        members.append(rows[order[start:stop]])
+        sizes.append(stop - start)
+        owner.append(c)
+        values.append(float(median))
+    return False
+
+
+def row_indices(mask: npt.NDArray[np.bool_], index_type: type) -> npt.NDArray[Any]:
+    """np.flatnonzero(mask) as index_type, found a block at a time (no int64 index of every row first)."""
+    out: npt.NDArray[Any] = np.empty(int(np.count_nonzero(mask)), dtype=index_type)
+    filled = 0
+    for start in range(0, len(mask), BLOCK_STEPS):
+        part = np.flatnonzero(mask[start:start + BLOCK_STEPS])
+        out[filled:filled + len(part)] = part + start
+        filled += len(part)
+    return out
 
 
 def _nearest(spreads: Floats, alphas: Floats, usable: npt.NDArray[np.bool_]

@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pandas as pd
 import pytest
 
 from tests.logs import audit_rows, codes, only, UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
@@ -243,3 +245,89 @@ def test_runs_are_audited_separately(tmp_path: Path) -> None:
     assert {r.run: r.verdict for r in report.runs} == {"good": "correct", "bad": "incorrect"}
     assert {f.run for f in report.findings} == {"bad"}
     assert [r.run for r in audit([tmp_path], runs=["good"]).runs] == ["good"]
+
+
+@pytest.mark.parametrize("as_categories", [True, False])
+def test_world_size_changes_are_found_group_by_group_as_a_group_by_finds_them(as_categories: bool) -> None:
+    """world_size_changed per group, in the group-by's order, with the steps where W differs from the
+    group's first and the sizes in order of appearance; W and M compared as arrays or as one value each
+    (`engine._constant`'s stride-0 columns). The reference is pandas' group-by, written here."""
+    from tokaudit.checks import RunContext, _structure_findings
+    from tokaudit.schema import UNNAMED
+
+    rng = np.random.default_rng(5)
+    count = 60
+    groups = rng.choice(["dp1", UNNAMED, "dp0"], count)
+    world = rng.choice([4, 8, 2], count, p=[0.8, 0.1, 0.1]).astype(np.int32)
+    world[groups == "dp1"] = 4  # one group never changes
+    frame = pd.DataFrame({"grp": pd.Categorical(groups) if as_categories else groups, "step": np.arange(count),
+                          "w_low": world, "w_high": world,
+                          "m_low": np.broadcast_to(np.ones(1, np.int32), (count,)),
+                          "m_high": np.broadcast_to(np.ones(1, np.int32), (count,))})
+    context = RunContext(run="r", term=UNNAMED, world_size=4, world_sizes=(2, 4, 8), microbatches=1, divisor=4.0,
+                         rtol=1e-4)
+    found = [f for f in _structure_findings(frame, context)]
+    expected = []
+    for group, per_group in frame.groupby("grp", sort=True, observed=True):
+        sizes = list(dict.fromkeys(int(w) for w in per_group.w_high))
+        if len(sizes) > 1:
+            changed = per_group.step[per_group.w_high != per_group.w_high.iloc[0]]
+            expected.append((group, sizes, int(changed.min()), int(changed.max()), len(changed)))
+    assert len(expected) == 2
+    assert [(f.evidence["world_sizes"], f.steps.first, f.steps.last, f.steps.count) for f in found] == \
+        [(sizes, first, last, n) for _, sizes, first, last, n in expected]
+    assert all(f.code == Code.WORLD_SIZE_CHANGED for f in found)
+    assert ["in group" in found[0].message, "in group dp0" in found[1].message] == [False, True]  # "0" sorts first
+
+    # W and M held as one value each: equal, nothing found; different, every step
+    one = np.broadcast_to(np.full(1, 4, np.int32), (count,))
+    other = np.broadcast_to(np.full(1, 3, np.int32), (count,))
+    def held_as(**columns: Any) -> pd.DataFrame:
+        held = pd.DataFrame({"grp": frame.grp, "step": frame.step.to_numpy(), **columns}, copy=False)
+        assert all(held[name].to_numpy().strides == (0,) for name in columns)
+        return held
+
+    assert not list(_structure_findings(held_as(w_low=one, w_high=one, m_low=one, m_high=one), context))
+    uneven = list(_structure_findings(held_as(w_low=one, w_high=one, m_low=one, m_high=other), context))
+    assert [f.code for f in uneven] == [Code.UNEVEN_MICROBATCHES] and uneven[0].steps.count == count
+
+
+@pytest.mark.parametrize("block", [1, 3, 7, 65_536])
+def test_a_finding_s_evidence_step_and_its_steps_do_not_depend_on_the_blocks(
+        tmp_path: Path, block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weighting findings group their steps and pick the evidence step (most unequal weights, then q
+    furthest from 1, the last of equals) a block of steps at a time: the same as one np.lexsort over
+    every member, and the same report whatever the block, on random ratios with ties and on a log with
+    several weighting findings."""
+    import tokaudit.checks as checks_module
+    from tokaudit.normalization import Diagnoses
+
+    rng = np.random.default_rng(block)
+    count = 200
+    low = rng.choice([1.0, 2.0, 0.0], count)
+    high = low * rng.choice([1.0, 3.0, 1.00001], count)
+    frame = pd.DataFrame({"tok_low": low, "tok_high": high})
+    distortion = rng.choice([1.0, 0.5, 2.0, np.nan], count)
+    diagnoses = Diagnoses(np.zeros(count, np.int8), np.zeros(count, np.int8), distortion.copy(), distortion,
+                          np.zeros(count, bool), np.full(count, np.nan))
+    monkeypatch.setattr(checks_module, "BLOCK_STEPS", block)
+    for members in (np.arange(count), np.sort(rng.choice(count, 37, replace=False)).astype(np.int32)):
+        ratio = checks_module._ratios(frame, members)
+        unequal = np.where(ratio > 1 + 1e-4, ratio, 1.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            far = np.nan_to_num(np.abs(np.log(np.abs(distortion[members]))), nan=0.0)
+        assert checks_module._worst(frame, diagnoses, members, 1e-4) == int(members[np.lexsort((far, unequal))[-1]])
+
+    from tokaudit.render.json_report import render_json
+
+    counts = [[[5, 1], [3, 7]], [[2, 6], [6, 2]], [[8, 4], [2, 8]], [[3, 3], [3, 3]]] * 5
+    rows = records(counts, local_mean) + [dict(r, term="aux") for r in records(counts, lambda S, n, M, **_: S / (n * M)
+                                                                               if n else 0.0)]
+    for index, row in enumerate(rows):
+        if row["step"] % 3 == 0:
+            row["backward_scalar"] *= 2.0  # another factor: more than one finding per code
+    report = audit_rows(tmp_path / f"run{block}", rows)
+    monkeypatch.setattr(checks_module, "BLOCK_STEPS", 65_536)
+    assert render_json(report) == render_json(audit_rows(tmp_path / f"whole{block}", rows))
+    assert len([f for f in report.findings if f.code in (Code.LOCAL_MEAN, Code.SCALE_MISMATCH, Code.UNEXPLAINED_WEIGHTING,
+                                                        Code.PER_MICRO_DENOMINATOR)]) >= 2
