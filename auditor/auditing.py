@@ -14,9 +14,9 @@ import numpy.typing as npt
 import pandas as pd
 import pyarrow.parquet as pq
 
-from tokaudit.checks import DEFAULT_RTOL, check_run, loss_terms
+from tokaudit.checks import DEFAULT_RTOL, check_run, distinct, loss_terms
 from tokaudit.codes import DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
-from tokaudit.engine import Engine, extremes_at, one_value
+from tokaudit.engine import Engine, extremes_at
 from tokaudit.normalization import Denominator
 from tokaudit.errors import LogFormatError, UsageError
 from tokaudit.reader import LogSet, Shard, inspect_shard, load
@@ -348,9 +348,9 @@ def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: l
     terms = loss_terms(frame)
     main = [s for s in segments if s.term == terms[0]]
     normalization = max(main, key=lambda s: s.steps) if main else None
-    sizes = [int(w) for w in np.unique(np.concatenate([_distinct(frame.w_low), _distinct(frame.w_high)]))]
+    sizes = [int(w) for w in np.unique(np.concatenate([distinct(frame.w_low), distinct(frame.w_high)]))]
     skipped_steps = frame.step.to_numpy()[frame.skipped_true.to_numpy() > 0]
-    both = np.concatenate([_distinct(frame.d_low).astype(float), _distinct(frame.d_high).astype(float)])
+    both = np.concatenate([distinct(frame.d_low).astype(float), distinct(frame.d_high).astype(float)])
     divisors = [float(d) for d in np.unique(both[~np.isnan(both)])]
     return RunSummary(run=run, rows=int(frame.records.sum()), steps=_count_distinct(frame.step.to_numpy()),
                       ranks=int(frame.rank_max.max()) + 1, world_size=sizes, groups=int(frame.grp.nunique()),
@@ -374,12 +374,6 @@ class _Extreme:
 
     def value(self) -> float:
         return self.low if self.seen else math.nan
-
-
-def _distinct(column: pd.Series) -> npt.NDArray[Any]:
-    """The distinct values of a column: its one value when it is held as one (`engine._constant`)."""
-    values = column.to_numpy()
-    return np.unique(values[:1] if one_value(values) else values)
 
 
 def _count_distinct(values: npt.NDArray[Any]) -> int:

@@ -98,7 +98,8 @@ def check_run(run: str, steps: pd.DataFrame, rtol: float,
     findings: list[Finding] = []
     spans: list[Span] = []
     omitted = 0
-    sizes = tuple(int(w) for w in np.unique(np.concatenate([steps.w_low.to_numpy(), steps.w_high.to_numpy()])))
+    # each column's distinct W (one value: that value), not a sort of both columns joined
+    sizes = tuple(sorted({int(w) for column in (steps.w_low, steps.w_high) for w in distinct(column)}))
     terms = loss_terms(steps)
     for term in terms:
         frame = steps if len(terms) == 1 else steps[steps.term.astype(str) == term].reset_index(drop=True)
@@ -443,6 +444,12 @@ def _structure_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Fi
                        "still run backward with a zero contribution)",
                        {"step": int(row.step), "microbatches_low": int(row.m_low),
                         "microbatches_high": int(row.m_high)})
+
+
+def distinct(column: pd.Series) -> npt.NDArray[Any]:
+    """The distinct values of a column, sorted: its one value when it is held as one (`engine._constant`)."""
+    values = column.to_numpy()
+    return np.unique(values[:1] if one_value(values) else values)
 
 
 def _unequal(steps: pd.DataFrame, low: str, high: str) -> npt.NDArray[np.bool_] | None:

@@ -119,6 +119,32 @@ def test_the_step_table_is_lean_and_its_ranges_are_joined_without_a_second_copy(
     assert frame.c3.iloc[-1] == 3.0 and frame.c3.iloc[0] == 0.0
     assert peak < whole * 1.25, f"joining allocated {peak / whole:.2f}× the table"
 
+    # A column made of another's very parts (ONE_RECORD_SHAPE, MEAN_WEIGHT_EXTREMES) is joined with it:
+    # their parts are let go then, not when the alias's turn comes, and the alias is the joined array.
+    import weakref
+
+    import tokaudit.engine as engine_module
+
+    shared = [np.arange(5.0), np.arange(5.0, 10.0)]
+    alive = [weakref.ref(part) for part in shared]
+    columns = {"e_low": shared, "between": [np.ones(5), np.zeros(5)], "tok_low": list(shared)}
+    del shared
+    seen: list[bool] = []
+    original = engine_module._constant
+
+    def constant(parts: list[Any]) -> Any:
+        if parts[0][0] == 1.0:  # the column in between: the aliased parts must be gone by now
+            seen.append(all(ref() is None for ref in alive))
+        return original(parts)
+
+    engine_module._constant = constant
+    try:
+        joined = _join(columns)
+    finally:
+        engine_module._constant = original
+    assert seen == [True] and list(joined) == ["e_low", "between", "tok_low"]
+    assert joined["tok_low"] is joined["e_low"] and joined["e_low"].tolist() == list(range(10))
+
 
 def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_the_same_steps(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
