@@ -200,10 +200,10 @@ def _weighting_findings(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunC
         rows = flagged[start:start + BLOCK_STEPS]
         key = ((code[rows].astype(np.int64) * len(DENOMINATORS) + diagnoses.denominator[rows]) * len(names)
                + label_numbers[label[rows]]) * 2 + np.isnan(diagnoses.approximate[rows])
-        distinct, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-        for value in distinct[np.argsort(first)]:
+        keys, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        for value in keys[np.argsort(first)]:
             numbers.setdefault(int(value), len(numbers))
-        group[start:start + len(rows)] = np.array([numbers[int(value)] for value in distinct], np.int32)[inverse]
+        group[start:start + len(rows)] = np.array([numbers[int(value)] for value in keys], np.int32)[inverse]
     del label
     for number in range(len(numbers)):
         members = flagged[group == number]

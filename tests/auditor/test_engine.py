@@ -597,8 +597,16 @@ def test_aggregates_the_footers_give_are_constants_and_change_no_bit(
     monkeypatch.setattr(engine_module, "footer_facts", lambda shards: (frozenset(), {}))
     assert render_json(audit([tmp_path / "nan"])) == with_facts and not asked[-1]
     assert "a-000000.parquet" in with_facts and "not a positive number" in with_facts
-    # The mechanism: the query of a range with nothing recorded aggregates none of those columns.
+    # The mechanism: every constant replaces an aggregate the query holds (an edit of the query that
+    # dropped one would leave it aggregated, slower and silent), and the query of a range with nothing
+    # recorded aggregates none of those columns.
     import re
+
+    forms = [full_query(single_ranks, extremes, one_name) for single_ranks in (None, (0, 3))
+             for extremes in (False, True) for one_name in (False, True)]
+    for replacements in engine_module.FOOTER_CONSTANTS.values():
+        for aggregate, _ in replacements:
+            assert any(aggregate in form for form in forms), aggregate
 
     for single_ranks in (None, (0, 3)):
         query = full_query(single_ranks, False, False, frozenset(optional))
