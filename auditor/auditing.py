@@ -14,7 +14,7 @@ import numpy.typing as npt
 import pandas as pd
 import pyarrow.parquet as pq
 
-from tokaudit.checks import DEFAULT_RTOL, check_run, distinct, loss_terms
+from tokaudit.checks import DEFAULT_RTOL, check_run, distinct, loss_terms, world_sizes
 from tokaudit.codes import DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
 from tokaudit.engine import Engine, extremes_at
 from tokaudit.normalization import Denominator
@@ -348,7 +348,7 @@ def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: l
     terms = loss_terms(frame)
     main = [s for s in segments if s.term == terms[0]]
     normalization = max(main, key=lambda s: s.steps) if main else None
-    sizes = [int(w) for w in np.unique(np.concatenate([distinct(frame.w_low), distinct(frame.w_high)]))]
+    sizes = world_sizes(frame)
     skipped_steps = frame.step.to_numpy()[frame.skipped_true.to_numpy() > 0]
     both = np.concatenate([distinct(frame.d_low).astype(float), distinct(frame.d_high).astype(float)])
     divisors = [float(d) for d in np.unique(both[~np.isnan(both)])]

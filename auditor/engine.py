@@ -183,7 +183,7 @@ class Engine:
         """The columns a scan of these shards reads: a column none of them holds a value of is a typed
         NULL, as for a file that lacks it (no column read, and the checks of its finiteness fold away)."""
         present = set().union(*(s.columns for s in shards))
-        return present - (footer_facts(shards)[0] & NULLABLE_COLUMNS) if self.prune else present
+        return present - _valueless(shards) if self.prune else present
 
     def _define(self, shards: Sequence[Shard], steps: tuple[int, int] | None, deduplicate: bool) -> None:
         # The views of thousands of files take a while to write and bind: a definition that is already
@@ -637,16 +637,16 @@ def footer_facts(shards: Sequence[Shard]) -> tuple[frozenset[str], dict[str, Any
     """What the footers of these shards say of all their records, as FOOTER_CONSTANTS' facts, and the
     parameters those facts need: the columns no record holds a value of (absent or all null), the one
     world_size and grad_divisor when there is one, and whether every microbatch index is below 64."""
-    facts = {column for column in NULLABLE_COLUMNS
-             if all(column not in s.columns or column in s.null_columns for s in shards)}
+    facts = set(_valueless(shards))
     parameters: dict[str, Any] = {}
     worlds = {s.world_range for s in shards}
     if len(worlds) == 1 and (world := worlds.pop()) is not None and world[0] == world[1]:
         facts.add("world_size=")
         parameters["world_size"] = world[0]
-    # D is grad_divisor where written; exact as a double (a float, or an integer a double holds exactly) and
-    # positive (0.0 and −0.0 compare equal in Python, but neither is a valid divisor)
-    divisors = {s.divisor_range if "grad_divisor" in s.columns else None for s in shards}
+    # D is grad_divisor where written (a shard without it has no divisor_range); exact as a double (a float,
+    # or an integer a double holds exactly) and positive (0.0 and −0.0 compare equal in Python, but neither
+    # is a valid divisor)
+    divisors = {s.divisor_range for s in shards}
     if len(divisors) == 1 and (divisor := divisors.pop()) is not None and divisor[0] == divisor[1] and (
             isinstance(divisor[0], float) or abs(divisor[0]) < 2**53) and divisor[0] > 0:
         facts.add("grad_divisor=")
@@ -654,6 +654,13 @@ def footer_facts(shards: Sequence[Shard]) -> tuple[frozenset[str], dict[str, Any
     if shards and all(s.micro_range is not None and s.micro_range[1] < 64 for s in shards):
         facts.add("micro<64")
     return frozenset(facts), parameters
+
+
+def _valueless(shards: Sequence[Shard]) -> frozenset[str]:
+    """The optional columns no record of these shards holds a value of: each file lacks them or holds only
+    nulls in them (`Shard.null_columns`)."""
+    return frozenset(column for column in NULLABLE_COLUMNS
+                     if all(column not in s.columns or column in s.null_columns for s in shards))
 
 
 def step_sql(single_ranks: tuple[int, int] | None, extremes: bool = False, one_name: bool = False,
@@ -737,33 +744,29 @@ def _join(columns: dict[str, list[Any]]) -> dict[str, Any]:
     order = list(columns)
     joined: dict[str, Any] = {}
     # A column made of the very arrays of another (ONE_RECORD_SHAPE, MEAN_WEIGHT_EXTREMES) is that column
-    # again, joined with it: keyed by the parts' identities, taken while every part is alive. Its parts
+    # again, joined with it: grouped by the parts' identities, taken while every part is alive. Its parts
     # are then let go at once, not held until its own turn (at 12.5M steps four such pairs held 400 MB).
     same_parts: dict[tuple[int, ...], list[str]] = {}
     for name, parts in columns.items():
         same_parts.setdefault(tuple(id(part) for part in parts), []).append(name)
     freed = 0
-    for name in order:
-        if name in joined:
-            continue
-        parts = columns.pop(name)
-        key = tuple(id(part) for part in parts)
-        for alias in same_parts[key]:
-            columns.pop(alias, None)
+    for names in same_parts.values():
+        parts = columns.pop(names[0])
+        for alias in names[1:]:
+            del columns[alias]
         freed += sum(part.nbytes for part in parts if not one_value(part))
-        constant = _constant(parts)
-        if constant is not None:
-            joined[name] = constant
-        elif len(parts) == 1:
-            joined[name] = parts[0]
-        elif isinstance(parts[0], pd.Categorical):
-            joined[name] = union_categoricals(parts, sort_categories=True)
-        else:
-            # A count with NULLs in some range only is float64 there: the joined column then is too.
-            joined[name] = np.concatenate(parts)
-        for alias in same_parts[key]:
-            joined[alias] = joined[name]
-        del parts
+        value = _constant(parts)
+        if value is None:
+            if len(parts) == 1:
+                value = parts[0]
+            elif isinstance(parts[0], pd.Categorical):
+                value = union_categoricals(parts, sort_categories=True)
+            else:
+                # A count with NULLs in some range only is float64 there: the joined column then is too.
+                value = np.concatenate(parts)
+        for name in names:
+            joined[name] = value
+        del parts, value
         # A trim walks the whole heap (55 of them cost a second at 1.25M steps): one per TRIM_BYTES let go.
         if freed >= TRIM_BYTES:
             _trim_heap()
