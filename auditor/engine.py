@@ -27,7 +27,7 @@ import pyarrow.dataset as pads
 from pandas.api.types import union_categoricals
 
 from tokaudit.errors import UsageError
-from tokaudit.reader import NULLABLE_COLUMNS, Shard
+from tokaudit.reader import NULLABLE_COLUMNS, Shard, footer_type
 from tokaudit.schema import COLUMNS_BY_NAME, UNNAMED
 
 DEFAULT_MEMORY_LIMIT = "768MB"
@@ -78,6 +78,9 @@ class Engine:
     prune: bool = True
     """Aggregates whose value the files' footers give are constants (FOOTER_CONSTANTS); off only to check
     that this changes nothing."""
+    footer_rows: bool = True
+    """One-row shards whose footer gives their record (`Shard.record`) are read from it, not from the file;
+    off only to check that this changes nothing."""
 
     link_names: dict[int, str] = field(default_factory=dict)
     """Per shard (by id): its link's name, or for a remote shard the name it goes by in dedup order."""
@@ -85,6 +88,10 @@ class Engine:
     """Per remote shard (by id): the DuckDB view over its Arrow dataset."""
     defined: tuple[tuple[int, ...], tuple[int, int] | None, bool] | None = None
     """What the views hold now: (the shards' ids, the step range, deduplicated)."""
+    footer_tables: list[str] = field(default_factory=list)
+    """The temporary tables of footer records (`footer_table`) the views read now."""
+    footer_count: int = 0
+    """Footer-record tables made so far (each is named by its number)."""
     links: Path | None = None
     """A private folder of plainly named links to the shards whose paths hold a character DuckDB could
     read as a pattern ([ ] * ? { } and others): it is only given plain names and reads exactly the
@@ -115,7 +122,7 @@ class Engine:
                     link = engine.links / f"{index:08d}.parquet"
                     os.symlink(name, link)
                     name = str(link)
-                elif shard.store is not None:
+                elif shard.store is not None and shard.record is None:
                     # On object storage DuckDB scans the file through pyarrow (no httpfs extension, no
                     # local copy): one Arrow dataset per shard, streamed with the columns and steps asked.
                     dataset = pads.dataset(str(shard.path), filesystem=shard.store.filesystem, format="parquet")
@@ -151,10 +158,22 @@ class Engine:
         unknown: a remote duplicate inside one file keeps an arbitrary copy; across files the later
         file still wins)."""
         by_schema: dict[tuple[tuple[str, str], ...], list[Shard]] = {}
+        from_footers: dict[tuple[tuple[str, str], ...], list[Shard]] = {}
         for shard in members:
-            if shard.store is None:
+            if shard.record is not None and (self.footer_rows or shard.store is not None):
+                from_footers.setdefault(shard.signature, []).append(shard)
+            elif shard.store is None:
                 by_schema.setdefault(shard.signature, []).append(shard)
         scans: list[tuple[list[Shard], str]] = []
+        for held in from_footers.values():
+            # One-row shards whose footers gave their record: a table of those records, not a file read.
+            name = f"footer_records_{self.footer_count}"
+            self.footer_count += 1
+            self.connection.register(f"{name}_source", footer_table(held, [self._link(s) for s in held]))
+            self.connection.execute(f"CREATE OR REPLACE TEMP TABLE {name} AS SELECT * FROM {name}_source")
+            self.connection.unregister(f"{name}_source")
+            self.footer_tables.append(name)
+            scans.append((held, f"{name} r"))
         for signature, local in by_schema.items():
             # Shards with one schema (all a recorder writes) need no union_by_name, which would read
             # every file's footer when the query is bound, at every (re)definition of the view.
@@ -163,7 +182,7 @@ class Engine:
             scans.append((local, f"read_parquet({files}, union_by_name = {union}, filename = true, "
                                  "file_row_number = true) r"))
         for shard in members:
-            if shard.store is not None:
+            if shard.store is not None and shard.record is None:
                 scans.append(([shard], f"(SELECT *, {_sql_string(self._link(shard))} AS filename, "
                                        f"CAST(NULL AS BIGINT) AS file_row_number FROM {self.remote_views[id(shard)]}) r"))
         return scans
@@ -192,7 +211,10 @@ class Engine:
         if definition == self.defined:
             return
         self.defined = definition
+        replaced, self.footer_tables = self.footer_tables, []
         self.connection.execute(f"CREATE OR REPLACE TEMP VIEW raw_records AS {self._source(shards, steps)}")
+        for name in replaced:
+            self.connection.execute(f"DROP TABLE {name}")
         # Of two records with one key, the later `time` wins, then the later file and row.
         dedup = ("LEFT JOIN file_order USING (filename) QUALIFY row_number() OVER (PARTITION BY run, grp, term, "
                  "step, rank, micro ORDER BY written DESC NULLS LAST, file_index DESC, file_row_number DESC) = 1"
@@ -839,6 +861,22 @@ def _glibc() -> Any:
         return libc
     except (OSError, AttributeError):
         return None
+
+
+def footer_table(shards: Sequence[Shard], filenames: Sequence[str]) -> pa.Table:
+    """The records of one-row shards of one schema as their footers give them (`Shard.record`), in the
+    columns a scan of their files has: theirs (as `footer_type` holds them), `filename` and
+    `file_row_number` (0, the one row)."""
+    arrays: dict[str, pa.Array] = {}
+    for position, (column, arrow_type) in enumerate(shards[0].signature):
+        held = footer_type(arrow_type)
+        values = [shard.record[position] for shard in shards if shard.record is not None]
+        # a timestamp is its stored integer, in its unit
+        arrays[column] = (pa.array(values, pa.int64()).cast(held) if pa.types.is_timestamp(held)
+                          else pa.array(values, held))
+    arrays["filename"] = pa.array(filenames, pa.string())
+    arrays["file_row_number"] = pa.array(np.zeros(len(shards), dtype=np.int64))
+    return pa.table(arrays)
 
 
 def _select(default_run: str, present: set[str], scan: str, where: str) -> str:

@@ -615,3 +615,100 @@ def test_aggregates_the_footers_give_are_constants_and_change_no_bit(
             # named as an output (AS name) or passed through (sync AS last_sync), never aggregated
             read = re.sub(rf"(AS {name}\b|\bsync AS last_sync)", "", aggregated)
             assert not re.search(rf"\b{name}\b", read), (single_ranks, name)
+
+
+def test_one_row_shards_are_read_from_their_footers_and_change_no_bit(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-row shard whose footer gives its record (`Shard.record`) is aggregated from that record, not
+    from the file: the step tables (whole, in ranges, with the evidence columns), the records of a step,
+    the steps complete so far, the duplicates and the report are the files' bit for bit. The log mixes
+    what a footer gives (the recorder's full schema with its time stamp, nulls, a float32 loss, a
+    dictionary-encoded run id, an integer divisor) with what it does not (a loss of 0.0 or −0.0, a NaN
+    scalar: those files are read), a shard of many rows, and repeated keys that the time, then the later
+    file, decide. Once loaded, the footer-given shards are not opened again: moved away, they still give
+    the same table."""
+    import shutil
+    from datetime import datetime, timezone
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.logs import token_mean
+    from tokaudit.render.json_report import render_json
+    from tokaudit.schema import WRITER_SCHEMA
+
+    rows = records(UNEVEN_GA * 5, token_mean)
+    moment = datetime(2026, 11, 30, tzinfo=timezone.utc)
+    log = tmp_path / "log" / "run"
+    log.mkdir(parents=True)
+    for index, row in enumerate(rows):
+        row = dict(row, grad_divisor=float(row["world_size"]), time=moment, reported_loss=None if index % 3 else 2.5,
+                   sync=row["micro"] == 1, positions=row["valid_tokens"] + index % 4, divisor_known=True)
+        schema = WRITER_SCHEMA
+        if index % 7 == 1:
+            row["loss_sum"] = 0.0 if index % 2 else -0.0
+        if index == 9:
+            row["backward_scalar"] = float("nan")
+        if index % 5 == 2:
+            schema = pa.schema([WRITER_SCHEMA.field(n) for n in row]).set(4, pa.field("loss_sum", pa.float32()))
+        if index % 5 == 3:
+            schema = pa.schema([WRITER_SCHEMA.field(n) for n in row])
+            schema = schema.set(schema.get_field_index("grad_divisor"), pa.field("grad_divisor", pa.int64()))
+            row["grad_divisor"] = row["world_size"]
+        if index % 5 == 4:
+            row["run_id"] = "run"  # the folder's name, given
+        table = pa.table({n: pa.array([row.get(n)], type=schema.field(n).type) for n in schema.names}, schema=schema)
+        if index % 5 == 4:
+            table = table.set_column(table.schema.get_field_index("run_id"), "run_id", table["run_id"].dictionary_encode())
+        pq.write_table(table, log / f"one-{index:04d}.parquet")
+    many = [dict(r, loss_sum=r["loss_sum"] * 2) for r in records(UNEVEN_GA * 2, token_mean, step_offset=len(UNEVEN_GA) * 5)]
+    write(log / "many-0000.parquet", many)
+    # repeated keys: a later time wins over an earlier file, a later file over an earlier one without time
+    later = dict(rows[4], loss_sum=rows[4]["loss_sum"] + 1, time=datetime(2026, 12, 1, tzinfo=timezone.utc))
+    write(log / "aaa-repeat.parquet", [later], schema=pa.schema([WRITER_SCHEMA.field(n) for n in later]))
+    write(log / "zzz-repeat.parquet", [dict(rows[6], loss_sum=rows[6]["loss_sum"] + 1)])
+
+    shards = load([tmp_path / "log"]).shards
+    known = [s for s in shards if s.record is not None]
+    assert 0 < len(known) < len(shards) - 1 and not any(s.rows > 1 for s in known)
+    assert len({s.signature for s in known}) >= 4
+
+    def tables(footer_rows: bool) -> tuple[list[pd.DataFrame], Any]:
+        got = []
+        for chunk_rows, extremes in ((None, False), (7, False), (None, True)):
+            engine = Engine.open(shards, chunk_rows=chunk_rows, extremes=extremes)
+            engine.footer_rows = footer_rows
+            got.append(engine.step_table(1e-4))
+            if chunk_rows is None and not extremes:
+                facts = (engine.duplicates, engine.records_at("run", 2), engine.complete_through())
+            engine.close()
+        return got, facts
+
+    (from_footers, facts), (from_files, file_facts) = tables(True), tables(False)
+    for one, other in zip(from_footers, from_files):
+        assert _same_table(one, other) == []
+    repeated = sorted({rows[4]["step"], rows[6]["step"]})
+    assert facts[0] == file_facts[0] == {"run": (2, repeated[0], repeated[-1], len(repeated))}
+    pd.testing.assert_frame_equal(facts[1], file_facts[1])
+    assert facts[2] == file_facts[2]
+    assert from_footers[0].loss.notna().all() and len(from_footers[0]) == len(UNEVEN_GA) * 7
+
+    report = render_json(audit([tmp_path / "log"]))
+    monkeypatch.setattr(Engine, "footer_rows", False)
+    assert render_json(audit([tmp_path / "log"])) == report
+    monkeypatch.undo()
+
+    # the mechanism: the footer-given shards alone, their files gone once loaded
+    only = tmp_path / "only" / "run"
+    only.mkdir(parents=True)
+    for shard in known:
+        shutil.copy(str(shard.path), only / shard.path.name)
+    loaded = load([tmp_path / "only"]).shards
+    expected = Engine.open(loaded).step_table(1e-4)
+    shutil.rmtree(tmp_path / "only")
+    engine = Engine.open(loaded)
+    assert _same_table(engine.step_table(1e-4), expected) == []
+    engine.footer_rows = False
+    with pytest.raises(Exception):
+        engine.step_table(1e-4)
+    engine.close()

@@ -310,3 +310,66 @@ def test_a_shard_names_the_optional_columns_that_hold_no_value_from_its_footer(t
     assert inspect_shard(path).null_columns == {"positions", "token_weight_sum"}
     pq.write_table(table, path, write_statistics=False)
     assert inspect_shard(path).null_columns == frozenset()
+
+
+def test_a_one_row_shard_gives_its_record_from_its_footer_only_where_it_is_exact(tmp_path: Path) -> None:
+    """`Shard.record`: each value of a one-row file as its footer's statistics give it, bit for bit, in the
+    file's column order (None for a null): a float32, an unsigned and a narrow integer, an integer in a
+    float column, a dictionary-encoded string, timestamps in µs with a zone and in ns without one (the
+    stored integer), a bool. No record where one value is not certain: a float 0 of either sign (Parquet
+    writes min −0.0 and max +0.0 for both), NaN and a string too long for statistics (no min or max),
+    a half float, a file written without statistics, and a file of two rows."""
+    import math
+    import struct
+
+    base = {"step": pa.array([7], pa.uint16()), "micro": pa.array([0], pa.int8()), "rank": pa.array([3], pa.int32()),
+            "world_size": pa.array([4], pa.uint64()), "loss_sum": pa.array([0.1], pa.float32()),
+            "valid_tokens": pa.array([9], pa.int64()), "backward_scalar": pa.array([-2.5e-300]),
+            "run_id": pa.array(["rün ∑"]).dictionary_encode(), "grad_divisor": pa.array([3], pa.int64()),
+            "reported_loss": pa.array([None], pa.float64()), "sync": pa.array([False]),
+            "time": pa.array([1_700_000_000_123_456], pa.timestamp("us", tz="UTC")),
+            "positions": pa.array([None], pa.int64())}
+    path = tmp_path / "one.parquet"
+    pq.write_table(pa.table(base), path)
+    shard = inspect_shard(path)
+    assert [name for name, _ in shard.signature] == list(base)
+    assert shard.record is not None
+    expected = [7, 0, 3, 4, struct.unpack("f", struct.pack("f", 0.1))[0], 9, -2.5e-300, "rün ∑", 3, None, False,
+                1_700_000_000_123_456, None]
+    assert [type(v) for v in shard.record] == [type(v) for v in expected]
+    assert [struct.pack("d", v) if isinstance(v, float) else v for v in shard.record] == [
+        struct.pack("d", v) if isinstance(v, float) else v for v in expected]
+    ns = dict(base, time=pa.array([1_700_000_000_123_456_789], pa.timestamp("ns")))
+    pq.write_table(pa.table(ns), path)
+    assert inspect_shard(path).record[11] == 1_700_000_000_123_456_789  # type: ignore[index]
+
+    uncertain = {
+        "zero": dict(base, loss_sum=pa.array([0.0])),
+        "negative zero": dict(base, backward_scalar=pa.array([-0.0])),
+        "nan": dict(base, backward_scalar=pa.array([math.nan])),
+        "long string": dict(base, run_id=pa.array(["x" * 5000])),
+        "half float": dict(base, grad_divisor=pa.array([2.0], pa.float16())),
+    }
+    for name, columns in uncertain.items():
+        pq.write_table(pa.table(columns), path)
+        assert inspect_shard(path).record is None, name
+    pq.write_table(pa.table(base), path, write_statistics=False)
+    assert inspect_shard(path).record is None
+    pq.write_table(pa.concat_tables([pa.table(base)] * 2), path)
+    assert inspect_shard(path).record is None
+
+
+def test_a_half_float_divisor_is_accepted_and_audited_as_its_values(tmp_path: Path) -> None:
+    """A float column may have any float width (SPEC §2): a half-float grad_divisor, whose statistics
+    are bytes and which has no compute kernels of its own, is checked and audited like a double."""
+    from tokaudit.render.json_report import render_json
+
+    rows = records(UNEVEN, token_mean)
+    table = pa.Table.from_pylist(rows)
+    for folder, divisor_type in (("half", pa.float16()), ("double", pa.float64())):
+        divisors = pa.array([float(r["world_size"]) for r in rows], pa.float16()).cast(divisor_type)
+        (tmp_path / folder / "run").mkdir(parents=True)
+        pq.write_table(table.append_column("grad_divisor", divisors), tmp_path / folder / "run" / "a.parquet")
+    half, double = audit([tmp_path / "half"]), audit([tmp_path / "double"])
+    assert half.problems == [] and half.runs[0].steps == len(UNEVEN)
+    assert render_json(half).replace(str(tmp_path / "half"), "") == render_json(double).replace(str(tmp_path / "double"), "")
