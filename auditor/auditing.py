@@ -14,12 +14,12 @@ import numpy.typing as npt
 import pandas as pd
 import pyarrow.parquet as pq
 
-from tokaudit.checks import DEFAULT_RTOL, check_run, distinct, loss_terms, world_sizes
-from tokaudit.codes import DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
+from tokaudit.checks import check_run, distinct, loss_terms, world_sizes
+from tokaudit.codes import DEFAULT_RTOL, DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
 from tokaudit.engine import Engine, extremes_at
 from tokaudit.normalization import Denominator
 from tokaudit.errors import LogFormatError, UsageError
-from tokaudit.reader import LogSet, Shard, inspect_shard, load
+from tokaudit.reader import Loading, LogSet, Shard, cores, inspect_shard, load
 from tokaudit.report import AuditReport, Finding, RunSummary, Segment, StepRange, Verdict
 from tokaudit.schema import UNNAMED
 
@@ -33,15 +33,17 @@ _CODE_ORDER = {code: index for index, code in enumerate(Code)}
 
 def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL,
               progress: Progress | None = None, only_steps: tuple[int, int] | None = None,
-              threads: int | None = None) -> tuple[LogSet, Engine | None, pd.DataFrame]:
+              threads: int | None = None, started: Loading | None = None
+              ) -> tuple[LogSet, Engine | None, pd.DataFrame]:
     """Load, validate and aggregate. A shard DuckDB cannot decode, or whose values no audit can use, is
     reported and left out.
 
     Files are validated from their footers; a NaN divisor or scale, which no footer shows, is counted
-    by the aggregation, and only the files holding one are then read in full to say where."""
+    by the aggregation, and only the files holding one are then read in full to say where.
+    `started`: this load of `paths` already under way (`start_loading(paths, False, ...)`)."""
     # Footers are validated by as many processes as DuckDB has threads: every core unless told
     # (the trackers' audit beside training takes one, and so validates in its own process).
-    logset = load(paths, thorough=False, workers=threads or _cores())
+    logset = started.result() if started is not None else load(paths, thorough=False, workers=threads or cores())
     shards = list(logset.shards)
     if only_steps is not None:
         # Files whose footer statistics put every step outside the range are not read at all.
@@ -76,14 +78,6 @@ def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTO
     return LogSet(shards, problems), None, pd.DataFrame()
 
 
-def _cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def _unusable(shards: list[Shard]) -> dict[object, LogFormatError]:
     """The thorough check of the shards the aggregation found a NaN divisor or scale in: one line each."""
     found: dict[object, LogFormatError] = {}
@@ -109,7 +103,7 @@ def _undecodable(shards: list[Shard]) -> dict[object, LogFormatError]:
 def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol: float = DEFAULT_RTOL,
           runs: Sequence[str] = (), progress: Progress | None = None, live: bool = False,
           ignore: Sequence[str | Code] = (), min_ratio: float | None = None, keep_steps: bool = False,
-          threads: int | None = None) -> AuditReport:
+          threads: int | None = None, started: Loading | None = None) -> AuditReport:
     """Audit every run under `paths`. Unreadable files become `problems`; the rest is still audited.
 
     `live`: the logs are still being written, so steps after the last one every rank has recorded
@@ -117,7 +111,9 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
     `min_ratio`: a weighting finding whose heaviest token weighs less than this many times the
     lightest is information, not an error (verdicts follow). `keep_steps`: keep the per-step table
     in `report.steps`. `threads`: DuckDB's worker threads (default: every core); an audit running
-    beside training (the trackers' audit) takes one.
+    beside training (the trackers' audit) takes one. `started`: the validation of `paths` already
+    under way (`start_loading(paths, thorough=False, workers=cores())`, which the command line starts
+    before it imports the auditor).
     """
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
@@ -129,7 +125,7 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
         ignored = {Code(code) for code in ignore}
     except ValueError as error:
         raise UsageError(f"--ignore: {error}; `tokaudit explain` lists the codes") from None
-    logset, engine, steps = open_logs(paths, rtol, progress, threads=threads)
+    logset, engine, steps = open_logs(paths, rtol, progress, threads=threads, started=started)
     problems = [str(p) for p in logset.problems]
     if engine is None:
         return AuditReport(runs=[], findings=[], problems=problems, files=0)

@@ -38,8 +38,6 @@ from tokaudit.normalization import (
 from tokaudit.report import Finding, StepRange
 from tokaudit.schema import UNNAMED
 
-DEFAULT_RTOL = 1e-4
-"""Relative tolerance: float32 sums of a few thousand tokens agree to ~1e-6; 1e-4 leaves room."""
 
 DENOMINATOR_WORDS = {
     Denominator.N: "the step's global valid-token count N",

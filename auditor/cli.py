@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.text import Text
 
 from tokaudit import __version__
-from tokaudit.checks import DEFAULT_RTOL
+from tokaudit.codes import DEFAULT_RTOL
 from tokaudit.codes import Code, Severity
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
 from tokaudit.render.text import printable
@@ -148,12 +148,17 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
 
     Exit 0: nothing at or above --fail-on; 1: findings; 2: bad usage or unreadable input.
     """
-    from tokaudit.auditing import audit
+    from tokaudit.reader import cores, start_loading
 
     with _progress(quiet) as progress:
         _refuse_inputs(output, paths)
-        report = audit(paths, rtol=rtol, runs=runs, live=live, progress=progress, ignore=ignore,
-                       min_ratio=min_ratio)
+        # The footers of a large log are validated by worker processes while this one imports the
+        # auditor (pandas, DuckDB: half a second).
+        with start_loading(paths, thorough=False, workers=cores()) as started:
+            from tokaudit.auditing import audit
+
+            report = audit(paths, rtol=rtol, runs=runs, live=live, progress=progress, ignore=ignore,
+                           min_ratio=min_ratio, started=started)
     if fmt == "json":
         from tokaudit.render.json_report import render_json
 

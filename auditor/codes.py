@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from enum import Enum
 
+DEFAULT_RTOL = 1e-4
+"""Relative tolerance on weights: float32 sums of a few thousand tokens agree to ~1e-6; 1e-4 leaves room.
+Here, with the vocabulary every module shares, so that the command line's options need no heavy import."""
+
 
 class Severity(str, Enum):
     """How bad a finding is; ordered info < warning < error."""

@@ -9,7 +9,7 @@ import pandas as pd
 
 from tokaudit.auditing import Progress, open_logs
 from tokaudit.reader import LogSet
-from tokaudit.checks import DEFAULT_RTOL
+from tokaudit.codes import DEFAULT_RTOL
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
 
 

@@ -196,26 +196,75 @@ def load(paths: Sequence[str | os.PathLike[str]], thorough: bool = True, workers
     (pyarrow's objects), so threads do not help, and on a log of many thousands of files it is the
     one serial part of the audit; processes are used from PARALLEL_FILES files up, and the result
     (shards and problems, in path order) is the serial one whichever way it was computed."""
+    with start_loading(paths, thorough, workers) as loading:
+        return loading.result()
+
+
+@dataclass
+class Loading:
+    """A `load` under way (`start_loading`): the worker processes validate their files while the caller
+    goes on (the command line imports the auditor meanwhile, half a second); `result` validates this
+    process's share and waits for theirs. Closing it stops any worker still running."""
+
+    files: list[Path]
+    """The local files found, in path order."""
+    remote: list[tuple[PurePath, Store | None]]
+    """The files found on object storage, each with its store."""
+    problems: list[LogFormatError]
+    """What discovery could not use."""
+    thorough: bool
+    workers: list[subprocess.Popen[bytes]]
+    """Worker processes started, each validating one batch of `files`, in order after `own`."""
+    own: list[Path]
+    """This process's batch (the first): all the files when no worker was started."""
+
+    def result(self) -> LogSet:
+        inspected = _finish_workers(self.workers, self.own, self.thorough) if self.workers else None
+        if inspected is None:
+            inspected = _inspect_batch(self.files, self.thorough)
+        inspected += _inspect_batch([path for path, _ in self.remote], self.thorough,
+                                    [store for _, store in self.remote])
+        shards = []
+        problems = list(self.problems)
+        for item in inspected:
+            if isinstance(item, Shard):
+                shards.append(item)
+            else:
+                problems.append(LogFormatError(*item))
+        return LogSet(shards=shards, problems=problems)
+
+    def close(self) -> None:
+        _stop(self.workers)
+
+    def __enter__(self) -> Loading:
+        return self
+
+    def __exit__(self, *exception: object) -> None:
+        self.close()
+
+
+def start_loading(paths: Sequence[str | os.PathLike[str]], thorough: bool = True, workers: int = 1) -> Loading:
+    """`load`'s discovery, and its worker processes started on their batches: `result()` gives what
+    `load` gives."""
     files, problems = discover([p for p in paths if not is_url(p)])
-    located: list[tuple[PurePath, Store | None]] = [(path, None) for path in files]
+    remote: list[tuple[PurePath, Store | None]] = []
     for url in (str(p) for p in paths if is_url(p)):
         store, found, trouble = discover_url(url)
         problems.extend(trouble)
-        located.extend((PurePosixPath(path), store) for path in found)
-    inspected: list[Shard | tuple[str, str]] | None = None
+        remote.extend((PurePosixPath(path), store) for path in found)
+    started: tuple[list[subprocess.Popen[bytes]], list[Path]] | None = None
     if workers > 1 and len(files) >= PARALLEL_FILES:
-        inspected = _inspect_in_workers(files, thorough, workers)
-    if inspected is None:
-        inspected = _inspect_batch(files, thorough)
-    inspected += _inspect_batch([path for path, store in located[len(files):]], thorough,
-                                [store for path, store in located[len(files):]])
-    shards = []
-    for item in inspected:
-        if isinstance(item, Shard):
-            shards.append(item)
-        else:
-            problems.append(LogFormatError(*item))
-    return LogSet(shards=shards, problems=problems)
+        started = _start_workers(files, thorough, workers)
+    running, own = started if started is not None else ([], files)
+    return Loading(files=files, remote=remote, problems=problems, thorough=thorough, workers=running, own=own)
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _inspect_batch(paths: Sequence[PurePath], thorough: bool, stores: Sequence[Store | None] | None = None
@@ -239,14 +288,21 @@ _WORKER = ("import pickle, sys; paths, thorough, sys.path[:] = pickle.load(sys.s
 def _inspect_in_workers(files: Sequence[PurePath], thorough: bool, workers: int
                         ) -> list[Shard | tuple[str, str]] | None:
     """`_inspect_batch` over local files in worker processes, in order; None when they could not be
-    used (the caller then validates the files itself, with the same result).
+    used (the caller then validates the files itself, with the same result)."""
+    started = _start_workers(files, thorough, workers)
+    return _finish_workers(*started, thorough) if started is not None else None
+
+
+def _start_workers(files: Sequence[PurePath], thorough: bool, workers: int
+                   ) -> tuple[list[subprocess.Popen[bytes]], list[Path]] | None:
+    """The worker processes started on all batches of `files` but the first, and that first batch (this
+    process's); None when too few files make a batch each, or no worker could be started.
 
     Workers are fresh interpreters (`python -c`), not multiprocessing's: those fork the caller, which
     may hold threads (a training process, DuckDB's pool), or re-import the caller's main script."""
     count = min(workers, MAX_WORKERS, len(files) // BATCH_FILES)
     if count < 2:
         return None
-    # This process validates the first batch while the workers start and validate the others.
     size = -(-len(files) // count)
     batches = [list(files[start:start + size]) for start in range(0, len(files), size)]
     own = batches.pop(0)
@@ -260,6 +316,18 @@ def _inspect_in_workers(files: Sequence[PurePath], thorough: bool, workers: int
             # A list of paths: a few MB at most, which the worker reads whole before it writes anything.
             pickle.dump((batch, thorough, list(sys.path)), worker.stdin, pickle.HIGHEST_PROTOCOL)
             worker.stdin.close()
+    except Exception:
+        # No worker here (no interpreter at sys.executable, a sandbox without processes, a broken pipe).
+        _stop(started)
+        return None
+    return started, [Path(path) for path in own]
+
+
+def _finish_workers(started: list[subprocess.Popen[bytes]], own: Sequence[PurePath], thorough: bool
+                    ) -> list[Shard | tuple[str, str]] | None:
+    """This process's batch validated, then each worker's result in order; None when a worker failed (a
+    worker killed, a broken pipe: the caller then validates every file itself, with the same result)."""
+    try:
         results = _inspect_batch(own, thorough)
         for worker in started:
             assert worker.stdout is not None
@@ -269,14 +337,17 @@ def _inspect_in_workers(files: Sequence[PurePath], thorough: bool, workers: int
             results.extend(pickle.loads(output))
         return results
     except Exception:
-        # No worker here (no interpreter at sys.executable, a sandbox without processes, a worker
-        # killed, a broken pipe): validated in this process instead.
         return None
     finally:
-        for worker in started:
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait()
+        _stop(started)
+
+
+def _stop(workers: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Kill the workers still running (a result already read, or given up)."""
+    for worker in workers:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
 
 
 def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = True) -> Shard:

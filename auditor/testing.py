@@ -13,8 +13,7 @@ import os
 from collections.abc import Sequence
 
 from tokaudit.auditing import audit
-from tokaudit.checks import DEFAULT_RTOL
-from tokaudit.codes import Code
+from tokaudit.codes import DEFAULT_RTOL, Code
 from tokaudit.render.text import steps_text
 from tokaudit.report import AuditReport
 

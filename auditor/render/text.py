@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 import unicodedata
 
-from tokaudit.normalization import FORMULA, Denominator
 from tokaudit.report import Segment, StepRange
 
 
 def factor_text(segment: Segment | None) -> str:
     """`b·g = 2·S/N` style, the recovered normalization in one phrase."""
+    # here, not at the top: the command line imports this module, and normalization imports pandas
+    from tokaudit.normalization import FORMULA, Denominator
+
     if segment is None:
         return "no valid tokens"
     if segment.denominator == "undetermined":

@@ -225,6 +225,49 @@ def test_footers_validated_in_worker_processes_give_the_serial_result(tmp_path: 
     assert tree_digest(tmp_path / "logs") == before, "input modified"
 
 
+def test_the_command_line_starts_footer_workers_before_it_imports_the_auditor(tmp_path: Path) -> None:
+    """`check` starts the validation of a large log (`start_loading`) before it imports pandas and
+    DuckDB, so that the workers validate while this process imports; the report is the one of an audit
+    that loads the log itself. A load started and closed unread leaves no worker running."""
+    import json
+    import subprocess
+    import sys
+
+    import tokaudit.reader as reader
+    from tokaudit.render.json_report import render_json
+
+    _many_files(tmp_path / "logs")
+    script = (
+        "import json, subprocess, sys\n"
+        "import tokaudit.reader as reader\n"
+        "reader.PARALLEL_FILES, reader.BATCH_FILES = 1, 4\n"
+        "seen, popen = [], subprocess.Popen\n"
+        "def spy(*args, **kwargs):\n"
+        "    seen.append(('tokaudit.auditing' in sys.modules, 'pandas' in sys.modules, 'duckdb' in sys.modules))\n"
+        "    return popen(*args, **kwargs)\n"
+        "subprocess.Popen = spy\n"
+        "from tokaudit.cli import main\n"
+        "try:\n"
+        "    main(['check', sys.argv[1], '--format', 'json', '-q', '-o', sys.argv[2]])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(json.dumps(seen))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "logs"), str(tmp_path / "report.json")],
+                          capture_output=True, text=True, timeout=120)
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(seen) >= 1 and all(not any(imported) for imported in seen), seen
+    assert (tmp_path / "report.json").read_text() == render_json(audit([tmp_path / "logs"]))
+
+    loading = reader.start_loading([tmp_path / "logs"], thorough=False, workers=3)
+    assert loading.workers == [] and len(loading.own) == len(loading.files)  # too few files for workers
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(reader, "PARALLEL_FILES", 1)
+        patch.setattr(reader, "BATCH_FILES", 4)
+        with reader.start_loading([tmp_path / "logs"], thorough=False, workers=3) as loading:
+            assert len(loading.workers) == 2 and len(loading.own) < len(loading.files)
+        assert all(worker.poll() is not None for worker in loading.workers)
+
+
 @pytest.mark.parametrize("broken", ["no interpreter", "worker fails"])
 def test_footers_are_validated_here_when_no_worker_can(tmp_path: Path, monkeypatch: Any, broken: str) -> None:
     import tokaudit.reader as reader
