@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import pickle
 import re
@@ -371,7 +372,8 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
     try:
         metadata = parquet.metadata
         index = {metadata.schema.column(i).name: i for i in range(metadata.num_columns)}
-        stats = _column_stats(metadata, index, facts.bounded)
+        record = footer_record(metadata, index, facts.signature)
+        stats = _column_stats(metadata, index, facts.bounded) if record is None else _record_stats(record, facts)
         for column in facts.unsigned:
             high = stats[column][1]
             if high is None or high > INT64_MAX:
@@ -388,8 +390,9 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
                  dropped=read_dropped(schema.metadata),
                  store=store, signature=facts.signature,
                  names=_names(stats, present, path.parent.name),
-                 null_columns=_null_columns(metadata, index, present & NULLABLE_COLUMNS),
-                 record=footer_record(metadata, index, facts.signature))
+                 null_columns=_null_columns(metadata, index, present & NULLABLE_COLUMNS) if record is None else
+                 frozenset(c for (c, _), value in zip(facts.signature, record) if value is None and c in NULLABLE_COLUMNS),
+                 record=record)
 
 
 NULLABLE_COLUMNS = frozenset({"token_weight_sum", "token_weight_min", "token_weight_max", "masked_weight_abs_sum",
@@ -422,6 +425,7 @@ _FOOTER_TYPES = {**dict.fromkeys(("int8", "int16", "int32", "int64", "uint8", "u
 _PYTHON_TYPES = {pa.int64(): int, pa.float64(): float, pa.bool_(): bool, pa.string(): str}
 
 
+@functools.lru_cache(maxsize=256)
 def footer_type(arrow_type: str) -> pa.DataType | None:
     """The type a `Shard.record` value of a column of this Arrow type (as `Shard.signature` names it) is
     held in: the file's own type, but integers as int64, floats as double and strings (dictionaries of
@@ -470,6 +474,13 @@ def footer_record(metadata: pq.FileMetaData, index: dict[str, int], signature: t
             return None
         values.append(low)
     return tuple(values)
+
+
+def _record_stats(record: tuple[Any, ...], facts: _SchemaFacts) -> dict[str, tuple[Any, Any, int | None]]:
+    """`_column_stats` of a one-row file's bounded columns from its record (`footer_record`): (v, v, 0) for a
+    value v, and for a null what a footer without a min or max gives, (None, None, None)."""
+    return {column: (None, None, None) if value is None else (value, value, 0)
+            for (column, _), value in zip(facts.signature, record) if column in facts.bounded}
 
 
 _NAME_COLUMNS = (("run_id", None), ("group", UNNAMED), ("term", UNNAMED))

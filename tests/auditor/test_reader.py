@@ -416,3 +416,45 @@ def test_a_half_float_divisor_is_accepted_and_audited_as_its_values(tmp_path: Pa
     half, double = audit([tmp_path / "half"]), audit([tmp_path / "double"])
     assert half.problems == [] and half.runs[0].steps == len(UNEVEN)
     assert render_json(half).replace(str(tmp_path / "half"), "") == render_json(double).replace(str(tmp_path / "double"), "")
+
+
+def test_a_one_row_shard_is_validated_from_its_record_as_from_its_statistics(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-row file whose record its footer gives (`Shard.record`) is validated from that record
+    (`_record_stats`) instead of its statistics read again: the shard (ranges, names, columns of nulls
+    only) and every problem are what the statistics give, for good files and for each kind of bad value."""
+    import dataclasses
+
+    import tokaudit.reader as reader
+
+    good = records([[[5]]], token_mean)[0]
+    cases = {
+        "plain": good,
+        "named": dict(good, run_id="r ∑", group="g", term="aux", grad_divisor=2, sync=None, reported_loss=None),
+        "null divisor": dict(good, grad_divisor=None, positions=7, skipped=True),
+        "null count": dict(good, valid_tokens=None),
+        "negative count": dict(good, valid_tokens=-1),
+        "rank past W": dict(good, rank=3, world_size=2),
+        "newer version": dict(good, schema_version=99),
+        "negative divisor": dict(good, grad_divisor=-2.0),
+        "null scalar": dict(good, backward_scalar=None),
+    }
+    folder = tmp_path / "one"
+    for name, row in cases.items():
+        write(folder / f"{name.replace(' ', '_')}.parquet", [row])
+    huge = tmp_path / "huge.parquet"
+    pq.write_table(pa.table({**{k: [v] for k, v in good.items()}, "step": pa.array([2**64 - 1], pa.uint64())}), huge)
+
+    def inspected(path: Path) -> Any:
+        try:
+            return dataclasses.replace(inspect_shard(path, thorough=False), record=None)
+        except Exception as error:
+            return str(error)
+
+    paths = [*sorted(folder.glob("*.parquet")), huge]
+    from_records = [inspected(path) for path in paths]
+    assert sum(isinstance(r, str) for r in from_records) == 7
+    assert all(inspect_shard(p, thorough=False).record is not None for p, r in zip(paths, from_records)
+               if not isinstance(r, str))
+    monkeypatch.setattr(reader, "footer_record", lambda *args: None)
+    assert [inspected(path) for path in paths] == from_records
