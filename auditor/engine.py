@@ -154,12 +154,14 @@ class Engine:
 
     def _scans(self, members: list[Shard]) -> list[tuple[list[Shard], str]]:
         """FROM clauses (as `r`) with `filename` and `file_row_number`, each with the shards it reads:
-        one read_parquet per schema of the local shards, one view per remote shard (its row number
-        unknown: a remote duplicate inside one file keeps an arbitrary copy; across files the later
-        file still wins)."""
+        a table of footer records per schema of the one-row shards whose footers give their record
+        (`footer_table`), one read_parquet per schema of the other local shards, one view per other
+        remote shard (its row number unknown: a remote duplicate inside one file keeps an arbitrary
+        copy; across files the later file still wins)."""
         by_schema: dict[tuple[tuple[str, str], ...], list[Shard]] = {}
         from_footers: dict[tuple[tuple[str, str], ...], list[Shard]] = {}
         for shard in members:
+            # (a remote one always: `open` made no view of its file)
             if shard.record is not None and (self.footer_rows or shard.store is not None):
                 from_footers.setdefault(shard.signature, []).append(shard)
             elif shard.store is None:

@@ -425,6 +425,12 @@ _FOOTER_TYPES = {**dict.fromkeys(("int8", "int16", "int32", "int64", "uint8", "u
 _PYTHON_TYPES = {pa.int64(): int, pa.float64(): float, pa.bool_(): bool, pa.string(): str}
 
 
+SIGNLESS_ZEROS = frozenset({"masked_weight_abs_sum"})
+"""Float columns whose zero's sign nothing reads (a sum of absolute values, only compared with 0 and tested
+for finiteness): `footer_record` takes a 0 in their footer as 0.0. The recorder's probe writes 0.0 there on
+almost every record."""
+
+
 @functools.lru_cache(maxsize=256)
 def footer_type(arrow_type: str) -> pa.DataType | None:
     """The type a `Shard.record` value of a column of this Arrow type (as `Shard.signature` names it) is
@@ -445,8 +451,9 @@ def footer_record(metadata: pq.FileMetaData, index: dict[str, int], signature: t
                   ) -> tuple[Any, ...] | None:
     """`Shard.record`: the values of a file of one row, from its footer's statistics, when they give each
     exactly: a null count of 1 (a null), or no null and a min equal to the max. Not exact, and so None:
-    a float 0 (Parquet writes min −0.0 and max +0.0 whatever its sign), NaN (never in statistics), a
-    string too long for statistics, missing statistics, a type `footer_type` does not hold."""
+    a float 0 (Parquet writes min −0.0 and max +0.0 whatever its sign) but in SIGNLESS_ZEROS, NaN (never
+    in statistics), a string too long for statistics, missing statistics, a type `footer_type` does not
+    hold."""
     if metadata.num_rows != 1 or metadata.num_row_groups != 1:
         return None
     group = metadata.row_group(0)
@@ -470,9 +477,9 @@ def footer_record(metadata: pq.FileMetaData, index: dict[str, int], signature: t
         else:
             low, high, expected = statistics.min, statistics.max, _PYTHON_TYPES[held]
         if type(low) is not expected or type(high) is not expected or low != high or (
-                expected is float and (low == 0 or low != low)):
+                expected is float and (low != low or (low == 0 and column not in SIGNLESS_ZEROS))):
             return None
-        values.append(low)
+        values.append(0.0 if expected is float and low == 0 else low)
     return tuple(values)
 
 

@@ -186,3 +186,38 @@ def test_an_unreachable_store_is_retried_after_a_pause_and_at_close(tmp_path: Pa
     rec.close()
     assert len(attempts) == 2
     assert [row["step"] for row in read_rows(tmp_path / "flaky")] == [0, 1, 2]
+
+
+def test_one_row_shards_on_s3_are_read_from_their_footers_with_the_local_report(endpoint: dict[str, str],
+                                                                                 tmp_path: Path) -> None:
+    """A recorder that flushes every record leaves one-row shards: their records come from the footers
+    already fetched to validate them (`Shard.record`), with no second request per object, and the report
+    and a step's weights are the local copy's."""
+    import pyarrow.parquet as pq
+
+    local = tmp_path / "bug_local_mean"
+    local.mkdir()
+    client = boto3.client("s3")
+    for shard in sorted((SAMPLE_LOGS / "bug_local_mean").glob("*.parquet")):
+        table = pq.read_table(shard)
+        for row in range(table.num_rows):
+            name = f"{shard.stem}-{row:04d}.parquet"
+            pq.write_table(table.slice(row, 1), local / name)
+            client.upload_file(str(local / name), "logs", f"one-row/bug_local_mean/{name}")
+    from tokaudit.reader import load
+
+    assert all(s.record is not None for s in load([local]).shards)
+    from tokaudit.engine import Engine
+
+    remote_shards = load(["s3://logs/one-row/"]).shards
+    engine = Engine.open(remote_shards)
+    assert len(remote_shards) == 6 and engine.remote_views == {}, "no dataset opened on an object"
+    engine.close()
+    remote = tokaudit("check", "s3://logs/one-row/", "--format", "json", env=endpoint)
+    here = tokaudit("check", str(local), "--format", "json")
+    assert remote.returncode == here.returncode == 1, remote.stderr
+    whole = json.loads(tokaudit("check", str(SAMPLE_LOGS / "bug_local_mean"), "--format", "json").stdout)
+    assert json.loads(remote.stdout) == json.loads(here.stdout) == dict(whole, files=len(list(local.iterdir())))
+    remote = tokaudit("weights", "s3://logs/one-row/bug_local_mean", "--step", "1", env=endpoint)
+    here = tokaudit("weights", str(local), "--step", "1")
+    assert remote.returncode == here.returncode == 0 and remote.stdout == here.stdout

@@ -623,7 +623,8 @@ def test_one_row_shards_are_read_from_their_footers_and_change_no_bit(tmp_path: 
     from the file: the step tables (whole, in ranges, with the evidence columns), the records of a step,
     the steps complete so far, the duplicates and the report are the files' bit for bit. The log mixes
     what a footer gives (the recorder's full schema with its time stamp, nulls, a float32 loss, a
-    dictionary-encoded run id, an integer divisor) with what it does not (a loss of 0.0 or −0.0, a NaN
+    dictionary-encoded run id, an integer divisor, a masked weight of 0.0 or −0.0, whose sign nothing
+    reads) with what it does not (a loss of 0.0 or −0.0, a NaN
     scalar: those files are read), a shard of many rows, and repeated keys that the time, then the later
     file, decide. Once loaded, the footer-given shards are not opened again: moved away, they still give
     the same table."""
@@ -643,7 +644,8 @@ def test_one_row_shards_are_read_from_their_footers_and_change_no_bit(tmp_path: 
     log.mkdir(parents=True)
     for index, row in enumerate(rows):
         row = dict(row, grad_divisor=float(row["world_size"]), time=moment, reported_loss=None if index % 3 else 2.5,
-                   sync=row["micro"] == 1, positions=row["valid_tokens"] + index % 4, divisor_known=True)
+                   sync=row["micro"] == 1, positions=row["valid_tokens"] + index % 4, divisor_known=True,
+                   masked_weight_abs_sum=(0.0, -0.0, 0.5, None)[index % 4])
         schema = WRITER_SCHEMA
         if index % 7 == 1:
             row["loss_sum"] = 0.0 if index % 2 else -0.0

@@ -361,7 +361,8 @@ def test_a_one_row_shard_gives_its_record_from_its_footer_only_where_it_is_exact
     float column, a dictionary-encoded string, timestamps in µs with a zone and in ns without one (the
     stored integer), a bool. No record where one value is not certain: a float 0 of either sign (Parquet
     writes min −0.0 and max +0.0 for both), NaN and a string too long for statistics (no min or max),
-    a half float, a file written without statistics, and a file of two rows."""
+    a half float, a file written without statistics, and a file of two rows. A 0 of
+    masked_weight_abs_sum, whose sign nothing reads (`SIGNLESS_ZEROS`), is taken as 0.0."""
     import math
     import struct
 
@@ -371,14 +372,14 @@ def test_a_one_row_shard_gives_its_record_from_its_footer_only_where_it_is_exact
             "run_id": pa.array(["rün ∑"]).dictionary_encode(), "grad_divisor": pa.array([3], pa.int64()),
             "reported_loss": pa.array([None], pa.float64()), "sync": pa.array([False]),
             "time": pa.array([1_700_000_000_123_456], pa.timestamp("us", tz="UTC")),
-            "positions": pa.array([None], pa.int64())}
+            "positions": pa.array([None], pa.int64()), "masked_weight_abs_sum": pa.array([-0.0])}
     path = tmp_path / "one.parquet"
     pq.write_table(pa.table(base), path)
     shard = inspect_shard(path)
     assert [name for name, _ in shard.signature] == list(base)
     assert shard.record is not None
     expected = [7, 0, 3, 4, struct.unpack("f", struct.pack("f", 0.1))[0], 9, -2.5e-300, "rün ∑", 3, None, False,
-                1_700_000_000_123_456, None]
+                1_700_000_000_123_456, None, 0.0]
     assert [type(v) for v in shard.record] == [type(v) for v in expected]
     assert [struct.pack("d", v) if isinstance(v, float) else v for v in shard.record] == [
         struct.pack("d", v) if isinstance(v, float) else v for v in expected]
