@@ -447,6 +447,20 @@ def footer_type(arrow_type: str) -> pa.DataType | None:
     return _FOOTER_TYPES.get(arrow_type)
 
 
+@functools.lru_cache(maxsize=256)
+def _footer_reading(arrow_type: str) -> tuple[type, bool, bool] | None:
+    """How `footer_record` reads a column of this Arrow type: its value's Python type, whether the
+    statistics' stored value (`min_raw`, a fifth of the time of `min`) is the value (signed integers,
+    floats, bools; not unsigned integers, stored as signed, nor strings, stored as bytes), and whether it
+    is a time stamp (its stored integer, in its unit). None: `footer_type` does not hold it."""
+    held = footer_type(arrow_type)
+    if held is None:
+        return None
+    if pa.types.is_timestamp(held):
+        return int, True, True
+    return _PYTHON_TYPES[held], arrow_type in ("int8", "int16", "int32", "int64", "float", "double", "bool"), False
+
+
 def footer_record(metadata: pq.FileMetaData, index: dict[str, int], signature: tuple[tuple[str, str], ...]
                   ) -> tuple[Any, ...] | None:
     """`Shard.record`: the values of a file of one row, from its footer's statistics, when they give each
@@ -459,23 +473,21 @@ def footer_record(metadata: pq.FileMetaData, index: dict[str, int], signature: t
     group = metadata.row_group(0)
     values: list[Any] = []
     for column, arrow_type in signature:
-        held = footer_type(arrow_type)
+        reading = _footer_reading(arrow_type)
         statistics = group.column(index[column]).statistics
-        if held is None or statistics is None or not statistics.has_null_count:
+        if reading is None or statistics is None or not statistics.has_null_count:
             return None
-        if statistics.null_count == 1:
+        nulls = statistics.null_count
+        if nulls == 1:
             values.append(None)
             continue
-        if statistics.null_count != 0 or not statistics.has_min_max:
+        if nulls != 0 or not statistics.has_min_max:
             return None
-        expected: type
-        if pa.types.is_timestamp(held):
-            # the stored integer in the file's unit (the logical value is a datetime, without nanoseconds)
-            if statistics.physical_type != "INT64":
-                return None
-            low, high, expected = statistics.min_raw, statistics.max_raw, int
-        else:
-            low, high, expected = statistics.min, statistics.max, _PYTHON_TYPES[held]
+        expected, raw, timestamp = reading
+        # a time stamp's logical value is a datetime, without nanoseconds: its stored integer it is
+        if timestamp and statistics.physical_type != "INT64":
+            return None
+        low, high = (statistics.min_raw, statistics.max_raw) if raw else (statistics.min, statistics.max)
         if type(low) is not expected or type(high) is not expected or low != high or (
                 expected is float and (low != low or (low == 0 and column not in SIGNLESS_ZEROS))):
             return None
