@@ -93,6 +93,10 @@ def main() -> None:
     if not small.exists():
         write_small_shards(small, 100, 100)
     rows += _compare("10,000 one-row shards", small, naive=False, repeat=args.repeat)
+    recorded = args.out / "small-10000-recorder"
+    if not recorded.exists():
+        write_small_shards(recorded, 100, 100, recorder_columns=True)
+    rows += _compare("10,000 one-row shards, the recorder's 23 columns", recorded, naive=False, repeat=args.repeat)
     width = max(len(name) for name, _ in rows)
     print(f"{'benchmark':<{width}}  figure")
     print(f"{'-' * width}  ------")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import time
 from pathlib import Path
 
@@ -56,19 +57,27 @@ def write_log(out: Path, ranks: int, steps: int, micro: int, steps_per_file: int
     return rows
 
 
-def write_small_shards(out: Path, steps: int, ranks: int) -> None:
-    """steps × ranks one-row shards of a correct run (the many-small-files case)."""
+def write_small_shards(out: Path, steps: int, ranks: int, recorder_columns: bool = False) -> None:
+    """steps × ranks one-row shards of a correct run (the many-small-files case): the seven required
+    columns, or with `recorder_columns` every column the recorder writes with a probe (`flush_every=1`:
+    a time stamp, the probe's sums, the masked weight 0.0, no reported loss)."""
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
+    start = datetime.datetime(2026, 11, 30, tzinfo=datetime.timezone.utc)
     for step in range(steps):
         counts = rng.integers(1, 100, size=ranks)
+        total = int(counts.sum())
         for rank in range(ranks):
-            pq.write_table(pa.table({
-                "step": pa.array([step], pa.int64()), "micro": pa.array([0], pa.int32()),
-                "rank": pa.array([rank], pa.int32()), "world_size": pa.array([ranks], pa.int32()),
-                "loss_sum": [2.0 * counts[rank]], "valid_tokens": pa.array([int(counts[rank])], pa.int64()),
-                "backward_scalar": [ranks * 2.0 * counts[rank] / counts.sum()]}),
-                out / f"rank-{rank:05d}-{step:06d}.parquet")
+            n = int(counts[rank])
+            row = {"step": step, "micro": 0, "rank": rank, "world_size": ranks, "loss_sum": 2.0 * n,
+                   "valid_tokens": n, "backward_scalar": ranks * 2.0 * n / total}
+            if recorder_columns:
+                row.update(run_id=out.name, group="0", term="0", grad_divisor=float(ranks), divisor_known=True,
+                           positions=n + 3, token_weight_sum=ranks * n / total, token_weight_min=ranks / total,
+                           token_weight_max=ranks / total, masked_weight_abs_sum=0.0, sync=True,
+                           time=start + datetime.timedelta(seconds=step), schema_version=1)
+            schema = WRITER_SCHEMA if recorder_columns else pa.schema([WRITER_SCHEMA.field(c) for c in row])
+            pq.write_table(pa.Table.from_pylist([row], schema=schema), out / f"rank-{rank:05d}-{step:06d}.parquet")
 
 
 def main() -> None:
