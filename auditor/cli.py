@@ -211,12 +211,15 @@ def _progress(quiet: bool) -> Iterator[Callable[[str], None] | None]:
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
 def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str) -> None:
     """Per rank and microbatch at one step: n, S, b, c, e and q = e·N (1 when correct)."""
-    from tokaudit.postmortem import step_weights
+    from tokaudit.reader import cores, start_loading
 
-    try:
-        chosen, records, problems = step_weights(paths, step, run)
-    except TokauditError as error:
-        _fail(error)
+    with start_loading(paths, thorough=False, workers=cores()) as started:
+        from tokaudit.postmortem import step_weights
+
+        try:
+            chosen, records, problems = step_weights(paths, step, run, started=started)
+        except TokauditError as error:
+            _fail(error)
     if fmt == "csv":
         click.echo(records.rename(columns=WEIGHT_NAMES).to_csv(index=False), nl=False)
     elif fmt == "json":
@@ -248,11 +251,7 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
           step_range: str | None) -> None:
     """Loss per step: the true token mean ΣS/N, the mean of local means, the reported loss, and the
     objective the optimizer followed (Σe·S)."""
-    import numpy as np
-
-    from tokaudit.postmortem import loss_curve
-    from tokaudit.render.chart import line_chart
-    from tokaudit.render.console import CURVE_COLUMNS, render_curve_table
+    from tokaudit.reader import cores, start_loading
 
     try:
         for target in (csv_path, plot_path):
@@ -261,7 +260,11 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
             from tokaudit.render.plot import check_format
 
             check_format(plot_path)
-        chosen, frame, problems = loss_curve(paths, run, steps=_step_range(step_range))
+        window = _step_range(step_range)
+        with start_loading(paths, thorough=False, workers=cores()) as started:
+            from tokaudit.postmortem import loss_curve
+
+            chosen, frame, problems = loss_curve(paths, run, steps=window, started=started)
         if csv_path is not None:
             try:
                 frame.to_csv(csv_path, index=False)
@@ -273,6 +276,11 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
             write_png(chosen, frame, plot_path)
     except TokauditError as error:
         _fail(error)
+    import numpy as np
+
+    from tokaudit.render.chart import line_chart
+    from tokaudit.render.console import CURVE_COLUMNS, render_curve_table
+
     console = Console(highlight=False)
     series: dict[str, Any] = {label: frame[key].to_numpy(dtype=float, na_value=np.nan)
                               for key, label in CURVE_COLUMNS if frame[key].notna().any()}

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pandas as pd
 
 from tokaudit.auditing import Progress, open_logs
-from tokaudit.reader import LogSet
+from tokaudit.reader import Loading, LogSet
 from tokaudit.codes import DEFAULT_RTOL
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
 
@@ -38,13 +38,14 @@ def _pick_run(steps: pd.DataFrame, run: str | None) -> str:
     return run
 
 
-def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | None = None
-                 ) -> tuple[str, pd.DataFrame, list[LogFormatError]]:
+def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | None = None,
+                 started: Loading | None = None) -> tuple[str, pd.DataFrame, list[LogFormatError]]:
     """Every record of one step: n, S, b, c = b/S (or the probe's), e = c·g/D and q = e·N.
 
     Only the shards whose footers may hold `step` are read, and only that step is aggregated; when
-    it is not there the whole log is opened to say which runs and steps it has."""
-    logset, engine, steps = open_logs(paths, only_steps=(step, step))
+    it is not there the whole log is opened to say which runs and steps it has. `started`: the
+    validation of `paths` already under way (`tokaudit.reader.start_loading`)."""
+    logset, engine, steps = open_logs(paths, only_steps=(step, step), started=started)
     one_run = run is None and len({s.default_run for s in logset.shards}) == 1 and steps.run.nunique() == 1
     if engine is not None and len(steps) and (one_run or run in set(steps.run.unique())):
         try:
@@ -68,13 +69,15 @@ def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | 
 
 
 def loss_curve(paths: Sequence[str | os.PathLike[str]], run: str | None = None, progress: Progress | None = None,
-               steps: tuple[int, int] | None = None) -> tuple[str, pd.DataFrame, list[LogFormatError]]:
+               steps: tuple[int, int] | None = None, started: Loading | None = None
+               ) -> tuple[str, pd.DataFrame, list[LogFormatError]]:
     """Per step: the true token mean ΣS/N, the mean of per-rank means, the reported loss, and the
     objective the optimizer actually followed, Σ e·S (equal to ΣS/N when the run is correct).
 
     `steps`: only these (first, last), read from the shards whose footers may hold them and aggregated
-    a range at a time as the whole log would be: a window of a run of millions of steps costs its own size."""
-    logset, engine, table = open_logs(paths, DEFAULT_RTOL, progress, only_steps=steps)
+    a range at a time as the whole log would be: a window of a run of millions of steps costs its own size.
+    `started`: the validation of `paths` already under way (`tokaudit.reader.start_loading`)."""
+    logset, engine, table = open_logs(paths, DEFAULT_RTOL, progress, only_steps=steps, started=started)
     if engine is not None:
         engine.close()
     # No shard in the window (and none unreadable), or shards whose records all lie outside it.

@@ -225,10 +225,10 @@ def test_footers_validated_in_worker_processes_give_the_serial_result(tmp_path: 
     assert tree_digest(tmp_path / "logs") == before, "input modified"
 
 
-def test_the_command_line_starts_footer_workers_before_it_imports_the_auditor(tmp_path: Path) -> None:
-    """`check` starts the validation of a large log (`start_loading`) before it imports pandas and
-    DuckDB, so that the workers validate while this process imports; the report is the one of an audit
-    that loads the log itself. A load started and closed unread leaves no worker running."""
+def test_the_commands_start_footer_workers_before_they_import_the_auditor(tmp_path: Path) -> None:
+    """`check`, `weights` and `curve` start the validation of a large log (`start_loading`) before they
+    import pandas and DuckDB, so that the workers validate while this process imports; the report is the
+    one of an audit that loads the log itself. A load started and closed unread leaves no worker running."""
     import json
     import subprocess
     import sys
@@ -248,15 +248,20 @@ def test_the_command_line_starts_footer_workers_before_it_imports_the_auditor(tm
         "subprocess.Popen = spy\n"
         "from tokaudit.cli import main\n"
         "try:\n"
-        "    main(['check', sys.argv[1], '--format', 'json', '-q', '-o', sys.argv[2]])\n"
+        "    main(json.loads(sys.argv[1]))\n"
         "except SystemExit:\n"
         "    pass\n"
         "print(json.dumps(seen))\n")
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "logs"), str(tmp_path / "report.json")],
-                          capture_output=True, text=True, timeout=120)
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(seen) >= 1 and all(not any(imported) for imported in seen), seen
+    logs = str(tmp_path / "logs")
+    for command in (["check", logs, "--format", "json", "-q", "-o", str(tmp_path / "report.json")],
+                    ["weights", logs, "--step", "1", "--run", "good", "--format", "csv"],
+                    ["curve", logs, "--run", "good", "--csv", str(tmp_path / "curve.csv")]):
+        done = subprocess.run([sys.executable, "-c", script, json.dumps(command)], capture_output=True, text=True,
+                              timeout=120)
+        seen = json.loads(done.stdout.strip().splitlines()[-1])
+        assert len(seen) >= 1 and all(not any(imported) for imported in seen), (command[0], seen)
     assert (tmp_path / "report.json").read_text() == render_json(audit([tmp_path / "logs"]))
+    assert (tmp_path / "curve.csv").read_text().startswith("step,")
 
     loading = reader.start_loading([tmp_path / "logs"], thorough=False, workers=3)
     assert loading.workers == [] and len(loading.own) == len(loading.files)  # too few files for workers
