@@ -38,7 +38,6 @@ from tokaudit.normalization import (
 from tokaudit.report import Finding, StepRange
 from tokaudit.schema import UNNAMED
 
-
 DENOMINATOR_WORDS = {
     Denominator.N: "the step's global valid-token count N",
     Denominator.MICRO_GLOBAL: "each microbatch's own global count N_m",

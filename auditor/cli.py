@@ -15,8 +15,7 @@ from rich.console import Console
 from rich.text import Text
 
 from tokaudit import __version__
-from tokaudit.codes import DEFAULT_RTOL
-from tokaudit.codes import Code, Severity
+from tokaudit.codes import DEFAULT_RTOL, Code, Severity
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
 from tokaudit.render.text import printable
 

@@ -484,7 +484,7 @@ def footer_record(metadata: pq.FileMetaData, index: dict[str, int], signature: t
         if nulls != 0 or not statistics.has_min_max:
             return None
         expected, raw, timestamp = reading
-        # a time stamp's logical value is a datetime, without nanoseconds: its stored integer it is
+        # a time stamp is read as its stored integer (its logical value, a datetime, has no nanoseconds)
         if timestamp and statistics.physical_type != "INT64":
             return None
         low, high = (statistics.min_raw, statistics.max_raw) if raw else (statistics.min, statistics.max)
@@ -656,12 +656,15 @@ def _column_stats(metadata: pq.FileMetaData, index: dict[str, int], columns: fro
         for group in groups:
             chunk = group.column(index[column]) if column in index else None
             statistics = chunk.statistics if chunk is not None else None
-            # a half float's statistics are its bytes: as good as none (its values are read instead)
-            if statistics is None or not statistics.has_min_max or nulls is None or isinstance(statistics.min, bytes):
+            if statistics is None or not statistics.has_min_max or nulls is None:
                 low = high = nulls = None
                 break
-            low = statistics.min if low is None else min(low, statistics.min)
-            high = statistics.max if high is None else max(high, statistics.max)
+            least, most = statistics.min, statistics.max
+            if isinstance(least, bytes):  # a half float's: as good as none (its values are read instead)
+                low = high = nulls = None
+                break
+            low = least if low is None else min(low, least)
+            high = most if high is None else max(high, most)
             nulls = nulls + statistics.null_count if statistics.has_null_count else None
         if metadata.num_row_groups == 0:
             low = high = None
