@@ -136,7 +136,7 @@ def test_curve_of_a_window_reads_only_the_shards_that_can_hold_it(tmp_path: Path
     window = list(csv.DictReader(window_csv.read_text().splitlines()))
     assert [int(r["step"]) for r in window] == list(range(15, 34))
     assert window == [r for r in whole if 15 <= int(r["step"]) <= 33]
-    assert read == [6], "the shards of steps 10-39 only"
+    assert read and set(read) == {6}, "the shards of steps 10-39 only (in each lane's engine)"
     assert invoke("curve", str(tmp_path / "run"), "--steps", "50:")[0] == 0
 
 
