@@ -367,16 +367,19 @@ class Engine:
 
     def _in_lanes(self, rtol: float, chunks: list[tuple[tuple[int, int] | None, list[Shard]]]
                   ) -> Generator[dict[str, Any], None, None]:
-        """`_range_table` of every range, in order, computed LANES at a time: this engine and a second one
-        over the same shards (its own DuckDB database), each with its share of the threads and of the
+        """`_range_table` of every range, in order, computed `lanes` at a time: this engine and others over
+        the same shards (each its own DuckDB database), each with its share of the threads and of the
         memory limit, each taking the next range when it is done with one. A range's query has a serial
         part (on 2 threads it runs 1.33× faster than on 1): two ranges on one thread each took 1.66 s
-        where one after the other on two took 2.02 s (8 ranges of the 64 × 4 log, 2 cores)."""
+        where one after the other on two took 2.02 s (8 ranges of the 64 × 4 log, 2 cores); three or
+        four lanes on 2 cores were slower than two (2.6–2.8 and 2.9–3.1 s against 2.4–2.6 s)."""
         share = max(1, self.threads // self.lanes)
-        other = Engine.open(self.shards, memory_limit=_share(self.memory_limit, self.lanes), threads=share,
-                            chunk_rows=self.chunk_rows, only_steps=self.only_steps, extremes=self.extremes)
-        other.prune, other.footer_rows, other.lanes = self.prune, self.footer_rows, 1
-        lanes = [self, other]
+        others = [Engine.open(self.shards, memory_limit=_share(self.memory_limit, self.lanes), threads=share,
+                              chunk_rows=self.chunk_rows, only_steps=self.only_steps, extremes=self.extremes)
+                  for _ in range(self.lanes - 1)]
+        for other in others:
+            other.prune, other.footer_rows, other.lanes = self.prune, self.footer_rows, 1
+        lanes = [self, *others]
         self.connection.execute(f"SET threads = {share}")
         results: dict[int, dict[str, Any]] = {}
         failures: list[BaseException] = []
@@ -417,8 +420,9 @@ class Engine:
                 failures.append(GeneratorExit())  # the lanes take no further range
             for worker in workers:
                 worker.join()
-            _add_duplicates(self.duplicates, other.duplicates)
-            other.close()
+            for other in others:
+                _add_duplicates(self.duplicates, other.duplicates)
+                other.close()
             self.connection.execute(f"SET threads = {self.threads}")
 
     def _aggregate(self, rtol: float, shards: Sequence[Shard]) -> dict[str, Any]:
