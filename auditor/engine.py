@@ -43,7 +43,8 @@ WHOLE_SEGMENT_ROWS = 5
 chunk's rows (1,024 ranks' recorder shards, 4·10⁶ records, are one such segment)."""
 _PLAIN_PATH = re.compile(r"^[A-Za-z0-9._/+=,@%:-]+$")
 """Paths DuckDB reads literally (no pattern, no escape): others are given to it through a link."""
-_MEMORY = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|%)?\s*$", re.IGNORECASE)
+_MEMORY = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|%)\s*$", re.IGNORECASE)
+"""A size DuckDB reads: a number and a unit (it refuses a number alone), or a share of the memory."""
 
 
 def settings_from_environment() -> tuple[str, int]:

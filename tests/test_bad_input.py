@@ -163,13 +163,24 @@ def test_output_paths_that_cannot_be_used(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("variable, value", [("TOKAUDIT_CHUNK_ROWS", "many"), ("TOKAUDIT_CHUNK_ROWS", "0"),
-                                             ("TOKAUDIT_MEMORY_LIMIT", "lots")])
+                                             ("TOKAUDIT_MEMORY_LIMIT", "lots"),
+                                             ("TOKAUDIT_MEMORY_LIMIT", "1000000")])  # DuckDB wants a unit
 def test_bad_environment_names_the_variable(tmp_path: Path, variable: str, value: str) -> None:
     logs = write_by_rank(tmp_path / "run", records(UNEVEN, token_mean))
     code, out, err = invoke("check", str(logs), env={variable: value})
     no_traceback(out, err)
     (line,) = error_lines(err)
     assert code == 2 and variable in line and str(logs) not in line
+
+
+def test_a_memory_limit_too_small_for_the_log_is_said_as_such_not_blamed_on_the_files(tmp_path: Path) -> None:
+    """DuckDB out of memory while every file decodes: one line naming the limit and what to change, exit 2,
+    no file named as if it were damaged."""
+    logs = write_by_rank(tmp_path / "run", records(UNEVEN, token_mean))
+    code, out, err = invoke("check", str(logs), env={"TOKAUDIT_MEMORY_LIMIT": "1MB"})
+    no_traceback(out, err)
+    (line,) = error_lines(err)
+    assert code == 2 and "TOKAUDIT_MEMORY_LIMIT" in line and "out of memory" in line and str(logs) not in line
 
 
 def test_text_from_the_log_is_printed_literally(tmp_path: Path) -> None:
