@@ -182,7 +182,7 @@ def _weighting_findings(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunC
     steps it spans, with the range of its factor. Steps are grouped as columns, not one by one."""
     explanation, table = _factor_explanations(steps, diagnoses, context)
     code, label = _weighting_codes(diagnoses, explanation, table)
-    flagged = row_indices(code >= 0, np.int32 if len(code) < 2**31 else np.int64)
+    flagged = row_indices(code >= 0)
     if not len(flagged):
         return
     # One finding per (code, denominator, label of the factor, approximate fit), in order of first

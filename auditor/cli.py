@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -18,6 +18,9 @@ from tokaudit import __version__
 from tokaudit.codes import DEFAULT_RTOL, Code, Severity
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
 from tokaudit.render.text import printable
+
+if TYPE_CHECKING:
+    from tokaudit.reader import Loading
 
 EXIT_OK, EXIT_FINDINGS, EXIT_BAD_INPUT = 0, 1, 2
 WEIGHT_NAMES = {"grp": "group", "eff": "effective_weight", "q": "distortion", "eff_min": "effective_weight_min",
@@ -41,6 +44,14 @@ def _fail(error: TokauditError) -> None:
     if isinstance(error, LogFormatError):
         click.echo("Tip: the file is left as it is; fix or remove it, or pass only the good folders.", err=True)
     sys.exit(EXIT_BAD_INPUT)
+
+
+def _start_loading(paths: tuple[str, ...]) -> Loading:
+    """The validation of the logs' footers started as the audit loads them (`auditing.open_logs`: footers
+    only, a process a core), before the command imports the auditor (pandas, DuckDB: half a second)."""
+    from tokaudit.reader import cores, start_loading
+
+    return start_loading(paths, thorough=False, workers=cores())
 
 
 def _emit(text: str, output: Path | None) -> None:
@@ -147,13 +158,9 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
 
     Exit 0: nothing at or above --fail-on; 1: findings; 2: bad usage or unreadable input.
     """
-    from tokaudit.reader import cores, start_loading
-
     with _progress(quiet) as progress:
         _refuse_inputs(output, paths)
-        # The footers of a large log are validated by worker processes while this one imports the
-        # auditor (pandas, DuckDB: half a second).
-        with start_loading(paths, thorough=False, workers=cores()) as started:
+        with _start_loading(paths) as started:
             from tokaudit.auditing import audit
 
             report = audit(paths, rtol=rtol, runs=runs, live=live, progress=progress, ignore=ignore,
@@ -210,9 +217,7 @@ def _progress(quiet: bool) -> Iterator[Callable[[str], None] | None]:
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
 def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str) -> None:
     """Per rank and microbatch at one step: n, S, b, c, e and q = e·N (1 when correct)."""
-    from tokaudit.reader import cores, start_loading
-
-    with start_loading(paths, thorough=False, workers=cores()) as started:
+    with _start_loading(paths) as started:
         from tokaudit.postmortem import step_weights
 
         try:
@@ -250,8 +255,6 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
           step_range: str | None) -> None:
     """Loss per step: the true token mean ΣS/N, the mean of local means, the reported loss, and the
     objective the optimizer followed (Σe·S)."""
-    from tokaudit.reader import cores, start_loading
-
     try:
         for target in (csv_path, plot_path):
             _refuse_inputs(target, paths)
@@ -260,7 +263,7 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
 
             check_format(plot_path)
         window = _step_range(step_range)
-        with start_loading(paths, thorough=False, workers=cores()) as started:
+        with _start_loading(paths) as started:
             from tokaudit.postmortem import loss_curve
 
             chosen, frame, problems = loss_curve(paths, run, steps=window, started=started)

@@ -34,16 +34,16 @@ from tokaudit.schema import COLUMNS_BY_NAME, UNNAMED
 DEFAULT_MEMORY_LIMIT = "768MB"
 CHUNK_ROWS = 1_000_000
 CHUNK_STEPS = 62_500
+"""Steps aggregated at a time at most: a range's share of the step table and of DuckDB's groups."""
 LANES = 2
 """Step ranges an engine of two threads or more aggregates at once, each on its own DuckDB database
 (`Engine._in_lanes`)."""
-"""Steps aggregated at a time at most: a range's share of the step table and of DuckDB's groups."""
 WHOLE_SEGMENT_ROWS = 5
 """Files that overlap in steps are aggregated together, never read twice, up to this many times the
 chunk's rows (1,024 ranks' recorder shards, 4·10⁶ records, are one such segment)."""
 _PLAIN_PATH = re.compile(r"^[A-Za-z0-9._/+=,@%:-]+$")
 """Paths DuckDB reads literally (no pattern, no escape): others are given to it through a link."""
-_MEMORY = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|%)\s*$", re.IGNORECASE)
+_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|%)\s*$", re.IGNORECASE)
 """A size DuckDB reads: a number and a unit (it refuses a number alone), or a share of the memory."""
 
 
@@ -113,8 +113,9 @@ class Engine:
              threads: int | None = None, chunk_rows: int | None = None,
              only_steps: tuple[int, int] | None = None, extremes: bool = False) -> Engine:
         environment_memory, environment_chunk = settings_from_environment()
+        memory_limit = memory_limit or environment_memory
         links: Path | None = None
-        connection = duckdb.connect(":memory:", config={"memory_limit": memory_limit or environment_memory,
+        connection = duckdb.connect(":memory:", config={"memory_limit": memory_limit,
                                                         "temp_directory": tempfile.gettempdir(),
                                                         "preserve_insertion_order": False})
         try:
@@ -126,7 +127,7 @@ class Engine:
             engine = cls(connection=connection, shards=list(shards), duplicates={},
                          chunk_rows=chunk_rows or environment_chunk, only_steps=only_steps, extremes=extremes,
                          lanes=LANES if count >= LANES else 1, threads=count,
-                         memory_limit=memory_limit or environment_memory)
+                         memory_limit=memory_limit)
             here = os.getcwd()
             for index, shard in enumerate(engine.shards):
                 # Path.absolute() without pathlib's parsing (a third of a second at 10,000 shards).
@@ -325,7 +326,7 @@ class Engine:
     def step_table(self, rtol: float, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
         """One row per (run, grp, term, step) with everything the checks need (see `step_sql`).
 
-        Large logs are aggregated a step range at a time, LANES ranges at once (`_lanes`). Duplicates
+        Large logs are aggregated a step range at a time, LANES ranges at once (`_in_lanes`). Duplicates
         are looked for only where the cheap per-rank count says there may be some; those records are
         then deduplicated. Memory: the table is never held twice (see `_join`), and only LANES ranges'
         aggregations are in DuckDB at once.
@@ -393,12 +394,13 @@ class Engine:
         failures: list[BaseException] = []
         taken = iter(range(len(chunks)))
         ready = threading.Condition()
+        stop = threading.Event()
 
         def work(lane: Engine) -> None:
             while True:
                 with ready:
                     index = next(taken, None)
-                    if index is None or failures:
+                    if index is None or failures or stop.is_set():
                         return
                 try:
                     table = lane._range_table(rtol, *chunks[index])
@@ -424,8 +426,7 @@ class Engine:
                     table = results.pop(index)
                 yield table
         finally:
-            with ready:
-                failures.append(GeneratorExit())  # the lanes take no further range
+            stop.set()  # the lanes take no further range
             for worker in workers:
                 worker.join()
             for other in others:
@@ -967,9 +968,8 @@ def _add_duplicates(target: dict[str, tuple[int, int, int, int]], found: dict[st
 
 
 def _share(limit: str, parts: int) -> str:
-    """A memory limit (`settings_from_environment`'s form: a number and a unit, or a percentage) divided
-    among parts."""
-    match = re.match(r"^\s*(\d+(?:\.\d+)?)\s*(\S*)\s*$", limit)
+    """A memory limit (`_MEMORY`'s form: a number and a unit, or a percentage) divided among parts."""
+    match = _MEMORY.match(limit)
     if match is None:
         return limit
     return f"{float(match.group(1)) / parts:g}{match.group(2)}"

@@ -440,9 +440,8 @@ def _vote(fits: npt.NDArray[np.bool_], alpha_of: Callable[[int, npt.NDArray[Any]
     hypothesis whose count has shrunk is pushed back with its true count.
     """
     steps, candidates = fits.shape
-    # Step indices as int32 below 2³¹ steps: the hypotheses' members cover each step once per fitting
-    # candidate, the largest thing the vote holds.
-    index_type = np.int32 if steps < 2**31 else np.int64
+    # Step indices are int32 below 2³¹ steps (`row_indices`): the hypotheses' members cover each step once
+    # per fitting candidate, the largest thing the vote holds.
     # A hypothesis made of every row its candidate fits (one cluster, no NaN α: the usual run) is kept as
     # the candidate's number and its rows found again when read: each step fits several candidates at
     # once (N, 1, T and N_m all fit a correct step of one microbatch and constant T), 4 bytes each.
@@ -459,7 +458,7 @@ def _vote(fits: npt.NDArray[np.bool_], alpha_of: Callable[[int, npt.NDArray[Any]
             # picked, K has nothing left. Leaving them out changes no pick (nor when the picks stop), and
             # saves their α and its sort: in a correct run 1, T and ΣT fit exactly the steps N fits.
             continue
-        rows = row_indices(fits[:, c], index_type)
+        rows = row_indices(fits[:, c])
         if not len(rows):
             continue
         # its α lives only in the call, and its rows are let go: the picks below hold neither
@@ -528,9 +527,10 @@ def _add_hypotheses(c: int, rows: npt.NDArray[Any], alpha: Floats, rtol: float, 
     return False
 
 
-def row_indices(mask: npt.NDArray[np.bool_], index_type: type) -> npt.NDArray[Any]:
-    """np.flatnonzero(mask) as index_type, found a block at a time (no int64 index of every row first)."""
-    out: npt.NDArray[Any] = np.empty(int(np.count_nonzero(mask)), dtype=index_type)
+def row_indices(mask: npt.NDArray[np.bool_]) -> npt.NDArray[Any]:
+    """np.flatnonzero(mask) as int32 below 2³¹ rows (int64 beyond), found a block at a time (no int64 index
+    of every row first)."""
+    out: npt.NDArray[Any] = np.empty(int(np.count_nonzero(mask)), dtype=np.int32 if len(mask) < 2**31 else np.int64)
     filled = 0
     for start in range(0, len(mask), BLOCK_STEPS):
         part = np.flatnonzero(mask[start:start + BLOCK_STEPS])

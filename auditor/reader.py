@@ -286,14 +286,6 @@ _WORKER = ("import pickle, sys; paths, thorough, sys.path[:] = pickle.load(sys.s
 """A worker: the files and this interpreter's import path in on stdin, `_inspect_batch`'s result out on stdout."""
 
 
-def _inspect_in_workers(files: Sequence[PurePath], thorough: bool, workers: int
-                        ) -> list[Shard | tuple[str, str]] | None:
-    """`_inspect_batch` over local files in worker processes, in order; None when they could not be
-    used (the caller then validates the files itself, with the same result)."""
-    started = _start_workers(files, thorough, workers)
-    return _finish_workers(*started, thorough) if started is not None else None
-
-
 def _start_workers(files: Sequence[PurePath], thorough: bool, workers: int
                    ) -> tuple[list[subprocess.Popen[bytes]], list[Path]] | None:
     """The worker processes started on all batches of `files` but the first, and that first batch (this

@@ -318,7 +318,8 @@ def test_footer_workers_are_bounded_by_the_files_and_a_cap(monkeypatch: Any) -> 
     for workers, count, expected in ((64, len(files), reader.MAX_WORKERS - 1), (2, len(files), 1),
                                      (64, 3 * reader.BATCH_FILES, 2), (64, reader.BATCH_FILES + 1, 0)):
         started.clear()
-        result = reader._inspect_in_workers(files[:count], False, workers)
+        launched = reader._start_workers(files[:count], False, workers)
+        result = reader._finish_workers(*launched, False) if launched is not None else None
         assert len(started) == expected, (workers, count)
         assert result == ([] if expected else None)
 
