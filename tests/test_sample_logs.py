@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from click.testing import CliRunner
 
@@ -32,3 +33,29 @@ def test_sample_logs_have_a_readme_per_scenario() -> None:
     readme = (SAMPLE_LOGS / "README.md").read_text()
     for run in EXPECTED_CODES:
         assert f"`{run}/`" in readme
+
+
+def test_evidence_from_the_one_query_is_the_evidence_of_each_step_aggregated_alone(monkeypatch: Any) -> None:
+    """A small log aggregates every step's evidence (where its heaviest and lightest token were) in the
+    one query; a large one aggregates a finding's step again alone (`engine.extremes_at`). Both give the
+    same report on the recorded DDP runs, and the small log's audit aggregates no step again."""
+    from tokaudit import auditing
+    from tokaudit.render.json_report import render_json
+
+    calls: list[int] = []
+    original = auditing.extremes_at
+
+    def counted(shards: Any, step: int, *rest: Any) -> Any:
+        calls.append(step)
+        return original(shards, step, *rest)
+
+    monkeypatch.setattr(auditing, "extremes_at", counted)
+    one_query = auditing.audit(SAMPLE_LOGS, keep_steps=True)
+    assert not calls
+    monkeypatch.setattr(auditing, "EVIDENCE_ROWS", 0)
+    alone = auditing.audit(SAMPLE_LOGS, keep_steps=True)
+    assert calls  # the weighting findings' steps, read again
+    assert any("heaviest" in f.evidence for f in one_query.findings)
+    assert render_json(one_query) == render_json(alone)
+    assert one_query.steps is not None and alone.steps is not None
+    assert list(one_query.steps.columns) == list(alone.steps.columns)  # the same table whatever the size
