@@ -150,11 +150,6 @@ def _reach(anchor: float, rtol: float) -> float:
     return anchor / (1 - 2 * rtol) if anchor > 0 else anchor + 2 * rtol * abs(anchor)
 
 
-def _one_cluster(values: Floats, rtol: float) -> bool:
-    """The (non-NaN) values make a single cluster: the largest is within the smallest's reach."""
-    return bool(values.max() <= _reach(float(values.min()), rtol))
-
-
 def _sorted_clusters(values: Floats, rtol: float) -> tuple[npt.NDArray[np.int64], Floats, list[int]]:
     """`cluster` as slices: the non-NaN values' indices in ascending order of value, those values, and
     the offsets where each cluster starts (and the last one ends) in them."""
@@ -183,27 +178,15 @@ def _column(steps: pd.DataFrame, name: str) -> Floats:
     return converted
 
 
-def _column_at(steps: pd.DataFrame, name: str, rows: npt.NDArray[Any]) -> Floats:
-    """`_column(steps, name)[rows]`, converting only those rows (not the whole column at every call)."""
-    values = steps[name].to_numpy()
-    if values.dtype.kind in "iufb":
-        taken: Floats = values[rows].astype(np.float64)
-        return taken
-    picked: Floats = _column(steps, name)[rows]
-    return picked
-
-
 def candidate_bounds(steps: pd.DataFrame) -> dict[Denominator, tuple[Floats, Floats]]:
     """Per candidate denominator, the step's lowest and highest e·Den over its valid records."""
     return {denominator: _bounds(steps, denominator) for denominator in PREFERENCE}
 
 
-def _bounds(steps: pd.DataFrame, denominator: Denominator, rows: npt.NDArray[Any] | None = None
-            ) -> tuple[Floats, Floats]:
-    """One candidate's (lowest, highest) e·Den, at these rows of the table (all when None). Element by
-    element, so the rows' values are bit for bit those of the whole table's."""
+def _bounds(steps: pd.DataFrame, denominator: Denominator) -> tuple[Floats, Floats]:
+    """One candidate's (lowest, highest) e·Den at every row of these steps."""
     def column(name: str) -> Floats:
-        return _column(steps, name) if rows is None else _column_at(steps, name, rows)
+        return _column(steps, name)
 
     if denominator in _RECORD_BOUNDS:
         low, high = _RECORD_BOUNDS[denominator]
@@ -218,22 +201,6 @@ def _bounds(steps: pd.DataFrame, denominator: Denominator, rows: npt.NDArray[Any
     all_positions = (column("positions_known") == column("records")) & (positions > 0)
     step_positions = np.where(all_positions, positions, np.nan)
     return e_low * step_positions, e_high * step_positions
-
-
-def alpha_at(steps: pd.DataFrame) -> Callable[[int, npt.NDArray[Any]], Floats]:
-    """α = e·Den·D of candidate PREFERENCE[c] at given rows, computed when asked: the vote reads it
-    for the steps each candidate fits, and a table of it for every candidate would be 64 bytes a step
-    (a sixth of the audit's peak at millions of steps). The same α as `_candidates` computes."""
-    def alpha(c: int, rows: npt.NDArray[Any]) -> Floats:
-        # A block of rows at a time: the bounds' temporaries stay a few MB however many steps fit.
-        out = np.empty(len(rows))
-        for start in range(0, len(rows), BLOCK_STEPS):
-            part = rows[start:start + BLOCK_STEPS]
-            out[start:start + len(part)] = _alpha(*_bounds(steps, PREFERENCE[c], part),
-                                                  _column_at(steps, "d_high", part))
-        return out
-
-    return alpha
 
 
 def _alpha(low: Floats, high: Floats, divisor: Floats) -> Floats:
@@ -289,242 +256,389 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
     hypothesis (denominator, α within rtol) that explains the most steps wins them, then the next
     one takes what is left; a run that changed normalization at a resume shows both. Call it on
     one (group, term) or on a whole run: hypotheses are shared, the weights are per row.
+
+    The table is read BLOCK_STEPS rows at a time, three times: the run's decisions (`Decisions.of`) come
+    from two passes, and each block is then diagnosed alone (`Decisions.diagnose`), so what is held
+    whole is the diagnoses and what the decisions keep (their α sorted, a count per signature).
     """
+    def blocks() -> Iterator[pd.DataFrame]:
+        return (steps.iloc[start:start + BLOCK_STEPS] for start in range(0, len(steps), BLOCK_STEPS))
+
+    decisions = Decisions.of(lambda: (_candidates(block, rtol) for block in blocks()), rtol)
+    # Each block's diagnoses written into the whole table's arrays: never the parts and the whole at once.
     count = len(steps)
-    if count == 0:
-        empty = np.zeros(0)
-        return Diagnoses(np.zeros(0, np.int8), np.zeros(0, np.int8), empty, empty, np.zeros(0, bool), empty)
-    candidates = len(PREFERENCE)
-    fits = np.empty((count, candidates), dtype=bool)
-    usable, distortion = np.empty(count, dtype=bool), np.empty(count)
-    nearest, nearest_spread = np.empty(count, dtype=np.int8), np.empty(count)
-    # Row by row the candidates are independent: computed a block of steps at a time, so the
-    # temporaries (bounds, spreads, α) stay a few MB whatever the number of steps; only the fits are
-    # kept whole, and α is computed again where the vote needs it (`alpha_at`).
-    for start in range(0, count, BLOCK_STEPS):
-        block = slice(start, min(start + BLOCK_STEPS, count))
-        fits[block], usable[block], distortion[block], nearest[block], nearest_spread[block] = \
-            _candidates(steps.iloc[block], rtol)
-    alpha = alpha_at(steps)
-    chosen, representative = _vote(fits, alpha, rtol)
+    whole = Diagnoses(np.empty(count, np.int8), np.empty(count, np.int8), np.empty(count), np.empty(count),
+                      np.empty(count, bool), np.empty(count), decisions.confused)
+    for start, block in zip(range(0, count, BLOCK_STEPS), blocks()):
+        part = decisions.diagnose(block)
+        for name in _DIAGNOSIS_ARRAYS:
+            getattr(whole, name)[start:start + len(block)] = getattr(part, name)
+    return whole
 
-    # Per-step arrays are made narrow (int8 indices) and written in place, each condition applied in
-    # turn (a later one overrides): at millions of steps no whole float column is copied to be compared.
-    balanced, unknown_divisor, empty = np.empty(count, bool), np.zeros(count, bool), np.empty(count, bool)
-    for start in range(0, count, BLOCK_STEPS):
-        # a block at a time: a count column read as float64 whole is 8 bytes a step for a 1-byte answer
-        block = slice(start, min(start + BLOCK_STEPS, count))
-        part = steps.iloc[block]
-        balanced[block] = (_column(part, "n_low") == _column(part, "n_high")) & (
-            _column(part, "m_low") == _column(part, "m_high"))
-        if "unknown_divisor" in steps:
-            unknown_divisor[block] = _column(part, "unknown_divisor") > 0
-        empty[block] = _column(part, "tokens") == 0
-    confused = _confusable(fits, alpha, usable, steps, rtol)
-    uniform = fits[:, 0]  # e·N constant ⇔ e constant
 
-    # The denominator: the vote's winner, else the nearest approximate fit, else unexplained.
-    preference = np.array([DENOMINATORS.index(d) for d in PREFERENCE], dtype=np.int8)
-    approximate_fit = (chosen < 0) & (nearest >= 0)
-    denominator = np.full(count, DENOMINATORS.index(Denominator.UNEXPLAINED), dtype=np.int8)
-    won = chosen >= 0
-    denominator[won] = preference[chosen[won]]
-    del won
-    denominator[approximate_fit] = preference[nearest[approximate_fit]]
-    factor = representative  # NaN where the vote chose nothing
-    for c in np.unique(nearest[approximate_fit]):
-        near = np.flatnonzero(approximate_fit & (nearest == c))
-        factor[near] = alpha(int(c), near)
-    approximate = nearest_spread
-    approximate[~approximate_fit] = np.nan
-    del approximate_fit, chosen, nearest
-
-    def index(kind: StepKind) -> np.int8:
-        return np.int8(KINDS.index(kind))
-
-    correct = np.empty(count, dtype=bool)
-    for start in range(0, count, BLOCK_STEPS):  # |q − 1| a block at a time: two float temporaries a step
-        block = slice(start, start + BLOCK_STEPS)
-        with np.errstate(invalid="ignore"):
-            correct[block] = np.abs(distortion[block] - 1.0) <= rtol
-    kind = np.where(correct, index(StepKind.CORRECT), index(StepKind.UNIFORM_OFF))
-    del correct
-    kind[uniform & unknown_divisor] = index(StepKind.UNJUDGED)
-    kind[~uniform] = index(StepKind.NONUNIFORM)
-    kind[~usable] = index(StepKind.UNWEIGHTED)
-    kind[empty] = index(StepKind.EMPTY)
-    unjudged_here = ~usable | empty
-    undetermined = DENOMINATORS.index(Denominator.UNDETERMINED)
-    denominator[unjudged_here] = undetermined
-    if confused is not None:
-        denominator[np.isin(kind, [index(StepKind.CORRECT), index(StepKind.UNJUDGED)])] = undetermined
-    factor[unjudged_here] = np.nan
-    distortion[unjudged_here] = np.nan
-    approximate[unjudged_here] = np.nan
-    return Diagnoses(kind, denominator, factor, distortion, balanced, approximate, confused)
-
+_DIAGNOSIS_ARRAYS = ("kind", "denominator", "factor", "distortion", "balanced", "approximate")
 
 BLOCK_STEPS = 65_536
 """Steps whose candidates are computed at a time (a few MB of temporaries)."""
 
 
-def _candidates(steps: pd.DataFrame, rtol: float) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_], Floats,
-                                                            npt.NDArray[np.int64], Floats]:
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """One block of steps' candidates (`_candidates`): which fit, whether the step can be judged, q where
+    the weights are uniform, the nearest approximate fit and its spread, and every candidate's α."""
+
+    fits: npt.NDArray[np.bool_]
+    usable: npt.NDArray[np.bool_]
+    distortion: Floats
+    nearest: npt.NDArray[np.int64]
+    nearest_spread: Floats
+    alphas: Floats
+    world: Floats
+    """W (w_high) and M (m_high), which `_Confusion` reads."""
+    micro: Floats
+
+
+@dataclass
+class Decisions:
+    """What a run decides as a whole and every step then reads: the vote's hypotheses, the ones it picked
+    for each signature of hypotheses a step can belong to, and the local normalization the logs cannot tell
+    from the token mean (`_confusable`). Made from two passes over blocks of the step table, then applied
+    to any block alone: the same diagnoses as the table diagnosed whole.
+
+    The vote is a greedy set cover of the steps by hypotheses (candidate, α-cluster), most steps first.
+    A step's signature is the hypothesis it belongs to under each candidate that fits it: steps of one
+    signature are taken together or not at all, so the cover is run over the signatures' counts, whatever
+    the number of steps."""
+
+    rtol: float
+    voters: list[int]
+    """The candidates (indices into PREFERENCE) whose hypotheses vote."""
+    anchors: dict[int, Floats]
+    """Per voter, the smallest α of each of its clusters, ascending."""
+    first_hypothesis: dict[int, int]
+    """Per voter, the number of its first hypothesis (the NaN one when it has one, else its first cluster)."""
+    has_nan: dict[int, bool]
+    owner: list[int]
+    values: list[float]
+    """Per hypothesis, its candidate and representative α (the median of its cluster; NaN for the NaN one)."""
+    signatures: dict[int | bytes, int]
+    """Per signature seen (its key, `_keys`), its number."""
+    signature_codes: list[npt.NDArray[np.int32]]
+    """Per signature, its codes (`_codes`)."""
+    picked: npt.NDArray[np.int64]
+    """Per signature, the hypothesis that took its steps (−1: none; they keep their own most preferred fit)."""
+    confused: Denominator | None
+
+    @classmethod
+    def of(cls, blocks: Callable[[], Iterable[_Block]], rtol: float) -> Decisions:
+        """Read the blocks' candidates (`_candidates`) twice: the α of every fitting candidate (its
+        clusters and medians) and what `_Confusion` asks, then the count of each signature; the cover runs
+        over those counts."""
+        candidates = len(PREFERENCE)
+        alphas = [_Values() for _ in range(candidates)]
+        beyond_token_mean = np.zeros(candidates, dtype=bool)
+        confusion = _Confusion(rtol)
+        for found in blocks():
+            for c in range(candidates):
+                alphas[c].add(found.alphas[found.fits[:, c], c])
+            beyond_token_mean |= (found.fits & ~found.fits[:, :1]).any(axis=0)
+            confusion.add(found)
+        voters: list[int] = []
+        anchors: dict[int, Floats] = {}
+        first: dict[int, int] = {}
+        has_nan: dict[int, bool] = {}
+        owner: list[int] = []
+        values: list[float] = []
+        token_mean_whole = False
+        for c in range(candidates):
+            if token_mean_whole and not beyond_token_mean[c]:
+                # Every step this candidate fits is a member of N's one hypothesis (all N fits, one cluster,
+                # no NaN α): none of its hypotheses can win a step. Each is a subset K of those rows, so at
+                # any pick free(K) ≤ free(N's), and N wins every tie (plainest, first in PREFERENCE); once
+                # N's is picked, K has nothing left. Leaving them out changes no pick (nor when the picks
+                # stop), and saves their signatures: in a correct run 1, T and ΣT fit exactly the steps N fits.
+                continue
+            fitting = alphas[c]
+            alphas[c] = _Values()  # let go of what is read no more
+            if not fitting.count and not fitting.nan:
+                continue
+            voters.append(c)
+            first[c] = len(owner)
+            has_nan[c] = fitting.nan > 0
+            if has_nan[c]:  # α NaN: one hypothesis of its own, first (as label −1 sorts)
+                owner.append(c)
+                values.append(math.nan)
+            starts, medians = fitting.clusters(rtol)
+            anchors[c] = starts
+            owner.extend([c] * len(medians))
+            values.extend(medians)
+            token_mean_whole = token_mean_whole or (c == 0 and len(medians) == 1 and not has_nan[c])
+        decisions = cls(rtol, voters, anchors, first, has_nan, owner, values, {}, [], np.zeros(0, np.int64),
+                        confusion.result())
+        counts: list[int] = []
+        for found in blocks():
+            codes = decisions._codes(found)
+            if not codes.shape[1]:
+                continue
+            keys, first_row, seen = decisions._distinct(codes)
+            for key, row, count in zip(keys, first_row.tolist(), seen.tolist()):
+                number = decisions.signatures.setdefault(key, len(counts))
+                if number == len(counts):
+                    counts.append(0)
+                    decisions.signature_codes.append(codes[row].copy())
+                counts[number] += count
+        decisions.picked = decisions._cover(np.array(counts, dtype=np.int64))
+        return decisions
+
+    def _distinct(self, codes: npt.NDArray[np.int32]
+                  ) -> tuple[list[int | bytes], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """The distinct signatures of these steps: their keys, a step of each, and how many steps have it."""
+        keys, first_row, counts = np.unique(self._keys(codes), return_index=True, return_counts=True)
+        return keys.tolist(), first_row, counts
+
+    def _keys(self, codes: npt.NDArray[np.int32]) -> npt.NDArray[Any]:
+        """Per step, its signature as one number: the codes in mixed radix (a voter's digit runs to its
+        number of hypotheses), or as the codes' bytes when that number could pass 2⁶²."""
+        bases = [1 + sum(1 for o in self.owner if o == c) for c in self.voters]
+        if math.prod(bases) < 2**62:
+            weights = np.cumprod([1, *bases[:-1]], dtype=np.int64)
+            keys: npt.NDArray[Any] = codes.astype(np.int64) @ weights
+            return keys
+        return np.array([row.tobytes() for row in codes], dtype=object)
+
+    def _codes(self, found: _Block) -> npt.NDArray[np.int32]:
+        """Per step, per voter: 0 when the voter does not fit it, else 1 + the number of its hypothesis
+        among the voter's (the NaN one first)."""
+        codes = np.zeros((len(found.fits), len(self.voters)), dtype=np.int32)
+        for column, c in enumerate(self.voters):
+            rows = np.flatnonzero(found.fits[:, c])
+            alpha = found.alphas[rows, c]
+            nan = np.isnan(alpha)
+            # the cluster whose anchor is the largest at or below α (every α lies in a cluster)
+            cluster_of = np.searchsorted(self.anchors[c], np.where(nan, 0.0, alpha), side="right") - 1
+            codes[rows, column] = np.where(nan, 1, 1 + int(self.has_nan[c]) + cluster_of)
+        return codes
+
+    def _hypotheses(self, codes: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
+        """The hypotheses of each code column's voter, as global numbers (−1 where it does not fit)."""
+        offsets = np.array([self.first_hypothesis[c] for c in self.voters], dtype=np.int64)
+        return np.where(codes > 0, offsets[None, :] + codes - 1, -1)
+
+    def _cover(self, counts: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """The greedy cover over the signatures' counts. A lazy max-heap keeps it near-linear: a popped
+        hypothesis whose count has shrunk is pushed back with its true count."""
+        picked = np.full(len(counts), -1, dtype=np.int64)
+        if not len(counts):
+            return picked
+        member_of = self._hypotheses(np.array(self.signature_codes, dtype=np.int32))  # per signature, per voter: its hypothesis
+        signatures_of: list[list[int]] = [[] for _ in self.owner]
+        for signature, hypotheses in enumerate(member_of.tolist()):
+            for h in hypotheses:
+                if h >= 0:
+                    signatures_of[h].append(signature)
+        members = [np.array(s, dtype=np.int64) for s in signatures_of]
+        sizes = [int(counts[m].sum()) for m in members]
+        # Among hypotheses that explain as many steps: N (the token mean) first, then α = 1, the simplest
+        # reading (S/n rather than 2·S/(n·M)), then PREFERENCE.
+        plain = [0 if self.owner[h] == 0 else 1 if close(self.values[h], 1.0, self.rtol) else 2
+                 for h in range(len(self.owner))]
+        heap = [(-size, plain[h], self.owner[h], h) for h, size in enumerate(sizes) if size]
+        heapq.heapify(heap)
+        while heap:
+            stored, simple, preference, h = heapq.heappop(heap)
+            free = members[h][picked[members[h]] < 0]
+            count = int(counts[free].sum())
+            if count < -stored:
+                if count:
+                    heapq.heappush(heap, (-count, simple, preference, h))
+                continue
+            if count < 2:
+                break  # nothing shared any more: every step left keeps its own most preferred fit
+            picked[free] = h
+        return picked
+
+    def diagnose(self, block: pd.DataFrame) -> Diagnoses:
+        """The diagnoses of these steps under the run's decisions."""
+        count = len(block)
+        found = _candidates(block, self.rtol)
+        fits, usable, distortion, nearest = found.fits, found.usable, found.distortion, found.nearest
+        chosen, factor = self.vote(found)
+
+        balanced = (_column(block, "n_low") == _column(block, "n_high")) & (
+            _column(block, "m_low") == _column(block, "m_high"))
+        unknown_divisor = _column(block, "unknown_divisor") > 0 if "unknown_divisor" in block \
+            else np.zeros(count, dtype=bool)
+        empty = _column(block, "tokens") == 0
+        uniform = fits[:, 0]  # e·N constant ⇔ e constant
+
+        # The denominator: the vote's winner, else the nearest approximate fit, else unexplained.
+        preference = np.array([DENOMINATORS.index(d) for d in PREFERENCE], dtype=np.int8)
+        approximate_fit = (chosen < 0) & (nearest >= 0)
+        denominator = np.full(count, DENOMINATORS.index(Denominator.UNEXPLAINED), dtype=np.int8)
+        won = chosen >= 0
+        denominator[won] = preference[chosen[won]]
+        denominator[approximate_fit] = preference[nearest[approximate_fit]]
+        near = np.flatnonzero(approximate_fit)
+        factor[near] = found.alphas[near, nearest[near]]
+        approximate = found.nearest_spread
+        approximate[~approximate_fit] = np.nan
+
+        def index(kind: StepKind) -> np.int8:
+            return np.int8(KINDS.index(kind))
+
+        with np.errstate(invalid="ignore"):
+            correct = np.abs(distortion - 1.0) <= self.rtol
+        kind = np.where(correct, index(StepKind.CORRECT), index(StepKind.UNIFORM_OFF))
+        kind[uniform & unknown_divisor] = index(StepKind.UNJUDGED)
+        kind[~uniform] = index(StepKind.NONUNIFORM)
+        kind[~usable] = index(StepKind.UNWEIGHTED)
+        kind[empty] = index(StepKind.EMPTY)
+        unjudged_here = ~usable | empty
+        undetermined = DENOMINATORS.index(Denominator.UNDETERMINED)
+        denominator[unjudged_here] = undetermined
+        if self.confused is not None:
+            denominator[np.isin(kind, [index(StepKind.CORRECT), index(StepKind.UNJUDGED)])] = undetermined
+        factor[unjudged_here] = np.nan
+        distortion[unjudged_here] = np.nan
+        approximate[unjudged_here] = np.nan
+        return Diagnoses(kind, denominator, factor, distortion, balanced, approximate, self.confused)
+
+    def vote(self, found: _Block) -> tuple[npt.NDArray[np.int8], Floats]:
+        """Per step, the index in PREFERENCE of its winning candidate (−1: none) and the α it is read with:
+        the picked hypothesis's representative, else its own most preferred fit's own α (NaN: none)."""
+        count = len(found.fits)
+        chosen = np.full(count, -1, dtype=np.int8)
+        factor = np.full(count, np.nan)
+        codes = self._codes(found)
+        if codes.shape[1]:
+            number = self._numbers(codes)
+            h = np.where(number >= 0, self.picked[np.maximum(number, 0)], -1)
+            won = h >= 0
+            owner, values = np.array(self.owner, dtype=np.int8), np.array(self.values)
+            chosen[won], factor[won] = owner[h[won]], values[h[won]]
+        # Every step left keeps its own most preferred fit, with its own α.
+        left = np.flatnonzero((chosen < 0) & found.fits.any(axis=1))
+        first_fit = np.argmax(found.fits[left], axis=1)
+        chosen[left], factor[left] = first_fit, found.alphas[left, first_fit]
+        return chosen, factor
+
+    def _numbers(self, codes: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
+        """Each step's signature number (−1: a signature the decisions never saw), by its distinct keys."""
+        keys, inverse = np.unique(self._keys(codes), return_inverse=True)
+        numbers = np.array([self.signatures.get(key, -1) for key in keys.tolist()], dtype=np.int64)
+        return numbers[inverse.reshape(-1)]
+
+
+class _Values:
+    """Values added a block at a time, NaN counted apart: a candidate's α over the steps it fits, in the
+    order of the steps."""
+
+    def __init__(self) -> None:
+        self.parts: list[Floats] = []
+        self.count = 0
+        self.nan = 0
+
+    def add(self, values: Floats) -> None:
+        nan = np.isnan(values)
+        self.nan += int(nan.sum())
+        finite = values[~nan]
+        if len(finite):
+            self.parts.append(finite)
+            self.count += len(finite)
+
+    def clusters(self, rtol: float) -> tuple[Floats, list[float]]:
+        """Their clusters (`cluster`): each one's smallest value and its median (its middle value, or the
+        middle two's mean)."""
+        if not self.parts:
+            return np.zeros(0), []
+        values = np.concatenate(self.parts) if len(self.parts) > 1 else self.parts[0].copy()
+        self.parts = []
+        low = float(values.min())
+        if values.max() <= _reach(low, rtol):
+            # Every α within the first cluster's reach (a run that kept one normalization): the one cluster
+            # `_sorted_clusters` would make, its median found without sorting (the values are read no more).
+            return np.array([low]), [float(np.median(values, overwrite_input=True))]
+        _, ordered, bounds = _sorted_clusters(values, rtol)
+        medians = []
+        for start, stop in zip(bounds, bounds[1:]):
+            # A cluster is a slice of the sorted α: its median is its middle value (or the middle two's mean).
+            middle = (start + stop) // 2
+            median = ordered[middle] if (stop - start) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+            medians.append(float(median))
+        return ordered[bounds[:-1]], medians
+
+
+def _candidates(steps: pd.DataFrame, rtol: float) -> _Block:
     """Per step of this block: which candidates fit within rtol, whether the step can be judged (valid
-    tokens with a weight), q = e·N where the weights are uniform (else NaN), and the nearest approximate
-    fit with the spread it leaves (see `_nearest`), from each candidate's α = e·Den·D."""
+    tokens with a weight), q = e·N where the weights are uniform (else NaN), the nearest approximate fit
+    with the spread it leaves (see `_nearest`), and each candidate's α = e·Den·D."""
     bounds = candidate_bounds(steps)
     divisor = _column(steps, "d_high")
     usable = (_column(steps, "tokens") > 0) & (_column(steps, "weighted_records") > 0) & ~np.isnan(_column(steps, "e_low"))
-    spreads = np.column_stack([spread(*bounds[d]) for d in PREFERENCE])
-    alphas = np.column_stack([_alpha(*bounds[d], divisor) for d in PREFERENCE])
+    shape = (len(steps), len(PREFERENCE))
+    spreads, alphas = np.empty(shape, order="F"), np.empty(shape, order="F")
+    for column, denominator in enumerate(PREFERENCE):  # written in place: no stack of columns copied
+        spreads[:, column] = spread(*bounds[denominator])
+        alphas[:, column] = _alpha(*bounds[denominator], divisor)
     fits = usable[:, None] & (spreads <= rtol)
     low, high = bounds[Denominator.N]
     distortion = np.where(fits[:, 0], (low + high) / 2, np.nan)
-    # The nearest approximate fit is read only where nothing fits exactly (`diagnose_steps`).
+    # The nearest approximate fit is read only where nothing fits exactly (`Decisions.diagnose`).
     nearest, nearest_spread = np.full(len(fits), -1, dtype=np.int64), np.full(len(fits), np.nan)
     unfit = np.flatnonzero(~fits.any(axis=1))
     if len(unfit):
         nearest[unfit], nearest_spread[unfit] = _nearest(spreads[unfit], alphas[unfit], usable[unfit])
-    return fits, usable, distortion, nearest, nearest_spread
+    return _Block(fits, usable, distortion, nearest, nearest_spread, alphas, _column(steps, "w_high"),
+                  _column(steps, "m_high"))
 
 
 _LOCAL = (Denominator.RANK, Denominator.MICRO_TIMES_M, Denominator.MICRO, Denominator.MICRO_GLOBAL)
 
 
-def _confusable(fits: npt.NDArray[np.bool_], alpha: Callable[[int, npt.NDArray[Any]], Floats],
-                usable: npt.NDArray[np.bool_], steps: pd.DataFrame, rtol: float) -> Denominator | None:
-    """The local normalization that the logs cannot tell from the token mean, if any.
+class _Confusion:
+    """The local normalization that the logs cannot tell from the token mean, if any, a block at a time.
 
     Code that divides by a local count gives the same weights as the token mean when the counts it
     needs to differ never did: the rank-local mean b = S_r/n_r (α = α_N/W for n_r) when every rank
     holds the same n_r; the per-microbatch mean (n, n·M) when every microbatch holds the same n;
     the per-microbatch global count (α = α_N/M for N_m) when every microbatch index holds the same
-    N_m. Checked over every usable step; a count that is N itself (one rank, one microbatch) is no
-    other normalization. Each condition is an "every step" or "some step": read a block of steps at a
-    time (a correct run reaches this with every step usable, and whole columns of α, W and M were
-    49 bytes a step).
+    N_m. Checked over every usable step, where N fits every one; a count that is N itself (one rank,
+    one microbatch) is no other normalization. Each condition is an "every step" or "some step".
     """
-    if not usable.any() or not (fits[:, 0] | ~usable).all():
-        return None
-    # per local denominator: whether some usable step makes it nontrivial, and whether every one fits it
-    # with α at the natural multiple of α_N
-    nontrivial = dict.fromkeys(_LOCAL, False)
-    agrees = dict.fromkeys(_LOCAL, True)
-    for start in range(0, len(usable), BLOCK_STEPS):
-        rows = start + np.flatnonzero(usable[start:start + BLOCK_STEPS])
-        if not len(rows):
-            continue
-        alpha_n = alpha(0, rows)
-        w, m = _column_at(steps, "w_high", rows), _column_at(steps, "m_high", rows)
+
+    def __init__(self, rtol: float) -> None:
+        self.rtol = rtol
+        self.any_usable = False
+        self.token_mean_everywhere = True
+        # per local denominator: whether some usable step makes it nontrivial, and whether every one fits
+        # it with α at the natural multiple of α_N
+        self.nontrivial = dict.fromkeys(_LOCAL, False)
+        self.agrees = dict.fromkeys(_LOCAL, True)
+
+    def add(self, found: _Block) -> None:
+        usable = found.usable
+        self.any_usable = self.any_usable or bool(usable.any())
+        self.token_mean_everywhere = self.token_mean_everywhere and bool((found.fits[:, 0] | ~usable).all())
+        rows = np.flatnonzero(usable)
+        if not len(rows) or not self.token_mean_everywhere:
+            return
+        alpha_n = found.alphas[rows, 0]
+        w, m = found.world[rows], found.micro[rows]
         for denominator in _LOCAL:
             if denominator == Denominator.MICRO_GLOBAL:
                 natural, here = alpha_n / m, bool((m > 1).any())
             else:
                 natural = alpha_n / w
                 here = bool((w > 1).any()) if denominator == Denominator.RANK else bool(((w > 1) | (m > 1)).any())
-            nontrivial[denominator] |= here
+            self.nontrivial[denominator] |= here
             c = PREFERENCE.index(denominator)
-            agrees[denominator] = agrees[denominator] and bool(fits[rows, c].all()) and bool(
-                (np.abs(alpha(c, rows) - natural) <= rtol * np.abs(natural)).all())
-    return next((d for d in _LOCAL if nontrivial[d] and agrees[d]), None)
+            self.agrees[denominator] = self.agrees[denominator] and bool(found.fits[rows, c].all()) and bool(
+                (np.abs(found.alphas[rows, c] - natural) <= self.rtol * np.abs(natural)).all())
 
-
-def _vote(fits: npt.NDArray[np.bool_], alpha_of: Callable[[int, npt.NDArray[Any]], Floats], rtol: float
-          ) -> tuple[npt.NDArray[np.int8], Floats]:
-    """Greedy set cover of the steps by hypotheses (candidate, α-cluster), most steps first.
-    `alpha_of(c, rows)`: candidate c's α at those steps (`alpha_at`).
-
-    Returns per step the index in PREFERENCE of its winning candidate (−1: none) and the winning
-    cluster's representative α (its median). A lazy max-heap keeps this near-linear: a popped
-    hypothesis whose count has shrunk is pushed back with its true count.
-    """
-    steps, candidates = fits.shape
-    # Step indices are int32 below 2³¹ steps (`row_indices`): the hypotheses' members cover each step once
-    # per fitting candidate, the largest thing the vote holds.
-    # A hypothesis made of every row its candidate fits (one cluster, no NaN α: the usual run) is kept as
-    # the candidate's number and its rows found again when read: each step fits several candidates at
-    # once (N, 1, T and N_m all fit a correct step of one microbatch and constant T), 4 bytes each.
-    members: list[npt.NDArray[Any] | int] = []
-    sizes: list[int] = []
-    owner: list[int] = []
-    values: list[float] = []
-    token_mean_whole = False
-    for c in range(candidates):
-        if token_mean_whole and not (fits[:, c] & ~fits[:, 0]).any():
-            # Every step this candidate fits is a member of N's one hypothesis (all N fits, one cluster, no
-            # NaN α): none of its hypotheses can win a step. Each is a subset K of those rows, so at any
-            # pick free(K) ≤ free(N's), and N wins every tie (plainest, first in PREFERENCE); once N's is
-            # picked, K has nothing left. Leaving them out changes no pick (nor when the picks stop), and
-            # saves their α and its sort: in a correct run 1, T and ΣT fit exactly the steps N fits.
-            continue
-        rows = row_indices(fits[:, c])
-        if not len(rows):
-            continue
-        # its α lives only in the call, and its rows are let go: the picks below hold neither
-        whole = _add_hypotheses(c, rows, alpha_of(c, rows), rtol, members, sizes, owner, values)
-        token_mean_whole = token_mean_whole or (c == 0 and whole)
-        del rows
-    chosen = np.full(steps, -1, dtype=np.int8)
-    representative = np.full(steps, np.nan)
-    taken = np.zeros(steps, dtype=bool)
-    # Among hypotheses that explain as many steps: N (the token mean) first, then α = 1, the simplest
-    # reading (S/n rather than 2·S/(n·M)), then PREFERENCE.
-    plain = [0 if owner[h] == 0 else 1 if close(values[h], 1.0, rtol) else 2 for h in range(len(values))]
-    heap = [(-size, plain[h], owner[h], h) for h, size in enumerate(sizes)]
-    heapq.heapify(heap)
-    while heap:
-        stored, simple, preference, h = heapq.heappop(heap)
-        member = members[h]
-        # the steps still free, as a mask for a whole candidate (no index of every step it fits)
-        free = fits[:, member] & ~taken if isinstance(member, int) else member[~taken[member]]
-        count = int(np.count_nonzero(free)) if isinstance(member, int) else len(free)
-        if count < -stored:
-            if count:
-                heapq.heappush(heap, (-count, simple, preference, h))
-            continue
-        if count < 2:
-            break  # nothing shared any more: every step left keeps its own most preferred fit
-        chosen[free], representative[free], taken[free] = owner[h], values[h], True
-    # Every step left keeps its own most preferred fit.
-    left = np.flatnonzero(~taken & fits.any(axis=1))
-    first_fit = np.argmax(fits[left], axis=1)
-    for c in np.unique(first_fit):
-        rows = left[first_fit == c]
-        chosen[rows], representative[rows] = c, alpha_of(int(c), rows)
-    return chosen, representative
-
-
-def _add_hypotheses(c: int, rows: npt.NDArray[Any], alpha: Floats, rtol: float, members: list[npt.NDArray[Any] | int],
-                    sizes: list[int], owner: list[int], values: list[float]) -> bool:
-    """Candidate c's hypotheses (`_vote`) from the rows it fits and its α there: one of the NaN α, then one
-    per cluster. True when one hypothesis holds every row it fits (one cluster, no NaN α)."""
-    unordered = np.isnan(alpha)
-    if unordered.any():  # α NaN: one hypothesis of its own, first (as label −1 sorts)
-        members.append(rows[unordered])
-        sizes.append(int(unordered.sum()))
-        owner.append(c)
-        values.append(math.nan)
-    finite = alpha[~unordered] if unordered.any() else alpha
-    if len(finite) and _one_cluster(finite, rtol):
-        # Every α within the first cluster's reach (a run that kept one normalization): the one
-        # cluster `_sorted_clusters` would make, its median found without sorting.
-        members.append(rows[~unordered] if unordered.any() else c)
-        sizes.append(len(finite))
-        owner.append(c)
-        values.append(float(np.median(finite, overwrite_input=True)))  # α is read no more: sorted in place
-        return not unordered.any()
-    del finite
-    order, ordered, bounds = _sorted_clusters(alpha, rtol)
-    for start, stop in zip(bounds, bounds[1:]):
-        # A cluster is a slice of the sorted α: its median is its middle value (or the middle two's mean).
-        middle = (start + stop) // 2
-        median = ordered[middle] if (stop - start) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-        members.append(rows[order[start:stop]])
-        sizes.append(stop - start)
-        owner.append(c)
-        values.append(float(median))
-    return False
+    def result(self) -> Denominator | None:
+        if not self.any_usable or not self.token_mean_everywhere:
+            return None
+        return next((d for d in _LOCAL if self.nontrivial[d] and self.agrees[d]), None)
 
 
 def row_indices(mask: npt.NDArray[np.bool_]) -> npt.NDArray[Any]:

@@ -347,10 +347,11 @@ def _vote_by_labels(fits: np.ndarray, alphas: np.ndarray, rtol: float) -> tuple[
     return chosen, representative
 
 
-def test_alpha_computed_where_asked_is_the_whole_table_s_bit_for_bit() -> None:
-    """The vote reads α of a candidate at some rows (`alpha_at`): those values are exactly the ones the
-    whole table's bounds give, for every candidate, positions and missing weights included."""
-    from tokaudit.normalization import PREFERENCE, alpha_at, candidate_bounds
+def test_a_block_s_candidates_are_the_whole_table_s_rows_bit_for_bit() -> None:
+    """The table is read a block of steps at a time (`_candidates`, `Decisions`): a block's fits, q,
+    nearest fits and α of every candidate are exactly the whole table's at those rows, positions and
+    missing weights included."""
+    from tokaudit.normalization import _candidates
 
     rng = np.random.default_rng(3)
     rows = []
@@ -360,14 +361,27 @@ def test_alpha_computed_where_asked_is_the_whole_table_s_bit_for_bit() -> None:
                              divisor=float(rng.choice([1.0, 2.0, 3.0])),
                              positions=int(rng.integers(1, 99)) if step % 3 else None))
     steps = table(rows)
-    bounds = candidate_bounds(steps)
-    divisor = steps.d_high.to_numpy(dtype=float)
-    alpha = alpha_at(steps)
-    picked = np.sort(rng.choice(len(steps), 120, replace=False))
-    for c, denominator in enumerate(PREFERENCE):
-        whole = (bounds[denominator][0] + bounds[denominator][1]) / 2 * divisor
-        np.testing.assert_array_equal(alpha(c, picked), whole[picked])
-        np.testing.assert_array_equal(alpha(c, np.arange(len(steps))), whole)
+    whole = _candidates(steps, 1e-4)
+    for start, stop in ((0, 1), (1, 120), (120, 300), (299, 300)):
+        part = _candidates(steps.iloc[start:stop], 1e-4)
+        for name in ("fits", "usable", "distortion", "nearest", "nearest_spread", "alphas", "world", "micro"):
+            np.testing.assert_array_equal(getattr(part, name), getattr(whole, name)[start:stop], err_msg=name)
+
+
+def _vote(fits: np.ndarray, alphas: np.ndarray, rtol: float, block: int | None = None
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """The vote (`Decisions`) over these candidates' fits and α, read `block` steps at a time (all at once
+    when None): each step's winning candidate and the α it is read with."""
+    from tokaudit.normalization import Decisions, _Block
+
+    size = block or max(len(fits), 1)
+    ones = np.ones(len(fits))
+    blocks = [_Block(fits[i:i + size], fits[i:i + size, 0], ones[i:i + size], np.full(len(fits[i:i + size]), -1),
+                     ones[i:i + size], alphas[i:i + size], ones[i:i + size], ones[i:i + size])
+              for i in range(0, len(fits), size)]
+    decisions = Decisions.of(lambda: iter(blocks), rtol)
+    votes = [decisions.vote(found) for found in blocks]
+    return np.concatenate([v[0] for v in votes]), np.concatenate([v[1] for v in votes])
 
 
 @pytest.mark.parametrize("seed", range(16))
@@ -375,8 +389,6 @@ def test_vote_equals_the_plain_greedy_cover(seed: int) -> None:
     """The vote's clusters are slices of the sorted α and their medians the slices' middles: the same
     steps won by the same hypotheses as the plain construction, on tables of competing hypotheses
     (several factors per candidate, noise at the tolerance, ties, α = 1, NaN α)."""
-    from tokaudit.normalization import _vote
-
     rng = np.random.default_rng(seed)
     rtol = 1e-4
     steps, candidates = 300, 8
@@ -388,10 +400,11 @@ def test_vote_equals_the_plain_greedy_cover(seed: int) -> None:
     if seed < 12:
         alphas[rng.random(alphas.shape) < 0.05] = rng.uniform(0.1, 10, 1)[0]  # an exact tie of many steps
     fits = rng.random((steps, candidates)) < rng.uniform(0.1, 0.7, candidates)
-    chosen, representative = _vote(fits, lambda c, rows: alphas[rows, c], rtol)
     expected_chosen, expected_representative = _vote_by_labels(fits, alphas, rtol)
-    np.testing.assert_array_equal(chosen, expected_chosen)
-    np.testing.assert_array_equal(representative, expected_representative)  # NaN equals NaN here
+    for block in (None, 1, 7, 64):  # whole, and read a few steps at a time
+        chosen, representative = _vote(fits, alphas, rtol, block)
+        np.testing.assert_array_equal(chosen, expected_chosen)
+        np.testing.assert_array_equal(representative, expected_representative)  # NaN equals NaN here
 
 
 def _plain_spans(frame: pd.DataFrame, keep: np.ndarray, denominator: np.ndarray, factor: np.ndarray
@@ -479,8 +492,6 @@ def test_the_vote_leaves_out_what_the_token_mean_covers_and_picks_the_same(seed:
     in a correct run, or smaller, with several factors and NaN α), where candidates outside N take some
     of its steps first so that ties with N's shrinking count occur, and where N has a NaN α or two
     clusters (nothing may be left out then)."""
-    from tokaudit.normalization import _vote
-
     rng = np.random.default_rng(100 + seed)
     rtol = 1e-4
     steps, candidates = int(rng.integers(4, 60)), 8
@@ -502,10 +513,11 @@ def test_the_vote_leaves_out_what_the_token_mean_covers_and_picks_the_same(seed:
         alphas[int(rng.integers(0, steps)), 0] = np.nan  # nothing may be left out then
     if seed % 6 == 4:
         alphas[: steps // 3, 0] *= 3.0  # N in two clusters
-    chosen, representative = _vote(fits, lambda c, rows: alphas[rows, c], rtol)
     expected_chosen, expected_representative = _vote_by_labels(fits, alphas, rtol)
-    np.testing.assert_array_equal(chosen, expected_chosen)
-    np.testing.assert_array_equal(representative, expected_representative)
+    for block in (None, 1, 5):
+        chosen, representative = _vote(fits, alphas, rtol, block)
+        np.testing.assert_array_equal(chosen, expected_chosen)
+        np.testing.assert_array_equal(representative, expected_representative)
 
 
 def test_the_vote_leaves_nothing_out_when_n_is_not_one_whole_cluster() -> None:
@@ -513,17 +525,17 @@ def test_the_vote_leaves_nothing_out_when_n_is_not_one_whole_cluster() -> None:
     with NaN α on half of N's steps, a candidate fitting all of them in one cluster is larger than
     either of N's hypotheses and wins them; with N in two clusters, a candidate of α = 1 (plainer) wins
     a tie against another candidate's one cluster, not by being left out."""
-    from tokaudit.normalization import PREFERENCE, _vote
+    from tokaudit.normalization import PREFERENCE
 
     fits = np.zeros((10, len(PREFERENCE)), dtype=bool)
     fits[:, :3] = True
     alphas = np.full(fits.shape, np.nan)
     alphas[5:, 0] = 8.0
     alphas[:, 1], alphas[:, 2] = 2.0, 1.0
-    chosen, _ = _vote(fits, lambda c, rows: alphas[rows, c], 1e-4)
+    chosen, _ = _vote(fits, alphas, 1e-4, 3)
     np.testing.assert_array_equal(chosen, _vote_by_labels(fits, alphas, 1e-4)[0])
     assert (chosen == 2).all()  # α = 1 beats α = 2 at equal size; N's halves are smaller
     alphas[:, 0] = [1.0] * 5 + [3.0] * 5  # N's two clusters of five
-    chosen, _ = _vote(fits, lambda c, rows: alphas[rows, c], 1e-4)
+    chosen, _ = _vote(fits, alphas, 1e-4, 3)
     np.testing.assert_array_equal(chosen, _vote_by_labels(fits, alphas, 1e-4)[0])
     assert (chosen == 2).all()
