@@ -4,13 +4,18 @@ Pure functions of the step table (one row per run, group, term and step): no Par
 Notation (SPEC §1): per record S, n, b; c = b/S (or the probe's Σ∂b/∂ℓ / n); e = c·g/D;
 N = Σn over the step of one term. A step is correct iff q = e·N = 1 for every record with n > 0.
 How the normalization is recovered lives in `tokaudit.normalization`.
+
+A run's table is read in parts (`RunSteps`: the whole table, or the step ranges the engine aggregated,
+kept on disk), in the order of the whole table, a block of steps at a time: each check keeps what its
+finding says (counts, sums, extremes, the first and the worst step, the step range) and never a column
+of every step, so a run of any length costs the same few arrays.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,17 +28,18 @@ from tokaudit.normalization import (
     BLOCK_STEPS,
     DENOMINATORS,
     FORMULA,
+    Decisions,
     Denominator,
     Diagnoses,
     FactorExplanation,
     FactorKind,
     Span,
     StepKind,
+    _candidates,
     cluster,
-    diagnose_steps,
     explain_factor,
-    row_indices,
-    segments,
+    Spans,
+    span_rows,
 )
 from tokaudit.report import Finding, StepRange
 from tokaudit.schema import UNNAMED
@@ -82,7 +88,63 @@ Extremes = Callable[[Any], Any]
 """Given a row of the step table without the evidence columns (`engine.EXTREME_COLUMNS`), a row with them."""
 
 
-def check_run(run: str, steps: pd.DataFrame, rtol: float,
+@dataclass(frozen=True)
+class RunSteps:
+    """One run's step table, read a part at a time: `parts()` gives the run's rows part by part, each part
+    a range of steps (every group and term of them) in step order within each (group, term), the parts in
+    step order. The whole table in memory is one part (`of`); the engine's ranges kept on disk are many."""
+
+    parts: Callable[[], Iterable[pd.DataFrame]]
+    groups: list[str]
+    """The run's groups, in the order of the whole table (sorted as text)."""
+    terms: list[str]
+    """The run's loss terms, the main term (UNNAMED) first (`loss_terms`)."""
+
+    @classmethod
+    def of(cls, frame: pd.DataFrame) -> RunSteps:
+        """One run's whole table, put in the table's order (group, term, step) if it is not."""
+        groups, terms = sorted({str(g) for g in frame.grp.unique()}), loss_terms(frame)
+        step = frame.step.to_numpy()
+        if len(groups) > 1 or len(terms) > 1 or not bool((step[1:] > step[:-1]).all()):
+            rank = {name: index for index, name in enumerate(groups)}
+            order = np.lexsort((step, [terms.index(str(t)) for t in frame.term], [rank[str(g)] for g in frame.grp]))
+            if (order != np.arange(len(order))).any():
+                frame = frame.iloc[order].reset_index(drop=True)
+        return cls(lambda: [frame], groups, terms)
+
+    def frames(self, term: str | None = None) -> Iterator[pd.DataFrame]:
+        """The rows of one term (every term when None), in the whole table's order: group by group, each
+        group's steps in order."""
+        for group in self.groups:
+            for part in self.parts():
+                rows = _selected(part, group if len(self.groups) > 1 else None, term if len(self.terms) > 1 else None)
+                if len(rows):
+                    yield rows
+
+    def blocks(self, term: str | None = None) -> Iterator[pd.DataFrame]:
+        """`frames` BLOCK_STEPS rows at a time: what a block's temporaries cost stays a few MB."""
+        for frame in self.frames(term):
+            for start in range(0, len(frame), BLOCK_STEPS):
+                yield frame.iloc[start:start + BLOCK_STEPS]
+
+
+def _selected(part: pd.DataFrame, group: str | None, term: str | None) -> pd.DataFrame:
+    """The rows of one group and one term (None: any) of a part, in its order: the part itself when it
+    holds no other."""
+    keep = None
+    for column, name in (("grp", group), ("term", term)):
+        if name is None:
+            continue
+        values = part[column]
+        names = [str(v) for v in values.unique()]
+        if names == [name]:
+            continue
+        mine = (values.astype(str) == name).to_numpy()
+        keep = mine if keep is None else keep & mine
+    return part if keep is None else part[keep].reset_index(drop=True)
+
+
+def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
               duplicates: tuple[int, int, int, int] | None = None,
               extremes: Extremes | None = None) -> tuple[list[Finding], list[Span], int]:
     """All checks for one run's steps (every group and term): its findings, its normalization spans
@@ -91,45 +153,139 @@ def check_run(run: str, steps: pd.DataFrame, rtol: float,
     Each loss term is its own token mean (SPEC §1): recovery and weight checks run per term.
     `duplicates`: (records dropped, first step, last step, steps) when the reader found repeated keys.
     `extremes`: where the heaviest and lightest token of an evidence step were, when the table does not
-    hold them (the audit aggregates them for the few steps a finding names)."""
+    hold them (the audit aggregates them for the few steps a finding names).
+
+    Each term's table is read four times: twice for the run's decisions (`Decisions.of`), once for the
+    uniform factors' clusters (`_FactorTable`), once for every check."""
+    source = steps if isinstance(steps, RunSteps) else RunSteps.of(steps)
     findings: list[Finding] = []
     spans: list[Span] = []
     omitted = 0
-    sizes = tuple(world_sizes(steps))
-    terms = loss_terms(steps)
+    sizes = tuple(_world_sizes(source.blocks()))
+    terms = source.terms
     for term in terms:
-        frame = steps if len(terms) == 1 else steps[steps.term.astype(str) == term].reset_index(drop=True)
-        diagnoses = diagnose_steps(frame, rtol)
-        context = RunContext(run=run, term=term, world_size=int(frame.w_high.mode().iloc[0]), world_sizes=sizes,
-                             microbatches=int(frame.m_high.max()), divisor=float(frame.d_high.mode().iloc[0]),
-                             rtol=rtol)
-        findings.extend(_weighting_findings(frame, diagnoses, context, extremes))
-        checks = [_value_findings, _probe_findings, _missing_ranks, _divisor_findings, _weight_presence]
-        if term == terms[0]:
-            # What concerns the backward passes themselves (W, microbatches, sync) is said once.
-            checks = [_structure_findings, _sync_findings, *checks]
+        decisions = Decisions.of(lambda: (_candidates(block, rtol) for block in source.blocks(term)), rtol)
+        context = _context(run, term, sizes, rtol, source.blocks(term))
+        factors = _FactorTable.of(((block, decisions.diagnose(block)) for block in source.blocks(term)), context)
+        keep_steps = len(source.groups) > 1  # a step number repeats across groups: counted as a set
+        weighting = _Weighting(factors, context, extremes, keep_steps)
+        checks: list[_Check] = [_Structure(context, keep_steps), _Sync(context, keep_steps)] if term == terms[0] else []
+        checks += [_Values(context, keep_steps), _Probe(context, keep_steps), _MissingRanks(context, keep_steps),
+                   _Divisor(context, keep_steps), _WeightPresence(context, keep_steps)]
+        balanced = _Balanced(context, keep_steps, decisions.confused)
+        term_spans = Spans()
+        group_rank = {name: rank for rank, name in enumerate(source.groups)}
+        for block in source.blocks(term):
+            diagnoses = decisions.diagnose(block)
+            weighting.add(block, diagnoses)
+            for check in checks:
+                check.add(block)
+            balanced.add(block, diagnoses)
+            term_spans.add(span_rows(block, diagnoses, group_rank, 0))
+        findings.extend(weighting.findings())
         for check in checks:
-            findings.extend(check(frame, context))
-        findings.extend(_balanced(frame, diagnoses, context))
-        listed, left_out = segments(frame, diagnoses)
+            findings.extend(check.findings())
+        findings.extend(balanced.findings())
+        listed, left_out = term_spans.listed(source.groups, [term])
         spans.extend(listed)
         omitted += left_out
-    findings.extend(_reported_findings(steps, run, rtol, terms[0]))
+    findings.extend(_reported_findings(source, run, rtol, terms[0]))
     if duplicates is not None:
         findings.append(_duplicates(duplicates, run))
     return findings, spans, omitted
 
 
-def _finding(context: RunContext, code: Code, steps: list[int] | np.ndarray, message: str, fix: str,
+def _world_sizes(blocks: Iterable[pd.DataFrame]) -> list[int]:
+    """Every W the steps saw, sorted."""
+    seen: set[int] = set()
+    for block in blocks:
+        seen.update(int(w) for column in (block.w_low, block.w_high) for w in distinct(column))
+    return sorted(seen)
+
+
+def _context(run: str, term: str, sizes: tuple[int, ...], rtol: float, blocks: Iterable[pd.DataFrame]
+             ) -> RunContext:
+    """The term's context: W and D as their most frequent values (the smallest among equally frequent,
+    as pandas' mode), M as the largest."""
+    worlds: dict[Any, int] = {}
+    divisors: dict[Any, int] = {}
+    microbatches = -math.inf
+    for block in blocks:
+        for counts, column in ((worlds, block.w_high), (divisors, block.d_high)):
+            values = column.to_numpy()
+            values = values[:1] if one_value(values) else values
+            found, times = np.unique(values[~pd.isna(values)], return_counts=True)
+            repeat = len(column) if one_value(column.to_numpy()) else 1
+            for value, count in zip(found.tolist(), times.tolist()):
+                counts[value] = counts.get(value, 0) + count * repeat
+        microbatches = max(microbatches, float(block.m_high.max()))
+
+    def mode(counts: dict[Any, int]) -> Any:
+        return min(counts, key=lambda value: (-counts[value], value)) if counts else math.nan
+
+    return RunContext(run=run, term=term, world_size=int(mode(worlds)), world_sizes=sizes,
+                      microbatches=int(microbatches), divisor=float(mode(divisors)), rtol=rtol)
+
+
+class _Steps:
+    """The steps of one finding, added in the table's order: their range and how many there are, each
+    step once. Steps of one group come in order, each once: counted without a set of millions of them;
+    with several groups (a step number repeats across them) they are kept to be counted."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+        self.kept: list[npt.NDArray[np.int64]] = []
+        self.count = 0
+        self.low: int | None = None
+        self.high: int | None = None
+        self.last: int | None = None
+        self.increasing = True
+
+    def add(self, steps: Any) -> None:
+        numbers = np.asarray(steps, dtype=np.int64)
+        if not len(numbers):
+            return
+        self.increasing = self.increasing and (self.last is None or int(numbers[0]) > self.last) and bool(
+            (numbers[1:] > numbers[:-1]).all())
+        self.last = int(numbers[-1])
+        low, high = int(numbers.min()), int(numbers.max())
+        self.low = low if self.low is None else min(self.low, low)
+        self.high = high if self.high is None else max(self.high, high)
+        self.count += len(numbers)
+        if self.keep:
+            self.kept.append(numbers)
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def range(self) -> StepRange:
+        assert self.low is not None and self.high is not None
+        count = self.count if self.increasing else len(np.unique(np.concatenate(self.kept)))
+        return StepRange(first=self.low, last=self.high, count=count)
+
+
+class _Listed:
+    """The first eight steps of a list in order, and how many there are (`_list`)."""
+
+    def __init__(self) -> None:
+        self.first: list[int] = []
+        self.count = 0
+
+    def add(self, values: Any) -> None:
+        values = np.asarray(values)
+        if len(self.first) < 8:
+            self.first.extend(int(v) for v in values[:8 - len(self.first)])
+        self.count += len(values)
+
+    def text(self) -> str:
+        return ", ".join(map(str, self.first)) + (f", … ({self.count} in all)" if self.count > 8 else "")
+
+
+def _finding(context: RunContext, code: Code, steps: _Steps, message: str, fix: str,
              evidence: dict[str, Any], severity: Severity | None = None) -> Finding:
-    numbers = np.asarray(steps, dtype=np.int64)
     if context.term != UNNAMED:
         message = f"[term {context.term}] {message}"
-    # Steps of one group come in order, each once: counted without a hash of millions of them.
-    increasing = len(numbers) < 2 or bool((numbers[1:] > numbers[:-1]).all())
-    return Finding(run=context.run, code=code, severity=severity or DEFAULT_SEVERITY[code],
-                   steps=StepRange(first=int(numbers.min()), last=int(numbers.max()),
-                                   count=len(numbers) if increasing else len(np.unique(numbers))),
+    return Finding(run=context.run, code=code, severity=severity or DEFAULT_SEVERITY[code], steps=steps.range(),
                    message=message, fix=fix, evidence=evidence, term=context.term)
 
 
@@ -141,6 +297,16 @@ def _fix_average(context: RunContext) -> str:
                 "counted before the first backward with one all-reduce")
     return (f"backpropagate W·S_r/N with W={w} (the size of the averaging group) and N summed over {over}, "
             "counted before the first backward with one all-reduce")
+
+
+def _column(block: pd.DataFrame, name: str) -> npt.NDArray[Any]:
+    values: npt.NDArray[Any] = block[name].to_numpy()
+    return values
+
+
+def _sum(values: npt.NDArray[Any]) -> float:
+    """A column's sum with NaN left out, as pandas sums."""
+    return float(np.nansum(values)) if values.dtype.kind == "f" else float(values.sum())
 
 
 # ---------------------------------------------------------------------------------- weights
@@ -175,91 +341,173 @@ def _weighting_codes(diagnoses: Diagnoses, explanation: npt.NDArray[np.int32],
     return code, label
 
 
-def _weighting_findings(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext,
-                        extremes: Extremes | None = None) -> Iterator[Finding]:
+@dataclass
+class _FactorTable:
+    """Each uniform factor q ≠ 1 named, per cluster of equal q (and W): the clusters' smallest q, the
+    explanation of each (cluster, W), and per step the index of its explanation (`ids`). A factor that
+    differs from step to step (a count off by a few tokens per row: q = N/(N+4)) is one varying constant:
+    its steps that land on 1/2 or 1/3 by chance are no world-size mistake."""
+
+    rtol: float
+    anchors: npt.NDArray[np.float64]
+    pairs: dict[tuple[int, int], int]
+    table: list[FactorExplanation]
+    varying: bool
+    """Every factor is the one varying constant (table holds it alone)."""
+
+    @classmethod
+    def of(cls, diagnosed: Iterable[tuple[pd.DataFrame, Diagnoses]], context: RunContext) -> _FactorTable:
+        """From every step's q where the weights are uniform and off, read in the table's order."""
+        qs: list[npt.NDArray[np.float64]] = []
+        worlds: list[npt.NDArray[np.int64]] = []
+        for block, diagnoses in diagnosed:
+            off = diagnoses.kind_is(StepKind.UNIFORM_OFF) & ~np.isnan(diagnoses.distortion)
+            if off.any():
+                qs.append(diagnoses.distortion[off])
+                worlds.append(_column(block, "w_high")[off].astype(np.int64))
+        if not qs:
+            return cls(context.rtol, np.zeros(0), {}, [], False)
+        q, world = np.concatenate(qs), np.concatenate(worlds)
+        del qs, worlds
+        labels = cluster(q, context.rtol)
+        pairs, inverse = np.unique(np.stack([labels, world], axis=1), axis=0, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        table = []
+        for index, (label, w) in enumerate(pairs):
+            center = float(np.median(q[inverse == index]))
+            table.append(explain_factor(center, int(w), context.world_sizes, context.rtol))
+        plausible = np.array([e.kind != FactorKind.OTHER for e in table])[inverse].sum()
+        order = np.argsort(q, kind="stable")
+        anchors = q[order][np.flatnonzero(np.r_[True, np.diff(labels[order]) != 0])]
+        numbered = {(int(label), int(w)): index for index, (label, w) in enumerate(pairs)}
+        if len(table) > VARYING_CLUSTERS and plausible < PLAUSIBLE_SHARE * len(q):
+            return cls(context.rtol, anchors, numbered, [FactorExplanation(FactorKind.OTHER, "c")], True)
+        return cls(context.rtol, anchors, numbered, table, False)
+
+    def ids(self, block: pd.DataFrame, diagnoses: Diagnoses) -> npt.NDArray[np.int32]:
+        """Per step of this block, the index of its explanation in `table` (−1: none)."""
+        ids = np.full(len(diagnoses), -1, dtype=np.int32)
+        off = np.flatnonzero(diagnoses.kind_is(StepKind.UNIFORM_OFF) & ~np.isnan(diagnoses.distortion))
+        if not len(off) or not self.table:
+            return ids
+        if self.varying:
+            ids[off] = 0
+            return ids
+        # every q lies in the cluster whose smallest q is the largest at or below it
+        labels = np.searchsorted(self.anchors, diagnoses.distortion[off], side="right") - 1
+        world = _column(block, "w_high")[off].astype(np.int64)
+        ids[off] = [self.pairs[(int(label), int(w))] for label, w in zip(labels, world)]
+        return ids
+
+
+class _Check:
+    """One check, fed the table a block at a time (`add`), then asked for its findings."""
+
+    def __init__(self, context: RunContext, keep_steps: bool) -> None:
+        self.context = context
+        self.keep_steps = keep_steps
+
+    def steps(self) -> _Steps:
+        return _Steps(self.keep_steps)
+
+    def add(self, block: pd.DataFrame) -> None:
+        raise NotImplementedError
+
+    def findings(self) -> Iterator[Finding]:
+        raise NotImplementedError
+
+
+@dataclass
+class _WeightingGroup:
+    """The steps of one weighting finding (one code, denominator, kind of factor and fit)."""
+
+    code: Code
+    denominator: Denominator
+    steps: _Steps
+    worst: tuple[float, float] | None = None
+    """(how unequally tokens were weighted, how far q is from 1) at the worst step so far."""
+    row: Any = None
+    diagnosis: Any = None
+    explanation: int = -1
+    factor_range: list[float] = field(default_factory=list)
+    distortion_range: list[float] = field(default_factory=list)
+    approximate: float = math.nan
+    explanations: set[int] = field(default_factory=set)
+    count: int = 0
+
+
+def _extend(bounds: list[float], values: npt.NDArray[np.float64]) -> list[float]:
+    """[lowest, highest] of the values seen so far, NaN left out (empty while none is a number)."""
+    values = values[~np.isnan(values)]
+    if not len(values):
+        return bounds
+    low, high = float(values.min()), float(values.max())
+    return [min(bounds[0], low), max(bounds[1], high)] if bounds else [low, high]
+
+
+class _Weighting:
     """local_mean, per_micro_denominator, padded_denominator, unexplained_weighting, world_size_mismatch,
-    loss_scale, scale_mismatch: one finding per (code, denominator, kind of factor), however many
-    steps it spans, with the range of its factor. Steps are grouped as columns, not one by one."""
-    explanation, table = _factor_explanations(steps, diagnoses, context)
-    code, label = _weighting_codes(diagnoses, explanation, table)
-    flagged = row_indices(code >= 0)
-    if not len(flagged):
-        return
-    # One finding per (code, denominator, label of the factor, approximate fit), in order of first
-    # appearance: the four as one integer key (labels of equal text are one label), each flagged step's
-    # key's number found a block of steps at a time (a few distinct keys: no sort of every flagged step).
-    names = [e.label for e in table] + [""]
-    label_numbers = np.array([names.index(name) for name in names], dtype=np.int64)
-    group = np.empty(len(flagged), dtype=np.int32)
-    numbers: dict[int, int] = {}
-    for start in range(0, len(flagged), BLOCK_STEPS):
-        rows = flagged[start:start + BLOCK_STEPS]
-        key = ((code[rows].astype(np.int64) * len(DENOMINATORS) + diagnoses.denominator[rows]) * len(names)
-               + label_numbers[label[rows]]) * 2 + np.isnan(diagnoses.approximate[rows])
+    loss_scale, scale_mismatch: one finding per (code, denominator, kind of factor, approximate fit), in
+    order of first appearance, however many steps it spans, with the range of its factor."""
+
+    def __init__(self, factors: _FactorTable, context: RunContext, extremes: Extremes | None, keep_steps: bool) -> None:
+        self.factors, self.context, self.extremes, self.keep_steps = factors, context, extremes, keep_steps
+        names = [e.label for e in factors.table] + [""]
+        self.label_numbers = np.array([names.index(name) for name in names], dtype=np.int64)
+        self.names = len(names)
+        self.groups: dict[int, _WeightingGroup] = {}
+
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses) -> None:
+        explanation = self.factors.ids(block, diagnoses)
+        code, label = _weighting_codes(diagnoses, explanation, self.factors.table)
+        flagged = np.flatnonzero(code >= 0)
+        if not len(flagged):
+            return
+        # The four as one integer key (labels of equal text are one label).
+        key = ((code[flagged].astype(np.int64) * len(DENOMINATORS) + diagnoses.denominator[flagged]) * self.names
+               + self.label_numbers[label[flagged]]) * 2 + np.isnan(diagnoses.approximate[flagged])
         keys, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-        for value in keys[np.argsort(first)]:
-            numbers.setdefault(int(value), len(numbers))
-        group[start:start + len(rows)] = np.array([numbers[int(value)] for value in keys], np.int32)[inverse]
-    del label
-    for number in range(len(numbers)):
-        members = flagged[group == number]
-        worst = _worst(steps, diagnoses, members, context.rtol)
-        code_index = int(code[members[0]])
-        yield _weighting_finding(_CODES[code_index], DENOMINATORS[int(diagnoses.denominator[members[0]])], steps,
-                                 diagnoses, members, worst, explanation, table, context, extremes)
+        inverse = inverse.reshape(-1)
+        steps = _column(block, "step")
+        ratio_all = _ratios(block)
+        for index in np.argsort(first):
+            value = int(keys[index])
+            rows = flagged[inverse == index]
+            group = self.groups.get(value)
+            if group is None:
+                group = self.groups[value] = _WeightingGroup(_CODES[int(code[rows[0]])],
+                                                             DENOMINATORS[int(diagnoses.denominator[rows[0]])],
+                                                             _Steps(self.keep_steps))
+            group.steps.add(steps[rows])
+            group.count += len(rows)
+            group.factor_range = _extend(group.factor_range, diagnoses.factor[rows])
+            group.distortion_range = _extend(group.distortion_range, diagnoses.distortion[rows])
+            approximate = diagnoses.approximate[rows]
+            if not np.isnan(approximate).all():
+                here = float(np.nanmax(approximate))
+                group.approximate = here if math.isnan(group.approximate) else max(group.approximate, here)
+            group.explanations.update(int(i) for i in np.unique(explanation[rows]))
+            # The evidence's step: where tokens were weighted most unequally, then where q is furthest
+            # from 1, the last of equals (np.lexsort((far, unequal))[-1] over every member).
+            ratio = ratio_all[rows]
+            unequal = np.where(ratio > 1 + self.context.rtol, ratio, 1.0)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                far = np.nan_to_num(np.abs(np.log(np.abs(diagnoses.distortion[rows]))), nan=0.0)
+            here_index = int(np.lexsort((far, unequal))[-1])
+            candidate = (float(unequal[here_index]), float(far[here_index]))
+            if group.worst is None or candidate >= group.worst:  # a later step wins ties
+                row = int(rows[here_index])
+                group.worst, group.row = candidate, block.iloc[row]
+                group.diagnosis, group.explanation = diagnoses[row], int(explanation[row])
+
+    def findings(self) -> Iterator[Finding]:
+        for group in self.groups.values():
+            yield _weighting_finding(group, self.factors.table, self.context, self.extremes)
 
 
-def _worst(steps: pd.DataFrame, diagnoses: Diagnoses, members: npt.NDArray[Any], rtol: float) -> int:
-    """The step of a finding its evidence comes from: where tokens were weighted most unequally, then
-    where q is furthest from 1, the last of equals (np.lexsort((far, unequal))[-1] over every member),
-    found a block of members at a time (no ratio, log and sort of millions of steps at once)."""
-    best: tuple[float, float, int] | None = None
-    for start in range(0, len(members), BLOCK_STEPS):
-        rows = members[start:start + BLOCK_STEPS]
-        ratio = _ratios(steps, rows)
-        unequal = np.where(ratio > 1 + rtol, ratio, 1.0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            far = np.nan_to_num(np.abs(np.log(np.abs(diagnoses.distortion[rows]))), nan=0.0)
-        here = int(np.lexsort((far, unequal))[-1])
-        candidate = (float(unequal[here]), float(far[here]), int(rows[here]))
-        # a later block wins ties, as the later row does within one
-        if best is None or candidate[:2] >= best[:2]:
-            best = candidate
-    assert best is not None
-    return best[2]
-
-
-def _factor_explanations(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext
-                         ) -> tuple[npt.NDArray[np.int32], list[FactorExplanation]]:
-    """Name each uniform factor q ≠ 1, per cluster of equal q: per step an index into the returned
-    table (−1: none). A factor that differs from step to step (a count off by a few tokens per
-    row: q = N/(N+4)) is one varying constant: its steps that land on 1/2 or 1/3 by chance are no
-    world-size mistake."""
-    ids = np.full(len(diagnoses), -1, dtype=np.int32)
-    off = np.flatnonzero(diagnoses.kind_is(StepKind.UNIFORM_OFF) & ~np.isnan(diagnoses.distortion))
-    if not len(off):
-        return ids, []
-    q = diagnoses.distortion[off]
-    labels = cluster(q, context.rtol)
-    world = steps.w_high.to_numpy()[off].astype(np.int64)
-    pairs, inverse = np.unique(np.stack([labels, world], axis=1), axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    table = []
-    for index, (label, w) in enumerate(pairs):
-        center = float(np.median(q[inverse == index]))
-        table.append(explain_factor(center, int(w), context.world_sizes, context.rtol))
-    plausible = np.array([e.kind != FactorKind.OTHER for e in table])[inverse].sum()
-    if len(table) > VARYING_CLUSTERS and plausible < PLAUSIBLE_SHARE * len(off):
-        table, inverse = [FactorExplanation(FactorKind.OTHER, "c")], np.zeros(len(off), dtype=np.int64)
-    ids[off] = inverse
-    return ids, table
-
-
-def _ratios(steps: pd.DataFrame, rows: np.ndarray | None = None) -> np.ndarray:
-    """Per step (at these rows), the heaviest token's weight over the lightest's (∞ when the lightest is 0)."""
+def _ratios(steps: pd.DataFrame) -> np.ndarray:
+    """Per step, the heaviest token's weight over the lightest's (∞ when the lightest is 0)."""
     low, high = steps.tok_low.to_numpy(dtype=float), steps.tok_high.to_numpy(dtype=float)
-    if rows is not None:
-        low, high = low[rows], high[rows]
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(low > 0, high / low, np.inf)
 
@@ -268,26 +516,21 @@ def _range(values: list[float]) -> list[float]:
     return [float(min(values)), float(max(values))]
 
 
-def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame, diagnoses: Diagnoses,
-                       members: npt.NDArray[np.int64], worst: int, explanations: npt.NDArray[np.int32],
-                       table: list[FactorExplanation], context: RunContext, extremes: Extremes | None = None) -> Finding:
-    row = steps.iloc[worst]
-    diagnosis = diagnoses[worst]
+def _weighting_finding(group: _WeightingGroup, table: list[FactorExplanation], context: RunContext,
+                       extremes: Extremes | None = None) -> Finding:
+    code, denominator, row, diagnosis = group.code, group.denominator, group.row, group.diagnosis
     step, w, tokens = int(row.step), int(row.w_high), int(row.tokens)
-    step_numbers = steps.step.to_numpy()[members]
-    explanation = table[explanations[worst]] if explanations[worst] >= 0 else None
-    member_factors = diagnoses.factor[members]
-    factors = [float(np.nanmin(member_factors)), float(np.nanmax(member_factors))] \
-        if not np.isnan(member_factors).all() else []
+    explanation = table[group.explanation] if group.explanation >= 0 else None
+    factors = group.factor_range
     evidence: dict[str, Any] = {"step": step, "denominator": denominator.value, "factor": diagnosis.factor,
                                 "world_size": w, "grad_divisor": float(row.d_high), "global_tokens": tokens}
     if factors:
         evidence["factor_range"] = _range(factors)
-    group = f" (group {row.grp})" if str(row.grp) != UNNAMED else ""
+    grp = f" (group {row.grp})" if str(row.grp) != UNNAMED else ""
     if diagnosis.kind == StepKind.NONUNIFORM:
         heavy_e, light_e = float(row.e_high), float(row.e_low)
         ratio = heavy_e / light_e if light_e > 0 else math.inf
-        if "heavy_rank" in steps.columns:
+        if "heavy_rank" in row.index:
             located = row
         elif extremes is not None:
             located = extremes(row)
@@ -296,7 +539,7 @@ def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame
         heavy = _describe(located, "heavy", heavy_e, tokens)
         light = _describe(located, "light", light_e, tokens)
         evidence.update({"heaviest": heavy, "lightest": light, "weight_ratio": ratio})
-        where = (f"at step {step}{group} a token on rank {heavy['rank']} (microbatch {heavy['micro']}, "
+        where = (f"at step {step}{grp} a token on rank {heavy['rank']} (microbatch {heavy['micro']}, "
                  f"n={heavy['valid_tokens']}) received {ratio:.3g}× the weight of a token on rank {light['rank']} "
                  f"(microbatch {light['micro']}, n={light['valid_tokens']}); the correct weight is 1/N = 1/{tokens}, "
                  f"they got {heavy_e * tokens:.3g}/N and {light_e * tokens:.3g}/N")
@@ -304,7 +547,7 @@ def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame
         formula = f"b·g = {alpha}·{FORMULA.get(denominator, '?')}"
         near = ""
         if diagnosis.approximate is not None:
-            off = float(np.nanmax(diagnoses.approximate[members]))
+            off = group.approximate
             evidence.update({"approximate": True, "approximation_error": off})
             near = (f"The weights fit {DENOMINATOR_WORDS[denominator]} only approximately (α varies by up to "
                     f"{off:.2%}; a count that is off by a few tokens per sequence, such as one extra label per "
@@ -329,25 +572,23 @@ def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame
         else:
             message = (f"Tokens of one step received different weights and no denominator (n, n_r, n·M, N_m, N, T, "
                        f"1) explains them: {where}.")
-        return _finding(context, code, step_numbers, message, _fix_average(context), evidence)
+        return _finding(context, code, group.steps, message, _fix_average(context), evidence)
 
     q = diagnosis.distortion or 0.0
-    member_q = diagnoses.distortion[members]
-    distortions = [float(np.nanmin(member_q)), float(np.nanmax(member_q))] if not np.isnan(member_q).all() else []
+    distortions = group.distortion_range
     evidence.update({"distortion": q, "effective_weight": q / tokens, "distortion_range": _range(distortions)})
     spread = "" if len(set(np.round(distortions, 12))) <= 1 else \
-        f"; over the {len(members)} step(s) q ranges from {min(distortions):.4g} to {max(distortions):.4g}"
-    scaled = (f"every valid token received {q:.4g}/N instead of 1/N (step {step}{group}, N={tokens}, W={w}, "
+        f"; over the {group.count} step(s) q ranges from {min(distortions):.4g} to {max(distortions):.4g}"
+    scaled = (f"every valid token received {q:.4g}/N instead of 1/N (step {step}{grp}, N={tokens}, W={w}, "
               f"D={row.d_high:g}){spread}")
     if code == Code.PADDED_DENOMINATOR:
         evidence["positions"] = int(row.positions)
         message = (f"The loss was divided by all {int(row.positions)} positions of the step, padding and ignored "
                    f"labels included, instead of its {tokens} valid tokens: {scaled}.")
-        return _finding(context, code, step_numbers, message, _fix_average(context), evidence)
+        return _finding(context, code, group.steps, message, _fix_average(context), evidence)
     if code == Code.LOSS_SCALE:
         assert explanation is not None
-        exponents = sorted({j for i in np.unique(explanations[members]) if i >= 0
-                            and (j := table[i].integer) is not None})
+        exponents = sorted({j for i in group.explanations if i >= 0 and (j := table[i].integer) is not None})
         evidence["loss_scale_exponents"] = exponents
         shown = " to ".join(f"2^{j}" for j in ([exponents[0], exponents[-1]] if len(exponents) > 1 else exponents))
         message = (f"Weights are uniform but carry a power-of-two factor ({shown}) that W={w} does not explain: "
@@ -355,7 +596,7 @@ def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame
                    "record, so the gradient's true scale cannot be judged here.")
         fix = ("pass the scaler to the recorder, Recorder(..., scaler=scaler), so its scale is divided out of the "
                "weights (the Hugging Face and Lightning callbacks find the trainer's scaler themselves)")
-        return _finding(context, code, step_numbers, message, fix, evidence)
+        return _finding(context, code, group.steps, message, fix, evidence)
     if code == Code.WORLD_SIZE_MISMATCH:
         assert explanation is not None
         cause = _world_size_cause(explanation, q, w, float(row.d_high))
@@ -365,7 +606,7 @@ def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame
             evidence["world_sizes"] = [explanation.integer, w]
             evidence["stale_world_size"] = explanation.integer
         message = f"Weights are uniform but off by a world-size factor: {scaled}; {cause}."
-        return _finding(context, code, step_numbers, message, _fix_average(context), evidence)
+        return _finding(context, code, group.steps, message, _fix_average(context), evidence)
     if denominator == Denominator.ONE:
         message = (f"The loss sum was backpropagated without a token denominator (b·g = {diagnosis.factor:g}·S): "
                    f"{scaled}; the gradient's size grows with the number of valid tokens (under SGD so does the step; "
@@ -375,7 +616,7 @@ def _weighting_finding(code: Code, denominator: Denominator, steps: pd.DataFrame
                if context.term != UNNAMED else "")
         what = "a constant" if not spread else "a factor that changes from step to step"
         message = f"Weights are uniform within each step but scaled by {what}: {scaled}.{aux}"
-    return _finding(context, code, step_numbers, message, _fix_average(context), evidence)
+    return _finding(context, code, group.steps, message, _fix_average(context), evidence)
 
 
 def _world_size_cause(explanation: FactorExplanation, q: float, w: int, divisor: float) -> str:
@@ -406,46 +647,94 @@ def _describe(row: Any, which: str, weight: float, tokens: int) -> dict[str, Any
 # ---------------------------------------------------------------------------------- other checks
 
 
-def _structure_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding]:
-    """world_size_inconsistent, world_size_changed, uneven_microbatches. W and M are compared as arrays
-    (one held as one value, `engine._constant`, as that value), and W's changes are looked for group by
-    group only when W is not one value: a frame's comparisons and group-by copied 43 bytes a step."""
-    inconsistent = _unequal(steps, "w_low", "w_high")
-    if inconsistent is not None:
-        row = _first(steps, inconsistent)
-        yield _finding(context, Code.WORLD_SIZE_INCONSISTENT, steps.step.to_numpy()[inconsistent],
-                       f"Ranks disagree on W within one step (step {int(row.step)}: W from {int(row.w_low)} to "
-                       f"{int(row.w_high)}).",
-                       "derive W from the process group that averages the gradients "
-                       "(dist.get_world_size(ddp_model.process_group)) on every rank",
-                       {"step": int(row.step), "world_size_low": int(row.w_low), "world_size_high": int(row.w_high)})
-    world = steps.w_high.to_numpy()
-    for group, rows in ([] if one_value(world) else _groups(steps.grp)):
-        values = world[rows]
-        sizes = [int(w) for w in values[np.sort(np.unique(values, return_index=True)[1])]]  # in order of appearance
-        if len(sizes) > 1:
-            yield _finding(context, Code.WORLD_SIZE_CHANGED, steps.step.to_numpy()[rows][values != values[0]],
-                           f"W changed between steps{'' if group == UNNAMED else f' in group {group}'}: "
-                           f"{' → '.join(map(str, sizes))} (an elastic restart or a resume on other hardware).",
-                           "nothing to fix if the restart was intended; check that N and W were recomputed after it",
-                           {"world_sizes": sizes})
-    uneven = _unequal(steps, "m_low", "m_high")
-    if uneven is not None:
-        row = _first(steps, uneven)
-        yield _finding(context, Code.UNEVEN_MICROBATCHES, steps.step.to_numpy()[uneven],
-                       f"Ranks ran different numbers of microbatches in one step (step {int(row.step)}: from "
-                       f"{int(row.m_low)} to {int(row.m_high)}); every backward that syncs must be matched on all "
-                       "ranks, and N must count every microbatch.",
-                       "give every rank the same number of microbatches per step (pad with empty ones that "
-                       "still run backward with a zero contribution)",
-                       {"step": int(row.step), "microbatches_low": int(row.m_low),
-                        "microbatches_high": int(row.m_high)})
+class _Flagged:
+    """Steps where a condition holds: their range, how many rows, and the first such row."""
+
+    def __init__(self, keep: bool) -> None:
+        self.steps = _Steps(keep)
+        self.rows = 0
+        self.first: Any = None
+
+    def add(self, block: pd.DataFrame, mask: npt.NDArray[np.bool_]) -> None:
+        if not mask.any():
+            return
+        if self.first is None:
+            self.first = block.iloc[int(np.argmax(mask))]
+        self.steps.add(_column(block, "step")[mask])
+        self.rows += int(mask.sum())
+
+    def __bool__(self) -> bool:
+        return self.rows > 0
+
+
+def _unequal(block: pd.DataFrame, low: str, high: str) -> npt.NDArray[np.bool_]:
+    """Where two columns differ (NaN differs from everything, as pandas compares); two columns held as one
+    value each compare as those values."""
+    one, other = _column(block, low), _column(block, high)
+    if one_value(one) and one_value(other):
+        return np.full(len(one), bool(one[0] != other[0]))
+    differ: npt.NDArray[np.bool_] = one != other
+    return differ
+
+
+class _Structure(_Check):
+    """world_size_inconsistent, world_size_changed, uneven_microbatches. W's changes are looked for group
+    by group, in the groups' order: the sizes in order of appearance, and the steps where W is not the
+    group's first."""
+
+    def __init__(self, context: RunContext, keep_steps: bool) -> None:
+        super().__init__(context, keep_steps)
+        self.inconsistent = _Flagged(keep_steps)
+        self.uneven = _Flagged(keep_steps)
+        self.changes: dict[str, tuple[list[int], _Steps]] = {}
+
+    def add(self, block: pd.DataFrame) -> None:
+        self.inconsistent.add(block, _unequal(block, "w_low", "w_high"))
+        self.uneven.add(block, _unequal(block, "m_low", "m_high"))
+        world = _column(block, "w_high")
+        for group, rows in _groups(block.grp):
+            values = world[rows]
+            if group not in self.changes:
+                self.changes[group] = ([int(values[0])], self.steps())
+            sizes, changed = self.changes[group]
+            new = values[np.sort(np.unique(values, return_index=True)[1])]  # in order of appearance
+            sizes.extend(int(w) for w in new if int(w) not in sizes)
+            changed.add(_column(block, "step")[rows][values != sizes[0]])
+
+    def findings(self) -> Iterator[Finding]:
+        context = self.context
+        if self.inconsistent:
+            row = self.inconsistent.first
+            yield _finding(context, Code.WORLD_SIZE_INCONSISTENT, self.inconsistent.steps,
+                           f"Ranks disagree on W within one step (step {int(row.step)}: W from {int(row.w_low)} to "
+                           f"{int(row.w_high)}).",
+                           "derive W from the process group that averages the gradients "
+                           "(dist.get_world_size(ddp_model.process_group)) on every rank",
+                           {"step": int(row.step), "world_size_low": int(row.w_low), "world_size_high": int(row.w_high)})
+        for group in sorted(self.changes):
+            sizes, changed = self.changes[group]
+            if len(sizes) > 1:
+                yield _finding(context, Code.WORLD_SIZE_CHANGED, changed,
+                               f"W changed between steps{'' if group == UNNAMED else f' in group {group}'}: "
+                               f"{' → '.join(map(str, sizes))} (an elastic restart or a resume on other hardware).",
+                               "nothing to fix if the restart was intended; check that N and W were recomputed after it",
+                               {"world_sizes": sizes})
+        if self.uneven:
+            row = self.uneven.first
+            yield _finding(context, Code.UNEVEN_MICROBATCHES, self.uneven.steps,
+                           f"Ranks ran different numbers of microbatches in one step (step {int(row.step)}: from "
+                           f"{int(row.m_low)} to {int(row.m_high)}); every backward that syncs must be matched on all "
+                           "ranks, and N must count every microbatch.",
+                           "give every rank the same number of microbatches per step (pad with empty ones that "
+                           "still run backward with a zero contribution)",
+                           {"step": int(row.step), "microbatches_low": int(row.m_low),
+                            "microbatches_high": int(row.m_high)})
 
 
 def world_sizes(steps: pd.DataFrame) -> list[int]:
     """Every W the steps saw, sorted: each column's distinct values (one value: that value), not a sort of
     both columns joined (200 MB at 12.5M steps)."""
-    return sorted({int(w) for column in (steps.w_low, steps.w_high) for w in distinct(column)})
+    return _world_sizes([steps])
 
 
 def distinct(column: pd.Series) -> npt.NDArray[Any]:
@@ -454,92 +743,119 @@ def distinct(column: pd.Series) -> npt.NDArray[Any]:
     return np.unique(values[:1] if one_value(values) else values)
 
 
-def _unequal(steps: pd.DataFrame, low: str, high: str) -> npt.NDArray[np.bool_] | None:
-    """Where two columns differ (NaN differs from everything, as pandas compares), None where nowhere;
-    two columns held as one value each compare as those values."""
-    one, other = steps[low].to_numpy(), steps[high].to_numpy()
-    if one_value(one) and one_value(other):
-        return None if one[0] == other[0] else np.ones(len(one), dtype=bool)
-    differ: npt.NDArray[np.bool_] = one != other
-    return differ if differ.any() else None
-
-
 def _groups(column: pd.Series) -> Iterator[tuple[str, Any]]:
-    """(name, rows) per group, in a group-by's order (the categories', or the names sorted): rows a slice of
-    every row when there is one group, else the group's indices."""
+    """(name, rows) per group, in a group-by's order (the names sorted): rows a slice of every row when
+    there is one group, else the group's indices."""
     if isinstance(column.dtype, pd.CategoricalDtype):
-        codes, names = column.cat.codes.to_numpy(), list(column.cat.categories)
+        codes, names = column.cat.codes.to_numpy(), [str(name) for name in column.cat.categories]
     else:
         codes, uniques = pd.factorize(column, sort=True)
-        names = list(uniques)
+        names = [str(name) for name in uniques]
     present = [int(code) for code in np.unique(codes) if code >= 0]
     if len(present) == 1:
         yield names[present[0]], slice(None)
         return
-    for code in present:
+    for code in sorted(present, key=lambda c: names[c]):
         yield names[code], np.flatnonzero(codes == code)
 
 
-def _value_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding]:
+class _Values(_Check):
     """nonfinite_values, zero_token_nonfinite, empty_update. Non-finite values of an update the
     trainer skipped (a GradScaler overflow) did not reach the weights: they are not errors."""
-    skipped = steps.skipped_true > 0
-    nonfinite = (steps.nonfinite_valid > 0) & ~skipped
-    if nonfinite.any():
-        records = int(steps.nonfinite_valid[nonfinite].sum())
-        yield _finding(context, Code.NONFINITE_VALUES, steps.step[nonfinite].to_numpy(),
-                       f"NaN or infinity in S, b, g, D or the probe columns of {records} record(s) with valid tokens; "
-                       "the reduced gradient of those steps is not finite, or its weight cannot be read.",
-                       "find the first non-finite loss (torch.autograd.set_detect_anomaly) and guard the division; "
-                       "record finite grad_scale and grad_divisor values",
-                       {"records": records, "first_step": int(steps.step[nonfinite].min())})
-    zero_bad = steps.nonfinite_zero > 0
-    if zero_bad.any():
-        yield _finding(context, Code.ZERO_TOKEN_NONFINITE, steps.step[zero_bad].to_numpy(),
-                       f"{int(steps.nonfinite_zero.sum())} record(s) with no valid token have a non-finite backward "
-                       "scalar: the code divided by its own zero count (0/0), and DDP spreads the NaN to every rank.",
-                       "divide by the global count N (clamped to at least 1), never by the local count; a rank "
-                       "with no valid token backpropagates an exact zero that stays connected to the graph",
-                       {"records": int(steps.nonfinite_zero.sum())})
-    empty = steps.tokens == 0
-    if empty.any():
-        rows = steps.loc[empty, ["step", "skipped_true", "skipped_false", "nonfinite_zero"]]
-        disagree = (rows.skipped_true > 0) & (rows.skipped_false > 0)
-        bad = (rows.nonfinite_zero > 0) | disagree
-        unmarked = rows.skipped_true == 0
-        severity = Severity.ERROR if bad.any() else Severity.INFO
-        details = []
-        if disagree.any():
-            details.append(f"ranks disagree on skipping it at step(s) {_list(rows.step[disagree])}")
-        if (rows.nonfinite_zero > 0).any():
-            details.append("some ranks backpropagated a non-finite value")
-        if unmarked.any() and not disagree.any():
-            details.append("the log does not say the update was skipped; an optimizer step on zero gradients still "
-                           "moves weights through momentum and weight decay")
-        yield _finding(context, Code.EMPTY_UPDATE, rows.step.to_numpy(),
-                       f"No valid token anywhere in {int(empty.sum())} step(s) (N = 0)"
-                       + (": " + "; ".join(details) if details else ", and every rank skipped it together."),
-                       "decide from the global N (known to every rank after one all-reduce): when N = 0, every rank "
-                       "runs backward on a zero loss and skips optimizer.step() together",
-                       {"steps": _list(rows.step)}, severity=severity)
+
+    def __init__(self, context: RunContext, keep_steps: bool) -> None:
+        super().__init__(context, keep_steps)
+        self.nonfinite, self.nonfinite_records = self.steps(), 0.0
+        self.zero_bad, self.zero_records = self.steps(), 0.0
+        self.empty, self.empty_listed, self.disagree_listed = self.steps(), _Listed(), _Listed()
+        self.bad = self.unmarked = self.empty_nonfinite = False
+
+    def add(self, block: pd.DataFrame) -> None:
+        step = _column(block, "step")
+        skipped_true, skipped_false = _column(block, "skipped_true"), _column(block, "skipped_false")
+        nonfinite_valid, nonfinite_zero = _column(block, "nonfinite_valid"), _column(block, "nonfinite_zero")
+        nonfinite = (nonfinite_valid > 0) & ~(skipped_true > 0)
+        self.nonfinite.add(step[nonfinite])
+        self.nonfinite_records += _sum(nonfinite_valid[nonfinite])
+        self.zero_bad.add(step[nonfinite_zero > 0])
+        self.zero_records += _sum(nonfinite_zero)
+        empty = _column(block, "tokens") == 0
+        if empty.any():
+            disagree = (skipped_true[empty] > 0) & (skipped_false[empty] > 0)
+            self.empty_nonfinite = self.empty_nonfinite or bool((nonfinite_zero[empty] > 0).any())
+            self.bad = self.bad or self.empty_nonfinite or bool(disagree.any())
+            self.unmarked = self.unmarked or bool((skipped_true[empty] == 0).any())
+            self.empty.add(step[empty])
+            self.empty_listed.add(step[empty])
+            self.disagree_listed.add(step[empty][disagree])
+
+    def findings(self) -> Iterator[Finding]:
+        context = self.context
+        if self.nonfinite:
+            records = int(self.nonfinite_records)
+            yield _finding(context, Code.NONFINITE_VALUES, self.nonfinite,
+                           f"NaN or infinity in S, b, g, D or the probe columns of {records} record(s) with valid tokens; "
+                           "the reduced gradient of those steps is not finite, or its weight cannot be read.",
+                           "find the first non-finite loss (torch.autograd.set_detect_anomaly) and guard the division; "
+                           "record finite grad_scale and grad_divisor values",
+                           {"records": records, "first_step": int(self.nonfinite.range().first)})
+        if self.zero_bad:
+            yield _finding(context, Code.ZERO_TOKEN_NONFINITE, self.zero_bad,
+                           f"{int(self.zero_records)} record(s) with no valid token have a non-finite backward "
+                           "scalar: the code divided by its own zero count (0/0), and DDP spreads the NaN to every rank.",
+                           "divide by the global count N (clamped to at least 1), never by the local count; a rank "
+                           "with no valid token backpropagates an exact zero that stays connected to the graph",
+                           {"records": int(self.zero_records)})
+        if self.empty:
+            disagree = self.disagree_listed.count > 0
+            severity = Severity.ERROR if self.bad else Severity.INFO
+            details = []
+            if disagree:
+                details.append(f"ranks disagree on skipping it at step(s) {self.disagree_listed.text()}")
+            if self.empty_nonfinite:
+                details.append("some ranks backpropagated a non-finite value")
+            if self.unmarked and not disagree:
+                details.append("the log does not say the update was skipped; an optimizer step on zero gradients still "
+                               "moves weights through momentum and weight decay")
+            yield _finding(context, Code.EMPTY_UPDATE, self.empty,
+                           f"No valid token anywhere in {self.empty_listed.count} step(s) (N = 0)"
+                           + (": " + "; ".join(details) if details else ", and every rank skipped it together."),
+                           "decide from the global N (known to every rank after one all-reduce): when N = 0, every rank "
+                           "runs backward on a zero loss and skips optimizer.step() together",
+                           {"steps": self.empty_listed.text()}, severity=severity)
 
 
-def _sync_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding]:
+class _Sync(_Check):
     """missing_sync, sync_every_micro."""
-    missing = steps.unsynced_ranks > 0
-    if missing.any():
-        yield _finding(context, Code.MISSING_SYNC, steps.step[missing].to_numpy(),
-                       f"The last microbatch of a step did not synchronize gradients on "
-                       f"{int(steps.unsynced_ranks.sum())} rank-step(s): those ranks stepped on their local gradient.",
-                       "run the last microbatch's forward and backward outside model.no_sync()",
-                       {"rank_steps": int(steps.unsynced_ranks.sum())})
-    multi = (steps.m_high > 1) & (steps.sync_known == steps.records)
-    every = multi & (steps.sync_true == steps.records)
-    if every.any() and every.sum() == multi.sum():
-        yield _finding(context, Code.SYNC_EVERY_MICRO, steps.step[every].to_numpy(),
-                       f"Every microbatch synchronized gradients in {int(every.sum())} multi-microbatch step(s): "
-                       f"correct, but {context.microbatches}× the communication.",
-                       "wrap all but the last microbatch in model.no_sync()", {"steps": int(every.sum())})
+
+    def __init__(self, context: RunContext, keep_steps: bool) -> None:
+        super().__init__(context, keep_steps)
+        self.missing, self.unsynced = self.steps(), 0.0
+        self.every, self.every_count, self.multi_count = self.steps(), 0, 0
+
+    def add(self, block: pd.DataFrame) -> None:
+        step, unsynced = _column(block, "step"), _column(block, "unsynced_ranks")
+        self.missing.add(step[unsynced > 0])
+        self.unsynced += _sum(unsynced)
+        records = _column(block, "records")
+        multi = (_column(block, "m_high") > 1) & (_column(block, "sync_known") == records)
+        every = multi & (_column(block, "sync_true") == records)
+        self.every.add(step[every])
+        self.every_count += int(every.sum())
+        self.multi_count += int(multi.sum())
+
+    def findings(self) -> Iterator[Finding]:
+        if self.missing:
+            yield _finding(self.context, Code.MISSING_SYNC, self.missing,
+                           f"The last microbatch of a step did not synchronize gradients on "
+                           f"{int(self.unsynced)} rank-step(s): those ranks stepped on their local gradient.",
+                           "run the last microbatch's forward and backward outside model.no_sync()",
+                           {"rank_steps": int(self.unsynced)})
+        if self.every_count and self.every_count == self.multi_count:
+            yield _finding(self.context, Code.SYNC_EVERY_MICRO, self.every,
+                           f"Every microbatch synchronized gradients in {self.every_count} multi-microbatch step(s): "
+                           f"correct, but {self.context.microbatches}× the communication.",
+                           "wrap all but the last microbatch in model.no_sync()", {"steps": self.every_count})
 
 
 def decimals(values: np.ndarray) -> np.ndarray:
@@ -553,15 +869,34 @@ def decimals(values: np.ndarray) -> np.ndarray:
     return out
 
 
+class _Rounding:
+    """Half a unit of the last decimal a trainer rounded its logged losses to, read from all of them (a
+    value with few decimals by chance says nothing alone); 0 when they are not rounded."""
+
+    def __init__(self) -> None:
+        self.most = -1
+        self.unrounded = False
+        self.seen = False
+
+    def add(self, values: np.ndarray) -> None:
+        if not len(values):
+            return
+        k = decimals(values)
+        self.seen = True
+        self.unrounded = self.unrounded or bool((k < 0).any())
+        self.most = max(self.most, int(k.max()))
+
+    def value(self) -> float:
+        if not self.seen or self.unrounded:
+            return 0.0
+        return 0.5 * 10.0 ** (-self.most) * (1 + 1e-6)
+
+
 def rounding_of(values: np.ndarray) -> float:
-    """Half a unit of the last decimal a trainer rounded its logged losses to, read from all of
-    them (a value with few decimals by chance says nothing alone); 0 when they are not rounded."""
-    if not len(values):
-        return 0.0
-    k = decimals(values)
-    if (k < 0).any():
-        return 0.0
-    return 0.5 * 10.0 ** (-int(k.max())) * (1 + 1e-6)
+    """`_Rounding` of these values."""
+    rounding = _Rounding()
+    rounding.add(values)
+    return rounding.value()
 
 
 def _agrees(reported: np.ndarray, truth: np.ndarray, rtol: float, rounding: float) -> np.ndarray:
@@ -571,127 +906,200 @@ def _agrees(reported: np.ndarray, truth: np.ndarray, rtol: float, rounding: floa
     return agrees
 
 
-def _reported_findings(steps: pd.DataFrame, run: str, rtol: float, main_term: str) -> Iterator[Finding]:
+def _reported_rows(source: RunSteps, main_term: str) -> Iterator[pd.DataFrame]:
+    """The main term's steps with a reported loss and valid tokens, in the table's order, with the token
+    mean of the main term (`mean`) and the sum of every term's token mean (`total`), each (group, step)'s own."""
+    for frame in source.frames():
+        reported = (_column(frame, "reported") > 0) & (_column(frame, "tokens") > 0)
+        if not reported.any():
+            continue
+        known = frame.loc[reported, ["grp", "term", "step", "loss", "tokens", "reported_low", "reported_high",
+                                     "mean_of_local_means"]]
+        means = known.assign(mean=known.loss / known.tokens)
+        total = means.groupby(["grp", "step"], observed=True)["mean"].transform("sum")
+        rows = means[means.term.astype(str) == main_term].copy()
+        if rows.empty:
+            continue
+        rows["total"] = total[rows.index]
+        yield rows
+
+
+def _reported_findings(source: RunSteps, run: str, rtol: float, main_term: str) -> Iterator[Finding]:
     """reported_loss_mismatch: the logged loss against ΣS/N of the main term, or against the sum of
-    the terms' token means when the trainer logs the whole objective."""
-    reported = (steps.reported > 0) & (steps.tokens > 0)
-    if not reported.any():
+    the terms' token means when the trainer logs the whole objective. Read twice: how the losses were
+    rounded is read from all of them first."""
+    rounding_seen = _Rounding()
+    for rows in _reported_rows(source, main_term):
+        rounding_seen.add(np.concatenate([rows.reported_low.to_numpy(float), rows.reported_high.to_numpy(float)]))
+    if not rounding_seen.seen:
         return
-    known = steps.loc[reported, ["grp", "term", "step", "loss", "tokens", "reported_low", "reported_high",
-                                 "mean_of_local_means"]]
-    means = known.assign(mean=known.loss / known.tokens)
-    total = means.groupby(["grp", "step"], observed=True)["mean"].transform("sum")
-    rows = means[means.term.astype(str) == main_term].copy()
-    if rows.empty:
+    rounding = rounding_seen.value()
+    bad_steps, bad_count, first = _Steps(len(source.groups) > 1), 0, None
+    all_local, any_local = True, False
+    for rows in _reported_rows(source, main_term):
+        low, high = rows.reported_low.to_numpy(float), rows.reported_high.to_numpy(float)
+        truth, whole = rows["mean"].to_numpy(float), rows["total"].to_numpy(float)
+        fine = (_agrees(low, truth, rtol, rounding) & _agrees(high, truth, rtol, rounding)) | \
+            (_agrees(low, whole, rtol, rounding) & _agrees(high, whole, rtol, rounding))
+        if fine.all():
+            continue
+        bad = rows[~fine]
+        local_of = bad.mean_of_local_means.to_numpy(float)
+        local = _agrees(bad.reported_low.to_numpy(float), local_of, rtol, rounding) & \
+            _agrees(bad.reported_high.to_numpy(float), local_of, rtol, rounding)
+        all_local, any_local = all_local and bool(local.all()), any_local or bool(local.any())
+        if first is None:
+            first = bad.iloc[0]
+        bad_steps.add(bad.step.to_numpy())
+        bad_count += len(bad)
+    if first is None:
         return
-    rows["total"] = total[rows.index]
-    low, high = rows.reported_low.to_numpy(float), rows.reported_high.to_numpy(float)
-    truth, whole = rows["mean"].to_numpy(float), rows["total"].to_numpy(float)
-    rounding = rounding_of(np.concatenate([low, high]))
-    fine = (_agrees(low, truth, rtol, rounding) & _agrees(high, truth, rtol, rounding)) | \
-        (_agrees(low, whole, rtol, rounding) & _agrees(high, whole, rtol, rounding))
-    if fine.all():
-        return
-    bad = rows[~fine]
-    local_of = bad.mean_of_local_means.to_numpy(float)
-    local = _agrees(bad.reported_low.to_numpy(float), local_of, rtol, rounding) & \
-        _agrees(bad.reported_high.to_numpy(float), local_of, rtol, rounding)
-    first = bad.iloc[0]
     true_value = float(first.loss / first.tokens)
     evidence = {"step": int(first.step), "reported": float(first.reported_high), "token_mean": true_value,
                 "mean_of_local_means": float(first.mean_of_local_means), "rounding": rounding}
-    if local.all():
+    if all_local:
         what = "the mean of per-rank means, not the token mean"
-    elif local.any():
+    elif any_local:
         what = "partly the mean of per-rank means"
     else:
         what = f"{float(first.reported_high) / true_value:.4g}× the token mean" if true_value else "not the token mean"
     context = RunContext(run=run, term=main_term, world_size=0, world_sizes=(), microbatches=0, divisor=0.0, rtol=rtol)
-    yield _finding(context, Code.REPORTED_LOSS_MISMATCH, bad.step.to_numpy(),
-                   f"The reported loss differs from ΣS/N in {len(bad)} step(s), beyond rounding; it is {what} (step "
+    yield _finding(context, Code.REPORTED_LOSS_MISMATCH, bad_steps,
+                   f"The reported loss differs from ΣS/N in {bad_count} step(s), beyond rounding; it is {what} (step "
                    f"{int(first.step)}: reported {float(first.reported_high):.6g}, ΣS/N = {true_value:.6g}, mean of "
                    f"local means {float(first.mean_of_local_means):.6g}).",
                    "report all_reduce(Σ S)/all_reduce(Σ n) over the step from detached sums and counts",
                    evidence)
 
 
-def _probe_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding]:
+class _Probe(_Check):
     """nonuniform_in_microbatch, masked_tokens_weighted."""
-    nonuniform = steps.probe_nonuniform > 0
-    if nonuniform.any():
-        yield _finding(context, Code.NONUNIFORM_IN_MICROBATCH, steps.step[nonuniform].to_numpy(),
-                       f"Valid tokens of one microbatch got different weights in {int(steps.probe_nonuniform.sum())} "
-                       "record(s): a per-sequence or per-document mean, or a token weighting. Legitimate only when "
-                       "chosen on purpose.",
-                       "for the token-mean objective, sum per-token losses over the microbatch and divide once by N",
-                       {"records": int(steps.probe_nonuniform.sum())})
-    masked = steps.masked_weighted > 0
-    if masked.any():
-        yield _finding(context, Code.MASKED_TOKENS_WEIGHTED, steps.step[masked].to_numpy(),
-                       f"Positions that are not valid and whose loss is not 0 (padding labelled as a real token, "
-                       f"a mask applied after the loss) carry weight in {int(steps.masked_weighted.sum())} "
-                       "record(s): their loss is trained.",
-                       "label padding and ignored positions with ignore_index (their loss is then exactly 0), or "
-                       "mask per-token losses before reducing; divide by the valid-token count",
-                       {"records": int(steps.masked_weighted.sum())})
+
+    def __init__(self, context: RunContext, keep_steps: bool) -> None:
+        super().__init__(context, keep_steps)
+        self.nonuniform, self.nonuniform_records = self.steps(), 0.0
+        self.masked, self.masked_records = self.steps(), 0.0
+
+    def add(self, block: pd.DataFrame) -> None:
+        step = _column(block, "step")
+        nonuniform, masked = _column(block, "probe_nonuniform"), _column(block, "masked_weighted")
+        self.nonuniform.add(step[nonuniform > 0])
+        self.nonuniform_records += _sum(nonuniform)
+        self.masked.add(step[masked > 0])
+        self.masked_records += _sum(masked)
+
+    def findings(self) -> Iterator[Finding]:
+        if self.nonuniform:
+            yield _finding(self.context, Code.NONUNIFORM_IN_MICROBATCH, self.nonuniform,
+                           f"Valid tokens of one microbatch got different weights in {int(self.nonuniform_records)} "
+                           "record(s): a per-sequence or per-document mean, or a token weighting. Legitimate only when "
+                           "chosen on purpose.",
+                           "for the token-mean objective, sum per-token losses over the microbatch and divide once by N",
+                           {"records": int(self.nonuniform_records)})
+        if self.masked:
+            yield _finding(self.context, Code.MASKED_TOKENS_WEIGHTED, self.masked,
+                           f"Positions that are not valid and whose loss is not 0 (padding labelled as a real token, "
+                           f"a mask applied after the loss) carry weight in {int(self.masked_records)} "
+                           "record(s): their loss is trained.",
+                           "label padding and ignored positions with ignore_index (their loss is then exactly 0), or "
+                           "mask per-token losses before reducing; divide by the valid-token count",
+                           {"records": int(self.masked_records)})
 
 
-def _missing_ranks(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding]:
+class _MissingRanks(_Check):
     """missing_rank: fewer ranks than W recorded a step that others recorded."""
-    missing = steps.ranks < steps.w_high
-    if not missing.any():
-        return
-    first = _first(steps, missing)
-    w = int(first.w_high)
-    mask = 0 if pd.isna(first.rank_mask) else int(first.rank_mask)
-    absent = [r for r in range(min(w, 64)) if not mask >> r & 1]
-    listed = f"ranks {_list(absent)}" if w <= 64 else f"{w - int(first.ranks)} ranks (of those below 64: {_list(absent)})"
-    yield _finding(context, Code.MISSING_RANK, steps.step[missing].to_numpy(),
-                   f"{int(missing.sum())} step(s) lack records from some ranks (step {int(first.step)}: {listed} "
-                   f"of W={w} have none). A rank that skips backward or a collective desynchronizes DDP; if it only "
-                   "skipped recording, its tokens are missing from N here.",
-                   "every rank runs forward, backward and every collective each microbatch, with a zero loss when "
-                   "it has no valid token",
-                   {"step": int(first.step), "missing_ranks": absent, "world_size": w})
+
+    def __init__(self, context: RunContext, keep_steps: bool) -> None:
+        super().__init__(context, keep_steps)
+        self.missing = _Flagged(keep_steps)
+
+    def add(self, block: pd.DataFrame) -> None:
+        self.missing.add(block, _column(block, "ranks") < _column(block, "w_high"))
+
+    def findings(self) -> Iterator[Finding]:
+        if not self.missing:
+            return
+        first = self.missing.first
+        w = int(first.w_high)
+        mask = 0 if pd.isna(first.rank_mask) else int(first.rank_mask)
+        absent = [r for r in range(min(w, 64)) if not mask >> r & 1]
+        listed = f"ranks {_list(absent)}" if w <= 64 else f"{w - int(first.ranks)} ranks (of those below 64: {_list(absent)})"
+        yield _finding(self.context, Code.MISSING_RANK, self.missing.steps,
+                       f"{self.missing.rows} step(s) lack records from some ranks (step {int(first.step)}: {listed} "
+                       f"of W={w} have none). A rank that skips backward or a collective desynchronizes DDP; if it only "
+                       "skipped recording, its tokens are missing from N here.",
+                       "every rank runs forward, backward and every collective each microbatch, with a zero loss when "
+                       "it has no valid token",
+                       {"step": int(first.step), "missing_ranks": absent, "world_size": w})
 
 
-def _divisor_findings(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding]:
+class _Divisor(_Check):
     """unknown_divisor: D could not be seen, so the weights' absolute scale is not judged."""
-    unknown = (steps.unknown_divisor > 0) & (steps.tokens > 0)
-    if not unknown.any():
-        return
-    rows = steps.loc[unknown, ["step", "unknown_divisor", "weighted_records", "e_low", "e_high", "tokens"]]
-    weighted = rows[rows.weighted_records > 0]
-    evidence: dict[str, Any] = {"records": int(rows.unknown_divisor.sum()), "world_size": context.world_size}
-    detail = ""
-    if not weighted.empty:
-        # The log assumed D = W; with a summing reduction (D = 1) every weight is W× larger.
-        q = float(((weighted.e_low + weighted.e_high) / 2 * weighted.tokens).median())
-        evidence.update({"distortion_if_average": q, "distortion_if_sum": q * context.world_size})
-        detail = (f" If the reduction averages (D = W = {context.world_size}), tokens got q = e·N = {q:.4g}; "
-                  f"if it sums (D = 1), q = {q * context.world_size:.4g} (correct is 1).")
-    yield _finding(context, Code.UNKNOWN_DIVISOR, rows.step.to_numpy(),
-                   f"The divisor D of the gradient reduction could not be seen in {len(rows)} step(s) (a DDP comm hook "
-                   "the recorder does not know, or no DDP model given), so the absolute scale of the weights is not "
-                   f"judged; relative checks (local means, per-microbatch denominators) still ran.{detail}",
-                   "tell the recorder what the reduction divides by: Recorder(..., grad_divisor=1) for a summing "
-                   f"hook, grad_divisor={context.world_size} for an average (or pass the DDP model as model=)",
-                   evidence)
+
+    def __init__(self, context: RunContext, keep_steps: bool) -> None:
+        super().__init__(context, keep_steps)
+        self.unknown, self.records, self.rows = self.steps(), 0.0, 0
+        self.weighted = False
+        self.q: list[npt.NDArray[np.float64]] = []
+
+    def add(self, block: pd.DataFrame) -> None:
+        unknown = (_column(block, "unknown_divisor") > 0) & (_column(block, "tokens") > 0)
+        if not unknown.any():
+            return
+        self.unknown.add(_column(block, "step")[unknown])
+        self.records += _sum(_column(block, "unknown_divisor")[unknown])
+        self.rows += int(unknown.sum())
+        weighted = unknown & (_column(block, "weighted_records") > 0)
+        if weighted.any():
+            self.weighted = True
+            e_low, e_high = _column(block, "e_low")[weighted], _column(block, "e_high")[weighted]
+            self.q.append((e_low + e_high) / 2 * _column(block, "tokens")[weighted])
+
+    def findings(self) -> Iterator[Finding]:
+        if not self.unknown:
+            return
+        context = self.context
+        evidence: dict[str, Any] = {"records": int(self.records), "world_size": context.world_size}
+        detail = ""
+        if self.weighted:
+            # The log assumed D = W; with a summing reduction (D = 1) every weight is W× larger.
+            q = float(pd.Series(np.concatenate(self.q)).median())
+            evidence.update({"distortion_if_average": q, "distortion_if_sum": q * context.world_size})
+            detail = (f" If the reduction averages (D = W = {context.world_size}), tokens got q = e·N = {q:.4g}; "
+                      f"if it sums (D = 1), q = {q * context.world_size:.4g} (correct is 1).")
+        yield _finding(context, Code.UNKNOWN_DIVISOR, self.unknown,
+                       f"The divisor D of the gradient reduction could not be seen in {self.rows} step(s) (a DDP comm hook "
+                       "the recorder does not know, or no DDP model given), so the absolute scale of the weights is not "
+                       f"judged; relative checks (local means, per-microbatch denominators) still ran.{detail}",
+                       "tell the recorder what the reduction divides by: Recorder(..., grad_divisor=1) for a summing "
+                       f"hook, grad_divisor={context.world_size} for an average (or pass the DDP model as model=)",
+                       evidence)
 
 
-def _weight_presence(steps: pd.DataFrame, context: RunContext) -> Iterator[Finding]:
+class _WeightPresence(_Check):
     """no_weights: valid records without a usable weight (no b and no probe, or S = 0 without a probe)."""
-    unweighted = steps.unweighted_records > 0
-    if not unweighted.any():
-        return
-    records = int(steps.unweighted_records[unweighted].sum())
-    none_at_all = int((unweighted & (steps.weighted_records == 0)).sum())
-    yield _finding(context, Code.NO_WEIGHTS, steps.step[unweighted].to_numpy(),
-                   f"{records} record(s) with valid tokens carry no usable weight (no backward scalar and no probe, "
-                   f"or a loss sum of 0 without a probe); {none_at_all} step(s) have no weight at all, so their "
-                   "normalization cannot be judged.",
-                   "record backward_scalar= with every record, or wrap the per-token loss in rec.probe()",
-                   {"records": records, "steps_without_weight": none_at_all})
+
+    def __init__(self, context: RunContext, keep_steps: bool) -> None:
+        super().__init__(context, keep_steps)
+        self.unweighted, self.records, self.none_at_all = self.steps(), 0.0, 0
+
+    def add(self, block: pd.DataFrame) -> None:
+        unweighted_records = _column(block, "unweighted_records")
+        unweighted = unweighted_records > 0
+        self.unweighted.add(_column(block, "step")[unweighted])
+        self.records += _sum(unweighted_records[unweighted])
+        self.none_at_all += int((unweighted & (_column(block, "weighted_records") == 0)).sum())
+
+    def findings(self) -> Iterator[Finding]:
+        if not self.unweighted:
+            return
+        records = int(self.records)
+        yield _finding(self.context, Code.NO_WEIGHTS, self.unweighted,
+                       f"{records} record(s) with valid tokens carry no usable weight (no backward scalar and no probe, "
+                       f"or a loss sum of 0 without a probe); {self.none_at_all} step(s) have no weight at all, so their "
+                       "normalization cannot be judged.",
+                       "record backward_scalar= with every record, or wrap the per-token loss in rec.probe()",
+                       {"records": records, "steps_without_weight": self.none_at_all})
 
 
 def _duplicates(duplicates: tuple[int, int, int, int], run: str) -> Finding:
@@ -715,22 +1123,35 @@ _CONFUSED_COUNTS = {
 }
 
 
-def _balanced(steps: pd.DataFrame, diagnoses: Diagnoses, context: RunContext) -> Iterator[Finding]:
+class _Balanced:
     """balanced_counts: in every step the counts that a local normalization needs to differ were
     equal, so the logs cannot tell it from the token mean."""
-    confused = diagnoses.confused
-    if confused is None:
-        return
-    nonempty = steps.tokens > 0
-    counts = [int(n) for n in np.unique(steps.n_high.to_numpy()[nonempty.to_numpy()])]  # not a Python int a step
-    what, mistake = _CONFUSED_COUNTS[confused]
-    detail = f"every record had the same valid-token count ({_list(counts)})" if bool(
-        diagnoses.balanced[nonempty.to_numpy()].all()) else what
-    yield _finding(context, Code.BALANCED_COUNTS, steps.step[nonempty].to_numpy(),
-                   f"In every step {detail}, so {mistake} and the global token mean give the same weights here: "
-                   "this run cannot show which one the code uses.",
-                   "audit a run with uneven counts (padding, ignored labels, different sequence lengths per rank)",
-                   {"counts": counts, "indistinguishable_from": confused.value})
+
+    def __init__(self, context: RunContext, keep_steps: bool, confused: Denominator | None) -> None:
+        self.context, self.confused = context, confused
+        self.nonempty = _Steps(keep_steps)
+        self.counts: set[int] = set()
+        self.balanced = True
+
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses) -> None:
+        if self.confused is None:
+            return
+        nonempty = _column(block, "tokens") > 0
+        self.nonempty.add(_column(block, "step")[nonempty])
+        self.counts.update(int(n) for n in np.unique(_column(block, "n_high")[nonempty]))
+        self.balanced = self.balanced and bool(diagnoses.balanced[nonempty].all())
+
+    def findings(self) -> Iterator[Finding]:
+        if self.confused is None:
+            return
+        counts = sorted(self.counts)
+        what, mistake = _CONFUSED_COUNTS[self.confused]
+        detail = f"every record had the same valid-token count ({_list(counts)})" if self.balanced else what
+        yield _finding(self.context, Code.BALANCED_COUNTS, self.nonempty,
+                       f"In every step {detail}, so {mistake} and the global token mean give the same weights here: "
+                       "this run cannot show which one the code uses.",
+                       "audit a run with uneven counts (padding, ignored labels, different sequence lengths per rank)",
+                       {"counts": counts, "indistinguishable_from": self.confused.value})
 
 
 def loss_terms(steps: pd.DataFrame) -> list[str]:
@@ -739,12 +1160,6 @@ def loss_terms(steps: pd.DataFrame) -> list[str]:
     return sorted({str(term) for term in steps.term.unique()}, key=lambda t: (t != UNNAMED, t))
 
 
-def _first(steps: pd.DataFrame, mask: pd.Series | npt.NDArray[np.bool_]) -> Any:
-    """The first row where mask holds, without copying every row it holds."""
-    return steps.iloc[int(np.argmax(np.asarray(mask)))]
-
-
 def _list(values: Any) -> str:
     items = [str(int(v)) for v in values]
     return ", ".join(items[:8]) + (f", … ({len(items)} in all)" if len(items) > 8 else "")
-

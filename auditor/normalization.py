@@ -756,19 +756,36 @@ def segments(steps: pd.DataFrame, diagnoses: Diagnoses) -> tuple[list[Span], int
         return {"grp": grp.values(rows), "term": term.values(rows), "step": step[rows],
                 "denominator": diagnoses.denominator[rows], "factor": diagnoses.factor[rows]}
 
-    spans = _Spans()
+    spans = Spans()
     for start in range(0, len(step), SPAN_BLOCK):
         if not spans.add(kept(start + np.flatnonzero(keep[start:start + SPAN_BLOCK]))):
             # Out of order: every kept row at once, sorted by group, term, then step (lexsort is stable).
             rows = kept(np.flatnonzero(keep))
             order = np.lexsort((rows["step"], rows["term"], rows["grp"]))
-            spans = _Spans()
+            spans = Spans()
             spans.add({name: values[order] for name, values in rows.items()})
             break
     return spans.listed(grp_names, term_names)
 
 
-class _Spans:
+def span_rows(steps: pd.DataFrame, diagnoses: Diagnoses, group_rank: dict[str, int], term_rank: int
+              ) -> dict[str, npt.NDArray[Any]]:
+    """What `Spans.add` reads of these steps of one term (every one but the empty ones): the rank of its
+    group's name among the run's (`group_rank`), the term's rank, the step, the denominator and α."""
+    rows = np.flatnonzero(~diagnoses.kind_is(StepKind.EMPTY))
+    column = steps.grp
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        codes, names = column.cat.codes.to_numpy(), [str(name) for name in column.cat.categories]
+    else:
+        codes, uniques = pd.factorize(column)
+        names = [str(name) for name in uniques]
+    ranks = np.array([group_rank.get(name, -1) for name in names] or [0], dtype=np.int32)  # -1: not this run's
+    return {"grp": ranks[codes[rows]], "term": np.full(len(rows), term_rank, dtype=np.int32),
+            "step": steps.step.to_numpy()[rows], "denominator": diagnoses.denominator[rows],
+            "factor": diagnoses.factor[rows]}
+
+
+class Spans:
     """`segments` a block of kept rows at a time, each row (group, term, step, denominator, α) as arrays:
     the last row added and the span still open, and the longest closed spans of each (group, term),
     at most MAX_SPANS. A span is numbered by its first row among the rows added (the earliest wins ties)."""

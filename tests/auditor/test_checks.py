@@ -252,8 +252,15 @@ def test_world_size_changes_are_found_group_by_group_as_a_group_by_finds_them(as
     """world_size_changed per group, in the group-by's order, with the steps where W differs from the
     group's first and the sizes in order of appearance; W and M compared as arrays or as one value each
     (`engine._constant`'s stride-0 columns). The reference is pandas' group-by, written here."""
-    from tokaudit.checks import RunContext, _structure_findings
+    from tokaudit.checks import RunContext, _Structure
     from tokaudit.schema import UNNAMED
+
+    def _structure_findings(frame: pd.DataFrame, context: RunContext, block: int = 7) -> list[Any]:
+        """The check fed a few steps at a time, in the frame's order."""
+        check = _Structure(context, keep_steps=True)
+        for start in range(0, len(frame), block):
+            check.add(frame.iloc[start:start + block])
+        return list(check.findings())
 
     rng = np.random.default_rng(5)
     count = 60
@@ -266,7 +273,8 @@ def test_world_size_changes_are_found_group_by_group_as_a_group_by_finds_them(as
                           "m_high": np.broadcast_to(np.ones(1, np.int32), (count,))})
     context = RunContext(run="r", term=UNNAMED, world_size=4, world_sizes=(2, 4, 8), microbatches=1, divisor=4.0,
                          rtol=1e-4)
-    found = [f for f in _structure_findings(frame, context)]
+    found = _structure_findings(frame, context)
+    assert [str(f) for f in found] == [str(f) for f in _structure_findings(frame, context, block=len(frame))]
     expected = []
     for group, per_group in frame.groupby("grp", sort=True, observed=True):
         sizes = list(dict.fromkeys(int(w) for w in per_group.w_high))
@@ -300,23 +308,34 @@ def test_a_finding_s_evidence_step_and_its_steps_do_not_depend_on_the_blocks(
     every member, and the same report whatever the block, on random ratios with ties and on a log with
     several weighting findings."""
     import tokaudit.checks as checks_module
-    from tokaudit.normalization import Diagnoses
+    from tokaudit.checks import RunContext, _FactorTable, _Weighting
+    from tokaudit.normalization import DENOMINATORS, KINDS, Denominator, Diagnoses, StepKind
 
     rng = np.random.default_rng(block)
     count = 200
     low = rng.choice([1.0, 2.0, 0.0], count)
     high = low * rng.choice([1.0, 3.0, 1.00001], count)
-    frame = pd.DataFrame({"tok_low": low, "tok_high": high})
     distortion = rng.choice([1.0, 0.5, 2.0, np.nan], count)
-    diagnoses = Diagnoses(np.zeros(count, np.int8), np.zeros(count, np.int8), distortion.copy(), distortion,
-                          np.zeros(count, bool), np.full(count, np.nan))
-    monkeypatch.setattr(checks_module, "BLOCK_STEPS", block)
-    for members in (np.arange(count), np.sort(rng.choice(count, 37, replace=False)).astype(np.int32)):
-        ratio = checks_module._ratios(frame, members)
+    context = RunContext(run="r", term="0", world_size=2, world_sizes=(2,), microbatches=1, divisor=2.0, rtol=1e-4)
+    for members in (np.arange(count), np.sort(rng.choice(count, 37, replace=False))):
+        frame = pd.DataFrame({"step": members, "tok_low": low[members], "tok_high": high[members],
+                              "w_high": np.full(len(members), 2)})
+        kind = np.full(len(members), KINDS.index(StepKind.NONUNIFORM), np.int8)
+        denominator = np.full(len(members), DENOMINATORS.index(Denominator.UNEXPLAINED), np.int8)
+        diagnoses = Diagnoses(kind, denominator, np.full(len(members), np.nan), distortion[members],
+                              np.zeros(len(members), bool), np.full(len(members), np.nan))
+        weighting = _Weighting(_FactorTable(1e-4, np.zeros(0), {}, [], False), context, None, False)
+        for start in range(0, len(members), block):
+            part = slice(start, start + block)
+            weighting.add(frame.iloc[part], Diagnoses(*(getattr(diagnoses, name)[part] for name in (
+                "kind", "denominator", "factor", "distortion", "balanced", "approximate"))))
+        (group,) = weighting.groups.values()
+        ratio = np.where(low[members] > 0, high[members] / np.where(low[members] > 0, low[members], 1), np.inf)
         unequal = np.where(ratio > 1 + 1e-4, ratio, 1.0)
         with np.errstate(divide="ignore", invalid="ignore"):
             far = np.nan_to_num(np.abs(np.log(np.abs(distortion[members]))), nan=0.0)
-        assert checks_module._worst(frame, diagnoses, members, 1e-4) == int(members[np.lexsort((far, unequal))[-1]])
+        assert int(group.row.step) == int(members[np.lexsort((far, unequal))[-1]])
+        assert group.count == len(members) and group.steps.range().count == len(members)
 
     from tokaudit.render.json_report import render_json
 
@@ -326,6 +345,7 @@ def test_a_finding_s_evidence_step_and_its_steps_do_not_depend_on_the_blocks(
     for index, row in enumerate(rows):
         if row["step"] % 3 == 0:
             row["backward_scalar"] *= 2.0  # another factor: more than one finding per code
+    monkeypatch.setattr(checks_module, "BLOCK_STEPS", block)
     report = audit_rows(tmp_path / f"run{block}", rows)
     monkeypatch.setattr(checks_module, "BLOCK_STEPS", 65_536)
     assert render_json(report) == render_json(audit_rows(tmp_path / f"whole{block}", rows))
