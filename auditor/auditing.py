@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import duckdb
@@ -14,9 +16,9 @@ import numpy.typing as npt
 import pandas as pd
 import pyarrow.parquet as pq
 
-from tokaudit.checks import check_run, distinct, loss_terms, world_sizes
+from tokaudit.checks import RunSteps, _world_sizes, check_run, distinct
 from tokaudit.codes import DEFAULT_RTOL, DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
-from tokaudit.engine import EXTREME_COLUMNS, Engine, extremes_at
+from tokaudit.engine import EXTREME_COLUMNS, Engine, Spilled, extremes_at
 from tokaudit.normalization import Denominator
 from tokaudit.errors import LogFormatError, UsageError
 from tokaudit.reader import Loading, LogSet, Shard, cores, inspect_shard, load
@@ -41,15 +43,26 @@ _CODE_ORDER = {code: index for index, code in enumerate(Code)}
 
 def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL,
               progress: Progress | None = None, only_steps: tuple[int, int] | None = None,
-              threads: int | None = None, started: Loading | None = None, evidence: bool = False
+              threads: int | None = None, started: Loading | None = None
               ) -> tuple[LogSet, Engine | None, pd.DataFrame]:
+    """`open_log_parts` with the step table whole."""
+    logset, engine, steps = open_log_parts(paths, rtol, progress, only_steps, threads, started)
+    assert isinstance(steps, pd.DataFrame)
+    return logset, engine, steps
+
+
+def open_log_parts(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL,
+                   progress: Progress | None = None, only_steps: tuple[int, int] | None = None,
+                   threads: int | None = None, started: Loading | None = None, evidence: bool = False,
+                   spill: Path | None = None) -> tuple[LogSet, Engine | None, pd.DataFrame | Spilled]:
     """Load, validate and aggregate. A shard DuckDB cannot decode, or whose values no audit can use, is
     reported and left out.
 
     Files are validated from their footers; a NaN divisor or scale, which no footer shows, is counted
     by the aggregation, and only the files holding one are then read in full to say where.
     `started`: this load of `paths` already under way (`start_loading(paths, False, ...)`). `evidence`:
-    a log of at most EVIDENCE_ROWS records is aggregated with the evidence columns (`engine.EXTREME_COLUMNS`)."""
+    a log of at most EVIDENCE_ROWS records is aggregated with the evidence columns (`engine.EXTREME_COLUMNS`).
+    `spill`: a folder where a table of more than `engine.SPILL_STEPS` steps is kept a range at a time."""
     # Footers are validated by as many processes as DuckDB has threads: every core unless told
     # (the trackers' audit beside training takes one, and so validates in its own process).
     logset = started.result() if started is not None else load(paths, thorough=False, workers=threads or cores())
@@ -67,8 +80,9 @@ def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTO
             engine = Engine.open(shards, only_steps=only_steps, threads=threads,
                                  extremes=evidence and rows <= EVIDENCE_ROWS)
             try:
-                steps = engine.step_table(rtol, progress if large else None)
-                if len(steps) and steps.unusable_values.sum() > 0:
+                steps = engine.step_parts(rtol, progress if large else None, spill)
+                parts = [steps] if isinstance(steps, pd.DataFrame) else steps.parts()
+                if any(len(part) and part.unusable_values.sum() > 0 for part in parts):
                     unusable = _unusable(engine.unusable_files())
                     if unusable:
                         engine.close()
@@ -140,43 +154,52 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
         ignored = {Code(code) for code in ignore}
     except ValueError as error:
         raise UsageError(f"--ignore: {error}; `tokaudit explain` lists the codes") from None
-    logset, engine, steps = open_logs(paths, rtol, progress, threads=threads, started=started, evidence=True)
+    with tempfile.TemporaryDirectory(prefix="tokaudit-steps-") as spill:
+        return _audit(paths, rtol, runs, progress, live, ignored, min_ratio, keep_steps, threads, started, Path(spill))
+
+
+def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[str], progress: Progress | None,
+           live: bool, ignored: set[Code], min_ratio: float | None, keep_steps: bool, threads: int | None,
+           started: Loading | None, spill: Path) -> AuditReport:
+    logset, engine, steps = open_log_parts(paths, rtol, progress, threads=threads, started=started, evidence=True,
+                                           spill=spill)
     problems = [str(p) for p in logset.problems]
     if engine is None:
         return AuditReport(runs=[], findings=[], problems=problems, files=0)
     try:
+        parts = (lambda: [steps]) if isinstance(steps, pd.DataFrame) else steps.parts
+        names = set(steps.run.unique()) if isinstance(steps, pd.DataFrame) else {r for r, _, _ in steps.names}
+        present = sorted(str(name) for name in names)
         if runs:
-            unknown = sorted(set(runs) - set(steps.run.unique()))
+            unknown = sorted(set(runs) - set(present))
             if unknown:
                 raise UsageError(f"no run named {', '.join(map(repr, unknown))} in the logs "
-                                 f"(runs: {', '.join(sorted(set(steps.run.unique())))})")
-            steps = steps[steps.run.isin(runs)]
-        if live:
-            steps = _complete_steps(steps, engine.complete_through(), progress)
+                                 f"(runs: {', '.join(present)})")
+            present = [run for run in present if run in runs]
+        horizon = engine.complete_through() if live else None
         # The checks need only the step table: DuckDB's memory is given back before they run.
         duplicates = engine.duplicates
         engine.close()
+        if horizon is not None and progress:
+            left_out = sum(int((~_live(part, horizon)).sum()) for part in _selected_runs(parts, present))
+            if left_out:
+                progress(f"--live: left out {left_out} step(s) not yet recorded by every rank")
         extremes = _Extremes(logset.shards, rtol, threads)
         summaries: list[RunSummary] = []
         findings: list[Finding] = []
         dropped = _dropped_steps(logset.shards)
-        # One run (the usual log) is the table itself: no copy of a table that can hold millions of steps.
-        by_run = [(steps.run.iloc[0], steps)] if len(steps) and steps.run.nunique() == 1 else \
-            steps.groupby("run", sort=True, observed=True)
-        for run, frame in by_run:
-            run = str(run)
-            frame = frame.reset_index(drop=True)
+        for run in present:
             lost = dropped.get(run)
-            if lost:
-                # Steps that lost records are not judged on the part of their tokens that was kept.
-                frame = frame[~lost.covers(frame)].reset_index(drop=True)
-                if frame.empty:
+            # Steps that lost records are not judged on the part of their tokens that was kept.
+            source = _run_steps(parts, run, len(names) == 1, horizon, lost)
+            if source is None:
+                if lost and _run_steps(parts, run, len(names) == 1, horizon, None) is not None:
                     findings.append(lost.finding(run))
                     summaries.append(RunSummary(run=run, rows=0, steps=0, ranks=0, world_size=[], groups=0,
                                                 verdict="inconclusive", normalization=None, segments=[],
                                                 max_weight_ratio=1.0, microbatches=0))
-                    continue
-            run_findings, spans, omitted = check_run(run, frame, rtol, duplicates.get(run), extremes)
+                continue
+            run_findings, spans, omitted = check_run(run, source, rtol, duplicates.get(run), extremes)
             if lost:
                 run_findings.append(lost.finding(run))
             run_findings = _policy(run_findings, ignored, min_ratio)
@@ -184,14 +207,61 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
             value = {d: d.value for d in Denominator}
             segments = [Segment(s.first, s.last, s.steps, value[s.denominator], s.factor, s.group, s.term)
                         for s in spans]
-            summaries.append(_summary(run, frame, run_findings, segments, omitted))
+            summaries.append(_summary(run, source, run_findings, segments, omitted))
         findings.sort(key=lambda f: (-f.severity.rank, f.run, f.term != UNNAMED, f.term, _CODE_ORDER[f.code], f.steps.first))
+        kept = None
         if keep_steps:  # the same columns whatever the log's size
-            steps = steps.drop(columns=[c for c in EXTREME_COLUMNS if c in steps.columns])
+            frames = [part if horizon is None else part[_live(part, horizon)]
+                      for part in _selected_runs(parts, present if runs else None)]
+            kept = pd.concat(frames, ignore_index=True) if len(frames) != 1 else frames[0].reset_index(drop=True)
+            kept = kept.drop(columns=[c for c in EXTREME_COLUMNS if c in kept.columns])
         return AuditReport(runs=summaries, findings=findings, problems=problems, files=len(logset.shards),
-                           steps=steps if keep_steps else None)
+                           steps=kept)
     finally:
         engine.close()
+
+
+def _selected_runs(parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str] | None) -> Iterator[pd.DataFrame]:
+    """The parts' rows of these runs (all when None)."""
+    for part in parts():
+        if runs is None or set(map(str, part.run.unique())) <= set(runs):
+            yield part
+        else:
+            yield part[part.run.astype(str).isin(runs).to_numpy()]
+
+
+def _live(part: pd.DataFrame, horizon: dict[tuple[str, str], int]) -> npt.NDArray[np.bool_]:
+    """`--live`: the rows of steps every rank of their run and group has recorded."""
+    limit = [horizon.get((str(run), str(group)), -1) for run, group in zip(part.run, part.grp, strict=True)]
+    keep: npt.NDArray[np.bool_] = part.step.to_numpy() <= np.array(limit, dtype=np.int64)
+    return keep
+
+
+def _run_steps(parts: Callable[[], Iterable[pd.DataFrame]], run: str, only_run: bool,
+               horizon: dict[tuple[str, str], int] | None, lost: _Dropped | None) -> RunSteps | None:
+    """One run's table in parts, its steps not yet complete (`--live`) and those that lost records left out;
+    None when nothing is left. The table itself when it is one part of one run and nothing is left out."""
+    def selected() -> Iterator[pd.DataFrame]:
+        for part in parts():
+            rows = part if only_run else part[(part.run.astype(str) == run).to_numpy()]
+            keep = np.ones(len(rows), dtype=bool)
+            if horizon is not None:
+                keep &= _live(rows, horizon)
+            if lost:
+                keep &= ~lost.covers(rows)
+            if not keep.all():
+                rows = rows[keep]
+            if len(rows):
+                yield rows.reset_index(drop=True) if rows is not part else rows
+
+    groups: set[str] = set()
+    terms: set[str] = set()
+    for rows in selected():
+        groups.update(str(g) for g in rows.grp.unique())
+        terms.update(str(t) for t in rows.term.unique())
+    if not groups:
+        return None
+    return RunSteps(selected, sorted(groups), sorted(terms, key=lambda t: (t != UNNAMED, t)))
 
 
 @dataclass
@@ -282,15 +352,6 @@ def _dropped_steps(shards: Sequence[Shard]) -> dict[str, _Dropped]:
     return out
 
 
-def _complete_steps(steps: pd.DataFrame, horizon: dict[tuple[str, str], int], progress: Progress | None
-                    ) -> pd.DataFrame:
-    limit = [horizon.get((str(run), str(group)), -1) for run, group in zip(steps.run, steps.grp, strict=True)]
-    keep = steps.step <= pd.Series(limit, index=steps.index)
-    if progress and (~keep).any():
-        progress(f"--live: left out {int((~keep).sum())} step(s) not yet recorded by every rank")
-    return steps[keep].reset_index(drop=True)
-
-
 _WEIGHTING = frozenset({Code.LOCAL_MEAN, Code.PER_MICRO_DENOMINATOR, Code.PADDED_DENOMINATOR,
                         Code.UNEXPLAINED_WEIGHTING})
 
@@ -324,52 +385,60 @@ SUMMARY_BLOCK = 1 << 16
 """Steps `_summary` reads at a time: its temporaries stay a few MB whatever the number of steps."""
 
 
-def _summary(run: str, frame: pd.DataFrame, findings: list[Finding], segments: list[Segment],
+def _summary(run: str, source: RunSteps, findings: list[Finding], segments: list[Segment],
              omitted: int = 0) -> RunSummary:
-    # Columns read a block of steps at a time, never a filtered copy of the table (millions of steps)
-    # nor a Python float per step; a column held as one value is read as that value.
-    weighted_all = frame.weighted_records.to_numpy() > 0
-    tokens_all = frame.tokens.to_numpy()
-    low_all, high_all = frame.tok_low.to_numpy(dtype=float), frame.tok_high.to_numpy(dtype=float)
+    # The run's parts read a block of steps at a time, never a filtered copy of the table (millions of
+    # steps) nor a Python float per step. Parts hold disjoint ranges of steps: distinct steps add up.
     judged = False
     ratio_seen, ratio, unbounded = False, -math.inf, False
-    ratios_exist = False
+    ratios_exist = weighted_any = False
     q_low, q_high = _Extreme(), _Extreme()
-    for start in range(0, len(frame), SUMMARY_BLOCK):
-        block = slice(start, start + SUMMARY_BLOCK)
-        weighted = weighted_all[block]
-        tokens = tokens_all[block][weighted]
-        judged = judged or bool((tokens > 0).any())
-        low, high = low_all[block][weighted], high_all[block][weighted]
-        positive = low > 0
-        unbounded = unbounded or bool((low <= 0).any())
-        if positive.any():
-            # the heaviest token over the lightest, NaN skipped (pandas' max)
-            ratios_exist = True
-            ratios = high[positive] / low[positive]
-            ratios = ratios[~np.isnan(ratios)]
-            if len(ratios):
-                ratio_seen, ratio = True, max(ratio, float(ratios.max()))
-        # q = e·N per token: the probe's extremes where recorded, else the records' mean weights
-        for q in (low * tokens, high * tokens):
-            q_low.add(q)
-            q_high.add(-q)
+    rows = steps = skipped_steps = 0
+    ranks, microbatches = -1, -math.inf
+    divisors: set[float] = set()
+    for part in source.parts():
+        rows += int(part.records.sum())
+        steps += _count_distinct(part.step.to_numpy())
+        skipped_steps += _count_distinct(part.step.to_numpy()[part.skipped_true.to_numpy() > 0])
+        ranks = max(ranks, int(part.rank_max.max()))
+        microbatches = max(microbatches, float(part.m_high.max()))
+        both = np.concatenate([distinct(part.d_low).astype(float), distinct(part.d_high).astype(float)])
+        divisors.update(float(d) for d in both[~np.isnan(both)])
+        weighted_all = part.weighted_records.to_numpy() > 0
+        weighted_any = weighted_any or bool(weighted_all.any())
+        tokens_all = part.tokens.to_numpy()
+        low_all, high_all = part.tok_low.to_numpy(dtype=float), part.tok_high.to_numpy(dtype=float)
+        for start in range(0, len(part), SUMMARY_BLOCK):
+            block = slice(start, start + SUMMARY_BLOCK)
+            weighted = weighted_all[block]
+            tokens = tokens_all[block][weighted]
+            judged = judged or bool((tokens > 0).any())
+            low, high = low_all[block][weighted], high_all[block][weighted]
+            positive = low > 0
+            unbounded = unbounded or bool((low <= 0).any())
+            if positive.any():
+                # the heaviest token over the lightest, NaN skipped (pandas' max)
+                ratios_exist = True
+                ratios = high[positive] / low[positive]
+                ratios = ratios[~np.isnan(ratios)]
+                if len(ratios):
+                    ratio_seen, ratio = True, max(ratio, float(ratios.max()))
+            # q = e·N per token: the probe's extremes where recorded, else the records' mean weights
+            for q in (low * tokens, high * tokens):
+                q_low.add(q)
+                q_high.add(-q)
     max_ratio = (ratio if ratio_seen else math.nan) if ratios_exist else 1.0
     if unbounded:
         max_ratio = math.inf
-    weight_range = (q_low.value(), -q_high.value()) if bool(weighted_all.any()) else None
-    terms = loss_terms(frame)
+    weight_range = (q_low.value(), -q_high.value()) if weighted_any else None
+    terms = source.terms
     main = [s for s in segments if s.term == terms[0]]
     normalization = max(main, key=lambda s: s.steps) if main else None
-    sizes = world_sizes(frame)
-    skipped_steps = frame.step.to_numpy()[frame.skipped_true.to_numpy() > 0]
-    both = np.concatenate([distinct(frame.d_low).astype(float), distinct(frame.d_high).astype(float)])
-    divisors = [float(d) for d in np.unique(both[~np.isnan(both)])]
-    return RunSummary(run=run, rows=int(frame.records.sum()), steps=_count_distinct(frame.step.to_numpy()),
-                      ranks=int(frame.rank_max.max()) + 1, world_size=sizes, groups=int(frame.grp.nunique()),
+    sizes = _world_sizes(source.parts())
+    return RunSummary(run=run, rows=rows, steps=steps, ranks=ranks + 1, world_size=sizes, groups=len(source.groups),
                       verdict=verdict_of(findings, judged), normalization=normalization, segments=segments,
-                      max_weight_ratio=max_ratio, microbatches=int(frame.m_high.max()),
-                      terms=terms, skipped_steps=_count_distinct(skipped_steps), divisors=divisors,
+                      max_weight_ratio=max_ratio, microbatches=int(microbatches),
+                      terms=terms, skipped_steps=skipped_steps, divisors=sorted(divisors),
                       weight_range=weight_range, segments_omitted=omitted)
 
 

@@ -11,11 +11,12 @@ import ctypes
 import functools
 import math
 import os
+import pickle
 import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -331,7 +332,17 @@ class Engine:
         then deduplicated. Memory: the table is never held twice (see `_join`), and only LANES ranges'
         aggregations are in DuckDB at once.
         """
+        table = self.step_parts(rtol, progress)
+        assert isinstance(table, pd.DataFrame)
+        return table
+
+    def step_parts(self, rtol: float, progress: Callable[[str], None] | None = None,
+                   spill: Path | None = None) -> pd.DataFrame | Spilled:
+        """`step_table`, or with `spill` (a folder) and more than SPILL_STEPS steps, the table kept there
+        a range at a time (`Spilled`): what is held is then one range, whatever the number of steps."""
         columns: dict[str, list[Any]] = {}
+        spilled: Spilled | None = None
+        held = 0
         chunks = self._chunks()
         # Lanes for ranges of up to chunk_rows records: a segment of many ranks' shards (up to
         # WHOLE_SEGMENT_ROWS times as many) is aggregated alone, with the whole memory limit; two at once
@@ -346,11 +357,23 @@ class Engine:
                 if progress and len(chunks) > 1 and steps:
                     progress(f"aggregating steps {steps[0]}–{steps[1]} ({index + 1}/{len(chunks)})")
                 table = next(tables)
-                for name, values in table.items():
-                    columns.setdefault(name, []).append(values)
+                held += len(table["step"])
+                if spill is not None and spilled is None and held > SPILL_STEPS:
+                    # Past SPILL_STEPS: the ranges held so far go to disk, and every one after.
+                    spilled = Spilled(spill)
+                    for part in range(len(columns.get("step", []))):
+                        spilled.add({name: parts[part] for name, parts in columns.items()})
+                    columns = {}
+                if spilled is not None:
+                    spilled.add(table)
+                else:
+                    for name, values in table.items():
+                        columns.setdefault(name, []).append(values)
                 del table
         finally:
             tables.close()  # the lanes stopped and their duplicates counted before anyone reads them
+        if spilled is not None:
+            return spilled
         joined = _join(columns)
         # Each chunk comes sorted by step and chunks follow each other in step order: with one (run,
         # group, term) the whole table is in order already; only several need sorting.
@@ -847,6 +870,45 @@ def _categorical(names: np.ndarray) -> pd.Categorical:
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))
     return pd.Categorical.from_codes(rank[codes], categories=pd.Index(list(names_found[order])))
+
+
+SPILL_STEPS = 1_000_000
+"""Steps past which the audit keeps the step table on disk a range at a time (`Engine.step_parts`): whole,
+it costs about 127 bytes a step (1.6 GB at 12.5M steps) and the checks would add their own."""
+
+
+class Spilled:
+    """A step table kept on disk, one file per step range in step order (each range's rows in step order
+    within every (run, group, term)): read back one range at a time (`parts`). The names each range holds
+    are noted as it is written. A column held as one value stays one value (`_constant`)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.paths: list[Path] = []
+        self.names: set[tuple[str, str, str]] = set()
+        """Every (run, group, term) of the table."""
+        self.rows = 0
+
+    def add(self, table: dict[str, Any]) -> None:
+        rows = len(table["step"])
+        if not rows:
+            return
+        names = pd.DataFrame({c: np.asarray(table[c]).astype(str) for c in ("run", "grp", "term")}).drop_duplicates()
+        self.names.update((str(r), str(g), str(t)) for r, g, t in names.itertuples(index=False))
+        packed = {name: ("one value", values[:1].copy(), len(values)) if one_value(values) else values
+                  for name, values in table.items()}
+        path = self.folder / f"steps-{len(self.paths):06d}.pickle"
+        with open(path, "wb") as out:
+            pickle.dump(packed, out, protocol=5)
+        self.paths.append(path)
+        self.rows += rows
+
+    def parts(self) -> Iterator[pd.DataFrame]:
+        for path in self.paths:
+            with open(path, "rb") as source:
+                packed = pickle.load(source)
+            yield pd.DataFrame({name: np.broadcast_to(values[1], (values[2],)) if isinstance(values, tuple) else values
+                                for name, values in packed.items()}, copy=False)
 
 
 TRIM_BYTES = 64 << 20
