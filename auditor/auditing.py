@@ -16,7 +16,7 @@ import numpy.typing as npt
 import pandas as pd
 import pyarrow.parquet as pq
 
-from tokaudit.checks import RunSteps, _world_sizes, check_run, distinct
+from tokaudit.checks import RunSteps, check_run, distinct, world_sizes
 from tokaudit.codes import DEFAULT_RTOL, DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
 from tokaudit.engine import EXTREME_COLUMNS, Engine, Spilled, extremes_at
 from tokaudit.normalization import Denominator
@@ -169,6 +169,7 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
     try:
         parts = (lambda: [steps]) if isinstance(steps, pd.DataFrame) else steps.parts
         names = set(steps.run.unique()) if isinstance(steps, pd.DataFrame) else {r for r, _, _ in steps.names}
+        spilled_names = None if isinstance(steps, pd.DataFrame) else steps.names
         present = sorted(str(name) for name in names)
         if runs:
             unknown = sorted(set(runs) - set(present))
@@ -191,7 +192,7 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
         for run in present:
             lost = dropped.get(run)
             # Steps that lost records are not judged on the part of their tokens that was kept.
-            source = _run_steps(parts, run, len(names) == 1, horizon, lost)
+            source = _run_steps(parts, run, len(names) == 1, horizon, lost, spilled_names)
             if source is None:
                 if lost and _run_steps(parts, run, len(names) == 1, horizon, None) is not None:
                     findings.append(lost.finding(run))
@@ -238,9 +239,11 @@ def _live(part: pd.DataFrame, horizon: dict[tuple[str, str], int]) -> npt.NDArra
 
 
 def _run_steps(parts: Callable[[], Iterable[pd.DataFrame]], run: str, only_run: bool,
-               horizon: dict[tuple[str, str], int] | None, lost: _Dropped | None) -> RunSteps | None:
+               horizon: dict[tuple[str, str], int] | None, lost: _Dropped | None,
+               names: set[tuple[str, str, str]] | None = None) -> RunSteps | None:
     """One run's table in parts, its steps not yet complete (`--live`) and those that lost records left out;
-    None when nothing is left. The table itself when it is one part of one run and nothing is left out."""
+    None when nothing is left. The table itself when it is one part of one run and nothing is left out.
+    `names`: every (run, group, term) of the table, which spares a pass when nothing is left out."""
     def selected() -> Iterator[pd.DataFrame]:
         for part in parts():
             rows = part if only_run else part[(part.run.astype(str) == run).to_numpy()]
@@ -256,7 +259,10 @@ def _run_steps(parts: Callable[[], Iterable[pd.DataFrame]], run: str, only_run: 
 
     groups: set[str] = set()
     terms: set[str] = set()
-    for rows in selected():
+    if names is not None and horizon is None and not lost:
+        groups = {g for r, g, _ in names if r == run}
+        terms = {t for r, _, t in names if r == run}
+    for rows in selected() if not groups else ():
         groups.update(str(g) for g in rows.grp.unique())
         terms.update(str(t) for t in rows.term.unique())
     if not groups:
@@ -396,7 +402,9 @@ def _summary(run: str, source: RunSteps, findings: list[Finding], segments: list
     rows = steps = skipped_steps = 0
     ranks, microbatches = -1, -math.inf
     divisors: set[float] = set()
+    sizes: set[int] = set()
     for part in source.parts():
+        sizes.update(world_sizes(part))
         rows += int(part.records.sum())
         steps += _count_distinct(part.step.to_numpy())
         skipped_steps += _count_distinct(part.step.to_numpy()[part.skipped_true.to_numpy() > 0])
@@ -434,8 +442,7 @@ def _summary(run: str, source: RunSteps, findings: list[Finding], segments: list
     terms = source.terms
     main = [s for s in segments if s.term == terms[0]]
     normalization = max(main, key=lambda s: s.steps) if main else None
-    sizes = _world_sizes(source.parts())
-    return RunSummary(run=run, rows=rows, steps=steps, ranks=ranks + 1, world_size=sizes, groups=len(source.groups),
+    return RunSummary(run=run, rows=rows, steps=steps, ranks=ranks + 1, world_size=sorted(sizes), groups=len(source.groups),
                       verdict=verdict_of(findings, judged), normalization=normalization, segments=segments,
                       max_weight_ratio=max_ratio, microbatches=int(microbatches),
                       terms=terms, skipped_steps=skipped_steps, divisors=sorted(divisors),

@@ -35,6 +35,7 @@ from tokaudit.normalization import (
     FactorKind,
     Span,
     StepKind,
+    _Block,
     _candidates,
     cluster,
     explain_factor,
@@ -155,18 +156,36 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
     `extremes`: where the heaviest and lightest token of an evidence step were, when the table does not
     hold them (the audit aggregates them for the few steps a finding names).
 
-    Each term's table is read four times: twice for the run's decisions (`Decisions.of`), once for the
-    uniform factors' clusters (`_FactorTable`), once for every check."""
+    Each term's table is read three times: twice for the run's decisions (`Decisions.of`, the first also
+    for W, D and M), once for every check; once more for the uniform factors' clusters (`_FactorTable`)
+    where some step may be uniformly off, and twice for the reported losses where there are some."""
     source = steps if isinstance(steps, RunSteps) else RunSteps.of(steps)
     findings: list[Finding] = []
     spans: list[Span] = []
     omitted = 0
-    sizes = tuple(_world_sizes(source.blocks()))
     terms = source.terms
+    # W over every term: read with the main term's first pass when it is the only one.
+    sizes: set[int] | None = None if len(terms) == 1 else set(_world_sizes(source.blocks()))
+    reported = len(terms) > 1
     for term in terms:
-        decisions = Decisions.of(lambda: (_candidates(block, rtol) for block in source.blocks(term)), rtol)
-        context = _context(run, term, sizes, rtol, source.blocks(term))
-        factors = _FactorTable.of(((block, decisions.diagnose(block)) for block in source.blocks(term)), context)
+        shape = _Shape()
+
+        def observed(term: str = term) -> Iterator[_Block]:
+            for block in source.blocks(term):
+                shape.add(block)
+                yield _candidates(block, rtol)
+
+        def again(term: str = term) -> Iterator[_Block]:
+            return (_candidates(block, rtol) for block in source.blocks(term))
+
+        decisions = Decisions.of(observed(), again, rtol)
+        if sizes is None:
+            sizes = shape.worlds
+        reported = reported or shape.reported
+        context = shape.context(run, term, tuple(sorted(sizes)), rtol)
+        # q's clusters need every uniform q ≠ 1 first: read once more only where a step may have one.
+        factors = _FactorTable.of(((block, decisions.diagnose(block)) for block in source.blocks(term)), context) \
+            if decisions.may_be_off else _FactorTable(rtol, np.zeros(0), {}, [], False)
         keep_steps = len(source.groups) > 1  # a step number repeats across groups: counted as a set
         weighting = _Weighting(factors, context, extremes, keep_steps)
         checks: list[_Check] = [_Structure(context, keep_steps), _Sync(context, keep_steps)] if term == terms[0] else []
@@ -189,10 +208,43 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
         listed, left_out = term_spans.listed(source.groups, [term])
         spans.extend(listed)
         omitted += left_out
-    findings.extend(_reported_findings(source, run, rtol, terms[0]))
+    if reported:
+        findings.extend(_reported_findings(source, run, rtol, terms[0]))
     if duplicates is not None:
         findings.append(_duplicates(duplicates, run))
     return findings, spans, omitted
+
+
+class _Shape:
+    """What a term's first pass notes besides the decisions: W and D's counts (their most frequent values,
+    the smallest among equally frequent, as pandas' mode), the largest M, every W, and whether any step
+    has a reported loss."""
+
+    def __init__(self) -> None:
+        self.worlds: set[int] = set()
+        self.world_counts: dict[Any, int] = {}
+        self.divisor_counts: dict[Any, int] = {}
+        self.microbatches = -math.inf
+        self.reported = False
+
+    def add(self, block: pd.DataFrame) -> None:
+        self.worlds.update(int(w) for column in (block.w_low, block.w_high) for w in distinct(column))
+        for counts, column in ((self.world_counts, block.w_high), (self.divisor_counts, block.d_high)):
+            values = column.to_numpy()
+            repeat = len(values) if one_value(values) else 1
+            values = values[:1] if repeat > 1 else values
+            found, times = np.unique(values[~pd.isna(values)], return_counts=True)
+            for value, count in zip(found.tolist(), times.tolist()):
+                counts[value] = counts.get(value, 0) + count * repeat
+        self.microbatches = max(self.microbatches, float(block.m_high.max()))
+        self.reported = self.reported or bool((_column(block, "reported") > 0).any())
+
+    def context(self, run: str, term: str, sizes: tuple[int, ...], rtol: float) -> RunContext:
+        def mode(counts: dict[Any, int]) -> Any:
+            return min(counts, key=lambda value: (-counts[value], value)) if counts else math.nan
+
+        return RunContext(run=run, term=term, world_size=int(mode(self.world_counts)), world_sizes=sizes,
+                          microbatches=int(self.microbatches), divisor=float(mode(self.divisor_counts)), rtol=rtol)
 
 
 def _world_sizes(blocks: Iterable[pd.DataFrame]) -> list[int]:
@@ -201,30 +253,6 @@ def _world_sizes(blocks: Iterable[pd.DataFrame]) -> list[int]:
     for block in blocks:
         seen.update(int(w) for column in (block.w_low, block.w_high) for w in distinct(column))
     return sorted(seen)
-
-
-def _context(run: str, term: str, sizes: tuple[int, ...], rtol: float, blocks: Iterable[pd.DataFrame]
-             ) -> RunContext:
-    """The term's context: W and D as their most frequent values (the smallest among equally frequent,
-    as pandas' mode), M as the largest."""
-    worlds: dict[Any, int] = {}
-    divisors: dict[Any, int] = {}
-    microbatches = -math.inf
-    for block in blocks:
-        for counts, column in ((worlds, block.w_high), (divisors, block.d_high)):
-            values = column.to_numpy()
-            values = values[:1] if one_value(values) else values
-            found, times = np.unique(values[~pd.isna(values)], return_counts=True)
-            repeat = len(column) if one_value(column.to_numpy()) else 1
-            for value, count in zip(found.tolist(), times.tolist()):
-                counts[value] = counts.get(value, 0) + count * repeat
-        microbatches = max(microbatches, float(block.m_high.max()))
-
-    def mode(counts: dict[Any, int]) -> Any:
-        return min(counts, key=lambda value: (-counts[value], value)) if counts else math.nan
-
-    return RunContext(run=run, term=term, world_size=int(mode(worlds)), world_sizes=sizes,
-                      microbatches=int(microbatches), divisor=float(mode(divisors)), rtol=rtol)
 
 
 class _Steps:

@@ -872,7 +872,7 @@ def _categorical(names: np.ndarray) -> pd.Categorical:
     return pd.Categorical.from_codes(rank[codes], categories=pd.Index(list(names_found[order])))
 
 
-SPILL_STEPS = 1_000_000
+SPILL_STEPS = 2_000_000
 """Steps past which the audit keeps the step table on disk a range at a time (`Engine.step_parts`): whole,
 it costs about 127 bytes a step (1.6 GB at 12.5M steps) and the checks would add their own."""
 

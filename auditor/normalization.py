@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -264,7 +265,8 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
     def blocks() -> Iterator[pd.DataFrame]:
         return (steps.iloc[start:start + BLOCK_STEPS] for start in range(0, len(steps), BLOCK_STEPS))
 
-    decisions = Decisions.of(lambda: (_candidates(block, rtol) for block in blocks()), rtol)
+    decisions = Decisions.of((_candidates(block, rtol) for block in blocks()),
+                             lambda: (_candidates(block, rtol) for block in blocks()), rtol)
     # Each block's diagnoses written into the whole table's arrays: never the parts and the whole at once.
     count = len(steps)
     whole = Diagnoses(np.empty(count, np.int8), np.empty(count, np.int8), np.empty(count), np.empty(count),
@@ -275,6 +277,9 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
             getattr(whole, name)[start:start + len(block)] = getattr(part, name)
     return whole
 
+
+VALUES_HELD = 1 << 20
+"""α values a candidate keeps in memory (8 MB) before the rest go to a temporary file (`_Values`)."""
 
 _DIAGNOSIS_ARRAYS = ("kind", "denominator", "factor", "distortion", "balanced", "approximate")
 
@@ -328,24 +333,29 @@ class Decisions:
     picked: npt.NDArray[np.int64]
     """Per signature, the hypothesis that took its steps (−1: none; they keep their own most preferred fit)."""
     confused: Denominator | None
+    may_be_off: bool
+    """Some step's weights are uniform with q = e·N not within rtol of 1: a step may be uniform_off."""
 
     @classmethod
-    def of(cls, blocks: Callable[[], Iterable[_Block]], rtol: float) -> Decisions:
-        """Read the blocks' candidates (`_candidates`) twice: the α of every fitting candidate (its
-        clusters and medians) and what `_Confusion` asks, then the count of each signature; the cover runs
-        over those counts."""
+    def of(cls, first: Iterable[_Block], again: Callable[[], Iterable[_Block]], rtol: float) -> Decisions:
+        """Read the blocks' candidates (`_candidates`) twice, in the same order: `first`, for the α of every
+        fitting candidate (its clusters and medians) and what `_Confusion` asks, then `again()`, for the
+        count of each signature; the cover runs over those counts."""
         candidates = len(PREFERENCE)
         alphas = [_Values() for _ in range(candidates)]
         beyond_token_mean = np.zeros(candidates, dtype=bool)
         confusion = _Confusion(rtol)
-        for found in blocks():
+        may_be_off = False
+        for found in first:
             for c in range(candidates):
                 alphas[c].add(found.alphas[found.fits[:, c], c])
             beyond_token_mean |= (found.fits & ~found.fits[:, :1]).any(axis=0)
             confusion.add(found)
+            with np.errstate(invalid="ignore"):
+                may_be_off = may_be_off or bool((found.fits[:, 0] & ~(np.abs(found.distortion - 1.0) <= rtol)).any())
         voters: list[int] = []
         anchors: dict[int, Floats] = {}
-        first: dict[int, int] = {}
+        first_hypothesis: dict[int, int] = {}
         has_nan: dict[int, bool] = {}
         owner: list[int] = []
         values: list[float] = []
@@ -363,7 +373,7 @@ class Decisions:
             if not fitting.count and not fitting.nan:
                 continue
             voters.append(c)
-            first[c] = len(owner)
+            first_hypothesis[c] = len(owner)
             has_nan[c] = fitting.nan > 0
             if has_nan[c]:  # α NaN: one hypothesis of its own, first (as label −1 sorts)
                 owner.append(c)
@@ -373,10 +383,10 @@ class Decisions:
             owner.extend([c] * len(medians))
             values.extend(medians)
             token_mean_whole = token_mean_whole or (c == 0 and len(medians) == 1 and not has_nan[c])
-        decisions = cls(rtol, voters, anchors, first, has_nan, owner, values, {}, [], np.zeros(0, np.int64),
-                        confusion.result())
+        decisions = cls(rtol, voters, anchors, first_hypothesis, has_nan, owner, values, {}, [],
+                        np.zeros(0, np.int64), confusion.result(), may_be_off)
         counts: list[int] = []
-        for found in blocks():
+        for found in again():
             codes = decisions._codes(found)
             if not codes.shape[1]:
                 continue
@@ -531,28 +541,50 @@ class Decisions:
 
 class _Values:
     """Values added a block at a time, NaN counted apart: a candidate's α over the steps it fits, in the
-    order of the steps."""
+    order of the steps. Past VALUES_HELD values they go to a temporary file: the vote then holds one
+    candidate's α at a time (while its clusters are found), not every candidate's at once."""
 
     def __init__(self) -> None:
         self.parts: list[Floats] = []
         self.count = 0
         self.nan = 0
+        self.file: Any = None
 
     def add(self, values: Floats) -> None:
         nan = np.isnan(values)
         self.nan += int(nan.sum())
         finite = values[~nan]
-        if len(finite):
+        if not len(finite):
+            return
+        self.count += len(finite)
+        if self.file is None and self.count > VALUES_HELD:
+            self.file = tempfile.TemporaryFile(prefix="tokaudit-alpha-")
+            for part in self.parts:
+                part.tofile(self.file)
+            self.parts = []
+        if self.file is not None:
+            np.ascontiguousarray(finite, dtype=np.float64).tofile(self.file)
+        else:
             self.parts.append(finite)
-            self.count += len(finite)
+
+    def _all(self) -> Floats:
+        """Every value, in order, let go of here (a copy the caller may sort in place)."""
+        if self.file is not None:
+            self.file.seek(0)
+            values: Floats = np.fromfile(self.file, dtype=np.float64)
+            self.file.close()
+            self.file = None
+            return values
+        values = np.concatenate(self.parts) if len(self.parts) > 1 else self.parts[0].copy()
+        self.parts = []
+        return values
 
     def clusters(self, rtol: float) -> tuple[Floats, list[float]]:
         """Their clusters (`cluster`): each one's smallest value and its median (its middle value, or the
         middle two's mean)."""
-        if not self.parts:
+        if not self.count:
             return np.zeros(0), []
-        values = np.concatenate(self.parts) if len(self.parts) > 1 else self.parts[0].copy()
-        self.parts = []
+        values = self._all()
         low = float(values.min())
         if values.max() <= _reach(low, rtol):
             # Every α within the first cluster's reach (a run that kept one normalization): the one cluster

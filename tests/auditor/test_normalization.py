@@ -379,7 +379,7 @@ def _vote(fits: np.ndarray, alphas: np.ndarray, rtol: float, block: int | None =
     blocks = [_Block(fits[i:i + size], fits[i:i + size, 0], ones[i:i + size], np.full(len(fits[i:i + size]), -1),
                      ones[i:i + size], alphas[i:i + size], ones[i:i + size], ones[i:i + size])
               for i in range(0, len(fits), size)]
-    decisions = Decisions.of(lambda: iter(blocks), rtol)
+    decisions = Decisions.of(blocks, lambda: blocks, rtol)
     votes = [decisions.vote(found) for found in blocks]
     return np.concatenate([v[0] for v in votes]), np.concatenate([v[1] for v in votes])
 
