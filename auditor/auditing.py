@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 import pyarrow.parquet as pq
+from pandas.api.types import union_categoricals
 
 from tokaudit.checks import RunSteps, check_run, distinct, world_sizes
 from tokaudit.codes import DEFAULT_RTOL, DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
@@ -212,14 +213,29 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
         findings.sort(key=lambda f: (-f.severity.rank, f.run, f.term != UNNAMED, f.term, _CODE_ORDER[f.code], f.steps.first))
         kept = None
         if keep_steps:  # the same columns whatever the log's size
-            frames = [part if horizon is None else part[_live(part, horizon)]
-                      for part in _selected_runs(parts, present if runs else None)]
-            kept = pd.concat(frames, ignore_index=True) if len(frames) != 1 else frames[0].reset_index(drop=True)
+            kept = _joined([part if horizon is None else part[_live(part, horizon)]
+                            for part in _selected_runs(parts, present if runs else None)],
+                           ordered=isinstance(steps, pd.DataFrame))
             kept = kept.drop(columns=[c for c in EXTREME_COLUMNS if c in kept.columns])
         return AuditReport(runs=summaries, findings=findings, problems=problems, files=len(logset.shards),
                            steps=kept)
     finally:
         engine.close()
+
+
+def _joined(frames: list[pd.DataFrame], ordered: bool) -> pd.DataFrame:
+    """The parts of a table as one, as `Engine.step_table` joins its ranges: the names as categories, the
+    rows by run, group, term and step. `ordered`: the parts are the engine's whole table (in that order)."""
+    if ordered:
+        return pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0].reset_index(drop=True)
+    table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if table.empty:
+        return table
+    for column in ("run", "grp", "term"):
+        table[column] = union_categoricals([frame[column].astype(str).astype("category") for frame in frames],
+                                           sort_categories=True)
+    order = np.lexsort((table.step.to_numpy(), table.term.cat.codes, table.grp.cat.codes, table.run.cat.codes))
+    return table.iloc[order].reset_index(drop=True)
 
 
 def _selected_runs(parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str] | None) -> Iterator[pd.DataFrame]:

@@ -1,0 +1,113 @@
+"""A step table read in parts (kept on disk a range at a time, read a few steps at a time) gives the report
+of the whole table: every finding, verdict and number, byte for byte in the JSON."""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from tests.logs import UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
+from tokaudit.auditing import audit
+from tokaudit.render.json_report import render_json
+
+SAMPLE_LOGS = Path(__file__).resolve().parents[2] / "sample_logs"
+
+
+def _in_parts(monkeypatch: pytest.MonkeyPatch, chunk_rows: int, block: int) -> None:
+    """Every table kept on disk, in ranges of about `chunk_rows` records, read `block` steps at a time."""
+    import tokaudit.checks as checks
+    import tokaudit.engine as engine
+
+    monkeypatch.setattr(engine, "SPILL_STEPS", 0)
+    monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", str(chunk_rows))
+    monkeypatch.setattr(checks, "BLOCK_STEPS", block)
+
+
+def _mixed_log(folder: Path) -> Path:
+    """Two groups and two terms with different mistakes, a uniform factor that varies, a reported loss
+    rounded to 3 decimals and partly the mean of local means, and steps shared by the groups."""
+    counts = [[[5, 1], [3, 7]], [[2, 6], [6, 2]], [[8, 4], [2, 8]], [[3, 3], [3, 3]], [[0, 4], [9, 1]]] * 4
+    rows = records(counts, local_mean, group="dp0") + records(counts, token_mean, group="dp1")
+    rows += [dict(r, term="aux", backward_scalar=r["backward_scalar"] * (1.5 if r["step"] % 2 else 3.0))
+             for r in records(counts, token_mean, group="dp1")]
+    for row in rows:
+        if row["step"] % 3 == 0 and row.get("term") is None:
+            row["reported_loss"] = round(2.0 + row["step"] / 10, 3)
+    return write_by_rank(folder, rows)
+
+
+def _live_log(folder: Path) -> Path:
+    rows = records(UNEVEN_GA * 3, token_mean)
+    return write_by_rank(folder, [r for r in rows if not (r["rank"] == 1 and r["step"] > 4)])
+
+
+@pytest.mark.parametrize("chunk_rows, block", [(7, 1), (40, 3), (200, 5)])
+def test_a_table_read_in_parts_gives_the_whole_table_s_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               chunk_rows: int, block: int) -> None:
+    """The recorded DDP sample logs (27 runs, several groups and terms, every finding code they hold), a log
+    of two groups and two terms with several mistakes, and a log still being written (`--live`): the same
+    JSON, and the same table kept for the caller, whole or in parts."""
+    mixed, live = _mixed_log(tmp_path / "mixed" / "run"), _live_log(tmp_path / "live" / "run")
+    cases: list[tuple[Path, dict[str, Any]]] = [
+        (SAMPLE_LOGS, {}), (SAMPLE_LOGS, {"runs": ["bug_local_mean", "correct_token_mean_ga", "aux_head_named"], "keep_steps": True}),
+        (mixed.parent, {"keep_steps": True}), (live.parent, {"live": True}), (live.parent, {})]
+    whole = [audit([path], **options) for path, options in cases]
+    _in_parts(monkeypatch, chunk_rows, block)
+    parts = [audit([path], **options) for path, options in cases]
+    for (path, options), expected, found in zip(cases, whole, parts):
+        assert render_json(found) == render_json(expected), (path, options)
+        if options.get("keep_steps"):
+            assert expected.steps is not None and found.steps is not None
+            pd.testing.assert_frame_equal(found.steps, expected.steps, check_categorical=False)
+    assert {f.code.value for f in whole[2].findings} == {"local_mean", "world_size_mismatch", "zero_token_nonfinite",
+                                                         "reported_loss_mismatch"}
+    assert len([f for f in whole[2].findings if f.term == "aux"]) == 2  # two factors of the aux term
+    assert whole[3].findings == [] and "missing_rank" in {f.code.value for f in whole[4].findings}
+
+
+def test_a_long_run_is_audited_from_disk_a_part_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory bound's mechanism: past SPILL_STEPS the step table is kept on disk and read a range at a
+    time, so what the audit allocates at its peak is a fraction of what the whole table costs, with the
+    same report. 30,000 steps of 2 ranks, half of them rank-local means, in ranges of 2,000 steps."""
+    import tokaudit.engine as engine
+
+    rng = np.random.default_rng(3)
+    counts = [[[int(rng.integers(1, 300))], [int(rng.integers(1, 300))]] for _ in range(30_000)]
+    rows = records(counts, token_mean)
+    for row in rows:
+        if row["step"] % 2:
+            row["backward_scalar"] = local_mean(row["loss_sum"], row["valid_tokens"])
+    for rank in (0, 1):
+        mine = [r for r in rows if r["rank"] == rank]
+        for start in range(0, len(mine), 2_000):
+            write(tmp_path / "run" / f"rank-{rank:05d}-{start:06d}.parquet", mine[start:start + 2_000])
+
+    def peak(**options: Any) -> tuple[int, str]:
+        tracemalloc.start()
+        try:
+            report = audit([tmp_path / "run"], threads=1)
+            return tracemalloc.get_traced_memory()[1], render_json(report)
+        finally:
+            tracemalloc.stop()
+
+    whole_peak, whole = peak()
+    monkeypatch.setattr(engine, "SPILL_STEPS", 2_000)
+    monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "4000")
+    read: list[int] = []
+    original = engine.Spilled.parts
+
+    def counted(self: Any) -> Any:
+        for part in original(self):
+            read.append(len(part))
+            yield part
+
+    monkeypatch.setattr(engine.Spilled, "parts", counted)
+    parts_peak, parts = peak()
+    assert parts == whole
+    assert read and max(read) <= 2_000 < sum(read)  # every range read alone, never the table
+    assert parts_peak < 0.5 * whole_peak, (parts_peak, whole_peak)
