@@ -107,8 +107,7 @@ class RunSteps:
         groups, terms = sorted({str(g) for g in frame.grp.unique()}), loss_terms(frame)
         step = frame.step.to_numpy()
         if len(groups) > 1 or len(terms) > 1 or not bool((step[1:] > step[:-1]).all()):
-            rank = {name: index for index, name in enumerate(groups)}
-            order = np.lexsort((step, [terms.index(str(t)) for t in frame.term], [rank[str(g)] for g in frame.grp]))
+            order = np.lexsort((step, _ranks(frame.term, terms), _ranks(frame.grp, groups)))
             if (order != np.arange(len(order))).any():
                 frame = frame.iloc[order].reset_index(drop=True)
         return cls(lambda: [frame], groups, terms)
@@ -127,6 +126,13 @@ class RunSteps:
         for frame in self.frames(term):
             for start in range(0, len(frame), BLOCK_STEPS):
                 yield frame.iloc[start:start + BLOCK_STEPS]
+
+
+def _ranks(column: pd.Series, names: list[str]) -> npt.NDArray[np.int64]:
+    """Per row, the index of its name (as text) in `names`: each distinct value converted once."""
+    codes, uniques = pd.factorize(column)
+    ranks: npt.NDArray[np.int64] = np.array([names.index(str(name)) for name in uniques], dtype=np.int64)[codes]
+    return ranks
 
 
 def _selected(part: pd.DataFrame, group: str | None, term: str | None) -> pd.DataFrame:

@@ -673,18 +673,6 @@ class _Confusion:
         return next((d for d in _LOCAL if self.nontrivial[d] and self.agrees[d]), None)
 
 
-def row_indices(mask: npt.NDArray[np.bool_]) -> npt.NDArray[Any]:
-    """np.flatnonzero(mask) as int32 below 2³¹ rows (int64 beyond), found a block at a time (no int64 index
-    of every row first)."""
-    out: npt.NDArray[Any] = np.empty(int(np.count_nonzero(mask)), dtype=np.int32 if len(mask) < 2**31 else np.int64)
-    filled = 0
-    for start in range(0, len(mask), BLOCK_STEPS):
-        part = np.flatnonzero(mask[start:start + BLOCK_STEPS])
-        out[filled:filled + len(part)] = part + start
-        filled += len(part)
-    return out
-
-
 def _nearest(spreads: Floats, alphas: Floats, usable: npt.NDArray[np.bool_]
              ) -> tuple[npt.NDArray[np.int64], Floats]:
     """Per step, the candidate that leaves α least spread when none fits exactly, if it stands out:
