@@ -37,12 +37,14 @@ from tokaudit.normalization import (
     StepKind,
     _Block,
     _candidates,
+    _reach,
     cluster,
     explain_factor,
     Spans,
     span_rows,
 )
 from tokaudit.report import Finding, StepRange
+from tokaudit.sorting import SortedColumn, at_positions, middle, middle_positions
 from tokaudit.schema import UNNAMED
 
 DENOMINATOR_WORDS = {
@@ -391,30 +393,23 @@ class _FactorTable:
 
     @classmethod
     def of(cls, diagnosed: Iterable[tuple[pd.DataFrame, Diagnoses]], context: RunContext) -> _FactorTable:
-        """From every step's q where the weights are uniform and off, read in the table's order."""
-        qs: list[npt.NDArray[np.float64]] = []
-        worlds: list[npt.NDArray[np.int64]] = []
-        for block, diagnoses in diagnosed:
-            off = diagnoses.kind_is(StepKind.UNIFORM_OFF) & ~np.isnan(diagnoses.distortion)
-            if off.any():
-                qs.append(diagnoses.distortion[off])
-                worlds.append(_column(block, "w_high")[off].astype(np.int64))
-        if not qs:
-            return cls(context.rtol, np.zeros(0), {}, [], False)
-        q, world = np.concatenate(qs), np.concatenate(worlds)
-        del qs, worlds
-        labels = cluster(q, context.rtol)
-        pairs, inverse = np.unique(np.stack([labels, world], axis=1), axis=0, return_inverse=True)
-        inverse = inverse.reshape(-1)
-        table = []
-        for index, (label, w) in enumerate(pairs):
-            center = float(np.median(q[inverse == index]))
-            table.append(explain_factor(center, int(w), context.world_sizes, context.rtol))
-        plausible = np.array([e.kind != FactorKind.OTHER for e in table])[inverse].sum()
-        order = np.argsort(q, kind="stable")
-        anchors = q[order][np.flatnonzero(np.r_[True, np.diff(labels[order]) != 0])]
-        numbered = {(int(label), int(w)): index for index, (label, w) in enumerate(pairs)}
-        if len(table) > VARYING_CLUSTERS and plausible < PLAUSIBLE_SHARE * len(q):
+        """From every step's q where the weights are uniform and off, read in the table's order, each with
+        its W (held in memory up to `sorting.RUN_VALUES`, past that on disk in sorted runs)."""
+        column = SortedColumn()
+        try:
+            for block, diagnoses in diagnosed:
+                off = diagnoses.kind_is(StepKind.UNIFORM_OFF) & ~np.isnan(diagnoses.distortion)
+                if off.any():
+                    column.add(diagnoses.distortion[off], _column(block, "w_high")[off].astype(np.int64))
+            if not column.count:
+                return cls(context.rtol, np.zeros(0), {}, [], False)
+            anchors, pairs, counts, centers = _pairs(column, context.rtol)
+        finally:
+            column.close()
+        table = [explain_factor(center, w, context.world_sizes, context.rtol) for (_, w), center in zip(pairs, centers)]
+        plausible = sum(count for count, e in zip(counts, table) if e.kind != FactorKind.OTHER)
+        numbered = {pair: index for index, pair in enumerate(pairs)}
+        if len(table) > VARYING_CLUSTERS and plausible < PLAUSIBLE_SHARE * column.count:
             return cls(context.rtol, anchors, numbered, [FactorExplanation(FactorKind.OTHER, "c")], True)
         return cls(context.rtol, anchors, numbered, table, False)
 
@@ -432,6 +427,58 @@ class _FactorTable:
         world = _column(block, "w_high")[off].astype(np.int64)
         ids[off] = [self.pairs[(int(label), int(w))] for label, w in zip(labels, world)]
         return ids
+
+
+def _pairs(column: SortedColumn, rtol: float
+           ) -> tuple[npt.NDArray[np.float64], list[tuple[int, int]], list[int], list[float]]:
+    """The clusters of q (`cluster`) as their smallest q, and per (cluster, W) in that order (as np.unique
+    orders them): its steps and its median q."""
+    if not column.spilled:
+        q, world = column.in_order()
+        labels = cluster(q, rtol)
+        found, inverse, counts = np.unique(np.stack([labels, world], axis=1), axis=0, return_inverse=True,
+                                           return_counts=True)
+        inverse = inverse.reshape(-1)
+        order = np.argsort(q, kind="stable")
+        anchors = q[order][np.flatnonzero(np.r_[True, np.diff(labels[order]) != 0])]
+        centers = [float(np.median(q[inverse == index])) for index in range(len(found))]
+        return anchors, [(int(label), int(w)) for label, w in found], [int(c) for c in counts], centers
+    # On disk: one pass for the clusters and each (cluster, W)'s count, one for the medians, each the
+    # middle of that pair's q in ascending order.
+    starts: list[float] = []
+    reach = -math.inf
+    count: dict[tuple[int, int], int] = {}
+    for values, worlds in column.chunks():
+        index = 0
+        while index < len(values):  # one step per cluster: each starts at the first value past the last reach
+            if not starts or values[index] > reach:
+                starts.append(float(values[index]))
+                reach = _reach(starts[-1], rtol)
+            index = max(index + 1, int(np.searchsorted(values, reach, side="right")))
+        labels = np.searchsorted(np.array(starts), values, side="right") - 1
+        for (label, w), n in zip(*_counted(labels, worlds)):
+            count[(label, w)] = count.get((label, w), 0) + n
+    pairs = sorted(count)
+    wanted = {pair: middle_positions(0, count[pair]) for pair in pairs}
+    seen = dict.fromkeys(pairs, 0)
+    picked: dict[tuple[int, int], list[float]] = {pair: [] for pair in pairs}
+    bounds = np.array(starts)
+    for values, worlds in column.chunks():
+        labels = np.searchsorted(bounds, values, side="right") - 1
+        for (label, w), _ in zip(*_counted(labels, worlds)):
+            pair = (label, w)
+            mine = values[(labels == label) & (worlds == w)]
+            for position in wanted[pair]:
+                if seen[pair] <= position < seen[pair] + len(mine):
+                    picked[pair].append(float(mine[position - seen[pair]]))
+            seen[pair] += len(mine)
+    return bounds, pairs, [count[pair] for pair in pairs], [middle(picked[pair]) for pair in pairs]
+
+
+def _counted(labels: npt.NDArray[Any], worlds: npt.NDArray[Any]) -> tuple[list[tuple[int, int]], list[int]]:
+    """The distinct (label, W) of a chunk and how many of each."""
+    found, counts = np.unique(np.stack([labels, worlds], axis=1), axis=0, return_counts=True)
+    return [(int(label), int(w)) for label, w in found], [int(c) for c in counts]
 
 
 class _Check:
@@ -1074,7 +1121,7 @@ class _Divisor(_Check):
         super().__init__(context, keep_steps)
         self.unknown, self.records, self.rows = self.steps(), 0.0, 0
         self.weighted = False
-        self.q: list[npt.NDArray[np.float64]] = []
+        self.q = SortedColumn()
 
     def add(self, block: pd.DataFrame) -> None:
         unknown = (_column(block, "unknown_divisor") > 0) & (_column(block, "tokens") > 0)
@@ -1087,7 +1134,7 @@ class _Divisor(_Check):
         if weighted.any():
             self.weighted = True
             e_low, e_high = _column(block, "e_low")[weighted], _column(block, "e_high")[weighted]
-            self.q.append((e_low + e_high) / 2 * _column(block, "tokens")[weighted])
+            self.q.add((e_low + e_high) / 2 * _column(block, "tokens")[weighted])
 
     def findings(self) -> Iterator[Finding]:
         if not self.unknown:
@@ -1097,7 +1144,8 @@ class _Divisor(_Check):
         detail = ""
         if self.weighted:
             # The log assumed D = W; with a summing reduction (D = 1) every weight is W× larger.
-            q = float(pd.Series(np.concatenate(self.q)).median())
+            q = _median(self.q)
+            self.q.close()
             evidence.update({"distortion_if_average": q, "distortion_if_sum": q * context.world_size})
             detail = (f" If the reduction averages (D = W = {context.world_size}), tokens got q = e·N = {q:.4g}; "
                       f"if it sums (D = 1), q = {q * context.world_size:.4g} (correct is 1).")
@@ -1108,6 +1156,15 @@ class _Divisor(_Check):
                        "tell the recorder what the reduction divides by: Recorder(..., grad_divisor=1) for a summing "
                        f"hook, grad_divisor={context.world_size} for an average (or pass the DDP model as model=)",
                        evidence)
+
+
+def _median(column: SortedColumn) -> float:
+    """The median of a column, NaN left out (NaN when none is a number), as pandas takes it."""
+    if not column.count:
+        return math.nan
+    if not column.spilled:
+        return float(pd.Series(column.in_order()[0]).median())
+    return middle(at_positions(column, middle_positions(0, column.count)))
 
 
 class _WeightPresence(_Check):

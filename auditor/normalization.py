@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -23,6 +22,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.engine import one_value
+from tokaudit.sorting import SortedColumn, at_positions, middle, middle_positions
 
 Floats = npt.NDArray[np.float64]
 
@@ -277,9 +277,6 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
             getattr(whole, name)[start:start + len(block)] = getattr(part, name)
     return whole
 
-
-VALUES_HELD = 1 << 20
-"""α values a candidate keeps in memory (8 MB) before the rest go to a temporary file (`_Values`)."""
 
 _DIAGNOSIS_ARRAYS = ("kind", "denominator", "factor", "distortion", "balanced", "approximate")
 
@@ -540,64 +537,68 @@ class Decisions:
 
 
 class _Values:
-    """Values added a block at a time, NaN counted apart: a candidate's α over the steps it fits, in the
-    order of the steps. Past VALUES_HELD values they go to a temporary file: the vote then holds one
-    candidate's α at a time (while its clusters are found), not every candidate's at once."""
+    """A candidate's α over the steps it fits, added a block at a time in the order of the steps, NaN
+    counted apart: held in memory up to `sorting.RUN_VALUES`, past that on disk in sorted runs, so the
+    vote holds a bounded part of any candidate's α (`sorting.SortedColumn`)."""
 
     def __init__(self) -> None:
-        self.parts: list[Floats] = []
-        self.count = 0
-        self.nan = 0
-        self.file: Any = None
+        self.column = SortedColumn()
+
+    @property
+    def count(self) -> int:
+        return self.column.count
+
+    @property
+    def nan(self) -> int:
+        return self.column.nan
 
     def add(self, values: Floats) -> None:
-        nan = np.isnan(values)
-        self.nan += int(nan.sum())
-        finite = values[~nan]
-        if not len(finite):
-            return
-        self.count += len(finite)
-        if self.file is None and self.count > VALUES_HELD:
-            self.file = tempfile.TemporaryFile(prefix="tokaudit-alpha-")
-            for part in self.parts:
-                part.tofile(self.file)
-            self.parts = []
-        if self.file is not None:
-            np.ascontiguousarray(finite, dtype=np.float64).tofile(self.file)
-        else:
-            self.parts.append(finite)
-
-    def _all(self) -> Floats:
-        """Every value, in order, let go of here (a copy the caller may sort in place)."""
-        if self.file is not None:
-            self.file.seek(0)
-            values: Floats = np.fromfile(self.file, dtype=np.float64)
-            self.file.close()
-            self.file = None
-            return values
-        values = np.concatenate(self.parts) if len(self.parts) > 1 else self.parts[0].copy()
-        self.parts = []
-        return values
+        self.column.add(values)
 
     def clusters(self, rtol: float) -> tuple[Floats, list[float]]:
         """Their clusters (`cluster`): each one's smallest value and its median (its middle value, or the
         middle two's mean)."""
-        if not self.count:
-            return np.zeros(0), []
-        values = self._all()
-        low = float(values.min())
-        if values.max() <= _reach(low, rtol):
-            # Every α within the first cluster's reach (a run that kept one normalization): the one cluster
-            # `_sorted_clusters` would make, its median found without sorting (the values are read no more).
-            return np.array([low]), [float(np.median(values, overwrite_input=True))]
+        column, self.column = self.column, SortedColumn()  # let go of them once read
+        try:
+            return _clusters(column, rtol)
+        finally:
+            column.close()
+
+
+def _clusters(column: SortedColumn, rtol: float) -> tuple[Floats, list[float]]:
+    if not column.count:
+        return np.zeros(0), []
+    one = column.high <= _reach(column.low, rtol)  # every value within the first cluster's reach
+    if not column.spilled:
+        values, _ = column.in_order()
+        if one:
+            # The one cluster `_sorted_clusters` would make, its median found without sorting.
+            return np.array([column.low]), [float(np.median(values, overwrite_input=True))]
         _, ordered, bounds = _sorted_clusters(values, rtol)
-        medians = []
-        for start, stop in zip(bounds, bounds[1:]):
-            # A cluster is a slice of the sorted α: its median is its middle value (or the middle two's mean).
-            middle = (start + stop) // 2
-            median = ordered[middle] if (stop - start) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-            medians.append(float(median))
+        medians = [middle([float(ordered[i]) for i in middle_positions(start, stop - start)])
+                   for start, stop in zip(bounds, bounds[1:])]
         return ordered[bounds[:-1]], medians
+    # On disk: the clusters' bounds and sizes from one pass over the values in order, their medians
+    # (a slice of the sorted values each: its middle) from a second.
+    anchors: list[float] = []
+    sizes: list[int] = []
+    reach = -math.inf
+    for values, _ in column.chunks():
+        index = 0
+        while index < len(values):
+            if not anchors or values[index] > reach:
+                anchors.append(float(values[index]))
+                sizes.append(0)
+                reach = _reach(anchors[-1], rtol)
+            stop = max(index + 1, int(np.searchsorted(values, reach, side="right")))
+            sizes[-1] += stop - index
+            index = stop
+    starts = [0]
+    for size in sizes[:-1]:
+        starts.append(starts[-1] + size)
+    positions = [middle_positions(start, size) for start, size in zip(starts, sizes)]
+    found = iter(at_positions(column, [p for pair in positions for p in pair]))
+    return np.array(anchors), [middle([next(found) for _ in pair]) for pair in positions]
 
 
 def _candidates(steps: pd.DataFrame, rtol: float) -> _Block:

@@ -19,10 +19,14 @@ SAMPLE_LOGS = Path(__file__).resolve().parents[2] / "sample_logs"
 
 
 def _in_parts(monkeypatch: pytest.MonkeyPatch, chunk_rows: int, block: int) -> None:
-    """Every table kept on disk, in ranges of about `chunk_rows` records, read `block` steps at a time."""
+    """Every table kept on disk, in ranges of about `chunk_rows` records, read `block` steps at a time, and
+    every column the vote and the checks sort (α, q) kept on disk in sorted runs of `block` + 2 values."""
     import tokaudit.checks as checks
     import tokaudit.engine as engine
+    import tokaudit.sorting as sorting
 
+    monkeypatch.setattr(sorting, "RUN_VALUES", block + 2)
+    monkeypatch.setattr(sorting, "MERGE_VALUES", 2 * block)
     monkeypatch.setattr(engine, "SPILL_STEPS", 0)
     monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", str(chunk_rows))
     monkeypatch.setattr(checks, "BLOCK_STEPS", block)
