@@ -425,7 +425,9 @@ class _FactorTable:
         # every q lies in the cluster whose smallest q is the largest at or below it
         labels = np.searchsorted(self.anchors, diagnoses.distortion[off], side="right") - 1
         world = _column(block, "w_high")[off].astype(np.int64)
-        ids[off] = [self.pairs[(int(label), int(w))] for label, w in zip(labels, world)]
+        found, inverse = np.unique(np.stack([labels, world], axis=1), axis=0, return_inverse=True)
+        numbers = np.array([self.pairs[(int(label), int(w))] for label, w in found], dtype=np.int32)
+        ids[off] = numbers[inverse.reshape(-1)]  # a lookup per distinct (cluster, W), not per step
         return ids
 
 
