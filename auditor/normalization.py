@@ -304,7 +304,7 @@ class _Block:
 class Decisions:
     """What a run decides as a whole and every step then reads: the vote's hypotheses, the ones it picked
     for each signature of hypotheses a step can belong to, and the local normalization the logs cannot tell
-    from the token mean (`_confusable`). Made from two passes over blocks of the step table, then applied
+    from the token mean (`_Confusion`). Made from two passes over blocks of the step table, then applied
     to any block alone: the same diagnoses as the table diagnosed whole.
 
     The vote is a greedy set cover of the steps by hypotheses (candidate, α-cluster), most steps first.
