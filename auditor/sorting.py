@@ -36,6 +36,8 @@ class SortedColumn:
         self.runs: list[tuple[int, int]] = []
         """(first value, values) of each sorted run in the files."""
         self.files: tuple[Any, Any] | None = None
+        self.keyed: bool | None = None
+        """Whether values come with keys (set by the first `add`)."""
         self.count = 0
         self.nan = 0
         self.low = math.inf
@@ -47,8 +49,13 @@ class SortedColumn:
         finite = np.ascontiguousarray(values[~nan], dtype=np.float64)
         if not len(finite):
             return
-        keys = np.zeros(len(values), dtype=np.int64) if keys is None else np.asarray(keys, dtype=np.int64)
-        self.held.append((finite, np.ascontiguousarray(keys[~nan])))
+        # a column without keys holds none: they read back as zeros
+        if self.keyed is None:
+            self.keyed = keys is not None
+        if self.keyed != (keys is not None):
+            raise ValueError("a column's values come with keys every time or never")
+        kept = _NO_KEYS if keys is None else np.ascontiguousarray(np.asarray(keys, dtype=np.int64)[~nan])
+        self.held.append((finite, kept))
         self.held_count += len(finite)
         self.count += len(finite)
         self.low, self.high = min(self.low, float(finite.min())), max(self.high, float(finite.max()))
@@ -65,11 +72,16 @@ class SortedColumn:
         if not self.held:
             return np.zeros(0), np.zeros(0, dtype=np.int64)
         values = np.concatenate([v for v, _ in self.held]) if len(self.held) > 1 else self.held[0][0].copy()
-        keys = np.concatenate([k for _, k in self.held]) if len(self.held) > 1 else self.held[0][1].copy()
-        return values, keys
+        return values, self._keys(len(values))
+
+    def _keys(self, count: int) -> Keys:
+        if not self.keyed:
+            return np.zeros(count, dtype=np.int64)
+        return np.concatenate([k for _, k in self.held]) if len(self.held) > 1 else self.held[0][1].copy()
 
     def _write_run(self) -> None:
-        values, keys = (np.concatenate([v for v, _ in self.held]), np.concatenate([k for _, k in self.held]))
+        values = np.concatenate([v for v, _ in self.held])
+        keys = self._keys(len(values))
         self.held, self.held_count = [], 0
         order = np.argsort(values, kind="stable")
         if self.files is None:
@@ -125,6 +137,10 @@ class SortedColumn:
             for file in self.files:
                 file.close()
         self.files, self.held, self.runs = None, [], []
+
+
+_NO_KEYS: Keys = np.zeros(0, dtype=np.int64)
+"""What a column added without keys holds in their place."""
 
 
 def _read(file: Any, dtype: Any, first: int, count: int) -> Any:
