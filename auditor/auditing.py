@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import duckdb
@@ -55,7 +53,7 @@ def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTO
 def open_log_parts(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL,
                    progress: Progress | None = None, only_steps: tuple[int, int] | None = None,
                    threads: int | None = None, started: Loading | None = None, evidence: bool = False,
-                   spill: Path | None = None) -> tuple[LogSet, Engine | None, pd.DataFrame | Spilled]:
+                   spill: bool = False) -> tuple[LogSet, Engine | None, pd.DataFrame | Spilled]:
     """Load, validate and aggregate. A shard DuckDB cannot decode, or whose values no audit can use, is
     reported and left out.
 
@@ -63,7 +61,8 @@ def open_log_parts(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAUL
     by the aggregation, and only the files holding one are then read in full to say where.
     `started`: this load of `paths` already under way (`start_loading(paths, False, ...)`). `evidence`:
     a log of at most EVIDENCE_ROWS records is aggregated with the evidence columns (`engine.EXTREME_COLUMNS`).
-    `spill`: a folder where a table of more than `engine.SPILL_STEPS` steps is kept a range at a time."""
+    `spill`: a table of more than `engine.SPILL_STEPS` steps is kept on disk a range at a time (`Spilled`,
+    which the caller closes)."""
     # Footers are validated by as many processes as DuckDB has threads: every core unless told
     # (the trackers' audit beside training takes one, and so validates in its own process).
     logset = started.result() if started is not None else load(paths, thorough=False, workers=threads or cores())
@@ -87,6 +86,8 @@ def open_log_parts(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAUL
                     unusable = _unusable(engine.unusable_files())
                     if unusable:
                         engine.close()
+                        if isinstance(steps, Spilled):
+                            steps.close()
                         problems.extend(unusable.values())
                         shards = [s for s in shards if s.path not in unusable]
                         continue
@@ -155,15 +156,14 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
         ignored = {Code(code) for code in ignore}
     except ValueError as error:
         raise UsageError(f"--ignore: {error}; `tokaudit explain` lists the codes") from None
-    with tempfile.TemporaryDirectory(prefix="tokaudit-steps-") as spill:
-        return _audit(paths, rtol, runs, progress, live, ignored, min_ratio, keep_steps, threads, started, Path(spill))
+    return _audit(paths, rtol, runs, progress, live, ignored, min_ratio, keep_steps, threads, started)
 
 
 def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[str], progress: Progress | None,
            live: bool, ignored: set[Code], min_ratio: float | None, keep_steps: bool, threads: int | None,
-           started: Loading | None, spill: Path) -> AuditReport:
+           started: Loading | None) -> AuditReport:
     logset, engine, steps = open_log_parts(paths, rtol, progress, threads=threads, started=started, evidence=True,
-                                           spill=spill)
+                                           spill=True)
     problems = [str(p) for p in logset.problems]
     if engine is None:
         return AuditReport(runs=[], findings=[], problems=problems, files=0)
@@ -221,6 +221,8 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
                            steps=kept)
     finally:
         engine.close()
+        if isinstance(steps, Spilled):
+            steps.close()
 
 
 def _joined(frames: list[pd.DataFrame], ordered: bool) -> pd.DataFrame:

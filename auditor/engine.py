@@ -337,9 +337,10 @@ class Engine:
         return table
 
     def step_parts(self, rtol: float, progress: Callable[[str], None] | None = None,
-                   spill: Path | None = None) -> pd.DataFrame | Spilled:
-        """`step_table`, or with `spill` (a folder) and more than SPILL_STEPS steps, the table kept there
-        a range at a time (`Spilled`): what is held is then one range, whatever the number of steps."""
+                   spill: bool = False) -> pd.DataFrame | Spilled:
+        """`step_table`, or with `spill` and more than SPILL_STEPS steps, the table kept on disk a range at
+        a time (`Spilled`, which the caller closes): what is held is then one range, whatever the number
+        of steps."""
         columns: dict[str, list[Any]] = {}
         spilled: Spilled | None = None
         held = 0
@@ -358,9 +359,9 @@ class Engine:
                     progress(f"aggregating steps {steps[0]}–{steps[1]} ({index + 1}/{len(chunks)})")
                 table = next(tables)
                 held += len(table["step"])
-                if spill is not None and spilled is None and held > SPILL_STEPS:
+                if spill and spilled is None and held > SPILL_STEPS:
                     # Past SPILL_STEPS: the ranges held so far go to disk, and every one after.
-                    spilled = Spilled(spill)
+                    spilled = Spilled()
                     for part in range(len(columns.get("step", []))):
                         spilled.add({name: parts[part] for name, parts in columns.items()})
                     columns = {}
@@ -370,6 +371,10 @@ class Engine:
                     for name, values in table.items():
                         columns.setdefault(name, []).append(values)
                 del table
+        except BaseException:
+            if spilled is not None:
+                spilled.close()
+            raise
         finally:
             tables.close()  # the lanes stopped and their duplicates counted before anyone reads them
         if spilled is not None:
@@ -880,10 +885,11 @@ it costs about 127 bytes a step (1.6 GB at 12.5M steps) and the checks would add
 class Spilled:
     """A step table kept on disk, one file per step range in step order (each range's rows in step order
     within every (run, group, term)): read back one range at a time (`parts`). The names each range holds
-    are noted as it is written. A column held as one value stays one value (`_constant`)."""
+    are noted as it is written. A column held as one value stays one value (`_constant`). The folder is
+    made under TMPDIR with the first range and removed by `close`."""
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
+    def __init__(self) -> None:
+        self.folder: Path | None = None
         self.paths: list[Path] = []
         self.names: set[tuple[str, str, str]] = set()
         """Every (run, group, term) of the table."""
@@ -893,22 +899,42 @@ class Spilled:
         rows = len(table["step"])
         if not rows:
             return
-        names = pd.DataFrame({c: np.asarray(table[c]).astype(str) for c in ("run", "grp", "term")}).drop_duplicates()
-        self.names.update((str(r), str(g), str(t)) for r, g, t in names.itertuples(index=False))
+        self.names.update(_names(table))
         packed = {name: ("one value", values[:1].copy(), len(values)) if one_value(values) else values
                   for name, values in table.items()}
-        path = self.folder / f"steps-{len(self.paths):06d}.pickle"
-        with open(path, "wb") as out:
-            pickle.dump(packed, out, protocol=5)
+        try:
+            if self.folder is None:
+                self.folder = Path(tempfile.mkdtemp(prefix="tokaudit-steps-"))
+            path = self.folder / f"steps-{len(self.paths):06d}.pickle"
+            with open(path, "wb") as out:
+                pickle.dump(packed, out, protocol=5)
+        except OSError as error:
+            raise UsageError(f"cannot keep the step table of this log on disk ({error.strerror or error}: "
+                             f"{error.filename or tempfile.gettempdir()}); it needs about 130 bytes a step: "
+                             "free space there or set TMPDIR to a folder that has it") from None
         self.paths.append(path)
         self.rows += rows
 
+    def close(self) -> None:
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
     def parts(self) -> Iterator[pd.DataFrame]:
+        assert self.folder is not None or not self.paths
         for path in self.paths:
             with open(path, "rb") as source:
                 packed = pickle.load(source)
             yield pd.DataFrame({name: np.broadcast_to(values[1], (values[2],)) if isinstance(values, tuple) else values
                                 for name, values in packed.items()}, copy=False)
+
+
+def _names(table: dict[str, Any]) -> set[tuple[str, str, str]]:
+    """The (run, group, term) a range's table holds: its names' codes, each distinct combination once."""
+    columns = [pd.Categorical(table[c]) for c in ("run", "grp", "term")]
+    codes = np.unique(np.stack([column.codes for column in columns], axis=1), axis=0)
+    return {tuple(str(column.categories[code]) for column, code in zip(columns, row))  # type: ignore[misc]
+            for row in codes}
 
 
 TRIM_BYTES = 64 << 20

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from tokaudit.errors import UsageError
+
 Floats = npt.NDArray[np.float64]
 Keys = npt.NDArray[np.int64]
 
@@ -84,12 +86,16 @@ class SortedColumn:
         keys = self._keys(len(values))
         self.held, self.held_count = [], 0
         order = np.argsort(values, kind="stable")
-        if self.files is None:
-            self.files = (tempfile.TemporaryFile(prefix="tokaudit-sorted-"),
-                          tempfile.TemporaryFile(prefix="tokaudit-sorted-"))
-        first = sum(length for _, length in self.runs)
-        values[order].tofile(self.files[0])
-        keys[order].tofile(self.files[1])
+        try:
+            if self.files is None:
+                self.files = (tempfile.TemporaryFile(prefix="tokaudit-sorted-"),
+                              tempfile.TemporaryFile(prefix="tokaudit-sorted-"))
+            first = sum(length for _, length in self.runs)
+            values[order].tofile(self.files[0])
+            keys[order].tofile(self.files[1])
+        except OSError as error:
+            raise UsageError(f"cannot sort this log's columns on disk ({error.strerror or error}: "
+                             f"{tempfile.gettempdir()}): free space there or set TMPDIR to a folder that has it") from None
         self.runs.append((first, len(values)))
 
     def chunks(self) -> Iterator[tuple[Floats, Keys]]:

@@ -115,3 +115,43 @@ def test_a_long_run_is_audited_from_disk_a_part_at_a_time(tmp_path: Path, monkey
     assert parts == whole
     assert read and max(read) <= 2_000 < sum(read)  # every range read alone, never the table
     assert parts_peak < 0.5 * whole_peak, (parts_peak, whole_peak)
+
+
+def test_the_table_on_disk_is_removed_and_a_tmpdir_it_cannot_use_is_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folder of a table kept on disk is made under TMPDIR and removed when the audit ends; a log small
+    enough to stay in memory needs no TMPDIR at all; and where TMPDIR cannot be written, a log that needs it
+    is one error line saying so (exit 2), not a traceback."""
+    import tempfile
+
+    from click.testing import CliRunner
+
+    import tokaudit.engine as engine
+    from tokaudit.cli import main
+
+    log = _mixed_log(tmp_path / "mixed" / "run")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    expected = render_json(audit([log]))
+    assert not list(scratch.iterdir())  # in memory: nothing written
+    monkeypatch.setattr(engine, "SPILL_STEPS", 0)
+    made: list[Path] = []
+    original = engine.Spilled.add
+
+    def noted(self: Any, table: Any) -> None:
+        original(self, table)
+        made.append(Path(str(self.folder)))
+
+    monkeypatch.setattr(engine.Spilled, "add", noted)
+    assert render_json(audit([log])) == expected
+    assert made and made[0].parent == scratch and not made[0].exists() and not list(scratch.iterdir())
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no such folder"))
+    result = CliRunner().invoke(main, ["check", str(log)])
+    lines = [line for line in result.stderr.splitlines() if line.startswith("tokaudit: error:")]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert "cannot keep the step table of this log on disk" in lines[0] and "TMPDIR" in lines[0]
+    assert "Traceback" not in result.output
+    monkeypatch.setattr(engine, "SPILL_STEPS", 2_000_000)
+    assert CliRunner().invoke(main, ["check", str(log)]).exit_code == 1  # findings: it stays in memory

@@ -74,3 +74,18 @@ def test_clusters_and_medians_from_disk_are_those_of_the_column_in_memory(monkey
     assert _column(values, keys, 11).spilled
     assert results() == whole
     assert whole[-1] == pd.Series(values).median()
+
+
+def test_a_column_that_cannot_go_to_disk_says_so(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    from tokaudit.errors import UsageError
+
+    monkeypatch.setattr(sorting, "RUN_VALUES", 4)
+    monkeypatch.setattr(tempfile, "tempdir", "/nonexistent/tokaudit-tmp")
+    column = SortedColumn()
+    column.add(np.arange(3.0))  # held in memory: no file yet
+    with pytest.raises(UsageError, match="cannot sort this log's columns on disk.*TMPDIR"):
+        column.add(np.arange(3.0))
+    with pytest.raises(ValueError, match="keys every time or never"):
+        column.add(np.arange(2.0), np.arange(2))
