@@ -932,9 +932,16 @@ class Spilled:
 def _names(table: dict[str, Any]) -> set[tuple[str, str, str]]:
     """The (run, group, term) a range's table holds: its names' codes, each distinct combination once."""
     columns = [pd.Categorical(table[c]) for c in ("run", "grp", "term")]
-    codes = np.unique(np.stack([column.codes for column in columns], axis=1), axis=0)
-    return {tuple(str(column.categories[code]) for column, code in zip(columns, row))  # type: ignore[misc]
-            for row in codes}
+    sizes = [len(column.categories) + 1 for column in columns]  # + 1: a missing name's code, −1
+    # the three codes as one number, in mixed radix: a sort of integers, not of rows
+    key = ((columns[0].codes.astype(np.int64) + 1) * sizes[1] + columns[1].codes + 1) * sizes[2] + columns[2].codes + 1
+    found = []
+    for value in np.unique(key).tolist():
+        value, term = divmod(value, sizes[2])
+        run, group = divmod(value, sizes[1])
+        found.append(tuple(str(column.categories[code - 1]) if code else "nan"  # as a missing name reads as text
+                           for column, code in zip(columns, (run, group, term))))
+    return set(found)  # type: ignore[arg-type]
 
 
 TRIM_BYTES = 64 << 20

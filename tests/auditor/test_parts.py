@@ -155,3 +155,18 @@ def test_the_table_on_disk_is_removed_and_a_tmpdir_it_cannot_use_is_one_line(
     assert "Traceback" not in result.output
     monkeypatch.setattr(engine, "SPILL_STEPS", 2_000_000)
     assert CliRunner().invoke(main, ["check", str(log)]).exit_code == 1  # findings: it stays in memory
+
+
+def test_the_names_a_range_holds_are_its_rows_names() -> None:
+    """`Spilled` notes each range's (run, group, term) from its categories' codes: the same set as every
+    row's names read as text, unused categories and a missing name included."""
+    from tokaudit.engine import _names
+
+    rng = np.random.default_rng(9)
+    for _ in range(20):
+        count = int(rng.integers(1, 60))
+        table = {name: pd.Categorical(rng.choice(choices, count), categories=sorted(set(choices) | {"unused"}))
+                 for name, choices in (("run", ["a", "b"]), ("grp", ["0", "dp1", "dp2"]), ("term", ["0", "aux"]))}
+        table["grp"][rng.random(count) < 0.1] = np.nan
+        rows = pd.DataFrame({name: np.asarray(values).astype(str) for name, values in table.items()})
+        assert _names(table) == set(map(tuple, rows.drop_duplicates().itertuples(index=False)))
