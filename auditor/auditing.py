@@ -74,15 +74,14 @@ def open_log_parts(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAUL
     rows = sum(s.rows for s in shards)
     large = rows > PROGRESS_ROWS
     if progress and large:
-        progress(f"reading {len(shards)} file(s), {sum(s.rows for s in shards):,} rows")
+        progress(f"reading {len(shards)} file(s), {rows:,} rows")
     while shards:
         try:
             engine = Engine.open(shards, only_steps=only_steps, threads=threads,
                                  extremes=evidence and rows <= EVIDENCE_ROWS)
             try:
                 steps = engine.step_parts(rtol, progress if large else None, spill)
-                parts = [steps] if isinstance(steps, pd.DataFrame) else steps.parts()
-                if any(len(part) and part.unusable_values.sum() > 0 for part in parts):
+                if (steps.unusable_values.sum() > 0 if isinstance(steps, pd.DataFrame) else steps.unusable > 0):
                     unusable = _unusable(engine.unusable_files())
                     if unusable:
                         engine.close()
@@ -193,9 +192,9 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
         for run in present:
             lost = dropped.get(run)
             # Steps that lost records are not judged on the part of their tokens that was kept.
-            source = _run_steps(parts, run, len(names) == 1, horizon, lost, spilled_names)
+            source = _run_steps(parts, run, horizon, lost, spilled_names)
             if source is None:
-                if lost and _run_steps(parts, run, len(names) == 1, horizon, None) is not None:
+                if lost and _run_steps(parts, run, horizon, None) is not None:
                     findings.append(lost.finding(run))
                     summaries.append(RunSummary(run=run, rows=0, steps=0, ranks=0, world_size=[], groups=0,
                                                 verdict="inconclusive", normalization=None, segments=[],
@@ -241,39 +240,40 @@ def _joined(frames: list[pd.DataFrame], ordered: bool) -> pd.DataFrame:
 
 
 def _selected_runs(parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str] | None) -> Iterator[pd.DataFrame]:
-    """The parts' rows of these runs (all when None)."""
+    """The parts' rows of these runs (all when None): a part of no other run as it is."""
     for part in parts():
         if runs is None or set(map(str, part.run.unique())) <= set(runs):
             yield part
         else:
-            yield part[part.run.astype(str).isin(runs).to_numpy()]
+            yield part[part.run.astype(str).isin(runs).to_numpy()].reset_index(drop=True)
 
 
 def _live(part: pd.DataFrame, horizon: dict[tuple[str, str], int]) -> npt.NDArray[np.bool_]:
-    """`--live`: the rows of steps every rank of their run and group has recorded."""
-    limit = [horizon.get((str(run), str(group)), -1) for run, group in zip(part.run, part.grp, strict=True)]
-    keep: npt.NDArray[np.bool_] = part.step.to_numpy() <= np.array(limit, dtype=np.int64)
+    """`--live`: the rows of steps every rank of their run and group has recorded. Each distinct (run,
+    group) is looked up once: this runs on every part at every pass."""
+    codes, pairs = pd.MultiIndex.from_arrays([part.run, part.grp]).factorize()
+    limit = np.array([horizon.get((str(run), str(group)), -1) for run, group in pairs], dtype=np.int64)
+    keep: npt.NDArray[np.bool_] = part.step.to_numpy() <= limit[codes]
     return keep
 
 
-def _run_steps(parts: Callable[[], Iterable[pd.DataFrame]], run: str, only_run: bool,
+def _run_steps(parts: Callable[[], Iterable[pd.DataFrame]], run: str,
                horizon: dict[tuple[str, str], int] | None, lost: _Dropped | None,
                names: set[tuple[str, str, str]] | None = None) -> RunSteps | None:
     """One run's table in parts, its steps not yet complete (`--live`) and those that lost records left out;
     None when nothing is left. The table itself when it is one part of one run and nothing is left out.
     `names`: every (run, group, term) of the table, which spares a pass when nothing is left out."""
     def selected() -> Iterator[pd.DataFrame]:
-        for part in parts():
-            rows = part if only_run else part[(part.run.astype(str) == run).to_numpy()]
+        for rows in _selected_runs(parts, [run]):
             keep = np.ones(len(rows), dtype=bool)
             if horizon is not None:
                 keep &= _live(rows, horizon)
             if lost:
                 keep &= ~lost.covers(rows)
             if not keep.all():
-                rows = rows[keep]
+                rows = rows[keep].reset_index(drop=True)
             if len(rows):
-                yield rows.reset_index(drop=True) if rows is not part else rows
+                yield rows
 
     groups: set[str] = set()
     terms: set[str] = set()

@@ -893,7 +893,9 @@ class Spilled:
         self.paths: list[Path] = []
         self.names: set[tuple[str, str, str]] = set()
         """Every (run, group, term) of the table."""
-        self.rows = 0
+        self.unusable = 0
+        """Steps with a NaN divisor or scale (`unusable_values`), counted as the ranges are written: the
+        caller need not read them back to know."""
 
     def add(self, table: dict[str, Any]) -> None:
         rows = len(table["step"])
@@ -913,7 +915,7 @@ class Spilled:
                              f"{error.filename or tempfile.gettempdir()}); it needs about 130 bytes a step: "
                              "free space there or set TMPDIR to a folder that has it") from None
         self.paths.append(path)
-        self.rows += rows
+        self.unusable += int(np.count_nonzero(np.nan_to_num(table["unusable_values"]) > 0))
 
     def close(self) -> None:
         if self.folder is not None:

@@ -170,3 +170,17 @@ def test_the_names_a_range_holds_are_its_rows_names() -> None:
         table["grp"][rng.random(count) < 0.1] = np.nan
         rows = pd.DataFrame({name: np.asarray(values).astype(str) for name, values in table.items()})
         assert _names(table) == set(map(tuple, rows.drop_duplicates().itertuples(index=False)))
+
+
+def test_a_file_with_a_nan_divisor_is_named_whether_the_table_is_kept_on_disk_or_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN divisor shows in no footer: the aggregation counts it (`Spilled.unusable` as ranges are
+    written), and the file is named and left out, the rest audited, the same whole or on disk."""
+    rows = records(UNEVEN_GA * 4, token_mean, grad_divisor=2.0)
+    write(tmp_path / "run" / "rank-00000-000000.parquet",
+          [dict(r, grad_divisor=float("nan") if r["step"] == 3 else 2.0) for r in rows if r["rank"] == 0])
+    write(tmp_path / "run" / "rank-00001-000000.parquet", [r for r in rows if r["rank"] == 1])
+    whole = render_json(audit([tmp_path / "run"]))
+    _in_parts(monkeypatch, 7, 2)
+    assert render_json(audit([tmp_path / "run"])) == whole
+    assert "rank-00000-000000.parquet" in whole and "not a positive number" in whole
