@@ -36,10 +36,11 @@ from tokaudit.normalization import (
     Span,
     StepKind,
     _Block,
+    ClusterStarts,
     _candidates,
-    _reach,
     cluster,
     explain_factor,
+    name_ranks,
     Spans,
     span_rows,
 )
@@ -109,7 +110,7 @@ class RunSteps:
         groups, terms = sorted({str(g) for g in frame.grp.unique()}), loss_terms(frame)
         step = frame.step.to_numpy()
         if len(groups) > 1 or len(terms) > 1 or not bool((step[1:] > step[:-1]).all()):
-            order = np.lexsort((step, _ranks(frame.term, terms), _ranks(frame.grp, groups)))
+            order = np.lexsort((step, name_ranks(frame.term, terms), name_ranks(frame.grp, groups)))
             if (order != np.arange(len(order))).any():
                 frame = frame.iloc[order].reset_index(drop=True)
         return cls(lambda: [frame], groups, terms)
@@ -128,13 +129,6 @@ class RunSteps:
         for frame in self.frames(term):
             for start in range(0, len(frame), BLOCK_STEPS):
                 yield frame.iloc[start:start + BLOCK_STEPS]
-
-
-def _ranks(column: pd.Series, names: list[str]) -> npt.NDArray[np.int64]:
-    """Per row, the index of its name (as text) in `names`: each distinct value converted once."""
-    codes, uniques = pd.factorize(column)
-    ranks: npt.NDArray[np.int64] = np.array([names.index(str(name)) for name in uniques], dtype=np.int64)[codes]
-    return ranks
 
 
 def _selected(part: pd.DataFrame, group: str | None, term: str | None) -> pd.DataFrame:
@@ -173,7 +167,7 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
     omitted = 0
     terms = source.terms
     # W over every term: read with the main term's first pass when it is the only one.
-    sizes: set[int] | None = None if len(terms) == 1 else set(_world_sizes(source.blocks()))
+    sizes: set[int] | None = None if len(terms) == 1 else {w for block in source.blocks() for w in world_sizes(block)}
     reported = len(terms) > 1
     for term in terms:
         shape = _Shape()
@@ -201,14 +195,13 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
                    _Divisor(context, keep_steps), _WeightPresence(context, keep_steps)]
         balanced = _Balanced(context, keep_steps, decisions.confused)
         term_spans = Spans()
-        group_rank = {name: rank for rank, name in enumerate(source.groups)}
         for block in source.blocks(term):
             diagnoses = decisions.diagnose(block)
             weighting.add(block, diagnoses)
             for check in checks:
                 check.add(block)
             balanced.add(block, diagnoses)
-            term_spans.add(span_rows(block, diagnoses, group_rank, 0))
+            term_spans.add(span_rows(block, diagnoses, source.groups, 0))
         findings.extend(weighting.findings())
         for check in checks:
             findings.extend(check.findings())
@@ -236,7 +229,7 @@ class _Shape:
         self.reported = False
 
     def add(self, block: pd.DataFrame) -> None:
-        self.worlds.update(int(w) for column in (block.w_low, block.w_high) for w in distinct(column))
+        self.worlds.update(world_sizes(block))
         for counts, column in ((self.world_counts, block.w_high), (self.divisor_counts, block.d_high)):
             values = column.to_numpy()
             repeat = len(values) if one_value(values) else 1
@@ -253,14 +246,6 @@ class _Shape:
 
         return RunContext(run=run, term=term, world_size=int(mode(self.world_counts)), world_sizes=sizes,
                           microbatches=int(self.microbatches), divisor=float(mode(self.divisor_counts)), rtol=rtol)
-
-
-def _world_sizes(blocks: Iterable[pd.DataFrame]) -> list[int]:
-    """Every W the steps saw, sorted."""
-    seen: set[int] = set()
-    for block in blocks:
-        seen.update(int(w) for column in (block.w_low, block.w_high) for w in distinct(column))
-    return sorted(seen)
 
 
 class _Steps:
@@ -447,26 +432,17 @@ def _pairs(column: SortedColumn, rtol: float
         return anchors, [(int(label), int(w)) for label, w in found], [int(c) for c in counts], centers
     # On disk: one pass for the clusters and each (cluster, W)'s count, one for the medians, each the
     # middle of that pair's q in ascending order.
-    starts: list[float] = []
-    reach = -math.inf
+    chain = ClusterStarts(rtol)
     count: dict[tuple[int, int], int] = {}
     for values, worlds in column.chunks():
-        index = 0
-        while index < len(values):  # one step per cluster: each starts at the first value past the last reach
-            if not starts or values[index] > reach:
-                starts.append(float(values[index]))
-                reach = _reach(starts[-1], rtol)
-            index = max(index + 1, int(np.searchsorted(values, reach, side="right")))
-        labels = np.searchsorted(np.array(starts), values, side="right") - 1
-        for (label, w), n in zip(*_counted(labels, worlds)):
+        for (label, w), n in zip(*_counted(chain.add(values), worlds)):
             count[(label, w)] = count.get((label, w), 0) + n
     pairs = sorted(count)
     wanted = {pair: middle_positions(0, count[pair]) for pair in pairs}
     seen = dict.fromkeys(pairs, 0)
     picked: dict[tuple[int, int], list[float]] = {pair: [] for pair in pairs}
-    bounds = np.array(starts)
     for values, worlds in column.chunks():
-        labels = np.searchsorted(bounds, values, side="right") - 1
+        labels = chain.of(values)
         for (label, w), _ in zip(*_counted(labels, worlds)):
             pair = (label, w)
             mine = values[(labels == label) & (worlds == w)]
@@ -474,7 +450,7 @@ def _pairs(column: SortedColumn, rtol: float
                 if seen[pair] <= position < seen[pair] + len(mine):
                     picked[pair].append(float(mine[position - seen[pair]]))
             seen[pair] += len(mine)
-    return bounds, pairs, [count[pair] for pair in pairs], [middle(picked[pair]) for pair in pairs]
+    return np.array(chain.starts), pairs, [count[pair] for pair in pairs], [middle(picked[pair]) for pair in pairs]
 
 
 def _counted(labels: npt.NDArray[Any], worlds: npt.NDArray[Any]) -> tuple[list[tuple[int, int]], list[int]]:
@@ -817,7 +793,7 @@ class _Structure(_Check):
 def world_sizes(steps: pd.DataFrame) -> list[int]:
     """Every W the steps saw, sorted: each column's distinct values (one value: that value), not a sort of
     both columns joined (200 MB at 12.5M steps)."""
-    return _world_sizes([steps])
+    return sorted({int(w) for column in (steps.w_low, steps.w_high) for w in distinct(column)})
 
 
 def distinct(column: pd.Series) -> npt.NDArray[Any]:
@@ -851,7 +827,7 @@ class _Values(_Check):
         self.nonfinite, self.nonfinite_records = self.steps(), 0.0
         self.zero_bad, self.zero_records = self.steps(), 0.0
         self.empty, self.empty_listed, self.disagree_listed = self.steps(), _Listed(), _Listed()
-        self.bad = self.unmarked = self.empty_nonfinite = False
+        self.unmarked = self.empty_nonfinite = False
 
     def add(self, block: pd.DataFrame) -> None:
         step = _column(block, "step")
@@ -866,7 +842,6 @@ class _Values(_Check):
         if empty.any():
             disagree = (skipped_true[empty] > 0) & (skipped_false[empty] > 0)
             self.empty_nonfinite = self.empty_nonfinite or bool((nonfinite_zero[empty] > 0).any())
-            self.bad = self.bad or self.empty_nonfinite or bool(disagree.any())
             self.unmarked = self.unmarked or bool((skipped_true[empty] == 0).any())
             self.empty.add(step[empty])
             self.empty_listed.add(step[empty])
@@ -891,7 +866,7 @@ class _Values(_Check):
                            {"records": int(self.zero_records)})
         if self.empty:
             disagree = self.disagree_listed.count > 0
-            severity = Severity.ERROR if self.bad else Severity.INFO
+            severity = Severity.ERROR if self.empty_nonfinite or disagree else Severity.INFO
             details = []
             if disagree:
                 details.append(f"ranks disagree on skipping it at step(s) {self.disagree_listed.text()}")

@@ -10,6 +10,7 @@ every valid record of it, within rtol.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -157,12 +158,34 @@ def _sorted_clusters(values: Floats, rtol: float) -> tuple[npt.NDArray[np.int64]
     order = np.argsort(values, kind="stable")
     order = order[~np.isnan(values[order])]
     ordered = values[order]
-    bounds = [0]
-    while bounds[-1] < len(ordered):
-        start = bounds[-1]
-        limit = _reach(float(ordered[start]), rtol)
-        bounds.append(max(start + 1, int(np.searchsorted(ordered, limit, side="right"))))
-    return order, ordered, bounds
+    sizes = np.bincount(ClusterStarts(rtol).add(ordered))
+    return order, ordered, [0, *np.cumsum(sizes).tolist()]
+
+
+class ClusterStarts:
+    """The clusters (`cluster`) of values read in ascending order, a chunk at a time: a cluster starts at
+    the first value past the last one's reach, one step per cluster rather than per value. Every value then
+    lies in the cluster whose start is the largest at or below it."""
+
+    def __init__(self, rtol: float) -> None:
+        self.rtol = rtol
+        self.starts: list[float] = []
+        self.reach = -math.inf
+
+    def add(self, ordered: Floats) -> npt.NDArray[np.int64]:
+        """Each value's cluster, for the next values in ascending order (clusters they start included)."""
+        index = 0
+        while index < len(ordered):
+            if not self.starts or ordered[index] > self.reach:
+                self.starts.append(float(ordered[index]))
+                self.reach = _reach(self.starts[-1], self.rtol)
+            index = max(index + 1, int(np.searchsorted(ordered, self.reach, side="right")))
+        return self.of(ordered)
+
+    def of(self, values: Floats) -> npt.NDArray[np.int64]:
+        """Each value's cluster, among the clusters started so far."""
+        labels: npt.NDArray[np.int64] = np.searchsorted(np.array(self.starts), values, side="right") - 1
+        return labels
 
 
 def _column(steps: pd.DataFrame, name: str) -> Floats:
@@ -339,7 +362,8 @@ class Decisions:
         fitting candidate (its clusters and medians) and what `_Confusion` asks, then `again()`, for the
         count of each signature; the cover runs over those counts."""
         candidates = len(PREFERENCE)
-        alphas = [_Values() for _ in range(candidates)]
+        # a candidate's α over the steps it fits, in memory up to `sorting.RUN_VALUES`, past that on disk
+        alphas = [SortedColumn() for _ in range(candidates)]
         beyond_token_mean = np.zeros(candidates, dtype=bool)
         confusion = _Confusion(rtol)
         may_be_off = False
@@ -358,15 +382,15 @@ class Decisions:
         values: list[float] = []
         token_mean_whole = False
         for c in range(candidates):
+            fitting = alphas[c]
             if token_mean_whole and not beyond_token_mean[c]:
                 # Every step this candidate fits is a member of N's one hypothesis (all N fits, one cluster,
                 # no NaN α): none of its hypotheses can win a step. Each is a subset K of those rows, so at
                 # any pick free(K) ≤ free(N's), and N wins every tie (plainest, first in PREFERENCE); once
                 # N's is picked, K has nothing left. Leaving them out changes no pick (nor when the picks
                 # stop), and saves their signatures: in a correct run 1, T and ΣT fit exactly the steps N fits.
+                fitting.close()
                 continue
-            fitting = alphas[c]
-            alphas[c] = _Values()  # let go of what is read no more
             if not fitting.count and not fitting.nan:
                 continue
             voters.append(c)
@@ -375,7 +399,8 @@ class Decisions:
             if has_nan[c]:  # α NaN: one hypothesis of its own, first (as label −1 sorts)
                 owner.append(c)
                 values.append(math.nan)
-            starts, medians = fitting.clusters(rtol)
+            starts, medians = _clusters(fitting, rtol)
+            fitting.close()  # let go of what is read no more
             anchors[c] = starts
             owner.extend([c] * len(medians))
             values.extend(medians)
@@ -406,12 +431,16 @@ class Decisions:
     def _keys(self, codes: npt.NDArray[np.int32]) -> npt.NDArray[Any]:
         """Per step, its signature as one number: the codes in mixed radix (a voter's digit runs to its
         number of hypotheses), or as the codes' bytes when that number could pass 2⁶²."""
-        bases = [1 + sum(1 for o in self.owner if o == c) for c in self.voters]
-        if math.prod(bases) < 2**62:
-            weights = np.cumprod([1, *bases[:-1]], dtype=np.int64)
-            keys: npt.NDArray[Any] = codes.astype(np.int64) @ weights
+        if self._digits is not None:
+            keys: npt.NDArray[Any] = codes.astype(np.int64) @ self._digits
             return keys
         return np.array([row.tobytes() for row in codes], dtype=object)
+
+    @functools.cached_property
+    def _digits(self) -> npt.NDArray[np.int64] | None:
+        """The weight of each voter's code in a signature's number (`_keys`); None past 2⁶²."""
+        bases = [1 + self.owner.count(c) for c in self.voters]
+        return np.cumprod([1, *bases[:-1]], dtype=np.int64) if math.prod(bases) < 2**62 else None
 
     def _codes(self, found: _Block) -> npt.NDArray[np.int32]:
         """Per step, per voter: 0 when the voter does not fit it, else 1 + the number of its hypothesis
@@ -536,36 +565,9 @@ class Decisions:
         return numbers[inverse.reshape(-1)]
 
 
-class _Values:
-    """A candidate's α over the steps it fits, added a block at a time in the order of the steps, NaN
-    counted apart: held in memory up to `sorting.RUN_VALUES`, past that on disk in sorted runs, so the
-    vote holds a bounded part of any candidate's α (`sorting.SortedColumn`)."""
-
-    def __init__(self) -> None:
-        self.column = SortedColumn()
-
-    @property
-    def count(self) -> int:
-        return self.column.count
-
-    @property
-    def nan(self) -> int:
-        return self.column.nan
-
-    def add(self, values: Floats) -> None:
-        self.column.add(values)
-
-    def clusters(self, rtol: float) -> tuple[Floats, list[float]]:
-        """Their clusters (`cluster`): each one's smallest value and its median (its middle value, or the
-        middle two's mean)."""
-        column, self.column = self.column, SortedColumn()  # let go of them once read
-        try:
-            return _clusters(column, rtol)
-        finally:
-            column.close()
-
-
 def _clusters(column: SortedColumn, rtol: float) -> tuple[Floats, list[float]]:
+    """A column's clusters (`cluster`): each one's smallest value and its median (its middle value, or the
+    middle two's mean). In memory as a sort of the column; on disk (`SortedColumn.spilled`) from its runs."""
     if not column.count:
         return np.zeros(0), []
     one = column.high <= _reach(column.low, rtol)  # every value within the first cluster's reach
@@ -578,27 +580,17 @@ def _clusters(column: SortedColumn, rtol: float) -> tuple[Floats, list[float]]:
         medians = [middle([float(ordered[i]) for i in middle_positions(start, stop - start)])
                    for start, stop in zip(bounds, bounds[1:])]
         return ordered[bounds[:-1]], medians
-    # On disk: the clusters' bounds and sizes from one pass over the values in order, their medians
+    # On disk: the clusters' starts and sizes from one pass over the values in order, their medians
     # (a slice of the sorted values each: its middle) from a second.
-    anchors: list[float] = []
-    sizes: list[int] = []
-    reach = -math.inf
+    chain = ClusterStarts(rtol)
+    sizes = np.zeros(0, dtype=np.int64)
     for values, _ in column.chunks():
-        index = 0
-        while index < len(values):
-            if not anchors or values[index] > reach:
-                anchors.append(float(values[index]))
-                sizes.append(0)
-                reach = _reach(anchors[-1], rtol)
-            stop = max(index + 1, int(np.searchsorted(values, reach, side="right")))
-            sizes[-1] += stop - index
-            index = stop
-    starts = [0]
-    for size in sizes[:-1]:
-        starts.append(starts[-1] + size)
-    positions = [middle_positions(start, size) for start, size in zip(starts, sizes)]
+        labels = chain.add(values)
+        sizes = np.pad(sizes, (0, len(chain.starts) - len(sizes))) + np.bincount(labels, minlength=len(chain.starts))
+    offsets = np.r_[0, np.cumsum(sizes)[:-1]].tolist()
+    positions = [middle_positions(start, size) for start, size in zip(offsets, sizes.tolist())]
     found = iter(at_positions(column, [p for pair in positions for p in pair]))
-    return np.array(anchors), [middle([next(found) for _ in pair]) for pair in positions]
+    return np.array(chain.starts), [middle([next(found) for _ in pair]) for pair in positions]
 
 
 def _candidates(steps: pd.DataFrame, rtol: float) -> _Block:
@@ -789,21 +781,29 @@ def segments(steps: pd.DataFrame, diagnoses: Diagnoses) -> tuple[list[Span], int
     return spans.listed(grp_names, term_names)
 
 
-def span_rows(steps: pd.DataFrame, diagnoses: Diagnoses, group_rank: dict[str, int], term_rank: int
+def span_rows(steps: pd.DataFrame, diagnoses: Diagnoses, groups: list[str], term_rank: int
               ) -> dict[str, npt.NDArray[Any]]:
     """What `Spans.add` reads of these steps of one term (every one but the empty ones): the rank of its
-    group's name among the run's (`group_rank`), the term's rank, the step, the denominator and α."""
+    group's name among the run's (`groups`), the term's rank, the step, the denominator and α."""
     rows = np.flatnonzero(~diagnoses.kind_is(StepKind.EMPTY))
-    column = steps.grp
-    if isinstance(column.dtype, pd.CategoricalDtype):
-        codes, names = column.cat.codes.to_numpy(), [str(name) for name in column.cat.categories]
-    else:
-        codes, uniques = pd.factorize(column)
-        names = [str(name) for name in uniques]
-    ranks = np.array([group_rank.get(name, -1) for name in names] or [0], dtype=np.int32)  # -1: not this run's
-    return {"grp": ranks[codes[rows]], "term": np.full(len(rows), term_rank, dtype=np.int32),
+    return {"grp": name_ranks(steps.grp, groups)[rows].astype(np.int32),
+            "term": np.full(len(rows), term_rank, dtype=np.int32),
             "step": steps.step.to_numpy()[rows], "denominator": diagnoses.denominator[rows],
             "factor": diagnoses.factor[rows]}
+
+
+def name_ranks(column: pd.Series, names: list[str]) -> npt.NDArray[np.int64]:
+    """Per row, the index of its name (as text) in `names` (−1: another name, or none): each distinct
+    value converted once, not every row."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        codes, found = column.cat.codes.to_numpy(), column.cat.categories
+    else:
+        codes, found = pd.factorize(column)
+    index = {name: rank for rank, name in enumerate(names)}
+    # the last entry is read by the code −1 of a missing name
+    ranks = np.array([index.get(str(name), -1) for name in found] + [-1], dtype=np.int64)
+    ranked: npt.NDArray[np.int64] = ranks[codes]
+    return ranked
 
 
 class Spans:
