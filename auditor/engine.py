@@ -29,6 +29,7 @@ import pyarrow.dataset as pads
 from pandas.api.types import union_categoricals
 
 from tokaudit.errors import UsageError
+from tokaudit.grid import Grid, grid_of, grid_table
 from tokaudit.reader import NULLABLE_COLUMNS, Shard, footer_type
 from tokaudit.schema import COLUMNS_BY_NAME, UNNAMED
 
@@ -39,6 +40,8 @@ CHUNK_STEPS = 62_500
 LANES = 2
 """Step ranges an engine of two threads or more aggregates at once, each on its own DuckDB database
 (`Engine._in_lanes`)."""
+GRID_BLOCK_ROWS = 1 << 18
+"""Records of a grid reduced at a time (`tokaudit.grid`): its temporaries, about 25 arrays of them, stay small."""
 WHOLE_SEGMENT_ROWS = 5
 """Files that overlap in steps are aggregated together, never read twice, up to this many times the
 chunk's rows (1,024 ranks' recorder shards, 4·10⁶ records, are one such segment)."""
@@ -87,6 +90,9 @@ class Engine:
     footer_rows: bool = True
     """One-row shards whose footer gives their record (`Shard.record`) are read from it, not from the file;
     off only to check that this changes nothing."""
+    grid: bool = True
+    """A range whose records form a dense grid is reduced by numpy (`tokaudit.grid`), not by the query; off
+    only to check that this changes nothing."""
     lanes: int = 1
     """Step ranges aggregated at once (`_in_lanes`): LANES when the engine has the threads for it."""
     threads: int = 1
@@ -346,10 +352,12 @@ class Engine:
         held = 0
         chunks = self._chunks()
         # Lanes for ranges of up to chunk_rows records: a segment of many ranks' shards (up to
-        # WHOLE_SEGMENT_ROWS times as many) is aggregated alone, with the whole memory limit; two at once
-        # with half each were no faster (6.7 s either way, 6 ranges of 4·10⁶ records), and with the whole
-        # limit each they would hold twice the memory.
-        small = all(sum(s.rows for s in shards) <= self.chunk_rows for _, shards in chunks)
+        # WHOLE_SEGMENT_ROWS times as many) is aggregated alone by the query, with the whole memory limit;
+        # two at once with half each were no faster (6.7 s either way, 6 ranges of 4·10⁶ records), and with
+        # the whole limit each they would hold twice the memory. A grid holds GRID_BLOCK_ROWS records at a
+        # time whatever its size, and numpy's reductions run on one core: grids take lanes at any size.
+        small = all(sum(s.rows for s in shards) <= self.chunk_rows or self._grid(steps, shards) is not None
+                    for steps, shards in chunks)
         tables: Generator[dict[str, Any], None, None] = (
             self._in_lanes(rtol, chunks) if self.lanes > 1 and len(chunks) > 1 and small else
             (self._range_table(rtol, steps, shards) for steps, shards in chunks))
@@ -388,8 +396,22 @@ class Engine:
         return pd.DataFrame(joined, copy=False)
 
     def _range_table(self, rtol: float, steps: tuple[int, int] | None, shards: list[Shard]) -> dict[str, Any]:
-        """One range's step table (`_aggregate`), its repeated keys found and left out first if it has any
-        (`duplicates` counts them)."""
+        """One range's step table: reduced as a grid where its records form one (`tokaudit.grid`), else by the
+        query (`_aggregate`), its repeated keys found and left out first if it has any (`duplicates` counts them)."""
+        if (grid := self._grid(steps, shards)) is not None:
+            facts, known = footer_facts(shards) if self.prune else (frozenset(), {})
+            self.connection.execute("SET preserve_insertion_order = true")  # the records in file order
+            try:
+                reduced = grid_table(self.connection, grid, self._link, known, rtol, GRID_BLOCK_ROWS)
+            finally:
+                self.connection.execute("SET preserve_insertion_order = false")
+            if reduced is not None:
+                table = self._finish(reduced, grid.files[0].names, one_record=False)
+                if grid.micro == 1:
+                    # e·n_r = e·n·M = e·n bit for bit: the same arrays as the query's one-record form hands over
+                    for name, same in ONE_RECORD_SHAPE.items():
+                        table[name] = table[same]
+                return table
         self._define(shards, steps, deduplicate=False)
         table = self._aggregate(rtol, shards)
         if np.nansum(table["repeated_micro"]) > 0 or np.nansum(table["wide_micro"]) > 0:
@@ -414,7 +436,7 @@ class Engine:
                               chunk_rows=self.chunk_rows, only_steps=self.only_steps, extremes=self.extremes)
                   for _ in range(self.lanes - 1)]
         for other in others:
-            other.prune, other.footer_rows, other.lanes = self.prune, self.footer_rows, 1
+            other.prune, other.footer_rows, other.grid, other.lanes = self.prune, self.footer_rows, self.grid, 1
         lanes = [self, *others]
         self.connection.execute(f"SET threads = {share}")
         self.connection.execute(f"SET memory_limit = {_sql_string(limit)}")
@@ -463,6 +485,10 @@ class Engine:
             self.connection.execute(f"SET threads = {self.threads}")
             self.connection.execute(f"SET memory_limit = {_sql_string(self.memory_limit)}")
 
+    def _grid(self, steps: tuple[int, int] | None, shards: Sequence[Shard]) -> Grid | None:
+        """The grid this range's files form, by their footers, where the engine reduces grids."""
+        return grid_of(shards, steps) if self.grid and not self.extremes else None
+
     def _aggregate(self, rtol: float, shards: Sequence[Shard]) -> dict[str, Any]:
         """One range's step table as arrays, by column: numpy's, as DuckDB hands them over (a pandas
         frame of each range cost a copy of every column into pandas' blocks, and the names' strings a
@@ -472,6 +498,12 @@ class Engine:
         facts, known = footer_facts(shards) if self.prune else (frozenset(), {})
         table: dict[str, Any] = self.connection.execute(
             step_sql(single_ranks, self.extremes, names is not None, facts), {"rtol": rtol, **known}).fetchnumpy()
+        return self._finish(table, names, one_record=single_ranks is not None)
+
+    def _finish(self, table: dict[str, Any], names: tuple[str, str, str] | None, one_record: bool) -> dict[str, Any]:
+        """A range's fetched columns as the step table holds them: the names as categories (the one name of
+        `names` when the query left them out), NULLs as NaN, constants as one value, and the one-record
+        form's columns where the general form has them (`one_record`)."""
         if names is not None:
             # The one name of each column, as the categories `_categorical` makes of it, first as in the query.
             rows = len(table["step"])
@@ -486,6 +518,11 @@ class Engine:
                 # A column with NULLs (no record of the step said): NaN, which compares and sums as the
                 # checks expect; a count becomes float64 for it.
                 values = np.ma.filled(values.astype(np.float64), np.nan) if values.mask.any() else np.asarray(values.data)
+            if values.dtype == np.float64 and values.flags.writeable:
+                # −0.0 + 0.0 is 0.0: which zero the extreme of tied 0.0 and −0.0 is depends on the order the
+                # records came in (DuckDB keeps the last of equals, in its scan's or its hash table's order;
+                # numpy's grid in its own), and so would the report's; the table holds 0.0 for both.
+                np.add(values, 0.0, out=values)
             # A constant column is held as its one value from here on: the ranges wait for `_join` with
             # about half their columns taking no memory.
             constant = _constant([values])
@@ -494,7 +531,7 @@ class Engine:
             # Without a probe value the token extremes are the records' mean weights: one array, not two.
             if _same_bits(table[name], table[same]):
                 table[name] = table[same]
-        if single_ranks is not None:
+        if one_record:
             # The one-record form's RANK_SHAPE, where the general form has it (before em_low).
             ones = np.broadcast_to(np.ones(1, dtype=np.int32), (len(table["step"]),))
             shape = {"m_low": ones, "m_high": ones, **{name: table[same] for name, same in ONE_RECORD_SHAPE.items()}}
@@ -627,13 +664,12 @@ RANK_AGGREGATES = """
 """Per (run, group, term) and step, over the per-rank rows (`per_rank`)."""
 EXTREME_AGGREGATES = """
         -- the heaviest and the lightest valid record of the step, for the evidence
-        arg_max(rank, e_high * (1 - rank * 1e-12)) AS heavy_rank, arg_max(heavy_micro, e_high * (1 - rank * 1e-12)) AS heavy_micro,
-        arg_max(heavy_n, e_high * (1 - rank * 1e-12)) AS heavy_n,
-        arg_max(rank_tokens, e_high * (1 - rank * 1e-12)) AS heavy_rank_tokens,
-        arg_min(rank, e_low * (1 + rank * 1e-12)) AS light_rank, arg_min(light_micro, e_low * (1 + rank * 1e-12)) AS light_micro,
-        arg_min(light_n, e_low * (1 + rank * 1e-12)) AS light_n,
-        arg_min(rank_tokens, e_low * (1 + rank * 1e-12)) AS light_rank_tokens,
-"""
+        arg_max(rank, {heavy}) AS heavy_rank, arg_max(heavy_micro, {heavy}) AS heavy_micro,
+        arg_max(heavy_n, {heavy}) AS heavy_n, arg_max(rank_tokens, {heavy}) AS heavy_rank_tokens,
+        arg_min(rank, {light}) AS light_rank, arg_min(light_micro, {light}) AS light_micro,
+        arg_min(light_n, {light}) AS light_n, arg_min(rank_tokens, {light}) AS light_rank_tokens,
+""".format(heavy="e_high - abs(e_high) * rank * 1e-12 - rank * 1e-300",
+           light="e_low + abs(e_low) * rank * 1e-12 + rank * 1e-300")
 """Per (run, group, term) and step, over the per-rank rows: where the heaviest and the lightest token
 were. Only a finding's evidence step reads them, so they are aggregated for that step alone
 (`step_sql(..., extremes=True)`): over every step they cost a tenth of the query."""
@@ -707,10 +743,11 @@ ORDER BY step
 """.replace("{repeated}", "coalesce(sum(repeated), 0)")
 RANK_EXTREMES = """
         -- the heaviest and lightest record; ties, rounding noise included, go to the lowest microbatch
-        -- and rank (the order key moves w by 1e-12 of itself per index), so the scan order never decides
-        arg_max(micro, w * (1 - micro * 1e-12)) AS heavy_micro, arg_max(valid_tokens, w * (1 - micro * 1e-12)) AS heavy_n,
-        arg_min(micro, w * (1 + micro * 1e-12)) AS light_micro, arg_min(valid_tokens, w * (1 + micro * 1e-12)) AS light_n,
-"""
+        -- and rank: the order key moves w by 1e-12 of |w| per index, and a weight of 0 (where that moves
+        -- nothing) by 1e-300 per index, so the scan or hash order never decides
+        arg_max(micro, {heavy}) AS heavy_micro, arg_max(valid_tokens, {heavy}) AS heavy_n,
+        arg_min(micro, {light}) AS light_micro, arg_min(valid_tokens, {light}) AS light_n,
+""".format(heavy="w - abs(w) * micro * 1e-12 - micro * 1e-300", light="w + abs(w) * micro * 1e-12 + micro * 1e-300")
 # One record per (rank, step) (every record microbatch 0, keys unique): each per-rank aggregate is its one
 # record's value (count 1, sums and extremes the value itself, arg_max the record's own field), so per_rank
 # is a projection of the records, and the per-rank aggregates run in the same grouping as the per-step ones:

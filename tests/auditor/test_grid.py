@@ -1,0 +1,239 @@
+"""A range whose records form a grid is reduced by numpy (`tokaudit.grid`): the query's step table, or the query."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import tokaudit.engine as engine_module
+import tokaudit.grid as grid_module
+from tests.logs import write
+from tokaudit.engine import Engine, _same_bits
+from tokaudit.reader import load
+from tokaudit.schema import WRITER_SCHEMA
+
+SUMS = ("loss", "objective", "mean_of_local_means")
+"""Sums DuckDB adds with Kahan's compensation (fsum, favg) in an order of its own: numpy's differ in the last bits."""
+OPTIONAL = ("grad_divisor", "divisor_known", "grad_scale", "positions", "token_weight_sum", "token_weight_min",
+            "token_weight_max", "masked_weight_abs_sum", "reported_loss", "sync", "skipped")
+
+
+def _tables(shards: list[Any], monkeypatch: pytest.MonkeyPatch, **options: Any) -> tuple[Any, Any, list[bool]]:
+    """The step table with grids reduced by numpy and by the query, and whether each range was a grid."""
+    reduced: list[bool] = []
+    real = engine_module.grid_table
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        table = real(*args, **kwargs)
+        reduced.append(table is not None)
+        return table
+
+    monkeypatch.setattr(engine_module, "grid_table", spy)
+    tables = []
+    for grid in (True, False):
+        engine = Engine.open(shards, **options)
+        engine.grid = grid
+        tables.append(engine.step_table(1e-4))
+        engine.close()
+    return tables[0], tables[1], reduced
+
+
+def _differences(got: Any, expected: Any) -> list[str]:
+    """Columns that differ in name, order, type or any bit (0.0 is not −0.0) but the compensated sums, which
+    must agree to 1e-12."""
+    assert list(got.columns) == list(expected.columns)
+    differ = []
+    for column in got.columns:
+        one, other = got[column], expected[column]
+        if one.dtype != other.dtype:
+            differ.append(f"{column}: {one.dtype} against {other.dtype}")
+        elif one.dtype.name == "category":
+            if not one.equals(other):
+                differ.append(column)
+        elif column in SUMS:
+            if not np.allclose(one.to_numpy(), other.to_numpy(), rtol=1e-12, atol=0, equal_nan=True):
+                differ.append(column)
+        elif not _same_bits(one.to_numpy(), other.to_numpy()):
+            differ.append(column)
+    return differ
+
+
+def _random_grid(folder: Path, seed: int) -> dict[str, Any]:
+    """A log in the recorder's layout (a rank's records in one to three files, in step and microbatch
+    order) with every optional column absent, NULL everywhere, NULL on some records or on none, drawn
+    at random: zero-token records, zero losses, a probe, loss scales, several W and D, ranks past 64."""
+    draw = random.Random(seed)
+    micro = draw.choice([1, 2, 3, 4])
+    ranks = sorted(draw.sample(range(70), draw.choice([1, 2, 3, 5])))
+    world = max(ranks) + 1 + draw.choice([0, 2])
+    steps = sorted(draw.sample(range(200), draw.randint(1 if micro > 1 else 2, 9)))  # no one-row file
+    kinds = {column: draw.choice(["absent", "null", "some", "all"]) for column in OPTIONAL}
+    vary_world = draw.random() < 0.3
+    columns = ["step", "micro", "rank", "world_size", "loss_sum", "valid_tokens", "backward_scalar",
+               *[c for c in OPTIONAL if kinds[c] != "absent"]]
+    schema = pa.schema([WRITER_SCHEMA.field(c) for c in columns])
+    if draw.random() < 0.3:  # narrower types, which the query casts and numpy reads as they are
+        schema = schema.set(schema.get_field_index("valid_tokens"), pa.field("valid_tokens", pa.int32()))
+        schema = schema.set(schema.get_field_index("loss_sum"), pa.field("loss_sum", pa.float32()))
+
+    def value(column: str, record: dict[str, Any]) -> Any:
+        kind = kinds[column]
+        if kind == "null" or (kind == "some" and draw.random() < 0.4):
+            return None
+        n, loss = record["valid_tokens"], record["loss_sum"]
+        return {
+            "grad_divisor": draw.choice([float(world), 2.0 * world, 0.5]),
+            "divisor_known": draw.random() < 0.7,
+            "grad_scale": draw.choice([1.0, 1 / 65536, 2.0 ** -draw.randint(0, 20)]),
+            "positions": draw.randint(n, n + 40),
+            "token_weight_sum": draw.choice([0.0, n * draw.uniform(0.001, 0.1), -0.0]),
+            "token_weight_min": draw.choice([-0.0, 0.0, draw.uniform(0.0, 0.01)]),
+            "token_weight_max": draw.uniform(0.0, 0.02),
+            "masked_weight_abs_sum": draw.choice([0.0, draw.uniform(0.0, 1e-3), 0.5]),
+            "reported_loss": round(loss / max(n, 1), draw.randint(1, 6)),
+            "sync": draw.random() < 0.6,
+            "skipped": draw.random() < 0.2,
+        }[column]
+
+    for rank in ranks:
+        rows = []
+        for step in steps:
+            for index in range(micro):
+                n = draw.choice([0, draw.randint(1, 60), draw.randint(1, 5000)])
+                loss = draw.choice([0.0, draw.uniform(0.5, 3.0) * n, -0.0]) if draw.random() < 0.1 else \
+                    draw.uniform(0.5, 3.0) * n
+                record = {"step": step, "micro": index, "rank": rank, "loss_sum": loss, "valid_tokens": n,
+                          "world_size": world + (step % 2 if vary_world else 0),
+                          "backward_scalar": draw.choice([loss / max(n, 1), world * loss / 1000.0, 0.0, -loss])}
+                record.update({c: value(c, record) for c in OPTIONAL if kinds[c] != "absent"})
+                if record.get("token_weight_sum") is not None and draw.random() < 0.2:
+                    record["backward_scalar"] = None  # the probe's weights stand for b
+                rows.append(record)
+        cuts = sorted(draw.sample(range(1, len(steps)), min(len(steps) - 1, draw.randint(0, 2)))) if micro > 1 else []
+        for part, (start, stop) in enumerate(zip([0, *cuts], [*cuts, len(steps)])):
+            inside = [r for r in rows if steps[start] <= r["step"] <= steps[stop - 1]]
+            write(folder / f"rank-{rank:05d}-{part:06d}.parquet", inside, schema=schema)
+    return {"micro": micro, "ranks": ranks, "kinds": kinds}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_grid_reduced_by_numpy_is_the_query_s_step_table(tmp_path: Path, seed: int,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random logs in the recorder's layout: numpy's table has the query's columns, in its order, of its
+    types, equal bit for bit but for the three compensated sums, which agree to 1e-12; and numpy did reduce
+    every range (nothing fell back)."""
+    drawn = _random_grid(tmp_path / "run", seed)
+    shards = load([tmp_path / "run"]).shards
+    got, expected, reduced = _tables(shards, monkeypatch)
+    assert reduced and all(reduced), drawn
+    assert not _differences(got, expected), (_differences(got, expected), drawn)
+
+
+def test_ranks_read_a_block_at_a_time_give_the_table_of_one_block(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grid's ranks are read GRID_BLOCK_ROWS records at a time: one rank a block gives what all at once do,
+    also in ranges of a few steps and in two lanes."""
+    _random_grid(tmp_path / "run", 7)
+    shards = load([tmp_path / "run"]).shards
+    one_block, expected, _ = _tables(shards, monkeypatch)
+    monkeypatch.setattr(engine_module, "GRID_BLOCK_ROWS", 1)
+    for options in ({}, {"chunk_rows": 8}, {"chunk_rows": 8, "threads": 2}):
+        got, expected, reduced = _tables(shards, monkeypatch, **options)
+        assert reduced and all(reduced)
+        assert not _differences(got, one_block) and not _differences(got, expected)
+
+
+def _rows(ranks: int = 2, steps: int = 3, micro: int = 2, **change: Any) -> list[dict[str, Any]]:
+    return [{"step": step, "micro": index, "rank": rank, "world_size": ranks, "loss_sum": 2.5 * (1 + step + index),
+             "valid_tokens": 1 + step + index + rank, "backward_scalar": 0.1 * (1 + rank), **change}
+            for rank in range(ranks) for step in range(steps) for index in range(micro)]
+
+
+def _by_rank(folder: Path, rows: list[dict[str, Any]]) -> list[Any]:
+    for rank in sorted({r["rank"] for r in rows}):
+        write(folder / f"rank-{rank:05d}.parquet", [r for r in rows if r["rank"] == rank])
+    return load([folder], thorough=False).shards
+
+
+def _not_a_grid(tmp_path: Path) -> dict[str, list[dict[str, Any]]]:
+    """Logs each of which breaks the grid in one way its footers do not show."""
+    steps_differ = _rows()
+    for row in steps_differ:
+        if row["rank"] == 1 and row["step"] == 2:
+            row["step"] = 5  # the same rows, other steps
+    repeated = _rows()
+    for row in repeated:
+        if row["rank"] == 0 and row["step"] == 1:
+            row["micro"] = 0  # microbatch 0 twice, 1 missing
+    swapped = _rows()
+    first = [i for i, r in enumerate(swapped) if r["rank"] == 1 and r["step"] == 1]
+    swapped[first[0]], swapped[first[1]] = swapped[first[1]], swapped[first[0]]  # 1 before 0
+    nan_loss = _rows()
+    nan_loss[3]["loss_sum"] = float("nan")
+    huge = _rows()
+    huge[2].update(backward_scalar=1e308, loss_sum=1e-300)  # b/S is not finite
+    nan_divisor = _rows(grad_divisor=2.0)
+    nan_divisor[5]["grad_divisor"] = float("nan")
+    return {"steps differ": steps_differ, "repeated": repeated, "swapped": swapped, "nan loss": nan_loss,
+            "huge weight": huge, "nan divisor": nan_divisor}
+
+
+@pytest.mark.parametrize("case", ["steps differ", "repeated", "swapped", "nan loss", "huge weight", "nan divisor"])
+def test_records_that_are_no_grid_of_finite_values_take_the_query(tmp_path: Path, case: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Footers that promise a grid whose records are not one (a rank's steps differ, a microbatch repeated
+    or out of order) or whose values are not finite (the query counts those): numpy gives up, and the
+    table is the query's bit for bit."""
+    shards = _by_rank(tmp_path / "run", _not_a_grid(tmp_path)[case])
+    assert grid_module.grid_of(shards, None) is not None
+    got, expected, reduced = _tables(shards, monkeypatch)
+    assert reduced == [False]  # numpy gave up; without grids it is not asked
+    assert not _differences(got, expected) and not any(
+        not _same_bits(got[c].to_numpy(), expected[c].to_numpy()) for c in SUMS)
+
+
+def test_the_footers_say_when_files_form_no_grid(tmp_path: Path) -> None:
+    """Several names, a file of two ranks, ranks of unequal rows, one-row shards read from their
+    footers, files of two schemas, a rank's files overlapping, and a range that cuts a file are no grid."""
+    plain = _by_rank(tmp_path / "plain", _rows())
+    grid = grid_module.grid_of(plain, None)
+    assert grid is not None and grid.ranks == (0, 1) and grid.micro == 2 and grid.rank_rows == 6
+    assert grid_module.grid_of(plain, (0, 1)) is None  # the range cuts the files
+    assert grid_module.grid_of(plain, (0, 2)) is not None
+    two_names = _by_rank(tmp_path / "names", [dict(r, run_id=f"r{r['rank']}") for r in _rows()])
+    assert grid_module.grid_of(two_names, None) is None
+    write(tmp_path / "mixed" / "all.parquet", _rows())
+    assert grid_module.grid_of(load([tmp_path / "mixed"]).shards, None) is None
+    uneven = _by_rank(tmp_path / "uneven", [r for r in _rows() if not (r["rank"] == 1 and r["step"] == 2)])
+    assert grid_module.grid_of(uneven, None) is None
+    one_row = _by_rank(tmp_path / "one", _rows(steps=1, micro=1))
+    assert all(s.record is not None for s in one_row) and grid_module.grid_of(one_row, None) is None
+    schemas = _by_rank(tmp_path / "schemas", [dict(r, sync=True) if r["rank"] else r for r in _rows()])
+    assert grid_module.grid_of(schemas, None) is None
+    rows = _rows()
+    write(tmp_path / "overlap" / "rank-0-a.parquet", [r for r in rows if r["rank"] == 0 and r["step"] < 2])
+    write(tmp_path / "overlap" / "rank-0-b.parquet", [r for r in rows if r["rank"] == 0 and r["step"] >= 1])
+    write(tmp_path / "overlap" / "rank-1.parquet", [r for r in rows if r["rank"] == 1] * 1)
+    assert grid_module.grid_of(load([tmp_path / "overlap"]).shards, None) is None
+
+
+def test_an_audit_of_a_grid_is_the_query_s_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end, with the evidence aggregated per finding (as for a log of more than EVIDENCE_ROWS
+    records, where grids are reduced by numpy): the JSON report of random grids with numpy is the one
+    without it, byte for byte."""
+    import tokaudit.auditing as auditing
+    from tokaudit.auditing import audit
+    from tokaudit.render.json_report import render_json
+
+    monkeypatch.setattr(auditing, "EVIDENCE_ROWS", 0)
+    for seed in range(8):
+        _random_grid(tmp_path / f"run-{seed}", seed)
+    paths = [tmp_path / f"run-{seed}" for seed in range(8)]
+    with_grids = render_json(audit(paths))
+    monkeypatch.setattr(Engine, "grid", False)
+    assert render_json(audit(paths)) == with_grids
