@@ -270,7 +270,7 @@ def test_the_commands_start_footer_workers_before_they_import_the_auditor(tmp_pa
         patch.setattr(reader, "BATCH_FILES", 4)
         with reader.start_loading([tmp_path / "logs"], thorough=False, workers=3) as loading:
             assert len(loading.workers) == 2 and len(loading.own) < len(loading.files)
-        assert all(worker.poll() is not None for worker in loading.workers)
+        assert all(worker.poll() is not None for worker, _ in loading.workers)
 
 
 @pytest.mark.parametrize("broken", ["no interpreter", "worker fails"])
@@ -302,9 +302,17 @@ def test_footer_workers_are_bounded_by_the_files_and_a_cap(monkeypatch: Any) -> 
     started: list[Any] = []
 
     class Worker:
+        """Answers each file it was sent (as text) with a problem, as a worker whose files are all bad."""
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             started.append(args)
-            self.stdin, self.stdout = io.BytesIO(), io.BytesIO(pickle.dumps([]))
+            self.stdin = io.BytesIO()
+            self.stdin.close = lambda: None  # type: ignore[method-assign]  # read back below
+
+        @property
+        def stdout(self) -> io.BytesIO:
+            paths, _, _ = pickle.loads(self.stdin.getvalue())
+            return io.BytesIO(pickle.dumps([(path, "checked by a worker") for path in paths]))
 
         def wait(self) -> int:
             return 0
@@ -321,7 +329,9 @@ def test_footer_workers_are_bounded_by_the_files_and_a_cap(monkeypatch: Any) -> 
         launched = reader._start_workers(files[:count], False, workers)
         result = reader._finish_workers(*launched, False) if launched is not None else None
         assert len(started) == expected, (workers, count)
-        assert result == ([] if expected else None)
+        # this process's batch (no problem here) first, then each worker's answers, in path order
+        assert result == ([(str(p), "checked by a worker") for p in files[len(launched[1]):count]]
+                          if launched is not None else None)
 
 
 def test_a_shard_names_its_one_run_group_and_term_only_when_its_footer_shows_it(tmp_path: Path) -> None:
