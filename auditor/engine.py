@@ -29,7 +29,7 @@ import pyarrow.dataset as pads
 from pandas.api.types import union_categoricals
 
 from tokaudit.errors import UsageError
-from tokaudit.grid import Grid, grid_of, grid_table
+from tokaudit.grid import Grid, grid_table, grids_of
 from tokaudit.reader import NULLABLE_COLUMNS, Shard, footer_type
 from tokaudit.schema import COLUMNS_BY_NAME, UNNAMED
 
@@ -356,7 +356,7 @@ class Engine:
         # two at once with half each were no faster (6.7 s either way, 6 ranges of 4·10⁶ records), and with
         # the whole limit each they would hold twice the memory. A grid holds GRID_BLOCK_ROWS records at a
         # time whatever its size, and numpy's reductions run on one core: grids take lanes at any size.
-        small = all(sum(s.rows for s in shards) <= self.chunk_rows or self._grid(steps, shards) is not None
+        small = all(sum(s.rows for s in shards) <= self.chunk_rows or self._grids(steps, shards) is not None
                     for steps, shards in chunks)
         tables: Generator[dict[str, Any], None, None] = (
             self._in_lanes(rtol, chunks) if self.lanes > 1 and len(chunks) > 1 and small else
@@ -398,20 +398,8 @@ class Engine:
     def _range_table(self, rtol: float, steps: tuple[int, int] | None, shards: list[Shard]) -> dict[str, Any]:
         """One range's step table: reduced as a grid where its records form one (`tokaudit.grid`), else by the
         query (`_aggregate`), its repeated keys found and left out first if it has any (`duplicates` counts them)."""
-        if (grid := self._grid(steps, shards)) is not None:
-            facts, known = footer_facts(shards) if self.prune else (frozenset(), {})
-            self.connection.execute("SET preserve_insertion_order = true")  # the records in file order
-            try:
-                reduced = grid_table(self.connection, grid, self._link, known, rtol, GRID_BLOCK_ROWS)
-            finally:
-                self.connection.execute("SET preserve_insertion_order = false")
-            if reduced is not None:
-                table = self._finish(reduced, grid.files[0].names, one_record=False)
-                if grid.micro == 1:
-                    # e·n_r = e·n·M = e·n bit for bit: the same arrays as the query's one-record form hands over
-                    for name, same in ONE_RECORD_SHAPE.items():
-                        table[name] = table[same]
-                return table
+        if (grids := self._grids(steps, shards)) is not None and (table := self._grid_table(rtol, grids, shards)):
+            return table
         self._define(shards, steps, deduplicate=False)
         table = self._aggregate(rtol, shards)
         if np.nansum(table["repeated_micro"]) > 0 or np.nansum(table["wide_micro"]) > 0:
@@ -485,9 +473,44 @@ class Engine:
             self.connection.execute(f"SET threads = {self.threads}")
             self.connection.execute(f"SET memory_limit = {_sql_string(self.memory_limit)}")
 
-    def _grid(self, steps: tuple[int, int] | None, shards: Sequence[Shard]) -> Grid | None:
-        """The grid this range's files form, by their footers, where the engine reduces grids."""
-        return grid_of(shards, steps) if self.grid and not self.extremes else None
+    def _grids(self, steps: tuple[int, int] | None, shards: Sequence[Shard]) -> list[Grid] | None:
+        """The grids this range's files form (one per (run, group, term)), by their footers, where the engine
+        reduces grids."""
+        return grids_of(shards, steps) if self.grid and not self.extremes else None
+
+    def _grid_table(self, rtol: float, grids: list[Grid], shards: Sequence[Shard]) -> dict[str, Any] | None:
+        """The range's step table reduced grid by grid (`tokaudit.grid`), as the query gives it; None when the
+        records of one are no grid after all (the range then takes the query)."""
+        _, known = footer_facts(shards) if self.prune else (frozenset(), {})
+        reduced: list[dict[str, np.ndarray]] = []
+        self.connection.execute("SET preserve_insertion_order = true")  # the records in file order
+        try:
+            for grid in grids:
+                table = grid_table(self.connection, grid, self._link, known, rtol, GRID_BLOCK_ROWS)
+                if table is None:
+                    return None
+                reduced.append(table)
+        finally:
+            self.connection.execute("SET preserve_insertion_order = false")
+        if len(grids) == 1:
+            finished = self._finish(reduced[0], grids[0].names, one_record=False)
+        else:
+            # Several (run, group, term): the query's rows, named and in step order (a count NULL in one
+            # grid's steps only is float64 in all, as DuckDB hands it over)
+            order = np.argsort(np.concatenate([table["step"] for table in reduced]), kind="stable")
+            named: dict[str, Any] = {
+                column: np.concatenate([np.full(len(table["step"]), grid.names[index], dtype=object)
+                                        for grid, table in zip(grids, reduced)])[order]
+                for index, column in enumerate(("run", "grp", "term"))}
+            for column in reduced[0]:
+                named[column] = np.concatenate([table[column] for table in reduced])[order]
+            del reduced
+            finished = self._finish(named, None, one_record=False)
+        if all(grid.micro == 1 for grid in grids):
+            # e·n_r = e·n·M = e·n bit for bit: the same arrays as the query's one-record form hands over
+            for name, same in ONE_RECORD_SHAPE.items():
+                finished[name] = finished[same]
+        return finished
 
     def _aggregate(self, rtol: float, shards: Sequence[Shard]) -> dict[str, Any]:
         """One range's step table as arrays, by column: numpy's, as DuckDB hands them over (a pandas

@@ -63,7 +63,7 @@ def _differences(got: Any, expected: Any) -> list[str]:
     return differ
 
 
-def _random_grid(folder: Path, seed: int) -> dict[str, Any]:
+def _random_grid(folder: Path, seed: int, group: str | None = None) -> dict[str, Any]:
     """A log in the recorder's layout (a rank's records in one to three files, in step and microbatch
     order) with every optional column absent, NULL everywhere, NULL on some records or on none, drawn
     at random: zero-token records, zero losses, a probe, loss scales, several W and D, ranks past 64."""
@@ -75,7 +75,7 @@ def _random_grid(folder: Path, seed: int) -> dict[str, Any]:
     kinds = {column: draw.choice(["absent", "null", "some", "all"]) for column in OPTIONAL}
     vary_world = draw.random() < 0.3
     columns = ["step", "micro", "rank", "world_size", "loss_sum", "valid_tokens", "backward_scalar",
-               *[c for c in OPTIONAL if kinds[c] != "absent"]]
+               *(["group"] if group is not None else []), *[c for c in OPTIONAL if kinds[c] != "absent"]]
     schema = pa.schema([WRITER_SCHEMA.field(c) for c in columns])
     if draw.random() < 0.3:  # narrower types, which the query casts and numpy reads as they are
         schema = schema.set(schema.get_field_index("valid_tokens"), pa.field("valid_tokens", pa.int32()))
@@ -107,7 +107,7 @@ def _random_grid(folder: Path, seed: int) -> dict[str, Any]:
                 n = draw.choice([0, draw.randint(1, 60), draw.randint(1, 5000)])
                 loss = draw.choice([0.0, draw.uniform(0.5, 3.0) * n, -0.0]) if draw.random() < 0.1 else \
                     draw.uniform(0.5, 3.0) * n
-                record = {"step": step, "micro": index, "rank": rank, "loss_sum": loss, "valid_tokens": n,
+                record = {"step": step, "micro": index, "rank": rank, "loss_sum": loss, "valid_tokens": n, "group": group,
                           "world_size": world + (step % 2 if vary_world else 0),
                           "backward_scalar": draw.choice([loss / max(n, 1), world * loss / 1000.0, 0.0, -loss])}
                 record.update({c: value(c, record) for c in OPTIONAL if kinds[c] != "absent"})
@@ -117,7 +117,7 @@ def _random_grid(folder: Path, seed: int) -> dict[str, Any]:
         cuts = sorted(draw.sample(range(1, len(steps)), min(len(steps) - 1, draw.randint(0, 2)))) if micro > 1 else []
         for part, (start, stop) in enumerate(zip([0, *cuts], [*cuts, len(steps)])):
             inside = [r for r in rows if steps[start] <= r["step"] <= steps[stop - 1]]
-            write(folder / f"rank-{rank:05d}-{part:06d}.parquet", inside, schema=schema)
+            write(folder / f"{group or ''}rank-{rank:05d}-{part:06d}.parquet", inside, schema=schema)
     return {"micro": micro, "ranks": ranks, "kinds": kinds}
 
 
@@ -132,6 +132,21 @@ def test_a_grid_reduced_by_numpy_is_the_query_s_step_table(tmp_path: Path, seed:
     got, expected, reduced = _tables(shards, monkeypatch)
     assert reduced and all(reduced), drawn
     assert not _differences(got, expected), (_differences(got, expected), drawn)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_groups_that_are_grids_each_give_the_query_s_step_table(tmp_path: Path, seed: int,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Data-parallel groups that each write their own ranks' files, each a grid of its own (its ranks,
+    microbatches, optional columns and schema): one grid per (run, group, term), the query's table."""
+    groups = 2 + seed % 3
+    drawn = [_random_grid(tmp_path / "run", 100 * seed + index, group=f"dp{index}") for index in range(groups)]
+    shards = load([tmp_path / "run"]).shards
+    grids = grid_module.grids_of(shards, None)
+    assert grids is not None and [g.names[1] for g in grids] == [f"dp{index}" for index in range(groups)]
+    got, expected, reduced = _tables(shards, monkeypatch)
+    assert reduced and all(reduced), drawn
+    assert got.grp.nunique() == groups and not _differences(got, expected), (_differences(got, expected), drawn)
 
 
 def test_ranks_read_a_block_at_a_time_give_the_table_of_one_block(tmp_path: Path,
@@ -207,6 +222,12 @@ def test_the_footers_say_when_files_form_no_grid(tmp_path: Path) -> None:
     assert grid_module.grid_of(plain, (0, 2)) is not None
     two_names = _by_rank(tmp_path / "names", [dict(r, run_id=f"r{r['rank']}") for r in _rows()])
     assert grid_module.grid_of(two_names, None) is None
+    # each name's files alone: a grid of one rank each
+    assert [g.ranks for g in grid_module.grids_of(two_names, None) or []] == [(0,), (1,)]
+    # r0 with a second rank of fewer rows: no grid, and then none is taken
+    short = [dict(r, run_id="r0", rank=1, world_size=2) for r in _rows() if r["rank"] == 0][:5]
+    write(tmp_path / "short" / "rank-r0-1.parquet", short)
+    assert grid_module.grids_of([*two_names, *load([tmp_path / "short"]).shards], None) is None
     write(tmp_path / "mixed" / "all.parquet", _rows())
     assert grid_module.grid_of(load([tmp_path / "mixed"]).shards, None) is None
     uneven = _by_rank(tmp_path / "uneven", [r for r in _rows() if not (r["rank"] == 1 and r["step"] == 2)])
@@ -233,7 +254,9 @@ def test_an_audit_of_a_grid_is_the_query_s_report(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(auditing, "EVIDENCE_ROWS", 0)
     for seed in range(8):
         _random_grid(tmp_path / f"run-{seed}", seed)
-    paths = [tmp_path / f"run-{seed}" for seed in range(8)]
+    for index in range(3):  # a run of three data-parallel groups
+        _random_grid(tmp_path / "groups", 50 + index, group=f"dp{index}")
+    paths = [*(tmp_path / f"run-{seed}" for seed in range(8)), tmp_path / "groups"]
     with_grids = render_json(audit(paths))
     monkeypatch.setattr(Engine, "grid", False)
     assert render_json(audit(paths)) == with_grids
