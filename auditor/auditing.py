@@ -296,17 +296,21 @@ class _Extremes:
     shards: Sequence[Shard]
     rtol: float
     threads: int | None
-    found: dict[int, pd.DataFrame] = field(default_factory=dict)
+    found: dict[tuple[int, tuple[str, str, str]], pd.DataFrame] = field(default_factory=dict)
 
     def __call__(self, row: Any) -> Any:
         step = int(row.step)
-        if step not in self.found:
+        names = (str(row.run), str(row.grp), str(row.term))
+        if (step, names) not in self.found:
+            # Only the files that may hold this (run, group, term): of a run of 16 data-parallel groups, a
+            # sixteenth of the step's records, read again for each group's finding.
+            shards = [s for s in self.shards if s.names is None or s.names == names]
             try:
-                self.found[step] = extremes_at(self.shards, step, self.rtol, self.threads)
+                self.found[step, names] = extremes_at(shards, step, self.rtol, self.threads)
             except duckdb.Error as error:
                 raise LogFormatError(self._where(), f"could not be read again for the evidence of step {step} "
                                                     f"({str(error).splitlines()[0][:160]})") from None
-        table = self.found[step]
+        table = self.found[step, names]
         match = table[(table.run.astype(str) == str(row.run)) & (table.grp.astype(str) == str(row.grp))
                       & (table.term.astype(str) == str(row.term))]
         if match.empty:  # a shard removed or rewritten since it was aggregated

@@ -139,10 +139,21 @@ def _selected(part: pd.DataFrame, group: str | None, term: str | None) -> pd.Dat
         if name is None:
             continue
         values = part[column]
-        names = [str(v) for v in values.unique()]
-        if names == [name]:
-            continue
-        mine = (values.astype(str) == name).to_numpy()
+        if isinstance(values.dtype, pd.CategoricalDtype):
+            # by the categories' codes: each row as text was 0.9 s of a 16-group run's 2 s of checks
+            categories = [str(c) for c in values.cat.categories]
+            codes = values.cat.codes.to_numpy()
+            if name not in categories:
+                mine = np.zeros(len(codes), dtype=bool)
+            else:
+                mine = codes == categories.index(name)
+                if mine.all():
+                    continue
+        else:
+            names = [str(v) for v in values.unique()]
+            if names == [name]:
+                continue
+            mine = (values.astype(str) == name).to_numpy()
         keep = mine if keep is None else keep & mine
     return part if keep is None else part[keep].reset_index(drop=True)
 
