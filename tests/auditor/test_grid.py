@@ -253,3 +253,33 @@ def test_an_audit_of_a_grid_is_the_query_s_report(tmp_path: Path, monkeypatch: p
     with_grids = render_json(audit(paths))
     monkeypatch.setattr(Engine, "grid", False)
     assert render_json(audit(paths)) == with_grids
+
+
+def test_a_corrupt_data_page_in_a_grid_is_named_and_the_rest_audited(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file of a grid whose footer reads but whose data pages do not: as without grids, one problem naming
+    it, and the rest audited (the grid's read fails as the query's does, and the file is found): the same
+    report."""
+    import tokaudit.auditing as auditing
+    from tokaudit.auditing import audit
+    from tokaudit.render.json_report import render_json
+
+    monkeypatch.setattr(auditing, "EVIDENCE_ROWS", 0)
+    _random_grid(tmp_path / "good", 3)
+    bad = [dict(r, valid_tokens=r["valid_tokens"] + 1) for r in _rows(steps=200)]
+    for rank in (0, 1):
+        write(tmp_path / "bad" / f"rank-{rank:05d}.parquet", [r for r in bad if r["rank"] == rank])
+    path = tmp_path / "bad" / "rank-00001.parquet"
+    data = bytearray(path.read_bytes())
+    for index in range(200, min(len(data) - 400, 1200)):  # the data pages, the footer left intact
+        data[index] = 0xFF
+    path.write_bytes(bytes(data))
+    assert grid_module.grids_of(load([tmp_path / "bad"], thorough=False).shards, None) is not None
+    reports = []
+    for grid in (True, False):
+        monkeypatch.setattr(Engine, "grid", grid)
+        reports.append(audit([tmp_path]))
+    assert render_json(reports[0]) == render_json(reports[1])
+    report = reports[0]
+    assert [r.run for r in report.runs] == ["bad", "good"] and report.runs[0].ranks == 1  # rank 0's file read
+    assert len(report.problems) == 1 and str(path) in report.problems[0] and "corrupt data" in report.problems[0]
