@@ -113,9 +113,9 @@ class _Compensated:
         self.total: np.ndarray | None = None
         self.error: np.ndarray | None = None
 
-    def add(self, values: np.ndarray) -> None:
-        """[ranks, steps, M] or [ranks, steps]."""
-        sums, errors = _rank_sums(values) if values.ndim == 3 else (values, None)
+    def add(self, values: np.ndarray, rank_sums: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """[ranks, steps, M] (or its `_rank_sums` where already made) or [ranks, steps]."""
+        sums, errors = rank_sums or (_rank_sums(values) if values.ndim == 3 else (values, None))
         if self.total is None:
             self.total, self.error = np.zeros(values.shape[1]), np.zeros(values.shape[1])
         assert self.error is not None
@@ -153,9 +153,9 @@ class _Folded:
         self.held: dict[str, np.ndarray] = {}
         self.sums: dict[str, _Compensated] = {}
 
-    def sum(self, name: str, values: np.ndarray) -> None:
+    def sum(self, name: str, values: np.ndarray, rank_sums: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """A float sum, compensated (`_Compensated`)."""
-        self.sums.setdefault(name, _Compensated()).add(values)
+        self.sums.setdefault(name, _Compensated()).add(values, rank_sums)
 
     def fold(self, name: str, values: np.ndarray, how: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
         held = self.held.get(name)
@@ -241,8 +241,10 @@ def grid_table(connection: duckdb.DuckDBPyConnection, grid: Grid, link: Callable
         columns = ", ".join(_read(c, types.get(c)) for c in ("step", "micro", "valid_tokens", "loss_sum", *read))
         listed = "[" + ", ".join("'" + f.replace("'", "''") + "'" for f in files) + "]"
         # As Arrow, not numpy: DuckDB hands a column over in 0.6 of the time, and numpy views it without a copy.
-        fetched = connection.sql(f"SELECT {columns} FROM read_parquet({listed}, union_by_name = false)").to_arrow_table()
         shape = (len(ranks), steps_per_rank, micro)
+        # one batch of the block's rows: each column one Arrow array, which numpy views without a copy
+        fetched = connection.sql(f"SELECT {columns} FROM read_parquet({listed}, union_by_name = false)"
+                                 ).to_arrow_table(batch_size=shape[0] * shape[1] * shape[2])
         if fetched.num_rows != shape[0] * shape[1] * shape[2]:
             return None
         record = {name: _split(fetched.column(name)) for name in fetched.column_names}
@@ -362,7 +364,8 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
         weighted_tokens = weight * counts
 
         folded.add("tokens", _step_sum(tokens))
-        folded.sum("loss", loss)
+        loss_by_rank = _rank_sums(loss)  # the query's fsum per (rank, step), and the step's from them
+        folded.sum("loss", loss, loss_by_rank)
         folded.low("n_low", _per_step(np.minimum, tokens))
         folded.high("n_high", _per_step(np.maximum, tokens))
         if "world_size" not in constants:
@@ -435,8 +438,7 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
 
         # Per (rank, step), over its M microbatches
         rank_tokens = tokens.sum(axis=2)
-        rank_sums, rank_errors = _rank_sums(loss)
-        rank_loss = rank_sums + rank_errors  # the query's fsum per (rank, step)
+        rank_loss = loss_by_rank[0] + loss_by_rank[1]
         rank_low = _over_micro(np.fmin, weight)
         rank_high = _over_micro(np.fmax, weight)
         local = rank_tokens > 0
