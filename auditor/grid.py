@@ -240,9 +240,9 @@ def grid_table(connection: duckdb.DuckDBPyConnection, grid: Grid, link: Callable
         files = [link(s) for rank in ranks for s in files_of[rank]]
         columns = ", ".join(_read(c, types.get(c)) for c in ("step", "micro", "valid_tokens", "loss_sum", *read))
         listed = "[" + ", ".join("'" + f.replace("'", "''") + "'" for f in files) + "]"
-        # As Arrow, not numpy: DuckDB hands a column over in 0.6 of the time, and numpy views it without a copy.
         shape = (len(ranks), steps_per_rank, micro)
-        # one batch of the block's rows: each column one Arrow array, which numpy views without a copy
+        # As Arrow, not numpy: DuckDB hands a column over in 0.6 of the time; in one batch, each column is one
+        # Arrow array, which numpy views without a copy.
         fetched = connection.sql(f"SELECT {columns} FROM read_parquet({listed}, union_by_name = false)"
                                  ).to_arrow_table(batch_size=shape[0] * shape[1] * shape[2])
         if fetched.num_rows != shape[0] * shape[1] * shape[2]:
@@ -263,7 +263,7 @@ def grid_table(connection: duckdb.DuckDBPyConnection, grid: Grid, link: Callable
         if not ((step == step_numbers[None, :, None]).all()
                 and (index.reshape(shape) == np.arange(micro)).all()):
             return None
-        block = _block(record, shape, ranks, constants, rtol, folded)
+        block = _block(record, shape, constants, rtol, folded)
         if block is None:
             return None
         low, high, tokens = block
@@ -293,7 +293,7 @@ def _files_by_rank(grid: Grid) -> dict[int, list[Shard]]:
 
 
 def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple[int, int, int],
-           ranks: Sequence[int], constants: dict[str, Any], rtol: float, folded: _Folded
+           constants: dict[str, Any], rtol: float, folded: _Folded
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """One block of ranks folded into `folded`: the query's per-record values (RECORDS_SQL and the view
     `records`), then its per-step and per-rank aggregates. Returns the per-(step, microbatch) extremes of w
