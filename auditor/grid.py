@@ -139,10 +139,16 @@ def _rank_sums(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _neumaier(total: np.ndarray, error: np.ndarray, values: np.ndarray) -> None:
-    """total += values in place, what the addition loses added to `error`: t = s + x; the lost part is
-    (s − t) + x where |s| ≥ |x|, else (x − t) + s."""
+    """total += values in place, what the addition loses added to `error`, exactly (Knuth's TwoSum, the
+    error Neumaier's branch on |s| ≥ |x| gives, in 8 passes instead of 11): t = s + x, v = t − s, the lost
+    part is (s − (t − v)) + (x − v)."""
     added = total + values
-    error += np.where(np.abs(total) >= np.abs(values), (total - added) + values, (values - added) + total)
+    virtual = added - total
+    lost = added - virtual
+    np.subtract(total, lost, out=lost)
+    np.subtract(values, virtual, out=virtual)
+    lost += virtual
+    error += lost
     total[...] = added
 
 

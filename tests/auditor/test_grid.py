@@ -150,11 +150,21 @@ def test_ranks_read_a_block_at_a_time_give_the_table_of_one_block(tmp_path: Path
     _random_grid(tmp_path / "run", 7)
     shards = load([tmp_path / "run"]).shards
     one_block, expected, _ = _tables(shards, monkeypatch)
+    # the mechanism of the memory bound: what is read at once is one block of ranks, however large the range
+    held: list[int] = []
+    split = grid_module._split
+    monkeypatch.setattr(grid_module, "_split", lambda column: held.append(len(column)) or split(column))
     monkeypatch.setattr(engine_module, "GRID_BLOCK_ROWS", 1)
+    per_rank: dict[int, int] = {}
+    for shard in shards:
+        per_rank[shard.rank_range[0]] = per_rank.get(shard.rank_range[0], 0) + shard.rows
+    rank_rows = max(per_rank.values())
     for options in ({}, {"chunk_rows": 8}, {"chunk_rows": 8, "threads": 2}):
+        held.clear()
         got, expected, reduced = _tables(shards, monkeypatch, **options)
         assert reduced and all(reduced)
         assert not _differences(got, one_block) and not _differences(got, expected)
+        assert held and max(held) == rank_rows < sum(per_rank.values())  # one rank at a time
 
 
 def _rows(ranks: int = 2, steps: int = 3, micro: int = 2, **change: Any) -> list[dict[str, Any]]:
