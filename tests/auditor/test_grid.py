@@ -164,7 +164,9 @@ def test_ranks_read_a_block_at_a_time_give_the_table_of_one_block(tmp_path: Path
         got, expected, reduced = _tables(shards, monkeypatch, **options)
         assert reduced and all(reduced)
         assert not _differences(got, one_block) and not _differences(got, expected)
-        assert held and max(held) == rank_rows < sum(per_rank.values())  # one rank at a time
+        # one rank at a time (in a range of a few steps, that rank's records of those steps)
+        assert held and max(held) <= rank_rows < sum(per_rank.values())
+        assert max(held) == rank_rows or options
 
 
 def _rows(ranks: int = 2, steps: int = 3, micro: int = 2, **change: Any) -> list[dict[str, Any]]:
