@@ -541,11 +541,11 @@ class Engine:
                 # A column with NULLs (no record of the step said): NaN, which compares and sums as the
                 # checks expect; a count becomes float64 for it.
                 values = np.ma.filled(values.astype(np.float64), np.nan) if values.mask.any() else np.asarray(values.data)
-            if values.dtype == np.float64 and values.flags.writeable:
+            if values.dtype == np.float64:
                 # −0.0 + 0.0 is 0.0: which zero the extreme of tied 0.0 and −0.0 is depends on the order the
                 # records came in (DuckDB keeps the last of equals, in its scan's or its hash table's order;
                 # numpy's grid in its own), and so would the report's; the table holds 0.0 for both.
-                np.add(values, 0.0, out=values)
+                values = np.add(values, 0.0, out=values if values.flags.writeable else None)
             # A constant column is held as its one value from here on: the ranges wait for `_join` with
             # about half their columns taking no memory.
             constant = _constant([values])

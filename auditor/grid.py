@@ -46,14 +46,19 @@ class Grid:
 
     names: tuple[str, str, str]
     """The one (run, group, term) of its records."""
-    files: tuple[Shard, ...]
-    """Rank after rank, each rank's files in step order."""
+    rank_files: tuple[tuple[Shard, ...], ...]
+    """Each rank's files in step order, rank after rank (as `ranks`)."""
     ranks: tuple[int, ...]
     """The rank of each block of rows, in order."""
     micro: int
     """M: microbatches per (rank, step)."""
     rank_rows: int
     """Rows of each rank: S·M."""
+
+    @property
+    def files(self) -> tuple[Shard, ...]:
+        """Every file, rank after rank."""
+        return tuple(shard for held in self.rank_files for shard in held)
 
 
 def grid_of(shards: Sequence[Shard], steps: tuple[int, int] | None) -> Grid | None:
@@ -77,19 +82,20 @@ def grid_of(shards: Sequence[Shard], steps: tuple[int, int] | None) -> Grid | No
             return None
         micro = last + 1
         by_rank.setdefault(low, []).append(shard)
-    files: list[Shard] = []
+    rank_files: list[tuple[Shard, ...]] = []
     rows: set[int] = set()
     for rank in sorted(by_rank):
         held = sorted(by_rank[rank], key=lambda s: s.step_range or (0, 0))
         if any((b.step_range or (0, 0))[0] <= (a.step_range or (0, 0))[1] for a, b in zip(held, held[1:])):
             return None
         rows.add(sum(s.rows for s in held))
-        files.extend(held)
+        rank_files.append(tuple(held))
     if micro is None or len(rows) != 1 or (rank_rows := rows.pop()) == 0 or rank_rows % micro:
         return None
     names = shards[0].names
     assert names is not None
-    return Grid(names=names, files=tuple(files), ranks=tuple(sorted(by_rank)), micro=micro, rank_rows=rank_rows)
+    return Grid(names=names, rank_files=tuple(rank_files), ranks=tuple(sorted(by_rank)), micro=micro,
+                rank_rows=rank_rows)
 
 
 def grids_of(shards: Sequence[Shard], steps: tuple[int, int] | None) -> list[Grid] | None:
@@ -105,9 +111,9 @@ def grids_of(shards: Sequence[Shard], steps: tuple[int, int] | None) -> list[Gri
 
 
 class _Compensated:
-    """Σ per step, as DuckDB's fsum and favg add: compensated (Neumaier's variant of Kahan's sum), so that the
-    float sums are the query's to the last bit or nearly, not (R·M)·ε off: each rank's microbatches first,
-    vectorized over the ranks, then the ranks one after the other, each rank's error carried along."""
+    """Σ per step, as DuckDB's fsum and favg add: compensated, each addition's exact error carried along
+    (`_neumaier`), so that the float sums are the query's to the last bit or nearly, not (R·M)·ε off: each
+    rank's microbatches first, vectorized over the ranks, then the ranks one after the other."""
 
     def __init__(self) -> None:
         self.total: np.ndarray | None = None
@@ -176,11 +182,12 @@ class _Folded:
     def add(self, name: str, values: np.ndarray) -> None:
         self.fold(name, values, np.add)
 
-    def count_if(self, name: str, condition: np.ndarray, known: np.ndarray | None) -> None:
-        """DuckDB's count_if per step over [ranks, steps, M]: NULL where no record's condition is known."""
-        self.add(name, _step_count(condition))
-        self.add(name + "?", np.full(condition.shape[1], condition.shape[0] * condition.shape[2])
-                 if known is None else _step_count(known))
+    def count_if(self, name: str, condition: np.ndarray, nulls: np.ndarray | None) -> None:
+        """DuckDB's count_if per step over [ranks, steps, M] of a condition that is NULL where `nulls` (None:
+        nowhere): the records where it holds, and NULL on a step where no record's is known."""
+        shape = (condition.shape[0], condition.shape[1], condition.shape[2])
+        self.add(name, _step_count(condition if nulls is None else condition & ~nulls))
+        self.add(name + "?", _known(nulls, shape))
 
 
 def _over_micro(how: Callable[[np.ndarray, np.ndarray], np.ndarray], values: np.ndarray) -> np.ndarray:
@@ -231,22 +238,20 @@ def grid_table(connection: duckdb.DuckDBPyConnection, grid: Grid, link: Callable
     Ranks are read `block_rows` records at a time at most."""
     # a column no file holds a value of is NULL on every record, as the query reads it (`engine._valueless`)
     # (not grad_divisor when the footers give one D: a NaN is in no statistics, and the query counts it)
-    read = [c for c in GRID_COLUMNS if c in grid.files[0].columns and c not in constants.keys() - {"grad_divisor"}
-            and not all(c in s.null_columns for s in grid.files)]
+    files = grid.files
+    read = [c for c in GRID_COLUMNS if c in files[0].columns and c not in constants.keys() - {"grad_divisor"}
+            and not all(c in s.null_columns for s in files)]
     micro = grid.micro
     steps_per_rank = grid.rank_rows // micro
     ranks_per_block = max(1, block_rows // grid.rank_rows)
-    files_of = _files_by_rank(grid)
-    types = dict(grid.files[0].signature)
+    types = dict(files[0].signature)
+    columns = ", ".join(_read(c, types.get(c)) for c in ("step", "micro", "valid_tokens", "loss_sum", *read))
     folded = _Folded()
-    micro_low = micro_high = micro_tokens = None
     step_numbers: np.ndarray | None = None
     for start in range(0, len(grid.ranks), ranks_per_block):
-        ranks = grid.ranks[start:start + ranks_per_block]
-        files = [link(s) for rank in ranks for s in files_of[rank]]
-        columns = ", ".join(_read(c, types.get(c)) for c in ("step", "micro", "valid_tokens", "loss_sum", *read))
-        listed = "[" + ", ".join("'" + f.replace("'", "''") + "'" for f in files) + "]"
-        shape = (len(ranks), steps_per_rank, micro)
+        block_files = grid.rank_files[start:start + ranks_per_block]
+        listed = "[" + ", ".join("'" + link(s).replace("'", "''") + "'" for held in block_files for s in held) + "]"
+        shape = (len(block_files), steps_per_rank, micro)
         # As Arrow, not numpy: DuckDB hands a column over in 0.6 of the time; in one batch, each column is one
         # Arrow array, which numpy views without a copy.
         fetched = connection.sql(f"SELECT {columns} FROM read_parquet({listed}, union_by_name = false)"
@@ -269,15 +274,10 @@ def grid_table(connection: duckdb.DuckDBPyConnection, grid: Grid, link: Callable
         if not ((step == step_numbers[None, :, None]).all()
                 and (index.reshape(shape) == np.arange(micro)).all()):
             return None
-        block = _block(record, shape, constants, rtol, folded)
-        if block is None:
+        if not _block(record, shape, constants, rtol, folded):
             return None
-        low, high, tokens = block
-        micro_low = low if micro_low is None else np.fmin(micro_low, low)
-        micro_high = high if micro_high is None else np.fmax(micro_high, high)
-        micro_tokens = tokens if micro_tokens is None else micro_tokens + tokens
-    assert step_numbers is not None and micro_low is not None and micro_high is not None and micro_tokens is not None
-    return _table(folded, step_numbers, grid, micro_low, micro_high, micro_tokens, constants)
+    assert step_numbers is not None
+    return _table(folded, step_numbers, grid, constants)
 
 
 _AS_READ = frozenset({"int64", "int32", "int16", "int8", "double", "bool"})
@@ -291,19 +291,11 @@ def _read(column: str, arrow_type: str | None) -> str:
     return f'CAST("{column}" AS {_SQL_TYPES[COLUMNS_BY_NAME[column].kind]}) AS "{column}"'
 
 
-def _files_by_rank(grid: Grid) -> dict[int, list[Shard]]:
-    files: dict[int, list[Shard]] = {}
-    for shard in grid.files:
-        files.setdefault((shard.rank_range or (0, 0))[0], []).append(shard)
-    return files
-
-
 def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple[int, int, int],
-           constants: dict[str, Any], rtol: float, folded: _Folded
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+           constants: dict[str, Any], rtol: float, folded: _Folded) -> bool:
     """One block of ranks folded into `folded`: the query's per-record values (RECORDS_SQL and the view
-    `records`), then its per-step and per-rank aggregates. Returns the per-(step, microbatch) extremes of w
-    and sums of valid tokens, which only add up over every rank; None where a value is not finite."""
+    `records`), then its per-step, per-rank and per-(step, microbatch) aggregates; False (nothing folded)
+    where a value is not finite."""
     def column(name: str) -> tuple[np.ndarray | None, np.ndarray | None]:
         """[ranks, steps, M] and its NULLs; (None, None): no value at all (a NULL on every record)."""
         if name not in record:
@@ -314,7 +306,7 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
     tokens = record["valid_tokens"][0].reshape(shape)
     loss = record["loss_sum"][0].reshape(shape)
     if record["valid_tokens"][1] is not None or record["loss_sum"][1] is not None or not np.isfinite(loss).all():
-        return None
+        return False
     scalar, scalar_nulls = column("backward_scalar")
     weight_sum, weight_sum_nulls = column("token_weight_sum")
     weight_min, weight_min_nulls = column("token_weight_min")
@@ -324,12 +316,12 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
     for values, nulls in ((scalar, scalar_nulls), (weight_sum, weight_sum_nulls), (weight_min, weight_min_nulls),
                           (weight_max, weight_max_nulls), (masked, masked_nulls), (reported, reported_nulls)):
         if values is not None and not _finite(values, nulls):
-            return None
+            return False
     world: Any = constants.get("world_size")
     world_values, world_nulls = column("world_size")
     if world is None:
         if world_values is None or world_nulls is not None:
-            return None
+            return False
         world = world_values
     # D = coalesce(grad_divisor, world_size)
     divisor_values, divisor_nulls = column("grad_divisor")
@@ -341,9 +333,9 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
     if not isinstance(scale, float) and (scale == 1.0).all():
         scale = 1.0  # c·1 is c bit for bit: no loss scaler, no pass over the records for it
     if not (np.isfinite(divisor).all() and np.isfinite(scale).all()):
-        return None  # a NaN divisor or scale: the query counts it and its file is named
+        return False  # a NaN divisor or scale: the query counts it and its file is named
     if scalar is None and weight_sum is None:
-        return None
+        return False
     valid = tokens > 0
     counts = tokens.astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -352,7 +344,7 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
             assert scalar is not None
             implied = np.where(loss != 0, scalar / loss, np.nan)
             if scalar_nulls is not None:
-                return None  # backward_scalar NULL with no probe: validation rejects it, the query decides
+                return False  # backward_scalar NULL with no probe: validation rejects it, the query decides
         else:
             by_scalar = (np.where(loss != 0, scalar / loss, np.nan) if scalar is not None
                          else np.full(shape, np.nan))
@@ -363,7 +355,7 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
         implied = np.where(valid, implied, np.nan)
         effective = (implied if isinstance(scale, float) and scale == 1.0 else implied * scale) / divisor
         if np.isinf(effective).any():
-            return None  # a weight that is not finite: the query's nonfinite_valid (NaN is NULL here)
+            return False  # a weight that is not finite: the query's nonfinite_valid (NaN is NULL here)
         known = ~np.isnan(effective)
         weight = effective  # w: e where the record has valid tokens and a weight, else NULL (NaN)
         weighted_loss = weight * loss
@@ -381,12 +373,14 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
             every = np.broadcast_to(divisor, shape)
             folded.low("d_low", _per_step(np.fmin, every))
             folded.high("d_high", _per_step(np.fmax, every))
-        # per (step, microbatch) over this block's ranks: e's extremes per step, and em (folded by the caller)
+        # per (step, microbatch) over this block's ranks: e's extremes per step, and em's (below)
         micro_low, micro_high = np.fmin.reduce(weight, axis=0), np.fmax.reduce(weight, axis=0)
         folded.low("e_low", _over_micro(np.fmin, micro_low))
         folded.high("e_high", _over_micro(np.fmax, micro_high))
-        folded.low("en_low", _per_step(np.fmin, weighted_tokens))
-        folded.high("en_high", _per_step(np.fmax, weighted_tokens))
+        # e·n per (rank, step) over its microbatches: the step's extremes, and (× M) enm's
+        rank_en_low, rank_en_high = _over_micro(np.fmin, weighted_tokens), _over_micro(np.fmax, weighted_tokens)
+        folded.low("en_low", np.fmin.reduce(rank_en_low, axis=0))
+        folded.high("en_high", np.fmax.reduce(rank_en_high, axis=0))
         positions, positions_nulls = column("positions")
         if positions is not None:
             weighted_positions = weight * (positions if positions_nulls is None
@@ -395,7 +389,7 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
             folded.high("et_high", _per_step(np.fmax, weighted_positions))
             folded.add("positions", _step_sum(positions if positions_nulls is None
                                               else np.where(positions_nulls, 0, positions)))
-            folded.add("positions_known", _known(positions_nulls, shape))
+            folded.add("positions?", _known(positions_nulls, shape))  # positions_known, and where Σ is NULL
         # the probe's per-token extremes where recorded, else the mean weight: coalesce(probe, w) + 0·w
         for name, probe, nulls, how, extremes in (("tok_low", weight_min, weight_min_nulls, np.fmin, micro_low),
                                                   ("tok_high", weight_max, weight_max_nulls, np.fmax, micro_high)):
@@ -416,26 +410,20 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
         if weight_min is not None and weight_max is not None:
             either = (weight_min_nulls if weight_max_nulls is None else weight_max_nulls if weight_min_nulls is None
                       else weight_min_nulls | weight_max_nulls)
-            spread = weight_max - weight_min > rtol * np.abs(weight_max)
-            folded.count_if("probe_nonuniform", spread if either is None else spread & ~either,
-                            None if either is None else ~either)
+            folded.count_if("probe_nonuniform", weight_max - weight_min > rtol * np.abs(weight_max), either)
         if masked is not None:
             reference = np.where(known, np.abs(effective * divisor / scale), 0.0)
-            heavy = (masked > 0) & (masked > rtol * reference)
-            folded.count_if("masked_weighted", heavy if masked_nulls is None else heavy & ~masked_nulls,
-                            None if masked_nulls is None else ~masked_nulls)
+            folded.count_if("masked_weighted", (masked > 0) & (masked > rtol * reference), masked_nulls)
         folded.add("probed", _known(weight_sum_nulls, shape) if weight_sum is not None
                    else np.zeros(shape[1], dtype=np.int64))
         sync, sync_nulls = column("sync")
         if sync is not None:
             folded.add("sync_known", _known(sync_nulls, shape))
-            folded.count_if("sync_true", sync if sync_nulls is None else sync & ~sync_nulls,
-                            None if sync_nulls is None else ~sync_nulls)
+            folded.count_if("sync_true", sync, sync_nulls)
         skipped, skipped_nulls = column("skipped")
         if skipped is not None:
-            kept = None if skipped_nulls is None else ~skipped_nulls
-            folded.count_if("skipped_true", skipped if kept is None else skipped & kept, kept)
-            folded.count_if("skipped_false", ~skipped if kept is None else ~skipped & kept, kept)
+            folded.count_if("skipped_true", skipped, skipped_nulls)
+            folded.count_if("skipped_false", ~skipped, skipped_nulls)
         if reported is not None:
             shown = reported if reported_nulls is None else np.where(reported_nulls, np.nan, reported)
             folded.low("reported_low", _per_step(np.fmin, shown))
@@ -443,7 +431,7 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
             folded.add("reported", _known(reported_nulls, shape))
 
         # Per (rank, step), over its M microbatches
-        rank_tokens = tokens.sum(axis=2)
+        rank_tokens = _over_micro(np.add, tokens)
         rank_loss = loss_by_rank[0] + loss_by_rank[1]
         rank_low = _over_micro(np.fmin, weight)
         rank_high = _over_micro(np.fmax, weight)
@@ -452,20 +440,26 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
         folded.add("local_means?", local.sum(axis=0))
         if sync is not None:
             # last_sync = arg_max(sync, micro): the sync of the highest microbatch that has one
-            last = np.zeros(shape[:2], dtype=bool)
-            last_known = np.zeros(shape[:2], dtype=bool)
-            for index in range(shape[2]):
-                here = np.ones(shape[:2], dtype=bool) if sync_nulls is None else ~sync_nulls[..., index]
-                last = np.where(here, sync[..., index], last)
-                last_known |= here
+            if sync_nulls is None:
+                last, last_known = sync[..., -1], np.ones(shape[:2], dtype=bool)
+            else:
+                last, last_known = np.zeros(shape[:2], dtype=bool), np.zeros(shape[:2], dtype=bool)
+                for index in range(shape[2]):
+                    here = ~sync_nulls[..., index]
+                    last = np.where(here, sync[..., index], last)
+                    last_known |= here
             folded.add("unsynced_ranks", (last_known & ~last).sum(axis=0))
             folded.add("unsynced_ranks?", last_known.sum(axis=0))
         micro = float(shape[2])
-        folded.low("enm_low", np.fmin.reduce(_over_micro(np.fmin, weighted_tokens) * micro, axis=0))
-        folded.high("enm_high", np.fmax.reduce(_over_micro(np.fmax, weighted_tokens) * micro, axis=0))
+        folded.low("enm_low", np.fmin.reduce(rank_en_low * micro, axis=0))
+        folded.high("enm_high", np.fmax.reduce(rank_en_high * micro, axis=0))
         folded.low("er_low", np.fmin.reduce(rank_low * rank_tokens, axis=0))
         folded.high("er_high", np.fmax.reduce(rank_high * rank_tokens, axis=0))
-        return micro_low, micro_high, tokens.sum(axis=0)
+        # per (step, microbatch): e's extremes and the tokens, over every rank before em is taken (`_table`)
+        folded.low("micro_low", micro_low)
+        folded.high("micro_high", micro_high)
+        folded.add("micro_tokens", tokens.sum(axis=0))
+    return True
 
 
 def _known(nulls: np.ndarray | None, shape: tuple[int, int, int]) -> np.ndarray:
@@ -475,8 +469,7 @@ def _known(nulls: np.ndarray | None, shape: tuple[int, int, int]) -> np.ndarray:
     return _step_count(~nulls)
 
 
-def _table(folded: _Folded, step: np.ndarray, grid: Grid, micro_low: np.ndarray, micro_high: np.ndarray,
-           micro_tokens: np.ndarray, constants: dict[str, Any]) -> dict[str, np.ndarray]:
+def _table(folded: _Folded, step: np.ndarray, grid: Grid, constants: dict[str, Any]) -> dict[str, np.ndarray]:
     """The folded aggregates as the query's columns, in its order and types (a count NULL on some step is
     float64 with NaN there, as `_aggregate` makes DuckDB's masked counts)."""
     held = folded.held
@@ -486,12 +479,12 @@ def _table(folded: _Folded, step: np.ndarray, grid: Grid, micro_low: np.ndarray,
     def integer(values: np.ndarray | int) -> np.ndarray:
         return np.broadcast_to(np.asarray(values, dtype=np.int32), (steps,)).copy()
 
-    def nullable(name: str) -> np.ndarray:
-        """count_if: NULL where no record's condition was known."""
+    def nullable(name: str, kind: type[np.integer[Any]] = np.int32) -> np.ndarray:
+        """count_if, or the sum of a column: NULL where no record's value was known."""
         if name not in held:
             return np.full(steps, np.nan)
         values, known = held[name], held[name + "?"]
-        return integer(values) if (known > 0).all() else np.where(known > 0, values, np.nan)
+        return values.astype(kind) if (known > 0).all() else np.where(known > 0, values, np.nan)
 
     def double(name: str) -> np.ndarray:
         return held[name].astype(np.float64) if name in held else np.full(steps, np.nan)
@@ -507,9 +500,8 @@ def _table(folded: _Folded, step: np.ndarray, grid: Grid, micro_low: np.ndarray,
     with np.errstate(invalid="ignore", divide="ignore"):
         mean_of_local_means = np.where(local > 0, folded.sums["local_means"].value() / np.where(local > 0, local, 1),
                                        np.nan)
-    positions = (held["positions"].astype(np.int64) if "positions" in held and (held["positions_known"] > 0).all()
-                 else np.where(held["positions_known"] > 0, held["positions"], np.nan) if "positions" in held
-                 else np.full(steps, np.nan))
+    # em = extreme of e over the step's microbatch × that microbatch's tokens over all ranks
+    micro_tokens = held["micro_tokens"]
     table: dict[str, np.ndarray] = {
         "step": step.astype(np.int64),
         "records": integer(count),
@@ -537,8 +529,8 @@ def _table(folded: _Folded, step: np.ndarray, grid: Grid, micro_low: np.ndarray,
         "skipped_true": nullable("skipped_true"), "skipped_false": nullable("skipped_false"),
         "reported_low": double("reported_low"), "reported_high": double("reported_high"),
         "reported": integer(held.get("reported", 0)),
-        "positions": positions,
-        "positions_known": integer(held.get("positions_known", 0)),
+        "positions": nullable("positions", np.int64),
+        "positions_known": integer(held.get("positions?", 0)),
         "wide_micro": integer(0), "unusable_values": integer(0),
         "ranks": integer(len(grid.ranks)),
         "mean_of_local_means": mean_of_local_means,
@@ -548,8 +540,7 @@ def _table(folded: _Folded, step: np.ndarray, grid: Grid, micro_low: np.ndarray,
         "m_low": integer(grid.micro), "m_high": integer(grid.micro),
         "enm_low": double("enm_low"), "enm_high": double("enm_high"),
         "er_low": double("er_low"), "er_high": double("er_high"),
-        # em = extreme of e over the step's microbatch × that microbatch's tokens over all ranks
-        "em_low": _over_micro(np.fmin, micro_low[None] * micro_tokens[None])[0],
-        "em_high": _over_micro(np.fmax, micro_high[None] * micro_tokens[None])[0],
+        "em_low": _over_micro(np.fmin, held["micro_low"] * micro_tokens),
+        "em_high": _over_micro(np.fmax, held["micro_high"] * micro_tokens),
     }
     return table
