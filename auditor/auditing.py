@@ -18,7 +18,7 @@ from pandas.api.types import union_categoricals
 from tokaudit.checks import RunSteps, check_run, distinct, world_sizes
 from tokaudit.codes import DEFAULT_RTOL, DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
 from tokaudit.engine import EXTREME_COLUMNS, Engine, Spilled, extremes_at
-from tokaudit.normalization import Denominator
+from tokaudit.normalization import Denominator, name_ranks
 from tokaudit.errors import LogFormatError, UsageError
 from tokaudit.reader import Loading, LogSet, Shard, cores, inspect_shard, load
 from tokaudit.report import AuditReport, Finding, RunSummary, Segment, StepRange, Verdict
@@ -242,10 +242,8 @@ def _joined(frames: list[pd.DataFrame], ordered: bool) -> pd.DataFrame:
 def _selected_runs(parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str] | None) -> Iterator[pd.DataFrame]:
     """The parts' rows of these runs (all when None): a part of no other run as it is."""
     for part in parts():
-        if runs is None or set(map(str, part.run.unique())) <= set(runs):
-            yield part
-        else:
-            yield part[part.run.astype(str).isin(runs).to_numpy()].reset_index(drop=True)
+        mine = None if runs is None else name_ranks(part.run, runs) >= 0  # each distinct name once
+        yield part if mine is None or mine.all() else part[mine].reset_index(drop=True)
 
 
 def _live(part: pd.DataFrame, horizon: dict[tuple[str, str], int]) -> npt.NDArray[np.bool_]:

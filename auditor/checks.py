@@ -138,22 +138,10 @@ def _selected(part: pd.DataFrame, group: str | None, term: str | None) -> pd.Dat
     for column, name in (("grp", group), ("term", term)):
         if name is None:
             continue
-        values = part[column]
-        if isinstance(values.dtype, pd.CategoricalDtype):
-            # by the categories' codes: each row as text was 0.9 s of a 16-group run's 2 s of checks
-            categories = [str(c) for c in values.cat.categories]
-            codes = values.cat.codes.to_numpy()
-            if name not in categories:
-                mine = np.zeros(len(codes), dtype=bool)
-            else:
-                mine = codes == categories.index(name)
-                if mine.all():
-                    continue
-        else:
-            names = [str(v) for v in values.unique()]
-            if names == [name]:
-                continue
-            mine = (values.astype(str) == name).to_numpy()
+        # by each distinct name, not every row as text (0.9 s of a 16-group run's 2 s of checks)
+        mine = name_ranks(part[column], [name]) == 0
+        if mine.all():
+            continue
         keep = mine if keep is None else keep & mine
     return part if keep is None else part[keep].reset_index(drop=True)
 
