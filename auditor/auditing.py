@@ -182,7 +182,7 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
         duplicates = engine.duplicates
         engine.close()
         if horizon is not None and progress:
-            left_out = sum(int((~_live(part, horizon)).sum()) for part in _selected_runs(parts, present))
+            left_out = sum(int((~_live(part, horizon)).sum()) for part in selected_runs(parts, present))
             if left_out:
                 progress(f"--live: left out {left_out} step(s) not yet recorded by every rank")
         extremes = _Extremes(logset.shards, rtol, threads)
@@ -213,7 +213,7 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
         kept = None
         if keep_steps:  # the same columns whatever the log's size
             kept = _joined([part if horizon is None else part[_live(part, horizon)]
-                            for part in _selected_runs(parts, present if runs else None)],
+                            for part in selected_runs(parts, present if runs else None)],
                            ordered=isinstance(steps, pd.DataFrame))
             kept = kept.drop(columns=[c for c in EXTREME_COLUMNS if c in kept.columns])
         return AuditReport(runs=summaries, findings=findings, problems=problems, files=len(logset.shards),
@@ -239,7 +239,7 @@ def _joined(frames: list[pd.DataFrame], ordered: bool) -> pd.DataFrame:
     return table.iloc[order].reset_index(drop=True)
 
 
-def _selected_runs(parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str] | None) -> Iterator[pd.DataFrame]:
+def selected_runs(parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str] | None) -> Iterator[pd.DataFrame]:
     """The parts' rows of these runs (all when None): a part of no other run as it is."""
     for part in parts():
         mine = None if runs is None else name_ranks(part.run, runs) >= 0  # each distinct name once
@@ -262,7 +262,7 @@ def _run_steps(parts: Callable[[], Iterable[pd.DataFrame]], run: str,
     None when nothing is left. The table itself when it is one part of one run and nothing is left out.
     `names`: every (run, group, term) of the table, which spares a pass when nothing is left out."""
     def selected() -> Iterator[pd.DataFrame]:
-        for rows in _selected_runs(parts, [run]):
+        for rows in selected_runs(parts, [run]):
             keep = np.ones(len(rows), dtype=bool)
             if horizon is not None:
                 keep &= _live(rows, horizon)

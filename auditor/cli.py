@@ -264,31 +264,26 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
             check_format(plot_path)
         window = _step_range(step_range)
         with _start_loading(paths) as started:
-            from tokaudit.postmortem import loss_curve
+            from tokaudit.postmortem import curve_parts, curve_views
 
-            chosen, frame, problems = loss_curve(paths, run, steps=window, started=started)
-        if csv_path is not None:
-            try:
-                frame.to_csv(csv_path, index=False)
-            except OSError as error:
-                raise UsageError(f"{csv_path}: cannot write the CSV ({error.strerror or error})") from None
+            curve, problems = curve_parts(paths, run, steps=window, started=started)
+        from tokaudit.render.console import CURVE_COLUMNS, render_curve_table
+
+        console = Console(highlight=False)
+        try:
+            # the chart fills the terminal, labels included
+            views = curve_views(curve, CURVE_COLUMNS, csv_path, width=max(20, min(console.width - 18, 160)),
+                                plot=plot_path is not None)
+        finally:
+            curve.close()
         if plot_path is not None:
             from tokaudit.render.plot import write_png
 
-            write_png(chosen, frame, plot_path)
+            write_png(curve.run, views.points, plot_path)
     except TokauditError as error:
         _fail(error)
-    import numpy as np
-
-    from tokaudit.render.chart import line_chart
-    from tokaudit.render.console import CURVE_COLUMNS, render_curve_table
-
-    console = Console(highlight=False)
-    series: dict[str, Any] = {label: frame[key].to_numpy(dtype=float, na_value=np.nan)
-                              for key, label in CURVE_COLUMNS if frame[key].notna().any()}
-    width = max(20, min(console.width - 18, 160))  # the chart fills the terminal, labels included
-    console.print(line_chart(frame.step.to_numpy(dtype=float), series, width=width), markup=False, highlight=False)
-    render_curve_table(chosen, frame, console)
+    console.print(views.chart.render(), markup=False, highlight=False)
+    render_curve_table(curve.run, views.shown, views.steps, console)
     for path in (csv_path, plot_path):
         if path is not None:
             _stderr().print(f"wrote {printable(str(path))}", style="dim", markup=False)

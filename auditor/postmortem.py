@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
 import pandas as pd
 
-from tokaudit.auditing import Progress, open_logs
+from tokaudit.auditing import Progress, open_log_parts, open_logs, selected_runs
+from tokaudit.engine import Spilled
+from tokaudit.normalization import name_ranks
+from tokaudit.render.chart import LineChart
 from tokaudit.reader import Loading, LogSet
 from tokaudit.codes import DEFAULT_RTOL
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
@@ -27,14 +35,15 @@ def _nothing_readable(logset: LogSet) -> TokauditError:
     return UsageError(f"no readable log to inspect: {logset.problems[0]} (and {len(logset.problems) - 1} more)")
 
 
-def _pick_run(steps: pd.DataFrame, run: str | None) -> str:
-    runs = sorted(str(r) for r in set(steps.run.unique()))
+def _pick_run(runs: Iterable[str], run: str | None) -> str:
+    """The run asked for, or the logs' only one; one line naming them all otherwise."""
+    names = sorted(str(r) for r in set(runs))
     if run is None:
-        if len(runs) != 1:
-            raise UsageError(f"the logs hold {len(runs)} runs; choose one with --run: {_names(runs)}")
-        return runs[0]
-    if run not in runs:
-        raise UsageError(f"no run named {run!r} in the logs (runs: {_names(runs)})")
+        if len(names) != 1:
+            raise UsageError(f"the logs hold {len(names)} runs; choose one with --run: {_names(names)}")
+        return names[0]
+    if run not in names:
+        raise UsageError(f"no run named {run!r} in the logs (runs: {_names(names)})")
     return run
 
 
@@ -49,7 +58,7 @@ def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | 
     one_run = run is None and len({s.default_run for s in logset.shards}) == 1 and steps.run.nunique() == 1
     if engine is not None and len(steps) and (one_run or run in set(steps.run.unique())):
         try:
-            chosen = _pick_run(steps, run)
+            chosen = _pick_run(steps.run.unique(), run)
             return chosen, engine.records_at(chosen, step), logset.problems
         finally:
             engine.close()
@@ -59,7 +68,7 @@ def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | 
     if engine is None:
         raise _nothing_readable(logset)
     try:
-        chosen = _pick_run(steps, run)
+        chosen = _pick_run(steps.run.unique(), run)
         if step not in set(steps.step[steps.run == chosen]):
             known = sorted(set(steps.step[steps.run == chosen]))
             raise UsageError(f"run {chosen!r} has no step {step} (steps {known[0]}–{known[-1]})")
@@ -68,41 +77,212 @@ def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | 
         engine.close()
 
 
-def loss_curve(paths: Sequence[str | os.PathLike[str]], run: str | None = None, progress: Progress | None = None,
-               steps: tuple[int, int] | None = None, started: Loading | None = None
-               ) -> tuple[str, pd.DataFrame, list[LogFormatError]]:
+CURVE_KEYS = ("step", "tokens", "token_mean", "mean_of_local_means", "reported", "optimized")
+"""The curve's columns, in order: what `--csv` writes."""
+
+
+@dataclass
+class Curve:
+    """A run's loss curve, a part of the step table at a time (`parts`): a log of more than
+    `engine.SPILL_STEPS` steps keeps its table on disk, and each pass reads it again, so what is held is
+    one part (a step range), whatever the number of steps. `close` removes what is on disk."""
+
+    run: str
+    table: pd.DataFrame | Spilled
+
+    def parts(self) -> Iterator[pd.DataFrame]:
+        """The curve's rows, in step order: a step's rows (every data-parallel group's and term's) are in
+        one part, since the step table is kept a step range at a time."""
+        source = (lambda: [self.table]) if isinstance(self.table, pd.DataFrame) else self.table.parts
+        for rows in selected_runs(source, [self.run]):
+            if len(rows):
+                yield _curve_rows(rows)
+
+    def frame(self) -> pd.DataFrame:
+        """The whole curve as one frame (a log of millions of steps holds it all)."""
+        parts = list(self.parts())
+        return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame({key: [] for key in CURVE_KEYS})
+
+    def close(self) -> None:
+        if isinstance(self.table, Spilled):
+            self.table.close()
+
+
+def _curve_rows(table: pd.DataFrame) -> pd.DataFrame:
+    """One part's curve: per step, ΣS/N, the mean of local means, the reported loss (the middle of what
+    the ranks reported) and Σe·S where some record has a weight; under DP×TP every data-parallel group
+    sees the whole batch, and the groups' curves (and the terms') are averaged."""
+    # The columns the curve reads: not a copy of every column of the step table.
+    used = ["step", "tokens", "loss", "reported_low", "reported_high", "reported", "objective",
+            "weighted_records", "mean_of_local_means"]
+    frame = table[used].copy()
+    frame["token_mean"] = frame.loss / frame.tokens.where(frame.tokens > 0)
+    frame["reported"] = ((frame.reported_low + frame.reported_high) / 2).where(frame.reported > 0)
+    frame["optimized"] = frame.objective.where(frame.weighted_records > 0)
+    steps = frame.step.to_numpy()
+    if len(steps) < 2 or (np.diff(steps) > 0).all():
+        # one row a step (one group, one term), in order: the mean of one value is that value, as the
+        # group's mean makes it, (0.0 + x) / 1 (−0.0 becomes 0.0)
+        curve = frame[list(CURVE_KEYS)].reset_index(drop=True)
+        for key in CURVE_KEYS[2:]:
+            curve[key] = curve[key] + 0.0
+    else:
+        # the rows by group, term (by their names) and step, as the whole table holds them, whatever order a
+        # part holds them in: each step's rows are then added in one order (pandas' mean adds in the rows'
+        # order), and the mean of the groups is the same double whether the table is whole or in parts
+        order = np.lexsort((steps, _name_order(table.term), _name_order(table.grp)))
+        curve = frame.take(order).groupby("step", as_index=False).agg(
+            tokens=("tokens", "max"), token_mean=("token_mean", "mean"),
+            mean_of_local_means=("mean_of_local_means", "mean"), reported=("reported", "mean"),
+            optimized=("optimized", "mean"))
+    curve["tokens"] = curve.tokens.astype("int64")
+    return curve
+
+
+def _name_order(column: pd.Series) -> npt.NDArray[np.int64]:
+    """Per row, the rank of its name (as text) among the column's names (−1: none)."""
+    distinct = column.cat.categories if isinstance(column.dtype, pd.CategoricalDtype) else pd.unique(column)
+    return name_ranks(column, sorted({str(name) for name in distinct}))
+
+
+def curve_parts(paths: Sequence[str | os.PathLike[str]], run: str | None = None, progress: Progress | None = None,
+                steps: tuple[int, int] | None = None, started: Loading | None = None
+                ) -> tuple[Curve, list[LogFormatError]]:
     """Per step: the true token mean ΣS/N, the mean of per-rank means, the reported loss, and the
-    objective the optimizer actually followed, Σ e·S (equal to ΣS/N when the run is correct).
+    objective the optimizer actually followed, Σ e·S (equal to ΣS/N when the run is correct), a part at
+    a time (`Curve`, which the caller closes).
 
     `steps`: only these (first, last), read from the shards whose footers may hold them and aggregated
     a range at a time as the whole log would be: a window of a run of millions of steps costs its own size.
     `started`: the validation of `paths` already under way (`tokaudit.reader.start_loading`)."""
-    logset, engine, table = open_logs(paths, DEFAULT_RTOL, progress, only_steps=steps, started=started)
+    logset, engine, table = open_log_parts(paths, DEFAULT_RTOL, progress, only_steps=steps, started=started,
+                                           spill=True)
     if engine is not None:
         engine.close()
-    # No shard in the window (and none unreadable), or shards whose records all lie outside it.
-    if steps is not None and table.empty and (engine is not None or not logset.problems):
-        raise UsageError(f"no step from {steps[0]} to {steps[1]} in the logs")
-    if engine is None:
-        raise _nothing_readable(logset)
     try:
-        chosen = _pick_run(table, run)
-    except UsageError as error:
-        if steps is None:
-            raise
-        raise UsageError(f"{error} (steps {steps[0]}–{steps[1]} only)") from None
-    # The columns the curve reads, then the run's rows: not a copy of every column of millions of steps.
-    used = ["step", "tokens", "loss", "reported_low", "reported_high", "reported", "objective",
-            "weighted_records", "mean_of_local_means"]
-    frame = table[used][(table.run == chosen).to_numpy()]
-    del table
-    frame["token_mean"] = frame.loss / frame.tokens.where(frame.tokens > 0)
-    frame["reported"] = ((frame.reported_low + frame.reported_high) / 2).where(frame.reported > 0)
-    frame["optimized"] = frame.objective.where(frame.weighted_records > 0)
-    # Under DP×TP every data-parallel group sees the whole batch: average the groups' curves.
-    curve = frame.groupby("step", as_index=False).agg(
-        tokens=("tokens", "max"), token_mean=("token_mean", "mean"),
-        mean_of_local_means=("mean_of_local_means", "mean"), reported=("reported", "mean"),
-        optimized=("optimized", "mean"))
-    curve["tokens"] = curve.tokens.astype("int64")
-    return chosen, curve, logset.problems
+        # No shard in the window (and none unreadable), or shards whose records all lie outside it.
+        if steps is not None and isinstance(table, pd.DataFrame) and table.empty and (
+                engine is not None or not logset.problems):
+            raise UsageError(f"no step from {steps[0]} to {steps[1]} in the logs")
+        if engine is None:
+            raise _nothing_readable(logset)
+        runs = table.run.unique() if isinstance(table, pd.DataFrame) else {r for r, _, _ in table.names}
+        try:
+            chosen = _pick_run(runs, run)
+        except UsageError as error:
+            if steps is None:
+                raise
+            raise UsageError(f"{error} (steps {steps[0]}–{steps[1]} only)") from None
+    except BaseException:
+        if isinstance(table, Spilled):
+            table.close()
+        raise
+    return Curve(chosen, table), logset.problems
+
+
+def loss_curve(paths: Sequence[str | os.PathLike[str]], run: str | None = None, progress: Progress | None = None,
+               steps: tuple[int, int] | None = None, started: Loading | None = None
+               ) -> tuple[str, pd.DataFrame, list[LogFormatError]]:
+    """`curve_parts`, the curve whole as one frame."""
+    curve, problems = curve_parts(paths, run, progress, steps, started)
+    try:
+        return curve.run, curve.frame(), problems
+    finally:
+        curve.close()
+
+
+TABLE_STEPS = 40
+"""Steps the terminal's table shows at most, about: every k-th step of the curve, k = steps // 40."""
+PLOT_STEPS = 100_000
+"""Steps up to which `--plot` draws every point; a longer curve draws each series' envelope (`_envelope`)."""
+PLOT_BUCKETS = 25_000
+"""Step buckets of a longer curve's envelope: about 25 a pixel of the figure's width."""
+
+
+@dataclass
+class CurveViews:
+    """What `tokaudit curve` shows of a curve, made in two passes over its parts (`curve_views`): each
+    bounded, whatever the number of steps."""
+
+    steps: int
+    """The curve's steps."""
+    chart: LineChart
+    """The terminal's chart of the series that have a value."""
+    shown: pd.DataFrame
+    """The table's rows: every step of a curve of at most TABLE_STEPS (about), else every k-th."""
+    points: dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]]
+    """Per series that has a value, by key: the (step, value) points `--plot` draws (none without it)."""
+
+
+def curve_views(curve: Curve, labels: Sequence[tuple[str, str]], csv_path: Path | None = None,
+                width: int = 64, plot: bool = False) -> CurveViews:
+    """The curve's views, its parts read twice: first the CSV (every step, a part at a time), the steps,
+    the axes' ranges and which series have a value; then the chart's cells, the table's rows and the
+    plot's points. `labels`: (key, label) of each series, in the chart's order."""
+    keys = [key for key, _ in labels]
+    chart = LineChart([], width)
+    steps = 0
+    present: set[str] = set()
+    try:
+        out = open(csv_path, "w", encoding="utf-8", newline="") if csv_path is not None else None
+    except OSError as error:
+        raise UsageError(f"{csv_path}: cannot write the CSV ({error.strerror or error})") from None
+    try:
+        for part in curve.parts():
+            if out is not None:
+                part.to_csv(out, index=False, header=steps == 0)
+            steps += len(part)
+            present.update(key for key in keys if part[key].notna().any())
+            chart.extent(part.step.to_numpy(dtype=np.float64), [_values(part, key) for key in keys])
+        if out is not None and steps == 0:
+            pd.DataFrame({key: [] for key in CURVE_KEYS}).to_csv(out, index=False)
+    except OSError as error:
+        raise UsageError(f"{csv_path}: cannot write the CSV ({error.strerror or error})") from None
+    finally:
+        if out is not None:
+            out.close()
+    drawn = [key for key in keys if key in present]
+    chart.names = [label for key, label in labels if key in present]
+    stride = max(1, steps // TABLE_STEPS) if steps > TABLE_STEPS else 1
+    every = steps <= PLOT_STEPS
+    shown: list[pd.DataFrame] = []
+    points: dict[str, list[tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]]] = {key: [] for key in drawn}
+    offset = 0
+    for part in curve.parts():
+        x = part.step.to_numpy(dtype=np.float64)
+        columns = [_values(part, key) for key in drawn]
+        chart.place(x, columns)
+        # the table's rows: the curve's positions 0, k, 2k, …
+        shown.append(part[(np.arange(offset, offset + len(part)) % stride) == 0])
+        offset += len(part)
+        if plot:
+            for key, ys in zip(drawn, columns):
+                points[key].append((x, ys) if every else _envelope(x, ys, (chart.x_low, chart.x_high)))
+    return CurveViews(steps=steps, chart=chart,
+                      shown=pd.concat(shown, ignore_index=True) if shown else pd.DataFrame({k: [] for k in CURVE_KEYS}),
+                      points={key: (np.concatenate([x for x, _ in held]), np.concatenate([y for _, y in held]))
+                              for key, held in points.items() if held})
+
+
+def _values(part: pd.DataFrame, key: str) -> npt.NDArray[np.float64]:
+    values: npt.NDArray[np.float64] = part[key].to_numpy(dtype=np.float64, na_value=np.nan)
+    return values
+
+
+def _envelope(x: npt.NDArray[np.float64], ys: npt.NDArray[np.float64], span: tuple[float, float]
+              ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """The points of a part of a long curve that `--plot` draws: in each of PLOT_BUCKETS buckets of the
+    steps, the first, last, lowest and highest finite point (its envelope, drawn as every point would
+    be: a spike stays a spike). A bucket across two parts keeps its four of each."""
+    finite = np.isfinite(ys)
+    x, ys = x[finite], ys[finite]
+    if not len(x):
+        return x, ys
+    low, high = span
+    # bucket b = ⌊(x − low) / (high − low) · B⌋, the last step in bucket B − 1; x is in step order
+    bucket = np.minimum(((x - low) / max(high - low, 1.0) * PLOT_BUCKETS).astype(np.int64), PLOT_BUCKETS - 1)
+    starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])
+    ends = np.r_[starts[1:], len(x)] - 1
+    by_value = np.lexsort((ys, bucket))  # each bucket's points, lowest value first
+    keep = np.unique(np.concatenate([starts, ends, by_value[starts], by_value[ends]]))
+    return x[keep], ys[keep]

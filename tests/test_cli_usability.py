@@ -21,7 +21,7 @@ import tokaudit
 from tests.logs import UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write_by_rank
 from tokaudit.auditing import audit
 from tokaudit.cli import main
-from tokaudit.render.chart import SHARED, line_chart
+from tokaudit.render.chart import SHARED, LineChart, line_chart
 from tokaudit.render.console import render_report
 from tokaudit.testing import assert_token_mean
 
@@ -134,6 +134,18 @@ def test_the_chart_places_every_point_where_its_definition_says(seed: int) -> No
         expected = "".join(" " if (line, c) not in owners else MARKS[min(owners[(line, c)]) % len(MARKS)]
                            if len(owners[(line, c)]) == 1 else SHARED for c in range(width))
         assert cells.ljust(width) == expected, (seed, line)
+    # drawn from batches of the points (a curve read a part at a time): the same chart
+    chart_batches = LineChart(list(series), width, height)
+    columns = {name: np.array([np.nan if v is None else v for v in ys], dtype=np.float64) for name, ys in series.items()}
+    cuts = [0, count // 3, count // 3, count]  # one batch empty
+    for place in (False, True):
+        for a, b in zip(cuts, cuts[1:]):
+            batch = np.asarray(x[a:b], dtype=np.float64), [ys[a:b] for ys in columns.values()]
+            if place:
+                chart_batches.place(*batch)
+            else:
+                chart_batches.extent(*batch)
+    assert chart_batches.render().splitlines() == chart
 
 
 def test_choosing_a_run_lists_them_all() -> None:

@@ -125,15 +125,15 @@ CURVE_COLUMNS = (("token_mean", "ΣS/N (true)"), ("mean_of_local_means", "mean o
                  ("reported", "reported"), ("optimized", "optimized Σe·S"))
 
 
-def render_curve_table(run: str, curve: pd.DataFrame, console: Console, limit: int = 40) -> None:
+def render_curve_table(run: str, shown: pd.DataFrame, steps: int, console: Console) -> None:
+    """The curve's rows `shown` (`postmortem.curve_views`: every k-th of its `steps`)."""
     table = Table(title=Text(f"{printable(run)}: loss per step"), box=box.SIMPLE_HEAVY, title_justify="left")
     table.add_column("step", justify="right")
     table.add_column("N", justify="right")
     for _, header in CURVE_COLUMNS:
         table.add_column(header, justify="right")
-    shown = curve if len(curve) <= limit else curve.iloc[:: max(1, len(curve) // limit)]
     for row in shown.itertuples(index=False):
         table.add_row(str(row.step), str(row.tokens), *(_number(getattr(row, key)) for key, _ in CURVE_COLUMNS))
     console.print(table)
-    if len(shown) < len(curve):
-        console.print(f"({len(shown)} of {len(curve)} steps shown; --csv writes all)", style="dim")
+    if len(shown) < steps:
+        console.print(f"({len(shown)} of {steps} steps shown; --csv writes all)", style="dim")

@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 from tokaudit.errors import UsageError
 from tokaudit.render.console import CURVE_COLUMNS
 from tokaudit.render.text import printable
@@ -34,13 +32,15 @@ def check_format(path: Path) -> None:
                          f"{'.' + extension if extension else 'no extension'}")
 
 
-def write_png(run: str, curve: pd.DataFrame, path: Path) -> None:
+def write_png(run: str, points: dict[str, tuple[Any, Any]], path: Path) -> None:
+    """The curves as an image: per series that has a value, by key, its (steps, values) points
+    (`postmortem.curve_views`: every step, or a long curve's envelope)."""
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(9, 4.8), dpi=110)
     styles = {"token_mean": "-", "mean_of_local_means": "--", "reported": ":", "optimized": "-."}
     for key, label in CURVE_COLUMNS:
-        if curve[key].notna().any():
-            axis.plot(curve.step, curve[key], styles[key], marker="o", markersize=3, label=label)
+        if key in points:
+            axis.plot(*points[key], styles[key], marker="o", markersize=3, label=label)
     axis.set_xlabel("step")
     axis.set_ylabel("loss per token")
     axis.set_title(f"tokaudit · {printable(run)}")

@@ -3,6 +3,7 @@ of the whole table: every finding, verdict and number, byte for byte in the JSON
 
 from __future__ import annotations
 
+import csv
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -184,3 +185,109 @@ def test_a_file_with_a_nan_divisor_is_named_whether_the_table_is_kept_on_disk_or
     _in_parts(monkeypatch, 7, 2)
     assert render_json(audit([tmp_path / "run"])) == whole
     assert "rank-00000-000000.parquet" in whole and "not a positive number" in whole
+
+
+def test_a_long_curve_is_drawn_and_written_from_disk_a_part_at_a_time(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tokaudit curve` of a table kept on disk: the CSV, the chart and the table of the whole table, byte
+    for byte, with every step's rows of both groups and terms averaged within one part; what is read at a
+    time is one range (the memory bound's mechanism: 12.5M steps took 2.3 GB whole, 0.7 GB in parts)."""
+    import tempfile
+
+    from click.testing import CliRunner
+
+    import tokaudit.engine as engine
+    from tokaudit.cli import main
+
+    log = _mixed_log(tmp_path / "mixed" / "run")
+    rng = np.random.default_rng(5)
+    counts = [[[int(rng.integers(0, 30)), int(rng.integers(1, 30))], [int(rng.integers(0, 30)), 4]]
+              for _ in range(300)]
+    long = write_by_rank(tmp_path / "long" / "run", records(counts, token_mean))
+
+    def curve(path: Path, name: str) -> tuple[str, str]:
+        result = CliRunner().invoke(main, ["curve", str(path), "--csv", str(tmp_path / name)], env={"COLUMNS": "100"})
+        assert result.exit_code == 0, result.output
+        return result.stdout, (tmp_path / name).read_text()
+
+    whole = [curve(path, f"whole{index}.csv") for index, path in enumerate((log, long))]
+    assert "(43 of 300 steps shown; --csv writes all)" in whole[1][0]  # steps 0, 7, 14, …, 294
+    monkeypatch.setattr(engine, "SPILL_STEPS", 0)
+    monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "24")
+    read: list[int] = []
+    original = engine.Spilled.parts
+
+    def counted(self: Any) -> Any:
+        for part in original(self):
+            read.append(len(part))
+            yield part
+
+    monkeypatch.setattr(engine.Spilled, "parts", counted)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    for index, path in enumerate((log, long)):
+        read.clear()
+        assert curve(path, f"parts{index}.csv") == whole[index]
+        assert read and max(read) <= 24 < sum(read)  # every range read alone, never the table
+        assert not list(scratch.iterdir())  # the table on disk removed
+    result = CliRunner().invoke(main, ["curve", str(log), "--run", "nosuch"])
+    assert result.exit_code == 2 and "no run named 'nosuch'" in result.stderr and not list(scratch.iterdir())
+    rows = list(csv.DictReader(whole[0][1].splitlines()))
+    assert len(rows) == len({row["step"] for row in rows}) == 20  # one row a step, the groups averaged
+
+
+def test_a_long_curve_s_plot_draws_each_series_envelope(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past PLOT_STEPS `--plot` draws, in each step bucket, a series' first, last, lowest and highest point,
+    read a part at a time: every spike stays, and what is drawn is bounded by the buckets."""
+    import tokaudit.postmortem as postmortem
+
+    monkeypatch.setattr(postmortem, "PLOT_BUCKETS", 10)
+    x = np.arange(1000, dtype=np.float64)
+    ys = np.sin(x / 7.0)
+    ys[[3, 517, 518, 998]] = [9.0, -9.0, 8.0, np.nan]  # spikes, one a NaN (no point)
+    kept: list[tuple[np.ndarray, np.ndarray]] = [postmortem._envelope(x[a:b], ys[a:b], (0.0, 999.0))
+                                                 for a, b in ((0, 250), (250, 640), (640, 1000))]
+    kx, ky = np.concatenate([k[0] for k in kept]), np.concatenate([k[1] for k in kept])
+    assert len(kx) <= 4 * (10 + 2)  # four a bucket, and a bucket across two parts four of each
+    assert (np.diff(kx) > 0).all() and np.array_equal(ky, ys[kx.astype(int)])  # points of the curve, in order
+    bucket = np.minimum((x / 999.0 * 10).astype(int), 9)
+    for b in range(10):
+        mine = (bucket == b) & np.isfinite(ys)
+        inside = (np.minimum((kx / 999.0 * 10).astype(int), 9) == b)
+        assert ky[inside].min() == ys[mine].min() and ky[inside].max() == ys[mine].max()
+        assert kx[inside].min() == x[mine].min() and kx[inside].max() == x[mine].max()
+    assert {9.0, -9.0, 8.0} <= set(ky.tolist())
+
+
+def test_a_long_curve_s_plot_is_its_envelope_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`curve --plot` of a curve longer than PLOT_STEPS: each series drawn from its envelope (at most four
+    points a bucket, its extremes among them), a PNG written; a shorter one draws every step."""
+    from click.testing import CliRunner
+
+    import tokaudit.postmortem as postmortem
+    import tokaudit.render.plot as plot
+    from tokaudit.cli import main
+
+    rng = np.random.default_rng(9)
+    counts = [[[int(rng.integers(1, 30))], [int(rng.integers(1, 30))]] for _ in range(300)]
+    log = write_by_rank(tmp_path / "long" / "run", records(counts, local_mean))
+    drawn: list[dict[str, tuple[np.ndarray, np.ndarray]]] = []
+    original = plot.write_png
+    monkeypatch.setattr(plot, "write_png", lambda run, points, path: drawn.append(points) or original(run, points, path))
+    png = tmp_path / "curve.png"
+    assert CliRunner().invoke(main, ["curve", str(log), "--plot", str(png), "--csv", str(tmp_path / "c.csv")]
+                              ).exit_code == 0
+    every = drawn.pop()
+    assert set(every) == {"token_mean", "mean_of_local_means", "optimized"}  # no reported loss: not drawn
+    assert all(len(x) == 300 for x, _ in every.values())
+    monkeypatch.setattr(postmortem, "PLOT_STEPS", 100)
+    monkeypatch.setattr(postmortem, "PLOT_BUCKETS", 12)
+    assert CliRunner().invoke(main, ["curve", str(log), "--plot", str(png)]).exit_code == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    envelope = drawn.pop()
+    for key, (x, y) in envelope.items():
+        full_x, full_y = every[key]
+        assert len(x) <= 4 * 12 and set(x.tolist()) <= set(full_x.tolist())
+        assert y.max() == np.nanmax(full_y) and y.min() == np.nanmin(full_y)
+        assert x[0] == full_x[0] and x[-1] == full_x[-1]
