@@ -52,7 +52,7 @@ def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | 
     """Every record of one step: n, S, b, c = b/S (or the probe's), e = c·g/D and q = e·N.
 
     Only the shards whose footers may hold `step` are read, and only that step is aggregated; when
-    it is not there the whole log is opened to say which runs and steps it has. `started`: the
+    it is not there the whole log is aggregated, a part at a time, to say which runs and steps it has. `started`: the
     validation of `paths` already under way (`tokaudit.reader.start_loading`)."""
     logset, engine, steps = open_logs(paths, only_steps=(step, step), started=started)
     one_run = run is None and len({s.default_run for s in logset.shards}) == 1 and steps.run.nunique() == 1
@@ -64,17 +64,29 @@ def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | 
             engine.close()
     if engine is not None:
         engine.close()
-    logset, engine, steps = open_logs(paths)
+    # The whole log, its table read a part at a time (kept on disk past engine.SPILL_STEPS steps, as for
+    # `check`): its runs, and the chosen run's steps.
+    logset, engine, table = open_log_parts(paths, spill=True)
     if engine is None:
         raise _nothing_readable(logset)
     try:
-        chosen = _pick_run(steps.run.unique(), run)
-        if step not in set(steps.step[steps.run == chosen]):
-            known = sorted(set(steps.step[steps.run == chosen]))
-            raise UsageError(f"run {chosen!r} has no step {step} (steps {known[0]}–{known[-1]})")
+        chosen = _pick_run(table.run.unique() if isinstance(table, pd.DataFrame) else {r for r, _, _ in table.names},
+                           run)
+        parts = (lambda: [table]) if isinstance(table, pd.DataFrame) else table.parts
+        low, high, found = None, None, False
+        for rows in selected_runs(parts, [chosen]):
+            held = rows.step.to_numpy()
+            if len(held):
+                low = int(held.min()) if low is None else min(low, int(held.min()))
+                high = int(held.max()) if high is None else max(high, int(held.max()))
+                found = found or bool((held == step).any())
+        if not found:
+            raise UsageError(f"run {chosen!r} has no step {step} (steps {low}–{high})")
         return chosen, engine.records_at(chosen, step), logset.problems
     finally:
         engine.close()
+        if isinstance(table, Spilled):
+            table.close()
 
 
 CURVE_KEYS = ("step", "tokens", "token_mean", "mean_of_local_means", "reported", "optimized")

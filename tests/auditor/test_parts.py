@@ -291,3 +291,44 @@ def test_a_long_curve_s_plot_is_its_envelope_end_to_end(tmp_path: Path, monkeypa
         assert len(x) <= 4 * 12 and set(x.tolist()) <= set(full_x.tolist())
         assert y.max() == np.nanmax(full_y) and y.min() == np.nanmin(full_y)
         assert x[0] == full_x[0] and x[-1] == full_x[-1]
+
+
+def test_a_step_that_is_not_there_is_named_from_the_table_read_a_part_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`weights --step` of a step a run lacks says which steps it has, from the whole log read a range at a
+    time (a log of millions of steps held whole took gigabytes for this one line); a step of a run that
+    the footers cannot single out is still found."""
+    from click.testing import CliRunner
+
+    import tokaudit.engine as engine
+    from tokaudit.cli import main
+
+    log = _mixed_log(tmp_path / "mixed" / "run")
+    rows = records([[[3, 1], [2, 2]]] * 6, token_mean)
+    other = write_by_rank(tmp_path / "other" / "b", [r for r in rows if r["step"] != 2])
+
+    def weights(*args: str) -> tuple[int, str, str]:
+        result = CliRunner().invoke(main, ["weights", *args])
+        return result.exit_code, result.stdout, result.stderr
+
+    cases = [(str(log), "--step", "20"), (str(tmp_path), "--run", "b", "--step", "2"),
+             (str(tmp_path), "--step", "3"), (str(tmp_path), "--run", "b", "--step", "3")]
+    whole = [weights(*case) for case in cases]
+    assert whole[0][0] == 2 and "run 'run' has no step 20 (steps 0–19)" in whole[0][2]
+    assert whole[1][0] == 2 and "run 'b' has no step 2 (steps 0–5)" in whole[1][2]
+    assert whole[2][0] == 2 and "the logs hold 2 runs; choose one with --run: b, run" in whole[2][2]
+    assert whole[3][0] == 0 and "b, step 3" in whole[3][1]
+    assert other.exists()
+    monkeypatch.setattr(engine, "SPILL_STEPS", 0)
+    monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "8")
+    read: list[int] = []
+    original = engine.Spilled.parts
+
+    def counted(self: Any) -> Any:
+        for part in original(self):
+            read.append(len(part))
+            yield part
+
+    monkeypatch.setattr(engine.Spilled, "parts", counted)
+    assert [weights(*case) for case in cases] == whole
+    assert read and max(read) < sum(read)  # each range read alone
