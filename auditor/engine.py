@@ -7,8 +7,6 @@ group) comes back to Python.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
 import os
 import pickle
@@ -30,6 +28,7 @@ from pandas.api.types import union_categoricals
 
 from tokaudit.errors import UsageError
 from tokaudit.grid import Grid, grid_table, grids_of
+from tokaudit.heap import trim_heap
 from tokaudit.reader import NULLABLE_COLUMNS, Shard, footer_type
 from tokaudit.schema import COLUMNS_BY_NAME, UNNAMED
 
@@ -599,7 +598,7 @@ class Engine:
 
     def close(self) -> None:
         self.connection.close()
-        _trim_heap()
+        trim_heap()
         if self.links is not None:
             shutil.rmtree(self.links, ignore_errors=True)
 
@@ -1044,7 +1043,7 @@ def _join(columns: dict[str, list[Any]]) -> dict[str, Any]:
         del parts, value
         # A trim walks the whole heap (55 of them cost a second at 1.25M steps): one per TRIM_BYTES let go.
         if freed >= TRIM_BYTES:
-            _trim_heap()
+            trim_heap()
             freed = 0
     return {name: joined[name] for name in order}
 
@@ -1096,24 +1095,7 @@ def _reorder(joined: dict[str, Any], order: np.ndarray) -> None:
             taken[id(values)] = values.take(order)
         joined[name] = taken[id(values)]
         del values
-    _trim_heap()
-
-
-def _trim_heap() -> None:
-    """glibc's malloc_trim(0): give the heap's free pages back to the system. Nothing elsewhere."""
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-@functools.cache
-def _glibc() -> Any:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        return libc
-    except (OSError, AttributeError):
-        return None
+    trim_heap()
 
 
 def _add_duplicates(target: dict[str, tuple[int, int, int, int]], found: dict[str, tuple[int, int, int, int]]) -> None:
