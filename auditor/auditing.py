@@ -42,10 +42,10 @@ _CODE_ORDER = {code: index for index, code in enumerate(Code)}
 
 def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL,
               progress: Progress | None = None, only_steps: tuple[int, int] | None = None,
-              threads: int | None = None, started: Loading | None = None
+              threads: int | None = None, started: Loading | None = None, loaded: LogSet | None = None
               ) -> tuple[LogSet, Engine | None, pd.DataFrame]:
     """`open_log_parts` with the step table whole."""
-    logset, engine, steps = open_log_parts(paths, rtol, progress, only_steps, threads, started)
+    logset, engine, steps = open_log_parts(paths, rtol, progress, only_steps, threads, started, loaded=loaded)
     assert isinstance(steps, pd.DataFrame)
     return logset, engine, steps
 
@@ -53,7 +53,8 @@ def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTO
 def open_log_parts(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL,
                    progress: Progress | None = None, only_steps: tuple[int, int] | None = None,
                    threads: int | None = None, started: Loading | None = None, evidence: bool = False,
-                   spill: bool = False) -> tuple[LogSet, Engine | None, pd.DataFrame | Spilled]:
+                   spill: bool = False, loaded: LogSet | None = None
+                   ) -> tuple[LogSet, Engine | None, pd.DataFrame | Spilled]:
     """Load, validate and aggregate. A shard DuckDB cannot decode, or whose values no audit can use, is
     reported and left out.
 
@@ -62,10 +63,12 @@ def open_log_parts(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAUL
     `started`: this load of `paths` already under way (`start_loading(paths, False, ...)`). `evidence`:
     a log of at most EVIDENCE_ROWS records is aggregated with the evidence columns (`engine.EXTREME_COLUMNS`).
     `spill`: a table of more than `engine.SPILL_STEPS` steps is kept on disk a range at a time (`Spilled`,
-    which the caller closes)."""
+    which the caller closes). `loaded`: the logs' footers already validated (`load(paths, thorough=False)`),
+    which are then not validated again."""
     # Footers are validated by as many processes as DuckDB has threads: every core unless told
     # (the trackers' audit beside training takes one, and so validates in its own process).
-    logset = started.result() if started is not None else load(paths, thorough=False, workers=threads or cores())
+    logset = (loaded if loaded is not None else started.result() if started is not None
+              else load(paths, thorough=False, workers=threads or cores()))
     shards = list(logset.shards)
     if only_steps is not None:
         # Files whose footer statistics put every step outside the range are not read at all.

@@ -16,7 +16,7 @@ from tokaudit.auditing import Progress, open_log_parts, open_logs, selected_runs
 from tokaudit.engine import Spilled
 from tokaudit.normalization import name_ranks
 from tokaudit.render.chart import LineChart
-from tokaudit.reader import Loading, LogSet
+from tokaudit.reader import Loading, LogSet, cores, load
 from tokaudit.codes import DEFAULT_RTOL
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
 
@@ -52,9 +52,11 @@ def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | 
     """Every record of one step: n, S, b, c = b/S (or the probe's), e = c·g/D and q = e·N.
 
     Only the shards whose footers may hold `step` are read, and only that step is aggregated; when
-    it is not there the whole log is aggregated, a part at a time, to say which runs and steps it has. `started`: the
-    validation of `paths` already under way (`tokaudit.reader.start_loading`)."""
-    logset, engine, steps = open_logs(paths, only_steps=(step, step), started=started)
+    it is not there the whole log is aggregated, a part at a time, to say which runs and steps it has
+    (its footers validated once for both). `started`: the validation of `paths` already under way
+    (`tokaudit.reader.start_loading`)."""
+    loaded = started.result() if started is not None else load(paths, thorough=False, workers=cores())
+    logset, engine, steps = open_logs(paths, only_steps=(step, step), loaded=loaded)
     one_run = run is None and len({s.default_run for s in logset.shards}) == 1 and steps.run.nunique() == 1
     if engine is not None and len(steps) and (one_run or run in set(steps.run.unique())):
         try:
@@ -66,7 +68,7 @@ def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | 
         engine.close()
     # The whole log, its table read a part at a time (kept on disk past engine.SPILL_STEPS steps, as for
     # `check`): its runs, and the chosen run's steps.
-    logset, engine, table = open_log_parts(paths, spill=True)
+    logset, engine, table = open_log_parts(paths, spill=True, loaded=loaded)  # the footers validated once
     if engine is None:
         raise _nothing_readable(logset)
     try:

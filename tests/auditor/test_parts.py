@@ -330,5 +330,12 @@ def test_a_step_that_is_not_there_is_named_from_the_table_read_a_part_at_a_time(
             yield part
 
     monkeypatch.setattr(engine.Spilled, "parts", counted)
+    import tokaudit.reader as reader
+
+    validated: list[Path] = []
+    inspect = reader.inspect_shard
+    monkeypatch.setattr(reader, "inspect_shard", lambda path, *args: validated.append(path) or inspect(path, *args))
     assert [weights(*case) for case in cases] == whole
     assert read and max(read) < sum(read)  # each range read alone
+    # each file's footer validated once a command, also where the whole log is then read to name the steps
+    assert sorted(validated) == sorted(f for case in cases for f in Path(case[0]).rglob("*.parquet"))
