@@ -170,8 +170,7 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
     if engine is None:
         return AuditReport(runs=[], findings=[], problems=problems, files=0)
     try:
-        parts = (lambda: [steps]) if isinstance(steps, pd.DataFrame) else steps.parts
-        names = set(steps.run.unique()) if isinstance(steps, pd.DataFrame) else {r for r, _, _ in steps.names}
+        parts, names = table_parts(steps), table_runs(steps)
         spilled_names = None if isinstance(steps, pd.DataFrame) else steps.names
         present = sorted(str(name) for name in names)
         if runs:
@@ -240,6 +239,16 @@ def _joined(frames: list[pd.DataFrame], ordered: bool) -> pd.DataFrame:
                                            sort_categories=True)
     order = np.lexsort((table.step.to_numpy(), table.term.cat.codes, table.grp.cat.codes, table.run.cat.codes))
     return table.iloc[order].reset_index(drop=True)
+
+
+def table_parts(table: pd.DataFrame | Spilled) -> Callable[[], Iterable[pd.DataFrame]]:
+    """A step table's parts, read again at every call: a table in memory is one part."""
+    return (lambda: [table]) if isinstance(table, pd.DataFrame) else table.parts
+
+
+def table_runs(table: pd.DataFrame | Spilled) -> set[str]:
+    """A step table's runs, read from no part of it where it is on disk (its names were noted as it was kept)."""
+    return set(table.run.unique()) if isinstance(table, pd.DataFrame) else {run for run, _, _ in table.names}
 
 
 def selected_runs(parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str] | None) -> Iterator[pd.DataFrame]:

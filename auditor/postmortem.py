@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit.auditing import Progress, open_log_parts, open_logs, selected_runs
+from tokaudit.auditing import Progress, open_log_parts, open_logs, selected_runs, table_parts, table_runs
 from tokaudit.engine import Spilled
 from tokaudit.normalization import name_ranks
 from tokaudit.render.chart import LineChart
@@ -72,11 +71,9 @@ def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | 
     if engine is None:
         raise _nothing_readable(logset)
     try:
-        chosen = _pick_run(table.run.unique() if isinstance(table, pd.DataFrame) else {r for r, _, _ in table.names},
-                           run)
-        parts = (lambda: [table]) if isinstance(table, pd.DataFrame) else table.parts
+        chosen = _pick_run(table_runs(table), run)
         low, high, found = None, None, False
-        for rows in selected_runs(parts, [chosen]):
+        for rows in selected_runs(table_parts(table), [chosen]):
             held = rows.step.to_numpy()
             if len(held):
                 low = int(held.min()) if low is None else min(low, int(held.min()))
@@ -107,8 +104,7 @@ class Curve:
     def parts(self) -> Iterator[pd.DataFrame]:
         """The curve's rows, in step order: a step's rows (every data-parallel group's and term's) are in
         one part, since the step table is kept a step range at a time."""
-        source = (lambda: [self.table]) if isinstance(self.table, pd.DataFrame) else self.table.parts
-        for rows in selected_runs(source, [self.run]):
+        for rows in selected_runs(table_parts(self.table), [self.run]):
             if len(rows):
                 yield _curve_rows(rows)
 
@@ -180,9 +176,8 @@ def curve_parts(paths: Sequence[str | os.PathLike[str]], run: str | None = None,
             raise UsageError(f"no step from {steps[0]} to {steps[1]} in the logs")
         if engine is None:
             raise _nothing_readable(logset)
-        runs = table.run.unique() if isinstance(table, pd.DataFrame) else {r for r, _, _ in table.names}
         try:
-            chosen = _pick_run(runs, run)
+            chosen = _pick_run(table_runs(table), run)
         except UsageError as error:
             if steps is None:
                 raise
