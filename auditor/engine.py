@@ -481,28 +481,28 @@ class Engine:
         """The range's step table reduced grid by grid (`tokaudit.grid`), as the query gives it; None when the
         records of one are no grid after all (the range then takes the query)."""
         _, known = footer_facts(shards) if self.prune else (frozenset(), {})
-        reduced: list[dict[str, np.ndarray]] = []
+        reduced: list[tuple[tuple[str, str, str], dict[str, np.ndarray]]] = []
         self.connection.execute("SET preserve_insertion_order = true")  # the records in file order
         try:
             for grid in grids:
-                table = grid_table(self.connection, grid, self._link, known, rtol, GRID_BLOCK_ROWS)
-                if table is None:
+                tables = grid_table(self.connection, grid, self._link, known, rtol, GRID_BLOCK_ROWS)
+                if tables is None:
                     return None
-                reduced.append(table)
+                reduced.extend(tables)
         finally:
             self.connection.execute("SET preserve_insertion_order = false")
-        if len(grids) == 1:
-            finished = self._finish(reduced[0], grids[0].names, one_record=False)
+        if len(reduced) == 1:
+            finished = self._finish(reduced[0][1], reduced[0][0], one_record=False)
         else:
             # Several (run, group, term): the query's rows, named and in step order (a count NULL in one
             # grid's steps only is float64 in all, as DuckDB hands it over)
-            order = np.argsort(np.concatenate([table["step"] for table in reduced]), kind="stable")
+            order = np.argsort(np.concatenate([table["step"] for _, table in reduced]), kind="stable")
             named: dict[str, Any] = {
-                column: np.concatenate([np.full(len(table["step"]), grid.names[index], dtype=object)
-                                        for grid, table in zip(grids, reduced)])[order]
+                column: np.concatenate([np.full(len(table["step"]), names[index], dtype=object)
+                                        for names, table in reduced])[order]
                 for index, column in enumerate(("run", "grp", "term"))}
-            for column in reduced[0]:
-                named[column] = np.concatenate([table[column] for table in reduced])[order]
+            for column in reduced[0][1]:
+                named[column] = np.concatenate([table[column] for _, table in reduced])[order]
             del reduced
             finished = self._finish(named, None, one_record=False)
         if all(grid.micro == 1 for grid in grids):

@@ -10,11 +10,13 @@ reduces axes 0 and 2, a per-rank one axis 2, a per-microbatch one axis 0. The qu
 This mirrors the query's semantics aggregate by aggregate (NULL as DuckDB has it: min, max and sum
 skip it, count_if over none is NULL; float sums compensated as its fsum and favg are, which gives the
 same doubles on every log compared). Data-parallel groups that write their own ranks' files are a grid
-each (`grids_of`). Anything else returns None and the range takes the query: a file of several (run,
-group, term), several schemas in one group, one-row shards read from their footers, a file cut by the
-range, a rank missing from a step, a repeated or missing microbatch, records out of order, and any
-value that is not finite (the query counts and names those). A test compares both tables bit for bit
-on random grids.
+each (`grids_of`). Several loss terms recorded in turn at each (step, microbatch), as the recorder writes
+them, make the records [R, S, M, T terms]: read once, each term is a grid of its own (every T-th record).
+Anything else returns None and the range takes the query: a file of several runs or groups, files of one
+term beside files of several for one (run, group), several schemas in one group, one-row shards read from
+their footers, a file cut by the range, a rank missing from a step, a repeated or missing microbatch or
+term, records out of order, and any value that is not finite (the query counts and names those). A test
+compares both tables bit for bit on random grids.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tokaudit.reader import Shard
-from tokaudit.schema import COLUMNS_BY_NAME
+from tokaudit.schema import COLUMNS_BY_NAME, UNNAMED
 
 GRID_COLUMNS = ("grad_divisor", "grad_scale", "divisor_known", "positions", "backward_scalar",
                 "token_weight_sum", "token_weight_min", "token_weight_max", "masked_weight_abs_sum",
@@ -44,8 +46,9 @@ MAX_MICRO = 64
 class Grid:
     """A range's files in the order that makes them an array [ranks, steps, microbatches], by their footers."""
 
-    names: tuple[str, str, str]
-    """The one (run, group, term) of its records."""
+    names: tuple[str, str, str | None]
+    """The one (run, group, term) of its records; the term None where each file holds several loss terms,
+    recorded in turn at every (step, microbatch), which the data says (`grid_table`)."""
     rank_files: tuple[tuple[Shard, ...], ...]
     """Each rank's files in step order, rank after rank (as `ranks`)."""
     ranks: tuple[int, ...]
@@ -61,17 +64,28 @@ class Grid:
         return tuple(shard for held in self.rank_files for shard in held)
 
 
+def _grid_names(shard: Shard) -> tuple[str, str, str | None] | None:
+    """A shard's (run, group, term) by its footer, the term None where it varies (several loss terms in one
+    file); None where the run or the group varies."""
+    if shard.names is not None:
+        return shard.names
+    if shard.run_group is not None and "term" in shard.columns:
+        return shard.run_group[0], shard.run_group[1], None
+    return None
+
+
 def grid_of(shards: Sequence[Shard], steps: tuple[int, int] | None) -> Grid | None:
     """The grid these shards form by their footers, or None: every shard a local file read from its data,
-    of one schema and one (run, group, term), one rank each, microbatches 0…M−1 (M the same for all),
-    inside `steps`; a rank's files do not overlap in steps, and every rank has the same number of rows.
-    Whether each rank holds the same steps, every microbatch once and in order, is checked on the data."""
-    if not shards or len({s.signature for s in shards}) != 1 or len({s.names for s in shards}) != 1:
+    of one schema and one (run, group, term) (or one (run, group) and terms that vary), one rank each,
+    microbatches 0…M−1 (M the same for all), inside `steps`; a rank's files do not overlap in steps, and
+    every rank has the same number of rows. Whether each rank holds the same steps, every microbatch once
+    and in order (and every term once and in one order within each), is checked on the data."""
+    if not shards or len({s.signature for s in shards}) != 1 or len({_grid_names(s) for s in shards}) != 1:
         return None
     by_rank: dict[int, list[Shard]] = {}
     micro: int | None = None
     for shard in shards:
-        if (shard.store is not None or shard.record is not None or shard.names is None
+        if (shard.store is not None or shard.record is not None or _grid_names(shard) is None
                 or shard.rank_range is None or shard.micro_range is None or shard.step_range is None):
             return None
         low, high = shard.rank_range
@@ -92,7 +106,7 @@ def grid_of(shards: Sequence[Shard], steps: tuple[int, int] | None) -> Grid | No
         rank_files.append(tuple(held))
     if micro is None or len(rows) != 1 or (rank_rows := rows.pop()) == 0 or rank_rows % micro:
         return None
-    names = shards[0].names
+    names = _grid_names(shards[0])
     assert names is not None
     return Grid(names=names, rank_files=tuple(rank_files), ranks=tuple(sorted(by_rank)), micro=micro,
                 rank_rows=rank_rows)
@@ -101,12 +115,16 @@ def grid_of(shards: Sequence[Shard], steps: tuple[int, int] | None) -> Grid | No
 def grids_of(shards: Sequence[Shard], steps: tuple[int, int] | None) -> list[Grid] | None:
     """The grids these shards form, one per (run, group, term) in the names' order, when each name's shards
     form one (`grid_of`): data-parallel groups each write their own ranks' files."""
-    by_name: dict[tuple[str, str, str], list[Shard]] = {}
+    by_name: dict[tuple[str, str, str | None], list[Shard]] = {}
     for shard in shards:
-        if shard.names is None:
+        names = _grid_names(shard)
+        if names is None:
             return None
-        by_name.setdefault(shard.names, []).append(shard)
-    grids = [grid_of(by_name[names], steps) for names in sorted(by_name)]
+        by_name.setdefault(names, []).append(shard)
+    # files of several terms beside files of one term of the same (run, group) would give a term twice
+    if len({names[:2] for names in by_name}) != len(by_name) and any(names[2] is None for names in by_name):
+        return None
+    grids = [grid_of(by_name[names], steps) for names in sorted(by_name, key=lambda n: (n[0], n[1], n[2] or ""))]
     return None if not grids or any(grid is None for grid in grids) else [g for g in grids if g is not None]
 
 
@@ -231,53 +249,86 @@ def _finite(values: np.ndarray, nulls: np.ndarray | None) -> bool:
 
 
 def grid_table(connection: duckdb.DuckDBPyConnection, grid: Grid, link: Callable[[Shard], str],
-               constants: dict[str, Any], rtol: float, block_rows: int) -> dict[str, np.ndarray] | None:
-    """The query's step table of this grid (the general form, without names or evidence), or None when
-    its data is not a grid of finite values after all. `link`: a shard's name for DuckDB. `constants`:
-    the one world_size and grad_divisor the footers give, where they do (`engine.footer_facts`).
-    Ranks are read `block_rows` records at a time at most."""
+               constants: dict[str, Any], rtol: float, block_rows: int
+               ) -> list[tuple[tuple[str, str, str], dict[str, np.ndarray]]] | None:
+    """The query's step table of this grid (the general form, without names or evidence) per (run, group,
+    term), in the terms' order, or None when its data is not a grid of finite values after all. `link`: a
+    shard's name for DuckDB. `constants`: the one world_size and grad_divisor the footers give, where they
+    do (`engine.footer_facts`). Ranks are read `block_rows` records at a time at most."""
     # a column no file holds a value of is NULL on every record, as the query reads it (`engine._valueless`)
     # (not grad_divisor when the footers give one D: a NaN is in no statistics, and the query counts it)
     files = grid.files
     read = [c for c in GRID_COLUMNS if c in files[0].columns and c not in constants.keys() - {"grad_divisor"}
             and not all(c in s.null_columns for s in files)]
     micro = grid.micro
-    steps_per_rank = grid.rank_rows // micro
+    run, group, term = grid.names
     ranks_per_block = max(1, block_rows // grid.rank_rows)
     types = dict(files[0].signature)
     columns = ", ".join(_read(c, types.get(c)) for c in ("step", "micro", "valid_tokens", "loss_sum", *read))
-    folded = _Folded()
+    if term is None:
+        # several loss terms in each file, the query's names: coalesce(term, '0')
+        columns += f', coalesce(CAST("term" AS VARCHAR), \'{UNNAMED}\') AS "term"'
+    terms: list[str] = [] if term is None else [term]
+    folded: list[_Folded] = []
     step_numbers: np.ndarray | None = None
     for start in range(0, len(grid.ranks), ranks_per_block):
         block_files = grid.rank_files[start:start + ranks_per_block]
         listed = "[" + ", ".join("'" + link(s).replace("'", "''") + "'" for held in block_files for s in held) + "]"
-        shape = (len(block_files), steps_per_rank, micro)
+        rows = len(block_files) * grid.rank_rows
         # As Arrow, not numpy: DuckDB hands a column over in 0.6 of the time; in one batch, each column is one
         # Arrow array, which numpy views without a copy.
         fetched = connection.sql(f"SELECT {columns} FROM read_parquet({listed}, union_by_name = false)"
-                                 ).to_arrow_table(batch_size=shape[0] * shape[1] * shape[2])
-        if fetched.num_rows != shape[0] * shape[1] * shape[2]:
+                                 ).to_arrow_table(batch_size=rows)
+        if fetched.num_rows != rows:
             return None
-        record = {name: _split(fetched.column(name)) for name in fetched.column_names}
+        names = fetched.column("term").combine_chunks() if term is None else None
+        record = {name: _split(fetched.column(name)) for name in fetched.column_names if name != "term"}
         del fetched
-        # The grid itself: each rank the same strictly increasing steps, each step microbatches 0…M−1 in order.
         step, step_nulls = record["step"]
         index, index_nulls = record["micro"]
         if step_nulls is not None or index_nulls is not None:
             return None
-        step = step.reshape(shape)
-        first = step[0, :, 0]
+        if not terms:
+            assert names is not None
+            # T terms recorded in turn at each (step, microbatch): the first step's rows are M·T, its first T
+            # rows' terms the order of all
+            count = int(np.count_nonzero(step[:grid.rank_rows] == step[0]))
+            if count % micro or grid.rank_rows % count:
+                return None
+            terms = names.slice(0, count // micro).to_pylist()
+            if len(set(terms)) != len(terms):
+                return None
+        if not folded:
+            folded = [_Folded() for _ in terms]
+        # [ranks, steps, M, T]: rank after rank, each rank's steps, each step's microbatches, each's terms
+        steps_per_rank = grid.rank_rows // (micro * len(terms))
+        full = (len(block_files), steps_per_rank, micro, len(terms))
+        shape = full[:3]
+        # The grid itself: each rank the same strictly increasing steps, each step microbatches 0…M−1 in order,
+        # each microbatch the terms once, in the one order.
+        step = step.reshape(full)
+        first = step[0, :, 0, 0]
         if step_numbers is None:
             step_numbers = first
             if steps_per_rank > 1 and not (np.diff(first) > 0).all():
                 return None
-        if not ((step == step_numbers[None, :, None]).all()
-                and (index.reshape(shape) == np.arange(micro)).all()):
+        if not ((step == step_numbers[None, :, None, None]).all()
+                and (index.reshape(full) == np.arange(micro)[:, None]).all()):
             return None
-        if not _block(record, shape, constants, rtol, folded):
-            return None
+        if names is not None:
+            codes = pc.index_in(names, value_set=pa.array(terms, names.type))
+            if codes.null_count or not (codes.to_numpy(zero_copy_only=False).reshape(full) == np.arange(len(terms))).all():
+                return None
+        for position, held in enumerate(folded):
+            # one term's records: every T-th from its first (a copy in order where T > 1)
+            mine = {name: (values.reshape(full)[..., position].reshape(-1),
+                           None if nulls is None else nulls.reshape(full)[..., position].reshape(-1))
+                    for name, (values, nulls) in record.items()}
+            if not _block(mine, shape, constants, rtol, held):
+                return None
     assert step_numbers is not None
-    return _table(folded, step_numbers, grid, constants)
+    return sorted((((run, group, name), _table(held, step_numbers, grid, constants))
+                   for name, held in zip(terms, folded)), key=lambda named: named[0])
 
 
 _AS_READ = frozenset({"int64", "int32", "int16", "int8", "double", "bool"})

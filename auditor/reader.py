@@ -69,6 +69,9 @@ class Shard:
     """Its columns of NULLABLE_COLUMNS whose footer shows no value at all (in every row group a null count
     equal to the rows): what the recorder writes for what it was not given (no probe, no reported loss).
     The aggregation reads these as it reads a column the file lacks (`engine.footer_facts`)."""
+    run_group: tuple[str, str] | None = None
+    """The one (run, group) all its records carry, defaults applied, when its footer shows it: as `names`,
+    but also where the term varies (several loss terms recorded in one file)."""
     record: tuple[Any, ...] | None = None
     """A one-row file's record, one value per `signature` column (None: a null), when its footer's
     statistics give every value exactly (`footer_record`): the aggregation reads it from here instead of
@@ -424,13 +427,14 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
         raise LogFormatError(name, f"cannot read the file's data ({_short(error)})") from None
     # the parent folder's name without pathlib's parsing of the path (a fifth of a footer's time)
     folder = os.path.basename(os.path.dirname(str(path))) if store is None else path.parent.name
+    names = _names(stats, present, folder)
     return Shard(path=path, columns=frozenset(present), rows=metadata.num_rows,
                  default_run=folder, step_range=_range(stats["step"]), rank_range=_range(stats["rank"]),
                  micro_range=_range(stats["micro"]), world_range=_range(stats["world_size"]),
                  divisor_range=_bounds(stats["grad_divisor"]) if "grad_divisor" in stats else None,
                  dropped=read_dropped(schema.metadata),
                  store=store, signature=facts.signature,
-                 names=_names(stats, present, folder),
+                 names=_all_names(names), run_group=_run_group(names),
                  null_columns=_null_columns(metadata, index, present & NULLABLE_COLUMNS) if record is None else
                  frozenset(c for (c, _), value in zip(facts.signature, record) if value is None and c in NULLABLE_COLUMNS),
                  record=record)
@@ -549,20 +553,28 @@ as `engine._select` applies them."""
 
 
 def _names(stats: dict[str, tuple[Any, Any, int | None]], present: frozenset[str], default_run: str
-           ) -> tuple[str, str, str] | None:
-    """`Shard.names` from the footer's statistics: a column's one value when its min and max are equal
-    and it has no null, its default when it is absent; otherwise None (a column of nulls only has no
-    min or max, so it is None too: the names are then aggregated as for any log)."""
-    names: list[str] = []
+           ) -> tuple[str | None, str | None, str | None]:
+    """`Shard.names` from the footer's statistics, column by column: a column's one value when its min and
+    max are equal and it has no null, its default when it is absent; otherwise None (a column of nulls
+    only has no min or max, so it is None too: the names are then aggregated as for any log)."""
+    names: list[str | None] = []
     for column, default in _NAME_COLUMNS:
         if column not in present:
             names.append(default_run if default is None else default)
             continue
         low, high, nulls = stats[column]
-        if nulls != 0 or not isinstance(low, str) or low != high:
-            return None
-        names.append(low)
+        names.append(low if nulls == 0 and isinstance(low, str) and low == high else None)
     return names[0], names[1], names[2]
+
+
+def _all_names(names: tuple[str | None, str | None, str | None]) -> tuple[str, str, str] | None:
+    run, group, term = names
+    return (run, group, term) if run is not None and group is not None and term is not None else None
+
+
+def _run_group(names: tuple[str | None, str | None, str | None]) -> tuple[str, str] | None:
+    run, group, _ = names
+    return (run, group) if run is not None and group is not None else None
 
 
 def _range(stats: tuple[Any, Any, int | None]) -> tuple[int, int] | None:

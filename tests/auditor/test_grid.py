@@ -57,10 +57,13 @@ def _differences(got: Any, expected: Any) -> list[str]:
     return differ
 
 
-def _random_grid(folder: Path, seed: int, group: str | None = None) -> dict[str, Any]:
+def _random_grid(folder: Path, seed: int, group: str | None = None, terms: list[str | None] | None = None
+                 ) -> dict[str, Any]:
     """A log in the recorder's layout (a rank's records in one to three files, in step and microbatch
     order) with every optional column absent, NULL everywhere, NULL on some records or on none, drawn
-    at random: zero-token records, zero losses, a probe, loss scales, several W and D, ranks past 64."""
+    at random: zero-token records, zero losses, a probe, loss scales, several W and D, ranks past 64.
+    `terms`: several loss terms recorded in turn at each (step, microbatch), each its own counts and
+    values (None: a NULL term, the unnamed one)."""
     draw = random.Random(seed)
     micro = draw.choice([1, 2, 3, 4])
     ranks = sorted(draw.sample(range(70), draw.choice([1, 2, 3, 5])))
@@ -69,7 +72,8 @@ def _random_grid(folder: Path, seed: int, group: str | None = None) -> dict[str,
     kinds = {column: draw.choice(["absent", "null", "some", "all"]) for column in OPTIONAL}
     vary_world = draw.random() < 0.3
     columns = ["step", "micro", "rank", "world_size", "loss_sum", "valid_tokens", "backward_scalar",
-               *(["group"] if group is not None else []), *[c for c in OPTIONAL if kinds[c] != "absent"]]
+               *(["group"] if group is not None else []), *(["term"] if terms else []),
+               *[c for c in OPTIONAL if kinds[c] != "absent"]]
     schema = pa.schema([WRITER_SCHEMA.field(c) for c in columns])
     if draw.random() < 0.3:  # narrower types, which the query casts and numpy reads as they are
         schema = schema.set(schema.get_field_index("valid_tokens"), pa.field("valid_tokens", pa.int32()))
@@ -98,16 +102,17 @@ def _random_grid(folder: Path, seed: int, group: str | None = None) -> dict[str,
         rows = []
         for step in steps:
             for index in range(micro):
-                n = draw.choice([0, draw.randint(1, 60), draw.randint(1, 5000)])
-                loss = draw.choice([0.0, draw.uniform(0.5, 3.0) * n, -0.0]) if draw.random() < 0.1 else \
-                    draw.uniform(0.5, 3.0) * n
-                record = {"step": step, "micro": index, "rank": rank, "loss_sum": loss, "valid_tokens": n, "group": group,
-                          "world_size": world + (step % 2 if vary_world else 0),
-                          "backward_scalar": draw.choice([loss / max(n, 1), world * loss / 1000.0, 0.0, -loss])}
-                record.update({c: value(c, record) for c in OPTIONAL if kinds[c] != "absent"})
-                if record.get("token_weight_sum") is not None and draw.random() < 0.2:
-                    record["backward_scalar"] = None  # the probe's weights stand for b
-                rows.append(record)
+                for term in terms or [None]:
+                    n = draw.choice([0, draw.randint(1, 60), draw.randint(1, 5000)])
+                    loss = draw.choice([0.0, draw.uniform(0.5, 3.0) * n, -0.0]) if draw.random() < 0.1 else \
+                        draw.uniform(0.5, 3.0) * n
+                    record = {"step": step, "micro": index, "rank": rank, "loss_sum": loss, "valid_tokens": n,
+                              "group": group, "term": term, "world_size": world + (step % 2 if vary_world else 0),
+                              "backward_scalar": draw.choice([loss / max(n, 1), world * loss / 1000.0, 0.0, -loss])}
+                    record.update({c: value(c, record) for c in OPTIONAL if kinds[c] != "absent"})
+                    if record.get("token_weight_sum") is not None and draw.random() < 0.2:
+                        record["backward_scalar"] = None  # the probe's weights stand for b
+                    rows.append(record)
         cuts = sorted(draw.sample(range(1, len(steps)), min(len(steps) - 1, draw.randint(0, 2)))) if micro > 1 else []
         for part, (start, stop) in enumerate(zip([0, *cuts], [*cuts, len(steps)])):
             inside = [r for r in rows if steps[start] <= r["step"] <= steps[stop - 1]]
@@ -126,6 +131,46 @@ def test_a_grid_reduced_by_numpy_is_the_query_s_step_table(tmp_path: Path, seed:
     got, expected, reduced = _tables(shards, monkeypatch)
     assert reduced and all(reduced), drawn
     assert not _differences(got, expected), (_differences(got, expected), drawn)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_loss_terms_recorded_in_turn_are_a_grid_each(tmp_path: Path, seed: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several loss terms in every file, recorded in turn at each (step, microbatch) as the recorder writes
+    them (a NULL term is the unnamed one): read once, each term reduced as a grid of its own, the query's
+    table bit for bit; in two groups as well."""
+    draw = random.Random(seed)
+    terms: list[str | None] = draw.choice([["0", "aux"], [None, "aux"], ["mtp1", "mtp2", "0"], ["z", "a"]])
+    groups = ["dp0", "dp1"] if seed % 4 == 3 else [None]
+    drawn = [_random_grid(tmp_path / "run", seed * 10 + index, group, terms) for index, group in enumerate(groups)]
+    shards = load([tmp_path / "run"]).shards
+    assert all(s.names is None and s.run_group is not None for s in shards)
+    got, expected, reduced = _tables(shards, monkeypatch)
+    assert reduced and all(reduced), drawn
+    assert sorted(got.term.unique()) == sorted(t or "0" for t in terms)
+    assert not _differences(got, expected), (_differences(got, expected), drawn)
+
+
+@pytest.mark.parametrize("case", ["out of turn", "a term missing", "one term beside several"])
+def test_loss_terms_that_are_not_in_turn_take_the_query(tmp_path: Path, case: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Terms out of their order at one microbatch, a term missing from one, or a file of one term beside files
+    of several for the same (run, group): the query's table."""
+    rows = [dict(r, term=term, loss_sum=r["loss_sum"] * (1 + index))
+            for r in _rows(ranks=2, steps=3, micro=2) for index, term in enumerate(["0", "aux"])]
+    if case == "out of turn":
+        rows[5]["term"], rows[4]["term"] = rows[4]["term"], rows[5]["term"]
+    elif case == "a term missing":
+        del rows[3]
+        rows = [r for r in rows if not (r["rank"] == 1 and r["step"] == 2 and r["micro"] == 1 and r["term"] == "aux")]
+    elif case == "one term beside several":
+        for row in rows:
+            if row["rank"] == 1:
+                row["term"] = "0"
+    shards = _by_rank(tmp_path / "run", rows)
+    got, expected, reduced = _tables(shards, monkeypatch)
+    assert not any(reduced)
+    assert not _differences(got, expected)
 
 
 @pytest.mark.parametrize("seed", range(12))
