@@ -46,6 +46,22 @@ def _mixed_log(folder: Path) -> Path:
     return write_by_rank(folder, rows)
 
 
+def _count_parts_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of each part of a table on disk as it is read back (`engine.Spilled.parts`), in order."""
+    import tokaudit.engine as engine
+
+    read: list[int] = []
+    original = engine.Spilled.parts
+
+    def counted(self: Any) -> Any:
+        for part in original(self):
+            read.append(len(part))
+            yield part
+
+    monkeypatch.setattr(engine.Spilled, "parts", counted)
+    return read
+
+
 def _live_log(folder: Path) -> Path:
     rows = records(UNEVEN_GA * 3, token_mean)
     return write_by_rank(folder, [r for r in rows if not (r["rank"] == 1 and r["step"] > 4)])
@@ -103,15 +119,7 @@ def test_a_long_run_is_audited_from_disk_a_part_at_a_time(tmp_path: Path, monkey
     whole_peak, whole = peak()
     monkeypatch.setattr(engine, "SPILL_STEPS", 2_000)
     monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "4000")
-    read: list[int] = []
-    original = engine.Spilled.parts
-
-    def counted(self: Any) -> Any:
-        for part in original(self):
-            read.append(len(part))
-            yield part
-
-    monkeypatch.setattr(engine.Spilled, "parts", counted)
+    read = _count_parts_read(monkeypatch)
     parts_peak, parts = peak()
     assert parts == whole
     assert read and max(read) <= 2_000 < sum(read)  # every range read alone, never the table
@@ -214,15 +222,7 @@ def test_a_long_curve_is_drawn_and_written_from_disk_a_part_at_a_time(tmp_path: 
     assert "(43 of 300 steps shown; --csv writes all)" in whole[1][0]  # steps 0, 7, 14, …, 294
     monkeypatch.setattr(engine, "SPILL_STEPS", 0)
     monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "24")
-    read: list[int] = []
-    original = engine.Spilled.parts
-
-    def counted(self: Any) -> Any:
-        for part in original(self):
-            read.append(len(part))
-            yield part
-
-    monkeypatch.setattr(engine.Spilled, "parts", counted)
+    read = _count_parts_read(monkeypatch)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
@@ -321,15 +321,7 @@ def test_a_step_that_is_not_there_is_named_from_the_table_read_a_part_at_a_time(
     assert other.exists()
     monkeypatch.setattr(engine, "SPILL_STEPS", 0)
     monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "8")
-    read: list[int] = []
-    original = engine.Spilled.parts
-
-    def counted(self: Any) -> Any:
-        for part in original(self):
-            read.append(len(part))
-            yield part
-
-    monkeypatch.setattr(engine.Spilled, "parts", counted)
+    read = _count_parts_read(monkeypatch)
     import tokaudit.reader as reader
 
     validated: list[Path] = []
