@@ -347,9 +347,43 @@ def test_a_shard_names_its_one_run_group_and_term_only_when_its_footer_shows_it(
         "two terms": ([dict(r, term="aux" if r["rank"] else "lm") for r in rows], None),
         "a null among values": ([dict(r, group=None if r["rank"] else "dp0") for r in rows], None),
     }
+    run_groups = {"absent": ("folder", "0"), "one": ("it's ∑", "dp0"), "all null": None, "two terms": ("folder", "0"),
+                  "a null among values": None}
     for name, (written, expected) in cases.items():
         path = write(tmp_path / name.replace(" ", "_") / "folder" / "rank-all-000000.parquet", written)
-        assert inspect_shard(path).names == expected, name
+        shard = inspect_shard(path)
+        assert shard.names == expected, name
+        # `Shard.run_group`: the (run, group) alone, also where the term varies (several loss terms in a file)
+        assert shard.run_group == run_groups[name], name
+
+
+def test_files_of_one_parquet_schema_keep_the_arrow_types_their_writers_stored(tmp_path: Path) -> None:
+    """A schema seen last is not made again for a file whose Parquet schema and stored Arrow schema are the
+    same: files of one Parquet schema whose writers stored other Arrow types (a dictionary of names, a time
+    stamp's zone, both stored as UTC) each keep their own, whatever order they are read in."""
+    rows = [dict(r, run_id="run") for r in records(UNEVEN, token_mean)]
+    names = [f.name for f in WRITER_SCHEMA if f.name in rows[0]]
+    plain = pa.schema([WRITER_SCHEMA.field(n) for n in names])
+    table = pa.Table.from_pylist(rows, schema=plain)
+    coded = table.set_column(table.schema.get_field_index("run_id"), "run_id", table["run_id"].dictionary_encode())
+    zoned = table.append_column(pa.field("time", pa.timestamp("us", tz="UTC")),
+                                pa.array([0] * len(rows), pa.timestamp("us", tz="UTC")))
+    naive = table.append_column(pa.field("time", pa.timestamp("us", tz="Asia/Tokyo")),
+                                pa.array([0] * len(rows), pa.timestamp("us", tz="Asia/Tokyo")))
+    paths = {}
+    for name, written in {"plain": table, "coded": coded, "zoned": zoned, "naive": naive}.items():
+        paths[name] = tmp_path / f"{name}.parquet"
+        pq.write_table(written, paths[name])
+    assert pq.read_metadata(paths["plain"]).schema.equals(pq.read_metadata(paths["coded"]).schema)
+    assert pq.read_metadata(paths["zoned"]).schema.equals(pq.read_metadata(paths["naive"]).schema)
+    for order in (["plain", "coded", "plain"], ["coded", "plain", "coded"], ["zoned", "naive", "zoned"],
+                  ["naive", "zoned", "naive"]):
+        for name in order:
+            expected = dict((f.name, str(f.type)) for f in pq.read_schema(paths[name]))
+            got = dict(inspect_shard(paths[name]).signature)
+            assert got == {column: expected[column] for column in got}, (order, name)
+    assert dict(inspect_shard(paths["coded"]).signature)["run_id"].startswith("dictionary<values=string")
+    assert dict(inspect_shard(paths["zoned"]).signature)["time"] == "timestamp[us, tz=UTC]"
 
 
 def test_a_shard_names_the_optional_columns_that_hold_no_value_from_its_footer(tmp_path: Path) -> None:
@@ -366,6 +400,9 @@ def test_a_shard_names_the_optional_columns_that_hold_no_value_from_its_footer(t
     assert pq.ParquetFile(path).metadata.num_row_groups > 2
     assert inspect_shard(path).null_columns == {"positions", "token_weight_sum"}
     pq.write_table(table.drop_columns(["reported_loss"]), path, row_group_size=5)
+    assert inspect_shard(path).null_columns == {"positions", "token_weight_sum"}
+    pq.write_table(table, path)  # one row group: statistics and null counts taken in one pass
+    assert pq.ParquetFile(path).metadata.num_row_groups == 1
     assert inspect_shard(path).null_columns == {"positions", "token_weight_sum"}
     pq.write_table(table, path, write_statistics=False)
     assert inspect_shard(path).null_columns == frozenset()
