@@ -475,58 +475,61 @@ def _schema_of(parquet: _Footer) -> tuple[_SchemaFacts, dict[str, int]]:
 
 def _footer_stats(metadata: pq.FileMetaData, index: dict[str, int], facts: _SchemaFacts, nullable: frozenset[str]
                   ) -> tuple[dict[str, tuple[Any, Any, int | None]], frozenset[str]]:
-    """`_column_stats` of its bounded columns and `_null_columns` of `nullable`, in one pass over a footer
-    of one row group (each column's statistics taken once; a name's text from its stored bytes, a fifth of
-    the time of pyarrow's conversion); a footer of several row groups by those two."""
-    if metadata.num_row_groups != 1:
-        return (_column_stats(metadata, index, facts.bounded, facts.raw),
-                _null_columns(metadata, index, nullable))
-    group = metadata.row_group(0)
-    rows = group.num_rows
+    """Per bounded column, (min, max, null count) over all row groups, None where a statistic is missing;
+    and those of `nullable` that hold only nulls by the footer (a null count equal to the rows of every row
+    group; a column without a null count is not claimed). Each column's statistics are taken once a row
+    group, its bounds read as stored where that is the value (`_SchemaFacts.raw`, a fifth of the time of
+    pyarrow's logical value) and a name's text decoded from its stored bytes. `index`: each column's place
+    in the footer."""
+    groups = [metadata.row_group(group) for group in range(metadata.num_row_groups)]
     out: dict[str, tuple[Any, Any, int | None]] = {}
     empty: list[str] = []
     for column in facts.bounded | nullable:
         place = index.get(column)
-        statistics = group.column(place).statistics if place is not None else None
-        if column in nullable and statistics is not None and statistics.has_null_count and statistics.null_count == rows:
+        bounded = column in facts.bounded
+        stored = column in facts.raw
+        bounding = bounded  # bounds still gathered
+        only_nulls = column in nullable  # every row group's values null so far
+        low: Any = None
+        high: Any = None
+        nulls: int | None = 0
+        for group in groups:
+            statistics = group.column(place).statistics if place is not None else None
+            if only_nulls and (statistics is None or not statistics.has_null_count
+                               or statistics.null_count != group.num_rows):
+                only_nulls = False
+            if bounding:
+                if statistics is None or not statistics.has_min_max or nulls is None:
+                    low = high = nulls = None
+                    bounding = False
+                else:
+                    least, most = ((statistics.min_raw, statistics.max_raw) if stored
+                                   else _statistic_bounds(statistics, column, facts))
+                    if isinstance(least, bytes):  # a half float's: as good as none (its values are read instead)
+                        low = high = nulls = None
+                        bounding = False
+                    else:
+                        low = least if low is None else min(low, least)
+                        high = most if high is None else max(high, most)
+                        nulls = nulls + statistics.null_count if statistics.has_null_count else None
+            if not (bounding or only_nulls):
+                break
+        if bounded:
+            out[column] = (low, high, nulls)
+        if only_nulls:
             empty.append(column)
-        if column not in facts.bounded:
-            continue
-        if statistics is None or not statistics.has_min_max:
-            out[column] = (None, None, None)
-            continue
-        if column in facts.raw:
-            low, high = statistics.min_raw, statistics.max_raw
-        elif column in facts.text:
-            try:
-                low, high = statistics.min_raw.decode("utf-8"), statistics.max_raw.decode("utf-8")
-            except (AttributeError, UnicodeDecodeError):
-                low, high = statistics.min, statistics.max
-        else:
-            low, high = statistics.min, statistics.max
-        if isinstance(low, bytes):  # a half float's: as good as none (its values are read instead)
-            out[column] = (None, None, None)
-            continue
-        out[column] = (low, high, statistics.null_count if statistics.has_null_count else None)
     return out, frozenset(empty)
 
 
-def _null_columns(metadata: pq.FileMetaData, index: dict[str, int], columns: frozenset[str]) -> frozenset[str]:
-    """Those of `columns` that hold only nulls by the footer: a null count equal to the rows of every row
-    group. A column without a null count in its statistics is not claimed."""
-    if not columns:
-        return frozenset()
-    empty = set(columns)
-    for group in range(metadata.num_row_groups):
-        row_group = metadata.row_group(group)
-        rows = row_group.num_rows
-        for column in list(empty):
-            statistics = row_group.column(index[column]).statistics
-            if statistics is None or not statistics.has_null_count or statistics.null_count != rows:
-                empty.discard(column)
-        if not empty:
-            break
-    return frozenset(empty)
+def _statistic_bounds(statistics: Any, column: str, facts: _SchemaFacts) -> tuple[Any, Any]:
+    """A row group's (min, max) of a column whose stored statistics are not its value: a name's text decoded
+    from its stored UTF-8, anything else as pyarrow gives it."""
+    if column in facts.text:
+        try:
+            return statistics.min_raw.decode("utf-8"), statistics.max_raw.decode("utf-8")
+        except (AttributeError, UnicodeDecodeError):
+            pass
+    return statistics.min, statistics.max
 
 
 _TIMESTAMP = re.compile(r"^timestamp\[(s|ms|us|ns)(?:, tz=(.+))?\]$")
@@ -607,7 +610,7 @@ def footer_record(metadata: pq.FileMetaData, index: dict[str, int], signature: t
 
 
 def _record_stats(record: tuple[Any, ...], facts: _SchemaFacts) -> dict[str, tuple[Any, Any, int | None]]:
-    """`_column_stats` of a one-row file's bounded columns from its record (`footer_record`): (v, v, 0) for a
+    """`_footer_stats` of a one-row file's bounded columns from its record (`footer_record`): (v, v, 0) for a
     value v, and for a null what a footer without a min or max gives, (None, None, None)."""
     return {column: (None, None, None) if value is None else (value, value, 0)
             for (column, _), value in zip(facts.signature, record) if column in facts.bounded}
@@ -679,14 +682,9 @@ class _SchemaFacts:
 
 _SCHEMAS: dict[tuple[tuple[str, str], ...], _SchemaFacts] = {}
 """Schemas already checked, by their fields."""
-_LAST_SCHEMA: list[tuple[pa.Schema, _SchemaFacts]] = []
-"""The schema seen last: the shards of one log share it, and comparing two schemas costs a fraction of
-naming every field's type."""
-
-
 def _checked_schema(schema: pa.Schema) -> _SchemaFacts:
-    if _LAST_SCHEMA and schema.equals(_LAST_SCHEMA[0][0]):
-        return _LAST_SCHEMA[0][1]
+    """What a schema says, made once for all the shards that have it (the schema seen last is not even
+    made again: `_schema_of`)."""
     fields = tuple((f.name, str(f.type)) for f in schema)
     facts = _SCHEMAS.get(fields)
     if facts is None:
@@ -700,7 +698,6 @@ def _checked_schema(schema: pa.Schema) -> _SchemaFacts:
         text = frozenset(c for c, arrow_type in signature if footer_type(arrow_type) == pa.string())
         facts = _SCHEMAS[fields] = _SchemaFacts(problem, present, (present & _STATISTICS) | set(unsigned), unsigned,
                                                 signature, raw, text)
-    _LAST_SCHEMA[:] = [(schema, facts)]
     return facts
 
 
@@ -769,36 +766,6 @@ def _check_values(parquet: _Footer, present: frozenset[str], stats: dict[str, tu
                 need.add(column)  # NaN never shows in statistics
     if need:
         _check_rows(parquet.read(sorted(need)), need)
-
-
-def _column_stats(metadata: pq.FileMetaData, index: dict[str, int], columns: frozenset[str],
-                  raw: frozenset[str] = frozenset()) -> dict[str, tuple[Any, Any, int | None]]:
-    """(min, max, null count) per column over all row groups; None where a statistic is missing.
-    `index`: each column's position in the footer; `raw`: columns whose stored statistics are their values."""
-    groups = [metadata.row_group(group) for group in range(metadata.num_row_groups)]
-    out: dict[str, tuple[Any, Any, int | None]] = {}
-    for column in columns:
-        low: Any = None
-        high: Any = None
-        nulls: int | None = 0
-        for group in groups:
-            chunk = group.column(index[column]) if column in index else None
-            statistics = chunk.statistics if chunk is not None else None
-            if statistics is None or not statistics.has_min_max or nulls is None:
-                low = high = nulls = None
-                break
-            least, most = ((statistics.min_raw, statistics.max_raw) if column in raw
-                           else (statistics.min, statistics.max))
-            if isinstance(least, bytes):  # a half float's: as good as none (its values are read instead)
-                low = high = nulls = None
-                break
-            low = least if low is None else min(low, least)
-            high = most if high is None else max(high, most)
-            nulls = nulls + statistics.null_count if statistics.has_null_count else None
-        if metadata.num_row_groups == 0:
-            low = high = None
-        out[column] = (low, high, nulls)
-    return out
 
 
 def _check_rows(table: pa.Table, columns: Iterable[str]) -> None:
