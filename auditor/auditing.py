@@ -50,6 +50,15 @@ def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTO
     return logset, engine, steps
 
 
+def load_logs(paths: Sequence[str | os.PathLike[str]], started: Loading | None = None, threads: int | None = None
+              ) -> LogSet:
+    """The logs' footers validated (`load(paths, thorough=False)`): the load already under way (`started`),
+    or one now."""
+    # Footers are validated by as many processes as DuckDB has threads: every core unless told
+    # (the trackers' audit beside training takes one, and so validates in its own process).
+    return started.result() if started is not None else load(paths, thorough=False, workers=threads or cores())
+
+
 def open_log_parts(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL,
                    progress: Progress | None = None, only_steps: tuple[int, int] | None = None,
                    threads: int | None = None, started: Loading | None = None, evidence: bool = False,
@@ -65,10 +74,7 @@ def open_log_parts(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAUL
     `spill`: a table of more than `engine.SPILL_STEPS` steps is kept on disk a range at a time (`Spilled`,
     which the caller closes). `loaded`: the logs' footers already validated (`load(paths, thorough=False)`),
     which are then not validated again."""
-    # Footers are validated by as many processes as DuckDB has threads: every core unless told
-    # (the trackers' audit beside training takes one, and so validates in its own process).
-    logset = (loaded if loaded is not None else started.result() if started is not None
-              else load(paths, thorough=False, workers=threads or cores()))
+    logset = loaded if loaded is not None else load_logs(paths, started, threads)
     shards = list(logset.shards)
     if only_steps is not None:
         # Files whose footer statistics put every step outside the range are not read at all.

@@ -44,7 +44,8 @@ MAX_MICRO = 64
 
 @dataclass(frozen=True)
 class Grid:
-    """A range's files in the order that makes them an array [ranks, steps, microbatches], by their footers."""
+    """A range's files in the order that makes them an array [ranks, steps, microbatches] (× terms where each
+    file holds several), by their footers."""
 
     names: tuple[str, str, str | None]
     """The one (run, group, term) of its records; the term None where each file holds several loss terms,
@@ -56,7 +57,7 @@ class Grid:
     micro: int
     """M: microbatches per (rank, step)."""
     rank_rows: int
-    """Rows of each rank: S·M."""
+    """Rows of each rank: S·M (S·M·T with T terms in each file)."""
 
     @property
     def files(self) -> tuple[Shard, ...]:
@@ -113,8 +114,9 @@ def grid_of(shards: Sequence[Shard], steps: tuple[int, int] | None) -> Grid | No
 
 
 def grids_of(shards: Sequence[Shard], steps: tuple[int, int] | None) -> list[Grid] | None:
-    """The grids these shards form, one per (run, group, term) in the names' order, when each name's shards
-    form one (`grid_of`): data-parallel groups each write their own ranks' files."""
+    """The grids these shards form, one per (run, group, term) (or per (run, group) whose files each hold
+    several terms) in the names' order, when each name's shards form one (`grid_of`): data-parallel groups
+    each write their own ranks' files."""
     by_name: dict[tuple[str, str, str | None], list[Shard]] = {}
     for shard in shards:
         names = _grid_names(shard)

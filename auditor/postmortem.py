@@ -11,11 +11,11 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit.auditing import Progress, open_log_parts, open_logs, selected_runs, table_parts, table_runs
+from tokaudit.auditing import Progress, load_logs, open_log_parts, open_logs, selected_runs, table_parts, table_runs
 from tokaudit.engine import Spilled
 from tokaudit.normalization import name_ranks
 from tokaudit.render.chart import LineChart
-from tokaudit.reader import Loading, LogSet, cores, load
+from tokaudit.reader import Loading, LogSet
 from tokaudit.codes import DEFAULT_RTOL
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
 
@@ -54,7 +54,7 @@ def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | 
     it is not there the whole log is aggregated, a part at a time, to say which runs and steps it has
     (its footers validated once for both). `started`: the validation of `paths` already under way
     (`tokaudit.reader.start_loading`)."""
-    loaded = started.result() if started is not None else load(paths, thorough=False, workers=cores())
+    loaded = load_logs(paths, started)
     logset, engine, steps = open_logs(paths, only_steps=(step, step), loaded=loaded)
     one_run = run is None and len({s.default_run for s in logset.shards}) == 1 and steps.run.nunique() == 1
     if engine is not None and len(steps) and (one_run or run in set(steps.run.unique())):
@@ -107,11 +107,6 @@ class Curve:
         for rows in selected_runs(table_parts(self.table), [self.run]):
             if len(rows):
                 yield _curve_rows(rows)
-
-    def frame(self) -> pd.DataFrame:
-        """The whole curve as one frame (a log of millions of steps holds it all)."""
-        parts = list(self.parts())
-        return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame({key: [] for key in CURVE_KEYS})
 
     def close(self) -> None:
         if isinstance(self.table, Spilled):
@@ -187,17 +182,6 @@ def curve_parts(paths: Sequence[str | os.PathLike[str]], run: str | None = None,
             table.close()
         raise
     return Curve(chosen, table), logset.problems
-
-
-def loss_curve(paths: Sequence[str | os.PathLike[str]], run: str | None = None, progress: Progress | None = None,
-               steps: tuple[int, int] | None = None, started: Loading | None = None
-               ) -> tuple[str, pd.DataFrame, list[LogFormatError]]:
-    """`curve_parts`, the curve whole as one frame."""
-    curve, problems = curve_parts(paths, run, progress, steps, started)
-    try:
-        return curve.run, curve.frame(), problems
-    finally:
-        curve.close()
 
 
 TABLE_STEPS = 40
