@@ -58,6 +58,9 @@ class Grid:
     """M: microbatches per (rank, step)."""
     rank_rows: int
     """Rows of each rank: S·M (S·M·T with T terms in each file)."""
+    given: tuple[tuple[str, Any], ...] = ()
+    """(column, value) of the columns every file's footer gives the same one value of (`Shard.constants`),
+    which are then not read."""
 
     @property
     def files(self) -> tuple[Shard, ...]:
@@ -109,8 +112,11 @@ def grid_of(shards: Sequence[Shard], steps: tuple[int, int] | None) -> Grid | No
         return None
     names = _grid_names(shards[0])
     assert names is not None
+    given = set(shards[0].constants)
+    for constants in {s.constants for s in shards}:
+        given &= set(constants)
     return Grid(names=names, rank_files=tuple(rank_files), ranks=tuple(sorted(by_rank)), micro=micro,
-                rank_rows=rank_rows)
+                rank_rows=rank_rows, given=tuple(sorted(given)))
 
 
 def grids_of(shards: Sequence[Shard], steps: tuple[int, int] | None) -> list[Grid] | None:
@@ -257,16 +263,26 @@ def grid_table(connection: duckdb.DuckDBPyConnection, grid: Grid, link: Callable
     term), in the terms' order, or None when its data is not a grid of finite values after all. `link`: a
     shard's name for DuckDB. `constants`: the one world_size and grad_divisor the footers give, where they
     do (`engine.footer_facts`). Ranks are read `block_rows` records at a time at most."""
-    # a column no file holds a value of is NULL on every record, as the query reads it (`engine._valueless`)
-    # (not grad_divisor when the footers give one D: a NaN is in no statistics, and the query counts it)
+    # A column no file holds a value of is NULL on every record, as the query reads it (`engine._valueless`);
+    # one whose footers give its one value (`Grid.given`) is that value on every record.
     files = grid.files
-    read = [c for c in GRID_COLUMNS if c in files[0].columns and c not in constants.keys() - {"grad_divisor"}
+    given = dict(grid.given)
+    if "grad_divisor" in constants and "grad_divisor" in files[0].columns:
+        given["grad_divisor"] = constants["grad_divisor"]  # the range's one D
+    read = [c for c in GRID_COLUMNS if c in files[0].columns and c not in constants and c not in given
             and not all(c in s.null_columns for s in files)]
     micro = grid.micro
     run, group, term = grid.names
     ranks_per_block = max(1, block_rows // grid.rank_rows)
     types = dict(files[0].signature)
-    columns = ", ".join(_read(c, types.get(c)) for c in ("step", "micro", "valid_tokens", "loss_sum", *read))
+    loss = _value("loss_sum", types.get("loss_sum"))
+    # A NaN shows in no statistics: each float column left unread is read into the loss as S − (v − v), which
+    # is S bit for bit (−0.0 too) where v is finite (v − v = +0.0), and NaN where v is NaN: the grid then
+    # gives way to the query, which counts it and names its file.
+    for column in sorted(c for c in given if c in files[0].columns and COLUMNS_BY_NAME[c].kind == "float"):
+        loss += f' - ("{column}" - "{column}")'
+    columns = ", ".join([_read(c, types.get(c)) for c in ("step", "micro", "valid_tokens")] + [f'{loss} AS "loss_sum"']
+                        + [_read(c, types.get(c)) for c in read])
     if term is None:
         # several loss terms in each file, the query's names: coalesce(term, '0')
         columns += f', coalesce(CAST("term" AS VARCHAR), \'{UNNAMED}\') AS "term"'
@@ -326,7 +342,7 @@ def grid_table(connection: duckdb.DuckDBPyConnection, grid: Grid, link: Callable
             mine = {name: (values.reshape(full)[..., position].reshape(-1),
                            None if nulls is None else nulls.reshape(full)[..., position].reshape(-1))
                     for name, (values, nulls) in record.items()}
-            if not _block(mine, shape, constants, rtol, held):
+            if not _block(mine, shape, constants, given, rtol, held):
                 return None
     assert step_numbers is not None
     return sorted((((run, group, name), _table(held, step_numbers, grid, constants))
@@ -338,19 +354,28 @@ _AS_READ = frozenset({"int64", "int32", "int16", "int8", "double", "bool"})
 read as they are, which spares a conversion of every value (a float32 is widened first, as the query does)."""
 
 
-def _read(column: str, arrow_type: str | None) -> str:
+def _value(column: str, arrow_type: str | None) -> str:
+    """A column's value as the query casts it, in SQL."""
     if arrow_type in _AS_READ and (COLUMNS_BY_NAME[column].kind == "float") == (arrow_type == "double"):
         return f'"{column}"'
-    return f'CAST("{column}" AS {_SQL_TYPES[COLUMNS_BY_NAME[column].kind]}) AS "{column}"'
+    return f'CAST("{column}" AS {_SQL_TYPES[COLUMNS_BY_NAME[column].kind]})'
+
+
+def _read(column: str, arrow_type: str | None) -> str:
+    return f'{_value(column, arrow_type)} AS "{column}"'
 
 
 def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple[int, int, int],
-           constants: dict[str, Any], rtol: float, folded: _Folded) -> bool:
+           constants: dict[str, Any], given: dict[str, Any], rtol: float, folded: _Folded) -> bool:
     """One block of ranks folded into `folded`: the query's per-record values (RECORDS_SQL and the view
     `records`), then its per-step, per-rank and per-(step, microbatch) aggregates; False (nothing folded)
-    where a value is not finite."""
+    where a value is not finite. `given`: the columns left unread, and their one value (`Grid.given`)."""
     def column(name: str) -> tuple[np.ndarray | None, np.ndarray | None]:
         """[ranks, steps, M] and its NULLs; (None, None): no value at all (a NULL on every record)."""
+        if name in given:
+            # its one value on every record, typed as the query casts it (a view: no array is made)
+            kind = np.float64 if COLUMNS_BY_NAME[name].kind == "float" else np.int64
+            return np.broadcast_to(np.asarray(given[name], dtype=kind), shape), None
         if name not in record:
             return None, None
         values, nulls = record[name]
@@ -378,10 +403,11 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
         world = world_values
     # D = coalesce(grad_divisor, world_size)
     divisor_values, divisor_nulls = column("grad_divisor")
-    divisor: Any = (np.asarray(world, dtype=np.float64) if divisor_values is None else
+    divisor: Any = (float(given["grad_divisor"]) if "grad_divisor" in given else
+                    np.asarray(world, dtype=np.float64) if divisor_values is None else
                     divisor_values if divisor_nulls is None else np.where(divisor_nulls, world, divisor_values))
     scale_values, scale_nulls = column("grad_scale")
-    scale: Any = 1.0 if scale_values is None else (
+    scale: Any = float(given["grad_scale"]) if "grad_scale" in given else 1.0 if scale_values is None else (
         scale_values if scale_nulls is None else np.where(scale_nulls, 1.0, scale_values))  # g = coalesce(grad_scale, 1)
     if not isinstance(scale, float) and (scale == 1.0).all():
         scale = 1.0  # c·1 is c bit for bit: no loss scaler, no pass over the records for it

@@ -76,6 +76,10 @@ class Shard:
     """A one-row file's record, one value per `signature` column (None: a null), when its footer's
     statistics give every value exactly (`footer_record`): the aggregation reads it from here instead of
     opening the file again (DuckDB's 0.3 ms of CPU a file, most of the audit of 10,000 one-row shards)."""
+    constants: tuple[tuple[str, Any], ...] = ()
+    """(column, value) of each of CONSTANT_COLUMNS whose footer gives the one value of every record (lowest =
+    highest, no null), as its statistics hold it: a grid reads none of them (`tokaudit.grid`). A float column
+    may still hide a NaN, which no statistics show."""
 
     @property
     def name(self) -> str:
@@ -443,7 +447,8 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
                  divisor_range=_bounds(stats["grad_divisor"]) if "grad_divisor" in stats else None,
                  dropped=read_dropped(metadata.metadata),
                  store=store, signature=facts.signature,
-                 names=_all_names(names), run_group=_run_group(names), null_columns=empty, record=record)
+                 names=_all_names(names), run_group=_run_group(names), null_columns=empty, record=record,
+                 constants=_constants(stats))
 
 
 NULLABLE_COLUMNS = frozenset({"token_weight_sum", "token_weight_min", "token_weight_max", "masked_weight_abs_sum",
@@ -646,6 +651,24 @@ def _run_group(names: tuple[str | None, str | None, str | None]) -> tuple[str, s
     return (run, group) if run is not None and group is not None else None
 
 
+CONSTANT_COLUMNS = ("world_size", "grad_divisor", "grad_scale", "positions")
+"""Columns a file often holds one value of (a world size, a fixed divisor, no loss scaler, a fixed length),
+which its footer then gives (`Shard.constants`)."""
+
+
+def _constants(stats: dict[str, tuple[Any, Any, int | None]]) -> tuple[tuple[str, Any], ...]:
+    """`Shard.constants` from a file's statistics (`_footer_stats`)."""
+    found = []
+    for column in CONSTANT_COLUMNS:
+        bounds = _bounds(stats[column]) if column in stats else None
+        if bounds is None or bounds[0] != bounds[1] or isinstance(bounds[0], (bytes, str)):
+            continue
+        if isinstance(bounds[0], float) and bounds[0] == 0:
+            continue  # a float zero's sign is in no statistics (−0.0 as the lowest, +0.0 as the highest, for either)
+        found.append((column, bounds[0]))
+    return tuple(found)
+
+
 def _range(stats: tuple[Any, Any, int | None]) -> tuple[int, int] | None:
     """(lowest, highest) of an integer column when its statistics hold both and it has no nulls."""
     bounds = _bounds(stats)
@@ -727,8 +750,9 @@ _LOWER_BOUNDS: tuple[tuple[str, int, str], ...] = (
     ("micro", 0, "a negative microbatch index"),
 )
 _STATISTICS = (frozenset(REQUIRED_COLUMNS) | {column for column, _, _ in _LOWER_BOUNDS}
-               | {"schema_version", "grad_divisor", "run_id", "group", "term"})
-"""Columns whose footer statistics are read: `_check_values`'s, and the names' (`_names`)."""
+               | {"schema_version", "grad_divisor", "grad_scale", "run_id", "group", "term"})
+"""Columns whose footer statistics are read: `_check_values`'s, the names' (`_names`) and the constants'
+(`_constants`)."""
 
 
 def _check_values(parquet: _Footer, present: frozenset[str], stats: dict[str, tuple[Any, Any, int | None]],

@@ -57,19 +57,22 @@ def _differences(got: Any, expected: Any) -> list[str]:
     return differ
 
 
-def _random_grid(folder: Path, seed: int, group: str | None = None, terms: list[str | None] | None = None
-                 ) -> dict[str, Any]:
+def _random_grid(folder: Path, seed: int, group: str | None = None, terms: list[str | None] | None = None,
+                 steady: bool = False) -> dict[str, Any]:
     """A log in the recorder's layout (a rank's records in one to three files, in step and microbatch
     order) with every optional column absent, NULL everywhere, NULL on some records or on none, drawn
     at random: zero-token records, zero losses, a probe, loss scales, several W and D, ranks past 64.
     `terms`: several loss terms recorded in turn at each (step, microbatch), each its own counts and
-    values (None: a NULL term, the unnamed one)."""
+    values (None: a NULL term, the unnamed one). `steady`: D, g and T, where a value on every record, one
+    value in the whole log or one in each rank's files, as their footers then give it."""
     draw = random.Random(seed)
     micro = draw.choice([1, 2, 3, 4])
     ranks = sorted(draw.sample(range(70), draw.choice([1, 2, 3, 5])))
     world = max(ranks) + 1 + draw.choice([0, 2])
     steps = sorted(draw.sample(range(200), draw.randint(1 if micro > 1 else 2, 9)))  # no one-row file
     kinds = {column: draw.choice(["absent", "null", "some", "all"]) for column in OPTIONAL}
+    if steady:
+        kinds.update({column: "all" for column in ("grad_divisor", "grad_scale", "positions") if draw.random() < 0.7})
     vary_world = draw.random() < 0.3
     columns = ["step", "micro", "rank", "world_size", "loss_sum", "valid_tokens", "backward_scalar",
                *(["group"] if group is not None else []), *(["term"] if terms else []),
@@ -98,7 +101,12 @@ def _random_grid(folder: Path, seed: int, group: str | None = None, terms: list[
             "skipped": draw.random() < 0.2,
         }[column]
 
+    steadied = {column: draw.choice(["log", "rank"]) for column in ("grad_divisor", "grad_scale", "positions")
+                if steady and kinds[column] == "all"}
+    once = {column: value(column, {"valid_tokens": 5000, "loss_sum": 1.0}) for column in steadied}
     for rank in ranks:
+        fixed = {column: once[column] if where == "log" else value(column, {"valid_tokens": 5000, "loss_sum": 1.0})
+                 for column, where in steadied.items()}
         rows = []
         for step in steps:
             for index in range(micro):
@@ -109,7 +117,7 @@ def _random_grid(folder: Path, seed: int, group: str | None = None, terms: list[
                     record = {"step": step, "micro": index, "rank": rank, "loss_sum": loss, "valid_tokens": n,
                               "group": group, "term": term, "world_size": world + (step % 2 if vary_world else 0),
                               "backward_scalar": draw.choice([loss / max(n, 1), world * loss / 1000.0, 0.0, -loss])}
-                    record.update({c: value(c, record) for c in OPTIONAL if kinds[c] != "absent"})
+                    record.update({c: value(c, record) for c in OPTIONAL if kinds[c] != "absent"}, **fixed)
                     if record.get("token_weight_sum") is not None and draw.random() < 0.2:
                         record["backward_scalar"] = None  # the probe's weights stand for b
                     rows.append(record)
@@ -117,7 +125,7 @@ def _random_grid(folder: Path, seed: int, group: str | None = None, terms: list[
         for part, (start, stop) in enumerate(zip([0, *cuts], [*cuts, len(steps)])):
             inside = [r for r in rows if steps[start] <= r["step"] <= steps[stop - 1]]
             write(folder / f"{group or ''}rank-{rank:05d}-{part:06d}.parquet", inside, schema=schema)
-    return {"micro": micro, "ranks": ranks, "kinds": kinds}
+    return {"micro": micro, "ranks": ranks, "kinds": kinds, "steady": steadied}
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -214,6 +222,34 @@ def test_ranks_read_a_block_at_a_time_give_the_table_of_one_block(tmp_path: Path
         assert max(held) == rank_rows or options
 
 
+@pytest.mark.parametrize("seed", range(24))
+def test_columns_whose_footers_give_their_one_value_are_not_read(tmp_path: Path, seed: int,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """D, g and T of one value in the whole log or in each rank's files: the value in every file's footer
+    is taken for every record and the column not read, and the table is still the query's bit for bit."""
+    drawn = _random_grid(tmp_path / "run", seed, steady=True)
+    shards = load([tmp_path / "run"]).shards
+    asked: list[str] = []
+    real = grid_module.grid_table
+
+    def spy(connection: Any, *args: Any, **kwargs: Any) -> Any:
+        class Asked:
+            def sql(self, query: str) -> Any:
+                asked.append(query)
+                return connection.sql(query)
+        return real(Asked(), *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "grid_table", spy)
+    got, expected, _ = _tables(shards, monkeypatch)
+    assert not _differences(got, expected), (_differences(got, expected), drawn)
+    everywhere = [column for column, where in drawn["steady"].items() if where == "log"]
+    columns_read = {query.split(" FROM ")[0] for query in asked}
+    assert asked
+    for column in everywhere:
+        # (a float column read only as the NaN guard on the loss: S − (v − v))
+        assert all(f'"{column}" AS' not in read and f', "{column}"' not in read for read in columns_read), (column, drawn)
+
+
 def _rows(ranks: int = 2, steps: int = 3, micro: int = 2, **change: Any) -> list[dict[str, Any]]:
     return [{"step": step, "micro": index, "rank": rank, "world_size": ranks, "loss_sum": 2.5 * (1 + step + index),
              "valid_tokens": 1 + step + index + rank, "backward_scalar": 0.1 * (1 + rank), **change}
@@ -244,12 +280,15 @@ def _not_a_grid(tmp_path: Path) -> dict[str, list[dict[str, Any]]]:
     huge = _rows()
     huge[2].update(backward_scalar=1e308, loss_sum=1e-300)  # b/S is not finite
     nan_divisor = _rows(grad_divisor=2.0)
-    nan_divisor[5]["grad_divisor"] = float("nan")
+    nan_divisor[5]["grad_divisor"] = float("nan")  # its file's footer still gives 2.0, the other NaN-free values
+    nan_scale = _rows(grad_scale=0.5)
+    nan_scale[1]["grad_scale"] = float("nan")
     return {"steps differ": steps_differ, "repeated": repeated, "swapped": swapped, "nan loss": nan_loss,
-            "huge weight": huge, "nan divisor": nan_divisor}
+            "huge weight": huge, "nan divisor": nan_divisor, "nan scale": nan_scale}
 
 
-@pytest.mark.parametrize("case", ["steps differ", "repeated", "swapped", "nan loss", "huge weight", "nan divisor"])
+@pytest.mark.parametrize("case", ["steps differ", "repeated", "swapped", "nan loss", "huge weight", "nan divisor",
+                                  "nan scale"])
 def test_records_that_are_no_grid_of_finite_values_take_the_query(tmp_path: Path, case: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Footers that promise a grid whose records are not one (a rank's steps differ, a microbatch repeated
