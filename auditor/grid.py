@@ -137,28 +137,33 @@ def grids_of(shards: Sequence[Shard], steps: tuple[int, int] | None) -> list[Gri
 
 
 class _Compensated:
-    """Σ per step, as DuckDB's fsum and favg add: compensated, each addition's exact error carried along
-    (`_neumaier`), so that the float sums are the query's to the last bit or nearly, not (R·M)·ε off: each
-    rank's microbatches first, vectorized over the ranks, then the ranks one after the other."""
+    """Σ per step of several named sums, as DuckDB's fsum and favg add: compensated, each addition's exact error
+    carried along (`_neumaier`), so that the float sums are the query's to the last bit or nearly, not (R·M)·ε
+    off: each rank's microbatches first, vectorized over the ranks, then the ranks one after the other, every
+    name at once (a rank's step is one short row each: one pass for all costs a third of one each)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
         self.total: np.ndarray | None = None
         self.error: np.ndarray | None = None
 
-    def add(self, values: np.ndarray, rank_sums: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        """[ranks, steps, M] (or its `_rank_sums` where already made) or [ranks, steps]."""
-        sums, errors = rank_sums or (_rank_sums(values) if values.ndim == 3 else (values, None))
+    def add(self, sums: Sequence[np.ndarray], errors: Sequence[np.ndarray | None]) -> None:
+        """Each name's per-rank sums [ranks, steps] (`_rank_sums`, or one value a rank) and what they lost
+        (None: nothing)."""
+        stacked = np.stack(sums, axis=1)  # [ranks, names, steps]
         if self.total is None:
-            self.total, self.error = np.zeros(values.shape[1]), np.zeros(values.shape[1])
+            self.total, self.error = np.zeros(stacked.shape[1:]), np.zeros(stacked.shape[1:])
         assert self.error is not None
-        for rank in range(values.shape[0]):
-            _neumaier(self.total, self.error, sums[rank])
-        if errors is not None:
-            self.error += errors.sum(axis=0)
+        for rank in range(stacked.shape[0]):
+            _neumaier(self.total, self.error, stacked[rank])
+        for index, lost in enumerate(errors):
+            if lost is not None:
+                self.error[index] += lost.sum(axis=0)
 
-    def value(self) -> np.ndarray:
+    def value(self, name: str) -> np.ndarray:
         assert self.total is not None and self.error is not None
-        total: np.ndarray = self.total + self.error
+        index = self.names.index(name)
+        total: np.ndarray = self.total[index] + self.error[index]
         return total
 
 
@@ -189,11 +194,7 @@ class _Folded:
 
     def __init__(self) -> None:
         self.held: dict[str, np.ndarray] = {}
-        self.sums: dict[str, _Compensated] = {}
-
-    def sum(self, name: str, values: np.ndarray, rank_sums: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        """A float sum, compensated (`_Compensated`)."""
-        self.sums.setdefault(name, _Compensated()).add(values, rank_sums)
+        self.sums = _Compensated(("loss", "objective", "local_means"))
 
     def fold(self, name: str, values: np.ndarray, how: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
         held = self.held.get(name)
@@ -442,7 +443,6 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
 
         folded.add("tokens", _step_sum(tokens))
         loss_by_rank = _rank_sums(loss)  # the query's fsum per (rank, step), and the step's from them
-        folded.sum("loss", loss, loss_by_rank)
         folded.low("n_low", _per_step(np.minimum, tokens))
         folded.high("n_high", _per_step(np.maximum, tokens))
         if "world_size" not in constants:
@@ -485,7 +485,7 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
         unknown = np.zeros(shape, dtype=bool) if trusted is None else (
             valid & ~trusted if trusted_nulls is None else valid & ~trusted & ~trusted_nulls)
         folded.add("unknown_divisor", _step_count(unknown))
-        folded.sum("objective", np.where(known, weighted_loss, 0.0))
+        objective_by_rank = _rank_sums(np.where(known, weighted_loss, 0.0))
         if weight_min is not None and weight_max is not None:
             either = (weight_min_nulls if weight_max_nulls is None else weight_max_nulls if weight_min_nulls is None
                       else weight_min_nulls | weight_max_nulls)
@@ -515,7 +515,10 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
         rank_low = _over_micro(np.fmin, weight)
         rank_high = _over_micro(np.fmax, weight)
         local = rank_tokens > 0
-        folded.sum("local_means", np.where(local, rank_loss / np.where(local, rank_tokens, 1), 0.0))
+        local_means = np.where(local, rank_loss / np.where(local, rank_tokens, 1), 0.0)
+        # ΣS, Σw·S and the sum of local means, compensated
+        folded.sums.add((loss_by_rank[0], objective_by_rank[0], local_means),
+                        (loss_by_rank[1], objective_by_rank[1], None))
         folded.add("local_means?", local.sum(axis=0))
         if sync is not None:
             # last_sync = arg_max(sync, micro): the sync of the highest microbatch that has one
@@ -577,7 +580,7 @@ def _table(folded: _Folded, step: np.ndarray, grid: Grid, constants: dict[str, A
             mask |= np.uint64(1) << np.uint64(rank)
     local = held["local_means?"]
     with np.errstate(invalid="ignore", divide="ignore"):
-        mean_of_local_means = np.where(local > 0, folded.sums["local_means"].value() / np.where(local > 0, local, 1),
+        mean_of_local_means = np.where(local > 0, folded.sums.value("local_means") / np.where(local > 0, local, 1),
                                        np.nan)
     # em = extreme of e over the step's microbatch × that microbatch's tokens over all ranks
     micro_tokens = held["micro_tokens"]
@@ -590,7 +593,7 @@ def _table(folded: _Folded, step: np.ndarray, grid: Grid, constants: dict[str, A
         "d_low": np.full(steps, float(divisor)) if divisor is not None else double("d_low"),
         "d_high": np.full(steps, float(divisor)) if divisor is not None else double("d_high"),
         "n_low": held["n_low"].astype(np.int64), "n_high": held["n_high"].astype(np.int64),
-        "tokens": held["tokens"].astype(np.int64), "loss": folded.sums["loss"].value(),
+        "tokens": held["tokens"].astype(np.int64), "loss": folded.sums.value("loss"),
         "e_low": double("e_low"), "e_high": double("e_high"),
         "en_low": double("en_low"), "en_high": double("en_high"),
         "et_low": double("et_low"), "et_high": double("et_high"),
@@ -598,7 +601,7 @@ def _table(folded: _Folded, step: np.ndarray, grid: Grid, constants: dict[str, A
         "weighted_records": integer(held["weighted_records"]),
         "unweighted_records": integer(held["unweighted_records"]),
         "unknown_divisor": integer(held["unknown_divisor"]),
-        "objective": folded.sums["objective"].value(),
+        "objective": folded.sums.value("objective"),
         "nonfinite_valid": integer(0), "nonfinite_zero": integer(0),
         "probe_nonuniform": nullable("probe_nonuniform"),
         "masked_weighted": nullable("masked_weighted"),

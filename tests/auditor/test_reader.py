@@ -4,6 +4,7 @@ nothing modified. Good input in any legal shape is accepted."""
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from click.testing import CliRunner
 from tests.logs import UNEVEN, records, token_mean, write, write_by_rank
 from tokaudit.auditing import audit
 from tokaudit.cli import main
-from tokaudit.reader import inspect_shard, load
+from tokaudit.reader import discover, inspect_shard, load
 from tokaudit.schema import WRITER_SCHEMA
 
 
@@ -541,3 +542,18 @@ def test_a_one_row_shard_is_validated_from_its_record_as_from_its_statistics(tmp
                if not isinstance(r, str))
     monkeypatch.setattr(reader, "footer_record", lambda *args: None)
     assert [inspected(path) for path in paths] == from_records
+
+
+def test_a_file_reached_by_several_paths_is_found_once(tmp_path: Path) -> None:
+    """A hard link, a link to the file and a link to its folder all reach one file: it is listed once, by
+    the first path in order; discovery names the files in path order, folder by folder."""
+    run = tmp_path / "run"
+    first = write(run / "a.parquet", records(UNEVEN, token_mean))
+    write(run / "deeper" / "z.parquet", records(UNEVEN, token_mean))
+    os.link(first, run / "b.parquet")
+    os.symlink(first, run / "c.parquet")
+    os.symlink(run, tmp_path / "again")
+    files, problems = discover([run, tmp_path / "again", run / "c.parquet"])
+    assert not problems
+    assert files == [run / "a.parquet", run / "deeper" / "z.parquet"]
+    assert all(type(path) is type(run) for path in files)
