@@ -435,7 +435,8 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
     try:
         parquet = _Footer(_open(path, store))
         metadata = parquet.metadata
-        facts, index = _schema_of(parquet)
+        stored = metadata.metadata  # its key-value pairs (made anew at every ask: asked once)
+        facts, index = _schema_of(parquet, stored)
     except OSError as error:
         if store is None:
             raise LogFormatError(name, f"not a readable Parquet file ({_short(error)})") from None
@@ -469,7 +470,7 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
                  default_run=folder, step_range=_range(stats["step"]), rank_range=_range(stats["rank"]),
                  micro_range=_range(stats["micro"]), world_range=_range(stats["world_size"]),
                  divisor_range=_bounds(stats["grad_divisor"]) if "grad_divisor" in stats else None,
-                 dropped=read_dropped(metadata.metadata),
+                 dropped=read_dropped(stored),
                  store=store, signature=facts.signature,
                  names=_all_names(names), run_group=_run_group(names), null_columns=empty, record=record,
                  constants=_constants(stats))
@@ -486,12 +487,13 @@ the shards of one log share them, and comparing two Parquet schemas (0.25 µs) s
 schema (10 µs) and the places (10 µs)."""
 
 
-def _schema_of(parquet: _Footer) -> tuple[_SchemaFacts, dict[str, int]]:
+def _schema_of(parquet: _Footer, pairs: dict[bytes, bytes] | None) -> tuple[_SchemaFacts, dict[str, int]]:
     """What a file's schema says, and each column's place in its footer. Two files whose Parquet schemas
     are equal and whose writers stored the same Arrow schema (ARROW:schema, from which pyarrow takes the
-    Arrow types the Parquet ones leave open: a dictionary, a time zone) have the same Arrow schema."""
+    Arrow types the Parquet ones leave open: a dictionary, a time zone) have the same Arrow schema. `pairs`:
+    the footer's key-value metadata."""
     metadata = parquet.metadata
-    stored = (metadata.metadata or {}).get(b"ARROW:schema")
+    stored = (pairs or {}).get(b"ARROW:schema")
     if _LAST_FOOTER:
         schema, arrow, facts, index = _LAST_FOOTER[0]
         if arrow == stored and metadata.schema.equals(schema):
@@ -684,13 +686,14 @@ def _constants(stats: dict[str, tuple[Any, Any, int | None]]) -> tuple[tuple[str
     """`Shard.constants` from a file's statistics (`_footer_stats`)."""
     found = []
     for column in CONSTANT_COLUMNS:
-        bounds = _bounds(stats[column]) if column in stats else None
-        if bounds is None or bounds[0] != bounds[1] or isinstance(bounds[0], (bytes, str)):
-            continue
-        if isinstance(bounds[0], float) and bounds[0] == 0:
-            continue  # a float zero's sign is in no statistics (−0.0 as the lowest, +0.0 as the highest, for either)
-        found.append((column, bounds[0]))
+        low, high, nulls = stats.get(column, _NO_STATISTICS)
+        # (never a float zero: its sign is in no statistics, −0.0 the lowest and +0.0 the highest for either)
+        if nulls == 0 and low is not None and low == high and low.__class__ in (int, float) and low != 0.0:
+            found.append((column, low))
     return tuple(found)
+
+
+_NO_STATISTICS: tuple[Any, Any, int | None] = (None, None, None)
 
 
 def _range(stats: tuple[Any, Any, int | None]) -> tuple[int, int] | None:
