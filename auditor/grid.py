@@ -38,6 +38,7 @@ GRID_COLUMNS = ("grad_divisor", "grad_scale", "divisor_known", "positions", "bac
                 "reported_loss", "sync", "skipped", "world_size")
 """The columns read besides step, micro, valid_tokens and loss_sum, where a file holds a value of them."""
 _SQL_TYPES = {"int": "BIGINT", "float": "DOUBLE", "bool": "BOOLEAN"}
+_NUMPY_TYPES = {"int": np.int64, "float": np.float64, "bool": np.bool_}
 MAX_MICRO = 64
 """Microbatches a grid may have: the query's repeated-key and wide-index counts use 64-bit masks."""
 
@@ -375,8 +376,7 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
         """[ranks, steps, M] and its NULLs; (None, None): no value at all (a NULL on every record)."""
         if name in given:
             # its one value on every record, typed as the query casts it (a view: no array is made)
-            kind = np.float64 if COLUMNS_BY_NAME[name].kind == "float" else np.int64
-            return np.broadcast_to(np.asarray(given[name], dtype=kind), shape), None
+            return np.broadcast_to(np.asarray(given[name], dtype=_NUMPY_TYPES[COLUMNS_BY_NAME[name].kind]), shape), None
         if name not in record:
             return None, None
         values, nulls = record[name]

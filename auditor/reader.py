@@ -677,9 +677,10 @@ def _run_group(names: tuple[str | None, str | None, str | None]) -> tuple[str, s
     return (run, group) if run is not None and group is not None else None
 
 
-CONSTANT_COLUMNS = ("world_size", "grad_divisor", "grad_scale", "positions")
-"""Columns a file often holds one value of (a world size, a fixed divisor, no loss scaler, a fixed length),
-which its footer then gives (`Shard.constants`)."""
+CONSTANT_COLUMNS = ("world_size", "grad_divisor", "grad_scale", "positions", "divisor_known", "sync", "skipped")
+"""Columns a file often holds one value of (a world size, a fixed divisor, a loss scale that did not move,
+a fixed length, a divisor always seen, every backward synchronized, no update skipped), which its footer
+then gives (`Shard.constants`)."""
 
 
 def _constants(stats: dict[str, tuple[Any, Any, int | None]]) -> tuple[tuple[str, Any], ...]:
@@ -688,7 +689,8 @@ def _constants(stats: dict[str, tuple[Any, Any, int | None]]) -> tuple[tuple[str
     for column in CONSTANT_COLUMNS:
         low, high, nulls = stats.get(column, _NO_STATISTICS)
         # (never a float zero: its sign is in no statistics, −0.0 the lowest and +0.0 the highest for either)
-        if nulls == 0 and low is not None and low == high and low.__class__ in (int, float) and low != 0.0:
+        if (nulls == 0 and low is not None and low == high and low.__class__ in (int, float, bool)
+                and not (low.__class__ is float and low == 0.0)):
             found.append((column, low))
     return tuple(found)
 
@@ -777,7 +779,7 @@ _LOWER_BOUNDS: tuple[tuple[str, int, str], ...] = (
     ("micro", 0, "a negative microbatch index"),
 )
 _STATISTICS = (frozenset(REQUIRED_COLUMNS) | {column for column, _, _ in _LOWER_BOUNDS}
-               | {"schema_version", "grad_divisor", "grad_scale", "run_id", "group", "term"})
+               | {"schema_version", "run_id", "group", "term"} | set(CONSTANT_COLUMNS))
 """Columns whose footer statistics are read: `_check_values`'s, the names' (`_names`) and the constants'
 (`_constants`)."""
 

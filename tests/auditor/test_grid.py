@@ -57,14 +57,18 @@ def _differences(got: Any, expected: Any) -> list[str]:
     return differ
 
 
+STEADY = ("grad_divisor", "grad_scale", "positions", "divisor_known", "sync", "skipped")
+"""Columns a footer may give the one value of (`Shard.constants`)."""
+
+
 def _random_grid(folder: Path, seed: int, group: str | None = None, terms: list[str | None] | None = None,
                  steady: bool = False) -> dict[str, Any]:
     """A log in the recorder's layout (a rank's records in one to three files, in step and microbatch
     order) with every optional column absent, NULL everywhere, NULL on some records or on none, drawn
     at random: zero-token records, zero losses, a probe, loss scales, several W and D, ranks past 64.
     `terms`: several loss terms recorded in turn at each (step, microbatch), each its own counts and
-    values (None: a NULL term, the unnamed one). `steady`: D, g and T, where a value on every record, one
-    value in the whole log or one in each rank's files, as their footers then give it."""
+    values (None: a NULL term, the unnamed one). `steady`: D, g, T and the flags, where a value on every
+    record, one value in the whole log or one in each rank's files, as their footers then give it."""
     draw = random.Random(seed)
     micro = draw.choice([1, 2, 3, 4])
     ranks = sorted(draw.sample(range(70), draw.choice([1, 2, 3, 5])))
@@ -72,7 +76,7 @@ def _random_grid(folder: Path, seed: int, group: str | None = None, terms: list[
     steps = sorted(draw.sample(range(200), draw.randint(1 if micro > 1 else 2, 9)))  # no one-row file
     kinds = {column: draw.choice(["absent", "null", "some", "all"]) for column in OPTIONAL}
     if steady:
-        kinds.update({column: "all" for column in ("grad_divisor", "grad_scale", "positions") if draw.random() < 0.7})
+        kinds.update({column: "all" for column in STEADY if draw.random() < 0.7})
     vary_world = draw.random() < 0.3
     columns = ["step", "micro", "rank", "world_size", "loss_sum", "valid_tokens", "backward_scalar",
                *(["group"] if group is not None else []), *(["term"] if terms else []),
@@ -101,8 +105,7 @@ def _random_grid(folder: Path, seed: int, group: str | None = None, terms: list[
             "skipped": draw.random() < 0.2,
         }[column]
 
-    steadied = {column: draw.choice(["log", "rank"]) for column in ("grad_divisor", "grad_scale", "positions")
-                if steady and kinds[column] == "all"}
+    steadied = {column: draw.choice(["log", "rank"]) for column in STEADY if steady and kinds[column] == "all"}
     once = {column: value(column, {"valid_tokens": 5000, "loss_sum": 1.0}) for column in steadied}
     for rank in ranks:
         fixed = {column: once[column] if where == "log" else value(column, {"valid_tokens": 5000, "loss_sum": 1.0})
@@ -225,8 +228,9 @@ def test_ranks_read_a_block_at_a_time_give_the_table_of_one_block(tmp_path: Path
 @pytest.mark.parametrize("seed", range(24))
 def test_columns_whose_footers_give_their_one_value_are_not_read(tmp_path: Path, seed: int,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """D, g and T of one value in the whole log or in each rank's files: the value in every file's footer
-    is taken for every record and the column not read, and the table is still the query's bit for bit."""
+    """D, g, T and the flags of one value in the whole log or in each rank's files: the value in every
+    file's footer is taken for every record and the column not read, and the table is still the query's
+    bit for bit."""
     drawn = _random_grid(tmp_path / "run", seed, steady=True)
     shards = load([tmp_path / "run"]).shards
     asked: list[str] = []

@@ -410,11 +410,11 @@ def test_a_shard_names_the_optional_columns_that_hold_no_value_from_its_footer(t
 
 
 def test_a_shard_gives_the_one_value_of_a_column_only_where_its_footer_shows_it(tmp_path: Path) -> None:
-    """`Shard.constants`: W, D, g and T where every row group's lowest and highest are one value and no
-    record is NULL; never a float zero (its statistics do not keep the sign), a column that varies, a NULL,
+    """`Shard.constants`: W, D, g, T and the flags where every row group's lowest and highest are one value
+    and no record is NULL; never a float zero (its statistics do not keep the sign), a column that varies, a NULL,
     a footer without statistics; a NaN hides from statistics (the grid's read guards against it)."""
     rows = records(UNEVEN * 4, token_mean)
-    columns = [*rows[0], "grad_divisor", "grad_scale", "positions"]
+    columns = [*rows[0], "grad_divisor", "grad_scale", "positions", "divisor_known", "sync"]
     schema = pa.schema([WRITER_SCHEMA.field(n) for n in columns])
 
     def constants(path: Path, **values: Any) -> dict[str, Any]:
@@ -425,15 +425,18 @@ def test_a_shard_gives_the_one_value_of_a_column_only_where_its_footer_shows_it(
         return dict(inspect_shard(path, thorough=False).constants)  # (a thorough one reads D and g)
 
     world = rows[0]["world_size"]
-    got = constants(tmp_path / "one.parquet", grad_divisor=8.0, grad_scale=2.0 ** -16, positions=512)
-    assert got == {"world_size": world, "grad_divisor": 8.0, "grad_scale": 2.0 ** -16, "positions": 512}
-    assert [type(got[c]) for c in ("world_size", "grad_divisor", "positions")] == [int, float, int]
+    got = constants(tmp_path / "one.parquet", grad_divisor=8.0, grad_scale=2.0 ** -16, positions=512,
+                    divisor_known=True, sync=False)
+    assert got == {"world_size": world, "grad_divisor": 8.0, "grad_scale": 2.0 ** -16, "positions": 512,
+                   "divisor_known": True, "sync": False}
+    assert [type(got[c]) for c in ("world_size", "grad_divisor", "positions", "sync")] == [int, float, int, bool]
     got = constants(tmp_path / "other.parquet", grad_divisor=lambda i: 8.0 if i else 4.0, grad_scale=0.0,
-                    positions=lambda i: None if i == len(rows) - 1 else 512)
+                    positions=lambda i: None if i == len(rows) - 1 else 512, divisor_known=lambda i: i % 2 == 0,
+                    sync=None)
     assert got == {"world_size": world}
     got = constants(tmp_path / "nan.parquet", grad_divisor=lambda i: float("nan") if i == 3 else 8.0,
-                    grad_scale=-0.0, positions=512)
-    assert got == {"world_size": world, "grad_divisor": 8.0, "positions": 512}
+                    grad_scale=-0.0, positions=512, divisor_known=True, sync=True)
+    assert got == {"world_size": world, "grad_divisor": 8.0, "positions": 512, "divisor_known": True, "sync": True}
     pq.write_table(pq.read_table(tmp_path / "one.parquet"), tmp_path / "bare.parquet", write_statistics=False)
     assert inspect_shard(tmp_path / "bare.parquet").constants == ()
 
