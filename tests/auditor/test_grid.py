@@ -8,6 +8,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from click.testing import CliRunner
 
 import tokaudit.engine as engine_module
 import tokaudit.grid as grid_module
@@ -383,3 +384,30 @@ def test_a_corrupt_data_page_in_a_grid_is_named_and_the_rest_audited(tmp_path: P
     report = reports[0]
     assert [r.run for r in report.runs] == ["bad", "good"] and report.runs[0].ranks == 1  # rank 0's file read
     assert len(report.problems) == 1 and str(path) in report.problems[0] and "corrupt data" in report.problems[0]
+
+
+def test_a_nan_behind_a_footer_that_gives_one_value_is_named_from_the_command_line(tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch
+                                                                                  ) -> None:
+    """A loss scale of 0.5 on every record but one NaN: the file's footer still gives 0.5 (no statistics
+    hold a NaN), the grid leaves the column unread, and its guard on the loss hands the range to the query:
+    `tokaudit check` names the file and its problem (exit 2), audits the other files, and says what it says
+    without grids."""
+    import tokaudit.auditing as auditing
+    from tokaudit.cli import main
+
+    monkeypatch.setattr(auditing, "EVIDENCE_ROWS", 0)
+    rows = _rows(ranks=3, steps=40, grad_scale=0.5, grad_divisor=3.0)
+    rows[len(rows) // 2 + 7]["grad_scale"] = float("nan")
+    shards = _by_rank(tmp_path / "run", rows)
+    assert {dict(s.constants).get("grad_scale") for s in shards} == {0.5}
+    assert grid_module.grid_of(shards, None) is not None
+    outputs = []
+    for grid in (True, False):
+        monkeypatch.setattr(Engine, "grid", grid)
+        result = CliRunner().invoke(main, ["check", str(tmp_path / "run"), "--format", "json"])
+        assert result.exit_code == 2, result.output
+        outputs.append(result.output)
+    assert outputs[0] == outputs[1]
+    bad = tmp_path / "run" / "rank-00001.parquet"
+    assert str(bad) in outputs[0] and "grad_scale" in outputs[0]
