@@ -677,10 +677,11 @@ def _run_group(names: tuple[str | None, str | None, str | None]) -> tuple[str, s
     return (run, group) if run is not None and group is not None else None
 
 
-CONSTANT_COLUMNS = ("world_size", "grad_divisor", "grad_scale", "positions", "divisor_known", "sync", "skipped")
+CONSTANT_COLUMNS = ("world_size", "grad_divisor", "grad_scale", "positions", "divisor_known", "sync", "skipped",
+                    "masked_weight_abs_sum")
 """Columns a file often holds one value of (a world size, a fixed divisor, a loss scale that did not move,
-a fixed length, a divisor always seen, every backward synchronized, no update skipped), which its footer
-then gives (`Shard.constants`)."""
+a fixed length, a divisor always seen, every backward synchronized, no update skipped, no weight on a masked
+position), which its footer then gives (`Shard.constants`)."""
 
 
 def _constants(stats: dict[str, tuple[Any, Any, int | None]]) -> tuple[tuple[str, Any], ...]:
@@ -688,10 +689,13 @@ def _constants(stats: dict[str, tuple[Any, Any, int | None]]) -> tuple[tuple[str
     found = []
     for column in CONSTANT_COLUMNS:
         low, high, nulls = stats.get(column, _NO_STATISTICS)
-        # (never a float zero: its sign is in no statistics, −0.0 the lowest and +0.0 the highest for either)
-        if (nulls == 0 and low is not None and low == high and low.__class__ in (int, float, bool)
-                and not (low.__class__ is float and low == 0.0)):
-            found.append((column, low))
+        if nulls != 0 or low is None or low != high or low.__class__ not in (int, float, bool):
+            continue
+        if low.__class__ is float and low == 0.0:
+            if column not in SIGNLESS_ZEROS:
+                continue  # a float zero's sign is in no statistics (−0.0 the lowest, +0.0 the highest, for either)
+            low = 0.0
+        found.append((column, low))
     return tuple(found)
 
 

@@ -58,7 +58,7 @@ def _differences(got: Any, expected: Any) -> list[str]:
     return differ
 
 
-STEADY = ("grad_divisor", "grad_scale", "positions", "divisor_known", "sync", "skipped")
+STEADY = ("grad_divisor", "grad_scale", "positions", "divisor_known", "sync", "skipped", "masked_weight_abs_sum")
 """Columns a footer may give the one value of (`Shard.constants`)."""
 
 
@@ -122,6 +122,8 @@ def _random_grid(folder: Path, seed: int, group: str | None = None, terms: list[
                               "group": group, "term": term, "world_size": world + (step % 2 if vary_world else 0),
                               "backward_scalar": draw.choice([loss / max(n, 1), world * loss / 1000.0, 0.0, -loss])}
                     record.update({c: value(c, record) for c in OPTIONAL if kinds[c] != "absent"}, **fixed)
+                    if record.get("masked_weight_abs_sum") == 0 and "masked_weight_abs_sum" in fixed:
+                        record["masked_weight_abs_sum"] = draw.choice([0.0, -0.0])  # its sign read by nothing
                     if record.get("token_weight_sum") is not None and draw.random() < 0.2:
                         record["backward_scalar"] = None  # the probe's weights stand for b
                     rows.append(record)

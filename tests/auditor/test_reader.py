@@ -414,7 +414,7 @@ def test_a_shard_gives_the_one_value_of_a_column_only_where_its_footer_shows_it(
     and no record is NULL; never a float zero (its statistics do not keep the sign), a column that varies, a NULL,
     a footer without statistics; a NaN hides from statistics (the grid's read guards against it)."""
     rows = records(UNEVEN * 4, token_mean)
-    columns = [*rows[0], "grad_divisor", "grad_scale", "positions", "divisor_known", "sync"]
+    columns = [*rows[0], "grad_divisor", "grad_scale", "positions", "divisor_known", "sync", "masked_weight_abs_sum"]
     schema = pa.schema([WRITER_SCHEMA.field(n) for n in columns])
 
     def constants(path: Path, **values: Any) -> dict[str, Any]:
@@ -426,13 +426,13 @@ def test_a_shard_gives_the_one_value_of_a_column_only_where_its_footer_shows_it(
 
     world = rows[0]["world_size"]
     got = constants(tmp_path / "one.parquet", grad_divisor=8.0, grad_scale=2.0 ** -16, positions=512,
-                    divisor_known=True, sync=False)
+                    divisor_known=True, sync=False, masked_weight_abs_sum=lambda i: -0.0 if i % 3 else 0.0)
     assert got == {"world_size": world, "grad_divisor": 8.0, "grad_scale": 2.0 ** -16, "positions": 512,
-                   "divisor_known": True, "sync": False}
+                   "divisor_known": True, "sync": False, "masked_weight_abs_sum": 0.0}  # (whose zero's sign no one reads)
     assert [type(got[c]) for c in ("world_size", "grad_divisor", "positions", "sync")] == [int, float, int, bool]
     got = constants(tmp_path / "other.parquet", grad_divisor=lambda i: 8.0 if i else 4.0, grad_scale=0.0,
                     positions=lambda i: None if i == len(rows) - 1 else 512, divisor_known=lambda i: i % 2 == 0,
-                    sync=None)
+                    sync=None, masked_weight_abs_sum=lambda i: 0.5 * (i % 2))
     assert got == {"world_size": world}
     got = constants(tmp_path / "nan.parquet", grad_divisor=lambda i: float("nan") if i == 3 else 8.0,
                     grad_scale=-0.0, positions=512, divisor_known=True, sync=True)
