@@ -3,8 +3,8 @@
 Prints one table: recorder overhead on a CPU transformer LM, and `tokaudit check` next to a
 one-query DuckDB floor (per-step N and the extremes of b/S over the same files) and a naive pandas
 audit, on synthetic logs in the recorder's layout (default 10⁷ rows as 64 ranks × 4 microbatches
-and as 8 ranks × 1 microbatch, plus 10,000 one-row shards; --rows 1e8 for 1,024 ranks × 4 and
-8 ranks × 1, 12.5M steps).
+and as 8 ranks × 1 microbatch, and 64 × 4 again with every column the recorder writes, plus 10,000
+one-row shards; --rows 1e8 for 1,024 ranks × 4 and 8 ranks × 1, 12.5M steps).
 """
 
 from __future__ import annotations
@@ -84,16 +84,18 @@ def main() -> None:
 
     # (label, ranks, micro, steps per file, ranks per file): the recorder's layout, one shard per rank
     # and 4096 records; half the steps rank-local means, planted.
-    layouts = [("64 ranks × 4 micro", 64, 4, 1024, 1), ("8 ranks × 1 micro", 8, 1, 4096, 1)]
+    # (the last: every column the recorder writes, with a probe and a reported loss)
+    layouts = [("64 ranks × 4 micro", 64, 4, 1024, 1, False), ("8 ranks × 1 micro", 8, 1, 4096, 1, False),
+               ("64 ranks × 4 micro, the recorder's 23 columns", 64, 4, 1024, 1, True)]
     if args.rows >= 1e8:
-        layouts = [("1,024 ranks × 4 micro", 1024, 4, 1024, 1), ("8 ranks × 1 micro", 8, 1, 4096, 1)]
-    for label, ranks, micro, steps_per_file, ranks_per_file in layouts:
+        layouts = [("1,024 ranks × 4 micro", 1024, 4, 1024, 1, False), ("8 ranks × 1 micro", 8, 1, 4096, 1, False)]
+    for label, ranks, micro, steps_per_file, ranks_per_file, recorder in layouts:
         steps = int(args.rows) // (ranks * micro)
-        log = args.out / f"synthetic-{ranks}x{steps}x{micro}"
+        log = args.out / f"synthetic-{ranks}x{steps}x{micro}{'-recorder' if recorder else ''}"
         if not log.exists():
             print(f"writing {ranks * steps * micro:,} rows to {log} (once)…", file=sys.stderr)
             write_log(log, ranks, steps, micro, steps_per_file=steps_per_file, ranks_per_file=ranks_per_file,
-                      local_mean_every=2)
+                      local_mean_every=2, recorder_columns=recorder)
         rows += _compare(f"{ranks * steps * micro:.0e} rows, {label} ({steps:,} steps)", log,
                          naive=ranks * steps * micro <= 2e7, repeat=args.repeat)
     small = args.out / "small-10000"

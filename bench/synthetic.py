@@ -15,14 +15,18 @@ from tokaudit.schema import WRITER_SCHEMA
 
 
 def write_log(out: Path, ranks: int, steps: int, micro: int, steps_per_file: int = 500, ranks_per_file: int = 64,
-              seed: int = 0, local_mean_every: int = 0) -> int:
-    """Rows = ranks × steps × micro, one file per (step chunk, rank block), rows sorted by step."""
+              seed: int = 0, local_mean_every: int = 0, recorder_columns: bool = False) -> int:
+    """Rows = ranks × steps × micro, one file per (step chunk, rank block), rows sorted by step.
+    `recorder_columns`: every column the recorder writes with a probe and a reported loss (the probe's
+    weights those b gives each token, NULL extremes on a record of no token, the masked weight 0.0, no loss
+    scaler, a time stamp), where the plain log holds the 13 a bench needs."""
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     rows = 0
     names = ["step", "micro", "rank", "world_size", "loss_sum", "valid_tokens", "backward_scalar", "run_id", "group",
              "grad_divisor", "grad_scale", "positions", "sync"]
-    schema = pa.schema([WRITER_SCHEMA.field(n) for n in names])
+    schema = WRITER_SCHEMA if recorder_columns else pa.schema([WRITER_SCHEMA.field(n) for n in names])
+    start = datetime.datetime(2026, 11, 30, tzinfo=datetime.timezone.utc)
     for first in range(0, steps, steps_per_file):
         chunk = min(steps_per_file, steps - first)
         counts = rng.integers(0, 513, size=(chunk, ranks, micro))
@@ -43,7 +47,7 @@ def write_log(out: Path, ranks: int, steps: int, micro: int, steps_per_file: int
                 rank_tokens = np.broadcast_to(n.sum(axis=2, keepdims=True), shape)
                 scalar = np.where(planted[:, None, None], loss / np.maximum(rank_tokens, 1), scalar)
             size = n.size
-            table = pa.table({
+            columns = {
                 "step": pa.array(step.ravel(), pa.int64()), "micro": pa.array(micro_index.ravel(), pa.int32()),
                 "rank": pa.array(rank.ravel(), pa.int32()), "world_size": pa.array(np.full(size, ranks), pa.int32()),
                 "loss_sum": pa.array(loss.ravel()), "valid_tokens": pa.array(n.ravel(), pa.int64()),
@@ -51,7 +55,24 @@ def write_log(out: Path, ranks: int, steps: int, micro: int, steps_per_file: int
                 "group": pa.array(["0"] * size), "grad_divisor": pa.array(np.full(size, float(ranks))),
                 "grad_scale": pa.array(np.ones(size)), "positions": pa.array(np.full(size, 512), pa.int64()),
                 "sync": pa.array(micro_index.ravel() == micro - 1),
-            }, schema=schema)
+            }
+            if recorder_columns:
+                # ∂b/∂ℓᵢ = b/S on each valid token of a mean loss; no loss scaler (g NULL); the step's mean loss
+                valid = n.ravel() > 0
+                weight = np.where(valid, scalar.ravel() / np.where(valid, loss.ravel(), 1.0), 0.0)
+                reported = np.broadcast_to((losses.sum(axis=(1, 2)) / np.maximum(step_tokens, 1))[:, None, None],
+                                           shape).ravel()
+                columns.update({
+                    "term": pa.array(["0"] * size), "divisor_known": pa.array(np.ones(size, dtype=bool)),
+                    "grad_scale": pa.nulls(size, pa.float64()),
+                    "token_weight_sum": pa.array(weight * n.ravel()),
+                    "token_weight_min": pa.array(weight, mask=~valid), "token_weight_max": pa.array(weight, mask=~valid),
+                    "masked_weight_abs_sum": pa.array(np.zeros(size)), "reported_loss": pa.array(reported),
+                    "skipped": pa.nulls(size, pa.bool_()),
+                    "time": pa.array(np.full(size, int(start.timestamp() * 1e6) + first), pa.timestamp("us", tz="UTC")),
+                    "schema_version": pa.array(np.ones(size, dtype=np.int32)),
+                })
+            table = pa.table(columns, schema=schema)
             pq.write_table(table, out / f"chunk-{first:07d}-ranks-{r.start:05d}.parquet", row_group_size=65536)
             rows += size
     return rows
