@@ -107,9 +107,11 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=2500)
     parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--recorder-columns", action="store_true",
+                        help="every column the recorder writes, with a probe and a reported loss")
     args = parser.parse_args()
     start = time.perf_counter()
-    rows = write_log(args.out, args.ranks, args.steps, args.micro)
+    rows = write_log(args.out, args.ranks, args.steps, args.micro, recorder_columns=args.recorder_columns)
     print(f"wrote {rows:,} rows to {args.out} in {time.perf_counter() - start:.1f}s")
 
 
