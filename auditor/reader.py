@@ -633,11 +633,26 @@ def footer_record(metadata: pq.FileMetaData, index: dict[str, int], signature: t
         if timestamp and statistics.physical_type != "INT64":
             return None
         low, high = (statistics.min_raw, statistics.max_raw) if raw else (statistics.min, statistics.max)
-        if type(low) is not expected or type(high) is not expected or low != high or (
-                expected is float and (low != low or (low == 0 and column not in SIGNLESS_ZEROS))):
+        if type(low) is not expected or type(high) is not expected or low != high:
             return None
-        values.append(0.0 if expected is float and low == 0 else low)
+        value = _one_value(column, low)
+        if value is _UNKNOWN:
+            return None
+        values.append(value)
     return tuple(values)
+
+
+_UNKNOWN = object()
+"""What a statistics' one value does not give (`_one_value`)."""
+
+
+def _one_value(column: str, low: Any) -> Any:
+    """The value every record holds where a column's statistics have min = max = `low`: `low` itself, but a
+    float zero only in SIGNLESS_ZEROS (as 0.0), its sign being in no statistics (Parquet writes min −0.0 and
+    max +0.0 whatever it is), and never NaN; _UNKNOWN where it gives none."""
+    if low.__class__ is float and (low == 0.0 or low != low):
+        return 0.0 if low == 0.0 and column in SIGNLESS_ZEROS else _UNKNOWN
+    return low
 
 
 def _record_stats(record: tuple[Any, ...], facts: _SchemaFacts) -> dict[str, tuple[Any, Any, int | None]]:
@@ -691,11 +706,9 @@ def _constants(stats: dict[str, tuple[Any, Any, int | None]]) -> tuple[tuple[str
         low, high, nulls = stats.get(column, _NO_STATISTICS)
         if nulls != 0 or low is None or low != high or low.__class__ not in (int, float, bool):
             continue
-        if low.__class__ is float and low == 0.0:
-            if column not in SIGNLESS_ZEROS:
-                continue  # a float zero's sign is in no statistics (−0.0 the lowest, +0.0 the highest, for either)
-            low = 0.0
-        found.append((column, low))
+        value = _one_value(column, low)
+        if value is not _UNKNOWN:
+            found.append((column, value))
     return tuple(found)
 
 
