@@ -355,11 +355,12 @@ class Engine:
         # two at once with half each were no faster (6.7 s either way, 6 ranges of 4·10⁶ records), and with
         # the whole limit each they would hold twice the memory. A grid holds GRID_BLOCK_ROWS records at a
         # time whatever its size, and numpy's reductions run on one core: grids take lanes at any size.
-        small = all(sum(s.rows for s in shards) <= self.chunk_rows or self._grids(steps, shards) is not None
-                    for steps, shards in chunks)
+        grids = [self._grids(steps, shards) for steps, shards in chunks]  # (each range's, made once)
+        small = all(sum(s.rows for s in shards) <= self.chunk_rows or found is not None
+                    for (_, shards), found in zip(chunks, grids))
         tables: Generator[dict[str, Any], None, None] = (
-            self._in_lanes(rtol, chunks) if self.lanes > 1 and len(chunks) > 1 and small else
-            (self._range_table(rtol, steps, shards) for steps, shards in chunks))
+            self._in_lanes(rtol, chunks, grids) if self.lanes > 1 and len(chunks) > 1 and small else
+            (self._range_table(rtol, steps, shards, found) for (steps, shards), found in zip(chunks, grids)))
         try:
             for index, (steps, _) in enumerate(chunks):
                 if progress and len(chunks) > 1 and steps:
@@ -394,10 +395,12 @@ class Engine:
                                          joined["run"].codes)))
         return pd.DataFrame(joined, copy=False)
 
-    def _range_table(self, rtol: float, steps: tuple[int, int] | None, shards: list[Shard]) -> dict[str, Any]:
-        """One range's step table: reduced as a grid where its records form one (`tokaudit.grid`), else by the
-        query (`_aggregate`), its repeated keys found and left out first if it has any (`duplicates` counts them)."""
-        if (grids := self._grids(steps, shards)) is not None and (table := self._grid_table(rtol, grids, shards)):
+    def _range_table(self, rtol: float, steps: tuple[int, int] | None, shards: list[Shard],
+                     grids: list[Grid] | None) -> dict[str, Any]:
+        """One range's step table: reduced as a grid where its records form one (`grids`, its `_grids`;
+        `tokaudit.grid`), else by the query (`_aggregate`), its repeated keys found and left out first if it
+        has any (`duplicates` counts them)."""
+        if grids is not None and (table := self._grid_table(rtol, grids, shards)):
             return table
         self._define(shards, steps, deduplicate=False)
         table = self._aggregate(rtol, shards)
@@ -409,10 +412,10 @@ class Engine:
                 table = self._aggregate(rtol, shards)
         return table
 
-    def _in_lanes(self, rtol: float, chunks: list[tuple[tuple[int, int] | None, list[Shard]]]
-                  ) -> Generator[dict[str, Any], None, None]:
-        """`_range_table` of every range, in order, computed `lanes` at a time: this engine and others over
-        the same shards (each its own DuckDB database), each with its share of the threads and of the
+    def _in_lanes(self, rtol: float, chunks: list[tuple[tuple[int, int] | None, list[Shard]]],
+                  grids: list[list[Grid] | None]) -> Generator[dict[str, Any], None, None]:
+        """`_range_table` of every range (with its `grids`), in order, computed `lanes` at a time: this engine
+        and others over the same shards (each its own DuckDB database), each with its share of the threads and of the
         memory limit, each taking the next range when it is done with one. A range's query has a serial
         part (on 2 threads it runs 1.33× faster than on 1): two ranges on one thread each took 1.66 s
         where one after the other on two took 2.02 s (8 ranges of the 64 × 4 log, 2 cores); three or
@@ -440,7 +443,7 @@ class Engine:
                     if index is None or failures or stop.is_set():
                         return
                 try:
-                    table = lane._range_table(rtol, *chunks[index])
+                    table = lane._range_table(rtol, *chunks[index], grids[index])
                 except BaseException as error:  # handed to the caller, which raises it
                     with ready:
                         failures.append(error)

@@ -281,7 +281,7 @@ def grid_table(connection: duckdb.DuckDBPyConnection, grid: Grid, link: Callable
     # A NaN shows in no statistics: each float column left unread is read into the loss as S − (v − v), which
     # is S bit for bit (−0.0 too) where v is finite (v − v = +0.0), and NaN where v is NaN: the grid then
     # gives way to the query, which counts it and names its file.
-    for column in sorted(c for c in given if c in files[0].columns and COLUMNS_BY_NAME[c].kind == "float"):
+    for column in sorted(c for c in given if COLUMNS_BY_NAME[c].kind == "float"):
         loss += f' - ("{column}" - "{column}")'
     columns = ", ".join([_read(c, types.get(c)) for c in ("step", "micro", "valid_tokens")] + [f'{loss} AS "loss_sum"']
                         + [_read(c, types.get(c)) for c in read])
