@@ -140,8 +140,8 @@ def discover(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[Path], list[
 
 
 def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogFormatError]) -> int:
-    """Every *.parquet under `root` added to `found` (a file already there is not added again): how many files
-    it reached, those found before included."""
+    """Every *.parquet under `root` added to `found` (a file already there is not added again), or to `problems`
+    where it is no readable file: how many it reached, those found before and those it could not use included."""
     seen: set[tuple[int, int]] = set()
     reached = 0
 
@@ -175,8 +175,8 @@ def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogForm
                 key: tuple[int, int] | None = (identity.st_dev, inode)
             else:
                 key, problem = _regular_file(path)
+            reached += 1
             if key is not None:
-                reached += 1
                 if key not in found:
                     found[key] = child(name)
             else:

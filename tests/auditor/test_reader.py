@@ -560,3 +560,15 @@ def test_a_file_reached_by_several_paths_is_found_once(tmp_path: Path) -> None:
     assert not problems
     assert files == [run / "a.parquet", run / "deeper" / "z.parquet"]
     assert all(type(path) is type(run) for path in files)
+
+
+def test_a_folder_of_only_unusable_files_is_not_also_called_empty(tmp_path: Path, monkeypatch: Any) -> None:
+    """A folder, named relative to where the command runs, whose one *.parquet is a dangling link: one line,
+    the link's, and not also "no Parquet files" for the folder."""
+    (tmp_path / "run").mkdir()
+    os.symlink(tmp_path / "nowhere.parquet", tmp_path / "run" / "dangling.parquet")
+    monkeypatch.chdir(tmp_path)
+    files, problems = discover(["run"])
+    assert files == []
+    assert [(p.path, p.problem) for p in problems] == [
+        (str(tmp_path / "run" / "dangling.parquet"), "a link to nothing (dangling symlink)")]
