@@ -87,6 +87,33 @@ def test_an_audit_can_be_held_to_one_thread(tmp_path: Path, monkeypatch: pytest.
     assert [f.code for f in one.findings] == [f.code for f in every.findings] and one.findings
 
 
+def test_an_engine_s_database_keeps_no_threads_for_asynchronous_io(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """DuckDB 2 gives every database 8 threads for asynchronous I/O besides `threads`: an engine's has none,
+    and a DuckDB without that setting still opens the log, with the same table."""
+    import duckdb
+
+    import tokaudit.engine as engine_module
+
+    write(tmp_path / "run" / "rank-all-000000.parquet", records(UNEVEN_GA, local_mean))
+    shards = load([tmp_path]).shards
+    plain = duckdb.connect()
+    known = plain.execute("SELECT count(*) FROM duckdb_settings() WHERE name = 'async_threads'").fetchone()
+    assert known is not None
+    if known[0]:
+        assert int(plain.execute("SELECT current_setting('async_threads')").fetchone()[0]) > 0
+    plain.close()
+    engine = Engine.open(shards)
+    if known[0]:
+        assert int(engine.connection.execute("SELECT current_setting('async_threads')").fetchone()[0]) == 0
+    table = engine.step_table(1e-4)
+    engine.close()
+    monkeypatch.setattr(engine_module, "_QUIET_IO", {"a_setting_no_duckdb_has": 0})
+    older = Engine.open(shards)
+    pd.testing.assert_frame_equal(older.step_table(1e-4), table)
+    older.close()
+
+
 def test_the_step_table_is_lean_and_its_ranges_are_joined_without_a_second_copy(tmp_path: Path) -> None:
     """The memory bound's mechanism at small scale: counts come back as 4-byte integers (float64 with
     NaN where no record said), never DuckDB's 16-byte sums or pandas' masked NA; and the ranges of a
