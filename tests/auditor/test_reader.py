@@ -572,3 +572,54 @@ def test_a_folder_of_only_unusable_files_is_not_also_called_empty(tmp_path: Path
     assert files == []
     assert [(p.path, p.problem) for p in problems] == [
         (str(tmp_path / "run" / "dangling.parquet"), "a link to nothing (dangling symlink)")]
+
+
+def test_a_local_footer_read_from_the_file_s_last_bytes_gives_what_pyarrow_s_reader_gives(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """A local file's footer is read with one pread of its end and parsed from memory (`_local_footer`):
+    every file below (a good run, Arrow types a writer stored, a footer longer than one read, bad files of
+    every kind) gives the shard, or the problem, that pyarrow's reader of the file gives, and its schema."""
+    import tokaudit.reader as reader
+
+    folder = tmp_path / "logs"
+    good_run(folder / "good")
+    bad_files(folder / "bad")
+    rows = [dict(r, run_id="run") for r in records(UNEVEN, token_mean)]
+    table = pa.Table.from_pylist(rows)
+    typed = table.set_column(table.schema.get_field_index("run_id"), "run_id",
+                             table["run_id"].dictionary_encode()).append_column(
+        pa.field("time", pa.timestamp("us", tz="Asia/Tokyo")), pa.array([0] * len(rows), pa.timestamp("us", tz="Asia/Tokyo")))
+    pq.write_table(typed, folder / "typed.parquet")
+    long = folder / "long-footer.parquet"
+    pq.write_table(table.replace_schema_metadata({"note": "x" * 3 * reader._TAIL_BYTES}), long)
+    assert pq.read_metadata(long).serialized_size > reader._TAIL_BYTES
+    whole = (folder / "typed.parquet").read_bytes()
+    (folder / "bad" / "empty.parquet").write_bytes(b"")
+    (folder / "bad" / "magic-only.parquet").write_bytes(b"PAR1")
+    (folder / "bad" / "footer-too-long.parquet").write_bytes(whole[:-8] + (len(whole)).to_bytes(4, "little") + b"PAR1")
+    (folder / "bad" / "footer-garbled.parquet").write_bytes(whole[:-400] + b"\xff" * 392 + whole[-8:])
+    (folder / "headless.parquet").write_bytes(b"\0" * 4 + whole[4:])  # what pyarrow's reader never looks at
+    many = records(UNEVEN * 3000, token_mean)
+    many[5000]["step"] = None  # found by reading the column, from the file: more than the footer's read
+    write(folder / "bad" / "null-far.parquet", many)
+    assert (folder / "bad" / "null-far.parquet").stat().st_size > 2 * reader._TAIL_BYTES
+    files = sorted(folder.rglob("*.parquet"))
+
+    def inspected() -> list[Any]:
+        out: list[Any] = []
+        for path in files:
+            try:
+                out.append(inspect_shard(path))
+            except reader.LogFormatError as error:
+                out.append((error.path, error.problem))
+        return out
+
+    fast = inspected()
+    for path in [p for p in files if "bad" not in p.parts]:
+        footer = reader._local_footer(str(path))
+        assert footer is not None, path
+        assert footer.metadata.equals(pq.read_metadata(path))
+        assert footer.schema_arrow.equals(pq.read_schema(path), check_metadata=True)
+    assert sum(isinstance(item, tuple) for item in fast) == len(list((folder / "bad").iterdir()))
+    monkeypatch.setattr(reader, "_local_footer", lambda path: None)
+    assert inspected() == fast
