@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import gc
 import os
 import pickle
 import re
@@ -309,19 +308,11 @@ def _inspect_batch(paths: Sequence[PurePath], thorough: bool, stores: Sequence[S
                    ) -> list[Shard | tuple[str, str]]:
     """Each file's Shard, or (its name, its problem): what crosses back from a worker process."""
     out: list[Shard | tuple[str, str]] = []
-    # Many young objects and no cycle among them: the collector's passes over them (every 700 allocations,
-    # and the older generations as they grow) took 5–10% of a footer's time.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        for index, path in enumerate(paths):
-            try:
-                out.append(inspect_shard(path, stores[index] if stores else None, thorough))
-            except LogFormatError as error:
-                out.append((error.path, error.problem))
-    finally:
-        if collecting:
-            gc.enable()
+    for index, path in enumerate(paths):
+        try:
+            out.append(inspect_shard(path, stores[index] if stores else None, thorough))
+        except LogFormatError as error:
+            out.append((error.path, error.problem))
     return out
 
 
