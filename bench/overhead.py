@@ -11,6 +11,7 @@ itself adds to a step, free of the noise between two loops.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import tempfile
@@ -155,9 +156,24 @@ def parts_per_step(cost: dict[str, float], plain_ms: float) -> tuple[float, floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=150, help="steps per loop")
+    parser.add_argument("--keep-heap", action="store_true",
+                        help="glibc's heap set as the tokaudit command line sets its own (tokaudit.heap): large "
+                             "blocks kept rather than mapped and unmapped at every step")
+    parser.add_argument("--json", action="store_true", help="the loops' figures as one JSON object, no parts")
     args = parser.parse_args()
+    if args.keep_heap:
+        # Under glibc's defaults this CPU step maps and unmaps its activations: 6,000–8,000 page faults a
+        # step in either loop, and step times that swing with the heap's layout, which the recorder's own
+        # small tensors move. Kept, neither loop faults.
+        from tokaudit.heap import keep_large_blocks
+
+        if not keep_large_blocks():
+            parser.error("glibc's heap cannot be set here (not glibc, or a MALLOC_* variable set)")
     torch.set_num_threads(2)
     result = measure(args.steps)
+    if args.json:
+        print(json.dumps(result))
+        return
     print(f"median step: plain {result['plain_ms']:.1f} ms, recorded {result['recorded_ms']:.1f} ms, "
           f"ratio {result['ratio']:.4f} (with flushes amortized {result['ratio_with_flush']:.4f}; "
           f"per fifth of the steps {', '.join(f'{r:.3f}' for r in result['block_ratios'])})")

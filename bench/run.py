@@ -46,6 +46,19 @@ def _compare(label: str, log: Path, naive: bool, repeat: int) -> list[tuple[str,
     return rows
 
 
+def _kept_heap(steps: int) -> list[tuple[str, str]]:
+    """The loops again in a process whose glibc heap keeps its large blocks (`overhead.py --keep-heap`)."""
+    done = subprocess.run([sys.executable, str(HERE / "overhead.py"), "--steps", str(steps), "--keep-heap", "--json"],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        return [("recorder: step-time ratio, heap kept", f"not measured ({done.stderr.strip()[-200:]})")]
+    result = json.loads(done.stdout)
+    return [("recorder: median step, heap kept: plain → Recorder + probe",
+             f"{result['plain_ms']:.1f} ms → {result['recorded_ms']:.1f} ms"),
+            ("recorder: step-time ratio, heap kept", f"{result['ratio']:.4f} (per fifth of the steps: "
+                                                     f"{', '.join(f'{r:.3f}' for r in result['block_ratios'])})")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=float, default=1e7, help="rows of the synthetic log (1e7 or 1e8)")
@@ -69,6 +82,7 @@ def main() -> None:
                  ("recorder: step-time ratio", f"{result['ratio']:.4f} (per fifth of the steps: "
                                                f"{', '.join(f'{r:.3f}' for r in result['block_ratios'])})"),
                  ("recorder: ratio with shard flushes amortized", f"{result['ratio_with_flush']:.4f}"),
+                 *_kept_heap(args.steps),
                  ("recorder: parts per microbatch, timed alone", ", ".join(
                      f"{name[:-3].replace('_', ' ')} {value:.0f} µs" for name, value in cost.items())),
                  ("recorder: parts per step, as a ratio", f"{per_step:.2f} ms, {ratio:.4f}")]
