@@ -402,14 +402,16 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
         if world_values is None or world_nulls is not None:
             return False
         world = world_values
-    # D = coalesce(grad_divisor, world_size)
-    divisor_values, divisor_nulls = column("grad_divisor")
-    divisor: Any = (float(given["grad_divisor"]) if "grad_divisor" in given else
-                    np.asarray(world, dtype=np.float64) if divisor_values is None else
-                    divisor_values if divisor_nulls is None else np.where(divisor_nulls, world, divisor_values))
-    scale_values, scale_nulls = column("grad_scale")
-    scale: Any = float(given["grad_scale"]) if "grad_scale" in given else 1.0 if scale_values is None else (
-        scale_values if scale_nulls is None else np.where(scale_nulls, 1.0, scale_values))  # g = coalesce(grad_scale, 1)
+
+    def coalesced(name: str, default: Any) -> Any:
+        """coalesce(column, default): a footer's one value as a number (no array made for it)."""
+        if name in given:
+            return float(given[name])
+        values, nulls = column(name)
+        return default if values is None else values if nulls is None else np.where(nulls, default, values)
+
+    divisor: Any = coalesced("grad_divisor", np.asarray(world, dtype=np.float64))  # D = coalesce(grad_divisor, W)
+    scale: Any = coalesced("grad_scale", 1.0)  # g = coalesce(grad_scale, 1)
     if not isinstance(scale, float) and (scale == 1.0).all():
         scale = 1.0  # c·1 is c bit for bit: no loss scaler, no pass over the records for it
     if not (np.isfinite(divisor).all() and np.isfinite(scale).all()):
