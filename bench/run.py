@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
@@ -55,8 +56,12 @@ def _kept_heap(steps: int) -> list[tuple[str, str]]:
     result = json.loads(done.stdout)
     return [("recorder: median step, heap kept: plain → Recorder + probe",
              f"{result['plain_ms']:.1f} ms → {result['recorded_ms']:.1f} ms"),
-            ("recorder: step-time ratio, heap kept", f"{result['ratio']:.4f} (per fifth of the steps: "
-                                                     f"{', '.join(f'{r:.3f}' for r in result['block_ratios'])})")]
+            ("recorder: step-time ratio, heap kept", _ratio(result))]
+
+
+def _ratio(result: dict[str, Any]) -> str:
+    """The loops' ratio of median steps, and each fifth's (`overhead.measure`)."""
+    return f"{result['ratio']:.4f} (per fifth of the steps: {', '.join(f'{r:.3f}' for r in result['block_ratios'])})"
 
 
 def main() -> None:
@@ -79,8 +84,7 @@ def main() -> None:
         per_step, ratio = parts_per_step(cost, result["plain_ms"])
         rows += [("recorder: median step, plain", f"{result['plain_ms']:.1f} ms"),
                  ("recorder: median step, Recorder + probe", f"{result['recorded_ms']:.1f} ms"),
-                 ("recorder: step-time ratio", f"{result['ratio']:.4f} (per fifth of the steps: "
-                                               f"{', '.join(f'{r:.3f}' for r in result['block_ratios'])})"),
+                 ("recorder: step-time ratio", _ratio(result)),
                  ("recorder: ratio with shard flushes amortized", f"{result['ratio_with_flush']:.4f}"),
                  *_kept_heap(args.steps),
                  ("recorder: parts per microbatch, timed alone", ", ".join(
