@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from tokaudit.hooks.columns import Packed
+
 
 class ProbeResult:
     """Per-microbatch weights that backward gave the per-token losses, kept on the device.
@@ -17,11 +19,12 @@ class ProbeResult:
     __slots__ = ("weight_sum", "weight_min", "weight_max", "masked_abs_sum", "valid_count", "filled", "on_fill")
 
     def __init__(self) -> None:
-        self.weight_sum: torch.Tensor | None = None
-        self.weight_min: torch.Tensor | None = None
-        self.weight_max: torch.Tensor | None = None
-        self.masked_abs_sum: torch.Tensor | None = None
-        self.valid_count: torch.Tensor | None = None
+        # a tensor until its update closes; then a place in the update's pack (`Recorder._pack`)
+        self.weight_sum: torch.Tensor | Packed | None = None
+        self.weight_min: torch.Tensor | Packed | None = None
+        self.weight_max: torch.Tensor | Packed | None = None
+        self.masked_abs_sum: torch.Tensor | Packed | None = None
+        self.valid_count: torch.Tensor | Packed | None = None
         self.filled = False
         self.on_fill: Callable[[], None] | None = None
         """Called once, when the first backward reaches this probe."""
@@ -56,13 +59,18 @@ class ProbeResult:
             self.weight_sum, self.weight_min, self.weight_max = weight_sum, weight_min, weight_max
             self.masked_abs_sum, self.valid_count = masked_abs_sum, valid_count
         else:
-            assert self.weight_min is not None and self.weight_max is not None
-            assert self.masked_abs_sum is not None and self.valid_count is not None
-            self.weight_sum = self.weight_sum + weight_sum
-            self.weight_min = torch.minimum(self.weight_min, weight_min)
-            self.weight_max = torch.maximum(self.weight_max, weight_max)
-            self.masked_abs_sum = self.masked_abs_sum + masked_abs_sum
-            self.valid_count = self.valid_count + valid_count
+            # a backward that reaches a probe again after its update was packed adds to the packed values
+            held_sum, held_min, held_max, held_masked, held_count = (
+                value.tensor() if isinstance(value, Packed) else value
+                for value in (self.weight_sum, self.weight_min, self.weight_max, self.masked_abs_sum,
+                              self.valid_count))
+            assert held_sum is not None and held_min is not None and held_max is not None
+            assert held_masked is not None and held_count is not None
+            self.weight_sum = held_sum + weight_sum
+            self.weight_min = torch.minimum(held_min, weight_min)
+            self.weight_max = torch.maximum(held_max, weight_max)
+            self.masked_abs_sum = held_masked + masked_abs_sum
+            self.valid_count = held_count + valid_count
         first = not self.filled
         self.filled = True
         if first and self.on_fill is not None:

@@ -18,7 +18,7 @@ import pyarrow as pa
 import torch
 
 from tokaudit.hooks.amp import ScalerWatch
-from tokaudit.hooks.columns import INT64_MAX, Value, check_scalar, ranges, to_host, writable_rows
+from tokaudit.hooks.columns import INT64_MAX, PackedHost, Value, check_scalar, pack, ranges, to_host, writable_rows
 from tokaudit.hooks.identity import Identity, fsdp2_divisor, known_hook_divisor, resolve_identity
 from tokaudit.hooks.probe import ProbeResult, TokenProbe
 from tokaudit.hooks.shards import ShardWriter, StoreShardWriter
@@ -61,6 +61,9 @@ class Recorder:
         """A flush is writing (a signal handler then waits for it instead of starting another)."""
         self._warned: set[str] = set()
         self._records: list[dict[str, Any]] = []
+        self._unpacked: list[dict[str, Any]] = []
+        self._packs_at_zero_grad = False
+        """Records whose values are still tensors of their own (`_pack`)."""
         self._pending_probe: ProbeResult | None = None
         self._capture: AbstractContextManager[None] | None = None
         self._open_calls: list[_OpenCall] = []
@@ -258,6 +261,7 @@ class Recorder:
                 entry.update(call_group=self._call_group, named=self._active_term is not None, filled_at=-1)
                 probe.on_fill = lambda: self._filled(entry)
             self._records.append(entry)
+            self._unpacked.append(entry)
             if self._scaler is not None and self._scaler.enabled() and scale is None:
                 self._awaiting_scale.append(entry)  # before the scaler's first scale(): filled then
             self._pending_probe = None
@@ -301,14 +305,16 @@ class Recorder:
             self._step = step
             self._micro_next = {}
             self._step_records = 0
+            self._pack()
 
     def report_loss(self, value: Value, step: int | None = None) -> None:
         """The loss the trainer reported for `step` (default: the update just closed), stamped on its
         buffered records as `reported_loss`."""
         step = self._step - 1 if step is None else step
+        snapshot = _detached(value)  # one copy for the update's records
         for record in self._records:
             if record["step"] == step:
-                record["reported_loss"] = _detached(value)
+                record["reported_loss"] = snapshot
 
     def end_step(self, skipped: bool | None = None) -> None:
         """Close the current optimizer update (the optimizer's step hook calls it when one is given).
@@ -351,6 +357,9 @@ class Recorder:
                 still_open = self._step_records > 0 and record["step"] == self._step
                 (ready if done and not still_open else waiting).append(record)
         self._records = waiting
+        if self._unpacked:
+            kept = {id(record) for record in waiting}
+            self._unpacked = [record for record in self._unpacked if id(record) in kept]
         # A captured loss that never reached backward (computed with grad, then unused) is no record.
         ready = [r for r in ready if not (r["captured"] and not r["probe"].filled)]
         self._number_captured(ready)
@@ -403,6 +412,33 @@ class Recorder:
         self._micro_next = {}
         self._step_records = 0
         self._open_calls = []
+        if not self._packs_at_zero_grad or len(self._unpacked) > PACK_AT_ADVANCE:
+            self._pack()  # no optimizer's zero_grad to wait for (or one this loop never calls)
+
+    def _pack(self) -> None:
+        """The values of every record whose update has closed and whose backward has run, packed into one
+        tensor per device (`columns.pack`): nothing of them changes any more, and held as tensors of their
+        own they are thousands of small blocks on a CPU's heap. Called after the optimizer's zero_grad where
+        it is watched (the gradients just freed, the heap at its lowest: 1.006 ± 0.003 on the benchmark,
+        against 1.011 ± 0.005 packed at the optimizer's step), else when an update closes."""
+        if not self._unpacked:
+            return
+        try:
+            done: list[dict[str, Any]] = []
+            waiting: list[dict[str, Any]] = []
+            for record in self._unpacked:
+                probe = record["probe"]
+                ready = (probe is None or probe.filled) and record["step"] != self._step
+                (done if ready else waiting).append(record)
+            holders: list[tuple[Any, str]] = [(record, name) for record in done for name in _PACKED_VALUES]
+            holders += [(record["probe"], name) for record in done if record["probe"] is not None
+                        for name in _PACKED_PROBE_VALUES]
+            self._unpacked = waiting
+            pack(holders)
+        except Exception as error:  # the values stay tensors: nothing is lost
+            self._unpacked = []
+            self._warn_once("pack", f"tokaudit: could not pack an update's values ({error!r}); they are kept as "
+                                    "they are, and training goes on")
 
     def _mark_skipped(self, step: int, skipped: bool | torch.Tensor) -> None:
         for record in self._records:
@@ -447,9 +483,12 @@ class Recorder:
                 self._on_zero_grad()
             except Exception as error:
                 self._warn_once("zero_grad", f"tokaudit: could not follow zero_grad ({error!r})")
-            return original(*args, **kwargs)
+            cleared = original(*args, **kwargs)
+            self._pack()  # the gradients freed: the heap at its lowest in the step
+            return cleared
 
         optimizer.zero_grad = zero_grad
+        self._packs_at_zero_grad = True
         self._handles.append(_Restore(optimizer, "zero_grad", zero_grad))  # close() gives it back
 
     def _on_zero_grad(self) -> None:
@@ -715,11 +754,12 @@ class Recorder:
     def _table(self, records: list[dict[str, Any]]) -> pa.Table:
         count = len(records)
         probes = [r["probe"] for r in records]
-        valid_tokens = to_host([r["valid_tokens"] for r in records], torch.int64)
-        backward = to_host([r["backward_scalar"] for r in records], torch.float64)
-        grad_scale = to_host([r["grad_scale"] for r in records], torch.float64)
-        loss_scale = to_host([r["loss_scale"] for r in records], torch.float64)
-        skipped = to_host([r["skipped"] for r in records], torch.bool)
+        packed = PackedHost()  # every pack of these records copied to the host once
+        valid_tokens = to_host([r["valid_tokens"] for r in records], torch.int64, packed)
+        backward = to_host([r["backward_scalar"] for r in records], torch.float64, packed)
+        grad_scale = to_host([r["grad_scale"] for r in records], torch.float64, packed)
+        loss_scale = to_host([r["loss_scale"] for r in records], torch.float64, packed)
+        skipped = to_host([r["skipped"] for r in records], torch.bool, packed)
         for i, (record, scale) in enumerate(zip(records, loss_scale)):
             if backward[i] is not None and record["divide"] != 1:
                 backward[i] = backward[i] / record["divide"]  # what accelerator.backward backpropagated
@@ -733,7 +773,7 @@ class Recorder:
             "micro": [r["micro"] for r in records],
             "rank": [self.rank] * count,
             "world_size": [self.world_size] * count,
-            "loss_sum": to_host([r["loss_sum"] for r in records], torch.float64),
+            "loss_sum": to_host([r["loss_sum"] for r in records], torch.float64, packed),
             "valid_tokens": valid_tokens,
             "backward_scalar": backward,
             "run_id": [self.run_id] * count,
@@ -742,8 +782,8 @@ class Recorder:
             "grad_divisor": [self._grad_divisor] * count,
             "divisor_known": [self._divisor_known] * count,
             "grad_scale": grad_scale,
-            "positions": to_host([r["positions"] for r in records], torch.int64),
-            "reported_loss": to_host([r["reported_loss"] for r in records], torch.float64),
+            "positions": to_host([r["positions"] for r in records], torch.int64, packed),
+            "reported_loss": to_host([r["reported_loss"] for r in records], torch.float64, packed),
             "sync": [r["sync"] for r in records],
             "skipped": [None if v is None else bool(v) for v in skipped],
             "time": [r["time"] for r in records],
@@ -751,7 +791,7 @@ class Recorder:
         }
         for name in ("weight_sum", "weight_min", "weight_max", "masked_abs_sum"):
             values = [getattr(p, name) if isinstance(p, ProbeResult) and p.filled else None for p in probes]
-            host = to_host(values, torch.float64)
+            host = to_host(values, torch.float64, packed)
             if name in ("weight_min", "weight_max"):
                 # min/max over an empty set of valid tokens is ±inf on the device: null in the log.
                 host = [None if v is not None and abs(v) == float("inf") else v for v in host]
@@ -784,6 +824,14 @@ class _OpenCall:
     named: bool
     footprints: list[Footprint]
     """The targets of every call merged into it (the chunks of one term)."""
+
+
+PACK_AT_ADVANCE = 64
+"""Records left unpacked after which an update's close packs them, where zero_grad is watched but not called."""
+_PACKED_VALUES = ("loss_sum", "valid_tokens", "backward_scalar", "positions", "reported_loss", "grad_scale",
+                  "loss_scale")
+"""A record's values that may be one-number tensors, packed once its update closes (`Recorder._pack`)."""
+_PACKED_PROBE_VALUES = ("weight_sum", "weight_min", "weight_max", "masked_abs_sum", "valid_count")
 
 
 def _detached(value: Value) -> Value:

@@ -107,6 +107,87 @@ def test_no_host_sync_between_flushes(tmp_path: Path, monkeypatch: pytest.Monkey
     assert all(r["valid_tokens"] == 4 and r["positions"] == 6 for r in rows)
 
 
+def _varied_loop(rec: Recorder, optimizer: torch.optim.Optimizer, model: torch.nn.Module, steps: int) -> None:
+    """Steps of 2 microbatches whose values come in several dtypes: a float32 loss sum, an int32 count, a
+    bfloat16 backward scalar, a tensor position count and grad_scale, a reported loss stamped after the step."""
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        for _ in range(2):
+            x = torch.randn(6, 4, generator=generator)
+            labels = torch.tensor([0, 1, 2, -100, 1, -100])
+            valid = labels != -100
+            per_token = rec.probe(torch.nn.functional.cross_entropy(model(x), labels, reduction="none"), valid)
+            loss_sum = (per_token * valid).sum()
+            scalar = loss_sum / 7
+            rec.record(loss_sum=loss_sum, valid_tokens=valid.sum().to(torch.int32),
+                       backward_scalar=scalar.detach().to(torch.bfloat16), positions=torch.tensor(6),
+                       grad_scale=torch.tensor(0.5, dtype=torch.float64))
+            scalar.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        rec.report_loss(torch.tensor(1.25, dtype=torch.float16))
+
+
+def test_a_closed_update_s_values_are_packed_into_one_tensor(tmp_path: Path) -> None:
+    """The mechanism behind the recorder's cost on a CPU heap: a flush's records must not hold thousands of
+    one-number tensors; once an update closes (its backward done), its values are one tensor."""
+    from tokaudit.hooks.columns import Packed
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = Recorder(tmp_path, run_id="packed", optimizer=optimizer, flush_every=1000)
+    _varied_loop(rec, optimizer, model, 3)
+    x, labels = torch.randn(6, 4), torch.tensor([0, 1, 2, -100, 1, -100])
+    per_token = rec.probe(torch.nn.functional.cross_entropy(model(x), labels, reduction="none"), labels != -100)
+    rec.record(loss_sum=per_token.sum(), valid_tokens=(labels != -100).sum(), backward_scalar=per_token.sum())
+    records = rec._records
+    assert len(records) == 7
+    for step in range(3):
+        mine = [r for r in records if r["step"] == step]
+        values = [r[name] for r in mine for name in ("loss_sum", "valid_tokens", "backward_scalar", "positions",
+                                                     "grad_scale")]
+        values += [getattr(r["probe"], name) for r in mine for name in ("weight_sum", "weight_min", "weight_max")]
+        assert all(isinstance(v, Packed) for v in values), f"step {step} holds tensors of its own"
+        assert len({id(v.values) for v in values}) == 1, "one tensor for the update's values"
+    open_record = records[-1]  # the open update, its backward still to come: nothing packed yet
+    assert isinstance(open_record["loss_sum"], torch.Tensor) and not open_record["probe"].filled
+    rec.close()
+
+
+def test_packed_records_write_the_shards_unpacked_ones_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def shards(name: str) -> list[dict[str, Any]]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with Recorder(tmp_path, run_id=name, optimizer=optimizer, flush_every=5) as rec:
+            _varied_loop(rec, optimizer, model, 6)
+        return [{k: v for k, v in row.items() if k != "time"} for row in read_rows(tmp_path / name)]
+
+    packed = shards("packed")
+    monkeypatch.setattr(Recorder, "_pack", lambda self: None)
+    unpacked = shards("unpacked")
+    assert len(packed) == 12 and packed[0]["positions"] == 6 and packed[0]["grad_scale"] == 0.5
+    assert packed[0]["reported_loss"] == 1.25 and packed[0]["token_weight_sum"] is not None
+    assert [{**r, "run_id": ""} for r in packed] == [{**r, "run_id": ""} for r in unpacked]
+
+
+def test_a_probe_reached_again_after_its_update_was_packed_adds_to_what_it_held() -> None:
+    from tokaudit.hooks.columns import pack
+    from tokaudit.hooks.probe import ProbeResult
+
+    valid = torch.tensor([True, True, False])
+    live = torch.tensor([False, False, True])
+    first, second = torch.tensor([0.25, 0.5, 0.125]), torch.tensor([1.0, -2.0, 4.0])
+    packed, plain = ProbeResult(), ProbeResult()
+    for result in (packed, plain):
+        result.add(first, valid, live)
+    pack([(packed, name) for name in ("weight_sum", "weight_min", "weight_max", "masked_abs_sum", "valid_count")])
+    for result in (packed, plain):
+        result.add(second, valid, live)
+    for name in ("weight_sum", "weight_min", "weight_max", "masked_abs_sum", "valid_count"):
+        assert float(getattr(packed, name)) == float(getattr(plain, name)), name
+
+
 def test_shards_rotate_atomically_and_a_resumed_run_never_overwrites(tmp_path: Path) -> None:
     for attempt in range(2):
         with Recorder(tmp_path, run_id="resume", flush_every=3) as rec:
