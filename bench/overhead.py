@@ -1,11 +1,14 @@
 """Step-time overhead of Recorder + probe on a small transformer LM trained on the CPU.
 
-One model, data and optimizer; steps alternate between the plain and the recorded loop, so
-machine noise (a busy neighbour on 2 cores) hits both alike. The figure is the ratio of
-median step times, then the same with the default shard flush (every 4096 records) amortized,
-and the ratio of each fifth of the steps (how far noise moves it). Each part of the recorder is
-also timed alone, thousands of calls on one microbatch's tensors (`parts`): what the recorder
-itself adds to a step, free of the noise between two loops.
+One model, data and optimizer; steps rotate between the plain loop, the recorded loop and a control
+loop that is the plain one again, so machine noise (a busy neighbour on 2 cores) hits all three alike.
+The figure is the ratio of median step times, recorded over plain, then the same with the default shard
+flush (every 4096 records) amortized, and the ratio of each fifth of the steps (how far noise moves it).
+The control's ratio over plain is what two identical loops differ by in this process: under glibc's
+default heap that is not 1 (the step re-faults its activations, by an amount the heap's layout decides).
+`--processes K` runs the loops in K fresh processes and gives the mean of each ratio and its standard
+error. Each part of the recorder is also timed alone, thousands of calls on one microbatch's tensors
+(`parts`): what the recorder itself adds to a step, free of the noise between loops.
 """
 
 from __future__ import annotations
@@ -14,15 +17,19 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokaudit.hooks import Recorder
+from tokaudit.hooks.columns import pack
 from tokaudit.hooks.probe import ProbeResult
 
 VOCAB, WIDTH, HEADS, LAYERS, SEQ, BATCH, MICRO = 2048, 128, 4, 2, 128, 8, 2
@@ -76,18 +83,21 @@ def measure(steps: int) -> dict[str, float]:
     model = TinyTransformer()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = [batches(seed) for seed in range(8)]
-    times: dict[str, list[float]] = {"plain": [], "recorded": []}
+    modes = ("plain", "recorded", "control")
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory() as folder:
         rec = Recorder(folder, run_id="bench", optimizer=optimizer)
         for index in range(3):  # warm-up (first-call allocations, autograd caches, first shard write)
             step(model, optimizer, data[index % 8], None)
             step(model, optimizer, data[index % 8], rec)
         rec.flush()
-        for index in range(2 * steps):
-            mode = ("plain", "recorded")[(index + index // 2) % 2]  # plain, recorded, recorded, plain, ...
+        for index in range(len(modes) * steps):
+            # each triple of steps (plain, recorded, control) runs on one batch, in an order that rotates so that
+            # each loop takes each place in turn: P R C, R C P, C P R, ...
+            triple, place = divmod(index, len(modes))
+            mode = modes[(place + triple) % len(modes)]
             start = time.perf_counter()
-            # each pair of steps (one plain, one recorded) runs on one batch: both loops see every batch alike
-            step(model, optimizer, data[(index // 2) % 8], rec if mode == "recorded" else None)
+            step(model, optimizer, data[triple % 8], rec if mode == "recorded" else None)
             times[mode].append(time.perf_counter() - start)
         # The flush every 4096 records (default), amortized over the steps that filled it.
         records = len(rec._records)
@@ -96,13 +106,40 @@ def measure(steps: int) -> dict[str, float]:
         flush_s = time.perf_counter() - start
         rec.close()
     plain, recorded = statistics.median(times["plain"]), statistics.median(times["recorded"])
+    control = statistics.median(times["control"])
     amortized = flush_s / max(records, 1) * MICRO  # flush cost per record × records per step
     fifth = max(1, steps // 5)
-    blocks = [statistics.median(times["recorded"][i:i + fifth]) / statistics.median(times["plain"][i:i + fifth])
-              for i in range(0, fifth * 5, fifth)]
+
+    def fifths(loop: str) -> list[float]:
+        return [statistics.median(times[loop][i:i + fifth]) / statistics.median(times["plain"][i:i + fifth])
+                for i in range(0, fifth * 5, fifth)]
+
     return {"plain_ms": plain * 1e3, "recorded_ms": recorded * 1e3, "ratio": recorded / plain,
             "flush_ms": flush_s * 1e3, "flush_records": records,
-            "ratio_with_flush": (recorded + amortized) / plain, "block_ratios": blocks}
+            "ratio_with_flush": (recorded + amortized) / plain, "block_ratios": fifths("recorded"),
+            "control_ms": control * 1e3, "control_ratio": control / plain, "control_block_ratios": fifths("control")}
+
+
+def in_processes(processes: int, steps: int, keep_heap: bool) -> dict[str, Any]:
+    """`measure` in `processes` fresh processes, one after the other: each ratio's mean over them and its
+    standard error (s/√K), and every process's figures. A fresh process is a fresh heap layout: under glibc's
+    defaults the control's ratio moves from process to process as much as the recorder's does."""
+    runs = []
+    for _ in range(processes):
+        done = subprocess.run([sys.executable, __file__, "--steps", str(steps), "--json",
+                               *(["--keep-heap"] if keep_heap else [])], capture_output=True, text=True)
+        if done.returncode != 0:
+            lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
+            raise SystemExit(f"overhead.py: a process of the loops failed: {lines[-1]}")
+        runs.append(json.loads(done.stdout))
+
+    def mean_and_error(name: str) -> tuple[float, float]:
+        values = [run[name] for run in runs]
+        error = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+        return statistics.fmean(values), error
+
+    return {"processes": processes, "ratio": mean_and_error("ratio"), "control_ratio": mean_and_error("control_ratio"),
+            "runs": runs}
 
 
 def _per_call_us(call: Callable[[], object], calls: int = 2000) -> float:
@@ -121,8 +158,9 @@ def _per_call_us(call: Callable[[], object], calls: int = 2000) -> float:
 def parts() -> dict[str, float]:
     """µs per microbatch of each recorder part, on the benchmark's tensors (8×128 tokens): the
     probe's forward (mask of masked positions with a loss, the autograd node), its backward (Σ,
-    min, max of ∂b/∂ℓᵢ and the masked weight, on the device) and `record` (values checked, kept
-    detached on the device)."""
+    min, max of ∂b/∂ℓᵢ and the masked weight, on the device), `record` (values checked, kept
+    detached on the device) and `pack` (its values and the probe's copied into one tensor once the update
+    closes)."""
     tokens, labels = batches(0)[0]
     valid = labels != -100
     logits = torch.randn(tokens.numel(), VOCAB, requires_grad=True)
@@ -143,8 +181,23 @@ def parts() -> dict[str, float]:
 
         recorded = _per_call_us(record)
         rec._records.clear()
+        rec._unpacked.clear()
         rec.close()
-    return {"probe_forward_us": forward, "probe_backward_us": backward, "record_us": recorded}
+    probe = ProbeResult()
+    probe.add(grad, valid, live)
+    values = {"loss_sum": loss_sum, "valid_tokens": count, "backward_scalar": scalar}
+    fields = ("weight_sum", "weight_min", "weight_max", "masked_abs_sum", "valid_count")
+    held = [getattr(probe, name) for name in fields]
+
+    def packed() -> None:
+        # one microbatch's record and probe, packed as an update's close packs them (`Recorder._pack`)
+        entry, result = dict(values), ProbeResult()
+        for name, value in zip(fields, held):
+            setattr(result, name, value)
+        pack([(entry, name) for name in values] + [(result, name) for name in fields])
+
+    return {"probe_forward_us": forward, "probe_backward_us": backward, "record_us": recorded,
+            "pack_us": _per_call_us(packed)}
 
 
 def parts_per_step(cost: dict[str, float], plain_ms: float) -> tuple[float, float]:
@@ -160,7 +213,23 @@ def main() -> None:
                         help="glibc's heap set as the tokaudit command line sets its own (tokaudit.heap): large "
                              "blocks kept rather than mapped and unmapped at every step")
     parser.add_argument("--json", action="store_true", help="the loops' figures as one JSON object, no parts")
+    parser.add_argument("--processes", type=int, default=0, metavar="K",
+                        help="run the loops in K fresh processes and print each ratio's mean and standard error")
     args = parser.parse_args()
+    if args.processes:
+        if args.processes < 2:
+            parser.error("--processes takes 2 or more (a standard error needs two runs)")
+        summary = in_processes(args.processes, args.steps, args.keep_heap)
+        if args.json:
+            print(json.dumps(summary))
+            return
+        for run in summary["runs"]:
+            print(f"process: recorded/plain {run['ratio']:.4f}, control/plain {run['control_ratio']:.4f} "
+                  f"(plain {run['plain_ms']:.1f} ms)")
+        (ratio, ratio_error), (control, control_error) = summary["ratio"], summary["control_ratio"]
+        print(f"mean of {args.processes} processes: recorded/plain {ratio:.4f} ± {ratio_error:.4f}, "
+              f"control/plain {control:.4f} ± {control_error:.4f} (± one standard error)")
+        return
     if args.keep_heap:
         # Under glibc's defaults this CPU step maps and unmaps its activations: 6,000–8,000 page faults a
         # step in either loop, and step times that swing with the heap's layout, which the recorder's own
@@ -176,7 +245,8 @@ def main() -> None:
         return
     print(f"median step: plain {result['plain_ms']:.1f} ms, recorded {result['recorded_ms']:.1f} ms, "
           f"ratio {result['ratio']:.4f} (with flushes amortized {result['ratio_with_flush']:.4f}; "
-          f"per fifth of the steps {', '.join(f'{r:.3f}' for r in result['block_ratios'])})")
+          f"per fifth of the steps {', '.join(f'{r:.3f}' for r in result['block_ratios'])}); "
+          f"control (the plain loop again) {result['control_ratio']:.4f}")
     cost = parts()
     per_step, ratio = parts_per_step(cost, result["plain_ms"])
     print(", ".join(f"{name[:-3]} {value:.0f} µs" for name, value in cost.items())

@@ -1,4 +1,5 @@
-"""All benchmarks in one command: `make bench` (or python bench/run.py [--rows N] [--repeat K] [--skip-overhead]).
+"""All benchmarks in one command: `make bench` (or python bench/run.py [--rows N] [--repeat K] [--skip-overhead]
+[--processes K] [--process-steps N]).
 
 Prints one table: recorder overhead on a CPU transformer LM, and `tokaudit check` next to a
 one-query DuckDB floor (per-step N and the extremes of b/S over the same files) and a naive pandas
@@ -60,8 +61,23 @@ def _kept_heap(steps: int) -> list[tuple[str, str]]:
 
 
 def _ratio(result: dict[str, Any]) -> str:
-    """The loops' ratio of median steps, and each fifth's (`overhead.measure`)."""
-    return f"{result['ratio']:.4f} (per fifth of the steps: {', '.join(f'{r:.3f}' for r in result['block_ratios'])})"
+    """The loops' ratio of median steps, and each fifth's, beside the control loop's (`overhead.measure`)."""
+    return (f"{result['ratio']:.4f} (per fifth of the steps: {', '.join(f'{r:.3f}' for r in result['block_ratios'])}); "
+            f"the control loop, plain again: {result['control_ratio']:.4f}")
+
+
+def _in_processes(processes: int, steps: int) -> list[tuple[str, str]]:
+    """The loops in fresh processes under glibc's default heap (`overhead.py --processes`): each ratio's mean."""
+    done = subprocess.run([sys.executable, str(HERE / "overhead.py"), "--steps", str(steps), "--processes",
+                           str(processes), "--json"], capture_output=True, text=True)
+    label = f"recorder: step-time ratio, mean of {processes} fresh processes ({steps} steps a loop)"
+    if done.returncode != 0:
+        return [(label, f"not measured ({done.stderr.strip()[-200:]})")]
+    summary = json.loads(done.stdout)
+    (ratio, ratio_error), (control, control_error) = summary["ratio"], summary["control_ratio"]
+    each = ", ".join(f"{run['ratio']:.3f}" for run in summary["runs"])
+    return [(label, f"{ratio:.4f} ± {ratio_error:.4f}; the control loop {control:.4f} ± {control_error:.4f} "
+                    f"(± one standard error; the processes' own: {each})")]
 
 
 def main() -> None:
@@ -70,6 +86,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "out", help="where synthetic logs are kept")
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--steps", type=int, default=150, help="steps per loop in the overhead benchmark")
+    parser.add_argument("--processes", type=int, default=4,
+                        help="fresh processes of the recorder's loops under glibc's default heap (2 or more)")
+    parser.add_argument("--process-steps", type=int, default=60, help="steps per loop in each of those processes")
     parser.add_argument("--repeat", type=int, default=2, help="runs of each audit, alternated (the best time counts)")
     args = parser.parse_args()
     rows: list[tuple[str, str]] = []
@@ -86,6 +105,7 @@ def main() -> None:
                  ("recorder: median step, Recorder + probe", f"{result['recorded_ms']:.1f} ms"),
                  ("recorder: step-time ratio", _ratio(result)),
                  ("recorder: ratio with shard flushes amortized", f"{result['ratio_with_flush']:.4f}"),
+                 *_in_processes(args.processes, args.process_steps),
                  *_kept_heap(args.steps),
                  ("recorder: parts per microbatch, timed alone", ", ".join(
                      f"{name[:-3].replace('_', ' ')} {value:.0f} µs" for name, value in cost.items())),
