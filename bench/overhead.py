@@ -167,6 +167,7 @@ def parts() -> dict[str, float]:
     per_token = F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100, reduction="none").view_as(labels)
     with tempfile.TemporaryDirectory() as folder:
         rec = Recorder(folder, run_id="parts", flush_every=1 << 30)
+        rec.begin_step(0)  # step boundaries known, as an optimizer's hooks make them: a record is not its own update
         forward = _per_call_us(lambda: rec.probe(per_token, valid))
         rec._pending_probe = None
         grad, live = torch.randn(labels.shape), ~valid & (per_token.detach() != 0)
@@ -176,8 +177,9 @@ def parts() -> dict[str, float]:
 
         def record() -> None:
             rec.record(loss_sum=loss_sum, valid_tokens=count, backward_scalar=scalar, positions=labels.numel())
-            if len(rec._records) > 4096:
+            if len(rec._records) > 4096:  # as a flush would (an update's close packs and leaves `_unpacked`)
                 rec._records.clear()
+                rec._unpacked.clear()
 
         recorded = _per_call_us(record)
         rec._records.clear()
