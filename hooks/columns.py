@@ -74,6 +74,8 @@ def pack(holders: Sequence[tuple[Any, str]]) -> None:
             by_device.setdefault(value.device, []).append((holder, name, value))
     with torch.no_grad():
         for device, held in by_device.items():
+            if device.type == "mps":
+                continue  # no float64 there: the values stay tensors of their own
             values = torch.empty(len(held), dtype=torch.float64, device=device)
             torch.cat([value.reshape(1) for _, _, value in held], out=values)  # each converted to float64
             for index, (holder, name, _) in enumerate(held):
