@@ -62,8 +62,9 @@ class Recorder:
         self._warned: set[str] = set()
         self._records: list[dict[str, Any]] = []
         self._unpacked: list[dict[str, Any]] = []
-        self._packs_at_zero_grad = False
         """Records whose values are still tensors of their own (`_pack`)."""
+        self._packs_at_zero_grad = False
+        """The optimizer's zero_grad is watched: packing waits for it (the gradients freed)."""
         self._pending_probe: ProbeResult | None = None
         self._capture: AbstractContextManager[None] | None = None
         self._open_calls: list[_OpenCall] = []
