@@ -62,9 +62,9 @@ def pack(holders: Sequence[tuple[Any, str]]) -> None:
     Why: a CPU tensor is two small blocks of glibc's heap (the tensor and its storage), and a flush holds
     thousands of them. Held across steps among a training step's large blocks, which glibc trims and faults
     in again every step, they cost the benchmark's CPU step about 2% (`bench/overhead.py --processes 6`:
-    1.022 ± 0.003 against its control loop's 1.003 ± 0.002); packed after each update's zero_grad, 1.006 ±
-    0.003 (control 0.996 ± 0.005). On a GPU the caching allocator keeps its blocks; one pack an update is
-    also fewer tensors for the flush to stack.
+    1.022 ± 0.003 against its control loop's 1.003 ± 0.002); packed after each update's zero_grad, about 1.01
+    (1.006 ± 0.003 in six processes, 1.010 pooled over 28; controls 0.996–1.004). On a GPU the caching
+    allocator keeps its blocks; one pack an update is also fewer tensors for the flush to stack.
     """
     by_device: dict[torch.device, list[tuple[Any, str, torch.Tensor]]] = {}
     for holder, name in holders:
