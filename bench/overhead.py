@@ -120,18 +120,22 @@ def measure(steps: int) -> dict[str, float]:
             "control_ms": control * 1e3, "control_ratio": control / plain, "control_block_ratios": fifths("control")}
 
 
+def in_process(steps: int, keep_heap: bool) -> dict[str, Any]:
+    """`measure` in a fresh process (`--json`); RuntimeError with its last line of stderr where it fails."""
+    done = subprocess.run([sys.executable, __file__, "--steps", str(steps), "--json",
+                           *(["--keep-heap"] if keep_heap else [])], capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
+        raise RuntimeError(f"a process of the loops failed: {lines[-1]}")
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
 def in_processes(processes: int, steps: int, keep_heap: bool) -> dict[str, Any]:
     """`measure` in `processes` fresh processes, one after the other: each ratio's mean over them and its
     standard error (s/√K), and every process's figures. A fresh process is a fresh heap layout: under glibc's
     defaults the control's ratio moves from process to process as much as the recorder's does."""
-    runs = []
-    for _ in range(processes):
-        done = subprocess.run([sys.executable, __file__, "--steps", str(steps), "--json",
-                               *(["--keep-heap"] if keep_heap else [])], capture_output=True, text=True)
-        if done.returncode != 0:
-            lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
-            raise SystemExit(f"overhead.py: a process of the loops failed: {lines[-1]}")
-        runs.append(json.loads(done.stdout))
+    runs = [in_process(steps, keep_heap) for _ in range(processes)]
 
     def mean_and_error(name: str) -> tuple[float, float]:
         values = [run[name] for run in runs]
@@ -188,23 +192,23 @@ def parts() -> dict[str, float]:
     probe = ProbeResult()
     probe.add(grad, valid, live)
     values = {"loss_sum": loss_sum, "valid_tokens": count, "backward_scalar": scalar}
-    fields = ("weight_sum", "weight_min", "weight_max", "masked_abs_sum", "valid_count")
-    held = [getattr(probe, name) for name in fields]
+    held = [getattr(probe, name) for name in ProbeResult.VALUES]
 
     def packed() -> None:
         # one microbatch's record and probe, packed as an update's close packs them (`Recorder._pack`)
         entry, result = dict(values), ProbeResult()
-        for name, value in zip(fields, held):
+        for name, value in zip(ProbeResult.VALUES, held):
             setattr(result, name, value)
-        pack([(entry, name) for name in values] + [(result, name) for name in fields])
+        pack([(entry, name) for name in values] + [(result, name) for name in ProbeResult.VALUES])
 
     return {"probe_forward_us": forward, "probe_backward_us": backward, "record_us": recorded,
             "pack_us": _per_call_us(packed)}
 
 
 def parts_per_step(cost: dict[str, float], plain_ms: float) -> tuple[float, float]:
-    """The parts' ms per step of MICRO microbatches, and the step-time ratio they make on a plain step."""
-    per_step = MICRO * sum(cost.values()) / 1e3
+    """The parts' ms per step of MICRO microbatches (each microbatch's probe and record, the pack once an
+    update), and the step-time ratio they make on a plain step."""
+    per_step = (MICRO * sum(us for name, us in cost.items() if name != "pack_us") + cost.get("pack_us", 0.0)) / 1e3
     return per_step, 1 + per_step / plain_ms
 
 
@@ -221,7 +225,10 @@ def main() -> None:
     if args.processes:
         if args.processes < 2:
             parser.error("--processes takes 2 or more (a standard error needs two runs)")
-        summary = in_processes(args.processes, args.steps, args.keep_heap)
+        try:
+            summary = in_processes(args.processes, args.steps, args.keep_heap)
+        except RuntimeError as error:
+            raise SystemExit(f"overhead.py: {error}") from None
         if args.json:
             print(json.dumps(summary))
             return

@@ -50,11 +50,12 @@ def _compare(label: str, log: Path, naive: bool, repeat: int) -> list[tuple[str,
 
 def _kept_heap(steps: int) -> list[tuple[str, str]]:
     """The loops again in a process whose glibc heap keeps its large blocks (`overhead.py --keep-heap`)."""
-    done = subprocess.run([sys.executable, str(HERE / "overhead.py"), "--steps", str(steps), "--keep-heap", "--json"],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        return [("recorder: step-time ratio, heap kept", f"not measured ({done.stderr.strip()[-200:]})")]
-    result = json.loads(done.stdout)
+    from overhead import in_process
+
+    try:
+        result = in_process(steps, keep_heap=True)
+    except RuntimeError as error:
+        return [("recorder: step-time ratio, heap kept", f"not measured ({error})")]
     return [("recorder: median step, heap kept: plain → Recorder + probe",
              f"{result['plain_ms']:.1f} ms → {result['recorded_ms']:.1f} ms"),
             ("recorder: step-time ratio, heap kept", _ratio(result))]
@@ -67,13 +68,14 @@ def _ratio(result: dict[str, Any]) -> str:
 
 
 def _in_processes(processes: int, steps: int) -> list[tuple[str, str]]:
-    """The loops in fresh processes under glibc's default heap (`overhead.py --processes`): each ratio's mean."""
-    done = subprocess.run([sys.executable, str(HERE / "overhead.py"), "--steps", str(steps), "--processes",
-                           str(processes), "--json"], capture_output=True, text=True)
+    """The loops in fresh processes under glibc's default heap (`overhead.in_processes`): each ratio's mean."""
+    from overhead import in_processes
+
     label = f"recorder: step-time ratio, mean of {processes} fresh processes ({steps} steps a loop)"
-    if done.returncode != 0:
-        return [(label, f"not measured ({done.stderr.strip()[-200:]})")]
-    summary = json.loads(done.stdout)
+    try:
+        summary = in_processes(processes, steps, keep_heap=False)
+    except RuntimeError as error:
+        return [(label, f"not measured ({error})")]
     (ratio, ratio_error), (control, control_error) = summary["ratio"], summary["control_ratio"]
     each = ", ".join(f"{run['ratio']:.3f}" for run in summary["runs"])
     return [(label, f"{ratio:.4f} ± {ratio_error:.4f}; the control loop {control:.4f} ± {control_error:.4f} "
