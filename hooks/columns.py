@@ -40,7 +40,8 @@ class PackedHost:
     def __init__(self) -> None:
         self.host: dict[int, list[float]] = {}
 
-    def values(self, packs: Sequence[torch.Tensor]) -> None:
+    def copy(self, packs: Sequence[torch.Tensor]) -> None:
+        """Those of `packs` not on the host yet, copied there (`host`: each pack's numbers, by its id)."""
         missing: dict[torch.device, dict[int, torch.Tensor]] = {}
         for pack in packs:
             if id(pack) not in self.host:
@@ -105,8 +106,8 @@ def to_host(values: Sequence[Value | Packed], dtype: torch.dtype, packed: Packed
                 out[index] = host_value
         if in_packs:
             host = packed if packed is not None else PackedHost()
-            held = [value for value in values if isinstance(value, Packed)]
-            host.values([value.values for value in held])
+            held = [value for value in values if isinstance(value, Packed)]  # in_packs' values, in order
+            host.copy([value.values for value in held])
             numbers = [host.host[id(value.values)][value.index] for value in held]
             # float64 → dtype as the value's own tensor converts: every packed value is exact in float64
             typed = numbers if dtype == torch.float64 else torch.tensor(numbers, dtype=torch.float64).to(dtype).tolist()

@@ -16,7 +16,9 @@ class ProbeResult:
     Filled by `_TokenProbe.backward`; several probes in one microbatch accumulate.
     """
 
-    __slots__ = ("weight_sum", "weight_min", "weight_max", "masked_abs_sum", "valid_count", "filled", "on_fill")
+    VALUES = ("weight_sum", "weight_min", "weight_max", "masked_abs_sum", "valid_count")
+    """What a backward measures, each a one-number tensor on the device (packed once its update closes)."""
+    __slots__ = (*VALUES, "filled", "on_fill")
 
     def __init__(self) -> None:
         # a tensor until its update closes; then a place in the update's pack (`Recorder._pack`)
@@ -62,8 +64,7 @@ class ProbeResult:
             # a backward that reaches a probe again after its update was packed adds to the packed values
             held_sum, held_min, held_max, held_masked, held_count = (
                 value.tensor() if isinstance(value, Packed) else value
-                for value in (self.weight_sum, self.weight_min, self.weight_max, self.masked_abs_sum,
-                              self.valid_count))
+                for value in (getattr(self, name) for name in self.VALUES))
             assert held_sum is not None and held_min is not None and held_max is not None
             assert held_masked is not None and held_count is not None
             self.weight_sum = held_sum + weight_sum

@@ -433,7 +433,7 @@ class Recorder:
                 (done if ready else waiting).append(record)
             holders: list[tuple[Any, str]] = [(record, name) for record in done for name in _PACKED_VALUES]
             holders += [(record["probe"], name) for record in done if record["probe"] is not None
-                        for name in _PACKED_PROBE_VALUES]
+                        for name in ProbeResult.VALUES]
             self._unpacked = waiting
             pack(holders)
         except Exception as error:  # the values stay tensors: nothing is lost
@@ -832,7 +832,6 @@ PACK_AT_ADVANCE = 64
 _PACKED_VALUES = ("loss_sum", "valid_tokens", "backward_scalar", "positions", "reported_loss", "grad_scale",
                   "loss_scale")
 """A record's values that may be one-number tensors, packed once its update closes (`Recorder._pack`)."""
-_PACKED_PROBE_VALUES = ("weight_sum", "weight_min", "weight_max", "masked_abs_sum", "valid_count")
 
 
 def _detached(value: Value) -> Value:
