@@ -171,6 +171,30 @@ def test_packed_records_write_the_shards_unpacked_ones_write(tmp_path: Path, mon
     assert [{**r, "run_id": ""} for r in packed] == [{**r, "run_id": ""} for r in unpacked]
 
 
+def test_a_pack_that_fails_warns_once_and_loses_no_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing(holders: Any) -> None:
+        raise RuntimeError("device lost")
+
+    expected = None
+    for name in ("plain", "failing"):
+        if name == "failing":
+            monkeypatch.setattr("tokaudit.hooks.recorder.pack", failing)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with Recorder(tmp_path, run_id=name, optimizer=optimizer, flush_every=5) as rec:
+                _varied_loop(rec, optimizer, model, 4)
+        rows = [{k: v for k, v in row.items() if k not in ("time", "run_id")} for row in read_rows(tmp_path / name)]
+        if expected is None:
+            expected = rows
+            continue
+        packing = [w for w in caught if "could not pack" in str(w.message)]
+        assert len(packing) == 1 and "device lost" in str(packing[0].message)
+    assert rows == expected and len(rows) == 8
+
+
 def test_a_probe_reached_again_after_its_update_was_packed_adds_to_what_it_held() -> None:
     from tokaudit.hooks.columns import pack
     from tokaudit.hooks.probe import ProbeResult
