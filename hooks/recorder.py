@@ -18,7 +18,8 @@ import pyarrow as pa
 import torch
 
 from tokaudit.hooks.amp import ScalerWatch
-from tokaudit.hooks.columns import INT64_MAX, PackedHost, Value, check_scalar, pack, ranges, to_host, writable_rows
+from tokaudit.hooks.columns import (INT64_MAX, PackedHost, Slabs, Value, check_scalar, pack, ranges, to_host,
+                                    writable_rows)
 from tokaudit.hooks.identity import Identity, fsdp2_divisor, known_hook_divisor, resolve_identity
 from tokaudit.hooks.probe import ProbeResult, TokenProbe
 from tokaudit.hooks.shards import ShardWriter, StoreShardWriter
@@ -62,6 +63,7 @@ class Recorder:
         self._warned: set[str] = set()
         self._records: list[dict[str, Any]] = []
         self._unpacked: list[dict[str, Any]] = []
+        self._slabs = Slabs()  # where the updates' values are packed (`_pack`)
         """Records whose values are still tensors of their own (`_pack`)."""
         self._packs_at_zero_grad = False
         """The optimizer's zero_grad is watched: packing waits for it (the gradients freed)."""
@@ -435,7 +437,7 @@ class Recorder:
             holders += [(record["probe"], name) for record in done if record["probe"] is not None
                         for name in ProbeResult.VALUES]
             self._unpacked = waiting
-            pack(holders)
+            pack(holders, self._slabs)
         except Exception as error:  # the values stay tensors: nothing is lost
             self._unpacked = []
             self._warn_once("pack", f"tokaudit: could not pack an update's values ({error!r}); they are kept as "

@@ -148,7 +148,8 @@ def test_a_closed_update_s_values_are_packed_into_one_tensor(tmp_path: Path) -> 
                                                      "grad_scale")]
         values += [getattr(r["probe"], name) for r in mine for name in ("weight_sum", "weight_min", "weight_max")]
         assert all(isinstance(v, Packed) for v in values), f"step {step} holds tensors of its own"
-        assert len({id(v.values) for v in values}) == 1, "one tensor for the update's values"
+    slabs = {id(r[name].values) for r in records[:-1] for name in ("loss_sum", "valid_tokens", "grad_scale")}
+    assert len(slabs) == 1, "the updates are packed into one slab, not a tensor each"
     open_record = records[-1]  # the open update, its backward still to come: nothing packed yet
     assert isinstance(open_record["loss_sum"], torch.Tensor) and not open_record["probe"].filled
     rec.close()
@@ -172,7 +173,7 @@ def test_packed_records_write_the_shards_unpacked_ones_write(tmp_path: Path, mon
 
 
 def test_a_pack_that_fails_warns_once_and_loses_no_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def failing(holders: Any) -> None:
+    def failing(holders: Any, slabs: Any = None) -> None:
         raise RuntimeError("device lost")
 
     expected = None
@@ -193,6 +194,23 @@ def test_a_pack_that_fails_warns_once_and_loses_no_record(tmp_path: Path, monkey
         packing = [w for w in caught if "could not pack" in str(w.message)]
         assert len(packing) == 1 and "device lost" in str(packing[0].message)
     assert rows == expected and len(rows) == 8
+
+
+def test_packs_fill_a_slab_then_take_a_new_one_and_keep_every_value() -> None:
+    from tokaudit.hooks.columns import Packed, Slabs, pack
+
+    slabs = Slabs(numbers=5)
+    updates = [{"a": torch.tensor(float(i)), "b": torch.tensor(i, dtype=torch.int32), "c": torch.tensor(-i / 4)}
+               for i in range(4)]
+    for update in updates:
+        pack([(update, name) for name in update], slabs)
+    held = [value for update in updates for value in update.values()]
+    assert all(isinstance(value, Packed) for value in held)
+    # three places an update, five a slab: each update whole in one slab, a new slab when it would not fit
+    assert [len({id(value.values) for value in update.values()}) for update in updates] == [1, 1, 1, 1]
+    assert len({id(value.values) for value in held}) == 4
+    assert [float(value.tensor()) for update in updates for value in update.values()] == [
+        v for i in range(4) for v in (float(i), float(i), -i / 4)]
 
 
 def test_a_probe_reached_again_after_its_update_was_packed_adds_to_what_it_held() -> None:
