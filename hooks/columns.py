@@ -85,9 +85,10 @@ def pack(holders: Sequence[tuple[Any, str]], slabs: Slabs | None = None) -> None
     Why: a CPU tensor is two small blocks of glibc's heap (the tensor and its storage), and a flush holds
     thousands of them. Held across steps among a training step's large blocks, which glibc trims and faults
     in again every step, they cost the benchmark's CPU step about 2% (`bench/overhead.py --processes 6`:
-    1.022 ± 0.003 against its control loop's 1.003 ± 0.002); packed after each update's zero_grad, about 1.01
-    (1.006 ± 0.003 in six processes, 1.010 pooled over 28; controls 0.996–1.004). On a GPU the caching
-    allocator keeps its blocks; one pack an update is also fewer tensors for the flush to stack.
+    1.022 ± 0.003 against its control loop's 1.003 ± 0.002); packed after each update's zero_grad into a
+    tensor of its own, about 1.01 (1.008 ± 0.003 over 16 fresh processes); into a slab shared by about a
+    thousand updates, 1.002 ± 0.003 over 16 processes alternated with those (controls 0.999 either way). On a
+    GPU the caching allocator keeps its blocks; a slab is also fewer tensors for the flush to stack.
     """
     slabs = slabs if slabs is not None else Slabs(numbers=0)
     by_device: dict[torch.device, list[tuple[Any, str, torch.Tensor]]] = {}

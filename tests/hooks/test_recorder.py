@@ -128,7 +128,7 @@ def _varied_loop(rec: Recorder, optimizer: torch.optim.Optimizer, model: torch.n
         rec.report_loss(torch.tensor(1.25, dtype=torch.float16))
 
 
-def test_a_closed_update_s_values_are_packed_into_one_tensor(tmp_path: Path) -> None:
+def test_closed_updates_are_packed_into_one_slab_not_a_tensor_each(tmp_path: Path) -> None:
     """The mechanism behind the recorder's cost on a CPU heap: a flush's records must not hold thousands of
     one-number tensors; once an update closes (its backward done), its values are one tensor."""
     from tokaudit.hooks.columns import Packed
