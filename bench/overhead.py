@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokaudit.hooks import Recorder
-from tokaudit.hooks.columns import pack
+from tokaudit.hooks.columns import Slabs, pack
 from tokaudit.hooks.probe import ProbeResult
 
 VOCAB, WIDTH, HEADS, LAYERS, SEQ, BATCH, MICRO = 2048, 128, 4, 2, 128, 8, 2
@@ -166,7 +166,7 @@ def parts() -> dict[str, float]:
     """µs per microbatch of each recorder part, on the benchmark's tensors (8×128 tokens): the
     probe's forward (mask of masked positions with a loss, the autograd node), its backward (Σ,
     min, max of ∂b/∂ℓᵢ and the masked weight, on the device), `record` (values checked, kept
-    detached on the device) and `pack` (its values and the probe's copied into one tensor once the update
+    detached on the device) and `pack` (its values and the probe's copied into the slab once the update
     closes)."""
     tokens, labels = batches(0)[0]
     valid = labels != -100
@@ -196,13 +196,14 @@ def parts() -> dict[str, float]:
     probe.add(grad, valid, live)
     values = {"loss_sum": loss_sum, "valid_tokens": count, "backward_scalar": scalar}
     held = [getattr(probe, name) for name in ProbeResult.VALUES]
+    slabs = Slabs()
 
     def packed() -> None:
         # one microbatch's record and probe, packed as an update's close packs them (`Recorder._pack`)
         entry, result = dict(values), ProbeResult()
         for name, value in zip(ProbeResult.VALUES, held):
             setattr(result, name, value)
-        pack([(entry, name) for name in values] + [(result, name) for name in ProbeResult.VALUES])
+        pack([(entry, name) for name in values] + [(result, name) for name in ProbeResult.VALUES], slabs)
 
     return {"probe_forward_us": forward, "probe_backward_us": backward, "record_us": recorded,
             "pack_us": _per_call_us(packed)}

@@ -34,25 +34,41 @@ class Packed:
 
 
 class PackedHost:
-    """The packs of one flush on the host: one device→host copy per device for all of them, made when the
-    first column asks (`to_host`)."""
+    """The packs of one flush on the host: of each slab, the span of places its records hold, copied with one
+    device→host copy per device (`copy`), made when the first column asks (`to_host`) unless the flush asks
+    for all its values first."""
 
     def __init__(self) -> None:
-        self.host: dict[int, list[float]] = {}
+        self._spans: dict[int, tuple[int, list[float]]] = {}  # id(slab): (first place copied, the numbers)
 
-    def copy(self, packs: Sequence[torch.Tensor]) -> None:
-        """Those of `packs` not on the host yet, copied there (`host`: each pack's numbers, by its id)."""
-        missing: dict[torch.device, dict[int, torch.Tensor]] = {}
-        for pack in packs:
-            if id(pack) not in self.host:
-                missing.setdefault(pack.device, {})[id(pack)] = pack
+    def copy(self, values: Sequence[Packed]) -> None:
+        """The places of `values` that are not on the host yet, copied there: of each slab, from the lowest place
+        asked to the highest (a flush of a few records copies a few numbers, not the slab's 2¹⁴)."""
+        asked: dict[int, tuple[torch.Tensor, int, int]] = {}
+        for value in values:
+            slab, index = value.values, value.index
+            _, low, high = asked.get(id(slab), (slab, index, index))
+            asked[id(slab)] = (slab, min(low, index), max(high, index))
+        missing: dict[torch.device, list[tuple[int, torch.Tensor, int, int]]] = {}
+        for key, (slab, low, high) in asked.items():
+            if key in self._spans:
+                first, numbers = self._spans[key]
+                if first <= low and high < first + len(numbers):
+                    continue
+                low, high = min(low, first), max(high, first + len(numbers) - 1)  # copied again, wider
+            missing.setdefault(slab.device, []).append((key, slab, low, high))
         with torch.no_grad():
-            for held in missing.values():
-                host = torch.cat(list(held.values())).cpu().tolist()
+            for spans in missing.values():
+                host = torch.cat([slab[low:high + 1] for _, slab, low, high in spans]).cpu().tolist()
                 start = 0
-                for key, pack in held.items():
-                    self.host[key] = host[start:start + len(pack)]
-                    start += len(pack)
+                for key, _, low, high in spans:
+                    self._spans[key] = (low, host[start:start + high - low + 1])
+                    start += high - low + 1
+
+    def number(self, value: Packed) -> float:
+        """`value` as copied (`copy` first)."""
+        first, numbers = self._spans[id(value.values)]
+        return numbers[value.index - first]
 
 
 SLAB_NUMBERS = 1 << 14
@@ -64,8 +80,8 @@ class Slabs:
     new one. A CPU's heap then holds one block for many updates instead of one (and its tensor's two) for each;
     a slab is freed when the last record packed into it is flushed."""
 
-    def __init__(self, numbers: int = SLAB_NUMBERS) -> None:
-        self.numbers = numbers
+    def __init__(self, numbers: int | None = None) -> None:
+        self.numbers = SLAB_NUMBERS if numbers is None else numbers
         self._open: dict[torch.device, tuple[torch.Tensor, int]] = {}
 
     def take(self, device: torch.device, count: int) -> tuple[torch.Tensor, int]:
@@ -132,8 +148,8 @@ def to_host(values: Sequence[Value | Packed], dtype: torch.dtype, packed: Packed
         if in_packs:
             host = packed if packed is not None else PackedHost()
             held = [value for value in values if isinstance(value, Packed)]  # in_packs' values, in order
-            host.copy([value.values for value in held])
-            numbers = [host.host[id(value.values)][value.index] for value in held]
+            host.copy(held)
+            numbers = [host.number(value) for value in held]
             # float64 → dtype as the value's own tensor converts: every packed value is exact in float64
             typed = numbers if dtype == torch.float64 else torch.tensor(numbers, dtype=torch.float64).to(dtype).tolist()
             for index, host_value in zip(in_packs, typed):

@@ -18,7 +18,7 @@ import pyarrow as pa
 import torch
 
 from tokaudit.hooks.amp import ScalerWatch
-from tokaudit.hooks.columns import (INT64_MAX, PackedHost, Slabs, Value, check_scalar, pack, ranges, to_host,
+from tokaudit.hooks.columns import (INT64_MAX, Packed, PackedHost, Slabs, Value, check_scalar, pack, ranges, to_host,
                                     writable_rows)
 from tokaudit.hooks.identity import Identity, fsdp2_divisor, known_hook_divisor, resolve_identity
 from tokaudit.hooks.probe import ProbeResult, TokenProbe
@@ -318,6 +318,8 @@ class Recorder:
         for record in self._records:
             if record["step"] == step:
                 record["reported_loss"] = snapshot
+                if record.get("packed") and isinstance(snapshot, torch.Tensor):
+                    self._unpacked.append(record)  # packed already: the next pack takes its reported loss
 
     def end_step(self, skipped: bool | None = None) -> None:
         """Close the current optimizer update (the optimizer's step hook calls it when one is given).
@@ -433,6 +435,8 @@ class Recorder:
                 probe = record["probe"]
                 ready = (probe is None or probe.filled) and record["step"] != self._step
                 (done if ready else waiting).append(record)
+                if ready:
+                    record["packed"] = True
             holders: list[tuple[Any, str]] = [(record, name) for record in done for name in _PACKED_VALUES]
             holders += [(record["probe"], name) for record in done if record["probe"] is not None
                         for name in ProbeResult.VALUES]
@@ -757,7 +761,8 @@ class Recorder:
     def _table(self, records: list[dict[str, Any]]) -> pa.Table:
         count = len(records)
         probes = [r["probe"] for r in records]
-        packed = PackedHost()  # every pack of these records copied to the host once
+        packed = PackedHost()  # the places these records hold in their slabs, copied to the host at once
+        packed.copy([value for record in records for value in _packed_values(record)])
         valid_tokens = to_host([r["valid_tokens"] for r in records], torch.int64, packed)
         backward = to_host([r["backward_scalar"] for r in records], torch.float64, packed)
         grad_scale = to_host([r["grad_scale"] for r in records], torch.float64, packed)
@@ -834,6 +839,15 @@ PACK_AT_ADVANCE = 64
 _PACKED_VALUES = ("loss_sum", "valid_tokens", "backward_scalar", "positions", "reported_loss", "grad_scale",
                   "loss_scale")
 """A record's values that may be one-number tensors, packed once its update closes (`Recorder._pack`)."""
+
+
+def _packed_values(record: dict[str, Any]) -> Iterator[Packed]:
+    """The values of `record` and of its probe that were packed (`Recorder._pack`)."""
+    probe = record["probe"]
+    for value in [record[name] for name in _PACKED_VALUES] + (
+            [getattr(probe, name) for name in ProbeResult.VALUES] if probe is not None else []):
+        if isinstance(value, Packed):
+            yield value
 
 
 def _detached(value: Value) -> Value:

@@ -150,6 +150,8 @@ def test_closed_updates_are_packed_into_one_slab_not_a_tensor_each(tmp_path: Pat
         assert all(isinstance(v, Packed) for v in values), f"step {step} holds tensors of its own"
     slabs = {id(r[name].values) for r in records[:-1] for name in ("loss_sum", "valid_tokens", "grad_scale")}
     assert len(slabs) == 1, "the updates are packed into one slab, not a tensor each"
+    # a loss reported after its update was packed is packed with the next update
+    assert [type(r["reported_loss"]).__name__ for r in records[:-1]] == ["Packed"] * 4 + ["Tensor"] * 2
     open_record = records[-1]  # the open update, its backward still to come: nothing packed yet
     assert isinstance(open_record["loss_sum"], torch.Tensor) and not open_record["probe"].filled
     rec.close()
@@ -165,11 +167,14 @@ def test_packed_records_write_the_shards_unpacked_ones_write(tmp_path: Path, mon
         return [{k: v for k, v in row.items() if k != "time"} for row in read_rows(tmp_path / name)]
 
     packed = shards("packed")
+    monkeypatch.setattr("tokaudit.hooks.columns.SLAB_NUMBERS", 50)  # two updates a slab: a flush takes two
+    small_slabs = shards("small_slabs")
     monkeypatch.setattr(Recorder, "_pack", lambda self: None)
     unpacked = shards("unpacked")
     assert len(packed) == 12 and packed[0]["positions"] == 6 and packed[0]["grad_scale"] == 0.5
     assert packed[0]["reported_loss"] == 1.25 and packed[0]["token_weight_sum"] is not None
     assert [{**r, "run_id": ""} for r in packed] == [{**r, "run_id": ""} for r in unpacked]
+    assert [{**r, "run_id": ""} for r in small_slabs] == [{**r, "run_id": ""} for r in unpacked]
 
 
 def test_a_pack_that_fails_warns_once_and_loses_no_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -211,6 +216,23 @@ def test_packs_fill_a_slab_then_take_a_new_one_and_keep_every_value() -> None:
     assert len({id(value.values) for value in held}) == 4
     assert [float(value.tensor()) for update in updates for value in update.values()] == [
         v for i in range(4) for v in (float(i), float(i), -i / 4)]
+
+
+def test_a_flush_copies_the_places_its_records_hold_not_the_whole_slab() -> None:
+    from tokaudit.hooks.columns import PackedHost, Slabs, pack
+
+    updates = [{"a": torch.tensor(i + 0.5), "b": torch.tensor(i, dtype=torch.int64)} for i in range(6)]
+    slabs = Slabs()
+    for update in updates:
+        pack([(update, name) for name in update], slabs)
+    host = PackedHost()
+    host.copy([updates[1]["a"], updates[2]["b"]])
+    assert [len(numbers) for _, numbers in host._spans.values()] == [4]  # places 2…5 of 2¹⁴
+    assert host.number(updates[1]["a"]) == 1.5 and host.number(updates[2]["b"]) == 2.0
+    host.copy([updates[0]["a"], updates[1]["b"]])  # partly outside what was copied: the span widened
+    host.copy([updates[2]["a"]])  # inside it: nothing copied again
+    assert [len(numbers) for _, numbers in host._spans.values()] == [6]
+    assert [host.number(u[name]) for u in updates[:3] for name in ("a", "b")] == [0.5, 0.0, 1.5, 1.0, 2.5, 2.0]
 
 
 def test_a_probe_reached_again_after_its_update_was_packed_adds_to_what_it_held() -> None:
