@@ -63,8 +63,9 @@ class Recorder:
         self._warned: set[str] = set()
         self._records: list[dict[str, Any]] = []
         self._unpacked: list[dict[str, Any]] = []
-        self._slabs = Slabs()  # where the updates' values are packed (`_pack`)
         """Records whose values are still tensors of their own (`_pack`)."""
+        self._slabs = Slabs()
+        """Where the updates' values are packed (`_pack`)."""
         self._packs_at_zero_grad = False
         """The optimizer's zero_grad is watched: packing waits for it (the gradients freed)."""
         self._pending_probe: ProbeResult | None = None
