@@ -65,6 +65,23 @@ def test_a_grad_scaler_is_divided_out_and_its_skipped_update_marked(tmp_path: Pa
     assert scaler.scale.__func__ is torch.amp.GradScaler.scale, "the scaler gets its own methods back"
 
 
+def test_a_scaler_s_skip_marks_are_packed_with_their_update(tmp_path: Path) -> None:
+    from tokaudit.hooks.columns import Packed
+
+    model = torch.nn.Linear(4, 3)
+    try:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)  # steps through the overflow
+    except (RuntimeError, ValueError) as error:
+        pytest.skip(f"no fused SGD on this device: {error}")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    rec = Recorder(tmp_path, run_id="marks", optimizer=optimizer, scaler=scaler, flush_every=1000)
+    amp_loop(rec, model, optimizer, scaler, overflow_step=2)
+    # found_inf > 0, a tensor the scaler's update() marks every update with, held no longer than its update
+    assert [type(r["skipped"]).__name__ for r in rec._records] == ["Packed"] * 4
+    rec.close()
+    assert [r["skipped"] for r in read_rows(tmp_path / "marks")] == [False, False, True, False]
+
+
 def test_a_fused_optimizer_steps_through_an_overflow_and_found_inf_marks_it(tmp_path: Path) -> None:
     model = torch.nn.Linear(4, 3)
     try:
@@ -160,8 +177,10 @@ def test_a_capture_before_zero_grad_belongs_to_the_next_update(tmp_path: Path) -
             loss.backward()
             if step != 1:
                 optimizer.step()
+        rec.report_loss(0.75, step=2)  # the record moved to update 2 by its zero_grad is found there
     rows = read_rows(tmp_path / "order")
     assert [(r["step"], r["micro"], r["skipped"]) for r in rows] == [(0, 0, None), (1, 0, True), (2, 0, None)]
+    assert [r["reported_loss"] for r in rows] == [None, None, 0.75]
 
 
 def test_terms_are_told_from_chunks_by_their_targets(tmp_path: Path) -> None:
