@@ -103,7 +103,7 @@ def pack(holders: Sequence[tuple[Any, str]], slabs: Slabs | None = None) -> None
     in again every step, they cost the benchmark's CPU step about 2% (`bench/overhead.py --processes 6`:
     1.022 ± 0.003 against its control loop's 1.003 ± 0.002); packed after each update's zero_grad into a
     tensor of its own, about 1.01 (1.008 ± 0.003 over 16 fresh processes); into a slab shared by about a
-    thousand updates, 1.002 ± 0.003 over 16 processes alternated with those (controls 0.999 either way). On a
+    thousand updates, 1.002 ± 0.002 over 16 processes alternated with those (controls 0.999 either way). On a
     GPU the caching allocator keeps its blocks; a slab is also fewer tensors for the flush to stack.
     """
     slabs = slabs if slabs is not None else Slabs(numbers=0)
