@@ -109,7 +109,7 @@ def pack(holders: Sequence[tuple[Any, str]], slabs: Slabs | None = None) -> None
     slabs = slabs if slabs is not None else Slabs(numbers=0)
     by_device: dict[torch.device, list[tuple[Any, str, torch.Tensor]]] = {}
     for holder, name in holders:
-        value = holder[name] if isinstance(holder, dict) else getattr(holder, name)
+        value = held_value(holder, name)
         if (isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype in _PACKABLE
                 and not value.requires_grad):
             by_device.setdefault(value.device, []).append((holder, name, value))
@@ -125,6 +125,11 @@ def pack(holders: Sequence[tuple[Any, str]], slabs: Slabs | None = None) -> None
                     holder[name] = Packed(slab, index)
                 else:
                     setattr(holder, name, Packed(slab, index))
+
+
+def held_value(holder: Any, name: str) -> Any:
+    """The value `pack` reads at a holder: `holder[name]` of a record's dict, `holder.name` of a probe's result."""
+    return holder[name] if isinstance(holder, dict) else getattr(holder, name)
 
 
 def to_host(values: Sequence[Value | Packed], dtype: torch.dtype, packed: PackedHost | None = None) -> list[Any]:

@@ -18,8 +18,8 @@ import pyarrow as pa
 import torch
 
 from tokaudit.hooks.amp import ScalerWatch
-from tokaudit.hooks.columns import (INT64_MAX, Packed, PackedHost, Slabs, Value, check_scalar, pack, ranges, to_host,
-                                    writable_rows)
+from tokaudit.hooks.columns import (INT64_MAX, Packed, PackedHost, Slabs, Value, check_scalar, held_value, pack, ranges,
+                                    to_host, writable_rows)
 from tokaudit.hooks.identity import Identity, fsdp2_divisor, known_hook_divisor, resolve_identity
 from tokaudit.hooks.probe import ProbeResult, TokenProbe
 from tokaudit.hooks.shards import ShardWriter, StoreShardWriter
@@ -321,9 +321,7 @@ class Recorder:
         step = self._step - 1 if step is None else step
         snapshot = _detached(value)  # one copy for the update's records
         for record in self._by_step.get(step, ()):
-            record["reported_loss"] = snapshot
-            if record.get("packed") and isinstance(snapshot, torch.Tensor):
-                self._unpacked.append(record)  # packed already: the next pack takes its reported loss
+            self._set_value(record, "reported_loss", snapshot)
 
     def end_step(self, skipped: bool | None = None) -> None:
         """Close the current optimizer update (the optimizer's step hook calls it when one is given).
@@ -444,9 +442,7 @@ class Recorder:
                 (done if ready else waiting).append(record)
                 if ready:
                     record["packed"] = True
-            holders: list[tuple[Any, str]] = [(record, name) for record in done for name in _PACKED_VALUES]
-            holders += [(record["probe"], name) for record in done if record["probe"] is not None
-                        for name in ProbeResult.VALUES]
+            holders = [holder for record in done for holder in _holders(record)]
             self._unpacked = waiting
             pack(holders, self._slabs)
         except Exception as error:  # the values stay tensors: nothing is lost
@@ -454,12 +450,17 @@ class Recorder:
             self._warn_once("pack", f"tokaudit: could not pack an update's values ({error!r}); they are kept as "
                                     "they are, and training goes on")
 
+    def _set_value(self, record: dict[str, Any], name: str, value: Value) -> None:
+        """`record[name] = value`, set after the record may have been packed: a tensor set on a packed record
+        waits for the next pack (`_unpacked`), once, rather than stay a tensor of its own until the flush."""
+        if record.get("packed") and isinstance(value, torch.Tensor) and not isinstance(record[name], torch.Tensor):
+            self._unpacked.append(record)  # (a tensor already there: the record is waiting already)
+        record[name] = value
+
     def _mark_skipped(self, step: int, skipped: bool | torch.Tensor) -> None:
         for record in self._by_step.get(step, ()):
             if record["skipped"] is None:
-                record["skipped"] = skipped
-                if record.get("packed") and isinstance(skipped, torch.Tensor):
-                    self._unpacked.append(record)  # packed already (a scaler's found_inf): the next pack takes it
+                self._set_value(record, "skipped", skipped)  # a scaler's found_inf is a tensor
 
     def _on_optimizer_step(self) -> None:
         if self._capturing and not self._step_records:
@@ -853,12 +854,20 @@ _PACKED_VALUES = ("loss_sum", "valid_tokens", "backward_scalar", "positions", "r
 """A record's values that may be one-number tensors, packed once its update closes (`Recorder._pack`)."""
 
 
+def _holders(record: dict[str, Any]) -> Iterator[tuple[Any, str]]:
+    """Where the values of `record` that may be one-number tensors are held: the record, and its probe's result
+    (`columns.held_value`)."""
+    for name in _PACKED_VALUES:
+        yield record, name
+    if record["probe"] is not None:
+        for name in ProbeResult.VALUES:
+            yield record["probe"], name
+
+
 def _packed_values(record: dict[str, Any]) -> Iterator[Packed]:
     """The values of `record` and of its probe that were packed (`Recorder._pack`)."""
-    probe = record["probe"]
-    for value in [record[name] for name in _PACKED_VALUES] + (
-            [getattr(probe, name) for name in ProbeResult.VALUES] if probe is not None else []):
-        if isinstance(value, Packed):
+    for holder, name in _holders(record):
+        if isinstance(value := held_value(holder, name), Packed):
             yield value
 
 

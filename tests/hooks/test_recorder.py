@@ -154,6 +154,9 @@ def test_closed_updates_are_packed_into_one_slab_not_a_tensor_each(tmp_path: Pat
     assert [type(r["reported_loss"]).__name__ for r in records[:-1]] == ["Packed"] * 4 + ["Tensor"] * 2
     open_record = records[-1]  # the open update, its backward still to come: nothing packed yet
     assert isinstance(open_record["loss_sum"], torch.Tensor) and not open_record["probe"].filled
+    for _ in range(2):  # a loss reported again for a packed update: its records wait for the next pack, once
+        rec.report_loss(torch.tensor(0.5), step=0)
+    assert [sum(r is record for r in rec._unpacked) for record in records[:2]] == [1, 1]
     rec.close()
 
 
