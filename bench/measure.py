@@ -26,6 +26,13 @@ def main() -> None:
         files = [str(p) for p in sorted(__import__("pathlib").Path(args[0]).rglob("*.parquet"))]
         duckdb.sql(f"""SELECT step, sum(valid_tokens), min(backward_scalar / loss_sum), max(backward_scalar / loss_sum)
                        FROM read_parquet({files!r}) GROUP BY step""").fetchall()
+    elif kind == "startup":
+        # What `check` imports before it reads anything, and nothing else: the start-up that "audit work"
+        # (check − start-up) leaves out.
+        import tokaudit.auditing
+        import tokaudit.cli
+        import tokaudit.render.json_report
+        import tokaudit.render.text  # noqa: F401
     elif kind == "naive":
         from pathlib import Path
 
