@@ -427,13 +427,14 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
             implied = np.where(loss != 0, scalar / loss, np.nan)
             if scalar_nulls is not None:
                 return False  # backward_scalar NULL with no probe: validation rejects it, the query decides
+        elif weight_sum_nulls is None:
+            implied = weight_sum / counts  # every record probed: b/S is never asked for
         else:
             by_scalar = (np.where(loss != 0, scalar / loss, np.nan) if scalar is not None
                          else np.full(shape, np.nan))
             if scalar_nulls is not None:
                 by_scalar = np.where(scalar_nulls, np.nan, by_scalar)
-            implied = (weight_sum / counts if weight_sum_nulls is None
-                       else np.where(weight_sum_nulls, by_scalar, weight_sum / counts))
+            implied = np.where(weight_sum_nulls, by_scalar, weight_sum / counts)
         implied = np.where(valid, implied, np.nan)
         effective = (implied if isinstance(scale, float) and scale == 1.0 else implied * scale) / divisor
         if np.isinf(effective).any():

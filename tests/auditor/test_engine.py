@@ -934,3 +934,22 @@ def test_ranges_aggregated_in_two_lanes_give_the_table_of_one_after_the_other(tm
     report = audit([tmp_path])
     assert any("rank-all-000024.parquet: corrupt data" in p for p in report.problems)
     assert report.runs[0].steps == 27
+
+
+def test_the_engine_s_database_does_not_take_float_statistics_for_the_truth(tmp_path: Path) -> None:
+    """pyarrow leaves NaN out of a float column's statistics and writes no NaN count; DuckDB 2 by default
+    then skips the row group of `WHERE isnan(x)` and answers max(x) from the statistics. A NaN is what the
+    audit looks for: in the engine's database a filter and an aggregate over the raw column find it."""
+    rows = records([[[3, 2]]], lambda S, N, W, **_: W * S / N, grad_divisor=1.0)
+    rows[1]["grad_divisor"] = float("nan")
+    path = write(tmp_path / "run" / "a.parquet", rows)
+    shards = load([path], thorough=False).shards
+    assert shards[0].divisor_range == (1.0, 1.0)  # the footer does not show it
+    engine = Engine.open(shards)
+    try:
+        found = engine.connection.execute(
+            f"SELECT count(*), max(grad_divisor) FROM read_parquet('{path}') WHERE isnan(grad_divisor)").fetchall()
+    finally:
+        engine.close()
+    (count, highest), = found
+    assert count == 1 and highest != highest  # NaN
