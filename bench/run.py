@@ -1,8 +1,8 @@
 """All benchmarks in one command: `make bench` (or python bench/run.py [--rows N] [--repeat K] [--skip-overhead]
 [--processes K] [--process-steps N]).
 
-Prints one table: recorder overhead on a CPU transformer LM, and `tokaudit check` next to a
-one-query DuckDB floor (per-step N and the extremes of b/S over the same files) and a naive pandas
+Prints one table: recorder overhead on a CPU transformer LM, and `tokaudit check` (and its audit work: the
+check less its start-up, the imports timed alone beside it) next to a one-query DuckDB floor (per-step N and the extremes of b/S over the same files) and a naive pandas
 audit, on synthetic logs in the recorder's layout (default 10⁷ rows as 64 ranks × 4 microbatches
 and as 8 ranks × 1 microbatch, and 64 × 4 again with every column the recorder writes, plus 10,000
 one-row shards; --rows 1e8 for 1,024 ranks × 4 and 8 ranks × 1, 12.5M steps).
