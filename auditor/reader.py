@@ -823,6 +823,17 @@ _LOWER_BOUNDS: tuple[tuple[str, int, str], ...] = (
     ("rank", 0, "a negative rank"),
     ("micro", 0, "a negative microbatch index"),
 )
+INT32_MAX = (1 << 31) - 1
+_UPPER_BOUNDS: tuple[tuple[str, int, str], ...] = (
+    ("valid_tokens", INT32_MAX, "more tokens than a microbatch can hold (above 2³¹ − 1)"),
+    ("positions", INT32_MAX, "more positions than a microbatch can hold (above 2³¹ − 1)"),
+    ("world_size", INT32_MAX, "a value beyond int32, its type in SPEC §2"),
+    ("rank", INT32_MAX, "a value beyond int32, its type in SPEC §2"),
+    ("micro", INT32_MAX, "a value beyond int32, its type in SPEC §2"),
+)
+"""(column, highest allowed value, what it means): the step table holds ranks, microbatch indices, W and one
+record's count in 32 bits, and a step's N (Σ n over at most 2³² records) then stays exact in int64 and in a
+float64. A file may store these columns in any integer type."""
 _STATISTICS = (frozenset(REQUIRED_COLUMNS) | {column for column, _, _ in _LOWER_BOUNDS}
                | {"schema_version", "run_id", "group", "term"} | set(CONSTANT_COLUMNS))
 """Columns whose footer statistics are read: `_check_values`'s, the names' (`_names`) and the constants'
@@ -852,6 +863,9 @@ def _check_values(parquet: _Footer, present: frozenset[str], stats: dict[str, tu
             need.add("backward_scalar")
     for column, lowest, _ in _LOWER_BOUNDS:
         if column in present and (stats[column][0] is None or stats[column][0] < lowest):
+            need.add(column)
+    for column, highest, _ in _UPPER_BOUNDS:
+        if column in present and (stats[column][1] is None or stats[column][1] > highest):
             need.add(column)
     if "grad_divisor" in present and (stats["grad_divisor"][0] is None or stats["grad_divisor"][0] <= 0):
         need.add("grad_divisor")
@@ -883,6 +897,9 @@ def _check_rows(table: pa.Table, columns: Iterable[str]) -> None:
     for column, lowest, meaning in _LOWER_BOUNDS:
         if column in columns:
             _raise_at_first(pc.less(table[column], lowest), f"column '{column}' has {meaning}", table[column])
+    for column, highest, meaning in _UPPER_BOUNDS:
+        if column in columns:
+            _raise_at_first(pc.greater(table[column], highest), f"column '{column}' holds {meaning}", table[column])
     if {"rank", "world_size"} <= columns:
         _raise_at_first(pc.greater_equal(table["rank"], table["world_size"]),
                         "column 'rank' is not below 'world_size'", table["rank"])

@@ -83,6 +83,17 @@ def _huge_world(folder: Path) -> None:
     write(folder / "huge_world.parquet", rows)
 
 
+def _beyond_int32(column: str, value: int, one_row: bool = False) -> Any:
+    """A file whose `column` holds `value` at its last record, stored as int64 (the step table holds it in 32
+    bits); `one_row`: a file of that record alone, read from its footer's statistics."""
+    def make(folder: Path) -> None:
+        rows = records(UNEVEN, token_mean, **({"positions": 8} if column == "positions" else {}))
+        rows[-1][column] = value
+        pq.write_table(pa.Table.from_pylist(rows[-1:] if one_row else rows),
+                       folder / f"{column}{'_one' if one_row else ''}.parquet")
+    return make
+
+
 CASES: dict[str, tuple[Any, str]] = {
     "uint64.parquet": (_uint64, "column 'step' holds a value beyond the int64 range"),
     "twice.parquet": (_duplicate_step, "column 'step' appears more than once"),
@@ -92,6 +103,16 @@ CASES: dict[str, tuple[Any, str]] = {
     "adir.parquet": (_directory, "a folder, not a file"),
     "empty.parquet": (_empty, "not a readable Parquet file"),
     "random.parquet": (_random, "not a readable Parquet file"),
+    # Once one file's aggregation failed on these ("cannot be aggregated", naming the first files of the log,
+    # and hiding every good file): each is now its own line.
+    "world_size.parquet": (_beyond_int32("world_size", 1 << 40),
+                           "column 'world_size' holds a value beyond int32, its type in SPEC §2 (1099511627776) at row 5"),
+    "micro.parquet": (_beyond_int32("micro", 1 << 31), "column 'micro' holds a value beyond int32"),
+    "valid_tokens.parquet": (_beyond_int32("valid_tokens", 1 << 31),
+                             "column 'valid_tokens' holds more tokens than a microbatch can hold (above 2³¹ − 1)"),
+    "valid_tokens_one.parquet": (_beyond_int32("valid_tokens", 1 << 62, one_row=True),
+                                 "column 'valid_tokens' holds more tokens than a microbatch can hold"),
+    "positions.parquet": (_beyond_int32("positions", 1 << 40), "column 'positions' holds more positions than"),
 }
 
 
