@@ -69,6 +69,8 @@ def kind_accepts(kind: Kind, arrow_type: pa.DataType) -> bool:
     """Whether a file's Arrow type fits a column family (narrower widths and dictionaries included)."""
     if pa.types.is_dictionary(arrow_type):
         arrow_type = arrow_type.value_type
+    if pa.types.is_null(arrow_type):
+        return True  # a column of nulls alone (pandas' all-None column): what its family's nulls mean
     if kind == "int":
         return bool(pa.types.is_integer(arrow_type))
     if kind == "float":

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from tests.logs import UNEVEN, records, token_mean, write, write_by_rank
+from tests.logs import UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
 from tokaudit.auditing import audit
 from tokaudit.cli import main
 from tokaudit.reader import discover, inspect_shard, load
@@ -144,6 +144,35 @@ def test_any_legal_shape_is_accepted(tmp_path: Path) -> None:
     report = audit([tmp_path], rtol=1e-5)
     assert report.problems == [] and report.runs[0].run == "shaped"
     assert report.runs[0].verdict == "correct"
+
+
+def test_a_column_of_nulls_alone_reads_as_its_nulls_not_as_a_wrong_type(tmp_path: Path) -> None:
+    """A writer that never had a value for a column (pandas' all-None column, pa.Table.from_pylist) stores
+    Arrow's null type: an optional column of it is the column's nulls, as if absent, on a rank's file or
+    on all; a required one is a null value, as any other."""
+    from tokaudit.render.json_report import render_json
+
+    def write_rows(folder: Path, rows: list[dict[str, Any]]) -> None:
+        folder.mkdir(parents=True)
+        for rank in sorted({r["rank"] for r in rows}):
+            pq.write_table(pa.Table.from_pylist([r for r in rows if r["rank"] == rank]), folder / f"rank-{rank}.parquet")
+
+    blank = ("time", "group", "term", "reported_loss", "token_weight_sum", "grad_scale", "positions", "sync",
+             "skipped", "divisor_known", "masked_weight_abs_sum", "grad_divisor")
+    rows = records(UNEVEN_GA, local_mean, run_id="nulls")
+    write_rows(tmp_path / "absent" / "nulls", rows)
+    write_rows(tmp_path / "null" / "nulls", [{**r, **dict.fromkeys(blank)} for r in rows])
+    # rank 1 alone without a reported loss: its file's column is of the null type, rank 0's of float64
+    write_rows(tmp_path / "mixed" / "nulls", [dict(r, reported_loss=None if r["rank"] else 2.0) for r in rows])
+    assert pq.read_schema(tmp_path / "null" / "nulls" / "rank-0.parquet").field("sync").type == pa.null()
+    expected = render_json(audit([tmp_path / "absent"])).replace(str(tmp_path / "absent"), "LOG")
+    assert render_json(audit([tmp_path / "null"])).replace(str(tmp_path / "null"), "LOG") == expected
+    assert "local_mean" in expected and '"problems": []' in expected
+    mixed = audit([tmp_path / "mixed"])
+    assert mixed.problems == [] and mixed.runs[0].verdict == "incorrect"
+    write_rows(tmp_path / "required" / "nulls", [dict(r, valid_tokens=None) for r in rows])
+    problems = audit([tmp_path / "required"]).problems
+    assert len(problems) == 2 and all("column 'valid_tokens' has a null value at row 0" in p for p in problems)
 
 
 def test_backward_scalar_may_be_null_only_with_probe_weights(tmp_path: Path) -> None:
