@@ -20,7 +20,8 @@ from tokaudit.codes import DEFAULT_RTOL, DEFAULT_SEVERITY, UNDECIDABLE, Code, Se
 from tokaudit.engine import EXTREME_COLUMNS, Engine, Spilled, extremes_at
 from tokaudit.normalization import Denominator, name_ranks
 from tokaudit.errors import LogFormatError, UsageError
-from tokaudit.reader import Loading, LogSet, Shard, cores, inspect_shard, load
+from tokaudit.loading import Loading, LogSet, cores, load
+from tokaudit.reader import Shard, inspect_shard
 from tokaudit.report import AuditReport, Finding, RunSummary, Segment, StepRange, Verdict
 from tokaudit.schema import UNNAMED
 

@@ -20,7 +20,7 @@ from tokaudit.errors import LogFormatError, TokauditError, UsageError
 from tokaudit.render.text import printable
 
 if TYPE_CHECKING:
-    from tokaudit.reader import Loading
+    from tokaudit.loading import Loading
 
 EXIT_OK, EXIT_FINDINGS, EXIT_BAD_INPUT = 0, 1, 2
 WEIGHT_NAMES = {"grp": "group", "eff": "effective_weight", "q": "distortion", "eff_min": "effective_weight_min",
@@ -49,7 +49,7 @@ def _fail(error: TokauditError) -> None:
 def _start_loading(paths: tuple[str, ...]) -> Loading:
     """The validation of the logs' footers started as the audit loads them (`auditing.open_logs`: footers
     only, a process a core), before the command imports the auditor (pandas, DuckDB: half a second)."""
-    from tokaudit.reader import cores, start_loading
+    from tokaudit.loading import cores, start_loading
 
     return start_loading(paths, thorough=False, workers=cores())
 
@@ -68,7 +68,7 @@ def _refuse_inputs(output: Path | None, paths: tuple[str, ...]) -> None:
     """An output that is one of the inputs would overwrite a log shard: refused before anything runs."""
     if output is None:
         return
-    from tokaudit.reader import discover
+    from tokaudit.loading import discover
 
     from tokaudit.storage import is_url
 

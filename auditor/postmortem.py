@@ -15,7 +15,7 @@ from tokaudit.auditing import Progress, load_logs, open_log_parts, open_logs, se
 from tokaudit.engine import Spilled
 from tokaudit.normalization import name_ranks
 from tokaudit.render.chart import LineChart
-from tokaudit.reader import Loading, LogSet
+from tokaudit.loading import Loading, LogSet
 from tokaudit.codes import DEFAULT_RTOL
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
 
@@ -53,7 +53,7 @@ def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | 
     Only the shards whose footers may hold `step` are read, and only that step is aggregated; when
     it is not there the whole log is aggregated, a part at a time, to say which runs and steps it has
     (its footers validated once for both). `started`: the validation of `paths` already under way
-    (`tokaudit.reader.start_loading`)."""
+    (`tokaudit.loading.start_loading`)."""
     loaded = load_logs(paths, started)
     logset, engine, steps = open_logs(paths, only_steps=(step, step), loaded=loaded)
     one_run = run is None and len({s.default_run for s in logset.shards}) == 1 and steps.run.nunique() == 1
@@ -159,7 +159,7 @@ def curve_parts(paths: Sequence[str | os.PathLike[str]], run: str | None = None,
 
     `steps`: only these (first, last), read from the shards whose footers may hold them and aggregated
     a range at a time as the whole log would be: a window of a run of millions of steps costs its own size.
-    `started`: the validation of `paths` already under way (`tokaudit.reader.start_loading`)."""
+    `started`: the validation of `paths` already under way (`tokaudit.loading.start_loading`)."""
     logset, engine, table = open_log_parts(paths, DEFAULT_RTOL, progress, only_steps=steps, started=started,
                                            spill=True)
     if engine is not None:

@@ -1,18 +1,15 @@
-"""Find and validate log shards (SPEC §2) without modifying them; bad files are reported, not fatal."""
+"""Validate log shards (SPEC §2) from their footers without modifying them; bad files are reported, not fatal.
+
+Which files and in which processes: `tokaudit.loading`."""
 
 from __future__ import annotations
 
-import errno
 import functools
 import os
-import pickle
 import re
-import stat
-import subprocess
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from pathlib import Path, PurePath, PurePosixPath
+from pathlib import PurePath
 from typing import Any
 
 import pyarrow as pa
@@ -26,7 +23,7 @@ except ImportError:  # pragma: no cover - every pyarrow this supports has it
 
 from tokaudit.errors import LogFormatError
 from tokaudit.schema import COLUMNS_BY_NAME, REQUIRED_COLUMNS, SCHEMA_VERSION, UNNAMED, kind_accepts, read_dropped
-from tokaudit.storage import Store, describe, discover_url, is_url
+from tokaudit.storage import Store, describe
 
 KIND_WORDS = {"int": "an integer type", "float": "a numeric type", "bool": "bool", "string": "string",
               "timestamp": "a timestamp"}
@@ -104,206 +101,6 @@ def _open(path: PurePath, store: Store | None) -> Any:
     return store.filesystem.open_input_file(str(path)) if store is not None else pa.OSFile(str(path))
 
 
-@dataclass(frozen=True, slots=True)
-class LogSet:
-    """What `load` found: readable shards and one line per unreadable input."""
-
-    shards: list[Shard]
-    """Validated shards, in path order."""
-    problems: list[LogFormatError]
-    """Files or paths that could not be used."""
-
-
-def discover(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[Path], list[LogFormatError]]:
-    """Every *.parquet under the paths, each path taken literally. Dot-files (a killed writer's
-    temporaries) are skipped; anything else that cannot be read is one problem line, never a silence:
-    an unreadable folder, a dangling or looping link, a FIFO or a folder named *.parquet."""
-    # One file reached twice (two paths, a link to it) is read once: keyed by its identity on disk,
-    # from the stat that checks it is a file, rather than by resolving every path.
-    found: dict[tuple[int, int], Path] = {}
-    problems: list[LogFormatError] = []
-    for raw in paths:
-        path = Path(raw)
-        if not path.exists() and not path.is_symlink():
-            problems.append(LogFormatError(str(raw), "no such file or directory"))
-            continue
-        identity, problem = _regular_file(path)
-        if identity is not None:
-            found.setdefault(identity, path.absolute())
-        elif not path.is_dir():
-            problems.append(LogFormatError(str(raw), problem))
-        else:
-            reached = _walk(path, found, problems)
-            if not reached and not any(p.path.startswith(str(path)) for p in problems):
-                problems.append(LogFormatError(str(raw), "no Parquet files (*.parquet) in this folder"))
-    return list(found.values()), problems
-
-
-def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogFormatError]) -> int:
-    """Every *.parquet under `root` added to `found` (a file already there is not added again), or to `problems`
-    where it is no readable file: how many it reached, those found before and those it could not use included."""
-    seen: set[tuple[int, int]] = set()
-    reached = 0
-
-    def unreadable(error: OSError) -> None:
-        problems.append(LogFormatError(str(error.filename or root), f"cannot read this folder ({error.strerror})"))
-
-    for folder, folders, files in os.walk(root, onerror=unreadable, followlinks=True):
-        # Paths as strings until a file is kept: pathlib's parsing cost more than the stat itself on a
-        # folder of 10,000 shards (Path.absolute() once per folder, not per file).
-        here = str(Path(folder).absolute())
-        try:
-            identity = os.stat(here)
-        except OSError:
-            continue
-        if (identity.st_dev, identity.st_ino) in seen:  # a link back up the tree
-            folders[:] = []
-            continue
-        seen.add((identity.st_dev, identity.st_ino))
-        folders[:] = sorted(f for f in folders if not f.startswith("."))
-        names = sorted(name for name in files + [f for f in folders if f.endswith(".parquet")]
-                       if not name.startswith(".") and name.endswith(".parquet"))
-        # A regular file's identity is its folder's device and the inode its folder's listing gives, with no
-        # stat of its own (a tenth of a second on 25,000 shards); a link or anything else is looked at.
-        listed = _regular_inodes(here, set(names)) if names else {}
-        base = Path(here)
-        child = getattr(base, "_make_child_relpath", base.joinpath)  # (pathlib's, without parsing the name again)
-        for name in names:
-            path = os.path.join(here, name)
-            inode = listed.get(name)
-            if inode is not None and os.access(path, os.R_OK):
-                key: tuple[int, int] | None = (identity.st_dev, inode)
-            else:
-                key, problem = _regular_file(path)
-            reached += 1
-            if key is not None:
-                if key not in found:
-                    found[key] = child(name)
-            else:
-                problems.append(LogFormatError(path, problem))
-        folders[:] = [f for f in folders if not f.endswith(".parquet")]
-    return reached
-
-
-def _regular_inodes(folder: str, names: set[str]) -> dict[str, int]:
-    """The inode of each of `names` that the folder's listing says is a regular file (not a link); nothing
-    where the folder cannot be listed again."""
-    try:
-        with os.scandir(folder) as entries:
-            return {entry.name: entry.inode() for entry in entries
-                    if entry.name in names and entry.is_file(follow_symlinks=False)}
-    except OSError:
-        return {}
-
-
-def _regular_file(path: str | Path) -> tuple[tuple[int, int] | None, str]:
-    """(device, inode) of a readable regular file; else (None, why it is not one)."""
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        return None, "a link to nothing (dangling symlink)"
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            return None, "a link that loops back on itself"
-        return None, f"cannot be read ({error.strerror})"
-    if stat.S_ISDIR(info.st_mode):
-        return None, "a folder, not a file" if os.path.basename(path).endswith(".parquet") else "a folder"
-    if not stat.S_ISREG(info.st_mode):
-        return None, "not a regular file (a FIFO, socket or device)"
-    if not os.access(path, os.R_OK):
-        return None, "cannot be read (permission denied)"
-    return (info.st_dev, info.st_ino), ""
-
-
-PARALLEL_FILES = 2048
-"""Local files from which `load` validates footers in worker processes (when given more than one
-worker): a worker costs about 0.3 s to start (an interpreter importing pyarrow), a footer about 0.2 ms."""
-BATCH_FILES = 512
-"""Fewest files given to one worker."""
-MAX_WORKERS = 8
-"""Most processes validating footers at once, this one included: each worker is an interpreter of about
-100 MiB, and footers are partly disk-bound, so a machine of 64 cores gains little from 64 of them."""
-
-
-def load(paths: Sequence[str | os.PathLike[str]], thorough: bool = True, workers: int = 1) -> LogSet:
-    """Discover and validate; a damaged shard never hides the others. Local paths and URLs
-    (s3://bucket/runs/, see `tokaudit.storage`) may be mixed.
-
-    `workers`: processes that may validate local footers at once. Reading a footer is Python work
-    (pyarrow's objects), so threads do not help, and on a log of many thousands of files it is the
-    one serial part of the audit; processes are used from PARALLEL_FILES files up, and the result
-    (shards and problems, in path order) is the serial one whichever way it was computed."""
-    with start_loading(paths, thorough, workers) as loading:
-        return loading.result()
-
-
-@dataclass
-class Loading:
-    """A `load` under way (`start_loading`): the worker processes validate their files while the caller
-    goes on (the command line imports the auditor meanwhile, half a second); `result` validates this
-    process's share and waits for theirs. Closing it stops any worker still running."""
-
-    files: list[Path]
-    """The local files found, in path order."""
-    remote: list[tuple[PurePath, Store | None]]
-    """The files found on object storage, each with its store."""
-    problems: list[LogFormatError]
-    """What discovery could not use."""
-    thorough: bool
-    workers: list[tuple[subprocess.Popen[bytes], list[PurePath]]]
-    """Worker processes started, each with the batch of `files` it validates, in order after `own`."""
-    own: list[Path]
-    """This process's batch (the first): all the files when no worker was started."""
-
-    def result(self) -> LogSet:
-        inspected = _finish_workers(self.workers, self.own, self.thorough) if self.workers else None
-        if inspected is None:
-            inspected = _inspect_batch(self.files, self.thorough)
-        inspected += _inspect_batch([path for path, _ in self.remote], self.thorough,
-                                    [store for _, store in self.remote])
-        shards = []
-        problems = list(self.problems)
-        for item in inspected:
-            if isinstance(item, Shard):
-                shards.append(item)
-            else:
-                problems.append(LogFormatError(*item))
-        return LogSet(shards=shards, problems=problems)
-
-    def close(self) -> None:
-        _stop(self.workers)
-
-    def __enter__(self) -> Loading:
-        return self
-
-    def __exit__(self, *exception: object) -> None:
-        self.close()
-
-
-def start_loading(paths: Sequence[str | os.PathLike[str]], thorough: bool = True, workers: int = 1) -> Loading:
-    """`load`'s discovery, and its worker processes started on their batches: `result()` gives what
-    `load` gives."""
-    files, problems = discover([p for p in paths if not is_url(p)])
-    remote: list[tuple[PurePath, Store | None]] = []
-    for url in (str(p) for p in paths if is_url(p)):
-        store, found, trouble = discover_url(url)
-        problems.extend(trouble)
-        remote.extend((PurePosixPath(path), store) for path in found)
-    started: tuple[list[tuple[subprocess.Popen[bytes], list[PurePath]]], list[Path]] | None = None
-    if workers > 1 and len(files) >= PARALLEL_FILES:
-        started = _start_workers(files, thorough, workers)
-    running, own = started if started is not None else ([], files)
-    return Loading(files=files, remote=remote, problems=problems, thorough=thorough, workers=running, own=own)
-
-
-def cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def _inspect_batch(paths: Sequence[PurePath], thorough: bool, stores: Sequence[Store | None] | None = None
                    ) -> list[Shard | tuple[str, str]]:
     """Each file's Shard, or (its name, its problem): what crosses back from a worker process."""
@@ -316,11 +113,6 @@ def _inspect_batch(paths: Sequence[PurePath], thorough: bool, stores: Sequence[S
     return out
 
 
-_WORKER = ("import pickle, sys; paths, thorough, sys.path[:] = pickle.load(sys.stdin.buffer); "
-           "from tokaudit.reader import _inspect_batch, _packed; "
-           "pickle.dump(_packed(_inspect_batch(paths, thorough)), sys.stdout.buffer, pickle.HIGHEST_PROTOCOL)")
-"""A worker: the files (as text) and this interpreter's import path in on stdin, `_inspect_batch`'s result
-out on stdout, packed (`_packed`)."""
 _FIELDS = tuple(f.name for f in fields(Shard) if f.name != "path")
 
 
@@ -335,64 +127,6 @@ def _unpacked(packed: list[tuple[Any, ...]], paths: Sequence[PurePath]) -> list[
     """`_packed`'s list with each shard's path given back."""
     return [Shard(path, *item) if len(item) == len(_FIELDS) else (item[0], item[1])
             for path, item in zip(paths, packed, strict=True)]
-
-
-def _start_workers(files: Sequence[PurePath], thorough: bool, workers: int
-                   ) -> tuple[list[tuple[subprocess.Popen[bytes], list[PurePath]]], list[Path]] | None:
-    """The worker processes started on all batches of `files` but the first, and that first batch (this
-    process's); None when too few files make a batch each, or no worker could be started.
-
-    Workers are fresh interpreters (`python -c`), not multiprocessing's: those fork the caller, which
-    may hold threads (a training process, DuckDB's pool), or re-import the caller's main script."""
-    count = min(workers, MAX_WORKERS, len(files) // BATCH_FILES)
-    if count < 2:
-        return None
-    size = -(-len(files) // count)
-    batches = [list(files[start:start + size]) for start in range(0, len(files), size)]
-    own = batches.pop(0)
-    started: list[tuple[subprocess.Popen[bytes], list[PurePath]]] = []
-    try:
-        for batch in batches:
-            worker = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-            started.append((worker, batch))
-            assert worker.stdin is not None
-            # A list of paths: a few MB at most, which the worker reads whole before it writes anything.
-            pickle.dump(([str(path) for path in batch], thorough, list(sys.path)), worker.stdin,
-                        pickle.HIGHEST_PROTOCOL)
-            worker.stdin.close()
-    except Exception:
-        # No worker here (no interpreter at sys.executable, a sandbox without processes, a broken pipe).
-        _stop(started)
-        return None
-    return started, [path if isinstance(path, Path) else Path(path) for path in own]  # (no path parsed again)
-
-
-def _finish_workers(started: list[tuple[subprocess.Popen[bytes], list[PurePath]]], own: Sequence[PurePath],
-                    thorough: bool) -> list[Shard | tuple[str, str]] | None:
-    """This process's batch validated, then each worker's result in order; None when a worker failed (a
-    worker killed, a broken pipe: the caller then validates every file itself, with the same result)."""
-    try:
-        results = _inspect_batch(own, thorough)
-        for worker, batch in started:
-            assert worker.stdout is not None
-            output = worker.stdout.read()
-            if worker.wait() != 0:
-                return None
-            results.extend(_unpacked(pickle.loads(output), batch))
-        return results
-    except Exception:
-        return None
-    finally:
-        _stop(started)
-
-
-def _stop(workers: Sequence[tuple[subprocess.Popen[bytes], list[PurePath]]]) -> None:
-    """Kill the workers still running (a result already read, or given up)."""
-    for worker, _ in workers:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
 
 
 class _Footer:

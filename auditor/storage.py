@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import PurePath, PurePosixPath
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.fs as pafs
-
 from tokaudit.errors import LogFormatError
+
+# pyarrow (a fifth of a second to import) is imported where a store is opened: the command line tells a URL
+# from a path (`is_url`) before it starts the footer workers (`tokaudit.loading`).
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -40,6 +40,9 @@ class Store:
 
 def open_url(url: str) -> tuple[Store, str]:
     """(store, path inside it) for a URL; raises LogFormatError with one line when it cannot."""
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
     match = _URL.match(url)
     scheme = match.group(1).lower() if match else ""
     try:
@@ -53,6 +56,8 @@ def open_url(url: str) -> tuple[Store, str]:
 
 def _fsspec(url: str, arrow_error: Exception) -> tuple[Any, str]:
     """A scheme pyarrow does not know, through fsspec when it is installed with that protocol."""
+    import pyarrow.fs as pafs
+
     try:
         import fsspec
     except ImportError:
@@ -89,6 +94,8 @@ def _first_line(error: BaseException) -> str:
 
 def discover_url(url: str) -> tuple[Store | None, list[str], list[LogFormatError]]:
     """Every *.parquet under a URL (dot-files and dot-folders skipped), sorted, as paths in the store."""
+    import pyarrow.fs as pafs
+
     try:
         store, root = open_url(url)
     except LogFormatError as error:

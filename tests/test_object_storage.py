@@ -204,7 +204,7 @@ def test_one_row_shards_on_s3_are_read_from_their_footers_with_the_local_report(
             name = f"{shard.stem}-{row:04d}.parquet"
             pq.write_table(table.slice(row, 1), local / name)
             client.upload_file(str(local / name), "logs", f"one-row/bug_local_mean/{name}")
-    from tokaudit.reader import load
+    from tokaudit.loading import load
 
     assert all(s.record is not None for s in load([local]).shards)
     from tokaudit.engine import Engine

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import unicodedata
+from typing import TYPE_CHECKING
 
-from tokaudit.report import Segment, StepRange
+if TYPE_CHECKING:  # (the report's module imports pyarrow: the command line imports this one first)
+    from tokaudit.report import Segment, StepRange
 
 
 def factor_text(segment: Segment | None) -> str:

@@ -11,7 +11,7 @@ import pytest
 from tests.logs import UNEVEN_GA, local_mean, records, write
 from tokaudit.auditing import audit
 from tokaudit.engine import Engine
-from tokaudit.reader import load
+from tokaudit.loading import load
 
 
 def test_chunked_aggregation_equals_whole(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import tokaudit.engine as engine_module
 import tokaudit.grid as grid_module
 from tests.logs import write
 from tokaudit.engine import Engine, _same_bits
-from tokaudit.reader import load
+from tokaudit.loading import load
 from tokaudit.schema import WRITER_SCHEMA
 
 OPTIONAL = ("grad_divisor", "divisor_known", "grad_scale", "positions", "token_weight_sum", "token_weight_min",

@@ -16,7 +16,8 @@ from click.testing import CliRunner
 from tests.logs import UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
 from tokaudit.auditing import audit
 from tokaudit.cli import main
-from tokaudit.reader import discover, inspect_shard, load
+from tokaudit.loading import discover, load
+from tokaudit.reader import inspect_shard
 from tokaudit.schema import WRITER_SCHEMA
 
 
@@ -227,7 +228,7 @@ def _many_files(folder: Path) -> dict[str, str]:
 def test_footers_validated_in_worker_processes_give_the_serial_result(tmp_path: Path, monkeypatch: Any) -> None:
     import subprocess
 
-    import tokaudit.reader as reader
+    import tokaudit.loading as loading
 
     expected = _many_files(tmp_path / "logs")
     before = tree_digest(tmp_path / "logs")
@@ -239,11 +240,12 @@ def test_footers_validated_in_worker_processes_give_the_serial_result(tmp_path: 
         started.append(args)
         return popen(*args, **kwargs)
 
-    monkeypatch.setattr(reader, "PARALLEL_FILES", 1)
-    monkeypatch.setattr(reader, "BATCH_FILES", 4)
+    monkeypatch.setattr(loading, "PARALLEL_FILES", 1)
+    monkeypatch.setattr(loading, "BATCH_FILES", 4)
+    monkeypatch.setattr(loading, "FRAME_FILES", 3)  # several frames a worker
     monkeypatch.setattr(subprocess, "Popen", spy)
     parallel = load([tmp_path / "logs"], thorough=False, workers=3)
-    assert len(started) == 2, "this process and two workers share the files"
+    assert len(started) == 2, "two workers share the files with this process"
     # 24 good shards, the other schema's, and the NaN grad_scale that only the aggregation sees
     assert parallel.shards == serial.shards and len(parallel.shards) == 26
     assert [str(p) for p in parallel.problems] == [str(p) for p in serial.problems]
@@ -257,23 +259,24 @@ def test_footers_validated_in_worker_processes_give_the_serial_result(tmp_path: 
 
 def test_the_commands_start_footer_workers_before_they_import_the_auditor(tmp_path: Path) -> None:
     """`check`, `weights` and `curve` start the validation of a large log (`start_loading`) before they
-    import pandas and DuckDB, so that the workers validate while this process imports; the report is the
-    one of an audit that loads the log itself. A load started and closed unread leaves no worker running."""
+    import pyarrow, pandas and DuckDB, so that the workers validate while this process imports; the report
+    is the one of an audit that loads the log itself. A load started and closed unread leaves no worker
+    running."""
     import json
     import subprocess
     import sys
 
-    import tokaudit.reader as reader
+    import tokaudit.loading as loading
     from tokaudit.render.json_report import render_json
 
     _many_files(tmp_path / "logs")
     script = (
         "import json, subprocess, sys\n"
-        "import tokaudit.reader as reader\n"
-        "reader.PARALLEL_FILES, reader.BATCH_FILES = 1, 4\n"
+        "import tokaudit.loading as loading\n"
+        "loading.PARALLEL_FILES, loading.BATCH_FILES = 1, 4\n"
         "seen, popen = [], subprocess.Popen\n"
         "def spy(*args, **kwargs):\n"
-        "    seen.append(('tokaudit.auditing' in sys.modules, 'pandas' in sys.modules, 'duckdb' in sys.modules))\n"
+        "    seen.append([name in sys.modules for name in ('tokaudit.auditing', 'pandas', 'duckdb', 'pyarrow')])\n"
         "    return popen(*args, **kwargs)\n"
         "subprocess.Popen = spy\n"
         "from tokaudit.cli import main\n"
@@ -293,75 +296,101 @@ def test_the_commands_start_footer_workers_before_they_import_the_auditor(tmp_pa
     assert (tmp_path / "report.json").read_text() == render_json(audit([tmp_path / "logs"]))
     assert (tmp_path / "curve.csv").read_text().startswith("step,")
 
-    loading = reader.start_loading([tmp_path / "logs"], thorough=False, workers=3)
-    assert loading.workers == [] and len(loading.own) == len(loading.files)  # too few files for workers
+    unstarted = loading.start_loading([tmp_path / "logs"], thorough=False, workers=3)
+    assert unstarted.shares == []  # too few files for workers
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(reader, "PARALLEL_FILES", 1)
-        patch.setattr(reader, "BATCH_FILES", 4)
-        with reader.start_loading([tmp_path / "logs"], thorough=False, workers=3) as loading:
-            assert len(loading.workers) == 2 and len(loading.own) < len(loading.files)
-        assert all(worker.poll() is not None for worker, _ in loading.workers)
+        patch.setattr(loading, "PARALLEL_FILES", 1)
+        patch.setattr(loading, "BATCH_FILES", 4)
+        with loading.start_loading([tmp_path / "logs"], thorough=False, workers=3) as started:
+            workers = started.workers
+            assert len(workers) == 2
+            half = -(-len(started.files) // 2)
+            assert [(s.start, s.end) for s in started.shares] == [(0, half), (half, len(started.files))]
+        assert all(worker.poll() is not None for worker in workers) and started.workers == []
 
 
-@pytest.mark.parametrize("broken", ["no interpreter", "worker fails"])
+_WORKER_FAULTS = {
+    "worker fails": "import sys; sys.exit(3)",
+    "worker hangs": "import time; time.sleep(120)",
+    "worker dies half-way": ("import pickle, sys; paths, thorough, sys.path[:] = pickle.load(sys.stdin.buffer); "
+                             "from tokaudit.loading import _serve; _serve(paths[:5], thorough, sys.stdout.buffer); "
+                             "sys.exit(3)"),
+    "worker writes garbage": "import sys; sys.stdout.buffer.write((5).to_bytes(8, 'little') + b'hello'); sys.stdout.flush()",
+}
+
+
+@pytest.mark.parametrize("broken", ["no interpreter", *_WORKER_FAULTS])
 def test_footers_are_validated_here_when_no_worker_can(tmp_path: Path, monkeypatch: Any, broken: str) -> None:
+    """A worker that cannot start, fails, hangs, dies half-way or writes what no worker writes: this
+    process validates what it did not answer, and the result is the serial one. No worker is left."""
+    import time
+
+    import tokaudit.loading as loading
     import tokaudit.reader as reader
 
     _many_files(tmp_path / "logs")
     serial = load([tmp_path / "logs"], thorough=False)
-    monkeypatch.setattr(reader, "PARALLEL_FILES", 1)
-    monkeypatch.setattr(reader, "BATCH_FILES", 4)
+    monkeypatch.setattr(loading, "PARALLEL_FILES", 1)
+    monkeypatch.setattr(loading, "BATCH_FILES", 4)
+    monkeypatch.setattr(loading, "FRAME_FILES", 2)
     if broken == "no interpreter":
-        monkeypatch.setattr(reader.sys, "executable", str(tmp_path / "no-python"))
+        monkeypatch.setattr(loading.sys, "executable", str(tmp_path / "no-python"))
     else:
-        monkeypatch.setattr(reader, "_WORKER", "import sys; sys.exit(3)")
-    fallback = load([tmp_path / "logs"], thorough=False, workers=4)
+        monkeypatch.setattr(loading, "_WORKER", _WORKER_FAULTS[broken])
+    here: list[Any] = []
+    inspect = reader._inspect_batch
+    monkeypatch.setattr(reader, "_inspect_batch", lambda paths, *args: here.extend(paths) or inspect(paths, *args))
+    begun = time.monotonic()
+    with loading.start_loading([tmp_path / "logs"], thorough=False, workers=4) as started:
+        workers = started.workers
+        assert len(workers) == (0 if broken == "no interpreter" else 3)
+        fallback = started.result()
+    assert time.monotonic() - begun < 30 and all(worker.poll() is not None for worker in workers)
     assert fallback.shards == serial.shards
     assert [str(p) for p in fallback.problems] == [str(p) for p in serial.problems]
+    if broken in ("no interpreter", "worker fails", "worker hangs", "worker writes garbage"):
+        assert sorted(map(str, here)) == sorted(map(str, started.files))  # every file validated here
 
 
 def test_footer_workers_are_bounded_by_the_files_and_a_cap(monkeypatch: Any) -> None:
     """Each process takes at least BATCH_FILES files, and at most MAX_WORKERS processes run, this one
-    included: 64 cores do not start 64 interpreters."""
+    included: 64 cores do not start 64 interpreters. The workers' shares cover the files in order."""
     import io
-    import pickle
     import subprocess
 
-    import tokaudit.reader as reader
+    import tokaudit.loading as loading
 
     started: list[Any] = []
 
     class Worker:
-        """Answers each file it was sent (as text) with a problem, as a worker whose files are all bad."""
+        """A worker that is started and then stopped."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             started.append(args)
-            self.stdin = io.BytesIO()
-            self.stdin.close = lambda: None  # type: ignore[method-assign]  # read back below
+            self.stdin, self.stdout = io.BytesIO(), None
+            self.killed = False
 
-        @property
-        def stdout(self) -> io.BytesIO:
-            paths, _, _ = pickle.loads(self.stdin.getvalue())
-            return io.BytesIO(pickle.dumps([(path, "checked by a worker") for path in paths]))
+        def poll(self) -> int | None:
+            return 0 if self.killed else None
+
+        def kill(self) -> None:
+            self.killed = True
 
         def wait(self) -> int:
             return 0
 
-        def poll(self) -> int:
-            return 0
-
     monkeypatch.setattr(subprocess, "Popen", Worker)
-    monkeypatch.setattr(reader, "_inspect_batch", lambda paths, thorough, stores=None: [])
-    files = [Path(f"/nowhere/{i}.parquet") for i in range(100 * reader.BATCH_FILES)]
-    for workers, count, expected in ((64, len(files), reader.MAX_WORKERS - 1), (2, len(files), 1),
-                                     (64, 3 * reader.BATCH_FILES, 2), (64, reader.BATCH_FILES + 1, 0)):
+    files = [Path(f"/nowhere/{i}.parquet") for i in range(100 * loading.BATCH_FILES)]
+    for workers, count, expected in ((64, len(files), loading.MAX_WORKERS - 1), (2, len(files), 1),
+                                     (64, 3 * loading.BATCH_FILES, 2), (64, loading.BATCH_FILES + 1, 0)):
         started.clear()
-        launched = reader._start_workers(files[:count], False, workers)
-        result = reader._finish_workers(*launched, False) if launched is not None else None
-        assert len(started) == expected, (workers, count)
-        # this process's batch (no problem here) first, then each worker's answers, in path order
-        assert result == ([(str(p), "checked by a worker") for p in files[len(launched[1]):count]]
-                          if launched is not None else None)
+        shares = loading._start_workers(files[:count], False, workers)
+        assert len(started) == len(shares) == expected, (workers, count)
+        if shares:
+            assert shares[0].start == 0 and shares[-1].end == count
+            assert all(a.end == b.start for a, b in zip(shares, shares[1:]))
+        loading._stop(shares)
+        assert all(share.worker is None for share in shares)
 
 
 def test_a_shard_names_its_one_run_group_and_term_only_when_its_footer_shows_it(tmp_path: Path) -> None:

@@ -165,7 +165,7 @@ def test_the_recordings_as_one_row_shards_in_ranges_give_the_same_diagnosis(
 
     from tests.expected import EXPECTED_VERDICT
     from tokaudit.auditing import audit
-    from tokaudit.reader import load
+    from tokaudit.loading import load
     from tokaudit.render.json_report import render_json
 
     _, log_dir = recordings[scenario.name]

@@ -1,0 +1,382 @@
+"""Find the log's files and start validating them: discovery and the footer workers, without pyarrow.
+
+The command line calls `start_loading` before it imports anything heavy (pyarrow, pandas, DuckDB: most
+of its half second of start-up), so that the worker processes validate footers meanwhile; `Loading.result`
+then validates files too, from the far end of each worker's share, until they meet (`_share`). The
+validation itself is `tokaudit.reader`'s.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import queue
+import select
+import stat
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePath, PurePosixPath
+from typing import IO, TYPE_CHECKING, Any
+
+from tokaudit.errors import LogFormatError
+from tokaudit.storage import is_url
+
+if TYPE_CHECKING:
+    from tokaudit.reader import Shard
+    from tokaudit.storage import Store
+
+
+@dataclass(frozen=True, slots=True)
+class LogSet:
+    """What `load` found: readable shards and one line per unreadable input."""
+
+    shards: list[Shard]
+    """Validated shards, in path order."""
+    problems: list[LogFormatError]
+    """Files or paths that could not be used."""
+
+
+def discover(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[Path], list[LogFormatError]]:
+    """Every *.parquet under the paths, each path taken literally. Dot-files (a killed writer's
+    temporaries) are skipped; anything else that cannot be read is one problem line, never a silence:
+    an unreadable folder, a dangling or looping link, a FIFO or a folder named *.parquet."""
+    # One file reached twice (two paths, a link to it) is read once: keyed by its identity on disk,
+    # from the stat that checks it is a file, rather than by resolving every path.
+    found: dict[tuple[int, int], Path] = {}
+    problems: list[LogFormatError] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists() and not path.is_symlink():
+            problems.append(LogFormatError(str(raw), "no such file or directory"))
+            continue
+        identity, problem = _regular_file(path)
+        if identity is not None:
+            found.setdefault(identity, path.absolute())
+        elif not path.is_dir():
+            problems.append(LogFormatError(str(raw), problem))
+        else:
+            reached = _walk(path, found, problems)
+            if not reached and not any(p.path.startswith(str(path)) for p in problems):
+                problems.append(LogFormatError(str(raw), "no Parquet files (*.parquet) in this folder"))
+    return list(found.values()), problems
+
+
+def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogFormatError]) -> int:
+    """Every *.parquet under `root` added to `found` (a file already there is not added again), or to `problems`
+    where it is no readable file: how many it reached, those found before and those it could not use included."""
+    seen: set[tuple[int, int]] = set()
+    reached = 0
+
+    def unreadable(error: OSError) -> None:
+        problems.append(LogFormatError(str(error.filename or root), f"cannot read this folder ({error.strerror})"))
+
+    for folder, folders, files in os.walk(root, onerror=unreadable, followlinks=True):
+        # Paths as strings until a file is kept: pathlib's parsing cost more than the stat itself on a
+        # folder of 10,000 shards (Path.absolute() once per folder, not per file).
+        here = str(Path(folder).absolute())
+        try:
+            identity = os.stat(here)
+        except OSError:
+            continue
+        if (identity.st_dev, identity.st_ino) in seen:  # a link back up the tree
+            folders[:] = []
+            continue
+        seen.add((identity.st_dev, identity.st_ino))
+        folders[:] = sorted(f for f in folders if not f.startswith("."))
+        names = sorted(name for name in files + [f for f in folders if f.endswith(".parquet")]
+                       if not name.startswith(".") and name.endswith(".parquet"))
+        # A regular file's identity is its folder's device and the inode its folder's listing gives, with no
+        # stat of its own (a tenth of a second on 25,000 shards); a link or anything else is looked at.
+        listed = _regular_inodes(here, set(names)) if names else {}
+        base = Path(here)
+        child = getattr(base, "_make_child_relpath", base.joinpath)  # (pathlib's, without parsing the name again)
+        for name in names:
+            path = os.path.join(here, name)
+            inode = listed.get(name)
+            if inode is not None and os.access(path, os.R_OK):
+                key: tuple[int, int] | None = (identity.st_dev, inode)
+            else:
+                key, problem = _regular_file(path)
+            reached += 1
+            if key is not None:
+                if key not in found:
+                    found[key] = child(name)
+            else:
+                problems.append(LogFormatError(path, problem))
+        folders[:] = [f for f in folders if not f.endswith(".parquet")]
+    return reached
+
+
+def _regular_inodes(folder: str, names: set[str]) -> dict[str, int]:
+    """The inode of each of `names` that the folder's listing says is a regular file (not a link); nothing
+    where the folder cannot be listed again."""
+    try:
+        with os.scandir(folder) as entries:
+            return {entry.name: entry.inode() for entry in entries
+                    if entry.name in names and entry.is_file(follow_symlinks=False)}
+    except OSError:
+        return {}
+
+
+def _regular_file(path: str | Path) -> tuple[tuple[int, int] | None, str]:
+    """(device, inode) of a readable regular file; else (None, why it is not one)."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None, "a link to nothing (dangling symlink)"
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return None, "a link that loops back on itself"
+        return None, f"cannot be read ({error.strerror})"
+    if stat.S_ISDIR(info.st_mode):
+        return None, "a folder, not a file" if os.path.basename(path).endswith(".parquet") else "a folder"
+    if not stat.S_ISREG(info.st_mode):
+        return None, "not a regular file (a FIFO, socket or device)"
+    if not os.access(path, os.R_OK):
+        return None, "cannot be read (permission denied)"
+    return (info.st_dev, info.st_ino), ""
+
+
+PARALLEL_FILES = 2048
+"""Local files from which `load` validates footers in worker processes (when given more than one
+worker): a worker costs about 0.3 s to start (an interpreter importing pyarrow), a footer about 0.25 ms."""
+BATCH_FILES = 512
+"""Fewest files given to one worker."""
+MAX_WORKERS = 8
+"""Most processes validating footers at once, this one included: each worker is an interpreter of about
+100 MiB, and footers are partly disk-bound, so a machine of 64 cores gains little from 64 of them."""
+FRAME_FILES = 64
+"""Files a worker answers at a time (about 16 ms of work): how far this process may find a worker ahead of
+what it last heard, and so at most how many files both validate where they meet."""
+
+
+def load(paths: Sequence[str | os.PathLike[str]], thorough: bool = True, workers: int = 1) -> LogSet:
+    """Discover and validate; a damaged shard never hides the others. Local paths and URLs
+    (s3://bucket/runs/, see `tokaudit.storage`) may be mixed.
+
+    `workers`: processes that may validate local footers at once. Reading a footer is Python work
+    (pyarrow's objects), so threads do not help, and on a log of many thousands of files it is the
+    one serial part of the audit; processes are used from PARALLEL_FILES files up, and the result
+    (shards and problems, in path order) is the serial one whichever way it was computed."""
+    with start_loading(paths, thorough, workers) as loading:
+        return loading.result()
+
+
+@dataclass
+class _Share:
+    """A worker's share of the files, files[start:end]: it validates them in order from `start` and answers
+    in frames (`_serve`); this process validates them from `end` down (`taken`) once it calls `result`."""
+
+    worker: subprocess.Popen[bytes] | None
+    """The worker; None once it has answered its last frame, died, or said something unreadable."""
+    start: int
+    end: int
+    answered: list[Any] = field(default_factory=list)
+    """The worker's answers (`reader._packed`), for files[start], files[start + 1], …"""
+    taken: list[Any] = field(default_factory=list)
+    """This process's, for files[end − 1], files[end − 2], …"""
+    unread: bytearray = field(default_factory=bytearray)
+    """What the worker wrote that does not yet make a whole frame."""
+
+    @property
+    def left(self) -> int:
+        """Files neither has validated: files[start + len(answered) : end − len(taken)]."""
+        return max(0, self.end - len(self.taken) - self.start - len(self.answered))
+
+
+@dataclass
+class Loading:
+    """A `load` under way (`start_loading`): the worker processes validate their shares while the caller
+    goes on (the command line imports the auditor meanwhile, half a second); `result` validates files from
+    the far end of each share until it meets its worker (`_share`). Closing it stops any worker still
+    running."""
+
+    files: list[Path]
+    """The local files found, in path order."""
+    remote: list[tuple[PurePath, Store | None]]
+    """The files found on object storage, each with its store."""
+    problems: list[LogFormatError]
+    """What discovery could not use."""
+    thorough: bool
+    shares: list[_Share] = field(default_factory=list)
+    """Each worker started and its share of `files`, in order; none: this process validates them all."""
+
+    @property
+    def workers(self) -> list[subprocess.Popen[bytes]]:
+        """The worker processes started."""
+        return [share.worker for share in self.shares if share.worker is not None]
+
+    def result(self) -> LogSet:
+        from tokaudit.reader import Shard, _inspect_batch
+
+        inspected = _share(self.files, self.shares, self.thorough) if self.shares else _inspect_batch(
+            self.files, self.thorough)
+        inspected += _inspect_batch([path for path, _ in self.remote], self.thorough,
+                                    [store for _, store in self.remote])
+        shards = []
+        problems = list(self.problems)
+        for item in inspected:
+            if isinstance(item, Shard):
+                shards.append(item)
+            else:
+                problems.append(LogFormatError(*item))
+        return LogSet(shards=shards, problems=problems)
+
+    def close(self) -> None:
+        _stop(self.shares)
+
+    def __enter__(self) -> Loading:
+        return self
+
+    def __exit__(self, *exception: object) -> None:
+        self.close()
+
+
+def start_loading(paths: Sequence[str | os.PathLike[str]], thorough: bool = True, workers: int = 1) -> Loading:
+    """`load`'s discovery, and its worker processes started on their shares: `result()` gives what `load`
+    gives."""
+    files, problems = discover([p for p in paths if not is_url(p)])
+    remote: list[tuple[PurePath, Store | None]] = []
+    urls = [str(p) for p in paths if is_url(p)]
+    if urls:
+        from tokaudit.storage import discover_url  # (pyarrow's filesystems)
+
+        for url in urls:
+            store, found, trouble = discover_url(url)
+            problems.extend(trouble)
+            remote.extend((PurePosixPath(path), store) for path in found)
+    shares = _start_workers(files, thorough, workers) if workers > 1 and len(files) >= PARALLEL_FILES else []
+    return Loading(files=files, remote=remote, problems=problems, thorough=thorough, shares=shares)
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+_WORKER = ("import pickle, sys; paths, thorough, sys.path[:] = pickle.load(sys.stdin.buffer); "
+           "from tokaudit.loading import _serve; _serve(paths, thorough, sys.stdout.buffer)")
+"""A worker: its files (as text) and this interpreter's import path in on stdin, its answers out on stdout
+in frames (`_serve`)."""
+
+
+def _serve(paths: Sequence[str], thorough: bool, out: IO[bytes]) -> None:
+    """A worker's loop: FRAME_FILES files validated at a time, each frame written as its length (8 bytes,
+    little-endian) and `reader._packed`'s answers pickled. A thread writes, so that validating goes on while
+    the pipe is full (64 KiB, about 150 answers): the caller reads nothing while it imports the auditor."""
+    from tokaudit.reader import _inspect_batch, _packed
+
+    frames: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+    def write() -> None:
+        while (frame := frames.get()) is not None:
+            out.write(frame)
+            out.flush()
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    for start in range(0, len(paths), FRAME_FILES):
+        answers = pickle.dumps(_packed(_inspect_batch([PurePath(p) for p in paths[start:start + FRAME_FILES]],
+                                                      thorough)), pickle.HIGHEST_PROTOCOL)
+        frames.put(len(answers).to_bytes(8, "little") + answers)
+    frames.put(None)
+    writer.join()
+
+
+def _start_workers(files: Sequence[Path], thorough: bool, workers: int) -> list[_Share]:
+    """One worker process started on each share of `files` (none when too few files make a share each, or
+    no worker could be started); this process counts among `workers` and takes no share of its own.
+
+    Workers are fresh interpreters (`python -c`), not multiprocessing's: those fork the caller, which
+    may hold threads (a training process, DuckDB's pool), or re-import the caller's main script. Their
+    answers are read as they come without waiting (`select`): on POSIX only."""
+    count = min(workers, MAX_WORKERS, len(files) // BATCH_FILES) - 1
+    if count < 1 or os.name != "posix":
+        return []
+    size = -(-len(files) // count)
+    shares: list[_Share] = []
+    try:
+        for start in range(0, len(files), size):
+            worker = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            shares.append(_Share(worker, start, min(start + size, len(files))))
+            assert worker.stdin is not None
+            # A list of paths: a few MB at most, which the worker reads whole before it writes anything.
+            pickle.dump(([str(path) for path in files[start:start + size]], thorough, list(sys.path)),
+                        worker.stdin, pickle.HIGHEST_PROTOCOL)
+            worker.stdin.close()
+    except Exception:
+        # No worker here (no interpreter at sys.executable, a sandbox without processes, a broken pipe).
+        _stop(shares)
+        return []
+    return shares
+
+
+def _share(files: Sequence[Path], shares: list[_Share], thorough: bool) -> list[Shard | tuple[str, str]]:
+    """Every file's Shard or problem, in path order: each worker's answers read as they come, while this
+    process validates the files of the share with the most left, from its far end, one at a time, until
+    none is left. A worker that dies or says something unreadable leaves the rest of its share here; the
+    result is the serial one either way."""
+    from tokaudit.reader import _inspect_batch, _unpacked
+
+    try:
+        while True:
+            _read_answers(shares)
+            share = max(shares, key=lambda s: s.left)
+            if share.left == 0:
+                break
+            share.taken.extend(_inspect_batch([files[share.end - len(share.taken) - 1]], thorough))
+    finally:
+        _stop(shares)
+    inspected: list[Shard | tuple[str, str]] = []
+    for share in shares:
+        middle = share.end - len(share.taken)  # the worker's answers up to here, then this process's
+        inspected += _unpacked(share.answered[:middle - share.start], files[share.start:middle])
+        inspected += reversed(share.taken)
+    return inspected
+
+
+def _read_answers(shares: list[_Share]) -> None:
+    """Whatever the workers have written, read without waiting and added to their shares' answers."""
+    readable = {share.worker.stdout.fileno(): share for share in shares
+                if share.worker is not None and share.worker.stdout is not None}
+    if not readable:
+        return
+    ready, _, _ = select.select(list(readable), [], [], 0)
+    for fd in ready:
+        share = readable[fd]
+        try:
+            data = os.read(fd, 1 << 20)
+        except OSError:
+            data = b""
+        if not data:  # its last frame read, or it died
+            _stop([share])
+            continue
+        share.unread += data
+        while len(share.unread) >= 8 and len(share.unread) >= 8 + (length := int.from_bytes(share.unread[:8], "little")):
+            try:
+                share.answered.extend(pickle.loads(share.unread[8:8 + length]))
+            except Exception:  # not what a worker writes: nothing more of it is believed
+                _stop([share])
+                break
+            del share.unread[:8 + length]
+
+
+def _stop(shares: Sequence[_Share]) -> None:
+    """Kill the workers still running (their answers read, or given up) and forget them."""
+    for share in shares:
+        worker, share.worker = share.worker, None
+        if worker is None:
+            continue
+        if worker.poll() is None:
+            worker.kill()
+        worker.wait()
+        if worker.stdout is not None:
+            worker.stdout.close()
