@@ -147,11 +147,26 @@ def test_any_legal_shape_is_accepted(tmp_path: Path) -> None:
     assert report.runs[0].verdict == "correct"
 
 
-def test_a_column_of_nulls_alone_reads_as_its_nulls_not_as_a_wrong_type(tmp_path: Path) -> None:
+@pytest.mark.parametrize("grid", [False, True])
+def test_a_column_of_nulls_alone_reads_as_its_nulls_not_as_a_wrong_type(tmp_path: Path, grid: bool,
+                                                                          monkeypatch: Any) -> None:
     """A writer that never had a value for a column (pandas' all-None column, pa.Table.from_pylist) stores
     Arrow's null type: an optional column of it is the column's nulls, as if absent, on a rank's file or
-    on all; a required one is a null value, as any other."""
+    on all; a required one is a null value, as any other. The same when numpy reduces the log as a grid."""
+    import tokaudit.auditing as auditing
+    import tokaudit.engine as engine
     from tokaudit.render.json_report import render_json
+
+    reduced: list[bool] = []
+    if grid:  # a log this small is otherwise aggregated by the query, with every step's evidence
+        monkeypatch.setattr(auditing, "EVIDENCE_ROWS", 0)
+        grid_table = engine.grid_table
+        def spy(*args: Any) -> Any:
+            table = grid_table(*args)
+            reduced.append(table is not None)
+            return table
+
+        monkeypatch.setattr(engine, "grid_table", spy)
 
     def write_rows(folder: Path, rows: list[dict[str, Any]]) -> None:
         folder.mkdir(parents=True)
@@ -171,6 +186,7 @@ def test_a_column_of_nulls_alone_reads_as_its_nulls_not_as_a_wrong_type(tmp_path
     assert "local_mean" in expected and '"problems": []' in expected
     mixed = audit([tmp_path / "mixed"])
     assert mixed.problems == [] and mixed.runs[0].verdict == "incorrect"
+    assert (bool(reduced) and all(reduced)) == grid  # numpy reduced every log, the null columns' too
     write_rows(tmp_path / "required" / "nulls", [dict(r, valid_tokens=None) for r in rows])
     problems = audit([tmp_path / "required"]).problems
     assert len(problems) == 2 and all("column 'valid_tokens' has a null value at row 0" in p for p in problems)
