@@ -316,9 +316,11 @@ class Recorder:
             self._pack()
 
     def report_loss(self, value: Value, step: int | None = None) -> None:
-        """The loss the trainer reported for `step` (default: the update just closed), stamped on its
-        buffered records as `reported_loss`."""
-        step = self._step - 1 if step is None else step
+        """The loss the trainer reported for `step`, stamped on its buffered records as `reported_loss`.
+        Default: the update under way when it holds records already (a loss logged after backward, before
+        `optimizer.step()`), else the update just closed (logged after the step)."""
+        if step is None:
+            step = self._step if self._by_step.get(self._step) else self._step - 1
         snapshot = _detached(value)  # one copy for the update's records
         for record in self._by_step.get(step, ()):
             self._set_value(record, "reported_loss", snapshot)

@@ -396,6 +396,48 @@ def test_begin_step_and_report_loss(tmp_path: Path) -> None:
         (100, 0, 0.5), (100, 1, 0.5), (101, 0, 0.5), (101, 1, 0.5)]
 
 
+@pytest.mark.parametrize("when", ["before the optimizer step", "after it"])
+def test_a_loss_logged_before_or_after_the_optimizer_step_is_stamped_on_its_own_update(tmp_path: Path,
+                                                                                      when: str) -> None:
+    """A loop that logs its loss after backward but before `optimizer.step()` (the update still under way)
+    and one that logs it after the step (the update just closed) both stamp each update with its own token
+    mean: the audit finds the reported loss right, and the run correct. Stamped on the update before, a
+    correct run was called incorrect (reported_loss_mismatch, '0.92× the token mean')."""
+    from tokaudit.auditing import audit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 11)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    with Recorder(tmp_path, run_id="logged", optimizer=optimizer) as rec:
+        for _ in range(4):
+            batches = [(torch.randn(4, 6, 8, generator=generator), torch.randint(0, 11, (4, 6), generator=generator))
+                       for _ in range(3)]
+            for index, (_, labels) in enumerate(batches):
+                labels[torch.rand(4, 6, generator=generator) < 0.3 * index] = -100
+            count = sum(int((labels != -100).sum()) for _, labels in batches)
+            total = torch.zeros(())
+            for x, labels in batches:
+                valid = labels.flatten() != -100
+                per_token = rec.probe(torch.nn.functional.cross_entropy(
+                    model(x).flatten(0, 1), labels.flatten(), reduction="none"), valid)
+                loss_sum = per_token.sum()
+                scalar = loss_sum / count
+                rec.record(loss_sum=loss_sum, valid_tokens=valid.sum(), backward_scalar=scalar)
+                scalar.backward()
+                total = total + loss_sum.detach()
+            if when == "before the optimizer step":
+                rec.report_loss(total / count)
+            optimizer.step()
+            optimizer.zero_grad()
+            if when == "after it":
+                rec.report_loss(total / count)
+    rows = read_rows(tmp_path / "logged")
+    assert len(rows) == 12 and all(row["reported_loss"] is not None for row in rows)
+    report = audit([tmp_path / "logged"])
+    assert [f.code.value for f in report.findings] == [] and report.runs[0].verdict == "correct"
+
+
 def test_records_are_flushed_at_interpreter_exit(tmp_path: Path) -> None:
     import subprocess
     import sys
