@@ -963,44 +963,92 @@ def _agrees(reported: np.ndarray, truth: np.ndarray, rtol: float, rounding: floa
     return agrees
 
 
+def _step_means(frame: pd.DataFrame, main_term: str) -> pd.DataFrame:
+    """The main term's steps with valid tokens, in order: the step, its token mean ΣS/N (`mean`) and the sum of
+    every term's token mean (`total`), each (group, step)'s own."""
+    counted = frame[_column(frame, "tokens") > 0]
+    means = counted[["grp", "term", "step"]].assign(mean=counted.loss / counted.tokens)
+    total = means.groupby(["grp", "step"], observed=True)["mean"].transform("sum")
+    rows = means[means.term.astype(str) == main_term]
+    return pd.DataFrame({"step": rows.step.to_numpy(np.int64), "mean": rows["mean"].to_numpy(float),
+                         "total": total[rows.index].to_numpy(float)}, index=rows.index)
+
+
 def _reported_rows(source: RunSteps, main_term: str) -> Iterator[pd.DataFrame]:
     """The main term's steps with a reported loss and valid tokens, in the table's order, with the token
-    mean of the main term (`mean`) and the sum of every term's token mean (`total`), each (group, step)'s own."""
-    for frame in source.frames():
-        reported = (_column(frame, "reported") > 0) & (_column(frame, "tokens") > 0)
-        if not reported.any():
+    mean of the main term (`mean`) and the sum of every term's token mean (`total`), each (group, step)'s own,
+    and those of the step before and after it (`previous_mean`, `next_mean`, `previous_total`, `next_total`;
+    NaN where that step has no valid token or is not in the log), across the table's parts."""
+    frames = source.frames()
+    current = next(frames, None)
+    before: tuple[Any, int, float, float] | None = None  # (group, step, mean, total) of the last step read
+    while current is not None:
+        following = next(frames, None)
+        group = current.grp.iloc[0]
+        if not bool((_column(current, "reported") > 0).any()):
+            before, current = None, following  # (its steps have no reported loss to compare)
             continue
-        known = frame.loc[reported, ["grp", "term", "step", "loss", "tokens", "reported_low", "reported_high",
-                                     "mean_of_local_means"]]
-        means = known.assign(mean=known.loss / known.tokens)
-        total = means.groupby(["grp", "step"], observed=True)["mean"].transform("sum")
-        rows = means[means.term.astype(str) == main_term].copy()
-        if rows.empty:
-            continue
-        rows["total"] = total[rows.index]
-        yield rows
+        steps = _step_means(current, main_term)
+        step, mean, total = steps.step.to_numpy(), steps["mean"].to_numpy(), steps["total"].to_numpy()
+        # each step's neighbours: the rows beside it, where their steps are one apart; at the part's ends,
+        # the last step of the part before and the first of the part after, of the same group
+        previous = np.full((2, len(step)), np.nan)
+        following_ = np.full((2, len(step)), np.nan)
+        adjacent = step[1:] == step[:-1] + 1
+        previous[0, 1:] = np.where(adjacent, mean[:-1], np.nan)
+        previous[1, 1:] = np.where(adjacent, total[:-1], np.nan)
+        following_[0, :-1] = np.where(adjacent, mean[1:], np.nan)
+        following_[1, :-1] = np.where(adjacent, total[1:], np.nan)
+        if len(step) and before is not None and before[0] == group and before[1] == step[0] - 1:
+            previous[:, 0] = before[2:]
+        if len(step) and following is not None and following.grp.iloc[0] == group:
+            head = following[_column(following, "step") == step[-1] + 1]
+            if len(head):
+                first = _step_means(head, main_term)
+                if len(first):
+                    following_[:, -1] = (float(first["mean"].iloc[0]), float(first["total"].iloc[0]))
+        before = (group, int(step[-1]), float(mean[-1]), float(total[-1])) if len(step) else None
+        known = current.loc[steps.index, ["grp", "term", "step", "loss", "tokens", "reported", "reported_low",
+                                          "reported_high", "mean_of_local_means"]]
+        rows = known.assign(mean=mean, total=total, previous_mean=previous[0], previous_total=previous[1],
+                            next_mean=following_[0], next_total=following_[1])
+        rows = rows[_column(rows, "reported") > 0]
+        if len(rows):
+            yield rows
+        current = following
 
 
 def _reported_findings(source: RunSteps, run: str, rtol: float, main_term: str) -> Iterator[Finding]:
     """reported_loss_mismatch: the logged loss against ΣS/N of the main term, or against the sum of
     the terms' token means when the trainer logs the whole objective. Read twice: how the losses were
-    rounded is read from all of them first."""
+    rounded is read from all of them first. reported_loss_shifted (information) instead, where every step
+    that differs (two or more) carries the token mean of the step after it, or every one that of the step
+    before, and none the mean of local means: the right losses, stamped one update off."""
     rounding_seen = _Rounding()
     for rows in _reported_rows(source, main_term):
         rounding_seen.add(np.concatenate([rows.reported_low.to_numpy(float), rows.reported_high.to_numpy(float)]))
     if not rounding_seen.seen:
         return
     rounding = rounding_seen.value()
+
+    def agree(rows: pd.DataFrame, mean: str, total: str) -> np.ndarray:
+        """Each row's reported loss (every record's) is its `mean` column's value, or its `total`'s."""
+        low, high = rows.reported_low.to_numpy(float), rows.reported_high.to_numpy(float)
+        truth, whole = rows[mean].to_numpy(float), rows[total].to_numpy(float)
+        agrees: np.ndarray = (_agrees(low, truth, rtol, rounding) & _agrees(high, truth, rtol, rounding)) | \
+            (_agrees(low, whole, rtol, rounding) & _agrees(high, whole, rtol, rounding))
+        return agrees
+
     bad_steps, bad_count, first = _Steps(len(source.groups) > 1), 0, None
     all_local, any_local = True, False
+    all_next, all_previous = True, True  # every step that differs carries its neighbour's token mean
     for rows in _reported_rows(source, main_term):
-        low, high = rows.reported_low.to_numpy(float), rows.reported_high.to_numpy(float)
-        truth, whole = rows["mean"].to_numpy(float), rows["total"].to_numpy(float)
-        fine = (_agrees(low, truth, rtol, rounding) & _agrees(high, truth, rtol, rounding)) | \
-            (_agrees(low, whole, rtol, rounding) & _agrees(high, whole, rtol, rounding))
+        fine = agree(rows, "mean", "total")
         if fine.all():
             continue
         bad = rows[~fine]
+        all_next = all_next and bool(agree(bad, "next_mean", "next_total").all())
+        all_previous = all_previous and bool(agree(bad, "previous_mean", "previous_total").all())
         local_of = bad.mean_of_local_means.to_numpy(float)
         local = _agrees(bad.reported_low.to_numpy(float), local_of, rtol, rounding) & \
             _agrees(bad.reported_high.to_numpy(float), local_of, rtol, rounding)
@@ -1014,13 +1062,27 @@ def _reported_findings(source: RunSteps, run: str, rtol: float, main_term: str) 
     true_value = float(first.loss / first.tokens)
     evidence = {"step": int(first.step), "reported": float(first.reported_high), "token_mean": true_value,
                 "mean_of_local_means": float(first.mean_of_local_means), "rounding": rounding}
+    context = RunContext(run=run, term=main_term, world_size=0, world_sizes=(), microbatches=0, divisor=0.0, rtol=rtol)
+    if (all_next or all_previous) and not any_local and bad_count > 1:
+        # reported[s] = ΣS/N of s + 1 (or s − 1) at every step that differs: a loss stamped on the update beside
+        # its own, as report_loss() did by default when called before optimizer.step() closed the update
+        neighbour = "next" if all_next else "previous"
+        theirs = float(first.next_mean if all_next else first.previous_mean)
+        evidence[f"token_mean_of_the_{neighbour}_step"] = theirs
+        yield _finding(context, Code.REPORTED_LOSS_SHIFTED, bad_steps,
+                       f"The reported loss is the token mean ΣS/N of the {neighbour} step, not its own, in all "
+                       f"{bad_count} step(s) where it differs (step {int(first.step)}: reported "
+                       f"{float(first.reported_high):.6g}, its own ΣS/N {true_value:.6g}, the {neighbour} step's "
+                       f"{theirs:.6g}): the losses are right, recorded one update {'early' if all_next else 'late'}.",
+                       "give the step the loss belongs to (rec.report_loss(value, step=...)), or report it "
+                       "after optimizer.step() for the update just closed", evidence)
+        return
     if all_local:
         what = "the mean of per-rank means, not the token mean"
     elif any_local:
         what = "partly the mean of per-rank means"
     else:
         what = f"{float(first.reported_high) / true_value:.4g}× the token mean" if true_value else "not the token mean"
-    context = RunContext(run=run, term=main_term, world_size=0, world_sizes=(), microbatches=0, divisor=0.0, rtol=rtol)
     yield _finding(context, Code.REPORTED_LOSS_MISMATCH, bad_steps,
                    f"The reported loss differs from ΣS/N in {bad_count} step(s), beyond rounding; it is {what} (step "
                    f"{int(first.step)}: reported {float(first.reported_high):.6g}, ΣS/N = {true_value:.6g}, mean of "

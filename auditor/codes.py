@@ -41,6 +41,7 @@ class Code(str, Enum):
     ZERO_TOKEN_NONFINITE = "zero_token_nonfinite"
     NONFINITE_VALUES = "nonfinite_values"
     REPORTED_LOSS_MISMATCH = "reported_loss_mismatch"
+    REPORTED_LOSS_SHIFTED = "reported_loss_shifted"
     MISSING_SYNC = "missing_sync"
     SYNC_EVERY_MICRO = "sync_every_micro"
     BALANCED_COUNTS = "balanced_counts"
@@ -68,6 +69,7 @@ DEFAULT_SEVERITY: dict[Code, Severity] = {
     Code.ZERO_TOKEN_NONFINITE: Severity.ERROR,
     Code.NONFINITE_VALUES: Severity.ERROR,
     Code.REPORTED_LOSS_MISMATCH: Severity.WARNING,
+    Code.REPORTED_LOSS_SHIFTED: Severity.INFO,
     Code.MISSING_SYNC: Severity.ERROR,
     Code.SYNC_EVERY_MICRO: Severity.INFO,
     Code.BALANCED_COUNTS: Severity.INFO,

@@ -157,6 +157,16 @@ EXPLANATIONS: dict[Code, tuple[str, str, str, str]] = {
         "Report all_reduce(ΣS)/all_reduce(Σn) from detached sums and counts.",
         "S0 = 3 (n0 = 1), S1 = 3 (n1 = 3): ΣS/N = 6/4 = 1.5, the mean of local means is (3 + 1)/2 = 2.",
     ),
+    Code.REPORTED_LOSS_SHIFTED: (
+        "the reported loss is ΣS/N, stamped one update off",
+        "Each logged loss that differs from its step's token mean is the token mean of the step beside it: "
+        "the losses are right but recorded with the update before or after their own, as when "
+        "rec.report_loss() is given the loss of an update that has not closed yet, or a trainer's step "
+        "counter is one off the optimizer's.",
+        "Give the step the loss belongs to: rec.report_loss(value, step=...).",
+        "Step 0: ΣS/N = (S0 + S1)/4 = 1.5; step 1, on other tokens: 2.0; step 2: 1.8. The log holds 2.0 for "
+        "step 0 and 1.8 for step 1: each is the next step's token mean, reported before the update closed.",
+    ),
     Code.MISSING_SYNC: (
         "the last microbatch did not synchronize",
         "Under gradient accumulation every microbatch but the last runs in no_sync(); here the last did "

@@ -209,6 +209,58 @@ def test_reported_loss_mismatch_names_the_mean_of_local_means(tmp_path: Path) ->
     assert codes(audit_rows(tmp_path / "ok", rows)) == set()
 
 
+def _token_means(rows: list[dict[str, Any]]) -> dict[int, float]:
+    steps = sorted({r["step"] for r in rows})
+    return {s: sum(r["loss_sum"] for r in rows if r["step"] == s) / sum(r["valid_tokens"] for r in rows if r["step"] == s)
+            for s in steps}
+
+
+@pytest.mark.parametrize("shift", [1, -1])
+def test_a_reported_loss_stamped_one_update_off_is_named_not_called_wrong(tmp_path: Path, shift: int) -> None:
+    """Each step's reported loss the token mean of the step after it (a loss reported before the update it
+    belongs to closed) or before it: the losses are right, so the run stays correct, and the finding says
+    which neighbour they belong to; rounded as a logger prints them, or right at some steps, the same."""
+    rows = records(UNEVEN * 3, token_mean)
+    means = _token_means(rows)
+    for row in rows:
+        theirs = means.get(row["step"] + shift)
+        if theirs is not None:
+            row["reported_loss"] = round(theirs, 4) if row["step"] % 2 else theirs
+    report = audit_rows(tmp_path / "shifted", rows)
+    finding = only(report, Code.REPORTED_LOSS_SHIFTED)
+    assert finding.severity == Severity.INFO and report.runs[0].verdict == "correct"
+    assert finding.steps.count == 8 and ("early" if shift == 1 else "late") in finding.message
+    assert finding.evidence[f"token_mean_of_the_{'next' if shift == 1 else 'previous'}_step"] == pytest.approx(
+        means[finding.steps.first + shift])
+
+    # The same losses, some stamped on their own step: only the others are named
+    for row in rows:
+        if row["step"] in (3, 4):
+            row["reported_loss"] = means[row["step"]]
+    assert only(audit_rows(tmp_path / "partly", rows), Code.REPORTED_LOSS_SHIFTED).steps.count == 6
+
+
+def test_a_reported_loss_that_is_no_neighbour_s_stays_a_mismatch(tmp_path: Path) -> None:
+    """Twice the token mean, or the next step's at one step and something else at another, or a single step
+    off (one coincidence proves nothing): reported_loss_mismatch, as before."""
+    rows = records(UNEVEN * 3, token_mean)
+    means = _token_means(rows)
+    for row in rows:
+        row["reported_loss"] = 2 * means[row["step"]]
+    assert codes(audit_rows(tmp_path / "double", rows)) == {"reported_loss_mismatch"}
+    for row in rows:
+        row["reported_loss"] = means[row["step"]]
+        if row["step"] == 0:
+            row["reported_loss"] = means[1]
+        if row["step"] == 5:
+            row["reported_loss"] = 3 * means[5]
+    assert codes(audit_rows(tmp_path / "mixed", rows)) == {"reported_loss_mismatch"}
+    for row in rows:
+        if row["step"] == 5:
+            row["reported_loss"] = means[5]
+    assert codes(audit_rows(tmp_path / "once", rows)) == {"reported_loss_mismatch"}
+
+
 def test_sync_findings(tmp_path: Path) -> None:
     rows = records(UNEVEN_GA, token_mean)
     for row in rows:
