@@ -245,12 +245,21 @@ def _step_count(condition: np.ndarray) -> np.ndarray:
 
 
 def _split(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray | None]:
-    """A fetched column as (its values, where it is NULL), None when nowhere; a NULL's value is arbitrary."""
+    """A fetched column as (its values, where it is NULL), None when nowhere; a NULL's value is arbitrary: with
+    NULLs, the values are read from the array's buffers as they are (a view; bits unpacked for a bool), where
+    filling the NULLs first copied every value (a fifth of a second of the recorder's-columns log at 10⁷)."""
     values = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
     if values.null_count == 0:
         return values.to_numpy(zero_copy_only=False), None
-    nulls = values.is_null().to_numpy(zero_copy_only=False)
-    return pc.fill_null(values, False if pa.types.is_boolean(values.type) else 0).to_numpy(zero_copy_only=False), nulls
+    validity, data = values.buffers()[:2]
+    end = values.offset + len(values)
+    if validity is None or data is None:  # (no buffer of its own: every value NULL)
+        return np.zeros(len(values), dtype=values.type.to_pandas_dtype()), np.ones(len(values), dtype=bool)
+    nulls = np.unpackbits(np.frombuffer(validity, np.uint8), count=end, bitorder="little")[values.offset:] == 0
+    if pa.types.is_boolean(values.type):
+        bits = np.unpackbits(np.frombuffer(data, np.uint8), count=end, bitorder="little")[values.offset:]
+        return bits.view(np.bool_), nulls
+    return np.frombuffer(data, dtype=values.type.to_pandas_dtype(), count=end)[values.offset:], nulls
 
 
 def _finite(values: np.ndarray, nulls: np.ndarray | None) -> bool:
