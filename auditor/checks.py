@@ -974,6 +974,12 @@ def _step_means(frame: pd.DataFrame, main_term: str) -> pd.DataFrame:
                          "total": total[rows.index].to_numpy(float)}, index=rows.index)
 
 
+def _step_at(frame: pd.DataFrame, step: int, main_term: str) -> tuple[float, float] | None:
+    """(`mean`, `total`) of `_step_means` at one step of a part; None where it has no valid token there."""
+    at = _step_means(frame[_column(frame, "step") == step], main_term)
+    return (float(at["mean"].iloc[0]), float(at["total"].iloc[0])) if len(at) else None
+
+
 def _reported_rows(source: RunSteps, main_term: str) -> Iterator[pd.DataFrame]:
     """The main term's steps with a reported loss and valid tokens, in the table's order, with the token
     mean of the main term (`mean`) and the sum of every term's token mean (`total`), each (group, step)'s own,
@@ -981,37 +987,33 @@ def _reported_rows(source: RunSteps, main_term: str) -> Iterator[pd.DataFrame]:
     NaN where that step has no valid token or is not in the log), across the table's parts."""
     frames = source.frames()
     current = next(frames, None)
-    before: tuple[Any, int, float, float] | None = None  # (group, step, mean, total) of the last step read
+    carried: tuple[Any, int, tuple[float, float] | None] | None = None  # (group, step, its means): a part's last
     while current is not None:
         following = next(frames, None)
-        group = current.grp.iloc[0]
+        group, last = current.grp.iloc[0], int(_column(current, "step").max())
         if not bool((_column(current, "reported") > 0).any()):
-            before, current = None, following  # (its steps have no reported loss to compare)
+            # nothing here to compare: only its last step is read, the next part's first step's neighbour
+            carried, current = (group, last, _step_at(current, last, main_term)), following
             continue
         steps = _step_means(current, main_term)
         step, mean, total = steps.step.to_numpy(), steps["mean"].to_numpy(), steps["total"].to_numpy()
         # each step's neighbours: the rows beside it, where their steps are one apart; at the part's ends,
         # the last step of the part before and the first of the part after, of the same group
-        previous = np.full((2, len(step)), np.nan)
-        following_ = np.full((2, len(step)), np.nan)
+        previous, next_ = np.full((2, len(step)), np.nan), np.full((2, len(step)), np.nan)
         adjacent = step[1:] == step[:-1] + 1
-        previous[0, 1:] = np.where(adjacent, mean[:-1], np.nan)
-        previous[1, 1:] = np.where(adjacent, total[:-1], np.nan)
-        following_[0, :-1] = np.where(adjacent, mean[1:], np.nan)
-        following_[1, :-1] = np.where(adjacent, total[1:], np.nan)
-        if len(step) and before is not None and before[0] == group and before[1] == step[0] - 1:
-            previous[:, 0] = before[2:]
+        previous[:, 1:] = np.where(adjacent, np.stack([mean[:-1], total[:-1]]), np.nan)
+        next_[:, :-1] = np.where(adjacent, np.stack([mean[1:], total[1:]]), np.nan)
+        if len(step) and carried is not None and carried[0] == group and carried[1] == step[0] - 1 and carried[2]:
+            previous[:, 0] = carried[2]
         if len(step) and following is not None and following.grp.iloc[0] == group:
-            head = following[_column(following, "step") == step[-1] + 1]
-            if len(head):
-                first = _step_means(head, main_term)
-                if len(first):
-                    following_[:, -1] = (float(first["mean"].iloc[0]), float(first["total"].iloc[0]))
-        before = (group, int(step[-1]), float(mean[-1]), float(total[-1])) if len(step) else None
+            after = _step_at(following, int(step[-1]) + 1, main_term)
+            if after is not None:
+                next_[:, -1] = after
+        carried = (group, last, (float(mean[-1]), float(total[-1])) if len(step) and step[-1] == last else None)
         known = current.loc[steps.index, ["grp", "term", "step", "loss", "tokens", "reported", "reported_low",
                                           "reported_high", "mean_of_local_means"]]
         rows = known.assign(mean=mean, total=total, previous_mean=previous[0], previous_total=previous[1],
-                            next_mean=following_[0], next_total=following_[1])
+                            next_mean=next_[0], next_total=next_[1])
         rows = rows[_column(rows, "reported") > 0]
         if len(rows):
             yield rows

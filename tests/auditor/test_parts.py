@@ -62,15 +62,17 @@ def _count_parts_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return read
 
 
-def _shifted_log(folder: Path) -> Path:
-    """Two groups, each step's reported loss its group's token mean of the next step (a loss reported before
-    its update closed): the neighbours are found across the parts' ends."""
+def _shifted_log(folder: Path, shift: int = 1, first: int = 0) -> Path:
+    """Two groups, each step's reported loss from `first` on its group's token mean of the step `shift` away
+    (1: a loss reported before its update closed): the neighbours are found across the parts' ends, also
+    in a part that holds no reported loss."""
     rows = []
     for group in ("dp0", "dp1"):
         mine = records(UNEVEN_GA * 4 if group == "dp0" else UNEVEN_GA[::-1] * 4, token_mean, group=group)
         means = {s: sum(r["loss_sum"] for r in mine if r["step"] == s) / sum(r["valid_tokens"] for r in mine if r["step"] == s)
                  for s in {r["step"] for r in mine}}
-        rows += [dict(r, reported_loss=means[r["step"] + 1]) if r["step"] + 1 in means else r for r in mine]
+        rows += [dict(r, reported_loss=means[r["step"] + shift]) if r["step"] + shift in means and r["step"] >= first
+                 else r for r in mine]
     return write_by_rank(folder, rows)
 
 
@@ -87,9 +89,11 @@ def test_a_table_read_in_parts_gives_the_whole_table_s_report(tmp_path: Path, mo
     JSON, and the same table kept for the caller, whole or in parts."""
     mixed, live = _mixed_log(tmp_path / "mixed" / "run"), _live_log(tmp_path / "live" / "run")
     shifted = _shifted_log(tmp_path / "shifted" / "run")
+    late = _shifted_log(tmp_path / "late" / "run", shift=-1, first=5)
     cases: list[tuple[Path, dict[str, Any]]] = [
         (SAMPLE_LOGS, {}), (SAMPLE_LOGS, {"runs": ["bug_local_mean", "correct_token_mean_ga", "aux_head_named"], "keep_steps": True}),
-        (mixed.parent, {"keep_steps": True}), (live.parent, {"live": True}), (live.parent, {}), (shifted.parent, {})]
+        (mixed.parent, {"keep_steps": True}), (live.parent, {"live": True}), (live.parent, {}), (shifted.parent, {}),
+        (late.parent, {})]
     whole = [audit([path], **options) for path, options in cases]
     _in_parts(monkeypatch, chunk_rows, block)
     parts = [audit([path], **options) for path, options in cases]
@@ -104,6 +108,8 @@ def test_a_table_read_in_parts_gives_the_whole_table_s_report(tmp_path: Path, mo
     assert whole[3].findings == [] and "missing_rank" in {f.code.value for f in whole[4].findings}
     (moved,) = whole[5].findings  # steps 0–10 of each group carry the next step's loss (11 steps, counted once)
     assert moved.code.value == "reported_loss_shifted" and moved.steps.count == 11 and whole[5].runs[0].verdict == "correct"
+    (late_found,) = whole[6].findings  # steps 5–11 carry the previous step's loss, step 4 reported nothing
+    assert late_found.code.value == "reported_loss_shifted" and late_found.steps.first == 5 and "late" in late_found.message
 
 
 def test_a_long_run_is_audited_from_disk_a_part_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
