@@ -63,6 +63,9 @@ class Setup:
     masked_sum: str = "valid"
     """How S is summed: valid (Σ over valid positions), all (per_token.sum(): ignored positions hold
     an exact 0 loss) or padded (padding labelled as a real token, then per_token.sum(): its loss counts)."""
+    reported: str = "none"
+    """none, before or after: the loop reports term 0's token mean (all-reduced ΣS/N) with rec.report_loss()
+    and no step, before or after optimizer.step()."""
     world_size: int = 2
     description: str = ""
     """One line for people."""
@@ -201,6 +204,7 @@ def train(rank: int, world_size: int, setup: Setup, log_dir: str | None) -> list
                                                               for tokens, labels, _ in batches])
                                          for head in range(setup.heads)])
             before = [p.detach().clone() for p in model.parameters()]
+            reported = torch.zeros((), dtype=torch.float64)  # ΣS of term 0 over this rank's microbatches
             for micro, (tokens, labels, _) in enumerate(batches):
                 last = micro == len(batches) - 1
                 with nullcontext() if last else ddp.no_sync():
@@ -209,6 +213,12 @@ def train(rank: int, world_size: int, setup: Setup, log_dir: str | None) -> list
                         outputs[0].register_hook(lambda grad: grad * math.inf)  # an fp16 overflow
                     scalar = _microbatch_loss(setup, recorder, outputs, labels, global_tokens, world_size)
                     (scaler.scale(scalar) if scaler is not None else scalar).backward()
+                    reported += term_sum(setup, 0, outputs[0].detach(), labels)[0]
+            if recorder is not None and setup.reported != "none":
+                torch.distributed.all_reduce(reported)
+                reported /= global_tokens[0].clamp(min=1)
+            if recorder is not None and setup.reported == "before":
+                recorder.report_loss(reported)  # the update under way
             if scaler is not None:
                 scaler.unscale_(optimizer)
             grads = [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
@@ -219,6 +229,8 @@ def train(rank: int, world_size: int, setup: Setup, log_dir: str | None) -> list
             elif finite or not setup.guard:
                 optimizer.step()
             optimizer.zero_grad()
+            if recorder is not None and setup.reported == "after":
+                recorder.report_loss(reported)  # the update just closed
             history.append({"before": before, "grads": grads, "skipped": not finite})
     if recorder is not None:
         recorder.close()

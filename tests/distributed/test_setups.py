@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from scenarios.harness import run_ddp
-from scenarios.setups import ELASTIC, SETUPS, Setup, job, reference_gradient
+from scenarios.setups import _UNEVEN, ELASTIC, SETUPS, Setup, job, reference_gradient
 from tests.expected import EXPECTED_CODES, EXPECTED_VERDICT
 from tests.logs import read_rows
 from tokaudit.auditing import audit
@@ -105,6 +105,19 @@ def test_the_verdict_agrees_with_the_reference(recorded: Any, name: str) -> None
     steps = sorted({row["step"] for row in rows})
     assert steps == list(range(len(steps))), "step numbers are the loop's, a skipped update included"
     assert sorted({row["step"] for row in rows if row["skipped"]}) == skipped
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_loss_reported_before_or_after_the_optimizer_step_is_the_right_step_s(tmp_path: Path, when: str) -> None:
+    """W·S/N on 2 ranks, the loop reporting the all-reduced token mean with rec.report_loss() and no step,
+    before optimizer.step() or after it: the float64 reference says the set-up is right, and tokaudit finds
+    each step's reported loss its own token mean (no reported_loss_mismatch, nor a shift): correct."""
+    setup = Setup(name=f"reported_{when}", counts=_UNEVEN, reported=when, correct=True)
+    _check_against_reference(setup, [r["history"] for r in run_ddp(job, setup.world_size, setup, str(tmp_path))])
+    rows = read_rows(tmp_path / setup.name)
+    assert rows and all(row["reported_loss"] is not None for row in rows)
+    report = audit([tmp_path / setup.name])
+    assert report.findings == [] and report.runs[0].verdict == "correct"
 
 
 def test_a_told_scaler_is_divided_out_and_its_overflow_marked(recorded: Any) -> None:
