@@ -119,7 +119,7 @@ def open_log_parts(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAUL
 
 
 def _unusable(shards: list[Shard]) -> dict[object, LogFormatError]:
-    """The thorough check of the shards the aggregation found a NaN divisor or scale in: one line each."""
+    """The thorough check of the shards the aggregation found a NaN divisor or scale or T < n in: one line each."""
     found: dict[object, LogFormatError] = {}
     for shard in shards:
         try:

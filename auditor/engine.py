@@ -594,10 +594,12 @@ class Engine:
         return table
 
     def unusable_files(self) -> list[Shard]:
-        """The shards holding a NaN grad_divisor or grad_scale (after `step_table`, which counts them)."""
+        """The shards holding a NaN grad_divisor or grad_scale, or fewer positions than valid tokens (after
+        `step_table`, which counts them)."""
         self._whole()
         names = {name for (name,) in self.connection.execute(
-            "SELECT DISTINCT filename FROM raw_records WHERE isnan(grad_divisor) OR isnan(grad_scale)").fetchall()}
+            "SELECT DISTINCT filename FROM raw_records "
+            "WHERE isnan(grad_divisor) OR isnan(grad_scale) OR positions < valid_tokens").fetchall()}
         return [s for s in self.shards if self._link(s) in names]
 
     def records_at(self, run: str, step: int) -> pd.DataFrame:
@@ -683,8 +685,9 @@ STEP_AGGREGATES = """
         min(reported_loss) AS reported_low, max(reported_loss) AS reported_high, count(reported_loss) AS reported,
         sum(positions) AS positions, count(positions) AS positions_known,
         count_if(micro >= 64) AS wide_micro,
-        -- NaN never shows in a file's statistics: counted here, the files are then named (unusable_files)
-        count_if(isnan(grad_divisor) OR isnan(grad_scale)) AS unusable_values
+        -- NaN never shows in a file's statistics, nor T < n where a file's T and n overlap: counted here, the
+        -- files are then named (unusable_files); IS TRUE, as count_if over NULLs alone is NULL
+        count_if(isnan(grad_divisor) OR isnan(grad_scale) OR (positions < valid_tokens) IS TRUE) AS unusable_values
 """
 """Per (run, group, term) and step, over the records."""
 RANK_SHAPE = """
@@ -846,7 +849,9 @@ FOOTER_CONSTANTS: dict[frozenset[str], tuple[tuple[str, str], ...]] = {
     frozenset({"positions"}): (
         ("min(w * positions) AS et_low, max(w * positions) AS et_high",
          "CAST(NULL AS DOUBLE) AS et_low, CAST(NULL AS DOUBLE) AS et_high"),
-        ("sum(positions) AS positions, count(positions) AS positions_known", "NULL AS positions, 0 AS positions_known")),
+        ("sum(positions) AS positions, count(positions) AS positions_known", "NULL AS positions, 0 AS positions_known"),
+        ("count_if(isnan(grad_divisor) OR isnan(grad_scale) OR (positions < valid_tokens) IS TRUE) "
+         "AS unusable_values", "count_if(isnan(grad_divisor) OR isnan(grad_scale)) AS unusable_values")),
     # divisor_known defaults to true: valid_tokens > 0 AND NOT true is false (not NULL) on every record
     frozenset({"divisor_known"}): (("count_if(valid_tokens > 0 AND NOT divisor_known) AS unknown_divisor",
                                     "0 AS unknown_divisor"),),
@@ -981,7 +986,7 @@ class Spilled:
         self.names: set[tuple[str, str, str]] = set()
         """Every (run, group, term) of the table."""
         self.unusable = 0
-        """Steps with a NaN divisor or scale (`unusable_values`), counted as the ranges are written: the
+        """Steps with a NaN divisor or scale or T < n (`unusable_values`), counted as the ranges are written: the
         caller need not read them back to know."""
 
     def add(self, table: dict[str, Any]) -> None:

@@ -380,7 +380,7 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
            constants: dict[str, Any], given: dict[str, Any], rtol: float, folded: _Folded) -> bool:
     """One block of ranks folded into `folded`: the query's per-record values (RECORDS_SQL and the view
     `records`), then its per-step, per-rank and per-(step, microbatch) aggregates; False (nothing folded)
-    where a value is not finite. `given`: the columns left unread, and their one value (`Grid.given`)."""
+    where a value is not finite or T < n. `given`: the columns left unread, and their one value (`Grid.given`)."""
     def column(name: str) -> tuple[np.ndarray | None, np.ndarray | None]:
         """[ranks, steps, M] and its NULLs; (None, None): no value at all (a NULL on every record)."""
         if name in given:
@@ -395,6 +395,10 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
     loss = record["loss_sum"][0].reshape(shape)
     if record["valid_tokens"][1] is not None or record["loss_sum"][1] is not None or not np.isfinite(loss).all():
         return False
+    positions, positions_nulls = column("positions")
+    if positions is not None and (positions < tokens if positions_nulls is None
+                                  else (positions < tokens) & ~positions_nulls).any():
+        return False  # T < n: the query counts it (unusable_values) and its file is named
     scalar, scalar_nulls = column("backward_scalar")
     weight_sum, weight_sum_nulls = column("token_weight_sum")
     weight_min, weight_min_nulls = column("token_weight_min")
@@ -472,7 +476,6 @@ def _block(record: dict[str, tuple[np.ndarray, np.ndarray | None]], shape: tuple
         rank_en_low, rank_en_high = _over_micro(np.fmin, weighted_tokens), _over_micro(np.fmax, weighted_tokens)
         folded.low("en_low", np.fmin.reduce(rank_en_low, axis=0))
         folded.high("en_high", np.fmax.reduce(rank_en_high, axis=0))
-        positions, positions_nulls = column("positions")
         if positions is not None:
             weighted_positions = weight * (positions if positions_nulls is None
                                            else np.where(positions_nulls, np.nan, positions))

@@ -22,7 +22,8 @@ except ImportError:  # pragma: no cover - every pyarrow this supports has it
     _ParquetReader = None
 
 from tokaudit.errors import LogFormatError
-from tokaudit.schema import COLUMNS_BY_NAME, REQUIRED_COLUMNS, SCHEMA_VERSION, UNNAMED, kind_accepts, read_dropped
+from tokaudit.schema import (COLUMNS_BY_NAME, INT32_MAX, REQUIRED_COLUMNS, SCHEMA_VERSION, UNNAMED, kind_accepts,
+                             read_dropped)
 from tokaudit.storage import Store, describe
 
 KIND_WORDS = {"int": "an integer type", "float": "a numeric type", "bool": "bool", "string": "string",
@@ -556,8 +557,8 @@ _LOWER_BOUNDS: tuple[tuple[str, int, str], ...] = (
     ("world_size", 1, "a world size below 1"),
     ("rank", 0, "a negative rank"),
     ("micro", 0, "a negative microbatch index"),
+    ("masked_weight_abs_sum", 0, "a negative sum of absolute values"),
 )
-INT32_MAX = (1 << 31) - 1
 _UPPER_BOUNDS: tuple[tuple[str, int, str], ...] = (
     ("valid_tokens", INT32_MAX, "more tokens than a microbatch can hold (above 2³¹ − 1)"),
     ("positions", INT32_MAX, "more positions than a microbatch can hold (above 2³¹ − 1)"),
@@ -577,8 +578,9 @@ _STATISTICS = (frozenset(REQUIRED_COLUMNS) | {column for column, _, _ in _LOWER_
 def _check_values(parquet: _Footer, present: frozenset[str], stats: dict[str, tuple[Any, Any, int | None]],
                   thorough: bool) -> None:
     """Statistics first (no data read); the columns themselves only when statistics cannot decide.
-    A NaN divisor or scale never shows in statistics: `thorough` reads those columns; otherwise the
-    aggregation counts them and only the files it names are inspected thoroughly."""
+    A NaN divisor or scale never shows in statistics, nor does T < n on one record where T's and n's ranges
+    overlap: `thorough` reads those columns; otherwise the aggregation counts them and only the files it
+    names are inspected thoroughly."""
     need: set[str] = set()
     if "schema_version" in present:
         high = stats["schema_version"][1]
@@ -603,6 +605,13 @@ def _check_values(parquet: _Footer, present: frozenset[str], stats: dict[str, tu
             need.add(column)
     if "grad_divisor" in present and (stats["grad_divisor"][0] is None or stats["grad_divisor"][0] <= 0):
         need.add("grad_divisor")
+    if thorough and "positions" in present:
+        # T ≥ n on every record (T counts the positions the n valid tokens are among): the statistics settle
+        # it when the file's least T is at least its greatest n; otherwise the aggregation counts the records
+        # (`unusable_values`) and only the files it names are read here
+        least, greatest = stats["positions"][0], stats["valid_tokens"][1]
+        if least is None or greatest is None or least < greatest:
+            need.update({"positions", "valid_tokens"})
     rank_high, world_low = stats["rank"][1], stats["world_size"][0]
     if rank_high is None or world_low is None or rank_high >= world_low:
         need.update({"rank", "world_size"})
@@ -630,13 +639,22 @@ def _check_rows(table: pa.Table, columns: Iterable[str]) -> None:
         _raise_at_first(missing, "column 'backward_scalar' is null where no probe weights were recorded")
     for column, lowest, meaning in _LOWER_BOUNDS:
         if column in columns:
-            _raise_at_first(pc.less(table[column], lowest), f"column '{column}' has {meaning}", table[column])
+            values = table[column]
+            if pa.types.is_floating(values.type):
+                values = pc.cast(values, pa.float64())  # a half float has no kernels of its own
+            _raise_at_first(pc.less(values, lowest), f"column '{column}' has {meaning}", table[column])
     for column, highest, meaning in _UPPER_BOUNDS:
         if column in columns:
             _raise_at_first(pc.greater(table[column], highest), f"column '{column}' holds {meaning}", table[column])
     if {"rank", "world_size"} <= columns:
         _raise_at_first(pc.greater_equal(table["rank"], table["world_size"]),
                         "column 'rank' is not below 'world_size'", table["rank"])
+    if {"positions", "valid_tokens"} <= columns:
+        below = pc.fill_null(pc.less(table["positions"], table["valid_tokens"]), False)
+        if pc.any(below).as_py():
+            row = pc.index(below, True).as_py()
+            raise LogFormatError("", f"column 'positions' is below 'valid_tokens' ({table['positions'][row].as_py()} "
+                                     f"< {table['valid_tokens'][row].as_py()}) at row {row}")
     if "grad_divisor" in columns:
         divisor = pc.cast(table["grad_divisor"], pa.float64())  # a half float has no kernels of its own
         bad = pc.or_(pc.is_nan(divisor), pc.less_equal(divisor, 0))

@@ -94,6 +94,23 @@ def _beyond_int32(column: str, value: int, one_row: bool = False) -> Any:
     return make
 
 
+def _narrow_table() -> pa.Table:
+    """A good run's records with T = n + 1; narrow types (a half float, a 16-bit count) go in beside it."""
+    return pa.Table.from_pylist([dict(r, positions=r["valid_tokens"] + 1) for r in records(UNEVEN, token_mean)])
+
+
+def _half_masked(folder: Path) -> None:
+    half = pa.array([0.0, 0.0, 0.0, -0.25, 0.0, 0.0], pa.float16())  # a half float has no kernels of its own
+    pq.write_table(_narrow_table().append_column("masked_weight_abs_sum", half), folder / "half_masked.parquet")
+
+
+def _short_positions(folder: Path) -> None:
+    table = _narrow_table()
+    below = pa.array([n + (-1 if i == 2 else 1) for i, n in enumerate(table["valid_tokens"].to_pylist())], pa.int16())
+    pq.write_table(table.set_column(table.schema.get_field_index("positions"), "positions", below),
+                   folder / "short_positions.parquet")
+
+
 CASES: dict[str, tuple[Any, str]] = {
     "uint64.parquet": (_uint64, "column 'step' holds a value beyond the int64 range"),
     "twice.parquet": (_duplicate_step, "column 'step' appears more than once"),
@@ -113,6 +130,10 @@ CASES: dict[str, tuple[Any, str]] = {
     "valid_tokens_one.parquet": (_beyond_int32("valid_tokens", 1 << 62, one_row=True),
                                  "column 'valid_tokens' holds more tokens than a microbatch can hold"),
     "positions.parquet": (_beyond_int32("positions", 1 << 40), "column 'positions' holds more positions than"),
+    "half_masked.parquet": (_half_masked, "column 'masked_weight_abs_sum' has a negative sum of absolute values (-0.25) "
+                                     "at row 3"),
+    # T < n where the file's T and n overlap: no footer shows it, the aggregation counts it and names the file
+    "short_positions.parquet": (_short_positions, "column 'positions' is below 'valid_tokens' ("),
 }
 
 

@@ -587,7 +587,7 @@ def test_aggregates_the_footers_give_are_constants_and_change_no_bit(
             row.update(token_weight_sum=0.01 * row["valid_tokens"],
                        token_weight_min=-0.0, token_weight_max=0.5, masked_weight_abs_sum=0.25, divisor_known=False)
         if index % 4 == 1:
-            row.update(reported_loss=2.25, positions=16, sync=index % 8 == 1, skipped=False)
+            row.update(reported_loss=2.25, positions=row["valid_tokens"] + 16, sync=index % 8 == 1, skipped=False)
         if index % 5 == 2:
             row.update(world_size=8, grad_divisor=2.0 * divisor)
         if row["micro"] == 1:

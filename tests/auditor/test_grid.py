@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -290,12 +291,18 @@ def _not_a_grid(tmp_path: Path) -> dict[str, list[dict[str, Any]]]:
     nan_divisor[5]["grad_divisor"] = float("nan")  # its file's footer still gives 2.0, the other NaN-free values
     nan_scale = _rows(grad_scale=0.5)
     nan_scale[1]["grad_scale"] = float("nan")
+    # T < n: where a file's one T is below its greatest n (the footer gives T, the column is left unread), and
+    # where T varies, held beside NULLs
+    below_constant = _rows(positions=4)  # n reaches 5 on rank 1
+    below_varying = [dict(r, positions=None if i % 5 == 0 else r["valid_tokens"] + (-1 if i == 9 else 3))
+                     for i, r in enumerate(_rows())]
     return {"steps differ": steps_differ, "repeated": repeated, "swapped": swapped, "nan loss": nan_loss,
-            "huge weight": huge, "nan divisor": nan_divisor, "nan scale": nan_scale}
+            "huge weight": huge, "nan divisor": nan_divisor, "nan scale": nan_scale,
+            "positions below, one T": below_constant, "positions below": below_varying}
 
 
 @pytest.mark.parametrize("case", ["steps differ", "repeated", "swapped", "nan loss", "huge weight", "nan divisor",
-                                  "nan scale"])
+                                  "nan scale", "positions below, one T", "positions below"])
 def test_records_that_are_no_grid_of_finite_values_take_the_query(tmp_path: Path, case: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Footers that promise a grid whose records are not one (a rank's steps differ, a microbatch repeated
@@ -413,3 +420,40 @@ def test_a_nan_behind_a_footer_that_gives_one_value_is_named_from_the_command_li
     assert outputs[0] == outputs[1]
     bad = tmp_path / "run" / "rank-00001.parquet"
     assert str(bad) in outputs[0] and "grad_scale" in outputs[0]
+
+
+@pytest.mark.parametrize("constant", [True, False])
+def test_fewer_positions_than_valid_tokens_are_named_from_the_command_line(tmp_path: Path, constant: bool,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """One record whose T is below its n (T counts the positions the n valid tokens are among), in a file
+    whose footer gives one T or whose T varies so that its statistics cannot tell: `tokaudit check` names
+    that file and the record (exit 2), audits the other files, and says the same with and without grids."""
+    import tokaudit.auditing as auditing
+    from tokaudit.cli import main
+
+    monkeypatch.setattr(auditing, "EVIDENCE_ROWS", 0)
+    rows = _rows(ranks=3, steps=40, positions=64)
+    bad_row = len(rows) // 3 + 7  # rank 1's 8th record
+    if not constant:
+        rows = [dict(r, positions=r["valid_tokens"] + i % 3) for i, r in enumerate(rows)]
+    if constant:
+        rows[bad_row]["valid_tokens"] = 65  # T stays the file's one value
+    else:
+        rows[bad_row]["positions"] = rows[bad_row]["valid_tokens"] - 1
+    shards = _by_rank(tmp_path / "run", rows)
+    assert grid_module.grid_of(shards, None) is not None
+    assert ({dict(s.constants).get("positions") for s in shards} == {64}) == constant
+    outputs = []
+    for grid in (True, False):
+        monkeypatch.setattr(Engine, "grid", grid)
+        result = CliRunner().invoke(main, ["check", str(tmp_path / "run"), "--format", "json"])
+        assert result.exit_code == 2, result.output
+        outputs.append((result.stdout, result.stderr))
+    assert outputs[0] == outputs[1]
+    bad = tmp_path / "run" / "rank-00001.parquet"
+    lines = [line for line in outputs[0][1].splitlines() if line.startswith("tokaudit: error:")]
+    (expected_t, expected_n) = (64, 65) if constant else (rows[bad_row]["positions"], rows[bad_row]["valid_tokens"])
+    assert lines == [f"tokaudit: error: {bad}: column 'positions' is below 'valid_tokens' "
+                     f"({expected_t} < {expected_n}) at row 7"], lines
+    report = json.loads(outputs[0][0])
+    assert report["runs"][0]["rows"] == len(rows) * 2 // 3  # ranks 0 and 2 audited

@@ -54,6 +54,13 @@ def bad_files(folder: Path) -> dict[str, str]:
     write(folder / "nan_divisor.parquet", nan_divisor)
     # NaN never shows in a footer's statistics: the aggregation counts it, then names the file
     write(folder / "nan_scale.parquet", records(UNEVEN, token_mean, grad_scale=float("nan")))
+    masked = records(UNEVEN, token_mean, masked_weight_abs_sum=0.0)
+    masked[2]["masked_weight_abs_sum"] = -0.5  # an absolute sum below 0
+    write(folder / "masked.parquet", masked)
+    # T < n on one record where the file's T and n overlap: its statistics cannot tell, the aggregation counts it
+    below = [dict(r, positions=r["valid_tokens"] + 2) for r in records(UNEVEN, token_mean)]
+    below[4]["positions"] = below[4]["valid_tokens"] - 1
+    write(folder / "below.parquet", below)
     rank_too_big = records(UNEVEN, token_mean)
     rank_too_big[0]["rank"] = 5
     write(folder / "rank.parquet", rank_too_big)
@@ -69,6 +76,9 @@ def bad_files(folder: Path) -> dict[str, str]:
             "nan_divisor.parquet": "column 'grad_divisor' is not a positive number",
             "nan_scale.parquet": "column 'grad_scale' is NaN",
             "rank.parquet": "column 'rank' is not below 'world_size'",
+            "masked.parquet": "column 'masked_weight_abs_sum' has a negative sum of absolute values (-0.5) at row 2",
+            "below.parquet": f"column 'positions' is below 'valid_tokens' ({below[4]['positions']} < "
+                             f"{below[4]['valid_tokens']}) at row 4",
             "text.parquet": "not a readable Parquet file",
             "truncated.parquet": "not a readable Parquet file"}
 
@@ -262,11 +272,11 @@ def test_footers_validated_in_worker_processes_give_the_serial_result(tmp_path: 
     monkeypatch.setattr(subprocess, "Popen", spy)
     parallel = load([tmp_path / "logs"], thorough=False, workers=3)
     assert len(started) == 2, "two workers share the files with this process"
-    # 24 good shards, the other schema's, and the NaN grad_scale that only the aggregation sees
-    assert parallel.shards == serial.shards and len(parallel.shards) == 26
+    # 24 good shards, the other schema's, and the NaN grad_scale and T < n that only the aggregation sees
+    assert parallel.shards == serial.shards and len(parallel.shards) == 27
     assert [str(p) for p in parallel.problems] == [str(p) for p in serial.problems]
     # every bad file named once with its problem (the NaN ones need a full read: not from footers)
-    footer_visible = {n: w for n, w in expected.items() if not n.startswith("nan_")}
+    footer_visible = {n: w for n, w in expected.items() if not n.startswith(("nan_", "below"))}
     for name, words in footer_visible.items():
         assert [words in p.problem for p in parallel.problems if p.path.endswith(f"/{name}")] == [True], name
     assert sum(s.dropped is not None for s in parallel.shards) == 1
@@ -599,6 +609,7 @@ def test_a_one_row_shard_is_validated_from_its_record_as_from_its_statistics(tmp
         "newer version": dict(good, schema_version=99),
         "negative divisor": dict(good, grad_divisor=-2.0),
         "null scalar": dict(good, backward_scalar=None),
+        "negative masked weight": dict(good, masked_weight_abs_sum=-1.0),
     }
     folder = tmp_path / "one"
     for name, row in cases.items():
@@ -614,7 +625,7 @@ def test_a_one_row_shard_is_validated_from_its_record_as_from_its_statistics(tmp
 
     paths = [*sorted(folder.glob("*.parquet")), huge]
     from_records = [inspected(path) for path in paths]
-    assert sum(isinstance(r, str) for r in from_records) == 7
+    assert sum(isinstance(r, str) for r in from_records) == 8
     assert all(inspect_shard(p, thorough=False).record is not None for p, r in zip(paths, from_records)
                if not isinstance(r, str))
     monkeypatch.setattr(reader, "footer_record", lambda *args: None)
