@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from tokaudit.schema import INT32_MAX
+
 Number = int | float | bool
 Value = Number | torch.Tensor | None
 INT64_MAX = (1 << 63) - 1
@@ -182,29 +184,40 @@ def check_scalar(name: str, value: object) -> None:
     raise ValueError(f"{name} must be a number or a one-element tensor, got {type(value).__name__}")
 
 
-def writable_rows(columns: dict[str, Any], probed: list[bool]) -> list[bool]:
-    """Rows the auditor accepts (SPEC §2): counts present and non-negative, a loss sum, a backward
-    scalar unless the probe measured the weights, a grad_scale that is not NaN. Whole floats in
-    integer columns become ints."""
+def writable_rows(columns: dict[str, Any], probed: list[bool]) -> tuple[list[bool], int]:
+    """Rows the auditor accepts (SPEC §2), and how many positions were cleared to keep theirs. A row needs a
+    count n of 0 to 2³¹ − 1, a loss sum, a backward scalar unless the probe measured the weights, and a
+    grad_scale that is not NaN. A T the auditor would refuse the whole file for (negative, not whole, past
+    2³¹ − 1, or below n: T counts the positions the n valid tokens are among) is written as null and the
+    record kept. Whole floats in integer columns become ints."""
     keep = []
+    cleared = 0
     for i in range(len(probed)):
-        ok = True
-        for name in ("valid_tokens", "positions"):
-            value = columns[name][i]
-            if isinstance(value, float):
-                ok = ok and value.is_integer() and 0 <= value <= INT64_MAX
-                if ok:
-                    columns[name][i] = int(value)
-            if value is None:
-                ok = ok and name == "positions"
-            elif not isinstance(value, float):
-                ok = ok and 0 <= value <= INT64_MAX
+        tokens = _count(columns["valid_tokens"][i])
+        ok = tokens is not None
+        if ok:
+            columns["valid_tokens"][i] = tokens
+        positions = columns["positions"][i]
+        if positions is not None:
+            length = _count(positions)
+            usable = length is not None and (tokens is None or length >= tokens)
+            columns["positions"][i] = length if usable else None
+            cleared += not usable
         ok = ok and columns["loss_sum"][i] is not None
         ok = ok and (columns["backward_scalar"][i] is not None or probed[i])
         scale = columns["grad_scale"][i]
         ok = ok and not (isinstance(scale, float) and math.isnan(scale))
         keep.append(ok)
-    return keep
+    return keep, cleared
+
+
+def _count(value: Any) -> int | None:
+    """A count the auditor reads (0 to 2³¹ − 1, an int or a whole float), as an int; None otherwise."""
+    if isinstance(value, float):
+        if not value.is_integer():
+            return None
+        value = int(value)
+    return value if value is not None and 0 <= value <= INT32_MAX else None
 
 
 def ranges(counts: dict[int, int]) -> list[tuple[int, int, int]]:

@@ -819,12 +819,16 @@ class Recorder:
                 # min/max over an empty set of valid tokens is ±inf on the device: null in the log.
                 host = [None if v is not None and abs(v) == float("inf") else v for v in host]
             columns["masked_weight_abs_sum" if name == "masked_abs_sum" else f"token_{name}"] = host
-        keep = writable_rows(columns, [isinstance(p, ProbeResult) and p.filled for p in probes])
+        keep, cleared = writable_rows(columns, [isinstance(p, ProbeResult) and p.filled for p in probes])
+        if cleared:
+            self._warn_once("positions", f"tokaudit: {cleared} record(s) with a number of positions no audit can use "
+                                         "(negative, not whole, past 2³¹ − 1, or below the valid tokens) were "
+                                         "written without it")
         if not all(keep):
             bad = [r for r, ok in zip(records, keep) if not ok]
             self._note_dropped_records(bad)
-            self._warn_once("invalid", f"tokaudit: {len(bad)} record(s) with a value no audit can use (a null or "
-                                       "negative count, a missing loss sum, a NaN scale) were left out and noted "
+            self._warn_once("invalid", f"tokaudit: {len(bad)} record(s) with a value no audit can use (a null, "
+                                       "negative or impossibly large count, a missing loss sum, a NaN scale) were left out and noted "
                                        "in the log as dropped")
             columns = {name: [v for v, ok in zip(values, keep) if ok] for name, values in columns.items()}
         arrays = {name: pa.array(list(values), type=WRITER_SCHEMA.field(name).type)

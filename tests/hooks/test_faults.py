@@ -67,6 +67,7 @@ def test_one_bad_value_costs_one_record_and_is_written_down(tmp_path: Path) -> N
     bad_values: list[dict[str, Any]] = [
         {"loss_sum": "2.0"}, {"valid_tokens": [3]}, {"backward_scalar": torch.ones(3)}, {"valid_tokens": 1 << 70},
         {"valid_tokens": None}, {"valid_tokens": -4}, {"loss_sum": None}, {"grad_scale": float("nan")},
+        {"valid_tokens": 1 << 40},  # fits in 64 bits, not in the step table's 32: the auditor refuses it
     ]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -86,6 +87,23 @@ def test_one_bad_value_costs_one_record_and_is_written_down(tmp_path: Path) -> N
     finding = report.findings[0]
     assert finding.evidence["records"] == len(bad_values)
     assert finding.evidence["steps"] == list(range(10, 10 + len(bad_values)))
+
+
+def test_an_impossible_number_of_positions_is_written_as_null_and_the_record_kept(tmp_path: Path) -> None:
+    """T below n, negative, not whole or past 2³¹ − 1 would make the auditor refuse the whole shard: the
+    recorder writes that T as null, keeps the record (and every good T), and warns once."""
+    impossible = [2, -1, 3.5, 1 << 40]  # n = 3 on every record
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Recorder(tmp_path, run_id="positions", flush_every=4096) as rec:
+            for step in range(12):
+                rec.record(loss_sum=6.0, valid_tokens=3, backward_scalar=2.0, step=step,  # b = S/N
+                           positions=impossible[step] if step < len(impossible) else 3 + step % 2 * 5.0)
+    rows = read_rows(tmp_path / "positions")
+    assert [r["positions"] for r in sorted(rows, key=lambda r: r["step"])] == [None] * 4 + [3, 8] * 4
+    assert sum("positions" in str(w.message) for w in caught) == 1
+    report = audit([tmp_path / "positions"])
+    assert not report.problems and not report.findings and report.runs[0].verdict == "correct"
 
 
 def _failing_writes(monkeypatch: pytest.MonkeyPatch, failures: int) -> list[int]:
