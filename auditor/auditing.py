@@ -15,7 +15,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 from pandas.api.types import union_categoricals
 
-from tokaudit.checks import RunSteps, check_run, distinct, world_sizes
+from tokaudit.checks import RunSteps, check_run, distinct, without_miscounted, world_sizes
 from tokaudit.codes import DEFAULT_RTOL, DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
 from tokaudit.engine import EXTREME_COLUMNS, Engine, Spilled, extremes_at
 from tokaudit.normalization import Denominator, name_ranks
@@ -209,9 +209,13 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
                                                 verdict="inconclusive", normalization=None, segments=[],
                                                 max_weight_ratio=1.0, microbatches=0))
                 continue
+            # Steps whose counts the probe contradicts are left out of the summary as of the checks.
+            source, miscounted = without_miscounted(source, rtol)
             run_findings, spans, omitted = check_run(run, source, rtol, duplicates.get(run), extremes)
             if lost:
                 run_findings.append(lost.finding(run))
+            if miscounted:
+                run_findings.append(miscounted.finding(run))
             run_findings = _policy(run_findings, ignored, min_ratio)
             findings.extend(run_findings)
             value = {d: d.value for d in Denominator}
@@ -483,7 +487,7 @@ def _summary(run: str, source: RunSteps, findings: list[Finding], segments: list
     normalization = max(main, key=lambda s: s.steps) if main else None
     return RunSummary(run=run, rows=rows, steps=steps, ranks=ranks + 1, world_size=sorted(sizes), groups=len(source.groups),
                       verdict=verdict_of(findings, judged), normalization=normalization, segments=segments,
-                      max_weight_ratio=max_ratio, microbatches=int(microbatches),
+                      max_weight_ratio=max_ratio, microbatches=max(int(microbatches), 0) if rows else 0,
                       terms=terms, skipped_steps=skipped_steps, divisors=sorted(divisors),
                       weight_range=weight_range, segments_omitted=omitted)
 

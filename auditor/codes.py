@@ -49,6 +49,7 @@ class Code(str, Enum):
     UNKNOWN_DIVISOR = "unknown_divisor"
     NO_WEIGHTS = "no_weights"
     RECORDS_DROPPED = "records_dropped"
+    COUNT_MISMATCH = "count_mismatch"
 
 
 DEFAULT_SEVERITY: dict[Code, Severity] = {
@@ -77,8 +78,9 @@ DEFAULT_SEVERITY: dict[Code, Severity] = {
     Code.UNKNOWN_DIVISOR: Severity.WARNING,
     Code.NO_WEIGHTS: Severity.WARNING,
     Code.RECORDS_DROPPED: Severity.WARNING,
+    Code.COUNT_MISMATCH: Severity.WARNING,
 }
 
 UNDECIDABLE: frozenset[Code] = frozenset({Code.LOSS_SCALE, Code.UNKNOWN_DIVISOR, Code.NO_WEIGHTS,
-                                          Code.RECORDS_DROPPED})
+                                          Code.RECORDS_DROPPED, Code.COUNT_MISMATCH})
 """Warnings that say the logs cannot tell (SPEC §4): alone, they make a run `inconclusive`, not `incorrect`."""

@@ -224,6 +224,19 @@ EXPLANATIONS: dict[Code, tuple[str, str, str, str]] = {
         "Give the log folder room, and check the training's warnings for the recorder's write errors.",
         "The disk filled during steps 120–131: those steps are listed and not judged.",
     ),
+    Code.COUNT_MISMATCH: (
+        "a recorded count disagrees with the tokens the probe saw",
+        "A record's mean probed weight c = Σ∂b/∂ℓᵢ / n is the mean of its valid tokens' weights only when n is "
+        "the number of tokens the probe saw, and then lies between the lightest and the heaviest of them. "
+        "Outside that range, valid_tokens counts another mask (attention_mask.sum() where the loss ignores "
+        "labels of -100, padding included, another microbatch's count). N and every weight derived from the "
+        "counts would be wrong, so those steps are left out instead of being judged on them, and the run is "
+        "inconclusive, not incorrect: the training may well be right.",
+        "Record valid_tokens from the mask the loss and rec.probe use (labels != ignore_index), summed over the "
+        "same microbatch.",
+        "Rank 0 has 3 labelled tokens among 10 attended ones and records n = 10: the probe sees 3 tokens of "
+        "weight 2/N each, Σ∂b/∂ℓ = 6/N, and 6/N / 10 = 0.6/N lies below 2/N.",
+    ),
 }
 
 

@@ -123,6 +123,84 @@ def test_probe_findings(tmp_path: Path) -> None:
     assert report.runs[0].max_weight_ratio == pytest.approx(4.0)
 
 
+def _probed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The probe's columns of a record whose every valid token got the weight b/S (a reduced loss)."""
+    for row in rows:
+        weight = row["backward_scalar"] / row["loss_sum"]
+        row.update(token_weight_sum=weight * row["valid_tokens"], token_weight_min=weight, token_weight_max=weight,
+                   masked_weight_abs_sum=0.0)
+    return rows
+
+
+def test_a_count_the_probe_contradicts_leaves_its_steps_out_and_calls_nothing_wrong(tmp_path: Path) -> None:
+    """The training is right (W·S/N on the labelled tokens) but valid_tokens counts every attended position
+    (10 a microbatch): Σ∂b/∂ℓ / n falls below the probe's one weight. Without the check every step is
+    `unexplained_weighting`, an error about a correct run; with it, count_mismatch and inconclusive."""
+    rows = _probed(records(UNEVEN_GA, token_mean))
+    for row in rows:
+        row["valid_tokens"] = 10
+    report = audit_rows(tmp_path, rows)
+    assert codes(report) == {"count_mismatch"} and report.runs[0].verdict == "inconclusive"
+    finding = only(report, Code.COUNT_MISMATCH)
+    assert finding.severity == Severity.WARNING and (finding.steps.first, finding.steps.last, finding.steps.count) \
+        == (0, 2, 3)
+    # Step 0: labelled counts (5, 1 | 3, 7), N = 16, every token's weight b/S = 2/16, e = 1/16 (D = 2). The
+    # recorded N is 40: q = e·40 = 2.5 on every token; the lightest record, n = 1 of 10: 2.5/10 = 0.25.
+    evidence = finding.evidence
+    assert evidence["step"] == 0 and evidence["global_tokens"] == 40
+    assert evidence["probe_weight_range"] == pytest.approx([2.5, 2.5]) and evidence["mean_weight"] == pytest.approx(0.25)
+    assert "the same weight, 2.5/N, on every valid token" in finding.message and "0.25/N, below" in finding.message
+    assert report.runs[0].rows == 0 and report.runs[0].steps == 0
+
+
+def test_only_the_miscounted_steps_are_left_out(tmp_path: Path) -> None:
+    """One record of step 1 counts two tokens too many: that step (both its loss terms) is left out, the
+    others judged; a local mean stays an error on them, a correct run has only the warning."""
+    for name, scalar in (("right", token_mean), ("wrong", local_mean)):
+        rows = _probed(records(UNEVEN_GA, scalar))
+        aux = [dict(row, term="aux") for row in rows]
+        rows[5]["valid_tokens"] += 2  # step 1, rank 0, microbatch 1
+        report = audit_rows(tmp_path / name, rows + aux)
+        finding = only(report, Code.COUNT_MISMATCH)
+        assert (finding.steps.first, finding.steps.last, finding.steps.count) == (1, 1, 1)
+        assert finding.evidence["step"] == 1 and "below that range" in finding.message  # Σ∂b/∂ℓ over more tokens
+        (run,) = report.runs
+        assert run.steps == 2 and run.rows == 2 * 4 * 2  # steps 0 and 2: 4 records, both terms
+        if name == "right":
+            assert codes(report) == {"count_mismatch"} and run.verdict == "inconclusive"
+        else:
+            assert codes(report) == {"count_mismatch", "local_mean"} and run.verdict == "incorrect"
+            local = [f for f in report.findings if f.code == Code.LOCAL_MEAN]
+            assert all(f.steps.count == 2 for f in local)
+
+
+def test_weights_that_differ_inside_a_record_are_no_miscount(tmp_path: Path) -> None:
+    """A per-sequence objective weighs a record's tokens unequally: Σ∂b/∂ℓ / n is their mean, inside the
+    probe's range however far apart its lightest and heaviest token are: no count_mismatch."""
+    rows = _probed(records(UNEVEN_GA, token_mean))
+    for row in rows:
+        mean = row["token_weight_sum"] / max(row["valid_tokens"], 1)
+        row.update(token_weight_min=mean / 3, token_weight_max=mean * 1.0001 if row["valid_tokens"] == 1 else mean * 5)
+    report = audit_rows(tmp_path, rows)
+    assert "count_mismatch" not in codes(report) and report.runs[0].steps == 3
+
+
+def test_miscounted_rows_compare_the_mean_weights_with_the_probe_s_extremes() -> None:
+    """The rule on a hand-made step table: e's extremes outside the probe's by more than rtol, where a
+    record was probed; NaN (no weight) and unprobed steps are never flagged."""
+    from tokaudit.checks import miscounted_rows
+
+    table = pd.DataFrame({
+        "probed": [4, 4, 4, 4, 0, 4, 4],
+        "e_low": [0.25, 0.2499, 0.2, 0.25, 0.1, np.nan, 0.25],
+        "e_high": [0.25, 0.25, 0.25, 0.2501, 0.5, np.nan, 0.250001],
+        "tok_low": [0.25, 0.25, 0.25, 0.25, 0.2, 0.25, 0.25],
+        "tok_high": [0.25, 0.25, 0.25, 0.25, 0.2, 0.25, 0.25],
+    })
+    assert miscounted_rows(table, 1e-4).tolist() == [False, True, True, True, False, False, False]
+    assert miscounted_rows(table.drop(columns=["tok_low"]), 1e-4).tolist() == [False] * 7
+
+
 def test_missing_rank_uneven_microbatches_and_world_size(tmp_path: Path) -> None:
     rows = records(UNEVEN_GA, token_mean)
     rows = [r for r in rows if not (r["step"] == 1 and r["rank"] == 1)]

@@ -46,6 +46,21 @@ def _mixed_log(folder: Path) -> Path:
     return write_by_rank(folder, rows)
 
 
+def _miscounted_log(folder: Path) -> Path:
+    """Two groups and two terms, right (W·S/N) and probed; some records count more tokens than the probe saw:
+    dp0 at steps 3 and 7, dp1 at step 7, dp1's aux term at step 12."""
+    counts = [[[5, 1], [3, 7]], [[2, 6], [6, 2]], [[8, 4], [2, 8]]] * 5
+    rows = records(counts, token_mean, group="dp0") + records(counts, token_mean, group="dp1")
+    rows += [dict(r, term="aux") for r in records(counts, token_mean, group="dp1")]
+    for row in rows:
+        weight = row["backward_scalar"] / row["loss_sum"]
+        row.update(token_weight_sum=weight * row["valid_tokens"], token_weight_min=weight, token_weight_max=weight)
+        if (row["group"], row.get("term"), row["step"]) in {("dp0", None, 3), ("dp0", None, 7), ("dp1", None, 7),
+                                                             ("dp1", "aux", 12)} and row["rank"] == row["micro"] == 1:
+            row["valid_tokens"] += 3
+    return write_by_rank(folder, rows)
+
+
 def _count_parts_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The rows of each part of a table on disk as it is read back (`engine.Spilled.parts`), in order."""
     import tokaudit.engine as engine
@@ -90,10 +105,11 @@ def test_a_table_read_in_parts_gives_the_whole_table_s_report(tmp_path: Path, mo
     mixed, live = _mixed_log(tmp_path / "mixed" / "run"), _live_log(tmp_path / "live" / "run")
     shifted = _shifted_log(tmp_path / "shifted" / "run")
     late = _shifted_log(tmp_path / "late" / "run", shift=-1, first=5)
+    miscounted = _miscounted_log(tmp_path / "miscounted" / "run")
     cases: list[tuple[Path, dict[str, Any]]] = [
         (SAMPLE_LOGS, {}), (SAMPLE_LOGS, {"runs": ["bug_local_mean", "correct_token_mean_ga", "aux_head_named"], "keep_steps": True}),
         (mixed.parent, {"keep_steps": True}), (live.parent, {"live": True}), (live.parent, {}), (shifted.parent, {}),
-        (late.parent, {})]
+        (late.parent, {}), (miscounted.parent, {})]
     whole = [audit([path], **options) for path, options in cases]
     _in_parts(monkeypatch, chunk_rows, block)
     parts = [audit([path], **options) for path, options in cases]
@@ -110,6 +126,9 @@ def test_a_table_read_in_parts_gives_the_whole_table_s_report(tmp_path: Path, mo
     assert moved.code.value == "reported_loss_shifted" and moved.steps.count == 11 and whole[5].runs[0].verdict == "correct"
     (late_found,) = whole[6].findings  # steps 5–11 carry the previous step's loss, step 4 reported nothing
     assert late_found.code.value == "reported_loss_shifted" and late_found.steps.first == 5 and "late" in late_found.message
+    (counted,) = whole[7].findings  # steps 3, 7 and 12 of either group left out (every term of the group's step)
+    assert counted.code.value == "count_mismatch" and counted.steps.count == 3 and counted.evidence["step"] == 3
+    assert whole[7].runs[0].verdict == "inconclusive" and whole[7].runs[0].steps == 15 - 1
 
 
 def test_a_long_run_is_audited_from_disk_a_part_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
