@@ -66,6 +66,9 @@ class Setup:
     reported: str = "none"
     """none, before or after: the loop reports term 0's token mean (all-reduced ΣS/N) with rec.report_loss()
     and no step, before or after optimizer.step()."""
+    counted: str = "valid"
+    """What the loop records as valid_tokens: valid (the labelled tokens its loss averages) or positions (every
+    position, padding included: a count the probe contradicts while the training itself is right)."""
     world_size: int = 2
     description: str = ""
     """One line for people."""
@@ -173,7 +176,8 @@ def _microbatch_loss(setup: Setup, recorder: Recorder | None, outputs: tuple[tor
             else:
                 term = loss_sum / n if local_mean else factor * loss_sum / global_tokens[head].clamp(min=1)
             if recorder is not None:
-                recorder.record(loss_sum=loss_sum, valid_tokens=n, backward_scalar=term)
+                recorder.record(loss_sum=loss_sum, valid_tokens=n if setup.counted == "valid" else valid.numel(),
+                                backward_scalar=term)
         total = total + term
     return total
 
