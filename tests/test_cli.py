@@ -91,6 +91,32 @@ def test_weights_shows_q_per_record(logs: Path) -> None:
     assert invoke("weights", str(logs), "--run", "bad", "--step", "99")[0] == 2
 
 
+def test_weights_shows_the_probe_s_extremes_and_each_loss_term(tmp_path: Path) -> None:
+    """With a probe, `weights` shows the lightest and heaviest token it measured as q, and marks a record
+    whose own q (Σ∂b/∂ℓ / n over N) lies outside them: its n is not the probe's count. Two loss terms of one
+    step are told apart by a term column."""
+    rows = records(UNEVEN_GA, token_mean)
+    for row in rows:
+        weight = row["backward_scalar"] / row["loss_sum"]
+        row.update(token_weight_sum=weight * row["valid_tokens"], token_weight_min=weight, token_weight_max=weight)
+    rows[5]["valid_tokens"] += 2  # step 1, rank 0, microbatch 1: counts 2 tokens the probe did not see
+    write(tmp_path / "run" / "a.parquet", rows + [dict(r, term="aux") for r in records(UNEVEN_GA, token_mean)])
+    result = CliRunner().invoke(main, ["weights", str(tmp_path / "run"), "--step", "1"], env={"COLUMNS": "200"})
+    code, out = result.exit_code, result.stdout
+    assert code == 0
+    header = next(line for line in out.splitlines() if line.strip().startswith("group"))
+    assert header.split() == ["group", "term", "rank", "micro", "n", "S", "b", "c", "D", "g", "e", "=", "c·g/D", "q",
+                              "=", "e·N", "probe", "q", "sync"]
+    table = [line.split() for line in out.splitlines() if line.strip().startswith("0 ")]
+    # step 1: labelled counts (2, 6 | 6, 2), N = 16 as the probe saw; the log's N is 18 for term 0: every token
+    # weighs 18/16 = 1.125 in q, and the miscounted record's mean 1.125·6/8 = 0.84375
+    first_term = [cells for cells in table if cells[1] == "0"]
+    assert [cells[-2] for cells in first_term] == ["1.125"] * 4
+    assert [cells[-3] for cells in first_term] == ["1.125", "0.8438", "1.125", "1.125"]
+    assert [cells[-2] for cells in table if cells[1] == "aux"] == ["–"] * 4  # no probe on that term
+    assert "count_mismatch" in out and "a q outside its probe q" in out
+
+
 def test_curve_writes_csv_and_png(logs: Path, tmp_path: Path) -> None:
     csv_path, png_path = tmp_path / "curve.csv", tmp_path / "curve.png"
     code, out, _ = invoke("curve", str(logs), "--run", "bad", "--csv", str(csv_path), "--plot", str(png_path))
