@@ -281,6 +281,9 @@ SETUPS: tuple[Setup, ...] = (
           description="S/N into a summing comm hook the recorder cannot see (right, but not visible)"),
     Setup(name="unknown_hook_wrong", counts=_UNEVEN, summing_hook=True, factor=2, correct=False,
           description="W·S/N into a summing comm hook the recorder cannot see (W× too large)"),
+    Setup(name="counted_positions", counts=_UNEVEN, counted="positions", correct=True,
+          description="W·S/N over the labelled tokens (right), but valid_tokens recorded as every position of "
+                      "the microbatch: the probe's weights contradict the count"),
 )
 """Each in real DDP on 2 gloo processes; `elastic_stale_w` is two jobs (W = 3, then W = 2)."""
 

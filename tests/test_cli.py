@@ -117,6 +117,20 @@ def test_weights_shows_the_probe_s_extremes_and_each_loss_term(tmp_path: Path) -
     assert "count_mismatch" in out and "a q outside its probe q" in out
 
 
+def test_a_run_whose_every_step_is_left_out_says_so(tmp_path: Path) -> None:
+    """The recorded run whose counts the probe contradicts at every step: no step is judged, which the
+    table says (not "no valid tokens"), with the warning below the default --fail-on (exit 0); the
+    markdown and --fail-on warning agree."""
+    log = Path(__file__).parent.parent / "sample_logs" / "counted_positions"
+    result = CliRunner().invoke(main, ["check", str(log)], env={"COLUMNS": "160"})
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.stdout.splitlines() if line.strip().startswith("counted_positions"))
+    assert row.split()[:3] == ["counted_positions", "inconclusive", "0"] and "no step judged" in row
+    assert "count_mismatch" in result.stdout and "4 step(s) are left out" in result.stdout.replace("\n", " ")
+    code, out, _ = invoke("check", str(log), "--format", "markdown", "--fail-on", "warning")
+    assert code == 1 and "no step judged" in out and "<code>count_mismatch</code>" in out
+
+
 def test_curve_writes_csv_and_png(logs: Path, tmp_path: Path) -> None:
     csv_path, png_path = tmp_path / "curve.csv", tmp_path / "curve.png"
     code, out, _ = invoke("curve", str(logs), "--run", "bad", "--csv", str(csv_path), "--plot", str(png_path))

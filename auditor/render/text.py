@@ -10,13 +10,14 @@ if TYPE_CHECKING:  # (the report's module imports pyarrow: the command line impo
     from tokaudit.report import Segment, StepRange
 
 
-def factor_text(segment: Segment | None) -> str:
-    """`b·g = 2·S/N` style, the recovered normalization in one phrase."""
+def factor_text(segment: Segment | None, steps: int = 1) -> str:
+    """`b·g = 2·S/N` style, the recovered normalization in one phrase; `steps`: the run's steps judged (none
+    where every step was left out: records dropped, counts the probe contradicts)."""
     # here, not at the top: the command line imports this module, and normalization imports pandas
     from tokaudit.normalization import FORMULA, Denominator
 
     if segment is None:
-        return "no valid tokens"
+        return "no valid tokens" if steps else "no step judged"
     if segment.denominator == "undetermined":
         return "undetermined (balanced counts)"
     if segment.denominator == "unexplained" or segment.factor is None:
