@@ -127,6 +127,8 @@ def test_a_run_whose_every_step_is_left_out_says_so(tmp_path: Path) -> None:
     row = next(line for line in result.stdout.splitlines() if line.strip().startswith("counted_positions"))
     assert row.split()[:3] == ["counted_positions", "inconclusive", "0"] and "no step judged" in row
     assert "count_mismatch" in result.stdout and "4 step(s) are left out" in result.stdout.replace("\n", " ")
+    narrow = CliRunner().invoke(main, ["check", str(log)], env={"COLUMNS": "70"}).stdout
+    assert "no step judged: every step left out (see the findings)" in narrow and " W ," not in narrow
     code, out, _ = invoke("check", str(log), "--format", "markdown", "--fail-on", "warning")
     assert code == 1 and "no step judged" in out and "<code>count_mismatch</code>" in out
 

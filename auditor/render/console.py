@@ -51,10 +51,11 @@ def render_report(report: AuditReport, console: Console) -> None:
                 head.append(": ")
                 head.append(run.verdict, style=VERDICT_STYLE[run.verdict])
                 console.print(head)
-                console.print(Padding(Text(
-                    f"{factor_text(run.normalization, run.steps)} · q {_q_range(run)} · max ratio "
-                    f"{ratio_text(run.max_weight_ratio)} · {run.steps} steps, {run.ranks} ranks, W "
-                    f"{', '.join(map(str, run.world_size))}, D {_divisors(run)}"), (0, 0, 0, 2)))
+                line = (f"{factor_text(run.normalization, run.steps)} · q {_q_range(run)} · max ratio "
+                        f"{ratio_text(run.max_weight_ratio)} · {run.steps} steps, {run.ranks} ranks, W "
+                        f"{', '.join(map(str, run.world_size))}, D {_divisors(run)}") if run.steps else \
+                    f"{factor_text(run.normalization, run.steps)}: every step left out (see the findings)"
+                console.print(Padding(Text(line), (0, 0, 0, 2)))
         console.print(Text(LEGEND, style="dim"))
         console.print()
     if report.findings:
