@@ -249,7 +249,7 @@ class Miscounted:
     parts: Callable[[], Iterable[pd.DataFrame]]
     steps: _Steps
     first: pd.Series | None = None
-    """The first row found, in the table's order: the finding's evidence."""
+    """The finding's evidence: a row of the lowest step found."""
     complete: bool = False
 
     def __bool__(self) -> bool:
@@ -299,7 +299,11 @@ def without_miscounted(source: RunSteps, rtol: float) -> tuple[RunSteps, Miscoun
                 # every term of a flagged (group, step): a step's terms are summed and compared together
                 whole = pd.Series(flagged).groupby([part.grp.to_numpy(), step]).transform("any").to_numpy(dtype=bool)
                 if noting:
-                    first = part.iloc[int(np.argmax(flagged))] if first is None else first
+                    if first is None:
+                        # the lowest step, the first of its rows in the table's order (group, term): the parts
+                        # hold ascending ranges of steps, so whole or in parts it is the same row
+                        rows = np.flatnonzero(flagged)
+                        first = part.iloc[int(rows[np.argmin(step[rows])])]
                     steps.add(np.unique(step[whole]))
                 part = part[~whole].reset_index(drop=True)
             if len(part):

@@ -48,14 +48,15 @@ def _mixed_log(folder: Path) -> Path:
 
 def _miscounted_log(folder: Path) -> Path:
     """Two groups and two terms, right (W·S/N) and probed; some records count more tokens than the probe saw:
-    dp0 at steps 3 and 7, dp1 at step 7, dp1's aux term at step 12."""
+    dp0 at steps 3 and 7, dp1 at steps 2 and 7, dp1's aux term at step 12 (the whole table lists dp0 first,
+    the parts reach step 2 first: the evidence is step 2's either way)."""
     counts = [[[5, 1], [3, 7]], [[2, 6], [6, 2]], [[8, 4], [2, 8]]] * 5
     rows = records(counts, token_mean, group="dp0") + records(counts, token_mean, group="dp1")
     rows += [dict(r, term="aux") for r in records(counts, token_mean, group="dp1")]
     for row in rows:
         weight = row["backward_scalar"] / row["loss_sum"]
         row.update(token_weight_sum=weight * row["valid_tokens"], token_weight_min=weight, token_weight_max=weight)
-        if (row["group"], row.get("term"), row["step"]) in {("dp0", None, 3), ("dp0", None, 7), ("dp1", None, 7),
+        if (row["group"], row.get("term"), row["step"]) in {("dp0", None, 3), ("dp0", None, 7), ("dp1", None, 2), ("dp1", None, 7),
                                                              ("dp1", "aux", 12)} and row["rank"] == row["micro"] == 1:
             row["valid_tokens"] += 3
     return write_by_rank(folder, rows)
@@ -126,8 +127,8 @@ def test_a_table_read_in_parts_gives_the_whole_table_s_report(tmp_path: Path, mo
     assert moved.code.value == "reported_loss_shifted" and moved.steps.count == 11 and whole[5].runs[0].verdict == "correct"
     (late_found,) = whole[6].findings  # steps 5–11 carry the previous step's loss, step 4 reported nothing
     assert late_found.code.value == "reported_loss_shifted" and late_found.steps.first == 5 and "late" in late_found.message
-    (counted,) = whole[7].findings  # steps 3, 7 and 12 of either group left out (every term of the group's step)
-    assert counted.code.value == "count_mismatch" and counted.steps.count == 3 and counted.evidence["step"] == 3
+    (counted,) = whole[7].findings  # steps 2, 3, 7 and 12 of a group left out (every term of the group's step)
+    assert counted.code.value == "count_mismatch" and counted.steps.count == 4 and counted.evidence["step"] == 2
     assert whole[7].runs[0].verdict == "inconclusive" and whole[7].runs[0].steps == 15 - 1
 
 
