@@ -219,6 +219,13 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
     return findings, spans, omitted
 
 
+BF16_ROUNDING = 2.0 ** -7
+"""How far a weight computed in bfloat16 may be from the token mean's: b, S and each token's ∂b/∂ℓ keep 8
+significant bits, each rounded by at most 2⁻⁹, c = b/S by up to 2⁻⁸; twice that, to spare a margin."""
+BF16_HINT = (" Every weight here is within 2⁻⁷ (0.78%) of the token mean's, which is how far computing the loss in "
+             "bfloat16 (on bf16 logits, not under autocast) rounds it: if it was, audit with --rtol 1e-2.")
+
+
 _PROBE_RANGE = frozenset({"probed", "e_low", "e_high", "tok_low", "tok_high"})
 
 
@@ -729,6 +736,11 @@ def _weighting_finding(group: _WeightingGroup, table: list[FactorExplanation], c
             message = (f"Tokens of one step received different weights; the nearest denominator is "
                        f"{DENOMINATOR_WORDS[denominator]} ({formula}), off by up to "
                        f"{evidence['approximation_error']:.2%}: {where}.")
+            # nearest to the token mean itself (b·g = D·S/N, q = 1), and within bf16's rounding of it
+            if denominator == Denominator.N and evidence["approximation_error"] <= BF16_ROUNDING and \
+                    diagnosis.factor is not None and abs(diagnosis.factor / float(row.d_high) - 1) <= BF16_ROUNDING:
+                evidence["within_bfloat16_rounding"] = True
+                message += BF16_HINT
         else:
             message = (f"Tokens of one step received different weights and no denominator (n, n_r, n·M, N_m, N, T, "
                        f"1) explains them: {where}.")
@@ -776,6 +788,9 @@ def _weighting_finding(group: _WeightingGroup, table: list[FactorExplanation], c
                if context.term != UNNAMED else "")
         what = "a constant" if not spread else "a factor that changes from step to step"
         message = f"Weights are uniform within each step but scaled by {what}: {scaled}.{aux}"
+        if max(abs(d - 1) for d in distortions) <= BF16_ROUNDING:
+            evidence["within_bfloat16_rounding"] = True
+            message += BF16_HINT
     return _finding(context, code, group.steps, message, _fix_average(context), evidence)
 
 
