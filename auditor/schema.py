@@ -57,11 +57,11 @@ COLUMNS: tuple[Column, ...] = (
 
 COLUMNS_BY_NAME = {column.name: column for column in COLUMNS}
 UNNAMED = "0"
+"""The group and the term of a record whose column is absent or null (the run's is its file's folder)."""
 INT32_MAX = (1 << 31) - 1
 """The most valid tokens or positions one record may hold, and the largest W, rank or microbatch index: the
 step table holds them in 32 bits (a step's N, Σ n over at most 2³² records, then stays exact in int64 and in
 a float64)."""
-"""The group and the term of a record whose column is absent or null (the run's is its file's folder)."""
 REQUIRED_COLUMNS = tuple(column.name for column in COLUMNS if column.required)
 PROBE_COLUMNS = ("token_weight_sum", "token_weight_min", "token_weight_max", "masked_weight_abs_sum")
 
