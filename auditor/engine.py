@@ -598,8 +598,7 @@ class Engine:
         `step_table`, which counts them)."""
         self._whole()
         names = {name for (name,) in self.connection.execute(
-            "SELECT DISTINCT filename FROM raw_records "
-            "WHERE isnan(grad_divisor) OR isnan(grad_scale) OR positions < valid_tokens").fetchall()}
+            f"SELECT DISTINCT filename FROM raw_records WHERE {UNUSABLE_RECORD}").fetchall()}
         return [s for s in self.shards if self._link(s) in names]
 
     def records_at(self, run: str, step: int) -> pd.DataFrame:
@@ -660,7 +659,12 @@ weighted AS (
     SELECT *, CASE WHEN valid_tokens > 0 AND NOT nonfinite_valid THEN eff END AS w FROM rec
 )
 """
-STEP_AGGREGATES = """
+UNUSABLE_WITHOUT_POSITIONS = "isnan(grad_divisor) OR isnan(grad_scale)"
+UNUSABLE_RECORD = f"{UNUSABLE_WITHOUT_POSITIONS} OR (positions < valid_tokens) IS TRUE"
+"""A record no audit can use that its file's statistics may not show: a NaN divisor or scale, or T < n (IS TRUE:
+count_if over NULLs alone is NULL). Counted per step (`unusable_values`), then its files are named
+(`Engine.unusable_files`); where no record holds a T, the footers' constants leave the comparison out."""
+STEP_AGGREGATES = f"""
         count(*) AS records, max(rank) AS rank_max,
         min(world_size) AS w_low, max(world_size) AS w_high,
         min(grad_divisor) AS d_low, max(grad_divisor) AS d_high,
@@ -686,8 +690,8 @@ STEP_AGGREGATES = """
         sum(positions) AS positions, count(positions) AS positions_known,
         count_if(micro >= 64) AS wide_micro,
         -- NaN never shows in a file's statistics, nor T < n where a file's T and n overlap: counted here, the
-        -- files are then named (unusable_files); IS TRUE, as count_if over NULLs alone is NULL
-        count_if(isnan(grad_divisor) OR isnan(grad_scale) OR (positions < valid_tokens) IS TRUE) AS unusable_values
+        -- files are then named (unusable_files)
+        count_if({UNUSABLE_RECORD}) AS unusable_values
 """
 """Per (run, group, term) and step, over the records."""
 RANK_SHAPE = """
@@ -850,8 +854,8 @@ FOOTER_CONSTANTS: dict[frozenset[str], tuple[tuple[str, str], ...]] = {
         ("min(w * positions) AS et_low, max(w * positions) AS et_high",
          "CAST(NULL AS DOUBLE) AS et_low, CAST(NULL AS DOUBLE) AS et_high"),
         ("sum(positions) AS positions, count(positions) AS positions_known", "NULL AS positions, 0 AS positions_known"),
-        ("count_if(isnan(grad_divisor) OR isnan(grad_scale) OR (positions < valid_tokens) IS TRUE) "
-         "AS unusable_values", "count_if(isnan(grad_divisor) OR isnan(grad_scale)) AS unusable_values")),
+        (f"count_if({UNUSABLE_RECORD}) AS unusable_values",
+         f"count_if({UNUSABLE_WITHOUT_POSITIONS}) AS unusable_values")),
     # divisor_known defaults to true: valid_tokens > 0 AND NOT true is false (not NULL) on every record
     frozenset({"divisor_known"}): (("count_if(valid_tokens > 0 AND NOT divisor_known) AS unknown_divisor",
                                     "0 AS unknown_divisor"),),
