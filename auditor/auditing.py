@@ -209,7 +209,7 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
                                                 verdict="inconclusive", normalization=None, segments=[],
                                                 max_weight_ratio=1.0, microbatches=0))
                 continue
-            # Steps whose counts the probe contradicts are left out of the summary as of the checks.
+            # Steps whose counts the probe contradicts are left out of the checks and the summary alike.
             source, miscounted = without_miscounted(source, rtol)
             run_findings, spans, omitted = check_run(run, source, rtol, duplicates.get(run), extremes)
             if lost:

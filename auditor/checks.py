@@ -159,8 +159,14 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
 
     Each term's table is read three times: twice for the run's decisions (`Decisions.of`, the first also
     for W, D and M), once for every check; once more for the uniform factors' clusters (`_FactorTable`)
-    where some step may be uniformly off, and twice for the reported losses where there are some."""
-    source, miscounted = without_miscounted(steps if isinstance(steps, RunSteps) else RunSteps.of(steps), rtol)
+    where some step may be uniformly off, and twice for the reported losses where there are some.
+
+    A whole table has the steps whose counts the probe contradicts left out here (`without_miscounted`, one
+    count_mismatch finding); a RunSteps is taken as given, as the audit leaves them out before."""
+    if isinstance(steps, RunSteps):
+        source, miscounted = steps, None  # the audit leaves its miscounted steps out itself, for its summary too
+    else:
+        source, miscounted = without_miscounted(RunSteps.of(steps), rtol)
     findings: list[Finding] = []
     spans: list[Span] = []
     omitted = 0
@@ -243,9 +249,17 @@ def miscounted_rows(rows: pd.DataFrame, rtol: float) -> npt.NDArray[np.bool_]:
         return probed
     e_low, e_high = rows.e_low.to_numpy(dtype=float), rows.e_high.to_numpy(dtype=float)
     low, high = rows.tok_low.to_numpy(dtype=float), rows.tok_high.to_numpy(dtype=float)
-    slack = rtol * np.fmax(np.abs(low), np.abs(high))
+    return probed & outside_probe_range(e_low, e_high, low, high, rtol)
+
+
+def outside_probe_range(low: npt.NDArray[np.float64], high: npt.NDArray[np.float64],
+                        lightest: npt.NDArray[np.float64], heaviest: npt.NDArray[np.float64],
+                        rtol: float) -> npt.NDArray[np.bool_]:
+    """Where mean weights (their lowest and highest) leave the probe's lightest and heaviest token by more than
+    rtol of the larger: a count that is not the probe's (`miscounted_rows`); NaN anywhere is never outside."""
+    slack = rtol * np.fmax(np.abs(lightest), np.abs(heaviest))
     with np.errstate(invalid="ignore"):
-        outside: npt.NDArray[np.bool_] = probed & ((e_low < low - slack) | (e_high > high + slack))
+        outside: npt.NDArray[np.bool_] = (low < lightest - slack) | (high > heaviest + slack)
     return outside
 
 

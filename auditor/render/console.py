@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 from rich import box
 from rich.console import Console
@@ -106,34 +107,37 @@ def _number(value: object, digits: int = 5) -> str:
     return str(value)
 
 
-def render_weights(run: str, step: int, records: pd.DataFrame, console: Console, rtol: float = DEFAULT_RTOL) -> None:
+def render_weights(run: str, step: int, records: pd.DataFrame, console: Console) -> None:
     """One row per record of one step: n, S, b, c, e and q = e·N (1 when correct); where the probe measured
     the lightest and heaviest valid token, those as q too, beside the record's mean (its q)."""
+    from tokaudit.checks import outside_probe_range
+
     table = Table(title=Text(f"{printable(run)}, step {step}: weight of one valid token (correct: q = e·N = 1)"),
                   box=box.SIMPLE_HEAVY, title_justify="left")
-    # N of each record's (group, term): q = e·N, so the probe's extremes e_min, e_max read as q as well
-    tokens = records.groupby(["grp", "term"], observed=True, sort=False).valid_tokens.transform("sum").to_numpy(float)
     probed = bool(records.eff_min.notna().any()) if "eff_min" in records.columns else False
     terms = records.term.nunique() > 1  # each loss term is its own token mean, with its own N
     columns = ["group", *(["term"] if terms else []), "rank", "micro", "n", "S", "b", "c", "D", "g", "e = c·g/D",
                "q = e·N", *(["probe q"] if probed else []), "sync"]
     for header in columns:
         table.add_column(header, justify="left" if header in ("group", "term", "sync") else "right", overflow="fold")
-    miscounted = False
+    outside = np.zeros(len(records), dtype=bool)
+    if probed:
+        # N of each record's (group, term): q = e·N, so the probe's extremes e_min, e_max read as q as well
+        tokens = records.groupby(["grp", "term"], observed=True, sort=False).valid_tokens.transform("sum")
+        lightest = records.eff_min.to_numpy(float) * tokens.to_numpy(float)
+        heaviest = records.eff_max.to_numpy(float) * tokens.to_numpy(float)
+        q = records.q.to_numpy(float)
+        outside = outside_probe_range(q, q, lightest, heaviest, DEFAULT_RTOL)
     for index, row in enumerate(records.itertuples(index=False)):
         q = row.q
         style = "" if pd.isna(q) else ("green" if abs(q - 1) <= 1e-4 else "red")
         extremes: list[Text] = []
         if probed:
-            low, high = row.eff_min * tokens[index], row.eff_max * tokens[index]
-            shown = "–" if pd.isna(low) or pd.isna(high) else (
-                _number(low, 4) if _number(low, 4) == _number(high, 4) else f"{_number(low, 4)}–{_number(high, 4)}")
-            slack = rtol * max(abs(low), abs(high)) if not (pd.isna(low) or pd.isna(high)) else 0.0
-            # the record's mean weight lies between its lightest and heaviest token when n is the probe's count
-            outside = not pd.isna(q) and shown != "–" and (q < low - slack or q > high + slack)
-            miscounted = miscounted or outside
-            extremes.append(Text(shown, style="red" if outside else ""))
-        table.add_row(Text(printable(str(row.grp))), *([Text(printable(str(row.term)))] if terms else []), str(row.rank), str(row.micro), str(row.valid_tokens), _number(row.loss_sum),
+            low, high = _number(lightest[index], 4), _number(heaviest[index], 4)
+            shown = "–" if "–" in (low, high) else low if low == high else f"{low}–{high}"
+            extremes.append(Text(shown, style="red" if outside[index] else ""))
+        table.add_row(Text(printable(str(row.grp))), *([Text(printable(str(row.term)))] if terms else []),
+                      str(row.rank), str(row.micro), str(row.valid_tokens), _number(row.loss_sum),
                       _number(row.backward_scalar), _number(row.implied_weight), _number(row.grad_divisor, 4),
                       _number(row.grad_scale, 4), _number(row.eff), Text(_number(q, 4), style=style), *extremes,
                       _number(None if pd.isna(row.sync) else bool(row.sync)))
@@ -141,7 +145,7 @@ def render_weights(run: str, step: int, records: pd.DataFrame, console: Console,
     notes = ["c = b/S, or the probe's Σ∂b/∂ℓ / n where it measured the weights"]
     if probed:
         notes.append("probe q: the lightest and heaviest valid token the probe measured")
-    if miscounted:
+    if outside.any():
         notes.append("a q outside its probe q: n is not the number of tokens the probe saw (count_mismatch)")
     console.print(" · ".join(notes), style="dim")
 
