@@ -185,7 +185,7 @@ def check_scalar(name: str, value: object) -> None:
 
 
 def writable_rows(columns: dict[str, Any], probed: list[bool]) -> tuple[list[bool], int]:
-    """Rows the auditor accepts (SPEC §2), and how many positions were cleared to keep theirs. A row needs a
+    """Rows the auditor accepts (SPEC §2), and how many of them had their positions cleared. A row needs a
     count n of 0 to 2³¹ − 1, a loss sum, a backward scalar unless the probe measured the weights, and a
     grad_scale that is not NaN. A T the auditor would refuse the whole file for (negative, not whole, past
     2³¹ − 1, or below n: T counts the positions the n valid tokens are among) is written as null and the
@@ -197,17 +197,17 @@ def writable_rows(columns: dict[str, Any], probed: list[bool]) -> tuple[list[boo
         ok = tokens is not None
         if ok:
             columns["valid_tokens"][i] = tokens
-        positions = columns["positions"][i]
-        if positions is not None:
-            length = _count(positions)
-            usable = length is not None and (tokens is None or length >= tokens)
-            columns["positions"][i] = length if usable else None
-            cleared += not usable
         ok = ok and columns["loss_sum"][i] is not None
         ok = ok and (columns["backward_scalar"][i] is not None or probed[i])
         scale = columns["grad_scale"][i]
         ok = ok and not (isinstance(scale, float) and math.isnan(scale))
         keep.append(ok)
+        positions = columns["positions"][i]
+        if positions is not None:
+            length = _count(positions)
+            usable = length is not None and (tokens is None or length >= tokens)
+            columns["positions"][i] = length if usable else None
+            cleared += ok and not usable  # a record left out is counted there, not here
     return keep, cleared
 
 

@@ -828,8 +828,8 @@ class Recorder:
             bad = [r for r, ok in zip(records, keep) if not ok]
             self._note_dropped_records(bad)
             self._warn_once("invalid", f"tokaudit: {len(bad)} record(s) with a value no audit can use (a null, "
-                                       "negative or impossibly large count, a missing loss sum, a NaN scale) were left out and noted "
-                                       "in the log as dropped")
+                                       "negative or impossibly large count, a missing loss sum, a NaN scale) were "
+                                       "left out and noted in the log as dropped")
             columns = {name: [v for v, ok in zip(values, keep) if ok] for name, values in columns.items()}
         arrays = {name: pa.array(list(values), type=WRITER_SCHEMA.field(name).type)
                   for name, values in columns.items()}
