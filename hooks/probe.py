@@ -13,7 +13,7 @@ from tokaudit.hooks.columns import Packed
 class ProbeResult:
     """Per-microbatch weights that backward gave the per-token losses, kept on the device.
 
-    Filled by `_TokenProbe.backward`; several probes in one microbatch accumulate.
+    Filled by `TokenProbe.backward` and `ScalarProbe.backward`; several probes in one microbatch accumulate.
     """
 
     VALUES = ("weight_sum", "weight_min", "weight_max", "masked_abs_sum", "valid_count")
@@ -88,7 +88,9 @@ class TokenProbe(torch.autograd.Function):
         ctx.save_for_backward(valid, ~valid & (per_token_loss.detach() != 0))
         ctx.result = result
         ctx.on_error = on_error
-        return per_token_loss.view_as(per_token_loss)
+        # A new tensor, not a view: a trainer may modify the result in place (`loss *= k`), which autograd
+        # refuses on a view made inside a custom Function. clone() keeps every bit, dtype and layout.
+        return per_token_loss.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
@@ -109,7 +111,7 @@ class ScalarProbe(torch.autograd.Function):
         ctx.save_for_backward(token_factor, valid_count)
         ctx.result = result
         ctx.on_error = on_error
-        return loss.view_as(loss)
+        return loss.clone()  # not a view: `loss *= k` after the probe must work (see TokenProbe.forward)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:

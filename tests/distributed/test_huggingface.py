@@ -16,25 +16,63 @@ pytest.importorskip("accelerate")
 pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
 
+def tiny_model(family: str) -> Any:
+    from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
+
+    if family == "bert":
+        return BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, max_position_embeddings=32))
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+
+
+def make_trainer(rank: int, log_dir: str, average_tokens: bool, family: str = "llama") -> Any:
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from tests.distributed.padded import padded_sequences
+
+    torch.manual_seed(0)
+    model = tiny_model(family)
+    distributed = {"ddp_backend": "gloo", "ddp_find_unused_parameters": False} if "RANK" in os.environ else {}
+    args = TrainingArguments(output_dir=f"{log_dir}/out-{rank}", use_cpu=True, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3, logging_steps=1,
+                             report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
+                             average_tokens_across_devices=average_tokens, dataloader_num_workers=0, **distributed)
+    return Trainer(model=model, args=args, train_dataset=padded_sequences())
+
+
+def trained_parameters(rank: int, log_dir: str, family: str, attached: bool) -> list[Any]:
+    """Train with the HF Trainer's defaults (average_tokens_across_devices=True), with or without the
+    one-line attach; the parameters it ends with."""
+    from tokaudit.hooks.huggingface import TokauditCallback
+
+    trainer = make_trainer(rank, log_dir, True, family)
+    if attached:
+        TokauditCallback.attach(trainer, log_dir, run_id=family)
+    trainer.train()
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def attach_changes_nothing_job(rank: int, world_size: int, log_dir: str, family: str) -> None:
+    import torch
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1"})
+    plain = trained_parameters(rank, f"{log_dir}/plain", family, attached=False)
+    recorded = trained_parameters(rank, log_dir, family, attached=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, recorded)), "the attach changed the training"
+
+
 def trainer_job(rank: int, world_size: int, log_dir: str, average_tokens: bool, fp16_scaler: bool = False) -> None:
     import torch
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1"})
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
-
-    from tests.distributed.padded import padded_sequences
     from tokaudit.hooks.huggingface import TokauditCallback
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
-    model = LlamaForCausalLM(config)
-    args = TrainingArguments(output_dir=f"{log_dir}/out-{rank}", use_cpu=True, per_device_train_batch_size=2,
-                             gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3, logging_steps=1,
-                             report_to=[], save_strategy="no", disable_tqdm=True, seed=0, ddp_backend="gloo",
-                             average_tokens_across_devices=average_tokens, dataloader_num_workers=0)
-    trainer = Trainer(model=model, args=args, train_dataset=padded_sequences())
+    trainer = make_trainer(rank, log_dir, average_tokens)
+    model = trainer.model
     run_id = f"average_tokens_{average_tokens}"
     if fp16_scaler:
         # fp16 on CPU: Accelerate builds no GradScaler there, so give the Trainer the one it builds on a
@@ -61,6 +99,9 @@ def hf_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for average in (True, False):
         run_ddp(trainer_job, 2, str(root), average, timeout=240)
     run_ddp(trainer_job, 2, str(root), True, True, timeout=240)
+    # The raw cross-entropy reaches the Trainer, which scales it in place (`loss *= W`): a BERT-style
+    # model that ignores num_items_in_batch. The attach must neither crash nor change the training.
+    run_ddp(attach_changes_nothing_job, 2, str(root), "bert", timeout=240)
     return root
 
 
@@ -89,6 +130,34 @@ def test_trainer_without_token_averaging_is_a_local_mean(hf_logs: Path) -> None:
     assert "mean of per-rank means" in reported.message
     finding = next(f for f in report.findings if f.code.value == "local_mean")
     assert finding.evidence["denominator"] == "n_rank"  # num_items_in_batch counted on the rank only
+
+
+def test_trainer_on_a_bert_style_model_trains_unchanged_and_is_audited(hf_logs: Path) -> None:
+    report = audit_run(hf_logs, "bert")
+    (run,) = report.runs
+    assert run.steps == 4 and run.ranks == 2 and run.microbatches == 2
+    # BertForMaskedLM returns each microbatch's own mean, which the Trainer multiplies by W and does not
+    # divide by the accumulation steps: tokens of a small microbatch weigh more.
+    assert run.verdict == "incorrect", [f.message for f in report.findings]
+
+
+@pytest.mark.parametrize("family, verdict", [("llama", "correct"), ("bert", "incorrect")])
+def test_single_process_trainer_trains_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str,
+                                                 verdict: str) -> None:
+    """One process, no torchrun: the Trainer scales the loss in place (`loss *= 1`), on BERT the raw
+    cross-entropy output; nothing crashes or changes. Llama divides a sum by num_items_in_batch (right);
+    BERT returns each microbatch's mean, not divided by the accumulation steps (wrong)."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    import torch
+
+    plain = trained_parameters(0, str(tmp_path / "plain"), family, attached=False)
+    recorded = trained_parameters(0, str(tmp_path), family, attached=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, recorded)), "the attach changed the training"
+    report = audit_run(tmp_path, family)
+    (run,) = report.runs
+    assert run.ranks == 1 and run.steps == 4
+    assert run.verdict == verdict, [f.message for f in report.findings]
 
 
 def test_trainer_under_a_grad_scaler_is_correct_and_its_overflow_is_a_skipped_step(hf_logs: Path) -> None:

@@ -126,3 +126,53 @@ def test_start_capture_lasts_until_close(tmp_path: Path) -> None:
     rec.close()
     assert F.cross_entropy is original
     assert len(pq.read_table(next((tmp_path / "started").glob("*.parquet")))) == 1
+
+
+IN_PLACE = {
+    "*=": lambda loss: loss.__imul__(4.0),
+    "/=": lambda loss: loss.__itruediv__(2.0),
+    "+=": lambda loss: loss.__iadd__(1.0),
+    "mul_": lambda loss: loss.mul_(3.0),
+}
+WEIGHT_FACTOR = {"*=": 4.0, "/=": 0.5, "+=": 1.0, "mul_": 3.0}
+
+
+@pytest.mark.parametrize("operation", sorted(IN_PLACE))
+@pytest.mark.parametrize("path", ["captured mean", "captured none", "probe"])
+def test_in_place_operations_after_the_probe_train_as_without_it(tmp_path: Path, operation: str, path: str) -> None:
+    """A trainer's `loss *= k` after the probe (HF Trainer does it) must neither raise nor change the
+    gradient; the probe then measures the weight k·∂loss/∂ℓᵢ that backward really gave."""
+
+    def run(recording: bool) -> tuple[torch.Tensor, Path | None]:
+        logits, target = inputs("3d", -100)
+        if not recording:
+            loss = F.cross_entropy(logits, target, reduction="none" if path != "captured mean" else "mean")
+            IN_PLACE[operation](loss)
+            loss.sum().backward()
+            assert logits.grad is not None
+            return logits.grad, None
+        with Recorder(tmp_path, run_id=path.replace(" ", "_")) as rec:
+            if path == "probe":
+                per_token = F.cross_entropy(logits, target, reduction="none")
+                loss = rec.probe(per_token, target != -100)
+                rec.record(loss_sum=per_token.detach().sum(), valid_tokens=(target != -100).sum(), backward_scalar=None)
+            else:
+                with rec.capture_cross_entropy():
+                    loss = F.cross_entropy(logits, target, reduction="none" if path == "captured none" else "mean")
+            IN_PLACE[operation](loss)
+            loss.sum().backward()
+        assert logits.grad is not None
+        return logits.grad, tmp_path / path.replace(" ", "_")
+
+    plain_grad, _ = run(False)
+    grad, folder = run(True)
+    assert torch.equal(plain_grad, grad)
+    assert folder is not None
+    (row,) = pq.read_table(next(folder.glob("*.parquet"))).to_pylist()
+    _, target = inputs("3d", -100)
+    n = int((target != -100).sum())
+    per_token_weight = WEIGHT_FACTOR[operation] / (n if path == "captured mean" else 1)
+    assert row["valid_tokens"] == n
+    assert row["token_weight_min"] == pytest.approx(per_token_weight)
+    assert row["token_weight_max"] == pytest.approx(per_token_weight)
+    assert row["token_weight_sum"] == pytest.approx(per_token_weight * n)
