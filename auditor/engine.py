@@ -13,7 +13,6 @@ import pickle
 import re
 import shutil
 import tempfile
-import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,9 +35,6 @@ DEFAULT_MEMORY_LIMIT = "768MB"
 CHUNK_ROWS = 1_000_000
 CHUNK_STEPS = 62_500
 """Steps aggregated at a time at most: a range's share of the step table and of DuckDB's groups."""
-LANES = 2
-"""Step ranges an engine of two threads or more aggregates at once, each on its own DuckDB database
-(`Engine._in_lanes`)."""
 GRID_BLOCK_ROWS = 1 << 18
 """Records of a grid reduced at a time (`tokaudit.grid`): its temporaries, about 25 arrays of them, stay small."""
 WHOLE_SEGMENT_ROWS = 5
@@ -65,9 +61,7 @@ DUCKDB_TYPES = {"int": "BIGINT", "float": "DOUBLE", "bool": "BOOLEAN", "string":
 
 _QUIET_IO = {"async_threads": 0}
 """Settings a DuckDB that knows them takes. DuckDB 2 starts 8 threads of its own for asynchronous I/O in every
-database, whatever `threads` says; on local files they only woke and slept: with them, the 10⁸-record log's
-audit took 12.3 s and 22 s of CPU on 2 cores, without them 11.5 s and 20.5 s (the 64 × 4 log 2.3–3.0 s
-against 2.1–2.2 s), as the lanes' two databases kept 16 such threads."""
+database, whatever `threads` says; on local files they only wake and sleep, taking CPU from the query."""
 
 
 _NAN_SAFE = "SET parquet_can_have_nan = true"
@@ -118,12 +112,10 @@ class Engine:
     grid: bool = True
     """A range whose records form a dense grid is reduced by numpy (`tokaudit.grid`), not by the query; off
     only to check that this changes nothing."""
-    lanes: int = 1
-    """Step ranges aggregated at once (`_in_lanes`): LANES when the engine has the threads for it."""
     threads: int = 1
-    """DuckDB's threads, all lanes together."""
+    """DuckDB's threads."""
     memory_limit: str = DEFAULT_MEMORY_LIMIT
-    """DuckDB's memory limit, all lanes together."""
+    """DuckDB's memory limit."""
 
     link_names: dict[int, str] = field(default_factory=dict)
     """Per shard (by id): its link's name, or for a remote shard the name it goes by in dedup order."""
@@ -157,7 +149,7 @@ class Engine:
                 "SELECT current_setting('threads')").fetchall()[0][0])
             engine = cls(connection=connection, shards=list(shards), duplicates={},
                          chunk_rows=chunk_rows or environment_chunk, only_steps=only_steps, extremes=extremes,
-                         lanes=LANES if count >= LANES else 1, threads=count,
+                         threads=count,
                          memory_limit=memory_limit)
             here = os.getcwd()
             for index, shard in enumerate(engine.shards):
@@ -357,10 +349,9 @@ class Engine:
     def step_table(self, rtol: float, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
         """One row per (run, grp, term, step) with everything the checks need (see `step_sql`).
 
-        Large logs are aggregated a step range at a time, LANES ranges at once (`_in_lanes`). Duplicates
-        are looked for only where the cheap per-rank count says there may be some; those records are
-        then deduplicated. Memory: the table is never held twice (see `_join`), and only LANES ranges'
-        aggregations are in DuckDB at once.
+        Large logs are aggregated a step range at a time, so that one range's aggregation is in DuckDB at
+        once. Duplicates are looked for only where the cheap per-rank count says there may be some; those
+        records are then deduplicated. Memory: the table is never held twice (see `_join`).
         """
         table = self.step_parts(rtol, progress)
         assert isinstance(table, pd.DataFrame)
@@ -375,17 +366,8 @@ class Engine:
         spilled: Spilled | None = None
         held = 0
         chunks = self._chunks()
-        # Lanes for ranges of up to chunk_rows records: a segment of many ranks' shards (up to
-        # WHOLE_SEGMENT_ROWS times as many) is aggregated alone by the query, with the whole memory limit;
-        # two at once with half each were no faster (6.7 s either way, 6 ranges of 4·10⁶ records), and with
-        # the whole limit each they would hold twice the memory. A grid holds GRID_BLOCK_ROWS records at a
-        # time whatever its size, and numpy's reductions run on one core: grids take lanes at any size.
-        grids = [self._grids(steps, shards) for steps, shards in chunks]  # (each range's, made once)
-        small = all(sum(s.rows for s in shards) <= self.chunk_rows or found is not None
-                    for (_, shards), found in zip(chunks, grids))
         tables: Generator[dict[str, Any], None, None] = (
-            self._in_lanes(rtol, chunks, grids) if self.lanes > 1 and len(chunks) > 1 and small else
-            (self._range_table(rtol, steps, shards, found) for (steps, shards), found in zip(chunks, grids)))
+            self._range_table(rtol, steps, shards, self._grids(steps, shards)) for steps, shards in chunks)
         try:
             for index, (steps, _) in enumerate(chunks):
                 if progress and len(chunks) > 1 and steps:
@@ -409,7 +391,7 @@ class Engine:
                 spilled.close()
             raise
         finally:
-            tables.close()  # the lanes stopped and their duplicates counted before anyone reads them
+            tables.close()
         if spilled is not None:
             return spilled
         joined = _join(columns)
@@ -436,69 +418,6 @@ class Engine:
                 self._define(shards, steps, deduplicate=True)
                 table = self._aggregate(rtol, shards)
         return table
-
-    def _in_lanes(self, rtol: float, chunks: list[tuple[tuple[int, int] | None, list[Shard]]],
-                  grids: list[list[Grid] | None]) -> Generator[dict[str, Any], None, None]:
-        """`_range_table` of every range (with its `grids`), in order, computed `lanes` at a time: this engine
-        and others over the same shards (each its own DuckDB database), each with its share of the threads and of the
-        memory limit, each taking the next range when it is done with one. A range's query has a serial
-        part (on 2 threads it runs 1.33× faster than on 1): two ranges on one thread each took 1.66 s
-        where one after the other on two took 2.02 s (8 ranges of the 64 × 4 log, 2 cores); three or
-        four lanes on 2 cores were slower than two (2.6–2.8 and 2.9–3.1 s against 2.4–2.6 s)."""
-        share = max(1, self.threads // self.lanes)
-        limit = _share(self.memory_limit, self.lanes)
-        others = [Engine.open(self.shards, memory_limit=limit, threads=share,
-                              chunk_rows=self.chunk_rows, only_steps=self.only_steps, extremes=self.extremes)
-                  for _ in range(self.lanes - 1)]
-        for other in others:
-            other.prune, other.footer_rows, other.grid, other.lanes = self.prune, self.footer_rows, self.grid, 1
-        lanes = [self, *others]
-        self.connection.execute(f"SET threads = {share}")
-        self.connection.execute(f"SET memory_limit = {_sql_string(limit)}")
-        results: dict[int, dict[str, Any]] = {}
-        failures: list[BaseException] = []
-        taken = iter(range(len(chunks)))
-        ready = threading.Condition()
-        stop = threading.Event()
-
-        def work(lane: Engine) -> None:
-            while True:
-                with ready:
-                    index = next(taken, None)
-                    if index is None or failures or stop.is_set():
-                        return
-                try:
-                    table = lane._range_table(rtol, *chunks[index], grids[index])
-                except BaseException as error:  # handed to the caller, which raises it
-                    with ready:
-                        failures.append(error)
-                        ready.notify_all()
-                    return
-                with ready:
-                    results[index] = table
-                    ready.notify_all()
-
-        workers = [threading.Thread(target=work, args=(lane,), daemon=True) for lane in lanes]
-        for worker in workers:
-            worker.start()
-        try:
-            for index in range(len(chunks)):
-                with ready:
-                    while index not in results and not failures:
-                        ready.wait()
-                    if failures:
-                        raise failures[0]
-                    table = results.pop(index)
-                yield table
-        finally:
-            stop.set()  # the lanes take no further range
-            for worker in workers:
-                worker.join()
-            for other in others:
-                _add_duplicates(self.duplicates, other.duplicates)
-                other.close()
-            self.connection.execute(f"SET threads = {self.threads}")
-            self.connection.execute(f"SET memory_limit = {_sql_string(self.memory_limit)}")
 
     def _grids(self, steps: tuple[int, int] | None, shards: Sequence[Shard]) -> list[Grid] | None:
         """The grids this range's files form (one per (run, group, term)), by their footers, where the engine
@@ -1141,14 +1060,6 @@ def _add_duplicates(target: dict[str, tuple[int, int, int, int]], found: dict[st
     for run, (copies, first, last, count) in found.items():
         old = target.get(run, (0, first, last, 0))
         target[run] = (old[0] + copies, min(old[1], first), max(old[2], last), old[3] + count)
-
-
-def _share(limit: str, parts: int) -> str:
-    """A memory limit (`_MEMORY`'s form: a number and a unit, or a percentage) divided among parts."""
-    match = _MEMORY.match(limit)
-    if match is None:
-        return limit
-    return f"{float(match.group(1)) / parts:g}{match.group(2)}"
 
 
 def footer_table(shards: Sequence[Shard], filenames: Sequence[str]) -> pa.Table:

@@ -206,7 +206,7 @@ def test_groups_that_are_grids_each_give_the_query_s_step_table(tmp_path: Path, 
 def test_ranks_read_a_block_at_a_time_give_the_table_of_one_block(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A grid's ranks are read GRID_BLOCK_ROWS records at a time: one rank a block gives what all at once do,
-    also in ranges of a few steps and in two lanes."""
+    also in ranges of a few steps."""
     _random_grid(tmp_path / "run", 7)
     shards = load([tmp_path / "run"]).shards
     one_block, expected, _ = _tables(shards, monkeypatch)
@@ -219,7 +219,7 @@ def test_ranks_read_a_block_at_a_time_give_the_table_of_one_block(tmp_path: Path
     for shard in shards:
         per_rank[shard.rank_range[0]] = per_rank.get(shard.rank_range[0], 0) + shard.rows
     rank_rows = max(per_rank.values())
-    for options in ({}, {"chunk_rows": 8}, {"chunk_rows": 8, "threads": 2}):
+    for options in ({}, {"chunk_rows": 8}):
         held.clear()
         got, expected, reduced = _tables(shards, monkeypatch, **options)
         assert reduced and all(reduced)

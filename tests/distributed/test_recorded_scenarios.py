@@ -158,8 +158,7 @@ def test_the_recordings_as_one_row_shards_in_ranges_give_the_same_diagnosis(
         recordings: dict[str, Any], scenario: Scenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same real DDP recordings (their gradients checked against the float64 reference above), each
     shard split into one-row files as `flush_every=1` writes them, so that most records come from their
-    footers (`Shard.record`), and aggregated a few steps at a time (two ranges at once on two cores or
-    more, `Engine._in_lanes`): the report is the recorder's own shards' one, every verdict as expected,
+    footers (`Shard.record`), and aggregated a few steps at a time: the report is the recorder's own shards' one, every verdict as expected,
     none of the correct constructions flagged."""
     import json
 
