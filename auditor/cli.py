@@ -130,9 +130,6 @@ PATHS = click.argument("paths", nargs=-1, required=True, type=str)
 def main(ctx: click.Context, debug: bool) -> None:
     """Audit how distributed training normalized its token losses, from per-rank logs."""
     ctx.obj = {"debug": debug}
-    from tokaudit.heap import keep_large_blocks
-
-    keep_large_blocks()  # this process is tokaudit's own: its heap keeps the blocks numpy frees
 
 
 @main.command()

@@ -216,12 +216,29 @@ def parts_per_step(cost: dict[str, float], plain_ms: float) -> tuple[float, floa
     return per_step, 1 + per_step / plain_ms
 
 
+def keep_large_blocks() -> bool:
+    """glibc's mallopt: blocks up to 16 MiB come from the heap and go back to it, and the heap keeps up to
+    64 MiB free at its top, so that neither loop's step faults in fresh pages. False off glibc or where a
+    MALLOC_* variable tunes it."""
+    import ctypes
+    import os
+
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+        return bool(libc.mallopt(m_mmap_threshold, 16 << 20)) and bool(libc.mallopt(m_trim_threshold, 64 << 20))
+    except (OSError, AttributeError):
+        return False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=150, help="steps per loop")
     parser.add_argument("--keep-heap", action="store_true",
-                        help="glibc's heap set as the tokaudit command line sets its own (tokaudit.heap): large "
-                             "blocks kept rather than mapped and unmapped at every step")
+                        help="glibc's heap set to keep large blocks rather than map and unmap them at every "
+                             "step (steadier step times)")
     parser.add_argument("--json", action="store_true", help="the loops' figures as one JSON object, no parts")
     parser.add_argument("--processes", type=int, default=0, metavar="K",
                         help="run the loops in K fresh processes and print each ratio's mean and standard error")
@@ -249,8 +266,6 @@ def main() -> None:
         # Under glibc's defaults this CPU step maps and unmaps its activations: 6,000–8,000 page faults a
         # step in either loop, and step times that swing with the heap's layout, which the recorder's own
         # small tensors move. Kept, neither loop faults.
-        from tokaudit.heap import keep_large_blocks
-
         if not keep_large_blocks():
             parser.error("glibc's heap cannot be set here (not glibc, or a MALLOC_* variable set)")
     torch.set_num_threads(2)
