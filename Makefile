@@ -49,7 +49,7 @@ wheel-smoke: setup
 	$(BIN)/python -m pip wheel -q --no-deps -w build/wheel .
 	$(BIN)/python -m zipfile -e build/wheel/tokaudit-*.whl build/wheel-unpacked
 	cd build && PYTHONPATH=$(CURDIR)/build/wheel-unpacked $(abspath $(BIN))/python -c \
-	  "import tokaudit, tokaudit.cli, tokaudit.hooks, tokaudit.render, tokaudit.render.console; \
+	  "import tokaudit, tokaudit.checks.run, tokaudit.engine.database, tokaudit.normalization.decisions, tokaudit.cli, tokaudit.hooks, tokaudit.render, tokaudit.render.console; \
 	   assert tokaudit.__file__.startswith('$(CURDIR)/build/wheel-unpacked'), tokaudit.__file__; \
 	   print('wheel ok:', tokaudit.__version__)"
 	cd build && PYTHONPATH=$(CURDIR)/build/wheel-unpacked $(abspath $(BIN))/python -m tokaudit --version

@@ -430,13 +430,14 @@ def test_runs_are_audited_separately(tmp_path: Path) -> None:
 def test_world_size_changes_are_found_group_by_group_as_a_group_by_finds_them(as_categories: bool) -> None:
     """world_size_changed per group, in the group-by's order, with the steps where W differs from the
     group's first and the sizes in order of appearance; W and M compared as arrays or as one value each
-    (`engine._constant`'s stride-0 columns). The reference is pandas' group-by, written here."""
-    from tokaudit.checks import RunContext, _Structure
+    (`engine.constant_of`'s stride-0 columns). The reference is pandas' group-by, written here."""
+    from tokaudit.checks.base import RunContext
+    from tokaudit.checks.structure import StructureCheck
     from tokaudit.schema import UNNAMED
 
     def _structure_findings(frame: pd.DataFrame, context: RunContext, block: int = 7) -> list[Any]:
         """The check fed a few steps at a time, in the frame's order."""
-        check = _Structure(context, keep_steps=True)
+        check = StructureCheck(context, keep_steps=True)
         for start in range(0, len(frame), block):
             check.add(frame.iloc[start:start + block])
         return list(check.findings())
@@ -486,8 +487,9 @@ def test_a_finding_s_evidence_step_and_its_steps_do_not_depend_on_the_blocks(
     furthest from 1, the last of equals) a block of steps at a time: the same as one np.lexsort over
     every member, and the same report whatever the block, on random ratios with ties and on a log with
     several weighting findings."""
-    import tokaudit.checks as checks_module
-    from tokaudit.checks import RunContext, _FactorTable, _Weighting
+    import tokaudit.checks.base as checks_module
+    from tokaudit.checks.base import RunContext
+    from tokaudit.checks.weighting import FactorTable, WeightingCheck
     from tokaudit.normalization import DENOMINATORS, KINDS, Denominator, Diagnoses, StepKind
 
     rng = np.random.default_rng(block)
@@ -503,7 +505,7 @@ def test_a_finding_s_evidence_step_and_its_steps_do_not_depend_on_the_blocks(
         denominator = np.full(len(members), DENOMINATORS.index(Denominator.UNEXPLAINED), np.int8)
         diagnoses = Diagnoses(kind, denominator, np.full(len(members), np.nan), distortion[members],
                               np.zeros(len(members), bool), np.full(len(members), np.nan))
-        weighting = _Weighting(_FactorTable(1e-4, np.zeros(0), {}, [], False), context, None, False)
+        weighting = WeightingCheck(FactorTable(1e-4, np.zeros(0), {}, [], False), context, None, False)
         for start in range(0, len(members), block):
             part = slice(start, start + block)
             weighting.add(frame.iloc[part], Diagnoses(*(getattr(diagnoses, name)[part] for name in (

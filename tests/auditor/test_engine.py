@@ -10,7 +10,9 @@ import pytest
 
 from tests.logs import UNEVEN_GA, local_mean, records, write
 from tokaudit.auditing import audit
-from tokaudit.engine import Engine
+from tokaudit.engine import Engine, step_ranges
+from tokaudit.engine.sql import FOOTER_CONSTANTS
+from tokaudit.reader import NULLABLE_COLUMNS
 from tokaudit.loading import load
 
 
@@ -23,7 +25,7 @@ def test_chunked_aggregation_equals_whole(tmp_path: Path) -> None:
     assert all(s.step_range is not None for s in shards)
     whole = Engine.open(shards)
     chunked = Engine.open(shards, chunk_rows=10)
-    assert len(chunked._chunks()) > 1
+    assert len(step_ranges(chunked.shards, chunked.chunk_rows)) > 1
     expected, got = whole.step_table(1e-4), chunked.step_table(1e-4)
     pd.testing.assert_frame_equal(expected, got)
     assert whole.duplicates == chunked.duplicates == {"run": (4, 7, 7, 1)}
@@ -43,7 +45,7 @@ def test_a_column_that_some_ranges_lack_joins_as_nan_there_and_as_values_elsewhe
     write(tmp_path / "run" / "rank-all-000006.parquet", [r for r in rows if r["step"] >= 6])
     shards = load([tmp_path]).shards
     chunked = Engine.open(shards, chunk_rows=10)
-    assert len(chunked._chunks()) > 1
+    assert len(step_ranges(chunked.shards, chunked.chunk_rows)) > 1
     got, whole = chunked.step_table(1e-4), Engine.open(shards).step_table(1e-4)
     pd.testing.assert_frame_equal(whole, got)
     assert got.skipped_true.dtype == np.float64
@@ -93,7 +95,7 @@ def test_an_engine_s_database_keeps_no_threads_for_asynchronous_io(tmp_path: Pat
     and a DuckDB without that setting still opens the log, with the same table."""
     import duckdb
 
-    import tokaudit.engine as engine_module
+    import tokaudit.engine.database as engine_module
 
     write(tmp_path / "run" / "rank-all-000000.parquet", records(UNEVEN_GA, local_mean))
     shards = load([tmp_path]).shards
@@ -123,7 +125,8 @@ def test_the_step_table_is_lean_and_its_ranges_are_joined_without_a_second_copy(
 
     import numpy as np
 
-    from tokaudit.engine import INTEGER_COLUMNS, _join
+    from tokaudit.engine.sql import INTEGER_COLUMNS
+    from tokaudit.engine.tables import join_columns
 
     rows = records(UNEVEN_GA * 4, local_mean, positions=8)
     write(tmp_path / "run" / "rank-all-000000.parquet", rows)
@@ -138,7 +141,7 @@ def test_the_step_table_is_lean_and_its_ranges_are_joined_without_a_second_copy(
     whole = parts * rows_per_part * 8 * len(names)
     tracemalloc.start()
     try:
-        frame = pd.DataFrame(_join(columns), copy=False)
+        frame = pd.DataFrame(join_columns(columns), copy=False)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -150,25 +153,25 @@ def test_the_step_table_is_lean_and_its_ranges_are_joined_without_a_second_copy(
     # their parts are let go then, not when the alias's turn comes, and the alias is the joined array.
     import weakref
 
-    import tokaudit.engine as engine_module
+    import tokaudit.engine.tables as engine_module
 
     shared = [np.arange(5.0), np.arange(5.0, 10.0)]
     alive = [weakref.ref(part) for part in shared]
     columns = {"e_low": shared, "between": [np.ones(5), np.zeros(5)], "tok_low": list(shared)}
     del shared
     seen: list[bool] = []
-    original = engine_module._constant
+    original = engine_module.constant_of
 
     def constant(parts: list[Any]) -> Any:
         if parts[0][0] == 1.0:  # the column in between: the aliased parts must be gone by now
             seen.append(all(ref() is None for ref in alive))
         return original(parts)
 
-    engine_module._constant = constant
+    engine_module.constant_of = constant
     try:
-        joined = _join(columns)
+        joined = join_columns(columns)
     finally:
-        engine_module._constant = original
+        engine_module.constant_of = original
     assert seen == [True] and list(joined) == ["e_low", "between", "tok_low"]
     assert joined["tok_low"] is joined["e_low"] and joined["e_low"].tolist() == list(range(10))
 
@@ -179,7 +182,7 @@ def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_th
     hash table. Its table must be the general one's, whatever the records hold: zero-token ranks, a
     missing rank, non-finite values, probe weights on some records, unknown sync, two loss terms, and a
     step written twice (found and deduplicated the same way)."""
-    import tokaudit.engine as engine_module
+    import tokaudit.engine.database as engine_module
     from tests.logs import token_mean
 
     counts = [[[5], [0], [7], [3]], [[4], [9], [2], [6]], [[1], [1], [8], [0]], [[6], [6], [6], [6]]] * 3
@@ -195,12 +198,12 @@ def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_th
         write(tmp_path / "run" / f"rank-{rank:05d}-000000.parquet", [r for r in rows if r["rank"] == rank])
     write(tmp_path / "run" / "rank-00001-000001.parquet", [r for r in rows if r["rank"] == 1 and r["step"] == 6])
     shards = load([tmp_path]).shards
-    assert engine_module._single_ranks(shards) == (0, 3)
+    assert engine_module.single_rank_range(shards) == (0, 3)
 
     fast = Engine.open(shards, chunk_rows=25)
     fast_steps = fast.step_table(1e-4)
     fast_extremes = Engine.open(shards, chunk_rows=25, extremes=True).step_table(1e-4)
-    monkeypatch.setattr(engine_module, "_single_ranks", lambda shards: None)
+    monkeypatch.setattr(engine_module, "single_rank_range", lambda shards: None)
     general = Engine.open(shards, chunk_rows=25)
     general_steps = general.step_table(1e-4)
     pd.testing.assert_frame_equal(general_steps, fast_steps)
@@ -226,15 +229,15 @@ def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_th
 
 
 def test_the_one_record_form_is_taken_only_when_every_footer_says_microbatch_0(tmp_path: Path) -> None:
-    from tokaudit.engine import RANK_BITS_LIMIT, _single_ranks
+    from tokaudit.engine.sql import RANK_BITS_LIMIT, single_rank_range
 
     write(tmp_path / "a" / "rank-00000.parquet", records([[[3], [4]]], local_mean))
     write(tmp_path / "b" / "rank-00000.parquet", records([[[3, 4], [4, 1]]], local_mean))
     one, two = load([tmp_path / "a"]).shards, load([tmp_path / "b"]).shards
-    assert _single_ranks(one) == (0, 1)
-    assert _single_ranks(two) is None and _single_ranks(one + two) is None
+    assert single_rank_range(one) == (0, 1)
+    assert single_rank_range(two) is None and single_rank_range(one + two) is None
     wide = [one[0].__class__(**{**{f: getattr(one[0], f) for f in one[0].__slots__}, "rank_range": (0, RANK_BITS_LIMIT)})]
-    assert _single_ranks(wide) is None
+    assert single_rank_range(wide) is None
 
 
 def test_ranges_end_between_files_so_that_no_file_is_read_twice(tmp_path: Path) -> None:
@@ -251,12 +254,12 @@ def test_ranges_end_between_files_so_that_no_file_is_read_twice(tmp_path: Path) 
     whole = Engine.open(shards).step_table(1e-4)
     for chunk_rows, ranges in ((30, 3), (50, 2), (10, 3)):  # 24 ≤ 5 × 10: a generation is still whole
         engine = Engine.open(shards, chunk_rows=chunk_rows)
-        chunks = engine._chunks()
+        chunks = step_ranges(engine.shards, engine.chunk_rows)
         assert len(chunks) == ranges
         assert sorted(s.path for _, members in chunks for s in members) == sorted(s.path for s in shards)
         pd.testing.assert_frame_equal(whole, engine.step_table(1e-4))
     engine = Engine.open(shards, chunk_rows=4)  # 24 > 5 × 4: each generation is cut (one step a range)
-    chunks = engine._chunks()
+    chunks = step_ranges(engine.shards, engine.chunk_rows)
     assert len(chunks) == 12 and all(len(members) == 3 for _, members in chunks)
     pd.testing.assert_frame_equal(whole, engine.step_table(1e-4))
 
@@ -331,10 +334,10 @@ def test_a_window_of_steps_is_aggregated_in_the_whole_log_s_ranges_clipped(tmp_p
     shards = load([tmp_path]).shards
     whole = Engine.open(shards, chunk_rows=20).step_table(1e-4)
     window = Engine.open(shards, chunk_rows=20, only_steps=(15, 33))
-    assert [steps for steps, _ in window._chunks()] == [(15, 19), (20, 29), (30, 33)]
+    assert [steps for steps, _ in step_ranges(shards, 20, (15, 33))] == [(15, 19), (20, 29), (30, 33)]
     expected = whole[(whole.step >= 15) & (whole.step <= 33)].reset_index(drop=True)
     pd.testing.assert_frame_equal(window.step_table(1e-4), expected, check_categorical=False)
-    assert [steps for steps, _ in Engine.open(shards, chunk_rows=20, only_steps=(25, 25))._chunks()] == [(25, 25)]
+    assert [steps for steps, _ in step_ranges(shards, 20, (25, 25))] == [(25, 25)]
 
 
 def test_names_become_the_categories_pandas_would_make() -> None:
@@ -342,11 +345,11 @@ def test_names_become_the_categories_pandas_would_make() -> None:
     whatever order, repeats and characters the names come in."""
     import numpy as np
 
-    from tokaudit.engine import _categorical
+    from tokaudit.engine.tables import categorical
 
     for names in (["b", "a", "c", "a", "b"], ["ß", "z", "é", "a b", "z"], ["only"] * 4, []):
         values = np.array(names, dtype=object)
-        got, want = _categorical(values), pd.Categorical(values)
+        got, want = categorical(values), pd.Categorical(values)
         assert list(got.categories) == list(want.categories) == sorted(set(names))
         assert got.codes.tolist() == want.codes.tolist() and got.tolist() == names
 
@@ -359,7 +362,7 @@ def test_a_table_of_several_names_is_put_in_order_a_column_at_a_time() -> None:
 
     import numpy as np
 
-    from tokaudit.engine import _reorder
+    from tokaudit.engine.tables import reorder
 
     rows = 200_000
     random = np.random.default_rng(7)
@@ -376,7 +379,7 @@ def test_a_table_of_several_names_is_put_in_order_a_column_at_a_time() -> None:
         order = np.lexsort((joined["step"], joined["term"].codes, joined["grp"].codes, joined["run"].codes))
         tracemalloc.reset_peak()
         before, _ = tracemalloc.get_traced_memory()
-        _reorder(joined, order)
+        reorder(joined, order)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -391,8 +394,8 @@ def test_a_column_that_never_changes_is_held_as_one_value(tmp_path: Path, monkey
     without that, and only what is constant bit for bit is (0.0 and -0.0 differ, NaN is one value)."""
     import numpy as np
 
-    import tokaudit.engine as engine_module
-    from tokaudit.engine import _constant
+    import tokaudit.engine.database as engine_module
+    from tokaudit.engine.tables import constant_of
 
     rows = records(UNEVEN_GA * 4, local_mean, positions=8)
     write(tmp_path / "run" / "rank-all-000000.parquet", rows)
@@ -402,15 +405,15 @@ def test_a_column_that_never_changes_is_held_as_one_value(tmp_path: Path, monkey
                 if not isinstance(held[name].dtype, pd.CategoricalDtype) and held[name].to_numpy().strides == (0,)}
     assert {"w_low", "w_high", "d_low", "d_high", "records", "ranks", "nonfinite_valid", "skipped_true"} <= constant
     assert not {"step", "tokens", "loss", "e_low", "e_high"} & constant
-    monkeypatch.setattr(engine_module, "_constant", lambda parts: None)
+    monkeypatch.setattr(engine_module, "constant_of", lambda parts: None)
     pd.testing.assert_frame_equal(held, Engine.open(shards, chunk_rows=10).step_table(1e-4))
 
-    assert _constant([np.array([0.0, -0.0])]) is None
-    assert _constant([np.array([2.0, 2.0]), np.array([2.0]), np.array([3.0])]) is None
-    assert _constant([np.array([1, 1], dtype=np.int32), np.array([1.0])]) is None  # joined as float64
-    nan = _constant([np.array([np.nan, np.nan]), np.array([np.nan])])
+    assert constant_of([np.array([0.0, -0.0])]) is None
+    assert constant_of([np.array([2.0, 2.0]), np.array([2.0]), np.array([3.0])]) is None
+    assert constant_of([np.array([1, 1], dtype=np.int32), np.array([1.0])]) is None  # joined as float64
+    nan = constant_of([np.array([np.nan, np.nan]), np.array([np.nan])])
     assert nan is not None and len(nan) == 3 and np.isnan(nan).all() and nan.strides == (0,)
-    seven = _constant([np.full(4, 7, dtype=np.int32), np.broadcast_to(np.int32(7), (3,))])
+    seven = constant_of([np.full(4, 7, dtype=np.int32), np.broadcast_to(np.int32(7), (3,))])
     assert seven is not None and seven.dtype == np.int32 and seven.tolist() == [7] * 7 and not seven.flags.writeable
 
 
@@ -419,7 +422,7 @@ def test_a_range_of_one_run_group_and_term_is_aggregated_without_hashing_names(
     """When every footer of a range shows one (run, group, term), the query neither hashes the names per
     record nor aggregates them per step: they are passed as parameters (any text, quotes included). The
     table is the one the general query makes; a range whose files name two runs takes the general query."""
-    import tokaudit.engine as engine_module
+    import tokaudit.engine.database as engine_module
 
     rows = [dict(r, run_id="it's \"x\" ∑ {names}", group="dp'0") for r in records(UNEVEN_GA * 4, local_mean)]
     for first in range(0, 12, 3):
@@ -427,9 +430,9 @@ def test_a_range_of_one_run_group_and_term_is_aggregated_without_hashing_names(
     other = [dict(r, run_id="second") for r in records(UNEVEN_GA, local_mean)]
     write(tmp_path / "run" / "rank-all-999999.parquet", other)
     shards = load([tmp_path]).shards
-    assert engine_module._one_name(shards) is None
+    assert engine_module.one_name_of(shards) is None
     single = [s for s in shards if s.names == ("it's \"x\" ∑ {names}", "dp'0", "0")]
-    assert len(single) == 4 and engine_module._one_name(single) == single[0].names
+    assert len(single) == 4 and engine_module.one_name_of(single) == single[0].names
     used: list[bool] = []
     original = engine_module.step_sql
 
@@ -441,7 +444,7 @@ def test_a_range_of_one_run_group_and_term_is_aggregated_without_hashing_names(
     fast = Engine.open(single, chunk_rows=10).step_table(1e-4)
     both = Engine.open(shards).step_table(1e-4)
     assert all(used[:-1]) and not used[-1]
-    monkeypatch.setattr(engine_module, "_one_name", lambda shards: None)
+    monkeypatch.setattr(engine_module, "one_name_of", lambda shards: None)
     pd.testing.assert_frame_equal(fast, Engine.open(single, chunk_rows=10).step_table(1e-4))
     pd.testing.assert_frame_equal(both, Engine.open(shards).step_table(1e-4))
     assert set(both.run.astype(str)) == {"it's \"x\" ∑ {names}", "second"}
@@ -453,7 +456,7 @@ def test_the_same_log_gives_the_same_sums_bit_for_bit_whatever_the_threads_did(t
     to the next (so did `curve --csv`). Compensated sums (fsum, favg) carry what each addition rounded
     off, so the partial sums add up to the same double. Losses spanning six orders of magnitude, over
     files read by four threads, make a plain sum differ between runs (this test fails against
-    `sum`/`avg` in every run we made). The same log reduced as a grid (`tokaudit.grid`, its own compensated
+    `sum`/`avg` in every run we made). The same log reduced as a grid (`tokaudit.engine.grid`, its own compensated
     sums in a fixed order) gives the same doubles."""
     import numpy as np
 
@@ -490,8 +493,8 @@ def test_without_a_probe_the_token_extremes_are_the_mean_weights_array(tmp_path:
     keep their own values; the arrays are compared as bits (0.0 and −0.0 differ, NaN is NaN)."""
     import numpy as np
 
-    import tokaudit.engine as engine_module
-    from tokaudit.engine import _same_bits
+    import tokaudit.engine.database as engine_module
+    from tokaudit.engine.tables import same_bits
 
     rows = records(UNEVEN_GA * 4, local_mean)
     write(tmp_path / "plain" / "rank-all-000000.parquet", rows)
@@ -514,8 +517,8 @@ def test_without_a_probe_the_token_extremes_are_the_mean_weights_array(tmp_path:
     assert not np.shares_memory(table.tok_low.to_numpy(), table.e_low.to_numpy())
     assert (table.tok_high > table.e_high).all() and (table.tok_low < table.e_low).all()
 
-    assert not _same_bits(np.array([0.0]), np.array([-0.0])) and _same_bits(np.array([np.nan]), np.array([np.nan]))
-    assert not _same_bits(np.array([1], dtype=np.int32), np.array([1.0]))
+    assert not same_bits(np.array([0.0]), np.array([-0.0])) and same_bits(np.array([np.nan]), np.array([np.nan]))
+    assert not same_bits(np.array([1], dtype=np.int32), np.array([1.0]))
 
 
 def test_the_view_of_every_shard_is_written_only_when_a_per_step_query_reads_it(
@@ -549,11 +552,11 @@ def test_the_view_of_every_shard_is_written_only_when_a_per_step_query_reads_it(
 
 def _same_table(one: pd.DataFrame, other: pd.DataFrame) -> list[str]:
     """The columns in which two step tables differ: name, order, dtype, or any bit (0.0 is not −0.0)."""
-    from tokaudit.engine import _same_bits
+    from tokaudit.engine.tables import same_bits
 
     assert list(one.columns) == list(other.columns)
     return [c for c in one.columns if one[c].dtype != other[c].dtype or not (
-        one[c].equals(other[c]) if one[c].dtype.name == "category" else _same_bits(one[c].to_numpy(), other[c].to_numpy()))]
+        one[c].equals(other[c]) if one[c].dtype.name == "category" else same_bits(one[c].to_numpy(), other[c].to_numpy()))]
 
 
 @pytest.mark.parametrize("counts", [[[[5], [0], [7], [3]], [[4], [9], [2], [6]]], UNEVEN_GA], ids=["one micro", "two micro"])
@@ -568,11 +571,11 @@ def test_aggregates_the_footers_give_are_constants_and_change_no_bit(
     evidence columns, joined across ranges."""
     import pyarrow as pa
 
-    import tokaudit.engine as engine_module
+    import tokaudit.engine.database as engine_module
     from tests.logs import token_mean
     from tokaudit.schema import WRITER_SCHEMA
 
-    optional = sorted(engine_module.NULLABLE_COLUMNS)
+    optional = sorted(NULLABLE_COLUMNS)
     plain = records(counts * 6, local_mean)
     world = plain[0]["world_size"]
     divisor = world * 1.1  # a D no float32 holds
@@ -637,7 +640,7 @@ def test_aggregates_the_footers_give_are_constants_and_change_no_bit(
 
     forms = [full_query(single_ranks, extremes, one_name) for single_ranks in (None, (0, 3))
              for extremes in (False, True) for one_name in (False, True)]
-    for replacements in engine_module.FOOTER_CONSTANTS.values():
+    for replacements in FOOTER_CONSTANTS.values():
         for aggregate, _ in replacements:
             assert any(aggregate in form for form in forms), aggregate
 

@@ -1,4 +1,4 @@
-"""A range whose records form a grid is reduced by numpy (`tokaudit.grid`): the query's step table, or the query."""
+"""A range whose records form a grid is reduced by numpy (`tokaudit.engine.grid`): the query's step table, or the query."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 
-import tokaudit.engine as engine_module
-import tokaudit.grid as grid_module
+import tokaudit.engine.database as engine_module
+import tokaudit.engine.grid as grid_module
 from tests.logs import write
-from tokaudit.engine import Engine, _same_bits
+from tokaudit.engine import Engine
+from tokaudit.engine.tables import same_bits
 from tokaudit.loading import load
 from tokaudit.schema import WRITER_SCHEMA
 
@@ -54,7 +55,7 @@ def _differences(got: Any, expected: Any) -> list[str]:
         elif one.dtype.name == "category":
             if not one.equals(other):
                 differ.append(column)
-        elif not _same_bits(one.to_numpy(), other.to_numpy()):
+        elif not same_bits(one.to_numpy(), other.to_numpy()):
             differ.append(column)
     return differ
 

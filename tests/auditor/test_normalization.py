@@ -348,10 +348,10 @@ def _vote_by_labels(fits: np.ndarray, alphas: np.ndarray, rtol: float) -> tuple[
 
 
 def test_a_block_s_candidates_are_the_whole_table_s_rows_bit_for_bit() -> None:
-    """The table is read a block of steps at a time (`_candidates`, `Decisions`): a block's fits, q,
+    """The table is read a block of steps at a time (`block_fits`, `Decisions`): a block's fits, q,
     nearest fits and α of every candidate are exactly the whole table's at those rows, positions and
     missing weights included."""
-    from tokaudit.normalization import _candidates
+    from tokaudit.normalization import block_fits
 
     rng = np.random.default_rng(3)
     rows = []
@@ -361,9 +361,9 @@ def test_a_block_s_candidates_are_the_whole_table_s_rows_bit_for_bit() -> None:
                              divisor=float(rng.choice([1.0, 2.0, 3.0])),
                              positions=int(rng.integers(1, 99)) if step % 3 else None))
     steps = table(rows)
-    whole = _candidates(steps, 1e-4)
+    whole = block_fits(steps, 1e-4)
     for start, stop in ((0, 1), (1, 120), (120, 300), (299, 300)):
-        part = _candidates(steps.iloc[start:stop], 1e-4)
+        part = block_fits(steps.iloc[start:stop], 1e-4)
         for name in ("fits", "usable", "distortion", "nearest", "nearest_spread", "alphas", "world", "micro"):
             np.testing.assert_array_equal(getattr(part, name), getattr(whole, name)[start:stop], err_msg=name)
 
@@ -372,11 +372,11 @@ def _vote(fits: np.ndarray, alphas: np.ndarray, rtol: float, block: int | None =
           ) -> tuple[np.ndarray, np.ndarray]:
     """The vote (`Decisions`) over these candidates' fits and α, read `block` steps at a time (all at once
     when None): each step's winning candidate and the α it is read with."""
-    from tokaudit.normalization import Decisions, _Block
+    from tokaudit.normalization import Decisions, FitBlock
 
     size = block or max(len(fits), 1)
     ones = np.ones(len(fits))
-    blocks = [_Block(fits[i:i + size], fits[i:i + size, 0], ones[i:i + size], np.full(len(fits[i:i + size]), -1),
+    blocks = [FitBlock(fits[i:i + size], fits[i:i + size, 0], ones[i:i + size], np.full(len(fits[i:i + size]), -1),
                      ones[i:i + size], alphas[i:i + size], ones[i:i + size], ones[i:i + size])
               for i in range(0, len(fits), size)]
     decisions = Decisions.of(blocks, lambda: blocks, rtol)
@@ -440,10 +440,10 @@ def test_spans_read_a_block_at_a_time_are_the_spans_of_the_whole_table(block: in
     rows (`_plain_spans`), on random diagnoses with empty steps, NaN α, runs of equal and alternating
     normalizations, several groups and terms and more spans than MAX_SPANS. A table out of (group,
     term, step) order, even only in a later block, gives the same spans too."""
-    import tokaudit.normalization as normalization
+    import tokaudit.normalization.spans as normalization_spans
     from tokaudit.normalization import DENOMINATORS, KINDS, Diagnoses
 
-    monkeypatch.setattr(normalization, "SPAN_BLOCK", block)
+    monkeypatch.setattr(normalization_spans, "SPAN_BLOCK", block)
     rng = np.random.default_rng(block)
     left_out = []
     for trial in range(12):

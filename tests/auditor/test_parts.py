@@ -22,8 +22,8 @@ SAMPLE_LOGS = Path(__file__).resolve().parents[2] / "sample_logs"
 def _in_parts(monkeypatch: pytest.MonkeyPatch, chunk_rows: int, block: int) -> None:
     """Every table kept on disk, in ranges of about `chunk_rows` records, read `block` steps at a time, and
     every column the vote and the checks sort (α, q) kept on disk in sorted runs of `block` + 2 values."""
-    import tokaudit.checks as checks
-    import tokaudit.engine as engine
+    import tokaudit.checks.base as checks
+    import tokaudit.engine.database as engine
     import tokaudit.sorting as sorting
 
     monkeypatch.setattr(sorting, "RUN_VALUES", block + 2)
@@ -64,7 +64,7 @@ def _miscounted_log(folder: Path) -> Path:
 
 def _count_parts_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The rows of each part of a table on disk as it is read back (`engine.Spilled.parts`), in order."""
-    import tokaudit.engine as engine
+    import tokaudit.engine.database as engine
 
     read: list[int] = []
     original = engine.Spilled.parts
@@ -136,7 +136,7 @@ def test_a_long_run_is_audited_from_disk_a_part_at_a_time(tmp_path: Path, monkey
     """The memory bound's mechanism: past SPILL_STEPS the step table is kept on disk and read a range at a
     time, so what the audit allocates at its peak is a fraction of what the whole table costs, with the
     same report. 30,000 steps of 2 ranks, half of them rank-local means, in ranges of 2,000 steps."""
-    import tokaudit.engine as engine
+    import tokaudit.engine.database as engine
 
     rng = np.random.default_rng(3)
     counts = [[[int(rng.integers(1, 300))], [int(rng.integers(1, 300))]] for _ in range(30_000)]
@@ -176,7 +176,7 @@ def test_the_table_on_disk_is_removed_and_a_tmpdir_it_cannot_use_is_one_line(
 
     from click.testing import CliRunner
 
-    import tokaudit.engine as engine
+    import tokaudit.engine.database as engine
     from tokaudit.cli import main
 
     log = _mixed_log(tmp_path / "mixed" / "run")
@@ -210,7 +210,7 @@ def test_the_table_on_disk_is_removed_and_a_tmpdir_it_cannot_use_is_one_line(
 def test_the_names_a_range_holds_are_its_rows_names() -> None:
     """`Spilled` notes each range's (run, group, term) from its categories' codes: the same set as every
     row's names read as text, unused categories and a missing name included."""
-    from tokaudit.engine import _names
+    from tokaudit.engine.tables import table_names
 
     rng = np.random.default_rng(9)
     for _ in range(20):
@@ -219,7 +219,7 @@ def test_the_names_a_range_holds_are_its_rows_names() -> None:
                  for name, choices in (("run", ["a", "b"]), ("grp", ["0", "dp1", "dp2"]), ("term", ["0", "aux"]))}
         table["grp"][rng.random(count) < 0.1] = np.nan
         rows = pd.DataFrame({name: np.asarray(values).astype(str) for name, values in table.items()})
-        assert _names(table) == set(map(tuple, rows.drop_duplicates().itertuples(index=False)))
+        assert table_names(table) == set(map(tuple, rows.drop_duplicates().itertuples(index=False)))
 
 
 def test_a_file_with_a_nan_divisor_is_named_whether_the_table_is_kept_on_disk_or_not(
@@ -245,7 +245,7 @@ def test_a_long_curve_is_drawn_and_written_from_disk_a_part_at_a_time(tmp_path: 
 
     from click.testing import CliRunner
 
-    import tokaudit.engine as engine
+    import tokaudit.engine.database as engine
     from tokaudit.cli import main
 
     log = _mixed_log(tmp_path / "mixed" / "run")
@@ -341,7 +341,7 @@ def test_a_step_that_is_not_there_is_named_from_the_table_read_a_part_at_a_time(
     the footers cannot single out is still found."""
     from click.testing import CliRunner
 
-    import tokaudit.engine as engine
+    import tokaudit.engine.database as engine
     from tokaudit.cli import main
 
     log = _mixed_log(tmp_path / "mixed" / "run")

@@ -164,7 +164,7 @@ def test_a_column_of_nulls_alone_reads_as_its_nulls_not_as_a_wrong_type(tmp_path
     Arrow's null type: an optional column of it is the column's nulls, as if absent, on a rank's file or
     on all; a required one is a null value, as any other. The same when numpy reduces the log as a grid."""
     import tokaudit.auditing as auditing
-    import tokaudit.engine as engine
+    import tokaudit.engine.database as engine
     from tokaudit.render.json_report import render_json
 
     reduced: list[bool] = []

@@ -54,8 +54,9 @@ def test_clusters_and_medians_from_disk_are_those_of_the_column_in_memory(monkey
                                                                          seed: int) -> None:
     """The vote's clusters of α, the uniform factors' (cluster, W) medians and the unknown divisor's median
     q, from runs on disk: the same numbers, bit for bit, as from the column held whole."""
-    from tokaudit.checks import _median, _pairs
-    from tokaudit.normalization import _clusters
+    from tokaudit.checks.base import median_of
+    from tokaudit.checks.weighting import factor_pairs
+    from tokaudit.normalization.fits import clusters_of
 
     rng = np.random.default_rng(100 + seed)
     values = _draw(rng, int(rng.integers(40, 300)))
@@ -64,9 +65,9 @@ def test_clusters_and_medians_from_disk_are_those_of_the_column_in_memory(monkey
     keys = rng.choice([2, 4, 8], len(values))
 
     def results() -> tuple[object, ...]:
-        anchors, medians = _clusters(_column(values, keys, 11), 1e-4)
-        bounds, pairs, counts, centers = _pairs(_column(values[~np.isnan(values)], keys[~np.isnan(values)], 11), 1e-4)
-        return (anchors.tolist(), medians, bounds.tolist(), pairs, counts, centers, _median(_column(values, keys, 11)))
+        anchors, medians = clusters_of(_column(values, keys, 11), 1e-4)
+        bounds, pairs, counts, centers = factor_pairs(_column(values[~np.isnan(values)], keys[~np.isnan(values)], 11), 1e-4)
+        return (anchors.tolist(), medians, bounds.tolist(), pairs, counts, centers, median_of(_column(values, keys, 11)))
 
     whole = results()
     monkeypatch.setattr(sorting, "RUN_VALUES", int(rng.integers(3, 30)))

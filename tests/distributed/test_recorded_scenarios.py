@@ -195,8 +195,8 @@ def test_the_recordings_audited_from_disk_a_few_steps_at_a_time_give_the_same_di
     expected, none of the correct constructions flagged."""
     import json
 
-    import tokaudit.checks as checks
-    import tokaudit.engine as engine
+    import tokaudit.checks.base as checks
+    import tokaudit.engine.database as engine
     import tokaudit.sorting as sorting
     from tests.expected import EXPECTED_VERDICT
     from tokaudit.auditing import audit
@@ -219,10 +219,10 @@ def test_the_recordings_reduced_as_grids_give_the_same_diagnosis(
         recordings: dict[str, Any], scenario: Scenario, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same real DDP recordings, audited as a log of more than EVIDENCE_ROWS records is: the recorder's
     shards (one rank a file, in step and microbatch order) reduced by numpy as a grid per data-parallel
-    group wherever they form one (`tokaudit.grid`), the evidence aggregated per finding. The report is the one without grids, byte
+    group wherever they form one (`tokaudit.engine.grid`), the evidence aggregated per finding. The report is the one without grids, byte
     for byte, and every verdict as expected."""
     import tokaudit.auditing as auditing
-    import tokaudit.engine as engine
+    import tokaudit.engine.database as engine
     from tests.expected import EXPECTED_VERDICT
     from tokaudit.auditing import audit
     from tokaudit.render.json_report import render_json

@@ -164,11 +164,11 @@ def test_a_near_miss_is_named_with_how_far_it_is_off(recorded: Any) -> None:
 def test_the_set_ups_reduced_as_grids_give_the_same_diagnosis(recorded: Any, name: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The same real DDP recordings audited as a log of more than EVIDENCE_ROWS records is, numpy reducing
-    every range whose records form a grid (`tokaudit.grid`), several loss terms a file included: the report
+    every range whose records form a grid (`tokaudit.engine.grid`), several loss terms a file included: the report
     of the query byte for byte, and the verdict the float64 reference gives. The recordings of several
     terms (each rank's records a file, the terms in turn at every microbatch) are reduced as grids."""
     import tokaudit.auditing as auditing
-    import tokaudit.engine as engine
+    import tokaudit.engine.database as engine
     from tokaudit.render.json_report import render_json
 
     root, _ = recorded

@@ -1,0 +1,131 @@
+"""One run's checks: every check fed the run's step table block by block, and their findings."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from tokaudit.checks.base import Check, Extremes, RunContext, RunSteps, column_of, world_sizes
+from tokaudit.checks.miscount import without_miscounted
+from tokaudit.checks.reported import reported_findings
+from tokaudit.checks.structure import DivisorCheck, MissingRanksCheck, ProbeCheck, StructureCheck, SyncCheck, ValuesCheck, WeightPresenceCheck, duplicates_finding
+from tokaudit.checks.weighting import BalancedCheck, FactorTable, WeightingCheck
+from tokaudit.engine import one_value
+from tokaudit.normalization import Decisions, FitBlock, Span, Spans, block_fits, span_rows
+from tokaudit.report import Finding
+
+
+def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
+              duplicates: tuple[int, int, int, int] | None = None,
+              extremes: Extremes | None = None) -> tuple[list[Finding], list[Span], int]:
+    """All checks for one run's steps (every group and term): its findings, its normalization spans
+    (at most `MAX_SPANS` per group and term) and how many spans were left out.
+
+    Each loss term is its own token mean (SPEC §1): recovery and weight checks run per term.
+    `duplicates`: (records dropped, first step, last step, steps) when the reader found repeated keys.
+    `extremes`: where the heaviest and lightest token of an evidence step were, when the table does not
+    hold them (the audit aggregates them for the few steps a finding names).
+
+    Each term's table is read three times: twice for the run's decisions (`Decisions.of`, the first also
+    for W, D and M), once for every check; once more for the uniform factors' clusters (`FactorTable`)
+    where some step may be uniformly off, and twice for the reported losses where there are some.
+
+    A whole table has the steps whose counts the probe contradicts left out here (`without_miscounted`, one
+    count_mismatch finding); a RunSteps is taken as given, as the audit leaves them out before."""
+    if isinstance(steps, RunSteps):
+        source, miscounted = steps, None  # the audit leaves its miscounted steps out itself, for its summary too
+    else:
+        source, miscounted = without_miscounted(RunSteps.of(steps), rtol)
+    findings: list[Finding] = []
+    spans: list[Span] = []
+    omitted = 0
+    terms = source.terms
+    # W over every term: read with the main term's first pass when it is the only one.
+    sizes: set[int] | None = None if len(terms) == 1 else {w for block in source.blocks() for w in world_sizes(block)}
+    reported = len(terms) > 1
+    for term in terms:
+        shape = _Shape()
+
+        def observed(term: str = term) -> Iterator[FitBlock]:
+            for block in source.blocks(term):
+                shape.add(block)
+                yield block_fits(block, rtol)
+
+        def again(term: str = term) -> Iterator[FitBlock]:
+            return (block_fits(block, rtol) for block in source.blocks(term))
+
+        decisions = Decisions.of(observed(), again, rtol)
+        if not shape.blocks:
+            continue  # every step of the term was left out (count_mismatch)
+        if sizes is None:
+            sizes = shape.worlds
+        reported = reported or shape.reported
+        context = shape.context(run, term, tuple(sorted(sizes)), rtol)
+        # q's clusters need every uniform q ≠ 1 first: read once more only where a step may have one.
+        factors = FactorTable.of(((block, decisions.diagnose(block)) for block in source.blocks(term)), context) \
+            if decisions.may_be_off else FactorTable(rtol, np.zeros(0), {}, [], False)
+        keep_steps = len(source.groups) > 1  # a step number repeats across groups: counted as a set
+        weighting = WeightingCheck(factors, context, extremes, keep_steps)
+        checks: list[Check] = [StructureCheck(context, keep_steps), SyncCheck(context, keep_steps)] if term == terms[0] else []
+        checks += [ValuesCheck(context, keep_steps), ProbeCheck(context, keep_steps), MissingRanksCheck(context, keep_steps),
+                   DivisorCheck(context, keep_steps), WeightPresenceCheck(context, keep_steps)]
+        balanced = BalancedCheck(context, keep_steps, decisions.confused)
+        term_spans = Spans()
+        for block in source.blocks(term):
+            diagnoses = decisions.diagnose(block)
+            weighting.add(block, diagnoses)
+            for check in checks:
+                check.add(block)
+            balanced.add(block, diagnoses)
+            term_spans.add(span_rows(block, diagnoses, source.groups, 0))
+        findings.extend(weighting.findings())
+        for check in checks:
+            findings.extend(check.findings())
+        findings.extend(balanced.findings())
+        listed, left_out = term_spans.listed(source.groups, [term])
+        spans.extend(listed)
+        omitted += left_out
+    if reported:
+        findings.extend(reported_findings(source, run, rtol, terms[0]))
+    if duplicates is not None:
+        findings.append(duplicates_finding(duplicates, run))
+    if miscounted:
+        findings.append(miscounted.finding(run))
+    return findings, spans, omitted
+
+class _Shape:
+    """What a term's first pass notes besides the decisions: W and D's counts (their most frequent values,
+    the smallest among equally frequent, as pandas' mode), the largest M, every W, and whether any step
+    has a reported loss."""
+
+    def __init__(self) -> None:
+        self.worlds: set[int] = set()
+        self.world_counts: dict[Any, int] = {}
+        self.divisor_counts: dict[Any, int] = {}
+        self.microbatches = -math.inf
+        self.reported = False
+        self.blocks = 0
+
+    def add(self, block: pd.DataFrame) -> None:
+        self.blocks += 1
+        self.worlds.update(world_sizes(block))
+        for counts, column in ((self.world_counts, block.w_high), (self.divisor_counts, block.d_high)):
+            values = column.to_numpy()
+            repeat = len(values) if one_value(values) else 1
+            values = values[:1] if repeat > 1 else values
+            found, times = np.unique(values[~pd.isna(values)], return_counts=True)
+            for value, count in zip(found.tolist(), times.tolist()):
+                counts[value] = counts.get(value, 0) + count * repeat
+        self.microbatches = max(self.microbatches, float(block.m_high.max()))
+        self.reported = self.reported or bool((column_of(block, "reported") > 0).any())
+
+    def context(self, run: str, term: str, sizes: tuple[int, ...], rtol: float) -> RunContext:
+        def mode(counts: dict[Any, int]) -> Any:
+            return min(counts, key=lambda value: (-counts[value], value)) if counts else math.nan
+
+        return RunContext(run=run, term=term, world_size=int(mode(self.world_counts)), world_sizes=sizes,
+                          microbatches=int(self.microbatches), divisor=float(mode(self.divisor_counts)), rtol=rtol)

@@ -1,0 +1,304 @@
+"""Checks of the log's structure and values: W, ranks, sync, probe, divisor, weights present, duplicates."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from tokaudit.checks.base import Check, FlaggedSteps, ListedSteps, RunContext, StepsSeen, column_of, differ_rows, grouped, make_finding, median_of, nan_sum, step_list
+from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
+from tokaudit.report import Finding, StepRange
+from tokaudit.schema import UNNAMED
+from tokaudit.sorting import SortedColumn
+
+
+ALL_CODES: tuple[Code, ...] = tuple(Code)
+
+class StructureCheck(Check):
+    """world_size_inconsistent, world_size_changed, uneven_microbatches. W's changes are looked for group
+    by group, in the groups' order: the sizes in order of appearance, and the steps where W is not the
+    group's first."""
+
+    def __init__(self, context: RunContext, keep_steps: bool) -> None:
+        super().__init__(context, keep_steps)
+        self.inconsistent = FlaggedSteps(keep_steps)
+        self.uneven = FlaggedSteps(keep_steps)
+        self.changes: dict[str, tuple[list[int], StepsSeen]] = {}
+
+    def add(self, block: pd.DataFrame) -> None:
+        self.inconsistent.add(block, differ_rows(block, "w_low", "w_high"))
+        self.uneven.add(block, differ_rows(block, "m_low", "m_high"))
+        world = column_of(block, "w_high")
+        for group, rows in grouped(block.grp):
+            values = world[rows]
+            if group not in self.changes:
+                self.changes[group] = ([int(values[0])], self.steps())
+            sizes, changed = self.changes[group]
+            new = values[np.sort(np.unique(values, return_index=True)[1])]  # in order of appearance
+            sizes.extend(int(w) for w in new if int(w) not in sizes)
+            changed.add(column_of(block, "step")[rows][values != sizes[0]])
+
+    def findings(self) -> Iterator[Finding]:
+        context = self.context
+        if self.inconsistent:
+            row = self.inconsistent.first
+            yield make_finding(context, Code.WORLD_SIZE_INCONSISTENT, self.inconsistent.steps,
+                           f"Ranks disagree on W within one step (step {int(row.step)}: W from {int(row.w_low)} to "
+                           f"{int(row.w_high)}).",
+                           "derive W from the process group that averages the gradients "
+                           "(dist.get_world_size(ddp_model.process_group)) on every rank",
+                           {"step": int(row.step), "world_size_low": int(row.w_low), "world_size_high": int(row.w_high)})
+        for group in sorted(self.changes):
+            sizes, changed = self.changes[group]
+            if len(sizes) > 1:
+                yield make_finding(context, Code.WORLD_SIZE_CHANGED, changed,
+                               f"W changed between steps{'' if group == UNNAMED else f' in group {group}'}: "
+                               f"{' → '.join(map(str, sizes))} (an elastic restart or a resume on other hardware).",
+                               "nothing to fix if the restart was intended; check that N and W were recomputed after it",
+                               {"world_sizes": sizes})
+        if self.uneven:
+            row = self.uneven.first
+            yield make_finding(context, Code.UNEVEN_MICROBATCHES, self.uneven.steps,
+                           f"Ranks ran different numbers of microbatches in one step (step {int(row.step)}: from "
+                           f"{int(row.m_low)} to {int(row.m_high)}); every backward that syncs must be matched on all "
+                           "ranks, and N must count every microbatch.",
+                           "give every rank the same number of microbatches per step (pad with empty ones that "
+                           "still run backward with a zero contribution)",
+                           {"step": int(row.step), "microbatches_low": int(row.m_low),
+                            "microbatches_high": int(row.m_high)})
+
+class ValuesCheck(Check):
+    """nonfinite_values, zero_token_nonfinite, empty_update. Non-finite values of an update the
+    trainer skipped (a GradScaler overflow) did not reach the weights: they are not errors."""
+
+    def __init__(self, context: RunContext, keep_steps: bool) -> None:
+        super().__init__(context, keep_steps)
+        self.nonfinite, self.nonfinite_records = self.steps(), 0.0
+        self.zero_bad, self.zero_records = self.steps(), 0.0
+        self.empty, self.empty_listed, self.disagree_listed = self.steps(), ListedSteps(), ListedSteps()
+        self.unmarked = self.empty_nonfinite = False
+
+    def add(self, block: pd.DataFrame) -> None:
+        step = column_of(block, "step")
+        skipped_true, skipped_false = column_of(block, "skipped_true"), column_of(block, "skipped_false")
+        nonfinite_valid, nonfinite_zero = column_of(block, "nonfinite_valid"), column_of(block, "nonfinite_zero")
+        nonfinite = (nonfinite_valid > 0) & ~(skipped_true > 0)
+        self.nonfinite.add(step[nonfinite])
+        self.nonfinite_records += nan_sum(nonfinite_valid[nonfinite])
+        self.zero_bad.add(step[nonfinite_zero > 0])
+        self.zero_records += nan_sum(nonfinite_zero)
+        empty = column_of(block, "tokens") == 0
+        if empty.any():
+            disagree = (skipped_true[empty] > 0) & (skipped_false[empty] > 0)
+            self.empty_nonfinite = self.empty_nonfinite or bool((nonfinite_zero[empty] > 0).any())
+            self.unmarked = self.unmarked or bool((skipped_true[empty] == 0).any())
+            self.empty.add(step[empty])
+            self.empty_listed.add(step[empty])
+            self.disagree_listed.add(step[empty][disagree])
+
+    def findings(self) -> Iterator[Finding]:
+        context = self.context
+        if self.nonfinite:
+            records = int(self.nonfinite_records)
+            yield make_finding(context, Code.NONFINITE_VALUES, self.nonfinite,
+                           f"NaN or infinity in S, b, g, D or the probe columns of {records} record(s) with valid tokens; "
+                           "the reduced gradient of those steps is not finite, or its weight cannot be read.",
+                           "find the first non-finite loss (torch.autograd.set_detect_anomaly) and guard the division; "
+                           "record finite grad_scale and grad_divisor values",
+                           {"records": records, "first_step": int(self.nonfinite.range().first)})
+        if self.zero_bad:
+            yield make_finding(context, Code.ZERO_TOKEN_NONFINITE, self.zero_bad,
+                           f"{int(self.zero_records)} record(s) with no valid token have a non-finite backward "
+                           "scalar: the code divided by its own zero count (0/0), and DDP spreads the NaN to every rank.",
+                           "divide by the global count N (clamped to at least 1), never by the local count; a rank "
+                           "with no valid token backpropagates an exact zero that stays connected to the graph",
+                           {"records": int(self.zero_records)})
+        if self.empty:
+            disagree = self.disagree_listed.count > 0
+            severity = Severity.ERROR if self.empty_nonfinite or disagree else Severity.INFO
+            details = []
+            if disagree:
+                details.append(f"ranks disagree on skipping it at step(s) {self.disagree_listed.text()}")
+            if self.empty_nonfinite:
+                details.append("some ranks backpropagated a non-finite value")
+            if self.unmarked and not disagree:
+                details.append("the log does not say the update was skipped; an optimizer step on zero gradients still "
+                               "moves weights through momentum and weight decay")
+            yield make_finding(context, Code.EMPTY_UPDATE, self.empty,
+                           f"No valid token anywhere in {self.empty_listed.count} step(s) (N = 0)"
+                           + (": " + "; ".join(details) if details else ", and every rank skipped it together."),
+                           "decide from the global N (known to every rank after one all-reduce): when N = 0, every rank "
+                           "runs backward on a zero loss and skips optimizer.step() together",
+                           {"steps": self.empty_listed.text()}, severity=severity)
+
+class SyncCheck(Check):
+    """missing_sync, sync_every_micro."""
+
+    def __init__(self, context: RunContext, keep_steps: bool) -> None:
+        super().__init__(context, keep_steps)
+        self.missing, self.unsynced = self.steps(), 0.0
+        self.every, self.every_count, self.multi_count = self.steps(), 0, 0
+
+    def add(self, block: pd.DataFrame) -> None:
+        step, unsynced = column_of(block, "step"), column_of(block, "unsynced_ranks")
+        self.missing.add(step[unsynced > 0])
+        self.unsynced += nan_sum(unsynced)
+        records = column_of(block, "records")
+        multi = (column_of(block, "m_high") > 1) & (column_of(block, "sync_known") == records)
+        every = multi & (column_of(block, "sync_true") == records)
+        self.every.add(step[every])
+        self.every_count += int(every.sum())
+        self.multi_count += int(multi.sum())
+
+    def findings(self) -> Iterator[Finding]:
+        if self.missing:
+            yield make_finding(self.context, Code.MISSING_SYNC, self.missing,
+                           f"The last microbatch of a step did not synchronize gradients on "
+                           f"{int(self.unsynced)} rank-step(s): those ranks stepped on their local gradient.",
+                           "run the last microbatch's forward and backward outside model.no_sync()",
+                           {"rank_steps": int(self.unsynced)})
+        if self.every_count and self.every_count == self.multi_count:
+            yield make_finding(self.context, Code.SYNC_EVERY_MICRO, self.every,
+                           f"Every microbatch synchronized gradients in {self.every_count} multi-microbatch step(s): "
+                           f"correct, but {self.context.microbatches}× the communication.",
+                           "wrap all but the last microbatch in model.no_sync()", {"steps": self.every_count})
+
+class ProbeCheck(Check):
+    """nonuniform_in_microbatch, masked_tokens_weighted."""
+
+    def __init__(self, context: RunContext, keep_steps: bool) -> None:
+        super().__init__(context, keep_steps)
+        self.nonuniform, self.nonuniform_records = self.steps(), 0.0
+        self.masked, self.masked_records = self.steps(), 0.0
+
+    def add(self, block: pd.DataFrame) -> None:
+        step = column_of(block, "step")
+        nonuniform, masked = column_of(block, "probe_nonuniform"), column_of(block, "masked_weighted")
+        self.nonuniform.add(step[nonuniform > 0])
+        self.nonuniform_records += nan_sum(nonuniform)
+        self.masked.add(step[masked > 0])
+        self.masked_records += nan_sum(masked)
+
+    def findings(self) -> Iterator[Finding]:
+        if self.nonuniform:
+            yield make_finding(self.context, Code.NONUNIFORM_IN_MICROBATCH, self.nonuniform,
+                           f"Valid tokens of one microbatch got different weights in {int(self.nonuniform_records)} "
+                           "record(s): a per-sequence or per-document mean, or a token weighting. Legitimate only when "
+                           "chosen on purpose.",
+                           "for the token-mean objective, sum per-token losses over the microbatch and divide once by N",
+                           {"records": int(self.nonuniform_records)})
+        if self.masked:
+            yield make_finding(self.context, Code.MASKED_TOKENS_WEIGHTED, self.masked,
+                           f"Positions that are not valid and whose loss is not 0 (padding labelled as a real token, "
+                           f"a mask applied after the loss) carry weight in {int(self.masked_records)} "
+                           "record(s): their loss is trained.",
+                           "label padding and ignored positions with ignore_index (their loss is then exactly 0), or "
+                           "mask per-token losses before reducing; divide by the valid-token count",
+                           {"records": int(self.masked_records)})
+
+class MissingRanksCheck(Check):
+    """missing_rank: fewer ranks than W recorded a step that others recorded."""
+
+    def __init__(self, context: RunContext, keep_steps: bool) -> None:
+        super().__init__(context, keep_steps)
+        self.missing = FlaggedSteps(keep_steps)
+
+    def add(self, block: pd.DataFrame) -> None:
+        self.missing.add(block, column_of(block, "ranks") < column_of(block, "w_high"))
+
+    def findings(self) -> Iterator[Finding]:
+        if not self.missing:
+            return
+        first = self.missing.first
+        w = int(first.w_high)
+        mask = 0 if pd.isna(first.rank_mask) else int(first.rank_mask)
+        absent = [r for r in range(min(w, 64)) if not mask >> r & 1]
+        listed = f"ranks {step_list(absent)}" if w <= 64 else f"{w - int(first.ranks)} ranks (of those below 64: {step_list(absent)})"
+        yield make_finding(self.context, Code.MISSING_RANK, self.missing.steps,
+                       f"{self.missing.rows} step(s) lack records from some ranks (step {int(first.step)}: {listed} "
+                       f"of W={w} have none). A rank that skips backward or a collective desynchronizes DDP; if it only "
+                       "skipped recording, its tokens are missing from N here.",
+                       "every rank runs forward, backward and every collective each microbatch, with a zero loss when "
+                       "it has no valid token",
+                       {"step": int(first.step), "missing_ranks": absent, "world_size": w})
+
+class DivisorCheck(Check):
+    """unknown_divisor: D could not be seen, so the weights' absolute scale is not judged."""
+
+    def __init__(self, context: RunContext, keep_steps: bool) -> None:
+        super().__init__(context, keep_steps)
+        self.unknown, self.records, self.rows = self.steps(), 0.0, 0
+        self.weighted = False
+        self.q = SortedColumn()
+
+    def add(self, block: pd.DataFrame) -> None:
+        unknown = (column_of(block, "unknown_divisor") > 0) & (column_of(block, "tokens") > 0)
+        if not unknown.any():
+            return
+        self.unknown.add(column_of(block, "step")[unknown])
+        self.records += nan_sum(column_of(block, "unknown_divisor")[unknown])
+        self.rows += int(unknown.sum())
+        weighted = unknown & (column_of(block, "weighted_records") > 0)
+        if weighted.any():
+            self.weighted = True
+            e_low, e_high = column_of(block, "e_low")[weighted], column_of(block, "e_high")[weighted]
+            self.q.add((e_low + e_high) / 2 * column_of(block, "tokens")[weighted])
+
+    def findings(self) -> Iterator[Finding]:
+        if not self.unknown:
+            return
+        context = self.context
+        evidence: dict[str, Any] = {"records": int(self.records), "world_size": context.world_size}
+        detail = ""
+        if self.weighted:
+            # The log assumed D = W; with a summing reduction (D = 1) every weight is W× larger.
+            q = median_of(self.q)
+            self.q.close()
+            evidence.update({"distortion_if_average": q, "distortion_if_sum": q * context.world_size})
+            detail = (f" If the reduction averages (D = W = {context.world_size}), tokens got q = e·N = {q:.4g}; "
+                      f"if it sums (D = 1), q = {q * context.world_size:.4g} (correct is 1).")
+        yield make_finding(context, Code.UNKNOWN_DIVISOR, self.unknown,
+                       f"The divisor D of the gradient reduction could not be seen in {self.rows} step(s) (a DDP comm hook "
+                       "the recorder does not know, or no DDP model given), so the absolute scale of the weights is not "
+                       f"judged; relative checks (local means, per-microbatch denominators) still ran.{detail}",
+                       "tell the recorder what the reduction divides by: Recorder(..., grad_divisor=1) for a summing "
+                       f"hook, grad_divisor={context.world_size} for an average (or pass the DDP model as model=)",
+                       evidence)
+
+class WeightPresenceCheck(Check):
+    """no_weights: valid records without a usable weight (no b and no probe, or S = 0 without a probe)."""
+
+    def __init__(self, context: RunContext, keep_steps: bool) -> None:
+        super().__init__(context, keep_steps)
+        self.unweighted, self.records, self.none_at_all = self.steps(), 0.0, 0
+
+    def add(self, block: pd.DataFrame) -> None:
+        unweighted_records = column_of(block, "unweighted_records")
+        unweighted = unweighted_records > 0
+        self.unweighted.add(column_of(block, "step")[unweighted])
+        self.records += nan_sum(unweighted_records[unweighted])
+        self.none_at_all += int((unweighted & (column_of(block, "weighted_records") == 0)).sum())
+
+    def findings(self) -> Iterator[Finding]:
+        if not self.unweighted:
+            return
+        records = int(self.records)
+        yield make_finding(self.context, Code.NO_WEIGHTS, self.unweighted,
+                       f"{records} record(s) with valid tokens carry no usable weight (no backward scalar and no probe, "
+                       f"or a loss sum of 0 without a probe); {self.none_at_all} step(s) have no weight at all, so their "
+                       "normalization cannot be judged.",
+                       "record backward_scalar= with every record, or wrap the per-token loss in rec.probe()",
+                       {"records": records, "steps_without_weight": self.none_at_all})
+
+def duplicates_finding(duplicates: tuple[int, int, int, int], run: str) -> Finding:
+    """duplicate_records: the engine kept the later of each repeated (group, term, step, micro, rank)."""
+    copies, first, last, count = duplicates
+    return Finding(run=run, code=Code.DUPLICATE_RECORDS, severity=DEFAULT_SEVERITY[Code.DUPLICATE_RECORDS],
+                   steps=StepRange(first, last, count),
+                   message=f"{copies} record(s) repeat a (group, term, step, micro, rank) already logged, e.g. after a "
+                           "resume that replayed steps; the later record (by `time`, then file) was kept.",
+                   fix="resume from the checkpoint's step and start a new shard sequence; or delete the older shards",
+                   evidence={"dropped_records": copies})

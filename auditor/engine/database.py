@@ -1,0 +1,482 @@
+"""DuckDB over the shards: per-record weights aggregated to one row per (run, group, term, step).
+
+Memory stays bounded however large the log: DuckDB streams the Parquet files, aggregates spill to disk past
+`memory_limit`, and only the per-step table (one row per optimizer step and group) comes back to Python."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.dataset as pads
+
+from tokaudit.engine.ranges import CHUNK_ROWS, step_ranges
+from tokaudit.engine.sql import EXTREME_COLUMNS, MEAN_WEIGHT_EXTREMES, ONE_RECORD_SHAPE, UNUSABLE_RECORD, footer_facts, footer_table, one_name_of, select_records, single_rank_range, sql_string, step_sql, valueless_columns
+from tokaudit.engine.tables import SPILL_STEPS, Spilled, add_duplicates, categorical, constant_of, join_columns, reorder, same_bits
+from tokaudit.errors import UsageError
+from tokaudit.engine.grid import Grid, grid_table, grids_of
+from tokaudit.reader import Shard
+
+
+DEFAULT_MEMORY_LIMIT = "768MB"
+
+GRID_BLOCK_ROWS = 1 << 18
+"""Records of a grid reduced at a time (`tokaudit.grid`): its temporaries, about 25 arrays of them, stay small."""
+
+_PLAIN_PATH = re.compile(r"^[A-Za-z0-9._/+=,@%:-]+$")
+"""Paths DuckDB reads literally (no pattern, no escape): others are given to it through a link."""
+
+_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|%)\s*$", re.IGNORECASE)
+"""A size DuckDB reads: a number and a unit (it refuses a number alone), or a share of the memory."""
+
+def settings_from_environment() -> tuple[str, int]:
+    """(memory limit, chunk rows) from TOKAUDIT_MEMORY_LIMIT and TOKAUDIT_CHUNK_ROWS, checked."""
+    memory = os.environ.get("TOKAUDIT_MEMORY_LIMIT", DEFAULT_MEMORY_LIMIT)
+    if not _MEMORY.match(memory):
+        raise UsageError(f"TOKAUDIT_MEMORY_LIMIT={memory!r} is not a size (examples: 768MB, 2GiB)")
+    chunk = os.environ.get("TOKAUDIT_CHUNK_ROWS", str(CHUNK_ROWS))
+    if not chunk.strip().isdigit() or int(chunk) < 1:
+        raise UsageError(f"TOKAUDIT_CHUNK_ROWS={chunk!r} is not a positive whole number of rows")
+    return memory.strip(), int(chunk)
+
+_QUIET_IO = {"async_threads": 0}
+"""Settings a DuckDB that knows them takes. DuckDB 2 starts 8 threads of its own for asynchronous I/O in every
+database, whatever `threads` says; on local files they only wake and sleep, taking CPU from the query."""
+
+_NAN_SAFE = "SET parquet_can_have_nan = true"
+"""DuckDB 2 takes a float column's footer statistics for the truth unless told otherwise: on a file whose
+statistics say min = max = 1.0 (pyarrow leaves NaN out of them and writes no NaN count), `WHERE isnan(x)`
+skips the row group and finds nothing, and max(x) is 1.0. A NaN is what the audit looks for."""
+
+def _connect(config: dict[str, Any]) -> duckdb.DuckDBPyConnection:
+    """An in-memory database with `config`, and `_QUIET_IO` and `_NAN_SAFE` where this DuckDB has them."""
+    try:
+        connection = duckdb.connect(":memory:", config={**config, **_QUIET_IO})
+    except duckdb.Error:  # a DuckDB before them: an unknown setting
+        connection = duckdb.connect(":memory:", config=config)
+    try:
+        connection.execute(_NAN_SAFE)
+    except duckdb.Error:  # a DuckDB without the setting
+        pass
+    return connection
+
+@dataclass
+class Engine:
+    """A DuckDB connection with the view `records`: one row per record, defaults applied, deduplicated."""
+
+    connection: duckdb.DuckDBPyConnection
+    shards: list[Shard]
+    """The validated shards this engine reads."""
+    duplicates: dict[str, tuple[int, int, int, int]]
+    """Filled by `step_table`. Per run: (records dropped, first step, last step, steps) where a
+    (run, group, term, step, micro, rank) key appeared more than once."""
+    chunk_rows: int = CHUNK_ROWS
+    """Rows aggregated at a time: bounds memory whatever the size of the log."""
+    only_steps: tuple[int, int] | None = None
+    """When set, every view holds only these steps (first, last): a one-step view of a large log."""
+    extremes: bool = False
+    """The step table holds EXTREME_COLUMNS (the evidence of one step, see `extremes_at`)."""
+    prune: bool = True
+    """Aggregates whose value the files' footers give are constants (FOOTER_CONSTANTS); off only to check
+    that this changes nothing."""
+    footer_rows: bool = True
+    """One-row shards whose footer gives their record (`Shard.record`) are read from it, not from the file;
+    off only to check that this changes nothing."""
+    grid: bool = True
+    """A range whose records form a dense grid is reduced by numpy (`tokaudit.grid`), not by the query; off
+    only to check that this changes nothing."""
+    threads: int = 1
+    """DuckDB's threads."""
+    memory_limit: str = DEFAULT_MEMORY_LIMIT
+    """DuckDB's memory limit."""
+
+    link_names: dict[int, str] = field(default_factory=dict)
+    """Per shard (by id): its link's name, or for a remote shard the name it goes by in dedup order."""
+    remote_views: dict[int, str] = field(default_factory=dict)
+    """Per remote shard (by id): the DuckDB view over its Arrow dataset."""
+    defined: tuple[tuple[int, ...], tuple[int, int] | None, bool] | None = None
+    """What the views hold now: (the shards' ids, the step range, deduplicated)."""
+    footer_tables: list[str] = field(default_factory=list)
+    """The temporary tables of footer records (`footer_table`) the views read now."""
+    footer_count: int = 0
+    """Footer-record tables made so far (each is named by its number)."""
+    links: Path | None = None
+    """A private folder of plainly named links to the shards whose paths hold a character DuckDB could
+    read as a pattern ([ ] * ? { } and others): it is only given plain names and reads exactly the
+    files it was given."""
+
+    @classmethod
+    def open(cls, shards: Sequence[Shard], memory_limit: str | None = None,
+             threads: int | None = None, chunk_rows: int | None = None,
+             only_steps: tuple[int, int] | None = None, extremes: bool = False) -> Engine:
+        environment_memory, environment_chunk = settings_from_environment()
+        memory_limit = memory_limit or environment_memory
+        links: Path | None = None
+        connection = _connect({"memory_limit": memory_limit, "temp_directory": tempfile.gettempdir(),
+                               "preserve_insertion_order": False})
+        try:
+            connection.execute("SET enable_progress_bar = false")
+            if threads:
+                connection.execute(f"SET threads = {int(threads)}")
+            count = int(threads) if threads else int(connection.execute(
+                "SELECT current_setting('threads')").fetchall()[0][0])
+            engine = cls(connection=connection, shards=list(shards), duplicates={},
+                         chunk_rows=chunk_rows or environment_chunk, only_steps=only_steps, extremes=extremes,
+                         threads=count,
+                         memory_limit=memory_limit)
+            here = os.getcwd()
+            for index, shard in enumerate(engine.shards):
+                # Path.absolute() without pathlib's parsing (a third of a second at 10,000 shards).
+                name = os.path.join(here, shard.path) if shard.store is None else f"remote/{index:08d}.parquet"
+                if shard.store is None and not _PLAIN_PATH.match(name):
+                    if engine.links is None:
+                        engine.links = links = Path(tempfile.mkdtemp(prefix="tokaudit-shards-"))
+                    link = engine.links / f"{index:08d}.parquet"
+                    os.symlink(name, link)
+                    name = str(link)
+                elif shard.store is not None and shard.record is None:
+                    # On object storage DuckDB scans the file through pyarrow (no httpfs extension, no
+                    # local copy): one Arrow dataset per shard, streamed with the columns and steps asked.
+                    dataset = pads.dataset(str(shard.path), filesystem=shard.store.filesystem, format="parquet")
+                    connection.register(f"remote_{index}", dataset)
+                    engine.remote_views[id(shard)] = f"remote_{index}"
+                engine.link_names[id(shard)] = name
+            # "The later file wins" among duplicates: the shards' order, whatever their names.
+            order = pa.table({"filename": [engine.link_names[id(s)] for s in engine.shards],
+                              "file_index": pa.array(range(len(engine.shards)), pa.int64())})
+            connection.register("file_order_source", order)
+            connection.execute("CREATE TEMP TABLE file_order AS SELECT * FROM file_order_source")
+            connection.unregister("file_order_source")
+            # The views are defined when first read (`_whole`, the ranges of `step_table`): a view of
+            # 24,576 files costs 0.35 s to write and bind, and the ranges replace it at once.
+            return engine
+        except BaseException:
+            connection.close()
+            if links is not None:
+                shutil.rmtree(links, ignore_errors=True)
+            raise
+
+    def _whole(self) -> None:
+        """The views over every shard (deduplicated when `step_table` found repeated keys): what the
+        per-step queries read."""
+        self._define(self.shards, self.only_steps, deduplicate=bool(self.duplicates))
+
+    def _link(self, shard: Shard) -> str:
+        return self.link_names[id(shard)]
+
+    def _scans(self, members: list[Shard]) -> list[tuple[list[Shard], str]]:
+        """FROM clauses (as `r`) with `filename` and `file_row_number`, each with the shards it reads:
+        a table of footer records per schema of the one-row shards whose footers give their record
+        (`footer_table`), one read_parquet per schema of the other local shards, one view per other
+        remote shard (its row number unknown: a remote duplicate inside one file keeps an arbitrary
+        copy; across files the later file still wins)."""
+        by_schema: dict[tuple[tuple[str, str], ...], list[Shard]] = {}
+        from_footers: dict[tuple[tuple[str, str], ...], list[Shard]] = {}
+        for shard in members:
+            # (a remote one always: `open` made no view of its file)
+            if shard.record is not None and (self.footer_rows or shard.store is not None):
+                from_footers.setdefault(shard.signature, []).append(shard)
+            elif shard.store is None:
+                by_schema.setdefault(shard.signature, []).append(shard)
+        scans: list[tuple[list[Shard], str]] = []
+        for held in from_footers.values():
+            # One-row shards whose footers gave their record: a table of those records, not a file read.
+            name = f"footer_records_{self.footer_count}"
+            self.footer_count += 1
+            self.connection.register(f"{name}_source", footer_table(held, [self._link(s) for s in held]))
+            self.connection.execute(f"CREATE OR REPLACE TEMP TABLE {name} AS SELECT * FROM {name}_source")
+            self.connection.unregister(f"{name}_source")
+            self.footer_tables.append(name)
+            scans.append((held, f"{name} r"))
+        for signature, local in by_schema.items():
+            # Shards with one schema (all a recorder writes) need no union_by_name, which would read
+            # every file's footer when the query is bound, at every (re)definition of the view.
+            union = "true" if not signature else "false"
+            files = "[" + ", ".join(sql_string(self._link(s)) for s in local) + "]"
+            scans.append((local, f"read_parquet({files}, union_by_name = {union}, filename = true, "
+                                 "file_row_number = true) r"))
+        for shard in members:
+            if shard.store is not None and shard.record is None:
+                scans.append(([shard], f"(SELECT *, {sql_string(self._link(shard))} AS filename, "
+                                       f"CAST(NULL AS BIGINT) AS file_row_number FROM {self.remote_views[id(shard)]}) r"))
+        return scans
+
+    def _source(self, shards: Sequence[Shard], steps: tuple[int, int] | None) -> str:
+        """SQL for the raw records of these shards: scans per default run id (the parent folder
+        name), so filling a missing run_id costs no per-row string work, and per schema."""
+        by_run: dict[str, list[Shard]] = {}
+        for shard in shards:
+            by_run.setdefault(shard.default_run, []).append(shard)
+        where = f"WHERE r.step BETWEEN {steps[0]} AND {steps[1]}" if steps else ""
+        return " UNION ALL ".join(select_records(default_run, self._present(scanned), scan, where)
+                                  for default_run, members in by_run.items()
+                                  for scanned, scan in self._scans(members))
+
+    def _present(self, shards: Sequence[Shard]) -> set[str]:
+        """The columns a scan of these shards reads: a column none of them holds a value of is a typed
+        NULL, as for a file that lacks it (no column read, and the checks of its finiteness fold away)."""
+        present = set().union(*(s.columns for s in shards))
+        return present - valueless_columns(shards) if self.prune else present
+
+    def _define(self, shards: Sequence[Shard], steps: tuple[int, int] | None, deduplicate: bool) -> None:
+        # The views of thousands of files take a while to write and bind: a definition that is already
+        # in place (one range, no duplicates: the usual log) is not written again.
+        definition = (tuple(id(s) for s in shards), steps, deduplicate)
+        if definition == self.defined:
+            return
+        self.defined = definition
+        replaced, self.footer_tables = self.footer_tables, []
+        self.connection.execute(f"CREATE OR REPLACE TEMP VIEW raw_records AS {self._source(shards, steps)}")
+        for name in replaced:
+            self.connection.execute(f"DROP TABLE {name}")
+        # Of two records with one key, the later `time` wins, then the later file and row.
+        dedup = ("LEFT JOIN file_order USING (filename) QUALIFY row_number() OVER (PARTITION BY run, grp, term, "
+                 "step, rank, micro ORDER BY written DESC NULLS LAST, file_index DESC, file_row_number DESC) = 1"
+                 ) if deduplicate else ""
+        # c: implied weight per valid token before reduction = probe Σ∂b/∂ℓ / n, else b/S.
+        # e = c·g/D: effective weight after the reduction. Correct iff e·N = 1.
+        self.connection.execute(f"""
+            CREATE OR REPLACE TEMP VIEW records AS
+            SELECT *,
+                CASE WHEN valid_tokens > 0 THEN
+                    CASE WHEN token_weight_sum IS NOT NULL THEN token_weight_sum / valid_tokens
+                         WHEN loss_sum <> 0 THEN backward_scalar / loss_sum END
+                END * grad_scale / grad_divisor AS eff
+            FROM raw_records {dedup}
+        """)
+
+    def _find_duplicates(self) -> dict[str, tuple[int, int, int, int]]:
+        found = {}
+        for run, copies, first, last, steps in self.connection.execute("""
+            SELECT run, sum(copies - 1), min(step), max(step), count(DISTINCT step) FROM (
+                SELECT run, step, count(*) AS copies FROM raw_records
+                GROUP BY run, grp, term, step, rank, micro HAVING count(*) > 1)
+            GROUP BY run
+        """).fetchall():
+            found[str(run)] = (int(copies), int(first), int(last), int(steps))
+        return found
+
+    def step_table(self, rtol: float, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
+        """One row per (run, grp, term, step) with everything the checks need (see `step_sql`).
+
+        Large logs are aggregated a step range at a time, so that one range's aggregation is in DuckDB at
+        once. Duplicates are looked for only where the cheap per-rank count says there may be some; those
+        records are then deduplicated. Memory: the table is never held twice (see `join_columns`).
+        """
+        table = self.step_parts(rtol, progress)
+        assert isinstance(table, pd.DataFrame)
+        return table
+
+    def step_parts(self, rtol: float, progress: Callable[[str], None] | None = None,
+                   spill: bool = False) -> pd.DataFrame | Spilled:
+        """`step_table`, or with `spill` and more than SPILL_STEPS steps, the table kept on disk a range at
+        a time (`Spilled`, which the caller closes): what is held is then one range, whatever the number
+        of steps."""
+        columns: dict[str, list[Any]] = {}
+        spilled: Spilled | None = None
+        held = 0
+        chunks = step_ranges(self.shards, self.chunk_rows, self.only_steps)
+        tables: Generator[dict[str, Any], None, None] = (
+            self._range_table(rtol, steps, shards, self._grids(steps, shards)) for steps, shards in chunks)
+        try:
+            for index, (steps, _) in enumerate(chunks):
+                if progress and len(chunks) > 1 and steps:
+                    progress(f"aggregating steps {steps[0]}–{steps[1]} ({index + 1}/{len(chunks)})")
+                table = next(tables)
+                held += len(table["step"])
+                if spill and spilled is None and held > SPILL_STEPS:
+                    # Past SPILL_STEPS: the ranges held so far go to disk, and every one after.
+                    spilled = Spilled()
+                    for part in range(len(columns.get("step", []))):
+                        spilled.add({name: parts[part] for name, parts in columns.items()})
+                    columns = {}
+                if spilled is not None:
+                    spilled.add(table)
+                else:
+                    for name, values in table.items():
+                        columns.setdefault(name, []).append(values)
+                del table
+        except BaseException:
+            if spilled is not None:
+                spilled.close()
+            raise
+        finally:
+            tables.close()
+        if spilled is not None:
+            return spilled
+        joined = join_columns(columns)
+        # Each chunk comes sorted by step and chunks follow each other in step order: with one (run,
+        # group, term) the whole table is in order already; only several need sorting.
+        if any(len(joined[c].categories) > 1 for c in ("run", "grp", "term")):
+            reorder(joined, np.lexsort((joined["step"], joined["term"].codes, joined["grp"].codes,
+                                         joined["run"].codes)))
+        return pd.DataFrame(joined, copy=False)
+
+    def _range_table(self, rtol: float, steps: tuple[int, int] | None, shards: list[Shard],
+                     grids: list[Grid] | None) -> dict[str, Any]:
+        """One range's step table: reduced as a grid where its records form one (`grids`, its `_grids`;
+        `tokaudit.grid`), else by the query (`_aggregate`), its repeated keys found and left out first if it
+        has any (`duplicates` counts them)."""
+        if grids is not None and (table := self._grid_table(rtol, grids, shards)):
+            return table
+        self._define(shards, steps, deduplicate=False)
+        table = self._aggregate(rtol, shards)
+        if np.nansum(table["repeated_micro"]) > 0 or np.nansum(table["wide_micro"]) > 0:
+            found = self._find_duplicates()
+            if found:
+                add_duplicates(self.duplicates, found)
+                self._define(shards, steps, deduplicate=True)
+                table = self._aggregate(rtol, shards)
+        return table
+
+    def _grids(self, steps: tuple[int, int] | None, shards: Sequence[Shard]) -> list[Grid] | None:
+        """The grids this range's files form (one per (run, group, term)), by their footers, where the engine
+        reduces grids."""
+        return grids_of(shards, steps) if self.grid and not self.extremes else None
+
+    def _grid_table(self, rtol: float, grids: list[Grid], shards: Sequence[Shard]) -> dict[str, Any] | None:
+        """The range's step table reduced grid by grid (`tokaudit.grid`), as the query gives it; None when the
+        records of one are no grid after all (the range then takes the query)."""
+        _, known = footer_facts(shards) if self.prune else (frozenset(), {})
+        reduced: list[tuple[tuple[str, str, str], dict[str, np.ndarray]]] = []
+        self.connection.execute("SET preserve_insertion_order = true")  # the records in file order
+        try:
+            for grid in grids:
+                tables = grid_table(self.connection, grid, self._link, known, rtol, GRID_BLOCK_ROWS)
+                if tables is None:
+                    return None
+                reduced.extend(tables)
+        finally:
+            self.connection.execute("SET preserve_insertion_order = false")
+        if len(reduced) == 1:
+            finished = self._finish(reduced[0][1], reduced[0][0], one_record=False)
+        else:
+            # Several (run, group, term): the query's rows, named and in step order (a count NULL in one
+            # grid's steps only is float64 in all, as DuckDB hands it over)
+            order = np.argsort(np.concatenate([table["step"] for _, table in reduced]), kind="stable")
+            named: dict[str, Any] = {
+                column: np.concatenate([np.full(len(table["step"]), names[index], dtype=object)
+                                        for names, table in reduced])[order]
+                for index, column in enumerate(("run", "grp", "term"))}
+            for column in reduced[0][1]:
+                named[column] = np.concatenate([table[column] for _, table in reduced])[order]
+            del reduced
+            finished = self._finish(named, None, one_record=False)
+        if all(grid.micro == 1 for grid in grids):
+            # e·n_r = e·n·M = e·n bit for bit: the same arrays as the query's one-record form hands over
+            for name, same in ONE_RECORD_SHAPE.items():
+                finished[name] = finished[same]
+        return finished
+
+    def _aggregate(self, rtol: float, shards: Sequence[Shard]) -> dict[str, Any]:
+        """One range's step table as arrays, by column: numpy's, as DuckDB hands them over (a pandas
+        frame of each range cost a copy of every column into pandas' blocks, and the names' strings a
+        conversion to Arrow strings before they became categories: 1.5 s at 1.25M steps)."""
+        single_ranks = single_rank_range(shards)
+        names = one_name_of(shards)
+        facts, known = footer_facts(shards) if self.prune else (frozenset(), {})
+        table: dict[str, Any] = self.connection.execute(
+            step_sql(single_ranks, self.extremes, names is not None, facts), {"rtol": rtol, **known}).fetchnumpy()
+        return self._finish(table, names, one_record=single_ranks is not None)
+
+    def _finish(self, table: dict[str, Any], names: tuple[str, str, str] | None, one_record: bool) -> dict[str, Any]:
+        """A range's fetched columns as the step table holds them: the names as categories (the one name of
+        `names` when the query left them out), NULLs as NaN, constants as one value, and the one-record
+        form's columns where the general form has them (`one_record`)."""
+        if names is not None:
+            # The one name of each column, as the categories `categorical` makes of it, first as in the query.
+            rows = len(table["step"])
+            table = {**{column: pd.Categorical.from_codes(np.zeros(rows, dtype=np.int8), categories=pd.Index([name]))
+                        for column, name in zip(("run", "grp", "term"), names)}, **table}
+        for name, values in table.items():
+            if name in ("run", "grp", "term"):
+                if names is None:
+                    table[name] = categorical(values)
+                continue
+            if isinstance(values, np.ma.MaskedArray):
+                # A column with NULLs (no record of the step said): NaN, which compares and sums as the
+                # checks expect; a count becomes float64 for it.
+                values = np.ma.filled(values.astype(np.float64), np.nan) if values.mask.any() else np.asarray(values.data)
+            if values.dtype == np.float64:
+                # −0.0 + 0.0 is 0.0: which zero the extreme of tied 0.0 and −0.0 is depends on the order the
+                # records came in (DuckDB keeps the last of equals, in its scan's or its hash table's order;
+                # numpy's grid in its own), and so would the report's; the table holds 0.0 for both.
+                values = np.add(values, 0.0, out=values if values.flags.writeable else None)
+            # A constant column is held as its one value from here on: the ranges wait for `join_columns` with
+            # about half their columns taking no memory.
+            constant = constant_of([values])
+            table[name] = values if constant is None else constant
+        for name, same in MEAN_WEIGHT_EXTREMES.items():
+            # Without a probe value the token extremes are the records' mean weights: one array, not two.
+            if same_bits(table[name], table[same]):
+                table[name] = table[same]
+        if one_record:
+            # The one-record form's RANK_SHAPE, where the general form has it (before em_low).
+            ones = np.broadcast_to(np.ones(1, dtype=np.int32), (len(table["step"]),))
+            shape = {"m_low": ones, "m_high": ones, **{name: table[same] for name, same in ONE_RECORD_SHAPE.items()}}
+            ordered: dict[str, Any] = {}
+            for name, values in table.items():
+                if name == "em_low":
+                    ordered.update(shape)
+                ordered[name] = values
+            table = ordered
+        return table
+
+    def unusable_files(self) -> list[Shard]:
+        """The shards holding a NaN grad_divisor or grad_scale, or fewer positions than valid tokens (after
+        `step_table`, which counts them)."""
+        self._whole()
+        names = {name for (name,) in self.connection.execute(
+            f"SELECT DISTINCT filename FROM raw_records WHERE {UNUSABLE_RECORD}").fetchall()}
+        return [s for s in self.shards if self._link(s) in names]
+
+    def records_at(self, run: str, step: int) -> pd.DataFrame:
+        """Every record of one step of one run, with c, e and q = e·N."""
+        self._whole()
+        return self.connection.execute("""
+            SELECT grp, term, rank, micro, world_size, valid_tokens, loss_sum, backward_scalar, grad_divisor,
+                   grad_scale, eff * grad_divisor / grad_scale AS implied_weight, eff,
+                   eff * sum(valid_tokens) OVER (PARTITION BY grp, term) AS q,
+                   token_weight_min * grad_scale / grad_divisor AS eff_min,
+                   token_weight_max * grad_scale / grad_divisor AS eff_max,
+                   sync, reported_loss
+            FROM records WHERE run = ? AND step = ? ORDER BY grp, term, rank, micro
+        """, [run, step]).df()
+
+    def complete_through(self) -> dict[tuple[str, str], int]:
+        """Per (run, group): the last step that every rank has recorded. Steps after it are still
+        being written when the log is read during training (ranks flush at different times)."""
+        self._whole()
+        rows = self.connection.execute("""
+            SELECT run, grp, min(last_step) FROM (
+                SELECT run, grp, rank, max(step) AS last_step FROM raw_records GROUP BY run, grp, rank)
+            GROUP BY run, grp
+        """).fetchall()
+        return {(str(run), str(group)): int(step) for run, group, step in rows}
+
+    def close(self) -> None:
+        self.connection.close()
+        if self.links is not None:
+            shutil.rmtree(self.links, ignore_errors=True)
+
+def extremes_at(shards: Sequence[Shard], step: int, rtol: float, threads: int | None = None) -> pd.DataFrame:
+    """EXTREME_COLUMNS of one step, a row per (run, grp, term): the step aggregated again, alone, from the
+    files whose footers say they can hold it, with the evidence aggregates the full query leaves out.
+    The same records (deduplicated the same way) in the same aggregation as the full query's."""
+    engine = Engine.open([s for s in shards if s.may_hold(step, step)], threads=threads, only_steps=(step, step),
+                         extremes=True)
+    try:
+        table = engine.step_table(rtol)
+    finally:
+        engine.close()
+    return table[["run", "grp", "term", "step", *EXTREME_COLUMNS]]

@@ -1,0 +1,176 @@
+"""The step table's columns as numpy arrays: ranges joined without a second copy, constants held as one value, spilled to disk past SPILL_STEPS."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from pandas.api.types import union_categoricals
+
+from tokaudit.errors import UsageError
+
+
+def categorical(names: np.ndarray) -> pd.Categorical:
+    """A handful of names repeated on every step, as categories (one byte a step) in sorted order, as
+    pd.Categorical makes them: from a hash of the Python strings themselves, where pd.Categorical would
+    first turn every row into an Arrow string (three times as long)."""
+    codes, names_found = pd.factorize(names)
+    order = np.argsort(names_found)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return pd.Categorical.from_codes(rank[codes], categories=pd.Index(list(names_found[order])))
+
+SPILL_STEPS = 2_000_000
+"""Steps past which the audit keeps the step table on disk a range at a time (`Engine.step_parts`): whole,
+it costs about 127 bytes a step (1.6 GB at 12.5M steps) and the checks would add their own."""
+
+class Spilled:
+    """A step table kept on disk, one file per step range in step order (each range's rows in step order
+    within every (run, group, term)): read back one range at a time (`parts`). The names each range holds
+    are noted as it is written. A column held as one value stays one value (`constant_of`). The folder is
+    made under TMPDIR with the first range and removed by `close`."""
+
+    def __init__(self) -> None:
+        self.folder: Path | None = None
+        self.paths: list[Path] = []
+        self.names: set[tuple[str, str, str]] = set()
+        """Every (run, group, term) of the table."""
+        self.unusable = 0
+        """Steps with a NaN divisor or scale or T < n (`unusable_values`), counted as the ranges are written: the
+        caller need not read them back to know."""
+
+    def add(self, table: dict[str, Any]) -> None:
+        rows = len(table["step"])
+        if not rows:
+            return
+        self.names.update(table_names(table))
+        packed = {name: ("one value", values[:1].copy(), len(values)) if one_value(values) else values
+                  for name, values in table.items()}
+        try:
+            if self.folder is None:
+                self.folder = Path(tempfile.mkdtemp(prefix="tokaudit-steps-"))
+            path = self.folder / f"steps-{len(self.paths):06d}.pickle"
+            with open(path, "wb") as out:
+                pickle.dump(packed, out, protocol=5)
+        except OSError as error:
+            raise UsageError(f"cannot keep the step table of this log on disk ({error.strerror or error}: "
+                             f"{error.filename or tempfile.gettempdir()}); it needs about 130 bytes a step: "
+                             "free space there or set TMPDIR to a folder that has it") from None
+        self.paths.append(path)
+        self.unusable += int(np.count_nonzero(np.nan_to_num(table["unusable_values"]) > 0))
+
+    def close(self) -> None:
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
+    def parts(self) -> Iterator[pd.DataFrame]:
+        assert self.folder is not None or not self.paths
+        for path in self.paths:
+            with open(path, "rb") as source:
+                packed = pickle.load(source)
+            yield pd.DataFrame({name: np.broadcast_to(values[1], (values[2],)) if isinstance(values, tuple) else values
+                                for name, values in packed.items()}, copy=False)
+
+def table_names(table: dict[str, Any]) -> set[tuple[str, str, str]]:
+    """The (run, group, term) a range's table holds: its names' codes, each distinct combination once."""
+    columns = [pd.Categorical(table[c]) for c in ("run", "grp", "term")]
+    sizes = [len(column.categories) + 1 for column in columns]  # + 1: a missing name's code, −1
+    # the three codes as one number, in mixed radix: a sort of integers, not of rows
+    key = ((columns[0].codes.astype(np.int64) + 1) * sizes[1] + columns[1].codes + 1) * sizes[2] + columns[2].codes + 1
+    found = []
+    for value in np.unique(key).tolist():
+        value, term = divmod(value, sizes[2])
+        run, group = divmod(value, sizes[1])
+        found.append(tuple(str(column.categories[code - 1]) if code else "nan"  # as a missing name reads as text
+                           for column, code in zip(columns, (run, group, term))))
+    return set(found)  # type: ignore[arg-type]
+
+def join_columns(columns: dict[str, list[Any]]) -> dict[str, Any]:
+    """One table from the ranges' columns, a column at a time: each column's parts are let go as soon
+    as they are joined (a concat of frames would hold the table twice at its peak). The
+    frame is then made around the joined arrays, not copied into pandas' blocks (assigning a column
+    copies it; so does a frame of one block per type)."""
+    order = list(columns)
+    joined: dict[str, Any] = {}
+    # A column made of the very arrays of another (ONE_RECORD_SHAPE, MEAN_WEIGHT_EXTREMES) is that column
+    # again, joined with it: grouped by the parts' identities, taken while every part is alive. Its parts
+    # are then let go at once, not held until its own turn (at 12.5M steps four such pairs held 400 MB).
+    same_parts: dict[tuple[int, ...], list[str]] = {}
+    for name, parts in columns.items():
+        same_parts.setdefault(tuple(id(part) for part in parts), []).append(name)
+    for names in same_parts.values():
+        parts = columns.pop(names[0])
+        for alias in names[1:]:
+            del columns[alias]
+        value = constant_of(parts)
+        if value is None:
+            if len(parts) == 1:
+                value = parts[0]
+            elif isinstance(parts[0], pd.Categorical):
+                value = union_categoricals(parts, sort_categories=True)
+            else:
+                # A count with NULLs in some range only is float64 there: the joined column then is too.
+                value = np.concatenate(parts)
+        for name in names:
+            joined[name] = value
+        del parts, value
+    return {name: joined[name] for name in order}
+
+def constant_of(parts: list[Any]) -> np.ndarray | None:
+    """A numeric column whose every row holds one value, bit for bit (W, D, a count that is always 0 or
+    always the ranks, a column no record has: about half the columns of a run that never changed its
+    set-up), as that value repeated without memory (a read-only array of stride 0); else None."""
+    dtype = parts[0].dtype if isinstance(parts[0], np.ndarray) else None
+    if dtype is None or dtype.kind not in "iuf" or any(part.dtype != dtype for part in parts):
+        return None
+    rows = sum(len(part) for part in parts)
+    if rows < 2:
+        return None
+    first = next(part[:1] for part in parts if len(part))
+    # Compared as bits (0.0 and -0.0 differ, and NaN equals NaN when it is the same NaN); a part that is
+    # one value already is compared by that value.
+    for part in parts:
+        values = part[:1] if one_value(part) else part
+        if not same_bits(values, np.broadcast_to(first, values.shape)):
+            return None
+    return np.broadcast_to(first.copy(), (rows,))
+
+def same_bits(one: Any, other: Any) -> bool:
+    """Two numeric arrays of one dtype and length that hold the same bits in every row (NaN included)."""
+    if not (isinstance(one, np.ndarray) and isinstance(other, np.ndarray)) or one.dtype != other.dtype \
+            or one.dtype.kind not in "iuf" or one.shape != other.shape:
+        return False
+    as_bits = np.dtype(f"u{one.dtype.itemsize}")
+    return bool((one.view(as_bits) == other.view(as_bits)).all())
+
+def one_value(values: Any) -> bool:
+    """An array that is one value repeated without memory (`constant_of`'s, stride 0)."""
+    return isinstance(values, np.ndarray) and values.strides == (0,) and len(values) > 0
+
+def reorder(joined: dict[str, Any], order: np.ndarray) -> None:
+    """Every column put in this order, in place, one at a time, each old column let go before the next
+    is taken (a frame's sort_values holds the table twice), and an array shared by several columns
+    (ONE_RECORD_SHAPE) taken once and still shared."""
+    taken: dict[int, Any] = {}
+    for name in list(joined):
+        values = joined[name]
+        if one_value(values):
+            continue  # one value in every row (`constant_of`): in any order
+        if id(values) not in taken:
+            taken[id(values)] = values.take(order)
+        joined[name] = taken[id(values)]
+        del values
+
+def add_duplicates(target: dict[str, tuple[int, int, int, int]], found: dict[str, tuple[int, int, int, int]]) -> None:
+    """Count repeated keys found in another range (ranges hold different steps): per run, (records
+    dropped, first step, last step, steps), as `Engine.duplicates`."""
+    for run, (copies, first, last, count) in found.items():
+        old = target.get(run, (0, first, last, 0))
+        target[run] = (old[0] + copies, min(old[1], first), max(old[2], last), old[3] + count)
