@@ -179,7 +179,7 @@ class _Share:
     start: int
     end: int
     answered: list[Any] = field(default_factory=list)
-    """The worker's answers (`reader._packed`), for files[start], files[start + 1], …"""
+    """The worker's answers (`reader.packed_shards`), for files[start], files[start + 1], …"""
     taken: list[Any] = field(default_factory=list)
     """This process's, for files[end − 1], files[end − 2], …"""
     unread: bytearray = field(default_factory=bytearray)
@@ -214,11 +214,11 @@ class Loading:
         return [share.worker for share in self.shares if share.worker is not None]
 
     def result(self) -> LogSet:
-        from tokaudit.reader import Shard, _inspect_batch
+        from tokaudit.reader import Shard, inspect_batch
 
-        inspected = _share(self.files, self.shares, self.thorough) if self.shares else _inspect_batch(
+        inspected = _share(self.files, self.shares, self.thorough) if self.shares else inspect_batch(
             self.files, self.thorough)
-        inspected += _inspect_batch([path for path, _ in self.remote], self.thorough,
+        inspected += inspect_batch([path for path, _ in self.remote], self.thorough,
                                     [store for _, store in self.remote])
         shards = []
         problems = list(self.problems)
@@ -272,9 +272,9 @@ in frames (`_serve`)."""
 
 def _serve(paths: Sequence[str], thorough: bool, out: IO[bytes]) -> None:
     """A worker's loop: FRAME_FILES files validated at a time, each frame written as its length (8 bytes,
-    little-endian) and `reader._packed`'s answers pickled. A thread writes, so that validating goes on while
+    little-endian) and `reader.packed_shards`'s answers pickled. A thread writes, so that validating goes on while
     the pipe is full (64 KiB, about 150 answers): the caller reads nothing while it imports the auditor."""
-    from tokaudit.reader import _inspect_batch, _packed
+    from tokaudit.reader import inspect_batch, packed_shards
 
     frames: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
 
@@ -286,7 +286,7 @@ def _serve(paths: Sequence[str], thorough: bool, out: IO[bytes]) -> None:
     writer = threading.Thread(target=write, daemon=True)
     writer.start()
     for start in range(0, len(paths), FRAME_FILES):
-        answers = pickle.dumps(_packed(_inspect_batch([PurePath(p) for p in paths[start:start + FRAME_FILES]],
+        answers = pickle.dumps(packed_shards(inspect_batch([PurePath(p) for p in paths[start:start + FRAME_FILES]],
                                                       thorough)), pickle.HIGHEST_PROTOCOL)
         frames.put(len(answers).to_bytes(8, "little") + answers)
     frames.put(None)
@@ -327,7 +327,7 @@ def _share(files: Sequence[Path], shares: list[_Share], thorough: bool) -> list[
     process validates the files of the share with the most left, from its far end, one at a time, until
     none is left. A worker that dies or says something unreadable leaves the rest of its share here; the
     result is the serial one either way."""
-    from tokaudit.reader import _inspect_batch, _unpacked
+    from tokaudit.reader import inspect_batch, unpacked_shards
 
     try:
         while True:
@@ -335,13 +335,13 @@ def _share(files: Sequence[Path], shares: list[_Share], thorough: bool) -> list[
             share = max(shares, key=lambda s: s.left)
             if share.left == 0:
                 break
-            share.taken.extend(_inspect_batch([files[share.end - len(share.taken) - 1]], thorough))
+            share.taken.extend(inspect_batch([files[share.end - len(share.taken) - 1]], thorough))
     finally:
         _stop(shares)
     inspected: list[Shard | tuple[str, str]] = []
     for share in shares:
         middle = share.end - len(share.taken)  # the worker's answers up to here, then this process's
-        inspected += _unpacked(share.answered[:middle - share.start], files[share.start:middle])
+        inspected += unpacked_shards(share.answered[:middle - share.start], files[share.start:middle])
         inspected += reversed(share.taken)
     return inspected
 

@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from tokaudit.reader import NULLABLE_COLUMNS, Shard, footer_type
+from tokaudit.footers import footer_type
+from tokaudit.reader import NULLABLE_COLUMNS, Shard
 from tokaudit.schema import COLUMNS_BY_NAME, UNNAMED
 
 

@@ -364,8 +364,8 @@ def test_footers_are_validated_here_when_no_worker_can(tmp_path: Path, monkeypat
     else:
         monkeypatch.setattr(loading, "_WORKER", _WORKER_FAULTS[broken])
     here: list[Any] = []
-    inspect = reader._inspect_batch
-    monkeypatch.setattr(reader, "_inspect_batch", lambda paths, *args: here.extend(paths) or inspect(paths, *args))
+    inspect = reader.inspect_batch
+    monkeypatch.setattr(reader, "inspect_batch", lambda paths, *args: here.extend(paths) or inspect(paths, *args))
     begun = time.monotonic()
     with loading.start_loading([tmp_path / "logs"], thorough=False, workers=4) as started:
         workers = started.workers
@@ -661,10 +661,11 @@ def test_a_folder_of_only_unusable_files_is_not_also_called_empty(tmp_path: Path
 
 def test_a_local_footer_read_from_the_file_s_last_bytes_gives_what_pyarrow_s_reader_gives(
         tmp_path: Path, monkeypatch: Any) -> None:
-    """A local file's footer is read with one pread of its end and parsed from memory (`_local_footer`):
+    """A local file's footer is read with one pread of its end and parsed from memory (`local_footer`):
     every file below (a good run, Arrow types a writer stored, a footer longer than one read, bad files of
     every kind) gives the shard, or the problem, that pyarrow's reader of the file gives, and its schema."""
     import tokaudit.reader as reader
+    import tokaudit.footers as footers
 
     folder = tmp_path / "logs"
     good_run(folder / "good")
@@ -676,8 +677,8 @@ def test_a_local_footer_read_from_the_file_s_last_bytes_gives_what_pyarrow_s_rea
         pa.field("time", pa.timestamp("us", tz="Asia/Tokyo")), pa.array([0] * len(rows), pa.timestamp("us", tz="Asia/Tokyo")))
     pq.write_table(typed, folder / "typed.parquet")
     long = folder / "long-footer.parquet"
-    pq.write_table(table.replace_schema_metadata({"note": "x" * 3 * reader._TAIL_BYTES}), long)
-    assert pq.read_metadata(long).serialized_size > reader._TAIL_BYTES
+    pq.write_table(table.replace_schema_metadata({"note": "x" * 3 * footers.TAIL_BYTES}), long)
+    assert pq.read_metadata(long).serialized_size > footers.TAIL_BYTES
     whole = (folder / "typed.parquet").read_bytes()
     (folder / "bad" / "empty.parquet").write_bytes(b"")
     (folder / "bad" / "magic-only.parquet").write_bytes(b"PAR1")
@@ -687,7 +688,7 @@ def test_a_local_footer_read_from_the_file_s_last_bytes_gives_what_pyarrow_s_rea
     many = records(UNEVEN * 3000, token_mean)
     many[5000]["step"] = None  # found by reading the column, from the file: more than the footer's read
     write(folder / "bad" / "null-far.parquet", many)
-    assert (folder / "bad" / "null-far.parquet").stat().st_size > 2 * reader._TAIL_BYTES
+    assert (folder / "bad" / "null-far.parquet").stat().st_size > 2 * footers.TAIL_BYTES
     files = sorted(folder.rglob("*.parquet"))
 
     def inspected() -> list[Any]:
@@ -701,10 +702,10 @@ def test_a_local_footer_read_from_the_file_s_last_bytes_gives_what_pyarrow_s_rea
 
     fast = inspected()
     for path in [p for p in files if "bad" not in p.parts]:
-        footer = reader._local_footer(str(path))
+        footer = footers.local_footer(str(path))
         assert footer is not None, path
         assert footer.metadata.equals(pq.read_metadata(path))
         assert footer.schema_arrow.equals(pq.read_schema(path), check_metadata=True)
     assert sum(isinstance(item, tuple) for item in fast) == len(list((folder / "bad").iterdir()))
-    monkeypatch.setattr(reader, "_local_footer", lambda path: None)
+    monkeypatch.setattr(reader, "local_footer", lambda path: None)
     assert inspected() == fast
