@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import duckdb
@@ -15,15 +14,17 @@ import pandas as pd
 import pyarrow.parquet as pq
 from pandas.api.types import union_categoricals
 
-from tokaudit.checks import RunSteps, check_run, distinct, without_miscounted, world_sizes
-from tokaudit.codes import DEFAULT_RTOL, DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
+from tokaudit.checks import RunSteps, check_run, without_miscounted
+from tokaudit.codes import DEFAULT_RTOL, Code
 from tokaudit.engine import EXTREME_COLUMNS, Engine, Spilled, extremes_at
-from tokaudit.normalization import Denominator, name_ranks
 from tokaudit.errors import LogFormatError, UsageError
 from tokaudit.loading import Loading, LogSet, cores, load
+from tokaudit.normalization import Denominator, name_ranks
 from tokaudit.reader import Shard, inspect_shard
-from tokaudit.report import AuditReport, Finding, RunSummary, Segment, StepRange, Verdict
+from tokaudit.report import AuditReport, Finding, RunSummary, Segment
 from tokaudit.schema import UNNAMED
+from tokaudit.summary import DroppedRecords, apply_policy, dropped_steps, run_summary
+
 
 Progress = Callable[[str], None]
 
@@ -40,7 +41,6 @@ query and 48 bytes a step."""
 
 _CODE_ORDER = {code: index for index, code in enumerate(Code)}
 
-
 def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL,
               progress: Progress | None = None, only_steps: tuple[int, int] | None = None,
               threads: int | None = None, started: Loading | None = None, loaded: LogSet | None = None
@@ -50,7 +50,6 @@ def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTO
     assert isinstance(steps, pd.DataFrame)
     return logset, engine, steps
 
-
 def load_logs(paths: Sequence[str | os.PathLike[str]], started: Loading | None = None, threads: int | None = None
               ) -> LogSet:
     """The logs' footers validated (`load(paths, thorough=False)`): the load already under way (`started`),
@@ -58,7 +57,6 @@ def load_logs(paths: Sequence[str | os.PathLike[str]], started: Loading | None =
     # Footers are validated by as many processes as DuckDB has threads: every core unless told
     # (the trackers' audit beside training takes one, and so validates in its own process).
     return started.result() if started is not None else load(paths, thorough=False, workers=threads or cores())
-
 
 def open_log_parts(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL,
                    progress: Progress | None = None, only_steps: tuple[int, int] | None = None,
@@ -117,7 +115,6 @@ def open_log_parts(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAUL
             shards = [s for s in shards if s.path not in broken]
     return LogSet(shards, problems), None, pd.DataFrame()
 
-
 def _unusable(shards: list[Shard]) -> dict[object, LogFormatError]:
     """The thorough check of the shards the aggregation found a NaN divisor or scale or T < n in: one line each."""
     found: dict[object, LogFormatError] = {}
@@ -128,7 +125,6 @@ def _unusable(shards: list[Shard]) -> dict[object, LogFormatError]:
             found[shard.path] = error
     return found
 
-
 def _undecodable(shards: list[Shard]) -> dict[object, LogFormatError]:
     """Shards whose footer reads but whose data pages do not (corruption inside the file)."""
     broken: dict[object, LogFormatError] = {}
@@ -138,7 +134,6 @@ def _undecodable(shards: list[Shard]) -> dict[object, LogFormatError]:
         except Exception as error:
             broken[shard.path] = LogFormatError(shard.name, f"corrupt data ({str(error).splitlines()[0][:160]})")
     return broken
-
 
 def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol: float = DEFAULT_RTOL,
           runs: Sequence[str] = (), progress: Progress | None = None, live: bool = False,
@@ -166,7 +161,6 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
     except ValueError as error:
         raise UsageError(f"--ignore: {error}; `tokaudit explain` lists the codes") from None
     return _audit(paths, rtol, runs, progress, live, ignored, min_ratio, keep_steps, threads, started)
-
 
 def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[str], progress: Progress | None,
            live: bool, ignored: set[Code], min_ratio: float | None, keep_steps: bool, threads: int | None,
@@ -197,31 +191,16 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
         extremes = _Extremes(logset.shards, rtol, threads)
         summaries: list[RunSummary] = []
         findings: list[Finding] = []
-        dropped = _dropped_steps(logset.shards)
+        dropped = dropped_steps(logset.shards)
         for run in present:
             lost = dropped.get(run)
-            # Steps that lost records are not judged on the part of their tokens that was kept.
             source = _run_steps(parts, run, horizon, lost, spilled_names)
-            if source is None:
-                if lost and _run_steps(parts, run, horizon, None) is not None:
-                    findings.append(lost.finding(run))
-                    summaries.append(RunSummary(run=run, rows=0, steps=0, ranks=0, world_size=[], groups=0,
-                                                verdict="inconclusive", normalization=None, segments=[],
-                                                max_weight_ratio=1.0, microbatches=0))
-                continue
-            # Steps whose counts the probe contradicts are left out of the checks and the summary alike.
-            source, miscounted = without_miscounted(source, rtol)
-            run_findings, spans, omitted = check_run(run, source, rtol, duplicates.get(run), extremes)
-            if lost:
-                run_findings.append(lost.finding(run))
-            if miscounted:
-                run_findings.append(miscounted.finding(run))
-            run_findings = _policy(run_findings, ignored, min_ratio)
+            had_steps = source is not None or (lost is not None and _run_steps(parts, run, horizon, None) is not None)
+            run_findings, summary = _audit_run(run, source, lost, had_steps, rtol, duplicates.get(run), extremes,
+                                               ignored, min_ratio)
             findings.extend(run_findings)
-            value = {d: d.value for d in Denominator}
-            segments = [Segment(s.first, s.last, s.steps, value[s.denominator], s.factor, s.group, s.term)
-                        for s in spans]
-            summaries.append(_summary(run, source, run_findings, segments, omitted))
+            if summary is not None:
+                summaries.append(summary)
         findings.sort(key=lambda f: (-f.severity.rank, f.run, f.term != UNNAMED, f.term, _CODE_ORDER[f.code], f.steps.first))
         kept = None
         if keep_steps:  # the same columns whatever the log's size
@@ -235,6 +214,30 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
         engine.close()
         if isinstance(steps, Spilled):
             steps.close()
+
+def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, had_steps: bool, rtol: float,
+               duplicates: tuple[int, int, int, int] | None, extremes: _Extremes, ignored: set[Code],
+               min_ratio: float | None) -> tuple[list[Finding], RunSummary | None]:
+    """One run's findings and summary. `source`: its steps, less those whose records were dropped (`lost`);
+    `had_steps`: whether it had any before they were left out."""
+    if source is None:
+        # Steps that lost records are not judged on the part of their tokens that was kept.
+        if lost and had_steps:
+            return [lost.finding(run)], RunSummary(run=run, rows=0, steps=0, ranks=0, world_size=[], groups=0,
+                                                   verdict="inconclusive", normalization=None, segments=[],
+                                                   max_weight_ratio=1.0, microbatches=0)
+        return [], None
+    # Steps whose counts the probe contradicts are left out of the checks and the summary alike.
+    source, miscounted = without_miscounted(source, rtol)
+    run_findings, spans, omitted = check_run(run, source, rtol, duplicates, extremes)
+    if lost:
+        run_findings.append(lost.finding(run))
+    if miscounted:
+        run_findings.append(miscounted.finding(run))
+    run_findings = apply_policy(run_findings, ignored, min_ratio)
+    value = {d: d.value for d in Denominator}
+    segments = [Segment(s.first, s.last, s.steps, value[s.denominator], s.factor, s.group, s.term) for s in spans]
+    return run_findings, run_summary(run, source, run_findings, segments, omitted)
 
 
 def _joined(frames: list[pd.DataFrame], ordered: bool) -> pd.DataFrame:
@@ -251,23 +254,19 @@ def _joined(frames: list[pd.DataFrame], ordered: bool) -> pd.DataFrame:
     order = np.lexsort((table.step.to_numpy(), table.term.cat.codes, table.grp.cat.codes, table.run.cat.codes))
     return table.iloc[order].reset_index(drop=True)
 
-
 def table_parts(table: pd.DataFrame | Spilled) -> Callable[[], Iterable[pd.DataFrame]]:
     """A step table's parts, read again at every call: a table in memory is one part."""
     return (lambda: [table]) if isinstance(table, pd.DataFrame) else table.parts
 
-
 def table_runs(table: pd.DataFrame | Spilled) -> set[str]:
     """A step table's runs, read from no part of it where it is on disk (its names were noted as it was kept)."""
     return set(table.run.unique()) if isinstance(table, pd.DataFrame) else {run for run, _, _ in table.names}
-
 
 def selected_runs(parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str] | None) -> Iterator[pd.DataFrame]:
     """The parts' rows of these runs (all when None): a part of no other run as it is."""
     for part in parts():
         mine = None if runs is None else name_ranks(part.run, runs) >= 0  # each distinct name once
         yield part if mine is None or mine.all() else part[mine].reset_index(drop=True)
-
 
 def _live(part: pd.DataFrame, horizon: dict[tuple[str, str], int]) -> npt.NDArray[np.bool_]:
     """`--live`: the rows of steps every rank of their run and group has recorded. Each distinct (run,
@@ -277,9 +276,8 @@ def _live(part: pd.DataFrame, horizon: dict[tuple[str, str], int]) -> npt.NDArra
     keep: npt.NDArray[np.bool_] = part.step.to_numpy() <= limit[codes]
     return keep
 
-
 def _run_steps(parts: Callable[[], Iterable[pd.DataFrame]], run: str,
-               horizon: dict[tuple[str, str], int] | None, lost: _Dropped | None,
+               horizon: dict[tuple[str, str], int] | None, lost: DroppedRecords | None,
                names: set[tuple[str, str, str]] | None = None) -> RunSteps | None:
     """One run's table in parts, its steps not yet complete (`--live`) and those that lost records left out;
     None when nothing is left. The table itself when it is one part of one run and nothing is left out.
@@ -307,7 +305,6 @@ def _run_steps(parts: Callable[[], Iterable[pd.DataFrame]], run: str,
     if not groups:
         return None
     return RunSteps(selected, sorted(groups), sorted(terms, key=lambda t: (t != UNNAMED, t)))
-
 
 @dataclass
 class _Extremes:
@@ -341,175 +338,3 @@ class _Extremes:
 
     def _where(self) -> str:
         return ", ".join(s.name for s in self.shards[:3]) + (", …" if len(self.shards) > 3 else "")
-
-
-@dataclass
-class _Dropped:
-    """Records one run's recorders could not keep, from their shards' footers."""
-
-    spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
-    """Per group, the step ranges (first, last) that lost records."""
-    records: int = 0
-    ranks: set[tuple[str, int]] = field(default_factory=set)
-
-    def covers(self, frame: pd.DataFrame) -> npt.NDArray[np.bool_]:
-        """Rows of the step table whose (group, step) lost records."""
-        hit = np.zeros(len(frame), dtype=bool)
-        groups, steps = frame.grp.astype(str).to_numpy(), frame.step.to_numpy()
-        for group, spans in self.spans.items():
-            mine = groups == group
-            for first, last in spans:
-                hit |= mine & (steps >= first) & (steps <= last)
-        return hit
-
-    def merged(self) -> list[tuple[int, int]]:
-        """The step ranges of every group, as disjoint ranges in step order."""
-        merged: list[tuple[int, int]] = []
-        for first, last in sorted(span for spans in self.spans.values() for span in spans):
-            if merged and first <= merged[-1][1] + 1:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], last))
-            else:
-                merged.append((first, last))
-        return merged
-
-    def finding(self, run: str) -> Finding:
-        merged = self.merged()
-        count = sum(last - first + 1 for first, last in merged)
-        listed = [step for first, last in merged for step in range(first, min(last, first + 1000) + 1)][:1000]
-        shown = ", ".join(map(str, listed[:8])) + (f", … ({count} in all)" if count > 8 else "")
-        return Finding(run=run, code=Code.RECORDS_DROPPED, severity=DEFAULT_SEVERITY[Code.RECORDS_DROPPED],
-                       steps=StepRange(merged[0][0], merged[-1][1], count),
-                       message=f"The recorder could not write {self.records} record(s) of {len(self.ranks)} rank(s) "
-                               f"(a full or read-only disk, or a value no audit can use) at step(s) {shown}; those "
-                               "steps are left out instead of being judged on part of their tokens.",
-                       fix="give the log folder room and check the training's warnings from tokaudit; the other "
-                           "steps were audited as usual",
-                       evidence={"records": self.records, "steps": listed})
-
-
-def _dropped_steps(shards: Sequence[Shard]) -> dict[str, _Dropped]:
-    out: dict[str, _Dropped] = {}
-    for shard in shards:
-        note = shard.dropped
-        if note is None:
-            continue
-        entry = out.setdefault(note["run"], _Dropped())
-        entry.ranks.add((note["group"], note["rank"]))
-        for first, last, records in note["steps"]:
-            entry.records += records
-            entry.spans.setdefault(note["group"], []).append((first, last))
-    return out
-
-
-_WEIGHTING = frozenset({Code.LOCAL_MEAN, Code.PER_MICRO_DENOMINATOR, Code.PADDED_DENOMINATOR,
-                        Code.UNEXPLAINED_WEIGHTING})
-
-
-def _policy(findings: list[Finding], ignored: set[Code], min_ratio: float | None) -> list[Finding]:
-    """--ignore and --min-ratio: what a CI gate chose to accept, applied before the verdict."""
-    kept = []
-    for finding in findings:
-        if finding.code in ignored:
-            continue
-        ratio = finding.evidence.get("weight_ratio")
-        if min_ratio is not None and finding.code in _WEIGHTING and isinstance(ratio, float) and ratio < min_ratio:
-            finding = replace(finding, severity=Severity.INFO,
-                              message=f"{finding.message} (Below --min-ratio {min_ratio:g}: information only.)")
-        kept.append(finding)
-    return kept
-
-
-def verdict_of(findings: Sequence[Finding], judged: bool) -> Verdict:
-    """SPEC §4: incorrect when a warning or error says so; inconclusive when the only ones say the logs
-    cannot tell (or the counts are balanced, or nothing could be judged); correct otherwise."""
-    serious = [f for f in findings if f.severity.rank >= Severity.WARNING.rank]
-    if any(f.code not in UNDECIDABLE for f in serious):
-        return "incorrect"
-    if serious or any(f.code == Code.BALANCED_COUNTS for f in findings) or not judged:
-        return "inconclusive"
-    return "correct"
-
-
-SUMMARY_BLOCK = 1 << 16
-"""Steps `_summary` reads at a time: its temporaries stay a few MB whatever the number of steps."""
-
-
-def _summary(run: str, source: RunSteps, findings: list[Finding], segments: list[Segment],
-             omitted: int = 0) -> RunSummary:
-    # The run's parts read a block of steps at a time, never a filtered copy of the table (millions of
-    # steps) nor a Python float per step. Parts hold disjoint ranges of steps: distinct steps add up.
-    judged = False
-    ratio_seen, ratio, unbounded = False, -math.inf, False
-    ratios_exist = weighted_any = False
-    q_low, q_high = _Extreme(), _Extreme()
-    rows = steps = skipped_steps = 0
-    ranks, microbatches = -1, -math.inf
-    divisors: set[float] = set()
-    sizes: set[int] = set()
-    for part in source.parts():
-        sizes.update(world_sizes(part))
-        rows += int(part.records.sum())
-        steps += _count_distinct(part.step.to_numpy())
-        skipped_steps += _count_distinct(part.step.to_numpy()[part.skipped_true.to_numpy() > 0])
-        ranks = max(ranks, int(part.rank_max.max()))
-        microbatches = max(microbatches, float(part.m_high.max()))
-        both = np.concatenate([distinct(part.d_low).astype(float), distinct(part.d_high).astype(float)])
-        divisors.update(float(d) for d in both[~np.isnan(both)])
-        weighted_all = part.weighted_records.to_numpy() > 0
-        weighted_any = weighted_any or bool(weighted_all.any())
-        tokens_all = part.tokens.to_numpy()
-        low_all, high_all = part.tok_low.to_numpy(dtype=float), part.tok_high.to_numpy(dtype=float)
-        for start in range(0, len(part), SUMMARY_BLOCK):
-            block = slice(start, start + SUMMARY_BLOCK)
-            weighted = weighted_all[block]
-            tokens = tokens_all[block][weighted]
-            judged = judged or bool((tokens > 0).any())
-            low, high = low_all[block][weighted], high_all[block][weighted]
-            positive = low > 0
-            unbounded = unbounded or bool((low <= 0).any())
-            if positive.any():
-                # the heaviest token over the lightest, NaN skipped (pandas' max)
-                ratios_exist = True
-                ratios = high[positive] / low[positive]
-                ratios = ratios[~np.isnan(ratios)]
-                if len(ratios):
-                    ratio_seen, ratio = True, max(ratio, float(ratios.max()))
-            # q = e·N per token: the probe's extremes where recorded, else the records' mean weights
-            for q in (low * tokens, high * tokens):
-                q_low.add(q)
-                q_high.add(-q)
-    max_ratio = (ratio if ratio_seen else math.nan) if ratios_exist else 1.0
-    if unbounded:
-        max_ratio = math.inf
-    weight_range = (q_low.value(), -q_high.value()) if weighted_any else None
-    terms = source.terms
-    main = [s for s in segments if s.term == terms[0]]
-    normalization = max(main, key=lambda s: s.steps) if main else None
-    return RunSummary(run=run, rows=rows, steps=steps, ranks=ranks + 1, world_size=sorted(sizes), groups=len(source.groups),
-                      verdict=verdict_of(findings, judged), normalization=normalization, segments=segments,
-                      max_weight_ratio=max_ratio, microbatches=max(int(microbatches), 0) if rows else 0,
-                      terms=terms, skipped_steps=skipped_steps, divisors=sorted(divisors),
-                      weight_range=weight_range, segments_omitted=omitted)
-
-
-class _Extreme:
-    """The lowest value seen over blocks, NaN skipped; NaN when none was a number (pandas' min)."""
-
-    def __init__(self) -> None:
-        self.low = math.inf
-        self.seen = False
-
-    def add(self, values: npt.NDArray[np.float64]) -> None:
-        values = values[~np.isnan(values)]
-        if len(values):
-            self.low, self.seen = min(self.low, float(values.min())), True
-
-    def value(self) -> float:
-        return self.low if self.seen else math.nan
-
-
-def _count_distinct(values: npt.NDArray[Any]) -> int:
-    """How many distinct values: the length of an increasing column (one group's steps) without a hash."""
-    if len(values) < 2 or bool((values[1:] > values[:-1]).all()):
-        return len(values)
-    return len(pd.unique(values))

@@ -3,9 +3,9 @@
 
 Prints one table: recorder overhead on a CPU transformer LM, and `tokaudit check` (and its audit work: the
 check less its start-up, the imports timed alone beside it) next to a one-query DuckDB floor (per-step N and the extremes of b/S over the same files) and a naive pandas
-audit, on synthetic logs in the recorder's layout (default 10⁷ rows as 64 ranks × 4 microbatches
-and as 8 ranks × 1 microbatch, and 64 × 4 again with every column the recorder writes, plus 10,000
-one-row shards; --rows 1e8 for 1,024 ranks × 4 and 8 ranks × 1, 12.5M steps).
+audit, on synthetic logs (default 10⁷ rows as 64 ranks × 4 microbatches and as 8 ranks × 1 microbatch in
+the recorder's layout, 64 × 4 again with every column the recorder writes, both compacted into a few large
+files, plus 10,000 one-row shards; --rows 1e8 for 1,024 ranks × 4 and 8 ranks × 1, 12.5M steps).
 """
 
 from __future__ import annotations
@@ -129,22 +129,25 @@ def main() -> None:
 
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(Path(tokaudit.__file__).parent)], check=True)
 
-    # (label, ranks, micro, steps per file, ranks per file): the recorder's layout, one shard per rank
-    # and 4096 records; half the steps rank-local means, planted.
-    # (the last: every column the recorder writes, with a probe and a reported loss)
-    layouts = [("64 ranks × 4 micro", 64, 4, 1024, 1, False), ("8 ranks × 1 micro", 8, 1, 4096, 1, False),
-               ("64 ranks × 4 micro, the recorder's 23 columns", 64, 4, 1024, 1, True)]
+    # (label, ranks, micro, steps per file, ranks per file, every recorder column, folder suffix): the
+    # recorder's layout (one shard per rank, 4,096 records), then compacted logs (few large files, each of
+    # many steps and every rank, as compaction or a writer with a large flush_every leaves them); half the
+    # steps rank-local means, planted.
+    layouts = [("64 ranks × 4 micro", 64, 4, 1024, 1, False, ""), ("8 ranks × 1 micro", 8, 1, 4096, 1, False, ""),
+               ("64 ranks × 4 micro, the recorder's 23 columns", 64, 4, 1024, 1, True, "-recorder"),
+               ("64 ranks × 4 micro, compacted in 318 files", 64, 4, 123, 64, False, "-compacted"),
+               ("8 ranks × 1 micro, compacted in 40 files", 8, 1, 31250, 8, False, "-compacted")]
     if args.rows >= 1e8:
-        layouts = [("1,024 ranks × 4 micro", 1024, 4, 1024, 1, False), ("8 ranks × 1 micro", 8, 1, 4096, 1, False)]
-    for label, ranks, micro, steps_per_file, ranks_per_file, recorder in layouts:
+        layouts = [("1,024 ranks × 4 micro", 1024, 4, 1024, 1, False, ""), ("8 ranks × 1 micro", 8, 1, 4096, 1, False, "")]
+    for label, ranks, micro, steps_per_file, ranks_per_file, recorder, suffix in layouts:
         steps = int(args.rows) // (ranks * micro)
-        log = args.out / f"synthetic-{ranks}x{steps}x{micro}{'-recorder' if recorder else ''}"
+        log = args.out / f"synthetic-{ranks}x{steps}x{micro}{suffix}"
         if not log.exists():
             print(f"writing {ranks * steps * micro:,} rows to {log} (once)…", file=sys.stderr)
             write_log(log, ranks, steps, micro, steps_per_file=steps_per_file, ranks_per_file=ranks_per_file,
                       local_mean_every=2, recorder_columns=recorder)
         rows += _compare(f"{ranks * steps * micro:.0e} rows, {label} ({steps:,} steps)", log,
-                         naive=ranks * steps * micro <= 2e7, repeat=args.repeat)
+                         naive=ranks * steps * micro <= 2e7 and not suffix, repeat=args.repeat)
     small = args.out / "small-10000"
     if not small.exists():
         write_small_shards(small, 100, 100)
