@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -114,6 +115,51 @@ def _reported_rows(source: RunSteps, main_term: str) -> Iterator[pd.DataFrame]:
             yield rows
         current = following
 
+def _agree(rows: pd.DataFrame, mean: str, total: str, rtol: float, rounding: float) -> np.ndarray:
+    """Each row's reported loss (every record's) is its `mean` column's value, or its `total`'s."""
+    low, high = rows.reported_low.to_numpy(float), rows.reported_high.to_numpy(float)
+    truth, whole = rows[mean].to_numpy(float), rows[total].to_numpy(float)
+    agrees: np.ndarray = (_agrees(low, truth, rtol, rounding) & _agrees(high, truth, rtol, rounding)) | \
+        (_agrees(low, whole, rtol, rounding) & _agrees(high, whole, rtol, rounding))
+    return agrees
+
+
+@dataclass
+class _Differing:
+    """The steps whose reported loss is not their token mean, and what those losses are instead."""
+
+    steps: StepsSeen
+    count: int = 0
+    first: Any = None
+    """The first such row (None: every reported loss agrees)."""
+    all_local: bool = True
+    any_local: bool = False
+    all_next: bool = True
+    """Every step that differs carries the next step's token mean (`all_previous`: the previous one's)."""
+    all_previous: bool = True
+
+    @classmethod
+    def of(cls, source: RunSteps, main_term: str, rtol: float, rounding: float) -> _Differing:
+        found = cls(StepsSeen(len(source.groups) > 1))
+        for rows in _reported_rows(source, main_term):
+            fine = _agree(rows, "mean", "total", rtol, rounding)
+            if fine.all():
+                continue
+            bad = rows[~fine]
+            found.all_next = found.all_next and bool(_agree(bad, "next_mean", "next_total", rtol, rounding).all())
+            found.all_previous = found.all_previous and bool(
+                _agree(bad, "previous_mean", "previous_total", rtol, rounding).all())
+            local_of = bad.mean_of_local_means.to_numpy(float)
+            local = _agrees(bad.reported_low.to_numpy(float), local_of, rtol, rounding) & \
+                _agrees(bad.reported_high.to_numpy(float), local_of, rtol, rounding)
+            found.all_local, found.any_local = found.all_local and bool(local.all()), found.any_local or bool(local.any())
+            if found.first is None:
+                found.first = bad.iloc[0]
+            found.steps.add(bad.step.to_numpy())
+            found.count += len(bad)
+        return found
+
+
 def reported_findings(source: RunSteps, run: str, rtol: float, main_term: str) -> Iterator[Finding]:
     """reported_loss_mismatch: the logged loss against ΣS/N of the main term, or against the sum of
     the terms' token means when the trainer logs the whole objective. Read twice: how the losses were
@@ -127,34 +173,11 @@ def reported_findings(source: RunSteps, run: str, rtol: float, main_term: str) -
         return
     rounding = rounding_seen.value()
 
-    def agree(rows: pd.DataFrame, mean: str, total: str) -> np.ndarray:
-        """Each row's reported loss (every record's) is its `mean` column's value, or its `total`'s."""
-        low, high = rows.reported_low.to_numpy(float), rows.reported_high.to_numpy(float)
-        truth, whole = rows[mean].to_numpy(float), rows[total].to_numpy(float)
-        agrees: np.ndarray = (_agrees(low, truth, rtol, rounding) & _agrees(high, truth, rtol, rounding)) | \
-            (_agrees(low, whole, rtol, rounding) & _agrees(high, whole, rtol, rounding))
-        return agrees
-
-    bad_steps, bad_count, first = StepsSeen(len(source.groups) > 1), 0, None
-    all_local, any_local = True, False
-    all_next, all_previous = True, True  # every step that differs carries its neighbour's token mean
-    for rows in _reported_rows(source, main_term):
-        fine = agree(rows, "mean", "total")
-        if fine.all():
-            continue
-        bad = rows[~fine]
-        all_next = all_next and bool(agree(bad, "next_mean", "next_total").all())
-        all_previous = all_previous and bool(agree(bad, "previous_mean", "previous_total").all())
-        local_of = bad.mean_of_local_means.to_numpy(float)
-        local = _agrees(bad.reported_low.to_numpy(float), local_of, rtol, rounding) & \
-            _agrees(bad.reported_high.to_numpy(float), local_of, rtol, rounding)
-        all_local, any_local = all_local and bool(local.all()), any_local or bool(local.any())
-        if first is None:
-            first = bad.iloc[0]
-        bad_steps.add(bad.step.to_numpy())
-        bad_count += len(bad)
-    if first is None:
+    found = _Differing.of(source, main_term, rtol, rounding)
+    if found.first is None:
         return
+    first, bad_steps, bad_count = found.first, found.steps, found.count
+    all_next, all_previous, all_local, any_local = found.all_next, found.all_previous, found.all_local, found.any_local
     true_value = float(first.loss / first.tokens)
     evidence = {"step": int(first.step), "reported": float(first.reported_high), "token_mean": true_value,
                 "mean_of_local_means": float(first.mean_of_local_means), "rounding": rounding}

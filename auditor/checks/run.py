@@ -25,7 +25,7 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
     """All checks for one run's steps (every group and term): its findings, its normalization spans
     (at most `MAX_SPANS` per group and term) and how many spans were left out.
 
-    Each loss term is its own token mean (SPEC §1): recovery and weight checks run per term.
+    Each loss term is its own token mean: recovery and weight checks run per term.
     `duplicates`: (records dropped, first step, last step, steps) when the reader found repeated keys.
     `extremes`: where the heaviest and lightest token of an evidence step were, when the table does not
     hold them (the audit aggregates them for the few steps a finding names).
@@ -65,28 +65,8 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
             sizes = shape.worlds
         reported = reported or shape.reported
         context = shape.context(run, term, tuple(sorted(sizes)), rtol)
-        # q's clusters need every uniform q ≠ 1 first: read once more only where a step may have one.
-        factors = FactorTable.of(((block, decisions.diagnose(block)) for block in source.blocks(term)), context) \
-            if decisions.may_be_off else FactorTable(rtol, np.zeros(0), {}, [], False)
-        keep_steps = len(source.groups) > 1  # a step number repeats across groups: counted as a set
-        weighting = WeightingCheck(factors, context, extremes, keep_steps)
-        checks: list[Check] = [StructureCheck(context, keep_steps), SyncCheck(context, keep_steps)] if term == terms[0] else []
-        checks += [ValuesCheck(context, keep_steps), ProbeCheck(context, keep_steps), MissingRanksCheck(context, keep_steps),
-                   DivisorCheck(context, keep_steps), WeightPresenceCheck(context, keep_steps)]
-        balanced = BalancedCheck(context, keep_steps, decisions.confused)
-        term_spans = Spans()
-        for block in source.blocks(term):
-            diagnoses = decisions.diagnose(block)
-            weighting.add(block, diagnoses)
-            for check in checks:
-                check.add(block)
-            balanced.add(block, diagnoses)
-            term_spans.add(span_rows(block, diagnoses, source.groups, 0))
-        findings.extend(weighting.findings())
-        for check in checks:
-            findings.extend(check.findings())
-        findings.extend(balanced.findings())
-        listed, left_out = term_spans.listed(source.groups, [term])
+        term_findings, listed, left_out = _check_term(source, term, decisions, context, extremes)
+        findings.extend(term_findings)
         spans.extend(listed)
         omitted += left_out
     if reported:
@@ -96,6 +76,34 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
     if miscounted:
         findings.append(miscounted.finding(run))
     return findings, spans, omitted
+
+
+def _check_term(source: RunSteps, term: str, decisions: Decisions, context: RunContext,
+                extremes: Extremes | None) -> tuple[list[Finding], list[Span], int]:
+    """Every check of one loss term, fed the term's blocks once: its findings, spans and spans left out."""
+    rtol = context.rtol
+    # q's clusters need every uniform q ≠ 1 first: read once more only where a step may have one.
+    factors = FactorTable.of(((block, decisions.diagnose(block)) for block in source.blocks(term)), context) \
+        if decisions.may_be_off else FactorTable(rtol, np.zeros(0), {}, [], False)
+    keep_steps = len(source.groups) > 1  # a step number repeats across groups: counted as a set
+    weighting = WeightingCheck(factors, context, extremes, keep_steps)
+    checks: list[Check] = ([StructureCheck(context, keep_steps), SyncCheck(context, keep_steps)]
+                           if term == source.terms[0] else [])
+    checks += [ValuesCheck(context, keep_steps), ProbeCheck(context, keep_steps), MissingRanksCheck(context, keep_steps),
+               DivisorCheck(context, keep_steps), WeightPresenceCheck(context, keep_steps)]
+    balanced = BalancedCheck(context, keep_steps, decisions.confused)
+    term_spans = Spans()
+    for block in source.blocks(term):
+        diagnoses = decisions.diagnose(block)
+        weighting.add(block, diagnoses)
+        for check in checks:
+            check.add(block)
+        balanced.add(block, diagnoses)
+        term_spans.add(span_rows(block, diagnoses, source.groups, 0))
+    findings = [*weighting.findings(), *(f for check in checks for f in check.findings()), *balanced.findings()]
+    listed, left_out = term_spans.listed(source.groups, [term])
+    return findings, listed, left_out
+
 
 class _Shape:
     """What a term's first pass notes besides the decisions: W and D's counts (their most frequent values,

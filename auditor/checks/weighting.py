@@ -246,67 +246,85 @@ def _range(values: list[float]) -> list[float]:
 
 def _weighting_finding(group: _WeightingGroup, table: list[FactorExplanation], context: RunContext,
                        extremes: Extremes | None = None) -> Finding:
-    code, denominator, row, diagnosis = group.code, group.denominator, group.row, group.diagnosis
-    step, w, tokens = int(row.step), int(row.w_high), int(row.tokens)
-    explanation = table[group.explanation] if group.explanation >= 0 else None
+    """The finding of one group of steps weighted alike: the evidence every such finding holds, then what is
+    said of weights that differ inside a step or of uniform weights off by a factor."""
+    row, diagnosis = group.row, group.diagnosis
     factors = group.factor_range
-    evidence: dict[str, Any] = {"step": step, "denominator": denominator.value, "factor": diagnosis.factor,
-                                "world_size": w, "grad_divisor": float(row.d_high), "global_tokens": tokens}
+    evidence: dict[str, Any] = {"step": int(row.step), "denominator": group.denominator.value,
+                                "factor": diagnosis.factor, "world_size": int(row.w_high),
+                                "grad_divisor": float(row.d_high), "global_tokens": int(row.tokens)}
     if factors:
         evidence["factor_range"] = _range(factors)
     grp = f" (group {row.grp})" if str(row.grp) != UNNAMED else ""
     if diagnosis.kind == StepKind.NONUNIFORM:
-        heavy_e, light_e = float(row.e_high), float(row.e_low)
-        ratio = heavy_e / light_e if light_e > 0 else math.inf
-        if "heavy_rank" in row.index:
-            located = row
-        elif extremes is not None:
-            located = extremes(row)
-        else:
-            raise ValueError("the step table lacks the evidence columns (heavy_rank, ...) and no way to find them")
-        heavy = _describe(located, "heavy", heavy_e, tokens)
-        light = _describe(located, "light", light_e, tokens)
-        evidence.update({"heaviest": heavy, "lightest": light, "weight_ratio": ratio})
-        where = (f"at step {step}{grp} a token on rank {heavy['rank']} (microbatch {heavy['micro']}, "
-                 f"n={heavy['valid_tokens']}) received {ratio:.3g}× the weight of a token on rank {light['rank']} "
-                 f"(microbatch {light['micro']}, n={light['valid_tokens']}); the correct weight is 1/N = 1/{tokens}, "
-                 f"they got {heavy_e * tokens:.3g}/N and {light_e * tokens:.3g}/N")
-        alpha = "?" if diagnosis.factor is None else f"{diagnosis.factor:.4g}"
-        formula = f"b·g = {alpha}·{FORMULA.get(denominator, '?')}"
-        near = ""
-        if diagnosis.approximate is not None:
-            off = group.approximate
-            evidence.update({"approximate": True, "approximation_error": off})
-            near = (f"The weights fit {DENOMINATOR_WORDS[denominator]} only approximately (α varies by up to "
-                    f"{off:.2%}; a count that is off by a few tokens per sequence, such as one extra label per "
-                    "row from unshifted labels, does this). ")
-        if code == Code.LOCAL_MEAN and denominator == Denominator.MICRO_TIMES_M:
-            message = (f"{near}Each microbatch's loss was its own mean over its n valid tokens, divided by the "
-                       f"number of microbatches M={context.microbatches} (loss.mean() / gradient_accumulation_steps; "
-                       f"{formula}), so microbatches count equally instead of tokens: {where}.")
-        elif code == Code.LOCAL_MEAN:
-            message = (f"{near}Each loss was divided by {DENOMINATOR_WORDS[denominator]} ({formula}), so ranks "
-                       f"and microbatches count equally instead of tokens: {where}.")
-        elif code == Code.PER_MICRO_DENOMINATOR:
-            message = (f"{near}Each microbatch was divided by its own global count N_m instead of the step's N "
-                       f"({formula}): {where}.")
-        elif code == Code.PADDED_DENOMINATOR:
-            message = (f"{near}The loss was divided by the positions T of each microbatch, padding and ignored "
-                       f"labels included ({formula}): {where}.")
-        elif diagnosis.approximate is not None:
-            message = (f"Tokens of one step received different weights; the nearest denominator is "
-                       f"{DENOMINATOR_WORDS[denominator]} ({formula}), off by up to "
-                       f"{evidence['approximation_error']:.2%}: {where}.")
-            # nearest to the token mean itself (b·g = D·S/N, q = 1), and within bf16's rounding of it
-            if denominator == Denominator.N and evidence["approximation_error"] <= BF16_ROUNDING and \
-                    diagnosis.factor is not None and abs(diagnosis.factor / float(row.d_high) - 1) <= BF16_ROUNDING:
-                evidence["within_bfloat16_rounding"] = True
-                message += BF16_HINT
-        else:
-            message = (f"Tokens of one step received different weights and no denominator (n, n_r, n·M, N_m, N, T, "
-                       f"1) explains them: {where}.")
-        return make_finding(context, code, group.steps, message, average_fix(context), evidence)
+        return _nonuniform_finding(group, context, evidence, grp, extremes)
+    return _uniform_finding(group, table, context, evidence, grp)
 
+
+def _nonuniform_finding(group: _WeightingGroup, context: RunContext, evidence: dict[str, Any], grp: str,
+                        extremes: Extremes | None) -> Finding:
+    """Tokens of one step weighed differently: where the heaviest and lightest were, and the denominator."""
+    code, denominator, row, diagnosis = group.code, group.denominator, group.row, group.diagnosis
+    step, tokens = int(row.step), int(row.tokens)
+    heavy_e, light_e = float(row.e_high), float(row.e_low)
+    ratio = heavy_e / light_e if light_e > 0 else math.inf
+    if "heavy_rank" in row.index:
+        located = row
+    elif extremes is not None:
+        located = extremes(row)
+    else:
+        raise ValueError("the step table lacks the evidence columns (heavy_rank, ...) and no way to find them")
+    heavy = _describe(located, "heavy", heavy_e, tokens)
+    light = _describe(located, "light", light_e, tokens)
+    evidence.update({"heaviest": heavy, "lightest": light, "weight_ratio": ratio})
+    where = (f"at step {step}{grp} a token on rank {heavy['rank']} (microbatch {heavy['micro']}, "
+             f"n={heavy['valid_tokens']}) received {ratio:.3g}× the weight of a token on rank {light['rank']} "
+             f"(microbatch {light['micro']}, n={light['valid_tokens']}); the correct weight is 1/N = 1/{tokens}, "
+             f"they got {heavy_e * tokens:.3g}/N and {light_e * tokens:.3g}/N")
+    alpha = "?" if diagnosis.factor is None else f"{diagnosis.factor:.4g}"
+    formula = f"b·g = {alpha}·{FORMULA.get(denominator, '?')}"
+    near = ""
+    if diagnosis.approximate is not None:
+        off = group.approximate
+        evidence.update({"approximate": True, "approximation_error": off})
+        near = (f"The weights fit {DENOMINATOR_WORDS[denominator]} only approximately (α varies by up to "
+                f"{off:.2%}; a count that is off by a few tokens per sequence, such as one extra label per "
+                "row from unshifted labels, does this). ")
+    if code == Code.LOCAL_MEAN and denominator == Denominator.MICRO_TIMES_M:
+        message = (f"{near}Each microbatch's loss was its own mean over its n valid tokens, divided by the "
+                   f"number of microbatches M={context.microbatches} (loss.mean() / gradient_accumulation_steps; "
+                   f"{formula}), so microbatches count equally instead of tokens: {where}.")
+    elif code == Code.LOCAL_MEAN:
+        message = (f"{near}Each loss was divided by {DENOMINATOR_WORDS[denominator]} ({formula}), so ranks "
+                   f"and microbatches count equally instead of tokens: {where}.")
+    elif code == Code.PER_MICRO_DENOMINATOR:
+        message = (f"{near}Each microbatch was divided by its own global count N_m instead of the step's N "
+                   f"({formula}): {where}.")
+    elif code == Code.PADDED_DENOMINATOR:
+        message = (f"{near}The loss was divided by the positions T of each microbatch, padding and ignored "
+                   f"labels included ({formula}): {where}.")
+    elif diagnosis.approximate is not None:
+        message = (f"Tokens of one step received different weights; the nearest denominator is "
+                   f"{DENOMINATOR_WORDS[denominator]} ({formula}), off by up to "
+                   f"{evidence['approximation_error']:.2%}: {where}.")
+        # nearest to the token mean itself (b·g = D·S/N, q = 1), and within bf16's rounding of it
+        if denominator == Denominator.N and evidence["approximation_error"] <= BF16_ROUNDING and \
+                diagnosis.factor is not None and abs(diagnosis.factor / float(row.d_high) - 1) <= BF16_ROUNDING:
+            evidence["within_bfloat16_rounding"] = True
+            message += BF16_HINT
+    else:
+        message = (f"Tokens of one step received different weights and no denominator (n, n_r, n·M, N_m, N, T, "
+                   f"1) explains them: {where}.")
+    return make_finding(context, code, group.steps, message, average_fix(context), evidence)
+
+
+def _uniform_finding(group: _WeightingGroup, table: list[FactorExplanation], context: RunContext,
+                     evidence: dict[str, Any], grp: str) -> Finding:
+    """Every token of a step weighed alike, but q = e·N is not 1: a padded count, a loss scale, a world-size
+    factor, a raw sum or another constant."""
+    code, denominator, row, diagnosis = group.code, group.denominator, group.row, group.diagnosis
+    step, w, tokens = int(row.step), int(row.w_high), int(row.tokens)
+    explanation = table[group.explanation] if group.explanation >= 0 else None
     q = diagnosis.distortion or 0.0
     distortions = group.distortion_range
     evidence.update({"distortion": q, "effective_weight": q / tokens, "distortion_range": _range(distortions)})
@@ -353,6 +371,7 @@ def _weighting_finding(group: _WeightingGroup, table: list[FactorExplanation], c
             evidence["within_bfloat16_rounding"] = True
             message += BF16_HINT
     return make_finding(context, code, group.steps, message, average_fix(context), evidence)
+
 
 def _world_size_cause(explanation: FactorExplanation, q: float, w: int, divisor: float) -> str:
     k = explanation.integer
