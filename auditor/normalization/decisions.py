@@ -129,20 +129,25 @@ class Decisions:
             token_mean_whole = token_mean_whole or (c == 0 and len(medians) == 1 and not has_nan[c])
         decisions = cls(rtol, voters, anchors, first_hypothesis, has_nan, owner, values, {}, [],
                         np.zeros(0, np.int64), confusion.result(), may_be_off)
+        decisions.picked = decisions._cover(decisions._count_signatures(again()))
+        return decisions
+
+    def _count_signatures(self, blocks: Iterable[FitBlock]) -> npt.NDArray[np.int64]:
+        """How many steps hold each signature (which hypotheses each candidate's α falls in), numbering the
+        signatures in the order they are first seen."""
         counts: list[int] = []
-        for found in again():
-            codes = decisions._codes(found)
+        for found in blocks:
+            codes = self._codes(found)
             if not codes.shape[1]:
                 continue
-            keys, first_row, seen = decisions._distinct(codes)
+            keys, first_row, seen = self._distinct(codes)
             for key, row, count in zip(keys, first_row.tolist(), seen.tolist()):
-                number = decisions.signatures.setdefault(key, len(counts))
+                number = self.signatures.setdefault(key, len(counts))
                 if number == len(counts):
                     counts.append(0)
-                    decisions.signature_codes.append(codes[row].copy())
+                    self.signature_codes.append(codes[row].copy())
                 counts[number] += count
-        decisions.picked = decisions._cover(np.array(counts, dtype=np.int64))
-        return decisions
+        return np.array(counts, dtype=np.int64)
 
     def _distinct(self, codes: npt.NDArray[np.int32]
                   ) -> tuple[list[int | bytes], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
