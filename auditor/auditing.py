@@ -33,9 +33,8 @@ PROGRESS_ROWS = 1_000_000
 
 EVIDENCE_ROWS = 1_000_000
 """Logs of at most this many records aggregate every step's evidence columns (`engine.EXTREME_COLUMNS`:
-where its heaviest and lightest token were) in the one query: a tenth more of a query that takes a
-fraction of a second, where each finding's step aggregated again alone costs a DuckDB connection and a
-query of its own (0.1 to 0.25 s; 0.45 s of the 2.2 s of `tokaudit check sample_logs/`). Larger logs
+where its heaviest and lightest token were) in the one query: a little more of a short query, where each
+finding's step aggregated again alone costs a DuckDB connection and a query of its own. Larger logs
 aggregate them for a finding's step only (`_Extremes`): over every step they would cost a tenth of the
 query and 48 bytes a step."""
 

@@ -1,4 +1,4 @@
-"""The `tokaudit` command line: load → audit → render → exit code (SPEC §5)."""
+"""The `tokaudit` command line: load → audit → render → exit code (docs/cli.md)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def _refuse_inputs(output: Path | None, paths: tuple[str, ...]) -> None:
 
 
 class _Guarded(click.Group):
-    """Every failure ends in exit 2 with one line (SPEC §5): exit 1 means findings and nothing else."""
+    """Every failure ends in exit 2 with one line: exit 1 means findings and nothing else."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -135,7 +135,7 @@ def main(ctx: click.Context, debug: bool) -> None:
 @main.command()
 @PATHS
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown", "github"]), default="table",
-              show_default=True, help="table for people, json for CI (SPEC §4), markdown for a PR comment, github "
+              show_default=True, help="table for people, json for CI (docs/REPORT.md), markdown for a PR comment, github "
                                       "for workflow annotations (and the step summary when GITHUB_STEP_SUMMARY is set).")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Write the report here.")
 @click.option("--fail-on", type=click.Choice(list(FAIL_ON)), default="error", show_default=True,

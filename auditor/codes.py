@@ -1,4 +1,4 @@
-"""Stable finding codes and severities (SPEC §3). Tests and JSON match on these, never on text."""
+"""Stable finding codes and severities (docs/CODES.md). Tests and JSON match on these, never on text."""
 
 from __future__ import annotations
 
@@ -83,4 +83,4 @@ DEFAULT_SEVERITY: dict[Code, Severity] = {
 
 UNDECIDABLE: frozenset[Code] = frozenset({Code.LOSS_SCALE, Code.UNKNOWN_DIVISOR, Code.NO_WEIGHTS,
                                           Code.RECORDS_DROPPED, Code.COUNT_MISMATCH})
-"""Warnings that say the logs cannot tell (SPEC §4): alone, they make a run `inconclusive`, not `incorrect`."""
+"""Warnings that say the logs cannot tell: alone, they make a run `inconclusive`, not `incorrect`."""

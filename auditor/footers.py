@@ -46,7 +46,7 @@ class Footer:
 
     @property
     def schema_arrow(self) -> pa.Schema:
-        """Its Arrow schema (made from the footer when asked: 10 µs, which a schema seen last spares)."""
+        """Its Arrow schema, made from the footer when asked (a schema seen last spares it)."""
         schema: pa.Schema = self.reader.schema_arrow if self.reader is not None else self.parquet.schema_arrow  # type: ignore[union-attr]
         return schema
 
@@ -61,7 +61,7 @@ TAIL_BYTES = 1 << 14
 def local_footer(path: str) -> Footer | None:
     """A local file's footer, read with one pread of its last TAIL_BYTES (two where the footer is longer) and
     parsed from memory. pyarrow's reader of the file itself reads its last 64 KiB (most of a recorder's shard)
-    through a file object made for it: 72 → 61 µs a file. None where the file does not open, or its last bytes
+    through a file object made for it, which costs more. None where the file does not open, or its last bytes
     are not a footer that parses: pyarrow's reader of the file then says what is wrong, in its words."""
     try:
         handle = os.open(path, os.O_RDONLY)
@@ -286,7 +286,7 @@ class SchemaFacts:
     """What a schema says, worked out once for every shard that has it."""
 
     problem: str | None
-    """What makes it unusable (SPEC §2), or None."""
+    """What makes it unusable, or None."""
     present: frozenset[str]
     """Its schema columns."""
     bounded: frozenset[str]
@@ -324,7 +324,7 @@ def checked_schema(schema: pa.Schema) -> SchemaFacts:
     return facts
 
 def _schema_problem(schema: pa.Schema, present: frozenset[str]) -> str | None:
-    """What makes a schema unusable (SPEC §2: required columns, no repeats, each column's type), or None.
+    """What makes a schema unusable (required columns, no repeats, each column's type), or None.
     `present`: its schema columns."""
     for column in REQUIRED_COLUMNS:
         if column not in schema.names:

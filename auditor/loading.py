@@ -143,17 +143,16 @@ def _regular_file(path: str | Path) -> tuple[tuple[int, int] | None, str]:
 
 PARALLEL_FILES = 1024
 """Local files from which `load` validates footers in worker processes (when given more than one
-worker): a worker costs about 0.3 s of CPU to start (an interpreter importing pyarrow), a footer about
-0.25 ms. This process never waits for one (`_share`), so a worker only costs wall time where no core is
-free: the command line's audit of 1,024 files took 1.55–1.73 s with one, 1.42–2.06 s without (six runs
-each, alternated; of 600 files, the same either way)."""
+worker): a worker is an interpreter importing pyarrow, worth starting only where its share of footers costs
+more than that. This process never waits for one (`_share`), so a worker only costs wall time where no
+core is free."""
 BATCH_FILES = 512
 """Fewest files given to one worker."""
 MAX_WORKERS = 8
 """Most processes validating footers at once, this one included: each worker is an interpreter of about
 100 MiB, and footers are partly disk-bound, so a machine of 64 cores gains little from 64 of them."""
 FRAME_FILES = 64
-"""Files a worker answers at a time (about 16 ms of work): how far this process may find a worker ahead of
+"""Files a worker answers at a time: how far this process may find a worker ahead of
 what it last heard, and so at most how many files both validate where they meet."""
 
 

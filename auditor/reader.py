@@ -63,7 +63,7 @@ class Shard:
     record: tuple[Any, ...] | None = None
     """A one-row file's record, one value per `signature` column (None: a null), when its footer's
     statistics give every value exactly (`footer_record`): the aggregation reads it from here instead of
-    opening the file again (DuckDB's 0.3 ms of CPU a file, most of the audit of 10,000 one-row shards)."""
+    opening the file again (what most of the audit of many one-row shards would cost)."""
     constants: tuple[tuple[str, Any], ...] = ()
     """(column, value) of each of CONSTANT_COLUMNS whose footer gives the one value of every record (lowest =
     highest, no null), as its statistics hold it: a grid reads none of them (`tokaudit.grid`). A float column
@@ -104,7 +104,7 @@ _FIELDS = tuple(f.name for f in fields(Shard) if f.name != "path")
 
 def packed_shards(inspected: list[Shard | tuple[str, str]]) -> list[tuple[Any, ...] | tuple[str, str]]:
     """What a worker hands back: each shard's fields but its path, which the caller holds (a pickled Path
-    is parsed again when loaded: 0.1 ms a file, more than a third of validating its footer), or the problem."""
+    is parsed again when loaded, a large share of validating its footer), or the problem."""
     return [item if not isinstance(item, Shard) else tuple(getattr(item, name) for name in _FIELDS)
             for item in inspected]
 
@@ -114,7 +114,7 @@ def unpacked_shards(packed: list[tuple[Any, ...]], paths: Sequence[PurePath]) ->
             for path, item in zip(paths, packed, strict=True)]
 
 def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = True) -> Shard:
-    """Check one file against SPEC §2: columns, types, version, and values no audit can use.
+    """Check one file against the log format: columns, types, version, and values no audit can use.
     `thorough=False` leaves out what only a full read of grad_divisor and grad_scale shows (NaN):
     `load(..., thorough=False)` callers check those values in their aggregation instead."""
     name = _name(path, store)
@@ -167,8 +167,8 @@ NULLABLE_COLUMNS = frozenset({"token_weight_sum", "token_weight_min", "token_wei
 
 _LAST_FOOTER: list[tuple[Any, bytes | None, SchemaFacts, dict[str, int]]] = []
 """The Parquet schema seen last, its stored Arrow schema, what it says and each column's place in the footer:
-the shards of one log share them, and comparing two Parquet schemas (0.25 µs) spares making the Arrow
-schema (10 µs) and the places (10 µs)."""
+the shards of one log share them, and comparing two Parquet schemas is far cheaper than making the Arrow
+schema and the places again."""
 
 def _schema_of(parquet: Footer, pairs: dict[bytes, bytes] | None) -> tuple[SchemaFacts, dict[str, int]]:
     """What a file's schema says, and each column's place in its footer. Two files whose Parquet schemas

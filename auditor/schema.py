@@ -1,4 +1,4 @@
-"""The log format of SPEC §2: one row per backward pass of one rank, shared by hooks and auditor."""
+"""The log format (docs/SCHEMA.md): one row per backward pass of one rank, shared by hooks and auditor."""
 
 from __future__ import annotations
 

@@ -34,9 +34,9 @@ _LOWER_BOUNDS: tuple[tuple[str, int, str], ...] = (
 _UPPER_BOUNDS: tuple[tuple[str, int, str], ...] = (
     ("valid_tokens", INT32_MAX, "more tokens than a microbatch can hold (above 2³¹ − 1)"),
     ("positions", INT32_MAX, "more positions than a microbatch can hold (above 2³¹ − 1)"),
-    ("world_size", INT32_MAX, "a value beyond int32, its type in SPEC §2"),
-    ("rank", INT32_MAX, "a value beyond int32, its type in SPEC §2"),
-    ("micro", INT32_MAX, "a value beyond int32, its type in SPEC §2"),
+    ("world_size", INT32_MAX, "a value beyond int32, its type in the log format"),
+    ("rank", INT32_MAX, "a value beyond int32, its type in the log format"),
+    ("micro", INT32_MAX, "a value beyond int32, its type in the log format"),
 )
 """(column, highest allowed value, what it means): the step table holds ranks, microbatch indices, W and one
 record's count in 32 bits, and a step's N (Σ n over at most 2³² records) then stays exact in int64 and in a

@@ -123,7 +123,7 @@ CASES: dict[str, tuple[Any, str]] = {
     # Once one file's aggregation failed on these ("cannot be aggregated", naming the first files of the log,
     # and hiding every good file): each is now its own line.
     "world_size.parquet": (_beyond_int32("world_size", 1 << 40),
-                           "column 'world_size' holds a value beyond int32, its type in SPEC §2 (1099511627776) at row 5"),
+                           "column 'world_size' holds a value beyond int32, its type in the log format (1099511627776) at row 5"),
     "micro.parquet": (_beyond_int32("micro", 1 << 31), "column 'micro' holds a value beyond int32"),
     "valid_tokens.parquet": (_beyond_int32("valid_tokens", 1 << 31),
                              "column 'valid_tokens' holds more tokens than a microbatch can hold (above 2³¹ − 1)"),

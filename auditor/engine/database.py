@@ -158,7 +158,7 @@ class Engine:
             connection.execute("CREATE TEMP TABLE file_order AS SELECT * FROM file_order_source")
             connection.unregister("file_order_source")
             # The views are defined when first read (`_whole`, the ranges of `step_table`): a view of
-            # 24,576 files costs 0.35 s to write and bind, and the ranges replace it at once.
+            # many thousand files takes long to write and bind, and the ranges replace it at once.
             return engine
         except BaseException:
             connection.close()
@@ -381,7 +381,7 @@ class Engine:
     def _aggregate(self, rtol: float, shards: Sequence[Shard]) -> dict[str, Any]:
         """One range's step table as arrays, by column: numpy's, as DuckDB hands them over (a pandas
         frame of each range cost a copy of every column into pandas' blocks, and the names' strings a
-        conversion to Arrow strings before they became categories: 1.5 s at 1.25M steps)."""
+        conversion to Arrow strings before they became categories)."""
         single_ranks = single_rank_range(shards)
         names = one_name_of(shards)
         facts, known = footer_facts(shards) if self.prune else (frozenset(), {})

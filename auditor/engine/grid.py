@@ -4,8 +4,8 @@ The recorder writes one rank's records per file, in step order and, within a ste
 order. When every rank of a range holds the same steps, each with microbatches 0…M−1 once, the
 records read rank after rank are an array [R ranks, S steps, M microbatches]: a per-step aggregate
 reduces axes 0 and 2, a per-rank one axis 2, a per-microbatch one axis 0. The query
-(`engine.step_sql`) groups the same records three times in hash tables: 0.38 s of CPU a range of
-786,000 records of the 64 × 4 benchmark log, where reading them takes 0.10 s and these reductions 0.05 s.
+(`engine.step_sql`) groups the same records three times in hash tables, which costs several times
+reading them; reshapes cost less than reading (figures in docs/design.md).
 
 This mirrors the query's semantics aggregate by aggregate (NULL as DuckDB has it: min, max and sum
 skip it, count_if over none is NULL; float sums compensated as its fsum and favg are, which gives the

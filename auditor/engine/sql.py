@@ -160,10 +160,9 @@ KEYS = ("hash(run, grp, term)", "any_value(run) AS run, any_value(grp) AS grp, a
 
 ONE_NAME_KEYS = ("CAST(0 AS UBIGINT)", "", "")
 """{key}, {names} and {record_names} when the footers show every record of the range has one (run,
-group, term) (`Shard.names`): no hash of three strings per record, no string aggregate per step (the
-query's CPU 15% less), and no name at all, neither read nor kept in the records the groupings share (6%
-of the query with microbatches): the names' categories are made in Python (`_aggregate`), not a string a
-step handed over and hashed again (0.25 s at 1.25M steps)."""
+group, term) (`Shard.names`): no hash of three strings per record, no string aggregate per step, and no
+name at all, neither read nor kept in the records the groupings share: the names' categories are made in
+Python (`_aggregate`), not a string a step handed over and hashed again."""
 
 # By step only: sorting by the names as well costs more than the rest of the query at millions of steps;
 # the rare table of several (run, group, term) is sorted as categories after (`step_table`).
@@ -275,8 +274,7 @@ FOOTER_CONSTANTS: dict[frozenset[str], tuple[tuple[str, str], ...]] = {
 nulls in it, `Shard.null_columns`), and each aggregate is what it gives over NULL on every record (count
 0; count_if, sum, min and max NULL), typed as the query casts it. "world_size=" and "grad_divisor=": one
 value on every record, passed as the parameter of that name. "micro<64": no microbatch index reaches 64.
-The range query at 1.25M steps (no probe, reported loss or skip flags; one W and D) 0.20 → 0.16 s; a test
-checks the step tables with and without them are equal bit for bit."""
+A test checks the step tables with and without them are equal bit for bit."""
 
 def footer_facts(shards: Sequence[Shard]) -> tuple[frozenset[str], dict[str, Any]]:
     """What the footers of these shards say of all their records, as FOOTER_CONSTANTS' facts, and the
@@ -358,7 +356,7 @@ def footer_table(shards: Sequence[Shard], filenames: Sequence[str]) -> pa.Table:
     return pa.table(arrays)
 
 def select_records(default_run: str, present: set[str], scan: str, where: str) -> str:
-    """One scan's records with SPEC §2's defaults applied; columns its files lack are typed nulls."""
+    """One scan's records with the log format's defaults applied (docs/SCHEMA.md); columns its files lack are typed nulls."""
 
     def column(name: str) -> str:
         kind = DUCKDB_TYPES[COLUMNS_BY_NAME[name].kind]

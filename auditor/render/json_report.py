@@ -1,4 +1,4 @@
-"""The JSON report of SPEC §4."""
+"""The JSON report (docs/REPORT.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tokaudit.report import AuditReport, Finding, RunSummary, Segment
 from tokaudit.schema import UNNAMED
 
 REPORT_VERSION = 1
-"""Changes only when a key is removed or renamed (SPEC §4)."""
+"""Changes only when a key is removed or renamed."""
 
 
 def _finite(value: float | None) -> float | None:

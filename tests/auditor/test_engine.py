@@ -822,7 +822,8 @@ def test_a_footer_record_is_what_a_scan_of_its_file_gives_bit_for_bit(tmp_path: 
 
     from tests.auditor.test_properties import SETTINGS
     from tokaudit.errors import LogFormatError
-    from tokaudit.reader import SIGNLESS_ZEROS, inspect_shard
+    from tokaudit.footers import SIGNLESS_ZEROS
+    from tokaudit.reader import inspect_shard
 
     numbers = itertools.count()
     given_records = []

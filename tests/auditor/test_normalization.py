@@ -1,6 +1,6 @@
 """Normalization recovery on small hand-made per-step tables: no Parquet, no DuckDB.
 
-Each table row is built here from per-record weights by the definitions of SPEC §1 (e·Den over the
+Each table row is built here from per-record weights by the definitions of the objective (e·Den over the
 step's records, low and high), independently of the engine's SQL.
 """
 

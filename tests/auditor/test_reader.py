@@ -574,7 +574,7 @@ def test_a_one_row_shard_gives_its_record_from_its_footer_only_where_it_is_exact
 
 
 def test_a_half_float_divisor_is_accepted_and_audited_as_its_values(tmp_path: Path) -> None:
-    """A float column may have any float width (SPEC §2): a half-float grad_divisor, whose statistics
+    """A float column may have any float width: a half-float grad_divisor, whose statistics
     are bytes and which has no compute kernels of its own, is checked and audited like a double."""
     from tokaudit.render.json_report import render_json
 

@@ -3,7 +3,7 @@
 For each scenario: the recorder changes no gradient; the probe measures the weight the theory
 gives that strategy; the reduced gradient equals a single-process float64 reference built from
 those weights (and, for the correct strategies, the token-mean objective ΣS/N itself); the
-shards round-trip to the SPEC schema with the values that were trained.
+shards round-trip to the log schema with the values that were trained.
 """
 
 from __future__ import annotations
