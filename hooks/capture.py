@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from tokaudit.hooks.probe import ScalarProbe
+from tokaudit.hooks.probe import ProbeResult, ScalarProbe, TokenProbe
+from tokaudit.hooks.terms import Footprint, OpenCall
 
 if TYPE_CHECKING:
     from tokaudit.hooks.recorder import Recorder
@@ -71,8 +72,8 @@ def _record(recorder: Recorder, out: torch.Tensor, input: torch.Tensor, target: 
     valid_count = valid.sum()
     if reduction == "none":
         loss_sum = out.detach().sum()  # positions that are not valid hold 0
-        result = recorder._captured_call(loss_sum, valid_count, valid.numel(), target)
-        return recorder._probe_into(out, valid, result)
+        result = _captured_call(recorder, loss_sum, valid_count, valid.numel(), target)
+        return probe_into(recorder, out, valid, result)
     # mean = Σℓᵢ / Σw_{yᵢ} over valid positions (Σw = n without class weights; the sample
     # count for probability targets); sum = Σℓᵢ. So ∂loss/∂ℓᵢ is 1/Σw or 1 for every valid i.
     if reduction == "mean":
@@ -87,7 +88,44 @@ def _record(recorder: Recorder, out: torch.Tensor, input: torch.Tensor, target: 
     else:
         loss_sum = out.detach()
         token_factor = torch.ones((), dtype=torch.float64, device=out.device)
-    result = recorder._captured_call(loss_sum, valid_count, valid.numel(), target)
+    result = _captured_call(recorder, loss_sum, valid_count, valid.numel(), target)
     probed: torch.Tensor = ScalarProbe.apply(  # type: ignore[no-untyped-call]
         out, token_factor, valid_count, result, recorder._probe_failed)
     return probed
+
+
+
+def probe_into(recorder: Recorder, per_token_loss: torch.Tensor, valid_mask: torch.Tensor | None,
+               result: ProbeResult) -> torch.Tensor:
+    """`per_token_loss` through a probe that adds what backward gave its valid positions into `result`."""
+    try:
+        if valid_mask is None:
+            valid = torch.ones_like(per_token_loss, dtype=torch.bool)
+        else:
+            valid = valid_mask.to(device=per_token_loss.device, dtype=torch.bool).expand_as(per_token_loss)
+        probed: torch.Tensor = TokenProbe.apply(  # type: ignore[no-untyped-call]
+            per_token_loss, valid, result, recorder._probe_failed)
+        return probed
+    except Exception as error:
+        recorder._warn_once("probe", f"tokaudit: probe disabled for this call ({error!r})")
+        return per_token_loss
+
+
+def _captured_call(recorder: Recorder, loss_sum: torch.Tensor, valid_tokens: torch.Tensor, positions: int,
+                   target: torch.Tensor) -> ProbeResult:
+    """Where one captured cross-entropy call goes: into an open record of its microbatch
+    (`CapturedCalls.merged`), or a record of its own."""
+    footprint = Footprint.of(target)
+    merged = recorder._calls.merged(footprint, recorder._active_term, loss_sum, valid_tokens, positions)
+    if merged is not None:
+        return merged
+    term = recorder._calls.next_term(recorder._active_term)
+    probe = ProbeResult()
+    recorder._pending_probe = probe
+    recorder.record(loss_sum=loss_sum, valid_tokens=valid_tokens, backward_scalar=None, positions=positions,
+                    term=term, _captured=True)
+    records = recorder._buffer.records
+    if records and records[-1]["probe"] is probe:
+        recorder._calls.open.append(OpenCall(records[-1], probe, term, recorder._active_term is not None,
+                                         [footprint]))
+    return probe

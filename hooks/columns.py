@@ -136,8 +136,8 @@ def held_value(holder: Any, name: str) -> Any:
 
 def to_host(values: Sequence[Value | Packed], dtype: torch.dtype, packed: PackedHost | None = None) -> list[Any]:
     """One device→host copy per device for a whole column, instead of one per record. Tensors of one
-    device, shape and dtype are stacked as they are and converted once (no torch call per value:
-    a flush of 4,096 records took 0.19 s of per-value reshape and conversion). Packed values are read from
+    device, shape and dtype are stacked as they are and converted once (no torch call per value, whose
+    overhead dominates a flush of thousands of records). Packed values are read from
     `packed`, the flush's packs on the host, and converted to `dtype` as a tensor of their dtype would be."""
     out: list[Any] = list(values)
     groups: dict[tuple[torch.device, tuple[int, ...], torch.dtype], list[int]] = {}
@@ -164,6 +164,16 @@ def to_host(values: Sequence[Value | Packed], dtype: torch.dtype, packed: Packed
     return out
 
 
+def check_arguments(step: object, micro: object, **values: object) -> None:
+    """`record()`'s arguments: a step and microbatch index that are non-negative ints (or None), and one number
+    per value."""
+    for name, value in values.items():
+        check_scalar(name, value)
+    for name, number in (("step", step), ("micro", micro)):
+        if number is not None and not (isinstance(number, int) and 0 <= number <= INT64_MAX):
+            raise ValueError(f"{name} must be a non-negative int, got {number!r}")
+
+
 def check_scalar(name: str, value: object) -> None:
     """One number per value, checked without touching the device: a wrong type costs one record,
     never a shard."""
@@ -185,7 +195,7 @@ def check_scalar(name: str, value: object) -> None:
 
 
 def writable_rows(columns: dict[str, Any], probed: list[bool]) -> tuple[list[bool], int]:
-    """Rows the auditor accepts (SPEC §2), and how many of them had their positions cleared. A row needs a
+    """Rows the auditor accepts, and how many of them had their positions cleared. A row needs a
     count n of 0 to 2³¹ − 1, a loss sum, a backward scalar unless the probe measured the weights, and a
     grad_scale that is not NaN. A T the auditor would refuse the whole file for (negative, not whole, past
     2³¹ − 1, or below n: T counts the positions the n valid tokens are among) is written as null and the

@@ -84,3 +84,37 @@ def fsdp2_divisor(model: Any) -> float | None:
     except Exception:
         return None
     return factors.pop() if len(factors) == 1 else None
+
+
+_UNSEEN = "Until then the audit does not judge the gradient's scale."
+
+
+def resolve_divisor(model: Any, world_size: int, accelerate_ddp: bool) -> tuple[float | None, str | None]:
+    """D from what can be seen, and a warning where it cannot (D None: divisor_known = false). DDP without a
+    comm hook averages (D = W); a known hook says its divisor; an FSDP2 module (fully_shard) says its divide
+    factor; a model Accelerate wrapped in DDP averages; without a group there is nothing to divide by."""
+    hooks = getattr(model, "_comm_hooks", None)
+    if model is not None and hooks is not None:
+        if not hooks:
+            return float(world_size), None  # DDP's default: all-reduce, then divide by W
+        hook = hooks[-1][0]
+        divisor = known_hook_divisor(hook, world_size)
+        if divisor is not None:
+            return divisor, None
+        name = getattr(hook, "__qualname__", repr(hook))
+        return None, (f"tokaudit: DDP comm hook {name} is registered and its divisor cannot be seen; pass "
+                      "Recorder(grad_divisor=...) (1 for a summing hook, W for an average). " + _UNSEEN)
+    if model is not None and hasattr(model, "_get_fsdp_state"):
+        divisor = fsdp2_divisor(model)
+        if divisor is not None:
+            return divisor, None
+        return None, ("tokaudit: the FSDP2 module's reduce-scatter divisor cannot be read; pass "
+                      "Recorder(grad_divisor=...) (the divide factor, or the data-parallel size). " + _UNSEEN)
+    if accelerate_ddp:
+        # Accelerate wrapped the model in DDP (its comm hooks, fp16/bf16 compression and PowerSGD, all
+        # average too): D = W.
+        return float(world_size), None
+    if world_size > 1:
+        return None, ("tokaudit: the gradient reduction cannot be seen (no DDP model= given); pass "
+                      "Recorder(model=ddp_model) or grad_divisor=... (W for an average, 1 for a sum). " + _UNSEEN)
+    return 1.0, None

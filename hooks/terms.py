@@ -9,9 +9,12 @@ other storage: another term. Computed from shapes and strides on the host: no de
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+
+from tokaudit.hooks.probe import ProbeResult
 
 EXACT_LIMIT = 1 << 22
 """Views larger than this whose address ranges overlap are taken as overlapping, not enumerated."""
@@ -55,3 +58,81 @@ class Footprint:
         if max(np.prod(self.sizes), np.prod(other.sizes)) > EXACT_LIMIT:
             return False
         return not np.intersect1d(self._elements(), other._elements(), assume_unique=False).size
+
+
+@dataclass(eq=False)
+class OpenCall:
+    """A captured call of the current microbatch whose backward has not run yet."""
+
+    record: dict[str, Any]
+    probe: ProbeResult
+    term: str
+    named: bool
+    footprints: list[Footprint]
+    """The targets of every call merged into it (the chunks of one term)."""
+
+
+class CapturedCalls:
+    """The captured calls of the open microbatch, and the numbering of captured records once their backward ran.
+
+    Calls since the last backward belong to one microbatch: a call over slices disjoint from an open record's
+    (a chunk) or inside the same `loss_term()` adds into that record; any other call (another head over the
+    same tokens, an MTP head) opens the next term."""
+
+    def __init__(self) -> None:
+        self.open: list[OpenCall] = []
+        self.group = 0
+        """Which microbatch's calls a record belongs to (counted since the recorder began)."""
+        self._micro: dict[tuple[int, str], int] = {}
+        self._fills = 0
+
+    def merged(self, footprint: Footprint, active_term: str | None, loss_sum: torch.Tensor,
+               valid_tokens: torch.Tensor, positions: int) -> ProbeResult | None:
+        """The probe of the open record this call adds into (its S, n and T added), or None: a record of its own."""
+        if not self.open or any(c.probe.filled for c in self.open):
+            # A backward ran since the open calls: a new microbatch. Calls it never reached (an
+            # evaluation with grad) are left behind and never written.
+            self.open = []
+            self.group += 1
+        for call in self.open:
+            same = (call.named and call.term == active_term) if active_term is not None else \
+                (not call.named and all(seen.disjoint(footprint) for seen in call.footprints))
+            if same:
+                record = call.record
+                record["loss_sum"] = record["loss_sum"] + loss_sum.detach()
+                record["valid_tokens"] = record["valid_tokens"] + valid_tokens.detach()
+                record["positions"] = record["positions"] + positions
+                call.footprints.append(footprint)  # a later call must miss every chunk, not only the last
+                return call.probe
+        return None
+
+    def next_term(self, active_term: str | None) -> str:
+        """The term of a call that opens a record: the enclosing `loss_term()`, else the next unnamed one."""
+        if active_term is not None:
+            return active_term
+        return str(len({c.term for c in self.open if not c.named}))
+
+    def filled(self, record: dict[str, Any]) -> None:
+        """`record`'s backward ran: the order in which backwards ran numbers the microbatches."""
+        self._fills += 1
+        record["filled_at"] = self._fills
+
+    def number(self, records: list[dict[str, Any]]) -> None:
+        """Final terms and microbatch indices of captured calls, once their backward has run: among
+        the calls of one microbatch that reached backward, unnamed terms are numbered in call order
+        (an evaluation call with grad in between takes no term), and each term's microbatches in the
+        order their backward ran."""
+        groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        for record in records:
+            if record["captured"] and record["micro"] < 0:
+                groups.setdefault((record["step"], record["call_group"]), []).append(record)
+        for members in groups.values():
+            unnamed = sorted({int(r["term"]) for r in members if not r["named"]})
+            relabel = {str(t): str(i) for i, t in enumerate(unnamed)}
+            for record in members:
+                if not record["named"]:
+                    record["term"] = relabel[record["term"]]
+        for record in sorted((r for m in groups.values() for r in m), key=lambda r: r["filled_at"]):
+            key = (record["step"], record["term"])
+            record["micro"] = self._micro.get(key, 0)
+            self._micro[key] = record["micro"] + 1

@@ -154,7 +154,8 @@ def test_an_unreachable_store_is_retried_after_a_pause_and_at_close(tmp_path: Pa
     trying again at once; close() tries once more, and what it writes is every record."""
     import torch
 
-    import tokaudit.hooks.recorder as recorder_module
+    import tokaudit.hooks.output as output_module
+    from tokaudit.hooks import Recorder
     from tests.logs import read_rows
 
     from tokaudit.hooks.shards import ShardWriter
@@ -174,10 +175,10 @@ def test_an_unreachable_store_is_retried_after_a_pause_and_at_close(tmp_path: Pa
         def write(self, table: Any, metadata: Any = None) -> str:
             return self.inner.write(table, metadata)
 
-    monkeypatch.setattr(recorder_module, "StoreShardWriter", Flaky)
-    monkeypatch.setattr(recorder_module, "STORE_RETRY_S", 3600.0)
+    monkeypatch.setattr(output_module, "StoreShardWriter", Flaky)
+    monkeypatch.setattr(output_module, "STORE_RETRY_S", 3600.0)
     with pytest.warns(RuntimeWarning, match="could not write a shard"):
-        rec = recorder_module.Recorder("s3://bucket/runs", run_id="flaky", flush_every=1)
+        rec = Recorder("s3://bucket/runs", run_id="flaky", flush_every=1)
         for step in range(3):
             rec.record(loss_sum=torch.tensor(2.0), valid_tokens=2, backward_scalar=torch.tensor(1.0), step=step)
             rec.flush()

@@ -77,7 +77,7 @@ def test_a_scaler_s_skip_marks_are_packed_with_their_update(tmp_path: Path) -> N
     rec = Recorder(tmp_path, run_id="marks", optimizer=optimizer, scaler=scaler, flush_every=1000)
     amp_loop(rec, model, optimizer, scaler, overflow_step=2)
     # found_inf > 0, a tensor the scaler's update() marks every update with, held no longer than its update
-    assert [isinstance(r["skipped"], Packed) for r in rec._records] == [True] * 4
+    assert [isinstance(r["skipped"], Packed) for r in rec._buffer.records] == [True] * 4
     rec.close()
     assert [r["skipped"] for r in read_rows(tmp_path / "marks")] == [False, False, True, False]
 

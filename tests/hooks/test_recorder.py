@@ -140,7 +140,7 @@ def test_closed_updates_are_packed_into_one_slab_not_a_tensor_each(tmp_path: Pat
     x, labels = torch.randn(6, 4), torch.tensor([0, 1, 2, -100, 1, -100])
     per_token = rec.probe(torch.nn.functional.cross_entropy(model(x), labels, reduction="none"), labels != -100)
     rec.record(loss_sum=per_token.sum(), valid_tokens=(labels != -100).sum(), backward_scalar=per_token.sum())
-    records = rec._records
+    records = rec._buffer.records
     assert len(records) == 7
     for step in range(3):
         mine = [r for r in records if r["step"] == step]
@@ -156,7 +156,7 @@ def test_closed_updates_are_packed_into_one_slab_not_a_tensor_each(tmp_path: Pat
     assert isinstance(open_record["loss_sum"], torch.Tensor) and not open_record["probe"].filled
     for _ in range(2):  # a loss reported again for a packed update: its records wait for the next pack, once
         rec.report_loss(torch.tensor(0.5), step=0)
-    assert [sum(r is record for r in rec._unpacked) for record in records[:2]] == [1, 1]
+    assert [sum(r is record for r in rec._buffer.unpacked) for record in records[:2]] == [1, 1]
     rec.close()
 
 
@@ -187,7 +187,7 @@ def test_a_pack_that_fails_warns_once_and_loses_no_record(tmp_path: Path, monkey
     expected = None
     for name in ("plain", "failing"):
         if name == "failing":
-            monkeypatch.setattr("tokaudit.hooks.recorder.pack", failing)
+            monkeypatch.setattr("tokaudit.hooks.buffer.pack", failing)
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 3)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,0 +1,91 @@
+"""What the recorder hooks into besides the loop itself: a wrapped optimizer, and Accelerate's accelerator."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class Restore:
+    """A removable handle that gives an object back its own method (an instance attribute we set)."""
+
+    def __init__(self, owner: Any, name: str, ours: Any) -> None:
+        self.owner, self.name, self.ours = owner, name, ours
+
+    def remove(self) -> None:
+        if vars(self.owner).get(self.name) is self.ours:
+            delattr(self.owner, self.name)
+
+
+def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside a wrapper (Accelerate's AcceleratedOptimizer, and others that keep
+    it as `.optimizer` without running Optimizer.__init__): the one whose step() runs once per update
+    and whose step hooks exist."""
+    try:
+        for _ in range(8):
+            if optimizer is None:
+                return None
+            if isinstance(optimizer, torch.optim.Optimizer) and "_optimizer_step_post_hooks" in vars(optimizer):
+                return optimizer
+            optimizer = getattr(optimizer, "optimizer", None)
+    except Exception:  # a wrapper whose attributes raise: nothing to hook
+        return None
+    return None
+
+
+def from_accelerator(accelerator: Any, model: Any, optimizer: Any, scaler: Any) -> tuple[Any, Any, Any]:
+    """Accelerate holds what the recorder needs: the prepared (DDP) model, its wrapped optimizer and, under
+    fp16, its GradScaler. What the caller passes wins."""
+    if accelerator is None:
+        return model, optimizer, scaler
+    models = list(getattr(accelerator, "_models", []))
+    optimizers = list(getattr(accelerator, "_optimizers", []))
+    model = model if model is not None else (models[0] if len(models) == 1 else None)
+    optimizer = optimizer if optimizer is not None else (optimizers[0] if len(optimizers) == 1 else None)
+    scaler = scaler if scaler is not None else getattr(accelerator, "scaler", None)
+    return model, optimizer, scaler
+
+
+class AccelerateWatch:
+    """accelerator.backward(loss) backpropagates loss / gradient_accumulation_steps (DeepSpeed's engine divides
+    the same way): a recorded b that went through it is divided in the log too. `on_backward(loss, steps)` is
+    told of each backward, for the records made before it."""
+
+    def __init__(self, accelerator: Any, on_backward: Callable[[torch.Tensor, int], None],
+                 warn: Callable[[str, str], None]) -> None:
+        self.accelerator = accelerator
+        self.losses: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        """Tensors passed to accelerator.backward() in the open update, with the steps it divided them by."""
+        original = accelerator.backward
+
+        def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                if isinstance(loss, torch.Tensor):
+                    steps = int(getattr(accelerator, "gradient_accumulation_steps", 1))
+                    on_backward(loss, steps)
+                    self.losses = [(ref, n) for ref, n in self.losses if ref() is not None]
+                    self.losses.append((weakref.ref(loss), steps))
+            except Exception as error:
+                warn("accelerate", f"tokaudit: could not follow accelerator.backward ({error!r})")
+            return original(loss, *args, **kwargs)
+
+        accelerator.backward = backward
+        self.handle = Restore(accelerator, "backward", backward)
+
+    def divide(self, scalar: torch.Tensor) -> int:
+        """What accelerator.backward divided `scalar` by, when it went through it already (else 1)."""
+        return next((n for ref, n in self.losses if ref() is scalar), 1)
+
+    def sync(self) -> bool | None:
+        """Under `accelerator.accumulate`, whether this backward synchronizes gradients."""
+        sync = getattr(self.accelerator, "sync_gradients", None)
+        return sync if isinstance(sync, bool) else None
+
+    def wraps_ddp(self) -> bool:
+        """Accelerate prepared the model with DistributedDataParallel (`prepare` returns the DDP wrapper and
+        keeps the bare module, so the wrapper itself may not have been given)."""
+        kind = getattr(getattr(self.accelerator, "distributed_type", None), "value", "")
+        return isinstance(kind, str) and kind.startswith("MULTI_")

@@ -1,0 +1,216 @@
+"""Where the records go: buffered records turned into Parquet tables and written as shards, with a bounded
+backlog while writing fails and the steps whose records could not be kept noted in the next shard."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from tokaudit.hooks.columns import Packed, PackedHost, held_value, ranges, to_host, writable_rows
+from tokaudit.hooks.probe import ProbeResult
+from tokaudit.hooks.shards import ShardWriter, StoreShardWriter
+from tokaudit.schema import SCHEMA_VERSION, WRITER_SCHEMA, dropped_metadata
+from tokaudit.storage import is_url
+
+STORE_RETRY_S = 30.0
+"""After a failed write to object storage, the next attempt waits this long (or for close())."""
+BACKLOG_SHARDS = 8
+"""Shards' worth of records kept in memory while writes fail (a full disk); older ones are dropped
+and written down as dropped steps in the next shard that can be written."""
+PACKED_VALUES = ("loss_sum", "valid_tokens", "backward_scalar", "positions", "reported_loss", "grad_scale",
+                 "loss_scale", "skipped")
+"""A record's values that may be one-number tensors, packed once its update closes (`Recorder._pack`)."""
+
+Warn = Callable[[str, str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Stamp:
+    """What every record of one recorder carries besides its own values."""
+
+    rank: int
+    world_size: int
+    group: str
+    run_id: str
+    grad_divisor: float | None
+    divisor_known: bool
+
+
+def holders(record: dict[str, Any]) -> Iterator[tuple[Any, str]]:
+    """Where the values of `record` that may be one-number tensors are held: the record, and its probe's result
+    (`columns.held_value`)."""
+    for name in PACKED_VALUES:
+        yield record, name
+    if record["probe"] is not None:
+        for name in ProbeResult.VALUES:
+            yield record["probe"], name
+
+
+def _packed_values(record: dict[str, Any]) -> Iterator[Packed]:
+    """The values of `record` and of its probe that were packed (`Recorder._pack`)."""
+    for holder, name in holders(record):
+        if isinstance(value := held_value(holder, name), Packed):
+            yield value
+
+
+class ShardOutput:
+    """One recorder's shards: a local folder or a URL on object storage, opened at the first write."""
+
+    def __init__(self, log_dir: str | os.PathLike[str], run_id: str | None, flush_every: int, warn: Warn) -> None:
+        self.flush_every = flush_every
+        self.warn = warn
+        self.usable = True
+        """False when `log_dir` is no path at all: nothing is recorded."""
+        self.writer: ShardWriter | StoreShardWriter | None = None
+        self.backlog: list[pa.Table] = []
+        self.dropped: dict[int, int] = {}  # step → records that could not be kept
+        self.store_retry_at = 0.0
+        self.log_dir: Path | str
+        """Where the shards go: a local folder, or a URL on object storage (s3://bucket/runs/exp1)."""
+        if is_url(log_dir):
+            # Opened at the first flush (a store that cannot be reached then warns and retries).
+            url = str(log_dir).rstrip("/")
+            self.log_dir = f"{url}/{run_id}" if run_id else url
+            self.run_id = run_id or self.log_dir.rsplit("/", 1)[-1]
+            return
+        try:
+            base = Path(log_dir)
+            self.log_dir = base / run_id if run_id else base
+        except TypeError as error:
+            warn("log_dir", f"tokaudit: log_dir {log_dir!r} is not a path ({error}); nothing is recorded")
+            self.log_dir, self.usable = Path(os.devnull), False
+        try:
+            if self.usable:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            warn("mkdir", f"tokaudit: cannot create {self.log_dir} ({error}); records are kept in memory and "
+                          "written when it can be created")
+        self.run_id = run_id or self.log_dir.absolute().name
+
+    def note_dropped(self, step: int, count: int) -> None:
+        self.dropped[step] = self.dropped.get(step, 0) + count
+
+    def note_dropped_records(self, records: Iterable[dict[str, Any]]) -> None:
+        for record in records:
+            self.note_dropped(int(record["step"]), 1)
+
+    def add(self, records: list[dict[str, Any]], stamp: Stamp) -> None:
+        """Turn `records` into a table waiting to be written; records that cannot be read back are dropped."""
+        try:
+            self.backlog.append(self._table(records, stamp))
+        except Exception as error:
+            self.note_dropped_records(records)
+            self.warn("table", f"tokaudit: {len(records)} record(s) could not be read back ({error!r}); they are "
+                               "noted in the log as dropped")
+
+    def write(self, stamp: Stamp) -> None:
+        """Write everything waiting, as one shard; on failure keep it (bounded) for the next flush."""
+        if not self.backlog:
+            return
+        if isinstance(self.log_dir, str) and time.monotonic() < self.store_retry_at:
+            # An object store that just failed (unreachable, denied) costs seconds of retries per try:
+            # the records wait in the (bounded) backlog until STORE_RETRY_S have passed, or close().
+            self._trim_backlog()
+            return
+        table = pa.concat_tables(self.backlog) if len(self.backlog) > 1 else self.backlog[0]
+        try:
+            if self.writer is None:
+                prefix = f"rank-{stamp.rank:05d}"
+                if stamp.group != "0":
+                    prefix = f"group-{re.sub(r'[^0-9A-Za-z]+', '_', stamp.group)}-{prefix}"
+                self.writer = StoreShardWriter(self.log_dir, prefix) if isinstance(self.log_dir, str) else \
+                    ShardWriter(self.log_dir, prefix)
+            metadata = None
+            if self.dropped:
+                metadata = dropped_metadata(stamp.run_id, stamp.group, stamp.rank, ranges(self.dropped))
+            self.writer.write(table, metadata)
+            self.backlog.clear()
+            self.dropped.clear()
+        except Exception as error:
+            self.warn("write", f"tokaudit: could not write a shard to {self.log_dir} ({error!r}); the records are "
+                               "kept and written at the next flush, training goes on")
+            if isinstance(self.log_dir, str):
+                self.store_retry_at = time.monotonic() + STORE_RETRY_S
+            self._trim_backlog()
+
+    def _trim_backlog(self) -> None:
+        """Keep at most BACKLOG_SHARDS shards' worth of records waiting; older ones become dropped steps."""
+        limit = BACKLOG_SHARDS * self.flush_every
+        while sum(t.num_rows for t in self.backlog) > limit and len(self.backlog) > 1:
+            lost = self.backlog.pop(0)
+            for step in lost.column("step").to_pylist():
+                self.note_dropped(int(step), 1)
+
+    def _table(self, records: list[dict[str, Any]], stamp: Stamp) -> pa.Table:
+        probes = [r["probe"] for r in records]
+        packed = PackedHost()  # the places these records hold in their slabs, copied to the host at once
+        packed.copy([value for record in records for value in _packed_values(record)])
+        columns = _columns(records, stamp, packed)
+        for name in ("weight_sum", "weight_min", "weight_max", "masked_abs_sum"):
+            values = [getattr(p, name) if isinstance(p, ProbeResult) and p.filled else None for p in probes]
+            host = to_host(values, torch.float64, packed)
+            if name in ("weight_min", "weight_max"):
+                # min/max over an empty set of valid tokens is ±inf on the device: null in the log.
+                host = [None if v is not None and abs(v) == float("inf") else v for v in host]
+            columns["masked_weight_abs_sum" if name == "masked_abs_sum" else f"token_{name}"] = host
+        keep, cleared = writable_rows(columns, [isinstance(p, ProbeResult) and p.filled for p in probes])
+        if cleared:
+            self.warn("positions", f"tokaudit: {cleared} record(s) with a number of positions no audit can use "
+                                   "(negative, not whole, past 2³¹ − 1, or below the valid tokens) were written "
+                                   "without it")
+        if not all(keep):
+            bad = [r for r, ok in zip(records, keep) if not ok]
+            self.note_dropped_records(bad)
+            self.warn("invalid", f"tokaudit: {len(bad)} record(s) with a value no audit can use (a null, negative "
+                                 "or impossibly large count, a missing loss sum, a NaN scale) were left out and "
+                                 "noted in the log as dropped")
+            columns = {name: [v for v, ok in zip(values, keep) if ok] for name, values in columns.items()}
+        arrays = {name: pa.array(list(values), type=WRITER_SCHEMA.field(name).type)
+                  for name, values in columns.items()}
+        return pa.table([arrays[field.name] for field in WRITER_SCHEMA], schema=WRITER_SCHEMA)
+
+
+def _columns(records: list[dict[str, Any]], stamp: Stamp, packed: PackedHost) -> dict[str, Iterable[Any]]:
+    """The records' columns but the probe's, on the host."""
+    count = len(records)
+    backward = to_host([r["backward_scalar"] for r in records], torch.float64, packed)
+    grad_scale = to_host([r["grad_scale"] for r in records], torch.float64, packed)
+    loss_scale = to_host([r["loss_scale"] for r in records], torch.float64, packed)
+    skipped = to_host([r["skipped"] for r in records], torch.bool, packed)
+    for i, (record, scale) in enumerate(zip(records, loss_scale)):
+        if backward[i] is not None and record["divide"] != 1:
+            backward[i] = backward[i] / record["divide"]  # what accelerator.backward backpropagated
+        if scale is not None:
+            # The probe saw ∂(scale·loss)/∂ℓ: b is the scaled scalar, g = g_user/scale divides it out.
+            grad_scale[i] = (1.0 if grad_scale[i] is None else grad_scale[i]) / scale
+            if backward[i] is not None and not record["prescaled"]:
+                backward[i] = backward[i] * scale
+    return {
+        "step": [r["step"] for r in records],
+        "micro": [r["micro"] for r in records],
+        "rank": [stamp.rank] * count,
+        "world_size": [stamp.world_size] * count,
+        "loss_sum": to_host([r["loss_sum"] for r in records], torch.float64, packed),
+        "valid_tokens": to_host([r["valid_tokens"] for r in records], torch.int64, packed),
+        "backward_scalar": backward,
+        "run_id": [stamp.run_id] * count,
+        "group": [stamp.group] * count,
+        "term": [r["term"] for r in records],
+        "grad_divisor": [stamp.grad_divisor] * count,
+        "divisor_known": [stamp.divisor_known] * count,
+        "grad_scale": grad_scale,
+        "positions": to_host([r["positions"] for r in records], torch.int64, packed),
+        "reported_loss": to_host([r["reported_loss"] for r in records], torch.float64, packed),
+        "sync": [r["sync"] for r in records],
+        "skipped": [None if v is None else bool(v) for v in skipped],
+        "time": [r["time"] for r in records],
+        "schema_version": [SCHEMA_VERSION] * count,
+    }
