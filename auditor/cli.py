@@ -314,11 +314,11 @@ def _step_range(text: str | None) -> tuple[int, int] | None:
 @click.argument("code", required=False)
 def explain(code: str | None) -> None:
     """The derivation, the fix and a worked two-rank example for a finding CODE (all codes without one)."""
-    from tokaudit.explain import EXPLANATIONS, explain as explain_text
+    from tokaudit.explain import explain as explain_text, listing
 
     if code is None:
-        for known, (title, *_rest) in EXPLANATIONS.items():
-            click.echo(f"{known.value:<26} {title}")
+        for line in listing():
+            click.echo(line)
         return
     try:
         chosen = Code(code)

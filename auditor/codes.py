@@ -1,7 +1,12 @@
-"""Stable finding codes and severities (docs/CODES.md). Tests and JSON match on these, never on text."""
+"""Stable finding codes, and the one table of what each says: severity, title, why, fix, worked example.
+
+Tests and JSON match on the codes, never on the text. The table (CODE_DOCS) is the single source of
+`tokaudit explain` and of docs/CODES.md (`python scripts/write_codes_doc.py` writes it; a test fails when it
+is stale); checks take their default severity from it (DEFAULT_SEVERITY)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 
 DEFAULT_RTOL = 1e-4
@@ -52,35 +57,301 @@ class Code(str, Enum):
     COUNT_MISMATCH = "count_mismatch"
 
 
-DEFAULT_SEVERITY: dict[Code, Severity] = {
-    Code.LOCAL_MEAN: Severity.ERROR,
-    Code.PER_MICRO_DENOMINATOR: Severity.ERROR,
-    Code.WORLD_SIZE_MISMATCH: Severity.ERROR,
-    Code.SCALE_MISMATCH: Severity.WARNING,
-    Code.PADDED_DENOMINATOR: Severity.ERROR,
-    Code.UNEXPLAINED_WEIGHTING: Severity.ERROR,
-    Code.NONUNIFORM_IN_MICROBATCH: Severity.WARNING,
-    Code.MASKED_TOKENS_WEIGHTED: Severity.WARNING,
-    Code.MISSING_RANK: Severity.ERROR,
-    Code.UNEVEN_MICROBATCHES: Severity.WARNING,
-    Code.WORLD_SIZE_INCONSISTENT: Severity.ERROR,
-    Code.WORLD_SIZE_CHANGED: Severity.INFO,
-    Code.DUPLICATE_RECORDS: Severity.WARNING,
-    Code.EMPTY_UPDATE: Severity.INFO,  # error when a record is non-finite or ranks disagree on `skipped`
-    Code.ZERO_TOKEN_NONFINITE: Severity.ERROR,
-    Code.NONFINITE_VALUES: Severity.ERROR,
-    Code.REPORTED_LOSS_MISMATCH: Severity.WARNING,
-    Code.REPORTED_LOSS_SHIFTED: Severity.INFO,
-    Code.MISSING_SYNC: Severity.ERROR,
-    Code.SYNC_EVERY_MICRO: Severity.INFO,
-    Code.BALANCED_COUNTS: Severity.INFO,
-    Code.LOSS_SCALE: Severity.WARNING,
-    Code.UNKNOWN_DIVISOR: Severity.WARNING,
-    Code.NO_WEIGHTS: Severity.WARNING,
-    Code.RECORDS_DROPPED: Severity.WARNING,
-    Code.COUNT_MISMATCH: Severity.WARNING,
-}
+@dataclass(frozen=True)
+class CodeDoc:
+    """What one code says. Plain text with `backticks` around code: the terminal prints it as is and
+    docs/CODES.md renders it as Markdown."""
 
-UNDECIDABLE: frozenset[Code] = frozenset({Code.LOSS_SCALE, Code.UNKNOWN_DIVISOR, Code.NO_WEIGHTS,
-                                          Code.RECORDS_DROPPED, Code.COUNT_MISMATCH})
+    severity: Severity
+    title: str
+    """What the finding says, in one line: `tokaudit explain` lists it, docs/CODES.md's table shows it."""
+    why: str
+    """The derivation: what the code did and what it does to each token's weight."""
+    fix: str
+    example: str
+    """A worked example on EXAMPLE_SETUP (or on a set-up it states)."""
+    detail: str = ""
+    """What the title leaves out that the table in docs/CODES.md states after it (`title: detail`)."""
+    severity_note: str = ""
+    """When a finding can carry another severity than `severity`: docs/CODES.md shows `severity, or NOTE`."""
+    undecidable: bool = False
+    """A warning that says the logs cannot tell: alone, it makes a run `inconclusive`, not `incorrect`."""
+
+
+EXAMPLE_SETUP = ("W = 2 ranks under DDP's average (D = 2); rank 0 has n0 = 1 valid token, rank 1 has n1 = 3, so "
+                 "N = 4 and every token should weigh 1/N = 0.25.")
+"""The set-up the worked examples share (unless they state another), so that they can be compared."""
+
+CODE_DOCS: dict[Code, CodeDoc] = {
+    Code.LOCAL_MEAN: CodeDoc(
+        Severity.ERROR,
+        "ranks (or microbatches) weighted equally instead of tokens",
+        why="Each rank backpropagates its local mean b_r = S_r/n_r. DDP averages, so a token on rank r gets "
+            "e_r = 1/(W·n_r) instead of 1/N, and q_r = e_r·N = N/(W·n_r). The recovered denominator is the rank's "
+            "own count (n_rank), or a microbatch's own count (n_micro, n_micro*M) under gradient accumulation.",
+        fix="Count N over all microbatches of all ranks before the first backward (one all-reduce), then "
+            "backpropagate W·S_r/N into DDP's average (or S_r/N into a summing reduction).",
+        example="b0 = S0/1, b1 = S1/3; after the average e0 = 1/2 = 0.5, e1 = 1/6 ≈ 0.167: the lone token on rank 0 "
+                "weighs 3× a token on rank 1 (q0 = 2, q1 = 0.667). With W·S_r/N: b0 = 2·S0/4, b1 = 2·S1/4, "
+                "e = 0.25 everywhere.",
+    ),
+    Code.PER_MICRO_DENOMINATOR: CodeDoc(
+        Severity.ERROR,
+        "each microbatch divided by its own global count",
+        why="The code all-reduces the count of each microbatch (N_m) but not of the step: b = W·S/(M·N_m). Tokens "
+            "of a sparse microbatch weigh more: e = 1/(M·N_m) instead of 1/N, q = N/(M·N_m).",
+        fix="Sum the counts of every microbatch of the step before the first backward (prefetch the step's "
+            "batches or count labels up front) and divide every microbatch by that N.",
+        example="Two microbatches per rank; microbatch 0 holds 1+3 tokens, microbatch 1 holds 6+2, N = 12. "
+                "b = 2·S/(2·N_m) gives microbatch-0 tokens e = 1/8 and microbatch-1 tokens e = 1/16: 2× apart, "
+                "where both should weigh 1/12.",
+    ),
+    Code.WORLD_SIZE_MISMATCH: CodeDoc(
+        Severity.ERROR,
+        "uniform weights, off by an integer factor (W)",
+        why="Every token weighs the same, but q = e·N is an integer k or 1/k. Typical causes: S/N into an average "
+            "(q = 1/W: the gradient silently ÷W); W·S/N into a summing hook or FSDP with divide factor 1 (q = W); "
+            "a hard-coded or stale W; the global world size used on a data-parallel subgroup under DP×TP "
+            "(q = TP); N summed over replicated ranks (q = 1/TP).",
+        fix="Take W from the process group that averages the gradients "
+            "(dist.get_world_size(ddp_model.process_group)) and match the reduction: W·S/N for an average, "
+            "S/N for a sum.",
+        example="b_r = S_r/N (no W): after the average e = 1/(2·4) = 0.125 for every token, q = 0.5. The direction "
+                "is right but the gradient is half its size: under SGD the step halves; under Adam(W) the step "
+                "barely changes, but epsilon now weighs 2× more, gradient clipping thresholds and the logged "
+                "grad norm are off by 2, and the balance against weight decay shifts.",
+    ),
+    Code.SCALE_MISMATCH: CodeDoc(
+        Severity.WARNING,
+        "uniform weights, off by a constant",
+        why="Every token weighs the same but q = e·N is neither 1 nor an integer factor: a rescale g or a divisor "
+            "that does not belong (a short final accumulation window M'/M, an extra constant), or no "
+            "normalization at all (b = S, q = N/D grows with the token count).",
+        fix="Backpropagate W·S_r/N (average) or S_r/N (sum) and record any post-backward rescale as grad_scale.",
+        example="b_r = S_r (a raw sum): e = 1/2 for every token, q = e·N = 2 at this step and a different value at "
+                "every step with another N.",
+    ),
+    Code.PADDED_DENOMINATOR: CodeDoc(
+        Severity.ERROR,
+        "the denominator counts padding or ignored labels",
+        why="The per-token losses were averaged over all T positions (loss.mean() on a masked tensor): "
+            "b = S/T. Sequences with more padding get smaller weights; with a global T, weights are uniform "
+            "but q = N/ΣT < 1.",
+        fix="Mask the per-token losses, sum them, and divide by the valid-token count N (labels != ignore_index), "
+            "never by the number of positions.",
+        example="Rank 0 has 1 valid token in 8 positions, rank 1 has 3 in 8: b_r = W·S_r/16 gives e = 1/16 "
+                "everywhere, q = 4/16 = 0.25.",
+    ),
+    Code.UNEXPLAINED_WEIGHTING: CodeDoc(
+        Severity.ERROR,
+        "weights differ and no denominator explains them",
+        why="Within one step the effective weights differ, and none of n, n_r, n·M, N_m, N, T or 1 makes "
+            "α = e·Den constant. Often: different code paths on different ranks, a loss term added on some ranks "
+            "only, or a per-sequence mean mixed with a token mean.",
+        fix="Run `tokaudit weights PATH --step S` on the step named in the finding and compare b/S across records.",
+        example="b0 = S0/1 but b1 = 2·S1/4: e0 = 0.5, e1 = 0.25, and no single denominator gives both.",
+    ),
+    Code.NONUNIFORM_IN_MICROBATCH: CodeDoc(
+        Severity.WARNING,
+        "valid tokens of one microbatch got different weights",
+        why="The backward probe saw min ∂b/∂ℓᵢ ≠ max ∂b/∂ℓᵢ over the valid tokens of one record: a per-sequence "
+            "or per-document mean, or explicit token weights.",
+        fix="Legitimate when chosen on purpose. For the token-mean objective, sum per-token losses and divide "
+            "once by N.",
+        example="Rank 1 holds two sequences with 1 and 2 valid tokens and averages per sequence: its tokens get "
+                "1/2 and 1/4 of its weight.",
+    ),
+    Code.MASKED_TOKENS_WEIGHTED: CodeDoc(
+        Severity.WARNING,
+        "positions that are not valid carry weight and their loss is not 0",
+        why="The probe saw Σ|∂b/∂ℓᵢ| > 0 over positions that are not valid and whose loss ℓᵢ is not 0 (padding "
+            "labelled as a real token, a mask applied after the loss): the loss was reduced over them, so they are "
+            "trained. A masked position whose loss is an exact 0, as cross_entropy's ignore_index gives, passes no "
+            "gradient and is not counted: per_token.sum() / N stays a token mean.",
+        fix="Label them with `ignore_index`, or reduce over valid positions only: per_token[valid].sum() / N.",
+        example="Rank 0 has 1 valid token in 8 positions and labels its padding as a real token (id 0, not -100), so "
+                "the 7 padding positions have a loss that is not 0: W·per_token.sum()/N gives each of them "
+                "∂b/∂ℓ = 2/4 = 0.5, as much as the valid token, and the padding is trained.",
+        detail="a masked position whose loss is an exact 0, as `ignore_index` gives, passes no gradient and is not "
+               "counted",
+    ),
+    Code.MISSING_RANK: CodeDoc(
+        Severity.ERROR,
+        "a rank has no record for a step others recorded",
+        why="Records of a step come from fewer ranks than W. Either the rank skipped forward/backward (a "
+            "desynchronized collective: DDP hangs or mixes steps) or it did not record, and then its tokens are "
+            "missing from the audit's N.",
+        fix="Every rank runs every microbatch's forward and backward, with a zero loss that stays connected to "
+            "the graph when it has no valid token; record on every rank.",
+        example="Rank 0 has no valid token and `continue`s past backward: rank 1's all-reduce waits for a partner "
+                "that never comes (or pairs with the next step).",
+    ),
+    Code.UNEVEN_MICROBATCHES: CodeDoc(
+        Severity.WARNING,
+        "ranks ran different numbers of microbatches in one step",
+        why="The last rank to finish all-reduces alone or with the wrong partner; N computed per microbatch "
+            "misses the extra ones.",
+        fix="Give every rank the same number of microbatches (pad with empty ones that still run backward).",
+        example="Rank 0 runs 2 microbatches, rank 1 runs 3: the third backward of rank 1 syncs with rank 0's next step.",
+    ),
+    Code.WORLD_SIZE_INCONSISTENT: CodeDoc(
+        Severity.ERROR,
+        "ranks disagree on W within one step",
+        why="Records of one step carry different world_size values: some rank computed W from another group "
+            "or a constant.",
+        fix="Derive W from the averaging process group on every rank.",
+        example="Rank 0 records W = 2, rank 1 records W = 8.",
+    ),
+    Code.WORLD_SIZE_CHANGED: CodeDoc(
+        Severity.INFO,
+        "W differs between steps of one run",
+        why="An elastic restart or a resume on a different number of GPUs. Fine when intended, if N and W were "
+            "recomputed.",
+        fix="Nothing, unless the findings around the change show a W mismatch.",
+        example="Steps 0–999 ran on W = 8, steps 1000– on W = 4.",
+    ),
+    Code.DUPLICATE_RECORDS: CodeDoc(
+        Severity.WARNING,
+        "the same (run, group, step, micro, rank) appears more than once",
+        why="Usually a resume that replayed steps into the same log folder. The later record (by time, then file "
+            "order) is kept.",
+        fix="Resume from the checkpoint's step, or write the resumed run into a new folder.",
+        example="Steps 90–99 were recorded before a crash and again after resuming from step 90.",
+    ),
+    Code.EMPTY_UPDATE: CodeDoc(
+        Severity.INFO,
+        "no valid token in the whole update (N = 0)",
+        why="With N = 0, b = S/N is 0/0. One policy must hold on every rank: clamp N to 1 (zero gradient) and "
+            "skip optimizer.step() together. An error when a rank produced NaN or ranks disagree on skipping.",
+        fix="Decide from the global N, which every rank knows after the same all-reduce.",
+        example="Both ranks have n = 0: W·S/max(N, 1) = 0 on both, backward runs, the step is skipped on both.",
+        severity_note="error when a record is non-finite or ranks disagree on `skipped`",
+    ),
+    Code.ZERO_TOKEN_NONFINITE: CodeDoc(
+        Severity.ERROR,
+        "a record with n = 0 has a non-finite backward scalar",
+        why="The code divided by its own zero count (S/n with n = 0 = 0/0 = NaN); DDP's all-reduce spreads the "
+            "NaN to every rank's gradient.",
+        fix="Divide by the global N (clamped to 1), never by the local count.",
+        example="Rank 0 has n0 = 0: b0 = 0/0 = NaN, and after the average every parameter's gradient is NaN.",
+    ),
+    Code.NONFINITE_VALUES: CodeDoc(
+        Severity.ERROR,
+        "NaN or infinity where n > 0",
+        why="S, b or the probe's weights are not finite on a record with valid tokens.",
+        fix="Find the first non-finite loss (torch.autograd.set_detect_anomaly), check the loss scale and the "
+            "denominator.",
+        example="S0 = inf from an fp16 overflow: the step's reduced gradient is inf.",
+    ),
+    Code.REPORTED_LOSS_MISMATCH: CodeDoc(
+        Severity.WARNING,
+        "the reported loss is not ΣS/N",
+        why="The logged loss differs from the token mean of the step: often the mean of per-rank means "
+            "(Lightning sync_dist, rank-0 logging of a local mean) or ×GAS.",
+        fix="Report all_reduce(ΣS)/all_reduce(Σn) from detached sums and counts.",
+        example="S0 = 3 (n0 = 1), S1 = 3 (n1 = 3): ΣS/N = 6/4 = 1.5, the mean of local means is (3 + 1)/2 = 2.",
+    ),
+    Code.REPORTED_LOSS_SHIFTED: CodeDoc(
+        Severity.INFO,
+        "the reported loss is ΣS/N, stamped one update off",
+        why="Each logged loss that differs from its step's token mean is the token mean of the step beside it: "
+            "the losses are right but recorded with the update before or after their own, as when "
+            "rec.report_loss() is given the loss of an update that has not closed yet, or a trainer's step "
+            "counter is one off the optimizer's.",
+        fix="Give the step the loss belongs to: `rec.report_loss(value, step=...)`.",
+        example="Step 0: ΣS/N = (S0 + S1)/4 = 1.5; step 1, on other tokens: 2.0; step 2: 1.8. The log holds 2.0 for "
+                "step 0 and 1.8 for step 1: each is the next step's token mean, reported before the update closed.",
+        detail="every step that differs carries the next (or previous) step's token mean",
+    ),
+    Code.MISSING_SYNC: CodeDoc(
+        Severity.ERROR,
+        "the last microbatch did not synchronize",
+        why="Under gradient accumulation every microbatch but the last runs in no_sync(); here the last did "
+            "too, so the optimizer stepped on local gradients and ranks drift apart.",
+        fix="Run the last microbatch outside model.no_sync().",
+        example="Both microbatches of rank 0 ran in no_sync(): rank 0's parameters now differ from rank 1's.",
+    ),
+    Code.SYNC_EVERY_MICRO: CodeDoc(
+        Severity.INFO,
+        "every microbatch synchronized",
+        why="Correct gradients, but each of the M microbatches all-reduced: M× the communication.",
+        fix="Wrap all but the last microbatch in model.no_sync().",
+        example="M = 4: four all-reduces per step where one is enough.",
+    ),
+    Code.BALANCED_COUNTS: CodeDoc(
+        Severity.INFO,
+        "counts are equal everywhere: local and global means coincide",
+        why="With n equal on every record, S_r/n_r·(1/W) = S_r/N, so a local mean and the token mean give the "
+            "same weights and the logs cannot show which one the code uses.",
+        fix="Audit a run with uneven counts (real padding, ignored labels, packing).",
+        example="n0 = n1 = 2: b_r = S_r/2 (a local mean) and 2·S_r/4 (the token mean) are the same number.",
+    ),
+    Code.LOSS_SCALE: CodeDoc(
+        Severity.WARNING,
+        "uniform weights with a power-of-two factor: an unrecorded loss scale",
+        why="Mixed precision multiplies the loss by a scale S_amp (GradScaler: 2^16 at the start, halved at "
+            "every overflow) before backward and divides it out of the gradients before the optimizer step. The "
+            "probe measures ∂(S_amp·b)/∂ℓ, so without the scaler every token shows q = S_amp·q_true: a large "
+            "power of two that W does not explain. The true scale cannot be read, so the run is inconclusive, "
+            "not incorrect.",
+        fix="Pass the scaler: Recorder(..., scaler=scaler). Its scale is then divided out (g = 1/S_amp) and the "
+            "updates it skips are marked. The Hugging Face and Lightning callbacks find the trainer's scaler.",
+        example="W·S_r/N under a GradScaler at 65536: the probe sees e = 65536·0.25 for every token, q = 65536 = 2^16.",
+        undecidable=True,
+    ),
+    Code.UNKNOWN_DIVISOR: CodeDoc(
+        Severity.WARNING,
+        "the gradient reduction's divisor could not be seen",
+        why="A DDP comm hook the recorder does not know (or a model it was not given) may average (D = W) or sum "
+            "(D = 1). The same backward scalar is then right or W× off, so tokaudit does not judge the absolute "
+            "scale: local means and per-microbatch denominators are still found, since they show in the weights' "
+            "ratios whatever D is.",
+        fix="Tell the recorder: Recorder(..., grad_divisor=1) for a summing hook, grad_divisor=W for an average; "
+            "or pass the DDP-wrapped model as model=.",
+        example="A custom hook all-reduces with SUM: W·S_r/N = 2·S_r/4 gives e = 0.5 per token (q = 2, wrong) while "
+                "the log, assuming an average, shows q = 1.",
+        undecidable=True,
+    ),
+    Code.NO_WEIGHTS: CodeDoc(
+        Severity.WARNING,
+        "valid records carry no usable weight",
+        why="A weight needs the backward scalar b with a non-zero loss sum S (c = b/S) or the probe's measurement. "
+            "Records with neither cannot be judged; a step made only of them is not called correct.",
+        fix="Pass backward_scalar= with every record, or wrap the per-token loss in rec.probe().",
+        example="Rank 1 records S = 0 (every token predicted perfectly) with b = 0 and no probe: c = 0/0 is unknown.",
+        undecidable=True,
+    ),
+    Code.RECORDS_DROPPED: CodeDoc(
+        Severity.WARNING,
+        "the recorder could not write some records",
+        why="A write failed (a full or read-only disk) and the records could not be kept until a later write. The "
+            "recorder notes which steps lost records; those steps are left out of the audit instead of being "
+            "judged on part of their tokens.",
+        fix="Give the log folder room, and check the training's warnings for the recorder's write errors.",
+        example="The disk filled during steps 120–131: those steps are listed and not judged.",
+        undecidable=True,
+    ),
+    Code.COUNT_MISMATCH: CodeDoc(
+        Severity.WARNING,
+        "a recorded count disagrees with the tokens the probe saw",
+        why="A record's mean probed weight c = Σ∂b/∂ℓᵢ / n is the mean of its valid tokens' weights only when n is "
+            "the number of tokens the probe saw, and then lies between the lightest and the heaviest of them. "
+            "Outside that range, valid_tokens counts another mask (attention_mask.sum() where the loss ignores "
+            "labels of -100, padding included, another microbatch's count). N and every weight derived from the "
+            "counts would be wrong, so those steps are left out instead of being judged on them, and the run is "
+            "inconclusive, not incorrect: the training may well be right.",
+        fix="Record valid_tokens from the mask the loss and rec.probe use (labels != ignore_index), summed over the "
+            "same microbatch.",
+        example="Rank 0 has 3 labelled tokens among 10 attended ones and records n = 10: the probe sees 3 tokens of "
+                "weight 2/N each, Σ∂b/∂ℓ = 6/N, and 6/N / 10 = 0.6/N lies below 2/N.",
+        detail="a record's probed weight sum over its valid_tokens lies outside the probe's lightest and heaviest "
+               "token; those steps are left out",
+        undecidable=True,
+    ),
+}
+"""Every Code, in the Code enum's order (tests check both)."""
+
+DEFAULT_SEVERITY: dict[Code, Severity] = {code: doc.severity for code, doc in CODE_DOCS.items()}
+
+UNDECIDABLE: frozenset[Code] = frozenset(code for code, doc in CODE_DOCS.items() if doc.undecidable)
 """Warnings that say the logs cannot tell: alone, they make a run `inconclusive`, not `incorrect`."""

@@ -1,246 +1,101 @@
-"""`tokaudit explain CODE`: the derivation, the fix and a worked two-rank example for each finding."""
+"""`tokaudit explain CODE` and docs/CODES.md, both rendered from the one table tokaudit.codes.CODE_DOCS.
+
+`scripts/write_codes_doc.py` writes codes_markdown() to docs/CODES.md; tests/test_codes_doc.py fails when the
+file differs from it."""
 
 from __future__ import annotations
 
-from tokaudit.codes import DEFAULT_SEVERITY, Code
+import re
+import textwrap
 
-# The worked examples share one set-up so they can be compared:
-#   W = 2 ranks, DDP averages (D = 2). Rank 0 holds n0 = 1 valid token, rank 1 holds n1 = 3.
-#   N = 4. The token-mean objective gives every token the weight 1/N = 0.25.
-SETUP = ("Set-up for the example: W = 2 ranks under DDP's average (D = 2); rank 0 has n0 = 1 valid "
-         "token, rank 1 has n1 = 3, so N = 4 and every token should weigh 1/N = 0.25.")
+from tokaudit.codes import CODE_DOCS, EXAMPLE_SETUP, UNDECIDABLE, Code, CodeDoc
 
-EXPLANATIONS: dict[Code, tuple[str, str, str, str]] = {
-    # code: (title, derivation, fix, worked example)
-    Code.LOCAL_MEAN: (
-        "ranks (or microbatches) weighted equally instead of tokens",
-        "Each rank backpropagates its local mean b_r = S_r/n_r. DDP averages, so a token on rank r gets "
-        "e_r = 1/(W·n_r) instead of 1/N, and q_r = e_r·N = N/(W·n_r). The recovered denominator is the rank's "
-        "own count (n_rank), or a microbatch's own count (n_micro, n_micro*M) under gradient accumulation.",
-        "Count N over all microbatches of all ranks before the first backward (one all-reduce), then "
-        "backpropagate W·S_r/N into DDP's average (or S_r/N into a summing reduction).",
-        "b0 = S0/1, b1 = S1/3; after the average e0 = 1/2 = 0.5, e1 = 1/6 ≈ 0.167: the lone token on rank 0 "
-        "weighs 3× a token on rank 1 (q0 = 2, q1 = 0.667). With W·S_r/N: b0 = 2·S0/4, b1 = 2·S1/4, "
-        "e = 0.25 everywhere.",
-    ),
-    Code.PER_MICRO_DENOMINATOR: (
-        "each microbatch divided by its own global count",
-        "The code all-reduces the count of each microbatch (N_m) but not of the step: b = W·S/(M·N_m). Tokens "
-        "of a sparse microbatch weigh more: e = 1/(M·N_m) instead of 1/N, q = N/(M·N_m).",
-        "Sum the counts of every microbatch of the step before the first backward (prefetch the step's "
-        "batches or count labels up front) and divide every microbatch by that N.",
-        "Two microbatches per rank; microbatch 0 holds 1+3 tokens, microbatch 1 holds 6+2, N = 12. "
-        "b = 2·S/(2·N_m) gives microbatch-0 tokens e = 1/8 and microbatch-1 tokens e = 1/16: 2× apart, "
-        "where both should weigh 1/12.",
-    ),
-    Code.WORLD_SIZE_MISMATCH: (
-        "uniform weights, off by an integer factor (W)",
-        "Every token weighs the same, but q = e·N is an integer k or 1/k. Typical causes: S/N into an average "
-        "(q = 1/W: the gradient silently ÷W); W·S/N into a summing hook or FSDP with divide factor 1 (q = W); "
-        "a hard-coded or stale W; the global world size used on a data-parallel subgroup under DP×TP "
-        "(q = TP); N summed over replicated ranks (q = 1/TP).",
-        "Take W from the process group that averages the gradients "
-        "(dist.get_world_size(ddp_model.process_group)) and match the reduction: W·S/N for an average, "
-        "S/N for a sum.",
-        "b_r = S_r/N (no W): after the average e = 1/(2·4) = 0.125 for every token, q = 0.5. The direction "
-        "is right but the gradient is half its size: under SGD the step halves; under Adam(W) the step "
-        "barely changes, but epsilon now weighs 2× more, gradient clipping thresholds and the logged "
-        "grad norm are off by 2, and the balance against weight decay shifts.",
-    ),
-    Code.SCALE_MISMATCH: (
-        "uniform weights, off by a constant",
-        "Every token weighs the same but q = e·N is neither 1 nor an integer factor: a rescale g or a divisor "
-        "that does not belong (a short final accumulation window M'/M, an extra constant), or no "
-        "normalization at all (b = S, q = N/D grows with the token count).",
-        "Backpropagate W·S_r/N (average) or S_r/N (sum) and record any post-backward rescale as grad_scale.",
-        "b_r = S_r (a raw sum): e = 1/2 for every token, q = e·N = 2 at this step and a different value at "
-        "every step with another N.",
-    ),
-    Code.PADDED_DENOMINATOR: (
-        "the denominator counts padding or ignored labels",
-        "The per-token losses were averaged over all T positions (loss.mean() on a masked tensor): "
-        "b = S/T. Sequences with more padding get smaller weights; with a global T, weights are uniform "
-        "but q = N/ΣT < 1.",
-        "Mask the per-token losses, sum them, and divide by the valid-token count N (labels != ignore_index), "
-        "never by the number of positions.",
-        "Rank 0 has 1 valid token in 8 positions, rank 1 has 3 in 8: b_r = W·S_r/16 gives e = 1/16 "
-        "everywhere, q = 4/16 = 0.25.",
-    ),
-    Code.UNEXPLAINED_WEIGHTING: (
-        "weights differ and no denominator explains them",
-        "Within one step the effective weights differ, and none of n, n_r, n·M, N_m, N, T or 1 makes "
-        "α = e·Den constant. Often: different code paths on different ranks, a loss term added on some ranks "
-        "only, or a per-sequence mean mixed with a token mean.",
-        "Run `tokaudit weights PATH --step S` on the step named in the finding and compare b/S across records.",
-        "b0 = S0/1 but b1 = 2·S1/4: e0 = 0.5, e1 = 0.25, and no single denominator gives both.",
-    ),
-    Code.NONUNIFORM_IN_MICROBATCH: (
-        "valid tokens of one microbatch got different weights",
-        "The backward probe saw min ∂b/∂ℓᵢ ≠ max ∂b/∂ℓᵢ over the valid tokens of one record: a per-sequence "
-        "or per-document mean, or explicit token weights.",
-        "Legitimate when chosen on purpose. For the token-mean objective, sum per-token losses and divide "
-        "once by N.",
-        "Rank 1 holds two sequences with 1 and 2 valid tokens and averages per sequence: its tokens get "
-        "1/2 and 1/4 of its weight.",
-    ),
-    Code.MASKED_TOKENS_WEIGHTED: (
-        "positions that are not valid carry weight",
-        "The probe saw Σ|∂b/∂ℓᵢ| > 0 over padding or ignored labels: the loss was reduced over them (a mean "
-        "over all positions). Their ℓᵢ is usually 0, so the gradient is unaffected, but the denominator is "
-        "wrong.",
-        "Reduce over valid positions only: per_token[valid].sum() / N.",
-        "loss = per_token.mean() over 8 positions, 1 valid: every position, valid or not, gets ∂b/∂ℓ = 1/8.",
-    ),
-    Code.MISSING_RANK: (
-        "a rank has no record for a step others recorded",
-        "Records of a step come from fewer ranks than W. Either the rank skipped forward/backward (a "
-        "desynchronized collective: DDP hangs or mixes steps) or it did not record, and then its tokens are "
-        "missing from the audit's N.",
-        "Every rank runs every microbatch's forward and backward, with a zero loss that stays connected to "
-        "the graph when it has no valid token; record on every rank.",
-        "Rank 0 has no valid token and `continue`s past backward: rank 1's all-reduce waits for a partner "
-        "that never comes (or pairs with the next step).",
-    ),
-    Code.UNEVEN_MICROBATCHES: (
-        "ranks ran different numbers of microbatches in one step",
-        "The last rank to finish all-reduces alone or with the wrong partner; N computed per microbatch "
-        "misses the extra ones.",
-        "Give every rank the same number of microbatches (pad with empty ones that still run backward).",
-        "Rank 0 runs 2 microbatches, rank 1 runs 3: the third backward of rank 1 syncs with rank 0's next step.",
-    ),
-    Code.WORLD_SIZE_INCONSISTENT: (
-        "ranks disagree on W within one step",
-        "Records of one step carry different world_size values: some rank computed W from another group "
-        "or a constant.",
-        "Derive W from the averaging process group on every rank.",
-        "Rank 0 records W = 2, rank 1 records W = 8.",
-    ),
-    Code.WORLD_SIZE_CHANGED: (
-        "W differs between steps of one run",
-        "An elastic restart or a resume on a different number of GPUs. Fine when intended, if N and W were "
-        "recomputed.",
-        "Nothing, unless the findings around the change show a W mismatch.",
-        "Steps 0–999 ran on W = 8, steps 1000– on W = 4.",
-    ),
-    Code.DUPLICATE_RECORDS: (
-        "the same (run, group, step, micro, rank) appears more than once",
-        "Usually a resume that replayed steps into the same log folder. The later record (by time, then file "
-        "order) is kept.",
-        "Resume from the checkpoint's step, or write the resumed run into a new folder.",
-        "Steps 90–99 were recorded before a crash and again after resuming from step 90.",
-    ),
-    Code.EMPTY_UPDATE: (
-        "no valid token in the whole update (N = 0)",
-        "With N = 0, b = S/N is 0/0. One policy must hold on every rank: clamp N to 1 (zero gradient) and "
-        "skip optimizer.step() together. An error when a rank produced NaN or ranks disagree on skipping.",
-        "Decide from the global N, which every rank knows after the same all-reduce.",
-        "Both ranks have n = 0: W·S/max(N, 1) = 0 on both, backward runs, the step is skipped on both.",
-    ),
-    Code.ZERO_TOKEN_NONFINITE: (
-        "a record with n = 0 has a non-finite backward scalar",
-        "The code divided by its own zero count (S/n with n = 0 = 0/0 = NaN); DDP's all-reduce spreads the "
-        "NaN to every rank's gradient.",
-        "Divide by the global N (clamped to 1), never by the local count.",
-        "Rank 0 has n0 = 0: b0 = 0/0 = NaN, and after the average every parameter's gradient is NaN.",
-    ),
-    Code.NONFINITE_VALUES: (
-        "NaN or infinity where n > 0",
-        "S, b or the probe's weights are not finite on a record with valid tokens.",
-        "Find the first non-finite loss (torch.autograd.set_detect_anomaly), check the loss scale and the "
-        "denominator.",
-        "S0 = inf from an fp16 overflow: the step's reduced gradient is inf.",
-    ),
-    Code.REPORTED_LOSS_MISMATCH: (
-        "the reported loss is not ΣS/N",
-        "The logged loss differs from the token mean of the step: often the mean of per-rank means "
-        "(Lightning sync_dist, rank-0 logging of a local mean) or ×GAS.",
-        "Report all_reduce(ΣS)/all_reduce(Σn) from detached sums and counts.",
-        "S0 = 3 (n0 = 1), S1 = 3 (n1 = 3): ΣS/N = 6/4 = 1.5, the mean of local means is (3 + 1)/2 = 2.",
-    ),
-    Code.REPORTED_LOSS_SHIFTED: (
-        "the reported loss is ΣS/N, stamped one update off",
-        "Each logged loss that differs from its step's token mean is the token mean of the step beside it: "
-        "the losses are right but recorded with the update before or after their own, as when "
-        "rec.report_loss() is given the loss of an update that has not closed yet, or a trainer's step "
-        "counter is one off the optimizer's.",
-        "Give the step the loss belongs to: rec.report_loss(value, step=...).",
-        "Step 0: ΣS/N = (S0 + S1)/4 = 1.5; step 1, on other tokens: 2.0; step 2: 1.8. The log holds 2.0 for "
-        "step 0 and 1.8 for step 1: each is the next step's token mean, reported before the update closed.",
-    ),
-    Code.MISSING_SYNC: (
-        "the last microbatch did not synchronize",
-        "Under gradient accumulation every microbatch but the last runs in no_sync(); here the last did "
-        "too, so the optimizer stepped on local gradients and ranks drift apart.",
-        "Run the last microbatch outside model.no_sync().",
-        "Both microbatches of rank 0 ran in no_sync(): rank 0's parameters now differ from rank 1's.",
-    ),
-    Code.SYNC_EVERY_MICRO: (
-        "every microbatch synchronized",
-        "Correct gradients, but each of the M microbatches all-reduced: M× the communication.",
-        "Wrap all but the last microbatch in model.no_sync().",
-        "M = 4: four all-reduces per step where one is enough.",
-    ),
-    Code.BALANCED_COUNTS: (
-        "counts are equal everywhere: local and global means coincide",
-        "With n equal on every record, S_r/n_r·(1/W) = S_r/N, so a local mean and the token mean give the "
-        "same weights and the logs cannot show which one the code uses.",
-        "Audit a run with uneven counts (real padding, ignored labels, packing).",
-        "n0 = n1 = 2: b_r = S_r/2 (a local mean) and 2·S_r/4 (the token mean) are the same number.",
-    ),
-    Code.LOSS_SCALE: (
-        "uniform weights with a power-of-two factor: an unrecorded loss scale",
-        "Mixed precision multiplies the loss by a scale S_amp (GradScaler: 2^16 at the start, halved at "
-        "every overflow) before backward and divides it out of the gradients before the optimizer step. The "
-        "probe measures ∂(S_amp·b)/∂ℓ, so without the scaler every token shows q = S_amp·q_true: a large "
-        "power of two that W does not explain. The true scale cannot be read, so the run is inconclusive, "
-        "not incorrect.",
-        "Pass the scaler: Recorder(..., scaler=scaler). Its scale is then divided out (g = 1/S_amp) and the "
-        "updates it skips are marked. The Hugging Face and Lightning callbacks find the trainer's scaler.",
-        "W·S_r/N under a GradScaler at 65536: the probe sees e = 65536·0.25 for every token, q = 65536 = 2^16.",
-    ),
-    Code.UNKNOWN_DIVISOR: (
-        "the gradient reduction's divisor could not be seen",
-        "A DDP comm hook the recorder does not know (or a model it was not given) may average (D = W) or sum "
-        "(D = 1). The same backward scalar is then right or W× off, so tokaudit does not judge the absolute "
-        "scale: local means and per-microbatch denominators are still found, since they show in the weights' "
-        "ratios whatever D is.",
-        "Tell the recorder: Recorder(..., grad_divisor=1) for a summing hook, grad_divisor=W for an average; "
-        "or pass the DDP-wrapped model as model=.",
-        "A custom hook all-reduces with SUM: W·S_r/N = 2·S_r/4 gives e = 0.5 per token (q = 2, wrong) while "
-        "the log, assuming an average, shows q = 1.",
-    ),
-    Code.NO_WEIGHTS: (
-        "valid records carry no usable weight",
-        "A weight needs the backward scalar b with a non-zero loss sum S (c = b/S) or the probe's measurement. "
-        "Records with neither cannot be judged; a step made only of them is not called correct.",
-        "Pass backward_scalar= with every record, or wrap the per-token loss in rec.probe().",
-        "Rank 1 records S = 0 (every token predicted perfectly) with b = 0 and no probe: c = 0/0 is unknown.",
-    ),
-    Code.RECORDS_DROPPED: (
-        "the recorder could not write some records",
-        "A write failed (a full or read-only disk) and the records could not be kept until a later write. The "
-        "recorder notes which steps lost records; those steps are left out of the audit instead of being "
-        "judged on part of their tokens.",
-        "Give the log folder room, and check the training's warnings for the recorder's write errors.",
-        "The disk filled during steps 120–131: those steps are listed and not judged.",
-    ),
-    Code.COUNT_MISMATCH: (
-        "a recorded count disagrees with the tokens the probe saw",
-        "A record's mean probed weight c = Σ∂b/∂ℓᵢ / n is the mean of its valid tokens' weights only when n is "
-        "the number of tokens the probe saw, and then lies between the lightest and the heaviest of them. "
-        "Outside that range, valid_tokens counts another mask (attention_mask.sum() where the loss ignores "
-        "labels of -100, padding included, another microbatch's count). N and every weight derived from the "
-        "counts would be wrong, so those steps are left out instead of being judged on them, and the run is "
-        "inconclusive, not incorrect: the training may well be right.",
-        "Record valid_tokens from the mask the loss and rec.probe use (labels != ignore_index), summed over the "
-        "same microbatch.",
-        "Rank 0 has 3 labelled tokens among 10 attended ones and records n = 10: the probe sees 3 tokens of "
-        "weight 2/N each, Σ∂b/∂ℓ = 6/N, and 6/N / 10 = 0.6/N lies below 2/N.",
-    ),
-}
+LIST_WIDTH = 26
+"""The code column of `tokaudit explain`'s list: the longest code and a space."""
 
 
 def explain(code: Code) -> str:
-    title, derivation, fix, example = EXPLANATIONS[code]
-    return (f"{code.value} ({DEFAULT_SEVERITY[code].value}): {title}\n\n"
-            f"Why\n  {derivation}\n\nFix\n  {fix}\n\nWorked example\n  {SETUP}\n  {example}\n")
+    """The derivation, the fix and a worked example of one code, as `tokaudit explain CODE` prints it."""
+    doc = CODE_DOCS[code]
+    return (f"{code.value} ({doc.severity.value}): {doc.title}\n\n"
+            f"Why\n  {doc.why}\n\nFix\n  {doc.fix}\n\n"
+            f"Worked example\n  Set-up for the example: {EXAMPLE_SETUP}\n  {doc.example}\n")
+
+
+def listing() -> list[str]:
+    """Every code and its title, one a line, as `tokaudit explain` without a code prints them."""
+    return [f"{code.value:<{LIST_WIDTH}} {doc.title}" for code, doc in CODE_DOCS.items()]
+
+
+# docs/CODES.md
+
+_CODE_SPAN = re.compile(r"(`[^`]*`)")
+
+
+def _markdown(text: str, cell: bool = False) -> str:
+    """Plain text as Markdown: `code spans` kept, `*` escaped (n_micro*M is no emphasis), and `|` too in a table
+    cell (GitHub splits cells on it even inside a code span)."""
+    parts = _CODE_SPAN.split(text)
+    for i in range(0, len(parts), 2):
+        parts[i] = parts[i].replace("*", r"\*")
+    joined = "".join(parts)
+    return joined.replace("|", r"\|") if cell else joined
+
+
+def _severity(doc: CodeDoc) -> str:
+    return f"{doc.severity.value}, or {doc.severity_note}" if doc.severity_note else doc.severity.value
+
+
+def _what_it_says(doc: CodeDoc) -> str:
+    return f"{doc.title}: {doc.detail}" if doc.detail else doc.title
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")
+
+
+def _codes(codes: frozenset[Code]) -> str:
+    return ", ".join(f"`{code.value}`" for code in Code if code in codes)
+
+
+SCRIPT = "scripts/write_codes_doc.py"
+
+_VERDICT = textwrap.fill(
+    "Verdict (per run): `correct` with no warning or error; `inconclusive` when every warning says the logs "
+    f"cannot tell ({_codes(UNDECIDABLE)}), when the run is `{Code.BALANCED_COUNTS.value}`, or when no step "
+    "could be judged (no step with valid tokens carries a usable weight); `incorrect` otherwise.",
+    width=105, break_long_words=False, break_on_hyphens=False)
+
+_HEADER = f"""\
+<!-- Generated from tokaudit.codes.CODE_DOCS by {SCRIPT}: edit the table there, then run
+     `python {SCRIPT}`. tests/test_codes_doc.py fails when this file is stale. -->
+
+# Finding codes
+
+Stable identifiers: tests, JSON consumers and CI gates (`--ignore CODE`) match on them, never on
+the text. `tokaudit explain CODE` prints the derivation, the fix and a worked two-rank example: the
+same text as [each code's section](#each-code) below.
+
+{_VERDICT}
+
+| code | severity | what it says | fix |
+|---|---|---|---|
+"""
+
+
+def codes_markdown() -> str:
+    """docs/CODES.md: the verdict, a table of every code (severity, what it says, fix), then each code's
+    derivation and worked example."""
+    rows = [f"| [`{code.value}`](#{code.value}) | {_markdown(_severity(doc), cell=True)} "
+            f"| {_markdown(_what_it_says(doc), cell=True)} | {_markdown(doc.fix, cell=True)} |"
+            for code, doc in CODE_DOCS.items()]
+    sections = ["## Each code", "",
+                f"The worked examples share one set-up unless they state their own: {_markdown(EXAMPLE_SETUP)}"]
+    for code, doc in CODE_DOCS.items():
+        verdict = "; alone, it makes the verdict `inconclusive`" if doc.undecidable else ""
+        sections += ["", f"### `{code.value}`", "",
+                     f"*{_markdown(_severity(doc))}{verdict}.* {_markdown(_sentence(doc.title))}", "",
+                     f"**Why.** {_markdown(doc.why)}", "",
+                     f"**Fix.** {_markdown(doc.fix)}", "",
+                     f"**Worked example.** {_markdown(doc.example)}"]
+    return _HEADER + "\n".join(rows) + "\n\n" + "\n".join(sections) + "\n"
