@@ -33,11 +33,12 @@ demo: $(DEMO_STAMP)
 	@rc=0; $(DEMO_VENV)/bin/tokaudit check sample_logs/ || rc=$$?; \
 	if [ $$rc -gt 1 ]; then exit $$rc; fi
 
+# Two xdist workers: the tests under tests/distributed/ run one after the other on one of them (tests/conftest.py).
 test: setup typecheck wheel-smoke
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not distributed and not integration"
+	$(BIN)/python -m pytest -q -n 2 -m "not distributed and not integration" --ignore=tests/distributed
 
 typecheck: setup
 	$(BIN)/python -m mypy

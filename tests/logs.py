@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,15 @@ from tokaudit.report import AuditReport, Finding
 from tokaudit.schema import WRITER_SCHEMA
 
 Counts = Sequence[Sequence[Sequence[int]]]  # counts[step][rank][micro]
+
+THOROUGH = os.environ.get("TOKAUDIT_THOROUGH") == "1"
+"""Run every random case (TOKAUDIT_THOROUGH=1): the suite's default draws a fifth of them."""
+
+
+def seeds(thorough: int) -> range:
+    """Seeds of a test over random inputs: all `thorough` of them with TOKAUDIT_THOROUGH=1, else a fifth (at least
+    two); each seed draws the same input every run."""
+    return range(thorough if THOROUGH else max(2, thorough // 5))
 
 
 def token_loss(step: int, rank: int, micro: int, n: int) -> float:

@@ -34,7 +34,7 @@ def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str
     return result.exit_code, result.stdout, result.stderr
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sample_report() -> tokaudit.AuditReport:
     return audit([SAMPLE_LOGS])
 

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 import tokaudit.engine.database as engine_module
 import tokaudit.engine.grid as grid_module
-from tests.logs import write
+from tests.logs import seeds, write
 from tokaudit.engine import Engine
 from tokaudit.engine.tables import same_bits
 from tokaudit.loading import load
@@ -136,7 +136,7 @@ def _random_grid(folder: Path, seed: int, group: str | None = None, terms: list[
     return {"micro": micro, "ranks": ranks, "kinds": kinds, "steady": steadied}
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", seeds(40))
 def test_a_grid_reduced_by_numpy_is_the_query_s_step_table(tmp_path: Path, seed: int,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Random logs in the recorder's layout: numpy's table has the query's columns, in its order, of its
@@ -149,7 +149,7 @@ def test_a_grid_reduced_by_numpy_is_the_query_s_step_table(tmp_path: Path, seed:
     assert not _differences(got, expected), (_differences(got, expected), drawn)
 
 
-@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("seed", seeds(16))
 def test_loss_terms_recorded_in_turn_are_a_grid_each(tmp_path: Path, seed: int,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Several loss terms in every file, recorded in turn at each (step, microbatch) as the recorder writes
@@ -189,7 +189,7 @@ def test_loss_terms_that_are_not_in_turn_take_the_query(tmp_path: Path, case: st
     assert not _differences(got, expected)
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", seeds(12))
 def test_groups_that_are_grids_each_give_the_query_s_step_table(tmp_path: Path, seed: int,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Data-parallel groups that each write their own ranks' files, each a grid of its own (its ranks,
@@ -230,7 +230,7 @@ def test_ranks_read_a_block_at_a_time_give_the_table_of_one_block(tmp_path: Path
         assert max(held) == rank_rows or options
 
 
-@pytest.mark.parametrize("seed", range(24))
+@pytest.mark.parametrize("seed", seeds(24))
 def test_columns_whose_footers_give_their_one_value_are_not_read(tmp_path: Path, seed: int,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """D, g, T and the flags of one value in the whole log or in each rank's files: the value in every

@@ -4,7 +4,6 @@ of the whole table: every finding, verdict and number, byte for byte in the JSON
 from __future__ import annotations
 
 import csv
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.logs import UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
+from tests.logs import THOROUGH, UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
 from tokaudit.auditing import audit
 from tokaudit.render.json_report import render_json
 
@@ -97,7 +96,7 @@ def _live_log(folder: Path) -> Path:
     return write_by_rank(folder, [r for r in rows if not (r["rank"] == 1 and r["step"] > 4)])
 
 
-@pytest.mark.parametrize("chunk_rows, block", [(7, 1), (40, 3), (200, 5)])
+@pytest.mark.parametrize("chunk_rows, block", [(7, 1), (40, 3), (200, 5)] if THOROUGH else [(40, 3)])
 def test_a_table_read_in_parts_gives_the_whole_table_s_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                chunk_rows: int, block: int) -> None:
     """The recorded DDP sample logs (28 runs, several groups and terms, every finding code they hold), a log
@@ -134,8 +133,8 @@ def test_a_table_read_in_parts_gives_the_whole_table_s_report(tmp_path: Path, mo
 
 def test_a_long_run_is_audited_from_disk_a_part_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The memory bound's mechanism: past SPILL_STEPS the step table is kept on disk and read a range at a
-    time, so what the audit allocates at its peak is a fraction of what the whole table costs, with the
-    same report. 30,000 steps of 2 ranks, half of them rank-local means, in ranges of 2,000 steps."""
+    time, never whole, with the same report (what it saves is measured in bench/). 30,000 steps of 2 ranks,
+    half of them rank-local means, in ranges of 2,000 steps."""
     import tokaudit.engine.database as engine
 
     rng = np.random.default_rng(3)
@@ -149,22 +148,12 @@ def test_a_long_run_is_audited_from_disk_a_part_at_a_time(tmp_path: Path, monkey
         for start in range(0, len(mine), 2_000):
             write(tmp_path / "run" / f"rank-{rank:05d}-{start:06d}.parquet", mine[start:start + 2_000])
 
-    def peak(**options: Any) -> tuple[int, str]:
-        tracemalloc.start()
-        try:
-            report = audit([tmp_path / "run"], threads=1)
-            return tracemalloc.get_traced_memory()[1], render_json(report)
-        finally:
-            tracemalloc.stop()
-
-    whole_peak, whole = peak()
+    whole = render_json(audit([tmp_path / "run"], threads=1))
     monkeypatch.setattr(engine, "SPILL_STEPS", 2_000)
     monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "4000")
     read = _count_parts_read(monkeypatch)
-    parts_peak, parts = peak()
-    assert parts == whole
+    assert render_json(audit([tmp_path / "run"], threads=1)) == whole
     assert read and max(read) <= 2_000 < sum(read)  # every range read alone, never the table
-    assert parts_peak < 0.5 * whole_peak, (parts_peak, whole_peak)
 
 
 def test_the_table_on_disk_is_removed_and_a_tmpdir_it_cannot_use_is_one_line(

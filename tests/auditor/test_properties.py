@@ -14,11 +14,11 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.logs import records, write_by_rank
+from tests.logs import THOROUGH, records, write_by_rank
 from tokaudit.auditing import audit
 from tokaudit.report import AuditReport
 
-SETTINGS = settings(max_examples=int(__import__("os").environ.get("TOKAUDIT_EXAMPLES", "40")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=200 if THOROUGH else 20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 Counts = list[list[list[int]]]
 

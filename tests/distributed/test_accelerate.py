@@ -22,7 +22,7 @@ pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("accelerate")
     torchrun = Path(sys.executable).with_name("torchrun")

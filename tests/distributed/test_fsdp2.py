@@ -59,7 +59,7 @@ def fsdp_job(rank: int, world_size: int, log_dir: str, variant: str) -> list[dic
     return [{"divisor": divisor}, *history]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[Any]]]:
     root = tmp_path_factory.mktemp("fsdp2")
     return root, {variant: run_ddp(fsdp_job, 2, str(root), variant, timeout=120)

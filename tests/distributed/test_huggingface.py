@@ -93,7 +93,7 @@ def trainer_job(rank: int, world_size: int, log_dir: str, average_tokens: bool, 
     gc.collect()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("hf")
     for average in (True, False):

@@ -47,7 +47,7 @@ def grad_divisor(scenario: Scenario, members: list[int]) -> int:
     return 1 if scenario.summing_hook else len(members)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def recordings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict[str, Any]], Path]]:
     root = tmp_path_factory.mktemp("ddp-logs")
     return {s.name: (run_ddp(__import__("scenarios.strategies").strategies.run_scenario, s.world_size, s,

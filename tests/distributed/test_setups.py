@@ -43,7 +43,7 @@ SHAPE: dict[str, tuple[list[str], list[int]]] = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[list[dict[str, Any]]]]]:
     root = tmp_path_factory.mktemp("setups")
     histories: dict[str, list[list[dict[str, Any]]]] = {}

@@ -83,7 +83,7 @@ def ddp_job(rank: int, world_size: int, root: str, variant: str) -> dict[str, st
     return found
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ddp_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, str]]]:
     root = tmp_path_factory.mktemp("trackers")
     found = {variant: run_ddp(ddp_job, 2, str(root), variant, timeout=180)[0] for variant in ("token_mean", "local_mean")}

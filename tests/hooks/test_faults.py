@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scenarios.harness import run_ddp
 from tests.logs import read_rows
 from tokaudit.auditing import audit
 from tokaudit.hooks import Recorder
@@ -29,26 +28,6 @@ def token_mean_records(rec: Recorder, steps: range, counts: tuple[int, int] = (3
     for step in steps:
         n = counts[step % 2]
         rec.record(loss_sum=2.0 * n, valid_tokens=n, backward_scalar=2.0, step=step)
-
-
-def _before_init_job(rank: int, world_size: int, folder: str, rendezvous: str) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
-    rec = Recorder(folder, run_id="early")  # made before init_process_group, as trainers often do
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
-    rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0, step=0)
-    rec.close()
-    return rec.rank, rec.world_size
-
-
-@pytest.mark.distributed
-def test_a_recorder_made_before_the_process_group_records_the_right_rank(tmp_path: Path) -> None:
-    identities = run_ddp(_before_init_job, 2, str(tmp_path), str(tmp_path / "rendezvous"))
-    assert identities == [(0, 2), (1, 2)]
-    names = sorted(p.name for p in (tmp_path / "early").glob("*.parquet"))
-    assert names == ["rank-00000-000000.parquet", "rank-00001-000000.parquet"]
-    assert sorted((r["rank"], r["world_size"]) for r in read_rows(tmp_path / "early")) == [(0, 2), (1, 2)]
 
 
 def test_two_writers_of_one_rank_lose_nothing(tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from scenarios.harness import run_ddp
 from tests.hooks.syncs import count_host_syncs
 from tests.logs import read_rows
 from tokaudit.hooks import Recorder
@@ -316,44 +315,6 @@ def test_without_optimizer_or_step_every_backward_is_its_own_update(tmp_path: Pa
     rows = read_rows(tmp_path / "auto")
     assert [(r["step"], r["micro"], r["world_size"], r["rank"]) for r in rows] == [(0, 0, 1, 0), (1, 0, 1, 0),
                                                                                    (2, 0, 1, 0)]
-
-
-def _comm_hook_job(rank: int, world_size: int, log_dir: str) -> list[str]:
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    messages = []
-    for name, hook, divisor in (("default", None, None), ("known", default_hooks.allreduce_hook, None),
-                                ("custom", _custom_hook, None), ("declared", _custom_hook, 1.0)):
-        model = DDP(torch.nn.Linear(2, 1))
-        if hook is not None:
-            model.register_comm_hook(None, hook)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with Recorder(log_dir, run_id=name, model=model, grad_divisor=divisor) as rec:
-                rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=model(torch.ones(1, 2)).sum())
-        messages.append(" | ".join(str(w.message) for w in caught))
-        del model
-    dist.barrier()
-    return messages
-
-
-def _custom_hook(state, bucket):  # type: ignore[no-untyped-def]
-    import torch.distributed as dist
-
-    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
-
-
-@pytest.mark.distributed
-def test_divisor_comes_from_the_comm_hook_or_a_warning(tmp_path: Path) -> None:
-    messages = run_ddp(_comm_hook_job, 2, str(tmp_path))[0]
-    assert messages[0] == "" and messages[1] == "" and messages[3] == ""
-    assert "grad_divisor" in messages[2] and "_custom_hook" in messages[2]
-    divisors = {run: read_rows(tmp_path / run)[0]["grad_divisor"] for run in ("default", "known", "custom", "declared")}
-    assert divisors == {"default": 2.0, "known": 2.0, "custom": None, "declared": 1.0}
-    known = {run: read_rows(tmp_path / run)[0]["divisor_known"] for run in ("default", "known", "custom", "declared")}
-    assert known == {"default": True, "known": True, "custom": False, "declared": True}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

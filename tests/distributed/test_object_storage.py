@@ -16,15 +16,17 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.integration  # a real S3-compatible server in this process
+
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
-SAMPLE_LOGS = Path(__file__).resolve().parents[1] / "sample_logs"
+SAMPLE_LOGS = Path(__file__).resolve().parents[2] / "sample_logs"
 RUNS = ("bug_local_mean", "correct_token_mean_ga", "amp_told", "bug_global_world_size_on_dp_group")
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def endpoint() -> Iterator[dict[str, str]]:
     """A moto S3 server in this process; the environment a user would set to reach it."""
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

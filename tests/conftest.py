@@ -1,0 +1,32 @@
+"""Test-session wiring: the tests under tests/distributed/ (real DDP jobs, trainers, a local S3 server) run one
+after the other on one pytest-xdist worker, so that two multi-process jobs never share the two cores and their
+session fixtures are made once; every other test goes to whichever worker is free."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+SERIAL = "tests/distributed/"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The serial tests first (the longest scope starts at once, while the other worker takes the rest); a test
+    that starts processes belongs under tests/distributed/, where the scheduler keeps them apart."""
+    for item in items:
+        if item.get_closest_marker("distributed") and not item.nodeid.startswith(SERIAL):
+            raise pytest.UsageError(f"{item.nodeid} is marked distributed: move it under {SERIAL}")
+    items.sort(key=lambda item: not item.nodeid.startswith(SERIAL))  # stable: each part keeps its order
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SerialDistributed(LoadScopeScheduling):  # type: ignore[misc]
+        """xdist's load scheduling, with every test under tests/distributed/ one scope (one worker, in order)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return SERIAL if nodeid.startswith(SERIAL) else nodeid
+
+    return SerialDistributed(config, log)
