@@ -139,8 +139,8 @@ def main(ctx: click.Context, debug: bool) -> None:
                                       "for workflow annotations (and the step summary when GITHUB_STEP_SUMMARY is set).")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Write the report here.")
 @click.option("--fail-on", type=click.Choice(list(FAIL_ON)), default="error", show_default=True,
-              help="Exit 1 when a finding of this severity or worse exists; `inconclusive`: also when a run "
-                   "cannot be shown correct.")
+              help="Exit 1 when a finding of this severity or worse exists (`error` also when a run is called "
+                   "incorrect); `inconclusive`: also when a run cannot be shown correct.")
 @click.option("--ignore", "ignore", multiple=True, metavar="CODE",
               help="Leave out findings with this code (repeatable).")
 @click.option("--min-ratio", type=float, default=None, metavar="R",
@@ -191,6 +191,9 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
     worst = max((f.severity.rank for f in report.findings), default=-1)
     if fail_on == "inconclusive":
         failed = worst >= Severity.ERROR.rank or any(run.verdict != "correct" for run in report.runs)
+    elif fail_on == "error":
+        # the default: a run reported incorrect never exits 0, whatever the severity of the findings that say so
+        failed = worst >= FAIL_ON[fail_on] or any(run.verdict == "incorrect" for run in report.runs)
     else:
         failed = worst >= FAIL_ON[fail_on]
     sys.exit(EXIT_FINDINGS if failed else EXIT_OK)
@@ -229,10 +232,10 @@ def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str) -> Non
     elif fmt == "json":
         import json
 
-        from tokaudit.render.json_report import _sanitize
+        from tokaudit.render.json_report import sanitize
 
         rows = records.rename(columns=WEIGHT_NAMES).to_dict(orient="records")
-        click.echo(json.dumps(_sanitize({"run": chosen, "step": step, "records": rows}), indent=2,
+        click.echo(json.dumps(sanitize({"run": chosen, "step": step, "records": rows}), indent=2,
                               ensure_ascii=False))
     else:
         from tokaudit.render.console import render_weights

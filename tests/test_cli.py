@@ -45,6 +45,17 @@ def test_exit_codes_follow_fail_on(logs: Path) -> None:
     assert invoke("check")[0] == 2  # click usage error
 
 
+def test_a_run_called_incorrect_never_exits_0_under_the_default(tmp_path: Path) -> None:
+    """Uniform weights 1.3× the token mean's: a warning (scale_mismatch), and the run's verdict `incorrect`.
+    Under the default --fail-on the exit is 1 (a run reported incorrect never exits 0); --fail-on never is 0."""
+    write_by_rank(tmp_path / "scaled", records(UNEVEN_GA, lambda S, N, W, **_: 1.3 * W * S / N))
+    code, out, _ = invoke("check", str(tmp_path), "--format", "json")
+    report = json.loads(out)
+    assert {f["severity"] for f in report["findings"]} == {"warning"}
+    assert report["runs"][0]["verdict"] == "incorrect" and code == 1
+    assert invoke("check", str(tmp_path), "--fail-on", "never")[0] == 0
+
+
 def test_json_report_follows_the_spec(logs: Path) -> None:
     code, out, _ = invoke("check", str(logs), "--format", "json")
     report = json.loads(out)

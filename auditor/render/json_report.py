@@ -71,12 +71,12 @@ def _plain(value: Any) -> Any:
 
 
 def render_json(report: AuditReport) -> str:
-    return json.dumps(_sanitize(report_dict(report)), indent=2, ensure_ascii=False) + "\n"
+    return json.dumps(sanitize(report_dict(report)), indent=2, ensure_ascii=False) + "\n"
 
 
-def _sanitize(value: Any) -> Any:
+def sanitize(value: Any) -> Any:
     if isinstance(value, dict):
-        return {str(k): _sanitize(v) for k, v in value.items()}
+        return {str(k): sanitize(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_sanitize(v) for v in value]
+        return [sanitize(v) for v in value]
     return _plain(value)
