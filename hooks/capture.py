@@ -83,11 +83,22 @@ def _record(recorder: Recorder, out: torch.Tensor, input: torch.Tensor, target: 
             denominator = (weight[target.masked_fill(~valid, 0)] * valid).sum()
         else:
             denominator = valid_count.to(out.dtype)
-        loss_sum = torch.where(denominator > 0, out.detach() * denominator, 0.0)
-        token_factor = 1 / denominator.to(torch.float64)
-    else:
-        loss_sum = out.detach()
-        token_factor = torch.ones((), dtype=torch.float64, device=out.device)
+        return record_mean(recorder, out, valid, target, denominator)
+    loss_sum = out.detach()
+    token_factor = torch.ones((), dtype=torch.float64, device=out.device)
+    result = _captured_call(recorder, loss_sum, valid_count, valid.numel(), target)
+    probed: torch.Tensor = ScalarProbe.apply(  # type: ignore[no-untyped-call]
+        out, token_factor, valid_count, result, recorder._probe_failed)
+    return probed
+
+
+def record_mean(recorder: Recorder, out: torch.Tensor, valid: torch.Tensor, target: torch.Tensor,
+                denominator: torch.Tensor) -> torch.Tensor:
+    """Record a reduced loss out = Σℓᵢ / denominator over the `valid` positions of `target`: S = out·denominator,
+    n = the valid count, and a probe that reads ∂b/∂out in backward (every valid token got ∂b/∂out / denominator)."""
+    valid_count = valid.sum()
+    loss_sum = torch.where(denominator > 0, out.detach() * denominator, 0.0)
+    token_factor = 1 / denominator.to(torch.float64)
     result = _captured_call(recorder, loss_sum, valid_count, valid.numel(), target)
     probed: torch.Tensor = ScalarProbe.apply(  # type: ignore[no-untyped-call]
         out, token_factor, valid_count, result, recorder._probe_failed)

@@ -5,7 +5,9 @@
 Every training cross-entropy call is captured with its probe (evaluation runs without grad and is
 not recorded), so the weight each token received is measured whatever the Trainer and the model do
 with the loss: num_items_in_batch, the ×W of average_tokens_across_devices, ÷GAS, auxiliary terms.
-Under fp16 the Trainer's GradScaler (`trainer.accelerator.scaler`) is found and followed.
+Under fp16 the Trainer's GradScaler (`trainer.accelerator.scaler`) is found and followed. With
+`label_smoothing_factor`, the Trainer's LabelSmoother (log_softmax and gather, no cross-entropy call) is
+wrapped the same way: it returns what it would, and its loss is recorded and probed.
 
 With `attach`, the trackers of `report_to` (TensorBoard's writer, the W&B run, the MLflow run) are
 found at train begin, and rank 0 logs the audit to them at train end (and every K steps with
@@ -19,9 +21,11 @@ import os
 import warnings
 from typing import Any
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
+from tokaudit.hooks.capture import record_mean
 from tokaudit.hooks.recorder import Recorder
 
 
@@ -59,6 +63,9 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             options["trackers"] = report_to_trackers(self.trainer)
         self.recorder = Recorder(self.log_dir, run_id=self.run_id, model=ddp, optimizer=torch_optimizer, **options)
         self.recorder.start_capture()
+        smoother = getattr(self.trainer, "label_smoother", None) if self.trainer is not None else None
+        if smoother is not None and not isinstance(smoother, RecordedSmoother):
+            self.trainer.label_smoother = RecordedSmoother(smoother, self.recorder)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.recorder is not None:
@@ -74,6 +81,40 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.recorder is not None:
             self.recorder.close()  # also ends the capture
+        smoother = getattr(self.trainer, "label_smoother", None) if self.trainer is not None else None
+        if isinstance(smoother, RecordedSmoother):
+            self.trainer.label_smoother = smoother.smoother
+
+
+class RecordedSmoother:
+    """The Trainer's LabelSmoother, recorded: it returns exactly what the smoother returns. The smoother's loss
+    is Σᵢ ℓᵢ / D over the labels that are not ignore_index, with ℓᵢ = (1 − ε)·nllᵢ + (ε/V)·Σ_v −log pᵢᵥ and D
+    num_items_in_batch (else those labels' count), so S = loss·D, n = the labels counted, and every counted
+    token gets ∂b/∂loss / D (`capture.record_mean`)."""
+
+    def __init__(self, smoother: Any, recorder: Recorder) -> None:
+        self.smoother = smoother
+        self.recorder = recorder
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.smoother, name)  # epsilon, ignore_index: as the Trainer's own
+
+    def __call__(self, model_output: Any, labels: torch.Tensor, shift_labels: bool = False,
+                 num_items_in_batch: Any = None) -> Any:
+        out = self.smoother(model_output, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
+        if not (torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad):
+            return out
+        try:
+            target = labels[..., 1:] if shift_labels else labels
+            valid = target != self.smoother.ignore_index
+            if num_items_in_batch is None:
+                denominator = valid.sum().to(out.dtype)
+            else:
+                denominator = torch.as_tensor(num_items_in_batch, device=out.device).to(out.dtype)
+            return record_mean(self.recorder, out, valid, target, denominator)
+        except Exception as error:
+            self.recorder._warn_once("smoother", f"tokaudit: a label-smoothed loss was not recorded ({error!r})")
+            return out
 
 
 def report_to_trackers(trainer: Any) -> list[Any]:

@@ -26,7 +26,7 @@ def tiny_model(family: str) -> Any:
                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
 
 
-def make_trainer(rank: int, log_dir: str, average_tokens: bool, family: str = "llama") -> Any:
+def make_trainer(rank: int, log_dir: str, average_tokens: bool, family: str = "llama", smoothing: float = 0.0) -> Any:
     import torch
     from transformers import Trainer, TrainingArguments
 
@@ -38,16 +38,17 @@ def make_trainer(rank: int, log_dir: str, average_tokens: bool, family: str = "l
     args = TrainingArguments(output_dir=f"{log_dir}/out-{rank}", use_cpu=True, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3, logging_steps=1,
                              report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
-                             average_tokens_across_devices=average_tokens, dataloader_num_workers=0, **distributed)
+                             average_tokens_across_devices=average_tokens, dataloader_num_workers=0,
+                             label_smoothing_factor=smoothing, **distributed)
     return Trainer(model=model, args=args, train_dataset=padded_sequences())
 
 
-def trained_parameters(rank: int, log_dir: str, family: str, attached: bool) -> list[Any]:
+def trained_parameters(rank: int, log_dir: str, family: str, attached: bool, smoothing: float = 0.0) -> list[Any]:
     """Train with the HF Trainer's defaults (average_tokens_across_devices=True), with or without the
     one-line attach; the parameters it ends with."""
     from tokaudit.hooks.huggingface import TokauditCallback
 
-    trainer = make_trainer(rank, log_dir, True, family)
+    trainer = make_trainer(rank, log_dir, True, family, smoothing)
     if attached:
         TokauditCallback.attach(trainer, log_dir, run_id=family)
     trainer.train()
@@ -141,18 +142,21 @@ def test_trainer_on_a_bert_style_model_trains_unchanged_and_is_audited(hf_logs: 
     assert run.verdict == "incorrect", [f.message for f in report.findings]
 
 
-@pytest.mark.parametrize("family, verdict", [("llama", "correct"), ("bert", "incorrect")])
+@pytest.mark.parametrize("family, smoothing, verdict", [("llama", 0.0, "correct"), ("bert", 0.0, "incorrect"),
+                                                        ("llama", 0.1, "correct")])
 def test_single_process_trainer_trains_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str,
-                                                 verdict: str) -> None:
+                                                 smoothing: float, verdict: str) -> None:
     """One process, no torchrun: the Trainer scales the loss in place (`loss *= 1`), on BERT the raw
     cross-entropy output; nothing crashes or changes. Llama divides a sum by num_items_in_batch (right);
-    BERT returns each microbatch's mean, not divided by the accumulation steps (wrong)."""
+    BERT returns each microbatch's mean, not divided by the accumulation steps (wrong). With label smoothing
+    the Trainer's LabelSmoother computes the loss (no cross-entropy call): it is recorded too, and divides
+    by num_items_in_batch (right)."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     import torch
 
-    plain = trained_parameters(0, str(tmp_path / "plain"), family, attached=False)
-    recorded = trained_parameters(0, str(tmp_path), family, attached=True)
+    plain = trained_parameters(0, str(tmp_path / "plain"), family, attached=False, smoothing=smoothing)
+    recorded = trained_parameters(0, str(tmp_path), family, attached=True, smoothing=smoothing)
     assert all(torch.equal(a, b) for a, b in zip(plain, recorded)), "the attach changed the training"
     report = audit_run(tmp_path, family)
     (run,) = report.runs
