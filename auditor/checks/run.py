@@ -58,7 +58,7 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
         def again(term: str = term) -> Iterator[FitBlock]:
             return (block_fits(block, rtol) for block in source.blocks(term))
 
-        decisions = Decisions.of(observed(), again, rtol)
+        decisions = Decisions.of(observed(), again, rtol, lambda: shape.worlds)
         if not shape.blocks:
             continue  # every step of the term was left out (count_mismatch)
         if sizes is None:

@@ -34,7 +34,8 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
         return (steps.iloc[start:start + BLOCK_STEPS] for start in range(0, len(steps), BLOCK_STEPS))
 
     decisions = Decisions.of((block_fits(block, rtol) for block in blocks()),
-                             lambda: (block_fits(block, rtol) for block in blocks()), rtol)
+                             lambda: (block_fits(block, rtol) for block in blocks()), rtol,
+                             lambda: {int(w) for w in steps.w_high.unique() if w == w} if "w_high" in steps else set())
     # Each block's diagnoses written into the whole table's arrays: never the parts and the whole at once.
     count = len(steps)
     whole = Diagnoses(np.empty(count, np.int8), np.empty(count, np.int8), np.empty(count), np.empty(count),
@@ -79,10 +80,12 @@ class Decisions:
     """Some step's weights are uniform with q = e·N not within rtol of 1: a step may be uniform_off."""
 
     @classmethod
-    def of(cls, first: Iterable[FitBlock], again: Callable[[], Iterable[FitBlock]], rtol: float) -> Decisions:
+    def of(cls, first: Iterable[FitBlock], again: Callable[[], Iterable[FitBlock]], rtol: float,
+           world_sizes: Callable[[], Iterable[int]] = tuple) -> Decisions:
         """Read the blocks' candidates (`block_fits`) twice, in the same order: `first`, for the α of every
         fitting candidate (its clusters and medians) and what `Confusion` asks, then `again()`, for the
-        count of each signature; the cover runs over those counts."""
+        count of each signature; the cover runs over those counts. `world_sizes()`: the run's W, asked
+        after `first` is read (a mean × W is a plain reading, as α = 1 is)."""
         candidates = len(PREFERENCE)
         # a candidate's α over the steps it fits, in memory up to `sorting.RUN_VALUES`, past that on disk
         alphas = [SortedColumn() for _ in range(candidates)]
@@ -129,7 +132,7 @@ class Decisions:
             token_mean_whole = token_mean_whole or (c == 0 and len(medians) == 1 and not has_nan[c])
         decisions = cls(rtol, voters, anchors, first_hypothesis, has_nan, owner, values, {}, [],
                         np.zeros(0, np.int64), confusion.result(), may_be_off)
-        decisions.picked = decisions._cover(decisions._count_signatures(again()))
+        decisions.picked = decisions._cover(decisions._count_signatures(again()), set(world_sizes()))
         return decisions
 
     def _count_signatures(self, blocks: Iterable[FitBlock]) -> npt.NDArray[np.int64]:
@@ -187,7 +190,7 @@ class Decisions:
         offsets = np.array([self.first_hypothesis[c] for c in self.voters], dtype=np.int64)
         return np.where(codes > 0, offsets[None, :] + codes - 1, -1)
 
-    def _cover(self, counts: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    def _cover(self, counts: npt.NDArray[np.int64], world_sizes: set[int]) -> npt.NDArray[np.int64]:
         """The greedy cover over the signatures' counts. A lazy max-heap keeps it near-linear: a popped
         hypothesis whose count has shrunk is pushed back with its true count."""
         picked = np.full(len(counts), -1, dtype=np.int64)
@@ -202,9 +205,11 @@ class Decisions:
         members = [np.array(s, dtype=np.int64) for s in signatures_of]
         sizes = [int(counts[m].sum()) for m in members]
         # Among hypotheses that explain as many steps: N (the token mean) first, then α = 1, the simplest
-        # reading (S/n rather than 2·S/(n·M)), then PREFERENCE.
-        plain = [0 if self.owner[h] == 0 else 1 if close(self.values[h], 1.0, self.rtol) else 2
-                 for h in range(len(self.owner))]
+        # reading (S/n rather than 2·S/(n·M)), then α = W (a microbatch's mean × W, as the HF Trainer makes
+        # of a model's own mean, reads 2·S/n rather than 4·S/(n·M)), then PREFERENCE.
+        plain = [0 if self.owner[h] == 0 else 1 if close(self.values[h], 1.0, self.rtol)
+                 else 2 if any(w > 1 and close(self.values[h], float(w), self.rtol) for w in world_sizes)
+                 else 3 for h in range(len(self.owner))]
         heap = [(-size, plain[h], self.owner[h], h) for h, size in enumerate(sizes) if size]
         heapq.heapify(heap)
         while heap:

@@ -59,6 +59,15 @@ def test_local_mean_over_accumulation_recovers_n_times_m(tmp_path: Path) -> None
     assert "all 2 microbatches" in finding.fix
 
 
+def test_a_microbatch_mean_times_w_reads_as_its_own_count_times_w(tmp_path: Path) -> None:
+    """b = W·S/n per microbatch, not divided by M (what the HF Trainer makes of a model that returns its own mean):
+    n and n·M fit alike (α = W and W·M); the reading is the microbatch's count times W, not a mean divided by M."""
+    report = audit_rows(tmp_path, records(UNEVEN_GA, lambda S, n, W, **_: W * S / n))
+    finding = only(report, Code.LOCAL_MEAN)
+    assert finding.evidence["denominator"] == "n_micro" and finding.evidence["factor"] == pytest.approx(2.0)
+    assert "gradient_accumulation_steps" not in finding.message and "b·g = 2·S/n" in finding.message
+
+
 def test_per_micro_global_denominator(tmp_path: Path) -> None:
     report = audit_rows(tmp_path, records(UNEVEN_GA, lambda S, N_m, M, W, **_: W * S / (M * N_m)))
     finding = only(report, Code.PER_MICRO_DENOMINATOR)

@@ -138,8 +138,10 @@ def test_trainer_on_a_bert_style_model_trains_unchanged_and_is_audited(hf_logs: 
     (run,) = report.runs
     assert run.steps == 4 and run.ranks == 2 and run.microbatches == 2
     # BertForMaskedLM returns each microbatch's own mean, which the Trainer multiplies by W and does not
-    # divide by the accumulation steps: tokens of a small microbatch weigh more.
+    # divide by the accumulation steps: tokens of a small microbatch weigh more, read as b·g = W·S/n.
     assert run.verdict == "incorrect", [f.message for f in report.findings]
+    finding = next(f for f in report.findings if f.code.value == "local_mean")
+    assert (finding.evidence["denominator"], finding.evidence["factor"]) == ("n_micro", pytest.approx(2.0))
 
 
 @pytest.mark.parametrize("family, smoothing, verdict", [("llama", 0.0, "correct"), ("bert", 0.0, "incorrect"),
