@@ -83,27 +83,27 @@ def _record(recorder: Recorder, out: torch.Tensor, input: torch.Tensor, target: 
             denominator = (weight[target.masked_fill(~valid, 0)] * valid).sum()
         else:
             denominator = valid_count.to(out.dtype)
-        return record_mean(recorder, out, valid, target, denominator)
-    loss_sum = out.detach()
-    token_factor = torch.ones((), dtype=torch.float64, device=out.device)
-    result = _captured_call(recorder, loss_sum, valid_count, valid.numel(), target)
-    probed: torch.Tensor = ScalarProbe.apply(  # type: ignore[no-untyped-call]
-        out, token_factor, valid_count, result, recorder._probe_failed)
-    return probed
+        return record_mean(recorder, out, valid, valid_count, target, denominator)
+    # sum = Σℓᵢ: ∂loss/∂ℓᵢ = 1
+    return _probed_scalar(recorder, out, out.detach(), torch.ones((), dtype=torch.float64, device=out.device),
+                          valid, valid_count, target)
 
 
-def record_mean(recorder: Recorder, out: torch.Tensor, valid: torch.Tensor, target: torch.Tensor,
-                denominator: torch.Tensor) -> torch.Tensor:
-    """Record a reduced loss out = Σℓᵢ / denominator over the `valid` positions of `target`: S = out·denominator,
-    n = the valid count, and a probe that reads ∂b/∂out in backward (every valid token got ∂b/∂out / denominator)."""
-    valid_count = valid.sum()
+def record_mean(recorder: Recorder, out: torch.Tensor, valid: torch.Tensor, valid_count: torch.Tensor,
+                target: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """Record a reduced loss out = Σℓᵢ / denominator over the `valid` positions of `target` (`valid_count` of
+    them): S = out·denominator, and every valid token got ∂b/∂out / denominator."""
     loss_sum = torch.where(denominator > 0, out.detach() * denominator, 0.0)
-    token_factor = 1 / denominator.to(torch.float64)
+    return _probed_scalar(recorder, out, loss_sum, 1 / denominator.to(torch.float64), valid, valid_count, target)
+
+
+def _probed_scalar(recorder: Recorder, out: torch.Tensor, loss_sum: torch.Tensor, token_factor: torch.Tensor,
+                   valid: torch.Tensor, valid_count: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """`out` through a probe that reads ∂b/∂out in backward: each valid token got ∂b/∂out · token_factor."""
     result = _captured_call(recorder, loss_sum, valid_count, valid.numel(), target)
     probed: torch.Tensor = ScalarProbe.apply(  # type: ignore[no-untyped-call]
         out, token_factor, valid_count, result, recorder._probe_failed)
     return probed
-
 
 
 def probe_into(recorder: Recorder, per_token_loss: torch.Tensor, valid_mask: torch.Tensor | None,

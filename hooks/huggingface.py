@@ -107,11 +107,12 @@ class RecordedSmoother:
         try:
             target = labels[..., 1:] if shift_labels else labels
             valid = target != self.smoother.ignore_index
+            valid_count = valid.sum()
             if num_items_in_batch is None:
-                denominator = valid.sum().to(out.dtype)
+                denominator = valid_count.to(out.dtype)
             else:
                 denominator = torch.as_tensor(num_items_in_batch, device=out.device).to(out.dtype)
-            return record_mean(self.recorder, out, valid, target, denominator)
+            return record_mean(self.recorder, out, valid, valid_count, target, denominator)
         except Exception as error:
             self.recorder._warn_once("smoother", f"tokaudit: a label-smoothed loss was not recorded ({error!r})")
             return out

@@ -210,14 +210,14 @@ class Recorder:
                positions: Value, reported_loss: Value, skipped: bool | None, grad_scale: Value,
                probe: ProbeResult | None, captured: bool) -> dict[str, Any]:
         """One record as held until its shard is written: each value a snapshot, the loss scale and sync now."""
-        scaling = self._scaler is not None and self._scaler.enabled()
+        scaler = self._scaler if self._scaler is not None and self._scaler.enabled() else None
         sync = self._forward_sync if self._forward_sync is not None else \
             (self._accelerate.sync() if self._accelerate is not None else None)
         return new_record(step=step, micro=micro, term=term, loss_sum=loss_sum, valid_tokens=valid_tokens,
                           backward_scalar=backward_scalar, positions=positions, reported_loss=reported_loss,
                           skipped=skipped, grad_scale=grad_scale if grad_scale is not None else self._grad_scale,
-                          loss_scale=self._scaler.current() if scaling and self._scaler else None,
-                          prescaled=bool(scaling and self._scaler and self._scaler.is_scaled(backward_scalar)),
+                          loss_scale=scaler.current() if scaler is not None else None,
+                          prescaled=scaler is not None and scaler.is_scaled(backward_scalar),
                           sync=sync, probe=probe, captured=captured, accelerate=self._accelerate)
 
     @contextmanager
@@ -307,9 +307,10 @@ class Recorder:
         self._calls.number(ready)
         if not ready and not self._output.backlog:
             return
+        stamp = self._stamp()
         if ready:
-            self._output.add(ready, self._stamp())
-        self._output.write(self._stamp())
+            self._output.add(ready, stamp)
+        self._output.write(stamp)
 
     def close(self) -> None:
         """Stop a started capture, flush everything and detach the hooks. Safe to call twice."""

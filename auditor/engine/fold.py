@@ -385,7 +385,7 @@ def _known(nulls: np.ndarray | None, shape: tuple[int, int, int]) -> np.ndarray:
         return np.full(shape[1], shape[0] * shape[2], dtype=np.int64)
     return _step_count(~nulls)
 
-class _Columns:
+class _Typed:
     """The folded aggregates of `steps` steps as the query types them."""
 
     def __init__(self, held: dict[str, np.ndarray], steps: int) -> None:
@@ -420,7 +420,7 @@ def step_columns(folded: Folded, step: np.ndarray, micro: int, ranks: tuple[int,
     float64 with NaN there, as `_aggregate` makes DuckDB's masked counts)."""
     held = folded.held
     steps = len(step)
-    out = _Columns(held, steps)
+    out = _Typed(held, steps)
     integer, nullable, double = out.integer, out.nullable, out.double
     world = constants.get("world_size")
     divisor = constants.get("grad_divisor")
