@@ -23,7 +23,7 @@ from tokaudit.normalization import Denominator, name_ranks
 from tokaudit.reader import Shard, inspect_shard
 from tokaudit.report import AuditReport, Finding, RunSummary, Segment
 from tokaudit.schema import UNNAMED
-from tokaudit.summary import DroppedRecords, apply_policy, dropped_steps, run_summary
+from tokaudit.summary import DroppedRecords, apply_policy, dropped_steps, run_summary, trainers_of
 
 
 Progress = Callable[[str], None]
@@ -191,12 +191,13 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
         summaries: list[RunSummary] = []
         findings: list[Finding] = []
         dropped = dropped_steps(logset.shards)
+        trainers = trainers_of(logset.shards)
         for run in present:
             lost = dropped.get(run)
             source = _run_steps(parts, run, horizon, lost, spilled_names)
             had_steps = source is not None or (lost is not None and _run_steps(parts, run, horizon, None) is not None)
             run_findings, summary = _audit_run(run, source, lost, had_steps, rtol, duplicates.get(run), extremes,
-                                               ignored, min_ratio)
+                                               ignored, min_ratio, trainers.get(run))
             findings.extend(run_findings)
             if summary is not None:
                 summaries.append(summary)
@@ -216,7 +217,7 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
 
 def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, had_steps: bool, rtol: float,
                duplicates: tuple[int, int, int, int] | None, extremes: _Extremes, ignored: set[Code],
-               min_ratio: float | None) -> tuple[list[Finding], RunSummary | None]:
+               min_ratio: float | None, trainer: str | None) -> tuple[list[Finding], RunSummary | None]:
     """One run's findings and summary. `source`: its steps, less those whose records were dropped (`lost`);
     `had_steps`: whether it had any before they were left out."""
     if source is None:
@@ -228,7 +229,7 @@ def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, h
         return [], None
     # Steps whose counts the probe contradicts are left out of the checks and the summary alike.
     source, miscounted = without_miscounted(source, rtol)
-    run_findings, spans, omitted = check_run(run, source, rtol, duplicates, extremes)
+    run_findings, spans, omitted = check_run(run, source, rtol, duplicates, extremes, trainer)
     if lost:
         run_findings.append(lost.finding(run))
     if miscounted:

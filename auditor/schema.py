@@ -96,6 +96,27 @@ def dropped_metadata(run: str, group: str, rank: int, steps: list[tuple[int, int
                                      "steps": [list(s) for s in steps]}).encode()}
 
 
+PROVENANCE_KEY = b"tokaudit.provenance"
+"""Shard footer metadata the recorder writes on every shard: JSON {"tokaudit", "torch", "world_size", and
+"trainer" with "trainer_version" when an integration attached it}; the fix text uses the trainer to name
+that trainer's own settings."""
+
+
+def provenance_metadata(provenance: dict[str, Any]) -> dict[bytes, bytes]:
+    return {PROVENANCE_KEY: json.dumps(provenance, sort_keys=True).encode()}
+
+
+def read_trainer(metadata: dict[bytes, bytes] | None) -> str | None:
+    """The trainer a shard's provenance names ("transformers", "lightning", "accelerate"), if any (never raises)."""
+    if not metadata or PROVENANCE_KEY not in metadata:
+        return None
+    try:
+        trainer = json.loads(metadata[PROVENANCE_KEY]).get("trainer")
+    except (ValueError, AttributeError):
+        return None
+    return trainer if isinstance(trainer, str) else None
+
+
 def read_dropped(metadata: dict[bytes, bytes] | None) -> dict[str, Any] | None:
     """The dropped-steps note of a shard's footer, if any (never raises)."""
     if not metadata or DROPPED_KEY not in metadata:

@@ -60,6 +60,16 @@ class DroppedRecords:
                            "steps were audited as usual",
                        evidence={"records": self.records, "steps": listed})
 
+def trainers_of(shards: Sequence[Shard]) -> dict[str, str]:
+    """Per run: the trainer whose integration recorded it, as its shards' provenance names it."""
+    found: dict[str, str] = {}
+    for shard in shards:
+        if shard.trainer is not None:
+            run = shard.run_group[0] if shard.run_group is not None else shard.default_run
+            found.setdefault(run, shard.trainer)
+    return found
+
+
 def dropped_steps(shards: Sequence[Shard]) -> dict[str, DroppedRecords]:
     out: dict[str, DroppedRecords] = {}
     for shard in shards:

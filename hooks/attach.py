@@ -89,3 +89,13 @@ class AccelerateWatch:
         keeps the bare module, so the wrapper itself may not have been given)."""
         kind = getattr(getattr(self.accelerator, "distributed_type", None), "value", "")
         return isinstance(kind, str) and kind.startswith("MULTI_")
+
+
+def version_of(package: str) -> str | None:
+    """An installed package's version, for the shards' provenance (None where it cannot be read)."""
+    try:
+        from importlib.metadata import version
+
+        return version(package)
+    except Exception:
+        return None

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from tokaudit.hooks.capture import record_mean
+from tokaudit.hooks.attach import version_of
 from tokaudit.hooks.recorder import Recorder
 
 
@@ -62,6 +63,7 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         if "trackers" not in options and self.trainer is not None and state.is_world_process_zero:
             options["trackers"] = report_to_trackers(self.trainer)
         self.recorder = Recorder(self.log_dir, run_id=self.run_id, model=ddp, optimizer=torch_optimizer, **options)
+        self.recorder.provenance.update(trainer="transformers", trainer_version=version_of("transformers"))
         self.recorder.start_capture()
         smoother = getattr(self.trainer, "label_smoother", None) if self.trainer is not None else None
         if smoother is not None and not isinstance(smoother, RecordedSmoother):

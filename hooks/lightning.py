@@ -19,6 +19,7 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
+from tokaudit.hooks.attach import version_of
 from tokaudit.hooks.recorder import Recorder
 
 try:
@@ -49,6 +50,7 @@ class TokauditLightningCallback(Callback):  # type: ignore[misc,unused-ignore]
         if "trackers" not in options and trainer.is_global_zero:
             options["trackers"] = list(trainer.loggers)
         self.recorder = Recorder(self.log_dir, run_id=self.run_id, model=ddp, optimizer=optimizer, **options)
+        self.recorder.provenance.update(trainer="lightning", trainer_version=version_of("lightning"))
         self.recorder.start_capture()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:

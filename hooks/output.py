@@ -14,10 +14,11 @@ from typing import Any
 import pyarrow as pa
 import torch
 
+from tokaudit import __version__
 from tokaudit.hooks.columns import Packed, PackedHost, held_value, ranges, to_host, writable_rows
 from tokaudit.hooks.probe import ProbeResult
 from tokaudit.hooks.shards import ShardWriter, StoreShardWriter
-from tokaudit.schema import SCHEMA_VERSION, WRITER_SCHEMA, dropped_metadata
+from tokaudit.schema import SCHEMA_VERSION, WRITER_SCHEMA, dropped_metadata, provenance_metadata
 from tokaudit.storage import is_url
 
 STORE_RETRY_S = 30.0
@@ -73,6 +74,9 @@ class ShardOutput:
         self.backlog: list[pa.Table] = []
         self.dropped: dict[int, int] = {}  # step → records that could not be kept
         self.store_retry_at = 0.0
+        self.provenance: dict[str, Any] = {"tokaudit": __version__, "torch": torch.__version__}
+        """What every shard's footer says of where it came from (`schema.PROVENANCE_KEY`); an integration
+        adds its trainer and version."""
         self.log_dir: Path | str
         """Where the shards go: a local folder, or a URL on object storage (s3://bucket/runs/exp1)."""
         if is_url(log_dir):
@@ -128,9 +132,9 @@ class ShardOutput:
                     prefix = f"group-{re.sub(r'[^0-9A-Za-z]+', '_', stamp.group)}-{prefix}"
                 self.writer = StoreShardWriter(self.log_dir, prefix) if isinstance(self.log_dir, str) else \
                     ShardWriter(self.log_dir, prefix)
-            metadata = None
+            metadata = provenance_metadata({**self.provenance, "world_size": stamp.world_size})
             if self.dropped:
-                metadata = dropped_metadata(stamp.run_id, stamp.group, stamp.rank, ranges(self.dropped))
+                metadata.update(dropped_metadata(stamp.run_id, stamp.group, stamp.rank, ranges(self.dropped)))
             self.writer.write(table, metadata)
             self.backlog.clear()
             self.dropped.clear()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tokaudit.hooks.amp import ScalerWatch
-from tokaudit.hooks.attach import AccelerateWatch, Restore, from_accelerator, torch_optimizer
+from tokaudit.hooks.attach import AccelerateWatch, Restore, from_accelerator, torch_optimizer, version_of
 from tokaudit.hooks.buffer import RecordBuffer, backpropagated, detached, new_record
 from tokaudit.hooks.columns import Value, check_arguments
 from tokaudit.hooks.identity import Identity, resolve_divisor, resolve_identity
@@ -48,8 +48,7 @@ class Recorder:
                  flush_every: int = DEFAULT_FLUSH_EVERY, accelerator: Any = None, trackers: Any = None,
                  audit_every: int | None = None) -> None:
         self._closed = False
-        self.flushing = False
-        """A flush is writing (a signal handler then waits for it instead of starting another)."""
+        self.flushing = False  # a flush is writing (a signal handler then waits for it instead of starting another)
         self._warned: set[str] = set()
         self._init_buffer()
         self._capture: AbstractContextManager[None] | None = None
@@ -83,6 +82,9 @@ class Recorder:
         self.log_dir: Path | str = self._output.log_dir
         """Where the shards go: a local folder, or a URL on object storage (s3://bucket/runs/exp1)."""
         self.run_id: str = self._output.run_id
+        self.provenance = self._output.provenance  # in every shard's footer; integrations name their trainer
+        if accelerator is not None:
+            self.provenance.update(trainer="accelerate", trainer_version=version_of("accelerate"))
         # Global rank 0 audits the run for experiment trackers in a background thread (tokaudit.hooks.trackers).
         self._audits = AuditLoop.create(self.log_dir, self.run_id, trackers, audit_every, accelerator, self._warn_once)
         # Nothing the recorder cannot hook stops the training: each hook that fails warns and the
@@ -100,8 +102,7 @@ class Recorder:
     def _init_buffer(self) -> None:
         """The records held until the next flush, and where their values are packed."""
         self._buffer = RecordBuffer()
-        self._packs_at_zero_grad = False
-        """The optimizer's zero_grad is watched: packing waits for it (the gradients freed)."""
+        self._packs_at_zero_grad = False  # the optimizer's zero_grad is watched: packing waits for it (grads freed)
         self._pending_probe: ProbeResult | None = None
         self._calls = CapturedCalls()
 

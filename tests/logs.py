@@ -54,22 +54,24 @@ def read_rows(log_dir: Path) -> list[dict[str, Any]]:
     return [row for shard in sorted(log_dir.glob("*.parquet")) for row in pq.read_table(shard).to_pylist()]
 
 
-def write(path: Path, rows: list[dict[str, Any]], schema: pa.Schema | None = None) -> Path:
-    """Write rows as one shard with the recorder's schema (columns absent from rows are dropped)."""
+def write(path: Path, rows: list[dict[str, Any]], schema: pa.Schema | None = None,
+          metadata: dict[bytes, bytes] | None = None) -> Path:
+    """Write rows as one shard with the recorder's schema (columns absent from rows are dropped), and `metadata`
+    in its footer."""
     path.parent.mkdir(parents=True, exist_ok=True)
     names = [f.name for f in WRITER_SCHEMA if any(f.name in row for row in rows)] if rows else \
         [f.name for f in WRITER_SCHEMA][:7]
     schema = schema or pa.schema([WRITER_SCHEMA.field(n) for n in names])
     table = pa.table({n: pa.array([row.get(n) for row in rows], type=schema.field(n).type) for n in schema.names},
-                     schema=schema)
+                     schema=schema.with_metadata(metadata) if metadata else schema)
     pq.write_table(table, path)
     return path
 
 
-def write_by_rank(folder: Path, rows: list[dict[str, Any]]) -> Path:
+def write_by_rank(folder: Path, rows: list[dict[str, Any]], metadata: dict[bytes, bytes] | None = None) -> Path:
     """One shard per rank, as the recorder writes them."""
     for rank in sorted({row["rank"] for row in rows}):
-        write(folder / f"rank-{rank:05d}-000000.parquet", [row for row in rows if row["rank"] == rank])
+        write(folder / f"rank-{rank:05d}-000000.parquet", [row for row in rows if row["rank"] == rank], metadata=metadata)
     return folder
 
 

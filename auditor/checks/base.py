@@ -50,6 +50,8 @@ class RunContext:
     microbatches: int
     divisor: float
     rtol: float
+    trainer: str | None = None
+    """The trainer whose integration recorded the run ("transformers", ...): its own settings are named."""
 
 Extremes = Callable[[Any], Any]
 """Given a row of the step table without the evidence columns (`engine.EXTREME_COLUMNS`), a row with them."""
@@ -179,7 +181,14 @@ def average_fix(context: RunContext) -> str:
         return (f"backpropagate S_r/N (the reduction sums, D=1) with N the valid tokens of {over}, "
                 "counted before the first backward with one all-reduce")
     return (f"backpropagate W·S_r/N with W={w} (the size of the averaging group) and N summed over {over}, "
-            "counted before the first backward with one all-reduce")
+            "counted before the first backward with one all-reduce" + trainer_fix(context))
+
+def trainer_fix(context: RunContext) -> str:
+    """The token mean in the recording trainer's own settings, where they give it (empty for others)."""
+    if context.trainer != "transformers":
+        return ""
+    return ("; in the Hugging Face Trainer: average_tokens_across_devices=True with a model whose loss takes "
+            "num_items_in_batch, or a compute_loss_func that sums the per-token losses and divides by num_items_in_batch")
 
 def column_of(block: pd.DataFrame, name: str) -> npt.NDArray[Any]:
     values: npt.NDArray[Any] = block[name].to_numpy()

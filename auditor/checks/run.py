@@ -21,14 +21,15 @@ from tokaudit.report import Finding
 
 def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
               duplicates: tuple[int, int, int, int] | None = None,
-              extremes: Extremes | None = None) -> tuple[list[Finding], list[Span], int]:
+              extremes: Extremes | None = None, trainer: str | None = None) -> tuple[list[Finding], list[Span], int]:
     """All checks for one run's steps (every group and term): its findings, its normalization spans
     (at most `MAX_SPANS` per group and term) and how many spans were left out.
 
     Each loss term is its own token mean: recovery and weight checks run per term.
     `duplicates`: (records dropped, first step, last step, steps) when the reader found repeated keys.
     `extremes`: where the heaviest and lightest token of an evidence step were, when the table does not
-    hold them (the audit aggregates them for the few steps a finding names).
+    hold them (the audit aggregates them for the few steps a finding names). `trainer`: the trainer whose
+    integration recorded the run (its shards' provenance), whose own settings the fixes then name.
 
     Each term's table is read three times: twice for the run's decisions (`Decisions.of`, the first also
     for W, D and M), once for every check; once more for the uniform factors' clusters (`FactorTable`)
@@ -64,7 +65,7 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
         if sizes is None:
             sizes = shape.worlds
         reported = reported or shape.reported
-        context = shape.context(run, term, tuple(sorted(sizes)), rtol)
+        context = shape.context(run, term, tuple(sorted(sizes)), rtol, trainer)
         term_findings, listed, left_out = _check_term(source, term, decisions, context, extremes)
         findings.extend(term_findings)
         spans.extend(listed)
@@ -131,9 +132,10 @@ class _Shape:
         self.microbatches = max(self.microbatches, float(block.m_high.max()))
         self.reported = self.reported or bool((column_of(block, "reported") > 0).any())
 
-    def context(self, run: str, term: str, sizes: tuple[int, ...], rtol: float) -> RunContext:
+    def context(self, run: str, term: str, sizes: tuple[int, ...], rtol: float, trainer: str | None) -> RunContext:
         def mode(counts: dict[Any, int]) -> Any:
             return min(counts, key=lambda value: (-counts[value], value)) if counts else math.nan
 
         return RunContext(run=run, term=term, world_size=int(mode(self.world_counts)), world_sizes=sizes,
-                          microbatches=int(self.microbatches), divisor=float(mode(self.divisor_counts)), rtol=rtol)
+                          microbatches=int(self.microbatches), divisor=float(mode(self.divisor_counts)), rtol=rtol,
+                          trainer=trainer)

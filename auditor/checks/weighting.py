@@ -294,6 +294,8 @@ def _nonuniform_finding(group: _WeightingGroup, context: RunContext, evidence: d
         message = (f"{near}Each microbatch's loss was its own mean over its n valid tokens, divided by the "
                    f"number of microbatches M={context.microbatches} (loss.mean() / gradient_accumulation_steps; "
                    f"{formula}), so microbatches count equally instead of tokens: {where}.")
+    elif code == Code.LOCAL_MEAN and denominator == Denominator.MICRO and _is_world_size(diagnosis.factor, context):
+        message = _mean_times_w(context, near, formula, where)
     elif code == Code.LOCAL_MEAN:
         message = (f"{near}Each loss was divided by {DENOMINATOR_WORDS[denominator]} ({formula}), so ranks "
                    f"and microbatches count equally instead of tokens: {where}.")
@@ -367,10 +369,44 @@ def _uniform_finding(group: _WeightingGroup, table: list[FactorExplanation], con
                if context.term != UNNAMED else "")
         what = "a constant" if not spread else "a factor that changes from step to step"
         message = f"Weights are uniform within each step but scaled by {what}: {scaled}.{aux}"
+        if spread and max(distortions) < 1:
+            message += _overcounted(context)
+            if context.trainer == "transformers":
+                return make_finding(context, code, group.steps, message, SHIFTED_COUNT_FIX, evidence)
         if max(abs(d - 1) for d in distortions) <= BF16_ROUNDING:
             evidence["within_bfloat16_rounding"] = True
             message += BF16_HINT
     return make_finding(context, code, group.steps, message, average_fix(context), evidence)
+
+
+SHIFTED_COUNT_FIX = ("count N over the labels the loss is computed on, after the causal shift: in the Hugging Face "
+                     "Trainer, set model.loss_type = \"ForCausalLM\" before building the Trainer (it then counts "
+                     "labels[..., 1:]), or give the batches shift_labels")
+
+
+def _mean_times_w(context: RunContext, near: str, formula: str, where: str) -> str:
+    """b·g = W·S/n: each microbatch's own mean, times the W meant for a sum divided by the step's N, and not
+    divided by M; DDP's average then sums W·M such means, about W·M times the token mean's size."""
+    w, m = context.world_size, context.microbatches
+    trainer = (" The Hugging Face Trainer does this with average_tokens_across_devices=True when the model "
+               "returns its own mean instead of dividing by num_items_in_batch (T5, Bart, BERT do)."
+               if context.trainer == "transformers" else "")
+    return (f"{near}Each microbatch's loss was its own mean over its n valid tokens, multiplied by W={w} and not "
+            f"divided by the M={m} microbatches ({formula}), so microbatches count equally instead of tokens and "
+            f"the gradient is about W·M={w * m} times the token mean's: {where}.{trainer}")
+
+
+def _overcounted(context: RunContext) -> str:
+    """q = N/N' < 1, varying: the loss was divided by a count N' above the tokens it summed."""
+    trainer = (": the Hugging Face Trainer counts num_items_in_batch over every label when the model's loss_type "
+               "is not set, as for GPT-2" if context.trainer == "transformers" else "")
+    return (" Every token is light by a share that varies: N counted more labels than the loss was computed on "
+            f"(one label per row counted before a causal shift does this{trainer}).")
+
+
+def _is_world_size(factor: float | None, context: RunContext) -> bool:
+    """α is the run's W (several: any of them), within the tolerance."""
+    return factor is not None and any(abs(factor / w - 1) <= context.rtol for w in context.world_sizes or (context.world_size,) if w > 0)
 
 
 def _world_size_cause(explanation: FactorExplanation, q: float, w: int, divisor: float) -> str:

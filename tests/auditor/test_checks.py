@@ -68,6 +68,34 @@ def test_a_microbatch_mean_times_w_reads_as_its_own_count_times_w(tmp_path: Path
     assert "gradient_accumulation_steps" not in finding.message and "b·g = 2·S/n" in finding.message
 
 
+HF_PROVENANCE = {b"tokaudit.provenance": b'{"trainer": "transformers", "trainer_version": "5.24.0", "world_size": 2}'}
+"""The footer note the Hugging Face callback's recorder writes."""
+
+
+@pytest.mark.parametrize("trainer", [False, True])
+def test_a_microbatch_mean_times_w_says_so_and_names_the_trainer_s_fix(tmp_path: Path, trainer: bool) -> None:
+    """b = W·S/n: the message says each microbatch's mean was multiplied by W and not divided by M (about W·M
+    times the token mean); a log the Hugging Face callback recorded gets the Trainer's own settings as the fix."""
+    rows = records(UNEVEN_GA, lambda S, n, W, **_: W * S / n)
+    finding = only(audit([write_by_rank(tmp_path / "run", rows, HF_PROVENANCE if trainer else None)]), Code.LOCAL_MEAN)
+    assert "its own mean over its n valid tokens, multiplied by W=2 and not divided by the M=2" in finding.message
+    assert "W·M=4 times the token mean" in finding.message
+    assert ("num_items_in_batch" in finding.message) == trainer
+    assert ("compute_loss_func that sums the per-token losses" in finding.fix) == trainer
+
+
+@pytest.mark.parametrize("trainer", [False, True])
+def test_a_count_of_every_label_before_the_shift_is_named(tmp_path: Path, trainer: bool) -> None:
+    """W·S/N' with N' counting every label while the loss covers all but the first of each row (GPT-2 under the
+    Hugging Face Trainer): every token light by a share that varies, named as a count before the causal shift;
+    the Trainer's own setting as the fix where the log says it recorded the run."""
+    rows = records(UNEVEN_GA, lambda S, N, W, **_: W * S / (N + 3))  # q = N/(N + 3): each step its own
+    finding = only(audit([write_by_rank(tmp_path / "run", rows, HF_PROVENANCE if trainer else None)]),
+                   Code.SCALE_MISMATCH)
+    assert "one label per row counted before a causal shift" in finding.message
+    assert ("model.loss_type" in finding.fix) == trainer and ("W·S_r/N" in finding.fix) != trainer
+
+
 def test_per_micro_global_denominator(tmp_path: Path) -> None:
     report = audit_rows(tmp_path, records(UNEVEN_GA, lambda S, N_m, M, W, **_: W * S / (M * N_m)))
     finding = only(report, Code.PER_MICRO_DENOMINATOR)

@@ -482,3 +482,23 @@ def test_the_recorder_never_raises_at_construction_and_records_on(tmp_path: Path
     assert "flush_every" in messages
     (row,) = read_rows(tmp_path / "unhookable")
     assert row["valid_tokens"] == 3 and row["loss_sum"] == 3.0
+
+
+def test_every_shard_says_where_it_came_from(tmp_path: Path) -> None:
+    """Each shard's footer holds `tokaudit.provenance`: tokaudit's and torch's versions, the W the recorder saw,
+    and the trainer an integration names (which the audit's fixes then speak in)."""
+    import json
+
+    import tokaudit
+
+    rec = Recorder(tmp_path, run_id="prov", flush_every=2)
+    rec.provenance.update(trainer="transformers", trainer_version="5.24.0")  # what the HF callback adds
+    for step in range(3):
+        rec.record(loss_sum=torch.tensor(2.0), valid_tokens=2, backward_scalar=torch.tensor(1.0), step=step)
+    rec.close()
+    shards = sorted((tmp_path / "prov").glob("*.parquet"))
+    assert len(shards) == 2
+    for shard in shards:
+        note = json.loads(pq.read_schema(shard).metadata[b"tokaudit.provenance"])
+        assert note == {"tokaudit": tokaudit.__version__, "torch": torch.__version__, "world_size": 1,
+                        "trainer": "transformers", "trainer_version": "5.24.0"}
