@@ -1,4 +1,4 @@
-"""Padded token sequences as dicts (input_ids, attention_mask, labels), shared by the distributed tests."""
+"""Padded token sequences as dicts (input_ids, attention_mask, labels), shared by the distributed tests and the trainer matrix."""
 
 from __future__ import annotations
 

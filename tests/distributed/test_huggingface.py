@@ -30,7 +30,7 @@ def make_trainer(rank: int, log_dir: str, average_tokens: bool, family: str = "l
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from tests.distributed.padded import padded_sequences
+    from scenarios.padded import padded_sequences
 
     torch.manual_seed(0)
     model = tiny_model(family)
@@ -65,30 +65,28 @@ def attach_changes_nothing_job(rank: int, world_size: int, log_dir: str, family:
     assert all(torch.equal(a, b) for a, b in zip(plain, recorded)), "the attach changed the training"
 
 
-def trainer_job(rank: int, world_size: int, log_dir: str, average_tokens: bool, fp16_scaler: bool = False) -> None:
+def scaler_job(rank: int, world_size: int, log_dir: str) -> None:
+    """Llama with average_tokens_across_devices=True under fp16's GradScaler, step 1 overflowing on rank 0."""
     import torch
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1"})
     from tokaudit.hooks.huggingface import TokauditCallback
 
-    trainer = make_trainer(rank, log_dir, average_tokens)
+    trainer = make_trainer(rank, log_dir, True)
     model = trainer.model
-    run_id = f"average_tokens_{average_tokens}"
-    if fp16_scaler:
-        # fp16 on CPU: Accelerate builds no GradScaler there, so give the Trainer the one it builds on a
-        # GPU, before train() (prepare() hands it to the optimizer). Then overflow step 1 on rank 0.
-        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
-        forwards = {"count": 0}
+    # fp16 on CPU: Accelerate builds no GradScaler there, so give the Trainer the one it builds on a
+    # GPU, before train() (prepare() hands it to the optimizer). Then overflow step 1 on rank 0.
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    forwards = {"count": 0}
 
-        def overflow(module: Any, inputs: Any, output: torch.Tensor) -> None:
-            forwards["count"] += 1
-            if rank == 0 and forwards["count"] == 3 and torch.is_grad_enabled():
-                output.register_hook(lambda grad: grad * float("inf"))
+    def overflow(module: Any, inputs: Any, output: torch.Tensor) -> None:
+        forwards["count"] += 1
+        if rank == 0 and forwards["count"] == 3 and torch.is_grad_enabled():
+            output.register_hook(lambda grad: grad * float("inf"))
 
-        model.lm_head.register_forward_hook(overflow)
-        run_id = "fp16_scaler"
-    TokauditCallback.attach(trainer, log_dir, run_id=run_id)  # the one line
+    model.lm_head.register_forward_hook(overflow)
+    TokauditCallback.attach(trainer, log_dir, run_id="fp16_scaler")  # the one line
     trainer.train()
     del trainer, model
     gc.collect()
@@ -97,13 +95,23 @@ def trainer_job(rank: int, world_size: int, log_dir: str, average_tokens: bool, 
 @pytest.fixture(scope="session")
 def hf_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("hf")
-    for average in (True, False):
-        run_ddp(trainer_job, 2, str(root), average, timeout=240)
-    run_ddp(trainer_job, 2, str(root), True, True, timeout=240)
+    run_ddp(scaler_job, 2, str(root), timeout=240)
     # The raw cross-entropy reaches the Trainer, which scales it in place (`loss *= W`): a BERT-style
     # model that ignores num_items_in_batch. The attach must neither crash nor change the training.
     run_ddp(attach_changes_nothing_job, 2, str(root), "bert", timeout=240)
     return root
+
+
+MATRIX_CELLS = ("llama", "llama-no-average", "bert")
+"""The cells of docs/trainer-matrix.md run here (`python scripts/trainer_matrix.py` runs them all)."""
+
+
+@pytest.fixture(scope="session")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from scenarios.trainer_matrix import CELLS_BY_NAME, measure
+
+    root = tmp_path_factory.mktemp("matrix")
+    return {name: measure(CELLS_BY_NAME[name], root) for name in MATRIX_CELLS}
 
 
 def audit_run(root: Path, run: str) -> Any:
@@ -112,36 +120,39 @@ def audit_run(root: Path, run: str) -> Any:
     return audit([root / run])
 
 
-def test_trainer_with_token_averaging_across_devices_is_correct(hf_logs: Path) -> None:
-    report = audit_run(hf_logs, "average_tokens_True")
-    (run,) = report.runs
-    assert report.problems == []
-    assert run.verdict == "correct", [f.message for f in report.findings]
-    assert run.steps == 4 and run.ranks == 2 and run.microbatches == 2
-    assert run.normalization.denominator == "N"
-
-
-def test_trainer_without_token_averaging_is_a_local_mean(hf_logs: Path) -> None:
-    report = audit_run(hf_logs, "average_tokens_False")
-    codes = {f.code.value for f in report.findings}
-    assert report.runs[0].verdict == "incorrect"
-    assert "local_mean" in codes, codes
-    # The Trainer logs the mean over ranks of each rank's own mean, not ΣS/N.
-    reported = next(f for f in report.findings if f.code.value == "reported_loss_mismatch")
-    assert "mean of per-rank means" in reported.message
-    finding = next(f for f in report.findings if f.code.value == "local_mean")
-    assert finding.evidence["denominator"] == "n_rank"  # num_items_in_batch counted on the rank only
+@pytest.mark.parametrize("name", MATRIX_CELLS)
+def test_the_verdict_and_exit_code_follow_the_float64_reference(matrix: dict[str, Any], name: str) -> None:
+    """Cells of the trainer matrix: the truth is each update's gradient against a float64 token-mean
+    reference on the same weights and tokens; `tokaudit check` calls the right set-up correct (exit 0) and
+    each wrong one incorrect (exit 1), with the mistake it is."""
+    row = matrix[name]
+    (run,) = row.report["runs"]
+    assert row.report["problems"] == [] and (run["steps"], run["ranks"], run["microbatches"]) == (4, 2, 2)
+    assert row.verdict == ("correct" if row.correct else "incorrect"), (row.truth, row.report["findings"])
+    assert row.exit_code == (0 if row.correct else 1)
+    findings = {f["code"]: f for f in row.report["findings"]}
+    if name == "llama":  # num_items_in_batch is the update's N on both ranks, and the loss is ×W
+        assert row.correct and run["normalization"]["denominator"] == "N"
+    elif name == "llama-no-average":  # num_items_in_batch counted on the rank only
+        assert not row.correct and findings["local_mean"]["evidence"]["denominator"] == "n_rank"
+        # The Trainer logs the mean over ranks of each rank's own mean, not ΣS/N.
+        assert "mean of per-rank means" in findings["reported_loss_mismatch"]["message"]
+    else:
+        # BertForMaskedLM returns each microbatch's own mean, which the Trainer multiplies by W and does not
+        # divide by the accumulation steps: tokens of a small microbatch weigh more, read as b·g = W·S/n.
+        assert not row.correct
+        evidence = findings["local_mean"]["evidence"]
+        assert (evidence["denominator"], evidence["factor"]) == ("n_micro", pytest.approx(2.0))
+        # said as what happened, with the Trainer's own fix (the shards name the Trainer)
+        assert "multiplied by W=2 and not divided by the M=2 microbatches" in findings["local_mean"]["message"]
+        assert "compute_loss_func that sums the per-token losses" in findings["local_mean"]["fix"]
 
 
 def test_trainer_on_a_bert_style_model_trains_unchanged_and_is_audited(hf_logs: Path) -> None:
+    """The attach changed no parameter (checked on each rank in the job), and the run is audited."""
     report = audit_run(hf_logs, "bert")
     (run,) = report.runs
-    assert run.steps == 4 and run.ranks == 2 and run.microbatches == 2
-    # BertForMaskedLM returns each microbatch's own mean, which the Trainer multiplies by W and does not
-    # divide by the accumulation steps: tokens of a small microbatch weigh more, read as b·g = W·S/n.
-    assert run.verdict == "incorrect", [f.message for f in report.findings]
-    finding = next(f for f in report.findings if f.code.value == "local_mean")
-    assert (finding.evidence["denominator"], finding.evidence["factor"]) == ("n_micro", pytest.approx(2.0))
+    assert run.steps == 4 and run.ranks == 2 and run.microbatches == 2 and run.verdict == "incorrect"
 
 
 @pytest.mark.parametrize("family, smoothing, verdict", [("llama", 0.0, "correct"), ("bert", 0.0, "incorrect"),
@@ -164,6 +175,12 @@ def test_single_process_trainer_trains_unchanged(tmp_path: Path, monkeypatch: py
     (run,) = report.runs
     assert run.ranks == 1 and run.steps == 4
     assert run.verdict == verdict, [f.message for f in report.findings]
+    import json
+
+    import pyarrow.parquet as pq
+
+    for shard in (tmp_path / family).glob("*.parquet"):  # the fixes may then name the Trainer's settings
+        assert json.loads(pq.read_schema(shard).metadata[b"tokaudit.provenance"])["trainer"] == "transformers"
 
 
 def test_trainer_under_a_grad_scaler_is_correct_and_its_overflow_is_a_skipped_step(hf_logs: Path) -> None:

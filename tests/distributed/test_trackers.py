@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from scenarios.harness import run_ddp
-from tests.distributed.padded import padded_sequences
+from scenarios.padded import padded_sequences
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")

@@ -1,0 +1,250 @@
+"""Which Hugging Face Trainer set-ups train the token mean: one cell a set-up, a tiny real Trainer run on
+2 gloo ranks with gradient accumulation 2, recorded by `TokauditCallback.attach`, and each update's
+gradient set beside a float64 reference of the token-mean objective on the same tokens.
+
+The truth is the gradient, never tokaudit's algebra: on each update the Trainer's gradient g (after
+DDP's average, before the optimizer) is compared with ∇L, L = Σᵢ ℓᵢ / N over every valid label of the
+update's microbatches on every rank, ℓᵢ each label's cross-entropy (with label smoothing ε:
+(1 − ε)·nllᵢ + ε·mean_v(−log pᵢᵥ)), N their count, computed again in float64 from the same weights and
+inputs. `scripts/trainer_matrix.py` runs the cells and writes docs/trainer-matrix.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from scenarios.harness import run_ddp
+
+MAX_STEPS = 4
+GRADIENT_ACCUMULATION = 2
+TOLERANCE = 1e-4
+"""Largest |g − ∇L| / max|∇L| of a correct update: float32 training against float64 (measured ≤ 1e-6)."""
+
+CAUSAL = ("llama", "qwen2", "mistral", "gemma", "gpt2")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One set-up of the matrix."""
+
+    name: str
+    family: str
+    """The tiny model: llama, qwen2, mistral, gemma, gpt2, t5, bart or bert."""
+    average_tokens: bool
+    """TrainingArguments.average_tokens_across_devices."""
+    loss: str = "model"
+    """model: the model's own loss; mean or sum: a compute_loss_func returning its own mean, or Σℓ /
+    num_items_in_batch; no_kwargs: the model behind a forward that takes no **kwargs."""
+    smoothing: float = 0.0
+    """label_smoothing_factor."""
+    loss_type: str | None = None
+    """The model's loss_type attribute, where set (the Trainer reads it to count labels after the shift)."""
+
+    @property
+    def setup(self) -> str:
+        """The set-up in words, for the table."""
+        model = {"model": f"`{self.family}`", "mean": f"`{self.family}`, `compute_loss_func` returning its own mean",
+                 "sum": f"`{self.family}`, `compute_loss_func` summing and dividing by `num_items_in_batch`",
+                 "no_kwargs": f"`{self.family}` behind a `forward` without `**kwargs`"}[self.loss]
+        smoothing = f", `label_smoothing_factor={self.smoothing}`" if self.smoothing else ""
+        loss_type = f" with `model.loss_type = \"{self.loss_type}\"`" if self.loss_type else ""
+        return f"{model}{loss_type}{smoothing}, `average_tokens_across_devices={self.average_tokens}`"
+
+
+CELLS = (
+    Cell("llama", "llama", True), Cell("llama-no-average", "llama", False),
+    Cell("llama-smoothing", "llama", True, smoothing=0.1),
+    Cell("qwen2", "qwen2", True), Cell("mistral", "mistral", True), Cell("gemma", "gemma", True),
+    Cell("gpt2", "gpt2", True), Cell("gpt2-no-average", "gpt2", False),
+    Cell("gpt2-loss-type", "gpt2", True, loss_type="ForCausalLM"),
+    Cell("t5", "t5", True), Cell("bart", "bart", True), Cell("bert", "bert", True), Cell("bert-no-average", "bert", False),
+    Cell("custom-mean", "llama", True, loss="mean"), Cell("custom-sum", "llama", True, loss="sum"),
+    Cell("no-kwargs", "llama", True, loss="no_kwargs"),
+)
+CELLS_BY_NAME = {cell.name: cell for cell in CELLS}
+
+
+class NoKwargs(torch.nn.Module):
+    """A model whose forward takes no **kwargs: the Trainer passes it no num_items_in_batch."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> Any:
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def tiny_model(cell: Cell) -> torch.nn.Module:
+    """The cell's model, seeded, without dropout (a reference must see the same function)."""
+    import transformers as hf
+
+    torch.manual_seed(0)
+    decoder = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+               "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32}
+    configs = {
+        "llama": lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**decoder)),
+        "qwen2": lambda: hf.Qwen2ForCausalLM(hf.Qwen2Config(**decoder)),
+        "mistral": lambda: hf.MistralForCausalLM(hf.MistralConfig(**decoder)),
+        "gemma": lambda: hf.GemmaForCausalLM(hf.GemmaConfig(**decoder, head_dim=8)),
+        "gpt2": lambda: hf.GPT2LMHeadModel(hf.GPT2Config(
+            vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)),
+        "t5": lambda: hf.T5ForConditionalGeneration(hf.T5Config(
+            vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.0,
+            decoder_start_token_id=0, pad_token_id=0)),
+        "bart": lambda: hf.BartForConditionalGeneration(hf.BartConfig(
+            vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)),
+        "bert": lambda: hf.BertForMaskedLM(hf.BertConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+    }
+    model = configs[cell.family]()
+    if cell.loss_type is not None:
+        model.loss_type = cell.loss_type
+    return NoKwargs(model) if cell.loss == "no_kwargs" else model
+
+
+def token_losses(cell: Cell, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ℓᵢ of every position, which positions are valid labels): a causal LM predicts the next token."""
+    if cell.family in CAUSAL:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    valid = labels != -100
+    log_probs = F.log_softmax(logits, dim=-1)
+    nll = -log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    per_token = (1 - cell.smoothing) * nll + cell.smoothing * -log_probs.mean(dim=-1)
+    return per_token * valid, valid
+
+
+def loss_function(cell: Cell) -> Any:
+    """The compute_loss_func of a `mean` or `sum` cell (None for the others)."""
+    if cell.loss not in ("mean", "sum"):
+        return None
+
+    def compute_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+        logits, target = outputs.logits[:, :-1], labels[:, 1:]
+        if cell.loss == "mean":
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+        summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum")
+        return summed / num_items_in_batch
+
+    return compute_loss
+
+
+def matrix_job(rank: int, world_size: int, root: str, cell: Cell) -> None:
+    """One rank of a cell's run: the Trainer attached by one line; saves each microbatch's inputs and, on
+    rank 0, each update's weights and gradient (before the optimizer) to root/<cell>/rank-<r>.pt."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from scenarios.padded import padded_sequences
+    from tokaudit.hooks.huggingface import TokauditCallback
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1"})
+    saved: dict[str, list[Any]] = {"inputs": [], "weights": [], "gradients": []}
+
+    class Gradients(TrainerCallback):  # type: ignore[misc]
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            if rank == 0:
+                named = list(model.named_parameters())
+                saved["weights"].append({name: p.detach().double().clone() for name, p in named})
+                saved["gradients"].append({name: (torch.zeros_like(p) if p.grad is None else p.grad).double().clone()
+                                           for name, p in named})
+
+    args = TrainingArguments(output_dir=f"{root}/out-{cell.name}-{rank}", use_cpu=True, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=GRADIENT_ACCUMULATION, max_steps=MAX_STEPS,
+                             learning_rate=1e-2, max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no",
+                             disable_tqdm=True, seed=0, average_tokens_across_devices=cell.average_tokens,
+                             dataloader_num_workers=0, label_smoothing_factor=cell.smoothing, ddp_backend="gloo",
+                             ddp_find_unused_parameters=False)
+    trainer = Trainer(model=tiny_model(cell), args=args, train_dataset=padded_sequences(),
+                      compute_loss_func=loss_function(cell), callbacks=[Gradients()])
+    step = trainer.training_step
+
+    def training_step(model: Any, inputs: dict[str, Any], *rest: Any, **options: Any) -> Any:
+        saved["inputs"].append({key: value.detach().clone() for key, value in inputs.items()})
+        return step(model, inputs, *rest, **options)
+
+    trainer.training_step = training_step
+    TokauditCallback.attach(trainer, f"{root}/logs", run_id=cell.name)  # the one line
+    trainer.train()
+    Path(root, cell.name).mkdir(parents=True, exist_ok=True)
+    torch.save(saved, Path(root, cell.name, f"rank-{rank}.pt"))
+
+
+def deviations(cell: Cell, root: str, world_size: int = 2) -> list[tuple[float, float]]:
+    """Per update: (|g − ∇L|max / |∇L|max, the scale ⟨g, ∇L⟩ / ⟨∇L, ∇L⟩), ∇L the float64 token-mean
+    gradient of the same weights on the same microbatches of every rank."""
+    ranks = [torch.load(Path(root, cell.name, f"rank-{rank}.pt")) for rank in range(world_size)]
+    model = tiny_model(cell).double()
+    found = []
+    for update, (weights, gradient) in enumerate(zip(ranks[0]["weights"], ranks[0]["gradients"])):
+        model.load_state_dict(weights, strict=False)
+        model.zero_grad()
+        total, count = torch.zeros((), dtype=torch.float64), 0
+        for saved in ranks:
+            for inputs in saved["inputs"][update * GRADIENT_ACCUMULATION:(update + 1) * GRADIENT_ACCUMULATION]:
+                labels = inputs["labels"]
+                logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                               labels=labels if cell.family in ("t5", "bart") else None).logits
+                losses, valid = token_losses(cell, logits, labels)
+                total = total + losses.sum()
+                count += int(valid.sum())
+        (total / count).backward()
+        reference = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1)
+                               for _, p in model.named_parameters()])
+        trained = torch.cat([gradient[name].reshape(-1) for name, _ in model.named_parameters()])
+        found.append((float((trained - reference).abs().max() / reference.abs().max()),
+                      float(trained @ reference / (reference @ reference))))
+    return found
+
+
+@dataclass
+class Row:
+    """A cell measured: the truth, and what tokaudit said of its log."""
+
+    cell: Cell
+    correct: bool
+    truth: str
+    verdict: str
+    exit_code: int
+    codes: list[str]
+    fix: str
+    report: dict[str, Any]
+    """`tokaudit check --format json` of the cell's log."""
+
+
+def truth(measured: list[tuple[float, float]]) -> tuple[bool, str]:
+    """Whether every update's gradient is the token mean's, and in words."""
+    worst = max(deviation for deviation, _ in measured)
+    if worst <= TOLERANCE:
+        return True, f"correct (every update within {worst:.0e} of the token mean)"
+    scales = [scale for _, scale in measured]
+    return False, (f"wrong: the gradient is off the token mean's by up to {worst:.0%} of its largest entry, "
+                   f"scaled {min(scales):.2f}–{max(scales):.2f}×")
+
+
+def measure(cell: Cell, root: Path) -> Row:
+    """Run one cell, compare it with the reference, and audit its log with `tokaudit check`."""
+    run_ddp(matrix_job, 2, str(root), cell, timeout=300)
+    correct, said = truth(deviations(cell, str(root)))
+    done = subprocess.run([sys.executable, "-m", "tokaudit", "check", str(root / "logs" / cell.name), "--format", "json"],
+                          capture_output=True, text=True, timeout=300)
+    report = json.loads(done.stdout)
+    (run,) = report["runs"]
+    findings = report["findings"]
+    return Row(cell, correct, said, run["verdict"], done.returncode, [f["code"] for f in findings],
+               findings[0]["fix"] if findings else "", report)
