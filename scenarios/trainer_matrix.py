@@ -48,10 +48,21 @@ class Cell:
     """label_smoothing_factor."""
     loss_type: str | None = None
     """The model's loss_type attribute, where set (the Trainer reads it to count labels after the shift)."""
+    trainer: str = "transformers"
+    """transformers (the Trainer), lightning or accelerate: each with its users' usual loop."""
 
     @property
     def setup(self) -> str:
         """The set-up in words, for the table."""
+        if self.trainer == "lightning":
+            return (f"Lightning: `training_step` returns the `{self.family}` model's own loss (its mean), "
+                    f"`accumulate_grad_batches={GRADIENT_ACCUMULATION}`")
+        if self.trainer == "accelerate" and self.loss == "sum":
+            return (f"Accelerate: `accelerator.backward(M·W·S/N)` (S the summed cross-entropy, N all-reduced over the "
+                    f"update's microbatches first) under `accumulate`, `gradient_accumulation_steps={GRADIENT_ACCUMULATION}`")
+        if self.trainer == "accelerate":
+            return (f"Accelerate: `accelerator.backward(loss)` of the `{self.family}` model's own loss (its mean) "
+                    f"under `accumulate`, `gradient_accumulation_steps={GRADIENT_ACCUMULATION}`")
         model = {"model": f"`{self.family}`", "mean": f"`{self.family}`, `compute_loss_func` returning its own mean",
                  "sum": f"`{self.family}`, `compute_loss_func` summing and dividing by `num_items_in_batch`",
                  "no_kwargs": f"`{self.family}` behind a `forward` without `**kwargs`"}[self.loss]
@@ -69,6 +80,8 @@ CELLS = (
     Cell("t5", "t5", True), Cell("bart", "bart", True), Cell("bert", "bert", True), Cell("bert-no-average", "bert", False),
     Cell("custom-mean", "llama", True, loss="mean"), Cell("custom-sum", "llama", True, loss="sum"),
     Cell("no-kwargs", "llama", True, loss="no_kwargs"),
+    Cell("lightning", "llama", False, trainer="lightning"), Cell("accelerate", "llama", False, trainer="accelerate"),
+    Cell("accelerate-sum", "llama", False, loss="sum", trainer="accelerate"),
 )
 CELLS_BY_NAME = {cell.name: cell for cell in CELLS}
 
@@ -145,24 +158,37 @@ def loss_function(cell: Cell) -> Any:
 
 
 def matrix_job(rank: int, world_size: int, root: str, cell: Cell) -> None:
-    """One rank of a cell's run: the Trainer attached by one line; saves each microbatch's inputs and, on
-    rank 0, each update's weights and gradient (before the optimizer) to root/<cell>/rank-<r>.pt."""
+    """One rank of a cell's run, recorded by its trainer's one line; saves each microbatch's inputs and, on
+    rank 0, each update's weights and gradient (after DDP's average, before the optimizer) to
+    root/<cell>/rank-<r>.pt."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29561"})
+    saved: dict[str, list[Any]] = {"inputs": [], "weights": [], "gradients": []}
+    runs = {"transformers": _trainer_run, "lightning": _lightning_run, "accelerate": _accelerate_run}
+    runs[cell.trainer](rank, root, cell, saved)
+    Path(root, cell.name).mkdir(parents=True, exist_ok=True)
+    torch.save(saved, Path(root, cell.name, f"rank-{rank}.pt"))
+
+
+def _keep_update(saved: dict[str, list[Any]], model: torch.nn.Module) -> None:
+    """The weights and gradient of the update about to be taken."""
+    named = list(model.named_parameters())
+    saved["weights"].append({name: p.detach().double().clone() for name, p in named})
+    saved["gradients"].append({name: (torch.zeros_like(p) if p.grad is None else p.grad).double().clone()
+                               for name, p in named})
+
+
+def _trainer_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from scenarios.padded import padded_sequences
     from tokaudit.hooks.huggingface import TokauditCallback
 
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1"})
-    saved: dict[str, list[Any]] = {"inputs": [], "weights": [], "gradients": []}
-
     class Gradients(TrainerCallback):  # type: ignore[misc]
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
             if rank == 0:
-                named = list(model.named_parameters())
-                saved["weights"].append({name: p.detach().double().clone() for name, p in named})
-                saved["gradients"].append({name: (torch.zeros_like(p) if p.grad is None else p.grad).double().clone()
-                                           for name, p in named})
+                _keep_update(saved, model)
 
     args = TrainingArguments(output_dir=f"{root}/out-{cell.name}-{rank}", use_cpu=True, per_device_train_batch_size=2,
                              gradient_accumulation_steps=GRADIENT_ACCUMULATION, max_steps=MAX_STEPS,
@@ -181,8 +207,74 @@ def matrix_job(rank: int, world_size: int, root: str, cell: Cell) -> None:
     trainer.training_step = training_step
     TokauditCallback.attach(trainer, f"{root}/logs", run_id=cell.name)  # the one line
     trainer.train()
-    Path(root, cell.name).mkdir(parents=True, exist_ok=True)
-    torch.save(saved, Path(root, cell.name, f"rank-{rank}.pt"))
+
+
+def _lightning_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> None:
+    """Lightning joins the process group the harness made (the environment torchrun would set)."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from scenarios.padded import padded_sequences
+    from tokaudit.hooks.lightning import TokauditLightningCallback
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_model(cell)
+
+        def training_step(self, batch: dict[str, torch.Tensor], index: int) -> torch.Tensor:
+            saved["inputs"].append({key: value.detach().clone() for key, value in batch.items()})
+            return self.model(**batch).loss  # the model's own mean over this microbatch's labels
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            if rank == 0:
+                _keep_update(saved, self.model)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy="ddp", max_steps=MAX_STEPS,
+                        accumulate_grad_batches=GRADIENT_ACCUMULATION, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[TokauditLightningCallback(f"{root}/logs", run_id=cell.name)])  # the one line
+    trainer.fit(Module(), DataLoader(padded_sequences(), batch_size=2, shuffle=False))
+
+
+def _accelerate_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> None:
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from scenarios.padded import padded_sequences
+    from tokaudit.hooks import Recorder
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=GRADIENT_ACCUMULATION)
+    model = tiny_model(cell)
+    model, optimizer, batches = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-2),
+                                                    DataLoader(padded_sequences(), batch_size=2, shuffle=False))
+    recorder = Recorder(f"{root}/logs", run_id=cell.name, accelerator=accelerator)  # the one line
+    recorder.start_capture()  # and every cross-entropy of the model's loss is recorded
+    listed = [batch for _, batch in zip(range(MAX_STEPS * GRADIENT_ACCUMULATION), batches)]
+    for start in range(0, len(listed), GRADIENT_ACCUMULATION):
+        update = listed[start:start + GRADIENT_ACCUMULATION]
+        # N: the update's labels after the causal shift, on every rank, counted before the first backward
+        tokens = torch.stack([(batch["labels"][:, 1:] != -100).sum() for batch in update]).sum().double()
+        torch.distributed.all_reduce(tokens)
+        for batch in update:
+            saved["inputs"].append({key: value.detach().clone() for key, value in batch.items()})
+            with accelerator.accumulate(model):
+                if cell.loss == "sum":  # M·W·S/N: Accelerate divides by M, DDP averages over W
+                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                    summed = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
+                                             reduction="sum")
+                    loss = GRADIENT_ACCUMULATION * accelerator.num_processes * summed / tokens
+                else:
+                    loss = model(**batch).loss  # Accelerate divides it by the accumulation steps
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and rank == 0:
+                    _keep_update(saved, accelerator.unwrap_model(model))
+                optimizer.step()
+                optimizer.zero_grad()
+    recorder.close()
 
 
 def deviations(cell: Cell, root: str, world_size: int = 2) -> list[tuple[float, float]]:

@@ -21,11 +21,12 @@ from scenarios.trainer_matrix import CELLS, CELLS_BY_NAME, Row, measure  # noqa:
 
 
 def markdown(rows: list[Row]) -> str:
-    lines = ["# The Hugging Face Trainer: which set-ups train the token mean", "",
+    lines = ["# Trainers: which set-ups train the token mean", "",
              "Measured by `python scripts/trainer_matrix.py` (transformers "
              f"{__import__('transformers').__version__}, torch {__import__('torch').__version__}): each row is a tiny "
-             "real `Trainer` run, DDP on 2 gloo ranks, gradient accumulation 2, 4 updates, recorded by "
-             "`TokauditCallback.attach(trainer, ...)`. **Truth** compares each update's gradient (after DDP's average, "
+             "real `Trainer` run (the last three: Lightning and Accelerate loops), DDP on 2 gloo ranks, gradient "
+             "accumulation 2, 4 updates, recorded by the trainer's one line (`TokauditCallback.attach(trainer, ...)`, "
+             "`TokauditLightningCallback`, `Recorder(accelerator=...)`). **Truth** compares each update's gradient (after DDP's average, "
              "before the optimizer) with a float64 reference: the gradient of Σℓᵢ/N over every valid label of the "
              "update on both ranks, computed again from the same weights and inputs. **tokaudit** is `tokaudit check` "
              "on the run's log (its verdict, exit code, finding codes and first fix).", "",
@@ -47,12 +48,16 @@ def markdown(rows: list[Row]) -> str:
               "- A `compute_loss_func` is trusted to divide by `num_items_in_batch`: one returning its own mean is a "
               "per-microbatch mean, ×W; one that sums and divides by `num_items_in_batch` is the token mean.",
               "- A model whose forward takes no `**kwargs` gets no `num_items_in_batch`: its own mean, divided by "
-              "the accumulation steps.", "",
+              "the accumulation steps.",
+              "- Lightning divides what `training_step` returns by `accumulate_grad_batches`, and Accelerate's "
+              "`accelerator.backward` by `gradient_accumulation_steps`: a model's own mean becomes each microbatch's "
+              "mean ÷ M. Backpropagating M·W·S/N, with N all-reduced over the update's microbatches before the first "
+              "backward, is the token mean.", "",
               "The fix for every wrong row: the token mean is Σℓ / N with N the update's valid labels on every rank. "
               "In the Trainer, pass `compute_loss_func` that sums the per-token losses and divides by "
               "`num_items_in_batch`, with `average_tokens_across_devices=True` (or use a model whose loss takes "
-              "`num_items_in_batch`). Lightning's default (each microbatch's mean ÷ `accumulate_grad_batches`) and "
-              "Accelerate's loops are in [integrations.md](integrations.md).", ""]
+              "`num_items_in_batch`). In a Lightning or Accelerate loop, see [fixing.md](fixing.md) for the helpers "
+              "that count N and build the loss.", ""]
     return "\n".join(lines)
 
 
