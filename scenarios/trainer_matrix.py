@@ -50,6 +50,8 @@ class Cell:
     """The model's loss_type attribute, where set (the Trainer reads it to count labels after the shift)."""
     trainer: str = "transformers"
     """transformers (the Trainer), lightning or accelerate: each with its users' usual loop."""
+    checkpointing: bool = False
+    """TrainingArguments.gradient_checkpointing (activation checkpointing)."""
 
     @property
     def setup(self) -> str:
@@ -68,15 +70,16 @@ class Cell:
                  "no_kwargs": f"`{self.family}` behind a `forward` without `**kwargs`"}[self.loss]
         smoothing = f", `label_smoothing_factor={self.smoothing}`" if self.smoothing else ""
         loss_type = f" with `model.loss_type = \"{self.loss_type}\"`" if self.loss_type else ""
-        return f"{model}{loss_type}{smoothing}, `average_tokens_across_devices={self.average_tokens}`"
+        checkpointing = ", `gradient_checkpointing=True`" if self.checkpointing else ""
+        return f"{model}{loss_type}{smoothing}{checkpointing}, `average_tokens_across_devices={self.average_tokens}`"
 
 
 CELLS = (
     Cell("llama", "llama", True), Cell("llama-no-average", "llama", False),
-    Cell("llama-smoothing", "llama", True, smoothing=0.1),
+    Cell("llama-smoothing", "llama", True, smoothing=0.1), Cell("llama-checkpointing", "llama", True, checkpointing=True),
     Cell("qwen2", "qwen2", True), Cell("mistral", "mistral", True), Cell("gemma", "gemma", True),
     Cell("gpt2", "gpt2", True), Cell("gpt2-no-average", "gpt2", False),
-    Cell("gpt2-loss-type", "gpt2", True, loss_type="ForCausalLM"),
+    Cell("gpt2-loss-type", "gpt2", True, loss_type="ForCausalLM"), Cell("gpt2-smoothing", "gpt2", True, smoothing=0.1),
     Cell("t5", "t5", True), Cell("bart", "bart", True), Cell("bert", "bert", True), Cell("bert-no-average", "bert", False),
     Cell("custom-mean", "llama", True, loss="mean"), Cell("custom-sum", "llama", True, loss="sum"),
     Cell("no-kwargs", "llama", True, loss="no_kwargs"),
@@ -195,7 +198,7 @@ def _trainer_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) 
                              learning_rate=1e-2, max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no",
                              disable_tqdm=True, seed=0, average_tokens_across_devices=cell.average_tokens,
                              dataloader_num_workers=0, label_smoothing_factor=cell.smoothing, ddp_backend="gloo",
-                             ddp_find_unused_parameters=False)
+                             ddp_find_unused_parameters=False, gradient_checkpointing=cell.checkpointing)
     trainer = Trainer(model=tiny_model(cell), args=args, train_dataset=padded_sequences(),
                       compute_loss_func=loss_function(cell), callbacks=[Gradients()])
     step = trainer.training_step
