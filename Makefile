@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 # The demo installs only what the audit needs (no torch, no trainers) in its own venv.
 $(DEMO_STAMP): pyproject.toml Makefile $(AUDITOR_SOURCES)
 	test -x $(DEMO_VENV)/bin/python || $(PYTHON) -m venv $(DEMO_VENV)
-	$(DEMO_VENV)/bin/python -m pip install -q --disable-pip-version-check .
+	$(DEMO_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-compile .
 	touch $(DEMO_STAMP)
 
 # Sample logs hold deliberate mistakes: exit 1 (findings) is the expected

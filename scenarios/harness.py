@@ -32,6 +32,18 @@ def _forkserver() -> Any:
     return _context
 
 
+def run_ddp_each(fn: Callable[..., Any], world_size: int, items: list[Any], *args: Any,
+                 timeout: float = 90.0) -> list[list[Any]]:
+    """`fn(rank, world_size, item, *args)` for each item in turn, in one set of `world_size` gloo processes
+    (one process start and one rendezvous for all): per item, each rank's value."""
+    by_rank = run_ddp(_each, world_size, fn, items, args, timeout=timeout * max(1, len(items)))
+    return [[by_rank[rank][index] for rank in range(world_size)] for index in range(len(items))]
+
+
+def _each(rank: int, world_size: int, fn: Callable[..., Any], items: list[Any], args: tuple[Any, ...]) -> list[Any]:
+    return [fn(rank, world_size, item, *args) for item in items]
+
+
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, args: tuple[Any, ...]) -> None:
     import torch
     import torch.distributed as dist

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from scenarios.harness import run_ddp
+from scenarios.harness import run_ddp, run_ddp_each
 
 MAX_STEPS = 4
 GRADIENT_ACCUMULATION = 2
@@ -160,7 +160,7 @@ def loss_function(cell: Cell) -> Any:
     return compute_loss
 
 
-def matrix_job(rank: int, world_size: int, root: str, cell: Cell) -> None:
+def matrix_job(rank: int, world_size: int, cell: Cell, root: str) -> None:
     """One rank of a cell's run, recorded by its trainer's one line; saves each microbatch's inputs and, on
     rank 0, each update's weights and gradient (after DDP's average, before the optimizer) to
     root/<cell>/rank-<r>.pt."""
@@ -332,9 +332,17 @@ def truth(measured: list[tuple[float, float]]) -> tuple[bool, str]:
                    f"scaled {min(scales):.2f}–{max(scales):.2f}×")
 
 
-def measure(cell: Cell, root: Path) -> Row:
-    """Run one cell, compare it with the reference, and audit its log with `tokaudit check`."""
-    run_ddp(matrix_job, 2, str(root), cell, timeout=300)
+def measure(cells: list[Cell], root: Path, together: bool = False) -> list[Row]:
+    """Run the cells (`together`: in one set of processes, which saves a start and a rendezvous each; else
+    each in its own), compare each with the reference, and audit its log with `tokaudit check`."""
+    if together:
+        run_ddp_each(matrix_job, 2, cells, str(root), timeout=300)
+    for cell in cells if not together else []:
+        run_ddp(matrix_job, 2, cell, str(root), timeout=300)
+    return [_judged(cell, root) for cell in cells]
+
+
+def _judged(cell: Cell, root: Path) -> Row:
     correct, said = truth(deviations(cell, str(root)))
     done = subprocess.run([sys.executable, "-m", "tokaudit", "check", str(root / "logs" / cell.name), "--format", "json"],
                           capture_output=True, text=True, timeout=300)

@@ -111,7 +111,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from scenarios.trainer_matrix import CELLS_BY_NAME, measure
 
     root = tmp_path_factory.mktemp("matrix")
-    return {name: measure(CELLS_BY_NAME[name], root) for name in MATRIX_CELLS}
+    return {row.cell.name: row for row in measure([CELLS_BY_NAME[name] for name in MATRIX_CELLS], root, together=True)}
 
 
 def audit_run(root: Path, run: str) -> Any:

@@ -1,16 +1,9 @@
-"""Logs on object storage, against a real S3-compatible server on localhost (moto's server mode):
-`tokaudit check s3://…` gives the same report as the local copy, the Recorder writes there from a
-real 2-process DDP run, and what cannot be read is one exit-2 line."""
+"""The Recorder writes a real 2-process DDP run straight to object storage (a moto S3 server on localhost),
+and a resumed writer of the same rank takes the next free name."""
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,107 +11,10 @@ import pytest
 
 pytestmark = pytest.mark.integration  # a real S3-compatible server in this process
 
-moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
+pytest.importorskip("moto.server")
 
-SAMPLE_LOGS = Path(__file__).resolve().parents[2] / "sample_logs"
-RUNS = ("bug_local_mean", "correct_token_mean_ga", "amp_told", "bug_global_world_size_on_dp_group")
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
-
-
-@pytest.fixture(scope="session")
-def endpoint() -> Iterator[dict[str, str]]:
-    """A moto S3 server in this process; the environment a user would set to reach it."""
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        client = boto3.client("s3")
-        client.create_bucket(Bucket="logs")
-        for run in RUNS:
-            for shard in sorted((SAMPLE_LOGS / run).glob("*.parquet")):
-                client.upload_file(str(shard), "logs", f"runs/{run}/{shard.name}")
-        yield env
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        server.stop()
-
-
-def tokaudit(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tokaudit", *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
-
-
-def test_an_s3_log_gives_the_report_of_its_local_copy(endpoint: dict[str, str]) -> None:
-    remote = tokaudit("check", "s3://logs/runs/", "--format", "json", env=endpoint)
-    local = tokaudit("check", *(str(SAMPLE_LOGS / run) for run in RUNS), "--format", "json")
-    assert remote.returncode == local.returncode == 1, remote.stderr
-    remote_report, local_report = json.loads(remote.stdout), json.loads(local.stdout)
-    assert remote_report == local_report
-    assert {run["run"] for run in remote_report["runs"]} == set(RUNS)
-
-
-def test_weights_and_curve_read_from_s3(endpoint: dict[str, str]) -> None:
-    remote = tokaudit("weights", "s3://logs/runs/bug_local_mean", "--step", "1", env=endpoint)
-    local = tokaudit("weights", str(SAMPLE_LOGS / "bug_local_mean"), "--step", "1")
-    assert remote.returncode == local.returncode == 0 and remote.stdout == local.stdout
-
-
-def test_a_damaged_object_is_one_line_and_the_others_are_audited(endpoint: dict[str, str]) -> None:
-    client = boto3.client("s3")
-    client.create_bucket(Bucket="damaged")
-    shard = sorted((SAMPLE_LOGS / "bug_local_mean").glob("*.parquet"))[0]
-    client.upload_file(str(shard), "damaged", "runs/bug_local_mean/rank-00000-000000.parquet")
-    client.put_object(Bucket="damaged", Key="runs/bug_local_mean/rank-00001-000000.parquet",
-                      Body=shard.read_bytes()[:200])  # truncated
-    done = tokaudit("check", "s3://damaged/runs", "--format", "json", env=endpoint)
-    assert done.returncode == 2
-    assert "s3://damaged/runs/bug_local_mean/rank-00001-000000.parquet: not a readable Parquet file" in done.stderr
-    assert json.loads(done.stdout)["files"] == 1
-    assert "Traceback" not in done.stderr
-
-
-def test_a_missing_bucket_and_an_unreachable_endpoint_are_one_line(endpoint: dict[str, str]) -> None:
-    missing = tokaudit("check", "s3://no-such-bucket/runs", env=endpoint)
-    assert missing.returncode == 2
-    assert missing.stderr.strip().splitlines()[-1] == "tokaudit: error: s3://no-such-bucket/runs: no such bucket " \
-                                                      "'no-such-bucket'"
-    unreachable = tokaudit("check", "s3://logs/runs", env={**endpoint, "AWS_ENDPOINT_URL": "http://127.0.0.1:1"})
-    assert unreachable.returncode == 2 and "Traceback" not in unreachable.stderr
-    assert "s3://logs/runs: cannot reach the storage endpoint" in unreachable.stderr
-
-
-def test_denied_access_is_one_line(tmp_path: Path) -> None:
-    """A server that checks credentials (moto with authentication on) and a key it does not know."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "moto server did not start"
-                time.sleep(0.1)
-        denied = tokaudit("check", "s3://logs/runs", env={**CREDENTIALS,
-                                                           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"})
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-    assert denied.returncode == 2 and "Traceback" not in denied.stderr
-    assert "tokaudit: error: s3://logs/runs: access denied" in denied.stderr
+from tests.s3 import endpoint  # noqa: E402,F401
 
 
 def recorded_job(rank: int, world_size: int, env: dict[str, str], log_dir: str) -> dict[str, Any]:
@@ -150,77 +46,3 @@ def test_the_recorder_writes_to_s3_from_a_ddp_run(endpoint: dict[str, str], tmp_
     assert keys[-2:] == ["runs/bug_local_mean/rank-00001-000000.parquet", "runs/bug_local_mean/rank-00001-000001.parquet"]
 
 
-def test_an_unreachable_store_is_retried_after_a_pause_and_at_close(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """A failed upload costs seconds of SDK retries: the next flushes keep the records instead of
-    trying again at once; close() tries once more, and what it writes is every record."""
-    import torch
-
-    import tokaudit.hooks.output as output_module
-    from tokaudit.hooks import Recorder
-    from tests.logs import read_rows
-
-    from tokaudit.hooks.shards import ShardWriter
-
-    attempts: list[str] = []
-    reachable = {"now": False}
-
-    class Flaky:
-        """The store's writer: unreachable at first, then writing (to a local folder standing in for it)."""
-
-        def __init__(self, url: str, prefix: str) -> None:
-            attempts.append(url)
-            if not reachable["now"]:
-                raise OSError("AWS Error NETWORK_CONNECTION: Could not connect to server")
-            self.inner = ShardWriter(tmp_path / "flaky", prefix)
-
-        def write(self, table: Any, metadata: Any = None) -> str:
-            return self.inner.write(table, metadata)
-
-    monkeypatch.setattr(output_module, "StoreShardWriter", Flaky)
-    monkeypatch.setattr(output_module, "STORE_RETRY_S", 3600.0)
-    with pytest.warns(RuntimeWarning, match="could not write a shard"):
-        rec = Recorder("s3://bucket/runs", run_id="flaky", flush_every=1)
-        for step in range(3):
-            rec.record(loss_sum=torch.tensor(2.0), valid_tokens=2, backward_scalar=torch.tensor(1.0), step=step)
-            rec.flush()
-    assert len(attempts) == 1, "one failed attempt, then the records wait"
-    reachable["now"] = True
-    rec.close()
-    assert len(attempts) == 2
-    assert [row["step"] for row in read_rows(tmp_path / "flaky")] == [0, 1, 2]
-
-
-def test_one_row_shards_on_s3_are_read_from_their_footers_with_the_local_report(endpoint: dict[str, str],
-                                                                                 tmp_path: Path) -> None:
-    """A recorder that flushes every record leaves one-row shards: their records come from the footers
-    already fetched to validate them (`Shard.record`), with no second request per object, and the report
-    and a step's weights are the local copy's."""
-    import pyarrow.parquet as pq
-
-    local = tmp_path / "bug_local_mean"
-    local.mkdir()
-    client = boto3.client("s3")
-    for shard in sorted((SAMPLE_LOGS / "bug_local_mean").glob("*.parquet")):
-        table = pq.read_table(shard)
-        for row in range(table.num_rows):
-            name = f"{shard.stem}-{row:04d}.parquet"
-            pq.write_table(table.slice(row, 1), local / name)
-            client.upload_file(str(local / name), "logs", f"one-row/bug_local_mean/{name}")
-    from tokaudit.loading import load
-
-    assert all(s.record is not None for s in load([local]).shards)
-    from tokaudit.engine import Engine
-
-    remote_shards = load(["s3://logs/one-row/"]).shards
-    engine = Engine.open(remote_shards)
-    assert len(remote_shards) == 6 and engine.remote_views == {}, "no dataset opened on an object"
-    engine.close()
-    remote = tokaudit("check", "s3://logs/one-row/", "--format", "json", env=endpoint)
-    here = tokaudit("check", str(local), "--format", "json")
-    assert remote.returncode == here.returncode == 1, remote.stderr
-    whole = json.loads(tokaudit("check", str(SAMPLE_LOGS / "bug_local_mean"), "--format", "json").stdout)
-    assert json.loads(remote.stdout) == json.loads(here.stdout) == dict(whole, files=len(list(local.iterdir())))
-    remote = tokaudit("weights", "s3://logs/one-row/bug_local_mean", "--step", "1", env=endpoint)
-    here = tokaudit("weights", str(local), "--step", "1")
-    assert remote.returncode == here.returncode == 0 and remote.stdout == here.stdout

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from scenarios.harness import run_ddp
+from scenarios.harness import run_ddp_each
 from scenarios.strategies import SCENARIOS, SEQ, Scenario, microbatch, per_token_loss, make_model, reference_gradient
 from tokaudit.schema import REQUIRED_COLUMNS, WRITER_SCHEMA
 
@@ -49,9 +49,15 @@ def grad_divisor(scenario: Scenario, members: list[int]) -> int:
 
 @pytest.fixture(scope="session")
 def recordings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict[str, Any]], Path]]:
+    from scenarios.strategies import run_scenario
+
     root = tmp_path_factory.mktemp("ddp-logs")
-    return {s.name: (run_ddp(__import__("scenarios.strategies").strategies.run_scenario, s.world_size, s,
-                             str(root)), root / s.name) for s in SCENARIOS}
+    recorded: dict[str, tuple[list[dict[str, Any]], Path]] = {}
+    for world_size in sorted({s.world_size for s in SCENARIOS}):  # the scenarios of one W in one set of processes
+        alike = [s for s in SCENARIOS if s.world_size == world_size]
+        for scenario, ranks in zip(alike, run_ddp_each(run_scenario, world_size, alike, str(root))):
+            recorded[scenario.name] = (ranks, root / scenario.name)
+    return recorded
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)

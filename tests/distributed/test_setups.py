@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from scenarios.harness import run_ddp
+from scenarios.harness import run_ddp, run_ddp_each
 from scenarios.setups import _UNEVEN, ELASTIC, SETUPS, Setup, job, reference_gradient
 from tests.expected import EXPECTED_CODES, EXPECTED_VERDICT
 from tests.logs import read_rows
@@ -47,9 +47,11 @@ SHAPE: dict[str, tuple[list[str], list[int]]] = {
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[list[dict[str, Any]]]]]:
     root = tmp_path_factory.mktemp("setups")
     histories: dict[str, list[list[dict[str, Any]]]] = {}
-    for setup in SETUPS:
-        histories[setup.name] = [r["history"] for r in run_ddp(job, setup.world_size, setup, str(root))]
-    for part in ELASTIC:
+    for world_size in sorted({s.world_size for s in SETUPS}):  # the set-ups of one W in one set of processes
+        alike = [s for s in SETUPS if s.world_size == world_size]
+        for setup, ranks in zip(alike, run_ddp_each(job, world_size, alike, str(root))):
+            histories[setup.name] = [r["history"] for r in ranks]
+    for part in ELASTIC:  # in order: the run resized from W=3 to W=2
         histories[f"{part.name}/W={part.world_size}"] = [r["history"] for r in
                                                          run_ddp(job, part.world_size, part, str(root))]
     return root, histories

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from scenarios.harness import run_ddp
+from scenarios.harness import run_ddp, run_ddp_each
 from scenarios.padded import padded_sequences
 
 pytest.importorskip("tensorboard")
@@ -32,7 +32,7 @@ def offline_trackers(root: str) -> None:
                        "MLFLOW_ALLOW_FILE_STORE": "true", "MLFLOW_TRACKING_URI": f"file://{root}/mlruns"})
 
 
-def ddp_job(rank: int, world_size: int, root: str, variant: str) -> dict[str, str]:
+def ddp_job(rank: int, world_size: int, variant: str, root: str) -> dict[str, str]:
     """4 optimizer steps of 2 microbatches, b = W·S/N (token_mean) or S/(n·M) (local_mean); rank 0
     gives the Recorder its TensorBoard writer, W&B run and MLflow run."""
     offline_trackers(root)
@@ -86,7 +86,9 @@ def ddp_job(rank: int, world_size: int, root: str, variant: str) -> dict[str, st
 @pytest.fixture(scope="session")
 def ddp_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, str]]]:
     root = tmp_path_factory.mktemp("trackers")
-    found = {variant: run_ddp(ddp_job, 2, str(root), variant, timeout=180)[0] for variant in ("token_mean", "local_mean")}
+    variants = ["token_mean", "local_mean"]  # in one set of processes
+    found = {variant: ranks[0] for variant, ranks in zip(variants, run_ddp_each(ddp_job, 2, variants, str(root),
+                                                                                 timeout=180))}
     return root, found
 
 
