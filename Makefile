@@ -38,7 +38,7 @@ test: setup typecheck wheel-smoke
 	$(BIN)/python -m pytest -q -n 2
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -n 2 -m "not distributed and not integration" --ignore=tests/distributed
+	$(BIN)/python -m pytest -q -n 2 -m "not distributed and not integration and not slow" --ignore=tests/distributed
 
 typecheck: setup
 	$(BIN)/python -m mypy

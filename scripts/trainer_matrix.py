@@ -72,7 +72,7 @@ def main() -> None:
         rows = []
         for cell in cells:
             print(f"{cell.name} ...", file=sys.stderr, flush=True)
-            rows.append(measure(cell, Path(root)))
+            rows.extend(measure([cell], Path(root)))
     text = markdown(rows)
     if args.out == "-":
         print(text)

@@ -214,6 +214,7 @@ def test_explain_every_code() -> None:
     assert invoke("explain", "nonsense")[0] == 2
 
 
+@pytest.mark.slow
 def test_real_subprocess_and_no_torch_import(logs: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "tokaudit.cli", "check", str(logs), "--format", "json"],
                           capture_output=True, text=True, timeout=120)

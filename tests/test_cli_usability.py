@@ -52,6 +52,7 @@ def test_every_run_name_and_verdict_is_readable_at_any_width(sample_report: toka
     assert all(len(line) <= width for line in text.splitlines())
 
 
+@pytest.mark.slow
 def test_in_a_pipe_the_run_names_stay(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "tokaudit", "check", str(SAMPLE_LOGS)], capture_output=True,
                           text=True, cwd=ROOT, timeout=120, env={**os.environ, "COLUMNS": "80"})

@@ -283,6 +283,7 @@ def test_footers_validated_in_worker_processes_give_the_serial_result(tmp_path: 
     assert tree_digest(tmp_path / "logs") == before, "input modified"
 
 
+@pytest.mark.slow
 def test_the_commands_start_footer_workers_before_they_import_the_auditor(tmp_path: Path) -> None:
     """`check`, `weights` and `curve` start the validation of a large log (`start_loading`) before they
     import pyarrow, pandas and DuckDB, so that the workers validate while this process imports; the report

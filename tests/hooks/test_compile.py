@@ -13,6 +13,7 @@ from tests.logs import read_rows
 from tokaudit.hooks import Recorder
 
 
+@pytest.mark.slow
 def test_a_compiled_loss_is_probed_outside_and_a_captured_one_is_said(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(13, 8), torch.nn.Linear(8, 13))

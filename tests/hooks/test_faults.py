@@ -174,6 +174,7 @@ SIGNAL_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("handler", ["trainer", "default"])
 def test_sigterm_flushes_every_record_and_keeps_the_trainers_handler(tmp_path: Path, handler: str) -> None:
     marker = tmp_path / "marker"
@@ -199,6 +200,7 @@ KILL_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigkill_during_flushes_leaves_only_whole_shards(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(KILL_SCRIPT.format(root=str(ROOT)))
@@ -287,6 +289,7 @@ DURING_FLUSH_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_flush_waits_for_it_and_writes_each_record_once(tmp_path: Path) -> None:
     code = terminate_when(DURING_FLUSH_SCRIPT, tmp_path, "writing")
     assert code == -signal.SIGTERM

@@ -399,6 +399,7 @@ def test_a_loss_logged_before_or_after_the_optimizer_step_is_stamped_on_its_own_
     assert [f.code.value for f in report.findings] == [] and report.runs[0].verdict == "correct"
 
 
+@pytest.mark.slow
 def test_records_are_flushed_at_interpreter_exit(tmp_path: Path) -> None:
     import subprocess
     import sys
