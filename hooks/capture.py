@@ -43,9 +43,9 @@ def capture_cross_entropy(recorder: Recorder) -> Iterator[None]:
         if torch.compiler.is_compiling():
             # Inside a compiled region recording would break the graph at every step: leave the call
             # alone (the optimizer step then says nothing was captured) and say how to record instead.
-            recorder._warn_once("compiled", "tokaudit: a cross-entropy inside torch.compile is not captured; "
-                                            "return the per-token loss from the compiled function and wrap it "
-                                            "with rec.probe() and rec.record() outside it")
+            recorder.warn_once("compiled", "tokaudit: a cross-entropy inside torch.compile is not captured; "
+                                           "return the per-token loss from the compiled function and wrap it "
+                                           "with rec.probe() and rec.record() outside it")
             return out
         if not (torch.is_grad_enabled() and out.requires_grad):
             return out
@@ -54,7 +54,7 @@ def capture_cross_entropy(recorder: Recorder) -> Iterator[None]:
                 reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
             return _record(recorder, out, input, target, weight, ignore_index, reduction)
         except Exception as error:
-            recorder._warn_once("capture", f"tokaudit: a cross-entropy call was not recorded ({error!r})")
+            recorder.warn_once("capture", f"tokaudit: a cross-entropy call was not recorded ({error!r})")
             return out
 
     F.cross_entropy = captured
@@ -102,7 +102,7 @@ def _probed_scalar(recorder: Recorder, out: torch.Tensor, loss_sum: torch.Tensor
     """`out` through a probe that reads ∂b/∂out in backward: each valid token got ∂b/∂out · token_factor."""
     result = _captured_call(recorder, loss_sum, valid_count, valid.numel(), target)
     probed: torch.Tensor = ScalarProbe.apply(  # type: ignore[no-untyped-call]
-        out, token_factor, valid_count, result, recorder._probe_failed)
+        out, token_factor, valid_count, result, recorder.probe_failed)
     return probed
 
 
@@ -115,10 +115,10 @@ def probe_into(recorder: Recorder, per_token_loss: torch.Tensor, valid_mask: tor
         else:
             valid = valid_mask.to(device=per_token_loss.device, dtype=torch.bool).expand_as(per_token_loss)
         probed: torch.Tensor = TokenProbe.apply(  # type: ignore[no-untyped-call]
-            per_token_loss, valid, result, recorder._probe_failed)
+            per_token_loss, valid, result, recorder.probe_failed)
         return probed
     except Exception as error:
-        recorder._warn_once("probe", f"tokaudit: probe disabled for this call ({error!r})")
+        recorder.warn_once("probe", f"tokaudit: probe disabled for this call ({error!r})")
         return per_token_loss
 
 

@@ -116,7 +116,7 @@ class RecordedSmoother:
                 denominator = torch.as_tensor(num_items_in_batch, device=out.device).to(out.dtype)
             return record_mean(self.recorder, out, valid, valid_count, target, denominator)
         except Exception as error:
-            self.recorder._warn_once("smoother", f"tokaudit: a label-smoothed loss was not recorded ({error!r})")
+            self.recorder.warn_once("smoother", f"tokaudit: a label-smoothed loss was not recorded ({error!r})")
             return out
 
 

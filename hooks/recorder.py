@@ -57,17 +57,17 @@ class Recorder:
         if isinstance(flush_every, int) and flush_every >= 1:
             self._flush_every = flush_every
         else:
-            self._warn_once("flush_every", f"tokaudit: flush_every must be an int of at least 1, got "
-                                           f"{flush_every!r}; using {DEFAULT_FLUSH_EVERY}")
+            self.warn_once("flush_every", f"tokaudit: flush_every must be an int of at least 1, got "
+                                          f"{flush_every!r}; using {DEFAULT_FLUSH_EVERY}")
         model, optimizer, scaler = from_accelerator(accelerator, model, optimizer, scaler)
         self._accelerator = accelerator
         self._accelerate: AccelerateWatch | None = None
         self._model = model
         self._optimizer = torch_optimizer(optimizer)
         if optimizer is not None and self._optimizer is None:
-            self._warn_once("optimizer", f"tokaudit: cannot hook the optimizer {type(optimizer).__name__} (no "
-                                         "torch.optim.Optimizer inside it); every backward is recorded as its own "
-                                         "update unless you call rec.begin_step()/rec.end_step()")
+            self.warn_once("optimizer", f"tokaudit: cannot hook the optimizer {type(optimizer).__name__} (no "
+                                        "torch.optim.Optimizer inside it); every backward is recorded as its own "
+                                        "update unless you call rec.begin_step()/rec.end_step()")
         self._init_steps(grad_divisor, grad_scale)
         self._process_group = group
         if group is None:
@@ -77,7 +77,7 @@ class Recorder:
                 pass
         self._identity: Identity | None = None
         self._scaler: ScalerWatch | None = None
-        self._output = ShardOutput(log_dir, run_id, self._flush_every, self._warn_once)
+        self._output = ShardOutput(log_dir, run_id, self._flush_every, self.warn_once)
         self._closed = self._closed or not self._output.usable
         self.log_dir: Path | str = self._output.log_dir
         """Where the shards go: a local folder, or a URL on object storage (s3://bucket/runs/exp1)."""
@@ -86,7 +86,7 @@ class Recorder:
         if accelerator is not None:
             self.provenance.update(trainer="accelerate", trainer_version=version_of("accelerate"))
         # Global rank 0 audits the run for experiment trackers in a background thread (tokaudit.hooks.trackers).
-        self._audits = AuditLoop.create(self.log_dir, self.run_id, trackers, audit_every, accelerator, self._warn_once)
+        self._audits = AuditLoop.create(self.log_dir, self.run_id, trackers, audit_every, accelerator, self.warn_once)
         # Nothing the recorder cannot hook stops the training: each hook that fails warns and the
         # recording goes on without it.
         for name, attach in (("model", self._hook_model), ("optimizer", self._hook_optimizer),
@@ -94,8 +94,8 @@ class Recorder:
             try:
                 attach()
             except Exception as error:
-                self._warn_once(f"hook-{name}", f"tokaudit: cannot hook the {name} ({error!r}); recording goes "
-                                                "on without it")
+                self.warn_once(f"hook-{name}", f"tokaudit: cannot hook the {name} ({error!r}); recording goes "
+                                               "on without it")
         atexit.register(self.close)
         on_termination(self)
 
@@ -204,8 +204,8 @@ class Recorder:
         except Exception as error:
             self._pending_probe = None
             self._output.note_dropped(step if isinstance(step, int) else self._step, 1)
-            self._warn_once("record", f"tokaudit: a record was dropped ({error}); it is noted in the log as a "
-                                      "dropped record, and training goes on")
+            self.warn_once("record", f"tokaudit: a record was dropped ({error}); it is noted in the log as a "
+                                     "dropped record, and training goes on")
 
     def _entry(self, step: int, micro: int, term: str, loss_sum: Value, valid_tokens: Value, backward_scalar: Value,
                positions: Value, reported_loss: Value, skipped: bool | None, grad_scale: Value,
@@ -360,17 +360,17 @@ class Recorder:
         try:
             self._buffer.pack(self._step)
         except Exception as error:  # the values stay tensors: nothing is lost
-            self._warn_once("pack", f"tokaudit: could not pack an update's values ({error!r}); they are kept as "
-                                    "they are, and training goes on")
+            self.warn_once("pack", f"tokaudit: could not pack an update's values ({error!r}); they are kept as "
+                                   "they are, and training goes on")
 
     def _on_optimizer_step(self) -> None:
         if self._capturing and not self._step_records:
             # The optimizer stepped on a loss that never went through F.cross_entropy.
-            self._warn_once("invisible", f"tokaudit: no cross-entropy call was captured in optimizer step "
-                                         f"{self._step}: the loss is computed by a kernel tokaudit cannot see (a "
-                                         "fused or vocab-parallel cross-entropy such as Liger's, cut-cross-entropy "
-                                         "or Megatron's); record it with rec.probe(per_token_loss, valid) and "
-                                         "rec.record(...) around that loss")
+            self.warn_once("invisible", f"tokaudit: no cross-entropy call was captured in optimizer step "
+                                        f"{self._step}: the loss is computed by a kernel tokaudit cannot see (a "
+                                        "fused or vocab-parallel cross-entropy such as Liger's, cut-cross-entropy "
+                                        "or Megatron's); record it with rec.probe(per_token_loss, valid) and "
+                                        "rec.record(...) around that loss")
         self._closed_step = self._step
         self.end_step()
 
@@ -384,7 +384,7 @@ class Recorder:
                 self._buffer.mark_skipped(self._closed_step, found_inf > 0)
             self._closed_step = None
         except Exception as error:
-            self._warn_once("scaler", f"tokaudit: could not read the GradScaler's update ({error!r})")
+            self.warn_once("scaler", f"tokaudit: could not read the GradScaler's update ({error!r})")
 
     def _on_scale(self) -> None:
         if self._awaiting_scale and self._scaler is not None:
@@ -400,7 +400,7 @@ class Recorder:
             try:
                 self._on_zero_grad()
             except Exception as error:
-                self._warn_once("zero_grad", f"tokaudit: could not follow zero_grad ({error!r})")
+                self.warn_once("zero_grad", f"tokaudit: could not follow zero_grad ({error!r})")
             cleared = original(*args, **kwargs)
             self._pack()  # the gradients freed: the heap at its lowest in the step
             return cleared
@@ -451,7 +451,7 @@ class Recorder:
 
     def _hook_accelerator(self) -> None:
         if self._accelerator is not None:
-            self._accelerate = AccelerateWatch(self._accelerator, self._on_accelerate_backward, self._warn_once)
+            self._accelerate = AccelerateWatch(self._accelerator, self._on_accelerate_backward, self.warn_once)
             self._handles.append(self._accelerate.handle)
 
     def _on_accelerate_backward(self, loss: torch.Tensor, steps: int) -> None:
@@ -464,8 +464,8 @@ class Recorder:
     def _capture_sync(self, module: Any, args: Any) -> None:
         self._forward_sync = bool(module.require_backward_grad_sync)
 
-    def _probe_failed(self, error: BaseException) -> None:
-        self._warn_once("probe-backward", f"tokaudit: probe could not read a backward ({error!r})")
+    def probe_failed(self, error: BaseException) -> None:  # a probe's backward failed: the captures say so here
+        self.warn_once("probe-backward", f"tokaudit: probe could not read a backward ({error!r})")
 
     def _resolve_divisor(self) -> None:
         """D from what can be seen (`identity.resolve_divisor`); unknown where it cannot, and said once."""
@@ -474,7 +474,7 @@ class Recorder:
         self._grad_divisor, warning = resolve_divisor(self._model, self.world_size, wraps_ddp)
         if warning is not None:
             self._divisor_known = False
-            self._warn_once("divisor", warning)
+            self.warn_once("divisor", warning)
 
     def _stamp(self) -> Stamp:
         identity = self._resolve_identity()
@@ -485,12 +485,12 @@ class Recorder:
         if self._identity is None:
             self._identity = resolve_identity(self._process_group)
             if self._identity.announced_world_size:
-                self._warn_once("identity", f"tokaudit: WORLD_SIZE={self._identity.announced_world_size} but no "
-                                            "process group is initialized: each process is recorded as its own "
-                                            "group of W=1 (make the first record after init_process_group)")
+                self.warn_once("identity", f"tokaudit: WORLD_SIZE={self._identity.announced_world_size} but no "
+                                           "process group is initialized: each process is recorded as its own "
+                                           "group of W=1 (make the first record after init_process_group)")
         return self._identity
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def warn_once(self, key: str, message: str) -> None:  # the integrations warn through it; training goes on
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=3)

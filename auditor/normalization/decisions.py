@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,38 +13,10 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit.normalization.fits import BLOCK_STEPS, Confusion, FitBlock, block_fits, close, clusters_of, float_column
-from tokaudit.normalization.vocabulary import DENOMINATORS, DIAGNOSIS_ARRAYS, Denominator, Diagnoses, Floats, KINDS, PREFERENCE, StepKind
+from tokaudit.normalization.fits import Confusion, FitBlock, block_fits, close, clusters_of, float_column
+from tokaudit.normalization.vocabulary import DENOMINATORS, Denominator, Diagnoses, Floats, KINDS, PREFERENCE, StepKind
 from tokaudit.sorting import SortedColumn
 
-
-def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
-    """Recover every step's normalization, letting the whole table vote.
-
-    Small steps fit several denominators by coincidence (two equal counts, N = ΣT/2, ...). The
-    hypothesis (denominator, α within rtol) that explains the most steps wins them, then the next
-    one takes what is left; a run that changed normalization at a resume shows both. Call it on
-    one (group, term) or on a whole run: hypotheses are shared, the weights are per row.
-
-    The table is read BLOCK_STEPS rows at a time, three times: the run's decisions (`Decisions.of`) come
-    from two passes, and each block is then diagnosed alone (`Decisions.diagnose`), so what is held
-    whole is the diagnoses and what the decisions keep (their α sorted, a count per signature).
-    """
-    def blocks() -> Iterator[pd.DataFrame]:
-        return (steps.iloc[start:start + BLOCK_STEPS] for start in range(0, len(steps), BLOCK_STEPS))
-
-    decisions = Decisions.of((block_fits(block, rtol) for block in blocks()),
-                             lambda: (block_fits(block, rtol) for block in blocks()), rtol,
-                             lambda: {int(w) for w in steps.w_high.unique() if w == w} if "w_high" in steps else set())
-    # Each block's diagnoses written into the whole table's arrays: never the parts and the whole at once.
-    count = len(steps)
-    whole = Diagnoses(np.empty(count, np.int8), np.empty(count, np.int8), np.empty(count), np.empty(count),
-                      np.empty(count, bool), np.empty(count), decisions.confused)
-    for start, block in zip(range(0, count, BLOCK_STEPS), blocks()):
-        part = decisions.diagnose(block)
-        for name in DIAGNOSIS_ARRAYS:
-            getattr(whole, name)[start:start + len(block)] = getattr(part, name)
-    return whole
 
 @dataclass
 class Decisions:

@@ -17,11 +17,13 @@ import pytest
 from tests.logs import seeds
 
 from tokaudit.normalization import (
+    Decisions,
     Denominator,
+    Diagnoses,
     FactorKind,
     StepKind,
+    block_fits,
     cluster,
-    diagnose_steps,
     explain_factor,
     resolvable_integer,
     segments,
@@ -81,6 +83,16 @@ def weights(counts: Sequence[Sequence[int]], weight: Any, world_size: int = 2) -
 
 UNEVEN = [[[1], [3]], [[5], [2]], [[4], [6]]]
 UNEVEN_GA = [[[5, 1], [3, 6]], [[2, 6], [6, 1]], [[8, 4], [2, 8]]]
+
+
+def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
+    """The normalization's one entry point as the checks call it: the run's decisions from two passes over
+    the table (here one block), then the steps' diagnoses."""
+    def passes() -> Any:
+        return iter([block_fits(steps, rtol)])
+
+    worlds = {int(w) for w in steps.w_high.unique() if w == w} if "w_high" in steps else set()
+    return Decisions.of(passes(), passes, rtol, lambda: worlds).diagnose(steps)
 
 
 def diagnose(counts: Any, weight: Any, rtol: float = 1e-4, **row: Any) -> list[Any]:
