@@ -188,11 +188,15 @@ CODE_DOCS: dict[Code, CodeDoc] = {
     ),
     Code.UNEVEN_MICROBATCHES: CodeDoc(
         Severity.WARNING,
-        "ranks ran different numbers of microbatches in one step",
-        why="The last rank to finish all-reduces alone or with the wrong partner; N computed per microbatch "
-            "misses the extra ones.",
-        fix="Give every rank the same number of microbatches (pad with empty ones that still run backward).",
-        example="Rank 0 runs 2 microbatches, rank 1 runs 3: the third backward of rank 1 syncs with rank 0's next step.",
+        "ranks ran different numbers of microbatches in one step, without one synced backward each",
+        why="A backward that syncs all-reduces on every rank: a rank that syncs more often than another pairs with "
+            "the wrong partner or waits alone. Different counts are fine when every rank syncs exactly once, on "
+            "its last microbatch (the others under no_sync), and N counts every microbatch (the weights say so); "
+            "this is raised where the records show otherwise or do not record sync.",
+        fix="Give every rank the same number of microbatches (pad with empty ones that still run backward), or run "
+            "all but each rank's last under no_sync.",
+        example="Rank 0 runs 2 microbatches, rank 1 runs 3, every one syncing: the third backward of rank 1 syncs "
+                "with rank 0's next step.",
     ),
     Code.WORLD_SIZE_INCONSISTENT: CodeDoc(
         Severity.ERROR,

@@ -151,8 +151,10 @@ def train(scenario: Scenario, log_dir: str | None, process_group: Any, members: 
     for step, step_counts in enumerate(scenario.counts):
         mine = step_counts[rank]
         microbatches = len(mine)
-        # N and N_m for the whole update, counted before the first backward (one collective each).
-        micro_tokens = torch.tensor(mine, dtype=torch.float64)
+        # N and N_m for the whole update, counted before the first backward (one collective each); ranks
+        # may run different numbers of microbatches (the missing ones count 0 in N_m).
+        micro_tokens = torch.zeros(max(len(c) for c in step_counts), dtype=torch.float64)
+        micro_tokens[:microbatches] = torch.tensor(mine, dtype=torch.float64)
         dist.all_reduce(micro_tokens, group=process_group)
         step_tokens = micro_tokens.sum()
         before = [p.detach().clone() for p in model.parameters()]
@@ -242,6 +244,7 @@ _UNEVEN_2x1: Counts = (((2,), (7,)), ((5,), (1,)), ((8,), (3,)))
 _UNEVEN_3x2: Counts = (((5, 1), (3, 7), (2, 2)), ((0, 0), (6, 2), (8, 1)), ((8, 4), (2, 8), (1, 0)))
 _SUBGROUPS_4x1: Counts = (((2,), (7,), (5,), (1,)), ((8,), (3,), (4,), (6,)))
 _UNEVEN_3x1: Counts = (((2,), (7,), (0,)), ((5,), (1,), (4,)), ((8,), (3,), (6,)))
+_UNEVEN_MICRO: Counts = (((3, 2, 4), (4, 1)), ((1, 5), (2, 2, 6)), ((2, 2, 1), (7, 3)))
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(name="correct_token_mean_ga", strategy="token_mean", world_size=2, counts=_UNEVEN_2x2, correct=True,
@@ -272,6 +275,10 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(name="inconclusive_balanced_local_mean", strategy="local_mean", world_size=2,
              counts=(((4,), (4,)), ((6,), (6,)), ((3,), (3,))), correct=False, report="mean_of_local_means",
              description="a local mean with equal counts everywhere: the logs cannot tell it from the token mean"),
+    Scenario(name="correct_uneven_microbatches", strategy="token_mean", world_size=2, counts=_UNEVEN_MICRO,
+             correct=True, description="W·S/N, ranks running 3 and 2 microbatches, each syncing once (its last)"),
+    Scenario(name="bug_uneven_microbatches_local_mean", strategy="local_mean", world_size=2, counts=_UNEVEN_MICRO,
+             correct=False, description="ranks running 3 and 2 microbatches, each divided by its own count"),
     Scenario(name="correct_empty_update_skipped", strategy="token_mean", world_size=2,
              counts=(((3, 5), (4, 1)), ((0, 0), (0, 0)), ((2, 6), (7, 3))), correct=True,
              description="step 1 has no valid token anywhere: every rank skips the update together"),

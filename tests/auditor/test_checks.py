@@ -297,6 +297,22 @@ def test_missing_rank_uneven_microbatches_and_world_size(tmp_path: Path) -> None
     rows = records([[[3, 2], [4]], [[1, 1], [2, 2]]], token_mean)
     assert only(audit_rows(tmp_path / "uneven", rows), Code.UNEVEN_MICROBATCHES).steps.first == 0
 
+
+@pytest.mark.parametrize("synced, flagged", [("last", False), ("every", True), ("none of rank 1", True)])
+def test_uneven_microbatches_are_flagged_only_where_the_synced_backwards_do_not_match(
+        tmp_path: Path, synced: str, flagged: bool) -> None:
+    """Rank 0 runs 3 microbatches and rank 1 runs 2, N counted over all: the weights are exact. With one synced
+    backward per rank (its last) that is a correct loop; every microbatch syncing, or a rank that never
+    syncs, pairs all-reduces wrongly and is flagged."""
+    counts = [[[3, 2, 4], [4, 1]], [[1, 5], [2, 2, 6]], [[2, 2, 1], [7, 3]]]
+    rows = records(counts, token_mean)
+    for row in rows:
+        last = row["micro"] == len(counts[row["step"]][row["rank"]]) - 1
+        row["sync"] = {"last": last, "every": True, "none of rank 1": last and row["rank"] == 0}[synced]
+    report = audit_rows(tmp_path, rows)
+    assert (Code.UNEVEN_MICROBATCHES in {f.code for f in report.findings}) == flagged
+    assert report.runs[0].verdict == ("incorrect" if flagged else "correct"), [f.message for f in report.findings]
+
     rows = records(UNEVEN, token_mean)
     rows[1]["world_size"] = 8
     assert Code.WORLD_SIZE_INCONSISTENT in {f.code for f in audit_rows(tmp_path / "inconsistent", rows).findings}
