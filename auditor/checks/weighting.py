@@ -352,7 +352,7 @@ def _uniform_finding(group: _WeightingGroup, table: list[FactorExplanation], con
         return make_finding(context, code, group.steps, message, fix, evidence)
     if code == Code.WORLD_SIZE_MISMATCH:
         assert explanation is not None
-        cause = _world_size_cause(explanation, q, w, float(row.d_high))
+        cause = _world_size_cause(explanation, q, w, float(row.d_high), context.microbatches)
         evidence["integer_factor"] = {"1/W": f"1/{w}", "1/k": f"1/{explanation.integer}", "W'/W": f"{explanation.integer}/{w}",
                                       "k/W": f"{explanation.integer}/{w}"}.get(explanation.label, explanation.integer)
         if explanation.label == "W'/W":
@@ -409,11 +409,19 @@ def _is_world_size(factor: float | None, context: RunContext) -> bool:
     return factor is not None and any(abs(factor / w - 1) <= context.rtol for w in context.world_sizes or (context.world_size,) if w > 0)
 
 
-def _world_size_cause(explanation: FactorExplanation, q: float, w: int, divisor: float) -> str:
+def _world_size_cause(explanation: FactorExplanation, q: float, w: int, divisor: float, microbatches: int) -> str:
     k = explanation.integer
+    # q = 1/M with M the microbatches in the log: the token mean (N over every microbatch) divided by M again,
+    # as `loss / gradient_accumulation_steps` does, or as Accelerate's and Lightning's backward do by themselves
+    again = (f"the token mean was divided again by the M={microbatches} accumulation steps (loss / "
+             "gradient_accumulation_steps after N already counted every microbatch; Accelerate's "
+             "accelerator.backward and Lightning divide by them themselves)")
     if explanation.label == "1/W":
-        return (f"the W factor is missing: S/N went into a reduction that averages over W={w}" if divisor != 1
-                else f"S/N was divided by W={w} once more")
+        cause = (f"the W factor is missing: S/N went into a reduction that averages over W={w}" if divisor != 1
+                 else f"S/N was divided by W={w} once more")
+        return cause if microbatches != w or microbatches < 2 else f"{cause}; or, as M = W here, {again}"
+    if explanation.label == "1/k" and k == microbatches:
+        return f"the gradient is {k}× too small: {again}, or N counted {k}× the tokens"
     if explanation.label == "W":
         if divisor == 1:
             return f"W·S/N (W={w}) went into a summing reduction (D=1), which needs S/N"

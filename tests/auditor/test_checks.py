@@ -117,6 +117,17 @@ def test_world_size_mismatch(tmp_path: Path, scalar: Any, divisor: float | None,
     assert report.runs[0].max_weight_ratio == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("microbatches", [2, 3])
+def test_a_token_mean_divided_again_by_the_accumulation_steps_is_named(tmp_path: Path, microbatches: int) -> None:
+    """b = W·S/(N·M): the token mean, then ÷ gradient_accumulation_steps. With M = 3 the factor 1/3 is named as
+    that division; with M = 2 = W it reads as the missing W or as the division, and both are said."""
+    counts = [[[5, 1, 2][:microbatches], [3, 7, 4][:microbatches]], [[2, 6, 1][:microbatches], [6, 2, 5][:microbatches]]]
+    rows = records(counts, lambda S, N, W, M, **_: W * S / (N * M))
+    finding = only(audit_rows(tmp_path, rows), Code.WORLD_SIZE_MISMATCH)
+    assert f"divided again by the M={microbatches} accumulation steps" in finding.message
+    assert ("the W factor is missing" in finding.message) == (microbatches == 2)
+
+
 def test_scale_mismatch_and_unnormalized_sum(tmp_path: Path) -> None:
     report = audit_rows(tmp_path / "a", records(UNEVEN_GA, lambda S, N, W, **_: 0.7 * W * S / N))
     assert only(report, Code.SCALE_MISMATCH).evidence["distortion"] == pytest.approx(0.7)
