@@ -55,6 +55,7 @@ class Code(str, Enum):
     NO_WEIGHTS = "no_weights"
     RECORDS_DROPPED = "records_dropped"
     COUNT_MISMATCH = "count_mismatch"
+    RANKS_NOT_RECORDED = "ranks_not_recorded"
 
 
 @dataclass(frozen=True)
@@ -350,6 +351,16 @@ CODE_DOCS: dict[Code, CodeDoc] = {
                 "weight 2/N each, Σ∂b/∂ℓ = 6/N, and 6/N / 10 = 0.6/N lies below 2/N.",
         detail="a record's probed weight sum over its valid_tokens lies outside the probe's lightest and heaviest "
                "token; those steps are left out",
+        undecidable=True,
+    ),
+    Code.RANKS_NOT_RECORDED: CodeDoc(
+        Severity.WARNING,
+        "some ranks below W have no record in any step: the files given hold part of the run",
+        why="N is the valid tokens of every rank, and each weight is judged against it: with a rank's files left "
+            "out (one rank's file given alone), or a recorder made on rank 0 only, every step's N is partial, so "
+            "neither the weights' scale nor a local mean can be told. Nothing about the normalization is judged.",
+        fix="Give the whole run's folder (every rank's shards), and make the Recorder on every rank.",
+        example="`tokaudit check runs/exp/rank-00000-000000.parquet` of a W=2 run: 1 of 2 ranks' records.",
         undecidable=True,
     ),
 }

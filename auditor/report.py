@@ -97,6 +97,9 @@ class RunSummary:
     """Steps the trainer marked skipped (a GradScaler overflow, an inf/NaN guard, N = 0)."""
     divisors: list[float] = field(default_factory=list)
     """Distinct divisors D of the gradient reduction (W for DDP's average, 1 for a sum)."""
+    normalization_judged: bool = True
+    """False where the files given lack some ranks' records (`ranks_not_recorded`): every step's N is partial,
+    so neither the normalization nor q is judged (the JSON then has no weight_range)."""
     weight_range: tuple[float, float] | None = None
     """Lowest and highest q = e·N of a valid token over the run: its weight relative to 1/N (1 when correct)."""
     segments_omitted: int = 0

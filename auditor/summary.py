@@ -159,7 +159,8 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
     max_ratio = (ratio if ratio_seen else math.nan) if ratios_exist else 1.0
     if unbounded:
         max_ratio = math.inf
-    weight_range = (q_low.value(), -q_high.value()) if weighted_any else None
+    judged_ranks = not any(f.code == Code.RANKS_NOT_RECORDED for f in findings)  # else every N is partial
+    weight_range = (q_low.value(), -q_high.value()) if weighted_any and judged_ranks else None
     terms = source.terms
     main = [s for s in segments if s.term == terms[0]]
     normalization = max(main, key=lambda s: s.steps) if main else None
@@ -167,7 +168,7 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
                       verdict=verdict_of(findings, judged), normalization=normalization, segments=segments,
                       max_weight_ratio=max_ratio, microbatches=max(int(microbatches), 0) if rows else 0,
                       terms=terms, skipped_steps=skipped_steps, divisors=sorted(divisors),
-                      weight_range=weight_range, segments_omitted=omitted)
+                      weight_range=weight_range, segments_omitted=omitted, normalization_judged=judged_ranks)
 
 class _Extreme:
     """The lowest value seen over blocks, NaN skipped; NaN when none was a number (pandas' min)."""

@@ -59,3 +59,14 @@ def test_evidence_from_the_one_query_is_the_evidence_of_each_step_aggregated_alo
     assert render_json(one_query) == render_json(alone)
     assert one_query.steps is not None and alone.steps is not None
     assert list(one_query.steps.columns) == list(alone.steps.columns)  # the same table whatever the size
+
+
+def test_one_rank_s_file_given_alone_is_said_and_inconclusive() -> None:
+    """`tokaudit check` on one rank's shard of a real 2-rank DDP run: the files hold 1 of W=2 ranks' records, so
+    no N is whole: inconclusive (exit 0), and no advice to change a loss that may well be right."""
+    result = CliRunner().invoke(main, ["check", str(SAMPLE_LOGS / "bug_local_mean" / "rank-00000-000000.parquet"),
+                                       "--format", "json"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [f["code"] for f in report["findings"]] == ["ranks_not_recorded"]
+    assert report["runs"][0]["verdict"] == "inconclusive"

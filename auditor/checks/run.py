@@ -12,7 +12,7 @@ import pandas as pd
 from tokaudit.checks.base import Check, Extremes, RunContext, RunSteps, column_of, world_sizes
 from tokaudit.checks.miscount import without_miscounted
 from tokaudit.checks.reported import reported_findings
-from tokaudit.checks.structure import DivisorCheck, MissingRanksCheck, ProbeCheck, StructureCheck, SyncCheck, ValuesCheck, WeightPresenceCheck, duplicates_finding
+from tokaudit.checks.structure import DivisorCheck, MissingRanksCheck, ProbeCheck, StructureCheck, SyncCheck, ValuesCheck, WeightPresenceCheck, duplicates_finding, not_recorded_finding, ranks_not_recorded
 from tokaudit.checks.weighting import BalancedCheck, FactorTable, WeightingCheck
 from tokaudit.engine import one_value
 from tokaudit.normalization import Decisions, FitBlock, Span, Spans, block_fits, span_rows
@@ -41,6 +41,8 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
         source, miscounted = steps, None  # the audit leaves its miscounted steps out itself, for its summary too
     else:
         source, miscounted = without_miscounted(RunSteps.of(steps), rtol)
+    if absent := ranks_not_recorded(source):  # every step's N is partial: nothing about the normalization is judged
+        return [not_recorded_finding(run, source, absent)], [], 0
     findings: list[Finding] = []
     spans: list[Span] = []
     omitted = 0

@@ -9,7 +9,7 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit.checks.base import Check, FlaggedSteps, ListedSteps, RunContext, StepsSeen, column_of, differ_rows, grouped, make_finding, median_of, nan_sum, step_list
+from tokaudit.checks.base import Check, FlaggedSteps, RunSteps, ListedSteps, RunContext, StepsSeen, column_of, differ_rows, grouped, make_finding, median_of, nan_sum, step_list
 from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
 from tokaudit.report import Finding, StepRange
 from tokaudit.schema import UNNAMED
@@ -85,6 +85,40 @@ def _synced_once(block: pd.DataFrame) -> npt.NDArray[np.bool_]:
     synced: npt.NDArray[np.bool_] = known & (column_of(block, "sync_true") == column_of(block, "ranks")) & (
         column_of(block, "unsynced_ranks") == 0)
     return synced
+
+def ranks_not_recorded(source: RunSteps) -> dict[str, tuple[list[int], int]]:
+    """Per group of W ≤ 64: the ranks below W with no record in any step of the run (its files not given, or
+    no recorder on it), and W; only the groups that lack some. W is the least any record says, so that a
+    record's wrong W (world_size_inconsistent) does not make up absent ranks."""
+    seen: dict[str, int] = {}
+    worlds: dict[str, int] = {}
+    for block in source.blocks():
+        masks, world = column_of(block, "rank_mask"), column_of(block, "w_low")
+        for group, rows in grouped(block.grp):
+            bits = masks[rows] if masks.dtype.kind == "u" else np.nan_to_num(masks[rows]).astype(np.uint64)
+            present = np.bitwise_or.reduce(bits)
+            seen[group] = seen.get(group, 0) | int(present)
+            worlds[group] = min(worlds.get(group, 1 << 30), int(np.nanmin(world[rows])))
+    absent = {group: ([r for r in range(worlds[group]) if not seen[group] >> r & 1], worlds[group])
+              for group in seen if worlds[group] <= 64}
+    return {group: found for group, found in absent.items() if found[0]}
+
+def not_recorded_finding(run: str, source: RunSteps, absent: dict[str, tuple[list[int], int]]) -> Finding:
+    """ranks_not_recorded over every step of the run: which ranks of which group the files given lack, and that
+    nothing else is judged."""
+    group, (ranks, w) = next(iter(sorted(absent.items())))
+    steps = StepsSeen(True)
+    for block in source.blocks():
+        steps.add(column_of(block, "step"))
+    where = "" if group == UNNAMED else f" of group {group}"
+    held = w - len(ranks)
+    context = RunContext(run=run, term=UNNAMED, world_size=w, world_sizes=(w,), microbatches=0, divisor=0.0, rtol=0.0)
+    return make_finding(context, Code.RANKS_NOT_RECORDED, steps,
+                        f"The files given hold the records of {held} of W={w} ranks{where}: rank(s) {step_list(ranks)} "
+                        "have none in any step. Were their files left out, or is the Recorder made on some ranks only? "
+                        "Every step's N needs all ranks' tokens, so nothing about the normalization is judged.",
+                        "give the whole run's folder (every rank's shards), and make the Recorder on every rank",
+                        {"world_size": w, "ranks_not_recorded": ranks, "group": group})
 
 class ValuesCheck(Check):
     """nonfinite_values, zero_token_nonfinite, empty_update. Non-finite values of an update the

@@ -52,10 +52,10 @@ def render_report(report: AuditReport, console: Console) -> None:
                 head.append(": ")
                 head.append(run.verdict, style=VERDICT_STYLE[run.verdict])
                 console.print(head)
-                line = (f"{factor_text(run.normalization, run.steps)} · q {_q_range(run)} · max ratio "
+                line = (f"{factor_text(run.normalization, run.steps, run.normalization_judged)} · q {_q_range(run)} · max ratio "
                         f"{ratio_text(run.max_weight_ratio)} · {run.steps} steps, {run.ranks} ranks, W "
                         f"{', '.join(map(str, run.world_size))}, D {_divisors(run)}") if run.steps else \
-                    f"{factor_text(run.normalization, run.steps)}: every step left out (see the findings)"
+                    f"{factor_text(run.normalization, run.steps, run.normalization_judged)}: every step left out (see the findings)"
                 console.print(Padding(Text(line), (0, 0, 0, 2)))
         console.print(Text(LEGEND, style="dim"))
         console.print()
@@ -94,7 +94,7 @@ def _runs_table(report: AuditReport, console: Console) -> Table | None:
     for run in report.runs:
         runs.add_row(Text(printable(run.run)), Text(run.verdict, style=VERDICT_STYLE[run.verdict]), str(run.steps),
                      str(run.ranks), ", ".join(map(str, run.world_size)), _divisors(run),
-                     factor_text(run.normalization, run.steps), _q_range(run), ratio_text(run.max_weight_ratio))
+                     factor_text(run.normalization, run.steps, run.normalization_judged), _q_range(run), ratio_text(run.max_weight_ratio))
     natural = Measurement.get(console, console.options.update_width(1 << 20), runs).maximum  # unconstrained
     return runs if natural <= console.width else None
 

@@ -39,7 +39,7 @@ def render_markdown(report: AuditReport) -> str:
             q = low if low == high else f"{low} – {high}"
             lines.append(f"| `{_cell(run.run)}` | {ICONS[run.verdict]} {run.verdict} | {run.steps} | {run.ranks} "
                          f"| {', '.join(map(str, run.world_size))} | {', '.join(f'{d:g}' for d in run.divisors)} "
-                         f"| {_cell(factor_text(run.normalization, run.steps))} | {q} | {ratio_text(run.max_weight_ratio)} |")
+                         f"| {_cell(factor_text(run.normalization, run.steps, run.normalization_judged))} | {q} | {ratio_text(run.max_weight_ratio)} |")
         lines += ["", "q = e·N is each valid token's weight relative to 1/N (1 when correct); max ratio is the "
                       "largest ratio between two tokens' weights in one step.", ""]
     for f in report.findings:

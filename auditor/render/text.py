@@ -10,12 +10,15 @@ if TYPE_CHECKING:  # (the report's module imports pyarrow: the command line impo
     from tokaudit.report import Segment, StepRange
 
 
-def factor_text(segment: Segment | None, steps: int = 1) -> str:
+def factor_text(segment: Segment | None, steps: int = 1, judged: bool = True) -> str:
     """`b·g = 2·S/N` style, the recovered normalization in one phrase; `steps`: the run's steps judged (none
-    where every step was left out: records dropped, counts the probe contradicts)."""
+    where every step was left out: records dropped, counts the probe contradicts); `judged`: False where the
+    files lack some ranks' records (`RunSummary.normalization_judged`)."""
     # here, not at the top: the command line imports this module, and normalization imports pandas
     from tokaudit.normalization import FORMULA, Denominator
 
+    if not judged:
+        return "not judged: ranks without records"
     if segment is None:
         return "no valid tokens" if steps else "no step judged"
     if segment.denominator == "undetermined":

@@ -309,6 +309,22 @@ def test_missing_rank_uneven_microbatches_and_world_size(tmp_path: Path) -> None
     assert only(audit_rows(tmp_path / "uneven", rows), Code.UNEVEN_MICROBATCHES).steps.first == 0
 
 
+def test_ranks_with_no_record_in_any_step_make_the_run_inconclusive(tmp_path: Path) -> None:
+    """A W=2 log with only rank 1's records (a local mean, which the other rank's tokens would show): every
+    step's N is partial, so nothing about the normalization is judged: one ranks_not_recorded, inconclusive.
+    With both ranks the same loop is local_mean; a group whose ranks all recorded is judged beside it."""
+    rows = records(UNEVEN_GA, local_mean)
+    partial = audit_rows(tmp_path / "partial", [r for r in rows if r["rank"] == 1])
+    (finding,) = partial.findings
+    assert finding.code == Code.RANKS_NOT_RECORDED and finding.evidence["ranks_not_recorded"] == [0]
+    assert finding.steps.count == len(UNEVEN_GA) and "1 of W=2 ranks" in finding.message
+    assert partial.runs[0].verdict == "inconclusive" and partial.runs[0].weight_range is None
+    assert only(audit_rows(tmp_path / "whole", rows), Code.LOCAL_MEAN)
+    grouped = [dict(r, group="dp0") for r in rows] + [dict(r, group="dp1") for r in rows if r["rank"] == 0]
+    (finding,) = audit_rows(tmp_path / "groups", grouped).findings
+    assert finding.code == Code.RANKS_NOT_RECORDED and finding.evidence["group"] == "dp1"
+
+
 @pytest.mark.parametrize("synced, flagged", [("last", False), ("every", True), ("none of rank 1", True)])
 def test_uneven_microbatches_are_flagged_only_where_the_synced_backwards_do_not_match(
         tmp_path: Path, synced: str, flagged: bool) -> None:
