@@ -369,4 +369,8 @@ CODE_DOCS: dict[Code, CodeDoc] = {
 DEFAULT_SEVERITY: dict[Code, Severity] = {code: doc.severity for code, doc in CODE_DOCS.items()}
 
 UNDECIDABLE: frozenset[Code] = frozenset(code for code, doc in CODE_DOCS.items() if doc.undecidable)
+
+REPORTING: frozenset[Code] = frozenset({Code.REPORTED_LOSS_MISMATCH, Code.REPORTED_LOSS_SHIFTED})
+"""Findings about the logged loss, not the gradient: they never decide the verdict, which asks whether every
+valid token got the token-mean weight; the run's `reported_loss` status says them beside it."""
 """Warnings that say the logs cannot tell: alone, they make a run `inconclusive`, not `incorrect`."""

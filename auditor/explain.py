@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import textwrap
 
-from tokaudit.codes import CODE_DOCS, EXAMPLE_SETUP, UNDECIDABLE, Code, CodeDoc
+from tokaudit.codes import CODE_DOCS, EXAMPLE_SETUP, REPORTING, UNDECIDABLE, Code, CodeDoc
 
 LIST_WIDTH = 26
 """The code column of `tokaudit explain`'s list: the longest code and a space."""
@@ -61,9 +61,11 @@ def _codes(codes: frozenset[Code]) -> str:
 SCRIPT = "scripts/write_codes_doc.py"
 
 _VERDICT = textwrap.fill(
-    "Verdict (per run): `correct` with no warning or error; `inconclusive` when every warning says the logs "
-    f"cannot tell ({_codes(UNDECIDABLE)}), when the run is `{Code.BALANCED_COUNTS.value}`, or when no step "
-    "could be judged (no step with valid tokens carries a usable weight); `incorrect` otherwise.",
+    "Verdict (per run), about the gradient: `correct` with no warning or error; `inconclusive` when every "
+    f"warning says the logs cannot tell ({_codes(UNDECIDABLE)}), when the run is `{Code.BALANCED_COUNTS.value}`, "
+    "or when no step could be judged (no step with valid tokens carries a usable weight); `incorrect` otherwise. "
+    f"The logged loss ({_codes(REPORTING)}) is the run's `reported_loss` (matches, differs, shifted, not "
+    "logged), shown beside the verdict, never part of it.",
     width=105, break_long_words=False, break_on_hyphens=False)
 
 _HEADER = f"""\

@@ -12,7 +12,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.checks import RunSteps, distinct, world_sizes
-from tokaudit.codes import DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
+from tokaudit.codes import DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, Code, Severity
 from tokaudit.reader import Shard
 from tokaudit.report import Finding, RunSummary, Segment, StepRange, Verdict
 
@@ -100,9 +100,10 @@ def apply_policy(findings: list[Finding], ignored: set[Code], min_ratio: float |
     return kept
 
 def verdict_of(findings: Sequence[Finding], judged: bool) -> Verdict:
-    """Incorrect when a warning or error says so; inconclusive when the only ones say the logs
-    cannot tell (or the counts are balanced, or nothing could be judged); correct otherwise."""
-    serious = [f for f in findings if f.severity.rank >= Severity.WARNING.rank]
+    """Incorrect when a warning or error about the gradient says so; inconclusive when the only ones say the
+    logs cannot tell (or the counts are balanced, or nothing could be judged); correct otherwise. Findings about
+    the logged loss (REPORTING) are the run's `reported_loss`, never its verdict."""
+    serious = [f for f in findings if f.severity.rank >= Severity.WARNING.rank and f.code not in REPORTING]
     if any(f.code not in UNDECIDABLE for f in serious):
         return "incorrect"
     if serious or any(f.code == Code.BALANCED_COUNTS for f in findings) or not judged:
@@ -120,13 +121,14 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
     ratio_seen, ratio, unbounded = False, -math.inf, False
     ratios_exist = weighted_any = False
     q_low, q_high = _Extreme(), _Extreme()
-    rows = steps = skipped_steps = 0
+    rows = steps = skipped_steps = reported = 0
     ranks, microbatches = -1, -math.inf
     divisors: set[float] = set()
     sizes: set[int] = set()
     for part in source.parts():
         sizes.update(world_sizes(part))
         rows += int(part.records.sum())
+        reported += int(part.reported.sum())  # records that carry a logged loss
         steps += _count_distinct(part.step.to_numpy())
         skipped_steps += _count_distinct(part.step.to_numpy()[part.skipped_true.to_numpy() > 0])
         ranks = max(ranks, int(part.rank_max.max()))
@@ -168,7 +170,17 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
                       verdict=verdict_of(findings, judged), normalization=normalization, segments=segments,
                       max_weight_ratio=max_ratio, microbatches=max(int(microbatches), 0) if rows else 0,
                       terms=terms, skipped_steps=skipped_steps, divisors=sorted(divisors),
-                      weight_range=weight_range, segments_omitted=omitted, normalization_judged=judged_ranks)
+                      weight_range=weight_range, segments_omitted=omitted, normalization_judged=judged_ranks,
+                      reported_loss=_reported_loss(findings, reported))
+
+def _reported_loss(findings: list[Finding], reported: int) -> str:
+    """The logged loss against the token mean, from the findings about it and the records that carry one."""
+    said = {f.code for f in findings}
+    if Code.REPORTED_LOSS_MISMATCH in said:
+        return "differs"
+    if Code.REPORTED_LOSS_SHIFTED in said:
+        return "shifted"
+    return "matches" if reported else "not logged"
 
 class _Extreme:
     """The lowest value seen over blocks, NaN skipped; NaN when none was a number (pandas' min)."""

@@ -10,6 +10,7 @@ EXPECTED_CODES: dict[str, set[str]] = {
     "correct_sum_hook_one_micro": set(),
     "correct_empty_update_skipped": {"empty_update"},
     "correct_uneven_microbatches": set(),
+    "correct_token_mean_reported_local_means": {"reported_loss_mismatch"},  # the verdict is about the gradient
     "bug_uneven_microbatches_local_mean": {"local_mean"},
     "bug_local_mean": {"local_mean", "reported_loss_mismatch"},
     "bug_local_mean_accumulation": {"local_mean", "reported_loss_mismatch"},
@@ -59,6 +60,7 @@ EXPECTED_NORMALIZATION: dict[str, tuple[str, float]] = {
     "correct_sum_hook_one_micro": ("N", 1.0),
     "correct_empty_update_skipped": ("N", 2.0),
     "correct_uneven_microbatches": ("N", 2.0),
+    "correct_token_mean_reported_local_means": ("N", 2.0),
     "bug_local_mean": ("n_rank", 1.0),
     "bug_uneven_microbatches_local_mean": ("n_micro", 1.0),
     "bug_local_mean_accumulation": ("n_micro*M", 1.0),

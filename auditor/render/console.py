@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tokaudit.codes import DEFAULT_RTOL
-from tokaudit.render.text import factor_text, printable, ratio_text, steps_text
+from tokaudit.render.text import factor_text, printable, ratio_text, reported_note, steps_text
 from tokaudit.report import AuditReport, RunSummary
 
 VERDICT_STYLE = {"correct": "bold green", "incorrect": "bold red", "inconclusive": "bold yellow"}
@@ -51,6 +51,7 @@ def render_report(report: AuditReport, console: Console) -> None:
                 head = Text(printable(run.run), style="bold")
                 head.append(": ")
                 head.append(run.verdict, style=VERDICT_STYLE[run.verdict])
+                head.append(reported_note(run))
                 console.print(head)
                 line = (f"{factor_text(run.normalization, run.steps, run.normalization_judged)} · q {_q_range(run)} · max ratio "
                         f"{ratio_text(run.max_weight_ratio)} · {run.steps} steps, {run.ranks} ranks, W "
@@ -92,7 +93,9 @@ def _runs_table(report: AuditReport, console: Console) -> Table | None:
     runs.add_column("q = e·N", justify="right", no_wrap=True)
     runs.add_column("max ratio", justify="right", no_wrap=True)
     for run in report.runs:
-        runs.add_row(Text(printable(run.run)), Text(run.verdict, style=VERDICT_STYLE[run.verdict]), str(run.steps),
+        verdict = Text(run.verdict, style=VERDICT_STYLE[run.verdict])
+        verdict.append(reported_note(run))
+        runs.add_row(Text(printable(run.run)), verdict, str(run.steps),
                      str(run.ranks), ", ".join(map(str, run.world_size)), _divisors(run),
                      factor_text(run.normalization, run.steps, run.normalization_judged), _q_range(run), ratio_text(run.max_weight_ratio))
     natural = Measurement.get(console, console.options.update_width(1 << 20), runs).maximum  # unconstrained

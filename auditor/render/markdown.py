@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import html
 
-from tokaudit.render.text import factor_text, printable, ratio_text, steps_text
+from tokaudit.render.text import factor_text, printable, ratio_text, reported_note, steps_text
 from tokaudit.report import AuditReport
 from tokaudit.schema import UNNAMED
 
@@ -37,7 +37,7 @@ def render_markdown(report: AuditReport) -> str:
         for run in report.runs:
             low, high = ("–", "–") if run.weight_range is None else (f"{v:.4g}" for v in run.weight_range)
             q = low if low == high else f"{low} – {high}"
-            lines.append(f"| `{_cell(run.run)}` | {ICONS[run.verdict]} {run.verdict} | {run.steps} | {run.ranks} "
+            lines.append(f"| `{_cell(run.run)}` | {ICONS[run.verdict]} {run.verdict}{reported_note(run)} | {run.steps} | {run.ranks} "
                          f"| {', '.join(map(str, run.world_size))} | {', '.join(f'{d:g}' for d in run.divisors)} "
                          f"| {_cell(factor_text(run.normalization, run.steps, run.normalization_judged))} | {q} | {ratio_text(run.max_weight_ratio)} |")
         lines += ["", "q = e·N is each valid token's weight relative to 1/N (1 when correct); max ratio is the "

@@ -7,7 +7,7 @@ import unicodedata
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (the report's module imports pyarrow: the command line imports this one first)
-    from tokaudit.report import Segment, StepRange
+    from tokaudit.report import RunSummary, Segment, StepRange
 
 
 def factor_text(segment: Segment | None, steps: int = 1, judged: bool = True) -> str:
@@ -28,6 +28,14 @@ def factor_text(segment: Segment | None, steps: int = 1, judged: bool = True) ->
     factor = f"{segment.factor:.4g}·" if f"{segment.factor:.4g}" != "1" else ""
     formula = FORMULA.get(Denominator(segment.denominator), f"S/{segment.denominator}")
     return f"b·g = {factor}{formula}"
+
+
+def reported_note(run: RunSummary) -> str:
+    """What to show beside a verdict that is not `incorrect` when the logged loss is not the token mean (an
+    incorrect run's findings say it already): the verdict is about the gradient alone."""
+    if run.verdict == "incorrect" or run.reported_loss not in ("differs", "shifted"):
+        return ""
+    return f" (reported loss {run.reported_loss})"
 
 
 def ratio_text(ratio: float) -> str:

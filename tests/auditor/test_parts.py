@@ -99,7 +99,7 @@ def _live_log(folder: Path) -> Path:
 @pytest.mark.parametrize("chunk_rows, block", [(7, 1), (40, 3), (200, 5)] if THOROUGH else [(40, 3)])
 def test_a_table_read_in_parts_gives_the_whole_table_s_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                chunk_rows: int, block: int) -> None:
-    """Three of the recorded DDP sample logs (all 30, every finding code they hold, with TOKAUDIT_THOROUGH=1),
+    """Three of the recorded DDP sample logs (all 31, every finding code they hold, with TOKAUDIT_THOROUGH=1),
     a log of two groups and two terms with several mistakes, and a log still being written (`--live`): the
     same JSON, and the same table kept for the caller, whole or in parts."""
     mixed, live = _mixed_log(tmp_path / "mixed" / "run"), _live_log(tmp_path / "live" / "run")
