@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from tokaudit.loading import Loading
 
 EXIT_OK, EXIT_FINDINGS, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_INTERRUPTED, EXIT_CLOSED_PIPE = 130, 141
+"""128 + SIGINT and 128 + SIGPIPE, as a shell reports a Unix tool stopped by Ctrl-C or by a reader that went away."""
 WEIGHT_NAMES = {"grp": "group", "eff": "effective_weight", "q": "distortion", "eff_min": "effective_weight_min",
                 "eff_max": "effective_weight_max"}
 """`weights` columns under the names the log schema and the JSON report use."""
@@ -93,9 +95,13 @@ class _Guarded(click.Group):
             raise
         except TokauditError as error:
             _fail(error)
+        except KeyboardInterrupt:
+            _problem("interrupted")  # one line, not click's "Aborted!" and exit 1, which means findings
+            sys.exit(EXIT_INTERRUPTED)
         except BrokenPipeError:
-            sys.stderr.close()  # the reader went away (| head): nothing left to say
-            sys.exit(EXIT_BAD_INPUT)
+            # the reader went away (| head): nothing left to say, and nothing left to flush at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(EXIT_CLOSED_PIPE)
         except OSError as error:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
@@ -156,7 +162,8 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
           min_ratio: float | None, rtol: float, runs: tuple[str, ...], live: bool, quiet: bool) -> None:
     """Recover the normalization every run used and diagnose it.
 
-    Exit 0: nothing at or above --fail-on; 1: findings; 2: bad usage or unreadable input.
+    Exit 0: nothing at or above --fail-on; 1: findings; 2: bad usage or unreadable input; 130: interrupted
+    (Ctrl-C); 141: the output's reader went away (| head).
     """
     with _progress(quiet) as progress:
         _refuse_inputs(output, paths)

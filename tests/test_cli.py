@@ -252,3 +252,28 @@ def test_weights_reads_only_the_shards_that_hold_its_step(tmp_path: Path) -> Non
     assert len(out.strip().splitlines()) == 1 + sum(r["step"] == 1 for r in rows)
     code, _, err = invoke("check", str(tmp_path / "run"))
     assert code == 2 and "rank-all-000001.parquet: corrupt data" in err
+
+
+def test_ctrl_c_is_one_line_and_exit_130(logs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C during an audit (KeyboardInterrupt where the audit runs): `tokaudit: error: interrupted`, exit
+    130, not click's "Aborted!" and exit 1, which means findings."""
+    import tokaudit.auditing
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tokaudit.auditing, "audit", interrupted)
+    result = CliRunner().invoke(main, ["check", str(logs)])
+    assert result.exit_code == 130 and result.stderr == "tokaudit: error: interrupted\n", result.output
+
+
+@pytest.mark.slow
+def test_a_reader_that_goes_away_is_exit_141_and_quiet(logs: Path) -> None:
+    """`tokaudit check … | head`: the reader closes the pipe before the report is written; the command says
+    nothing and exits 141 (128 + SIGPIPE), as other Unix tools do."""
+    child = subprocess.Popen([sys.executable, "-m", "tokaudit", "check", str(logs), "--format", "json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert child.stdout is not None and child.stderr is not None
+    child.stdout.close()  # before the audit ends and the report is written
+    errors = child.stderr.read()
+    assert child.wait(timeout=60) == 141 and errors == b"", errors
