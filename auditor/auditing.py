@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 from pandas.api.types import union_categoricals
 
 from tokaudit.checks import RunSteps, check_run, without_miscounted
-from tokaudit.codes import DEFAULT_RTOL, Code
+from tokaudit.codes import DEFAULT_RTOL, Code, code_named
 from tokaudit.engine import EXTREME_COLUMNS, Engine, Spilled, extremes_at
 from tokaudit.errors import LogFormatError, UsageError
 from tokaudit.loading import Loading, LogSet, cores, load
@@ -156,7 +156,7 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
     if min_ratio is not None and not min_ratio >= 1:
         raise UsageError(f"--min-ratio must be at least 1, got {min_ratio}")
     try:
-        ignored = {Code(code) for code in ignore}
+        ignored = {code_named(code) for code in ignore}
     except ValueError as error:
         raise UsageError(f"--ignore: {error}; `tokaudit explain` lists the codes") from None
     return _audit(paths, rtol, runs, progress, live, ignored, min_ratio, keep_steps, threads, started)

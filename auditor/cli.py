@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.text import Text
 
 from tokaudit import __version__
-from tokaudit.codes import DEFAULT_RTOL, Code, Severity
+from tokaudit.codes import DEFAULT_RTOL, Severity, code_named
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
 from tokaudit.render.text import printable
 
@@ -331,9 +331,9 @@ def explain(code: str | None) -> None:
             click.echo(line)
         return
     try:
-        chosen = Code(code)
-    except ValueError:
-        _problem(f"unknown code {code!r}; `tokaudit explain` lists them")
+        chosen = code_named(code)
+    except ValueError as error:
+        _problem(f"{error}; `tokaudit explain` lists them")
         sys.exit(EXIT_BAD_INPUT)
     click.echo(explain_text(chosen))
 

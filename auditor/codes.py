@@ -370,6 +370,22 @@ DEFAULT_SEVERITY: dict[Code, Severity] = {code: doc.severity for code, doc in CO
 
 UNDECIDABLE: frozenset[Code] = frozenset(code for code, doc in CODE_DOCS.items() if doc.undecidable)
 
+def code_named(text: str | Code) -> Code:
+    """The code a user typed, in either spelling (local_mean, local-mean, any case); ValueError naming the
+    nearest code where there is one."""
+    if isinstance(text, Code):
+        return text
+    name = text.strip().lower().replace("-", "_")
+    try:
+        return Code(name)
+    except ValueError:
+        import difflib
+
+        near = difflib.get_close_matches(name, [code.value for code in Code], n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise ValueError(f"unknown code {text!r}{hint}") from None
+
+
 REPORTING: frozenset[Code] = frozenset({Code.REPORTED_LOSS_MISMATCH, Code.REPORTED_LOSS_SHIFTED})
 """Findings about the logged loss, not the gradient: they never decide the verdict, which asks whether every
 valid token got the token-mean weight; the run's `reported_loss` status says them beside it."""

@@ -167,6 +167,15 @@ def test_fail_on_inconclusive_ignore_and_min_ratio(tmp_path: Path) -> None:
     assert code == 0 and json.loads(out)["findings"] == [] and json.loads(out)["runs"][0]["verdict"] == "correct"
     code, _, err = invoke("check", str(bad), "--ignore", "no_such_code")
     assert code == 2 and "--ignore" in err
+    # either spelling of a code, and the nearest one named for a typo
+    assert invoke("check", str(bad), "--ignore", "Local-Mean")[0] == 0
+    code, _, err = invoke("check", str(bad), "--ignore", "locl_mean")
+    assert code == 2 and err.strip().splitlines() == [
+        "tokaudit: error: --ignore: unknown code 'locl_mean' (did you mean local_mean?); `tokaudit explain` lists "
+        "the codes"]
+    assert invoke("explain", "local-mean")[1].startswith("local_mean (error)")
+    code, _, err = invoke("explain", "locl_mean")
+    assert code == 2 and "did you mean local_mean?" in err
 
     # A local mean whose counts differ by 1 in 400: tokens weigh at most 1.0025× each other.
     nearly = write_by_rank(tmp_path / "nearly", records([[[400], [401]], [[399], [400]]], local_mean))
