@@ -116,13 +116,26 @@ class _Guarded(click.Group):
 
 
 def _rich_text(render: Callable[[Console], None], output: Path | None) -> str | None:
-    """Render to the terminal (colors when it is one), or to plain text for --output."""
+    """Render to the terminal (colors when it is one), or to plain text for --output or a pipe."""
     if output is None:
-        render(Console(highlight=False))
-        return None
+        console = Console(highlight=False)
+        if console.is_terminal:
+            render(console)
+            return None
+        width = console.width
+    else:
+        width = 140
     buffer = io.StringIO()
-    render(Console(file=buffer, width=140, no_color=True, highlight=False, force_terminal=False))
-    return buffer.getvalue()
+    render(Console(file=buffer, width=width, no_color=True, highlight=False, force_terminal=False))
+    # rich pads every line to the width: a pipe, a CI log or a file gets the text without the padding
+    return "\n".join(line.rstrip() for line in buffer.getvalue().split("\n"))
+
+
+def _print_rich(render: Callable[[Console], None]) -> None:
+    """Render to the terminal, or, to a pipe, as plain text without trailing spaces."""
+    text = _rich_text(render, None)
+    if text is not None:
+        click.echo(text, nl=False)
 
 
 # Plain strings: a URL (s3://bucket/runs/) must reach the reader as written, not as a Path.
@@ -247,7 +260,7 @@ def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str) -> Non
     else:
         from tokaudit.render.console import render_weights
 
-        render_weights(chosen, step, records, Console(highlight=False))
+        _print_rich(lambda console: render_weights(chosen, step, records, console))
     _exit_for_problems(problems)
 
 
@@ -292,8 +305,11 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
             write_png(curve.run, views.points, plot_path)
     except TokauditError as error:
         _fail(error)
-    console.print(views.chart.render(), markup=False, highlight=False)
-    render_curve_table(curve.run, views.shown, views.steps, console)
+    def render(console: Console) -> None:
+        console.print(views.chart.render(), markup=False, highlight=False)
+        render_curve_table(curve.run, views.shown, views.steps, console)
+
+    _print_rich(render)
     for path in (csv_path, plot_path):
         if path is not None:
             _stderr().print(f"wrote {printable(str(path))}", style="dim", markup=False)

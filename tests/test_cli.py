@@ -277,3 +277,11 @@ def test_a_reader_that_goes_away_is_exit_141_and_quiet(logs: Path) -> None:
     child.stdout.close()  # before the audit ends and the report is written
     errors = child.stderr.read()
     assert child.wait(timeout=60) == 141 and errors == b"", errors
+
+
+def test_piped_output_has_no_trailing_spaces(logs: Path) -> None:
+    """Output that is not a terminal (a pipe, a CI log) is plain text without the padding a table adds."""
+    for args in (["check", str(logs)], ["weights", str(logs / "bad"), "--step", "1"], ["curve", str(logs / "bad")]):
+        result = CliRunner().invoke(main, args, env={"COLUMNS": "120"})
+        assert result.exit_code in (0, 1) and result.stdout.strip(), (args, result.output)
+        assert not [line for line in result.stdout.splitlines() if line != line.rstrip()], args
