@@ -7,6 +7,8 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -102,3 +104,22 @@ def run_ddp(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float 
                 process.kill()
             process.join(5)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def torchrun(*args: str, cwd: Path | None = None) -> subprocess.Popen[str]:
+    """`torchrun --standalone --nproc-per-node 2 ARGS…` started as a user's shell would (gloo on loopback,
+    one thread a process); several may run at once, each being mostly start-up. `finished` waits for them."""
+    launcher = Path(sys.executable).with_name("torchrun")
+    return subprocess.Popen([str(launcher), "--standalone", "--nproc-per-node", "2", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            env={"PATH": "/usr/bin:/bin", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+
+
+def finished(*runs: subprocess.Popen[str], timeout: float = 180) -> None:
+    """Wait for each launch; a failed one raises with the end of its stderr, a hung one is killed."""
+    for run in runs:
+        try:
+            _, errors = run.communicate(timeout=timeout)
+        finally:
+            run.kill()
+        assert run.returncode == 0, errors[-3000:]

@@ -337,8 +337,9 @@ def measure(cells: list[Cell], root: Path, together: bool = False) -> list[Row]:
     each in its own), compare each with the reference, and audit its log with `tokaudit check`."""
     if together:
         run_ddp_each(matrix_job, 2, cells, str(root), timeout=300)
-    for cell in cells if not together else []:
-        run_ddp(matrix_job, 2, cell, str(root), timeout=300)
+    else:
+        for cell in cells:
+            run_ddp(matrix_job, 2, cell, str(root), timeout=300)
     return [_judged(cell, root) for cell in cells]
 
 

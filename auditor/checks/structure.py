@@ -99,9 +99,12 @@ def ranks_not_recorded(source: RunSteps) -> dict[str, tuple[list[int], int]]:
             present = np.bitwise_or.reduce(bits)
             seen[group] = seen.get(group, 0) | int(present)
             worlds[group] = min(worlds.get(group, 1 << 30), int(np.nanmin(world[rows])))
-    absent = {group: ([r for r in range(worlds[group]) if not seen[group] >> r & 1], worlds[group])
-              for group in seen if worlds[group] <= 64}
+    absent = {group: (_unset_ranks(seen[group], worlds[group]), worlds[group]) for group in seen if worlds[group] <= 64}
     return {group: found for group, found in absent.items() if found[0]}
+
+def _unset_ranks(mask: int, below: int) -> list[int]:
+    """The ranks under `below` whose bit a rank mask (rank_mask: bit r set where rank r recorded) does not set."""
+    return [rank for rank in range(below) if not mask >> rank & 1]
 
 def not_recorded_finding(run: str, source: RunSteps, absent: dict[str, tuple[list[int], int]]) -> Finding:
     """ranks_not_recorded over every step of the run: which ranks of which group the files given lack, and that
@@ -264,8 +267,7 @@ class MissingRanksCheck(Check):
             return
         first = self.missing.first
         w = int(first.w_high)
-        mask = 0 if pd.isna(first.rank_mask) else int(first.rank_mask)
-        absent = [r for r in range(min(w, 64)) if not mask >> r & 1]
+        absent = _unset_ranks(0 if pd.isna(first.rank_mask) else int(first.rank_mask), min(w, 64))
         listed = f"ranks {step_list(absent)}" if w <= 64 else f"{w - int(first.ranks)} ranks (of those below 64: {step_list(absent)})"
         yield make_finding(self.context, Code.MISSING_RANK, self.missing.steps,
                        f"{self.missing.rows} step(s) lack records from some ranks (step {int(first.step)}: {listed} "

@@ -14,7 +14,7 @@ import pandas as pd
 from tokaudit.checks.base import BF16_HINT, BF16_ROUNDING, DENOMINATOR_WORDS, Extremes, RunContext, StepsSeen, average_fix, column_of, make_finding, step_list
 from tokaudit.checks.structure import ALL_CODES
 from tokaudit.codes import Code
-from tokaudit.normalization import DENOMINATORS, FORMULA, Denominator, Diagnoses, FactorExplanation, FactorKind, StepKind, ClusterStarts, cluster, explain_factor
+from tokaudit.normalization import DENOMINATORS, FORMULA, Denominator, Diagnoses, FactorExplanation, FactorKind, StepKind, ClusterStarts, close, cluster, explain_factor
 from tokaudit.report import Finding
 from tokaudit.schema import UNNAMED
 from tokaudit.sorting import SortedColumn, middle, middle_positions
@@ -406,7 +406,8 @@ def _overcounted(context: RunContext) -> str:
 
 def _is_world_size(factor: float | None, context: RunContext) -> bool:
     """α is the run's W (several: any of them), within the tolerance."""
-    return factor is not None and any(abs(factor / w - 1) <= context.rtol for w in context.world_sizes or (context.world_size,) if w > 0)
+    sizes = context.world_sizes or (context.world_size,)
+    return factor is not None and any(w > 0 and close(factor, float(w), context.rtol) for w in sizes)
 
 
 def _world_size_cause(explanation: FactorExplanation, q: float, w: int, divisor: float, microbatches: int) -> str:

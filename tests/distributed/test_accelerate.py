@@ -4,8 +4,6 @@ reference says which loop trains the token mean, and the audit agrees."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +11,7 @@ import pytest
 import torch
 
 from scenarios.accelerate_job import COUNTS
+from scenarios.harness import finished, torchrun
 from scenarios.strategies import Scenario, reference_gradient
 from tests.logs import read_rows
 from tokaudit.auditing import audit
@@ -25,19 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("accelerate")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    # both variants at once: each launch is mostly start-up, which two share the cores for
-    launches = [subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "scenarios.accelerate_job",
-                                  "--log-dir", str(root), "--variant", variant], stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                 env={"PATH": "/usr/bin:/bin", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
-                for variant in ("token_mean", "local_mean")]
-    for launch in launches:
-        try:
-            _, errors = launch.communicate(timeout=180)
-        finally:
-            launch.kill()
-        assert launch.returncode == 0, errors[-3000:]
+    # torchrun, as `accelerate launch` uses on CPU; both variants at once
+    finished(*(torchrun("-m", "scenarios.accelerate_job", "--log-dir", str(root), "--variant", variant, cwd=ROOT)
+               for variant in ("token_mean", "local_mean")))
     return root
 
 
