@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tokaudit.schema import COLUMNS_BY_NAME, REQUIRED_COLUMNS, UNNAMED, kind_accepts
-from tokaudit.validation import CONSTANT_COLUMNS, STATISTICS_COLUMNS
+from tokaudit.validation import STATISTICS_COLUMNS
 
 
 try:  # the reader pq.ParquetFile wraps; private, so the public class stands in where it differs
@@ -256,18 +256,6 @@ def all_names(names: tuple[str | None, str | None, str | None]) -> tuple[str, st
 def run_group_of(names: tuple[str | None, str | None, str | None]) -> tuple[str, str] | None:
     run, group, _ = names
     return (run, group) if run is not None and group is not None else None
-
-def constants_of(stats: dict[str, tuple[Any, Any, int | None]]) -> tuple[tuple[str, Any], ...]:
-    """`Shard.constants` from a file's statistics (`footer_stats`)."""
-    found = []
-    for column in CONSTANT_COLUMNS:
-        low, high, nulls = stats.get(column, NO_STATISTICS)
-        if nulls != 0 or low is None or low != high or low.__class__ not in (int, float, bool):
-            continue
-        value = one_value_of(column, low)
-        if value is not UNKNOWN:
-            found.append((column, value))
-    return tuple(found)
 
 NO_STATISTICS: tuple[Any, Any, int | None] = (None, None, None)
 

@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from tokaudit.errors import LogFormatError
-from tokaudit.footers import Footer, SchemaFacts, all_names, bounds_of, checked_schema, constants_of, footer_record, footer_stats, local_footer, names_of, range_of, record_stats, run_group_of
+from tokaudit.footers import Footer, SchemaFacts, all_names, bounds_of, checked_schema, footer_record, footer_stats, local_footer, names_of, range_of, record_stats, run_group_of
 from tokaudit.schema import read_dropped, read_trainer
 from tokaudit.storage import Store, describe
 from tokaudit.validation import INT64_MAX, check_values, raise_beyond_int64, short_error
@@ -66,10 +66,6 @@ class Shard:
     """A one-row file's record, one value per `signature` column (None: a null), when its footer's
     statistics give every value exactly (`footer_record`): the aggregation reads it from here instead of
     opening the file again (what most of the audit of many one-row shards would cost)."""
-    constants: tuple[tuple[str, Any], ...] = ()
-    """(column, value) of each of CONSTANT_COLUMNS whose footer gives the one value of every record (lowest =
-    highest, no null), as its statistics hold it: a grid reads none of them (`tokaudit.grid`). A float column
-    may still hide a NaN, which no statistics show."""
 
     @property
     def name(self) -> str:
@@ -160,8 +156,7 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
                  divisor_range=bounds_of(stats["grad_divisor"]) if "grad_divisor" in stats else None,
                  dropped=read_dropped(stored), trainer=read_trainer(stored),
                  store=store, signature=facts.signature,
-                 names=all_names(names), run_group=run_group_of(names), null_columns=empty, record=record,
-                 constants=constants_of(stats))
+                 names=all_names(names), run_group=run_group_of(names), null_columns=empty, record=record)
 
 NULLABLE_COLUMNS = frozenset({"token_weight_sum", "token_weight_min", "token_weight_max", "masked_weight_abs_sum",
                               "reported_loss", "sync", "skipped", "positions", "divisor_known"})

@@ -15,12 +15,6 @@ if TYPE_CHECKING:
     from tokaudit.footers import Footer
 
 
-CONSTANT_COLUMNS = ("world_size", "grad_divisor", "grad_scale", "positions", "divisor_known", "sync", "skipped",
-                    "masked_weight_abs_sum")
-"""Columns a file often holds one value of (a world size, a fixed divisor, a loss scale that did not move,
-a fixed length, a divisor always seen, every backward synchronized, no update skipped, no weight on a masked
-position), which its footer then gives (`Shard.constants`)."""
-
 # (column, lowest allowed value, what it means); null never allowed for required columns.
 _LOWER_BOUNDS: tuple[tuple[str, int, str], ...] = (
     ("valid_tokens", 0, "a negative count"),
@@ -43,9 +37,9 @@ record's count in 32 bits, and a step's N (Σ n over at most 2³² records) then
 float64. A file may store these columns in any integer type."""
 
 STATISTICS_COLUMNS = (frozenset(REQUIRED_COLUMNS) | {column for column, _, _ in _LOWER_BOUNDS}
-               | {"schema_version", "run_id", "group", "term"} | set(CONSTANT_COLUMNS))
-"""Columns whose footer statistics are read: `check_values`'s, the names' (`names_of`) and the constants'
-(`constants_of`)."""
+               | {"schema_version", "run_id", "group", "term", "grad_divisor"})
+"""Columns whose footer statistics are read: `check_values`'s, the names' (`names_of`) and D's
+(`Shard.divisor_range`)."""
 
 def check_values(parquet: Footer, present: frozenset[str], stats: dict[str, tuple[Any, Any, int | None]],
                   thorough: bool) -> None:

@@ -1,7 +1,7 @@
 """The aggregation: the shards' records as one row per (run, group, term, step), by DuckDB (`Engine`).
 
 `sql` writes what a step row is; `ranges` cuts a large log into step ranges; `tables` joins the ranges'
-arrays; `grid` reduces a range whose records form a dense grid with numpy, as the query would.
+arrays.
 """
 
 from tokaudit.engine.database import DEFAULT_MEMORY_LIMIT, Engine, extremes_at, settings_from_environment

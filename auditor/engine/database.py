@@ -24,14 +24,11 @@ from tokaudit.engine.ranges import CHUNK_ROWS, step_ranges
 from tokaudit.engine.sql import EXTREME_COLUMNS, MEAN_WEIGHT_EXTREMES, ONE_RECORD_SHAPE, UNUSABLE_RECORD, footer_facts, footer_table, one_name_of, select_records, single_rank_range, sql_string, step_sql, valueless_columns
 from tokaudit.engine.tables import SPILL_STEPS, Spilled, add_duplicates, categorical, constant_of, join_columns, reorder, same_bits
 from tokaudit.errors import UsageError
-from tokaudit.engine.grid import Grid, grid_table, grids_of
 from tokaudit.reader import Shard
 
 
 DEFAULT_MEMORY_LIMIT = "768MB"
 
-GRID_BLOCK_ROWS = 1 << 18
-"""Records of a grid reduced at a time (`tokaudit.grid`): its temporaries, about 25 arrays of them, stay small."""
 
 _PLAIN_PATH = re.compile(r"^[A-Za-z0-9._/+=,@%:-]+$")
 """Paths DuckDB reads literally (no pattern, no escape): others are given to it through a link."""
@@ -92,9 +89,6 @@ class Engine:
     footer_rows: bool = True
     """One-row shards whose footer gives their record (`Shard.record`) are read from it, not from the file;
     off only to check that this changes nothing."""
-    grid: bool = True
-    """A range whose records form a dense grid is reduced by numpy (`tokaudit.grid`), not by the query; off
-    only to check that this changes nothing."""
     threads: int = 1
     """DuckDB's threads."""
     memory_limit: str = DEFAULT_MEMORY_LIMIT
@@ -287,7 +281,7 @@ class Engine:
         held = 0
         chunks = step_ranges(self.shards, self.chunk_rows, self.only_steps)
         tables: Generator[dict[str, Any], None, None] = (
-            self._range_table(rtol, steps, shards, self._grids(steps, shards)) for steps, shards in chunks)
+            self._range_table(rtol, steps, shards) for steps, shards in chunks)
         try:
             for index, (steps, _) in enumerate(chunks):
                 if progress and len(chunks) > 1 and steps:
@@ -322,13 +316,9 @@ class Engine:
                                          joined["run"].codes)))
         return pd.DataFrame(joined, copy=False)
 
-    def _range_table(self, rtol: float, steps: tuple[int, int] | None, shards: list[Shard],
-                     grids: list[Grid] | None) -> dict[str, Any]:
-        """One range's step table: reduced as a grid where its records form one (`grids`, its `_grids`;
-        `tokaudit.grid`), else by the query (`_aggregate`), its repeated keys found and left out first if it
+    def _range_table(self, rtol: float, steps: tuple[int, int] | None, shards: list[Shard]) -> dict[str, Any]:
+        """One range's step table by the query (`_aggregate`), its repeated keys found and left out first if it
         has any (`duplicates` counts them)."""
-        if grids is not None and (table := self._grid_table(rtol, grids, shards)):
-            return table
         self._define(shards, steps, deduplicate=False)
         table = self._aggregate(rtol, shards)
         if np.nansum(table["repeated_micro"]) > 0 or np.nansum(table["wide_micro"]) > 0:
@@ -338,45 +328,6 @@ class Engine:
                 self._define(shards, steps, deduplicate=True)
                 table = self._aggregate(rtol, shards)
         return table
-
-    def _grids(self, steps: tuple[int, int] | None, shards: Sequence[Shard]) -> list[Grid] | None:
-        """The grids this range's files form (one per (run, group, term)), by their footers, where the engine
-        reduces grids."""
-        return grids_of(shards, steps) if self.grid and not self.extremes else None
-
-    def _grid_table(self, rtol: float, grids: list[Grid], shards: Sequence[Shard]) -> dict[str, Any] | None:
-        """The range's step table reduced grid by grid (`tokaudit.grid`), as the query gives it; None when the
-        records of one are no grid after all (the range then takes the query)."""
-        _, known = footer_facts(shards) if self.prune else (frozenset(), {})
-        reduced: list[tuple[tuple[str, str, str], dict[str, np.ndarray]]] = []
-        self.connection.execute("SET preserve_insertion_order = true")  # the records in file order
-        try:
-            for grid in grids:
-                tables = grid_table(self.connection, grid, self._link, known, rtol, GRID_BLOCK_ROWS)
-                if tables is None:
-                    return None
-                reduced.extend(tables)
-        finally:
-            self.connection.execute("SET preserve_insertion_order = false")
-        if len(reduced) == 1:
-            finished = self._finish(reduced[0][1], reduced[0][0], one_record=False)
-        else:
-            # Several (run, group, term): the query's rows, named and in step order (a count NULL in one
-            # grid's steps only is float64 in all, as DuckDB hands it over)
-            order = np.argsort(np.concatenate([table["step"] for _, table in reduced]), kind="stable")
-            named: dict[str, Any] = {
-                column: np.concatenate([np.full(len(table["step"]), names[index], dtype=object)
-                                        for names, table in reduced])[order]
-                for index, column in enumerate(("run", "grp", "term"))}
-            for column in reduced[0][1]:
-                named[column] = np.concatenate([table[column] for _, table in reduced])[order]
-            del reduced
-            finished = self._finish(named, None, one_record=False)
-        if all(grid.micro == 1 for grid in grids):
-            # e·n_r = e·n·M = e·n bit for bit: the same arrays as the query's one-record form hands over
-            for name, same in ONE_RECORD_SHAPE.items():
-                finished[name] = finished[same]
-        return finished
 
     def _aggregate(self, rtol: float, shards: Sequence[Shard]) -> dict[str, Any]:
         """One range's step table as arrays, by column: numpy's, as DuckDB hands them over (a pandas
@@ -409,8 +360,8 @@ class Engine:
                 values = np.ma.filled(values.astype(np.float64), np.nan) if values.mask.any() else np.asarray(values.data)
             if values.dtype == np.float64:
                 # −0.0 + 0.0 is 0.0: which zero the extreme of tied 0.0 and −0.0 is depends on the order the
-                # records came in (DuckDB keeps the last of equals, in its scan's or its hash table's order;
-                # numpy's grid in its own), and so would the report's; the table holds 0.0 for both.
+                # records came in (DuckDB keeps the last of equals, in its scan's or its hash table's order),
+                # and so would the report's; the table holds 0.0 for both.
                 values = np.add(values, 0.0, out=values if values.flags.writeable else None)
             # A constant column is held as its one value from here on: the ranges wait for `join_columns` with
             # about half their columns taking no memory.

@@ -291,11 +291,9 @@ def test_the_evidence_of_one_step_is_the_whole_aggregation_s(tmp_path: Path) -> 
     assert any(f.evidence.get("heaviest") for f in report.findings)
 
 
-@pytest.mark.parametrize("grid", [False, True], ids=["query", "grid"])
-def test_a_large_range_comes_back_in_step_order(tmp_path: Path, grid: bool) -> None:
+def test_a_large_range_comes_back_in_step_order(tmp_path: Path) -> None:
     """DuckDB hands a large result back in record batches that need not follow its ORDER BY (DuckDB
-    2.0, insertion order not preserved): the table is put back in step order, whatever the batches. A grid
-    (these files form one) reads its records in file order on two threads, files of several row groups."""
+    2.0, insertion order not preserved): the table is put back in step order, whatever the batches."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -308,7 +306,6 @@ def test_a_large_range_comes_back_in_step_order(tmp_path: Path, grid: bool) -> N
                                  "backward_scalar": np.ones(steps)}),
                        tmp_path / f"rank-{rank}.parquet", row_group_size=4096)
     engine = Engine.open(load([tmp_path]).shards, chunk_rows=10 * steps, threads=2)
-    engine.grid = grid
     table = engine.step_table(1e-4)
     assert (table.step.to_numpy() == np.arange(steps)).all()
     assert (table.loss.to_numpy() == 2 * (np.arange(steps) + 1.0)).all()  # each row still its own step's
@@ -436,8 +433,7 @@ def test_the_same_log_gives_the_same_sums_bit_for_bit_whatever_the_threads_did(t
     to the next (so did `curve --csv`). Compensated sums (fsum, favg) carry what each addition rounded
     off, so the partial sums add up to the same double. Losses spanning six orders of magnitude, over
     files read by four threads, make a plain sum differ between runs (this test fails against
-    `sum`/`avg` in every run we made). The same log reduced as a grid (`tokaudit.engine.grid`, its own compensated
-    sums in a fixed order) gives the same doubles."""
+    `sum`/`avg` in every run we made)."""
     import numpy as np
 
     generator = np.random.default_rng(7)
@@ -453,9 +449,8 @@ def test_the_same_log_gives_the_same_sums_bit_for_bit_whatever_the_threads_did(t
         write(tmp_path / "run" / f"rank-{rank:05d}-000000.parquet", rows)
     shards = load([tmp_path]).shards
     tables = []
-    for run in range(7):
+    for _ in range(6):
         engine = Engine.open(shards, threads=4)
-        engine.grid = run == 6  # the query's threads six times (these files form a grid), then numpy's grid
         try:
             tables.append(engine.step_table(1e-4))
         finally:

@@ -157,26 +157,11 @@ def test_any_legal_shape_is_accepted(tmp_path: Path) -> None:
     assert report.runs[0].verdict == "correct"
 
 
-@pytest.mark.parametrize("grid", [False, True])
-def test_a_column_of_nulls_alone_reads_as_its_nulls_not_as_a_wrong_type(tmp_path: Path, grid: bool,
-                                                                          monkeypatch: Any) -> None:
+def test_a_column_of_nulls_alone_reads_as_its_nulls_not_as_a_wrong_type(tmp_path: Path) -> None:
     """A writer that never had a value for a column (pandas' all-None column, pa.Table.from_pylist) stores
     Arrow's null type: an optional column of it is the column's nulls, as if absent, on a rank's file or
-    on all; a required one is a null value, as any other. The same when numpy reduces the log as a grid."""
-    import tokaudit.auditing as auditing
-    import tokaudit.engine.database as engine
+    on all; a required one is a null value, as any other."""
     from tokaudit.render.json_report import render_json
-
-    reduced: list[bool] = []
-    if grid:  # a log this small is otherwise aggregated by the query, with every step's evidence
-        monkeypatch.setattr(auditing, "EVIDENCE_ROWS", 0)
-        grid_table = engine.grid_table
-        def spy(*args: Any) -> Any:
-            table = grid_table(*args)
-            reduced.append(table is not None)
-            return table
-
-        monkeypatch.setattr(engine, "grid_table", spy)
 
     def write_rows(folder: Path, rows: list[dict[str, Any]]) -> None:
         folder.mkdir(parents=True)
@@ -196,7 +181,6 @@ def test_a_column_of_nulls_alone_reads_as_its_nulls_not_as_a_wrong_type(tmp_path
     assert "local_mean" in expected and '"problems": []' in expected
     mixed = audit([tmp_path / "mixed"])
     assert mixed.problems == [] and mixed.runs[0].verdict == "incorrect"
-    assert (bool(reduced) and all(reduced)) == grid  # numpy reduced every log, the null columns' too
     write_rows(tmp_path / "required" / "nulls", [dict(r, valid_tokens=None) for r in rows])
     problems = audit([tmp_path / "required"]).problems
     assert len(problems) == 2 and all("column 'valid_tokens' has a null value at row 0" in p for p in problems)
@@ -492,38 +476,6 @@ def test_a_shard_names_the_optional_columns_that_hold_no_value_from_its_footer(t
     assert inspect_shard(path).null_columns == {"positions", "token_weight_sum"}
     pq.write_table(table, path, write_statistics=False)
     assert inspect_shard(path).null_columns == frozenset()
-
-
-def test_a_shard_gives_the_one_value_of_a_column_only_where_its_footer_shows_it(tmp_path: Path) -> None:
-    """`Shard.constants`: W, D, g, T and the flags where every row group's lowest and highest are one value
-    and no record is NULL; never a float zero (its statistics do not keep the sign), a column that varies, a NULL,
-    a footer without statistics; a NaN hides from statistics (the grid's read guards against it)."""
-    rows = records(UNEVEN * 4, token_mean)
-    columns = [*rows[0], "grad_divisor", "grad_scale", "positions", "divisor_known", "sync", "masked_weight_abs_sum"]
-    schema = pa.schema([WRITER_SCHEMA.field(n) for n in columns])
-
-    def constants(path: Path, **values: Any) -> dict[str, Any]:
-        table = pa.Table.from_pylist([dict(r, **{name: value(index) if callable(value) else value
-                                                 for name, value in values.items()})
-                                      for index, r in enumerate(rows)], schema=schema)
-        pq.write_table(table, path, row_group_size=5)
-        return dict(inspect_shard(path, thorough=False).constants)  # (a thorough one reads D and g)
-
-    world = rows[0]["world_size"]
-    got = constants(tmp_path / "one.parquet", grad_divisor=8.0, grad_scale=2.0 ** -16, positions=512,
-                    divisor_known=True, sync=False, masked_weight_abs_sum=lambda i: -0.0 if i % 3 else 0.0)
-    assert got == {"world_size": world, "grad_divisor": 8.0, "grad_scale": 2.0 ** -16, "positions": 512,
-                   "divisor_known": True, "sync": False, "masked_weight_abs_sum": 0.0}  # (whose zero's sign no one reads)
-    assert [type(got[c]) for c in ("world_size", "grad_divisor", "positions", "sync")] == [int, float, int, bool]
-    got = constants(tmp_path / "other.parquet", grad_divisor=lambda i: 8.0 if i else 4.0, grad_scale=0.0,
-                    positions=lambda i: None if i == len(rows) - 1 else 512, divisor_known=lambda i: i % 2 == 0,
-                    sync=None, masked_weight_abs_sum=lambda i: 0.5 * (i % 2))
-    assert got == {"world_size": world}
-    got = constants(tmp_path / "nan.parquet", grad_divisor=lambda i: float("nan") if i == 3 else 8.0,
-                    grad_scale=-0.0, positions=512, divisor_known=True, sync=True)
-    assert got == {"world_size": world, "grad_divisor": 8.0, "positions": 512, "divisor_known": True, "sync": True}
-    pq.write_table(pq.read_table(tmp_path / "one.parquet"), tmp_path / "bare.parquet", write_statistics=False)
-    assert inspect_shard(tmp_path / "bare.parquet").constants == ()
 
 
 def test_a_one_row_shard_gives_its_record_from_its_footer_only_where_it_is_exact(tmp_path: Path) -> None:

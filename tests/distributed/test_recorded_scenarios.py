@@ -218,34 +218,3 @@ def test_the_recordings_audited_from_disk_a_few_steps_at_a_time_give_the_same_di
     report = audit([log_dir])
     assert json.loads(render_json(report)) == whole
     assert report.runs[0].verdict == EXPECTED_VERDICT[scenario.name]
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_the_recordings_reduced_as_grids_give_the_same_diagnosis(
-        recordings: dict[str, Any], scenario: Scenario, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same real DDP recordings, audited as a log of more than EVIDENCE_ROWS records is: the recorder's
-    shards (one rank a file, in step and microbatch order) reduced by numpy as a grid per data-parallel
-    group wherever they form one (`tokaudit.engine.grid`), the evidence aggregated per finding. The report is the one without grids, byte
-    for byte, and every verdict as expected."""
-    import tokaudit.auditing as auditing
-    import tokaudit.engine.database as engine
-    from tests.expected import EXPECTED_VERDICT
-    from tokaudit.auditing import audit
-    from tokaudit.render.json_report import render_json
-
-    _, log_dir = recordings[scenario.name]
-    monkeypatch.setattr(auditing, "EVIDENCE_ROWS", 0)
-    reduced: list[bool] = []
-    real = engine.grid_table
-    monkeypatch.setattr(engine, "grid_table", lambda *args: reduced.append((table := real(*args)) is not None) or table)
-    report = audit([log_dir])
-    monkeypatch.setattr(engine.Engine, "grid", False)
-    assert render_json(report) == render_json(audit([log_dir]))
-    assert report.runs[0].verdict == EXPECTED_VERDICT[scenario.name]
-    if any(len({len(rank) for rank in step}) > 1 for step in scenario.counts):
-        assert not any(reduced), reduced  # ranks of different numbers of microbatches: no grid
-        return
-    # every rank records every step and microbatch: a grid (one per data-parallel group), unless a
-    # zero-token rank's local mean is NaN
-    assert reduced and all(reduced) == (scenario.strategy not in ("local_mean", "local_mean_over_accumulation")
-                                        or all(n for step in scenario.counts for rank in step for n in rank)), reduced

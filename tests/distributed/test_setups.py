@@ -160,28 +160,3 @@ def test_a_near_miss_is_named_with_how_far_it_is_off(recorded: Any) -> None:
     (finding,) = audit([root / "near_miss_local_mean"]).findings
     assert finding.evidence["approximate"] is True and finding.evidence["denominator"] in ("n_micro", "n_micro*M")
     assert 0 < finding.evidence["approximation_error"] < 0.1
-
-
-@pytest.mark.parametrize("name", list(SHAPE))
-def test_the_set_ups_reduced_as_grids_give_the_same_diagnosis(recorded: Any, name: str,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same real DDP recordings audited as a log of more than EVIDENCE_ROWS records is, numpy reducing
-    every range whose records form a grid (`tokaudit.engine.grid`), several loss terms a file included: the report
-    of the query byte for byte, and the verdict the float64 reference gives. The recordings of several
-    terms (each rank's records a file, the terms in turn at every microbatch) are reduced as grids."""
-    import tokaudit.auditing as auditing
-    import tokaudit.engine.database as engine
-    from tokaudit.render.json_report import render_json
-
-    root, _ = recorded
-    monkeypatch.setattr(auditing, "EVIDENCE_ROWS", 0)
-    reduced: list[bool] = []
-    real = engine.grid_table
-    monkeypatch.setattr(engine, "grid_table", lambda *args: reduced.append((table := real(*args)) is not None) or table)
-    report = audit([root / name])
-    monkeypatch.setattr(engine.Engine, "grid", False)
-    assert render_json(report) == render_json(audit([root / name]))
-    assert report.runs[0].verdict == EXPECTED_VERDICT[name]
-    if len(SHAPE[name][0]) > 1:
-        assert reduced and all(reduced), reduced
-
