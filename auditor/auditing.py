@@ -40,12 +40,12 @@ query and 48 bytes a step."""
 
 _CODE_ORDER = {code: index for index, code in enumerate(Code)}
 
-def open_logs(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL,
+def open_logs(paths: Sequence[str | os.PathLike[str]],
               progress: Progress | None = None, only_steps: tuple[int, int] | None = None,
               threads: int | None = None, started: Loading | None = None, loaded: LogSet | None = None
               ) -> tuple[LogSet, Engine | None, pd.DataFrame]:
     """`open_log_parts` with the step table whole."""
-    logset, engine, steps = open_log_parts(paths, rtol, progress, only_steps, threads, started, loaded=loaded)
+    logset, engine, steps = open_log_parts(paths, progress, only_steps, threads, started, loaded=loaded)
     assert isinstance(steps, pd.DataFrame)
     return logset, engine, steps
 
@@ -57,7 +57,7 @@ def load_logs(paths: Sequence[str | os.PathLike[str]], started: Loading | None =
     # (the trackers' audit beside training takes one, and so validates in its own process).
     return started.result() if started is not None else load(paths, thorough=False, workers=threads or cores())
 
-def open_log_parts(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAULT_RTOL,
+def open_log_parts(paths: Sequence[str | os.PathLike[str]],
                    progress: Progress | None = None, only_steps: tuple[int, int] | None = None,
                    threads: int | None = None, started: Loading | None = None, evidence: bool = False,
                    spill: bool = False, loaded: LogSet | None = None
@@ -87,7 +87,7 @@ def open_log_parts(paths: Sequence[str | os.PathLike[str]], rtol: float = DEFAUL
             engine = Engine.open(shards, only_steps=only_steps, threads=threads,
                                  extremes=evidence and rows <= EVIDENCE_ROWS)
             try:
-                steps = engine.step_parts(rtol, progress if large else None, spill)
+                steps = engine.step_parts(progress if large else None, spill)
                 if (steps.unusable_values.sum() > 0 if isinstance(steps, pd.DataFrame) else steps.unusable > 0):
                     unusable = _unusable(engine.unusable_files())
                     if unusable:
@@ -164,7 +164,7 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
 def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[str], progress: Progress | None,
            live: bool, ignored: set[Code], min_ratio: float | None, keep_steps: bool, threads: int | None,
            started: Loading | None) -> AuditReport:
-    logset, engine, steps = open_log_parts(paths, rtol, progress, threads=threads, started=started, evidence=True,
+    logset, engine, steps = open_log_parts(paths, progress, threads=threads, started=started, evidence=True,
                                            spill=True)
     problems = [str(p) for p in logset.problems]
     if engine is None:
@@ -187,7 +187,7 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
             left_out = sum(int((~_live(part, horizon)).sum()) for part in selected_runs(parts, present))
             if left_out:
                 progress(f"--live: left out {left_out} step(s) not yet recorded by every rank")
-        extremes = _Extremes(logset.shards, rtol, threads)
+        extremes = _Extremes(logset.shards, threads)
         summaries: list[RunSummary] = []
         findings: list[Finding] = []
         dropped = dropped_steps(logset.shards)
@@ -312,7 +312,6 @@ class _Extremes:
     aggregated for that step alone when a finding asks: a few steps, instead of every step's."""
 
     shards: Sequence[Shard]
-    rtol: float
     threads: int | None
     found: dict[tuple[int, tuple[str, str, str]], pd.DataFrame] = field(default_factory=dict)
 
@@ -324,7 +323,7 @@ class _Extremes:
             # sixteenth of the step's records, read again for each group's finding.
             shards = [s for s in self.shards if s.names is None or s.names == names]
             try:
-                self.found[step, names] = extremes_at(shards, step, self.rtol, self.threads)
+                self.found[step, names] = extremes_at(shards, step, self.threads)
             except duckdb.Error as error:
                 raise LogFormatError(self._where(), f"could not be read again for the evidence of step {step} "
                                                     f"({str(error).splitlines()[0][:160]})") from None

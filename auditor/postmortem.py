@@ -16,7 +16,6 @@ from tokaudit.engine import Spilled
 from tokaudit.normalization import name_ranks
 from tokaudit.render.chart import LineChart
 from tokaudit.loading import Loading, LogSet
-from tokaudit.codes import DEFAULT_RTOL
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
 
 
@@ -160,7 +159,7 @@ def curve_parts(paths: Sequence[str | os.PathLike[str]], run: str | None = None,
     `steps`: only these (first, last), read from the shards whose footers may hold them and aggregated
     a range at a time as the whole log would be: a window of a run of millions of steps costs its own size.
     `started`: the validation of `paths` already under way (`tokaudit.loading.start_loading`)."""
-    logset, engine, table = open_log_parts(paths, DEFAULT_RTOL, progress, only_steps=steps, started=started,
+    logset, engine, table = open_log_parts(paths, progress, only_steps=steps, started=started,
                                            spill=True)
     if engine is not None:
         engine.close()

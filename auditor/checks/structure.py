@@ -220,37 +220,58 @@ class SyncCheck(Check):
                            "wrap all but the last microbatch in model.no_sync()", {"steps": self.every_count})
 
 class ProbeCheck(Check):
-    """nonuniform_in_microbatch, masked_tokens_weighted."""
+    """nonuniform_in_microbatch, masked_tokens_weighted: judged here at --rtol, from the largest spread of a
+    record's token weights and the most weight its masked positions carry (the step table's
+    probe_spread and masked_share, which hold no tolerance)."""
 
     def __init__(self, context: RunContext, keep_steps: bool) -> None:
         super().__init__(context, keep_steps)
-        self.nonuniform, self.nonuniform_records = self.steps(), 0.0
-        self.masked, self.masked_records = self.steps(), 0.0
+        self.nonuniform, self.spread = self.steps(), 0.0
+        self.masked, self.share = self.steps(), 0.0
 
     def add(self, block: pd.DataFrame) -> None:
-        step = column_of(block, "step")
-        nonuniform, masked = column_of(block, "probe_nonuniform"), column_of(block, "masked_weighted")
-        self.nonuniform.add(step[nonuniform > 0])
-        self.nonuniform_records += nan_sum(nonuniform)
-        self.masked.add(step[masked > 0])
-        self.masked_records += nan_sum(masked)
+        step, rtol = column_of(block, "step"), self.context.rtol
+        # spread = (max − min) / |max| > rtol  ⇔  max − min > rtol·|max|: the token weights of one record differ
+        spread, share = column_of(block, "probe_spread"), column_of(block, "masked_share")
+        uneven, weighted = spread > rtol, share > rtol
+        if uneven.any():
+            self.nonuniform.add(step[uneven])
+            self.spread = max(self.spread, float(spread[uneven].max()))
+        if weighted.any():
+            self.masked.add(step[weighted])
+            self.share = max(self.share, float(share[weighted].max()))
 
     def findings(self) -> Iterator[Finding]:
         if self.nonuniform:
+            steps = self.nonuniform.range().count
             yield make_finding(self.context, Code.NONUNIFORM_IN_MICROBATCH, self.nonuniform,
-                           f"Valid tokens of one microbatch got different weights in {int(self.nonuniform_records)} "
-                           "record(s): a per-sequence or per-document mean, or a token weighting. Legitimate only when "
-                           "chosen on purpose.",
+                           f"Valid tokens of one microbatch got different weights in {steps} step(s) ({_spread_text(self.spread)}): "
+                           "a per-sequence or per-document mean, or a token weighting. Legitimate only when chosen on purpose.",
                            "for the token-mean objective, sum per-token losses over the microbatch and divide once by N",
-                           {"records": int(self.nonuniform_records)})
+                           {"steps": steps, "largest_spread": _json_number(self.spread)})
         if self.masked:
+            steps = self.masked.range().count
             yield make_finding(self.context, Code.MASKED_TOKENS_WEIGHTED, self.masked,
                            f"Positions that are not valid and whose loss is not 0 (padding labelled as a real token, "
-                           f"a mask applied after the loss) carry weight in {int(self.masked_records)} "
-                           "record(s): their loss is trained.",
+                           f"a mask applied after the loss) carry weight in {steps} step(s), {_share_text(self.share)}: "
+                           "their loss is trained.",
                            "label padding and ignored positions with ignore_index (their loss is then exactly 0), or "
                            "mask per-token losses before reducing; divide by the valid-token count",
-                           {"records": int(self.masked_records)})
+                           {"steps": steps, "masked_weight_in_tokens": _json_number(self.share)})
+
+def _spread_text(spread: float) -> str:
+    if not np.isfinite(spread):
+        return "in one record the heaviest token's weight is 0 and another's below it"
+    return f"in one record the lightest token's weight is {spread:.0%} below the heaviest's"
+
+def _share_text(share: float) -> str:
+    if not np.isfinite(share):
+        return "in one record whose valid tokens carry none"
+    return f"in one record as much as {share:.3g} valid token(s) carry"
+
+def _json_number(value: float) -> float | None:
+    """A finite float, or None (JSON has no infinity)."""
+    return value if np.isfinite(value) else None
 
 class MissingRanksCheck(Check):
     """missing_rank: fewer ranks than W recorded a step that others recorded."""

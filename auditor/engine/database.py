@@ -260,18 +260,18 @@ class Engine:
             found[str(run)] = (int(copies), int(first), int(last), int(steps))
         return found
 
-    def step_table(self, rtol: float, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
+    def step_table(self, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
         """One row per (run, grp, term, step) with everything the checks need (see `step_sql`).
 
         Large logs are aggregated a step range at a time, so that one range's aggregation is in DuckDB at
         once. Duplicates are looked for only where the cheap per-rank count says there may be some; those
         records are then deduplicated. Memory: the table is never held twice (see `join_columns`).
         """
-        table = self.step_parts(rtol, progress)
+        table = self.step_parts(progress)
         assert isinstance(table, pd.DataFrame)
         return table
 
-    def step_parts(self, rtol: float, progress: Callable[[str], None] | None = None,
+    def step_parts(self, progress: Callable[[str], None] | None = None,
                    spill: bool = False) -> pd.DataFrame | Spilled:
         """`step_table`, or with `spill` and more than SPILL_STEPS steps, the table kept on disk a range at
         a time (`Spilled`, which the caller closes): what is held is then one range, whatever the number
@@ -281,7 +281,7 @@ class Engine:
         held = 0
         chunks = step_ranges(self.shards, self.chunk_rows, self.only_steps)
         tables: Generator[dict[str, Any], None, None] = (
-            self._range_table(rtol, steps, shards) for steps, shards in chunks)
+            self._range_table(steps, shards) for steps, shards in chunks)
         try:
             for index, (steps, _) in enumerate(chunks):
                 if progress and len(chunks) > 1 and steps:
@@ -316,20 +316,20 @@ class Engine:
                                          joined["run"].codes)))
         return pd.DataFrame(joined, copy=False)
 
-    def _range_table(self, rtol: float, steps: tuple[int, int] | None, shards: list[Shard]) -> dict[str, Any]:
+    def _range_table(self, steps: tuple[int, int] | None, shards: list[Shard]) -> dict[str, Any]:
         """One range's step table by the query (`_aggregate`), its repeated keys found and left out first if it
         has any (`duplicates` counts them)."""
         self._define(shards, steps, deduplicate=False)
-        table = self._aggregate(rtol, shards)
+        table = self._aggregate(shards)
         if np.nansum(table["repeated_micro"]) > 0 or np.nansum(table["wide_micro"]) > 0:
             found = self._find_duplicates()
             if found:
                 add_duplicates(self.duplicates, found)
                 self._define(shards, steps, deduplicate=True)
-                table = self._aggregate(rtol, shards)
+                table = self._aggregate(shards)
         return table
 
-    def _aggregate(self, rtol: float, shards: Sequence[Shard]) -> dict[str, Any]:
+    def _aggregate(self, shards: Sequence[Shard]) -> dict[str, Any]:
         """One range's step table as arrays, by column: numpy's, as DuckDB hands them over (a pandas
         frame of each range cost a copy of every column into pandas' blocks, and the names' strings a
         conversion to Arrow strings before they became categories)."""
@@ -337,7 +337,7 @@ class Engine:
         names = one_name_of(shards)
         facts, known = footer_facts(shards) if self.prune else (frozenset(), {})
         table: dict[str, Any] = self.connection.execute(
-            step_sql(single_ranks, self.extremes, names is not None, facts), {"rtol": rtol, **known}).fetchnumpy()
+            step_sql(single_ranks, self.extremes, names is not None, facts), known).fetchnumpy()
         return self._finish(table, names, one_record=single_ranks is not None)
 
     def _finish(self, table: dict[str, Any], names: tuple[str, str, str] | None, one_record: bool) -> dict[str, Any]:
@@ -420,14 +420,14 @@ class Engine:
         if self.links is not None:
             shutil.rmtree(self.links, ignore_errors=True)
 
-def extremes_at(shards: Sequence[Shard], step: int, rtol: float, threads: int | None = None) -> pd.DataFrame:
+def extremes_at(shards: Sequence[Shard], step: int, threads: int | None = None) -> pd.DataFrame:
     """EXTREME_COLUMNS of one step, a row per (run, grp, term): the step aggregated again, alone, from the
     files whose footers say they can hold it, with the evidence aggregates the full query leaves out.
     The same records (deduplicated the same way) in the same aggregation as the full query's."""
     engine = Engine.open([s for s in shards if s.may_hold(step, step)], threads=threads, only_steps=(step, step),
                          extremes=True)
     try:
-        table = engine.step_table(rtol)
+        table = engine.step_table()
     finally:
         engine.close()
     return table[["run", "grp", "term", "step", *EXTREME_COLUMNS]]

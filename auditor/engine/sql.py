@@ -35,9 +35,13 @@ WITH rec AS (
             AND coalesce(isfinite(token_weight_sum), true)) AS nonfinite_zero,
         token_weight_min * grad_scale / grad_divisor AS probe_low,
         token_weight_max * grad_scale / grad_divisor AS probe_high,
-        token_weight_max - token_weight_min > $rtol * abs(token_weight_max) AS probe_nonuniform,
-        masked_weight_abs_sum > 0 AND masked_weight_abs_sum > $rtol * coalesce(abs(eff * grad_divisor / grad_scale), 0)
-            AS masked_weighted,
+        -- how far apart one record's token weights are, (max − min) / |max|; how many valid tokens' weight its masked
+        -- positions carry, Σ|∂b/∂ℓ| over them / |c| (c = e·D/g). Only values, no tolerance: the checks judge them
+        -- (+inf where the denominator is 0: any spread or masked weight then counts)
+        CASE WHEN token_weight_max - token_weight_min > 0
+            THEN (token_weight_max - token_weight_min) / abs(token_weight_max) END AS probe_spread,
+        CASE WHEN masked_weight_abs_sum > 0
+            THEN masked_weight_abs_sum / coalesce(abs(eff * grad_divisor / grad_scale), 0) END AS masked_share,
         eff
     FROM records
 ),
@@ -71,8 +75,8 @@ STEP_AGGREGATES = f"""
         coalesce(fsum(w * loss_sum), 0) AS objective,
         count_if(nonfinite_valid) AS nonfinite_valid,
         count_if(nonfinite_zero) AS nonfinite_zero,
-        count_if(probe_nonuniform) AS probe_nonuniform,
-        count_if(masked_weighted) AS masked_weighted,
+        max(probe_spread) AS probe_spread,
+        max(masked_share) AS masked_share,
         count(token_weight_sum) AS probed,
         count(sync) AS sync_known, count_if(sync) AS sync_true,
         count_if(skipped) AS skipped_true, count_if(NOT skipped) AS skipped_false,
@@ -131,7 +135,7 @@ EXTREME_COLUMNS = ("heavy_rank", "heavy_micro", "heavy_n", "heavy_rank_tokens",
 
 INTEGER_COLUMNS = (
     "records", "rank_max", "w_low", "w_high", "weighted_records", "unweighted_records", "unknown_divisor",
-    "nonfinite_valid", "nonfinite_zero", "probe_nonuniform", "masked_weighted", "probed", "sync_known", "sync_true",
+    "nonfinite_valid", "nonfinite_zero", "probed", "sync_known", "sync_true",
     "skipped_true", "skipped_false", "reported", "positions_known", "wide_micro", "unusable_values", "ranks", "m_low",
     "m_high", "unsynced_ranks", "repeated_micro")
 """Counts of records, ranks and microbatches and their indices: 4 bytes a step each, not 8 (or the 16 of
@@ -240,10 +244,10 @@ FOOTER_CONSTANTS: dict[frozenset[str], tuple[tuple[str, str], ...]] = {
     frozenset({"token_weight_min", "token_weight_max"}): (
         ("min(coalesce(probe_low, w) + 0 * w) AS tok_low, max(coalesce(probe_high, w) + 0 * w) AS tok_high",
          "min(w) AS tok_low, max(w) AS tok_high"),
-        ("count_if(probe_nonuniform) AS probe_nonuniform", "NULL AS probe_nonuniform")),
+        ("max(probe_spread) AS probe_spread", "CAST(NULL AS DOUBLE) AS probe_spread")),
     frozenset({"token_weight_sum"}): (("count(token_weight_sum) AS probed", "0 AS probed"),),
-    # NULL > 0 AND NULL > x is NULL on every record
-    frozenset({"masked_weight_abs_sum"}): (("count_if(masked_weighted) AS masked_weighted", "NULL AS masked_weighted"),),
+    # no record holds a masked weight: the CASE is NULL on every record
+    frozenset({"masked_weight_abs_sum"}): (("max(masked_share) AS masked_share", "CAST(NULL AS DOUBLE) AS masked_share"),),
     frozenset({"reported_loss"}): (
         ("min(reported_loss) AS reported_low, max(reported_loss) AS reported_high, count(reported_loss) AS reported",
          "CAST(NULL AS DOUBLE) AS reported_low, CAST(NULL AS DOUBLE) AS reported_high, 0 AS reported"),),

@@ -166,9 +166,20 @@ def test_probe_findings(tmp_path: Path) -> None:
                    token_weight_max=weight, masked_weight_abs_sum=0.0, backward_scalar=None)
     rows[0].update(token_weight_min=rows[0]["token_weight_min"] * 0.5, token_weight_max=rows[0]["token_weight_max"] * 2)
     rows[1]["masked_weight_abs_sum"] = 0.25
-    report = audit_rows(tmp_path, rows)
+    report = audit_rows(tmp_path, rows, keep_steps=True)
     assert codes(report) == {"nonuniform_in_microbatch", "masked_tokens_weighted"}
     assert report.runs[0].max_weight_ratio == pytest.approx(4.0)
+    spread, = (f.evidence for f in report.findings if f.code == Code.NONUNIFORM_IN_MICROBATCH)
+    assert spread == {"steps": 1, "largest_spread": pytest.approx((2 - 0.5) / 2)}  # (max − min) / max
+    masked, = (f.evidence for f in report.findings if f.code == Code.MASKED_TOKENS_WEIGHTED)
+    # 0.25 of ∂b/∂ℓ on masked positions, where each valid token of that record got b/S
+    mean_weight = rows[1]["token_weight_sum"] / rows[1]["valid_tokens"]
+    assert masked == {"steps": 1, "masked_weight_in_tokens": pytest.approx(0.25 / mean_weight)}
+    # judged at --rtol above the step table, which is the same whatever the tolerance
+    loose = audit([tmp_path / "run"], rtol=0.8, keep_steps=True)
+    assert "nonuniform_in_microbatch" not in codes(loose)
+    assert report.steps is not None and loose.steps is not None
+    pd.testing.assert_frame_equal(report.steps, loose.steps)
 
 
 def _probed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

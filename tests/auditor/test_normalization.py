@@ -277,7 +277,7 @@ def test_a_long_run_costs_columns_not_an_object_per_step(monkeypatch: pytest.Mon
         counts = [[int(rng.integers(1, 300))], [int(rng.integers(1, 300))]]
         rows.append(step_row(step, weights(counts, lambda n_r, W, **_: 1 / (W * n_r))))
     steps = table(rows)
-    for column in ("w_low", "d_low", "probe_nonuniform", "masked_weighted", "nonfinite_valid", "nonfinite_zero",
+    for column in ("w_low", "d_low", "probe_spread", "masked_share", "nonfinite_valid", "nonfinite_zero",
                    "unsynced_ranks", "skipped_true", "skipped_false", "sync_known", "sync_true", "reported",
                    "unweighted_records"):
         steps[column] = steps["w_high"] if column == "w_low" else steps["d_high"] if column == "d_low" else 0
