@@ -62,6 +62,21 @@ def _packed_values(record: dict[str, Any]) -> Iterator[Packed]:
             yield value
 
 
+def run_folder(run_id: str, warn: Warn) -> str:
+    """The run id as the folder its shards go to inside log_dir, locally and on object storage alike. Run ids
+    often come from job names: one that would leave log_dir (an absolute path, a `..` part, nothing but
+    separators and dots) becomes one name inside it, its parts joined by "_", with one warning; relative parts
+    that stay inside (sweep/trial-3) are kept."""
+    parts = re.split(r"[/\\]+", run_id.replace("\0", "_"))
+    named = [part for part in parts if part not in ("", ".", "..")]
+    if named and ".." not in parts and not run_id.startswith(("/", "\\")) and "\0" not in run_id:
+        return run_id
+    cleaned = "_".join(named) or "run"
+    warn("run_id", f"tokaudit: run_id {run_id!r} would leave log_dir; its shards go to {cleaned!r} inside it, "
+                   "the run id they record")
+    return cleaned
+
+
 class ShardOutput:
     """One recorder's shards: a local folder or a URL on object storage, opened at the first write."""
 
@@ -79,6 +94,7 @@ class ShardOutput:
         adds its trainer and version."""
         self.log_dir: Path | str
         """Where the shards go: a local folder, or a URL on object storage (s3://bucket/runs/exp1)."""
+        run_id = None if run_id is None else run_folder(str(run_id), warn)
         if is_url(log_dir):
             # Opened at the first flush (a store that cannot be reached then warns and retries).
             url = str(log_dir).rstrip("/")

@@ -163,3 +163,16 @@ def test_one_row_shards_on_s3_are_read_from_their_footers_with_the_local_report(
     remote = tokaudit("weights", "s3://logs/one-row/bug_local_mean", "--step", "1", env=endpoint)
     here = tokaudit("weights", str(local), "--step", "1")
     assert remote.returncode == here.returncode == 0 and remote.stdout == here.stdout
+
+
+def test_a_run_id_that_would_leave_the_prefix_stays_inside_it_on_s3(endpoint: dict[str, str]) -> None:
+    """The same rule as on a local folder: `../../escaped` under s3://logs/hostile writes inside the prefix."""
+    from tokaudit.hooks import Recorder
+
+    with pytest.warns(RuntimeWarning, match="would leave log_dir"):
+        with Recorder("s3://logs/hostile", run_id="../../escaped", flush_every=1) as rec:
+            for step in range(2):
+                rec.record(loss_sum=2.0, valid_tokens=2, backward_scalar=1.0, step=step)
+    keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="logs")["Contents"]]
+    written = [key for key in keys if key.endswith(".parquet") and not key.startswith("runs/")]
+    assert written and all(key.startswith("hostile/escaped/") for key in written), written

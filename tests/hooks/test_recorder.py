@@ -503,3 +503,37 @@ def test_every_shard_says_where_it_came_from(tmp_path: Path) -> None:
         note = json.loads(pq.read_schema(shard).metadata[b"tokaudit.provenance"])
         assert note == {"tokaudit": tokaudit.__version__, "torch": torch.__version__, "world_size": 1,
                         "trainer": "transformers", "trainer_version": "5.24.0"}
+
+
+HOSTILE_RUN_IDS = ["../../escaped", "../sibling", "..", "a/../../../up3", "runs/../../x", "/tmp/absolute", "./", "a\0b"]
+
+
+@pytest.mark.parametrize("run_id", HOSTILE_RUN_IDS)
+def test_a_run_id_that_would_leave_log_dir_lands_inside_it_with_one_warning(tmp_path: Path, run_id: str) -> None:
+    """Run ids come from job names: one that is a path out of log_dir (.., an absolute path) becomes one name
+    inside it, said once; training goes on and the audit reads the run under that name."""
+    from tokaudit.auditing import audit
+
+    log_dir = tmp_path / "deep" / "logs"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Recorder(log_dir, run_id=run_id, flush_every=2) as rec:
+            for step in range(3):
+                rec.record(loss_sum=2.0, valid_tokens=2, backward_scalar=1.0, step=step)
+    said = [str(w.message) for w in caught if "would leave log_dir" in str(w.message)]
+    assert len(said) == 1, said
+    written = sorted(p for p in tmp_path.rglob("*.parquet"))
+    assert written and all(log_dir in p.parents for p in written), written
+    (folder,) = {p.parent for p in written}
+    assert folder.parent == log_dir and rec.run_id == folder.name and "/" not in folder.name
+    report = audit([log_dir])
+    assert [r.run for r in report.runs] == [folder.name] and report.problems == []
+
+
+def test_a_run_id_of_nested_names_that_stay_inside_is_kept(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning
+        with Recorder(tmp_path, run_id="sweep/trial-3", flush_every=1) as rec:
+            rec.record(loss_sum=2.0, valid_tokens=2, backward_scalar=1.0, step=0)
+    assert [p.parent for p in tmp_path.rglob("*.parquet")] == [tmp_path / "sweep" / "trial-3"]
+    assert [row["run_id"] for row in read_rows(tmp_path / "sweep" / "trial-3")] == ["sweep/trial-3"]
