@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tokaudit.hooks.probe import ProbeResult, ScalarProbe, TokenProbe
-from tokaudit.hooks.terms import Footprint, OpenCall
+from tokaudit.hooks.terms import Footprint
 
 if TYPE_CHECKING:
     from tokaudit.hooks.recorder import Recorder
@@ -33,7 +33,8 @@ def _valid_mask(input: torch.Tensor, target: torch.Tensor, ignore_index: int) ->
 
 @contextmanager
 def capture_cross_entropy(recorder: Recorder) -> Iterator[None]:
-    """Patch F.cross_entropy for the duration; calls without grad (evaluation) pass through."""
+    """Patch F.cross_entropy for the duration; calls without grad (evaluation) pass through. Used through
+    `Recorder.capture_cross_entropy()`, which knows it is capturing."""
     original = F.cross_entropy
 
     def captured(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
@@ -58,11 +59,9 @@ def capture_cross_entropy(recorder: Recorder) -> Iterator[None]:
             return out
 
     F.cross_entropy = captured
-    recorder._capturing += 1
     try:
         yield
     finally:
-        recorder._capturing -= 1
         F.cross_entropy = original
 
 
@@ -124,19 +123,5 @@ def probe_into(recorder: Recorder, per_token_loss: torch.Tensor, valid_mask: tor
 
 def _captured_call(recorder: Recorder, loss_sum: torch.Tensor, valid_tokens: torch.Tensor, positions: int,
                    target: torch.Tensor) -> ProbeResult:
-    """Where one captured cross-entropy call goes: into an open record of its microbatch
-    (`CapturedCalls.merged`), or a record of its own."""
-    footprint = Footprint.of(target)
-    merged = recorder._calls.merged(footprint, recorder._active_term, loss_sum, valid_tokens, positions)
-    if merged is not None:
-        return merged
-    term = recorder._calls.next_term(recorder._active_term)
-    probe = ProbeResult()
-    recorder._pending_probe = probe
-    recorder.record(loss_sum=loss_sum, valid_tokens=valid_tokens, backward_scalar=None, positions=positions,
-                    term=term, _captured=True)
-    records = recorder._buffer.records
-    if records and records[-1]["probe"] is probe:
-        recorder._calls.open.append(OpenCall(records[-1], probe, term, recorder._active_term is not None,
-                                         [footprint]))
-    return probe
+    """Where one captured cross-entropy call goes (`Recorder.captured_call`), known by its labels' footprint."""
+    return recorder.captured_call(Footprint.of(target), loss_sum, valid_tokens, positions)

@@ -118,3 +118,41 @@ def resolve_divisor(model: Any, world_size: int, accelerate_ddp: bool) -> tuple[
         return None, ("tokaudit: the gradient reduction cannot be seen (no DDP model= given); pass "
                       "Recorder(model=ddp_model) or grad_divisor=... (W for an average, 1 for a sum). " + _UNSEEN)
     return 1.0, None
+
+
+class Placement:
+    """Who one recorder is, read at its first record (so after init_process_group): rank, W and group of the
+    averaging group (the model's, else `group`, else the world), and D, its reduction's divisor (given, or seen
+    then; unknown where it cannot be seen, said once)."""
+
+    def __init__(self, group: Any, model: Any, grad_divisor: float | None, warn: Callable[[str, str], None]) -> None:
+        self.process_group = group
+        if group is None:
+            try:
+                self.process_group = getattr(model, "process_group", None)
+            except Exception:  # a model whose attributes raise: the default group
+                pass
+        self.identity: Identity | None = None
+        self.grad_divisor = None if grad_divisor is None else float(grad_divisor)
+        self.divisor_known = True
+        self.divisor_resolved = grad_divisor is not None
+        self.warn = warn
+
+    def who(self) -> Identity:
+        if self.identity is None:
+            self.identity = resolve_identity(self.process_group)
+            if self.identity.announced_world_size:
+                self.warn("identity", f"tokaudit: WORLD_SIZE={self.identity.announced_world_size} but no process "
+                                      "group is initialized: each process is recorded as its own group of W=1 "
+                                      "(make the first record after init_process_group)")
+        return self.identity
+
+    def resolve(self, model: Any, wraps_ddp: Callable[[], bool]) -> None:
+        """Rank, W and D, where not yet known (`resolve_divisor`)."""
+        identity = self.who()
+        if not self.divisor_resolved:
+            self.divisor_resolved = True
+            self.grad_divisor, warning = resolve_divisor(model, identity.world_size, wraps_ddp())
+            if warning is not None:
+                self.divisor_known = False
+                self.warn("divisor", warning)

@@ -16,12 +16,12 @@ from tokaudit.hooks.amp import ScalerWatch
 from tokaudit.hooks.attach import AccelerateWatch, Restore, from_accelerator, torch_optimizer, version_of
 from tokaudit.hooks.buffer import RecordBuffer, backpropagated, detached, new_record
 from tokaudit.hooks.columns import Value, check_arguments
-from tokaudit.hooks.identity import Identity, resolve_divisor, resolve_identity
+from tokaudit.hooks.identity import Placement
 from tokaudit.hooks.output import ShardOutput, Stamp
 from tokaudit.hooks.capture import probe_into
 from tokaudit.hooks.probe import ProbeResult
 from tokaudit.hooks.signals import on_termination, run_deferred
-from tokaudit.hooks.terms import CapturedCalls
+from tokaudit.hooks.terms import CapturedCalls, Footprint, OpenCall
 from tokaudit.hooks.trackers import AuditLoop
 
 DEFAULT_FLUSH_EVERY = 4096
@@ -68,14 +68,8 @@ class Recorder:
             self.warn_once("optimizer", f"tokaudit: cannot hook the optimizer {type(optimizer).__name__} (no "
                                         "torch.optim.Optimizer inside it); every backward is recorded as its own "
                                         "update unless you call rec.begin_step()/rec.end_step()")
-        self._init_steps(grad_divisor, grad_scale)
-        self._process_group = group
-        if group is None:
-            try:
-                self._process_group = getattr(model, "process_group", None)
-            except Exception:  # a model whose attributes raise: the default group
-                pass
-        self._identity: Identity | None = None
+        self._init_steps(grad_scale)
+        self._placement = Placement(group, model, grad_divisor, self.warn_once)
         self._scaler: ScalerWatch | None = None
         self._output = ShardOutput(log_dir, run_id, self._flush_every, self.warn_once)
         self._closed = self._closed or not self._output.usable
@@ -106,11 +100,8 @@ class Recorder:
         self._pending_probe: ProbeResult | None = None
         self._calls = CapturedCalls()
 
-    def _init_steps(self, grad_divisor: float | None, grad_scale: float | None) -> None:
+    def _init_steps(self, grad_scale: float | None) -> None:
         """Where the next record goes: the update and microbatch counters, the open calls and the scale."""
-        self._grad_divisor = None if grad_divisor is None else float(grad_divisor)
-        self._divisor_known = True
-        self._divisor_resolved = grad_divisor is not None
         self._grad_scale = grad_scale
         self._forward_sync: bool | None = None
         self._step = 0
@@ -126,17 +117,23 @@ class Recorder:
     @property
     def rank(self) -> int:
         """Rank inside the averaging group (read at the first record, so after init_process_group)."""
-        return self._resolve_identity().rank
+        return self._placement.who().rank
 
     @property
     def world_size(self) -> int:
         """W: the size of the averaging group."""
-        return self._resolve_identity().world_size
+        return self._placement.who().world_size
 
     @property
     def group(self) -> str:
         """Id of the averaging group ("0": the whole world)."""
-        return self._resolve_identity().group
+        return self._placement.who().group
+
+    @property
+    def grad_divisor(self) -> float | None:
+        """D, what the group's gradient reduction divides by: given, or seen at the first record (None before,
+        and where it cannot be seen)."""
+        return self._placement.grad_divisor
 
     # ---------------------------------------------------------------- public API
 
@@ -167,9 +164,7 @@ class Recorder:
                 self.flush(wait_for_backward=True)  # every rank: the audit reads the steps before this one whole
                 self._audits.start(at)
         try:
-            self._resolve_identity()
-            if not self._divisor_resolved:
-                self._resolve_divisor()
+            self._placement.resolve(self._model, lambda: self._accelerate is not None and self._accelerate.wraps_ddp())
             term = str(term) if term is not None else (self._active_term or "0")
             check_arguments(step, micro, loss_sum=loss_sum, valid_tokens=valid_tokens, backward_scalar=backward_scalar,
                             positions=positions, reported_loss=reported_loss, grad_scale=grad_scale)
@@ -231,12 +226,34 @@ class Recorder:
         finally:
             self._active_term = previous
 
-    def capture_cross_entropy(self) -> AbstractContextManager[None]:
+    @contextmanager
+    def capture_cross_entropy(self) -> Iterator[None]:
         """While active, every cross-entropy call with grad (F.cross_entropy, nn.CrossEntropyLoss)
         is recorded with its probe; it returns exactly what it would have. See `tokaudit.hooks.capture`."""
         from tokaudit.hooks.capture import capture_cross_entropy
 
-        return capture_cross_entropy(self)
+        self._capturing += 1
+        try:
+            with capture_cross_entropy(self):
+                yield
+        finally:
+            self._capturing -= 1
+
+    def captured_call(self, footprint: Footprint, loss_sum: torch.Tensor, valid_tokens: torch.Tensor,
+                      positions: int) -> ProbeResult:
+        """One captured cross-entropy call (`tokaudit.hooks.capture`): added to an open record of its microbatch
+        (`CapturedCalls.merged`), or a record of its own; the probe its backward fills."""
+        merged = self._calls.merged(footprint, self._active_term, loss_sum, valid_tokens, positions)
+        if merged is not None:
+            return merged
+        term = self._calls.next_term(self._active_term)
+        probe = self._pending_probe = ProbeResult()
+        self.record(loss_sum=loss_sum, valid_tokens=valid_tokens, backward_scalar=None, positions=positions,
+                    term=term, _captured=True)
+        records = self._buffer.records
+        if records and records[-1]["probe"] is probe:
+            self._calls.open.append(OpenCall(records[-1], probe, term, self._active_term is not None, [footprint]))
+        return probe
 
     def start_capture(self) -> None:
         """`capture_cross_entropy()` without a `with` block: active until `close()` (trainer callbacks)."""
@@ -467,28 +484,10 @@ class Recorder:
     def probe_failed(self, error: BaseException) -> None:  # a probe's backward failed: the captures say so here
         self.warn_once("probe-backward", f"tokaudit: probe could not read a backward ({error!r})")
 
-    def _resolve_divisor(self) -> None:
-        """D from what can be seen (`identity.resolve_divisor`); unknown where it cannot, and said once."""
-        self._divisor_resolved = True
-        wraps_ddp = self._accelerate is not None and self._accelerate.wraps_ddp()
-        self._grad_divisor, warning = resolve_divisor(self._model, self.world_size, wraps_ddp)
-        if warning is not None:
-            self._divisor_known = False
-            self.warn_once("divisor", warning)
-
     def _stamp(self) -> Stamp:
-        identity = self._resolve_identity()
-        return Stamp(identity.rank, identity.world_size, identity.group, self.run_id, self._grad_divisor,
-                     self._divisor_known)
-
-    def _resolve_identity(self) -> Identity:
-        if self._identity is None:
-            self._identity = resolve_identity(self._process_group)
-            if self._identity.announced_world_size:
-                self.warn_once("identity", f"tokaudit: WORLD_SIZE={self._identity.announced_world_size} but no "
-                                           "process group is initialized: each process is recorded as its own "
-                                           "group of W=1 (make the first record after init_process_group)")
-        return self._identity
+        identity, placement = self._placement.who(), self._placement
+        return Stamp(identity.rank, identity.world_size, identity.group, self.run_id, placement.grad_divisor,
+                     placement.divisor_known)
 
     def warn_once(self, key: str, message: str) -> None:  # the integrations warn through it; training goes on
         if key not in self._warned:

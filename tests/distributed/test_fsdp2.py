@@ -52,7 +52,7 @@ def fsdp_job(rank: int, world_size: int, log_dir: str, variant: str) -> list[dic
         optimizer.zero_grad()
         history.append({"before": before, "grads": grads})
     recorder.close()
-    divisor = recorder._grad_divisor
+    divisor = recorder.grad_divisor
     del model, optimizer
     gc.collect()
     dist.barrier()

@@ -122,7 +122,7 @@ def test_a_long_outage_is_written_down_and_those_steps_are_not_judged(tmp_path: 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             rec = Recorder(tmp_path, run_id="outage", flush_every=2, grad_divisor=2.0)
-            rec._identity = __import__("tokaudit.hooks.identity", fromlist=["Identity"]).Identity(rank, 2, "0")
+            rec._placement.identity = __import__("tokaudit.hooks.identity", fromlist=["Identity"]).Identity(rank, 2, "0")
             for step in range(40):
                 n = 3 + rank * 4
                 rec.record(loss_sum=2.0 * n, valid_tokens=n, backward_scalar=2 * 2.0 * n / 10, step=step)
