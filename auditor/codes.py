@@ -388,5 +388,5 @@ def code_named(text: str | Code) -> Code:
 
 REPORTING: frozenset[Code] = frozenset({Code.REPORTED_LOSS_MISMATCH, Code.REPORTED_LOSS_SHIFTED})
 """Findings about the logged loss, not the gradient: they never decide the verdict, which asks whether every
-valid token got the token-mean weight; the run's `reported_loss` status says them beside it."""
+valid token got the token-mean weight; the run's `reporting` status says them beside it."""
 """Warnings that say the logs cannot tell: alone, they make a run `inconclusive`, not `incorrect`."""

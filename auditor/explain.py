@@ -64,8 +64,8 @@ _VERDICT = textwrap.fill(
     "Verdict (per run), about the gradient: `correct` with no warning or error; `inconclusive` when every "
     f"warning says the logs cannot tell ({_codes(UNDECIDABLE)}), when the run is `{Code.BALANCED_COUNTS.value}`, "
     "or when no step could be judged (no step with valid tokens carries a usable weight); `incorrect` otherwise. "
-    f"The logged loss ({_codes(REPORTING)}) is the run's `reported_loss` (matches, differs, shifted, not "
-    "logged), shown beside the verdict, never part of it.",
+    f"The logged loss ({_codes(REPORTING)}) is the run's `reporting` (matches, differs, absent), "
+    "shown beside the verdict, never part of it.",
     width=105, break_long_words=False, break_on_hyphens=False)
 
 _HEADER = f"""\

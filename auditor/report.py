@@ -97,9 +97,9 @@ class RunSummary:
     """Steps the trainer marked skipped (a GradScaler overflow, an inf/NaN guard, N = 0)."""
     divisors: list[float] = field(default_factory=list)
     """Distinct divisors D of the gradient reduction (W for DDP's average, 1 for a sum)."""
-    reported_loss: str = "not logged"
-    """The logged loss against each step's token mean ΣS/N: "matches", "differs" (reported_loss_mismatch),
-    "shifted" (reported_loss_shifted: right, stamped one update off) or "not logged". Beside the verdict, never
+    reporting: str = "absent"
+    """The logged loss against each step's token mean ΣS/N: "matches", "differs" (reported_loss_mismatch, or
+    reported_loss_shifted: right, stamped one update off) or "absent" (none logged). Beside the verdict, never
     part of it."""
     normalization_judged: bool = True
     """False where the files given lack some ranks' records (`ranks_not_recorded`): every step's N is partial,

@@ -102,7 +102,7 @@ def apply_policy(findings: list[Finding], ignored: set[Code], min_ratio: float |
 def verdict_of(findings: Sequence[Finding], judged: bool) -> Verdict:
     """Incorrect when a warning or error about the gradient says so; inconclusive when the only ones say the
     logs cannot tell (or the counts are balanced, or nothing could be judged); correct otherwise. Findings about
-    the logged loss (REPORTING) are the run's `reported_loss`, never its verdict."""
+    the logged loss (REPORTING) are the run's `reporting`, never its verdict."""
     serious = [f for f in findings if f.severity.rank >= Severity.WARNING.rank and f.code not in REPORTING]
     if any(f.code not in UNDECIDABLE for f in serious):
         return "incorrect"
@@ -171,16 +171,13 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
                       max_weight_ratio=max_ratio, microbatches=max(int(microbatches), 0) if rows else 0,
                       terms=terms, skipped_steps=skipped_steps, divisors=sorted(divisors),
                       weight_range=weight_range, segments_omitted=omitted, normalization_judged=judged_ranks,
-                      reported_loss=_reported_loss(findings, reported))
+                      reporting=_reporting(findings, reported))
 
-def _reported_loss(findings: list[Finding], reported: int) -> str:
+def _reporting(findings: list[Finding], reported: int) -> str:
     """The logged loss against the token mean, from the findings about it and the records that carry one."""
-    said = {f.code for f in findings}
-    if Code.REPORTED_LOSS_MISMATCH in said:
+    if {f.code for f in findings} & {Code.REPORTED_LOSS_MISMATCH, Code.REPORTED_LOSS_SHIFTED}:
         return "differs"
-    if Code.REPORTED_LOSS_SHIFTED in said:
-        return "shifted"
-    return "matches" if reported else "not logged"
+    return "matches" if reported else "absent"
 
 class _Extreme:
     """The lowest value seen over blocks, NaN skipped; NaN when none was a number (pandas' min)."""

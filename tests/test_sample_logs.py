@@ -74,17 +74,17 @@ def test_one_rank_s_file_given_alone_is_said_and_inconclusive() -> None:
 
 def test_a_right_gradient_with_a_wrong_logged_loss_is_correct_and_says_the_loss_differs() -> None:
     """A real DDP loop that backpropagates W·S/N (the float64 reference agrees) but logs the mean of per-rank
-    means: the verdict is about the gradient, `correct`, exit 0; the logged loss is `reported_loss: differs`
+    means: the verdict is about the gradient, `correct`, exit 0; the logged loss is `reporting: differs`
     beside it, with its finding, and fails a CI gate that asks for no warning."""
     run = str(SAMPLE_LOGS / "correct_token_mean_reported_local_means")
     result = CliRunner().invoke(main, ["check", run, "--format", "json"])
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
-    assert (report["runs"][0]["verdict"], report["runs"][0]["reported_loss"]) == ("correct", "differs")
+    assert (report["runs"][0]["verdict"], report["runs"][0]["reporting"]) == ("correct", "differs")
     assert [f["code"] for f in report["findings"]] == ["reported_loss_mismatch"]
     assert CliRunner().invoke(main, ["check", run, "--fail-on", "warning"]).exit_code == 1
     table = CliRunner().invoke(main, ["check", run], env={"COLUMNS": "200"})
     assert "correct (reported loss differs)" in table.stdout
     matches = json.loads(CliRunner().invoke(main, ["check", str(SAMPLE_LOGS / "correct_token_mean_ga"),
                                                    "--format", "json"]).stdout)
-    assert matches["runs"][0]["reported_loss"] == "matches"
+    assert matches["runs"][0]["reporting"] == "matches"

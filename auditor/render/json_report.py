@@ -28,7 +28,7 @@ def _segment(segment: Segment | None) -> dict[str, Any]:
 def run_dict(run: RunSummary) -> dict[str, Any]:
     return {
         "run": run.run, "rows": run.rows, "steps": run.steps, "ranks": run.ranks, "world_size": run.world_size,
-        "verdict": run.verdict, "reported_loss": run.reported_loss, "normalization": _segment(run.normalization),
+        "verdict": run.verdict, "reporting": run.reporting, "normalization": _segment(run.normalization),
         "max_weight_ratio": _finite(run.max_weight_ratio),
         "groups": run.groups, "microbatches": run.microbatches, "terms": run.terms,
         "skipped_steps": run.skipped_steps, "divisors": run.divisors,

@@ -33,9 +33,9 @@ def factor_text(segment: Segment | None, steps: int = 1, judged: bool = True) ->
 def reported_note(run: RunSummary) -> str:
     """What to show beside a verdict that is not `incorrect` when the logged loss is not the token mean (an
     incorrect run's findings say it already): the verdict is about the gradient alone."""
-    if run.verdict == "incorrect" or run.reported_loss not in ("differs", "shifted"):
+    if run.verdict == "incorrect" or run.reporting != "differs":
         return ""
-    return f" (reported loss {run.reported_loss})"
+    return " (reported loss differs)"
 
 
 def ratio_text(ratio: float) -> str:
