@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import duckdb
@@ -181,7 +181,7 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
             present = [run for run in present if run in runs]
         horizon = engine.complete_through() if live else None
         # The checks need only the step table: DuckDB's memory is given back before they run.
-        duplicates = engine.duplicates
+        duplicates, precision = engine.duplicates, engine.precision
         engine.close()
         if horizon is not None and progress:
             left_out = sum(int((~_live(part, horizon)).sum()) for part in selected_runs(parts, present))
@@ -196,8 +196,8 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
             lost = dropped.get(run)
             source = _run_steps(parts, run, horizon, lost, spilled_names)
             had_steps = source is not None or (lost is not None and _run_steps(parts, run, horizon, None) is not None)
-            run_findings, summary = _audit_run(run, source, lost, had_steps, rtol, duplicates.get(run), extremes,
-                                               ignored, min_ratio, trainers.get(run))
+            run_findings, summary = _audit_run(run, source, lost, had_steps, (rtol, precision.get(run)),
+                                               duplicates.get(run), extremes, ignored, min_ratio, trainers.get(run))
             findings.extend(run_findings)
             if summary is not None:
                 summaries.append(summary)
@@ -215,17 +215,22 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
         if isinstance(steps, Spilled):
             steps.close()
 
-def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, had_steps: bool, rtol: float,
-               duplicates: tuple[int, int, int, int] | None, extremes: _Extremes, ignored: set[Code],
-               min_ratio: float | None, trainer: str | None) -> tuple[list[Finding], RunSummary | None]:
+def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, had_steps: bool,
+               tolerance: tuple[float, int | None], duplicates: tuple[int, int, int, int] | None,
+               extremes: _Extremes, ignored: set[Code], min_ratio: float | None, trainer: str | None
+               ) -> tuple[list[Finding], RunSummary | None]:
     """One run's findings and summary. `source`: its steps, less those whose records were dropped (`lost`);
-    `had_steps`: whether it had any before they were left out."""
+    `had_steps`: whether it had any before they were left out. `tolerance`: --rtol and the fewest significant
+    bits the run's records were computed in (None: not said), which set the tolerance it is judged at."""
+    bits = tolerance[1]
+    rtol = judged_rtol(*tolerance)
     if source is None:
         # Steps that lost records are not judged on the part of their tokens that was kept.
         if lost and had_steps:
             return [lost.finding(run)], RunSummary(run=run, rows=0, steps=0, ranks=0, world_size=[], groups=0,
                                                    verdict="inconclusive", normalization=None, segments=[],
-                                                   max_weight_ratio=1.0, microbatches=0)
+                                                   max_weight_ratio=1.0, microbatches=0, precision_bits=bits,
+                                                   rtol=rtol)
         return [], None
     # Steps whose counts the probe contradicts are left out of the checks and the summary alike.
     source, miscounted = without_miscounted(source, rtol)
@@ -237,8 +242,16 @@ def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, h
     run_findings = apply_policy(run_findings, ignored, min_ratio)
     value = {d: d.value for d in Denominator}
     segments = [Segment(s.first, s.last, s.steps, value[s.denominator], s.factor, s.group, s.term) for s in spans]
-    return run_findings, run_summary(run, source, run_findings, segments, omitted)
+    summary = run_summary(run, source, run_findings, segments, omitted)
+    return run_findings, replace(summary, precision_bits=bits, rtol=rtol)
 
+
+def judged_rtol(rtol: float, bits: int | None) -> float:
+    """The tolerance a run is judged at: --rtol, or what its coarsest precision rounds, whichever is larger.
+    A value computed in p significant bits is off by up to u = 2⁻ᵖ per rounding; a weight takes about two
+    roundings (b, or the probe's ∂b/∂ℓ), a ratio of two weights twice that: 4u = 2^(2−p), which is 2⁻⁶ in
+    bfloat16, 2⁻⁹ in float16 and 2⁻²² in float32 (below the default --rtol)."""
+    return rtol if bits is None else max(rtol, 2.0 ** (2 - bits))
 
 def _joined(frames: list[pd.DataFrame], ordered: bool) -> pd.DataFrame:
     """The parts of a table as one, as `Engine.step_table` joins its ranges: the names as categories, the

@@ -159,7 +159,8 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
                  names=all_names(names), run_group=run_group_of(names), null_columns=empty, record=record)
 
 NULLABLE_COLUMNS = frozenset({"token_weight_sum", "token_weight_min", "token_weight_max", "masked_weight_abs_sum",
-                              "reported_loss", "sync", "skipped", "positions", "divisor_known"})
+                              "reported_loss", "sync", "skipped", "positions", "divisor_known",
+                              "precision_bits"})
 """Optional columns whose absence lets the aggregation leave out aggregates (`engine.FOOTER_CONSTANTS`)."""
 
 _LAST_FOOTER: list[tuple[Any, bytes | None, SchemaFacts, dict[str, int]]] = []

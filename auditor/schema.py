@@ -52,6 +52,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("sync", "bool", pa.bool_(), False, "this backward synchronized gradients"),
     Column("skipped", "bool", pa.bool_(), False, "the trainer skipped this update by policy"),
     Column("time", "timestamp", pa.timestamp("us", tz="UTC"), False, "when the record was written"),
+    Column("precision_bits", "int", pa.int8(), False,
+           "fewest significant bits among S, b and the probe's gradient as computed (8 bfloat16, 24 float32)"),
     Column("schema_version", "int", pa.int32(), False, "log format version"),
 )
 

@@ -23,6 +23,7 @@ _LOWER_BOUNDS: tuple[tuple[str, int, str], ...] = (
     ("rank", 0, "a negative rank"),
     ("micro", 0, "a negative microbatch index"),
     ("masked_weight_abs_sum", 0, "a negative sum of absolute values"),
+    ("precision_bits", 1, "a precision below one significant bit"),
 )
 
 _UPPER_BOUNDS: tuple[tuple[str, int, str], ...] = (
@@ -31,6 +32,7 @@ _UPPER_BOUNDS: tuple[tuple[str, int, str], ...] = (
     ("world_size", INT32_MAX, "a value beyond int32, its type in the log format"),
     ("rank", INT32_MAX, "a value beyond int32, its type in the log format"),
     ("micro", INT32_MAX, "a value beyond int32, its type in the log format"),
+    ("precision_bits", 113, "more significant bits than any float type holds (113, a float128)"),
 )
 """(column, highest allowed value, what it means): the step table holds ranks, microbatch indices, W and one
 record's count in 32 bits, and a step's N (Σ n over at most 2³² records) then stays exact in int64 and in a

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tokaudit.hooks.columns import Slabs, Value, pack
+from tokaudit.hooks.columns import Slabs, Value, pack, significant_bits
 from tokaudit.hooks.output import holders
 
 
@@ -23,7 +23,7 @@ def new_record(*, step: int, micro: int, term: str, loss_sum: Value, valid_token
         "backward_scalar": detached(backward_scalar), "positions": detached(positions),
         "reported_loss": detached(reported_loss), "skipped": skipped, "grad_scale": detached(grad_scale),
         "loss_scale": loss_scale, "prescaled": prescaled, "sync": sync, "time": time.time_ns() // 1000,
-        "probe": probe, "captured": captured, "divide": 1,
+        "probe": probe, "captured": captured, "divide": 1, "bits": significant_bits(loss_sum, backward_scalar),
     }
     if accelerate is not None and isinstance(backward_scalar, torch.Tensor):
         # b recorded before accelerator.backward(b) is divided there; recorded after, here.

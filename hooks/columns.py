@@ -20,6 +20,16 @@ _PACKABLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat
 """Dtypes whose every value a float64 holds exactly (an int64 count up to 2⁵³)."""
 
 
+def significant_bits(*values: Any) -> int | None:
+    """The fewest significant bits among the floating-point tensors or dtypes given (8 for bfloat16, 11 float16,
+    24 float32, 53 float64); None where none is one: a Python number says nothing of how it was computed."""
+    # eps = 2^(1−p) for p significant bits (the implicit leading one included)
+    bits = [round(1 - math.log2(torch.finfo(dtype).eps))
+            for dtype in (v.dtype if isinstance(v, torch.Tensor) else v for v in values)
+            if isinstance(dtype, torch.dtype) and dtype.is_floating_point]
+    return min(bits) if bits else None
+
+
 class Packed:
     """A value the recorder held as a one-number tensor, now the `index`-th number of a float64 tensor on its
     device that holds the values of closed updates (`pack`)."""

@@ -198,6 +198,13 @@ class ShardOutput:
         return pa.table([arrays[field.name] for field in WRITER_SCHEMA], schema=WRITER_SCHEMA)
 
 
+def _bits(record: dict[str, Any]) -> int | None:
+    """precision_bits: the fewest significant bits of S, b and the probe's gradients."""
+    probe = record["probe"]
+    found = [bits for bits in (record["bits"], None if probe is None else probe.bits) if bits is not None]
+    return min(found) if found else None
+
+
 def _columns(records: list[dict[str, Any]], stamp: Stamp, packed: PackedHost) -> dict[str, Iterable[Any]]:
     """The records' columns but the probe's, on the host."""
     count = len(records)
@@ -232,5 +239,6 @@ def _columns(records: list[dict[str, Any]], stamp: Stamp, packed: PackedHost) ->
         "sync": [r["sync"] for r in records],
         "skipped": [None if v is None else bool(v) for v in skipped],
         "time": [r["time"] for r in records],
+        "precision_bits": [_bits(r) for r in records],
         "schema_version": [SCHEMA_VERSION] * count,
     }

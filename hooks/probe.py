@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tokaudit.hooks.columns import Packed
+from tokaudit.hooks.columns import Packed, significant_bits
 
 
 class ProbeResult:
@@ -18,7 +18,7 @@ class ProbeResult:
 
     VALUES = ("weight_sum", "weight_min", "weight_max", "masked_abs_sum", "valid_count")
     """What a backward measures, each a one-number tensor on the device (packed once its update closes)."""
-    __slots__ = (*VALUES, "filled", "on_fill")
+    __slots__ = (*VALUES, "filled", "on_fill", "bits")
 
     def __init__(self) -> None:
         # a tensor until its update closes; then a place in the update's pack (`Recorder._pack`)
@@ -30,12 +30,15 @@ class ProbeResult:
         self.filled = False
         self.on_fill: Callable[[], None] | None = None
         """Called once, when the first backward reaches this probe."""
+        self.bits: int | None = None
+        """The fewest significant bits of the gradients it read (`significant_bits`)."""
 
     def add(self, grad: torch.Tensor, valid: torch.Tensor, masked_live: torch.Tensor) -> None:
         """`masked_live`: positions that are not valid and whose loss is not an exact 0."""
         # grad = ∂b/∂ℓᵢ for every position; reductions stay on the device (no host sync) and
         # accumulate in float64, the per-token values stay in the gradient's own dtype.
         weight = grad.detach()
+        self._note_bits(grad)
         inf = float("inf")  # Python scalars: no host-to-device copy inside backward
         weight_sum = torch.where(valid, weight, 0).sum(dtype=torch.float64)
         weight_min = torch.where(valid, weight, inf).amin().double()
@@ -47,13 +50,20 @@ class ProbeResult:
         masked_abs_sum = torch.where(masked_live, weight.abs(), 0).sum(dtype=torch.float64)
         self._accumulate(weight_sum, weight_min, weight_max, masked_abs_sum, valid.sum())
 
-    def add_uniform(self, weight: torch.Tensor, valid_count: torch.Tensor) -> None:
-        """Every valid token got the same weight (a reduced loss); positions that are not valid got 0."""
+    def add_uniform(self, weight: torch.Tensor, valid_count: torch.Tensor, grad: torch.Tensor) -> None:
+        """Every valid token got the same weight (a reduced loss, whose gradient is `grad`); positions that are
+        not valid got 0."""
+        self._note_bits(grad)
         weight = weight.detach().to(torch.float64).reshape(())
         inf = float("inf")
         has_tokens = valid_count > 0
         self._accumulate(weight * valid_count, torch.where(has_tokens, weight, inf),
                          torch.where(has_tokens, weight, -inf), torch.zeros_like(weight), valid_count)
+
+    def _note_bits(self, grad: torch.Tensor) -> None:
+        bits = significant_bits(grad)  # a dtype, read without touching the values: no device sync
+        if bits is not None:
+            self.bits = bits if self.bits is None else min(self.bits, bits)
 
     def _accumulate(self, weight_sum: torch.Tensor, weight_min: torch.Tensor, weight_max: torch.Tensor,
                     masked_abs_sum: torch.Tensor, valid_count: torch.Tensor) -> None:
@@ -117,7 +127,7 @@ class ScalarProbe(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         token_factor, valid_count = ctx.saved_tensors
         try:
-            ctx.result.add_uniform(grad * token_factor, valid_count)
+            ctx.result.add_uniform(grad * token_factor, valid_count, grad)
         except Exception as error:  # the probe never breaks training
             ctx.on_error(error)
         return grad, None, None, None, None

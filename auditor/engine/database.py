@@ -77,6 +77,8 @@ class Engine:
     duplicates: dict[str, tuple[int, int, int, int]]
     """Filled by `step_table`. Per run: (records dropped, first step, last step, steps) where a
     (run, group, term, step, micro, rank) key appeared more than once."""
+    precision: dict[str, int] = field(default_factory=dict)
+    """Filled by `step_table`. Per run whose records say it (`precision_bits`): the fewest significant bits."""
     chunk_rows: int = CHUNK_ROWS
     """Rows aggregated at a time: bounds memory whatever the size of the log."""
     only_steps: tuple[int, int] | None = None
@@ -287,6 +289,7 @@ class Engine:
                 if progress and len(chunks) > 1 and steps:
                     progress(f"aggregating steps {steps[0]}–{steps[1]} ({index + 1}/{len(chunks)})")
                 table = next(tables)
+                note_precision(self.precision, table)
                 held += len(table["step"])
                 if spill and spilled is None and held > SPILL_STEPS:
                     # Past SPILL_STEPS: the ranges held so far go to disk, and every one after.
@@ -419,6 +422,15 @@ class Engine:
         self.connection.close()
         if self.links is not None:
             shutil.rmtree(self.links, ignore_errors=True)
+
+def note_precision(precision: dict[str, int], table: dict[str, Any]) -> None:
+    """The fewest significant bits (`bits_low`) of each run of a range's table, folded into `precision`."""
+    runs, bits = table["run"], np.asarray(table["bits_low"], dtype=np.float64)
+    for code in np.unique(runs.codes):
+        fewest = np.fmin.reduce(bits[runs.codes == code])  # NaN: no record of the run says
+        if not np.isnan(fewest):
+            run = str(runs.categories[code])
+            precision[run] = min(precision.get(run, 64), int(fewest))
 
 def extremes_at(shards: Sequence[Shard], step: int, threads: int | None = None) -> pd.DataFrame:
     """EXTREME_COLUMNS of one step, a row per (run, grp, term): the step aggregated again, alone, from the

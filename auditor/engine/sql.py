@@ -26,7 +26,7 @@ WITH rec AS (
     -- three strings, and the per-rank grouping of a many-microbatch log holds millions of groups
     SELECT {key} AS k, {record_names}step, rank, micro, world_size, grad_divisor, grad_scale,
         valid_tokens, loss_sum, positions,
-        sync, skipped, reported_loss, token_weight_sum, divisor_known,
+        sync, skipped, reported_loss, token_weight_sum, divisor_known, precision_bits,
         valid_tokens > 0 AND NOT (isfinite(loss_sum) AND coalesce(isfinite(backward_scalar), true)
             AND coalesce(isfinite(token_weight_sum), true) AND coalesce(isfinite(token_weight_min), true)
             AND coalesce(isfinite(token_weight_max), true) AND coalesce(isfinite(masked_weight_abs_sum), true)
@@ -82,7 +82,7 @@ STEP_AGGREGATES = f"""
         count_if(skipped) AS skipped_true, count_if(NOT skipped) AS skipped_false,
         min(reported_loss) AS reported_low, max(reported_loss) AS reported_high, count(reported_loss) AS reported,
         sum(positions) AS positions, count(positions) AS positions_known,
-        count_if(micro >= 64) AS wide_micro,
+        count_if(micro >= 64) AS wide_micro, min(precision_bits) AS bits_low,
         -- NaN never shows in a file's statistics, nor T < n where a file's T and n overlap: counted here, the
         -- files are then named (unusable_files)
         count_if({UNUSABLE_RECORD}) AS unusable_values
@@ -136,7 +136,7 @@ EXTREME_COLUMNS = ("heavy_rank", "heavy_micro", "heavy_n", "heavy_rank_tokens",
 INTEGER_COLUMNS = (
     "records", "rank_max", "w_low", "w_high", "weighted_records", "unweighted_records", "unknown_divisor",
     "nonfinite_valid", "nonfinite_zero", "probed", "sync_known", "sync_true",
-    "skipped_true", "skipped_false", "reported", "positions_known", "wide_micro", "unusable_values", "ranks", "m_low",
+    "skipped_true", "skipped_false", "reported", "positions_known", "wide_micro", "unusable_values", "ranks", "m_low", "bits_low",
     "m_high", "unsynced_ranks", "repeated_micro")
 """Counts of records, ranks and microbatches and their indices: 4 bytes a step each, not 8 (or the 16 of
 DuckDB's HUGEINT sums), for a step table of millions of rows."""
@@ -272,6 +272,7 @@ FOOTER_CONSTANTS: dict[frozenset[str], tuple[tuple[str, str], ...]] = {
     frozenset({"grad_divisor="}): (("min(grad_divisor) AS d_low, max(grad_divisor) AS d_high",
                                     "CAST($grad_divisor AS DOUBLE) AS d_low, CAST($grad_divisor AS DOUBLE) AS d_high"),),
     frozenset({"micro<64"}): (("count_if(micro >= 64) AS wide_micro", "0 AS wide_micro"),),
+    frozenset({"precision_bits"}): (("min(precision_bits) AS bits_low", "CAST(NULL AS INTEGER) AS bits_low"),),
 }
 """Aggregates whose value the footers of a range's files already give, with that value, per fact
 (`footer_facts`). A column named alone: no record holds a value of it (each file lacks it or holds only
@@ -385,6 +386,7 @@ def select_records(default_run: str, present: set[str], scan: str, where: str) -
             {column('masked_weight_abs_sum')} AS masked_weight_abs_sum,
             {column('reported_loss')} AS reported_loss,
             {column('sync')} AS sync, {column('skipped')} AS skipped, {column('time')} AS written,
+            {column('precision_bits')} AS precision_bits,
             r.filename, r.file_row_number
         FROM {scan}
         {where}"""

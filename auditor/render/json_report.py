@@ -36,6 +36,7 @@ def run_dict(run: RunSummary) -> dict[str, Any]:
         "segments": [{"first": s.first, "last": s.last, "steps": s.steps, **_segment(s), "group": s.group,
                       "term": s.term} for s in run.segments],
         "segments_omitted": run.segments_omitted,
+        "precision_bits": run.precision_bits, "rtol": run.rtol,
     }
 
 

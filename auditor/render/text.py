@@ -30,12 +30,19 @@ def factor_text(segment: Segment | None, steps: int = 1, judged: bool = True) ->
     return f"b·g = {factor}{formula}"
 
 
+PRECISIONS = {8: "bfloat16", 11: "float16"}
+
 def reported_note(run: RunSummary) -> str:
-    """What to show beside a verdict that is not `incorrect` when the logged loss is not the token mean (an
-    incorrect run's findings say it already): the verdict is about the gradient alone."""
-    if run.verdict == "incorrect" or run.reporting != "differs":
-        return ""
-    return " (reported loss differs)"
+    """What to show beside a verdict: that the logged loss is not the token mean, where the verdict is not
+    `incorrect` (an incorrect run's findings say it already; the verdict is about the gradient alone), and the
+    precision the run was judged at, where it is coarser than float32's."""
+    notes = []
+    if run.verdict != "incorrect" and run.reporting == "differs":
+        notes.append("reported loss differs")
+    if run.precision_bits is not None and run.precision_bits < 24 and run.rtol is not None:
+        name = PRECISIONS.get(run.precision_bits, f"{run.precision_bits}-bit")
+        notes.append(f"judged at {name} precision, rtol {run.rtol:.2g}")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def ratio_text(ratio: float) -> str:

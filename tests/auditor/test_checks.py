@@ -282,19 +282,26 @@ def _logged_in_bfloat16(probe: bool) -> list[dict[str, Any]]:
     return rows
 
 
-@pytest.mark.xfail(strict=True, reason="known false verdict: values logged in bfloat16 (a loss on bf16 logits) deviate "
-                                       "from the token mean by up to 2⁻⁸, beyond rtol; the log does not say its precision")
 @pytest.mark.parametrize("probe", [True, False])
-def test_a_right_loop_logged_in_bfloat16_is_not_called_wrong(tmp_path: Path, probe: bool) -> None:
-    """The training is the token mean up to bf16 rounding: the verdict must not be `incorrect` (today:
-    unexplained_weighting, or scale_mismatch with the probe, unless --rtol 1e-2 is given)."""
-    report = audit_rows(tmp_path, _logged_in_bfloat16(probe))
-    assert report.runs[0].verdict != "incorrect", codes(report)
+def test_a_right_loop_computed_in_bfloat16_is_judged_at_its_precision(tmp_path: Path, probe: bool) -> None:
+    """The training is the token mean up to bf16 rounding, and the log says so (precision_bits = 8, as the
+    recorder writes for bf16 values or a bf16 gradient): correct, judged at 2^(2−8); a local mean computed in
+    bf16, its ranks' tokens 2× apart, is still a local mean at that precision."""
+    right = audit_rows(tmp_path / "right", [dict(row, precision_bits=8) for row in _logged_in_bfloat16(probe)])
+    assert right.findings == [] and right.runs[0].verdict == "correct"
+    assert (right.runs[0].precision_bits, right.runs[0].rtol) == (8, 2.0 ** -6)
+    counts = [[[40, 40], [20, 20]], [[30, 30], [60, 60]]] * 3  # each step's ranks 2× apart
+    wrong = [dict(row, loss_sum=_bfloat16(row["loss_sum"]), backward_scalar=_bfloat16(row["backward_scalar"]),
+                  precision_bits=8) for row in records(counts, local_mean)]
+    report = audit_rows(tmp_path / "wrong", wrong)
+    assert report.runs[0].verdict == "incorrect" and "local_mean" in codes(report)
+    assert audit_rows(tmp_path / "float32", records(counts, local_mean)).runs[0].rtol == 1e-4  # nothing said
 
 
 @pytest.mark.parametrize("probe", [True, False])
 def test_a_deviation_within_bfloat16_rounding_says_so_and_rtol_clears_it(tmp_path: Path, probe: bool) -> None:
-    """Until the log says its precision: a finding whose every weight is within 2⁻⁷ of the token mean's says
+    """Where the log does not say its precision (a log without precision_bits, values recorded as Python
+    floats): a finding whose every weight is within 2⁻⁷ of the token mean's says
     that bf16 rounds that far and names --rtol 1e-2, which then finds nothing; W applied twice (q ≈ 2), on
     the same bf16 values, says no such thing."""
     rows = _logged_in_bfloat16(probe)

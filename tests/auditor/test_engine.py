@@ -567,7 +567,7 @@ def test_aggregates_the_footers_give_are_constants_and_change_no_bit(
         if index % 4 == 1:
             row.update(reported_loss=2.25, positions=row["valid_tokens"] + 16, sync=index % 8 == 1, skipped=False)
         if index % 5 == 2:
-            row.update(world_size=8, grad_divisor=2.0 * divisor)
+            row.update(world_size=8, grad_divisor=2.0 * divisor, precision_bits=8)
         if row["micro"] == 1:
             row["micro"] = 65
     write(tmp_path / "log" / "c-000000.parquet", loud, schema=full)

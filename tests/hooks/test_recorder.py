@@ -537,3 +537,21 @@ def test_a_run_id_of_nested_names_that_stay_inside_is_kept(tmp_path: Path) -> No
             rec.record(loss_sum=2.0, valid_tokens=2, backward_scalar=1.0, step=0)
     assert [p.parent for p in tmp_path.rglob("*.parquet")] == [tmp_path / "sweep" / "trial-3"]
     assert [row["run_id"] for row in read_rows(tmp_path / "sweep" / "trial-3")] == ["sweep/trial-3"]
+
+
+def test_each_record_says_the_precision_its_values_and_gradients_had(tmp_path: Path) -> None:
+    """precision_bits: the fewest significant bits of S, b and the probe's gradient (8 bfloat16, 24 float32);
+    none where the values are Python numbers, which say nothing of how they were computed."""
+    import torch.nn.functional as F
+
+    logits = torch.randn(6, 5, requires_grad=True)
+    labels = torch.tensor([0, 1, 2, -100, 3, 4])
+    with Recorder(tmp_path, run_id="bits", flush_every=16) as rec:
+        rec.record(loss_sum=2.0, valid_tokens=2, backward_scalar=1.0, step=0)
+        rec.record(loss_sum=torch.tensor(2.0), valid_tokens=2, backward_scalar=torch.tensor(1.0), step=1)
+        rec.record(loss_sum=torch.tensor(2.0, dtype=torch.float64), valid_tokens=2,
+                   backward_scalar=torch.tensor(1.0, dtype=torch.bfloat16), step=2)
+        with rec.capture_cross_entropy():  # the loss on bf16 logits: its gradient is bf16
+            F.cross_entropy(logits.to(torch.bfloat16), labels).backward()
+            rec.end_step()
+    assert [row["precision_bits"] for row in read_rows(tmp_path / "bits")] == [None, 24, 8, 8]
