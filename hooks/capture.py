@@ -71,7 +71,7 @@ def _record(recorder: Recorder, out: torch.Tensor, input: torch.Tensor, target: 
     valid_count = valid.sum()
     if reduction == "none":
         loss_sum = out.detach().sum()  # positions that are not valid hold 0
-        result = _captured_call(recorder, loss_sum, valid_count, valid.numel(), target)
+        result = _captured_call(recorder, loss_sum, valid_count, valid.numel(), target, input)
         return probe_into(recorder, out, valid, result)
     # mean = Σℓᵢ / Σw_{yᵢ} over valid positions (Σw = n without class weights; the sample
     # count for probability targets); sum = Σℓᵢ. So ∂loss/∂ℓᵢ is 1/Σw or 1 for every valid i.
@@ -82,24 +82,26 @@ def _record(recorder: Recorder, out: torch.Tensor, input: torch.Tensor, target: 
             denominator = (weight[target.masked_fill(~valid, 0)] * valid).sum()
         else:
             denominator = valid_count.to(out.dtype)
-        return record_mean(recorder, out, valid, valid_count, target, denominator)
+        return record_mean(recorder, out, valid, valid_count, target, denominator, input)
     # sum = Σℓᵢ: ∂loss/∂ℓᵢ = 1
     return _probed_scalar(recorder, out, out.detach(), torch.ones((), dtype=torch.float64, device=out.device),
-                          valid, valid_count, target)
+                          valid, valid_count, target, input)
 
 
 def record_mean(recorder: Recorder, out: torch.Tensor, valid: torch.Tensor, valid_count: torch.Tensor,
-                target: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+                target: torch.Tensor, denominator: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
     """Record a reduced loss out = Σℓᵢ / denominator over the `valid` positions of `target` (`valid_count` of
     them): S = out·denominator, and every valid token got ∂b/∂out / denominator."""
     loss_sum = torch.where(denominator > 0, out.detach() * denominator, 0.0)
-    return _probed_scalar(recorder, out, loss_sum, 1 / denominator.to(torch.float64), valid, valid_count, target)
+    return _probed_scalar(recorder, out, loss_sum, 1 / denominator.to(torch.float64), valid, valid_count, target,
+                          logits)
 
 
 def _probed_scalar(recorder: Recorder, out: torch.Tensor, loss_sum: torch.Tensor, token_factor: torch.Tensor,
-                   valid: torch.Tensor, valid_count: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+                   valid: torch.Tensor, valid_count: torch.Tensor, target: torch.Tensor,
+                   logits: torch.Tensor | None) -> torch.Tensor:
     """`out` through a probe that reads ∂b/∂out in backward: each valid token got ∂b/∂out · token_factor."""
-    result = _captured_call(recorder, loss_sum, valid_count, valid.numel(), target)
+    result = _captured_call(recorder, loss_sum, valid_count, valid.numel(), target, logits)
     probed: torch.Tensor = ScalarProbe.apply(  # type: ignore[no-untyped-call]
         out, token_factor, valid_count, result, recorder.probe_failed)
     return probed
@@ -122,6 +124,7 @@ def probe_into(recorder: Recorder, per_token_loss: torch.Tensor, valid_mask: tor
 
 
 def _captured_call(recorder: Recorder, loss_sum: torch.Tensor, valid_tokens: torch.Tensor, positions: int,
-                   target: torch.Tensor) -> ProbeResult:
-    """Where one captured cross-entropy call goes (`Recorder.captured_call`), known by its labels' footprint."""
-    return recorder.captured_call(Footprint.of(target), loss_sum, valid_tokens, positions)
+                   target: torch.Tensor, logits: torch.Tensor | None) -> ProbeResult:
+    """Where one captured cross-entropy call goes (`Recorder.captured_call`), known by its labels' footprint
+    and the split its logits come from."""
+    return recorder.captured_call(Footprint.of(target, logits), loss_sum, valid_tokens, positions)

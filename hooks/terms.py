@@ -1,9 +1,12 @@
 """Which captured loss calls of one microbatch are one loss term, from their targets alone.
 
 Chunks of one cross-entropy (over disjoint slices of the sequence) read disjoint elements of the
-same label storage: one term, whose S, n and probe add up. A second head over the same tokens
+same label storage: one term, whose S, n and probe add up. Where each chunk's labels are a copy
+(torchtune's `labels.chunk(k, dim=1)` then `.reshape(-1)`), the logits say it: each chunk's come from
+one part of a tensor split along the sequence (`split_origin`). A second head over the same tokens
 (an auxiliary loss) or the shifted labels of multi-token prediction read overlapping elements, or
-other storage: another term. Computed from shapes and strides on the host: no device sync.
+other storage, and no such split: another term. Computed from shapes, strides and the autograd graph
+on the host: no device sync.
 """
 
 from __future__ import annotations
@@ -19,6 +22,49 @@ from tokaudit.hooks.probe import ProbeResult
 EXACT_LIMIT = 1 << 22
 """Views larger than this whose address ranges overlap are taken as overlapping, not enumerated."""
 
+SPLITS = ("SplitBackward0", "SplitWithSizesBackward0")
+"""Autograd nodes of torch.chunk and torch.split: each output is one part of their input."""
+
+GRAPH_DEPTH = 16
+"""Nodes walked up from a call's logits to the split they were cut from (views, casts, the output layer)."""
+
+
+def split_origin(logits: torch.Tensor) -> tuple[int, int] | None:
+    """(the split node, which part) when `logits` come from one part of a tensor split along a dimension other
+    than its last (a sequence chunk, not a slice of the classes), through ops with one input that is not a
+    parameter (views, casts, the output layer); None otherwise (another head over the same hidden state meets
+    an op of two such inputs first). The graph lives on the host: no device sync."""
+    node, part = logits.grad_fn, logits.output_nr
+    for _ in range(GRAPH_DEPTH):
+        if node is None:
+            return None
+        if type(node).__name__ in SPLITS:
+            dim, sizes = int(getattr(node, "_saved_dim")), tuple(getattr(node, "_saved_self_sym_sizes"))
+            dim = dim - (1 << 64) if dim >= 1 << 63 else dim  # a negative dim is saved as an unsigned
+            return (id(node), int(part)) if sizes and dim % len(sizes) != len(sizes) - 1 else None
+        data = [(parent, index) for parent, index in node.next_functions
+                if parent is not None and not _parameter(parent)]
+        if len(data) != 1:
+            return None
+        node, part = data[0]
+    return None
+
+
+def _parameter(node: Any) -> bool:
+    """A parameter's gradient sink, or reached through a few one-input nodes (a transposed weight), with no split
+    on the way (a chunk of a leaf tensor is data)."""
+    for _ in range(4):
+        name = type(node).__name__
+        if name in SPLITS:
+            return False
+        if name == "AccumulateGrad":
+            return True
+        parents = [parent for parent, _ in node.next_functions if parent is not None]
+        if len(parents) != 1:
+            return False
+        node = parents[0]
+    return False
+
 
 @dataclass(frozen=True, slots=True)
 class Footprint:
@@ -28,11 +74,14 @@ class Footprint:
     offset: int
     sizes: tuple[int, ...]
     strides: tuple[int, ...]
+    origin: tuple[int, int] | None = None
+    """The split its call's logits are one part of (`split_origin`)."""
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> Footprint:
+    def of(cls, tensor: torch.Tensor, logits: torch.Tensor | None = None) -> Footprint:
         return cls(tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()),
-                   tuple(int(n) for n in tensor.shape), tuple(int(s) for s in tensor.stride()))
+                   tuple(int(n) for n in tensor.shape), tuple(int(s) for s in tensor.stride()),
+                   None if logits is None else split_origin(logits))
 
     def _span(self) -> tuple[int, int]:
         # [first, last] element index; strides of views may be 0 or negative only in odd cases
@@ -47,7 +96,10 @@ class Footprint:
         return index
 
     def disjoint(self, other: Footprint) -> bool:
-        """True when the two views share no element of one storage (chunks of one sequence)."""
+        """True when the two views share no element of one storage, or their logits are two parts of one split
+        (chunks of one sequence)."""
+        if self.origin is not None and other.origin is not None and self.origin[0] == other.origin[0]:
+            return self.origin[1] != other.origin[1]
         if self.storage != other.storage or self.storage == 0:
             return False
         if 0 in self.sizes or 0 in other.sizes:

@@ -42,6 +42,10 @@ class Setup:
     """Record through capture_cross_entropy (terms guessed) instead of probe/record (terms named)."""
     chunks: int = 1
     """Cross-entropy computed over this many disjoint slices of the flattened sequence."""
+    chunking: str = "slices"
+    """slices: views of the flattened logits and labels; copies: torchtune's `logits.chunk(k, dim=1)` with each
+    chunk's labels a copy (`labels.chunk(k, dim=1)` then `.reshape(-1)` copies when a batch has several rows);
+    chunk_means: those copies, each chunk's mean averaged (a chunk-local mean)."""
     aux_local_mean: bool = False
     """The last head is a local mean (F.cross_entropy's default reduction) instead of a token mean."""
     scaler: str = "none"
@@ -153,6 +157,17 @@ def _microbatch_loss(setup: Setup, recorder: Recorder | None, outputs: tuple[tor
             flat_logits, flat_targets = logits.reshape(-1, VOCAB), targets.reshape(-1)
             if local_mean:
                 term = F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX)
+            elif setup.chunking != "slices":
+                pairs = [(part.reshape(-1, VOCAB), target.reshape(-1).clone())
+                         for part, target in zip(logits.chunk(setup.chunks, dim=1), targets.chunk(setup.chunks, dim=1))]
+                if setup.chunking == "chunk_means":  # each chunk's mean (0 for a chunk of padding alone)
+                    term = sum(F.cross_entropy(part, target, ignore_index=IGNORE_INDEX, reduction="sum")
+                               / (target != IGNORE_INDEX).sum().clamp(min=1) for part, target in pairs)
+                    term = term / setup.chunks
+                else:
+                    term = sum(F.cross_entropy(part, target, ignore_index=IGNORE_INDEX, reduction="sum")
+                               for part, target in pairs)
+                    term = factor * term / global_tokens[head].clamp(min=1)
             else:
                 bounds = [len(flat_targets) * i // setup.chunks for i in range(setup.chunks + 1)]
                 term = sum(F.cross_entropy(flat_logits[a:b], flat_targets[a:b], ignore_index=IGNORE_INDEX,
@@ -268,6 +283,11 @@ SETUPS: tuple[Setup, ...] = (
           description="main head W·S/N, auxiliary head F.cross_entropy's default mean (a local mean)"),
     Setup(name="chunked_cross_entropy", counts=_UNEVEN, capture=True, chunks=2, correct=True,
           description="one W·S/N cross-entropy computed over two disjoint chunks of the sequence"),
+    Setup(name="chunked_cross_entropy_copied", counts=_UNEVEN, capture=True, chunks=4, chunking="copies",
+          correct=True, description="torchtune's chunked W·S/N cross-entropy: logits.chunk(4, dim=1), each chunk's "
+                                    "labels a copy, each chunk summed, all divided by N"),
+    Setup(name="chunked_cross_entropy_chunk_means", counts=_UNEVEN, capture=True, chunks=4, chunking="chunk_means",
+          correct=False, description="the same chunks, each chunk's own mean, averaged (a chunk-local mean)"),
     Setup(name="mtp_heads", counts=_UNEVEN, heads=3, terms="mtp", capture=True, correct=True,
           description="multi-token prediction: 3 heads predicting tokens t+1..t+3, each its own W·S/N"),
     Setup(name="near_miss_local_mean", counts=_LONG, length=64, near_miss=True, correct=False,

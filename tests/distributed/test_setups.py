@@ -32,6 +32,8 @@ SHAPE: dict[str, tuple[list[str], list[int]]] = {
     "aux_head_captured": (["0", "1"], []),
     "aux_head_local_mean": (["0", "1"], []),
     "chunked_cross_entropy": (["0"], []),
+    "chunked_cross_entropy_copied": (["0"], []),
+    "chunked_cross_entropy_chunk_means": (["0"], []),
     "mtp_heads": (["0", "1", "2"], []),
     "near_miss_local_mean": (["0"], []),
     "ignored_positions_summed": (["0"], []),

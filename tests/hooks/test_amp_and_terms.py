@@ -242,6 +242,34 @@ def test_terms_are_told_from_chunks_by_their_targets(tmp_path: Path) -> None:
         assert row["token_weight_sum"] / row["valid_tokens"] == pytest.approx(expected, rel=1e-6)
 
 
+def test_chunks_whose_labels_are_copies_are_one_term_by_the_split_their_logits_come_from(tmp_path: Path) -> None:
+    """torchtune's chunked cross-entropy: the hidden state (or the logits) chunked along the sequence, each
+    chunk's labels `labels.chunk(k, dim=1)[i].reshape(-1)`, a copy in a batch of several rows. The labels share
+    no storage; the logits are parts of one split: one term. Two heads cut from one projection along the
+    classes, or two heads over one hidden state, stay two terms."""
+    torch.manual_seed(0)
+    head, wide = torch.nn.Linear(4, 5), torch.nn.Linear(4, 10)
+    hidden = torch.tanh(torch.randn(2, 8, 4, requires_grad=True))
+    labels = torch.randint(0, 5, (2, 8))
+    labels[1, 5:] = -100
+    parts = [target.reshape(-1) for target in labels.chunk(4, dim=1)]
+    assert all(part.untyped_storage().data_ptr() != labels.untyped_storage().data_ptr() for part in parts)
+    with Recorder(tmp_path, run_id="copies", flush_every=1000) as rec, rec.capture_cross_entropy():
+        rec.begin_step(0)  # the hidden state chunked, each chunk through the output layer in float32
+        sum(F.cross_entropy(head(chunk).float().reshape(-1, 5), target, reduction="sum")
+            for chunk, target in zip(hidden.chunk(4, dim=1), parts)).backward(retain_graph=True)
+        rec.begin_step(1)  # the logits chunked
+        sum(F.cross_entropy(chunk.reshape(-1, 5), target, reduction="sum")
+            for chunk, target in zip(head(hidden).chunk(4, dim=1), parts)).backward(retain_graph=True)
+        rec.begin_step(2)  # two heads: one projection cut along its classes
+        first, second = wide(hidden).chunk(2, dim=-1)
+        (F.cross_entropy(first.reshape(-1, 5), labels.reshape(-1).clone(), reduction="sum")
+         + F.cross_entropy(second.reshape(-1, 5), labels.reshape(-1).clone(), reduction="sum")).backward()
+    shape = sorted((r["step"], r["term"], r["valid_tokens"]) for r in read_rows(tmp_path / "copies"))
+    valid = int((labels != -100).sum())
+    assert shape == [(0, "0", valid), (1, "0", valid), (2, "0", valid), (2, "1", valid)]
+
+
 def test_footprints() -> None:
     labels = torch.arange(24).view(4, 6)
     flat = labels.view(-1)
