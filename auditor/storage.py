@@ -9,6 +9,7 @@ says what went wrong (no such bucket, access denied, endpoint unreachable), neve
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import PurePath, PurePosixPath
@@ -38,8 +39,23 @@ class Store:
         return f"{self.scheme}://{path}"
 
 
-def open_url(url: str) -> tuple[Store, str]:
-    """(store, path inside it) for a URL; raises LogFormatError with one line when it cannot."""
+DEFAULT_TIMEOUT_S = 10.0
+"""Seconds one request to an S3 store may take to connect or to answer (TOKAUDIT_STORAGE_TIMEOUT)."""
+
+
+def storage_timeout() -> float:
+    """TOKAUDIT_STORAGE_TIMEOUT in seconds, else DEFAULT_TIMEOUT_S (also where it is not a positive number)."""
+    try:
+        value = float(os.environ.get("TOKAUDIT_STORAGE_TIMEOUT", DEFAULT_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+    return value if value > 0 else DEFAULT_TIMEOUT_S
+
+
+def open_url(url: str, timeout: float | None = None) -> tuple[Store, str]:
+    """(store, path inside it) for a URL; raises LogFormatError with one line when it cannot. With `timeout`,
+    each request to an S3 store connects and answers within it, tried twice at most: a store that froze or went
+    away costs seconds, not the SDK's minutes of retries."""
     import pyarrow as pa
     import pyarrow.fs as pafs
 
@@ -51,6 +67,12 @@ def open_url(url: str) -> tuple[Store, str]:
         filesystem, path = _fsspec(url, arrow_error)
     except OSError as error:
         raise LogFormatError(url, describe(error)) from None
+    if timeout is not None and isinstance(filesystem, pafs.S3FileSystem) and "?" not in url:
+        # the same store (its region as from_uri resolved it, the endpoint from the SDK's environment), bounded
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        filesystem = pafs.S3FileSystem(region=filesystem.region, endpoint_override=endpoint or None,
+                                       connect_timeout=timeout, request_timeout=timeout,
+                                       retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2))
     return Store(filesystem, scheme), path.rstrip("/")
 
 

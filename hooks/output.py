@@ -1,11 +1,10 @@
-"""Where the records go: buffered records turned into Parquet tables and written as shards, with a bounded
-backlog while writing fails and the steps whose records could not be kept noted in the next shard."""
+"""Where the records go: buffered records turned into Parquet tables and written as shards (through a bounded
+backlog, `tokaudit.hooks.uploads`), the steps whose records could not be kept noted in the next shard."""
 
 from __future__ import annotations
 
 import os
 import re
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,14 +17,10 @@ from tokaudit import __version__
 from tokaudit.hooks.columns import Packed, PackedHost, held_value, ranges, to_host, writable_rows
 from tokaudit.hooks.probe import ProbeResult
 from tokaudit.hooks.shards import ShardWriter, StoreShardWriter
+from tokaudit.hooks.uploads import Backlog, Uploader
 from tokaudit.schema import SCHEMA_VERSION, WRITER_SCHEMA, dropped_metadata, provenance_metadata
 from tokaudit.storage import is_url
 
-STORE_RETRY_S = 30.0
-"""After a failed write to object storage, the next attempt waits this long (or for close())."""
-BACKLOG_SHARDS = 8
-"""Shards' worth of records kept in memory while writes fail (a full disk); older ones are dropped
-and written down as dropped steps in the next shard that can be written."""
 PACKED_VALUES = ("loss_sum", "valid_tokens", "backward_scalar", "positions", "reported_loss", "grad_scale",
                  "loss_scale", "skipped")
 """A record's values that may be one-number tensors, packed once its update closes (`Recorder._pack`)."""
@@ -86,9 +81,9 @@ class ShardOutput:
         self.usable = True
         """False when `log_dir` is no path at all: nothing is recorded."""
         self.writer: ShardWriter | StoreShardWriter | None = None
-        self.backlog: list[pa.Table] = []
-        self.dropped: dict[int, int] = {}  # step → records that could not be kept
-        self.store_retry_at = 0.0
+        self.prefix = "rank-00000"
+        """The shards' names before their sequence number (set at each write, from the stamp)."""
+        self.uploader: Uploader | None = None
         self.provenance: dict[str, Any] = {"tokaudit": __version__, "torch": torch.__version__}
         """What every shard's footer says of where it came from (`schema.PROVENANCE_KEY`); an integration
         adds its trainer and version."""
@@ -100,6 +95,8 @@ class ShardOutput:
             url = str(log_dir).rstrip("/")
             self.log_dir = f"{url}/{run_id}" if run_id else url
             self.run_id = run_id or self.log_dir.rsplit("/", 1)[-1]
+            self.backlog = Backlog(warn, self.log_dir)
+            self.uploader = Uploader(self.backlog, self._writer)
             return
         try:
             base = Path(log_dir)
@@ -114,9 +111,10 @@ class ShardOutput:
             warn("mkdir", f"tokaudit: cannot create {self.log_dir} ({error}); records are kept in memory and "
                           "written when it can be created")
         self.run_id = run_id or self.log_dir.absolute().name
+        self.backlog = Backlog(warn, str(self.log_dir))
 
     def note_dropped(self, step: int, count: int) -> None:
-        self.dropped[step] = self.dropped.get(step, 0) + count
+        self.backlog.note_dropped(step, count)
 
     def note_dropped_records(self, records: Iterable[dict[str, Any]]) -> None:
         for record in records:
@@ -125,49 +123,42 @@ class ShardOutput:
     def add(self, records: list[dict[str, Any]], stamp: Stamp) -> None:
         """Turn `records` into a table waiting to be written; records that cannot be read back are dropped."""
         try:
-            self.backlog.append(self._table(records, stamp))
+            self.backlog.add(self._table(records, stamp))
         except Exception as error:
             self.note_dropped_records(records)
             self.warn("table", f"tokaudit: {len(records)} record(s) could not be read back ({error!r}); they are "
                                "noted in the log as dropped")
 
     def write(self, stamp: Stamp) -> None:
-        """Write everything waiting, as one shard; on failure keep it (bounded) for the next flush."""
+        """Write everything waiting, as one shard: here for a local folder, by the uploader thread for object
+        storage; what cannot be written waits (bounded) for the next flush."""
         if not self.backlog:
             return
-        if isinstance(self.log_dir, str) and time.monotonic() < self.store_retry_at:
-            # An object store that just failed (unreachable, denied) costs seconds of retries per try:
-            # the records wait in the (bounded) backlog until STORE_RETRY_S have passed, or close().
-            self._trim_backlog()
-            return
-        table = pa.concat_tables(self.backlog) if len(self.backlog) > 1 else self.backlog[0]
-        try:
-            if self.writer is None:
-                prefix = f"rank-{stamp.rank:05d}"
-                if stamp.group != "0":
-                    prefix = f"group-{re.sub(r'[^0-9A-Za-z]+', '_', stamp.group)}-{prefix}"
-                self.writer = StoreShardWriter(self.log_dir, prefix) if isinstance(self.log_dir, str) else \
-                    ShardWriter(self.log_dir, prefix)
-            metadata = provenance_metadata({**self.provenance, "world_size": stamp.world_size})
-            if self.dropped:
-                metadata.update(dropped_metadata(stamp.run_id, stamp.group, stamp.rank, ranges(self.dropped)))
-            self.writer.write(table, metadata)
-            self.backlog.clear()
-            self.dropped.clear()
-        except Exception as error:
-            self.warn("write", f"tokaudit: could not write a shard to {self.log_dir} ({error!r}); the records are "
-                               "kept and written at the next flush, training goes on")
-            if isinstance(self.log_dir, str):
-                self.store_retry_at = time.monotonic() + STORE_RETRY_S
-            self._trim_backlog()
+        prefix = f"rank-{stamp.rank:05d}"
+        self.prefix = prefix if stamp.group == "0" else f"group-{re.sub(r'[^0-9A-Za-z]+', '_', stamp.group)}-{prefix}"
+        provenance = provenance_metadata({**self.provenance, "world_size": stamp.world_size})
 
-    def _trim_backlog(self) -> None:
-        """Keep at most BACKLOG_SHARDS shards' worth of records waiting; older ones become dropped steps."""
-        limit = BACKLOG_SHARDS * self.flush_every
-        while sum(t.num_rows for t in self.backlog) > limit and len(self.backlog) > 1:
-            lost = self.backlog.pop(0)
-            for step in lost.column("step").to_pylist():
-                self.note_dropped(int(step), 1)
+        def metadata(dropped: dict[int, int]) -> dict[bytes, bytes]:
+            if not dropped:
+                return provenance
+            return {**provenance, **dropped_metadata(stamp.run_id, stamp.group, stamp.rank, ranges(dropped))}
+
+        if self.uploader is not None:
+            self.uploader.kick(metadata)
+        else:
+            self.backlog.write(self._writer, metadata)
+
+    def close(self) -> None:
+        """The last write: the uploader's last attempt (bounded); then one warning for what is still unwritten."""
+        if self.uploader is not None:
+            self.uploader.close()
+        self.backlog.say_unwritten()
+
+    def _writer(self) -> ShardWriter | StoreShardWriter:
+        if self.writer is None:
+            self.writer = StoreShardWriter(self.log_dir, self.prefix) if isinstance(self.log_dir, str) else \
+                ShardWriter(self.log_dir, self.prefix)
+        return self.writer
 
     def _table(self, records: list[dict[str, Any]], stamp: Stamp) -> pa.Table:
         probes = [r["probe"] for r in records]

@@ -337,8 +337,8 @@ class Recorder:
         if self._capture is not None:
             self._capture.__exit__(None, None, None)
             self._capture = None
-        self._output.store_retry_at = 0.0  # the last flush tries the store whatever failed before
         self.flush()
+        self._output.close()  # the last upload tried whatever failed before; what is left unwritten is said
         self._closed = True
         for handle in self._handles:
             handle.remove()

@@ -118,9 +118,9 @@ class StoreShardWriter:
     """
 
     def __init__(self, url: str, prefix: str) -> None:
-        from tokaudit.storage import open_url
+        from tokaudit.storage import open_url, storage_timeout
 
-        self.store, self.folder = open_url(url)
+        self.store, self.folder = open_url(url, storage_timeout())
         self.prefix = prefix
         self.sequence = self._next_sequence()
 

@@ -89,13 +89,26 @@ def test_denied_access_is_one_line(tmp_path: Path) -> None:
     assert "tokaudit: error: s3://logs/runs: access denied" in denied.stderr
 
 
+def _soon(condition: Any, seconds: float = 20.0) -> bool:
+    """Whether `condition()` holds within `seconds` (the uploader thread acts on its own time)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_an_unreachable_store_is_retried_after_a_pause_and_at_close(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """A failed upload costs seconds of SDK retries: the next flushes keep the records instead of
-    trying again at once; close() tries once more, and what it writes is every record."""
+    """A failed upload costs seconds of SDK retries: the uploader thread keeps the records instead of trying
+    again at each flush; close() tries once more, and what it writes is every record."""
+    import warnings
+
     import torch
 
     import tokaudit.hooks.output as output_module
+    import tokaudit.hooks.uploads as uploads
     from tokaudit.hooks import Recorder
     from tests.logs import read_rows
 
@@ -117,17 +130,57 @@ def test_an_unreachable_store_is_retried_after_a_pause_and_at_close(tmp_path: Pa
             return self.inner.write(table, metadata)
 
     monkeypatch.setattr(output_module, "StoreShardWriter", Flaky)
-    monkeypatch.setattr(output_module, "STORE_RETRY_S", 3600.0)
-    with pytest.warns(RuntimeWarning, match="could not write a shard"):
+    monkeypatch.setattr(uploads, "STORE_RETRY_S", 3600.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         rec = Recorder("s3://bucket/runs", run_id="flaky", flush_every=1)
         for step in range(3):
             rec.record(loss_sum=torch.tensor(2.0), valid_tokens=2, backward_scalar=torch.tensor(1.0), step=step)
             rec.flush()
-    assert len(attempts) == 1, "one failed attempt, then the records wait"
-    reachable["now"] = True
-    rec.close()
+            assert _soon(lambda: any("could not write a shard" in str(w.message) for w in caught))
+        assert len(attempts) == 1, "one failed attempt, then the records wait"
+        reachable["now"] = True
+        rec.close()
     assert len(attempts) == 2
     assert [row["step"] for row in read_rows(tmp_path / "flaky")] == [0, 1, 2]
+    assert not [w for w in caught if "could not be written" in str(w.message)]
+
+
+def test_a_frozen_store_never_stalls_training_and_close_says_what_was_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An endpoint that accepts connections and never answers (a frozen store): every step returns at once,
+    since uploads run in their own thread; close() gives up within the storage timeout's bound and ends with
+    one warning naming the records and steps it could not write."""
+    import warnings
+
+    import torch
+
+    from tokaudit.hooks import Recorder
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)  # accepted by the kernel, never read nor answered
+    try:
+        for key, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{hole.getsockname()[1]}",
+                           "TOKAUDIT_STORAGE_TIMEOUT": "1"}.items():
+            monkeypatch.setenv(key, value)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rec = Recorder("s3://frozen/runs", run_id="stalled", flush_every=2)
+            slowest = 0.0
+            for step in range(20):
+                start = time.monotonic()
+                rec.record(loss_sum=torch.tensor(2.0), valid_tokens=2, backward_scalar=torch.tensor(1.0), step=step)
+                slowest = max(slowest, time.monotonic() - start)
+            start = time.monotonic()
+            rec.close()
+            closing = time.monotonic() - start
+        assert slowest < 0.5, f"a step waited {slowest:.1f} s on storage"
+        assert closing < 30, f"close() took {closing:.0f} s"
+        lost = [str(w.message) for w in caught if "could not be written" in str(w.message)]
+        assert len(lost) == 1 and "s3://frozen/runs/stalled" in lost[0] and "20 record(s)" in lost[0], lost
+        assert "steps 0–19" in lost[0] or "of an upload still running" in lost[0], lost[0]
+    finally:
+        hole.close()
 
 
 def test_one_row_shards_on_s3_are_read_from_their_footers_with_the_local_report(endpoint: dict[str, str],

@@ -101,6 +101,21 @@ def _failing_writes(monkeypatch: pytest.MonkeyPatch, failures: int) -> list[int]
     return attempts
 
 
+def test_a_disk_full_for_half_the_run_loses_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """600 records flushed every 8; the disk is full for the first 40 flushes (the first half of the run), then
+    free: the backlog (bounded in bytes, not in shards) keeps them, and every record is written once space is
+    back, each once."""
+    attempts = _failing_writes(monkeypatch, failures=40)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Recorder(tmp_path, run_id="half", flush_every=8) as rec:
+            for step in range(600):
+                rec.record(loss_sum=2.0, valid_tokens=2, backward_scalar=1.0, step=step)
+    assert attempts[0] > 40
+    assert sorted(row["step"] for row in read_rows(tmp_path / "half")) == list(range(600))
+    assert not [w for w in caught if "could not be written" in str(w.message) or "dropped" in str(w.message)]
+
+
 def test_a_full_disk_loses_nothing_once_space_returns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _failing_writes(monkeypatch, failures=3)
     with warnings.catch_warnings(record=True):
@@ -115,10 +130,13 @@ def test_a_full_disk_loses_nothing_once_space_returns(tmp_path: Path, monkeypatc
 
 def test_a_long_outage_is_written_down_and_those_steps_are_not_judged(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    # Two ranks of W = 2; rank 1's disk is full for its first 12 flushes: the backlog (8 shards of 2
-    # records) cannot hold it all, so its oldest steps are dropped and noted.
+    # Two ranks of W = 2; rank 1's disk is full for its first 12 flushes: the backlog (made 1 KiB here, three
+    # tables of 2 records) cannot hold it all, so its oldest steps are dropped and noted.
+    import tokaudit.hooks.uploads as uploads
+
     for rank in range(2):
         attempts = _failing_writes(monkeypatch, failures=12 if rank == 1 else 0)
+        monkeypatch.setattr(uploads, "BACKLOG_BYTES", 1024)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             rec = Recorder(tmp_path, run_id="outage", flush_every=2, grad_divisor=2.0)
