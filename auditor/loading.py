@@ -217,8 +217,7 @@ class Loading:
 
         inspected = _share(self.files, self.shares, self.thorough) if self.shares else inspect_batch(
             self.files, self.thorough)
-        inspected += inspect_batch([path for path, _ in self.remote], self.thorough,
-                                    [store for _, store in self.remote])
+        inspected += _inspect_remote(self.remote, self.thorough)
         shards = []
         problems = list(self.problems)
         for item in inspected:
@@ -253,6 +252,32 @@ def start_loading(paths: Sequence[str | os.PathLike[str]], thorough: bool = True
             remote.extend((PurePosixPath(path), store) for path in found)
     shares = _start_workers(files, thorough, workers) if workers > 1 and len(files) >= PARALLEL_FILES else []
     return Loading(files=files, remote=remote, problems=problems, thorough=thorough, shares=shares)
+
+
+REMOTE_READERS = 16
+"""Footers of objects read at once: each is a request's round trip, not a disk's."""
+
+
+def _inspect_remote(remote: list[tuple[PurePath, Store | None]], thorough: bool) -> list[Shard | tuple[str, str]]:
+    """The objects' footers, REMOTE_READERS at a time, in order. A store that does not answer ends the audit at
+    its first such answer (one line, exit 2), instead of every object paying the timeouts in turn."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokaudit.reader import inspect_batch
+    from tokaudit.storage import UNREACHABLE
+
+    pool = ThreadPoolExecutor(REMOTE_READERS, thread_name_prefix="tokaudit-footers")
+    try:
+        futures = [pool.submit(inspect_batch, [path], thorough, [store]) for path, store in remote]
+        out: list[Shard | tuple[str, str]] = []
+        for future in futures:
+            (item,) = future.result()
+            if isinstance(item, tuple) and item[1].startswith(UNREACHABLE):
+                raise LogFormatError(*item)
+            out.append(item)
+        return out
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def cores() -> int:

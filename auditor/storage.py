@@ -92,6 +92,10 @@ def _fsspec(url: str, arrow_error: Exception) -> tuple[Any, str]:
     return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem)), str(path)
 
 
+UNREACHABLE = "cannot reach the storage endpoint"
+"""How `describe` begins for a store that does not answer: it ends the audit (`loading`), not one file."""
+
+
 def describe(error: BaseException) -> str:
     """One line for a storage error: what it means first, the SDK's own words after."""
     text = _first_line(error)
@@ -101,7 +105,7 @@ def describe(error: BaseException) -> str:
         meaning = "access denied (check the credentials and the bucket's policy)"
     elif "network_connection" in lowered or "could not connect" in lowered or "could not resolve" in lowered or \
             "timed out" in lowered or "timeout" in lowered:
-        meaning = "cannot reach the storage endpoint (check AWS_ENDPOINT_URL or the network)"
+        meaning = f"{UNREACHABLE} (check AWS_ENDPOINT_URL or the network)"
     elif "nosuchbucket" in lowered or "bucket" in lowered and "not found" in lowered:
         meaning = "no such bucket"
     else:
@@ -119,7 +123,7 @@ def discover_url(url: str) -> tuple[Store | None, list[str], list[LogFormatError
     import pyarrow.fs as pafs
 
     try:
-        store, root = open_url(url)
+        store, root = open_url(url, storage_timeout())
     except LogFormatError as error:
         return None, [], [error]
     filesystem = store.filesystem

@@ -229,3 +229,42 @@ def test_a_run_id_that_would_leave_the_prefix_stays_inside_it_on_s3(endpoint: di
     keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="logs")["Contents"]]
     written = [key for key in keys if "escaped" in key]  # (other tests share the bucket)
     assert written and all(key.startswith("hostile/escaped/") for key in written), written
+
+
+def test_an_endpoint_that_goes_away_during_the_audit_ends_it_in_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store is listed, then stops before the footers are read (300 objects): one line naming the endpoint,
+    exit 2, within seconds, not every object paying the SDK's retries in turn."""
+    import boto3
+    from click.testing import CliRunner
+    from moto.server import ThreadedMotoServer
+
+    import tokaudit.loading as loading
+    from tokaudit.cli import main
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    for key, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+                       "TOKAUDIT_STORAGE_TIMEOUT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="going")
+    shard = sorted((SAMPLE_LOGS / "bug_local_mean").glob("*.parquet"))[0].read_bytes()
+    for index in range(300):
+        client.put_object(Bucket="going", Key=f"runs/run{index // 2}/rank-{index % 2:05d}-000000.parquet", Body=shard)
+    listed = loading.start_loading
+
+    def then_stopped(*args: Any, **kwargs: Any) -> Any:
+        found = listed(*args, **kwargs)
+        server.stop()  # listed; every footer is still to be read
+        return found
+
+    monkeypatch.setattr(loading, "start_loading", then_stopped)
+    start = time.monotonic()
+    result = CliRunner().invoke(main, ["check", "s3://going/runs", "--format", "json"])
+    took = time.monotonic() - start
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("tokaudit: error:")]
+    assert len(lines) == 1 and "cannot reach the storage endpoint" in lines[0], result.stderr
+    assert took < 20, f"{took:.0f} s"
+    assert "Traceback" not in result.output
