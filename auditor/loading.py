@@ -17,7 +17,7 @@ import stat
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath, PurePosixPath
 from typing import IO, TYPE_CHECKING, Any
@@ -43,7 +43,8 @@ class LogSet:
 def discover(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[Path], list[LogFormatError]]:
     """Every *.parquet under the paths, each path taken literally. Dot-files (a killed writer's
     temporaries) are skipped; anything else that cannot be read is one problem line, never a silence:
-    an unreadable folder, a dangling or looping link, a FIFO or a folder named *.parquet."""
+    an unreadable folder, a dangling or looping link, a FIFO, a folder named *.parquet with no part file. Such a
+    folder (a Spark-style dataset) is read as its part files."""
     # One file reached twice (two paths, a link to it) is read once: keyed by its identity on disk,
     # from the stat that checks it is a file, rather than by resolving every path.
     found: dict[tuple[int, int], Path] = {}
@@ -74,7 +75,8 @@ def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogForm
     def unreadable(error: OSError) -> None:
         problems.append(LogFormatError(str(error.filename or root), f"cannot read this folder ({error.strerror})"))
 
-    for folder, folders, files in os.walk(root, onerror=unreadable, followlinks=True):
+    datasets: dict[str, int] = {}  # folders named *.parquet (Spark-style datasets): the part files under each
+    for folder, folders, files in _folders(str(root), unreadable):
         # Paths as strings until a file is kept: pathlib's parsing cost more than the stat itself on a
         # folder of 10,000 shards (Path.absolute() once per folder, not per file).
         here = str(Path(folder).absolute())
@@ -87,8 +89,12 @@ def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogForm
             continue
         seen.add((identity.st_dev, identity.st_ino))
         folders[:] = sorted(f for f in folders if not f.startswith("."))
-        names = sorted(name for name in files + [f for f in folders if f.endswith(".parquet")]
-                       if not name.startswith(".") and name.endswith(".parquet"))
+        names = sorted(name for name in files if not name.startswith(".") and name.endswith(".parquet"))
+        if here.endswith(".parquet"):
+            datasets.setdefault(here, 0)
+        for dataset in datasets:
+            if names and (here == dataset or here.startswith(dataset + os.sep)):
+                datasets[dataset] += len(names)
         # A regular file's identity is its folder's device and the inode its folder's listing gives, with no
         # stat of its own (a tenth of a second on 25,000 shards); a link or anything else is looked at.
         listed = _regular_inodes(here, set(names)) if names else {}
@@ -107,8 +113,33 @@ def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogForm
                     found[key] = child(name)
             else:
                 problems.append(LogFormatError(path, problem))
-        folders[:] = [f for f in folders if not f.endswith(".parquet")]
+    problems.extend(LogFormatError(dataset, "a folder named *.parquet with no Parquet part files in it")
+                    for dataset, parts in datasets.items() if not parts)
     return reached
+
+
+def _folders(root: str, onerror: Callable[[OSError], None]) -> Iterator[tuple[str, list[str], list[str]]]:
+    """os.walk's (folder, its folders, its files), top down, links to folders followed, with a stack instead of
+    recursion: a tree a thousand folders deep is walked as any other. The caller may prune the folders list."""
+    stack = [root]
+    while stack:
+        top = stack.pop()
+        try:
+            with os.scandir(top) as listing:
+                entries = list(listing)
+        except OSError as error:
+            onerror(error)
+            continue
+        folders: list[str] = []
+        files: list[str] = []
+        for entry in entries:
+            try:
+                is_folder = entry.is_dir()  # a link to a folder is walked (its target once, `seen`)
+            except OSError:
+                is_folder = False
+            (folders if is_folder else files).append(entry.name)
+        yield top, folders, files
+        stack.extend(os.path.join(top, name) for name in reversed(folders))
 
 
 def _regular_inodes(folder: str, names: set[str]) -> dict[str, int]:

@@ -149,6 +149,9 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
         raise LogFormatError(name, f"cannot read the file's data ({short_error(error)})") from None
     # the parent folder's name without pathlib's parsing of the path (a fifth of a footer's time)
     folder = os.path.basename(os.path.dirname(str(path))) if store is None else path.parent.name
+    if folder.endswith(".parquet"):  # a part file of a Spark-style dataset folder: the run is the folder around it
+        folder = os.path.basename(os.path.dirname(os.path.dirname(str(path)))) if store is None else \
+            path.parent.parent.name
     names = names_of(stats, present, folder)
     return Shard(path=path, columns=frozenset(present), rows=metadata.num_rows,
                  default_run=folder, step_range=range_of(stats["step"]), rank_range=range_of(stats["rank"]),

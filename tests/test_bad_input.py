@@ -117,7 +117,7 @@ CASES: dict[str, tuple[Any, str]] = {
     "fifo.parquet": (_fifo, "not a regular file"),
     "dangling.parquet": (_dangling, "dangling symlink"),
     "loop.parquet": (_loop, "loops back on itself"),
-    "adir.parquet": (_directory, "a folder, not a file"),
+    "adir.parquet": (_directory, "a folder named *.parquet with no Parquet part files in it"),
     "empty.parquet": (_empty, "not a readable Parquet file"),
     "random.parquet": (_random, "not a readable Parquet file"),
     # Once one file's aggregation failed on these ("cannot be aggregated", naming the first files of the log,
@@ -298,3 +298,28 @@ def test_a_log_that_changes_while_it_is_audited_is_one_line(tmp_path: Path, monk
     assert len(lines) == 1 and "rank-" in lines[0], result.stderr
     assert ("could not be read again" if change == "unreadable" else "changed while it was audited") in lines[0]
     assert "Traceback" not in result.output
+
+
+def test_a_thousand_nested_folders_and_a_spark_style_dataset_folder_are_read(tmp_path: Path) -> None:
+    """A shard 1,000 folders down is found (no RecursionError), and a run folder holding a dataset folder named
+    `x.parquet` with part files (as Spark writes them) is read as those parts, under the run folder's name."""
+    deep = tmp_path / "logs"
+    deep.mkdir()
+    for index in range(1000):  # one level at a time: mkdir(parents=True) recurses
+        deep = deep / f"d{index % 10}"
+        deep.mkdir()
+    (deep / "deep").mkdir()
+    for rank in (0, 1):
+        write(deep / "deep" / f"rank-{rank:05d}-000000.parquet",
+              [r for r in records(UNEVEN, token_mean) if r["rank"] == rank])
+    dataset = tmp_path / "logs" / "sparky" / "records.parquet"
+    dataset.mkdir(parents=True)
+    rows = records(UNEVEN, local_mean)
+    for rank in (0, 1):
+        write(dataset / f"part-{rank:05d}-c000.snappy.parquet", [r for r in rows if r["rank"] == rank])
+    (dataset / "_SUCCESS").write_text("")
+    code, out, err = invoke("check", str(tmp_path / "logs"), "--format", "json")
+    no_traceback(out, err)
+    report = json.loads(out)
+    assert error_lines(err) == [] and code == 1, err
+    assert {(r["run"], r["verdict"]) for r in report["runs"]} == {("deep", "correct"), ("sparky", "incorrect")}
