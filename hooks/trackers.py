@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from tokaudit.storage import is_url
+
 if TYPE_CHECKING:
     from tokaudit.report import AuditReport, Finding
 
@@ -119,6 +121,10 @@ class TensorBoardTracker:
         # A writer the trainer closed at train end (transformers' TensorBoardCallback does) reopens a
         # new event file on the next add_*; close it again after, as it was found.
         closed = getattr(self.writer, "all_writers", ()) is None
+        folder = getattr(self.writer, "log_dir", None)
+        if closed and isinstance(folder, str) and not is_url(folder) and not os.access(folder, os.W_OK):
+            # reopened there, its writer thread would fail on every event, each a traceback on stderr
+            raise OSError(f"cannot write to {folder}")
         for key, value in metrics.scalars.items():
             self.writer.add_scalar(key, value, step)
         for key, text in metrics.text.items():
@@ -361,12 +367,15 @@ class AuditLoop:
         except Exception as error:
             self._warn("trackers-audit", f"tokaudit: the audit for the trackers failed ({error!r}); training goes on")
             return
-        for tracker in self._trackers or []:
+        for tracker in list(self._trackers or []):
             try:
                 tracker.log_audit(metrics, step)
             except Exception as error:
+                # never tried again: a writer reopened at every audit on a folder it cannot write fills stderr
+                self._trackers = [t for t in self._trackers or [] if t is not tracker]
                 self._warn(f"trackers-log-{id(tracker)}", f"tokaudit: could not log the audit to "
-                                                          f"{type(tracker).__name__} ({error!r}); training goes on")
+                                                          f"{type(tracker).__name__} ({error!r}); it is not tried "
+                                                          "again, training goes on")
 
 
 def _missing(report: AuditReport, run: str, through: int) -> str | None:
