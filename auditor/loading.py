@@ -256,7 +256,7 @@ class Loading:
                 shards.append(item)
             else:
                 problems.append(LogFormatError(*item))
-        return LogSet(shards=shards, problems=problems)
+        return LogSet(shards=separate_runs(shards), problems=problems)
 
     def close(self) -> None:
         _stop(self.shares)
@@ -283,6 +283,46 @@ def start_loading(paths: Sequence[str | os.PathLike[str]], thorough: bool = True
             remote.extend((PurePosixPath(path), store) for path in found)
     shares = _start_workers(files, thorough, workers) if workers > 1 and len(files) >= PARALLEL_FILES else []
     return Loading(files=files, remote=remote, problems=problems, thorough=thorough, shares=shares)
+
+
+def separate_runs(shards: list[Shard]) -> list[Shard]:
+    """A run is its folder and its run id: where one run id is held by the shards of several folders (two
+    experiments that reused a name), each folder's shards are a run of their own, named by the folder's path
+    (and the id, where the folder is named otherwise), as TensorBoard takes each folder for a run. To audit
+    them as one run, put their shards in one folder."""
+    from dataclasses import replace
+
+    def run_of(shard: Shard) -> str | None:
+        if shard.run_group is not None:
+            return shard.run_group[0]
+        return shard.default_run if "run_id" not in shard.columns else None  # None: several in one file
+
+    def folder_of(shard: Shard) -> str:
+        if shard.store is not None:
+            return shard.store.url(shard.path.parent)
+        folder = os.path.dirname(str(shard.path))
+        shown = os.path.relpath(folder)
+        return folder if shown.startswith("..") else shown
+
+    folders: dict[str, set[str]] = {}
+    for shard in shards:
+        if (run := run_of(shard)) is not None:
+            folders.setdefault(run, set()).add(folder_of(shard))
+    clashing = {run for run, held in folders.items() if len(held) > 1}
+    if not clashing:
+        return shards
+    out = []
+    for shard in shards:
+        run = run_of(shard)
+        if run not in clashing:
+            out.append(shard)
+            continue
+        folder = folder_of(shard)
+        name = folder if folder.rstrip("/").rsplit("/", 1)[-1] == run else f"{folder}:{run}"
+        out.append(replace(shard, default_run=name, run_override=True,
+                           names=None if shard.names is None else (name, *shard.names[1:]),
+                           run_group=None if shard.run_group is None else (name, shard.run_group[1])))
+    return out
 
 
 REMOTE_READERS = 16

@@ -62,6 +62,9 @@ class Shard:
     run_group: tuple[str, str] | None = None
     """The one (run, group) all its records carry, defaults applied, when its footer shows it: as `names`,
     but also where the term varies (several loss terms recorded in one file)."""
+    run_override: bool = False
+    """Its records' run is `default_run` whatever their run_id says: a run id that other folders hold too,
+    this folder's run named by its path (`loading.separate_runs`)."""
     record: tuple[Any, ...] | None = None
     """A one-row file's record, one value per `signature` column (None: a null), when its footer's
     statistics give every value exactly (`footer_record`): the aggregation reads it from here instead of

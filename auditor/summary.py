@@ -76,7 +76,7 @@ def dropped_steps(shards: Sequence[Shard]) -> dict[str, DroppedRecords]:
         note = shard.dropped
         if note is None:
             continue
-        entry = out.setdefault(note["run"], DroppedRecords())
+        entry = out.setdefault(shard.default_run if shard.run_override else note["run"], DroppedRecords())
         entry.ranks.add((note["group"], note["rank"]))
         for first, last, records in note["steps"]:
             entry.records += records

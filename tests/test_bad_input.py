@@ -318,7 +318,13 @@ def test_a_thousand_nested_folders_and_a_spark_style_dataset_folder_are_read(tmp
     for rank in (0, 1):
         write(dataset / f"part-{rank:05d}-c000.snappy.parquet", [r for r in rows if r["rank"] == rank])
     (dataset / "_SUCCESS").write_text("")
-    code, out, err = invoke("check", str(tmp_path / "logs"), "--format", "json")
+    try:
+        code, out, err = invoke("check", str(tmp_path / "logs"), "--format", "json")
+    finally:  # removed bottom up, one folder at a time: shutil.rmtree (pytest's clean-up too) recurses
+        for folder in [deep / "deep", deep, *(deep.parents[index] for index in range(999))]:
+            for shard in folder.glob("*.parquet"):
+                shard.unlink()
+            folder.rmdir()
     no_traceback(out, err)
     report = json.loads(out)
     assert error_lines(err) == [] and code == 1, err

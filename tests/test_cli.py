@@ -285,3 +285,26 @@ def test_piped_output_has_no_trailing_spaces(logs: Path) -> None:
         result = CliRunner().invoke(main, args, env={"COLUMNS": "120"})
         assert result.exit_code in (0, 1) and result.stdout.strip(), (args, result.output)
         assert not [line for line in result.stdout.splitlines() if line != line.rstrip()], args
+
+
+def test_two_folders_holding_one_run_id_are_two_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run is its folder and its run id: two experiments that reused `run_id="exp1"` (a/exp1 and b/exp1) are two
+    runs, named by their folders, each with its own verdict, not one run of twice the records; a run id held by
+    one folder keeps its name."""
+    write_by_rank(tmp_path / "a" / "exp1", records(UNEVEN_GA, token_mean, run_id="exp1"))
+    write_by_rank(tmp_path / "b" / "exp1", records(UNEVEN, local_mean, run_id="exp1"))
+    write_by_rank(tmp_path / "b" / "other", records(UNEVEN_GA, token_mean, run_id="exp2"))
+    code, out, err = invoke("check", str(tmp_path), "--format", "json")
+    runs = {run["run"]: run for run in json.loads(out)["runs"]}
+    assert code == 1, err
+    assert set(runs) == {str(tmp_path / "a" / "exp1"), str(tmp_path / "b" / "exp1"), "exp2"}
+    assert runs[str(tmp_path / "a" / "exp1")]["verdict"] == "correct"
+    assert runs[str(tmp_path / "b" / "exp1")]["verdict"] == "incorrect"
+    assert runs[str(tmp_path / "a" / "exp1")]["rows"] == len(records(UNEVEN_GA, token_mean))
+    # the evidence of a finding is read again from that folder's files alone
+    (finding,) = [f for f in json.loads(out)["findings"] if f["run"] == str(tmp_path / "b" / "exp1")]
+    assert finding["code"] == "local_mean" and finding["evidence"].get("heaviest")
+    import tokaudit.auditing as auditing
+
+    monkeypatch.setattr(auditing, "EVIDENCE_ROWS", 0)  # as a large log: the evidence step read again, alone
+    assert invoke("check", str(tmp_path), "--format", "json")[1] == out

@@ -210,12 +210,12 @@ class Engine:
     def _source(self, shards: Sequence[Shard], steps: tuple[int, int] | None) -> str:
         """SQL for the raw records of these shards: scans per default run id (the parent folder
         name), so filling a missing run_id costs no per-row string work, and per schema."""
-        by_run: dict[str, list[Shard]] = {}
+        by_run: dict[tuple[str, bool], list[Shard]] = {}
         for shard in shards:
-            by_run.setdefault(shard.default_run, []).append(shard)
+            by_run.setdefault((shard.default_run, shard.run_override), []).append(shard)
         where = f"WHERE r.step BETWEEN {steps[0]} AND {steps[1]}" if steps else ""
-        return " UNION ALL ".join(select_records(default_run, self._present(scanned), scan, where)
-                                  for default_run, members in by_run.items()
+        return " UNION ALL ".join(select_records(default_run, self._present(scanned), scan, where, override)
+                                  for (default_run, override), members in by_run.items()
                                   for scanned, scan in self._scans(members))
 
     def _present(self, shards: Sequence[Shard]) -> set[str]:

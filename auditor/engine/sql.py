@@ -360,8 +360,9 @@ def footer_table(shards: Sequence[Shard], filenames: Sequence[str]) -> pa.Table:
     arrays["file_row_number"] = pa.array(np.zeros(len(shards), dtype=np.int64))
     return pa.table(arrays)
 
-def select_records(default_run: str, present: set[str], scan: str, where: str) -> str:
-    """One scan's records with the log format's defaults applied (docs/SCHEMA.md); columns its files lack are typed nulls."""
+def select_records(default_run: str, present: set[str], scan: str, where: str, override: bool = False) -> str:
+    """One scan's records with the log format's defaults applied (docs/SCHEMA.md); columns its files lack are typed
+    nulls. `override`: the run is `default_run` whatever run_id says (`Shard.run_override`)."""
 
     def column(name: str) -> str:
         kind = DUCKDB_TYPES[COLUMNS_BY_NAME[name].kind]
@@ -369,7 +370,7 @@ def select_records(default_run: str, present: set[str], scan: str, where: str) -
 
     return f"""
         SELECT
-            coalesce({column('run_id')}, {sql_string(default_run)}) AS run,
+            {sql_string(default_run) if override else f"coalesce({column('run_id')}, {sql_string(default_run)})"} AS run,
             coalesce({column('group')}, {sql_string(UNNAMED)}) AS grp,
             coalesce({column('term')}, {sql_string(UNNAMED)}) AS term,
             {column('step')} AS step, {column('micro')} AS micro, {column('rank')} AS rank,
