@@ -314,9 +314,11 @@ def checked_schema(schema: pa.Schema) -> SchemaFacts:
 def _schema_problem(schema: pa.Schema, present: frozenset[str]) -> str | None:
     """What makes a schema unusable (required columns, no repeats, each column's type), or None.
     `present`: its schema columns."""
-    for column in REQUIRED_COLUMNS:
-        if column not in schema.names:
-            return f"missing column '{column}'"
+    missing = [column for column in REQUIRED_COLUMNS if column not in schema.names]
+    if len(missing) == len(REQUIRED_COLUMNS):
+        return f"not a tokaudit log (no column {', '.join(repr(c) for c in missing)})"
+    if missing:
+        return f"missing column '{missing[0]}'"
     repeated = sorted({column for column in schema.names if schema.names.count(column) > 1 and column in COLUMNS_BY_NAME})
     if repeated:
         return f"column '{repeated[0]}' appears more than once"

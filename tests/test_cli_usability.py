@@ -205,7 +205,7 @@ def test_markdown_is_a_summary_line_and_one_details_per_finding() -> None:
     from tests.expected import EXPECTED_CODES
 
     runs = len(EXPECTED_CODES)  # every sample run, written down by hand in tests/expected.py
-    assert lines[0] == "<!-- tokaudit-report -->" and lines[1].startswith(f"❌ **tokaudit**: {runs} run(s)")
+    assert lines[0] == "<!-- tokaudit-report -->" and lines[1].startswith(f"❌ **tokaudit**: {runs} runs: ")
     findings = json.loads(invoke("check", str(SAMPLE_LOGS), "--format", "json")[1])["findings"]
     assert out.count("<details>") == len(findings) == out.count("</details>")
     assert all("|" not in line or line.startswith("|") for line in lines), "no paragraph sits in a table cell"
@@ -284,3 +284,26 @@ def test_make_demo_on_a_fresh_venv_needs_no_torch(tmp_path: Path) -> None:
                             "print(u.find_spec('torch') is None, u.find_spec('transformers') is None)"],
                            capture_output=True, text=True)
     assert probe.stdout.split() == ["True", "True"]
+
+
+def test_check_ends_with_one_line_of_runs_by_verdict_and_says_nothing_when_nothing_was_audited(tmp_path: Path) -> None:
+    """The last line counts the runs by verdict (counts written down by hand in tests/expected.py); a path with
+    nothing to audit leaves stdout empty (its one error line on stderr), and a folder of unrelated Parquet
+    says it is not a tokaudit log."""
+    from tests.expected import EXPECTED_VERDICT
+
+    code, out, _ = invoke("check", str(SAMPLE_LOGS))
+    verdicts = list(EXPECTED_VERDICT.values())
+    last = " ".join(out.split("\n\n")[-1].split())  # the last paragraph, as one line (it wraps at 80 columns)
+    assert last.startswith(
+        f"{len(verdicts)} runs: {verdicts.count('correct')} correct, {verdicts.count('incorrect')} incorrect, "
+        f"{verdicts.count('inconclusive')} inconclusive; "), last
+    code, out, err = invoke("check", str(tmp_path / "nothing"))
+    assert (code, out) == (2, "") and err.strip() == f"tokaudit: error: {tmp_path / 'nothing'}: no such file or directory"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"user": [1, 2], "score": [0.5, 0.7]}), tmp_path / "other.parquet")
+    code, out, err = invoke("check", str(tmp_path / "other.parquet"))
+    assert (code, out) == (2, "")
+    assert "not a tokaudit log (no column 'step', 'micro', 'rank', 'world_size'" in err

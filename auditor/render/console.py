@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tokaudit.codes import DEFAULT_RTOL
-from tokaudit.render.text import factor_text, printable, ratio_text, reported_note, steps_text
+from tokaudit.render.text import factor_text, finding_counts, many, printable, ratio_text, reported_note, steps_text, verdict_counts
 from tokaudit.report import AuditReport, RunSummary
 
 VERDICT_STYLE = {"correct": "bold green", "incorrect": "bold red", "inconclusive": "bold yellow"}
@@ -61,7 +61,9 @@ def render_report(report: AuditReport, console: Console) -> None:
         console.print(Text(LEGEND, style="dim"))
         console.print()
     if report.findings:
-        console.print(Text("findings, most severe first", style="bold"))
+        heading = Text("findings, most severe first", style="bold")
+        heading.append(" (`tokaudit explain CODE` derives each)", style="dim")
+        console.print(heading)
         for f in report.findings:
             header = Text()
             header.append(f"{f.severity.value:<8}", style=SEVERITY_STYLE[f.severity.value])
@@ -74,10 +76,13 @@ def render_report(report: AuditReport, console: Console) -> None:
             console.print(Padding(detail, (0, 0, 1, 9)))
     elif report.runs:
         console.print("No findings.", style="green")
-    counts = {s: sum(f.severity.value == s for f in report.findings) for s in ("error", "warning", "info")}
-    console.print(f"{len(report.runs)} run(s), {report.files} file(s): {counts['error']} error(s), "
-                  f"{counts['warning']} warning(s), {counts['info']} info. "
-                  "`tokaudit explain CODE` derives each finding.", style="dim", markup=False)
+    if report.runs:
+        console.print(summary_line(report), markup=False)
+
+
+def summary_line(report: AuditReport) -> str:
+    """The one line a check ends with: the runs by verdict, then the findings by severity."""
+    return f"{verdict_counts(report)}; {finding_counts(report)} in {many(report.files, 'file')}."
 
 
 def _runs_table(report: AuditReport, console: Console) -> Table | None:

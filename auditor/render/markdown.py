@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import html
 
-from tokaudit.render.text import factor_text, printable, ratio_text, reported_note, steps_text
+from tokaudit.render.text import factor_text, finding_counts, many, printable, ratio_text, reported_note, steps_text, verdict_counts
 from tokaudit.report import AuditReport
 from tokaudit.schema import UNNAMED
 
@@ -19,13 +19,10 @@ def _cell(text: str) -> str:
 
 def summary_line(report: AuditReport) -> str:
     verdicts = [run.verdict for run in report.runs]
-    parts = [f"{verdicts.count(v)} {v}" for v in ("incorrect", "inconclusive", "correct") if v in verdicts]
-    counts = {s: sum(f.severity.value == s for f in report.findings) for s in ("error", "warning", "info")}
     worst = "incorrect" if "incorrect" in verdicts else "inconclusive" if "inconclusive" in verdicts else "correct"
-    line = (f"{ICONS[worst]} **tokaudit**: {len(report.runs)} run(s): {', '.join(parts) or 'none'}; "
-            f"{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} info")
+    line = f"{ICONS[worst]} **tokaudit**: {verdict_counts(report)}; {finding_counts(report)}"
     if report.problems:
-        line += f"; {len(report.problems)} unreadable input(s)"
+        line += f"; {many(len(report.problems), 'unreadable input')}"
     return line
 
 

@@ -7,7 +7,7 @@ import unicodedata
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (the report's module imports pyarrow: the command line imports this one first)
-    from tokaudit.report import RunSummary, Segment, StepRange
+    from tokaudit.report import AuditReport, RunSummary, Segment, StepRange
 
 
 def factor_text(segment: Segment | None, steps: int = 1, judged: bool = True) -> str:
@@ -31,6 +31,19 @@ def factor_text(segment: Segment | None, steps: int = 1, judged: bool = True) ->
 
 
 PRECISIONS = {8: "bfloat16", 11: "float16"}
+
+def many(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+def verdict_counts(report: AuditReport) -> str:
+    """"2 runs: 1 correct, 1 incorrect, 0 inconclusive"."""
+    counts = [f"{sum(run.verdict == v for run in report.runs)} {v}" for v in ("correct", "incorrect", "inconclusive")]
+    return f"{many(len(report.runs), 'run')}: {', '.join(counts)}"
+
+def finding_counts(report: AuditReport) -> str:
+    """"1 error, 1 warning, 0 info"."""
+    counts = {s: sum(f.severity.value == s for f in report.findings) for s in ("error", "warning", "info")}
+    return f"{many(counts['error'], 'error')}, {many(counts['warning'], 'warning')}, {counts['info']} info"
 
 def reported_note(run: RunSummary) -> str:
     """What to show beside a verdict: that the logged loss is not the token mean, where the verdict is not
