@@ -108,7 +108,8 @@ class ShardOutput:
             if self.usable:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            warn("mkdir", f"tokaudit: cannot create {self.log_dir} ({error}); records are kept in memory and "
+            # the key of a failed write: the writes that then fail say nothing more (`Backlog.write`)
+            warn("write", f"tokaudit: cannot create {self.log_dir} ({error}); records are kept in memory and "
                           "written when it can be created")
         self.run_id = run_id or self.log_dir.absolute().name
         self.backlog = Backlog(warn, str(self.log_dir))

@@ -284,15 +284,20 @@ def test_write_failure_warns_once_and_training_goes_on(tmp_path: Path, monkeypat
     assert not list((tmp_path / "broken").glob("*.parquet"))
 
 
-def test_unwritable_log_dir_warns_and_records_nothing(tmp_path: Path) -> None:
+def test_unwritable_log_dir_warns_once_and_close_says_what_was_lost(tmp_path: Path) -> None:
+    """A folder that cannot be created: one warning when it is found, none at each failed write after it, and
+    one at close() naming the records it could not write."""
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    with pytest.warns(RuntimeWarning, match="cannot create"):
-        rec = Recorder(blocker / "logs")
-    rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rec = Recorder(blocker / "logs", flush_every=1)
+        for step in range(3):
+            rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0, step=step)
         rec.close()
+    said = [str(w.message) for w in caught]
+    assert len(said) == 2 and "cannot create" in said[0], said
+    assert "3 record(s) could not be written" in said[1] and "steps 0–2" in said[1]
 
 
 def test_steps_come_from_the_optimizer_and_explicit_values_win(tmp_path: Path) -> None:
