@@ -102,6 +102,20 @@ def test_weights_shows_q_per_record(logs: Path) -> None:
     assert invoke("weights", str(logs), "--run", "bad", "--step", "99")[0] == 2
 
 
+def test_weights_in_a_pipe_at_80_columns_never_splits_a_number(tmp_path: Path) -> None:
+    """Too narrow for the table, each record is a block of key=value words that wrap between words only: every
+    value reads back whole, the same as the CSV's."""
+    write_by_rank(tmp_path / "bad", records([[[3, 1], [12, 7]], [[2, 9], [4, 4]]], local_mean, sync=True))
+    code, out, _ = invoke("weights", str(tmp_path / "bad"), "--step", "0")
+    assert code == 0 and max(len(line) for line in out.splitlines()) <= 80
+    pairs = [word.split("=", 1) for word in out.split() if "=" in word and not word.startswith("=")]
+    shown = [(key, value) for key, value in pairs if key in ("n", "q", "S")]
+    rows = list(csv.DictReader(invoke("weights", str(tmp_path / "bad"), "--step", "0", "--format", "csv")[1].splitlines()))
+    assert [value for key, value in shown if key == "n"] == [r["valid_tokens"] for r in rows]
+    assert [float(value) for key, value in shown if key == "q"] == [float(f"{float(r['distortion']):.4g}") for r in rows]
+    assert [float(value) for key, value in shown if key == "S"] == [float(f"{float(r['loss_sum']):.5g}") for r in rows]
+
+
 def test_weights_shows_the_probe_s_extremes_and_each_loss_term(tmp_path: Path) -> None:
     """With a probe, `weights` shows the lightest and heaviest token it measured as q, and marks a record
     whose own q (Σ∂b/∂ℓ / n over N) lies outside them: its n is not the probe's count. Two loss terms of one

@@ -136,6 +136,7 @@ def render_weights(run: str, step: int, records: pd.DataFrame, console: Console)
         heaviest = records.eff_max.to_numpy(float) * tokens.to_numpy(float)
         q = records.q.to_numpy(float)
         outside = outside_probe_range(q, q, lightest, heaviest, DEFAULT_RTOL)
+    rows: list[list[Text]] = []
     for index, row in enumerate(records.itertuples(index=False)):
         q = row.q
         style = "" if pd.isna(q) else ("green" if abs(q - 1) <= 1e-4 else "red")
@@ -144,12 +145,24 @@ def render_weights(run: str, step: int, records: pd.DataFrame, console: Console)
             low, high = _number(lightest[index], 4), _number(heaviest[index], 4)
             shown = "–" if "–" in (low, high) else low if low == high else f"{low}–{high}"
             extremes.append(Text(shown, style="red" if outside[index] else ""))
-        table.add_row(Text(printable(str(row.grp))), *([Text(printable(str(row.term)))] if terms else []),
-                      str(row.rank), str(row.micro), str(row.valid_tokens), _number(row.loss_sum),
-                      _number(row.backward_scalar), _number(row.implied_weight), _number(row.grad_divisor, 4),
-                      _number(row.grad_scale, 4), _number(row.eff), Text(_number(q, 4), style=style), *extremes,
-                      _number(None if pd.isna(row.sync) else bool(row.sync)))
-    console.print(table)
+        cells = [printable(str(row.grp)), *([printable(str(row.term))] if terms else []), str(row.rank), str(row.micro),
+                 str(row.valid_tokens), _number(row.loss_sum), _number(row.backward_scalar), _number(row.implied_weight),
+                 _number(row.grad_divisor, 4), _number(row.grad_scale, 4), _number(row.eff)]
+        rows.append([*(Text(cell) for cell in cells), Text(_number(q, 4), style=style), *extremes,
+                     Text(_number(None if pd.isna(row.sync) else bool(row.sync)))])
+        table.add_row(*rows[-1])
+    if Measurement.get(console, console.options.update_width(1 << 20), table).maximum <= console.width:
+        console.print(table)
+    else:  # too narrow for the table (a pipe, 80 columns): one block per record, no number ever split
+        console.print(table.title)
+        labels = [header.split(" =")[0].replace(" ", "_") for header in columns]  # e, q, probe_q: one word each
+        for record in rows:
+            block = Text("  ")
+            for label, cell in zip(labels, record):
+                block.append(f"{label}=")
+                block.append(cell)
+                block.append("  ")
+            console.print(block)
     notes = ["c = b/S, or the probe's Σ∂b/∂ℓ / n where it measured the weights"]
     if probed:
         notes.append("probe q: the lightest and heaviest valid token the probe measured")
