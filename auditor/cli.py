@@ -166,7 +166,7 @@ def main(ctx: click.Context, debug: bool) -> None:
               help="A weighting finding whose heaviest token weighs less than R× the lightest is information, "
                    "not an error (e.g. 1.01).")
 @click.option("--rtol", type=float, default=DEFAULT_RTOL, show_default=True,
-              help="Relative tolerance on weights (default suits float32 logs; 1e-2 for bf16).")
+              help="Relative tolerance on weights (default suits float32 logs; a run whose records say they were computed in bf16 or fp16 is judged at that precision).")
 @click.option("--run", "runs", multiple=True, help="Audit only this run (repeatable).")
 @click.option("--live", is_flag=True, help="The run is still training: leave out the newest steps that not "
                                            "every rank has flushed yet.")
@@ -351,7 +351,22 @@ def explain(code: str | None) -> None:
     except ValueError as error:
         _problem(f"{error}; `tokaudit explain` lists them")
         sys.exit(EXIT_BAD_INPUT)
-    click.echo(explain_text(chosen))
+    click.echo(_wrapped(explain_text(chosen)))
+
+
+def _wrapped(text: str) -> str:
+    """Each line of prose wrapped to the terminal (at most 100 columns, 80 in a pipe), its indent kept on every
+    line; words are never cut."""
+    import shutil
+    import textwrap
+
+    width = min(100, shutil.get_terminal_size((80, 24)).columns)
+    out = []
+    for line in text.splitlines():
+        indent = line[:len(line) - len(line.lstrip())]
+        out.append(textwrap.fill(line, width, initial_indent="", subsequent_indent=indent, break_long_words=False,
+                                 break_on_hyphens=False) if len(line) > width else line)
+    return "\n".join(out)
 
 
 def _exit_for_problems(problems: list[LogFormatError]) -> None:

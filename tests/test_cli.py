@@ -225,6 +225,11 @@ def test_explain_every_code() -> None:
     for known in Code:
         code, out, _ = invoke("explain", known.value)
         assert code == 0 and "Worked example" in out and "Fix" in out
+        # wrapped to the terminal (80 columns in a pipe), no word cut: the text is the same words
+        assert all(len(line) <= 80 or " " not in line.strip() for line in out.splitlines()), known
+        from tokaudit.explain import explain as explain_text
+
+        assert out.split() == explain_text(known).split()
     assert invoke("explain", "nonsense")[0] == 2
 
 
