@@ -166,7 +166,8 @@ def main(ctx: click.Context, debug: bool) -> None:
               help="A weighting finding whose heaviest token weighs less than R× the lightest is information, "
                    "not an error (e.g. 1.01).")
 @click.option("--rtol", type=float, default=DEFAULT_RTOL, show_default=True,
-              help="Relative tolerance on weights (default suits float32 logs; a run whose records say they were computed in bf16 or fp16 is judged at that precision).")
+              help="Relative tolerance on weights (the default suits float32; a run whose records say they were "
+                   "computed in bf16 or fp16 is judged at that precision).")
 @click.option("--run", "runs", multiple=True, help="Audit only this run (repeatable).")
 @click.option("--live", is_flag=True, help="The run is still training: leave out the newest steps that not "
                                            "every rank has flushed yet.")
