@@ -148,10 +148,26 @@ PATHS = click.argument("paths", nargs=-1, required=True, type=str)
 @click.pass_context
 def main(ctx: click.Context, debug: bool) -> None:
     """Audit how distributed training normalized its token losses, from per-rank logs."""
+    from tokaudit.settings import check_defaults
+
     ctx.obj = {"debug": debug}
+    defaults, ctx.obj["settings"] = check_defaults(Path.cwd(), list(FAIL_ON))
+    if defaults:
+        ctx.default_map = {"check": defaults}  # the command line wins
 
 
-@main.command()
+class _Settled(click.Command):
+    """A command whose --help ends with the settings file it read (`tokaudit.settings`)."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        source = (ctx.find_root().obj or {}).get("settings")
+        formatter.write_paragraph()
+        # written as it is: a path wrapped at its hyphens could not be copied
+        formatter.write(f"  Settings: [tool.tokaudit] of {source}\n  (the command line wins).\n" if source else
+                        "  Settings: none read ([tool.tokaudit] in the first pyproject.toml\n  from here upward).\n")
+
+
+@main.command(cls=_Settled)
 @PATHS
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown", "github"]), default="table",
               show_default=True, help="table for people, json for CI (docs/REPORT.md), markdown for a PR comment, github "

@@ -307,3 +307,25 @@ def test_check_ends_with_one_line_of_runs_by_verdict_and_says_nothing_when_nothi
     code, out, err = invoke("check", str(tmp_path / "other.parquet"))
     assert (code, out) == (2, "")
     assert "not a tokaudit log (no column 'step', 'micro', 'rank', 'world_size'" in err
+
+
+def test_settings_in_pyproject_apply_from_below_and_the_command_line_wins(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """[tool.tokaudit] of the first pyproject.toml from the current folder upward sets check's options (as ruff's
+    and pytest's are found); an option given on the command line wins; --help names the file read; a setting
+    that does not exist is one line naming the file, exit 2."""
+    project = tmp_path / "project"
+    (project / "src" / "deep").mkdir(parents=True)
+    (project / "pyproject.toml").write_text('[tool.tokaudit]\nfail-on = "never"\nignore = ["reported_loss_mismatch"]\n'
+                                            'rtol = 1e-3\n')
+    monkeypatch.chdir(project / "src" / "deep")
+    log = str(SAMPLE_LOGS / "bug_local_mean")
+    code, out, _ = invoke("check", log, "--format", "json")
+    report = json.loads(out)
+    assert code == 0 and [f["code"] for f in report["findings"]] == ["local_mean"] and report["runs"][0]["rtol"] == 1e-3
+    assert invoke("check", log, "--fail-on", "error")[0] == 1
+    assert f"[tool.tokaudit] of {project / 'pyproject.toml'}" in " ".join(invoke("check", "--help")[1].split())
+    (project / "pyproject.toml").write_text('[tool.tokaudit]\nfail_on = "never"\n')
+    code, out, err = invoke("check", log)
+    assert (code, out) == (2, "") and err.strip() == (f"tokaudit: error: {project / 'pyproject.toml'}: [tool.tokaudit] "
+                                                      "has no setting 'fail_on' (settings: fail-on, ignore, rtol, min-ratio)")

@@ -1,0 +1,67 @@
+"""Settings where Python tools keep them: `[tool.tokaudit]` in a pyproject.toml, the first one that holds such a
+table from the current folder upward (as ruff and pytest find theirs). The command line wins over them.
+
+```toml
+[tool.tokaudit]
+fail-on = "inconclusive"
+ignore = ["reported_loss_mismatch"]
+rtol = 1e-3
+min-ratio = 1.01
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokaudit.errors import UsageError
+
+KEYS = {"fail-on": "fail_on", "ignore": "ignore", "rtol": "rtol", "min-ratio": "min_ratio"}
+"""Each setting and the `tokaudit check` option it sets (the option's name without its dashes)."""
+
+
+def find_settings(start: Path) -> Path | None:
+    """The first pyproject.toml from `start` upward that holds a [tool.tokaudit] table."""
+    for folder in (start, *start.parents):
+        candidate = folder / "pyproject.toml"
+        if candidate.is_file() and "tool" in (table := _read(candidate)) and "tokaudit" in table["tool"]:
+            return candidate
+    return None
+
+
+def check_defaults(start: Path, fail_on: Sequence[str]) -> tuple[dict[str, Any], Path | None]:
+    """The options [tool.tokaudit] sets for `tokaudit check` (as click's default_map takes them), and the file;
+    a setting that is unknown or of the wrong kind is a UsageError naming the file."""
+    found = find_settings(start)
+    if found is None:
+        return {}, None
+    settings = _read(found)["tool"]["tokaudit"]
+    where = f"{found}: [tool.tokaudit]"
+    if not isinstance(settings, dict):
+        raise UsageError(f"{where} is not a table")
+    out: dict[str, Any] = {}
+    for key, value in settings.items():
+        if key not in KEYS:
+            raise UsageError(f"{where} has no setting {key!r} (settings: {', '.join(KEYS)})")
+        if key == "fail-on" and value not in fail_on:
+            raise UsageError(f"{where} fail-on = {value!r}: expected one of {', '.join(fail_on)}")
+        if key == "ignore" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise UsageError(f"{where} ignore = {value!r}: expected a list of codes, such as [\"balanced_counts\"]")
+        if key in ("rtol", "min-ratio") and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise UsageError(f"{where} {key} = {value!r}: expected a number")
+        out[KEYS[key]] = tuple(value) if key == "ignore" else value
+    return out, found
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: no TOML reader in the standard library, so no settings file
+        return {}
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise UsageError(f"{path}: cannot be read as TOML ({error})") from None
