@@ -329,3 +329,26 @@ def test_settings_in_pyproject_apply_from_below_and_the_command_line_wins(tmp_pa
     code, out, err = invoke("check", log)
     assert (code, out) == (2, "") and err.strip() == (f"tokaudit: error: {project / 'pyproject.toml'}: [tool.tokaudit] "
                                                       "has no setting 'fail_on' (settings: fail-on, ignore, rtol, min-ratio)")
+
+
+def test_junit_has_one_test_case_per_run_failed_when_incorrect(tmp_path: Path) -> None:
+    """`--format junit`: a test case per run (verdicts written down by hand in tests/expected.py): failed when
+    incorrect, skipped when inconclusive, its findings in the XML; a run id with XML's own characters is data."""
+    import xml.etree.ElementTree as ElementTree
+
+    from tests.expected import EXPECTED_VERDICT
+    from tests.logs import local_mean, records, write_by_rank, UNEVEN
+
+    code, out, _ = invoke("check", str(SAMPLE_LOGS), "--format", "junit")
+    suite = ElementTree.fromstring(out)
+    cases = {case.get("name"): case for case in suite.iter("testcase")}
+    assert code == 1 and set(cases) == set(EXPECTED_VERDICT)
+    for run, verdict in EXPECTED_VERDICT.items():
+        kinds = [child.tag for child in cases[run] if child.tag in ("failure", "skipped")]
+        assert kinds == {"incorrect": ["failure"], "inconclusive": ["skipped"], "correct": []}[verdict], run
+    assert suite.get("failures") == str(list(EXPECTED_VERDICT.values()).count("incorrect"))
+    assert "local_mean" in (cases["bug_local_mean"].find("failure").get("message") or "")  # type: ignore[union-attr]
+    odd = 'a<b>&"c\''
+    write_by_rank(tmp_path / "odd", records(UNEVEN, local_mean, run_id=odd))
+    (case,) = ElementTree.fromstring(invoke("check", str(tmp_path / "odd"), "--format", "junit")[1]).iter("testcase")
+    assert case.get("name") == odd
