@@ -42,6 +42,8 @@ class Setup:
     """Record through capture_cross_entropy (terms guessed) instead of probe/record (terms named)."""
     chunks: int = 1
     """Cross-entropy computed over this many disjoint slices of the flattened sequence."""
+    zero_grad_each_micro: bool = False
+    """optimizer.zero_grad() before every microbatch, inside the accumulation window (a bug)."""
     chunking: str = "slices"
     """slices: views of the flattened logits and labels; copies: torchtune's `logits.chunk(k, dim=1)` with each
     chunk's labels a copy (`labels.chunk(k, dim=1)` then `.reshape(-1)` copies when a batch has several rows);
@@ -226,6 +228,8 @@ def train(rank: int, world_size: int, setup: Setup, log_dir: str | None) -> list
             reported = torch.zeros((), dtype=torch.float64)  # ΣS of term 0 over this rank's microbatches
             for micro, (tokens, labels, _) in enumerate(batches):
                 last = micro == len(batches) - 1
+                if setup.zero_grad_each_micro:
+                    optimizer.zero_grad()  # the earlier microbatches' gradients are gone
                 with nullcontext() if last else ddp.no_sync():
                     outputs = ddp(tokens)
                     if setup.overflow == (step, rank) and micro == 0:
@@ -288,6 +292,9 @@ SETUPS: tuple[Setup, ...] = (
                                     "labels a copy, each chunk summed, all divided by N"),
     Setup(name="chunked_cross_entropy_chunk_means", counts=_UNEVEN, capture=True, chunks=4, chunking="chunk_means",
           correct=False, description="the same chunks, each chunk's own mean, averaged (a chunk-local mean)"),
+    Setup(name="zero_grad_inside_accumulation", counts=_UNEVEN, zero_grad_each_micro=True, correct=False,
+          description="W·S/N, but optimizer.zero_grad() before every microbatch: each update trains on its last "
+                      "microbatch alone"),
     Setup(name="mtp_heads", counts=_UNEVEN, heads=3, terms="mtp", capture=True, correct=True,
           description="multi-token prediction: 3 heads predicting tokens t+1..t+3, each its own W·S/N"),
     Setup(name="near_miss_local_mean", counts=_LONG, length=64, near_miss=True, correct=False,

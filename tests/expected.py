@@ -30,6 +30,7 @@ EXPECTED_CODES: dict[str, set[str]] = {
     "chunked_cross_entropy_copied": set(),
     "chunked_cross_entropy_chunk_means": {"unexplained_weighting", "nonuniform_in_microbatch"},
     "mtp_heads": set(),
+    "zero_grad_inside_accumulation": {"missing_sync", "scale_mismatch"},
     "near_miss_local_mean": {"local_mean"},
     "ignored_positions_summed": set(),
     "padding_labelled": {"masked_tokens_weighted"},
@@ -43,7 +44,7 @@ SETUP_VERDICT: dict[str, str] = {
     "amp_told": "correct", "amp_untold": "inconclusive", "nan_guard_skip": "correct", "aux_head_named": "correct",
     "aux_head_captured": "correct", "aux_head_local_mean": "incorrect", "chunked_cross_entropy": "correct",
     "chunked_cross_entropy_copied": "correct", "chunked_cross_entropy_chunk_means": "incorrect",
-    "mtp_heads": "correct", "near_miss_local_mean": "incorrect",
+    "mtp_heads": "correct", "near_miss_local_mean": "incorrect", "zero_grad_inside_accumulation": "incorrect",
     "ignored_positions_summed": "correct", "padding_labelled": "incorrect", "unknown_hook_right": "inconclusive", "unknown_hook_wrong": "inconclusive",
     "counted_positions": "inconclusive", "elastic_stale_w": "incorrect",
 }

@@ -192,14 +192,17 @@ class SyncCheck(Check):
 
     def __init__(self, context: RunContext, keep_steps: bool) -> None:
         super().__init__(context, keep_steps)
-        self.missing, self.unsynced = self.steps(), 0.0
+        self.missing, self.unsynced, self.cleared = self.steps(), 0.0, 0
         self.every, self.every_count, self.multi_count = self.steps(), 0, 0
 
     def add(self, block: pd.DataFrame) -> None:
         step, unsynced = column_of(block, "step"), column_of(block, "unsynced_ranks")
+        records = column_of(block, "records")
         self.missing.add(step[unsynced > 0])
         self.unsynced += nan_sum(unsynced)
-        records = column_of(block, "records")
+        # An update whose last microbatch never synchronized, closed as skipped: no optimizer step took it, its
+        # gradients were cleared (zero_grad) before its window ended, and the update after it starts afresh.
+        self.cleared += int(((unsynced > 0) & (column_of(block, "skipped_true") == records)).sum())
         multi = (column_of(block, "m_high") > 1) & (column_of(block, "sync_known") == records)
         every = multi & (column_of(block, "sync_true") == records)
         self.every.add(step[every])
@@ -207,7 +210,17 @@ class SyncCheck(Check):
         self.multi_count += int(multi.sum())
 
     def findings(self) -> Iterator[Finding]:
-        if self.missing:
+        if self.missing and self.cleared:
+            steps = self.missing.range().count
+            yield make_finding(self.context, Code.MISSING_SYNC, self.missing,
+                           f"Gradients were cleared inside the accumulation window: in {self.cleared} of {steps} "
+                           "step(s) without a synchronized last microbatch, zero_grad() ran before that microbatch "
+                           "and no optimizer step took what came before it. The microbatches before each "
+                           "zero_grad() were discarded, so each update trained on the microbatches after it only.",
+                           "call optimizer.zero_grad() once per update, after optimizer.step(), never between the "
+                           "microbatches of one update",
+                           {"rank_steps": int(self.unsynced), "cleared_steps": self.cleared})
+        elif self.missing:
             yield make_finding(self.context, Code.MISSING_SYNC, self.missing,
                            f"The last microbatch of a step did not synchronize gradients on "
                            f"{int(self.unsynced)} rank-step(s): those ranks stepped on their local gradient.",

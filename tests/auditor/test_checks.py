@@ -630,3 +630,19 @@ def test_a_finding_s_evidence_step_and_its_steps_do_not_depend_on_the_blocks(
     assert render_json(report) == render_json(audit_rows(tmp_path / f"whole{block}", rows))
     assert len([f for f in report.findings if f.code in (Code.LOCAL_MEAN, Code.SCALE_MISMATCH, Code.UNEXPLAINED_WEIGHTING,
                                                         Code.PER_MICRO_DENOMINATOR)]) >= 2
+
+
+def test_an_update_closed_unsynced_and_skipped_says_zero_grad_ran_inside_the_window(tmp_path: Path) -> None:
+    """What the recorder logs when zero_grad() runs between the microbatches of one update: the update closes at
+    it as skipped, its last record unsynced (inside no_sync), and the next update holds the last microbatch.
+    missing_sync then says the gradients were cleared inside the window, not that ranks stepped on a local
+    gradient; an unsynced last microbatch of an update that stepped keeps that message."""
+    counts = [[[5], [3]], [[1], [7]], [[2], [6]], [[6], [1]]]
+    rows = records(counts, token_mean)
+    for row in rows:
+        row.update(sync=row["step"] % 2 == 1, skipped=True if row["step"] % 2 == 0 else None)
+    cleared = only(audit_rows(tmp_path / "cleared", rows), Code.MISSING_SYNC)
+    assert "cleared inside the accumulation window" in cleared.message and cleared.evidence["cleared_steps"] == 2
+    stepped = [dict(row, skipped=None) for row in rows]
+    local = only(audit_rows(tmp_path / "stepped", stepped), Code.MISSING_SYNC)
+    assert "stepped on their local gradient" in local.message and "cleared_steps" not in local.evidence

@@ -35,6 +35,7 @@ SHAPE: dict[str, tuple[list[str], list[int]]] = {
     "chunked_cross_entropy_copied": (["0"], []),
     "chunked_cross_entropy_chunk_means": (["0"], []),
     "mtp_heads": (["0", "1", "2"], []),
+    "zero_grad_inside_accumulation": (["0"], [0, 2, 4, 6]),  # each update split at its zero_grad()
     "near_miss_local_mean": (["0"], []),
     "ignored_positions_summed": (["0"], []),
     "padding_labelled": (["0"], []),
