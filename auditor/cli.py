@@ -312,24 +312,24 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
             from tokaudit.postmortem import curve_parts, curve_views
 
             curve, problems = curve_parts(paths, run, steps=window, started=started)
-        from tokaudit.render.console import CURVE_COLUMNS, render_curve_table
+        from tokaudit.render.console import render_curve_table
 
         console = Console(highlight=False)
         try:
             # the chart fills the terminal, labels included
-            views = curve_views(curve, CURVE_COLUMNS, csv_path, width=max(20, min(console.width - 18, 160)),
+            views = curve_views(curve, curve.labels(), csv_path, width=max(20, min(console.width - 18, 160)),
                                 plot=plot_path is not None)
         finally:
             curve.close()
         if plot_path is not None:
             from tokaudit.render.plot import write_png
 
-            write_png(curve.run, views.points, plot_path)
+            write_png(curve.run, views.points, curve.labels(), plot_path)
     except TokauditError as error:
         _fail(error)
     def render(console: Console) -> None:
         console.print(views.chart.render(), markup=False, highlight=False)
-        render_curve_table(curve.run, views.shown, views.steps, console)
+        render_curve_table(curve.run, views.shown, views.steps, curve.labels(), console)
 
     _print_rich(render)
     for path in (csv_path, plot_path):

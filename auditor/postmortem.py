@@ -12,11 +12,13 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.auditing import Progress, load_logs, open_log_parts, open_logs, selected_runs, table_parts, table_runs
+from tokaudit.checks import loss_terms
 from tokaudit.engine import Spilled
 from tokaudit.normalization import name_ranks
 from tokaudit.render.chart import LineChart
 from tokaudit.loading import Loading, LogSet
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
+from tokaudit.schema import UNNAMED
 
 
 def _names(runs: list[str], shown: int = 50) -> str:
@@ -88,7 +90,12 @@ def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | 
 
 
 CURVE_KEYS = ("step", "tokens", "token_mean", "mean_of_local_means", "reported", "optimized")
-"""The curve's columns, in order: what `--csv` writes."""
+"""The curve's columns, in order: what `--csv` writes (and, for a run of several loss terms, each other term's
+ΣS/N after them, `token_mean:TERM`)."""
+
+CURVE_LABELS = (("token_mean", "ΣS/N (true)"), ("mean_of_local_means", "mean of local means"),
+                ("reported", "reported"), ("optimized", "optimized Σe·S"))
+"""Each series' key and its label, in the chart's order."""
 
 
 @dataclass
@@ -99,13 +106,26 @@ class Curve:
 
     run: str
     table: pd.DataFrame | Spilled
+    terms: list[str]
+    """The run's loss terms, the main one first (`loss_terms`)."""
+
+    def labels(self) -> list[tuple[str, str]]:
+        """(key, label) of each series. With several loss terms, ΣS/N, the mean of local means and the reported
+        loss are the main term's (what a trainer logs as its loss), each other term's ΣS/N is a series of its
+        own, and the optimized objective is the sum of every term's Σe·S (what the weights say was trained)."""
+        if len(self.terms) == 1:
+            return list(CURVE_LABELS)
+        main = self.terms[0]
+        return [("token_mean", f"ΣS/N (true, term {main})"), ("mean_of_local_means", f"mean of local means (term {main})"),
+                ("reported", "reported"), ("optimized", "optimized Σe·S (all terms)"),
+                *((f"token_mean:{term}", f"ΣS/N (true, term {term})") for term in self.terms[1:])]
 
     def parts(self) -> Iterator[pd.DataFrame]:
         """The curve's rows, in step order: a step's rows (every data-parallel group's and term's) are in
         one part, since the step table is kept a step range at a time."""
         for rows in selected_runs(table_parts(self.table), [self.run]):
             if len(rows):
-                yield _curve_rows(rows)
+                yield _curve_rows(rows) if len(self.terms) == 1 else _terms_curve_rows(rows, self.terms)
 
     def close(self) -> None:
         if isinstance(self.table, Spilled):
@@ -140,6 +160,22 @@ def _curve_rows(table: pd.DataFrame) -> pd.DataFrame:
             mean_of_local_means=("mean_of_local_means", "mean"), reported=("reported", "mean"),
             optimized=("optimized", "mean"))
     curve["tokens"] = curve.tokens.astype("int64")
+    return curve
+
+
+def _terms_curve_rows(table: pd.DataFrame, terms: list[str]) -> pd.DataFrame:
+    """`_curve_rows` of a run of several loss terms: the main term's curve, the optimized objective summed over
+    the terms (each a token mean of its own: the update follows their sum) and each other term's ΣS/N."""
+    term = table.term.astype(str)
+    curve = _curve_rows(table[(term == terms[0]).to_numpy()])
+    # Σ over terms of Σe·S per (step, group), then the groups' mean, as `_curve_rows` averages groups
+    weighted = table[["step", "grp", "objective"]].assign(
+        objective=table.objective.where(table.weighted_records > 0), grp=table.grp.astype(str))
+    optimized = weighted.groupby(["step", "grp"], sort=True).objective.sum(min_count=1).groupby("step").mean()
+    curve["optimized"] = optimized.reindex(curve.step).to_numpy()
+    for other in terms[1:]:
+        own = _curve_rows(table[(term == other).to_numpy()])
+        curve[f"token_mean:{other}"] = own.set_index("step").token_mean.reindex(curve.step).to_numpy()
     return curve
 
 
@@ -180,7 +216,14 @@ def curve_parts(paths: Sequence[str | os.PathLike[str]], run: str | None = None,
         if isinstance(table, Spilled):
             table.close()
         raise
-    return Curve(chosen, table), logset.problems
+    return Curve(chosen, table, _run_terms(table, chosen)), logset.problems
+
+
+def _run_terms(table: pd.DataFrame | Spilled, run: str) -> list[str]:
+    """The loss terms of one run of the table, the main one first."""
+    if isinstance(table, pd.DataFrame):
+        return loss_terms(table[table.run.astype(str) == run])
+    return sorted({term for name, _, term in table.names if name == run}, key=lambda t: (t != UNNAMED, t))
 
 
 TABLE_STEPS = 40
@@ -227,7 +270,7 @@ def curve_views(curve: Curve, labels: Sequence[tuple[str, str]], csv_path: Path 
             present.update(key for key in keys if part[key].notna().any())
             chart.extent(part.step.to_numpy(dtype=np.float64), [_values(part, key) for key in keys])
         if out is not None and steps == 0:
-            pd.DataFrame({key: [] for key in CURVE_KEYS}).to_csv(out, index=False)
+            pd.DataFrame({key: [] for key in (*CURVE_KEYS, *keys[len(CURVE_LABELS):])}).to_csv(out, index=False)
     except OSError as error:
         raise UsageError(f"{csv_path}: cannot write the CSV ({error.strerror or error})") from None
     finally:

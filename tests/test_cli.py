@@ -327,3 +327,26 @@ def test_two_folders_holding_one_run_id_are_two_runs(tmp_path: Path, monkeypatch
 
     monkeypatch.setattr(auditing, "EVIDENCE_ROWS", 0)  # as a large log: the evidence step read again, alone
     assert invoke("check", str(tmp_path), "--format", "json")[1] == out
+
+
+def test_the_curve_of_a_run_of_several_loss_terms_shows_each_term_and_their_sum(tmp_path: Path) -> None:
+    """sample_logs/aux_head_named: a main head and `head1`, each its own token mean. The curve's ΣS/N is the main
+    term's (what a trainer logs), head1's ΣS/N is a series of its own, and the optimized objective is their sum
+    (the run is correct, so Σe·S of each term is its ΣS/N); each computed here from the records themselves."""
+    from tests.logs import read_rows
+    from tests.s3 import SAMPLE_LOGS
+
+    rows = read_rows(SAMPLE_LOGS / "aux_head_named")
+    code, _, _ = invoke("curve", str(SAMPLE_LOGS / "aux_head_named"), "--csv", str(tmp_path / "curve.csv"))
+    curve = list(csv.DictReader((tmp_path / "curve.csv").read_text().splitlines()))
+    assert code == 0 and list(curve[0])[-1] == "token_mean:head1"
+    for row in curve:
+        def mean(term: str) -> float:
+            mine = [r for r in rows if r["step"] == int(row["step"]) and r["term"] == term]
+            return sum(r["loss_sum"] for r in mine) / sum(r["valid_tokens"] for r in mine)
+
+        assert float(row["token_mean"]) == pytest.approx(mean("0"), rel=1e-12)
+        assert float(row["token_mean:head1"]) == pytest.approx(mean("head1"), rel=1e-12)
+        assert float(row["optimized"]) == pytest.approx(mean("0") + mean("head1"), rel=1e-9)
+    out = invoke("curve", str(SAMPLE_LOGS / "aux_head_named"))[1]
+    assert "ΣS/N (true, term head1)" in " ".join(out.split()) and "optimized Σe·S (all terms)" in " ".join(out.split())

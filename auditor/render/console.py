@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
@@ -171,19 +172,17 @@ def render_weights(run: str, step: int, records: pd.DataFrame, console: Console)
     console.print(" · ".join(notes), style="dim")
 
 
-CURVE_COLUMNS = (("token_mean", "ΣS/N (true)"), ("mean_of_local_means", "mean of local means"),
-                 ("reported", "reported"), ("optimized", "optimized Σe·S"))
-
-
-def render_curve_table(run: str, shown: pd.DataFrame, steps: int, console: Console) -> None:
-    """The curve's rows `shown` (`postmortem.curve_views`: every k-th of its `steps`)."""
+def render_curve_table(run: str, shown: pd.DataFrame, steps: int, labels: Sequence[tuple[str, str]],
+                       console: Console) -> None:
+    """The curve's rows `shown` (`postmortem.curve_views`: every k-th of its `steps`), a column per series
+    (`labels`: key and label, `Curve.labels`)."""
     table = Table(title=Text(f"{printable(run)}: loss per step"), box=box.SIMPLE_HEAVY, title_justify="left")
     table.add_column("step", justify="right")
     table.add_column("N", justify="right")
-    for _, header in CURVE_COLUMNS:
+    for _, header in labels:
         table.add_column(header, justify="right")
-    for row in shown.itertuples(index=False):
-        table.add_row(str(row.step), str(row.tokens), *(_number(getattr(row, key)) for key, _ in CURVE_COLUMNS))
+    for row in shown.to_dict("records"):
+        table.add_row(str(row["step"]), str(row["tokens"]), *(_number(row[key]) for key, _ in labels))
     console.print(table)
     if len(shown) < steps:
         console.print(f"({len(shown)} of {steps} steps shown; --csv writes all)", style="dim")

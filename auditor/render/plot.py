@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 from tokaudit.errors import UsageError
-from tokaudit.render.console import CURVE_COLUMNS
 from tokaudit.render.text import printable
 
 
@@ -32,15 +31,15 @@ def check_format(path: Path) -> None:
                          f"{'.' + extension if extension else 'no extension'}")
 
 
-def write_png(run: str, points: dict[str, tuple[Any, Any]], path: Path) -> None:
+def write_png(run: str, points: dict[str, tuple[Any, Any]], labels: list[tuple[str, str]], path: Path) -> None:
     """The curves as an image: per series that has a value, by key, its (steps, values) points
-    (`postmortem.curve_views`: every step, or a long curve's envelope)."""
+    (`postmortem.curve_views`: every step, or a long curve's envelope); `labels`: each series' key and label."""
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(9, 4.8), dpi=110)
     styles = {"token_mean": "-", "mean_of_local_means": "--", "reported": ":", "optimized": "-."}
-    for key, label in CURVE_COLUMNS:
+    for key, label in labels:
         if key in points:
-            axis.plot(*points[key], styles[key], marker="o", markersize=3, label=label)
+            axis.plot(*points[key], styles.get(key, "-"), marker="o", markersize=3, label=label)
     axis.set_xlabel("step")
     axis.set_ylabel("loss per token")
     axis.set_title(f"tokaudit · {printable(run)}")

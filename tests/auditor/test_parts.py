@@ -304,7 +304,8 @@ def test_a_long_curve_s_plot_is_its_envelope_end_to_end(tmp_path: Path, monkeypa
     log = write_by_rank(tmp_path / "long" / "run", records(counts, local_mean))
     drawn: list[dict[str, tuple[np.ndarray, np.ndarray]]] = []
     original = plot.write_png
-    monkeypatch.setattr(plot, "write_png", lambda run, points, path: drawn.append(points) or original(run, points, path))
+    monkeypatch.setattr(plot, "write_png",
+                        lambda run, points, labels, path: drawn.append(points) or original(run, points, labels, path))
     png = tmp_path / "curve.png"
     assert CliRunner().invoke(main, ["curve", str(log), "--plot", str(png), "--csv", str(tmp_path / "c.csv")]
                               ).exit_code == 0
