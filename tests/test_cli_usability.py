@@ -241,12 +241,12 @@ def test_weights_json_uses_the_report_names_at_full_precision() -> None:
 def test_packaging_one_version_a_license_and_python_m() -> None:
     assert importlib.metadata.version("tokaudit") == tokaudit.__version__
     assert "Apache License" in (ROOT / "LICENSE").read_text()
-    assert importlib.metadata.metadata("tokaudit")["License"] == "Apache-2.0"
+    assert importlib.metadata.metadata("tokaudit")["License-Expression"] == "Apache-2.0"  # SPDX
     done = subprocess.run([sys.executable, "-m", "tokaudit", "--version"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0 and tokaudit.__version__ in done.stdout
     done = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; import tokaudit.hooks"],
                           capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode != 0 and "pip install 'tokaudit[hooks]'" in done.stderr
+    assert done.returncode != 0 and "pip install '.[hooks]'" in done.stderr
 
 
 def test_the_python_api(tmp_path: Path) -> None:
