@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -51,10 +51,10 @@ def from_accelerator(accelerator: Any, model: Any, optimizer: Any, scaler: Any) 
 
 class AccelerateWatch:
     """accelerator.backward(loss) backpropagates loss / gradient_accumulation_steps (DeepSpeed's engine divides
-    the same way): a recorded b that went through it is divided in the log too. `on_backward(loss, steps)` is
-    told of each backward, for the records made before it."""
+    the same way): a recorded b that went through it is divided in the log too. `open_records()` gives the
+    records of the update under way: those made with a loss before it went through backward are marked then."""
 
-    def __init__(self, accelerator: Any, on_backward: Callable[[torch.Tensor, int], None],
+    def __init__(self, accelerator: Any, open_records: Callable[[], Iterable[dict[str, Any]]],
                  warn: Callable[[str, str], None]) -> None:
         self.accelerator = accelerator
         self.losses: list[tuple[weakref.ref[torch.Tensor], int]] = []
@@ -65,7 +65,10 @@ class AccelerateWatch:
             try:
                 if isinstance(loss, torch.Tensor):
                     steps = int(getattr(accelerator, "gradient_accumulation_steps", 1))
-                    on_backward(loss, steps)
+                    for record in open_records():  # b recorded before accelerator.backward(b): divided there
+                        source = record.get("scalar_ref")
+                        if source is not None and source() is loss:
+                            record["divide"] = steps
                     self.losses = [(ref, n) for ref, n in self.losses if ref() is not None]
                     self.losses.append((weakref.ref(loss), steps))
             except Exception as error:

@@ -125,8 +125,11 @@ class Placement:
     averaging group (the model's, else `group`, else the world), and D, its reduction's divisor (given, or seen
     then; unknown where it cannot be seen, said once)."""
 
-    def __init__(self, group: Any, model: Any, grad_divisor: float | None, warn: Callable[[str, str], None]) -> None:
+    def __init__(self, group: Any, model: Any, grad_divisor: float | None, warn: Callable[[str, str], None],
+                 announce: Callable[[Placement], None] | None = None) -> None:
         self.process_group = group
+        self.announce = announce
+        """Called once, when rank, W and D are first known (the Recorder's start line)."""
         if group is None:
             try:
                 self.process_group = getattr(model, "process_group", None)
@@ -156,3 +159,6 @@ class Placement:
             if warning is not None:
                 self.divisor_known = False
                 self.warn("divisor", warning)
+        if self.announce is not None:
+            announce, self.announce = self.announce, None
+            announce(self)

@@ -22,7 +22,7 @@ from tokaudit.hooks.capture import probe_into
 from tokaudit.hooks.probe import ProbeResult
 from tokaudit.hooks.signals import on_termination, run_deferred
 from tokaudit.hooks.terms import CapturedCalls, Footprint, OpenCall
-from tokaudit.hooks.trackers import AuditLoop
+from tokaudit.hooks.trackers import AuditLoop, announcing, start_line
 
 DEFAULT_FLUSH_EVERY = 4096
 
@@ -46,7 +46,7 @@ class Recorder:
                  optimizer: torch.optim.Optimizer | None = None, group: Any = None,
                  grad_divisor: float | None = None, grad_scale: float | None = None, scaler: Any = None,
                  flush_every: int = DEFAULT_FLUSH_EVERY, accelerator: Any = None, trackers: Any = None,
-                 audit_every: int | None = None) -> None:
+                 audit_every: int | None = None, announce: bool = True) -> None:
         self._closed = False
         self.flushing = False  # a flush is writing (a signal handler then waits for it instead of starting another)
         self._warned: set[str] = set()
@@ -69,9 +69,11 @@ class Recorder:
                                         "torch.optim.Optimizer inside it); every backward is recorded as its own "
                                         "update unless you call rec.begin_step()/rec.end_step()")
         self._init_steps(grad_scale)
-        self._placement = Placement(group, model, grad_divisor, self.warn_once)
         self._scaler: ScalerWatch | None = None
         self._output = ShardOutput(log_dir, run_id, self._flush_every, self.warn_once)
+        announce = announcing(announce)  # global rank 0 says where the shards go, and the verdict at close()
+        self._placement = Placement(group, model, grad_divisor, self.warn_once,
+                                    start_line(self._output.log_dir, self._output.run_id) if announce else None)
         self._closed = self._closed or not self._output.usable
         self.log_dir: Path | str = self._output.log_dir
         """Where the shards go: a local folder, or a URL on object storage (s3://bucket/runs/exp1)."""
@@ -80,7 +82,8 @@ class Recorder:
         if accelerator is not None:
             self.provenance.update(trainer="accelerate", trainer_version=version_of("accelerate"))
         # Global rank 0 audits the run for experiment trackers in a background thread (tokaudit.hooks.trackers).
-        self._audits = AuditLoop.create(self.log_dir, self.run_id, trackers, audit_every, accelerator, self.warn_once)
+        self._audits = AuditLoop.create(self.log_dir, self.run_id, trackers, audit_every, accelerator, self.warn_once,
+                                        announce)
         # Nothing the recorder cannot hook stops the training: each hook that fails warns and the
         # recording goes on without it.
         for name, attach in (("model", self._hook_model), ("optimizer", self._hook_optimizer),
@@ -468,15 +471,8 @@ class Recorder:
 
     def _hook_accelerator(self) -> None:
         if self._accelerator is not None:
-            self._accelerate = AccelerateWatch(self._accelerator, self._on_accelerate_backward, self.warn_once)
+            self._accelerate = AccelerateWatch(self._accelerator, lambda: self._buffer.at(self._step), self.warn_once)
             self._handles.append(self._accelerate.handle)
-
-    def _on_accelerate_backward(self, loss: torch.Tensor, steps: int) -> None:
-        """accelerator.backward(loss) divides by `steps`: the open update's records made with that loss say so."""
-        for record in self._buffer.at(self._step):
-            source = record.get("scalar_ref")
-            if source is not None and source() is loss:
-                record["divide"] = steps
 
     def _capture_sync(self, module: Any, args: Any) -> None:
         self._forward_sync = bool(module.require_backward_grad_sync)

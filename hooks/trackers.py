@@ -14,6 +14,7 @@ waits for an audit; an audit or a tracker that fails warns once and training goe
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -227,6 +228,40 @@ def log_audit(report: AuditReport, trackers: Sequence[Any], step: int = 0, run: 
     return metrics
 
 
+QUIET = "TOKAUDIT_QUIET"
+"""Set to 1: no Recorder says its start and close lines (as `Recorder(announce=False)`)."""
+
+
+def announcing(announce: bool) -> bool:
+    return announce and os.environ.get(QUIET, "").lower() not in ("1", "true", "yes")
+
+
+def start_line(log_dir: Path | str, run_id: str) -> Callable[[Any], None]:
+    """The Recorder's one line once rank, W and D are known (its first record), on global rank 0 alone."""
+    def say(placement: Any) -> None:
+        if _global_rank() != 0:
+            return
+        divisor = placement.grad_divisor
+        seen = f"D={divisor:g}" if placement.divisor_known and divisor is not None else "D not seen (pass grad_divisor=)"
+        print(f"tokaudit: recording run {run_id!r} to {log_dir} (W={placement.identity.world_size}, {seen}); "
+              f"`tokaudit check {log_dir}` audits it", file=sys.stderr, flush=True)
+
+    return say
+
+
+class VerdictLine:
+    """The Recorder's line at close() (global rank 0): the run's verdict, on stderr; logged by the final audit
+    only (`AuditLoop`)."""
+
+    def __init__(self, log_dir: Path | str) -> None:
+        self.log_dir = log_dir
+
+    def log_audit(self, metrics: AuditMetrics, step: int) -> None:
+        findings = int(metrics.scalars.get("tokaudit/findings", 0))
+        print(f"tokaudit: run {metrics.run!r} is {metrics.text['tokaudit/verdict_text']} ({findings} finding(s)); "
+              f"`tokaudit check {self.log_dir}` says why", file=sys.stderr, flush=True)
+
+
 class AuditLoop:
     """A Recorder's audits for its trackers: every `every` steps and at close, on global rank 0, each
     in a daemon thread (never two at once). Other ranks only flush at the same step boundaries, so
@@ -246,10 +281,11 @@ class AuditLoop:
 
     @classmethod
     def create(cls, log_dir: Path | str, run_id: str, trackers: Any, audit_every: Any, accelerator: Any,
-               warn: Warn) -> AuditLoop | None:
+               warn: Warn, announce: bool = False) -> AuditLoop | None:
         """The loop for the Recorder's options, or None when there is nothing to do. Never raises.
 
-        `trackers`: one tracker or a list (None: the accelerator's trackers, when one is given).
+        `trackers`: one tracker or a list (None: the accelerator's trackers, when one is given). `announce`: the
+        final audit's verdict is also said on stderr (`VerdictLine`).
         """
         every = None
         if audit_every is not None:
@@ -264,6 +300,8 @@ class AuditLoop:
             targets = list(trackers)
         else:
             targets = [trackers]
+        if announce:
+            targets.append(VerdictLine(log_dir))
         if not targets and every is None:
             return None
         return cls(log_dir, run_id, targets, every, warn)
@@ -368,6 +406,8 @@ class AuditLoop:
             self._warn("trackers-audit", f"tokaudit: the audit for the trackers failed ({error!r}); training goes on")
             return
         for tracker in list(self._trackers or []):
+            if isinstance(tracker, VerdictLine) and not final:
+                continue  # the verdict line is said once, at close()
             try:
                 tracker.log_audit(metrics, step)
             except Exception as error:

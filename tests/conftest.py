@@ -4,9 +4,14 @@ session fixtures are made once; every other test goes to whichever worker is fre
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
+
+# Recorders stay quiet in the suite (their start and close lines, and the close's audit, cost hundreds of audits);
+# tests/hooks/test_trackers.py turns them on where it checks them. Worker processes inherit it.
+os.environ.setdefault("TOKAUDIT_QUIET", "1")
 
 SERIAL = "tests/distributed/"
 

@@ -238,3 +238,23 @@ def test_a_hanging_tracker_never_holds_up_a_step_and_close_waits_a_bounded_time(
     assert elapsed < 15
     assert any("did not finish within 1 s" in str(w.message) for w in caught)
     assert len(read_rows(tmp_path / "run")) == 12
+
+
+@pytest.mark.parametrize("local_mean", [False, True])
+def test_the_recorder_says_where_it_records_and_the_verdict_at_close(tmp_path: Path, local_mean: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       capfd: pytest.CaptureFixture[str]) -> None:
+    """Global rank 0 says one line at its first record (where the shards go, W and D) and one at close() with the
+    run's verdict (what `tokaudit check` says of it); announce=False, or TOKAUDIT_QUIET=1, says nothing."""
+    monkeypatch.delenv("TOKAUDIT_QUIET", raising=False)
+    train(tmp_path, "run", local_mean)
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("tokaudit:")]
+    verdict = audit([tmp_path / "run"]).runs[0].verdict
+    assert lines == [f"tokaudit: recording run 'run' to {tmp_path / 'run'} (W=1, D=1); "
+                     f"`tokaudit check {tmp_path / 'run'}` audits it",
+                     f"tokaudit: run 'run' is {verdict} ({1 if local_mean else 0} finding(s)); "
+                     f"`tokaudit check {tmp_path / 'run'}` says why"], lines
+    train(tmp_path, "quiet", local_mean, announce=False)
+    monkeypatch.setenv("TOKAUDIT_QUIET", "1")
+    train(tmp_path, "quieter", local_mean)
+    assert not [line for line in capfd.readouterr().err.splitlines() if line.startswith("tokaudit:")]
