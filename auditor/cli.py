@@ -53,7 +53,17 @@ def _start_loading(paths: tuple[str, ...]) -> Loading:
     only, a process a core), before the command imports the auditor (pandas, DuckDB: half a second)."""
     from tokaudit.loading import cores, start_loading
 
-    return start_loading(paths, thorough=False, workers=cores())
+    started = start_loading(paths, thorough=False, workers=cores())
+    for note in started.notes[:NOTES_SHOWN]:  # what is read from elsewhere is said, never followed in silence
+        click.echo(f"tokaudit: note: {printable(note)}", err=True)  # one unwrapped line, as _problem's
+    if len(started.notes) > NOTES_SHOWN:
+        click.echo(f"tokaudit: note: … and {len(started.notes) - NOTES_SHOWN} more links out of the folders given",
+                   err=True)
+    return started
+
+
+NOTES_SHOWN = 5
+"""Links out of the folders given that are named one by one; the rest are counted."""
 
 
 def _emit(text: str, output: Path | None) -> None:

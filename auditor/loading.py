@@ -40,11 +40,13 @@ class LogSet:
     """Files or paths that could not be used."""
 
 
-def discover(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[Path], list[LogFormatError]]:
+def discover(paths: Sequence[str | os.PathLike[str]], notes: list[str] | None = None
+             ) -> tuple[list[Path], list[LogFormatError]]:
     """Every *.parquet under the paths, each path taken literally. Dot-files (a killed writer's
     temporaries) are skipped; anything else that cannot be read is one problem line, never a silence:
     an unreadable folder, a dangling or looping link, a FIFO, a folder named *.parquet with no part file. Such a
-    folder (a Spark-style dataset) is read as its part files."""
+    folder (a Spark-style dataset) is read as its part files. `notes`: where each link that leads out of the
+    folder given is said, with what it is read from (it is read)."""
     # One file reached twice (two paths, a link to it) is read once: keyed by its identity on disk,
     # from the stat that checks it is a file, rather than by resolving every path.
     found: dict[tuple[int, int], Path] = {}
@@ -60,13 +62,14 @@ def discover(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[Path], list[
         elif not path.is_dir():
             problems.append(LogFormatError(str(raw), problem))
         else:
-            reached = _walk(path, found, problems)
+            reached = _walk(path, found, problems, notes)
             if not reached and not any(p.path.startswith(str(path)) for p in problems):
                 problems.append(LogFormatError(str(raw), "no Parquet files (*.parquet) in this folder"))
     return list(found.values()), problems
 
 
-def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogFormatError]) -> int:
+def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogFormatError],
+          notes: list[str] | None = None) -> int:
     """Every *.parquet under `root` added to `found` (a file already there is not added again), or to `problems`
     where it is no readable file: how many it reached, those found before and those it could not use included."""
     seen: set[tuple[int, int]] = set()
@@ -75,6 +78,7 @@ def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogForm
     def unreadable(error: OSError) -> None:
         problems.append(LogFormatError(str(error.filename or root), f"cannot read this folder ({error.strerror})"))
 
+    inside = os.path.realpath(root) + os.sep
     datasets: dict[str, int] = {}  # folders named *.parquet (Spark-style datasets): the part files under each
     for folder, folders, files in _folders(str(root), unreadable):
         # Paths as strings until a file is kept: pathlib's parsing cost more than the stat itself on a
@@ -88,6 +92,8 @@ def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogForm
             folders[:] = []
             continue
         seen.add((identity.st_dev, identity.st_ino))
+        if notes is not None and os.path.islink(here):
+            _note_outside(here, inside, notes)
         folders[:] = sorted(f for f in folders if not f.startswith("."))
         names = sorted(name for name in files if not name.startswith(".") and name.endswith(".parquet"))
         if here.endswith(".parquet"):
@@ -107,6 +113,8 @@ def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogForm
                 key: tuple[int, int] | None = (identity.st_dev, inode)
             else:
                 key, problem = _regular_file(path)
+                if key is not None and notes is not None and os.path.islink(path):
+                    _note_outside(path, inside, notes)
             reached += 1
             if key is not None:
                 if key not in found:
@@ -116,6 +124,13 @@ def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogForm
     problems.extend(LogFormatError(dataset, "a folder named *.parquet with no Parquet part files in it")
                     for dataset, parts in datasets.items() if not parts)
     return reached
+
+
+def _note_outside(path: str, inside: str, notes: list[str]) -> None:
+    """A link whose target lies outside the folder given: said, since what is audited is then read from there."""
+    target = os.path.realpath(path)
+    if not (target + os.sep).startswith(inside):
+        notes.append(f"{path} is a link out of the folder given: read from {target}")
 
 
 def _folders(root: str, onerror: Callable[[OSError], None]) -> Iterator[tuple[str, list[str], list[str]]]:
@@ -236,6 +251,8 @@ class Loading:
     """What discovery could not use."""
     thorough: bool
     shares: list[_Share] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """Links out of the folders given, each with what it is read from (`discover`)."""
     """Each worker started and its share of `files`, in order; none: this process validates them all."""
 
     @property
@@ -271,7 +288,8 @@ class Loading:
 def start_loading(paths: Sequence[str | os.PathLike[str]], thorough: bool = True, workers: int = 1) -> Loading:
     """`load`'s discovery, and its worker processes started on their shares: `result()` gives what `load`
     gives."""
-    files, problems = discover([p for p in paths if not is_url(p)])
+    notes: list[str] = []
+    files, problems = discover([p for p in paths if not is_url(p)], notes)
     remote: list[tuple[PurePath, Store | None]] = []
     urls = [str(p) for p in paths if is_url(p)]
     if urls:
@@ -282,7 +300,7 @@ def start_loading(paths: Sequence[str | os.PathLike[str]], thorough: bool = True
             problems.extend(trouble)
             remote.extend((PurePosixPath(path), store) for path in found)
     shares = _start_workers(files, thorough, workers) if workers > 1 and len(files) >= PARALLEL_FILES else []
-    return Loading(files=files, remote=remote, problems=problems, thorough=thorough, shares=shares)
+    return Loading(files=files, remote=remote, problems=problems, thorough=thorough, shares=shares, notes=notes)
 
 
 def separate_runs(shards: list[Shard]) -> list[Shard]:

@@ -329,3 +329,20 @@ def test_a_thousand_nested_folders_and_a_spark_style_dataset_folder_are_read(tmp
     report = json.loads(out)
     assert error_lines(err) == [] and code == 1, err
     assert {(r["run"], r["verdict"]) for r in report["runs"]} == {("deep", "correct"), ("sparky", "incorrect")}
+
+
+def test_a_link_out_of_the_folder_given_is_read_and_said(tmp_path: Path) -> None:
+    """A shard (or a folder) reached through a link whose target lies outside the folder given is audited, and a
+    note on stderr says what is read from where; a link that stays inside says nothing."""
+    elsewhere = write_by_rank(tmp_path / "elsewhere" / "run", records(UNEVEN, token_mean))
+    (tmp_path / "logs" / "run").mkdir(parents=True)
+    for shard in sorted(elsewhere.glob("*.parquet")):
+        (tmp_path / "logs" / "run" / shard.name).symlink_to(shard)
+    (tmp_path / "logs" / "folder").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    code, out, err = invoke("check", str(tmp_path / "logs"), "--format", "json")
+    no_traceback(out, err)
+    notes = [line for line in err.splitlines() if line.startswith("tokaudit: note:")]
+    assert code == 0 and json.loads(out)["runs"][0]["verdict"] == "correct"
+    assert len(notes) == 3 and all(f"read from {tmp_path / 'elsewhere'}" in note for note in notes), notes
+    code, _, err = invoke("check", str(tmp_path))  # the targets are inside the folder given now
+    assert "tokaudit: note:" not in err
