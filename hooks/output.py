@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from tokaudit import __version__
@@ -84,6 +85,9 @@ class ShardOutput:
         self.prefix = "rank-00000"
         """The shards' names before their sequence number (set at each write, from the stamp)."""
         self.uploader: Uploader | None = None
+        self.first_step: int | None = None
+        """The step of this recorder's first record written: a folder that already holds shards of its rank
+        while it starts at step 0 again is a resumed run without begin_step (`_writer`)."""
         self.provenance: dict[str, Any] = {"tokaudit": __version__, "torch": torch.__version__}
         """What every shard's footer says of where it came from (`schema.PROVENANCE_KEY`); an integration
         adds its trainer and version."""
@@ -124,7 +128,10 @@ class ShardOutput:
     def add(self, records: list[dict[str, Any]], stamp: Stamp) -> None:
         """Turn `records` into a table waiting to be written; records that cannot be read back are dropped."""
         try:
-            self.backlog.add(self._table(records, stamp))
+            table = self._table(records, stamp)
+            if self.first_step is None and table.num_rows:
+                self.first_step = int(pc.min(table.column("step")).as_py())
+            self.backlog.add(table)
         except Exception as error:
             self.note_dropped_records(records)
             self.warn("table", f"tokaudit: {len(records)} record(s) could not be read back ({error!r}); they are "
@@ -159,6 +166,11 @@ class ShardOutput:
         if self.writer is None:
             self.writer = StoreShardWriter(self.log_dir, self.prefix) if isinstance(self.log_dir, str) else \
                 ShardWriter(self.log_dir, self.prefix)
+            if self.writer.sequence > 0 and self.first_step == 0:
+                self.warn("resumed", f"tokaudit: {self.log_dir} already holds shards of {self.prefix} and this "
+                                     "recorder starts at step 0 again: a resumed run without rec.begin_step(step) "
+                                     "(the trainer's global step) repeats step numbers, which the audit reports as "
+                                     "duplicate_records")
         return self.writer
 
     def _table(self, records: list[dict[str, Any]], stamp: Stamp) -> pa.Table:

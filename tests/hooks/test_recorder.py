@@ -560,3 +560,20 @@ def test_each_record_says_the_precision_its_values_and_gradients_had(tmp_path: P
             F.cross_entropy(logits.to(torch.bfloat16), labels).backward()
             rec.end_step()
     assert [row["precision_bits"] for row in read_rows(tmp_path / "bits")] == [None, 24, 8, 8]
+
+
+def test_a_second_run_into_a_folder_that_holds_shards_from_step_0_is_warned(tmp_path: Path) -> None:
+    """A resumed run that does not say its step (begin_step) starts at 0 again beside the first run's shards: one
+    warning names it; a resume that continues its numbering says nothing."""
+    def run(first: int) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with Recorder(tmp_path, run_id="again", flush_every=2) as rec:
+                rec.begin_step(first)
+                for step in range(first, first + 3):
+                    rec.record(loss_sum=2.0, valid_tokens=2, backward_scalar=1.0, step=step)
+        return [str(w.message) for w in caught if "already holds shards" in str(w.message)]
+
+    assert run(0) == [] and run(3) == []
+    (said,) = run(0)
+    assert "begin_step" in said and "duplicate_records" in said
