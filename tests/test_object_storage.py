@@ -125,6 +125,7 @@ def test_an_unreachable_store_is_retried_after_a_pause_and_at_close(tmp_path: Pa
             if not reachable["now"]:
                 raise OSError("AWS Error NETWORK_CONNECTION: Could not connect to server")
             self.inner = ShardWriter(tmp_path / "flaky", prefix)
+            self.sequence = self.inner.sequence  # the next shard's number, as StoreShardWriter's
 
         def write(self, table: Any, metadata: Any = None) -> str:
             return self.inner.write(table, metadata)
