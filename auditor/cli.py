@@ -270,8 +270,10 @@ def _progress(quiet: bool) -> Iterator[Callable[[str], None] | None]:
 @click.option("--step", type=int, required=True, help="Optimizer step to show.")
 @click.option("--run", default=None, help="Run id (needed when the logs hold several).")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
-def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str) -> None:
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Write them here.")
+def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str, output: Path | None) -> None:
     """Per rank and microbatch at one step: n, S, b, c, e and q = e·N (1 when correct)."""
+    _refuse_inputs(output, paths)
     with _start_loading(paths) as started:
         from tokaudit.postmortem import step_weights
 
@@ -280,19 +282,21 @@ def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str) -> Non
         except TokauditError as error:
             _fail(error)
     if fmt == "csv":
-        click.echo(records.rename(columns=WEIGHT_NAMES).to_csv(index=False), nl=False)
+        _emit(records.rename(columns=WEIGHT_NAMES).to_csv(index=False), output)
     elif fmt == "json":
         import json
 
         from tokaudit.render.json_report import sanitize
 
         rows = records.rename(columns=WEIGHT_NAMES).to_dict(orient="records")
-        click.echo(json.dumps(sanitize({"run": chosen, "step": step, "records": rows}), indent=2,
-                              ensure_ascii=False))
+        _emit(json.dumps(sanitize({"run": chosen, "step": step, "records": rows}), indent=2, ensure_ascii=False)
+              + "\n", output)
     else:
         from tokaudit.render.console import render_weights
 
-        _print_rich(lambda console: render_weights(chosen, step, records, console))
+        text = _rich_text(lambda console: render_weights(chosen, step, records, console), output)
+        if text is not None:
+            _emit(text, output)
     _exit_for_problems(problems)
 
 

@@ -99,6 +99,9 @@ def test_weights_shows_q_per_record(logs: Path) -> None:
     assert code == 0 and "q = e·N" in out
     code, _, err = invoke("weights", str(logs), "--step", "0")
     assert code == 2 and "choose one with --run" in err
+    target = logs.parent / "weights.csv"  # -o: the same CSV into a file, nothing on stdout
+    assert invoke("weights", str(logs), "--run", "bad", "--step", "0", "--format", "csv", "-o", str(target))[:2] == (0, "")
+    assert target.read_text() == invoke("weights", str(logs), "--run", "bad", "--step", "0", "--format", "csv")[1]
     assert invoke("weights", str(logs), "--run", "bad", "--step", "99")[0] == 2
 
 
