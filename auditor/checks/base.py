@@ -179,14 +179,16 @@ def average_fix(context: RunContext) -> str:
     over = f"all {m} microbatches of the step on all {w} ranks" if m > 1 else f"all {w} ranks"
     if context.divisor == 1:
         return (f"backpropagate S_r/N (the reduction sums, D=1) with N the valid tokens of {over}, "
-                "counted before the first backward with one all-reduce")
+                "counted before the first backward with one all-reduce" + trainer_fix(context, ', reduction="sum"'))
     return (f"backpropagate W·S_r/N with W={w} (the size of the averaging group) and N summed over {over}, "
             "counted before the first backward with one all-reduce" + trainer_fix(context))
 
-def trainer_fix(context: RunContext) -> str:
-    """The token mean in the recording trainer's own settings, where they give it (empty for others)."""
+def trainer_fix(context: RunContext, reduction: str = "") -> str:
+    """The token mean in the recording trainer's own settings where they give it, else with the helpers
+    tokaudit.hooks ships (a line to paste)."""
     if context.trainer != "transformers":
-        return ""
+        return (f"; with tokaudit.hooks: N = global_valid_tokens(labels_of_each_microbatch) before the first "
+                f"backward, then backward on token_mean_loss(loss_sum, N{reduction})")
     return ("; in the Hugging Face Trainer: average_tokens_across_devices=True with a model whose loss takes "
             "num_items_in_batch, or a compute_loss_func that sums the per-token losses and divides by num_items_in_batch")
 

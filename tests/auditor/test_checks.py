@@ -646,3 +646,19 @@ def test_an_update_closed_unsynced_and_skipped_says_zero_grad_ran_inside_the_win
     stepped = [dict(row, skipped=None) for row in rows]
     local = only(audit_rows(tmp_path / "stepped", stepped), Code.MISSING_SYNC)
     assert "stepped on their local gradient" in local.message and "cleared_steps" not in local.evidence
+
+
+def test_the_fix_names_the_helpers_to_paste_or_the_trainer_s_setting(tmp_path: Path) -> None:
+    """A local mean from a hand-written loop: the fix names tokaudit.hooks' global_valid_tokens and
+    token_mean_loss (reduction="sum" under a summing reduction, D = 1); recorded by the Hugging Face Trainer, its
+    own setting instead."""
+    from tokaudit.schema import provenance_metadata
+
+    rows = records(UNEVEN, local_mean)
+    fix = only(audit_rows(tmp_path / "loop", rows), Code.LOCAL_MEAN).fix
+    assert "global_valid_tokens(" in fix and "token_mean_loss(loss_sum, N)" in fix
+    summed = only(audit_rows(tmp_path / "sum", [dict(r, grad_divisor=1.0) for r in rows]), Code.LOCAL_MEAN).fix
+    assert 'token_mean_loss(loss_sum, N, reduction="sum")' in summed
+    hf = write_by_rank(tmp_path / "hf" / "run", rows, metadata=provenance_metadata({"trainer": "transformers"}))
+    trained = only(audit([hf]), Code.LOCAL_MEAN).fix
+    assert "average_tokens_across_devices=True" in trained and "token_mean_loss" not in trained
