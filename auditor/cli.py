@@ -310,8 +310,10 @@ def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str, output
 @click.option("--steps", "step_range", default=None, metavar="FIRST:LAST",
               help="Only these steps (either end may be left open: 1000: or :2000); only the shards that can "
                    "hold them are read.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
+              help="table: the chart and a table for people; json: every step's values on stdout.")
 def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_path: Path | None,
-          step_range: str | None) -> None:
+          step_range: str | None, fmt: str) -> None:
     """Loss per step: the true token mean ΣS/N, the mean of local means, the reported loss, and the
     objective the optimizer followed (Σe·S)."""
     try:
@@ -326,6 +328,9 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
             from tokaudit.postmortem import curve_parts, curve_views
 
             curve, problems = curve_parts(paths, run, steps=window, started=started)
+        if fmt == "json":
+            _curve_json(curve, csv_path, plot_path)
+            _exit_for_problems(problems)
         from tokaudit.render.console import render_curve_table
 
         console = Console(highlight=False)
@@ -350,6 +355,28 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
         if path is not None:
             _stderr().print(f"wrote {printable(str(path))}", style="dim", markup=False)
     _exit_for_problems(problems)
+
+
+def _curve_json(curve: Any, csv_path: Path | None, plot_path: Path | None) -> None:
+    """`curve --format json`: {"run", "series": {key: label}, "steps": [one object a step]}, written a part at a
+    time (a run of millions of steps is never held whole); --csv and --plot are for the table format."""
+    import json
+
+    from tokaudit.render.json_report import sanitize
+
+    try:
+        if csv_path is not None or plot_path is not None:
+            raise UsageError("--csv and --plot go with --format table; --format json writes every step to stdout")
+        click.echo(f'{{"run": {json.dumps(curve.run, ensure_ascii=False)}, '
+                   f'"series": {json.dumps(dict(curve.labels()), ensure_ascii=False)}, "steps": [', nl=False)
+        first = True
+        for part in curve.parts():
+            for row in part.to_dict("records"):
+                click.echo(("" if first else ",") + "\n  " + json.dumps(sanitize(row), ensure_ascii=False), nl=False)
+                first = False
+        click.echo("\n]}")
+    finally:
+        curve.close()
 
 
 STEP_LIMIT = (1 << 63) - 1

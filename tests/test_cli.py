@@ -351,5 +351,10 @@ def test_the_curve_of_a_run_of_several_loss_terms_shows_each_term_and_their_sum(
         assert float(row["token_mean"]) == pytest.approx(mean("0"), rel=1e-12)
         assert float(row["token_mean:head1"]) == pytest.approx(mean("head1"), rel=1e-12)
         assert float(row["optimized"]) == pytest.approx(mean("0") + mean("head1"), rel=1e-9)
+    code, out, _ = invoke("curve", str(SAMPLE_LOGS / "aux_head_named"), "--format", "json")
+    steps = json.loads(out)["steps"]  # the same values as the CSV, each step one object
+    assert code == 0 and [(s["step"], s["token_mean:head1"]) for s in steps] == [
+        (int(r["step"]), float(r["token_mean:head1"])) for r in curve]
+    assert invoke("curve", str(SAMPLE_LOGS / "aux_head_named"), "--format", "json", "--csv", "x.csv")[0] == 2
     out = invoke("curve", str(SAMPLE_LOGS / "aux_head_named"))[1]
     assert "ΣS/N (true, term head1)" in " ".join(out.split()) and "optimized Σe·S (all terms)" in " ".join(out.split())
