@@ -31,12 +31,16 @@ def token_mean_records(rec: Recorder, steps: range, counts: tuple[int, int] = (3
 
 
 def test_two_writers_of_one_rank_lose_nothing(tmp_path: Path) -> None:
-    first = Recorder(tmp_path, run_id="clash", flush_every=3)
-    second = Recorder(tmp_path, run_id="clash", flush_every=3)
-    for step in range(40):
-        (first if step % 2 else second).record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0, step=step // 2)
-    first.close()
-    second.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = Recorder(tmp_path, run_id="clash", flush_every=3)
+        second = Recorder(tmp_path, run_id="clash", flush_every=3)
+        for step in range(40):
+            (first if step % 2 else second).record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0, step=step // 2)
+        first.close()
+        second.close()
+    # the second writer to reach the folder finds the first one's shards from step 0: said once
+    assert len([w for w in caught if "already holds shards of rank-00000" in str(w.message)]) == 1
     rows = read_rows(tmp_path / "clash")
     assert len(rows) == 40, "a shard was replaced"
     assert {f.code.value for f in audit([tmp_path / "clash"]).findings} >= {"duplicate_records"}
