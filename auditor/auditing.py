@@ -248,10 +248,10 @@ def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, h
 
 def judged_rtol(rtol: float, bits: int | None) -> float:
     """The tolerance a run is judged at: --rtol, or what its coarsest precision rounds, whichever is larger.
-    A value computed in p significant bits is off by up to u = 2⁻ᵖ per rounding; a weight takes about two
-    roundings (b, or the probe's ∂b/∂ℓ), a ratio of two weights twice that: 4u = 2^(2−p), which is 2⁻⁶ in
-    bfloat16, 2⁻⁹ in float16 and 2⁻²² in float32 (below the default --rtol)."""
-    return rtol if bits is None else max(rtol, 2.0 ** (2 - bits))
+    A value computed in p significant bits is off by up to u = 2⁻ᵖ from its last rounding (b, or the probe's
+    ∂b/∂ℓ), and a ratio of two such weights by 2u = 2^(1−p): 2⁻⁷ in bfloat16, 2⁻¹⁰ in float16, 2⁻²³ in float32
+    (below the default --rtol). No wider: a weight off by more than its rounding is a finding, not noise."""
+    return rtol if bits is None else max(rtol, 2.0 ** (1 - bits))
 
 def _joined(frames: list[pd.DataFrame], ordered: bool) -> pd.DataFrame:
     """The parts of a table as one, as `Engine.step_table` joins its ranges: the names as categories, the
