@@ -22,12 +22,12 @@ KEYS = {"fail-on": "fail_on", "ignore": "ignore", "rtol": "rtol", "min-ratio": "
 """Each setting and the `tokaudit check` option it sets (the option's name without its dashes)."""
 
 
-def find_settings(start: Path) -> Path | None:
-    """The first pyproject.toml from `start` upward that holds a [tool.tokaudit] table."""
+def find_settings(start: Path) -> tuple[Path, Any] | None:
+    """The first pyproject.toml from `start` upward that holds a [tool.tokaudit] table, and that table."""
     for folder in (start, *start.parents):
         candidate = folder / "pyproject.toml"
-        if candidate.is_file() and "tool" in (table := _read(candidate)) and "tokaudit" in table["tool"]:
-            return candidate
+        if candidate.is_file() and isinstance(tool := _read(candidate).get("tool"), dict) and "tokaudit" in tool:
+            return candidate, tool["tokaudit"]
     return None
 
 
@@ -37,8 +37,8 @@ def check_defaults(start: Path, fail_on: Sequence[str]) -> tuple[dict[str, Any],
     found = find_settings(start)
     if found is None:
         return {}, None
-    settings = _read(found)["tool"]["tokaudit"]
-    where = f"{found}: [tool.tokaudit]"
+    path, settings = found
+    where = f"{path}: [tool.tokaudit]"
     if not isinstance(settings, dict):
         raise UsageError(f"{where} is not a table")
     out: dict[str, Any] = {}
@@ -52,7 +52,7 @@ def check_defaults(start: Path, fail_on: Sequence[str]) -> tuple[dict[str, Any],
         if key in ("rtol", "min-ratio") and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise UsageError(f"{where} {key} = {value!r}: expected a number")
         out[KEYS[key]] = tuple(value) if key == "ignore" else value
-    return out, found
+    return out, path
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -23,19 +24,15 @@ _PACKABLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat
 def significant_bits(*values: Any) -> int | None:
     """The fewest significant bits among the floating-point tensors or dtypes given (8 for bfloat16, 11 float16,
     24 float32, 53 float64); None where none is one: a Python number says nothing of how it was computed."""
-    bits = [_BITS.get(dtype) or _bits_of(dtype) for dtype in (v.dtype if isinstance(v, torch.Tensor) else v for v in values)
+    bits = [_bits_of(dtype) for dtype in (v.dtype if isinstance(v, torch.Tensor) else v for v in values)
             if isinstance(dtype, torch.dtype) and dtype.is_floating_point]
     return min(bits) if bits else None
 
 
-_BITS: dict[torch.dtype, int] = {}
-"""significant_bits of each dtype seen: called at every record."""
-
-
+@functools.cache  # called at every record: each dtype worked out once
 def _bits_of(dtype: torch.dtype) -> int:
     # eps = 2^(1−p) for p significant bits (the implicit leading one included)
-    _BITS[dtype] = round(1 - math.log2(torch.finfo(dtype).eps))
-    return _BITS[dtype]
+    return round(1 - math.log2(torch.finfo(dtype).eps))
 
 
 class Packed:

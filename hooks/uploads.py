@@ -95,8 +95,7 @@ class Backlog:
         with self.lock:
             steps: dict[int, int] = {}
             for table in self.tables:
-                for step in table.column("step").to_pylist():
-                    steps[int(step)] = steps.get(int(step), 0) + 1
+                _count_steps(table, steps)
             count = sum(t.num_rows for t in self.tables) + self.in_flight
         if count:
             listed = ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b, _ in ranges(steps)[:8])
@@ -111,8 +110,13 @@ class Backlog:
         self.warn("backlog", f"tokaudit: more than {BACKLOG_BYTES >> 20} MiB of records are waiting to be written; "
                              "the oldest are dropped and their steps written down in the next shard")
         while len(self.tables) > 1 and sum(t.nbytes for t in self.tables) > BACKLOG_BYTES:
-            for step in self.tables.pop(0).column("step").to_pylist():
-                self.dropped[int(step)] = self.dropped.get(int(step), 0) + 1
+            _count_steps(self.tables.pop(0), self.dropped)
+
+
+def _count_steps(table: pa.Table, counts: dict[int, int]) -> None:
+    """The table's records added to `counts`, step by step."""
+    for step in table.column("step").to_pylist():
+        counts[int(step)] = counts.get(int(step), 0) + 1
 
 
 class Uploader:

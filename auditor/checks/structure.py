@@ -261,7 +261,7 @@ class ProbeCheck(Check):
                            f"Valid tokens of one microbatch got different weights in {steps} step(s) ({_spread_text(self.spread)}): "
                            "a per-sequence or per-document mean, or a token weighting. Legitimate only when chosen on purpose.",
                            "for the token-mean objective, sum per-token losses over the microbatch and divide once by N",
-                           {"steps": steps, "largest_spread": _json_number(self.spread)})
+                           {"steps": steps, "largest_spread": self.spread})
         if self.masked:
             steps = self.masked.range().count
             yield make_finding(self.context, Code.MASKED_TOKENS_WEIGHTED, self.masked,
@@ -270,7 +270,7 @@ class ProbeCheck(Check):
                            "their loss is trained.",
                            "label padding and ignored positions with ignore_index (their loss is then exactly 0), or "
                            "mask per-token losses before reducing; divide by the valid-token count",
-                           {"steps": steps, "masked_weight_in_tokens": _json_number(self.share)})
+                           {"steps": steps, "masked_weight_in_tokens": self.share})
 
 def _spread_text(spread: float) -> str:
     if not np.isfinite(spread):
@@ -281,10 +281,6 @@ def _share_text(share: float) -> str:
     if not np.isfinite(share):
         return "in one record whose valid tokens carry none"
     return f"in one record as much as {share:.3g} valid token(s) carry"
-
-def _json_number(value: float) -> float | None:
-    """A finite float, or None (JSON has no infinity)."""
-    return value if np.isfinite(value) else None
 
 class MissingRanksCheck(Check):
     """missing_rank: fewer ranks than W recorded a step that others recorded."""
