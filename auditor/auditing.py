@@ -14,7 +14,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 from pandas.api.types import union_categoricals
 
-from tokaudit.checks import RunSteps, check_run, without_miscounted
+from tokaudit.checks import RunSteps, check_run, main_term_first, without_miscounted
 from tokaudit.codes import DEFAULT_RTOL, Code, code_named
 from tokaudit.engine import EXTREME_COLUMNS, Engine, Spilled, extremes_at
 from tokaudit.errors import LogFormatError, UsageError
@@ -317,7 +317,7 @@ def _run_steps(parts: Callable[[], Iterable[pd.DataFrame]], run: str,
         terms.update(str(t) for t in rows.term.unique())
     if not groups:
         return None
-    return RunSteps(selected, sorted(groups), sorted(terms, key=lambda t: (t != UNNAMED, t)))
+    return RunSteps(selected, sorted(groups), main_term_first(terms))
 
 @dataclass
 class _Extremes:

@@ -12,13 +12,12 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.auditing import Progress, load_logs, open_log_parts, open_logs, selected_runs, table_parts, table_runs
-from tokaudit.checks import loss_terms
+from tokaudit.checks import loss_terms, main_term_first
 from tokaudit.engine import Spilled
 from tokaudit.normalization import name_ranks
 from tokaudit.render.chart import LineChart
 from tokaudit.loading import Loading, LogSet
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
-from tokaudit.schema import UNNAMED
 
 
 def _names(runs: list[str], shown: int = 50) -> str:
@@ -223,7 +222,7 @@ def _run_terms(table: pd.DataFrame | Spilled, run: str) -> list[str]:
     """The loss terms of one run of the table, the main one first."""
     if isinstance(table, pd.DataFrame):
         return loss_terms(table[table.run.astype(str) == run])
-    return sorted({term for name, _, term in table.names if name == run}, key=lambda t: (t != UNNAMED, t))
+    return main_term_first(term for name, _, term in table.names if name == run)
 
 
 TABLE_STEPS = 40

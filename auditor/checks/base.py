@@ -280,7 +280,11 @@ def median_of(column: SortedColumn) -> float:
 def loss_terms(steps: pd.DataFrame) -> list[str]:
     """The loss terms of a step table, as text, the main term (UNNAMED, "0") first: each distinct value named
     once, not every row converted."""
-    return sorted({str(term) for term in steps.term.unique()}, key=lambda t: (t != UNNAMED, t))
+    return main_term_first(str(term) for term in steps.term.unique())
+
+def main_term_first(terms: Iterable[str]) -> list[str]:
+    """Each loss term once, as text, the main term (UNNAMED, "0") first, then the others in order."""
+    return sorted(set(terms), key=lambda t: (t != UNNAMED, t))
 
 def step_list(values: Any) -> str:
     items = [str(int(v)) for v in values]
