@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from tokaudit.hooks.record import Record
+
 
 class Restore:
     """A removable handle that gives an object back its own method (an instance attribute we set)."""
@@ -54,7 +56,7 @@ class AccelerateWatch:
     the same way): a recorded b that went through it is divided in the log too. `open_records()` gives the
     records of the update under way: those made with a loss before it went through backward are marked then."""
 
-    def __init__(self, accelerator: Any, open_records: Callable[[], Iterable[dict[str, Any]]],
+    def __init__(self, accelerator: Any, open_records: Callable[[], Iterable[Record]],
                  warn: Callable[[str, str], None]) -> None:
         self.accelerator = accelerator
         self.losses: list[tuple[weakref.ref[torch.Tensor], int]] = []
@@ -66,9 +68,9 @@ class AccelerateWatch:
                 if isinstance(loss, torch.Tensor):
                     steps = int(getattr(accelerator, "gradient_accumulation_steps", 1))
                     for record in open_records():  # b recorded before accelerator.backward(b): divided there
-                        source = record.get("scalar_ref")
+                        source = record.scalar_ref
                         if source is not None and source() is loss:
-                            record["divide"] = steps
+                            record.divide = steps
                     self.losses = [(ref, n) for ref, n in self.losses if ref() is not None]
                     self.losses.append((weakref.ref(loss), steps))
             except Exception as error:

@@ -82,6 +82,11 @@ class PackedHost:
                     self._spans[key] = (low, host[start:start + high - low + 1])
                     start += high - low + 1
 
+    @property
+    def copied(self) -> int:
+        """How many numbers were copied to the host."""
+        return sum(len(numbers) for _, numbers in self._spans.values())
+
     def number(self, value: Packed) -> float:
         """`value` as copied (`copy` first)."""
         first, numbers = self._spans[id(value.values)]
@@ -111,22 +116,20 @@ class Slabs:
 
 
 def pack(holders: Sequence[tuple[Any, str]], slabs: Slabs | None = None) -> None:
-    """Replace each one-number tensor held at `holder[name]` (a record's dict) or `holder.name` (a probe's
-    result) by its place in a float64 tensor of its device (`Packed`), copied there on the device with no
-    sync: into `slabs`, shared by the updates packed after each other, else into one tensor of their own.
+    """Replace each one-number tensor held at `holder.name` (a record's value, a probe's result) by its place in a
+    float64 tensor of its device (`Packed`), copied there on the device with no sync: into `slabs`, shared by the
+    updates packed after each other, else into one tensor of their own.
 
     Why: a CPU tensor is two small blocks of glibc's heap (the tensor and its storage), and a flush holds
-    thousands of them. Held across steps among a training step's large blocks, which glibc trims and faults
-    in again every step, they cost the benchmark's CPU step about 2% (`bench/overhead.py --processes 6`:
-    1.022 ± 0.003 against its control loop's 1.003 ± 0.002); packed after each update's zero_grad into a
-    tensor of its own, about 1.01 (1.008 ± 0.003 over 16 fresh processes); into a slab shared by about a
-    thousand updates, 1.002 ± 0.002 over 16 processes alternated with those (controls 0.999 either way). On a
-    GPU the caching allocator keeps its blocks; a slab is also fewer tensors for the flush to stack.
+    thousands of them. Held across steps among a training step's large blocks, which glibc trims and faults in
+    again every step, they slow the step down measurably (`bench/overhead.py`); one slab shared by many updates
+    is a few large blocks. On a GPU the caching allocator keeps its blocks; a slab is also fewer tensors for the
+    flush to stack.
     """
     slabs = slabs if slabs is not None else Slabs(numbers=0)
     by_device: dict[torch.device, list[tuple[Any, str, torch.Tensor]]] = {}
     for holder, name in holders:
-        value = held_value(holder, name)
+        value = getattr(holder, name)
         if (isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype in _PACKABLE
                 and not value.requires_grad):
             by_device.setdefault(value.device, []).append((holder, name, value))
@@ -138,15 +141,7 @@ def pack(holders: Sequence[tuple[Any, str]], slabs: Slabs | None = None) -> None
             # each converted to float64, written into the slab's places start … start + len(held) − 1
             torch.cat([value.reshape(1) for _, _, value in held], out=slab.narrow(0, start, len(held)))
             for index, (holder, name, _) in enumerate(held, start):
-                if isinstance(holder, dict):
-                    holder[name] = Packed(slab, index)
-                else:
-                    setattr(holder, name, Packed(slab, index))
-
-
-def held_value(holder: Any, name: str) -> Any:
-    """The value `pack` reads at a holder: `holder[name]` of a record's dict, `holder.name` of a probe's result."""
-    return holder[name] if isinstance(holder, dict) else getattr(holder, name)
+                setattr(holder, name, Packed(slab, index))
 
 
 def to_host(values: Sequence[Value | Packed], dtype: torch.dtype, packed: PackedHost | None = None) -> list[Any]:

@@ -15,8 +15,9 @@ import pyarrow.compute as pc
 import torch
 
 from tokaudit import __version__
-from tokaudit.hooks.columns import Packed, PackedHost, held_value, ranges, to_host, writable_rows
+from tokaudit.hooks.columns import Packed, PackedHost, ranges, to_host, writable_rows
 from tokaudit.hooks.probe import ProbeResult
+from tokaudit.hooks.record import Record
 from tokaudit.hooks.shards import ShardWriter, StoreShardWriter
 from tokaudit.hooks.uploads import Backlog, Uploader
 from tokaudit.schema import SCHEMA_VERSION, WRITER_SCHEMA, dropped_metadata, provenance_metadata
@@ -41,20 +42,20 @@ class Stamp:
     divisor_known: bool
 
 
-def holders(record: dict[str, Any]) -> Iterator[tuple[Any, str]]:
+def holders(record: Record) -> Iterator[tuple[Any, str]]:
     """Where the values of `record` that may be one-number tensors are held: the record, and its probe's result
-    (`columns.held_value`)."""
+    (`columns.pack`)."""
     for name in PACKED_VALUES:
         yield record, name
-    if record["probe"] is not None:
+    if record.probe is not None:
         for name in ProbeResult.VALUES:
-            yield record["probe"], name
+            yield record.probe, name
 
 
-def _packed_values(record: dict[str, Any]) -> Iterator[Packed]:
+def _packed_values(record: Record) -> Iterator[Packed]:
     """The values of `record` and of its probe that were packed (`Recorder._pack`)."""
     for holder, name in holders(record):
-        if isinstance(value := held_value(holder, name), Packed):
+        if isinstance(value := getattr(holder, name), Packed):
             yield value
 
 
@@ -121,11 +122,11 @@ class ShardOutput:
     def note_dropped(self, step: int, count: int) -> None:
         self.backlog.note_dropped(step, count)
 
-    def note_dropped_records(self, records: Iterable[dict[str, Any]]) -> None:
+    def note_dropped_records(self, records: Iterable[Record]) -> None:
         for record in records:
-            self.note_dropped(int(record["step"]), 1)
+            self.note_dropped(int(record.step), 1)
 
-    def add(self, records: list[dict[str, Any]], stamp: Stamp) -> None:
+    def add(self, records: list[Record], stamp: Stamp) -> None:
         """Turn `records` into a table waiting to be written; records that cannot be read back are dropped."""
         try:
             table = self._table(records, stamp)
@@ -173,8 +174,8 @@ class ShardOutput:
                                      "duplicate_records")
         return self.writer
 
-    def _table(self, records: list[dict[str, Any]], stamp: Stamp) -> pa.Table:
-        probes = [r["probe"] for r in records]
+    def _table(self, records: list[Record], stamp: Stamp) -> pa.Table:
+        probes = [r.probe for r in records]
         packed = PackedHost()  # the places these records hold in their slabs, copied to the host at once
         packed.copy([value for record in records for value in _packed_values(record)])
         columns = _columns(records, stamp, packed)
@@ -202,47 +203,47 @@ class ShardOutput:
         return pa.table([arrays[field.name] for field in WRITER_SCHEMA], schema=WRITER_SCHEMA)
 
 
-def _bits(record: dict[str, Any]) -> int | None:
+def _bits(record: Record) -> int | None:
     """precision_bits: the fewest significant bits of S, b and the probe's gradients."""
-    probe = record["probe"]
-    found = [bits for bits in (record["bits"], None if probe is None else probe.bits) if bits is not None]
+    probe = record.probe
+    found = [bits for bits in (record.bits, None if probe is None else probe.bits) if bits is not None]
     return min(found) if found else None
 
 
-def _columns(records: list[dict[str, Any]], stamp: Stamp, packed: PackedHost) -> dict[str, Iterable[Any]]:
+def _columns(records: list[Record], stamp: Stamp, packed: PackedHost) -> dict[str, Iterable[Any]]:
     """The records' columns but the probe's, on the host."""
     count = len(records)
-    backward = to_host([r["backward_scalar"] for r in records], torch.float64, packed)
-    grad_scale = to_host([r["grad_scale"] for r in records], torch.float64, packed)
-    loss_scale = to_host([r["loss_scale"] for r in records], torch.float64, packed)
-    skipped = to_host([r["skipped"] for r in records], torch.bool, packed)
+    backward = to_host([r.backward_scalar for r in records], torch.float64, packed)
+    grad_scale = to_host([r.grad_scale for r in records], torch.float64, packed)
+    loss_scale = to_host([r.loss_scale for r in records], torch.float64, packed)
+    skipped = to_host([r.skipped for r in records], torch.bool, packed)
     for i, (record, scale) in enumerate(zip(records, loss_scale)):
-        if backward[i] is not None and record["divide"] != 1:
-            backward[i] = backward[i] / record["divide"]  # what accelerator.backward backpropagated
+        if backward[i] is not None and record.divide != 1:
+            backward[i] = backward[i] / record.divide  # what accelerator.backward backpropagated
         if scale is not None:
             # The probe saw ∂(scale·loss)/∂ℓ: b is the scaled scalar, g = g_user/scale divides it out.
             grad_scale[i] = (1.0 if grad_scale[i] is None else grad_scale[i]) / scale
-            if backward[i] is not None and not record["prescaled"]:
+            if backward[i] is not None and not record.prescaled:
                 backward[i] = backward[i] * scale
     return {
-        "step": [r["step"] for r in records],
-        "micro": [r["micro"] for r in records],
+        "step": [r.step for r in records],
+        "micro": [r.micro for r in records],
         "rank": [stamp.rank] * count,
         "world_size": [stamp.world_size] * count,
-        "loss_sum": to_host([r["loss_sum"] for r in records], torch.float64, packed),
-        "valid_tokens": to_host([r["valid_tokens"] for r in records], torch.int64, packed),
+        "loss_sum": to_host([r.loss_sum for r in records], torch.float64, packed),
+        "valid_tokens": to_host([r.valid_tokens for r in records], torch.int64, packed),
         "backward_scalar": backward,
         "run_id": [stamp.run_id] * count,
         "group": [stamp.group] * count,
-        "term": [r["term"] for r in records],
+        "term": [r.term for r in records],
         "grad_divisor": [stamp.grad_divisor] * count,
         "divisor_known": [stamp.divisor_known] * count,
         "grad_scale": grad_scale,
-        "positions": to_host([r["positions"] for r in records], torch.int64, packed),
-        "reported_loss": to_host([r["reported_loss"] for r in records], torch.float64, packed),
-        "sync": [r["sync"] for r in records],
+        "positions": to_host([r.positions for r in records], torch.int64, packed),
+        "reported_loss": to_host([r.reported_loss for r in records], torch.float64, packed),
+        "sync": [r.sync for r in records],
         "skipped": [None if v is None else bool(v) for v in skipped],
-        "time": [r["time"] for r in records],
+        "time": [r.time for r in records],
         "precision_bits": [_bits(r) for r in records],
         "schema_version": [SCHEMA_VERSION] * count,
     }

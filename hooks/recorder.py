@@ -14,7 +14,8 @@ import torch
 
 from tokaudit.hooks.amp import ScalerWatch
 from tokaudit.hooks.attach import AccelerateWatch, Restore, from_accelerator, torch_optimizer, version_of
-from tokaudit.hooks.buffer import RecordBuffer, backpropagated, detached, new_record
+from tokaudit.hooks.buffer import RecordBuffer
+from tokaudit.hooks.record import Record, detached, new_record
 from tokaudit.hooks.columns import Value, check_arguments
 from tokaudit.hooks.identity import Placement
 from tokaudit.hooks.output import ShardOutput, Stamp
@@ -113,7 +114,7 @@ class Recorder:
         self._auto_closed: int | None = None
         self._micro_next: dict[str, int] = {}
         self._active_term: str | None = None
-        self._awaiting_scale: list[dict[str, Any]] = []
+        self._awaiting_scale: list[Record] = []
         self._capturing = 0
         self._steps_known = self._optimizer is not None  # else until begin_step/end_step is called
 
@@ -191,10 +192,10 @@ class Recorder:
                                 reported_loss, skipped, grad_scale, probe, _captured)
             if deferred:
                 assert probe is not None
-                entry.update(call_group=self._calls.group, named=self._active_term is not None, filled_at=-1)
+                entry.call_group, entry.named = self._calls.group, self._active_term is not None
                 probe.on_fill = lambda: self._calls.filled(entry)
             self._buffer.add(entry)
-            if self._scaler is not None and self._scaler.enabled() and entry["loss_scale"] is None:
+            if self._scaler is not None and self._scaler.enabled() and entry.loss_scale is None:
                 self._awaiting_scale.append(entry)  # before the scaler's first scale(): filled then
             self._pending_probe = None
             if len(self._buffer) >= self._flush_every:
@@ -207,7 +208,7 @@ class Recorder:
 
     def _entry(self, step: int, micro: int, term: str, loss_sum: Value, valid_tokens: Value, backward_scalar: Value,
                positions: Value, reported_loss: Value, skipped: bool | None, grad_scale: Value,
-               probe: ProbeResult | None, captured: bool) -> dict[str, Any]:
+               probe: ProbeResult | None, captured: bool) -> Record:
         """One record as held until its shard is written: each value a snapshot, the loss scale and sync now."""
         scaler = self._scaler if self._scaler is not None and self._scaler.enabled() else None
         sync = self._forward_sync if self._forward_sync is not None else \
@@ -254,7 +255,7 @@ class Recorder:
         self.record(loss_sum=loss_sum, valid_tokens=valid_tokens, backward_scalar=None, positions=positions,
                     term=term, _captured=True)
         records = self._buffer.records
-        if records and records[-1]["probe"] is probe:
+        if records and records[-1].probe is probe:
             self._calls.open.append(OpenCall(records[-1], probe, term, self._active_term is not None, [footprint]))
         return probe
 
@@ -319,12 +320,12 @@ class Recorder:
     def _flush(self, wait_for_backward: bool) -> None:
         if wait_for_backward and len(self._buffer) < 2 * self._flush_every:
             # the open update's records and those whose backward is still to come wait for the next shard
-            ready = self._buffer.take(lambda record: backpropagated(record) and not (
-                self._step_records > 0 and record["step"] == self._step))
+            ready = self._buffer.take(lambda record: record.backpropagated and not (
+                self._step_records > 0 and record.step == self._step))
         else:
             ready = self._buffer.take(lambda record: True)
         # A captured loss that never reached backward (computed with grad, then unused) is no record.
-        ready = [r for r in ready if not (r["captured"] and not r["probe"].filled)]
+        ready = [r for r in ready if not (r.captured and not r.backpropagated)]
         self._calls.number(ready)
         if not ready and not self._output.backlog:
             return
@@ -410,7 +411,7 @@ class Recorder:
         if self._awaiting_scale and self._scaler is not None:
             scale = self._scaler.current()
             for record in self._awaiting_scale:
-                record["loss_scale"] = scale
+                record.loss_scale = scale
             self._awaiting_scale = []
 
     def _watch_zero_grad(self, optimizer: Any) -> None:
@@ -436,15 +437,15 @@ class Recorder:
         if not self._step_records:
             return
         current = list(self._buffer.at(self._step))
-        if not any(backpropagated(r) for r in current):
+        if not any(r.backpropagated for r in current):
             return
         self._close_skipped()
         for record in current:
-            if not backpropagated(record):
+            if not record.backpropagated:
                 self._buffer.move(record, self._step)
-                if record["micro"] >= 0:  # a captured call is numbered when its backward runs
-                    record["micro"] = self._micro_next.get(record["term"], 0)
-                    self._micro_next[record["term"]] = record["micro"] + 1
+                if record.micro >= 0:  # a captured call is numbered when its backward runs
+                    record.micro = self._micro_next.get(record.term, 0)
+                    self._micro_next[record.term] = record.micro + 1
                 self._step_records += 1
 
     # ---------------------------------------------------------------- internals: identity, shards

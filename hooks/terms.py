@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tokaudit.hooks.probe import ProbeResult
+from tokaudit.hooks.record import Record
 
 EXACT_LIMIT = 1 << 22
 """Views larger than this whose address ranges overlap are taken as overlapping, not enumerated."""
@@ -116,7 +117,7 @@ class Footprint:
 class OpenCall:
     """A captured call of the current microbatch whose backward has not run yet."""
 
-    record: dict[str, Any]
+    record: Record
     probe: ProbeResult
     term: str
     named: bool
@@ -151,9 +152,12 @@ class CapturedCalls:
                 (not call.named and all(seen.disjoint(footprint) for seen in call.footprints))
             if same:
                 record = call.record
-                record["loss_sum"] = record["loss_sum"] + loss_sum.detach()
-                record["valid_tokens"] = record["valid_tokens"] + valid_tokens.detach()
-                record["positions"] = record["positions"] + positions
+                # an open call's update has not closed: its values are still the tensors and count it was given
+                assert isinstance(record.loss_sum, torch.Tensor) and isinstance(record.valid_tokens, torch.Tensor)
+                assert isinstance(record.positions, int)
+                record.loss_sum = record.loss_sum + loss_sum.detach()
+                record.valid_tokens = record.valid_tokens + valid_tokens.detach()
+                record.positions = record.positions + positions
                 call.footprints.append(footprint)  # a later call must miss every chunk, not only the last
                 return call.probe
         return None
@@ -164,27 +168,27 @@ class CapturedCalls:
             return active_term
         return str(len({c.term for c in self.open if not c.named}))
 
-    def filled(self, record: dict[str, Any]) -> None:
+    def filled(self, record: Record) -> None:
         """`record`'s backward ran: the order in which backwards ran numbers the microbatches."""
         self._fills += 1
-        record["filled_at"] = self._fills
+        record.filled_at = self._fills
 
-    def number(self, records: list[dict[str, Any]]) -> None:
+    def number(self, records: list[Record]) -> None:
         """Final terms and microbatch indices of captured calls, once their backward has run: among
         the calls of one microbatch that reached backward, unnamed terms are numbered in call order
         (an evaluation call with grad in between takes no term), and each term's microbatches in the
         order their backward ran."""
-        groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        groups: dict[tuple[int, int], list[Record]] = {}
         for record in records:
-            if record["captured"] and record["micro"] < 0:
-                groups.setdefault((record["step"], record["call_group"]), []).append(record)
+            if record.captured and record.micro < 0:
+                groups.setdefault((record.step, record.call_group), []).append(record)
         for members in groups.values():
-            unnamed = sorted({int(r["term"]) for r in members if not r["named"]})
+            unnamed = sorted({int(r.term) for r in members if not r.named})
             relabel = {str(t): str(i) for i, t in enumerate(unnamed)}
             for record in members:
-                if not record["named"]:
-                    record["term"] = relabel[record["term"]]
-        for record in sorted((r for m in groups.values() for r in m), key=lambda r: r["filled_at"]):
-            key = (record["step"], record["term"])
-            record["micro"] = self._micro.get(key, 0)
-            self._micro[key] = record["micro"] + 1
+                if not record.named:
+                    record.term = relabel[record.term]
+        for record in sorted((r for m in groups.values() for r in m), key=lambda r: r.filled_at):
+            key = (record.step, record.term)
+            record.micro = self._micro.get(key, 0)
+            self._micro[key] = record.micro + 1

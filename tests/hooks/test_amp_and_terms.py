@@ -65,23 +65,6 @@ def test_a_grad_scaler_is_divided_out_and_its_skipped_update_marked(tmp_path: Pa
     assert scaler.scale.__func__ is torch.amp.GradScaler.scale, "the scaler gets its own methods back"
 
 
-def test_a_scaler_s_skip_marks_are_packed_with_their_update(tmp_path: Path) -> None:
-    from tokaudit.hooks.columns import Packed
-
-    model = torch.nn.Linear(4, 3)
-    try:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)  # steps through the overflow
-    except (RuntimeError, ValueError) as error:
-        pytest.skip(f"no fused SGD on this device: {error}")
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-    rec = Recorder(tmp_path, run_id="marks", optimizer=optimizer, scaler=scaler, flush_every=1000)
-    amp_loop(rec, model, optimizer, scaler, overflow_step=2)
-    # found_inf > 0, a tensor the scaler's update() marks every update with, held no longer than its update
-    assert [isinstance(r["skipped"], Packed) for r in rec._buffer.records] == [True] * 4
-    rec.close()
-    assert [r["skipped"] for r in read_rows(tmp_path / "marks")] == [False, False, True, False]
-
-
 def test_a_fused_optimizer_steps_through_an_overflow_and_found_inf_marks_it(tmp_path: Path) -> None:
     model = torch.nn.Linear(4, 3)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pyarrow.parquet as pq
@@ -13,6 +14,10 @@ import torch
 from tests.hooks.syncs import count_host_syncs
 from tests.logs import read_rows
 from tokaudit.hooks import Recorder
+from tokaudit.hooks.buffer import RecordBuffer
+from tokaudit.hooks.columns import Packed
+from tokaudit.hooks.probe import ProbeResult
+from tokaudit.hooks.record import Record, new_record
 from tokaudit.schema import WRITER_SCHEMA
 
 
@@ -127,36 +132,41 @@ def _varied_loop(rec: Recorder, optimizer: torch.optim.Optimizer, model: torch.n
         rec.report_loss(torch.tensor(1.25, dtype=torch.float16))
 
 
-def test_closed_updates_are_packed_into_one_slab_not_a_tensor_each(tmp_path: Path) -> None:
+def _buffered(step: int, backward_done: bool) -> Record:
+    """A record of `step` whose values are one-number tensors of several dtypes, with a probe."""
+    probe = ProbeResult()
+    if backward_done:
+        probe.add(torch.tensor([0.25, 0.25, 0.0]), torch.tensor([True, True, False]), torch.tensor([False] * 3))
+    return new_record(step=step, micro=0, term="0", loss_sum=torch.tensor(1.5), valid_tokens=torch.tensor(2),
+                      backward_scalar=torch.tensor(0.5, dtype=torch.bfloat16), positions=torch.tensor(3),
+                      reported_loss=None, skipped=None, grad_scale=torch.tensor(1.0, dtype=torch.float64),
+                      loss_scale=None, prescaled=False, sync=None, probe=probe, captured=False, accelerate=None)
+
+
+def test_closed_updates_are_packed_into_one_slab_not_a_tensor_each() -> None:
     """The mechanism behind the recorder's cost on a CPU heap: a flush's records must not hold thousands of
     one-number tensors; once an update closes (its backward done), its values are one tensor."""
-    from tokaudit.hooks.columns import Packed
-
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    rec = Recorder(tmp_path, run_id="packed", optimizer=optimizer, flush_every=1000)
-    _varied_loop(rec, optimizer, model, 3)
-    x, labels = torch.randn(6, 4), torch.tensor([0, 1, 2, -100, 1, -100])
-    per_token = rec.probe(torch.nn.functional.cross_entropy(model(x), labels, reduction="none"), labels != -100)
-    rec.record(loss_sum=per_token.sum(), valid_tokens=(labels != -100).sum(), backward_scalar=per_token.sum())
-    records = rec._buffer.records
-    assert len(records) == 7
-    for step in range(3):
-        mine = [r for r in records if r["step"] == step]
-        values = [r[name] for r in mine for name in ("loss_sum", "valid_tokens", "backward_scalar", "positions",
+    buffer = RecordBuffer()
+    records = [_buffered(step, backward_done=True) for step in range(3) for _ in range(2)]
+    records.append(_buffered(3, backward_done=False))  # the open update, its backward still to come
+    for record in records:
+        buffer.add(record)
+    buffer.pack(open_step=3)
+    for record in records[:-1]:
+        values = [getattr(record, name) for name in ("loss_sum", "valid_tokens", "backward_scalar", "positions",
                                                      "grad_scale")]
-        values += [getattr(r["probe"], name) for r in mine for name in ("weight_sum", "weight_min", "weight_max")]
-        assert all(isinstance(v, Packed) for v in values), f"step {step} holds tensors of its own"
-    slabs = {id(r[name].values) for r in records[:-1] for name in ("loss_sum", "valid_tokens", "grad_scale")}
-    assert len(slabs) == 1, "the updates are packed into one slab, not a tensor each"
-    # a loss reported after its update was packed is packed with the next update
-    assert [type(r["reported_loss"]).__name__ for r in records[:-1]] == ["Packed"] * 4 + ["Tensor"] * 2
-    open_record = records[-1]  # the open update, its backward still to come: nothing packed yet
-    assert isinstance(open_record["loss_sum"], torch.Tensor) and not open_record["probe"].filled
-    for _ in range(2):  # a loss reported again for a packed update: its records wait for the next pack, once
-        rec.report_loss(torch.tensor(0.5), step=0)
-    assert [sum(r is record for r in rec._buffer.unpacked) for record in records[:2]] == [1, 1]
-    rec.close()
+        values += [getattr(record.probe, name) for name in ("weight_sum", "weight_min", "weight_max")]
+        assert all(isinstance(v, Packed) for v in values), f"step {record.step} holds tensors of its own"
+    assert len({id(r.loss_sum.values) for r in records[:-1] if isinstance(r.loss_sum, Packed)}) == 1, \
+        "the updates are packed into one slab, not a tensor each"
+    assert isinstance(records[-1].loss_sum, torch.Tensor) and buffer.unpacked == [records[-1]]
+    for _ in range(2):  # a value set again on a packed record: it waits for the next pack, once
+        buffer.set_value(records[0], "reported_loss", torch.tensor(0.5))
+    buffer.mark_skipped(1, torch.tensor(False))  # a scaler's found_inf, packed with its update
+    assert [sum(r is record for r in buffer.unpacked) for record in records[:3]] == [1, 0, 1]
+    buffer.pack(open_step=3)
+    assert isinstance(records[0].reported_loss, Packed) and isinstance(records[2].skipped, Packed)
+    assert float(records[0].reported_loss.tensor()) == 0.5 and float(records[2].skipped.tensor()) == 0.0
 
 
 def test_packed_records_write_the_shards_unpacked_ones_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,7 +181,7 @@ def test_packed_records_write_the_shards_unpacked_ones_write(tmp_path: Path, mon
     packed = shards("packed")
     monkeypatch.setattr("tokaudit.hooks.columns.SLAB_NUMBERS", 50)  # two updates a slab: a flush takes two
     small_slabs = shards("small_slabs")
-    monkeypatch.setattr(Recorder, "_pack", lambda self: None)
+    monkeypatch.setattr("tokaudit.hooks.buffer.pack", lambda holders, slabs=None: None)
     unpacked = shards("unpacked")
     assert len(packed) == 12 and packed[0]["positions"] == 6 and packed[0]["grad_scale"] == 0.5
     assert packed[0]["reported_loss"] == 1.25 and packed[0]["token_weight_sum"] is not None
@@ -204,37 +214,37 @@ def test_a_pack_that_fails_warns_once_and_loses_no_record(tmp_path: Path, monkey
 
 
 def test_packs_fill_a_slab_then_take_a_new_one_and_keep_every_value() -> None:
-    from tokaudit.hooks.columns import Packed, Slabs, pack
+    from tokaudit.hooks.columns import Slabs, pack
 
     slabs = Slabs(numbers=5)
-    updates = [{"a": torch.tensor(float(i)), "b": torch.tensor(i, dtype=torch.int32), "c": torch.tensor(-i / 4)}
+    updates = [SimpleNamespace(a=torch.tensor(float(i)), b=torch.tensor(i, dtype=torch.int32), c=torch.tensor(-i / 4))
                for i in range(4)]
     for update in updates:
-        pack([(update, name) for name in update], slabs)
-    held = [value for update in updates for value in update.values()]
+        pack([(update, name) for name in ("a", "b", "c")], slabs)
+    held = [value for update in updates for value in vars(update).values()]
     assert all(isinstance(value, Packed) for value in held)
     # three places an update, five a slab: each update whole in one slab, a new slab when it would not fit
-    assert [len({id(value.values) for value in update.values()}) for update in updates] == [1, 1, 1, 1]
+    assert [len({id(value.values) for value in vars(update).values()}) for update in updates] == [1, 1, 1, 1]
     assert len({id(value.values) for value in held}) == 4
-    assert [float(value.tensor()) for update in updates for value in update.values()] == [
+    assert [float(value.tensor()) for update in updates for value in vars(update).values()] == [
         v for i in range(4) for v in (float(i), float(i), -i / 4)]
 
 
 def test_a_flush_copies_the_places_its_records_hold_not_the_whole_slab() -> None:
     from tokaudit.hooks.columns import PackedHost, Slabs, pack
 
-    updates = [{"a": torch.tensor(i + 0.5), "b": torch.tensor(i, dtype=torch.int64)} for i in range(6)]
+    updates = [SimpleNamespace(a=torch.tensor(i + 0.5), b=torch.tensor(i, dtype=torch.int64)) for i in range(6)]
     slabs = Slabs()
     for update in updates:
-        pack([(update, name) for name in update], slabs)
+        pack([(update, "a"), (update, "b")], slabs)
     host = PackedHost()
-    host.copy([updates[1]["a"], updates[2]["b"]])
-    assert [len(numbers) for _, numbers in host._spans.values()] == [4]  # places 2…5 of 2¹⁴
-    assert host.number(updates[1]["a"]) == 1.5 and host.number(updates[2]["b"]) == 2.0
-    host.copy([updates[0]["a"], updates[1]["b"]])  # partly outside what was copied: the span widened
-    host.copy([updates[2]["a"]])  # inside it: nothing copied again
-    assert [len(numbers) for _, numbers in host._spans.values()] == [6]
-    assert [host.number(u[name]) for u in updates[:3] for name in ("a", "b")] == [0.5, 0.0, 1.5, 1.0, 2.5, 2.0]
+    host.copy([updates[1].a, updates[2].b])
+    assert host.copied == 4  # places 2…5 of 2¹⁴
+    assert host.number(updates[1].a) == 1.5 and host.number(updates[2].b) == 2.0
+    host.copy([updates[0].a, updates[1].b])  # partly outside what was copied: the span widened
+    host.copy([updates[2].a])  # inside it: nothing copied again
+    assert host.copied == 6
+    assert [host.number(getattr(u, name)) for u in updates[:3] for name in ("a", "b")] == [0.5, 0.0, 1.5, 1.0, 2.5, 2.0]
 
 
 def test_a_probe_reached_again_after_its_update_was_packed_adds_to_what_it_held() -> None:
@@ -431,6 +441,10 @@ import sys, warnings
 import torch
 from accelerate import Accelerator
 from tokaudit.hooks import Recorder
+from tokaudit.hooks.buffer import RecordBuffer
+from tokaudit.hooks.columns import Packed
+from tokaudit.hooks.probe import ProbeResult
+from tokaudit.hooks.record import Record, new_record
 
 accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
 model = torch.nn.Linear(4, 3)
