@@ -20,7 +20,6 @@ import argparse
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 
 from scenarios.strategies import microbatch, per_token_loss
 from scenarios.strategies import make_model as make_tiny_lm
@@ -31,6 +30,8 @@ COUNTS = (((5, 1), (3, 7)), ((2, 6), (6, 1)), ((8, 4), (2, 8)))
 
 
 def main() -> None:
+    from accelerate import Accelerator
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--log-dir", required=True)
     parser.add_argument("--variant", choices=("token_mean", "local_mean"), required=True)

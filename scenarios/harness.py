@@ -21,16 +21,21 @@ GLOO_TIMEOUT_S = 30
 _context: Any = None
 
 
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "scenarios.strategies",
+           "transformers", "transformers.trainer", "accelerate", "lightning")
+"""What the forkserver imports once for every job it forks: torch (and torch._dynamo, which the first DDP()
+imports) and the trainers the integration jobs run, each seconds of import per process otherwise. One that is
+not installed is passed over."""
+
+
 def _forkserver() -> Any:
-    # forkserver imports torch (and torch._dynamo, which the first DDP() imports: 1.5 s) once; each job then forks in well under a second, where
-    # spawn pays 5-10 s per job. Fork from a parent that has run torch is not safe.
+    # spawn would pay every import in every job; fork from a parent that has run torch is not safe.
     global _context
     if _context is None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         _context = mp.get_context("forkserver")
-        _context.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel",
-                                          "scenarios.strategies"])
+        _context.set_forkserver_preload(list(PRELOAD))
     return _context
 
 

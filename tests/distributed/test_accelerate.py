@@ -14,9 +14,10 @@ from scenarios.accelerate_job import COUNTS
 from scenarios.harness import finished, torchrun
 from scenarios.strategies import Scenario, reference_gradient
 from tests.logs import read_rows
+from tests.needs import needs
 from tokaudit.auditing import audit
 
-pytestmark = pytest.mark.distributed
+pytestmark = [needs("accelerate"), pytest.mark.distributed]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,10 +10,9 @@ from typing import Any
 import pytest
 
 from scenarios.harness import run_ddp
+from tests.needs import needs
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-pytestmark = [pytest.mark.distributed, pytest.mark.integration]
+pytestmark = [needs("transformers", "accelerate"), pytest.mark.distributed, pytest.mark.integration]
 
 
 def tiny_model(family: str) -> Any:

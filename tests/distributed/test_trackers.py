@@ -15,11 +15,9 @@ import pytest
 
 from scenarios.harness import run_ddp, run_ddp_each
 from scenarios.padded import padded_sequences
+from tests.needs import needs
 
-pytest.importorskip("tensorboard")
-pytest.importorskip("wandb")
-pytest.importorskip("mlflow")
-pytestmark = pytest.mark.distributed
+pytestmark = [needs("tensorboard", "wandb", "mlflow"), pytest.mark.distributed]
 
 # Valid tokens per step, rank and microbatch: uneven, so a local mean is not the token mean.
 COUNTS = (((5, 1), (3, 7)), ((2, 6), (6, 1)), ((8, 4), (2, 8)), ((1, 3), (7, 2)))
