@@ -217,7 +217,7 @@ def load(paths: Sequence[str | os.PathLike[str]], thorough: bool = True, workers
 @dataclass
 class _Share:
     """A worker's share of the files, files[start:end]: it validates them in order from `start` and answers
-    in frames (`_serve`); this process validates them from `end` down (`taken`) once it calls `result`."""
+    in frames (`serve`); this process validates them from `end` down (`taken`) once it calls `result`."""
 
     worker: subprocess.Popen[bytes] | None
     """The worker; None once it has answered its last frame, died, or said something unreadable."""
@@ -378,12 +378,12 @@ def cores() -> int:
 
 
 _WORKER = ("import pickle, sys; paths, thorough, sys.path[:] = pickle.load(sys.stdin.buffer); "
-           "from tokaudit.loading import _serve; _serve(paths, thorough, sys.stdout.buffer)")
+           "from tokaudit.loading import serve; serve(paths, thorough, sys.stdout.buffer)")
 """A worker: its files (as text) and this interpreter's import path in on stdin, its answers out on stdout
-in frames (`_serve`)."""
+in frames (`serve`)."""
 
 
-def _serve(paths: Sequence[str], thorough: bool, out: IO[bytes]) -> None:
+def serve(paths: Sequence[str], thorough: bool, out: IO[bytes]) -> None:
     """A worker's loop: FRAME_FILES files validated at a time, each frame written as its length (8 bytes,
     little-endian) and `reader.packed_shards`'s answers pickled. A thread writes, so that validating goes on while
     the pipe is full (64 KiB, about 150 answers): the caller reads nothing while it imports the auditor."""

@@ -228,7 +228,7 @@ def _run_terms(table: pd.DataFrame | Spilled, run: str) -> list[str]:
 TABLE_STEPS = 40
 """Steps the terminal's table shows at most, about: every k-th step of the curve, k = steps // 40."""
 PLOT_STEPS = 100_000
-"""Steps up to which `--plot` draws every point; a longer curve draws each series' envelope (`_envelope`)."""
+"""Steps up to which `--plot` draws every point; a longer curve draws each series' envelope (`envelope`)."""
 PLOT_BUCKETS = 25_000
 """Step buckets of a longer curve's envelope: about 25 a pixel of the figure's width."""
 
@@ -291,7 +291,7 @@ def curve_views(curve: Curve, labels: Sequence[tuple[str, str]], csv_path: Path 
         offset += len(part)
         if plot:
             for key, ys in zip(drawn, columns):
-                points[key].append((x, ys) if every else _envelope(x, ys, (chart.x_low, chart.x_high)))
+                points[key].append((x, ys) if every else envelope(x, ys, (chart.x_low, chart.x_high)))
     return CurveViews(steps=steps, chart=chart,
                       shown=pd.concat(shown, ignore_index=True) if shown else pd.DataFrame({k: [] for k in CURVE_KEYS}),
                       points={key: (np.concatenate([x for x, _ in held]), np.concatenate([y for _, y in held]))
@@ -303,7 +303,7 @@ def _values(part: pd.DataFrame, key: str) -> npt.NDArray[np.float64]:
     return values
 
 
-def _envelope(x: npt.NDArray[np.float64], ys: npt.NDArray[np.float64], span: tuple[float, float]
+def envelope(x: npt.NDArray[np.float64], ys: npt.NDArray[np.float64], span: tuple[float, float]
               ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
     """The points of a part of a long curve that `--plot` draws: in each of PLOT_BUCKETS buckets of the
     steps, the first, last, lowest and highest finite point (its envelope, drawn as every point would

@@ -496,30 +496,18 @@ def test_without_a_probe_the_token_extremes_are_the_mean_weights_array(tmp_path:
     assert not same_bits(np.array([1], dtype=np.int32), np.array([1.0]))
 
 
-def test_the_view_of_every_shard_is_written_only_when_a_per_step_query_reads_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A log aggregated in ranges defines each range's view; the view of every shard (0.35 s to write
-    and bind at 24,576 files) is defined only when records_at, complete_through or unusable_files
-    asks, and then gives every record."""
+def test_a_log_aggregated_in_ranges_answers_per_step_queries_for_the_whole_log(tmp_path: Path) -> None:
+    """A log aggregated in ranges still answers for the whole log afterwards: the records of its last step and
+    the last step every rank has recorded."""
     rows = records(UNEVEN_GA * 4, local_mean)
     for index, start in enumerate(range(0, len(rows), 8)):
         write(tmp_path / "run" / f"rank-all-{index:06d}.parquet", rows[start:start + 8])
     shards = load([tmp_path]).shards
-    defined: list[int] = []
-    original = Engine._define
-
-    def counting(self: Engine, shards: Any, steps: Any, deduplicate: bool) -> None:
-        defined.append(len(shards))
-        original(self, shards, steps, deduplicate)
-
-    monkeypatch.setattr(Engine, "_define", counting)
     engine = Engine.open(shards, chunk_rows=10)
     try:
         engine.step_table()
-        assert len(defined) > 1 and len(shards) not in defined  # ranges only
         step = rows[-1]["step"]
         assert len(engine.records_at("run", step)) == sum(r["step"] == step for r in rows)
-        assert defined[-1] == len(shards)
         assert engine.complete_through() == {("run", "0"): max(r["step"] for r in rows)}
     finally:
         engine.close()
@@ -783,31 +771,21 @@ def _footer_row_cases() -> Any:
 
 
 def test_a_footer_record_is_what_a_scan_of_its_file_gives_bit_for_bit(tmp_path: Path) -> None:
-    """For random one-row files, every record a footer gives (`Shard.record`) reads as the file does:
-    each column of `raw_records` (defaults applied, cast as for any file) the same bits, NaN and −0.0
-    included, but for the masked weight's 0, whose sign nothing reads (`SIGNLESS_ZEROS`; the step tables
-    are compared bit for bit above). Files the footer cannot give (a float 0, NaN, a long string) are
-    simply not compared."""
+    """For random one-row files, the record a footer gives (`Shard.record`) aggregates as a scan of the file does:
+    the step table the same bits, NaN and −0.0 included. Files the footer cannot give (a float 0, NaN, a long
+    string) are simply not compared."""
     import itertools
-    import struct
 
-    from hypothesis import given, settings
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from hypothesis import given, settings
 
     from tests.auditor.test_properties import SETTINGS
     from tokaudit.errors import LogFormatError
-    from tokaudit.footers import SIGNLESS_ZEROS
     from tokaudit.reader import inspect_shard
 
     numbers = itertools.count()
     given_records = []
-
-    def bits(row: tuple[Any, ...], names: list[str]) -> tuple[Any, ...]:
-        # the masked weight's zero is taken as 0.0 (SIGNLESS_ZEROS): its sign is compared by value, as
-        # everything that reads it does; every other float bit for bit
-        return tuple(struct.pack("<d", v + 0.0 if name in SIGNLESS_ZEROS else v) if isinstance(v, float) else v
-                     for v, name in zip(row, names))
 
     # The same cases every run: how many reach the footer path is asserted below, never left to chance.
     @settings(SETTINGS, max_examples=40, derandomize=True, database=None)
@@ -823,16 +801,15 @@ def test_a_footer_record_is_what_a_scan_of_its_file_gives_bit_for_bit(tmp_path: 
         if shard.record is None:
             return
         given_records.append(shard)
-        rows = {}
+        tables = {}
         for footer_rows in (True, False):
             engine = Engine.open([shard])
             engine.footer_rows = footer_rows
-            engine._define([shard], None, deduplicate=False)
-            cursor = engine.connection.execute("SELECT * FROM raw_records")
-            names = [column[0] for column in cursor.description]
-            rows[footer_rows] = [bits(r, names) for r in cursor.fetchall()]
-            engine.close()
-        assert rows[True] == rows[False] and len(rows[True]) == 1
+            try:
+                tables[footer_rows] = engine.step_table()
+            finally:
+                engine.close()
+        assert len(tables[True]) == 1 and _same_table(tables[True], tables[False]) == []
 
     check()
     assert len(given_records) >= 5, "the cases must reach the footer path"

@@ -276,7 +276,7 @@ def test_a_long_curve_s_plot_draws_each_series_envelope(monkeypatch: pytest.Monk
     x = np.arange(1000, dtype=np.float64)
     ys = np.sin(x / 7.0)
     ys[[3, 517, 518, 998]] = [9.0, -9.0, 8.0, np.nan]  # spikes, one a NaN (no point)
-    kept: list[tuple[np.ndarray, np.ndarray]] = [postmortem._envelope(x[a:b], ys[a:b], (0.0, 999.0))
+    kept: list[tuple[np.ndarray, np.ndarray]] = [postmortem.envelope(x[a:b], ys[a:b], (0.0, 999.0))
                                                  for a, b in ((0, 250), (250, 640), (640, 1000))]
     kx, ky = np.concatenate([k[0] for k in kept]), np.concatenate([k[1] for k in kept])
     assert len(kx) <= 4 * (10 + 2)  # four a bucket, and a bucket across two parts four of each

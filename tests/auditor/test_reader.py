@@ -324,7 +324,7 @@ _WORKER_FAULTS = {
     "worker fails": "import sys; sys.exit(3)",
     "worker hangs": "import time; time.sleep(120)",
     "worker dies half-way": ("import pickle, sys; paths, thorough, sys.path[:] = pickle.load(sys.stdin.buffer); "
-                             "from tokaudit.loading import _serve; _serve(paths[:5], thorough, sys.stdout.buffer); "
+                             "from tokaudit.loading import serve; serve(paths[:5], thorough, sys.stdout.buffer); "
                              "sys.exit(3)"),
     "worker writes garbage": "import sys; sys.stdout.buffer.write((5).to_bytes(8, 'little') + b'hello'); sys.stdout.flush()",
 }
@@ -395,13 +395,14 @@ def test_footer_workers_are_bounded_by_the_files_and_a_cap(monkeypatch: Any) -> 
     for workers, count, expected in ((64, len(files), loading.MAX_WORKERS - 1), (2, len(files), 1),
                                      (64, 3 * loading.BATCH_FILES, 2), (64, loading.BATCH_FILES + 1, 0)):
         started.clear()
-        shares = loading._start_workers(files[:count], False, workers)
-        assert len(started) == len(shares) == expected, (workers, count)
-        if shares:
-            assert shares[0].start == 0 and shares[-1].end == count
-            assert all(a.end == b.start for a, b in zip(shares, shares[1:]))
-        loading._stop(shares)
-        assert all(share.worker is None for share in shares)
+        monkeypatch.setattr(loading, "discover", lambda paths, notes=None, found=files[:count]: (found, []))
+        with loading.start_loading(["/nowhere"], False, workers) as under_way:
+            shares = under_way.shares
+            assert len(started) == len(shares) == len(under_way.workers) == expected, (workers, count)
+            if shares:
+                assert shares[0].start == 0 and shares[-1].end == count
+                assert all(a.end == b.start for a, b in zip(shares, shares[1:]))
+        assert under_way.workers == [], "closing stops every worker"
 
 
 def test_a_shard_names_its_one_run_group_and_term_only_when_its_footer_shows_it(tmp_path: Path) -> None:
