@@ -43,6 +43,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile's backend (aot_eager: traced the same way, no C++ compiler needed)")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -65,7 +67,7 @@ def main() -> None:
     def per_token_loss(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none")
 
-    loss_fn = per_token_loss if args.no_compile else torch.compile(per_token_loss)
+    loss_fn = per_token_loss if args.no_compile else torch.compile(per_token_loss, backend=args.compile_backend)
     for step in range(args.steps):
         data = [batch(step, rank, micro) for micro in range(args.accumulation)]
         # global_valid_tokens = Σ over every microbatch of every rank, before the first backward

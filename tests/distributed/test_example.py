@@ -38,8 +38,10 @@ TORCHTITAN = Path(__file__).resolve().parents[2] / "examples" / "torchtitan_styl
 
 
 def test_the_torchtitan_style_example_is_correct(tmp_path: Path) -> None:
-    """FSDP2 with a summing reduce-scatter, N all-reduced before the first backward, a compiled loss."""
-    finished(torchrun(str(TORCHTITAN), "--log-dir", str(tmp_path), "--steps", "4"), timeout=420)
+    """FSDP2 with a summing reduce-scatter, N all-reduced before the first backward, a compiled loss (traced by
+    dynamo as under inductor; aot_eager spares the C++ compiler, seconds a rank, which the probe never sees)."""
+    finished(torchrun(str(TORCHTITAN), "--log-dir", str(tmp_path), "--steps", "4", "--compile-backend", "aot_eager"),
+             timeout=420)
     code, report = check(tmp_path / "torchtitan_style")
     (run,) = report["runs"]
     assert code == 0 and run["verdict"] == "correct" and report["findings"] == [], report["findings"]

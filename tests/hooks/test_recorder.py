@@ -441,10 +441,6 @@ import sys, warnings
 import torch
 from accelerate import Accelerator
 from tokaudit.hooks import Recorder
-from tokaudit.hooks.buffer import RecordBuffer
-from tokaudit.hooks.columns import Packed
-from tokaudit.hooks.probe import ProbeResult
-from tokaudit.hooks.record import Record, new_record
 
 accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
 model = torch.nn.Linear(4, 3)
