@@ -12,6 +12,9 @@ import pytest
 # Recorders stay quiet in the suite (their start and close lines, and the close's audit, cost hundreds of audits);
 # tests/hooks/test_trackers.py turns them on where it checks them. Worker processes inherit it.
 os.environ.setdefault("TOKAUDIT_QUIET", "1")
+# One OpenMP thread a process: two xdist workers and their jobs already fill the cores, and an idle OpenMP team
+# spins, taking CPU from the other worker. The DDP jobs set the same (scenarios/harness.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 SERIAL = "tests/distributed/"
 
