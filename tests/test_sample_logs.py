@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from click.testing import CliRunner
 
 from tests.expected import EXPECTED_CODES, EXPECTED_NORMALIZATION, EXPECTED_VERDICT
@@ -35,6 +36,7 @@ def test_sample_logs_have_a_readme_per_scenario() -> None:
         assert f"`{run}/`" in readme
 
 
+@pytest.mark.slow
 def test_evidence_from_the_one_query_is_the_evidence_of_each_step_aggregated_alone(monkeypatch: Any) -> None:
     """A small log aggregates every step's evidence (where its heaviest and lightest token were) in the
     one query; a large one aggregates a finding's step again alone (`engine.extremes_at`). Both give the

@@ -616,6 +616,7 @@ def test_aggregates_the_footers_give_are_constants_and_change_no_bit(
             assert not re.search(rf"\b{name}\b", read), (single_ranks, name)
 
 
+@pytest.mark.slow
 def test_one_row_shards_are_read_from_their_footers_and_change_no_bit(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A one-row shard whose footer gives its record (`Shard.record`) is aggregated from that record, not

@@ -96,6 +96,7 @@ def _live_log(folder: Path) -> Path:
     return write_by_rank(folder, [r for r in rows if not (r["rank"] == 1 and r["step"] > 4)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_rows, block", [(7, 1), (40, 3), (200, 5)] if THOROUGH else [(40, 3)])
 def test_a_table_read_in_parts_gives_the_whole_table_s_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                chunk_rows: int, block: int) -> None:
@@ -225,6 +226,7 @@ def test_a_file_with_a_nan_divisor_is_named_whether_the_table_is_kept_on_disk_or
     assert "rank-00000-000000.parquet" in whole and "not a positive number" in whole
 
 
+@pytest.mark.slow
 def test_a_long_curve_is_drawn_and_written_from_disk_a_part_at_a_time(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """`tokaudit curve` of a table kept on disk: the CSV, the chart and the table of the whole table, byte

@@ -13,6 +13,7 @@ import torch
 
 from tests.hooks.syncs import count_host_syncs
 from tests.logs import read_rows
+from tests.needs import needs
 from tokaudit.hooks import Recorder
 from tokaudit.hooks.buffer import RecordBuffer
 from tokaudit.hooks.columns import Packed
@@ -462,6 +463,8 @@ rec.close()
 """
 
 
+@pytest.mark.integration
+@needs("accelerate")
 def test_accelerates_optimizer_wrapper_is_unwrapped_and_counts_updates_once(tmp_path: Path) -> None:
     import subprocess
     import sys
