@@ -56,10 +56,12 @@ FORMULA: dict[Denominator, str] = {
 """How each denominator reads in b·g = α·S/Den."""
 
 # Tie-break when several denominators explain as many steps: the correct one first, then the
-# mistakes from the most to the least common in the wild.
+# mistakes from the most to the least common in the wild; a constant (1) before the positions, which fit
+# exactly the steps a constant fits wherever T never changes: positions are named only where they vary
+# as the weights do, or where α = 1 says the divisor was T itself (`Decisions._cover`).
 PREFERENCE: tuple[Denominator, ...] = (
     Denominator.N, Denominator.RANK, Denominator.MICRO_TIMES_M, Denominator.MICRO, Denominator.MICRO_GLOBAL,
-    Denominator.POSITIONS, Denominator.STEP_POSITIONS, Denominator.ONE,
+    Denominator.ONE, Denominator.POSITIONS, Denominator.STEP_POSITIONS,
 )
 
 # Record-level candidates: the (low, high) columns of e·Den over the step's records.

@@ -152,6 +152,21 @@ def test_padded_denominators(tmp_path: Path) -> None:
     assert finding.evidence["distortion"] == pytest.approx(4 / 16)
 
 
+def test_positions_that_never_change_are_no_evidence_of_a_padded_denominator(tmp_path: Path) -> None:
+    """T = 16 on every record: b = W·S/50 fits S/T exactly as it fits a constant, so the run is said to divide by
+    a constant (scale_mismatch, denominator 1), not by its positions; two steps of one N and one T whose weights
+    are off by one factor read as a scale on N."""
+    counts = [[[3, 5], [4, 4]], [[1, 2], [6, 7]], [[2, 2], [2, 9]]]
+    report = audit_rows(tmp_path / "constant", records(counts, lambda S, W, **_: W * S / 50, positions=16))
+    assert only(report, Code.SCALE_MISMATCH).evidence["denominator"] == "1"
+    same = [[[3, 5], [4, 4]], [[3, 5], [4, 4]]]
+    report = audit_rows(tmp_path / "same", records(same, lambda S, N, W, **_: 0.8 * W * S / N, positions=8))
+    assert only(report, Code.SCALE_MISMATCH).evidence["denominator"] == "N"
+    # T itself (α = 1) is named even where it never changes: b = W·S/ΣT, ΣT = 64 a step
+    report = audit_rows(tmp_path / "itself", records(counts, lambda S, W, **_: W * S / 64, positions=16))
+    assert only(report, Code.PADDED_DENOMINATOR).evidence["denominator"] in ("T", "T_step")
+
+
 def test_unexplained_weighting(tmp_path: Path) -> None:
     weights = iter([0.9, 0.1, 0.3, 0.2, 0.5, 0.05])
     report = audit_rows(tmp_path, records(UNEVEN, lambda S, **_: S * next(weights)))
