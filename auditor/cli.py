@@ -179,10 +179,12 @@ class _Settled(click.Command):
 
 @main.command(cls=_Settled)
 @PATHS
-@click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown", "github", "junit"]), default="table",
-              show_default=True, help="table for people, json for CI (docs/REPORT.md), markdown for a PR comment, github "
-                                      "for workflow annotations (and the step summary when GITHUB_STEP_SUMMARY is set), "
-                                      "junit for CI test reports (one test case per run).")
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown", "github", "junit", "html"]),
+              default="table", show_default=True,
+              help="table for people, json for CI (docs/REPORT.md), markdown for a PR comment, github for workflow "
+                   "annotations (and the step summary when GITHUB_STEP_SUMMARY is set), junit for CI test reports "
+                   "(one test case per run), html for one self-contained page with a heat-map of the weights and "
+                   "the loss curves of each run (-o report.html).")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Write the report here.")
 @click.option("--fail-on", type=click.Choice(list(FAIL_ON)), default="error", show_default=True,
               help="Exit 1 when a finding of this severity or worse exists (`error` also when a run is called "
@@ -225,6 +227,11 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
         from tokaudit.render.junit import render_junit
 
         _emit(render_junit(report), output)
+    elif fmt == "html":
+        from tokaudit.figures import run_figures
+        from tokaudit.render.html import render_html
+
+        _emit(render_html(report, run_figures(paths, [run.run for run in report.runs])), output)
     elif fmt == "github":
         from tokaudit.render.github import render_annotations, write_step_summary
 

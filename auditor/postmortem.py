@@ -215,10 +215,10 @@ def curve_parts(paths: Sequence[str | os.PathLike[str]], run: str | None = None,
         if isinstance(table, Spilled):
             table.close()
         raise
-    return Curve(chosen, table, _run_terms(table, chosen)), logset.problems
+    return Curve(chosen, table, run_terms(table, chosen)), logset.problems
 
 
-def _run_terms(table: pd.DataFrame | Spilled, run: str) -> list[str]:
+def run_terms(table: pd.DataFrame | Spilled, run: str) -> list[str]:
     """The loss terms of one run of the table, the main one first."""
     if isinstance(table, pd.DataFrame):
         return loss_terms(table[table.run.astype(str) == run])
@@ -303,9 +303,9 @@ def _values(part: pd.DataFrame, key: str) -> npt.NDArray[np.float64]:
     return values
 
 
-def envelope(x: npt.NDArray[np.float64], ys: npt.NDArray[np.float64], span: tuple[float, float]
-              ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-    """The points of a part of a long curve that `--plot` draws: in each of PLOT_BUCKETS buckets of the
+def envelope(x: npt.NDArray[np.float64], ys: npt.NDArray[np.float64], span: tuple[float, float],
+             buckets: int = PLOT_BUCKETS) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """The points of a part of a long curve that `--plot` draws: in each of `buckets` buckets of the
     steps, the first, last, lowest and highest finite point (its envelope, drawn as every point would
     be: a spike stays a spike). A bucket across two parts keeps its four of each."""
     finite = np.isfinite(ys)
@@ -314,7 +314,7 @@ def envelope(x: npt.NDArray[np.float64], ys: npt.NDArray[np.float64], span: tupl
         return x, ys
     low, high = span
     # bucket b = ⌊(x − low) / (high − low) · B⌋, the last step in bucket B − 1; x is in step order
-    bucket = np.minimum(((x - low) / max(high - low, 1.0) * PLOT_BUCKETS).astype(np.int64), PLOT_BUCKETS - 1)
+    bucket = np.minimum(((x - low) / max(high - low, 1.0) * buckets).astype(np.int64), buckets - 1)
     starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])
     ends = np.r_[starts[1:], len(x)] - 1
     by_value = np.lexsort((ys, bucket))  # each bucket's points, lowest value first
