@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_FINDINGS, EXIT_BAD_INPUT = 0, 1, 2
 EXIT_INTERRUPTED, EXIT_CLOSED_PIPE = 130, 141
 """128 + SIGINT and 128 + SIGPIPE, as a shell reports a Unix tool stopped by Ctrl-C or by a reader that went away."""
-WEIGHT_NAMES = {"grp": "group", "eff": "effective_weight", "q": "distortion", "eff_min": "effective_weight_min",
+WEIGHT_NAMES = {"grp": "group", "eff": "effective_weight", "q": "q", "eff_min": "effective_weight_min",
                 "eff_max": "effective_weight_max"}
-"""`weights` columns under the names the log schema and the JSON report use."""
+"""`weights` columns under the log schema's names, and q as the table shows it."""
 FAIL_ON = {"error": Severity.ERROR.rank, "inconclusive": Severity.ERROR.rank, "warning": Severity.WARNING.rank,
            "info": Severity.INFO.rank, "never": 99}
 

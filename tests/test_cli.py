@@ -94,7 +94,7 @@ def test_weights_shows_q_per_record(logs: Path) -> None:
     rows = list(csv.DictReader(out.splitlines()))
     assert code == 0 and [int(r["rank"]) for r in rows] == [0, 1]
     # local mean, n = (1, 3), W = 2: q = N/(W·n) = 2 and 2/3
-    assert [round(float(r["distortion"]), 6) for r in rows] == [2.0, round(2 / 3, 6)]
+    assert [round(float(r["q"]), 6) for r in rows] == [2.0, round(2 / 3, 6)]
     code, out, _ = invoke("weights", str(logs), "--run", "bad", "--step", "0")
     assert code == 0 and "q = e·N" in out
     code, _, err = invoke("weights", str(logs), "--step", "0")
@@ -115,7 +115,7 @@ def test_weights_in_a_pipe_at_80_columns_never_splits_a_number(tmp_path: Path) -
     shown = [(key, value) for key, value in pairs if key in ("n", "q", "S")]
     rows = list(csv.DictReader(invoke("weights", str(tmp_path / "bad"), "--step", "0", "--format", "csv")[1].splitlines()))
     assert [value for key, value in shown if key == "n"] == [r["valid_tokens"] for r in rows]
-    assert [float(value) for key, value in shown if key == "q"] == [float(f"{float(r['distortion']):.4g}") for r in rows]
+    assert [float(value) for key, value in shown if key == "q"] == [float(f"{float(r['q']):.4g}") for r in rows]
     assert [float(value) for key, value in shown if key == "S"] == [float(f"{float(r['loss_sum']):.5g}") for r in rows]
 
 

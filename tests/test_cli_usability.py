@@ -228,12 +228,12 @@ def test_json_follows_the_shipped_schema(tmp_path: Path) -> None:
             assert f"`{key}`" in documented, f"evidence key {key} is not documented"
 
 
-def test_weights_json_uses_the_report_names_at_full_precision() -> None:
+def test_weights_json_uses_the_log_names_and_q_at_full_precision() -> None:
     code, out, _ = invoke("weights", str(SAMPLE_LOGS), "--run", "bug_local_mean", "--step", "1", "--format", "json")
     document = json.loads(out)
     record = document["records"][0]
-    assert {"group", "effective_weight", "distortion", "valid_tokens", "loss_sum"} <= set(record)
-    assert not {"grp", "eff", "q"} & set(record)
+    assert {"group", "effective_weight", "q", "valid_tokens", "loss_sum"} <= set(record)
+    assert not {"grp", "eff", "distortion"} & set(record)  # the internal names, and the report evidence's name for q
     assert record["loss_sum"] == audit([SAMPLE_LOGS / "bug_local_mean"], keep_steps=True).steps.query(
         "step == 1").loss.iloc[0] - sum(r["loss_sum"] for r in document["records"][1:])
 
