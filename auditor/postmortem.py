@@ -304,10 +304,11 @@ def _values(part: pd.DataFrame, key: str) -> npt.NDArray[np.float64]:
 
 
 def envelope(x: npt.NDArray[np.float64], ys: npt.NDArray[np.float64], span: tuple[float, float],
-             buckets: int = PLOT_BUCKETS) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+             buckets: int | None = None) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
     """The points of a part of a long curve that `--plot` draws: in each of `buckets` buckets of the
-    steps, the first, last, lowest and highest finite point (its envelope, drawn as every point would
-    be: a spike stays a spike). A bucket across two parts keeps its four of each."""
+    steps (PLOT_BUCKETS unless given), the first, last, lowest and highest finite point (its envelope, drawn as
+    every point would be: a spike stays a spike). A bucket across two parts keeps its four of each."""
+    buckets = PLOT_BUCKETS if buckets is None else buckets
     finite = np.isfinite(ys)
     x, ys = x[finite], ys[finite]
     if not len(x):

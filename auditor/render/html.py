@@ -7,15 +7,18 @@ from __future__ import annotations
 import html
 import json
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tokaudit import __version__
 from tokaudit.codes import CODE_DOCS
-from tokaudit.figures import RunFigures
 from tokaudit.render.text import factor_text, finding_counts, printable, ratio_text, steps_text, verdict_counts
 from tokaudit.report import AuditReport, Finding, RunSummary
 from tokaudit.schema import UNNAMED
+
+if TYPE_CHECKING:  # the figures are data handed in: the renderer reads no log
+    from tokaudit.figures import RunFigures
 
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1100px;padding:0 16px;color:#1d2125}
