@@ -14,7 +14,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 from pandas.api.types import union_categoricals
 
-from tokaudit.checks import RunSteps, check_run, main_term_first, without_miscounted
+from tokaudit.checks import RunSteps, check_run, main_term_first, one_objective, without_miscounted
 from tokaudit.codes import DEFAULT_RTOL, Code, code_named
 from tokaudit.engine import EXTREME_COLUMNS, Engine, Spilled, extremes_at
 from tokaudit.errors import LogFormatError, UsageError
@@ -234,7 +234,8 @@ def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, h
         return [], None
     # Steps whose counts the probe contradicts are left out of the checks and the summary alike.
     source, miscounted = without_miscounted(source, rtol)
-    run_findings, spans, omitted = check_run(run, source, rtol, duplicates, extremes, trainer)
+    objective = one_objective(source, rtol)
+    run_findings, spans, omitted = check_run(run, source, rtol, duplicates, extremes, trainer, objective)
     if lost:
         run_findings.append(lost.finding(run))
     if miscounted:
@@ -242,8 +243,8 @@ def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, h
     run_findings = apply_policy(run_findings, ignored, min_ratio)
     value = {d: d.value for d in Denominator}
     segments = [Segment(s.first, s.last, s.steps, value[s.denominator], s.factor, s.group, s.term) for s in spans]
-    summary = run_summary(run, source, run_findings, segments, omitted)
-    return run_findings, replace(summary, precision_bits=bits, rtol=rtol)
+    summary = run_summary(run, source, run_findings, segments, omitted, pooled=objective is not None)
+    return run_findings, replace(summary, precision_bits=bits, rtol=rtol, terms_pooled=objective is not None)
 
 
 def judged_rtol(rtol: float, bits: int | None) -> float:

@@ -231,7 +231,9 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
         from tokaudit.figures import run_figures
         from tokaudit.render.html import render_html
 
-        _emit(render_html(report, run_figures(paths, [run.run for run in report.runs])), output)
+        figures = run_figures(paths, [run.run for run in report.runs],
+                              [run.run for run in report.runs if run.terms_pooled])
+        _emit(render_html(report, figures), output)
     elif fmt == "github":
         from tokaudit.render.github import render_annotations, write_step_summary
 

@@ -56,6 +56,7 @@ class Code(str, Enum):
     RECORDS_DROPPED = "records_dropped"
     COUNT_MISMATCH = "count_mismatch"
     RANKS_NOT_RECORDED = "ranks_not_recorded"
+    TERMS_ONE_OBJECTIVE = "terms_one_objective"
 
 
 @dataclass(frozen=True)
@@ -365,6 +366,22 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         fix="Give the whole run's folder (every rank's shards), and make the Recorder on every rank.",
         example="`tokaudit check runs/exp/rank-00000-000000.parquet` of a W=2 run: 1 of 2 ranks' records.",
         undecidable=True,
+    ),
+    Code.TERMS_ONE_OBJECTIVE: CodeDoc(
+        Severity.INFO,
+        "several loss terms together weigh every valid token 1/N over their combined tokens: judged as one",
+        why="A loss computed in pieces (the chunks of a sequence's cross-entropy, each `reduction=\"sum\"` and "
+            "divided by the whole microbatch's N) and recorded as one term a piece: each piece weighs its tokens "
+            "1/N, so alone it reads as a scale of its share N_t/N, while together the pieces are the token mean "
+            "over their combined tokens, which is what was trained. Such terms are judged as one objective. Two "
+            "real heads on the same tokens (multi-token prediction, an auxiliary loss) each weigh their tokens "
+            "1/N_t: together q = 2, so they are audited apart, each as its own token mean.",
+        fix="Nothing to change in training. To audit the pieces as one term, record them under one term (the "
+            "recorder merges the chunks of a captured cross-entropy itself).",
+        example="One microbatch of N = 8 valid tokens in two chunks of 3 and 5, each backpropagating W·S_k/8 with "
+                "W = 2 (D = 2): every token weighs e = 1/8; term 0 alone reads q = 3/8, term 1 q = 5/8, together "
+                "e·ΣN = 1.",
+        detail="at every step each term's tokens weigh the same e and e·ΣN over the terms is 1",
     ),
 }
 """Every Code, in the Code enum's order (tests check both)."""

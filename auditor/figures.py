@@ -33,14 +33,16 @@ class RunFigures:
     """(label, steps, values) of each series that has a value."""
 
 
-def run_figures(paths: Sequence[str | os.PathLike[str]], runs: Sequence[str]) -> dict[str, RunFigures]:
+def run_figures(paths: Sequence[str | os.PathLike[str]], runs: Sequence[str], pooled: Sequence[str] = ()
+                ) -> dict[str, RunFigures]:
     """The figures of `runs` (as the audit named them), from the logs at `paths`, read once more: what they
-    draw is per rank, which the audit's step table does not hold."""
+    draw is per rank, which the audit's step table does not hold. `pooled`: the runs whose terms are one
+    token mean (`RunSummary.terms_pooled`), whose q counts N over every term."""
     _, engine, steps = open_logs(paths)
     if engine is None:
         return {}
     try:
-        heat = engine.rank_weights(HEAT_ROWS, HEAT_COLUMNS)
+        heat = engine.rank_weights(HEAT_ROWS, HEAT_COLUMNS, pooled)
     finally:
         engine.close()
     names = heat.run.astype(str)

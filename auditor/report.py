@@ -113,6 +113,8 @@ class RunSummary:
     """Lowest and highest q = e·N of a valid token over the run: its weight relative to 1/N (1 when correct)."""
     segments_omitted: int = 0
     """Segments not listed in `segments` (a normalization that changes at every step makes one per step)."""
+    terms_pooled: bool = False
+    """The run's loss terms are judged as one token mean over their combined tokens (terms_one_objective)."""
 
 
 @dataclass(frozen=True, slots=True)

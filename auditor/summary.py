@@ -114,7 +114,8 @@ SUMMARY_BLOCK = 1 << 16
 """Steps `run_summary` reads at a time: its temporaries stay a few MB whatever the number of steps."""
 
 def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: list[Segment],
-             omitted: int = 0) -> RunSummary:
+                omitted: int = 0, pooled: bool = False) -> RunSummary:
+    """`pooled`: the run's terms are one objective (`checks.objective`): a token's q = e·N counts N over them."""
     # The run's parts read a block of steps at a time, never a filtered copy of the table (millions of
     # steps) nor a Python float per step. Parts hold disjoint ranges of steps: distinct steps add up.
     judged = False
@@ -138,6 +139,8 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
         weighted_all = part.weighted_records.to_numpy() > 0
         weighted_any = weighted_any or bool(weighted_all.any())
         tokens_all = part.tokens.to_numpy()
+        if pooled:  # every term's row of a (group, step) counts the tokens of all of them
+            tokens_all = part.tokens.groupby([part.grp.astype(str), part.step]).transform("sum").to_numpy()
         low_all, high_all = part.tok_low.to_numpy(dtype=float), part.tok_high.to_numpy(dtype=float)
         for start in range(0, len(part), SUMMARY_BLOCK):
             block = slice(start, start + SUMMARY_BLOCK)

@@ -47,7 +47,8 @@ class Setup:
     chunking: str = "slices"
     """slices: views of the flattened logits and labels; copies: torchtune's `logits.chunk(k, dim=1)` with each
     chunk's labels a copy (`labels.chunk(k, dim=1)` then `.reshape(-1)` copies when a batch has several rows);
-    chunk_means: those copies, each chunk's mean averaged (a chunk-local mean)."""
+    chunk_means: those copies, each chunk's mean averaged (a chunk-local mean); named: probed and recorded by hand,
+    each chunk a loss term of its own."""
     aux_local_mean: bool = False
     """The last head is a local mean (F.cross_entropy's default reduction) instead of a token mean."""
     scaler: str = "none"
@@ -181,6 +182,9 @@ def _microbatch_loss(setup: Setup, recorder: Recorder | None, outputs: tuple[tor
         labelled = targets.masked_fill(~valid, 0) if setup.masked_sum == "padded" else targets
         per_token = F.cross_entropy(logits.reshape(-1, VOCAB), labelled.reshape(-1), ignore_index=IGNORE_INDEX,
                                     reduction="none").view(targets.shape)
+        if setup.chunking == "named":
+            total = total + _named_chunks(setup, recorder, per_token, valid, factor, global_tokens[head])
+            continue
         name = "0" if head == 0 else f"head{head}"
         context = recorder.loss_term(name) if recorder is not None else nullcontext()
         with context:
@@ -195,6 +199,24 @@ def _microbatch_loss(setup: Setup, recorder: Recorder | None, outputs: tuple[tor
             if recorder is not None:
                 recorder.record(loss_sum=loss_sum, valid_tokens=n if setup.counted == "valid" else valid.numel(),
                                 backward_scalar=term)
+        total = total + term
+    return total
+
+
+def _named_chunks(setup: Setup, recorder: Recorder | None, per_token: torch.Tensor, valid: torch.Tensor,
+                  factor: float, tokens: torch.Tensor) -> torch.Tensor:
+    """One token mean computed over `setup.chunks` slices of the sequence, each probed and recorded as a loss term
+    of its own ("0", "chunk1", …): factor·S_k/N, N the whole update's count."""
+    total = torch.zeros((), dtype=torch.float64)
+    for k, (piece, mask) in enumerate(zip(per_token.chunk(setup.chunks, dim=1), valid.chunk(setup.chunks, dim=1))):
+        context = recorder.loss_term("0" if k == 0 else f"chunk{k}") if recorder is not None else nullcontext()
+        with context:
+            if recorder is not None:
+                piece = recorder.probe(piece, mask)
+            loss_sum = (piece * mask).sum()
+            term = factor * loss_sum / tokens.clamp(min=1)
+            if recorder is not None:
+                recorder.record(loss_sum=loss_sum, valid_tokens=mask.sum(), backward_scalar=term)
         total = total + term
     return total
 
@@ -290,6 +312,8 @@ SETUPS: tuple[Setup, ...] = (
     Setup(name="chunked_cross_entropy_copied", counts=_UNEVEN, capture=True, chunks=4, chunking="copies",
           correct=True, description="torchtune's chunked W·S/N cross-entropy: logits.chunk(4, dim=1), each chunk's "
                                     "labels a copy, each chunk summed, all divided by N"),
+    Setup(name="chunked_cross_entropy_named", counts=_UNEVEN, chunks=3, chunking="named", correct=True,
+          description="one W·S/N cross-entropy over three chunks of the sequence, each recorded as a loss term"),
     Setup(name="chunked_cross_entropy_chunk_means", counts=_UNEVEN, capture=True, chunks=4, chunking="chunk_means",
           correct=False, description="the same chunks, each chunk's own mean, averaged (a chunk-local mean)"),
     Setup(name="zero_grad_inside_accumulation", counts=_UNEVEN, zero_grad_each_micro=True, correct=False,

@@ -28,6 +28,7 @@ EXPECTED_CODES: dict[str, set[str]] = {
     "aux_head_local_mean": {"local_mean"},
     "chunked_cross_entropy": set(),
     "chunked_cross_entropy_copied": set(),
+    "chunked_cross_entropy_named": {"terms_one_objective"},  # three terms, one token mean over their tokens
     "chunked_cross_entropy_chunk_means": {"unexplained_weighting", "nonuniform_in_microbatch"},
     "mtp_heads": set(),
     "zero_grad_inside_accumulation": {"missing_sync", "scale_mismatch"},
@@ -43,7 +44,8 @@ EXPECTED_CODES: dict[str, set[str]] = {
 SETUP_VERDICT: dict[str, str] = {
     "amp_told": "correct", "amp_untold": "inconclusive", "nan_guard_skip": "correct", "aux_head_named": "correct",
     "aux_head_captured": "correct", "aux_head_local_mean": "incorrect", "chunked_cross_entropy": "correct",
-    "chunked_cross_entropy_copied": "correct", "chunked_cross_entropy_chunk_means": "incorrect",
+    "chunked_cross_entropy_copied": "correct", "chunked_cross_entropy_named": "correct",
+    "chunked_cross_entropy_chunk_means": "incorrect",
     "mtp_heads": "correct", "near_miss_local_mean": "incorrect", "zero_grad_inside_accumulation": "incorrect",
     "ignored_positions_summed": "correct", "padding_labelled": "incorrect", "unknown_hook_right": "inconclusive", "unknown_hook_wrong": "inconclusive",
     "counted_positions": "inconclusive", "elastic_stale_w": "incorrect",
@@ -80,6 +82,7 @@ EXPECTED_NORMALIZATION: dict[str, tuple[str, float]] = {
     "aux_head_local_mean": ("N", 2.0),  # the main term; the auxiliary one is in `segments`
     "chunked_cross_entropy": ("N", 2.0),
     "chunked_cross_entropy_copied": ("N", 2.0),
+    "chunked_cross_entropy_named": ("N", 2.0),
     "mtp_heads": ("N", 2.0),
     "ignored_positions_summed": ("N", 2.0),
     "elastic_stale_w": ("N", 3.0),  # 3·S/N throughout: right on 3 ranks, stale on 2

@@ -61,22 +61,27 @@ def _agrees(reported: np.ndarray, truth: np.ndarray, rtol: float, rounding: floa
     agrees: np.ndarray = np.abs(reported - truth) <= tolerance
     return agrees
 
-def _step_means(frame: pd.DataFrame, main_term: str) -> pd.DataFrame:
+def _step_means(frame: pd.DataFrame, main_term: str, pooled: bool) -> pd.DataFrame:
     """The main term's steps with valid tokens, in order: the step, its token mean ΣS/N (`mean`) and the sum of
-    every term's token mean (`total`), each (group, step)'s own."""
+    every term's token mean (`total`), each (group, step)'s own. `pooled`: the terms are one objective
+    (`checks.objective`), and `total` is its token mean, ΣS/ΣN over the terms."""
     counted = frame[column_of(frame, "tokens") > 0]
     means = counted[["grp", "term", "step"]].assign(mean=counted.loss / counted.tokens)
-    total = means.groupby(["grp", "step"], observed=True)["mean"].transform("sum")
+    if pooled:
+        sums = counted.groupby(["grp", "step"], observed=True)[["loss", "tokens"]].transform("sum")
+        total = sums.loss / sums.tokens
+    else:
+        total = means.groupby(["grp", "step"], observed=True)["mean"].transform("sum")
     rows = means[means.term.astype(str) == main_term]
     return pd.DataFrame({"step": rows.step.to_numpy(np.int64), "mean": rows["mean"].to_numpy(float),
                          "total": total[rows.index].to_numpy(float)}, index=rows.index)
 
-def _step_at(frame: pd.DataFrame, step: int, main_term: str) -> tuple[float, float] | None:
+def _step_at(frame: pd.DataFrame, step: int, main_term: str, pooled: bool) -> tuple[float, float] | None:
     """(`mean`, `total`) of `_step_means` at one step of a part; None where it has no valid token there."""
-    at = _step_means(frame[column_of(frame, "step") == step], main_term)
+    at = _step_means(frame[column_of(frame, "step") == step], main_term, pooled)
     return (float(at["mean"].iloc[0]), float(at["total"].iloc[0])) if len(at) else None
 
-def _reported_rows(source: RunSteps, main_term: str) -> Iterator[pd.DataFrame]:
+def _reported_rows(source: RunSteps, main_term: str, pooled: bool) -> Iterator[pd.DataFrame]:
     """The main term's steps with a reported loss and valid tokens, in the table's order, with the token
     mean of the main term (`mean`) and the sum of every term's token mean (`total`), each (group, step)'s own,
     and those of the step before and after it (`previous_mean`, `next_mean`, `previous_total`, `next_total`;
@@ -89,9 +94,9 @@ def _reported_rows(source: RunSteps, main_term: str) -> Iterator[pd.DataFrame]:
         group, last = current.grp.iloc[0], int(column_of(current, "step").max())
         if not bool((column_of(current, "reported") > 0).any()):
             # nothing here to compare: only its last step is read, the next part's first step's neighbour
-            carried, current = (group, last, _step_at(current, last, main_term)), following
+            carried, current = (group, last, _step_at(current, last, main_term, pooled)), following
             continue
-        steps = _step_means(current, main_term)
+        steps = _step_means(current, main_term, pooled)
         step, mean, total = steps.step.to_numpy(), steps["mean"].to_numpy(), steps["total"].to_numpy()
         # each step's neighbours: the rows beside it, where their steps are one apart; at the part's ends,
         # the last step of the part before and the first of the part after, of the same group
@@ -102,7 +107,7 @@ def _reported_rows(source: RunSteps, main_term: str) -> Iterator[pd.DataFrame]:
         if len(step) and carried is not None and carried[0] == group and carried[1] == step[0] - 1 and carried[2]:
             previous[:, 0] = carried[2]
         if len(step) and following is not None and following.grp.iloc[0] == group:
-            after = _step_at(following, int(step[-1]) + 1, main_term)
+            after = _step_at(following, int(step[-1]) + 1, main_term, pooled)
             if after is not None:
                 next_[:, -1] = after
         carried = (group, last, (float(mean[-1]), float(total[-1])) if len(step) and step[-1] == last else None)
@@ -139,9 +144,9 @@ class _Differing:
     all_previous: bool = True
 
     @classmethod
-    def of(cls, source: RunSteps, main_term: str, rtol: float, rounding: float) -> _Differing:
+    def of(cls, source: RunSteps, main_term: str, rtol: float, rounding: float, pooled: bool) -> _Differing:
         found = cls(StepsSeen(len(source.groups) > 1))
-        for rows in _reported_rows(source, main_term):
+        for rows in _reported_rows(source, main_term, pooled):
             fine = _agree(rows, "mean", "total", rtol, rounding)
             if fine.all():
                 continue
@@ -160,20 +165,21 @@ class _Differing:
         return found
 
 
-def reported_findings(source: RunSteps, run: str, rtol: float, main_term: str) -> Iterator[Finding]:
+def reported_findings(source: RunSteps, run: str, rtol: float, main_term: str,
+                      pooled: bool = False) -> Iterator[Finding]:
     """reported_loss_mismatch: the logged loss against ΣS/N of the main term, or against the sum of
     the terms' token means when the trainer logs the whole objective. Read twice: how the losses were
     rounded is read from all of them first. reported_loss_shifted (information) instead, where every step
     that differs (two or more) carries the token mean of the step after it, or every one that of the step
     before, and none the mean of local means: the right losses, stamped one update off."""
     rounding_seen = _Rounding()
-    for rows in _reported_rows(source, main_term):
+    for rows in _reported_rows(source, main_term, pooled):
         rounding_seen.add(np.concatenate([rows.reported_low.to_numpy(float), rows.reported_high.to_numpy(float)]))
     if not rounding_seen.seen:
         return
     rounding = rounding_seen.value()
 
-    found = _Differing.of(source, main_term, rtol, rounding)
+    found = _Differing.of(source, main_term, rtol, rounding, pooled)
     if found.first is None:
         return
     first, bad_steps, bad_count = found.first, found.steps, found.count

@@ -11,6 +11,7 @@ import pandas as pd
 
 from tokaudit.checks.base import Check, Extremes, RunContext, RunSteps, column_of, world_sizes
 from tokaudit.checks.miscount import without_miscounted
+from tokaudit.checks.objective import OneObjective, one_objective
 from tokaudit.checks.reported import reported_findings
 from tokaudit.checks.structure import DivisorCheck, MissingRanksCheck, ProbeCheck, StructureCheck, SyncCheck, ValuesCheck, WeightPresenceCheck, duplicates_finding, not_recorded_finding, ranks_not_recorded
 from tokaudit.checks.weighting import BalancedCheck, FactorTable, WeightingCheck
@@ -21,7 +22,8 @@ from tokaudit.report import Finding
 
 def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
               duplicates: tuple[int, int, int, int] | None = None,
-              extremes: Extremes | None = None, trainer: str | None = None) -> tuple[list[Finding], list[Span], int]:
+              extremes: Extremes | None = None, trainer: str | None = None,
+              objective: OneObjective | None = None) -> tuple[list[Finding], list[Span], int]:
     """All checks for one run's steps (every group and term): its findings, its normalization spans
     (at most `MAX_SPANS` per group and term) and how many spans were left out.
 
@@ -36,7 +38,10 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
     where some step may be uniformly off, and twice for the reported losses where there are some.
 
     A whole table has the steps whose counts the probe contradicts left out here (`without_miscounted`, one
-    count_mismatch finding); a RunSteps is taken as given, as the audit leaves them out before."""
+    count_mismatch finding); a RunSteps is taken as given, as the audit leaves them out before.
+
+    `objective`: the run's terms are one token mean (`one_objective`, which is asked here when not given): their
+    weights are judged together, so no term's weighting is judged alone, and the run's normalization is theirs."""
     if isinstance(steps, RunSteps):
         source, miscounted = steps, None  # the audit leaves its miscounted steps out itself, for its summary too
     else:
@@ -50,6 +55,11 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
     # W over every term: read with the main term's first pass when it is the only one.
     sizes: set[int] | None = None if len(terms) == 1 else {w for block in source.blocks() for w in world_sizes(block)}
     reported = len(terms) > 1
+    if objective is None:
+        objective = one_objective(source, rtol)
+    if objective is not None:
+        findings.append(objective.finding(run, rtol))
+        spans.extend(objective.spans)
     for term in terms:
         shape = _Shape()
 
@@ -61,7 +71,10 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
         def again(term: str = term) -> Iterator[FitBlock]:
             return (block_fits(block, rtol) for block in source.blocks(term))
 
-        decisions = Decisions.of(observed(), again, rtol, lambda: shape.worlds)
+        decisions = Decisions.of(observed(), again, rtol, lambda: shape.worlds) if objective is None else None
+        if objective is not None:
+            for block in source.blocks(term):
+                shape.add(block)
         if not shape.blocks:
             continue  # every step of the term was left out (count_mismatch)
         if sizes is None:
@@ -73,7 +86,7 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
         spans.extend(listed)
         omitted += left_out
     if reported:
-        findings.extend(reported_findings(source, run, rtol, terms[0]))
+        findings.extend(reported_findings(source, run, rtol, terms[0], pooled=objective is not None))
     if duplicates is not None:
         findings.append(duplicates_finding(duplicates, run))
     if miscounted:
@@ -81,19 +94,24 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
     return findings, spans, omitted
 
 
-def _check_term(source: RunSteps, term: str, decisions: Decisions, context: RunContext,
+def _check_term(source: RunSteps, term: str, decisions: Decisions | None, context: RunContext,
                 extremes: Extremes | None) -> tuple[list[Finding], list[Span], int]:
-    """Every check of one loss term, fed the term's blocks once: its findings, spans and spans left out."""
-    rtol = context.rtol
-    # q's clusters need every uniform q ≠ 1 first: read once more only where a step may have one.
-    factors = FactorTable.of(((block, decisions.diagnose(block)) for block in source.blocks(term)), context) \
-        if decisions.may_be_off else FactorTable(rtol, np.zeros(0), {}, [], False)
+    """Every check of one loss term, fed the term's blocks once: its findings, spans and spans left out.
+    Without `decisions` (the terms are one objective, judged together) its weighting is not judged alone."""
     keep_steps = len(source.groups) > 1  # a step number repeats across groups: counted as a set
-    weighting = WeightingCheck(factors, context, extremes, keep_steps)
     checks: list[Check] = ([StructureCheck(context, keep_steps), SyncCheck(context, keep_steps)]
                            if term == source.terms[0] else [])
     checks += [ValuesCheck(context, keep_steps), ProbeCheck(context, keep_steps), MissingRanksCheck(context, keep_steps),
                DivisorCheck(context, keep_steps), WeightPresenceCheck(context, keep_steps)]
+    if decisions is None:
+        for block in source.blocks(term):
+            for check in checks:
+                check.add(block)
+        return [f for check in checks for f in check.findings()], [], 0
+    # q's clusters need every uniform q ≠ 1 first: read once more only where a step may have one.
+    factors = FactorTable.of(((block, decisions.diagnose(block)) for block in source.blocks(term)), context) \
+        if decisions.may_be_off else FactorTable(context.rtol, np.zeros(0), {}, [], False)
+    weighting = WeightingCheck(factors, context, extremes, keep_steps)
     balanced = BalancedCheck(context, keep_steps, decisions.confused)
     term_spans = Spans()
     for block in source.blocks(term):

@@ -407,15 +407,18 @@ class Engine:
             FROM records WHERE run = ? AND step = ? ORDER BY grp, term, rank, micro
         """, [run, step]).df()
 
-    def rank_weights(self, rows: int, columns: int) -> pd.DataFrame:
+    def rank_weights(self, rows: int, columns: int, pooled: Sequence[str] = ()) -> pd.DataFrame:
         """Per run, q = e·N of its valid records in a grid of at most `rows` rank rows by `columns` step columns
         (each cell a span of ranks and of steps; every rank its own row, every step its own column, where they
-        fit): the cell's ranks, steps and lowest and highest q. N is the step's, per group and term."""
+        fit): the cell's ranks, steps and lowest and highest q. N is the step's, per group and term; over every
+        term in the `pooled` runs (their terms are one token mean)."""
         self._whole()
         return self.connection.execute("""
             WITH weighted AS (
                 SELECT run, rank, step, valid_tokens,
-                       eff * sum(valid_tokens) OVER (PARTITION BY run, grp, term, step) AS q
+                       eff * sum(valid_tokens) OVER (PARTITION BY run, grp,
+                                                      CASE WHEN list_contains($pooled, run) THEN '' ELSE term END,
+                                                      step) AS q
                 FROM records),
             valid AS (SELECT * FROM weighted WHERE valid_tokens > 0 AND isfinite(q)),
             spans AS (SELECT run, min(step) AS low, max(step) AS high, max(rank) AS top FROM valid GROUP BY run)
@@ -427,7 +430,7 @@ class Engine:
                    min(v.step) AS step_first, max(v.step) AS step_last, min(q) AS q_low, max(q) AS q_high
             FROM valid v JOIN spans s USING (run)
             GROUP BY ALL ORDER BY v.run, row, col
-        """, {"rows": rows, "columns": columns}).df()
+        """, {"rows": rows, "columns": columns, "pooled": list(pooled)}).df()
 
     def complete_through(self) -> dict[tuple[str, str], int]:
         """Per (run, group): the last step that every rank has recorded. Steps after it are still

@@ -677,3 +677,43 @@ def test_the_fix_names_the_helpers_to_paste_or_the_trainer_s_setting(tmp_path: P
     hf = write_by_rank(tmp_path / "hf" / "run", rows, metadata=provenance_metadata({"trainer": "transformers"}))
     trained = only(audit([hf]), Code.LOCAL_MEAN).fix
     assert "average_tokens_across_devices=True" in trained and "token_mean_loss" not in trained
+
+
+def _in_chunks(rows: list[dict[str, Any]], scalar: Any) -> list[dict[str, Any]]:
+    """Each record split into two terms, a chunk of a third of its tokens and the rest (its S in proportion),
+    each chunk's b = scalar(S_k, n_k, N) with N the step's tokens over every chunk and rank."""
+    tokens = {}
+    for row in rows:
+        tokens[row["step"]] = tokens.get(row["step"], 0) + row["valid_tokens"]
+    out = []
+    for row in rows:
+        n = row["valid_tokens"]
+        for term, n_k in (("0", n // 3), ("1", n - n // 3)):
+            S_k = row["loss_sum"] * n_k / n
+            out.append(dict(row, term=term, valid_tokens=n_k, loss_sum=S_k,
+                            backward_scalar=scalar(S_k, n_k, tokens[row["step"]], row["world_size"])))
+    return out
+
+
+def test_terms_that_together_are_one_token_mean_are_judged_as_one(tmp_path: Path) -> None:
+    """A loss computed in two chunks, each recorded as a term, each chunk W·S_k/N with N over both chunks: one
+    token mean over their combined tokens (correct, said as information); the same chunks each divided by their
+    own count are still a mistake; two real heads each a token mean over its own N stay two terms."""
+    base = records(UNEVEN_GA, token_mean)
+    chunks = _in_chunks(base, lambda S, n, N, W: W * S / N)
+    for row in chunks:  # the logged loss: the whole objective's token mean, ΣS/N over both chunks
+        mine = [r for r in base if r["step"] == row["step"]]
+        row["reported_loss"] = sum(r["loss_sum"] for r in mine) / sum(r["valid_tokens"] for r in mine)
+    report = audit_rows(tmp_path / "chunks", chunks)
+    (run,) = report.runs
+    assert run.verdict == "correct" and codes(report) == {"terms_one_objective"}, codes(report)
+    assert run.reporting == "matches"
+    assert only(report, Code.TERMS_ONE_OBJECTIVE).evidence["terms"] == ["0", "1"]
+    assert run.normalization is not None and run.normalization.denominator == "N"
+    assert run.normalization.factor == pytest.approx(2.0) and run.weight_range == pytest.approx((1.0, 1.0))
+    report = audit_rows(tmp_path / "chunk_means", _in_chunks(base, lambda S, n, N, W: S / n if n else 0.0))
+    assert report.runs[0].verdict == "incorrect" and "terms_one_objective" not in codes(report)
+    heads = [dict(r, term=term) for r in base for term in ("0", "head1")]  # each head W·S/N over its own N
+    report = audit_rows(tmp_path / "heads", heads)
+    assert report.runs[0].verdict == "correct" and codes(report) == set()
+    assert report.runs[0].terms == ["0", "head1"]

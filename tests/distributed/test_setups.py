@@ -33,6 +33,7 @@ SHAPE: dict[str, tuple[list[str], list[int]]] = {
     "aux_head_local_mean": (["0", "1"], []),
     "chunked_cross_entropy": (["0"], []),
     "chunked_cross_entropy_copied": (["0"], []),
+    "chunked_cross_entropy_named": (["0", "chunk1", "chunk2"], []),
     "chunked_cross_entropy_chunk_means": (["0"], []),
     "mtp_heads": (["0", "1", "2"], []),
     "zero_grad_inside_accumulation": (["0"], [0, 2, 4, 6]),  # each update split at its zero_grad()
