@@ -118,9 +118,8 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
     """`pooled`: the run's terms are one objective (`checks.objective`): a token's q = e·N counts N over them."""
     # The run's parts read a block of steps at a time, never a filtered copy of the table (millions of
     # steps) nor a Python float per step. Parts hold disjoint ranges of steps: distinct steps add up.
-    judged = False
-    ratio_seen, ratio, unbounded = False, -math.inf, False
-    ratios_exist = weighted_any = False
+    judged = ratio_seen = unbounded = ratios_exist = weighted_any = False
+    ratio = -math.inf
     q_low, q_high = _Extreme(), _Extreme()
     rows = steps = skipped_steps = reported = 0
     ranks, microbatches = -1, -math.inf
@@ -138,9 +137,7 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
         divisors.update(float(d) for d in both[~np.isnan(both)])
         weighted_all = part.weighted_records.to_numpy() > 0
         weighted_any = weighted_any or bool(weighted_all.any())
-        tokens_all = part.tokens.to_numpy()
-        if pooled:  # every term's row of a (group, step) counts the tokens of all of them
-            tokens_all = part.tokens.groupby([part.grp.astype(str), part.step]).transform("sum").to_numpy()
+        tokens_all = _tokens(part, pooled)
         low_all, high_all = part.tok_low.to_numpy(dtype=float), part.tok_high.to_numpy(dtype=float)
         for start in range(0, len(part), SUMMARY_BLOCK):
             block = slice(start, start + SUMMARY_BLOCK)
@@ -175,6 +172,13 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
                       terms=terms, skipped_steps=skipped_steps, divisors=sorted(divisors),
                       weight_range=weight_range, segments_omitted=omitted, normalization_judged=judged_ranks,
                       reporting=_reporting(findings, reported))
+
+def _tokens(part: pd.DataFrame, pooled: bool) -> Any:
+    """Each row's N: its (group, term, step)'s, or, where the terms are `pooled`, its (group, step)'s over them."""
+    if not pooled:
+        return part.tokens.to_numpy()
+    return part.tokens.groupby([part.grp.astype(str), part.step]).transform("sum").to_numpy()
+
 
 def _reporting(findings: list[Finding], reported: int) -> str:
     """The logged loss against the token mean, from the findings about it and the records that carry one."""

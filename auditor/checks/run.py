@@ -61,20 +61,7 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
         findings.append(objective.finding(run, rtol))
         spans.extend(objective.spans)
     for term in terms:
-        shape = _Shape()
-
-        def observed(term: str = term) -> Iterator[FitBlock]:
-            for block in source.blocks(term):
-                shape.add(block)
-                yield block_fits(block, rtol)
-
-        def again(term: str = term) -> Iterator[FitBlock]:
-            return (block_fits(block, rtol) for block in source.blocks(term))
-
-        decisions = Decisions.of(observed(), again, rtol, lambda: shape.worlds) if objective is None else None
-        if objective is not None:
-            for block in source.blocks(term):
-                shape.add(block)
+        decisions, shape = _first_pass(source, term, rtol, judged=objective is None)
         if not shape.blocks:
             continue  # every step of the term was left out (count_mismatch)
         if sizes is None:
@@ -92,6 +79,25 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
     if miscounted:
         findings.append(miscounted.finding(run))
     return findings, spans, omitted
+
+
+def _first_pass(source: RunSteps, term: str, rtol: float, judged: bool) -> tuple[Decisions | None, _Shape]:
+    """A term's decisions (`Decisions.of`, None where its weighting is not `judged` alone) and its shape."""
+    shape = _Shape()
+    if not judged:
+        for block in source.blocks(term):
+            shape.add(block)
+        return None, shape
+
+    def observed() -> Iterator[FitBlock]:
+        for block in source.blocks(term):
+            shape.add(block)
+            yield block_fits(block, rtol)
+
+    def again() -> Iterator[FitBlock]:
+        return (block_fits(block, rtol) for block in source.blocks(term))
+
+    return Decisions.of(observed(), again, rtol, lambda: shape.worlds), shape
 
 
 def _check_term(source: RunSteps, term: str, decisions: Decisions | None, context: RunContext,
