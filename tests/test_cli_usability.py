@@ -352,3 +352,13 @@ def test_junit_has_one_test_case_per_run_failed_when_incorrect(tmp_path: Path) -
     write_by_rank(tmp_path / "odd", records(UNEVEN, local_mean, run_id=odd))
     (case,) = ElementTree.fromstring(invoke("check", str(tmp_path / "odd"), "--format", "junit")[1]).iter("testcase")
     assert case.get("name") == odd
+
+
+def test_a_folder_of_many_runs_reads_in_brief_and_one_run_in_full() -> None:
+    """`make demo`'s output (every sample log) on a screen or two: each finding its header and the gist of its
+    message, no fix; the same run given with --run: its findings in full."""
+    code, out, _ = invoke("check", str(SAMPLE_LOGS), env={"COLUMNS": "100"})
+    assert code == 1 and "fix:" not in out and len(out.splitlines()) <= 160
+    assert "local_mean  bug_local_mean  steps 0–2 (3)" in out and "--run RUN" in out
+    code, out, _ = invoke("check", str(SAMPLE_LOGS), "--run", "bug_local_mean", env={"COLUMNS": "100"})
+    assert code == 1 and "fix: backpropagate W·S_r/N" in " ".join(out.split())

@@ -25,6 +25,9 @@ SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 WIDE = 100
 """Below this many columns, each run is a block instead of a table row (and above it too when the table
 would not fit): names and verdicts never vanish or fold."""
+BRIEF_RUNS = 8
+"""Above this many runs, each finding is its header and the gist of its message (a folder of many runs reads on
+a screen or two; `--run` gives one run in full)."""
 LEGEND = ("q = e·N: each valid token's weight relative to 1/N (1 when correct) · max ratio: the largest ratio "
           "between two tokens' weights in one step · steps a–b (n): first and last affected step (how many)")
 
@@ -65,20 +68,39 @@ def render_report(report: AuditReport, console: Console) -> None:
         heading = Text("findings, most severe first", style="bold")
         heading.append(" (`tokaudit explain CODE` derives each)", style="dim")
         console.print(heading)
+        brief = len(report.runs) > BRIEF_RUNS
         for f in report.findings:
             header = Text()
             header.append(f"{f.severity.value:<8}", style=SEVERITY_STYLE[f.severity.value])
             header.append(f" {f.code.value}", style="bold")
             header.append(f"  {printable(f.run)}  steps {steps_text(f.steps)}", style="dim")
             console.print(header)
+            if brief:
+                console.print(Padding(Text(_gist(printable(f.message))), (0, 0, 0, 9)))
+                continue
             detail = Text(printable(f.message))
             detail.append("\nfix: ", style="bold")
             detail.append(printable(f.fix))
             console.print(Padding(detail, (0, 0, 1, 9)))
+        if brief:
+            console.print(Text(f"{len(report.runs)} runs: each finding in brief; `tokaudit check PATHS --run RUN` "
+                               "gives a run's findings in full, with their numbers and fixes (so do --format html "
+                               "and markdown).", style="dim"))
+            console.print()
     elif report.runs:
         console.print("No findings.", style="green")
     if report.runs:
         console.print(summary_line(report), markup=False)
+
+
+def _gist(message: str) -> str:
+    """A finding's message to its first stop (what happened, before the numbers that show it)."""
+    depth = 0
+    for i, char in enumerate(message):
+        depth += (char == "(") - (char == ")")
+        if depth == 0 and char in ":;." and message[i + 1:i + 2] == " ":  # a stop outside parentheses
+            return message[:i] + "."
+    return message
 
 
 def summary_line(report: AuditReport) -> str:
