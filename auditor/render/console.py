@@ -56,11 +56,15 @@ def render_report(report: AuditReport, console: Console) -> None:
                 head.append(": ")
                 head.append(run.verdict, style=VERDICT_STYLE[run.verdict])
                 head.append(reported_note(run))
-                console.print(head)
                 line = (f"{factor_text(run.normalization, run.steps, run.normalization_judged)} · q {_q_range(run)} · max ratio "
                         f"{ratio_text(run.max_weight_ratio)} · {run.steps} steps, {run.ranks} ranks, W "
                         f"{', '.join(map(str, run.world_size))}, D {_divisors(run)}") if run.steps else \
                     f"{factor_text(run.normalization, run.steps, run.normalization_judged)}: every step left out (see the findings)"
+                if len(report.runs) > BRIEF_RUNS and head.cell_len + 3 + len(line) <= console.width:
+                    head.append(f" · {line}")  # many runs: one line each where it fits
+                    console.print(head)
+                    continue
+                console.print(head)
                 console.print(Padding(Text(line), (0, 0, 0, 2)))
         console.print(Text(LEGEND, style="dim"))
         console.print()
