@@ -101,7 +101,7 @@ def hf_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-MATRIX_CELLS = ("llama", "llama-no-average", "bert")
+MATRIX_CELLS = ("llama", "llama-no-average", "bert", "gpt2")
 """The cells of docs/trainer-matrix.md run here (`python scripts/trainer_matrix.py` runs them all)."""
 
 
@@ -136,6 +136,13 @@ def test_the_verdict_and_exit_code_follow_the_float64_reference(matrix: dict[str
         assert not row.correct and findings["local_mean"]["evidence"]["denominator"] == "n_rank"
         # The Trainer logs the mean over ranks of each rank's own mean, not ΣS/N.
         assert "mean of per-rank means" in findings["reported_loss_mismatch"]["message"]
+    elif name == "gpt2":
+        # GPT-2's loss_type is None: the Trainer counts num_items_in_batch over the unshifted labels, one per
+        # sequence too many, while the model's loss shifts them: uniform weights, q = N/(N + sequences) < 1
+        assert not row.correct
+        finding = findings["scale_mismatch"]
+        assert 0.8 < finding["evidence"]["distortion"] < 1.0
+        assert "after the causal shift" in finding["fix"] and 'model.loss_type = "ForCausalLM"' in finding["fix"]
     else:
         # BertForMaskedLM returns each microbatch's own mean, which the Trainer multiplies by W and does not
         # divide by the accumulation steps: tokens of a small microbatch weigh more, read as b·g = W·S/n.
