@@ -13,7 +13,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.auditing import open_logs
-from tokaudit.postmortem import Curve, envelope, run_terms
+from tokaudit.postmortem import envelope, run_curve
 
 HEAT_ROWS = 64
 """Rank rows of a heat-map at most: a larger group's ranks share rows."""
@@ -51,7 +51,7 @@ def run_figures(paths: Sequence[str | os.PathLike[str]], runs: Sequence[str], po
 
 
 def _curves(steps: pd.DataFrame, run: str) -> list[tuple[str, npt.NDArray[np.float64], npt.NDArray[np.float64]]]:
-    curve = Curve(run, steps, run_terms(steps, run))
+    curve = run_curve(steps, run)
     parts = list(curve.parts())
     if not parts:
         return []

@@ -12,7 +12,8 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.auditing import Progress, load_logs, open_log_parts, open_logs, selected_runs, table_parts, table_runs
-from tokaudit.checks import loss_terms, main_term_first
+from tokaudit.checks import RunSteps, loss_terms, main_term_first, one_objective
+from tokaudit.codes import DEFAULT_RTOL
 from tokaudit.engine import Spilled
 from tokaudit.normalization import name_ranks
 from tokaudit.render.chart import LineChart
@@ -107,6 +108,8 @@ class Curve:
     table: pd.DataFrame | Spilled
     terms: list[str]
     """The run's loss terms, the main one first (`loss_terms`)."""
+    pooled: bool = False
+    """The terms are one token mean (`checks.one_objective`): one curve over all of them."""
 
     def labels(self) -> list[tuple[str, str]]:
         """(key, label) of each series. With several loss terms, ΣS/N, the mean of local means and the reported
@@ -114,6 +117,9 @@ class Curve:
         own, and the optimized objective is the sum of every term's Σe·S (what the weights say was trained)."""
         if len(self.terms) == 1:
             return list(CURVE_LABELS)
+        if self.pooled:
+            return [("token_mean", "ΣS/N (true, all terms)"), ("mean_of_local_means", "mean of local means"),
+                    ("reported", "reported"), ("optimized", "optimized Σe·S")]
         main = self.terms[0]
         return [("token_mean", f"ΣS/N (true, term {main})"), ("mean_of_local_means", f"mean of local means (term {main})"),
                 ("reported", "reported"), ("optimized", "optimized Σe·S (all terms)"),
@@ -124,7 +130,8 @@ class Curve:
         one part, since the step table is kept a step range at a time."""
         for rows in selected_runs(table_parts(self.table), [self.run]):
             if len(rows):
-                yield _curve_rows(rows) if len(self.terms) == 1 else _terms_curve_rows(rows, self.terms)
+                yield _curve_rows(rows) if len(self.terms) == 1 else \
+                    _curve_rows(_pooled_rows(rows, self.terms[0])) if self.pooled else _terms_curve_rows(rows, self.terms)
 
     def close(self) -> None:
         if isinstance(self.table, Spilled):
@@ -160,6 +167,18 @@ def _curve_rows(table: pd.DataFrame) -> pd.DataFrame:
             optimized=("optimized", "mean"))
     curve["tokens"] = curve.tokens.astype("int64")
     return curve
+
+
+def _pooled_rows(table: pd.DataFrame, term: str) -> pd.DataFrame:
+    """The rows of a run whose terms are one objective as one term's: per (group, step) the terms' tokens, loss
+    sums, Σe·S and reported losses together. The mean of local means is not what the terms' rows can give
+    (each rank's mean over all its pieces): left out."""
+    rows = table.assign(grp=table.grp.astype(str), objective=table.objective.where(table.weighted_records > 0))
+    pooled = rows.groupby(["grp", "step"], sort=True).agg(
+        tokens=("tokens", "sum"), loss=("loss", "sum"), objective=("objective", lambda v: v.sum(min_count=1)),
+        weighted_records=("weighted_records", "sum"), reported_low=("reported_low", "min"),
+        reported_high=("reported_high", "max"), reported=("reported", "sum")).reset_index()
+    return pooled.assign(term=term, mean_of_local_means=np.nan)
 
 
 def _terms_curve_rows(table: pd.DataFrame, terms: list[str]) -> pd.DataFrame:
@@ -215,7 +234,21 @@ def curve_parts(paths: Sequence[str | os.PathLike[str]], run: str | None = None,
         if isinstance(table, Spilled):
             table.close()
         raise
-    return Curve(chosen, table, run_terms(table, chosen)), logset.problems
+    return run_curve(table, chosen), logset.problems
+
+
+def run_curve(table: pd.DataFrame | Spilled, run: str) -> Curve:
+    """The curve of one run of a step table. Loss terms that are one token mean (`checks.one_objective`: a loss
+    in pieces, each recorded as a term) are drawn as that one objective, ΣS/N over all of them."""
+    terms = run_terms(table, run)
+    pooled = False
+    if len(terms) > 1:
+        def parts() -> Iterator[pd.DataFrame]:
+            return selected_runs(table_parts(table), [run])
+
+        groups = sorted({str(group) for part in parts() for group in part.grp.unique()})
+        pooled = one_objective(RunSteps(parts, groups, terms), DEFAULT_RTOL) is not None
+    return Curve(run, table, terms, pooled)
 
 
 def run_terms(table: pd.DataFrame | Spilled, run: str) -> list[str]:

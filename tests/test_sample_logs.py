@@ -90,3 +90,23 @@ def test_a_right_gradient_with_a_wrong_logged_loss_is_correct_and_says_the_loss_
     matches = json.loads(CliRunner().invoke(main, ["check", str(SAMPLE_LOGS / "correct_token_mean_ga"),
                                                    "--format", "json"]).stdout)
     assert matches["runs"][0]["reporting"] == "matches"
+
+
+def test_the_curve_of_terms_that_are_one_token_mean_is_their_pooled_mean() -> None:
+    """chunked_cross_entropy_named: three chunks of one loss, each recorded as a term. The curve's true loss is
+    ΣS/ΣN over every chunk's records (summed here from the log), which the optimized objective equals."""
+    from tests.logs import read_rows
+
+    result = CliRunner().invoke(main, ["curve", str(SAMPLE_LOGS), "--run", "chunked_cross_entropy_named",
+                                       "--format", "json"])
+    assert result.exit_code == 0, result.stderr
+    curve = json.loads(result.stdout)
+    assert curve["series"]["token_mean"] == "ΣS/N (true, all terms)"
+    rows = read_rows(SAMPLE_LOGS / "chunked_cross_entropy_named")
+    assert len({r["term"] for r in rows}) == 3
+    for step in curve["steps"]:
+        mine = [r for r in rows if r["step"] == step["step"]]
+        pooled = sum(r["loss_sum"] for r in mine) / sum(r["valid_tokens"] for r in mine)
+        assert step["tokens"] == sum(r["valid_tokens"] for r in mine)
+        assert step["token_mean"] == pytest.approx(pooled, rel=1e-12)
+        assert step["optimized"] == pytest.approx(pooled, rel=1e-6)
