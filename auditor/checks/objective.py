@@ -24,10 +24,27 @@ class OneObjective:
     terms: list[str]
     spans: list[Span]
     steps: StepsSeen
+    counts: set[int]
+    """Every record's valid-token count, where every record of every step had the same (else empty)."""
 
-    def finding(self, run: str, rtol: float) -> Finding:
+    def findings(self, run: str, rtol: float) -> list[Finding]:
+        """terms_one_objective, and balanced_counts where no count differs: a mean over each piece's own count
+        then weighs the tokens as the token mean does, so the logs cannot tell them apart."""
         context = RunContext(run=run, term=self.terms[0], world_size=0, world_sizes=(), microbatches=0,
                              divisor=0.0, rtol=rtol)
+        found = [self._finding(context)]
+        if self.counts:
+            counts = sorted(self.counts)
+            found.append(make_finding(
+                context, Code.BALANCED_COUNTS, self.steps,
+                f"In every step every record had the same valid-token count ({', '.join(map(str, counts))}), so a "
+                "mean over each piece's own count and the token mean give the same weights here: this run cannot "
+                "show which one the code uses.",
+                "audit a run with uneven counts (padding, ignored labels, different sequence lengths per rank)",
+                {"counts": counts, "indistinguishable_from": "n_micro"}))
+        return found
+
+    def _finding(self, context: RunContext) -> Finding:
         names = ", ".join(self.terms)
         return make_finding(
             context, Code.TERMS_ONE_OBJECTIVE, self.steps,
@@ -46,11 +63,14 @@ def one_objective(source: RunSteps, rtol: float) -> OneObjective | None:
         return None
     seen = StepsSeen(keep=False)  # parts hold disjoint ranges of steps, in order: each step is added once
     by_group: dict[str, list[pd.DataFrame]] = {}
+    counts: set[int] | None = set()  # None once two counts differ inside a step
     for part in source.parts():
         steps = _combined(part, rtol)
         if steps is None:
             return None
         seen.add(np.unique(steps.step.to_numpy()))
+        if counts is not None:
+            counts = counts | set(steps.n_low.astype(int).tolist()) if (steps.n_low == steps.n_high).all() else None
         for group, rows in steps.groupby("grp", sort=False):
             by_group.setdefault(str(group), []).append(rows)
     if not seen:
@@ -61,11 +81,12 @@ def one_objective(source: RunSteps, rtol: float) -> OneObjective | None:
             rows = pd.concat(by_group[group], ignore_index=True)
             spans.append(Span(group, source.terms[0], int(rows.step.min()), int(rows.step.max()), len(rows),
                               Denominator.N, float(rows.divisor.median())))
-    return OneObjective(list(source.terms), spans, seen)
+    return OneObjective(list(source.terms), spans, seen, counts or set())
 
 
 def _combined(part: pd.DataFrame, rtol: float) -> pd.DataFrame | None:
-    """Per (group, step) with valid tokens: ΣN over the terms and D; None where some such step is no token mean
+    """Per (group, step) with valid tokens: ΣN over the terms, D and the records' fewest and most valid tokens
+    (over records with some); None where some such step is no token mean
     of its combined tokens, or a valid record in it carries no weight.
 
     With e·ΣN = 1, b·g = α·S/ΣN has α = c·g·ΣN = e·D·ΣN = D: the reduction's divisor."""
@@ -75,10 +96,12 @@ def _combined(part: pd.DataFrame, rtol: float) -> pd.DataFrame | None:
         "tokens": part.tokens.to_numpy(dtype=float),
         "low": np.where(valid, part.tok_low.to_numpy(dtype=float), np.inf),
         "high": np.where(valid, part.tok_high.to_numpy(dtype=float), -np.inf),
-        "unweighted": part.unweighted_records.to_numpy(), "divisor": part.d_high.to_numpy(dtype=float)})
+        "unweighted": part.unweighted_records.to_numpy(), "divisor": part.d_high.to_numpy(dtype=float),
+        "n_low": np.where(valid, part.n_low.to_numpy(dtype=float), np.inf),
+        "n_high": np.where(valid, part.n_high.to_numpy(dtype=float), -np.inf)})
     steps = frame.groupby(["grp", "step"], sort=False).agg(
         tokens=("tokens", "sum"), low=("low", "min"), high=("high", "max"), unweighted=("unweighted", "sum"),
-        divisor=("divisor", "max")).reset_index()
+        divisor=("divisor", "max"), n_low=("n_low", "min"), n_high=("n_high", "max")).reset_index()
     steps = steps[steps.tokens > 0]
     with np.errstate(invalid="ignore"):
         # every token's q = e·ΣN within rtol of 1 (NaN, a record without a weight, fails)

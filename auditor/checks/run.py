@@ -58,7 +58,7 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
     if objective is None:
         objective = one_objective(source, rtol)
     if objective is not None:
-        findings.append(objective.finding(run, rtol))
+        findings.extend(objective.findings(run, rtol))
         spans.extend(objective.spans)
     for term in terms:
         decisions, shape = _first_pass(source, term, rtol, judged=objective is None)

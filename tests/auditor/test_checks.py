@@ -679,8 +679,8 @@ def test_the_fix_names_the_helpers_to_paste_or_the_trainer_s_setting(tmp_path: P
     assert "average_tokens_across_devices=True" in trained and "token_mean_loss" not in trained
 
 
-def _in_chunks(rows: list[dict[str, Any]], scalar: Any) -> list[dict[str, Any]]:
-    """Each record split into two terms, a chunk of a third of its tokens and the rest (its S in proportion),
+def _in_chunks(rows: list[dict[str, Any]], scalar: Any, parts: int = 3) -> list[dict[str, Any]]:
+    """Each record split into two terms, a chunk of 1/`parts` of its tokens and the rest (its S in proportion),
     each chunk's b = scalar(S_k, n_k, N) with N the step's tokens over every chunk and rank."""
     tokens = {}
     for row in rows:
@@ -688,7 +688,7 @@ def _in_chunks(rows: list[dict[str, Any]], scalar: Any) -> list[dict[str, Any]]:
     out = []
     for row in rows:
         n = row["valid_tokens"]
-        for term, n_k in (("0", n // 3), ("1", n - n // 3)):
+        for term, n_k in (("0", n // parts), ("1", n - n // parts)):
             S_k = row["loss_sum"] * n_k / n
             out.append(dict(row, term=term, valid_tokens=n_k, loss_sum=S_k,
                             backward_scalar=scalar(S_k, n_k, tokens[row["step"]], row["world_size"])))
@@ -713,6 +713,11 @@ def test_terms_that_together_are_one_token_mean_are_judged_as_one(tmp_path: Path
     assert run.normalization.factor == pytest.approx(2.0) and run.weight_range == pytest.approx((1.0, 1.0))
     report = audit_rows(tmp_path / "chunk_means", _in_chunks(base, lambda S, n, N, W: S / n if n else 0.0))
     assert report.runs[0].verdict == "incorrect" and "terms_one_objective" not in codes(report)
+    # every record and piece of one count: a mean over each piece's own count weighs as the token mean does
+    even = records([[[6, 6], [6, 6]], [[4, 4], [4, 4]]], token_mean)
+    report = audit_rows(tmp_path / "balanced", _in_chunks(even, lambda S, n, N, W: W * S / N, parts=2))
+    assert report.runs[0].verdict == "inconclusive"
+    assert codes(report) == {"terms_one_objective", "balanced_counts"}
     heads = [dict(r, term=term) for r in base for term in ("0", "head1")]  # each head W·S/N over its own N
     report = audit_rows(tmp_path / "heads", heads)
     assert report.runs[0].verdict == "correct" and codes(report) == set()
