@@ -12,7 +12,8 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit.auditing import open_logs
+from tokaudit.auditing import open_log_parts
+from tokaudit.engine import Spilled
 from tokaudit.postmortem import envelope, run_curve
 
 HEAT_ROWS = 64
@@ -38,19 +39,24 @@ def run_figures(paths: Sequence[str | os.PathLike[str]], runs: Sequence[str], po
     """The figures of `runs` (as the audit named them), from the logs at `paths`, read once more: what they
     draw is per rank, which the audit's step table does not hold. `pooled`: the runs whose terms are one
     token mean (`RunSummary.terms_pooled`), whose q counts N over every term."""
-    _, engine, steps = open_logs(paths)
-    if engine is None:
-        return {}
+    _, engine, steps = open_log_parts(paths, spill=True)  # a long run's step table stays on disk
     try:
-        heat = engine.rank_weights(HEAT_ROWS, HEAT_COLUMNS, pooled)
+        if engine is None:
+            return {}
+        try:
+            heat = engine.rank_weights(HEAT_ROWS, HEAT_COLUMNS, pooled)
+        finally:
+            engine.close()
+        names = heat.run.astype(str)
+        return {run: RunFigures(heat[(names == run).to_numpy()].reset_index(drop=True), _curves(steps, run))
+                for run in runs}
     finally:
-        engine.close()
-    names = heat.run.astype(str)
-    return {run: RunFigures(heat[(names == run).to_numpy()].reset_index(drop=True), _curves(steps, run))
-            for run in runs}
+        if isinstance(steps, Spilled):
+            steps.close()
 
 
-def _curves(steps: pd.DataFrame, run: str) -> list[tuple[str, npt.NDArray[np.float64], npt.NDArray[np.float64]]]:
+def _curves(steps: pd.DataFrame | Spilled, run: str
+            ) -> list[tuple[str, npt.NDArray[np.float64], npt.NDArray[np.float64]]]:
     curve = run_curve(steps, run)
     parts = list(curve.parts())
     if not parts:

@@ -411,15 +411,29 @@ class Engine:
         """Per run, q = e·N of its valid records in a grid of at most `rows` rank rows by `columns` step columns
         (each cell a span of ranks and of steps; every rank its own row, every step its own column, where they
         fit): the cell's ranks, steps and lowest and highest q. N is the step's, per group and term; over every
-        term in the `pooled` runs (their terms are one token mean)."""
+        term in the `pooled` runs (their terms are one token mean).
+
+        Over the whole log at once (not a range at a time), so it runs at half the memory limit, the step table
+        and the figures being held beside it: DuckDB spills the rest."""
         self._whole()
+        self.connection.execute(f"SET memory_limit = '{_half(self.memory_limit)}'")
+        try:
+            return self._rank_weights(rows, columns, pooled)
+        finally:
+            self.connection.execute(f"SET memory_limit = '{self.memory_limit}'")
+
+    def _rank_weights(self, rows: int, columns: int, pooled: Sequence[str]) -> pd.DataFrame:
         return self.connection.execute("""
-            WITH weighted AS (
-                SELECT run, rank, step, valid_tokens,
-                       eff * sum(valid_tokens) OVER (PARTITION BY run, grp,
-                                                      CASE WHEN list_contains($pooled, run) THEN '' ELSE term END,
-                                                      step) AS q
-                FROM records),
+            WITH counts AS (
+                SELECT run, grp, CASE WHEN list_contains($pooled, run) THEN '' ELSE term END AS objective, step,
+                       sum(valid_tokens) AS tokens
+                FROM records GROUP BY ALL),
+            -- a second scan joined to the steps' N, rather than a window over every record (which sorts them)
+            -- or a CTE read twice (which DuckDB keeps whole)
+            weighted AS (
+                SELECT r.run, r.rank, r.step, r.valid_tokens, r.eff * c.tokens AS q
+                FROM records r JOIN counts c ON r.run = c.run AND r.grp = c.grp AND r.step = c.step
+                     AND c.objective = CASE WHEN list_contains($pooled, r.run) THEN '' ELSE r.term END),
             valid AS (SELECT * FROM weighted WHERE valid_tokens > 0 AND isfinite(q)),
             spans AS (SELECT run, min(step) AS low, max(step) AS high, max(rank) AS top FROM valid GROUP BY run)
             SELECT v.run,
@@ -447,6 +461,19 @@ class Engine:
         self.connection.close()
         if self.links is not None:
             shutil.rmtree(self.links, ignore_errors=True)
+
+def _half(limit: str) -> str:
+    """Half a memory limit as DuckDB reads one (`_MEMORY`: "768MB", "2GiB", "50%")."""
+    found = _MEMORY.match(limit)
+    if found is None:
+        return limit
+    number, unit = float(found.group(1)), found.group(2).lower()
+    if unit == "%":
+        return f"{number / 2:g}%"
+    scale = {"b": 1, "kb": 1e3, "kib": 2**10, "mb": 1e6, "mib": 2**20, "gb": 1e9, "gib": 2**30, "tb": 1e12,
+             "tib": 2**40}[unit]
+    return f"{max(16, int(number * scale / 2 / 2**20))}MiB"
+
 
 def note_precision(precision: dict[str, int], table: dict[str, Any]) -> None:
     """The fewest significant bits (`bits_low`) of each run of a range's table, folded into `precision`."""
