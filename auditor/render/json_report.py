@@ -31,6 +31,7 @@ def run_dict(run: RunSummary) -> dict[str, Any]:
         "verdict": run.verdict, "reporting": run.reporting, "normalization": _segment(run.normalization),
         "max_weight_ratio": _finite(run.max_weight_ratio),
         "groups": run.groups, "microbatches": run.microbatches, "terms": run.terms,
+        "terms_pooled": run.terms_pooled,
         "skipped_steps": run.skipped_steps, "divisors": run.divisors,
         "weight_range": None if run.weight_range is None else list(run.weight_range),
         "segments": [{"first": s.first, "last": s.last, "steps": s.steps, **_segment(s), "group": s.group,

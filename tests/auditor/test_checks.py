@@ -707,7 +707,7 @@ def test_terms_that_together_are_one_token_mean_are_judged_as_one(tmp_path: Path
     report = audit_rows(tmp_path / "chunks", chunks)
     (run,) = report.runs
     assert run.verdict == "correct" and codes(report) == {"terms_one_objective"}, codes(report)
-    assert run.reporting == "matches"
+    assert run.reporting == "matches" and run.terms_pooled
     assert only(report, Code.TERMS_ONE_OBJECTIVE).evidence["terms"] == ["0", "1"]
     assert run.normalization is not None and run.normalization.denominator == "N"
     assert run.normalization.factor == pytest.approx(2.0) and run.weight_range == pytest.approx((1.0, 1.0))
@@ -721,4 +721,4 @@ def test_terms_that_together_are_one_token_mean_are_judged_as_one(tmp_path: Path
     heads = [dict(r, term=term) for r in base for term in ("0", "head1")]  # each head W·S/N over its own N
     report = audit_rows(tmp_path / "heads", heads)
     assert report.runs[0].verdict == "correct" and codes(report) == set()
-    assert report.runs[0].terms == ["0", "head1"]
+    assert report.runs[0].terms == ["0", "head1"] and not report.runs[0].terms_pooled
