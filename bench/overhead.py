@@ -31,6 +31,7 @@ from torch import nn
 from tokaudit.hooks import Recorder
 from tokaudit.hooks.columns import Slabs, pack
 from tokaudit.hooks.probe import ProbeResult
+from tokaudit.hooks.record import Record
 
 VOCAB, WIDTH, HEADS, LAYERS, SEQ, BATCH, MICRO = 2048, 128, 4, 2, 128, 8, 2
 
@@ -205,7 +206,10 @@ def parts() -> dict[str, float]:
 
     def packed() -> None:
         # one microbatch's record and probe, packed as an update's close packs them (`Recorder._pack`)
-        entry, result = dict(values), ProbeResult()
+        entry = Record(step=0, micro=0, term="0", **values, positions=None, reported_loss=None, skipped=None,
+                       grad_scale=None, loss_scale=None, prescaled=False, sync=None, time=0, probe=None, captured=False,
+                       bits=None)
+        result = ProbeResult()
         for name, value in zip(ProbeResult.VALUES, held):
             setattr(result, name, value)
         pack([(entry, name) for name in values] + [(result, name) for name in ProbeResult.VALUES], slabs)
