@@ -48,16 +48,16 @@ def run_figures(paths: Sequence[str | os.PathLike[str]], runs: Sequence[str], po
         finally:
             engine.close()
         names = heat.run.astype(str)
-        return {run: RunFigures(heat[(names == run).to_numpy()].reset_index(drop=True), _curves(steps, run))
-                for run in runs}
+        return {run: RunFigures(heat[(names == run).to_numpy()].reset_index(drop=True),
+                                _curves(steps, run, run in pooled)) for run in runs}
     finally:
         if isinstance(steps, Spilled):
             steps.close()
 
 
-def _curves(steps: pd.DataFrame | Spilled, run: str
+def _curves(steps: pd.DataFrame | Spilled, run: str, pooled: bool
             ) -> list[tuple[str, npt.NDArray[np.float64], npt.NDArray[np.float64]]]:
-    curve = run_curve(steps, run)
+    curve = run_curve(steps, run, pooled)
     parts = list(curve.parts())
     if not parts:
         return []

@@ -251,9 +251,9 @@ class Loading:
     """What discovery could not use."""
     thorough: bool
     shares: list[_Share] = field(default_factory=list)
+    """Each worker started and its share of `files`, in order; none: this process validates them all."""
     notes: list[str] = field(default_factory=list)
     """Links out of the folders given, each with what it is read from (`discover`)."""
-    """Each worker started and its share of `files`, in order; none: this process validates them all."""
 
     @property
     def workers(self) -> list[subprocess.Popen[bytes]]:

@@ -118,8 +118,7 @@ class Curve:
         if len(self.terms) == 1:
             return list(CURVE_LABELS)
         if self.pooled:
-            return [("token_mean", "ΣS/N (true, all terms)"), ("mean_of_local_means", "mean of local means"),
-                    ("reported", "reported"), ("optimized", "optimized Σe·S")]
+            return [("token_mean", "ΣS/N (true, all terms)"), *CURVE_LABELS[1:]]
         main = self.terms[0]
         return [("token_mean", f"ΣS/N (true, term {main})"), ("mean_of_local_means", f"mean of local means (term {main})"),
                 ("reported", "reported"), ("optimized", "optimized Σe·S (all terms)"),
@@ -129,9 +128,12 @@ class Curve:
         """The curve's rows, in step order: a step's rows (every data-parallel group's and term's) are in
         one part, since the step table is kept a step range at a time."""
         for rows in selected_runs(table_parts(self.table), [self.run]):
-            if len(rows):
-                yield _curve_rows(rows) if len(self.terms) == 1 else \
-                    _curve_rows(_pooled_rows(rows, self.terms[0])) if self.pooled else _terms_curve_rows(rows, self.terms)
+            if not len(rows):
+                continue
+            if len(self.terms) > 1 and not self.pooled:
+                yield _terms_curve_rows(rows, self.terms)
+            else:
+                yield _curve_rows(_pooled_rows(rows, self.terms[0]) if self.pooled else rows)
 
     def close(self) -> None:
         if isinstance(self.table, Spilled):
@@ -237,18 +239,18 @@ def curve_parts(paths: Sequence[str | os.PathLike[str]], run: str | None = None,
     return run_curve(table, chosen), logset.problems
 
 
-def run_curve(table: pd.DataFrame | Spilled, run: str) -> Curve:
+def run_curve(table: pd.DataFrame | Spilled, run: str, pooled: bool | None = None) -> Curve:
     """The curve of one run of a step table. Loss terms that are one token mean (`checks.one_objective`: a loss
-    in pieces, each recorded as a term) are drawn as that one objective, ΣS/N over all of them."""
+    in pieces, each recorded as a term) are drawn as that one objective, ΣS/N over all of them. `pooled`: whether
+    they are, where an audit has said so already (None: found here)."""
     terms = run_terms(table, run)
-    pooled = False
-    if len(terms) > 1:
+    if pooled is None and len(terms) > 1:
         def parts() -> Iterator[pd.DataFrame]:
             return selected_runs(table_parts(table), [run])
 
         groups = sorted({str(group) for part in parts() for group in part.grp.unique()})
         pooled = one_objective(RunSteps(parts, groups, terms), DEFAULT_RTOL) is not None
-    return Curve(run, table, terms, pooled)
+    return Curve(run, table, terms, bool(pooled))
 
 
 def run_terms(table: pd.DataFrame | Spilled, run: str) -> list[str]:

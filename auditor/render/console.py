@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tokaudit.codes import DEFAULT_RTOL
-from tokaudit.render.text import factor_text, finding_counts, many, printable, ratio_text, reported_note, steps_text, verdict_counts
+from tokaudit.render.text import factor_text, finding_counts, many, printable, q_range_text, ratio_text, reported_note, steps_text, verdict_counts
 from tokaudit.report import AuditReport, RunSummary
 
 VERDICT_STYLE = {"correct": "bold green", "incorrect": "bold red", "inconclusive": "bold yellow"}
@@ -32,19 +32,14 @@ LEGEND = ("q = e·N: each valid token's weight relative to 1/N (1 when correct) 
           "between two tokens' weights in one step · steps a–b (n): first and last affected step (how many)")
 
 
-def _q_range(run: RunSummary) -> str:
-    if run.weight_range is None:
-        return "–"
-    low, high = (f"{v:.4g}" for v in run.weight_range)
-    return low if low == high else f"{low}–{high}"
-
-
 def _divisors(run: RunSummary) -> str:
     return ", ".join(f"{d:g}" for d in run.divisors) or "–"
 
 
 def render_report(report: AuditReport, console: Console) -> None:
-    """Run summary, then findings most severe first, each with its numbers and its fix."""
+    """Run summary, then findings most severe first, each with its numbers and its fix (above BRIEF_RUNS runs,
+    each run on one line where it fits and each finding in brief)."""
+    brief = len(report.runs) > BRIEF_RUNS
     if report.runs:
         console.print(Text("tokaudit: token-loss normalization", style="bold"))
         table = _runs_table(report, console) if console.width >= WIDE else None
@@ -56,11 +51,11 @@ def render_report(report: AuditReport, console: Console) -> None:
                 head.append(": ")
                 head.append(run.verdict, style=VERDICT_STYLE[run.verdict])
                 head.append(reported_note(run))
-                line = (f"{factor_text(run.normalization, run.steps, run.normalization_judged)} · q {_q_range(run)} · max ratio "
+                line = (f"{factor_text(run.normalization, run.steps, run.normalization_judged)} · q {q_range_text(run)} · max ratio "
                         f"{ratio_text(run.max_weight_ratio)} · {run.steps} steps, {run.ranks} ranks, W "
                         f"{', '.join(map(str, run.world_size))}, D {_divisors(run)}") if run.steps else \
                     f"{factor_text(run.normalization, run.steps, run.normalization_judged)}: every step left out (see the findings)"
-                if len(report.runs) > BRIEF_RUNS and head.cell_len + 3 + len(line) <= console.width:
+                if brief and head.cell_len + 3 + len(line) <= console.width:
                     head.append(f" · {line}")  # many runs: one line each where it fits
                     console.print(head)
                     continue
@@ -72,7 +67,6 @@ def render_report(report: AuditReport, console: Console) -> None:
         heading = Text("findings, most severe first", style="bold")
         heading.append(" (`tokaudit explain CODE` derives each)", style="dim")
         console.print(heading)
-        brief = len(report.runs) > BRIEF_RUNS
         for f in report.findings:
             header = Text()
             header.append(f"{f.severity.value:<8}", style=SEVERITY_STYLE[f.severity.value])
@@ -129,7 +123,7 @@ def _runs_table(report: AuditReport, console: Console) -> Table | None:
         verdict.append(reported_note(run))
         runs.add_row(Text(printable(run.run)), verdict, str(run.steps),
                      str(run.ranks), ", ".join(map(str, run.world_size)), _divisors(run),
-                     factor_text(run.normalization, run.steps, run.normalization_judged), _q_range(run), ratio_text(run.max_weight_ratio))
+                     factor_text(run.normalization, run.steps, run.normalization_judged), q_range_text(run), ratio_text(run.max_weight_ratio))
     natural = Measurement.get(console, console.options.update_width(1 << 20), runs).maximum  # unconstrained
     return runs if natural <= console.width else None
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from tokaudit import __version__
 from tokaudit.codes import CODE_DOCS
-from tokaudit.render.text import factor_text, finding_counts, printable, ratio_text, steps_text, verdict_counts
+from tokaudit.render.text import factor_text, finding_counts, printable, q_range_text, ratio_text, steps_text, verdict_counts
 from tokaudit.report import AuditReport, Finding, RunSummary
 from tokaudit.schema import UNNAMED
 
@@ -61,7 +61,7 @@ def _run_table(runs: list[RunSummary]) -> str:
     rows = ["<table id=runs><tr><th>run</th><th>verdict</th><th>logged loss</th><th>steps</th><th>ranks</th>"
             "<th>W</th><th>normalization</th><th>q = e·N</th><th>max ratio</th></tr>"]
     for run in runs:
-        q = "–" if run.weight_range is None else " – ".join(dict.fromkeys(f"{v:.4g}" for v in run.weight_range))
+        q = q_range_text(run, " – ")
         rows.append(f'<tr><td><a href="#{_anchor(run.run)}">{_e(run.run)}</a></td>'
                     f"<td class={run.verdict}>{run.verdict}</td><td>{run.reporting}</td>"
                     f"<td class=n>{run.steps}</td><td class=n>{run.ranks}</td>"

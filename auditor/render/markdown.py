@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import html
 
-from tokaudit.render.text import factor_text, finding_counts, many, printable, ratio_text, reported_note, steps_text, verdict_counts
+from tokaudit.render.text import factor_text, finding_counts, many, printable, q_range_text, ratio_text, reported_note, steps_text, verdict_counts
 from tokaudit.report import AuditReport
 from tokaudit.schema import UNNAMED
 
@@ -32,8 +32,7 @@ def render_markdown(report: AuditReport) -> str:
         lines += ["| run | verdict | steps | ranks | W | D | normalization | q = e·N | max ratio |",
                   "|---|---|---:|---:|---|---|---|---|---:|"]
         for run in report.runs:
-            low, high = ("–", "–") if run.weight_range is None else (f"{v:.4g}" for v in run.weight_range)
-            q = low if low == high else f"{low} – {high}"
+            q = q_range_text(run, " – ")
             lines.append(f"| `{_cell(run.run)}` | {ICONS[run.verdict]} {run.verdict}{reported_note(run)} | {run.steps} | {run.ranks} "
                          f"| {', '.join(map(str, run.world_size))} | {', '.join(f'{d:g}' for d in run.divisors)} "
                          f"| {_cell(factor_text(run.normalization, run.steps, run.normalization_judged))} | {q} | {ratio_text(run.max_weight_ratio)} |")

@@ -32,6 +32,13 @@ def factor_text(segment: Segment | None, steps: int = 1, judged: bool = True) ->
 
 PRECISIONS = {8: "bfloat16", 11: "float16"}
 
+def q_range_text(run: RunSummary, between: str = "–") -> str:
+    """The run's range of q = e·N ("1", "0.6–3"; "–" where it is not judged)."""
+    if run.weight_range is None:
+        return "–"
+    low, high = (f"{v:.4g}" for v in run.weight_range)
+    return low if low == high else f"{low}{between}{high}"
+
 def many(count: int, word: str) -> str:
     return f"{count} {word}{'' if count == 1 else 's'}"
 
