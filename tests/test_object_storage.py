@@ -65,21 +65,8 @@ def test_a_missing_bucket_and_an_unreachable_endpoint_are_one_line(endpoint: dic
 
 def test_denied_access_is_one_line(tmp_path: Path) -> None:
     """A server that checks credentials (moto with authentication on) and a key it does not know."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server, port = _authenticating_server(tmp_path)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "moto server did not start"
-                time.sleep(0.1)
         denied = tokaudit("check", "s3://logs/runs", env={**CREDENTIALS,
                                                            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"})
     finally:
@@ -87,6 +74,31 @@ def test_denied_access_is_one_line(tmp_path: Path) -> None:
         server.wait(timeout=10)
     assert denied.returncode == 2 and "Traceback" not in denied.stderr
     assert "tokaudit: error: s3://logs/runs: access denied" in denied.stderr
+
+
+def _authenticating_server(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """A moto server in a process of its own, with authentication on, and its port. The port is found free
+    and then given to the server, so another process may take it in between: a server that exits before it
+    listens is started again on another port, up to three times."""
+    for attempt in range(3):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        log = tmp_path / f"moto-{attempt}.log"
+        with open(log, "wb") as out:
+            server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                      env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"},
+                                      stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60  # its imports take seconds on a loaded machine
+        while server.poll() is None and time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                return server, port
+            except OSError:
+                time.sleep(0.1)
+        server.kill()
+        server.wait(timeout=10)
+    raise AssertionError(f"moto server did not start: {log.read_text(errors='replace')[-2000:]}")
 
 
 def _soon(condition: Any, seconds: float = 20.0) -> bool:
