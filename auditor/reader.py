@@ -14,9 +14,9 @@ from typing import Any
 import pyarrow as pa
 
 from tokaudit.errors import LogFormatError
-from tokaudit.footers import Footer, SchemaFacts, all_names, bounds_of, checked_schema, footer_record, footer_stats, local_footer, names_of, range_of, record_stats, run_group_of
+from tokaudit.footers import Footer, FragmentFooter, SchemaFacts, all_names, bounds_of, checked_schema, footer_record, footer_stats, local_footer, names_of, range_of, record_stats, run_group_of
 from tokaudit.schema import read_dropped, read_trainer
-from tokaudit.storage import Store, describe
+from tokaudit.storage import Store, describe, sized_fragment
 from tokaudit.validation import INT64_MAX, check_values, raise_beyond_int64, short_error
 
 
@@ -120,7 +120,9 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
     `load(..., thorough=False)` callers check those values in their aggregation instead."""
     name = _name(path, store)
     try:
-        parquet = (store is None and local_footer(name)) or Footer(_open(path, store))
+        fragment = sized_fragment(store, str(path)) if store is not None else None
+        parquet = (local_footer(name) if store is None else fragment and FragmentFooter(fragment)
+                   ) or Footer(_open(path, store))
         metadata = parquet.metadata
         stored = metadata.metadata  # its key-value pairs (made anew at every ask: asked once)
         facts, index = _schema_of(parquet, stored)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import PurePath, PurePosixPath
 from typing import Any
 
@@ -34,6 +34,9 @@ class Store:
 
     filesystem: Any
     scheme: str
+    sizes: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
+    """Each object's size as the listing gave it, by path: an object of known size is read without asking
+    the store for its size first (`footers.remote_footer`), a request less per object."""
 
     def url(self, path: str | PurePath) -> str:
         return f"{self.scheme}://{path}"
@@ -74,6 +77,31 @@ def open_url(url: str, timeout: float | None = None) -> tuple[Store, str]:
                                        connect_timeout=timeout, request_timeout=timeout,
                                        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2))
     return Store(filesystem, scheme), path.rstrip("/")
+
+
+def sized_fragment(store: Store, path: str) -> Any:
+    """The object at `path` as a Parquet dataset fragment that knows its size from the listing (`sizes`), so
+    that reading it needs no request for its size first; None where the size is unknown or this pyarrow's
+    fragments take none (before 15)."""
+    import pyarrow.dataset as pads
+
+    size = store.sizes.get(path)
+    if size is None:
+        return None
+    try:
+        return pads.ParquetFileFormat().make_fragment(path, store.filesystem, file_size=size)
+    except TypeError:
+        return None
+
+
+def object_dataset(store: Store, path: str) -> Any:
+    """One object as an Arrow dataset, which DuckDB scans with the columns and steps it asks for."""
+    import pyarrow.dataset as pads
+
+    fragment = sized_fragment(store, path)
+    if fragment is None:
+        return pads.dataset(path, filesystem=store.filesystem, format="parquet")
+    return pads.FileSystemDataset([fragment], fragment.physical_schema, fragment.format, store.filesystem)
 
 
 def _fsspec(url: str, arrow_error: Exception) -> tuple[Any, str]:
@@ -135,6 +163,8 @@ def discover_url(url: str) -> tuple[Store | None, list[str], list[LogFormatError
                 return store, [], [LogFormatError(url, f"no such bucket '{bucket}'")]
             return store, [], [LogFormatError(url, "no such file or directory")]
         if info.type == pafs.FileType.File:
+            if info.size is not None:
+                store.sizes[root] = info.size
             return store, [root], []
         entries = filesystem.get_file_info(pafs.FileSelector(root, recursive=True))
     except OSError as error:
@@ -146,6 +176,8 @@ def discover_url(url: str) -> tuple[Store | None, list[str], list[LogFormatError
             continue
         if entry.type == pafs.FileType.File and entry.path.endswith(".parquet"):
             found.append(entry.path)
+            if entry.size is not None:
+                store.sizes[entry.path] = entry.size
     if not found:
         return store, [], [LogFormatError(url, "no Parquet files (*.parquet) under this URL")]
     return store, sorted(found), []

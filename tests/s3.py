@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,3 +50,61 @@ def tokaudit(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
                           env={**os.environ, **(env or {})})
 
 
+
+
+class CountingProxy:
+    """A TCP relay in front of an S3 endpoint that counts the HTTP requests sent through it by method. Only
+    requests without a body are parsed well (GET, HEAD: what an audit sends); one with a body is counted once."""
+
+    def __init__(self, host: str, port: int) -> None:
+        import socket
+        import threading
+
+        self.target = (host, port)
+        self.methods: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._relay, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._relay, args=(server, client, False), daemon=True).start()
+
+    def _relay(self, source: Any, sink: Any, requests: bool) -> None:
+        pending = b""
+        try:
+            while data := source.recv(65536):
+                if requests:
+                    pending = self._count(pending + data)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                try:
+                    end.shutdown(2)
+                except OSError:
+                    pass
+
+    def _count(self, data: bytes) -> bytes:
+        """Counts each complete request head in `data`; gives back what follows the last one."""
+        while (end := data.find(b"\r\n\r\n")) >= 0:
+            head, data = data[:end], data[end + 4:]
+            method = head.split(b" ", 1)[0].decode("ascii", "replace")
+            if method.isalpha() and method.isupper():
+                with self.lock:
+                    self.methods[method] = self.methods.get(method, 0) + 1
+        return data
+
+    def close(self) -> None:
+        self.listener.close()

@@ -18,13 +18,13 @@ import duckdb
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.dataset as pads
 
 from tokaudit.engine.ranges import CHUNK_ROWS, step_ranges
 from tokaudit.engine.sql import EXTREME_COLUMNS, MEAN_WEIGHT_EXTREMES, ONE_RECORD_SHAPE, UNUSABLE_RECORD, footer_facts, footer_table, one_name_of, select_records, single_rank_range, sql_string, step_sql, valueless_columns
 from tokaudit.engine.tables import SPILL_STEPS, Spilled, add_duplicates, categorical, constant_of, join_columns, reorder, same_bits
 from tokaudit.errors import UsageError
 from tokaudit.reader import Shard
+from tokaudit.storage import object_dataset
 
 
 DEFAULT_MEMORY_LIMIT = "768MB"
@@ -143,8 +143,7 @@ class Engine:
                 elif shard.store is not None and shard.record is None:
                     # On object storage DuckDB scans the file through pyarrow (no httpfs extension, no
                     # local copy): one Arrow dataset per shard, streamed with the columns and steps asked.
-                    dataset = pads.dataset(str(shard.path), filesystem=shard.store.filesystem, format="parquet")
-                    connection.register(f"remote_{index}", dataset)
+                    connection.register(f"remote_{index}", object_dataset(shard.store, str(shard.path)))
                     engine.remote_views[id(shard)] = f"remote_{index}"
                 engine.link_names[id(shard)] = name
             # "The later file wins" among duplicates: the shards' order, whatever their names.
