@@ -71,6 +71,8 @@ def write_log(out: Path, ranks: int, steps: int, micro: int, steps_per_file: int
                     "skipped": pa.nulls(size, pa.bool_()),
                     "time": pa.array(np.full(size, int(start.timestamp() * 1e6) + first), pa.timestamp("us", tz="UTC")),
                     "schema_version": pa.array(np.ones(size, dtype=np.int32)),
+                    # a float32 model's S and b: 24 significant bits
+                    "precision_bits": pa.array(np.full(size, 24, dtype=np.int8)),
                 })
             table = pa.table(columns, schema=schema)
             pq.write_table(table, out / f"chunk-{first:07d}-ranks-{r.start:05d}.parquet", row_group_size=65536)

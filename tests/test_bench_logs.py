@@ -1,0 +1,43 @@
+"""The bench's synthetic logs (bench/synthetic.py) are logs the audit reads whole and judges as built: `make bench`
+times real audits, so its writer must keep up with the log format."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tokaudit.cli import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from synthetic import write_log, write_small_shards  # noqa: E402
+
+
+def report(log: Path) -> tuple[int, dict[str, object]]:
+    result = CliRunner().invoke(main, ["check", str(log), "--format", "json"])
+    return result.exit_code, json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("recorder_columns", [False, True], ids=["plain", "every-recorder-column"])
+def test_a_bench_log_is_correct_and_its_planted_local_means_are_found(tmp_path: Path, recorder_columns: bool) -> None:
+    write_log(tmp_path / "correct", ranks=4, steps=12, micro=2, steps_per_file=5, ranks_per_file=2,
+              recorder_columns=recorder_columns)
+    write_log(tmp_path / "planted", ranks=4, steps=12, micro=2, steps_per_file=5, ranks_per_file=2,
+              recorder_columns=recorder_columns, local_mean_every=2)
+    code, correct = report(tmp_path / "correct")
+    assert code == 0 and [run["verdict"] for run in correct["runs"]] == ["correct"], correct  # type: ignore[index]
+    code, planted = report(tmp_path / "planted")
+    (run,) = planted["runs"]  # type: ignore[misc]
+    assert code == 1 and run["verdict"] == "incorrect", run
+    # planted at every odd step: 1, 3, …, 11
+    found = {finding["code"]: finding["steps"] for finding in planted["findings"]}  # type: ignore[attr-defined]
+    assert found.get("local_mean") == {"first": 1, "last": 11, "count": 6}, found
+
+
+def test_the_bench_one_row_shards_are_read_whole(tmp_path: Path) -> None:
+    write_small_shards(tmp_path / "small", 3, 4, recorder_columns=True)
+    code, found = report(tmp_path / "small")
+    assert code in (0, 1) and found["files"] == len(list((tmp_path / "small").rglob("*.parquet"))), found
