@@ -147,7 +147,7 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
             high = stats[column][1]
             if high is None or high > INT64_MAX:
                 raise_beyond_int64(parquet, column)
-        check_values(parquet, present, stats, thorough)
+        check_values(parquet, present, stats, thorough, exact=record is not None)
     except LogFormatError as error:
         raise LogFormatError(name, error.problem) from None
     except Exception as error:

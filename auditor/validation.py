@@ -44,11 +44,14 @@ STATISTICS_COLUMNS = (frozenset(REQUIRED_COLUMNS) | {column for column, _, _ in 
 (`Shard.divisor_range`)."""
 
 def check_values(parquet: Footer, present: frozenset[str], stats: dict[str, tuple[Any, Any, int | None]],
-                  thorough: bool) -> None:
+                  thorough: bool, exact: bool = False) -> None:
     """Statistics first (no data read); the columns themselves only when statistics cannot decide.
     A NaN divisor or scale never shows in statistics, nor does T < n on one record where T's and n's ranges
     overlap: `thorough` reads those columns; otherwise the aggregation counts them and only the files it
-    names are inspected thoroughly."""
+    names are inspected thoroughly. `exact`: the statistics are a one-row file's record (`footer_record`),
+    which holds no NaN and whose missing bound is a null: they decide everything, and a column is read only
+    for the message naming the row of a value they show out of bounds."""
+    unsure = not exact  # a missing statistic says nothing (or, exact, a null: nothing to check)
     need: set[str] = set()
     if "schema_version" in present:
         high = stats["schema_version"][1]
@@ -66,29 +69,38 @@ def check_values(parquet: Footer, present: frozenset[str], stats: dict[str, tupl
         if "token_weight_sum" not in present:
             need.add("backward_scalar")
     for column, lowest, _ in _LOWER_BOUNDS:
-        if column in present and (stats[column][0] is None or stats[column][0] < lowest):
+        if column in present and _beyond(stats[column][0], lowest, unsure):
             need.add(column)
     for column, highest, _ in _UPPER_BOUNDS:
-        if column in present and (stats[column][1] is None or stats[column][1] > highest):
+        if column in present and _beyond(stats[column][1], highest, unsure, above=True):
             need.add(column)
-    if "grad_divisor" in present and (stats["grad_divisor"][0] is None or stats["grad_divisor"][0] <= 0):
+    if "grad_divisor" in present and _beyond(stats["grad_divisor"][0], 0, unsure, inclusive=True):
         need.add("grad_divisor")
     if thorough and "positions" in present:
         # T ≥ n on every record (T counts the positions the n valid tokens are among): the statistics settle
         # it when the file's least T is at least its greatest n; otherwise the aggregation counts the records
         # (`unusable_values`) and only the files it names are read here
         least, greatest = stats["positions"][0], stats["valid_tokens"][1]
-        if least is None or greatest is None or least < greatest:
+        if unsure if least is None or greatest is None else least < greatest:
             need.update({"positions", "valid_tokens"})
     rank_high, world_low = stats["rank"][1], stats["world_size"][0]
     if rank_high is None or world_low is None or rank_high >= world_low:
         need.update({"rank", "world_size"})
-    if thorough:
+    if thorough and unsure:
         for column in ("grad_divisor", "grad_scale"):
             if column in present:
                 need.add(column)  # NaN never shows in statistics
     if need:
         _check_rows(parquet.read(sorted(need)), need)
+
+def _beyond(bound: Any, limit: float, unsure: bool, above: bool = False, inclusive: bool = False) -> bool:
+    """Whether a column's statistic may pass its limit (below it, or `above`; at it too where `inclusive`);
+    a missing statistic (None) may where the statistics are `unsure`."""
+    if bound is None:
+        return unsure
+    if above:
+        return bool(bound > limit or inclusive and bound == limit)
+    return bool(bound < limit or inclusive and bound == limit)
 
 def _check_rows(table: pa.Table, columns: Iterable[str]) -> None:
     columns = set(columns)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,18 @@ def _in_processes(processes: int, steps: int) -> list[tuple[str, str]]:
                     f"processes' own recorded/plain: {each})")]
 
 
+def once(log: Path, write: Callable[[Path], object]) -> Path:
+    """`log`, written by `write` if it is not there yet: beside it, renamed when whole, so that a bench
+    stopped midway leaves no partial log to be taken for a finished one."""
+    if not log.exists():
+        print(f"writing {log} (once)…", file=sys.stderr)
+        partial = log.with_name(log.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        write(partial)
+        partial.rename(log)
+    return log
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=float, default=1e7, help="rows of the synthetic log (1e7 or 1e8)")
@@ -142,19 +156,14 @@ def main() -> None:
     for label, ranks, micro, steps_per_file, ranks_per_file, recorder, suffix in layouts:
         steps = int(args.rows) // (ranks * micro)
         log = args.out / f"synthetic-{ranks}x{steps}x{micro}{suffix}"
-        if not log.exists():
-            print(f"writing {ranks * steps * micro:,} rows to {log} (once)…", file=sys.stderr)
-            write_log(log, ranks, steps, micro, steps_per_file=steps_per_file, ranks_per_file=ranks_per_file,
-                      local_mean_every=2, recorder_columns=recorder)
+        once(log, lambda path: write_log(path, ranks, steps, micro, steps_per_file=steps_per_file,  # noqa: B023
+                                         ranks_per_file=ranks_per_file, local_mean_every=2, recorder_columns=recorder))
         rows += _compare(f"{ranks * steps * micro:.0e} rows, {label} ({steps:,} steps)", log,
                          naive=ranks * steps * micro <= 2e7 and not suffix, repeat=args.repeat)
-    small = args.out / "small-10000"
-    if not small.exists():
-        write_small_shards(small, 100, 100)
+    small = once(args.out / "small-10000", lambda path: write_small_shards(path, 100, 100))
     rows += _compare("10,000 one-row shards", small, naive=False, repeat=args.repeat)
-    recorded = args.out / "small-10000-recorder"
-    if not recorded.exists():
-        write_small_shards(recorded, 100, 100, recorder_columns=True)
+    recorded = once(args.out / "small-10000-recorder",
+                    lambda path: write_small_shards(path, 100, 100, recorder_columns=True))
     rows += _compare("10,000 one-row shards, the recorder's 23 columns", recorded, naive=False, repeat=args.repeat)
     width = max(len(name) for name, _ in rows)
     print(f"{'benchmark':<{width}}  figure")

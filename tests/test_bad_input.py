@@ -94,6 +94,15 @@ def _beyond_int32(column: str, value: int, one_row: bool = False) -> Any:
     return make
 
 
+def _one_row(name: str, **values: Any) -> Any:
+    """A file of one record with `values`: its footer's statistics are its values (`Shard.record`), which settle
+    every check but NaN, so only a value shown out of bounds is read, for the row its line names."""
+    def make(folder: Path) -> None:
+        row = dict(records(UNEVEN, token_mean, positions=8)[-1], **values)
+        pq.write_table(pa.Table.from_pylist([row]), folder / name)
+    return make
+
+
 def _narrow_table() -> pa.Table:
     """A good run's records with T = n + 1; narrow types (a half float, a 16-bit count) go in beside it."""
     return pa.Table.from_pylist([dict(r, positions=r["valid_tokens"] + 1) for r in records(UNEVEN, token_mean)])
@@ -132,6 +141,12 @@ CASES: dict[str, tuple[Any, str]] = {
     "positions.parquet": (_beyond_int32("positions", 1 << 40), "column 'positions' holds more positions than"),
     "half_masked.parquet": (_half_masked, "column 'masked_weight_abs_sum' has a negative sum of absolute values (-0.25) "
                                      "at row 3"),
+    "divisor_one.parquet": (_one_row("divisor_one.parquet", grad_divisor=-2.0),
+                            "column 'grad_divisor' is not a positive number (-2.0) at row 0"),
+    "short_one.parquet": (_one_row("short_one.parquet", valid_tokens=5, positions=4),
+                          "column 'positions' is below 'valid_tokens' (4 < 5) at row 0"),
+    "negative_one.parquet": (_one_row("negative_one.parquet", valid_tokens=-3), "column 'valid_tokens' has a negative count"),
+    "scale_nan_one.parquet": (_one_row("scale_nan_one.parquet", grad_scale=float("nan")), "column 'grad_scale' is NaN"),
     # T < n where the file's T and n overlap: no footer shows it, the aggregation counts it and names the file
     "short_positions.parquet": (_short_positions, "column 'positions' is below 'valid_tokens' ("),
 }
