@@ -320,7 +320,10 @@ def step_sql(single_ranks: tuple[int, int] | None, extremes: bool = False, one_n
         sql = STEP_SQL
     else:
         low, high = single_ranks
-        sql = ONE_RECORD_STEP_SQL.replace("{repeated}", f"count(*) - bit_count(bitstring_agg(rank, {low}, {high}))")
+        # distinct ranks as set bits: below 64 (ranks are never negative) one word a step, a bitstring of the
+        # rank range else, allocated a step
+        bits = "bit_or(CAST(1 AS UBIGINT) << CAST(rank AS UBIGINT))" if high < 64 else f"bitstring_agg(rank, {low}, {high})"
+        sql = ONE_RECORD_STEP_SQL.replace("{repeated}", f"count(*) - bit_count({bits})")
     key, names, record_names = ONE_NAME_KEYS if one_name else KEYS
     for needed, replacements in FOOTER_CONSTANTS.items():
         if needed <= facts:

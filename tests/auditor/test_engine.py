@@ -220,6 +220,28 @@ def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_th
         assert not np.shares_memory(general_steps[name].to_numpy(), general_steps[same].to_numpy()), name
 
 
+@pytest.mark.parametrize("ranks", [4, 70], ids=["ranks-below-64", "ranks-past-64"])
+def test_the_one_record_form_finds_a_rank_written_twice_as_the_general_form_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranks: int) -> None:
+    """Distinct ranks are counted as the bits of one word below 64 and as a bitstring of the rank range past
+    it: either way a rank whose step is written twice is found and deduplicated as by the general form."""
+    import tokaudit.engine.database as engine_module
+    from tests.logs import token_mean
+
+    rows = records([[[1 + (rank * 7 + step) % 11] for rank in range(ranks)] for step in range(3)], token_mean)
+    write(tmp_path / "run" / "ranks-low.parquet", [r for r in rows if r["rank"] < ranks // 2])
+    write(tmp_path / "run" / "ranks-high.parquet", [r for r in rows if r["rank"] >= ranks // 2])
+    write(tmp_path / "run" / "again.parquet", [r for r in rows if r["rank"] == ranks - 2 and r["step"] == 1])
+    shards = load([tmp_path]).shards
+    assert engine_module.single_rank_range(shards) == (0, ranks - 1)
+    fast = Engine.open(shards)
+    fast_steps = fast.step_table()
+    monkeypatch.setattr(engine_module, "single_rank_range", lambda shards: None)
+    general = Engine.open(shards)
+    pd.testing.assert_frame_equal(general.step_table(), fast_steps)
+    assert fast.duplicates == general.duplicates == {"run": (1, 1, 1, 1)}
+
+
 def test_the_one_record_form_is_taken_only_when_every_footer_says_microbatch_0(tmp_path: Path) -> None:
     from tokaudit.engine.sql import RANK_BITS_LIMIT, single_rank_range
 
