@@ -120,9 +120,11 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
     `load(..., thorough=False)` callers check those values in their aggregation instead."""
     name = _name(path, store)
     try:
-        fragment = sized_fragment(store, str(path)) if store is not None else None
-        parquet = (local_footer(name) if store is None else fragment and FragmentFooter(fragment)
-                   ) or Footer(_open(path, store))
+        if store is None:
+            parquet = local_footer(name) or Footer(_open(path, store))
+        else:
+            fragment = sized_fragment(store, str(path))
+            parquet = FragmentFooter(fragment) if fragment is not None else Footer(_open(path, store))
         metadata = parquet.metadata
         stored = metadata.metadata  # its key-value pairs (made anew at every ask: asked once)
         facts, index = _schema_of(parquet, stored)

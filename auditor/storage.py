@@ -36,7 +36,7 @@ class Store:
     scheme: str
     sizes: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
     """Each object's size as the listing gave it, by path: an object of known size is read without asking
-    the store for its size first (`footers.remote_footer`), a request less per object."""
+    the store for its size first (`sized_fragment`), a request less per object."""
 
     def url(self, path: str | PurePath) -> str:
         return f"{self.scheme}://{path}"
