@@ -53,15 +53,15 @@ def tokaudit(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
 
 class CountingProxy:
-    """A TCP relay in front of an S3 endpoint that counts the HTTP requests sent through it by method. Only
-    requests without a body are parsed well (GET, HEAD: what an audit sends); one with a body is counted once."""
+    """A TCP relay in front of an S3 endpoint that keeps the (method, path) of each HTTP request sent through it.
+    Only requests without a body are parsed well (GET, HEAD: what an audit sends)."""
 
     def __init__(self, host: str, port: int) -> None:
         import socket
         import threading
 
         self.target = (host, port)
-        self.methods: dict[str, int] = {}
+        self.requests: list[tuple[str, str]] = []
         self.lock = threading.Lock()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
@@ -97,13 +97,13 @@ class CountingProxy:
                     pass
 
     def _count(self, data: bytes) -> bytes:
-        """Counts each complete request head in `data`; gives back what follows the last one."""
+        """Keeps each complete request head in `data`; gives back what follows the last one."""
         while (end := data.find(b"\r\n\r\n")) >= 0:
             head, data = data[:end], data[end + 4:]
-            method = head.split(b" ", 1)[0].decode("ascii", "replace")
+            method, _, rest = head.split(b"\r\n", 1)[0].decode("ascii", "replace").partition(" ")
             if method.isalpha() and method.isupper():
                 with self.lock:
-                    self.methods[method] = self.methods.get(method, 0) + 1
+                    self.requests.append((method, rest.rsplit(" ", 1)[0].split("?", 1)[0]))
         return data
 
     def close(self) -> None:
