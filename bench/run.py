@@ -156,7 +156,8 @@ def main() -> None:
     for label, ranks, micro, steps_per_file, ranks_per_file, recorder, suffix in layouts:
         steps = int(args.rows) // (ranks * micro)
         log = args.out / f"synthetic-{ranks}x{steps}x{micro}{suffix}"
-        once(log, lambda path: write_log(path, ranks, steps, micro, steps_per_file=steps_per_file,  # noqa: B023
+        # (called at once, in this iteration: the lambda's loop variables are this layout's)
+        once(log, lambda path: write_log(path, ranks, steps, micro, steps_per_file=steps_per_file,
                                          ranks_per_file=ranks_per_file, local_mean_every=2, recorder_columns=recorder))
         rows += _compare(f"{ranks * steps * micro:.0e} rows, {label} ({steps:,} steps)", log,
                          naive=ranks * steps * micro <= 2e7 and not suffix, repeat=args.repeat)

@@ -3,8 +3,8 @@ times real audits, so its writer must keep up with the log format."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +12,13 @@ from click.testing import CliRunner
 
 from tokaudit.cli import main
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from synthetic import write_log, write_small_shards  # noqa: E402
+# bench/ is scripts, not a package: its writer loaded from its file, the test session's sys.path left as it is
+_spec = importlib.util.spec_from_file_location("bench_synthetic",
+                                               Path(__file__).resolve().parents[1] / "bench" / "synthetic.py")
+assert _spec is not None and _spec.loader is not None
+synthetic = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(synthetic)
+write_log, write_small_shards = synthetic.write_log, synthetic.write_small_shards
 
 
 def report(log: Path) -> tuple[int, dict[str, object]]:
