@@ -50,9 +50,7 @@ def tokaudit(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
                           env={**os.environ, **(env or {})})
 
 
-
-
-class CountingProxy:
+class RecordingProxy:
     """A TCP relay in front of an S3 endpoint that keeps the (method, path) of each HTTP request sent through it.
     Only requests without a body are parsed well (GET, HEAD: what an audit sends)."""
 
@@ -85,7 +83,7 @@ class CountingProxy:
         try:
             while data := source.recv(65536):
                 if requests:
-                    pending = self._count(pending + data)
+                    pending = self._keep(pending + data)
                 sink.sendall(data)
         except OSError:
             pass
@@ -96,7 +94,7 @@ class CountingProxy:
                 except OSError:
                     pass
 
-    def _count(self, data: bytes) -> bytes:
+    def _keep(self, data: bytes) -> bytes:
         """Keeps each complete request head in `data`; gives back what follows the last one."""
         while (end := data.find(b"\r\n\r\n")) >= 0:
             head, data = data[:end], data[end + 4:]

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration  # a real S3-compatible server in this proc
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
-from tests.s3 import CREDENTIALS, CountingProxy, RUNS, SAMPLE_LOGS, endpoint, tokaudit  # noqa: E402,F401
+from tests.s3 import CREDENTIALS, RecordingProxy, RUNS, SAMPLE_LOGS, endpoint, tokaudit  # noqa: E402,F401
 
 
 def test_an_s3_log_gives_the_report_of_its_local_copy(endpoint: dict[str, str]) -> None:
@@ -222,7 +222,7 @@ def test_one_row_shards_on_s3_are_read_from_their_footers_with_the_local_report(
     assert len(remote_shards) == 6 and engine.remote_views == {}, "no dataset opened on an object"
     engine.close()
     host, port = endpoint["AWS_ENDPOINT_URL"].removeprefix("http://").split(":")
-    proxy = CountingProxy(host, int(port))
+    proxy = RecordingProxy(host, int(port))
     try:
         remote = tokaudit("check", "s3://logs/one-row/", "--format", "json",
                           env={**endpoint, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"})
