@@ -192,10 +192,11 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
         findings: list[Finding] = []
         dropped = dropped_steps(logset.shards)
         trainers = trainers_of(logset.shards)
+        of_run = runs_apart(steps, parts, present)
         for run in present:
             lost = dropped.get(run)
-            source = _run_steps(parts, run, horizon, lost, spilled_names)
-            had_steps = source is not None or (lost is not None and _run_steps(parts, run, horizon, None) is not None)
+            source = _run_steps(of_run(run), run, horizon, lost, spilled_names)
+            had_steps = source is not None or (lost is not None and _run_steps(of_run(run), run, horizon, None) is not None)
             run_findings, summary = _audit_run(run, source, lost, had_steps, (rtol, precision.get(run)),
                                                duplicates.get(run), extremes, ignored, min_ratio, trainers.get(run))
             findings.extend(run_findings)
@@ -275,6 +276,22 @@ def table_parts(table: pd.DataFrame | Spilled) -> Callable[[], Iterable[pd.DataF
 def table_runs(table: pd.DataFrame | Spilled) -> set[str]:
     """A step table's runs, read from no part of it where it is on disk (its names were noted as it was kept)."""
     return set(table.run.unique()) if isinstance(table, pd.DataFrame) else {run for run, _, _ in table.names}
+
+def runs_apart(table: pd.DataFrame | Spilled, parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str]
+               ) -> Callable[[str], Callable[[], Iterable[pd.DataFrame]]]:
+    """Per run, its parts of the table (`parts`): a table in memory is split once, by run, so that the checks'
+    many passes over one run each read that run's rows, not the whole table's; one on disk is read as it is."""
+    if not isinstance(table, pd.DataFrame):
+        return lambda run: parts
+    apart = dict(zip(runs, selected_each(table, runs)))
+    return lambda run: (lambda: [apart[run]])
+
+def selected_each(table: pd.DataFrame, runs: list[str]) -> list[pd.DataFrame]:
+    """The rows of each of these runs, as `selected_runs` gives them, the table's names read once."""
+    ranks = name_ranks(table.run, runs)
+    if len(runs) == 1 and (ranks == 0).all():
+        return [table]
+    return [table[ranks == index].reset_index(drop=True) for index in range(len(runs))]
 
 def selected_runs(parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str] | None) -> Iterator[pd.DataFrame]:
     """The parts' rows of these runs (all when None): a part of no other run as it is."""
