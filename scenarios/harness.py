@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -52,19 +53,28 @@ def _each(rank: int, world_size: int, fn: Callable[..., Any], items: list[Any], 
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, args: tuple[Any, ...]) -> None:
-    import torch
     import torch.distributed as dist
+
+    def job() -> Any:
+        dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=GLOO_TIMEOUT_S))
+        try:
+            return fn(rank, world_size, *args)
+        finally:
+            gc.collect()
+            dist.destroy_process_group()
+
+    _report(job, rank, workdir)
+
+
+def _report(job: Callable[[], Any], rank: int, workdir: str) -> None:
+    """Run `job` on one thread of torch and leave its value, or its traceback, where `_gather` reads it."""
+    import torch
 
     torch.set_num_threads(1)
     outcome: tuple[str, Any]
     try:
-        dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=GLOO_TIMEOUT_S))
-        try:
-            outcome = ("ok", fn(rank, world_size, *args))
-        finally:
-            gc.collect()
-            dist.destroy_process_group()
+        outcome = ("ok", job())
     except BaseException:
         outcome = ("error", traceback.format_exc())
     with open(f"{workdir}/result-{rank}.pkl.tmp", "wb") as handle:
@@ -78,9 +88,53 @@ def run_ddp(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float 
     Raises RuntimeError with the rank's traceback when one fails, TimeoutError when a job hangs
     (every process is then killed, so a hung collective never stalls the suite).
     """
+    return _gather(lambda rank, workdir: (fn, rank, world_size, workdir, args), _worker, world_size, timeout)
+
+
+def launch(program: str, *args: str, world_size: int = 2, timeout: float = 180.0) -> None:
+    """Run a training script (a path, or `-m module`) as `torchrun --nproc-per-node W` runs it: in `world_size`
+    processes, each with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...),
+    as `__main__` with these arguments, the script making its own process group. The processes are the
+    forkserver's, torch already imported: seconds a process less than a torchrun launch. Fails as `run_ddp`."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    _gather(lambda rank, workdir: (program, args, rank, world_size, port, workdir), _program, world_size, timeout)
+
+
+def _program(program: str, args: tuple[str, ...], rank: int, world_size: int, port: int, workdir: str) -> None:
+    import runpy
+
+    import torch.distributed as dist
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+
+    def job() -> None:
+        try:
+            if program == "-m":
+                sys.argv = [args[0], *args[1:]]
+                runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = [program, *args]
+                runpy.run_path(program, run_name="__main__")
+        except SystemExit as done:
+            if done.code not in (None, 0):
+                raise
+        finally:
+            gc.collect()
+            if dist.is_initialized():  # a script that left its group
+                dist.destroy_process_group()
+
+    _report(job, rank, workdir)
+
+
+def _gather(arguments: Callable[[int, str], tuple[Any, ...]], target: Callable[..., None], world_size: int,
+            timeout: float) -> list[Any]:
+    """`target(*arguments(rank, workdir))` on `world_size` forkserver processes; each rank's value (`_report`)."""
     context = _forkserver()
     workdir = tempfile.mkdtemp(prefix="tokaudit-ddp-")
-    processes = [context.Process(target=_worker, args=(fn, rank, world_size, workdir, args), daemon=True)
+    processes = [context.Process(target=target, args=arguments(rank, workdir), daemon=True)
                  for rank in range(world_size)]
     try:
         for process in processes:

@@ -1,4 +1,4 @@
-"""Accelerate, launched as `accelerate launch` launches it on CPU (torchrun, 2 processes, gloo), with
+"""Accelerate, run as `accelerate launch` runs it on CPU (torchrun's environment, 2 processes, gloo), with
 gradient accumulation 2 and the one-line attach `Recorder(..., accelerator=accelerator)`: the float64
 reference says which loop trains the token mean, and the audit agrees."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from scenarios.accelerate_job import COUNTS
-from scenarios.harness import finished, torchrun
+from scenarios.harness import launch
 from scenarios.strategies import Scenario, reference_gradient
 from tests.logs import read_rows
 from tests.needs import needs
@@ -19,15 +19,12 @@ from tokaudit.auditing import audit
 
 pytestmark = [needs("accelerate"), pytest.mark.distributed]
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("accelerate")
-    # torchrun, as `accelerate launch` uses on CPU; both variants at once
-    finished(*(torchrun("-m", "scenarios.accelerate_job", "--log-dir", str(root), "--variant", variant, cwd=ROOT)
-               for variant in ("token_mean", "local_mean")))
+    for variant in ("token_mean", "local_mean"):  # as torchrun, which `accelerate launch` uses on CPU, runs it
+        launch("-m", "scenarios.accelerate_job", "--log-dir", str(root), "--variant", variant)
     return root
 
 

@@ -1,4 +1,6 @@
-"""The README's torchrun example, run for real with torchrun, then audited by tokaudit itself."""
+"""The examples, run as their docs run them and audited by tokaudit: the README's torchrun command line for real
+with torchrun and `tokaudit check`; its mistake and the torchtitan-style loop as torchrun runs a script (two
+processes with its environment, `launch`), audited by `tokaudit.audit`."""
 
 from __future__ import annotations
 
@@ -9,40 +11,37 @@ from pathlib import Path
 
 import pytest
 
-from scenarios.harness import finished, torchrun
+from scenarios.harness import finished, launch, torchrun
+from tokaudit import audit
 
 pytestmark = pytest.mark.distributed
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchrun_token_mean.py"
-
-
-def check(log_dir: Path) -> tuple[int, dict]:  # type: ignore[type-arg]
-    done = subprocess.run([sys.executable, "-m", "tokaudit.cli", "check", str(log_dir), "--format", "json"],
-                          capture_output=True, text=True, timeout=120)
-    return done.returncode, json.loads(done.stdout)
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLE = EXAMPLES / "torchrun_token_mean.py"
+TORCHTITAN = EXAMPLES / "torchtitan_style.py"
 
 
 def test_the_fixed_example_is_correct_and_the_mistake_is_caught(tmp_path: Path) -> None:
-    # the README's command line, both at once
     readme = (str(EXAMPLE), "--steps", "10")
-    finished(torchrun(*readme, "--log-dir", str(tmp_path / "fixed"), "--run-id", "fixed"),
-             torchrun(*readme, "--log-dir", str(tmp_path / "broken"), "--run-id", "broken", "--mistake", "local-mean"))
-    code, report = check(tmp_path / "fixed")
-    assert code == 0 and report["runs"][0]["verdict"] == "correct" and report["findings"] == []
+    fixed = torchrun(*readme, "--log-dir", str(tmp_path / "fixed"), "--run-id", "fixed")
+    try:  # the mistake meanwhile, in the suite's own processes
+        launch(*readme, "--log-dir", str(tmp_path / "broken"), "--run-id", "broken", "--mistake", "local-mean")
+    finally:
+        finished(fixed)
+    done = subprocess.run([sys.executable, "-m", "tokaudit.cli", "check", str(tmp_path / "fixed"), "--format", "json"],
+                          capture_output=True, text=True, timeout=120)
+    report = json.loads(done.stdout)
+    assert done.returncode == 0 and report["runs"][0]["verdict"] == "correct" and report["findings"] == []
     assert report["runs"][0]["steps"] == 10 and report["runs"][0]["ranks"] == 2
-    code, report = check(tmp_path / "broken")
-    assert code == 1 and "local_mean" in {f["code"] for f in report["findings"]}
-
-
-TORCHTITAN = Path(__file__).resolve().parents[2] / "examples" / "torchtitan_style.py"
+    broken = audit([tmp_path / "broken"])
+    assert broken.runs[0].verdict == "incorrect" and "local_mean" in {f.code.value for f in broken.findings}
 
 
 def test_the_torchtitan_style_example_is_correct(tmp_path: Path) -> None:
     """FSDP2 with a summing reduce-scatter, N all-reduced before the first backward, a compiled loss (traced by
     dynamo as under inductor; aot_eager spares the C++ compiler, seconds a rank, which the probe never sees)."""
-    finished(torchrun(str(TORCHTITAN), "--log-dir", str(tmp_path), "--steps", "4", "--compile-backend", "aot_eager"),
-             timeout=420)
-    code, report = check(tmp_path / "torchtitan_style")
-    (run,) = report["runs"]
-    assert code == 0 and run["verdict"] == "correct" and report["findings"] == [], report["findings"]
-    assert run["divisors"] == [1.0] and run["steps"] == 4 and run["microbatches"] == 2
+    launch(str(TORCHTITAN), "--log-dir", str(tmp_path), "--steps", "4", "--compile-backend", "aot_eager", timeout=420)
+    report = audit([tmp_path / "torchtitan_style"])
+    (run,) = report.runs
+    assert run.verdict == "correct" and report.findings == [], report.findings
+    assert run.divisors == [1.0] and run.steps == 4 and run.microbatches == 2
