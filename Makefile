@@ -42,6 +42,7 @@ test-fast: setup
 
 typecheck: setup
 	$(BIN)/python -m mypy
+	$(BIN)/python -m mypy bench
 
 # The editable install imports subpackages missing from `packages`; the wheel
 # does not. Build it once and import everything from it.

@@ -28,8 +28,8 @@ def main() -> None:
 
         # The one-query floor: per-step N and the extremes of b/S over the same files, nothing else.
         files = [str(p) for p in sorted(__import__("pathlib").Path(args[0]).rglob("*.parquet"))]
-        duckdb.sql(f"""SELECT step, sum(valid_tokens), min(backward_scalar / loss_sum), max(backward_scalar / loss_sum)
-                       FROM read_parquet({files!r}) GROUP BY step""").fetchall()
+        duckdb.execute(f"""SELECT step, sum(valid_tokens), min(backward_scalar / loss_sum), max(backward_scalar / loss_sum)
+                           FROM read_parquet({files!r}) GROUP BY step""").fetchall()
     elif kind == "startup":
         # What `check` imports before it reads anything, and nothing else: the start-up that "audit work"
         # (check − start-up) leaves out.

@@ -75,12 +75,12 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, data: list[tuple[to
         scalar = loss_sum / step_tokens
         if rec is not None:
             rec.record(loss_sum=loss_sum, valid_tokens=valid.sum(), backward_scalar=scalar, positions=labels.numel())
-        scalar.backward()
+        torch.autograd.backward(scalar)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
-def measure(steps: int) -> dict[str, float]:
+def measure(steps: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = TinyTransformer()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -204,7 +204,7 @@ def parts() -> dict[str, float]:
                            "positions": labels.numel()})
     probe = ProbeResult()
     probe.add(grad, valid, live)
-    values = {"loss_sum": loss_sum, "valid_tokens": count, "backward_scalar": scalar}
+    values: dict[str, Any] = {"loss_sum": loss_sum, "valid_tokens": count, "backward_scalar": scalar}
     held = [getattr(probe, name) for name in ProbeResult.VALUES]
     slabs = Slabs()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import time
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -92,7 +93,7 @@ def write_small_shards(out: Path, steps: int, ranks: int, recorder_columns: bool
         total = int(counts.sum())
         for rank in range(ranks):
             n = int(counts[rank])
-            row = {"step": step, "micro": 0, "rank": rank, "world_size": ranks, "loss_sum": 2.0 * n,
+            row: dict[str, Any] = {"step": step, "micro": 0, "rank": rank, "world_size": ranks, "loss_sum": 2.0 * n,
                    "valid_tokens": n, "backward_scalar": ranks * 2.0 * n / total}
             if recorder_columns:
                 row.update(run_id=out.name, group="0", term="0", grad_divisor=float(ranks), divisor_known=True,
