@@ -873,3 +873,46 @@ def test_the_engine_s_database_does_not_take_float_statistics_for_the_truth(tmp_
         engine.close()
     (count, highest), = found
     assert count == 1 and highest != highest  # NaN
+
+
+def test_the_heat_map_is_each_valid_record_s_q_in_its_cell(tmp_path: Path) -> None:
+    """rank_weights, by its definition computed record by record in pandas: q = e·N, N the valid tokens of the
+    record's step (per group and term; over every term in a pooled run), a record counted where n > 0 and q is
+    finite, each run's ranks and steps cut into at most `rows` × `columns` cells of equal spans."""
+    import numpy as np
+
+    def term_rows(term: str, scale: float) -> list[dict[str, Any]]:
+        return [dict(r, term=term, backward_scalar=r["backward_scalar"] * scale)
+                for r in records(UNEVEN_GA * 3, local_mean)]
+
+    mixed = records([[[3, 2], [0, 0], [2, 9], [5, 1], [1, 3]]] + [[[3, 2], [0, 0], [2, 4], [5, 1], [1, 3]]] * 6,
+                    local_mean, run_id="mixed")  # a rank without tokens; rank 2's 9 tokens its cell's lowest q
+    mixed[4]["backward_scalar"] = float("nan")  # rank 2's first microbatch: no weight, its second counted
+    for rank in range(5):
+        write(tmp_path / "mixed" / f"rank-{rank:05d}-000000.parquet", [r for r in mixed if r["rank"] == rank])
+    pooled = term_rows("0", 1.0) + term_rows("aux", 0.5)
+    write(tmp_path / "pooled" / "rank-all-000000.parquet", [dict(r, run_id="pooled") for r in pooled])
+    grouped = [dict(r, run_id="grouped", group=str(r["rank"] % 2)) for r in records(UNEVEN_GA * 2, local_mean)]
+    write(tmp_path / "grouped" / "rank-all-000000.parquet", grouped)
+    rows, columns = 2, 3
+    got = Engine.open(load([tmp_path]).shards).rank_weights(rows, columns, pooled=["pooled"])
+
+    table = pd.DataFrame(mixed + [dict(r, run_id="pooled") for r in pooled] + grouped)
+    table["group"] = table["group"].fillna("")
+    table["term"] = np.where(table.run_id == "pooled", "", table["term"].fillna(""))
+    table["N"] = table.groupby(["run_id", "group", "term", "step"]).valid_tokens.transform("sum")
+    table["q"] = table.backward_scalar / table.loss_sum / table.world_size * table.N
+    valid = table[(table.valid_tokens > 0) & np.isfinite(table.q)].copy()
+    expected = []
+    for run, mine in valid.groupby("run_id"):
+        low, high, top = mine.step.min(), mine.step.max(), mine["rank"].max()
+        row = mine["rank"] if top < rows else mine["rank"] * rows // (top + 1)
+        col = mine.step - low if high - low < columns else (mine.step - low) * columns // (high - low + 1)
+        for (r, c), cell in mine.groupby([row.rename("row"), col.rename("col")]):
+            expected.append((run, r, c, cell["rank"].min(), cell["rank"].max(), cell.step.min(), cell.step.max(),
+                             cell.q.min(), cell.q.max()))
+    assert len({run for run, *_ in expected}) == 3 and len(expected) > 9  # every run, cells of several ranks and steps
+    found = [(str(r.run), int(r.row), int(r.col), int(r.rank_first), int(r.rank_last), int(r.step_first),
+              int(r.step_last), r.q_low, r.q_high) for r in got.itertuples()]
+    assert [cell[:7] for cell in found] == [cell[:7] for cell in sorted(expected)]
+    assert np.allclose([cell[7:] for cell in found], [cell[7:] for cell in sorted(expected)], rtol=1e-15, atol=0)
