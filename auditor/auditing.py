@@ -137,7 +137,8 @@ def _undecodable(shards: list[Shard]) -> dict[object, LogFormatError]:
 def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol: float = DEFAULT_RTOL,
           runs: Sequence[str] = (), progress: Progress | None = None, live: bool = False,
           ignore: Sequence[str | Code] = (), min_ratio: float | None = None, keep_steps: bool = False,
-          threads: int | None = None, started: Loading | None = None) -> AuditReport:
+          threads: int | None = None, started: Loading | None = None,
+          then: Callable[[AuditReport, AuditedLog], None] | None = None) -> AuditReport:
     """Audit every run under `paths`. Unreadable files become `problems`; the rest is still audited.
 
     `live`: the logs are still being written, so steps after the last one every rank has recorded
@@ -147,7 +148,8 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
     in `report.steps`. `threads`: DuckDB's worker threads (default: every core); an audit running
     beside training (the trackers' audit) takes one. `started`: the validation of `paths` already
     under way (`start_loading(paths, thorough=False, workers=cores())`, which the command line starts
-    before it imports the auditor).
+    before it imports the auditor). `then`: called with the report and what it was computed from, before that is
+    closed: what a figure drawn from the same aggregation reads (`figures.run_figures`).
     """
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
@@ -159,11 +161,11 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
         ignored = {code_named(code) for code in ignore}
     except ValueError as error:
         raise UsageError(f"--ignore: {error}; `tokaudit explain` lists the codes") from None
-    return _audit(paths, rtol, runs, progress, live, ignored, min_ratio, keep_steps, threads, started)
+    return _audit(paths, rtol, runs, progress, live, ignored, min_ratio, keep_steps, threads, started, then)
 
 def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[str], progress: Progress | None,
            live: bool, ignored: set[Code], min_ratio: float | None, keep_steps: bool, threads: int | None,
-           started: Loading | None) -> AuditReport:
+           started: Loading | None, then: Callable[[AuditReport, AuditedLog], None] | None) -> AuditReport:
     logset, engine, steps = open_log_parts(paths, progress, threads=threads, started=started, evidence=True,
                                            spill=True)
     problems = [str(p) for p in logset.problems]
@@ -196,25 +198,43 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
         for run in present:
             lost = dropped.get(run)
             source = _run_steps(of_run(run), run, horizon, lost, spilled_names)
-            had_steps = source is not None or (lost is not None and _run_steps(of_run(run), run, horizon, None) is not None)
+            had_steps = source is not None or (
+                lost is not None and _run_steps(of_run(run), run, horizon, None) is not None)
             run_findings, summary = _audit_run(run, source, lost, had_steps, (rtol, precision.get(run)),
                                                duplicates.get(run), extremes, ignored, min_ratio, trainers.get(run))
             findings.extend(run_findings)
             if summary is not None:
                 summaries.append(summary)
         findings.sort(key=lambda f: (-f.severity.rank, f.run, f.term != UNNAMED, f.term, _CODE_ORDER[f.code], f.steps.first))
-        kept = None
-        if keep_steps:  # the same columns whatever the log's size
-            kept = _joined([part if horizon is None else part[_live(part, horizon)]
-                            for part in selected_runs(parts, present if runs else None)],
-                           ordered=isinstance(steps, pd.DataFrame))
-            kept = kept.drop(columns=[c for c in EXTREME_COLUMNS if c in kept.columns])
-        return AuditReport(runs=summaries, findings=findings, problems=problems, files=len(logset.shards),
-                           steps=kept)
+        kept = _kept(parts, present if runs else None, horizon, ordered=isinstance(steps, pd.DataFrame)) \
+            if keep_steps else None
+        report = AuditReport(runs=summaries, findings=findings, problems=problems, files=len(logset.shards),
+                             steps=kept)
+        if then is not None:
+            then(report, AuditedLog(logset.shards, duplicates, steps))
+        return report
     finally:
         engine.close()
         if isinstance(steps, Spilled):
             steps.close()
+
+@dataclass(frozen=True)
+class AuditedLog:
+    """What an audit was computed from, handed to `audit(..., then=)` before it is closed."""
+
+    shards: list[Shard]
+    """The shards audited (those no audit could use left out)."""
+    duplicates: dict[str, tuple[int, int, int, int]]
+    """The repeated keys the aggregation found and left out (`Engine.duplicates`)."""
+    steps: pd.DataFrame | Spilled
+    """The step table of every run, whole or on disk a range at a time."""
+
+def _kept(parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str] | None,
+          horizon: dict[tuple[str, str], int] | None, ordered: bool) -> pd.DataFrame:
+    """`keep_steps`' table of these runs (all when None): the same columns whatever the log's size."""
+    kept = _joined([part if horizon is None else part[_live(part, horizon)] for part in selected_runs(parts, runs)],
+                   ordered=ordered)
+    return kept.drop(columns=[c for c in EXTREME_COLUMNS if c in kept.columns])
 
 def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, had_steps: bool,
                tolerance: tuple[float, int | None], duplicates: tuple[int, int, int, int] | None,

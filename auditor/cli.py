@@ -20,7 +20,9 @@ from tokaudit.errors import LogFormatError, TokauditError, UsageError
 from tokaudit.render.text import printable
 
 if TYPE_CHECKING:
+    from tokaudit.auditing import AuditedLog
     from tokaudit.loading import Loading
+    from tokaudit.report import AuditReport
 
 EXIT_OK, EXIT_FINDINGS, EXIT_BAD_INPUT = 0, 1, 2
 EXIT_INTERRUPTED, EXIT_CLOSED_PIPE = 130, 141
@@ -64,6 +66,18 @@ def _start_loading(paths: tuple[str, ...]) -> Loading:
 
 NOTES_SHOWN = 5
 """Links out of the folders given that are named one by one; the rest are counted."""
+
+
+def _drawn_into(figures: dict[str, Any]) -> Callable[[AuditReport, AuditedLog], None]:
+    """`audit(..., then=)` for the HTML report: each run's figures, drawn from the audit's own aggregation."""
+
+    def draw(report: AuditReport, log: AuditedLog) -> None:
+        from tokaudit.figures import run_figures
+
+        figures.update(run_figures(log, [run.run for run in report.runs],
+                                   [run.run for run in report.runs if run.terms_pooled]))
+
+    return draw
 
 
 def _emit(text: str, output: Path | None) -> None:
@@ -213,8 +227,9 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
         with _start_loading(paths) as started:
             from tokaudit.auditing import audit
 
+            figures: dict[str, Any] = {}
             report = audit(paths, rtol=rtol, runs=runs, live=live, progress=progress, ignore=ignore,
-                           min_ratio=min_ratio, started=started)
+                           min_ratio=min_ratio, started=started, then=_drawn_into(figures) if fmt == "html" else None)
     if fmt == "json":
         from tokaudit.render.json_report import render_json
 
@@ -228,11 +243,8 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
 
         _emit(render_junit(report), output)
     elif fmt == "html":
-        from tokaudit.figures import run_figures
         from tokaudit.render.html import render_html
 
-        figures = run_figures(paths, [run.run for run in report.runs],
-                              [run.run for run in report.runs if run.terms_pooled])
         _emit(render_html(report, figures), output)
     elif fmt == "github":
         from tokaudit.render.github import render_annotations, write_step_summary

@@ -4,7 +4,6 @@ steps, a curve keeps the envelope of its steps (`postmortem.envelope`)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -12,8 +11,8 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit.auditing import open_log_parts
-from tokaudit.engine import Spilled
+from tokaudit.auditing import AuditedLog
+from tokaudit.engine import Engine, Spilled
 from tokaudit.postmortem import envelope, run_curve
 
 HEAT_ROWS = 64
@@ -34,25 +33,20 @@ class RunFigures:
     """(label, steps, values) of each series that has a value."""
 
 
-def run_figures(paths: Sequence[str | os.PathLike[str]], runs: Sequence[str], pooled: Sequence[str] = ()
-                ) -> dict[str, RunFigures]:
-    """The figures of `runs` (as the audit named them), from the logs at `paths`, read once more: what they
-    draw is per rank, which the audit's step table does not hold. `pooled`: the runs whose terms are one
-    token mean (`RunSummary.terms_pooled`), whose q counts N over every term."""
-    _, engine, steps = open_log_parts(paths, spill=True)  # a long run's step table stays on disk
+def run_figures(log: AuditedLog, runs: Sequence[str], pooled: Sequence[str] = ()) -> dict[str, RunFigures]:
+    """The figures of `runs` (as the audit named them) from what the audit read (`audit(..., then=)`): the curves
+    from its step table, the heat-map from the records, read once more (what it draws is per rank, which the step
+    table does not hold), with the repeated keys the audit left out left out again. `pooled`: the runs whose
+    terms are one token mean (`RunSummary.terms_pooled`), whose q counts N over every term."""
+    engine = Engine.open(log.shards)
     try:
-        if engine is None:
-            return {}
-        try:
-            heat = engine.rank_weights(HEAT_ROWS, HEAT_COLUMNS, pooled)
-        finally:
-            engine.close()
-        names = heat.run.astype(str)
-        return {run: RunFigures(heat[(names == run).to_numpy()].reset_index(drop=True),
-                                _curves(steps, run, run in pooled)) for run in runs}
+        engine.duplicates = dict(log.duplicates)  # as the audit's own engine found them: the same records
+        heat = engine.rank_weights(HEAT_ROWS, HEAT_COLUMNS, pooled)
     finally:
-        if isinstance(steps, Spilled):
-            steps.close()
+        engine.close()
+    names = heat.run.astype(str)
+    return {run: RunFigures(heat[(names == run).to_numpy()].reset_index(drop=True),
+                            _curves(log.steps, run, run in pooled)) for run in runs}
 
 
 def _curves(steps: pd.DataFrame | Spilled, run: str, pooled: bool

@@ -88,3 +88,21 @@ const curves = [...document.querySelectorAll("svg.curves polyline.series")];
 return {sections, curves: curves.length,
         narrowest_curve: Math.min(...curves.map(c => c.getBoundingClientRect().width))};
 """
+
+
+def test_the_heat_map_leaves_out_the_repeated_records_the_audit_left_out(tmp_path: Path) -> None:
+    """A step written twice, its earlier copy wrong: the audit keeps the later file's records, and so does the
+    heat-map, where every weight is then the token mean's (white); counted twice, step 7 would weigh 2×."""
+    import re
+
+    from tests.logs import UNEVEN_GA, token_mean, write
+
+    rows, run = records(UNEVEN_GA * 4, token_mean), tmp_path / "logs" / "run"
+    for first in range(0, 12, 3):
+        write(run / f"rank-all-{first:06d}.parquet", [r for r in rows if first <= r["step"] < first + 3])
+    wrong = records(UNEVEN_GA * 4, local_mean)
+    write(run / "rank-all-000002.parquet", [r for r in wrong if r["step"] == 7])  # read before the right copy
+    page = html_report([tmp_path / "logs"], tmp_path / "report.html")
+    assert "data-code=duplicate_records" in page
+    fills = re.findall(r'<rect class=cell [^>]*fill="([^"]+)"', page)
+    assert fills and set(fills) == {"#ffffff"}, fills
