@@ -303,15 +303,8 @@ def runs_apart(table: pd.DataFrame | Spilled, parts: Callable[[], Iterable[pd.Da
     many passes over one run each read that run's rows, not the whole table's; one on disk is read as it is."""
     if not isinstance(table, pd.DataFrame):
         return lambda run: parts
-    apart = dict(zip(runs, selected_each(table, runs)))
+    apart = {run: next(selected_runs(parts, [run])) for run in runs}
     return lambda run: (lambda: [apart[run]])
-
-def selected_each(table: pd.DataFrame, runs: list[str]) -> list[pd.DataFrame]:
-    """The rows of each of these runs, as `selected_runs` gives them, the table's names read once."""
-    ranks = name_ranks(table.run, runs)
-    if len(runs) == 1 and (ranks == 0).all():
-        return [table]
-    return [table[ranks == index].reset_index(drop=True) for index in range(len(runs))]
 
 def selected_runs(parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str] | None) -> Iterator[pd.DataFrame]:
     """The parts' rows of these runs (all when None): a part of no other run as it is."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -94,7 +94,7 @@ def write_small_shards(out: Path, steps: int, ranks: int, recorder_columns: bool
         for rank in range(ranks):
             n = int(counts[rank])
             row: dict[str, Any] = {"step": step, "micro": 0, "rank": rank, "world_size": ranks, "loss_sum": 2.0 * n,
-                   "valid_tokens": n, "backward_scalar": ranks * 2.0 * n / total}
+                                   "valid_tokens": n, "backward_scalar": ranks * 2.0 * n / total}
             if recorder_columns:
                 row.update(run_id=out.name, group="0", term="0", grad_divisor=float(ranks), divisor_known=True,
                            positions=n + 3, token_weight_sum=ranks * n / total, token_weight_min=ranks / total,
