@@ -22,11 +22,8 @@ GLOO_TIMEOUT_S = 30
 _context: Any = None
 
 
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "scenarios.strategies",
-           "transformers", "transformers.trainer", "accelerate", "lightning")
-"""What the forkserver imports once for every job it forks: torch (and torch._dynamo, which the first DDP()
-imports) and the trainers the integration jobs run, each seconds of import per process otherwise. One that is
-not installed is passed over."""
+PRELOAD = ("scenarios.preload",)
+"""The one module the forkserver imports before it forks any job (what it imports and why: its docstring)."""
 
 
 def _forkserver() -> Any:
