@@ -8,6 +8,9 @@ DEMO_VENV ?= .venv-demo
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tokaudit-installed
 DEMO_STAMP := $(DEMO_VENV)/.tokaudit-installed
+# pip installs without compiling bytecode (all of torch and the trainers, most of it never imported: over a minute
+# of a fresh set-up); what the commands below import is compiled once, on first import, and kept.
+unexport PYTHONDONTWRITEBYTECODE
 AUDITOR_SOURCES := $(wildcard auditor/*.py auditor/*/*.py auditor/*.json)
 
 .PHONY: setup demo test test-fast typecheck wheel-smoke bench sample-logs clean
@@ -17,8 +20,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]" --config-settings editable_mode=strict
+	$(BIN)/python -m pip install -q --no-compile "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q --no-compile -e ".[$(EXTRAS)]" --config-settings editable_mode=strict
 	touch $(STAMP)
 
 # The demo installs only what the audit needs (no torch, no trainers) in its own venv.

@@ -136,12 +136,19 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from synthetic import write_log, write_small_shards
 
-    # tokaudit's bytecode, as pip compiles it when it installs the package: an editable install under
-    # PYTHONDONTWRITEBYTECODE (this machine's) would otherwise compile every module at every start, 0.1 s
-    # the floor, whose DuckDB is compiled, does not pay.
+    # Bytecode for what the audit and the floor import, as a `pip install` that compiles leaves it: `make setup`
+    # installs without it, and under PYTHONDONTWRITEBYTECODE (this machine's) every start would compile again.
+    import click
+    import duckdb
+    import numpy
+    import pandas
+    import pyarrow
+    import rich
     import tokaudit
 
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(Path(tokaudit.__file__).parent)], check=True)
+    imported = (tokaudit, pandas, numpy, pyarrow, duckdb, rich, click)
+    folders = [str(Path(str(module.__file__)).parent) for module in imported]
+    subprocess.run([sys.executable, "-m", "compileall", "-q", *folders], check=True)
 
     # (label, ranks, micro, steps per file, ranks per file, every recorder column, folder suffix): the
     # recorder's layout (one shard per rank, 4,096 records), then compacted logs (few large files, each of
