@@ -53,3 +53,39 @@ def test_the_log_holds_what_accelerator_backward_backpropagated(runs: Path) -> N
         # probe's Σ weights (of the same backward) equals b/S per token sum.
         assert row["backward_scalar"] == pytest.approx(row["token_weight_sum"] * row["loss_sum"] / row["valid_tokens"])
         assert row["sync"] is (row["micro"] == 1)
+
+
+ACCELERATE_LOOP = """
+import sys, warnings
+import torch
+from accelerate import Accelerator
+from tokaudit.hooks import Recorder
+
+accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+model = torch.nn.Linear(4, 3)
+model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+with warnings.catch_warnings():
+    warnings.simplefilter("error")  # nothing to warn about: the wrapped optimizer is unwrapped
+    rec = Recorder(sys.argv[1], run_id="wrapped", optimizer=optimizer)
+for update in range(2):
+    for micro in range(2):
+        with accelerator.accumulate(model):
+            loss_sum = torch.nn.functional.cross_entropy(model(torch.randn(5, 4)), torch.arange(5) % 3,
+                                                         reduction="sum")
+            loss = loss_sum / 10
+            rec.record(loss_sum=loss_sum, valid_tokens=5, backward_scalar=loss)
+            accelerator.backward(loss)
+            optimizer.step()  # Accelerate's wrapper: reaches SGD on the update's last microbatch only
+            optimizer.zero_grad()
+rec.close()
+"""
+
+
+def test_accelerates_optimizer_wrapper_is_unwrapped_and_counts_updates_once(tmp_path: Path) -> None:
+    """`Recorder(optimizer=...)` given Accelerate's wrapped optimizer, whose step() runs every microbatch, in one
+    process of its own (Accelerator keeps process-wide state)."""
+    script = tmp_path / "loop.py"
+    script.write_text(ACCELERATE_LOOP)
+    launch(str(script), str(tmp_path), world_size=1)
+    rows = read_rows(tmp_path / "wrapped")
+    assert [(r["step"], r["micro"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]

@@ -13,7 +13,6 @@ import torch
 
 from tests.hooks.syncs import count_host_syncs
 from tests.logs import read_rows
-from tests.needs import needs
 from tokaudit.hooks import Recorder
 from tokaudit.hooks.buffer import RecordBuffer
 from tokaudit.hooks.columns import Packed
@@ -435,45 +434,6 @@ def test_manual_step_boundaries_without_optimizer(tmp_path: Path) -> None:
             rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0)
     keys = [(r["step"], r["micro"]) for r in read_rows(tmp_path / "manual")]
     assert keys == [(0, 0), (0, 1), (1, 0), (1, 1)]
-
-
-ACCELERATE_LOOP = """
-import sys, warnings
-import torch
-from accelerate import Accelerator
-from tokaudit.hooks import Recorder
-
-accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
-model = torch.nn.Linear(4, 3)
-model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-with warnings.catch_warnings():
-    warnings.simplefilter("error")  # nothing to warn about: the wrapped optimizer is unwrapped
-    rec = Recorder(sys.argv[1], run_id="wrapped", optimizer=optimizer)
-for update in range(2):
-    for micro in range(2):
-        with accelerator.accumulate(model):
-            loss_sum = torch.nn.functional.cross_entropy(model(torch.randn(5, 4)), torch.arange(5) % 3,
-                                                         reduction="sum")
-            loss = loss_sum / 10
-            rec.record(loss_sum=loss_sum, valid_tokens=5, backward_scalar=loss)
-            accelerator.backward(loss)
-            optimizer.step()  # Accelerate's wrapper: reaches SGD on the update's last microbatch only
-            optimizer.zero_grad()
-rec.close()
-"""
-
-
-@pytest.mark.integration
-@needs("accelerate")
-def test_accelerates_optimizer_wrapper_is_unwrapped_and_counts_updates_once(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    # Its own process: Accelerator keeps process-wide state.
-    subprocess.run([sys.executable, "-c", ACCELERATE_LOOP, str(tmp_path)], check=True, timeout=120,
-                   capture_output=True)
-    rows = read_rows(tmp_path / "wrapped")
-    assert [(r["step"], r["micro"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 class _Unhookable:
