@@ -1,6 +1,6 @@
 """Imported once by the suite's forkserver (`harness.PRELOAD`), before it forks any job: torch (and
-torch._dynamo, which the first DDP() imports) and the trainers the integration jobs run, each seconds of
-import per process otherwise. One that is not installed is passed over.
+torch._dynamo, which the first DDP() imports), the trainers the integration jobs run and the experiment
+trackers' clients, each seconds of import per process otherwise. One that is not installed is passed over.
 
 Then every object imported so far is frozen out of the garbage collector: a forked job's full collection
 would otherwise walk (and, writing each object's GC header, copy page by page) the whole imported heap
@@ -12,7 +12,9 @@ import gc
 import importlib
 
 MODULES = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "scenarios.strategies",
-           "transformers", "transformers.trainer", "accelerate", "lightning")
+           "transformers", "transformers.trainer", "accelerate", "lightning",
+           # the trackers' clients, and what W&B imports when a run starts
+           "torch.utils.tensorboard", "mlflow", "wandb", "wandb.sdk.launch", "wandb.apis.public")
 
 for _name in MODULES:
     try:
