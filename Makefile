@@ -48,10 +48,11 @@ typecheck: setup
 	$(BIN)/python -m mypy bench
 
 # The editable install imports subpackages missing from `packages`; the wheel
-# does not. Build it once and import everything from it.
+# does not. Build it once and import everything from it. Built with the venv's own
+# setuptools (the test extra's); `make demo` builds in an isolated environment.
 wheel-smoke: setup
 	rm -rf build/wheel build/wheel-unpacked
-	$(BIN)/python -m pip wheel -q --no-deps -w build/wheel .
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w build/wheel .
 	$(BIN)/python -m zipfile -e build/wheel/tokaudit-*.whl build/wheel-unpacked
 	cd build && PYTHONPATH=$(CURDIR)/build/wheel-unpacked $(abspath $(BIN))/python -c \
 	  "import tokaudit, tokaudit.checks.run, tokaudit.engine.database, tokaudit.normalization.decisions, tokaudit.cli, tokaudit.hooks, tokaudit.render, tokaudit.render.console; \
