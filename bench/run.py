@@ -138,16 +138,17 @@ def main() -> None:
 
     # Bytecode for what the audit and the floor import, as a `pip install` that compiles leaves it: `make setup`
     # installs without it, and under PYTHONDONTWRITEBYTECODE (this machine's) every start would compile again.
-    import click
-    import duckdb
-    import numpy
-    import pandas
-    import pyarrow
-    import rich
-    import tokaudit
+    import sysconfig
 
-    imported = (tokaudit, pandas, numpy, pyarrow, duckdb, rich, click)
-    folders = [str(Path(str(module.__file__)).parent) for module in imported]
+    import duckdb  # noqa: F401  (the floor's)
+    import tokaudit.auditing  # noqa: F401  (what `check --format json` imports, as it runs)
+    import tokaudit.cli  # noqa: F401
+    import tokaudit.render.json_report  # noqa: F401
+
+    installed = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    packages = {Path(str(module.__file__)).parent for module in list(sys.modules.values())
+                if getattr(module, "__file__", None) and Path(str(module.__file__)).name == "__init__.py"}
+    folders = sorted(str(p) for p in packages if str(p.parent) in installed or p.name == "tokaudit")
     subprocess.run([sys.executable, "-m", "compileall", "-q", *folders], check=True)
 
     # (label, ranks, micro, steps per file, ranks per file, every recorder column, folder suffix): the
