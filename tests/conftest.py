@@ -4,7 +4,6 @@ session fixtures are made once; every other test goes to whichever worker is fre
 
 from __future__ import annotations
 
-import gc
 import os
 from typing import Any
 
@@ -27,12 +26,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.get_closest_marker("distributed") and not item.nodeid.startswith(SERIAL):
             raise pytest.UsageError(f"{item.nodeid} is marked distributed: move it under {SERIAL}")
     items.sort(key=lambda item: not item.nodeid.startswith(SERIAL))  # stable: each part keeps its order
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """What collection imported (torch, pandas, DuckDB, the test modules) is kept for the whole session: frozen
-    out of the garbage collector, so that its full collections do not walk it again and again."""
-    gc.freeze()
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

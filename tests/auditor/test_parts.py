@@ -132,6 +132,7 @@ def test_a_table_read_in_parts_gives_the_whole_table_s_report(tmp_path: Path, mo
     assert whole[6].runs[0].verdict == "inconclusive" and whole[6].runs[0].steps == 15 - 1
 
 
+@pytest.mark.slow
 def test_a_long_run_is_audited_from_disk_a_part_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The memory bound's mechanism: past SPILL_STEPS the step table is kept on disk and read a range at a
     time, never whole, with the same report (what it saves is measured in bench/). 30,000 steps of 2 ranks,
@@ -292,6 +293,7 @@ def test_a_long_curve_s_plot_draws_each_series_envelope(monkeypatch: pytest.Monk
     assert {9.0, -9.0, 8.0} <= set(ky.tolist())
 
 
+@pytest.mark.slow
 def test_a_long_curve_s_plot_is_its_envelope_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`curve --plot` of a curve longer than PLOT_STEPS: each series drawn from its envelope (at most four
     points a bucket, its extremes among them), a PNG written; a shorter one draws every step."""
@@ -326,6 +328,7 @@ def test_a_long_curve_s_plot_is_its_envelope_end_to_end(tmp_path: Path, monkeypa
         assert x[0] == full_x[0] and x[-1] == full_x[-1]
 
 
+@pytest.mark.slow
 def test_a_step_that_is_not_there_is_named_from_the_table_read_a_part_at_a_time(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`weights --step` of a step a run lacks says which steps it has, from the whole log read a range at a
