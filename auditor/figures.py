@@ -38,9 +38,9 @@ def run_figures(log: AuditedLog, runs: Sequence[str], pooled: Sequence[str] = ()
     from its step table, the heat-map from the records, read once more (what it draws is per rank, which the step
     table does not hold), with the repeated keys the audit left out left out again. `pooled`: the runs whose
     terms are one token mean (`RunSummary.terms_pooled`), whose q counts N over every term."""
-    engine = Engine.open(log.shards)
+    # the repeated keys as the audit's own engine found them: the same records left out
+    engine = Engine.open(log.shards, duplicates=log.duplicates)
     try:
-        engine.duplicates = dict(log.duplicates)  # as the audit's own engine found them: the same records
         heat = engine.rank_weights(HEAT_ROWS, HEAT_COLUMNS, pooled)
     finally:
         engine.close()

@@ -20,7 +20,7 @@ import pandas as pd
 import pyarrow as pa
 
 from tokaudit.engine.ranges import CHUNK_ROWS, step_ranges
-from tokaudit.engine.sql import EXTREME_COLUMNS, MEAN_WEIGHT_EXTREMES, ONE_RECORD_SHAPE, UNUSABLE_RECORD, footer_facts, footer_table, one_name_of, select_records, single_rank_range, sql_string, step_sql, valueless_columns
+from tokaudit.engine.sql import EXTREME_COLUMNS, MEAN_WEIGHT_EXTREMES, ONE_RECORD_SHAPE, RANK_WEIGHTS_SQL, UNUSABLE_RECORD, footer_facts, footer_table, one_name_of, select_records, single_rank_range, sql_string, step_sql, valueless_columns
 from tokaudit.engine.tables import SPILL_STEPS, Spilled, add_duplicates, categorical, constant_of, join_columns, reorder, same_bits
 from tokaudit.errors import UsageError
 from tokaudit.reader import Shard
@@ -114,7 +114,11 @@ class Engine:
     @classmethod
     def open(cls, shards: Sequence[Shard], memory_limit: str | None = None,
              threads: int | None = None, chunk_rows: int | None = None,
-             only_steps: tuple[int, int] | None = None, extremes: bool = False) -> Engine:
+             only_steps: tuple[int, int] | None = None, extremes: bool = False,
+             duplicates: dict[str, tuple[int, int, int, int]] | None = None) -> Engine:
+        """An engine over these shards (memory limit and chunk rows from the environment unless given).
+        `duplicates`: the repeated keys an earlier engine over the same shards found (`Engine.duplicates`), so that
+        this one's views leave out the same records without aggregating every step again."""
         environment_memory, environment_chunk = settings_from_environment()
         memory_limit = memory_limit or environment_memory
         links: Path | None = None
@@ -126,7 +130,7 @@ class Engine:
                 connection.execute(f"SET threads = {int(threads)}")
             count = int(threads) if threads else int(connection.execute(
                 "SELECT current_setting('threads')").fetchall()[0][0])
-            engine = cls(connection=connection, shards=list(shards), duplicates={},
+            engine = cls(connection=connection, shards=list(shards), duplicates=dict(duplicates or {}),
                          chunk_rows=chunk_rows or environment_chunk, only_steps=only_steps, extremes=extremes,
                          threads=count,
                          memory_limit=memory_limit)
@@ -417,37 +421,10 @@ class Engine:
         self._whole()
         self.connection.execute(f"SET memory_limit = '{_half(self.memory_limit)}'")
         try:
-            return self._rank_weights(rows, columns, pooled)
+            return self.connection.execute(RANK_WEIGHTS_SQL, {"rows": rows, "columns": columns,
+                                                              "pooled": list(pooled)}).df()
         finally:
             self.connection.execute(f"SET memory_limit = '{self.memory_limit}'")
-
-    def _rank_weights(self, rows: int, columns: int, pooled: Sequence[str]) -> pd.DataFrame:
-        # One scan: per (objective, step, rank) the rank's tokens and the extremes of its finite weights e, then
-        # N per step from those rows. With N > 0 (a step with a valid record has one) rounding is monotone, so
-        # min(e)·N is min(e·N) bit for bit: no record is joined to its step's N, only each rank's extremes are.
-        # A rank's step whose extreme q overflows (|e| past ~1e300/N) is left out whole.
-        return self.connection.execute("""
-            WITH per_rank AS (
-                SELECT hash(run, grp, CASE WHEN list_contains($pooled, run) THEN '' ELSE term END) AS k,
-                       any_value(run) AS run, step, rank, sum(valid_tokens) AS tokens,
-                       min(eff) FILTER (valid_tokens > 0 AND isfinite(eff)) AS e_low,
-                       max(eff) FILTER (valid_tokens > 0 AND isfinite(eff)) AS e_high
-                FROM records GROUP BY k, step, rank),
-            counts AS (SELECT k, step, sum(tokens) AS tokens FROM per_rank GROUP BY k, step),
-            valid AS (
-                SELECT p.run, p.rank, p.step, p.e_low * c.tokens AS q_low, p.e_high * c.tokens AS q_high
-                FROM per_rank p JOIN counts c USING (k, step)
-                WHERE p.e_low IS NOT NULL AND isfinite(p.e_low * c.tokens) AND isfinite(p.e_high * c.tokens)),
-            spans AS (SELECT run, min(step) AS low, max(step) AS high, max(rank) AS top FROM valid GROUP BY run)
-            SELECT v.run,
-                   CASE WHEN s.top < $rows THEN v.rank ELSE v.rank * $rows // (s.top + 1) END AS row,
-                   CASE WHEN s.high - s.low < $columns THEN v.step - s.low
-                        ELSE (v.step - s.low) * $columns // (s.high - s.low + 1) END AS col,
-                   min(v.rank) AS rank_first, max(v.rank) AS rank_last,
-                   min(v.step) AS step_first, max(v.step) AS step_last, min(q_low) AS q_low, max(q_high) AS q_high
-            FROM valid v JOIN spans s USING (run)
-            GROUP BY ALL ORDER BY v.run, row, col
-        """, {"rows": rows, "columns": columns, "pooled": list(pooled)}).df()
 
     def complete_through(self) -> dict[tuple[str, str], int]:
         """Per (run, group): the last step that every rank has recorded. Steps after it are still

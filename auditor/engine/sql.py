@@ -394,3 +394,32 @@ def select_records(default_run: str, present: set[str], scan: str, where: str, o
             r.filename, r.file_row_number
         FROM {scan}
         {where}"""
+
+# One scan: per (objective, step, rank) the rank's tokens and the extremes of its finite weights e, then
+# N per step from those rows. With N > 0 (a step with a valid record has one) rounding is monotone, so
+# min(e)·N is min(e·N) bit for bit: no record is joined to its step's N, only each rank's extremes are.
+# A rank's step whose extreme q overflows (|e| past ~1e300/N) is left out whole.
+RANK_WEIGHTS_SQL = """
+WITH per_rank AS (
+    SELECT hash(run, grp, CASE WHEN list_contains($pooled, run) THEN '' ELSE term END) AS k,
+           any_value(run) AS run, step, rank, sum(valid_tokens) AS tokens,
+           min(eff) FILTER (valid_tokens > 0 AND isfinite(eff)) AS e_low,
+           max(eff) FILTER (valid_tokens > 0 AND isfinite(eff)) AS e_high
+    FROM records GROUP BY k, step, rank),
+counts AS (SELECT k, step, sum(tokens) AS tokens FROM per_rank GROUP BY k, step),
+valid AS (
+    SELECT p.run, p.rank, p.step, p.e_low * c.tokens AS q_low, p.e_high * c.tokens AS q_high
+    FROM per_rank p JOIN counts c USING (k, step)
+    WHERE p.e_low IS NOT NULL AND isfinite(p.e_low * c.tokens) AND isfinite(p.e_high * c.tokens)),
+spans AS (SELECT run, min(step) AS low, max(step) AS high, max(rank) AS top FROM valid GROUP BY run)
+SELECT v.run,
+       CASE WHEN s.top < $rows THEN v.rank ELSE v.rank * $rows // (s.top + 1) END AS row,
+       CASE WHEN s.high - s.low < $columns THEN v.step - s.low
+            ELSE (v.step - s.low) * $columns // (s.high - s.low + 1) END AS col,
+       min(v.rank) AS rank_first, max(v.rank) AS rank_last,
+       min(v.step) AS step_first, max(v.step) AS step_last, min(q_low) AS q_low, max(q_high) AS q_high
+FROM valid v JOIN spans s USING (run)
+GROUP BY ALL ORDER BY v.run, row, col
+"""
+"""Per run, q = e·N in cells of rank rows and step columns (`Engine.rank_weights`; parameters $rows, $columns and
+$pooled, the runs whose terms are one token mean)."""
