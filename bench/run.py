@@ -103,6 +103,27 @@ def once(log: Path, write: Callable[[Path], object]) -> Path:
     return log
 
 
+AUDIT_IMPORTS = """
+import sys, sysconfig
+from pathlib import Path
+import duckdb, tokaudit.auditing, tokaudit.cli, tokaudit.render.json_report
+installed = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+for module in list(sys.modules.values()):
+    path = Path(str(getattr(module, "__file__", None) or ""))
+    if path.name == "__init__.py" and (str(path.parent.parent) in installed or path.parent.name == "tokaudit"):
+        print(path.parent)
+"""
+"""Prints the installed packages the floor (duckdb) and `check --format json` (as it runs) import."""
+
+
+def _compile_audit_imports() -> None:
+    """Bytecode for what the audit and the floor import, as a `pip install` that compiles leaves it: `make setup`
+    installs without it, and under PYTHONDONTWRITEBYTECODE (this machine's) every start would compile again.
+    The packages are found in a fresh interpreter: this one has imported torch for the recorder's benchmark."""
+    found = subprocess.run([sys.executable, "-c", AUDIT_IMPORTS], check=True, capture_output=True, text=True)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", *sorted(set(found.stdout.splitlines()))], check=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=float, default=1e7, help="rows of the synthetic log (1e7 or 1e8)")
@@ -136,20 +157,7 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from synthetic import write_log, write_small_shards
 
-    # Bytecode for what the audit and the floor import, as a `pip install` that compiles leaves it: `make setup`
-    # installs without it, and under PYTHONDONTWRITEBYTECODE (this machine's) every start would compile again.
-    import sysconfig
-
-    import duckdb  # noqa: F401  (the floor's)
-    import tokaudit.auditing  # noqa: F401  (what `check --format json` imports, as it runs)
-    import tokaudit.cli  # noqa: F401
-    import tokaudit.render.json_report  # noqa: F401
-
-    installed = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    packages = {Path(str(module.__file__)).parent for module in list(sys.modules.values())
-                if getattr(module, "__file__", None) and Path(str(module.__file__)).name == "__init__.py"}
-    folders = sorted(str(p) for p in packages if str(p.parent) in installed or p.name == "tokaudit")
-    subprocess.run([sys.executable, "-m", "compileall", "-q", *folders], check=True)
+    _compile_audit_imports()
 
     # (label, ranks, micro, steps per file, ranks per file, every recorder column, folder suffix): the
     # recorder's layout (one shard per rank, 4,096 records), then compacted logs (few large files, each of
