@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import pickle
 import shutil
@@ -93,10 +94,19 @@ def launch(program: str, *args: str, world_size: int = 2, timeout: float = 180.0
     processes, each with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...),
     as `__main__` with these arguments, the script making its own process group. The processes are the
     forkserver's, torch already imported: seconds a process less than a torchrun launch. Fails as `run_ddp`."""
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    _gather(lambda rank, workdir: (program, args, rank, world_size, port, workdir), _program, world_size, timeout)
+    for attempt in range(3):
+        # A free port, let go so that rank 0's store can take it: another process may take it first, which rank 0
+        # reports at once (its store cannot listen), and the launch starts again on another port.
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            port = free.getsockname()[1]
+        try:
+            _gather(lambda rank, workdir: (program, args, rank, world_size, port, workdir), _program, world_size,
+                    timeout)
+            return
+        except RuntimeError as failed:
+            if attempt == 2 or "EADDRINUSE" not in str(failed) and "address already in use" not in str(failed):
+                raise
 
 
 def _program(program: str, args: tuple[str, ...], rank: int, world_size: int, port: int, workdir: str) -> None:
@@ -136,14 +146,9 @@ def _gather(arguments: Callable[[int, str], tuple[Any, ...]], target: Callable[.
     try:
         for process in processes:
             process.start()
-        deadline = time.monotonic() + timeout
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
-        if hung:
-            raise TimeoutError(f"ranks {hung} still running after {timeout:.0f}s")
+        failed = _wait(processes, workdir, timeout)
         results = []
-        for rank in range(world_size):
+        for rank in ([failed] if failed is not None else []) + list(range(world_size)):
             path = Path(workdir) / f"result-{rank}.pkl"
             if not path.exists():
                 raise RuntimeError(f"rank {rank} died (exit code {processes[rank].exitcode}) without a result")
@@ -151,7 +156,7 @@ def _gather(arguments: Callable[[int, str], tuple[Any, ...]], target: Callable[.
             if status != "ok":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results.append(value)
-        return results
+        return results  # (a failed rank, read first, has raised)
     finally:
         for process in processes:
             if process.pid is None:
@@ -160,6 +165,25 @@ def _gather(arguments: Callable[[int, str], tuple[Any, ...]], target: Callable[.
                 process.kill()
             process.join(5)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _wait(processes: list[Any], workdir: str, timeout: float) -> int | None:
+    """Until every process has ended, or one has reported a failure (its peers would wait in a collective it
+    never joins, until their own timeouts): None, or the rank that failed. TimeoutError when they hang."""
+    deadline = time.monotonic() + timeout
+    read: set[int] = set()
+    while any(process.is_alive() for process in processes):
+        if time.monotonic() > deadline:
+            hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+            raise TimeoutError(f"ranks {hung} still running after {timeout:.0f}s")
+        mp.connection.wait([process.sentinel for process in processes if process.is_alive()], timeout=0.2)
+        for rank in range(len(processes)):
+            path = Path(workdir) / f"result-{rank}.pkl"
+            if rank not in read and path.exists():
+                read.add(rank)
+                if pickle.loads(path.read_bytes())[0] != "ok":
+                    return rank
+    return None
 
 
 def torchrun(*args: str, cwd: Path | None = None) -> subprocess.Popen[str]:
