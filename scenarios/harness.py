@@ -148,7 +148,7 @@ def _gather(arguments: Callable[[int, str], tuple[Any, ...]], target: Callable[.
             process.start()
         failed = _wait(processes, workdir, timeout)
         results = []
-        for rank in ([failed] if failed is not None else []) + list(range(world_size)):
+        for rank in range(world_size) if failed is None else [failed]:  # a failed rank raises
             path = Path(workdir) / f"result-{rank}.pkl"
             if not path.exists():
                 raise RuntimeError(f"rank {rank} died (exit code {processes[rank].exitcode}) without a result")
@@ -156,7 +156,7 @@ def _gather(arguments: Callable[[int, str], tuple[Any, ...]], target: Callable[.
             if status != "ok":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results.append(value)
-        return results  # (a failed rank, read first, has raised)
+        return results
     finally:
         for process in processes:
             if process.pid is None:
