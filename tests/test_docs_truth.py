@@ -5,6 +5,7 @@ a Python example passes to tokaudit's API."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import re
@@ -167,8 +168,9 @@ API_MODULES = ("tokaudit", "tokaudit.hooks", "tokaudit.hooks.huggingface", "toka
 """The modules whose names the pages use without an import (the README's one-liners name the module beside)."""
 
 
+@functools.cache
 def public_names() -> dict[str, Any]:
-    """Each public name of API_MODULES: its `__all__`, else what the module defines."""
+    """Each public name of API_MODULES: its `__all__`, else what the module defines (found once; callers copy)."""
     names: dict[str, Any] = {"tokaudit": importlib.import_module("tokaudit")}
     for module_name in API_MODULES:
         module = importlib.import_module(module_name)
@@ -183,7 +185,7 @@ def api_calls(body: str) -> Iterator[tuple[Any, ast.Call]]:
     """(callable, call) for each call of tokaudit's API in an example: names imported from tokaudit, `tokaudit.x`,
     and methods of a variable the example assigned from a tokaudit class (`rec = Recorder(...)`)."""
     tree = ast.parse(body)
-    known = public_names()
+    known = dict(public_names())
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tokaudit"):
             known.update({alias.asname or alias.name: resolve(f"{node.module}.{alias.name}") for alias in node.names})
@@ -223,12 +225,13 @@ def python_shown(text: str) -> Iterator[str]:
     """The Python a page shows: its python blocks, and each inline span that parses as a call."""
     yield from (body for language, body in blocks(text) if language == "python")
     for span in INLINE.findall(FENCE.sub("", text)):
+        expression = span.replace("...", "None").replace("…", "None")  # an elided argument
         try:
-            tree = ast.parse(span.replace("...", "None").replace("…", "None"), mode="eval")
+            tree = ast.parse(expression, mode="eval")
         except SyntaxError:
             continue
         if any(isinstance(node, ast.Call) for node in ast.walk(tree)):
-            yield span.replace("...", "None").replace("…", "None")
+            yield expression
 
 
 def test_every_keyword_an_example_passes_to_tokaudit_exists() -> None:
