@@ -38,10 +38,10 @@ demo: $(DEMO_STAMP)
 
 # Two xdist workers: the tests under tests/distributed/ run one after the other on one of them (tests/conftest.py).
 test: setup typecheck wheel-smoke
-	$(BIN)/python -m pytest -q -n 2
+	TOKAUDIT_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n 2
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -n 2 -m "not distributed and not integration and not slow" --ignore=tests/distributed
+	TOKAUDIT_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n 2 -m "not distributed and not integration and not slow" --ignore=tests/distributed
 
 typecheck: setup
 	$(BIN)/python -m mypy

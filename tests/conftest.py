@@ -18,6 +18,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 SERIAL = "tests/distributed/"
 
+pytest_plugins = ["tests.needs"]  # skips for a missing package fail `make test` (tests/needs.py)
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The serial tests first (the longest scope starts at once, while the other worker takes the rest); a test
