@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import statistics
 import subprocess
 import sys
@@ -87,6 +88,7 @@ def measure(steps: int) -> dict[str, Any]:
     data = [batches(seed) for seed in range(8)]
     modes = ("plain", "recorded", "control")
     times: dict[str, list[float]] = {mode: [] for mode in modes}
+    faults: dict[str, list[int]] = {mode: [] for mode in modes}  # pages first touched during the step
     with tempfile.TemporaryDirectory() as folder:
         rec = Recorder(folder, run_id="bench", optimizer=optimizer)
         for index in range(3):  # warm-up (first-call allocations, autograd caches, first shard write)
@@ -98,9 +100,11 @@ def measure(steps: int) -> dict[str, Any]:
             # each loop takes each place in turn: P R C, R C P, C P R, ...
             triple, place = divmod(index, len(modes))
             mode = modes[(place + triple) % len(modes)]
+            faulted = minor_faults()
             start = time.perf_counter()
             step(model, optimizer, data[triple % 8], rec if mode == "recorded" else None)
             times[mode].append(time.perf_counter() - start)
+            faults[mode].append(minor_faults() - faulted)
         # The flush every 4096 records (default), amortized over the steps that filled it.
         records = steps * MICRO  # the recorded loop's, since the warm-up's flush
         start = time.perf_counter()
@@ -122,7 +126,14 @@ def measure(steps: int) -> dict[str, Any]:
             "ratio_to_both": recorded / ((plain + control) / 2),
             "flush_ms": flush_s * 1e3, "flush_records": records,
             "ratio_with_flush": (recorded + amortized) / plain, "block_ratios": fifths("recorded"),
-            "control_ms": control * 1e3, "control_ratio": control / plain, "control_block_ratios": fifths("control")}
+            "control_ms": control * 1e3, "control_ratio": control / plain, "control_block_ratios": fifths("control"),
+            "faults": {mode: statistics.fmean(counts) for mode, counts in faults.items()}}
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far: each a fresh page the kernel maps and zeroes, what a step whose
+    heap gave its blocks back pays to take them again."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _record_us(values: dict[str, Any], calls: int = 2000) -> float:
@@ -229,6 +240,12 @@ def parts_per_step(cost: dict[str, float], plain_ms: float) -> tuple[float, floa
     return per_step, 1 + per_step / plain_ms
 
 
+def faults_line(result: dict[str, Any]) -> str:
+    """Each loop's mean minor page faults a step (`measure`), as text."""
+    faults = result["faults"]
+    return f"page faults a step: plain {faults['plain']:.0f}, recorded {faults['recorded']:.0f}, control {faults['control']:.0f}"
+
+
 def keep_large_blocks() -> bool:
     """glibc's mallopt: blocks up to 16 MiB come from the heap and go back to it, and the heap keeps up to
     64 MiB free at its top, so that neither loop's step faults in fresh pages. False off glibc or where a
@@ -268,7 +285,7 @@ def main() -> None:
             return
         for run in summary["runs"]:
             print(f"process: recorded/plain {run['ratio']:.4f}, control/plain {run['control_ratio']:.4f}, "
-                  f"recorded/both {run['ratio_to_both']:.4f} (plain {run['plain_ms']:.1f} ms)")
+                  f"recorded/both {run['ratio_to_both']:.4f} (plain {run['plain_ms']:.1f} ms; {faults_line(run)})")
         (ratio, ratio_error), (control, control_error) = summary["ratio"], summary["control_ratio"]
         both, both_error = summary["ratio_to_both"]
         print(f"mean of {args.processes} processes: recorded/plain {ratio:.4f} ± {ratio_error:.4f}, "
@@ -290,7 +307,7 @@ def main() -> None:
           f"ratio {result['ratio']:.4f} (with flushes amortized {result['ratio_with_flush']:.4f}; "
           f"per fifth of the steps {', '.join(f'{r:.3f}' for r in result['block_ratios'])}); "
           f"control (the plain loop again) {result['control_ratio']:.4f}; recorded against both plain loops "
-          f"{result['ratio_to_both']:.4f}")
+          f"{result['ratio_to_both']:.4f}; {faults_line(result)}")
     cost = parts()
     per_step, ratio = parts_per_step(cost, result["plain_ms"])
     print(", ".join(f"{name[:-3]} {value:.0f} µs" for name, value in cost.items())

@@ -68,10 +68,13 @@ def _kept_heap(steps: int) -> list[tuple[str, str]]:
 
 
 def _ratio(result: dict[str, Any]) -> str:
-    """The loops' ratio of median steps, and each fifth's, beside the control loop's (`overhead.measure`)."""
+    """The loops' ratio of median steps, and each fifth's, beside the control loop's, and each loop's page faults a
+    step (`overhead.measure`)."""
+    from overhead import faults_line
+
     return (f"{result['ratio']:.4f} (per fifth of the steps: {', '.join(f'{r:.3f}' for r in result['block_ratios'])}); "
             f"the control loop, plain again: {result['control_ratio']:.4f}; recorded against both plain loops: "
-            f"{result['ratio_to_both']:.4f}")
+            f"{result['ratio_to_both']:.4f}; {faults_line(result)}")
 
 
 def _in_processes(processes: int, steps: int) -> list[tuple[str, str]]:
@@ -85,10 +88,12 @@ def _in_processes(processes: int, steps: int) -> list[tuple[str, str]]:
         return [(label, f"not measured ({error})")]
     (ratio, ratio_error), (control, control_error) = summary["ratio"], summary["control_ratio"]
     both, both_error = summary["ratio_to_both"]
-    each = ", ".join(f"{run['ratio']:.3f}" for run in summary["runs"])
+    each = ", ".join(f"{run['ratio']:.3f} ({run['faults']['recorded'] - run['faults']['plain']:+.0f})"
+                     for run in summary["runs"])
     return [(label, f"{ratio:.4f} ± {ratio_error:.4f}; the control loop {control:.4f} ± {control_error:.4f}; "
                     f"recorded against both plain loops {both:.4f} ± {both_error:.4f} (± one standard error; the "
-                    f"processes' own recorded/plain: {each})")]
+                    f"processes' own recorded/plain, with the recorded loop's page faults a step over the plain "
+                    f"loop's: {each})")]
 
 
 def once(log: Path, write: Callable[[Path], object]) -> Path:
