@@ -63,22 +63,64 @@ def batches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+class Phases:
+    """Each part of a loop's steps, summed over the step's microbatches: where, in the loop, the recorder's time goes.
+    Its parts timed alone (`parts`) run hot, thousands of calls in a row; here each runs once between the model's
+    kernels, as in training."""
+
+    NAMES = ("forward", "probe", "loss", "record", "backward", "optimizer", "zero_grad")
+
+    def __init__(self) -> None:
+        self.steps: dict[str, list[float]] = {name: [] for name in self.NAMES}
+        self.current = dict.fromkeys(self.NAMES, 0.0)
+        self.last = 0.0
+
+    def start(self) -> None:
+        self.current = dict.fromkeys(self.NAMES, 0.0)
+        self.last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        """The time since the last mark goes to `name`."""
+        now = time.perf_counter()
+        self.current[name] += now - self.last
+        self.last = now
+
+    def end(self) -> None:
+        for name, took in self.current.items():
+            self.steps[name].append(took)
+
+    def medians_ms(self) -> dict[str, float]:
+        return {name: statistics.median(took) * 1e3 for name, took in self.steps.items()}
+
+
 def step(model: nn.Module, optimizer: torch.optim.Optimizer, data: list[tuple[torch.Tensor, torch.Tensor]],
-         rec: Recorder | None) -> None:
+         rec: Recorder | None, phases: Phases | None = None) -> None:
+    mark = phases.mark if phases is not None else (lambda name: None)
+    if phases is not None:
+        phases.start()
     step_tokens = sum((labels != -100).sum() for _, labels in data)  # N, counted before backward
     for tokens, labels in data:
         valid = labels != -100
         per_token = F.cross_entropy(model(tokens).reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100,
                                     reduction="none").view_as(labels)
+        mark("forward")
         if rec is not None:
             per_token = rec.probe(per_token, valid)
+        mark("probe")
         loss_sum = (per_token * valid).sum()
         scalar = loss_sum / step_tokens
+        mark("loss")
         if rec is not None:
             rec.record(loss_sum=loss_sum, valid_tokens=valid.sum(), backward_scalar=scalar, positions=labels.numel())
+        mark("record")
         torch.autograd.backward(scalar)
+        mark("backward")
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    mark("optimizer")
+    optimizer.zero_grad(set_to_none=True)  # the recorder packs the closed update here
+    mark("zero_grad")
+    if phases is not None:
+        phases.end()
 
 
 def measure(steps: int) -> dict[str, Any]:
@@ -89,6 +131,7 @@ def measure(steps: int) -> dict[str, Any]:
     modes = ("plain", "recorded", "control")
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     faults: dict[str, list[int]] = {mode: [] for mode in modes}  # pages first touched during the step
+    phases = {mode: Phases() for mode in modes}
     with tempfile.TemporaryDirectory() as folder:
         rec = Recorder(folder, run_id="bench", optimizer=optimizer)
         for index in range(3):  # warm-up (first-call allocations, autograd caches, first shard write)
@@ -102,7 +145,7 @@ def measure(steps: int) -> dict[str, Any]:
             mode = modes[(place + triple) % len(modes)]
             faulted = minor_faults()
             start = time.perf_counter()
-            step(model, optimizer, data[triple % 8], rec if mode == "recorded" else None)
+            step(model, optimizer, data[triple % 8], rec if mode == "recorded" else None, phases[mode])
             times[mode].append(time.perf_counter() - start)
             faults[mode].append(minor_faults() - faulted)
         # The flush every 4096 records (default), amortized over the steps that filled it.
@@ -127,7 +170,22 @@ def measure(steps: int) -> dict[str, Any]:
             "flush_ms": flush_s * 1e3, "flush_records": records,
             "ratio_with_flush": (recorded + amortized) / plain, "block_ratios": fifths("recorded"),
             "control_ms": control * 1e3, "control_ratio": control / plain, "control_block_ratios": fifths("control"),
-            "faults": {mode: statistics.fmean(counts) for mode, counts in faults.items()}}
+            "faults": {mode: statistics.fmean(counts) for mode, counts in faults.items()},
+            "phases_ms": {mode: phases[mode].medians_ms() for mode in modes}}
+
+
+def in_loop_line(result: dict[str, Any]) -> str:
+    """What the recorder's own calls took in the loop (`measure`'s phases), as text: each part's median a step in
+    the recorded loop less the plain loop's, and the step-time ratio the calls alone make. Forward and backward
+    are shown beside the control loop's difference: there the heap's layout moves both loops."""
+    phases = result["phases_ms"]
+    more = {name: phases["recorded"][name] - phases["plain"][name] for name in Phases.NAMES}
+    own = more["probe"] + more["record"] + more["zero_grad"]
+    noise = {name: phases["control"][name] - phases["plain"][name] for name in ("forward", "backward")}
+    return (f"in the loop, recorded − plain a step: probe {more['probe']:+.2f} ms, record {more['record']:+.2f} ms, "
+            f"zero_grad (the update's pack) {more['zero_grad']:+.2f} ms: {own:.2f} ms, a ratio of "
+            f"{1 + own / result['plain_ms']:.4f}; forward {more['forward']:+.2f} ms and backward "
+            f"{more['backward']:+.2f} ms (the control loop's {noise['forward']:+.2f} and {noise['backward']:+.2f})")
 
 
 def minor_faults() -> int:
@@ -308,6 +366,7 @@ def main() -> None:
           f"per fifth of the steps {', '.join(f'{r:.3f}' for r in result['block_ratios'])}); "
           f"control (the plain loop again) {result['control_ratio']:.4f}; recorded against both plain loops "
           f"{result['ratio_to_both']:.4f}; {faults_line(result)}")
+    print(in_loop_line(result))
     cost = parts()
     per_step, ratio = parts_per_step(cost, result["plain_ms"])
     print(", ".join(f"{name[:-3]} {value:.0f} µs" for name, value in cost.items())
