@@ -313,9 +313,11 @@ def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str, output
         _emit(json.dumps(sanitize({"run": chosen, "step": step, "records": rows}), indent=2, ensure_ascii=False)
               + "\n", output)
     else:
+        from tokaudit.postmortem import probe_extremes
         from tokaudit.render.console import render_weights
 
-        text = _rich_text(lambda console: render_weights(chosen, step, records, console), output)
+        probe = probe_extremes(records)
+        text = _rich_text(lambda console: render_weights(chosen, step, records, probe, console), output)
         if text is not None:
             _emit(text, output)
     _exit_for_problems(problems)

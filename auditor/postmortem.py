@@ -12,7 +12,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.auditing import Progress, load_logs, open_log_parts, open_logs, selected_runs, table_parts, table_runs
-from tokaudit.checks import RunSteps, loss_terms, main_term_first, one_objective
+from tokaudit.checks import RunSteps, loss_terms, main_term_first, one_objective, outside_probe_range
 from tokaudit.codes import DEFAULT_RTOL
 from tokaudit.engine import Spilled
 from tokaudit.normalization import name_ranks
@@ -87,6 +87,20 @@ def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | 
         engine.close()
         if isinstance(table, Spilled):
             table.close()
+
+
+def probe_extremes(records: pd.DataFrame) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64],
+                                                    npt.NDArray[np.bool_]] | None:
+    """Where the probe measured a step's records (`step_weights`): each record's lightest and heaviest valid token
+    as q = e·N, and whether its own q (its mean weight) lies outside them beyond the default tolerance, a count that
+    is not the tokens the probe saw (`count_mismatch`). None where no record was probed."""
+    if "eff_min" not in records.columns or not records.eff_min.notna().any():
+        return None
+    # N of each record's (group, term): q = e·N, so the probe's extremes e_min, e_max read as q as well
+    tokens = records.groupby(["grp", "term"], observed=True, sort=False).valid_tokens.transform("sum").to_numpy(float)
+    lightest, heaviest = records.eff_min.to_numpy(float) * tokens, records.eff_max.to_numpy(float) * tokens
+    q = records.q.to_numpy(float)
+    return lightest, heaviest, outside_probe_range(q, q, lightest, heaviest, DEFAULT_RTOL)
 
 
 CURVE_KEYS = ("step", "tokens", "token_mean", "mean_of_local_means", "reported", "optimized")

@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 from rich import box
 from rich.console import Console
@@ -14,7 +15,6 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from tokaudit.codes import DEFAULT_RTOL
 from tokaudit.render.text import factor_text, finding_counts, many, printable, q_range_text, ratio_text, reported_note, steps_text, verdict_counts
 from tokaudit.report import AuditReport, RunSummary
 
@@ -136,33 +136,29 @@ def _number(value: object, digits: int = 5) -> str:
     return str(value)
 
 
-def render_weights(run: str, step: int, records: pd.DataFrame, console: Console) -> None:
-    """One row per record of one step: n, S, b, c, e and q = e·N (1 when correct); where the probe measured
-    the lightest and heaviest valid token, those as q too, beside the record's mean (its q)."""
-    from tokaudit.checks import outside_probe_range
+ProbeQ = tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.bool_]]
+"""Per record of a step: its lightest and heaviest valid token as the probe measured them, as q, and whether its
+own q lies outside them (`postmortem.probe_extremes`)."""
 
+
+def render_weights(run: str, step: int, records: pd.DataFrame, probe: ProbeQ | None, console: Console) -> None:
+    """One row per record of one step: n, S, b, c, e and q = e·N (1 when correct); where the probe measured
+    the lightest and heaviest valid token (`probe`), those as q too, beside the record's mean (its q)."""
     table = Table(title=Text(f"{printable(run)}, step {step}: weight of one valid token (correct: q = e·N = 1)"),
                   box=box.SIMPLE_HEAVY, title_justify="left")
-    probed = bool(records.eff_min.notna().any()) if "eff_min" in records.columns else False
+    probed = probe is not None
     terms = records.term.nunique() > 1  # each loss term is its own token mean, with its own N
     columns = ["group", *(["term"] if terms else []), "rank", "micro", "n", "S", "b", "c", "D", "g", "e = c·g/D",
                "q = e·N", *(["probe q"] if probed else []), "sync"]
     for header in columns:
         table.add_column(header, justify="left" if header in ("group", "term", "sync") else "right", overflow="fold")
-    outside = np.zeros(len(records), dtype=bool)
-    if probed:
-        # N of each record's (group, term): q = e·N, so the probe's extremes e_min, e_max read as q as well
-        tokens = records.groupby(["grp", "term"], observed=True, sort=False).valid_tokens.transform("sum")
-        lightest = records.eff_min.to_numpy(float) * tokens.to_numpy(float)
-        heaviest = records.eff_max.to_numpy(float) * tokens.to_numpy(float)
-        q = records.q.to_numpy(float)
-        outside = outside_probe_range(q, q, lightest, heaviest, DEFAULT_RTOL)
+    lightest, heaviest, outside = probe if probe is not None else (None, None, np.zeros(len(records), dtype=bool))
     rows: list[list[Text]] = []
     for index, row in enumerate(records.itertuples(index=False)):
         q = row.q
         style = "" if pd.isna(q) else ("green" if abs(q - 1) <= 1e-4 else "red")
         extremes: list[Text] = []
-        if probed:
+        if lightest is not None and heaviest is not None:
             low, high = _number(lightest[index], 4), _number(heaviest[index], 4)
             shown = "–" if "–" in (low, high) else low if low == high else f"{low}–{high}"
             extremes.append(Text(shown, style="red" if outside[index] else ""))
