@@ -175,7 +175,7 @@ def footer_type(arrow_type: str) -> pa.DataType | None:
     """The type a `Shard.record` value of a column of this Arrow type (as `Shard.signature` names it) is
     held in: the file's own type, but integers as int64, floats as double and strings (dictionaries of
     them too) as string, each of which the records' casts turn into what they make of the file's type
-    (`engine._select`: BIGINT, DOUBLE, VARCHAR) bit for bit; None for a type whose value a footer does not
+    (`engine.sql.select_records`: BIGINT, DOUBLE, VARCHAR) bit for bit; None for a type whose value a footer does not
     give exactly (a half float's statistics are bytes)."""
     dictionary = re.match(r"^dictionary<values=(large_)?string, ", arrow_type)
     if dictionary:
@@ -252,7 +252,7 @@ def record_stats(record: tuple[Any, ...], facts: SchemaFacts) -> dict[str, tuple
 
 _NAME_COLUMNS = (("run_id", None), ("group", UNNAMED), ("term", UNNAMED))
 """The columns that name a record's (run, group, term), and their defaults (None: the file's folder),
-as `engine._select` applies them."""
+as `engine.sql.select_records` applies them."""
 
 def names_of(stats: dict[str, tuple[Any, Any, int | None]], present: frozenset[str], default_run: str
            ) -> tuple[str | None, str | None, str | None]:

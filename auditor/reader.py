@@ -171,7 +171,7 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
 NULLABLE_COLUMNS = frozenset({"token_weight_sum", "token_weight_min", "token_weight_max", "masked_weight_abs_sum",
                               "reported_loss", "sync", "skipped", "positions", "divisor_known",
                               "precision_bits"})
-"""Optional columns whose absence lets the aggregation leave out aggregates (`engine.FOOTER_CONSTANTS`)."""
+"""Optional columns whose absence lets the aggregation leave out aggregates (`engine.sql.FOOTER_CONSTANTS`)."""
 
 _LAST_FOOTER: list[tuple[Any, bytes | None, SchemaFacts, dict[str, int]]] = []
 """The Parquet schema seen last, its stored Arrow schema, what it says and each column's place in the footer:

@@ -250,7 +250,7 @@ def world_sizes(steps: pd.DataFrame) -> list[int]:
     return sorted({int(w) for column in (steps.w_low, steps.w_high) for w in distinct(column)})
 
 def distinct(column: pd.Series) -> npt.NDArray[Any]:
-    """The distinct values of a column, sorted: its one value when it is held as one (`engine._constant`)."""
+    """The distinct values of a column, sorted: its one value when it is held as one (`engine.tables.constant_of`)."""
     values = column.to_numpy()
     return np.unique(values[:1] if one_value(values) else values)
 

@@ -73,7 +73,7 @@ class ClusterStarts:
         return labels
 
 def float_column(steps: pd.DataFrame, name: str) -> Floats:
-    """A column as float64 (what is not a number as NaN): a column held as one value (`engine._constant`)
+    """A column as float64 (what is not a number as NaN): a column held as one value (`engine.tables.constant_of`)
     stays one value (read-only, no memory), a float64 column is the column itself."""
     values = steps[name].to_numpy()
     if values.dtype.kind in "iuf" and one_value(values):
