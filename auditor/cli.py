@@ -348,7 +348,8 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
             check_format(plot_path)
         window = _step_range(step_range)
         with _start_loading(paths) as started:
-            from tokaudit.postmortem import curve_parts, curve_views
+            from tokaudit.postmortem import curve_parts
+            from tokaudit.render.curve import curve_views
 
             curve, problems = curve_parts(paths, run, steps=window, started=started)
         if fmt == "json":

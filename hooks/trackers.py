@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from tokaudit.storage import is_url
 
 if TYPE_CHECKING:
-    from tokaudit.report import AuditReport, Finding
+    from tokaudit import AuditReport, Finding
 
 VERDICT_VALUES: dict[str, int] = {"correct": 0, "inconclusive": 1, "incorrect": 2}
 """The verdict as a number, for charts and alerts: higher is worse (like finding severities)."""
@@ -383,7 +383,7 @@ class AuditLoop:
     def _audit(self, step: int, deadline: float, final: bool) -> None:
         """Audit until every rank's shards reach the steps before `step` (or the deadline), then log."""
         try:
-            from tokaudit.auditing import audit
+            from tokaudit import audit  # the public entry point: the hooks know no module of the auditor's
 
             while True:
                 # One DuckDB thread: the audit runs beside the training, which keeps the cores.

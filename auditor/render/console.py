@@ -190,7 +190,7 @@ def render_weights(run: str, step: int, records: pd.DataFrame, probe: ProbeQ | N
 
 def render_curve_table(run: str, shown: pd.DataFrame, steps: int, labels: Sequence[tuple[str, str]],
                        console: Console) -> None:
-    """The curve's rows `shown` (`postmortem.curve_views`: every k-th of its `steps`), a column per series
+    """The curve's rows `shown` (`render.curve.curve_views`: every k-th of its `steps`), a column per series
     (`labels`: key and label, `Curve.labels`)."""
     table = Table(title=Text(f"{printable(run)}: loss per step"), box=box.SIMPLE_HEAVY, title_justify="left")
     table.add_column("step", justify="right")

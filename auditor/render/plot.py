@@ -33,7 +33,7 @@ def check_format(path: Path) -> None:
 
 def write_png(run: str, points: dict[str, tuple[Any, Any]], labels: list[tuple[str, str]], path: Path) -> None:
     """The curves as an image: per series that has a value, by key, its (steps, values) points
-    (`postmortem.curve_views`: every step, or a long curve's envelope); `labels`: each series' key and label."""
+    (`render.curve.curve_views`: every step, or a long curve's envelope); `labels`: each series' key and label."""
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(9, 4.8), dpi=110)
     styles = {"token_mean": "-", "mean_of_local_means": "--", "reported": ":", "optimized": "-."}

@@ -300,6 +300,7 @@ def test_a_long_curve_s_plot_is_its_envelope_end_to_end(tmp_path: Path, monkeypa
     from click.testing import CliRunner
 
     import tokaudit.postmortem as postmortem
+    import tokaudit.render.curve as curve
     import tokaudit.render.plot as plot
     from tokaudit.cli import main
 
@@ -316,7 +317,7 @@ def test_a_long_curve_s_plot_is_its_envelope_end_to_end(tmp_path: Path, monkeypa
     every = drawn.pop()
     assert set(every) == {"token_mean", "mean_of_local_means", "optimized"}  # no reported loss: not drawn
     assert all(len(x) == 300 for x, _ in every.values())
-    monkeypatch.setattr(postmortem, "PLOT_STEPS", 100)
+    monkeypatch.setattr(curve, "PLOT_STEPS", 100)
     monkeypatch.setattr(postmortem, "PLOT_BUCKETS", 12)
     assert CliRunner().invoke(main, ["curve", str(log), "--plot", str(png)]).exit_code == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
