@@ -1,0 +1,117 @@
+"""The package's dependencies point one way, read from its sources' import statements (no import is run).
+
+The auditor is a stack of layers, each importing only those below it: reading the logs, the aggregation, the
+checks, the report, the renderers, the command line. The hooks run inside training and know of the auditor only
+its contract (the log schema, storage) and its public `tokaudit.audit`. No module imports another's private name.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LAYERS = ("errors", "schema", "codes", "settings", "storage", "sorting", "validation", "footers", "reader", "loading",
+          "engine", "normalization", "report", "checks", "summary", "auditing", "postmortem", "figures", "explain",
+          "render", "testing", "cli", "__main__")
+"""The auditor's modules and subpackages, lowest first: each may import those before it."""
+
+UPWARD = {("tokaudit.report", "tokaudit.render.markdown"):
+          "a report shows itself in a notebook as its Markdown report, imported when Jupyter asks"}
+"""The imports that point up, each inside the one function that needs it, and why."""
+
+HOOKS_MAY_IMPORT = ("tokaudit.schema", "tokaudit.storage", "tokaudit")
+"""The auditor's modules the hooks import: the log's contract, storage, and the package's public names."""
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str
+    """The importing module (tokaudit.…)."""
+    target: str
+    names: tuple[str, ...]
+    typing_only: bool
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for folder, package in (("auditor", "tokaudit"), ("hooks", "tokaudit.hooks")):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            found[".".join((package, *parts))] = path
+    return found
+
+
+def imports_of(module: str, path: Path) -> list[Import]:
+    found: list[Import] = []
+
+    def visit(nodes: list[ast.stmt], typing_only: bool) -> None:
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tokaudit":
+                found.append(Import(module, node.module, tuple(a.name for a in node.names), typing_only))
+            elif isinstance(node, ast.Import):
+                found.extend(Import(module, a.name, (), typing_only) for a in node.names if a.name.startswith("tokaudit"))
+            checking = isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.stmt):
+                    visit([child], typing_only or checking)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")).body, False)
+    return found
+
+
+def every_import() -> list[Import]:
+    return [found for module, path in modules().items() for found in imports_of(module, path)]
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_auditor_module_is_in_a_layer() -> None:
+    unplaced = sorted({layer(m) for m in modules() if not m.startswith("tokaudit.hooks") and layer(m)} - set(LAYERS))
+    assert not unplaced, f"add to LAYERS where they belong: {unplaced}"
+
+
+def test_the_auditor_imports_only_the_layers_below_each_module() -> None:
+    upward = []
+    for found in every_import():
+        if found.module.startswith("tokaudit.hooks") or found.typing_only:
+            continue
+        assert not found.target.startswith("tokaudit.hooks"), f"{found.module} imports {found.target}: no torch in the audit"
+        here, there = layer(found.module), layer(found.target)
+        if not here or not there or here == there:
+            continue  # the package's own lazy names; a layer's modules among themselves
+        if LAYERS.index(there) > LAYERS.index(here) and (found.module, found.target) not in UPWARD:
+            upward.append(f"{found.module} -> {found.target}")
+    assert not upward, upward
+    assert {(f.module, f.target) for f in every_import()} >= set(UPWARD), "an allowed upward import is gone: drop it"
+
+
+def test_the_hooks_know_only_the_auditor_s_contract_and_public_names() -> None:
+    outside = [f"{f.module} -> {f.target}" for f in every_import() if f.module.startswith("tokaudit.hooks")
+               and not f.target.startswith("tokaudit.hooks") and f.target not in HOOKS_MAY_IMPORT]
+    assert not outside, outside
+
+
+def test_no_module_imports_another_s_private_name() -> None:
+    private = [f"{f.module} imports {name} from {f.target}" for f in every_import() for name in f.names
+               if name.startswith("_") and not name.startswith("__") and f.target != f.module]
+    assert not private, private
+
+
+def test_the_rules_see_a_wrong_import(tmp_path: Path) -> None:
+    """The checks above read what they should: an upward import, a typing-only one, and a private name."""
+    source = tmp_path / "module.py"
+    source.write_text("from typing import TYPE_CHECKING\nfrom tokaudit.render.text import printable\n"
+                      "if TYPE_CHECKING:\n    from tokaudit.cli import main\n"
+                      "def f():\n    from tokaudit.engine.tables import _hidden\n", encoding="utf-8")
+    found = imports_of("tokaudit.reader", source)
+    assert [(f.target, f.names, f.typing_only) for f in found] == [
+        ("tokaudit.render.text", ("printable",), False), ("tokaudit.cli", ("main",), True),
+        ("tokaudit.engine.tables", ("_hidden",), False)]
+    assert LAYERS.index(layer("tokaudit.render.text")) > LAYERS.index(layer("tokaudit.reader"))
