@@ -3,6 +3,7 @@
 The auditor is a stack of layers, each importing only those below it: reading the logs, the aggregation, the
 checks, the report, the renderers, the command line. The hooks run inside training and know of the auditor only
 its contract (the log schema, storage) and its public `tokaudit.audit`. No module imports another's private name.
+Each module does one job and each function fits a screen: at most MODULE_LINES and FUNCTION_LINES lines.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ LAYERS = ("errors", "schema", "codes", "settings", "storage", "sorting", "valida
 UPWARD = {("tokaudit.report", "tokaudit.render.markdown"):
           "a report shows itself in a notebook as its Markdown report, imported when Jupyter asks"}
 """The imports that point up, each inside the one function that needs it, and why."""
+
+MODULE_LINES, FUNCTION_LINES = 500, 60
 
 HOOKS_MAY_IMPORT = ("tokaudit.schema", "tokaudit.storage", "tokaudit")
 """The auditor's modules the hooks import: the log's contract, storage, and the package's public names."""
@@ -115,3 +118,16 @@ def test_the_rules_see_a_wrong_import(tmp_path: Path) -> None:
         ("tokaudit.render.text", ("printable",), False), ("tokaudit.cli", ("main",), True),
         ("tokaudit.engine.tables", ("_hidden",), False)]
     assert LAYERS.index(layer("tokaudit.render.text")) > LAYERS.index(layer("tokaudit.reader"))
+
+
+def test_modules_and_functions_stay_short() -> None:
+    long = []
+    for module, path in modules().items():
+        source = path.read_text(encoding="utf-8")
+        if source.count("\n") > MODULE_LINES:
+            long.append(f"{module}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None \
+                    and node.end_lineno - node.lineno + 1 > FUNCTION_LINES:
+                long.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, long
