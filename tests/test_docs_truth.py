@@ -1,6 +1,6 @@
 """The README and docs/ show only what exists: every `tokaudit` subcommand and option (and each --format value),
 every `make` target, every option of the repository's scripts, every dotted `tokaudit.…` name, and every keyword
-a Python example passes to tokaudit's API."""
+a Python example passes to tokaudit's API. The README stays a front door: at most README_BYTES, the rest in docs/."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from tokaudit.cli import main as cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README_BYTES = 15_000
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 INLINE = re.compile(r"`([^`\n]+)`")
@@ -252,3 +253,8 @@ def test_the_checks_catch_a_wrong_keyword_a_wrong_option_and_a_wrong_name() -> N
     assert "--no-such-flag" not in options_of(cli.commands["check"])
     with pytest.raises(AttributeError):
         resolve("tokaudit.hooks.no_such_name")
+
+
+def test_the_readme_reads_in_five_minutes() -> None:
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= README_BYTES, f"README.md is {size:,} bytes: move a section to a page under docs/"
