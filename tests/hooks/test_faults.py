@@ -136,15 +136,17 @@ def test_a_long_outage_is_written_down_and_those_steps_are_not_judged(tmp_path: 
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # Two ranks of W = 2; rank 1's disk is full for its first 12 flushes: the backlog (made 1 KiB here, three
     # tables of 2 records) cannot hold it all, so its oldest steps are dropped and noted.
+    import tokaudit.hooks.identity as identity
     import tokaudit.hooks.uploads as uploads
 
     for rank in range(2):
         attempts = _failing_writes(monkeypatch, failures=12 if rank == 1 else 0)
         monkeypatch.setattr(uploads, "BACKLOG_BYTES", 1024)
+        # this process records as rank `rank` of 2, as it would in a process group of two
+        monkeypatch.setattr(identity, "resolve_identity", lambda group, rank=rank: identity.Identity(rank, 2, "0"))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             rec = Recorder(tmp_path, run_id="outage", flush_every=2, grad_divisor=2.0)
-            rec._placement.identity = __import__("tokaudit.hooks.identity", fromlist=["Identity"]).Identity(rank, 2, "0")
             for step in range(40):
                 n = 3 + rank * 4
                 rec.record(loss_sum=2.0 * n, valid_tokens=n, backward_scalar=2 * 2.0 * n / 10, step=step)
@@ -152,6 +154,7 @@ def test_a_long_outage_is_written_down_and_those_steps_are_not_judged(tmp_path: 
         monkeypatch.undo()
         assert attempts[0] > 0
     rows = read_rows(tmp_path / "outage")
+    assert {r["rank"] for r in rows} == {0, 1}
     kept = {r["step"] for r in rows if r["rank"] == 1}
     lost = set(range(40)) - kept
     assert lost, "the outage outlasted the backlog"
