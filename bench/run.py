@@ -144,7 +144,7 @@ def main() -> None:
     if not args.skip_overhead:
         sys.path.insert(0, str(HERE))
         import torch
-        from overhead import measure, parts, parts_per_step
+        from overhead import in_loop_line, measure, parts, parts_per_step
 
         torch.set_num_threads(2)
         result = measure(args.steps)
@@ -153,6 +153,7 @@ def main() -> None:
         rows += [("recorder: median step, plain", f"{result['plain_ms']:.1f} ms"),
                  ("recorder: median step, Recorder + probe", f"{result['recorded_ms']:.1f} ms"),
                  ("recorder: step-time ratio", _ratio(result)),
+                 ("recorder: its calls, timed in the loop", in_loop_line(result).removeprefix("in the loop, ")),
                  ("recorder: ratio with shard flushes amortized", f"{result['ratio_with_flush']:.4f}"),
                  *_in_processes(args.processes, args.process_steps),
                  *_kept_heap(args.steps),
