@@ -87,8 +87,12 @@ def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | 
             table.close()
 
 
-def probe_extremes(records: pd.DataFrame) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64],
-                                                    npt.NDArray[np.bool_]] | None:
+ProbeQ = tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.bool_]]
+"""Per record of a step: its lightest and heaviest valid token as the probe measured them, as q, and whether its
+own q lies outside them (`probe_extremes`)."""
+
+
+def probe_extremes(records: pd.DataFrame) -> ProbeQ | None:
     """Where the probe measured a step's records (`step_weights`): each record's lightest and heaviest valid token
     as q = e·N, and whether its own q (its mean weight) lies outside them beyond the default tolerance, a count that
     is not the tokens the probe saw (`count_mismatch`). None where no record was probed."""

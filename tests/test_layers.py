@@ -9,6 +9,7 @@ Each module does one job and each function fits a screen: at most MODULE_LINES a
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,7 @@ def imports_of(module: str, path: Path) -> list[Import]:
     return found
 
 
+@functools.cache  # read once: every rule reads the same imports
 def every_import() -> list[Import]:
     return [found for module, path in modules().items() for found in imports_of(module, path)]
 

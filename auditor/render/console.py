@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import numpy.typing as npt
 import pandas as pd
 from rich import box
 from rich.console import Console
@@ -17,6 +17,9 @@ from rich.text import Text
 
 from tokaudit.render.text import factor_text, finding_counts, many, printable, q_range_text, ratio_text, reported_note, steps_text, verdict_counts
 from tokaudit.report import AuditReport, RunSummary
+
+if TYPE_CHECKING:
+    from tokaudit.postmortem import ProbeQ
 
 VERDICT_STYLE = {"correct": "bold green", "incorrect": "bold red", "inconclusive": "bold yellow"}
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
@@ -136,11 +139,6 @@ def _number(value: object, digits: int = 5) -> str:
     return str(value)
 
 
-ProbeQ = tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.bool_]]
-"""Per record of a step: its lightest and heaviest valid token as the probe measured them, as q, and whether its
-own q lies outside them (`postmortem.probe_extremes`)."""
-
-
 def render_weights(run: str, step: int, records: pd.DataFrame, probe: ProbeQ | None, console: Console) -> None:
     """One row per record of one step: n, S, b, c, e and q = e·N (1 when correct); where the probe measured
     the lightest and heaviest valid token (`probe`), those as q too, beside the record's mean (its q)."""
@@ -152,14 +150,14 @@ def render_weights(run: str, step: int, records: pd.DataFrame, probe: ProbeQ | N
                "q = e·N", *(["probe q"] if probed else []), "sync"]
     for header in columns:
         table.add_column(header, justify="left" if header in ("group", "term", "sync") else "right", overflow="fold")
-    lightest, heaviest, outside = probe if probe is not None else (None, None, np.zeros(len(records), dtype=bool))
+    outside = probe[2] if probe is not None else np.zeros(len(records), dtype=bool)
     rows: list[list[Text]] = []
     for index, row in enumerate(records.itertuples(index=False)):
         q = row.q
         style = "" if pd.isna(q) else ("green" if abs(q - 1) <= 1e-4 else "red")
         extremes: list[Text] = []
-        if lightest is not None and heaviest is not None:
-            low, high = _number(lightest[index], 4), _number(heaviest[index], 4)
+        if probe is not None:
+            low, high = _number(probe[0][index], 4), _number(probe[1][index], 4)
             shown = "–" if "–" in (low, high) else low if low == high else f"{low}–{high}"
             extremes.append(Text(shown, style="red" if outside[index] else ""))
         cells = [printable(str(row.grp)), *([printable(str(row.term))] if terms else []), str(row.rank), str(row.micro),
