@@ -14,7 +14,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 from pandas.api.types import union_categoricals
 
-from tokaudit.checks import RunSteps, check_run, main_term_first, one_objective, without_miscounted
+from tokaudit.checks import RunSteps, Setup, check_run, main_term_first, one_objective, without_miscounted
 from tokaudit.codes import DEFAULT_RTOL, Code, code_named
 from tokaudit.engine import EXTREME_COLUMNS, Engine, Spilled, extremes_at
 from tokaudit.errors import LogFormatError, UsageError
@@ -23,7 +23,7 @@ from tokaudit.normalization import Denominator, name_ranks
 from tokaudit.reader import Shard, inspect_shard
 from tokaudit.report import AuditReport, Finding, RunSummary, Segment
 from tokaudit.schema import UNNAMED
-from tokaudit.summary import DroppedRecords, apply_policy, dropped_steps, run_summary, trainers_of
+from tokaudit.summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of
 
 
 Progress = Callable[[str], None]
@@ -193,7 +193,7 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
         summaries: list[RunSummary] = []
         findings: list[Finding] = []
         dropped = dropped_steps(logset.shards)
-        trainers = trainers_of(logset.shards)
+        setups = setups_of(logset.shards)
         of_run = runs_apart(steps, parts, present)
         for run in present:
             lost = dropped.get(run)
@@ -201,7 +201,7 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
             had_steps = source is not None or (
                 lost is not None and _run_steps(of_run(run), run, horizon, None) is not None)
             run_findings, summary = _audit_run(run, source, lost, had_steps, (rtol, precision.get(run)),
-                                               duplicates.get(run), extremes, ignored, min_ratio, trainers.get(run))
+                                               duplicates.get(run), extremes, ignored, min_ratio, setups.get(run, Setup()))
             findings.extend(run_findings)
             if summary is not None:
                 summaries.append(summary)
@@ -238,7 +238,7 @@ def _kept(parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str] | None,
 
 def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, had_steps: bool,
                tolerance: tuple[float, int | None], duplicates: tuple[int, int, int, int] | None,
-               extremes: _Extremes, ignored: set[Code], min_ratio: float | None, trainer: str | None
+               extremes: _Extremes, ignored: set[Code], min_ratio: float | None, setup: Setup
                ) -> tuple[list[Finding], RunSummary | None]:
     """One run's findings and summary. `source`: its steps, less those whose records were dropped (`lost`);
     `had_steps`: whether it had any before they were left out. `tolerance`: --rtol and the fewest significant
@@ -256,7 +256,7 @@ def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, h
     # Steps whose counts the probe contradicts are left out of the checks and the summary alike.
     source, miscounted = without_miscounted(source, rtol)
     objective = one_objective(source, rtol)
-    run_findings, spans, omitted = check_run(run, source, rtol, duplicates, extremes, trainer, objective)
+    run_findings, spans, omitted = check_run(run, source, rtol, duplicates, extremes, setup, objective)
     if lost:
         run_findings.append(lost.finding(run))
     if miscounted:

@@ -32,6 +32,7 @@ class Code(str, Enum):
     LOCAL_MEAN = "local_mean"
     PER_MICRO_DENOMINATOR = "per_micro_denominator"
     WORLD_SIZE_MISMATCH = "world_size_mismatch"
+    SCHEDULE_RESCALED = "schedule_rescaled"
     SCALE_MISMATCH = "scale_mismatch"
     PADDED_DENOMINATOR = "padded_denominator"
     UNEXPLAINED_WEIGHTING = "unexplained_weighting"
@@ -122,6 +123,22 @@ CODE_DOCS: dict[Code, CodeDoc] = {
                 "is right but the gradient is half its size: under SGD the step halves; under Adam(W) the step "
                 "barely changes, but epsilon now weighs 2× more, gradient clipping thresholds and the logged "
                 "grad norm are off by 2, and the balance against weight decay shifts.",
+    ),
+    Code.SCHEDULE_RESCALED: CodeDoc(
+        Severity.ERROR,
+        "a pipeline schedule divided an already normalized loss again",
+        why="A torch.distributed.pipelining schedule with scale_grads=True (its default) divides every gradient by "
+            "its M microbatches after the backwards of each step(), for a loss_fn that returns each microbatch's "
+            "mean. A loss already divided by the update's N is then divided twice: every token weighs 1/(M·N). "
+            "With gradient accumulation over k step() calls each call divides every gradient accumulated so far, "
+            "so the first call's tokens weigh 1/(M^k·N) and the last call's 1/(M·N).",
+        fix="Construct the schedule with scale_grads=False and let loss_fn return the microbatch's loss sum "
+            "divided by the update's N (every microbatch of every step() call and every data-parallel rank), "
+            "times W where the data-parallel reduction averages; with Recorder(..., schedule=schedule) tokaudit "
+            "sees the schedule's division.",
+        example="M = 2 microbatches, loss_fn returns S_m/N: the schedule's scale_grads(2) leaves e = 1/(2N) for "
+                "every token, q = 0.5. With two step() calls per update the first call's tokens get 1/(4N), the "
+                "second's 1/(2N): 2× apart.",
     ),
     Code.SCALE_MISMATCH: CodeDoc(
         Severity.WARNING,

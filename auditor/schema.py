@@ -108,15 +108,31 @@ def provenance_metadata(provenance: dict[str, Any]) -> dict[bytes, bytes]:
     return {PROVENANCE_KEY: json.dumps(provenance, sort_keys=True).encode()}
 
 
+def _provenance(metadata: dict[bytes, bytes] | None) -> dict[str, Any]:
+    """A shard's provenance ({} where there is none or it cannot be read; never raises)."""
+    if not metadata or PROVENANCE_KEY not in metadata:
+        return {}
+    try:
+        provenance = json.loads(metadata[PROVENANCE_KEY])
+    except ValueError:
+        return {}
+    return provenance if isinstance(provenance, dict) else {}
+
+
 def read_trainer(metadata: dict[bytes, bytes] | None) -> str | None:
     """The trainer a shard's provenance names ("transformers", "lightning", "accelerate"), if any (never raises)."""
-    if not metadata or PROVENANCE_KEY not in metadata:
-        return None
-    try:
-        trainer = json.loads(metadata[PROVENANCE_KEY]).get("trainer")
-    except (ValueError, AttributeError):
-        return None
+    trainer = _provenance(metadata).get("trainer")
     return trainer if isinstance(trainer, str) else None
+
+
+def read_schedule_divisor(metadata: dict[bytes, bytes] | None) -> int | None:
+    """M, where a pipeline schedule recorded with the shard (`Recorder(schedule=)`) divided every gradient by its
+    M microbatches after each step() (`scale_grads=True`); None otherwise (never raises)."""
+    pipeline = _provenance(metadata).get("pipeline")
+    if not isinstance(pipeline, dict) or pipeline.get("scale_grads") is not True:
+        return None
+    microbatches = pipeline.get("microbatches")
+    return microbatches if isinstance(microbatches, int) and microbatches > 1 else None
 
 
 def read_dropped(metadata: dict[bytes, bytes] | None) -> dict[str, Any] | None:

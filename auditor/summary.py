@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit.checks import RunSteps, distinct, world_sizes
+from tokaudit.checks import RunSteps, Setup, distinct, world_sizes
 from tokaudit.codes import DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, Code, Severity
 from tokaudit.reader import Shard
 from tokaudit.report import Finding, RunSummary, Segment, StepRange, Verdict
@@ -60,14 +60,17 @@ class DroppedRecords:
                            "steps were audited as usual",
                        evidence={"records": self.records, "steps": listed})
 
-def trainers_of(shards: Sequence[Shard]) -> dict[str, str]:
-    """Per run: the trainer whose integration recorded it, as its shards' provenance names it."""
-    found: dict[str, str] = {}
+def setups_of(shards: Sequence[Shard]) -> dict[str, Setup]:
+    """Per run: what its shards' provenance says of how it was recorded (the first shard that says it)."""
+    trainers: dict[str, str] = {}
+    divisors: dict[str, int] = {}
     for shard in shards:
+        run = shard.run_group[0] if shard.run_group is not None else shard.default_run
         if shard.trainer is not None:
-            run = shard.run_group[0] if shard.run_group is not None else shard.default_run
-            found.setdefault(run, shard.trainer)
-    return found
+            trainers.setdefault(run, shard.trainer)
+        if shard.schedule_divisor is not None:
+            divisors.setdefault(run, shard.schedule_divisor)
+    return {run: Setup(trainers.get(run), divisors.get(run)) for run in {*trainers, *divisors}}
 
 
 def dropped_steps(shards: Sequence[Shard]) -> dict[str, DroppedRecords]:

@@ -18,11 +18,11 @@ class ScalerWatch:
     (no optimizer step since the last one, or `found_inf` > 0 for fused optimizers that step anyway).
     """
 
-    def __init__(self, scaler: Any, on_update: Callable[[torch.Tensor | None], None],
-                 on_scale: Callable[[], None]) -> None:
+    def __init__(self, scaler: Any, on_update: Callable[[torch.Tensor | None], None]) -> None:
         self.scaler = scaler
         self._on_update = on_update
-        self._on_scale = on_scale
+        self._awaiting: list[Any] = []
+        """Records made before the scaler's first `scale()`: their loss scale is the one it then has."""
         self._original_scale = scaler.scale
         self._original_update = scaler.update
         self._last_scaled: weakref.ref[torch.Tensor] | None = None
@@ -36,6 +36,10 @@ class ScalerWatch:
         """A device copy of the scale now (no sync); None before the scaler's first `scale()`."""
         scale = getattr(self.scaler, "_scale", None)
         return scale.detach().clone() if isinstance(scale, torch.Tensor) else None
+
+    def await_scale(self, record: Any) -> None:
+        """`record.loss_scale` set at the next `scale()` (a record made before the scaler's first one)."""
+        self._awaiting.append(record)
 
     def is_scaled(self, value: object) -> bool:
         """Whether `value` is the tensor the scaler's last `scale()` returned (already scaled)."""
@@ -63,7 +67,11 @@ class ScalerWatch:
         scaled = self._original_scale(outputs)
         if isinstance(scaled, torch.Tensor):
             self._last_scaled = weakref.ref(scaled)
-        self._on_scale()
+        if self._awaiting:
+            scale = self.current()
+            for record in self._awaiting:
+                record.loss_scale = scale
+            self._awaiting = []
         return scaled
 
     def _update(self, new_scale: Any = None) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -20,6 +21,14 @@ class Restore:
     def remove(self) -> None:
         if vars(self.owner).get(self.name) is self.ours:
             delattr(self.owner, self.name)
+
+
+def wrap_method(owner: Any, name: str, around: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Restore:
+    """`owner.name` replaced, as an instance attribute, by `around(owner.name)`; the handle gives it back."""
+    original = getattr(owner, name)
+    ours = functools.wraps(original)(around(original))
+    setattr(owner, name, ours)
+    return Restore(owner, name, ours)
 
 
 def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from tokaudit.hooks.columns import Slabs, Value, pack
+from tokaudit.hooks.columns import Packed, Slabs, Value, pack
 from tokaudit.hooks.output import holders
 from tokaudit.hooks.record import Record
 
@@ -42,6 +42,19 @@ class RecordBuffer:
         record.step, record.skipped = step, None
         self.by_step.setdefault(step, []).append(record)
 
+    def carry_over(self, records: list[Record], step: int, micro_next: dict[str, int]) -> int:
+        """Those of `records` whose backward has not run move to update `step`, numbered on from `micro_next`
+        (a trainer that clears the gradients before the first backward); how many moved."""
+        moved = 0
+        for record in records:
+            if not record.backpropagated:
+                self.move(record, step)
+                if record.micro >= 0:  # a captured call is numbered when its backward runs
+                    record.micro = micro_next.get(record.term, 0)
+                    micro_next[record.term] = record.micro + 1
+                moved += 1
+        return moved
+
     def set_value(self, record: Record, name: str, value: Value) -> None:
         """`record.name = value`, set after the record may have been packed: a tensor set on a packed record
         waits for the next pack (`unpacked`), once, rather than stay a tensor of its own until the flush."""
@@ -53,6 +66,17 @@ class RecordBuffer:
         for record in self.at(step):
             if record.skipped is None:
                 self.set_value(record, "skipped", skipped)  # a scaler's found_inf is a tensor
+
+    def rescale(self, step: int, factor: Value) -> None:
+        """g ← g·factor for every record of update `step` whose backward has run (the gradients it left were
+        multiplied by `factor` after backward)."""
+        if factor is None:
+            return
+        for record in self.at(step):
+            if record.backpropagated:
+                scale = record.grad_scale
+                held = scale.tensor() if isinstance(scale, Packed) else scale  # packed only where a step reopened
+                self.set_value(record, "grad_scale", factor if held is None else held * factor)
 
     def take(self, ready: Callable[[Record], bool]) -> list[Record]:
         """The records `ready` accepts, in order, let go of; the others stay."""

@@ -23,6 +23,12 @@ if TYPE_CHECKING:
     from tokaudit.hooks.recorder import Recorder
 
 
+NOTHING_CAPTURED = ("no cross-entropy call was captured: the loss is computed by a function tokaudit cannot see (a "
+                    "fused or vocab-parallel cross-entropy such as Liger's, cut-cross-entropy or Megatron's); record it "
+                    "with rec.probe(per_token_loss, valid) and rec.record(...) around that loss")
+"""Said once when an optimizer steps with no record while cross-entropy calls are captured."""
+
+
 def _valid_mask(input: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Valid positions, shaped like the per-token loss."""
     if target.is_floating_point():  # class probabilities: every sample counts

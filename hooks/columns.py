@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -250,3 +250,15 @@ def ranges(counts: dict[int, int]) -> list[tuple[int, int, int]]:
         else:
             ranges.append((step, step, counts[step]))
     return ranges
+
+
+def positive(value: object, default: float, name: str, warn: Callable[[str, str], None], whole: bool = False) -> float:
+    """A setting that must be a positive number (a whole one of at least 1 where `whole`): `value`, or `default`
+    with one warning."""
+    fits = (isinstance(value, int) and value >= 1) if whole else \
+        (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0)
+    if fits:
+        return float(value)  # type: ignore[arg-type]
+    kind = "an int of at least 1" if whole else "a positive number of seconds"
+    warn(name, f"tokaudit: {name} must be {kind}, got {value!r}; using {default:g}")
+    return default

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import math
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -13,31 +15,26 @@ from typing import Any
 import torch
 
 from tokaudit.hooks.amp import ScalerWatch
-from tokaudit.hooks.attach import AccelerateWatch, Restore, from_accelerator, torch_optimizer, version_of
+from tokaudit.hooks.attach import AccelerateWatch, from_accelerator, torch_optimizer, version_of, wrap_method
 from tokaudit.hooks.buffer import RecordBuffer
 from tokaudit.hooks.record import Record, detached, new_record
-from tokaudit.hooks.columns import Value, check_arguments
+from tokaudit.hooks.columns import Value, check_arguments, positive
 from tokaudit.hooks.identity import Placement
 from tokaudit.hooks.output import ShardOutput, Stamp
-from tokaudit.hooks.capture import probe_into
+from tokaudit.hooks.capture import NOTHING_CAPTURED, probe_into
+from tokaudit.hooks.pipeline import watch_schedule
 from tokaudit.hooks.probe import ProbeResult
 from tokaudit.hooks.signals import on_termination, run_deferred
 from tokaudit.hooks.terms import CapturedCalls, Footprint, OpenCall
 from tokaudit.hooks.trackers import AuditLoop, announcing, start_line
 
 DEFAULT_FLUSH_EVERY = 4096
+DEFAULT_FLUSH_SECONDS = 60.0
 
 
 class Recorder:
-    """Records what decides the token-loss objective, per rank and per microbatch.
-
-    Typical use, one microbatch::
-
-        per_token = rec.probe(per_token_loss, labels != -100)
-        loss_sum = per_token[valid].sum()
-        b = world_size * loss_sum / global_tokens
-        rec.record(loss_sum=loss_sum, valid_tokens=valid.sum(), backward_scalar=b)
-        b.backward()
+    """Records what decides the token-loss objective, per rank and per microbatch (docs/recording.md): per
+    microbatch `rec.probe(per_token_loss, valid)` then `rec.record(loss_sum=, valid_tokens=, backward_scalar=)`.
 
     Nothing here calls a collective or synchronizes the device: values stay tensors until a
     shard is flushed. A failure warns once and training goes on.
@@ -47,19 +44,20 @@ class Recorder:
                  optimizer: torch.optim.Optimizer | None = None, group: Any = None,
                  grad_divisor: float | None = None, grad_scale: float | None = None, scaler: Any = None,
                  flush_every: int = DEFAULT_FLUSH_EVERY, accelerator: Any = None, trackers: Any = None,
-                 audit_every: int | None = None, announce: bool = True) -> None:
+                 audit_every: int | None = None, announce: bool = True, schedule: Any = None,
+                 flush_seconds: float | None = DEFAULT_FLUSH_SECONDS) -> None:
         self._closed = False
+        self._paused = 0
         self.flushing = False  # a flush is writing (a signal handler then waits for it instead of starting another)
         self._warned: set[str] = set()
         self._init_buffer()
         self._capture: AbstractContextManager[None] | None = None
         self._handles: list[Any] = []
-        self._flush_every = DEFAULT_FLUSH_EVERY
-        if isinstance(flush_every, int) and flush_every >= 1:
-            self._flush_every = flush_every
-        else:
-            self.warn_once("flush_every", f"tokaudit: flush_every must be an int of at least 1, got "
-                                          f"{flush_every!r}; using {DEFAULT_FLUSH_EVERY}")
+        self._flush_every = int(positive(flush_every, DEFAULT_FLUSH_EVERY, "flush_every", self.warn_once, whole=True))
+        # A shard at least every flush_seconds while records wait, so that a live audit sees the run (None: never).
+        self._flush_seconds = None if flush_seconds is None else \
+            positive(flush_seconds, DEFAULT_FLUSH_SECONDS, "flush_seconds", self.warn_once)
+        self._flush_due = math.inf if self._flush_seconds is None else time.monotonic() + self._flush_seconds
         model, optimizer, scaler = from_accelerator(accelerator, model, optimizer, scaler)
         self._accelerator = accelerator
         self._accelerate: AccelerateWatch | None = None
@@ -88,7 +86,8 @@ class Recorder:
         # Nothing the recorder cannot hook stops the training: each hook that fails warns and the
         # recording goes on without it.
         for name, attach in (("model", self._hook_model), ("optimizer", self._hook_optimizer),
-                             ("scaler", lambda: self._hook_scaler(scaler)), ("accelerator", self._hook_accelerator)):
+                             ("scaler", lambda: setattr(self, "_scaler", scaler and ScalerWatch(scaler, self._on_scaler_update))), ("accelerator", self._hook_accelerator),
+                             ("pipeline schedule", lambda: self._handles.extend(watch_schedule(self, schedule)))):
             try:
                 attach()
             except Exception as error:
@@ -114,7 +113,6 @@ class Recorder:
         self._auto_closed: int | None = None
         self._micro_next: dict[str, int] = {}
         self._active_term: str | None = None
-        self._awaiting_scale: list[Record] = []
         self._capturing = 0
         self._steps_known = self._optimizer is not None  # else until begin_step/end_step is called
 
@@ -143,7 +141,7 @@ class Recorder:
 
     def probe(self, per_token_loss: torch.Tensor, valid_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Return `per_token_loss` unchanged; backward records ∂b/∂ℓᵢ for this microbatch's record."""
-        if self._closed or not per_token_loss.requires_grad:
+        if self._closed or self._paused or not per_token_loss.requires_grad:
             return per_token_loss
         if self._pending_probe is None:
             self._pending_probe = ProbeResult()
@@ -160,7 +158,7 @@ class Recorder:
         of an enclosing `loss_term()`. Under a GradScaler, `backward_scalar` is the loss before
         `scaler.scale()` (or the scaled tensor itself): the log holds b = scale·loss, g = 1/scale.
         """
-        if self._closed:
+        if self._closed or self._paused:
             return
         if self._audits is not None:
             at = step if isinstance(step, int) else self._step
@@ -196,9 +194,9 @@ class Recorder:
                 probe.on_fill = lambda: self._calls.filled(entry)
             self._buffer.add(entry)
             if self._scaler is not None and self._scaler.enabled() and entry.loss_scale is None:
-                self._awaiting_scale.append(entry)  # before the scaler's first scale(): filled then
+                self._scaler.await_scale(entry)  # before the scaler's first scale(): filled then
             self._pending_probe = None
-            if len(self._buffer) >= self._flush_every:
+            if len(self._buffer) >= self._flush_every or time.monotonic() >= self._flush_due:
                 self.flush(wait_for_backward=True)
         except Exception as error:
             self._pending_probe = None
@@ -247,6 +245,8 @@ class Recorder:
                       positions: int) -> ProbeResult:
         """One captured cross-entropy call (`tokaudit.hooks.capture`): added to an open record of its microbatch
         (`CapturedCalls.merged`), or a record of its own; the probe its backward fills."""
+        if self._paused:
+            return ProbeResult()  # filled or not, never written
         merged = self._calls.merged(footprint, self._active_term, loss_sum, valid_tokens, positions)
         if merged is not None:
             return merged
@@ -264,6 +264,30 @@ class Recorder:
         if self._capture is None:
             self._capture = self.capture_cross_entropy()
             self._capture.__enter__()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing inside is recorded: a loss computed for something else than an update (a pipeline schedule's
+        shape inference, an evaluation with grad)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def scale_grads(self, factor: Value) -> None:
+        """The gradients were multiplied by `factor` after backward (torchtune's `training.scale_grads(model,
+        factor)`, a pipeline schedule's `scale_grads`, `p.grad.mul_(factor)`; not gradient clipping, which keeps
+        the direction): every token whose backward has run in the open update now weighs ∂b/∂ℓᵢ · g · factor."""
+        try:
+            self._buffer.rescale(self._step, detached(factor))
+        except Exception as error:
+            self.warn_once("scale_grads", f"tokaudit: could not record a gradient rescale ({error!r}); its "
+                                          "update's weights are judged without it")
+
+    def next_microbatch(self) -> None:
+        """The next captured call opens a microbatch, whatever came before it (a pipeline schedule's loss_fn)."""
+        self._calls.open = []
 
     def begin_step(self, step: int) -> None:
         """The next records belong to optimizer update `step` (a trainer's global step, so a resumed
@@ -311,6 +335,8 @@ class Recorder:
         if self.flushing or (not self._buffer.records and not self._output.backlog):
             return
         self.flushing = True
+        if self._flush_seconds is not None:
+            self._flush_due = time.monotonic() + self._flush_seconds
         try:
             self._flush(wait_for_backward)
         finally:
@@ -385,13 +411,8 @@ class Recorder:
                                    "they are, and training goes on")
 
     def _on_optimizer_step(self) -> None:
-        if self._capturing and not self._step_records:
-            # The optimizer stepped on a loss that never went through F.cross_entropy.
-            self.warn_once("invisible", f"tokaudit: no cross-entropy call was captured in optimizer step "
-                                        f"{self._step}: the loss is computed by a kernel tokaudit cannot see (a "
-                                        "fused or vocab-parallel cross-entropy such as Liger's, cut-cross-entropy "
-                                        "or Megatron's); record it with rec.probe(per_token_loss, valid) and "
-                                        "rec.record(...) around that loss")
+        if self._capturing and not self._step_records:  # the optimizer stepped on a loss no capture saw
+            self.warn_once("invisible", f"tokaudit: optimizer step {self._step}: {NOTHING_CAPTURED}")
         self._closed_step = self._step
         self.end_step()
 
@@ -407,28 +428,20 @@ class Recorder:
         except Exception as error:
             self.warn_once("scaler", f"tokaudit: could not read the GradScaler's update ({error!r})")
 
-    def _on_scale(self) -> None:
-        if self._awaiting_scale and self._scaler is not None:
-            scale = self._scaler.current()
-            for record in self._awaiting_scale:
-                record.loss_scale = scale
-            self._awaiting_scale = []
-
     def _watch_zero_grad(self, optimizer: Any) -> None:
-        original = optimizer.zero_grad
+        def around(original: Any) -> Any:
+            def zero_grad(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    self._on_zero_grad()
+                except Exception as error:
+                    self.warn_once("zero_grad", f"tokaudit: could not follow zero_grad ({error!r})")
+                cleared = original(*args, **kwargs)
+                self._pack()  # the gradients freed: the heap at its lowest in the step
+                return cleared
+            return zero_grad
 
-        def zero_grad(*args: Any, **kwargs: Any) -> Any:
-            try:
-                self._on_zero_grad()
-            except Exception as error:
-                self.warn_once("zero_grad", f"tokaudit: could not follow zero_grad ({error!r})")
-            cleared = original(*args, **kwargs)
-            self._pack()  # the gradients freed: the heap at its lowest in the step
-            return cleared
-
-        optimizer.zero_grad = zero_grad
+        self._handles.append(wrap_method(optimizer, "zero_grad", around))  # close() gives it back
         self._packs_at_zero_grad = True
-        self._handles.append(Restore(optimizer, "zero_grad", zero_grad))  # close() gives it back
 
     def _on_zero_grad(self) -> None:
         """Gradients cleared while this update holds backpropagated records and no optimizer step
@@ -440,20 +453,15 @@ class Recorder:
         if not any(r.backpropagated for r in current):
             return
         self._close_skipped()
-        for record in current:
-            if not record.backpropagated:
-                self._buffer.move(record, self._step)
-                if record.micro >= 0:  # a captured call is numbered when its backward runs
-                    record.micro = self._micro_next.get(record.term, 0)
-                    self._micro_next[record.term] = record.micro + 1
-                self._step_records += 1
+        self._step_records += self._buffer.carry_over(current, self._step, self._micro_next)
 
     # ---------------------------------------------------------------- internals: identity, shards
 
     def _hook_model(self) -> None:
         if self._model is not None and hasattr(self._model, "require_backward_grad_sync"):
             # DDP decides at forward time whether this backward all-reduces, so read the flag there.
-            self._handles.append(self._model.register_forward_pre_hook(self._capture_sync))
+            self._handles.append(self._model.register_forward_pre_hook(
+                lambda module, _: setattr(self, "_forward_sync", bool(module.require_backward_grad_sync))))
 
     def _hook_optimizer(self) -> None:
         if self._optimizer is None:
@@ -466,17 +474,10 @@ class Recorder:
             raise
         self._watch_zero_grad(self._optimizer)
 
-    def _hook_scaler(self, scaler: Any) -> None:
-        if scaler is not None:
-            self._scaler = ScalerWatch(scaler, self._on_scaler_update, self._on_scale)
-
     def _hook_accelerator(self) -> None:
         if self._accelerator is not None:
             self._accelerate = AccelerateWatch(self._accelerator, lambda: self._buffer.at(self._step), self.warn_once)
             self._handles.append(self._accelerate.handle)
-
-    def _capture_sync(self, module: Any, args: Any) -> None:
-        self._forward_sync = bool(module.require_backward_grad_sync)
 
     def probe_failed(self, error: BaseException) -> None:  # a probe's backward failed: the captures say so here
         self.warn_once("probe-backward", f"tokaudit: probe could not read a backward ({error!r})")

@@ -52,6 +52,19 @@ class RunContext:
     rtol: float
     trainer: str | None = None
     """The trainer whose integration recorded the run ("transformers", ...): its own settings are named."""
+    schedule_divisor: int | None = None
+    """M, where a pipeline schedule divided every gradient by its M microbatches after backward (`Setup`)."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How a run was recorded, as its shards' provenance says: what its messages and fixes may name."""
+
+    trainer: str | None = None
+    """The trainer whose integration recorded it ("transformers", "lightning", "accelerate")."""
+    schedule_divisor: int | None = None
+    """M, where a `torch.distributed.pipelining` schedule with `scale_grads=True` divided every gradient by its M
+    microbatches after the backwards of each `step()` (recorded in g as 1/M)."""
 
 Extremes = Callable[[Any], Any]
 """Given a row of the step table without the evidence columns (`engine.EXTREME_COLUMNS`), a row with them."""

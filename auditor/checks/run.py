@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tokaudit.checks.base import Check, Extremes, RunContext, RunSteps, column_of, world_sizes
+from tokaudit.checks.base import Check, Extremes, RunContext, RunSteps, Setup, column_of, world_sizes
 from tokaudit.checks.miscount import without_miscounted
 from tokaudit.checks.objective import OneObjective, one_objective
 from tokaudit.checks.reported import reported_findings
@@ -22,7 +22,7 @@ from tokaudit.report import Finding
 
 def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
               duplicates: tuple[int, int, int, int] | None = None,
-              extremes: Extremes | None = None, trainer: str | None = None,
+              extremes: Extremes | None = None, setup: Setup = Setup(),
               objective: OneObjective | None = None) -> tuple[list[Finding], list[Span], int]:
     """All checks for one run's steps (every group and term): its findings, its normalization spans
     (at most `MAX_SPANS` per group and term) and how many spans were left out.
@@ -30,8 +30,8 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
     Each loss term is its own token mean: recovery and weight checks run per term.
     `duplicates`: (records dropped, first step, last step, steps) when the reader found repeated keys.
     `extremes`: where the heaviest and lightest token of an evidence step were, when the table does not
-    hold them (the audit aggregates them for the few steps a finding names). `trainer`: the trainer whose
-    integration recorded the run (its shards' provenance), whose own settings the fixes then name.
+    hold them (the audit aggregates them for the few steps a finding names). `setup`: how the run was recorded
+    (its shards' provenance): the trainer whose own settings the fixes then name, a pipeline schedule's rescale.
 
     Each term's table is read three times: twice for the run's decisions (`Decisions.of`, the first also
     for W, D and M), once for every check; once more for the uniform factors' clusters (`FactorTable`)
@@ -67,7 +67,7 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
         if sizes is None:
             sizes = shape.worlds
         reported = reported or shape.reported
-        context = shape.context(run, term, tuple(sorted(sizes)), rtol, trainer)
+        context = shape.context(run, term, tuple(sorted(sizes)), rtol, setup)
         term_findings, listed, left_out = _check_term(source, term, decisions, context, extremes)
         findings.extend(term_findings)
         spans.extend(listed)
@@ -158,10 +158,10 @@ class _Shape:
         self.microbatches = max(self.microbatches, float(block.m_high.max()))
         self.reported = self.reported or bool((column_of(block, "reported") > 0).any())
 
-    def context(self, run: str, term: str, sizes: tuple[int, ...], rtol: float, trainer: str | None) -> RunContext:
+    def context(self, run: str, term: str, sizes: tuple[int, ...], rtol: float, setup: Setup) -> RunContext:
         def mode(counts: dict[Any, int]) -> Any:
             return min(counts, key=lambda value: (-counts[value], value)) if counts else math.nan
 
         return RunContext(run=run, term=term, world_size=int(mode(self.world_counts)), world_sizes=sizes,
                           microbatches=int(self.microbatches), divisor=float(mode(self.divisor_counts)), rtol=rtol,
-                          trainer=trainer)
+                          trainer=setup.trainer, schedule_divisor=setup.schedule_divisor)

@@ -12,6 +12,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.checks.base import BF16_HINT, BF16_ROUNDING, DENOMINATOR_WORDS, Extremes, RunContext, StepsSeen, average_fix, column_of, make_finding, step_list
+from tokaudit.checks.rescale import schedule_finding
 from tokaudit.checks.structure import ALL_CODES
 from tokaudit.codes import Code
 from tokaudit.normalization import DENOMINATORS, FORMULA, Denominator, Diagnoses, FactorExplanation, FactorKind, StepKind, ClusterStarts, close, cluster, explain_factor
@@ -256,6 +257,12 @@ def _weighting_finding(group: _WeightingGroup, table: list[FactorExplanation], c
     if factors:
         evidence["factor_range"] = _range(factors)
     grp = f" (group {row.grp})" if str(row.grp) != UNNAMED else ""
+    tokens = int(row.tokens)
+    lightest, heaviest = ((float(row.e_low) * tokens, float(row.e_high) * tokens)
+                          if diagnosis.kind == StepKind.NONUNIFORM else _range(group.distortion_range or [math.nan]))
+    rescaled = schedule_finding(context, group.steps, lightest, heaviest, int(row.step), tokens, evidence)
+    if rescaled is not None:
+        return rescaled
     if diagnosis.kind == StepKind.NONUNIFORM:
         return _nonuniform_finding(group, context, evidence, grp, extremes)
     return _uniform_finding(group, table, context, evidence, grp)
