@@ -125,6 +125,8 @@ def probe_into(recorder: Recorder, per_token_loss: torch.Tensor, valid_mask: tor
             per_token_loss, valid, result, recorder.probe_failed)
         return probed
     except Exception as error:
+        if type(error).__name__ == "_StopRecomputationError":
+            raise  # a non-reentrant checkpoint ending its recomputation early: torch's own control flow
         recorder.warn_once("probe", f"tokaudit: probe disabled for this call ({error!r})")
         return per_token_loss
 

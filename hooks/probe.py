@@ -131,3 +131,41 @@ class ScalarProbe(torch.autograd.Function):
         except Exception as error:  # the probe never breaks training
             ctx.on_error(error)
         return grad, None, None, None, None
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward now (a checkpoint recomputes its function there)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+class Recomputations:
+    """Activation checkpointing with the probe inside the checkpointed function.
+
+    A reentrant checkpoint runs the function without grad in forward, so the probe measures nothing
+    there, and runs it again with grad inside backward: that second probe measures the record made for
+    it in between (the records waiting, in order). A non-reentrant checkpoint's forward has grad and its
+    probe measures; its recomputation inside backward feeds nothing back to it."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        """A probe was asked for without grad since the last record."""
+        self.waiting: list[Any] = []
+        """Records whose probe a recomputation is to bring, in the order they were made."""
+
+    def recorded(self, record: Any) -> None:
+        if self.asked and record.probe is None:
+            self.waiting.append(record)
+        self.asked = False
+
+    def result(self, with_grad: bool) -> ProbeResult | None:
+        """The result a probe asked for now measures into: None without grad (no probe); inside backward the
+        waiting record's, else one that is never written (a non-reentrant recomputation must save the tensors
+        its forward saved, so it runs the probe too)."""
+        if not with_grad:
+            self.asked = True
+            return None
+        if not self.waiting:
+            return ProbeResult()
+        record = self.waiting.pop(0)
+        record.probe = ProbeResult()
+        return record.probe  # type: ignore[no-any-return]

@@ -21,9 +21,9 @@ from tokaudit.hooks.record import Record, detached, new_record
 from tokaudit.hooks.columns import Value, check_arguments, positive
 from tokaudit.hooks.identity import Placement
 from tokaudit.hooks.output import ShardOutput, Stamp
-from tokaudit.hooks.capture import NOTHING_CAPTURED, probe_into
+from tokaudit.hooks.capture import NOTHING_CAPTURED, capture_cross_entropy, probe_into
 from tokaudit.hooks.pipeline import watch_schedule
-from tokaudit.hooks.probe import ProbeResult
+from tokaudit.hooks.probe import ProbeResult, Recomputations, in_backward
 from tokaudit.hooks.signals import on_termination, run_deferred
 from tokaudit.hooks.terms import CapturedCalls, Footprint, OpenCall
 from tokaudit.hooks.trackers import AuditLoop, announcing, start_line
@@ -102,18 +102,17 @@ class Recorder:
         self._packs_at_zero_grad = False  # the optimizer's zero_grad is watched: packing waits for it (grads freed)
         self._pending_probe: ProbeResult | None = None
         self._calls = CapturedCalls()
+        self._recomputed = Recomputations()
 
     def _init_steps(self, grad_scale: float | None) -> None:
         """Where the next record goes: the update and microbatch counters, the open calls and the scale."""
         self._grad_scale = grad_scale
         self._forward_sync: bool | None = None
-        self._step = 0
-        self._step_records = 0
+        self._step = self._step_records = self._capturing = 0
         self._closed_step: int | None = None
         self._auto_closed: int | None = None
         self._micro_next: dict[str, int] = {}
         self._active_term: str | None = None
-        self._capturing = 0
         self._steps_known = self._optimizer is not None  # else until begin_step/end_step is called
 
     @property
@@ -141,8 +140,12 @@ class Recorder:
 
     def probe(self, per_token_loss: torch.Tensor, valid_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Return `per_token_loss` unchanged; backward records ∂b/∂ℓᵢ for this microbatch's record."""
-        if self._closed or self._paused or not per_token_loss.requires_grad:
+        if self._closed or self._paused:
             return per_token_loss
+        if not per_token_loss.requires_grad or in_backward():  # activation checkpointing (`Recomputations`)
+            result = self._recomputed.result(per_token_loss.requires_grad)
+            return per_token_loss if result is None else probe_into(self, per_token_loss, valid_mask, result)
+        self._recomputed.asked = False
         if self._pending_probe is None:
             self._pending_probe = ProbeResult()
         return probe_into(self, per_token_loss, valid_mask, self._pending_probe)
@@ -193,6 +196,7 @@ class Recorder:
                 entry.call_group, entry.named = self._calls.group, self._active_term is not None
                 probe.on_fill = lambda: self._calls.filled(entry)
             self._buffer.add(entry)
+            self._recomputed.recorded(entry)
             if self._scaler is not None and self._scaler.enabled() and entry.loss_scale is None:
                 self._scaler.await_scale(entry)  # before the scaler's first scale(): filled then
             self._pending_probe = None
@@ -232,8 +236,6 @@ class Recorder:
     def capture_cross_entropy(self) -> Iterator[None]:
         """While active, every cross-entropy call with grad (F.cross_entropy, nn.CrossEntropyLoss)
         is recorded with its probe; it returns exactly what it would have. See `tokaudit.hooks.capture`."""
-        from tokaudit.hooks.capture import capture_cross_entropy
-
         self._capturing += 1
         try:
             with capture_cross_entropy(self):

@@ -366,11 +366,13 @@ def _uniform_finding(group: _WeightingGroup, table: list[FactorExplanation], con
             evidence["world_sizes"] = [explanation.integer, w]
             evidence["stale_world_size"] = explanation.integer
         message = f"Weights are uniform but off by a world-size factor: {scaled}; {cause}."
+        if close(q * float(row.d_high), float(tokens), context.rtol):  # e = 1/D: b = S, as a raw sum
+            message += UNTOLD
         return make_finding(context, code, group.steps, message, average_fix(context), evidence)
     if denominator == Denominator.ONE:
         message = (f"The loss sum was backpropagated without a token denominator (b·g = {diagnosis.factor:g}·S): "
                    f"{scaled}; the gradient's size grows with the number of valid tokens (under SGD so does the step; "
-                   "under Adam(W) its balance against epsilon, weight decay and gradient clipping shifts).")
+                   f"under Adam(W) its balance against epsilon, weight decay and gradient clipping shifts).{UNTOLD}")
     else:
         aux = (" If this term is weighted on purpose (an auxiliary loss coefficient λ), this is that λ."
                if context.term != UNNAMED else "")
@@ -385,6 +387,10 @@ def _uniform_finding(group: _WeightingGroup, table: list[FactorExplanation], con
             message += BF16_HINT
     return make_finding(context, code, group.steps, message, average_fix(context), evidence)
 
+
+UNTOLD = (" If the gradients are divided by N after backward instead (torchtune's training.scale_grads), tell the "
+          "recorder beside it: rec.scale_grads(factor).")
+"""b = S, the loss sum itself: right where a rescale after backward that the log does not show normalizes it."""
 
 SHIFTED_COUNT_FIX = ("count N over the labels the loss is computed on, after the causal shift: in the Hugging Face "
                      "Trainer, set model.loss_type = \"ForCausalLM\" before building the Trainer (it then counts "

@@ -1,0 +1,62 @@
+"""torchtune's recipe (a summed loss, then `training.scale_grads(model, W/N)` after backward) in real DDP on 2
+gloo processes: the float64 reference of the token mean decides, and tokaudit agrees once the rescale is told
+(`rec.scale_grads`); the same recipe with the W left out is caught as a world-size factor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from scenarios.harness import run_ddp_each
+from scenarios.strategies import reference_gradient
+from scenarios.torchtune_recipe import COUNTS, TuneSetup, job
+from tokaudit.auditing import audit
+
+pytestmark = pytest.mark.distributed
+
+SETUPS = [TuneSetup("tune_recipe", "w_over_n", told=True), TuneSetup("tune_missing_w", "one_over_n", told=True),
+          TuneSetup("tune_untold", "w_over_n", told=False)]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[list[dict[str, Any]]]]]:
+    root = tmp_path_factory.mktemp("torchtune")
+    return root, {s.name: ranks for s, ranks in zip(SETUPS, run_ddp_each(job, 2, SETUPS, str(root)))}
+
+
+def _agrees(setup: TuneSetup, by_rank: list[list[dict[str, Any]]]) -> list[bool]:
+    out = []
+    for step in range(len(COUNTS)):
+        record = by_rank[0][step]
+        want = reference_gradient(record["before"], setup.scenario, step, [0, 1])
+        out.append(all(torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(record["grads"], want)))
+    return out
+
+
+def test_the_recipe_told_its_rescale_is_correct(recorded: Any) -> None:
+    root, histories = recorded
+    assert all(_agrees(SETUPS[0], histories["tune_recipe"]))
+    report = audit([root / "tune_recipe"])
+    # torchtune syncs every microbatch (no no_sync): right, and said as information
+    assert [f.code.value for f in report.findings] == ["sync_every_micro"]
+    assert report.runs[0].verdict == "correct"
+
+
+def test_the_missing_w_is_caught(recorded: Any) -> None:
+    root, histories = recorded
+    assert not any(_agrees(SETUPS[1], histories["tune_missing_w"]))
+    report = audit([root / "tune_missing_w"])
+    assert [f.code.value for f in report.findings] == ["world_size_mismatch", "sync_every_micro"]
+    assert report.runs[0].verdict == "incorrect" and report.findings[0].evidence["distortion"] == pytest.approx(0.5)
+
+
+def test_an_untold_rescale_is_named_in_the_message(recorded: Any) -> None:
+    """Unseen, the rescale leaves b = S (a raw sum): the finding says how to tell the recorder."""
+    root, histories = recorded
+    assert all(_agrees(SETUPS[2], histories["tune_untold"]))
+    report = audit([root / "tune_untold"])
+    assert report.runs[0].verdict != "correct"
+    assert any("rec.scale_grads" in f.message + f.fix for f in report.findings)
