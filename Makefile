@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-DEFAULT_EXTRAS := hooks,hf,lightning,plot,test
+DEFAULT_EXTRAS := hooks,hf,trl,lightning,plot,test
 EXTRAS ?= $(DEFAULT_EXTRAS)
 # With every extra the suite uses installed, a test skipped for a missing package fails the run (tests/needs.py).
 REQUIRE_EXTRAS := $(if $(filter $(DEFAULT_EXTRAS),$(EXTRAS)),1,0)

@@ -1,4 +1,4 @@
-"""Hugging Face `transformers.Trainer`: one line records a run.
+"""Hugging Face `transformers.Trainer` (and TRL's SFTTrainer, `tokaudit.hooks.trl_trainers`): one line records a run.
 
     TokauditCallback.attach(trainer, "runs")      # before trainer.train()
 
@@ -28,6 +28,7 @@ from transformers import TrainerCallback
 from tokaudit.hooks.capture import record_mean
 from tokaudit.hooks.attach import version_of
 from tokaudit.hooks.recorder import Recorder
+from tokaudit.hooks.trl_trainers import NOT_A_TOKEN_MEAN, trl_trainer, watch_fused_head
 
 
 class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
@@ -40,6 +41,7 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         self.trainer = trainer
         self.recorder_options = recorder_options
         self.recorder: Recorder | None = None
+        self.hooks: list[Any] = []
 
     @classmethod
     def attach(cls, trainer: Any, log_dir: str | os.PathLike[str], run_id: str | None = None,
@@ -51,6 +53,10 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
+        trl = trl_trainer(self.trainer)
+        if trl is not None and trl != "SFTTrainer":
+            warnings.warn(NOT_A_TOKEN_MEAN.format(name=trl), RuntimeWarning, stacklevel=2)
+            return
         wrapped = getattr(self.trainer, "model_wrapped", None) if self.trainer is not None else None
         ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
         # Accelerate wraps the optimizer; its step() reaches the torch optimizer once per update.
@@ -65,6 +71,9 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         self.recorder = Recorder(self.log_dir, run_id=self.run_id, model=ddp, optimizer=torch_optimizer, **options)
         self.recorder.provenance.update(trainer="transformers", trainer_version=version_of("transformers"))
         self.recorder.start_capture()
+        if trl is not None and model is not None:  # SFTTrainer: the loss comes from its fused LM head
+            self.recorder.provenance.update(trl=version_of("trl"))
+            self.hooks.append(watch_fused_head(self.recorder, model))
         smoother = getattr(self.trainer, "label_smoother", None) if self.trainer is not None else None
         if smoother is not None and not isinstance(smoother, RecordedSmoother):
             self.trainer.label_smoother = RecordedSmoother(smoother, self.recorder)
@@ -83,6 +92,9 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.recorder is not None:
             self.recorder.close()  # also ends the capture
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
         smoother = getattr(self.trainer, "label_smoother", None) if self.trainer is not None else None
         if isinstance(smoother, RecordedSmoother):
             self.trainer.label_smoother = smoother.smoother

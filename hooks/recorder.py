@@ -413,7 +413,7 @@ class Recorder:
                                    "they are, and training goes on")
 
     def _on_optimizer_step(self) -> None:
-        if self._capturing and not self._step_records:  # the optimizer stepped on a loss no capture saw
+        if self._capturing and not self._step_records and "compiled" not in self._warned:  # no capture saw its loss
             self.warn_once("invisible", f"tokaudit: optimizer step {self._step}: {NOTHING_CAPTURED}")
         self._closed_step = self._step
         self.end_step()

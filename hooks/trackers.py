@@ -394,12 +394,14 @@ class AuditLoop:
                 time.sleep(RETRY_S)
             if missing == "run":
                 return  # this rank recorded nothing: nothing to say
-            if missing == "ranks":
-                # A rank with no shard yet would read as missing_rank: not a verdict to log.
+            if missing is not None:
+                # A rank (or a group) whose last shards are not on disk yet: a verdict on part of the run would
+                # contradict the audit of the finished log, so none is logged.
                 if final:
                     self._warn("trackers-ranks", f"tokaudit: not every rank's records of run {self.run_id!r} were "
-                                                 f"in {self.log_dir} within {WAIT_FOR_RANKS_S:.0f} s; the final audit "
-                                                 "was not logged to the trackers")
+                                                 f"in {self.log_dir} within {WAIT_FOR_RANKS_S:.0f} s, so no verdict "
+                                                 f"is said or logged here; `tokaudit check {self.log_dir}` audits the "
+                                                 "complete log")
                 return
             metrics = audit_metrics(report, self.run_id)
         except Exception as error:
@@ -427,8 +429,9 @@ def _missing(report: AuditReport, run: str, through: int) -> str | None:
     if summary.ranks < max(summary.world_size, default=1):
         return "ranks"
     steps = report.steps
-    audited = steps.step[steps.run == run] if steps is not None else None
-    if audited is None or audited.empty or int(audited.max()) < through:
+    audited = steps[steps.run == run] if steps is not None else None
+    # every group through the last step (a live audit leaves out the steps some rank of a group lacks)
+    if audited is None or audited.empty or int(audited.groupby("grp").step.max().min()) < through:
         return "steps"
     return None
 

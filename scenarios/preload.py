@@ -12,7 +12,7 @@ import gc
 import importlib
 
 MODULES = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "scenarios.strategies",
-           "transformers", "transformers.trainer", "accelerate", "lightning",
+           "transformers", "transformers.trainer", "accelerate", "lightning", "trl",
            # the trackers' clients, and what W&B imports when a run starts
            "torch.utils.tensorboard", "mlflow", "wandb", "wandb.sdk.launch", "wandb.apis.public")
 

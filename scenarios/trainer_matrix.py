@@ -49,7 +49,9 @@ class Cell:
     loss_type: str | None = None
     """The model's loss_type attribute, where set (the Trainer reads it to count labels after the shift)."""
     trainer: str = "transformers"
-    """transformers (the Trainer), lightning or accelerate: each with its users' usual loop."""
+    """transformers (the Trainer), trl (TRL's SFTTrainer), lightning or accelerate: each with its users' usual
+    loop. For trl, `loss` is the data set-up: model (language modelling), completion (prompt-completion
+    data, completion-only loss), packing (bfd packing, padding-free) or padding_free."""
     checkpointing: bool = False
     """TrainingArguments.gradient_checkpointing (activation checkpointing)."""
 
@@ -59,6 +61,12 @@ class Cell:
         if self.trainer == "lightning":
             return (f"Lightning: `training_step` returns the `{self.family}` model's own loss (its mean), "
                     f"`accumulate_grad_batches={GRADIENT_ACCUMULATION}`")
+        if self.trainer == "trl":
+            data = {"model": "language-modelling data", "completion": "prompt-completion data "
+                    "(`completion_only_loss`)", "packing": "`packing=True` (bfd, padding-free)",
+                    "padding_free": "`padding_free=True`"}[self.loss]
+            return (f"TRL `SFTTrainer` (its fused LM head) on the `{self.family}` model, {data}, "
+                    f"`average_tokens_across_devices={self.average_tokens}`")
         if self.trainer == "accelerate" and self.loss == "sum":
             return (f"Accelerate: `accelerator.backward(M·W·S/N)` (S the summed cross-entropy, N all-reduced over the "
                     f"update's microbatches first) under `accumulate`, `gradient_accumulation_steps={GRADIENT_ACCUMULATION}`")
@@ -85,6 +93,10 @@ CELLS = (
     Cell("no-kwargs", "llama", True, loss="no_kwargs"),
     Cell("lightning", "llama", False, trainer="lightning"), Cell("accelerate", "llama", False, trainer="accelerate"),
     Cell("accelerate-sum", "llama", False, loss="sum", trainer="accelerate"),
+    Cell("trl-sft", "llama", True, trainer="trl"), Cell("trl-sft-no-average", "llama", False, trainer="trl"),
+    Cell("trl-sft-completion", "llama", True, loss="completion", trainer="trl"),
+    Cell("trl-sft-packing", "llama", True, loss="packing", trainer="trl"),
+    Cell("trl-sft-padding-free", "llama", True, loss="padding_free", trainer="trl"),
 )
 CELLS_BY_NAME = {cell.name: cell for cell in CELLS}
 
@@ -168,7 +180,7 @@ def matrix_job(rank: int, world_size: int, cell: Cell, root: str) -> None:
                        "LOCAL_WORLD_SIZE": str(world_size), "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29561"})
     saved: dict[str, list[Any]] = {"inputs": [], "weights": [], "gradients": []}
-    runs = {"transformers": _trainer_run, "lightning": _lightning_run, "accelerate": _accelerate_run}
+    runs = {"transformers": _trainer_run, "lightning": _lightning_run, "accelerate": _accelerate_run, "trl": _trl_run}
     runs[cell.trainer](rank, root, cell, saved)
     Path(root, cell.name).mkdir(parents=True, exist_ok=True)
     torch.save(saved, Path(root, cell.name, f"rank-{rank}.pt"))
@@ -205,6 +217,53 @@ def _trainer_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) 
 
     def training_step(model: Any, inputs: dict[str, Any], *rest: Any, **options: Any) -> Any:
         saved["inputs"].append({key: value.detach().clone() for key, value in inputs.items()})
+        return step(model, inputs, *rest, **options)
+
+    trainer.training_step = training_step
+    TokauditCallback.attach(trainer, f"{root}/logs", run_id=cell.name)  # the one line
+    trainer.train()
+
+
+def _trl_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> None:
+    """TRL's SFTTrainer on pre-tokenized data: its collator builds the labels (completion-only, packed)."""
+    import datasets
+    from transformers import PreTrainedTokenizerFast, TrainerCallback
+    from tokenizers import Tokenizer, models
+    from trl import SFTConfig, SFTTrainer
+
+    from tokaudit.hooks.huggingface import TokauditCallback
+
+    class Gradients(TrainerCallback):  # type: ignore[misc]
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            if rank == 0:
+                _keep_update(saved, model)
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t3"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", bos_token="t1", eos_token="t2",
+                                        unk_token="t3")
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(200 if cell.loss == "packing" else 48):  # packed rows: enough for every update's microbatches
+        length = int(torch.randint(3, 14, (), generator=generator))
+        ids = torch.randint(4, 64, (length,), generator=generator).tolist()
+        prompt = int(torch.randint(1, length - 1, (), generator=generator))
+        rows.append({"input_ids": ids, "completion_mask": [0] * prompt + [1] * (length - prompt)}
+                    if cell.loss == "completion" else {"input_ids": ids})
+    args = SFTConfig(output_dir=f"{root}/out-{cell.name}-{rank}", use_cpu=True, per_device_train_batch_size=2,
+                     gradient_accumulation_steps=GRADIENT_ACCUMULATION, max_steps=MAX_STEPS, learning_rate=1e-2,
+                     max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
+                     average_tokens_across_devices=cell.average_tokens, dataloader_num_workers=0, ddp_backend="gloo",
+                     ddp_find_unused_parameters=False, packing=cell.loss == "packing",
+                     max_length=None if cell.loss == "padding_free" else 24,
+                     padding_free=cell.loss == "padding_free", completion_only_loss=cell.loss == "completion" or None,
+                     bf16=False)  # float32 like every other cell (TRL's default is bf16 where supported)
+    trainer = SFTTrainer(model=tiny_model(cell), args=args, train_dataset=datasets.Dataset.from_list(rows),
+                         processing_class=tokenizer, callbacks=[Gradients()])
+    step = trainer.training_step
+
+    def training_step(model: Any, inputs: dict[str, Any], *rest: Any, **options: Any) -> Any:
+        saved["inputs"].append({key: value.detach().clone() for key, value in inputs.items()
+                                if isinstance(value, torch.Tensor)})
         return step(model, inputs, *rest, **options)
 
     trainer.training_step = training_step
@@ -292,10 +351,7 @@ def deviations(cell: Cell, root: str, world_size: int = 2) -> list[tuple[float, 
         total, count = torch.zeros((), dtype=torch.float64), 0
         for saved in ranks:
             for inputs in saved["inputs"][update * GRADIENT_ACCUMULATION:(update + 1) * GRADIENT_ACCUMULATION]:
-                labels = inputs["labels"]
-                logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                               labels=labels if cell.family in ("t5", "bart") else None).logits
-                losses, valid = token_losses(cell, logits, labels)
+                losses, valid = _reference_losses(cell, model, inputs)
                 total = total + losses.sum()
                 count += int(valid.sum())
         (total / count).backward()
@@ -305,6 +361,21 @@ def deviations(cell: Cell, root: str, world_size: int = 2) -> list[tuple[float, 
         found.append((float((trained - reference).abs().max() / reference.abs().max()),
                       float(trained @ reference / (reference @ reference))))
     return found
+
+
+def _reference_losses(cell: Cell, model: torch.nn.Module, inputs: dict[str, torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ℓᵢ and the valid labels of one microbatch as the trainer computed them. A padding-free row (TRL's packing:
+    position_ids and no attention mask) is its sequences one after another, each attending only to itself."""
+    labels = inputs["labels"]
+    if "position_ids" in inputs and "attention_mask" not in inputs:
+        starts = (inputs["position_ids"][0] == 0).nonzero().flatten().tolist() + [labels.shape[1]]
+        parts = [token_losses(cell, model(input_ids=inputs["input_ids"][:, a:b]).logits, labels[:, a:b])
+                 for a, b in zip(starts[:-1], starts[1:]) if b > a]
+        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+    logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                   labels=labels if cell.family in ("t5", "bart") else None).logits
+    return token_losses(cell, logits, labels)
 
 
 @dataclass

@@ -24,7 +24,7 @@ def markdown(rows: list[Row]) -> str:
     lines = ["# Trainers: which set-ups train the token mean", "",
              "Measured by `python scripts/trainer_matrix.py` (transformers "
              f"{__import__('transformers').__version__}, torch {__import__('torch').__version__}): each row is a tiny "
-             "real `Trainer` run (the last three: Lightning and Accelerate loops), DDP on 2 gloo ranks, gradient "
+             "real `Trainer` run (then Lightning and Accelerate loops, and TRL's `SFTTrainer`), DDP on 2 gloo ranks, gradient "
              "accumulation 2, 4 updates, recorded by the trainer's one line (`TokauditCallback.attach(trainer, ...)`, "
              "`TokauditLightningCallback`, `Recorder(accelerator=...)`). **Truth** compares each update's gradient (after DDP's average, "
              "before the optimizer) with a float64 reference: the gradient of Σℓᵢ/N over every valid label of the "
@@ -52,7 +52,12 @@ def markdown(rows: list[Row]) -> str:
               "- Lightning divides what `training_step` returns by `accumulate_grad_batches`, and Accelerate's "
               "`accelerator.backward` by `gradient_accumulation_steps`: a model's own mean becomes each microbatch's "
               "mean ÷ M. Backpropagating M·W·S/N, with N all-reduced over the update's microbatches before the first "
-              "backward, is the token mean.", "",
+              "backward, is the token mean.",
+              "- TRL's `SFTTrainer` computes each label's log-probability in its own fused LM head (no cross-entropy "
+              "call; the attach records it there) and divides Σℓ by `num_items_in_batch`, ×W: the token mean over "
+              "the labels its collator keeps (completion-only, packed). With `average_tokens_across_devices=False` "
+              "it is a rank-local mean. TRL's preference and RL trainers (DPO, KTO, GRPO, ...) optimize per-pair or "
+              "per-sequence objectives: the attach says so and records nothing.", "",
               "The fix for every wrong row: the token mean is Σℓ / N with N the update's valid labels on every rank. "
               "In the Trainer, pass `compute_loss_func` that sums the per-token losses and divides by "
               "`num_items_in_batch`, with `average_tokens_across_devices=True` (or use a model whose loss takes "
