@@ -125,6 +125,12 @@ def read_trainer(metadata: dict[bytes, bytes] | None) -> str | None:
     return trainer if isinstance(trainer, str) else None
 
 
+def read_launch_world_size(metadata: dict[bytes, bytes] | None) -> int | None:
+    """Every process of the launch that recorded the shard, when its provenance says it (never raises)."""
+    size = _provenance(metadata).get("launch_world_size")
+    return size if isinstance(size, int) and size >= 1 else None
+
+
 def read_schedule_divisor(metadata: dict[bytes, bytes] | None) -> int | None:
     """M, where a pipeline schedule recorded with the shard (`Recorder(schedule=)`) divided every gradient by its
     M microbatches after each step() (`scale_grads=True`); None otherwise (never raises)."""

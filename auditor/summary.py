@@ -62,15 +62,14 @@ class DroppedRecords:
 
 def setups_of(shards: Sequence[Shard]) -> dict[str, Setup]:
     """Per run: what its shards' provenance says of how it was recorded (the first shard that says it)."""
-    trainers: dict[str, str] = {}
-    divisors: dict[str, int] = {}
+    found: dict[str, dict[str, Any]] = {}
     for shard in shards:
         run = shard.run_group[0] if shard.run_group is not None else shard.default_run
-        if shard.trainer is not None:
-            trainers.setdefault(run, shard.trainer)
-        if shard.schedule_divisor is not None:
-            divisors.setdefault(run, shard.schedule_divisor)
-    return {run: Setup(trainers.get(run), divisors.get(run)) for run in {*trainers, *divisors}}
+        facts = found.setdefault(run, {})
+        for name in ("trainer", "schedule_divisor", "launch_world_size"):
+            if getattr(shard, name) is not None:
+                facts.setdefault(name, getattr(shard, name))
+    return {run: Setup(**facts) for run, facts in found.items()}
 
 
 def dropped_steps(shards: Sequence[Shard]) -> dict[str, DroppedRecords]:

@@ -145,7 +145,8 @@ class ShardOutput:
             return
         prefix = f"rank-{stamp.rank:05d}"
         self.prefix = prefix if stamp.group == "0" else f"group-{re.sub(r'[^0-9A-Za-z]+', '_', stamp.group)}-{prefix}"
-        provenance = provenance_metadata({**self.provenance, "world_size": stamp.world_size})
+        provenance = provenance_metadata({**self.provenance, "world_size": stamp.world_size,
+                                          "launch_world_size": launch_world_size()})
 
         def metadata(dropped: dict[int, int]) -> dict[bytes, bytes]:
             if not dropped:
@@ -247,3 +248,10 @@ def _columns(records: list[Record], stamp: Stamp, packed: PackedHost) -> dict[st
         "precision_bits": [_bits(r) for r in records],
         "schema_version": [SCHEMA_VERSION] * count,
     }
+
+
+def launch_world_size() -> int:
+    """Every process of the launch (torch.distributed's world), which a group under DP×TP or CP is part of."""
+    import torch.distributed as dist
+
+    return int(dist.get_world_size()) if dist.is_available() and dist.is_initialized() else 1

@@ -107,6 +107,10 @@ def backward_scalar(scenario: Scenario, loss_sum: torch.Tensor, valid: int, micr
         return scenario.hard_coded_world_size * loss_sum / step_tokens
     if strategy == "global_world_size":  # dist.get_world_size() on a data-parallel subgroup
         return dist.get_world_size() * loss_sum / step_tokens
+    if strategy == "tokens_over_launch":  # N all-reduced over every process, tensor-parallel partners included
+        counted = torch.tensor(float(valid), dtype=torch.float64)  # one microbatch a step: the rank's count
+        dist.all_reduce(counted)
+        return world_size * loss_sum / counted
     raise ValueError(f"unknown strategy {strategy!r}")
 
 

@@ -54,6 +54,8 @@ class RunContext:
     """The trainer whose integration recorded the run ("transformers", ...): its own settings are named."""
     schedule_divisor: int | None = None
     """M, where a pipeline schedule divided every gradient by its M microbatches after backward (`Setup`)."""
+    launch_world_size: int | None = None
+    """Every process of the launch (`Setup`)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ class Setup:
     schedule_divisor: int | None = None
     """M, where a `torch.distributed.pipelining` schedule with `scale_grads=True` divided every gradient by its M
     microbatches after the backwards of each `step()` (recorded in g as 1/M)."""
+    launch_world_size: int | None = None
+    """Every process of the launch: more than W where the averaging group is a data-parallel subgroup."""
 
 Extremes = Callable[[Any], Any]
 """Given a row of the step table without the evidence columns (`engine.EXTREME_COLUMNS`), a row with them."""

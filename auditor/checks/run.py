@@ -164,4 +164,5 @@ class _Shape:
 
         return RunContext(run=run, term=term, world_size=int(mode(self.world_counts)), world_sizes=sizes,
                           microbatches=int(self.microbatches), divisor=float(mode(self.divisor_counts)), rtol=rtol,
-                          trainer=setup.trainer, schedule_divisor=setup.schedule_divisor)
+                          trainer=setup.trainer, schedule_divisor=setup.schedule_divisor,
+                          launch_world_size=setup.launch_world_size)

@@ -359,7 +359,7 @@ def _uniform_finding(group: _WeightingGroup, table: list[FactorExplanation], con
         return make_finding(context, code, group.steps, message, fix, evidence)
     if code == Code.WORLD_SIZE_MISMATCH:
         assert explanation is not None
-        cause = _world_size_cause(explanation, q, w, float(row.d_high), context.microbatches)
+        cause = _world_size_cause(explanation, q, w, float(row.d_high), context)
         evidence["integer_factor"] = {"1/W": f"1/{w}", "1/k": f"1/{explanation.integer}", "W'/W": f"{explanation.integer}/{w}",
                                       "k/W": f"{explanation.integer}/{w}"}.get(explanation.label, explanation.integer)
         if explanation.label == "W'/W":
@@ -423,8 +423,15 @@ def _is_world_size(factor: float | None, context: RunContext) -> bool:
     return factor is not None and any(w > 0 and close(factor, float(w), context.rtol) for w in sizes)
 
 
-def _world_size_cause(explanation: FactorExplanation, q: float, w: int, divisor: float, microbatches: int) -> str:
-    k = explanation.integer
+def _world_size_cause(explanation: FactorExplanation, q: float, w: int, divisor: float, context: RunContext) -> str:
+    k, microbatches, launch = explanation.integer, context.microbatches, context.launch_world_size
+    if explanation.label in ("1/W", "1/k") and launch is not None and launch > w and q > 0 and close(
+            q * launch / w, 1.0, context.rtol):
+        # q = W/G: N all-reduced over the G processes of the launch, whose W-rank group holds each token G/W times
+        return (f"the gradient is {launch // w}× too small: N was counted over all {launch} processes of the "
+                f"launch, not the averaging group's W={w}; the {launch // w} tensor- or context-parallel ranks that "
+                "share each data-parallel rank's tokens each counted them (count N over the data-parallel group, "
+                "or once per sequence)")
     # q = 1/M with M the microbatches in the log: the token mean (N over every microbatch) divided by M again,
     # as `loss / gradient_accumulation_steps` does, or as Accelerate's and Lightning's backward do by themselves
     again = (f"the token mean was divided again by the M={microbatches} accumulation steps (loss / "

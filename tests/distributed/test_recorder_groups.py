@@ -70,3 +70,25 @@ def test_divisor_comes_from_the_comm_hook_or_a_warning(tmp_path: Path) -> None:
     assert divisors == {"default": 2.0, "known": 2.0, "custom": None, "declared": 1.0}
     known = {run: read_rows(tmp_path / run)[0]["divisor_known"] for run in ("default", "known", "custom", "declared")}
     assert known == {"default": True, "known": True, "custom": False, "declared": True}
+
+
+def test_n_counted_over_the_launch_names_the_replicas(tmp_path: Path) -> None:
+    """DP×TP on 4 processes (data-parallel groups of 2; tensor-parallel partners 0/1 and 2/3 hold as many tokens):
+    W·S/N with N all-reduced over all 4 processes counts each token twice. The float64 reference says the
+    gradient is half the token mean's; tokaudit says world_size_mismatch and names the count, not a missing W."""
+    from scenarios.harness import run_ddp
+    from scenarios.strategies import Scenario, reference_gradient, run_scenario
+    from tokaudit.auditing import audit
+
+    scenario = Scenario(name="tokens_over_launch", strategy="tokens_over_launch", world_size=4,
+                        counts=(((2,), (2,), (5,), (5,)), ((8,), (8,), (4,), (4,))), dp_size=2, correct=False,
+                        description="N counted over all processes under DP×TP")
+    results = run_ddp(run_scenario, 4, scenario, str(tmp_path))
+    for result in results:
+        for step, record in enumerate(result["recorded"]):
+            want = reference_gradient(record["before"], scenario, step, result["members"])
+            assert all(torch.allclose(2 * g, w, rtol=1e-9, atol=1e-12) for g, w in zip(record["grads"], want))
+    report = audit([tmp_path / "tokens_over_launch"])
+    (finding,) = [f for f in report.findings if f.code.value == "world_size_mismatch"]
+    assert "counted over all 4 processes of the launch" in finding.message
+    assert "W factor is missing" not in finding.message and report.runs[0].verdict == "incorrect"
