@@ -1,6 +1,6 @@
 """`python -m tokaudit`: the same command line as `tokaudit`."""
 
-from tokaudit.cli import main
+from tokaudit.cli import run
 
 if __name__ == "__main__":
-    main(prog_name="tokaudit")
+    run()

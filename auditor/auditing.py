@@ -101,6 +101,8 @@ def open_log_parts(paths: Sequence[str | os.PathLike[str]],
             except duckdb.Error:
                 engine.close()
                 raise
+        except duckdb.InterruptException:
+            raise KeyboardInterrupt from None  # Ctrl-C inside a query: the user's, never a shard's fault
         except duckdb.Error as error:
             broken = _undecodable(shards)
             if not broken and isinstance(error, duckdb.OutOfMemoryException):
@@ -209,7 +211,7 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
         kept = _kept(parts, present if runs else None, horizon, ordered=isinstance(steps, pd.DataFrame)) \
             if keep_steps else None
         report = AuditReport(runs=summaries, findings=findings, problems=problems, files=len(logset.shards),
-                             steps=kept)
+                             steps=kept, ignored=sorted(code.value for code in ignored))
         if then is not None:
             then(report, AuditedLog(logset.shards, duplicates, steps))
         return report
@@ -261,11 +263,15 @@ def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, h
         run_findings.append(lost.finding(run))
     if miscounted:
         run_findings.append(miscounted.finding(run))
-    run_findings = apply_policy(run_findings, ignored, min_ratio)
+    # The verdict is a claim about the gradient: it reads every finding. --ignore leaves some out of the listing
+    # and of what fails the command (`gate_verdict`), never out of the verdict.
+    run_findings = apply_policy(run_findings, min_ratio)
+    listed = [f for f in run_findings if f.code not in ignored]
     value = {d: d.value for d in Denominator}
     segments = [Segment(s.first, s.last, s.steps, value[s.denominator], s.factor, s.group, s.term) for s in spans]
-    summary = run_summary(run, source, run_findings, segments, omitted, pooled=objective is not None)
-    return run_findings, replace(summary, precision_bits=bits, rtol=rtol, terms_pooled=objective is not None)
+    summary = run_summary(run, source, run_findings, segments, omitted, pooled=objective is not None, listed=listed)
+    return listed, replace(summary, precision_bits=bits, rtol=rtol, terms_pooled=objective is not None,
+                           ignored=sorted({f.code.value for f in run_findings if f.code in ignored}))
 
 
 def judged_rtol(rtol: float, bits: int | None) -> float:
@@ -368,6 +374,8 @@ class _Extremes:
             shards = [s for s in self.shards if s.names is None or s.names == names]
             try:
                 self.found[step, names] = extremes_at(shards, step, self.threads)
+            except duckdb.InterruptException:
+                raise KeyboardInterrupt from None
             except duckdb.Error as error:
                 raise LogFormatError(self._where(), f"could not be read again for the evidence of step {step} "
                                                     f"({str(error).splitlines()[0][:160]})") from None

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
+import signal
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,13 +85,45 @@ def _drawn_into(figures: dict[str, Any]) -> Callable[[AuditReport, AuditedLog], 
 
 
 def _emit(text: str, output: Path | None) -> None:
+    """The report on stdout, or whole in `output`: written beside it and renamed over it, so that a full disk or
+    a kill leaves the file that was there before (a device or a pipe, such as /dev/null, is written as it is)."""
     if output is None:
         click.echo(text, nl=False)
         return
+    temporary: Path | None = None
     try:
-        output.write_text(text, encoding="utf-8")
+        if output.exists() and not output.is_file():
+            output.write_text(text, encoding="utf-8")
+        else:
+            handle, name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
+            temporary = Path(name)
+            with os.fdopen(handle, "w", encoding="utf-8") as file:
+                file.write(text)
+            os.replace(temporary, output)
+            temporary = None
     except OSError as error:
         raise UsageError(f"{output}: cannot write the report ({error.strerror or error})") from None
+    finally:
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
+    _stderr().print(f"wrote {printable(str(output))}", style="dim", markup=False)
+
+
+FORMAT_OF_SUFFIX = {".html": "html", ".htm": "html", ".json": "json", ".xml": "junit", ".md": "markdown",
+                    ".txt": "table", ".log": "table"}
+"""`check -o FILE` without --format: the format FILE's extension names."""
+
+
+def _format_for(fmt: str, output: Path | None) -> str:
+    """--format as given, else the one -o's extension names; an extension that names none is refused."""
+    if output is None or click.get_current_context().get_parameter_source("fmt") not in (
+            click.core.ParameterSource.DEFAULT, None):
+        return fmt
+    found = FORMAT_OF_SUFFIX.get(output.suffix.lower())
+    if found is None:
+        raise UsageError(f"-o {output}: cannot tell the format from the extension {output.suffix or '(none)'!r}; "
+                         f"give --format (or name the file .html, .json, .xml, .md or .txt)")
+    return found
 
 
 def _refuse_inputs(output: Path | None, paths: tuple[str, ...]) -> None:
@@ -109,6 +145,30 @@ def _refuse_inputs(output: Path | None, paths: tuple[str, ...]) -> None:
         raise UsageError(f"{output}: is one of the logs being audited; choose another --output")
 
 
+def run() -> None:
+    """The console script: `main`, where a Ctrl-C at any moment, the exit's own clean-up included, is one line and
+    exit 130."""
+    # the last of the exit's clean-up (run first, called last): from there the interpreter resets its signal
+    # handlers, and a Ctrl-C would kill it silently; it waits instead, and the exit code stands
+    atexit.register(signal.pthread_sigmask, signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        main(prog_name="tokaudit")
+    except KeyboardInterrupt:
+        _interrupted()
+    finally:
+        signal.signal(signal.SIGINT, _interrupted_now)
+
+
+def _interrupted_now(signum: int, frame: Any) -> None:
+    _problem("interrupted")
+    os._exit(EXIT_INTERRUPTED)  # the report, if any, is out already: nothing else is left to stop
+
+
+def _interrupted() -> None:
+    _problem("interrupted")  # one line, not click's "Aborted!" and exit 1, which means findings
+    sys.exit(EXIT_INTERRUPTED)
+
+
 class _Guarded(click.Group):
     """Every failure ends in exit 2 with one line: exit 1 means findings and nothing else."""
 
@@ -120,8 +180,7 @@ class _Guarded(click.Group):
         except TokauditError as error:
             _fail(error)
         except KeyboardInterrupt:
-            _problem("interrupted")  # one line, not click's "Aborted!" and exit 1, which means findings
-            sys.exit(EXIT_INTERRUPTED)
+            _interrupted()
         except BrokenPipeError:
             # the reader went away (| head): nothing left to say, and nothing left to flush at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -132,6 +191,10 @@ class _Guarded(click.Group):
             _problem(f"{getattr(error, 'filename', None) or 'output'}: {error.strerror or error}")
             sys.exit(EXIT_BAD_INPUT)
         except Exception as error:
+            # DuckDB turns a Ctrl-C inside a query into its InterruptException, or a RuntimeError of this text
+            # where a result is being fetched
+            if type(error).__name__ == "InterruptException" or str(error) == "Query interrupted":
+                _interrupted()
             if ctx.obj and ctx.obj.get("debug"):
                 raise
             _problem(f"internal error: {type(error).__name__}: {printable(str(error))[:300]} "
@@ -222,14 +285,17 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
     Exit 0: nothing at or above --fail-on; 1: findings; 2: bad usage or unreadable input; 130: interrupted
     (Ctrl-C); 141: the output's reader went away (| head).
     """
+    _refuse_inputs(output, paths)
+    fmt = _format_for(fmt, output)
     with _progress(quiet) as progress:
-        _refuse_inputs(output, paths)
         with _start_loading(paths) as started:
             from tokaudit.auditing import audit
 
             figures: dict[str, Any] = {}
             report = audit(paths, rtol=rtol, runs=runs, live=live, progress=progress, ignore=ignore,
                            min_ratio=min_ratio, started=started, then=_drawn_into(figures) if fmt == "html" else None)
+    if ignore:
+        report = replace(report, ignored_from=_ignored_from())
     if fmt == "json":
         from tokaudit.render.json_report import render_json
 
@@ -262,14 +328,24 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
     if report.problems:
         sys.exit(EXIT_BAD_INPUT)
     worst = max((f.severity.rank for f in report.findings), default=-1)
+    # what fails the command: the listed findings' own verdict (an ignored code never fails it)
+    gates = [run.gate_verdict or run.verdict for run in report.runs]
     if fail_on == "inconclusive":
-        failed = worst >= Severity.ERROR.rank or any(run.verdict != "correct" for run in report.runs)
+        failed = worst >= Severity.ERROR.rank or any(verdict != "correct" for verdict in gates)
     elif fail_on == "error":
         # the default: a run reported incorrect never exits 0, whatever the severity of the findings that say so
-        failed = worst >= FAIL_ON[fail_on] or any(run.verdict == "incorrect" for run in report.runs)
+        failed = worst >= FAIL_ON[fail_on] or any(verdict == "incorrect" for verdict in gates)
     else:
         failed = worst >= FAIL_ON[fail_on]
     sys.exit(EXIT_FINDINGS if failed else EXIT_OK)
+
+
+def _ignored_from() -> str:
+    """Where `tokaudit check` took its --ignore codes from: the command line, or the settings file."""
+    context = click.get_current_context()
+    if context.get_parameter_source("ignore") == click.core.ParameterSource.DEFAULT_MAP:
+        return f"[tool.tokaudit] in {(context.find_root().obj or {}).get('settings')}"
+    return "--ignore"
 
 
 @contextmanager

@@ -115,6 +115,12 @@ class RunSummary:
     """Segments not listed in `segments` (a normalization that changes at every step makes one per step)."""
     terms_pooled: bool = False
     """The run's loss terms are judged as one token mean over their combined tokens (terms_one_objective)."""
+    ignored: list[str] = field(default_factory=list)
+    """Codes of this run's findings left out by --ignore (or `ignore` in [tool.tokaudit]): the verdict still
+    counts them; the listing and the exit code do not."""
+    gate_verdict: Verdict | None = None
+    """The verdict of the listed findings alone, where ignored codes change it (what --fail-on reads); None:
+    the verdict itself."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +138,10 @@ class AuditReport:
     steps: Any = None
     """With `audit(..., keep_steps=True)`: the per-step table (a pandas DataFrame, one row per run,
     group, term and step), for notebooks."""
+    ignored: list[str] = field(default_factory=list)
+    """The codes asked to be left out (`audit(..., ignore=)`), whether or not a run had them."""
+    ignored_from: str = ""
+    """Where they were asked: "--ignore", or "[tool.tokaudit] in PATH" (set by the command line)."""
 
     @property
     def verdicts(self) -> dict[str, Verdict]:

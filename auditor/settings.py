@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tokaudit.codes import code_named
 from tokaudit.errors import UsageError
 
 KEYS = {"fail-on": "fail_on", "ignore": "ignore", "rtol": "rtol", "min-ratio": "min_ratio"}
@@ -49,6 +50,12 @@ def check_defaults(start: Path, fail_on: Sequence[str]) -> tuple[dict[str, Any],
             raise UsageError(f"{where} fail-on = {value!r}: expected one of {', '.join(fail_on)}")
         if key == "ignore" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
             raise UsageError(f"{where} ignore = {value!r}: expected a list of codes, such as [\"balanced_counts\"]")
+        if key == "ignore":
+            for code in value:
+                try:
+                    code_named(code)
+                except ValueError as error:
+                    raise UsageError(f"{where} ignore: {error}; `tokaudit explain` lists the codes") from None
         if key in ("rtol", "min-ratio") and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise UsageError(f"{where} {key} = {value!r}: expected a number")
         out[KEYS[key]] = tuple(value) if key == "ignore" else value
@@ -62,6 +69,11 @@ def _read(path: Path) -> dict[str, Any]:
         return {}
     try:
         with open(path, "rb") as handle:
-            return tomllib.load(handle)
-    except (OSError, tomllib.TOMLDecodeError) as error:
+            raw = handle.read()
+        return tomllib.loads(raw.decode("utf-8", errors="replace"))
+    except OSError:
+        return {}  # a file that cannot be opened holds no settings of ours
+    except tomllib.TOMLDecodeError as error:
+        if b"[tool.tokaudit]" not in raw:
+            return {}  # another project's broken file: not ours to refuse, the search goes on upward
         raise UsageError(f"{path}: cannot be read as TOML ({error})") from None

@@ -88,12 +88,10 @@ def dropped_steps(shards: Sequence[Shard]) -> dict[str, DroppedRecords]:
 _WEIGHTING = frozenset({Code.LOCAL_MEAN, Code.PER_MICRO_DENOMINATOR, Code.PADDED_DENOMINATOR,
                         Code.UNEXPLAINED_WEIGHTING})
 
-def apply_policy(findings: list[Finding], ignored: set[Code], min_ratio: float | None) -> list[Finding]:
-    """--ignore and --min-ratio: what a CI gate chose to accept, applied before the verdict."""
+def apply_policy(findings: list[Finding], min_ratio: float | None) -> list[Finding]:
+    """--min-ratio: a weighting finding below the ratio a CI gate accepts is information, before the verdict."""
     kept = []
     for finding in findings:
-        if finding.code in ignored:
-            continue
         ratio = finding.evidence.get("weight_ratio")
         if min_ratio is not None and finding.code in _WEIGHTING and isinstance(ratio, float) and ratio < min_ratio:
             finding = replace(finding, severity=Severity.INFO,
@@ -116,8 +114,9 @@ SUMMARY_BLOCK = 1 << 16
 """Steps `run_summary` reads at a time: its temporaries stay a few MB whatever the number of steps."""
 
 def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: list[Segment],
-                omitted: int = 0, pooled: bool = False) -> RunSummary:
-    """`pooled`: the run's terms are one objective (`checks.objective`): a token's q = e·N counts N over them."""
+                omitted: int = 0, pooled: bool = False, listed: list[Finding] | None = None) -> RunSummary:
+    """`pooled`: the run's terms are one objective (`checks.objective`): a token's q = e·N counts N over them.
+    `listed`: the findings shown, where --ignore left some of `findings` out (their own verdict gates the exit)."""
     # The run's parts read a block of steps at a time, never a filtered copy of the table (millions of
     # steps) nor a Python float per step. Parts hold disjoint ranges of steps: distinct steps add up.
     judged = ratio_seen = unbounded = ratios_exist = weighted_any = False
@@ -170,6 +169,7 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
     normalization = max(main, key=lambda s: s.steps) if main else None
     return RunSummary(run=run, rows=rows, steps=steps, ranks=ranks + 1, world_size=sorted(sizes), groups=len(source.groups),
                       verdict=verdict_of(findings, judged), normalization=normalization, segments=segments,
+                      gate_verdict=None if listed is None or len(listed) == len(findings) else verdict_of(listed, judged),
                       max_weight_ratio=max_ratio, microbatches=max(int(microbatches), 0) if rows else 0,
                       terms=terms, skipped_steps=skipped_steps, divisors=sorted(divisors),
                       weight_range=weight_range, segments_omitted=omitted, normalization_judged=judged_ranks,

@@ -22,14 +22,15 @@ def assert_token_mean(paths: str | os.PathLike[str] | Sequence[str | os.PathLike
                       ignore: Sequence[str | Code] = (), min_ratio: float | None = None, rtol: float = DEFAULT_RTOL,
                       allow_inconclusive: bool = False) -> AuditReport:
     """Audit the logs under `paths`; raise AssertionError, with every finding and its fix, unless every
-    run is `correct` (or `inconclusive` when allowed) and every file could be read. Returns the report."""
+    run is `correct` (or `inconclusive` when allowed) and every file could be read. Returns the report.
+    `ignore`: codes a gate accepts, as `tokaudit check --ignore` (the verdict still counts them; the gate not)."""
     report = audit(paths, rtol=rtol, ignore=ignore, min_ratio=min_ratio)
     accepted = {"correct", "inconclusive"} if allow_inconclusive else {"correct"}
     failures = [f"unreadable: {problem}" for problem in report.problems]
     if not report.runs:
         failures.append("no run was recorded under the given paths")
     for run in report.runs:
-        if run.verdict not in accepted:
+        if (run.gate_verdict or run.verdict) not in accepted:
             failures.append(f"run {run.run!r} is {run.verdict}")
     if failures:
         details = [f"  {f.severity.value} {f.code.value} ({f.run}, steps {steps_text(f.steps)}): {f.message}\n"

@@ -358,3 +358,74 @@ def test_the_curve_of_a_run_of_several_loss_terms_shows_each_term_and_their_sum(
     assert invoke("curve", str(SAMPLE_LOGS / "aux_head_named"), "--format", "json", "--csv", "x.csv")[0] == 2
     out = invoke("curve", str(SAMPLE_LOGS / "aux_head_named"))[1]
     assert "ΣS/N (true, term head1)" in " ".join(out.split()) and "optimized Σe·S (all terms)" in " ".join(out.split())
+
+
+def test_the_output_s_extension_names_its_format_and_it_is_said(logs: Path, tmp_path: Path) -> None:
+    """-o report.html without --format writes HTML (and .json, .xml, .md their formats); an extension that names
+    no format is refused before anything runs; the file written is said on stderr."""
+    for name, start in [("report.html", "<!doctype html>"), ("report.json", "{"), ("report.xml", "<?xml"),
+                        ("report.md", "<!-- tokaudit-report -->")]:
+        code, out, err = invoke("check", str(logs), "-q", "-o", str(tmp_path / name))
+        assert code == 1 and out == "" and err.strip() == f"wrote {tmp_path / name}"
+        assert (tmp_path / name).read_text().lstrip().lower().startswith(start.lower()), name
+    code, out, err = invoke("check", str(logs), "-o", str(tmp_path / "report.pdf"))
+    assert code == 2 and "cannot tell the format from the extension '.pdf'" in err and not (tmp_path / "report.pdf").exists()
+    code, _, _ = invoke("check", str(logs), "--format", "json", "-o", str(tmp_path / "report.out"))
+    assert code == 1 and json.loads((tmp_path / "report.out").read_text())["runs"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a tmpfs of 64 KiB is mounted for the full disk")
+def test_a_report_that_does_not_fit_leaves_the_one_before(logs: Path, tmp_path: Path) -> None:
+    """-o onto a full filesystem: one line and exit 2, and the report that was there is whole, with no partial
+    file beside it."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)]).returncode != 0:
+        pytest.skip("no tmpfs could be mounted here")
+    try:
+        good = disk / "report.html"
+        good.write_text("the good report")
+        filler = disk / "filler"
+        with open(filler, "wb", buffering=0) as handle:  # fill the disk to its last block
+            try:
+                while True:
+                    handle.write(b"x" * 4096)
+            except OSError:
+                pass
+        code, out, err = invoke("check", str(logs), "-o", str(good))
+        assert code == 2 and "cannot write the report" in err
+        assert good.read_text() == "the good report" and sorted(p.name for p in disk.iterdir()) == ["filler", "report.html"]
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_aggregation_is_interrupted_exit_130(tmp_path: Path) -> None:
+    """SIGINT while DuckDB aggregates (read from the progress line that says so): one line, exit 130, each time
+    (DuckDB hands a Ctrl-C inside a query back as its own exception, never a finding nor an internal error)."""
+    import importlib.util
+    import signal
+    import time
+
+    spec = importlib.util.spec_from_file_location("bench_synthetic", Path(__file__).resolve().parents[1] / "bench" /
+                                                  "synthetic.py")
+    assert spec is not None and spec.loader is not None
+    synthetic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(synthetic)
+    synthetic.write_log(tmp_path / "big", ranks=16, steps=40000, micro=2, steps_per_file=10000, ranks_per_file=16)
+    for pause in (0.0, 0.2, 0.4):
+        process = subprocess.Popen([sys.executable, "-m", "tokaudit", "check", str(tmp_path / "big")],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert process.stderr is not None
+        line = "-"
+        while line and not line.startswith("aggregating"):
+            line = process.stderr.readline()
+        assert line, "the audit ended before it aggregated"
+        time.sleep(pause)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 130 and err.strip().splitlines()[-1] == "tokaudit: error: interrupted", err

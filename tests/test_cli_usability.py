@@ -163,8 +163,16 @@ def test_fail_on_inconclusive_ignore_and_min_ratio(tmp_path: Path) -> None:
 
     bad = write_by_rank(tmp_path / "bad", records(UNEVEN, local_mean))
     assert invoke("check", str(bad))[0] == 1
+    # --ignore leaves a code out of the listing and of what fails the command, never out of the verdict
     code, out, _ = invoke("check", str(bad), "--ignore", "local_mean", "--format", "json")
-    assert code == 0 and json.loads(out)["findings"] == [] and json.loads(out)["runs"][0]["verdict"] == "correct"
+    (run,) = json.loads(out)["runs"]
+    assert code == 0 and json.loads(out)["findings"] == [] and run["verdict"] == "incorrect"
+    assert (run["gate_verdict"], run["ignored"]) == ("correct", ["local_mean"])
+    assert json.loads(out)["ignored"] == {"codes": ["local_mean"], "from": "--ignore"}
+    code, out, _ = invoke("check", str(bad), "--ignore", "local_mean")
+    assert code == 0 and "incorrect" in out and "No findings listed." in out
+    assert "ignored (--ignore): local_mean" in " ".join(out.split())
+    assert "the verdict still counts them (bad stays incorrect)" in " ".join(out.split())
     code, _, err = invoke("check", str(bad), "--ignore", "no_such_code")
     assert code == 2 and "--ignore" in err
     # either spelling of a code, and the nearest one named for a typo
@@ -362,3 +370,21 @@ def test_a_folder_of_many_runs_reads_in_brief_and_one_run_in_full() -> None:
     assert "local_mean  bug_local_mean  steps 0–2 (3)" in out and "--run RUN" in out
     code, out, _ = invoke("check", str(SAMPLE_LOGS), "--run", "bug_local_mean", env={"COLUMNS": "100"})
     assert code == 1 and "fix: backpropagate W·S_r/N" in " ".join(out.split())
+
+
+def test_a_misspelled_code_in_settings_names_the_file_and_a_broken_foreign_pyproject_is_passed_over(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A code in [tool.tokaudit]'s ignore that does not exist is blamed on that file, not on --ignore; another
+    project's pyproject.toml that is not TOML (no [tool.tokaudit] in it) does not stop the audit."""
+    parent = tmp_path / "monorepo"
+    (parent / "ours").mkdir(parents=True)
+    (parent / "pyproject.toml").write_text("[project\nname = ")
+    (parent / "ours" / "pyproject.toml").write_text('[tool.tokaudit]\nignore = ["locl_mean"]\n')
+    monkeypatch.chdir(parent / "ours")
+    code, _, err = invoke("check", str(SAMPLE_LOGS / "bug_local_mean"))
+    assert code == 2 and err.strip() == (f"tokaudit: error: {parent / 'ours' / 'pyproject.toml'}: [tool.tokaudit] "
+                                         "ignore: unknown code 'locl_mean' (did you mean local_mean?); "
+                                         "`tokaudit explain` lists the codes")
+    (parent / "ours" / "pyproject.toml").unlink()
+    code, out, _ = invoke("check", str(SAMPLE_LOGS / "bug_local_mean"), "--format", "json")
+    assert code == 1 and json.loads(out)["runs"][0]["verdict"] == "incorrect"

@@ -89,9 +89,24 @@ def render_report(report: AuditReport, console: Console) -> None:
                                "and markdown).", style="dim"))
             console.print()
     elif report.runs:
-        console.print("No findings.", style="green")
+        console.print("No findings." if not ignored_note(report) else "No findings listed.", style="green")
+    if note := ignored_note(report):
+        console.print(Text(note, style="yellow"))
     if report.runs:
         console.print(summary_line(report), markup=False)
+
+
+def ignored_note(report: AuditReport) -> str:
+    """What --ignore left out, from where, and that the verdicts still count it ("" when nothing was)."""
+    left_out = [run for run in report.runs if run.ignored]
+    if not left_out:
+        return ""
+    codes = sorted({code for run in left_out for code in run.ignored})
+    stays = [f"{printable(run.run)} stays {run.verdict}" for run in report.runs
+             if run.gate_verdict not in (None, run.verdict)]
+    verdicts = f" ({'; '.join(stays)})" if stays else ""
+    return (f"ignored ({printable(report.ignored_from or 'audit(ignore=...)')}): {', '.join(codes)}: left out of the "
+            f"findings listed and of what fails the command; the verdict still counts them{verdicts}.")
 
 
 def _gist(message: str) -> str:

@@ -38,6 +38,7 @@ def run_dict(run: RunSummary) -> dict[str, Any]:
                       "term": s.term} for s in run.segments],
         "segments_omitted": run.segments_omitted,
         "precision_bits": run.precision_bits, "rtol": run.rtol,
+        "ignored": run.ignored, "gate_verdict": run.gate_verdict or run.verdict,
     }
 
 
@@ -58,6 +59,7 @@ def report_dict(report: AuditReport) -> dict[str, Any]:
         "findings": [finding_dict(f) for f in report.findings],
         "problems": report.problems,
         "files": report.files,
+        "ignored": {"codes": report.ignored, "from": report.ignored_from or None},
     }
 
 
