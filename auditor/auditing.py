@@ -16,7 +16,7 @@ from pandas.api.types import union_categoricals
 
 from tokaudit.checks import RunSteps, Setup, check_run, main_term_first, one_objective, without_miscounted
 from tokaudit.codes import DEFAULT_RTOL, Code, code_named
-from tokaudit.engine import EXTREME_COLUMNS, Engine, Spilled, extremes_at
+from tokaudit.engine import EXTREME_COLUMNS, Duplicates, Engine, Spilled, extremes_at
 from tokaudit.errors import LogFormatError, UsageError
 from tokaudit.loading import Loading, LogSet, cores, load
 from tokaudit.normalization import Denominator, name_ranks
@@ -226,7 +226,7 @@ class AuditedLog:
 
     shards: list[Shard]
     """The shards audited (those no audit could use left out)."""
-    duplicates: dict[str, tuple[int, int, int, int]]
+    duplicates: dict[str, Duplicates]
     """The repeated keys the aggregation found and left out (`Engine.duplicates`)."""
     steps: pd.DataFrame | Spilled
     """The step table of every run, whole or on disk a range at a time."""
@@ -239,7 +239,7 @@ def _kept(parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str] | None,
     return kept.drop(columns=[c for c in EXTREME_COLUMNS if c in kept.columns])
 
 def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, had_steps: bool,
-               tolerance: tuple[float, int | None], duplicates: tuple[int, int, int, int] | None,
+               tolerance: tuple[float, int | None], duplicates: Duplicates | None,
                extremes: _Extremes, ignored: set[Code], min_ratio: float | None, setup: Setup
                ) -> tuple[list[Finding], RunSummary | None]:
     """One run's findings and summary. `source`: its steps, less those whose records were dropped (`lost`);

@@ -102,8 +102,9 @@ def apply_policy(findings: list[Finding], min_ratio: float | None) -> list[Findi
 def verdict_of(findings: Sequence[Finding], judged: bool) -> Verdict:
     """Incorrect when a warning or error about the gradient says so; inconclusive when the only ones say the
     logs cannot tell (or the counts are balanced, or nothing could be judged); correct otherwise. Findings about
-    the logged loss (REPORTING) are the run's `reporting`, never its verdict."""
-    serious = [f for f in findings if f.severity.rank >= Severity.WARNING.rank and f.code not in REPORTING]
+    the logged loss (REPORTING) are the run's `reporting`, and repeated records its warning, never its verdict."""
+    serious = [f for f in findings if f.severity.rank >= Severity.WARNING.rank and f.code not in REPORTING
+               and f.code != Code.DUPLICATE_RECORDS]  # copies are not evidence: the records kept are judged
     if any(f.code not in UNDECIDABLE for f in serious):
         return "incorrect"
     if serious or any(f.code == Code.BALANCED_COUNTS for f in findings) or not judged:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -113,3 +115,24 @@ def version_of(package: str) -> str | None:
         return version(package)
     except Exception:
         return None
+
+
+def trainer_run_id(run_name: Any) -> str | None:
+    """A trainer integration's run id when none is given: the trainer's own run name (the same on every rank);
+    else one per launch that every rank reads alike: torchrun's rendezvous id (a fresh one per --standalone
+    launch), or the start time of a single process. None where neither exists (several processes started
+    otherwise): the Recorder then names the run after its folder, and two launches there are told apart by the
+    duplicate_records finding."""
+    if isinstance(run_name, str) and run_name.strip():
+        return run_name.strip()
+    launch = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if launch and launch != "none":
+        return f"run-{launch[:8]}"
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) == 1 and not _distributed():
+        return time.strftime(f"run-%Y%m%d-%H%M%S-{os.getpid()}")
+    return None
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from tokaudit.hooks.capture import record_mean
-from tokaudit.hooks.attach import version_of
+from tokaudit.hooks.attach import trainer_run_id, version_of
 from tokaudit.hooks.recorder import Recorder
 from tokaudit.hooks.trl_trainers import NOT_A_TOKEN_MEAN, trl_trainer, watch_fused_head
 
@@ -68,7 +68,8 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         options.setdefault("scaler", getattr(accelerator, "scaler", None))
         if "trackers" not in options and self.trainer is not None and state.is_world_process_zero:
             options["trackers"] = report_to_trackers(self.trainer)
-        self.recorder = Recorder(self.log_dir, run_id=self.run_id, model=ddp, optimizer=torch_optimizer, **options)
+        run_id = self.run_id or trainer_run_id(getattr(args, "run_name", None))  # never another launch's name
+        self.recorder = Recorder(self.log_dir, run_id=run_id, model=ddp, optimizer=torch_optimizer, **options)
         self.recorder.provenance.update(trainer="transformers", trainer_version=version_of("transformers"))
         self.recorder.start_capture()
         if trl is not None and model is not None:  # SFTTrainer: the loss comes from its fused LM head

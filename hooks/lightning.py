@@ -19,7 +19,7 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from tokaudit.hooks.attach import version_of
+from tokaudit.hooks.attach import trainer_run_id, version_of
 from tokaudit.hooks.recorder import Recorder
 
 try:
@@ -49,7 +49,8 @@ class TokauditLightningCallback(Callback):  # type: ignore[misc,unused-ignore]
         options.setdefault("scaler", getattr(plugin, "scaler", None))
         if "trackers" not in options and trainer.is_global_zero:
             options["trackers"] = list(trainer.loggers)
-        self.recorder = Recorder(self.log_dir, run_id=self.run_id, model=ddp, optimizer=optimizer, **options)
+        run_id = self.run_id or trainer_run_id(None)  # a logger's version may differ between ranks: not read
+        self.recorder = Recorder(self.log_dir, run_id=run_id, model=ddp, optimizer=optimizer, **options)
         self.recorder.provenance.update(trainer="lightning", trainer_version=version_of("lightning"))
         self.recorder.start_capture()
 

@@ -15,13 +15,13 @@ from tokaudit.checks.objective import OneObjective, one_objective
 from tokaudit.checks.reported import reported_findings
 from tokaudit.checks.structure import DivisorCheck, MissingRanksCheck, ProbeCheck, StructureCheck, SyncCheck, ValuesCheck, WeightPresenceCheck, duplicates_finding, not_recorded_finding, ranks_not_recorded
 from tokaudit.checks.weighting import BalancedCheck, FactorTable, WeightingCheck
-from tokaudit.engine import one_value
+from tokaudit.engine import Duplicates, one_value
 from tokaudit.normalization import Decisions, FitBlock, Span, Spans, block_fits, span_rows
 from tokaudit.report import Finding
 
 
 def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
-              duplicates: tuple[int, int, int, int] | None = None,
+              duplicates: Duplicates | None = None,
               extremes: Extremes | None = None, setup: Setup = Setup(),
               objective: OneObjective | None = None) -> tuple[list[Finding], list[Span], int]:
     """All checks for one run's steps (every group and term): its findings, its normalization spans

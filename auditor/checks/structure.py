@@ -10,6 +10,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.checks.base import Check, FlaggedSteps, RunSteps, ListedSteps, RunContext, StepsSeen, column_of, differ_rows, grouped, make_finding, median_of, nan_sum, step_list
+from tokaudit.engine import Duplicates
 from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
 from tokaudit.report import Finding, StepRange
 from tokaudit.schema import UNNAMED
@@ -375,12 +376,25 @@ class WeightPresenceCheck(Check):
                        "record backward_scalar= with every record, or wrap the per-token loss in rec.probe()",
                        {"records": records, "steps_without_weight": self.none_at_all})
 
-def duplicates_finding(duplicates: tuple[int, int, int, int], run: str) -> Finding:
-    """duplicate_records: the engine kept the later of each repeated (group, term, step, micro, rank)."""
-    copies, first, last, count = duplicates
+def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:
+    """duplicate_records: the engine kept one of each repeated (group, term, step, micro, rank), the later. Not
+    evidence about the gradient (the verdict reads the records kept): the cause and the files are named."""
+    files = ", ".join(duplicates.files)
+    if duplicates.identical and duplicates.same_time:
+        cause = ("bit-identical copies of the same records (a compacted or copied file beside the shards, or one "
+                 "folder given twice): one of each is kept")
+        fix = "leave the copies out of the folder audited (or audit the copy alone)"
+    elif duplicates.identical:
+        cause = ("the same values written again later: a re-launch of the same script under the same run id, or a "
+                 "resume that replayed these steps; the later records were kept")
+        fix = "give each launch its own run_id (the integrations name it after the trainer's run), or a new folder"
+    else:
+        cause = ("other values for the same steps: a re-launch under the same run id or a resume that replayed "
+                 "steps, whose later records (by `time`, then file) were kept and judged")
+        fix = "give each launch its own run_id, or resume from the checkpoint's step into a new shard sequence"
     return Finding(run=run, code=Code.DUPLICATE_RECORDS, severity=DEFAULT_SEVERITY[Code.DUPLICATE_RECORDS],
-                   steps=StepRange(first, last, count),
-                   message=f"{copies} record(s) repeat a (group, term, step, micro, rank) already logged, e.g. after a "
-                           "resume that replayed steps; the later record (by `time`, then file) was kept.",
-                   fix="resume from the checkpoint's step and start a new shard sequence; or delete the older shards",
-                   evidence={"dropped_records": copies})
+                   steps=StepRange(duplicates.first, duplicates.last, duplicates.steps),
+                   message=f"{duplicates.dropped} record(s) repeat a (group, term, step, micro, rank) already logged, "
+                           f"in {files}: {cause}. Duplicates do not decide the verdict.",
+                   fix=fix, evidence={"dropped_records": duplicates.dropped, "files": list(duplicates.files),
+                                      "identical": duplicates.identical})

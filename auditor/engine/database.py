@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from tokaudit.engine.ranges import CHUNK_ROWS, step_ranges
 from tokaudit.engine.sql import EXTREME_COLUMNS, MEAN_WEIGHT_EXTREMES, ONE_RECORD_SHAPE, RANK_WEIGHTS_SQL, UNUSABLE_RECORD, footer_facts, footer_table, one_name_of, select_records, single_rank_range, sql_string, step_sql, valueless_columns
-from tokaudit.engine.tables import SPILL_STEPS, Spilled, add_duplicates, categorical, constant_of, join_columns, reorder, same_bits
+from tokaudit.engine.tables import FILES_NAMED, SPILL_STEPS, Duplicates, Spilled, add_duplicates, categorical, constant_of, join_columns, reorder, same_bits
 from tokaudit.errors import UsageError
 from tokaudit.reader import Shard
 from tokaudit.storage import object_dataset
@@ -74,7 +74,7 @@ class Engine:
     connection: duckdb.DuckDBPyConnection
     shards: list[Shard]
     """The validated shards this engine reads."""
-    duplicates: dict[str, tuple[int, int, int, int]]
+    duplicates: dict[str, Duplicates]
     """Filled by `step_table`. Per run: (records dropped, first step, last step, steps) where a
     (run, group, term, step, micro, rank) key appeared more than once."""
     precision: dict[str, int] = field(default_factory=dict)
@@ -115,7 +115,7 @@ class Engine:
     def open(cls, shards: Sequence[Shard], memory_limit: str | None = None,
              threads: int | None = None, chunk_rows: int | None = None,
              only_steps: tuple[int, int] | None = None, extremes: bool = False,
-             duplicates: dict[str, tuple[int, int, int, int]] | None = None) -> Engine:
+             duplicates: dict[str, Duplicates] | None = None) -> Engine:
         """An engine over these shards (memory limit and chunk rows from the environment unless given).
         `duplicates`: the repeated keys an earlier engine over the same shards found (`Engine.duplicates`), so that
         this one's views leave out the same records without aggregating every step again."""
@@ -254,15 +254,24 @@ class Engine:
             FROM raw_records {dedup}
         """)
 
-    def _find_duplicates(self) -> dict[str, tuple[int, int, int, int]]:
+    def _find_duplicates(self) -> dict[str, Duplicates]:
         found = {}
-        for run, copies, first, last, steps in self.connection.execute("""
-            SELECT run, sum(copies - 1), min(step), max(step), count(DISTINCT step) FROM (
-                SELECT run, step, count(*) AS copies FROM raw_records
-                GROUP BY run, grp, term, step, rank, micro HAVING count(*) > 1)
+        # per run: the copies, where, whether every copy holds the kept record's values, and its time
+        for run, copies, first, last, steps, files, identical, same_time in self.connection.execute(f"""
+            SELECT run, sum(copies - 1), min(step), max(step), count(DISTINCT step),
+                   list_slice(list_sort(list_distinct(flatten(list(files)))), 1, {FILES_NAMED}),
+                   bool_and(values_seen = 1), bool_and(times_seen = 1) FROM (
+                SELECT run, step, count(*) AS copies, list(DISTINCT filename) AS files,
+                       count(DISTINCT (loss_sum, valid_tokens, backward_scalar, token_weight_sum, token_weight_min,
+                                       token_weight_max, masked_weight_abs_sum, grad_scale, grad_divisor,
+                                       world_size, sync, skipped)) AS values_seen,
+                       count(DISTINCT coalesce(written, TIMESTAMP '1970-01-01')) AS times_seen
+                FROM raw_records GROUP BY run, grp, term, step, rank, micro HAVING count(*) > 1)
             GROUP BY run
         """).fetchall():
-            found[str(run)] = (int(copies), int(first), int(last), int(steps))
+            found[str(run)] = Duplicates(int(copies), int(first), int(last), int(steps),
+                                         tuple(os.path.basename(str(f)) for f in files), bool(identical),
+                                         bool(same_time))
         return found
 
     def step_table(self, progress: Callable[[str], None] | None = None) -> pd.DataFrame:

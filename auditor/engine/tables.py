@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pickle
 import shutil
 import tempfile
@@ -168,9 +170,35 @@ def reorder(joined: dict[str, Any], order: np.ndarray) -> None:
         joined[name] = taken[id(values)]
         del values
 
-def add_duplicates(target: dict[str, tuple[int, int, int, int]], found: dict[str, tuple[int, int, int, int]]) -> None:
-    """Count repeated keys found in another range (ranges hold different steps): per run, (records
-    dropped, first step, last step, steps), as `Engine.duplicates`."""
-    for run, (copies, first, last, count) in found.items():
-        old = target.get(run, (0, first, last, 0))
-        target[run] = (old[0] + copies, min(old[1], first), max(old[2], last), old[3] + count)
+@dataclass(frozen=True)
+class Duplicates:
+    """A run's records that repeat a (group, term, step, micro, rank) already logged, of which one was kept."""
+
+    dropped: int
+    """Records left out (every copy but the one kept)."""
+    first: int
+    last: int
+    steps: int
+    """First and last step with a repeated key, and how many steps had one."""
+    files: tuple[str, ...] = ()
+    """Some of the files the repeated keys were found in (a few, sorted)."""
+    identical: bool = True
+    """Every repeated record holds the values of the one kept (S, n, b, the probe, g, D, W, sync, skipped)."""
+    same_time: bool = True
+    """And was written at the same time: a copy of the same records, not a second launch that computed them."""
+
+    def __add__(self, other: Duplicates) -> Duplicates:
+        """Repeated keys found in another range (ranges hold different steps)."""
+        return Duplicates(self.dropped + other.dropped, min(self.first, other.first), max(self.last, other.last),
+                          self.steps + other.steps, tuple(sorted({*self.files, *other.files}))[:FILES_NAMED],
+                          self.identical and other.identical, self.same_time and other.same_time)
+
+
+FILES_NAMED = 4
+"""Files a duplicate_records finding names."""
+
+
+def add_duplicates(target: dict[str, Duplicates], found: dict[str, Duplicates]) -> None:
+    """Count repeated keys found in another range, per run, as `Engine.duplicates`."""
+    for run, duplicates in found.items():
+        target[run] = target[run] + duplicates if run in target else duplicates

@@ -10,7 +10,7 @@ import pytest
 
 from tests.logs import UNEVEN_GA, local_mean, records, write
 from tokaudit.auditing import audit
-from tokaudit.engine import Engine, step_ranges
+from tokaudit.engine import Duplicates, Engine, step_ranges
 from tokaudit.engine.sql import FOOTER_CONSTANTS
 from tokaudit.reader import NULLABLE_COLUMNS
 from tokaudit.loading import load
@@ -306,7 +306,7 @@ def test_the_evidence_of_one_step_is_the_whole_aggregation_s(tmp_path: Path) -> 
     lean = Engine.open(shards).step_table()
     assert not set(EXTREME_COLUMNS) & set(lean.columns)
     report = audit([tmp_path])
-    with_columns, _, _ = check_run("run", whole, 1e-4, (1, 5, 5, 1))
+    with_columns, _, _ = check_run("run", whole, 1e-4, Duplicates(1, 5, 5, 1))
     evidence = [(f.code, f.term, f.evidence.get("heaviest"), f.evidence.get("lightest")) for f in with_columns]
     assert sorted(map(str, evidence)) == sorted(str((f.code, f.term, f.evidence.get("heaviest"), f.evidence.get("lightest")))
                                                 for f in report.findings)

@@ -205,3 +205,35 @@ def test_trainer_under_a_grad_scaler_is_correct_and_its_overflow_is_a_skipped_st
     # The callback found the Trainer's scaler: 2^16, halved by the overflow.
     assert {row["grad_scale"] for row in rows if row["step"] <= 1} == {2.0 ** -16}
     assert {row["grad_scale"] for row in rows if row["step"] >= 2} == {2.0 ** -15}
+
+
+def test_two_experiments_in_one_folder_are_two_runs_named_after_the_trainer(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TokauditCallback.attach(trainer, "runs")` as the README shows it, twice into one folder: the run is named
+    after TrainingArguments.run_name, so the second experiment (average_tokens_across_devices=False) is a run of
+    its own with its own verdict, never merged into the first (one process: both count N alike, both right)."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    from tokaudit.hooks.huggingface import TokauditCallback
+
+    for run_name, average in (("exp-average", True), ("exp-local", False)):
+        trainer = make_trainer(0, str(tmp_path / "out"), average)
+        trainer.args.run_name = run_name
+        TokauditCallback.attach(trainer, tmp_path / "runs")  # no run_id
+        trainer.train()
+    report = audit_run(tmp_path, "runs")
+    assert report.verdicts == {"exp-average": "correct", "exp-local": "correct"}
+    assert [run.steps for run in report.runs] == [4, 4]
+    assert not any(f.code.value == "duplicate_records" for f in report.findings)
+
+
+def test_without_a_run_name_each_launch_has_its_own_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokaudit.hooks.attach import trainer_run_id
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "4b1f6c2e-aaaa-bbbb")  # torchrun --standalone: a fresh one each launch
+    assert trainer_run_id(None) == "run-4b1f6c2e" and trainer_run_id("my-exp") == "my-exp"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default rendezvous id says nothing
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert trainer_run_id(None).startswith("run-") and str(os.getpid()) in trainer_run_id(None)  # type: ignore[union-attr]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert trainer_run_id(None) is None  # several processes and nothing they share: the folder's name
