@@ -236,9 +236,12 @@ CODE_DOCS: dict[Code, CodeDoc] = {
     Code.DUPLICATE_RECORDS: CodeDoc(
         Severity.WARNING,
         "the same (run, group, step, micro, rank) appears more than once",
-        why="Usually a resume that replayed steps into the same log folder. The later record (by time, then file "
-            "order) is kept.",
-        fix="Resume from the checkpoint's step, or write the resumed run into a new folder.",
+        why="A copy of records (a compacted or copied file beside the shards), a second launch under the same run "
+            "id, or a resume that replayed steps into the same folder. One record of each key is kept, the later "
+            "(by time, then file order); the finding names the files and which of these it looks like. Copies are "
+            "not evidence about the gradient: the verdict reads the records kept.",
+        fix="Leave copies out of the folder audited; give each launch its own run_id; resume from the "
+            "checkpoint's step.",
         example="Steps 90–99 were recorded before a crash and again after resuming from step 90.",
     ),
     Code.EMPTY_UPDATE: CodeDoc(
