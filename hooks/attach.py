@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -136,3 +137,20 @@ def trainer_run_id(run_name: Any) -> str | None:
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized() and \
         torch.distributed.get_world_size() > 1
+
+
+LIBRARIES = ("tokaudit", "torch", "transformers", "accelerate", "lightning", "pytorch_lightning", "trl", "warnings",
+             "contextlib", "threading", "functools")
+"""Packages whose frames a warning skips: it points at the training script's line that led to it."""
+
+
+def user_stacklevel() -> int:
+    """The `stacklevel` of the caller's caller's first frame outside tokaudit and the trainers it runs under (the
+    user's line a warning names, not ours); a frame of a file outside any package counts as the user's."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None:
+        top = frame.f_globals.get("__name__", "").split(".")[0]
+        if top not in LIBRARIES and not top.startswith("_"):
+            break
+        frame, level = frame.f_back, level + 1
+    return level

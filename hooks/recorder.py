@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tokaudit.hooks.amp import ScalerWatch
-from tokaudit.hooks.attach import AccelerateWatch, from_accelerator, torch_optimizer, version_of, wrap_method
+from tokaudit.hooks.attach import AccelerateWatch, from_accelerator, torch_optimizer, user_stacklevel, version_of, wrap_method
 from tokaudit.hooks.buffer import RecordBuffer
 from tokaudit.hooks.record import Record, detached, new_record
 from tokaudit.hooks.columns import Value, check_arguments, positive
@@ -492,7 +492,7 @@ class Recorder:
     def warn_once(self, key: str, message: str) -> None:  # the integrations warn through it; training goes on
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
 
 
 PACK_AT_ADVANCE = 64

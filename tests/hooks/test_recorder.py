@@ -479,7 +479,7 @@ def test_every_shard_says_where_it_came_from(tmp_path: Path) -> None:
     assert len(shards) == 2
     for shard in shards:
         note = json.loads(pq.read_schema(shard).metadata[b"tokaudit.provenance"])
-        assert note == {"tokaudit": tokaudit.__version__, "torch": torch.__version__, "world_size": 1,
+        assert note == {"tokaudit": tokaudit.__version__, "torch": torch.__version__, "world_size": 1, "launch_world_size": 1,
                         "trainer": "transformers", "trainer_version": "5.24.0"}
 
 
@@ -550,3 +550,17 @@ def test_a_second_run_into_a_folder_that_holds_shards_from_step_0_is_warned(tmp_
     assert run(0) == [] and run(3) == []
     (said,) = run(0)
     assert "begin_step" in said and "duplicate_records" in said
+
+
+def test_a_warning_points_at_the_training_script_s_line(tmp_path: Path) -> None:
+    """The recorder's warnings name the user's line that led to them, not a line of tokaudit or torch."""
+    script = tmp_path / "train.py"
+    script.write_text("from tokaudit.hooks import Recorder\n"
+                      f"rec = Recorder({str(tmp_path / 'logs')!r}, flush_every=0, announce=False)\n"
+                      "rec.close()\n")
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    first = done.stderr.splitlines()[0]
+    assert first.startswith(f"{script}:2: RuntimeWarning: tokaudit: flush_every"), done.stderr
