@@ -118,6 +118,8 @@ class RunSummary:
     ignored: list[str] = field(default_factory=list)
     """Codes of this run's findings left out by --ignore (or `ignore` in [tool.tokaudit]): the verdict still
     counts them; the listing and the exit code do not."""
+    decided_by: list[str] = field(default_factory=list)
+    """The codes that make the verdict what it is (the warnings and errors about the gradient; none when correct)."""
     gate_verdict: Verdict | None = None
     """The verdict of the listed findings alone, where ignored codes change it (what --fail-on reads); None:
     the verdict itself."""

@@ -99,12 +99,18 @@ def apply_policy(findings: list[Finding], min_ratio: float | None) -> list[Findi
         kept.append(finding)
     return kept
 
+def deciding(findings: Sequence[Finding]) -> list[Finding]:
+    """The findings a verdict reads: warnings and errors about the gradient. Findings about the logged loss
+    (REPORTING) are the run's `reporting`, and repeated records its warning: copies are not evidence."""
+    return [f for f in findings if f.severity.rank >= Severity.WARNING.rank and f.code not in REPORTING
+            and f.code != Code.DUPLICATE_RECORDS]
+
+
 def verdict_of(findings: Sequence[Finding], judged: bool) -> Verdict:
     """Incorrect when a warning or error about the gradient says so; inconclusive when the only ones say the
     logs cannot tell (or the counts are balanced, or nothing could be judged); correct otherwise. Findings about
     the logged loss (REPORTING) are the run's `reporting`, and repeated records its warning, never its verdict."""
-    serious = [f for f in findings if f.severity.rank >= Severity.WARNING.rank and f.code not in REPORTING
-               and f.code != Code.DUPLICATE_RECORDS]  # copies are not evidence: the records kept are judged
+    serious = deciding(findings)
     if any(f.code not in UNDECIDABLE for f in serious):
         return "incorrect"
     if serious or any(f.code == Code.BALANCED_COUNTS for f in findings) or not judged:
@@ -170,6 +176,7 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
     normalization = max(main, key=lambda s: s.steps) if main else None
     return RunSummary(run=run, rows=rows, steps=steps, ranks=ranks + 1, world_size=sorted(sizes), groups=len(source.groups),
                       verdict=verdict_of(findings, judged), normalization=normalization, segments=segments,
+                      decided_by=sorted({f.code.value for f in deciding(findings)}),
                       gate_verdict=None if listed is None or len(listed) == len(findings) else verdict_of(listed, judged),
                       max_weight_ratio=max_ratio, microbatches=max(int(microbatches), 0) if rows else 0,
                       terms=terms, skipped_steps=skipped_steps, divisors=sorted(divisors),

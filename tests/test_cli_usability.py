@@ -388,3 +388,15 @@ def test_a_misspelled_code_in_settings_names_the_file_and_a_broken_foreign_pypro
     (parent / "ours" / "pyproject.toml").unlink()
     code, out, _ = invoke("check", str(SAMPLE_LOGS / "bug_local_mean"), "--format", "json")
     assert code == 1 and json.loads(out)["runs"][0]["verdict"] == "incorrect"
+
+
+def test_a_row_whose_q_shows_nothing_says_which_finding_decides() -> None:
+    """padding_labelled: every valid token weighs 1/N (q 1, max ratio 1), yet padding carries weight: the row says
+    which finding makes it incorrect, and the JSON lists the deciding codes of every run."""
+    code, out, _ = invoke("check", str(SAMPLE_LOGS / "padding_labelled"))
+    assert code == 1 and "padding_labelled: incorrect (by masked_tokens_weighted)" in out
+    code, out, _ = invoke("check", str(SAMPLE_LOGS / "padding_labelled"), str(SAMPLE_LOGS / "correct_token_mean_ga"),
+                          "--format", "json")
+    runs = {run["run"]: run for run in json.loads(out)["runs"]}
+    assert runs["padding_labelled"]["decided_by"] == ["masked_tokens_weighted"]
+    assert runs["correct_token_mean_ga"]["decided_by"] == []

@@ -38,7 +38,7 @@ def run_dict(run: RunSummary) -> dict[str, Any]:
                       "term": s.term} for s in run.segments],
         "segments_omitted": run.segments_omitted,
         "precision_bits": run.precision_bits, "rtol": run.rtol,
-        "ignored": run.ignored, "gate_verdict": run.gate_verdict or run.verdict,
+        "decided_by": run.decided_by, "ignored": run.ignored, "gate_verdict": run.gate_verdict or run.verdict,
     }
 
 

@@ -57,6 +57,9 @@ def reported_note(run: RunSummary) -> str:
     `incorrect` (an incorrect run's findings say it already; the verdict is about the gradient alone), and the
     precision the run was judged at, where it is coarser than float32's."""
     notes = []
+    if run.verdict != "correct" and run.decided_by and run.max_weight_ratio == 1 and run.weight_range is not None \
+            and run.weight_range[0] == run.weight_range[1] == 1:
+        notes.append(f"by {', '.join(run.decided_by)}")  # q says nothing: say which finding decides
     if run.verdict != "incorrect" and run.reporting == "differs":
         notes.append("reported loss differs")
     if run.precision_bits is not None and run.precision_bits < 24 and run.rtol is not None:
