@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import atexit
-import io
 import os
-import signal
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -21,6 +17,9 @@ from rich.text import Text
 from tokaudit import __version__
 from tokaudit.codes import DEFAULT_RTOL, Severity, code_named
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
+from tokaudit.outputs import (EXIT_BAD_INPUT, EXIT_CLOSED_PIPE, EXIT_FINDINGS, EXIT_OK,
+                               emit, fail, format_for, interrupted, print_rich, problem, rich_text, stderr)
+from tokaudit.outputs import run as outputs_run
 from tokaudit.render.text import printable
 
 if TYPE_CHECKING:
@@ -28,30 +27,11 @@ if TYPE_CHECKING:
     from tokaudit.loading import Loading
     from tokaudit.report import AuditReport
 
-EXIT_OK, EXIT_FINDINGS, EXIT_BAD_INPUT = 0, 1, 2
-EXIT_INTERRUPTED, EXIT_CLOSED_PIPE = 130, 141
-"""128 + SIGINT and 128 + SIGPIPE, as a shell reports a Unix tool stopped by Ctrl-C or by a reader that went away."""
 WEIGHT_NAMES = {"grp": "group", "eff": "effective_weight", "q": "q", "eff_min": "effective_weight_min",
                 "eff_max": "effective_weight_max"}
 """`weights` columns under the log schema's names, and q as the table shows it."""
 FAIL_ON = {"error": Severity.ERROR.rank, "inconclusive": Severity.ERROR.rank, "warning": Severity.WARNING.rank,
            "info": Severity.INFO.rank, "never": 99}
-
-
-def _stderr() -> Console:
-    return Console(stderr=True, highlight=False)
-
-
-def _problem(line: str) -> None:
-    # one unwrapped line, whatever the terminal width; text from files and logs printed literally
-    click.echo(f"tokaudit: error: {printable(line)}", err=True)
-
-
-def _fail(error: TokauditError) -> None:
-    _problem(str(error))
-    if isinstance(error, LogFormatError):
-        click.echo("Tip: the file is left as it is; fix or remove it, or pass only the good folders.", err=True)
-    sys.exit(EXIT_BAD_INPUT)
 
 
 def _start_loading(paths: tuple[str, ...]) -> Loading:
@@ -61,7 +41,7 @@ def _start_loading(paths: tuple[str, ...]) -> Loading:
 
     started = start_loading(paths, thorough=False, workers=cores())
     for note in started.notes[:NOTES_SHOWN]:  # what is read from elsewhere is said, never followed in silence
-        click.echo(f"tokaudit: note: {printable(note)}", err=True)  # one unwrapped line, as _problem's
+        click.echo(f"tokaudit: note: {printable(note)}", err=True)  # one unwrapped line, as problem's
     if len(started.notes) > NOTES_SHOWN:
         click.echo(f"tokaudit: note: … and {len(started.notes) - NOTES_SHOWN} more links out of the folders given",
                    err=True)
@@ -84,48 +64,6 @@ def _drawn_into(figures: dict[str, Any]) -> Callable[[AuditReport, AuditedLog], 
     return draw
 
 
-def _emit(text: str, output: Path | None) -> None:
-    """The report on stdout, or whole in `output`: written beside it and renamed over it, so that a full disk or
-    a kill leaves the file that was there before (a device or a pipe, such as /dev/null, is written as it is)."""
-    if output is None:
-        click.echo(text, nl=False)
-        return
-    temporary: Path | None = None
-    try:
-        if output.exists() and not output.is_file():
-            output.write_text(text, encoding="utf-8")
-        else:
-            handle, name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
-            temporary = Path(name)
-            with os.fdopen(handle, "w", encoding="utf-8") as file:
-                file.write(text)
-            os.replace(temporary, output)
-            temporary = None
-    except OSError as error:
-        raise UsageError(f"{output}: cannot write the report ({error.strerror or error})") from None
-    finally:
-        if temporary is not None:
-            temporary.unlink(missing_ok=True)
-    _stderr().print(f"wrote {printable(str(output))}", style="dim", markup=False)
-
-
-FORMAT_OF_SUFFIX = {".html": "html", ".htm": "html", ".json": "json", ".xml": "junit", ".md": "markdown",
-                    ".txt": "table", ".log": "table"}
-"""`check -o FILE` without --format: the format FILE's extension names."""
-
-
-def _format_for(fmt: str, output: Path | None) -> str:
-    """--format as given, else the one -o's extension names; an extension that names none is refused."""
-    if output is None or click.get_current_context().get_parameter_source("fmt") not in (
-            click.core.ParameterSource.DEFAULT, None):
-        return fmt
-    found = FORMAT_OF_SUFFIX.get(output.suffix.lower())
-    if found is None:
-        raise UsageError(f"-o {output}: cannot tell the format from the extension {output.suffix or '(none)'!r}; "
-                         f"give --format (or name the file .html, .json, .xml, .md or .txt)")
-    return found
-
-
 def _refuse_inputs(output: Path | None, paths: tuple[str, ...]) -> None:
     """An output that is one of the inputs would overwrite a log shard: refused before anything runs."""
     if output is None:
@@ -146,27 +84,8 @@ def _refuse_inputs(output: Path | None, paths: tuple[str, ...]) -> None:
 
 
 def run() -> None:
-    """The console script: `main`, where a Ctrl-C at any moment, the exit's own clean-up included, is one line and
-    exit 130."""
-    # the last of the exit's clean-up (run first, called last): from there the interpreter resets its signal
-    # handlers, and a Ctrl-C would kill it silently; it waits instead, and the exit code stands
-    atexit.register(signal.pthread_sigmask, signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        main(prog_name="tokaudit")
-    except KeyboardInterrupt:
-        _interrupted()
-    finally:
-        signal.signal(signal.SIGINT, _interrupted_now)
-
-
-def _interrupted_now(signum: int, frame: Any) -> None:
-    _problem("interrupted")
-    os._exit(EXIT_INTERRUPTED)  # the report, if any, is out already: nothing else is left to stop
-
-
-def _interrupted() -> None:
-    _problem("interrupted")  # one line, not click's "Aborted!" and exit 1, which means findings
-    sys.exit(EXIT_INTERRUPTED)
+    """The `tokaudit` console script (`outputs.run`)."""
+    outputs_run(main)
 
 
 class _Guarded(click.Group):
@@ -178,9 +97,9 @@ class _Guarded(click.Group):
         except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort, SystemExit):
             raise
         except TokauditError as error:
-            _fail(error)
+            fail(error)
         except KeyboardInterrupt:
-            _interrupted()
+            interrupted()
         except BrokenPipeError:
             # the reader went away (| head): nothing left to say, and nothing left to flush at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -188,41 +107,18 @@ class _Guarded(click.Group):
         except OSError as error:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            _problem(f"{getattr(error, 'filename', None) or 'output'}: {error.strerror or error}")
+            problem(f"{getattr(error, 'filename', None) or 'output'}: {error.strerror or error}")
             sys.exit(EXIT_BAD_INPUT)
         except Exception as error:
             # DuckDB turns a Ctrl-C inside a query into its InterruptException, or a RuntimeError of this text
             # where a result is being fetched
             if type(error).__name__ == "InterruptException" or str(error) == "Query interrupted":
-                _interrupted()
+                interrupted()
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            _problem(f"internal error: {type(error).__name__}: {printable(str(error))[:300]} "
+            problem(f"internal error: {type(error).__name__}: {printable(str(error))[:300]} "
                      "(rerun with --debug for the traceback, and please report it)")
             sys.exit(EXIT_BAD_INPUT)
-
-
-def _rich_text(render: Callable[[Console], None], output: Path | None) -> str | None:
-    """Render to the terminal (colors when it is one), or to plain text for --output or a pipe."""
-    if output is None:
-        console = Console(highlight=False)
-        if console.is_terminal:
-            render(console)
-            return None
-        width = console.width
-    else:
-        width = 140
-    buffer = io.StringIO()
-    render(Console(file=buffer, width=width, no_color=True, highlight=False, force_terminal=False))
-    # rich pads every line to the width: a pipe, a CI log or a file gets the text without the padding
-    return "\n".join(line.rstrip() for line in buffer.getvalue().split("\n"))
-
-
-def _print_rich(render: Callable[[Console], None]) -> None:
-    """Render to the terminal, or, to a pipe, as plain text without trailing spaces."""
-    text = _rich_text(render, None)
-    if text is not None:
-        click.echo(text, nl=False)
 
 
 # Plain strings: a URL (s3://bucket/runs/) must reach the reader as written, not as a Path.
@@ -286,7 +182,7 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
     (Ctrl-C); 141: the output's reader went away (| head).
     """
     _refuse_inputs(output, paths)
-    fmt = _format_for(fmt, output)
+    fmt = format_for(fmt, output)
     with _progress(quiet) as progress:
         with _start_loading(paths) as started:
             from tokaudit.auditing import audit
@@ -299,32 +195,32 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
     if fmt == "json":
         from tokaudit.render.json_report import render_json
 
-        _emit(render_json(report), output)
+        emit(render_json(report), output)
     elif fmt == "markdown":
         from tokaudit.render.markdown import render_markdown
 
-        _emit(render_markdown(report), output)
+        emit(render_markdown(report), output)
     elif fmt == "junit":
         from tokaudit.render.junit import render_junit
 
-        _emit(render_junit(report), output)
+        emit(render_junit(report), output)
     elif fmt == "html":
         from tokaudit.render.html import render_html
 
-        _emit(render_html(report, figures), output)
+        emit(render_html(report, figures), output)
     elif fmt == "github":
         from tokaudit.render.github import render_annotations, write_step_summary
 
-        _emit(render_annotations(report), output)
+        emit(render_annotations(report), output)
         write_step_summary(report)
     else:
         from tokaudit.render.console import render_report
 
-        text = _rich_text(lambda console: render_report(report, console), output)
+        text = rich_text(lambda console: render_report(report, console), output)
         if text is not None:
-            _emit(text, output)
-    for problem in report.problems:
-        _problem(problem)
+            emit(text, output)
+    for line in report.problems:
+        problem(line)
     if report.problems:
         sys.exit(EXIT_BAD_INPUT)
     worst = max((f.severity.rank for f in report.findings), default=-1)
@@ -354,7 +250,7 @@ def _progress(quiet: bool) -> Iterator[Callable[[str], None] | None]:
     if quiet:
         yield None
         return
-    console = _stderr()
+    console = stderr()
     if not console.is_terminal:
         yield lambda message: console.print(printable(message), style="dim", markup=False)
         return
@@ -377,25 +273,25 @@ def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str, output
         try:
             chosen, records, problems = step_weights(paths, step, run, started=started)
         except TokauditError as error:
-            _fail(error)
+            fail(error)
     if fmt == "csv":
-        _emit(records.rename(columns=WEIGHT_NAMES).to_csv(index=False), output)
+        emit(records.rename(columns=WEIGHT_NAMES).to_csv(index=False), output)
     elif fmt == "json":
         import json
 
         from tokaudit.render.json_report import sanitize
 
         rows = records.rename(columns=WEIGHT_NAMES).to_dict(orient="records")
-        _emit(json.dumps(sanitize({"run": chosen, "step": step, "records": rows}), indent=2, ensure_ascii=False)
+        emit(json.dumps(sanitize({"run": chosen, "step": step, "records": rows}), indent=2, ensure_ascii=False)
               + "\n", output)
     else:
         from tokaudit.postmortem import probe_extremes
         from tokaudit.render.console import render_weights
 
         probe = probe_extremes(records)
-        text = _rich_text(lambda console: render_weights(chosen, step, records, probe, console), output)
+        text = rich_text(lambda console: render_weights(chosen, step, records, probe, console), output)
         if text is not None:
-            _emit(text, output)
+            emit(text, output)
     _exit_for_problems(problems)
 
 
@@ -445,15 +341,15 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
 
             write_png(curve.run, views.points, curve.labels(), plot_path)
     except TokauditError as error:
-        _fail(error)
+        fail(error)
     def render(console: Console) -> None:
         console.print(views.chart.render(), markup=False, highlight=False)
         render_curve_table(curve.run, views.shown, views.steps, curve.labels(), console)
 
-    _print_rich(render)
+    print_rich(render)
     for path in (csv_path, plot_path):
         if path is not None:
-            _stderr().print(f"wrote {printable(str(path))}", style="dim", markup=False)
+            stderr().print(f"wrote {printable(str(path))}", style="dim", markup=False)
     _exit_for_problems(problems)
 
 
@@ -512,7 +408,7 @@ def explain(code: str | None) -> None:
     try:
         chosen = code_named(code)
     except ValueError as error:
-        _problem(f"{error}; `tokaudit explain` lists them")
+        problem(f"{error}; `tokaudit explain` lists them")
         sys.exit(EXIT_BAD_INPUT)
     click.echo(_wrapped(explain_text(chosen)))
 
@@ -533,8 +429,8 @@ def _wrapped(text: str) -> str:
 
 
 def _exit_for_problems(problems: list[LogFormatError]) -> None:
-    for problem in problems:
-        _problem(str(problem))
+    for error in problems:
+        problem(str(error))
     sys.exit(EXIT_BAD_INPUT if problems else EXIT_OK)
 
 

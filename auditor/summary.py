@@ -171,15 +171,13 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
         max_ratio = math.inf
     judged_ranks = not any(f.code == Code.RANKS_NOT_RECORDED for f in findings)  # else every N is partial
     weight_range = (q_low.value(), -q_high.value()) if weighted_any and judged_ranks else None
-    terms = source.terms
-    main = [s for s in segments if s.term == terms[0]]
-    normalization = max(main, key=lambda s: s.steps) if main else None
+    main = [s for s in segments if s.term == source.terms[0]]
     return RunSummary(run=run, rows=rows, steps=steps, ranks=ranks + 1, world_size=sorted(sizes), groups=len(source.groups),
-                      verdict=verdict_of(findings, judged), normalization=normalization, segments=segments,
-                      decided_by=sorted({f.code.value for f in deciding(findings)}),
+                      verdict=verdict_of(findings, judged), normalization=max(main, key=lambda s: s.steps, default=None),
+                      segments=segments, decided_by=sorted({f.code.value for f in deciding(findings)}),
                       gate_verdict=None if listed is None or len(listed) == len(findings) else verdict_of(listed, judged),
                       max_weight_ratio=max_ratio, microbatches=max(int(microbatches), 0) if rows else 0,
-                      terms=terms, skipped_steps=skipped_steps, divisors=sorted(divisors),
+                      terms=source.terms, skipped_steps=skipped_steps, divisors=sorted(divisors),
                       weight_range=weight_range, segments_omitted=omitted, normalization_judged=judged_ranks,
                       reporting=_reporting(findings, reported))
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = ("errors", "schema", "codes", "settings", "storage", "sorting", "validation", "footers", "reader", "loading",
           "engine", "normalization", "report", "checks", "summary", "auditing", "postmortem", "figures", "explain",
-          "render", "testing", "cli", "__main__")
+          "render", "testing", "outputs", "cli", "__main__")
 """The auditor's modules and subpackages, lowest first: each may import those before it."""
 
 UPWARD = {("tokaudit.report", "tokaudit.render.markdown"):

@@ -12,6 +12,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.checks.base import BF16_HINT, BF16_ROUNDING, DENOMINATOR_WORDS, Extremes, RunContext, StepsSeen, average_fix, column_of, make_finding, step_list
+from tokaudit.checks.causes import SHIFTED_COUNT_FIX, UNTOLD, overcounted, world_size_cause
 from tokaudit.checks.rescale import schedule_finding
 from tokaudit.checks.structure import ALL_CODES
 from tokaudit.codes import Code
@@ -359,7 +360,7 @@ def _uniform_finding(group: _WeightingGroup, table: list[FactorExplanation], con
         return make_finding(context, code, group.steps, message, fix, evidence)
     if code == Code.WORLD_SIZE_MISMATCH:
         assert explanation is not None
-        cause = _world_size_cause(explanation, q, w, float(row.d_high), context)
+        cause = world_size_cause(explanation, q, w, float(row.d_high), context)
         evidence["integer_factor"] = {"1/W": f"1/{w}", "1/k": f"1/{explanation.integer}", "W'/W": f"{explanation.integer}/{w}",
                                       "k/W": f"{explanation.integer}/{w}"}.get(explanation.label, explanation.integer)
         if explanation.label == "W'/W":
@@ -379,22 +380,13 @@ def _uniform_finding(group: _WeightingGroup, table: list[FactorExplanation], con
         what = "a constant" if not spread else "a factor that changes from step to step"
         message = f"Weights are uniform within each step but scaled by {what}: {scaled}.{aux}"
         if spread and max(distortions) < 1:
-            message += _overcounted(context)
+            message += overcounted(context)
             if context.trainer == "transformers":
                 return make_finding(context, code, group.steps, message, SHIFTED_COUNT_FIX, evidence)
         if max(abs(d - 1) for d in distortions) <= BF16_ROUNDING:
             evidence["within_bfloat16_rounding"] = True
             message += BF16_HINT
     return make_finding(context, code, group.steps, message, average_fix(context), evidence)
-
-
-UNTOLD = (" If the gradients are divided by N after backward instead (torchtune's training.scale_grads), tell the "
-          "recorder beside it: rec.scale_grads(factor).")
-"""b = S, the loss sum itself: right where a rescale after backward that the log does not show normalizes it."""
-
-SHIFTED_COUNT_FIX = ("count N over the labels the loss is computed on, after the causal shift: in the Hugging Face "
-                     "Trainer, set model.loss_type = \"ForCausalLM\" before building the Trainer (it then counts "
-                     "labels[..., 1:]), or give the batches shift_labels")
 
 
 def _mean_times_w(context: RunContext, near: str, formula: str, where: str) -> str:
@@ -409,52 +401,11 @@ def _mean_times_w(context: RunContext, near: str, formula: str, where: str) -> s
             f"the gradient is about W·M={w * m} times the token mean's: {where}.{trainer}")
 
 
-def _overcounted(context: RunContext) -> str:
-    """q = N/N' < 1, varying: the loss was divided by a count N' above the tokens it summed."""
-    trainer = (": the Hugging Face Trainer counts num_items_in_batch over every label when the model's loss_type "
-               "is not set, as for GPT-2" if context.trainer == "transformers" else "")
-    return (" Every token is light by a share that varies: N counted more labels than the loss was computed on "
-            f"(one label per row counted before a causal shift does this{trainer}).")
-
-
 def _is_world_size(factor: float | None, context: RunContext) -> bool:
     """α is the run's W (several: any of them), within the tolerance."""
     sizes = context.world_sizes or (context.world_size,)
     return factor is not None and any(w > 0 and close(factor, float(w), context.rtol) for w in sizes)
 
-
-def _world_size_cause(explanation: FactorExplanation, q: float, w: int, divisor: float, context: RunContext) -> str:
-    k, microbatches, launch = explanation.integer, context.microbatches, context.launch_world_size
-    if explanation.label in ("1/W", "1/k") and launch is not None and launch > w and q > 0 and close(
-            q * launch / w, 1.0, context.rtol):
-        # q = W/G: N all-reduced over the G processes of the launch, whose W-rank group holds each token G/W times
-        return (f"the gradient is {launch // w}× too small: N was counted over all {launch} processes of the "
-                f"launch, not the averaging group's W={w}; the {launch // w} tensor- or context-parallel ranks that "
-                "share each data-parallel rank's tokens each counted them (count N over the data-parallel group, "
-                "or once per sequence)")
-    # q = 1/M with M the microbatches in the log: the token mean (N over every microbatch) divided by M again,
-    # as `loss / gradient_accumulation_steps` does, or as Accelerate's and Lightning's backward do by themselves
-    again = (f"the token mean was divided again by the M={microbatches} accumulation steps (loss / "
-             "gradient_accumulation_steps after N already counted every microbatch; Accelerate's "
-             "accelerator.backward and Lightning divide by them themselves)")
-    if explanation.label == "1/W":
-        cause = (f"the W factor is missing: S/N went into a reduction that averages over W={w}" if divisor != 1
-                 else f"S/N was divided by W={w} once more")
-        return cause if microbatches != w or microbatches < 2 else f"{cause}; or, as M = W here, {again}"
-    if explanation.label == "1/k" and k == microbatches:
-        return f"the gradient is {k}× too small: {again}, or N counted {k}× the tokens"
-    if explanation.label == "W":
-        if divisor == 1:
-            return f"W·S/N (W={w}) went into a summing reduction (D=1), which needs S/N"
-    if explanation.label == "W'/W":
-        return (f"the code still scales by W={k} while the averaging group now has W={w}: a stale W kept "
-                "across an elastic resize or a resume on other hardware")
-    if explanation.label == "1/k":
-        return (f"the gradient is {k}× too small: N counted {k}× the tokens (ranks that replicate the batch, "
-                f"such as tensor- or context-parallel ranks, counted in N), or a constant 1/{k} in the code")
-    used = q * w
-    return (f"the code scaled by {used:.4g} where the averaging group has W={w}: a hard-coded W, a stale "
-            "constant, the global world size used on a data-parallel subgroup (DP×TP), or W applied twice")
 
 def _describe(row: Any, which: str, weight: float, tokens: int) -> dict[str, Any]:
     return {"rank": int(getattr(row, f"{which}_rank")), "micro": int(getattr(row, f"{which}_micro")),

@@ -28,7 +28,7 @@ def test_chunked_aggregation_equals_whole(tmp_path: Path) -> None:
     assert len(step_ranges(chunked.shards, chunked.chunk_rows)) > 1
     expected, got = whole.step_table(), chunked.step_table()
     pd.testing.assert_frame_equal(expected, got)
-    assert whole.duplicates == chunked.duplicates == {"run": (4, 7, 7, 1)}
+    assert _counts(whole.duplicates) == _counts(chunked.duplicates) == {"run": (4, 7, 7, 1)}
     # After aggregating, per-step queries see the whole (deduplicated) log again.
     assert len(chunked.records_at("run", 7)) == 4
     assert set(got.rank_mask[got.step == 11]) == {0b11}
@@ -203,7 +203,7 @@ def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_th
     general_extremes = Engine.open(shards, chunk_rows=25, extremes=True).step_table()
     pd.testing.assert_frame_equal(general_extremes, fast_extremes)
     pd.testing.assert_frame_equal(general_extremes.drop(columns=list(engine_module.EXTREME_COLUMNS)), general_steps)
-    assert fast.duplicates == general.duplicates == {"run": (2, 6, 6, 1)}
+    assert fast.duplicates == general.duplicates and _counts(fast.duplicates) == {"run": (2, 6, 6, 1)}
     assert fast_steps.repeated_micro.sum() == 0  # deduplicated before the table was kept
 
     # The mechanism: one grouping (per step) instead of four, none of them per record.
@@ -239,7 +239,7 @@ def test_the_one_record_form_finds_a_rank_written_twice_as_the_general_form_does
     monkeypatch.setattr(engine_module, "single_rank_range", lambda shards: None)
     general = Engine.open(shards)
     pd.testing.assert_frame_equal(general.step_table(), fast_steps)
-    assert fast.duplicates == general.duplicates == {"run": (1, 1, 1, 1)}
+    assert fast.duplicates == general.duplicates and _counts(fast.duplicates) == {"run": (1, 1, 1, 1)}
 
 
 def test_the_one_record_form_is_taken_only_when_every_footer_says_microbatch_0(tmp_path: Path) -> None:
@@ -712,7 +712,7 @@ def test_one_row_shards_are_read_from_their_footers_and_change_no_bit(tmp_path: 
     for one, other in zip(from_footers, from_files):
         assert _same_table(one, other) == []
     repeated = sorted({rows[4]["step"], rows[6]["step"]})
-    assert facts[0] == file_facts[0] == {"run": (2, repeated[0], repeated[-1], len(repeated))}
+    assert facts[0] == file_facts[0] and _counts(facts[0]) == {"run": (2, repeated[0], repeated[-1], len(repeated))}
     pd.testing.assert_frame_equal(facts[1], file_facts[1])
     assert facts[2] == file_facts[2]
     assert from_footers[0].loss.notna().all() and len(from_footers[0]) == len(UNEVEN_GA) * 7
@@ -916,3 +916,8 @@ def test_the_heat_map_is_each_valid_record_s_q_in_its_cell(tmp_path: Path) -> No
               int(r.step_last), r.q_low, r.q_high) for r in got.itertuples()]
     assert [cell[:7] for cell in found] == [cell[:7] for cell in sorted(expected)]
     assert np.allclose([cell[7:] for cell in found], [cell[7:] for cell in sorted(expected)], rtol=1e-15, atol=0)
+
+
+def _counts(found: dict[str, Duplicates]) -> dict[str, tuple[int, int, int, int]]:
+    """Records left out, first and last step, steps: per run."""
+    return {run: (d.dropped, d.first, d.last, d.steps) for run, d in found.items()}

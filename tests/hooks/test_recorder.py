@@ -564,3 +564,22 @@ def test_a_warning_points_at_the_training_script_s_line(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     first = done.stderr.splitlines()[0]
     assert first.startswith(f"{script}:2: RuntimeWarning: tokaudit: flush_every"), done.stderr
+
+
+def test_a_shard_is_written_on_time_so_a_live_audit_sees_the_run(tmp_path: Path) -> None:
+    """Far fewer records than flush_every, but older than flush_seconds: the next record writes the closed
+    updates to a shard (the open one waits), so `check --live` has something to audit during training."""
+    import time
+
+    from tokaudit.auditing import audit
+
+    rec = Recorder(tmp_path, run_id="live", flush_seconds=0.2, announce=False)
+    for step in range(3):
+        rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0, step=step)
+    assert not list((tmp_path / "live").glob("*.parquet"))
+    time.sleep(0.3)
+    rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0, step=3)
+    assert len(list((tmp_path / "live").glob("*.parquet"))) == 1
+    assert audit([tmp_path / "live"], live=True).runs[0].steps >= 3
+    rec.close()
+    assert sorted(r["step"] for r in read_rows(tmp_path / "live")) == [0, 1, 2, 3]

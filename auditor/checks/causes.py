@@ -1,0 +1,56 @@
+"""What a uniform factor q = e·N says happened, in words: a world-size factor's cause, an overcount, a raw sum."""
+
+from __future__ import annotations
+
+from tokaudit.checks.base import RunContext
+from tokaudit.normalization import FactorExplanation, close
+
+UNTOLD = (" If the gradients are divided by N after backward instead (torchtune's training.scale_grads), tell the "
+          "recorder beside it: rec.scale_grads(factor).")
+"""b = S, the loss sum itself: right where a rescale after backward that the log does not show normalizes it."""
+
+SHIFTED_COUNT_FIX = ("count N over the labels the loss is computed on, after the causal shift: in the Hugging Face "
+                     "Trainer, set model.loss_type = \"ForCausalLM\" before building the Trainer (it then counts "
+                     "labels[..., 1:]), or give the batches shift_labels")
+
+
+def overcounted(context: RunContext) -> str:
+    """q = N/N' < 1, varying: the loss was divided by a count N' above the tokens it summed."""
+    trainer = (": the Hugging Face Trainer counts num_items_in_batch over every label when the model's loss_type "
+               "is not set, as for GPT-2" if context.trainer == "transformers" else "")
+    return (" Every token is light by a share that varies: N counted more labels than the loss was computed on "
+            f"(one label per row counted before a causal shift does this{trainer}).")
+
+
+def world_size_cause(explanation: FactorExplanation, q: float, w: int, divisor: float, context: RunContext) -> str:
+    k, microbatches, launch = explanation.integer, context.microbatches, context.launch_world_size
+    if explanation.label in ("1/W", "1/k") and launch is not None and launch > w and q > 0 and close(
+            q * launch / w, 1.0, context.rtol):
+        # q = W/G: N all-reduced over the G processes of the launch, whose W-rank group holds each token G/W times
+        return (f"the gradient is {launch // w}× too small: N was counted over all {launch} processes of the "
+                f"launch, not the averaging group's W={w}; the {launch // w} tensor- or context-parallel ranks that "
+                "share each data-parallel rank's tokens each counted them (count N over the data-parallel group, "
+                "or once per sequence)")
+    # q = 1/M with M the microbatches in the log: the token mean (N over every microbatch) divided by M again,
+    # as `loss / gradient_accumulation_steps` does, or as Accelerate's and Lightning's backward do by themselves
+    again = (f"the token mean was divided again by the M={microbatches} accumulation steps (loss / "
+             "gradient_accumulation_steps after N already counted every microbatch; Accelerate's "
+             "accelerator.backward and Lightning divide by them themselves)")
+    if explanation.label == "1/W":
+        cause = (f"the W factor is missing: S/N went into a reduction that averages over W={w}" if divisor != 1
+                 else f"S/N was divided by W={w} once more")
+        return cause if microbatches != w or microbatches < 2 else f"{cause}; or, as M = W here, {again}"
+    if explanation.label == "1/k" and k == microbatches:
+        return f"the gradient is {k}× too small: {again}, or N counted {k}× the tokens"
+    if explanation.label == "W":
+        if divisor == 1:
+            return f"W·S/N (W={w}) went into a summing reduction (D=1), which needs S/N"
+    if explanation.label == "W'/W":
+        return (f"the code still scales by W={k} while the averaging group now has W={w}: a stale W kept "
+                "across an elastic resize or a resume on other hardware")
+    if explanation.label == "1/k":
+        return (f"the gradient is {k}× too small: N counted {k}× the tokens (ranks that replicate the batch, "
+                f"such as tensor- or context-parallel ranks, counted in N), or a constant 1/{k} in the code")
+    used = q * w
+    return (f"the code scaled by {used:.4g} where the averaging group has W={w}: a hard-coded W, a stale "
+            "constant, the global world size used on a data-parallel subgroup (DP×TP), or W applied twice")
