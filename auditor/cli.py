@@ -399,7 +399,7 @@ def _step_range(text: str | None) -> tuple[int, int] | None:
 @click.argument("code", required=False)
 def explain(code: str | None) -> None:
     """The derivation, the fix and a worked two-rank example for a finding CODE (all codes without one)."""
-    from tokaudit.explain import explain as explain_text, listing
+    from tokaudit.explain import explain as explain_text, explain_code, listing
 
     if code is None:
         for line in listing():
@@ -410,7 +410,7 @@ def explain(code: str | None) -> None:
     except ValueError as error:
         problem(f"{error}; `tokaudit explain` lists them")
         sys.exit(EXIT_BAD_INPUT)
-    click.echo(_wrapped(explain_text(chosen)))
+    click.echo(_wrapped(explain_text(chosen)) + "\n" + explain_code(chosen), nl=False)
 
 
 def _wrapped(text: str) -> str:

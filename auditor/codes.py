@@ -427,6 +427,11 @@ def code_named(text: str | Code) -> Code:
 
 
 REPORTING: frozenset[Code] = frozenset({Code.REPORTED_LOSS_MISMATCH, Code.REPORTED_LOSS_SHIFTED})
+
+TOKEN_MEAN_FIXES: frozenset[Code] = frozenset({Code.LOCAL_MEAN, Code.PER_MICRO_DENOMINATOR, Code.WORLD_SIZE_MISMATCH,
+                                               Code.SCALE_MISMATCH, Code.PADDED_DENOMINATOR,
+                                               Code.UNEXPLAINED_WEIGHTING})
+"""Findings whose fix is the token mean itself: they carry its code for the run's set-up (`tokaudit.recipes`)."""
 """Findings about the logged loss, not the gradient: they never decide the verdict, which asks whether every
 valid token got the token-mean weight; the run's `reporting` status says them beside it."""
 """Warnings that say the logs cannot tell: alone, they make a run `inconclusive`, not `incorrect`."""

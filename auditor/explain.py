@@ -8,18 +8,27 @@ from __future__ import annotations
 import re
 import textwrap
 
-from tokaudit.codes import CODE_DOCS, EXAMPLE_SETUP, REPORTING, UNDECIDABLE, Code, CodeDoc
+from tokaudit.codes import CODE_DOCS, EXAMPLE_SETUP, REPORTING, TOKEN_MEAN_FIXES, UNDECIDABLE, Code, CodeDoc
+from tokaudit.recipes import NAMES, RECIPES
 
 LIST_WIDTH = 26
 """The code column of `tokaudit explain`'s list: the longest code and a space."""
 
 
 def explain(code: Code) -> str:
-    """The derivation, the fix and a worked example of one code, as `tokaudit explain CODE` prints it."""
+    """The derivation, the fix and a worked example of one code, as `tokaudit explain CODE` prints it (prose)."""
     doc = CODE_DOCS[code]
     return (f"{code.value} ({doc.severity.value}): {doc.title}\n\n"
             f"Why\n  {doc.why}\n\nFix\n  {doc.fix}\n\n"
             f"Worked example\n  Set-up for the example: {EXAMPLE_SETUP}\n  {doc.example}\n")
+
+
+def explain_code(code: Code) -> str:
+    """Where the fix of `code` is the token mean: its code for each set-up, to paste (never wrapped); else ""."""
+    if code not in TOKEN_MEAN_FIXES:
+        return ""
+    return "".join(f"\nThe token mean in {NAMES[name]}\n{textwrap.indent(recipe, '  ')}\n"
+                   for name, recipe in RECIPES.items())
 
 
 def listing() -> list[str]:
@@ -100,4 +109,9 @@ def codes_markdown() -> str:
                      f"**Why.** {_markdown(doc.why)}", "",
                      f"**Fix.** {_markdown(doc.fix)}", "",
                      f"**Worked example.** {_markdown(doc.example)}"]
-    return _HEADER + "\n".join(rows) + "\n\n" + "\n".join(sections) + "\n"
+    recipes = ["", "## The token mean in code", "",
+               f"The fix of {_codes(TOKEN_MEAN_FIXES)}, for each set-up a log can show (a finding carries the one "
+               "its run's trainer needs, as `fix_code` in the JSON):"]
+    for name, recipe in RECIPES.items():
+        recipes += ["", f"**{NAMES[name][:1].upper() + NAMES[name][1:]}.**", "", "```python", recipe, "```"]
+    return _HEADER + "\n".join(rows) + "\n\n" + "\n".join(sections) + "\n" + "\n".join(recipes) + "\n"

@@ -43,6 +43,8 @@ class Finding:
     """Numbers a user can check by hand."""
     term: str = UNNAMED
     """The loss term it concerns ("0", UNNAMED: the main one, or the only one)."""
+    fix_code: str = ""
+    """The token mean as code to paste, for the set-up the log shows (`recipes`); empty where the fix is not it."""
 
 
 @dataclass(frozen=True, slots=True)

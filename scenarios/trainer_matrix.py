@@ -58,6 +58,9 @@ class Cell:
     @property
     def setup(self) -> str:
         """The set-up in words, for the table."""
+        if self.trainer == "lightning" and self.loss == "sum":
+            return ("Lightning: manual optimization, each batch one update's microbatches, `manual_backward(W·S/N)` "
+                    "with N counted over them first (`tokaudit.recipes.LIGHTNING`)")
         if self.trainer == "lightning":
             return (f"Lightning: `training_step` returns the `{self.family}` model's own loss (its mean), "
                     f"`accumulate_grad_batches={GRADIENT_ACCUMULATION}`")
@@ -91,7 +94,9 @@ CELLS = (
     Cell("t5", "t5", True), Cell("bart", "bart", True), Cell("bert", "bert", True), Cell("bert-no-average", "bert", False),
     Cell("custom-mean", "llama", True, loss="mean"), Cell("custom-sum", "llama", True, loss="sum"),
     Cell("no-kwargs", "llama", True, loss="no_kwargs"),
-    Cell("lightning", "llama", False, trainer="lightning"), Cell("accelerate", "llama", False, trainer="accelerate"),
+    Cell("lightning", "llama", False, trainer="lightning"),
+    Cell("lightning-token-mean", "llama", False, loss="sum", trainer="lightning"),
+    Cell("accelerate", "llama", False, trainer="accelerate"),
     Cell("accelerate-sum", "llama", False, loss="sum", trainer="accelerate"),
     Cell("trl-sft", "llama", True, trainer="trl"), Cell("trl-sft-no-average", "llama", False, trainer="trl"),
     Cell("trl-sft-completion", "llama", True, loss="completion", trainer="trl"),
@@ -279,6 +284,10 @@ def _lightning_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]
     from scenarios.padded import padded_sequences
     from tokaudit.hooks.lightning import TokauditLightningCallback
 
+    if cell.loss == "sum":
+        _lightning_token_mean(rank, root, cell, saved)
+        return
+
     class Module(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
@@ -300,6 +309,55 @@ def _lightning_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[TokauditLightningCallback(f"{root}/logs", run_id=cell.name)])  # the one line
     trainer.fit(Module(), DataLoader(padded_sequences(), batch_size=2, shuffle=False))
+
+
+def _lightning_token_mean(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> None:
+    """`tokaudit.recipes.LIGHTNING` as written there: each DataLoader item is one update's microbatches."""
+    import lightning as L
+    from torch.utils.data import DataLoader, Dataset
+    from torch.utils.data import default_collate
+
+    from scenarios.padded import padded_sequences
+    from tokaudit.hooks import global_valid_tokens, token_mean_loss
+    from tokaudit.hooks.lightning import TokauditLightningCallback
+
+    sequences = padded_sequences()
+
+    class Updates(Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return len(sequences) // (2 * GRADIENT_ACCUMULATION)
+
+        def __getitem__(self, index: int) -> list[dict[str, torch.Tensor]]:
+            first = index * 2 * GRADIENT_ACCUMULATION
+            return [default_collate([sequences[first + 2 * m], sequences[first + 2 * m + 1]])
+                    for m in range(GRADIENT_ACCUMULATION)]
+
+    class TokenMean(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.automatic_optimization = tiny_model(cell), False
+
+        def training_step(self, batches: list[dict[str, torch.Tensor]], index: int) -> None:
+            saved["inputs"].extend({key: value.detach().clone() for key, value in b.items()} for b in batches)
+            N = global_valid_tokens([b["labels"][:, 1:] for b in batches])
+            for b in batches:
+                logits = self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+                loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten(),
+                                           ignore_index=-100, reduction="sum")
+                self.manual_backward(token_mean_loss(loss_sum, N))
+            if rank == 0:
+                _keep_update(saved, self.model)
+            optimizer = self.optimizers()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy="ddp", max_steps=MAX_STEPS,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[TokauditLightningCallback(f"{root}/logs", run_id=cell.name)])
+    trainer.fit(TokenMean(), DataLoader(Updates(), batch_size=None, shuffle=False))
 
 
 def _accelerate_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> None:

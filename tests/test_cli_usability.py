@@ -400,3 +400,21 @@ def test_a_row_whose_q_shows_nothing_says_which_finding_decides() -> None:
     runs = {run["run"]: run for run in json.loads(out)["runs"]}
     assert runs["padding_labelled"]["decided_by"] == ["masked_tokens_weighted"]
     assert runs["correct_token_mean_ga"]["decided_by"] == []
+
+
+def test_a_weighting_finding_carries_the_token_mean_as_code_for_its_set_up() -> None:
+    """The fix of a local mean is code to paste: in the JSON (`fix_code`), under the finding in the table, and in
+    `tokaudit explain`, with no line wrapped; every recipe is Python that compiles."""
+    from tokaudit.recipes import RECIPES
+
+    for name, recipe in RECIPES.items():
+        compile(recipe, name, "exec")  # the `...` of TrainingArguments(...) is an Ellipsis: valid Python
+    code, out, _ = invoke("check", str(SAMPLE_LOGS / "bug_local_mean"), "--format", "json")
+    (local,) = [f for f in json.loads(out)["findings"] if f["code"] == "local_mean"]
+    assert "global_valid_tokens" in local["fix_code"] and 'reduction="sum"' in local["fix_code"]
+    assert "model.no_sync()" in local["fix_code"]  # a raw DDP loop: no integration named in the shards
+    code, out, _ = invoke("check", str(SAMPLE_LOGS / "bug_local_mean"))
+    assert "in code:" in out and "        token_mean_loss(loss_sum, N).backward()" in out
+    code, out, _ = invoke("explain", "local_mean")
+    longest = max(RECIPES["accelerate"].splitlines(), key=len)
+    assert code == 0 and longest in out and "The token mean in Lightning" in out

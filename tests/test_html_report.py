@@ -59,8 +59,13 @@ def test_the_report_loads_in_a_real_browser_with_every_run_finding_and_heat_map(
         assert [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"] == []
         # What the page shows, read in the browser in one call (a WebDriver round trip per element is slow)
         shown = driver.execute_script(PAGE_READER)
+        driver.set_window_size(1200, 1600)
+        driver.get(path.as_uri() + "#" + shown["first_anchor"])
+        assert driver.save_screenshot(str(tmp_path / "report.png"))  # what a person sees, for a look by hand
     finally:
         driver.quit()
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+    assert "D" in shown["run_columns"]
     sections = {section["run"]: section for section in shown["sections"]}
     assert set(sections) == set(EXPECTED_VERDICT)
     for run, section in sections.items():
@@ -72,6 +77,13 @@ def test_the_report_loads_in_a_real_browser_with_every_run_finding_and_heat_map(
         if "local_mean" in EXPECTED_CODES[run]:  # some token got the wrong weight: a coloured cell
             assert fills - {"#ffffff"}, run
         assert section["cells"] == 0 or section["smallest_cell"] > 0  # drawn: laid out with a size on the page
+        assert section["cells"] == 0 or (section["scale"] and section["map_height"] >= 100), run
+        # curves equal at every step are one line under both labels, never one hidden under another
+        assert len(set(section["curve_labels"])) == len(section["curve_labels"]), run
+        one_term = not any("term" in label for label in section["curve_labels"])
+        if EXPECTED_VERDICT[run] == "correct" and one_term and section["curve_labels"]:  # true mean = optimized
+            assert any("ΣS/N (true)" in label and "optimized Σe·S" in label for label in section["curve_labels"]), (
+                run, section["curve_labels"])
     assert shown["curves"] > 0 and shown["narrowest_curve"] > 0
 
 
@@ -82,10 +94,14 @@ const sections = [...document.querySelectorAll("section.run")].map(section => {
           verdict: section.querySelector("h2 span").textContent,
           codes: [...section.querySelectorAll("div.finding")].map(f => f.dataset.code),
           fills: cells.map(c => c.getAttribute("fill")), cells: cells.length,
-          smallest_cell: Math.min(...cells.map(c => { const r = c.getBoundingClientRect(); return Math.min(r.width, r.height); }))};
+          smallest_cell: Math.min(...cells.map(c => { const r = c.getBoundingClientRect(); return Math.min(r.width, r.height); })),
+          scale: section.querySelector("svg.scale") !== null,
+          map_height: section.querySelector("svg.heatmap") ? section.querySelector("svg.heatmap").getBoundingClientRect().height : 0,
+          curve_labels: [...section.querySelectorAll("svg.curves polyline.series title")].map(t => t.textContent)};
 });
 const curves = [...document.querySelectorAll("svg.curves polyline.series")];
-return {sections, curves: curves.length,
+return {sections, curves: curves.length, first_anchor: document.querySelector("section.run").id,
+        run_columns: [...document.querySelectorAll("#runs th")].map(th => th.textContent),
         narrowest_curve: Math.min(...curves.map(c => c.getBoundingClientRect().width))};
 """
 

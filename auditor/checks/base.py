@@ -18,7 +18,8 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
+from tokaudit.codes import DEFAULT_SEVERITY, TOKEN_MEAN_FIXES, Code, Severity
+from tokaudit.recipes import recipe_for
 from tokaudit.engine import one_value
 from tokaudit.normalization import BLOCK_STEPS, Denominator, name_ranks
 from tokaudit.report import Finding, StepRange
@@ -189,7 +190,9 @@ def make_finding(context: RunContext, code: Code, steps: StepsSeen, message: str
     if context.term != UNNAMED:
         message = f"[term {context.term}] {message}"
     return Finding(run=context.run, code=code, severity=severity or DEFAULT_SEVERITY[code], steps=steps.range(),
-                   message=message, fix=fix, evidence=evidence, term=context.term)
+                   message=message, fix=fix, evidence=evidence, term=context.term,
+                   fix_code=recipe_for(context.trainer) if code in TOKEN_MEAN_FIXES else "")
+
 
 def average_fix(context: RunContext) -> str:
     w, m = context.world_size, context.microbatches

@@ -82,7 +82,12 @@ def render_report(report: AuditReport, console: Console) -> None:
             detail = Text(printable(f.message))
             detail.append("\nfix: ", style="bold")
             detail.append(printable(f.fix))
-            console.print(Padding(detail, (0, 0, 1, 9)))
+            if f.fix_code:
+                detail.append("\nin code:", style="bold")
+            console.print(Padding(detail, (0, 0, 0 if f.fix_code else 1, 9)))
+            if f.fix_code:  # code to paste: its lines as they are, never wrapped nor cut at the width
+                code = "\n".join(" " * 9 + line if line else line for line in f.fix_code.splitlines())
+                console.print(Text(code + "\n", style="cyan"), soft_wrap=True)
         if brief:
             console.print(Text(f"{len(report.runs)} runs: each finding in brief; `tokaudit check PATHS --run RUN` "
                                "gives a run's findings in full, with their numbers and fixes (so do --format html "

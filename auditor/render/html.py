@@ -33,8 +33,8 @@ figcaption{font-size:12px;color:#57606a}svg text{font:11px system-ui,sans-serif;
 """
 COLORS = ("#0969da", "#cf222e", "#1a7f37", "#8250df", "#bc4c00", "#57606a")
 """The curves' colours, in the order of their series."""
-HEAT_WIDTH, HEAT_HEIGHT = 640, 200
-"""The heat-map's grid in pixels, about: its cells share it, each 4–40 wide and 6–24 high."""
+HEAT_WIDTH, HEAT_HEIGHT = 640, 240
+"""The heat-map's grid in pixels, about: its cells share it, each 4–40 wide and 8–60 high (at least 120 in all)."""
 
 
 def _e(text: object) -> str:
@@ -59,13 +59,14 @@ def render_html(report: AuditReport, figures: dict[str, RunFigures]) -> str:
 
 def _run_table(runs: list[RunSummary]) -> str:
     rows = ["<table id=runs><tr><th>run</th><th>verdict</th><th>logged loss</th><th>steps</th><th>ranks</th>"
-            "<th>W</th><th>normalization</th><th>q = e·N</th><th>max ratio</th></tr>"]
+            "<th>W</th><th>D</th><th>normalization</th><th>q = e·N</th><th>max ratio</th></tr>"]
     for run in runs:
         q = q_range_text(run, " – ")
         rows.append(f'<tr><td><a href="#{_anchor(run.run)}">{_e(run.run)}</a></td>'
                     f"<td class={run.verdict}>{run.verdict}</td><td>{run.reporting}</td>"
                     f"<td class=n>{run.steps}</td><td class=n>{run.ranks}</td>"
                     f"<td>{', '.join(map(str, run.world_size))}</td>"
+                    f"<td>{', '.join(f'{d:g}' for d in run.divisors) or '?'}</td>"
                     f"<td>{_e(factor_text(run.normalization, run.steps, run.normalization_judged))}</td>"
                     f"<td>{q}</td><td class=n>{_e(ratio_text(run.max_weight_ratio))}</td></tr>")
     return "\n".join(rows) + "</table>"
@@ -93,6 +94,7 @@ def _finding(finding: Finding) -> str:
     return (f"<div class='finding {finding.severity.value}' data-code={finding.code.value}>"
             f"<h3>{finding.severity.value} <code>{finding.code.value}</code>{term} · steps "
             f"{_e(steps_text(finding.steps))}</h3><p>{_e(finding.message)}</p><p><b>Fix:</b> {_e(finding.fix)}</p>"
+            + (f"<pre><code>{_e(finding.fix_code)}</code></pre>" if finding.fix_code else "") +
             f"<details><summary>derivation</summary><p>{_e(doc.why)}</p><p>{_e(doc.example)}</p>"
             f"<pre>{html.escape(evidence)}</pre></details></div>")
 
@@ -109,9 +111,9 @@ def _heatmap(figures: RunFigures, run: RunSummary) -> str:
     if cells.empty:
         return "<p>No valid token carries a weight: no heat-map.</p>"
     rows, columns = int(cells.row.max()) + 1, int(cells.col.max()) + 1
-    cell, height = max(4, min(40, HEAT_WIDTH // columns)), max(6, min(24, HEAT_HEIGHT // rows))
+    cell, height = max(4, min(40, HEAT_WIDTH // columns)), max(8, min(60, HEAT_HEIGHT // rows), -(-120 // rows))
     left, top = 64, 6
-    width, tall = max(left + columns * cell + 8, 240), top + rows * height + 22
+    width, tall = max(left + columns * cell + 8, 420), top + rows * height + 22
     tolerance = run.rtol or 0.0
     out = [f'<figure><svg class=heatmap width="{width}" height="{tall}" role="img" '
            f'aria-label="q by rank and step">']
@@ -129,10 +131,37 @@ def _heatmap(figures: RunFigures, run: RunSummary) -> str:
                f'<text x="{left - 4}" y="{top + rows * height}" text-anchor="end">rank {int(cells.rank_last.max())}'
                f'</text><text x="{left}" y="{tall - 4}">step {first}</text>'
                f'<text x="{left + columns * cell}" y="{tall - 4}" text-anchor="end">step {last}</text></svg>')
-    out.append("<figcaption>q = e·N per rank (rows) and step (columns): white within tolerance of 1, red where "
-               "a token weighs more than 1/N, blue less (full colour at 4× either way); hover a cell for its "
-               "values.</figcaption></figure>")
+    right = all(abs(float(a) - 1) <= tolerance and abs(float(b) - 1) <= tolerance
+                for a, b in zip(cells.q_low, cells.q_high))
+    said = ("every cell is white: each valid token weighed 1/N, the token mean. " if right else "")
+    out.append(f"<figcaption>{_scale()} q = e·N per rank (rows) and step (columns): {said}White within tolerance "
+               "of 1, red where a token weighs more than 1/N, blue less (full colour at 4× either way); hover a cell "
+               "for its values.</figcaption></figure>")
     return "".join(out)
+
+
+def _scale() -> str:
+    """The heat-map's colour scale: q from ¼ to 4, white at 1."""
+    stops = [0.25, 0.5, 1.0, 2.0, 4.0]
+    boxes = "".join(f'<rect x="{40 + 44 * i}" y="2" width="44" height="12" fill="{_shade(q)}" stroke="#d0d7de" '
+                    f'stroke-width="0.5"/><text x="{62 + 44 * i}" y="26" text-anchor="middle">'
+                    f'{"¼" if q == 0.25 else "½" if q == 0.5 else f"{q:g}"}</text>' for i, q in enumerate(stops))
+    return (f'<svg class=scale width="280" height="30" role="img" aria-label="colour scale of q">'
+            f'<text x="0" y="12">q</text>{boxes}</svg><br>')
+
+
+def _merged(series: list[tuple[str, np.ndarray, np.ndarray]]) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Curves equal at every step drawn once, under their labels joined: one on top of another hides it."""
+    out: list[tuple[str, np.ndarray, np.ndarray]] = []
+    for label, x, y in series:
+        same = next((i for i, (_, ox, oy) in enumerate(out) if len(ox) == len(x) and np.array_equal(ox, x)
+                     and np.allclose(oy, y, rtol=1e-6, atol=0.0, equal_nan=True)), None)
+        if same is None:
+            out.append((label, x, y))
+        else:
+            joined, ox, oy = out[same]
+            out[same] = (f"{joined} = {label}", ox, oy)
+    return out
 
 
 def _span(name: str, first: object, last: object) -> str:
@@ -147,6 +176,7 @@ def _curves(figures: RunFigures) -> str:
     series = figures.curves
     if not series:
         return "<p>No loss curve: no step has a value.</p>"
+    series = _merged(series)
     xs = np.concatenate([x for _, x, _ in series])
     ys = np.concatenate([y for _, _, y in series])
     x_low, x_high, y_low, y_high = float(xs.min()), float(xs.max()), float(ys.min()), float(ys.max())
@@ -155,6 +185,8 @@ def _curves(figures: RunFigures) -> str:
     y_scale = (height - bottom - 10) / (y_high - y_low if y_high > y_low else 1.0)
     out = [f'<figure><svg class=curves width="{width}" height="{height}" role="img" aria-label="loss curves">',
            f'<text x="4" y="14">{y_high:.4g}</text><text x="4" y="{height - bottom}">{y_low:.4g}</text>',
+           f'<text x="12" y="{(height - bottom) / 2:.0f}" transform="rotate(-90 12 {(height - bottom) / 2:.0f})" '
+           'text-anchor="middle">loss</text>',
            f'<text x="{left}" y="{height - 4}">step {x_low:.0f}</text>'
            f'<text x="{width - 10}" y="{height - 4}" text-anchor="end">step {x_high:.0f}</text>']
     legend = []

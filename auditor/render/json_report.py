@@ -48,6 +48,8 @@ def finding_dict(finding: Finding) -> dict[str, Any]:
            "evidence": finding.evidence}
     if finding.term != UNNAMED:
         out["term"] = finding.term
+    if finding.fix_code:
+        out["fix_code"] = finding.fix_code
     return out
 
 

@@ -43,6 +43,7 @@ def render_markdown(report: AuditReport) -> str:
         lines += [f"<details><summary>{ICONS[f.severity.value]} <b>{f.severity.value}</b> <code>{f.code.value}</code> "
                   f"· {html.escape(printable(f.run))}{html.escape(term)} · steps {steps_text(f.steps)}</summary>", "",
                   html.escape(printable(f.message)), "", f"**Fix:** {html.escape(printable(f.fix))}", "",
+                  *([f"```python\n{f.fix_code}\n```", ""] if f.fix_code else []),
                   f"`tokaudit explain {f.code.value}` derives it.", "", "</details>", ""]
     if report.runs and not report.findings:
         lines += ["No findings.", ""]

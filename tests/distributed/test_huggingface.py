@@ -101,7 +101,8 @@ def hf_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-MATRIX_CELLS = ("llama", "llama-no-average", "bert", "gpt2", "trl-sft-completion", "trl-sft-packing")
+MATRIX_CELLS = ("llama", "llama-no-average", "bert", "gpt2", "trl-sft-completion", "trl-sft-packing",
+                "lightning-token-mean")
 """The cells of docs/trainer-matrix.md run here (`python scripts/trainer_matrix.py` runs them all)."""
 
 
@@ -143,6 +144,8 @@ def test_the_verdict_and_exit_code_follow_the_float64_reference(matrix: dict[str
         finding = findings["scale_mismatch"]
         assert 0.8 < finding["evidence"]["distortion"] < 1.0
         assert "after the causal shift" in finding["fix"] and 'model.loss_type = "ForCausalLM"' in finding["fix"]
+    elif name == "lightning-token-mean":  # tokaudit.recipes.LIGHTNING, the fix its findings give Lightning users
+        assert row.correct and run["normalization"]["denominator"] == "N"
     elif name.startswith("trl-"):
         # TRL's SFTTrainer: no cross-entropy call, the loss from its fused LM head, recorded there; completion-only
         # labels and bfd packing (padding-free rows) train the token mean over the labels the loss counts
