@@ -428,6 +428,29 @@ def _wrapped(text: str) -> str:
     return "\n".join(out)
 
 
+@main.command()
+@click.argument("folder", required=False, type=click.Path(file_okay=False, path_type=Path))
+def sync(folder: Path | None) -> None:
+    """Write the shards a recorder kept in its local spool (the store did not answer by close()) to where they
+    were going. FOLDER: the spool (default: TOKAUDIT_SPOOL, else ~/.cache/tokaudit/spool)."""
+    from tokaudit.schema import spool_folder
+    from tokaudit.spool import spooled, sync_one
+
+    failed: list[LogFormatError] = []
+    done = 0
+    for path in spooled(folder or spool_folder()):
+        try:
+            synced = sync_one(path)
+        except LogFormatError as error:
+            failed.append(error)
+            continue
+        done += 1
+        stderr().print(f"wrote {printable(synced.destination)} ({synced.records} records)", markup=False)
+    if not done and not failed:
+        stderr().print(f"nothing to sync in {printable(str(folder or spool_folder()))}", markup=False)
+    _exit_for_problems(failed)
+
+
 def _exit_for_problems(problems: list[LogFormatError]) -> None:
     for error in problems:
         problem(str(error))

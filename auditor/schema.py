@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -99,6 +102,17 @@ def dropped_metadata(run: str, group: str, rank: int, steps: list[tuple[int, int
 
 
 PROVENANCE_KEY = b"tokaudit.provenance"
+DESTINATION_KEY = b"tokaudit.destination"
+"""A spooled shard's footer: the folder or URL it was to be written to (`tokaudit sync` writes it there)."""
+
+
+def spool_folder() -> Path:
+    """Where a recorder keeps what it could not write by close(): TOKAUDIT_SPOOL, else the user's cache."""
+    chosen = os.environ.get("TOKAUDIT_SPOOL")
+    if chosen:
+        return Path(chosen)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "tokaudit" / "spool"
 """Shard footer metadata the recorder writes on every shard: JSON {"tokaudit", "torch", "world_size", and
 "trainer" with "trainer_version" when an integration attached it}; the fix text uses the trainer to name
 that trainer's own settings."""

@@ -76,7 +76,29 @@ def open_url(url: str, timeout: float | None = None) -> tuple[Store, str]:
         filesystem = pafs.S3FileSystem(region=filesystem.region, endpoint_override=endpoint or None,
                                        connect_timeout=timeout, request_timeout=timeout,
                                        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2))
+    elif timeout is not None and isinstance(filesystem, pafs.GcsFileSystem):
+        filesystem = _bounded_gcs(url, timeout)
     return Store(filesystem, scheme), path.rstrip("/")
+
+
+def _bounded_gcs(url: str, timeout: float) -> Any:
+    """The store of a gs:// URL as from_uri opens it (anonymous@, scheme= and endpoint_override= in the URL, or
+    STORAGE_EMULATOR_HOST), with its client's retries bounded to about two requests' time instead of minutes."""
+    import datetime
+    import urllib.parse
+
+    import pyarrow.fs as pafs
+
+    parts = urllib.parse.urlsplit(url)
+    query = {key: values[-1] for key, values in urllib.parse.parse_qs(parts.query).items()}
+    endpoint = query.get("endpoint_override")
+    scheme = query.get("scheme")
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    if endpoint is None and emulator:
+        scheme, _, endpoint = emulator.rpartition("://") if "://" in emulator else ("http", "", emulator)
+    return pafs.GcsFileSystem(anonymous=parts.username == "anonymous" or query.get("anonymous") == "true",
+                              scheme=scheme, endpoint_override=endpoint,
+                              retry_time_limit=datetime.timedelta(seconds=max(1.0, 2 * timeout)))
 
 
 def sized_fragment(store: Store, path: str) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import torch
 
 from tokaudit import __version__
@@ -20,7 +22,7 @@ from tokaudit.hooks.probe import ProbeResult
 from tokaudit.hooks.record import Record
 from tokaudit.hooks.shards import ShardWriter, StoreShardWriter
 from tokaudit.hooks.uploads import Backlog, Uploader
-from tokaudit.schema import SCHEMA_VERSION, WRITER_SCHEMA, dropped_metadata, provenance_metadata
+from tokaudit.schema import DESTINATION_KEY, SCHEMA_VERSION, WRITER_SCHEMA, dropped_metadata, provenance_metadata, spool_folder
 from tokaudit.storage import is_url
 
 PACKED_VALUES = ("loss_sum", "valid_tokens", "backward_scalar", "positions", "reported_loss", "grad_scale",
@@ -86,6 +88,8 @@ class ShardOutput:
         self.prefix = "rank-00000"
         """The shards' names before their sequence number (set at each write, from the stamp)."""
         self.uploader: Uploader | None = None
+        self.last_metadata: Callable[[dict[int, int]], dict[bytes, bytes]] = lambda dropped: {}
+        """The footer of the last shard asked for (a spooled shard carries it too)."""
         self.first_step: int | None = None
         """The step of this recorder's first record written: a folder that already holds shards of its rank
         while it starts at step 0 again is a resumed run without begin_step (`_writer`)."""
@@ -97,9 +101,11 @@ class ShardOutput:
         run_id = None if run_id is None else run_folder(str(run_id), warn)
         if is_url(log_dir):
             # Opened at the first flush (a store that cannot be reached then warns and retries).
-            url = str(log_dir).rstrip("/")
-            self.log_dir = f"{url}/{run_id}" if run_id else url
-            self.run_id = run_id or self.log_dir.rsplit("/", 1)[-1]
+            # the run id joins the URL's path, before a query string (gs://b/runs?endpoint_override=host:port)
+            address, mark, query = str(log_dir).partition("?")
+            url = address.rstrip("/")
+            self.log_dir = f"{url}/{run_id}{mark}{query}" if run_id else f"{url}{mark}{query}"
+            self.run_id = run_id or url.rsplit("/", 1)[-1]
             self.backlog = Backlog(warn, self.log_dir)
             self.uploader = Uploader(self.backlog, self._writer)
             return
@@ -153,6 +159,7 @@ class ShardOutput:
                 return provenance
             return {**provenance, **dropped_metadata(stamp.run_id, stamp.group, stamp.rank, ranges(dropped))}
 
+        self.last_metadata = metadata
         if self.uploader is not None:
             self.uploader.kick(metadata)
         else:
@@ -162,7 +169,19 @@ class ShardOutput:
         """The last write: the uploader's last attempt (bounded); then one warning for what is still unwritten."""
         if self.uploader is not None:
             self.uploader.close()
-        self.backlog.say_unwritten()
+        self.backlog.say_unwritten(self._spool)
+
+    def _spool(self, tables: list[pa.Table]) -> str:
+        """What close() could not write, as one shard in the local spool, its destination in its footer; its path."""
+        folder = spool_folder() / re.sub(r"[^0-9A-Za-z._-]+", "_", str(self.log_dir)).strip("_")
+        folder.mkdir(parents=True, exist_ok=True)
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        metadata = {**(table.schema.metadata or {}), **self.last_metadata({}), DESTINATION_KEY: str(self.log_dir).encode()}
+        name = f"{self.prefix}-spooled-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.parquet"
+        temporary = folder / f".{name}.tmp"
+        pq.write_table(table.replace_schema_metadata(metadata), temporary)
+        os.replace(temporary, folder / name)
+        return str(folder / name)
 
     def _writer(self) -> ShardWriter | StoreShardWriter:
         if self.writer is None:

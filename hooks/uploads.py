@@ -44,6 +44,8 @@ class Backlog:
         """Step → records that could not be kept, written down in the next shard."""
         self.in_flight = 0
         """Rows taken by a write that has not returned yet."""
+        self.in_flight_tables: list[pa.Table] = []
+        """Those rows' tables, spooled at close() if their write never returns."""
         self.error: BaseException | None = None
         """What the last write that failed raised."""
         self.warn = warn
@@ -66,7 +68,7 @@ class Backlog:
         tables wait again, and the error is returned."""
         with self.lock:
             tables, dropped, self.tables = self.tables, dict(self.dropped), []
-            self.in_flight = sum(t.num_rows for t in tables)
+            self.in_flight, self.in_flight_tables = sum(t.num_rows for t in tables), tables
         if not tables:
             return None
         try:
@@ -74,13 +76,13 @@ class Backlog:
         except Exception as error:
             with self.lock:
                 self.tables[:0] = tables
-                self.in_flight, self.error = 0, error
+                self.in_flight, self.in_flight_tables, self.error = 0, [], error
                 self._trim()
             self.warn("write", f"tokaudit: could not write a shard to {self.where} ({error!r}); the records are kept "
                                "and written at a later flush, training goes on")
             return error
         with self.lock:
-            self.in_flight = 0
+            self.in_flight, self.in_flight_tables = 0, []
             for step, count in dropped.items():  # written down now; those dropped meanwhile wait for the next shard
                 left = self.dropped.get(step, 0) - count
                 if left > 0:
@@ -89,19 +91,27 @@ class Backlog:
                     self.dropped.pop(step, None)
         return None
 
-    def say_unwritten(self) -> None:
-        """At close: one warning with the records still waiting (or in an upload that did not return) and their
-        steps, which are lost."""
+    def say_unwritten(self, spool: Callable[[list[pa.Table]], str]) -> None:
+        """At close: the records still waiting (or in an upload that did not return) kept in the local spool
+        (`spool` writes them, and says where), and one warning with their steps and how to upload them later;
+        lost only where the spool cannot be written either."""
         with self.lock:
+            tables = self.tables + self.in_flight_tables  # an upload that never returned may still land: a copy
             steps: dict[int, int] = {}
-            for table in self.tables:
+            for table in tables:
                 _count_steps(table, steps)
-            count = sum(t.num_rows for t in self.tables) + self.in_flight
-        if count:
-            listed = ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b, _ in ranges(steps)[:8])
-            self.warn("unwritten", f"tokaudit: {count} record(s) could not be written to {self.where} by close() "
-                                   f"(steps {listed or 'of an upload still running'}; last error {self.error!r}); "
-                                   "they are lost")
+            count = sum(t.num_rows for t in tables)
+        if not count:
+            return
+        listed = ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b, _ in ranges(steps)[:8])
+        said = f"tokaudit: {count} record(s) could not be written to {self.where} by close() (steps {listed}; " \
+               f"last error: {describe(self.error)})"
+        try:
+            kept = spool(tables)
+        except Exception as error:
+            self.warn("unwritten", f"{said}; nor kept in the local spool ({error!r}): they are lost")
+            return
+        self.warn("unwritten", f"{said}; they are kept in {kept}: `tokaudit sync` writes them there once it answers")
 
     def _trim(self) -> None:
         """Past BACKLOG_BYTES the oldest tables go; their steps are written down as dropped (lock held)."""
@@ -111,6 +121,13 @@ class Backlog:
                              "the oldest are dropped and their steps written down in the next shard")
         while len(self.tables) > 1 and sum(t.nbytes for t in self.tables) > BACKLOG_BYTES:
             _count_steps(self.tables.pop(0), self.dropped)
+
+
+def describe(error: BaseException | None) -> str:
+    """The last write's error in words: "none" when none failed (an upload still running at close)."""
+    if error is None:
+        return "none; an upload was still running"
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}".rstrip(": ")
 
 
 def _count_steps(table: pa.Table, counts: dict[int, int]) -> None:

@@ -70,7 +70,7 @@ def test_json_report_follows_the_spec(logs: Path) -> None:
     assert runs["bad"]["verdict"] == "incorrect" and runs["bad"]["world_size"] == [2]
     assert runs["bad"]["rows"] == 6 and runs["bad"]["steps"] == 3 and runs["bad"]["ranks"] == 2
     finding = next(f for f in report["findings"] if f["code"] == "local_mean")
-    assert set(finding) == {"run", "code", "severity", "steps", "message", "fix", "evidence"}
+    assert set(finding) == {"run", "code", "severity", "steps", "message", "fix", "evidence", "fix_code"}
     assert finding["severity"] == "error" and finding["steps"] == {"first": 0, "last": 2, "count": 3}
     codes = [f["code"] for f in report["findings"]]
     assert codes == ["local_mean", "reported_loss_mismatch"]  # most severe first
@@ -228,11 +228,13 @@ def test_explain_every_code() -> None:
     for known in Code:
         code, out, _ = invoke("explain", known.value)
         assert code == 0 and "Worked example" in out and "Fix" in out
-        # wrapped to the terminal (80 columns in a pipe), no word cut: the text is the same words
-        assert all(len(line) <= 80 or " " not in line.strip() for line in out.splitlines()), known
-        from tokaudit.explain import explain as explain_text
+        # the prose wrapped to the terminal (80 columns in a pipe), no word cut: the text is the same words; the code
+        # to paste after it (where the fix is the token mean) is never wrapped
+        from tokaudit.explain import explain as explain_text, explain_code
 
-        assert out.split() == explain_text(known).split()
+        prose = out.split("\nThe token mean in ")[0]
+        assert all(len(line) <= 80 or " " not in line.strip() for line in prose.splitlines()), known
+        assert out.split() == (explain_text(known) + explain_code(known)).split()
     assert invoke("explain", "nonsense")[0] == 2
 
 

@@ -159,10 +159,12 @@ def test_an_unreachable_store_is_retried_after_a_pause_and_at_close(tmp_path: Pa
     assert not [w for w in caught if "could not be written" in str(w.message)]
 
 
-def test_a_frozen_store_never_stalls_training_and_close_says_what_was_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_frozen_store_never_stalls_training_and_close_spools_what_it_could_not_write(
+        monkeypatch: pytest.MonkeyPatch, endpoint: dict[str, str], tmp_path: Path) -> None:
     """An endpoint that accepts connections and never answers (a frozen store): every step returns at once,
-    since uploads run in their own thread; close() gives up within the storage timeout's bound and ends with
-    one warning naming the records and steps it could not write."""
+    since uploads run in their own thread; close() gives up within the storage timeout's bound, keeps every record
+    in the local spool and says so in one warning; `tokaudit sync`, once the store answers, writes them there and
+    the audit of the store sees every record."""
     import warnings
 
     import torch
@@ -172,6 +174,7 @@ def test_a_frozen_store_never_stalls_training_and_close_says_what_was_lost(monke
     hole = socket.socket()
     hole.bind(("127.0.0.1", 0))
     hole.listen(64)  # accepted by the kernel, never read nor answered
+    monkeypatch.setenv("TOKAUDIT_SPOOL", str(tmp_path / "spool"))
     try:
         for key, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{hole.getsockname()[1]}",
                            "TOKAUDIT_STORAGE_TIMEOUT": "1"}.items():
@@ -189,11 +192,21 @@ def test_a_frozen_store_never_stalls_training_and_close_says_what_was_lost(monke
             closing = time.monotonic() - start
         assert slowest < 0.5, f"a step waited {slowest:.1f} s on storage"
         assert closing < 30, f"close() took {closing:.0f} s"
-        lost = [str(w.message) for w in caught if "could not be written" in str(w.message)]
-        assert len(lost) == 1 and "s3://frozen/runs/stalled" in lost[0] and "20 record(s)" in lost[0], lost
-        assert "steps 0–19" in lost[0] or "of an upload still running" in lost[0], lost[0]
+        kept = [str(w.message) for w in caught if "could not be written" in str(w.message)]
+        assert len(kept) == 1 and "s3://frozen/runs/stalled" in kept[0] and "20 record(s)" in kept[0], kept
+        assert "steps 0–19" in kept[0] and "they are kept in" in kept[0] and "tokaudit sync" in kept[0], kept[0]
     finally:
         hole.close()
+    import boto3
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint["AWS_ENDPOINT_URL"])  # the store answers again
+    boto3.client("s3").create_bucket(Bucket="frozen")
+    done = tokaudit("sync")
+    assert done.returncode == 0 and "wrote s3://frozen/runs/stalled/rank-00000-spooled-" in done.stderr, done.stderr
+    assert not list((tmp_path / "spool").rglob("*.parquet"))  # written, so gone from the spool
+    audited = tokaudit("check", "s3://frozen/runs/stalled", "--format", "json")
+    (run,) = json.loads(audited.stdout)["runs"]
+    assert run["rows"] == 20 and run["steps"] == 20
 
 
 def test_one_row_shards_on_s3_are_read_from_their_footers_with_the_local_report(endpoint: dict[str, str],
