@@ -349,7 +349,7 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
     print_rich(render)
     for path in (csv_path, plot_path):
         if path is not None:
-            stderr().print(f"wrote {printable(str(path))}", style="dim", markup=False)
+            click.echo(f"wrote {printable(str(path))}", err=True)  # one line, never wrapped
     _exit_for_problems(problems)
 
 
@@ -445,7 +445,7 @@ def sync(folder: Path | None) -> None:
             failed.append(error)
             continue
         done += 1
-        stderr().print(f"wrote {printable(synced.destination)} ({synced.records} records)", markup=False)
+        click.echo(f"wrote {printable(synced.destination)} ({synced.records} records)", err=True)
     if not done and not failed:
         stderr().print(f"nothing to sync in {printable(str(folder or spool_folder()))}", markup=False)
     _exit_for_problems(failed)

@@ -62,7 +62,7 @@ def emit(text: str, output: Path | None) -> None:
     finally:
         if temporary is not None:
             temporary.unlink(missing_ok=True)
-    stderr().print(f"wrote {printable(str(output))}", style="dim", markup=False)
+    click.echo(f"wrote {printable(str(output))}", err=True)  # one line, never wrapped
 
 
 FORMAT_OF_SUFFIX = {".html": "html", ".htm": "html", ".json": "json", ".xml": "junit", ".md": "markdown",

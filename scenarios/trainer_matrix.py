@@ -70,6 +70,11 @@ class Cell:
                     "padding_free": "`padding_free=True`"}[self.loss]
             return (f"TRL `SFTTrainer` (its fused LM head) on the `{self.family}` model, {data}, "
                     f"`average_tokens_across_devices={self.average_tokens}`")
+        if self.trainer == "torchtune":
+            scale = {"sum": "`training.scale_grads(model, W/N)`", "missing_w": "`training.scale_grads(model, 1/N)` "
+                     "(the W left out)"}[self.loss]
+            return (f"torchtune's recipe: the chunked cross-entropy summed, `backward()`, then {scale} after the "
+                    "update's last microbatch, told to the recorder with `rec.scale_grads`")
         if self.trainer == "accelerate" and self.loss == "sum":
             return (f"Accelerate: `accelerator.backward(M·W·S/N)` (S the summed cross-entropy, N all-reduced over the "
                     f"update's microbatches first) under `accumulate`, `gradient_accumulation_steps={GRADIENT_ACCUMULATION}`")
@@ -98,6 +103,8 @@ CELLS = (
     Cell("lightning-token-mean", "llama", False, loss="sum", trainer="lightning"),
     Cell("accelerate", "llama", False, trainer="accelerate"),
     Cell("accelerate-sum", "llama", False, loss="sum", trainer="accelerate"),
+    Cell("torchtune", "llama", False, loss="sum", trainer="torchtune"),
+    Cell("torchtune-missing-w", "llama", False, loss="missing_w", trainer="torchtune"),
     Cell("trl-sft", "llama", True, trainer="trl"), Cell("trl-sft-no-average", "llama", False, trainer="trl"),
     Cell("trl-sft-completion", "llama", True, loss="completion", trainer="trl"),
     Cell("trl-sft-packing", "llama", True, loss="packing", trainer="trl"),
@@ -185,7 +192,8 @@ def matrix_job(rank: int, world_size: int, cell: Cell, root: str) -> None:
                        "LOCAL_WORLD_SIZE": str(world_size), "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29561"})
     saved: dict[str, list[Any]] = {"inputs": [], "weights": [], "gradients": []}
-    runs = {"transformers": _trainer_run, "lightning": _lightning_run, "accelerate": _accelerate_run, "trl": _trl_run}
+    runs = {"transformers": _trainer_run, "lightning": _lightning_run, "accelerate": _accelerate_run, "trl": _trl_run,
+            "torchtune": _torchtune_run}
     runs[cell.trainer](rank, root, cell, saved)
     Path(root, cell.name).mkdir(parents=True, exist_ok=True)
     torch.save(saved, Path(root, cell.name, f"rank-{rank}.pt"))
@@ -395,6 +403,45 @@ def _accelerate_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]
                 optimizer.step()
                 optimizer.zero_grad()
     recorder.close()
+
+
+def _torchtune_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> None:
+    """torchtune's full_finetune_distributed loop as it writes it (`scenarios.torchtune_recipe` on a real DDP LM):
+    a summed, chunked cross-entropy over the shifted labels, backward per microbatch, then after the update's last
+    one N all-reduced and every gradient multiplied by W/N (`training.scale_grads`), told with rec.scale_grads."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader
+
+    from scenarios.padded import padded_sequences
+    from scenarios.torchtune_recipe import scale_grads
+    from tokaudit.hooks import Recorder
+
+    world = torch.distributed.get_world_size()
+    model = DDP(tiny_model(cell))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    batches = DataLoader(padded_sequences(), batch_size=2, shuffle=False,
+                         sampler=torch.utils.data.distributed.DistributedSampler(padded_sequences(), shuffle=False))
+    listed = [batch for _, batch in zip(range(MAX_STEPS * GRADIENT_ACCUMULATION), batches)]
+    with Recorder(f"{root}/logs", run_id=cell.name, model=model, optimizer=optimizer, announce=False) as rec, \
+            rec.capture_cross_entropy():
+        for start in range(0, len(listed), GRADIENT_ACCUMULATION):
+            tokens = torch.zeros((), dtype=torch.int64)
+            for batch in listed[start:start + GRADIENT_ACCUMULATION]:
+                saved["inputs"].append({key: value.detach().clone() for key, value in batch.items()})
+                labels = batch["labels"][:, 1:]
+                tokens += (labels != -100).sum()
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+                total = sum(F.cross_entropy(lg.flatten(0, 1), lb.flatten(), ignore_index=-100, reduction="sum")
+                            for lg, lb in zip(logits.chunk(2, dim=1), labels.chunk(2, dim=1)))
+                total.backward()  # type: ignore[union-attr]
+            torch.distributed.all_reduce(tokens)
+            factor = (world if cell.loss == "sum" else 1) / tokens.to(torch.float32)
+            scale_grads(model, factor)
+            rec.scale_grads(factor)
+            if rank == 0:
+                _keep_update(saved, model.module)
+            optimizer.step()
+            optimizer.zero_grad()
 
 
 def deviations(cell: Cell, root: str, world_size: int = 2) -> list[tuple[float, float]]:

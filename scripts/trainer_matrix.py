@@ -24,7 +24,7 @@ def markdown(rows: list[Row]) -> str:
     lines = ["# Trainers: which set-ups train the token mean", "",
              "Measured by `python scripts/trainer_matrix.py` (transformers "
              f"{__import__('transformers').__version__}, torch {__import__('torch').__version__}): each row is a tiny "
-             "real `Trainer` run (then Lightning and Accelerate loops, and TRL's `SFTTrainer`), DDP on 2 gloo ranks, gradient "
+             "real `Trainer` run (then Lightning and Accelerate loops, torchtune's recipe and TRL's `SFTTrainer`), DDP on 2 gloo ranks, gradient "
              "accumulation 2, 4 updates, recorded by the trainer's one line (`TokauditCallback.attach(trainer, ...)`, "
              "`TokauditLightningCallback`, `Recorder(accelerator=...)`). **Truth** compares each update's gradient (after DDP's average, "
              "before the optimizer) with a float64 reference: the gradient of Σℓᵢ/N over every valid label of the "
@@ -53,6 +53,11 @@ def markdown(rows: list[Row]) -> str:
               "`accelerator.backward` by `gradient_accumulation_steps`: a model's own mean becomes each microbatch's "
               "mean ÷ M. Backpropagating M·W·S/N, with N all-reduced over the update's microbatches before the first "
               "backward, is the token mean.",
+              "- Lightning's `training_step` sees one microbatch: the token mean needs manual optimization over "
+              "the update's microbatches, N counted first (`tokaudit.recipes.LIGHTNING`).",
+              "- torchtune sums the loss and multiplies every gradient by W/N after backward (`training.scale_grads`): "
+              "invisible to the probe, so the recipe tells the recorder (`rec.scale_grads(factor)`); 1/N instead "
+              "leaves the gradient W× too small.",
               "- TRL's `SFTTrainer` computes each label's log-probability in its own fused LM head (no cross-entropy "
               "call; the attach records it there) and divides Σℓ by `num_items_in_batch`, ×W: the token mean over "
               "the labels its collator keeps (completion-only, packed). With `average_tokens_across_devices=False` "
