@@ -16,7 +16,7 @@ from pandas.api.types import union_categoricals
 
 from tokaudit.checks import RunSteps, Setup, check_run, main_term_first, one_objective, without_miscounted
 from tokaudit.codes import DEFAULT_RTOL, Code, code_named
-from tokaudit.engine import EXTREME_COLUMNS, Duplicates, Engine, Spilled, extremes_at
+from tokaudit.engine import EXTREME_COLUMNS, Duplicates, Engine, Spilled, extremes_at, sweep_scratch
 from tokaudit.errors import LogFormatError, UsageError
 from tokaudit.loading import Loading, LogSet, cores, load
 from tokaudit.normalization import Denominator, name_ranks
@@ -168,6 +168,7 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
 def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[str], progress: Progress | None,
            live: bool, ignored: set[Code], min_ratio: float | None, keep_steps: bool, threads: int | None,
            started: Loading | None, then: Callable[[AuditReport, AuditedLog], None] | None) -> AuditReport:
+    sweep_scratch()  # what audits killed before their clean-up left behind
     logset, engine, steps = open_log_parts(paths, progress, threads=threads, started=started, evidence=True,
                                            spill=True)
     problems = [str(p) for p in logset.problems]

@@ -238,7 +238,7 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         "the same (run, group, step, micro, rank) appears more than once",
         why="A copy of records (a compacted or copied file beside the shards), a second launch under the same run "
             "id, or a resume that replayed steps into the same folder. One record of each key is kept, the later "
-            "(by time, then file order); the finding names the files and which of these it looks like. Copies are "
+            "published (a rank's shards are numbered in the order they are written; clocks are never used); the finding names the files and which of these it looks like. Copies are "
             "not evidence about the gradient: the verdict reads the records kept.",
         fix="Leave copies out of the folder audited; give each launch its own run_id; resume from the "
             "checkpoint's step.",

@@ -431,3 +431,48 @@ def test_ctrl_c_during_the_aggregation_is_interrupted_exit_130(tmp_path: Path) -
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=60)
         assert process.returncode == 130 and err.strip().splitlines()[-1] == "tokaudit: error: interrupted", err
+
+
+@pytest.mark.slow
+def test_a_killed_audit_s_scratch_is_swept_by_the_next_and_a_live_one_s_is_kept(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """An audit SIGKILLed while it aggregates leaves its folder under TMPDIR (here the links to shards whose names
+    DuckDB cannot take as they are); the next audit removes it, and never the folder of an audit still running."""
+    import importlib.util
+    import os
+    import signal
+
+    spec = importlib.util.spec_from_file_location("bench_synthetic", Path(__file__).resolve().parents[1] / "bench" /
+                                                  "synthetic.py")
+    assert spec is not None and spec.loader is not None
+    synthetic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(synthetic)
+    log = tmp_path / "odd name's log"  # a quote: the shards are linked under TMPDIR
+    synthetic.write_log(log, ranks=16, steps=40000, micro=2, steps_per_file=10000, ranks_per_file=16)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    process = subprocess.Popen([sys.executable, "-m", "tokaudit", "check", str(log)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
+    assert process.stderr is not None
+    line = "-"
+    while line and not line.startswith("aggregating"):
+        line = process.stderr.readline()
+    assert line, "the audit ended before it aggregated"
+    process.send_signal(signal.SIGKILL)
+    process.communicate(timeout=60)
+    left = [p.name for p in scratch.iterdir() if p.name.startswith("tokaudit-shards-")]
+    assert left, "the killed audit left nothing to sweep"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = scratch / f"tokaudit-steps-{sleeper.pid}-abc"
+        live.mkdir()
+        monkeypatch.setenv("TMPDIR", str(scratch))
+        sample = Path(__file__).resolve().parents[1] / "sample_logs" / "bug_local_mean"
+        done = subprocess.run([sys.executable, "-m", "tokaudit", "check", str(sample), "-q"], capture_output=True,
+                              env=env, timeout=120)
+        assert done.returncode in (0, 1)
+        remaining = sorted(p.name for p in scratch.iterdir())
+        assert remaining == [live.name], remaining
+    finally:
+        sleeper.kill()

@@ -390,7 +390,7 @@ def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:
         fix = "give each launch its own run_id (the integrations name it after the trainer's run), or a new folder"
     else:
         cause = ("other values for the same steps: a re-launch under the same run id or a resume that replayed "
-                 "steps, whose later records (by `time`, then file) were kept and judged")
+                 "steps, whose later records (the later shard as published, whatever the clocks) were kept and judged")
         fix = "give each launch its own run_id, or resume from the checkpoint's step into a new shard sequence"
     return Finding(run=run, code=Code.DUPLICATE_RECORDS, severity=DEFAULT_SEVERITY[Code.DUPLICATE_RECORDS],
                    steps=StepRange(duplicates.first, duplicates.last, duplicates.steps),

@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from tokaudit.engine.ranges import CHUNK_ROWS, step_ranges
 from tokaudit.engine.sql import EXTREME_COLUMNS, MEAN_WEIGHT_EXTREMES, ONE_RECORD_SHAPE, RANK_WEIGHTS_SQL, UNUSABLE_RECORD, footer_facts, footer_table, one_name_of, select_records, single_rank_range, sql_string, step_sql, valueless_columns
-from tokaudit.engine.tables import FILES_NAMED, SPILL_STEPS, Duplicates, Spilled, add_duplicates, categorical, constant_of, join_columns, reorder, same_bits
+from tokaudit.engine.tables import FILES_NAMED, SPILL_STEPS, Duplicates, Spilled, add_duplicates, scratch_folder, categorical, constant_of, join_columns, reorder, same_bits
 from tokaudit.errors import UsageError
 from tokaudit.reader import Shard
 from tokaudit.storage import object_dataset
@@ -140,7 +140,7 @@ class Engine:
                 name = os.path.join(here, shard.path) if shard.store is None else f"remote/{index:08d}.parquet"
                 if shard.store is None and not _PLAIN_PATH.match(name):
                     if engine.links is None:
-                        engine.links = links = Path(tempfile.mkdtemp(prefix="tokaudit-shards-"))
+                        engine.links = links = scratch_folder("tokaudit-shards-")
                     link = engine.links / f"{index:08d}.parquet"
                     os.symlink(name, link)
                     name = str(link)
@@ -238,10 +238,11 @@ class Engine:
         self.connection.execute(f"CREATE OR REPLACE TEMP VIEW raw_records AS {self._source(shards, steps)}")
         for name in replaced:
             self.connection.execute(f"DROP TABLE {name}")
-        # Of two records with one key, the later `time` wins, then the later file and row.
+        # Of two records with one key, the later published wins: the later file (a rank's shards are numbered in
+        # the order they were written, a resumed launch's after the earlier's), then the later row. Never `time`:
+        # a node whose clock runs ahead would win over the launch that replaced it.
         dedup = ("LEFT JOIN file_order USING (filename) QUALIFY row_number() OVER (PARTITION BY run, grp, term, "
-                 "step, rank, micro ORDER BY written DESC NULLS LAST, file_index DESC, file_row_number DESC) = 1"
-                 ) if deduplicate else ""
+                 "step, rank, micro ORDER BY file_index DESC, file_row_number DESC) = 1") if deduplicate else ""
         # c: implied weight per valid token before reduction = probe Σ∂b/∂ℓ / n, else b/S.
         # e = c·g/D: effective weight after the reduction. Correct iff e·N = 1.
         self.connection.execute(f"""

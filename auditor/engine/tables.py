@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
 import pickle
 import shutil
 import tempfile
@@ -32,6 +33,40 @@ SPILL_STEPS = 2_000_000
 """Steps past which the audit keeps the step table on disk a range at a time (`Engine.step_parts`): whole,
 it costs about 127 bytes a step (1.6 GB at 12.5M steps) and the checks would add their own."""
 
+SCRATCH_PREFIXES = ("tokaudit-steps-", "tokaudit-shards-")
+"""The folders an audit makes under TMPDIR: a spilled step table, the links to shards with odd names."""
+
+
+def scratch_folder(prefix: str) -> Path:
+    """A folder of this audit's under TMPDIR, named after its process: a later audit can tell whether the process
+    that made it is still alive (`sweep_scratch`)."""
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
+
+
+def sweep_scratch() -> None:
+    """Remove what audits killed before their clean-up (SIGKILL, a lost node) left under TMPDIR: the folders whose
+    process is gone. A live audit's folders, and any not named after a process, are never touched."""
+    try:
+        entries = list(os.scandir(tempfile.gettempdir()))
+    except OSError:
+        return
+    for entry in entries:
+        prefix = next((p for p in SCRATCH_PREFIXES if entry.name.startswith(p)), None)
+        pid = entry.name[len(prefix):].split("-", 1)[0] if prefix else ""
+        if pid.isdigit() and not _alive(int(pid)) and entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
 class Spilled:
     """A step table kept on disk, one file per step range in step order (each range's rows in step order
     within every (run, group, term)): read back one range at a time (`parts`). The names each range holds
@@ -56,7 +91,7 @@ class Spilled:
                   for name, values in table.items()}
         try:
             if self.folder is None:
-                self.folder = Path(tempfile.mkdtemp(prefix="tokaudit-steps-"))
+                self.folder = scratch_folder("tokaudit-steps-")
             path = self.folder / f"steps-{len(self.paths):06d}.pickle"
             with open(path, "wb") as out:
                 pickle.dump(packed, out, protocol=5)

@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from tests.logs import UNEVEN_GA, local_mean, records, write
+from tests.logs import UNEVEN_GA, local_mean, records, token_mean, write
 from tokaudit.auditing import audit
 from tokaudit.engine import Duplicates, Engine, step_ranges
 from tokaudit.engine.sql import FOOTER_CONSTANTS
@@ -687,7 +687,7 @@ def test_one_row_shards_are_read_from_their_footers_and_change_no_bit(tmp_path: 
         pq.write_table(table, log / f"one-{index:04d}.parquet")
     many = [dict(r, loss_sum=r["loss_sum"] * 2) for r in records(UNEVEN_GA * 2, token_mean, step_offset=len(UNEVEN_GA) * 5)]
     write(log / "many-0000.parquet", many)
-    # repeated keys: a later time wins over an earlier file, a later file over an earlier one without time
+    # repeated keys: the later file wins whatever the times (a record with a later time in an earlier file loses)
     later = dict(rows[4], loss_sum=rows[4]["loss_sum"] + 1, time=datetime(2026, 12, 1, tzinfo=timezone.utc))
     write(log / "aaa-repeat.parquet", [later], schema=pa.schema([WRITER_SCHEMA.field(n) for n in later]))
     write(log / "zzz-repeat.parquet", [dict(rows[6], loss_sum=rows[6]["loss_sum"] + 1)])
@@ -921,3 +921,24 @@ def test_the_heat_map_is_each_valid_record_s_q_in_its_cell(tmp_path: Path) -> No
 def _counts(found: dict[str, Duplicates]) -> dict[str, tuple[int, int, int, int]]:
     """Records left out, first and last step, steps: per run."""
     return {run: (d.dropped, d.first, d.last, d.steps) for run, d in found.items()}
+
+
+def test_the_later_published_shard_wins_whatever_the_clocks(tmp_path: Path) -> None:
+    """A job on a node whose clock ran 3 h ahead recorded steps 0–5 as local means, then died; the fixed job resumed
+    at step 3 with the token mean, its shards numbered after the dead job's. The later shards' records are judged:
+    local_mean on steps 0–2 only, never on the resumed steps whose dead copies carry the later times."""
+    from datetime import datetime, timedelta, timezone
+
+    ahead = datetime(2026, 12, 6, 12, tzinfo=timezone.utc) + timedelta(hours=3)
+    now = datetime(2026, 12, 6, 12, tzinfo=timezone.utc)
+    counts = [[[1, 3], [5, 2]]] * 6
+    dead = [dict(r, time=ahead) for r in records(counts, local_mean)]
+    fixed = [dict(r, time=now) for r in records(counts, token_mean) if r["step"] >= 3]
+    run = tmp_path / "exp"
+    for rank in (0, 1):
+        write(run / f"rank-{rank:05d}-000000.parquet", [r for r in dead if r["rank"] == rank])
+        write(run / f"rank-{rank:05d}-000001.parquet", [r for r in fixed if r["rank"] == rank])
+    report = audit([run])
+    found = {f.code.value: f for f in report.findings}
+    assert (found["local_mean"].steps.first, found["local_mean"].steps.last) == (0, 2)
+    assert found["duplicate_records"].steps.count == 3
