@@ -123,6 +123,8 @@ class StoreShardWriter:
         self.store, self.folder = open_url(url, storage_timeout())
         self.prefix = prefix
         self.sequence = self._next_sequence()
+        self.pending: str | None = None
+        """The name of the upload that failed last: its response may have been lost after it was stored."""
 
     def write(self, table: pa.Table, metadata: dict[bytes, bytes] | None = None) -> str:
         """Upload one shard; raises OSError when it cannot (nothing partial is ever listed)."""
@@ -139,10 +141,23 @@ class StoreShardWriter:
             if filesystem.get_file_info(final).type != fs.FileType.NotFound:
                 self.sequence = max(self.sequence + 1, self._next_sequence())
                 continue
+            self.pending = final
             with filesystem.open_output_stream(final) as stream:
                 stream.write(data)
+            self.pending = None
             self.sequence += 1
             return str(self.store.url(final))
+
+    def landed(self) -> bool:
+        """Whether the upload that failed last is in the store after all (a store that hung past the timeouts in
+        its answer, not in storing): then its records are published, under their name, and must not be again."""
+        from pyarrow import fs
+
+        name, self.pending = self.pending, None
+        if name is None or self.store.filesystem.get_file_info(name).type == fs.FileType.NotFound:
+            return False
+        self.sequence += 1
+        return True
 
     def _next_sequence(self) -> int:
         from pyarrow import fs

@@ -46,6 +46,9 @@ class Backlog:
         """Rows taken by a write that has not returned yet."""
         self.in_flight_tables: list[pa.Table] = []
         """Those rows' tables, spooled at close() if their write never returns."""
+        self.failed = 0
+        """Tables at the front of `tables` that the last failed write held: retried alone, under the same name, so
+        that one published after all is never published twice (`StoreShardWriter.landed`)."""
         self.error: BaseException | None = None
         """What the last write that failed raised."""
         self.warn = warn
@@ -64,32 +67,44 @@ class Backlog:
             self.dropped[step] = self.dropped.get(step, 0) + count
 
     def write(self, writer: Callable[[], Writer], metadata: Metadata) -> BaseException | None:
-        """One attempt to write every table waiting, as one shard (the writer made on first use); on failure the
-        tables wait again, and the error is returned."""
+        """One attempt to write every table waiting (the writer made on first use); on failure the tables wait
+        again, and the error is returned. What a failed write held goes first and alone: skipped where it was
+        published after all, else written again under the name it had (`StoreShardWriter.landed`)."""
         with self.lock:
-            tables, dropped, self.tables = self.tables, dict(self.dropped), []
-            self.in_flight, self.in_flight_tables = sum(t.num_rows for t in tables), tables
-        if not tables:
-            return None
+            tables, failed, self.tables, self.failed = self.tables, self.failed, [], 0
+        batch: list[pa.Table] = []
         try:
-            writer().write(pa.concat_tables(tables) if len(tables) > 1 else tables[0], metadata(dropped))
+            if failed and getattr(writer(), "landed", lambda: False)():
+                tables, failed = tables[failed:], 0
+            while tables:
+                batch = tables[:failed] if 0 < failed < len(tables) else tables
+                with self.lock:
+                    dropped = dict(self.dropped)
+                    self.in_flight, self.in_flight_tables = sum(t.num_rows for t in batch), batch
+                writer().write(pa.concat_tables(batch) if len(batch) > 1 else batch[0], metadata(dropped))
+                self._written(dropped)
+                tables, failed = tables[len(batch):], 0
         except Exception as error:
             with self.lock:
                 self.tables[:0] = tables
+                self.failed = len(batch)  # the tables of the write that failed, at the front
                 self.in_flight, self.in_flight_tables, self.error = 0, [], error
                 self._trim()
             self.warn("write", f"tokaudit: could not write a shard to {self.where} ({error!r}); the records are kept "
                                "and written at a later flush, training goes on")
             return error
+        return None
+
+    def _written(self, dropped: dict[int, int]) -> None:
+        """A shard was written with these dropped steps in its footer; those dropped meanwhile wait for the next."""
         with self.lock:
             self.in_flight, self.in_flight_tables = 0, []
-            for step, count in dropped.items():  # written down now; those dropped meanwhile wait for the next shard
+            for step, count in dropped.items():
                 left = self.dropped.get(step, 0) - count
                 if left > 0:
                     self.dropped[step] = left
                 else:
                     self.dropped.pop(step, None)
-        return None
 
     def say_unwritten(self, spool: Callable[[list[pa.Table]], str]) -> None:
         """At close: the records still waiting (or in an upload that did not return) kept in the local spool
@@ -121,6 +136,7 @@ class Backlog:
                              "the oldest are dropped and their steps written down in the next shard")
         while len(self.tables) > 1 and sum(t.nbytes for t in self.tables) > BACKLOG_BYTES:
             _count_steps(self.tables.pop(0), self.dropped)
+            self.failed = max(0, self.failed - 1)
 
 
 def describe(error: BaseException | None) -> str:

@@ -305,3 +305,72 @@ def test_an_endpoint_that_goes_away_during_the_audit_ends_it_in_seconds(monkeypa
     assert len(lines) == 1 and "cannot reach the storage endpoint" in lines[0], result.stderr
     assert took < 20, f"{took:.0f} s"
     assert "Traceback" not in result.output
+
+
+class HoldingProxy(RecordingProxy):
+    """A relay in front of the S3 server that, while `hold` is set, keeps for `seconds` its answer to the request
+    that completes a multipart upload (a POST after the parts' PUTs): the server has stored the object, the client
+    times out, as behind a store that hangs in its answer."""
+
+    def __init__(self, host: str, port: int, seconds: float) -> None:
+        super().__init__(host, port)
+        self.hold, self.seconds = True, seconds
+        self.uploads = 0
+
+    def _relay(self, source: Any, sink: Any, requests: bool) -> None:
+        if requests:
+            super()._relay(source, sink, requests)
+            return
+        try:
+            while data := source.recv(65536):
+                with self.lock:
+                    methods = [method for method, _ in self.requests]
+                    held = self.hold and methods[-1:] == ["POST"] and "PUT" in methods
+                    self.uploads += held
+                if held:
+                    time.sleep(self.seconds)
+                sink.sendall(data)
+        except OSError:
+            pass
+
+
+def test_an_upload_stored_after_its_timeout_is_not_published_twice(endpoint: dict[str, str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store keeps an upload but its answer comes after the timeouts: the shard is published, the recorder
+    sees a failure. At the retry it finds the object under the name it used and writes only what is new: the
+    store holds every record once."""
+    import warnings
+
+    import boto3
+    import torch
+
+    import tokaudit.hooks.uploads as uploads
+    from tokaudit.hooks import Recorder
+
+    host, port = endpoint["AWS_ENDPOINT_URL"].rsplit("/", 1)[-1].split(":")
+    proxy = HoldingProxy(host, int(port), seconds=4.0)
+    boto3.client("s3").create_bucket(Bucket="slow")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    monkeypatch.setenv("TOKAUDIT_STORAGE_TIMEOUT", "1")
+    monkeypatch.setattr(uploads, "STORE_RETRY_S", 3600.0)  # the retry comes with close()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rec = Recorder("s3://slow/runs", run_id="late", flush_every=10, announce=False)
+            for step in range(10):
+                rec.record(loss_sum=torch.tensor(2.0), valid_tokens=2, backward_scalar=torch.tensor(1.0), step=step)
+            assert _soon(lambda: any("could not write a shard" in str(w.message) for w in caught), 30)
+            for step in range(10, 20):
+                rec.record(loss_sum=torch.tensor(2.0), valid_tokens=2, backward_scalar=torch.tensor(1.0), step=step)
+            proxy.hold = False
+            rec.close()
+        assert proxy.uploads >= 1
+        assert not [w for w in caught if "could not be written" in str(w.message)]
+    finally:
+        proxy.close()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint["AWS_ENDPOINT_URL"])
+    done = tokaudit("check", "s3://slow/runs/late", "--format", "json")
+    report = json.loads(done.stdout)
+    (run,) = report["runs"]
+    assert run["rows"] == 20 and run["steps"] == 20, done.stderr
+    assert not [f for f in report["findings"] if f["code"] == "duplicate_records"], report["findings"]
