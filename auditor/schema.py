@@ -145,6 +145,14 @@ def read_launch_world_size(metadata: dict[bytes, bytes] | None) -> int | None:
     return size if isinstance(size, int) and size >= 1 else None
 
 
+def read_launch(metadata: dict[bytes, bytes] | None) -> int | None:
+    """The number the first shard of the launch that wrote this one took in its folder: of two launches, the one
+    with the higher number started after the other had written (no clock involved); None where not said."""
+    launch = _provenance(metadata).get("launch")
+    first = launch.get("first_shard") if isinstance(launch, dict) else None
+    return first if isinstance(first, int) and first >= 0 else None
+
+
 def read_schedule_divisor(metadata: dict[bytes, bytes] | None) -> int | None:
     """M, where a pipeline schedule recorded with the shard (`Recorder(schedule=)`) divided every gradient by its
     M microbatches after each step() (`scale_grads=True`); None otherwise (never raises)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,8 @@ class ShardOutput:
         self.prefix = "rank-00000"
         """The shards' names before their sequence number (set at each write, from the stamp)."""
         self.uploader: Uploader | None = None
+        self.launch_id = uuid.uuid4().hex
+        """This recorder's launch, in every shard's provenance."""
         self.last_metadata: Callable[[dict[int, int]], dict[bytes, bytes]] = lambda dropped: {}
         """The footer of the last shard asked for (a spooled shard carries it too)."""
         self.first_step: int | None = None
@@ -151,10 +154,14 @@ class ShardOutput:
             return
         prefix = f"rank-{stamp.rank:05d}"
         self.prefix = prefix if stamp.group == "0" else f"group-{re.sub(r'[^0-9A-Za-z]+', '_', stamp.group)}-{prefix}"
-        provenance = provenance_metadata({**self.provenance, "world_size": stamp.world_size,
-                                          "launch_world_size": launch_world_size()})
+        facts = {**self.provenance, "world_size": stamp.world_size, "launch_world_size": launch_world_size()}
 
         def metadata(dropped: dict[int, int]) -> dict[bytes, bytes]:
+            # the launch: this recorder's id, and the number its rank's first shard took in the folder (a launch
+            # that resumes there numbers after every shard before it): which of two launches is the later, with
+            # no clock (`schema.read_launch`)
+            launch = {"id": self.launch_id, "first_shard": getattr(self.writer, "first_sequence", None)}
+            provenance = provenance_metadata({**facts, "launch": launch})
             if not dropped:
                 return provenance
             return {**provenance, **dropped_metadata(stamp.run_id, stamp.group, stamp.rank, ranges(dropped))}

@@ -28,6 +28,8 @@ class ShardWriter:
         folder.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temporaries()
         self.sequence = self._next_sequence()
+        self.first_sequence = self.sequence
+        """The number this writer's first shard takes: after every shard of its rank already in the folder."""
 
     def write(self, table: pa.Table, metadata: dict[bytes, bytes] | None = None) -> Path:
         """Write and publish one shard; raises OSError when it cannot (nothing half-written stays)."""
@@ -123,6 +125,8 @@ class StoreShardWriter:
         self.store, self.folder = open_url(url, storage_timeout())
         self.prefix = prefix
         self.sequence = self._next_sequence()
+        self.first_sequence = self.sequence
+        """The number this writer's first shard takes: after every shard of its rank already in the folder."""
         self.pending: str | None = None
         """The name of the upload that failed last: its response may have been lost after it was stored."""
 

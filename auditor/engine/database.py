@@ -150,9 +150,12 @@ class Engine:
                     connection.register(f"remote_{index}", object_dataset(shard.store, str(shard.path)))
                     engine.remote_views[id(shard)] = f"remote_{index}"
                 engine.link_names[id(shard)] = name
-            # "The later file wins" among duplicates: the shards' order, whatever their names.
-            order = pa.table({"filename": [engine.link_names[id(s)] for s in engine.shards],
-                              "file_index": pa.array(range(len(engine.shards)), pa.int64())})
+            # Among duplicates the later published wins: the later launch (the one whose first shard came after
+            # the other's, -1 for a file that does not say), then the later file of it.
+            published = sorted(range(len(engine.shards)), key=lambda i: (
+                -1 if engine.shards[i].launch is None else engine.shards[i].launch, i))
+            order = pa.table({"filename": [engine.link_names[id(engine.shards[i])] for i in published],
+                              "file_index": pa.array(range(len(published)), pa.int64())})
             connection.register("file_order_source", order)
             connection.execute("CREATE TEMP TABLE file_order AS SELECT * FROM file_order_source")
             connection.unregister("file_order_source")

@@ -477,10 +477,14 @@ def test_every_shard_says_where_it_came_from(tmp_path: Path) -> None:
     rec.close()
     shards = sorted((tmp_path / "prov").glob("*.parquet"))
     assert len(shards) == 2
+    launches = set()
     for shard in shards:
         note = json.loads(pq.read_schema(shard).metadata[b"tokaudit.provenance"])
-        assert note == {"tokaudit": tokaudit.__version__, "torch": torch.__version__, "world_size": 1, "launch_world_size": 1,
-                        "trainer": "transformers", "trainer_version": "5.24.0"}
+        launch = note.pop("launch")
+        launches.add((launch["id"], launch["first_shard"]))
+        assert note == {"tokaudit": tokaudit.__version__, "torch": torch.__version__, "world_size": 1,
+                        "launch_world_size": 1, "trainer": "transformers", "trainer_version": "5.24.0"}
+    assert len(launches) == 1 and next(iter(launches))[1] == 0  # one launch, its first shard numbered 0
 
 
 HOSTILE_RUN_IDS = ["../../escaped", "../sibling", "..", "a/../../../up3", "runs/../../x", "/tmp/absolute", "./", "a\0b"]
@@ -583,3 +587,30 @@ def test_a_shard_is_written_on_time_so_a_live_audit_sees_the_run(tmp_path: Path)
     assert audit([tmp_path / "live"], live=True).runs[0].steps >= 3
     rec.close()
     assert sorted(r["step"] for r in read_rows(tmp_path / "live")) == [0, 1, 2, 3]
+
+
+def test_the_later_launch_wins_whatever_its_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch on a node whose clock ran 3 h ahead recorded steps 0–5 wrongly (S/n on one rank), then died; the fixed
+    launch resumed at step 3 into the same folder with the right clock. Its shards say it is the later launch (its
+    first shard numbered after the other's): the audit judges its records, so the mistake shows on steps 0–2."""
+    import time as clock
+    from datetime import datetime, timezone
+
+    from tokaudit.auditing import audit
+
+    real = clock.time_ns
+    monkeypatch.setattr("tokaudit.hooks.record.time.time_ns", lambda: real() + 3 * 3600 * 10**9)
+    with Recorder(tmp_path, run_id="exp", announce=False) as dead:
+        for step in range(6):
+            dead.record(loss_sum=6.0, valid_tokens=3, backward_scalar=6.0, step=step)  # b = S: no denominator
+    monkeypatch.setattr("tokaudit.hooks.record.time.time_ns", real)
+    with Recorder(tmp_path, run_id="exp", announce=False) as fixed:
+        for step in range(3, 6):
+            fixed.record(loss_sum=6.0, valid_tokens=3, backward_scalar=6.0 / 3, step=step)  # b = S/N
+    rows = read_rows(tmp_path / "exp")
+    assert len(rows) == 9 and max(r["time"] for r in rows) > datetime.now(timezone.utc)  # the dead launch's, ahead
+    report = audit([tmp_path / "exp"])
+    found = {f.code.value: f for f in report.findings}
+    assert (found["duplicate_records"].steps.first, found["duplicate_records"].steps.last) == (3, 5)
+    (wrong,) = [f for f in report.findings if f.severity.value == "error"]  # q = N/1 = 3 on the dead launch's steps
+    assert (wrong.steps.first, wrong.steps.last, wrong.steps.count) == (0, 2, 3)
