@@ -348,7 +348,7 @@ def test_an_upload_stored_after_its_timeout_is_not_published_twice(endpoint: dic
     from tokaudit.hooks import Recorder
 
     host, port = endpoint["AWS_ENDPOINT_URL"].rsplit("/", 1)[-1].split(":")
-    proxy = HoldingProxy(host, int(port), seconds=4.0)
+    proxy = HoldingProxy(host, int(port), seconds=15.0)  # past any retry of the SDK: the client gives up first
     boto3.client("s3").create_bucket(Bucket="slow")
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
     monkeypatch.setenv("TOKAUDIT_STORAGE_TIMEOUT", "1")
