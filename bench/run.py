@@ -108,6 +108,32 @@ def once(log: Path, write: Callable[[Path], object]) -> Path:
     return log
 
 
+def decoded_share(log: Path) -> str:
+    """What the audit's plan decodes, over what the log holds: each step range reads the row groups whose step
+    statistics overlap it, and a row group overlapping k ranges is decoded k times (compressed bytes, from the
+    footers and the ranges `tokaudit.engine.step_ranges` cuts)."""
+    import pyarrow.parquet as pq
+
+    from tokaudit.engine import CHUNK_ROWS, step_ranges
+    from tokaudit.loading import load
+
+    shards = load([log]).shards
+    groups: dict[str, list[tuple[int, int, int]]] = {}
+    for shard in shards:
+        meta = pq.ParquetFile(str(shard.path)).metadata
+        column = meta.schema.to_arrow_schema().get_field_index("step")
+        groups[str(shard.path)] = [(meta.row_group(g).column(column).statistics.min,
+                                    meta.row_group(g).column(column).statistics.max, meta.row_group(g).total_byte_size)
+                                   for g in range(meta.num_row_groups)]
+    total = sum(size for parts in groups.values() for _, _, size in parts)
+    decoded = 0
+    for steps, members in step_ranges(shards, CHUNK_ROWS):
+        for shard in members:
+            decoded += sum(size for low, high, size in groups[str(shard.path)]
+                           if steps is None or (low <= steps[1] and high >= steps[0]))
+    return f"{decoded / total:.2f}"
+
+
 AUDIT_IMPORTS = """
 import sys, sysconfig
 from pathlib import Path
@@ -161,7 +187,7 @@ def main() -> None:
                      f"{name[:-3].replace('_', ' ')} {value:.0f} µs" for name, value in cost.items())),
                  ("recorder: parts per step, as a ratio", f"{per_step:.2f} ms, {ratio:.4f}")]
     sys.path.insert(0, str(HERE))
-    from synthetic import write_log, write_small_shards
+    from synthetic import WRITERS, rewrite, write_log, write_small_shards
 
     _compile_audit_imports()
 
@@ -183,6 +209,15 @@ def main() -> None:
                                          ranks_per_file=ranks_per_file, local_mean_every=2, recorder_columns=recorder))
         rows += _compare(f"{ranks * steps * micro:.0e} rows, {label} ({steps:,} steps)", log,
                          naive=ranks * steps * micro <= 2e7 and not suffix, repeat=args.repeat)
+    # The same 64 × 4 log as other tools leave it (`synthetic.rewrite`), without tokaudit's metadata.
+    if args.rows < 1e8:
+        steps = int(args.rows) // 256
+        source = args.out / f"synthetic-64x{steps}x4"
+        for writer in WRITERS:
+            log = once(args.out / f"synthetic-64x{steps}x4-{writer}", lambda path: rewrite(source, path, writer))
+            rows += _compare(f"{64 * steps * 4:.0e} rows, 64 ranks × 4 micro written by {writer} ({steps:,} steps)", log,
+                             naive=True, repeat=args.repeat)
+            rows.append((f"  {writer}: bytes decoded ÷ bytes in the log", decoded_share(log)))
     small = once(args.out / "small-10000", lambda path: write_small_shards(path, 100, 100))
     rows += _compare("10,000 one-row shards", small, naive=False, repeat=args.repeat)
     recorded = once(args.out / "small-10000-recorder",

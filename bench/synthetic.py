@@ -81,6 +81,48 @@ def write_log(out: Path, ranks: int, steps: int, micro: int, steps_per_file: int
     return rows
 
 
+WRITERS = ("pandas", "pyarrow", "250k-steps", "spark", "one-file")
+"""How other tools leave a log (`rewrite`): none of them writes tokaudit's footer metadata."""
+
+
+def rewrite(source: Path, out: Path, writer: str) -> None:
+    """The log at `source` as another writer leaves it, none of tokaudit's metadata kept:
+    pandas: one file per rank, `DataFrame.to_parquet` with its defaults; pyarrow: one file per rank,
+    `pq.write_table` with its defaults (row groups of up to 1Mi rows); 250k-steps: files of 250,000 steps, every
+    rank in each, one row group a file (a compaction job); spark: 8 files of several ranks each, in row groups of
+    about 128 MB (Spark's `parquet.block.size`, here rows of about 64 bytes); one-file: the whole log in one file,
+    pyarrow's defaults."""
+    import pyarrow.dataset as pads
+
+    out.mkdir(parents=True, exist_ok=True)
+    table = pads.dataset(source, format="parquet").to_table()
+    table = table.replace_schema_metadata(None)
+    if writer in ("pandas", "pyarrow"):
+        ranks = table.column("rank").to_numpy()
+        for rank in np.unique(ranks):
+            part = table.filter(pa.array(ranks == rank)).sort_by([("step", "ascending"), ("micro", "ascending")])
+            path = out / f"part-{int(rank):05d}.parquet"
+            if writer == "pandas":
+                part.to_pandas().to_parquet(path, index=False)
+            else:
+                pq.write_table(part, path)
+        return
+    table = table.sort_by([("step", "ascending"), ("rank", "ascending"), ("micro", "ascending")])
+    if writer == "250k-steps":
+        steps = table.column("step").to_numpy()
+        for first in range(0, int(steps.max()) + 1, 250_000):
+            part = table.filter(pa.array((steps >= first) & (steps < first + 250_000)))
+            pq.write_table(part, out / f"part-{first // 250_000:05d}.parquet", row_group_size=max(part.num_rows, 1))
+    elif writer == "spark":
+        ranks = table.column("rank").to_numpy()
+        blocks = np.array_split(np.unique(ranks), 8)
+        for index, block in enumerate(blocks):
+            part = table.filter(pa.array(np.isin(ranks, block)))
+            pq.write_table(part, out / f"part-{index:05d}-c000.snappy.parquet", row_group_size=2_000_000)
+    else:
+        pq.write_table(table, out / "log.parquet")
+
+
 def write_small_shards(out: Path, steps: int, ranks: int, recorder_columns: bool = False) -> None:
     """steps × ranks one-row shards of a correct run (the many-small-files case): the seven required
     columns, or with `recorder_columns` every column the recorder writes with a probe (`flush_every=1`:
