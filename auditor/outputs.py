@@ -62,7 +62,8 @@ def emit(text: str, output: Path | None) -> None:
     finally:
         if temporary is not None:
             temporary.unlink(missing_ok=True)
-    click.echo(f"wrote {printable(str(output))}", err=True)  # one line, never wrapped
+    if output.is_file():  # a device (/dev/null) or a pipe is no file written
+        click.echo(f"wrote {printable(str(output))}", err=True)  # one line, never wrapped
 
 
 FORMAT_OF_SUFFIX = {".html": "html", ".htm": "html", ".json": "json", ".xml": "junit", ".md": "markdown",
