@@ -1,6 +1,7 @@
-"""Duplicates in a real 2-process run's folder are not evidence about the gradient: a pandas-compacted copy
-left beside the shards, and the same script launched again under the same run id, keep the run `correct`
-(the float64 reference says it is), with a warning that names the files and the likely cause."""
+"""What a user does to a real 2-process run's log never changes its verdict: a pandas-compacted copy left beside
+the shards and the same script launched again under the same run id keep a right run `correct` (the float64
+reference says it is), with a warning that names the files and the likely cause; an ignored code leaves a wrong
+run `incorrect`."""
 
 from __future__ import annotations
 
@@ -42,3 +43,20 @@ def test_a_compacted_copy_and_a_second_launch_keep_a_right_run_correct(tmp_path:
     (finding,) = report.findings
     assert report.runs[0].verdict == "correct" and finding.code.value == "duplicate_records"
     assert "re-launch" in finding.message and len(finding.evidence["files"]) >= 2
+
+
+def test_ignoring_a_code_never_greens_a_wrong_run(tmp_path: Path) -> None:
+    """A rank-local mean on 2 real processes (the float64 reference says it is not the token mean), audited with
+    local_mean ignored, as a CI job quieted by one --ignore: the verdict stays incorrect; the gate passes and says so."""
+    from tokaudit.testing import assert_token_mean
+
+    scenario = SCENARIOS_BY_NAME["bug_local_mean"]
+    for result in run_ddp(run_scenario, 2, scenario, str(tmp_path)):
+        for step, record in enumerate(result["recorded"]):
+            want = reference_gradient(record["before"], scenario, step, result["members"])
+            assert not all(torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(record["grads"], want))
+    report = audit([tmp_path / scenario.name], ignore=["local_mean", "reported_loss_mismatch"])
+    (run,) = report.runs
+    assert report.findings == [] and run.verdict == "incorrect" and run.gate_verdict == "correct"
+    assert run.ignored == ["local_mean", "reported_loss_mismatch"] and run.decided_by == ["local_mean"]
+    assert_token_mean(tmp_path / scenario.name, ignore=["local_mean", "reported_loss_mismatch"])  # the gate
