@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -275,8 +275,6 @@ def all_names(names: tuple[str | None, str | None, str | None]) -> tuple[str, st
 def run_group_of(names: tuple[str | None, str | None, str | None]) -> tuple[str, str] | None:
     run, group, _ = names
     return (run, group) if run is not None and group is not None else None
-
-NO_STATISTICS: tuple[Any, Any, int | None] = (None, None, None)
 
 def range_of(stats: tuple[Any, Any, int | None]) -> tuple[int, int] | None:
     """(lowest, highest) of an integer column when its statistics hold both and it has no nulls."""

@@ -68,7 +68,6 @@ INT32_MAX = (1 << 31) - 1
 step table holds them in 32 bits (a step's N, Σ n over at most 2³² records, then stays exact in int64 and in
 a float64)."""
 REQUIRED_COLUMNS = tuple(column.name for column in COLUMNS if column.required)
-PROBE_COLUMNS = ("token_weight_sum", "token_weight_min", "token_weight_max", "masked_weight_abs_sum")
 
 # Columns the recorder always writes; the auditor accepts any superset of the required ones.
 WRITER_SCHEMA = pa.schema([pa.field(column.name, column.arrow_type) for column in COLUMNS])

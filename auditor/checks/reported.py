@@ -49,12 +49,6 @@ class _Rounding:
             return 0.0
         return 0.5 * 10.0 ** (-self.most) * (1 + 1e-6)
 
-def rounding_of(values: np.ndarray) -> float:
-    """`_Rounding` of these values."""
-    rounding = _Rounding()
-    rounding.add(values)
-    return rounding.value()
-
 def _agrees(reported: np.ndarray, truth: np.ndarray, rtol: float, rounding: float) -> np.ndarray:
     """reported equals truth within rtol, or within half a unit of the decimal it was rounded to."""
     tolerance = np.maximum(rtol * np.abs(truth), rounding)

@@ -152,4 +152,3 @@ class Diagnoses:
     def kind_is(self, *kinds: StepKind) -> npt.NDArray[np.bool_]:
         return np.isin(self.kind, [KINDS.index(k) for k in kinds])
 
-DIAGNOSIS_ARRAYS = ("kind", "denominator", "factor", "distortion", "balanced", "approximate")
