@@ -66,7 +66,8 @@ class Cell:
                     f"`accumulate_grad_batches={GRADIENT_ACCUMULATION}`")
         if self.trainer == "trl":
             data = {"model": "language-modelling data", "completion": "prompt-completion data "
-                    "(`completion_only_loss`)", "packing": "`packing=True` (bfd, padding-free)",
+                    "(`completion_only_loss`)", "assistant": "conversations (`assistant_only_loss`, a chat "
+                    "template with generation marks)", "packing": "`packing=True` (bfd, padding-free)",
                     "padding_free": "`padding_free=True`"}[self.loss]
             return (f"TRL `SFTTrainer` (its fused LM head) on the `{self.family}` model, {data}, "
                     f"`average_tokens_across_devices={self.average_tokens}`")
@@ -107,6 +108,7 @@ CELLS = (
     Cell("torchtune-missing-w", "llama", False, loss="missing_w", trainer="torchtune"),
     Cell("trl-sft", "llama", True, trainer="trl"), Cell("trl-sft-no-average", "llama", False, trainer="trl"),
     Cell("trl-sft-completion", "llama", True, loss="completion", trainer="trl"),
+    Cell("trl-sft-assistant-only", "llama", True, loss="assistant", trainer="trl"),
     Cell("trl-sft-packing", "llama", True, loss="packing", trainer="trl"),
     Cell("trl-sft-padding-free", "llama", True, loss="padding_free", trainer="trl"),
 )
@@ -241,7 +243,7 @@ def _trl_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> N
     """TRL's SFTTrainer on pre-tokenized data: its collator builds the labels (completion-only, packed)."""
     import datasets
     from transformers import PreTrainedTokenizerFast, TrainerCallback
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from trl import SFTConfig, SFTTrainer
 
     from tokaudit.hooks.huggingface import TokauditCallback
@@ -251,17 +253,27 @@ def _trl_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> N
             if rank == 0:
                 _keep_update(saved, model)
 
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t3"))
+    # word i is token i; a conversation's marks take the last ids of the tiny model's 64
+    vocabulary = {f"t{i}": i for i in range(60)} | {"<user>": 60, "<assistant>": 61, "<end>": 62}
+    words = Tokenizer(models.WordLevel(vocabulary, unk_token="t3"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", bos_token="t1", eos_token="t2",
                                         unk_token="t3")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}<user> {{ m['content'] }} <end> {% else %}<assistant> "
+        "{% generation %}{{ m['content'] }} <end>{% endgeneration %} {% endif %}{% endfor %}")
     generator = torch.Generator().manual_seed(0)
     rows = []
     for _ in range(200 if cell.loss == "packing" else 48):  # packed rows: enough for every update's microbatches
         length = int(torch.randint(3, 14, (), generator=generator))
-        ids = torch.randint(4, 64, (length,), generator=generator).tolist()
+        ids = torch.randint(4, 60, (length,), generator=generator).tolist()
         prompt = int(torch.randint(1, length - 1, (), generator=generator))
-        rows.append({"input_ids": ids, "completion_mask": [0] * prompt + [1] * (length - prompt)}
-                    if cell.loss == "completion" else {"input_ids": ids})
+        if cell.loss == "assistant":
+            said = [" ".join(f"t{i}" for i in part) for part in (ids[:prompt], ids[prompt:])]
+            rows.append({"messages": [{"role": "user", "content": said[0]}, {"role": "assistant", "content": said[1]}]})
+        else:
+            rows.append({"input_ids": ids, "completion_mask": [0] * prompt + [1] * (length - prompt)}
+                        if cell.loss == "completion" else {"input_ids": ids})
     args = SFTConfig(output_dir=f"{root}/out-{cell.name}-{rank}", use_cpu=True, per_device_train_batch_size=2,
                      gradient_accumulation_steps=GRADIENT_ACCUMULATION, max_steps=MAX_STEPS, learning_rate=1e-2,
                      max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
@@ -269,6 +281,7 @@ def _trl_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> N
                      ddp_find_unused_parameters=False, packing=cell.loss == "packing",
                      max_length=None if cell.loss == "padding_free" else 24,
                      padding_free=cell.loss == "padding_free", completion_only_loss=cell.loss == "completion" or None,
+                     assistant_only_loss=cell.loss == "assistant",
                      bf16=False)  # float32 like every other cell (TRL's default is bf16 where supported)
     trainer = SFTTrainer(model=tiny_model(cell), args=args, train_dataset=datasets.Dataset.from_list(rows),
                          processing_class=tokenizer, callbacks=[Gradients()])
