@@ -112,8 +112,8 @@ class _Guarded(click.Group):
             sys.exit(EXIT_BAD_INPUT)
         except Exception as error:
             # DuckDB turns a Ctrl-C inside a query into its InterruptException, or a RuntimeError of this text
-            # where a result is being fetched
-            if type(error).__name__ == "InterruptException" or str(error) == "Query interrupted":
+            # where a result is being fetched; pyarrow, reading, into ArrowCancelled
+            if type(error).__name__ in ("InterruptException", "ArrowCancelled") or str(error) == "Query interrupted":
                 interrupted()
             if ctx.obj and ctx.obj.get("debug"):
                 raise

@@ -86,9 +86,10 @@ def format_for(fmt: str, output: Path | None) -> str:
 def run(main: Callable[..., Any]) -> None:
     """The console script: `main`, where a Ctrl-C at any moment, the exit's own clean-up included, is one line and
     exit 130."""
-    # the last of the exit's clean-up (run first, called last): from there the interpreter resets its signal
-    # handlers, and a Ctrl-C would kill it silently; it waits instead, and the exit code stands
-    atexit.register(signal.pthread_sigmask, signal.SIG_BLOCK, {signal.SIGINT})
+    # the last of the exit's clean-up (registered first, called last): from there the interpreter resets the signal
+    # handlers it installed, and a Ctrl-C would kill the process silently (any of its threads may take it). Ignored
+    # instead (a disposition of the whole process, which the interpreter leaves alone), the exit code stands.
+    atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
     try:
         main(prog_name="tokaudit")
     except KeyboardInterrupt:
