@@ -14,7 +14,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 from pandas.api.types import union_categoricals
 
-from tokaudit.checks import RunSteps, Setup, check_run, main_term_first, one_objective, without_miscounted
+from tokaudit.checks import RunSteps, check_run, main_term_first, one_objective, without_miscounted
 from tokaudit.codes import DEFAULT_RTOL, Code, code_named
 from tokaudit.engine import EXTREME_COLUMNS, Duplicates, Engine, Spilled, extremes_at, sweep_scratch
 from tokaudit.errors import LogFormatError, UsageError
@@ -22,7 +22,7 @@ from tokaudit.loading import Loading, LogSet, cores, load
 from tokaudit.normalization import Denominator, name_ranks
 from tokaudit.reader import Shard, inspect_shard
 from tokaudit.report import AuditReport, Finding, RunSummary, Segment
-from tokaudit.schema import UNNAMED
+from tokaudit.schema import UNNAMED, Provenance
 from tokaudit.summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of
 
 
@@ -204,7 +204,7 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
             had_steps = source is not None or (
                 lost is not None and _run_steps(of_run(run), run, horizon, None) is not None)
             run_findings, summary = _audit_run(run, source, lost, had_steps, (rtol, precision.get(run)),
-                                               duplicates.get(run), extremes, ignored, min_ratio, setups.get(run, Setup()))
+                                               duplicates.get(run), extremes, ignored, min_ratio, setups.get(run, Provenance()))
             findings.extend(run_findings)
             if summary is not None:
                 summaries.append(summary)
@@ -241,7 +241,7 @@ def _kept(parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str] | None,
 
 def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, had_steps: bool,
                tolerance: tuple[float, int | None], duplicates: Duplicates | None,
-               extremes: _Extremes, ignored: set[Code], min_ratio: float | None, setup: Setup
+               extremes: _Extremes, ignored: set[Code], min_ratio: float | None, provenance: Provenance
                ) -> tuple[list[Finding], RunSummary | None]:
     """One run's findings and summary. `source`: its steps, less those whose records were dropped (`lost`);
     `had_steps`: whether it had any before they were left out. `tolerance`: --rtol and the fewest significant
@@ -259,7 +259,7 @@ def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, h
     # Steps whose counts the probe contradicts are left out of the checks and the summary alike.
     source, miscounted = without_miscounted(source, rtol)
     objective = one_objective(source, rtol)
-    run_findings, spans, omitted = check_run(run, source, rtol, duplicates, extremes, setup, objective)
+    run_findings, spans, omitted = check_run(run, source, rtol, duplicates, extremes, provenance, objective)
     if lost:
         run_findings.append(lost.finding(run))
     if miscounted:

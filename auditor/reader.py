@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from tokaudit.errors import LogFormatError
 from tokaudit.footers import Footer, FragmentFooter, SchemaFacts, all_names, bounds_of, checked_schema, footer_record, footer_stats, local_footer, names_of, range_of, record_stats, run_group_of
-from tokaudit.schema import read_dropped, read_launch, read_launch_world_size, read_schedule_divisor, read_trainer
+from tokaudit.schema import Provenance, read_dropped, read_provenance
 from tokaudit.storage import Store, describe, sized_fragment
 from tokaudit.validation import INT64_MAX, check_values, raise_beyond_int64, short_error
 
@@ -40,14 +40,8 @@ class Shard:
     """Lowest and highest microbatch index, likewise."""
     dropped: dict[str, Any] | None = None
     """The recorder's note of records it could not keep ({"run", "group", "rank", "steps"})."""
-    trainer: str | None = None
-    """The trainer whose integration recorded it ("transformers", "lightning", "accelerate"), by its provenance."""
-    schedule_divisor: int | None = None
-    """M, where a pipeline schedule divided the gradients by its M microbatches after backward, by its provenance."""
-    launch_world_size: int | None = None
-    """Every process of the launch that wrote it (more than W under DP×TP or context parallelism)."""
-    launch: int | None = None
-    """Which launch wrote it: the number its launch's first shard took in the folder (`schema.read_launch`)."""
+    provenance: Provenance = Provenance()
+    """What its footer's provenance says: the trainer, a pipeline schedule's division, the launch."""
     store: Store | None = None
     """The object store holding it (s3://, gs://, …); None for a local file."""
     signature: tuple[tuple[str, str], ...] = ()
@@ -170,9 +164,7 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
                  default_run=folder, step_range=range_of(stats["step"]), rank_range=range_of(stats["rank"]),
                  micro_range=range_of(stats["micro"]), world_range=range_of(stats["world_size"]),
                  divisor_range=bounds_of(stats["grad_divisor"]) if "grad_divisor" in stats else None,
-                 dropped=read_dropped(stored), trainer=read_trainer(stored),
-                 schedule_divisor=read_schedule_divisor(stored), launch_world_size=read_launch_world_size(stored),
-                 launch=read_launch(stored),
+                 dropped=read_dropped(stored), provenance=read_provenance(stored),
                  store=store, signature=facts.signature,
                  names=all_names(names), run_group=run_group_of(names), null_columns=empty, record=record)
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -101,6 +100,52 @@ def dropped_metadata(run: str, group: str, rank: int, steps: list[tuple[int, int
 
 
 PROVENANCE_KEY = b"tokaudit.provenance"
+"""Shard footer metadata the recorder writes on every shard: JSON {"tokaudit", "torch", "world_size",
+"launch_world_size", "launch", "pipeline" with a schedule, and "trainer" with "trainer_version" when an integration
+attached it}; the fix text uses the trainer to name that trainer's own settings."""
+
+
+def provenance_metadata(provenance: dict[str, Any]) -> dict[bytes, bytes]:
+    return {PROVENANCE_KEY: json.dumps(provenance, sort_keys=True).encode()}
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What a shard's provenance says that the audit reads; of a run, what its shards say (`summary.setups_of`)."""
+
+    trainer: str | None = None
+    """The trainer whose integration recorded it ("transformers", "lightning", "accelerate")."""
+    schedule_divisor: int | None = None
+    """M, where a `torch.distributed.pipelining` schedule with `scale_grads=True` divided every gradient by its M
+    microbatches after the backwards of each `step()` (recorded in g as 1/M)."""
+    launch_world_size: int | None = None
+    """Every process of the launch: more than W where the averaging group is a data-parallel subgroup."""
+    launch: int | None = None
+    """The number the first shard of the launch that wrote this one took in its folder: of two launches, the one
+    with the higher number started after the other had written (no clock involved). A shard's only."""
+
+
+def read_provenance(metadata: dict[bytes, bytes] | None) -> Provenance:
+    """A shard's provenance, read once (empty where there is none or it cannot be read; never raises)."""
+    try:
+        facts = json.loads(metadata[PROVENANCE_KEY]) if metadata and PROVENANCE_KEY in metadata else {}
+    except ValueError:
+        facts = {}
+    if not isinstance(facts, dict):
+        return Provenance()
+
+    def whole(value: Any, least: int) -> int | None:
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= least else None
+
+    pipeline, launch, trainer = facts.get("pipeline"), facts.get("launch"), facts.get("trainer")
+    pipeline = pipeline if isinstance(pipeline, dict) else {}
+    return Provenance(trainer=trainer if isinstance(trainer, str) else None,
+                      schedule_divisor=whole(pipeline.get("microbatches"), 2) if pipeline.get("scale_grads") is True
+                      else None,
+                      launch_world_size=whole(facts.get("launch_world_size"), 1),
+                      launch=whole(launch.get("first_shard"), 0) if isinstance(launch, dict) else None)
+
+
 DESTINATION_KEY = b"tokaudit.destination"
 """A spooled shard's footer: the folder or URL it was to be written to (`tokaudit sync` writes it there)."""
 
@@ -112,54 +157,6 @@ def spool_folder() -> Path:
         return Path(chosen)
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "tokaudit" / "spool"
-"""Shard footer metadata the recorder writes on every shard: JSON {"tokaudit", "torch", "world_size", and
-"trainer" with "trainer_version" when an integration attached it}; the fix text uses the trainer to name
-that trainer's own settings."""
-
-
-def provenance_metadata(provenance: dict[str, Any]) -> dict[bytes, bytes]:
-    return {PROVENANCE_KEY: json.dumps(provenance, sort_keys=True).encode()}
-
-
-def _provenance(metadata: dict[bytes, bytes] | None) -> dict[str, Any]:
-    """A shard's provenance ({} where there is none or it cannot be read; never raises)."""
-    if not metadata or PROVENANCE_KEY not in metadata:
-        return {}
-    try:
-        provenance = json.loads(metadata[PROVENANCE_KEY])
-    except ValueError:
-        return {}
-    return provenance if isinstance(provenance, dict) else {}
-
-
-def read_trainer(metadata: dict[bytes, bytes] | None) -> str | None:
-    """The trainer a shard's provenance names ("transformers", "lightning", "accelerate"), if any (never raises)."""
-    trainer = _provenance(metadata).get("trainer")
-    return trainer if isinstance(trainer, str) else None
-
-
-def read_launch_world_size(metadata: dict[bytes, bytes] | None) -> int | None:
-    """Every process of the launch that recorded the shard, when its provenance says it (never raises)."""
-    size = _provenance(metadata).get("launch_world_size")
-    return size if isinstance(size, int) and size >= 1 else None
-
-
-def read_launch(metadata: dict[bytes, bytes] | None) -> int | None:
-    """The number the first shard of the launch that wrote this one took in its folder: of two launches, the one
-    with the higher number started after the other had written (no clock involved); None where not said."""
-    launch = _provenance(metadata).get("launch")
-    first = launch.get("first_shard") if isinstance(launch, dict) else None
-    return first if isinstance(first, int) and first >= 0 else None
-
-
-def read_schedule_divisor(metadata: dict[bytes, bytes] | None) -> int | None:
-    """M, where a pipeline schedule recorded with the shard (`Recorder(schedule=)`) divided every gradient by its
-    M microbatches after each step() (`scale_grads=True`); None otherwise (never raises)."""
-    pipeline = _provenance(metadata).get("pipeline")
-    if not isinstance(pipeline, dict) or pipeline.get("scale_grads") is not True:
-        return None
-    microbatches = pipeline.get("microbatches")
-    return microbatches if isinstance(microbatches, int) and microbatches > 1 else None
 
 
 def read_dropped(metadata: dict[bytes, bytes] | None) -> dict[str, Any] | None:

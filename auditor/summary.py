@@ -11,10 +11,11 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit.checks import RunSteps, Setup, distinct, world_sizes
+from tokaudit.checks import RunSteps, distinct, world_sizes
 from tokaudit.codes import DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, Code, Severity
 from tokaudit.reader import Shard
 from tokaudit.report import Finding, RunSummary, Segment, StepRange, Verdict
+from tokaudit.schema import Provenance
 
 
 @dataclass
@@ -60,16 +61,17 @@ class DroppedRecords:
                            "steps were audited as usual",
                        evidence={"records": self.records, "steps": listed})
 
-def setups_of(shards: Sequence[Shard]) -> dict[str, Setup]:
-    """Per run: what its shards' provenance says of how it was recorded (the first shard that says it)."""
+def setups_of(shards: Sequence[Shard]) -> dict[str, Provenance]:
+    """Per run: what its shards' provenance says of how it was recorded, each fact from the first shard that says
+    it (a launch is a shard's, never a run's)."""
     found: dict[str, dict[str, Any]] = {}
     for shard in shards:
         run = shard.run_group[0] if shard.run_group is not None else shard.default_run
         facts = found.setdefault(run, {})
         for name in ("trainer", "schedule_divisor", "launch_world_size"):
-            if getattr(shard, name) is not None:
-                facts.setdefault(name, getattr(shard, name))
-    return {run: Setup(**facts) for run, facts in found.items()}
+            if getattr(shard.provenance, name) is not None:
+                facts.setdefault(name, getattr(shard.provenance, name))
+    return {run: Provenance(**facts) for run, facts in found.items()}
 
 
 def dropped_steps(shards: Sequence[Shard]) -> dict[str, DroppedRecords]:

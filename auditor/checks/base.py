@@ -23,7 +23,7 @@ from tokaudit.recipes import recipe_for
 from tokaudit.engine import one_value
 from tokaudit.normalization import BLOCK_STEPS, Denominator, name_ranks
 from tokaudit.report import Finding, StepRange
-from tokaudit.schema import UNNAMED
+from tokaudit.schema import UNNAMED, Provenance
 from tokaudit.sorting import SortedColumn, at_positions, middle, middle_positions
 
 
@@ -51,25 +51,13 @@ class RunContext:
     microbatches: int
     divisor: float
     rtol: float
-    trainer: str | None = None
-    """The trainer whose integration recorded the run ("transformers", ...): its own settings are named."""
-    schedule_divisor: int | None = None
-    """M, where a pipeline schedule divided every gradient by its M microbatches after backward (`Setup`)."""
-    launch_world_size: int | None = None
-    """Every process of the launch (`Setup`)."""
+    provenance: Provenance = Provenance()
+    """How the run was recorded, as its shards say: the trainer whose own settings are named, a pipeline
+    schedule's division, the launch's world size."""
 
-
-@dataclass(frozen=True)
-class Setup:
-    """How a run was recorded, as its shards' provenance says: what its messages and fixes may name."""
-
-    trainer: str | None = None
-    """The trainer whose integration recorded it ("transformers", "lightning", "accelerate")."""
-    schedule_divisor: int | None = None
-    """M, where a `torch.distributed.pipelining` schedule with `scale_grads=True` divided every gradient by its M
-    microbatches after the backwards of each `step()` (recorded in g as 1/M)."""
-    launch_world_size: int | None = None
-    """Every process of the launch: more than W where the averaging group is a data-parallel subgroup."""
+    @property
+    def trainer(self) -> str | None:
+        return self.provenance.trainer
 
 Extremes = Callable[[Any], Any]
 """Given a row of the step table without the evidence columns (`engine.EXTREME_COLUMNS`), a row with them."""

@@ -23,7 +23,7 @@ def overcounted(context: RunContext) -> str:
 
 
 def world_size_cause(explanation: FactorExplanation, q: float, w: int, divisor: float, context: RunContext) -> str:
-    k, microbatches, launch = explanation.integer, context.microbatches, context.launch_world_size
+    k, microbatches, launch = explanation.integer, context.microbatches, context.provenance.launch_world_size
     if explanation.label in ("1/W", "1/k") and launch is not None and launch > w and q > 0 and close(
             q * launch / w, 1.0, context.rtol):
         # q = W/G: N all-reduced over the G processes of the launch, whose W-rank group holds each token G/W times

@@ -21,10 +21,10 @@ def divisions(q: float, divisor: int, rtol: float) -> int | None:
 def schedule_finding(context: RunContext, steps: StepsSeen, lightest: float, heaviest: float, step: int,
                      tokens: int, evidence: dict[str, Any]) -> Finding | None:
     """`schedule_rescaled` where a pipeline schedule divided every gradient by its M microbatches after backward
-    (`context.schedule_divisor`) and that alone explains the weights: the lightest and heaviest q = e·N of the
+    (`context.provenance.schedule_divisor`) and that alone explains the weights: the lightest and heaviest q = e·N of the
     steps are both M^−j, j ≥ 1. q = 1/M: a loss divided by N, then by M; 1/M^k down to 1/M: k step() calls of one
     update, each dividing every gradient accumulated so far. Else None (the weighting's own finding stands)."""
-    m = context.schedule_divisor
+    m = context.provenance.schedule_divisor
     if m is None:
         return None
     low, high = divisions(heaviest, m, context.rtol), divisions(lightest, m, context.rtol)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tokaudit.checks.base import Check, Extremes, RunContext, RunSteps, Setup, column_of, world_sizes
+from tokaudit.checks.base import Check, Extremes, RunContext, RunSteps, column_of, world_sizes
 from tokaudit.checks.miscount import without_miscounted
 from tokaudit.checks.objective import OneObjective, one_objective
 from tokaudit.checks.reported import reported_findings
@@ -18,20 +18,21 @@ from tokaudit.checks.weighting import BalancedCheck, FactorTable, WeightingCheck
 from tokaudit.engine import Duplicates, one_value
 from tokaudit.normalization import Decisions, FitBlock, Span, Spans, block_fits, span_rows
 from tokaudit.report import Finding
+from tokaudit.schema import Provenance
 
 
 def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
               duplicates: Duplicates | None = None,
-              extremes: Extremes | None = None, setup: Setup = Setup(),
+              extremes: Extremes | None = None, provenance: Provenance = Provenance(),
               objective: OneObjective | None = None) -> tuple[list[Finding], list[Span], int]:
     """All checks for one run's steps (every group and term): its findings, its normalization spans
     (at most `MAX_SPANS` per group and term) and how many spans were left out.
 
     Each loss term is its own token mean: recovery and weight checks run per term.
-    `duplicates`: (records dropped, first step, last step, steps) when the reader found repeated keys.
+    `duplicates`: the repeated keys the engine found and left out (`engine.Duplicates`).
     `extremes`: where the heaviest and lightest token of an evidence step were, when the table does not
-    hold them (the audit aggregates them for the few steps a finding names). `setup`: how the run was recorded
-    (its shards' provenance): the trainer whose own settings the fixes then name, a pipeline schedule's rescale.
+    hold them (the audit aggregates them for the few steps a finding names). `provenance`: how the run was
+    recorded (`summary.setups_of`): the trainer whose own settings the fixes then name, a pipeline schedule's rescale.
 
     Each term's table is read three times: twice for the run's decisions (`Decisions.of`, the first also
     for W, D and M), once for every check; once more for the uniform factors' clusters (`FactorTable`)
@@ -67,7 +68,7 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
         if sizes is None:
             sizes = shape.worlds
         reported = reported or shape.reported
-        context = shape.context(run, term, tuple(sorted(sizes)), rtol, setup)
+        context = shape.context(run, term, tuple(sorted(sizes)), rtol, provenance)
         term_findings, listed, left_out = _check_term(source, term, decisions, context, extremes)
         findings.extend(term_findings)
         spans.extend(listed)
@@ -158,11 +159,11 @@ class _Shape:
         self.microbatches = max(self.microbatches, float(block.m_high.max()))
         self.reported = self.reported or bool((column_of(block, "reported") > 0).any())
 
-    def context(self, run: str, term: str, sizes: tuple[int, ...], rtol: float, setup: Setup) -> RunContext:
+    def context(self, run: str, term: str, sizes: tuple[int, ...], rtol: float, provenance: Provenance
+                ) -> RunContext:
         def mode(counts: dict[Any, int]) -> Any:
             return min(counts, key=lambda value: (-counts[value], value)) if counts else math.nan
 
         return RunContext(run=run, term=term, world_size=int(mode(self.world_counts)), world_sizes=sizes,
                           microbatches=int(self.microbatches), divisor=float(mode(self.divisor_counts)), rtol=rtol,
-                          trainer=setup.trainer, schedule_divisor=setup.schedule_divisor,
-                          launch_world_size=setup.launch_world_size)
+                          provenance=provenance)

@@ -152,8 +152,8 @@ class Engine:
                 engine.link_names[id(shard)] = name
             # Among duplicates the later published wins: the later launch (the one whose first shard came after
             # the other's, -1 for a file that does not say), then the later file of it.
-            published = sorted(range(len(engine.shards)), key=lambda i: (
-                -1 if engine.shards[i].launch is None else engine.shards[i].launch, i))
+            launches = [-1 if s.provenance.launch is None else s.provenance.launch for s in engine.shards]
+            published = sorted(range(len(engine.shards)), key=lambda i: (launches[i], i))
             order = pa.table({"filename": [engine.link_names[id(engine.shards[i])] for i in published],
                               "file_index": pa.array(range(len(published)), pa.int64())})
             connection.register("file_order_source", order)
