@@ -238,8 +238,9 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         "the same (run, group, step, micro, rank) appears more than once",
         why="A copy of records (a compacted or copied file beside the shards), a second launch under the same run "
             "id, or a resume that replayed steps into the same folder. One record of each key is kept, the later "
-            "published (a rank's shards are numbered in the order they are written; clocks are never used); the finding names the files and which of these it looks like. Copies are "
-            "not evidence about the gradient: the verdict reads the records kept.",
+            "published (a rank's shards are numbered in the order they are written; clocks are never used); the "
+            "finding names the files and which of these it looks like. Copies are not evidence about the gradient: "
+            "the verdict reads the records kept.",
         fix="Leave copies out of the folder audited; give each launch its own run_id; resume from the "
             "checkpoint's step.",
         example="Steps 90–99 were recorded before a crash and again after resuming from step 90.",
@@ -427,11 +428,11 @@ def code_named(text: str | Code) -> Code:
 
 
 REPORTING: frozenset[Code] = frozenset({Code.REPORTED_LOSS_MISMATCH, Code.REPORTED_LOSS_SHIFTED})
+"""Findings about the logged loss, not the gradient: they never decide the verdict, which asks whether every
+valid token got the token-mean weight; the run's `reporting` status says them beside it."""
+"""Warnings that say the logs cannot tell: alone, they make a run `inconclusive`, not `incorrect`."""
 
 TOKEN_MEAN_FIXES: frozenset[Code] = frozenset({Code.LOCAL_MEAN, Code.PER_MICRO_DENOMINATOR, Code.WORLD_SIZE_MISMATCH,
                                                Code.SCALE_MISMATCH, Code.PADDED_DENOMINATOR,
                                                Code.UNEXPLAINED_WEIGHTING})
 """Findings whose fix is the token mean itself: they carry its code for the run's set-up (`tokaudit.recipes`)."""
-"""Findings about the logged loss, not the gradient: they never decide the verdict, which asks whether every
-valid token got the token-mean weight; the run's `reporting` status says them beside it."""
-"""Warnings that say the logs cannot tell: alone, they make a run `inconclusive`, not `incorrect`."""

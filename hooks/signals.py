@@ -59,4 +59,3 @@ def run_deferred() -> None:
     while _DEFERRED:
         signum, frame = _DEFERRED.pop(0)
         _flush_then_chain(signum, frame)
-
