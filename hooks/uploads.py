@@ -87,7 +87,8 @@ class Backlog:
         except Exception as error:
             with self.lock:
                 self.tables[:0] = tables
-                self.failed = len(batch)  # the tables of the write that failed, at the front
+                # the tables of the write that failed, at the front (none written yet: those that failed before)
+                self.failed = len(batch) or failed
                 self.in_flight, self.in_flight_tables, self.error = 0, [], error
                 self._trim()
             self.warn("write", f"tokaudit: could not write a shard to {self.where} ({error!r}); the records are kept "
@@ -120,7 +121,7 @@ class Backlog:
             return
         listed = ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b, _ in ranges(steps)[:8])
         said = f"tokaudit: {count} record(s) could not be written to {self.where} by close() (steps {listed}; " \
-               f"last error: {describe(self.error)})"
+               f"last error: {error_words(self.error)})"
         try:
             kept = spool(tables)
         except Exception as error:
@@ -139,7 +140,7 @@ class Backlog:
             self.failed = max(0, self.failed - 1)
 
 
-def describe(error: BaseException | None) -> str:
+def error_words(error: BaseException | None) -> str:
     """The last write's error in words: "none" when none failed (an upload still running at close)."""
     if error is None:
         return "none; an upload was still running"

@@ -312,3 +312,36 @@ def test_sigterm_during_a_flush_waits_for_it_and_writes_each_record_once(tmp_pat
     assert code == -signal.SIGTERM
     steps = sorted(r["step"] for r in read_rows(tmp_path / "during"))
     assert steps == list(range(100)), "the shard in flight is whole and written once"
+
+
+def test_a_failed_write_is_retried_alone_even_when_asking_the_store_about_it_fails() -> None:
+    """A write failed; at the next flush the store cannot even say whether that write landed: the failed tables stay
+    apart, so that the retry publishes them alone, under the name they had, and what came since after them."""
+    import pyarrow as pa
+
+    from tokaudit.hooks.uploads import Backlog
+
+    written: list[int] = []
+
+    class Store:
+        down, cannot_tell = True, True
+
+        def landed(self) -> bool:
+            if self.cannot_tell:
+                raise OSError("the store does not answer")
+            return False
+
+        def write(self, table: pa.Table, metadata: object) -> None:
+            if self.down:
+                raise OSError("the store does not answer")
+            written.append(table.num_rows)
+
+    store = Store()
+    backlog = Backlog(lambda key, message: None, "s3://bucket/runs")
+    backlog.add(pa.table({"step": [0, 1]}))
+    assert backlog.write(lambda: store, lambda dropped: {}) is not None
+    backlog.add(pa.table({"step": [2]}))
+    assert backlog.write(lambda: store, lambda dropped: {}) is not None
+    store.down = store.cannot_tell = False
+    assert backlog.write(lambda: store, lambda dropped: {}) is None
+    assert written == [2, 1]
