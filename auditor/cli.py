@@ -19,7 +19,7 @@ from tokaudit import __version__
 from tokaudit.codes import DEFAULT_RTOL, Severity, code_named
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
 from tokaudit.outputs import (EXIT_BAD_INPUT, EXIT_CLOSED_PIPE, EXIT_FINDINGS, EXIT_OK,
-                               emit, fail, format_for, interrupted, print_rich, problem, rich_text, stderr)
+                               emit, fail, format_for, interrupted, print_rich, problem, rich_text, stderr, wrote)
 from tokaudit.outputs import run as outputs_run
 from tokaudit.render.text import printable
 
@@ -375,7 +375,7 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
     print_rich(render)
     for path in (csv_path, plot_path):
         if path is not None:
-            click.echo(f"wrote {printable(str(path))}", err=True)  # one line, never wrapped
+            wrote(str(path))
     _exit_for_problems(problems)
 
 
@@ -471,7 +471,7 @@ def sync(folder: Path | None) -> None:
             failed.append(error)
             continue
         done += 1
-        click.echo(f"wrote {printable(synced.destination)} ({synced.records} records)", err=True)
+        wrote(synced.destination, f" ({synced.records} records)")
     if not done and not failed:
         stderr().print(f"nothing to sync in {printable(str(folder or spool_folder()))}", markup=False)
     _exit_for_problems(failed)

@@ -63,7 +63,12 @@ def emit(text: str, output: Path | None) -> None:
         if temporary is not None:
             temporary.unlink(missing_ok=True)
     if output.is_file():  # a device (/dev/null) or a pipe is no file written
-        click.echo(f"wrote {printable(str(output))}", err=True)  # one line, never wrapped
+        wrote(str(output))
+
+
+def wrote(where: str, detail: str = "") -> None:
+    """`wrote WHERE` on stderr, one line never wrapped (a path cut by a terminal's width cannot be copied)."""
+    click.echo(f"wrote {printable(where)}{detail}", err=True)
 
 
 FORMAT_OF_SUFFIX = {".html": "html", ".htm": "html", ".json": "json", ".xml": "junit", ".md": "markdown",
