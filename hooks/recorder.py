@@ -86,7 +86,7 @@ class Recorder:
         # Nothing the recorder cannot hook stops the training: each hook that fails warns and the
         # recording goes on without it.
         for name, attach in (("model", self._hook_model), ("optimizer", self._hook_optimizer),
-                             ("scaler", lambda: setattr(self, "_scaler", scaler and ScalerWatch(scaler, self._on_scaler_update))), ("accelerator", self._hook_accelerator),
+                             ("scaler", lambda: self._hook_scaler(scaler)), ("accelerator", self._hook_accelerator),
                              ("pipeline schedule", lambda: self._handles.extend(watch_schedule(self, schedule)))):
             try:
                 attach()
@@ -269,8 +269,7 @@ class Recorder:
 
     @contextmanager
     def paused(self) -> Iterator[None]:
-        """Nothing inside is recorded: a loss computed for something else than an update (a pipeline schedule's
-        shape inference, an evaluation with grad)."""
+        """Nothing inside is recorded: a loss of no update (a pipeline schedule's shape inference, an evaluation)."""
         self._paused += 1
         try:
             yield
@@ -278,9 +277,8 @@ class Recorder:
             self._paused -= 1
 
     def scale_grads(self, factor: Value) -> None:
-        """The gradients were multiplied by `factor` after backward (torchtune's `training.scale_grads(model,
-        factor)`, a pipeline schedule's `scale_grads`, `p.grad.mul_(factor)`; not gradient clipping, which keeps
-        the direction): every token whose backward has run in the open update now weighs ∂b/∂ℓᵢ · g · factor."""
+        """Gradients multiplied by `factor` after backward (torchtune's `training.scale_grads`, a pipeline schedule's,
+        `p.grad.mul_`; not clipping): each backpropagated token of the open update now weighs ∂b/∂ℓᵢ·g·factor."""
         try:
             self._buffer.rescale(self._step, detached(factor))
         except Exception as error:
@@ -475,6 +473,9 @@ class Recorder:
             self._steps_known = False
             raise
         self._watch_zero_grad(self._optimizer)
+
+    def _hook_scaler(self, scaler: Any) -> None:
+        self._scaler = None if scaler is None else ScalerWatch(scaler, self._on_scaler_update)
 
     def _hook_accelerator(self) -> None:
         if self._accelerator is not None:
