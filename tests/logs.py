@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pyarrow as pa
@@ -102,3 +105,15 @@ def local_mean(S: float, n: int, **_: Any) -> float:
 
 UNEVEN: Counts = [[[1], [3]], [[5], [2]], [[4], [6]]]
 UNEVEN_GA: Counts = [[[5, 1], [3, 7]], [[2, 6], [6, 2]], [[8, 4], [2, 8]]]
+
+
+@functools.cache
+def bench_synthetic() -> ModuleType:
+    """The bench's log writer (bench/synthetic.py; bench/ is scripts, not a package), loaded from its file once,
+    the test session's sys.path left as it is."""
+    spec = importlib.util.spec_from_file_location("bench_synthetic",
+                                                  Path(__file__).resolve().parents[1] / "bench" / "synthetic.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

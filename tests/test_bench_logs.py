@@ -3,21 +3,16 @@ times real audits, so its writer must keep up with the log format."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from tests.logs import bench_synthetic
 from tokaudit.cli import main
 
-# bench/ is scripts, not a package: its writer loaded from its file, the test session's sys.path left as it is
-_spec = importlib.util.spec_from_file_location("bench_synthetic",
-                                               Path(__file__).resolve().parents[1] / "bench" / "synthetic.py")
-assert _spec is not None and _spec.loader is not None
-synthetic = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(synthetic)
+synthetic = bench_synthetic()
 write_log, write_small_shards = synthetic.write_log, synthetic.write_small_shards
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tests.logs import UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
+from tests.logs import UNEVEN, UNEVEN_GA, bench_synthetic, local_mean, records, token_mean, write, write_by_rank
 from tokaudit.cli import main
 
 
@@ -405,28 +405,34 @@ def test_a_report_that_does_not_fit_leaves_the_one_before(logs: Path, tmp_path: 
         subprocess.run(["umount", str(disk)])
 
 
+def _large_log(folder: Path) -> Path:
+    """A log of 1.28M records the audit aggregates in two ranges: long enough to be stopped inside a query."""
+    bench_synthetic().write_log(folder, ranks=16, steps=40000, micro=2, steps_per_file=10000, ranks_per_file=16)
+    return folder
+
+
+def _aggregating(log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """`tokaudit check LOG` in a process of its own, once it says it aggregates (its progress in a pipe)."""
+    process = subprocess.Popen([sys.executable, "-m", "tokaudit", "check", str(log)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
+    assert process.stderr is not None
+    line = "-"
+    while line and not line.startswith("aggregating"):
+        line = process.stderr.readline()
+    assert line, "the audit ended before it aggregated"
+    return process
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_the_aggregation_is_interrupted_exit_130(tmp_path: Path) -> None:
     """SIGINT while DuckDB aggregates (read from the progress line that says so): one line, exit 130, each time
     (DuckDB hands a Ctrl-C inside a query back as its own exception, never a finding nor an internal error)."""
-    import importlib.util
     import signal
     import time
 
-    spec = importlib.util.spec_from_file_location("bench_synthetic", Path(__file__).resolve().parents[1] / "bench" /
-                                                  "synthetic.py")
-    assert spec is not None and spec.loader is not None
-    synthetic = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(synthetic)
-    synthetic.write_log(tmp_path / "big", ranks=16, steps=40000, micro=2, steps_per_file=10000, ranks_per_file=16)
+    log = _large_log(tmp_path / "big")
     for pause in (0.0, 0.1, 0.2):
-        process = subprocess.Popen([sys.executable, "-m", "tokaudit", "check", str(tmp_path / "big")],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert process.stderr is not None
-        line = "-"
-        while line and not line.startswith("aggregating"):
-            line = process.stderr.readline()
-        assert line, "the audit ended before it aggregated"
+        process = _aggregating(log)
         time.sleep(pause)
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=60)
@@ -438,27 +444,14 @@ def test_a_killed_audit_s_scratch_is_swept_by_the_next_and_a_live_one_s_is_kept(
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """An audit SIGKILLed while it aggregates leaves its folder under TMPDIR (here the links to shards whose names
     DuckDB cannot take as they are); the next audit removes it, and never the folder of an audit still running."""
-    import importlib.util
     import os
     import signal
 
-    spec = importlib.util.spec_from_file_location("bench_synthetic", Path(__file__).resolve().parents[1] / "bench" /
-                                                  "synthetic.py")
-    assert spec is not None and spec.loader is not None
-    synthetic = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(synthetic)
-    log = tmp_path / "odd name's log"  # a quote: the shards are linked under TMPDIR
-    synthetic.write_log(log, ranks=16, steps=40000, micro=2, steps_per_file=10000, ranks_per_file=16)
+    log = _large_log(tmp_path / "odd name's log")  # a quote: the shards are linked under TMPDIR
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = {**os.environ, "TMPDIR": str(scratch)}
-    process = subprocess.Popen([sys.executable, "-m", "tokaudit", "check", str(log)], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env)
-    assert process.stderr is not None
-    line = "-"
-    while line and not line.startswith("aggregating"):
-        line = process.stderr.readline()
-    assert line, "the audit ended before it aggregated"
+    process = _aggregating(log, env)
     process.send_signal(signal.SIGKILL)
     process.communicate(timeout=60)
     left = [p.name for p in scratch.iterdir() if p.name.startswith("tokaudit-shards-")]
