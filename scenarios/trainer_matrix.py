@@ -210,15 +210,9 @@ def _keep_update(saved: dict[str, list[Any]], model: torch.nn.Module) -> None:
 
 
 def _trainer_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> None:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     from scenarios.padded import padded_sequences
-    from tokaudit.hooks.huggingface import TokauditCallback
-
-    class Gradients(TrainerCallback):  # type: ignore[misc]
-        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-            if rank == 0:
-                _keep_update(saved, model)
 
     args = TrainingArguments(output_dir=f"{root}/out-{cell.name}-{rank}", use_cpu=True, per_device_train_batch_size=2,
                              gradient_accumulation_steps=GRADIENT_ACCUMULATION, max_steps=MAX_STEPS,
@@ -227,13 +221,30 @@ def _trainer_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) 
                              dataloader_num_workers=0, label_smoothing_factor=cell.smoothing, ddp_backend="gloo",
                              ddp_find_unused_parameters=False, gradient_checkpointing=cell.checkpointing)
     trainer = Trainer(model=tiny_model(cell), args=args, train_dataset=padded_sequences(),
-                      compute_loss_func=loss_function(cell), callbacks=[Gradients()])
+                      compute_loss_func=loss_function(cell))
+    _train_recorded(trainer, rank, root, cell, saved)
+
+
+def _train_recorded(trainer: Any, rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> None:
+    """A Hugging Face (or TRL) trainer run with the one-line attach, keeping each microbatch's inputs and, on rank 0,
+    each update's weights and gradient (before the optimizer)."""
+    from transformers import TrainerCallback
+
+    from tokaudit.hooks.huggingface import TokauditCallback
+
+    class Gradients(TrainerCallback):  # type: ignore[misc]
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            if rank == 0:
+                _keep_update(saved, model)
+
     step = trainer.training_step
 
     def training_step(model: Any, inputs: dict[str, Any], *rest: Any, **options: Any) -> Any:
-        saved["inputs"].append({key: value.detach().clone() for key, value in inputs.items()})
+        saved["inputs"].append({key: value.detach().clone() for key, value in inputs.items()
+                                if isinstance(value, torch.Tensor)})
         return step(model, inputs, *rest, **options)
 
+    trainer.add_callback(Gradients())
     trainer.training_step = training_step
     TokauditCallback.attach(trainer, f"{root}/logs", run_id=cell.name)  # the one line
     trainer.train()
@@ -242,16 +253,9 @@ def _trainer_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) 
 def _trl_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> None:
     """TRL's SFTTrainer on pre-tokenized data: its collator builds the labels (completion-only, packed)."""
     import datasets
-    from transformers import PreTrainedTokenizerFast, TrainerCallback
+    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
     from trl import SFTConfig, SFTTrainer
-
-    from tokaudit.hooks.huggingface import TokauditCallback
-
-    class Gradients(TrainerCallback):  # type: ignore[misc]
-        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-            if rank == 0:
-                _keep_update(saved, model)
 
     # word i is token i; a conversation's marks take the last ids of the tiny model's 64
     vocabulary = {f"t{i}": i for i in range(60)} | {"<user>": 60, "<assistant>": 61, "<end>": 62}
@@ -284,17 +288,8 @@ def _trl_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> N
                      assistant_only_loss=cell.loss == "assistant",
                      bf16=False)  # float32 like every other cell (TRL's default is bf16 where supported)
     trainer = SFTTrainer(model=tiny_model(cell), args=args, train_dataset=datasets.Dataset.from_list(rows),
-                         processing_class=tokenizer, callbacks=[Gradients()])
-    step = trainer.training_step
-
-    def training_step(model: Any, inputs: dict[str, Any], *rest: Any, **options: Any) -> Any:
-        saved["inputs"].append({key: value.detach().clone() for key, value in inputs.items()
-                                if isinstance(value, torch.Tensor)})
-        return step(model, inputs, *rest, **options)
-
-    trainer.training_step = training_step
-    TokauditCallback.attach(trainer, f"{root}/logs", run_id=cell.name)  # the one line
-    trainer.train()
+                         processing_class=tokenizer)
+    _train_recorded(trainer, rank, root, cell, saved)
 
 
 def _lightning_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> None:
