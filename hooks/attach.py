@@ -70,27 +70,32 @@ class AccelerateWatch:
 
     def __init__(self, accelerator: Any, open_records: Callable[[], Iterable[Record]],
                  warn: Callable[[str, str], None]) -> None:
-        self.accelerator = accelerator
+        self.accelerator, self.open_records, self.warn = accelerator, open_records, warn
         self.losses: list[tuple[weakref.ref[torch.Tensor], int]] = []
         """Tensors passed to accelerator.backward() in the open update, with the steps it divided them by."""
-        original = accelerator.backward
 
-        def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                if isinstance(loss, torch.Tensor):
-                    steps = int(getattr(accelerator, "gradient_accumulation_steps", 1))
-                    for record in open_records():  # b recorded before accelerator.backward(b): divided there
-                        source = record.scalar_ref
-                        if source is not None and source() is loss:
-                            record.divide = steps
-                    self.losses = [(ref, n) for ref, n in self.losses if ref() is not None]
-                    self.losses.append((weakref.ref(loss), steps))
-            except Exception as error:
-                warn("accelerate", f"tokaudit: could not follow accelerator.backward ({error!r})")
-            return original(loss, *args, **kwargs)
+        def around(original: Callable[..., Any]) -> Callable[..., Any]:
+            def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
+                self._follow(loss)
+                return original(loss, *args, **kwargs)
+            return backward
 
-        accelerator.backward = backward
-        self.handle = Restore(accelerator, "backward", backward)
+        self.handle = wrap_method(accelerator, "backward", around)
+
+    def _follow(self, loss: Any) -> None:
+        """`loss` goes through accelerator.backward, which divides it by the accumulation steps: the open records
+        whose b it is are marked divided, and it is kept to tell of b recorded after it (`divide`)."""
+        try:
+            if isinstance(loss, torch.Tensor):
+                steps = int(getattr(self.accelerator, "gradient_accumulation_steps", 1))
+                for record in self.open_records():  # b recorded before accelerator.backward(b): divided there
+                    source = record.scalar_ref
+                    if source is not None and source() is loss:
+                        record.divide = steps
+                self.losses = [(ref, n) for ref, n in self.losses if ref() is not None]
+                self.losses.append((weakref.ref(loss), steps))
+        except Exception as error:
+            self.warn("accelerate", f"tokaudit: could not follow accelerator.backward ({error!r})")
 
     def divide(self, scalar: torch.Tensor) -> int:
         """What accelerator.backward divided `scalar` by, when it went through it already (else 1)."""
