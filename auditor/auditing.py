@@ -108,7 +108,7 @@ def open_log_parts(paths: Sequence[str | os.PathLike[str]],
             if not broken and isinstance(error, duckdb.OutOfMemoryException):
                 # every file decodes: the limit is too small for this log, which is no file's fault
                 raise UsageError(f"DuckDB ran out of memory under its limit ({str(error).splitlines()[0][:200]}); "
-                                 "raise TOKAUDIT_MEMORY_LIMIT (default 768MB) or lower TOKAUDIT_CHUNK_ROWS") from None
+                                 "raise TOKAUDIT_MEMORY_LIMIT (default 512MB) or lower TOKAUDIT_CHUNK_ROWS") from None
             if not broken:
                 raise LogFormatError(", ".join(s.name for s in shards[:3]),
                                      f"cannot be aggregated ({str(error).splitlines()[0][:200]})") from None

@@ -147,6 +147,26 @@ def footer_stats(metadata: pq.FileMetaData, index: dict[str, int], facts: Schema
             empty.append(column)
     return out, frozenset(empty)
 
+def row_group_steps(metadata: pq.FileMetaData, index: dict[str, int], facts: SchemaFacts
+                    ) -> tuple[tuple[int, int, int], ...]:
+    """Per row group (first step, last step, rows) when the file has several and each says its steps with
+    no null; () else (the file's `step_range` and rows then stand for its one row group). The audit's step
+    ranges end between row groups, so that none is decoded twice (`engine.ranges`)."""
+    place = index.get("step")
+    if metadata.num_row_groups < 2 or place is None:
+        return ()
+    out = []
+    for number in range(metadata.num_row_groups):
+        group = metadata.row_group(number)
+        statistics = group.column(place).statistics
+        if statistics is None or not statistics.has_min_max or not statistics.has_null_count \
+                or statistics.null_count:
+            return ()
+        low, high = ((statistics.min_raw, statistics.max_raw) if "step" in facts.raw
+                     else (statistics.min, statistics.max))
+        out.append((int(low), int(high), group.num_rows))
+    return tuple(out)
+
 def _statistic_bounds(statistics: Any, column: str, facts: SchemaFacts) -> tuple[Any, Any]:
     """A row group's (min, max) of a column whose stored statistics are not its value: a name's text decoded
     from its stored UTF-8, anything else as pyarrow gives it."""

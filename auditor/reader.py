@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from tokaudit.errors import LogFormatError
-from tokaudit.footers import Footer, FragmentFooter, SchemaFacts, all_names, bounds_of, checked_schema, footer_record, footer_stats, local_footer, names_of, range_of, record_stats, run_group_of
+from tokaudit.footers import Footer, FragmentFooter, SchemaFacts, all_names, bounds_of, checked_schema, footer_record, footer_stats, local_footer, names_of, range_of, record_stats, row_group_steps, run_group_of
 from tokaudit.schema import Provenance, read_dropped, read_provenance
 from tokaudit.storage import Store, describe, sized_fragment
 from tokaudit.validation import INT64_MAX, check_values, raise_beyond_int64, short_error
@@ -65,6 +65,9 @@ class Shard:
     run_override: bool = False
     """Its records' run is `default_run` whatever their run_id says: a run id that other folders hold too,
     this folder's run named by its path (`loading.separate_runs`)."""
+    step_groups: tuple[tuple[int, int, int], ...] = ()
+    """Per row group (first step, last step, rows) where the file has several with step statistics
+    (`footers.row_group_steps`); () for one row group, which `step_range` and `rows` describe."""
     record: tuple[Any, ...] | None = None
     """A one-row file's record, one value per `signature` column (None: a null), when its footer's
     statistics give every value exactly (`footer_record`): the aggregation reads it from here instead of
@@ -166,7 +169,8 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
                  divisor_range=bounds_of(stats["grad_divisor"]) if "grad_divisor" in stats else None,
                  dropped=read_dropped(stored), provenance=read_provenance(stored),
                  store=store, signature=facts.signature,
-                 names=all_names(names), run_group=run_group_of(names), null_columns=empty, record=record)
+                 names=all_names(names), run_group=run_group_of(names), null_columns=empty,
+                 step_groups=row_group_steps(metadata, index, facts) if record is None else (), record=record)
 
 NULLABLE_COLUMNS = frozenset({"token_weight_sum", "token_weight_min", "token_weight_max", "masked_weight_abs_sum",
                               "reported_loss", "sync", "skipped", "positions", "divisor_known",

@@ -71,10 +71,18 @@ def write(path: Path, rows: list[dict[str, Any]], schema: pa.Schema | None = Non
     return path
 
 
-def write_by_rank(folder: Path, rows: list[dict[str, Any]], metadata: dict[bytes, bytes] | None = None) -> Path:
-    """One shard per rank, as the recorder writes them."""
+def write_by_rank(folder: Path, rows: list[dict[str, Any]], metadata: dict[bytes, bytes] | None = None,
+                  steps_per_file: int | None = None) -> Path:
+    """One shard per rank, as the recorder writes them; with `steps_per_file`, one per rank and that many steps
+    (a long run's shards, which the audit can aggregate a range of steps at a time)."""
     for rank in sorted({row["rank"] for row in rows}):
-        write(folder / f"rank-{rank:05d}-000000.parquet", [row for row in rows if row["rank"] == rank], metadata=metadata)
+        mine = [row for row in rows if row["rank"] == rank]
+        last = max(row["step"] for row in mine)
+        span = steps_per_file or last + 1
+        for first in range(0, last + 1, span):
+            held = [row for row in mine if first <= row["step"] < first + span]
+            if held:
+                write(folder / f"rank-{rank:05d}-{first:06d}.parquet", held, metadata=metadata)
     return folder
 
 

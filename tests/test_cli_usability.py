@@ -426,7 +426,7 @@ def test_in_a_pipe_the_aggregation_says_a_few_lines_however_many_ranges(tmp_path
     line a range (on a terminal it is one progress bar)."""
     from tests.logs import records, token_mean, write_by_rank
 
-    log = write_by_rank(tmp_path / "long", records([[[2], [3]]] * 400, token_mean))
+    log = write_by_rank(tmp_path / "long", records([[[2], [3]]] * 400, token_mean), steps_per_file=10)
     monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "20")
     monkeypatch.setattr("tokaudit.auditing.PROGRESS_ROWS", 1)  # progress is said for logs of a million rows and up
     code, _, err = invoke("check", str(log))

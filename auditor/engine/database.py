@@ -27,7 +27,9 @@ from tokaudit.reader import Shard
 from tokaudit.storage import object_dataset
 
 
-DEFAULT_MEMORY_LIMIT = "768MB"
+DEFAULT_MEMORY_LIMIT = "512MB"
+"""DuckDB's share: with the interpreter, pandas, pyarrow and the step table beside it, the audit stays within
+768 MiB, also where a segment that no range may cut is aggregated whole (`engine.ranges`)."""
 
 
 _PLAIN_PATH = re.compile(r"^[A-Za-z0-9._/+=,@%:-]+$")

@@ -256,8 +256,8 @@ def test_the_one_record_form_is_taken_only_when_every_footer_says_microbatch_0(t
 
 def test_ranges_end_between_files_so_that_no_file_is_read_twice(tmp_path: Path) -> None:
     """Recorder layout: every rank's shard covers the same steps (a generation of files). Ranges end
-    where generations do, so each file is in one range, unless a generation is too large to hold whole;
-    either way the table is the whole aggregation's."""
+    where generations do, so each file is in one range, however large a generation is; the table is the whole
+    aggregation's."""
     counts = [[[3, 1], [2, 2], [0, 4]]] * 12  # 3 ranks × 2 microbatches: 6 records a step
     rows = records(counts, local_mean)
     for first in range(0, 12, 4):  # generations of 4 steps: 24 records in 3 files
@@ -266,16 +266,43 @@ def test_ranges_end_between_files_so_that_no_file_is_read_twice(tmp_path: Path) 
                   [r for r in rows if r["rank"] == rank and first <= r["step"] < first + 4])
     shards = load([tmp_path]).shards
     whole = Engine.open(shards).step_table()
-    for chunk_rows, ranges in ((30, 3), (50, 2), (10, 3)):  # 24 ≤ 5 × 10: a generation is still whole
+    for chunk_rows, ranges in ((30, 3), (50, 2), (10, 3)):  # 24 > 10: a generation is still whole
         engine = Engine.open(shards, chunk_rows=chunk_rows)
         chunks = step_ranges(engine.shards, engine.chunk_rows)
         assert len(chunks) == ranges
         assert sorted(s.path for _, members in chunks for s in members) == sorted(s.path for s in shards)
         pd.testing.assert_frame_equal(whole, engine.step_table())
-    engine = Engine.open(shards, chunk_rows=4)  # 24 > 5 × 4: each generation is cut (one step a range)
+    engine = Engine.open(shards, chunk_rows=4)  # a generation of 24 records is never cut, however small a range
     chunks = step_ranges(engine.shards, engine.chunk_rows)
-    assert len(chunks) == 12 and all(len(members) == 3 for _, members in chunks)
+    assert [steps for steps, _ in chunks] == [(0, 3), (4, 7), (8, 11)]
     pd.testing.assert_frame_equal(whole, engine.step_table())
+
+
+def test_no_row_group_is_decoded_in_two_ranges_whatever_the_writer(tmp_path: Path) -> None:
+    """Logs as pandas or pyarrow leave them: a file per rank, either of one row group over every step (no range
+    can end inside it) or of row groups of 8 steps (ranges end between them). Each row group, as pyarrow's own
+    footer reader lists it, overlaps exactly one range, and the table is the whole aggregation's."""
+    import pyarrow.parquet as pq
+
+    rows = records([[[3, 1], [2, 2], [0, 4]]] * 24, local_mean)
+    for row_group_size, expected in ((10_000, [None]), (16, [(0, 7), (8, 15), (16, 23)])):
+        folder = tmp_path / f"groups-{row_group_size}" / "run"
+        for rank in range(3):
+            table = pd.DataFrame([r for r in rows if r["rank"] == rank])
+            folder.mkdir(parents=True, exist_ok=True)
+            table.to_parquet(folder / f"part-{rank}.parquet", index=False, row_group_size=row_group_size)
+        shards = load([folder]).shards
+        chunks = step_ranges(shards, 10)
+        assert [steps for steps, _ in chunks] == expected
+        for shard in shards:
+            metadata = pq.ParquetFile(shard.path).metadata
+            step = metadata.schema.names.index("step")
+            for number in range(metadata.num_row_groups):
+                statistics = metadata.row_group(number).column(step).statistics
+                overlapping = [steps for steps, members in chunks if shard in members and (
+                    steps is None or (statistics.min <= steps[1] and statistics.max >= steps[0]))]
+                assert len(overlapping) == 1
+        pd.testing.assert_frame_equal(Engine.open(shards).step_table(), Engine.open(shards, chunk_rows=10).step_table())
 
 
 def test_the_evidence_of_one_step_is_the_whole_aggregation_s(tmp_path: Path) -> None:

@@ -42,7 +42,7 @@ def _mixed_log(folder: Path) -> Path:
     for row in rows:
         if row["step"] % 3 == 0 and row.get("term") is None:
             row["reported_loss"] = round(2.0 + row["step"] / 10, 3)
-    return write_by_rank(folder, rows)
+    return write_by_rank(folder, rows, steps_per_file=2)
 
 
 def _miscounted_log(folder: Path) -> Path:
@@ -244,7 +244,7 @@ def test_a_long_curve_is_drawn_and_written_from_disk_a_part_at_a_time(tmp_path: 
     rng = np.random.default_rng(5)
     counts = [[[int(rng.integers(0, 30)), int(rng.integers(1, 30))], [int(rng.integers(0, 30)), 4]]
               for _ in range(300)]
-    long = write_by_rank(tmp_path / "long" / "run", records(counts, token_mean))
+    long = write_by_rank(tmp_path / "long" / "run", records(counts, token_mean), steps_per_file=5)
 
     def curve(path: Path, name: str) -> tuple[str, str]:
         result = CliRunner().invoke(main, ["curve", str(path), "--csv", str(tmp_path / name)], env={"COLUMNS": "100"})
