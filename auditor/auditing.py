@@ -16,7 +16,7 @@ from pandas.api.types import union_categoricals
 
 from tokaudit.checks import RunSteps, check_run, main_term_first, one_objective, without_miscounted
 from tokaudit.codes import DEFAULT_RTOL, Code, code_named
-from tokaudit.engine import EXTREME_COLUMNS, Duplicates, Engine, Spilled, extremes_at, sweep_scratch
+from tokaudit.engine import EVIDENCE, Duplicates, Engine, Spilled, extremes_at, sweep_scratch
 from tokaudit.errors import LogFormatError, UsageError
 from tokaudit.loading import Loading, LogSet, cores, load
 from tokaudit.normalization import Denominator, name_ranks
@@ -32,7 +32,7 @@ PROGRESS_ROWS = 1_000_000
 """Logs larger than this say on stderr what is being read."""
 
 EVIDENCE_ROWS = 1_000_000
-"""Logs of at most this many records aggregate every step's evidence columns (`engine.EXTREME_COLUMNS`:
+"""Logs of at most this many records aggregate every step's evidence columns (`engine.EVIDENCE`:
 where its heaviest and lightest token were) in the one query: a little more of a short query, where each
 finding's step aggregated again alone costs a DuckDB connection and a query of its own. Larger logs
 aggregate them for a finding's step only (`_Extremes`): over every step they would cost a tenth of the
@@ -68,7 +68,7 @@ def open_log_parts(paths: Sequence[str | os.PathLike[str]],
     Files are validated from their footers; a NaN divisor or scale, which no footer shows, is counted
     by the aggregation, and only the files holding one are then read in full to say where.
     `started`: this load of `paths` already under way (`start_loading(paths, False, ...)`). `evidence`:
-    a log of at most EVIDENCE_ROWS records is aggregated with the evidence columns (`engine.EXTREME_COLUMNS`).
+    a log of at most EVIDENCE_ROWS records is aggregated with the evidence columns (`engine.EVIDENCE`).
     `spill`: a table of more than `engine.SPILL_STEPS` steps is kept on disk a range at a time (`Spilled`,
     which the caller closes). `loaded`: the logs' footers already validated (`load(paths, thorough=False)`),
     which are then not validated again."""
@@ -237,7 +237,7 @@ def _kept(parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str] | None,
     """`keep_steps`' table of these runs (all when None): the same columns whatever the log's size."""
     kept = _joined([part if horizon is None else part[_live(part, horizon)] for part in selected_runs(parts, runs)],
                    ordered=ordered)
-    return kept.drop(columns=[c for c in EXTREME_COLUMNS if c in kept.columns])
+    return kept.drop(columns=[c for c in EVIDENCE if c in kept.columns])
 
 def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, had_steps: bool,
                tolerance: tuple[float, int | None], duplicates: Duplicates | None,
@@ -359,7 +359,7 @@ def _run_steps(parts: Callable[[], Iterable[pd.DataFrame]], run: str,
 
 @dataclass
 class _Extremes:
-    """Where the heaviest and the lightest token of an evidence step were (`engine.EXTREME_COLUMNS`),
+    """Where the heaviest and the lightest token of an evidence step were (`engine.EVIDENCE`),
     aggregated for that step alone when a finding asks: a few steps, instead of every step's."""
 
     shards: Sequence[Shard]

@@ -58,7 +58,7 @@ class Shard:
     null_columns: frozenset[str] = frozenset()
     """Its columns of NULLABLE_COLUMNS whose footer shows no value at all (in every row group a null count
     equal to the rows): what the recorder writes for what it was not given (no probe, no reported loss).
-    The aggregation reads these as it reads a column the file lacks (`engine.footer_facts`)."""
+    The aggregation reads these as it reads a column the file lacks (`engine.sql.valueless_columns`)."""
     run_group: tuple[str, str] | None = None
     """The one (run, group) all its records carry, defaults applied, when its footer shows it: as `names`,
     but also where the term varies (several loss terms recorded in one file)."""
@@ -175,7 +175,7 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
 NULLABLE_COLUMNS = frozenset({"token_weight_sum", "token_weight_min", "token_weight_max", "masked_weight_abs_sum",
                               "reported_loss", "sync", "skipped", "positions", "divisor_known",
                               "precision_bits"})
-"""Optional columns whose absence lets the aggregation leave out aggregates (`engine.sql.FOOTER_CONSTANTS`)."""
+"""Optional columns a scan of files that hold no value of them reads as typed NULLs (`engine.sql.valueless_columns`)."""
 
 _LAST_FOOTER: list[tuple[Any, bytes | None, SchemaFacts, dict[str, int]]] = []
 """The Parquet schema seen last, its stored Arrow schema, what it says and each column's place in the footer:

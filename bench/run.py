@@ -45,7 +45,9 @@ def _compare(label: str, log: Path, naive: bool, repeat: int) -> list[tuple[str,
     best = {kind: min(run["wall_s"] for run in runs[kind]) for kind in kinds}
     # audit work: the check less what its imports take, each its best time (the start-up measured beside it)
     work = best["check"] - best["startup"]
-    rows = [(f"{label}: tokaudit check", f"{figure('check')}, {best['check'] / best['floor']:.1f}× the floor"),
+    against_pandas = f", {best['check'] / best['naive']:.2f}× naive pandas" if naive else ""
+    rows = [(f"{label}: tokaudit check", f"{figure('check')}, {best['check'] / best['floor']:.1f}× the floor"
+                                         f"{against_pandas}"),
             (f"{label}: audit work (check − start-up {best['startup']:.2f} s)",
              f"{work:.2f} s, {work / best['floor']:.1f}× the floor"),
             (f"{label}: one-query floor", figure("floor"))]

@@ -60,7 +60,7 @@ class RunContext:
         return self.provenance.trainer
 
 Extremes = Callable[[Any], Any]
-"""Given a row of the step table without the evidence columns (`engine.EXTREME_COLUMNS`), a row with them."""
+"""Given a row of the step table without the evidence columns (`engine.EVIDENCE`), a row with them."""
 
 @dataclass(frozen=True)
 class RunSteps:

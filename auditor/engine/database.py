@@ -20,8 +20,9 @@ import pandas as pd
 import pyarrow as pa
 
 from tokaudit.engine.ranges import CHUNK_ROWS, step_ranges
-from tokaudit.engine.sql import EXTREME_COLUMNS, MEAN_WEIGHT_EXTREMES, ONE_RECORD_SHAPE, RANK_WEIGHTS_SQL, UNUSABLE_RECORD, footer_facts, footer_table, one_name_of, select_records, single_rank_range, sql_string, step_sql, valueless_columns
-from tokaudit.engine.tables import FILES_NAMED, SPILL_STEPS, Duplicates, Spilled, add_duplicates, scratch_folder, categorical, constant_of, join_columns, reorder, same_bits
+from tokaudit.engine.columns import EVIDENCE, STEP_COLUMNS, UNUSABLE_RECORD
+from tokaudit.engine.sql import RANK_WEIGHTS_SQL, absent_values, aliases, footer_table, one_name_of, one_record_form, select_records, sql_string, step_sql, valueless_columns
+from tokaudit.engine.tables import FILES_NAMED, SPILL_STEPS, Duplicates, Spilled, add_duplicates, scratch_folder, categorical, constant_of, join_columns, reorder
 from tokaudit.errors import UsageError
 from tokaudit.reader import Shard
 from tokaudit.storage import object_dataset
@@ -86,10 +87,10 @@ class Engine:
     only_steps: tuple[int, int] | None = None
     """When set, every view holds only these steps (first, last): a one-step view of a large log."""
     extremes: bool = False
-    """The step table holds EXTREME_COLUMNS (the evidence of one step, see `extremes_at`)."""
+    """The step table holds the EVIDENCE columns (the evidence of one step, see `extremes_at`)."""
     prune: bool = True
-    """Aggregates whose value the files' footers give are constants (FOOTER_CONSTANTS); off only to check
-    that this changes nothing."""
+    """A column no record of a scan holds a value of (by the footers) is a typed NULL, not read; off only to
+    check that this changes nothing."""
     footer_rows: bool = True
     """One-row shards whose footer gives their record (`Shard.record`) are read from it, not from the file;
     off only to check that this changes nothing."""
@@ -108,6 +109,8 @@ class Engine:
     """The temporary tables of footer records (`footer_table`) the views read now."""
     footer_count: int = 0
     """Footer-record tables made so far (each is named by its number)."""
+    last_query: str = ""
+    """The step query run last (`step_sql`): what a test compares with the documented one."""
     links: Path | None = None
     """A private folder of plainly named links to the shards whose paths hold a character DuckDB could
     read as a pattern ([ ] * ? { } and others): it is only given plain names and reads exactly the
@@ -354,22 +357,22 @@ class Engine:
         """One range's step table as arrays, by column: numpy's, as DuckDB hands them over (a pandas
         frame of each range cost a copy of every column into pandas' blocks, and the names' strings a
         conversion to Arrow strings before they became categories)."""
-        single_ranks = single_rank_range(shards)
+        one_record = one_record_form(shards)
         names = one_name_of(shards)
-        facts, known = footer_facts(shards) if self.prune else (frozenset(), {})
-        table: dict[str, Any] = self.connection.execute(
-            step_sql(single_ranks, self.extremes, names is not None, facts), known).fetchnumpy()
-        return self._finish(table, names, one_record=single_ranks is not None)
+        absent = absent_values(shards) if self.prune else frozenset()
+        self.last_query = step_sql(one_record, self.extremes, names is not None, absent)
+        table: dict[str, Any] = self.connection.execute(self.last_query).fetchnumpy()
+        return self._finish(table, names, aliases(one_record, absent))
 
-    def _finish(self, table: dict[str, Any], names: tuple[str, str, str] | None, one_record: bool) -> dict[str, Any]:
-        """A range's fetched columns as the step table holds them: the names as categories (the one name of
-        `names` when the query left them out), NULLs as NaN, constants as one value, and the one-record
-        form's columns where the general form has them (`one_record`)."""
+    def _finish(self, table: dict[str, Any], names: tuple[str, str, str] | None, held: dict[str, str]) -> dict[str, Any]:
+        """A range's fetched columns as the step table holds them, in the declared order: the names as categories
+        (the one name of `names` when the query left them out), NULLs as NaN, constants as one value, and one
+        array for a column that is another's (`held`, from `sql.aliases`)."""
+        rows = len(table["step"])
         if names is not None:
-            # The one name of each column, as the categories `categorical` makes of it, first as in the query.
-            rows = len(table["step"])
-            table = {**{column: pd.Categorical.from_codes(np.zeros(rows, dtype=np.int8), categories=pd.Index([name]))
-                        for column, name in zip(("run", "grp", "term"), names)}, **table}
+            # The one name of each column, as the categories `categorical` makes of it.
+            table.update({column: pd.Categorical.from_codes(np.zeros(rows, dtype=np.int8), categories=pd.Index([name]))
+                          for column, name in zip(("run", "grp", "term"), names)})
         for name, values in table.items():
             if name in ("run", "grp", "term"):
                 if names is None:
@@ -388,21 +391,8 @@ class Engine:
             # about half their columns taking no memory.
             constant = constant_of([values])
             table[name] = values if constant is None else constant
-        for name, same in MEAN_WEIGHT_EXTREMES.items():
-            # Without a probe value the token extremes are the records' mean weights: one array, not two.
-            if same_bits(table[name], table[same]):
-                table[name] = table[same]
-        if one_record:
-            # The one-record form's RANK_SHAPE, where the general form has it (before em_low).
-            ones = np.broadcast_to(np.ones(1, dtype=np.int32), (len(table["step"]),))
-            shape = {"m_low": ones, "m_high": ones, **{name: table[same] for name, same in ONE_RECORD_SHAPE.items()}}
-            ordered: dict[str, Any] = {}
-            for name, values in table.items():
-                if name == "em_low":
-                    ordered.update(shape)
-                ordered[name] = values
-            table = ordered
-        return table
+        order = ["run", "grp", "term", "step", *(c.name for c in STEP_COLUMNS if c.name in table or c.name in held)]
+        return {name: table[held.get(name, name)] for name in order}
 
     def unusable_files(self) -> list[Shard]:
         """The shards holding a NaN grad_divisor or grad_scale, or fewer positions than valid tokens (after
@@ -480,7 +470,7 @@ def note_precision(precision: dict[str, int], table: dict[str, Any]) -> None:
             precision[run] = min(precision.get(run, 64), int(fewest))
 
 def extremes_at(shards: Sequence[Shard], step: int, threads: int | None = None) -> pd.DataFrame:
-    """EXTREME_COLUMNS of one step, a row per (run, grp, term): the step aggregated again, alone, from the
+    """The EVIDENCE columns of one step, a row per (run, grp, term): the step aggregated again, alone, from the
     files whose footers say they can hold it, with the evidence aggregates the full query leaves out.
     The same records (deduplicated the same way) in the same aggregation as the full query's."""
     engine = Engine.open([s for s in shards if s.may_hold(step, step)], threads=threads, only_steps=(step, step),
@@ -489,4 +479,4 @@ def extremes_at(shards: Sequence[Shard], step: int, threads: int | None = None) 
         table = engine.step_table()
     finally:
         engine.close()
-    return table[["run", "grp", "term", "step", *EXTREME_COLUMNS]]
+    return table[["run", "grp", "term", "step", *EVIDENCE]]

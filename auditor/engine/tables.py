@@ -136,7 +136,7 @@ def join_columns(columns: dict[str, list[Any]]) -> dict[str, Any]:
     copies it; so does a frame of one block per type)."""
     order = list(columns)
     joined: dict[str, Any] = {}
-    # A column made of the very arrays of another (ONE_RECORD_SHAPE, MEAN_WEIGHT_EXTREMES) is that column
+    # A column made of the very arrays of another (`sql.aliases`) is that column
     # again, joined with it: grouped by the parts' identities, taken while every part is alive. Its parts
     # are then let go at once, not held until its own turn (at 12.5M steps four such pairs held 400 MB).
     same_parts: dict[tuple[int, ...], list[str]] = {}
@@ -194,7 +194,7 @@ def one_value(values: Any) -> bool:
 def reorder(joined: dict[str, Any], order: np.ndarray) -> None:
     """Every column put in this order, in place, one at a time, each old column let go before the next
     is taken (a frame's sort_values holds the table twice), and an array shared by several columns
-    (ONE_RECORD_SHAPE) taken once and still shared."""
+    (`sql.aliases`) taken once and still shared."""
     taken: dict[int, Any] = {}
     for name in list(joined):
         values = joined[name]

@@ -11,7 +11,6 @@ import pytest
 from tests.logs import UNEVEN_GA, local_mean, records, token_mean, write
 from tokaudit.auditing import audit
 from tokaudit.engine import Duplicates, Engine, step_ranges
-from tokaudit.engine.sql import FOOTER_CONSTANTS
 from tokaudit.reader import NULLABLE_COLUMNS
 from tokaudit.loading import load
 
@@ -123,13 +122,13 @@ def test_the_step_table_is_lean_and_its_ranges_are_joined_without_a_second_copy(
     its peak is measured in bench/)."""
     import numpy as np
 
-    from tokaudit.engine.sql import INTEGER_COLUMNS
+    from tokaudit.engine import STEP_COLUMNS
     from tokaudit.engine.tables import join_columns
 
     rows = records(UNEVEN_GA * 4, local_mean, positions=8)
     write(tmp_path / "run" / "rank-all-000000.parquet", rows)
     steps = Engine.open(load([tmp_path]).shards, chunk_rows=10).step_table()
-    for column in INTEGER_COLUMNS:
+    for column in (c.name for c in STEP_COLUMNS if c.type == "INTEGER" and not c.evidence):
         assert steps[column].dtype in (np.int32, np.float64), (column, steps[column].dtype)
     assert steps.skipped_true.isna().all() and steps.skipped_true.dtype == np.float64  # no `skipped` column
     assert not any(isinstance(t, pd.api.extensions.ExtensionDtype) and t.kind in "iu" for t in steps.dtypes)
@@ -141,7 +140,7 @@ def test_the_step_table_is_lean_and_its_ranges_are_joined_without_a_second_copy(
     assert frame.c3.iloc[-1] == 3.0 and frame.c3.iloc[0] == 0.0
     assert not columns, "each column's parts are let go as it is joined"
 
-    # A column made of another's very parts (ONE_RECORD_SHAPE, MEAN_WEIGHT_EXTREMES) is joined with it:
+    # A column made of another's very parts (`sql.aliases`) is joined with it:
     # their parts are let go then, not when the alias's turn comes, and the alias is the joined array.
     import weakref
 
@@ -190,32 +189,33 @@ def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_th
         write(tmp_path / "run" / f"rank-{rank:05d}-000000.parquet", [r for r in rows if r["rank"] == rank])
     write(tmp_path / "run" / "rank-00001-000001.parquet", [r for r in rows if r["rank"] == 1 and r["step"] == 6])
     shards = load([tmp_path]).shards
-    assert engine_module.single_rank_range(shards) == (0, 3)
+    assert engine_module.one_record_form(shards)
 
     fast = Engine.open(shards, chunk_rows=25)
     fast_steps = fast.step_table()
     fast_extremes = Engine.open(shards, chunk_rows=25, extremes=True).step_table()
-    monkeypatch.setattr(engine_module, "single_rank_range", lambda shards: None)
+    monkeypatch.setattr(engine_module, "one_record_form", lambda shards: False)
     general = Engine.open(shards, chunk_rows=25)
     general_steps = general.step_table()
     pd.testing.assert_frame_equal(general_steps, fast_steps)
     # and the evidence columns, aggregated in both forms
     general_extremes = Engine.open(shards, chunk_rows=25, extremes=True).step_table()
     pd.testing.assert_frame_equal(general_extremes, fast_extremes)
-    pd.testing.assert_frame_equal(general_extremes.drop(columns=list(engine_module.EXTREME_COLUMNS)), general_steps)
+    pd.testing.assert_frame_equal(general_extremes.drop(columns=list(engine_module.EVIDENCE)), general_steps)
     assert fast.duplicates == general.duplicates and _counts(fast.duplicates) == {"run": (2, 6, 6, 1)}
     assert fast_steps.repeated_micro.sum() == 0  # deduplicated before the table was kept
 
-    # The mechanism: one grouping (per step) instead of four, none of them per record.
-    def groupings(single_ranks: tuple[int, int] | None) -> int:
-        sql = "EXPLAIN (FORMAT json) " + engine_module.step_sql(single_ranks)
+    # The mechanism: one grouping (per step) instead of five, none of them per record.
+    def groupings(one_record: bool) -> int:
+        sql = "EXPLAIN (FORMAT json) " + engine_module.step_sql(one_record)
         return sum(text.count("GROUP_BY") for _, text in fast.connection.execute(sql).fetchall())
 
-    assert groupings((0, 3)) == 1 and groupings(None) == 5
+    assert groupings(True) == 1 and groupings(False) == 5
     # and the columns that equal another (M = 1, e·n_r = e·n) are that column's memory, not a copy
     import numpy as np
 
-    for name, same in [*engine_module.ONE_RECORD_SHAPE.items(), ("m_high", "m_low")]:
+    assert set(engine_module.aliases(True)) == {"m_high", "enm_low", "enm_high", "er_low", "er_high"}
+    for name, same in engine_module.aliases(True).items():
         assert np.shares_memory(fast_steps[name].to_numpy(), fast_steps[same].to_numpy()), name
         assert not np.shares_memory(general_steps[name].to_numpy(), general_steps[same].to_numpy()), name
 
@@ -223,8 +223,8 @@ def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_th
 @pytest.mark.parametrize("ranks", [4, 70], ids=["ranks-below-64", "ranks-past-64"])
 def test_the_one_record_form_finds_a_rank_written_twice_as_the_general_form_does(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranks: int) -> None:
-    """Distinct ranks are counted as the bits of one word below 64 and as a bitstring of the rank range past
-    it: either way a rank whose step is written twice is found and deduplicated as by the general form."""
+    """Below 64 ranks (records − distinct ranks, as set bits) and past it (where the general form is taken), a
+    rank whose step is written twice is found and deduplicated as by the general form."""
     import tokaudit.engine.database as engine_module
     from tests.logs import token_mean
 
@@ -233,25 +233,25 @@ def test_the_one_record_form_finds_a_rank_written_twice_as_the_general_form_does
     write(tmp_path / "run" / "ranks-high.parquet", [r for r in rows if r["rank"] >= ranks // 2])
     write(tmp_path / "run" / "again.parquet", [r for r in rows if r["rank"] == ranks - 2 and r["step"] == 1])
     shards = load([tmp_path]).shards
-    assert engine_module.single_rank_range(shards) == (0, ranks - 1)
+    assert engine_module.one_record_form(shards) == (ranks < 64)
     fast = Engine.open(shards)
     fast_steps = fast.step_table()
-    monkeypatch.setattr(engine_module, "single_rank_range", lambda shards: None)
+    monkeypatch.setattr(engine_module, "one_record_form", lambda shards: False)
     general = Engine.open(shards)
     pd.testing.assert_frame_equal(general.step_table(), fast_steps)
     assert fast.duplicates == general.duplicates and _counts(fast.duplicates) == {"run": (1, 1, 1, 1)}
 
 
 def test_the_one_record_form_is_taken_only_when_every_footer_says_microbatch_0(tmp_path: Path) -> None:
-    from tokaudit.engine.sql import RANK_BITS_LIMIT, single_rank_range
+    from tokaudit.engine.sql import one_record_form
 
     write(tmp_path / "a" / "rank-00000.parquet", records([[[3], [4]]], local_mean))
     write(tmp_path / "b" / "rank-00000.parquet", records([[[3, 4], [4, 1]]], local_mean))
     one, two = load([tmp_path / "a"]).shards, load([tmp_path / "b"]).shards
-    assert single_rank_range(one) == (0, 1)
-    assert single_rank_range(two) is None and single_rank_range(one + two) is None
-    wide = [one[0].__class__(**{**{f: getattr(one[0], f) for f in one[0].__slots__}, "rank_range": (0, RANK_BITS_LIMIT)})]
-    assert single_rank_range(wide) is None
+    assert one_record_form(one)
+    assert not one_record_form(two) and not one_record_form(one + two) and not one_record_form([])
+    wide = [one[0].__class__(**{**{f: getattr(one[0], f) for f in one[0].__slots__}, "rank_range": (0, 64)})]
+    assert not one_record_form(wide)
 
 
 def test_ranges_end_between_files_so_that_no_file_is_read_twice(tmp_path: Path) -> None:
@@ -311,7 +311,7 @@ def test_the_evidence_of_one_step_is_the_whole_aggregation_s(tmp_path: Path) -> 
     over the whole log (ties, a repeated key, several groups and terms, steps spread over files)."""
     from tests.logs import token_mean
     from tokaudit.checks import check_run
-    from tokaudit.engine import EXTREME_COLUMNS, extremes_at
+    from tokaudit.engine import EVIDENCE, extremes_at
 
     counts = [[[5, 2], [0, 3], [7, 7]], [[4, 4], [9, 1], [2, 2]], [[1, 1], [1, 1], [8, 0]], [[6, 3], [6, 3], [2, 6]]] * 2
     rows = records(counts, local_mean, group="A") + records(counts, token_mean, group="B")
@@ -326,12 +326,12 @@ def test_the_evidence_of_one_step_is_the_whole_aggregation_s(tmp_path: Path) -> 
     keys = ["run", "grp", "term", "step"]
     for step in sorted(set(whole.step)):
         alone = extremes_at(shards, step)
-        expected = whole[whole.step == step][keys + list(EXTREME_COLUMNS)]
+        expected = whole[whole.step == step][keys + list(EVIDENCE)]
         pd.testing.assert_frame_equal(alone.reset_index(drop=True), expected.reset_index(drop=True), check_categorical=False)
 
     # The audit's findings, from a table without the columns, name the same tokens as from one with them.
     lean = Engine.open(shards).step_table()
-    assert not set(EXTREME_COLUMNS) & set(lean.columns)
+    assert not set(EVIDENCE) & set(lean.columns)
     report = audit([tmp_path])
     with_columns, _, _ = check_run("run", whole, 1e-4, Duplicates(1, 5, 5, 1))
     evidence = [(f.code, f.term, f.evidence.get("heaviest"), f.evidence.get("lightest")) for f in with_columns]
@@ -462,9 +462,9 @@ def test_a_range_of_one_run_group_and_term_is_aggregated_without_hashing_names(
     used: list[bool] = []
     original = engine_module.step_sql
 
-    def recording(single_ranks: Any, extremes: bool = False, one_name: bool = False, *rest: Any) -> str:
+    def recording(one_record: bool, evidence: bool = False, one_name: bool = False, *absent: Any) -> str:
         used.append(one_name)
-        return original(single_ranks, extremes, one_name, *rest)
+        return original(one_record, evidence, one_name, *absent)
 
     monkeypatch.setattr(engine_module, "step_sql", recording)
     fast = Engine.open(single, chunk_rows=10).step_table()
@@ -509,15 +509,13 @@ def test_the_same_log_gives_the_same_sums_bit_for_bit_whatever_the_threads_did(t
         assert len(bits) == 1, f"{column}: {len(bits)} different results in {len(tables)} runs"
 
 
-def test_without_a_probe_the_token_extremes_are_the_mean_weights_array(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A log with no probe value: the probe-or-mean token extremes (tok_low, tok_high) are e_low and
-    e_high bit for bit, so the table holds one array for both (16 bytes a step), range by range and
-    joined; the table equals the one made without that. With probe values the columns stay apart and
-    keep their own values; the arrays are compared as bits (0.0 and −0.0 differ, NaN is NaN)."""
+def test_without_a_probe_the_token_extremes_are_the_mean_weights_array(tmp_path: Path) -> None:
+    """A log with no probe value (by its footers): the probe-or-mean token extremes (tok_low, tok_high) are e_low
+    and e_high bit for bit, so the table holds one array for both (16 bytes a step), range by range and joined;
+    the table equals the one that aggregates them. With probe values the columns stay apart and keep their own
+    values; arrays are compared as bits (0.0 and −0.0 differ, NaN is NaN)."""
     import numpy as np
 
-    import tokaudit.engine.database as engine_module
     from tokaudit.engine.tables import same_bits
 
     rows = records(UNEVEN_GA * 4, local_mean)
@@ -527,11 +525,11 @@ def test_without_a_probe_the_token_extremes_are_the_mean_weights_array(tmp_path:
         shared = Engine.open(shards, chunk_rows=chunk_rows).step_table()
         assert np.shares_memory(shared.tok_low.to_numpy(), shared.e_low.to_numpy())
         assert np.shares_memory(shared.tok_high.to_numpy(), shared.e_high.to_numpy())
-    monkeypatch.setattr(engine_module, "MEAN_WEIGHT_EXTREMES", {})
-    apart = Engine.open(shards, chunk_rows=10).step_table()
+    engine = Engine.open(shards, chunk_rows=10)
+    engine.prune = False  # the probe's columns read as the files have them: aggregated
+    apart = engine.step_table()
     assert not np.shares_memory(apart.tok_low.to_numpy(), apart.e_low.to_numpy())
     pd.testing.assert_frame_equal(shared, apart)
-    monkeypatch.undo()
 
     probed = [dict(r, token_weight_sum=r["backward_scalar"] * r["valid_tokens"] / r["loss_sum"],
                    token_weight_min=0.5 * r["backward_scalar"] / r["loss_sum"],
@@ -572,25 +570,21 @@ def _same_table(one: pd.DataFrame, other: pd.DataFrame) -> list[str]:
 
 
 @pytest.mark.parametrize("counts", [[[[5], [0], [7], [3]], [[4], [9], [2], [6]]], UNEVEN_GA], ids=["one micro", "two micro"])
-def test_aggregates_the_footers_give_are_constants_and_change_no_bit(
-        tmp_path: Path, counts: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A range whose files lack an optional column or hold only nulls in it (`Shard.null_columns`) reads
-    it as a typed NULL and takes FOOTER_CONSTANTS' constants instead of aggregating it; so does one whose
-    footers show one W, one D, or no microbatch index of 64 or more. The step table must be the full
-    query's bit for bit: ranges with nothing recorded (files written with the recorder's full schema and
-    null columns, and without the columns) and one W and D, a range where every optional column holds
-    values on some records only, W and D vary and (with microbatches) an index passes 64, and the
+def test_columns_no_record_holds_are_read_as_nulls_and_change_no_bit(tmp_path: Path, counts: Any) -> None:
+    """A scan of files that lack an optional column or hold only nulls in it (`Shard.null_columns`) reads it as a
+    typed NULL, not from the files. The step table must be the one read in full bit for bit: ranges with nothing
+    recorded (the recorder's full schema with null columns, and files without the columns), a range where every
+    optional column holds values on some records only, W and D that vary, a microbatch index past 64, and the
     evidence columns, joined across ranges."""
     import pyarrow as pa
 
-    import tokaudit.engine.database as engine_module
     from tests.logs import token_mean
+    from tokaudit.engine.sql import valueless_columns
     from tokaudit.schema import WRITER_SCHEMA
 
     optional = sorted(NULLABLE_COLUMNS)
     plain = records(counts * 6, local_mean)
-    world = plain[0]["world_size"]
-    divisor = world * 1.1  # a D no float32 holds
+    divisor = plain[0]["world_size"] * 1.1  # a D no float32 holds
     plain = [dict(r, grad_divisor=divisor) for r in plain]
     full = pa.schema([WRITER_SCHEMA.field(n) for n in [*plain[0], *optional]])
     quiet = plain[:len(plain) // 3]
@@ -611,13 +605,8 @@ def test_aggregates_the_footers_give_are_constants_and_change_no_bit(
     shards = load([tmp_path / "log"]).shards
     by_name = {s.path.name: s for s in shards}
     assert by_name["a-000000.parquet"].null_columns == set(optional)
-    quiet_facts = engine_module.footer_facts([by_name["a-000000.parquet"], by_name["b-000000.parquet"]])
-    assert quiet_facts == ({*optional, "world_size=", "grad_divisor=", "micro<64"},
-                           {"world_size": world, "grad_divisor": divisor})
-    assert engine_module.footer_facts(shards)[0] <= {"micro<64"}
-    asked: list[frozenset[str]] = []
-    full_query = engine_module.step_sql
-    monkeypatch.setattr(engine_module, "step_sql", lambda *args: asked.append(args[3]) or full_query(*args))
+    assert valueless_columns([by_name["a-000000.parquet"], by_name["b-000000.parquet"]]) == set(optional)
+    assert not valueless_columns(shards)
     for extremes in (False, True):
         tables = {}
         for prune in (True, False):
@@ -629,40 +618,41 @@ def test_aggregates_the_footers_give_are_constants_and_change_no_bit(
         assert not _same_table(tables[True], tables[False])
         assert tables[True].reported.gt(0).any() and tables[True].probed.gt(0).any()
         assert tables[True].w_high.nunique() == 2 and tables[True].d_high.nunique() == 2
-    # ranges of nothing recorded and one W and D took the constants, the others aggregated
-    assert quiet_facts[0] in asked and any(not facts & {*optional, "world_size=", "grad_divisor="} for facts in asked)
 
-    # A NaN divisor is in no footer's statistics (D looks constant): the aggregation still counts it, and
-    # the file is named and left out as without the constants.
-    nan = [dict(r, grad_divisor=float("nan") if index == 1 else r["grad_divisor"]) for index, r in enumerate(quiet)]
-    write(tmp_path / "nan" / "a-000000.parquet", nan)
-    write(tmp_path / "nan" / "b-000000.parquet", plain[len(quiet):])
-    assert load([tmp_path / "nan" / "a-000000.parquet"], thorough=False).shards[0].divisor_range == (divisor, divisor)
-    from tokaudit.render.json_report import render_json
 
-    with_facts = render_json(audit([tmp_path / "nan"]))
-    assert quiet_facts[0] <= asked[-1]
-    monkeypatch.setattr(engine_module, "footer_facts", lambda shards: (frozenset(), {}))
-    assert render_json(audit([tmp_path / "nan"])) == with_facts and not asked[-1]
-    assert "a-000000.parquet" in with_facts and "not a positive number" in with_facts
-    # The mechanism: every constant replaces an aggregate the query holds (an edit of the query that
-    # dropped one would leave it aggregated, slower and silent), and the query of a range with nothing
-    # recorded aggregates none of those columns.
+def test_a_column_that_reads_only_absent_columns_is_its_declared_value_and_not_computed() -> None:
+    """With nothing recorded in the optional columns, the query aggregates none of them: each column that reads
+    them is its declared `absent` value (what its reduction gives over NULL alone), an alias where that names a
+    column; the step table's equality with the full read is the test above."""
     import re
 
-    forms = [full_query(single_ranks, extremes, one_name) for single_ranks in (None, (0, 3))
-             for extremes in (False, True) for one_name in (False, True)]
-    for replacements in FOOTER_CONSTANTS.values():
-        for aggregate, _ in replacements:
-            assert any(aggregate in form for form in forms), aggregate
+    from tokaudit.engine import STEP_COLUMNS
+    from tokaudit.engine.sql import aliases, step_sql
 
-    for single_ranks in (None, (0, 3)):
-        query = full_query(single_ranks, False, False, frozenset(optional))
-        aggregated = query.split("weighted AS")[1].split("SELECT * EXCLUDE")[0]  # not the final casts
-        for name in [*optional, "probe_low", "probe_high", "probe_spread", "masked_share", "last_sync"]:
-            # named as an output (AS name) or passed through (sync AS last_sync), never aggregated
-            read = re.sub(rf"(AS {name}\b|\bsync AS last_sync)", "", aggregated)
-            assert not re.search(rf"\b{name}\b", read), (single_ranks, name)
+    for one_record in (False, True):
+        query = step_sql(one_record, True, False, frozenset(NULLABLE_COLUMNS))
+        aggregated = query.split("weighted AS")[1].split("\nSELECT ")[0]  # not the final selection
+        for name in NULLABLE_COLUMNS - {"divisor_known", "positions"} | {"probe_low", "probe_high", "probe_spread",
+                                                                          "masked_share"}:
+            assert not re.search(rf"\b{name}\b(?! AS)", re.sub(rf"AS {name}\b", "", aggregated)), (one_record, name)
+        gone = [c for c in STEP_COLUMNS if c.reads]
+        assert gone and all(c.name in aliases(one_record, frozenset(NULLABLE_COLUMNS)) or
+                            f"AS {c.name}," in query or query.rstrip().endswith(f"AS {c.name}") or
+                            f"AS {c.name}\n" in query for c in gone)
+
+
+def test_a_nan_divisor_that_no_footer_shows_is_counted_and_its_file_named(tmp_path: Path) -> None:
+    """A NaN divisor is in no footer's statistics (D looks constant there): the aggregation counts it, and the
+    report names the file and leaves it out."""
+    from tokaudit.render.json_report import render_json
+
+    plain = [dict(r, grad_divisor=2.2) for r in records(UNEVEN_GA * 6, local_mean)]
+    nan = [dict(r, grad_divisor=float("nan") if index == 1 else r["grad_divisor"]) for index, r in enumerate(plain[:8])]
+    write(tmp_path / "nan" / "a-000000.parquet", nan)
+    write(tmp_path / "nan" / "b-000000.parquet", plain[8:])
+    assert load([tmp_path / "nan" / "a-000000.parquet"], thorough=False).shards[0].divisor_range == (2.2, 2.2)
+    report = render_json(audit([tmp_path / "nan"]))
+    assert "a-000000.parquet" in report and "not a positive number" in report
 
 
 @pytest.mark.slow
@@ -969,3 +959,52 @@ def test_the_later_published_shard_wins_whatever_the_clocks(tmp_path: Path) -> N
     found = {f.code.value: f for f in report.findings}
     assert (found["local_mean"].steps.first, found["local_mean"].steps.last) == (0, 2)
     assert found["duplicate_records"].steps.count == 3
+
+
+def test_the_documented_query_is_the_one_generated_and_the_one_that_runs(tmp_path: Path) -> None:
+    """docs/design.md shows the step query of the recorder's layout; it is what `step_sql` writes from the
+    declarations, and what the engine runs on such a log (several microbatches, one run, group and term, a
+    value in every optional column)."""
+    import re
+
+    from tokaudit.engine import step_sql
+    from tokaudit.engine.columns import WIDE_MICRO
+
+    design = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
+    documented = re.search(r"```sql\n(.*?)```", design, re.S)
+    generated = step_sql(one_record=False, evidence=False, one_name=True, absent=frozenset({WIDE_MICRO}))
+    assert documented is not None and documented.group(1) == generated, (
+        "docs/design.md's query is stale: paste the output of python -c 'from tokaudit.engine import step_sql; "
+        "print(step_sql(False, False, True, frozenset({\"micro >= 64\"})), end=\"\")'")
+    every = dict(token_weight_sum=1.0, token_weight_min=0.5, token_weight_max=1.5, masked_weight_abs_sum=0.0,
+                 reported_loss=2.0, sync=True, skipped=False, positions=64, divisor_known=True, precision_bits=24)
+    rows = records(UNEVEN_GA * 4, local_mean, **every)
+    for rank in (0, 1):
+        write(tmp_path / "run" / f"rank-{rank:05d}-000000.parquet", [r for r in rows if r["rank"] == rank])
+    shards = load([tmp_path]).shards
+    assert {c for s in shards for c in s.columns} >= NULLABLE_COLUMNS
+    engine = Engine.open(shards)
+    try:
+        engine.step_table()
+        assert engine.last_query == generated
+    finally:
+        engine.close()
+
+
+def test_every_declared_column_is_in_the_table_of_every_form_in_the_declared_order(tmp_path: Path) -> None:
+    """The declarations are the table: every StepColumn is a column of the step table in each form, in the
+    declared order (the evidence columns with evidence only), and every per-rank and per-microbatch value is
+    read by some column's reduction."""
+    from tokaudit.engine import EVIDENCE, STEP_COLUMNS
+    from tokaudit.engine.columns import PARTIALS
+
+    rows = records(UNEVEN_GA * 4, local_mean)
+    write(tmp_path / "micro" / "run" / "rank-all-000000.parquet", rows)
+    write(tmp_path / "one" / "run" / "rank-all-000000.parquet", records([[[5], [0], [7]], [[4], [9], [2]]], local_mean))
+    for folder in ("micro", "one"):
+        for evidence in (False, True):
+            table = Engine.open(load([tmp_path / folder]).shards, extremes=evidence).step_table()
+            expected = [c.name for c in STEP_COLUMNS if evidence or c.name not in EVIDENCE]
+            assert list(table.columns) == ["run", "grp", "term", "step", *expected]
+    for partial in PARTIALS:
+        assert any(partial.name in column.aggregate for column in STEP_COLUMNS), partial.name

@@ -1,0 +1,258 @@
+"""The step table declared once, as data: each column's name, meaning, record expression, reduction, level and
+type. `engine.query` writes the SQL of every log shape from these declarations, and nothing else does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Level(Enum):
+    """What a step column reduces: the step's records, or the per-rank or per-microbatch rows (`Partial`)."""
+
+    STEP = "records"
+    RANK = "per_rank"
+    MICRO = "per_micro"
+
+
+@dataclass(frozen=True)
+class Term:
+    """A per-record value the step's aggregates read (the CTE `rec`, then `weighted` for `w`)."""
+
+    name: str
+    meaning: str
+    expression: str = ""
+    """SQL over one record of the view `records`; empty: the record's column of that name."""
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A per-(rank, step) or per-(microbatch, step) value that a RANK or MICRO column reduces."""
+
+    name: str
+    meaning: str
+    level: Level
+    aggregate: str
+    """Over the records of one (rank, step) or (microbatch, step)."""
+    one_record: str = ""
+    """RANK only: the same value where a (rank, step) holds one record, as an expression of that record."""
+    evidence: bool = False
+    """Only in the evidence form (`EVIDENCE`)."""
+    reads: tuple[str, ...] = ()
+    absent: str = ""
+    """Its value where no record of the range holds a value of any of the optional columns it `reads` (the footers
+    say so: `sql.absent_values`), which the query then does not compute."""
+
+
+@dataclass(frozen=True)
+class StepColumn:
+    """One column of the step table: one row per (run, group, term, step)."""
+
+    name: str
+    meaning: str
+    level: Level
+    aggregate: str
+    """The reduction over the level's rows of one step."""
+    type: str = ""
+    """DuckDB's type the table holds it in, where not the aggregate's own (counts as INTEGER: 4 bytes a step, not
+    the 16 of DuckDB's sums)."""
+    single: str = ""
+    """Where every (rank, step) holds one record: the reduction over the step's records, where it differs."""
+    one_record: str = ""
+    """Where every (rank, step) holds one record: the value as an expression of the step's other columns, not
+    aggregated (one other column's name: that column's array, held once)."""
+    evidence: bool = False
+    """Only in the evidence form: where a step's heaviest and lightest token were (`EVIDENCE`)."""
+    reads: tuple[str, ...] = ()
+    absent: str = ""
+    """Its value where no record of the range holds a value of any of the optional columns it `reads` (or WIDE_MICRO)
+    (the footers say so: `sql.absent_values`), which the query then does not compute: a constant (what the
+    reduction gives over NULL alone: count 0, the others NULL), or another column's name (that column's array)."""
+
+
+WIDE_MICRO = "micro >= 64"
+"""What `reads` names for a microbatch index of 64 or more: where the footers show none, a one-microbatch log's
+query reads no microbatch index at all."""
+
+UNUSABLE_RECORD = "isnan(grad_divisor) OR isnan(grad_scale) OR (positions < valid_tokens) IS TRUE"
+"""A record no audit can use that its file's statistics may not show: a NaN divisor or scale, or T < n (IS TRUE:
+count_if over NULLs alone is NULL). Counted per step (`unusable_values`), then its files are named
+(`Engine.unusable_files`)."""
+
+FINITE_VALID = """isfinite(loss_sum) AND coalesce(isfinite(backward_scalar), true)
+            AND coalesce(isfinite(token_weight_sum), true) AND coalesce(isfinite(token_weight_min), true)
+            AND coalesce(isfinite(token_weight_max), true) AND coalesce(isfinite(masked_weight_abs_sum), true)
+            AND isfinite(grad_scale) AND isfinite(grad_divisor) AND coalesce(isfinite(eff), true)"""
+
+# Per-record weights e are only defined for valid records (n > 0) with every value finite.
+TERMS = (
+    *(Term(name, "the record's own") for name in (
+        "step", "rank", "micro", "world_size", "grad_divisor", "grad_scale", "valid_tokens", "loss_sum", "positions",
+        "sync", "skipped", "reported_loss", "token_weight_sum", "divisor_known", "precision_bits")),
+    Term("nonfinite_valid", "a record of valid tokens with a value that is not finite",
+         f"valid_tokens > 0 AND NOT ({FINITE_VALID})"),
+    Term("nonfinite_zero", "a record of no valid token whose backward scalar or probe is not finite",
+         "valid_tokens = 0 AND NOT (coalesce(isfinite(backward_scalar), true) "
+         "AND coalesce(isfinite(token_weight_sum), true))"),
+    Term("probe_low", "the probe's lightest token weight after the reduction", "token_weight_min * grad_scale / grad_divisor"),
+    Term("probe_high", "the probe's heaviest token weight after the reduction", "token_weight_max * grad_scale / grad_divisor"),
+    # how far apart one record's token weights are, (max − min) / |max|: only values, no tolerance (the checks
+    # judge them; +inf where the denominator is 0: any spread then counts)
+    Term("probe_spread", "how far apart the record's token weights are",
+         "CASE WHEN token_weight_max - token_weight_min > 0 "
+         "THEN (token_weight_max - token_weight_min) / abs(token_weight_max) END"),
+    # how many valid tokens' weight its masked positions carry: Σ|∂b/∂ℓ| over them / |c|, c = e·D/g
+    Term("masked_share", "the weight the record's masked positions carry, in valid tokens",
+         "CASE WHEN masked_weight_abs_sum > 0 "
+         "THEN masked_weight_abs_sum / coalesce(abs(eff * grad_divisor / grad_scale), 0) END"),
+    Term("eff", "the effective weight e = c·g/D of each of the record's valid tokens"),
+)
+
+WEIGHT = Term("w", "e where it is one: valid tokens and every value finite",
+              "CASE WHEN valid_tokens > 0 AND NOT nonfinite_valid THEN eff END")
+
+# ties, rounding noise included, go to the lowest microbatch and rank: the order key moves w by 1e-12 of |w| per
+# index, and a weight of 0 (where that moves nothing) by 1e-300 per index, so the scan or hash order never decides
+_HEAVY_MICRO, _LIGHT_MICRO = "w - abs(w) * micro * 1e-12 - micro * 1e-300", "w + abs(w) * micro * 1e-12 + micro * 1e-300"
+_HEAVY_RANK = "rank_e_high - abs(rank_e_high) * rank * 1e-12 - rank * 1e-300"
+_LIGHT_RANK = "rank_e_low + abs(rank_e_low) * rank * 1e-12 + rank * 1e-300"
+
+# Few values per (rank, step): millions of groups at scale must stay narrow.
+PARTIALS = (
+    Partial("microbatches", "records of the rank's step", Level.RANK, "count(*)", "1"),
+    Partial("rank_tokens", "n_r, the rank's valid tokens", Level.RANK, "CAST(sum(valid_tokens) AS BIGINT)",
+            "CAST(valid_tokens AS BIGINT)"),
+    Partial("rank_loss", "S_r, the rank's loss sum", Level.RANK, "fsum(loss_sum)", "loss_sum"),
+    Partial("rank_e_low", "the rank's lightest e", Level.RANK, "min(w)", "w"),
+    Partial("rank_e_high", "the rank's heaviest e", Level.RANK, "max(w)", "w"),
+    Partial("rank_heavy_micro", "the microbatch of the rank's heaviest e", Level.RANK,
+            f"arg_max(micro, {_HEAVY_MICRO})", "micro", evidence=True),
+    Partial("rank_heavy_n", "its valid tokens", Level.RANK, f"arg_max(valid_tokens, {_HEAVY_MICRO})", "valid_tokens",
+            evidence=True),
+    Partial("rank_light_micro", "the microbatch of the rank's lightest e", Level.RANK,
+            f"arg_min(micro, {_LIGHT_MICRO})", "micro", evidence=True),
+    Partial("rank_light_n", "its valid tokens", Level.RANK, f"arg_min(valid_tokens, {_LIGHT_MICRO})", "valid_tokens",
+            evidence=True),
+    Partial("rank_en_low", "the rank's least e·n", Level.RANK, "min(w * valid_tokens)", "w * valid_tokens"),
+    Partial("rank_en_high", "the rank's greatest e·n", Level.RANK, "max(w * valid_tokens)", "w * valid_tokens"),
+    Partial("last_sync", "sync of the rank's last microbatch", Level.RANK, "arg_max(sync, micro)", "sync",
+            reads=("sync",), absent="CAST(NULL AS BOOLEAN)"),
+    # distinct microbatch indices below 64, as set bits: fewer bits than rows means a repeated key
+    Partial("repeated", "records of the rank's step that repeat a microbatch index below 64", Level.RANK,
+            "count_if(micro < 64) - coalesce(bit_count(bit_or("
+            "CASE WHEN micro < 64 THEN CAST(1 AS UBIGINT) << CAST(micro AS UBIGINT) END)), 0)"),
+    Partial("micro_tokens", "N_m, the microbatch's valid tokens over the ranks", Level.MICRO, "sum(valid_tokens)"),
+    Partial("micro_e_low", "the microbatch's lightest e", Level.MICRO, "min(w)"),
+    Partial("micro_e_high", "the microbatch's heaviest e", Level.MICRO, "max(w)"),
+)
+
+S, R, M = Level.STEP, Level.RANK, Level.MICRO
+_PROBE = ("token_weight_min", "token_weight_max")
+I, B = "INTEGER", "BIGINT"
+
+STEP_COLUMNS = (
+    StepColumn("records", "records of the step", S, "count(*)", I),
+    StepColumn("rank_max", "the highest rank", S, "max(rank)", I),
+    StepColumn("w_low", "the least world size W recorded", S, "min(world_size)", I),
+    StepColumn("w_high", "the greatest W", S, "max(world_size)", I),
+    StepColumn("d_low", "the least divisor D of the reduction", S, "min(grad_divisor)"),
+    StepColumn("d_high", "the greatest D", S, "max(grad_divisor)"),
+    StepColumn("n_low", "the fewest valid tokens of a record", S, "min(valid_tokens)"),
+    StepColumn("n_high", "the most valid tokens of a record", S, "max(valid_tokens)"),
+    StepColumn("tokens", "N, the step's valid tokens", S, "sum(valid_tokens)", B),
+    StepColumn("loss", "ΣS, the step's loss sum", S, "fsum(loss_sum)"),
+    StepColumn("e_low", "the lightest effective weight e of a valid token (a record's mean)", S, "min(w)"),
+    StepColumn("e_high", "the heaviest e", S, "max(w)"),
+    StepColumn("en_low", "the least e·n (what n as the denominator would make 1)", S, "min(w * valid_tokens)"),
+    StepColumn("en_high", "the greatest e·n", S, "max(w * valid_tokens)"),
+    StepColumn("et_low", "the least e·T (T the record's positions)", S, "min(w * positions)",
+               reads=("positions",), absent="CAST(NULL AS DOUBLE)"),
+    StepColumn("et_high", "the greatest e·T", S, "max(w * positions)", reads=("positions",), absent="CAST(NULL AS DOUBLE)"),
+    # the probe's per-token extremes where recorded, else the record's mean weight
+    # without a probe value, min and max of coalesce(probe, w) + 0·w are those of w (w is finite where it is not
+    # NULL, and w + 0·w is w, −0.0 included)
+    StepColumn("tok_low", "the lightest token weight: the probe's where recorded, else e", S,
+               "min(coalesce(probe_low, w) + 0 * w)", reads=_PROBE, absent="e_low"),
+    StepColumn("tok_high", "the heaviest token weight", S, "max(coalesce(probe_high, w) + 0 * w)",
+               reads=_PROBE, absent="e_high"),
+    StepColumn("weighted_records", "records with a weight e", S, "count(w)", I),
+    StepColumn("unweighted_records", "valid, finite records without one (S = 0 and no probe)", S,
+               "count_if(valid_tokens > 0 AND w IS NULL AND NOT nonfinite_valid)", I),
+    StepColumn("unknown_divisor", "valid records whose D the recorder could not know", S,
+               "count_if(valid_tokens > 0 AND NOT divisor_known)", I, reads=("divisor_known",), absent="0"),
+    StepColumn("objective", "Σe·S, the loss the update optimized", S, "coalesce(fsum(w * loss_sum), 0)"),
+    StepColumn("nonfinite_valid", "valid records with a value that is not finite", S, "count_if(nonfinite_valid)", I),
+    StepColumn("nonfinite_zero", "records of no token with a b or probe that is not finite", S,
+               "count_if(nonfinite_zero)", I),
+    StepColumn("probe_spread", "the widest spread of one record's token weights", S, "max(probe_spread)",
+               reads=_PROBE, absent="CAST(NULL AS DOUBLE)"),
+    StepColumn("masked_share", "the most weight masked positions carry", S, "max(masked_share)",
+               reads=("masked_weight_abs_sum",), absent="CAST(NULL AS DOUBLE)"),
+    StepColumn("probed", "records with a probe", S, "count(token_weight_sum)", I, reads=("token_weight_sum",), absent="0"),
+    StepColumn("sync_known", "records that say whether they synchronized", S, "count(sync)", I, reads=("sync",),
+               absent="0"),
+    StepColumn("sync_true", "records that synchronized", S, "count_if(sync)", I, reads=("sync",), absent="NULL"),
+    StepColumn("skipped_true", "records of an update said skipped", S, "count_if(skipped)", I, reads=("skipped",),
+               absent="NULL"),
+    StepColumn("skipped_false", "records of an update said taken", S, "count_if(NOT skipped)", I, reads=("skipped",),
+               absent="NULL"),
+    StepColumn("reported_low", "the least loss the run reported", S, "min(reported_loss)", reads=("reported_loss",),
+               absent="CAST(NULL AS DOUBLE)"),
+    StepColumn("reported_high", "the greatest reported loss", S, "max(reported_loss)", reads=("reported_loss",),
+               absent="CAST(NULL AS DOUBLE)"),
+    StepColumn("reported", "records with a reported loss", S, "count(reported_loss)", I, reads=("reported_loss",),
+               absent="0"),
+    StepColumn("positions", "ΣT, the positions of the step's records", S, "sum(positions)", B, reads=("positions",),
+               absent="NULL"),
+    StepColumn("positions_known", "records with T", S, "count(positions)", I, reads=("positions",), absent="0"),
+    StepColumn("wide_micro", "records of a microbatch index of 64 or more", S, "count_if(micro >= 64)", I,
+               reads=(WIDE_MICRO,), absent="0"),
+    StepColumn("bits_low", "the fewest significant bits of S and b", S, "min(precision_bits)", I,
+               reads=("precision_bits",), absent="NULL"),
+    # NaN never shows in a file's statistics, nor T < n where a file's T and n overlap: counted here, the
+    # files are then named (Engine.unusable_files)
+    StepColumn("unusable_values", "records no audit can use (a NaN D or g, T < n)", S,
+               f"count_if({UNUSABLE_RECORD})", I),
+    # the heaviest and the lightest valid record of the step, for a finding's evidence
+    StepColumn("heavy_rank", "the rank of the heaviest token", R, f"arg_max(rank, {_HEAVY_RANK})", I, evidence=True),
+    StepColumn("heavy_micro", "its microbatch", R, f"arg_max(rank_heavy_micro, {_HEAVY_RANK})", I, evidence=True),
+    StepColumn("heavy_n", "its record's valid tokens", R, f"arg_max(rank_heavy_n, {_HEAVY_RANK})", I, evidence=True),
+    StepColumn("heavy_rank_tokens", "its rank's valid tokens", R, f"arg_max(rank_tokens, {_HEAVY_RANK})", B,
+               evidence=True),
+    StepColumn("light_rank", "the rank of the lightest token", R, f"arg_min(rank, {_LIGHT_RANK})", I, evidence=True),
+    StepColumn("light_micro", "its microbatch", R, f"arg_min(rank_light_micro, {_LIGHT_RANK})", I, evidence=True),
+    StepColumn("light_n", "its record's valid tokens", R, f"arg_min(rank_light_n, {_LIGHT_RANK})", I, evidence=True),
+    StepColumn("light_rank_tokens", "its rank's valid tokens", R, f"arg_min(rank_tokens, {_LIGHT_RANK})", B,
+               evidence=True),
+    StepColumn("ranks", "ranks that recorded the step", R, "count(*)", I),
+    StepColumn("mean_of_local_means", "the mean over ranks of S_r/n_r", R,
+               "favg(rank_loss / rank_tokens) FILTER (rank_tokens > 0)"),
+    # ranks below 64 present in the step, as set bits (the missing-rank evidence); 0: none of them
+    StepColumn("rank_mask", "ranks below 64 present, as set bits", R,
+               "coalesce(bit_or(CASE WHEN rank < 64 THEN CAST(1 AS UBIGINT) << CAST(rank AS UBIGINT) END), 0)"),
+    StepColumn("unsynced_ranks", "ranks whose last microbatch did not synchronize", R, "count_if(last_sync = false)", I,
+               reads=("sync",), absent="NULL"),
+    # one record a (rank, step), ranks below 64: a repeated key is a repeated rank, records − distinct ranks (as
+    # set bits of one word: a tenth of the time of count(DISTINCT rank))
+    StepColumn("repeated_micro", "records that repeat a (rank, microbatch) key", R, "coalesce(sum(repeated), 0)", I,
+               single="count(*) - bit_count(bit_or(CAST(1 AS UBIGINT) << CAST(rank AS UBIGINT)))"),
+    StepColumn("m_low", "the fewest microbatches of a rank", R, "min(microbatches)", I, one_record="1"),
+    StepColumn("m_high", "the most microbatches of a rank", R, "max(microbatches)", I, one_record="m_low"),
+    StepColumn("enm_low", "the least e·n·M (a per-microbatch mean's weight)", R, "min(rank_en_low * microbatches)",
+               one_record="en_low"),
+    StepColumn("enm_high", "the greatest e·n·M", R, "max(rank_en_high * microbatches)", one_record="en_high"),
+    StepColumn("er_low", "the least e·n_r (a rank-local mean's weight)", R, "min(rank_e_low * rank_tokens)",
+               one_record="en_low"),
+    StepColumn("er_high", "the greatest e·n_r", R, "max(rank_e_high * rank_tokens)", one_record="en_high"),
+    StepColumn("em_low", "the least e·N_m (a mean over the microbatch's tokens of every rank)", M,
+               "min(micro_e_low * micro_tokens)", one_record="e_low * tokens"),
+    StepColumn("em_high", "the greatest e·N_m", M, "max(micro_e_high * micro_tokens)", one_record="e_high * tokens"),
+)
+"""In the table's order. M = 1 where a (rank, step) holds one record, so e·n_r = e·n·M = e·n exactly (×1 and the
+count's conversion to double change no bit) and e·N_m = e·N."""
+
+EVIDENCE = tuple(column.name for column in STEP_COLUMNS if column.evidence)
+"""Where each step's heaviest and lightest token were: only a finding's evidence step reads them, so they are
+aggregated for that step alone (`engine.extremes_at`): over every step they cost a tenth of the query."""
+
+STEP_COLUMN_BY_NAME = {column.name: column for column in STEP_COLUMNS}
