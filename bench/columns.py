@@ -2,8 +2,9 @@
 
 The query of LOG's shape is written from the declarations (`tokaudit.engine.columns`) once whole and once without
 each column in turn (a per-rank or per-microbatch value no column reads any more drops out with it); a column's
-cost is the whole query's best time less the best time without it, both over the same files, alternated. The
-whole query's time and the floor's (per-step N and the extremes of b/S) are printed first.
+cost is the whole query's best time less the best time without it, the two alternated over the same files (this
+machine's speed drifts by more than most columns cost). The whole query's time and the floor's (per-step N and
+the extremes of b/S) are printed first. `--files N`: the first N files only (a range's worth).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ def timed(engine: Engine, query: str) -> float:
     return time.perf_counter() - start
 
 
-def without(name: str) -> str:
-    """The query with one column left out, and the partials only it read."""
-    kept = tuple(c for c in STEP_COLUMNS if c.name != name)
+def without(*names: str) -> str:
+    """The query with these columns left out, and the partials only they read."""
+    kept = tuple(c for c in STEP_COLUMNS if c.name not in names)
     read = " ".join(c.aggregate + c.single for c in kept)
     original = sql.STEP_COLUMNS, sql.PARTIALS
     sql.STEP_COLUMNS = kept  # type: ignore[misc]
@@ -47,9 +48,11 @@ def main() -> None:
     global SHAPE
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("log", type=Path)
-    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--files", type=int, default=0)
     args = parser.parse_args()
-    shards = load([args.log]).shards
+    shards = sorted(load([args.log]).shards, key=lambda s: (s.step_range or (0, 0), str(s.path)))
+    shards = shards[:args.files] if args.files else shards
     engine = Engine.open(shards)
     engine._whole()  # the views over every file, as the audit of a one-range log defines them
     SHAPE = (one_record_form(shards), False, one_name_of(shards) is not None, absent_values(shards))
@@ -57,24 +60,29 @@ def main() -> None:
     floor = ("SELECT step, sum(valid_tokens), min(backward_scalar / loss_sum), max(backward_scalar / loss_sum) "
              "FROM raw_records GROUP BY step")
     queries = {"(whole query)": whole, "(floor)": floor}
+    for level in ("rank", "micro"):  # a whole grouping: its per-rank or per-microbatch hash table with it
+        queries[f"every {level}-level column"] = without(*(c.name for c in STEP_COLUMNS if c.level.name.lower() == level))
     for column in STEP_COLUMNS:
         if not column.evidence and f"AS {column.name}" in whole:
             queries[column.name] = without(column.name)
-    best: dict[str, float | None] = {}
+    def best(query: str) -> float:
+        return min(timed(engine, query) for _ in range(args.repeat))
+
+    total, floor_time = best(whole), best(queries.pop("(floor)"))
+    queries.pop("(whole query)")
+    print(f"{args.log.name}: whole query {total:.2f} s, floor {floor_time:.2f} s, {sum(s.rows for s in shards):,} "
+          f"records ({'one-record' if SHAPE[0] else 'general'} form, {len(queries)} columns computed)")
+    costs: dict[str, float | None] = {}
     for name, query in queries.items():
         try:
-            best[name] = min(timed(engine, query) for _ in range(args.repeat))
+            pairs = [(timed(engine, whole), timed(engine, query)) for _ in range(args.repeat)]
         except duckdb.Error:  # another column's value reads it (em_low = e_low · N in the one-record form)
-            best[name] = None
-    total, floor_time = best.pop("(whole query)"), best.pop("(floor)")
-    assert total is not None and floor_time is not None
-    print(f"{args.log.name}: whole query {total:.2f} s, floor {floor_time:.2f} s "
-          f"({'one-record' if SHAPE[0] else 'general'} form, {len(best)} columns computed)")
-    for name, seconds in sorted(best.items(), key=lambda item: -1.0 if item[1] is None else total - item[1],
-                                reverse=True):
-        level = next(c.level.name.lower() for c in STEP_COLUMNS if c.name == name)
-        cost = "read by another column" if seconds is None else f"{total - seconds:+.3f} s"
-        print(f"  {name:<22} {level:<6} {cost}")
+            costs[name] = None
+            continue
+        costs[name] = min(w for w, _ in pairs) - min(q for _, q in pairs)
+    for name, cost in sorted(costs.items(), key=lambda item: -1.0 if item[1] is None else item[1], reverse=True):
+        level = next((c.level.name.lower() for c in STEP_COLUMNS if c.name == name), "")
+        print(f"  {name:<28} {level:<6} {'read by another column' if cost is None else f'{cost:+.3f} s'}")
 
 
 if __name__ == "__main__":

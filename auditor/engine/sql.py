@@ -25,9 +25,8 @@ def step_sql(one_record: bool, evidence: bool = False, one_name: bool = False, a
              ) -> str:
     """The per-step query, written from the declarations (`engine.columns`). `one_record`: the footers show every
     record is microbatch 0 of a rank below 64 (`one_record_form`), so a (rank, step) holds one record (unless a key
-    is repeated): the per-rank values are
-    then a projection of the records, aggregated in the one grouping by step, instead of a hash table of every
-    (rank, step). `evidence`: with the EVIDENCE columns. `one_name`: every record has one (run, group, term),
+    is repeated): the per-rank values are then a projection of the records, aggregated in the one grouping by
+    step, instead of a hash table of every (rank, step). `evidence`: with the EVIDENCE columns. `one_name`: every record has one (run, group, term),
     which the query then leaves out (`Engine._finish` adds it). `absent`: what no record holds (`absent_values`):
     a column that reads only that is its declared `absent` value, not computed.
 
@@ -61,10 +60,12 @@ def step_sql(one_record: bool, evidence: bool = False, one_name: bool = False, a
                     f"{_listed((p.aggregate, p.name) for p in partials if p.level is of)}\n"
                     f"    FROM weighted GROUP BY k, step, {by})")
 
-        ctes += [level("step_level", "weighted", Level.STEP), partial("per_rank", Level.RANK, "rank"),
-                 level("rank_level", "per_rank", Level.RANK), partial("per_micro", Level.MICRO, "micro"),
-                 level("micro_level", "per_micro", Level.MICRO)]
-        joined = "step_level JOIN rank_level USING (k, step) LEFT JOIN micro_level USING (k, step)"
+        ctes.append(level("step_level", "weighted", Level.STEP))
+        joined = "step_level"
+        for of, by, join in ((Level.RANK, "rank", "JOIN"), (Level.MICRO, "micro", "LEFT JOIN")):
+            if any(c.level is of and not _gone(c, absent) for c in columns):  # (bench/columns.py drops levels)
+                ctes += [partial(of.value, of, by), level(f"{by}_level", of.value, of)]
+                joined += f" {join} {by}_level USING (k, step)"
     held = aliases(one_record, absent)
     outputs = [(c.absent if _gone(c, absent) else c.one_record if one_record and c.one_record else c.name, c)
                for c in columns if c.name not in held]
