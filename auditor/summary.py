@@ -142,13 +142,13 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
         steps += _count_distinct(part.step.to_numpy())
         skipped_steps += _count_distinct(part.step.to_numpy()[part.skipped_true.to_numpy() > 0])
         ranks = max(ranks, int(part.rank_max.max()))
-        microbatches = max(microbatches, float(part.m_high.max()))
-        both = np.concatenate([distinct(part.d_low).astype(float), distinct(part.d_high).astype(float)])
+        microbatches = max(microbatches, float(part.microbatches_high.max()))
+        both = np.concatenate([distinct(part.divisor_low).astype(float), distinct(part.divisor_high).astype(float)])
         divisors.update(float(d) for d in both[~np.isnan(both)])
         weighted_all = part.weighted_records.to_numpy() > 0
         weighted_any = weighted_any or bool(weighted_all.any())
         tokens_all = _tokens(part, pooled)
-        low_all, high_all = part.tok_low.to_numpy(dtype=float), part.tok_high.to_numpy(dtype=float)
+        low_all, high_all = part.token_weight_low.to_numpy(dtype=float), part.token_weight_high.to_numpy(dtype=float)
         for start in range(0, len(part), SUMMARY_BLOCK):
             block = slice(start, start + SUMMARY_BLOCK)
             weighted = weighted_all[block]

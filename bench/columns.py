@@ -76,7 +76,7 @@ def main() -> None:
     for name, query in queries.items():
         try:
             pairs = [(timed(engine, whole), timed(engine, query)) for _ in range(args.repeat)]
-        except duckdb.Error:  # another column's value reads it (em_low = e_low · N in the one-record form)
+        except duckdb.Error:  # another column's value reads it (weight_by_micro_low = weight_low · N in the one-record form)
             costs[name] = None
             continue
         costs[name] = min(w for w, _ in pairs) - min(q for _, q in pairs)

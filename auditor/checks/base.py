@@ -255,7 +255,7 @@ def differ_rows(block: pd.DataFrame, low: str, high: str) -> npt.NDArray[np.bool
 def world_sizes(steps: pd.DataFrame) -> list[int]:
     """Every W the steps saw, sorted: each column's distinct values (one value: that value), not a sort of
     both columns joined (200 MB at 12.5M steps)."""
-    return sorted({int(w) for column in (steps.w_low, steps.w_high) for w in distinct(column)})
+    return sorted({int(w) for column in (steps.world_low, steps.world_high) for w in distinct(column)})
 
 def distinct(column: pd.Series) -> npt.NDArray[Any]:
     """The distinct values of a column, sorted: its one value when it is held as one (`engine.tables.constant_of`)."""

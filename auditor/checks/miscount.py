@@ -15,13 +15,13 @@ from tokaudit.report import Finding
 from tokaudit.schema import UNNAMED
 
 
-_PROBE_RANGE = frozenset({"probed", "e_low", "e_high", "tok_low", "tok_high"})
+_PROBE_RANGE = frozenset({"probed", "weight_low", "weight_high", "token_weight_low", "token_weight_high"})
 
 def miscounted_rows(rows: pd.DataFrame, rtol: float) -> npt.NDArray[np.bool_]:
     """Rows of the step table (one group, term and step each) where the probe contradicts a recorded count.
     A record's mean probed weight c = Σ∂b/∂ℓᵢ / n is the mean of its valid tokens' weights when n is the
     number of tokens the probe saw, so it lies between the lightest and the heaviest of them; the step's
-    extremes of e = c·g/D then lie within those of the probe's (tok_low ≤ e_low, e_high ≤ tok_high, as no
+    extremes of e = c·g/D then lie within those of the probe's (token_weight_low ≤ weight_low, weight_high ≤ token_weight_high, as no
     record's c leaves its own range). A step outside them by more than rtol holds a record whose n is not
     the probe's count. Where no record has the probe's extremes, tok_* are e_* and nothing is found."""
     if not _PROBE_RANGE.issubset(rows.columns):
@@ -29,9 +29,9 @@ def miscounted_rows(rows: pd.DataFrame, rtol: float) -> npt.NDArray[np.bool_]:
     probed: npt.NDArray[np.bool_] = rows.probed.to_numpy(dtype=float) > 0
     if not probed.any():
         return probed
-    e_low, e_high = rows.e_low.to_numpy(dtype=float), rows.e_high.to_numpy(dtype=float)
-    low, high = rows.tok_low.to_numpy(dtype=float), rows.tok_high.to_numpy(dtype=float)
-    return probed & outside_probe_range(e_low, e_high, low, high, rtol)
+    weight_low, weight_high = rows.weight_low.to_numpy(dtype=float), rows.weight_high.to_numpy(dtype=float)
+    low, high = rows.token_weight_low.to_numpy(dtype=float), rows.token_weight_high.to_numpy(dtype=float)
+    return probed & outside_probe_range(weight_low, weight_high, low, high, rtol)
 
 def outside_probe_range(low: npt.NDArray[np.float64], high: npt.NDArray[np.float64],
                         lightest: npt.NDArray[np.float64], heaviest: npt.NDArray[np.float64],
@@ -63,9 +63,9 @@ class Miscounted:
         row = self.first
         assert row is not None
         tokens = float(row.tokens)
-        low, high = float(row.tok_low) * tokens, float(row.tok_high) * tokens
-        above = float(row.e_high) * tokens > high
-        mean = float(row.e_high if above else row.e_low) * tokens
+        low, high = float(row.token_weight_low) * tokens, float(row.token_weight_high) * tokens
+        above = float(row.weight_high) * tokens > high
+        mean = float(row.weight_high if above else row.weight_low) * tokens
         grp = f" (group {row.grp})" if str(row.grp) != UNNAMED else ""
         measured = (f"the same weight, {low:.4g}/N, on every valid token" if f"{low:.4g}" == f"{high:.4g}"
                     else f"every valid token's weight between {low:.4g}/N and {high:.4g}/N")

@@ -70,7 +70,7 @@ def one_objective(source: RunSteps, rtol: float) -> OneObjective | None:
             return None
         seen.add(np.unique(steps.step.to_numpy()))
         if counts is not None:
-            counts = counts | set(steps.n_low.astype(int).tolist()) if (steps.n_low == steps.n_high).all() else None
+            counts = counts | set(steps.record_tokens_low.astype(int).tolist()) if (steps.record_tokens_low == steps.record_tokens_high).all() else None
         for group, rows in steps.groupby("grp", sort=False):
             by_group.setdefault(str(group), []).append(rows)
     if not seen:
@@ -94,14 +94,14 @@ def _combined(part: pd.DataFrame, rtol: float) -> pd.DataFrame | None:
     frame = pd.DataFrame({
         "grp": part.grp.astype(str).to_numpy(), "step": part.step.to_numpy(),
         "tokens": part.tokens.to_numpy(dtype=float),
-        "low": np.where(valid, part.tok_low.to_numpy(dtype=float), np.inf),
-        "high": np.where(valid, part.tok_high.to_numpy(dtype=float), -np.inf),
-        "unweighted": part.unweighted_records.to_numpy(), "divisor": part.d_high.to_numpy(dtype=float),
-        "n_low": np.where(valid, part.n_low.to_numpy(dtype=float), np.inf),
-        "n_high": np.where(valid, part.n_high.to_numpy(dtype=float), -np.inf)})
+        "low": np.where(valid, part.token_weight_low.to_numpy(dtype=float), np.inf),
+        "high": np.where(valid, part.token_weight_high.to_numpy(dtype=float), -np.inf),
+        "unweighted": part.unweighted_records.to_numpy(), "divisor": part.divisor_high.to_numpy(dtype=float),
+        "record_tokens_low": np.where(valid, part.record_tokens_low.to_numpy(dtype=float), np.inf),
+        "record_tokens_high": np.where(valid, part.record_tokens_high.to_numpy(dtype=float), -np.inf)})
     steps = frame.groupby(["grp", "step"], sort=False).agg(
         tokens=("tokens", "sum"), low=("low", "min"), high=("high", "max"), unweighted=("unweighted", "sum"),
-        divisor=("divisor", "max"), n_low=("n_low", "min"), n_high=("n_high", "max")).reset_index()
+        divisor=("divisor", "max"), record_tokens_low=("record_tokens_low", "min"), record_tokens_high=("record_tokens_high", "max")).reset_index()
     steps = steps[steps.tokens > 0]
     with np.errstate(invalid="ignore"):
         # every token's q = e·ΣN within rtol of 1 (NaN, a record without a weight, fails)

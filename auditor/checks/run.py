@@ -149,14 +149,14 @@ class _Shape:
     def add(self, block: pd.DataFrame) -> None:
         self.blocks += 1
         self.worlds.update(world_sizes(block))
-        for counts, column in ((self.world_counts, block.w_high), (self.divisor_counts, block.d_high)):
+        for counts, column in ((self.world_counts, block.world_high), (self.divisor_counts, block.divisor_high)):
             values = column.to_numpy()
             repeat = len(values) if one_value(values) else 1
             values = values[:1] if repeat > 1 else values
             found, times = np.unique(values[~pd.isna(values)], return_counts=True)
             for value, count in zip(found.tolist(), times.tolist()):
                 counts[value] = counts.get(value, 0) + count * repeat
-        self.microbatches = max(self.microbatches, float(block.m_high.max()))
+        self.microbatches = max(self.microbatches, float(block.microbatches_high.max()))
         self.reported = self.reported or bool((column_of(block, "reported") > 0).any())
 
     def context(self, run: str, term: str, sizes: tuple[int, ...], rtol: float, provenance: Provenance

@@ -31,12 +31,12 @@ class StructureCheck(Check):
         self.changes: dict[str, tuple[list[int], StepsSeen]] = {}
 
     def add(self, block: pd.DataFrame) -> None:
-        self.inconsistent.add(block, differ_rows(block, "w_low", "w_high"))
+        self.inconsistent.add(block, differ_rows(block, "world_low", "world_high"))
         # Ranks may run different numbers of microbatches as long as each runs one synced backward a step
         # (its last, the others under no_sync): DDP then all-reduces once on every rank, and the weights say
         # whether N counted every microbatch. Flagged where the log shows otherwise or does not say.
-        self.uneven.add(block, differ_rows(block, "m_low", "m_high") & ~_synced_once(block))
-        world = column_of(block, "w_high")
+        self.uneven.add(block, differ_rows(block, "microbatches_low", "microbatches_high") & ~_synced_once(block))
+        world = column_of(block, "world_high")
         for group, rows in grouped(block.grp):
             values = world[rows]
             if group not in self.changes:
@@ -51,11 +51,11 @@ class StructureCheck(Check):
         if self.inconsistent:
             row = self.inconsistent.first
             yield make_finding(context, Code.WORLD_SIZE_INCONSISTENT, self.inconsistent.steps,
-                           f"Ranks disagree on W within one step (step {int(row.step)}: W from {int(row.w_low)} to "
-                           f"{int(row.w_high)}).",
+                           f"Ranks disagree on W within one step (step {int(row.step)}: W from {int(row.world_low)} to "
+                           f"{int(row.world_high)}).",
                            "derive W from the process group that averages the gradients "
                            "(dist.get_world_size(ddp_model.process_group)) on every rank",
-                           {"step": int(row.step), "world_size_low": int(row.w_low), "world_size_high": int(row.w_high)})
+                           {"step": int(row.step), "world_size_low": int(row.world_low), "world_size_high": int(row.world_high)})
         for group in sorted(self.changes):
             sizes, changed = self.changes[group]
             if len(sizes) > 1:
@@ -70,12 +70,12 @@ class StructureCheck(Check):
             said = "do not show" if known else "do not say (no sync recorded)"
             yield make_finding(context, Code.UNEVEN_MICROBATCHES, self.uneven.steps,
                            f"Ranks ran different numbers of microbatches in one step (step {int(row.step)}: from "
-                           f"{int(row.m_low)} to {int(row.m_high)}), and the records {said} one synced backward per "
+                           f"{int(row.microbatches_low)} to {int(row.microbatches_high)}), and the records {said} one synced backward per "
                            "rank: every backward that syncs must be matched on all ranks.",
                            "give every rank the same number of microbatches per step (pad with empty ones that "
                            "still run backward with a zero contribution)",
-                           {"step": int(row.step), "microbatches_low": int(row.m_low),
-                            "microbatches_high": int(row.m_high)})
+                           {"step": int(row.step), "microbatches_low": int(row.microbatches_low),
+                            "microbatches_high": int(row.microbatches_high)})
 
 def _synced_once(block: pd.DataFrame) -> npt.NDArray[np.bool_]:
     """Steps whose every record says whether it synced, with as many synced records as ranks and no rank whose
@@ -94,7 +94,7 @@ def ranks_not_recorded(source: RunSteps) -> dict[str, tuple[list[int], int]]:
     seen: dict[str, int] = {}
     worlds: dict[str, int] = {}
     for block in source.blocks():
-        masks, world = column_of(block, "rank_mask"), column_of(block, "w_low")
+        masks, world = column_of(block, "rank_mask"), column_of(block, "world_low")
         for group, rows in grouped(block.grp):
             bits = masks[rows] if masks.dtype.kind == "u" else np.nan_to_num(masks[rows]).astype(np.uint64)
             present = np.bitwise_or.reduce(bits)
@@ -204,7 +204,7 @@ class SyncCheck(Check):
         # An update whose last microbatch never synchronized, closed as skipped: no optimizer step took it, its
         # gradients were cleared (zero_grad) before its window ended, and the update after it starts afresh.
         self.cleared += int(((unsynced > 0) & (column_of(block, "skipped_true") == records)).sum())
-        multi = (column_of(block, "m_high") > 1) & (column_of(block, "sync_known") == records)
+        multi = (column_of(block, "microbatches_high") > 1) & (column_of(block, "sync_known") == records)
         every = multi & (column_of(block, "sync_true") == records)
         self.every.add(step[every])
         self.every_count += int(every.sum())
@@ -291,13 +291,13 @@ class MissingRanksCheck(Check):
         self.missing = FlaggedSteps(keep_steps)
 
     def add(self, block: pd.DataFrame) -> None:
-        self.missing.add(block, column_of(block, "ranks") < column_of(block, "w_high"))
+        self.missing.add(block, column_of(block, "ranks") < column_of(block, "world_high"))
 
     def findings(self) -> Iterator[Finding]:
         if not self.missing:
             return
         first = self.missing.first
-        w = int(first.w_high)
+        w = int(first.world_high)
         absent = _unset_ranks(0 if pd.isna(first.rank_mask) else int(first.rank_mask), min(w, 64))
         listed = f"ranks {step_list(absent)}" if w <= 64 else f"{w - int(first.ranks)} ranks (of those below 64: {step_list(absent)})"
         yield make_finding(self.context, Code.MISSING_RANK, self.missing.steps,
@@ -327,8 +327,8 @@ class DivisorCheck(Check):
         weighted = unknown & (column_of(block, "weighted_records") > 0)
         if weighted.any():
             self.weighted = True
-            e_low, e_high = column_of(block, "e_low")[weighted], column_of(block, "e_high")[weighted]
-            self.q.add((e_low + e_high) / 2 * column_of(block, "tokens")[weighted])
+            weight_low, weight_high = column_of(block, "weight_low")[weighted], column_of(block, "weight_high")[weighted]
+            self.q.add((weight_low + weight_high) / 2 * column_of(block, "tokens")[weighted])
 
     def findings(self) -> Iterator[Finding]:
         if not self.unknown:

@@ -81,7 +81,7 @@ class FactorTable:
             for block, diagnoses in diagnosed:
                 off = diagnoses.kind_is(StepKind.UNIFORM_OFF) & ~np.isnan(diagnoses.distortion)
                 if off.any():
-                    column.add(diagnoses.distortion[off], column_of(block, "w_high")[off].astype(np.int64))
+                    column.add(diagnoses.distortion[off], column_of(block, "world_high")[off].astype(np.int64))
             if not column.count:
                 return cls(context.rtol, np.zeros(0), {}, [], False)
             anchors, pairs, counts, centers = factor_pairs(column, context.rtol)
@@ -105,7 +105,7 @@ class FactorTable:
             return ids
         # every q lies in the cluster whose smallest q is the largest at or below it
         labels = np.searchsorted(self.anchors, diagnoses.distortion[off], side="right") - 1
-        world = column_of(block, "w_high")[off].astype(np.int64)
+        world = column_of(block, "world_high")[off].astype(np.int64)
         found, inverse = np.unique(np.stack([labels, world], axis=1), axis=0, return_inverse=True)
         numbers = np.array([self.pairs[(int(label), int(w))] for label, w in found], dtype=np.int32)
         ids[off] = numbers[inverse.reshape(-1)]  # a lookup per distinct (cluster, W), not per step
@@ -239,7 +239,7 @@ class WeightingCheck:
 
 def _ratios(steps: pd.DataFrame) -> np.ndarray:
     """Per step, the heaviest token's weight over the lightest's (∞ when the lightest is 0)."""
-    low, high = steps.tok_low.to_numpy(dtype=float), steps.tok_high.to_numpy(dtype=float)
+    low, high = steps.token_weight_low.to_numpy(dtype=float), steps.token_weight_high.to_numpy(dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(low > 0, high / low, np.inf)
 
@@ -253,13 +253,13 @@ def _weighting_finding(group: _WeightingGroup, table: list[FactorExplanation], c
     row, diagnosis = group.row, group.diagnosis
     factors = group.factor_range
     evidence: dict[str, Any] = {"step": int(row.step), "denominator": group.denominator.value,
-                                "factor": diagnosis.factor, "world_size": int(row.w_high),
-                                "grad_divisor": float(row.d_high), "global_tokens": int(row.tokens)}
+                                "factor": diagnosis.factor, "world_size": int(row.world_high),
+                                "grad_divisor": float(row.divisor_high), "global_tokens": int(row.tokens)}
     if factors:
         evidence["factor_range"] = _range(factors)
     grp = f" (group {row.grp})" if str(row.grp) != UNNAMED else ""
     tokens = int(row.tokens)
-    lightest, heaviest = ((float(row.e_low) * tokens, float(row.e_high) * tokens)
+    lightest, heaviest = ((float(row.weight_low) * tokens, float(row.weight_high) * tokens)
                           if diagnosis.kind == StepKind.NONUNIFORM else _range(group.distortion_range or [math.nan]))
     rescaled = schedule_finding(context, group.steps, lightest, heaviest, int(row.step), tokens, evidence)
     if rescaled is not None:
@@ -274,7 +274,7 @@ def _nonuniform_finding(group: _WeightingGroup, context: RunContext, evidence: d
     """Tokens of one step weighed differently: where the heaviest and lightest were, and the denominator."""
     code, denominator, row, diagnosis = group.code, group.denominator, group.row, group.diagnosis
     step, tokens = int(row.step), int(row.tokens)
-    heavy_e, light_e = float(row.e_high), float(row.e_low)
+    heavy_e, light_e = float(row.weight_high), float(row.weight_low)
     ratio = heavy_e / light_e if light_e > 0 else math.inf
     if "heavy_rank" in row.index:
         located = row
@@ -319,7 +319,7 @@ def _nonuniform_finding(group: _WeightingGroup, context: RunContext, evidence: d
                    f"{evidence['approximation_error']:.2%}: {where}.")
         # nearest to the token mean itself (b·g = D·S/N, q = 1), and within bf16's rounding of it
         if denominator == Denominator.N and evidence["approximation_error"] <= BF16_ROUNDING and \
-                diagnosis.factor is not None and abs(diagnosis.factor / float(row.d_high) - 1) <= BF16_ROUNDING:
+                diagnosis.factor is not None and abs(diagnosis.factor / float(row.divisor_high) - 1) <= BF16_ROUNDING:
             evidence["within_bfloat16_rounding"] = True
             message += BF16_HINT
     else:
@@ -333,7 +333,7 @@ def _uniform_finding(group: _WeightingGroup, table: list[FactorExplanation], con
     """Every token of a step weighed alike, but q = e·N is not 1: a padded count, a loss scale, a world-size
     factor, a raw sum or another constant."""
     code, denominator, row, diagnosis = group.code, group.denominator, group.row, group.diagnosis
-    step, w, tokens = int(row.step), int(row.w_high), int(row.tokens)
+    step, w, tokens = int(row.step), int(row.world_high), int(row.tokens)
     explanation = table[group.explanation] if group.explanation >= 0 else None
     q = diagnosis.distortion or 0.0
     distortions = group.distortion_range
@@ -341,7 +341,7 @@ def _uniform_finding(group: _WeightingGroup, table: list[FactorExplanation], con
     spread = "" if len(set(np.round(distortions, 12))) <= 1 else \
         f"; over the {group.count} step(s) q ranges from {min(distortions):.4g} to {max(distortions):.4g}"
     scaled = (f"every valid token received {q:.4g}/N instead of 1/N (step {step}{grp}, N={tokens}, W={w}, "
-              f"D={row.d_high:g}){spread}")
+              f"D={row.divisor_high:g}){spread}")
     if code == Code.PADDED_DENOMINATOR:
         evidence["positions"] = int(row.positions)
         message = (f"The loss was divided by all {int(row.positions)} positions of the step, padding and ignored "
@@ -360,14 +360,14 @@ def _uniform_finding(group: _WeightingGroup, table: list[FactorExplanation], con
         return make_finding(context, code, group.steps, message, fix, evidence)
     if code == Code.WORLD_SIZE_MISMATCH:
         assert explanation is not None
-        cause = world_size_cause(explanation, q, w, float(row.d_high), context)
+        cause = world_size_cause(explanation, q, w, float(row.divisor_high), context)
         evidence["integer_factor"] = {"1/W": f"1/{w}", "1/k": f"1/{explanation.integer}", "W'/W": f"{explanation.integer}/{w}",
                                       "k/W": f"{explanation.integer}/{w}"}.get(explanation.label, explanation.integer)
         if explanation.label == "W'/W":
             evidence["world_sizes"] = [explanation.integer, w]
             evidence["stale_world_size"] = explanation.integer
         message = f"Weights are uniform but off by a world-size factor: {scaled}; {cause}."
-        if close(q * float(row.d_high), float(tokens), context.rtol):  # e = 1/D: b = S, as a raw sum
+        if close(q * float(row.divisor_high), float(tokens), context.rtol):  # e = 1/D: b = S, as a raw sum
             message += UNTOLD
         return make_finding(context, code, group.steps, message, average_fix(context), evidence)
     if denominator == Denominator.ONE:
@@ -436,7 +436,7 @@ class BalancedCheck:
             return
         nonempty = column_of(block, "tokens") > 0
         self.nonempty.add(column_of(block, "step")[nonempty])
-        self.counts.update(int(n) for n in np.unique(column_of(block, "n_high")[nonempty]))
+        self.counts.update(int(n) for n in np.unique(column_of(block, "record_tokens_high")[nonempty]))
         self.balanced = self.balanced and bool(diagnoses.balanced[nonempty].all())
 
     def findings(self) -> Iterator[Finding]:

@@ -461,8 +461,8 @@ def _half(limit: str) -> str:
 
 
 def note_precision(precision: dict[str, int], table: dict[str, Any]) -> None:
-    """The fewest significant bits (`bits_low`) of each run of a range's table, folded into `precision`."""
-    runs, bits = table["run"], np.asarray(table["bits_low"], dtype=np.float64)
+    """The fewest significant bits (`precision_bits_low`) of each run of a range's table, folded into `precision`."""
+    runs, bits = table["run"], np.asarray(table["precision_bits_low"], dtype=np.float64)
     for code in np.unique(runs.codes):
         fewest = np.fmin.reduce(bits[runs.codes == code])  # NaN: no record of the run says
         if not np.isnan(fewest):

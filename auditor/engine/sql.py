@@ -167,14 +167,14 @@ RANK_WEIGHTS_SQL = """
 WITH per_rank AS (
     SELECT hash(run, grp, CASE WHEN list_contains($pooled, run) THEN '' ELSE term END) AS k,
            any_value(run) AS run, step, rank, sum(valid_tokens) AS tokens,
-           min(eff) FILTER (valid_tokens > 0 AND isfinite(eff)) AS e_low,
-           max(eff) FILTER (valid_tokens > 0 AND isfinite(eff)) AS e_high
+           min(eff) FILTER (valid_tokens > 0 AND isfinite(eff)) AS weight_low,
+           max(eff) FILTER (valid_tokens > 0 AND isfinite(eff)) AS weight_high
     FROM records GROUP BY k, step, rank),
 counts AS (SELECT k, step, sum(tokens) AS tokens FROM per_rank GROUP BY k, step),
 valid AS (
-    SELECT p.run, p.rank, p.step, p.e_low * c.tokens AS q_low, p.e_high * c.tokens AS q_high
+    SELECT p.run, p.rank, p.step, p.weight_low * c.tokens AS q_low, p.weight_high * c.tokens AS q_high
     FROM per_rank p JOIN counts c USING (k, step)
-    WHERE p.e_low IS NOT NULL AND isfinite(p.e_low * c.tokens) AND isfinite(p.e_high * c.tokens)),
+    WHERE p.weight_low IS NOT NULL AND isfinite(p.weight_low * c.tokens) AND isfinite(p.weight_high * c.tokens)),
 spans AS (SELECT run, min(step) AS low, max(step) AS high, max(rank) AS top FROM valid GROUP BY run)
 SELECT v.run,
        CASE WHEN s.top < $rows THEN v.rank ELSE v.rank * $rows // (s.top + 1) END AS row,

@@ -204,8 +204,8 @@ class Decisions:
         fits, usable, distortion, nearest = found.fits, found.usable, found.distortion, found.nearest
         chosen, factor = self.vote(found)
 
-        balanced = (float_column(block, "n_low") == float_column(block, "n_high")) & (
-            float_column(block, "m_low") == float_column(block, "m_high"))
+        balanced = (float_column(block, "record_tokens_low") == float_column(block, "record_tokens_high")) & (
+            float_column(block, "microbatches_low") == float_column(block, "microbatches_high"))
         unknown_divisor = float_column(block, "unknown_divisor") > 0 if "unknown_divisor" in block \
             else np.zeros(count, dtype=bool)
         empty = float_column(block, "tokens") == 0

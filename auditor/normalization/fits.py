@@ -97,16 +97,16 @@ def _bounds(steps: pd.DataFrame, denominator: Denominator) -> tuple[Floats, Floa
     if denominator in RECORD_BOUNDS:
         low, high = RECORD_BOUNDS[denominator]
         return column(low), column(high)
-    e_low, e_high = column("e_low"), column("e_high")
+    weight_low, weight_high = column("weight_low"), column("weight_high")
     if denominator == Denominator.ONE:
-        return e_low, e_high
+        return weight_low, weight_high
     if denominator == Denominator.N:
         tokens = column("tokens")
-        return e_low * tokens, e_high * tokens
+        return weight_low * tokens, weight_high * tokens
     positions = column("positions")
     all_positions = (column("positions_known") == column("records")) & (positions > 0)
     step_positions = np.where(all_positions, positions, np.nan)
-    return e_low * step_positions, e_high * step_positions
+    return weight_low * step_positions, weight_high * step_positions
 
 def _alpha(low: Floats, high: Floats, divisor: Floats) -> Floats:
     """α = e·Den·D: the middle of a candidate's bounds times the reduction's divisor."""
@@ -128,7 +128,7 @@ class FitBlock:
     nearest_spread: Floats
     alphas: Floats
     world: Floats
-    """W (w_high) and M (m_high), which `Confusion` reads."""
+    """W (world_high) and M (microbatches_high), which `Confusion` reads."""
     micro: Floats
 
 def clusters_of(column: SortedColumn, rtol: float) -> tuple[Floats, list[float]]:
@@ -163,8 +163,8 @@ def block_fits(steps: pd.DataFrame, rtol: float) -> FitBlock:
     tokens with a weight), q = e·N where the weights are uniform (else NaN), the nearest approximate fit
     with the spread it leaves (see `nearest_fit`), and each candidate's α = e·Den·D."""
     bounds = candidate_bounds(steps)
-    divisor = float_column(steps, "d_high")
-    usable = (float_column(steps, "tokens") > 0) & (float_column(steps, "weighted_records") > 0) & ~np.isnan(float_column(steps, "e_low"))
+    divisor = float_column(steps, "divisor_high")
+    usable = (float_column(steps, "tokens") > 0) & (float_column(steps, "weighted_records") > 0) & ~np.isnan(float_column(steps, "weight_low"))
     shape = (len(steps), len(PREFERENCE))
     spreads, alphas = np.empty(shape, order="F"), np.empty(shape, order="F")
     for column, denominator in enumerate(PREFERENCE):  # written in place: no stack of columns copied
@@ -178,8 +178,8 @@ def block_fits(steps: pd.DataFrame, rtol: float) -> FitBlock:
     unfit = np.flatnonzero(~fits.any(axis=1))
     if len(unfit):
         nearest[unfit], nearest_spread[unfit] = nearest_fit(spreads[unfit], alphas[unfit], usable[unfit])
-    return FitBlock(fits, usable, distortion, nearest, nearest_spread, alphas, float_column(steps, "w_high"),
-                  float_column(steps, "m_high"))
+    return FitBlock(fits, usable, distortion, nearest, nearest_spread, alphas, float_column(steps, "world_high"),
+                  float_column(steps, "microbatches_high"))
 
 LOCAL_DENOMINATORS = (Denominator.RANK, Denominator.MICRO_TIMES_M, Denominator.MICRO, Denominator.MICRO_GLOBAL)
 

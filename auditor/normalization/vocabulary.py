@@ -66,11 +66,11 @@ PREFERENCE: tuple[Denominator, ...] = (
 
 # Record-level candidates: the (low, high) columns of e·Den over the step's records.
 RECORD_BOUNDS = {
-    Denominator.RANK: ("er_low", "er_high"),
-    Denominator.MICRO_TIMES_M: ("enm_low", "enm_high"),
-    Denominator.MICRO: ("en_low", "en_high"),
-    Denominator.MICRO_GLOBAL: ("em_low", "em_high"),
-    Denominator.POSITIONS: ("et_low", "et_high"),
+    Denominator.RANK: ("weight_by_rank_low", "weight_by_rank_high"),
+    Denominator.MICRO_TIMES_M: ("weight_by_record_m_low", "weight_by_record_m_high"),
+    Denominator.MICRO: ("weight_by_record_low", "weight_by_record_high"),
+    Denominator.MICRO_GLOBAL: ("weight_by_micro_low", "weight_by_micro_high"),
+    Denominator.POSITIONS: ("weight_by_positions_low", "weight_by_positions_high"),
 }
 
 APPROXIMATE_SPREAD = 0.1

@@ -266,13 +266,13 @@ def test_miscounted_rows_compare_the_mean_weights_with_the_probe_s_extremes() ->
 
     table = pd.DataFrame({
         "probed": [4, 4, 4, 4, 0, 4, 4],
-        "e_low": [0.25, 0.2499, 0.2, 0.25, 0.1, np.nan, 0.25],
-        "e_high": [0.25, 0.25, 0.25, 0.2501, 0.5, np.nan, 0.250001],
-        "tok_low": [0.25, 0.25, 0.25, 0.25, 0.2, 0.25, 0.25],
-        "tok_high": [0.25, 0.25, 0.25, 0.25, 0.2, 0.25, 0.25],
+        "weight_low": [0.25, 0.2499, 0.2, 0.25, 0.1, np.nan, 0.25],
+        "weight_high": [0.25, 0.25, 0.25, 0.2501, 0.5, np.nan, 0.250001],
+        "token_weight_low": [0.25, 0.25, 0.25, 0.25, 0.2, 0.25, 0.25],
+        "token_weight_high": [0.25, 0.25, 0.25, 0.25, 0.2, 0.25, 0.25],
     })
     assert miscounted_rows(table, 1e-4).tolist() == [False, True, True, True, False, False, False]
-    assert miscounted_rows(table.drop(columns=["tok_low"]), 1e-4).tolist() == [False] * 7
+    assert miscounted_rows(table.drop(columns=["token_weight_low"]), 1e-4).tolist() == [False] * 7
 
 
 def _bfloat16(value: float) -> float:
@@ -561,18 +561,18 @@ def test_world_size_changes_are_found_group_by_group_as_a_group_by_finds_them(as
     world = rng.choice([4, 8, 2], count, p=[0.8, 0.1, 0.1]).astype(np.int32)
     world[groups == "dp1"] = 4  # one group never changes
     frame = pd.DataFrame({"grp": pd.Categorical(groups) if as_categories else groups, "step": np.arange(count),
-                          "w_low": world, "w_high": world,
-                          "m_low": np.broadcast_to(np.ones(1, np.int32), (count,)),
-                          "m_high": np.broadcast_to(np.ones(1, np.int32), (count,))})
+                          "world_low": world, "world_high": world,
+                          "microbatches_low": np.broadcast_to(np.ones(1, np.int32), (count,)),
+                          "microbatches_high": np.broadcast_to(np.ones(1, np.int32), (count,))})
     context = RunContext(run="r", term=UNNAMED, world_size=4, world_sizes=(2, 4, 8), microbatches=1, divisor=4.0,
                          rtol=1e-4)
     found = _structure_findings(frame, context)
     assert [str(f) for f in found] == [str(f) for f in _structure_findings(frame, context, block=len(frame))]
     expected = []
     for group, per_group in frame.groupby("grp", sort=True, observed=True):
-        sizes = list(dict.fromkeys(int(w) for w in per_group.w_high))
+        sizes = list(dict.fromkeys(int(w) for w in per_group.world_high))
         if len(sizes) > 1:
-            changed = per_group.step[per_group.w_high != per_group.w_high.iloc[0]]
+            changed = per_group.step[per_group.world_high != per_group.world_high.iloc[0]]
             expected.append((group, sizes, int(changed.min()), int(changed.max()), len(changed)))
     assert len(expected) == 2
     assert [(f.evidence["world_sizes"], f.steps.first, f.steps.last, f.steps.count) for f in found] == \
@@ -588,8 +588,8 @@ def test_world_size_changes_are_found_group_by_group_as_a_group_by_finds_them(as
         assert all(held[name].to_numpy().strides == (0,) for name in columns)
         return held
 
-    assert not list(_structure_findings(held_as(w_low=one, w_high=one, m_low=one, m_high=one), context))
-    uneven = list(_structure_findings(held_as(w_low=one, w_high=one, m_low=one, m_high=other), context))
+    assert not list(_structure_findings(held_as(world_low=one, world_high=one, microbatches_low=one, microbatches_high=one), context))
+    uneven = list(_structure_findings(held_as(world_low=one, world_high=one, microbatches_low=one, microbatches_high=other), context))
     assert [f.code for f in uneven] == [Code.UNEVEN_MICROBATCHES] and uneven[0].steps.count == count
 
 
@@ -612,8 +612,8 @@ def test_a_finding_s_evidence_step_and_its_steps_do_not_depend_on_the_blocks(
     distortion = rng.choice([1.0, 0.5, 2.0, np.nan], count)
     context = RunContext(run="r", term="0", world_size=2, world_sizes=(2,), microbatches=1, divisor=2.0, rtol=1e-4)
     for members in (np.arange(count), np.sort(rng.choice(count, 37, replace=False))):
-        frame = pd.DataFrame({"step": members, "tok_low": low[members], "tok_high": high[members],
-                              "w_high": np.full(len(members), 2)})
+        frame = pd.DataFrame({"step": members, "token_weight_low": low[members], "token_weight_high": high[members],
+                              "world_high": np.full(len(members), 2)})
         kind = np.full(len(members), KINDS.index(StepKind.NONUNIFORM), np.int8)
         denominator = np.full(len(members), DENOMINATORS.index(Denominator.UNEXPLAINED), np.int8)
         diagnoses = Diagnoses(kind, denominator, np.full(len(members), np.nan), distortion[members],

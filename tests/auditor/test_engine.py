@@ -148,7 +148,7 @@ def test_the_step_table_is_lean_and_its_ranges_are_joined_without_a_second_copy(
 
     shared = [np.arange(5.0), np.arange(5.0, 10.0)]
     alive = [weakref.ref(part) for part in shared]
-    columns = {"e_low": shared, "between": [np.ones(5), np.zeros(5)], "tok_low": list(shared)}
+    columns = {"weight_low": shared, "between": [np.ones(5), np.zeros(5)], "token_weight_low": list(shared)}
     del shared
     seen: list[bool] = []
     original = engine_module.constant_of
@@ -163,8 +163,8 @@ def test_the_step_table_is_lean_and_its_ranges_are_joined_without_a_second_copy(
         joined = join_columns(columns)
     finally:
         engine_module.constant_of = original
-    assert seen == [True] and list(joined) == ["e_low", "between", "tok_low"]
-    assert joined["tok_low"] is joined["e_low"] and joined["e_low"].tolist() == list(range(10))
+    assert seen == [True] and list(joined) == ["weight_low", "between", "token_weight_low"]
+    assert joined["token_weight_low"] is joined["weight_low"] and joined["weight_low"].tolist() == list(range(10))
 
 
 def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_the_same_steps(
@@ -214,7 +214,7 @@ def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_th
     # and the columns that equal another (M = 1, e·n_r = e·n) are that column's memory, not a copy
     import numpy as np
 
-    assert set(engine_module.aliases(True)) == {"m_high", "enm_low", "enm_high", "er_low", "er_high"}
+    assert set(engine_module.aliases(True)) == {"microbatches_high", "weight_by_record_m_low", "weight_by_record_m_high", "weight_by_rank_low", "weight_by_rank_high"}
     for name, same in engine_module.aliases(True).items():
         assert np.shares_memory(fast_steps[name].to_numpy(), fast_steps[same].to_numpy()), name
         assert not np.shares_memory(general_steps[name].to_numpy(), general_steps[same].to_numpy()), name
@@ -429,8 +429,8 @@ def test_a_column_that_never_changes_is_held_as_one_value(tmp_path: Path, monkey
     held = Engine.open(shards, chunk_rows=10).step_table()
     constant = {name for name in held.columns
                 if not isinstance(held[name].dtype, pd.CategoricalDtype) and held[name].to_numpy().strides == (0,)}
-    assert {"w_low", "w_high", "d_low", "d_high", "records", "ranks", "nonfinite_valid", "skipped_true"} <= constant
-    assert not {"step", "tokens", "loss", "e_low", "e_high"} & constant
+    assert {"world_low", "world_high", "divisor_low", "divisor_high", "records", "ranks", "nonfinite_valid", "skipped_true"} <= constant
+    assert not {"step", "tokens", "loss", "weight_low", "weight_high"} & constant
     monkeypatch.setattr(engine_module, "constant_of", lambda parts: None)
     pd.testing.assert_frame_equal(held, Engine.open(shards, chunk_rows=10).step_table())
 
@@ -510,8 +510,8 @@ def test_the_same_log_gives_the_same_sums_bit_for_bit_whatever_the_threads_did(t
 
 
 def test_without_a_probe_the_token_extremes_are_the_mean_weights_array(tmp_path: Path) -> None:
-    """A log with no probe value (by its footers): the probe-or-mean token extremes (tok_low, tok_high) are e_low
-    and e_high bit for bit, so the table holds one array for both (16 bytes a step), range by range and joined;
+    """A log with no probe value (by its footers): the probe-or-mean token extremes (token_weight_low, token_weight_high) are weight_low
+    and weight_high bit for bit, so the table holds one array for both (16 bytes a step), range by range and joined;
     the table equals the one that aggregates them. With probe values the columns stay apart and keep their own
     values; arrays are compared as bits (0.0 and −0.0 differ, NaN is NaN)."""
     import numpy as np
@@ -523,12 +523,12 @@ def test_without_a_probe_the_token_extremes_are_the_mean_weights_array(tmp_path:
     shards = load([tmp_path / "plain"]).shards
     for chunk_rows in (10, None):
         shared = Engine.open(shards, chunk_rows=chunk_rows).step_table()
-        assert np.shares_memory(shared.tok_low.to_numpy(), shared.e_low.to_numpy())
-        assert np.shares_memory(shared.tok_high.to_numpy(), shared.e_high.to_numpy())
+        assert np.shares_memory(shared.token_weight_low.to_numpy(), shared.weight_low.to_numpy())
+        assert np.shares_memory(shared.token_weight_high.to_numpy(), shared.weight_high.to_numpy())
     engine = Engine.open(shards, chunk_rows=10)
     engine.prune = False  # the probe's columns read as the files have them: aggregated
     apart = engine.step_table()
-    assert not np.shares_memory(apart.tok_low.to_numpy(), apart.e_low.to_numpy())
+    assert not np.shares_memory(apart.token_weight_low.to_numpy(), apart.weight_low.to_numpy())
     pd.testing.assert_frame_equal(shared, apart)
 
     probed = [dict(r, token_weight_sum=r["backward_scalar"] * r["valid_tokens"] / r["loss_sum"],
@@ -536,8 +536,8 @@ def test_without_a_probe_the_token_extremes_are_the_mean_weights_array(tmp_path:
                    token_weight_max=2.0 * r["backward_scalar"] / r["loss_sum"]) for r in rows]
     write(tmp_path / "probed" / "rank-all-000000.parquet", probed)
     table = Engine.open(load([tmp_path / "probed"]).shards).step_table()
-    assert not np.shares_memory(table.tok_low.to_numpy(), table.e_low.to_numpy())
-    assert (table.tok_high > table.e_high).all() and (table.tok_low < table.e_low).all()
+    assert not np.shares_memory(table.token_weight_low.to_numpy(), table.weight_low.to_numpy())
+    assert (table.token_weight_high > table.weight_high).all() and (table.token_weight_low < table.weight_low).all()
 
     assert not same_bits(np.array([0.0]), np.array([-0.0])) and same_bits(np.array([np.nan]), np.array([np.nan]))
     assert not same_bits(np.array([1], dtype=np.int32), np.array([1.0]))
@@ -617,7 +617,7 @@ def test_columns_no_record_holds_are_read_as_nulls_and_change_no_bit(tmp_path: P
         assert len(tables[True]) == len(counts) * 6
         assert not _same_table(tables[True], tables[False])
         assert tables[True].reported.gt(0).any() and tables[True].probed.gt(0).any()
-        assert tables[True].w_high.nunique() == 2 and tables[True].d_high.nunique() == 2
+        assert tables[True].world_high.nunique() == 2 and tables[True].divisor_high.nunique() == 2
 
 
 def test_a_column_that_reads_only_absent_columns_is_its_declared_value_and_not_computed() -> None:

@@ -52,17 +52,17 @@ def step_row(step: int, records: Sequence[Record], world_size: int = 2, divisor:
 
     e = [r[3] for r in valid]
     row = {"grp": group, "term": "0", "step": step, "records": len(records), "tokens": tokens,
-           "weighted_records": len(valid), "d_high": divisor, "w_high": world_size,
-           "n_low": min(r[2] for r in records), "n_high": max(r[2] for r in records),
-           "m_low": min(microbatches.values()), "m_high": max(microbatches.values()),
+           "weighted_records": len(valid), "divisor_high": divisor, "world_high": world_size,
+           "record_tokens_low": min(r[2] for r in records), "record_tokens_high": max(r[2] for r in records),
+           "microbatches_low": min(microbatches.values()), "microbatches_high": max(microbatches.values()),
            "positions": (positions or 0) * len(records), "positions_known": len(records) if positions else 0,
            "unknown_divisor": len(valid) if unknown_divisor else 0}
-    row["e_low"], row["e_high"] = bounds(e)
-    row["en_low"], row["en_high"] = bounds([r[3] * r[2] for r in valid])
-    row["er_low"], row["er_high"] = bounds([r[3] * rank_tokens[r[0]] for r in valid])
-    row["enm_low"], row["enm_high"] = bounds([r[3] * r[2] * microbatches[r[0]] for r in valid])
-    row["em_low"], row["em_high"] = bounds([r[3] * micro_tokens[r[1]] for r in valid])
-    row["et_low"], row["et_high"] = bounds([r[3] * positions for r in valid]) if positions else (math.nan, math.nan)
+    row["weight_low"], row["weight_high"] = bounds(e)
+    row["weight_by_record_low"], row["weight_by_record_high"] = bounds([r[3] * r[2] for r in valid])
+    row["weight_by_rank_low"], row["weight_by_rank_high"] = bounds([r[3] * rank_tokens[r[0]] for r in valid])
+    row["weight_by_record_m_low"], row["weight_by_record_m_high"] = bounds([r[3] * r[2] * microbatches[r[0]] for r in valid])
+    row["weight_by_micro_low"], row["weight_by_micro_high"] = bounds([r[3] * micro_tokens[r[1]] for r in valid])
+    row["weight_by_positions_low"], row["weight_by_positions_high"] = bounds([r[3] * positions for r in valid]) if positions else (math.nan, math.nan)
     return row
 
 
@@ -91,7 +91,7 @@ def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
     def passes() -> Any:
         return iter([block_fits(steps, rtol)])
 
-    worlds = {int(w) for w in steps.w_high.unique() if w == w} if "w_high" in steps else set()
+    worlds = {int(w) for w in steps.world_high.unique() if w == w} if "world_high" in steps else set()
     return Decisions.of(passes(), passes, rtol, lambda: worlds).diagnose(steps)
 
 
@@ -215,7 +215,7 @@ def test_an_unknown_divisor_leaves_uniform_weights_unjudged() -> None:
 def test_empty_and_unweighted_steps() -> None:
     empty = step_row(0, [(0, 0, 0, math.nan), (1, 0, 0, math.nan)])
     unweighted = step_row(1, [(0, 0, 3, 0.25), (1, 0, 2, 0.25)])
-    unweighted.update(weighted_records=0, e_low=math.nan, e_high=math.nan)
+    unweighted.update(weighted_records=0, weight_low=math.nan, weight_high=math.nan)
     kinds = [d.kind for d in diagnose_steps(table([empty, unweighted]), 1e-4)]
     assert kinds == [StepKind.EMPTY, StepKind.UNWEIGHTED]
 
@@ -277,15 +277,15 @@ def test_a_long_run_costs_columns_not_an_object_per_step(monkeypatch: pytest.Mon
         counts = [[int(rng.integers(1, 300))], [int(rng.integers(1, 300))]]
         rows.append(step_row(step, weights(counts, lambda n_r, W, **_: 1 / (W * n_r))))
     steps = table(rows)
-    for column in ("w_low", "d_low", "probe_spread", "masked_share", "nonfinite_valid", "nonfinite_zero",
+    for column in ("world_low", "divisor_low", "probe_spread", "masked_share", "nonfinite_valid", "nonfinite_zero",
                    "unsynced_ranks", "skipped_true", "skipped_false", "sync_known", "sync_true", "reported",
                    "unweighted_records"):
-        steps[column] = steps["w_high"] if column == "w_low" else steps["d_high"] if column == "d_low" else 0
+        steps[column] = steps["world_high"] if column == "world_low" else steps["divisor_high"] if column == "divisor_low" else 0
     steps["ranks"], steps["rank_mask"] = 2, 3
     for which in ("heavy", "light"):
         for field in ("rank", "micro", "n", "rank_tokens"):
             steps[f"{which}_{field}"] = 1
-    steps["tok_low"], steps["tok_high"] = steps.e_low, steps.e_high
+    steps["token_weight_low"], steps["token_weight_high"] = steps.weight_low, steps.weight_high
     made = []
     original = normalization.StepDiagnosis.__init__
 
@@ -297,7 +297,7 @@ def test_a_long_run_costs_columns_not_an_object_per_step(monkeypatch: pytest.Mon
     diagnoses = diagnose_steps(steps, 1e-4)
     assert isinstance(diagnoses.kind, np.ndarray) and len(diagnoses.kind) == 20_000
     findings, spans, omitted = check_run("long", steps, 1e-4)
-    uneven = sum(row["n_low"] != row["n_high"] for row in rows)  # equal counts weigh the same either way
+    uneven = sum(row["record_tokens_low"] != row["record_tokens_high"] for row in rows)  # equal counts weigh the same either way
     assert [f.code.value for f in findings] == ["local_mean"] and findings[0].steps.count == uneven
     assert len(spans) == 1 and omitted == 0 and len(made) < 10
 
