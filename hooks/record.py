@@ -54,11 +54,20 @@ class Record:
     """A captured call inside `loss_term()`."""
     filled_at: int = -1
     """A captured call: the order in which its backward ran."""
+    trained: bool | None = None
+    """Whether a gradient has flowed through b (a hook on it); None where b is no tensor that requires grad."""
 
     @property
     def backpropagated(self) -> bool:
         """Its backward has run (a record without a probe needs none)."""
         return self.probe is None or bool(self.probe.filled)
+
+    @property
+    def seen_in_backward(self) -> bool | None:
+        """A gradient flowed through b or its probe; None where neither can tell."""
+        if self.trained is None and self.probe is None:
+            return None
+        return bool(self.trained) or (self.probe is not None and bool(self.probe.filled))
 
 
 def new_record(*, step: int, micro: int, term: str, loss_sum: Value, valid_tokens: Value, backward_scalar: Value,
@@ -72,11 +81,38 @@ def new_record(*, step: int, micro: int, term: str, loss_sum: Value, valid_token
                     grad_scale=detached(grad_scale), loss_scale=loss_scale, prescaled=prescaled, sync=sync,
                     time=time.time_ns() // 1000, probe=probe, captured=captured,
                     bits=significant_bits(loss_sum, backward_scalar))
+    if isinstance(backward_scalar, torch.Tensor) and backward_scalar.requires_grad:
+        record.trained = False
+        backward_scalar.register_hook(_seen(record))  # type: ignore[no-untyped-call]
     if accelerate is not None and isinstance(backward_scalar, torch.Tensor):
         # b recorded before accelerator.backward(b) is divided there; recorded after, here.
         record.scalar_ref = weakref.ref(backward_scalar)
         record.divide = accelerate.divide(backward_scalar)
     return record
+
+
+UNTRAINED = ("tokaudit: a record of step {step} never went through backward while the update's others did (a loss "
+             "computed with gradients and recorded, never trained on: an evaluation inside the loop, a pipeline "
+             "schedule's shape inference); such records are left out of the log, as they are of the update")
+
+
+def _seen(record: Record) -> Any:
+    def hook(grad: torch.Tensor) -> None:
+        record.trained = True
+    return hook
+
+
+def never_trained(records: list[Record]) -> tuple[list[Record], list[Record]]:
+    """(kept, left out): a record that never went through backward, in an update where another one did (a loss
+    computed with gradients and recorded, never trained on: an evaluation inside the loop, a pipeline schedule's
+    shape inference), is no microbatch of it. Where no record of an update can tell, or none was seen, all stay:
+    a b recorded as a second copy of the loss that was trained on is never seen itself."""
+    seen = {record.step for record in records if record.seen_in_backward}
+    left_out = [record for record in records if record.seen_in_backward is False and record.step in seen]
+    if not left_out:
+        return records, []
+    dropped = {id(record) for record in left_out}
+    return [record for record in records if id(record) not in dropped], left_out
 
 
 def detached(value: Value) -> Value:

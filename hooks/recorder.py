@@ -17,7 +17,7 @@ import torch
 from tokaudit.hooks.amp import ScalerWatch
 from tokaudit.hooks.attach import AccelerateWatch, from_accelerator, torch_optimizer, user_stacklevel, version_of, wrap_method
 from tokaudit.hooks.buffer import RecordBuffer
-from tokaudit.hooks.record import Record, detached, new_record
+from tokaudit.hooks.record import UNTRAINED, Record, detached, never_trained, new_record
 from tokaudit.hooks.columns import Value, check_arguments, positive
 from tokaudit.hooks.identity import Placement
 from tokaudit.hooks.output import ShardOutput, Stamp
@@ -290,8 +290,7 @@ class Recorder:
         self._calls.open = []
 
     def begin_step(self, step: int) -> None:
-        """The next records belong to optimizer update `step` (a trainer's global step, so a resumed
-        run continues its numbering instead of starting at 0 again)."""
+        """The next records belong to update `step` (a trainer's global step: a resumed run numbers on)."""
         self._steps_known = True
         self._auto_closed = None
         if step != self._step:
@@ -351,7 +350,9 @@ class Recorder:
         else:
             ready = self._buffer.take(lambda record: True)
         # A captured loss that never reached backward (computed with grad, then unused) is no record.
-        ready = [r for r in ready if not (r.captured and not r.backpropagated)]
+        ready, untrained = never_trained([r for r in ready if not (r.captured and not r.backpropagated)])
+        if untrained:
+            self.warn_once("untrained", UNTRAINED.format(step=untrained[0].step))
         self._calls.number(ready)
         if not ready and not self._output.backlog:
             return
@@ -486,9 +487,8 @@ class Recorder:
         self.warn_once("probe-backward", f"tokaudit: probe could not read a backward ({error!r})")
 
     def _stamp(self) -> Stamp:
-        identity, placement = self._placement.who(), self._placement
-        return Stamp(identity.rank, identity.world_size, identity.group, self.run_id, placement.grad_divisor,
-                     placement.divisor_known)
+        who, placement = self._placement.who(), self._placement
+        return Stamp(who.rank, who.world_size, who.group, self.run_id, placement.grad_divisor, placement.divisor_known)
 
     def warn_once(self, key: str, message: str) -> None:  # the integrations warn through it; training goes on
         if key not in self._warned:

@@ -76,6 +76,9 @@ class Setup:
     counted: str = "valid"
     """What the loop records as valid_tokens: valid (the labelled tokens its loss averages) or positions (every
     position, padding included: a count the probe contradicts while the training itself is right)."""
+    evaluated: bool = False
+    """After its microbatches each rank computes a loss with gradients on one more batch, through the model itself,
+    and records it; it is never backpropagated (an evaluation inside the loop)."""
     world_size: int = 2
     description: str = ""
     """One line for people."""
@@ -259,6 +262,10 @@ def train(rank: int, world_size: int, setup: Setup, log_dir: str | None) -> list
                     scalar = _microbatch_loss(setup, recorder, outputs, labels, global_tokens, world_size)
                     (scaler.scale(scalar) if scaler is not None else scalar).backward()
                     reported += term_sum(setup, 0, outputs[0].detach(), labels)[0]
+            if recorder is not None and setup.evaluated:  # recorded, never trained on
+                tokens, labels, _ = microbatch(step, rank, len(batches), 5 + 3 * rank, setup.length)
+                evaluated, count = term_sum(setup, 0, model(tokens)[0], labels)
+                recorder.record(evaluated, count, world_size * evaluated / global_tokens[0])
             if recorder is not None and setup.reported != "none":
                 torch.distributed.all_reduce(reported)
                 reported /= global_tokens[0].clamp(min=1)

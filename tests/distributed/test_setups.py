@@ -127,6 +127,20 @@ def test_a_loss_reported_before_or_after_the_optimizer_step_is_the_right_step_s(
     assert report.findings == [] and report.runs[0].verdict == "correct"
 
 
+def test_a_loss_recorded_but_never_trained_on_is_no_microbatch(tmp_path: Path) -> None:
+    """W·S/N on 2 ranks, and after each update's microbatches a loss computed with gradients on one more batch and
+    recorded, never backpropagated (an evaluation inside the loop): the float64 reference says the set-up is right,
+    the log holds the trained microbatches only, and tokaudit says correct (its tokens in N would make it
+    a scale mismatch)."""
+    setup = Setup(name="evaluated_inside_the_loop", counts=_UNEVEN, evaluated=True, correct=True)
+    _check_against_reference(setup, [r["history"] for r in run_ddp(job, setup.world_size, setup, str(tmp_path))])
+    rows = read_rows(tmp_path / setup.name)
+    assert sorted((row["step"], row["rank"], row["micro"]) for row in rows) == [
+        (step, rank, micro) for step in range(len(_UNEVEN)) for rank in (0, 1) for micro in (0, 1)]
+    report = audit([tmp_path / setup.name])
+    assert report.findings == [] and report.runs[0].verdict == "correct"
+
+
 def test_a_told_scaler_is_divided_out_and_its_overflow_marked(recorded: Any) -> None:
     root, _ = recorded
     rows = read_rows(root / "amp_told")

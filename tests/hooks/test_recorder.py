@@ -614,3 +614,33 @@ def test_the_later_launch_wins_whatever_its_clock(tmp_path: Path, monkeypatch: p
     assert (found["duplicate_records"].steps.first, found["duplicate_records"].steps.last) == (3, 5)
     (wrong,) = [f for f in report.findings if f.severity.value == "error"]  # q = N/1 = 3 on the dead launch's steps
     assert (wrong.steps.first, wrong.steps.last, wrong.steps.count) == (0, 2, 3)
+
+
+def test_a_record_never_backpropagated_is_left_out_only_where_its_update_s_others_were(tmp_path: Path) -> None:
+    """In one process, two updates of two microbatches and a third loss recorded with gradients but never
+    backpropagated: left out (with one warning) where the update's other records went through backward. A loop
+    whose recorded b is always a second copy of the loss it trains on (never itself backpropagated) loses
+    nothing: no record of its updates was seen, so none can be told apart."""
+    weight = torch.ones(3, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+
+    def loop(run: str, copied: bool) -> list[dict[str, Any]]:
+        with Recorder(tmp_path, run_id=run, optimizer=optimizer) as rec:
+            for _ in range(2):
+                for micro in range(3):
+                    loss_sum = (weight * (micro + 1)).sum()
+                    scalar = loss_sum / 9
+                    rec.record(loss_sum, 3, (weight * (micro + 1)).sum() / 9 if copied else scalar)
+                    if micro < 2:
+                        scalar.backward()  # the third is an evaluation: recorded, never trained on
+                optimizer.step()
+                optimizer.zero_grad()
+        return read_rows(tmp_path / run)
+
+    with pytest.warns(RuntimeWarning, match="never went through backward while the update's others did"):
+        rows = loop("evaluated", copied=False)
+    assert sorted((row["step"], row["micro"]) for row in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        copies = loop("copied", copied=True)
+    assert sorted((row["step"], row["micro"]) for row in copies) == [(s, m) for s in (0, 1) for m in (0, 1, 2)]
