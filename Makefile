@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-DEFAULT_EXTRAS := hooks,hf,trl,lightning,plot,test
+DEFAULT_EXTRAS := hooks,hf,trl,lightning,plot,ray,test
 EXTRAS ?= $(DEFAULT_EXTRAS)
 # With every extra the suite uses installed, a test skipped for a missing package fails the run (tests/needs.py).
 REQUIRE_EXTRAS := $(if $(filter $(DEFAULT_EXTRAS),$(EXTRAS)),1,0)
@@ -16,7 +16,7 @@ DEMO_STAMP := $(DEMO_VENV)/.tokaudit-installed
 unexport PYTHONDONTWRITEBYTECODE
 AUDITOR_SOURCES := $(wildcard auditor/*.py auditor/*/*.py auditor/*.json)
 
-.PHONY: setup demo test test-fast typecheck wheel-smoke bench sample-logs clean
+.PHONY: setup demo test test-fast lint typecheck wheel-smoke bench sample-logs clean
 
 setup: $(STAMP)
 
@@ -40,11 +40,14 @@ demo: $(DEMO_STAMP)
 	if [ $$rc -gt 1 ]; then exit $$rc; fi
 
 # Two xdist workers: the tests under tests/distributed/ run one after the other on one of them (tests/conftest.py).
-test: setup typecheck wheel-smoke
+test: setup lint typecheck wheel-smoke
 	TOKAUDIT_REQUIRE_EXTRAS=$(REQUIRE_EXTRAS) $(BIN)/python -m pytest -q -n 2
 
 test-fast: setup
 	TOKAUDIT_REQUIRE_EXTRAS=$(REQUIRE_EXTRAS) $(BIN)/python -m pytest -q -n 2 -m "not distributed and not integration and not slow" --ignore=tests/distributed
+
+lint: setup
+	$(BIN)/python -m ruff check .
 
 typecheck: setup
 	$(BIN)/python -m mypy

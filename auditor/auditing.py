@@ -18,7 +18,8 @@ from tokaudit.checks import RunSteps, check_run, main_term_first, one_objective,
 from tokaudit.codes import DEFAULT_RTOL, Code, code_named
 from tokaudit.engine import EVIDENCE, Duplicates, Engine, Spilled, extremes_at, sweep_scratch
 from tokaudit.errors import LogFormatError, UsageError
-from tokaudit.loading import Loading, LogSet, cores, load
+from tokaudit.cluster import Cluster
+from tokaudit.loading import Loading, LogSet, cores, load, start_loading
 from tokaudit.normalization import Denominator, name_ranks
 from tokaudit.reader import Shard, inspect_shard
 from tokaudit.report import AuditReport, Finding, RunSummary, Segment
@@ -49,18 +50,21 @@ def open_logs(paths: Sequence[str | os.PathLike[str]],
     assert isinstance(steps, pd.DataFrame)
     return logset, engine, steps
 
-def load_logs(paths: Sequence[str | os.PathLike[str]], started: Loading | None = None, threads: int | None = None
-              ) -> LogSet:
+def load_logs(paths: Sequence[str | os.PathLike[str]], started: Loading | None = None, threads: int | None = None,
+              cluster: Cluster | None = None) -> LogSet:
     """The logs' footers validated (`load(paths, thorough=False)`): the load already under way (`started`),
     or one now."""
     # Footers are validated by as many processes as DuckDB has threads: every core unless told
     # (the trackers' audit beside training takes one, and so validates in its own process).
+    if cluster is not None:  # the footers read on its workers
+        with started or start_loading(paths, thorough=False) as found:
+            return cluster.load(found)
     return started.result() if started is not None else load(paths, thorough=False, workers=threads or cores())
 
 def open_log_parts(paths: Sequence[str | os.PathLike[str]],
                    progress: Progress | None = None, only_steps: tuple[int, int] | None = None,
                    threads: int | None = None, started: Loading | None = None, evidence: bool = False,
-                   spill: bool = False, loaded: LogSet | None = None
+                   spill: bool = False, loaded: LogSet | None = None, cluster: Cluster | None = None
                    ) -> tuple[LogSet, Engine | None, pd.DataFrame | Spilled]:
     """Load, validate and aggregate. A shard DuckDB cannot decode, or whose values no audit can use, is
     reported and left out.
@@ -71,8 +75,9 @@ def open_log_parts(paths: Sequence[str | os.PathLike[str]],
     a log of at most EVIDENCE_ROWS records is aggregated with the evidence columns (`engine.EVIDENCE`).
     `spill`: a table of more than `engine.SPILL_STEPS` steps is kept on disk a range at a time (`Spilled`,
     which the caller closes). `loaded`: the logs' footers already validated (`load(paths, thorough=False)`),
-    which are then not validated again."""
-    logset = loaded if loaded is not None else load_logs(paths, started, threads)
+    which are then not validated again. `cluster`: the footers and the step ranges are read and aggregated on its
+    workers (`tokaudit.cluster`)."""
+    logset = loaded if loaded is not None else load_logs(paths, started, threads, cluster)
     shards = list(logset.shards)
     if only_steps is not None:
         # Files whose footer statistics put every step outside the range are not read at all.
@@ -85,7 +90,7 @@ def open_log_parts(paths: Sequence[str | os.PathLike[str]],
     while shards:
         try:
             engine = Engine.open(shards, only_steps=only_steps, threads=threads,
-                                 extremes=evidence and rows <= EVIDENCE_ROWS)
+                                 extremes=evidence and rows <= EVIDENCE_ROWS, ranges_map=cluster.map if cluster else None)
             try:
                 steps = engine.step_parts(progress if large else None, spill)
                 if (steps.unusable_values.sum() > 0 if isinstance(steps, pd.DataFrame) else steps.unusable > 0):
@@ -140,7 +145,7 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
           runs: Sequence[str] = (), progress: Progress | None = None, live: bool = False,
           ignore: Sequence[str | Code] = (), min_ratio: float | None = None, keep_steps: bool = False,
           threads: int | None = None, started: Loading | None = None,
-          then: Callable[[AuditReport, AuditedLog], None] | None = None) -> AuditReport:
+          then: Callable[[AuditReport, AuditedLog], None] | None = None, ray: str | None = None) -> AuditReport:
     """Audit every run under `paths`. Unreadable files become `problems`; the rest is still audited.
 
     `live`: the logs are still being written, so steps after the last one every rank has recorded
@@ -151,7 +156,9 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
     beside training (the trackers' audit) takes one. `started`: the validation of `paths` already
     under way (`start_loading(paths, thorough=False, workers=cores())`, which the command line starts
     before it imports the auditor). `then`: called with the report and what it was computed from, before that is
-    closed: what a figure drawn from the same aggregation reads (`figures.run_figures`).
+    closed: what a figure drawn from the same aggregation reads (`figures.run_figures`). `ray`: the address of a Ray
+    cluster (`auto`: one running on this machine) whose workers read the footers and aggregate the step ranges
+    (`tokaudit.cluster`; the report is the one process's, bit for bit).
     """
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
@@ -163,14 +170,20 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
         ignored = {code_named(code) for code in ignore}
     except ValueError as error:
         raise UsageError(f"--ignore: {error}; `tokaudit explain` lists the codes") from None
-    return _audit(paths, rtol, runs, progress, live, ignored, min_ratio, keep_steps, threads, started, then)
+    cluster = Cluster.connect(ray) if ray is not None else None
+    try:
+        return _audit(paths, rtol, runs, progress, live, ignored, min_ratio, keep_steps, threads, started, then, cluster)
+    finally:
+        if cluster is not None:
+            cluster.close()
 
 def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[str], progress: Progress | None,
            live: bool, ignored: set[Code], min_ratio: float | None, keep_steps: bool, threads: int | None,
-           started: Loading | None, then: Callable[[AuditReport, AuditedLog], None] | None) -> AuditReport:
+           started: Loading | None, then: Callable[[AuditReport, AuditedLog], None] | None,
+           cluster: Cluster | None) -> AuditReport:
     sweep_scratch()  # what audits killed before their clean-up left behind
     logset, engine, steps = open_log_parts(paths, progress, threads=threads, started=started, evidence=True,
-                                           spill=True)
+                                           spill=True, cluster=cluster)
     problems = [str(p) for p in logset.problems]
     if engine is None:
         return AuditReport(runs=[], findings=[], problems=problems, files=0)

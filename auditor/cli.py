@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
-from rich.text import Text
 
 from tokaudit import __version__
 from tokaudit.codes import DEFAULT_RTOL, Severity, code_named
@@ -35,12 +34,13 @@ FAIL_ON = {"error": Severity.ERROR.rank, "inconclusive": Severity.ERROR.rank, "w
            "info": Severity.INFO.rank, "never": 99}
 
 
-def _start_loading(paths: tuple[str, ...]) -> Loading:
+def _start_loading(paths: tuple[str, ...], workers: int | None = None) -> Loading:
     """The validation of the logs' footers started as the audit loads them (`auditing.open_logs`: footers
-    only, a process a core), before the command imports the auditor (pandas, DuckDB: half a second)."""
+    only, a process a core unless `workers` says), before the command imports the auditor (pandas, DuckDB: half a
+    second)."""
     from tokaudit.loading import cores, start_loading
 
-    started = start_loading(paths, thorough=False, workers=cores())
+    started = start_loading(paths, thorough=False, workers=cores() if workers is None else workers)
     for note in started.notes[:NOTES_SHOWN]:  # what is read from elsewhere is said, never followed in silence
         click.echo(f"tokaudit: note: {printable(note)}", err=True)  # one unwrapped line, as problem's
     if len(started.notes) > NOTES_SHOWN:
@@ -175,8 +175,13 @@ class _Settled(click.Command):
 @click.option("--live", is_flag=True, help="The run is still training: leave out the newest steps that not "
                                            "every rank has flushed yet.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
+@click.option("--ray", "ray", is_flag=False, flag_value="", default=None, metavar="ADDRESS",
+              help="Read the footers and aggregate the step ranges on a Ray cluster's workers (pip install "
+                   "'tokaudit[ray]'): at ADDRESS, else RAY_ADDRESS, else `auto` (one running here). The workers read "
+                   "the log themselves: object storage or a folder they all see.")
 def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, ignore: tuple[str, ...],
-          min_ratio: float | None, rtol: float, runs: tuple[str, ...], live: bool, quiet: bool) -> None:
+          min_ratio: float | None, rtol: float, runs: tuple[str, ...], live: bool, quiet: bool,
+          ray: str | None) -> None:
     """Recover the normalization every run used and diagnose it.
 
     Exit 0: nothing at or above --fail-on; 1: findings; 2: bad usage or unreadable input; 130: interrupted
@@ -184,15 +189,37 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
     """
     _refuse_inputs(output, paths)
     fmt = format_for(fmt, output)
+    address = None if ray is None else ray or os.environ.get("RAY_ADDRESS") or "auto"
     with _progress(quiet) as progress:
-        with _start_loading(paths) as started:
+        with _start_loading(paths, workers=1 if address else None) as started:
             from tokaudit.auditing import audit
 
             figures: dict[str, Any] = {}
             report = audit(paths, rtol=rtol, runs=runs, live=live, progress=progress, ignore=ignore,
-                           min_ratio=min_ratio, started=started, then=_drawn_into(figures) if fmt == "html" else None)
+                           min_ratio=min_ratio, started=started, then=_drawn_into(figures) if fmt == "html" else None,
+                           ray=address)
     if ignore:
         report = replace(report, ignored_from=_ignored_from())
+    _render(report, fmt, output, figures)
+    for line in report.problems:
+        problem(line)
+    if report.problems:
+        sys.exit(EXIT_BAD_INPUT)
+    worst = max((f.severity.rank for f in report.findings), default=-1)
+    # what fails the command: the listed findings' own verdict (an ignored code never fails it)
+    gates = [run.gate_verdict or run.verdict for run in report.runs]
+    if fail_on == "inconclusive":
+        failed = worst >= Severity.ERROR.rank or any(verdict != "correct" for verdict in gates)
+    elif fail_on == "error":
+        # the default: a run reported incorrect never exits 0, whatever the severity of the findings that say so
+        failed = worst >= FAIL_ON[fail_on] or any(verdict == "incorrect" for verdict in gates)
+    else:
+        failed = worst >= FAIL_ON[fail_on]
+    sys.exit(EXIT_FINDINGS if failed else EXIT_OK)
+
+
+def _render(report: AuditReport, fmt: str, output: Path | None, figures: dict[str, Any]) -> None:
+    """The report in the format asked, to stdout or `output`."""
     if fmt == "json":
         from tokaudit.render.json_report import render_json
 
@@ -220,21 +247,6 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
         text = rich_text(lambda console: render_report(report, console), output)
         if text is not None:
             emit(text, output)
-    for line in report.problems:
-        problem(line)
-    if report.problems:
-        sys.exit(EXIT_BAD_INPUT)
-    worst = max((f.severity.rank for f in report.findings), default=-1)
-    # what fails the command: the listed findings' own verdict (an ignored code never fails it)
-    gates = [run.gate_verdict or run.verdict for run in report.runs]
-    if fail_on == "inconclusive":
-        failed = worst >= Severity.ERROR.rank or any(verdict != "correct" for verdict in gates)
-    elif fail_on == "error":
-        # the default: a run reported incorrect never exits 0, whatever the severity of the findings that say so
-        failed = worst >= FAIL_ON[fail_on] or any(verdict == "incorrect" for verdict in gates)
-    else:
-        failed = worst >= FAIL_ON[fail_on]
-    sys.exit(EXIT_FINDINGS if failed else EXIT_OK)
 
 
 def _ignored_from() -> str:

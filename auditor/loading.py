@@ -261,19 +261,12 @@ class Loading:
         return [share.worker for share in self.shares if share.worker is not None]
 
     def result(self) -> LogSet:
-        from tokaudit.reader import Shard, inspect_batch
+        from tokaudit.reader import inspect_batch
 
         inspected = _share(self.files, self.shares, self.thorough) if self.shares else inspect_batch(
             self.files, self.thorough)
         inspected += _inspect_remote(self.remote, self.thorough)
-        shards = []
-        problems = list(self.problems)
-        for item in inspected:
-            if isinstance(item, Shard):
-                shards.append(item)
-            else:
-                problems.append(LogFormatError(*item))
-        return LogSet(shards=separate_runs(shards), problems=problems)
+        return inspected_log(inspected, self.problems)
 
     def close(self) -> None:
         _stop(self.shares)
@@ -283,6 +276,14 @@ class Loading:
 
     def __exit__(self, *exception: object) -> None:
         self.close()
+
+
+def inspected_log(inspected: Sequence[Any], problems: Sequence[LogFormatError]) -> LogSet:
+    """The log of these validated files (each a Shard, or its name and problem), after discovery's `problems`."""
+    from tokaudit.reader import Shard
+
+    found = [*problems, *(LogFormatError(*item) for item in inspected if not isinstance(item, Shard))]
+    return LogSet(shards=separate_runs([item for item in inspected if isinstance(item, Shard)]), problems=found)
 
 
 def start_loading(paths: Sequence[str | os.PathLike[str]], thorough: bool = True, workers: int = 1) -> Loading:

@@ -10,6 +10,9 @@ from tokaudit.schema import UNNAMED
 
 Verdict = Literal["correct", "incorrect", "inconclusive"]
 
+Reporting = Literal["matches", "differs", "absent"]
+"""The logged loss against each step's token mean (`RunSummary.reporting`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class StepRange:
@@ -99,7 +102,7 @@ class RunSummary:
     """Steps the trainer marked skipped (a GradScaler overflow, an inf/NaN guard, N = 0)."""
     divisors: list[float] = field(default_factory=list)
     """Distinct divisors D of the gradient reduction (W for DDP's average, 1 for a sum)."""
-    reporting: str = "absent"
+    reporting: Reporting = "absent"
     """The logged loss against each step's token mean ΣS/N: "matches", "differs" (reported_loss_mismatch, or
     reported_loss_shifted: right, stamped one update off) or "absent" (none logged). Beside the verdict, never
     part of it."""

@@ -7,6 +7,7 @@ fail-on = "inconclusive"
 ignore = ["reported_loss_mismatch"]
 rtol = 1e-3
 min-ratio = 1.01
+ray = "auto"          # or a cluster's address: tokaudit check --ray
 ```
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 from tokaudit.codes import code_named
 from tokaudit.errors import UsageError
 
-KEYS = {"fail-on": "fail_on", "ignore": "ignore", "rtol": "rtol", "min-ratio": "min_ratio"}
+KEYS = {"fail-on": "fail_on", "ignore": "ignore", "rtol": "rtol", "min-ratio": "min_ratio", "ray": "ray"}
 """Each setting and the `tokaudit check` option it sets (the option's name without its dashes)."""
 
 
@@ -58,6 +59,8 @@ def check_defaults(start: Path, fail_on: Sequence[str]) -> tuple[dict[str, Any],
                     raise UsageError(f"{where} ignore: {error}; `tokaudit explain` lists the codes") from None
         if key in ("rtol", "min-ratio") and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise UsageError(f"{where} {key} = {value!r}: expected a number")
+        if key == "ray" and not isinstance(value, str):
+            raise UsageError(f"{where} ray = {value!r}: expected a cluster's address, such as \"auto\"")
         out[KEYS[key]] = tuple(value) if key == "ignore" else value
     return out, path
 

@@ -14,7 +14,7 @@ import pandas as pd
 from tokaudit.checks import RunSteps, distinct, world_sizes
 from tokaudit.codes import DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, Code, Severity
 from tokaudit.reader import Shard
-from tokaudit.report import Finding, RunSummary, Segment, StepRange, Verdict
+from tokaudit.report import Finding, RunSummary, Segment, StepRange, Verdict, Reporting
 from tokaudit.schema import Provenance
 
 
@@ -190,9 +190,9 @@ def _tokens(part: pd.DataFrame, pooled: bool) -> Any:
     return part.tokens.groupby([part.grp.astype(str), part.step]).transform("sum").to_numpy()
 
 
-def _reporting(findings: list[Finding], reported: int) -> str:
+def _reporting(findings: list[Finding], reported: int) -> Reporting:
     """The logged loss against the token mean, from the findings about it and the records that carry one."""
-    if {f.code for f in findings} & {Code.REPORTED_LOSS_MISMATCH, Code.REPORTED_LOSS_SHIFTED}:
+    if {f.code for f in findings} & REPORTING:
         return "differs"
     return "matches" if reported else "absent"
 

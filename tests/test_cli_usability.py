@@ -236,6 +236,22 @@ def test_json_follows_the_shipped_schema(tmp_path: Path) -> None:
             assert f"`{key}`" in documented, f"evidence key {key} is not documented"
 
 
+def test_the_shipped_schema_s_enums_are_the_code_s_own() -> None:
+    """report.schema.json copies five enums; each is the table it copies, in its order."""
+    from typing import get_args
+
+    from tokaudit.codes import Code, Severity
+    from tokaudit.normalization import Denominator
+    from tokaudit.report import Reporting, Verdict
+
+    definitions = json.loads(resources.files("tokaudit").joinpath("report.schema.json").read_text())["$defs"]
+    assert definitions["finding"]["properties"]["code"]["enum"] == [code.value for code in Code]
+    assert definitions["finding"]["properties"]["severity"]["enum"] == [severity.value for severity in Severity]
+    assert definitions["run"]["properties"]["verdict"]["enum"] == list(get_args(Verdict))
+    assert definitions["run"]["properties"]["reporting"]["enum"] == list(get_args(Reporting))
+    assert definitions["normalization"]["properties"]["denominator"]["enum"] == [d.value for d in Denominator]
+
+
 def test_weights_json_uses_the_log_names_and_q_at_full_precision() -> None:
     code, out, _ = invoke("weights", str(SAMPLE_LOGS), "--run", "bug_local_mean", "--step", "1", "--format", "json")
     document = json.loads(out)
@@ -336,7 +352,7 @@ def test_settings_in_pyproject_apply_from_below_and_the_command_line_wins(tmp_pa
     (project / "pyproject.toml").write_text('[tool.tokaudit]\nfail_on = "never"\n')
     code, out, err = invoke("check", log)
     assert (code, out) == (2, "") and err.strip() == (f"tokaudit: error: {project / 'pyproject.toml'}: [tool.tokaudit] "
-                                                      "has no setting 'fail_on' (settings: fail-on, ignore, rtol, min-ratio)")
+                                                      "has no setting 'fail_on' (settings: fail-on, ignore, rtol, min-ratio, ray)")
 
 
 def test_junit_has_one_test_case_per_run_failed_when_incorrect(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = ("errors", "schema", "codes", "recipes", "settings", "storage", "sorting", "validation", "footers", "reader", "spool", "loading",
-          "engine", "normalization", "report", "checks", "summary", "auditing", "postmortem", "figures", "explain",
+          "engine", "cluster", "normalization", "report", "checks", "summary", "auditing", "postmortem", "figures", "explain",
           "render", "testing", "outputs", "cli", "__main__")
 """The auditor's modules and subpackages, lowest first: each may import those before it."""
 

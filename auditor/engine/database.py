@@ -9,7 +9,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,56 +19,17 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from tokaudit.engine.ranges import CHUNK_ROWS, step_ranges
+from tokaudit.engine.connection import DEFAULT_MEMORY_LIMIT, connect, half_limit, settings_from_environment
+from tokaudit.engine.ranges import CHUNK_ROWS, RangesMap, RangeTask, step_ranges
 from tokaudit.engine.columns import EVIDENCE, STEP_COLUMNS, UNUSABLE_RECORD
 from tokaudit.engine.sql import RANK_WEIGHTS_SQL, absent_values, aliases, footer_table, one_name_of, one_record_form, select_records, sql_string, step_sql, valueless_columns
 from tokaudit.engine.tables import FILES_NAMED, SPILL_STEPS, Duplicates, Spilled, add_duplicates, scratch_folder, categorical, constant_of, join_columns, reorder
-from tokaudit.errors import UsageError
 from tokaudit.reader import Shard
 from tokaudit.storage import object_dataset
 
 
-DEFAULT_MEMORY_LIMIT = "512MB"
-"""DuckDB's share: with the interpreter, pandas, pyarrow and the step table beside it, the audit stays within
-768 MiB, also where a segment that no range may cut is aggregated whole (`engine.ranges`)."""
-
-
 _PLAIN_PATH = re.compile(r"^[A-Za-z0-9._/+=,@%:-]+$")
 """Paths DuckDB reads literally (no pattern, no escape): others are given to it through a link."""
-
-_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|%)\s*$", re.IGNORECASE)
-"""A size DuckDB reads: a number and a unit (it refuses a number alone), or a share of the memory."""
-
-def settings_from_environment() -> tuple[str, int]:
-    """(memory limit, chunk rows) from TOKAUDIT_MEMORY_LIMIT and TOKAUDIT_CHUNK_ROWS, checked."""
-    memory = os.environ.get("TOKAUDIT_MEMORY_LIMIT", DEFAULT_MEMORY_LIMIT)
-    if not _MEMORY.match(memory):
-        raise UsageError(f"TOKAUDIT_MEMORY_LIMIT={memory!r} is not a size (examples: 768MB, 2GiB)")
-    chunk = os.environ.get("TOKAUDIT_CHUNK_ROWS", str(CHUNK_ROWS))
-    if not chunk.strip().isdigit() or int(chunk) < 1:
-        raise UsageError(f"TOKAUDIT_CHUNK_ROWS={chunk!r} is not a positive whole number of rows")
-    return memory.strip(), int(chunk)
-
-_QUIET_IO = {"async_threads": 0}
-"""Settings a DuckDB that knows them takes. DuckDB 2 starts 8 threads of its own for asynchronous I/O in every
-database, whatever `threads` says; on local files they only wake and sleep, taking CPU from the query."""
-
-_NAN_SAFE = "SET parquet_can_have_nan = true"
-"""DuckDB 2 takes a float column's footer statistics for the truth unless told otherwise: on a file whose
-statistics say min = max = 1.0 (pyarrow leaves NaN out of them and writes no NaN count), `WHERE isnan(x)`
-skips the row group and finds nothing, and max(x) is 1.0. A NaN is what the audit looks for."""
-
-def _connect(config: dict[str, Any]) -> duckdb.DuckDBPyConnection:
-    """An in-memory database with `config`, and `_QUIET_IO` and `_NAN_SAFE` where this DuckDB has them."""
-    try:
-        connection = duckdb.connect(":memory:", config={**config, **_QUIET_IO})
-    except duckdb.Error:  # a DuckDB before them: an unknown setting
-        connection = duckdb.connect(":memory:", config=config)
-    try:
-        connection.execute(_NAN_SAFE)
-    except duckdb.Error:  # a DuckDB without the setting
-        pass
-    return connection
 
 @dataclass
 class Engine:
@@ -109,6 +70,9 @@ class Engine:
     """The temporary tables of footer records (`footer_table`) the views read now."""
     footer_count: int = 0
     """Footer-record tables made so far (each is named by its number)."""
+    ranges_map: RangesMap | None = None
+    """Where the step ranges are aggregated: an ordered map that runs `aggregate_range` on each (a cluster's,
+    `tokaudit.cluster`); None: in this process, on this engine's connection."""
     last_query: str = ""
     """The step query run last (`step_sql`): what a test compares with the documented one."""
     links: Path | None = None
@@ -120,14 +84,14 @@ class Engine:
     def open(cls, shards: Sequence[Shard], memory_limit: str | None = None,
              threads: int | None = None, chunk_rows: int | None = None,
              only_steps: tuple[int, int] | None = None, extremes: bool = False,
-             duplicates: dict[str, Duplicates] | None = None) -> Engine:
+             duplicates: dict[str, Duplicates] | None = None, ranges_map: RangesMap | None = None) -> Engine:
         """An engine over these shards (memory limit and chunk rows from the environment unless given).
         `duplicates`: the repeated keys an earlier engine over the same shards found (`Engine.duplicates`), so that
         this one's views leave out the same records without aggregating every step again."""
         environment_memory, environment_chunk = settings_from_environment()
         memory_limit = memory_limit or environment_memory
         links: Path | None = None
-        connection = _connect({"memory_limit": memory_limit, "temp_directory": tempfile.gettempdir(),
+        connection = connect({"memory_limit": memory_limit, "temp_directory": tempfile.gettempdir(),
                                "preserve_insertion_order": False})
         try:
             connection.execute("SET enable_progress_bar = false")
@@ -137,8 +101,7 @@ class Engine:
                 "SELECT current_setting('threads')").fetchall()[0][0])
             engine = cls(connection=connection, shards=list(shards), duplicates=dict(duplicates or {}),
                          chunk_rows=chunk_rows or environment_chunk, only_steps=only_steps, extremes=extremes,
-                         threads=count,
-                         memory_limit=memory_limit)
+                         threads=count, memory_limit=memory_limit, ranges_map=ranges_map)
             here = os.getcwd()
             for index, shard in enumerate(engine.shards):
                 # Path.absolute() without pathlib's parsing (a third of a second at 10,000 shards).
@@ -303,13 +266,13 @@ class Engine:
         spilled: Spilled | None = None
         held = 0
         chunks = step_ranges(self.shards, self.chunk_rows, self.only_steps)
-        tables: Generator[dict[str, Any], None, None] = (
-            self._range_table(steps, shards) for steps, shards in chunks)
+        tables = self._range_tables(chunks)
         try:
             for index, (steps, _) in enumerate(chunks):
                 if progress and len(chunks) > 1 and steps:
                     progress(f"aggregating steps {steps[0]}–{steps[1]} ({index + 1}/{len(chunks)})")
-                table = next(tables)
+                table, found = next(tables)
+                add_duplicates(self.duplicates, found)
                 note_precision(self.precision, table)
                 held += len(table["step"])
                 if spill and spilled is None and held > SPILL_STEPS:
@@ -329,7 +292,9 @@ class Engine:
                 spilled.close()
             raise
         finally:
-            tables.close()
+            close = getattr(tables, "close", None)
+            if close is not None:
+                close()
         if spilled is not None:
             return spilled
         joined = join_columns(columns)
@@ -340,18 +305,30 @@ class Engine:
                                          joined["run"].codes)))
         return pd.DataFrame(joined, copy=False)
 
-    def _range_table(self, steps: tuple[int, int] | None, shards: list[Shard]) -> dict[str, Any]:
+    def _range_tables(self, chunks: list[tuple[tuple[int, int] | None, list[Shard]]]
+                      ) -> Iterator[tuple[dict[str, Any], dict[str, Duplicates]]]:
+        """Each range's table and repeated keys, in order: here, or through `ranges_map` each by an engine of its
+        own over the range's shards, given in this engine's order (of two records of one key the later file's
+        wins) and with this engine's settings."""
+        if self.ranges_map is None:
+            return (self._range_table(steps, shards) for steps, shards in chunks)
+        order = {id(shard): index for index, shard in enumerate(self.shards)}
+        return self.ranges_map(aggregate_range, [
+            RangeTask(tuple(sorted(shards, key=lambda s: order[id(s)])), steps, self.extremes, self.prune,
+                      self.footer_rows, self.memory_limit) for steps, shards in chunks])
+
+    def _range_table(self, steps: tuple[int, int] | None, shards: list[Shard]
+                     ) -> tuple[dict[str, Any], dict[str, Duplicates]]:
         """One range's step table by the query (`_aggregate`), its repeated keys found and left out first if it
-        has any (`duplicates` counts them)."""
+        has any (and returned, per run)."""
         self._define(shards, steps, deduplicate=False)
         table = self._aggregate(shards)
         if np.nansum(table["repeated_micro"]) > 0 or np.nansum(table["wide_micro"]) > 0:
             found = self._find_duplicates()
             if found:
-                add_duplicates(self.duplicates, found)
                 self._define(shards, steps, deduplicate=True)
-                table = self._aggregate(shards)
-        return table
+                return self._aggregate(shards), found
+        return table, {}
 
     def _aggregate(self, shards: Sequence[Shard]) -> dict[str, Any]:
         """One range's step table as arrays, by column: numpy's, as DuckDB hands them over (a pandas
@@ -424,7 +401,7 @@ class Engine:
         Over the whole log at once (not a range at a time), so it runs at half the memory limit, the step table
         and the figures being held beside it: DuckDB spills the rest."""
         self._whole()
-        self.connection.execute(f"SET memory_limit = '{_half(self.memory_limit)}'")
+        self.connection.execute(f"SET memory_limit = '{half_limit(self.memory_limit)}'")
         try:
             return self.connection.execute(RANK_WEIGHTS_SQL, {"rows": rows, "columns": columns,
                                                               "pooled": list(pooled)}).df()
@@ -447,17 +424,16 @@ class Engine:
         if self.links is not None:
             shutil.rmtree(self.links, ignore_errors=True)
 
-def _half(limit: str) -> str:
-    """Half a memory limit as DuckDB reads one (`_MEMORY`: "768MB", "2GiB", "50%")."""
-    found = _MEMORY.match(limit)
-    if found is None:
-        return limit
-    number, unit = float(found.group(1)), found.group(2).lower()
-    if unit == "%":
-        return f"{number / 2:g}%"
-    scale = {"b": 1, "kb": 1e3, "kib": 2**10, "mb": 1e6, "mib": 2**20, "gb": 1e9, "gib": 2**30, "tb": 1e12,
-             "tib": 2**40}[unit]
-    return f"{max(16, int(number * scale / 2 / 2**20))}MiB"
+def aggregate_range(task: RangeTask) -> tuple[dict[str, Any], dict[str, Duplicates]]:
+    """A range's step table and its repeated keys, by an engine of its own over the range's shards, on one thread:
+    what `Engine.ranges_map` runs on a cluster's worker. The same query over the same records as the engine that
+    cut the range, so the same bits."""
+    engine = Engine.open(list(task.shards), memory_limit=task.memory_limit, threads=1, extremes=task.extremes)
+    try:
+        engine.prune, engine.footer_rows = task.prune, task.footer_rows
+        return engine._range_table(task.steps, list(task.shards))
+    finally:
+        engine.close()
 
 
 def note_precision(precision: dict[str, int], table: dict[str, Any]) -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
 from tokaudit.reader import Shard
 
 
@@ -63,3 +67,21 @@ def _whole_ranges(shards: list[Shard], chunk_rows: int) -> list[tuple[tuple[int,
 def _steps(first: int, last: int, rows: int) -> int:
     """Steps a range can hold: its span, and at most one a row whatever the numbering."""
     return min(last - first + 1, rows)
+
+@dataclass(frozen=True)
+class RangeTask:
+    """One step range's aggregation as a worker elsewhere runs it alone (`aggregate_range`)."""
+
+    shards: tuple[Shard, ...]
+    """The range's shards, in the order of the engine that cut it (of two records of one key, the later file's wins)."""
+    steps: tuple[int, int] | None
+    extremes: bool
+    prune: bool
+    footer_rows: bool
+    memory_limit: str
+
+    def __str__(self) -> str:
+        return f"steps {self.steps[0]}–{self.steps[1]}" if self.steps else "every step"
+
+RangesMap = Callable[[Callable[[RangeTask], Any], Sequence[RangeTask]], Iterator[Any]]
+"""An ordered map: the function's result for each task, in the tasks' order."""

@@ -94,7 +94,7 @@ def test_an_engine_s_database_keeps_no_threads_for_asynchronous_io(tmp_path: Pat
     and a DuckDB without that setting still opens the log, with the same table."""
     import duckdb
 
-    import tokaudit.engine.database as engine_module
+    import tokaudit.engine.connection as engine_module
 
     write(tmp_path / "run" / "rank-all-000000.parquet", records(UNEVEN_GA, local_mean))
     shards = load([tmp_path]).shards
@@ -1008,3 +1008,29 @@ def test_every_declared_column_is_in_the_table_of_every_form_in_the_declared_ord
             assert list(table.columns) == ["run", "grp", "term", "step", *expected]
     for partial in PARTIALS:
         assert any(partial.name in column.aggregate for column in STEP_COLUMNS), partial.name
+
+
+def test_ranges_aggregated_each_by_an_engine_of_its_own_give_the_same_table(tmp_path: Path) -> None:
+    """The seam a cluster plugs into: each range aggregated alone by `aggregate_range` (what a Ray worker runs),
+    through an ordered map, gives the table and the repeated keys of the one engine bit for bit: several ranges,
+    a repeated key whose later file wins, two groups and terms."""
+    from tokaudit.engine import RangeTask, aggregate_range
+
+    rows = records(UNEVEN_GA * 4, local_mean, positions=8)
+    rows += [dict(r, group="dp1", term="aux", backward_scalar=0.5 * r["backward_scalar"]) for r in rows]
+    for first in range(0, 12, 3):
+        write(tmp_path / "run" / f"rank-all-{first:06d}.parquet", [r for r in rows if first <= r["step"] < first + 3])
+    write(tmp_path / "run" / "rank-all-999999.parquet",
+          [dict(r, loss_sum=r["loss_sum"] + 1.0) for r in rows if r["step"] == 7])  # a later copy, other values
+    shards = load([tmp_path]).shards
+    seen: list[RangeTask] = []
+
+    def mapped(function: Any, tasks: Any) -> Any:
+        seen.extend(tasks)
+        return map(function, tasks)
+
+    one = Engine.open(shards, chunk_rows=10)
+    apart = Engine.open(shards, chunk_rows=10, ranges_map=mapped)
+    assert not _same_table(one.step_table(), apart.step_table())
+    assert len(seen) > 1 and all(isinstance(task, RangeTask) for task in seen) and aggregate_range is not None
+    assert one.duplicates == apart.duplicates and _counts(apart.duplicates) == {"run": (8, 7, 7, 1)}

@@ -1,0 +1,164 @@
+"""The audit on a real local Ray cluster (a head and 2 worker processes, started and torn down here): the same JSON
+as one process, byte for byte, and one line for each way it can fail."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.needs import needs
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, needs("ray")]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    """A head node on 127.0.0.1 with 2 CPUs (two worker processes), Ray's usage reporting off and its files under a
+    temporary folder (short: Ray's sockets live there); stopped, and its folder removed, after the module."""
+    ray = Path(sys.executable).with_name("ray")
+    folder = tempfile.mkdtemp(prefix="tray", dir="/tmp")
+    port = _free_port()
+    environment = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    started = subprocess.run([str(ray), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                              "--num-cpus", "2", "--temp-dir", folder, "--include-dashboard", "false",
+                              "--disable-usage-stats"], env=environment, capture_output=True, text=True, timeout=120)
+    try:
+        assert started.returncode == 0, started.stderr
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([str(ray), "stop", "--force"], env=environment, capture_output=True, timeout=120)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _json(paths: list[Path], **kwargs: object) -> str:
+    from tokaudit.auditing import audit
+    from tokaudit.render.json_report import render_json
+
+    return render_json(audit([str(p) for p in paths], **kwargs))  # type: ignore[arg-type]
+
+
+def test_the_cluster_s_report_is_the_one_process_s(cluster: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """sample_logs/ and a bench log cut into several step ranges (planted local means, duplicates), each range
+    aggregated on a worker: the same JSON as one process."""
+    from tests.logs import bench_synthetic
+
+    bench = tmp_path / "bench"
+    bench_synthetic().write_log(bench / "run", ranks=8, steps=600, micro=2, steps_per_file=100, ranks_per_file=4,
+                                local_mean_every=2)
+    shutil.copy(next((bench / "run").glob("*.parquet")), bench / "run" / "zz-copy.parquet")  # repeated keys
+    monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "2000")  # several ranges
+    for log in (ROOT / "sample_logs", bench):
+        assert _json([log], ray=cluster) == _json([log]), log
+
+
+def test_the_command_line_takes_the_cluster_from_ray_address(cluster: str) -> None:
+    from click.testing import CliRunner
+
+    from tokaudit.cli import main
+
+    alone = CliRunner().invoke(main, ["check", str(ROOT / "sample_logs"), "--format", "json"])
+    here = CliRunner().invoke(main, ["check", str(ROOT / "sample_logs"), "--format", "json", "--ray"],
+                              env={"RAY_ADDRESS": cluster})
+    assert here.exit_code == alone.exit_code == 1 and here.stdout == alone.stdout
+
+
+def test_a_worker_that_dies_is_replaced_and_one_that_always_dies_ends_the_audit_in_one_line(
+        cluster: str, tmp_path: Path) -> None:
+    """A task whose worker process is killed is run again; a task that kills every worker it gets ends the map
+    with one line naming its item, never a partial result."""
+    from tokaudit.cluster import Cluster
+    from tokaudit.errors import UsageError
+
+    marker = str(tmp_path / "died-once")
+
+    def dies_once(item: int) -> int:  # (a closure: Ray sends it by value)
+        if item == 2 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)
+        return item * 10
+
+    def always_dies(item: int) -> int:
+        if item == 2:
+            os._exit(1)
+        return item
+
+    connected = Cluster.connect(cluster)
+    try:
+        assert list(connected.map(dies_once, [1, 2, 3])) == [10, 20, 30] and os.path.exists(marker)
+        with pytest.raises(UsageError, match=r"^the Ray task for 2 failed \(.*\); no verdict was made"):
+            list(connected.map(always_dies, [1, 2, 3]))
+    finally:
+        connected.close()
+
+
+def test_a_node_with_another_tokaudit_is_refused_in_one_line(cluster: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tokaudit
+    from tokaudit.cluster import Cluster
+    from tokaudit.errors import UsageError
+
+    # this process says another version; the workers import the installed one
+    monkeypatch.setattr(tokaudit, "__version__", "0.0.1")
+    with pytest.raises(UsageError, match=r"runs tokaudit .*, this process tokaudit 0\.0\.1"):
+        Cluster.connect(cluster)
+
+
+def test_a_cluster_that_does_not_answer_and_ray_missing_are_one_line_each(tmp_path: Path) -> None:
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    refused = subprocess.run([sys.executable, "-m", "tokaudit", "check", str(ROOT / "sample_logs"), "--ray",
+                              f"127.0.0.1:{_free_port()}"], capture_output=True, text=True, env=env, timeout=60)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "cannot reach the Ray cluster at 127.0.0.1:" in refused.stderr and "Traceback" not in refused.stderr
+    # a Python where `import ray` fails
+    blocker = tmp_path / "noray"
+    (blocker / "ray").mkdir(parents=True)
+    (blocker / "ray" / "__init__.py").write_text("raise ImportError('no ray here')\n")
+    missing = subprocess.run([sys.executable, "-m", "tokaudit", "check", str(ROOT / "sample_logs"), "--ray"],
+                             capture_output=True, text=True, env={**env, "PYTHONPATH": str(blocker)}, timeout=60)
+    assert missing.returncode == 2 and missing.stderr == (
+        "tokaudit: error: --ray needs Ray on this machine and the cluster's: pip install 'tokaudit[ray]'\n")
+
+
+def test_a_path_some_node_cannot_read_is_refused_before_any_work() -> None:
+    """The check each node runs (`unreadable`), and the line it gives (the nodes here are this machine, which reads
+    every path, so the answer is staged)."""
+    from tokaudit.cluster import Cluster, unreadable
+    from tokaudit.errors import UsageError
+
+    assert unreadable([__file__, "/no/such/file.parquet"]) == "/no/such/file.parquet" and unreadable([__file__]) == ""
+
+    class Staged(Cluster):
+        def __init__(self) -> None:
+            self.address = "here"
+
+        def _on_every_node(self, function: object, *arguments: object) -> list[object]:
+            return ["", "/local/run/rank-00000.parquet"]
+
+    with pytest.raises(UsageError, match=r"^/local/run/rank-00000\.parquet: the Ray cluster's workers cannot read it"):
+        Staged().check_visible([Path("/local/run/rank-00000.parquet")])
+
+
+@needs("moto", "boto3")
+def test_a_log_on_s3_is_read_by_the_workers_with_the_one_process_s_report(cluster: str) -> None:
+    """The workers read the objects themselves (a local S3 server here), with the store this process opened."""
+    from tests.s3 import endpoint as s3_endpoint
+
+    with contextlib.contextmanager(s3_endpoint.__wrapped__)():  # type: ignore[attr-defined]
+        assert _json(["s3://logs/runs/"], ray=cluster) == _json(["s3://logs/runs/"])  # type: ignore[list-item]
