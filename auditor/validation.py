@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -11,8 +11,11 @@ import pyarrow.compute as pc
 from tokaudit.errors import LogFormatError
 from tokaudit.schema import INT32_MAX, REQUIRED_COLUMNS, SCHEMA_VERSION
 
-if TYPE_CHECKING:
-    from tokaudit.footers import Footer
+
+class Readable(Protocol):
+    """A file whose columns can be read whole (`footers.Footer`): what a check of its values reads."""
+
+    def read(self, columns: list[str]) -> pa.Table: ...
 
 
 # (column, lowest allowed value, what it means); null never allowed for required columns.
@@ -43,7 +46,7 @@ STATISTICS_COLUMNS = (frozenset(REQUIRED_COLUMNS) | {column for column, _, _ in 
 """Columns whose footer statistics are read: `check_values`'s, the names' (`names_of`) and D's
 (`Shard.divisor_range`)."""
 
-def check_values(parquet: Footer, present: frozenset[str], stats: dict[str, tuple[Any, Any, int | None]],
+def check_values(parquet: Readable, present: frozenset[str], stats: dict[str, tuple[Any, Any, int | None]],
                   thorough: bool, exact: bool = False) -> None:
     """Statistics first (no data read); the columns themselves only when statistics cannot decide.
     A NaN divisor or scale never shows in statistics, nor does T < n on one record where T's and n's ranges
@@ -144,7 +147,7 @@ def _check_rows(table: pa.Table, columns: Iterable[str]) -> None:
 
 INT64_MAX = (1 << 63) - 1
 
-def raise_beyond_int64(parquet: Footer, column: str) -> None:
+def raise_beyond_int64(parquet: Readable, column: str) -> None:
     values = parquet.read([column])[column]
     _raise_at_first(pc.greater(values, pa.scalar(INT64_MAX, pa.uint64())),
                     f"column '{column}' holds a value beyond the int64 range", values)

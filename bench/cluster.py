@@ -46,7 +46,7 @@ def range_work(log: Path) -> tuple[int, list[tuple[int, float]]]:
         start = time.perf_counter()
         aggregate_range(task)
         records = sum(s.rows for s in members) if steps is None else sum(
-            rows for s in members for first, last, rows in (s.step_groups or ((*s.step_range, s.rows),))
+            rows for s in members for first, last, rows in (s.step_groups or ((*(s.step_range or (0, 0)), s.rows),))
             if first <= steps[1] and last >= steps[0])
         work.append((records, time.perf_counter() - start))
     return sum(s.rows for s in shards), work

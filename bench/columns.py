@@ -15,9 +15,8 @@ from pathlib import Path
 
 import duckdb
 
-import tokaudit.engine.sql as sql
 from tokaudit.engine import Engine
-from tokaudit.engine.columns import PARTIALS, STEP_COLUMNS
+from tokaudit.engine.columns import STEP_COLUMNS
 from tokaudit.engine.sql import absent_values, one_name_of, one_record_form, step_sql
 from tokaudit.loading import load
 
@@ -29,19 +28,11 @@ def timed(engine: Engine, query: str) -> float:
 
 
 def without(*names: str) -> str:
-    """The query with these columns left out, and the partials only they read."""
-    kept = tuple(c for c in STEP_COLUMNS if c.name not in names)
-    read = " ".join(c.aggregate + c.single for c in kept)
-    original = sql.STEP_COLUMNS, sql.PARTIALS
-    sql.STEP_COLUMNS = kept  # type: ignore[misc]
-    sql.PARTIALS = tuple(p for p in PARTIALS if p.name in read)  # type: ignore[misc]
-    try:
-        return step_sql(*SHAPE)
-    finally:
-        sql.STEP_COLUMNS, sql.PARTIALS = original  # type: ignore[misc]
+    """The query with these columns left out (and the per-rank and per-microbatch values only they read)."""
+    return step_sql(*SHAPE, declared=[c for c in STEP_COLUMNS if c.name not in names])
 
 
-SHAPE: tuple = ()
+SHAPE: tuple[bool, bool, bool, frozenset[str]] = (False, False, False, frozenset())
 
 
 def main() -> None:

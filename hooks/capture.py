@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +19,16 @@ import torch.nn.functional as F
 from tokaudit.hooks.probe import ProbeResult, ScalarProbe, TokenProbe
 from tokaudit.hooks.terms import Footprint
 
-if TYPE_CHECKING:
-    from tokaudit.hooks.recorder import Recorder
+
+class Recorder(Protocol):
+    """What a capture asks of the recorder it records for (`hooks.recorder.Recorder`)."""
+
+    def probe_failed(self, error: BaseException) -> None: ...
+
+    def warn_once(self, key: str, message: str) -> None: ...
+
+    def captured_call(self, footprint: Footprint, loss_sum: torch.Tensor, valid_tokens: torch.Tensor,
+                      positions: int) -> ProbeResult: ...
 
 
 NOTHING_CAPTURED = ("no cross-entropy call was captured: the loss is computed by a function tokaudit cannot see (a "

@@ -15,12 +15,22 @@ Three things a schedule does that the loop never shows:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 from tokaudit.hooks.attach import Restore, wrap_method
 
-if TYPE_CHECKING:
-    from tokaudit.hooks.recorder import Recorder
+
+class Recorder(Protocol):
+    """What the schedule's hooks ask of the recorder (`hooks.recorder.Recorder`)."""
+
+    provenance: dict[str, Any]
+
+    def paused(self) -> AbstractContextManager[None]: ...
+
+    def scale_grads(self, factor: Any) -> None: ...
+
+    def next_microbatch(self) -> None: ...
 
 INFERENCE_METHODS = ("_prepare_backward_infra", "_shape_inference")
 """A stage's methods that call `loss_fn` to infer shapes (torch 2.13; earlier releases)."""

@@ -122,6 +122,67 @@ def test_the_rules_see_a_wrong_import(tmp_path: Path) -> None:
     assert LAYERS.index(layer("tokaudit.render.text")) > LAYERS.index(layer("tokaudit.reader"))
 
 
+def module_level_targets(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The modules `module` imports when it is imported: its module-level imports, typing-only ones included (a
+    function's own import runs when it is called), each `from package import name` counted as the submodule where
+    `name` is one, else as the package (its __init__)."""
+    found: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tokaudit":
+                found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                             for a in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name in known)
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit([*node.body, *node.orelse, *getattr(node, "finalbody", [])])
+
+    visit(ast.parse(path.read_text(encoding="utf-8")).body)
+    return {target for target in found if target in known and target != module}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            part = []
+            while True:
+                member = stack.pop()
+                part.append(member)
+                if member == node:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle_within_a_layer_in_the_hooks_or_through_a_package() -> None:
+    """What the layer rule leaves to this one: modules of one layer, the hooks among themselves and a package's
+    __init__ with its own modules import each other in one direction only, typing-only imports included."""
+    known = modules()
+    graph = {module: module_level_targets(module, path, known) for module, path in known.items()}
+    assert not cycles(graph), cycles(graph)
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
 def test_modules_and_functions_stay_short() -> None:
     long = []
     for module, path in modules().items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -20,20 +21,22 @@ DUCKDB_TYPES = {"int": "BIGINT", "float": "DOUBLE", "bool": "BOOLEAN", "string":
 def sql_string(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
-def step_sql(one_record: bool, evidence: bool = False, one_name: bool = False, absent: frozenset[str] = frozenset()
-             ) -> str:
+def step_sql(one_record: bool, evidence: bool = False, one_name: bool = False, absent: frozenset[str] = frozenset(),
+             declared: Sequence[StepColumn] = STEP_COLUMNS) -> str:
     """The per-step query, written from the declarations (`engine.columns`). `one_record`: the footers show every
     record is microbatch 0 of a rank below 64 (`one_record_form`), so a (rank, step) holds one record (unless a key
     is repeated): the per-rank values are then a projection of the records, aggregated in the one grouping by
     step, instead of a hash table of every (rank, step). `evidence`: with the EVIDENCE columns. `one_name`: every record has one (run, group, term),
     which the query then leaves out (`Engine._finish` adds it). `absent`: what no record holds (`absent_values`):
-    a column that reads only that is its declared `absent` value, not computed.
+    a column that reads only that is its declared `absent` value, not computed. `declared`: the columns (all but to
+    time a query without some, `bench/columns.py`), with the per-rank and per-microbatch values they read.
 
     By step only: sorting by the names as well costs more than the rest of the query at millions of steps; the
     rare table of several (run, group, term) is sorted as categories after (`Engine.step_parts`)."""
-    columns = [c for c in STEP_COLUMNS if evidence or not c.evidence]
+    columns = [c for c in declared if evidence or not c.evidence]
+    read = " ".join(c.aggregate + " " + c.single for c in columns)
     partials = [replace(p, aggregate=p.absent, one_record=p.absent) if _gone(p, absent) else p
-                for p in PARTIALS if evidence or not p.evidence]
+                for p in PARTIALS if (evidence or not p.evidence) and re.search(rf"\b{p.name}\b", read)]
     # k stands for (run, grp, term) in the groupings: an integer hashes in a fraction of the time of three strings
     key, names = ("CAST(0 AS UBIGINT)", "") if one_name else ("hash(run, grp, term)", "run, grp, term, ")
     kept = "" if one_name else "any_value(run) AS run, any_value(grp) AS grp, any_value(term) AS term, "
