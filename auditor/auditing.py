@@ -144,8 +144,7 @@ def _undecodable(shards: list[Shard]) -> dict[object, LogFormatError]:
 def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol: float = DEFAULT_RTOL,
           runs: Sequence[str] = (), progress: Progress | None = None, live: bool = False,
           ignore: Sequence[str | Code] = (), min_ratio: float | None = None, keep_steps: bool = False,
-          threads: int | None = None, started: Loading | None = None,
-          then: Callable[[AuditReport, AuditedLog], None] | None = None, ray: str | None = None) -> AuditReport:
+          threads: int | None = None, ray: str | None = None) -> AuditReport:
     """Audit every run under `paths`. Unreadable files become `problems`; the rest is still audited.
 
     `live`: the logs are still being written, so steps after the last one every rank has recorded
@@ -153,13 +152,21 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
     `min_ratio`: a weighting finding whose heaviest token weighs less than this many times the
     lightest is information, not an error (verdicts follow). `keep_steps`: keep the per-step table
     in `report.steps`. `threads`: DuckDB's worker threads (default: every core); an audit running
-    beside training (the trackers' audit) takes one. `started`: the validation of `paths` already
-    under way (`start_loading(paths, thorough=False, workers=cores())`, which the command line starts
-    before it imports the auditor). `then`: called with the report and what it was computed from, before that is
-    closed: what a figure drawn from the same aggregation reads (`figures.run_figures`). `ray`: the address of a Ray
-    cluster (`auto`: one running on this machine) whose workers read the footers and aggregate the step ranges
-    (`tokaudit.cluster`; the report is the one process's, bit for bit).
+    beside training (the trackers' audit) takes one. `ray`: the address of a Ray cluster (`auto`: one running on
+    this machine) whose workers read the footers and aggregate the step ranges (`tokaudit.cluster`; the report is
+    the one process's, bit for bit).
     """
+    return audit_started(paths, None, None, rtol, runs, progress, live, ignore, min_ratio, keep_steps, threads, ray)
+
+def audit_started(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], started: Loading | None,
+                  then: Callable[[AuditReport, AuditedLog], None] | None, rtol: float = DEFAULT_RTOL,
+                  runs: Sequence[str] = (), progress: Progress | None = None, live: bool = False,
+                  ignore: Sequence[str | Code] = (), min_ratio: float | None = None, keep_steps: bool = False,
+                  threads: int | None = None, ray: str | None = None) -> AuditReport:
+    """`audit`, as the command line runs it: `started`, the validation of `paths` already under way
+    (`start_loading(paths, thorough=False, ...)`, which it starts before it imports the auditor); `then`, called
+    with the report and what it was computed from before that is closed (the HTML report's figures,
+    `figures.run_figures`, drawn from the same aggregation)."""
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
     if not (0 < rtol < 1):
@@ -236,7 +243,7 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
 
 @dataclass(frozen=True)
 class AuditedLog:
-    """What an audit was computed from, handed to `audit(..., then=)` before it is closed."""
+    """What an audit was computed from, handed to `audit_started`'s `then` before it is closed."""
 
     shards: list[Shard]
     """The shards audited (those no audit could use left out)."""

@@ -54,7 +54,7 @@ NOTES_SHOWN = 5
 
 
 def _drawn_into(figures: dict[str, Any]) -> Callable[[AuditReport, AuditedLog], None]:
-    """`audit(..., then=)` for the HTML report: each run's figures, drawn from the audit's own aggregation."""
+    """`audit_started(..., then)` for the HTML report: each run's figures, drawn from the audit's own aggregation."""
 
     def draw(report: AuditReport, log: AuditedLog) -> None:
         from tokaudit.figures import run_figures
@@ -192,12 +192,12 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
     address = None if ray is None else ray or os.environ.get("RAY_ADDRESS") or "auto"
     with _progress(quiet) as progress:
         with _start_loading(paths, workers=1 if address else None) as started:
-            from tokaudit.auditing import audit
+            from tokaudit.auditing import audit_started
 
             figures: dict[str, Any] = {}
-            report = audit(paths, rtol=rtol, runs=runs, live=live, progress=progress, ignore=ignore,
-                           min_ratio=min_ratio, started=started, then=_drawn_into(figures) if fmt == "html" else None,
-                           ray=address)
+            report = audit_started(paths, started, _drawn_into(figures) if fmt == "html" else None, rtol=rtol,
+                                   runs=runs, live=live, progress=progress, ignore=ignore, min_ratio=min_ratio,
+                                   ray=address)
     if ignore:
         report = replace(report, ignored_from=_ignored_from())
     _render(report, fmt, output, figures)

@@ -34,7 +34,7 @@ class RunFigures:
 
 
 def run_figures(log: AuditedLog, runs: Sequence[str], pooled: Sequence[str] = ()) -> dict[str, RunFigures]:
-    """The figures of `runs` (as the audit named them) from what the audit read (`audit(..., then=)`): the curves
+    """The figures of `runs` (as the audit named them) from what the audit read (`auditing.audit_started`'s `then`): the curves
     from its step table, the heat-map from the records, read once more (what it draws is per rank, which the step
     table does not hold), with the repeated keys the audit left out left out again. `pooled`: the runs whose
     terms are one token mean (`RunSummary.terms_pooled`), whose q counts N over every term."""

@@ -286,7 +286,7 @@ def test_ctrl_c_is_one_line_and_exit_130(logs: Path, monkeypatch: pytest.MonkeyP
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tokaudit.auditing, "audit", interrupted)
+    monkeypatch.setattr(tokaudit.auditing, "audit_started", interrupted)
     result = CliRunner().invoke(main, ["check", str(logs)])
     assert result.exit_code == 130 and result.stderr == "tokaudit: error: interrupted\n", result.output
 
