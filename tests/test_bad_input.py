@@ -259,7 +259,7 @@ def test_an_internal_error_is_one_line_and_debug_shows_it(tmp_path: Path, monkey
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("something unforeseen")
 
-    monkeypatch.setattr("tokaudit.auditing.audit", broken)
+    monkeypatch.setattr("tokaudit.auditing.audit_started", broken)
     code, out, err = invoke("check", str(logs))
     no_traceback(out, err)
     (line,) = error_lines(err)
