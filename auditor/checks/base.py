@@ -21,24 +21,13 @@ import pandas as pd
 from tokaudit.codes import DEFAULT_SEVERITY, TOKEN_MEAN_FIXES, Code, Severity
 from tokaudit.recipes import recipe_for
 from tokaudit.engine import one_value
-from tokaudit.normalization import BLOCK_STEPS, Denominator, name_ranks
+from tokaudit.normalization import BLOCK_STEPS, DENOMINATOR_FACTS, Denominator, Diagnoses, name_ranks
 from tokaudit.report import Finding, StepRange
 from tokaudit.schema import UNNAMED, Provenance
 from tokaudit.sorting import SortedColumn, at_positions, middle, middle_positions
 
 
-DENOMINATOR_WORDS = {
-    Denominator.N: "the step's global valid-token count N",
-    Denominator.MICRO_GLOBAL: "each microbatch's own global count N_m",
-    Denominator.RANK: "each rank's own valid-token count n_r",
-    Denominator.MICRO_TIMES_M: "each microbatch's own mean (its own count n) divided by the number of microbatches M",
-    Denominator.MICRO: "each microbatch's own count n",
-    Denominator.POSITIONS: "the positions of each microbatch, padding and ignored labels included",
-    Denominator.STEP_POSITIONS: "the positions of the whole step, padding and ignored labels included",
-    Denominator.ONE: "nothing (a raw loss sum)",
-    Denominator.UNDETERMINED: "undetermined: counts are equal everywhere, so local and global means coincide",
-    Denominator.UNEXPLAINED: "no single denominator",
-}
+DENOMINATOR_WORDS = {d: facts.words for d, facts in DENOMINATOR_FACTS.items()}
 
 @dataclass(frozen=True, slots=True)
 class RunContext:
@@ -208,17 +197,39 @@ def nan_sum(values: npt.NDArray[Any]) -> float:
     """A column's sum with NaN left out, as pandas sums."""
     return float(np.nansum(values)) if values.dtype.kind == "f" else float(values.sum())
 
-class Check:
-    """One check, fed the table a block at a time (`add`), then asked for its findings."""
+@dataclass(frozen=True)
+class TermInputs:
+    """What every check of one loss term is made from (`checks.run.CHECKS`)."""
 
-    def __init__(self, context: RunContext, keep_steps: bool) -> None:
-        self.context = context
-        self.keep_steps = keep_steps
+    context: RunContext
+    keep_steps: bool
+    """A step number repeats across groups: steps are counted as a set."""
+    main_term: bool
+    """The run's first term (its structure is checked once, there)."""
+    factors: Any = None
+    """The uniform factors' clusters (`weighting.FactorTable`) where the term's weighting is judged alone."""
+    extremes: Extremes | None = None
+    confused: Denominator | None = None
+    """The local denominator the counts cannot tell from the token mean (`Decisions.confused`)."""
+
+
+class Check:
+    """One check of one loss term: made from its `TermInputs`, fed the term's table a block at a time with each
+    step's diagnosis (`add`; None where the term's weighting is not judged alone), then asked for its findings.
+    `main_term_only`: made for the run's first term only; `judges_weighting`: made only where the term's weighting
+    is judged alone (its diagnoses are never None)."""
+
+    main_term_only = False
+    judges_weighting = False
+
+    def __init__(self, term: TermInputs) -> None:
+        self.context = term.context
+        self.keep_steps = term.keep_steps
 
     def steps(self) -> StepsSeen:
         return StepsSeen(self.keep_steps)
 
-    def add(self, block: pd.DataFrame) -> None:
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         raise NotImplementedError
 
     def findings(self) -> Iterator[Finding]:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from tokaudit.checks.base import Check, Extremes, RunContext, RunSteps, column_of, world_sizes
+from tokaudit.checks.base import Check, Extremes, RunContext, RunSteps, TermInputs, column_of, world_sizes
 from tokaudit.checks.miscount import without_miscounted
 from tokaudit.checks.objective import OneObjective, one_objective
 from tokaudit.checks.reported import reported_findings
@@ -19,6 +20,12 @@ from tokaudit.engine import Duplicates, one_value
 from tokaudit.normalization import Decisions, FitBlock, Span, Spans, block_fits, span_rows
 from tokaudit.report import Finding
 from tokaudit.schema import Provenance
+
+
+CHECKS: tuple[type[Check], ...] = (WeightingCheck, StructureCheck, SyncCheck, ValuesCheck, ProbeCheck,
+                                   MissingRanksCheck, DivisorCheck, WeightPresenceCheck, BalancedCheck)
+"""Every check of a loss term, in the order their findings are listed (`_check_term`): a new check is a `Check`
+here, its code and words in `tokaudit.codes`."""
 
 
 def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
@@ -105,30 +112,25 @@ def _check_term(source: RunSteps, term: str, decisions: Decisions | None, contex
                 extremes: Extremes | None) -> tuple[list[Finding], list[Span], int]:
     """Every check of one loss term, fed the term's blocks once: its findings, spans and spans left out.
     Without `decisions` (the terms are one objective, judged together) its weighting is not judged alone."""
-    keep_steps = len(source.groups) > 1  # a step number repeats across groups: counted as a set
-    checks: list[Check] = ([StructureCheck(context, keep_steps), SyncCheck(context, keep_steps)]
-                           if term == source.terms[0] else [])
-    checks += [ValuesCheck(context, keep_steps), ProbeCheck(context, keep_steps), MissingRanksCheck(context, keep_steps),
-               DivisorCheck(context, keep_steps), WeightPresenceCheck(context, keep_steps)]
-    if decisions is None:
-        for block in source.blocks(term):
-            for check in checks:
-                check.add(block)
-        return [f for check in checks for f in check.findings()], [], 0
-    # q's clusters need every uniform q ≠ 1 first: read once more only where a step may have one.
-    factors = FactorTable.of(((block, decisions.diagnose(block)) for block in source.blocks(term)), context) \
-        if decisions.may_be_off else FactorTable(context.rtol, np.zeros(0), {}, [], False)
-    weighting = WeightingCheck(factors, context, extremes, keep_steps)
-    balanced = BalancedCheck(context, keep_steps, decisions.confused)
+    inputs = TermInputs(context, keep_steps=len(source.groups) > 1, main_term=term == source.terms[0],
+                        extremes=extremes, confused=decisions.confused if decisions is not None else None)
+    if decisions is not None:
+        # q's clusters need every uniform q ≠ 1 first: read once more only where a step may have one.
+        inputs = replace(inputs, factors=FactorTable.of(
+            ((block, decisions.diagnose(block)) for block in source.blocks(term)), context)
+            if decisions.may_be_off else FactorTable(context.rtol, np.zeros(0), {}, [], False))
+    checks = [check(inputs) for check in CHECKS if (inputs.main_term or not check.main_term_only)
+              and (decisions is not None or not check.judges_weighting)]
     term_spans = Spans()
     for block in source.blocks(term):
-        diagnoses = decisions.diagnose(block)
-        weighting.add(block, diagnoses)
+        diagnoses = decisions.diagnose(block) if decisions is not None else None
         for check in checks:
-            check.add(block)
-        balanced.add(block, diagnoses)
-        term_spans.add(span_rows(block, diagnoses, source.groups, 0))
-    findings = [*weighting.findings(), *(f for check in checks for f in check.findings()), *balanced.findings()]
+            check.add(block, diagnoses)
+        if diagnoses is not None:
+            term_spans.add(span_rows(block, diagnoses, source.groups, 0))
+    findings = [finding for check in checks for finding in check.findings()]
+    if decisions is None:
+        return findings, [], 0
     listed, left_out = term_spans.listed(source.groups, [term])
     return findings, listed, left_out
 

@@ -9,8 +9,9 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit.checks.base import Check, FlaggedSteps, RunSteps, ListedSteps, RunContext, StepsSeen, column_of, differ_rows, grouped, make_finding, median_of, nan_sum, step_list
+from tokaudit.checks.base import Check, FlaggedSteps, TermInputs, RunSteps, ListedSteps, RunContext, StepsSeen, column_of, differ_rows, grouped, make_finding, median_of, nan_sum, step_list
 from tokaudit.engine import Duplicates
+from tokaudit.normalization import Diagnoses
 from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
 from tokaudit.report import Finding, StepRange
 from tokaudit.schema import UNNAMED
@@ -24,13 +25,16 @@ class StructureCheck(Check):
     by group, in the groups' order: the sizes in order of appearance, and the steps where W is not the
     group's first."""
 
-    def __init__(self, context: RunContext, keep_steps: bool) -> None:
-        super().__init__(context, keep_steps)
+    main_term_only = True
+
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
+        keep_steps = term.keep_steps
         self.inconsistent = FlaggedSteps(keep_steps)
         self.uneven = FlaggedSteps(keep_steps)
         self.changes: dict[str, tuple[list[int], StepsSeen]] = {}
 
-    def add(self, block: pd.DataFrame) -> None:
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         self.inconsistent.add(block, differ_rows(block, "world_low", "world_high"))
         # Ranks may run different numbers of microbatches as long as each runs one synced backward a step
         # (its last, the others under no_sync): DDP then all-reduces once on every rank, and the weights say
@@ -128,14 +132,14 @@ class ValuesCheck(Check):
     """nonfinite_values, zero_token_nonfinite, empty_update. Non-finite values of an update the
     trainer skipped (a GradScaler overflow) did not reach the weights: they are not errors."""
 
-    def __init__(self, context: RunContext, keep_steps: bool) -> None:
-        super().__init__(context, keep_steps)
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
         self.nonfinite, self.nonfinite_records = self.steps(), 0.0
         self.zero_bad, self.zero_records = self.steps(), 0.0
         self.empty, self.empty_listed, self.disagree_listed = self.steps(), ListedSteps(), ListedSteps()
         self.unmarked = self.empty_nonfinite = False
 
-    def add(self, block: pd.DataFrame) -> None:
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         step = column_of(block, "step")
         skipped_true, skipped_false = column_of(block, "skipped_true"), column_of(block, "skipped_false")
         nonfinite_valid, nonfinite_zero = column_of(block, "nonfinite_valid"), column_of(block, "nonfinite_zero")
@@ -191,12 +195,14 @@ class ValuesCheck(Check):
 class SyncCheck(Check):
     """missing_sync, sync_every_micro."""
 
-    def __init__(self, context: RunContext, keep_steps: bool) -> None:
-        super().__init__(context, keep_steps)
+    main_term_only = True
+
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
         self.missing, self.unsynced, self.cleared = self.steps(), 0.0, 0
         self.every, self.every_count, self.multi_count = self.steps(), 0, 0
 
-    def add(self, block: pd.DataFrame) -> None:
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         step, unsynced = column_of(block, "step"), column_of(block, "unsynced_ranks")
         records = column_of(block, "records")
         self.missing.add(step[unsynced > 0])
@@ -238,12 +244,12 @@ class ProbeCheck(Check):
     record's token weights and the most weight its masked positions carry (the step table's
     probe_spread and masked_share, which hold no tolerance)."""
 
-    def __init__(self, context: RunContext, keep_steps: bool) -> None:
-        super().__init__(context, keep_steps)
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
         self.nonuniform, self.spread = self.steps(), 0.0
         self.masked, self.share = self.steps(), 0.0
 
-    def add(self, block: pd.DataFrame) -> None:
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         step, rtol = column_of(block, "step"), self.context.rtol
         # spread = (max − min) / |max| > rtol  ⇔  max − min > rtol·|max|: the token weights of one record differ
         spread, share = column_of(block, "probe_spread"), column_of(block, "masked_share")
@@ -286,11 +292,12 @@ def _share_text(share: float) -> str:
 class MissingRanksCheck(Check):
     """missing_rank: fewer ranks than W recorded a step that others recorded."""
 
-    def __init__(self, context: RunContext, keep_steps: bool) -> None:
-        super().__init__(context, keep_steps)
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
+        keep_steps = term.keep_steps
         self.missing = FlaggedSteps(keep_steps)
 
-    def add(self, block: pd.DataFrame) -> None:
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         self.missing.add(block, column_of(block, "ranks") < column_of(block, "world_high"))
 
     def findings(self) -> Iterator[Finding]:
@@ -311,13 +318,13 @@ class MissingRanksCheck(Check):
 class DivisorCheck(Check):
     """unknown_divisor: D could not be seen, so the weights' absolute scale is not judged."""
 
-    def __init__(self, context: RunContext, keep_steps: bool) -> None:
-        super().__init__(context, keep_steps)
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
         self.unknown, self.records, self.rows = self.steps(), 0.0, 0
         self.weighted = False
         self.q = SortedColumn()
 
-    def add(self, block: pd.DataFrame) -> None:
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         unknown = (column_of(block, "unknown_divisor") > 0) & (column_of(block, "tokens") > 0)
         if not unknown.any():
             return
@@ -354,11 +361,11 @@ class DivisorCheck(Check):
 class WeightPresenceCheck(Check):
     """no_weights: valid records without a usable weight (no b and no probe, or S = 0 without a probe)."""
 
-    def __init__(self, context: RunContext, keep_steps: bool) -> None:
-        super().__init__(context, keep_steps)
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
         self.unweighted, self.records, self.none_at_all = self.steps(), 0.0, 0
 
-    def add(self, block: pd.DataFrame) -> None:
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         unweighted_records = column_of(block, "unweighted_records")
         unweighted = unweighted_records > 0
         self.unweighted.add(column_of(block, "step")[unweighted])

@@ -11,21 +11,18 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit.checks.base import BF16_HINT, BF16_ROUNDING, DENOMINATOR_WORDS, Extremes, RunContext, StepsSeen, average_fix, column_of, make_finding, step_list
+from tokaudit.checks.base import BF16_HINT, BF16_ROUNDING, DENOMINATOR_WORDS, Check, Extremes, RunContext, StepsSeen, TermInputs, average_fix, column_of, make_finding, step_list
 from tokaudit.checks.causes import SHIFTED_COUNT_FIX, UNTOLD, overcounted, world_size_cause
 from tokaudit.checks.rescale import schedule_finding
 from tokaudit.checks.structure import ALL_CODES
 from tokaudit.codes import Code
-from tokaudit.normalization import DENOMINATORS, FORMULA, Denominator, Diagnoses, FactorExplanation, FactorKind, StepKind, ClusterStarts, close, cluster, explain_factor
+from tokaudit.normalization import DENOMINATOR_FACTS, DENOMINATORS, FORMULA, Denominator, Diagnoses, FactorExplanation, FactorKind, StepKind, ClusterStarts, close, cluster, explain_factor
 from tokaudit.report import Finding
 from tokaudit.schema import UNNAMED
 from tokaudit.sorting import SortedColumn, middle, middle_positions
 
 
-_NONUNIFORM_CODES = {
-    Denominator.RANK: Code.LOCAL_MEAN, Denominator.MICRO_TIMES_M: Code.LOCAL_MEAN, Denominator.MICRO: Code.LOCAL_MEAN,
-    Denominator.MICRO_GLOBAL: Code.PER_MICRO_DENOMINATOR, Denominator.POSITIONS: Code.PADDED_DENOMINATOR,
-}
+_NONUNIFORM_CODES = {d: facts.code for d, facts in DENOMINATOR_FACTS.items() if facts.code is not None}
 
 VARYING_CLUSTERS = 3
 
@@ -178,19 +175,24 @@ def _extend(bounds: list[float], values: npt.NDArray[np.float64]) -> list[float]
     low, high = float(values.min()), float(values.max())
     return [min(bounds[0], low), max(bounds[1], high)] if bounds else [low, high]
 
-class WeightingCheck:
+class WeightingCheck(Check):
     """local_mean, per_micro_denominator, padded_denominator, unexplained_weighting, world_size_mismatch,
     loss_scale, scale_mismatch: one finding per (code, denominator, kind of factor, approximate fit), in
     order of first appearance, however many steps it spans, with the range of its factor."""
 
-    def __init__(self, factors: FactorTable, context: RunContext, extremes: Extremes | None, keep_steps: bool) -> None:
-        self.factors, self.context, self.extremes, self.keep_steps = factors, context, extremes, keep_steps
-        names = [e.label for e in factors.table] + [""]
+    judges_weighting = True
+
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
+        self.factors: FactorTable = term.factors
+        self.extremes = term.extremes
+        names = [e.label for e in self.factors.table] + [""]
         self.label_numbers = np.array([names.index(name) for name in names], dtype=np.int64)
         self.names = len(names)
         self.groups: dict[int, _WeightingGroup] = {}
 
-    def add(self, block: pd.DataFrame, diagnoses: Diagnoses) -> None:
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
+        assert diagnoses is not None  # (judges_weighting)
         explanation = self.factors.ids(block, diagnoses)
         code, label = _weighting_codes(diagnoses, explanation, self.factors.table)
         flagged = np.flatnonzero(code >= 0)
@@ -412,27 +414,22 @@ def _describe(row: Any, which: str, weight: float, tokens: int) -> dict[str, Any
             "valid_tokens": int(getattr(row, f"{which}_n")), "rank_tokens": int(getattr(row, f"{which}_rank_tokens")),
             "effective_weight": weight, "distortion": weight * tokens}
 
-_CONFUSED_COUNTS = {
-    Denominator.RANK: ("each rank held the same number of valid tokens n_r", "a rank-local mean"),
-    Denominator.MICRO_TIMES_M: ("every microbatch held the same number of valid tokens",
-                                "a per-microbatch mean divided by M"),
-    Denominator.MICRO: ("every microbatch held the same number of valid tokens", "a per-microbatch mean"),
-    Denominator.MICRO_GLOBAL: ("every microbatch index held the same number of valid tokens over the ranks",
-                               "a per-microbatch global count N_m"),
-}
 
-class BalancedCheck:
+class BalancedCheck(Check):
     """balanced_counts: in every step the counts that a local normalization needs to differ were
     equal, so the logs cannot tell it from the token mean."""
 
-    def __init__(self, context: RunContext, keep_steps: bool, confused: Denominator | None) -> None:
-        self.context, self.confused = context, confused
-        self.nonempty = StepsSeen(keep_steps)
+    judges_weighting = True
+
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
+        self.confused = term.confused
+        self.nonempty = self.steps()
         self.counts: set[int] = set()
         self.balanced = True
 
-    def add(self, block: pd.DataFrame, diagnoses: Diagnoses) -> None:
-        if self.confused is None:
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
+        if self.confused is None or diagnoses is None:
             return
         nonempty = column_of(block, "tokens") > 0
         self.nonempty.add(column_of(block, "step")[nonempty])
@@ -443,7 +440,7 @@ class BalancedCheck:
         if self.confused is None:
             return
         counts = sorted(self.counts)
-        what, mistake = _CONFUSED_COUNTS[self.confused]
+        what, mistake = DENOMINATOR_FACTS[self.confused].confused
         detail = f"every record had the same valid-token count ({step_list(counts)})" if self.balanced else what
         yield make_finding(self.context, Code.BALANCED_COUNTS, self.nonempty,
                        f"In every step {detail}, so {mistake} and the global token mean give the same weights here: "

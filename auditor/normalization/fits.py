@@ -10,7 +10,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.engine import one_value
-from tokaudit.normalization.vocabulary import APPROXIMATE_MARGIN, APPROXIMATE_SPREAD, Denominator, Floats, PREFERENCE, RECORD_BOUNDS
+from tokaudit.normalization.vocabulary import APPROXIMATE_MARGIN, APPROXIMATE_SPREAD, LOCAL_DENOMINATORS, Denominator, Floats, PREFERENCE, RECORD_BOUNDS
 from tokaudit.sorting import SortedColumn, at_positions, middle, middle_positions
 
 
@@ -181,7 +181,6 @@ def block_fits(steps: pd.DataFrame, rtol: float) -> FitBlock:
     return FitBlock(fits, usable, distortion, nearest, nearest_spread, alphas, float_column(steps, "world_high"),
                   float_column(steps, "microbatches_high"))
 
-LOCAL_DENOMINATORS = (Denominator.RANK, Denominator.MICRO_TIMES_M, Denominator.MICRO, Denominator.MICRO_GLOBAL)
 
 class Confusion:
     """The local normalization that the logs cannot tell from the token mean, if any, a block at a time.

@@ -14,6 +14,8 @@ from enum import Enum
 import numpy as np
 import numpy.typing as npt
 
+from tokaudit.codes import Code
+
 
 Floats = npt.NDArray[np.float64]
 
@@ -48,11 +50,55 @@ class FactorKind(str, Enum):
     LOSS_SCALE = "loss_scale"  # a large power of two: an AMP loss scale that was not recorded
     OTHER = "other"            # any other constant
 
-FORMULA: dict[Denominator, str] = {
-    Denominator.N: "S/N", Denominator.MICRO_GLOBAL: "S/N_m", Denominator.RANK: "S/n_r",
-    Denominator.MICRO_TIMES_M: "S/(n·M)", Denominator.MICRO: "S/n", Denominator.POSITIONS: "S/T",
-    Denominator.STEP_POSITIONS: "S/T_step", Denominator.ONE: "S",
+@dataclass(frozen=True)
+class DenominatorFacts:
+    """What tokaudit knows of one denominator: the one table the recovery, the checks and the renderers read."""
+
+    words: str
+    """How a finding names it."""
+    formula: str = ""
+    """How it reads in b·g = α·S/Den."""
+    bounds: tuple[str, str] | None = None
+    """The step columns of the least and greatest e·Den over the step's records (a record-level candidate)."""
+    code: Code | None = None
+    """The finding a weighting by it is, where the weights differ."""
+    local: bool = False
+    """A local count: where the counts it needs to differ never do, the logs cannot tell it from the token mean."""
+    confused: tuple[str, str] = ("", "")
+    """Where it cannot be told from N: what was equal everywhere, and the mistake in words (`balanced_counts`)."""
+
+
+DENOMINATOR_FACTS: dict[Denominator, DenominatorFacts] = {
+    Denominator.N: DenominatorFacts("the step's global valid-token count N", "S/N"),
+    Denominator.MICRO_GLOBAL: DenominatorFacts(
+        "each microbatch's own global count N_m", "S/N_m", ("weight_by_micro_low", "weight_by_micro_high"),
+        Code.PER_MICRO_DENOMINATOR, local=True,
+        confused=("every microbatch index held the same number of valid tokens over the ranks",
+                  "a per-microbatch global count N_m")),
+    Denominator.RANK: DenominatorFacts(
+        "each rank's own valid-token count n_r", "S/n_r", ("weight_by_rank_low", "weight_by_rank_high"),
+        Code.LOCAL_MEAN, local=True,
+        confused=("each rank held the same number of valid tokens n_r", "a rank-local mean")),
+    Denominator.MICRO_TIMES_M: DenominatorFacts(
+        "each microbatch's own mean (its own count n) divided by the number of microbatches M", "S/(n·M)",
+        ("weight_by_record_m_low", "weight_by_record_m_high"), Code.LOCAL_MEAN, local=True,
+        confused=("every microbatch held the same number of valid tokens", "a per-microbatch mean divided by M")),
+    Denominator.MICRO: DenominatorFacts(
+        "each microbatch's own count n", "S/n", ("weight_by_record_low", "weight_by_record_high"), Code.LOCAL_MEAN,
+        local=True, confused=("every microbatch held the same number of valid tokens", "a per-microbatch mean")),
+    Denominator.POSITIONS: DenominatorFacts(
+        "the positions of each microbatch, padding and ignored labels included", "S/T",
+        ("weight_by_positions_low", "weight_by_positions_high"), Code.PADDED_DENOMINATOR),
+    Denominator.STEP_POSITIONS: DenominatorFacts(
+        "the positions of the whole step, padding and ignored labels included", "S/T_step"),
+    Denominator.ONE: DenominatorFacts("nothing (a raw loss sum)", "S"),
+    Denominator.UNDETERMINED: DenominatorFacts(
+        "undetermined: counts are equal everywhere, so local and global means coincide"),
+    Denominator.UNEXPLAINED: DenominatorFacts("no single denominator", code=Code.UNEXPLAINED_WEIGHTING),
 }
+"""Every denominator's facts (a test holds it to the enum)."""
+
+FORMULA = {d: facts.formula for d, facts in DENOMINATOR_FACTS.items() if facts.formula}
 """How each denominator reads in b·g = α·S/Den."""
 
 # Tie-break when several denominators explain as many steps: the correct one first, then the
@@ -64,14 +110,11 @@ PREFERENCE: tuple[Denominator, ...] = (
     Denominator.ONE, Denominator.POSITIONS, Denominator.STEP_POSITIONS,
 )
 
-# Record-level candidates: the (low, high) columns of e·Den over the step's records.
-RECORD_BOUNDS = {
-    Denominator.RANK: ("weight_by_rank_low", "weight_by_rank_high"),
-    Denominator.MICRO_TIMES_M: ("weight_by_record_m_low", "weight_by_record_m_high"),
-    Denominator.MICRO: ("weight_by_record_low", "weight_by_record_high"),
-    Denominator.MICRO_GLOBAL: ("weight_by_micro_low", "weight_by_micro_high"),
-    Denominator.POSITIONS: ("weight_by_positions_low", "weight_by_positions_high"),
-}
+RECORD_BOUNDS = {d: facts.bounds for d, facts in DENOMINATOR_FACTS.items() if facts.bounds}
+"""Record-level candidates: the (low, high) columns of e·Den over the step's records."""
+
+LOCAL_DENOMINATORS = tuple(d for d in PREFERENCE if DENOMINATOR_FACTS[d].local)
+"""The local counts, in the order of preference."""
 
 APPROXIMATE_SPREAD = 0.1
 """A denominator that leaves α spread by at most 10% (and 3× less than any other) is named as approximate."""

@@ -544,15 +544,15 @@ def test_world_size_changes_are_found_group_by_group_as_a_group_by_finds_them(as
     """world_size_changed per group, in the group-by's order, with the steps where W differs from the
     group's first and the sizes in order of appearance; W and M compared as arrays or as one value each
     (`engine.constant_of`'s stride-0 columns). The reference is pandas' group-by, written here."""
-    from tokaudit.checks.base import RunContext
+    from tokaudit.checks.base import RunContext, TermInputs
     from tokaudit.checks.structure import StructureCheck
     from tokaudit.schema import UNNAMED
 
     def _structure_findings(frame: pd.DataFrame, context: RunContext, block: int = 7) -> list[Any]:
         """The check fed a few steps at a time, in the frame's order."""
-        check = StructureCheck(context, keep_steps=True)
+        check = StructureCheck(TermInputs(context, keep_steps=True, main_term=True))
         for start in range(0, len(frame), block):
-            check.add(frame.iloc[start:start + block])
+            check.add(frame.iloc[start:start + block], None)
         return list(check.findings())
 
     rng = np.random.default_rng(5)
@@ -601,7 +601,7 @@ def test_a_finding_s_evidence_step_and_its_steps_do_not_depend_on_the_blocks(
     every member, and the same report whatever the block, on random ratios with ties and on a log with
     several weighting findings."""
     import tokaudit.checks.base as checks_module
-    from tokaudit.checks.base import RunContext
+    from tokaudit.checks.base import RunContext, TermInputs
     from tokaudit.checks.weighting import FactorTable, WeightingCheck
     from tokaudit.normalization import DENOMINATORS, KINDS, Denominator, Diagnoses, StepKind
 
@@ -618,7 +618,8 @@ def test_a_finding_s_evidence_step_and_its_steps_do_not_depend_on_the_blocks(
         denominator = np.full(len(members), DENOMINATORS.index(Denominator.UNEXPLAINED), np.int8)
         diagnoses = Diagnoses(kind, denominator, np.full(len(members), np.nan), distortion[members],
                               np.zeros(len(members), bool), np.full(len(members), np.nan))
-        weighting = WeightingCheck(FactorTable(1e-4, np.zeros(0), {}, [], False), context, None, False)
+        weighting = WeightingCheck(TermInputs(context, keep_steps=False, main_term=True,
+                                              factors=FactorTable(1e-4, np.zeros(0), {}, [], False)))
         for start in range(0, len(members), block):
             part = slice(start, start + block)
             weighting.add(frame.iloc[part], Diagnoses(*(getattr(diagnoses, name)[part] for name in (

@@ -544,3 +544,18 @@ def test_the_vote_leaves_nothing_out_when_n_is_not_one_whole_cluster() -> None:
     chosen, _ = _vote(fits, alphas, 1e-4, 3)
     np.testing.assert_array_equal(chosen, _vote_by_labels(fits, alphas, 1e-4)[0])
     assert (chosen == 2).all()
+
+
+def test_every_denominator_has_its_facts_in_the_one_table() -> None:
+    """The recovery, the checks and the renderers read one table (`DENOMINATOR_FACTS`): it covers the enum, the
+    local counts are the four that balanced counts can hide, in the order of preference, and every record-level
+    candidate's bounds are step columns."""
+    from tokaudit.engine import STEP_COLUMNS
+    from tokaudit.normalization import DENOMINATOR_FACTS, LOCAL_DENOMINATORS, RECORD_BOUNDS, Denominator
+
+    assert list(DENOMINATOR_FACTS) == list(Denominator) and all(facts.words for facts in DENOMINATOR_FACTS.values())
+    assert LOCAL_DENOMINATORS == (Denominator.RANK, Denominator.MICRO_TIMES_M, Denominator.MICRO,
+                                  Denominator.MICRO_GLOBAL)
+    assert all(DENOMINATOR_FACTS[d].confused[0] for d in LOCAL_DENOMINATORS)
+    names = {column.name for column in STEP_COLUMNS}
+    assert all(low in names and high in names for low, high in RECORD_BOUNDS.values())
