@@ -183,6 +183,24 @@ def test_no_import_cycle_within_a_layer_in_the_hooks_or_through_a_package() -> N
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+HOOK_LAYERS = ("columns", "fix", "amp", "probe", "record", "attach", "identity", "signals", "shards", "uploads", "output",
+               "buffer", "terms", "capture", "pipeline", "trackers", "recorder", "", "trl_trainers", "huggingface",
+               "lightning")
+"""The hooks' modules, lowest first ("": the package's __init__, `tokaudit.hooks`): each imports only those before it."""
+
+
+def test_the_hooks_import_only_the_modules_below_each() -> None:
+    def place(module: str) -> str:
+        return module.removeprefix("tokaudit.hooks").lstrip(".")
+
+    hooks = [m for m in modules() if m.startswith("tokaudit.hooks")]
+    assert sorted(place(m) for m in hooks) == sorted(HOOK_LAYERS), "add the new hook module to HOOK_LAYERS"
+    upward = [f"{f.module} -> {f.target}" for f in every_import()
+              if f.module.startswith("tokaudit.hooks") and f.target.startswith("tokaudit.hooks") and not f.typing_only
+              and place(f.target) in HOOK_LAYERS and HOOK_LAYERS.index(place(f.target)) > HOOK_LAYERS.index(place(f.module))]
+    assert not upward, upward
+
+
 def test_modules_and_functions_stay_short() -> None:
     long = []
     for module, path in modules().items():
