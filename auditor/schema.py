@@ -14,6 +14,11 @@ SCHEMA_VERSION = 1
 
 Kind = Literal["int", "float", "bool", "string", "timestamp"]
 
+INT32_MAX = (1 << 31) - 1
+"""The most valid tokens or positions one record may hold, and the largest W, rank or microbatch index: the
+step table holds them in 32 bits (a step's N, Σ n over at most 2³² records, then stays exact in int64 and in
+a float64)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Column:
@@ -29,15 +34,25 @@ class Column:
     """A shard without this column is rejected."""
     meaning: str
     """One line for docs and error messages."""
+    low: tuple[int, str] | None = None
+    """The least value a record may hold, and what a value below it is (in a line that names the file)."""
+    high: tuple[int, str] | None = None
+    """The greatest value a record may hold, and what a value above it is."""
 
+
+_BEYOND_INT32 = "a value beyond int32, its type in the log format"
 
 COLUMNS: tuple[Column, ...] = (
     Column("step", "int", pa.int64(), True, "optimizer-update index"),
-    Column("micro", "int", pa.int32(), True, "microbatch index inside the step, 0-based"),
-    Column("rank", "int", pa.int32(), True, "rank inside the gradient-averaging group"),
-    Column("world_size", "int", pa.int32(), True, "W: size of the averaging group"),
+    Column("micro", "int", pa.int32(), True, "microbatch index inside the step, 0-based",
+           (0, "a negative microbatch index"), (INT32_MAX, _BEYOND_INT32)),
+    Column("rank", "int", pa.int32(), True, "rank inside the gradient-averaging group", (0, "a negative rank"),
+           (INT32_MAX, _BEYOND_INT32)),
+    Column("world_size", "int", pa.int32(), True, "W: size of the averaging group", (1, "a world size below 1"),
+           (INT32_MAX, _BEYOND_INT32)),
     Column("loss_sum", "float", pa.float64(), True, "S: sum of per-token losses over valid tokens"),
-    Column("valid_tokens", "int", pa.int64(), True, "n: valid tokens of the microbatch"),
+    Column("valid_tokens", "int", pa.int64(), True, "n: valid tokens of the microbatch", (0, "a negative count"),
+           (INT32_MAX, "more tokens than a microbatch can hold (above 2³¹ − 1)")),
     Column("backward_scalar", "float", pa.float64(), True, "b: the scalar backward() ran on"),
     Column("run_id", "string", pa.string(), False, "groups rows into runs"),
     Column("group", "string", pa.string(), False, "id of the averaging group"),
@@ -45,27 +60,27 @@ COLUMNS: tuple[Column, ...] = (
     Column("grad_divisor", "float", pa.float64(), False, "D: divisor of the gradient reduction"),
     Column("divisor_known", "bool", pa.bool_(), False, "false when D could not be seen"),
     Column("grad_scale", "float", pa.float64(), False, "g: rescale after backward, 1/loss scale included"),
-    Column("positions", "int", pa.int64(), False, "T: positions in the per-token loss tensor"),
+    Column("positions", "int", pa.int64(), False, "T: positions in the per-token loss tensor", (0, "a negative count"),
+           (INT32_MAX, "more positions than a microbatch can hold (above 2³¹ − 1)")),
     Column("token_weight_sum", "float", pa.float64(), False, "probe: sum of db/dl over valid tokens"),
     Column("token_weight_min", "float", pa.float64(), False, "probe: min of db/dl over valid tokens"),
     Column("token_weight_max", "float", pa.float64(), False, "probe: max of db/dl over valid tokens"),
-    Column("masked_weight_abs_sum", "float", pa.float64(), False, "probe: sum of |db/dl| over positions not valid whose loss is not 0"),
+    Column("masked_weight_abs_sum", "float", pa.float64(), False,
+           "probe: sum of |db/dl| over positions not valid whose loss is not 0", (0, "a negative sum of absolute values")),
     Column("reported_loss", "float", pa.float64(), False, "loss the trainer reports for the step"),
     Column("sync", "bool", pa.bool_(), False, "this backward synchronized gradients"),
     Column("skipped", "bool", pa.bool_(), False, "the trainer skipped this update by policy"),
     Column("time", "timestamp", pa.timestamp("us", tz="UTC"), False, "when the record was written"),
     Column("precision_bits", "int", pa.int8(), False,
-           "fewest significant bits among S, b and the probe's gradient as computed (8 bfloat16, 24 float32)"),
+           "fewest significant bits among S, b and the probe's gradient as computed (8 bfloat16, 24 float32)",
+           (1, "a precision below one significant bit"),
+           (113, "more significant bits than any float type holds (113, a float128)")),
     Column("schema_version", "int", pa.int32(), False, "log format version"),
 )
 
 COLUMNS_BY_NAME = {column.name: column for column in COLUMNS}
 UNNAMED = "0"
 """The group and the term of a record whose column is absent or null (the run's is its file's folder)."""
-INT32_MAX = (1 << 31) - 1
-"""The most valid tokens or positions one record may hold, and the largest W, rank or microbatch index: the
-step table holds them in 32 bits (a step's N, Σ n over at most 2³² records, then stays exact in int64 and in
-a float64)."""
 REQUIRED_COLUMNS = tuple(column.name for column in COLUMNS if column.required)
 
 # Columns the recorder always writes; the auditor accepts any superset of the required ones.

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tokaudit.errors import LogFormatError
-from tokaudit.schema import INT32_MAX, REQUIRED_COLUMNS, SCHEMA_VERSION
+from tokaudit.schema import COLUMNS, REQUIRED_COLUMNS, SCHEMA_VERSION
 
 
 class Readable(Protocol):
@@ -18,27 +18,12 @@ class Readable(Protocol):
     def read(self, columns: list[str]) -> pa.Table: ...
 
 
-# (column, lowest allowed value, what it means); null never allowed for required columns.
-_LOWER_BOUNDS: tuple[tuple[str, int, str], ...] = (
-    ("valid_tokens", 0, "a negative count"),
-    ("positions", 0, "a negative count"),
-    ("world_size", 1, "a world size below 1"),
-    ("rank", 0, "a negative rank"),
-    ("micro", 0, "a negative microbatch index"),
-    ("masked_weight_abs_sum", 0, "a negative sum of absolute values"),
-    ("precision_bits", 1, "a precision below one significant bit"),
-)
+_LOWER_BOUNDS = tuple((c.name, *c.low) for c in COLUMNS if c.low is not None)
+"""(column, lowest allowed value, what a value below it is), from the log format's columns (`schema.Column`)."""
 
-_UPPER_BOUNDS: tuple[tuple[str, int, str], ...] = (
-    ("valid_tokens", INT32_MAX, "more tokens than a microbatch can hold (above 2³¹ − 1)"),
-    ("positions", INT32_MAX, "more positions than a microbatch can hold (above 2³¹ − 1)"),
-    ("world_size", INT32_MAX, "a value beyond int32, its type in the log format"),
-    ("rank", INT32_MAX, "a value beyond int32, its type in the log format"),
-    ("micro", INT32_MAX, "a value beyond int32, its type in the log format"),
-    ("precision_bits", 113, "more significant bits than any float type holds (113, a float128)"),
-)
-"""(column, highest allowed value, what it means): the step table holds ranks, microbatch indices, W and one
-record's count in 32 bits, and a step's N (Σ n over at most 2³² records) then stays exact in int64 and in a
+_UPPER_BOUNDS = tuple((c.name, *c.high) for c in COLUMNS if c.high is not None)
+"""(column, highest allowed value, what a value above it is): the step table holds ranks, microbatch indices, W and
+one record's count in 32 bits, and a step's N (Σ n over at most 2³² records) then stays exact in int64 and in a
 float64. A file may store these columns in any integer type."""
 
 STATISTICS_COLUMNS = (frozenset(REQUIRED_COLUMNS) | {column for column, _, _ in _LOWER_BOUNDS}

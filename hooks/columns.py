@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tokaudit.schema import INT32_MAX
+from tokaudit.schema import COLUMNS_BY_NAME
 
 Number = int | float | bool
 Value = Number | torch.Tensor | None
@@ -234,12 +234,16 @@ def writable_rows(columns: dict[str, Any], probed: list[bool]) -> tuple[list[boo
 
 
 def _count(value: Any) -> int | None:
-    """A count the auditor reads (0 to 2³¹ − 1, an int or a whole float), as an int; None otherwise."""
+    """A count the auditor reads (an int or a whole float within the log format's bounds of valid_tokens and
+    positions, `schema.Column`), as an int; None otherwise."""
     if isinstance(value, float):
         if not value.is_integer():
             return None
         value = int(value)
-    return value if value is not None and 0 <= value <= INT32_MAX else None
+    return value if value is not None and _COUNT_LOW <= value <= _COUNT_HIGH else None
+
+
+_COUNT_LOW, _COUNT_HIGH = COLUMNS_BY_NAME["valid_tokens"].low[0], COLUMNS_BY_NAME["valid_tokens"].high[0]  # type: ignore[index]
 
 
 def ranges(counts: dict[int, int]) -> list[tuple[int, int, int]]:
