@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit.checks import RunSteps, distinct, world_sizes
+from tokaudit.checks import RunSteps, distinct, weight_ratio, world_sizes
 from tokaudit.codes import DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, Code, Severity
 from tokaudit.reader import Shard
 from tokaudit.report import Finding, RunSummary, Segment, StepRange, Verdict, Reporting
@@ -160,7 +160,7 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
             if positive.any():
                 # the heaviest token over the lightest, NaN skipped (pandas' max)
                 ratios_exist = True
-                ratios = high[positive] / low[positive]
+                ratios = weight_ratio(low[positive], high[positive])
                 ratios = ratios[~np.isnan(ratios)]
                 if len(ratios):
                     ratio_seen, ratio = True, max(ratio, float(ratios.max()))

@@ -235,6 +235,13 @@ class Check:
     def findings(self) -> Iterator[Finding]:
         raise NotImplementedError
 
+def weight_ratio(low: Any, high: Any) -> Any:
+    """The heaviest token's weight over the lightest's (a step's `token_weight_high` / `token_weight_low`: the
+    probe's extremes where recorded, else the records' mean weights; ∞ where the lightest is 0 or below): the one
+    ratio the summary's "max ratio", the weighting findings' `weight_ratio` and --min-ratio read."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(low > 0, high / np.where(low > 0, low, 1.0), np.inf)
+
 class FlaggedSteps:
     """Steps where a condition holds: their range, how many rows, and the first such row."""
 

@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit.checks.base import BF16_HINT, BF16_ROUNDING, DENOMINATOR_WORDS, Check, Extremes, RunContext, StepsSeen, TermInputs, average_fix, column_of, make_finding, step_list
+from tokaudit.checks.base import BF16_HINT, BF16_ROUNDING, DENOMINATOR_WORDS, Check, Extremes, RunContext, StepsSeen, TermInputs, weight_ratio, average_fix, column_of, make_finding, step_list
 from tokaudit.checks.causes import SHIFTED_COUNT_FIX, UNTOLD, overcounted, world_size_cause
 from tokaudit.checks.rescale import schedule_finding
 from tokaudit.checks.structure import ALL_CODES
@@ -240,10 +240,10 @@ class WeightingCheck(Check):
             yield _weighting_finding(group, self.factors.table, self.context, self.extremes)
 
 def _ratios(steps: pd.DataFrame) -> np.ndarray:
-    """Per step, the heaviest token's weight over the lightest's (∞ when the lightest is 0)."""
-    low, high = steps.token_weight_low.to_numpy(dtype=float), steps.token_weight_high.to_numpy(dtype=float)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(low > 0, high / low, np.inf)
+    """Per step, `weight_ratio`."""
+    ratios: np.ndarray = weight_ratio(steps.token_weight_low.to_numpy(dtype=float),
+                                      steps.token_weight_high.to_numpy(dtype=float))
+    return ratios
 
 def _range(values: list[float]) -> list[float]:
     return [float(min(values)), float(max(values))]
@@ -286,7 +286,10 @@ def _nonuniform_finding(group: _WeightingGroup, context: RunContext, evidence: d
         raise ValueError("the step table lacks the evidence columns (heavy_rank, ...) and no way to find them")
     heavy = _describe(located, "heavy", heavy_e, tokens)
     light = _describe(located, "light", light_e, tokens)
-    evidence.update({"heaviest": heavy, "lightest": light, "weight_ratio": ratio})
+    # the gate's ratio (--min-ratio) is the tokens' (`weight_ratio`): the probe's where it saw weights differ inside
+    # a record, which the records' mean weights described here cannot show
+    tokens_ratio = float(weight_ratio(float(row.token_weight_low), float(row.token_weight_high)))
+    evidence.update({"heaviest": heavy, "lightest": light, "weight_ratio": tokens_ratio})
     where = (f"at step {step}{grp} a token on rank {heavy['rank']} (microbatch {heavy['micro']}, "
              f"n={heavy['valid_tokens']}) received {ratio:.3g}× the weight of a token on rank {light['rank']} "
              f"(microbatch {light['micro']}, n={light['valid_tokens']}); the correct weight is 1/N = 1/{tokens}, "

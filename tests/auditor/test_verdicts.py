@@ -196,3 +196,26 @@ def test_a_long_run_with_a_constant_per_step_mistake_is_one_finding(tmp_path: Pa
     low, high = finding.evidence["distortion_range"]
     assert low == pytest.approx(float((tokens / (tokens + 4)).min()))
     assert high == pytest.approx(float((tokens / (tokens + 4)).max()))
+
+
+def test_the_gate_and_the_summary_read_one_weight_ratio(tmp_path: Path) -> None:
+    """A rank-local mean recorded with a probe that saw the tokens of each record weighted unevenly (by 0.5× and
+    2× the record's mean): the heaviest token over the lightest is 4× the records' mean ratio. The summary's max
+    ratio and the finding's `weight_ratio` are that one ratio, so --min-ratio between the two ratios keeps the
+    finding an error, as the ratio the summary shows says it must."""
+    from tests.logs import UNEVEN_GA, local_mean, records, write_by_rank
+    from tokaudit.auditing import audit
+
+    rows = records(UNEVEN_GA, local_mean)
+    for row in rows:
+        mean = row["backward_scalar"] / row["loss_sum"]  # c = b/S, each valid token's mean weight
+        row.update(token_weight_sum=mean * row["valid_tokens"], token_weight_min=0.5 * mean, token_weight_max=2.0 * mean)
+    log = write_by_rank(tmp_path / "run", rows)
+    report = audit([log])
+    (finding,) = [f for f in report.findings if f.code.value == "local_mean"]
+    (run,) = report.runs
+    assert finding.evidence["weight_ratio"] == run.max_weight_ratio
+    records_ratio = finding.evidence["heaviest"]["effective_weight"] / finding.evidence["lightest"]["effective_weight"]
+    assert run.max_weight_ratio > 3.9 * records_ratio
+    gated = audit([log], min_ratio=2 * records_ratio)
+    assert [f.severity.value for f in gated.findings if f.code.value == "local_mean"] == ["error"]
