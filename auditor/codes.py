@@ -7,6 +7,7 @@ is stale); checks take their default severity from it (DEFAULT_SEVERITY)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 from enum import Enum
 
 DEFAULT_RTOL = 1e-4
@@ -60,6 +61,9 @@ class Code(str, Enum):
     TERMS_ONE_OBJECTIVE = "terms_one_objective"
 
 
+Family = Literal["weighting", "reporting", ""]
+
+
 @dataclass(frozen=True)
 class CodeDoc:
     """What one code says. Plain text with `backticks` around code: the terminal prints it as is and
@@ -79,6 +83,9 @@ class CodeDoc:
     """When a finding can carry another severity than `severity`: docs/CODES.md shows `severity, or NOTE`."""
     undecidable: bool = False
     """A warning that says the logs cannot tell: alone, it makes a run `inconclusive`, not `incorrect`."""
+    family: Family = ""
+    """weighting: the tokens of a step weighed differently (what --min-ratio gates); reporting: the logged loss,
+    never the verdict; "": neither."""
 
 
 EXAMPLE_SETUP = ("W = 2 ranks under DDP's average (D = 2); rank 0 has n0 = 1 valid token, rank 1 has n1 = 3, so "
@@ -89,6 +96,7 @@ CODE_DOCS: dict[Code, CodeDoc] = {
     Code.LOCAL_MEAN: CodeDoc(
         Severity.ERROR,
         "ranks (or microbatches) weighted equally instead of tokens",
+        family="weighting",
         why="Each rank backpropagates its local mean b_r = S_r/n_r. DDP averages, so a token on rank r gets "
             "e_r = 1/(W·n_r) instead of 1/N, and q_r = e_r·N = N/(W·n_r). The recovered denominator is the rank's "
             "own count (n_rank), or a microbatch's own count (n_micro, n_micro*M) under gradient accumulation.",
@@ -101,6 +109,7 @@ CODE_DOCS: dict[Code, CodeDoc] = {
     Code.PER_MICRO_DENOMINATOR: CodeDoc(
         Severity.ERROR,
         "each microbatch divided by its own global count",
+        family="weighting",
         why="The code all-reduces the count of each microbatch (N_m) but not of the step: b = W·S/(M·N_m). Tokens "
             "of a sparse microbatch weigh more: e = 1/(M·N_m) instead of 1/N, q = N/(M·N_m).",
         fix="Sum the counts of every microbatch of the step before the first backward (prefetch the step's "
@@ -153,6 +162,7 @@ CODE_DOCS: dict[Code, CodeDoc] = {
     Code.PADDED_DENOMINATOR: CodeDoc(
         Severity.ERROR,
         "the denominator counts padding or ignored labels",
+        family="weighting",
         why="The per-token losses were averaged over all T positions (loss.mean() on a masked tensor): "
             "b = S/T. Sequences with more padding get smaller weights; with a global T, weights are uniform "
             "but q = N/ΣT < 1.",
@@ -164,6 +174,7 @@ CODE_DOCS: dict[Code, CodeDoc] = {
     Code.UNEXPLAINED_WEIGHTING: CodeDoc(
         Severity.ERROR,
         "weights differ and no denominator explains them",
+        family="weighting",
         why="Within one step the effective weights differ, and none of n, n_r, n·M, N_m, N, T or 1 makes "
             "α = e·Den constant. Often: different code paths on different ranks, a loss term added on some ranks "
             "only, or a per-sequence mean mixed with a token mean.",
@@ -273,6 +284,7 @@ CODE_DOCS: dict[Code, CodeDoc] = {
     Code.REPORTED_LOSS_MISMATCH: CodeDoc(
         Severity.WARNING,
         "the reported loss is not ΣS/N",
+        family="reporting",
         why="The logged loss differs from the token mean of the step: often the mean of per-rank means "
             "(Lightning sync_dist, rank-0 logging of a local mean) or ×GAS.",
         fix="Report all_reduce(ΣS)/all_reduce(Σn) from detached sums and counts.",
@@ -281,6 +293,7 @@ CODE_DOCS: dict[Code, CodeDoc] = {
     Code.REPORTED_LOSS_SHIFTED: CodeDoc(
         Severity.INFO,
         "the reported loss is ΣS/N, stamped one update off",
+        family="reporting",
         why="Each logged loss that differs from its step's token mean is the token mean of the step beside it: "
             "the losses are right but recorded with the update before or after their own, as when "
             "rec.report_loss() is given the loss of an update that has not closed yet, or a trainer's step "
@@ -427,10 +440,13 @@ def code_named(text: str | Code) -> Code:
         raise ValueError(f"unknown code {text!r}{hint}") from None
 
 
-REPORTING: frozenset[Code] = frozenset({Code.REPORTED_LOSS_MISMATCH, Code.REPORTED_LOSS_SHIFTED})
+REPORTING: frozenset[Code] = frozenset(code for code, doc in CODE_DOCS.items() if doc.family == "reporting")
 """Findings about the logged loss, not the gradient: they never decide the verdict, which asks whether every
 valid token got the token-mean weight; the run's `reporting` status says them beside it."""
 """Warnings that say the logs cannot tell: alone, they make a run `inconclusive`, not `incorrect`."""
+
+WEIGHTING: frozenset[Code] = frozenset(code for code, doc in CODE_DOCS.items() if doc.family == "weighting")
+"""Findings that the tokens of a step weighed differently: --min-ratio reads their `weight_ratio`."""
 
 TOKEN_MEAN_FIXES: frozenset[Code] = frozenset({Code.LOCAL_MEAN, Code.PER_MICRO_DENOMINATOR, Code.WORLD_SIZE_MISMATCH,
                                                Code.SCALE_MISMATCH, Code.PADDED_DENOMINATOR,

@@ -12,7 +12,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.checks import RunSteps, distinct, weight_ratio, world_sizes
-from tokaudit.codes import DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, Code, Severity
+from tokaudit.codes import DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, WEIGHTING, Code, Severity
 from tokaudit.reader import Shard
 from tokaudit.report import Finding, RunSummary, Segment, StepRange, Verdict, Reporting
 from tokaudit.schema import Provenance
@@ -87,15 +87,13 @@ def dropped_steps(shards: Sequence[Shard]) -> dict[str, DroppedRecords]:
             entry.spans.setdefault(note["group"], []).append((first, last))
     return out
 
-_WEIGHTING = frozenset({Code.LOCAL_MEAN, Code.PER_MICRO_DENOMINATOR, Code.PADDED_DENOMINATOR,
-                        Code.UNEXPLAINED_WEIGHTING})
 
 def apply_policy(findings: list[Finding], min_ratio: float | None) -> list[Finding]:
     """--min-ratio: a weighting finding below the ratio a CI gate accepts is information, before the verdict."""
     kept = []
     for finding in findings:
         ratio = finding.evidence.get("weight_ratio")
-        if min_ratio is not None and finding.code in _WEIGHTING and isinstance(ratio, float) and ratio < min_ratio:
+        if min_ratio is not None and finding.code in WEIGHTING and isinstance(ratio, float) and ratio < min_ratio:
             finding = replace(finding, severity=Severity.INFO,
                               message=f"{finding.message} (Below --min-ratio {min_ratio:g}: information only.)")
         kept.append(finding)

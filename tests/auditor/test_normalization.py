@@ -559,3 +559,7 @@ def test_every_denominator_has_its_facts_in_the_one_table() -> None:
     assert all(DENOMINATOR_FACTS[d].confused[0] for d in LOCAL_DENOMINATORS)
     names = {column.name for column in STEP_COLUMNS}
     assert all(low in names and high in names for low, high in RECORD_BOUNDS.values())
+    # the codes a weighting by a denominator is are the code table's weighting family, the one --min-ratio gates
+    from tokaudit.codes import WEIGHTING
+
+    assert {facts.code for facts in DENOMINATOR_FACTS.values() if facts.code is not None} == WEIGHTING
