@@ -353,6 +353,10 @@ def test_settings_in_pyproject_apply_from_below_and_the_command_line_wins(tmp_pa
     code, out, err = invoke("check", log)
     assert (code, out) == (2, "") and err.strip() == (f"tokaudit: error: {project / 'pyproject.toml'}: [tool.tokaudit] "
                                                       "has no setting 'fail_on' (settings: fail-on, ignore, rtol, min-ratio, ray)")
+    (project / "pyproject.toml").write_text('[tool.tokaudit]\nray = 5\n')
+    code, out, err = invoke("check", log)
+    assert (code, out) == (2, "") and err.strip() == (f"tokaudit: error: {project / 'pyproject.toml'}: [tool.tokaudit] "
+                                                      "ray = 5: expected a cluster's address, such as \"auto\"")
 
 
 def test_junit_has_one_test_case_per_run_failed_when_incorrect(tmp_path: Path) -> None:
