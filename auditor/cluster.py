@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
@@ -153,11 +154,13 @@ def _answers(address: str) -> None:
 CONNECT_SECONDS = 10
 
 
+@dataclass(frozen=True)
 class _Footers:
     """A batch of files whose footers a worker reads (`reader.inspect_batch`)."""
 
-    def __init__(self, paths: list[PurePath], stores: list[Store | None] | None, thorough: bool) -> None:
-        self.paths, self.stores, self.thorough = paths, stores, thorough
+    paths: list[PurePath]
+    stores: list[Store | None] | None
+    thorough: bool
 
     def __str__(self) -> str:
         return f"the footers of {self.paths[0]} and {len(self.paths) - 1} more" if len(self.paths) > 1 \

@@ -27,16 +27,13 @@ def timed(engine: Engine, query: str) -> float:
     return time.perf_counter() - start
 
 
-def without(*names: str) -> str:
-    """The query with these columns left out (and the per-rank and per-microbatch values only they read)."""
-    return step_sql(*SHAPE, declared=[c for c in STEP_COLUMNS if c.name not in names])
-
-
-SHAPE: tuple[bool, bool, bool, frozenset[str]] = (False, False, False, frozenset())
+def without(shape: tuple[bool, bool, bool, frozenset[str]], *names: str) -> str:
+    """The query of this shape with these columns left out (and the per-rank and per-microbatch values only they
+    read)."""
+    return step_sql(*shape, declared=[c for c in STEP_COLUMNS if c.name not in names])
 
 
 def main() -> None:
-    global SHAPE
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("log", type=Path)
     parser.add_argument("--repeat", type=int, default=3)
@@ -46,23 +43,19 @@ def main() -> None:
     shards = shards[:args.files] if args.files else shards
     engine = Engine.open(shards)
     engine._whole()  # the views over every file, as the audit of a one-range log defines them
-    SHAPE = (one_record_form(shards), False, one_name_of(shards) is not None, absent_values(shards))
-    whole = step_sql(*SHAPE)
+    shape = (one_record_form(shards), False, one_name_of(shards) is not None, absent_values(shards))
+    whole = step_sql(*shape)
     floor = ("SELECT step, sum(valid_tokens), min(backward_scalar / loss_sum), max(backward_scalar / loss_sum) "
              "FROM raw_records GROUP BY step")
-    queries = {"(whole query)": whole, "(floor)": floor}
-    for level in ("rank", "micro"):  # a whole grouping: its per-rank or per-microbatch hash table with it
-        queries[f"every {level}-level column"] = without(*(c.name for c in STEP_COLUMNS if c.level.name.lower() == level))
-    for column in STEP_COLUMNS:
-        if not column.evidence and f"AS {column.name}" in whole:
-            queries[column.name] = without(column.name)
-    def best(query: str) -> float:
-        return min(timed(engine, query) for _ in range(args.repeat))
-
-    total, floor_time = best(whole), best(queries.pop("(floor)"))
-    queries.pop("(whole query)")
+    queries = {f"every {level}-level column": without(shape, *(c.name for c in STEP_COLUMNS  # a grouping with them
+                                                              if c.level.name.lower() == level))
+               for level in ("rank", "micro")}
+    queries.update({c.name: without(shape, c.name) for c in STEP_COLUMNS
+                    if not c.evidence and f"AS {c.name}" in whole})  # the columns this shape computes
+    total = min(timed(engine, whole) for _ in range(args.repeat))
+    floor_time = min(timed(engine, floor) for _ in range(args.repeat))
     print(f"{args.log.name}: whole query {total:.2f} s, floor {floor_time:.2f} s, {sum(s.rows for s in shards):,} "
-          f"records ({'one-record' if SHAPE[0] else 'general'} form, {len(queries)} columns computed)")
+          f"records ({'one-record' if shape[0] else 'general'} form, {len(queries) - 2} columns computed)")
     costs: dict[str, float | None] = {}
     for name, query in queries.items():
         try:

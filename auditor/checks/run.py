@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from collections.abc import Iterator
 from typing import Any
 
@@ -112,13 +111,14 @@ def _check_term(source: RunSteps, term: str, decisions: Decisions | None, contex
                 extremes: Extremes | None) -> tuple[list[Finding], list[Span], int]:
     """Every check of one loss term, fed the term's blocks once: its findings, spans and spans left out.
     Without `decisions` (the terms are one objective, judged together) its weighting is not judged alone."""
-    inputs = TermInputs(context, keep_steps=len(source.groups) > 1, main_term=term == source.terms[0],
-                        extremes=extremes, confused=decisions.confused if decisions is not None else None)
+    factors = None
     if decisions is not None:
         # q's clusters need every uniform q ≠ 1 first: read once more only where a step may have one.
-        inputs = replace(inputs, factors=FactorTable.of(
-            ((block, decisions.diagnose(block)) for block in source.blocks(term)), context)
-            if decisions.may_be_off else FactorTable(context.rtol, np.zeros(0), {}, [], False))
+        factors = FactorTable.of(((block, decisions.diagnose(block)) for block in source.blocks(term)), context) \
+            if decisions.may_be_off else FactorTable(context.rtol, np.zeros(0), {}, [], False)
+    inputs = TermInputs(context, keep_steps=len(source.groups) > 1, main_term=term == source.terms[0],
+                        factors=factors, extremes=extremes,
+                        confused=decisions.confused if decisions is not None else None)
     checks = [check(inputs) for check in CHECKS if (inputs.main_term or not check.main_term_only)
               and (decisions is not None or not check.judges_weighting)]
     term_spans = Spans()

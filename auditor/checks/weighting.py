@@ -204,7 +204,8 @@ class WeightingCheck(Check):
         keys, first, inverse = np.unique(key, return_index=True, return_inverse=True)
         inverse = inverse.reshape(-1)
         steps = column_of(block, "step")
-        ratio_all = _ratios(block)
+        ratio_all = weight_ratio(column_of(block, "token_weight_low").astype(float),
+                                 column_of(block, "token_weight_high").astype(float))
         for index in np.argsort(first):
             value = int(keys[index])
             rows = flagged[inverse == index]
@@ -238,12 +239,6 @@ class WeightingCheck(Check):
     def findings(self) -> Iterator[Finding]:
         for group in self.groups.values():
             yield _weighting_finding(group, self.factors.table, self.context, self.extremes)
-
-def _ratios(steps: pd.DataFrame) -> np.ndarray:
-    """Per step, `weight_ratio`."""
-    ratios: np.ndarray = weight_ratio(steps.token_weight_low.to_numpy(dtype=float),
-                                      steps.token_weight_high.to_numpy(dtype=float))
-    return ratios
 
 def _range(values: list[float]) -> list[float]:
     return [float(min(values)), float(max(values))]

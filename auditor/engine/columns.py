@@ -1,5 +1,5 @@
 """The step table declared once, as data: each column's name, meaning, record expression, reduction, level and
-type. `engine.query` writes the SQL of every log shape from these declarations, and nothing else does."""
+type. `engine.sql.step_sql` writes the SQL of every log shape from these declarations, and nothing else does."""
 
 from __future__ import annotations
 
