@@ -190,6 +190,8 @@ CODE_DOCS: dict[Code, CodeDoc] = {
             "once by N.",
         example="Rank 1 holds two sequences with 1 and 2 valid tokens and averages per sequence: its tokens get "
                 "1/2 and 1/4 of its weight.",
+        detail="an error, listed first, where the records' own mean weights also read as local means (a mean per "
+               "sequence makes each record's mean 1/n): `local_mean` then follows as a warning",
     ),
     Code.MASKED_TOKENS_WEIGHTED: CodeDoc(
         Severity.WARNING,

@@ -31,6 +31,9 @@ class TuneSetup:
     """"w_over_n": training.scale_grads(model, W/N) (torchtune's); "one_over_n": the W left out (a bug)."""
     told: bool
     """rec.scale_grads(factor) beside training.scale_grads."""
+    before_shift: bool = False
+    """N counted on the labels before the causal shift, as torchtune's recipe counts batch["labels"] before
+    `_loss_step` shifts them: with the row's first label valid, one label per row more than the loss is over."""
 
     @property
     def scenario(self) -> Scenario:
@@ -57,14 +60,15 @@ def job(rank: int, world_size: int, setup: TuneSetup, out: str) -> list[dict[str
             num_tokens = torch.zeros((), dtype=torch.int64)
             for micro, count in enumerate(per_rank[rank]):
                 tokens, labels, _ = microbatch(step, rank, micro, count)
-                num_tokens += (labels != IGNORE_INDEX).sum()
+                counted = (labels != IGNORE_INDEX).sum() + (1 if setup.before_shift else 0)
+                num_tokens += counted
                 logits = model(tokens)
                 # CEWithChunkedOutputLoss: a sum per chunk, over the total, then times the count: S
                 chunks = zip(logits.chunk(CHUNKS, dim=1), labels.chunk(CHUNKS, dim=1))
                 total = sum(F.cross_entropy(lg.reshape(-1, VOCAB), lb.reshape(-1), ignore_index=IGNORE_INDEX,
                                             reduction="sum") for lg, lb in chunks)
                 elements = (labels != IGNORE_INDEX).sum()
-                (total / elements * elements).backward()  # type: ignore[operator, union-attr]
+                (total / elements * counted).backward()  # type: ignore[operator, union-attr]
             dist.all_reduce(num_tokens)
             factor = (world_size if setup.scale == "w_over_n" else 1) / num_tokens.to(torch.float64)
             scale_grads(model, factor)

@@ -72,6 +72,10 @@ class Cell:
             return (f"TRL `SFTTrainer` (its fused LM head) on the `{self.family}` model, {data}, "
                     f"`average_tokens_across_devices={self.average_tokens}`")
         if self.trainer == "torchtune":
+            if self.loss == "before_shift":
+                return ("torchtune's recipe as 0.6 writes it: each microbatch's mean cross-entropy over the shifted "
+                        "labels times its count of `batch[\"labels\"]` taken before the shift, `backward()`, then "
+                        "`training.scale_grads(model, W/N)` with N the sum of those counts, told with `rec.scale_grads`")
             scale = {"sum": "`training.scale_grads(model, W/N)`", "missing_w": "`training.scale_grads(model, 1/N)` "
                      "(the W left out)"}[self.loss]
             return (f"torchtune's recipe: the chunked cross-entropy summed, `backward()`, then {scale} after the "
@@ -106,6 +110,7 @@ CELLS = (
     Cell("accelerate-sum", "llama", False, loss="sum", trainer="accelerate"),
     Cell("torchtune", "llama", False, loss="sum", trainer="torchtune"),
     Cell("torchtune-missing-w", "llama", False, loss="missing_w", trainer="torchtune"),
+    Cell("torchtune-before-shift", "llama", False, loss="before_shift", trainer="torchtune"),
     Cell("trl-sft", "llama", True, trainer="trl"), Cell("trl-sft-no-average", "llama", False, trainer="trl"),
     Cell("trl-sft-completion", "llama", True, loss="completion", trainer="trl"),
     Cell("trl-sft-assistant-only", "llama", True, loss="assistant", trainer="trl"),
@@ -437,13 +442,16 @@ def _torchtune_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]
             for batch in listed[start:start + GRADIENT_ACCUMULATION]:
                 saved["inputs"].append({key: value.detach().clone() for key, value in batch.items()})
                 labels = batch["labels"][:, 1:]
-                tokens += (labels != -100).sum()
+                shifted = (labels != -100).sum()
+                # torchtune 0.6 counts batch["labels"] before _loss_step shifts them: a label more per row
+                counted = (batch["labels"] != -100).sum() if cell.loss == "before_shift" else shifted
+                tokens += counted
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
                 total = sum(F.cross_entropy(lg.flatten(0, 1), lb.flatten(), ignore_index=-100, reduction="sum")
                             for lg, lb in zip(logits.chunk(2, dim=1), labels.chunk(2, dim=1)))
-                total.backward()  # type: ignore[union-attr]
+                (total / shifted * counted).backward()  # type: ignore[operator, union-attr]
             torch.distributed.all_reduce(tokens)
-            factor = (world if cell.loss == "sum" else 1) / tokens.to(torch.float32)
+            factor = (1 if cell.loss == "missing_w" else world) / tokens.to(torch.float32)
             scale_grads(model, factor)
             rec.scale_grads(factor)
             if rank == 0:

@@ -57,7 +57,8 @@ def markdown(rows: list[Row]) -> str:
               "the update's microbatches, N counted first (`tokaudit.recipes.LIGHTNING`).",
               "- torchtune sums the loss and multiplies every gradient by W/N after backward (`training.scale_grads`): "
               "invisible to the probe, so the recipe tells the recorder (`rec.scale_grads(factor)`); 1/N instead "
-              "leaves the gradient W× too small.",
+              "leaves the gradient W× too small. A count of `batch[\"labels\"]` taken before the shift, times each "
+              "microbatch's mean, gives its tokens (n + rows)/n of their weight: tokaudit names the count.",
               "- TRL's `SFTTrainer` computes each label's log-probability in its own fused LM head (no cross-entropy "
               "call; the attach records it there) and divides Σℓ by `num_items_in_batch`, ×W: the token mean over "
               "the labels its collator keeps (completion-only, packed). With `average_tokens_across_devices=False` "

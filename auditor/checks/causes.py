@@ -14,6 +14,39 @@ SHIFTED_COUNT_FIX = ("count N over the labels the loss is computed on, after the
                      "labels[..., 1:]), or give the batches shift_labels")
 
 
+COUNTED_BEFORE_SHIFT_FIX = (
+    "count each microbatch's n over the labels its loss is computed on, after the causal shift, and N as their "
+    "sum: in torchtune's recipes, (labels[..., 1:] != ignore_index).sum() instead of (batch[\"labels\"] != "
+    "ignore_index).sum(); or multiply the loss function's mean by the count it divided by")
+
+
+def counted_before_shift(heavy: tuple[int, float], light: tuple[int, float], tokens: int, records: int
+                         ) -> int | None:
+    """k where a step's weights say each record's mean S/n was multiplied by n + k (k labels more than the loss
+    is over, as a count taken before the causal shift has, one a row) and the step divided by the sum of those
+    counts, N + k·R: a record's share x = e·n of the update is then (n + k)/(N + k·R). The heaviest and the
+    lightest record (n, e) give C = N + k·R = (n_h − n_l)/(x_h − x_l) and k = x_h·C − n_h; both k and R must be
+    whole, with 1 ≤ R ≤ the step's records. A local mean (x_h = x_l) or a token mean (e_h = e_l) never fits."""
+    (n_heavy, e_heavy), (n_light, e_light) = heavy, light
+    x_heavy, x_light = e_heavy * n_heavy, e_light * n_light
+    if n_heavy >= n_light or not x_light > x_heavy > 0:
+        return None
+    total = (n_heavy - n_light) / (x_heavy - x_light)
+    k = x_heavy * total - n_heavy
+    if not 0.5 < k <= n_light:
+        return None
+    shifted = (total - tokens) / round(k)
+    whole = abs(k - round(k)) <= 0.02 and abs(shifted - round(shifted)) <= 0.02
+    return round(k) if whole and 1 <= round(shifted) <= records else None
+
+
+def counted_before_shift_text(k: int, where: str) -> str:
+    return (f"Each microbatch's mean loss was multiplied by a count of its n valid labels plus {k}, and the step "
+            "divided by the sum of those counts: the count was taken before the causal shift, which drops a label "
+            f"per row ({k} per microbatch here; torchtune's recipes count batch[\"labels\"] before _loss_step "
+            f"shifts them), so tokens of small microbatches weigh more: {where}.")
+
+
 def overcounted(context: RunContext) -> str:
     """q = N/N' < 1, varying: the loss was divided by a count N' above the tokens it summed."""
     trainer = (": the Hugging Face Trainer counts num_items_in_batch over every label when the model's loss_type "

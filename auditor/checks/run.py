@@ -13,7 +13,7 @@ from tokaudit.checks.base import Check, Extremes, RunContext, RunSteps, TermInpu
 from tokaudit.checks.miscount import without_miscounted
 from tokaudit.checks.objective import OneObjective, one_objective
 from tokaudit.checks.reported import reported_findings
-from tokaudit.checks.structure import DivisorCheck, MissingRanksCheck, ProbeCheck, StructureCheck, SyncCheck, ValuesCheck, WeightPresenceCheck, duplicates_finding, not_recorded_finding, ranks_not_recorded
+from tokaudit.checks.structure import DivisorCheck, MissingRanksCheck, ProbeCheck, StructureCheck, SyncCheck, ValuesCheck, WeightPresenceCheck, duplicates_finding, not_recorded_finding, per_sequence_first, ranks_not_recorded
 from tokaudit.checks.weighting import BalancedCheck, FactorTable, WeightingCheck
 from tokaudit.engine import Duplicates, one_value
 from tokaudit.normalization import Decisions, FitBlock, Span, Spans, block_fits, span_rows
@@ -128,7 +128,7 @@ def _check_term(source: RunSteps, term: str, decisions: Decisions | None, contex
             check.add(block, diagnoses)
         if diagnoses is not None:
             term_spans.add(span_rows(block, diagnoses, source.groups, 0))
-    findings = [finding for check in checks for finding in check.findings()]
+    findings = per_sequence_first([finding for check in checks for finding in check.findings()])
     if decisions is None:
         return findings, [], 0
     listed, left_out = term_spans.listed(source.groups, [term])

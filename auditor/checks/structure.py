@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -278,6 +279,30 @@ class ProbeCheck(Check):
                            "label padding and ignored positions with ignore_index (their loss is then exactly 0), or "
                            "mask per-token losses before reducing; divide by the valid-token count",
                            {"steps": steps, "masked_weight_in_tokens": self.share})
+
+def per_sequence_first(findings: list[Finding]) -> list[Finding]:
+    """A mean per sequence (or document) inside each record, which the probe sees as unequal weights in a
+    record, makes each record's mean weight its own 1/n as well: b = (1/B)·Σ_s S_s/n_s gives a token of sequence s
+    1/(B·n_s), and the record's mean is Σ_s n_s/(B·n_s)/n = 1/n. A local_mean read from those means is then that
+    objective's consequence, not a second cause: the per-sequence finding leads, as an error, and local_mean
+    follows as a warning that says so (a GRPO loss, or any per-sequence mean)."""
+    codes = {finding.code for finding in findings}
+    if not {Code.NONUNIFORM_IN_MICROBATCH, Code.LOCAL_MEAN} <= codes:
+        return findings
+    out = []
+    for finding in findings:
+        if finding.code == Code.NONUNIFORM_IN_MICROBATCH:
+            finding = replace(finding, severity=Severity.ERROR, message=(
+                f"{finding.message} Each record's tokens then carry its own mean weight 1/n on average, which is "
+                "why the records also read as local means (local_mean)."))
+        elif finding.code == Code.LOCAL_MEAN:
+            finding = replace(finding, severity=Severity.WARNING, message=(
+                "The probe saw a mean per sequence or document inside the records (nonuniform_in_microbatch), "
+                "which gives every record this mean weight by itself; its sequences count alike across ranks only "
+                f"when every rank holds as many. {finding.message}"))
+        out.append(finding)
+    return out
+
 
 def _spread_text(spread: float) -> str:
     if not np.isfinite(spread):

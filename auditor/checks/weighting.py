@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -12,12 +12,12 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.checks.base import BF16_HINT, BF16_ROUNDING, DENOMINATOR_WORDS, Check, Extremes, RunContext, StepsSeen, TermInputs, weight_ratio, average_fix, column_of, make_finding, step_list
-from tokaudit.checks.causes import SHIFTED_COUNT_FIX, UNTOLD, overcounted, world_size_cause
+from tokaudit.checks.causes import COUNTED_BEFORE_SHIFT_FIX, SHIFTED_COUNT_FIX, UNTOLD, counted_before_shift, counted_before_shift_text, overcounted, world_size_cause
 from tokaudit.checks.rescale import schedule_finding
 from tokaudit.checks.structure import ALL_CODES
 from tokaudit.codes import Code
 from tokaudit.normalization import DENOMINATOR_FACTS, DENOMINATORS, FORMULA, Denominator, Diagnoses, FactorExplanation, FactorKind, StepKind, ClusterStarts, close, cluster, explain_factor
-from tokaudit.report import Finding
+from tokaudit.report import Finding, StepRange
 from tokaudit.schema import UNNAMED
 from tokaudit.sorting import SortedColumn, middle, middle_positions
 
@@ -237,8 +237,18 @@ class WeightingCheck(Check):
                 group.diagnosis, group.explanation = diagnoses[row], int(explanation[row])
 
     def findings(self) -> Iterator[Finding]:
-        for group in self.groups.values():
-            yield _weighting_finding(group, self.factors.table, self.context, self.extremes)
+        found = [_weighting_finding(group, self.factors.table, self.context, self.extremes)
+                 for group in self.groups.values()]
+        # a count taken before the shift, read in groups of steps its weights fit differently: one finding,
+        # the evidence of its most unequal step
+        shifted = [f for f in found if "extra_labels_per_record" in f.evidence]
+        if len(shifted) > 1:
+            worst = max(shifted, key=lambda f: f.evidence["weight_ratio"])
+            steps = StepRange(min(f.steps.first for f in shifted), max(f.steps.last for f in shifted),
+                              sum(f.steps.count for f in shifted))
+            found = [replace(f, steps=steps) if f is worst else f for f in found
+                     if f is worst or all(f is not g for g in shifted)]
+        yield from found
 
 def _range(values: list[float]) -> list[float]:
     return [float(min(values)), float(max(values))]
@@ -273,14 +283,8 @@ def _nonuniform_finding(group: _WeightingGroup, context: RunContext, evidence: d
     step, tokens = int(row.step), int(row.tokens)
     heavy_e, light_e = float(row.weight_high), float(row.weight_low)
     ratio = heavy_e / light_e if light_e > 0 else math.inf
-    if "heavy_rank" in row.index:
-        located = row
-    elif extremes is not None:
-        located = extremes(row)
-    else:
-        raise ValueError("the step table lacks the evidence columns (heavy_rank, ...) and no way to find them")
-    heavy = _describe(located, "heavy", heavy_e, tokens)
-    light = _describe(located, "light", light_e, tokens)
+    heavy, light = (_describe(_located(row, extremes), which, e, tokens) for which, e in (("heavy", heavy_e),
+                                                                                       ("light", light_e)))
     # the gate's ratio (--min-ratio) is the tokens' (`weight_ratio`): the probe's where it saw weights differ inside
     # a record, which the records' mean weights described here cannot show
     tokens_ratio = float(weight_ratio(float(row.token_weight_low), float(row.token_weight_high)))
@@ -289,6 +293,12 @@ def _nonuniform_finding(group: _WeightingGroup, context: RunContext, evidence: d
              f"n={heavy['valid_tokens']}) received {ratio:.3g}× the weight of a token on rank {light['rank']} "
              f"(microbatch {light['micro']}, n={light['valid_tokens']}); the correct weight is 1/N = 1/{tokens}, "
              f"they got {heavy_e * tokens:.3g}/N and {light_e * tokens:.3g}/N")
+    shift = counted_before_shift((heavy["valid_tokens"], heavy_e), (light["valid_tokens"], light_e), tokens,
+                                 int(row.records)) if code in (Code.LOCAL_MEAN, Code.UNEXPLAINED_WEIGHTING) else None
+    if shift is not None:  # no denominator of the vocabulary: a count, the labels' own, with k more labels
+        evidence["extra_labels_per_record"] = shift
+        return make_finding(context, Code.UNEXPLAINED_WEIGHTING, group.steps, counted_before_shift_text(shift, where),
+                            COUNTED_BEFORE_SHIFT_FIX, evidence)
     alpha = "?" if diagnosis.factor is None else f"{diagnosis.factor:.4g}"
     formula = f"b·g = {alpha}·{FORMULA.get(denominator, '?')}"
     near = ""
@@ -405,6 +415,15 @@ def _is_world_size(factor: float | None, context: RunContext) -> bool:
     """α is the run's W (several: any of them), within the tolerance."""
     sizes = context.world_sizes or (context.world_size,)
     return factor is not None and any(w > 0 and close(factor, float(w), context.rtol) for w in sizes)
+
+
+def _located(row: Any, extremes: Extremes | None) -> Any:
+    """The step's row with where its heaviest and lightest token were: its own evidence columns, or found now."""
+    if "heavy_rank" in row.index:
+        return row
+    if extremes is not None:
+        return extremes(row)
+    raise ValueError("the step table lacks the evidence columns (heavy_rank, ...) and no way to find them")
 
 
 def _describe(row: Any, which: str, weight: float, tokens: int) -> dict[str, Any]:

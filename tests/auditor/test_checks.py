@@ -68,6 +68,20 @@ def test_a_microbatch_mean_times_w_reads_as_its_own_count_times_w(tmp_path: Path
     assert "gradient_accumulation_steps" not in finding.message and "b·g = 2·S/n" in finding.message
 
 
+def test_a_count_taken_before_the_shift_is_named_not_a_local_mean(tmp_path: Path) -> None:
+    """torchtune's recipe: each microbatch's mean S/n times its count taken before the shift, n + 3 with 3 rows,
+    summed and rescaled by W/(N + 3·R) after backward: e = (n + 3)/(n·(N + 3R))."""
+    counts = [[[40, 7], [12, 90]], [[25, 60], [9, 33]], [[70, 14], [50, 5]]]
+    rows = records(counts, lambda S, n, **_: S / n * (n + 3))
+    for row in rows:
+        row["grad_scale"] = 2 / sum(n + 3 for rank in counts[row["step"]] for n in rank)
+    finding = only(audit_rows(tmp_path, rows), Code.UNEXPLAINED_WEIGHTING)
+    assert finding.evidence["extra_labels_per_record"] == 3 and "before the causal shift" in finding.message
+    # a plain local mean (every record's e·n alike) never reads as a shift
+    assert "extra_labels_per_record" not in only(audit_rows(tmp_path / "mean", records(counts, local_mean)),
+                                                 Code.LOCAL_MEAN).evidence
+
+
 HF_PROVENANCE = {b"tokaudit.provenance": b'{"trainer": "transformers", "trainer_version": "5.24.0", "world_size": 2}'}
 """The footer note the Hugging Face callback's recorder writes."""
 

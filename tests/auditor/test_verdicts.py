@@ -202,7 +202,7 @@ def test_the_gate_and_the_summary_read_one_weight_ratio(tmp_path: Path) -> None:
     """A rank-local mean recorded with a probe that saw the tokens of each record weighted unevenly (by 0.5× and
     2× the record's mean): the heaviest token over the lightest is 4× the records' mean ratio. The summary's max
     ratio and the finding's `weight_ratio` are that one ratio, so --min-ratio between the two ratios keeps the
-    finding an error, as the ratio the summary shows says it must."""
+    finding as severe as it was, as the ratio the summary shows says it must."""
     from tests.logs import UNEVEN_GA, local_mean, records, write_by_rank
     from tokaudit.auditing import audit
 
@@ -218,4 +218,6 @@ def test_the_gate_and_the_summary_read_one_weight_ratio(tmp_path: Path) -> None:
     records_ratio = finding.evidence["heaviest"]["effective_weight"] / finding.evidence["lightest"]["effective_weight"]
     assert run.max_weight_ratio > 3.9 * records_ratio
     gated = audit([log], min_ratio=2 * records_ratio)
-    assert [f.severity.value for f in gated.findings if f.code.value == "local_mean"] == ["error"]
+    # the gate leaves it as severe as it was (a warning, after the probe's own finding, which leads)
+    assert [f.severity.value for f in gated.findings if f.code.value == "local_mean"] == ["warning"]
+    assert [f.severity.value for f in report.findings if f.code.value == "local_mean"] == ["warning"]

@@ -5,6 +5,7 @@ gloo processes: the float64 reference of the token mean decides, and tokaudit ag
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,7 +19,8 @@ from tokaudit.auditing import audit
 pytestmark = pytest.mark.distributed
 
 SETUPS = [TuneSetup("tune_recipe", "w_over_n", told=True), TuneSetup("tune_missing_w", "one_over_n", told=True),
-          TuneSetup("tune_untold", "w_over_n", told=False)]
+          TuneSetup("tune_untold", "w_over_n", told=False),
+          TuneSetup("tune_before_shift", "w_over_n", told=True, before_shift=True)]
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +29,12 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     return root, {s.name: ranks for s, ranks in zip(SETUPS, run_ddp_each(job, 2, SETUPS, str(root)))}
 
 
-def _agrees(setup: TuneSetup, by_rank: list[list[dict[str, Any]]]) -> list[bool]:
+def _agrees(setup: TuneSetup, by_rank: list[list[dict[str, Any]]],
+            weights: Callable[[int], dict[tuple[int, int], float]] | None = None) -> list[bool]:
     out = []
     for step in range(len(COUNTS)):
         record = by_rank[0][step]
-        want = reference_gradient(record["before"], setup.scenario, step, [0, 1])
+        want = reference_gradient(record["before"], setup.scenario, step, [0, 1], weights and weights(step))
         out.append(all(torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(record["grads"], want)))
     return out
 
@@ -60,3 +63,22 @@ def test_an_untold_rescale_is_named_in_the_message(recorded: Any) -> None:
     report = audit([root / "tune_untold"])
     assert report.runs[0].verdict != "correct"
     assert any("rec.scale_grads" in f.message + f.fix for f in report.findings)
+
+
+def test_a_count_taken_before_the_shift_is_named(recorded: Any) -> None:
+    """torchtune's recipe counts batch["labels"] before the shift: each microbatch's mean times n + 1 (one row),
+    over N + R. The float64 reference with those weights is what trained; the token mean is not."""
+    root, histories = recorded
+
+    def shifted(step: int) -> dict[tuple[int, int], float]:
+        # e = (n + 1) / (n · ΣN_pre), N_pre = Σ (n + 1) over the step's microbatches of every rank
+        total = sum(n + 1 for rank in COUNTS[step] for n in rank)
+        return {(r, m): (n + 1) / (n * total) for r, rank in enumerate(COUNTS[step]) for m, n in enumerate(rank)}
+
+    history = histories["tune_before_shift"]
+    assert not any(_agrees(SETUPS[3], history)) and all(_agrees(SETUPS[3], history, shifted))
+    report = audit([root / "tune_before_shift"])
+    (finding, _) = report.findings
+    assert finding.code.value == "unexplained_weighting" and report.runs[0].verdict == "incorrect"
+    assert finding.evidence["extra_labels_per_record"] == 1
+    assert "before the causal shift" in finding.message and "labels[..., 1:]" in finding.fix
