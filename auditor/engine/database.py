@@ -21,8 +21,8 @@ import pyarrow as pa
 
 from tokaudit.engine.connection import DEFAULT_MEMORY_LIMIT, connect, half_limit, settings_from_environment
 from tokaudit.engine.ranges import CHUNK_ROWS, RangesMap, RangeTask, step_ranges
-from tokaudit.engine.columns import EVIDENCE, STEP_COLUMNS, UNUSABLE_RECORD
-from tokaudit.engine.sql import RANK_WEIGHTS_SQL, absent_values, aliases, footer_table, one_name_of, one_record_form, select_records, sql_string, step_sql, valueless_columns
+from tokaudit.engine.columns import EVIDENCE, STEP_COLUMN_BY_NAME, STEP_COLUMNS, UNUSABLE_RECORD
+from tokaudit.engine.sql import FETCHED_TYPES, RANK_WEIGHTS_SQL, absent_values, aliases, constants, footer_table, one_name_of, one_record_form, select_records, sql_string, step_sql, valueless_columns
 from tokaudit.engine.tables import FILES_NAMED, SPILL_STEPS, Duplicates, Spilled, add_duplicates, scratch_folder, categorical, constant_of, join_columns, reorder
 from tokaudit.reader import Shard
 from tokaudit.storage import object_dataset
@@ -339,12 +339,14 @@ class Engine:
         absent = absent_values(shards) if self.prune else frozenset()
         self.last_query = step_sql(one_record, self.extremes, names is not None, absent)
         table: dict[str, Any] = self.connection.execute(self.last_query).fetchnumpy()
-        return self._finish(table, names, aliases(one_record, absent))
+        return self._finish(table, names, aliases(one_record, absent), constants(one_record, absent))
 
-    def _finish(self, table: dict[str, Any], names: tuple[str, str, str] | None, held: dict[str, str]) -> dict[str, Any]:
+    def _finish(self, table: dict[str, Any], names: tuple[str, str, str] | None, held: dict[str, str],
+                literal: dict[str, np.ndarray]) -> dict[str, Any]:
         """A range's fetched columns as the step table holds them, in the declared order: the names as categories
-        (the one name of `names` when the query left them out), NULLs as NaN, constants as one value, and one
-        array for a column that is another's (`held`, from `sql.aliases`)."""
+        (the one name of `names` when the query left them out), NULLs as NaN, constants as one value (`literal`'s,
+        from `sql.constants`, never fetched), and one array for a column that is another's (`held`, from
+        `sql.aliases`)."""
         rows = len(table["step"])
         if names is not None:
             # The one name of each column, as the categories `categorical` makes of it.
@@ -368,6 +370,9 @@ class Engine:
             # about half their columns taking no memory.
             constant = constant_of([values])
             table[name] = values if constant is None else constant
+        for name, value in literal.items():  # as a fetched column of that value would be held
+            table[name] = np.broadcast_to(value, (rows,)) if rows > 1 else \
+                np.repeat(value, rows) if rows else np.zeros(0, dtype=FETCHED_TYPES[STEP_COLUMN_BY_NAME[name].type])
         order = ["run", "grp", "term", "step", *(c.name for c in STEP_COLUMNS if c.name in table or c.name in held)]
         return {name: table[held.get(name, name)] for name in order}
 

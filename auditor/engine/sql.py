@@ -68,7 +68,7 @@ def step_sql(one_record: bool, evidence: bool = False, one_name: bool = False, a
             if any(c.level is of and not _gone(c, absent) for c in columns):  # (bench/columns.py drops levels)
                 ctes += [partial(of.value, of, by), level(f"{by}_level", of.value, of)]
                 joined += f" {join} {by}_level USING (k, step)"
-    held = aliases(one_record, absent)
+    held = {**aliases(one_record, absent), **constants(one_record, absent)}
     outputs = [(c.absent if _gone(c, absent) else c.one_record if one_record and c.one_record else c.name, c)
                for c in columns if c.name not in held]
     selected = ",\n    ".join(f"CAST({value} AS {c.type}) AS {c.name}" if c.type
@@ -78,6 +78,25 @@ def step_sql(one_record: bool, evidence: bool = False, one_name: bool = False, a
 def _listed(pairs: Iterable[tuple[str, str]]) -> str:
     """`expression AS name`, one a line (a record's own column by its name alone)."""
     return ",\n        ".join(name if expression == name else f"{expression} AS {name}" for expression, name in pairs)
+
+_NULLS = ("NULL", "CAST(NULL AS DOUBLE)")
+FETCHED_TYPES: dict[str | None, type[np.generic]] = {"INTEGER": np.int32, "BIGINT": np.int64, None: np.float64}
+"""The numpy type DuckDB fetches a column of each declared type as (without NULLs; with them, float64)."""
+
+
+def constants(one_record: bool, absent: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
+    """Columns whose value in this form is a literal (an `absent` 0 or NULL, a `one_record` 1): the query leaves
+    them out and `Engine._finish` holds the value, as one element of the type a fetched column of it would have
+    (a NULL as float64's NaN, as a fetched column of NULLs becomes; a count as its declared integer)."""
+    found = {}
+    for c in STEP_COLUMNS:
+        value = c.absent if _gone(c, absent) else c.one_record if one_record and c.one_record else None
+        if value in _NULLS:
+            found[c.name] = np.array([np.nan])
+        elif value is not None and value.isdigit():
+            found[c.name] = np.array([int(value)], dtype=FETCHED_TYPES[c.type])
+    return found
+
 
 def aliases(one_record: bool, absent: frozenset[str] = frozenset()) -> dict[str, str]:
     """Columns that are another column's very array in this form (a `one_record` or `absent` value that names a
