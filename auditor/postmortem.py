@@ -11,7 +11,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.auditing import Progress, load_logs, open_log_parts, open_logs, selected_runs, table_parts, table_runs
-from tokaudit.checks import RunSteps, loss_terms, main_term_first, one_objective, outside_probe_range
+from tokaudit.checks import RunSteps, loss_terms, main_term_first, one_objective, outside_probe_range, pooled_steps
 from tokaudit.codes import DEFAULT_RTOL
 from tokaudit.engine import Spilled
 from tokaudit.normalization import name_ranks
@@ -191,11 +191,11 @@ def _pooled_rows(table: pd.DataFrame, term: str) -> pd.DataFrame:
     """The rows of a run whose terms are one objective as one term's: per (group, step) the terms' tokens, loss
     sums, Σe·S and reported losses together. The mean of local means is not what the terms' rows can give
     (each rank's mean over all its pieces): left out."""
-    rows = table.assign(grp=table.grp.astype(str), objective=table.objective.where(table.weighted_records > 0))
-    pooled = rows.groupby(["grp", "step"], sort=True).agg(
+    pooled = pooled_steps(
+        table.assign(objective=table.objective.where(table.weighted_records > 0)),
         tokens=("tokens", "sum"), loss=("loss", "sum"), objective=("objective", lambda v: v.sum(min_count=1)),
         weighted_records=("weighted_records", "sum"), reported_low=("reported_low", "min"),
-        reported_high=("reported_high", "max"), reported=("reported", "sum")).reset_index()
+        reported_high=("reported_high", "max"), reported=("reported", "sum"))
     return pooled.assign(term=term, mean_of_local_means=np.nan)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit.checks import RunSteps, distinct, weight_ratio, world_sizes
+from tokaudit.checks import RunSteps, distinct, pooled_sums, weight_ratio, world_sizes
 from tokaudit.codes import DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, WEIGHTING, Code, Severity
 from tokaudit.reader import Shard
 from tokaudit.report import Finding, RunSummary, Segment, StepRange, Verdict, Reporting
@@ -185,7 +185,7 @@ def _tokens(part: pd.DataFrame, pooled: bool) -> Any:
     """Each row's N: its (group, term, step)'s, or, where the terms are `pooled`, its (group, step)'s over them."""
     if not pooled:
         return part.tokens.to_numpy()
-    return part.tokens.groupby([part.grp.astype(str), part.step]).transform("sum").to_numpy()
+    return pooled_sums(part, ["tokens"]).tokens.to_numpy()
 
 
 def _reporting(findings: list[Finding], reported: int) -> Reporting:

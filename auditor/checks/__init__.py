@@ -4,11 +4,9 @@ Pure functions of the step table (one row per run, group, term and step): no Par
 normalization is recovered lives in `tokaudit.normalization`; each concern here is a module of its own.
 """
 
-from tokaudit.checks.base import DENOMINATOR_WORDS, RunContext, RunSteps, distinct, loss_terms, main_term_first, weight_ratio, world_sizes
-from tokaudit.checks.miscount import Miscounted, miscounted_rows, outside_probe_range, without_miscounted
-from tokaudit.checks.objective import OneObjective, one_objective
-from tokaudit.checks.reported import decimals
+from tokaudit.checks.base import RunSteps, distinct, loss_terms, main_term_first, weight_ratio, world_sizes
+from tokaudit.checks.miscount import miscounted_rows, outside_probe_range, without_miscounted
+from tokaudit.checks.objective import one_objective, pooled_steps, pooled_sums
 from tokaudit.checks.run import check_run
 
-__all__ = ["DENOMINATOR_WORDS", "Miscounted", "RunContext", "RunSteps", "check_run", "decimals", "distinct",
-           "loss_terms", "main_term_first", "miscounted_rows", "one_objective", "OneObjective", "outside_probe_range", "weight_ratio", "without_miscounted", "world_sizes"]
+__all__ = ["check_run", "distinct", "loss_terms", "main_term_first", "miscounted_rows", "one_objective", "outside_probe_range", "pooled_steps", "pooled_sums", "RunSteps", "weight_ratio", "without_miscounted", "world_sizes"]

@@ -7,6 +7,7 @@ weighs its tokens 1/N_t, and together q = 2."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -15,6 +16,19 @@ from tokaudit.checks.base import RunContext, RunSteps, StepsSeen, make_finding
 from tokaudit.codes import Code
 from tokaudit.normalization import Denominator, Span
 from tokaudit.report import Finding
+
+
+def pooled_sums(frame: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    """Each row's sums of `columns` over the terms of its (group, step): terms that are one objective pooled,
+    as its token mean ΣS/ΣN reads them. The one place terms are pooled row by row (the rank grid's SQL pools
+    them in its own grouping, `engine.sql`'s $pooled)."""
+    return frame.groupby([frame.grp.astype(str).to_numpy(), frame.step.to_numpy()])[columns].transform("sum")
+
+
+def pooled_steps(frame: pd.DataFrame, **reductions: tuple[str, str | Any]) -> pd.DataFrame:
+    """One row per (group, step) with valid tokens or not, its terms' rows reduced as one: `reductions` as
+    pandas' named aggregation (name=(column, reduction)), with the group as a string, sorted."""
+    return frame.assign(grp=frame.grp.astype(str)).groupby(["grp", "step"], sort=True).agg(**reductions).reset_index()
 
 
 @dataclass
@@ -99,9 +113,9 @@ def _combined(part: pd.DataFrame, rtol: float) -> pd.DataFrame | None:
         "unweighted": part.unweighted_records.to_numpy(), "divisor": part.divisor_high.to_numpy(dtype=float),
         "record_tokens_low": np.where(valid, part.record_tokens_low.to_numpy(dtype=float), np.inf),
         "record_tokens_high": np.where(valid, part.record_tokens_high.to_numpy(dtype=float), -np.inf)})
-    steps = frame.groupby(["grp", "step"], sort=False).agg(
-        tokens=("tokens", "sum"), low=("low", "min"), high=("high", "max"), unweighted=("unweighted", "sum"),
-        divisor=("divisor", "max"), record_tokens_low=("record_tokens_low", "min"), record_tokens_high=("record_tokens_high", "max")).reset_index()
+    steps = pooled_steps(frame, tokens=("tokens", "sum"), low=("low", "min"), high=("high", "max"),
+                         unweighted=("unweighted", "sum"), divisor=("divisor", "max"),
+                         record_tokens_low=("record_tokens_low", "min"), record_tokens_high=("record_tokens_high", "max"))
     steps = steps[steps.tokens > 0]
     with np.errstate(invalid="ignore"):
         # every token's q = e·ΣN within rtol of 1 (NaN, a record without a weight, fails)

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from tokaudit.checks.base import RunContext, RunSteps, StepsSeen, column_of, make_finding
+from tokaudit.checks.objective import pooled_sums
 from tokaudit.codes import Code
 from tokaudit.report import Finding
 
@@ -62,7 +63,7 @@ def _step_means(frame: pd.DataFrame, main_term: str, pooled: bool) -> pd.DataFra
     counted = frame[column_of(frame, "tokens") > 0]
     means = counted[["grp", "term", "step"]].assign(mean=counted.loss / counted.tokens)
     if pooled:
-        sums = counted.groupby(["grp", "step"], observed=True)[["loss", "tokens"]].transform("sum")
+        sums = pooled_sums(counted, ["loss", "tokens"])
         total = sums.loss / sums.tokens
     else:
         total = means.groupby(["grp", "step"], observed=True)["mean"].transform("sum")

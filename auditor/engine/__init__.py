@@ -5,12 +5,9 @@ log into step ranges; `tables` joins the ranges' arrays.
 """
 
 from tokaudit.engine.columns import EVIDENCE, STEP_COLUMNS
-from tokaudit.engine.connection import DEFAULT_MEMORY_LIMIT, settings_from_environment
 from tokaudit.engine.database import Engine, aggregate_range, extremes_at
-from tokaudit.engine.ranges import CHUNK_ROWS, CHUNK_STEPS, RangesMap, RangeTask, step_ranges
+from tokaudit.engine.ranges import CHUNK_ROWS, RangeTask, step_ranges
 from tokaudit.engine.sql import step_sql
-from tokaudit.engine.tables import SPILL_STEPS, Duplicates, Spilled, one_value, sweep_scratch
+from tokaudit.engine.tables import Duplicates, Spilled, one_value, sweep_scratch
 
-__all__ = ["CHUNK_ROWS", "CHUNK_STEPS", "DEFAULT_MEMORY_LIMIT", "Duplicates", "EVIDENCE", "Engine", "RangeTask", "RangesMap",
-           "SPILL_STEPS", "STEP_COLUMNS", "Spilled", "aggregate_range", "extremes_at", "one_value",
-           "settings_from_environment", "step_ranges", "step_sql", "sweep_scratch"]
+__all__ = ["aggregate_range", "CHUNK_ROWS", "Duplicates", "Engine", "EVIDENCE", "extremes_at", "one_value", "RangeTask", "Spilled", "STEP_COLUMNS", "step_ranges", "step_sql", "sweep_scratch"]

@@ -268,7 +268,7 @@ def test_a_token_mean_run_that_a_local_count_explains_just_as_well(counts: Any, 
 def test_a_long_run_costs_columns_not_an_object_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """The memory bound's mechanism: diagnoses, votes, codes and spans are arrays; a Python object is
     made per finding or per span, never per step."""
-    import tokaudit.normalization as normalization
+    import tokaudit.normalization.vocabulary as normalization
     from tokaudit.checks import check_run
 
     rng = np.random.default_rng(5)
