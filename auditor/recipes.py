@@ -1,9 +1,15 @@
-"""The token mean as code to paste, for each set-up a log can show: the raw loop, the Hugging Face Trainer,
-Lightning and Accelerate. A weighting finding carries the one its run's trainer needs (`Finding.fix_code`);
-`tokaudit explain` shows them all. Each is the construction a real run of the suite trains against a float64
-reference (the README's loop, the trainer matrix's `custom-sum`, `lightning-token-mean` and `accelerate-sum`)."""
+"""The trainer integrations tokaudit knows, in one table (`INTEGRATIONS`), and the token mean as code to paste for
+each set-up a log can show: the raw loop, the Hugging Face Trainer, Lightning and Accelerate. A weighting finding
+carries the one its run's trainer needs (`Finding.fix_code`); `tokaudit explain` shows them all. Each is the
+construction a real run of the suite trains against a float64 reference (the README's loop, the trainer matrix's
+`custom-sum`, `lightning-token-mean` and `accelerate-sum`).
+
+A light module (no torch, no trainer imported): the checks, the suite's preload list and its skip markers read
+the table; a test holds pyproject's extras and type-checking overrides and the Makefile's extras to it."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 LOOP = '''\
 from tokaudit.hooks import global_valid_tokens, token_mean_loss
@@ -58,13 +64,46 @@ for b in batches:
         accelerator.backward(M * token_mean_loss(loss_sum, N))  # Accelerate divides by M
         optimizer.step(); optimizer.zero_grad()'''
 
-RECIPES = {"loop": LOOP, "transformers": TRANSFORMERS, "lightning": LIGHTNING, "accelerate": ACCELERATE}
+@dataclass(frozen=True)
+class Integration:
+    """A trainer whose runs tokaudit records with one line."""
+
+    name: str
+    """What the recorder's provenance calls the trainer (`Provenance.trainer`)."""
+    words: str
+    extra: str
+    """The pip extra that installs it beside tokaudit: `pip install tokaudit[EXTRA]`."""
+    modules: tuple[str, ...]
+    """What its integration imports: the suite preloads them and skips its tests without them."""
+    recipe: str = ""
+    """The token mean in its code (none where another integration's is the one: TRL's is the Trainer's)."""
+    settings_fix: str = ""
+    """The token mean in its own settings, one line, where they give it (else the hooks' helpers)."""
+
+
+INTEGRATIONS = (
+    Integration("transformers", "the Hugging Face Trainer", "hf", ("transformers", "transformers.trainer"),
+                TRANSFORMERS, "in the Hugging Face Trainer: average_tokens_across_devices=True with a model whose "
+                "loss takes num_items_in_batch, or a compute_loss_func that sums the per-token losses and divides "
+                "by num_items_in_batch"),
+    Integration("trl", "TRL's SFTTrainer", "trl", ("trl",)),
+    Integration("lightning", "Lightning", "lightning", ("lightning",), LIGHTNING),
+    Integration("accelerate", "Accelerate", "accelerate", ("accelerate",), ACCELERATE),
+)
+INTEGRATION_BY_NAME = {integration.name: integration for integration in INTEGRATIONS}
+
+RECIPES = {"loop": LOOP, **{i.name: i.recipe for i in INTEGRATIONS if i.recipe}}
 """Set-up → the token mean in its code; "loop" for a log no integration recorded."""
 
-NAMES = {"loop": "a training loop", "transformers": "the Hugging Face Trainer", "lightning": "Lightning",
-         "accelerate": "Accelerate"}
+NAMES = {"loop": "a training loop", **{i.name: i.words for i in INTEGRATIONS}}
 
 
 def recipe_for(trainer: str | None) -> str:
     """The token mean as code for the trainer whose integration recorded a run (the raw loop otherwise)."""
     return RECIPES.get(trainer or "loop", LOOP)
+
+
+def settings_fix(trainer: str | None) -> str:
+    """The token mean in the recording trainer's own settings, one line; empty where they give none."""
+    integration = INTEGRATION_BY_NAME.get(trainer or "")
+    return integration.settings_fix if integration is not None else ""

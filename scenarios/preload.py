@@ -11,8 +11,10 @@ from __future__ import annotations
 import gc
 import importlib
 
+from tokaudit.recipes import INTEGRATIONS
+
 MODULES = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "scenarios.strategies",
-           "transformers", "transformers.trainer", "accelerate", "lightning", "trl",
+           *(module for integration in INTEGRATIONS for module in integration.modules),
            # the trackers' clients, and what W&B imports when a run starts
            "torch.utils.tensorboard", "mlflow", "wandb", "wandb.sdk.launch", "wandb.apis.public")
 

@@ -25,6 +25,13 @@ def needs(*modules: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(bool(missing), reason=f"{NEEDS}{', '.join(missing)}")
 
 
+def needs_integration(*names: str) -> pytest.MarkDecorator:
+    """Skip where the modules of any of these trainer integrations (`tokaudit.recipes.INTEGRATIONS`) are missing."""
+    from tokaudit.recipes import INTEGRATION_BY_NAME
+
+    return needs(*(module.split(".")[0] for name in names for module in INTEGRATION_BY_NAME[name].modules))
+
+
 def missing_package(report: pytest.TestReport | pytest.CollectReport) -> str | None:
     """The reason a skipped test or module gave, where it was skipped for a package that is not installed."""
     longrepr = report.longrepr

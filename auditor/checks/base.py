@@ -19,7 +19,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.codes import DEFAULT_SEVERITY, TOKEN_MEAN_FIXES, Code, Severity
-from tokaudit.recipes import recipe_for
+from tokaudit.recipes import recipe_for, settings_fix
 from tokaudit.engine import one_value
 from tokaudit.normalization import BLOCK_STEPS, DENOMINATOR_FACTS, Denominator, Diagnoses, name_ranks
 from tokaudit.report import Finding, StepRange
@@ -183,11 +183,11 @@ def average_fix(context: RunContext) -> str:
 def trainer_fix(context: RunContext, reduction: str = "") -> str:
     """The token mean in the recording trainer's own settings where they give it, else with the helpers
     tokaudit.hooks ships (a line to paste)."""
-    if context.trainer != "transformers":
-        return (f"; with tokaudit.hooks: N = global_valid_tokens(labels_of_each_microbatch) before the first "
-                f"backward, then backward on token_mean_loss(loss_sum, N{reduction})")
-    return ("; in the Hugging Face Trainer: average_tokens_across_devices=True with a model whose loss takes "
-            "num_items_in_batch, or a compute_loss_func that sums the per-token losses and divides by num_items_in_batch")
+    own = settings_fix(context.trainer)
+    if own:
+        return f"; {own}"
+    return (f"; with tokaudit.hooks: N = global_valid_tokens(labels_of_each_microbatch) before the first "
+            f"backward, then backward on token_mean_loss(loss_sum, N{reduction})")
 
 def column_of(block: pd.DataFrame, name: str) -> npt.NDArray[Any]:
     values: npt.NDArray[Any] = block[name].to_numpy()

@@ -14,10 +14,10 @@ from scenarios.accelerate_job import COUNTS
 from scenarios.harness import launch
 from scenarios.strategies import Scenario, reference_gradient
 from tests.logs import read_rows
-from tests.needs import needs
+from tests.needs import needs_integration
 from tokaudit.auditing import audit
 
-pytestmark = [needs("accelerate"), pytest.mark.distributed]
+pytestmark = [needs_integration("accelerate"), pytest.mark.distributed]
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from scenarios.harness import run_ddp
-from tests.needs import needs
+from tests.needs import needs_integration
 
-pytestmark = [needs("transformers", "accelerate"), pytest.mark.distributed, pytest.mark.integration]
+pytestmark = [needs_integration("transformers", "accelerate"), pytest.mark.distributed, pytest.mark.integration]
 
 
 def tiny_model(family: str) -> Any:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from scenarios.harness import run_ddp
-from tests.needs import needs
+from tests.needs import needs_integration
 
-pytestmark = [needs("lightning"), pytest.mark.distributed, pytest.mark.integration]
+pytestmark = [needs_integration("lightning"), pytest.mark.distributed, pytest.mark.integration]
 
 
 def lightning_job(rank: int, world_size: int, log_dir: str, fp16_scaler: bool = False) -> None:

@@ -6,9 +6,9 @@ import warnings
 from pathlib import Path
 
 
-from tests.needs import needs
+from tests.needs import needs_integration
 
-pytestmark = needs("trl", "transformers")
+pytestmark = needs_integration("trl", "transformers")
 
 
 def test_dpo_is_said_not_to_be_a_token_mean_and_nothing_is_recorded(tmp_path: Path) -> None:
