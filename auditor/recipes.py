@@ -79,13 +79,24 @@ class Integration:
     """The token mean in its code (none where another integration's is the one: TRL's is the Trainer's)."""
     settings_fix: str = ""
     """The token mean in its own settings, one line, where they give it (else the hooks' helpers)."""
+    advice: tuple[tuple[str, str], ...] = ()
+    """What a finding says of this trainer in a situation it names (`advice`): (situation, words)."""
 
 
 INTEGRATIONS = (
     Integration("transformers", "the Hugging Face Trainer", "hf", ("transformers", "transformers.trainer"),
                 TRANSFORMERS, "in the Hugging Face Trainer: average_tokens_across_devices=True with a model whose "
                 "loss takes num_items_in_batch, or a compute_loss_func that sums the per-token losses and divides "
-                "by num_items_in_batch"),
+                "by num_items_in_batch", advice=(
+                    ("overcounted", "the Hugging Face Trainer counts num_items_in_batch over every label when the "
+                                    "model's loss_type is not set, as for GPT-2"),
+                    ("overcounted_fix", "count N over the labels the loss is computed on, after the causal shift: "
+                                        "in the Hugging Face Trainer, set model.loss_type = \"ForCausalLM\" before "
+                                        "building the Trainer (it then counts labels[..., 1:]), or give the batches "
+                                        "shift_labels"),
+                    ("mean_times_w", "The Hugging Face Trainer does this with average_tokens_across_devices=True "
+                                     "when the model returns its own mean instead of dividing by num_items_in_batch "
+                                     "(T5, Bart, BERT do)."))),
     Integration("trl", "TRL's SFTTrainer", "trl", ("trl",)),
     Integration("lightning", "Lightning", "lightning", ("lightning",), LIGHTNING),
     Integration("accelerate", "Accelerate", "accelerate", ("accelerate",), ACCELERATE),
@@ -101,6 +112,14 @@ NAMES = {"loop": "a training loop", **{i.name: i.words for i in INTEGRATIONS}}
 def recipe_for(trainer: str | None) -> str:
     """The token mean as code for the trainer whose integration recorded a run (the raw loop otherwise)."""
     return RECIPES.get(trainer or "loop", LOOP)
+
+
+def advice(trainer: str | None, situation: str) -> str:
+    """What a finding says of the recording trainer in `situation` ("overcounted": why N counted more labels than
+    the loss; "overcounted_fix": its fix; "mean_times_w": where a microbatch's own mean came out ×W); empty
+    where the trainer has nothing of its own to say there."""
+    integration = INTEGRATION_BY_NAME.get(trainer or "")
+    return dict(integration.advice).get(situation, "") if integration is not None else ""
 
 
 def settings_fix(trainer: str | None) -> str:

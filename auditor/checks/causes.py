@@ -4,15 +4,11 @@ from __future__ import annotations
 
 from tokaudit.checks.base import RunContext
 from tokaudit.normalization import FactorExplanation, close
+from tokaudit.recipes import advice
 
 UNTOLD = (" If the gradients are divided by N after backward instead (torchtune's training.scale_grads), tell the "
           "recorder beside it: rec.scale_grads(factor).")
 """b = S, the loss sum itself: right where a rescale after backward that the log does not show normalizes it."""
-
-SHIFTED_COUNT_FIX = ("count N over the labels the loss is computed on, after the causal shift: in the Hugging Face "
-                     "Trainer, set model.loss_type = \"ForCausalLM\" before building the Trainer (it then counts "
-                     "labels[..., 1:]), or give the batches shift_labels")
-
 
 COUNTED_BEFORE_SHIFT_FIX = (
     "count each microbatch's n over the labels its loss is computed on, after the causal shift, and N as their "
@@ -49,8 +45,8 @@ def counted_before_shift_text(k: int, where: str) -> str:
 
 def overcounted(context: RunContext) -> str:
     """q = N/N' < 1, varying: the loss was divided by a count N' above the tokens it summed."""
-    trainer = (": the Hugging Face Trainer counts num_items_in_batch over every label when the model's loss_type "
-               "is not set, as for GPT-2" if context.trainer == "transformers" else "")
+    own = advice(context.trainer, "overcounted")
+    trainer = f": {own}" if own else ""
     return (" Every token is light by a share that varies: N counted more labels than the loss was computed on "
             f"(one label per row counted before a causal shift does this{trainer}).")
 

@@ -12,11 +12,12 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.checks.base import BF16_HINT, BF16_ROUNDING, DENOMINATOR_WORDS, Check, Extremes, RunContext, StepsSeen, TermInputs, weight_ratio, average_fix, column_of, make_finding, step_list
-from tokaudit.checks.causes import COUNTED_BEFORE_SHIFT_FIX, SHIFTED_COUNT_FIX, UNTOLD, counted_before_shift, counted_before_shift_text, overcounted, world_size_cause
+from tokaudit.checks.causes import COUNTED_BEFORE_SHIFT_FIX, UNTOLD, counted_before_shift, counted_before_shift_text, overcounted, world_size_cause
 from tokaudit.checks.rescale import schedule_finding
 from tokaudit.checks.structure import ALL_CODES
 from tokaudit.codes import Code
 from tokaudit.normalization import DENOMINATOR_FACTS, DENOMINATORS, FORMULA, Denominator, Diagnoses, FactorExplanation, FactorKind, StepKind, ClusterStarts, close, cluster, explain_factor
+from tokaudit.recipes import advice
 from tokaudit.report import Finding, StepRange
 from tokaudit.schema import UNNAMED
 from tokaudit.sorting import SortedColumn, middle, middle_positions
@@ -391,8 +392,8 @@ def _uniform_finding(group: _WeightingGroup, table: list[FactorExplanation], con
         message = f"Weights are uniform within each step but scaled by {what}: {scaled}.{aux}"
         if spread and max(distortions) < 1:
             message += overcounted(context)
-            if context.trainer == "transformers":
-                return make_finding(context, code, group.steps, message, SHIFTED_COUNT_FIX, evidence)
+            if own_fix := advice(context.trainer, "overcounted_fix"):
+                return make_finding(context, code, group.steps, message, own_fix, evidence)
         if max(abs(d - 1) for d in distortions) <= BF16_ROUNDING:
             evidence["within_bfloat16_rounding"] = True
             message += BF16_HINT
@@ -403,9 +404,8 @@ def _mean_times_w(context: RunContext, near: str, formula: str, where: str) -> s
     """b·g = W·S/n: each microbatch's own mean, times the W meant for a sum divided by the step's N, and not
     divided by M; DDP's average then sums W·M such means, about W·M times the token mean's size."""
     w, m = context.world_size, context.microbatches
-    trainer = (" The Hugging Face Trainer does this with average_tokens_across_devices=True when the model "
-               "returns its own mean instead of dividing by num_items_in_batch (T5, Bart, BERT do)."
-               if context.trainer == "transformers" else "")
+    own = advice(context.trainer, "mean_times_w")
+    trainer = f" {own}" if own else ""
     return (f"{near}Each microbatch's loss was its own mean over its n valid tokens, multiplied by W={w} and not "
             f"divided by the M={m} microbatches ({formula}), so microbatches count equally instead of tokens and "
             f"the gradient is about W·M={w * m} times the token mean's: {where}.{trainer}")
