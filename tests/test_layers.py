@@ -109,6 +109,17 @@ def test_no_module_imports_another_s_private_name() -> None:
     assert not private, private
 
 
+ENTERED_BY_INIT = ("tokaudit.checks", "tokaudit.engine", "tokaudit.normalization")
+"""Subpackages the rest of the package enters only by the names their __init__ hands on (the renderers are
+imported module by module, lazily: a format costs only its own import)."""
+
+
+def test_the_checks_engine_and_recovery_are_entered_by_their_init() -> None:
+    through = [f"{f.module} imports {f.target}" for f in every_import() for package in ENTERED_BY_INIT
+               if f.target.startswith(package + ".") and not f.module.startswith(package)]
+    assert not through, through
+
+
 def test_the_rules_see_a_wrong_import(tmp_path: Path) -> None:
     """The checks above read what they should: an upward import, a typing-only one, and a private name."""
     source = tmp_path / "module.py"
