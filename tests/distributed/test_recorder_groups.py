@@ -19,6 +19,9 @@ pytestmark = pytest.mark.distributed
 def _before_init_job(rank: int, world_size: int, folder: str, rendezvous: str) -> tuple[int, int]:
     import torch.distributed as dist
 
+    # a rank returns from the harness's init_process_group before its peer has connected to it; leaving that
+    # group at once closed the connection the peer was still making ("Connection closed by peer" in its init)
+    dist.barrier()
     dist.destroy_process_group()
     rec = Recorder(folder, run_id="early")  # made before init_process_group, as trainers often do
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
