@@ -21,19 +21,19 @@ def counted_before_shift(heavy: tuple[int, float], light: tuple[int, float], tok
     """k where a step's weights say each record's mean S/n was multiplied by n + k (k labels more than the loss
     is over, as a count taken before the causal shift has, one a row) and the step divided by the sum of those
     counts, N + k·R: a record's share x = e·n of the update is then (n + k)/(N + k·R). The heaviest and the
-    lightest record (n, e) give C = N + k·R = (n_h − n_l)/(x_h − x_l) and k = x_h·C − n_h; both k and R must be
-    whole, with 1 ≤ R ≤ the step's records. A local mean (x_h = x_l) or a token mean (e_h = e_l) never fits."""
+    lightest record (n, e) give C = N + k·R = (n_h − n_l)/(x_h − x_l) and k = x_h·C − n_h. k must be whole and at
+    most the heavier record's n (a label a row, and a row has a label after the shift), and R the step's records
+    (each microbatch's mean is the loss's own, so none is empty). A local mean (x_h = x_l) or a token mean (e_h =
+    e_l) never fits, nor does a count off by one (S/(n + 1): k = n_h·n_l > n_h)."""
     (n_heavy, e_heavy), (n_light, e_light) = heavy, light
     x_heavy, x_light = e_heavy * n_heavy, e_light * n_light
     if n_heavy >= n_light or not x_light > x_heavy > 0:
         return None
     total = (n_heavy - n_light) / (x_heavy - x_light)
     k = x_heavy * total - n_heavy
-    if not 0.5 < k <= n_light:
+    if not 0.5 < k <= n_heavy + 0.02 or abs(k - round(k)) > 0.02:
         return None
-    shifted = (total - tokens) / round(k)
-    whole = abs(k - round(k)) <= 0.02 and abs(shifted - round(shifted)) <= 0.02
-    return round(k) if whole and 1 <= round(shifted) <= records else None
+    return round(k) if abs((total - tokens) / round(k) - records) <= 0.02 else None
 
 
 def counted_before_shift_text(k: int, where: str) -> str:

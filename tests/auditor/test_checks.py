@@ -77,9 +77,13 @@ def test_a_count_taken_before_the_shift_is_named_not_a_local_mean(tmp_path: Path
         row["grad_scale"] = 2 / sum(n + 3 for rank in counts[row["step"]] for n in rank)
     finding = only(audit_rows(tmp_path, rows), Code.UNEXPLAINED_WEIGHTING)
     assert finding.evidence["extra_labels_per_record"] == 3 and "before the causal shift" in finding.message
-    # a plain local mean (every record's e·n alike) never reads as a shift
+    # a plain local mean (every record's e·n alike) never reads as a shift, nor a count off by one, S/(n + 1),
+    # whose two extremes solve to k = n_h·n_l, more labels than the heavier record has
     assert "extra_labels_per_record" not in only(audit_rows(tmp_path / "mean", records(counts, local_mean)),
                                                  Code.LOCAL_MEAN).evidence
+    for case, near in enumerate(([[[1], [7], [1]]] * 3, [[[3, 8], [5, 2]], [[1, 6], [9, 4]]], counts)):
+        near_miss = audit_rows(tmp_path / f"near{case}", records(near, lambda S, n, W, **_: W * S / (n + 1)))
+        assert near_miss.findings and all("extra_labels_per_record" not in f.evidence for f in near_miss.findings)
 
 
 HF_PROVENANCE = {b"tokaudit.provenance": b'{"trainer": "transformers", "trainer_version": "5.24.0", "world_size": 2}'}
