@@ -293,8 +293,8 @@ def per_sequence_first(findings: list[Finding]) -> list[Finding]:
     for finding in findings:
         if finding.code == Code.NONUNIFORM_IN_MICROBATCH:
             finding = replace(finding, severity=Severity.ERROR, message=(
-                f"{finding.message} Each record's tokens then carry its own mean weight 1/n on average, which is "
-                "why the records also read as local means (local_mean)."))
+                f"{finding.message} On average each record's tokens then weigh 1/n, n the record's own count, "
+                "which is why the records also read as local means (local_mean)."))
         elif finding.code == Code.LOCAL_MEAN:
             finding = replace(finding, severity=Severity.WARNING, message=(
                 "The probe saw a mean per sequence or document inside the records (nonuniform_in_microbatch), "
