@@ -177,7 +177,10 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         family="weighting",
         why="Within one step the effective weights differ, and none of n, n_r, n·M, N_m, N, T or 1 makes "
             "α = e·Den constant. Often: different code paths on different ranks, a loss term added on some ranks "
-            "only, or a per-sequence mean mixed with a token mean.",
+            "only, or a per-sequence mean mixed with a token mean. One cause is named where the weights fit it: "
+            "each microbatch's mean times a count of k labels more than it was over, the step divided by the sum of "
+            "those counts, e = (n + k)/(n·(N + k·R)), as a count taken before the causal shift gives (torchtune's "
+            "recipes count the labels before the shift); the evidence then holds `extra_labels_per_record`.",
         fix="Run `tokaudit weights PATH --step S` on the step named in the finding and compare b/S across records.",
         example="b0 = S0/1 but b1 = 2·S1/4: e0 = 0.5, e1 = 0.25, and no single denominator gives both.",
     ),
