@@ -5,7 +5,7 @@ construction a real run of the suite trains against a float64 reference (the REA
 `custom-sum`, `lightning-token-mean` and `accelerate-sum`).
 
 A light module (no torch, no trainer imported): the checks, the suite's preload list and its skip markers read
-the table; a test holds pyproject's extras and type-checking overrides and the Makefile's extras to it."""
+the table; a test holds pyproject's extras and the Makefile's to it."""
 
 from __future__ import annotations
 
@@ -77,17 +77,16 @@ class Integration:
     """What its integration imports: the suite preloads them and skips its tests without them."""
     recipe: str = ""
     """The token mean in its code (none where another integration's is the one: TRL's is the Trainer's)."""
-    settings_fix: str = ""
-    """The token mean in its own settings, one line, where they give it (else the hooks' helpers)."""
     advice: tuple[tuple[str, str], ...] = ()
     """What a finding says of this trainer in a situation it names (`advice`): (situation, words)."""
 
 
 INTEGRATIONS = (
     Integration("transformers", "the Hugging Face Trainer", "hf", ("transformers", "transformers.trainer"),
-                TRANSFORMERS, "in the Hugging Face Trainer: average_tokens_across_devices=True with a model whose "
-                "loss takes num_items_in_batch, or a compute_loss_func that sums the per-token losses and divides "
-                "by num_items_in_batch", advice=(
+                TRANSFORMERS, advice=(
+                    ("token_mean_settings", "in the Hugging Face Trainer: average_tokens_across_devices=True with a "
+                                            "model whose loss takes num_items_in_batch, or a compute_loss_func that "
+                                            "sums the per-token losses and divides by num_items_in_batch"),
                     ("overcounted", "the Hugging Face Trainer counts num_items_in_batch over every label when the "
                                     "model's loss_type is not set, as for GPT-2"),
                     ("overcounted_fix", "count N over the labels the loss is computed on, after the causal shift: "
@@ -115,14 +114,10 @@ def recipe_for(trainer: str | None) -> str:
 
 
 def advice(trainer: str | None, situation: str) -> str:
-    """What a finding says of the recording trainer in `situation` ("overcounted": why N counted more labels than
-    the loss; "overcounted_fix": its fix; "mean_times_w": where a microbatch's own mean came out ×W); empty
-    where the trainer has nothing of its own to say there."""
+    """What a finding says of the recording trainer in `situation` ("token_mean_settings": the token mean in its
+    own settings, one line; "overcounted": why N counted more labels than the loss; "overcounted_fix": its fix;
+    "mean_times_w": where a microbatch's own mean came out ×W); empty where the trainer has nothing of its own to
+    say there."""
     integration = INTEGRATION_BY_NAME.get(trainer or "")
     return dict(integration.advice).get(situation, "") if integration is not None else ""
 
-
-def settings_fix(trainer: str | None) -> str:
-    """The token mean in the recording trainer's own settings, one line; empty where they give none."""
-    integration = INTEGRATION_BY_NAME.get(trainer or "")
-    return integration.settings_fix if integration is not None else ""

@@ -8,7 +8,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from tokaudit.recipes import INTEGRATIONS, NAMES, RECIPES, recipe_for, settings_fix
+from tokaudit.recipes import INTEGRATIONS, NAMES, RECIPES, advice, recipe_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,6 +28,6 @@ def test_every_integration_has_an_extra_and_make_test_installs_its_modules() -> 
 
 def test_a_run_of_no_integration_gets_the_loop_and_the_hooks_helpers() -> None:
     assert recipe_for(None) == RECIPES["loop"] and recipe_for("an unknown trainer") == RECIPES["loop"]
-    assert settings_fix(None) == "" and settings_fix("lightning") == ""
-    assert "num_items_in_batch" in settings_fix("transformers")
+    assert advice(None, "token_mean_settings") == "" and advice("lightning", "token_mean_settings") == ""
+    assert "num_items_in_batch" in advice("transformers", "token_mean_settings")
     assert set(RECIPES) <= set(NAMES) and NAMES["loop"] == "a training loop"

@@ -19,7 +19,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.codes import DEFAULT_SEVERITY, TOKEN_MEAN_FIXES, Code, Severity
-from tokaudit.recipes import recipe_for, settings_fix
+from tokaudit.recipes import advice, recipe_for
 from tokaudit.engine import one_value
 from tokaudit.normalization import BLOCK_STEPS, DENOMINATOR_FACTS, Denominator, Diagnoses, name_ranks
 from tokaudit.report import Finding, StepRange
@@ -183,7 +183,7 @@ def average_fix(context: RunContext) -> str:
 def trainer_fix(context: RunContext, reduction: str = "") -> str:
     """The token mean in the recording trainer's own settings where they give it, else with the helpers
     tokaudit.hooks ships (a line to paste)."""
-    own = settings_fix(context.trainer)
+    own = advice(context.trainer, "token_mean_settings")
     if own:
         return f"; {own}"
     return (f"; with tokaudit.hooks: N = global_valid_tokens(labels_of_each_microbatch) before the first "

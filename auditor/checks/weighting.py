@@ -248,7 +248,7 @@ class WeightingCheck(Check):
             steps = StepRange(min(f.steps.first for f in shifted), max(f.steps.last for f in shifted),
                               sum(f.steps.count for f in shifted))
             found = [replace(f, steps=steps) if f is worst else f for f in found
-                     if f is worst or all(f is not g for g in shifted)]
+                     if f is worst or "extra_labels_per_record" not in f.evidence]
         yield from found
 
 def _range(values: list[float]) -> list[float]:
@@ -284,8 +284,7 @@ def _nonuniform_finding(group: _WeightingGroup, context: RunContext, evidence: d
     step, tokens = int(row.step), int(row.tokens)
     heavy_e, light_e = float(row.weight_high), float(row.weight_low)
     ratio = heavy_e / light_e if light_e > 0 else math.inf
-    heavy, light = (_describe(_located(row, extremes), which, e, tokens) for which, e in (("heavy", heavy_e),
-                                                                                       ("light", light_e)))
+    heavy, light = _described(row, extremes, heavy_e, light_e, tokens)
     # the gate's ratio (--min-ratio) is the tokens' (`weight_ratio`): the probe's where it saw weights differ inside
     # a record, which the records' mean weights described here cannot show
     tokens_ratio = float(weight_ratio(float(row.token_weight_low), float(row.token_weight_high)))
@@ -417,13 +416,17 @@ def _is_world_size(factor: float | None, context: RunContext) -> bool:
     return factor is not None and any(w > 0 and close(factor, float(w), context.rtol) for w in sizes)
 
 
-def _located(row: Any, extremes: Extremes | None) -> Any:
-    """The step's row with where its heaviest and lightest token were: its own evidence columns, or found now."""
+def _described(row: Any, extremes: Extremes | None, heavy_e: float, light_e: float, tokens: int
+               ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The records of the step's heaviest and lightest token (`_describe`), from the row's own evidence columns
+    or found now."""
     if "heavy_rank" in row.index:
-        return row
-    if extremes is not None:
-        return extremes(row)
-    raise ValueError("the step table lacks the evidence columns (heavy_rank, ...) and no way to find them")
+        located = row
+    elif extremes is not None:
+        located = extremes(row)
+    else:
+        raise ValueError("the step table lacks the evidence columns (heavy_rank, ...) and no way to find them")
+    return _describe(located, "heavy", heavy_e, tokens), _describe(located, "light", light_e, tokens)
 
 
 def _describe(row: Any, which: str, weight: float, tokens: int) -> dict[str, Any]:
