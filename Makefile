@@ -61,7 +61,7 @@ wheel-smoke: setup
 	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w build/wheel .
 	$(BIN)/python -m zipfile -e build/wheel/tokaudit-*.whl build/wheel-unpacked
 	cd build && PYTHONPATH=$(CURDIR)/build/wheel-unpacked $(abspath $(BIN))/python -c \
-	  "import tokaudit, tokaudit.checks.run, tokaudit.engine.database, tokaudit.normalization.decisions, tokaudit.cli, tokaudit.hooks, tokaudit.render, tokaudit.render.console; \
+	  "import tokaudit, tokaudit._checks.run, tokaudit._engine.database, tokaudit._normalization.decisions, tokaudit.cli, tokaudit.hooks, tokaudit._render, tokaudit._render.console; \
 	   assert tokaudit.__file__.startswith('$(CURDIR)/build/wheel-unpacked'), tokaudit.__file__; \
 	   print('wheel ok:', tokaudit.__version__)"
 	cd build && PYTHONPATH=$(CURDIR)/build/wheel-unpacked $(abspath $(BIN))/python -m tokaudit --version

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.2.0"
 
 if TYPE_CHECKING:
-    from tokaudit.auditing import audit
-    from tokaudit.report import AuditReport, Finding, RunSummary
+    from tokaudit._auditing import audit
+    from tokaudit._report import AuditReport, Finding, RunSummary
 
     Report = AuditReport
 
@@ -23,11 +23,11 @@ __all__ = ["AuditReport", "Finding", "Report", "RunSummary", "__version__", "aud
 def __getattr__(name: str) -> Any:
     # Imported on first use: `tokaudit --version` and `tokaudit explain` need no DuckDB or pandas.
     if name == "audit":
-        from tokaudit.auditing import audit
+        from tokaudit._auditing import audit
 
         return audit
     if name in ("AuditReport", "Report", "Finding", "RunSummary"):
-        from tokaudit import report
+        import tokaudit._report as report
 
         return getattr(report, "AuditReport" if name == "Report" else name)
     raise AttributeError(f"module 'tokaudit' has no attribute {name!r}")

@@ -17,15 +17,15 @@ from rich.console import Console
 from tokaudit import __version__
 from tokaudit.codes import DEFAULT_RTOL, Severity, code_named
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
-from tokaudit.outputs import (EXIT_BAD_INPUT, EXIT_CLOSED_PIPE, EXIT_FINDINGS, EXIT_OK,
+from tokaudit._outputs import (EXIT_BAD_INPUT, EXIT_CLOSED_PIPE, EXIT_FINDINGS, EXIT_OK,
                                emit, fail, format_for, interrupted, print_rich, problem, rich_text, stderr, wrote)
-from tokaudit.outputs import run as outputs_run
-from tokaudit.render.text import printable
+from tokaudit._outputs import run as outputs_run
+from tokaudit._render.text import printable
 
 if TYPE_CHECKING:
-    from tokaudit.auditing import AuditedLog
-    from tokaudit.loading import Loading
-    from tokaudit.report import AuditReport
+    from tokaudit._auditing import AuditedLog
+    from tokaudit._loading import Loading
+    from tokaudit._report import AuditReport
 
 WEIGHT_NAMES = {"grp": "group", "eff": "effective_weight", "q": "q", "eff_min": "effective_weight_min",
                 "eff_max": "effective_weight_max"}
@@ -38,7 +38,7 @@ def _start_loading(paths: tuple[str, ...], workers: int | None = None) -> Loadin
     """The validation of the logs' footers started as the audit loads them (`auditing.open_logs`: footers
     only, a process a core unless `workers` says), before the command imports the auditor (pandas, DuckDB: half a
     second)."""
-    from tokaudit.loading import cores, start_loading
+    from tokaudit._loading import cores, start_loading
 
     started = start_loading(paths, thorough=False, workers=cores() if workers is None else workers)
     for note in started.notes[:NOTES_SHOWN]:  # what is read from elsewhere is said, never followed in silence
@@ -57,7 +57,7 @@ def _drawn_into(figures: dict[str, Any]) -> Callable[[AuditReport, AuditedLog], 
     """`audit_started(..., then)` for the HTML report: each run's figures, drawn from the audit's own aggregation."""
 
     def draw(report: AuditReport, log: AuditedLog) -> None:
-        from tokaudit.figures import run_figures
+        from tokaudit._figures import run_figures
 
         figures.update(run_figures(log, [run.run for run in report.runs],
                                    [run.run for run in report.runs if run.terms_pooled]))
@@ -69,9 +69,9 @@ def _refuse_inputs(output: Path | None, paths: tuple[str, ...]) -> None:
     """An output that is one of the inputs would overwrite a log shard: refused before anything runs."""
     if output is None:
         return
-    from tokaudit.loading import discover
+    from tokaudit._loading import discover
 
-    from tokaudit.storage import is_url
+    from tokaudit._storage import is_url
 
     local = [Path(p) for p in paths if not is_url(p)]  # an output is a local file: no URL can be it
     target = output.resolve()
@@ -132,7 +132,7 @@ PATHS = click.argument("paths", nargs=-1, required=True, type=str)
 @click.pass_context
 def main(ctx: click.Context, debug: bool) -> None:
     """Audit how distributed training normalized its token losses, from per-rank logs."""
-    from tokaudit.settings import check_defaults
+    from tokaudit._settings import check_defaults
 
     ctx.obj = {"debug": debug}
     defaults, ctx.obj["settings"] = check_defaults(Path.cwd(), list(FAIL_ON))
@@ -141,7 +141,7 @@ def main(ctx: click.Context, debug: bool) -> None:
 
 
 class _Settled(click.Command):
-    """A command whose --help ends with the settings file it read (`tokaudit.settings`)."""
+    """A command whose --help ends with the settings file it read (`tokaudit._settings`)."""
 
     def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         source = (ctx.find_root().obj or {}).get("settings")
@@ -192,7 +192,7 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
     address = None if ray is None else ray or os.environ.get("RAY_ADDRESS") or "auto"
     with _progress(quiet) as progress:
         with _start_loading(paths, workers=1 if address else None) as started:
-            from tokaudit.auditing import audit_started
+            from tokaudit._auditing import audit_started
 
             figures: dict[str, Any] = {}
             report = audit_started(paths, started, _drawn_into(figures) if fmt == "html" else None, rtol=rtol,
@@ -221,28 +221,28 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
 def _render(report: AuditReport, fmt: str, output: Path | None, figures: dict[str, Any]) -> None:
     """The report in the format asked, to stdout or `output`."""
     if fmt == "json":
-        from tokaudit.render.json_report import render_json
+        from tokaudit._render.json_report import render_json
 
         emit(render_json(report), output)
     elif fmt == "markdown":
-        from tokaudit.render.markdown import render_markdown
+        from tokaudit._render.markdown import render_markdown
 
         emit(render_markdown(report), output)
     elif fmt == "junit":
-        from tokaudit.render.junit import render_junit
+        from tokaudit._render.junit import render_junit
 
         emit(render_junit(report), output)
     elif fmt == "html":
-        from tokaudit.render.html import render_html
+        from tokaudit._render.html import render_html
 
         emit(render_html(report, figures), output)
     elif fmt == "github":
-        from tokaudit.render.github import render_annotations, write_step_summary
+        from tokaudit._render.github import render_annotations, write_step_summary
 
         emit(render_annotations(report), output)
         write_step_summary(report)
     else:
-        from tokaudit.render.console import render_report
+        from tokaudit._render.console import render_report
 
         text = rich_text(lambda console: render_report(report, console), output)
         if text is not None:
@@ -306,7 +306,7 @@ def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str, output
     """Per rank and microbatch at one step: n, S, b, c, e and q = e·N (1 when correct)."""
     _refuse_inputs(output, paths)
     with _start_loading(paths) as started:
-        from tokaudit.postmortem import step_weights
+        from tokaudit._postmortem import step_weights
 
         try:
             chosen, records, problems = step_weights(paths, step, run, started=started)
@@ -317,14 +317,14 @@ def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str, output
     elif fmt == "json":
         import json
 
-        from tokaudit.render.json_report import sanitize
+        from tokaudit._render.json_report import sanitize
 
         rows = records.rename(columns=WEIGHT_NAMES).to_dict(orient="records")
         emit(json.dumps(sanitize({"run": chosen, "step": step, "records": rows}), indent=2, ensure_ascii=False)
               + "\n", output)
     else:
-        from tokaudit.postmortem import probe_extremes
-        from tokaudit.render.console import render_weights
+        from tokaudit._postmortem import probe_extremes
+        from tokaudit._render.console import render_weights
 
         probe = probe_extremes(records)
         text = rich_text(lambda console: render_weights(chosen, step, records, probe, console), output)
@@ -353,19 +353,19 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
         for target in (csv_path, plot_path):
             _refuse_inputs(target, paths)
         if plot_path is not None:
-            from tokaudit.render.plot import check_format
+            from tokaudit._render.plot import check_format
 
             check_format(plot_path)
         window = _step_range(step_range)
         with _start_loading(paths) as started:
-            from tokaudit.postmortem import curve_parts
-            from tokaudit.render.curve import curve_views
+            from tokaudit._postmortem import curve_parts
+            from tokaudit._render.curve import curve_views
 
             curve, problems = curve_parts(paths, run, steps=window, started=started)
         if fmt == "json":
             _curve_json(curve, csv_path, plot_path)
             _exit_for_problems(problems)
-        from tokaudit.render.console import render_curve_table
+        from tokaudit._render.console import render_curve_table
 
         console = Console(highlight=False)
         try:
@@ -375,7 +375,7 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
         finally:
             curve.close()
         if plot_path is not None:
-            from tokaudit.render.plot import write_png
+            from tokaudit._render.plot import write_png
 
             write_png(curve.run, views.points, curve.labels(), plot_path)
     except TokauditError as error:
@@ -396,7 +396,7 @@ def _curve_json(curve: Any, csv_path: Path | None, plot_path: Path | None) -> No
     time (a run of millions of steps is never held whole); --csv and --plot are for the table format."""
     import json
 
-    from tokaudit.render.json_report import sanitize
+    from tokaudit._render.json_report import sanitize
 
     try:
         if csv_path is not None or plot_path is not None:
@@ -437,7 +437,7 @@ def _step_range(text: str | None) -> tuple[int, int] | None:
 @click.argument("code", required=False)
 def explain(code: str | None) -> None:
     """The derivation, the fix and a worked two-rank example for a finding CODE (all codes without one)."""
-    from tokaudit.explain import explain as explain_text, explain_code, listing
+    from tokaudit._explain import explain as explain_text, explain_code, listing
 
     if code is None:
         for line in listing():
@@ -471,8 +471,8 @@ def _wrapped(text: str) -> str:
 def sync(folder: Path | None) -> None:
     """Write the shards a recorder kept in its local spool (the store did not answer by close()) to where they
     were going. FOLDER: the spool (default: TOKAUDIT_SPOOL, else ~/.cache/tokaudit/spool)."""
-    from tokaudit.schema import spool_folder
-    from tokaudit.spool import spooled, sync_one
+    from tokaudit._schema import spool_folder
+    from tokaudit._spool import spooled, sync_one
 
     failed: list[LogFormatError] = []
     done = 0

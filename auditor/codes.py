@@ -456,4 +456,4 @@ WEIGHTING: frozenset[Code] = frozenset(code for code, doc in CODE_DOCS.items() i
 TOKEN_MEAN_FIXES: frozenset[Code] = frozenset({Code.LOCAL_MEAN, Code.PER_MICRO_DENOMINATOR, Code.WORLD_SIZE_MISMATCH,
                                                Code.SCALE_MISMATCH, Code.PADDED_DENOMINATOR,
                                                Code.UNEXPLAINED_WEIGHTING})
-"""Findings whose fix is the token mean itself: they carry its code for the run's set-up (`tokaudit.recipes`)."""
+"""Findings whose fix is the token mean itself: they carry its code for the run's set-up (`tokaudit._recipes`)."""

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from tokaudit.auditing import audit
+from tokaudit._auditing import audit
 from tokaudit.codes import DEFAULT_RTOL, Code
-from tokaudit.render.text import steps_text
-from tokaudit.report import AuditReport
+from tokaudit._render.text import steps_text
+from tokaudit._report import AuditReport
 
 
 def assert_token_mean(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,

@@ -1,7 +1,7 @@
 """The audit on a local Ray cluster against one process: `python bench/cluster.py LOG [--workers 1 2]`.
 
 Prints, for LOG: the step ranges and their records; each range aggregated alone in this process (what a worker
-runs, `tokaudit.engine.aggregate_range`: records a second, the median range); `tokaudit check LOG` in one
+runs, `tokaudit._engine.aggregate_range`: records a second, the median range); `tokaudit check LOG` in one
 process; and the same through a fresh local cluster of 1 and of 2 worker processes (`--ray`), each with the
 coordinator's overhead: its wall time less the ranges' work divided among its workers. Every audit is a
 `tokaudit check --format json` in a process of its own; the JSON of each is compared with one process's.
@@ -33,9 +33,9 @@ def audited(log: Path, *extra: str) -> tuple[float, str]:
 
 def range_work(log: Path) -> tuple[int, list[tuple[int, float]]]:
     """(records, [(records, seconds) per range]) of LOG's step ranges, each aggregated alone here."""
-    from tokaudit.engine import CHUNK_ROWS, RangeTask, aggregate_range, step_ranges
-    from tokaudit.engine.connection import DEFAULT_MEMORY_LIMIT
-    from tokaudit.loading import load
+    from tokaudit._engine import CHUNK_ROWS, RangeTask, aggregate_range, step_ranges
+    from tokaudit._engine.connection import DEFAULT_MEMORY_LIMIT
+    from tokaudit._loading import load
 
     shards = load([log], thorough=False).shards
     order = {id(shard): index for index, shard in enumerate(shards)}

@@ -1,6 +1,6 @@
 """Where the step query's time goes, per declared column: `python bench/columns.py LOG [--repeat K]`.
 
-The query of LOG's shape is written from the declarations (`tokaudit.engine.columns`) once whole and once without
+The query of LOG's shape is written from the declarations (`tokaudit._engine.columns`) once whole and once without
 each column in turn (a per-rank or per-microbatch value no column reads any more drops out with it); a column's
 cost is the whole query's best time less the best time without it, the two alternated over the same files (this
 machine's speed drifts by more than most columns cost). The whole query's time and the floor's (per-step N and
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import duckdb
 
-from tokaudit.engine import Engine
-from tokaudit.engine.columns import STEP_COLUMNS
-from tokaudit.engine.sql import absent_values, one_name_of, one_record_form, step_sql
-from tokaudit.loading import load
+from tokaudit._engine import Engine
+from tokaudit._engine.columns import STEP_COLUMNS
+from tokaudit._engine.sql import absent_values, one_name_of, one_record_form, step_sql
+from tokaudit._loading import load
 
 
 def timed(engine: Engine, query: str) -> float:

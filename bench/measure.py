@@ -13,9 +13,9 @@ def main() -> None:
     start = time.perf_counter()
     if kind in ("check", "check-serial"):
         if kind == "check-serial":  # what the footer workers earn: every footer validated in this process
-            import tokaudit.loading
+            import tokaudit._loading
 
-            tokaudit.loading.PARALLEL_FILES = sys.maxsize
+            tokaudit._loading.PARALLEL_FILES = sys.maxsize
         from tokaudit.cli import main as cli
 
         try:
@@ -33,10 +33,10 @@ def main() -> None:
     elif kind == "startup":
         # What `check` imports before it reads anything, and nothing else: the start-up that "audit work"
         # (check − start-up) leaves out.
-        import tokaudit.auditing
+        import tokaudit._auditing
         import tokaudit.cli
-        import tokaudit.render.json_report
-        import tokaudit.render.text  # noqa: F401
+        import tokaudit._render.json_report
+        import tokaudit._render.text  # noqa: F401
     elif kind == "naive":
         from pathlib import Path
 

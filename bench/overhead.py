@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokaudit.hooks import Recorder
-from tokaudit.hooks.columns import Slabs, pack
-from tokaudit.hooks.probe import ProbeResult
-from tokaudit.hooks.record import Record
+from tokaudit.hooks._columns import Slabs, pack
+from tokaudit.hooks._probe import ProbeResult
+from tokaudit.hooks._record import Record
 
 VOCAB, WIDTH, HEADS, LAYERS, SEQ, BATCH, MICRO = 2048, 128, 4, 2, 128, 8, 2
 

@@ -113,11 +113,11 @@ def once(log: Path, write: Callable[[Path], object]) -> Path:
 def decoded_share(log: Path) -> str:
     """What the audit's plan decodes, over what the log holds: each step range reads the row groups whose step
     statistics overlap it, and a row group overlapping k ranges is decoded k times (compressed bytes, from the
-    footers and the ranges `tokaudit.engine.step_ranges` cuts)."""
+    footers and the ranges `tokaudit._engine.step_ranges` cuts)."""
     import pyarrow.parquet as pq
 
-    from tokaudit.engine import CHUNK_ROWS, step_ranges
-    from tokaudit.loading import load
+    from tokaudit._engine import CHUNK_ROWS, step_ranges
+    from tokaudit._loading import load
 
     shards = load([log]).shards
     groups: dict[str, list[tuple[int, int, int]]] = {}
@@ -139,7 +139,7 @@ def decoded_share(log: Path) -> str:
 AUDIT_IMPORTS = """
 import sys, sysconfig
 from pathlib import Path
-import duckdb, tokaudit.auditing, tokaudit.cli, tokaudit.render.json_report
+import duckdb, tokaudit._auditing, tokaudit.cli, tokaudit._render.json_report
 installed = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
 for module in list(sys.modules.values()):
     path = Path(str(getattr(module, "__file__", None) or ""))

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tokaudit.schema import WRITER_SCHEMA
+from tokaudit._schema import WRITER_SCHEMA
 
 
 def write_log(out: Path, ranks: int, steps: int, micro: int, steps_per_file: int = 500, ranks_per_file: int = 64,

@@ -1,4 +1,4 @@
-"""Hugging Face `transformers.Trainer` (and TRL's SFTTrainer, `tokaudit.hooks.trl_trainers`): one line records a run.
+"""Hugging Face `transformers.Trainer` (and TRL's SFTTrainer, `tokaudit.hooks._trl_trainers`): one line records a run.
 
     TokauditCallback.attach(trainer, "runs")      # before trainer.train()
 
@@ -25,10 +25,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
-from tokaudit.hooks.capture import record_mean
-from tokaudit.hooks.attach import trainer_run_id, version_of
-from tokaudit.hooks.recorder import Recorder
-from tokaudit.hooks.trl_trainers import NOT_A_TOKEN_MEAN, trl_trainer, watch_fused_head
+from tokaudit.hooks._capture import record_mean
+from tokaudit.hooks._attach import trainer_run_id, version_of
+from tokaudit.hooks._recorder import Recorder
+from tokaudit.hooks._trl_trainers import NOT_A_TOKEN_MEAN, trl_trainer, watch_fused_head
 
 
 class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]

@@ -19,8 +19,8 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from tokaudit.hooks.attach import trainer_run_id, version_of
-from tokaudit.hooks.recorder import Recorder
+from tokaudit.hooks._attach import trainer_run_id, version_of
+from tokaudit.hooks._recorder import Recorder
 
 try:
     from lightning.pytorch import Callback

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from tokaudit.storage import is_url
+from tokaudit._storage import is_url
 
 if TYPE_CHECKING:
     from tokaudit import AuditReport, Finding

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import importlib
 
-from tokaudit.recipes import INTEGRATIONS
+from tokaudit._recipes import INTEGRATIONS
 
 MODULES = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "scenarios.strategies",
            *(module for integration in INTEGRATIONS for module in integration.modules),

@@ -60,7 +60,7 @@ class Cell:
         """The set-up in words, for the table."""
         if self.trainer == "lightning" and self.loss == "sum":
             return ("Lightning: manual optimization, each batch one update's microbatches, `manual_backward(W·S/N)` "
-                    "with N counted over them first (`tokaudit.recipes.LIGHTNING`)")
+                    "with N counted over them first (the recipe `tokaudit explain local_mean` prints)")
         if self.trainer == "lightning":
             return (f"Lightning: `training_step` returns the `{self.family}` model's own loss (its mean), "
                     f"`accumulate_grad_batches={GRADIENT_ACCUMULATION}`")
@@ -333,7 +333,7 @@ def _lightning_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]
 
 
 def _lightning_token_mean(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> None:
-    """`tokaudit.recipes.LIGHTNING` as written there: each DataLoader item is one update's microbatches."""
+    """`tokaudit._recipes.LIGHTNING` as written there: each DataLoader item is one update's microbatches."""
     import lightning as L
     from torch.utils.data import DataLoader, Dataset
     from torch.utils.data import default_collate

@@ -54,7 +54,7 @@ def markdown(rows: list[Row]) -> str:
               "mean ÷ M. Backpropagating M·W·S/N, with N all-reduced over the update's microbatches before the first "
               "backward, is the token mean.",
               "- Lightning's `training_step` sees one microbatch: the token mean needs manual optimization over "
-              "the update's microbatches, N counted first (`tokaudit.recipes.LIGHTNING`).",
+              "the update's microbatches, N counted first (the recipe `tokaudit explain local_mean` prints).",
               "- torchtune sums the loss and multiplies every gradient by W/N after backward (`training.scale_grads`): "
               "invisible to the probe, so the recipe tells the recorder (`rec.scale_grads(factor)`); 1/N instead "
               "leaves the gradient W× too small. A count of `batch[\"labels\"]` taken before the shift, times each "

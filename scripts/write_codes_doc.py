@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tokaudit.explain import SCRIPT, codes_markdown
+from tokaudit._explain import SCRIPT, codes_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "CODES.md"

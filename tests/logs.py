@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tokaudit.codes import Code
-from tokaudit.report import AuditReport, Finding
-from tokaudit.schema import WRITER_SCHEMA
+from tokaudit._report import AuditReport, Finding
+from tokaudit._schema import WRITER_SCHEMA
 
 Counts = Sequence[Sequence[Sequence[int]]]  # counts[step][rank][micro]
 
@@ -88,7 +88,7 @@ def write_by_rank(folder: Path, rows: list[dict[str, Any]], metadata: dict[bytes
 
 def audit_rows(tmp_path: Path, rows: list[dict[str, Any]], **kwargs: Any) -> AuditReport:
     """Audit rows written as one shard per rank under tmp_path/run."""
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
 
     return audit([write_by_rank(tmp_path / "run", rows)], **kwargs)
 

@@ -26,8 +26,8 @@ def needs(*modules: str) -> pytest.MarkDecorator:
 
 
 def needs_integration(*names: str) -> pytest.MarkDecorator:
-    """Skip where the modules of any of these trainer integrations (`tokaudit.recipes.INTEGRATIONS`) are missing."""
-    from tokaudit.recipes import INTEGRATION_BY_NAME
+    """Skip where the modules of any of these trainer integrations (`tokaudit._recipes.INTEGRATIONS`) are missing."""
+    from tokaudit._recipes import INTEGRATION_BY_NAME
 
     return needs(*(module.split(".")[0] for name in names for module in INTEGRATION_BY_NAME[name].modules))
 

@@ -259,7 +259,7 @@ def test_an_internal_error_is_one_line_and_debug_shows_it(tmp_path: Path, monkey
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("something unforeseen")
 
-    monkeypatch.setattr("tokaudit.auditing.audit_started", broken)
+    monkeypatch.setattr("tokaudit._auditing.audit_started", broken)
     code, out, err = invoke("check", str(logs))
     no_traceback(out, err)
     (line,) = error_lines(err)
@@ -295,7 +295,7 @@ def test_a_log_that_changes_while_it_is_audited_is_one_line(tmp_path: Path, monk
     or rewritten in between is one line naming the files, exit 2, never a traceback."""
     import duckdb
 
-    import tokaudit.auditing as auditing
+    import tokaudit._auditing as auditing
 
     write_by_rank(tmp_path / "run", records(UNEVEN, local_mean))
     real = auditing.extremes_at

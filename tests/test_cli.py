@@ -181,7 +181,7 @@ def test_curve_of_a_window_reads_only_the_shards_that_can_hold_it(tmp_path: Path
                                                                    ) -> None:
     """curve --steps: the window's rows are the whole curve's rows for those steps, read from the shards
     whose footers overlap it and aggregated a range at a time as the whole log would be."""
-    import tokaudit.auditing as auditing
+    import tokaudit._auditing as auditing
 
     counts = [[[3, 1], [0, 4]], [[2, 2], [5, 1]], [[1, 1], [1, 6]]] * 20  # 60 steps
     rows = records(counts, local_mean)
@@ -230,7 +230,7 @@ def test_explain_every_code() -> None:
         assert code == 0 and "Worked example" in out and "Fix" in out
         # the prose wrapped to the terminal (80 columns in a pipe), no word cut: the text is the same words; the code
         # to paste after it (where the fix is the token mean) is never wrapped
-        from tokaudit.explain import explain as explain_text, explain_code
+        from tokaudit._explain import explain as explain_text, explain_code
 
         prose = out.split("\nThe token mean in ")[0]
         assert all(len(line) <= 80 or " " not in line.strip() for line in prose.splitlines()), known
@@ -243,7 +243,7 @@ def test_real_subprocess_and_no_torch_import(logs: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "tokaudit.cli", "check", str(logs), "--format", "json"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and json.loads(done.stdout)["findings"]
-    probe = subprocess.run([sys.executable, "-c", "import sys, tokaudit, tokaudit.cli, tokaudit.auditing; tokaudit.audit; "
+    probe = subprocess.run([sys.executable, "-c", "import sys, tokaudit, tokaudit.cli, tokaudit._auditing; tokaudit.audit; "
                             "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=120)
     assert probe.stdout.strip() == "False"
 
@@ -281,12 +281,12 @@ def test_weights_reads_only_the_shards_that_hold_its_step(tmp_path: Path) -> Non
 def test_ctrl_c_is_one_line_and_exit_130(logs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C during an audit (KeyboardInterrupt where the audit runs): `tokaudit: error: interrupted`, exit
     130, not click's "Aborted!" and exit 1, which means findings."""
-    import tokaudit.auditing
+    import tokaudit._auditing
 
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tokaudit.auditing, "audit_started", interrupted)
+    monkeypatch.setattr(tokaudit._auditing, "audit_started", interrupted)
     result = CliRunner().invoke(main, ["check", str(logs)])
     assert result.exit_code == 130 and result.stderr == "tokaudit: error: interrupted\n", result.output
 
@@ -328,7 +328,7 @@ def test_two_folders_holding_one_run_id_are_two_runs(tmp_path: Path, monkeypatch
     # the evidence of a finding is read again from that folder's files alone
     (finding,) = [f for f in json.loads(out)["findings"] if f["run"] == str(tmp_path / "b" / "exp1")]
     assert finding["code"] == "local_mean" and finding["evidence"].get("heaviest")
-    import tokaudit.auditing as auditing
+    import tokaudit._auditing as auditing
 
     monkeypatch.setattr(auditing, "EVIDENCE_ROWS", 0)  # as a large log: the evidence step read again, alone
     assert invoke("check", str(tmp_path), "--format", "json")[1] == out

@@ -19,10 +19,10 @@ from rich.console import Console
 
 import tokaudit
 from tests.logs import UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write_by_rank
-from tokaudit.auditing import audit
+from tokaudit._auditing import audit
 from tokaudit.cli import main
-from tokaudit.render.chart import SHARED, LineChart, line_chart
-from tokaudit.render.console import render_report
+from tokaudit._render.chart import SHARED, LineChart, line_chart
+from tokaudit._render.console import render_report
 from tokaudit.testing import assert_token_mean
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def test_the_table_shows_what_decides_the_verdict(tmp_path: Path) -> None:
 
 def test_explanations_make_no_sgd_only_claims() -> None:
     _, out, _ = invoke("explain")
-    for code in tokaudit.report.Code:
+    for code in tokaudit._report.Code:
         _, text, _ = invoke("explain", code.value)
         assert "halves the step" not in text and "half as long" not in text, code
     _, text, _ = invoke("explain", "world_size_mismatch")
@@ -113,7 +113,7 @@ def test_the_chart_places_every_point_where_its_definition_says(seed: int) -> No
     infinities skipped, values on a cell's rounding edge, one x, one flat series)."""
     import numpy as np
 
-    from tokaudit.render.chart import MARKS
+    from tokaudit._render.chart import MARKS
 
     rng = np.random.default_rng(seed)
     count = [1, 7, 500, 2000, 3, 40][seed]
@@ -241,8 +241,8 @@ def test_the_shipped_schema_s_enums_are_the_code_s_own() -> None:
     from typing import get_args
 
     from tokaudit.codes import Code, Severity
-    from tokaudit.normalization import Denominator
-    from tokaudit.report import Reporting, Verdict
+    from tokaudit._normalization import Denominator
+    from tokaudit._report import Reporting, Verdict
 
     definitions = json.loads(resources.files("tokaudit").joinpath("report.schema.json").read_text())["$defs"]
     assert definitions["finding"]["properties"]["code"]["enum"] == [code.value for code in Code]
@@ -289,7 +289,7 @@ def test_the_python_api(tmp_path: Path) -> None:
 
 
 def test_progress_goes_to_stderr_and_quiet_silences_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("tokaudit.auditing.PROGRESS_ROWS", 1)
+    monkeypatch.setattr("tokaudit._auditing.PROGRESS_ROWS", 1)
     logs = write_by_rank(tmp_path / "run", records(UNEVEN, token_mean))
     code, out, err = invoke("check", str(logs), "--format", "json")
     assert code == 0 and "reading 2 file(s)" in err and json.loads(out)
@@ -425,7 +425,7 @@ def test_a_row_whose_q_shows_nothing_says_which_finding_decides() -> None:
 def test_a_weighting_finding_carries_the_token_mean_as_code_for_its_set_up() -> None:
     """The fix of a local mean is code to paste: in the JSON (`fix_code`), under the finding in the table, and in
     `tokaudit explain`, with no line wrapped; every recipe is Python that compiles."""
-    from tokaudit.recipes import RECIPES
+    from tokaudit._recipes import RECIPES
 
     for name, recipe in RECIPES.items():
         compile(recipe, name, "exec")  # the `...` of TrainingArguments(...) is an Ellipsis: valid Python
@@ -448,7 +448,7 @@ def test_in_a_pipe_the_aggregation_says_a_few_lines_however_many_ranges(tmp_path
 
     log = write_by_rank(tmp_path / "long", records([[[2], [3]]] * 400, token_mean), steps_per_file=10)
     monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "20")
-    monkeypatch.setattr("tokaudit.auditing.PROGRESS_ROWS", 1)  # progress is said for logs of a million rows and up
+    monkeypatch.setattr("tokaudit._auditing.PROGRESS_ROWS", 1)  # progress is said for logs of a million rows and up
     code, _, err = invoke("check", str(log))
     said = [line for line in err.splitlines() if line.startswith("aggregating")]
     total = int(said[-1].rsplit("/", 1)[-1].rstrip(")"))

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from tokaudit.cli import main
 from tokaudit.codes import CODE_DOCS, DEFAULT_SEVERITY, UNDECIDABLE, Code, Severity
-from tokaudit.explain import codes_markdown
+from tokaudit._explain import codes_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "CODES.md"

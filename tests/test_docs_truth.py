@@ -143,7 +143,7 @@ def resolve(dotted: str) -> Any:
 
 def metadata_keys() -> set[str]:
     """The Parquet metadata keys of the log format (`tokaudit.provenance`, ...), which the pages name too."""
-    from tokaudit import schema
+    import tokaudit._schema as schema
 
     return {value.decode() for name, value in vars(schema).items() if name.endswith("_KEY") and isinstance(value, bytes)}
 

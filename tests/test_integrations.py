@@ -1,4 +1,4 @@
-"""The trainer integrations' table (`tokaudit.recipes.INTEGRATIONS`) against what is written by hand beside it:
+"""The trainer integrations' table (`tokaudit._recipes.INTEGRATIONS`) against what is written by hand beside it:
 pyproject's extras and the Makefile's, so that an integration added to the table and not installed by
 `make test`, or installed by an extra that does not exist, fails here and not on a user's machine."""
 
@@ -8,7 +8,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from tokaudit.recipes import INTEGRATIONS, NAMES, RECIPES, advice, recipe_for
+from tokaudit._recipes import INTEGRATIONS, NAMES, RECIPES, advice, recipe_for
 
 ROOT = Path(__file__).resolve().parents[1]
 

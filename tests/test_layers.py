@@ -15,18 +15,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-LAYERS = ("errors", "schema", "codes", "recipes", "settings", "storage", "sorting", "validation", "footers", "reader", "spool", "loading",
-          "engine", "cluster", "normalization", "report", "checks", "summary", "auditing", "postmortem", "figures", "explain",
-          "render", "testing", "outputs", "cli", "__main__")
+LAYERS = ("errors", "_schema", "codes", "_recipes", "_settings", "_storage", "_sorting", "_validation", "_footers", "_reader", "_spool", "_loading",
+          "_engine", "_cluster", "_normalization", "_report", "_checks", "_summary", "_auditing", "_postmortem", "_figures", "_explain",
+          "_render", "testing", "_outputs", "cli", "__main__")
 """The auditor's modules and subpackages, lowest first: each may import those before it."""
 
-UPWARD = {("tokaudit.report", "tokaudit.render.markdown"):
+UPWARD = {("tokaudit._report", "tokaudit._render.markdown"):
           "a report shows itself in a notebook as its Markdown report, imported when Jupyter asks"}
 """The imports that point up, each inside the one function that needs it, and why."""
 
 MODULE_LINES, FUNCTION_LINES = 500, 60
 
-HOOKS_MAY_IMPORT = ("tokaudit.schema", "tokaudit.storage", "tokaudit")
+HOOKS_MAY_IMPORT = ("tokaudit._schema", "tokaudit._storage", "tokaudit")
 """The auditor's modules the hooks import: the log's contract, storage, and the package's public names."""
 
 
@@ -109,7 +109,18 @@ def test_no_module_imports_another_s_private_name() -> None:
     assert not private, private
 
 
-ENTERED_BY_INIT = ("tokaudit.checks", "tokaudit.engine", "tokaudit.normalization")
+PUBLIC = ("tokaudit", "tokaudit.__main__", "tokaudit.cli", "tokaudit.codes", "tokaudit.errors", "tokaudit.testing",
+          "tokaudit.hooks", "tokaudit.hooks.huggingface", "tokaudit.hooks.lightning", "tokaudit.hooks.trackers")
+"""The modules a user imports (docs/development.md, "What is public"); every other one is the implementation."""
+
+
+def test_every_implementation_module_is_private() -> None:
+    named = [m for m in modules() if m not in PUBLIC and not any(part.startswith("_") for part in m.split("."))]
+    assert not named, f"name them _module (a user imports only {PUBLIC}): {named}"
+    assert set(PUBLIC) <= set(modules()), "a public module is gone: say so in CHANGES.md and drop it here"
+
+
+ENTERED_BY_INIT = ("tokaudit._checks", "tokaudit._engine", "tokaudit._normalization")
 """Subpackages the rest of the package enters only by the names their __init__ hands on (the renderers are
 imported module by module, lazily: a format costs only its own import)."""
 
@@ -123,14 +134,14 @@ def test_the_checks_engine_and_recovery_are_entered_by_their_init() -> None:
 def test_the_rules_see_a_wrong_import(tmp_path: Path) -> None:
     """The checks above read what they should: an upward import, a typing-only one, and a private name."""
     source = tmp_path / "module.py"
-    source.write_text("from typing import TYPE_CHECKING\nfrom tokaudit.render.text import printable\n"
+    source.write_text("from typing import TYPE_CHECKING\nfrom tokaudit._render.text import printable\n"
                       "if TYPE_CHECKING:\n    from tokaudit.cli import main\n"
-                      "def f():\n    from tokaudit.engine.tables import _hidden\n", encoding="utf-8")
-    found = imports_of("tokaudit.reader", source)
+                      "def f():\n    from tokaudit._engine.tables import _hidden\n", encoding="utf-8")
+    found = imports_of("tokaudit._reader", source)
     assert [(f.target, f.names, f.typing_only) for f in found] == [
-        ("tokaudit.render.text", ("printable",), False), ("tokaudit.cli", ("main",), True),
-        ("tokaudit.engine.tables", ("_hidden",), False)]
-    assert LAYERS.index(layer("tokaudit.render.text")) > LAYERS.index(layer("tokaudit.reader"))
+        ("tokaudit._render.text", ("printable",), False), ("tokaudit.cli", ("main",), True),
+        ("tokaudit._engine.tables", ("_hidden",), False)]
+    assert LAYERS.index(layer("tokaudit._render.text")) > LAYERS.index(layer("tokaudit._reader"))
 
 
 def module_level_targets(module: str, path: Path, known: dict[str, Path]) -> set[str]:
@@ -194,8 +205,8 @@ def test_no_import_cycle_within_a_layer_in_the_hooks_or_through_a_package() -> N
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-HOOK_LAYERS = ("columns", "fix", "amp", "probe", "record", "attach", "identity", "signals", "shards", "uploads", "output",
-               "buffer", "terms", "capture", "pipeline", "trackers", "recorder", "", "trl_trainers", "huggingface",
+HOOK_LAYERS = ("_columns", "_fix", "_amp", "_probe", "_record", "_attach", "_identity", "_signals", "_shards", "_uploads", "_output",
+               "_buffer", "_terms", "_capture", "_pipeline", "trackers", "_recorder", "", "_trl_trainers", "huggingface",
                "lightning")
 """The hooks' modules, lowest first ("": the package's __init__, `tokaudit.hooks`): each imports only those before it."""
 

@@ -119,12 +119,12 @@ def test_an_unreachable_store_is_retried_after_a_pause_and_at_close(tmp_path: Pa
 
     import torch
 
-    import tokaudit.hooks.output as output_module
-    import tokaudit.hooks.uploads as uploads
+    import tokaudit.hooks._output as output_module
+    import tokaudit.hooks._uploads as uploads
     from tokaudit.hooks import Recorder
     from tests.logs import read_rows
 
-    from tokaudit.hooks.shards import ShardWriter
+    from tokaudit.hooks._shards import ShardWriter
 
     attempts: list[str] = []
     reachable = {"now": False}
@@ -225,10 +225,10 @@ def test_one_row_shards_on_s3_are_read_from_their_footers_with_the_local_report(
             name = f"{shard.stem}-{row:04d}.parquet"
             pq.write_table(table.slice(row, 1), local / name)
             client.upload_file(str(local / name), "logs", f"one-row/bug_local_mean/{name}")
-    from tokaudit.loading import load
+    from tokaudit._loading import load
 
     assert all(s.record is not None for s in load([local]).shards)
-    from tokaudit.engine import Engine
+    from tokaudit._engine import Engine
 
     remote_shards = load(["s3://logs/one-row/"]).shards
     engine = Engine.open(remote_shards)
@@ -275,7 +275,7 @@ def test_an_endpoint_that_goes_away_during_the_audit_ends_it_in_seconds(monkeypa
     from click.testing import CliRunner
     from moto.server import ThreadedMotoServer
 
-    import tokaudit.loading as loading
+    import tokaudit._loading as loading
     from tokaudit.cli import main
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -344,7 +344,7 @@ def test_an_upload_stored_after_its_timeout_is_not_published_twice(endpoint: dic
     import boto3
     import torch
 
-    import tokaudit.hooks.uploads as uploads
+    import tokaudit.hooks._uploads as uploads
     from tokaudit.hooks import Recorder
 
     host, port = endpoint["AWS_ENDPOINT_URL"].rsplit("/", 1)[-1].split(":")

@@ -41,8 +41,8 @@ def test_evidence_from_the_one_query_is_the_evidence_of_each_step_aggregated_alo
     """A small log aggregates every step's evidence (where its heaviest and lightest token were) in the
     one query; a large one aggregates a finding's step again alone (`engine.extremes_at`). Both give the
     same report on the recorded DDP runs, and the small log's audit aggregates no step again."""
-    from tokaudit import auditing
-    from tokaudit.render.json_report import render_json
+    import tokaudit._auditing as auditing
+    from tokaudit._render.json_report import render_json
 
     calls: list[int] = []
     original = auditing.extremes_at

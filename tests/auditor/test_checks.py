@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from tests.logs import audit_rows, codes, only, UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
-from tokaudit.auditing import audit
+from tokaudit._auditing import audit
 from tokaudit.codes import Code, Severity
 
 
@@ -280,7 +280,7 @@ def test_weights_that_differ_inside_a_record_are_no_miscount(tmp_path: Path) -> 
 def test_miscounted_rows_compare_the_mean_weights_with_the_probe_s_extremes() -> None:
     """The rule on a hand-made step table: e's extremes outside the probe's by more than rtol, where a
     record was probed; NaN (no weight) and unprobed steps are never flagged."""
-    from tokaudit.checks import miscounted_rows
+    from tokaudit._checks import miscounted_rows
 
     table = pd.DataFrame({
         "probed": [4, 4, 4, 4, 0, 4, 4],
@@ -562,9 +562,9 @@ def test_world_size_changes_are_found_group_by_group_as_a_group_by_finds_them(as
     """world_size_changed per group, in the group-by's order, with the steps where W differs from the
     group's first and the sizes in order of appearance; W and M compared as arrays or as one value each
     (`engine.constant_of`'s stride-0 columns). The reference is pandas' group-by, written here."""
-    from tokaudit.checks.base import RunContext, TermInputs
-    from tokaudit.checks.structure import StructureCheck
-    from tokaudit.schema import UNNAMED
+    from tokaudit._checks.base import RunContext, TermInputs
+    from tokaudit._checks.structure import StructureCheck
+    from tokaudit._schema import UNNAMED
 
     def _structure_findings(frame: pd.DataFrame, context: RunContext, block: int = 7) -> list[Any]:
         """The check fed a few steps at a time, in the frame's order."""
@@ -618,10 +618,10 @@ def test_a_finding_s_evidence_step_and_its_steps_do_not_depend_on_the_blocks(
     furthest from 1, the last of equals) a block of steps at a time: the same as one np.lexsort over
     every member, and the same report whatever the block, on random ratios with ties and on a log with
     several weighting findings."""
-    import tokaudit.checks.base as checks_module
-    from tokaudit.checks.base import RunContext, TermInputs
-    from tokaudit.checks.weighting import FactorTable, WeightingCheck
-    from tokaudit.normalization import DENOMINATORS, KINDS, Denominator, Diagnoses, StepKind
+    import tokaudit._checks.base as checks_module
+    from tokaudit._checks.base import RunContext, TermInputs
+    from tokaudit._checks.weighting import FactorTable, WeightingCheck
+    from tokaudit._normalization import DENOMINATORS, KINDS, Denominator, Diagnoses, StepKind
 
     rng = np.random.default_rng(block)
     count = 200
@@ -650,7 +650,7 @@ def test_a_finding_s_evidence_step_and_its_steps_do_not_depend_on_the_blocks(
         assert int(group.row.step) == int(members[np.lexsort((far, unequal))[-1]])
         assert group.count == len(members) and group.steps.range().count == len(members)
 
-    from tokaudit.render.json_report import render_json
+    from tokaudit._render.json_report import render_json
 
     counts = [[[5, 1], [3, 7]], [[2, 6], [6, 2]], [[8, 4], [2, 8]], [[3, 3], [3, 3]]] * 5
     rows = records(counts, local_mean) + [dict(r, term="aux") for r in records(counts, lambda S, n, M, **_: S / (n * M)
@@ -686,7 +686,7 @@ def test_the_fix_names_the_helpers_to_paste_or_the_trainer_s_setting(tmp_path: P
     """A local mean from a hand-written loop: the fix names tokaudit.hooks' global_valid_tokens and
     token_mean_loss (reduction="sum" under a summing reduction, D = 1); recorded by the Hugging Face Trainer, its
     own setting instead."""
-    from tokaudit.schema import provenance_metadata
+    from tokaudit._schema import provenance_metadata
 
     rows = records(UNEVEN, local_mean)
     fix = only(audit_rows(tmp_path / "loop", rows), Code.LOCAL_MEAN).fix

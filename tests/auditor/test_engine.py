@@ -9,10 +9,10 @@ import pandas as pd
 import pytest
 
 from tests.logs import UNEVEN_GA, local_mean, records, token_mean, write
-from tokaudit.auditing import audit
-from tokaudit.engine import Duplicates, Engine, step_ranges
-from tokaudit.reader import NULLABLE_COLUMNS
-from tokaudit.loading import load
+from tokaudit._auditing import audit
+from tokaudit._engine import Duplicates, Engine, step_ranges
+from tokaudit._reader import NULLABLE_COLUMNS
+from tokaudit._loading import load
 
 
 def test_chunked_aggregation_equals_whole(tmp_path: Path) -> None:
@@ -70,7 +70,7 @@ def test_of_two_copies_without_time_the_later_file_wins(tmp_path: Path) -> None:
 
 def test_an_audit_can_be_held_to_one_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The trackers' audit runs beside training: `audit(threads=1)` reaches DuckDB, the report is the same."""
-    import tokaudit.auditing as auditing
+    import tokaudit._auditing as auditing
 
     write(tmp_path / "run" / "rank-all-000000.parquet", records(UNEVEN_GA, local_mean))
     seen: list[int] = []
@@ -94,7 +94,7 @@ def test_an_engine_s_database_keeps_no_threads_for_asynchronous_io(tmp_path: Pat
     and a DuckDB without that setting still opens the log, with the same table."""
     import duckdb
 
-    import tokaudit.engine.connection as engine_module
+    import tokaudit._engine.connection as engine_module
 
     write(tmp_path / "run" / "rank-all-000000.parquet", records(UNEVEN_GA, local_mean))
     shards = load([tmp_path]).shards
@@ -122,8 +122,8 @@ def test_the_step_table_is_lean_and_its_ranges_are_joined_without_a_second_copy(
     its peak is measured in bench/)."""
     import numpy as np
 
-    from tokaudit.engine import STEP_COLUMNS
-    from tokaudit.engine.tables import join_columns
+    from tokaudit._engine import STEP_COLUMNS
+    from tokaudit._engine.tables import join_columns
 
     rows = records(UNEVEN_GA * 4, local_mean, positions=8)
     write(tmp_path / "run" / "rank-all-000000.parquet", rows)
@@ -144,7 +144,7 @@ def test_the_step_table_is_lean_and_its_ranges_are_joined_without_a_second_copy(
     # their parts are let go then, not when the alias's turn comes, and the alias is the joined array.
     import weakref
 
-    import tokaudit.engine.tables as engine_module
+    import tokaudit._engine.tables as engine_module
 
     shared = [np.arange(5.0), np.arange(5.0, 10.0)]
     alive = [weakref.ref(part) for part in shared]
@@ -173,7 +173,7 @@ def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_th
     hash table. Its table must be the general one's, whatever the records hold: zero-token ranks, a
     missing rank, non-finite values, probe weights on some records, unknown sync, two loss terms, and a
     step written twice (found and deduplicated the same way)."""
-    import tokaudit.engine.database as engine_module
+    import tokaudit._engine.database as engine_module
     from tests.logs import token_mean
 
     counts = [[[5], [0], [7], [3]], [[4], [9], [2], [6]], [[1], [1], [8], [0]], [[6], [6], [6], [6]]] * 3
@@ -225,7 +225,7 @@ def test_the_one_record_form_finds_a_rank_written_twice_as_the_general_form_does
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranks: int) -> None:
     """Below 64 ranks (records − distinct ranks, as set bits) and past it (where the general form is taken), a
     rank whose step is written twice is found and deduplicated as by the general form."""
-    import tokaudit.engine.database as engine_module
+    import tokaudit._engine.database as engine_module
     from tests.logs import token_mean
 
     rows = records([[[1 + (rank * 7 + step) % 11] for rank in range(ranks)] for step in range(3)], token_mean)
@@ -243,7 +243,7 @@ def test_the_one_record_form_finds_a_rank_written_twice_as_the_general_form_does
 
 
 def test_the_one_record_form_is_taken_only_when_every_footer_says_microbatch_0(tmp_path: Path) -> None:
-    from tokaudit.engine.sql import one_record_form
+    from tokaudit._engine.sql import one_record_form
 
     write(tmp_path / "a" / "rank-00000.parquet", records([[[3], [4]]], local_mean))
     write(tmp_path / "b" / "rank-00000.parquet", records([[[3, 4], [4, 1]]], local_mean))
@@ -310,8 +310,8 @@ def test_the_evidence_of_one_step_is_the_whole_aggregation_s(tmp_path: Path) -> 
     and alone, from the files whose footers can hold them: it must equal the same columns aggregated
     over the whole log (ties, a repeated key, several groups and terms, steps spread over files)."""
     from tests.logs import token_mean
-    from tokaudit.checks import check_run
-    from tokaudit.engine import EVIDENCE, extremes_at
+    from tokaudit._checks import check_run
+    from tokaudit._engine import EVIDENCE, extremes_at
 
     counts = [[[5, 2], [0, 3], [7, 7]], [[4, 4], [9, 1], [2, 2]], [[1, 1], [1, 1], [8, 0]], [[6, 3], [6, 3], [2, 6]]] * 2
     rows = records(counts, local_mean, group="A") + records(counts, token_mean, group="B")
@@ -383,7 +383,7 @@ def test_names_become_the_categories_pandas_would_make() -> None:
     whatever order, repeats and characters the names come in."""
     import numpy as np
 
-    from tokaudit.engine.tables import categorical
+    from tokaudit._engine.tables import categorical
 
     for names in (["b", "a", "c", "a", "b"], ["ß", "z", "é", "a b", "z"], ["only"] * 4, []):
         values = np.array(names, dtype=object)
@@ -398,7 +398,7 @@ def test_a_table_of_several_names_is_put_in_order_a_column_at_a_time() -> None:
     measured in bench/), and columns that were one array stay one array."""
     import numpy as np
 
-    from tokaudit.engine.tables import reorder
+    from tokaudit._engine.tables import reorder
 
     rows = 20_000
     random = np.random.default_rng(7)
@@ -420,8 +420,8 @@ def test_a_column_that_never_changes_is_held_as_one_value(tmp_path: Path, monkey
     without that, and only what is constant bit for bit is (0.0 and -0.0 differ, NaN is one value)."""
     import numpy as np
 
-    import tokaudit.engine.database as engine_module
-    from tokaudit.engine.tables import constant_of
+    import tokaudit._engine.database as engine_module
+    from tokaudit._engine.tables import constant_of
 
     rows = records(UNEVEN_GA * 4, local_mean, positions=8)
     write(tmp_path / "run" / "rank-all-000000.parquet", rows)
@@ -448,7 +448,7 @@ def test_a_range_of_one_run_group_and_term_is_aggregated_without_hashing_names(
     """When every footer of a range shows one (run, group, term), the query neither hashes the names per
     record nor aggregates them per step: they are passed as parameters (any text, quotes included). The
     table is the one the general query makes; a range whose files name two runs takes the general query."""
-    import tokaudit.engine.database as engine_module
+    import tokaudit._engine.database as engine_module
 
     rows = [dict(r, run_id="it's \"x\" ∑ {names}", group="dp'0") for r in records(UNEVEN_GA * 4, local_mean)]
     for first in range(0, 12, 3):
@@ -516,7 +516,7 @@ def test_without_a_probe_the_token_extremes_are_the_mean_weights_array(tmp_path:
     values; arrays are compared as bits (0.0 and −0.0 differ, NaN is NaN)."""
     import numpy as np
 
-    from tokaudit.engine.tables import same_bits
+    from tokaudit._engine.tables import same_bits
 
     rows = records(UNEVEN_GA * 4, local_mean)
     write(tmp_path / "plain" / "rank-all-000000.parquet", rows)
@@ -562,7 +562,7 @@ def test_a_log_aggregated_in_ranges_answers_per_step_queries_for_the_whole_log(t
 
 def _same_table(one: pd.DataFrame, other: pd.DataFrame) -> list[str]:
     """The columns in which two step tables differ: name, order, dtype, or any bit (0.0 is not −0.0)."""
-    from tokaudit.engine.tables import same_bits
+    from tokaudit._engine.tables import same_bits
 
     assert list(one.columns) == list(other.columns)
     return [c for c in one.columns if one[c].dtype != other[c].dtype or not (
@@ -579,8 +579,8 @@ def test_columns_no_record_holds_are_read_as_nulls_and_change_no_bit(tmp_path: P
     import pyarrow as pa
 
     from tests.logs import token_mean
-    from tokaudit.engine.sql import valueless_columns
-    from tokaudit.schema import WRITER_SCHEMA
+    from tokaudit._engine.sql import valueless_columns
+    from tokaudit._schema import WRITER_SCHEMA
 
     optional = sorted(NULLABLE_COLUMNS)
     plain = records(counts * 6, local_mean)
@@ -627,8 +627,8 @@ def test_a_column_that_reads_only_absent_columns_is_its_declared_value_and_not_c
     is the test above."""
     import re
 
-    from tokaudit.engine import STEP_COLUMNS
-    from tokaudit.engine.sql import aliases, constants, step_sql
+    from tokaudit._engine import STEP_COLUMNS
+    from tokaudit._engine.sql import aliases, constants, step_sql
 
     for one_record in (False, True):
         query = step_sql(one_record, True, False, frozenset(NULLABLE_COLUMNS))
@@ -646,7 +646,7 @@ def test_a_column_that_reads_only_absent_columns_is_its_declared_value_and_not_c
 def test_a_nan_divisor_that_no_footer_shows_is_counted_and_its_file_named(tmp_path: Path) -> None:
     """A NaN divisor is in no footer's statistics (D looks constant there): the aggregation counts it, and the
     report names the file and leaves it out."""
-    from tokaudit.render.json_report import render_json
+    from tokaudit._render.json_report import render_json
 
     plain = [dict(r, grad_divisor=2.2) for r in records(UNEVEN_GA * 6, local_mean)]
     nan = [dict(r, grad_divisor=float("nan") if index == 1 else r["grad_divisor"]) for index, r in enumerate(plain[:8])]
@@ -676,8 +676,8 @@ def test_one_row_shards_are_read_from_their_footers_and_change_no_bit(tmp_path: 
     import pyarrow.parquet as pq
 
     from tests.logs import token_mean
-    from tokaudit.render.json_report import render_json
-    from tokaudit.schema import WRITER_SCHEMA
+    from tokaudit._render.json_report import render_json
+    from tokaudit._schema import WRITER_SCHEMA
 
     rows = records(UNEVEN_GA * 5, token_mean)
     moment = datetime(2026, 11, 30, tzinfo=timezone.utc)
@@ -824,7 +824,7 @@ def test_a_footer_record_is_what_a_scan_of_its_file_gives_bit_for_bit(tmp_path: 
 
     from tests.auditor.test_properties import SETTINGS
     from tokaudit.errors import LogFormatError
-    from tokaudit.reader import inspect_shard
+    from tokaudit._reader import inspect_shard
 
     numbers = itertools.count()
     given_records = []
@@ -969,14 +969,14 @@ def test_the_documented_query_is_the_one_generated_and_the_one_that_runs(tmp_pat
     value in every optional column)."""
     import re
 
-    from tokaudit.engine import step_sql
-    from tokaudit.engine.columns import WIDE_MICRO
+    from tokaudit._engine import step_sql
+    from tokaudit._engine.columns import WIDE_MICRO
 
     design = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
     documented = re.search(r"```sql\n(.*?)```", design, re.S)
     generated = step_sql(one_record=False, evidence=False, one_name=True, absent=frozenset({WIDE_MICRO}))
     assert documented is not None and documented.group(1) == generated, (
-        "docs/design.md's query is stale: paste the output of python -c 'from tokaudit.engine import step_sql; "
+        "docs/design.md's query is stale: paste the output of python -c 'from tokaudit._engine import step_sql; "
         "print(step_sql(False, False, True, frozenset({\"micro >= 64\"})), end=\"\")'")
     every = dict(token_weight_sum=1.0, token_weight_min=0.5, token_weight_max=1.5, masked_weight_abs_sum=0.0,
                  reported_loss=2.0, sync=True, skipped=False, positions=64, divisor_known=True, precision_bits=24)
@@ -997,8 +997,8 @@ def test_every_declared_column_is_in_the_table_of_every_form_in_the_declared_ord
     """The declarations are the table: every StepColumn is a column of the step table in each form, in the
     declared order (the evidence columns with evidence only), and every per-rank and per-microbatch value is
     read by some column's reduction."""
-    from tokaudit.engine import EVIDENCE, STEP_COLUMNS
-    from tokaudit.engine.columns import PARTIALS
+    from tokaudit._engine import EVIDENCE, STEP_COLUMNS
+    from tokaudit._engine.columns import PARTIALS
 
     rows = records(UNEVEN_GA * 4, local_mean)
     write(tmp_path / "micro" / "run" / "rank-all-000000.parquet", rows)
@@ -1016,7 +1016,7 @@ def test_ranges_aggregated_each_by_an_engine_of_its_own_give_the_same_table(tmp_
     """The seam a cluster plugs into: each range aggregated alone by `aggregate_range` (what a Ray worker runs),
     through an ordered map, gives the table and the repeated keys of the one engine bit for bit: several ranges,
     a repeated key whose later file wins, two groups and terms."""
-    from tokaudit.engine import RangeTask, aggregate_range
+    from tokaudit._engine import RangeTask, aggregate_range
 
     rows = records(UNEVEN_GA * 4, local_mean, positions=8)
     rows += [dict(r, group="dp1", term="aux", backward_scalar=0.5 * r["backward_scalar"]) for r in rows]

@@ -16,7 +16,7 @@ import pytest
 
 from tests.logs import seeds
 
-from tokaudit.normalization import (
+from tokaudit._normalization import (
     Decisions,
     Denominator,
     Diagnoses,
@@ -173,7 +173,7 @@ def test_segments_are_per_group_and_never_interleave() -> None:
 def test_a_normalization_that_alternates_lists_the_longest_spans_and_counts_the_rest() -> None:
     """A bug that fires every other update makes one span per step: at most MAX_SPANS are listed,
     the longest (so a long correct stretch is never dropped for a one-step one), in step order."""
-    from tokaudit.normalization import MAX_SPANS
+    from tokaudit._normalization import MAX_SPANS
 
     rng = np.random.default_rng(11)
     rows = []
@@ -268,8 +268,8 @@ def test_a_token_mean_run_that_a_local_count_explains_just_as_well(counts: Any, 
 def test_a_long_run_costs_columns_not_an_object_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """The memory bound's mechanism: diagnoses, votes, codes and spans are arrays; a Python object is
     made per finding or per span, never per step."""
-    import tokaudit.normalization.vocabulary as normalization
-    from tokaudit.checks import check_run
+    import tokaudit._normalization.vocabulary as normalization
+    from tokaudit._checks import check_run
 
     rng = np.random.default_rng(5)
     rows = []
@@ -305,7 +305,7 @@ def test_a_long_run_costs_columns_not_an_object_per_step(monkeypatch: pytest.Mon
 def test_a_long_run_is_diagnosed_a_block_at_a_time() -> None:
     """The steps are diagnosed a block at a time (what that saves is measured in bench/): a table of many
     blocks gets the diagnoses each block gets alone."""
-    from tokaudit.normalization import BLOCK_STEPS
+    from tokaudit._normalization import BLOCK_STEPS
 
     rng = np.random.default_rng(7)
     rows = []
@@ -356,7 +356,7 @@ def test_a_block_s_candidates_are_the_whole_table_s_rows_bit_for_bit() -> None:
     """The table is read a block of steps at a time (`block_fits`, `Decisions`): a block's fits, q,
     nearest fits and α of every candidate are exactly the whole table's at those rows, positions and
     missing weights included."""
-    from tokaudit.normalization import block_fits
+    from tokaudit._normalization import block_fits
 
     rng = np.random.default_rng(3)
     rows = []
@@ -377,7 +377,7 @@ def _vote(fits: np.ndarray, alphas: np.ndarray, rtol: float, block: int | None =
           ) -> tuple[np.ndarray, np.ndarray]:
     """The vote (`Decisions`) over these candidates' fits and α, read `block` steps at a time (all at once
     when None): each step's winning candidate and the α it is read with."""
-    from tokaudit.normalization import Decisions, FitBlock
+    from tokaudit._normalization import Decisions, FitBlock
 
     size = block or max(len(fits), 1)
     ones = np.ones(len(fits))
@@ -417,7 +417,7 @@ def _plain_spans(frame: pd.DataFrame, keep: np.ndarray, denominator: np.ndarray,
     """The spans by definition, one row at a time: the kept rows sorted by (group, term, step) as text
     and number, a span per run of equal (group, term, denominator, α) with NaN equal to NaN, the
     MAX_SPANS longest (the earliest among equals) of each (group, term), in order; and how many were left out."""
-    from tokaudit.normalization import DENOMINATORS, MAX_SPANS, Span
+    from tokaudit._normalization import DENOMINATORS, MAX_SPANS, Span
 
     rows = sorted((str(g), str(t), int(s), int(d), float(f))
                   for g, t, s, d, f, k in zip(frame.grp, frame.term, frame.step, denominator, factor, keep) if k)
@@ -445,8 +445,8 @@ def test_spans_read_a_block_at_a_time_are_the_spans_of_the_whole_table(block: in
     rows (`_plain_spans`), on random diagnoses with empty steps, NaN α, runs of equal and alternating
     normalizations, several groups and terms and more spans than MAX_SPANS. A table out of (group,
     term, step) order, even only in a later block, gives the same spans too."""
-    import tokaudit.normalization.spans as normalization_spans
-    from tokaudit.normalization import DENOMINATORS, KINDS, Diagnoses
+    import tokaudit._normalization.spans as normalization_spans
+    from tokaudit._normalization import DENOMINATORS, KINDS, Diagnoses
 
     monkeypatch.setattr(normalization_spans, "SPAN_BLOCK", block)
     rng = np.random.default_rng(block)
@@ -530,7 +530,7 @@ def test_the_vote_leaves_nothing_out_when_n_is_not_one_whole_cluster() -> None:
     with NaN α on half of N's steps, a candidate fitting all of them in one cluster is larger than
     either of N's hypotheses and wins them; with N in two clusters, a candidate of α = 1 (plainer) wins
     a tie against another candidate's one cluster, not by being left out."""
-    from tokaudit.normalization import PREFERENCE
+    from tokaudit._normalization import PREFERENCE
 
     fits = np.zeros((10, len(PREFERENCE)), dtype=bool)
     fits[:, :3] = True
@@ -550,8 +550,8 @@ def test_every_denominator_has_its_facts_in_the_one_table() -> None:
     """The recovery, the checks and the renderers read one table (`DENOMINATOR_FACTS`): it covers the enum, the
     local counts are the four that balanced counts can hide, in the order of preference, and every record-level
     candidate's bounds are step columns."""
-    from tokaudit.engine import STEP_COLUMNS
-    from tokaudit.normalization import DENOMINATOR_FACTS, LOCAL_DENOMINATORS, RECORD_BOUNDS, Denominator
+    from tokaudit._engine import STEP_COLUMNS
+    from tokaudit._normalization import DENOMINATOR_FACTS, LOCAL_DENOMINATORS, RECORD_BOUNDS, Denominator
 
     assert list(DENOMINATOR_FACTS) == list(Denominator) and all(facts.words for facts in DENOMINATOR_FACTS.values())
     assert LOCAL_DENOMINATORS == (Denominator.RANK, Denominator.MICRO_TIMES_M, Denominator.MICRO,

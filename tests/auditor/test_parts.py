@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 
 from tests.logs import THOROUGH, UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
-from tokaudit.auditing import audit
-from tokaudit.render.json_report import render_json
+from tokaudit._auditing import audit
+from tokaudit._render.json_report import render_json
 
 SAMPLE_LOGS = Path(__file__).resolve().parents[2] / "sample_logs"
 
@@ -21,9 +21,9 @@ SAMPLE_LOGS = Path(__file__).resolve().parents[2] / "sample_logs"
 def _in_parts(monkeypatch: pytest.MonkeyPatch, chunk_rows: int, block: int) -> None:
     """Every table kept on disk, in ranges of about `chunk_rows` records, read `block` steps at a time, and
     every column the vote and the checks sort (α, q) kept on disk in sorted runs of `block` + 2 values."""
-    import tokaudit.checks.base as checks
-    import tokaudit.engine.database as engine
-    import tokaudit.sorting as sorting
+    import tokaudit._checks.base as checks
+    import tokaudit._engine.database as engine
+    import tokaudit._sorting as sorting
 
     monkeypatch.setattr(sorting, "RUN_VALUES", block + 2)
     monkeypatch.setattr(sorting, "MERGE_VALUES", 2 * block)
@@ -63,7 +63,7 @@ def _miscounted_log(folder: Path) -> Path:
 
 def _count_parts_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The rows of each part of a table on disk as it is read back (`engine.Spilled.parts`), in order."""
-    import tokaudit.engine.database as engine
+    import tokaudit._engine.database as engine
 
     read: list[int] = []
     original = engine.Spilled.parts
@@ -137,7 +137,7 @@ def test_a_long_run_is_audited_from_disk_a_part_at_a_time(tmp_path: Path, monkey
     """The memory bound's mechanism: past SPILL_STEPS the step table is kept on disk and read a range at a
     time, never whole, with the same report (what it saves is measured in bench/). 30,000 steps of 2 ranks,
     half of them rank-local means, in ranges of 2,000 steps."""
-    import tokaudit.engine.database as engine
+    import tokaudit._engine.database as engine
 
     rng = np.random.default_rng(3)
     counts = [[[int(rng.integers(1, 300))], [int(rng.integers(1, 300))]] for _ in range(30_000)]
@@ -167,7 +167,7 @@ def test_the_table_on_disk_is_removed_and_a_tmpdir_it_cannot_use_is_one_line(
 
     from click.testing import CliRunner
 
-    import tokaudit.engine.database as engine
+    import tokaudit._engine.database as engine
     from tokaudit.cli import main
 
     log = _mixed_log(tmp_path / "mixed" / "run")
@@ -201,7 +201,7 @@ def test_the_table_on_disk_is_removed_and_a_tmpdir_it_cannot_use_is_one_line(
 def test_the_names_a_range_holds_are_its_rows_names() -> None:
     """`Spilled` notes each range's (run, group, term) from its categories' codes: the same set as every
     row's names read as text, unused categories and a missing name included."""
-    from tokaudit.engine.tables import table_names
+    from tokaudit._engine.tables import table_names
 
     rng = np.random.default_rng(9)
     for _ in range(20):
@@ -237,7 +237,7 @@ def test_a_long_curve_is_drawn_and_written_from_disk_a_part_at_a_time(tmp_path: 
 
     from click.testing import CliRunner
 
-    import tokaudit.engine.database as engine
+    import tokaudit._engine.database as engine
     from tokaudit.cli import main
 
     log = _mixed_log(tmp_path / "mixed" / "run")
@@ -273,7 +273,7 @@ def test_a_long_curve_is_drawn_and_written_from_disk_a_part_at_a_time(tmp_path: 
 def test_a_long_curve_s_plot_draws_each_series_envelope(monkeypatch: pytest.MonkeyPatch) -> None:
     """Past PLOT_STEPS `--plot` draws, in each step bucket, a series' first, last, lowest and highest point,
     read a part at a time: every spike stays, and what is drawn is bounded by the buckets."""
-    import tokaudit.postmortem as postmortem
+    import tokaudit._postmortem as postmortem
 
     monkeypatch.setattr(postmortem, "PLOT_BUCKETS", 10)
     x = np.arange(1000, dtype=np.float64)
@@ -299,9 +299,9 @@ def test_a_long_curve_s_plot_is_its_envelope_end_to_end(tmp_path: Path, monkeypa
     points a bucket, its extremes among them), a PNG written; a shorter one draws every step."""
     from click.testing import CliRunner
 
-    import tokaudit.postmortem as postmortem
-    import tokaudit.render.curve as curve
-    import tokaudit.render.plot as plot
+    import tokaudit._postmortem as postmortem
+    import tokaudit._render.curve as curve
+    import tokaudit._render.plot as plot
     from tokaudit.cli import main
 
     rng = np.random.default_rng(9)
@@ -337,7 +337,7 @@ def test_a_step_that_is_not_there_is_named_from_the_table_read_a_part_at_a_time(
     the footers cannot single out is still found."""
     from click.testing import CliRunner
 
-    import tokaudit.engine.database as engine
+    import tokaudit._engine.database as engine
     from tokaudit.cli import main
 
     log = _mixed_log(tmp_path / "mixed" / "run")
@@ -359,7 +359,7 @@ def test_a_step_that_is_not_there_is_named_from_the_table_read_a_part_at_a_time(
     monkeypatch.setattr(engine, "SPILL_STEPS", 0)
     monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "8")
     read = _count_parts_read(monkeypatch)
-    import tokaudit.reader as reader
+    import tokaudit._reader as reader
 
     validated: list[Path] = []
     inspect = reader.inspect_shard

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.logs import THOROUGH, records, write_by_rank
-from tokaudit.auditing import audit
-from tokaudit.report import AuditReport
+from tokaudit._auditing import audit
+from tokaudit._report import AuditReport
 
 SETTINGS = settings(max_examples=200 if THOROUGH else 20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

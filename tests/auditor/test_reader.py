@@ -14,11 +14,11 @@ import pytest
 from click.testing import CliRunner
 
 from tests.logs import UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
-from tokaudit.auditing import audit
+from tokaudit._auditing import audit
 from tokaudit.cli import main
-from tokaudit.loading import discover, load
-from tokaudit.reader import inspect_shard
-from tokaudit.schema import WRITER_SCHEMA
+from tokaudit._loading import discover, load
+from tokaudit._reader import inspect_shard
+from tokaudit._schema import WRITER_SCHEMA
 
 
 def good_run(folder: Path) -> Path:
@@ -161,7 +161,7 @@ def test_a_column_of_nulls_alone_reads_as_its_nulls_not_as_a_wrong_type(tmp_path
     """A writer that never had a value for a column (pandas' all-None column, pa.Table.from_pylist) stores
     Arrow's null type: an optional column of it is the column's nulls, as if absent, on a rank's file or
     on all; a required one is a null value, as any other."""
-    from tokaudit.render.json_report import render_json
+    from tokaudit._render.json_report import render_json
 
     def write_rows(folder: Path, rows: list[dict[str, Any]]) -> None:
         folder.mkdir(parents=True)
@@ -203,7 +203,7 @@ def test_backward_scalar_may_be_null_only_with_probe_weights(tmp_path: Path) -> 
 def test_shards_of_one_schema_keep_their_own_footers(tmp_path: Path) -> None:
     """A schema is checked once for all the shards that share it, but each shard's own footer still
     decides its statistics, its dropped-steps note and its problems."""
-    from tokaudit.schema import dropped_metadata
+    from tokaudit._schema import dropped_metadata
 
     rows = records(UNEVEN, token_mean)
     names = [f.name for f in WRITER_SCHEMA if f.name in rows[0]]
@@ -222,7 +222,7 @@ def test_shards_of_one_schema_keep_their_own_footers(tmp_path: Path) -> None:
 
 def _many_files(folder: Path) -> dict[str, str]:
     """A log of good shards (several schemas, a dropped-steps note) with every kind of bad file among them."""
-    from tokaudit.schema import WRITER_SCHEMA, dropped_metadata
+    from tokaudit._schema import WRITER_SCHEMA, dropped_metadata
 
     expected = bad_files(folder / "bad")
     rows = records(UNEVEN, token_mean)
@@ -238,7 +238,7 @@ def _many_files(folder: Path) -> dict[str, str]:
 def test_footers_validated_in_worker_processes_give_the_serial_result(tmp_path: Path, monkeypatch: Any) -> None:
     import subprocess
 
-    import tokaudit.loading as loading
+    import tokaudit._loading as loading
 
     expected = _many_files(tmp_path / "logs")
     before = tree_digest(tmp_path / "logs")
@@ -277,17 +277,17 @@ def test_the_commands_start_footer_workers_before_they_import_the_auditor(tmp_pa
     import subprocess
     import sys
 
-    import tokaudit.loading as loading
-    from tokaudit.render.json_report import render_json
+    import tokaudit._loading as loading
+    from tokaudit._render.json_report import render_json
 
     _many_files(tmp_path / "logs")
     script = (
         "import json, subprocess, sys\n"
-        "import tokaudit.loading as loading\n"
+        "import tokaudit._loading as loading\n"
         "loading.PARALLEL_FILES, loading.BATCH_FILES = 1, 4\n"
         "seen, popen = [], subprocess.Popen\n"
         "def spy(*args, **kwargs):\n"
-        "    seen.append([name in sys.modules for name in ('tokaudit.auditing', 'pandas', 'duckdb', 'pyarrow')])\n"
+        "    seen.append([name in sys.modules for name in ('tokaudit._auditing', 'pandas', 'duckdb', 'pyarrow')])\n"
         "    return popen(*args, **kwargs)\n"
         "subprocess.Popen = spy\n"
         "from tokaudit.cli import main\n"
@@ -324,7 +324,7 @@ _WORKER_FAULTS = {
     "worker fails": "import sys; sys.exit(3)",
     "worker hangs": "import time; time.sleep(120)",
     "worker dies half-way": ("import pickle, sys; paths, thorough, sys.path[:] = pickle.load(sys.stdin.buffer); "
-                             "from tokaudit.loading import serve; serve(paths[:5], thorough, sys.stdout.buffer); "
+                             "from tokaudit._loading import serve; serve(paths[:5], thorough, sys.stdout.buffer); "
                              "sys.exit(3)"),
     "worker writes garbage": "import sys; sys.stdout.buffer.write((5).to_bytes(8, 'little') + b'hello'); sys.stdout.flush()",
 }
@@ -336,8 +336,8 @@ def test_footers_are_validated_here_when_no_worker_can(tmp_path: Path, monkeypat
     process validates what it did not answer, and the result is the serial one. No worker is left."""
     import time
 
-    import tokaudit.loading as loading
-    import tokaudit.reader as reader
+    import tokaudit._loading as loading
+    import tokaudit._reader as reader
 
     _many_files(tmp_path / "logs")
     serial = load([tmp_path / "logs"], thorough=False)
@@ -369,7 +369,7 @@ def test_footer_workers_are_bounded_by_the_files_and_a_cap(monkeypatch: Any) -> 
     import io
     import subprocess
 
-    import tokaudit.loading as loading
+    import tokaudit._loading as loading
 
     started: list[Any] = []
 
@@ -530,7 +530,7 @@ def test_a_one_row_shard_gives_its_record_from_its_footer_only_where_it_is_exact
 def test_a_half_float_divisor_is_accepted_and_audited_as_its_values(tmp_path: Path) -> None:
     """A float column may have any float width: a half-float grad_divisor, whose statistics
     are bytes and which has no compute kernels of its own, is checked and audited like a double."""
-    from tokaudit.render.json_report import render_json
+    from tokaudit._render.json_report import render_json
 
     rows = records(UNEVEN, token_mean)
     table = pa.Table.from_pylist(rows)
@@ -550,7 +550,7 @@ def test_a_one_row_shard_is_validated_from_its_record_as_from_its_statistics(tmp
     only) and every problem are what the statistics give, for good files and for each kind of bad value."""
     import dataclasses
 
-    import tokaudit.reader as reader
+    import tokaudit._reader as reader
 
     good = records([[[5]]], token_mean)[0]
     cases = {
@@ -618,8 +618,8 @@ def test_a_local_footer_read_from_the_file_s_last_bytes_gives_what_pyarrow_s_rea
     """A local file's footer is read with one pread of its end and parsed from memory (`local_footer`):
     every file below (a good run, Arrow types a writer stored, a footer longer than one read, bad files of
     every kind) gives the shard, or the problem, that pyarrow's reader of the file gives, and its schema."""
-    import tokaudit.reader as reader
-    import tokaudit.footers as footers
+    import tokaudit._reader as reader
+    import tokaudit._footers as footers
 
     folder = tmp_path / "logs"
     good_run(folder / "good")

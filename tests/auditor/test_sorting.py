@@ -1,4 +1,4 @@
-"""Columns read back in order from sorted runs on disk (`tokaudit.sorting`): the same order, clusters and
+"""Columns read back in order from sorted runs on disk (`tokaudit._sorting`): the same order, clusters and
 medians as the whole column sorted in memory."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-import tokaudit.sorting as sorting
-from tokaudit.sorting import SortedColumn
+import tokaudit._sorting as sorting
+from tokaudit._sorting import SortedColumn
 
 
 def _column(values: np.ndarray, keys: np.ndarray, part: int) -> SortedColumn:
@@ -54,9 +54,9 @@ def test_clusters_and_medians_from_disk_are_those_of_the_column_in_memory(monkey
                                                                          seed: int) -> None:
     """The vote's clusters of α, the uniform factors' (cluster, W) medians and the unknown divisor's median
     q, from runs on disk: the same numbers, bit for bit, as from the column held whole."""
-    from tokaudit.checks.base import median_of
-    from tokaudit.checks.weighting import factor_pairs
-    from tokaudit.normalization.fits import clusters_of
+    from tokaudit._checks.base import median_of
+    from tokaudit._checks.weighting import factor_pairs
+    from tokaudit._normalization.fits import clusters_of
 
     rng = np.random.default_rng(100 + seed)
     values = _draw(rng, int(rng.integers(40, 300)))

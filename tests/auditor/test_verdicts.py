@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.logs import audit_rows, codes, only, UNEVEN, UNEVEN_GA, local_mean, records, token_mean
-from tokaudit.auditing import audit
+from tokaudit._auditing import audit
 from tokaudit.codes import Code, Severity
-from tokaudit.render.json_report import render_json
-from tokaudit.report import AuditReport
+from tokaudit._render.json_report import render_json
+from tokaudit._report import AuditReport
 
 
 def verdict(report: AuditReport) -> str:
@@ -204,7 +204,7 @@ def test_the_gate_and_the_summary_read_one_weight_ratio(tmp_path: Path) -> None:
     ratio and the finding's `weight_ratio` are that one ratio, so --min-ratio between the two ratios keeps the
     finding as severe as it was, as the ratio the summary shows says it must."""
     from tests.logs import UNEVEN_GA, local_mean, records, write_by_rank
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
 
     rows = records(UNEVEN_GA, local_mean)
     for row in rows:

@@ -15,7 +15,7 @@ from scenarios.harness import launch
 from scenarios.strategies import Scenario, reference_gradient
 from tests.logs import read_rows
 from tests.needs import needs_integration
-from tokaudit.auditing import audit
+from tokaudit._auditing import audit
 
 pytestmark = [needs_integration("accelerate"), pytest.mark.distributed]
 

@@ -64,7 +64,7 @@ def bf16_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
 def test_a_loss_computed_in_bfloat16_is_judged_at_bfloat16_precision(bf16_runs: Any, variant: str,
                                                                     correct: bool) -> None:
     from tests.logs import read_rows
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
 
     root, runs = bf16_runs
     scenario = Scenario(name=variant, strategy="token_mean", world_size=2, counts=COUNTS, correct=correct,

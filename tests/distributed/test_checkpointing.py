@@ -14,7 +14,7 @@ from scenarios.harness import run_ddp_each
 from scenarios.recompute import COUNTS, job
 from scenarios.strategies import Scenario, reference_gradient
 from tests.logs import read_rows
-from tokaudit.auditing import audit
+from tokaudit._auditing import audit
 
 pytestmark = pytest.mark.distributed
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from scenarios.harness import run_ddp
-from tokaudit.auditing import audit
+from tokaudit._auditing import audit
 
 pytestmark = pytest.mark.distributed
 

@@ -13,7 +13,7 @@ import torch
 
 from scenarios.harness import run_ddp
 from scenarios.strategies import SCENARIOS_BY_NAME, reference_gradient, run_scenario
-from tokaudit.auditing import audit
+from tokaudit._auditing import audit
 
 pytestmark = pytest.mark.distributed
 

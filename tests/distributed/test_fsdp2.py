@@ -74,7 +74,7 @@ def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
 ])
 def test_fsdp2_divisor_is_read_and_the_verdict_follows_the_reference(fsdp_runs: Any, variant: str, divisor: float,
                                                                      correct: bool, codes: set[str]) -> None:
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
 
     root, runs = fsdp_runs
     scenario = Scenario(name=variant, strategy="token_mean", world_size=2, counts=COUNTS, correct=correct,

@@ -115,7 +115,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def audit_run(root: Path, run: str) -> Any:
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
 
     return audit([root / run])
 
@@ -144,7 +144,7 @@ def test_the_verdict_and_exit_code_follow_the_float64_reference(matrix: dict[str
         finding = findings["scale_mismatch"]
         assert 0.8 < finding["evidence"]["distortion"] < 1.0
         assert "after the causal shift" in finding["fix"] and 'model.loss_type = "ForCausalLM"' in finding["fix"]
-    elif name == "lightning-token-mean":  # tokaudit.recipes.LIGHTNING, the fix its findings give Lightning users
+    elif name == "lightning-token-mean":  # tokaudit._recipes.LIGHTNING, the fix its findings give Lightning users
         assert row.correct and run["normalization"]["denominator"] == "N"
     elif name.startswith("trl-"):
         # TRL's SFTTrainer: no cross-entropy call, the loss from its fused LM head, recorded there; completion-only
@@ -231,7 +231,7 @@ def test_two_experiments_in_one_folder_are_two_runs_named_after_the_trainer(tmp_
 
 
 def test_without_a_run_name_each_launch_has_its_own_id(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tokaudit.hooks.attach import trainer_run_id
+    from tokaudit.hooks._attach import trainer_run_id
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "4b1f6c2e-aaaa-bbbb")  # torchrun --standalone: a fresh one each launch
     assert trainer_run_id(None) == "run-4b1f6c2e" and trainer_run_id("my-exp") == "my-exp"

@@ -68,7 +68,7 @@ def lightning_job(rank: int, world_size: int, log_dir: str, fp16_scaler: bool = 
 
 
 def test_lightning_default_normalization_is_a_per_microbatch_local_mean(tmp_path: Path) -> None:
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
 
     run_ddp(lightning_job, 2, str(tmp_path), timeout=240)
     report = audit([tmp_path / "lightning"])
@@ -83,7 +83,7 @@ def test_lightning_default_normalization_is_a_per_microbatch_local_mean(tmp_path
 def test_lightning_16_mixed_divides_its_loss_scale_out(tmp_path: Path) -> None:
     from tests.logs import read_rows
 
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
 
     run_ddp(lightning_job, 2, str(tmp_path), True, timeout=240)
     report = audit([tmp_path / "lightning"])

@@ -29,7 +29,7 @@ def recorded_job(rank: int, world_size: int, env: dict[str, str], log_dir: str) 
 @pytest.mark.distributed
 def test_the_recorder_writes_to_s3_from_a_ddp_run(endpoint: dict[str, str], tmp_path: Path) -> None:
     from scenarios.harness import run_ddp
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
 
     boto3.client("s3").create_bucket(Bucket="written")
     run_ddp(recorded_job, 2, endpoint, "s3://written/runs")

@@ -16,7 +16,7 @@ import torch
 from scenarios.harness import run_ddp_each
 from scenarios.pipeline import UPDATES, PipelineSetup, job, reference_gradient, update_tokens
 from tests.logs import read_rows
-from tokaudit.auditing import audit
+from tokaudit._auditing import audit
 
 pytestmark = pytest.mark.distributed
 

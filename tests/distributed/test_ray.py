@@ -48,8 +48,8 @@ def cluster() -> Iterator[str]:
 
 
 def _json(paths: list[Path], **kwargs: object) -> str:
-    from tokaudit.auditing import audit
-    from tokaudit.render.json_report import render_json
+    from tokaudit._auditing import audit
+    from tokaudit._render.json_report import render_json
 
     return render_json(audit([str(p) for p in paths], **kwargs))  # type: ignore[arg-type]
 
@@ -84,7 +84,7 @@ def test_a_worker_that_dies_is_replaced_and_one_that_always_dies_ends_the_audit_
         cluster: str, tmp_path: Path) -> None:
     """A task whose worker process is killed is run again; a task that kills every worker it gets ends the map
     with one line naming its item, never a partial result."""
-    from tokaudit.cluster import Cluster
+    from tokaudit._cluster import Cluster
     from tokaudit.errors import UsageError
 
     marker = str(tmp_path / "died-once")
@@ -111,7 +111,7 @@ def test_a_worker_that_dies_is_replaced_and_one_that_always_dies_ends_the_audit_
 
 def test_a_node_with_another_tokaudit_is_refused_in_one_line(cluster: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import tokaudit
-    from tokaudit.cluster import Cluster
+    from tokaudit._cluster import Cluster
     from tokaudit.errors import UsageError
 
     # this process says another version; the workers import the installed one
@@ -139,7 +139,7 @@ def test_a_cluster_that_does_not_answer_and_ray_missing_are_one_line_each(tmp_pa
 def test_a_path_some_node_cannot_read_is_refused_before_any_work() -> None:
     """The check each node runs (`unreadable`), and the line it gives (the nodes here are this machine, which reads
     every path, so the answer is staged)."""
-    from tokaudit.cluster import Cluster, unreadable
+    from tokaudit._cluster import Cluster, unreadable
     from tokaudit.errors import UsageError
 
     assert unreadable([__file__, "/no/such/file.parquet"]) == "/no/such/file.parquet" and unreadable([__file__]) == ""

@@ -17,7 +17,7 @@ import torch
 
 from scenarios.harness import run_ddp_each
 from scenarios.strategies import SCENARIOS, SEQ, Scenario, microbatch, per_token_loss, make_model, reference_gradient
-from tokaudit.schema import REQUIRED_COLUMNS, WRITER_SCHEMA
+from tokaudit._schema import REQUIRED_COLUMNS, WRITER_SCHEMA
 
 pytestmark = pytest.mark.distributed
 
@@ -148,7 +148,7 @@ def _group_of(members: list[int]) -> str:
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_fresh_recordings_are_diagnosed(recordings: dict[str, Any], scenario: Scenario) -> None:
     from tests.expected import EXPECTED_CODES, EXPECTED_NORMALIZATION, EXPECTED_VERDICT
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
 
     _, log_dir = recordings[scenario.name]
     report = audit([log_dir])
@@ -169,9 +169,9 @@ def test_the_recordings_as_one_row_shards_in_ranges_give_the_same_diagnosis(
     import json
 
     from tests.expected import EXPECTED_VERDICT
-    from tokaudit.auditing import audit
-    from tokaudit.loading import load
-    from tokaudit.render.json_report import render_json
+    from tokaudit._auditing import audit
+    from tokaudit._loading import load
+    from tokaudit._render.json_report import render_json
 
     _, log_dir = recordings[scenario.name]
     split = tmp_path / scenario.name
@@ -197,16 +197,16 @@ def test_the_recordings_audited_from_disk_a_few_steps_at_a_time_give_the_same_di
     """The same real DDP recordings (their gradients checked against the float64 reference above), audited
     as a log of millions of steps is: the step table kept on disk in ranges of a few records
     (`engine.SPILL_STEPS`), every check fed 2 steps at a time (`checks.RunSteps`), the vote's α and the
-    factors' q sorted on disk in runs of 3 values (`tokaudit.sorting`): the same report, every verdict as
+    factors' q sorted on disk in runs of 3 values (`tokaudit._sorting`): the same report, every verdict as
     expected, none of the correct constructions flagged."""
     import json
 
-    import tokaudit.checks.base as checks
-    import tokaudit.engine.database as engine
-    import tokaudit.sorting as sorting
+    import tokaudit._checks.base as checks
+    import tokaudit._engine.database as engine
+    import tokaudit._sorting as sorting
     from tests.expected import EXPECTED_VERDICT
-    from tokaudit.auditing import audit
-    from tokaudit.render.json_report import render_json
+    from tokaudit._auditing import audit
+    from tokaudit._render.json_report import render_json
 
     _, log_dir = recordings[scenario.name]
     whole = json.loads(render_json(audit([log_dir])))

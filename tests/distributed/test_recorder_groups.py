@@ -81,7 +81,7 @@ def test_n_counted_over_the_launch_names_the_replicas(tmp_path: Path) -> None:
     gradient is half the token mean's; tokaudit says world_size_mismatch and names the count, not a missing W."""
     from scenarios.harness import run_ddp
     from scenarios.strategies import Scenario, reference_gradient, run_scenario
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
 
     scenario = Scenario(name="tokens_over_launch", strategy="tokens_over_launch", world_size=4,
                         counts=(((2,), (2,), (5,), (5,)), ((8,), (8,), (4,), (4,))), dp_size=2, correct=False,

@@ -13,7 +13,7 @@ from scenarios.harness import run_ddp
 from scenarios.sequence_mean import COUNTS, job, reference_gradient
 from scenarios.strategies import Scenario
 from scenarios.strategies import reference_gradient as token_mean_gradient
-from tokaudit.auditing import audit
+from tokaudit._auditing import audit
 
 pytestmark = pytest.mark.distributed
 

@@ -19,7 +19,7 @@ from scenarios.harness import run_ddp, run_ddp_each
 from scenarios.setups import _UNEVEN, ELASTIC, SETUPS, Setup, job, reference_gradient
 from tests.expected import EXPECTED_CODES, EXPECTED_VERDICT
 from tests.logs import read_rows
-from tokaudit.auditing import audit
+from tokaudit._auditing import audit
 
 pytestmark = pytest.mark.distributed
 

@@ -14,7 +14,7 @@ import torch
 from scenarios.harness import run_ddp_each
 from scenarios.strategies import reference_gradient
 from scenarios.torchtune_recipe import COUNTS, TuneSetup, job
-from tokaudit.auditing import audit
+from tokaudit._auditing import audit
 
 pytestmark = pytest.mark.distributed
 

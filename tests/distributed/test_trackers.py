@@ -91,7 +91,7 @@ def ddp_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
 
 
 def audited(log_dir: Path) -> Any:
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
 
     (summary,) = audit([log_dir]).runs
     return summary
@@ -100,7 +100,7 @@ def audited(log_dir: Path) -> Any:
 @pytest.mark.parametrize("variant, verdict", [("token_mean", "correct"), ("local_mean", "incorrect")])
 def test_each_tracker_holds_the_audit_of_the_log(ddp_runs: tuple[Path, dict[str, dict[str, str]]], variant: str,
                                                  verdict: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
     from tokaudit.hooks.trackers import audit_metrics
 
     root, found = ddp_runs
@@ -265,7 +265,7 @@ def test_trainer_callbacks_log_to_the_trainers_own_trackers(tmp_path: Path, monk
     pytest.importorskip({"hf": "transformers", "lightning": "lightning", "accelerate": "accelerate"}[run])
     from mlflow.tracking import MlflowClient
 
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
     from tokaudit.hooks.trackers import audit_metrics
 
     run_ddp(job, 2, str(tmp_path), timeout=240)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from tests.hooks.syncs import count_host_syncs
 from tests.logs import read_rows
 from tokaudit.hooks import Recorder, token_mean_loss
-from tokaudit.hooks.terms import Footprint
+from tokaudit.hooks._terms import Footprint
 
 
 def amp_loop(rec: Recorder | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
@@ -83,7 +83,7 @@ def test_a_fused_optimizer_steps_through_an_overflow_and_found_inf_marks_it(tmp_
 
 
 def test_an_untold_scaler_shows_as_a_loss_scale(tmp_path: Path) -> None:
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
 
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

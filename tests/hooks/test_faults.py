@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.logs import read_rows
-from tokaudit.auditing import audit
+from tokaudit._auditing import audit
 from tokaudit.hooks import Recorder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,7 +90,7 @@ def test_an_impossible_number_of_positions_is_written_as_null_and_the_record_kep
 
 
 def _failing_writes(monkeypatch: pytest.MonkeyPatch, failures: int) -> list[int]:
-    import tokaudit.hooks.shards as shards
+    import tokaudit.hooks._shards as shards
 
     original = shards.pq.write_table
     attempts = [0]
@@ -136,8 +136,8 @@ def test_a_long_outage_is_written_down_and_those_steps_are_not_judged(tmp_path: 
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # Two ranks of W = 2; rank 1's disk is full for its first 12 flushes: the backlog (made 1 KiB here, three
     # tables of 2 records) cannot hold it all, so its oldest steps are dropped and noted.
-    import tokaudit.hooks.identity as identity
-    import tokaudit.hooks.uploads as uploads
+    import tokaudit.hooks._identity as identity
+    import tokaudit.hooks._uploads as uploads
 
     for rank in range(2):
         attempts = _failing_writes(monkeypatch, failures=12 if rank == 1 else 0)
@@ -291,7 +291,7 @@ def test_evaluation_with_grad_takes_no_microbatch_and_no_term(tmp_path: Path) ->
 DURING_FLUSH_SCRIPT = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {root!r})
-    import tokaudit.hooks.shards as shards
+    import tokaudit.hooks._shards as shards
     from tokaudit.hooks import Recorder
     original = shards.pq.write_table
     def slow(*args, **kwargs):  # a slow disk: the signal lands in the middle of a flush
@@ -319,7 +319,7 @@ def test_a_failed_write_is_retried_alone_even_when_asking_the_store_about_it_fai
     apart, so that the retry publishes them alone, under the name they had, and what came since after them."""
     import pyarrow as pa
 
-    from tokaudit.hooks.uploads import Backlog
+    from tokaudit.hooks._uploads import Backlog
 
     written: list[int] = []
 

@@ -14,11 +14,11 @@ import torch
 from tests.hooks.syncs import count_host_syncs
 from tests.logs import read_rows
 from tokaudit.hooks import Recorder
-from tokaudit.hooks.buffer import RecordBuffer
-from tokaudit.hooks.columns import Packed
-from tokaudit.hooks.probe import ProbeResult
-from tokaudit.hooks.record import Record, new_record
-from tokaudit.schema import WRITER_SCHEMA
+from tokaudit.hooks._buffer import RecordBuffer
+from tokaudit.hooks._columns import Packed
+from tokaudit.hooks._probe import ProbeResult
+from tokaudit.hooks._record import Record, new_record
+from tokaudit._schema import WRITER_SCHEMA
 
 
 @pytest.mark.parametrize("shape", [(7,), (2, 5), (3, 2, 4)])
@@ -179,9 +179,9 @@ def test_packed_records_write_the_shards_unpacked_ones_write(tmp_path: Path, mon
         return [{k: v for k, v in row.items() if k != "time"} for row in read_rows(tmp_path / name)]
 
     packed = shards("packed")
-    monkeypatch.setattr("tokaudit.hooks.columns.SLAB_NUMBERS", 50)  # two updates a slab: a flush takes two
+    monkeypatch.setattr("tokaudit.hooks._columns.SLAB_NUMBERS", 50)  # two updates a slab: a flush takes two
     small_slabs = shards("small_slabs")
-    monkeypatch.setattr("tokaudit.hooks.buffer.pack", lambda holders, slabs=None: None)
+    monkeypatch.setattr("tokaudit.hooks._buffer.pack", lambda holders, slabs=None: None)
     unpacked = shards("unpacked")
     assert len(packed) == 12 and packed[0]["positions"] == 6 and packed[0]["grad_scale"] == 0.5
     assert packed[0]["reported_loss"] == 1.25 and packed[0]["token_weight_sum"] is not None
@@ -196,7 +196,7 @@ def test_a_pack_that_fails_warns_once_and_loses_no_record(tmp_path: Path, monkey
     expected = None
     for name in ("plain", "failing"):
         if name == "failing":
-            monkeypatch.setattr("tokaudit.hooks.buffer.pack", failing)
+            monkeypatch.setattr("tokaudit.hooks._buffer.pack", failing)
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 3)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -214,7 +214,7 @@ def test_a_pack_that_fails_warns_once_and_loses_no_record(tmp_path: Path, monkey
 
 
 def test_packs_fill_a_slab_then_take_a_new_one_and_keep_every_value() -> None:
-    from tokaudit.hooks.columns import Slabs, pack
+    from tokaudit.hooks._columns import Slabs, pack
 
     slabs = Slabs(numbers=5)
     updates = [SimpleNamespace(a=torch.tensor(float(i)), b=torch.tensor(i, dtype=torch.int32), c=torch.tensor(-i / 4))
@@ -231,7 +231,7 @@ def test_packs_fill_a_slab_then_take_a_new_one_and_keep_every_value() -> None:
 
 
 def test_a_flush_copies_the_places_its_records_hold_not_the_whole_slab() -> None:
-    from tokaudit.hooks.columns import PackedHost, Slabs, pack
+    from tokaudit.hooks._columns import PackedHost, Slabs, pack
 
     updates = [SimpleNamespace(a=torch.tensor(i + 0.5), b=torch.tensor(i, dtype=torch.int64)) for i in range(6)]
     slabs = Slabs()
@@ -248,8 +248,8 @@ def test_a_flush_copies_the_places_its_records_hold_not_the_whole_slab() -> None
 
 
 def test_a_probe_reached_again_after_its_update_was_packed_adds_to_what_it_held() -> None:
-    from tokaudit.hooks.columns import pack
-    from tokaudit.hooks.probe import ProbeResult
+    from tokaudit.hooks._columns import pack
+    from tokaudit.hooks._probe import ProbeResult
 
     valid = torch.tensor([True, True, False])
     live = torch.tensor([False, False, True])
@@ -379,7 +379,7 @@ def test_a_loss_logged_before_or_after_the_optimizer_step_is_stamped_on_its_own_
     and one that logs it after the step (the update just closed) both stamp each update with its own token
     mean: the audit finds the reported loss right, and the run correct. Stamped on the update before, a
     correct run was called incorrect (reported_loss_mismatch, '0.92× the token mean')."""
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 11)
@@ -494,7 +494,7 @@ HOSTILE_RUN_IDS = ["../../escaped", "../sibling", "..", "a/../../../up3", "runs/
 def test_a_run_id_that_would_leave_log_dir_lands_inside_it_with_one_warning(tmp_path: Path, run_id: str) -> None:
     """Run ids come from job names: one that is a path out of log_dir (.., an absolute path) becomes one name
     inside it, said once; training goes on and the audit reads the run under that name."""
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
 
     log_dir = tmp_path / "deep" / "logs"
     with warnings.catch_warnings(record=True) as caught:
@@ -575,7 +575,7 @@ def test_a_shard_is_written_on_time_so_a_live_audit_sees_the_run(tmp_path: Path)
     updates to a shard (the open one waits), so `check --live` has something to audit during training."""
     import time
 
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
 
     rec = Recorder(tmp_path, run_id="live", flush_seconds=0.2, announce=False)
     for step in range(3):
@@ -596,14 +596,14 @@ def test_the_later_launch_wins_whatever_its_clock(tmp_path: Path, monkeypatch: p
     import time as clock
     from datetime import datetime, timezone
 
-    from tokaudit.auditing import audit
+    from tokaudit._auditing import audit
 
     real = clock.time_ns
-    monkeypatch.setattr("tokaudit.hooks.record.time.time_ns", lambda: real() + 3 * 3600 * 10**9)
+    monkeypatch.setattr("tokaudit.hooks._record.time.time_ns", lambda: real() + 3 * 3600 * 10**9)
     with Recorder(tmp_path, run_id="exp", announce=False) as dead:
         for step in range(6):
             dead.record(loss_sum=6.0, valid_tokens=3, backward_scalar=6.0, step=step)  # b = S: no denominator
-    monkeypatch.setattr("tokaudit.hooks.record.time.time_ns", real)
+    monkeypatch.setattr("tokaudit.hooks._record.time.time_ns", real)
     with Recorder(tmp_path, run_id="exp", announce=False) as fixed:
         for step in range(3, 6):
             fixed.record(loss_sum=6.0, valid_tokens=3, backward_scalar=6.0 / 3, step=step)  # b = S/N

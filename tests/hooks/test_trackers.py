@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.logs import read_rows
-from tokaudit.auditing import audit
+from tokaudit._auditing import audit
 from tokaudit.hooks import Recorder, trackers
 from tokaudit.hooks.trackers import VERDICT_VALUES, AuditMetrics, as_trackers, audit_metrics
 

@@ -15,7 +15,7 @@ def test_dpo_is_said_not_to_be_a_token_mean_and_nothing_is_recorded(tmp_path: Pa
     from trl import DPOTrainer, SFTTrainer
 
     from tokaudit.hooks.huggingface import TokauditCallback
-    from tokaudit.hooks.trl_trainers import trl_trainer
+    from tokaudit.hooks._trl_trainers import trl_trainer
 
     dpo = DPOTrainer.__new__(DPOTrainer)  # the real class; what attach reads of it is its type
     assert trl_trainer(dpo) == "DPOTrainer" and trl_trainer(SFTTrainer.__new__(SFTTrainer)) == "SFTTrainer"

@@ -1,0 +1,12 @@
+"""Checks over the per-step table: each problem becomes one finding with its numbers and its fix.
+
+Pure functions of the step table (one row per run, group, term and step): no Parquet, no DuckDB. How the
+normalization is recovered lives in `tokaudit._normalization`; each concern here is a module of its own.
+"""
+
+from tokaudit._checks.base import RunSteps, distinct, loss_terms, main_term_first, weight_ratio, world_sizes
+from tokaudit._checks.miscount import miscounted_rows, outside_probe_range, without_miscounted
+from tokaudit._checks.objective import one_objective, pooled_steps, pooled_sums
+from tokaudit._checks.run import check_run
+
+__all__ = ["check_run", "distinct", "loss_terms", "main_term_first", "miscounted_rows", "one_objective", "outside_probe_range", "pooled_steps", "pooled_sums", "RunSteps", "weight_ratio", "without_miscounted", "world_sizes"]

@@ -1,0 +1,171 @@
+"""One run's checks: every check fed the run's step table block by block, and their findings."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from tokaudit._checks.base import Check, Extremes, RunContext, RunSteps, TermInputs, column_of, world_sizes
+from tokaudit._checks.miscount import without_miscounted
+from tokaudit._checks.objective import OneObjective, one_objective
+from tokaudit._checks.reported import reported_findings
+from tokaudit._checks.structure import DivisorCheck, MissingRanksCheck, ProbeCheck, StructureCheck, SyncCheck, ValuesCheck, WeightPresenceCheck, duplicates_finding, not_recorded_finding, per_sequence_first, ranks_not_recorded
+from tokaudit._checks.weighting import BalancedCheck, FactorTable, WeightingCheck
+from tokaudit._engine import Duplicates, one_value
+from tokaudit._normalization import Decisions, FitBlock, Span, Spans, block_fits, span_rows
+from tokaudit._report import Finding
+from tokaudit._schema import Provenance
+
+
+CHECKS: tuple[type[Check], ...] = (WeightingCheck, StructureCheck, SyncCheck, ValuesCheck, ProbeCheck,
+                                   MissingRanksCheck, DivisorCheck, WeightPresenceCheck, BalancedCheck)
+"""Every check of a loss term, in the order their findings are listed (`_check_term`): a new check is a `Check`
+here, its code and words in `tokaudit.codes`."""
+
+
+def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
+              duplicates: Duplicates | None = None,
+              extremes: Extremes | None = None, provenance: Provenance = Provenance(),
+              objective: OneObjective | None = None) -> tuple[list[Finding], list[Span], int]:
+    """All checks for one run's steps (every group and term): its findings, its normalization spans
+    (at most `MAX_SPANS` per group and term) and how many spans were left out.
+
+    Each loss term is its own token mean: recovery and weight checks run per term.
+    `duplicates`: the repeated keys the engine found and left out (`engine.Duplicates`).
+    `extremes`: where the heaviest and lightest token of an evidence step were, when the table does not
+    hold them (the audit aggregates them for the few steps a finding names). `provenance`: how the run was
+    recorded (`summary.setups_of`): the trainer whose own settings the fixes then name, a pipeline schedule's rescale.
+
+    Each term's table is read three times: twice for the run's decisions (`Decisions.of`, the first also
+    for W, D and M), once for every check; once more for the uniform factors' clusters (`FactorTable`)
+    where some step may be uniformly off, and twice for the reported losses where there are some.
+
+    A whole table has the steps whose counts the probe contradicts left out here (`without_miscounted`, one
+    count_mismatch finding); a RunSteps is taken as given, as the audit leaves them out before.
+
+    `objective`: the run's terms are one token mean (`one_objective`, which is asked here when not given): their
+    weights are judged together, so no term's weighting is judged alone, and the run's normalization is theirs."""
+    if isinstance(steps, RunSteps):
+        source, miscounted = steps, None  # the audit leaves its miscounted steps out itself, for its summary too
+    else:
+        source, miscounted = without_miscounted(RunSteps.of(steps), rtol)
+    if absent := ranks_not_recorded(source):  # every step's N is partial: nothing about the normalization is judged
+        return [not_recorded_finding(run, source, absent)], [], 0
+    findings: list[Finding] = []
+    spans: list[Span] = []
+    omitted = 0
+    terms = source.terms
+    # W over every term: read with the main term's first pass when it is the only one.
+    sizes: set[int] | None = None if len(terms) == 1 else {w for block in source.blocks() for w in world_sizes(block)}
+    reported = len(terms) > 1
+    if objective is None:
+        objective = one_objective(source, rtol)
+    if objective is not None:
+        findings.extend(objective.findings(run, rtol))
+        spans.extend(objective.spans)
+    for term in terms:
+        decisions, shape = _first_pass(source, term, rtol, judged=objective is None)
+        if not shape.blocks:
+            continue  # every step of the term was left out (count_mismatch)
+        if sizes is None:
+            sizes = shape.worlds
+        reported = reported or shape.reported
+        context = shape.context(run, term, tuple(sorted(sizes)), rtol, provenance)
+        term_findings, listed, left_out = _check_term(source, term, decisions, context, extremes)
+        findings.extend(term_findings)
+        spans.extend(listed)
+        omitted += left_out
+    if reported:
+        findings.extend(reported_findings(source, run, rtol, terms[0], pooled=objective is not None))
+    if duplicates is not None:
+        findings.append(duplicates_finding(duplicates, run))
+    if miscounted:
+        findings.append(miscounted.finding(run))
+    return findings, spans, omitted
+
+
+def _first_pass(source: RunSteps, term: str, rtol: float, judged: bool) -> tuple[Decisions | None, _Shape]:
+    """A term's decisions (`Decisions.of`, None where its weighting is not `judged` alone) and its shape."""
+    shape = _Shape()
+    if not judged:
+        for block in source.blocks(term):
+            shape.add(block)
+        return None, shape
+
+    def observed() -> Iterator[FitBlock]:
+        for block in source.blocks(term):
+            shape.add(block)
+            yield block_fits(block, rtol)
+
+    def again() -> Iterator[FitBlock]:
+        return (block_fits(block, rtol) for block in source.blocks(term))
+
+    return Decisions.of(observed(), again, rtol, lambda: shape.worlds), shape
+
+
+def _check_term(source: RunSteps, term: str, decisions: Decisions | None, context: RunContext,
+                extremes: Extremes | None) -> tuple[list[Finding], list[Span], int]:
+    """Every check of one loss term, fed the term's blocks once: its findings, spans and spans left out.
+    Without `decisions` (the terms are one objective, judged together) its weighting is not judged alone."""
+    factors = None
+    if decisions is not None:
+        # q's clusters need every uniform q ≠ 1 first: read once more only where a step may have one.
+        factors = FactorTable.of(((block, decisions.diagnose(block)) for block in source.blocks(term)), context) \
+            if decisions.may_be_off else FactorTable(context.rtol, np.zeros(0), {}, [], False)
+    inputs = TermInputs(context, keep_steps=len(source.groups) > 1, main_term=term == source.terms[0],
+                        factors=factors, extremes=extremes,
+                        confused=decisions.confused if decisions is not None else None)
+    checks = [check(inputs) for check in CHECKS if (inputs.main_term or not check.main_term_only)
+              and (decisions is not None or not check.judges_weighting)]
+    term_spans = Spans()
+    for block in source.blocks(term):
+        diagnoses = decisions.diagnose(block) if decisions is not None else None
+        for check in checks:
+            check.add(block, diagnoses)
+        if diagnoses is not None:
+            term_spans.add(span_rows(block, diagnoses, source.groups, 0))
+    findings = per_sequence_first([finding for check in checks for finding in check.findings()])
+    if decisions is None:
+        return findings, [], 0
+    listed, left_out = term_spans.listed(source.groups, [term])
+    return findings, listed, left_out
+
+
+class _Shape:
+    """What a term's first pass notes besides the decisions: W and D's counts (their most frequent values,
+    the smallest among equally frequent, as pandas' mode), the largest M, every W, and whether any step
+    has a reported loss."""
+
+    def __init__(self) -> None:
+        self.worlds: set[int] = set()
+        self.world_counts: dict[Any, int] = {}
+        self.divisor_counts: dict[Any, int] = {}
+        self.microbatches = -math.inf
+        self.reported = False
+        self.blocks = 0
+
+    def add(self, block: pd.DataFrame) -> None:
+        self.blocks += 1
+        self.worlds.update(world_sizes(block))
+        for counts, column in ((self.world_counts, block.world_high), (self.divisor_counts, block.divisor_high)):
+            values = column.to_numpy()
+            repeat = len(values) if one_value(values) else 1
+            values = values[:1] if repeat > 1 else values
+            found, times = np.unique(values[~pd.isna(values)], return_counts=True)
+            for value, count in zip(found.tolist(), times.tolist()):
+                counts[value] = counts.get(value, 0) + count * repeat
+        self.microbatches = max(self.microbatches, float(block.microbatches_high.max()))
+        self.reported = self.reported or bool((column_of(block, "reported") > 0).any())
+
+    def context(self, run: str, term: str, sizes: tuple[int, ...], rtol: float, provenance: Provenance
+                ) -> RunContext:
+        def mode(counts: dict[Any, int]) -> Any:
+            return min(counts, key=lambda value: (-counts[value], value)) if counts else math.nan
+
+        return RunContext(run=run, term=term, world_size=int(mode(self.world_counts)), world_sizes=sizes,
+                          microbatches=int(self.microbatches), divisor=float(mode(self.divisor_counts)), rtol=rtol,
+                          provenance=provenance)

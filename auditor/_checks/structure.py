@@ -1,0 +1,432 @@
+"""Checks of the log's structure and values: W, ranks, sync, probe, divisor, weights present, duplicates."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pandas as pd
+
+from tokaudit._checks.base import Check, FlaggedSteps, TermInputs, RunSteps, ListedSteps, RunContext, StepsSeen, column_of, differ_rows, grouped, make_finding, median_of, nan_sum, step_list
+from tokaudit._engine import Duplicates
+from tokaudit._normalization import Diagnoses
+from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
+from tokaudit._report import Finding, StepRange
+from tokaudit._schema import UNNAMED
+from tokaudit._sorting import SortedColumn
+
+
+ALL_CODES: tuple[Code, ...] = tuple(Code)
+
+class StructureCheck(Check):
+    """world_size_inconsistent, world_size_changed, uneven_microbatches. W's changes are looked for group
+    by group, in the groups' order: the sizes in order of appearance, and the steps where W is not the
+    group's first."""
+
+    main_term_only = True
+
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
+        keep_steps = term.keep_steps
+        self.inconsistent = FlaggedSteps(keep_steps)
+        self.uneven = FlaggedSteps(keep_steps)
+        self.changes: dict[str, tuple[list[int], StepsSeen]] = {}
+
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
+        self.inconsistent.add(block, differ_rows(block, "world_low", "world_high"))
+        # Ranks may run different numbers of microbatches as long as each runs one synced backward a step
+        # (its last, the others under no_sync): DDP then all-reduces once on every rank, and the weights say
+        # whether N counted every microbatch. Flagged where the log shows otherwise or does not say.
+        self.uneven.add(block, differ_rows(block, "microbatches_low", "microbatches_high") & ~_synced_once(block))
+        world = column_of(block, "world_high")
+        for group, rows in grouped(block.grp):
+            values = world[rows]
+            if group not in self.changes:
+                self.changes[group] = ([int(values[0])], self.steps())
+            sizes, changed = self.changes[group]
+            new = values[np.sort(np.unique(values, return_index=True)[1])]  # in order of appearance
+            sizes.extend(int(w) for w in new if int(w) not in sizes)
+            changed.add(column_of(block, "step")[rows][values != sizes[0]])
+
+    def findings(self) -> Iterator[Finding]:
+        context = self.context
+        if self.inconsistent:
+            row = self.inconsistent.first
+            yield make_finding(context, Code.WORLD_SIZE_INCONSISTENT, self.inconsistent.steps,
+                           f"Ranks disagree on W within one step (step {int(row.step)}: W from {int(row.world_low)} to "
+                           f"{int(row.world_high)}).",
+                           "derive W from the process group that averages the gradients "
+                           "(dist.get_world_size(ddp_model.process_group)) on every rank",
+                           {"step": int(row.step), "world_size_low": int(row.world_low), "world_size_high": int(row.world_high)})
+        for group in sorted(self.changes):
+            sizes, changed = self.changes[group]
+            if len(sizes) > 1:
+                yield make_finding(context, Code.WORLD_SIZE_CHANGED, changed,
+                               f"W changed between steps{'' if group == UNNAMED else f' in group {group}'}: "
+                               f"{' → '.join(map(str, sizes))} (an elastic restart or a resume on other hardware).",
+                               "nothing to fix if the restart was intended; check that N and W were recomputed after it",
+                               {"world_sizes": sizes})
+        if self.uneven:
+            row = self.uneven.first
+            known = "sync_known" in row.index and row.sync_known == row.records
+            said = "do not show" if known else "do not say (no sync recorded)"
+            yield make_finding(context, Code.UNEVEN_MICROBATCHES, self.uneven.steps,
+                           f"Ranks ran different numbers of microbatches in one step (step {int(row.step)}: from "
+                           f"{int(row.microbatches_low)} to {int(row.microbatches_high)}), and the records {said} one synced backward per "
+                           "rank: every backward that syncs must be matched on all ranks.",
+                           "give every rank the same number of microbatches per step (pad with empty ones that "
+                           "still run backward with a zero contribution)",
+                           {"step": int(row.step), "microbatches_low": int(row.microbatches_low),
+                            "microbatches_high": int(row.microbatches_high)})
+
+def _synced_once(block: pd.DataFrame) -> npt.NDArray[np.bool_]:
+    """Steps whose every record says whether it synced, with as many synced records as ranks and no rank whose
+    last microbatch did not sync: each rank ran exactly one synced backward, its last."""
+    if "sync_known" not in block:  # a table that holds no sync counts at all
+        return np.zeros(len(block), dtype=bool)
+    known = column_of(block, "sync_known") == column_of(block, "records")
+    synced: npt.NDArray[np.bool_] = known & (column_of(block, "sync_true") == column_of(block, "ranks")) & (
+        column_of(block, "unsynced_ranks") == 0)
+    return synced
+
+def ranks_not_recorded(source: RunSteps) -> dict[str, tuple[list[int], int]]:
+    """Per group of W ≤ 64: the ranks below W with no record in any step of the run (its files not given, or
+    no recorder on it), and W; only the groups that lack some. W is the least any record says, so that a
+    record's wrong W (world_size_inconsistent) does not make up absent ranks."""
+    seen: dict[str, int] = {}
+    worlds: dict[str, int] = {}
+    for block in source.blocks():
+        masks, world = column_of(block, "rank_mask"), column_of(block, "world_low")
+        for group, rows in grouped(block.grp):
+            bits = masks[rows] if masks.dtype.kind == "u" else np.nan_to_num(masks[rows]).astype(np.uint64)
+            present = np.bitwise_or.reduce(bits)
+            seen[group] = seen.get(group, 0) | int(present)
+            worlds[group] = min(worlds.get(group, 1 << 30), int(np.nanmin(world[rows])))
+    absent = {group: (_unset_ranks(seen[group], worlds[group]), worlds[group]) for group in seen if worlds[group] <= 64}
+    return {group: found for group, found in absent.items() if found[0]}
+
+def _unset_ranks(mask: int, below: int) -> list[int]:
+    """The ranks under `below` whose bit a rank mask (rank_mask: bit r set where rank r recorded) does not set."""
+    return [rank for rank in range(below) if not mask >> rank & 1]
+
+def not_recorded_finding(run: str, source: RunSteps, absent: dict[str, tuple[list[int], int]]) -> Finding:
+    """ranks_not_recorded over every step of the run: which ranks of which group the files given lack, and that
+    nothing else is judged."""
+    group, (ranks, w) = next(iter(sorted(absent.items())))
+    steps = StepsSeen(True)
+    for block in source.blocks():
+        steps.add(column_of(block, "step"))
+    where = "" if group == UNNAMED else f" of group {group}"
+    held = w - len(ranks)
+    context = RunContext(run=run, term=UNNAMED, world_size=w, world_sizes=(w,), microbatches=0, divisor=0.0, rtol=0.0)
+    return make_finding(context, Code.RANKS_NOT_RECORDED, steps,
+                        f"The files given hold the records of {held} of W={w} ranks{where}: rank(s) {step_list(ranks)} "
+                        "have none in any step. Were their files left out, or is the Recorder made on some ranks only? "
+                        "Every step's N needs all ranks' tokens, so nothing about the normalization is judged.",
+                        "give the whole run's folder (every rank's shards), and make the Recorder on every rank",
+                        {"world_size": w, "ranks_not_recorded": ranks, "group": group})
+
+class ValuesCheck(Check):
+    """nonfinite_values, zero_token_nonfinite, empty_update. Non-finite values of an update the
+    trainer skipped (a GradScaler overflow) did not reach the weights: they are not errors."""
+
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
+        self.nonfinite, self.nonfinite_records = self.steps(), 0.0
+        self.zero_bad, self.zero_records = self.steps(), 0.0
+        self.empty, self.empty_listed, self.disagree_listed = self.steps(), ListedSteps(), ListedSteps()
+        self.unmarked = self.empty_nonfinite = False
+
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
+        step = column_of(block, "step")
+        skipped_true, skipped_false = column_of(block, "skipped_true"), column_of(block, "skipped_false")
+        nonfinite_valid, nonfinite_zero = column_of(block, "nonfinite_valid"), column_of(block, "nonfinite_zero")
+        nonfinite = (nonfinite_valid > 0) & ~(skipped_true > 0)
+        self.nonfinite.add(step[nonfinite])
+        self.nonfinite_records += nan_sum(nonfinite_valid[nonfinite])
+        self.zero_bad.add(step[nonfinite_zero > 0])
+        self.zero_records += nan_sum(nonfinite_zero)
+        empty = column_of(block, "tokens") == 0
+        if empty.any():
+            disagree = (skipped_true[empty] > 0) & (skipped_false[empty] > 0)
+            self.empty_nonfinite = self.empty_nonfinite or bool((nonfinite_zero[empty] > 0).any())
+            self.unmarked = self.unmarked or bool((skipped_true[empty] == 0).any())
+            self.empty.add(step[empty])
+            self.empty_listed.add(step[empty])
+            self.disagree_listed.add(step[empty][disagree])
+
+    def findings(self) -> Iterator[Finding]:
+        context = self.context
+        if self.nonfinite:
+            records = int(self.nonfinite_records)
+            yield make_finding(context, Code.NONFINITE_VALUES, self.nonfinite,
+                           f"NaN or infinity in S, b, g, D or the probe columns of {records} record(s) with valid tokens; "
+                           "the reduced gradient of those steps is not finite, or its weight cannot be read.",
+                           "find the first non-finite loss (torch.autograd.set_detect_anomaly) and guard the division; "
+                           "record finite grad_scale and grad_divisor values",
+                           {"records": records, "first_step": int(self.nonfinite.range().first)})
+        if self.zero_bad:
+            yield make_finding(context, Code.ZERO_TOKEN_NONFINITE, self.zero_bad,
+                           f"{int(self.zero_records)} record(s) with no valid token have a non-finite backward "
+                           "scalar: the code divided by its own zero count (0/0), and DDP spreads the NaN to every rank.",
+                           "divide by the global count N (clamped to at least 1), never by the local count; a rank "
+                           "with no valid token backpropagates an exact zero that stays connected to the graph",
+                           {"records": int(self.zero_records)})
+        if self.empty:
+            disagree = self.disagree_listed.count > 0
+            severity = Severity.ERROR if self.empty_nonfinite or disagree else Severity.INFO
+            details = []
+            if disagree:
+                details.append(f"ranks disagree on skipping it at step(s) {self.disagree_listed.text()}")
+            if self.empty_nonfinite:
+                details.append("some ranks backpropagated a non-finite value")
+            if self.unmarked and not disagree:
+                details.append("the log does not say the update was skipped; an optimizer step on zero gradients still "
+                               "moves weights through momentum and weight decay")
+            yield make_finding(context, Code.EMPTY_UPDATE, self.empty,
+                           f"No valid token anywhere in {self.empty_listed.count} step(s) (N = 0)"
+                           + (": " + "; ".join(details) if details else ", and every rank skipped it together."),
+                           "decide from the global N (known to every rank after one all-reduce): when N = 0, every rank "
+                           "runs backward on a zero loss and skips optimizer.step() together",
+                           {"steps": self.empty_listed.text()}, severity=severity)
+
+class SyncCheck(Check):
+    """missing_sync, sync_every_micro."""
+
+    main_term_only = True
+
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
+        self.missing, self.unsynced, self.cleared = self.steps(), 0.0, 0
+        self.every, self.every_count, self.multi_count = self.steps(), 0, 0
+
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
+        step, unsynced = column_of(block, "step"), column_of(block, "unsynced_ranks")
+        records = column_of(block, "records")
+        self.missing.add(step[unsynced > 0])
+        self.unsynced += nan_sum(unsynced)
+        # An update whose last microbatch never synchronized, closed as skipped: no optimizer step took it, its
+        # gradients were cleared (zero_grad) before its window ended, and the update after it starts afresh.
+        self.cleared += int(((unsynced > 0) & (column_of(block, "skipped_true") == records)).sum())
+        multi = (column_of(block, "microbatches_high") > 1) & (column_of(block, "sync_known") == records)
+        every = multi & (column_of(block, "sync_true") == records)
+        self.every.add(step[every])
+        self.every_count += int(every.sum())
+        self.multi_count += int(multi.sum())
+
+    def findings(self) -> Iterator[Finding]:
+        if self.missing and self.cleared:
+            steps = self.missing.range().count
+            yield make_finding(self.context, Code.MISSING_SYNC, self.missing,
+                           f"Gradients were cleared inside the accumulation window: in {self.cleared} of {steps} "
+                           "step(s) without a synchronized last microbatch, zero_grad() ran before that microbatch "
+                           "and no optimizer step took what came before it. The microbatches before each "
+                           "zero_grad() were discarded, so each update trained on the microbatches after it only.",
+                           "call optimizer.zero_grad() once per update, after optimizer.step(), never between the "
+                           "microbatches of one update",
+                           {"rank_steps": int(self.unsynced), "cleared_steps": self.cleared})
+        elif self.missing:
+            yield make_finding(self.context, Code.MISSING_SYNC, self.missing,
+                           f"The last microbatch of a step did not synchronize gradients on "
+                           f"{int(self.unsynced)} rank-step(s): those ranks stepped on their local gradient.",
+                           "run the last microbatch's forward and backward outside model.no_sync()",
+                           {"rank_steps": int(self.unsynced)})
+        if self.every_count and self.every_count == self.multi_count:
+            yield make_finding(self.context, Code.SYNC_EVERY_MICRO, self.every,
+                           f"Every microbatch synchronized gradients in {self.every_count} multi-microbatch step(s): "
+                           f"correct, but {self.context.microbatches}× the communication.",
+                           "wrap all but the last microbatch in model.no_sync()", {"steps": self.every_count})
+
+class ProbeCheck(Check):
+    """nonuniform_in_microbatch, masked_tokens_weighted: judged here at --rtol, from the largest spread of a
+    record's token weights and the most weight its masked positions carry (the step table's
+    probe_spread and masked_share, which hold no tolerance)."""
+
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
+        self.nonuniform, self.spread = self.steps(), 0.0
+        self.masked, self.share = self.steps(), 0.0
+
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
+        step, rtol = column_of(block, "step"), self.context.rtol
+        # spread = (max − min) / |max| > rtol  ⇔  max − min > rtol·|max|: the token weights of one record differ
+        spread, share = column_of(block, "probe_spread"), column_of(block, "masked_share")
+        uneven, weighted = spread > rtol, share > rtol
+        if uneven.any():
+            self.nonuniform.add(step[uneven])
+            self.spread = max(self.spread, float(spread[uneven].max()))
+        if weighted.any():
+            self.masked.add(step[weighted])
+            self.share = max(self.share, float(share[weighted].max()))
+
+    def findings(self) -> Iterator[Finding]:
+        if self.nonuniform:
+            steps = self.nonuniform.range().count
+            yield make_finding(self.context, Code.NONUNIFORM_IN_MICROBATCH, self.nonuniform,
+                           f"Valid tokens of one microbatch got different weights in {steps} step(s) ({_spread_text(self.spread)}): "
+                           "a per-sequence or per-document mean, or a token weighting. Legitimate only when chosen on purpose.",
+                           "for the token-mean objective, sum per-token losses over the microbatch and divide once by N",
+                           {"steps": steps, "largest_spread": self.spread})
+        if self.masked:
+            steps = self.masked.range().count
+            yield make_finding(self.context, Code.MASKED_TOKENS_WEIGHTED, self.masked,
+                           f"Positions that are not valid and whose loss is not 0 (padding labelled as a real token, "
+                           f"a mask applied after the loss) carry weight in {steps} step(s), {_share_text(self.share)}: "
+                           "their loss is trained.",
+                           "label padding and ignored positions with ignore_index (their loss is then exactly 0), or "
+                           "mask per-token losses before reducing; divide by the valid-token count",
+                           {"steps": steps, "masked_weight_in_tokens": self.share})
+
+def per_sequence_first(findings: list[Finding]) -> list[Finding]:
+    """A mean per sequence (or document) inside each record, which the probe sees as unequal weights in a
+    record, makes each record's mean weight its own 1/n as well: b = (1/B)·Σ_s S_s/n_s gives a token of sequence s
+    1/(B·n_s), and the record's mean is Σ_s n_s/(B·n_s)/n = 1/n. A local_mean read from those means is then that
+    objective's consequence, not a second cause: the per-sequence finding leads, as an error, and local_mean
+    follows as a warning that says so (a GRPO loss, or any per-sequence mean)."""
+    codes = {finding.code for finding in findings}
+    if not {Code.NONUNIFORM_IN_MICROBATCH, Code.LOCAL_MEAN} <= codes:
+        return findings
+    out = []
+    for finding in findings:
+        if finding.code == Code.NONUNIFORM_IN_MICROBATCH:
+            finding = replace(finding, severity=Severity.ERROR, message=(
+                f"{finding.message} On average each record's tokens then weigh 1/n, n the record's own count, "
+                "which is why the records also read as local means (local_mean)."))
+        elif finding.code == Code.LOCAL_MEAN:
+            finding = replace(finding, severity=Severity.WARNING, message=(
+                "The probe saw a mean per sequence or document inside the records (nonuniform_in_microbatch), "
+                "which gives every record this mean weight by itself; its sequences count alike across ranks only "
+                f"when every rank holds as many. {finding.message}"))
+        out.append(finding)
+    return out
+
+
+def _spread_text(spread: float) -> str:
+    if not np.isfinite(spread):
+        return "in one record the heaviest token's weight is 0 and another's below it"
+    return f"in one record the lightest token's weight is {spread:.0%} below the heaviest's"
+
+def _share_text(share: float) -> str:
+    if not np.isfinite(share):
+        return "in one record whose valid tokens carry none"
+    return f"in one record as much as {share:.3g} valid token(s) carry"
+
+class MissingRanksCheck(Check):
+    """missing_rank: fewer ranks than W recorded a step that others recorded."""
+
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
+        keep_steps = term.keep_steps
+        self.missing = FlaggedSteps(keep_steps)
+
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
+        self.missing.add(block, column_of(block, "ranks") < column_of(block, "world_high"))
+
+    def findings(self) -> Iterator[Finding]:
+        if not self.missing:
+            return
+        first = self.missing.first
+        w = int(first.world_high)
+        absent = _unset_ranks(0 if pd.isna(first.rank_mask) else int(first.rank_mask), min(w, 64))
+        listed = f"ranks {step_list(absent)}" if w <= 64 else f"{w - int(first.ranks)} ranks (of those below 64: {step_list(absent)})"
+        yield make_finding(self.context, Code.MISSING_RANK, self.missing.steps,
+                       f"{self.missing.rows} step(s) lack records from some ranks (step {int(first.step)}: {listed} "
+                       f"of W={w} have none). A rank that skips backward or a collective desynchronizes DDP; if it only "
+                       "skipped recording, its tokens are missing from N here.",
+                       "every rank runs forward, backward and every collective each microbatch, with a zero loss when "
+                       "it has no valid token",
+                       {"step": int(first.step), "missing_ranks": absent, "world_size": w})
+
+class DivisorCheck(Check):
+    """unknown_divisor: D could not be seen, so the weights' absolute scale is not judged."""
+
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
+        self.unknown, self.records, self.rows = self.steps(), 0.0, 0
+        self.weighted = False
+        self.q = SortedColumn()
+
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
+        unknown = (column_of(block, "unknown_divisor") > 0) & (column_of(block, "tokens") > 0)
+        if not unknown.any():
+            return
+        self.unknown.add(column_of(block, "step")[unknown])
+        self.records += nan_sum(column_of(block, "unknown_divisor")[unknown])
+        self.rows += int(unknown.sum())
+        weighted = unknown & (column_of(block, "weighted_records") > 0)
+        if weighted.any():
+            self.weighted = True
+            weight_low, weight_high = column_of(block, "weight_low")[weighted], column_of(block, "weight_high")[weighted]
+            self.q.add((weight_low + weight_high) / 2 * column_of(block, "tokens")[weighted])
+
+    def findings(self) -> Iterator[Finding]:
+        if not self.unknown:
+            return
+        context = self.context
+        evidence: dict[str, Any] = {"records": int(self.records), "world_size": context.world_size}
+        detail = ""
+        if self.weighted:
+            # The log assumed D = W; with a summing reduction (D = 1) every weight is W× larger.
+            q = median_of(self.q)
+            self.q.close()
+            evidence.update({"distortion_if_average": q, "distortion_if_sum": q * context.world_size})
+            detail = (f" If the reduction averages (D = W = {context.world_size}), tokens got q = e·N = {q:.4g}; "
+                      f"if it sums (D = 1), q = {q * context.world_size:.4g} (correct is 1).")
+        yield make_finding(context, Code.UNKNOWN_DIVISOR, self.unknown,
+                       f"The divisor D of the gradient reduction could not be seen in {self.rows} step(s) (a DDP comm hook "
+                       "the recorder does not know, or no DDP model given), so the absolute scale of the weights is not "
+                       f"judged; relative checks (local means, per-microbatch denominators) still ran.{detail}",
+                       "tell the recorder what the reduction divides by: Recorder(..., grad_divisor=1) for a summing "
+                       f"hook, grad_divisor={context.world_size} for an average (or pass the DDP model as model=)",
+                       evidence)
+
+class WeightPresenceCheck(Check):
+    """no_weights: valid records without a usable weight (no b and no probe, or S = 0 without a probe)."""
+
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
+        self.unweighted, self.records, self.none_at_all = self.steps(), 0.0, 0
+
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
+        unweighted_records = column_of(block, "unweighted_records")
+        unweighted = unweighted_records > 0
+        self.unweighted.add(column_of(block, "step")[unweighted])
+        self.records += nan_sum(unweighted_records[unweighted])
+        self.none_at_all += int((unweighted & (column_of(block, "weighted_records") == 0)).sum())
+
+    def findings(self) -> Iterator[Finding]:
+        if not self.unweighted:
+            return
+        records = int(self.records)
+        yield make_finding(self.context, Code.NO_WEIGHTS, self.unweighted,
+                       f"{records} record(s) with valid tokens carry no usable weight (no backward scalar and no probe, "
+                       f"or a loss sum of 0 without a probe); {self.none_at_all} step(s) have no weight at all, so their "
+                       "normalization cannot be judged.",
+                       "record backward_scalar= with every record, or wrap the per-token loss in rec.probe()",
+                       {"records": records, "steps_without_weight": self.none_at_all})
+
+def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:
+    """duplicate_records: the engine kept one of each repeated (group, term, step, micro, rank), the later. Not
+    evidence about the gradient (the verdict reads the records kept): the cause and the files are named."""
+    files = ", ".join(duplicates.files)
+    if duplicates.identical and duplicates.same_time:
+        cause = ("bit-identical copies of the same records (a compacted or copied file beside the shards, or one "
+                 "folder given twice): one of each is kept")
+        fix = "leave the copies out of the folder audited (or audit the copy alone)"
+    elif duplicates.identical:
+        cause = ("the same values written again later: a re-launch of the same script under the same run id, or a "
+                 "resume that replayed these steps; the later records were kept")
+        fix = "give each launch its own run_id (the integrations name it after the trainer's run), or a new folder"
+    else:
+        cause = ("other values for the same steps: a re-launch under the same run id or a resume that replayed "
+                 "steps, whose later records (the later shard as published, whatever the clocks) were kept and judged")
+        fix = "give each launch its own run_id, or resume from the checkpoint's step into a new shard sequence"
+    return Finding(run=run, code=Code.DUPLICATE_RECORDS, severity=DEFAULT_SEVERITY[Code.DUPLICATE_RECORDS],
+                   steps=StepRange(duplicates.first, duplicates.last, duplicates.steps),
+                   message=f"{duplicates.dropped} record(s) repeat a (group, term, step, micro, rank) already logged, "
+                           f"in {files}: {cause}. Duplicates do not decide the verdict.",
+                   fix=fix, evidence={"dropped_records": duplicates.dropped, "files": list(duplicates.files),
+                                      "identical": duplicates.identical})

@@ -1,0 +1,196 @@
+"""Past one machine: the audit's footers and step ranges mapped over a Ray cluster (`tokaudit check --ray`).
+
+Ray schedules, DuckDB aggregates: each step range is aggregated by `engine.aggregate_range` on a worker (the same
+query over the same records as in one process, so the same bits), and this process joins the parts in step order
+and runs the checks. The workers read the log themselves: object storage, or a folder they all see.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any
+
+from tokaudit.errors import UsageError
+from tokaudit._loading import BATCH_FILES, Loading, LogSet, inspected_log
+from tokaudit._storage import Store
+from tokaudit._validation import short_error
+
+IN_FLIGHT_PER_CPU = 2
+"""Tasks submitted ahead per CPU of the cluster: enough to keep every worker busy, few enough that the parts
+waiting to be joined in order stay few."""
+
+VISIBLE_SAMPLE = 64
+"""Local files each node is asked about before any work starts (the first, the last, and some between)."""
+
+
+class Cluster:
+    """A connection to a Ray cluster, with this tokaudit and DuckDB on every node (`connect`)."""
+
+    def __init__(self, ray: Any, address: str) -> None:
+        self.ray = ray
+        self.address = address
+        self.cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+    @classmethod
+    def connect(cls, address: str) -> Cluster:
+        """Join the cluster at `address`; one line (a UsageError) where Ray is missing, the cluster does not
+        answer, or a node runs another tokaudit or DuckDB than this process."""
+        try:
+            import ray
+        except ImportError:
+            raise UsageError("--ray needs Ray on this machine and the cluster's: pip install 'tokaudit[ray]'") from None
+        _answers(address)
+        # Ray's own C++ warnings (each failed retry of a connection, a line a second) are not the audit's output
+        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
+        try:
+            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False, configure_logging=False,
+                     runtime_env={"env_vars": forwarded_environment()})
+        except Exception as error:  # Ray raises ConnectionError, RuntimeError or its own for an absent cluster
+            raise UsageError(f"cannot reach the Ray cluster at {address} ({short_error(error)})") from None
+        cluster = cls(ray, address)
+        try:
+            cluster._check_versions()
+        except BaseException:
+            cluster.close()
+            raise
+        return cluster
+
+    def _on_every_node(self, function: Callable[..., Any], *arguments: Any) -> list[Any]:
+        """`function(*arguments)` once on each live node, pinned there."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        task = self.ray.remote(function)
+        nodes = [node["NodeID"] for node in self.ray.nodes() if node.get("Alive")]
+        return list(self.ray.get([task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                                  .remote(*arguments) for node in nodes]))
+
+    def _check_versions(self) -> None:
+        here = versions()
+        for there in self._on_every_node(versions):
+            if there != here:
+                raise UsageError(f"a node of the Ray cluster at {self.address} runs {_versions_text(there)}, this "
+                                 f"process {_versions_text(here)}: install the same on every node")
+
+    def check_visible(self, files: Sequence[Any]) -> None:
+        """Refuse, before any work, a local file some node cannot read (a path only this machine has)."""
+        if not files:
+            return
+        step = max(1, len(files) // VISIBLE_SAMPLE)
+        sample = sorted({str(files[0]), str(files[-1]), *(str(path) for path in files[::step])})
+        for missing in self._on_every_node(unreadable, sample):
+            if missing:
+                raise UsageError(f"{missing}: the Ray cluster's workers cannot read it; give them a folder they all "
+                                 "see or an object-storage URL (s3://, gs://, …)")
+
+    def map(self, function: Callable[[Any], Any], items: Sequence[Any]) -> Iterator[Any]:
+        """function(item) for each item on the cluster, in order, at most IN_FLIGHT_PER_CPU tasks a CPU ahead. A task
+        whose worker dies is run again (Ray's retries); one that still fails ends the audit with one line naming
+        its item."""
+        task = self.ray.remote(function).options(max_retries=3)
+        pending: list[tuple[Any, Any]] = []
+        queued = iter(items)
+        try:
+            while True:
+                while len(pending) < self.cpus * IN_FLIGHT_PER_CPU:
+                    item = next(queued, None)
+                    if item is None:
+                        break
+                    pending.append((item, task.remote(item)))
+                if not pending:
+                    return
+                item, reference = pending.pop(0)
+                try:
+                    yield self.ray.get(reference)
+                except Exception as error:
+                    raise UsageError(f"the Ray task for {item} failed ({short_error(error).splitlines()[0]}); "
+                                     "no verdict was made from a part of the log") from None
+        finally:
+            for _, reference in pending:
+                try:
+                    self.ray.cancel(reference, force=True)
+                except Exception:  # finished meanwhile
+                    pass
+
+    def load(self, found: Loading) -> LogSet:
+        """`Loading.result`, the footers of the files `found` read on the workers, BATCH_FILES at a time (those on
+        object storage one at a time)."""
+        self.check_visible(found.files)
+        batches: list[tuple[list[PurePath], list[Store | None] | None]] = [
+            (list(found.files[i:i + BATCH_FILES]), None) for i in range(0, len(found.files), BATCH_FILES)]
+        batches += [([path], [store]) for path, store in found.remote]
+        inspected = [item for part in self.map(_inspect, [_Footers(*batch, found.thorough) for batch in batches])
+                     for item in part]
+        return inspected_log(inspected, found.problems)
+
+    def close(self) -> None:
+        self.ray.shutdown()
+
+
+FORWARDED_PREFIXES = ("AWS_", "GOOGLE_", "GCS_", "AZURE_", "TOKAUDIT_")
+"""The environment the workers get from this process: the object store's endpoint and credentials (as pyarrow's
+filesystems read them) and tokaudit's own settings, so that they read the log this process listed."""
+
+
+def forwarded_environment() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_PREFIXES)}
+
+
+def _answers(address: str) -> None:
+    """A HOST:PORT that no server answers is refused at once: Ray would retry it for minutes."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return  # `auto`, a ray:// client address: Ray's own answer is quick
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS).close()
+    except OSError as error:
+        raise UsageError(f"cannot reach the Ray cluster at {address} ({error.strerror or error})") from None
+
+
+CONNECT_SECONDS = 10
+
+
+@dataclass(frozen=True)
+class _Footers:
+    """A batch of files whose footers a worker reads (`reader.inspect_batch`)."""
+
+    paths: list[PurePath]
+    stores: list[Store | None] | None
+    thorough: bool
+
+    def __str__(self) -> str:
+        return f"the footers of {self.paths[0]} and {len(self.paths) - 1} more" if len(self.paths) > 1 \
+            else f"the footer of {self.paths[0]}"
+
+
+def _inspect(batch: _Footers) -> list[Any]:
+    from tokaudit._reader import inspect_batch
+
+    return inspect_batch(batch.paths, batch.thorough, batch.stores)
+
+
+def versions() -> tuple[str, str, str]:
+    """tokaudit's, DuckDB's and pyarrow's versions where this runs: a part aggregated by another DuckDB may differ
+    in its last bits."""
+    import duckdb
+    import pyarrow
+
+    import tokaudit
+
+    return tokaudit.__version__, duckdb.__version__, pyarrow.__version__
+
+
+def _versions_text(found: tuple[str, str, str]) -> str:
+    return f"tokaudit {found[0]}, DuckDB {found[1]} and pyarrow {found[2]}"
+
+
+def unreadable(paths: Sequence[str]) -> str:
+    """The first of these files this node cannot open for reading, or ''."""
+    for path in paths:
+        if not os.access(path, os.R_OK):
+            return path
+    return ""

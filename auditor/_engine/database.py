@@ -1,0 +1,463 @@
+"""DuckDB over the shards: per-record weights aggregated to one row per (run, group, term, step).
+
+Memory stays bounded however large the log: DuckDB streams the Parquet files, aggregates spill to disk past
+`memory_limit`, and only the per-step table (one row per optimizer step and group) comes back to Python."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from tokaudit._engine.connection import DEFAULT_MEMORY_LIMIT, connect, half_limit, settings_from_environment
+from tokaudit._engine.ranges import CHUNK_ROWS, RangesMap, RangeTask, step_ranges
+from tokaudit._engine.columns import EVIDENCE, STEP_COLUMN_BY_NAME, STEP_COLUMNS, UNUSABLE_RECORD
+from tokaudit._engine.sql import FETCHED_TYPES, RANK_WEIGHTS_SQL, absent_values, aliases, constants, footer_table, one_name_of, one_record_form, select_records, sql_string, step_sql, valueless_columns
+from tokaudit._engine.tables import FILES_NAMED, SPILL_STEPS, Duplicates, Spilled, add_duplicates, scratch_folder, categorical, constant_of, join_columns, reorder
+from tokaudit._reader import Shard
+from tokaudit._storage import object_dataset
+
+
+_PLAIN_PATH = re.compile(r"^[A-Za-z0-9._/+=,@%:-]+$")
+"""Paths DuckDB reads literally (no pattern, no escape): others are given to it through a link."""
+
+@dataclass
+class Engine:
+    """A DuckDB connection with the view `records`: one row per record, defaults applied, deduplicated."""
+
+    connection: duckdb.DuckDBPyConnection
+    shards: list[Shard]
+    """The validated shards this engine reads."""
+    duplicates: dict[str, Duplicates]
+    """Filled by `step_table`. Per run: (records dropped, first step, last step, steps) where a
+    (run, group, term, step, micro, rank) key appeared more than once."""
+    precision: dict[str, int] = field(default_factory=dict)
+    """Filled by `step_table`. Per run whose records say it (`precision_bits`): the fewest significant bits."""
+    chunk_rows: int = CHUNK_ROWS
+    """Rows aggregated at a time: bounds memory whatever the size of the log."""
+    only_steps: tuple[int, int] | None = None
+    """When set, every view holds only these steps (first, last): a one-step view of a large log."""
+    extremes: bool = False
+    """The step table holds the EVIDENCE columns (the evidence of one step, see `extremes_at`)."""
+    prune: bool = True
+    """A column no record of a scan holds a value of (by the footers) is a typed NULL, not read; off only to
+    check that this changes nothing."""
+    footer_rows: bool = True
+    """One-row shards whose footer gives their record (`Shard.record`) are read from it, not from the file;
+    off only to check that this changes nothing."""
+    threads: int = 1
+    """DuckDB's threads."""
+    memory_limit: str = DEFAULT_MEMORY_LIMIT
+    """DuckDB's memory limit."""
+
+    link_names: dict[int, str] = field(default_factory=dict)
+    """Per shard (by id): its link's name, or for a remote shard the name it goes by in dedup order."""
+    remote_views: dict[int, str] = field(default_factory=dict)
+    """Per remote shard (by id): the DuckDB view over its Arrow dataset."""
+    defined: tuple[tuple[int, ...], tuple[int, int] | None, bool] | None = None
+    """What the views hold now: (the shards' ids, the step range, deduplicated)."""
+    footer_tables: list[str] = field(default_factory=list)
+    """The temporary tables of footer records (`footer_table`) the views read now."""
+    footer_count: int = 0
+    """Footer-record tables made so far (each is named by its number)."""
+    ranges_map: RangesMap | None = None
+    """Where the step ranges are aggregated: an ordered map that runs `aggregate_range` on each (a cluster's,
+    `tokaudit._cluster`); None: in this process, on this engine's connection."""
+    last_query: str = ""
+    """The step query run last (`step_sql`): what a test compares with the documented one."""
+    links: Path | None = None
+    """A private folder of plainly named links to the shards whose paths hold a character DuckDB could
+    read as a pattern ([ ] * ? { } and others): it is only given plain names and reads exactly the
+    files it was given."""
+
+    @classmethod
+    def open(cls, shards: Sequence[Shard], memory_limit: str | None = None,
+             threads: int | None = None, chunk_rows: int | None = None,
+             only_steps: tuple[int, int] | None = None, extremes: bool = False,
+             duplicates: dict[str, Duplicates] | None = None, ranges_map: RangesMap | None = None) -> Engine:
+        """An engine over these shards (memory limit and chunk rows from the environment unless given).
+        `duplicates`: the repeated keys an earlier engine over the same shards found (`Engine.duplicates`), so that
+        this one's views leave out the same records without aggregating every step again."""
+        environment_memory, environment_chunk = settings_from_environment()
+        memory_limit = memory_limit or environment_memory
+        links: Path | None = None
+        connection = connect({"memory_limit": memory_limit, "temp_directory": tempfile.gettempdir(),
+                               "preserve_insertion_order": False})
+        try:
+            connection.execute("SET enable_progress_bar = false")
+            if threads:
+                connection.execute(f"SET threads = {int(threads)}")
+            count = int(threads) if threads else int(connection.execute(
+                "SELECT current_setting('threads')").fetchall()[0][0])
+            engine = cls(connection=connection, shards=list(shards), duplicates=dict(duplicates or {}),
+                         chunk_rows=chunk_rows or environment_chunk, only_steps=only_steps, extremes=extremes,
+                         threads=count, memory_limit=memory_limit, ranges_map=ranges_map)
+            here = os.getcwd()
+            for index, shard in enumerate(engine.shards):
+                # Path.absolute() without pathlib's parsing (a third of a second at 10,000 shards).
+                name = os.path.join(here, shard.path) if shard.store is None else f"remote/{index:08d}.parquet"
+                if shard.store is None and not _PLAIN_PATH.match(name):
+                    if engine.links is None:
+                        engine.links = links = scratch_folder("tokaudit-shards-")
+                    link = engine.links / f"{index:08d}.parquet"
+                    os.symlink(name, link)
+                    name = str(link)
+                elif shard.store is not None and shard.record is None:
+                    # On object storage DuckDB scans the file through pyarrow (no httpfs extension, no
+                    # local copy): one Arrow dataset per shard, streamed with the columns and steps asked.
+                    connection.register(f"remote_{index}", object_dataset(shard.store, str(shard.path)))
+                    engine.remote_views[id(shard)] = f"remote_{index}"
+                engine.link_names[id(shard)] = name
+            # Among duplicates the later published wins: the later launch (the one whose first shard came after
+            # the other's, -1 for a file that does not say), then the later file of it.
+            launches = [-1 if s.provenance.launch is None else s.provenance.launch for s in engine.shards]
+            published = sorted(range(len(engine.shards)), key=lambda i: (launches[i], i))
+            order = pa.table({"filename": [engine.link_names[id(engine.shards[i])] for i in published],
+                              "file_index": pa.array(range(len(published)), pa.int64())})
+            connection.register("file_order_source", order)
+            connection.execute("CREATE TEMP TABLE file_order AS SELECT * FROM file_order_source")
+            connection.unregister("file_order_source")
+            # The views are defined when first read (`_whole`, the ranges of `step_table`): a view of
+            # many thousand files takes long to write and bind, and the ranges replace it at once.
+            return engine
+        except BaseException:
+            connection.close()
+            if links is not None:
+                shutil.rmtree(links, ignore_errors=True)
+            raise
+
+    def _whole(self) -> None:
+        """The views over every shard (deduplicated when `step_table` found repeated keys): what the
+        per-step queries read."""
+        self._define(self.shards, self.only_steps, deduplicate=bool(self.duplicates))
+
+    def _link(self, shard: Shard) -> str:
+        return self.link_names[id(shard)]
+
+    def _scans(self, members: list[Shard]) -> list[tuple[list[Shard], str]]:
+        """FROM clauses (as `r`) with `filename` and `file_row_number`, each with the shards it reads:
+        a table of footer records per schema of the one-row shards whose footers give their record
+        (`footer_table`), one read_parquet per schema of the other local shards, one view per other
+        remote shard (its row number unknown: a remote duplicate inside one file keeps an arbitrary
+        copy; across files the later file still wins)."""
+        by_schema: dict[tuple[tuple[str, str], ...], list[Shard]] = {}
+        from_footers: dict[tuple[tuple[str, str], ...], list[Shard]] = {}
+        for shard in members:
+            # (a remote one always: `open` made no view of its file)
+            if shard.record is not None and (self.footer_rows or shard.store is not None):
+                from_footers.setdefault(shard.signature, []).append(shard)
+            elif shard.store is None:
+                by_schema.setdefault(shard.signature, []).append(shard)
+        scans: list[tuple[list[Shard], str]] = []
+        for held in from_footers.values():
+            # One-row shards whose footers gave their record: a table of those records, not a file read.
+            name = f"footer_records_{self.footer_count}"
+            self.footer_count += 1
+            self.connection.register(f"{name}_source", footer_table(held, [self._link(s) for s in held]))
+            self.connection.execute(f"CREATE OR REPLACE TEMP TABLE {name} AS SELECT * FROM {name}_source")
+            self.connection.unregister(f"{name}_source")
+            self.footer_tables.append(name)
+            scans.append((held, f"{name} r"))
+        for signature, local in by_schema.items():
+            # Shards with one schema (all a recorder writes) need no union_by_name, which would read
+            # every file's footer when the query is bound, at every (re)definition of the view.
+            union = "true" if not signature else "false"
+            files = "[" + ", ".join(sql_string(self._link(s)) for s in local) + "]"
+            scans.append((local, f"read_parquet({files}, union_by_name = {union}, filename = true, "
+                                 "file_row_number = true) r"))
+        for shard in members:
+            if shard.store is not None and shard.record is None:
+                scans.append(([shard], f"(SELECT *, {sql_string(self._link(shard))} AS filename, "
+                                       f"CAST(NULL AS BIGINT) AS file_row_number FROM {self.remote_views[id(shard)]}) r"))
+        return scans
+
+    def _source(self, shards: Sequence[Shard], steps: tuple[int, int] | None) -> str:
+        """SQL for the raw records of these shards: scans per default run id (the parent folder
+        name), so filling a missing run_id costs no per-row string work, and per schema."""
+        by_run: dict[tuple[str, bool], list[Shard]] = {}
+        for shard in shards:
+            by_run.setdefault((shard.default_run, shard.run_override), []).append(shard)
+        where = f"WHERE r.step BETWEEN {steps[0]} AND {steps[1]}" if steps else ""
+        return " UNION ALL ".join(select_records(default_run, self._present(scanned), scan, where, override)
+                                  for (default_run, override), members in by_run.items()
+                                  for scanned, scan in self._scans(members))
+
+    def _present(self, shards: Sequence[Shard]) -> set[str]:
+        """The columns a scan of these shards reads: a column none of them holds a value of is a typed
+        NULL, as for a file that lacks it (no column read, and the checks of its finiteness fold away)."""
+        present = set().union(*(s.columns for s in shards))
+        return present - valueless_columns(shards) if self.prune else present
+
+    def _define(self, shards: Sequence[Shard], steps: tuple[int, int] | None, deduplicate: bool) -> None:
+        # The views of thousands of files take a while to write and bind: a definition that is already
+        # in place (one range, no duplicates: the usual log) is not written again.
+        definition = (tuple(id(s) for s in shards), steps, deduplicate)
+        if definition == self.defined:
+            return
+        self.defined = definition
+        replaced, self.footer_tables = self.footer_tables, []
+        self.connection.execute(f"CREATE OR REPLACE TEMP VIEW raw_records AS {self._source(shards, steps)}")
+        for name in replaced:
+            self.connection.execute(f"DROP TABLE {name}")
+        # Of two records with one key, the later published wins: the later file (a rank's shards are numbered in
+        # the order they were written, a resumed launch's after the earlier's), then the later row. Never `time`:
+        # a node whose clock runs ahead would win over the launch that replaced it.
+        dedup = ("LEFT JOIN file_order USING (filename) QUALIFY row_number() OVER (PARTITION BY run, grp, term, "
+                 "step, rank, micro ORDER BY file_index DESC, file_row_number DESC) = 1") if deduplicate else ""
+        # c: implied weight per valid token before reduction = probe Σ∂b/∂ℓ / n, else b/S.
+        # e = c·g/D: effective weight after the reduction. Correct iff e·N = 1.
+        self.connection.execute(f"""
+            CREATE OR REPLACE TEMP VIEW records AS
+            SELECT *,
+                CASE WHEN valid_tokens > 0 THEN
+                    CASE WHEN token_weight_sum IS NOT NULL THEN token_weight_sum / valid_tokens
+                         WHEN loss_sum <> 0 THEN backward_scalar / loss_sum END
+                END * grad_scale / grad_divisor AS eff
+            FROM raw_records {dedup}
+        """)
+
+    def _find_duplicates(self) -> dict[str, Duplicates]:
+        found = {}
+        # per run: the copies, where, whether every copy holds the kept record's values, and its time
+        for run, copies, first, last, steps, files, identical, same_time in self.connection.execute(f"""
+            SELECT run, sum(copies - 1), min(step), max(step), count(DISTINCT step),
+                   list_slice(list_sort(list_distinct(flatten(list(files)))), 1, {FILES_NAMED}),
+                   bool_and(values_seen = 1), bool_and(times_seen = 1) FROM (
+                SELECT run, step, count(*) AS copies, list(DISTINCT filename) AS files,
+                       count(DISTINCT (loss_sum, valid_tokens, backward_scalar, token_weight_sum, token_weight_min,
+                                       token_weight_max, masked_weight_abs_sum, grad_scale, grad_divisor,
+                                       world_size, sync, skipped)) AS values_seen,
+                       count(DISTINCT coalesce(written, TIMESTAMP '1970-01-01')) AS times_seen
+                FROM raw_records GROUP BY run, grp, term, step, rank, micro HAVING count(*) > 1)
+            GROUP BY run
+        """).fetchall():
+            found[str(run)] = Duplicates(int(copies), int(first), int(last), int(steps),
+                                         tuple(os.path.basename(str(f)) for f in files), bool(identical),
+                                         bool(same_time))
+        return found
+
+    def step_table(self, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
+        """One row per (run, grp, term, step) with everything the checks need (see `step_sql`).
+
+        Large logs are aggregated a step range at a time, so that one range's aggregation is in DuckDB at
+        once. Duplicates are looked for only where the cheap per-rank count says there may be some; those
+        records are then deduplicated. Memory: the table is never held twice (see `join_columns`).
+        """
+        table = self.step_parts(progress)
+        assert isinstance(table, pd.DataFrame)
+        return table
+
+    def step_parts(self, progress: Callable[[str], None] | None = None,
+                   spill: bool = False) -> pd.DataFrame | Spilled:
+        """`step_table`, or with `spill` and more than SPILL_STEPS steps, the table kept on disk a range at
+        a time (`Spilled`, which the caller closes): what is held is then one range, whatever the number
+        of steps."""
+        columns: dict[str, list[Any]] = {}
+        spilled: Spilled | None = None
+        held = 0
+        chunks = step_ranges(self.shards, self.chunk_rows, self.only_steps)
+        tables = self._range_tables(chunks)
+        try:
+            for index, (steps, _) in enumerate(chunks):
+                if progress and len(chunks) > 1 and steps:
+                    progress(f"aggregating steps {steps[0]}–{steps[1]} ({index + 1}/{len(chunks)})")
+                table, found = next(tables)
+                add_duplicates(self.duplicates, found)
+                note_precision(self.precision, table)
+                held += len(table["step"])
+                if spill and spilled is None and held > SPILL_STEPS:
+                    # Past SPILL_STEPS: the ranges held so far go to disk, and every one after.
+                    spilled = Spilled()
+                    for part in range(len(columns.get("step", []))):
+                        spilled.add({name: parts[part] for name, parts in columns.items()})
+                    columns = {}
+                if spilled is not None:
+                    spilled.add(table)
+                else:
+                    for name, values in table.items():
+                        columns.setdefault(name, []).append(values)
+                del table
+        except BaseException:
+            if spilled is not None:
+                spilled.close()
+            raise
+        finally:
+            close = getattr(tables, "close", None)
+            if close is not None:
+                close()
+        if spilled is not None:
+            return spilled
+        joined = join_columns(columns)
+        # Each chunk comes sorted by step and chunks follow each other in step order: with one (run,
+        # group, term) the whole table is in order already; only several need sorting.
+        if any(len(joined[c].categories) > 1 for c in ("run", "grp", "term")):
+            reorder(joined, np.lexsort((joined["step"], joined["term"].codes, joined["grp"].codes,
+                                         joined["run"].codes)))
+        return pd.DataFrame(joined, copy=False)
+
+    def _range_tables(self, chunks: list[tuple[tuple[int, int] | None, list[Shard]]]
+                      ) -> Iterator[tuple[dict[str, Any], dict[str, Duplicates]]]:
+        """Each range's table and repeated keys, in order: here, or through `ranges_map` each by an engine of its
+        own over the range's shards, given in this engine's order (of two records of one key the later file's
+        wins) and with this engine's settings."""
+        if self.ranges_map is None:
+            return (self._range_table(steps, shards) for steps, shards in chunks)
+        order = {id(shard): index for index, shard in enumerate(self.shards)}
+        return self.ranges_map(aggregate_range, [
+            RangeTask(tuple(sorted(shards, key=lambda s: order[id(s)])), steps, self.extremes, self.prune,
+                      self.footer_rows, self.memory_limit) for steps, shards in chunks])
+
+    def _range_table(self, steps: tuple[int, int] | None, shards: list[Shard]
+                     ) -> tuple[dict[str, Any], dict[str, Duplicates]]:
+        """One range's step table by the query (`_aggregate`), its repeated keys found and left out first if it
+        has any (and returned, per run)."""
+        self._define(shards, steps, deduplicate=False)
+        table = self._aggregate(shards)
+        if np.nansum(table["repeated_micro"]) > 0 or np.nansum(table["wide_micro"]) > 0:
+            found = self._find_duplicates()
+            if found:
+                self._define(shards, steps, deduplicate=True)
+                return self._aggregate(shards), found
+        return table, {}
+
+    def _aggregate(self, shards: Sequence[Shard]) -> dict[str, Any]:
+        """One range's step table as arrays, by column: numpy's, as DuckDB hands them over (a pandas
+        frame of each range cost a copy of every column into pandas' blocks, and the names' strings a
+        conversion to Arrow strings before they became categories)."""
+        one_record = one_record_form(shards)
+        names = one_name_of(shards)
+        absent = absent_values(shards) if self.prune else frozenset()
+        self.last_query = step_sql(one_record, self.extremes, names is not None, absent)
+        table: dict[str, Any] = self.connection.execute(self.last_query).fetchnumpy()
+        return self._finish(table, names, aliases(one_record, absent), constants(one_record, absent))
+
+    def _finish(self, table: dict[str, Any], names: tuple[str, str, str] | None, held: dict[str, str],
+                literal: dict[str, np.ndarray]) -> dict[str, Any]:
+        """A range's fetched columns as the step table holds them, in the declared order: the names as categories
+        (the one name of `names` when the query left them out), NULLs as NaN, constants as one value (`literal`'s,
+        from `sql.constants`, never fetched), and one array for a column that is another's (`held`, from
+        `sql.aliases`)."""
+        rows = len(table["step"])
+        if names is not None:
+            # The one name of each column, as the categories `categorical` makes of it.
+            table.update({column: pd.Categorical.from_codes(np.zeros(rows, dtype=np.int8), categories=pd.Index([name]))
+                          for column, name in zip(("run", "grp", "term"), names)})
+        for name, values in table.items():
+            if name in ("run", "grp", "term"):
+                if names is None:
+                    table[name] = categorical(values)
+                continue
+            if isinstance(values, np.ma.MaskedArray):
+                # A column with NULLs (no record of the step said): NaN, which compares and sums as the
+                # checks expect; a count becomes float64 for it.
+                values = np.ma.filled(values.astype(np.float64), np.nan) if values.mask.any() else np.asarray(values.data)
+            if values.dtype == np.float64:
+                # −0.0 + 0.0 is 0.0: which zero the extreme of tied 0.0 and −0.0 is depends on the order the
+                # records came in (DuckDB keeps the last of equals, in its scan's or its hash table's order),
+                # and so would the report's; the table holds 0.0 for both.
+                values = np.add(values, 0.0, out=values if values.flags.writeable else None)
+            # A constant column is held as its one value from here on: the ranges wait for `join_columns` with
+            # about half their columns taking no memory.
+            constant = constant_of([values])
+            table[name] = values if constant is None else constant
+        for name, value in literal.items():  # as a fetched column of that value would be held
+            table[name] = np.broadcast_to(value, (rows,)) if rows > 1 else \
+                np.repeat(value, rows) if rows else np.zeros(0, dtype=FETCHED_TYPES[STEP_COLUMN_BY_NAME[name].type])
+        order = ["run", "grp", "term", "step", *(c.name for c in STEP_COLUMNS if c.name in table or c.name in held)]
+        return {name: table[held.get(name, name)] for name in order}
+
+    def unusable_files(self) -> list[Shard]:
+        """The shards holding a NaN grad_divisor or grad_scale, or fewer positions than valid tokens (after
+        `step_table`, which counts them)."""
+        self._whole()
+        names = {name for (name,) in self.connection.execute(
+            f"SELECT DISTINCT filename FROM raw_records WHERE {UNUSABLE_RECORD}").fetchall()}
+        return [s for s in self.shards if self._link(s) in names]
+
+    def records_at(self, run: str, step: int) -> pd.DataFrame:
+        """Every record of one step of one run, with c, e and q = e·N."""
+        self._whole()
+        return self.connection.execute("""
+            SELECT grp, term, rank, micro, world_size, valid_tokens, loss_sum, backward_scalar, grad_divisor,
+                   grad_scale, eff * grad_divisor / grad_scale AS implied_weight, eff,
+                   eff * sum(valid_tokens) OVER (PARTITION BY grp, term) AS q,
+                   token_weight_min * grad_scale / grad_divisor AS eff_min,
+                   token_weight_max * grad_scale / grad_divisor AS eff_max,
+                   sync, reported_loss
+            FROM records WHERE run = ? AND step = ? ORDER BY grp, term, rank, micro
+        """, [run, step]).df()
+
+    def rank_weights(self, rows: int, columns: int, pooled: Sequence[str] = ()) -> pd.DataFrame:
+        """Per run, q = e·N of its valid records in a grid of at most `rows` rank rows by `columns` step columns
+        (each cell a span of ranks and of steps; every rank its own row, every step its own column, where they
+        fit): the cell's ranks, steps and lowest and highest q. N is the step's, per group and term; over every
+        term in the `pooled` runs (their terms are one token mean).
+
+        Over the whole log at once (not a range at a time), so it runs at half the memory limit, the step table
+        and the figures being held beside it: DuckDB spills the rest."""
+        self._whole()
+        self.connection.execute(f"SET memory_limit = '{half_limit(self.memory_limit)}'")
+        try:
+            return self.connection.execute(RANK_WEIGHTS_SQL, {"rows": rows, "columns": columns,
+                                                              "pooled": list(pooled)}).df()
+        finally:
+            self.connection.execute(f"SET memory_limit = '{self.memory_limit}'")
+
+    def complete_through(self) -> dict[tuple[str, str], int]:
+        """Per (run, group): the last step that every rank has recorded. Steps after it are still
+        being written when the log is read during training (ranks flush at different times)."""
+        self._whole()
+        rows = self.connection.execute("""
+            SELECT run, grp, min(last_step) FROM (
+                SELECT run, grp, rank, max(step) AS last_step FROM raw_records GROUP BY run, grp, rank)
+            GROUP BY run, grp
+        """).fetchall()
+        return {(str(run), str(group)): int(step) for run, group, step in rows}
+
+    def close(self) -> None:
+        self.connection.close()
+        if self.links is not None:
+            shutil.rmtree(self.links, ignore_errors=True)
+
+def aggregate_range(task: RangeTask) -> tuple[dict[str, Any], dict[str, Duplicates]]:
+    """A range's step table and its repeated keys, by an engine of its own over the range's shards, on one thread:
+    what `Engine.ranges_map` runs on a cluster's worker. The same query over the same records as the engine that
+    cut the range, so the same bits."""
+    engine = Engine.open(list(task.shards), memory_limit=task.memory_limit, threads=1, extremes=task.extremes)
+    try:
+        engine.prune, engine.footer_rows = task.prune, task.footer_rows
+        return engine._range_table(task.steps, list(task.shards))
+    finally:
+        engine.close()
+
+
+def note_precision(precision: dict[str, int], table: dict[str, Any]) -> None:
+    """The fewest significant bits (`precision_bits_low`) of each run of a range's table, folded into `precision`."""
+    runs, bits = table["run"], np.asarray(table["precision_bits_low"], dtype=np.float64)
+    for code in np.unique(runs.codes):
+        fewest = np.fmin.reduce(bits[runs.codes == code])  # NaN: no record of the run says
+        if not np.isnan(fewest):
+            run = str(runs.categories[code])
+            precision[run] = min(precision.get(run, 64), int(fewest))
+
+def extremes_at(shards: Sequence[Shard], step: int, threads: int | None = None) -> pd.DataFrame:
+    """The EVIDENCE columns of one step, a row per (run, grp, term): the step aggregated again, alone, from the
+    files whose footers say they can hold it, with the evidence aggregates the full query leaves out.
+    The same records (deduplicated the same way) in the same aggregation as the full query's."""
+    engine = Engine.open([s for s in shards if s.may_hold(step, step)], threads=threads, only_steps=(step, step),
+                         extremes=True)
+    try:
+        table = engine.step_table()
+    finally:
+        engine.close()
+    return table[["run", "grp", "term", "step", *EVIDENCE]]

@@ -1,0 +1,499 @@
+"""Find the log's files and start validating them: discovery and the footer workers, without pyarrow.
+
+The command line calls `start_loading` before it imports anything heavy (pyarrow, pandas, DuckDB: most
+of its half second of start-up), so that the worker processes validate footers meanwhile; `Loading.result`
+then validates files too, from the far end of each worker's share, until they meet (`_share`). The
+validation itself is `tokaudit._reader`'s.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import queue
+import select
+import stat
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePath, PurePosixPath
+from typing import IO, TYPE_CHECKING, Any
+
+from tokaudit.errors import LogFormatError
+from tokaudit._storage import is_url
+
+if TYPE_CHECKING:
+    from tokaudit._reader import Shard
+    from tokaudit._storage import Store
+
+
+@dataclass(frozen=True, slots=True)
+class LogSet:
+    """What `load` found: readable shards and one line per unreadable input."""
+
+    shards: list[Shard]
+    """Validated shards, in path order."""
+    problems: list[LogFormatError]
+    """Files or paths that could not be used."""
+
+
+def discover(paths: Sequence[str | os.PathLike[str]], notes: list[str] | None = None
+             ) -> tuple[list[Path], list[LogFormatError]]:
+    """Every *.parquet under the paths, each path taken literally. Dot-files (a killed writer's
+    temporaries) are skipped; anything else that cannot be read is one problem line, never a silence:
+    an unreadable folder, a dangling or looping link, a FIFO, a folder named *.parquet with no part file. Such a
+    folder (a Spark-style dataset) is read as its part files. `notes`: where each link that leads out of the
+    folder given is said, with what it is read from (it is read)."""
+    # One file reached twice (two paths, a link to it) is read once: keyed by its identity on disk,
+    # from the stat that checks it is a file, rather than by resolving every path.
+    found: dict[tuple[int, int], Path] = {}
+    problems: list[LogFormatError] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists() and not path.is_symlink():
+            problems.append(LogFormatError(str(raw), "no such file or directory"))
+            continue
+        identity, problem = _regular_file(path)
+        if identity is not None:
+            found.setdefault(identity, path.absolute())
+        elif not path.is_dir():
+            problems.append(LogFormatError(str(raw), problem))
+        else:
+            reached = _walk(path, found, problems, notes)
+            if not reached and not any(p.path.startswith(str(path)) for p in problems):
+                problems.append(LogFormatError(str(raw), "no Parquet files (*.parquet) in this folder"))
+    return list(found.values()), problems
+
+
+def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogFormatError],
+          notes: list[str] | None = None) -> int:
+    """Every *.parquet under `root` added to `found` (a file already there is not added again), or to `problems`
+    where it is no readable file: how many it reached, those found before and those it could not use included."""
+    seen: set[tuple[int, int]] = set()
+    reached = 0
+
+    def unreadable(error: OSError) -> None:
+        problems.append(LogFormatError(str(error.filename or root), f"cannot read this folder ({error.strerror})"))
+
+    inside = os.path.realpath(root) + os.sep
+    datasets: dict[str, int] = {}  # folders named *.parquet (Spark-style datasets): the part files under each
+    for folder, folders, files in _folders(str(root), unreadable):
+        # Paths as strings until a file is kept: pathlib's parsing cost more than the stat itself on a
+        # folder of 10,000 shards (Path.absolute() once per folder, not per file).
+        here = str(Path(folder).absolute())
+        try:
+            identity = os.stat(here)
+        except OSError:
+            continue
+        if (identity.st_dev, identity.st_ino) in seen:  # a link back up the tree
+            folders[:] = []
+            continue
+        seen.add((identity.st_dev, identity.st_ino))
+        if notes is not None and os.path.islink(here):
+            _note_outside(here, inside, notes)
+        folders[:] = sorted(f for f in folders if not f.startswith("."))
+        names = sorted(name for name in files if not name.startswith(".") and name.endswith(".parquet"))
+        if here.endswith(".parquet"):
+            datasets.setdefault(here, 0)
+        for dataset in datasets:
+            if names and (here == dataset or here.startswith(dataset + os.sep)):
+                datasets[dataset] += len(names)
+        # A regular file's identity is its folder's device and the inode its folder's listing gives, with no
+        # stat of its own (a tenth of a second on 25,000 shards); a link or anything else is looked at.
+        listed = _regular_inodes(here, set(names)) if names else {}
+        base = Path(here)
+        child = getattr(base, "_make_child_relpath", base.joinpath)  # (pathlib's, without parsing the name again)
+        for name in names:
+            path = os.path.join(here, name)
+            inode = listed.get(name)
+            if inode is not None and os.access(path, os.R_OK):
+                key: tuple[int, int] | None = (identity.st_dev, inode)
+            else:
+                key, problem = _regular_file(path)
+                if key is not None and notes is not None and os.path.islink(path):
+                    _note_outside(path, inside, notes)
+            reached += 1
+            if key is not None:
+                if key not in found:
+                    found[key] = child(name)
+            else:
+                problems.append(LogFormatError(path, problem))
+    problems.extend(LogFormatError(dataset, "a folder named *.parquet with no Parquet part files in it")
+                    for dataset, parts in datasets.items() if not parts)
+    return reached
+
+
+def _note_outside(path: str, inside: str, notes: list[str]) -> None:
+    """A link whose target lies outside the folder given: said, since what is audited is then read from there."""
+    target = os.path.realpath(path)
+    if not (target + os.sep).startswith(inside):
+        notes.append(f"{path} is a link out of the folder given: read from {target}")
+
+
+def _folders(root: str, onerror: Callable[[OSError], None]) -> Iterator[tuple[str, list[str], list[str]]]:
+    """os.walk's (folder, its folders, its files), top down, links to folders followed, with a stack instead of
+    recursion: a tree a thousand folders deep is walked as any other. The caller may prune the folders list."""
+    stack = [root]
+    while stack:
+        top = stack.pop()
+        try:
+            with os.scandir(top) as listing:
+                entries = list(listing)
+        except OSError as error:
+            onerror(error)
+            continue
+        folders: list[str] = []
+        files: list[str] = []
+        for entry in entries:
+            try:
+                is_folder = entry.is_dir()  # a link to a folder is walked (its target once, `seen`)
+            except OSError:
+                is_folder = False
+            (folders if is_folder else files).append(entry.name)
+        yield top, folders, files
+        stack.extend(os.path.join(top, name) for name in reversed(folders))
+
+
+def _regular_inodes(folder: str, names: set[str]) -> dict[str, int]:
+    """The inode of each of `names` that the folder's listing says is a regular file (not a link); nothing
+    where the folder cannot be listed again."""
+    try:
+        with os.scandir(folder) as entries:
+            return {entry.name: entry.inode() for entry in entries
+                    if entry.name in names and entry.is_file(follow_symlinks=False)}
+    except OSError:
+        return {}
+
+
+def _regular_file(path: str | Path) -> tuple[tuple[int, int] | None, str]:
+    """(device, inode) of a readable regular file; else (None, why it is not one)."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None, "a link to nothing (dangling symlink)"
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return None, "a link that loops back on itself"
+        return None, f"cannot be read ({error.strerror})"
+    if stat.S_ISDIR(info.st_mode):
+        return None, "a folder, not a file" if os.path.basename(path).endswith(".parquet") else "a folder"
+    if not stat.S_ISREG(info.st_mode):
+        return None, "not a regular file (a FIFO, socket or device)"
+    if not os.access(path, os.R_OK):
+        return None, "cannot be read (permission denied)"
+    return (info.st_dev, info.st_ino), ""
+
+
+PARALLEL_FILES = 1024
+"""Local files from which `load` validates footers in worker processes (when given more than one
+worker): a worker is an interpreter importing pyarrow, worth starting only where its share of footers costs
+more than that. This process never waits for one (`_share`), so a worker only costs wall time where no
+core is free."""
+BATCH_FILES = 512
+"""Fewest files given to one worker."""
+MAX_WORKERS = 8
+"""Most processes validating footers at once, this one included: each worker is an interpreter of about
+100 MiB, and footers are partly disk-bound, so a machine of 64 cores gains little from 64 of them."""
+FRAME_FILES = 64
+"""Files a worker answers at a time: how far this process may find a worker ahead of
+what it last heard, and so at most how many files both validate where they meet."""
+
+
+def load(paths: Sequence[str | os.PathLike[str]], thorough: bool = True, workers: int = 1) -> LogSet:
+    """Discover and validate; a damaged shard never hides the others. Local paths and URLs
+    (s3://bucket/runs/, see `tokaudit._storage`) may be mixed.
+
+    `workers`: processes that may validate local footers at once. Reading a footer is Python work
+    (pyarrow's objects), so threads do not help, and on a log of many thousands of files it is the
+    one serial part of the audit; processes are used from PARALLEL_FILES files up, and the result
+    (shards and problems, in path order) is the serial one whichever way it was computed."""
+    with start_loading(paths, thorough, workers) as loading:
+        return loading.result()
+
+
+@dataclass
+class _Share:
+    """A worker's share of the files, files[start:end]: it validates them in order from `start` and answers
+    in frames (`serve`); this process validates them from `end` down (`taken`) once it calls `result`."""
+
+    worker: subprocess.Popen[bytes] | None
+    """The worker; None once it has answered its last frame, died, or said something unreadable."""
+    start: int
+    end: int
+    answered: list[Any] = field(default_factory=list)
+    """The worker's answers (`reader.packed_shards`), for files[start], files[start + 1], …"""
+    taken: list[Any] = field(default_factory=list)
+    """This process's, for files[end − 1], files[end − 2], …"""
+    unread: bytearray = field(default_factory=bytearray)
+    """What the worker wrote that does not yet make a whole frame."""
+
+    @property
+    def left(self) -> int:
+        """Files neither has validated: files[start + len(answered) : end − len(taken)]."""
+        return max(0, self.end - len(self.taken) - self.start - len(self.answered))
+
+
+@dataclass
+class Loading:
+    """A `load` under way (`start_loading`): the worker processes validate their shares while the caller
+    goes on (the command line imports the auditor meanwhile, half a second); `result` validates files from
+    the far end of each share until it meets its worker (`_share`). Closing it stops any worker still
+    running."""
+
+    files: list[Path]
+    """The local files found, in path order."""
+    remote: list[tuple[PurePath, Store | None]]
+    """The files found on object storage, each with its store."""
+    problems: list[LogFormatError]
+    """What discovery could not use."""
+    thorough: bool
+    shares: list[_Share] = field(default_factory=list)
+    """Each worker started and its share of `files`, in order; none: this process validates them all."""
+    notes: list[str] = field(default_factory=list)
+    """Links out of the folders given, each with what it is read from (`discover`)."""
+
+    @property
+    def workers(self) -> list[subprocess.Popen[bytes]]:
+        """The worker processes started."""
+        return [share.worker for share in self.shares if share.worker is not None]
+
+    def result(self) -> LogSet:
+        from tokaudit._reader import inspect_batch
+
+        inspected = _share(self.files, self.shares, self.thorough) if self.shares else inspect_batch(
+            self.files, self.thorough)
+        inspected += _inspect_remote(self.remote, self.thorough)
+        return inspected_log(inspected, self.problems)
+
+    def close(self) -> None:
+        _stop(self.shares)
+
+    def __enter__(self) -> Loading:
+        return self
+
+    def __exit__(self, *exception: object) -> None:
+        self.close()
+
+
+def inspected_log(inspected: Sequence[Any], problems: Sequence[LogFormatError]) -> LogSet:
+    """The log of these validated files (each a Shard, or its name and problem), after discovery's `problems`."""
+    from tokaudit._reader import Shard
+
+    found = [*problems, *(LogFormatError(*item) for item in inspected if not isinstance(item, Shard))]
+    return LogSet(shards=separate_runs([item for item in inspected if isinstance(item, Shard)]), problems=found)
+
+
+def start_loading(paths: Sequence[str | os.PathLike[str]], thorough: bool = True, workers: int = 1) -> Loading:
+    """`load`'s discovery, and its worker processes started on their shares: `result()` gives what `load`
+    gives."""
+    notes: list[str] = []
+    files, problems = discover([p for p in paths if not is_url(p)], notes)
+    remote: list[tuple[PurePath, Store | None]] = []
+    urls = [str(p) for p in paths if is_url(p)]
+    if urls:
+        from tokaudit._storage import discover_url  # (pyarrow's filesystems)
+
+        for url in urls:
+            store, found, trouble = discover_url(url)
+            problems.extend(trouble)
+            remote.extend((PurePosixPath(path), store) for path in found)
+    shares = _start_workers(files, thorough, workers) if workers > 1 and len(files) >= PARALLEL_FILES else []
+    return Loading(files=files, remote=remote, problems=problems, thorough=thorough, shares=shares, notes=notes)
+
+
+def separate_runs(shards: list[Shard]) -> list[Shard]:
+    """A run is its folder and its run id: where one run id is held by the shards of several folders (two
+    experiments that reused a name), each folder's shards are a run of their own, named by the folder's path
+    (and the id, where the folder is named otherwise), as TensorBoard takes each folder for a run. To audit
+    them as one run, put their shards in one folder."""
+    from dataclasses import replace
+
+    def run_of(shard: Shard) -> str | None:
+        if shard.run_group is not None:
+            return shard.run_group[0]
+        return shard.default_run if "run_id" not in shard.columns else None  # None: several in one file
+
+    def folder_of(shard: Shard) -> str:
+        if shard.store is not None:
+            return shard.store.url(shard.path.parent)
+        folder = os.path.dirname(str(shard.path))
+        shown = os.path.relpath(folder)
+        return folder if shown.startswith("..") else shown
+
+    folders: dict[str, set[str]] = {}
+    for shard in shards:
+        if (run := run_of(shard)) is not None:
+            folders.setdefault(run, set()).add(folder_of(shard))
+    clashing = {run for run, held in folders.items() if len(held) > 1}
+    if not clashing:
+        return shards
+    out = []
+    for shard in shards:
+        run = run_of(shard)
+        if run not in clashing:
+            out.append(shard)
+            continue
+        folder = folder_of(shard)
+        name = folder if folder.rstrip("/").rsplit("/", 1)[-1] == run else f"{folder}:{run}"
+        out.append(replace(shard, default_run=name, run_override=True,
+                           names=None if shard.names is None else (name, *shard.names[1:]),
+                           run_group=None if shard.run_group is None else (name, shard.run_group[1])))
+    return out
+
+
+REMOTE_READERS = 16
+"""Footers of objects read at once: each is a request's round trip, not a disk's."""
+
+
+def _inspect_remote(remote: list[tuple[PurePath, Store | None]], thorough: bool) -> list[Shard | tuple[str, str]]:
+    """The objects' footers, REMOTE_READERS at a time, in order. A store that does not answer ends the audit at
+    its first such answer (one line, exit 2), instead of every object paying the timeouts in turn."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokaudit._reader import inspect_batch
+    from tokaudit._storage import UNREACHABLE
+
+    pool = ThreadPoolExecutor(REMOTE_READERS, thread_name_prefix="tokaudit-footers")
+    try:
+        futures = [pool.submit(inspect_batch, [path], thorough, [store]) for path, store in remote]
+        out: list[Shard | tuple[str, str]] = []
+        for future in futures:
+            (item,) = future.result()
+            if isinstance(item, tuple) and item[1].startswith(UNREACHABLE):
+                raise LogFormatError(*item)
+            out.append(item)
+        return out
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+_WORKER = ("import pickle, sys; paths, thorough, sys.path[:] = pickle.load(sys.stdin.buffer); "
+           "from tokaudit._loading import serve; serve(paths, thorough, sys.stdout.buffer)")
+"""A worker: its files (as text) and this interpreter's import path in on stdin, its answers out on stdout
+in frames (`serve`)."""
+
+
+def serve(paths: Sequence[str], thorough: bool, out: IO[bytes]) -> None:
+    """A worker's loop: FRAME_FILES files validated at a time, each frame written as its length (8 bytes,
+    little-endian) and `reader.packed_shards`'s answers pickled. A thread writes, so that validating goes on while
+    the pipe is full (64 KiB, about 150 answers): the caller reads nothing while it imports the auditor."""
+    from tokaudit._reader import inspect_batch, packed_shards
+
+    frames: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+    def write() -> None:
+        while (frame := frames.get()) is not None:
+            out.write(frame)
+            out.flush()
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    for start in range(0, len(paths), FRAME_FILES):
+        answers = pickle.dumps(packed_shards(inspect_batch([PurePath(p) for p in paths[start:start + FRAME_FILES]],
+                                                      thorough)), pickle.HIGHEST_PROTOCOL)
+        frames.put(len(answers).to_bytes(8, "little") + answers)
+    frames.put(None)
+    writer.join()
+
+
+def _start_workers(files: Sequence[Path], thorough: bool, workers: int) -> list[_Share]:
+    """One worker process started on each share of `files` (none when too few files make a share each, or
+    no worker could be started); this process counts among `workers` and takes no share of its own.
+
+    Workers are fresh interpreters (`python -c`), not multiprocessing's: those fork the caller, which
+    may hold threads (a training process, DuckDB's pool), or re-import the caller's main script. Their
+    answers are read as they come without waiting (`select`): on POSIX only."""
+    count = min(workers, MAX_WORKERS, len(files) // BATCH_FILES) - 1
+    if count < 1 or os.name != "posix":
+        return []
+    size = -(-len(files) // count)
+    shares: list[_Share] = []
+    try:
+        for start in range(0, len(files), size):
+            worker = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            shares.append(_Share(worker, start, min(start + size, len(files))))
+            assert worker.stdin is not None
+            # A list of paths: a few MB at most, which the worker reads whole before it writes anything.
+            pickle.dump(([str(path) for path in files[start:start + size]], thorough, list(sys.path)),
+                        worker.stdin, pickle.HIGHEST_PROTOCOL)
+            worker.stdin.close()
+    except Exception:
+        # No worker here (no interpreter at sys.executable, a sandbox without processes, a broken pipe).
+        _stop(shares)
+        return []
+    return shares
+
+
+def _share(files: Sequence[Path], shares: list[_Share], thorough: bool) -> list[Shard | tuple[str, str]]:
+    """Every file's Shard or problem, in path order: each worker's answers read as they come, while this
+    process validates the files of the share with the most left, from its far end, one at a time, until
+    none is left. A worker that dies or says something unreadable leaves the rest of its share here; the
+    result is the serial one either way."""
+    from tokaudit._reader import inspect_batch, unpacked_shards
+
+    try:
+        while True:
+            _read_answers(shares)
+            share = max(shares, key=lambda s: s.left)
+            if share.left == 0:
+                break
+            share.taken.extend(inspect_batch([files[share.end - len(share.taken) - 1]], thorough))
+    finally:
+        _stop(shares)
+    inspected: list[Shard | tuple[str, str]] = []
+    for share in shares:
+        middle = share.end - len(share.taken)  # the worker's answers up to here, then this process's
+        inspected += unpacked_shards(share.answered[:middle - share.start], files[share.start:middle])
+        inspected += reversed(share.taken)
+    return inspected
+
+
+def _read_answers(shares: list[_Share]) -> None:
+    """Whatever the workers have written, read without waiting and added to their shares' answers."""
+    readable = {share.worker.stdout.fileno(): share for share in shares
+                if share.worker is not None and share.worker.stdout is not None}
+    if not readable:
+        return
+    ready, _, _ = select.select(list(readable), [], [], 0)
+    for fd in ready:
+        share = readable[fd]
+        try:
+            data = os.read(fd, 1 << 20)
+        except OSError:
+            data = b""
+        if not data:  # its last frame read, or it died
+            _stop([share])
+            continue
+        share.unread += data
+        while len(share.unread) >= 8 and len(share.unread) >= 8 + (length := int.from_bytes(share.unread[:8], "little")):
+            try:
+                share.answered.extend(pickle.loads(share.unread[8:8 + length]))
+            except Exception:  # not what a worker writes: nothing more of it is believed
+                _stop([share])
+                break
+            del share.unread[:8 + length]
+
+
+def _stop(shares: Sequence[_Share]) -> None:
+    """Kill the workers still running (their answers read, or given up) and forget them."""
+    for share in shares:
+        worker, share.worker = share.worker, None
+        if worker is None:
+            continue
+        if worker.poll() is None:
+            worker.kill()
+        worker.wait()
+        if worker.stdout is not None:
+            worker.stdout.close()

@@ -1,0 +1,71 @@
+"""`tokaudit sync`: the shards a recorder kept in its local spool at close() (the store did not answer), written
+to where they were going, as `wandb sync` does for offline runs. Each file goes whole, under its own name (a
+name already there is that file, synced before), and leaves the spool once written."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from tokaudit.errors import LogFormatError
+from tokaudit._schema import DESTINATION_KEY
+from tokaudit._storage import is_url, open_url, storage_timeout
+
+
+@dataclass(frozen=True)
+class Synced:
+    """One spooled shard written to its destination."""
+
+    source: Path
+    destination: str
+    records: int
+
+
+def spooled(folder: Path) -> list[Path]:
+    """The spooled shards under `folder` (its sub-folders too), oldest name first."""
+    return sorted(p for p in folder.rglob("*.parquet") if p.is_file()) if folder.is_dir() else []
+
+
+def sync_one(path: Path) -> Synced:
+    """Write one spooled shard where its footer says it was going; raises LogFormatError naming it."""
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+        records = pq.read_metadata(path).num_rows
+        data = path.read_bytes()
+    except Exception as error:
+        raise LogFormatError(str(path), f"cannot be read ({str(error).splitlines()[0][:160]})") from None
+    destination = metadata.get(DESTINATION_KEY, b"").decode()
+    if not destination:
+        raise LogFormatError(str(path), "is no spooled shard (its footer names no destination)")
+    if is_url(destination):
+        base, query = destination.partition("?")[::2]
+        store, folder = open_url(destination, storage_timeout())
+        target = f"{folder}/{path.name}"
+        try:
+            from pyarrow import fs
+
+            if store.filesystem.get_file_info(target).type == fs.FileType.NotFound:
+                with store.filesystem.open_output_stream(target) as stream:
+                    stream.write(data)
+        except OSError as error:
+            raise LogFormatError(str(path), f"cannot be written to {base} ({str(error).splitlines()[0][:160]})") \
+                from None
+        written = f"{base.rstrip('/')}/{path.name}" + (f"?{query}" if query else "")
+    else:
+        folder_path = Path(destination)
+        target_path = folder_path / path.name
+        try:
+            folder_path.mkdir(parents=True, exist_ok=True)
+            if not target_path.exists():
+                temporary = folder_path / f".{path.name}.tmp"
+                temporary.write_bytes(data)
+                os.replace(temporary, target_path)
+        except OSError as error:
+            raise LogFormatError(str(path), f"cannot be written to {folder_path} ({error.strerror or error})") \
+                from None
+        written = str(target_path)
+    path.unlink()
+    return Synced(path, written, records)

@@ -1,0 +1,205 @@
+"""Logs on object storage: `s3://bucket/runs/`, `gs://…`, any URL pyarrow or fsspec can open.
+
+Shards are read where they are (footers first, then the columns an audit needs), never copied to
+local disk. The filesystem comes from the URL and the standard environment of its SDK: for S3,
+`AWS_ENDPOINT_URL` (an S3-compatible server), the credential chain (`AWS_ACCESS_KEY_ID`/
+`AWS_SECRET_ACCESS_KEY`, profiles, instance roles) and `AWS_REGION`. Failures become one line that
+says what went wrong (no such bucket, access denied, endpoint unreachable), never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import PurePath, PurePosixPath
+from typing import Any
+
+from tokaudit.errors import LogFormatError
+
+# pyarrow (a fifth of a second to import) is imported where a store is opened: the command line tells a URL
+# from a path (`is_url`) before it starts the footer workers (`tokaudit._loading`).
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def is_url(raw: object) -> bool:
+    """Whether `raw` names a location by URL (s3://, gs://, …) rather than a local path."""
+    return isinstance(raw, str) and _URL.match(raw) is not None and not raw.startswith("file://")
+
+
+@dataclass(frozen=True, slots=True)
+class Store:
+    """An open filesystem and the URL scheme it was opened for (to write locations back as URLs)."""
+
+    filesystem: Any
+    scheme: str
+    sizes: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
+    """Each object's size as the listing gave it, by path: an object of known size is read without asking
+    the store for its size first (`sized_fragment`), a request less per object."""
+
+    def url(self, path: str | PurePath) -> str:
+        return f"{self.scheme}://{path}"
+
+
+DEFAULT_TIMEOUT_S = 10.0
+"""Seconds one request to an S3 store may take to connect or to answer (TOKAUDIT_STORAGE_TIMEOUT)."""
+
+
+def storage_timeout() -> float:
+    """TOKAUDIT_STORAGE_TIMEOUT in seconds, else DEFAULT_TIMEOUT_S (also where it is not a positive number)."""
+    try:
+        value = float(os.environ.get("TOKAUDIT_STORAGE_TIMEOUT", DEFAULT_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+    return value if value > 0 else DEFAULT_TIMEOUT_S
+
+
+def open_url(url: str, timeout: float | None = None) -> tuple[Store, str]:
+    """(store, path inside it) for a URL; raises LogFormatError with one line when it cannot. With `timeout`,
+    each request to an S3 store connects and answers within it, tried twice at most: a store that froze or went
+    away costs seconds, not the SDK's minutes of retries."""
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
+    match = _URL.match(url)
+    scheme = match.group(1).lower() if match else ""
+    try:
+        filesystem, path = pafs.FileSystem.from_uri(url)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as arrow_error:
+        filesystem, path = _fsspec(url, arrow_error)
+    except OSError as error:
+        raise LogFormatError(url, describe(error)) from None
+    if timeout is not None and isinstance(filesystem, pafs.S3FileSystem) and "?" not in url:
+        # the same store (its region as from_uri resolved it, the endpoint from the SDK's environment), bounded
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        filesystem = pafs.S3FileSystem(region=filesystem.region, endpoint_override=endpoint or None,
+                                       connect_timeout=timeout, request_timeout=timeout,
+                                       retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2))
+    elif timeout is not None and isinstance(filesystem, pafs.GcsFileSystem):
+        filesystem = _bounded_gcs(url, timeout)
+    return Store(filesystem, scheme), path.rstrip("/")
+
+
+def _bounded_gcs(url: str, timeout: float) -> Any:
+    """The store of a gs:// URL as from_uri opens it (anonymous@, scheme= and endpoint_override= in the URL, or
+    STORAGE_EMULATOR_HOST), with its client's retries bounded to about two requests' time instead of minutes."""
+    import datetime
+    import urllib.parse
+
+    import pyarrow.fs as pafs
+
+    parts = urllib.parse.urlsplit(url)
+    query = {key: values[-1] for key, values in urllib.parse.parse_qs(parts.query).items()}
+    endpoint = query.get("endpoint_override")
+    scheme = query.get("scheme")
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    if endpoint is None and emulator:
+        scheme, _, endpoint = emulator.rpartition("://") if "://" in emulator else ("http", "", emulator)
+    return pafs.GcsFileSystem(anonymous=parts.username == "anonymous" or query.get("anonymous") == "true",
+                              scheme=scheme, endpoint_override=endpoint,
+                              retry_time_limit=datetime.timedelta(seconds=max(1.0, 2 * timeout)))
+
+
+def sized_fragment(store: Store, path: str) -> Any:
+    """The object at `path` as a Parquet dataset fragment that knows its size from the listing (`sizes`), so
+    that reading it needs no request for its size first; None where the size is unknown or this pyarrow's
+    fragments take none (before 15)."""
+    import pyarrow.dataset as pads
+
+    size = store.sizes.get(path)
+    if size is None:
+        return None
+    try:
+        return pads.ParquetFileFormat().make_fragment(path, store.filesystem, file_size=size)
+    except TypeError:
+        return None
+
+
+def object_dataset(store: Store, path: str) -> Any:
+    """One object as an Arrow dataset, which DuckDB scans with the columns and steps it asks for."""
+    import pyarrow.dataset as pads
+
+    fragment = sized_fragment(store, path)
+    if fragment is None:
+        return pads.dataset(path, filesystem=store.filesystem, format="parquet")
+    return pads.FileSystemDataset([fragment], fragment.physical_schema, fragment.format, store.filesystem)
+
+
+def _fsspec(url: str, arrow_error: Exception) -> tuple[Any, str]:
+    """A scheme pyarrow does not know, through fsspec when it is installed with that protocol."""
+    import pyarrow.fs as pafs
+
+    try:
+        import fsspec
+    except ImportError:
+        raise LogFormatError(url, f"pyarrow cannot open this URL ({_first_line(arrow_error)}) and fsspec is not "
+                                  "installed") from None
+    try:
+        filesystem, path = fsspec.core.url_to_fs(url)
+    except Exception as error:
+        raise LogFormatError(url, f"cannot open this URL ({_first_line(error)})") from None
+    return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem)), str(path)
+
+
+UNREACHABLE = "cannot reach the storage endpoint"
+"""How `describe` begins for a store that does not answer: it ends the audit (`loading`), not one file."""
+
+
+def describe(error: BaseException) -> str:
+    """One line for a storage error: what it means first, the SDK's own words after."""
+    text = _first_line(error)
+    lowered = text.lower()
+    if "access_denied" in lowered or "accessdenied" in lowered or "invalidaccesskeyid" in lowered or \
+            "signaturedoesnotmatch" in lowered or "forbidden" in lowered or " 403" in lowered:
+        meaning = "access denied (check the credentials and the bucket's policy)"
+    elif "network_connection" in lowered or "could not connect" in lowered or "could not resolve" in lowered or \
+            "timed out" in lowered or "timeout" in lowered:
+        meaning = f"{UNREACHABLE} (check AWS_ENDPOINT_URL or the network)"
+    elif "nosuchbucket" in lowered or "bucket" in lowered and "not found" in lowered:
+        meaning = "no such bucket"
+    else:
+        meaning = "cannot be read"
+    return f"{meaning}: {text}"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:240]
+
+
+def discover_url(url: str) -> tuple[Store | None, list[str], list[LogFormatError]]:
+    """Every *.parquet under a URL (dot-files and dot-folders skipped), sorted, as paths in the store."""
+    import pyarrow.fs as pafs
+
+    try:
+        store, root = open_url(url, storage_timeout())
+    except LogFormatError as error:
+        return None, [], [error]
+    filesystem = store.filesystem
+    try:
+        info = filesystem.get_file_info(root)
+        if info.type == pafs.FileType.NotFound:
+            bucket = root.split("/", 1)[0]
+            if "/" in root and filesystem.get_file_info(bucket).type == pafs.FileType.NotFound:
+                return store, [], [LogFormatError(url, f"no such bucket '{bucket}'")]
+            return store, [], [LogFormatError(url, "no such file or directory")]
+        if info.type == pafs.FileType.File:
+            if info.size is not None:
+                store.sizes[root] = info.size
+            return store, [root], []
+        entries = filesystem.get_file_info(pafs.FileSelector(root, recursive=True))
+    except OSError as error:
+        return store, [], [LogFormatError(url, describe(error))]
+    found = []
+    for entry in entries:
+        relative = PurePosixPath(entry.path).relative_to(PurePosixPath(root)) if entry.path != root else None
+        if relative is None or any(part.startswith(".") for part in relative.parts):
+            continue
+        if entry.type == pafs.FileType.File and entry.path.endswith(".parquet"):
+            found.append(entry.path)
+            if entry.size is not None:
+                store.sizes[entry.path] = entry.size
+    if not found:
+        return store, [], [LogFormatError(url, "no Parquet files (*.parquet) under this URL")]
+    return store, sorted(found), []

@@ -1,0 +1,216 @@
+"""A run's summary and verdict from its findings and step table; the steps its recorders dropped; the CI policy."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pandas as pd
+
+from tokaudit._checks import RunSteps, distinct, pooled_sums, weight_ratio, world_sizes
+from tokaudit.codes import DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, WEIGHTING, Code, Severity
+from tokaudit._reader import Shard
+from tokaudit._report import Finding, RunSummary, Segment, StepRange, Verdict, Reporting
+from tokaudit._schema import Provenance
+
+
+@dataclass
+class DroppedRecords:
+    """Records one run's recorders could not keep, from their shards' footers."""
+
+    spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    """Per group, the step ranges (first, last) that lost records."""
+    records: int = 0
+    ranks: set[tuple[str, int]] = field(default_factory=set)
+
+    def covers(self, frame: pd.DataFrame) -> npt.NDArray[np.bool_]:
+        """Rows of the step table whose (group, step) lost records."""
+        hit = np.zeros(len(frame), dtype=bool)
+        groups, steps = frame.grp.astype(str).to_numpy(), frame.step.to_numpy()
+        for group, spans in self.spans.items():
+            mine = groups == group
+            for first, last in spans:
+                hit |= mine & (steps >= first) & (steps <= last)
+        return hit
+
+    def merged(self) -> list[tuple[int, int]]:
+        """The step ranges of every group, as disjoint ranges in step order."""
+        merged: list[tuple[int, int]] = []
+        for first, last in sorted(span for spans in self.spans.values() for span in spans):
+            if merged and first <= merged[-1][1] + 1:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+            else:
+                merged.append((first, last))
+        return merged
+
+    def finding(self, run: str) -> Finding:
+        merged = self.merged()
+        count = sum(last - first + 1 for first, last in merged)
+        listed = [step for first, last in merged for step in range(first, min(last, first + 1000) + 1)][:1000]
+        shown = ", ".join(map(str, listed[:8])) + (f", … ({count} in all)" if count > 8 else "")
+        return Finding(run=run, code=Code.RECORDS_DROPPED, severity=DEFAULT_SEVERITY[Code.RECORDS_DROPPED],
+                       steps=StepRange(merged[0][0], merged[-1][1], count),
+                       message=f"The recorder could not write {self.records} record(s) of {len(self.ranks)} rank(s) "
+                               f"(a full or read-only disk, or a value no audit can use) at step(s) {shown}; those "
+                               "steps are left out instead of being judged on part of their tokens.",
+                       fix="give the log folder room and check the training's warnings from tokaudit; the other "
+                           "steps were audited as usual",
+                       evidence={"records": self.records, "steps": listed})
+
+def setups_of(shards: Sequence[Shard]) -> dict[str, Provenance]:
+    """Per run: what its shards' provenance says of how it was recorded, each fact from the first shard that says
+    it (a launch is a shard's, never a run's)."""
+    found: dict[str, dict[str, Any]] = {}
+    for shard in shards:
+        run = shard.run_group[0] if shard.run_group is not None else shard.default_run
+        facts = found.setdefault(run, {})
+        for name in ("trainer", "schedule_divisor", "launch_world_size"):
+            if getattr(shard.provenance, name) is not None:
+                facts.setdefault(name, getattr(shard.provenance, name))
+    return {run: Provenance(**facts) for run, facts in found.items()}
+
+
+def dropped_steps(shards: Sequence[Shard]) -> dict[str, DroppedRecords]:
+    out: dict[str, DroppedRecords] = {}
+    for shard in shards:
+        note = shard.dropped
+        if note is None:
+            continue
+        entry = out.setdefault(shard.default_run if shard.run_override else note["run"], DroppedRecords())
+        entry.ranks.add((note["group"], note["rank"]))
+        for first, last, records in note["steps"]:
+            entry.records += records
+            entry.spans.setdefault(note["group"], []).append((first, last))
+    return out
+
+
+def apply_policy(findings: list[Finding], min_ratio: float | None) -> list[Finding]:
+    """--min-ratio: a weighting finding below the ratio a CI gate accepts is information, before the verdict."""
+    kept = []
+    for finding in findings:
+        ratio = finding.evidence.get("weight_ratio")
+        if min_ratio is not None and finding.code in WEIGHTING and isinstance(ratio, float) and ratio < min_ratio:
+            finding = replace(finding, severity=Severity.INFO,
+                              message=f"{finding.message} (Below --min-ratio {min_ratio:g}: information only.)")
+        kept.append(finding)
+    return kept
+
+def deciding(findings: Sequence[Finding]) -> list[Finding]:
+    """The findings a verdict reads: warnings and errors about the gradient. Findings about the logged loss
+    (REPORTING) are the run's `reporting`, and repeated records its warning: copies are not evidence."""
+    return [f for f in findings if f.severity.rank >= Severity.WARNING.rank and f.code not in REPORTING
+            and f.code != Code.DUPLICATE_RECORDS]
+
+
+def verdict_of(findings: Sequence[Finding], judged: bool) -> Verdict:
+    """Incorrect when a warning or error about the gradient says so; inconclusive when the only ones say the
+    logs cannot tell (or the counts are balanced, or nothing could be judged); correct otherwise. Findings about
+    the logged loss (REPORTING) are the run's `reporting`, and repeated records its warning, never its verdict."""
+    serious = deciding(findings)
+    if any(f.code not in UNDECIDABLE for f in serious):
+        return "incorrect"
+    if serious or any(f.code == Code.BALANCED_COUNTS for f in findings) or not judged:
+        return "inconclusive"
+    return "correct"
+
+SUMMARY_BLOCK = 1 << 16
+"""Steps `run_summary` reads at a time: its temporaries stay a few MB whatever the number of steps."""
+
+def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: list[Segment],
+                omitted: int = 0, pooled: bool = False, listed: list[Finding] | None = None) -> RunSummary:
+    """`pooled`: the run's terms are one objective (`checks.objective`): a token's q = e·N counts N over them.
+    `listed`: the findings shown, where --ignore left some of `findings` out (their own verdict gates the exit)."""
+    # The run's parts read a block of steps at a time, never a filtered copy of the table (millions of
+    # steps) nor a Python float per step. Parts hold disjoint ranges of steps: distinct steps add up.
+    judged = ratio_seen = unbounded = ratios_exist = weighted_any = False
+    ratio = -math.inf
+    q_low, q_high = _Extreme(), _Extreme()
+    rows = steps = skipped_steps = reported = 0
+    ranks, microbatches = -1, -math.inf
+    divisors: set[float] = set()
+    sizes: set[int] = set()
+    for part in source.parts():
+        sizes.update(world_sizes(part))
+        rows += int(part.records.sum())
+        reported += int(part.reported.sum())  # records that carry a logged loss
+        steps += _count_distinct(part.step.to_numpy())
+        skipped_steps += _count_distinct(part.step.to_numpy()[part.skipped_true.to_numpy() > 0])
+        ranks = max(ranks, int(part.rank_max.max()))
+        microbatches = max(microbatches, float(part.microbatches_high.max()))
+        both = np.concatenate([distinct(part.divisor_low).astype(float), distinct(part.divisor_high).astype(float)])
+        divisors.update(float(d) for d in both[~np.isnan(both)])
+        weighted_all = part.weighted_records.to_numpy() > 0
+        weighted_any = weighted_any or bool(weighted_all.any())
+        tokens_all = _tokens(part, pooled)
+        low_all, high_all = part.token_weight_low.to_numpy(dtype=float), part.token_weight_high.to_numpy(dtype=float)
+        for start in range(0, len(part), SUMMARY_BLOCK):
+            block = slice(start, start + SUMMARY_BLOCK)
+            weighted = weighted_all[block]
+            tokens = tokens_all[block][weighted]
+            judged = judged or bool((tokens > 0).any())
+            low, high = low_all[block][weighted], high_all[block][weighted]
+            positive = low > 0
+            unbounded = unbounded or bool((low <= 0).any())
+            if positive.any():
+                # the heaviest token over the lightest, NaN skipped (pandas' max)
+                ratios_exist = True
+                ratios = weight_ratio(low[positive], high[positive])
+                ratios = ratios[~np.isnan(ratios)]
+                if len(ratios):
+                    ratio_seen, ratio = True, max(ratio, float(ratios.max()))
+            # q = e·N per token: the probe's extremes where recorded, else the records' mean weights
+            for q in (low * tokens, high * tokens):
+                q_low.add(q)
+                q_high.add(-q)
+    max_ratio = (ratio if ratio_seen else math.nan) if ratios_exist else 1.0
+    if unbounded:
+        max_ratio = math.inf
+    judged_ranks = not any(f.code == Code.RANKS_NOT_RECORDED for f in findings)  # else every N is partial
+    weight_range = (q_low.value(), -q_high.value()) if weighted_any and judged_ranks else None
+    main = [s for s in segments if s.term == source.terms[0]]
+    return RunSummary(run=run, rows=rows, steps=steps, ranks=ranks + 1, world_size=sorted(sizes), groups=len(source.groups),
+                      verdict=verdict_of(findings, judged), normalization=max(main, key=lambda s: s.steps, default=None),
+                      segments=segments, decided_by=sorted({f.code.value for f in deciding(findings)}),
+                      gate_verdict=None if listed is None or len(listed) == len(findings) else verdict_of(listed, judged),
+                      max_weight_ratio=max_ratio, microbatches=max(int(microbatches), 0) if rows else 0,
+                      terms=source.terms, skipped_steps=skipped_steps, divisors=sorted(divisors),
+                      weight_range=weight_range, segments_omitted=omitted, normalization_judged=judged_ranks,
+                      reporting=_reporting(findings, reported))
+
+def _tokens(part: pd.DataFrame, pooled: bool) -> Any:
+    """Each row's N: its (group, term, step)'s, or, where the terms are `pooled`, its (group, step)'s over them."""
+    if not pooled:
+        return part.tokens.to_numpy()
+    return pooled_sums(part, ["tokens"]).tokens.to_numpy()
+
+
+def _reporting(findings: list[Finding], reported: int) -> Reporting:
+    """The logged loss against the token mean, from the findings about it and the records that carry one."""
+    if {f.code for f in findings} & REPORTING:
+        return "differs"
+    return "matches" if reported else "absent"
+
+class _Extreme:
+    """The lowest value seen over blocks, NaN skipped; NaN when none was a number (pandas' min)."""
+
+    def __init__(self) -> None:
+        self.low = math.inf
+        self.seen = False
+
+    def add(self, values: npt.NDArray[np.float64]) -> None:
+        values = values[~np.isnan(values)]
+        if len(values):
+            self.low, self.seen = min(self.low, float(values.min())), True
+
+    def value(self) -> float:
+        return self.low if self.seen else math.nan
+
+def _count_distinct(values: npt.NDArray[Any]) -> int:
+    """How many distinct values: the length of an increasing column (one group's steps) without a hash."""
+    if len(values) < 2 or bool((values[1:] > values[:-1]).all()):
+        return len(values)
+    return len(pd.unique(values))

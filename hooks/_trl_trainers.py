@@ -1,0 +1,61 @@
+"""TRL's trainers, which run on the Hugging Face Trainer: what their loss is made of, and how it is recorded.
+
+`SFTTrainer` (trl ≥ 1.0) patches the model with a fused LM head (`add_fused_lm_head`): the forward called with
+`fused_lm_head=True` returns each label's log-probability, computed in chunks without the logits, and
+`compute_loss` takes ℓᵢ = −log pᵢ, Σℓᵢ / num_items_in_batch (× W under average_tokens_across_devices): a
+token mean that no cross-entropy call ever sees. A forward hook on the model puts the probe there: the
+log-probs go on as −probe(−log p), the same values and gradients to the bit, and the call is recorded as a
+captured call with S = Σℓᵢ and n the fused head's label mask (its labels after the causal shift, so
+completion-only, assistant-only, packed and padding-free set-ups count what the loss counts).
+
+The other trainers (DPO, KTO, ORPO, GRPO, ...) optimize objectives per pair or per sequence, not a token
+mean: they are not recorded, and a warning says what tokaudit can and cannot judge there.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tokaudit.hooks._capture import probe_into
+from tokaudit.hooks._terms import Footprint
+
+if TYPE_CHECKING:
+    from tokaudit.hooks._recorder import Recorder
+
+NOT_A_TOKEN_MEAN = ("tokaudit: {name} optimizes an objective per pair or per sequence (summed log-probability "
+                    "ratios, rewards, advantages), not a mean over tokens, so tokaudit records nothing here and "
+                    "gives no verdict: it judges token-mean objectives (SFTTrainer, the Trainer's causal LM loss). "
+                    "What it can check for you: the SFT stage before it")
+
+
+def trl_trainer(trainer: Any) -> str | None:
+    """The TRL trainer class `trainer` is or derives from ("SFTTrainer", "DPOTrainer", ...), None for another."""
+    for cls in type(trainer).__mro__:
+        if cls.__module__.startswith("trl.") and cls.__name__.endswith("Trainer") and cls.__name__ != "Trainer":
+            if not cls.__name__.startswith("_"):
+                return cls.__name__
+    return None
+
+
+def watch_fused_head(recorder: Recorder, model: torch.nn.Module) -> Any:
+    """Record every training forward of `model` through TRL's fused LM head (a removable hook handle)."""
+
+    def forward_hook(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
+        if not kwargs.get("fused_lm_head"):
+            return None
+        log_probs, mask = getattr(output, "log_probs", None), getattr(output, "label_mask", None)
+        if not (isinstance(log_probs, torch.Tensor) and isinstance(mask, torch.Tensor) and torch.is_grad_enabled()
+                and log_probs.requires_grad):
+            return None  # an evaluation, or the metrics' forward beside a compute_loss_func
+        try:
+            nll = -log_probs  # ℓᵢ, 0 where the label is ignored
+            result = recorder.captured_call(Footprint.of(mask), nll.detach().sum(dtype=torch.float64), mask.sum(),
+                                            mask.numel())
+            output["log_probs"] = -probe_into(recorder, nll, mask, result)  # -(-x) is x, to the bit
+        except Exception as error:
+            recorder.warn_once("trl", f"tokaudit: a forward of TRL's fused LM head was not recorded ({error!r})")
+        return output
+
+    return model.register_forward_hook(forward_hook, with_kwargs=True)
