@@ -3,143 +3,29 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import duckdb
-import numpy as np
-import numpy.typing as npt
 import pandas as pd
-import pyarrow.parquet as pq
-from pandas.api.types import union_categoricals
 
-from tokaudit._checks import RunSteps, check_run, main_term_first, one_objective, without_miscounted
+from tokaudit._checks import RunSteps, check_run, one_objective, without_miscounted
 from tokaudit.codes import DEFAULT_RTOL, Code, code_named
-from tokaudit._engine import EVIDENCE, Duplicates, Engine, Spilled, extremes_at, sweep_scratch
+from tokaudit._engine import Duplicates, Spilled, extremes_at, sweep_scratch
 from tokaudit.errors import LogFormatError, UsageError
 from tokaudit._cluster import Cluster
-from tokaudit._loading import Loading, LogSet, cores, load, start_loading
-from tokaudit._normalization import Denominator, name_ranks
-from tokaudit._reader import Shard, inspect_shard
+from tokaudit._loading import Loading
+from tokaudit._opening import Progress, open_log_parts
+from tokaudit._normalization import Denominator
+from tokaudit._reader import Shard
 from tokaudit._report import AuditReport, Finding, RunSummary, Segment
 from tokaudit._schema import UNNAMED, Provenance
+from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
 from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of
 
 
-Progress = Callable[[str], None]
-
-PROGRESS_ROWS = 1_000_000
-"""Logs larger than this say on stderr what is being read."""
-
-EVIDENCE_ROWS = 1_000_000
-"""Logs of at most this many records aggregate every step's evidence columns (`engine.EVIDENCE`:
-where its heaviest and lightest token were) in the one query: a little more of a short query, where each
-finding's step aggregated again alone costs a DuckDB connection and a query of its own. Larger logs
-aggregate them for a finding's step only (`_Extremes`): over every step they would cost a tenth of the
-query and 48 bytes a step."""
-
 _CODE_ORDER = {code: index for index, code in enumerate(Code)}
-
-def open_logs(paths: Sequence[str | os.PathLike[str]],
-              progress: Progress | None = None, only_steps: tuple[int, int] | None = None,
-              threads: int | None = None, started: Loading | None = None, loaded: LogSet | None = None
-              ) -> tuple[LogSet, Engine | None, pd.DataFrame]:
-    """`open_log_parts` with the step table whole."""
-    logset, engine, steps = open_log_parts(paths, progress, only_steps, threads, started, loaded=loaded)
-    assert isinstance(steps, pd.DataFrame)
-    return logset, engine, steps
-
-def load_logs(paths: Sequence[str | os.PathLike[str]], started: Loading | None = None, threads: int | None = None,
-              cluster: Cluster | None = None) -> LogSet:
-    """The logs' footers validated (`load(paths, thorough=False)`): the load already under way (`started`),
-    or one now."""
-    # Footers are validated by as many processes as DuckDB has threads: every core unless told
-    # (the trackers' audit beside training takes one, and so validates in its own process).
-    if cluster is not None:  # the footers read on its workers
-        with started or start_loading(paths, thorough=False) as found:
-            return cluster.load(found)
-    return started.result() if started is not None else load(paths, thorough=False, workers=threads or cores())
-
-def open_log_parts(paths: Sequence[str | os.PathLike[str]],
-                   progress: Progress | None = None, only_steps: tuple[int, int] | None = None,
-                   threads: int | None = None, started: Loading | None = None, evidence: bool = False,
-                   spill: bool = False, loaded: LogSet | None = None, cluster: Cluster | None = None
-                   ) -> tuple[LogSet, Engine | None, pd.DataFrame | Spilled]:
-    """Load, validate and aggregate. A shard DuckDB cannot decode, or whose values no audit can use, is
-    reported and left out.
-
-    Files are validated from their footers; a NaN divisor or scale, which no footer shows, is counted
-    by the aggregation, and only the files holding one are then read in full to say where.
-    `started`: this load of `paths` already under way (`start_loading(paths, False, ...)`). `evidence`:
-    a log of at most EVIDENCE_ROWS records is aggregated with the evidence columns (`engine.EVIDENCE`).
-    `spill`: a table of more than `engine.SPILL_STEPS` steps is kept on disk a range at a time (`Spilled`,
-    which the caller closes). `loaded`: the logs' footers already validated (`load(paths, thorough=False)`),
-    which are then not validated again. `cluster`: the footers and the step ranges are read and aggregated on its
-    workers (`tokaudit._cluster`)."""
-    logset = loaded if loaded is not None else load_logs(paths, started, threads, cluster)
-    shards = list(logset.shards)
-    if only_steps is not None:
-        # Files whose footer statistics put every step outside the range are not read at all.
-        shards = [s for s in shards if s.may_hold(*only_steps)]
-    problems = list(logset.problems)
-    rows = sum(s.rows for s in shards)
-    large = rows > PROGRESS_ROWS
-    if progress and large:
-        progress(f"reading {len(shards)} file(s), {rows:,} rows")
-    while shards:
-        try:
-            engine = Engine.open(shards, only_steps=only_steps, threads=threads,
-                                 extremes=evidence and rows <= EVIDENCE_ROWS, ranges_map=cluster.map if cluster else None)
-            try:
-                steps = engine.step_parts(progress if large else None, spill)
-                if (steps.unusable_values.sum() > 0 if isinstance(steps, pd.DataFrame) else steps.unusable > 0):
-                    unusable = _unusable(engine.unusable_files())
-                    if unusable:
-                        engine.close()
-                        if isinstance(steps, Spilled):
-                            steps.close()
-                        problems.extend(unusable.values())
-                        shards = [s for s in shards if s.path not in unusable]
-                        continue
-                return LogSet(shards, problems), engine, steps
-            except duckdb.Error:
-                engine.close()
-                raise
-        except duckdb.InterruptException:
-            raise KeyboardInterrupt from None  # Ctrl-C inside a query: the user's, never a shard's fault
-        except duckdb.Error as error:
-            broken = _undecodable(shards)
-            if not broken and isinstance(error, duckdb.OutOfMemoryException):
-                # every file decodes: the limit is too small for this log, which is no file's fault
-                raise UsageError(f"DuckDB ran out of memory under its limit ({str(error).splitlines()[0][:200]}); "
-                                 "raise TOKAUDIT_MEMORY_LIMIT (default 512MB) or lower TOKAUDIT_CHUNK_ROWS") from None
-            if not broken:
-                raise LogFormatError(", ".join(s.name for s in shards[:3]),
-                                     f"cannot be aggregated ({str(error).splitlines()[0][:200]})") from None
-            problems.extend(broken.values())
-            shards = [s for s in shards if s.path not in broken]
-    return LogSet(shards, problems), None, pd.DataFrame()
-
-def _unusable(shards: list[Shard]) -> dict[object, LogFormatError]:
-    """The thorough check of the shards the aggregation found a NaN divisor or scale or T < n in: one line each."""
-    found: dict[object, LogFormatError] = {}
-    for shard in shards:
-        try:
-            inspect_shard(shard.path, shard.store, thorough=True)
-        except LogFormatError as error:
-            found[shard.path] = error
-    return found
-
-def _undecodable(shards: list[Shard]) -> dict[object, LogFormatError]:
-    """Shards whose footer reads but whose data pages do not (corruption inside the file)."""
-    broken: dict[object, LogFormatError] = {}
-    for shard in shards:
-        try:
-            pq.read_table(shard.open())
-        except Exception as error:
-            broken[shard.path] = LogFormatError(shard.name, f"corrupt data ({str(error).splitlines()[0][:160]})")
-    return broken
 
 def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol: float = DEFAULT_RTOL,
           runs: Sequence[str] = (), progress: Progress | None = None, live: bool = False,
@@ -196,40 +82,19 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
         return AuditReport(runs=[], findings=[], problems=problems, files=0)
     try:
         parts, names = table_parts(steps), table_runs(steps)
-        spilled_names = None if isinstance(steps, pd.DataFrame) else steps.names
-        present = sorted(str(name) for name in names)
-        if runs:
-            unknown = sorted(set(runs) - set(present))
-            if unknown:
-                raise UsageError(f"no run named {', '.join(map(repr, unknown))} in the logs "
-                                 f"(runs: {', '.join(present)})")
-            present = [run for run in present if run in runs]
+        named = None if isinstance(steps, pd.DataFrame) else steps.names  # on disk: its names, noted as kept
+        present = _asked(names, runs)
         horizon = engine.complete_through() if live else None
         # The checks need only the step table: DuckDB's memory is given back before they run.
         duplicates, precision = engine.duplicates, engine.precision
         engine.close()
         if horizon is not None and progress:
-            left_out = sum(int((~_live(part, horizon)).sum()) for part in selected_runs(parts, present))
+            left_out = sum(int((~live_rows(part, horizon)).sum()) for part in selected_runs(parts, present))
             if left_out:
                 progress(f"--live: left out {left_out} step(s) not yet recorded by every rank")
-        extremes = _Extremes(logset.shards, threads)
-        summaries: list[RunSummary] = []
-        findings: list[Finding] = []
-        dropped = dropped_steps(logset.shards)
-        setups = setups_of(logset.shards)
-        of_run = runs_apart(steps, parts, present)
-        for run in present:
-            lost = dropped.get(run)
-            source = _run_steps(of_run(run), run, horizon, lost, spilled_names)
-            had_steps = source is not None or (
-                lost is not None and _run_steps(of_run(run), run, horizon, None) is not None)
-            run_findings, summary = _audit_run(run, source, lost, had_steps, (rtol, precision.get(run)),
-                                               duplicates.get(run), extremes, ignored, min_ratio, setups.get(run, Provenance()))
-            findings.extend(run_findings)
-            if summary is not None:
-                summaries.append(summary)
-        findings.sort(key=lambda f: (-f.severity.rank, f.run, f.term != UNNAMED, f.term, _CODE_ORDER[f.code], f.steps.first))
-        kept = _kept(parts, present if runs else None, horizon, ordered=isinstance(steps, pd.DataFrame)) \
+        of_run, found, judging = runs_apart(steps, parts, present), (duplicates, precision), (rtol, ignored, min_ratio)
+        summaries, findings = _runs_audited(present, of_run, logset.shards, horizon, named, found, threads, judging)
+        kept = kept_steps(parts, present if runs else None, horizon, ordered=isinstance(steps, pd.DataFrame)) \
             if keep_steps else None
         report = AuditReport(runs=summaries, findings=findings, problems=problems, files=len(logset.shards),
                              steps=kept, ignored=sorted(code.value for code in ignored))
@@ -241,6 +106,50 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
         if isinstance(steps, Spilled):
             steps.close()
 
+def _runs_audited(present: list[str], of_run: Callable[[str], Callable[[], Iterable[pd.DataFrame]]],
+                  shards: list[Shard], horizon: dict[tuple[str, str], int] | None,
+                  names: set[tuple[str, str, str]] | None, found: tuple[dict[str, Duplicates], dict[str, int]],
+                  threads: int | None, judging: tuple[float, set[Code], float | None]
+                  ) -> tuple[list[RunSummary], list[Finding]]:
+    """Each run's summary, and every run's findings, the most severe first. `found`: the repeated keys the
+    aggregation left out and the fewest significant bits, per run (`Engine.duplicates`, `Engine.precision`);
+    `judging`: --rtol, --ignore and --min-ratio."""
+    (duplicates, precision), (rtol, ignored, min_ratio) = found, judging
+    extremes = _Extremes(shards, threads)
+    dropped, setups = dropped_steps(shards), setups_of(shards)
+    summaries: list[RunSummary] = []
+    findings: list[Finding] = []
+    for run in present:
+        run_findings, summary = _audited_run(run, of_run(run), dropped.get(run), horizon, names,
+                                             (rtol, precision.get(run)), duplicates.get(run), extremes,
+                                             ignored, min_ratio, setups.get(run, Provenance()))
+        findings.extend(run_findings)
+        if summary is not None:
+            summaries.append(summary)
+    findings.sort(key=lambda f: (-f.severity.rank, f.run, f.term != UNNAMED, f.term, _CODE_ORDER[f.code], f.steps.first))
+    return summaries, findings
+
+def _asked(names: set[str], runs: Sequence[str]) -> list[str]:
+    """The runs to audit, in order: those asked for (all when none is), each of them in the logs."""
+    present = sorted(str(name) for name in names)
+    if runs:
+        unknown = sorted(set(runs) - set(present))
+        if unknown:
+            raise UsageError(f"no run named {', '.join(map(repr, unknown))} in the logs "
+                             f"(runs: {', '.join(present)})")
+        present = [run for run in present if run in runs]
+    return present
+
+def _audited_run(run: str, parts: Callable[[], Iterable[pd.DataFrame]], lost: DroppedRecords | None,
+                 horizon: dict[tuple[str, str], int] | None, names: set[tuple[str, str, str]] | None,
+                 tolerance: tuple[float, int | None], duplicates: Duplicates | None, extremes: _Extremes,
+                 ignored: set[Code], min_ratio: float | None, provenance: Provenance
+                 ) -> tuple[list[Finding], RunSummary | None]:
+    """`_audit_run` on one run's parts of the table, less the steps that lost records (`lost`)."""
+    source = run_steps(parts, run, horizon, lost, names)
+    had_steps = source is not None or (lost is not None and run_steps(parts, run, horizon, None) is not None)
+    return _audit_run(run, source, lost, had_steps, tolerance, duplicates, extremes, ignored, min_ratio, provenance)
+
 @dataclass(frozen=True)
 class AuditedLog:
     """What an audit was computed from, handed to `audit_started`'s `then` before it is closed."""
@@ -251,13 +160,6 @@ class AuditedLog:
     """The repeated keys the aggregation found and left out (`Engine.duplicates`)."""
     steps: pd.DataFrame | Spilled
     """The step table of every run, whole or on disk a range at a time."""
-
-def _kept(parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str] | None,
-          horizon: dict[tuple[str, str], int] | None, ordered: bool) -> pd.DataFrame:
-    """`keep_steps`' table of these runs (all when None): the same columns whatever the log's size."""
-    kept = _joined([part if horizon is None else part[_live(part, horizon)] for part in selected_runs(parts, runs)],
-                   ordered=ordered)
-    return kept.drop(columns=[c for c in EVIDENCE if c in kept.columns])
 
 def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, had_steps: bool,
                tolerance: tuple[float, int | None], duplicates: Duplicates | None,
@@ -301,81 +203,6 @@ def judged_rtol(rtol: float, bits: int | None) -> float:
     ∂b/∂ℓ), and a ratio of two such weights by 2u = 2^(1−p): 2⁻⁷ in bfloat16, 2⁻¹⁰ in float16, 2⁻²³ in float32
     (below the default --rtol). No wider: a weight off by more than its rounding is a finding, not noise."""
     return rtol if bits is None else max(rtol, 2.0 ** (1 - bits))
-
-def _joined(frames: list[pd.DataFrame], ordered: bool) -> pd.DataFrame:
-    """The parts of a table as one, as `Engine.step_table` joins its ranges: the names as categories, the
-    rows by run, group, term and step. `ordered`: the parts are the engine's whole table (in that order)."""
-    if ordered:
-        return pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0].reset_index(drop=True)
-    table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    if table.empty:
-        return table
-    for column in ("run", "grp", "term"):
-        table[column] = union_categoricals([frame[column].astype(str).astype("category") for frame in frames],
-                                           sort_categories=True)
-    order = np.lexsort((table.step.to_numpy(), table.term.cat.codes, table.grp.cat.codes, table.run.cat.codes))
-    return table.iloc[order].reset_index(drop=True)
-
-def table_parts(table: pd.DataFrame | Spilled) -> Callable[[], Iterable[pd.DataFrame]]:
-    """A step table's parts, read again at every call: a table in memory is one part."""
-    return (lambda: [table]) if isinstance(table, pd.DataFrame) else table.parts
-
-def table_runs(table: pd.DataFrame | Spilled) -> set[str]:
-    """A step table's runs, read from no part of it where it is on disk (its names were noted as it was kept)."""
-    return set(table.run.unique()) if isinstance(table, pd.DataFrame) else {run for run, _, _ in table.names}
-
-def runs_apart(table: pd.DataFrame | Spilled, parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str]
-               ) -> Callable[[str], Callable[[], Iterable[pd.DataFrame]]]:
-    """Per run, its parts of the table (`parts`): a table in memory is split once, by run, so that the checks'
-    many passes over one run each read that run's rows, not the whole table's; one on disk is read as it is."""
-    if not isinstance(table, pd.DataFrame):
-        return lambda run: parts
-    apart = {run: next(selected_runs(parts, [run])) for run in runs}
-    return lambda run: (lambda: [apart[run]])
-
-def selected_runs(parts: Callable[[], Iterable[pd.DataFrame]], runs: list[str] | None) -> Iterator[pd.DataFrame]:
-    """The parts' rows of these runs (all when None): a part of no other run as it is."""
-    for part in parts():
-        mine = None if runs is None else name_ranks(part.run, runs) >= 0  # each distinct name once
-        yield part if mine is None or mine.all() else part[mine].reset_index(drop=True)
-
-def _live(part: pd.DataFrame, horizon: dict[tuple[str, str], int]) -> npt.NDArray[np.bool_]:
-    """`--live`: the rows of steps every rank of their run and group has recorded. Each distinct (run,
-    group) is looked up once: this runs on every part at every pass."""
-    codes, pairs = pd.MultiIndex.from_arrays([part.run, part.grp]).factorize()
-    limit = np.array([horizon.get((str(run), str(group)), -1) for run, group in pairs], dtype=np.int64)
-    keep: npt.NDArray[np.bool_] = part.step.to_numpy() <= limit[codes]
-    return keep
-
-def _run_steps(parts: Callable[[], Iterable[pd.DataFrame]], run: str,
-               horizon: dict[tuple[str, str], int] | None, lost: DroppedRecords | None,
-               names: set[tuple[str, str, str]] | None = None) -> RunSteps | None:
-    """One run's table in parts, its steps not yet complete (`--live`) and those that lost records left out;
-    None when nothing is left. The table itself when it is one part of one run and nothing is left out.
-    `names`: every (run, group, term) of the table, which spares a pass when nothing is left out."""
-    def selected() -> Iterator[pd.DataFrame]:
-        for rows in selected_runs(parts, [run]):
-            keep = np.ones(len(rows), dtype=bool)
-            if horizon is not None:
-                keep &= _live(rows, horizon)
-            if lost:
-                keep &= ~lost.covers(rows)
-            if not keep.all():
-                rows = rows[keep].reset_index(drop=True)
-            if len(rows):
-                yield rows
-
-    groups: set[str] = set()
-    terms: set[str] = set()
-    if names is not None and horizon is None and not lost:
-        groups = {g for r, g, _ in names if r == run}
-        terms = {t for r, _, t in names if r == run}
-    for rows in selected() if not groups else ():
-        groups.update(str(g) for g in rows.grp.unique())
-        terms.update(str(t) for t in rows.term.unique())
-    if not groups:
-        return None
-    return RunSteps(selected, sorted(groups), main_term_first(terms))
 
 @dataclass
 class _Extremes:

@@ -10,7 +10,8 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit._auditing import Progress, load_logs, open_log_parts, open_logs, selected_runs, table_parts, table_runs
+from tokaudit._opening import Progress, load_logs, open_log_parts, open_logs
+from tokaudit._step_parts import selected_runs, table_parts, table_runs
 from tokaudit._checks import RunSteps, loss_terms, main_term_first, one_objective, outside_probe_range, pooled_steps
 from tokaudit.codes import DEFAULT_RTOL
 from tokaudit._engine import Spilled

@@ -122,6 +122,30 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
     `thorough=False` leaves out what only a full read of grad_divisor and grad_scale shows (NaN):
     `load(..., thorough=False)` callers check those values in their aggregation instead."""
     name = _name(path, store)
+    parquet, stored, facts, index = _read_footer(path, store, name)
+    metadata = parquet.metadata
+    present = facts.present
+    record, stats, empty = _footer_values(name, parquet, index, facts, thorough)
+    # the parent folder's name without pathlib's parsing of the path (a fifth of a footer's time)
+    folder = os.path.basename(os.path.dirname(str(path))) if store is None else path.parent.name
+    if folder.endswith(".parquet"):  # a part file of a Spark-style dataset folder: the run is the folder around it
+        folder = os.path.basename(os.path.dirname(os.path.dirname(str(path)))) if store is None else \
+            path.parent.parent.name
+    names = names_of(stats, present, folder)
+    return Shard(path=path, columns=frozenset(present), rows=metadata.num_rows,
+                 default_run=folder, step_range=range_of(stats["step"]), rank_range=range_of(stats["rank"]),
+                 micro_range=range_of(stats["micro"]), world_range=range_of(stats["world_size"]),
+                 divisor_range=bounds_of(stats["grad_divisor"]) if "grad_divisor" in stats else None,
+                 dropped=read_dropped(stored), provenance=read_provenance(stored),
+                 store=store, signature=facts.signature,
+                 names=all_names(names), run_group=run_group_of(names), null_columns=empty,
+                 step_groups=row_group_steps(metadata, index, facts) if record is None else (), record=record)
+
+def _read_footer(path: PurePath, store: Store | None, name: str
+                 ) -> tuple[Footer, dict[bytes, bytes] | None, SchemaFacts, dict[str, int]]:
+    """`inspect_shard`'s file opened: its footer, the footer's key-value pairs, what its schema says and each
+    column's place in the footer. A file that is no readable Parquet file, or whose schema is refused, raises
+    its problem, named `name`."""
     try:
         if store is None:
             parquet = local_footer(name) or Footer(_open(path, store))
@@ -139,6 +163,14 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
         raise LogFormatError(name, f"not a readable Parquet file ({short_error(error)})") from None
     if facts.problem is not None:
         raise LogFormatError(name, facts.problem)
+    return parquet, stored, facts, index
+
+def _footer_values(name: str, parquet: Footer, index: dict[str, int], facts: SchemaFacts, thorough: bool
+                   ) -> tuple[tuple[Any, ...] | None, dict[str, tuple[Any, Any, int | None]], frozenset[str]]:
+    """`inspect_shard`'s values checked: a one-row file's record where its footer gives it exactly (else None),
+    each bounded column's (min, max, null count), and the columns of NULLABLE_COLUMNS with no value. Values no
+    audit can use raise their problem, named `name`."""
+    metadata = parquet.metadata
     present = facts.present
     try:
         record = footer_record(metadata, index, facts.signature)
@@ -157,20 +189,7 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
         raise LogFormatError(name, error.problem) from None
     except Exception as error:
         raise LogFormatError(name, f"cannot read the file's data ({short_error(error)})") from None
-    # the parent folder's name without pathlib's parsing of the path (a fifth of a footer's time)
-    folder = os.path.basename(os.path.dirname(str(path))) if store is None else path.parent.name
-    if folder.endswith(".parquet"):  # a part file of a Spark-style dataset folder: the run is the folder around it
-        folder = os.path.basename(os.path.dirname(os.path.dirname(str(path)))) if store is None else \
-            path.parent.parent.name
-    names = names_of(stats, present, folder)
-    return Shard(path=path, columns=frozenset(present), rows=metadata.num_rows,
-                 default_run=folder, step_range=range_of(stats["step"]), rank_range=range_of(stats["rank"]),
-                 micro_range=range_of(stats["micro"]), world_range=range_of(stats["world_size"]),
-                 divisor_range=bounds_of(stats["grad_divisor"]) if "grad_divisor" in stats else None,
-                 dropped=read_dropped(stored), provenance=read_provenance(stored),
-                 store=store, signature=facts.signature,
-                 names=all_names(names), run_group=run_group_of(names), null_columns=empty,
-                 step_groups=row_group_steps(metadata, index, facts) if record is None else (), record=record)
+    return record, stats, empty
 
 NULLABLE_COLUMNS = frozenset({"token_weight_sum", "token_weight_min", "token_weight_max", "masked_weight_abs_sum",
                               "reported_loss", "sync", "skipped", "positions", "divisor_known",

@@ -126,9 +126,7 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
     `listed`: the findings shown, where --ignore left some of `findings` out (their own verdict gates the exit)."""
     # The run's parts read a block of steps at a time, never a filtered copy of the table (millions of
     # steps) nor a Python float per step. Parts hold disjoint ranges of steps: distinct steps add up.
-    judged = ratio_seen = unbounded = ratios_exist = weighted_any = False
-    ratio = -math.inf
-    q_low, q_high = _Extreme(), _Extreme()
+    weights = _Weights()
     rows = steps = skipped_steps = reported = 0
     ranks, microbatches = -1, -math.inf
     divisors: set[float] = set()
@@ -143,34 +141,10 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
         microbatches = max(microbatches, float(part.microbatches_high.max()))
         both = np.concatenate([distinct(part.divisor_low).astype(float), distinct(part.divisor_high).astype(float)])
         divisors.update(float(d) for d in both[~np.isnan(both)])
-        weighted_all = part.weighted_records.to_numpy() > 0
-        weighted_any = weighted_any or bool(weighted_all.any())
-        tokens_all = _tokens(part, pooled)
-        low_all, high_all = part.token_weight_low.to_numpy(dtype=float), part.token_weight_high.to_numpy(dtype=float)
-        for start in range(0, len(part), SUMMARY_BLOCK):
-            block = slice(start, start + SUMMARY_BLOCK)
-            weighted = weighted_all[block]
-            tokens = tokens_all[block][weighted]
-            judged = judged or bool((tokens > 0).any())
-            low, high = low_all[block][weighted], high_all[block][weighted]
-            positive = low > 0
-            unbounded = unbounded or bool((low <= 0).any())
-            if positive.any():
-                # the heaviest token over the lightest, NaN skipped (pandas' max)
-                ratios_exist = True
-                ratios = weight_ratio(low[positive], high[positive])
-                ratios = ratios[~np.isnan(ratios)]
-                if len(ratios):
-                    ratio_seen, ratio = True, max(ratio, float(ratios.max()))
-            # q = e·N per token: the probe's extremes where recorded, else the records' mean weights
-            for q in (low * tokens, high * tokens):
-                q_low.add(q)
-                q_high.add(-q)
-    max_ratio = (ratio if ratio_seen else math.nan) if ratios_exist else 1.0
-    if unbounded:
-        max_ratio = math.inf
+        weights.add(part, pooled)
+    judged, max_ratio = weights.judged, weights.max_ratio()
     judged_ranks = not any(f.code == Code.RANKS_NOT_RECORDED for f in findings)  # else every N is partial
-    weight_range = (q_low.value(), -q_high.value()) if weighted_any and judged_ranks else None
+    weight_range = (weights.q_low.value(), -weights.q_high.value()) if weights.weighted_any and judged_ranks else None
     main = [s for s in segments if s.term == source.terms[0]]
     return RunSummary(run=run, rows=rows, steps=steps, ranks=ranks + 1, world_size=sorted(sizes), groups=len(source.groups),
                       verdict=verdict_of(findings, judged), normalization=max(main, key=lambda s: s.steps, default=None),
@@ -180,6 +154,49 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
                       terms=source.terms, skipped_steps=skipped_steps, divisors=sorted(divisors),
                       weight_range=weight_range, segments_omitted=omitted, normalization_judged=judged_ranks,
                       reporting=_reporting(findings, reported))
+
+class _Weights:
+    """The token weights of a run's parts, `SUMMARY_BLOCK` steps at a time: whether any step with valid tokens
+    is weighted (`judged`), the heaviest token over the lightest, and the range of q = e·N."""
+
+    def __init__(self) -> None:
+        self.judged = self.ratio_seen = self.unbounded = self.ratios_exist = self.weighted_any = False
+        self.ratio = -math.inf
+        self.q_low, self.q_high = _Extreme(), _Extreme()
+
+    def add(self, part: pd.DataFrame, pooled: bool) -> None:
+        weighted_all = part.weighted_records.to_numpy() > 0
+        self.weighted_any = self.weighted_any or bool(weighted_all.any())
+        tokens_all = _tokens(part, pooled)
+        low_all, high_all = part.token_weight_low.to_numpy(dtype=float), part.token_weight_high.to_numpy(dtype=float)
+        for start in range(0, len(part), SUMMARY_BLOCK):
+            block = slice(start, start + SUMMARY_BLOCK)
+            weighted = weighted_all[block]
+            tokens = tokens_all[block][weighted]
+            self.judged = self.judged or bool((tokens > 0).any())
+            low, high = low_all[block][weighted], high_all[block][weighted]
+            positive = low > 0
+            self.unbounded = self.unbounded or bool((low <= 0).any())
+            if positive.any():
+                # the heaviest token over the lightest, NaN skipped (pandas' max)
+                self.ratios_exist = True
+                ratios = weight_ratio(low[positive], high[positive])
+                ratios = ratios[~np.isnan(ratios)]
+                if len(ratios):
+                    self.ratio_seen, self.ratio = True, max(self.ratio, float(ratios.max()))
+            # q = e·N per token: the probe's extremes where recorded, else the records' mean weights
+            for q in (low * tokens, high * tokens):
+                self.q_low.add(q)
+                self.q_high.add(-q)
+
+    def max_ratio(self) -> float:
+        """The heaviest token over the lightest: 1 where no lightest weight is positive, NaN where no ratio is a
+        number, infinite where a lightest weight is 0 or less."""
+        max_ratio = (self.ratio if self.ratio_seen else math.nan) if self.ratios_exist else 1.0
+        if self.unbounded:
+            max_ratio = math.inf
+        return max_ratio
+
 
 def _tokens(part: pd.DataFrame, pooled: bool) -> Any:
     """Each row's N: its (group, term, step)'s, or, where the terms are `pooled`, its (group, step)'s over them."""

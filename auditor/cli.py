@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import re
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,42 +13,23 @@ import click
 from rich.console import Console
 
 from tokaudit import __version__
-from tokaudit.codes import DEFAULT_RTOL, Severity, code_named
+from tokaudit.codes import DEFAULT_RTOL, code_named
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
-from tokaudit._outputs import (EXIT_BAD_INPUT, EXIT_CLOSED_PIPE, EXIT_FINDINGS, EXIT_OK,
-                               emit, fail, format_for, interrupted, print_rich, problem, rich_text, stderr, wrote)
+from tokaudit._outputs import (EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_OK, emit, fail, format_for, print_rich, problem,
+                               rich_text, stderr, wrote)
 from tokaudit._outputs import run as outputs_run
 from tokaudit._render.text import printable
+from tokaudit._cli_exits import FAIL_ON, Guarded, exit_for_problems, fails
+from tokaudit._cli_inputs import begin_loading, refuse_inputs, step_window
+from tokaudit._cli_progress import reading_progress
 
 if TYPE_CHECKING:
     from tokaudit._auditing import AuditedLog
-    from tokaudit._loading import Loading
     from tokaudit._report import AuditReport
 
 WEIGHT_NAMES = {"grp": "group", "eff": "effective_weight", "q": "q", "eff_min": "effective_weight_min",
                 "eff_max": "effective_weight_max"}
 """`weights` columns under the log schema's names, and q as the table shows it."""
-FAIL_ON = {"error": Severity.ERROR.rank, "inconclusive": Severity.ERROR.rank, "warning": Severity.WARNING.rank,
-           "info": Severity.INFO.rank, "never": 99}
-
-
-def _start_loading(paths: tuple[str, ...], workers: int | None = None) -> Loading:
-    """The validation of the logs' footers started as the audit loads them (`auditing.open_logs`: footers
-    only, a process a core unless `workers` says), before the command imports the auditor (pandas, DuckDB: half a
-    second)."""
-    from tokaudit._loading import cores, start_loading
-
-    started = start_loading(paths, thorough=False, workers=cores() if workers is None else workers)
-    for note in started.notes[:NOTES_SHOWN]:  # what is read from elsewhere is said, never followed in silence
-        click.echo(f"tokaudit: note: {printable(note)}", err=True)  # one unwrapped line, as problem's
-    if len(started.notes) > NOTES_SHOWN:
-        click.echo(f"tokaudit: note: … and {len(started.notes) - NOTES_SHOWN} more links out of the folders given",
-                   err=True)
-    return started
-
-
-NOTES_SHOWN = 5
-"""Links out of the folders given that are named one by one; the rest are counted."""
 
 
 def _drawn_into(figures: dict[str, Any]) -> Callable[[AuditReport, AuditedLog], None]:
@@ -65,68 +44,16 @@ def _drawn_into(figures: dict[str, Any]) -> Callable[[AuditReport, AuditedLog], 
     return draw
 
 
-def _refuse_inputs(output: Path | None, paths: tuple[str, ...]) -> None:
-    """An output that is one of the inputs would overwrite a log shard: refused before anything runs."""
-    if output is None:
-        return
-    from tokaudit._loading import discover
-
-    from tokaudit._storage import is_url
-
-    local = [Path(p) for p in paths if not is_url(p)]  # an output is a local file: no URL can be it
-    target = output.resolve()
-    taken = any(target == p.resolve() for p in local)
-    if not taken and target.name.endswith(".parquet") and target.is_file():
-        # Only a *.parquet file can be found inside an input folder (/dev/null never walks the tree).
-        files, _ = discover(local)
-        taken = any(os.path.samefile(target, f) for f in files)
-    if taken:
-        raise UsageError(f"{output}: is one of the logs being audited; choose another --output")
-
-
 def run() -> None:
     """The `tokaudit` console script (`outputs.run`)."""
     outputs_run(main)
-
-
-class _Guarded(click.Group):
-    """Every failure ends in exit 2 with one line: exit 1 means findings and nothing else."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort, SystemExit):
-            raise
-        except TokauditError as error:
-            fail(error)
-        except KeyboardInterrupt:
-            interrupted()
-        except BrokenPipeError:
-            # the reader went away (| head): nothing left to say, and nothing left to flush at exit
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(EXIT_CLOSED_PIPE)
-        except OSError as error:
-            if ctx.obj and ctx.obj.get("debug"):
-                raise
-            problem(f"{getattr(error, 'filename', None) or 'output'}: {error.strerror or error}")
-            sys.exit(EXIT_BAD_INPUT)
-        except Exception as error:
-            # DuckDB turns a Ctrl-C inside a query into its InterruptException, or a RuntimeError of this text
-            # where a result is being fetched; pyarrow, reading, into ArrowCancelled
-            if type(error).__name__ in ("InterruptException", "ArrowCancelled") or str(error) == "Query interrupted":
-                interrupted()
-            if ctx.obj and ctx.obj.get("debug"):
-                raise
-            problem(f"internal error: {type(error).__name__}: {printable(str(error))[:300]} "
-                     "(rerun with --debug for the traceback, and please report it)")
-            sys.exit(EXIT_BAD_INPUT)
 
 
 # Plain strings: a URL (s3://bucket/runs/) must reach the reader as written, not as a Path.
 PATHS = click.argument("paths", nargs=-1, required=True, type=str)
 
 
-@click.group(cls=_Guarded, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Guarded, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="tokaudit")
 @click.option("--debug", is_flag=True, help="Show the Python traceback of an internal error.")
 @click.pass_context
@@ -187,11 +114,11 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
     Exit 0: nothing at or above --fail-on; 1: findings; 2: bad usage or unreadable input; 130: interrupted
     (Ctrl-C); 141: the output's reader went away (| head).
     """
-    _refuse_inputs(output, paths)
+    refuse_inputs(output, paths)
     fmt = format_for(fmt, output)
     address = None if ray is None else ray or os.environ.get("RAY_ADDRESS") or "auto"
-    with _progress(quiet) as progress:
-        with _start_loading(paths, workers=1 if address else None) as started:
+    with reading_progress(quiet) as progress:
+        with begin_loading(paths, workers=1 if address else None) as started:
             from tokaudit._auditing import audit_started
 
             figures: dict[str, Any] = {}
@@ -205,17 +132,7 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
         problem(line)
     if report.problems:
         sys.exit(EXIT_BAD_INPUT)
-    worst = max((f.severity.rank for f in report.findings), default=-1)
-    # what fails the command: the listed findings' own verdict (an ignored code never fails it)
-    gates = [run.gate_verdict or run.verdict for run in report.runs]
-    if fail_on == "inconclusive":
-        failed = worst >= Severity.ERROR.rank or any(verdict != "correct" for verdict in gates)
-    elif fail_on == "error":
-        # the default: a run reported incorrect never exits 0, whatever the severity of the findings that say so
-        failed = worst >= FAIL_ON[fail_on] or any(verdict == "incorrect" for verdict in gates)
-    else:
-        failed = worst >= FAIL_ON[fail_on]
-    sys.exit(EXIT_FINDINGS if failed else EXIT_OK)
+    sys.exit(EXIT_FINDINGS if fails(report, fail_on) else EXIT_OK)
 
 
 def _render(report: AuditReport, fmt: str, output: Path | None, figures: dict[str, Any]) -> None:
@@ -257,45 +174,6 @@ def _ignored_from() -> str:
     return "--ignore"
 
 
-@contextmanager
-def _progress(quiet: bool) -> Iterator[Callable[[str], None] | None]:
-    """What the audit is reading: on a terminal a transient status line, and one progress bar over the ranges it
-    aggregates ("… (i/n)"); in a pipe or a CI log a few plain lines: the first range, each quarter, the last."""
-    if quiet:
-        yield None
-        return
-    console = stderr()
-    if not console.is_terminal:
-        def line(message: str) -> None:
-            done = _RANGE.search(message)
-            if done is None or _quarter_passed(int(done[1]), int(done[2])):
-                console.print(printable(message), style="dim", markup=False)
-        yield line
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("{task.description}", style="dim"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("reading logs", total=None)
-
-        def show(message: str) -> None:
-            done = _RANGE.search(message)
-            if done is None:
-                bar.update(task, description=printable(message))
-            else:
-                bar.update(task, description="aggregating steps", completed=int(done[1]) - 1, total=int(done[2]))
-        yield show
-
-
-_RANGE = re.compile(r"\((\d+)/(\d+)\)$")
-"""The engine's "aggregating steps a–b (i/n)": range i of n."""
-
-
-def _quarter_passed(index: int, total: int) -> bool:
-    """Whether range `index` of `total` is one a log shows: the first, the last, and the first past each quarter."""
-    return index in (1, total) or (index * 4) // total != ((index - 1) * 4) // total
-
-
 @main.command()
 @PATHS
 @click.option("--step", type=int, required=True, help="Optimizer step to show.")
@@ -304,8 +182,8 @@ def _quarter_passed(index: int, total: int) -> bool:
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Write them here.")
 def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str, output: Path | None) -> None:
     """Per rank and microbatch at one step: n, S, b, c, e and q = e·N (1 when correct)."""
-    _refuse_inputs(output, paths)
-    with _start_loading(paths) as started:
+    refuse_inputs(output, paths)
+    with begin_loading(paths) as started:
         from tokaudit._postmortem import step_weights
 
         try:
@@ -330,7 +208,7 @@ def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str, output
         text = rich_text(lambda console: render_weights(chosen, step, records, probe, console), output)
         if text is not None:
             emit(text, output)
-    _exit_for_problems(problems)
+    exit_for_problems(problems)
 
 
 @main.command()
@@ -351,20 +229,20 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
     objective the optimizer followed (Σe·S)."""
     try:
         for target in (csv_path, plot_path):
-            _refuse_inputs(target, paths)
+            refuse_inputs(target, paths)
         if plot_path is not None:
             from tokaudit._render.plot import check_format
 
             check_format(plot_path)
-        window = _step_range(step_range)
-        with _start_loading(paths) as started:
+        window = step_window(step_range)
+        with begin_loading(paths) as started:
             from tokaudit._postmortem import curve_parts
             from tokaudit._render.curve import curve_views
 
             curve, problems = curve_parts(paths, run, steps=window, started=started)
         if fmt == "json":
             _curve_json(curve, csv_path, plot_path)
-            _exit_for_problems(problems)
+            exit_for_problems(problems)
         from tokaudit._render.console import render_curve_table
 
         console = Console(highlight=False)
@@ -388,7 +266,7 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
     for path in (csv_path, plot_path):
         if path is not None:
             wrote(str(path))
-    _exit_for_problems(problems)
+    exit_for_problems(problems)
 
 
 def _curve_json(curve: Any, csv_path: Path | None, plot_path: Path | None) -> None:
@@ -411,26 +289,6 @@ def _curve_json(curve: Any, csv_path: Path | None, plot_path: Path | None) -> No
         click.echo("\n]}")
     finally:
         curve.close()
-
-
-STEP_LIMIT = (1 << 63) - 1
-
-
-def _step_range(text: str | None) -> tuple[int, int] | None:
-    """--steps FIRST:LAST, either end open, as (first, last)."""
-    if text is None:
-        return None
-    first, colon, last = text.partition(":")
-    try:
-        if not colon:
-            raise ValueError
-        low = int(first) if first.strip() else 0
-        high = int(last) if last.strip() else STEP_LIMIT
-    except ValueError:
-        raise UsageError(f"--steps {text}: expected FIRST:LAST, such as 1000:2000, 1000: or :2000") from None
-    if not 0 <= low <= high <= STEP_LIMIT:
-        raise UsageError(f"--steps {text}: the first step must be at least 0 and at most the last")
-    return low, high
 
 
 @main.command()
@@ -486,13 +344,7 @@ def sync(folder: Path | None) -> None:
         wrote(synced.destination, f" ({synced.records} records)")
     if not done and not failed:
         stderr().print(f"nothing to sync in {printable(str(folder or spool_folder()))}", markup=False)
-    _exit_for_problems(failed)
-
-
-def _exit_for_problems(problems: list[LogFormatError]) -> None:
-    for error in problems:
-        problem(str(error))
-    sys.exit(EXIT_BAD_INPUT if problems else EXIT_OK)
+    exit_for_problems(failed)
 
 
 if __name__ == "__main__":

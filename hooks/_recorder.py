@@ -6,7 +6,6 @@ import atexit
 import math
 import os
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -14,25 +13,25 @@ from typing import Any
 
 import torch
 
-from tokaudit.hooks._amp import ScalerWatch
-from tokaudit.hooks._attach import AccelerateWatch, from_accelerator, torch_optimizer, user_stacklevel, version_of, wrap_method
+from tokaudit.hooks._attach import AccelerateWatch, from_accelerator, torch_optimizer, version_of
 from tokaudit.hooks._buffer import RecordBuffer
 from tokaudit.hooks._record import UNTRAINED, Record, detached, never_trained, new_record
 from tokaudit.hooks._columns import Value, check_arguments, positive
 from tokaudit.hooks._identity import Placement
 from tokaudit.hooks._output import ShardOutput, Stamp
-from tokaudit.hooks._capture import NOTHING_CAPTURED, capture_cross_entropy, probe_into
+from tokaudit.hooks._capture import capture_cross_entropy, probe_into
 from tokaudit.hooks._pipeline import watch_schedule
 from tokaudit.hooks._probe import ProbeResult, Recomputations, in_backward
 from tokaudit.hooks._signals import on_termination, run_deferred
 from tokaudit.hooks._terms import CapturedCalls, Footprint, OpenCall
+from tokaudit.hooks._recorder_steps import UpdateTracking
 from tokaudit.hooks.trackers import AuditLoop, announcing, start_line
 
 DEFAULT_FLUSH_EVERY = 4096
 DEFAULT_FLUSH_SECONDS = 60.0
 
 
-class Recorder:
+class Recorder(UpdateTracking):
     """Records what decides the token-loss objective, per rank and per microbatch (docs/recording.md): per
     microbatch `rec.probe(per_token_loss, valid)` then `rec.record(loss_sum=, valid_tokens=, backward_scalar=)`.
 
@@ -53,11 +52,7 @@ class Recorder:
         self._init_buffer()
         self._capture: AbstractContextManager[None] | None = None
         self._handles: list[Any] = []
-        self._flush_every = int(positive(flush_every, DEFAULT_FLUSH_EVERY, "flush_every", self.warn_once, whole=True))
-        # A shard at least every flush_seconds while records wait, so that a live audit sees the run (None: never).
-        self._flush_seconds = None if flush_seconds is None else \
-            positive(flush_seconds, DEFAULT_FLUSH_SECONDS, "flush_seconds", self.warn_once)
-        self._flush_due = math.inf if self._flush_seconds is None else time.monotonic() + self._flush_seconds
+        self._init_flushes(flush_every, flush_seconds)
         model, optimizer, scaler = from_accelerator(accelerator, model, optimizer, scaler)
         self._accelerator = accelerator
         self._accelerate: AccelerateWatch | None = None
@@ -68,9 +63,30 @@ class Recorder:
                                         "torch.optim.Optimizer inside it); every backward is recorded as its own "
                                         "update unless you call rec.begin_step()/rec.end_step()")
         self._init_steps(grad_scale)
-        self._scaler: ScalerWatch | None = None
-        self._output = ShardOutput(log_dir, run_id, self._flush_every, self.warn_once)
+        self._scaler = None
         announce = announcing(announce)  # global rank 0 says where the shards go, and the verdict at close()
+        self._init_output(log_dir, run_id, group, model, grad_divisor, announce)
+        if accelerator is not None:
+            self.provenance.update(trainer="accelerate", trainer_version=version_of("accelerate"))
+        # Global rank 0 audits the run for experiment trackers in a background thread (tokaudit.hooks.trackers).
+        self._audits = AuditLoop.create(self.log_dir, self.run_id, trackers, audit_every, accelerator, self.warn_once,
+                                        announce)
+        self._attach(scaler, schedule)
+        atexit.register(self.close)
+        on_termination(self)
+
+    def _init_flushes(self, flush_every: int, flush_seconds: float | None) -> None:
+        """When a shard is written: every `flush_every` records, and every `flush_seconds` while records wait."""
+        self._flush_every = int(positive(flush_every, DEFAULT_FLUSH_EVERY, "flush_every", self.warn_once, whole=True))
+        # A shard at least every flush_seconds while records wait, so that a live audit sees the run (None: never).
+        self._flush_seconds = None if flush_seconds is None else \
+            positive(flush_seconds, DEFAULT_FLUSH_SECONDS, "flush_seconds", self.warn_once)
+        self._flush_due = math.inf if self._flush_seconds is None else time.monotonic() + self._flush_seconds
+
+    def _init_output(self, log_dir: str | os.PathLike[str], run_id: str | None, group: Any, model: Any,
+                     grad_divisor: float | None, announce: bool) -> None:
+        """Where the shards go, and who writes them: the rank, W and D, read at the first record."""
+        self._output = ShardOutput(log_dir, run_id, self._flush_every, self.warn_once)
         self._placement = Placement(group, model, grad_divisor, self.warn_once,
                                     start_line(self._output.log_dir, self._output.run_id) if announce else None)
         self._closed = self._closed or not self._output.usable
@@ -78,11 +94,9 @@ class Recorder:
         """Where the shards go: a local folder, or a URL on object storage (s3://bucket/runs/exp1)."""
         self.run_id: str = self._output.run_id
         self.provenance = self._output.provenance  # in every shard's footer; integrations name their trainer
-        if accelerator is not None:
-            self.provenance.update(trainer="accelerate", trainer_version=version_of("accelerate"))
-        # Global rank 0 audits the run for experiment trackers in a background thread (tokaudit.hooks.trackers).
-        self._audits = AuditLoop.create(self.log_dir, self.run_id, trackers, audit_every, accelerator, self.warn_once,
-                                        announce)
+
+    def _attach(self, scaler: Any, schedule: Any) -> None:
+        """Hook the model, the optimizer, the GradScaler, the accelerator and the pipeline schedule."""
         # Nothing the recorder cannot hook stops the training: each hook that fails warns and the
         # recording goes on without it.
         for name, attach in (("model", self._hook_model), ("optimizer", self._hook_optimizer),
@@ -93,8 +107,6 @@ class Recorder:
             except Exception as error:
                 self.warn_once(f"hook-{name}", f"tokaudit: cannot hook the {name} ({error!r}); recording goes "
                                                "on without it")
-        atexit.register(self.close)
-        on_termination(self)
 
     def _init_buffer(self) -> None:
         """The records held until the next flush, and where their values are packed."""
@@ -103,17 +115,6 @@ class Recorder:
         self._pending_probe: ProbeResult | None = None
         self._calls = CapturedCalls()
         self._recomputed = Recomputations()
-
-    def _init_steps(self, grad_scale: float | None) -> None:
-        """Where the next record goes: the update and microbatch counters, the open calls and the scale."""
-        self._grad_scale = grad_scale
-        self._forward_sync: bool | None = None
-        self._step = self._step_records = self._capturing = 0
-        self._closed_step: int | None = None
-        self._auto_closed: int | None = None
-        self._micro_next: dict[str, int] = {}
-        self._active_term: str | None = None
-        self._steps_known = self._optimizer is not None  # else until begin_step/end_step is called
 
     @property
     def rank(self) -> int:
@@ -163,54 +164,35 @@ class Recorder:
         """
         if self._closed or self._paused:
             return
-        if self._audits is not None:
-            at = step if isinstance(step, int) else self._step
-            if self._audits.due(at):
-                self.flush(wait_for_backward=True)  # every rank: the audit reads the steps before this one whole
-                self._audits.start(at)
+        self._audit_if_due(step)
         try:
             self._placement.resolve(self._model, lambda: self._accelerate is not None and self._accelerate.wraps_ddp())
             term = str(term) if term is not None else (self._active_term or "0")
-            check_arguments(step, micro, loss_sum=loss_sum, valid_tokens=valid_tokens, backward_scalar=backward_scalar,
-                            positions=positions, reported_loss=reported_loss, grad_scale=grad_scale)
-            if step is None:
-                step = self._step
-                if not self._steps_known and self._micro_next.get(term, 0) > 0:
-                    # No step boundaries known: every backward of a term is its own update.
-                    self._advance()
-                    step = self._step
-                self._step_records += 1  # records of the open update: its end may still mark them skipped
+            values: dict[str, Value] = dict(loss_sum=loss_sum, valid_tokens=valid_tokens, backward_scalar=backward_scalar,
+                                            positions=positions, reported_loss=reported_loss, grad_scale=grad_scale)
+            check_arguments(step, micro, **values)
             probe = self._pending_probe
             deferred = micro is None and _captured and probe is not None
-            if deferred:
-                micro = -1  # a captured call takes its index when its backward runs (an evaluation never does)
-            else:
-                if micro is None:
-                    micro = self._micro_next.get(term, 0) if step == self._step else 0
-                if step == self._step:
-                    self._micro_next[term] = micro + 1
-            entry = self._entry(step, micro, term, loss_sum, valid_tokens, backward_scalar, positions,
-                                reported_loss, skipped, grad_scale, probe, _captured)
-            if deferred:
-                assert probe is not None
-                entry.call_group, entry.named = self._calls.group, self._active_term is not None
-                probe.on_fill = lambda: self._calls.filled(entry)
-            self._buffer.add(entry)
-            self._recomputed.recorded(entry)
-            if self._scaler is not None and self._scaler.enabled() and entry.loss_scale is None:
-                self._scaler.await_scale(entry)  # before the scaler's first scale(): filled then
-            self._pending_probe = None
-            if len(self._buffer) >= self._flush_every or time.monotonic() >= self._flush_due:
-                self.flush(wait_for_backward=True)
+            step, micro = self._numbered(term, step, micro, deferred)
+            entry = self._entry(step, micro, term, skipped, probe, _captured, **values)
+            self._hold(entry, probe, deferred)
         except Exception as error:
             self._pending_probe = None
             self._output.note_dropped(step if isinstance(step, int) else self._step, 1)
             self.warn_once("record", f"tokaudit: a record was dropped ({error}); it is noted in the log as a "
                                      "dropped record, and training goes on")
 
-    def _entry(self, step: int, micro: int, term: str, loss_sum: Value, valid_tokens: Value, backward_scalar: Value,
-               positions: Value, reported_loss: Value, skipped: bool | None, grad_scale: Value,
-               probe: ProbeResult | None, captured: bool) -> Record:
+    def _audit_if_due(self, step: int | None) -> None:
+        """Start rank 0's audit for the trackers where one is due at this record."""
+        if self._audits is not None:
+            at = step if isinstance(step, int) else self._step
+            if self._audits.due(at):
+                self.flush(wait_for_backward=True)  # every rank: the audit reads the steps before this one whole
+                self._audits.start(at)
+
+    def _entry(self, step: int, micro: int, term: str, skipped: bool | None, probe: ProbeResult | None,
+               captured: bool, *, loss_sum: Value, valid_tokens: Value, backward_scalar: Value, positions: Value,
+               reported_loss: Value, grad_scale: Value) -> Record:
         """One record as held until its shard is written: each value a snapshot, the loss scale and sync now."""
         scaler = self._scaler if self._scaler is not None and self._scaler.enabled() else None
         sync = self._forward_sync if self._forward_sync is not None else \
@@ -221,6 +203,20 @@ class Recorder:
                           loss_scale=scaler.current() if scaler is not None else None,
                           prescaled=scaler is not None and scaler.is_scaled(backward_scalar),
                           sync=sync, probe=probe, captured=captured, accelerate=self._accelerate)
+
+    def _hold(self, entry: Record, probe: ProbeResult | None, deferred: bool) -> None:
+        """Buffer `entry` until its shard is written, and write one when it is due."""
+        if deferred:
+            assert probe is not None
+            entry.call_group, entry.named = self._calls.group, self._active_term is not None
+            probe.on_fill = lambda: self._calls.filled(entry)
+        self._buffer.add(entry)
+        self._recomputed.recorded(entry)
+        if self._scaler is not None and self._scaler.enabled() and entry.loss_scale is None:
+            self._scaler.await_scale(entry)  # before the scaler's first scale(): filled then
+        self._pending_probe = None
+        if len(self._buffer) >= self._flush_every or time.monotonic() >= self._flush_due:
+            self.flush(wait_for_backward=True)
 
     @contextmanager
     def loss_term(self, name: str) -> Iterator[None]:
@@ -289,16 +285,6 @@ class Recorder:
         """The next captured call opens a microbatch, whatever came before it (a pipeline schedule's loss_fn)."""
         self._calls.open = []
 
-    def begin_step(self, step: int) -> None:
-        """The next records belong to update `step` (a trainer's global step: a resumed run numbers on)."""
-        self._steps_known = True
-        self._auto_closed = None
-        if step != self._step:
-            self._step = step
-            self._micro_next = {}
-            self._step_records = 0
-            self._pack()
-
     def report_loss(self, value: Value, step: int | None = None) -> None:
         """The loss the trainer reported for `step`, stamped on its buffered records as `reported_loss`.
         Default: the update under way when it holds records already (a loss logged after backward, before
@@ -308,24 +294,6 @@ class Recorder:
         snapshot = detached(value)  # one copy for the update's records
         for record in self._buffer.at(step):
             self._buffer.set_value(record, "reported_loss", snapshot)
-
-    def end_step(self, skipped: bool | None = None) -> None:
-        """Close the current optimizer update (the optimizer's step hook calls it when one is given).
-
-        `skipped=True` marks this update's records as skipped: by policy (N = 0), or because an
-        inf/NaN guard or the GradScaler did not step. With `optimizer=` or `scaler=`, skipped
-        updates are found without this call.
-        """
-        self._steps_known = True
-        if self._auto_closed is not None and not self._step_records:
-            # zero_grad or the scaler already closed this skipped update: say it, do not close another.
-            if skipped is not None:
-                self._buffer.mark_skipped(self._auto_closed, skipped)
-            self._auto_closed = None
-            return
-        if skipped is not None:
-            self._buffer.mark_skipped(self._step, skipped)
-        self._advance()
 
     def flush(self, wait_for_backward: bool = False) -> None:
         """Write buffered records to a new shard. With `wait_for_backward` (the automatic flush),
@@ -386,76 +354,6 @@ class Recorder:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # ---------------------------------------------------------------- internals: steps
-
-    def _close_skipped(self) -> None:
-        closed = self._step
-        self.end_step(skipped=True)
-        self._auto_closed = closed
-
-    def _advance(self) -> None:
-        self._auto_closed = None
-        self._step += 1
-        self._micro_next = {}
-        self._step_records = 0
-        self._calls.open = []
-        if not self._packs_at_zero_grad or len(self._buffer.unpacked) > PACK_AT_ADVANCE:
-            self._pack()  # no optimizer's zero_grad to wait for (or one this loop never calls)
-
-    def _pack(self) -> None:
-        """Pack what no longer changes (`RecordBuffer.pack`). Called after the optimizer's zero_grad where it
-        is watched (the gradients just freed, the heap at its lowest), else when an update closes."""
-        try:
-            self._buffer.pack(self._step)
-        except Exception as error:  # the values stay tensors: nothing is lost
-            self.warn_once("pack", f"tokaudit: could not pack an update's values ({error!r}); they are kept as "
-                                   "they are, and training goes on")
-
-    def _on_optimizer_step(self) -> None:
-        if self._capturing and not self._step_records and "compiled" not in self._warned:  # no capture saw its loss
-            self.warn_once("invisible", f"tokaudit: optimizer step {self._step}: {NOTHING_CAPTURED}")
-        self._closed_step = self._step
-        self.end_step()
-
-    def _on_scaler_update(self, found_inf: torch.Tensor | None) -> None:
-        """GradScaler.update(), once per update after step(): a step with records that no
-        optimizer step closed was skipped; a fused optimizer steps anyway, and found_inf says it."""
-        try:
-            if self._step_records:
-                self._close_skipped()
-            elif self._closed_step is not None and found_inf is not None:
-                self._buffer.mark_skipped(self._closed_step, found_inf > 0)
-            self._closed_step = None
-        except Exception as error:
-            self.warn_once("scaler", f"tokaudit: could not read the GradScaler's update ({error!r})")
-
-    def _watch_zero_grad(self, optimizer: Any) -> None:
-        def around(original: Any) -> Any:
-            def zero_grad(*args: Any, **kwargs: Any) -> Any:
-                try:
-                    self._on_zero_grad()
-                except Exception as error:
-                    self.warn_once("zero_grad", f"tokaudit: could not follow zero_grad ({error!r})")
-                cleared = original(*args, **kwargs)
-                self._pack()  # the gradients freed: the heap at its lowest in the step
-                return cleared
-            return zero_grad
-
-        self._handles.append(wrap_method(optimizer, "zero_grad", around))  # close() gives it back
-        self._packs_at_zero_grad = True
-
-    def _on_zero_grad(self) -> None:
-        """Gradients cleared while this update holds backpropagated records and no optimizer step
-        closed it: the update was skipped (an inf/NaN guard). Records whose backward is still to
-        come (a trainer that clears before the first backward) move to the next update."""
-        if not self._step_records:
-            return
-        current = list(self._buffer.at(self._step))
-        if not any(r.backpropagated for r in current):
-            return
-        self._close_skipped()
-        self._step_records += self._buffer.carry_over(current, self._step, self._micro_next)
-
     # ---------------------------------------------------------------- internals: identity, shards
 
     def _hook_model(self) -> None:
@@ -463,20 +361,6 @@ class Recorder:
             # DDP decides at forward time whether this backward all-reduces, so read the flag there.
             self._handles.append(self._model.register_forward_pre_hook(
                 lambda module, _: setattr(self, "_forward_sync", bool(module.require_backward_grad_sync))))
-
-    def _hook_optimizer(self) -> None:
-        if self._optimizer is None:
-            return
-        try:
-            self._handles.append(self._optimizer.register_step_post_hook(lambda *_: self._on_optimizer_step()))
-        except Exception:
-            self._optimizer = None
-            self._steps_known = False
-            raise
-        self._watch_zero_grad(self._optimizer)
-
-    def _hook_scaler(self, scaler: Any) -> None:
-        self._scaler = None if scaler is None else ScalerWatch(scaler, self._on_scaler_update)
 
     def _hook_accelerator(self) -> None:
         if self._accelerator is not None:
@@ -489,12 +373,3 @@ class Recorder:
     def _stamp(self) -> Stamp:
         who, placement = self._placement.who(), self._placement
         return Stamp(who.rank, who.world_size, who.group, self.run_id, placement.grad_divisor, placement.divisor_known)
-
-    def warn_once(self, key: str, message: str) -> None:  # the integrations warn through it; training goes on
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
-
-
-PACK_AT_ADVANCE = 64
-"""Records left unpacked after which an update's close packs them, where zero_grad is watched but not called."""

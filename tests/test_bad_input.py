@@ -296,6 +296,7 @@ def test_a_log_that_changes_while_it_is_audited_is_one_line(tmp_path: Path, monk
     import duckdb
 
     import tokaudit._auditing as auditing
+    import tokaudit._opening as opening
 
     write_by_rank(tmp_path / "run", records(UNEVEN, local_mean))
     real = auditing.extremes_at
@@ -306,7 +307,7 @@ def test_a_log_that_changes_while_it_is_audited_is_one_line(tmp_path: Path, monk
         return real(shards, step, threads).iloc[0:0]
 
     monkeypatch.setattr(auditing, "extremes_at", changed)
-    monkeypatch.setattr(auditing, "EVIDENCE_ROWS", 0)  # as a log too large to aggregate every step's evidence
+    monkeypatch.setattr(opening, "EVIDENCE_ROWS", 0)  # as a log too large to aggregate every step's evidence
     result = CliRunner().invoke(main, ["check", str(tmp_path / "run")])
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.startswith("tokaudit: error:")]

@@ -181,7 +181,7 @@ def test_curve_of_a_window_reads_only_the_shards_that_can_hold_it(tmp_path: Path
                                                                    ) -> None:
     """curve --steps: the window's rows are the whole curve's rows for those steps, read from the shards
     whose footers overlap it and aggregated a range at a time as the whole log would be."""
-    import tokaudit._auditing as auditing
+    import tokaudit._opening as opening
 
     counts = [[[3, 1], [0, 4]], [[2, 2], [5, 1]], [[1, 1], [1, 6]]] * 20  # 60 steps
     rows = records(counts, local_mean)
@@ -192,13 +192,13 @@ def test_curve_of_a_window_reads_only_the_shards_that_can_hold_it(tmp_path: Path
     whole_csv, window_csv = tmp_path / "whole.csv", tmp_path / "window.csv"
     assert invoke("curve", str(tmp_path / "run"), "--csv", str(whole_csv))[0] == 0
     read: list[int] = []
-    original = auditing.Engine.open
+    original = opening.Engine.open
 
     def counting(shards: list, *args: object, **kwargs: object) -> object:
         read.append(len(shards))
         return original(shards, *args, **kwargs)
 
-    monkeypatch.setattr(auditing.Engine, "open", counting)
+    monkeypatch.setattr(opening.Engine, "open", counting)
     monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "20")  # several ranges inside the window
     code, out, err = invoke("curve", str(tmp_path / "run"), "--steps", "15:33", "--csv", str(window_csv))
     assert code == 0, err
@@ -328,9 +328,9 @@ def test_two_folders_holding_one_run_id_are_two_runs(tmp_path: Path, monkeypatch
     # the evidence of a finding is read again from that folder's files alone
     (finding,) = [f for f in json.loads(out)["findings"] if f["run"] == str(tmp_path / "b" / "exp1")]
     assert finding["code"] == "local_mean" and finding["evidence"].get("heaviest")
-    import tokaudit._auditing as auditing
+    import tokaudit._opening as opening
 
-    monkeypatch.setattr(auditing, "EVIDENCE_ROWS", 0)  # as a large log: the evidence step read again, alone
+    monkeypatch.setattr(opening, "EVIDENCE_ROWS", 0)  # as a large log: the evidence step read again, alone
     assert invoke("check", str(tmp_path), "--format", "json")[1] == out
 
 

@@ -289,7 +289,7 @@ def test_the_python_api(tmp_path: Path) -> None:
 
 
 def test_progress_goes_to_stderr_and_quiet_silences_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("tokaudit._auditing.PROGRESS_ROWS", 1)
+    monkeypatch.setattr("tokaudit._opening.PROGRESS_ROWS", 1)
     logs = write_by_rank(tmp_path / "run", records(UNEVEN, token_mean))
     code, out, err = invoke("check", str(logs), "--format", "json")
     assert code == 0 and "reading 2 file(s)" in err and json.loads(out)
@@ -448,7 +448,7 @@ def test_in_a_pipe_the_aggregation_says_a_few_lines_however_many_ranges(tmp_path
 
     log = write_by_rank(tmp_path / "long", records([[[2], [3]]] * 400, token_mean), steps_per_file=10)
     monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "20")
-    monkeypatch.setattr("tokaudit._auditing.PROGRESS_ROWS", 1)  # progress is said for logs of a million rows and up
+    monkeypatch.setattr("tokaudit._opening.PROGRESS_ROWS", 1)  # progress is said for logs of a million rows and up
     code, _, err = invoke("check", str(log))
     said = [line for line in err.splitlines() if line.startswith("aggregating")]
     total = int(said[-1].rsplit("/", 1)[-1].rstrip(")"))

@@ -15,9 +15,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-LAYERS = ("errors", "_schema", "codes", "_recipes", "_settings", "_storage", "_sorting", "_validation", "_footers", "_reader", "_spool", "_loading",
-          "_engine", "_cluster", "_normalization", "_report", "_checks", "_summary", "_auditing", "_postmortem", "_figures", "_explain",
-          "_render", "testing", "_outputs", "cli", "__main__")
+LAYERS = ("errors", "_schema", "codes", "_recipes", "_settings", "_storage", "_sorting", "_validation", "_footers", "_reader", "_spool", "_discovery", "_loading",
+          "_engine", "_cluster", "_opening", "_normalization", "_report", "_checks", "_summary", "_step_parts", "_auditing", "_postmortem", "_figures", "_explain",
+          "_render", "testing", "_outputs", "_cli_exits", "_cli_inputs", "_cli_progress", "cli",
+          "__main__")
 """The auditor's modules and subpackages, lowest first: each may import those before it."""
 
 UPWARD = {("tokaudit._report", "tokaudit._render.markdown"):
@@ -206,7 +207,7 @@ def test_no_import_cycle_within_a_layer_in_the_hooks_or_through_a_package() -> N
 
 
 HOOK_LAYERS = ("_columns", "_fix", "_amp", "_probe", "_record", "_attach", "_identity", "_signals", "_shards", "_uploads", "_output",
-               "_buffer", "_terms", "_capture", "_pipeline", "trackers", "_recorder", "", "_trl_trainers", "huggingface",
+               "_buffer", "_terms", "_capture", "_pipeline", "trackers", "_recorder_steps", "_recorder", "", "_trl_trainers", "huggingface",
                "lightning")
 """The hooks' modules, lowest first ("": the package's __init__, `tokaudit.hooks`): each imports only those before it."""
 

@@ -42,6 +42,7 @@ def test_evidence_from_the_one_query_is_the_evidence_of_each_step_aggregated_alo
     one query; a large one aggregates a finding's step again alone (`engine.extremes_at`). Both give the
     same report on the recorded DDP runs, and the small log's audit aggregates no step again."""
     import tokaudit._auditing as auditing
+    import tokaudit._opening as opening
     from tokaudit._render.json_report import render_json
 
     calls: list[int] = []
@@ -54,7 +55,7 @@ def test_evidence_from_the_one_query_is_the_evidence_of_each_step_aggregated_alo
     monkeypatch.setattr(auditing, "extremes_at", counted)
     one_query = auditing.audit(SAMPLE_LOGS, keep_steps=True)
     assert not calls
-    monkeypatch.setattr(auditing, "EVIDENCE_ROWS", 0)
+    monkeypatch.setattr(opening, "EVIDENCE_ROWS", 0)
     alone = auditing.audit(SAMPLE_LOGS, keep_steps=True)
     assert calls  # the weighting findings' steps, read again
     assert any("heaviest" in f.evidence for f in one_query.findings)

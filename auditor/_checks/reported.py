@@ -178,24 +178,13 @@ def reported_findings(source: RunSteps, run: str, rtol: float, main_term: str,
     if found.first is None:
         return
     first, bad_steps, bad_count = found.first, found.steps, found.count
-    all_next, all_previous, all_local, any_local = found.all_next, found.all_previous, found.all_local, found.any_local
+    all_local, any_local = found.all_local, found.any_local
     true_value = float(first.loss / first.tokens)
     evidence = {"step": int(first.step), "reported": float(first.reported_high), "token_mean": true_value,
                 "mean_of_local_means": float(first.mean_of_local_means), "rounding": rounding}
     context = RunContext(run=run, term=main_term, world_size=0, world_sizes=(), microbatches=0, divisor=0.0, rtol=rtol)
-    if (all_next or all_previous) and not any_local and bad_count > 1:
-        # reported[s] = ΣS/N of s + 1 (or s − 1) at every step that differs: a loss stamped on the update beside
-        # its own, as report_loss() did by default when called before optimizer.step() closed the update
-        neighbour = "next" if all_next else "previous"
-        theirs = float(first.next_mean if all_next else first.previous_mean)
-        evidence[f"token_mean_of_the_{neighbour}_step"] = theirs
-        yield make_finding(context, Code.REPORTED_LOSS_SHIFTED, bad_steps,
-                       f"The reported loss is the token mean ΣS/N of the {neighbour} step, not its own, in all "
-                       f"{bad_count} step(s) where it differs (step {int(first.step)}: reported "
-                       f"{float(first.reported_high):.6g}, its own ΣS/N {true_value:.6g}, the {neighbour} step's "
-                       f"{theirs:.6g}): the losses are right, recorded one update {'early' if all_next else 'late'}.",
-                       "give the step the loss belongs to (rec.report_loss(value, step=...)), or report it "
-                       "after optimizer.step() for the update just closed", evidence)
+    if (found.all_next or found.all_previous) and not any_local and bad_count > 1:
+        yield _shifted_finding(found, context, evidence, true_value)
         return
     if all_local:
         what = "the mean of per-rank means, not the token mean"
@@ -209,3 +198,21 @@ def reported_findings(source: RunSteps, run: str, rtol: float, main_term: str,
                    f"local means {float(first.mean_of_local_means):.6g}).",
                    "report all_reduce(Σ S)/all_reduce(Σ n) over the step from detached sums and counts",
                    evidence)
+
+
+def _shifted_finding(found: _Differing, context: RunContext, evidence: dict[str, Any], true_value: float) -> Finding:
+    """reported_loss_shifted: every step that differs (two or more) carries the token mean of the step after it,
+    or every one that of the step before."""
+    first, bad_steps, bad_count, all_next = found.first, found.steps, found.count, found.all_next
+    # reported[s] = ΣS/N of s + 1 (or s − 1) at every step that differs: a loss stamped on the update beside
+    # its own, as report_loss() did by default when called before optimizer.step() closed the update
+    neighbour = "next" if all_next else "previous"
+    theirs = float(first.next_mean if all_next else first.previous_mean)
+    evidence[f"token_mean_of_the_{neighbour}_step"] = theirs
+    return make_finding(context, Code.REPORTED_LOSS_SHIFTED, bad_steps,
+                        f"The reported loss is the token mean ΣS/N of the {neighbour} step, not its own, in all "
+                        f"{bad_count} step(s) where it differs (step {int(first.step)}: reported "
+                        f"{float(first.reported_high):.6g}, its own ΣS/N {true_value:.6g}, the {neighbour} step's "
+                        f"{theirs:.6g}): the losses are right, recorded one update {'early' if all_next else 'late'}.",
+                        "give the step the loss belongs to (rec.report_loss(value, step=...)), or report it "
+                        "after optimizer.step() for the update just closed", evidence)

@@ -12,8 +12,9 @@ import pandas as pd
 from tokaudit._checks.base import Check, Extremes, RunContext, RunSteps, TermInputs, column_of, world_sizes
 from tokaudit._checks.miscount import without_miscounted
 from tokaudit._checks.objective import OneObjective, one_objective
+from tokaudit._checks.probe import ProbeCheck, per_sequence_first
 from tokaudit._checks.reported import reported_findings
-from tokaudit._checks.structure import DivisorCheck, MissingRanksCheck, ProbeCheck, StructureCheck, SyncCheck, ValuesCheck, WeightPresenceCheck, duplicates_finding, not_recorded_finding, per_sequence_first, ranks_not_recorded
+from tokaudit._checks.structure import DivisorCheck, MissingRanksCheck, StructureCheck, SyncCheck, ValuesCheck, WeightPresenceCheck, duplicates_finding, not_recorded_finding, ranks_not_recorded
 from tokaudit._checks.weighting import BalancedCheck, FactorTable, WeightingCheck
 from tokaudit._engine import Duplicates, one_value
 from tokaudit._normalization import Decisions, FitBlock, Span, Spans, block_fits, span_rows
@@ -57,18 +58,38 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
         return [not_recorded_finding(run, source, absent)], [], 0
     findings: list[Finding] = []
     spans: list[Span] = []
-    omitted = 0
-    terms = source.terms
-    # W over every term: read with the main term's first pass when it is the only one.
-    sizes: set[int] | None = None if len(terms) == 1 else {w for block in source.blocks() for w in world_sizes(block)}
-    reported = len(terms) > 1
     if objective is None:
         objective = one_objective(source, rtol)
     if objective is not None:
         findings.extend(objective.findings(run, rtol))
         spans.extend(objective.spans)
+    term_findings, term_spans, omitted, reported = _check_terms(source, run, rtol, extremes, provenance,
+                                                                judged=objective is None)
+    findings.extend(term_findings)
+    spans.extend(term_spans)
+    if reported:
+        findings.extend(reported_findings(source, run, rtol, source.terms[0], pooled=objective is not None))
+    if duplicates is not None:
+        findings.append(duplicates_finding(duplicates, run))
+    if miscounted:
+        findings.append(miscounted.finding(run))
+    return findings, spans, omitted
+
+
+def _check_terms(source: RunSteps, run: str, rtol: float, extremes: Extremes | None, provenance: Provenance,
+                 judged: bool) -> tuple[list[Finding], list[Span], int, bool]:
+    """Every loss term's checks (`_check_term`), in the terms' order: their findings, spans and spans left out,
+    and whether the reported losses are to be checked (several terms, or a step with a reported loss). Without
+    `judged` (the terms are one objective) no term's weighting is judged alone."""
+    findings: list[Finding] = []
+    spans: list[Span] = []
+    omitted = 0
+    terms = source.terms
+    # W over every term: read with the main term's first pass when it is the only one.
+    sizes: set[int] | None = None if len(terms) == 1 else {w for block in source.blocks() for w in world_sizes(block)}
+    reported = len(terms) > 1
     for term in terms:
-        decisions, shape = _first_pass(source, term, rtol, judged=objective is None)
+        decisions, shape = _first_pass(source, term, rtol, judged=judged)
         if not shape.blocks:
             continue  # every step of the term was left out (count_mismatch)
         if sizes is None:
@@ -79,13 +100,7 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
         findings.extend(term_findings)
         spans.extend(listed)
         omitted += left_out
-    if reported:
-        findings.extend(reported_findings(source, run, rtol, terms[0], pooled=objective is not None))
-    if duplicates is not None:
-        findings.append(duplicates_finding(duplicates, run))
-    if miscounted:
-        findings.append(miscounted.finding(run))
-    return findings, spans, omitted
+    return findings, spans, omitted, reported
 
 
 def _first_pass(source: RunSteps, term: str, rtol: float, judged: bool) -> tuple[Decisions | None, _Shape]:

@@ -84,6 +84,8 @@ FINITE_VALID = """isfinite(loss_sum) AND coalesce(isfinite(backward_scalar), tru
             AND coalesce(isfinite(token_weight_max), true) AND coalesce(isfinite(masked_weight_abs_sum), true)
             AND isfinite(grad_scale) AND isfinite(grad_divisor) AND coalesce(isfinite(eff), true)"""
 
+# The declarations are tables, a row a line: the formatter leaves them as written.
+# fmt: off
 # Per-record weights e are only defined for valid records (n > 0) with every value finite.
 TERMS = (
     *(Term(name, "the record's own") for name in (
@@ -250,6 +252,7 @@ STEP_COLUMNS = (
 )
 """In the table's order. M = 1 where a (rank, step) holds one record, so e·n_r = e·n·M = e·n exactly (×1 and the
 count's conversion to double change no bit) and e·N_m = e·N."""
+# fmt: on
 
 EVIDENCE = tuple(column.name for column in STEP_COLUMNS if column.evidence)
 """Where each step's heaviest and lightest token were: only a finding's evidence step reads them, so they are

@@ -21,9 +21,12 @@ import pyarrow as pa
 
 from tokaudit._engine.connection import DEFAULT_MEMORY_LIMIT, connect, half_limit, settings_from_environment
 from tokaudit._engine.ranges import CHUNK_ROWS, RangesMap, RangeTask, step_ranges
-from tokaudit._engine.columns import EVIDENCE, STEP_COLUMN_BY_NAME, STEP_COLUMNS, UNUSABLE_RECORD
-from tokaudit._engine.sql import FETCHED_TYPES, RANK_WEIGHTS_SQL, absent_values, aliases, constants, footer_table, one_name_of, one_record_form, select_records, sql_string, step_sql, valueless_columns
-from tokaudit._engine.tables import FILES_NAMED, SPILL_STEPS, Duplicates, Spilled, add_duplicates, scratch_folder, categorical, constant_of, join_columns, reorder
+from tokaudit._engine.columns import EVIDENCE, UNUSABLE_RECORD
+from tokaudit._engine.sql import COMPLETE_THROUGH_SQL, RANK_WEIGHTS_SQL, RECORDS_AT_SQL, absent_values, aliases
+from tokaudit._engine.sql import constants, footer_table, one_name_of
+from tokaudit._engine.sql import one_record_form, select_records, sql_string, step_sql, valueless_columns
+from tokaudit._engine.tables import FILES_NAMED, SPILL_STEPS, Duplicates, Spilled, add_duplicates, finished
+from tokaudit._engine.tables import note_precision, scratch_folder, join_columns, reorder
 from tokaudit._reader import Shard
 from tokaudit._storage import object_dataset
 
@@ -90,7 +93,6 @@ class Engine:
         this one's views leave out the same records without aggregating every step again."""
         environment_memory, environment_chunk = settings_from_environment()
         memory_limit = memory_limit or environment_memory
-        links: Path | None = None
         connection = connect({"memory_limit": memory_limit, "temp_directory": tempfile.gettempdir(),
                                "preserve_insertion_order": False})
         try:
@@ -102,39 +104,51 @@ class Engine:
             engine = cls(connection=connection, shards=list(shards), duplicates=dict(duplicates or {}),
                          chunk_rows=chunk_rows or environment_chunk, only_steps=only_steps, extremes=extremes,
                          threads=count, memory_limit=memory_limit, ranges_map=ranges_map)
-            here = os.getcwd()
-            for index, shard in enumerate(engine.shards):
-                # Path.absolute() without pathlib's parsing (a third of a second at 10,000 shards).
-                name = os.path.join(here, shard.path) if shard.store is None else f"remote/{index:08d}.parquet"
-                if shard.store is None and not _PLAIN_PATH.match(name):
-                    if engine.links is None:
-                        engine.links = links = scratch_folder("tokaudit-shards-")
-                    link = engine.links / f"{index:08d}.parquet"
-                    os.symlink(name, link)
-                    name = str(link)
-                elif shard.store is not None and shard.record is None:
-                    # On object storage DuckDB scans the file through pyarrow (no httpfs extension, no
-                    # local copy): one Arrow dataset per shard, streamed with the columns and steps asked.
-                    connection.register(f"remote_{index}", object_dataset(shard.store, str(shard.path)))
-                    engine.remote_views[id(shard)] = f"remote_{index}"
-                engine.link_names[id(shard)] = name
-            # Among duplicates the later published wins: the later launch (the one whose first shard came after
-            # the other's, -1 for a file that does not say), then the later file of it.
-            launches = [-1 if s.provenance.launch is None else s.provenance.launch for s in engine.shards]
-            published = sorted(range(len(engine.shards)), key=lambda i: (launches[i], i))
-            order = pa.table({"filename": [engine.link_names[id(engine.shards[i])] for i in published],
-                              "file_index": pa.array(range(len(published)), pa.int64())})
-            connection.register("file_order_source", order)
-            connection.execute("CREATE TEMP TABLE file_order AS SELECT * FROM file_order_source")
-            connection.unregister("file_order_source")
+            try:
+                engine._name_files()
+                engine._order_files()
+            except BaseException:
+                if engine.links is not None:
+                    shutil.rmtree(engine.links, ignore_errors=True)
+                raise
             # The views are defined when first read (`_whole`, the ranges of `step_table`): a view of
             # many thousand files takes long to write and bind, and the ranges replace it at once.
             return engine
         except BaseException:
             connection.close()
-            if links is not None:
-                shutil.rmtree(links, ignore_errors=True)
             raise
+
+    def _name_files(self) -> None:
+        """Each shard's name for DuckDB: its absolute path, a plainly named link to it (`links`) where the path holds
+        a character DuckDB could read as a pattern, or the view over its Arrow dataset on object storage."""
+        here = os.getcwd()
+        for index, shard in enumerate(self.shards):
+            # Path.absolute() without pathlib's parsing (a third of a second at 10,000 shards).
+            name = os.path.join(here, shard.path) if shard.store is None else f"remote/{index:08d}.parquet"
+            if shard.store is None and not _PLAIN_PATH.match(name):
+                if self.links is None:
+                    self.links = scratch_folder("tokaudit-shards-")
+                link = self.links / f"{index:08d}.parquet"
+                os.symlink(name, link)
+                name = str(link)
+            elif shard.store is not None and shard.record is None:
+                # On object storage DuckDB scans the file through pyarrow (no httpfs extension, no
+                # local copy): one Arrow dataset per shard, streamed with the columns and steps asked.
+                self.connection.register(f"remote_{index}", object_dataset(shard.store, str(shard.path)))
+                self.remote_views[id(shard)] = f"remote_{index}"
+            self.link_names[id(shard)] = name
+
+    def _order_files(self) -> None:
+        """The table `file_order`: each file's place in the order of publication. Among duplicates the later
+        published wins: the later launch (the one whose first shard came after the other's, -1 for a file that
+        does not say), then the later file of it."""
+        launches = [-1 if s.provenance.launch is None else s.provenance.launch for s in self.shards]
+        published = sorted(range(len(self.shards)), key=lambda i: (launches[i], i))
+        order = pa.table({"filename": [self.link_names[id(self.shards[i])] for i in published],
+                          "file_index": pa.array(range(len(published)), pa.int64())})
+        self.connection.register("file_order_source", order)
+        self.connection.execute("CREATE TEMP TABLE file_order AS SELECT * FROM file_order_source")
+        self.connection.unregister("file_order_source")
 
     def _whole(self) -> None:
         """The views over every shard (deduplicated when `step_table` found repeated keys): what the
@@ -339,42 +353,7 @@ class Engine:
         absent = absent_values(shards) if self.prune else frozenset()
         self.last_query = step_sql(one_record, self.extremes, names is not None, absent)
         table: dict[str, Any] = self.connection.execute(self.last_query).fetchnumpy()
-        return self._finish(table, names, aliases(one_record, absent), constants(one_record, absent))
-
-    def _finish(self, table: dict[str, Any], names: tuple[str, str, str] | None, held: dict[str, str],
-                literal: dict[str, np.ndarray]) -> dict[str, Any]:
-        """A range's fetched columns as the step table holds them, in the declared order: the names as categories
-        (the one name of `names` when the query left them out), NULLs as NaN, constants as one value (`literal`'s,
-        from `sql.constants`, never fetched), and one array for a column that is another's (`held`, from
-        `sql.aliases`)."""
-        rows = len(table["step"])
-        if names is not None:
-            # The one name of each column, as the categories `categorical` makes of it.
-            table.update({column: pd.Categorical.from_codes(np.zeros(rows, dtype=np.int8), categories=pd.Index([name]))
-                          for column, name in zip(("run", "grp", "term"), names)})
-        for name, values in table.items():
-            if name in ("run", "grp", "term"):
-                if names is None:
-                    table[name] = categorical(values)
-                continue
-            if isinstance(values, np.ma.MaskedArray):
-                # A column with NULLs (no record of the step said): NaN, which compares and sums as the
-                # checks expect; a count becomes float64 for it.
-                values = np.ma.filled(values.astype(np.float64), np.nan) if values.mask.any() else np.asarray(values.data)
-            if values.dtype == np.float64:
-                # −0.0 + 0.0 is 0.0: which zero the extreme of tied 0.0 and −0.0 is depends on the order the
-                # records came in (DuckDB keeps the last of equals, in its scan's or its hash table's order),
-                # and so would the report's; the table holds 0.0 for both.
-                values = np.add(values, 0.0, out=values if values.flags.writeable else None)
-            # A constant column is held as its one value from here on: the ranges wait for `join_columns` with
-            # about half their columns taking no memory.
-            constant = constant_of([values])
-            table[name] = values if constant is None else constant
-        for name, value in literal.items():  # as a fetched column of that value would be held
-            table[name] = np.broadcast_to(value, (rows,)) if rows > 1 else \
-                np.repeat(value, rows) if rows else np.zeros(0, dtype=FETCHED_TYPES[STEP_COLUMN_BY_NAME[name].type])
-        order = ["run", "grp", "term", "step", *(c.name for c in STEP_COLUMNS if c.name in table or c.name in held)]
-        return {name: table[held.get(name, name)] for name in order}
+        return finished(table, names, aliases(one_record, absent), constants(one_record, absent))
 
     def unusable_files(self) -> list[Shard]:
         """The shards holding a NaN grad_divisor or grad_scale, or fewer positions than valid tokens (after
@@ -387,15 +366,7 @@ class Engine:
     def records_at(self, run: str, step: int) -> pd.DataFrame:
         """Every record of one step of one run, with c, e and q = e·N."""
         self._whole()
-        return self.connection.execute("""
-            SELECT grp, term, rank, micro, world_size, valid_tokens, loss_sum, backward_scalar, grad_divisor,
-                   grad_scale, eff * grad_divisor / grad_scale AS implied_weight, eff,
-                   eff * sum(valid_tokens) OVER (PARTITION BY grp, term) AS q,
-                   token_weight_min * grad_scale / grad_divisor AS eff_min,
-                   token_weight_max * grad_scale / grad_divisor AS eff_max,
-                   sync, reported_loss
-            FROM records WHERE run = ? AND step = ? ORDER BY grp, term, rank, micro
-        """, [run, step]).df()
+        return self.connection.execute(RECORDS_AT_SQL, [run, step]).df()
 
     def rank_weights(self, rows: int, columns: int, pooled: Sequence[str] = ()) -> pd.DataFrame:
         """Per run, q = e·N of its valid records in a grid of at most `rows` rank rows by `columns` step columns
@@ -417,11 +388,7 @@ class Engine:
         """Per (run, group): the last step that every rank has recorded. Steps after it are still
         being written when the log is read during training (ranks flush at different times)."""
         self._whole()
-        rows = self.connection.execute("""
-            SELECT run, grp, min(last_step) FROM (
-                SELECT run, grp, rank, max(step) AS last_step FROM raw_records GROUP BY run, grp, rank)
-            GROUP BY run, grp
-        """).fetchall()
+        rows = self.connection.execute(COMPLETE_THROUGH_SQL).fetchall()
         return {(str(run), str(group)): int(step) for run, group, step in rows}
 
     def close(self) -> None:
@@ -440,15 +407,6 @@ def aggregate_range(task: RangeTask) -> tuple[dict[str, Any], dict[str, Duplicat
     finally:
         engine.close()
 
-
-def note_precision(precision: dict[str, int], table: dict[str, Any]) -> None:
-    """The fewest significant bits (`precision_bits_low`) of each run of a range's table, folded into `precision`."""
-    runs, bits = table["run"], np.asarray(table["precision_bits_low"], dtype=np.float64)
-    for code in np.unique(runs.codes):
-        fewest = np.fmin.reduce(bits[runs.codes == code])  # NaN: no record of the run says
-        if not np.isnan(fewest):
-            run = str(runs.categories[code])
-            precision[run] = min(precision.get(run, 64), int(fewest))
 
 def extremes_at(shards: Sequence[Shard], step: int, threads: int | None = None) -> pd.DataFrame:
     """The EVIDENCE columns of one step, a row per (run, grp, term): the step aggregated again, alone, from the

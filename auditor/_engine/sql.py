@@ -9,7 +9,8 @@ from dataclasses import replace
 import numpy as np
 import pyarrow as pa
 
-from tokaudit._engine.columns import PARTIALS, STEP_COLUMN_BY_NAME, STEP_COLUMNS, TERMS, WEIGHT, WIDE_MICRO, Level, Partial, StepColumn
+from tokaudit._engine.columns import PARTIALS, STEP_COLUMN_BY_NAME, STEP_COLUMNS, TERMS, WEIGHT, WIDE_MICRO, Level
+from tokaudit._engine.columns import Partial, StepColumn
 from tokaudit._footers import footer_type
 from tokaudit._reader import NULLABLE_COLUMNS, Shard
 from tokaudit._schema import COLUMNS_BY_NAME, UNNAMED
@@ -27,7 +28,7 @@ def step_sql(one_record: bool, evidence: bool = False, one_name: bool = False, a
     record is microbatch 0 of a rank below 64 (`one_record_form`), so a (rank, step) holds one record (unless a key
     is repeated): the per-rank values are then a projection of the records, aggregated in the one grouping by
     step, instead of a hash table of every (rank, step). `evidence`: with the EVIDENCE columns. `one_name`: every record has one (run, group, term),
-    which the query then leaves out (`Engine._finish` adds it). `absent`: what no record holds (`absent_values`):
+    which the query then leaves out (`tables.finished` adds it). `absent`: what no record holds (`absent_values`):
     a column that reads only that is its declared `absent` value, not computed. `declared`: the columns (all but to
     time a query without some, `bench/columns.py`), with the per-rank and per-microbatch values they read.
 
@@ -43,37 +44,51 @@ def step_sql(one_record: bool, evidence: bool = False, one_name: bool = False, a
     terms = _listed((t.expression or t.name, t.name) for t in TERMS)
     ctes = [f"rec AS (\n    SELECT {key} AS k, {names}\n        {terms}\n    FROM records)",
             f"weighted AS (\n    SELECT *, {WEIGHT.expression} AS {WEIGHT.name}\n    FROM rec)"]
-    if one_record:
-        projected = [p for p in partials if p.level is Level.RANK and p.one_record]
-        aggregated = [c for c in columns if not c.one_record and not _gone(c, absent)]
-        ctes += [f"per_rank AS (\n    SELECT *, {_listed((p.one_record, p.name) for p in projected)}\n    FROM weighted)",
-                 f"step_level AS (\n    SELECT k, {kept}step,\n        "
-                 f"{_listed((c.single or c.aggregate, c.name) for c in aggregated)}\n"
-                 "    FROM per_rank GROUP BY k, step)"]
-        joined = "step_level"
-    else:
-        def level(name: str, rows: str, of: Level) -> str:
-            aggregates = [(c.aggregate, c.name) for c in columns if c.level is of and not _gone(c, absent)]
-            return (f"{name} AS (\n    SELECT k, {kept if of is Level.STEP else ''}step,\n        "
-                    f"{_listed(aggregates)}\n    FROM {rows} GROUP BY k, step)")
+    more, joined = (_projected(columns, partials, absent, kept) if one_record
+                    else _grouped(columns, partials, absent, kept))
+    return ("WITH " + ",\n".join(ctes + more) + f"\nSELECT {names}step,\n    {_selected(columns, one_record, absent)}\n"
+            f"FROM {joined}\nORDER BY step\n")
 
-        def partial(name: str, of: Level, by: str) -> str:
-            return (f"{name} AS (\n    SELECT k, step, {by},\n        "
-                    f"{_listed((p.aggregate, p.name) for p in partials if p.level is of)}\n"
-                    f"    FROM weighted GROUP BY k, step, {by})")
+def _projected(columns: list[StepColumn], partials: list[Partial], absent: frozenset[str], kept: str
+               ) -> tuple[list[str], str]:
+    """The one-record form's CTEs after `weighted`, and what the final SELECT reads: the per-rank values a projection
+    of each record, every column aggregated in the one grouping by step."""
+    projected = [p for p in partials if p.level is Level.RANK and p.one_record]
+    aggregated = [c for c in columns if not c.one_record and not _gone(c, absent)]
+    return [f"per_rank AS (\n    SELECT *, {_listed((p.one_record, p.name) for p in projected)}\n    FROM weighted)",
+            f"step_level AS (\n    SELECT k, {kept}step,\n        "
+            f"{_listed((c.single or c.aggregate, c.name) for c in aggregated)}\n"
+            "    FROM per_rank GROUP BY k, step)"], "step_level"
 
-        ctes.append(level("step_level", "weighted", Level.STEP))
-        joined = "step_level"
-        for of, by, join in ((Level.RANK, "rank", "JOIN"), (Level.MICRO, "micro", "LEFT JOIN")):
-            if any(c.level is of and not _gone(c, absent) for c in columns):  # (bench/columns.py drops levels)
-                ctes += [partial(of.value, of, by), level(f"{by}_level", of.value, of)]
-                joined += f" {join} {by}_level USING (k, step)"
+def _grouped(columns: list[StepColumn], partials: list[Partial], absent: frozenset[str], kept: str
+             ) -> tuple[list[str], str]:
+    """The general form's CTEs after `weighted`, and what the final SELECT reads: a grouping by step, and one by
+    (step, rank) and by (step, microbatch) reduced again by step, joined."""
+    def level(name: str, rows: str, of: Level) -> str:
+        aggregates = [(c.aggregate, c.name) for c in columns if c.level is of and not _gone(c, absent)]
+        return (f"{name} AS (\n    SELECT k, {kept if of is Level.STEP else ''}step,\n        "
+                f"{_listed(aggregates)}\n    FROM {rows} GROUP BY k, step)")
+
+    def partial(name: str, of: Level, by: str) -> str:
+        return (f"{name} AS (\n    SELECT k, step, {by},\n        "
+                f"{_listed((p.aggregate, p.name) for p in partials if p.level is of)}\n"
+                f"    FROM weighted GROUP BY k, step, {by})")
+
+    ctes, joined = [level("step_level", "weighted", Level.STEP)], "step_level"
+    for of, by, join in ((Level.RANK, "rank", "JOIN"), (Level.MICRO, "micro", "LEFT JOIN")):
+        if any(c.level is of and not _gone(c, absent) for c in columns):  # (bench/columns.py drops levels)
+            ctes += [partial(of.value, of, by), level(f"{by}_level", of.value, of)]
+            joined += f" {join} {by}_level USING (k, step)"
+    return ctes, joined
+
+def _selected(columns: list[StepColumn], one_record: bool, absent: frozenset[str]) -> str:
+    """The final SELECT's columns: each computed one (its declared type where it has one), its `absent` value or
+    its one-record expression; not those held beside the query (`aliases`, `constants`)."""
     held = {**aliases(one_record, absent), **constants(one_record, absent)}
     outputs = [(c.absent if _gone(c, absent) else c.one_record if one_record and c.one_record else c.name, c)
                for c in columns if c.name not in held]
-    selected = ",\n    ".join(f"CAST({value} AS {c.type}) AS {c.name}" if c.type
-                               else (c.name if value == c.name else f"{value} AS {c.name}") for value, c in outputs)
-    return "WITH " + ",\n".join(ctes) + f"\nSELECT {names}step,\n    {selected}\nFROM {joined}\nORDER BY step\n"
+    return ",\n    ".join(f"CAST({value} AS {c.type}) AS {c.name}" if c.type
+                          else (c.name if value == c.name else f"{value} AS {c.name}") for value, c in outputs)
 
 def _listed(pairs: Iterable[tuple[str, str]]) -> str:
     """`expression AS name`, one a line (a record's own column by its name alone)."""
@@ -86,7 +101,7 @@ FETCHED_TYPES: dict[str | None, type[np.generic]] = {"INTEGER": np.int32, "BIGIN
 
 def constants(one_record: bool, absent: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
     """Columns whose value in this form is a literal (an `absent` 0 or NULL, a `one_record` 1): the query leaves
-    them out and `Engine._finish` holds the value, as one element of the type a fetched column of it would have
+    them out and `tables.finished` holds the value, as one element of the type a fetched column of it would have
     (a NULL as float64's NaN, as a fetched column of NULLs becomes; a count as its declared integer)."""
     found = {}
     for c in STEP_COLUMNS:
@@ -100,7 +115,7 @@ def constants(one_record: bool, absent: frozenset[str] = frozenset()) -> dict[st
 
 def aliases(one_record: bool, absent: frozenset[str] = frozenset()) -> dict[str, str]:
     """Columns that are another column's very array in this form (a `one_record` or `absent` value that names a
-    column): the query leaves them out and `Engine._finish` holds the one array for both."""
+    column): the query leaves them out and `tables.finished` holds the one array for both."""
     found = {c.name: c.absent for c in STEP_COLUMNS if _gone(c, absent) and c.absent in STEP_COLUMN_BY_NAME}
     if one_record:
         found.update({c.name: c.one_record for c in STEP_COLUMNS if c.one_record in STEP_COLUMN_BY_NAME})
@@ -208,3 +223,21 @@ GROUP BY ALL ORDER BY v.run, row, col
 """
 """Per run, q = e·N in cells of rank rows and step columns (`Engine.rank_weights`; parameters $rows, $columns and
 $pooled, the runs whose terms are one token mean)."""
+
+RECORDS_AT_SQL = """
+SELECT grp, term, rank, micro, world_size, valid_tokens, loss_sum, backward_scalar, grad_divisor,
+       grad_scale, eff * grad_divisor / grad_scale AS implied_weight, eff,
+       eff * sum(valid_tokens) OVER (PARTITION BY grp, term) AS q,
+       token_weight_min * grad_scale / grad_divisor AS eff_min,
+       token_weight_max * grad_scale / grad_divisor AS eff_max,
+       sync, reported_loss
+FROM records WHERE run = ? AND step = ? ORDER BY grp, term, rank, micro
+"""
+"""Every record of one step of one run (parameters: run, step), with c, e and q = e·N (`Engine.records_at`)."""
+
+COMPLETE_THROUGH_SQL = """
+SELECT run, grp, min(last_step) FROM (
+    SELECT run, grp, rank, max(step) AS last_step FROM raw_records GROUP BY run, grp, rank)
+GROUP BY run, grp
+"""
+"""Per (run, group): the last step every rank has recorded (`Engine.complete_through`)."""

@@ -16,6 +16,8 @@ import numpy as np
 import pandas as pd
 from pandas.api.types import union_categoricals
 
+from tokaudit._engine.columns import STEP_COLUMN_BY_NAME, STEP_COLUMNS
+from tokaudit._engine.sql import FETCHED_TYPES
 from tokaudit.errors import UsageError
 
 
@@ -237,3 +239,47 @@ def add_duplicates(target: dict[str, Duplicates], found: dict[str, Duplicates]) 
     """Count repeated keys found in another range, per run, as `Engine.duplicates`."""
     for run, duplicates in found.items():
         target[run] = target[run] + duplicates if run in target else duplicates
+
+def finished(table: dict[str, Any], names: tuple[str, str, str] | None, held: dict[str, str],
+             literal: dict[str, np.ndarray]) -> dict[str, Any]:
+    """A range's fetched columns as the step table holds them, in the declared order: the names as categories
+    (the one name of `names` when the query left them out), NULLs as NaN, constants as one value (`literal`'s,
+    from `sql.constants`, never fetched), and one array for a column that is another's (`held`, from
+    `sql.aliases`)."""
+    rows = len(table["step"])
+    if names is not None:
+        # The one name of each column, as the categories `categorical` makes of it.
+        table.update({column: pd.Categorical.from_codes(np.zeros(rows, dtype=np.int8), categories=pd.Index([name]))
+                      for column, name in zip(("run", "grp", "term"), names)})
+    for name, values in table.items():
+        if name in ("run", "grp", "term"):
+            if names is None:
+                table[name] = categorical(values)
+            continue
+        if isinstance(values, np.ma.MaskedArray):
+            # A column with NULLs (no record of the step said): NaN, which compares and sums as the
+            # checks expect; a count becomes float64 for it.
+            values = np.ma.filled(values.astype(np.float64), np.nan) if values.mask.any() else np.asarray(values.data)
+        if values.dtype == np.float64:
+            # −0.0 + 0.0 is 0.0: which zero the extreme of tied 0.0 and −0.0 is depends on the order the
+            # records came in (DuckDB keeps the last of equals, in its scan's or its hash table's order),
+            # and so would the report's; the table holds 0.0 for both.
+            values = np.add(values, 0.0, out=values if values.flags.writeable else None)
+        # A constant column is held as its one value from here on: the ranges wait for `join_columns` with
+        # about half their columns taking no memory.
+        constant = constant_of([values])
+        table[name] = values if constant is None else constant
+    for name, value in literal.items():  # as a fetched column of that value would be held
+        table[name] = np.broadcast_to(value, (rows,)) if rows > 1 else \
+            np.repeat(value, rows) if rows else np.zeros(0, dtype=FETCHED_TYPES[STEP_COLUMN_BY_NAME[name].type])
+    order = ["run", "grp", "term", "step", *(c.name for c in STEP_COLUMNS if c.name in table or c.name in held)]
+    return {name: table[held.get(name, name)] for name in order}
+
+def note_precision(precision: dict[str, int], table: dict[str, Any]) -> None:
+    """The fewest significant bits (`precision_bits_low`) of each run of a range's table, folded into `precision`."""
+    runs, bits = table["run"], np.asarray(table["precision_bits_low"], dtype=np.float64)
+    for code in np.unique(runs.codes):
+        fewest = np.fmin.reduce(bits[runs.codes == code])  # NaN: no record of the run says
+        if not np.isnan(fewest):
+            run = str(runs.categories[code])
+            precision[run] = min(precision.get(run, 64), int(fewest))

@@ -5,7 +5,9 @@ The one entry point is `Decisions`: the run's decisions from two passes over the
 (`Decisions.of`), then any block's diagnoses (`Decisions.diagnose`), which is how the checks read them.
 """
 
-from tokaudit._normalization.vocabulary import DENOMINATOR_FACTS, LOCAL_DENOMINATORS, Denominator, StepKind, FactorKind, FORMULA, PREFERENCE, RECORD_BOUNDS, FactorExplanation, KINDS, DENOMINATORS, Diagnoses
+from tokaudit._normalization.vocabulary import DENOMINATOR_FACTS, LOCAL_DENOMINATORS, Denominator, StepKind, FactorKind
+from tokaudit._normalization.vocabulary import FORMULA, PREFERENCE, RECORD_BOUNDS, FactorExplanation, KINDS
+from tokaudit._normalization.vocabulary import DENOMINATORS, Diagnoses
 from tokaudit._normalization.fits import close, cluster, ClusterStarts, BLOCK_STEPS, FitBlock, block_fits
 from tokaudit._normalization.decisions import Decisions
 from tokaudit._normalization.factors import resolvable_integer, explain_factor

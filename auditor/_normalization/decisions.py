@@ -18,6 +18,26 @@ from tokaudit._normalization.vocabulary import DENOMINATORS, Denominator, Diagno
 from tokaudit._sorting import SortedColumn
 
 
+def _first_pass(first: Iterable[FitBlock], rtol: float
+                ) -> tuple[list[SortedColumn], npt.NDArray[np.bool_], Confusion, bool]:
+    """What `Decisions.of` reads of the blocks the first time: per candidate its α over the steps it fits (in memory
+    up to `sorting.RUN_VALUES`, past that on disk) and whether it fits a step N does not; what `Confusion` asks;
+    and whether some step's weights are uniform with q = e·N not within rtol of 1."""
+    candidates = len(PREFERENCE)
+    alphas = [SortedColumn() for _ in range(candidates)]
+    beyond_token_mean = np.zeros(candidates, dtype=bool)
+    confusion = Confusion(rtol)
+    may_be_off = False
+    for found in first:
+        for c in range(candidates):
+            alphas[c].add(found.alphas[found.fits[:, c], c])
+        beyond_token_mean |= (found.fits & ~found.fits[:, :1]).any(axis=0)
+        confusion.add(found)
+        with np.errstate(invalid="ignore"):
+            may_be_off = may_be_off or bool((found.fits[:, 0] & ~(np.abs(found.distortion - 1.0) <= rtol)).any())
+    return alphas, beyond_token_mean, confusion, may_be_off
+
+
 @dataclass
 class Decisions:
     """What a run decides as a whole and every step then reads: the vote's hypotheses, the ones it picked
@@ -59,18 +79,7 @@ class Decisions:
         count of each signature; the cover runs over those counts. `world_sizes()`: the run's W, asked
         after `first` is read (a mean × W is a plain reading, as α = 1 is)."""
         candidates = len(PREFERENCE)
-        # a candidate's α over the steps it fits, in memory up to `sorting.RUN_VALUES`, past that on disk
-        alphas = [SortedColumn() for _ in range(candidates)]
-        beyond_token_mean = np.zeros(candidates, dtype=bool)
-        confusion = Confusion(rtol)
-        may_be_off = False
-        for found in first:
-            for c in range(candidates):
-                alphas[c].add(found.alphas[found.fits[:, c], c])
-            beyond_token_mean |= (found.fits & ~found.fits[:, :1]).any(axis=0)
-            confusion.add(found)
-            with np.errstate(invalid="ignore"):
-                may_be_off = may_be_off or bool((found.fits[:, 0] & ~(np.abs(found.distortion - 1.0) <= rtol)).any())
+        alphas, beyond_token_mean, confusion, may_be_off = _first_pass(first, rtol)
         voters: list[int] = []
         anchors: dict[int, Floats] = {}
         first_hypothesis: dict[int, int] = {}

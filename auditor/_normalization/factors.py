@@ -6,7 +6,8 @@ import math
 from collections.abc import Iterable
 
 from tokaudit._normalization.fits import close
-from tokaudit._normalization.vocabulary import FactorExplanation, FactorKind, LOSS_SCALE_MIN_EXPONENT, MAX_WORLD_SIZE, RESOLVABLE
+from tokaudit._normalization.vocabulary import FactorExplanation, FactorKind, LOSS_SCALE_MIN_EXPONENT, MAX_WORLD_SIZE
+from tokaudit._normalization.vocabulary import RESOLVABLE
 
 
 def resolvable_integer(value: float, rtol: float) -> int | None:

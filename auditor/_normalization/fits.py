@@ -10,7 +10,8 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit._engine import one_value
-from tokaudit._normalization.vocabulary import APPROXIMATE_MARGIN, APPROXIMATE_SPREAD, LOCAL_DENOMINATORS, Denominator, Floats, PREFERENCE, RECORD_BOUNDS
+from tokaudit._normalization.vocabulary import APPROXIMATE_MARGIN, APPROXIMATE_SPREAD, LOCAL_DENOMINATORS, Denominator
+from tokaudit._normalization.vocabulary import Floats, PREFERENCE, RECORD_BOUNDS
 from tokaudit._sorting import SortedColumn, at_positions, middle, middle_positions
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 from rich import box
 from rich.console import Console
@@ -15,8 +16,9 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from tokaudit._render.text import factor_text, finding_counts, many, printable, q_range_text, ratio_text, reported_note, steps_text, verdict_counts
-from tokaudit._report import AuditReport, RunSummary
+from tokaudit._render.text import factor_text, finding_counts, many, printable, q_range_text, ratio_text, reported_note
+from tokaudit._render.text import steps_text, verdict_counts
+from tokaudit._report import AuditReport, Finding, RunSummary
 
 if TYPE_CHECKING:
     from tokaudit._postmortem import ProbeQ
@@ -50,20 +52,7 @@ def render_report(report: AuditReport, console: Console) -> None:
             console.print(table)
         else:
             for run in report.runs:
-                head = Text(printable(run.run), style="bold")
-                head.append(": ")
-                head.append(run.verdict, style=VERDICT_STYLE[run.verdict])
-                head.append(reported_note(run))
-                line = (f"{factor_text(run.normalization, run.steps, run.normalization_judged)} · q {q_range_text(run)} · max ratio "
-                        f"{ratio_text(run.max_weight_ratio)} · {run.steps} steps, {run.ranks} ranks, W "
-                        f"{', '.join(map(str, run.world_size))}, D {_divisors(run)}") if run.steps else \
-                    f"{factor_text(run.normalization, run.steps, run.normalization_judged)}: every step left out (see the findings)"
-                if brief and head.cell_len + 3 + len(line) <= console.width:
-                    head.append(f" · {line}")  # many runs: one line each where it fits
-                    console.print(head)
-                    continue
-                console.print(head)
-                console.print(Padding(Text(line), (0, 0, 0, 2)))
+                _print_run(run, brief, console)
         console.print(Text(LEGEND, style="dim"))
         console.print()
     if report.findings:
@@ -71,23 +60,7 @@ def render_report(report: AuditReport, console: Console) -> None:
         heading.append(" (`tokaudit explain CODE` derives each)", style="dim")
         console.print(heading)
         for f in report.findings:
-            header = Text()
-            header.append(f"{f.severity.value:<8}", style=SEVERITY_STYLE[f.severity.value])
-            header.append(f" {f.code.value}", style="bold")
-            header.append(f"  {printable(f.run)}  steps {steps_text(f.steps)}", style="dim")
-            console.print(header)
-            if brief:
-                console.print(Padding(Text(_gist(printable(f.message))), (0, 0, 0, 9)))
-                continue
-            detail = Text(printable(f.message))
-            detail.append("\nfix: ", style="bold")
-            detail.append(printable(f.fix))
-            if f.fix_code:
-                detail.append("\nin code:", style="bold")
-            console.print(Padding(detail, (0, 0, 0 if f.fix_code else 1, 9)))
-            if f.fix_code:  # code to paste: its lines as they are, never wrapped nor cut at the width
-                code = "\n".join(" " * 9 + line if line else line for line in f.fix_code.splitlines())
-                console.print(Text(code + "\n", style="cyan"), soft_wrap=True)
+            _print_finding(f, brief, console)
         if brief:
             console.print(Text(f"{len(report.runs)} runs: each finding in brief; `tokaudit check PATHS --run RUN` "
                                "gives a run's findings in full, with their numbers and fixes (so do --format html "
@@ -99,6 +72,46 @@ def render_report(report: AuditReport, console: Console) -> None:
         console.print(Text(note, style="yellow"))
     if report.runs:
         console.print(summary_line(report), markup=False)
+
+
+def _print_run(run: RunSummary, brief: bool, console: Console) -> None:
+    """A run's verdict, then its normalization and shape on the next line (on the same line where it fits and
+    there are many runs)."""
+    head = Text(printable(run.run), style="bold")
+    head.append(": ")
+    head.append(run.verdict, style=VERDICT_STYLE[run.verdict])
+    head.append(reported_note(run))
+    line = (f"{factor_text(run.normalization, run.steps, run.normalization_judged)} · q {q_range_text(run)} · max ratio "
+            f"{ratio_text(run.max_weight_ratio)} · {run.steps} steps, {run.ranks} ranks, W "
+            f"{', '.join(map(str, run.world_size))}, D {_divisors(run)}") if run.steps else \
+        f"{factor_text(run.normalization, run.steps, run.normalization_judged)}: every step left out (see the findings)"
+    if brief and head.cell_len + 3 + len(line) <= console.width:
+        head.append(f" · {line}")  # many runs: one line each where it fits
+        console.print(head)
+        return
+    console.print(head)
+    console.print(Padding(Text(line), (0, 0, 0, 2)))
+
+
+def _print_finding(f: Finding, brief: bool, console: Console) -> None:
+    """A finding's severity, code, run and steps, then its message and fix (its gist alone when `brief`)."""
+    header = Text()
+    header.append(f"{f.severity.value:<8}", style=SEVERITY_STYLE[f.severity.value])
+    header.append(f" {f.code.value}", style="bold")
+    header.append(f"  {printable(f.run)}  steps {steps_text(f.steps)}", style="dim")
+    console.print(header)
+    if brief:
+        console.print(Padding(Text(_gist(printable(f.message))), (0, 0, 0, 9)))
+        return
+    detail = Text(printable(f.message))
+    detail.append("\nfix: ", style="bold")
+    detail.append(printable(f.fix))
+    if f.fix_code:
+        detail.append("\nin code:", style="bold")
+    console.print(Padding(detail, (0, 0, 0 if f.fix_code else 1, 9)))
+    if f.fix_code:  # code to paste: its lines as they are, never wrapped nor cut at the width
+        code = "\n".join(" " * 9 + line if line else line for line in f.fix_code.splitlines())
+        console.print(Text(code + "\n", style="cyan"), soft_wrap=True)
 
 
 def ignored_note(report: AuditReport) -> str:
@@ -171,21 +184,10 @@ def render_weights(run: str, step: int, records: pd.DataFrame, probe: ProbeQ | N
     for header in columns:
         table.add_column(header, justify="left" if header in ("group", "term", "sync") else "right", overflow="fold")
     outside = probe[2] if probe is not None else np.zeros(len(records), dtype=bool)
-    rows: list[list[Text]] = []
-    for index, row in enumerate(records.itertuples(index=False)):
-        q = row.q
-        style = "" if pd.isna(q) else ("green" if abs(q - 1) <= 1e-4 else "red")
-        extremes: list[Text] = []
-        if probe is not None:
-            low, high = _number(probe[0][index], 4), _number(probe[1][index], 4)
-            shown = "–" if "–" in (low, high) else low if low == high else f"{low}–{high}"
-            extremes.append(Text(shown, style="red" if outside[index] else ""))
-        cells = [printable(str(row.grp)), *([printable(str(row.term))] if terms else []), str(row.rank), str(row.micro),
-                 str(row.valid_tokens), _number(row.loss_sum), _number(row.backward_scalar), _number(row.implied_weight),
-                 _number(row.grad_divisor, 4), _number(row.grad_scale, 4), _number(row.eff)]
-        rows.append([*(Text(cell) for cell in cells), Text(_number(q, 4), style=style), *extremes,
-                     Text(_number(None if pd.isna(row.sync) else bool(row.sync)))])
-        table.add_row(*rows[-1])
+    rows = [_record_cells(row, index, probe, outside, terms)
+            for index, row in enumerate(records.itertuples(index=False))]
+    for cells in rows:
+        table.add_row(*cells)
     if Measurement.get(console, console.options.update_width(1 << 20), table).maximum <= console.width:
         console.print(table)
     else:  # too narrow for the table (a pipe, 80 columns): one block per record, no number ever split
@@ -204,6 +206,24 @@ def render_weights(run: str, step: int, records: pd.DataFrame, probe: ProbeQ | N
     if outside.any():
         notes.append("a q outside its probe q: n is not the number of tokens the probe saw (count_mismatch)")
     console.print(" · ".join(notes), style="dim")
+
+
+def _record_cells(row: Any, index: int, probe: ProbeQ | None, outside: npt.NDArray[np.bool_], terms: bool
+                  ) -> list[Text]:
+    """One record's cells in `render_weights`' table: q green at 1, red off it; the probe's q red outside the
+    record's own."""
+    q = row.q
+    style = "" if pd.isna(q) else ("green" if abs(q - 1) <= 1e-4 else "red")
+    extremes: list[Text] = []
+    if probe is not None:
+        low, high = _number(probe[0][index], 4), _number(probe[1][index], 4)
+        shown = "–" if "–" in (low, high) else low if low == high else f"{low}–{high}"
+        extremes.append(Text(shown, style="red" if outside[index] else ""))
+    cells = [printable(str(row.grp)), *([printable(str(row.term))] if terms else []), str(row.rank), str(row.micro),
+             str(row.valid_tokens), _number(row.loss_sum), _number(row.backward_scalar), _number(row.implied_weight),
+             _number(row.grad_divisor, 4), _number(row.grad_scale, 4), _number(row.eff)]
+    return [*(Text(cell) for cell in cells), Text(_number(q, 4), style=style), *extremes,
+            Text(_number(None if pd.isna(row.sync) else bool(row.sync)))]
 
 
 def render_curve_table(run: str, shown: pd.DataFrame, steps: int, labels: Sequence[tuple[str, str]],

@@ -13,7 +13,8 @@ import numpy as np
 
 from tokaudit import __version__
 from tokaudit.codes import CODE_DOCS
-from tokaudit._render.text import factor_text, finding_counts, printable, q_range_text, ratio_text, steps_text, verdict_counts
+from tokaudit._render.text import factor_text, finding_counts, printable, q_range_text, ratio_text, steps_text
+from tokaudit._render.text import verdict_counts
 from tokaudit._report import AuditReport, Finding, RunSummary
 from tokaudit._schema import UNNAMED
 

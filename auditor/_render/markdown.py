@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import html
 
-from tokaudit._render.text import factor_text, finding_counts, many, printable, q_range_text, ratio_text, reported_note, steps_text, verdict_counts
+from tokaudit._render.text import factor_text, finding_counts, many, printable, q_range_text, ratio_text, reported_note
+from tokaudit._render.text import steps_text, verdict_counts
 from tokaudit._report import AuditReport
 from tokaudit._schema import UNNAMED
 

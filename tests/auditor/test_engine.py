@@ -81,7 +81,7 @@ def test_an_audit_can_be_held_to_one_thread(tmp_path: Path, monkeypatch: pytest.
         seen.append(int(engine.connection.execute("SELECT current_setting('threads')").fetchone()[0]))
         return engine
 
-    monkeypatch.setattr(auditing.Engine, "open", counting)
+    monkeypatch.setattr(Engine, "open", counting)
     one = auditing.audit([tmp_path], threads=1)
     every = auditing.audit([tmp_path])
     assert seen[0] == 1 and seen[1] >= 1
@@ -420,7 +420,7 @@ def test_a_column_that_never_changes_is_held_as_one_value(tmp_path: Path, monkey
     without that, and only what is constant bit for bit is (0.0 and -0.0 differ, NaN is one value)."""
     import numpy as np
 
-    import tokaudit._engine.database as engine_module
+    import tokaudit._engine.tables as engine_module
     from tokaudit._engine.tables import constant_of
 
     rows = records(UNEVEN_GA * 4, local_mean, positions=8)

@@ -1,0 +1,73 @@
+"""What a command reads: its logs' validation started before the auditor is imported, and its options checked."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from tokaudit.errors import UsageError
+from tokaudit._render.text import printable
+
+if TYPE_CHECKING:
+    from tokaudit._loading import Loading
+
+
+def begin_loading(paths: tuple[str, ...], workers: int | None = None) -> Loading:
+    """The validation of the logs' footers started as the audit loads them (`opening.open_logs`: footers
+    only, a process a core unless `workers` says), before the command imports the auditor (pandas, DuckDB: half a
+    second)."""
+    from tokaudit._loading import cores, start_loading
+
+    started = start_loading(paths, thorough=False, workers=cores() if workers is None else workers)
+    for note in started.notes[:NOTES_SHOWN]:  # what is read from elsewhere is said, never followed in silence
+        click.echo(f"tokaudit: note: {printable(note)}", err=True)  # one unwrapped line, as problem's
+    if len(started.notes) > NOTES_SHOWN:
+        click.echo(f"tokaudit: note: … and {len(started.notes) - NOTES_SHOWN} more links out of the folders given",
+                   err=True)
+    return started
+
+
+NOTES_SHOWN = 5
+"""Links out of the folders given that are named one by one; the rest are counted."""
+
+
+def refuse_inputs(output: Path | None, paths: tuple[str, ...]) -> None:
+    """An output that is one of the inputs would overwrite a log shard: refused before anything runs."""
+    if output is None:
+        return
+    from tokaudit._discovery import discover
+
+    from tokaudit._storage import is_url
+
+    local = [Path(p) for p in paths if not is_url(p)]  # an output is a local file: no URL can be it
+    target = output.resolve()
+    taken = any(target == p.resolve() for p in local)
+    if not taken and target.name.endswith(".parquet") and target.is_file():
+        # Only a *.parquet file can be found inside an input folder (/dev/null never walks the tree).
+        files, _ = discover(local)
+        taken = any(os.path.samefile(target, f) for f in files)
+    if taken:
+        raise UsageError(f"{output}: is one of the logs being audited; choose another --output")
+
+
+STEP_LIMIT = (1 << 63) - 1
+
+
+def step_window(text: str | None) -> tuple[int, int] | None:
+    """--steps FIRST:LAST, either end open, as (first, last)."""
+    if text is None:
+        return None
+    first, colon, last = text.partition(":")
+    try:
+        if not colon:
+            raise ValueError
+        low = int(first) if first.strip() else 0
+        high = int(last) if last.strip() else STEP_LIMIT
+    except ValueError:
+        raise UsageError(f"--steps {text}: expected FIRST:LAST, such as 1000:2000, 1000: or :2000") from None
+    if not 0 <= low <= high <= STEP_LIMIT:
+        raise UsageError(f"--steps {text}: the first step must be at least 0 and at most the last")
+    return low, high

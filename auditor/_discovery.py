@@ -1,0 +1,165 @@
+"""Find the log's local files: every *.parquet under the paths given, each file once, and what cannot be read."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from tokaudit.errors import LogFormatError
+
+
+def discover(paths: Sequence[str | os.PathLike[str]], notes: list[str] | None = None
+             ) -> tuple[list[Path], list[LogFormatError]]:
+    """Every *.parquet under the paths, each path taken literally. Dot-files (a killed writer's
+    temporaries) are skipped; anything else that cannot be read is one problem line, never a silence:
+    an unreadable folder, a dangling or looping link, a FIFO, a folder named *.parquet with no part file. Such a
+    folder (a Spark-style dataset) is read as its part files. `notes`: where each link that leads out of the
+    folder given is said, with what it is read from (it is read)."""
+    # One file reached twice (two paths, a link to it) is read once: keyed by its identity on disk,
+    # from the stat that checks it is a file, rather than by resolving every path.
+    found: dict[tuple[int, int], Path] = {}
+    problems: list[LogFormatError] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists() and not path.is_symlink():
+            problems.append(LogFormatError(str(raw), "no such file or directory"))
+            continue
+        identity, problem = _regular_file(path)
+        if identity is not None:
+            found.setdefault(identity, path.absolute())
+        elif not path.is_dir():
+            problems.append(LogFormatError(str(raw), problem))
+        else:
+            reached = _walk(path, found, problems, notes)
+            if not reached and not any(p.path.startswith(str(path)) for p in problems):
+                problems.append(LogFormatError(str(raw), "no Parquet files (*.parquet) in this folder"))
+    return list(found.values()), problems
+
+
+def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogFormatError],
+          notes: list[str] | None = None) -> int:
+    """Every *.parquet under `root` added to `found` (a file already there is not added again), or to `problems`
+    where it is no readable file: how many it reached, those found before and those it could not use included."""
+    seen: set[tuple[int, int]] = set()
+    reached = 0
+
+    def unreadable(error: OSError) -> None:
+        problems.append(LogFormatError(str(error.filename or root), f"cannot read this folder ({error.strerror})"))
+
+    inside = os.path.realpath(root) + os.sep
+    datasets: dict[str, int] = {}  # folders named *.parquet (Spark-style datasets): the part files under each
+    for folder, folders, files in _folders(str(root), unreadable):
+        # Paths as strings until a file is kept: pathlib's parsing cost more than the stat itself on a
+        # folder of 10,000 shards (Path.absolute() once per folder, not per file).
+        here = str(Path(folder).absolute())
+        try:
+            identity = os.stat(here)
+        except OSError:
+            continue
+        if (identity.st_dev, identity.st_ino) in seen:  # a link back up the tree
+            folders[:] = []
+            continue
+        seen.add((identity.st_dev, identity.st_ino))
+        if notes is not None and os.path.islink(here):
+            _note_outside(here, inside, notes)
+        folders[:] = sorted(f for f in folders if not f.startswith("."))
+        names = sorted(name for name in files if not name.startswith(".") and name.endswith(".parquet"))
+        if here.endswith(".parquet"):
+            datasets.setdefault(here, 0)
+        for dataset in datasets:
+            if names and (here == dataset or here.startswith(dataset + os.sep)):
+                datasets[dataset] += len(names)
+        _add_files(here, names, identity.st_dev, found, problems, inside, notes)
+        reached += len(names)
+    problems.extend(LogFormatError(dataset, "a folder named *.parquet with no Parquet part files in it")
+                    for dataset, parts in datasets.items() if not parts)
+    return reached
+
+
+def _add_files(here: str, names: list[str], device: int, found: dict[tuple[int, int], Path],
+               problems: list[LogFormatError], inside: str, notes: list[str] | None) -> None:
+    """`_walk`'s files `names` of the folder `here` (on `device`), each added to `found` (a file already there is
+    not added again), or to `problems` where it is no readable file."""
+    # A regular file's identity is its folder's device and the inode its folder's listing gives, with no
+    # stat of its own (a tenth of a second on 25,000 shards); a link or anything else is looked at.
+    listed = _regular_inodes(here, set(names)) if names else {}
+    base = Path(here)
+    child = getattr(base, "_make_child_relpath", base.joinpath)  # (pathlib's, without parsing the name again)
+    for name in names:
+        path = os.path.join(here, name)
+        inode = listed.get(name)
+        if inode is not None and os.access(path, os.R_OK):
+            key: tuple[int, int] | None = (device, inode)
+        else:
+            key, problem = _regular_file(path)
+            if key is not None and notes is not None and os.path.islink(path):
+                _note_outside(path, inside, notes)
+        if key is not None:
+            if key not in found:
+                found[key] = child(name)
+        else:
+            problems.append(LogFormatError(path, problem))
+
+
+def _note_outside(path: str, inside: str, notes: list[str]) -> None:
+    """A link whose target lies outside the folder given: said, since what is audited is then read from there."""
+    target = os.path.realpath(path)
+    if not (target + os.sep).startswith(inside):
+        notes.append(f"{path} is a link out of the folder given: read from {target}")
+
+
+def _folders(root: str, onerror: Callable[[OSError], None]) -> Iterator[tuple[str, list[str], list[str]]]:
+    """os.walk's (folder, its folders, its files), top down, links to folders followed, with a stack instead of
+    recursion: a tree a thousand folders deep is walked as any other. The caller may prune the folders list."""
+    stack = [root]
+    while stack:
+        top = stack.pop()
+        try:
+            with os.scandir(top) as listing:
+                entries = list(listing)
+        except OSError as error:
+            onerror(error)
+            continue
+        folders: list[str] = []
+        files: list[str] = []
+        for entry in entries:
+            try:
+                is_folder = entry.is_dir()  # a link to a folder is walked (its target once, `seen`)
+            except OSError:
+                is_folder = False
+            (folders if is_folder else files).append(entry.name)
+        yield top, folders, files
+        stack.extend(os.path.join(top, name) for name in reversed(folders))
+
+
+def _regular_inodes(folder: str, names: set[str]) -> dict[str, int]:
+    """The inode of each of `names` that the folder's listing says is a regular file (not a link); nothing
+    where the folder cannot be listed again."""
+    try:
+        with os.scandir(folder) as entries:
+            return {entry.name: entry.inode() for entry in entries
+                    if entry.name in names and entry.is_file(follow_symlinks=False)}
+    except OSError:
+        return {}
+
+
+def _regular_file(path: str | Path) -> tuple[tuple[int, int] | None, str]:
+    """(device, inode) of a readable regular file; else (None, why it is not one)."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None, "a link to nothing (dangling symlink)"
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return None, "a link that loops back on itself"
+        return None, f"cannot be read ({error.strerror})"
+    if stat.S_ISDIR(info.st_mode):
+        return None, "a folder, not a file" if os.path.basename(path).endswith(".parquet") else "a folder"
+    if not stat.S_ISREG(info.st_mode):
+        return None, "not a regular file (a FIFO, socket or device)"
+    if not os.access(path, os.R_OK):
+        return None, "cannot be read (permission denied)"
+    return (info.st_dev, info.st_ino), ""

@@ -1,0 +1,178 @@
+"""The recorder's updates: which update and microbatch the next record belongs to, and when an update ends."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from tokaudit.hooks._amp import ScalerWatch
+from tokaudit.hooks._attach import user_stacklevel, wrap_method
+from tokaudit.hooks._buffer import RecordBuffer
+from tokaudit.hooks._capture import NOTHING_CAPTURED
+from tokaudit.hooks._terms import CapturedCalls
+
+
+class UpdateTracking:
+    """The part of `Recorder` that follows the updates: told by the trainer (`begin_step`, `end_step`), or seen
+    in the optimizer's step and zero_grad and in the GradScaler's update (a skipped update)."""
+
+    _buffer: RecordBuffer
+    _calls: CapturedCalls
+    _packs_at_zero_grad: bool
+    _optimizer: torch.optim.Optimizer | None
+    _scaler: ScalerWatch | None
+    _handles: list[Any]
+    _warned: set[str]
+
+    def _init_steps(self, grad_scale: float | None) -> None:
+        """Where the next record goes: the update and microbatch counters, the open calls and the scale."""
+        self._grad_scale = grad_scale
+        self._forward_sync: bool | None = None
+        self._step = self._step_records = self._capturing = 0
+        self._closed_step: int | None = None
+        self._auto_closed: int | None = None
+        self._micro_next: dict[str, int] = {}
+        self._active_term: str | None = None
+        self._steps_known = self._optimizer is not None  # else until begin_step/end_step is called
+
+    def _numbered(self, term: str, step: int | None, micro: int | None, deferred: bool) -> tuple[int, int]:
+        """The update and microbatch of a new record of `term`: those given, else the open update's next."""
+        if step is None:
+            step = self._step
+            if not self._steps_known and self._micro_next.get(term, 0) > 0:
+                # No step boundaries known: every backward of a term is its own update.
+                self._advance()
+                step = self._step
+            self._step_records += 1  # records of the open update: its end may still mark them skipped
+        if deferred:
+            micro = -1  # a captured call takes its index when its backward runs (an evaluation never does)
+        else:
+            if micro is None:
+                micro = self._micro_next.get(term, 0) if step == self._step else 0
+            if step == self._step:
+                self._micro_next[term] = micro + 1
+        return step, micro
+
+    def begin_step(self, step: int) -> None:
+        """The next records belong to update `step` (a trainer's global step: a resumed run numbers on)."""
+        self._steps_known = True
+        self._auto_closed = None
+        if step != self._step:
+            self._step = step
+            self._micro_next = {}
+            self._step_records = 0
+            self._pack()
+
+    def end_step(self, skipped: bool | None = None) -> None:
+        """Close the current optimizer update (the optimizer's step hook calls it when one is given).
+
+        `skipped=True` marks this update's records as skipped: by policy (N = 0), or because an
+        inf/NaN guard or the GradScaler did not step. With `optimizer=` or `scaler=`, skipped
+        updates are found without this call.
+        """
+        self._steps_known = True
+        if self._auto_closed is not None and not self._step_records:
+            # zero_grad or the scaler already closed this skipped update: say it, do not close another.
+            if skipped is not None:
+                self._buffer.mark_skipped(self._auto_closed, skipped)
+            self._auto_closed = None
+            return
+        if skipped is not None:
+            self._buffer.mark_skipped(self._step, skipped)
+        self._advance()
+
+    def warn_once(self, key: str, message: str) -> None:  # the integrations warn through it; training goes on
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
+
+    # ---------------------------------------------------------------- internals: steps
+
+    def _close_skipped(self) -> None:
+        closed = self._step
+        self.end_step(skipped=True)
+        self._auto_closed = closed
+
+    def _advance(self) -> None:
+        self._auto_closed = None
+        self._step += 1
+        self._micro_next = {}
+        self._step_records = 0
+        self._calls.open = []
+        if not self._packs_at_zero_grad or len(self._buffer.unpacked) > PACK_AT_ADVANCE:
+            self._pack()  # no optimizer's zero_grad to wait for (or one this loop never calls)
+
+    def _pack(self) -> None:
+        """Pack what no longer changes (`RecordBuffer.pack`). Called after the optimizer's zero_grad where it
+        is watched (the gradients just freed, the heap at its lowest), else when an update closes."""
+        try:
+            self._buffer.pack(self._step)
+        except Exception as error:  # the values stay tensors: nothing is lost
+            self.warn_once("pack", f"tokaudit: could not pack an update's values ({error!r}); they are kept as "
+                                   "they are, and training goes on")
+
+    def _on_optimizer_step(self) -> None:
+        if self._capturing and not self._step_records and "compiled" not in self._warned:  # no capture saw its loss
+            self.warn_once("invisible", f"tokaudit: optimizer step {self._step}: {NOTHING_CAPTURED}")
+        self._closed_step = self._step
+        self.end_step()
+
+    def _on_scaler_update(self, found_inf: torch.Tensor | None) -> None:
+        """GradScaler.update(), once per update after step(): a step with records that no
+        optimizer step closed was skipped; a fused optimizer steps anyway, and found_inf says it."""
+        try:
+            if self._step_records:
+                self._close_skipped()
+            elif self._closed_step is not None and found_inf is not None:
+                self._buffer.mark_skipped(self._closed_step, found_inf > 0)
+            self._closed_step = None
+        except Exception as error:
+            self.warn_once("scaler", f"tokaudit: could not read the GradScaler's update ({error!r})")
+
+    def _watch_zero_grad(self, optimizer: Any) -> None:
+        def around(original: Any) -> Any:
+            def zero_grad(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    self._on_zero_grad()
+                except Exception as error:
+                    self.warn_once("zero_grad", f"tokaudit: could not follow zero_grad ({error!r})")
+                cleared = original(*args, **kwargs)
+                self._pack()  # the gradients freed: the heap at its lowest in the step
+                return cleared
+            return zero_grad
+
+        self._handles.append(wrap_method(optimizer, "zero_grad", around))  # close() gives it back
+        self._packs_at_zero_grad = True
+
+    def _on_zero_grad(self) -> None:
+        """Gradients cleared while this update holds backpropagated records and no optimizer step
+        closed it: the update was skipped (an inf/NaN guard). Records whose backward is still to
+        come (a trainer that clears before the first backward) move to the next update."""
+        if not self._step_records:
+            return
+        current = list(self._buffer.at(self._step))
+        if not any(r.backpropagated for r in current):
+            return
+        self._close_skipped()
+        self._step_records += self._buffer.carry_over(current, self._step, self._micro_next)
+
+
+    def _hook_optimizer(self) -> None:
+        if self._optimizer is None:
+            return
+        try:
+            self._handles.append(self._optimizer.register_step_post_hook(lambda *_: self._on_optimizer_step()))
+        except Exception:
+            self._optimizer = None
+            self._steps_known = False
+            raise
+        self._watch_zero_grad(self._optimizer)
+
+    def _hook_scaler(self, scaler: Any) -> None:
+        self._scaler = None if scaler is None else ScalerWatch(scaler, self._on_scaler_update)
+
+
+PACK_AT_ADVANCE = 64
+"""Records left unpacked after which an update's close packs them, where zero_grad is watched but not called."""
