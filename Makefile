@@ -47,6 +47,7 @@ test-fast: setup
 	TOKAUDIT_REQUIRE_EXTRAS=$(REQUIRE_EXTRAS) $(BIN)/python -m pytest -q -n 2 -m "not distributed and not integration and not slow" --ignore=tests/distributed
 
 lint: setup
+	$(BIN)/python -m ruff format --check .
 	$(BIN)/python -m ruff check .
 
 typecheck: setup

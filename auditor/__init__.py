@@ -1,8 +1,8 @@
 """tokaudit: audit how distributed training normalized its token losses.
 
-    import tokaudit
-    report = tokaudit.audit(["runs/"])           # AuditReport: runs, findings, problems
-    report.runs[0].verdict, report.to_pandas()   # the findings as a DataFrame
+import tokaudit
+report = tokaudit.audit(["runs/"])           # AuditReport: runs, findings, problems
+report.runs[0].verdict, report.to_pandas()   # the findings as a DataFrame
 """
 
 from __future__ import annotations

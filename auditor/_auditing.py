@@ -27,10 +27,19 @@ from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_s
 
 _CODE_ORDER = {code: index for index, code in enumerate(Code)}
 
-def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol: float = DEFAULT_RTOL,
-          runs: Sequence[str] = (), progress: Progress | None = None, live: bool = False,
-          ignore: Sequence[str | Code] = (), min_ratio: float | None = None, keep_steps: bool = False,
-          threads: int | None = None, ray: str | None = None) -> AuditReport:
+
+def audit(
+    paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str],
+    rtol: float = DEFAULT_RTOL,
+    runs: Sequence[str] = (),
+    progress: Progress | None = None,
+    live: bool = False,
+    ignore: Sequence[str | Code] = (),
+    min_ratio: float | None = None,
+    keep_steps: bool = False,
+    threads: int | None = None,
+    ray: str | None = None,
+) -> AuditReport:
     """Audit every run under `paths`. Unreadable files become `problems`; the rest is still audited.
 
     `live`: the logs are still being written, so steps after the last one every rank has recorded
@@ -44,11 +53,21 @@ def audit(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], rtol
     """
     return audit_started(paths, None, None, rtol, runs, progress, live, ignore, min_ratio, keep_steps, threads, ray)
 
-def audit_started(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], started: Loading | None,
-                  then: Callable[[AuditReport, AuditedLog], None] | None, rtol: float = DEFAULT_RTOL,
-                  runs: Sequence[str] = (), progress: Progress | None = None, live: bool = False,
-                  ignore: Sequence[str | Code] = (), min_ratio: float | None = None, keep_steps: bool = False,
-                  threads: int | None = None, ray: str | None = None) -> AuditReport:
+
+def audit_started(
+    paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str],
+    started: Loading | None,
+    then: Callable[[AuditReport, AuditedLog], None] | None,
+    rtol: float = DEFAULT_RTOL,
+    runs: Sequence[str] = (),
+    progress: Progress | None = None,
+    live: bool = False,
+    ignore: Sequence[str | Code] = (),
+    min_ratio: float | None = None,
+    keep_steps: bool = False,
+    threads: int | None = None,
+    ray: str | None = None,
+) -> AuditReport:
     """`audit`, as the command line runs it: `started`, the validation of `paths` already under way
     (`start_loading(paths, thorough=False, ...)`, which it starts before it imports the auditor); `then`, called
     with the report and what it was computed from before that is closed (the HTML report's figures,
@@ -65,18 +84,32 @@ def audit_started(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[st
         raise UsageError(f"--ignore: {error}; `tokaudit explain` lists the codes") from None
     cluster = Cluster.connect(ray) if ray is not None else None
     try:
-        return _audit(paths, rtol, runs, progress, live, ignored, min_ratio, keep_steps, threads, started, then, cluster)
+        return _audit(
+            paths, rtol, runs, progress, live, ignored, min_ratio, keep_steps, threads, started, then, cluster
+        )
     finally:
         if cluster is not None:
             cluster.close()
 
-def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[str], progress: Progress | None,
-           live: bool, ignored: set[Code], min_ratio: float | None, keep_steps: bool, threads: int | None,
-           started: Loading | None, then: Callable[[AuditReport, AuditedLog], None] | None,
-           cluster: Cluster | None) -> AuditReport:
+
+def _audit(
+    paths: Sequence[str | os.PathLike[str]],
+    rtol: float,
+    runs: Sequence[str],
+    progress: Progress | None,
+    live: bool,
+    ignored: set[Code],
+    min_ratio: float | None,
+    keep_steps: bool,
+    threads: int | None,
+    started: Loading | None,
+    then: Callable[[AuditReport, AuditedLog], None] | None,
+    cluster: Cluster | None,
+) -> AuditReport:
     sweep_scratch()  # what audits killed before their clean-up left behind
-    logset, engine, steps = open_log_parts(paths, progress, threads=threads, started=started, evidence=True,
-                                           spill=True, cluster=cluster)
+    logset, engine, steps = open_log_parts(
+        paths, progress, threads=threads, started=started, evidence=True, spill=True, cluster=cluster
+    )
     problems = [str(p) for p in logset.problems]
     if engine is None:
         return AuditReport(runs=[], findings=[], problems=problems, files=0)
@@ -94,10 +127,19 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
                 progress(f"--live: left out {left_out} step(s) not yet recorded by every rank")
         of_run, found, judging = runs_apart(steps, parts, present), (duplicates, precision), (rtol, ignored, min_ratio)
         summaries, findings = _runs_audited(present, of_run, logset.shards, horizon, named, found, threads, judging)
-        kept = kept_steps(parts, present if runs else None, horizon, ordered=isinstance(steps, pd.DataFrame)) \
-            if keep_steps else None
-        report = AuditReport(runs=summaries, findings=findings, problems=problems, files=len(logset.shards),
-                             steps=kept, ignored=sorted(code.value for code in ignored))
+        kept = (
+            kept_steps(parts, present if runs else None, horizon, ordered=isinstance(steps, pd.DataFrame))
+            if keep_steps
+            else None
+        )
+        report = AuditReport(
+            runs=summaries,
+            findings=findings,
+            problems=problems,
+            files=len(logset.shards),
+            steps=kept,
+            ignored=sorted(code.value for code in ignored),
+        )
         if then is not None:
             then(report, AuditedLog(logset.shards, duplicates, steps))
         return report
@@ -106,11 +148,17 @@ def _audit(paths: Sequence[str | os.PathLike[str]], rtol: float, runs: Sequence[
         if isinstance(steps, Spilled):
             steps.close()
 
-def _runs_audited(present: list[str], of_run: Callable[[str], Callable[[], Iterable[pd.DataFrame]]],
-                  shards: list[Shard], horizon: dict[tuple[str, str], int] | None,
-                  names: set[tuple[str, str, str]] | None, found: tuple[dict[str, Duplicates], dict[str, int]],
-                  threads: int | None, judging: tuple[float, set[Code], float | None]
-                  ) -> tuple[list[RunSummary], list[Finding]]:
+
+def _runs_audited(
+    present: list[str],
+    of_run: Callable[[str], Callable[[], Iterable[pd.DataFrame]]],
+    shards: list[Shard],
+    horizon: dict[tuple[str, str], int] | None,
+    names: set[tuple[str, str, str]] | None,
+    found: tuple[dict[str, Duplicates], dict[str, int]],
+    threads: int | None,
+    judging: tuple[float, set[Code], float | None],
+) -> tuple[list[RunSummary], list[Finding]]:
     """Each run's summary, and every run's findings, the most severe first. `found`: the repeated keys the
     aggregation left out and the fewest significant bits, per run (`Engine.duplicates`, `Engine.precision`);
     `judging`: --rtol, --ignore and --min-ratio."""
@@ -120,14 +168,27 @@ def _runs_audited(present: list[str], of_run: Callable[[str], Callable[[], Itera
     summaries: list[RunSummary] = []
     findings: list[Finding] = []
     for run in present:
-        run_findings, summary = _audited_run(run, of_run(run), dropped.get(run), horizon, names,
-                                             (rtol, precision.get(run)), duplicates.get(run), extremes,
-                                             ignored, min_ratio, setups.get(run, Provenance()))
+        run_findings, summary = _audited_run(
+            run,
+            of_run(run),
+            dropped.get(run),
+            horizon,
+            names,
+            (rtol, precision.get(run)),
+            duplicates.get(run),
+            extremes,
+            ignored,
+            min_ratio,
+            setups.get(run, Provenance()),
+        )
         findings.extend(run_findings)
         if summary is not None:
             summaries.append(summary)
-    findings.sort(key=lambda f: (-f.severity.rank, f.run, f.term != UNNAMED, f.term, _CODE_ORDER[f.code], f.steps.first))
+    findings.sort(
+        key=lambda f: (-f.severity.rank, f.run, f.term != UNNAMED, f.term, _CODE_ORDER[f.code], f.steps.first)
+    )
     return summaries, findings
+
 
 def _asked(names: set[str], runs: Sequence[str]) -> list[str]:
     """The runs to audit, in order: those asked for (all when none is), each of them in the logs."""
@@ -135,20 +196,29 @@ def _asked(names: set[str], runs: Sequence[str]) -> list[str]:
     if runs:
         unknown = sorted(set(runs) - set(present))
         if unknown:
-            raise UsageError(f"no run named {', '.join(map(repr, unknown))} in the logs "
-                             f"(runs: {', '.join(present)})")
+            raise UsageError(f"no run named {', '.join(map(repr, unknown))} in the logs (runs: {', '.join(present)})")
         present = [run for run in present if run in runs]
     return present
 
-def _audited_run(run: str, parts: Callable[[], Iterable[pd.DataFrame]], lost: DroppedRecords | None,
-                 horizon: dict[tuple[str, str], int] | None, names: set[tuple[str, str, str]] | None,
-                 tolerance: tuple[float, int | None], duplicates: Duplicates | None, extremes: _Extremes,
-                 ignored: set[Code], min_ratio: float | None, provenance: Provenance
-                 ) -> tuple[list[Finding], RunSummary | None]:
+
+def _audited_run(
+    run: str,
+    parts: Callable[[], Iterable[pd.DataFrame]],
+    lost: DroppedRecords | None,
+    horizon: dict[tuple[str, str], int] | None,
+    names: set[tuple[str, str, str]] | None,
+    tolerance: tuple[float, int | None],
+    duplicates: Duplicates | None,
+    extremes: _Extremes,
+    ignored: set[Code],
+    min_ratio: float | None,
+    provenance: Provenance,
+) -> tuple[list[Finding], RunSummary | None]:
     """`_audit_run` on one run's parts of the table, less the steps that lost records (`lost`)."""
     source = run_steps(parts, run, horizon, lost, names)
     had_steps = source is not None or (lost is not None and run_steps(parts, run, horizon, None) is not None)
     return _audit_run(run, source, lost, had_steps, tolerance, duplicates, extremes, ignored, min_ratio, provenance)
+
 
 @dataclass(frozen=True)
 class AuditedLog:
@@ -161,10 +231,19 @@ class AuditedLog:
     steps: pd.DataFrame | Spilled
     """The step table of every run, whole or on disk a range at a time."""
 
-def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, had_steps: bool,
-               tolerance: tuple[float, int | None], duplicates: Duplicates | None,
-               extremes: _Extremes, ignored: set[Code], min_ratio: float | None, provenance: Provenance
-               ) -> tuple[list[Finding], RunSummary | None]:
+
+def _audit_run(
+    run: str,
+    source: RunSteps | None,
+    lost: DroppedRecords | None,
+    had_steps: bool,
+    tolerance: tuple[float, int | None],
+    duplicates: Duplicates | None,
+    extremes: _Extremes,
+    ignored: set[Code],
+    min_ratio: float | None,
+    provenance: Provenance,
+) -> tuple[list[Finding], RunSummary | None]:
     """One run's findings and summary. `source`: its steps, less those whose records were dropped (`lost`);
     `had_steps`: whether it had any before they were left out. `tolerance`: --rtol and the fewest significant
     bits the run's records were computed in (None: not said), which set the tolerance it is judged at."""
@@ -173,10 +252,21 @@ def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, h
     if source is None:
         # Steps that lost records are not judged on the part of their tokens that was kept.
         if lost and had_steps:
-            return [lost.finding(run)], RunSummary(run=run, rows=0, steps=0, ranks=0, world_size=[], groups=0,
-                                                   verdict="inconclusive", normalization=None, segments=[],
-                                                   max_weight_ratio=1.0, microbatches=0, precision_bits=bits,
-                                                   rtol=rtol)
+            return [lost.finding(run)], RunSummary(
+                run=run,
+                rows=0,
+                steps=0,
+                ranks=0,
+                world_size=[],
+                groups=0,
+                verdict="inconclusive",
+                normalization=None,
+                segments=[],
+                max_weight_ratio=1.0,
+                microbatches=0,
+                precision_bits=bits,
+                rtol=rtol,
+            )
         return [], None
     # Steps whose counts the probe contradicts are left out of the checks and the summary alike.
     source, miscounted = without_miscounted(source, rtol)
@@ -193,8 +283,13 @@ def _audit_run(run: str, source: RunSteps | None, lost: DroppedRecords | None, h
     value = {d: d.value for d in Denominator}
     segments = [Segment(s.first, s.last, s.steps, value[s.denominator], s.factor, s.group, s.term) for s in spans]
     summary = run_summary(run, source, run_findings, segments, omitted, pooled=objective is not None, listed=listed)
-    return listed, replace(summary, precision_bits=bits, rtol=rtol, terms_pooled=objective is not None,
-                           ignored=sorted({f.code.value for f in run_findings if f.code in ignored}))
+    return listed, replace(
+        summary,
+        precision_bits=bits,
+        rtol=rtol,
+        terms_pooled=objective is not None,
+        ignored=sorted({f.code.value for f in run_findings if f.code in ignored}),
+    )
 
 
 def judged_rtol(rtol: float, bits: int | None) -> float:
@@ -203,6 +298,7 @@ def judged_rtol(rtol: float, bits: int | None) -> float:
     ∂b/∂ℓ), and a ratio of two such weights by 2u = 2^(1−p): 2⁻⁷ in bfloat16, 2⁻¹⁰ in float16, 2⁻²³ in float32
     (below the default --rtol). No wider: a weight off by more than its rounding is a finding, not noise."""
     return rtol if bits is None else max(rtol, 2.0 ** (1 - bits))
+
 
 @dataclass
 class _Extremes:
@@ -225,14 +321,21 @@ class _Extremes:
             except duckdb.InterruptException:
                 raise KeyboardInterrupt from None
             except duckdb.Error as error:
-                raise LogFormatError(self._where(), f"could not be read again for the evidence of step {step} "
-                                                    f"({str(error).splitlines()[0][:160]})") from None
+                raise LogFormatError(
+                    self._where(),
+                    f"could not be read again for the evidence of step {step} ({str(error).splitlines()[0][:160]})",
+                ) from None
         table = self.found[step, names]
-        match = table[(table.run.astype(str) == str(row.run)) & (table.grp.astype(str) == str(row.grp))
-                      & (table.term.astype(str) == str(row.term))]
+        match = table[
+            (table.run.astype(str) == str(row.run))
+            & (table.grp.astype(str) == str(row.grp))
+            & (table.term.astype(str) == str(row.term))
+        ]
         if match.empty:  # a shard removed or rewritten since it was aggregated
-            raise LogFormatError(self._where(), f"changed while it was audited: step {step} of run {row.run!r} is "
-                                                "no longer there; audit it again")
+            raise LogFormatError(
+                self._where(),
+                f"changed while it was audited: step {step} of run {row.run!r} is no longer there; audit it again",
+            )
         return match.iloc[0]
 
     def _where(self) -> str:

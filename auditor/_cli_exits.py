@@ -16,8 +16,13 @@ from tokaudit._render.text import printable
 if TYPE_CHECKING:
     from tokaudit._report import AuditReport
 
-FAIL_ON = {"error": Severity.ERROR.rank, "inconclusive": Severity.ERROR.rank, "warning": Severity.WARNING.rank,
-           "info": Severity.INFO.rank, "never": 99}
+FAIL_ON = {
+    "error": Severity.ERROR.rank,
+    "inconclusive": Severity.ERROR.rank,
+    "warning": Severity.WARNING.rank,
+    "info": Severity.INFO.rank,
+    "never": 99,
+}
 
 
 class Guarded(click.Group):
@@ -48,8 +53,10 @@ class Guarded(click.Group):
                 interrupted()
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            problem(f"internal error: {type(error).__name__}: {printable(str(error))[:300]} "
-                     "(rerun with --debug for the traceback, and please report it)")
+            problem(
+                f"internal error: {type(error).__name__}: {printable(str(error))[:300]} "
+                "(rerun with --debug for the traceback, and please report it)"
+            )
             sys.exit(EXIT_BAD_INPUT)
 
 

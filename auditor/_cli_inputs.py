@@ -25,8 +25,9 @@ def begin_loading(paths: tuple[str, ...], workers: int | None = None) -> Loading
     for note in started.notes[:NOTES_SHOWN]:  # what is read from elsewhere is said, never followed in silence
         click.echo(f"tokaudit: note: {printable(note)}", err=True)  # one unwrapped line, as problem's
     if len(started.notes) > NOTES_SHOWN:
-        click.echo(f"tokaudit: note: … and {len(started.notes) - NOTES_SHOWN} more links out of the folders given",
-                   err=True)
+        click.echo(
+            f"tokaudit: note: … and {len(started.notes) - NOTES_SHOWN} more links out of the folders given", err=True
+        )
     return started
 
 

@@ -19,16 +19,24 @@ def reading_progress(quiet: bool) -> Iterator[Callable[[str], None] | None]:
         return
     console = stderr()
     if not console.is_terminal:
+
         def line(message: str) -> None:
             done = _RANGE.search(message)
             if done is None or _quarter_passed(int(done[1]), int(done[2])):
                 console.print(printable(message), style="dim", markup=False)
+
         yield line
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("{task.description}", style="dim"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
+    with Progress(
+        TextColumn("{task.description}", style="dim"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
         task = bar.add_task("reading logs", total=None)
 
         def show(message: str) -> None:
@@ -37,6 +45,7 @@ def reading_progress(quiet: bool) -> Iterator[Callable[[str], None] | None]:
                 bar.update(task, description=printable(message))
             else:
                 bar.update(task, description="aggregating steps", completed=int(done[1]) - 1, total=int(done[2]))
+
         yield show
 
 
@@ -47,4 +56,3 @@ _RANGE = re.compile(r"\((\d+)/(\d+)\)$")
 def _quarter_passed(index: int, total: int) -> bool:
     """Whether range `index` of `total` is one a log shows: the first, the last, and the first past each quarter."""
     return index in (1, total) or (index * 4) // total != ((index - 1) * 4) // total
-

@@ -48,8 +48,13 @@ class Cluster:
         # Ray's own C++ warnings (each failed retry of a connection, a line a second) are not the audit's output
         os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
         try:
-            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False, configure_logging=False,
-                     runtime_env={"env_vars": forwarded_environment()})
+            ray.init(
+                address=address,
+                logging_level=logging.ERROR,
+                log_to_driver=False,
+                configure_logging=False,
+                runtime_env={"env_vars": forwarded_environment()},
+            )
         except Exception as error:  # Ray raises ConnectionError, RuntimeError or its own for an absent cluster
             raise UsageError(f"cannot reach the Ray cluster at {address} ({short_error(error)})") from None
         cluster = cls(ray, address)
@@ -66,15 +71,25 @@ class Cluster:
 
         task = self.ray.remote(function)
         nodes = [node["NodeID"] for node in self.ray.nodes() if node.get("Alive")]
-        return list(self.ray.get([task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-                                  .remote(*arguments) for node in nodes]))
+        return list(
+            self.ray.get(
+                [
+                    task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+                        *arguments
+                    )
+                    for node in nodes
+                ]
+            )
+        )
 
     def _check_versions(self) -> None:
         here = versions()
         for there in self._on_every_node(versions):
             if there != here:
-                raise UsageError(f"a node of the Ray cluster at {self.address} runs {_versions_text(there)}, this "
-                                 f"process {_versions_text(here)}: install the same on every node")
+                raise UsageError(
+                    f"a node of the Ray cluster at {self.address} runs {_versions_text(there)}, this "
+                    f"process {_versions_text(here)}: install the same on every node"
+                )
 
     def check_visible(self, files: Sequence[Any]) -> None:
         """Refuse, before any work, a local file some node cannot read (a path only this machine has)."""
@@ -84,8 +99,10 @@ class Cluster:
         sample = sorted({str(files[0]), str(files[-1]), *(str(path) for path in files[::step])})
         for missing in self._on_every_node(unreadable, sample):
             if missing:
-                raise UsageError(f"{missing}: the Ray cluster's workers cannot read it; give them a folder they all "
-                                 "see or an object-storage URL (s3://, gs://, …)")
+                raise UsageError(
+                    f"{missing}: the Ray cluster's workers cannot read it; give them a folder they all "
+                    "see or an object-storage URL (s3://, gs://, …)"
+                )
 
     def map(self, function: Callable[[Any], Any], items: Sequence[Any]) -> Iterator[Any]:
         """function(item) for each item on the cluster, in order, at most IN_FLIGHT_PER_CPU tasks a CPU ahead. A task
@@ -107,8 +124,10 @@ class Cluster:
                 try:
                     yield self.ray.get(reference)
                 except Exception as error:
-                    raise UsageError(f"the Ray task for {item} failed ({short_error(error).splitlines()[0]}); "
-                                     "no verdict was made from a part of the log") from None
+                    raise UsageError(
+                        f"the Ray task for {item} failed ({short_error(error).splitlines()[0]}); "
+                        "no verdict was made from a part of the log"
+                    ) from None
         finally:
             for _, reference in pending:
                 try:
@@ -121,10 +140,14 @@ class Cluster:
         object storage one at a time)."""
         self.check_visible(found.files)
         batches: list[tuple[list[PurePath], list[Store | None] | None]] = [
-            (list(found.files[i:i + BATCH_FILES]), None) for i in range(0, len(found.files), BATCH_FILES)]
+            (list(found.files[i : i + BATCH_FILES]), None) for i in range(0, len(found.files), BATCH_FILES)
+        ]
         batches += [([path], [store]) for path, store in found.remote]
-        inspected = [item for part in self.map(_inspect, [_Footers(*batch, found.thorough) for batch in batches])
-                     for item in part]
+        inspected = [
+            item
+            for part in self.map(_inspect, [_Footers(*batch, found.thorough) for batch in batches])
+            for item in part
+        ]
         return inspected_log(inspected, found.problems)
 
     def close(self) -> None:
@@ -163,8 +186,11 @@ class _Footers:
     thorough: bool
 
     def __str__(self) -> str:
-        return f"the footers of {self.paths[0]} and {len(self.paths) - 1} more" if len(self.paths) > 1 \
+        return (
+            f"the footers of {self.paths[0]} and {len(self.paths) - 1} more"
+            if len(self.paths) > 1
             else f"the footer of {self.paths[0]}"
+        )
 
 
 def _inspect(batch: _Footers) -> list[Any]:

@@ -11,8 +11,9 @@ from pathlib import Path
 from tokaudit.errors import LogFormatError
 
 
-def discover(paths: Sequence[str | os.PathLike[str]], notes: list[str] | None = None
-             ) -> tuple[list[Path], list[LogFormatError]]:
+def discover(
+    paths: Sequence[str | os.PathLike[str]], notes: list[str] | None = None
+) -> tuple[list[Path], list[LogFormatError]]:
     """Every *.parquet under the paths, each path taken literally. Dot-files (a killed writer's
     temporaries) are skipped; anything else that cannot be read is one problem line, never a silence:
     an unreadable folder, a dangling or looping link, a FIFO, a folder named *.parquet with no part file. Such a
@@ -39,8 +40,9 @@ def discover(paths: Sequence[str | os.PathLike[str]], notes: list[str] | None = 
     return list(found.values()), problems
 
 
-def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogFormatError],
-          notes: list[str] | None = None) -> int:
+def _walk(
+    root: Path, found: dict[tuple[int, int], Path], problems: list[LogFormatError], notes: list[str] | None = None
+) -> int:
     """Every *.parquet under `root` added to `found` (a file already there is not added again), or to `problems`
     where it is no readable file: how many it reached, those found before and those it could not use included."""
     seen: set[tuple[int, int]] = set()
@@ -74,13 +76,23 @@ def _walk(root: Path, found: dict[tuple[int, int], Path], problems: list[LogForm
                 datasets[dataset] += len(names)
         _add_files(here, names, identity.st_dev, found, problems, inside, notes)
         reached += len(names)
-    problems.extend(LogFormatError(dataset, "a folder named *.parquet with no Parquet part files in it")
-                    for dataset, parts in datasets.items() if not parts)
+    problems.extend(
+        LogFormatError(dataset, "a folder named *.parquet with no Parquet part files in it")
+        for dataset, parts in datasets.items()
+        if not parts
+    )
     return reached
 
 
-def _add_files(here: str, names: list[str], device: int, found: dict[tuple[int, int], Path],
-               problems: list[LogFormatError], inside: str, notes: list[str] | None) -> None:
+def _add_files(
+    here: str,
+    names: list[str],
+    device: int,
+    found: dict[tuple[int, int], Path],
+    problems: list[LogFormatError],
+    inside: str,
+    notes: list[str] | None,
+) -> None:
     """`_walk`'s files `names` of the folder `here` (on `device`), each added to `found` (a file already there is
     not added again), or to `problems` where it is no readable file."""
     # A regular file's identity is its folder's device and the inode its folder's listing gives, with no
@@ -140,8 +152,11 @@ def _regular_inodes(folder: str, names: set[str]) -> dict[str, int]:
     where the folder cannot be listed again."""
     try:
         with os.scandir(folder) as entries:
-            return {entry.name: entry.inode() for entry in entries
-                    if entry.name in names and entry.is_file(follow_symlinks=False)}
+            return {
+                entry.name: entry.inode()
+                for entry in entries
+                if entry.name in names and entry.is_file(follow_symlinks=False)
+            }
     except OSError:
         return {}
 

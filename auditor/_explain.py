@@ -18,17 +18,20 @@ LIST_WIDTH = 26
 def explain(code: Code) -> str:
     """The derivation, the fix and a worked example of one code, as `tokaudit explain CODE` prints it (prose)."""
     doc = CODE_DOCS[code]
-    return (f"{code.value} ({doc.severity.value}): {doc.title}\n\n"
-            f"Why\n  {doc.why}\n\nFix\n  {doc.fix}\n\n"
-            f"Worked example\n  Set-up for the example: {EXAMPLE_SETUP}\n  {doc.example}\n")
+    return (
+        f"{code.value} ({doc.severity.value}): {doc.title}\n\n"
+        f"Why\n  {doc.why}\n\nFix\n  {doc.fix}\n\n"
+        f"Worked example\n  Set-up for the example: {EXAMPLE_SETUP}\n  {doc.example}\n"
+    )
 
 
 def explain_code(code: Code) -> str:
     """Where the fix of `code` is the token mean: its code for each set-up, to paste (never wrapped); else ""."""
     if code not in TOKEN_MEAN_FIXES:
         return ""
-    return "".join(f"\nThe token mean in {NAMES[name]}\n{textwrap.indent(recipe, '  ')}\n"
-                   for name, recipe in RECIPES.items())
+    return "".join(
+        f"\nThe token mean in {NAMES[name]}\n{textwrap.indent(recipe, '  ')}\n" for name, recipe in RECIPES.items()
+    )
 
 
 def listing() -> list[str]:
@@ -75,7 +78,10 @@ _VERDICT = textwrap.fill(
     "or when no step could be judged (no step with valid tokens carries a usable weight); `incorrect` otherwise. "
     f"The logged loss ({_codes(REPORTING)}) is the run's `reporting` (matches, differs, absent), "
     "shown beside the verdict, never part of it.",
-    width=105, break_long_words=False, break_on_hyphens=False)
+    width=105,
+    break_long_words=False,
+    break_on_hyphens=False,
+)
 
 _HEADER = f"""\
 <!-- Generated from tokaudit.codes.CODE_DOCS by {SCRIPT}: edit the table there, then run
@@ -97,21 +103,37 @@ same text as [each code's section](#each-code) below.
 def codes_markdown() -> str:
     """docs/CODES.md: the verdict, a table of every code (severity, what it says, fix), then each code's
     derivation and worked example."""
-    rows = [f"| [`{code.value}`](#{code.value}) | {_markdown(_severity(doc), cell=True)} "
-            f"| {_markdown(_what_it_says(doc), cell=True)} | {_markdown(doc.fix, cell=True)} |"
-            for code, doc in CODE_DOCS.items()]
-    sections = ["## Each code", "",
-                f"The worked examples share one set-up unless they state their own: {_markdown(EXAMPLE_SETUP)}"]
+    rows = [
+        f"| [`{code.value}`](#{code.value}) | {_markdown(_severity(doc), cell=True)} "
+        f"| {_markdown(_what_it_says(doc), cell=True)} | {_markdown(doc.fix, cell=True)} |"
+        for code, doc in CODE_DOCS.items()
+    ]
+    sections = [
+        "## Each code",
+        "",
+        f"The worked examples share one set-up unless they state their own: {_markdown(EXAMPLE_SETUP)}",
+    ]
     for code, doc in CODE_DOCS.items():
         verdict = "; alone, it makes the verdict `inconclusive`" if doc.undecidable else ""
-        sections += ["", f"### `{code.value}`", "",
-                     f"*{_markdown(_severity(doc))}{verdict}.* {_markdown(_sentence(doc.title))}", "",
-                     f"**Why.** {_markdown(doc.why)}", "",
-                     f"**Fix.** {_markdown(doc.fix)}", "",
-                     f"**Worked example.** {_markdown(doc.example)}"]
-    recipes = ["", "## The token mean in code", "",
-               f"The fix of {_codes(TOKEN_MEAN_FIXES)}, for each set-up a log can show (a finding carries the one "
-               "its run's trainer needs, as `fix_code` in the JSON):"]
+        sections += [
+            "",
+            f"### `{code.value}`",
+            "",
+            f"*{_markdown(_severity(doc))}{verdict}.* {_markdown(_sentence(doc.title))}",
+            "",
+            f"**Why.** {_markdown(doc.why)}",
+            "",
+            f"**Fix.** {_markdown(doc.fix)}",
+            "",
+            f"**Worked example.** {_markdown(doc.example)}",
+        ]
+    recipes = [
+        "",
+        "## The token mean in code",
+        "",
+        f"The fix of {_codes(TOKEN_MEAN_FIXES)}, for each set-up a log can show (a finding carries the one "
+        "its run's trainer needs, as `fix_code` in the JSON):",
+    ]
     for name, recipe in RECIPES.items():
         recipes += ["", f"**{NAMES[name][:1].upper() + NAMES[name][1:]}.**", "", "```python", recipe, "```"]
     return _HEADER + "\n".join(rows) + "\n\n" + "\n".join(sections) + "\n" + "\n".join(recipes) + "\n"

@@ -45,12 +45,15 @@ def run_figures(log: AuditedLog, runs: Sequence[str], pooled: Sequence[str] = ()
     finally:
         engine.close()
     names = heat.run.astype(str)
-    return {run: RunFigures(heat[(names == run).to_numpy()].reset_index(drop=True),
-                            _curves(log.steps, run, run in pooled)) for run in runs}
+    return {
+        run: RunFigures(heat[(names == run).to_numpy()].reset_index(drop=True), _curves(log.steps, run, run in pooled))
+        for run in runs
+    }
 
 
-def _curves(steps: pd.DataFrame | Spilled, run: str, pooled: bool
-            ) -> list[tuple[str, npt.NDArray[np.float64], npt.NDArray[np.float64]]]:
+def _curves(
+    steps: pd.DataFrame | Spilled, run: str, pooled: bool
+) -> list[tuple[str, npt.NDArray[np.float64], npt.NDArray[np.float64]]]:
     curve = run_curve(steps, run, pooled)
     parts = list(curve.parts())
     if not parts:

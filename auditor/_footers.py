@@ -21,8 +21,14 @@ try:  # the reader pq.ParquetFile wraps; private, so the public class stands in 
 except ImportError:  # pragma: no cover - every pyarrow this supports has it
     _ParquetReader = None
 
-KIND_WORDS = {"int": "an integer type", "float": "a numeric type", "bool": "bool", "string": "string",
-              "timestamp": "a timestamp"}
+KIND_WORDS = {
+    "int": "an integer type",
+    "float": "a numeric type",
+    "bool": "bool",
+    "string": "string",
+    "timestamp": "a timestamp",
+}
+
 
 class Footer:
     """A Parquet file's footer, parsed once: what `pq.ParquetFile` gives, less the work it does for reading
@@ -55,6 +61,7 @@ class Footer:
             self.parquet = pq.ParquetFile(self.source, metadata=self.metadata)
         return self.parquet.read(columns=columns, use_threads=True)
 
+
 class FragmentFooter(Footer):
     """An object's footer read through a dataset fragment that knows the object's size: pyarrow's reader of a
     path first asks the store for its size (a HEAD), half the requests of a log of small objects."""
@@ -74,8 +81,10 @@ class FragmentFooter(Footer):
         table: pa.Table = self.fragment.to_table(columns=columns)
         return table
 
+
 TAIL_BYTES = 1 << 14
 """The bytes read from the end of a local file for its footer: a log's footers take 2–5 KB."""
+
 
 def local_footer(path: str) -> Footer | None:
     """A local file's footer, read with one pread of its last TAIL_BYTES (two where the footer is longer) and
@@ -100,8 +109,10 @@ def local_footer(path: str) -> Footer | None:
     footer.source = path  # columns are read from the file (`read`)
     return footer
 
-def footer_stats(metadata: pq.FileMetaData, index: dict[str, int], facts: SchemaFacts, nullable: frozenset[str]
-                  ) -> tuple[dict[str, tuple[Any, Any, int | None]], frozenset[str]]:
+
+def footer_stats(
+    metadata: pq.FileMetaData, index: dict[str, int], facts: SchemaFacts, nullable: frozenset[str]
+) -> tuple[dict[str, tuple[Any, Any, int | None]], frozenset[str]]:
     """Per bounded column, (min, max, null count) over all row groups, None where a statistic is missing;
     and those of `nullable` that hold only nulls by the footer (a null count equal to the rows of every row
     group; a column without a null count is not claimed). Each column's statistics are taken once a row
@@ -122,16 +133,20 @@ def footer_stats(metadata: pq.FileMetaData, index: dict[str, int], facts: Schema
         nulls: int | None = 0
         for group in groups:
             statistics = group.column(place).statistics if place is not None else None
-            if only_nulls and (statistics is None or not statistics.has_null_count
-                               or statistics.null_count != group.num_rows):
+            if only_nulls and (
+                statistics is None or not statistics.has_null_count or statistics.null_count != group.num_rows
+            ):
                 only_nulls = False
             if bounding:
                 if statistics is None or not statistics.has_min_max or nulls is None:
                     low = high = nulls = None
                     bounding = False
                 else:
-                    least, most = ((statistics.min_raw, statistics.max_raw) if stored
-                                   else _statistic_bounds(statistics, column, facts))
+                    least, most = (
+                        (statistics.min_raw, statistics.max_raw)
+                        if stored
+                        else _statistic_bounds(statistics, column, facts)
+                    )
                     if isinstance(least, bytes):  # a half float's: as good as none (its values are read instead)
                         low = high = nulls = None
                         bounding = False
@@ -147,8 +162,10 @@ def footer_stats(metadata: pq.FileMetaData, index: dict[str, int], facts: Schema
             empty.append(column)
     return out, frozenset(empty)
 
-def row_group_steps(metadata: pq.FileMetaData, index: dict[str, int], facts: SchemaFacts
-                    ) -> tuple[tuple[int, int, int], ...]:
+
+def row_group_steps(
+    metadata: pq.FileMetaData, index: dict[str, int], facts: SchemaFacts
+) -> tuple[tuple[int, int, int], ...]:
     """Per row group (first step, last step, rows) when the file has several and each says its steps with
     no null; () else (the file's `step_range` and rows then stand for its one row group). The audit's step
     ranges end between row groups, so that none is decoded twice (`engine.ranges`)."""
@@ -159,13 +176,14 @@ def row_group_steps(metadata: pq.FileMetaData, index: dict[str, int], facts: Sch
     for number in range(metadata.num_row_groups):
         group = metadata.row_group(number)
         statistics = group.column(place).statistics
-        if statistics is None or not statistics.has_min_max or not statistics.has_null_count \
-                or statistics.null_count:
+        if statistics is None or not statistics.has_min_max or not statistics.has_null_count or statistics.null_count:
             return ()
-        low, high = ((statistics.min_raw, statistics.max_raw) if "step" in facts.raw
-                     else (statistics.min, statistics.max))
+        low, high = (
+            (statistics.min_raw, statistics.max_raw) if "step" in facts.raw else (statistics.min, statistics.max)
+        )
         out.append((int(low), int(high), group.num_rows))
     return tuple(out)
+
 
 def _statistic_bounds(statistics: Any, column: str, facts: SchemaFacts) -> tuple[Any, Any]:
     """A row group's (min, max) of a column whose stored statistics are not its value: a name's text decoded
@@ -177,11 +195,16 @@ def _statistic_bounds(statistics: Any, column: str, facts: SchemaFacts) -> tuple
             pass
     return statistics.min, statistics.max
 
+
 _TIMESTAMP = re.compile(r"^timestamp\[(s|ms|us|ns)(?:, tz=(.+))?\]$")
 
-_FOOTER_TYPES = {**dict.fromkeys(("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"), pa.int64()),
-                 "float": pa.float64(), "double": pa.float64(), "bool": pa.bool_(),
-                 **dict.fromkeys(("string", "large_string"), pa.string())}
+_FOOTER_TYPES = {
+    **dict.fromkeys(("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"), pa.int64()),
+    "float": pa.float64(),
+    "double": pa.float64(),
+    "bool": pa.bool_(),
+    **dict.fromkeys(("string", "large_string"), pa.string()),
+}
 
 _PYTHON_TYPES = {pa.int64(): int, pa.float64(): float, pa.bool_(): bool, pa.string(): str}
 
@@ -189,6 +212,7 @@ SIGNLESS_ZEROS = frozenset({"masked_weight_abs_sum"})
 """Float columns whose zero's sign nothing reads (a sum of absolute values, only compared with 0 and tested
 for finiteness): `footer_record` takes a 0 in their footer as 0.0. The recorder's probe writes 0.0 there on
 almost every record."""
+
 
 @functools.lru_cache(maxsize=256)
 def footer_type(arrow_type: str) -> pa.DataType | None:
@@ -205,6 +229,7 @@ def footer_type(arrow_type: str) -> pa.DataType | None:
         return pa.timestamp(timestamp.group(1), timestamp.group(2))
     return _FOOTER_TYPES.get(arrow_type)
 
+
 @functools.lru_cache(maxsize=256)
 def footer_reading(arrow_type: str) -> tuple[type, bool, bool] | None:
     """How `footer_record` reads a column of this Arrow type: its value's Python type, whether the
@@ -218,8 +243,10 @@ def footer_reading(arrow_type: str) -> tuple[type, bool, bool] | None:
         return int, True, True
     return _PYTHON_TYPES[held], arrow_type in ("int8", "int16", "int32", "int64", "float", "double", "bool"), False
 
-def footer_record(metadata: pq.FileMetaData, index: dict[str, int], signature: tuple[tuple[str, str], ...]
-                  ) -> tuple[Any, ...] | None:
+
+def footer_record(
+    metadata: pq.FileMetaData, index: dict[str, int], signature: tuple[tuple[str, str], ...]
+) -> tuple[Any, ...] | None:
     """`Shard.record`: the values of a file of one row, from its footer's statistics, when they give each
     exactly: a null count of 1 (a null), or no null and a min equal to the max. Not exact, and so None:
     a float 0 (Parquet writes min −0.0 and max +0.0 whatever its sign) but in SIGNLESS_ZEROS, NaN (never
@@ -253,8 +280,10 @@ def footer_record(metadata: pq.FileMetaData, index: dict[str, int], signature: t
         values.append(value)
     return tuple(values)
 
+
 UNKNOWN = object()
 """What a statistics' one value does not give (`one_value_of`)."""
+
 
 def one_value_of(column: str, low: Any) -> Any:
     """The value every record holds where a column's statistics have min = max = `low`: `low` itself, but a
@@ -264,18 +293,25 @@ def one_value_of(column: str, low: Any) -> Any:
         return 0.0 if low == 0.0 and column in SIGNLESS_ZEROS else UNKNOWN
     return low
 
+
 def record_stats(record: tuple[Any, ...], facts: SchemaFacts) -> dict[str, tuple[Any, Any, int | None]]:
     """`footer_stats` of a one-row file's bounded columns from its record (`footer_record`): (v, v, 0) for a
     value v, and for a null what a footer without a min or max gives, (None, None, None)."""
-    return {column: (None, None, None) if value is None else (value, value, 0)
-            for (column, _), value in zip(facts.signature, record) if column in facts.bounded}
+    return {
+        column: (None, None, None) if value is None else (value, value, 0)
+        for (column, _), value in zip(facts.signature, record)
+        if column in facts.bounded
+    }
+
 
 _NAME_COLUMNS = (("run_id", None), ("group", UNNAMED), ("term", UNNAMED))
 """The columns that name a record's (run, group, term), and their defaults (None: the file's folder),
 as `engine.sql.select_records` applies them."""
 
-def names_of(stats: dict[str, tuple[Any, Any, int | None]], present: frozenset[str], default_run: str
-           ) -> tuple[str | None, str | None, str | None]:
+
+def names_of(
+    stats: dict[str, tuple[Any, Any, int | None]], present: frozenset[str], default_run: str
+) -> tuple[str | None, str | None, str | None]:
     """`Shard.names` from the footer's statistics, column by column: a column's one value when its min and
     max are equal and it has no null, its default when it is absent; otherwise None (a column of nulls
     only has no min or max, so it is None too: the names are then aggregated as for any log)."""
@@ -288,23 +324,28 @@ def names_of(stats: dict[str, tuple[Any, Any, int | None]], present: frozenset[s
         names.append(low if nulls == 0 and isinstance(low, str) and low == high else None)
     return names[0], names[1], names[2]
 
+
 def all_names(names: tuple[str | None, str | None, str | None]) -> tuple[str, str, str] | None:
     run, group, term = names
     return (run, group, term) if run is not None and group is not None and term is not None else None
 
+
 def run_group_of(names: tuple[str | None, str | None, str | None]) -> tuple[str, str] | None:
     run, group, _ = names
     return (run, group) if run is not None and group is not None else None
+
 
 def range_of(stats: tuple[Any, Any, int | None]) -> tuple[int, int] | None:
     """(lowest, highest) of an integer column when its statistics hold both and it has no nulls."""
     bounds = bounds_of(stats)
     return (int(bounds[0]), int(bounds[1])) if bounds is not None else None
 
+
 def bounds_of(stats: tuple[Any, Any, int | None]) -> tuple[Any, Any] | None:
     """(lowest, highest) of a column when its statistics hold both and it has no nulls."""
     low, high, nulls = stats
     return (low, high) if low is not None and high is not None and nulls == 0 else None
+
 
 @dataclass(frozen=True, slots=True)
 class SchemaFacts:
@@ -327,8 +368,10 @@ class SchemaFacts:
     """Its columns of text (string, large_string, a dictionary of either), whose statistics' value is their
     stored UTF-8 bytes decoded."""
 
+
 _SCHEMAS: dict[tuple[tuple[str, str], ...], SchemaFacts] = {}
 """Schemas already checked, by their fields."""
+
 
 def checked_schema(schema: pa.Schema) -> SchemaFacts:
     """What a schema says, made once for all the shards that have it (the schema seen last is not even
@@ -344,9 +387,11 @@ def checked_schema(schema: pa.Schema) -> SchemaFacts:
         signature = tuple(f for f in fields if f[0] in COLUMNS_BY_NAME)
         raw = frozenset(c for c, arrow_type in signature if (footer_reading(arrow_type) or (int, False, False))[1])
         text = frozenset(c for c, arrow_type in signature if footer_type(arrow_type) == pa.string())
-        facts = _SCHEMAS[fields] = SchemaFacts(problem, present, (present & STATISTICS_COLUMNS) | set(unsigned), unsigned,
-                                                signature, raw, text)
+        facts = _SCHEMAS[fields] = SchemaFacts(
+            problem, present, (present & STATISTICS_COLUMNS) | set(unsigned), unsigned, signature, raw, text
+        )
     return facts
+
 
 def _schema_problem(schema: pa.Schema, present: frozenset[str]) -> str | None:
     """What makes a schema unusable (required columns, no repeats, each column's type), or None.
@@ -356,7 +401,9 @@ def _schema_problem(schema: pa.Schema, present: frozenset[str]) -> str | None:
         return f"not a tokaudit log (no column {', '.join(repr(c) for c in missing)})"
     if missing:
         return f"missing column '{missing[0]}'"
-    repeated = sorted({column for column in schema.names if schema.names.count(column) > 1 and column in COLUMNS_BY_NAME})
+    repeated = sorted(
+        {column for column in schema.names if schema.names.count(column) > 1 and column in COLUMNS_BY_NAME}
+    )
     if repeated:
         return f"column '{repeated[0]}' appears more than once"
     for column in sorted(present):

@@ -115,8 +115,9 @@ class Loading:
     def result(self) -> LogSet:
         from tokaudit._reader import inspect_batch
 
-        inspected = _share(self.files, self.shares, self.thorough) if self.shares else inspect_batch(
-            self.files, self.thorough)
+        inspected = (
+            _share(self.files, self.shares, self.thorough) if self.shares else inspect_batch(self.files, self.thorough)
+        )
         inspected += _inspect_remote(self.remote, self.thorough)
         return inspected_log(inspected, self.problems)
 
@@ -190,9 +191,15 @@ def separate_runs(shards: list[Shard]) -> list[Shard]:
             continue
         folder = folder_of(shard)
         name = folder if folder.rstrip("/").rsplit("/", 1)[-1] == run else f"{folder}:{run}"
-        out.append(replace(shard, default_run=name, run_override=True,
-                           names=None if shard.names is None else (name, *shard.names[1:]),
-                           run_group=None if shard.run_group is None else (name, shard.run_group[1])))
+        out.append(
+            replace(
+                shard,
+                default_run=name,
+                run_override=True,
+                names=None if shard.names is None else (name, *shard.names[1:]),
+                run_group=None if shard.run_group is None else (name, shard.run_group[1]),
+            )
+        )
     return out
 
 
@@ -230,8 +237,10 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-_WORKER = ("import pickle, sys; paths, thorough, sys.path[:] = pickle.load(sys.stdin.buffer); "
-           "from tokaudit._loading import serve; serve(paths, thorough, sys.stdout.buffer)")
+_WORKER = (
+    "import pickle, sys; paths, thorough, sys.path[:] = pickle.load(sys.stdin.buffer); "
+    "from tokaudit._loading import serve; serve(paths, thorough, sys.stdout.buffer)"
+)
 """A worker: its files (as text) and this interpreter's import path in on stdin, its answers out on stdout
 in frames (`serve`)."""
 
@@ -252,8 +261,10 @@ def serve(paths: Sequence[str], thorough: bool, out: IO[bytes]) -> None:
     writer = threading.Thread(target=write, daemon=True)
     writer.start()
     for start in range(0, len(paths), FRAME_FILES):
-        answers = pickle.dumps(packed_shards(inspect_batch([PurePath(p) for p in paths[start:start + FRAME_FILES]],
-                                                      thorough)), pickle.HIGHEST_PROTOCOL)
+        answers = pickle.dumps(
+            packed_shards(inspect_batch([PurePath(p) for p in paths[start : start + FRAME_FILES]], thorough)),
+            pickle.HIGHEST_PROTOCOL,
+        )
         frames.put(len(answers).to_bytes(8, "little") + answers)
     frames.put(None)
     writer.join()
@@ -273,13 +284,20 @@ def _start_workers(files: Sequence[Path], thorough: bool, workers: int) -> list[
     shares: list[_Share] = []
     try:
         for start in range(0, len(files), size):
-            worker = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            worker = subprocess.Popen(
+                [sys.executable, "-c", _WORKER],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+            )
             shares.append(_Share(worker, start, min(start + size, len(files))))
             assert worker.stdin is not None
             # A list of paths: a few MB at most, which the worker reads whole before it writes anything.
-            pickle.dump(([str(path) for path in files[start:start + size]], thorough, list(sys.path)),
-                        worker.stdin, pickle.HIGHEST_PROTOCOL)
+            pickle.dump(
+                ([str(path) for path in files[start : start + size]], thorough, list(sys.path)),
+                worker.stdin,
+                pickle.HIGHEST_PROTOCOL,
+            )
             worker.stdin.close()
     except Exception:
         # No worker here (no interpreter at sys.executable, a sandbox without processes, a broken pipe).
@@ -307,15 +325,18 @@ def _share(files: Sequence[Path], shares: list[_Share], thorough: bool) -> list[
     inspected: list[Shard | tuple[str, str]] = []
     for share in shares:
         middle = share.end - len(share.taken)  # the worker's answers up to here, then this process's
-        inspected += unpacked_shards(share.answered[:middle - share.start], files[share.start:middle])
+        inspected += unpacked_shards(share.answered[: middle - share.start], files[share.start : middle])
         inspected += reversed(share.taken)
     return inspected
 
 
 def _read_answers(shares: list[_Share]) -> None:
     """Whatever the workers have written, read without waiting and added to their shares' answers."""
-    readable = {share.worker.stdout.fileno(): share for share in shares
-                if share.worker is not None and share.worker.stdout is not None}
+    readable = {
+        share.worker.stdout.fileno(): share
+        for share in shares
+        if share.worker is not None and share.worker.stdout is not None
+    }
     if not readable:
         return
     ready, _, _ = select.select(list(readable), [], [], 0)
@@ -329,13 +350,15 @@ def _read_answers(shares: list[_Share]) -> None:
             _stop([share])
             continue
         share.unread += data
-        while len(share.unread) >= 8 and len(share.unread) >= 8 + (length := int.from_bytes(share.unread[:8], "little")):
+        while len(share.unread) >= 8 and len(share.unread) >= 8 + (
+            length := int.from_bytes(share.unread[:8], "little")
+        ):
             try:
-                share.answered.extend(pickle.loads(share.unread[8:8 + length]))
+                share.answered.extend(pickle.loads(share.unread[8 : 8 + length]))
             except Exception:  # not what a worker writes: nothing more of it is believed
                 _stop([share])
                 break
-            del share.unread[:8 + length]
+            del share.unread[: 8 + length]
 
 
 def _stop(shares: Sequence[_Share]) -> None:

@@ -29,17 +29,27 @@ finding's step aggregated again alone costs a DuckDB connection and a query of i
 aggregate them for a finding's step only (`_Extremes`): over every step they would cost a tenth of the
 query and 48 bytes a step."""
 
-def open_logs(paths: Sequence[str | os.PathLike[str]],
-              progress: Progress | None = None, only_steps: tuple[int, int] | None = None,
-              threads: int | None = None, started: Loading | None = None, loaded: LogSet | None = None
-              ) -> tuple[LogSet, Engine | None, pd.DataFrame]:
+
+def open_logs(
+    paths: Sequence[str | os.PathLike[str]],
+    progress: Progress | None = None,
+    only_steps: tuple[int, int] | None = None,
+    threads: int | None = None,
+    started: Loading | None = None,
+    loaded: LogSet | None = None,
+) -> tuple[LogSet, Engine | None, pd.DataFrame]:
     """`open_log_parts` with the step table whole."""
     logset, engine, steps = open_log_parts(paths, progress, only_steps, threads, started, loaded=loaded)
     assert isinstance(steps, pd.DataFrame)
     return logset, engine, steps
 
-def load_logs(paths: Sequence[str | os.PathLike[str]], started: Loading | None = None, threads: int | None = None,
-              cluster: Cluster | None = None) -> LogSet:
+
+def load_logs(
+    paths: Sequence[str | os.PathLike[str]],
+    started: Loading | None = None,
+    threads: int | None = None,
+    cluster: Cluster | None = None,
+) -> LogSet:
     """The logs' footers validated (`load(paths, thorough=False)`): the load already under way (`started`),
     or one now."""
     # Footers are validated by as many processes as DuckDB has threads: every core unless told
@@ -49,11 +59,18 @@ def load_logs(paths: Sequence[str | os.PathLike[str]], started: Loading | None =
             return cluster.load(found)
     return started.result() if started is not None else load(paths, thorough=False, workers=threads or cores())
 
-def open_log_parts(paths: Sequence[str | os.PathLike[str]],
-                   progress: Progress | None = None, only_steps: tuple[int, int] | None = None,
-                   threads: int | None = None, started: Loading | None = None, evidence: bool = False,
-                   spill: bool = False, loaded: LogSet | None = None, cluster: Cluster | None = None
-                   ) -> tuple[LogSet, Engine | None, pd.DataFrame | Spilled]:
+
+def open_log_parts(
+    paths: Sequence[str | os.PathLike[str]],
+    progress: Progress | None = None,
+    only_steps: tuple[int, int] | None = None,
+    threads: int | None = None,
+    started: Loading | None = None,
+    evidence: bool = False,
+    spill: bool = False,
+    loaded: LogSet | None = None,
+    cluster: Cluster | None = None,
+) -> tuple[LogSet, Engine | None, pd.DataFrame | Spilled]:
     """Load, validate and aggregate. A shard DuckDB cannot decode, or whose values no audit can use, is
     reported and left out.
 
@@ -76,8 +93,9 @@ def open_log_parts(paths: Sequence[str | os.PathLike[str]],
     if progress and large:
         progress(f"reading {len(shards)} file(s), {rows:,} rows")
     while shards:
-        done = _aggregated(shards, only_steps, threads, evidence and rows <= EVIDENCE_ROWS, cluster,
-                           progress if large else None, spill)
+        done = _aggregated(
+            shards, only_steps, threads, evidence and rows <= EVIDENCE_ROWS, cluster, progress if large else None, spill
+        )
         if isinstance(done, dict):  # files to leave out, named in the problems: the others are aggregated again
             problems.extend(done.values())
             shards = [s for s in shards if s.path not in done]
@@ -86,17 +104,29 @@ def open_log_parts(paths: Sequence[str | os.PathLike[str]],
         return LogSet(shards, problems), engine, steps
     return LogSet(shards, problems), None, pd.DataFrame()
 
-def _aggregated(shards: list[Shard], only_steps: tuple[int, int] | None, threads: int | None, extremes: bool,
-                cluster: Cluster | None, progress: Progress | None, spill: bool
-                ) -> tuple[Engine, pd.DataFrame | Spilled] | dict[object, LogFormatError]:
+
+def _aggregated(
+    shards: list[Shard],
+    only_steps: tuple[int, int] | None,
+    threads: int | None,
+    extremes: bool,
+    cluster: Cluster | None,
+    progress: Progress | None,
+    spill: bool,
+) -> tuple[Engine, pd.DataFrame | Spilled] | dict[object, LogFormatError]:
     """One aggregation of these shards: the engine and its step table, or the files to leave out before the next
     try (values no audit can use, or a file DuckDB cannot decode), each with its problem."""
     try:
-        engine = Engine.open(shards, only_steps=only_steps, threads=threads, extremes=extremes,
-                             ranges_map=cluster.map if cluster else None)
+        engine = Engine.open(
+            shards,
+            only_steps=only_steps,
+            threads=threads,
+            extremes=extremes,
+            ranges_map=cluster.map if cluster else None,
+        )
         try:
             steps = engine.step_parts(progress, spill)
-            if (steps.unusable_values.sum() > 0 if isinstance(steps, pd.DataFrame) else steps.unusable > 0):
+            if steps.unusable_values.sum() > 0 if isinstance(steps, pd.DataFrame) else steps.unusable > 0:
                 unusable = _unusable(engine.unusable_files())
                 if unusable:
                     engine.close()
@@ -113,12 +143,16 @@ def _aggregated(shards: list[Shard], only_steps: tuple[int, int] | None, threads
         broken = _undecodable(shards)
         if not broken and isinstance(error, duckdb.OutOfMemoryException):
             # every file decodes: the limit is too small for this log, which is no file's fault
-            raise UsageError(f"DuckDB ran out of memory under its limit ({str(error).splitlines()[0][:200]}); "
-                             "raise TOKAUDIT_MEMORY_LIMIT (default 512MB) or lower TOKAUDIT_CHUNK_ROWS") from None
+            raise UsageError(
+                f"DuckDB ran out of memory under its limit ({str(error).splitlines()[0][:200]}); "
+                "raise TOKAUDIT_MEMORY_LIMIT (default 512MB) or lower TOKAUDIT_CHUNK_ROWS"
+            ) from None
         if not broken:
-            raise LogFormatError(", ".join(s.name for s in shards[:3]),
-                                 f"cannot be aggregated ({str(error).splitlines()[0][:200]})") from None
+            raise LogFormatError(
+                ", ".join(s.name for s in shards[:3]), f"cannot be aggregated ({str(error).splitlines()[0][:200]})"
+            ) from None
         return broken
+
 
 def _unusable(shards: list[Shard]) -> dict[object, LogFormatError]:
     """The thorough check of the shards the aggregation found a NaN divisor or scale or T < n in: one line each."""
@@ -129,6 +163,7 @@ def _unusable(shards: list[Shard]) -> dict[object, LogFormatError]:
         except LogFormatError as error:
             found[shard.path] = error
     return found
+
 
 def _undecodable(shards: list[Shard]) -> dict[object, LogFormatError]:
     """Shards whose footer reads but whose data pages do not (corruption inside the file)."""

@@ -71,20 +71,31 @@ def wrote(where: str, detail: str = "") -> None:
     click.echo(f"wrote {printable(where)}{detail}", err=True)
 
 
-FORMAT_OF_SUFFIX = {".html": "html", ".htm": "html", ".json": "json", ".xml": "junit", ".md": "markdown",
-                    ".txt": "table", ".log": "table"}
+FORMAT_OF_SUFFIX = {
+    ".html": "html",
+    ".htm": "html",
+    ".json": "json",
+    ".xml": "junit",
+    ".md": "markdown",
+    ".txt": "table",
+    ".log": "table",
+}
 """`check -o FILE` without --format: the format FILE's extension names."""
 
 
 def format_for(fmt: str, output: Path | None) -> str:
     """--format as given, else the one -o's extension names; an extension that names none is refused."""
     if output is None or click.get_current_context().get_parameter_source("fmt") not in (
-            click.core.ParameterSource.DEFAULT, None):
+        click.core.ParameterSource.DEFAULT,
+        None,
+    ):
         return fmt
     found = FORMAT_OF_SUFFIX.get(output.suffix.lower())
     if found is None:
-        raise UsageError(f"-o {output}: cannot tell the format from the extension {output.suffix or '(none)'!r}; "
-                         f"give --format (or name the file .html, .json, .xml, .md or .txt)")
+        raise UsageError(
+            f"-o {output}: cannot tell the format from the extension {output.suffix or '(none)'!r}; "
+            f"give --format (or name the file .html, .json, .xml, .md or .txt)"
+        )
     return found
 
 

@@ -46,8 +46,9 @@ def _pick_run(runs: Iterable[str], run: str | None) -> str:
     return run
 
 
-def step_weights(paths: Sequence[str | os.PathLike[str]], step: int, run: str | None = None,
-                 started: Loading | None = None) -> tuple[str, pd.DataFrame, list[LogFormatError]]:
+def step_weights(
+    paths: Sequence[str | os.PathLike[str]], step: int, run: str | None = None, started: Loading | None = None
+) -> tuple[str, pd.DataFrame, list[LogFormatError]]:
     """Every record of one step: n, S, b, c = b/S (or the probe's), e = c·g/D and q = e·N.
 
     Only the shards whose footers may hold `step` are read, and only that step is aggregated; when
@@ -110,8 +111,12 @@ CURVE_KEYS = ("step", "tokens", "token_mean", "mean_of_local_means", "reported",
 """The curve's columns, in order: what `--csv` writes (and, for a run of several loss terms, each other term's
 ΣS/N after them, `token_mean:TERM`)."""
 
-CURVE_LABELS = (("token_mean", "ΣS/N (true)"), ("mean_of_local_means", "mean of local means"),
-                ("reported", "reported"), ("optimized", "optimized Σe·S"))
+CURVE_LABELS = (
+    ("token_mean", "ΣS/N (true)"),
+    ("mean_of_local_means", "mean of local means"),
+    ("reported", "reported"),
+    ("optimized", "optimized Σe·S"),
+)
 """Each series' key and its label, in the chart's order."""
 
 
@@ -137,9 +142,13 @@ class Curve:
         if self.pooled:
             return [("token_mean", "ΣS/N (true, all terms)"), *CURVE_LABELS[1:]]
         main = self.terms[0]
-        return [("token_mean", f"ΣS/N (true, term {main})"), ("mean_of_local_means", f"mean of local means (term {main})"),
-                ("reported", "reported"), ("optimized", "optimized Σe·S (all terms)"),
-                *((f"token_mean:{term}", f"ΣS/N (true, term {term})") for term in self.terms[1:])]
+        return [
+            ("token_mean", f"ΣS/N (true, term {main})"),
+            ("mean_of_local_means", f"mean of local means (term {main})"),
+            ("reported", "reported"),
+            ("optimized", "optimized Σe·S (all terms)"),
+            *((f"token_mean:{term}", f"ΣS/N (true, term {term})") for term in self.terms[1:]),
+        ]
 
     def parts(self) -> Iterator[pd.DataFrame]:
         """The curve's rows, in step order: a step's rows (every data-parallel group's and term's) are in
@@ -162,8 +171,17 @@ def _curve_rows(table: pd.DataFrame) -> pd.DataFrame:
     the ranks reported) and Σe·S where some record has a weight; under DP×TP every data-parallel group
     sees the whole batch, and the groups' curves (and the terms') are averaged."""
     # The columns the curve reads: not a copy of every column of the step table.
-    used = ["step", "tokens", "loss", "reported_low", "reported_high", "reported", "objective",
-            "weighted_records", "mean_of_local_means"]
+    used = [
+        "step",
+        "tokens",
+        "loss",
+        "reported_low",
+        "reported_high",
+        "reported",
+        "objective",
+        "weighted_records",
+        "mean_of_local_means",
+    ]
     frame = table[used].copy()
     frame["token_mean"] = frame.loss / frame.tokens.where(frame.tokens > 0)
     frame["reported"] = ((frame.reported_low + frame.reported_high) / 2).where(frame.reported > 0)
@@ -180,10 +198,17 @@ def _curve_rows(table: pd.DataFrame) -> pd.DataFrame:
         # part holds them in: each step's rows are then added in one order (pandas' mean adds in the rows'
         # order), and the mean of the groups is the same double whether the table is whole or in parts
         order = np.lexsort((steps, _name_order(table.term), _name_order(table.grp)))
-        curve = frame.take(order).groupby("step", as_index=False).agg(
-            tokens=("tokens", "max"), token_mean=("token_mean", "mean"),
-            mean_of_local_means=("mean_of_local_means", "mean"), reported=("reported", "mean"),
-            optimized=("optimized", "mean"))
+        curve = (
+            frame.take(order)
+            .groupby("step", as_index=False)
+            .agg(
+                tokens=("tokens", "max"),
+                token_mean=("token_mean", "mean"),
+                mean_of_local_means=("mean_of_local_means", "mean"),
+                reported=("reported", "mean"),
+                optimized=("optimized", "mean"),
+            )
+        )
     curve["tokens"] = curve.tokens.astype("int64")
     return curve
 
@@ -194,9 +219,14 @@ def _pooled_rows(table: pd.DataFrame, term: str) -> pd.DataFrame:
     (each rank's mean over all its pieces): left out."""
     pooled = pooled_steps(
         table.assign(objective=table.objective.where(table.weighted_records > 0)),
-        tokens=("tokens", "sum"), loss=("loss", "sum"), objective=("objective", lambda v: v.sum(min_count=1)),
-        weighted_records=("weighted_records", "sum"), reported_low=("reported_low", "min"),
-        reported_high=("reported_high", "max"), reported=("reported", "sum"))
+        tokens=("tokens", "sum"),
+        loss=("loss", "sum"),
+        objective=("objective", lambda v: v.sum(min_count=1)),
+        weighted_records=("weighted_records", "sum"),
+        reported_low=("reported_low", "min"),
+        reported_high=("reported_high", "max"),
+        reported=("reported", "sum"),
+    )
     return pooled.assign(term=term, mean_of_local_means=np.nan)
 
 
@@ -207,7 +237,8 @@ def _terms_curve_rows(table: pd.DataFrame, terms: list[str]) -> pd.DataFrame:
     curve = _curve_rows(table[(term == terms[0]).to_numpy()])
     # Σ over terms of Σe·S per (step, group), then the groups' mean, as `_curve_rows` averages groups
     weighted = table[["step", "grp", "objective"]].assign(
-        objective=table.objective.where(table.weighted_records > 0), grp=table.grp.astype(str))
+        objective=table.objective.where(table.weighted_records > 0), grp=table.grp.astype(str)
+    )
     optimized = weighted.groupby(["step", "grp"], sort=True).objective.sum(min_count=1).groupby("step").mean()
     curve["optimized"] = optimized.reindex(curve.step).to_numpy()
     for other in terms[1:]:
@@ -222,9 +253,13 @@ def _name_order(column: pd.Series) -> npt.NDArray[np.int64]:
     return name_ranks(column, sorted({str(name) for name in distinct}))
 
 
-def curve_parts(paths: Sequence[str | os.PathLike[str]], run: str | None = None, progress: Progress | None = None,
-                steps: tuple[int, int] | None = None, started: Loading | None = None
-                ) -> tuple[Curve, list[LogFormatError]]:
+def curve_parts(
+    paths: Sequence[str | os.PathLike[str]],
+    run: str | None = None,
+    progress: Progress | None = None,
+    steps: tuple[int, int] | None = None,
+    started: Loading | None = None,
+) -> tuple[Curve, list[LogFormatError]]:
     """Per step: the true token mean ΣS/N, the mean of per-rank means, the reported loss, and the
     objective the optimizer actually followed, Σ e·S (equal to ΣS/N when the run is correct), a part at
     a time (`Curve`, which the caller closes).
@@ -232,14 +267,17 @@ def curve_parts(paths: Sequence[str | os.PathLike[str]], run: str | None = None,
     `steps`: only these (first, last), read from the shards whose footers may hold them and aggregated
     a range at a time as the whole log would be: a window of a run of millions of steps costs its own size.
     `started`: the validation of `paths` already under way (`tokaudit._loading.start_loading`)."""
-    logset, engine, table = open_log_parts(paths, progress, only_steps=steps, started=started,
-                                           spill=True)
+    logset, engine, table = open_log_parts(paths, progress, only_steps=steps, started=started, spill=True)
     if engine is not None:
         engine.close()
     try:
         # No shard in the window (and none unreadable), or shards whose records all lie outside it.
-        if steps is not None and isinstance(table, pd.DataFrame) and table.empty and (
-                engine is not None or not logset.problems):
+        if (
+            steps is not None
+            and isinstance(table, pd.DataFrame)
+            and table.empty
+            and (engine is not None or not logset.problems)
+        ):
             raise UsageError(f"no step from {steps[0]} to {steps[1]} in the logs")
         if engine is None:
             raise _nothing_readable(logset)
@@ -262,6 +300,7 @@ def run_curve(table: pd.DataFrame | Spilled, run: str, pooled: bool | None = Non
     they are, where an audit has said so already (None: found here)."""
     terms = run_terms(table, run)
     if pooled is None and len(terms) > 1:
+
         def parts() -> Iterator[pd.DataFrame]:
             return selected_runs(table_parts(table), [run])
 
@@ -281,8 +320,9 @@ PLOT_BUCKETS = 25_000
 """Step buckets of a long curve's envelope (`envelope`): about 25 a pixel of `--plot`'s figure."""
 
 
-def envelope(x: npt.NDArray[np.float64], ys: npt.NDArray[np.float64], span: tuple[float, float],
-             buckets: int | None = None) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+def envelope(
+    x: npt.NDArray[np.float64], ys: npt.NDArray[np.float64], span: tuple[float, float], buckets: int | None = None
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
     """The points of a part of a long curve that `--plot` draws: in each of `buckets` buckets of the
     steps (PLOT_BUCKETS unless given), the first, last, lowest and highest finite point (its envelope, drawn as
     every point would be: a spike stays a spike). A bucket across two parts keeps its four of each."""

@@ -14,7 +14,9 @@ from typing import Any
 import pyarrow as pa
 
 from tokaudit.errors import LogFormatError
-from tokaudit._footers import Footer, FragmentFooter, SchemaFacts, all_names, bounds_of, checked_schema, footer_record, footer_stats, local_footer, names_of, range_of, record_stats, row_group_steps, run_group_of
+from tokaudit._footers import Footer, FragmentFooter, SchemaFacts, all_names, bounds_of, checked_schema, footer_record
+from tokaudit._footers import footer_stats, local_footer, names_of, range_of, record_stats, row_group_steps
+from tokaudit._footers import run_group_of
 from tokaudit._schema import Provenance, read_dropped, read_provenance
 from tokaudit._storage import Store, describe, sized_fragment
 from tokaudit._validation import INT64_MAX, check_values, raise_beyond_int64, short_error
@@ -86,15 +88,19 @@ class Shard:
         """A file pyarrow reads it from, on disk or in its store."""
         return _open(self.path, self.store)
 
+
 def _name(path: PurePath, store: Store | None) -> str:
     return store.url(path) if store is not None else str(path)
+
 
 def _open(path: PurePath, store: Store | None) -> Any:
     # A NativeFile either way: for a local path pyarrow then skips resolving a filesystem.
     return store.filesystem.open_input_file(str(path)) if store is not None else pa.OSFile(str(path))
 
-def inspect_batch(paths: Sequence[PurePath], thorough: bool, stores: Sequence[Store | None] | None = None
-                   ) -> list[Shard | tuple[str, str]]:
+
+def inspect_batch(
+    paths: Sequence[PurePath], thorough: bool, stores: Sequence[Store | None] | None = None
+) -> list[Shard | tuple[str, str]]:
     """Each file's Shard, or (its name, its problem): what crosses back from a worker process."""
     out: list[Shard | tuple[str, str]] = []
     for index, path in enumerate(paths):
@@ -104,18 +110,25 @@ def inspect_batch(paths: Sequence[PurePath], thorough: bool, stores: Sequence[St
             out.append((error.path, error.problem))
     return out
 
+
 _FIELDS = tuple(f.name for f in fields(Shard) if f.name != "path")
+
 
 def packed_shards(inspected: list[Shard | tuple[str, str]]) -> list[tuple[Any, ...] | tuple[str, str]]:
     """What a worker hands back: each shard's fields but its path, which the caller holds (a pickled Path
     is parsed again when loaded, a large share of validating its footer), or the problem."""
-    return [item if not isinstance(item, Shard) else tuple(getattr(item, name) for name in _FIELDS)
-            for item in inspected]
+    return [
+        item if not isinstance(item, Shard) else tuple(getattr(item, name) for name in _FIELDS) for item in inspected
+    ]
+
 
 def unpacked_shards(packed: list[tuple[Any, ...]], paths: Sequence[PurePath]) -> list[Shard | tuple[str, str]]:
     """`packed_shards`'s list with each shard's path given back."""
-    return [Shard(path, *item) if len(item) == len(_FIELDS) else (item[0], item[1])
-            for path, item in zip(paths, packed, strict=True)]
+    return [
+        Shard(path, *item) if len(item) == len(_FIELDS) else (item[0], item[1])
+        for path, item in zip(paths, packed, strict=True)
+    ]
+
 
 def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = True) -> Shard:
     """Check one file against the log format: columns, types, version, and values no audit can use.
@@ -129,20 +142,35 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
     # the parent folder's name without pathlib's parsing of the path (a fifth of a footer's time)
     folder = os.path.basename(os.path.dirname(str(path))) if store is None else path.parent.name
     if folder.endswith(".parquet"):  # a part file of a Spark-style dataset folder: the run is the folder around it
-        folder = os.path.basename(os.path.dirname(os.path.dirname(str(path)))) if store is None else \
-            path.parent.parent.name
+        folder = (
+            os.path.basename(os.path.dirname(os.path.dirname(str(path)))) if store is None else path.parent.parent.name
+        )
     names = names_of(stats, present, folder)
-    return Shard(path=path, columns=frozenset(present), rows=metadata.num_rows,
-                 default_run=folder, step_range=range_of(stats["step"]), rank_range=range_of(stats["rank"]),
-                 micro_range=range_of(stats["micro"]), world_range=range_of(stats["world_size"]),
-                 divisor_range=bounds_of(stats["grad_divisor"]) if "grad_divisor" in stats else None,
-                 dropped=read_dropped(stored), provenance=read_provenance(stored),
-                 store=store, signature=facts.signature,
-                 names=all_names(names), run_group=run_group_of(names), null_columns=empty,
-                 step_groups=row_group_steps(metadata, index, facts) if record is None else (), record=record)
+    return Shard(
+        path=path,
+        columns=frozenset(present),
+        rows=metadata.num_rows,
+        default_run=folder,
+        step_range=range_of(stats["step"]),
+        rank_range=range_of(stats["rank"]),
+        micro_range=range_of(stats["micro"]),
+        world_range=range_of(stats["world_size"]),
+        divisor_range=bounds_of(stats["grad_divisor"]) if "grad_divisor" in stats else None,
+        dropped=read_dropped(stored),
+        provenance=read_provenance(stored),
+        store=store,
+        signature=facts.signature,
+        names=all_names(names),
+        run_group=run_group_of(names),
+        null_columns=empty,
+        step_groups=row_group_steps(metadata, index, facts) if record is None else (),
+        record=record,
+    )
 
-def _read_footer(path: PurePath, store: Store | None, name: str
-                 ) -> tuple[Footer, dict[bytes, bytes] | None, SchemaFacts, dict[str, int]]:
+
+def _read_footer(
+    path: PurePath, store: Store | None, name: str
+) -> tuple[Footer, dict[bytes, bytes] | None, SchemaFacts, dict[str, int]]:
     """`inspect_shard`'s file opened: its footer, the footer's key-value pairs, what its schema says and each
     column's place in the footer. A file that is no readable Parquet file, or whose schema is refused, raises
     its problem, named `name`."""
@@ -165,8 +193,10 @@ def _read_footer(path: PurePath, store: Store | None, name: str
         raise LogFormatError(name, facts.problem)
     return parquet, stored, facts, index
 
-def _footer_values(name: str, parquet: Footer, index: dict[str, int], facts: SchemaFacts, thorough: bool
-                   ) -> tuple[tuple[Any, ...] | None, dict[str, tuple[Any, Any, int | None]], frozenset[str]]:
+
+def _footer_values(
+    name: str, parquet: Footer, index: dict[str, int], facts: SchemaFacts, thorough: bool
+) -> tuple[tuple[Any, ...] | None, dict[str, tuple[Any, Any, int | None]], frozenset[str]]:
     """`inspect_shard`'s values checked: a one-row file's record where its footer gives it exactly (else None),
     each bounded column's (min, max, null count), and the columns of NULLABLE_COLUMNS with no value. Values no
     audit can use raise their problem, named `name`."""
@@ -177,7 +207,9 @@ def _footer_values(name: str, parquet: Footer, index: dict[str, int], facts: Sch
         empty: frozenset[str] = frozenset()
         if record is not None:
             stats = record_stats(record, facts)
-            empty = frozenset(c for (c, _), value in zip(facts.signature, record) if value is None and c in NULLABLE_COLUMNS)
+            empty = frozenset(
+                c for (c, _), value in zip(facts.signature, record) if value is None and c in NULLABLE_COLUMNS
+            )
         else:
             stats, empty = footer_stats(metadata, index, facts, present & NULLABLE_COLUMNS)
         for column in facts.unsigned:
@@ -191,15 +223,28 @@ def _footer_values(name: str, parquet: Footer, index: dict[str, int], facts: Sch
         raise LogFormatError(name, f"cannot read the file's data ({short_error(error)})") from None
     return record, stats, empty
 
-NULLABLE_COLUMNS = frozenset({"token_weight_sum", "token_weight_min", "token_weight_max", "masked_weight_abs_sum",
-                              "reported_loss", "sync", "skipped", "positions", "divisor_known",
-                              "precision_bits"})
+
+NULLABLE_COLUMNS = frozenset(
+    {
+        "token_weight_sum",
+        "token_weight_min",
+        "token_weight_max",
+        "masked_weight_abs_sum",
+        "reported_loss",
+        "sync",
+        "skipped",
+        "positions",
+        "divisor_known",
+        "precision_bits",
+    }
+)
 """Optional columns a scan of files that hold no value of them reads as typed NULLs (`engine.sql.valueless_columns`)."""
 
 _LAST_FOOTER: list[tuple[Any, bytes | None, SchemaFacts, dict[str, int]]] = []
 """The Parquet schema seen last, its stored Arrow schema, what it says and each column's place in the footer:
 the shards of one log share them, and comparing two Parquet schemas is far cheaper than making the Arrow
 schema and the places again."""
+
 
 def _schema_of(parquet: Footer, pairs: dict[bytes, bytes] | None) -> tuple[SchemaFacts, dict[str, int]]:
     """What a file's schema says, and each column's place in its footer. Two files whose Parquet schemas

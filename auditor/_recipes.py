@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LOOP = '''\
+LOOP = """\
 from tokaudit.hooks import global_valid_tokens, token_mean_loss
 
 # the update's M microbatches, drawn before any backward; N over all of them, every rank
@@ -22,18 +22,18 @@ for i, (x, y) in enumerate(batches):
         loss_sum = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100,
                                    reduction="sum")
         token_mean_loss(loss_sum, N).backward()  # W·S/N (reduction="sum": S/N, for a summing hook)
-optimizer.step(); optimizer.zero_grad()'''
+optimizer.step(); optimizer.zero_grad()"""
 
-TRANSFORMERS = '''\
+TRANSFORMERS = """\
 def token_mean(outputs, labels, num_items_in_batch):  # num_items_in_batch: the update's N
     logits, labels = outputs.logits[:, :-1], labels[:, 1:]  # a causal LM predicts the next token
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
                            reduction="sum") / num_items_in_batch
 
 args = TrainingArguments(..., average_tokens_across_devices=True)  # the Trainer multiplies by W
-trainer = Trainer(model=model, args=args, train_dataset=train_dataset, compute_loss_func=token_mean)'''
+trainer = Trainer(model=model, args=args, train_dataset=train_dataset, compute_loss_func=token_mean)"""
 
-LIGHTNING = '''\
+LIGHTNING = """\
 from tokaudit.hooks import global_valid_tokens, token_mean_loss
 
 class TokenMean(L.LightningModule):  # each DataLoader item: one update's list of microbatches
@@ -49,9 +49,9 @@ class TokenMean(L.LightningModule):  # each DataLoader item: one update's list o
                                        ignore_index=-100, reduction="sum")
             self.manual_backward(token_mean_loss(loss_sum, N))  # W·S/N
         optimizer = self.optimizers()
-        optimizer.step(); optimizer.zero_grad()'''
+        optimizer.step(); optimizer.zero_grad()"""
 
-ACCELERATE = '''\
+ACCELERATE = """\
 from tokaudit.hooks import global_valid_tokens, token_mean_loss
 
 batches = list(itertools.islice(loader_iter, M))  # M = gradient_accumulation_steps, drawn first
@@ -62,7 +62,8 @@ for b in batches:
         loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten(),
                                    ignore_index=-100, reduction="sum")
         accelerator.backward(M * token_mean_loss(loss_sum, N))  # Accelerate divides by M
-        optimizer.step(); optimizer.zero_grad()'''
+        optimizer.step(); optimizer.zero_grad()"""
+
 
 @dataclass(frozen=True)
 class Integration:
@@ -82,20 +83,39 @@ class Integration:
 
 
 INTEGRATIONS = (
-    Integration("transformers", "the Hugging Face Trainer", "hf", ("transformers", "transformers.trainer"),
-                TRANSFORMERS, advice=(
-                    ("token_mean_settings", "in the Hugging Face Trainer: average_tokens_across_devices=True with a "
-                                            "model whose loss takes num_items_in_batch, or a compute_loss_func that "
-                                            "sums the per-token losses and divides by num_items_in_batch"),
-                    ("overcounted", "the Hugging Face Trainer counts num_items_in_batch over every label when the "
-                                    "model's loss_type is not set, as for GPT-2"),
-                    ("overcounted_fix", "count N over the labels the loss is computed on, after the causal shift: "
-                                        "in the Hugging Face Trainer, set model.loss_type = \"ForCausalLM\" before "
-                                        "building the Trainer (it then counts labels[..., 1:]), or give the batches "
-                                        "shift_labels"),
-                    ("mean_times_w", "The Hugging Face Trainer does this with average_tokens_across_devices=True "
-                                     "when the model returns its own mean instead of dividing by num_items_in_batch "
-                                     "(T5, Bart, BERT do)."))),
+    Integration(
+        "transformers",
+        "the Hugging Face Trainer",
+        "hf",
+        ("transformers", "transformers.trainer"),
+        TRANSFORMERS,
+        advice=(
+            (
+                "token_mean_settings",
+                "in the Hugging Face Trainer: average_tokens_across_devices=True with a "
+                "model whose loss takes num_items_in_batch, or a compute_loss_func that "
+                "sums the per-token losses and divides by num_items_in_batch",
+            ),
+            (
+                "overcounted",
+                "the Hugging Face Trainer counts num_items_in_batch over every label when the "
+                "model's loss_type is not set, as for GPT-2",
+            ),
+            (
+                "overcounted_fix",
+                "count N over the labels the loss is computed on, after the causal shift: "
+                'in the Hugging Face Trainer, set model.loss_type = "ForCausalLM" before '
+                "building the Trainer (it then counts labels[..., 1:]), or give the batches "
+                "shift_labels",
+            ),
+            (
+                "mean_times_w",
+                "The Hugging Face Trainer does this with average_tokens_across_devices=True "
+                "when the model returns its own mean instead of dividing by num_items_in_batch "
+                "(T5, Bart, BERT do).",
+            ),
+        ),
+    ),
     Integration("trl", "TRL's SFTTrainer", "trl", ("trl",)),
     Integration("lightning", "Lightning", "lightning", ("lightning",), LIGHTNING),
     Integration("accelerate", "Accelerate", "accelerate", ("accelerate",), ACCELERATE),
@@ -120,4 +140,3 @@ def advice(trainer: str | None, situation: str) -> str:
     say there."""
     integration = INTEGRATION_BY_NAME.get(trainer or "")
     return dict(integration.advice).get(situation, "") if integration is not None else ""
-

@@ -159,20 +159,43 @@ class AuditReport:
         """The findings as a DataFrame: run, term, code, severity, first/last step, count, message, fix."""
         import pandas as pd
 
-        return pd.DataFrame([{"run": f.run, "term": f.term, "code": f.code.value, "severity": f.severity.value,
-                              "first_step": f.steps.first, "last_step": f.steps.last, "steps": f.steps.count,
-                              "message": f.message, "fix": f.fix} for f in self.findings],
-                            columns=["run", "term", "code", "severity", "first_step", "last_step", "steps",
-                                     "message", "fix"])
+        return pd.DataFrame(
+            [
+                {
+                    "run": f.run,
+                    "term": f.term,
+                    "code": f.code.value,
+                    "severity": f.severity.value,
+                    "first_step": f.steps.first,
+                    "last_step": f.steps.last,
+                    "steps": f.steps.count,
+                    "message": f.message,
+                    "fix": f.fix,
+                }
+                for f in self.findings
+            ],
+            columns=["run", "term", "code", "severity", "first_step", "last_step", "steps", "message", "fix"],
+        )
 
     def runs_frame(self) -> Any:
         """The run summaries as a DataFrame."""
         import pandas as pd
 
-        return pd.DataFrame([{"run": r.run, "verdict": r.verdict, "steps": r.steps, "ranks": r.ranks,
-                              "world_size": r.world_size, "normalization": None if r.normalization is None else
-                              r.normalization.denominator, "factor": None if r.normalization is None else
-                              r.normalization.factor, "max_weight_ratio": r.max_weight_ratio} for r in self.runs])
+        return pd.DataFrame(
+            [
+                {
+                    "run": r.run,
+                    "verdict": r.verdict,
+                    "steps": r.steps,
+                    "ranks": r.ranks,
+                    "world_size": r.world_size,
+                    "normalization": None if r.normalization is None else r.normalization.denominator,
+                    "factor": None if r.normalization is None else r.normalization.factor,
+                    "max_weight_ratio": r.max_weight_ratio,
+                }
+                for r in self.runs
+            ]
+        )
 
     def _repr_markdown_(self) -> str:
         from tokaudit._render.markdown import render_markdown

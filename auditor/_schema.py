@@ -44,15 +44,43 @@ _BEYOND_INT32 = "a value beyond int32, its type in the log format"
 
 COLUMNS: tuple[Column, ...] = (
     Column("step", "int", pa.int64(), True, "optimizer-update index"),
-    Column("micro", "int", pa.int32(), True, "microbatch index inside the step, 0-based",
-           (0, "a negative microbatch index"), (INT32_MAX, _BEYOND_INT32)),
-    Column("rank", "int", pa.int32(), True, "rank inside the gradient-averaging group", (0, "a negative rank"),
-           (INT32_MAX, _BEYOND_INT32)),
-    Column("world_size", "int", pa.int32(), True, "W: size of the averaging group", (1, "a world size below 1"),
-           (INT32_MAX, _BEYOND_INT32)),
+    Column(
+        "micro",
+        "int",
+        pa.int32(),
+        True,
+        "microbatch index inside the step, 0-based",
+        (0, "a negative microbatch index"),
+        (INT32_MAX, _BEYOND_INT32),
+    ),
+    Column(
+        "rank",
+        "int",
+        pa.int32(),
+        True,
+        "rank inside the gradient-averaging group",
+        (0, "a negative rank"),
+        (INT32_MAX, _BEYOND_INT32),
+    ),
+    Column(
+        "world_size",
+        "int",
+        pa.int32(),
+        True,
+        "W: size of the averaging group",
+        (1, "a world size below 1"),
+        (INT32_MAX, _BEYOND_INT32),
+    ),
     Column("loss_sum", "float", pa.float64(), True, "S: sum of per-token losses over valid tokens"),
-    Column("valid_tokens", "int", pa.int64(), True, "n: valid tokens of the microbatch", (0, "a negative count"),
-           (INT32_MAX, "more tokens than a microbatch can hold (above 2³¹ − 1)")),
+    Column(
+        "valid_tokens",
+        "int",
+        pa.int64(),
+        True,
+        "n: valid tokens of the microbatch",
+        (0, "a negative count"),
+        (INT32_MAX, "more tokens than a microbatch can hold (above 2³¹ − 1)"),
+    ),
     Column("backward_scalar", "float", pa.float64(), True, "b: the scalar backward() ran on"),
     Column("run_id", "string", pa.string(), False, "groups rows into runs"),
     Column("group", "string", pa.string(), False, "id of the averaging group"),
@@ -60,21 +88,39 @@ COLUMNS: tuple[Column, ...] = (
     Column("grad_divisor", "float", pa.float64(), False, "D: divisor of the gradient reduction"),
     Column("divisor_known", "bool", pa.bool_(), False, "false when D could not be seen"),
     Column("grad_scale", "float", pa.float64(), False, "g: rescale after backward, 1/loss scale included"),
-    Column("positions", "int", pa.int64(), False, "T: positions in the per-token loss tensor", (0, "a negative count"),
-           (INT32_MAX, "more positions than a microbatch can hold (above 2³¹ − 1)")),
+    Column(
+        "positions",
+        "int",
+        pa.int64(),
+        False,
+        "T: positions in the per-token loss tensor",
+        (0, "a negative count"),
+        (INT32_MAX, "more positions than a microbatch can hold (above 2³¹ − 1)"),
+    ),
     Column("token_weight_sum", "float", pa.float64(), False, "probe: sum of db/dl over valid tokens"),
     Column("token_weight_min", "float", pa.float64(), False, "probe: min of db/dl over valid tokens"),
     Column("token_weight_max", "float", pa.float64(), False, "probe: max of db/dl over valid tokens"),
-    Column("masked_weight_abs_sum", "float", pa.float64(), False,
-           "probe: sum of |db/dl| over positions not valid whose loss is not 0", (0, "a negative sum of absolute values")),
+    Column(
+        "masked_weight_abs_sum",
+        "float",
+        pa.float64(),
+        False,
+        "probe: sum of |db/dl| over positions not valid whose loss is not 0",
+        (0, "a negative sum of absolute values"),
+    ),
     Column("reported_loss", "float", pa.float64(), False, "loss the trainer reports for the step"),
     Column("sync", "bool", pa.bool_(), False, "this backward synchronized gradients"),
     Column("skipped", "bool", pa.bool_(), False, "the trainer skipped this update by policy"),
     Column("time", "timestamp", pa.timestamp("us", tz="UTC"), False, "when the record was written"),
-    Column("precision_bits", "int", pa.int8(), False,
-           "fewest significant bits among S, b and the probe's gradient as computed (8 bfloat16, 24 float32)",
-           (1, "a precision below one significant bit"),
-           (113, "more significant bits than any float type holds (113, a float128)")),
+    Column(
+        "precision_bits",
+        "int",
+        pa.int8(),
+        False,
+        "fewest significant bits among S, b and the probe's gradient as computed (8 bfloat16, 24 float32)",
+        (1, "a precision below one significant bit"),
+        (113, "more significant bits than any float type holds (113, a float128)"),
+    ),
     Column("schema_version", "int", pa.int32(), False, "log format version"),
 )
 
@@ -110,8 +156,9 @@ DROPPED_KEY = b"tokaudit.dropped_steps"
 
 
 def dropped_metadata(run: str, group: str, rank: int, steps: list[tuple[int, int, int]]) -> dict[bytes, bytes]:
-    return {DROPPED_KEY: json.dumps({"run": run, "group": group, "rank": rank,
-                                     "steps": [list(s) for s in steps]}).encode()}
+    return {
+        DROPPED_KEY: json.dumps({"run": run, "group": group, "rank": rank, "steps": [list(s) for s in steps]}).encode()
+    }
 
 
 PROVENANCE_KEY = b"tokaudit.provenance"
@@ -154,11 +201,12 @@ def read_provenance(metadata: dict[bytes, bytes] | None) -> Provenance:
 
     pipeline, launch, trainer = facts.get("pipeline"), facts.get("launch"), facts.get("trainer")
     pipeline = pipeline if isinstance(pipeline, dict) else {}
-    return Provenance(trainer=trainer if isinstance(trainer, str) else None,
-                      schedule_divisor=whole(pipeline.get("microbatches"), 2) if pipeline.get("scale_grads") is True
-                      else None,
-                      launch_world_size=whole(facts.get("launch_world_size"), 1),
-                      launch=whole(launch.get("first_shard"), 0) if isinstance(launch, dict) else None)
+    return Provenance(
+        trainer=trainer if isinstance(trainer, str) else None,
+        schedule_divisor=whole(pipeline.get("microbatches"), 2) if pipeline.get("scale_grads") is True else None,
+        launch_world_size=whole(facts.get("launch_world_size"), 1),
+        launch=whole(launch.get("first_shard"), 0) if isinstance(launch, dict) else None,
+    )
 
 
 DESTINATION_KEY = b"tokaudit.destination"

@@ -50,7 +50,7 @@ def check_defaults(start: Path, fail_on: Sequence[str]) -> tuple[dict[str, Any],
         if key == "fail-on" and value not in fail_on:
             raise UsageError(f"{where} fail-on = {value!r}: expected one of {', '.join(fail_on)}")
         if key == "ignore" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-            raise UsageError(f"{where} ignore = {value!r}: expected a list of codes, such as [\"balanced_counts\"]")
+            raise UsageError(f'{where} ignore = {value!r}: expected a list of codes, such as ["balanced_counts"]')
         if key == "ignore":
             for code in value:
                 try:
@@ -60,7 +60,7 @@ def check_defaults(start: Path, fail_on: Sequence[str]) -> tuple[dict[str, Any],
         if key in ("rtol", "min-ratio") and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise UsageError(f"{where} {key} = {value!r}: expected a number")
         if key == "ray" and not isinstance(value, str):
-            raise UsageError(f"{where} ray = {value!r}: expected a cluster's address, such as \"auto\"")
+            raise UsageError(f'{where} ray = {value!r}: expected a cluster\'s address, such as "auto"')
         out[KEYS[key]] = tuple(value) if key == "ignore" else value
     return out, path
 

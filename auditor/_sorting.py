@@ -88,14 +88,18 @@ class SortedColumn:
         order = np.argsort(values, kind="stable")
         try:
             if self.files is None:
-                self.files = (tempfile.TemporaryFile(prefix="tokaudit-sorted-"),
-                              tempfile.TemporaryFile(prefix="tokaudit-sorted-"))
+                self.files = (
+                    tempfile.TemporaryFile(prefix="tokaudit-sorted-"),
+                    tempfile.TemporaryFile(prefix="tokaudit-sorted-"),
+                )
             first = sum(length for _, length in self.runs)
             values[order].tofile(self.files[0])
             keys[order].tofile(self.files[1])
         except OSError as error:
-            raise UsageError(f"cannot sort this log's columns on disk ({error.strerror or error}: "
-                             f"{tempfile.gettempdir()}): free space there or set TMPDIR to a folder that has it") from None
+            raise UsageError(
+                f"cannot sort this log's columns on disk ({error.strerror or error}: "
+                f"{tempfile.gettempdir()}): free space there or set TMPDIR to a folder that has it"
+            ) from None
         self.runs.append((first, len(values)))
 
     def chunks(self) -> Iterator[tuple[Floats, Keys]]:
@@ -118,8 +122,10 @@ class SortedColumn:
             for run, (values, _) in enumerate(buffers):
                 if not len(values) and position[run] < end[run]:
                     count = min(ahead, end[run] - position[run])
-                    buffers[run] = (_read(self.files[0], np.float64, position[run], count),
-                                    _read(self.files[1], np.int64, position[run], count))
+                    buffers[run] = (
+                        _read(self.files[0], np.float64, position[run], count),
+                        _read(self.files[1], np.int64, position[run], count),
+                    )
                     position[run] += count
             live = [run for run, (values, _) in enumerate(buffers) if len(values)]
             if not live:

@@ -51,8 +51,9 @@ def sync_one(path: Path) -> Synced:
                 with store.filesystem.open_output_stream(target) as stream:
                     stream.write(data)
         except OSError as error:
-            raise LogFormatError(str(path), f"cannot be written to {base} ({str(error).splitlines()[0][:160]})") \
-                from None
+            raise LogFormatError(
+                str(path), f"cannot be written to {base} ({str(error).splitlines()[0][:160]})"
+            ) from None
         written = f"{base.rstrip('/')}/{path.name}" + (f"?{query}" if query else "")
     else:
         folder_path = Path(destination)
@@ -64,8 +65,7 @@ def sync_one(path: Path) -> Synced:
                 temporary.write_bytes(data)
                 os.replace(temporary, target_path)
         except OSError as error:
-            raise LogFormatError(str(path), f"cannot be written to {folder_path} ({error.strerror or error})") \
-                from None
+            raise LogFormatError(str(path), f"cannot be written to {folder_path} ({error.strerror or error})") from None
         written = str(target_path)
     path.unlink()
     return Synced(path, written, records)

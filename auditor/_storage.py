@@ -73,9 +73,13 @@ def open_url(url: str, timeout: float | None = None) -> tuple[Store, str]:
     if timeout is not None and isinstance(filesystem, pafs.S3FileSystem) and "?" not in url:
         # the same store (its region as from_uri resolved it, the endpoint from the SDK's environment), bounded
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        filesystem = pafs.S3FileSystem(region=filesystem.region, endpoint_override=endpoint or None,
-                                       connect_timeout=timeout, request_timeout=timeout,
-                                       retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2))
+        filesystem = pafs.S3FileSystem(
+            region=filesystem.region,
+            endpoint_override=endpoint or None,
+            connect_timeout=timeout,
+            request_timeout=timeout,
+            retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2),
+        )
     elif timeout is not None and isinstance(filesystem, pafs.GcsFileSystem):
         filesystem = _bounded_gcs(url, timeout)
     return Store(filesystem, scheme), path.rstrip("/")
@@ -96,9 +100,12 @@ def _bounded_gcs(url: str, timeout: float) -> Any:
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")
     if endpoint is None and emulator:
         scheme, _, endpoint = emulator.rpartition("://") if "://" in emulator else ("http", "", emulator)
-    return pafs.GcsFileSystem(anonymous=parts.username == "anonymous" or query.get("anonymous") == "true",
-                              scheme=scheme, endpoint_override=endpoint,
-                              retry_time_limit=datetime.timedelta(seconds=max(1.0, 2 * timeout)))
+    return pafs.GcsFileSystem(
+        anonymous=parts.username == "anonymous" or query.get("anonymous") == "true",
+        scheme=scheme,
+        endpoint_override=endpoint,
+        retry_time_limit=datetime.timedelta(seconds=max(1.0, 2 * timeout)),
+    )
 
 
 def sized_fragment(store: Store, path: str) -> Any:
@@ -133,8 +140,9 @@ def _fsspec(url: str, arrow_error: Exception) -> tuple[Any, str]:
     try:
         import fsspec
     except ImportError:
-        raise LogFormatError(url, f"pyarrow cannot open this URL ({_first_line(arrow_error)}) and fsspec is not "
-                                  "installed") from None
+        raise LogFormatError(
+            url, f"pyarrow cannot open this URL ({_first_line(arrow_error)}) and fsspec is not installed"
+        ) from None
     try:
         filesystem, path = fsspec.core.url_to_fs(url)
     except Exception as error:
@@ -150,11 +158,22 @@ def describe(error: BaseException) -> str:
     """One line for a storage error: what it means first, the SDK's own words after."""
     text = _first_line(error)
     lowered = text.lower()
-    if "access_denied" in lowered or "accessdenied" in lowered or "invalidaccesskeyid" in lowered or \
-            "signaturedoesnotmatch" in lowered or "forbidden" in lowered or " 403" in lowered:
+    if (
+        "access_denied" in lowered
+        or "accessdenied" in lowered
+        or "invalidaccesskeyid" in lowered
+        or "signaturedoesnotmatch" in lowered
+        or "forbidden" in lowered
+        or " 403" in lowered
+    ):
         meaning = "access denied (check the credentials and the bucket's policy)"
-    elif "network_connection" in lowered or "could not connect" in lowered or "could not resolve" in lowered or \
-            "timed out" in lowered or "timeout" in lowered:
+    elif (
+        "network_connection" in lowered
+        or "could not connect" in lowered
+        or "could not resolve" in lowered
+        or "timed out" in lowered
+        or "timeout" in lowered
+    ):
         meaning = f"{UNREACHABLE} (check AWS_ENDPOINT_URL or the network)"
     elif "nosuchbucket" in lowered or "bucket" in lowered and "not found" in lowered:
         meaning = "no such bucket"

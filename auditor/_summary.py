@@ -52,14 +52,19 @@ class DroppedRecords:
         count = sum(last - first + 1 for first, last in merged)
         listed = [step for first, last in merged for step in range(first, min(last, first + 1000) + 1)][:1000]
         shown = ", ".join(map(str, listed[:8])) + (f", … ({count} in all)" if count > 8 else "")
-        return Finding(run=run, code=Code.RECORDS_DROPPED, severity=DEFAULT_SEVERITY[Code.RECORDS_DROPPED],
-                       steps=StepRange(merged[0][0], merged[-1][1], count),
-                       message=f"The recorder could not write {self.records} record(s) of {len(self.ranks)} rank(s) "
-                               f"(a full or read-only disk, or a value no audit can use) at step(s) {shown}; those "
-                               "steps are left out instead of being judged on part of their tokens.",
-                       fix="give the log folder room and check the training's warnings from tokaudit; the other "
-                           "steps were audited as usual",
-                       evidence={"records": self.records, "steps": listed})
+        return Finding(
+            run=run,
+            code=Code.RECORDS_DROPPED,
+            severity=DEFAULT_SEVERITY[Code.RECORDS_DROPPED],
+            steps=StepRange(merged[0][0], merged[-1][1], count),
+            message=f"The recorder could not write {self.records} record(s) of {len(self.ranks)} rank(s) "
+            f"(a full or read-only disk, or a value no audit can use) at step(s) {shown}; those "
+            "steps are left out instead of being judged on part of their tokens.",
+            fix="give the log folder room and check the training's warnings from tokaudit; the other "
+            "steps were audited as usual",
+            evidence={"records": self.records, "steps": listed},
+        )
+
 
 def setups_of(shards: Sequence[Shard]) -> dict[str, Provenance]:
     """Per run: what its shards' provenance says of how it was recorded, each fact from the first shard that says
@@ -94,16 +99,23 @@ def apply_policy(findings: list[Finding], min_ratio: float | None) -> list[Findi
     for finding in findings:
         ratio = finding.evidence.get("weight_ratio")
         if min_ratio is not None and finding.code in WEIGHTING and isinstance(ratio, float) and ratio < min_ratio:
-            finding = replace(finding, severity=Severity.INFO,
-                              message=f"{finding.message} (Below --min-ratio {min_ratio:g}: information only.)")
+            finding = replace(
+                finding,
+                severity=Severity.INFO,
+                message=f"{finding.message} (Below --min-ratio {min_ratio:g}: information only.)",
+            )
         kept.append(finding)
     return kept
+
 
 def deciding(findings: Sequence[Finding]) -> list[Finding]:
     """The findings a verdict reads: warnings and errors about the gradient. Findings about the logged loss
     (REPORTING) are the run's `reporting`, and repeated records its warning: copies are not evidence."""
-    return [f for f in findings if f.severity.rank >= Severity.WARNING.rank and f.code not in REPORTING
-            and f.code != Code.DUPLICATE_RECORDS]
+    return [
+        f
+        for f in findings
+        if f.severity.rank >= Severity.WARNING.rank and f.code not in REPORTING and f.code != Code.DUPLICATE_RECORDS
+    ]
 
 
 def verdict_of(findings: Sequence[Finding], judged: bool) -> Verdict:
@@ -117,11 +129,20 @@ def verdict_of(findings: Sequence[Finding], judged: bool) -> Verdict:
         return "inconclusive"
     return "correct"
 
+
 SUMMARY_BLOCK = 1 << 16
 """Steps `run_summary` reads at a time: its temporaries stay a few MB whatever the number of steps."""
 
-def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: list[Segment],
-                omitted: int = 0, pooled: bool = False, listed: list[Finding] | None = None) -> RunSummary:
+
+def run_summary(
+    run: str,
+    source: RunSteps,
+    findings: list[Finding],
+    segments: list[Segment],
+    omitted: int = 0,
+    pooled: bool = False,
+    listed: list[Finding] | None = None,
+) -> RunSummary:
     """`pooled`: the run's terms are one objective (`checks.objective`): a token's q = e·N counts N over them.
     `listed`: the findings shown, where --ignore left some of `findings` out (their own verdict gates the exit)."""
     # The run's parts read a block of steps at a time, never a filtered copy of the table (millions of
@@ -146,14 +167,29 @@ def run_summary(run: str, source: RunSteps, findings: list[Finding], segments: l
     judged_ranks = not any(f.code == Code.RANKS_NOT_RECORDED for f in findings)  # else every N is partial
     weight_range = (weights.q_low.value(), -weights.q_high.value()) if weights.weighted_any and judged_ranks else None
     main = [s for s in segments if s.term == source.terms[0]]
-    return RunSummary(run=run, rows=rows, steps=steps, ranks=ranks + 1, world_size=sorted(sizes), groups=len(source.groups),
-                      verdict=verdict_of(findings, judged), normalization=max(main, key=lambda s: s.steps, default=None),
-                      segments=segments, decided_by=sorted({f.code.value for f in deciding(findings)}),
-                      gate_verdict=None if listed is None or len(listed) == len(findings) else verdict_of(listed, judged),
-                      max_weight_ratio=max_ratio, microbatches=max(int(microbatches), 0) if rows else 0,
-                      terms=source.terms, skipped_steps=skipped_steps, divisors=sorted(divisors),
-                      weight_range=weight_range, segments_omitted=omitted, normalization_judged=judged_ranks,
-                      reporting=_reporting(findings, reported))
+    return RunSummary(
+        run=run,
+        rows=rows,
+        steps=steps,
+        ranks=ranks + 1,
+        world_size=sorted(sizes),
+        groups=len(source.groups),
+        verdict=verdict_of(findings, judged),
+        normalization=max(main, key=lambda s: s.steps, default=None),
+        segments=segments,
+        decided_by=sorted({f.code.value for f in deciding(findings)}),
+        gate_verdict=None if listed is None or len(listed) == len(findings) else verdict_of(listed, judged),
+        max_weight_ratio=max_ratio,
+        microbatches=max(int(microbatches), 0) if rows else 0,
+        terms=source.terms,
+        skipped_steps=skipped_steps,
+        divisors=sorted(divisors),
+        weight_range=weight_range,
+        segments_omitted=omitted,
+        normalization_judged=judged_ranks,
+        reporting=_reporting(findings, reported),
+    )
+
 
 class _Weights:
     """The token weights of a run's parts, `SUMMARY_BLOCK` steps at a time: whether any step with valid tokens
@@ -211,6 +247,7 @@ def _reporting(findings: list[Finding], reported: int) -> Reporting:
         return "differs"
     return "matches" if reported else "absent"
 
+
 class _Extreme:
     """The lowest value seen over blocks, NaN skipped; NaN when none was a number (pandas' min)."""
 
@@ -225,6 +262,7 @@ class _Extreme:
 
     def value(self) -> float:
         return self.low if self.seen else math.nan
+
 
 def _count_distinct(values: npt.NDArray[Any]) -> int:
     """How many distinct values: the length of an increasing column (one group's steps) without a hash."""

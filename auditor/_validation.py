@@ -26,13 +26,22 @@ _UPPER_BOUNDS = tuple((c.name, *c.high) for c in COLUMNS if c.high is not None)
 one record's count in 32 bits, and a step's N (Σ n over at most 2³² records) then stays exact in int64 and in a
 float64. A file may store these columns in any integer type."""
 
-STATISTICS_COLUMNS = (frozenset(REQUIRED_COLUMNS) | {column for column, _, _ in _LOWER_BOUNDS}
-               | {"schema_version", "run_id", "group", "term", "grad_divisor"})
+STATISTICS_COLUMNS = (
+    frozenset(REQUIRED_COLUMNS)
+    | {column for column, _, _ in _LOWER_BOUNDS}
+    | {"schema_version", "run_id", "group", "term", "grad_divisor"}
+)
 """Columns whose footer statistics are read: `check_values`'s, the names' (`names_of`) and D's
 (`Shard.divisor_range`)."""
 
-def check_values(parquet: Readable, present: frozenset[str], stats: dict[str, tuple[Any, Any, int | None]],
-                  thorough: bool, exact: bool = False) -> None:
+
+def check_values(
+    parquet: Readable,
+    present: frozenset[str],
+    stats: dict[str, tuple[Any, Any, int | None]],
+    thorough: bool,
+    exact: bool = False,
+) -> None:
     """Statistics first (no data read); the columns themselves only when statistics cannot decide.
     A NaN divisor or scale never shows in statistics, nor does T < n on one record where T's and n's ranges
     overlap: `thorough` reads those columns; otherwise the aggregation counts them and only the files it
@@ -81,6 +90,7 @@ def check_values(parquet: Readable, present: frozenset[str], stats: dict[str, tu
     if need:
         _check_rows(parquet.read(sorted(need)), need)
 
+
 def _beyond(bound: Any, limit: float, unsure: bool, above: bool = False, inclusive: bool = False) -> bool:
     """Whether a column's statistic may pass its limit (below it, or `above`; at it too where `inclusive`);
     a missing statistic (None) may where the statistics are `unsure`."""
@@ -89,6 +99,7 @@ def _beyond(bound: Any, limit: float, unsure: bool, above: bool = False, inclusi
     if above:
         return bool(bound > limit or inclusive and bound == limit)
     return bool(bound < limit or inclusive and bound == limit)
+
 
 def _check_rows(table: pa.Table, columns: Iterable[str]) -> None:
     columns = set(columns)
@@ -114,31 +125,45 @@ def _check_rows(table: pa.Table, columns: Iterable[str]) -> None:
         if column in columns:
             _raise_at_first(pc.greater(table[column], highest), f"column '{column}' holds {meaning}", table[column])
     if {"rank", "world_size"} <= columns:
-        _raise_at_first(pc.greater_equal(table["rank"], table["world_size"]),
-                        "column 'rank' is not below 'world_size'", table["rank"])
+        _raise_at_first(
+            pc.greater_equal(table["rank"], table["world_size"]),
+            "column 'rank' is not below 'world_size'",
+            table["rank"],
+        )
     if {"positions", "valid_tokens"} <= columns:
         below = pc.fill_null(pc.less(table["positions"], table["valid_tokens"]), False)
         if pc.any(below).as_py():
             row = pc.index(below, True).as_py()
-            raise LogFormatError("", f"column 'positions' is below 'valid_tokens' ({table['positions'][row].as_py()} "
-                                     f"< {table['valid_tokens'][row].as_py()}) at row {row}")
+            raise LogFormatError(
+                "",
+                f"column 'positions' is below 'valid_tokens' ({table['positions'][row].as_py()} "
+                f"< {table['valid_tokens'][row].as_py()}) at row {row}",
+            )
     if "grad_divisor" in columns:
         divisor = pc.cast(table["grad_divisor"], pa.float64())  # a half float has no kernels of its own
         bad = pc.or_(pc.is_nan(divisor), pc.less_equal(divisor, 0))
         _raise_at_first(bad, "column 'grad_divisor' is not a positive number", table["grad_divisor"])
     if "grad_scale" in columns:
-        _raise_at_first(pc.is_nan(pc.cast(table["grad_scale"], pa.float64())),
-                        "column 'grad_scale' is NaN", table["grad_scale"])
+        _raise_at_first(
+            pc.is_nan(pc.cast(table["grad_scale"], pa.float64())), "column 'grad_scale' is NaN", table["grad_scale"]
+        )
+
 
 INT64_MAX = (1 << 63) - 1
 
+
 def raise_beyond_int64(parquet: Readable, column: str) -> None:
     values = parquet.read([column])[column]
-    _raise_at_first(pc.greater(values, pa.scalar(INT64_MAX, pa.uint64())),
-                    f"column '{column}' holds a value beyond the int64 range", values)
+    _raise_at_first(
+        pc.greater(values, pa.scalar(INT64_MAX, pa.uint64())),
+        f"column '{column}' holds a value beyond the int64 range",
+        values,
+    )
+
 
 def _no_nulls(table: pa.Table, column: str) -> None:
     _raise_at_first(pc.is_null(table[column]), f"column '{column}' has a null value")
+
 
 def _raise_at_first(mask: Any, problem: str, values: Any = None) -> None:
     mask = pc.fill_null(mask, False)
@@ -148,9 +173,13 @@ def _raise_at_first(mask: Any, problem: str, values: Any = None) -> None:
     shown = f" ({values[row].as_py()!r})" if values is not None else ""
     raise LogFormatError("", f"{problem}{shown} at row {row}")
 
+
 def newer_version(version: int) -> str:
-    return (f"schema_version {version} is newer than this tokaudit reads ({SCHEMA_VERSION}); "
-            "upgrade tokaudit (pip install -U tokaudit)")
+    return (
+        f"schema_version {version} is newer than this tokaudit reads ({SCHEMA_VERSION}); "
+        "upgrade tokaudit (pip install -U tokaudit)"
+    )
+
 
 def short_error(error: BaseException) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

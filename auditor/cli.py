@@ -15,8 +15,19 @@ from rich.console import Console
 from tokaudit import __version__
 from tokaudit.codes import DEFAULT_RTOL, code_named
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
-from tokaudit._outputs import (EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_OK, emit, fail, format_for, print_rich, problem,
-                               rich_text, stderr, wrote)
+from tokaudit._outputs import (
+    EXIT_BAD_INPUT,
+    EXIT_FINDINGS,
+    EXIT_OK,
+    emit,
+    fail,
+    format_for,
+    print_rich,
+    problem,
+    rich_text,
+    stderr,
+    wrote,
+)
 from tokaudit._outputs import run as outputs_run
 from tokaudit._render.text import printable
 from tokaudit._cli_exits import FAIL_ON, Guarded, exit_for_problems, fails
@@ -27,8 +38,13 @@ if TYPE_CHECKING:
     from tokaudit._auditing import AuditedLog
     from tokaudit._report import AuditReport
 
-WEIGHT_NAMES = {"grp": "group", "eff": "effective_weight", "q": "q", "eff_min": "effective_weight_min",
-                "eff_max": "effective_weight_max"}
+WEIGHT_NAMES = {
+    "grp": "group",
+    "eff": "effective_weight",
+    "q": "q",
+    "eff_min": "effective_weight_min",
+    "eff_max": "effective_weight_max",
+}
 """`weights` columns under the log schema's names, and q as the table shows it."""
 
 
@@ -38,8 +54,9 @@ def _drawn_into(figures: dict[str, Any]) -> Callable[[AuditReport, AuditedLog], 
     def draw(report: AuditReport, log: AuditedLog) -> None:
         from tokaudit._figures import run_figures
 
-        figures.update(run_figures(log, [run.run for run in report.runs],
-                                   [run.run for run in report.runs if run.terms_pooled]))
+        figures.update(
+            run_figures(log, [run.run for run in report.runs], [run.run for run in report.runs if run.terms_pooled])
+        )
 
     return draw
 
@@ -74,41 +91,85 @@ class _Settled(click.Command):
         source = (ctx.find_root().obj or {}).get("settings")
         formatter.write_paragraph()
         # written as it is: a path wrapped at its hyphens could not be copied
-        formatter.write(f"  Settings: [tool.tokaudit] of {source}\n  (the command line wins).\n" if source else
-                        "  Settings: none read ([tool.tokaudit] in the first pyproject.toml\n  from here upward).\n")
+        formatter.write(
+            f"  Settings: [tool.tokaudit] of {source}\n  (the command line wins).\n"
+            if source
+            else "  Settings: none read ([tool.tokaudit] in the first pyproject.toml\n  from here upward).\n"
+        )
 
 
 @main.command(cls=_Settled)
 @PATHS
-@click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown", "github", "junit", "html"]),
-              default="table", show_default=True,
-              help="table for people, json for CI (docs/REPORT.md), markdown for a PR comment, github for workflow "
-                   "annotations (and the step summary when GITHUB_STEP_SUMMARY is set), junit for CI test reports "
-                   "(one test case per run), html for one self-contained page with a heat-map of the weights and "
-                   "the loss curves of each run (-o report.html).")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json", "markdown", "github", "junit", "html"]),
+    default="table",
+    show_default=True,
+    help="table for people, json for CI (docs/REPORT.md), markdown for a PR comment, github for workflow "
+    "annotations (and the step summary when GITHUB_STEP_SUMMARY is set), junit for CI test reports "
+    "(one test case per run), html for one self-contained page with a heat-map of the weights and "
+    "the loss curves of each run (-o report.html).",
+)
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Write the report here.")
-@click.option("--fail-on", type=click.Choice(list(FAIL_ON)), default="error", show_default=True,
-              help="Exit 1 when a finding of this severity or worse exists (`error` also when a run is called "
-                   "incorrect); `inconclusive`: also when a run cannot be shown correct.")
-@click.option("--ignore", "ignore", multiple=True, metavar="CODE",
-              help="Leave out findings with this code (repeatable).")
-@click.option("--min-ratio", type=float, default=None, metavar="R",
-              help="A weighting finding whose heaviest token weighs less than R× the lightest is information, "
-                   "not an error (e.g. 1.01).")
-@click.option("--rtol", type=float, default=DEFAULT_RTOL, show_default=True,
-              help="Relative tolerance on weights (the default suits float32; a run whose records say they were "
-                   "computed in bf16 or fp16 is judged at that precision).")
+@click.option(
+    "--fail-on",
+    type=click.Choice(list(FAIL_ON)),
+    default="error",
+    show_default=True,
+    help="Exit 1 when a finding of this severity or worse exists (`error` also when a run is called "
+    "incorrect); `inconclusive`: also when a run cannot be shown correct.",
+)
+@click.option(
+    "--ignore", "ignore", multiple=True, metavar="CODE", help="Leave out findings with this code (repeatable)."
+)
+@click.option(
+    "--min-ratio",
+    type=float,
+    default=None,
+    metavar="R",
+    help="A weighting finding whose heaviest token weighs less than R× the lightest is information, "
+    "not an error (e.g. 1.01).",
+)
+@click.option(
+    "--rtol",
+    type=float,
+    default=DEFAULT_RTOL,
+    show_default=True,
+    help="Relative tolerance on weights (the default suits float32; a run whose records say they were "
+    "computed in bf16 or fp16 is judged at that precision).",
+)
 @click.option("--run", "runs", multiple=True, help="Audit only this run (repeatable).")
-@click.option("--live", is_flag=True, help="The run is still training: leave out the newest steps that not "
-                                           "every rank has flushed yet.")
+@click.option(
+    "--live",
+    is_flag=True,
+    help="The run is still training: leave out the newest steps that not every rank has flushed yet.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
-@click.option("--ray", "ray", is_flag=False, flag_value="", default=None, metavar="ADDRESS",
-              help="Read the footers and aggregate the step ranges on a Ray cluster's workers (pip install "
-                   "'tokaudit[ray]'): at ADDRESS, else RAY_ADDRESS, else `auto` (one running here). The workers read "
-                   "the log themselves: object storage or a folder they all see.")
-def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, ignore: tuple[str, ...],
-          min_ratio: float | None, rtol: float, runs: tuple[str, ...], live: bool, quiet: bool,
-          ray: str | None) -> None:
+@click.option(
+    "--ray",
+    "ray",
+    is_flag=False,
+    flag_value="",
+    default=None,
+    metavar="ADDRESS",
+    help="Read the footers and aggregate the step ranges on a Ray cluster's workers (pip install "
+    "'tokaudit[ray]'): at ADDRESS, else RAY_ADDRESS, else `auto` (one running here). The workers read "
+    "the log themselves: object storage or a folder they all see.",
+)
+def check(
+    paths: tuple[str, ...],
+    fmt: str,
+    output: Path | None,
+    fail_on: str,
+    ignore: tuple[str, ...],
+    min_ratio: float | None,
+    rtol: float,
+    runs: tuple[str, ...],
+    live: bool,
+    quiet: bool,
+    ray: str | None,
+) -> None:
     """Recover the normalization every run used and diagnose it.
 
     Exit 0: nothing at or above --fail-on; 1: findings; 2: bad usage or unreadable input; 130: interrupted
@@ -122,9 +183,18 @@ def check(paths: tuple[str, ...], fmt: str, output: Path | None, fail_on: str, i
             from tokaudit._auditing import audit_started
 
             figures: dict[str, Any] = {}
-            report = audit_started(paths, started, _drawn_into(figures) if fmt == "html" else None, rtol=rtol,
-                                   runs=runs, live=live, progress=progress, ignore=ignore, min_ratio=min_ratio,
-                                   ray=address)
+            report = audit_started(
+                paths,
+                started,
+                _drawn_into(figures) if fmt == "html" else None,
+                rtol=rtol,
+                runs=runs,
+                live=live,
+                progress=progress,
+                ignore=ignore,
+                min_ratio=min_ratio,
+                ray=address,
+            )
     if ignore:
         report = replace(report, ignored_from=_ignored_from())
     _render(report, fmt, output, figures)
@@ -198,8 +268,10 @@ def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str, output
         from tokaudit._render.json_report import sanitize
 
         rows = records.rename(columns=WEIGHT_NAMES).to_dict(orient="records")
-        emit(json.dumps(sanitize({"run": chosen, "step": step, "records": rows}), indent=2, ensure_ascii=False)
-              + "\n", output)
+        emit(
+            json.dumps(sanitize({"run": chosen, "step": step, "records": rows}), indent=2, ensure_ascii=False) + "\n",
+            output,
+        )
     else:
         from tokaudit._postmortem import probe_extremes
         from tokaudit._render.console import render_weights
@@ -214,17 +286,38 @@ def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str, output
 @main.command()
 @PATHS
 @click.option("--run", default=None, help="Run id (needed when the logs hold several).")
-@click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write every step's values as CSV.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Draw the curves as a PNG (needs matplotlib).")
-@click.option("--steps", "step_range", default=None, metavar="FIRST:LAST",
-              help="Only these steps (either end may be left open: 1000: or :2000); only the shards that can "
-                   "hold them are read.")
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
-              help="table: the chart and a table for people; json: every step's values on stdout.")
-def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_path: Path | None,
-          step_range: str | None, fmt: str) -> None:
+@click.option(
+    "--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path), help="Write every step's values as CSV."
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Draw the curves as a PNG (needs matplotlib).",
+)
+@click.option(
+    "--steps",
+    "step_range",
+    default=None,
+    metavar="FIRST:LAST",
+    help="Only these steps (either end may be left open: 1000: or :2000); only the shards that can hold them are read.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="table: the chart and a table for people; json: every step's values on stdout.",
+)
+def curve(
+    paths: tuple[str, ...],
+    run: str | None,
+    csv_path: Path | None,
+    plot_path: Path | None,
+    step_range: str | None,
+    fmt: str,
+) -> None:
     """Loss per step: the true token mean ΣS/N, the mean of local means, the reported loss, and the
     objective the optimizer followed (Σe·S)."""
     try:
@@ -248,8 +341,9 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
         console = Console(highlight=False)
         try:
             # the chart fills the terminal, labels included
-            views = curve_views(curve, curve.labels(), csv_path, width=max(20, min(console.width - 18, 160)),
-                                plot=plot_path is not None)
+            views = curve_views(
+                curve, curve.labels(), csv_path, width=max(20, min(console.width - 18, 160)), plot=plot_path is not None
+            )
         finally:
             curve.close()
         if plot_path is not None:
@@ -258,6 +352,7 @@ def curve(paths: tuple[str, ...], run: str | None, csv_path: Path | None, plot_p
             write_png(curve.run, views.points, curve.labels(), plot_path)
     except TokauditError as error:
         fail(error)
+
     def render(console: Console) -> None:
         console.print(views.chart.render(), markup=False, highlight=False)
         render_curve_table(curve.run, views.shown, views.steps, curve.labels(), console)
@@ -279,8 +374,11 @@ def _curve_json(curve: Any, csv_path: Path | None, plot_path: Path | None) -> No
     try:
         if csv_path is not None or plot_path is not None:
             raise UsageError("--csv and --plot go with --format table; --format json writes every step to stdout")
-        click.echo(f'{{"run": {json.dumps(curve.run, ensure_ascii=False)}, '
-                   f'"series": {json.dumps(dict(curve.labels()), ensure_ascii=False)}, "steps": [', nl=False)
+        click.echo(
+            f'{{"run": {json.dumps(curve.run, ensure_ascii=False)}, '
+            f'"series": {json.dumps(dict(curve.labels()), ensure_ascii=False)}, "steps": [',
+            nl=False,
+        )
         first = True
         for part in curve.parts():
             for row in part.to_dict("records"):
@@ -318,9 +416,14 @@ def _wrapped(text: str) -> str:
     width = min(100, shutil.get_terminal_size((80, 24)).columns)
     out = []
     for line in text.splitlines():
-        indent = line[:len(line) - len(line.lstrip())]
-        out.append(textwrap.fill(line, width, initial_indent="", subsequent_indent=indent, break_long_words=False,
-                                 break_on_hyphens=False) if len(line) > width else line)
+        indent = line[: len(line) - len(line.lstrip())]
+        out.append(
+            textwrap.fill(
+                line, width, initial_indent="", subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+            )
+            if len(line) > width
+            else line
+        )
     return "\n".join(out)
 
 

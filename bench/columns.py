@@ -40,27 +40,42 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=0)
     args = parser.parse_args()
     shards = sorted(load([args.log]).shards, key=lambda s: (s.step_range or (0, 0), str(s.path)))
-    shards = shards[:args.files] if args.files else shards
+    shards = shards[: args.files] if args.files else shards
     engine = Engine.open(shards)
     engine._whole()  # the views over every file, as the audit of a one-range log defines them
     shape = (one_record_form(shards), False, one_name_of(shards) is not None, absent_values(shards))
     whole = step_sql(*shape)
-    floor = ("SELECT step, sum(valid_tokens), min(backward_scalar / loss_sum), max(backward_scalar / loss_sum) "
-             "FROM raw_records GROUP BY step")
-    queries = {f"every {level}-level column": without(shape, *(c.name for c in STEP_COLUMNS  # a grouping with them
-                                                              if c.level.name.lower() == level))
-               for level in ("rank", "micro")}
-    queries.update({c.name: without(shape, c.name) for c in STEP_COLUMNS
-                    if not c.evidence and f"AS {c.name}" in whole})  # the columns this shape computes
+    floor = (
+        "SELECT step, sum(valid_tokens), min(backward_scalar / loss_sum), max(backward_scalar / loss_sum) "
+        "FROM raw_records GROUP BY step"
+    )
+    queries = {
+        f"every {level}-level column": without(
+            shape,
+            *(
+                c.name
+                for c in STEP_COLUMNS  # a grouping with them
+                if c.level.name.lower() == level
+            ),
+        )
+        for level in ("rank", "micro")
+    }
+    queries.update(
+        {c.name: without(shape, c.name) for c in STEP_COLUMNS if not c.evidence and f"AS {c.name}" in whole}
+    )  # the columns this shape computes
     total = min(timed(engine, whole) for _ in range(args.repeat))
     floor_time = min(timed(engine, floor) for _ in range(args.repeat))
-    print(f"{args.log.name}: whole query {total:.2f} s, floor {floor_time:.2f} s, {sum(s.rows for s in shards):,} "
-          f"records ({'one-record' if shape[0] else 'general'} form, {len(queries) - 2} columns computed)")
+    print(
+        f"{args.log.name}: whole query {total:.2f} s, floor {floor_time:.2f} s, {sum(s.rows for s in shards):,} "
+        f"records ({'one-record' if shape[0] else 'general'} form, {len(queries) - 2} columns computed)"
+    )
     costs: dict[str, float | None] = {}
     for name, query in queries.items():
         try:
             pairs = [(timed(engine, whole), timed(engine, query)) for _ in range(args.repeat)]
-        except duckdb.Error:  # another column's value reads it (weight_by_micro_low = weight_low · N in the one-record form)
+        except (
+            duckdb.Error
+        ):  # another column's value reads it (weight_by_micro_low = weight_low · N in the one-record form)
             costs[name] = None
             continue
         costs[name] = min(w for w, _ in pairs) - min(q for _, q in pairs)

@@ -33,8 +33,12 @@ def report(python_path: Path | None, log: str) -> bytes:
     environment = dict(os.environ, COLUMNS="100")
     if python_path is not None:
         environment["PYTHONPATH"] = str(python_path)
-    done = subprocess.run([sys.executable, "-m", "tokaudit", "check", log, "--format", "json"], capture_output=True,
-                          env=environment, cwd=tempfile.gettempdir() if python_path else None)
+    done = subprocess.run(
+        [sys.executable, "-m", "tokaudit", "check", log, "--format", "json"],
+        capture_output=True,
+        env=environment,
+        cwd=tempfile.gettempdir() if python_path else None,
+    )
     return done.stdout + f"\nexit {done.returncode}\n".encode()
 
 
@@ -49,8 +53,9 @@ def main() -> int:
             before = package_at(args.revision, Path(folder))
             differ = [log for log in logs if report(before, log) != report(None, log)]
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(Path(folder) / "tree")],
-                           check=False)
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(Path(folder) / "tree")], check=False
+            )
     for log in differ:
         print(f"differs: {log}")
     print(f"{len(logs) - len(differ)} of {len(logs)} logs give the same JSON and exit code as {args.revision}")

@@ -11,8 +11,10 @@ import pandas as pd
 
 def naive_check(folder: Path, rtol: float = 1e-4) -> int:
     """Records whose q = (b/S)·g/D·N is not 1 (the single check, no diagnosis)."""
-    frame = pd.read_parquet(folder, columns=["step", "rank", "micro", "loss_sum", "valid_tokens",
-                                              "backward_scalar", "grad_divisor", "grad_scale"])
+    frame = pd.read_parquet(
+        folder,
+        columns=["step", "rank", "micro", "loss_sum", "valid_tokens", "backward_scalar", "grad_divisor", "grad_scale"],
+    )
     tokens = frame.groupby("step")["valid_tokens"].transform("sum")
     valid = frame.valid_tokens > 0
     q = frame.backward_scalar / frame.loss_sum * frame.grad_scale / frame.grad_divisor * tokens

@@ -28,10 +28,17 @@ def start_server() -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    env = {
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -48,8 +55,12 @@ def requests_alone(env: dict[str, str]) -> float:
     import pyarrow.dataset as pads
     import pyarrow.fs as pafs
 
-    filesystem = pafs.S3FileSystem(region=env["AWS_REGION"], endpoint_override=env["AWS_ENDPOINT_URL"],
-                                   access_key=env["AWS_ACCESS_KEY_ID"], secret_key=env["AWS_SECRET_ACCESS_KEY"])
+    filesystem = pafs.S3FileSystem(
+        region=env["AWS_REGION"],
+        endpoint_override=env["AWS_ENDPOINT_URL"],
+        access_key=env["AWS_ACCESS_KEY_ID"],
+        secret_key=env["AWS_SECRET_ACCESS_KEY"],
+    )
     start = time.perf_counter()
     listed = filesystem.get_file_info(pafs.FileSelector("logs/runs", recursive=True))
     files = [info for info in listed if info.type == pafs.FileType.File]
@@ -64,8 +75,12 @@ def requests_alone(env: dict[str, str]) -> float:
 
 def check(target: str, env: dict[str, str]) -> float:
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "tokaudit", "check", target, "--format", "json"],
-                          env={**os.environ, **env}, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "tokaudit", "check", target, "--format", "json"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+    )
     if done.returncode not in (0, 1):
         raise SystemExit(done.stderr)
     return time.perf_counter() - start
@@ -83,8 +98,13 @@ def main() -> None:
         try:
             import boto3
 
-            client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name=env["AWS_REGION"],
-                                  aws_access_key_id="bench", aws_secret_access_key="bench")
+            client = boto3.client(
+                "s3",
+                endpoint_url=env["AWS_ENDPOINT_URL"],
+                region_name=env["AWS_REGION"],
+                aws_access_key_id="bench",
+                aws_secret_access_key="bench",
+            )
             client.create_bucket(Bucket="logs")
             for shard in sorted(log.rglob("*.parquet")):
                 client.upload_file(str(shard), "logs", f"runs/{shard.relative_to(log)}")

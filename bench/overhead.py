@@ -93,16 +93,22 @@ class Phases:
         return {name: statistics.median(took) * 1e3 for name, took in self.steps.items()}
 
 
-def step(model: nn.Module, optimizer: torch.optim.Optimizer, data: list[tuple[torch.Tensor, torch.Tensor]],
-         rec: Recorder | None, phases: Phases | None = None) -> None:
+def step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+    rec: Recorder | None,
+    phases: Phases | None = None,
+) -> None:
     mark = phases.mark if phases is not None else (lambda name: None)
     if phases is not None:
         phases.start()
     step_tokens = sum((labels != -100).sum() for _, labels in data)  # N, counted before backward
     for tokens, labels in data:
         valid = labels != -100
-        per_token = F.cross_entropy(model(tokens).reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100,
-                                    reduction="none").view_as(labels)
+        per_token = F.cross_entropy(
+            model(tokens).reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100, reduction="none"
+        ).view_as(labels)
         mark("forward")
         if rec is not None:
             per_token = rec.probe(per_token, valid)
@@ -160,18 +166,28 @@ def measure(steps: int) -> dict[str, Any]:
     fifth = max(1, steps // 5)
 
     def fifths(loop: str) -> list[float]:
-        return [statistics.median(times[loop][i:i + fifth]) / statistics.median(times["plain"][i:i + fifth])
-                for i in range(0, fifth * 5, fifth)]
+        return [
+            statistics.median(times[loop][i : i + fifth]) / statistics.median(times["plain"][i : i + fifth])
+            for i in range(0, fifth * 5, fifth)
+        ]
 
     # The plain and the control loop are the same loop: recorded / ((plain + control) / 2) compares the recorded
     # loop with both, the recorder's cost with half the variance that one plain loop's heap layout adds.
-    return {"plain_ms": plain * 1e3, "recorded_ms": recorded * 1e3, "ratio": recorded / plain,
-            "ratio_to_both": recorded / ((plain + control) / 2),
-            "flush_ms": flush_s * 1e3, "flush_records": records,
-            "ratio_with_flush": (recorded + amortized) / plain, "block_ratios": fifths("recorded"),
-            "control_ms": control * 1e3, "control_ratio": control / plain, "control_block_ratios": fifths("control"),
-            "faults": {mode: statistics.fmean(counts) for mode, counts in faults.items()},
-            "phases_ms": {mode: phases[mode].medians_ms() for mode in modes}}
+    return {
+        "plain_ms": plain * 1e3,
+        "recorded_ms": recorded * 1e3,
+        "ratio": recorded / plain,
+        "ratio_to_both": recorded / ((plain + control) / 2),
+        "flush_ms": flush_s * 1e3,
+        "flush_records": records,
+        "ratio_with_flush": (recorded + amortized) / plain,
+        "block_ratios": fifths("recorded"),
+        "control_ms": control * 1e3,
+        "control_ratio": control / plain,
+        "control_block_ratios": fifths("control"),
+        "faults": {mode: statistics.fmean(counts) for mode, counts in faults.items()},
+        "phases_ms": {mode: phases[mode].medians_ms() for mode in modes},
+    }
 
 
 def in_loop_line(result: dict[str, Any]) -> str:
@@ -182,10 +198,12 @@ def in_loop_line(result: dict[str, Any]) -> str:
     more = {name: phases["recorded"][name] - phases["plain"][name] for name in Phases.NAMES}
     own = more["probe"] + more["record"] + more["zero_grad"]
     noise = {name: phases["control"][name] - phases["plain"][name] for name in ("forward", "backward")}
-    return (f"in the loop, recorded − plain a step: probe {more['probe']:+.2f} ms, record {more['record']:+.2f} ms, "
-            f"zero_grad (the update's pack) {more['zero_grad']:+.2f} ms: {own:.2f} ms, a ratio of "
-            f"{1 + own / result['plain_ms']:.4f}; forward {more['forward']:+.2f} ms and backward "
-            f"{more['backward']:+.2f} ms (the control loop's {noise['forward']:+.2f} and {noise['backward']:+.2f})")
+    return (
+        f"in the loop, recorded − plain a step: probe {more['probe']:+.2f} ms, record {more['record']:+.2f} ms, "
+        f"zero_grad (the update's pack) {more['zero_grad']:+.2f} ms: {own:.2f} ms, a ratio of "
+        f"{1 + own / result['plain_ms']:.4f}; forward {more['forward']:+.2f} ms and backward "
+        f"{more['backward']:+.2f} ms (the control loop's {noise['forward']:+.2f} and {noise['backward']:+.2f})"
+    )
 
 
 def minor_faults() -> int:
@@ -213,8 +231,11 @@ def _record_us(values: dict[str, Any], calls: int = 2000) -> float:
 
 def in_process(steps: int, keep_heap: bool) -> dict[str, Any]:
     """`measure` in a fresh process (`--json`); RuntimeError with its last line of stderr where it fails."""
-    done = subprocess.run([sys.executable, __file__, "--steps", str(steps), "--json",
-                           *(["--keep-heap"] if keep_heap else [])], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, __file__, "--steps", str(steps), "--json", *(["--keep-heap"] if keep_heap else [])],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
         raise RuntimeError(f"a process of the loops failed: {lines[-1]}")
@@ -233,8 +254,13 @@ def in_processes(processes: int, steps: int, keep_heap: bool) -> dict[str, Any]:
         error = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
         return statistics.fmean(values), error
 
-    return {"processes": processes, "ratio": mean_and_error("ratio"), "control_ratio": mean_and_error("control_ratio"),
-            "ratio_to_both": mean_and_error("ratio_to_both"), "runs": runs}
+    return {
+        "processes": processes,
+        "ratio": mean_and_error("ratio"),
+        "control_ratio": mean_and_error("control_ratio"),
+        "ratio_to_both": mean_and_error("ratio_to_both"),
+        "runs": runs,
+    }
 
 
 def _per_call_us(call: Callable[[], object], calls: int = 2000) -> float:
@@ -269,8 +295,9 @@ def parts() -> dict[str, float]:
     backward = _per_call_us(lambda: ProbeResult().add(grad, valid, live))
     loss_sum = (per_token * valid).sum().detach()
     count, scalar = valid.sum(), loss_sum / 1000
-    recorded = _record_us({"loss_sum": loss_sum, "valid_tokens": count, "backward_scalar": scalar,
-                           "positions": labels.numel()})
+    recorded = _record_us(
+        {"loss_sum": loss_sum, "valid_tokens": count, "backward_scalar": scalar, "positions": labels.numel()}
+    )
     probe = ProbeResult()
     probe.add(grad, valid, live)
     values: dict[str, Any] = {"loss_sum": loss_sum, "valid_tokens": count, "backward_scalar": scalar}
@@ -279,16 +306,34 @@ def parts() -> dict[str, float]:
 
     def packed() -> None:
         # one microbatch's record and probe, packed as an update's close packs them (`Recorder._pack`)
-        entry = Record(step=0, micro=0, term="0", **values, positions=None, reported_loss=None, skipped=None,
-                       grad_scale=None, loss_scale=None, prescaled=False, sync=None, time=0, probe=None, captured=False,
-                       bits=None)
+        entry = Record(
+            step=0,
+            micro=0,
+            term="0",
+            **values,
+            positions=None,
+            reported_loss=None,
+            skipped=None,
+            grad_scale=None,
+            loss_scale=None,
+            prescaled=False,
+            sync=None,
+            time=0,
+            probe=None,
+            captured=False,
+            bits=None,
+        )
         result = ProbeResult()
         for name, value in zip(ProbeResult.VALUES, held):
             setattr(result, name, value)
         pack([(entry, name) for name in values] + [(result, name) for name in ProbeResult.VALUES], slabs)
 
-    return {"probe_forward_us": forward, "probe_backward_us": backward, "record_us": recorded,
-            "pack_us": _per_call_us(packed)}
+    return {
+        "probe_forward_us": forward,
+        "probe_backward_us": backward,
+        "record_us": recorded,
+        "pack_us": _per_call_us(packed),
+    }
 
 
 def parts_per_step(cost: dict[str, float], plain_ms: float) -> tuple[float, float]:
@@ -324,12 +369,19 @@ def keep_large_blocks() -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=150, help="steps per loop")
-    parser.add_argument("--keep-heap", action="store_true",
-                        help="glibc's heap set to keep large blocks rather than map and unmap them at every "
-                             "step (steadier step times)")
+    parser.add_argument(
+        "--keep-heap",
+        action="store_true",
+        help="glibc's heap set to keep large blocks rather than map and unmap them at every step (steadier step times)",
+    )
     parser.add_argument("--json", action="store_true", help="the loops' figures as one JSON object, no parts")
-    parser.add_argument("--processes", type=int, default=0, metavar="K",
-                        help="run the loops in K fresh processes and print each ratio's mean and standard error")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=0,
+        metavar="K",
+        help="run the loops in K fresh processes and print each ratio's mean and standard error",
+    )
     args = parser.parse_args()
     if args.processes:
         if args.processes < 2:
@@ -342,13 +394,17 @@ def main() -> None:
             print(json.dumps(summary))
             return
         for run in summary["runs"]:
-            print(f"process: recorded/plain {run['ratio']:.4f}, control/plain {run['control_ratio']:.4f}, "
-                  f"recorded/both {run['ratio_to_both']:.4f} (plain {run['plain_ms']:.1f} ms; {faults_line(run)})")
+            print(
+                f"process: recorded/plain {run['ratio']:.4f}, control/plain {run['control_ratio']:.4f}, "
+                f"recorded/both {run['ratio_to_both']:.4f} (plain {run['plain_ms']:.1f} ms; {faults_line(run)})"
+            )
         (ratio, ratio_error), (control, control_error) = summary["ratio"], summary["control_ratio"]
         both, both_error = summary["ratio_to_both"]
-        print(f"mean of {args.processes} processes: recorded/plain {ratio:.4f} ± {ratio_error:.4f}, "
-              f"control/plain {control:.4f} ± {control_error:.4f}, recorded/both plain loops {both:.4f} ± "
-              f"{both_error:.4f} (± one standard error)")
+        print(
+            f"mean of {args.processes} processes: recorded/plain {ratio:.4f} ± {ratio_error:.4f}, "
+            f"control/plain {control:.4f} ± {control_error:.4f}, recorded/both plain loops {both:.4f} ± "
+            f"{both_error:.4f} (± one standard error)"
+        )
         return
     if args.keep_heap:
         # Under glibc's defaults this CPU step maps and unmaps its activations: 6,000–8,000 page faults a
@@ -361,16 +417,20 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"median step: plain {result['plain_ms']:.1f} ms, recorded {result['recorded_ms']:.1f} ms, "
-          f"ratio {result['ratio']:.4f} (with flushes amortized {result['ratio_with_flush']:.4f}; "
-          f"per fifth of the steps {', '.join(f'{r:.3f}' for r in result['block_ratios'])}); "
-          f"control (the plain loop again) {result['control_ratio']:.4f}; recorded against both plain loops "
-          f"{result['ratio_to_both']:.4f}; {faults_line(result)}")
+    print(
+        f"median step: plain {result['plain_ms']:.1f} ms, recorded {result['recorded_ms']:.1f} ms, "
+        f"ratio {result['ratio']:.4f} (with flushes amortized {result['ratio_with_flush']:.4f}; "
+        f"per fifth of the steps {', '.join(f'{r:.3f}' for r in result['block_ratios'])}); "
+        f"control (the plain loop again) {result['control_ratio']:.4f}; recorded against both plain loops "
+        f"{result['ratio_to_both']:.4f}; {faults_line(result)}"
+    )
     print(in_loop_line(result))
     cost = parts()
     per_step, ratio = parts_per_step(cost, result["plain_ms"])
-    print(", ".join(f"{name[:-3]} {value:.0f} µs" for name, value in cost.items())
-          + f" per microbatch: {per_step:.2f} ms per step of {MICRO} microbatches, ratio {ratio:.4f}")
+    print(
+        ", ".join(f"{name[:-3]} {value:.0f} µs" for name, value in cost.items())
+        + f" per microbatch: {per_step:.2f} ms per step of {MICRO} microbatches, ratio {ratio:.4f}"
+    )
 
 
 if __name__ == "__main__":

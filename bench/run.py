@@ -23,8 +23,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def measured(kind: str, path: Path) -> dict[str, float]:
-    done = subprocess.run([sys.executable, str(HERE / "measure.py"), kind, str(path)], capture_output=True,
-                          text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, str(HERE / "measure.py"), kind, str(path)], capture_output=True, text=True, check=True
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
@@ -46,11 +47,17 @@ def _compare(label: str, log: Path, naive: bool, repeat: int) -> list[tuple[str,
     # audit work: the check less what its imports take, each its best time (the start-up measured beside it)
     work = best["check"] - best["startup"]
     against_pandas = f", {best['check'] / best['naive']:.2f}× naive pandas" if naive else ""
-    rows = [(f"{label}: tokaudit check", f"{figure('check')}, {best['check'] / best['floor']:.1f}× the floor"
-                                         f"{against_pandas}"),
-            (f"{label}: audit work (check − start-up {best['startup']:.2f} s)",
-             f"{work:.2f} s, {work / best['floor']:.1f}× the floor"),
-            (f"{label}: one-query floor", figure("floor"))]
+    rows = [
+        (
+            f"{label}: tokaudit check",
+            f"{figure('check')}, {best['check'] / best['floor']:.1f}× the floor{against_pandas}",
+        ),
+        (
+            f"{label}: audit work (check − start-up {best['startup']:.2f} s)",
+            f"{work:.2f} s, {work / best['floor']:.1f}× the floor",
+        ),
+        (f"{label}: one-query floor", figure("floor")),
+    ]
     if naive:
         rows.append((f"{label}: naive pandas", figure("naive")))
     return rows
@@ -64,9 +71,13 @@ def _kept_heap(steps: int) -> list[tuple[str, str]]:
         result = in_process(steps, keep_heap=True)
     except RuntimeError as error:
         return [("recorder: step-time ratio, heap kept", f"not measured ({error})")]
-    return [("recorder: median step, heap kept: plain → Recorder + probe",
-             f"{result['plain_ms']:.1f} ms → {result['recorded_ms']:.1f} ms"),
-            ("recorder: step-time ratio, heap kept", _ratio(result))]
+    return [
+        (
+            "recorder: median step, heap kept: plain → Recorder + probe",
+            f"{result['plain_ms']:.1f} ms → {result['recorded_ms']:.1f} ms",
+        ),
+        ("recorder: step-time ratio, heap kept", _ratio(result)),
+    ]
 
 
 def _ratio(result: dict[str, Any]) -> str:
@@ -74,9 +85,11 @@ def _ratio(result: dict[str, Any]) -> str:
     step (`overhead.measure`)."""
     from overhead import faults_line
 
-    return (f"{result['ratio']:.4f} (per fifth of the steps: {', '.join(f'{r:.3f}' for r in result['block_ratios'])}); "
-            f"the control loop, plain again: {result['control_ratio']:.4f}; recorded against both plain loops: "
-            f"{result['ratio_to_both']:.4f}; {faults_line(result)}")
+    return (
+        f"{result['ratio']:.4f} (per fifth of the steps: {', '.join(f'{r:.3f}' for r in result['block_ratios'])}); "
+        f"the control loop, plain again: {result['control_ratio']:.4f}; recorded against both plain loops: "
+        f"{result['ratio_to_both']:.4f}; {faults_line(result)}"
+    )
 
 
 def _in_processes(processes: int, steps: int) -> list[tuple[str, str]]:
@@ -90,12 +103,18 @@ def _in_processes(processes: int, steps: int) -> list[tuple[str, str]]:
         return [(label, f"not measured ({error})")]
     (ratio, ratio_error), (control, control_error) = summary["ratio"], summary["control_ratio"]
     both, both_error = summary["ratio_to_both"]
-    each = ", ".join(f"{run['ratio']:.3f} ({run['faults']['recorded'] - run['faults']['plain']:+.0f})"
-                     for run in summary["runs"])
-    return [(label, f"{ratio:.4f} ± {ratio_error:.4f}; the control loop {control:.4f} ± {control_error:.4f}; "
-                    f"recorded against both plain loops {both:.4f} ± {both_error:.4f} (± one standard error; the "
-                    f"processes' own recorded/plain, with the recorded loop's page faults a step over the plain "
-                    f"loop's: {each})")]
+    each = ", ".join(
+        f"{run['ratio']:.3f} ({run['faults']['recorded'] - run['faults']['plain']:+.0f})" for run in summary["runs"]
+    )
+    return [
+        (
+            label,
+            f"{ratio:.4f} ± {ratio_error:.4f}; the control loop {control:.4f} ± {control_error:.4f}; "
+            f"recorded against both plain loops {both:.4f} ± {both_error:.4f} (± one standard error; the "
+            f"processes' own recorded/plain, with the recorded loop's page faults a step over the plain "
+            f"loop's: {each})",
+        )
+    ]
 
 
 def once(log: Path, write: Callable[[Path], object]) -> Path:
@@ -124,15 +143,23 @@ def decoded_share(log: Path) -> str:
     for shard in shards:
         meta = pq.ParquetFile(str(shard.path)).metadata
         column = meta.schema.to_arrow_schema().get_field_index("step")
-        groups[str(shard.path)] = [(meta.row_group(g).column(column).statistics.min,
-                                    meta.row_group(g).column(column).statistics.max, meta.row_group(g).total_byte_size)
-                                   for g in range(meta.num_row_groups)]
+        groups[str(shard.path)] = [
+            (
+                meta.row_group(g).column(column).statistics.min,
+                meta.row_group(g).column(column).statistics.max,
+                meta.row_group(g).total_byte_size,
+            )
+            for g in range(meta.num_row_groups)
+        ]
     total = sum(size for parts in groups.values() for _, _, size in parts)
     decoded = 0
     for steps, members in step_ranges(shards, CHUNK_ROWS):
         for shard in members:
-            decoded += sum(size for low, high, size in groups[str(shard.path)]
-                           if steps is None or (low <= steps[1] and high >= steps[0]))
+            decoded += sum(
+                size
+                for low, high, size in groups[str(shard.path)]
+                if steps is None or (low <= steps[1] and high >= steps[0])
+            )
     return f"{decoded / total:.2f}"
 
 
@@ -163,8 +190,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "out", help="where synthetic logs are kept")
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--steps", type=int, default=150, help="steps per loop in the overhead benchmark")
-    parser.add_argument("--processes", type=int, default=4,
-                        help="fresh processes of the recorder's loops under glibc's default heap (2 or more)")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=4,
+        help="fresh processes of the recorder's loops under glibc's default heap (2 or more)",
+    )
     parser.add_argument("--process-steps", type=int, default=60, help="steps per loop in each of those processes")
     parser.add_argument("--repeat", type=int, default=2, help="runs of each audit, alternated (the best time counts)")
     args = parser.parse_args()
@@ -178,16 +209,20 @@ def main() -> None:
         result = measure(args.steps)
         cost = parts()
         per_step, ratio = parts_per_step(cost, result["plain_ms"])
-        rows += [("recorder: median step, plain", f"{result['plain_ms']:.1f} ms"),
-                 ("recorder: median step, Recorder + probe", f"{result['recorded_ms']:.1f} ms"),
-                 ("recorder: step-time ratio", _ratio(result)),
-                 ("recorder: its calls, timed in the loop", in_loop_line(result).removeprefix("in the loop, ")),
-                 ("recorder: ratio with shard flushes amortized", f"{result['ratio_with_flush']:.4f}"),
-                 *_in_processes(args.processes, args.process_steps),
-                 *_kept_heap(args.steps),
-                 ("recorder: parts per microbatch, timed alone", ", ".join(
-                     f"{name[:-3].replace('_', ' ')} {value:.0f} µs" for name, value in cost.items())),
-                 ("recorder: parts per step, as a ratio", f"{per_step:.2f} ms, {ratio:.4f}")]
+        rows += [
+            ("recorder: median step, plain", f"{result['plain_ms']:.1f} ms"),
+            ("recorder: median step, Recorder + probe", f"{result['recorded_ms']:.1f} ms"),
+            ("recorder: step-time ratio", _ratio(result)),
+            ("recorder: its calls, timed in the loop", in_loop_line(result).removeprefix("in the loop, ")),
+            ("recorder: ratio with shard flushes amortized", f"{result['ratio_with_flush']:.4f}"),
+            *_in_processes(args.processes, args.process_steps),
+            *_kept_heap(args.steps),
+            (
+                "recorder: parts per microbatch, timed alone",
+                ", ".join(f"{name[:-3].replace('_', ' ')} {value:.0f} µs" for name, value in cost.items()),
+            ),
+            ("recorder: parts per step, as a ratio", f"{per_step:.2f} ms, {ratio:.4f}"),
+        ]
     sys.path.insert(0, str(HERE))
     from synthetic import WRITERS, rewrite, write_log, write_small_shards
 
@@ -197,39 +232,69 @@ def main() -> None:
     # recorder's layout (one shard per rank, 4,096 records), then compacted logs (few large files, each of
     # many steps and every rank, as compaction or a writer with a large flush_every leaves them); half the
     # steps rank-local means, planted.
-    layouts = [("64 ranks × 4 micro", 64, 4, 1024, 1, False, ""), ("8 ranks × 1 micro", 8, 1, 4096, 1, False, ""),
-               ("64 ranks × 4 micro, the recorder's 23 columns", 64, 4, 1024, 1, True, "-recorder"),
-               ("64 ranks × 4 micro, compacted in 318 files", 64, 4, 123, 64, False, "-compacted"),
-               ("8 ranks × 1 micro, compacted in 40 files", 8, 1, 31250, 8, False, "-compacted")]
+    layouts = [
+        ("64 ranks × 4 micro", 64, 4, 1024, 1, False, ""),
+        ("8 ranks × 1 micro", 8, 1, 4096, 1, False, ""),
+        ("64 ranks × 4 micro, the recorder's 23 columns", 64, 4, 1024, 1, True, "-recorder"),
+        ("64 ranks × 4 micro, compacted in 318 files", 64, 4, 123, 64, False, "-compacted"),
+        ("8 ranks × 1 micro, compacted in 40 files", 8, 1, 31250, 8, False, "-compacted"),
+    ]
     if args.rows >= 1e8:
-        layouts = [("1,024 ranks × 4 micro", 1024, 4, 1024, 1, False, ""), ("8 ranks × 1 micro", 8, 1, 4096, 1, False, "")]
+        layouts = [
+            ("1,024 ranks × 4 micro", 1024, 4, 1024, 1, False, ""),
+            ("8 ranks × 1 micro", 8, 1, 4096, 1, False, ""),
+        ]
     for label, ranks, micro, steps_per_file, ranks_per_file, recorder, suffix in layouts:
         steps = int(args.rows) // (ranks * micro)
         log = args.out / f"synthetic-{ranks}x{steps}x{micro}{suffix}"
         # (called at once, in this iteration: the lambda's loop variables are this layout's)
-        once(log, lambda path: write_log(path, ranks, steps, micro, steps_per_file=steps_per_file,
-                                         ranks_per_file=ranks_per_file, local_mean_every=2, recorder_columns=recorder))
-        rows += _compare(f"{ranks * steps * micro:.0e} rows, {label} ({steps:,} steps)", log,
-                         naive=ranks * steps * micro <= 2e7 and not suffix, repeat=args.repeat)
+        once(
+            log,
+            lambda path: write_log(
+                path,
+                ranks,
+                steps,
+                micro,
+                steps_per_file=steps_per_file,
+                ranks_per_file=ranks_per_file,
+                local_mean_every=2,
+                recorder_columns=recorder,
+            ),
+        )
+        rows += _compare(
+            f"{ranks * steps * micro:.0e} rows, {label} ({steps:,} steps)",
+            log,
+            naive=ranks * steps * micro <= 2e7 and not suffix,
+            repeat=args.repeat,
+        )
     # The same 64 × 4 log as other tools leave it (`synthetic.rewrite`), without tokaudit's metadata.
     if args.rows < 1e8:
         steps = int(args.rows) // 256
         source = args.out / f"synthetic-64x{steps}x4"
         for writer in WRITERS:
             log = once(args.out / f"synthetic-64x{steps}x4-{writer}", lambda path: rewrite(source, path, writer))
-            rows += _compare(f"{64 * steps * 4:.0e} rows, 64 ranks × 4 micro written by {writer} ({steps:,} steps)", log,
-                             naive=True, repeat=args.repeat)
+            rows += _compare(
+                f"{64 * steps * 4:.0e} rows, 64 ranks × 4 micro written by {writer} ({steps:,} steps)",
+                log,
+                naive=True,
+                repeat=args.repeat,
+            )
             rows.append((f"  {writer}: bytes decoded ÷ bytes in the log", decoded_share(log)))
         # The 8 × 1 log as pyarrow writes it: the ranks' 1Mi-row groups overlap in steps, so one segment holds 10⁶
         # steps, aggregated whole: the memory budget's edge.
         source = args.out / f"synthetic-8x{int(args.rows) // 8}x1"
         log = once(args.out / f"{source.name}-pyarrow", lambda path: rewrite(source, path, "pyarrow"))
-        rows += _compare(f"{args.rows:.0e} rows, 8 ranks × 1 micro written by pyarrow ({int(args.rows) // 8:,} steps)",
-                         log, naive=True, repeat=args.repeat)
+        rows += _compare(
+            f"{args.rows:.0e} rows, 8 ranks × 1 micro written by pyarrow ({int(args.rows) // 8:,} steps)",
+            log,
+            naive=True,
+            repeat=args.repeat,
+        )
     small = once(args.out / "small-10000", lambda path: write_small_shards(path, 100, 100))
     rows += _compare("10,000 one-row shards", small, naive=False, repeat=args.repeat)
-    recorded = once(args.out / "small-10000-recorder",
-                    lambda path: write_small_shards(path, 100, 100, recorder_columns=True))
+    recorded = once(
+        args.out / "small-10000-recorder", lambda path: write_small_shards(path, 100, 100, recorder_columns=True)
+    )
     rows += _compare("10,000 one-row shards, the recorder's 23 columns", recorded, naive=False, repeat=args.repeat)
     width = max(len(name) for name, _ in rows)
     print(f"{'benchmark':<{width}}  figure")

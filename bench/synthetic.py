@@ -15,8 +15,17 @@ import pyarrow.parquet as pq
 from tokaudit._schema import WRITER_SCHEMA
 
 
-def write_log(out: Path, ranks: int, steps: int, micro: int, steps_per_file: int = 500, ranks_per_file: int = 64,
-              seed: int = 0, local_mean_every: int = 0, recorder_columns: bool = False) -> int:
+def write_log(
+    out: Path,
+    ranks: int,
+    steps: int,
+    micro: int,
+    steps_per_file: int = 500,
+    ranks_per_file: int = 64,
+    seed: int = 0,
+    local_mean_every: int = 0,
+    recorder_columns: bool = False,
+) -> int:
     """Rows = ranks × steps × micro, one file per (step chunk, rank block), rows sorted by step.
     `recorder_columns`: every column the recorder writes with a probe and a reported loss (the probe's
     weights those b gives each token, NULL extremes on a record of no token, the masked weight 0.0, no loss
@@ -24,8 +33,21 @@ def write_log(out: Path, ranks: int, steps: int, micro: int, steps_per_file: int
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     rows = 0
-    names = ["step", "micro", "rank", "world_size", "loss_sum", "valid_tokens", "backward_scalar", "run_id", "group",
-             "grad_divisor", "grad_scale", "positions", "sync"]
+    names = [
+        "step",
+        "micro",
+        "rank",
+        "world_size",
+        "loss_sum",
+        "valid_tokens",
+        "backward_scalar",
+        "run_id",
+        "group",
+        "grad_divisor",
+        "grad_scale",
+        "positions",
+        "sync",
+    ]
     schema = WRITER_SCHEMA if recorder_columns else pa.schema([WRITER_SCHEMA.field(n) for n in names])
     start = datetime.datetime(2026, 11, 30, tzinfo=datetime.timezone.utc)
     for first in range(0, steps, steps_per_file):
@@ -49,32 +71,46 @@ def write_log(out: Path, ranks: int, steps: int, micro: int, steps_per_file: int
                 scalar = np.where(planted[:, None, None], loss / np.maximum(rank_tokens, 1), scalar)
             size = n.size
             columns = {
-                "step": pa.array(step.ravel(), pa.int64()), "micro": pa.array(micro_index.ravel(), pa.int32()),
-                "rank": pa.array(rank.ravel(), pa.int32()), "world_size": pa.array(np.full(size, ranks), pa.int32()),
-                "loss_sum": pa.array(loss.ravel()), "valid_tokens": pa.array(n.ravel(), pa.int64()),
-                "backward_scalar": pa.array(scalar.ravel()), "run_id": pa.array(["synthetic"] * size),
-                "group": pa.array(["0"] * size), "grad_divisor": pa.array(np.full(size, float(ranks))),
-                "grad_scale": pa.array(np.ones(size)), "positions": pa.array(np.full(size, 512), pa.int64()),
+                "step": pa.array(step.ravel(), pa.int64()),
+                "micro": pa.array(micro_index.ravel(), pa.int32()),
+                "rank": pa.array(rank.ravel(), pa.int32()),
+                "world_size": pa.array(np.full(size, ranks), pa.int32()),
+                "loss_sum": pa.array(loss.ravel()),
+                "valid_tokens": pa.array(n.ravel(), pa.int64()),
+                "backward_scalar": pa.array(scalar.ravel()),
+                "run_id": pa.array(["synthetic"] * size),
+                "group": pa.array(["0"] * size),
+                "grad_divisor": pa.array(np.full(size, float(ranks))),
+                "grad_scale": pa.array(np.ones(size)),
+                "positions": pa.array(np.full(size, 512), pa.int64()),
                 "sync": pa.array(micro_index.ravel() == micro - 1),
             }
             if recorder_columns:
                 # ∂b/∂ℓᵢ = b/S on each valid token of a mean loss; no loss scaler (g NULL); the step's mean loss
                 valid = n.ravel() > 0
                 weight = np.where(valid, scalar.ravel() / np.where(valid, loss.ravel(), 1.0), 0.0)
-                reported = np.broadcast_to((losses.sum(axis=(1, 2)) / np.maximum(step_tokens, 1))[:, None, None],
-                                           shape).ravel()
-                columns.update({
-                    "term": pa.array(["0"] * size), "divisor_known": pa.array(np.ones(size, dtype=bool)),
-                    "grad_scale": pa.nulls(size, pa.float64()),
-                    "token_weight_sum": pa.array(weight * n.ravel()),
-                    "token_weight_min": pa.array(weight, mask=~valid), "token_weight_max": pa.array(weight, mask=~valid),
-                    "masked_weight_abs_sum": pa.array(np.zeros(size)), "reported_loss": pa.array(reported),
-                    "skipped": pa.nulls(size, pa.bool_()),
-                    "time": pa.array(np.full(size, int(start.timestamp() * 1e6) + first), pa.timestamp("us", tz="UTC")),
-                    "schema_version": pa.array(np.ones(size, dtype=np.int32)),
-                    # a float32 model's S and b: 24 significant bits
-                    "precision_bits": pa.array(np.full(size, 24, dtype=np.int8)),
-                })
+                reported = np.broadcast_to(
+                    (losses.sum(axis=(1, 2)) / np.maximum(step_tokens, 1))[:, None, None], shape
+                ).ravel()
+                columns.update(
+                    {
+                        "term": pa.array(["0"] * size),
+                        "divisor_known": pa.array(np.ones(size, dtype=bool)),
+                        "grad_scale": pa.nulls(size, pa.float64()),
+                        "token_weight_sum": pa.array(weight * n.ravel()),
+                        "token_weight_min": pa.array(weight, mask=~valid),
+                        "token_weight_max": pa.array(weight, mask=~valid),
+                        "masked_weight_abs_sum": pa.array(np.zeros(size)),
+                        "reported_loss": pa.array(reported),
+                        "skipped": pa.nulls(size, pa.bool_()),
+                        "time": pa.array(
+                            np.full(size, int(start.timestamp() * 1e6) + first), pa.timestamp("us", tz="UTC")
+                        ),
+                        "schema_version": pa.array(np.ones(size, dtype=np.int32)),
+                        # a float32 model's S and b: 24 significant bits
+                        "precision_bits": pa.array(np.full(size, 24, dtype=np.int8)),
+                    }
+                )
             table = pa.table(columns, schema=schema)
             pq.write_table(table, out / f"chunk-{first:07d}-ranks-{r.start:05d}.parquet", row_group_size=65536)
             rows += size
@@ -135,13 +171,31 @@ def write_small_shards(out: Path, steps: int, ranks: int, recorder_columns: bool
         total = int(counts.sum())
         for rank in range(ranks):
             n = int(counts[rank])
-            row: dict[str, Any] = {"step": step, "micro": 0, "rank": rank, "world_size": ranks, "loss_sum": 2.0 * n,
-                                   "valid_tokens": n, "backward_scalar": ranks * 2.0 * n / total}
+            row: dict[str, Any] = {
+                "step": step,
+                "micro": 0,
+                "rank": rank,
+                "world_size": ranks,
+                "loss_sum": 2.0 * n,
+                "valid_tokens": n,
+                "backward_scalar": ranks * 2.0 * n / total,
+            }
             if recorder_columns:
-                row.update(run_id=out.name, group="0", term="0", grad_divisor=float(ranks), divisor_known=True,
-                           positions=n + 3, token_weight_sum=ranks * n / total, token_weight_min=ranks / total,
-                           token_weight_max=ranks / total, masked_weight_abs_sum=0.0, sync=True,
-                           time=start + datetime.timedelta(seconds=step), schema_version=1)
+                row.update(
+                    run_id=out.name,
+                    group="0",
+                    term="0",
+                    grad_divisor=float(ranks),
+                    divisor_known=True,
+                    positions=n + 3,
+                    token_weight_sum=ranks * n / total,
+                    token_weight_min=ranks / total,
+                    token_weight_max=ranks / total,
+                    masked_weight_abs_sum=0.0,
+                    sync=True,
+                    time=start + datetime.timedelta(seconds=step),
+                    schema_version=1,
+                )
             schema = WRITER_SCHEMA if recorder_columns else pa.schema([WRITER_SCHEMA.field(c) for c in row])
             pq.write_table(pa.Table.from_pylist([row], schema=schema), out / f"rank-{rank:05d}-{step:06d}.parquet")
 
@@ -152,8 +206,11 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=2500)
     parser.add_argument("--micro", type=int, default=4)
-    parser.add_argument("--recorder-columns", action="store_true",
-                        help="every column the recorder writes, with a probe and a reported loss")
+    parser.add_argument(
+        "--recorder-columns",
+        action="store_true",
+        help="every column the recorder writes, with a probe and a reported loss",
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     rows = write_log(args.out, args.ranks, args.steps, args.micro, recorder_columns=args.recorder_columns)

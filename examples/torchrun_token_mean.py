@@ -43,13 +43,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--backend", default="gloo")
-    parser.add_argument("--mistake", choices=["none", "local-mean"], default="none",
-                        help="local-mean: backpropagate each microbatch's own mean, to see tokaudit catch it")
+    parser.add_argument(
+        "--mistake",
+        choices=["none", "local-mean"],
+        default="none",
+        help="local-mean: backpropagate each microbatch's own mean, to see tokaudit catch it",
+    )
     args = parser.parse_args()
 
     dist.init_process_group(args.backend)
     rank = dist.get_rank()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.backend == "nccl" else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.backend == "nccl" else torch.device("cpu")
+    )
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, VOCAB)).to(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -66,8 +72,9 @@ def main() -> None:
             last = micro == len(data) - 1
             with nullcontext() if last else model.no_sync():  # one all-reduce per step
                 logits = model(tokens)
-                per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
-                                            reduction="none").view_as(labels)
+                per_token = F.cross_entropy(
+                    logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none"
+                ).view_as(labels)
                 per_token = rec.probe(per_token, valid)
                 loss_sum = (per_token * valid).sum()  # an all-padding microbatch gives 0, still connected
                 if args.mistake == "local-mean":  # the common mistake: loss.mean() per microbatch
@@ -77,8 +84,13 @@ def main() -> None:
                 scalar.backward()
             local_sum += loss_sum.detach()
             reported = reported_token_mean(local_sum, tokens_n) if last else None  # every rank joins
-            rec.record(loss_sum=loss_sum, valid_tokens=valid.sum(), backward_scalar=scalar,
-                       positions=labels.numel(), reported_loss=reported)
+            rec.record(
+                loss_sum=loss_sum,
+                valid_tokens=valid.sum(),
+                backward_scalar=scalar,
+                positions=labels.numel(),
+                reported_loss=reported,
+            )
         if is_empty_update(tokens_n):  # the same N everywhere: every rank skips together
             optimizer.zero_grad()
             rec.end_step(skipped=True)

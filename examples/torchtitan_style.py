@@ -43,8 +43,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--compile-backend", default="inductor",
-                        help="torch.compile's backend (aot_eager: traced the same way, no C++ compiler needed)")
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile's backend (aot_eager: traced the same way, no C++ compiler needed)",
+    )
     args = parser.parse_args()
 
     dist.init_process_group("gloo")

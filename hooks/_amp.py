@@ -48,8 +48,12 @@ class ScalerWatch:
     def found_inf(self) -> torch.Tensor | None:
         """Σ found_inf over the devices of this update's `step()` (0 when it stepped), on the device."""
         states = getattr(self.scaler, "_per_optimizer_states", {})
-        tensors = [t for state in states.values() for t in state.get("found_inf_per_device", {}).values()
-                   if isinstance(t, torch.Tensor)]
+        tensors = [
+            t
+            for state in states.values()
+            for t in state.get("found_inf_per_device", {}).values()
+            if isinstance(t, torch.Tensor)
+        ]
         if not tensors:
             return None
         total = tensors[0].detach().to(torch.float32).clone()

@@ -68,8 +68,9 @@ class AccelerateWatch:
     the same way): a recorded b that went through it is divided in the log too. `open_records()` gives the
     records of the update under way: those made with a loss before it went through backward are marked then."""
 
-    def __init__(self, accelerator: Any, open_records: Callable[[], Iterable[Record]],
-                 warn: Callable[[str, str], None]) -> None:
+    def __init__(
+        self, accelerator: Any, open_records: Callable[[], Iterable[Record]], warn: Callable[[str, str], None]
+    ) -> None:
         self.accelerator, self.open_records, self.warn = accelerator, open_records, warn
         self.losses: list[tuple[weakref.ref[torch.Tensor], int]] = []
         """Tensors passed to accelerator.backward() in the open update, with the steps it divided them by."""
@@ -78,6 +79,7 @@ class AccelerateWatch:
             def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
                 self._follow(loss)
                 return original(loss, *args, **kwargs)
+
             return backward
 
         self.handle = wrap_method(accelerator, "backward", around)
@@ -140,12 +142,26 @@ def trainer_run_id(run_name: Any) -> str | None:
 
 
 def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
-        torch.distributed.get_world_size() > 1
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
 
 
-LIBRARIES = ("tokaudit", "torch", "transformers", "accelerate", "lightning", "pytorch_lightning", "trl", "warnings",
-             "contextlib", "threading", "functools")
+LIBRARIES = (
+    "tokaudit",
+    "torch",
+    "transformers",
+    "accelerate",
+    "lightning",
+    "pytorch_lightning",
+    "trl",
+    "warnings",
+    "contextlib",
+    "threading",
+    "functools",
+)
 """Packages whose frames a warning skips: it points at the training script's line that led to it."""
 
 

@@ -27,13 +27,16 @@ class Recorder(Protocol):
 
     def warn_once(self, key: str, message: str) -> None: ...
 
-    def captured_call(self, footprint: Footprint, loss_sum: torch.Tensor, valid_tokens: torch.Tensor,
-                      positions: int) -> ProbeResult: ...
+    def captured_call(
+        self, footprint: Footprint, loss_sum: torch.Tensor, valid_tokens: torch.Tensor, positions: int
+    ) -> ProbeResult: ...
 
 
-NOTHING_CAPTURED = ("no cross-entropy call was captured: the loss is computed by a function tokaudit cannot see (a "
-                    "fused or vocab-parallel cross-entropy such as Liger's, cut-cross-entropy or Megatron's); record it "
-                    "with rec.probe(per_token_loss, valid) and rec.record(...) around that loss")
+NOTHING_CAPTURED = (
+    "no cross-entropy call was captured: the loss is computed by a function tokaudit cannot see (a "
+    "fused or vocab-parallel cross-entropy such as Liger's, cut-cross-entropy or Megatron's); record it "
+    "with rec.probe(per_token_loss, valid) and rec.record(...) around that loss"
+)
 """Said once when an optimizer steps with no record while cross-entropy calls are captured."""
 
 
@@ -51,16 +54,26 @@ def capture_cross_entropy(recorder: Recorder) -> Iterator[None]:
     `Recorder.capture_cross_entropy()`, which knows it is capturing."""
     original = F.cross_entropy
 
-    def captured(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
-                 size_average: bool | None = None, ignore_index: int = -100, reduce: bool | None = None,
-                 reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
+    def captured(
+        input: torch.Tensor,
+        target: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        size_average: bool | None = None,
+        ignore_index: int = -100,
+        reduce: bool | None = None,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+    ) -> torch.Tensor:
         out = original(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
         if torch.compiler.is_compiling():
             # Inside a compiled region recording would break the graph at every step: leave the call
             # alone (the optimizer step then says nothing was captured) and say how to record instead.
-            recorder.warn_once("compiled", "tokaudit: a cross-entropy inside torch.compile is not captured; "
-                                           "return the per-token loss from the compiled function and wrap it "
-                                           "with rec.probe() and rec.record() outside it")
+            recorder.warn_once(
+                "compiled",
+                "tokaudit: a cross-entropy inside torch.compile is not captured; "
+                "return the per-token loss from the compiled function and wrap it "
+                "with rec.probe() and rec.record() outside it",
+            )
             return out
         if not (torch.is_grad_enabled() and out.requires_grad):
             return out
@@ -79,8 +92,15 @@ def capture_cross_entropy(recorder: Recorder) -> Iterator[None]:
         F.cross_entropy = original
 
 
-def _record(recorder: Recorder, out: torch.Tensor, input: torch.Tensor, target: torch.Tensor,
-            weight: torch.Tensor | None, ignore_index: int, reduction: str) -> torch.Tensor:
+def _record(
+    recorder: Recorder,
+    out: torch.Tensor,
+    input: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    ignore_index: int,
+    reduction: str,
+) -> torch.Tensor:
     valid = _valid_mask(input, target, ignore_index)
     valid_count = valid.sum()
     if reduction == "none":
@@ -98,31 +118,56 @@ def _record(recorder: Recorder, out: torch.Tensor, input: torch.Tensor, target: 
             denominator = valid_count.to(out.dtype)
         return record_mean(recorder, out, valid, valid_count, target, denominator, input)
     # sum = Σℓᵢ: ∂loss/∂ℓᵢ = 1
-    return _probed_scalar(recorder, out, out.detach(), torch.ones((), dtype=torch.float64, device=out.device),
-                          valid, valid_count, target, input)
+    return _probed_scalar(
+        recorder,
+        out,
+        out.detach(),
+        torch.ones((), dtype=torch.float64, device=out.device),
+        valid,
+        valid_count,
+        target,
+        input,
+    )
 
 
-def record_mean(recorder: Recorder, out: torch.Tensor, valid: torch.Tensor, valid_count: torch.Tensor,
-                target: torch.Tensor, denominator: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+def record_mean(
+    recorder: Recorder,
+    out: torch.Tensor,
+    valid: torch.Tensor,
+    valid_count: torch.Tensor,
+    target: torch.Tensor,
+    denominator: torch.Tensor,
+    logits: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Record a reduced loss out = Σℓᵢ / denominator over the `valid` positions of `target` (`valid_count` of
     them): S = out·denominator, and every valid token got ∂b/∂out / denominator."""
     loss_sum = torch.where(denominator > 0, out.detach() * denominator, 0.0)
-    return _probed_scalar(recorder, out, loss_sum, 1 / denominator.to(torch.float64), valid, valid_count, target,
-                          logits)
+    return _probed_scalar(
+        recorder, out, loss_sum, 1 / denominator.to(torch.float64), valid, valid_count, target, logits
+    )
 
 
-def _probed_scalar(recorder: Recorder, out: torch.Tensor, loss_sum: torch.Tensor, token_factor: torch.Tensor,
-                   valid: torch.Tensor, valid_count: torch.Tensor, target: torch.Tensor,
-                   logits: torch.Tensor | None) -> torch.Tensor:
+def _probed_scalar(
+    recorder: Recorder,
+    out: torch.Tensor,
+    loss_sum: torch.Tensor,
+    token_factor: torch.Tensor,
+    valid: torch.Tensor,
+    valid_count: torch.Tensor,
+    target: torch.Tensor,
+    logits: torch.Tensor | None,
+) -> torch.Tensor:
     """`out` through a probe that reads ∂b/∂out in backward: each valid token got ∂b/∂out · token_factor."""
     result = _captured_call(recorder, loss_sum, valid_count, valid.numel(), target, logits)
     probed: torch.Tensor = ScalarProbe.apply(  # type: ignore[no-untyped-call]
-        out, token_factor, valid_count, result, recorder.probe_failed)
+        out, token_factor, valid_count, result, recorder.probe_failed
+    )
     return probed
 
 
-def probe_into(recorder: Recorder, per_token_loss: torch.Tensor, valid_mask: torch.Tensor | None,
-               result: ProbeResult) -> torch.Tensor:
+def probe_into(
+    recorder: Recorder, per_token_loss: torch.Tensor, valid_mask: torch.Tensor | None, result: ProbeResult
+) -> torch.Tensor:
     """`per_token_loss` through a probe that adds what backward gave its valid positions into `result`."""
     try:
         if valid_mask is None:
@@ -130,7 +175,8 @@ def probe_into(recorder: Recorder, per_token_loss: torch.Tensor, valid_mask: tor
         else:
             valid = valid_mask.to(device=per_token_loss.device, dtype=torch.bool).expand_as(per_token_loss)
         probed: torch.Tensor = TokenProbe.apply(  # type: ignore[no-untyped-call]
-            per_token_loss, valid, result, recorder.probe_failed)
+            per_token_loss, valid, result, recorder.probe_failed
+        )
         return probed
     except Exception as error:
         if type(error).__name__ == "_StopRecomputationError":
@@ -139,8 +185,14 @@ def probe_into(recorder: Recorder, per_token_loss: torch.Tensor, valid_mask: tor
         return per_token_loss
 
 
-def _captured_call(recorder: Recorder, loss_sum: torch.Tensor, valid_tokens: torch.Tensor, positions: int,
-                   target: torch.Tensor, logits: torch.Tensor | None) -> ProbeResult:
+def _captured_call(
+    recorder: Recorder,
+    loss_sum: torch.Tensor,
+    valid_tokens: torch.Tensor,
+    positions: int,
+    target: torch.Tensor,
+    logits: torch.Tensor | None,
+) -> ProbeResult:
     """Where one captured cross-entropy call goes (`Recorder.captured_call`), known by its labels' footprint
     and the split its logits come from."""
     return recorder.captured_call(Footprint.of(target, logits), loss_sum, valid_tokens, positions)

@@ -15,16 +15,31 @@ Value = Number | torch.Tensor | None
 INT64_MAX = (1 << 63) - 1
 
 
-_PACKABLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-                       torch.int16, torch.int8, torch.uint8, torch.bool})
+_PACKABLE = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    }
+)
 """Dtypes whose every value a float64 holds exactly (an int64 count up to 2⁵³)."""
 
 
 def significant_bits(*values: Any) -> int | None:
     """The fewest significant bits among the floating-point tensors or dtypes given (8 for bfloat16, 11 float16,
     24 float32, 53 float64); None where none is one: a Python number says nothing of how it was computed."""
-    bits = [_bits_of(dtype) for dtype in (v.dtype if isinstance(v, torch.Tensor) else v for v in values)
-            if isinstance(dtype, torch.dtype) and dtype.is_floating_point]
+    bits = [
+        _bits_of(dtype)
+        for dtype in (v.dtype if isinstance(v, torch.Tensor) else v for v in values)
+        if isinstance(dtype, torch.dtype) and dtype.is_floating_point
+    ]
     return min(bits) if bits else None
 
 
@@ -78,10 +93,10 @@ class PackedHost:
             missing.setdefault(slab.device, []).append((key, slab, low, high))
         with torch.no_grad():
             for spans in missing.values():
-                host = torch.cat([slab[low:high + 1] for _, slab, low, high in spans]).cpu().tolist()
+                host = torch.cat([slab[low : high + 1] for _, slab, low, high in spans]).cpu().tolist()
                 start = 0
                 for key, _, low, high in spans:
-                    self._spans[key] = (low, host[start:start + high - low + 1])
+                    self._spans[key] = (low, host[start : start + high - low + 1])
                     start += high - low + 1
 
     @property
@@ -132,8 +147,12 @@ def pack(holders: Sequence[tuple[Any, str]], slabs: Slabs | None = None) -> None
     by_device: dict[torch.device, list[tuple[Any, str, torch.Tensor]]] = {}
     for holder, name in holders:
         value = getattr(holder, name)
-        if (isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype in _PACKABLE
-                and not value.requires_grad):
+        if (
+            isinstance(value, torch.Tensor)
+            and value.numel() == 1
+            and value.dtype in _PACKABLE
+            and not value.requires_grad
+        ):
             by_device.setdefault(value.device, []).append((holder, name, value))
     with torch.no_grad():
         for device, held in by_device.items():
@@ -261,8 +280,11 @@ def ranges(counts: dict[int, int]) -> list[tuple[int, int, int]]:
 def positive(value: object, default: float, name: str, warn: Callable[[str, str], None], whole: bool = False) -> float:
     """A setting that must be a positive number (a whole one of at least 1 where `whole`): `value`, or `default`
     with one warning."""
-    fits = (isinstance(value, int) and value >= 1) if whole else \
-        (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0)
+    fits = (
+        (isinstance(value, int) and value >= 1)
+        if whole
+        else (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0)
+    )
     if fits:
         return float(value)  # type: ignore[arg-type]
     kind = "an int of at least 1" if whole else "a positive number of seconds"

@@ -1,10 +1,10 @@
 """The correct construction, ready to drop in: N for the whole update, then W·S/N (or S/N).
 
-    N = global_valid_tokens([labels for labels in step_labels])   # before the first backward
-    for batch in step_batches:
-        loss_sum = (per_token * valid).sum()                         # stays connected when empty
-        token_mean_loss(loss_sum, N).backward()                      # W·S_r/N into DDP's average
-    if is_empty_update(N): skip optimizer.step() (every rank sees the same N)
+N = global_valid_tokens([labels for labels in step_labels])   # before the first backward
+for batch in step_batches:
+    loss_sum = (per_token * valid).sum()                         # stays connected when empty
+    token_mean_loss(loss_sum, N).backward()                      # W·S_r/N into DDP's average
+if is_empty_update(N): skip optimizer.step() (every rank sees the same N)
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ def _device(counts: list[Count], group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def global_valid_tokens(counts: Iterable[Count] | Count, group: Any = None, ignore_index: int = -100,
-                        device: torch.device | None = None) -> torch.Tensor:
+def global_valid_tokens(
+    counts: Iterable[Count] | Count, group: Any = None, ignore_index: int = -100, device: torch.device | None = None
+) -> torch.Tensor:
     """N: the valid tokens of the whole optimizer update, over every microbatch of every rank.
 
     `counts` holds this rank's microbatches: ints, 0-d count tensors, or label tensors (any tensor
@@ -52,8 +53,13 @@ def global_valid_tokens(counts: Iterable[Count] | Count, group: Any = None, igno
     return total
 
 
-def token_mean_loss(loss_sum: torch.Tensor, global_tokens: torch.Tensor | int, reduction: str = "mean",
-                    group: Any = None, world_size: int | None = None) -> torch.Tensor:
+def token_mean_loss(
+    loss_sum: torch.Tensor,
+    global_tokens: torch.Tensor | int,
+    reduction: str = "mean",
+    group: Any = None,
+    world_size: int | None = None,
+) -> torch.Tensor:
     """The backward scalar of the token-mean objective L = ΣS/N for this rank's microbatch.
 
     reduction="mean" (DDP's default average, D = W): W·S/N. reduction="sum" (a summing comm hook,

@@ -102,21 +102,27 @@ def resolve_divisor(model: Any, world_size: int, accelerate_ddp: bool) -> tuple[
         if divisor is not None:
             return divisor, None
         name = getattr(hook, "__qualname__", repr(hook))
-        return None, (f"tokaudit: DDP comm hook {name} is registered and its divisor cannot be seen; pass "
-                      "Recorder(grad_divisor=...) (1 for a summing hook, W for an average). " + _UNSEEN)
+        return None, (
+            f"tokaudit: DDP comm hook {name} is registered and its divisor cannot be seen; pass "
+            "Recorder(grad_divisor=...) (1 for a summing hook, W for an average). " + _UNSEEN
+        )
     if model is not None and hasattr(model, "_get_fsdp_state"):
         divisor = fsdp2_divisor(model)
         if divisor is not None:
             return divisor, None
-        return None, ("tokaudit: the FSDP2 module's reduce-scatter divisor cannot be read; pass "
-                      "Recorder(grad_divisor=...) (the divide factor, or the data-parallel size). " + _UNSEEN)
+        return None, (
+            "tokaudit: the FSDP2 module's reduce-scatter divisor cannot be read; pass "
+            "Recorder(grad_divisor=...) (the divide factor, or the data-parallel size). " + _UNSEEN
+        )
     if accelerate_ddp:
         # Accelerate wrapped the model in DDP (its comm hooks, fp16/bf16 compression and PowerSGD, all
         # average too): D = W.
         return float(world_size), None
     if world_size > 1:
-        return None, ("tokaudit: the gradient reduction cannot be seen (no DDP model= given); pass "
-                      "Recorder(model=ddp_model) or grad_divisor=... (W for an average, 1 for a sum). " + _UNSEEN)
+        return None, (
+            "tokaudit: the gradient reduction cannot be seen (no DDP model= given); pass "
+            "Recorder(model=ddp_model) or grad_divisor=... (W for an average, 1 for a sum). " + _UNSEEN
+        )
     return 1.0, None
 
 
@@ -125,8 +131,14 @@ class Placement:
     averaging group (the model's, else `group`, else the world), and D, its reduction's divisor (given, or seen
     then; unknown where it cannot be seen, said once)."""
 
-    def __init__(self, group: Any, model: Any, grad_divisor: float | None, warn: Callable[[str, str], None],
-                 announce: Callable[[Placement], None] | None = None) -> None:
+    def __init__(
+        self,
+        group: Any,
+        model: Any,
+        grad_divisor: float | None,
+        warn: Callable[[str, str], None],
+        announce: Callable[[Placement], None] | None = None,
+    ) -> None:
         self.process_group = group
         self.announce = announce
         """Called once, when rank, W and D are first known (the Recorder's start line)."""
@@ -145,9 +157,12 @@ class Placement:
         if self.identity is None:
             self.identity = resolve_identity(self.process_group)
             if self.identity.announced_world_size:
-                self.warn("identity", f"tokaudit: WORLD_SIZE={self.identity.announced_world_size} but no process "
-                                      "group is initialized: each process is recorded as its own group of W=1 "
-                                      "(make the first record after init_process_group)")
+                self.warn(
+                    "identity",
+                    f"tokaudit: WORLD_SIZE={self.identity.announced_world_size} but no process "
+                    "group is initialized: each process is recorded as its own group of W=1 "
+                    "(make the first record after init_process_group)",
+                )
         return self.identity
 
     def resolve(self, model: Any, wraps_ddp: Callable[[], bool]) -> None:

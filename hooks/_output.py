@@ -23,11 +23,20 @@ from tokaudit.hooks._probe import ProbeResult
 from tokaudit.hooks._record import Record
 from tokaudit.hooks._shards import ShardWriter, StoreShardWriter
 from tokaudit.hooks._uploads import Backlog, Uploader
-from tokaudit._schema import DESTINATION_KEY, SCHEMA_VERSION, WRITER_SCHEMA, dropped_metadata, provenance_metadata, spool_folder
+from tokaudit._schema import DESTINATION_KEY, SCHEMA_VERSION, WRITER_SCHEMA, dropped_metadata, provenance_metadata
+from tokaudit._schema import spool_folder
 from tokaudit._storage import is_url
 
-PACKED_VALUES = ("loss_sum", "valid_tokens", "backward_scalar", "positions", "reported_loss", "grad_scale",
-                 "loss_scale", "skipped")
+PACKED_VALUES = (
+    "loss_sum",
+    "valid_tokens",
+    "backward_scalar",
+    "positions",
+    "reported_loss",
+    "grad_scale",
+    "loss_scale",
+    "skipped",
+)
 """A record's values that may be one-number tensors, packed once its update closes (`Recorder._pack`)."""
 
 Warn = Callable[[str, str], None]
@@ -72,8 +81,11 @@ def run_folder(run_id: str, warn: Warn) -> str:
     if named and ".." not in parts and not run_id.startswith(("/", "\\")) and "\0" not in run_id:
         return run_id
     cleaned = "_".join(named) or "run"
-    warn("run_id", f"tokaudit: run_id {run_id!r} would leave log_dir; its shards go to {cleaned!r} inside it, "
-                   "the run id they record")
+    warn(
+        "run_id",
+        f"tokaudit: run_id {run_id!r} would leave log_dir; its shards go to {cleaned!r} inside it, "
+        "the run id they record",
+    )
     return cleaned
 
 
@@ -123,8 +135,11 @@ class ShardOutput:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             # the key of a failed write: the writes that then fail say nothing more (`Backlog.write`)
-            warn("write", f"tokaudit: cannot create {self.log_dir} ({error}); records are kept in memory and "
-                          "written when it can be created")
+            warn(
+                "write",
+                f"tokaudit: cannot create {self.log_dir} ({error}); records are kept in memory and "
+                "written when it can be created",
+            )
         self.run_id = run_id or self.log_dir.absolute().name
         self.backlog = Backlog(warn, str(self.log_dir))
 
@@ -144,8 +159,11 @@ class ShardOutput:
             self.backlog.add(table)
         except Exception as error:
             self.note_dropped_records(records)
-            self.warn("table", f"tokaudit: {len(records)} record(s) could not be read back ({error!r}); they are "
-                               "noted in the log as dropped")
+            self.warn(
+                "table",
+                f"tokaudit: {len(records)} record(s) could not be read back ({error!r}); they are "
+                "noted in the log as dropped",
+            )
 
     def write(self, stamp: Stamp) -> None:
         """Write everything waiting, as one shard: here for a local folder, by the uploader thread for object
@@ -183,7 +201,11 @@ class ShardOutput:
         folder = spool_folder() / re.sub(r"[^0-9A-Za-z._-]+", "_", str(self.log_dir)).strip("_")
         folder.mkdir(parents=True, exist_ok=True)
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-        metadata = {**(table.schema.metadata or {}), **self.last_metadata({}), DESTINATION_KEY: str(self.log_dir).encode()}
+        metadata = {
+            **(table.schema.metadata or {}),
+            **self.last_metadata({}),
+            DESTINATION_KEY: str(self.log_dir).encode(),
+        }
         name = f"{self.prefix}-spooled-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.parquet"
         temporary = folder / f".{name}.tmp"
         pq.write_table(table.replace_schema_metadata(metadata), temporary)
@@ -192,13 +214,19 @@ class ShardOutput:
 
     def _writer(self) -> ShardWriter | StoreShardWriter:
         if self.writer is None:
-            self.writer = StoreShardWriter(self.log_dir, self.prefix) if isinstance(self.log_dir, str) else \
-                ShardWriter(self.log_dir, self.prefix)
+            self.writer = (
+                StoreShardWriter(self.log_dir, self.prefix)
+                if isinstance(self.log_dir, str)
+                else ShardWriter(self.log_dir, self.prefix)
+            )
             if self.writer.sequence > 0 and self.first_step == 0:
-                self.warn("resumed", f"tokaudit: {self.log_dir} already holds shards of {self.prefix} and this "
-                                     "recorder starts at step 0 again: a resumed run without rec.begin_step(step) "
-                                     "(the trainer's global step) repeats step numbers, which the audit reports as "
-                                     "duplicate_records")
+                self.warn(
+                    "resumed",
+                    f"tokaudit: {self.log_dir} already holds shards of {self.prefix} and this "
+                    "recorder starts at step 0 again: a resumed run without rec.begin_step(step) "
+                    "(the trainer's global step) repeats step numbers, which the audit reports as "
+                    "duplicate_records",
+                )
         return self.writer
 
     def _table(self, records: list[Record], stamp: Stamp) -> pa.Table:
@@ -215,18 +243,23 @@ class ShardOutput:
             columns["masked_weight_abs_sum" if name == "masked_abs_sum" else f"token_{name}"] = host
         keep, cleared = writable_rows(columns, [isinstance(p, ProbeResult) and p.filled for p in probes])
         if cleared:
-            self.warn("positions", f"tokaudit: {cleared} record(s) with a number of positions no audit can use "
-                                   "(negative, not whole, past 2³¹ − 1, or below the valid tokens) were written "
-                                   "without it")
+            self.warn(
+                "positions",
+                f"tokaudit: {cleared} record(s) with a number of positions no audit can use "
+                "(negative, not whole, past 2³¹ − 1, or below the valid tokens) were written "
+                "without it",
+            )
         if not all(keep):
             bad = [r for r, ok in zip(records, keep) if not ok]
             self.note_dropped_records(bad)
-            self.warn("invalid", f"tokaudit: {len(bad)} record(s) with a value no audit can use (a null, negative "
-                                 "or impossibly large count, a missing loss sum, a NaN scale) were left out and "
-                                 "noted in the log as dropped")
+            self.warn(
+                "invalid",
+                f"tokaudit: {len(bad)} record(s) with a value no audit can use (a null, negative "
+                "or impossibly large count, a missing loss sum, a NaN scale) were left out and "
+                "noted in the log as dropped",
+            )
             columns = {name: [v for v, ok in zip(values, keep) if ok] for name, values in columns.items()}
-        arrays = {name: pa.array(list(values), type=WRITER_SCHEMA.field(name).type)
-                  for name, values in columns.items()}
+        arrays = {name: pa.array(list(values), type=WRITER_SCHEMA.field(name).type) for name, values in columns.items()}
         return pa.table([arrays[field.name] for field in WRITER_SCHEMA], schema=WRITER_SCHEMA)
 
 

@@ -32,6 +32,7 @@ class Recorder(Protocol):
 
     def next_microbatch(self) -> None: ...
 
+
 INFERENCE_METHODS = ("_prepare_backward_infra", "_shape_inference")
 """A stage's methods that call `loss_fn` to infer shapes (torch 2.13; earlier releases)."""
 
@@ -43,8 +44,10 @@ def stages_of(schedule: Any) -> list[Any]:
         return list(stages)
     stage = getattr(schedule, "_stage", None)
     if stage is None:
-        raise TypeError(f"{type(schedule).__name__} holds no pipeline stage (_stage or _stages): not a "
-                        "torch.distributed.pipelining schedule")
+        raise TypeError(
+            f"{type(schedule).__name__} holds no pipeline stage (_stage or _stages): not a "
+            "torch.distributed.pipelining schedule"
+        )
     return [stage]
 
 
@@ -62,6 +65,7 @@ def watch_schedule(recorder: Recorder, schedule: Any) -> list[Restore]:
         def call(*args: Any, **kwargs: Any) -> Any:
             with recorder.paused():
                 return original(*args, **kwargs)
+
         return call
 
     def rescaling(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -70,12 +74,14 @@ def watch_schedule(recorder: Recorder, schedule: Any) -> list[Restore]:
             if grad_scale_factor != 1:
                 recorder.scale_grads(1 / grad_scale_factor)  # p.grad.div_(M) on every parameter of the stage
             return result
+
         return call
 
     def new_microbatch(original: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             recorder.next_microbatch()
             return original(*args, **kwargs)
+
         return call
 
     stages = stages_of(schedule)

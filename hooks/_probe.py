@@ -57,16 +57,27 @@ class ProbeResult:
         weight = weight.detach().to(torch.float64).reshape(())
         inf = float("inf")
         has_tokens = valid_count > 0
-        self._accumulate(weight * valid_count, torch.where(has_tokens, weight, inf),
-                         torch.where(has_tokens, weight, -inf), torch.zeros_like(weight), valid_count)
+        self._accumulate(
+            weight * valid_count,
+            torch.where(has_tokens, weight, inf),
+            torch.where(has_tokens, weight, -inf),
+            torch.zeros_like(weight),
+            valid_count,
+        )
 
     def _note_bits(self, grad: torch.Tensor) -> None:
         bits = significant_bits(grad)  # a dtype, read without touching the values: no device sync
         if bits is not None:
             self.bits = bits if self.bits is None else min(self.bits, bits)
 
-    def _accumulate(self, weight_sum: torch.Tensor, weight_min: torch.Tensor, weight_max: torch.Tensor,
-                    masked_abs_sum: torch.Tensor, valid_count: torch.Tensor) -> None:
+    def _accumulate(
+        self,
+        weight_sum: torch.Tensor,
+        weight_min: torch.Tensor,
+        weight_max: torch.Tensor,
+        masked_abs_sum: torch.Tensor,
+        valid_count: torch.Tensor,
+    ) -> None:
         if self.weight_sum is None:
             self.weight_sum, self.weight_min, self.weight_max = weight_sum, weight_min, weight_max
             self.masked_abs_sum, self.valid_count = masked_abs_sum, valid_count
@@ -74,7 +85,8 @@ class ProbeResult:
             # a backward that reaches a probe again after its update was packed adds to the packed values
             held_sum, held_min, held_max, held_masked, held_count = (
                 value.tensor() if isinstance(value, Packed) else value
-                for value in (getattr(self, name) for name in self.VALUES))
+                for value in (getattr(self, name) for name in self.VALUES)
+            )
             assert held_sum is not None and held_min is not None and held_max is not None
             assert held_masked is not None and held_count is not None
             self.weight_sum = held_sum + weight_sum
@@ -92,8 +104,13 @@ class TokenProbe(torch.autograd.Function):
     """Identity in forward; in backward it reads ∂b/∂ℓᵢ and passes the gradient on unchanged."""
 
     @staticmethod
-    def forward(ctx: Any, per_token_loss: torch.Tensor, valid: torch.Tensor, result: ProbeResult,
-                on_error: Callable[[BaseException], None]) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        per_token_loss: torch.Tensor,
+        valid: torch.Tensor,
+        result: ProbeResult,
+        on_error: Callable[[BaseException], None],
+    ) -> torch.Tensor:
         # One elementwise op on the device, no sync: which masked positions hold a loss that is not 0.
         ctx.save_for_backward(valid, ~valid & (per_token_loss.detach() != 0))
         ctx.result = result
@@ -116,8 +133,14 @@ class ScalarProbe(torch.autograd.Function):
     """Identity on a reduced loss; backward sees g = ∂b/∂loss, so every valid token got g·∂loss/∂ℓᵢ."""
 
     @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, token_factor: torch.Tensor, valid_count: torch.Tensor,
-                result: ProbeResult, on_error: Callable[[BaseException], None]) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        loss: torch.Tensor,
+        token_factor: torch.Tensor,
+        valid_count: torch.Tensor,
+        result: ProbeResult,
+        on_error: Callable[[BaseException], None],
+    ) -> torch.Tensor:
         ctx.save_for_backward(token_factor, valid_count)
         ctx.result = result
         ctx.on_error = on_error

@@ -70,17 +70,45 @@ class Record:
         return bool(self.trained) or (self.probe is not None and bool(self.probe.filled))
 
 
-def new_record(*, step: int, micro: int, term: str, loss_sum: Value, valid_tokens: Value, backward_scalar: Value,
-               positions: Value, reported_loss: Value, skipped: bool | None, grad_scale: Value, loss_scale: Any,
-               prescaled: bool, sync: bool | None, probe: ProbeResult | None, captured: bool,
-               accelerate: Any) -> Record:
+def new_record(
+    *,
+    step: int,
+    micro: int,
+    term: str,
+    loss_sum: Value,
+    valid_tokens: Value,
+    backward_scalar: Value,
+    positions: Value,
+    reported_loss: Value,
+    skipped: bool | None,
+    grad_scale: Value,
+    loss_scale: Any,
+    prescaled: bool,
+    sync: bool | None,
+    probe: ProbeResult | None,
+    captured: bool,
+    accelerate: Any,
+) -> Record:
     """A record whose values are snapshots (`detached`)."""
-    record = Record(step=step, micro=micro, term=term, loss_sum=detached(loss_sum),
-                    valid_tokens=detached(valid_tokens), backward_scalar=detached(backward_scalar),
-                    positions=detached(positions), reported_loss=detached(reported_loss), skipped=skipped,
-                    grad_scale=detached(grad_scale), loss_scale=loss_scale, prescaled=prescaled, sync=sync,
-                    time=time.time_ns() // 1000, probe=probe, captured=captured,
-                    bits=significant_bits(loss_sum, backward_scalar))
+    record = Record(
+        step=step,
+        micro=micro,
+        term=term,
+        loss_sum=detached(loss_sum),
+        valid_tokens=detached(valid_tokens),
+        backward_scalar=detached(backward_scalar),
+        positions=detached(positions),
+        reported_loss=detached(reported_loss),
+        skipped=skipped,
+        grad_scale=detached(grad_scale),
+        loss_scale=loss_scale,
+        prescaled=prescaled,
+        sync=sync,
+        time=time.time_ns() // 1000,
+        probe=probe,
+        captured=captured,
+        bits=significant_bits(loss_sum, backward_scalar),
+    )
     if isinstance(backward_scalar, torch.Tensor) and backward_scalar.requires_grad:
         record.trained = False
         backward_scalar.register_hook(_seen(record))  # type: ignore[no-untyped-call]
@@ -91,14 +119,17 @@ def new_record(*, step: int, micro: int, term: str, loss_sum: Value, valid_token
     return record
 
 
-UNTRAINED = ("tokaudit: a record of step {step} never went through backward while the update's others did (a loss "
-             "computed with gradients and recorded, never trained on: an evaluation inside the loop, a pipeline "
-             "schedule's shape inference); such records are left out of the log, as they are of the update")
+UNTRAINED = (
+    "tokaudit: a record of step {step} never went through backward while the update's others did (a loss "
+    "computed with gradients and recorded, never trained on: an evaluation inside the loop, a pipeline "
+    "schedule's shape inference); such records are left out of the log, as they are of the update"
+)
 
 
 def _seen(record: Record) -> Any:
     def hook(grad: torch.Tensor) -> None:
         record.trained = True
+
     return hook
 
 

@@ -39,12 +39,24 @@ class Recorder(UpdateTracking):
     shard is flushed. A failure warns once and training goes on.
     """
 
-    def __init__(self, log_dir: str | os.PathLike[str], run_id: str | None = None, model: Any = None,
-                 optimizer: torch.optim.Optimizer | None = None, group: Any = None,
-                 grad_divisor: float | None = None, grad_scale: float | None = None, scaler: Any = None,
-                 flush_every: int = DEFAULT_FLUSH_EVERY, accelerator: Any = None, trackers: Any = None,
-                 audit_every: int | None = None, announce: bool = True, schedule: Any = None,
-                 flush_seconds: float | None = DEFAULT_FLUSH_SECONDS) -> None:
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str],
+        run_id: str | None = None,
+        model: Any = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        group: Any = None,
+        grad_divisor: float | None = None,
+        grad_scale: float | None = None,
+        scaler: Any = None,
+        flush_every: int = DEFAULT_FLUSH_EVERY,
+        accelerator: Any = None,
+        trackers: Any = None,
+        audit_every: int | None = None,
+        announce: bool = True,
+        schedule: Any = None,
+        flush_seconds: float | None = DEFAULT_FLUSH_SECONDS,
+    ) -> None:
         self._closed = False
         self._paused = 0
         self.flushing = False  # a flush is writing (a signal handler then waits for it instead of starting another)
@@ -59,9 +71,12 @@ class Recorder(UpdateTracking):
         self._model = model
         self._optimizer = torch_optimizer(optimizer)
         if optimizer is not None and self._optimizer is None:
-            self.warn_once("optimizer", f"tokaudit: cannot hook the optimizer {type(optimizer).__name__} (no "
-                                        "torch.optim.Optimizer inside it); every backward is recorded as its own "
-                                        "update unless you call rec.begin_step()/rec.end_step()")
+            self.warn_once(
+                "optimizer",
+                f"tokaudit: cannot hook the optimizer {type(optimizer).__name__} (no "
+                "torch.optim.Optimizer inside it); every backward is recorded as its own "
+                "update unless you call rec.begin_step()/rec.end_step()",
+            )
         self._init_steps(grad_scale)
         self._scaler = None
         announce = announcing(announce)  # global rank 0 says where the shards go, and the verdict at close()
@@ -69,8 +84,9 @@ class Recorder(UpdateTracking):
         if accelerator is not None:
             self.provenance.update(trainer="accelerate", trainer_version=version_of("accelerate"))
         # Global rank 0 audits the run for experiment trackers in a background thread (tokaudit.hooks.trackers).
-        self._audits = AuditLoop.create(self.log_dir, self.run_id, trackers, audit_every, accelerator, self.warn_once,
-                                        announce)
+        self._audits = AuditLoop.create(
+            self.log_dir, self.run_id, trackers, audit_every, accelerator, self.warn_once, announce
+        )
         self._attach(scaler, schedule)
         atexit.register(self.close)
         on_termination(self)
@@ -79,16 +95,31 @@ class Recorder(UpdateTracking):
         """When a shard is written: every `flush_every` records, and every `flush_seconds` while records wait."""
         self._flush_every = int(positive(flush_every, DEFAULT_FLUSH_EVERY, "flush_every", self.warn_once, whole=True))
         # A shard at least every flush_seconds while records wait, so that a live audit sees the run (None: never).
-        self._flush_seconds = None if flush_seconds is None else \
-            positive(flush_seconds, DEFAULT_FLUSH_SECONDS, "flush_seconds", self.warn_once)
+        self._flush_seconds = (
+            None
+            if flush_seconds is None
+            else positive(flush_seconds, DEFAULT_FLUSH_SECONDS, "flush_seconds", self.warn_once)
+        )
         self._flush_due = math.inf if self._flush_seconds is None else time.monotonic() + self._flush_seconds
 
-    def _init_output(self, log_dir: str | os.PathLike[str], run_id: str | None, group: Any, model: Any,
-                     grad_divisor: float | None, announce: bool) -> None:
+    def _init_output(
+        self,
+        log_dir: str | os.PathLike[str],
+        run_id: str | None,
+        group: Any,
+        model: Any,
+        grad_divisor: float | None,
+        announce: bool,
+    ) -> None:
         """Where the shards go, and who writes them: the rank, W and D, read at the first record."""
         self._output = ShardOutput(log_dir, run_id, self._flush_every, self.warn_once)
-        self._placement = Placement(group, model, grad_divisor, self.warn_once,
-                                    start_line(self._output.log_dir, self._output.run_id) if announce else None)
+        self._placement = Placement(
+            group,
+            model,
+            grad_divisor,
+            self.warn_once,
+            start_line(self._output.log_dir, self._output.run_id) if announce else None,
+        )
         self._closed = self._closed or not self._output.usable
         self.log_dir: Path | str = self._output.log_dir
         """Where the shards go: a local folder, or a URL on object storage (s3://bucket/runs/exp1)."""
@@ -99,14 +130,19 @@ class Recorder(UpdateTracking):
         """Hook the model, the optimizer, the GradScaler, the accelerator and the pipeline schedule."""
         # Nothing the recorder cannot hook stops the training: each hook that fails warns and the
         # recording goes on without it.
-        for name, attach in (("model", self._hook_model), ("optimizer", self._hook_optimizer),
-                             ("scaler", lambda: self._hook_scaler(scaler)), ("accelerator", self._hook_accelerator),
-                             ("pipeline schedule", lambda: self._handles.extend(watch_schedule(self, schedule)))):
+        for name, attach in (
+            ("model", self._hook_model),
+            ("optimizer", self._hook_optimizer),
+            ("scaler", lambda: self._hook_scaler(scaler)),
+            ("accelerator", self._hook_accelerator),
+            ("pipeline schedule", lambda: self._handles.extend(watch_schedule(self, schedule))),
+        ):
             try:
                 attach()
             except Exception as error:
-                self.warn_once(f"hook-{name}", f"tokaudit: cannot hook the {name} ({error!r}); recording goes "
-                                               "on without it")
+                self.warn_once(
+                    f"hook-{name}", f"tokaudit: cannot hook the {name} ({error!r}); recording goes on without it"
+                )
 
     def _init_buffer(self) -> None:
         """The records held until the next flush, and where their values are packed."""
@@ -151,10 +187,20 @@ class Recorder(UpdateTracking):
             self._pending_probe = ProbeResult()
         return probe_into(self, per_token_loss, valid_mask, self._pending_probe)
 
-    def record(self, loss_sum: Value, valid_tokens: Value, backward_scalar: Value, step: int | None = None,
-               micro: int | None = None, positions: Value = None, reported_loss: Value = None,
-               skipped: bool | None = None, grad_scale: Value = None, term: str | None = None,
-               _captured: bool = False) -> None:
+    def record(
+        self,
+        loss_sum: Value,
+        valid_tokens: Value,
+        backward_scalar: Value,
+        step: int | None = None,
+        micro: int | None = None,
+        positions: Value = None,
+        reported_loss: Value = None,
+        skipped: bool | None = None,
+        grad_scale: Value = None,
+        term: str | None = None,
+        _captured: bool = False,
+    ) -> None:
         """Store one backward pass of one loss term. Tensors are kept (detached) until the next flush.
 
         `term` names the loss term when a microbatch's objective has several (an auxiliary head,
@@ -168,8 +214,14 @@ class Recorder(UpdateTracking):
         try:
             self._placement.resolve(self._model, lambda: self._accelerate is not None and self._accelerate.wraps_ddp())
             term = str(term) if term is not None else (self._active_term or "0")
-            values: dict[str, Value] = dict(loss_sum=loss_sum, valid_tokens=valid_tokens, backward_scalar=backward_scalar,
-                                            positions=positions, reported_loss=reported_loss, grad_scale=grad_scale)
+            values: dict[str, Value] = dict(
+                loss_sum=loss_sum,
+                valid_tokens=valid_tokens,
+                backward_scalar=backward_scalar,
+                positions=positions,
+                reported_loss=reported_loss,
+                grad_scale=grad_scale,
+            )
             check_arguments(step, micro, **values)
             probe = self._pending_probe
             deferred = micro is None and _captured and probe is not None
@@ -179,8 +231,11 @@ class Recorder(UpdateTracking):
         except Exception as error:
             self._pending_probe = None
             self._output.note_dropped(step if isinstance(step, int) else self._step, 1)
-            self.warn_once("record", f"tokaudit: a record was dropped ({error}); it is noted in the log as a "
-                                     "dropped record, and training goes on")
+            self.warn_once(
+                "record",
+                f"tokaudit: a record was dropped ({error}); it is noted in the log as a "
+                "dropped record, and training goes on",
+            )
 
     def _audit_if_due(self, step: int | None) -> None:
         """Start rank 0's audit for the trackers where one is due at this record."""
@@ -190,19 +245,47 @@ class Recorder(UpdateTracking):
                 self.flush(wait_for_backward=True)  # every rank: the audit reads the steps before this one whole
                 self._audits.start(at)
 
-    def _entry(self, step: int, micro: int, term: str, skipped: bool | None, probe: ProbeResult | None,
-               captured: bool, *, loss_sum: Value, valid_tokens: Value, backward_scalar: Value, positions: Value,
-               reported_loss: Value, grad_scale: Value) -> Record:
+    def _entry(
+        self,
+        step: int,
+        micro: int,
+        term: str,
+        skipped: bool | None,
+        probe: ProbeResult | None,
+        captured: bool,
+        *,
+        loss_sum: Value,
+        valid_tokens: Value,
+        backward_scalar: Value,
+        positions: Value,
+        reported_loss: Value,
+        grad_scale: Value,
+    ) -> Record:
         """One record as held until its shard is written: each value a snapshot, the loss scale and sync now."""
         scaler = self._scaler if self._scaler is not None and self._scaler.enabled() else None
-        sync = self._forward_sync if self._forward_sync is not None else \
-            (self._accelerate.sync() if self._accelerate is not None else None)
-        return new_record(step=step, micro=micro, term=term, loss_sum=loss_sum, valid_tokens=valid_tokens,
-                          backward_scalar=backward_scalar, positions=positions, reported_loss=reported_loss,
-                          skipped=skipped, grad_scale=grad_scale if grad_scale is not None else self._grad_scale,
-                          loss_scale=scaler.current() if scaler is not None else None,
-                          prescaled=scaler is not None and scaler.is_scaled(backward_scalar),
-                          sync=sync, probe=probe, captured=captured, accelerate=self._accelerate)
+        sync = (
+            self._forward_sync
+            if self._forward_sync is not None
+            else (self._accelerate.sync() if self._accelerate is not None else None)
+        )
+        return new_record(
+            step=step,
+            micro=micro,
+            term=term,
+            loss_sum=loss_sum,
+            valid_tokens=valid_tokens,
+            backward_scalar=backward_scalar,
+            positions=positions,
+            reported_loss=reported_loss,
+            skipped=skipped,
+            grad_scale=grad_scale if grad_scale is not None else self._grad_scale,
+            loss_scale=scaler.current() if scaler is not None else None,
+            prescaled=scaler is not None and scaler.is_scaled(backward_scalar),
+            sync=sync,
+            probe=probe,
+            captured=captured,
+            accelerate=self._accelerate,
+        )
 
     def _hold(self, entry: Record, probe: ProbeResult | None, deferred: bool) -> None:
         """Buffer `entry` until its shard is written, and write one when it is due."""
@@ -239,8 +322,9 @@ class Recorder(UpdateTracking):
         finally:
             self._capturing -= 1
 
-    def captured_call(self, footprint: Footprint, loss_sum: torch.Tensor, valid_tokens: torch.Tensor,
-                      positions: int) -> ProbeResult:
+    def captured_call(
+        self, footprint: Footprint, loss_sum: torch.Tensor, valid_tokens: torch.Tensor, positions: int
+    ) -> ProbeResult:
         """One captured cross-entropy call (`tokaudit.hooks._capture`): added to an open record of its microbatch
         (`CapturedCalls.merged`), or a record of its own; the probe its backward fills."""
         if self._paused:
@@ -250,8 +334,14 @@ class Recorder(UpdateTracking):
             return merged
         term = self._calls.next_term(self._active_term)
         probe = self._pending_probe = ProbeResult()
-        self.record(loss_sum=loss_sum, valid_tokens=valid_tokens, backward_scalar=None, positions=positions,
-                    term=term, _captured=True)
+        self.record(
+            loss_sum=loss_sum,
+            valid_tokens=valid_tokens,
+            backward_scalar=None,
+            positions=positions,
+            term=term,
+            _captured=True,
+        )
         records = self._buffer.records
         if records and records[-1].probe is probe:
             self._calls.open.append(OpenCall(records[-1], probe, term, self._active_term is not None, [footprint]))
@@ -278,8 +368,11 @@ class Recorder(UpdateTracking):
         try:
             self._buffer.rescale(self._step, detached(factor))
         except Exception as error:
-            self.warn_once("scale_grads", f"tokaudit: could not record a gradient rescale ({error!r}); its "
-                                          "update's weights are judged without it")
+            self.warn_once(
+                "scale_grads",
+                f"tokaudit: could not record a gradient rescale ({error!r}); its "
+                "update's weights are judged without it",
+            )
 
     def next_microbatch(self) -> None:
         """The next captured call opens a microbatch, whatever came before it (a pipeline schedule's loss_fn)."""
@@ -313,8 +406,9 @@ class Recorder(UpdateTracking):
     def _flush(self, wait_for_backward: bool) -> None:
         if wait_for_backward and len(self._buffer) < 2 * self._flush_every:
             # the open update's records and those whose backward is still to come wait for the next shard
-            ready = self._buffer.take(lambda record: record.backpropagated and not (
-                self._step_records > 0 and record.step == self._step))
+            ready = self._buffer.take(
+                lambda record: record.backpropagated and not (self._step_records > 0 and record.step == self._step)
+            )
         else:
             ready = self._buffer.take(lambda record: True)
         # A captured loss that never reached backward (computed with grad, then unused) is no record.
@@ -359,8 +453,11 @@ class Recorder(UpdateTracking):
     def _hook_model(self) -> None:
         if self._model is not None and hasattr(self._model, "require_backward_grad_sync"):
             # DDP decides at forward time whether this backward all-reduces, so read the flag there.
-            self._handles.append(self._model.register_forward_pre_hook(
-                lambda module, _: setattr(self, "_forward_sync", bool(module.require_backward_grad_sync))))
+            self._handles.append(
+                self._model.register_forward_pre_hook(
+                    lambda module, _: setattr(self, "_forward_sync", bool(module.require_backward_grad_sync))
+                )
+            )
 
     def _hook_accelerator(self) -> None:
         if self._accelerator is not None:

@@ -110,8 +110,11 @@ class UpdateTracking:
         try:
             self._buffer.pack(self._step)
         except Exception as error:  # the values stay tensors: nothing is lost
-            self.warn_once("pack", f"tokaudit: could not pack an update's values ({error!r}); they are kept as "
-                                   "they are, and training goes on")
+            self.warn_once(
+                "pack",
+                f"tokaudit: could not pack an update's values ({error!r}); they are kept as "
+                "they are, and training goes on",
+            )
 
     def _on_optimizer_step(self) -> None:
         if self._capturing and not self._step_records and "compiled" not in self._warned:  # no capture saw its loss
@@ -141,6 +144,7 @@ class UpdateTracking:
                 cleared = original(*args, **kwargs)
                 self._pack()  # the gradients freed: the heap at its lowest in the step
                 return cleared
+
             return zero_grad
 
         self._handles.append(wrap_method(optimizer, "zero_grad", around))  # close() gives it back
@@ -157,7 +161,6 @@ class UpdateTracking:
             return
         self._close_skipped()
         self._step_records += self._buffer.carry_over(current, self._step, self._micro_next)
-
 
     def _hook_optimizer(self) -> None:
         if self._optimizer is None:

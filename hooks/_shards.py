@@ -18,6 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+
 class ShardWriter:
     """Publishes one rank's shards into one folder."""
 

@@ -53,7 +53,6 @@ def _flush_then_chain(signum: int, frame: Any) -> None:
         os.kill(os.getpid(), signum)
 
 
-
 def run_deferred() -> None:
     """Act on a signal that arrived during a flush, now that the flush is complete."""
     while _DEFERRED:

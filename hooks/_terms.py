@@ -43,8 +43,9 @@ def split_origin(logits: torch.Tensor) -> tuple[int, int] | None:
             dim, sizes = int(getattr(node, "_saved_dim")), tuple(getattr(node, "_saved_self_sym_sizes"))
             dim = dim - (1 << 64) if dim >= 1 << 63 else dim  # a negative dim is saved as an unsigned
             return (id(node), int(part)) if sizes and dim % len(sizes) != len(sizes) - 1 else None
-        data = [(parent, index) for parent, index in node.next_functions
-                if parent is not None and not _parameter(parent)]
+        data = [
+            (parent, index) for parent, index in node.next_functions if parent is not None and not _parameter(parent)
+        ]
         if len(data) != 1:
             return None
         node, part = data[0]
@@ -80,9 +81,13 @@ class Footprint:
 
     @classmethod
     def of(cls, tensor: torch.Tensor, logits: torch.Tensor | None = None) -> Footprint:
-        return cls(tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()),
-                   tuple(int(n) for n in tensor.shape), tuple(int(s) for s in tensor.stride()),
-                   None if logits is None else split_origin(logits))
+        return cls(
+            tensor.untyped_storage().data_ptr(),
+            int(tensor.storage_offset()),
+            tuple(int(n) for n in tensor.shape),
+            tuple(int(s) for s in tensor.stride()),
+            None if logits is None else split_origin(logits),
+        )
 
     def _span(self) -> tuple[int, int]:
         # [first, last] element index; strides of views may be 0 or negative only in odd cases
@@ -139,8 +144,14 @@ class CapturedCalls:
         self._micro: dict[tuple[int, str], int] = {}
         self._fills = 0
 
-    def merged(self, footprint: Footprint, active_term: str | None, loss_sum: torch.Tensor,
-               valid_tokens: torch.Tensor, positions: int) -> ProbeResult | None:
+    def merged(
+        self,
+        footprint: Footprint,
+        active_term: str | None,
+        loss_sum: torch.Tensor,
+        valid_tokens: torch.Tensor,
+        positions: int,
+    ) -> ProbeResult | None:
         """The probe of the open record this call adds into (its S, n and T added), or None: a record of its own."""
         if not self.open or any(c.probe.filled for c in self.open):
             # A backward ran since the open calls: a new microbatch. Calls it never reached (an
@@ -148,8 +159,11 @@ class CapturedCalls:
             self.open = []
             self.group += 1
         for call in self.open:
-            same = (call.named and call.term == active_term) if active_term is not None else \
-                (not call.named and all(seen.disjoint(footprint) for seen in call.footprints))
+            same = (
+                (call.named and call.term == active_term)
+                if active_term is not None
+                else (not call.named and all(seen.disjoint(footprint) for seen in call.footprints))
+            )
             if same:
                 record = call.record
                 # an open call's update has not closed: its values are still the tensors and count it was given

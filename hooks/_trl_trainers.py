@@ -24,10 +24,12 @@ from tokaudit.hooks._terms import Footprint
 if TYPE_CHECKING:
     from tokaudit.hooks._recorder import Recorder
 
-NOT_A_TOKEN_MEAN = ("tokaudit: {name} optimizes an objective per pair or per sequence (summed log-probability "
-                    "ratios, rewards, advantages), not a mean over tokens, so tokaudit records nothing here and "
-                    "gives no verdict: it judges token-mean objectives (SFTTrainer, the Trainer's causal LM loss). "
-                    "What it can check for you: the SFT stage before it")
+NOT_A_TOKEN_MEAN = (
+    "tokaudit: {name} optimizes an objective per pair or per sequence (summed log-probability "
+    "ratios, rewards, advantages), not a mean over tokens, so tokaudit records nothing here and "
+    "gives no verdict: it judges token-mean objectives (SFTTrainer, the Trainer's causal LM loss). "
+    "What it can check for you: the SFT stage before it"
+)
 
 
 def trl_trainer(trainer: Any) -> str | None:
@@ -46,13 +48,18 @@ def watch_fused_head(recorder: Recorder, model: torch.nn.Module) -> Any:
         if not kwargs.get("fused_lm_head"):
             return None
         log_probs, mask = getattr(output, "log_probs", None), getattr(output, "label_mask", None)
-        if not (isinstance(log_probs, torch.Tensor) and isinstance(mask, torch.Tensor) and torch.is_grad_enabled()
-                and log_probs.requires_grad):
+        if not (
+            isinstance(log_probs, torch.Tensor)
+            and isinstance(mask, torch.Tensor)
+            and torch.is_grad_enabled()
+            and log_probs.requires_grad
+        ):
             return None  # an evaluation, or the metrics' forward beside a compute_loss_func
         try:
             nll = -log_probs  # ℓᵢ, 0 where the label is ignored
-            result = recorder.captured_call(Footprint.of(mask), nll.detach().sum(dtype=torch.float64), mask.sum(),
-                                            mask.numel())
+            result = recorder.captured_call(
+                Footprint.of(mask), nll.detach().sum(dtype=torch.float64), mask.sum(), mask.numel()
+            )
             output["log_probs"] = -probe_into(recorder, nll, mask, result)  # -(-x) is x, to the bit
         except Exception as error:
             recorder.warn_once("trl", f"tokaudit: a forward of TRL's fused LM head was not recorded ({error!r})")

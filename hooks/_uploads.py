@@ -83,7 +83,7 @@ class Backlog:
                     self.in_flight, self.in_flight_tables = sum(t.num_rows for t in batch), batch
                 writer().write(pa.concat_tables(batch) if len(batch) > 1 else batch[0], metadata(dropped))
                 self._written(dropped)
-                tables, failed = tables[len(batch):], 0
+                tables, failed = tables[len(batch) :], 0
         except Exception as error:
             with self.lock:
                 self.tables[:0] = tables
@@ -91,8 +91,11 @@ class Backlog:
                 self.failed = len(batch) or failed
                 self.in_flight, self.in_flight_tables, self.error = 0, [], error
                 self._trim()
-            self.warn("write", f"tokaudit: could not write a shard to {self.where} ({error!r}); the records are kept "
-                               "and written at a later flush, training goes on")
+            self.warn(
+                "write",
+                f"tokaudit: could not write a shard to {self.where} ({error!r}); the records are kept "
+                "and written at a later flush, training goes on",
+            )
             return error
         return None
 
@@ -120,8 +123,10 @@ class Backlog:
         if not count:
             return
         listed = ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b, _ in ranges(steps)[:8])
-        said = f"tokaudit: {count} record(s) could not be written to {self.where} by close() (steps {listed}; " \
-               f"last error: {error_words(self.error)})"
+        said = (
+            f"tokaudit: {count} record(s) could not be written to {self.where} by close() (steps {listed}; "
+            f"last error: {error_words(self.error)})"
+        )
         try:
             kept = spool(tables)
         except Exception as error:
@@ -133,8 +138,11 @@ class Backlog:
         """Past BACKLOG_BYTES the oldest tables go; their steps are written down as dropped (lock held)."""
         if sum(t.nbytes for t in self.tables) <= BACKLOG_BYTES:
             return
-        self.warn("backlog", f"tokaudit: more than {BACKLOG_BYTES >> 20} MiB of records are waiting to be written; "
-                             "the oldest are dropped and their steps written down in the next shard")
+        self.warn(
+            "backlog",
+            f"tokaudit: more than {BACKLOG_BYTES >> 20} MiB of records are waiting to be written; "
+            "the oldest are dropped and their steps written down in the next shard",
+        )
         while len(self.tables) > 1 and sum(t.nbytes for t in self.tables) > BACKLOG_BYTES:
             _count_steps(self.tables.pop(0), self.dropped)
             self.failed = max(0, self.failed - 1)

@@ -34,8 +34,9 @@ from tokaudit.hooks._trl_trainers import NOT_A_TOKEN_MEAN, trl_trainer, watch_fu
 class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     """Records a Trainer run to `log_dir` (one shard set per rank)."""
 
-    def __init__(self, log_dir: str | os.PathLike[str], run_id: str | None = None, trainer: Any = None,
-                 **recorder_options: Any) -> None:
+    def __init__(
+        self, log_dir: str | os.PathLike[str], run_id: str | None = None, trainer: Any = None, **recorder_options: Any
+    ) -> None:
         self.log_dir = log_dir
         self.run_id = run_id
         self.trainer = trainer
@@ -44,15 +45,17 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         self.hooks: list[Any] = []
 
     @classmethod
-    def attach(cls, trainer: Any, log_dir: str | os.PathLike[str], run_id: str | None = None,
-               **recorder_options: Any) -> TokauditCallback:
+    def attach(
+        cls, trainer: Any, log_dir: str | os.PathLike[str], run_id: str | None = None, **recorder_options: Any
+    ) -> TokauditCallback:
         """Add the callback to `trainer`, with access to its DDP-wrapped model (for the sync flag)."""
         callback = cls(log_dir, run_id=run_id, trainer=trainer, **recorder_options)
         trainer.add_callback(callback)
         return callback
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                       **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
+    ) -> None:
         trl = trl_trainer(self.trainer)
         if trl is not None and trl != "SFTTrainer":
             warnings.warn(NOT_A_TOKEN_MEAN.format(name=trl), RuntimeWarning, stacklevel=2)
@@ -83,8 +86,7 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         if self.recorder is not None:
             self.recorder.begin_step(state.global_step)  # a resumed run keeps its step numbers
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
-               **kwargs: Any) -> None:
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         # The logged loss averages the updates since the last log; it is one step's loss only
         # when logging every step.
         if self.recorder is not None and logs and "loss" in logs and args.logging_steps == 1:
@@ -114,8 +116,9 @@ class RecordedSmoother:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.smoother, name)  # epsilon, ignore_index: as the Trainer's own
 
-    def __call__(self, model_output: Any, labels: torch.Tensor, shift_labels: bool = False,
-                 num_items_in_batch: Any = None) -> Any:
+    def __call__(
+        self, model_output: Any, labels: torch.Tensor, shift_labels: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
         out = self.smoother(model_output, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
         if not (torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad):
             return out
@@ -151,6 +154,9 @@ def report_to_trackers(trainer: Any) -> list[Any]:
                     found.append(run)
         return found
     except Exception as error:
-        warnings.warn(f"tokaudit: cannot find the Trainer's trackers ({error!r}); pass trackers=[...]",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"tokaudit: cannot find the Trainer's trackers ({error!r}); pass trackers=[...]",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return []

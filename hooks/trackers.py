@@ -75,10 +75,12 @@ def audit_metrics(report: AuditReport, run: str | None = None, prefix: str = "to
         raise ValueError(f"no run named {run!r} in the report (runs: {', '.join(map(repr, sorted(summaries)))})")
     summary = summaries[run]
     findings = [f for f in report.findings if f.run == run]
-    scalars = {f"{prefix}/verdict": float(VERDICT_VALUES[summary.verdict]),
-               f"{prefix}/max_weight_ratio": float(summary.max_weight_ratio),
-               f"{prefix}/steps": float(summary.steps),
-               f"{prefix}/findings": float(len(findings))}
+    scalars = {
+        f"{prefix}/verdict": float(VERDICT_VALUES[summary.verdict]),
+        f"{prefix}/max_weight_ratio": float(summary.max_weight_ratio),
+        f"{prefix}/steps": float(summary.steps),
+        f"{prefix}/findings": float(len(findings)),
+    }
     for code, count in sorted(Counter(f.code.value for f in findings).items()):
         # Not `{prefix}/findings/<code>`: MLflow's file store keeps a metric as a file, so a key
         # cannot also be the folder of others.
@@ -94,8 +96,10 @@ def _findings_text(findings: Sequence[Finding]) -> str:
     used = 0
     for index, finding in enumerate(findings):
         steps = finding.steps
-        line = (f"{finding.severity.value} {finding.code.value} steps {steps.first}–{steps.last} ({steps.count}): "
-                f"{finding.message}")
+        line = (
+            f"{finding.severity.value} {finding.code.value} steps {steps.first}–{steps.last} ({steps.count}): "
+            f"{finding.message}"
+        )
         if used + len(line) > TEXT_LIMIT and lines:
             lines.append(f"… and {len(findings) - index} more finding(s): `tokaudit check` lists them all")
             break
@@ -169,8 +173,11 @@ class MLflowTracker:
         from mlflow.entities import Metric, RunTag
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.scalars.items()],
-                              tags=[RunTag(k, v) for k, v in metrics.text.items()])
+        self.client.log_batch(
+            self.run_id,
+            metrics=[Metric(k, v, now, step) for k, v in metrics.scalars.items()],
+            tags=[RunTag(k, v) for k, v in metrics.text.items()],
+        )
 
 
 class MetricsTracker:
@@ -205,7 +212,9 @@ def as_trackers(target: Any) -> list[Tracker]:
         return [MLflowTracker(target.run_id, client=target.experiment)]
     if names & {"TensorBoardLogger", "WandbLogger"}:
         return as_trackers(target.experiment)
-    if callable(getattr(target, "log_metrics", None)) and hasattr(type(target), "experiment"):  # other Lightning loggers
+    if callable(getattr(target, "log_metrics", None)) and hasattr(
+        type(target), "experiment"
+    ):  # other Lightning loggers
         logger = target
         return [MetricsTracker(lambda metrics, step: logger.log_metrics(metrics, step=step))]
     if "Accelerator" in names:
@@ -215,8 +224,10 @@ def as_trackers(target: Any) -> list[Tracker]:
             return as_trackers(target.tracker)
         general = target
         return [MetricsTracker(lambda metrics, step: general.log(metrics, step=step))]
-    raise TypeError(f"cannot log an audit to a {type(target).__module__}.{type(target).__qualname__} (not a "
-                    "SummaryWriter, W&B run, MLflow run, Lightning logger, Accelerator or Tracker)")
+    raise TypeError(
+        f"cannot log an audit to a {type(target).__module__}.{type(target).__qualname__} (not a "
+        "SummaryWriter, W&B run, MLflow run, Lightning logger, Accelerator or Tracker)"
+    )
 
 
 def log_audit(report: AuditReport, trackers: Sequence[Any], step: int = 0, run: str | None = None) -> AuditMetrics:
@@ -238,13 +249,20 @@ def announcing(announce: bool) -> bool:
 
 def start_line(log_dir: Path | str, run_id: str) -> Callable[[Any], None]:
     """The Recorder's one line once rank, W and D are known (its first record), on global rank 0 alone."""
+
     def say(placement: Any) -> None:
         if _global_rank() != 0:
             return
         divisor = placement.grad_divisor
-        seen = f"D={divisor:g}" if placement.divisor_known and divisor is not None else "D not seen (pass grad_divisor=)"
-        print(f"tokaudit: recording run {run_id!r} to {log_dir} (W={placement.identity.world_size}, {seen}); "
-              f"`tokaudit check {log_dir}` audits it", file=sys.stderr, flush=True)
+        seen = (
+            f"D={divisor:g}" if placement.divisor_known and divisor is not None else "D not seen (pass grad_divisor=)"
+        )
+        print(
+            f"tokaudit: recording run {run_id!r} to {log_dir} (W={placement.identity.world_size}, {seen}); "
+            f"`tokaudit check {log_dir}` audits it",
+            file=sys.stderr,
+            flush=True,
+        )
 
     return say
 
@@ -258,8 +276,12 @@ class VerdictLine:
 
     def log_audit(self, metrics: AuditMetrics, step: int) -> None:
         findings = int(metrics.scalars.get("tokaudit/findings", 0))
-        print(f"tokaudit: run {metrics.run!r} is {metrics.text['tokaudit/verdict_text']} ({findings} finding(s)); "
-              f"`tokaudit check {self.log_dir}` says why", file=sys.stderr, flush=True)
+        print(
+            f"tokaudit: run {metrics.run!r} is {metrics.text['tokaudit/verdict_text']} ({findings} finding(s)); "
+            f"`tokaudit check {self.log_dir}` says why",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class AuditLoop:
@@ -280,8 +302,16 @@ class AuditLoop:
         self._warn = warn
 
     @classmethod
-    def create(cls, log_dir: Path | str, run_id: str, trackers: Any, audit_every: Any, accelerator: Any,
-               warn: Warn, announce: bool = False) -> AuditLoop | None:
+    def create(
+        cls,
+        log_dir: Path | str,
+        run_id: str,
+        trackers: Any,
+        audit_every: Any,
+        accelerator: Any,
+        warn: Warn,
+        announce: bool = False,
+    ) -> AuditLoop | None:
         """The loop for the Recorder's options, or None when there is nothing to do. Never raises.
 
         `trackers`: one tracker or a list (None: the accelerator's trackers, when one is given). `announce`: the
@@ -292,8 +322,11 @@ class AuditLoop:
             if isinstance(audit_every, int) and not isinstance(audit_every, bool) and audit_every >= 1:
                 every = audit_every
             else:
-                warn("audit_every", f"tokaudit: audit_every must be an int of at least 1, got {audit_every!r}; "
-                                    "the run is audited for the trackers at close() only")
+                warn(
+                    "audit_every",
+                    f"tokaudit: audit_every must be an int of at least 1, got {audit_every!r}; "
+                    "the run is audited for the trackers at close() only",
+                )
         if trackers is None:
             targets = [] if accelerator is None else [accelerator]
         elif isinstance(trackers, list | tuple):
@@ -325,8 +358,9 @@ class AuditLoop:
             if not self._resolve() or (self._thread is not None and self._thread.is_alive()):
                 return  # nothing to log to, or the previous audit still runs: the next block catches up
             deadline = time.monotonic() + WAIT_FOR_RANKS_S
-            self._thread = threading.Thread(target=self._audit, args=(step, deadline, False),
-                                            name="tokaudit-audit", daemon=True)
+            self._thread = threading.Thread(
+                target=self._audit, args=(step, deadline, False), name="tokaudit-audit", daemon=True
+            )
             self._thread.start()
         except Exception as error:
             self._warn("trackers-start", f"tokaudit: could not start an audit for the trackers ({error!r})")
@@ -360,9 +394,12 @@ class AuditLoop:
             # Not "is the thread alive": a final audit that gave up on a hanging tracker ends at the same
             # deadline as this wait, and whichever came first decided whether it was said.
             if not done.is_set():
-                self._warn("trackers-timeout", f"tokaudit: the final audit for the trackers did not finish within "
-                                               f"{CLOSE_TIMEOUT_S:.0f} s; training goes on without it (run "
-                                               f"`tokaudit check {self.log_dir}`)")
+                self._warn(
+                    "trackers-timeout",
+                    f"tokaudit: the final audit for the trackers did not finish within "
+                    f"{CLOSE_TIMEOUT_S:.0f} s; training goes on without it (run "
+                    f"`tokaudit check {self.log_dir}`)",
+                )
         except Exception as error:
             self._warn("trackers-start", f"tokaudit: could not audit the run for the trackers ({error!r})")
 
@@ -376,8 +413,10 @@ class AuditLoop:
                 try:
                     self._trackers.extend(as_trackers(target))
                 except Exception as error:
-                    self._warn(f"trackers-{type(target).__name__}", f"tokaudit: {error}; the audit is not logged "
-                                                                    "there, training goes on")
+                    self._warn(
+                        f"trackers-{type(target).__name__}",
+                        f"tokaudit: {error}; the audit is not logged there, training goes on",
+                    )
         return bool(self._trackers)
 
     def _audit(self, step: int, deadline: float, final: bool) -> None:
@@ -398,10 +437,13 @@ class AuditLoop:
                 # A rank (or a group) whose last shards are not on disk yet: a verdict on part of the run would
                 # contradict the audit of the finished log, so none is logged.
                 if final:
-                    self._warn("trackers-ranks", f"tokaudit: not every rank's records of run {self.run_id!r} were "
-                                                 f"in {self.log_dir} within {WAIT_FOR_RANKS_S:.0f} s, so no verdict "
-                                                 f"is said or logged here; `tokaudit check {self.log_dir}` audits the "
-                                                 "complete log")
+                    self._warn(
+                        "trackers-ranks",
+                        f"tokaudit: not every rank's records of run {self.run_id!r} were "
+                        f"in {self.log_dir} within {WAIT_FOR_RANKS_S:.0f} s, so no verdict "
+                        f"is said or logged here; `tokaudit check {self.log_dir}` audits the "
+                        "complete log",
+                    )
                 return
             metrics = audit_metrics(report, self.run_id)
         except Exception as error:
@@ -415,9 +457,12 @@ class AuditLoop:
             except Exception as error:
                 # never tried again: a writer reopened at every audit on a folder it cannot write fills stderr
                 self._trackers = [t for t in self._trackers or [] if t is not tracker]
-                self._warn(f"trackers-log-{id(tracker)}", f"tokaudit: could not log the audit to "
-                                                          f"{type(tracker).__name__} ({error!r}); it is not tried "
-                                                          "again, training goes on")
+                self._warn(
+                    f"trackers-log-{id(tracker)}",
+                    f"tokaudit: could not log the audit to "
+                    f"{type(tracker).__name__} ({error!r}); it is not tried "
+                    "again, training goes on",
+                )
 
 
 def _missing(report: AuditReport, run: str, through: int) -> str | None:

@@ -38,8 +38,9 @@ def _forkserver() -> Any:
     return _context
 
 
-def run_ddp_each(fn: Callable[..., Any], world_size: int, items: list[Any], *args: Any,
-                 timeout: float = 90.0) -> list[list[Any]]:
+def run_ddp_each(
+    fn: Callable[..., Any], world_size: int, items: list[Any], *args: Any, timeout: float = 90.0
+) -> list[list[Any]]:
     """`fn(rank, world_size, item, *args)` for each item in turn, in one set of `world_size` gloo processes
     (one process start and one rendezvous for all): per item, each rank's value."""
     by_rank = run_ddp(_each, world_size, fn, items, args, timeout=timeout * max(1, len(items)))
@@ -54,8 +55,13 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, ar
     import torch.distributed as dist
 
     def job() -> Any:
-        dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=GLOO_TIMEOUT_S))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{workdir}/rendezvous",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=GLOO_TIMEOUT_S),
+        )
         try:
             return fn(rank, world_size, *args)
         finally:
@@ -101,8 +107,9 @@ def launch(program: str, *args: str, world_size: int = 2, timeout: float = 180.0
             free.bind(("127.0.0.1", 0))
             port = free.getsockname()[1]
         try:
-            _gather(lambda rank, workdir: (program, args, rank, world_size, port, workdir), _program, world_size,
-                    timeout)
+            _gather(
+                lambda rank, workdir: (program, args, rank, world_size, port, workdir), _program, world_size, timeout
+            )
             return
         except RuntimeError as failed:
             if attempt == 2 or "EADDRINUSE" not in str(failed) and "address already in use" not in str(failed):
@@ -114,8 +121,17 @@ def _program(program: str, args: tuple[str, ...], rank: int, world_size: int, po
 
     import torch.distributed as dist
 
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(world_size),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "GROUP_RANK": "0",
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
 
     def job() -> None:
         try:
@@ -136,13 +152,15 @@ def _program(program: str, args: tuple[str, ...], rank: int, world_size: int, po
     _report(job, rank, workdir)
 
 
-def _gather(arguments: Callable[[int, str], tuple[Any, ...]], target: Callable[..., None], world_size: int,
-            timeout: float) -> list[Any]:
+def _gather(
+    arguments: Callable[[int, str], tuple[Any, ...]], target: Callable[..., None], world_size: int, timeout: float
+) -> list[Any]:
     """`target(*arguments(rank, workdir))` on `world_size` forkserver processes; each rank's value (`_report`)."""
     context = _forkserver()
     workdir = tempfile.mkdtemp(prefix="tokaudit-ddp-")
-    processes = [context.Process(target=target, args=arguments(rank, workdir), daemon=True)
-                 for rank in range(world_size)]
+    processes = [
+        context.Process(target=target, args=arguments(rank, workdir), daemon=True) for rank in range(world_size)
+    ]
     try:
         for process in processes:
             process.start()
@@ -190,9 +208,14 @@ def torchrun(*args: str, cwd: Path | None = None) -> subprocess.Popen[str]:
     """`torchrun --standalone --nproc-per-node 2 ARGS…` started as a user's shell would (gloo on loopback,
     one thread a process); several may run at once, each being mostly start-up. `finished` waits for them."""
     launcher = Path(sys.executable).with_name("torchrun")
-    return subprocess.Popen([str(launcher), "--standalone", "--nproc-per-node", "2", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, cwd=cwd,
-                            env={"PATH": "/usr/bin:/bin", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(
+        [str(launcher), "--standalone", "--nproc-per-node", "2", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env={"PATH": "/usr/bin:/bin", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
+    )
 
 
 def finished(*runs: subprocess.Popen[str], timeout: float = 180) -> None:

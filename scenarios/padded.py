@@ -19,7 +19,10 @@ def padded_sequences() -> Any:
             length = int(torch.randint(2, 16, (), generator=generator))
             ids = torch.randint(1, 64, (16,), generator=generator)
             keep = torch.arange(16) < length
-            return {"input_ids": ids.masked_fill(~keep, 0), "attention_mask": keep.long(),
-                    "labels": ids.masked_fill(~keep, -100)}
+            return {
+                "input_ids": ids.masked_fill(~keep, 0),
+                "attention_mask": keep.long(),
+                "labels": ids.masked_fill(~keep, -100),
+            }
 
     return Padded()

@@ -66,8 +66,9 @@ def reference_gradient(params: list[torch.Tensor], update: int, calls: int) -> l
     objective = torch.zeros((), dtype=torch.float64)
     for call in range(calls):
         tokens, labels = batch(update, call)
-        objective = objective + F.cross_entropy(model(tokens).reshape(-1, VOCAB), labels.reshape(-1),
-                                                ignore_index=IGNORE_INDEX, reduction="sum")
+        objective = objective + F.cross_entropy(
+            model(tokens).reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
     (objective / update_tokens(update, calls)).backward()
     return [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
 
@@ -90,8 +91,7 @@ def job(rank: int, world_size: int, setup: PipelineSetup, out: str) -> list[dict
             with recorder.capture_cross_entropy():
                 return F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX)
         valid = targets != IGNORE_INDEX
-        per_token = recorder.probe(F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX, reduction="none"),
-                                   valid)
+        per_token = recorder.probe(F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX, reduction="none"), valid)
         loss_sum = per_token.sum()
         scale = setup.microbatches if setup.loss == "scaled" else 1
         backward_scalar = scale * loss_sum / tokens_now[0]
@@ -99,11 +99,13 @@ def job(rank: int, world_size: int, setup: PipelineSetup, out: str) -> list[dict
         return backward_scalar
 
     kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-    schedule = kinds[setup.schedule](stage, n_microbatches=setup.microbatches, loss_fn=loss_fn,
-                                     scale_grads=setup.scale_grads)
+    schedule = kinds[setup.schedule](
+        stage, n_microbatches=setup.microbatches, loss_fn=loss_fn, scale_grads=setup.scale_grads
+    )
     if rank == 1:
-        recorder = Recorder(out, run_id=setup.name, optimizer=optimizer, group=last_group, schedule=schedule,
-                            announce=False)
+        recorder = Recorder(
+            out, run_id=setup.name, optimizer=optimizer, group=last_group, schedule=schedule, announce=False
+        )
     history = []
     for update in range(UPDATES):
         before = [p.detach().clone() for p in module.parameters()]

@@ -13,10 +13,20 @@ import importlib
 
 from tokaudit._recipes import INTEGRATIONS
 
-MODULES = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "scenarios.strategies",
-           *(module for integration in INTEGRATIONS for module in integration.modules),
-           # the trackers' clients, and what W&B imports when a run starts
-           "torch.utils.tensorboard", "mlflow", "wandb", "wandb.sdk.launch", "wandb.apis.public")
+MODULES = (
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "scenarios.strategies",
+    *(module for integration in INTEGRATIONS for module in integration.modules),
+    # the trackers' clients, and what W&B imports when a run starts
+    "torch.utils.tensorboard",
+    "mlflow",
+    "wandb",
+    "wandb.sdk.launch",
+    "wandb.apis.public",
+)
 
 for _name in MODULES:
     try:

@@ -29,14 +29,17 @@ class Checkpointed(torch.nn.Module):
 
     def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         valid = labels.reshape(-1) != IGNORE_INDEX
-        per_token = F.cross_entropy(self.lm.head(torch.tanh(hidden)).reshape(-1, VOCAB), labels.reshape(-1),
-                                    ignore_index=IGNORE_INDEX, reduction="none")
+        per_token = F.cross_entropy(
+            self.lm.head(torch.tanh(hidden)).reshape(-1, VOCAB),
+            labels.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
+        )
         assert self.recorder is not None
         return self.recorder.probe(per_token, valid).sum()
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss_sum: torch.Tensor = checkpoint(self.head_loss, self.lm.embed(tokens), labels,
-                                            use_reentrant=self.reentrant)
+        loss_sum: torch.Tensor = checkpoint(self.head_loss, self.lm.embed(tokens), labels, use_reentrant=self.reentrant)
         return loss_sum
 
 

@@ -29,8 +29,9 @@ def sequences(step: int, rank: int, counts: tuple[int, ...]) -> tuple[torch.Tens
 
 def per_token(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logits = model(tokens)
-    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                           reduction="none").view(labels.shape)
+    return F.cross_entropy(
+        logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(labels.shape)
 
 
 def reference_gradient(params: list[torch.Tensor], step: int, world_size: int) -> list[torch.Tensor]:

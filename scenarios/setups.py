@@ -102,8 +102,9 @@ def make_heads(heads: int) -> Heads:
     return Heads(heads).double()
 
 
-def term_targets(setup: Setup, head: int, logits: torch.Tensor, labels: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def term_targets(
+    setup: Setup, head: int, logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, labels) of one head: the same labels, or for MTP head k the labels k positions on,
     as views of the one label tensor."""
     if setup.terms == "mtp" and head > 0:
@@ -114,8 +115,9 @@ def term_targets(setup: Setup, head: int, logits: torch.Tensor, labels: torch.Te
 def term_sum(setup: Setup, head: int, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """S and n of one term of one microbatch, in float64, without the recorder (the reference)."""
     logits, labels = term_targets(setup, head, logits, labels)
-    per_token = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                                reduction="none")
+    per_token = F.cross_entropy(
+        logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    )
     return per_token.sum(), int((labels != IGNORE_INDEX).sum())
 
 
@@ -130,8 +132,7 @@ def step_counts(setup: Setup, step: int, members: list[int]) -> list[int]:
     return totals
 
 
-def reference_gradient(setup: Setup, params: list[torch.Tensor], step: int, members: list[int]
-                       ) -> list[torch.Tensor]:
+def reference_gradient(setup: Setup, params: list[torch.Tensor], step: int, members: list[int]) -> list[torch.Tensor]:
     """Single process, float64: ∇ Σ_terms ΣS_term/N_term over the group's tokens of one step."""
     model = make_heads(setup.heads)
     with torch.no_grad():
@@ -149,8 +150,14 @@ def reference_gradient(setup: Setup, params: list[torch.Tensor], step: int, memb
     return [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
 
 
-def _microbatch_loss(setup: Setup, recorder: Recorder | None, outputs: tuple[torch.Tensor, ...],
-                     labels: torch.Tensor, global_tokens: torch.Tensor, world_size: int) -> torch.Tensor:
+def _microbatch_loss(
+    setup: Setup,
+    recorder: Recorder | None,
+    outputs: tuple[torch.Tensor, ...],
+    labels: torch.Tensor,
+    global_tokens: torch.Tensor,
+    world_size: int,
+) -> torch.Tensor:
     """The backward scalar b of one microbatch (every term), recorded as this set-up records it."""
     factor = setup.factor if setup.factor is not None else (1 if setup.summing_hook else world_size)
     total = torch.zeros((), dtype=torch.float64)
@@ -164,27 +171,37 @@ def _microbatch_loss(setup: Setup, recorder: Recorder | None, outputs: tuple[tor
             if local_mean:
                 term = F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX)
             elif setup.chunking != "slices":
-                pairs = [(part.reshape(-1, VOCAB), target.reshape(-1).clone())
-                         for part, target in zip(logits.chunk(setup.chunks, dim=1), targets.chunk(setup.chunks, dim=1))]
+                pairs = [
+                    (part.reshape(-1, VOCAB), target.reshape(-1).clone())
+                    for part, target in zip(logits.chunk(setup.chunks, dim=1), targets.chunk(setup.chunks, dim=1))
+                ]
                 if setup.chunking == "chunk_means":  # each chunk's mean (0 for a chunk of padding alone)
-                    term = sum(F.cross_entropy(part, target, ignore_index=IGNORE_INDEX, reduction="sum")
-                               / (target != IGNORE_INDEX).sum().clamp(min=1) for part, target in pairs)
+                    term = sum(
+                        F.cross_entropy(part, target, ignore_index=IGNORE_INDEX, reduction="sum")
+                        / (target != IGNORE_INDEX).sum().clamp(min=1)
+                        for part, target in pairs
+                    )
                     term = term / setup.chunks
                 else:
-                    term = sum(F.cross_entropy(part, target, ignore_index=IGNORE_INDEX, reduction="sum")
-                               for part, target in pairs)
+                    term = sum(
+                        F.cross_entropy(part, target, ignore_index=IGNORE_INDEX, reduction="sum")
+                        for part, target in pairs
+                    )
                     term = factor * term / global_tokens[head].clamp(min=1)
             else:
                 bounds = [len(flat_targets) * i // setup.chunks for i in range(setup.chunks + 1)]
-                term = sum(F.cross_entropy(flat_logits[a:b], flat_targets[a:b], ignore_index=IGNORE_INDEX,
-                                           reduction="sum") for a, b in zip(bounds, bounds[1:]))
+                term = sum(
+                    F.cross_entropy(flat_logits[a:b], flat_targets[a:b], ignore_index=IGNORE_INDEX, reduction="sum")
+                    for a, b in zip(bounds, bounds[1:])
+                )
                 term = factor * term / global_tokens[head].clamp(min=1)
             total = total + term
             continue
         # Padding labelled as a real token (id 0) instead of IGNORE_INDEX: its loss is not 0.
         labelled = targets.masked_fill(~valid, 0) if setup.masked_sum == "padded" else targets
-        per_token = F.cross_entropy(logits.reshape(-1, VOCAB), labelled.reshape(-1), ignore_index=IGNORE_INDEX,
-                                    reduction="none").view(targets.shape)
+        per_token = F.cross_entropy(
+            logits.reshape(-1, VOCAB), labelled.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+        ).view(targets.shape)
         if setup.chunking == "named":
             total = total + _named_chunks(setup, recorder, per_token, valid, factor, global_tokens[head])
             continue
@@ -200,14 +217,23 @@ def _microbatch_loss(setup: Setup, recorder: Recorder | None, outputs: tuple[tor
             else:
                 term = loss_sum / n if local_mean else factor * loss_sum / global_tokens[head].clamp(min=1)
             if recorder is not None:
-                recorder.record(loss_sum=loss_sum, valid_tokens=n if setup.counted == "valid" else valid.numel(),
-                                backward_scalar=term)
+                recorder.record(
+                    loss_sum=loss_sum,
+                    valid_tokens=n if setup.counted == "valid" else valid.numel(),
+                    backward_scalar=term,
+                )
         total = total + term
     return total
 
 
-def _named_chunks(setup: Setup, recorder: Recorder | None, per_token: torch.Tensor, valid: torch.Tensor,
-                  factor: float, tokens: torch.Tensor) -> torch.Tensor:
+def _named_chunks(
+    setup: Setup,
+    recorder: Recorder | None,
+    per_token: torch.Tensor,
+    valid: torch.Tensor,
+    factor: float,
+    tokens: torch.Tensor,
+) -> torch.Tensor:
     """One token mean computed over `setup.chunks` slices of the sequence, each probed and recorded as a loss term
     of its own ("0", "chunk1", …): factor·S_k/N, N the whole update's count."""
     total = torch.zeros((), dtype=torch.float64)
@@ -232,23 +258,30 @@ def train(rank: int, world_size: int, setup: Setup, log_dir: str | None) -> list
     if setup.summing_hook:
         ddp.register_comm_hook(None, _summing_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.5)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if setup.scaler != "none" else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if setup.scaler != "none" else None
     recorder = None
     if log_dir is not None:
-        recorder = Recorder(log_dir, run_id=setup.name, model=ddp, optimizer=optimizer,
-                            scaler=scaler if setup.scaler == "told" else None)
+        recorder = Recorder(
+            log_dir,
+            run_id=setup.name,
+            model=ddp,
+            optimizer=optimizer,
+            scaler=scaler if setup.scaler == "told" else None,
+        )
         if setup.first_step:
             recorder.begin_step(setup.first_step)
     capture = recorder.capture_cross_entropy() if recorder is not None and setup.capture else nullcontext()
     history = []
     with capture:
         for step, per_rank in enumerate(setup.counts):
-            batches = [microbatch(step, rank, micro, count, setup.length)
-                       for micro, count in enumerate(per_rank[rank])]
+            batches = [microbatch(step, rank, micro, count, setup.length) for micro, count in enumerate(per_rank[rank])]
             # N per term for the whole update, counted before the first backward (one all-reduce each).
-            global_tokens = torch.stack([global_valid_tokens([term_targets(setup, head, tokens, labels)[1]
-                                                              for tokens, labels, _ in batches])
-                                         for head in range(setup.heads)])
+            global_tokens = torch.stack(
+                [
+                    global_valid_tokens([term_targets(setup, head, tokens, labels)[1] for tokens, labels, _ in batches])
+                    for head in range(setup.heads)
+                ]
+            )
             before = [p.detach().clone() for p in model.parameters()]
             reported = torch.zeros((), dtype=torch.float64)  # ΣS of term 0 over this rank's microbatches
             for micro, (tokens, labels, _) in enumerate(batches):
@@ -302,53 +335,170 @@ _UNEVEN: Counts = (((5, 1), (3, 7)), ((2, 6), (6, 1)), ((8, 4), (2, 8)), ((3, 3)
 _LONG: Counts = (((40, 21), (63, 30)), ((25, 58), (47, 33)), ((60, 44), (22, 51)))
 
 SETUPS: tuple[Setup, ...] = (
-    Setup(name="amp_told", counts=_UNEVEN, scaler="told", overflow=(1, 0), correct=True,
-          description="W·S/N under a GradScaler passed to the recorder; step 1 overflows and is skipped"),
-    Setup(name="amp_untold", counts=_UNEVEN, scaler="untold", overflow=(1, 0), correct=True,
-          description="the same loop, the GradScaler not given to the recorder: its scale cannot be divided out"),
-    Setup(name="nan_guard_skip", counts=_UNEVEN, guard=True, overflow=(2, 1), correct=True,
-          description="W·S/N; an inf/NaN guard skips optimizer.step() at step 2 (no GradScaler)"),
-    Setup(name="aux_head_named", counts=_UNEVEN, heads=2, correct=True,
-          description="main + auxiliary head over the same tokens, each W·S/N, recorded as named terms"),
-    Setup(name="aux_head_captured", counts=_UNEVEN, heads=2, capture=True, correct=True,
-          description="main + auxiliary head, each W·S/N, captured from F.cross_entropy (terms guessed)"),
-    Setup(name="aux_head_local_mean", counts=_UNEVEN, heads=2, capture=True, aux_local_mean=True, correct=False,
-          description="main head W·S/N, auxiliary head F.cross_entropy's default mean (a local mean)"),
-    Setup(name="chunked_cross_entropy", counts=_UNEVEN, capture=True, chunks=2, correct=True,
-          description="one W·S/N cross-entropy computed over two disjoint chunks of the sequence"),
-    Setup(name="chunked_cross_entropy_copied", counts=_UNEVEN, capture=True, chunks=4, chunking="copies",
-          correct=True, description="torchtune's chunked W·S/N cross-entropy: logits.chunk(4, dim=1), each chunk's "
-                                    "labels a copy, each chunk summed, all divided by N"),
-    Setup(name="chunked_cross_entropy_named", counts=_UNEVEN, chunks=3, chunking="named", correct=True,
-          description="one W·S/N cross-entropy over three chunks of the sequence, each recorded as a loss term"),
-    Setup(name="chunked_cross_entropy_chunk_means", counts=_UNEVEN, capture=True, chunks=4, chunking="chunk_means",
-          correct=False, description="the same chunks, each chunk's own mean, averaged (a chunk-local mean)"),
-    Setup(name="zero_grad_inside_accumulation", counts=_UNEVEN, zero_grad_each_micro=True, correct=False,
-          description="W·S/N, but optimizer.zero_grad() before every microbatch: each update trains on its last "
-                      "microbatch alone"),
-    Setup(name="mtp_heads", counts=_UNEVEN, heads=3, terms="mtp", capture=True, correct=True,
-          description="multi-token prediction: 3 heads predicting tokens t+1..t+3, each its own W·S/N"),
-    Setup(name="near_miss_local_mean", counts=_LONG, length=64, near_miss=True, correct=False,
-          description="each microbatch divided by its own count plus one (one extra label per row)"),
-    Setup(name="ignored_positions_summed", counts=_UNEVEN, masked_sum="all", correct=True,
-          description="W·per_token.sum()/N over cross_entropy(ignore_index=-100, reduction='none'): ignored "
-                      "positions hold an exact 0"),
-    Setup(name="padding_labelled", counts=_UNEVEN, masked_sum="padded", correct=False,
-          description="padding labelled as a real token, then W·per_token.sum()/N: the padding's loss is trained"),
-    Setup(name="unknown_hook_right", counts=_UNEVEN, summing_hook=True, correct=True,
-          description="S/N into a summing comm hook the recorder cannot see (right, but not visible)"),
-    Setup(name="unknown_hook_wrong", counts=_UNEVEN, summing_hook=True, factor=2, correct=False,
-          description="W·S/N into a summing comm hook the recorder cannot see (W× too large)"),
-    Setup(name="counted_positions", counts=_UNEVEN, counted="positions", correct=True,
-          description="W·S/N over the labelled tokens (right), but valid_tokens recorded as every position of "
-                      "the microbatch: the probe's weights contradict the count"),
+    Setup(
+        name="amp_told",
+        counts=_UNEVEN,
+        scaler="told",
+        overflow=(1, 0),
+        correct=True,
+        description="W·S/N under a GradScaler passed to the recorder; step 1 overflows and is skipped",
+    ),
+    Setup(
+        name="amp_untold",
+        counts=_UNEVEN,
+        scaler="untold",
+        overflow=(1, 0),
+        correct=True,
+        description="the same loop, the GradScaler not given to the recorder: its scale cannot be divided out",
+    ),
+    Setup(
+        name="nan_guard_skip",
+        counts=_UNEVEN,
+        guard=True,
+        overflow=(2, 1),
+        correct=True,
+        description="W·S/N; an inf/NaN guard skips optimizer.step() at step 2 (no GradScaler)",
+    ),
+    Setup(
+        name="aux_head_named",
+        counts=_UNEVEN,
+        heads=2,
+        correct=True,
+        description="main + auxiliary head over the same tokens, each W·S/N, recorded as named terms",
+    ),
+    Setup(
+        name="aux_head_captured",
+        counts=_UNEVEN,
+        heads=2,
+        capture=True,
+        correct=True,
+        description="main + auxiliary head, each W·S/N, captured from F.cross_entropy (terms guessed)",
+    ),
+    Setup(
+        name="aux_head_local_mean",
+        counts=_UNEVEN,
+        heads=2,
+        capture=True,
+        aux_local_mean=True,
+        correct=False,
+        description="main head W·S/N, auxiliary head F.cross_entropy's default mean (a local mean)",
+    ),
+    Setup(
+        name="chunked_cross_entropy",
+        counts=_UNEVEN,
+        capture=True,
+        chunks=2,
+        correct=True,
+        description="one W·S/N cross-entropy computed over two disjoint chunks of the sequence",
+    ),
+    Setup(
+        name="chunked_cross_entropy_copied",
+        counts=_UNEVEN,
+        capture=True,
+        chunks=4,
+        chunking="copies",
+        correct=True,
+        description="torchtune's chunked W·S/N cross-entropy: logits.chunk(4, dim=1), each chunk's "
+        "labels a copy, each chunk summed, all divided by N",
+    ),
+    Setup(
+        name="chunked_cross_entropy_named",
+        counts=_UNEVEN,
+        chunks=3,
+        chunking="named",
+        correct=True,
+        description="one W·S/N cross-entropy over three chunks of the sequence, each recorded as a loss term",
+    ),
+    Setup(
+        name="chunked_cross_entropy_chunk_means",
+        counts=_UNEVEN,
+        capture=True,
+        chunks=4,
+        chunking="chunk_means",
+        correct=False,
+        description="the same chunks, each chunk's own mean, averaged (a chunk-local mean)",
+    ),
+    Setup(
+        name="zero_grad_inside_accumulation",
+        counts=_UNEVEN,
+        zero_grad_each_micro=True,
+        correct=False,
+        description="W·S/N, but optimizer.zero_grad() before every microbatch: each update trains on its last "
+        "microbatch alone",
+    ),
+    Setup(
+        name="mtp_heads",
+        counts=_UNEVEN,
+        heads=3,
+        terms="mtp",
+        capture=True,
+        correct=True,
+        description="multi-token prediction: 3 heads predicting tokens t+1..t+3, each its own W·S/N",
+    ),
+    Setup(
+        name="near_miss_local_mean",
+        counts=_LONG,
+        length=64,
+        near_miss=True,
+        correct=False,
+        description="each microbatch divided by its own count plus one (one extra label per row)",
+    ),
+    Setup(
+        name="ignored_positions_summed",
+        counts=_UNEVEN,
+        masked_sum="all",
+        correct=True,
+        description="W·per_token.sum()/N over cross_entropy(ignore_index=-100, reduction='none'): ignored "
+        "positions hold an exact 0",
+    ),
+    Setup(
+        name="padding_labelled",
+        counts=_UNEVEN,
+        masked_sum="padded",
+        correct=False,
+        description="padding labelled as a real token, then W·per_token.sum()/N: the padding's loss is trained",
+    ),
+    Setup(
+        name="unknown_hook_right",
+        counts=_UNEVEN,
+        summing_hook=True,
+        correct=True,
+        description="S/N into a summing comm hook the recorder cannot see (right, but not visible)",
+    ),
+    Setup(
+        name="unknown_hook_wrong",
+        counts=_UNEVEN,
+        summing_hook=True,
+        factor=2,
+        correct=False,
+        description="W·S/N into a summing comm hook the recorder cannot see (W× too large)",
+    ),
+    Setup(
+        name="counted_positions",
+        counts=_UNEVEN,
+        counted="positions",
+        correct=True,
+        description="W·S/N over the labelled tokens (right), but valid_tokens recorded as every position of "
+        "the microbatch: the probe's weights contradict the count",
+    ),
 )
 """Each in real DDP on 2 gloo processes; `elastic_stale_w` is two jobs (W = 3, then W = 2)."""
 
 ELASTIC: tuple[Setup, Setup] = (
-    Setup(name="elastic_stale_w", counts=(((2, 5), (4, 1), (3, 3)), ((6, 2), (1, 1), (5, 4))), world_size=3,
-          correct=True, description="W·S/N on 3 ranks"),
-    Setup(name="elastic_stale_w", counts=(((2, 7), (5, 1)), ((3, 3), (8, 2)), ((4, 6), (1, 5))), world_size=2,
-          factor=3, first_step=2, correct=False,
-          description="resumed on 2 ranks at step 2, the code still multiplies by W=3"),
+    Setup(
+        name="elastic_stale_w",
+        counts=(((2, 5), (4, 1), (3, 3)), ((6, 2), (1, 1), (5, 4))),
+        world_size=3,
+        correct=True,
+        description="W·S/N on 3 ranks",
+    ),
+    Setup(
+        name="elastic_stale_w",
+        counts=(((2, 7), (5, 1)), ((3, 3), (8, 2)), ((4, 6), (1, 5))),
+        world_size=2,
+        factor=3,
+        first_step=2,
+        correct=False,
+        description="resumed on 2 ranks at step 2, the code still multiplies by W=3",
+    ),
 )

@@ -69,8 +69,9 @@ def make_model() -> TinyLM:
     return TinyLM().double()
 
 
-def microbatch(step: int, rank: int, micro: int, count: int, length: int = SEQ
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def microbatch(
+    step: int, rank: int, micro: int, count: int, length: int = SEQ
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens, labels (IGNORE_INDEX where not valid) and the valid mask, the same in every process."""
     generator = torch.Generator().manual_seed(1_000_003 * step + 1009 * rank + 31 * micro + 17)
     tokens = torch.randint(0, VOCAB, (1, length), generator=generator)
@@ -82,13 +83,19 @@ def microbatch(step: int, rank: int, micro: int, count: int, length: int = SEQ
 
 def per_token_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logits = model(tokens)
-    loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                           reduction="none")
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
     return loss.view(labels.shape)
 
 
-def backward_scalar(scenario: Scenario, loss_sum: torch.Tensor, valid: int, microbatches: int,
-                    step_tokens: torch.Tensor, micro_tokens: torch.Tensor, world_size: int) -> torch.Tensor:
+def backward_scalar(
+    scenario: Scenario,
+    loss_sum: torch.Tensor,
+    valid: int,
+    microbatches: int,
+    step_tokens: torch.Tensor,
+    micro_tokens: torch.Tensor,
+    world_size: int,
+) -> torch.Tensor:
     """The scalar each strategy backpropagates, written as such code is written in the wild."""
     strategy = scenario.strategy
     if strategy == "token_mean":  # W·S/N into DDP's average; N = 0 gives 0, still connected
@@ -136,8 +143,9 @@ def data_parallel_groups(world_size: int, dp_size: int | None) -> tuple[Any, lis
     return mine
 
 
-def train(scenario: Scenario, log_dir: str | None, process_group: Any, members: list[int],
-          flush_every: int = 4096) -> list[dict[str, Any]]:
+def train(
+    scenario: Scenario, log_dir: str | None, process_group: Any, members: list[int], flush_every: int = 4096
+) -> list[dict[str, Any]]:
     """Train through the scenario's steps; return per step the parameters before it and the
     reduced gradients (before the optimizer, after every microbatch's backward)."""
     rank = dist.get_rank()
@@ -149,8 +157,15 @@ def train(scenario: Scenario, log_dir: str | None, process_group: Any, members: 
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.5)
     recorder = None
     if log_dir is not None:
-        recorder = Recorder(log_dir, run_id=scenario.name, model=ddp, optimizer=optimizer, group=process_group,
-                            grad_divisor=1.0 if scenario.summing_hook else None, flush_every=flush_every)
+        recorder = Recorder(
+            log_dir,
+            run_id=scenario.name,
+            model=ddp,
+            optimizer=optimizer,
+            group=process_group,
+            grad_divisor=1.0 if scenario.summing_hook else None,
+            flush_every=flush_every,
+        )
     history = []
     for step, step_counts in enumerate(scenario.counts):
         mine = step_counts[rank]
@@ -172,19 +187,23 @@ def train(scenario: Scenario, log_dir: str | None, process_group: Any, members: 
                 if recorder is not None:
                     per_token = recorder.probe(per_token, valid)
                 loss_sum = (per_token * valid).sum()  # a rank with no valid token still joins backward
-                scalar = backward_scalar(scenario, loss_sum, valid_count, microbatches, step_tokens,
-                                         micro_tokens[micro], world_size)
+                scalar = backward_scalar(
+                    scenario, loss_sum, valid_count, microbatches, step_tokens, micro_tokens[micro], world_size
+                )
                 if recorder is not None and not last:
-                    recorder.record(loss_sum=loss_sum, valid_tokens=valid_count, backward_scalar=scalar,
-                                    positions=SEQ)
+                    recorder.record(loss_sum=loss_sum, valid_tokens=valid_count, backward_scalar=scalar, positions=SEQ)
                 scalar.backward()
             local_sum += loss_sum.detach()
             scalars.append(float(scalar.detach()))
             if recorder is not None and last:
                 # Recorded after backward, with the loss the trainer reports (all ranks join it).
-                recorder.record(loss_sum=loss_sum, valid_tokens=valid_count, backward_scalar=scalar,
-                                positions=SEQ, reported_loss=_reported(scenario, local_sum, sum(mine),
-                                                                       step_tokens, process_group, world_size))
+                recorder.record(
+                    loss_sum=loss_sum,
+                    valid_tokens=valid_count,
+                    backward_scalar=scalar,
+                    positions=SEQ,
+                    reported_loss=_reported(scenario, local_sum, sum(mine), step_tokens, process_group, world_size),
+                )
         grads = [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
         if float(step_tokens) == 0:  # every rank sees the same N: skip together
             optimizer.zero_grad()
@@ -201,8 +220,14 @@ def train(scenario: Scenario, log_dir: str | None, process_group: Any, members: 
     return history
 
 
-def _reported(scenario: Scenario, local_sum: torch.Tensor, local_count: int, step_tokens: torch.Tensor,
-              process_group: Any, world_size: int) -> torch.Tensor:
+def _reported(
+    scenario: Scenario,
+    local_sum: torch.Tensor,
+    local_count: int,
+    step_tokens: torch.Tensor,
+    process_group: Any,
+    world_size: int,
+) -> torch.Tensor:
     if scenario.report == "mean_of_local_means":
         local_mean = local_sum / max(local_count, 1)
         dist.all_reduce(local_mean, group=process_group)
@@ -220,8 +245,13 @@ def run_scenario(rank: int, world_size: int, scenario: Scenario, log_dir: str | 
     return {"rank": rank, "members": members, "plain": plain, "recorded": recorded}
 
 
-def reference_gradient(params: list[torch.Tensor], scenario: Scenario, step: int, members: list[int],
-                       weights: dict[tuple[int, int], float] | None = None) -> list[torch.Tensor]:
+def reference_gradient(
+    params: list[torch.Tensor],
+    scenario: Scenario,
+    step: int,
+    members: list[int],
+    weights: dict[tuple[int, int], float] | None = None,
+) -> list[torch.Tensor]:
     """Single process, float64: ∇ Σ_{r,m} w_{r,m}·S_{r,m} over the group's tokens of one step.
 
     With `weights=None`, w = 1/N: the token-mean objective L = ΣS/N.
@@ -251,44 +281,142 @@ _UNEVEN_3x1: Counts = (((2,), (7,), (0,)), ((5,), (1,), (4,)), ((8,), (3,), (6,)
 _UNEVEN_MICRO: Counts = (((3, 2, 4), (4, 1)), ((1, 5), (2, 2, 6)), ((2, 2, 1), (7, 3)))
 
 SCENARIOS: tuple[Scenario, ...] = (
-    Scenario(name="correct_token_mean_ga", strategy="token_mean", world_size=2, counts=_UNEVEN_2x2, correct=True,
-             description="W·S/N into DDP's average, accumulation with no_sync, a rank with no valid token"),
-    Scenario(name="correct_token_mean_w3", strategy="token_mean", world_size=3, counts=_UNEVEN_3x2, correct=True,
-             description="W·S/N with W=3 and uneven microbatches"),
-    Scenario(name="correct_sum_hook", strategy="token_mean_summed", world_size=2, counts=_UNEVEN_2x2, correct=True,
-             summing_hook=True, description="S/N into a summing comm hook (D=1)"),
+    Scenario(
+        name="correct_token_mean_ga",
+        strategy="token_mean",
+        world_size=2,
+        counts=_UNEVEN_2x2,
+        correct=True,
+        description="W·S/N into DDP's average, accumulation with no_sync, a rank with no valid token",
+    ),
+    Scenario(
+        name="correct_token_mean_w3",
+        strategy="token_mean",
+        world_size=3,
+        counts=_UNEVEN_3x2,
+        correct=True,
+        description="W·S/N with W=3 and uneven microbatches",
+    ),
+    Scenario(
+        name="correct_sum_hook",
+        strategy="token_mean_summed",
+        world_size=2,
+        counts=_UNEVEN_2x2,
+        correct=True,
+        summing_hook=True,
+        description="S/N into a summing comm hook (D=1)",
+    ),
     # One microbatch a step (no accumulation): the audit aggregates these without a per-rank table.
-    Scenario(name="correct_token_mean_one_micro", strategy="token_mean", world_size=3, counts=_UNEVEN_3x1,
-             correct=True, description="W·S/N with W=3, one microbatch a step, a rank with no valid token"),
-    Scenario(name="correct_sum_hook_one_micro", strategy="token_mean_summed", world_size=2, counts=_UNEVEN_2x1,
-             correct=True, summing_hook=True, description="S/N into a summing comm hook, one microbatch a step"),
-    Scenario(name="bug_local_mean", strategy="local_mean", world_size=2, counts=_UNEVEN_2x1, correct=False,
-             report="mean_of_local_means", description="each rank backpropagates its own mean S_r/n_r"),
-    Scenario(name="bug_local_mean_accumulation", strategy="local_mean_over_accumulation", world_size=2,
-             counts=(((5, 1), (3, 7)), ((2, 6), (6, 2)), ((8, 4), (2, 8))), correct=False,
-             report="mean_of_local_means", description="microbatch mean divided by the accumulation steps"),
-    Scenario(name="bug_per_micro_denominator", strategy="per_micro_global", world_size=2, counts=_UNEVEN_2x2,
-             correct=False, description="each microbatch divided by its own global count N_m"),
-    Scenario(name="bug_missing_world_size", strategy="missing_world_size", world_size=2, counts=_UNEVEN_2x2,
-             correct=False, description="S/N into DDP's average (the W factor is missing)"),
-    Scenario(name="bug_hard_coded_world_size", strategy="hard_coded_world_size", world_size=2, counts=_UNEVEN_2x2,
-             correct=False, description="8·S/N on a group of 2 (a hard-coded W)"),
-    Scenario(name="bug_global_world_size_on_dp_group", strategy="global_world_size", world_size=4,
-             counts=_SUBGROUPS_4x1, dp_size=2, correct=False,
-             description="world size 4 used on data-parallel groups of 2 (DP×TP)"),
-    Scenario(name="inconclusive_balanced_local_mean", strategy="local_mean", world_size=2,
-             counts=(((4,), (4,)), ((6,), (6,)), ((3,), (3,))), correct=False, report="mean_of_local_means",
-             description="a local mean with equal counts everywhere: the logs cannot tell it from the token mean"),
-    Scenario(name="correct_uneven_microbatches", strategy="token_mean", world_size=2, counts=_UNEVEN_MICRO,
-             correct=True, description="W·S/N, ranks running 3 and 2 microbatches, each syncing once (its last)"),
-    Scenario(name="bug_uneven_microbatches_local_mean", strategy="local_mean", world_size=2, counts=_UNEVEN_MICRO,
-             correct=False, description="ranks running 3 and 2 microbatches, each divided by its own count"),
-    Scenario(name="correct_token_mean_reported_local_means", strategy="token_mean", world_size=2,
-             counts=_UNEVEN_2x2, correct=True, report="mean_of_local_means",
-             description="W·S/N (right), but the logged loss is the mean of per-rank means"),
-    Scenario(name="correct_empty_update_skipped", strategy="token_mean", world_size=2,
-             counts=(((3, 5), (4, 1)), ((0, 0), (0, 0)), ((2, 6), (7, 3))), correct=True,
-             description="step 1 has no valid token anywhere: every rank skips the update together"),
+    Scenario(
+        name="correct_token_mean_one_micro",
+        strategy="token_mean",
+        world_size=3,
+        counts=_UNEVEN_3x1,
+        correct=True,
+        description="W·S/N with W=3, one microbatch a step, a rank with no valid token",
+    ),
+    Scenario(
+        name="correct_sum_hook_one_micro",
+        strategy="token_mean_summed",
+        world_size=2,
+        counts=_UNEVEN_2x1,
+        correct=True,
+        summing_hook=True,
+        description="S/N into a summing comm hook, one microbatch a step",
+    ),
+    Scenario(
+        name="bug_local_mean",
+        strategy="local_mean",
+        world_size=2,
+        counts=_UNEVEN_2x1,
+        correct=False,
+        report="mean_of_local_means",
+        description="each rank backpropagates its own mean S_r/n_r",
+    ),
+    Scenario(
+        name="bug_local_mean_accumulation",
+        strategy="local_mean_over_accumulation",
+        world_size=2,
+        counts=(((5, 1), (3, 7)), ((2, 6), (6, 2)), ((8, 4), (2, 8))),
+        correct=False,
+        report="mean_of_local_means",
+        description="microbatch mean divided by the accumulation steps",
+    ),
+    Scenario(
+        name="bug_per_micro_denominator",
+        strategy="per_micro_global",
+        world_size=2,
+        counts=_UNEVEN_2x2,
+        correct=False,
+        description="each microbatch divided by its own global count N_m",
+    ),
+    Scenario(
+        name="bug_missing_world_size",
+        strategy="missing_world_size",
+        world_size=2,
+        counts=_UNEVEN_2x2,
+        correct=False,
+        description="S/N into DDP's average (the W factor is missing)",
+    ),
+    Scenario(
+        name="bug_hard_coded_world_size",
+        strategy="hard_coded_world_size",
+        world_size=2,
+        counts=_UNEVEN_2x2,
+        correct=False,
+        description="8·S/N on a group of 2 (a hard-coded W)",
+    ),
+    Scenario(
+        name="bug_global_world_size_on_dp_group",
+        strategy="global_world_size",
+        world_size=4,
+        counts=_SUBGROUPS_4x1,
+        dp_size=2,
+        correct=False,
+        description="world size 4 used on data-parallel groups of 2 (DP×TP)",
+    ),
+    Scenario(
+        name="inconclusive_balanced_local_mean",
+        strategy="local_mean",
+        world_size=2,
+        counts=(((4,), (4,)), ((6,), (6,)), ((3,), (3,))),
+        correct=False,
+        report="mean_of_local_means",
+        description="a local mean with equal counts everywhere: the logs cannot tell it from the token mean",
+    ),
+    Scenario(
+        name="correct_uneven_microbatches",
+        strategy="token_mean",
+        world_size=2,
+        counts=_UNEVEN_MICRO,
+        correct=True,
+        description="W·S/N, ranks running 3 and 2 microbatches, each syncing once (its last)",
+    ),
+    Scenario(
+        name="bug_uneven_microbatches_local_mean",
+        strategy="local_mean",
+        world_size=2,
+        counts=_UNEVEN_MICRO,
+        correct=False,
+        description="ranks running 3 and 2 microbatches, each divided by its own count",
+    ),
+    Scenario(
+        name="correct_token_mean_reported_local_means",
+        strategy="token_mean",
+        world_size=2,
+        counts=_UNEVEN_2x2,
+        correct=True,
+        report="mean_of_local_means",
+        description="W·S/N (right), but the logged loss is the mean of per-rank means",
+    ),
+    Scenario(
+        name="correct_empty_update_skipped",
+        strategy="token_mean",
+        world_size=2,
+        counts=(((3, 5), (4, 1)), ((0, 0), (0, 0)), ((2, 6), (7, 3))),
+        correct=True,
+        description="step 1 has no valid token anywhere: every rank skips the update together",
+    ),
 )
 
 SCENARIOS_BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}

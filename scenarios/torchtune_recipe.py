@@ -38,8 +38,14 @@ class TuneSetup:
     @property
     def scenario(self) -> Scenario:
         """The counts as the strategies' reference reads them."""
-        return Scenario(name=self.name, strategy="torchtune", world_size=2, counts=COUNTS, correct=True,
-                        description="torchtune recipe")
+        return Scenario(
+            name=self.name,
+            strategy="torchtune",
+            world_size=2,
+            counts=COUNTS,
+            correct=True,
+            description="torchtune recipe",
+        )
 
 
 def scale_grads(model: torch.nn.Module, scaler: torch.Tensor) -> None:
@@ -53,8 +59,10 @@ def job(rank: int, world_size: int, setup: TuneSetup, out: str) -> list[dict[str
     model = DDP(make_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     history = []
-    with Recorder(out, run_id=setup.name, model=model, optimizer=optimizer, announce=False) as rec, \
-            rec.capture_cross_entropy():
+    with (
+        Recorder(out, run_id=setup.name, model=model, optimizer=optimizer, announce=False) as rec,
+        rec.capture_cross_entropy(),
+    ):
         for step, per_rank in enumerate(COUNTS):
             before = [p.detach().clone() for p in model.parameters()]
             num_tokens = torch.zeros((), dtype=torch.int64)
@@ -65,8 +73,10 @@ def job(rank: int, world_size: int, setup: TuneSetup, out: str) -> list[dict[str
                 logits = model(tokens)
                 # CEWithChunkedOutputLoss: a sum per chunk, over the total, then times the count: S
                 chunks = zip(logits.chunk(CHUNKS, dim=1), labels.chunk(CHUNKS, dim=1))
-                total = sum(F.cross_entropy(lg.reshape(-1, VOCAB), lb.reshape(-1), ignore_index=IGNORE_INDEX,
-                                            reduction="sum") for lg, lb in chunks)
+                total = sum(
+                    F.cross_entropy(lg.reshape(-1, VOCAB), lb.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+                    for lg, lb in chunks
+                )
                 elements = (labels != IGNORE_INDEX).sum()
                 (total / elements * counted).backward()  # type: ignore[operator, union-attr]
             dist.all_reduce(num_tokens)

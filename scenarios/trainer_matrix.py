@@ -59,50 +59,82 @@ class Cell:
     def setup(self) -> str:
         """The set-up in words, for the table."""
         if self.trainer == "lightning" and self.loss == "sum":
-            return ("Lightning: manual optimization, each batch one update's microbatches, `manual_backward(W·S/N)` "
-                    "with N counted over them first (the recipe `tokaudit explain local_mean` prints)")
+            return (
+                "Lightning: manual optimization, each batch one update's microbatches, `manual_backward(W·S/N)` "
+                "with N counted over them first (the recipe `tokaudit explain local_mean` prints)"
+            )
         if self.trainer == "lightning":
-            return (f"Lightning: `training_step` returns the `{self.family}` model's own loss (its mean), "
-                    f"`accumulate_grad_batches={GRADIENT_ACCUMULATION}`")
+            return (
+                f"Lightning: `training_step` returns the `{self.family}` model's own loss (its mean), "
+                f"`accumulate_grad_batches={GRADIENT_ACCUMULATION}`"
+            )
         if self.trainer == "trl":
-            data = {"model": "language-modelling data", "completion": "prompt-completion data "
-                    "(`completion_only_loss`)", "assistant": "conversations (`assistant_only_loss`, a chat "
-                    "template with generation marks)", "packing": "`packing=True` (bfd, padding-free)",
-                    "padding_free": "`padding_free=True`"}[self.loss]
-            return (f"TRL `SFTTrainer` (its fused LM head) on the `{self.family}` model, {data}, "
-                    f"`average_tokens_across_devices={self.average_tokens}`")
+            data = {
+                "model": "language-modelling data",
+                "completion": "prompt-completion data (`completion_only_loss`)",
+                "assistant": "conversations (`assistant_only_loss`, a chat template with generation marks)",
+                "packing": "`packing=True` (bfd, padding-free)",
+                "padding_free": "`padding_free=True`",
+            }[self.loss]
+            return (
+                f"TRL `SFTTrainer` (its fused LM head) on the `{self.family}` model, {data}, "
+                f"`average_tokens_across_devices={self.average_tokens}`"
+            )
         if self.trainer == "torchtune":
             if self.loss == "before_shift":
-                return ("torchtune's recipe as 0.6 writes it: each microbatch's mean cross-entropy over the shifted "
-                        "labels times its count of `batch[\"labels\"]` taken before the shift, `backward()`, then "
-                        "`training.scale_grads(model, W/N)` with N the sum of those counts, told with `rec.scale_grads`")
-            scale = {"sum": "`training.scale_grads(model, W/N)`", "missing_w": "`training.scale_grads(model, 1/N)` "
-                     "(the W left out)"}[self.loss]
-            return (f"torchtune's recipe: the chunked cross-entropy summed, `backward()`, then {scale} after the "
-                    "update's last microbatch, told to the recorder with `rec.scale_grads`")
+                return (
+                    "torchtune's recipe as 0.6 writes it: each microbatch's mean cross-entropy over the shifted "
+                    'labels times its count of `batch["labels"]` taken before the shift, `backward()`, then '
+                    "`training.scale_grads(model, W/N)` with N the sum of those counts, told with `rec.scale_grads`"
+                )
+            scale = {
+                "sum": "`training.scale_grads(model, W/N)`",
+                "missing_w": "`training.scale_grads(model, 1/N)` (the W left out)",
+            }[self.loss]
+            return (
+                f"torchtune's recipe: the chunked cross-entropy summed, `backward()`, then {scale} after the "
+                "update's last microbatch, told to the recorder with `rec.scale_grads`"
+            )
         if self.trainer == "accelerate" and self.loss == "sum":
-            return (f"Accelerate: `accelerator.backward(M·W·S/N)` (S the summed cross-entropy, N all-reduced over the "
-                    f"update's microbatches first) under `accumulate`, `gradient_accumulation_steps={GRADIENT_ACCUMULATION}`")
+            return (
+                f"Accelerate: `accelerator.backward(M·W·S/N)` (S the summed cross-entropy, N all-reduced over the "
+                f"update's microbatches first) under `accumulate`, `gradient_accumulation_steps={GRADIENT_ACCUMULATION}`"
+            )
         if self.trainer == "accelerate":
-            return (f"Accelerate: `accelerator.backward(loss)` of the `{self.family}` model's own loss (its mean) "
-                    f"under `accumulate`, `gradient_accumulation_steps={GRADIENT_ACCUMULATION}`")
-        model = {"model": f"`{self.family}`", "mean": f"`{self.family}`, `compute_loss_func` returning its own mean",
-                 "sum": f"`{self.family}`, `compute_loss_func` summing and dividing by `num_items_in_batch`",
-                 "no_kwargs": f"`{self.family}` behind a `forward` without `**kwargs`"}[self.loss]
+            return (
+                f"Accelerate: `accelerator.backward(loss)` of the `{self.family}` model's own loss (its mean) "
+                f"under `accumulate`, `gradient_accumulation_steps={GRADIENT_ACCUMULATION}`"
+            )
+        model = {
+            "model": f"`{self.family}`",
+            "mean": f"`{self.family}`, `compute_loss_func` returning its own mean",
+            "sum": f"`{self.family}`, `compute_loss_func` summing and dividing by `num_items_in_batch`",
+            "no_kwargs": f"`{self.family}` behind a `forward` without `**kwargs`",
+        }[self.loss]
         smoothing = f", `label_smoothing_factor={self.smoothing}`" if self.smoothing else ""
-        loss_type = f" with `model.loss_type = \"{self.loss_type}\"`" if self.loss_type else ""
+        loss_type = f' with `model.loss_type = "{self.loss_type}"`' if self.loss_type else ""
         checkpointing = ", `gradient_checkpointing=True`" if self.checkpointing else ""
         return f"{model}{loss_type}{smoothing}{checkpointing}, `average_tokens_across_devices={self.average_tokens}`"
 
 
 CELLS = (
-    Cell("llama", "llama", True), Cell("llama-no-average", "llama", False),
-    Cell("llama-smoothing", "llama", True, smoothing=0.1), Cell("llama-checkpointing", "llama", True, checkpointing=True),
-    Cell("qwen2", "qwen2", True), Cell("mistral", "mistral", True), Cell("gemma", "gemma", True),
-    Cell("gpt2", "gpt2", True), Cell("gpt2-no-average", "gpt2", False),
-    Cell("gpt2-loss-type", "gpt2", True, loss_type="ForCausalLM"), Cell("gpt2-smoothing", "gpt2", True, smoothing=0.1),
-    Cell("t5", "t5", True), Cell("bart", "bart", True), Cell("bert", "bert", True), Cell("bert-no-average", "bert", False),
-    Cell("custom-mean", "llama", True, loss="mean"), Cell("custom-sum", "llama", True, loss="sum"),
+    Cell("llama", "llama", True),
+    Cell("llama-no-average", "llama", False),
+    Cell("llama-smoothing", "llama", True, smoothing=0.1),
+    Cell("llama-checkpointing", "llama", True, checkpointing=True),
+    Cell("qwen2", "qwen2", True),
+    Cell("mistral", "mistral", True),
+    Cell("gemma", "gemma", True),
+    Cell("gpt2", "gpt2", True),
+    Cell("gpt2-no-average", "gpt2", False),
+    Cell("gpt2-loss-type", "gpt2", True, loss_type="ForCausalLM"),
+    Cell("gpt2-smoothing", "gpt2", True, smoothing=0.1),
+    Cell("t5", "t5", True),
+    Cell("bart", "bart", True),
+    Cell("bert", "bert", True),
+    Cell("bert-no-average", "bert", False),
+    Cell("custom-mean", "llama", True, loss="mean"),
+    Cell("custom-sum", "llama", True, loss="sum"),
     Cell("no-kwargs", "llama", True, loss="no_kwargs"),
     Cell("lightning", "llama", False, trainer="lightning"),
     Cell("lightning-token-mean", "llama", False, loss="sum", trainer="lightning"),
@@ -111,7 +143,8 @@ CELLS = (
     Cell("torchtune", "llama", False, loss="sum", trainer="torchtune"),
     Cell("torchtune-missing-w", "llama", False, loss="missing_w", trainer="torchtune"),
     Cell("torchtune-before-shift", "llama", False, loss="before_shift", trainer="torchtune"),
-    Cell("trl-sft", "llama", True, trainer="trl"), Cell("trl-sft-no-average", "llama", False, trainer="trl"),
+    Cell("trl-sft", "llama", True, trainer="trl"),
+    Cell("trl-sft-no-average", "llama", False, trainer="trl"),
     Cell("trl-sft-completion", "llama", True, loss="completion", trainer="trl"),
     Cell("trl-sft-assistant-only", "llama", True, loss="assistant", trainer="trl"),
     Cell("trl-sft-packing", "llama", True, loss="packing", trainer="trl"),
@@ -127,8 +160,9 @@ class NoKwargs(torch.nn.Module):
         super().__init__()
         self.inner = inner
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> Any:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ) -> Any:
         return self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
 
@@ -137,27 +171,80 @@ def tiny_model(cell: Cell) -> torch.nn.Module:
     import transformers as hf
 
     torch.manual_seed(0)
-    decoder = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-               "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32}
+    decoder = {
+        "vocab_size": 64,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32,
+    }
     configs = {
         "llama": lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**decoder)),
         "qwen2": lambda: hf.Qwen2ForCausalLM(hf.Qwen2Config(**decoder)),
         "mistral": lambda: hf.MistralForCausalLM(hf.MistralConfig(**decoder)),
         "gemma": lambda: hf.GemmaForCausalLM(hf.GemmaConfig(**decoder, head_dim=8)),
-        "gpt2": lambda: hf.GPT2LMHeadModel(hf.GPT2Config(
-            vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)),
-        "t5": lambda: hf.T5ForConditionalGeneration(hf.T5Config(
-            vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.0,
-            decoder_start_token_id=0, pad_token_id=0)),
-        "bart": lambda: hf.BartForConditionalGeneration(hf.BartConfig(
-            vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
-            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=1,
-            eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)),
-        "bert": lambda: hf.BertForMaskedLM(hf.BertConfig(
-            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+        "gpt2": lambda: hf.GPT2LMHeadModel(
+            hf.GPT2Config(
+                vocab_size=64,
+                n_positions=32,
+                n_embd=16,
+                n_layer=1,
+                n_head=2,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                bos_token_id=1,
+                eos_token_id=2,
+            )
+        ),
+        "t5": lambda: hf.T5ForConditionalGeneration(
+            hf.T5Config(
+                vocab_size=64,
+                d_model=16,
+                d_kv=8,
+                d_ff=32,
+                num_layers=1,
+                num_heads=2,
+                dropout_rate=0.0,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+            )
+        ),
+        "bart": lambda: hf.BartForConditionalGeneration(
+            hf.BartConfig(
+                vocab_size=64,
+                d_model=16,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=2,
+                decoder_attention_heads=2,
+                encoder_ffn_dim=32,
+                decoder_ffn_dim=32,
+                max_position_embeddings=32,
+                dropout=0.0,
+                attention_dropout=0.0,
+                activation_dropout=0.0,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+                decoder_start_token_id=2,
+                forced_eos_token_id=None,
+            )
+        ),
+        "bert": lambda: hf.BertForMaskedLM(
+            hf.BertConfig(
+                vocab_size=64,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                max_position_embeddings=32,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )
+        ),
     }
     model = configs[cell.family]()
     if cell.loss_type is not None:
@@ -195,12 +282,25 @@ def matrix_job(rank: int, world_size: int, cell: Cell, root: str) -> None:
     """One rank of a cell's run, recorded by its trainer's one line; saves each microbatch's inputs and, on
     rank 0, each update's weights and gradient (after DDP's average, before the optimizer) to
     root/<cell>/rank-<r>.pt."""
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "29561"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "NODE_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29561",
+        }
+    )
     saved: dict[str, list[Any]] = {"inputs": [], "weights": [], "gradients": []}
-    runs = {"transformers": _trainer_run, "lightning": _lightning_run, "accelerate": _accelerate_run, "trl": _trl_run,
-            "torchtune": _torchtune_run}
+    runs = {
+        "transformers": _trainer_run,
+        "lightning": _lightning_run,
+        "accelerate": _accelerate_run,
+        "trl": _trl_run,
+        "torchtune": _torchtune_run,
+    }
     runs[cell.trainer](rank, root, cell, saved)
     Path(root, cell.name).mkdir(parents=True, exist_ok=True)
     torch.save(saved, Path(root, cell.name, f"rank-{rank}.pt"))
@@ -210,8 +310,9 @@ def _keep_update(saved: dict[str, list[Any]], model: torch.nn.Module) -> None:
     """The weights and gradient of the update about to be taken."""
     named = list(model.named_parameters())
     saved["weights"].append({name: p.detach().double().clone() for name, p in named})
-    saved["gradients"].append({name: (torch.zeros_like(p) if p.grad is None else p.grad).double().clone()
-                               for name, p in named})
+    saved["gradients"].append(
+        {name: (torch.zeros_like(p) if p.grad is None else p.grad).double().clone() for name, p in named}
+    )
 
 
 def _trainer_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> None:
@@ -219,14 +320,29 @@ def _trainer_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) 
 
     from scenarios.padded import padded_sequences
 
-    args = TrainingArguments(output_dir=f"{root}/out-{cell.name}-{rank}", use_cpu=True, per_device_train_batch_size=2,
-                             gradient_accumulation_steps=GRADIENT_ACCUMULATION, max_steps=MAX_STEPS,
-                             learning_rate=1e-2, max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no",
-                             disable_tqdm=True, seed=0, average_tokens_across_devices=cell.average_tokens,
-                             dataloader_num_workers=0, label_smoothing_factor=cell.smoothing, ddp_backend="gloo",
-                             ddp_find_unused_parameters=False, gradient_checkpointing=cell.checkpointing)
-    trainer = Trainer(model=tiny_model(cell), args=args, train_dataset=padded_sequences(),
-                      compute_loss_func=loss_function(cell))
+    args = TrainingArguments(
+        output_dir=f"{root}/out-{cell.name}-{rank}",
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=GRADIENT_ACCUMULATION,
+        max_steps=MAX_STEPS,
+        learning_rate=1e-2,
+        max_grad_norm=0.0,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        average_tokens_across_devices=cell.average_tokens,
+        dataloader_num_workers=0,
+        label_smoothing_factor=cell.smoothing,
+        ddp_backend="gloo",
+        ddp_find_unused_parameters=False,
+        gradient_checkpointing=cell.checkpointing,
+    )
+    trainer = Trainer(
+        model=tiny_model(cell), args=args, train_dataset=padded_sequences(), compute_loss_func=loss_function(cell)
+    )
     _train_recorded(trainer, rank, root, cell, saved)
 
 
@@ -245,8 +361,9 @@ def _train_recorded(trainer: Any, rank: int, root: str, cell: Cell, saved: dict[
     step = trainer.training_step
 
     def training_step(model: Any, inputs: dict[str, Any], *rest: Any, **options: Any) -> Any:
-        saved["inputs"].append({key: value.detach().clone() for key, value in inputs.items()
-                                if isinstance(value, torch.Tensor)})
+        saved["inputs"].append(
+            {key: value.detach().clone() for key, value in inputs.items() if isinstance(value, torch.Tensor)}
+        )
         return step(model, inputs, *rest, **options)
 
     trainer.add_callback(Gradients())
@@ -266,11 +383,13 @@ def _trl_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> N
     vocabulary = {f"t{i}": i for i in range(60)} | {"<user>": 60, "<assistant>": 61, "<end>": 62}
     words = Tokenizer(models.WordLevel(vocabulary, unk_token="t3"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", bos_token="t1", eos_token="t2",
-                                        unk_token="t3")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3"
+    )
     tokenizer.chat_template = (
         "{% for m in messages %}{% if m['role'] == 'user' %}<user> {{ m['content'] }} <end> {% else %}<assistant> "
-        "{% generation %}{{ m['content'] }} <end>{% endgeneration %} {% endif %}{% endfor %}")
+        "{% generation %}{{ m['content'] }} <end>{% endgeneration %} {% endif %}{% endfor %}"
+    )
     generator = torch.Generator().manual_seed(0)
     rows = []
     for _ in range(200 if cell.loss == "packing" else 48):  # packed rows: enough for every update's microbatches
@@ -281,19 +400,38 @@ def _trl_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]) -> N
             said = [" ".join(f"t{i}" for i in part) for part in (ids[:prompt], ids[prompt:])]
             rows.append({"messages": [{"role": "user", "content": said[0]}, {"role": "assistant", "content": said[1]}]})
         else:
-            rows.append({"input_ids": ids, "completion_mask": [0] * prompt + [1] * (length - prompt)}
-                        if cell.loss == "completion" else {"input_ids": ids})
-    args = SFTConfig(output_dir=f"{root}/out-{cell.name}-{rank}", use_cpu=True, per_device_train_batch_size=2,
-                     gradient_accumulation_steps=GRADIENT_ACCUMULATION, max_steps=MAX_STEPS, learning_rate=1e-2,
-                     max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
-                     average_tokens_across_devices=cell.average_tokens, dataloader_num_workers=0, ddp_backend="gloo",
-                     ddp_find_unused_parameters=False, packing=cell.loss == "packing",
-                     max_length=None if cell.loss == "padding_free" else 24,
-                     padding_free=cell.loss == "padding_free", completion_only_loss=cell.loss == "completion" or None,
-                     assistant_only_loss=cell.loss == "assistant",
-                     bf16=False)  # float32 like every other cell (TRL's default is bf16 where supported)
-    trainer = SFTTrainer(model=tiny_model(cell), args=args, train_dataset=datasets.Dataset.from_list(rows),
-                         processing_class=tokenizer)
+            rows.append(
+                {"input_ids": ids, "completion_mask": [0] * prompt + [1] * (length - prompt)}
+                if cell.loss == "completion"
+                else {"input_ids": ids}
+            )
+    args = SFTConfig(
+        output_dir=f"{root}/out-{cell.name}-{rank}",
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=GRADIENT_ACCUMULATION,
+        max_steps=MAX_STEPS,
+        learning_rate=1e-2,
+        max_grad_norm=0.0,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        average_tokens_across_devices=cell.average_tokens,
+        dataloader_num_workers=0,
+        ddp_backend="gloo",
+        ddp_find_unused_parameters=False,
+        packing=cell.loss == "packing",
+        max_length=None if cell.loss == "padding_free" else 24,
+        padding_free=cell.loss == "padding_free",
+        completion_only_loss=cell.loss == "completion" or None,
+        assistant_only_loss=cell.loss == "assistant",
+        bf16=False,
+    )  # float32 like every other cell (TRL's default is bf16 where supported)
+    trainer = SFTTrainer(
+        model=tiny_model(cell), args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer
+    )
     _train_recorded(trainer, rank, root, cell, saved)
 
 
@@ -325,10 +463,18 @@ def _lightning_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=1e-2)
 
-    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy="ddp", max_steps=MAX_STEPS,
-                        accumulate_grad_batches=GRADIENT_ACCUMULATION, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[TokauditLightningCallback(f"{root}/logs", run_id=cell.name)])  # the one line
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy="ddp",
+        max_steps=MAX_STEPS,
+        accumulate_grad_batches=GRADIENT_ACCUMULATION,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[TokauditLightningCallback(f"{root}/logs", run_id=cell.name)],
+    )  # the one line
     trainer.fit(Module(), DataLoader(padded_sequences(), batch_size=2, shuffle=False))
 
 
@@ -350,8 +496,10 @@ def _lightning_token_mean(rank: int, root: str, cell: Cell, saved: dict[str, lis
 
         def __getitem__(self, index: int) -> list[dict[str, torch.Tensor]]:
             first = index * 2 * GRADIENT_ACCUMULATION
-            return [default_collate([sequences[first + 2 * m], sequences[first + 2 * m + 1]])
-                    for m in range(GRADIENT_ACCUMULATION)]
+            return [
+                default_collate([sequences[first + 2 * m], sequences[first + 2 * m + 1]])
+                for m in range(GRADIENT_ACCUMULATION)
+            ]
 
     class TokenMean(L.LightningModule):
         def __init__(self) -> None:
@@ -363,8 +511,9 @@ def _lightning_token_mean(rank: int, root: str, cell: Cell, saved: dict[str, lis
             N = global_valid_tokens([b["labels"][:, 1:] for b in batches])
             for b in batches:
                 logits = self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-                loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten(),
-                                           ignore_index=-100, reduction="sum")
+                loss_sum = F.cross_entropy(
+                    logits[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum"
+                )
                 self.manual_backward(token_mean_loss(loss_sum, N))
             if rank == 0:
                 _keep_update(saved, self.model)
@@ -375,9 +524,17 @@ def _lightning_token_mean(rank: int, root: str, cell: Cell, saved: dict[str, lis
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=1e-2)
 
-    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy="ddp", max_steps=MAX_STEPS,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[TokauditLightningCallback(f"{root}/logs", run_id=cell.name)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy="ddp",
+        max_steps=MAX_STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[TokauditLightningCallback(f"{root}/logs", run_id=cell.name)],
+    )
     trainer.fit(TokenMean(), DataLoader(Updates(), batch_size=None, shuffle=False))
 
 
@@ -390,13 +547,14 @@ def _accelerate_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=GRADIENT_ACCUMULATION)
     model = tiny_model(cell)
-    model, optimizer, batches = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-2),
-                                                    DataLoader(padded_sequences(), batch_size=2, shuffle=False))
+    model, optimizer, batches = accelerator.prepare(
+        model, torch.optim.SGD(model.parameters(), lr=1e-2), DataLoader(padded_sequences(), batch_size=2, shuffle=False)
+    )
     recorder = Recorder(f"{root}/logs", run_id=cell.name, accelerator=accelerator)  # the one line
     recorder.start_capture()  # and every cross-entropy of the model's loss is recorded
     listed = [batch for _, batch in zip(range(MAX_STEPS * GRADIENT_ACCUMULATION), batches)]
     for start in range(0, len(listed), GRADIENT_ACCUMULATION):
-        update = listed[start:start + GRADIENT_ACCUMULATION]
+        update = listed[start : start + GRADIENT_ACCUMULATION]
         # N: the update's labels after the causal shift, on every rank, counted before the first backward
         tokens = torch.stack([(batch["labels"][:, 1:] != -100).sum() for batch in update]).sum().double()
         torch.distributed.all_reduce(tokens)
@@ -405,8 +563,9 @@ def _accelerate_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]
             with accelerator.accumulate(model):
                 if cell.loss == "sum":  # M·W·S/N: Accelerate divides by M, DDP averages over W
                     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                    summed = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
-                                             reduction="sum")
+                    summed = F.cross_entropy(
+                        logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), reduction="sum"
+                    )
                     loss = GRADIENT_ACCUMULATION * accelerator.num_processes * summed / tokens
                 else:
                     loss = model(**batch).loss  # Accelerate divides it by the accumulation steps
@@ -432,14 +591,20 @@ def _torchtune_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]
     world = torch.distributed.get_world_size()
     model = DDP(tiny_model(cell))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    batches = DataLoader(padded_sequences(), batch_size=2, shuffle=False,
-                         sampler=torch.utils.data.distributed.DistributedSampler(padded_sequences(), shuffle=False))
+    batches = DataLoader(
+        padded_sequences(),
+        batch_size=2,
+        shuffle=False,
+        sampler=torch.utils.data.distributed.DistributedSampler(padded_sequences(), shuffle=False),
+    )
     listed = [batch for _, batch in zip(range(MAX_STEPS * GRADIENT_ACCUMULATION), batches)]
-    with Recorder(f"{root}/logs", run_id=cell.name, model=model, optimizer=optimizer, announce=False) as rec, \
-            rec.capture_cross_entropy():
+    with (
+        Recorder(f"{root}/logs", run_id=cell.name, model=model, optimizer=optimizer, announce=False) as rec,
+        rec.capture_cross_entropy(),
+    ):
         for start in range(0, len(listed), GRADIENT_ACCUMULATION):
             tokens = torch.zeros((), dtype=torch.int64)
-            for batch in listed[start:start + GRADIENT_ACCUMULATION]:
+            for batch in listed[start : start + GRADIENT_ACCUMULATION]:
                 saved["inputs"].append({key: value.detach().clone() for key, value in batch.items()})
                 labels = batch["labels"][:, 1:]
                 shifted = (labels != -100).sum()
@@ -447,8 +612,10 @@ def _torchtune_run(rank: int, root: str, cell: Cell, saved: dict[str, list[Any]]
                 counted = (batch["labels"] != -100).sum() if cell.loss == "before_shift" else shifted
                 tokens += counted
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-                total = sum(F.cross_entropy(lg.flatten(0, 1), lb.flatten(), ignore_index=-100, reduction="sum")
-                            for lg, lb in zip(logits.chunk(2, dim=1), labels.chunk(2, dim=1)))
+                total = sum(
+                    F.cross_entropy(lg.flatten(0, 1), lb.flatten(), ignore_index=-100, reduction="sum")
+                    for lg, lb in zip(logits.chunk(2, dim=1), labels.chunk(2, dim=1))
+                )
                 (total / shifted * counted).backward()  # type: ignore[operator, union-attr]
             torch.distributed.all_reduce(tokens)
             factor = (1 if cell.loss == "missing_w" else world) / tokens.to(torch.float32)
@@ -471,31 +638,43 @@ def deviations(cell: Cell, root: str, world_size: int = 2) -> list[tuple[float, 
         model.zero_grad()
         total, count = torch.zeros((), dtype=torch.float64), 0
         for saved in ranks:
-            for inputs in saved["inputs"][update * GRADIENT_ACCUMULATION:(update + 1) * GRADIENT_ACCUMULATION]:
+            for inputs in saved["inputs"][update * GRADIENT_ACCUMULATION : (update + 1) * GRADIENT_ACCUMULATION]:
                 losses, valid = _reference_losses(cell, model, inputs)
                 total = total + losses.sum()
                 count += int(valid.sum())
         (total / count).backward()
-        reference = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1)
-                               for _, p in model.named_parameters()])
+        reference = torch.cat(
+            [(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for _, p in model.named_parameters()]
+        )
         trained = torch.cat([gradient[name].reshape(-1) for name, _ in model.named_parameters()])
-        found.append((float((trained - reference).abs().max() / reference.abs().max()),
-                      float(trained @ reference / (reference @ reference))))
+        found.append(
+            (
+                float((trained - reference).abs().max() / reference.abs().max()),
+                float(trained @ reference / (reference @ reference)),
+            )
+        )
     return found
 
 
-def _reference_losses(cell: Cell, model: torch.nn.Module, inputs: dict[str, torch.Tensor]
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference_losses(
+    cell: Cell, model: torch.nn.Module, inputs: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ℓᵢ and the valid labels of one microbatch as the trainer computed them. A padding-free row (TRL's packing:
     position_ids and no attention mask) is its sequences one after another, each attending only to itself."""
     labels = inputs["labels"]
     if "position_ids" in inputs and "attention_mask" not in inputs:
         starts = (inputs["position_ids"][0] == 0).nonzero().flatten().tolist() + [labels.shape[1]]
-        parts = [token_losses(cell, model(input_ids=inputs["input_ids"][:, a:b]).logits, labels[:, a:b])
-                 for a, b in zip(starts[:-1], starts[1:]) if b > a]
+        parts = [
+            token_losses(cell, model(input_ids=inputs["input_ids"][:, a:b]).logits, labels[:, a:b])
+            for a, b in zip(starts[:-1], starts[1:])
+            if b > a
+        ]
         return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
-    logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                   labels=labels if cell.family in ("t5", "bart") else None).logits
+    logits = model(
+        input_ids=inputs["input_ids"],
+        attention_mask=inputs["attention_mask"],
+        labels=labels if cell.family in ("t5", "bart") else None,
+    ).logits
     return token_losses(cell, logits, labels)
 
 
@@ -520,8 +699,10 @@ def truth(measured: list[tuple[float, float]]) -> tuple[bool, str]:
     if worst <= TOLERANCE:
         return True, f"correct (every update within {worst:.0e} of the token mean)"
     scales = [scale for _, scale in measured]
-    return False, (f"wrong: the gradient is off the token mean's by up to {worst:.0%} of its largest entry, "
-                   f"scaled {min(scales):.2f}–{max(scales):.2f}×")
+    return False, (
+        f"wrong: the gradient is off the token mean's by up to {worst:.0%} of its largest entry, "
+        f"scaled {min(scales):.2f}–{max(scales):.2f}×"
+    )
 
 
 def measure(cells: list[Cell], root: Path, together: bool = False) -> list[Row]:
@@ -537,10 +718,22 @@ def measure(cells: list[Cell], root: Path, together: bool = False) -> list[Row]:
 
 def _judged(cell: Cell, root: Path) -> Row:
     correct, said = truth(deviations(cell, str(root)))
-    done = subprocess.run([sys.executable, "-m", "tokaudit", "check", str(root / "logs" / cell.name), "--format", "json"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "tokaudit", "check", str(root / "logs" / cell.name), "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     report = json.loads(done.stdout)
     (run,) = report["runs"]
     findings = report["findings"]
-    return Row(cell, correct, said, run["verdict"], done.returncode, [f["code"] for f in findings],
-               findings[0]["fix"] if findings else "", report)
+    return Row(
+        cell,
+        correct,
+        said,
+        run["verdict"],
+        done.returncode,
+        [f["code"] for f in findings],
+        findings[0]["fix"] if findings else "",
+        report,
+    )

@@ -19,11 +19,22 @@ from scenarios.strategies import SCENARIOS, run_scenario  # noqa: E402
 def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "sample_logs")
     out.mkdir(parents=True, exist_ok=True)
-    lines = ["# Sample logs", "", "Recorded by `python scripts/record_sample_logs.py` from real DDP runs "
-             "(torch.distributed, gloo, CPU), one folder per scenario:", ""]
-    for heading, runs, body in (("", SCENARIOS, run_scenario), (
+    lines = [
+        "# Sample logs",
+        "",
+        "Recorded by `python scripts/record_sample_logs.py` from real DDP runs "
+        "(torch.distributed, gloo, CPU), one folder per scenario:",
+        "",
+    ]
+    for heading, runs, body in (
+        ("", SCENARIOS, run_scenario),
+        (
             "Set-ups people run (mixed precision, skipped updates, several loss terms, an unseen divisor, an "
-            "elastic resize), from `scenarios/setups.py`:", SETUPS, job)):
+            "elastic resize), from `scenarios/setups.py`:",
+            SETUPS,
+            job,
+        ),
+    ):
         if heading:
             lines += ["", heading, ""]
         for run in runs:
@@ -35,8 +46,9 @@ def main() -> None:
     shutil.rmtree(out / ELASTIC[0].name, ignore_errors=True)
     for part in ELASTIC:  # one run, two jobs: the resumed job appends its shards
         run_ddp(job, part.world_size, part, str(out))
-    lines.append(f"- `{ELASTIC[0].name}/` (deliberate mistake): {ELASTIC[0].description}, then "
-                 f"{ELASTIC[1].description}")
+    lines.append(
+        f"- `{ELASTIC[0].name}/` (deliberate mistake): {ELASTIC[0].description}, then {ELASTIC[1].description}"
+    )
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 

@@ -20,8 +20,9 @@ DOC = ROOT / "docs" / "CODES.md"
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 when the file differs from what would be written")
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 when the file differs from what would be written"
+    )
     parser.add_argument("--file", type=Path, default=DOC, help="the file to write or check (default: %(default)s)")
     args = parser.parse_args(argv)
     wanted = codes_markdown()

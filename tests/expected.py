@@ -42,18 +42,30 @@ EXPECTED_CODES: dict[str, set[str]] = {
 }
 
 SETUP_VERDICT: dict[str, str] = {
-    "amp_told": "correct", "amp_untold": "inconclusive", "nan_guard_skip": "correct", "aux_head_named": "correct",
-    "aux_head_captured": "correct", "aux_head_local_mean": "incorrect", "chunked_cross_entropy": "correct",
-    "chunked_cross_entropy_copied": "correct", "chunked_cross_entropy_named": "correct",
+    "amp_told": "correct",
+    "amp_untold": "inconclusive",
+    "nan_guard_skip": "correct",
+    "aux_head_named": "correct",
+    "aux_head_captured": "correct",
+    "aux_head_local_mean": "incorrect",
+    "chunked_cross_entropy": "correct",
+    "chunked_cross_entropy_copied": "correct",
+    "chunked_cross_entropy_named": "correct",
     "chunked_cross_entropy_chunk_means": "incorrect",
-    "mtp_heads": "correct", "near_miss_local_mean": "incorrect", "zero_grad_inside_accumulation": "incorrect",
-    "ignored_positions_summed": "correct", "padding_labelled": "incorrect", "unknown_hook_right": "inconclusive", "unknown_hook_wrong": "inconclusive",
-    "counted_positions": "inconclusive", "elastic_stale_w": "incorrect",
+    "mtp_heads": "correct",
+    "near_miss_local_mean": "incorrect",
+    "zero_grad_inside_accumulation": "incorrect",
+    "ignored_positions_summed": "correct",
+    "padding_labelled": "incorrect",
+    "unknown_hook_right": "inconclusive",
+    "unknown_hook_wrong": "inconclusive",
+    "counted_positions": "inconclusive",
+    "elastic_stale_w": "incorrect",
 }
 
 EXPECTED_VERDICT: dict[str, str] = {
-    run: SETUP_VERDICT.get(run) or ("correct" if run.startswith("correct_") else
-                                    "inconclusive" if run.startswith("inconclusive_") else "incorrect")
+    run: SETUP_VERDICT.get(run)
+    or ("correct" if run.startswith("correct_") else "inconclusive" if run.startswith("inconclusive_") else "incorrect")
     for run in EXPECTED_CODES
 }
 

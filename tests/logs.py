@@ -34,8 +34,9 @@ def token_loss(step: int, rank: int, micro: int, n: int) -> float:
     return n * (2.0 + 0.1 * ((7 * step + 3 * rank + micro) % 5))
 
 
-def records(counts: Counts, scalar: Callable[..., float], world_size: int | None = None,
-            step_offset: int = 0, **columns: Any) -> list[dict[str, Any]]:
+def records(
+    counts: Counts, scalar: Callable[..., float], world_size: int | None = None, step_offset: int = 0, **columns: Any
+) -> list[dict[str, Any]]:
     """One record per (step, rank, micro). `scalar(S=, n=, N=, N_m=, n_r=, M=, W=)` gives b."""
     rows = []
     for step_index, step_counts in enumerate(counts):
@@ -47,8 +48,18 @@ def records(counts: Counts, scalar: Callable[..., float], world_size: int | None
                 micro_tokens = sum(r[micro] for r in step_counts if micro < len(r))
                 loss = token_loss(step, rank, micro, n)
                 b = scalar(S=loss, n=n, N=step_tokens, N_m=micro_tokens, n_r=sum(mine), M=len(mine), W=w)
-                rows.append({"step": step, "micro": micro, "rank": rank, "world_size": w, "loss_sum": loss,
-                             "valid_tokens": n, "backward_scalar": b, **columns})
+                rows.append(
+                    {
+                        "step": step,
+                        "micro": micro,
+                        "rank": rank,
+                        "world_size": w,
+                        "loss_sum": loss,
+                        "valid_tokens": n,
+                        "backward_scalar": b,
+                        **columns,
+                    }
+                )
     return rows
 
 
@@ -57,22 +68,32 @@ def read_rows(log_dir: Path) -> list[dict[str, Any]]:
     return [row for shard in sorted(log_dir.glob("*.parquet")) for row in pq.read_table(shard).to_pylist()]
 
 
-def write(path: Path, rows: list[dict[str, Any]], schema: pa.Schema | None = None,
-          metadata: dict[bytes, bytes] | None = None) -> Path:
+def write(
+    path: Path, rows: list[dict[str, Any]], schema: pa.Schema | None = None, metadata: dict[bytes, bytes] | None = None
+) -> Path:
     """Write rows as one shard with the recorder's schema (columns absent from rows are dropped), and `metadata`
     in its footer."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    names = [f.name for f in WRITER_SCHEMA if any(f.name in row for row in rows)] if rows else \
-        [f.name for f in WRITER_SCHEMA][:7]
+    names = (
+        [f.name for f in WRITER_SCHEMA if any(f.name in row for row in rows)]
+        if rows
+        else [f.name for f in WRITER_SCHEMA][:7]
+    )
     schema = schema or pa.schema([WRITER_SCHEMA.field(n) for n in names])
-    table = pa.table({n: pa.array([row.get(n) for row in rows], type=schema.field(n).type) for n in schema.names},
-                     schema=schema.with_metadata(metadata) if metadata else schema)
+    table = pa.table(
+        {n: pa.array([row.get(n) for row in rows], type=schema.field(n).type) for n in schema.names},
+        schema=schema.with_metadata(metadata) if metadata else schema,
+    )
     pq.write_table(table, path)
     return path
 
 
-def write_by_rank(folder: Path, rows: list[dict[str, Any]], metadata: dict[bytes, bytes] | None = None,
-                  steps_per_file: int | None = None) -> Path:
+def write_by_rank(
+    folder: Path,
+    rows: list[dict[str, Any]],
+    metadata: dict[bytes, bytes] | None = None,
+    steps_per_file: int | None = None,
+) -> Path:
     """One shard per rank, as the recorder writes them; with `steps_per_file`, one per rank and that many steps
     (a long run's shards, which the audit can aggregate a range of steps at a time)."""
     for rank in sorted({row["rank"] for row in rows}):
@@ -119,8 +140,9 @@ UNEVEN_GA: Counts = [[[5, 1], [3, 7]], [[2, 6], [6, 2]], [[8, 4], [2, 8]]]
 def bench_synthetic() -> ModuleType:
     """The bench's log writer (bench/synthetic.py; bench/ is scripts, not a package), loaded from its file once,
     the test session's sys.path left as it is."""
-    spec = importlib.util.spec_from_file_location("bench_synthetic",
-                                                  Path(__file__).resolve().parents[1] / "bench" / "synthetic.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_synthetic", Path(__file__).resolve().parents[1] / "bench" / "synthetic.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -46,11 +46,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None:
         return
-    missing = sorted({f"{report.nodeid}: {reason}" for report in reporter.stats.get("skipped", [])
-                      if (reason := missing_package(report)) is not None})
+    missing = sorted(
+        {
+            f"{report.nodeid}: {reason}"
+            for report in reporter.stats.get("skipped", [])
+            if (reason := missing_package(report)) is not None
+        }
+    )
     if missing:
-        reporter.write_line(f"TOKAUDIT_REQUIRE_EXTRAS=1: {len(missing)} test(s) skipped for a missing package "
-                            "(the set-up installs every extra the suite uses):", red=True)
+        reporter.write_line(
+            f"TOKAUDIT_REQUIRE_EXTRAS=1: {len(missing)} test(s) skipped for a missing package "
+            "(the set-up installs every extra the suite uses):",
+            red=True,
+        )
         for line in missing:
             reporter.write_line(f"  {line}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -46,8 +46,13 @@ def endpoint() -> Iterator[dict[str, str]]:
 
 
 def tokaudit(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tokaudit", *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "tokaudit", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 class RecordingProxy:
@@ -97,7 +102,7 @@ class RecordingProxy:
     def _keep(self, data: bytes) -> bytes:
         """Keeps each complete request head in `data`; gives back what follows the last one."""
         while (end := data.find(b"\r\n\r\n")) >= 0:
-            head, data = data[:end], data[end + 4:]
+            head, data = data[:end], data[end + 4 :]
             method, _, rest = head.split(b"\r\n", 1)[0].decode("ascii", "replace").partition(" ")
             if method.isalpha() and method.isupper():
                 with self.lock:

@@ -23,8 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
 
 
 def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -44,8 +47,9 @@ def no_traceback(*texts: str) -> None:
 # Each case: file name → (how to make it in a folder, words its one error line must contain)
 def _uint64(folder: Path) -> None:
     rows = records(UNEVEN, token_mean)
-    table = pa.Table.from_pylist(rows).set_column(0, "step", pa.array([r["step"] for r in rows[:-1]] + [1 << 63],
-                                                                       pa.uint64()))
+    table = pa.Table.from_pylist(rows).set_column(
+        0, "step", pa.array([r["step"] for r in rows[:-1]] + [1 << 63], pa.uint64())
+    )
     pq.write_table(table, folder / "uint64.parquet")
 
 
@@ -86,20 +90,26 @@ def _huge_world(folder: Path) -> None:
 def _beyond_int32(column: str, value: int, one_row: bool = False) -> Any:
     """A file whose `column` holds `value` at its last record, stored as int64 (the step table holds it in 32
     bits); `one_row`: a file of that record alone, read from its footer's statistics."""
+
     def make(folder: Path) -> None:
         rows = records(UNEVEN, token_mean, **({"positions": 8} if column == "positions" else {}))
         rows[-1][column] = value
-        pq.write_table(pa.Table.from_pylist(rows[-1:] if one_row else rows),
-                       folder / f"{column}{'_one' if one_row else ''}.parquet")
+        pq.write_table(
+            pa.Table.from_pylist(rows[-1:] if one_row else rows),
+            folder / f"{column}{'_one' if one_row else ''}.parquet",
+        )
+
     return make
 
 
 def _one_row(name: str, **values: Any) -> Any:
     """A file of one record with `values`: its footer's statistics are its values (`Shard.record`), which settle
     every check but NaN, so only a value shown out of bounds is read, for the row its line names."""
+
     def make(folder: Path) -> None:
         row = dict(records(UNEVEN, token_mean, positions=8)[-1], **values)
         pq.write_table(pa.Table.from_pylist([row]), folder / name)
+
     return make
 
 
@@ -116,8 +126,10 @@ def _half_masked(folder: Path) -> None:
 def _short_positions(folder: Path) -> None:
     table = _narrow_table()
     below = pa.array([n + (-1 if i == 2 else 1) for i, n in enumerate(table["valid_tokens"].to_pylist())], pa.int16())
-    pq.write_table(table.set_column(table.schema.get_field_index("positions"), "positions", below),
-                   folder / "short_positions.parquet")
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("positions"), "positions", below),
+        folder / "short_positions.parquet",
+    )
 
 
 CASES: dict[str, tuple[Any, str]] = {
@@ -131,21 +143,36 @@ CASES: dict[str, tuple[Any, str]] = {
     "random.parquet": (_random, "not a readable Parquet file"),
     # Once one file's aggregation failed on these ("cannot be aggregated", naming the first files of the log,
     # and hiding every good file): each is now its own line.
-    "world_size.parquet": (_beyond_int32("world_size", 1 << 40),
-                           "column 'world_size' holds a value beyond int32, its type in the log format (1099511627776) at row 5"),
+    "world_size.parquet": (
+        _beyond_int32("world_size", 1 << 40),
+        "column 'world_size' holds a value beyond int32, its type in the log format (1099511627776) at row 5",
+    ),
     "micro.parquet": (_beyond_int32("micro", 1 << 31), "column 'micro' holds a value beyond int32"),
-    "valid_tokens.parquet": (_beyond_int32("valid_tokens", 1 << 31),
-                             "column 'valid_tokens' holds more tokens than a microbatch can hold (above 2³¹ − 1)"),
-    "valid_tokens_one.parquet": (_beyond_int32("valid_tokens", 1 << 62, one_row=True),
-                                 "column 'valid_tokens' holds more tokens than a microbatch can hold"),
+    "valid_tokens.parquet": (
+        _beyond_int32("valid_tokens", 1 << 31),
+        "column 'valid_tokens' holds more tokens than a microbatch can hold (above 2³¹ − 1)",
+    ),
+    "valid_tokens_one.parquet": (
+        _beyond_int32("valid_tokens", 1 << 62, one_row=True),
+        "column 'valid_tokens' holds more tokens than a microbatch can hold",
+    ),
     "positions.parquet": (_beyond_int32("positions", 1 << 40), "column 'positions' holds more positions than"),
-    "half_masked.parquet": (_half_masked, "column 'masked_weight_abs_sum' has a negative sum of absolute values (-0.25) "
-                                     "at row 3"),
-    "divisor_one.parquet": (_one_row("divisor_one.parquet", grad_divisor=-2.0),
-                            "column 'grad_divisor' is not a positive number (-2.0) at row 0"),
-    "short_one.parquet": (_one_row("short_one.parquet", valid_tokens=5, positions=4),
-                          "column 'positions' is below 'valid_tokens' (4 < 5) at row 0"),
-    "negative_one.parquet": (_one_row("negative_one.parquet", valid_tokens=-3), "column 'valid_tokens' has a negative count"),
+    "half_masked.parquet": (
+        _half_masked,
+        "column 'masked_weight_abs_sum' has a negative sum of absolute values (-0.25) at row 3",
+    ),
+    "divisor_one.parquet": (
+        _one_row("divisor_one.parquet", grad_divisor=-2.0),
+        "column 'grad_divisor' is not a positive number (-2.0) at row 0",
+    ),
+    "short_one.parquet": (
+        _one_row("short_one.parquet", valid_tokens=5, positions=4),
+        "column 'positions' is below 'valid_tokens' (4 < 5) at row 0",
+    ),
+    "negative_one.parquet": (
+        _one_row("negative_one.parquet", valid_tokens=-3),
+        "column 'valid_tokens' has a negative count",
+    ),
     "scale_nan_one.parquet": (_one_row("scale_nan_one.parquet", grad_scale=float("nan")), "column 'grad_scale' is NaN"),
     # T < n where the file's T and n overlap: no footer shows it, the aggregation counts it and names the file
     "short_positions.parquet": (_short_positions, "column 'positions' is below 'valid_tokens' ("),
@@ -219,9 +246,15 @@ def test_output_paths_that_cannot_be_used(tmp_path: Path) -> None:
     assert digest(tmp_path) == before, "input modified"
 
 
-@pytest.mark.parametrize("variable, value", [("TOKAUDIT_CHUNK_ROWS", "many"), ("TOKAUDIT_CHUNK_ROWS", "0"),
-                                             ("TOKAUDIT_MEMORY_LIMIT", "lots"),
-                                             ("TOKAUDIT_MEMORY_LIMIT", "1000000")])  # DuckDB wants a unit
+@pytest.mark.parametrize(
+    "variable, value",
+    [
+        ("TOKAUDIT_CHUNK_ROWS", "many"),
+        ("TOKAUDIT_CHUNK_ROWS", "0"),
+        ("TOKAUDIT_MEMORY_LIMIT", "lots"),
+        ("TOKAUDIT_MEMORY_LIMIT", "1000000"),
+    ],
+)  # DuckDB wants a unit
 def test_bad_environment_names_the_variable(tmp_path: Path, variable: str, value: str) -> None:
     logs = write_by_rank(tmp_path / "run", records(UNEVEN, token_mean))
     code, out, err = invoke("check", str(logs), env={variable: value})
@@ -273,8 +306,14 @@ def test_a_full_stdout_is_exit_2_without_a_traceback(tmp_path: Path) -> None:
     if not Path("/dev/full").exists():
         pytest.skip("no /dev/full here")
     with open("/dev/full", "w") as full:
-        done = subprocess.run([sys.executable, "-m", "tokaudit.cli", "check", str(logs), "--format", "json"],
-                              stdout=full, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "tokaudit.cli", "check", str(logs), "--format", "json"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
     no_traceback(done.stderr)
     assert done.returncode == 2 and len(error_lines(done.stderr)) == 1
 
@@ -289,8 +328,9 @@ def test_a_post_mortem_of_nothing_readable_names_the_input(tmp_path: Path, comma
 
 
 @pytest.mark.parametrize("change", ["removed", "unreadable"])
-def test_a_log_that_changes_while_it_is_audited_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                            change: str) -> None:
+def test_a_log_that_changes_while_it_is_audited_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
     """The evidence of a finding's step is read again after the whole log was aggregated: a shard removed
     or rewritten in between is one line naming the files, exit 2, never a traceback."""
     import duckdb
@@ -326,8 +366,10 @@ def test_a_thousand_nested_folders_and_a_spark_style_dataset_folder_are_read(tmp
         deep.mkdir()
     (deep / "deep").mkdir()
     for rank in (0, 1):
-        write(deep / "deep" / f"rank-{rank:05d}-000000.parquet",
-              [r for r in records(UNEVEN, token_mean) if r["rank"] == rank])
+        write(
+            deep / "deep" / f"rank-{rank:05d}-000000.parquet",
+            [r for r in records(UNEVEN, token_mean) if r["rank"] == rank],
+        )
     dataset = tmp_path / "logs" / "sparky" / "records.parquet"
     dataset.mkdir(parents=True)
     rows = records(UNEVEN, local_mean)

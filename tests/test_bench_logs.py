@@ -23,10 +23,25 @@ def report(log: Path) -> tuple[int, dict[str, object]]:
 
 @pytest.mark.parametrize("recorder_columns", [False, True], ids=["plain", "every-recorder-column"])
 def test_a_bench_log_is_correct_and_its_planted_local_means_are_found(tmp_path: Path, recorder_columns: bool) -> None:
-    write_log(tmp_path / "correct", ranks=4, steps=12, micro=2, steps_per_file=5, ranks_per_file=2,
-              recorder_columns=recorder_columns)
-    write_log(tmp_path / "planted", ranks=4, steps=12, micro=2, steps_per_file=5, ranks_per_file=2,
-              recorder_columns=recorder_columns, local_mean_every=2)
+    write_log(
+        tmp_path / "correct",
+        ranks=4,
+        steps=12,
+        micro=2,
+        steps_per_file=5,
+        ranks_per_file=2,
+        recorder_columns=recorder_columns,
+    )
+    write_log(
+        tmp_path / "planted",
+        ranks=4,
+        steps=12,
+        micro=2,
+        steps_per_file=5,
+        ranks_per_file=2,
+        recorder_columns=recorder_columns,
+        local_mean_every=2,
+    )
     code, correct = report(tmp_path / "correct")
     assert code == 0 and [run["verdict"] for run in correct["runs"]] == ["correct"], correct  # type: ignore[index]
     code, planted = report(tmp_path / "planted")

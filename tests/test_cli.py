@@ -62,8 +62,16 @@ def test_json_report_follows_the_spec(logs: Path) -> None:
     assert code == 1 and set(report) >= {"tokaudit_version", "runs", "findings"}
     runs = {r["run"]: r for r in report["runs"]}
     for run in runs.values():
-        assert set(run) >= {"run", "rows", "steps", "ranks", "world_size", "verdict", "normalization",
-                            "max_weight_ratio"}
+        assert set(run) >= {
+            "run",
+            "rows",
+            "steps",
+            "ranks",
+            "world_size",
+            "verdict",
+            "normalization",
+            "max_weight_ratio",
+        }
         assert set(run["normalization"]) == {"denominator", "factor"}
     assert runs["good"]["verdict"] == "correct" and runs["good"]["max_weight_ratio"] == pytest.approx(1.0)
     assert runs["good"]["normalization"] == {"denominator": "N", "factor": 2.0}
@@ -100,7 +108,10 @@ def test_weights_shows_q_per_record(logs: Path) -> None:
     code, _, err = invoke("weights", str(logs), "--step", "0")
     assert code == 2 and "choose one with --run" in err
     target = logs.parent / "weights.csv"  # -o: the same CSV into a file, nothing on stdout
-    assert invoke("weights", str(logs), "--run", "bad", "--step", "0", "--format", "csv", "-o", str(target))[:2] == (0, "")
+    assert invoke("weights", str(logs), "--run", "bad", "--step", "0", "--format", "csv", "-o", str(target))[:2] == (
+        0,
+        "",
+    )
     assert target.read_text() == invoke("weights", str(logs), "--run", "bad", "--step", "0", "--format", "csv")[1]
     assert invoke("weights", str(logs), "--run", "bad", "--step", "99")[0] == 2
 
@@ -113,7 +124,9 @@ def test_weights_in_a_pipe_at_80_columns_never_splits_a_number(tmp_path: Path) -
     assert code == 0 and max(len(line) for line in out.splitlines()) <= 80
     pairs = [word.split("=", 1) for word in out.split() if "=" in word and not word.startswith("=")]
     shown = [(key, value) for key, value in pairs if key in ("n", "q", "S")]
-    rows = list(csv.DictReader(invoke("weights", str(tmp_path / "bad"), "--step", "0", "--format", "csv")[1].splitlines()))
+    rows = list(
+        csv.DictReader(invoke("weights", str(tmp_path / "bad"), "--step", "0", "--format", "csv")[1].splitlines())
+    )
     assert [value for key, value in shown if key == "n"] == [r["valid_tokens"] for r in rows]
     assert [float(value) for key, value in shown if key == "q"] == [float(f"{float(r['q']):.4g}") for r in rows]
     assert [float(value) for key, value in shown if key == "S"] == [float(f"{float(r['loss_sum']):.5g}") for r in rows]
@@ -133,8 +146,27 @@ def test_weights_shows_the_probe_s_extremes_and_each_loss_term(tmp_path: Path) -
     code, out = result.exit_code, result.stdout
     assert code == 0
     header = next(line for line in out.splitlines() if line.strip().startswith("group"))
-    assert header.split() == ["group", "term", "rank", "micro", "n", "S", "b", "c", "D", "g", "e", "=", "c·g/D", "q",
-                              "=", "e·N", "probe", "q", "sync"]
+    assert header.split() == [
+        "group",
+        "term",
+        "rank",
+        "micro",
+        "n",
+        "S",
+        "b",
+        "c",
+        "D",
+        "g",
+        "e",
+        "=",
+        "c·g/D",
+        "q",
+        "=",
+        "e·N",
+        "probe",
+        "q",
+        "sync",
+    ]
     table = [line.split() for line in out.splitlines() if line.strip().startswith("0 ")]
     # step 1: labelled counts (2, 6 | 6, 2), N = 16 as the probe saw; the log's N is 18 for term 0: every token
     # weighs 18/16 = 1.125 in q, and the miscounted record's mean 1.125·6/8 = 0.84375
@@ -177,8 +209,9 @@ def test_curve_writes_csv_and_png(logs: Path, tmp_path: Path) -> None:
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_curve_of_a_window_reads_only_the_shards_that_can_hold_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                                                   ) -> None:
+def test_curve_of_a_window_reads_only_the_shards_that_can_hold_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """curve --steps: the window's rows are the whole curve's rows for those steps, read from the shards
     whose footers overlap it and aggregated a range at a time as the whole log would be."""
     import tokaudit._opening as opening
@@ -187,8 +220,10 @@ def test_curve_of_a_window_reads_only_the_shards_that_can_hold_it(tmp_path: Path
     rows = records(counts, local_mean)
     for rank in range(2):
         for part in range(6):  # one shard per rank and 10 steps
-            write(tmp_path / "run" / f"rank-{rank:05d}-{part:06d}.parquet",
-                  [r for r in rows if r["rank"] == rank and 10 * part <= r["step"] < 10 * part + 10])
+            write(
+                tmp_path / "run" / f"rank-{rank:05d}-{part:06d}.parquet",
+                [r for r in rows if r["rank"] == rank and 10 * part <= r["step"] < 10 * part + 10],
+            )
     whole_csv, window_csv = tmp_path / "whole.csv", tmp_path / "window.csv"
     assert invoke("curve", str(tmp_path / "run"), "--csv", str(whole_csv))[0] == 0
     read: list[int] = []
@@ -210,10 +245,16 @@ def test_curve_of_a_window_reads_only_the_shards_that_can_hold_it(tmp_path: Path
     assert invoke("curve", str(tmp_path / "run"), "--steps", "50:")[0] == 0
 
 
-@pytest.mark.parametrize("window, words", [
-    ("abc", "expected FIRST:LAST"), ("12", "expected FIRST:LAST"), ("5:2", "at most the last"),
-    ("-1:3", "at least 0"), ("100:200", "no step from 100 to 200"),
-])
+@pytest.mark.parametrize(
+    "window, words",
+    [
+        ("abc", "expected FIRST:LAST"),
+        ("12", "expected FIRST:LAST"),
+        ("5:2", "at most the last"),
+        ("-1:3", "at least 0"),
+        ("100:200", "no step from 100 to 200"),
+    ],
+)
 def test_curve_window_that_cannot_be_read_is_one_line(logs: Path, window: str, words: str) -> None:
     code, _, err = invoke("curve", str(logs / "good"), "--steps", window)
     lines = [line for line in err.splitlines() if line.startswith("tokaudit: error:")]
@@ -240,11 +281,23 @@ def test_explain_every_code() -> None:
 
 @pytest.mark.slow
 def test_real_subprocess_and_no_torch_import(logs: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "tokaudit.cli", "check", str(logs), "--format", "json"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "tokaudit.cli", "check", str(logs), "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1 and json.loads(done.stdout)["findings"]
-    probe = subprocess.run([sys.executable, "-c", "import sys, tokaudit, tokaudit.cli, tokaudit._auditing; tokaudit.audit; "
-                            "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=120)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, tokaudit, tokaudit.cli, tokaudit._auditing; tokaudit.audit; print('torch' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert probe.stdout.strip() == "False"
 
 
@@ -295,8 +348,11 @@ def test_ctrl_c_is_one_line_and_exit_130(logs: Path, monkeypatch: pytest.MonkeyP
 def test_a_reader_that_goes_away_is_exit_141_and_quiet(logs: Path) -> None:
     """`tokaudit check … | head`: the reader closes the pipe before the report is written; the command says
     nothing and exits 141 (128 + SIGPIPE), as other Unix tools do."""
-    child = subprocess.Popen([sys.executable, "-m", "tokaudit", "check", str(logs), "--format", "json"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tokaudit", "check", str(logs), "--format", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert child.stdout is not None and child.stderr is not None
     child.stdout.close()  # before the audit ends and the report is written
     errors = child.stderr.read()
@@ -346,6 +402,7 @@ def test_the_curve_of_a_run_of_several_loss_terms_shows_each_term_and_their_sum(
     curve = list(csv.DictReader((tmp_path / "curve.csv").read_text().splitlines()))
     assert code == 0 and list(curve[0])[-1] == "token_mean:head1"
     for row in curve:
+
         def mean(term: str) -> float:
             mine = [r for r in rows if r["step"] == int(row["step"]) and r["term"] == term]
             return sum(r["loss_sum"] for r in mine) / sum(r["valid_tokens"] for r in mine)
@@ -356,7 +413,8 @@ def test_the_curve_of_a_run_of_several_loss_terms_shows_each_term_and_their_sum(
     code, out, _ = invoke("curve", str(SAMPLE_LOGS / "aux_head_named"), "--format", "json")
     steps = json.loads(out)["steps"]  # the same values as the CSV, each step one object
     assert code == 0 and [(s["step"], s["token_mean:head1"]) for s in steps] == [
-        (int(r["step"]), float(r["token_mean:head1"])) for r in curve]
+        (int(r["step"]), float(r["token_mean:head1"])) for r in curve
+    ]
     assert invoke("curve", str(SAMPLE_LOGS / "aux_head_named"), "--format", "json", "--csv", "x.csv")[0] == 2
     out = invoke("curve", str(SAMPLE_LOGS / "aux_head_named"))[1]
     assert "ΣS/N (true, term head1)" in " ".join(out.split()) and "optimized Σe·S (all terms)" in " ".join(out.split())
@@ -365,13 +423,21 @@ def test_the_curve_of_a_run_of_several_loss_terms_shows_each_term_and_their_sum(
 def test_the_output_s_extension_names_its_format_and_it_is_said(logs: Path, tmp_path: Path) -> None:
     """-o report.html without --format writes HTML (and .json, .xml, .md their formats); an extension that names
     no format is refused before anything runs; the file written is said on stderr."""
-    for name, start in [("report.html", "<!doctype html>"), ("report.json", "{"), ("report.xml", "<?xml"),
-                        ("report.md", "<!-- tokaudit-report -->")]:
+    for name, start in [
+        ("report.html", "<!doctype html>"),
+        ("report.json", "{"),
+        ("report.xml", "<?xml"),
+        ("report.md", "<!-- tokaudit-report -->"),
+    ]:
         code, out, err = invoke("check", str(logs), "-q", "-o", str(tmp_path / name))
         assert code == 1 and out == "" and err.strip() == f"wrote {tmp_path / name}"
         assert (tmp_path / name).read_text().lstrip().lower().startswith(start.lower()), name
     code, out, err = invoke("check", str(logs), "-o", str(tmp_path / "report.pdf"))
-    assert code == 2 and "cannot tell the format from the extension '.pdf'" in err and not (tmp_path / "report.pdf").exists()
+    assert (
+        code == 2
+        and "cannot tell the format from the extension '.pdf'" in err
+        and not (tmp_path / "report.pdf").exists()
+    )
     code, _, _ = invoke("check", str(logs), "--format", "json", "-o", str(tmp_path / "report.out"))
     assert code == 1 and json.loads((tmp_path / "report.out").read_text())["runs"]
 
@@ -400,7 +466,10 @@ def test_a_report_that_does_not_fit_leaves_the_one_before(logs: Path, tmp_path: 
                 pass
         code, out, err = invoke("check", str(logs), "-o", str(good))
         assert code == 2 and "cannot write the report" in err
-        assert good.read_text() == "the good report" and sorted(p.name for p in disk.iterdir()) == ["filler", "report.html"]
+        assert good.read_text() == "the good report" and sorted(p.name for p in disk.iterdir()) == [
+            "filler",
+            "report.html",
+        ]
     finally:
         subprocess.run(["umount", str(disk)])
 
@@ -413,8 +482,13 @@ def _large_log(folder: Path) -> Path:
 
 def _aggregating(log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """`tokaudit check LOG` in a process of its own, once it says it aggregates (its progress in a pipe)."""
-    process = subprocess.Popen([sys.executable, "-m", "tokaudit", "check", str(log)], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokaudit", "check", str(log)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert process.stderr is not None
     line = "-"
     while line and not line.startswith("aggregating"):
@@ -440,8 +514,9 @@ def test_ctrl_c_during_the_aggregation_is_interrupted_exit_130(tmp_path: Path) -
 
 
 @pytest.mark.slow
-def test_a_killed_audit_s_scratch_is_swept_by_the_next_and_a_live_one_s_is_kept(tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_killed_audit_s_scratch_is_swept_by_the_next_and_a_live_one_s_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An audit SIGKILLed while it aggregates leaves its folder under TMPDIR (here the links to shards whose names
     DuckDB cannot take as they are); the next audit removes it, and never the folder of an audit still running."""
     import os
@@ -462,8 +537,9 @@ def test_a_killed_audit_s_scratch_is_swept_by_the_next_and_a_live_one_s_is_kept(
         live.mkdir()
         monkeypatch.setenv("TMPDIR", str(scratch))
         sample = Path(__file__).resolve().parents[1] / "sample_logs" / "bug_local_mean"
-        done = subprocess.run([sys.executable, "-m", "tokaudit", "check", str(sample), "-q"], capture_output=True,
-                              env=env, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "tokaudit", "check", str(sample), "-q"], capture_output=True, env=env, timeout=120
+        )
         assert done.returncode in (0, 1)
         remaining = sorted(p.name for p in scratch.iterdir())
         assert remaining == [live.name], remaining

@@ -54,16 +54,26 @@ def test_every_run_name_and_verdict_is_readable_at_any_width(sample_report: toka
 
 @pytest.mark.slow
 def test_in_a_pipe_the_run_names_stay(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "tokaudit", "check", str(SAMPLE_LOGS)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120, env={**os.environ, "COLUMNS": "80"})
+    done = subprocess.run(
+        [sys.executable, "-m", "tokaudit", "check", str(SAMPLE_LOGS)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "80"},
+    )
     assert done.returncode == 1
     for run in ("bug_local_mean", "correct_sum_hook", "inconclusive_balanced_local_mean"):
         assert run in done.stdout
 
 
 def test_the_table_shows_what_decides_the_verdict(tmp_path: Path) -> None:
-    code, out, _ = invoke("check", str(SAMPLE_LOGS / "bug_missing_world_size"), str(SAMPLE_LOGS / "correct_sum_hook"),
-                          env={"COLUMNS": "120"})
+    code, out, _ = invoke(
+        "check",
+        str(SAMPLE_LOGS / "bug_missing_world_size"),
+        str(SAMPLE_LOGS / "correct_sum_hook"),
+        env={"COLUMNS": "120"},
+    )
     rows = {line.split()[0]: line for line in out.splitlines() if line.strip().startswith(("bug_", "correct_"))}
     # Both read b·g = S/N; D and q tell them apart.
     assert re.search(r"incorrect\s+3\s+2\s+2\s+2\s+b·g = S/N\s+0\.5\s", rows["bug_missing_world_size"])
@@ -87,8 +97,9 @@ def test_the_chart_fills_the_console_and_shows_coinciding_series() -> None:
     assert SHARED in narrow and "several series at one point" in narrow and "○" in narrow
 
 
-def _plain_cells(x: list[float], series: dict[str, list[float | None]], width: int, height: int
-                 ) -> dict[tuple[int, int], set[int]]:
+def _plain_cells(
+    x: list[float], series: dict[str, list[float | None]], width: int, height: int
+) -> dict[tuple[int, int], set[int]]:
     """The chart's cells point by point, as the definition reads: each finite point's column and line."""
     import math
 
@@ -131,13 +142,21 @@ def test_the_chart_places_every_point_where_its_definition_says(seed: int) -> No
     owners = _plain_cells(x, series, width, height)
     label_width = chart[0].index("┤") - 1
     for line in range(height):
-        cells = chart[line][label_width + 2:label_width + 2 + width]
-        expected = "".join(" " if (line, c) not in owners else MARKS[min(owners[(line, c)]) % len(MARKS)]
-                           if len(owners[(line, c)]) == 1 else SHARED for c in range(width))
+        cells = chart[line][label_width + 2 : label_width + 2 + width]
+        expected = "".join(
+            " "
+            if (line, c) not in owners
+            else MARKS[min(owners[(line, c)]) % len(MARKS)]
+            if len(owners[(line, c)]) == 1
+            else SHARED
+            for c in range(width)
+        )
         assert cells.ljust(width) == expected, (seed, line)
     # drawn from batches of the points (a curve read a part at a time): the same chart
     chart_batches = LineChart(list(series), width, height)
-    columns = {name: np.array([np.nan if v is None else v for v in ys], dtype=np.float64) for name, ys in series.items()}
+    columns = {
+        name: np.array([np.nan if v is None else v for v in ys], dtype=np.float64) for name, ys in series.items()
+    }
     cuts = [0, count // 3, count // 3, count]  # one batch empty
     for place in (False, True):
         for a, b in zip(cuts, cuts[1:]):
@@ -180,7 +199,8 @@ def test_fail_on_inconclusive_ignore_and_min_ratio(tmp_path: Path) -> None:
     code, _, err = invoke("check", str(bad), "--ignore", "locl_mean")
     assert code == 2 and err.strip().splitlines() == [
         "tokaudit: error: --ignore: unknown code 'locl_mean' (did you mean local_mean?); `tokaudit explain` lists "
-        "the codes"]
+        "the codes"
+    ]
     assert invoke("explain", "local-mean")[1].startswith("local_mean (error)")
     code, _, err = invoke("explain", "locl_mean")
     assert code == 2 and "did you mean local_mean?" in err
@@ -198,8 +218,9 @@ def test_fail_on_inconclusive_ignore_and_min_ratio(tmp_path: Path) -> None:
 def test_github_annotations_and_step_summary(tmp_path: Path) -> None:
     write_by_rank(tmp_path / "logs" / "bad", records(UNEVEN, local_mean))
     summary = tmp_path / "summary.md"
-    code, out, _ = invoke("check", str(tmp_path / "logs"), "--format", "github",
-                          env={"GITHUB_STEP_SUMMARY": str(summary)})
+    code, out, _ = invoke(
+        "check", str(tmp_path / "logs"), "--format", "github", env={"GITHUB_STEP_SUMMARY": str(summary)}
+    )
     assert code == 1
     assert any(line.startswith("::error title=tokaudit local_mean · bad::steps 0–2 (3)") for line in out.splitlines())
     assert "::notice title=tokaudit bad::verdict: incorrect" in out
@@ -259,7 +280,8 @@ def test_weights_json_uses_the_log_names_and_q_at_full_precision() -> None:
     assert {"group", "effective_weight", "q", "valid_tokens", "loss_sum"} <= set(record)
     assert not {"grp", "eff", "distortion"} & set(record)  # the internal names, and the report evidence's name for q
     assert record["loss_sum"] == audit([SAMPLE_LOGS / "bug_local_mean"], keep_steps=True).steps.query(
-        "step == 1").loss.iloc[0] - sum(r["loss_sum"] for r in document["records"][1:])
+        "step == 1"
+    ).loss.iloc[0] - sum(r["loss_sum"] for r in document["records"][1:])
 
 
 def test_packaging_one_version_a_license_and_python_m() -> None:
@@ -268,8 +290,12 @@ def test_packaging_one_version_a_license_and_python_m() -> None:
     assert importlib.metadata.metadata("tokaudit")["License-Expression"] == "Apache-2.0"  # SPDX
     done = subprocess.run([sys.executable, "-m", "tokaudit", "--version"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0 and tokaudit.__version__ in done.stdout
-    done = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; import tokaudit.hooks"],
-                          capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['torch'] = None; import tokaudit.hooks"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert done.returncode != 0 and "pip install '.[hooks]'" in done.stderr
 
 
@@ -300,13 +326,18 @@ def test_progress_goes_to_stderr_and_quiet_silences_it(tmp_path: Path, monkeypat
 @pytest.mark.integration
 def test_make_demo_on_a_fresh_venv_needs_no_torch(tmp_path: Path) -> None:
     venv = tmp_path / "demo-venv"
-    done = subprocess.run(["make", "demo", f"DEMO_VENV={venv}"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=900)
+    done = subprocess.run(["make", "demo", f"DEMO_VENV={venv}"], capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "bug_local_mean" in done.stdout
-    probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import importlib.util as u; "
-                            "print(u.find_spec('torch') is None, u.find_spec('transformers') is None)"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import importlib.util as u; print(u.find_spec('torch') is None, u.find_spec('transformers') is None)",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert probe.stdout.split() == ["True", "True"]
 
 
@@ -321,9 +352,13 @@ def test_check_ends_with_one_line_of_runs_by_verdict_and_says_nothing_when_nothi
     last = " ".join(out.split("\n\n")[-1].split())  # the last paragraph, as one line (it wraps at 80 columns)
     assert last.startswith(
         f"{len(verdicts)} runs: {verdicts.count('correct')} correct, {verdicts.count('incorrect')} incorrect, "
-        f"{verdicts.count('inconclusive')} inconclusive; "), last
+        f"{verdicts.count('inconclusive')} inconclusive; "
+    ), last
     code, out, err = invoke("check", str(tmp_path / "nothing"))
-    assert (code, out) == (2, "") and err.strip() == f"tokaudit: error: {tmp_path / 'nothing'}: no such file or directory"
+    assert (code, out) == (
+        2,
+        "",
+    ) and err.strip() == f"tokaudit: error: {tmp_path / 'nothing'}: no such file or directory"
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -333,15 +368,17 @@ def test_check_ends_with_one_line_of_runs_by_verdict_and_says_nothing_when_nothi
     assert "not a tokaudit log (no column 'step', 'micro', 'rank', 'world_size'" in err
 
 
-def test_settings_in_pyproject_apply_from_below_and_the_command_line_wins(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_settings_in_pyproject_apply_from_below_and_the_command_line_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """[tool.tokaudit] of the first pyproject.toml from the current folder upward sets check's options (as ruff's
     and pytest's are found); an option given on the command line wins; --help names the file read; a setting
     that does not exist is one line naming the file, exit 2."""
     project = tmp_path / "project"
     (project / "src" / "deep").mkdir(parents=True)
-    (project / "pyproject.toml").write_text('[tool.tokaudit]\nfail-on = "never"\nignore = ["reported_loss_mismatch"]\n'
-                                            'rtol = 1e-3\n')
+    (project / "pyproject.toml").write_text(
+        '[tool.tokaudit]\nfail-on = "never"\nignore = ["reported_loss_mismatch"]\nrtol = 1e-3\n'
+    )
     monkeypatch.chdir(project / "src" / "deep")
     log = str(SAMPLE_LOGS / "bug_local_mean")
     code, out, _ = invoke("check", log, "--format", "json")
@@ -351,12 +388,16 @@ def test_settings_in_pyproject_apply_from_below_and_the_command_line_wins(tmp_pa
     assert f"[tool.tokaudit] of {project / 'pyproject.toml'}" in " ".join(invoke("check", "--help")[1].split())
     (project / "pyproject.toml").write_text('[tool.tokaudit]\nfail_on = "never"\n')
     code, out, err = invoke("check", log)
-    assert (code, out) == (2, "") and err.strip() == (f"tokaudit: error: {project / 'pyproject.toml'}: [tool.tokaudit] "
-                                                      "has no setting 'fail_on' (settings: fail-on, ignore, rtol, min-ratio, ray)")
-    (project / "pyproject.toml").write_text('[tool.tokaudit]\nray = 5\n')
+    assert (code, out) == (2, "") and err.strip() == (
+        f"tokaudit: error: {project / 'pyproject.toml'}: [tool.tokaudit] "
+        "has no setting 'fail_on' (settings: fail-on, ignore, rtol, min-ratio, ray)"
+    )
+    (project / "pyproject.toml").write_text("[tool.tokaudit]\nray = 5\n")
     code, out, err = invoke("check", log)
-    assert (code, out) == (2, "") and err.strip() == (f"tokaudit: error: {project / 'pyproject.toml'}: [tool.tokaudit] "
-                                                      "ray = 5: expected a cluster's address, such as \"auto\"")
+    assert (code, out) == (2, "") and err.strip() == (
+        f"tokaudit: error: {project / 'pyproject.toml'}: [tool.tokaudit] "
+        'ray = 5: expected a cluster\'s address, such as "auto"'
+    )
 
 
 def test_junit_has_one_test_case_per_run_failed_when_incorrect(tmp_path: Path) -> None:
@@ -376,7 +417,7 @@ def test_junit_has_one_test_case_per_run_failed_when_incorrect(tmp_path: Path) -
         assert kinds == {"incorrect": ["failure"], "inconclusive": ["skipped"], "correct": []}[verdict], run
     assert suite.get("failures") == str(list(EXPECTED_VERDICT.values()).count("incorrect"))
     assert "local_mean" in (cases["bug_local_mean"].find("failure").get("message") or "")  # type: ignore[union-attr]
-    odd = 'a<b>&"c\''
+    odd = "a<b>&\"c'"
     write_by_rank(tmp_path / "odd", records(UNEVEN, local_mean, run_id=odd))
     (case,) = ElementTree.fromstring(invoke("check", str(tmp_path / "odd"), "--format", "junit")[1]).iter("testcase")
     assert case.get("name") == odd
@@ -393,7 +434,8 @@ def test_a_folder_of_many_runs_reads_in_brief_and_one_run_in_full() -> None:
 
 
 def test_a_misspelled_code_in_settings_names_the_file_and_a_broken_foreign_pyproject_is_passed_over(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A code in [tool.tokaudit]'s ignore that does not exist is blamed on that file, not on --ignore; another
     project's pyproject.toml that is not TOML (no [tool.tokaudit] in it) does not stop the audit."""
     parent = tmp_path / "monorepo"
@@ -402,9 +444,11 @@ def test_a_misspelled_code_in_settings_names_the_file_and_a_broken_foreign_pypro
     (parent / "ours" / "pyproject.toml").write_text('[tool.tokaudit]\nignore = ["locl_mean"]\n')
     monkeypatch.chdir(parent / "ours")
     code, _, err = invoke("check", str(SAMPLE_LOGS / "bug_local_mean"))
-    assert code == 2 and err.strip() == (f"tokaudit: error: {parent / 'ours' / 'pyproject.toml'}: [tool.tokaudit] "
-                                         "ignore: unknown code 'locl_mean' (did you mean local_mean?); "
-                                         "`tokaudit explain` lists the codes")
+    assert code == 2 and err.strip() == (
+        f"tokaudit: error: {parent / 'ours' / 'pyproject.toml'}: [tool.tokaudit] "
+        "ignore: unknown code 'locl_mean' (did you mean local_mean?); "
+        "`tokaudit explain` lists the codes"
+    )
     (parent / "ours" / "pyproject.toml").unlink()
     code, out, _ = invoke("check", str(SAMPLE_LOGS / "bug_local_mean"), "--format", "json")
     assert code == 1 and json.loads(out)["runs"][0]["verdict"] == "incorrect"
@@ -415,8 +459,9 @@ def test_a_row_whose_q_shows_nothing_says_which_finding_decides() -> None:
     which finding makes it incorrect, and the JSON lists the deciding codes of every run."""
     code, out, _ = invoke("check", str(SAMPLE_LOGS / "padding_labelled"))
     assert code == 1 and "padding_labelled: incorrect (by masked_tokens_weighted)" in out
-    code, out, _ = invoke("check", str(SAMPLE_LOGS / "padding_labelled"), str(SAMPLE_LOGS / "correct_token_mean_ga"),
-                          "--format", "json")
+    code, out, _ = invoke(
+        "check", str(SAMPLE_LOGS / "padding_labelled"), str(SAMPLE_LOGS / "correct_token_mean_ga"), "--format", "json"
+    )
     runs = {run["run"]: run for run in json.loads(out)["runs"]}
     assert runs["padding_labelled"]["decided_by"] == ["masked_tokens_weighted"]
     assert runs["correct_token_mean_ga"]["decided_by"] == []
@@ -440,8 +485,9 @@ def test_a_weighting_finding_carries_the_token_mean_as_code_for_its_set_up() -> 
     assert code == 0 and longest in out and "The token mean in Lightning" in out
 
 
-def test_in_a_pipe_the_aggregation_says_a_few_lines_however_many_ranges(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_in_a_pipe_the_aggregation_says_a_few_lines_however_many_ranges(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A log cut into many step ranges: in a pipe or a CI log, the first range, each quarter and the last, not a
     line a range (on a terminal it is one progress bar)."""
     from tests.logs import records, token_mean, write_by_rank

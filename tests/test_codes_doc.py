@@ -46,8 +46,14 @@ def test_the_table_covers_every_code_in_order() -> None:
         assert doc.title and doc.why and doc.fix and doc.example, code
         assert DEFAULT_SEVERITY[code] is doc.severity
         assert not doc.undecidable or doc.severity is Severity.WARNING, code
-    assert UNDECIDABLE == {Code.LOSS_SCALE, Code.UNKNOWN_DIVISOR, Code.NO_WEIGHTS, Code.RECORDS_DROPPED,
-                           Code.COUNT_MISMATCH, Code.RANKS_NOT_RECORDED}
+    assert UNDECIDABLE == {
+        Code.LOSS_SCALE,
+        Code.UNKNOWN_DIVISOR,
+        Code.NO_WEIGHTS,
+        Code.RECORDS_DROPPED,
+        Code.COUNT_MISMATCH,
+        Code.RANKS_NOT_RECORDED,
+    }
 
 
 @pytest.mark.parametrize("code", list(Code), ids=lambda c: c.value)

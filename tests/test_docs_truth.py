@@ -66,7 +66,9 @@ def shown(program: str) -> list[tuple[str, list[str]]]:
 
 
 def options_of(command: click.Command) -> dict[str, click.Parameter]:
-    return {option: parameter for parameter in command.params for option in [*parameter.opts, *parameter.secondary_opts]}
+    return {
+        option: parameter for parameter in command.params for option in [*parameter.opts, *parameter.secondary_opts]
+    }
 
 
 def test_every_tokaudit_command_and_option_shown_exists() -> None:
@@ -120,7 +122,7 @@ def test_every_script_and_its_options_shown_exist() -> None:
             continue
         seen += 1
         source = path.read_text()
-        for word in parts[parts.index(script) + 1:]:
+        for word in parts[parts.index(script) + 1 :]:
             if word.startswith("--") and f'"{word.split("=")[0]}"' not in source:
                 wrong.append(f"{page}: {script} takes no {word}")
     assert seen >= 4, "the pages show the bench's commands"
@@ -145,12 +147,15 @@ def metadata_keys() -> set[str]:
     """The Parquet metadata keys of the log format (`tokaudit.provenance`, ...), which the pages name too."""
     import tokaudit._schema as schema
 
-    return {value.decode() for name, value in vars(schema).items() if name.endswith("_KEY") and isinstance(value, bytes)}
+    return {
+        value.decode() for name, value in vars(schema).items() if name.endswith("_KEY") and isinstance(value, bytes)
+    }
 
 
 def test_every_dotted_tokaudit_name_shown_exists() -> None:
-    names = {name for page in PAGES
-             for name in re.findall(r"(?<![\w/.-])tokaudit(?:\.[A-Za-z_]\w*)+", page.read_text())}
+    names = {
+        name for page in PAGES for name in re.findall(r"(?<![\w/.-])tokaudit(?:\.[A-Za-z_]\w*)+", page.read_text())
+    }
     keys = metadata_keys()
     assert "tokaudit.provenance" in keys
     missing = []
@@ -164,8 +169,13 @@ def test_every_dotted_tokaudit_name_shown_exists() -> None:
     assert not missing, missing
 
 
-API_MODULES = ("tokaudit", "tokaudit.hooks", "tokaudit.hooks.huggingface", "tokaudit.hooks.lightning",
-               "tokaudit.testing")
+API_MODULES = (
+    "tokaudit",
+    "tokaudit.hooks",
+    "tokaudit.hooks.huggingface",
+    "tokaudit.hooks.lightning",
+    "tokaudit.testing",
+)
 """The modules whose names the pages use without an import (the README's one-liners name the module beside)."""
 
 
@@ -176,8 +186,10 @@ def public_names() -> dict[str, Any]:
     for module_name in API_MODULES:
         module = importlib.import_module(module_name)
         listed = getattr(module, "__all__", None) or [
-            name for name, value in vars(module).items()
-            if not name.startswith("_") and getattr(value, "__module__", None) == module_name]
+            name
+            for name, value in vars(module).items()
+            if not name.startswith("_") and getattr(value, "__module__", None) == module_name
+        ]
         names.update({name: getattr(module, name) for name in listed if not name.startswith("_")})
     return names
 
@@ -196,15 +208,22 @@ def api_calls(body: str) -> Iterator[tuple[Any, ast.Call]]:
         if isinstance(node, (ast.Assign, ast.withitem)):
             value = node.value if isinstance(node, ast.Assign) else node.context_expr
             targets = node.targets if isinstance(node, ast.Assign) else [node.optional_vars]
-            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and inspect.isclass(known.get(value.func.id)):
+            if (
+                isinstance(value, ast.Call)
+                and isinstance(value.func, ast.Name)
+                and inspect.isclass(known.get(value.func.id))
+            ):
                 known.update({t.id: known[value.func.id] for t in targets if isinstance(t, ast.Name)})
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
         if isinstance(node.func, ast.Name) and node.func.id in known:
             yield known[node.func.id], node
-        elif isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
-                and node.func.value.id in known:
+        elif (
+            isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id in known
+        ):
             yield getattr(known[node.func.value.id], node.func.attr), node
 
 
@@ -217,8 +236,7 @@ def wrong_keywords(body: str) -> tuple[int, list[str]]:
             continue
         checked += 1
         name = getattr(function, "__qualname__", repr(function))
-        wrong += [f"{name} takes no {k.arg}="
-                  for k in call.keywords if k.arg is not None and k.arg not in parameters]
+        wrong += [f"{name} takes no {k.arg}=" for k in call.keywords if k.arg is not None and k.arg not in parameters]
     return checked, wrong
 
 
@@ -247,8 +265,10 @@ def test_every_keyword_an_example_passes_to_tokaudit_exists() -> None:
 
 
 def test_the_checks_catch_a_wrong_keyword_a_wrong_option_and_a_wrong_name() -> None:
-    example = ("from tokaudit.hooks import Recorder\nrec = Recorder('runs', run_id='x', no_such=1)\n"
-               "rec.record(loss_sum=s, valid_tokens=n, nor_this=2)\n")
+    example = (
+        "from tokaudit.hooks import Recorder\nrec = Recorder('runs', run_id='x', no_such=1)\n"
+        "rec.record(loss_sum=s, valid_tokens=n, nor_this=2)\n"
+    )
     assert wrong_keywords(example)[1] == ["Recorder takes no no_such=", "Recorder.record takes no nor_this="]
     assert "--no-such-flag" not in options_of(cli.commands["check"])
     with pytest.raises(AttributeError):

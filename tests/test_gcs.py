@@ -51,16 +51,20 @@ def test_a_run_id_joins_the_path_before_the_query_string(gcs: int) -> None:
             for step in range(20):
                 rec.record(loss_sum=2.0, valid_tokens=2, backward_scalar=1.0, step=step)
     assert [str(w.message) for w in caught if "tokaudit" in str(w.message)] == []
-    done = tokaudit("check", f"gs://anonymous@logs/runs/exp?scheme=http&endpoint_override=127.0.0.1:{gcs}",
-                    "--format", "json")
+    done = tokaudit(
+        "check", f"gs://anonymous@logs/runs/exp?scheme=http&endpoint_override=127.0.0.1:{gcs}", "--format", "json"
+    )
     (run,) = json.loads(done.stdout)["runs"]
     assert (run["run"], run["rows"], run["verdict"]) == ("exp", 20, "correct"), done.stderr
 
 
 def test_a_gcs_endpoint_that_does_not_answer_is_one_line_in_seconds(tmp_path: Path) -> None:
     start = time.monotonic()
-    done = tokaudit("check", f"gs://anonymous@logs/runs?scheme=http&endpoint_override=127.0.0.1:{_free_port()}",
-                    env={"TOKAUDIT_STORAGE_TIMEOUT": "2"})
+    done = tokaudit(
+        "check",
+        f"gs://anonymous@logs/runs?scheme=http&endpoint_override=127.0.0.1:{_free_port()}",
+        env={"TOKAUDIT_STORAGE_TIMEOUT": "2"},
+    )
     took = time.monotonic() - start
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert took < 60, f"{took:.0f} s"

@@ -18,9 +18,17 @@ from tokaudit.cli import main
 SAMPLE_LOGS = Path(__file__).resolve().parents[1] / "sample_logs"
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 # As root on a machine with no network: no sandbox, and none of Chromium's background connections.
-CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--window-size=1200,900")
+CHROMIUM_FLAGS = (
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1200,900",
+)
 
 
 def html_report(paths: list[Path], out: Path, *options: str) -> str:
@@ -35,13 +43,15 @@ def test_the_page_is_self_contained_and_prints_log_text_literally(tmp_path: Path
     page = html_report([tmp_path / "logs"], tmp_path / "report.html")
     assert "<script" not in page and "<link" not in page and "http" not in page.replace("http-equiv", "")
     assert run not in page and "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;&amp;amp;" in page
-    assert 'data-code=local_mean' in page and page.count("class=heatmap") == 1
+    assert "data-code=local_mean" in page and page.count("class=heatmap") == 1
 
 
 @pytest.mark.integration
 @needs("selenium")
-@pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
-                    reason="needs Debian's chromium and chromium-driver (.ci/run installs them)")
+@pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="needs Debian's chromium and chromium-driver (.ci/run installs them)",
+)
 def test_the_report_loads_in_a_real_browser_with_every_run_finding_and_heat_map(tmp_path: Path) -> None:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -83,7 +93,9 @@ def test_the_report_loads_in_a_real_browser_with_every_run_finding_and_heat_map(
         one_term = not any("term" in label for label in section["curve_labels"])
         if EXPECTED_VERDICT[run] == "correct" and one_term and section["curve_labels"]:  # true mean = optimized
             assert any("ΣS/N (true)" in label and "optimized Σe·S" in label for label in section["curve_labels"]), (
-                run, section["curve_labels"])
+                run,
+                section["curve_labels"],
+            )
     assert shown["curves"] > 0 and shown["narrowest_curve"] > 0
 
 

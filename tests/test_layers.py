@@ -15,14 +15,49 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-LAYERS = ("errors", "_schema", "codes", "_recipes", "_settings", "_storage", "_sorting", "_validation", "_footers", "_reader", "_spool", "_discovery", "_loading",
-          "_engine", "_cluster", "_opening", "_normalization", "_report", "_checks", "_summary", "_step_parts", "_auditing", "_postmortem", "_figures", "_explain",
-          "_render", "testing", "_outputs", "_cli_exits", "_cli_inputs", "_cli_progress", "cli",
-          "__main__")
+LAYERS = (
+    "errors",
+    "_schema",
+    "codes",
+    "_recipes",
+    "_settings",
+    "_storage",
+    "_sorting",
+    "_validation",
+    "_footers",
+    "_reader",
+    "_spool",
+    "_discovery",
+    "_loading",
+    "_engine",
+    "_cluster",
+    "_opening",
+    "_normalization",
+    "_report",
+    "_checks",
+    "_summary",
+    "_step_parts",
+    "_auditing",
+    "_postmortem",
+    "_figures",
+    "_explain",
+    "_render",
+    "testing",
+    "_outputs",
+    "_cli_exits",
+    "_cli_inputs",
+    "_cli_progress",
+    "cli",
+    "__main__",
+)
 """The auditor's modules and subpackages, lowest first: each may import those before it."""
 
-UPWARD = {("tokaudit._report", "tokaudit._render.markdown"):
-          "a report shows itself in a notebook as its Markdown report, imported when Jupyter asks"}
+UPWARD = {
+    (
+        "tokaudit._report",
+        "tokaudit._render.markdown",
+    ): "a report shows itself in a notebook as its Markdown report, imported when Jupyter asks"
+}
 """The imports that point up, each inside the one function that needs it, and why."""
 
 MODULE_LINES, FUNCTION_LINES = 500, 60
@@ -58,7 +93,9 @@ def imports_of(module: str, path: Path) -> list[Import]:
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tokaudit":
                 found.append(Import(module, node.module, tuple(a.name for a in node.names), typing_only))
             elif isinstance(node, ast.Import):
-                found.extend(Import(module, a.name, (), typing_only) for a in node.names if a.name.startswith("tokaudit"))
+                found.extend(
+                    Import(module, a.name, (), typing_only) for a in node.names if a.name.startswith("tokaudit")
+                )
             checking = isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, ast.stmt):
@@ -88,7 +125,9 @@ def test_the_auditor_imports_only_the_layers_below_each_module() -> None:
     for found in every_import():
         if found.module.startswith("tokaudit.hooks") or found.typing_only:
             continue
-        assert not found.target.startswith("tokaudit.hooks"), f"{found.module} imports {found.target}: no torch in the audit"
+        assert not found.target.startswith("tokaudit.hooks"), (
+            f"{found.module} imports {found.target}: no torch in the audit"
+        )
         here, there = layer(found.module), layer(found.target)
         if not here or not there or here == there:
             continue  # the package's own lazy names; a layer's modules among themselves
@@ -99,19 +138,38 @@ def test_the_auditor_imports_only_the_layers_below_each_module() -> None:
 
 
 def test_the_hooks_know_only_the_auditor_s_contract_and_public_names() -> None:
-    outside = [f"{f.module} -> {f.target}" for f in every_import() if f.module.startswith("tokaudit.hooks")
-               and not f.target.startswith("tokaudit.hooks") and f.target not in HOOKS_MAY_IMPORT]
+    outside = [
+        f"{f.module} -> {f.target}"
+        for f in every_import()
+        if f.module.startswith("tokaudit.hooks")
+        and not f.target.startswith("tokaudit.hooks")
+        and f.target not in HOOKS_MAY_IMPORT
+    ]
     assert not outside, outside
 
 
 def test_no_module_imports_another_s_private_name() -> None:
-    private = [f"{f.module} imports {name} from {f.target}" for f in every_import() for name in f.names
-               if name.startswith("_") and not name.startswith("__") and f.target != f.module]
+    private = [
+        f"{f.module} imports {name} from {f.target}"
+        for f in every_import()
+        for name in f.names
+        if name.startswith("_") and not name.startswith("__") and f.target != f.module
+    ]
     assert not private, private
 
 
-PUBLIC = ("tokaudit", "tokaudit.__main__", "tokaudit.cli", "tokaudit.codes", "tokaudit.errors", "tokaudit.testing",
-          "tokaudit.hooks", "tokaudit.hooks.huggingface", "tokaudit.hooks.lightning", "tokaudit.hooks.trackers")
+PUBLIC = (
+    "tokaudit",
+    "tokaudit.__main__",
+    "tokaudit.cli",
+    "tokaudit.codes",
+    "tokaudit.errors",
+    "tokaudit.testing",
+    "tokaudit.hooks",
+    "tokaudit.hooks.huggingface",
+    "tokaudit.hooks.lightning",
+    "tokaudit.hooks.trackers",
+)
 """The modules a user imports (docs/development.md, "What is public"); every other one is the implementation."""
 
 
@@ -127,21 +185,30 @@ imported module by module, lazily: a format costs only its own import)."""
 
 
 def test_the_checks_engine_and_recovery_are_entered_by_their_init() -> None:
-    through = [f"{f.module} imports {f.target}" for f in every_import() for package in ENTERED_BY_INIT
-               if f.target.startswith(package + ".") and not f.module.startswith(package)]
+    through = [
+        f"{f.module} imports {f.target}"
+        for f in every_import()
+        for package in ENTERED_BY_INIT
+        if f.target.startswith(package + ".") and not f.module.startswith(package)
+    ]
     assert not through, through
 
 
 def test_the_rules_see_a_wrong_import(tmp_path: Path) -> None:
     """The checks above read what they should: an upward import, a typing-only one, and a private name."""
     source = tmp_path / "module.py"
-    source.write_text("from typing import TYPE_CHECKING\nfrom tokaudit._render.text import printable\n"
-                      "if TYPE_CHECKING:\n    from tokaudit.cli import main\n"
-                      "def f():\n    from tokaudit._engine.tables import _hidden\n", encoding="utf-8")
+    source.write_text(
+        "from typing import TYPE_CHECKING\nfrom tokaudit._render.text import printable\n"
+        "if TYPE_CHECKING:\n    from tokaudit.cli import main\n"
+        "def f():\n    from tokaudit._engine.tables import _hidden\n",
+        encoding="utf-8",
+    )
     found = imports_of("tokaudit._reader", source)
     assert [(f.target, f.names, f.typing_only) for f in found] == [
-        ("tokaudit._render.text", ("printable",), False), ("tokaudit.cli", ("main",), True),
-        ("tokaudit._engine.tables", ("_hidden",), False)]
+        ("tokaudit._render.text", ("printable",), False),
+        ("tokaudit.cli", ("main",), True),
+        ("tokaudit._engine.tables", ("_hidden",), False),
+    ]
     assert LAYERS.index(layer("tokaudit._render.text")) > LAYERS.index(layer("tokaudit._reader"))
 
 
@@ -154,8 +221,9 @@ def module_level_targets(module: str, path: Path, known: dict[str, Path]) -> set
     def visit(nodes: list[ast.stmt]) -> None:
         for node in nodes:
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tokaudit":
-                found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
-                             for a in node.names)
+                found.update(
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names
+                )
             elif isinstance(node, ast.Import):
                 found.update(a.name for a in node.names if a.name in known)
             elif isinstance(node, (ast.If, ast.Try)):
@@ -206,9 +274,30 @@ def test_no_import_cycle_within_a_layer_in_the_hooks_or_through_a_package() -> N
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-HOOK_LAYERS = ("_columns", "_fix", "_amp", "_probe", "_record", "_attach", "_identity", "_signals", "_shards", "_uploads", "_output",
-               "_buffer", "_terms", "_capture", "_pipeline", "trackers", "_recorder_steps", "_recorder", "", "_trl_trainers", "huggingface",
-               "lightning")
+HOOK_LAYERS = (
+    "_columns",
+    "_fix",
+    "_amp",
+    "_probe",
+    "_record",
+    "_attach",
+    "_identity",
+    "_signals",
+    "_shards",
+    "_uploads",
+    "_output",
+    "_buffer",
+    "_terms",
+    "_capture",
+    "_pipeline",
+    "trackers",
+    "_recorder_steps",
+    "_recorder",
+    "",
+    "_trl_trainers",
+    "huggingface",
+    "lightning",
+)
 """The hooks' modules, lowest first ("": the package's __init__, `tokaudit.hooks`): each imports only those before it."""
 
 
@@ -218,9 +307,15 @@ def test_the_hooks_import_only_the_modules_below_each() -> None:
 
     hooks = [m for m in modules() if m.startswith("tokaudit.hooks")]
     assert sorted(place(m) for m in hooks) == sorted(HOOK_LAYERS), "add the new hook module to HOOK_LAYERS"
-    upward = [f"{f.module} -> {f.target}" for f in every_import()
-              if f.module.startswith("tokaudit.hooks") and f.target.startswith("tokaudit.hooks") and not f.typing_only
-              and place(f.target) in HOOK_LAYERS and HOOK_LAYERS.index(place(f.target)) > HOOK_LAYERS.index(place(f.module))]
+    upward = [
+        f"{f.module} -> {f.target}"
+        for f in every_import()
+        if f.module.startswith("tokaudit.hooks")
+        and f.target.startswith("tokaudit.hooks")
+        and not f.typing_only
+        and place(f.target) in HOOK_LAYERS
+        and HOOK_LAYERS.index(place(f.target)) > HOOK_LAYERS.index(place(f.module))
+    ]
     assert not upward, upward
 
 
@@ -231,7 +326,10 @@ def test_modules_and_functions_stay_short() -> None:
         if source.count("\n") > MODULE_LINES:
             long.append(f"{module}: {source.count(chr(10))} lines")
         for node in ast.walk(ast.parse(source)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None \
-                    and node.end_lineno - node.lineno + 1 > FUNCTION_LINES:
+            if (
+                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.end_lineno is not None
+                and node.end_lineno - node.lineno + 1 > FUNCTION_LINES
+            ):
                 long.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not long, long

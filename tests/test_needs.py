@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # fresh pytest processes
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SKIPPING = '''
+SKIPPING = """
 import pytest
 from tests.needs import needs
 
@@ -30,7 +30,7 @@ def test_no_device():
 
 def test_passes():
     assert True
-'''
+"""
 
 
 def run_pytest(folder: Path, require: bool, *options: str) -> subprocess.CompletedProcess[str]:
@@ -40,10 +40,29 @@ def run_pytest(folder: Path, require: bool, *options: str) -> subprocess.Complet
     env["PYTHONPATH"] = str(ROOT)
     if require:
         env["TOKAUDIT_REQUIRE_EXTRAS"] = "1"
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.needs",
-                           "-c", str(folder / "pytest.ini"), "--rootdir", str(folder), *options,
-                           str(folder / "test_skipping.py")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "tests.needs",
+            "-c",
+            str(folder / "pytest.ini"),
+            "--rootdir",
+            str(folder),
+            *options,
+            str(folder / "test_skipping.py"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_a_skip_for_a_missing_package_fails_the_run_where_every_extra_is_required(tmp_path: Path) -> None:

@@ -44,8 +44,9 @@ def test_a_damaged_object_is_one_line_and_the_others_are_audited(endpoint: dict[
     client.create_bucket(Bucket="damaged")
     shard = sorted((SAMPLE_LOGS / "bug_local_mean").glob("*.parquet"))[0]
     client.upload_file(str(shard), "damaged", "runs/bug_local_mean/rank-00000-000000.parquet")
-    client.put_object(Bucket="damaged", Key="runs/bug_local_mean/rank-00001-000000.parquet",
-                      Body=shard.read_bytes()[:200])  # truncated
+    client.put_object(
+        Bucket="damaged", Key="runs/bug_local_mean/rank-00001-000000.parquet", Body=shard.read_bytes()[:200]
+    )  # truncated
     done = tokaudit("check", "s3://damaged/runs", "--format", "json", env=endpoint)
     assert done.returncode == 2
     assert "s3://damaged/runs/bug_local_mean/rank-00001-000000.parquet: not a readable Parquet file" in done.stderr
@@ -56,8 +57,10 @@ def test_a_damaged_object_is_one_line_and_the_others_are_audited(endpoint: dict[
 def test_a_missing_bucket_and_an_unreachable_endpoint_are_one_line(endpoint: dict[str, str]) -> None:
     missing = tokaudit("check", "s3://no-such-bucket/runs", env=endpoint)
     assert missing.returncode == 2
-    assert missing.stderr.strip().splitlines()[-1] == "tokaudit: error: s3://no-such-bucket/runs: no such bucket " \
-                                                      "'no-such-bucket'"
+    assert (
+        missing.stderr.strip().splitlines()[-1] == "tokaudit: error: s3://no-such-bucket/runs: no such bucket "
+        "'no-such-bucket'"
+    )
     unreachable = tokaudit("check", "s3://logs/runs", env={**endpoint, "AWS_ENDPOINT_URL": "http://127.0.0.1:1"})
     assert unreachable.returncode == 2 and "Traceback" not in unreachable.stderr
     assert "s3://logs/runs: cannot reach the storage endpoint" in unreachable.stderr
@@ -67,8 +70,9 @@ def test_denied_access_is_one_line(tmp_path: Path) -> None:
     """A server that checks credentials (moto with authentication on) and a key it does not know."""
     server, port = _authenticating_server(tmp_path)
     try:
-        denied = tokaudit("check", "s3://logs/runs", env={**CREDENTIALS,
-                                                           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"})
+        denied = tokaudit(
+            "check", "s3://logs/runs", env={**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+        )
     finally:
         server.terminate()
         server.wait(timeout=10)
@@ -86,9 +90,12 @@ def _authenticating_server(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int
             port = probe.getsockname()[1]
         log = tmp_path / f"moto-{attempt}.log"
         with open(log, "wb") as out:
-            server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                      env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"},
-                                      stdout=out, stderr=subprocess.STDOUT)
+            server = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 60  # its imports take seconds on a loaded machine
         while server.poll() is None and time.monotonic() < deadline:
             try:
@@ -111,8 +118,9 @@ def _soon(condition: Any, seconds: float = 20.0) -> bool:
     return True
 
 
-def test_an_unreachable_store_is_retried_after_a_pause_and_at_close(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unreachable_store_is_retried_after_a_pause_and_at_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A failed upload costs seconds of SDK retries: the uploader thread keeps the records instead of trying
     again at each flush; close() tries once more, and what it writes is every record."""
     import warnings
@@ -160,7 +168,8 @@ def test_an_unreachable_store_is_retried_after_a_pause_and_at_close(tmp_path: Pa
 
 
 def test_a_frozen_store_never_stalls_training_and_close_spools_what_it_could_not_write(
-        monkeypatch: pytest.MonkeyPatch, endpoint: dict[str, str], tmp_path: Path) -> None:
+    monkeypatch: pytest.MonkeyPatch, endpoint: dict[str, str], tmp_path: Path
+) -> None:
     """An endpoint that accepts connections and never answers (a frozen store): every step returns at once,
     since uploads run in their own thread; close() gives up within the storage timeout's bound, keeps every record
     in the local spool and says so in one warning; `tokaudit sync`, once the store answers, writes them there and
@@ -176,8 +185,11 @@ def test_a_frozen_store_never_stalls_training_and_close_spools_what_it_could_not
     hole.listen(64)  # accepted by the kernel, never read nor answered
     monkeypatch.setenv("TOKAUDIT_SPOOL", str(tmp_path / "spool"))
     try:
-        for key, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{hole.getsockname()[1]}",
-                           "TOKAUDIT_STORAGE_TIMEOUT": "1"}.items():
+        for key, value in {
+            **CREDENTIALS,
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{hole.getsockname()[1]}",
+            "TOKAUDIT_STORAGE_TIMEOUT": "1",
+        }.items():
             monkeypatch.setenv(key, value)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -209,8 +221,9 @@ def test_a_frozen_store_never_stalls_training_and_close_spools_what_it_could_not
     assert run["rows"] == 20 and run["steps"] == 20
 
 
-def test_one_row_shards_on_s3_are_read_from_their_footers_with_the_local_report(endpoint: dict[str, str],
-                                                                                 tmp_path: Path) -> None:
+def test_one_row_shards_on_s3_are_read_from_their_footers_with_the_local_report(
+    endpoint: dict[str, str], tmp_path: Path
+) -> None:
     """A recorder that flushes every record leaves one-row shards: their records come from the footers
     already fetched to validate them (`Shard.record`), with no second request per object, and the report
     and a step's weights are the local copy's."""
@@ -237,8 +250,13 @@ def test_one_row_shards_on_s3_are_read_from_their_footers_with_the_local_report(
     host, port = endpoint["AWS_ENDPOINT_URL"].removeprefix("http://").split(":")
     proxy = RecordingProxy(host, int(port))
     try:
-        remote = tokaudit("check", "s3://logs/one-row/", "--format", "json",
-                          env={**endpoint, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"})
+        remote = tokaudit(
+            "check",
+            "s3://logs/one-row/",
+            "--format",
+            "json",
+            env={**endpoint, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"},
+        )
     finally:
         proxy.close()
     # the listing, then a ranged GET of each object: its size is the listing's, so no object is asked for it
@@ -281,8 +299,11 @@ def test_an_endpoint_that_goes_away_during_the_audit_ends_it_in_seconds(monkeypa
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    for key, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-                       "TOKAUDIT_STORAGE_TIMEOUT": "1"}.items():
+    for key, value in {
+        **CREDENTIALS,
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "TOKAUDIT_STORAGE_TIMEOUT": "1",
+    }.items():
         monkeypatch.setenv(key, value)
     client = boto3.client("s3")
     client.create_bucket(Bucket="going")
@@ -334,8 +355,9 @@ class HoldingProxy(RecordingProxy):
             pass
 
 
-def test_an_upload_stored_after_its_timeout_is_not_published_twice(endpoint: dict[str, str],
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_upload_stored_after_its_timeout_is_not_published_twice(
+    endpoint: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The store keeps an upload but its answer comes after the timeouts: the shard is published, the recorder
     sees a failure. At the retry it finds the object under the name it used and writes only what is new: the
     store holds every record once."""

@@ -67,8 +67,9 @@ def test_evidence_from_the_one_query_is_the_evidence_of_each_step_aggregated_alo
 def test_one_rank_s_file_given_alone_is_said_and_inconclusive() -> None:
     """`tokaudit check` on one rank's shard of a real 2-rank DDP run: the files hold 1 of W=2 ranks' records, so
     no N is whole: inconclusive (exit 0), and no advice to change a loss that may well be right."""
-    result = CliRunner().invoke(main, ["check", str(SAMPLE_LOGS / "bug_local_mean" / "rank-00000-000000.parquet"),
-                                       "--format", "json"])
+    result = CliRunner().invoke(
+        main, ["check", str(SAMPLE_LOGS / "bug_local_mean" / "rank-00000-000000.parquet"), "--format", "json"]
+    )
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     assert [f["code"] for f in report["findings"]] == ["ranks_not_recorded"]
@@ -88,8 +89,9 @@ def test_a_right_gradient_with_a_wrong_logged_loss_is_correct_and_says_the_loss_
     assert CliRunner().invoke(main, ["check", run, "--fail-on", "warning"]).exit_code == 1
     table = CliRunner().invoke(main, ["check", run], env={"COLUMNS": "200"})
     assert "correct (reported loss differs)" in table.stdout
-    matches = json.loads(CliRunner().invoke(main, ["check", str(SAMPLE_LOGS / "correct_token_mean_ga"),
-                                                   "--format", "json"]).stdout)
+    matches = json.loads(
+        CliRunner().invoke(main, ["check", str(SAMPLE_LOGS / "correct_token_mean_ga"), "--format", "json"]).stdout
+    )
     assert matches["runs"][0]["reporting"] == "matches"
 
 
@@ -98,8 +100,9 @@ def test_the_curve_of_terms_that_are_one_token_mean_is_their_pooled_mean() -> No
     ΣS/ΣN over every chunk's records (summed here from the log), which the optimized objective equals."""
     from tests.logs import read_rows
 
-    result = CliRunner().invoke(main, ["curve", str(SAMPLE_LOGS), "--run", "chunked_cross_entropy_named",
-                                       "--format", "json"])
+    result = CliRunner().invoke(
+        main, ["curve", str(SAMPLE_LOGS), "--run", "chunked_cross_entropy_named", "--format", "json"]
+    )
     assert result.exit_code == 0, result.stderr
     curve = json.loads(result.stdout)
     assert curve["series"]["token_mean"] == "ΣS/N (true, all terms)"

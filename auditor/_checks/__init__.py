@@ -9,4 +9,18 @@ from tokaudit._checks.miscount import miscounted_rows, outside_probe_range, with
 from tokaudit._checks.objective import one_objective, pooled_steps, pooled_sums
 from tokaudit._checks.run import check_run
 
-__all__ = ["check_run", "distinct", "loss_terms", "main_term_first", "miscounted_rows", "one_objective", "outside_probe_range", "pooled_steps", "pooled_sums", "RunSteps", "weight_ratio", "without_miscounted", "world_sizes"]
+__all__ = [
+    "check_run",
+    "distinct",
+    "loss_terms",
+    "main_term_first",
+    "miscounted_rows",
+    "one_objective",
+    "outside_probe_range",
+    "pooled_steps",
+    "pooled_sums",
+    "RunSteps",
+    "weight_ratio",
+    "without_miscounted",
+    "world_sizes",
+]

@@ -29,6 +29,7 @@ from tokaudit._sorting import SortedColumn, at_positions, middle, middle_positio
 
 DENOMINATOR_WORDS = {d: facts.words for d, facts in DENOMINATOR_FACTS.items()}
 
+
 @dataclass(frozen=True, slots=True)
 class RunContext:
     """What the fixes and messages of one run (and one loss term) need to name."""
@@ -48,8 +49,10 @@ class RunContext:
     def trainer(self) -> str | None:
         return self.provenance.trainer
 
+
 Extremes = Callable[[Any], Any]
 """Given a row of the step table without the evidence columns (`engine.EVIDENCE`), a row with them."""
+
 
 @dataclass(frozen=True)
 class RunSteps:
@@ -87,7 +90,8 @@ class RunSteps:
         """`frames` BLOCK_STEPS rows at a time: what a block's temporaries cost stays a few MB."""
         for frame in self.frames(term):
             for start in range(0, len(frame), BLOCK_STEPS):
-                yield frame.iloc[start:start + BLOCK_STEPS]
+                yield frame.iloc[start : start + BLOCK_STEPS]
+
 
 def _selected(part: pd.DataFrame, group: str | None, term: str | None) -> pd.DataFrame:
     """The rows of one group and one term (None: any) of a part, in its order: the part itself when it
@@ -103,12 +107,16 @@ def _selected(part: pd.DataFrame, group: str | None, term: str | None) -> pd.Dat
         keep = mine if keep is None else keep & mine
     return part if keep is None else part[keep].reset_index(drop=True)
 
-BF16_ROUNDING = 2.0 ** -7
+
+BF16_ROUNDING = 2.0**-7
 """How far a weight computed in bfloat16 may be from the token mean's: b, S and each token's ∂b/∂ℓ keep 8
 significant bits, each rounded by at most 2⁻⁹, c = b/S by up to 2⁻⁸; twice that, to spare a margin."""
 
-BF16_HINT = (" Every weight here is within 2⁻⁷ (0.78%) of the token mean's, which is how far computing the loss in "
-             "bfloat16 (on bf16 logits, not under autocast) rounds it: if it was, audit with --rtol 1e-2.")
+BF16_HINT = (
+    " Every weight here is within 2⁻⁷ (0.78%) of the token mean's, which is how far computing the loss in "
+    "bfloat16 (on bf16 logits, not under autocast) rounds it: if it was, audit with --rtol 1e-2."
+)
+
 
 class StepsSeen:
     """The steps of one finding, added in the table's order: their range and how many there are, each
@@ -128,8 +136,11 @@ class StepsSeen:
         numbers = np.asarray(steps, dtype=np.int64)
         if not len(numbers):
             return
-        self.increasing = self.increasing and (self.last is None or int(numbers[0]) > self.last) and bool(
-            (numbers[1:] > numbers[:-1]).all())
+        self.increasing = (
+            self.increasing
+            and (self.last is None or int(numbers[0]) > self.last)
+            and bool((numbers[1:] > numbers[:-1]).all())
+        )
         self.last = int(numbers[-1])
         low, high = int(numbers.min()), int(numbers.max())
         self.low = low if self.low is None else min(self.low, low)
@@ -146,6 +157,7 @@ class StepsSeen:
         count = self.count if self.increasing else len(np.unique(np.concatenate(self.kept)))
         return StepRange(first=self.low, last=self.high, count=count)
 
+
 class ListedSteps:
     """The first eight steps of a list in order, and how many there are (`step_list`)."""
 
@@ -156,29 +168,50 @@ class ListedSteps:
     def add(self, values: Any) -> None:
         values = np.asarray(values)
         if len(self.first) < 8:
-            self.first.extend(int(v) for v in values[:8 - len(self.first)])
+            self.first.extend(int(v) for v in values[: 8 - len(self.first)])
         self.count += len(values)
 
     def text(self) -> str:
         return ", ".join(map(str, self.first)) + (f", … ({self.count} in all)" if self.count > 8 else "")
 
-def make_finding(context: RunContext, code: Code, steps: StepsSeen, message: str, fix: str,
-             evidence: dict[str, Any], severity: Severity | None = None) -> Finding:
+
+def make_finding(
+    context: RunContext,
+    code: Code,
+    steps: StepsSeen,
+    message: str,
+    fix: str,
+    evidence: dict[str, Any],
+    severity: Severity | None = None,
+) -> Finding:
     if context.term != UNNAMED:
         message = f"[term {context.term}] {message}"
-    return Finding(run=context.run, code=code, severity=severity or DEFAULT_SEVERITY[code], steps=steps.range(),
-                   message=message, fix=fix, evidence=evidence, term=context.term,
-                   fix_code=recipe_for(context.trainer) if code in TOKEN_MEAN_FIXES else "")
+    return Finding(
+        run=context.run,
+        code=code,
+        severity=severity or DEFAULT_SEVERITY[code],
+        steps=steps.range(),
+        message=message,
+        fix=fix,
+        evidence=evidence,
+        term=context.term,
+        fix_code=recipe_for(context.trainer) if code in TOKEN_MEAN_FIXES else "",
+    )
 
 
 def average_fix(context: RunContext) -> str:
     w, m = context.world_size, context.microbatches
     over = f"all {m} microbatches of the step on all {w} ranks" if m > 1 else f"all {w} ranks"
     if context.divisor == 1:
-        return (f"backpropagate S_r/N (the reduction sums, D=1) with N the valid tokens of {over}, "
-                "counted before the first backward with one all-reduce" + trainer_fix(context, ', reduction="sum"'))
-    return (f"backpropagate W·S_r/N with W={w} (the size of the averaging group) and N summed over {over}, "
-            "counted before the first backward with one all-reduce" + trainer_fix(context))
+        return (
+            f"backpropagate S_r/N (the reduction sums, D=1) with N the valid tokens of {over}, "
+            "counted before the first backward with one all-reduce" + trainer_fix(context, ', reduction="sum"')
+        )
+    return (
+        f"backpropagate W·S_r/N with W={w} (the size of the averaging group) and N summed over {over}, "
+        "counted before the first backward with one all-reduce" + trainer_fix(context)
+    )
+
 
 def trainer_fix(context: RunContext, reduction: str = "") -> str:
     """The token mean in the recording trainer's own settings where they give it, else with the helpers
@@ -186,16 +219,21 @@ def trainer_fix(context: RunContext, reduction: str = "") -> str:
     own = advice(context.trainer, "token_mean_settings")
     if own:
         return f"; {own}"
-    return (f"; with tokaudit.hooks: N = global_valid_tokens(labels_of_each_microbatch) before the first "
-            f"backward, then backward on token_mean_loss(loss_sum, N{reduction})")
+    return (
+        f"; with tokaudit.hooks: N = global_valid_tokens(labels_of_each_microbatch) before the first "
+        f"backward, then backward on token_mean_loss(loss_sum, N{reduction})"
+    )
+
 
 def column_of(block: pd.DataFrame, name: str) -> npt.NDArray[Any]:
     values: npt.NDArray[Any] = block[name].to_numpy()
     return values
 
+
 def nan_sum(values: npt.NDArray[Any]) -> float:
     """A column's sum with NaN left out, as pandas sums."""
     return float(np.nansum(values)) if values.dtype.kind == "f" else float(values.sum())
+
 
 @dataclass(frozen=True)
 class TermInputs:
@@ -235,12 +273,14 @@ class Check:
     def findings(self) -> Iterator[Finding]:
         raise NotImplementedError
 
+
 def weight_ratio(low: Any, high: Any) -> Any:
     """The heaviest token's weight over the lightest's (a step's `token_weight_high` / `token_weight_low`: the
     probe's extremes where recorded, else the records' mean weights; ∞ where the lightest is 0 or below): the one
     ratio the summary's "max ratio", the weighting findings' `weight_ratio` and --min-ratio read."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(low > 0, high / np.where(low > 0, low, 1.0), np.inf)
+
 
 class FlaggedSteps:
     """Steps where a condition holds: their range, how many rows, and the first such row."""
@@ -261,6 +301,7 @@ class FlaggedSteps:
     def __bool__(self) -> bool:
         return self.rows > 0
 
+
 def differ_rows(block: pd.DataFrame, low: str, high: str) -> npt.NDArray[np.bool_]:
     """Where two columns differ (NaN differs from everything, as pandas compares); two columns held as one
     value each compare as those values."""
@@ -270,15 +311,18 @@ def differ_rows(block: pd.DataFrame, low: str, high: str) -> npt.NDArray[np.bool
     differ: npt.NDArray[np.bool_] = one != other
     return differ
 
+
 def world_sizes(steps: pd.DataFrame) -> list[int]:
     """Every W the steps saw, sorted: each column's distinct values (one value: that value), not a sort of
     both columns joined (200 MB at 12.5M steps)."""
     return sorted({int(w) for column in (steps.world_low, steps.world_high) for w in distinct(column)})
 
+
 def distinct(column: pd.Series) -> npt.NDArray[Any]:
     """The distinct values of a column, sorted: its one value when it is held as one (`engine.tables.constant_of`)."""
     values = column.to_numpy()
     return np.unique(values[:1] if one_value(values) else values)
+
 
 def grouped(column: pd.Series) -> Iterator[tuple[str, Any]]:
     """(name, rows) per group, in a group-by's order (the names sorted): rows a slice of every row when
@@ -295,6 +339,7 @@ def grouped(column: pd.Series) -> Iterator[tuple[str, Any]]:
     for code in sorted(present, key=lambda c: names[c]):
         yield names[code], np.flatnonzero(codes == code)
 
+
 def median_of(column: SortedColumn) -> float:
     """The median of a column, NaN left out (NaN when none is a number), as pandas takes it."""
     if not column.count:
@@ -303,14 +348,17 @@ def median_of(column: SortedColumn) -> float:
         return float(pd.Series(column.in_order()[0]).median())
     return middle(at_positions(column, middle_positions(0, column.count)))
 
+
 def loss_terms(steps: pd.DataFrame) -> list[str]:
     """The loss terms of a step table, as text, the main term (UNNAMED, "0") first: each distinct value named
     once, not every row converted."""
     return main_term_first(str(term) for term in steps.term.unique())
 
+
 def main_term_first(terms: Iterable[str]) -> list[str]:
     """Each loss term once, as text, the main term (UNNAMED, "0") first, then the others in order."""
     return sorted(set(terms), key=lambda t: (t != UNNAMED, t))
+
 
 def step_list(values: Any) -> str:
     items = [str(int(v)) for v in values]

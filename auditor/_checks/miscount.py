@@ -17,6 +17,7 @@ from tokaudit._schema import UNNAMED
 
 _PROBE_RANGE = frozenset({"probed", "weight_low", "weight_high", "token_weight_low", "token_weight_high"})
 
+
 def miscounted_rows(rows: pd.DataFrame, rtol: float) -> npt.NDArray[np.bool_]:
     """Rows of the step table (one group, term and step each) where the probe contradicts a recorded count.
     A record's mean probed weight c = Σ∂b/∂ℓᵢ / n is the mean of its valid tokens' weights when n is the
@@ -33,15 +34,21 @@ def miscounted_rows(rows: pd.DataFrame, rtol: float) -> npt.NDArray[np.bool_]:
     low, high = rows.token_weight_low.to_numpy(dtype=float), rows.token_weight_high.to_numpy(dtype=float)
     return probed & outside_probe_range(weight_low, weight_high, low, high, rtol)
 
-def outside_probe_range(low: npt.NDArray[np.float64], high: npt.NDArray[np.float64],
-                        lightest: npt.NDArray[np.float64], heaviest: npt.NDArray[np.float64],
-                        rtol: float) -> npt.NDArray[np.bool_]:
+
+def outside_probe_range(
+    low: npt.NDArray[np.float64],
+    high: npt.NDArray[np.float64],
+    lightest: npt.NDArray[np.float64],
+    heaviest: npt.NDArray[np.float64],
+    rtol: float,
+) -> npt.NDArray[np.bool_]:
     """Where mean weights (their lowest and highest) leave the probe's lightest and heaviest token by more than
     rtol of the larger: a count that is not the probe's (`miscounted_rows`); NaN anywhere is never outside."""
     slack = rtol * np.fmax(np.abs(lightest), np.abs(heaviest))
     with np.errstate(invalid="ignore"):
         outside: npt.NDArray[np.bool_] = (low < lightest - slack) | (high > heaviest + slack)
     return outside
+
 
 @dataclass
 class Miscounted:
@@ -67,13 +74,19 @@ class Miscounted:
         above = float(row.weight_high) * tokens > high
         mean = float(row.weight_high if above else row.weight_low) * tokens
         grp = f" (group {row.grp})" if str(row.grp) != UNNAMED else ""
-        measured = (f"the same weight, {low:.4g}/N, on every valid token" if f"{low:.4g}" == f"{high:.4g}"
-                    else f"every valid token's weight between {low:.4g}/N and {high:.4g}/N")
+        measured = (
+            f"the same weight, {low:.4g}/N, on every valid token"
+            if f"{low:.4g}" == f"{high:.4g}"
+            else f"every valid token's weight between {low:.4g}/N and {high:.4g}/N"
+        )
         steps = self.steps.range()
-        context = RunContext(run=run, term=str(row.term), world_size=0, world_sizes=(), microbatches=0, divisor=0.0,
-                             rtol=0.0)
+        context = RunContext(
+            run=run, term=str(row.term), world_size=0, world_sizes=(), microbatches=0, divisor=0.0, rtol=0.0
+        )
         return make_finding(
-            context, Code.COUNT_MISMATCH, self.steps,
+            context,
+            Code.COUNT_MISMATCH,
+            self.steps,
             f"At step {int(row.step)}{grp} the probe measured {measured}, yet a record's probed weight sum divided "
             "by its recorded valid_tokens gives "
             f"{mean:.4g}/N, {'above' if above else 'below'} that range: valid_tokens is not the number of tokens "
@@ -82,7 +95,14 @@ class Miscounted:
             f"{steps.count} step(s) are left out instead of being judged on them.",
             "record valid_tokens from the mask the loss and rec.probe use (labels != ignore_index), summed over "
             "the same microbatch",
-            {"step": int(row.step), "probe_weight_range": [low, high], "mean_weight": mean, "global_tokens": int(tokens)})
+            {
+                "step": int(row.step),
+                "probe_weight_range": [low, high],
+                "mean_weight": mean,
+                "global_tokens": int(tokens),
+            },
+        )
+
 
 def without_miscounted(source: RunSteps, rtol: float) -> tuple[RunSteps, Miscounted]:
     """The run's table without the steps whose counts the probe contradicts (`miscounted_rows`), every term of

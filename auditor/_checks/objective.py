@@ -44,30 +44,39 @@ class OneObjective:
     def findings(self, run: str, rtol: float) -> list[Finding]:
         """terms_one_objective, and balanced_counts where no count differs: a mean over each piece's own count
         then weighs the tokens as the token mean does, so the logs cannot tell them apart."""
-        context = RunContext(run=run, term=self.terms[0], world_size=0, world_sizes=(), microbatches=0,
-                             divisor=0.0, rtol=rtol)
+        context = RunContext(
+            run=run, term=self.terms[0], world_size=0, world_sizes=(), microbatches=0, divisor=0.0, rtol=rtol
+        )
         found = [self._finding(context)]
         if self.counts:
             counts = sorted(self.counts)
-            found.append(make_finding(
-                context, Code.BALANCED_COUNTS, self.steps,
-                f"In every step every record had the same valid-token count ({', '.join(map(str, counts))}), so a "
-                "mean over each piece's own count and the token mean give the same weights here: this run cannot "
-                "show which one the code uses.",
-                "audit a run with uneven counts (padding, ignored labels, different sequence lengths per rank)",
-                {"counts": counts, "indistinguishable_from": "n_micro"}))
+            found.append(
+                make_finding(
+                    context,
+                    Code.BALANCED_COUNTS,
+                    self.steps,
+                    f"In every step every record had the same valid-token count ({', '.join(map(str, counts))}), so a "
+                    "mean over each piece's own count and the token mean give the same weights here: this run cannot "
+                    "show which one the code uses.",
+                    "audit a run with uneven counts (padding, ignored labels, different sequence lengths per rank)",
+                    {"counts": counts, "indistinguishable_from": "n_micro"},
+                )
+            )
         return found
 
     def _finding(self, context: RunContext) -> Finding:
         names = ", ".join(self.terms)
         return make_finding(
-            context, Code.TERMS_ONE_OBJECTIVE, self.steps,
+            context,
+            Code.TERMS_ONE_OBJECTIVE,
+            self.steps,
             f"Loss terms {names} together weigh every valid token 1/N over their combined tokens (q = e·ΣN = 1 at "
             f"every step): one loss computed in pieces, each recorded as a term. They are judged as one token "
             "mean; alone, each would read as a scale of its share of the tokens.",
             "nothing to change in training; record the pieces under one term to audit them as one (a captured "
             "cross-entropy computed in chunks is merged by the recorder itself)",
-            {"terms": self.terms, "steps": self.steps.count})
+            {"terms": self.terms, "steps": self.steps.count},
+        )
 
 
 def one_objective(source: RunSteps, rtol: float) -> OneObjective | None:
@@ -84,7 +93,11 @@ def one_objective(source: RunSteps, rtol: float) -> OneObjective | None:
             return None
         seen.add(np.unique(steps.step.to_numpy()))
         if counts is not None:
-            counts = counts | set(steps.record_tokens_low.astype(int).tolist()) if (steps.record_tokens_low == steps.record_tokens_high).all() else None
+            counts = (
+                counts | set(steps.record_tokens_low.astype(int).tolist())
+                if (steps.record_tokens_low == steps.record_tokens_high).all()
+                else None
+            )
         for group, rows in steps.groupby("grp", sort=False):
             by_group.setdefault(str(group), []).append(rows)
     if not seen:
@@ -93,8 +106,17 @@ def one_objective(source: RunSteps, rtol: float) -> OneObjective | None:
     for group in source.groups:
         if group in by_group:
             rows = pd.concat(by_group[group], ignore_index=True)
-            spans.append(Span(group, source.terms[0], int(rows.step.min()), int(rows.step.max()), len(rows),
-                              Denominator.N, float(rows.divisor.median())))
+            spans.append(
+                Span(
+                    group,
+                    source.terms[0],
+                    int(rows.step.min()),
+                    int(rows.step.max()),
+                    len(rows),
+                    Denominator.N,
+                    float(rows.divisor.median()),
+                )
+            )
     return OneObjective(list(source.terms), spans, seen, counts or set())
 
 
@@ -105,17 +127,29 @@ def _combined(part: pd.DataFrame, rtol: float) -> pd.DataFrame | None:
 
     With e·ΣN = 1, b·g = α·S/ΣN has α = c·g·ΣN = e·D·ΣN = D: the reduction's divisor."""
     valid = part.tokens.to_numpy() > 0
-    frame = pd.DataFrame({
-        "grp": part.grp.astype(str).to_numpy(), "step": part.step.to_numpy(),
-        "tokens": part.tokens.to_numpy(dtype=float),
-        "low": np.where(valid, part.token_weight_low.to_numpy(dtype=float), np.inf),
-        "high": np.where(valid, part.token_weight_high.to_numpy(dtype=float), -np.inf),
-        "unweighted": part.unweighted_records.to_numpy(), "divisor": part.divisor_high.to_numpy(dtype=float),
-        "record_tokens_low": np.where(valid, part.record_tokens_low.to_numpy(dtype=float), np.inf),
-        "record_tokens_high": np.where(valid, part.record_tokens_high.to_numpy(dtype=float), -np.inf)})
-    steps = pooled_steps(frame, tokens=("tokens", "sum"), low=("low", "min"), high=("high", "max"),
-                         unweighted=("unweighted", "sum"), divisor=("divisor", "max"),
-                         record_tokens_low=("record_tokens_low", "min"), record_tokens_high=("record_tokens_high", "max"))
+    frame = pd.DataFrame(
+        {
+            "grp": part.grp.astype(str).to_numpy(),
+            "step": part.step.to_numpy(),
+            "tokens": part.tokens.to_numpy(dtype=float),
+            "low": np.where(valid, part.token_weight_low.to_numpy(dtype=float), np.inf),
+            "high": np.where(valid, part.token_weight_high.to_numpy(dtype=float), -np.inf),
+            "unweighted": part.unweighted_records.to_numpy(),
+            "divisor": part.divisor_high.to_numpy(dtype=float),
+            "record_tokens_low": np.where(valid, part.record_tokens_low.to_numpy(dtype=float), np.inf),
+            "record_tokens_high": np.where(valid, part.record_tokens_high.to_numpy(dtype=float), -np.inf),
+        }
+    )
+    steps = pooled_steps(
+        frame,
+        tokens=("tokens", "sum"),
+        low=("low", "min"),
+        high=("high", "max"),
+        unweighted=("unweighted", "sum"),
+        divisor=("divisor", "max"),
+        record_tokens_low=("record_tokens_low", "min"),
+        record_tokens_high=("record_tokens_high", "max"),
+    )
     steps = steps[steps.tokens > 0]
     with np.errstate(invalid="ignore"):
         # every token's q = e·ΣN within rtol of 1 (NaN, a record without a weight, fails)

@@ -39,20 +39,29 @@ class ProbeCheck(Check):
     def findings(self) -> Iterator[Finding]:
         if self.nonuniform:
             steps = self.nonuniform.range().count
-            yield make_finding(self.context, Code.NONUNIFORM_IN_MICROBATCH, self.nonuniform,
-                           f"Valid tokens of one microbatch got different weights in {steps} step(s) ({_spread_text(self.spread)}): "
-                           "a per-sequence or per-document mean, or a token weighting. Legitimate only when chosen on purpose.",
-                           "for the token-mean objective, sum per-token losses over the microbatch and divide once by N",
-                           {"steps": steps, "largest_spread": self.spread})
+            yield make_finding(
+                self.context,
+                Code.NONUNIFORM_IN_MICROBATCH,
+                self.nonuniform,
+                f"Valid tokens of one microbatch got different weights in {steps} step(s) ({_spread_text(self.spread)}): "
+                "a per-sequence or per-document mean, or a token weighting. Legitimate only when chosen on purpose.",
+                "for the token-mean objective, sum per-token losses over the microbatch and divide once by N",
+                {"steps": steps, "largest_spread": self.spread},
+            )
         if self.masked:
             steps = self.masked.range().count
-            yield make_finding(self.context, Code.MASKED_TOKENS_WEIGHTED, self.masked,
-                           f"Positions that are not valid and whose loss is not 0 (padding labelled as a real token, "
-                           f"a mask applied after the loss) carry weight in {steps} step(s), {_share_text(self.share)}: "
-                           "their loss is trained.",
-                           "label padding and ignored positions with ignore_index (their loss is then exactly 0), or "
-                           "mask per-token losses before reducing; divide by the valid-token count",
-                           {"steps": steps, "masked_weight_in_tokens": self.share})
+            yield make_finding(
+                self.context,
+                Code.MASKED_TOKENS_WEIGHTED,
+                self.masked,
+                f"Positions that are not valid and whose loss is not 0 (padding labelled as a real token, "
+                f"a mask applied after the loss) carry weight in {steps} step(s), {_share_text(self.share)}: "
+                "their loss is trained.",
+                "label padding and ignored positions with ignore_index (their loss is then exactly 0), or "
+                "mask per-token losses before reducing; divide by the valid-token count",
+                {"steps": steps, "masked_weight_in_tokens": self.share},
+            )
+
 
 def per_sequence_first(findings: list[Finding]) -> list[Finding]:
     """A mean per sequence (or document) inside each record, which the probe sees as unequal weights in a
@@ -66,14 +75,24 @@ def per_sequence_first(findings: list[Finding]) -> list[Finding]:
     out = []
     for finding in findings:
         if finding.code == Code.NONUNIFORM_IN_MICROBATCH:
-            finding = replace(finding, severity=Severity.ERROR, message=(
-                f"{finding.message} On average each record's tokens then weigh 1/n, n the record's own count, "
-                "which is why the records also read as local means (local_mean)."))
+            finding = replace(
+                finding,
+                severity=Severity.ERROR,
+                message=(
+                    f"{finding.message} On average each record's tokens then weigh 1/n, n the record's own count, "
+                    "which is why the records also read as local means (local_mean)."
+                ),
+            )
         elif finding.code == Code.LOCAL_MEAN:
-            finding = replace(finding, severity=Severity.WARNING, message=(
-                "The probe saw a mean per sequence or document inside the records (nonuniform_in_microbatch), "
-                "which gives every record this mean weight by itself; its sequences count alike across ranks only "
-                f"when every rank holds as many. {finding.message}"))
+            finding = replace(
+                finding,
+                severity=Severity.WARNING,
+                message=(
+                    "The probe saw a mean per sequence or document inside the records (nonuniform_in_microbatch), "
+                    "which gives every record this mean weight by itself; its sequences count alike across ranks only "
+                    f"when every rank holds as many. {finding.message}"
+                ),
+            )
         out.append(finding)
     return out
 
@@ -82,6 +101,7 @@ def _spread_text(spread: float) -> str:
     if not np.isfinite(spread):
         return "in one record the heaviest token's weight is 0 and another's below it"
     return f"in one record the lightest token's weight is {spread:.0%} below the heaviest's"
+
 
 def _share_text(share: float) -> str:
     if not np.isfinite(share):

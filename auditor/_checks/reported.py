@@ -18,6 +18,7 @@ from tokaudit._report import Finding
 MAX_DECIMALS = 6
 """A reported loss rounded to at most this many decimals is compared within half its last digit."""
 
+
 def decimals(values: np.ndarray) -> np.ndarray:
     """Per value, the fewest decimals (0..MAX_DECIMALS) it is rounded to, float32 storage allowed
     for; −1 when it has more."""
@@ -27,6 +28,7 @@ def decimals(values: np.ndarray) -> np.ndarray:
         exact = np.abs(values - rounded) <= 1e-7 * np.maximum(np.abs(values), 1e-12)
         out = np.where(exact, k, out)
     return out
+
 
 class _Rounding:
     """Half a unit of the last decimal a trainer rounded its logged losses to, read from all of them (a
@@ -50,11 +52,13 @@ class _Rounding:
             return 0.0
         return 0.5 * 10.0 ** (-self.most) * (1 + 1e-6)
 
+
 def _agrees(reported: np.ndarray, truth: np.ndarray, rtol: float, rounding: float) -> np.ndarray:
     """reported equals truth within rtol, or within half a unit of the decimal it was rounded to."""
     tolerance = np.maximum(rtol * np.abs(truth), rounding)
     agrees: np.ndarray = np.abs(reported - truth) <= tolerance
     return agrees
+
 
 def _step_means(frame: pd.DataFrame, main_term: str, pooled: bool) -> pd.DataFrame:
     """The main term's steps with valid tokens, in order: the step, its token mean ΣS/N (`mean`) and the sum of
@@ -68,13 +72,21 @@ def _step_means(frame: pd.DataFrame, main_term: str, pooled: bool) -> pd.DataFra
     else:
         total = means.groupby(["grp", "step"], observed=True)["mean"].transform("sum")
     rows = means[means.term.astype(str) == main_term]
-    return pd.DataFrame({"step": rows.step.to_numpy(np.int64), "mean": rows["mean"].to_numpy(float),
-                         "total": total[rows.index].to_numpy(float)}, index=rows.index)
+    return pd.DataFrame(
+        {
+            "step": rows.step.to_numpy(np.int64),
+            "mean": rows["mean"].to_numpy(float),
+            "total": total[rows.index].to_numpy(float),
+        },
+        index=rows.index,
+    )
+
 
 def _step_at(frame: pd.DataFrame, step: int, main_term: str, pooled: bool) -> tuple[float, float] | None:
     """(`mean`, `total`) of `_step_means` at one step of a part; None where it has no valid token there."""
     at = _step_means(frame[column_of(frame, "step") == step], main_term, pooled)
     return (float(at["mean"].iloc[0]), float(at["total"].iloc[0])) if len(at) else None
+
 
 def _reported_rows(source: RunSteps, main_term: str, pooled: bool) -> Iterator[pd.DataFrame]:
     """The main term's steps with a reported loss and valid tokens, in the table's order, with the token
@@ -106,21 +118,41 @@ def _reported_rows(source: RunSteps, main_term: str, pooled: bool) -> Iterator[p
             if after is not None:
                 next_[:, -1] = after
         carried = (group, last, (float(mean[-1]), float(total[-1])) if len(step) and step[-1] == last else None)
-        known = current.loc[steps.index, ["grp", "term", "step", "loss", "tokens", "reported", "reported_low",
-                                          "reported_high", "mean_of_local_means"]]
-        rows = known.assign(mean=mean, total=total, previous_mean=previous[0], previous_total=previous[1],
-                            next_mean=next_[0], next_total=next_[1])
+        known = current.loc[
+            steps.index,
+            [
+                "grp",
+                "term",
+                "step",
+                "loss",
+                "tokens",
+                "reported",
+                "reported_low",
+                "reported_high",
+                "mean_of_local_means",
+            ],
+        ]
+        rows = known.assign(
+            mean=mean,
+            total=total,
+            previous_mean=previous[0],
+            previous_total=previous[1],
+            next_mean=next_[0],
+            next_total=next_[1],
+        )
         rows = rows[column_of(rows, "reported") > 0]
         if len(rows):
             yield rows
         current = following
 
+
 def _agree(rows: pd.DataFrame, mean: str, total: str, rtol: float, rounding: float) -> np.ndarray:
     """Each row's reported loss (every record's) is its `mean` column's value, or its `total`'s."""
     low, high = rows.reported_low.to_numpy(float), rows.reported_high.to_numpy(float)
     truth, whole = rows[mean].to_numpy(float), rows[total].to_numpy(float)
-    agrees: np.ndarray = (_agrees(low, truth, rtol, rounding) & _agrees(high, truth, rtol, rounding)) | \
-        (_agrees(low, whole, rtol, rounding) & _agrees(high, whole, rtol, rounding))
+    agrees: np.ndarray = (_agrees(low, truth, rtol, rounding) & _agrees(high, truth, rtol, rounding)) | (
+        _agrees(low, whole, rtol, rounding) & _agrees(high, whole, rtol, rounding)
+    )
     return agrees
 
 
@@ -148,11 +180,16 @@ class _Differing:
             bad = rows[~fine]
             found.all_next = found.all_next and bool(_agree(bad, "next_mean", "next_total", rtol, rounding).all())
             found.all_previous = found.all_previous and bool(
-                _agree(bad, "previous_mean", "previous_total", rtol, rounding).all())
+                _agree(bad, "previous_mean", "previous_total", rtol, rounding).all()
+            )
             local_of = bad.mean_of_local_means.to_numpy(float)
-            local = _agrees(bad.reported_low.to_numpy(float), local_of, rtol, rounding) & \
-                _agrees(bad.reported_high.to_numpy(float), local_of, rtol, rounding)
-            found.all_local, found.any_local = found.all_local and bool(local.all()), found.any_local or bool(local.any())
+            local = _agrees(bad.reported_low.to_numpy(float), local_of, rtol, rounding) & _agrees(
+                bad.reported_high.to_numpy(float), local_of, rtol, rounding
+            )
+            found.all_local, found.any_local = (
+                found.all_local and bool(local.all()),
+                found.any_local or bool(local.any()),
+            )
             if found.first is None:
                 found.first = bad.iloc[0]
             found.steps.add(bad.step.to_numpy())
@@ -160,8 +197,9 @@ class _Differing:
         return found
 
 
-def reported_findings(source: RunSteps, run: str, rtol: float, main_term: str,
-                      pooled: bool = False) -> Iterator[Finding]:
+def reported_findings(
+    source: RunSteps, run: str, rtol: float, main_term: str, pooled: bool = False
+) -> Iterator[Finding]:
     """reported_loss_mismatch: the logged loss against ΣS/N of the main term, or against the sum of
     the terms' token means when the trainer logs the whole objective. Read twice: how the losses were
     rounded is read from all of them first. reported_loss_shifted (information) instead, where every step
@@ -180,8 +218,13 @@ def reported_findings(source: RunSteps, run: str, rtol: float, main_term: str,
     first, bad_steps, bad_count = found.first, found.steps, found.count
     all_local, any_local = found.all_local, found.any_local
     true_value = float(first.loss / first.tokens)
-    evidence = {"step": int(first.step), "reported": float(first.reported_high), "token_mean": true_value,
-                "mean_of_local_means": float(first.mean_of_local_means), "rounding": rounding}
+    evidence = {
+        "step": int(first.step),
+        "reported": float(first.reported_high),
+        "token_mean": true_value,
+        "mean_of_local_means": float(first.mean_of_local_means),
+        "rounding": rounding,
+    }
     context = RunContext(run=run, term=main_term, world_size=0, world_sizes=(), microbatches=0, divisor=0.0, rtol=rtol)
     if (found.all_next or found.all_previous) and not any_local and bad_count > 1:
         yield _shifted_finding(found, context, evidence, true_value)
@@ -192,12 +235,16 @@ def reported_findings(source: RunSteps, run: str, rtol: float, main_term: str,
         what = "partly the mean of per-rank means"
     else:
         what = f"{float(first.reported_high) / true_value:.4g}× the token mean" if true_value else "not the token mean"
-    yield make_finding(context, Code.REPORTED_LOSS_MISMATCH, bad_steps,
-                   f"The reported loss differs from ΣS/N in {bad_count} step(s), beyond rounding; it is {what} (step "
-                   f"{int(first.step)}: reported {float(first.reported_high):.6g}, ΣS/N = {true_value:.6g}, mean of "
-                   f"local means {float(first.mean_of_local_means):.6g}).",
-                   "report all_reduce(Σ S)/all_reduce(Σ n) over the step from detached sums and counts",
-                   evidence)
+    yield make_finding(
+        context,
+        Code.REPORTED_LOSS_MISMATCH,
+        bad_steps,
+        f"The reported loss differs from ΣS/N in {bad_count} step(s), beyond rounding; it is {what} (step "
+        f"{int(first.step)}: reported {float(first.reported_high):.6g}, ΣS/N = {true_value:.6g}, mean of "
+        f"local means {float(first.mean_of_local_means):.6g}).",
+        "report all_reduce(Σ S)/all_reduce(Σ n) over the step from detached sums and counts",
+        evidence,
+    )
 
 
 def _shifted_finding(found: _Differing, context: RunContext, evidence: dict[str, Any], true_value: float) -> Finding:
@@ -209,10 +256,15 @@ def _shifted_finding(found: _Differing, context: RunContext, evidence: dict[str,
     neighbour = "next" if all_next else "previous"
     theirs = float(first.next_mean if all_next else first.previous_mean)
     evidence[f"token_mean_of_the_{neighbour}_step"] = theirs
-    return make_finding(context, Code.REPORTED_LOSS_SHIFTED, bad_steps,
-                        f"The reported loss is the token mean ΣS/N of the {neighbour} step, not its own, in all "
-                        f"{bad_count} step(s) where it differs (step {int(first.step)}: reported "
-                        f"{float(first.reported_high):.6g}, its own ΣS/N {true_value:.6g}, the {neighbour} step's "
-                        f"{theirs:.6g}): the losses are right, recorded one update {'early' if all_next else 'late'}.",
-                        "give the step the loss belongs to (rec.report_loss(value, step=...)), or report it "
-                        "after optimizer.step() for the update just closed", evidence)
+    return make_finding(
+        context,
+        Code.REPORTED_LOSS_SHIFTED,
+        bad_steps,
+        f"The reported loss is the token mean ΣS/N of the {neighbour} step, not its own, in all "
+        f"{bad_count} step(s) where it differs (step {int(first.step)}: reported "
+        f"{float(first.reported_high):.6g}, its own ΣS/N {true_value:.6g}, the {neighbour} step's "
+        f"{theirs:.6g}): the losses are right, recorded one update {'early' if all_next else 'late'}.",
+        "give the step the loss belongs to (rec.report_loss(value, step=...)), or report it "
+        "after optimizer.step() for the update just closed",
+        evidence,
+    )

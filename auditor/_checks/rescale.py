@@ -15,11 +15,18 @@ def divisions(q: float, divisor: int, rtol: float) -> int | None:
     if not (q > 0 and math.isfinite(q)) or divisor < 2:
         return None
     j = round(-math.log(q) / math.log(divisor))
-    return j if j >= 1 and abs(q * divisor ** j - 1) <= rtol else None
+    return j if j >= 1 and abs(q * divisor**j - 1) <= rtol else None
 
 
-def schedule_finding(context: RunContext, steps: StepsSeen, lightest: float, heaviest: float, step: int,
-                     tokens: int, evidence: dict[str, Any]) -> Finding | None:
+def schedule_finding(
+    context: RunContext,
+    steps: StepsSeen,
+    lightest: float,
+    heaviest: float,
+    step: int,
+    tokens: int,
+    evidence: dict[str, Any],
+) -> Finding | None:
     """`schedule_rescaled` where a pipeline schedule divided every gradient by its M microbatches after backward
     (`context.provenance.schedule_divisor`) and that alone explains the weights: the lightest and heaviest q = e·N of the
     steps are both M^−j, j ≥ 1. q = 1/M: a loss divided by N, then by M; 1/M^k down to 1/M: k step() calls of one
@@ -32,11 +39,19 @@ def schedule_finding(context: RunContext, steps: StepsSeen, lightest: float, hea
         return None
     evidence = {**evidence, "schedule_divisor": m, "divisions": sorted({low, high})}
     weights = f"{heaviest:.4g}/N" if low == high else f"{lightest:.4g}/N to {heaviest:.4g}/N"
-    accumulated = "" if low == high else (
-        f"; with gradient accumulation over several step() calls each call divided every gradient accumulated so "
-        f"far, so the earliest microbatches were divided {high} times")
-    message = (f"The pipeline schedule divided every gradient by its M={m} microbatches after backward "
-               f"(scale_grads=True) on a loss already divided by the update's N: tokens received {weights} "
-               f"instead of 1/N (step {step}, N={tokens}){accumulated}.")
-    return make_finding(context, Code.SCHEDULE_RESCALED, steps, message, CODE_DOCS[Code.SCHEDULE_RESCALED].fix,
-                        evidence)
+    accumulated = (
+        ""
+        if low == high
+        else (
+            f"; with gradient accumulation over several step() calls each call divided every gradient accumulated so "
+            f"far, so the earliest microbatches were divided {high} times"
+        )
+    )
+    message = (
+        f"The pipeline schedule divided every gradient by its M={m} microbatches after backward "
+        f"(scale_grads=True) on a loss already divided by the update's N: tokens received {weights} "
+        f"instead of 1/N (step {step}, N={tokens}){accumulated}."
+    )
+    return make_finding(
+        context, Code.SCHEDULE_RESCALED, steps, message, CODE_DOCS[Code.SCHEDULE_RESCALED].fix, evidence
+    )

@@ -14,7 +14,8 @@ from tokaudit._checks.miscount import without_miscounted
 from tokaudit._checks.objective import OneObjective, one_objective
 from tokaudit._checks.probe import ProbeCheck, per_sequence_first
 from tokaudit._checks.reported import reported_findings
-from tokaudit._checks.structure import DivisorCheck, MissingRanksCheck, StructureCheck, SyncCheck, ValuesCheck, WeightPresenceCheck, duplicates_finding, not_recorded_finding, ranks_not_recorded
+from tokaudit._checks.structure import DivisorCheck, MissingRanksCheck, StructureCheck, SyncCheck, ValuesCheck
+from tokaudit._checks.structure import WeightPresenceCheck, duplicates_finding, not_recorded_finding, ranks_not_recorded
 from tokaudit._checks.weighting import BalancedCheck, FactorTable, WeightingCheck
 from tokaudit._engine import Duplicates, one_value
 from tokaudit._normalization import Decisions, FitBlock, Span, Spans, block_fits, span_rows
@@ -22,16 +23,30 @@ from tokaudit._report import Finding
 from tokaudit._schema import Provenance
 
 
-CHECKS: tuple[type[Check], ...] = (WeightingCheck, StructureCheck, SyncCheck, ValuesCheck, ProbeCheck,
-                                   MissingRanksCheck, DivisorCheck, WeightPresenceCheck, BalancedCheck)
+CHECKS: tuple[type[Check], ...] = (
+    WeightingCheck,
+    StructureCheck,
+    SyncCheck,
+    ValuesCheck,
+    ProbeCheck,
+    MissingRanksCheck,
+    DivisorCheck,
+    WeightPresenceCheck,
+    BalancedCheck,
+)
 """Every check of a loss term, in the order their findings are listed (`_check_term`): a new check is a `Check`
 here, its code and words in `tokaudit.codes`."""
 
 
-def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
-              duplicates: Duplicates | None = None,
-              extremes: Extremes | None = None, provenance: Provenance = Provenance(),
-              objective: OneObjective | None = None) -> tuple[list[Finding], list[Span], int]:
+def check_run(
+    run: str,
+    steps: pd.DataFrame | RunSteps,
+    rtol: float,
+    duplicates: Duplicates | None = None,
+    extremes: Extremes | None = None,
+    provenance: Provenance = Provenance(),
+    objective: OneObjective | None = None,
+) -> tuple[list[Finding], list[Span], int]:
     """All checks for one run's steps (every group and term): its findings, its normalization spans
     (at most `MAX_SPANS` per group and term) and how many spans were left out.
 
@@ -63,8 +78,9 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
     if objective is not None:
         findings.extend(objective.findings(run, rtol))
         spans.extend(objective.spans)
-    term_findings, term_spans, omitted, reported = _check_terms(source, run, rtol, extremes, provenance,
-                                                                judged=objective is None)
+    term_findings, term_spans, omitted, reported = _check_terms(
+        source, run, rtol, extremes, provenance, judged=objective is None
+    )
     findings.extend(term_findings)
     spans.extend(term_spans)
     if reported:
@@ -76,8 +92,9 @@ def check_run(run: str, steps: pd.DataFrame | RunSteps, rtol: float,
     return findings, spans, omitted
 
 
-def _check_terms(source: RunSteps, run: str, rtol: float, extremes: Extremes | None, provenance: Provenance,
-                 judged: bool) -> tuple[list[Finding], list[Span], int, bool]:
+def _check_terms(
+    source: RunSteps, run: str, rtol: float, extremes: Extremes | None, provenance: Provenance, judged: bool
+) -> tuple[list[Finding], list[Span], int, bool]:
     """Every loss term's checks (`_check_term`), in the terms' order: their findings, spans and spans left out,
     and whether the reported losses are to be checked (several terms, or a step with a reported loss). Without
     `judged` (the terms are one objective) no term's weighting is judged alone."""
@@ -122,20 +139,32 @@ def _first_pass(source: RunSteps, term: str, rtol: float, judged: bool) -> tuple
     return Decisions.of(observed(), again, rtol, lambda: shape.worlds), shape
 
 
-def _check_term(source: RunSteps, term: str, decisions: Decisions | None, context: RunContext,
-                extremes: Extremes | None) -> tuple[list[Finding], list[Span], int]:
+def _check_term(
+    source: RunSteps, term: str, decisions: Decisions | None, context: RunContext, extremes: Extremes | None
+) -> tuple[list[Finding], list[Span], int]:
     """Every check of one loss term, fed the term's blocks once: its findings, spans and spans left out.
     Without `decisions` (the terms are one objective, judged together) its weighting is not judged alone."""
     factors = None
     if decisions is not None:
         # q's clusters need every uniform q ≠ 1 first: read once more only where a step may have one.
-        factors = FactorTable.of(((block, decisions.diagnose(block)) for block in source.blocks(term)), context) \
-            if decisions.may_be_off else FactorTable(context.rtol, np.zeros(0), {}, [], False)
-    inputs = TermInputs(context, keep_steps=len(source.groups) > 1, main_term=term == source.terms[0],
-                        factors=factors, extremes=extremes,
-                        confused=decisions.confused if decisions is not None else None)
-    checks = [check(inputs) for check in CHECKS if (inputs.main_term or not check.main_term_only)
-              and (decisions is not None or not check.judges_weighting)]
+        factors = (
+            FactorTable.of(((block, decisions.diagnose(block)) for block in source.blocks(term)), context)
+            if decisions.may_be_off
+            else FactorTable(context.rtol, np.zeros(0), {}, [], False)
+        )
+    inputs = TermInputs(
+        context,
+        keep_steps=len(source.groups) > 1,
+        main_term=term == source.terms[0],
+        factors=factors,
+        extremes=extremes,
+        confused=decisions.confused if decisions is not None else None,
+    )
+    checks = [
+        check(inputs)
+        for check in CHECKS
+        if (inputs.main_term or not check.main_term_only) and (decisions is not None or not check.judges_weighting)
+    ]
     term_spans = Spans()
     for block in source.blocks(term):
         diagnoses = decisions.diagnose(block) if decisions is not None else None
@@ -176,11 +205,17 @@ class _Shape:
         self.microbatches = max(self.microbatches, float(block.microbatches_high.max()))
         self.reported = self.reported or bool((column_of(block, "reported") > 0).any())
 
-    def context(self, run: str, term: str, sizes: tuple[int, ...], rtol: float, provenance: Provenance
-                ) -> RunContext:
+    def context(self, run: str, term: str, sizes: tuple[int, ...], rtol: float, provenance: Provenance) -> RunContext:
         def mode(counts: dict[Any, int]) -> Any:
             return min(counts, key=lambda value: (-counts[value], value)) if counts else math.nan
 
-        return RunContext(run=run, term=term, world_size=int(mode(self.world_counts)), world_sizes=sizes,
-                          microbatches=int(self.microbatches), divisor=float(mode(self.divisor_counts)), rtol=rtol,
-                          provenance=provenance)
+        return RunContext(
+            run=run,
+            term=term,
+            world_size=int(mode(self.world_counts)),
+            world_sizes=sizes,
+            microbatches=int(self.microbatches),
+            divisor=float(mode(self.divisor_counts)),
+            rtol=rtol,
+            provenance=provenance,
+        )

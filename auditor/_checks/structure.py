@@ -9,7 +9,8 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit._checks.base import Check, FlaggedSteps, TermInputs, RunSteps, ListedSteps, RunContext, StepsSeen, column_of, differ_rows, grouped, make_finding, median_of, nan_sum, step_list
+from tokaudit._checks.base import Check, FlaggedSteps, TermInputs, RunSteps, ListedSteps, RunContext, StepsSeen
+from tokaudit._checks.base import column_of, differ_rows, grouped, make_finding, median_of, nan_sum, step_list
 from tokaudit._engine import Duplicates
 from tokaudit._normalization import Diagnoses
 from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
@@ -19,6 +20,7 @@ from tokaudit._sorting import SortedColumn
 
 
 ALL_CODES: tuple[Code, ...] = tuple(Code)
+
 
 class StructureCheck(Check):
     """world_size_inconsistent, world_size_changed, uneven_microbatches. W's changes are looked for group
@@ -54,32 +56,48 @@ class StructureCheck(Check):
         context = self.context
         if self.inconsistent:
             row = self.inconsistent.first
-            yield make_finding(context, Code.WORLD_SIZE_INCONSISTENT, self.inconsistent.steps,
-                           f"Ranks disagree on W within one step (step {int(row.step)}: W from {int(row.world_low)} to "
-                           f"{int(row.world_high)}).",
-                           "derive W from the process group that averages the gradients "
-                           "(dist.get_world_size(ddp_model.process_group)) on every rank",
-                           {"step": int(row.step), "world_size_low": int(row.world_low), "world_size_high": int(row.world_high)})
+            yield make_finding(
+                context,
+                Code.WORLD_SIZE_INCONSISTENT,
+                self.inconsistent.steps,
+                f"Ranks disagree on W within one step (step {int(row.step)}: W from {int(row.world_low)} to "
+                f"{int(row.world_high)}).",
+                "derive W from the process group that averages the gradients "
+                "(dist.get_world_size(ddp_model.process_group)) on every rank",
+                {"step": int(row.step), "world_size_low": int(row.world_low), "world_size_high": int(row.world_high)},
+            )
         for group in sorted(self.changes):
             sizes, changed = self.changes[group]
             if len(sizes) > 1:
-                yield make_finding(context, Code.WORLD_SIZE_CHANGED, changed,
-                               f"W changed between steps{'' if group == UNNAMED else f' in group {group}'}: "
-                               f"{' → '.join(map(str, sizes))} (an elastic restart or a resume on other hardware).",
-                               "nothing to fix if the restart was intended; check that N and W were recomputed after it",
-                               {"world_sizes": sizes})
+                yield make_finding(
+                    context,
+                    Code.WORLD_SIZE_CHANGED,
+                    changed,
+                    f"W changed between steps{'' if group == UNNAMED else f' in group {group}'}: "
+                    f"{' → '.join(map(str, sizes))} (an elastic restart or a resume on other hardware).",
+                    "nothing to fix if the restart was intended; check that N and W were recomputed after it",
+                    {"world_sizes": sizes},
+                )
         if self.uneven:
             row = self.uneven.first
             known = "sync_known" in row.index and row.sync_known == row.records
             said = "do not show" if known else "do not say (no sync recorded)"
-            yield make_finding(context, Code.UNEVEN_MICROBATCHES, self.uneven.steps,
-                           f"Ranks ran different numbers of microbatches in one step (step {int(row.step)}: from "
-                           f"{int(row.microbatches_low)} to {int(row.microbatches_high)}), and the records {said} one synced backward per "
-                           "rank: every backward that syncs must be matched on all ranks.",
-                           "give every rank the same number of microbatches per step (pad with empty ones that "
-                           "still run backward with a zero contribution)",
-                           {"step": int(row.step), "microbatches_low": int(row.microbatches_low),
-                            "microbatches_high": int(row.microbatches_high)})
+            yield make_finding(
+                context,
+                Code.UNEVEN_MICROBATCHES,
+                self.uneven.steps,
+                f"Ranks ran different numbers of microbatches in one step (step {int(row.step)}: from "
+                f"{int(row.microbatches_low)} to {int(row.microbatches_high)}), and the records {said} one synced backward per "
+                "rank: every backward that syncs must be matched on all ranks.",
+                "give every rank the same number of microbatches per step (pad with empty ones that "
+                "still run backward with a zero contribution)",
+                {
+                    "step": int(row.step),
+                    "microbatches_low": int(row.microbatches_low),
+                    "microbatches_high": int(row.microbatches_high),
+                },
+            )
+
 
 def _synced_once(block: pd.DataFrame) -> npt.NDArray[np.bool_]:
     """Steps whose every record says whether it synced, with as many synced records as ranks and no rank whose
@@ -87,9 +105,11 @@ def _synced_once(block: pd.DataFrame) -> npt.NDArray[np.bool_]:
     if "sync_known" not in block:  # a table that holds no sync counts at all
         return np.zeros(len(block), dtype=bool)
     known = column_of(block, "sync_known") == column_of(block, "records")
-    synced: npt.NDArray[np.bool_] = known & (column_of(block, "sync_true") == column_of(block, "ranks")) & (
-        column_of(block, "unsynced_ranks") == 0)
+    synced: npt.NDArray[np.bool_] = (
+        known & (column_of(block, "sync_true") == column_of(block, "ranks")) & (column_of(block, "unsynced_ranks") == 0)
+    )
     return synced
+
 
 def ranks_not_recorded(source: RunSteps) -> dict[str, tuple[list[int], int]]:
     """Per group of W ≤ 64: the ranks below W with no record in any step of the run (its files not given, or
@@ -107,9 +127,11 @@ def ranks_not_recorded(source: RunSteps) -> dict[str, tuple[list[int], int]]:
     absent = {group: (_unset_ranks(seen[group], worlds[group]), worlds[group]) for group in seen if worlds[group] <= 64}
     return {group: found for group, found in absent.items() if found[0]}
 
+
 def _unset_ranks(mask: int, below: int) -> list[int]:
     """The ranks under `below` whose bit a rank mask (rank_mask: bit r set where rank r recorded) does not set."""
     return [rank for rank in range(below) if not mask >> rank & 1]
+
 
 def not_recorded_finding(run: str, source: RunSteps, absent: dict[str, tuple[list[int], int]]) -> Finding:
     """ranks_not_recorded over every step of the run: which ranks of which group the files given lack, and that
@@ -121,12 +143,17 @@ def not_recorded_finding(run: str, source: RunSteps, absent: dict[str, tuple[lis
     where = "" if group == UNNAMED else f" of group {group}"
     held = w - len(ranks)
     context = RunContext(run=run, term=UNNAMED, world_size=w, world_sizes=(w,), microbatches=0, divisor=0.0, rtol=0.0)
-    return make_finding(context, Code.RANKS_NOT_RECORDED, steps,
-                        f"The files given hold the records of {held} of W={w} ranks{where}: rank(s) {step_list(ranks)} "
-                        "have none in any step. Were their files left out, or is the Recorder made on some ranks only? "
-                        "Every step's N needs all ranks' tokens, so nothing about the normalization is judged.",
-                        "give the whole run's folder (every rank's shards), and make the Recorder on every rank",
-                        {"world_size": w, "ranks_not_recorded": ranks, "group": group})
+    return make_finding(
+        context,
+        Code.RANKS_NOT_RECORDED,
+        steps,
+        f"The files given hold the records of {held} of W={w} ranks{where}: rank(s) {step_list(ranks)} "
+        "have none in any step. Were their files left out, or is the Recorder made on some ranks only? "
+        "Every step's N needs all ranks' tokens, so nothing about the normalization is judged.",
+        "give the whole run's folder (every rank's shards), and make the Recorder on every rank",
+        {"world_size": w, "ranks_not_recorded": ranks, "group": group},
+    )
+
 
 class ValuesCheck(Check):
     """nonfinite_values, zero_token_nonfinite, empty_update. Non-finite values of an update the
@@ -161,19 +188,27 @@ class ValuesCheck(Check):
         context = self.context
         if self.nonfinite:
             records = int(self.nonfinite_records)
-            yield make_finding(context, Code.NONFINITE_VALUES, self.nonfinite,
-                           f"NaN or infinity in S, b, g, D or the probe columns of {records} record(s) with valid tokens; "
-                           "the reduced gradient of those steps is not finite, or its weight cannot be read.",
-                           "find the first non-finite loss (torch.autograd.set_detect_anomaly) and guard the division; "
-                           "record finite grad_scale and grad_divisor values",
-                           {"records": records, "first_step": int(self.nonfinite.range().first)})
+            yield make_finding(
+                context,
+                Code.NONFINITE_VALUES,
+                self.nonfinite,
+                f"NaN or infinity in S, b, g, D or the probe columns of {records} record(s) with valid tokens; "
+                "the reduced gradient of those steps is not finite, or its weight cannot be read.",
+                "find the first non-finite loss (torch.autograd.set_detect_anomaly) and guard the division; "
+                "record finite grad_scale and grad_divisor values",
+                {"records": records, "first_step": int(self.nonfinite.range().first)},
+            )
         if self.zero_bad:
-            yield make_finding(context, Code.ZERO_TOKEN_NONFINITE, self.zero_bad,
-                           f"{int(self.zero_records)} record(s) with no valid token have a non-finite backward "
-                           "scalar: the code divided by its own zero count (0/0), and DDP spreads the NaN to every rank.",
-                           "divide by the global count N (clamped to at least 1), never by the local count; a rank "
-                           "with no valid token backpropagates an exact zero that stays connected to the graph",
-                           {"records": int(self.zero_records)})
+            yield make_finding(
+                context,
+                Code.ZERO_TOKEN_NONFINITE,
+                self.zero_bad,
+                f"{int(self.zero_records)} record(s) with no valid token have a non-finite backward "
+                "scalar: the code divided by its own zero count (0/0), and DDP spreads the NaN to every rank.",
+                "divide by the global count N (clamped to at least 1), never by the local count; a rank "
+                "with no valid token backpropagates an exact zero that stays connected to the graph",
+                {"records": int(self.zero_records)},
+            )
         if self.empty:
             disagree = self.disagree_listed.count > 0
             severity = Severity.ERROR if self.empty_nonfinite or disagree else Severity.INFO
@@ -183,14 +218,22 @@ class ValuesCheck(Check):
             if self.empty_nonfinite:
                 details.append("some ranks backpropagated a non-finite value")
             if self.unmarked and not disagree:
-                details.append("the log does not say the update was skipped; an optimizer step on zero gradients still "
-                               "moves weights through momentum and weight decay")
-            yield make_finding(context, Code.EMPTY_UPDATE, self.empty,
-                           f"No valid token anywhere in {self.empty_listed.count} step(s) (N = 0)"
-                           + (": " + "; ".join(details) if details else ", and every rank skipped it together."),
-                           "decide from the global N (known to every rank after one all-reduce): when N = 0, every rank "
-                           "runs backward on a zero loss and skips optimizer.step() together",
-                           {"steps": self.empty_listed.text()}, severity=severity)
+                details.append(
+                    "the log does not say the update was skipped; an optimizer step on zero gradients still "
+                    "moves weights through momentum and weight decay"
+                )
+            yield make_finding(
+                context,
+                Code.EMPTY_UPDATE,
+                self.empty,
+                f"No valid token anywhere in {self.empty_listed.count} step(s) (N = 0)"
+                + (": " + "; ".join(details) if details else ", and every rank skipped it together."),
+                "decide from the global N (known to every rank after one all-reduce): when N = 0, every rank "
+                "runs backward on a zero loss and skips optimizer.step() together",
+                {"steps": self.empty_listed.text()},
+                severity=severity,
+            )
+
 
 class SyncCheck(Check):
     """missing_sync, sync_every_micro."""
@@ -219,25 +262,39 @@ class SyncCheck(Check):
     def findings(self) -> Iterator[Finding]:
         if self.missing and self.cleared:
             steps = self.missing.range().count
-            yield make_finding(self.context, Code.MISSING_SYNC, self.missing,
-                           f"Gradients were cleared inside the accumulation window: in {self.cleared} of {steps} "
-                           "step(s) without a synchronized last microbatch, zero_grad() ran before that microbatch "
-                           "and no optimizer step took what came before it. The microbatches before each "
-                           "zero_grad() were discarded, so each update trained on the microbatches after it only.",
-                           "call optimizer.zero_grad() once per update, after optimizer.step(), never between the "
-                           "microbatches of one update",
-                           {"rank_steps": int(self.unsynced), "cleared_steps": self.cleared})
+            yield make_finding(
+                self.context,
+                Code.MISSING_SYNC,
+                self.missing,
+                f"Gradients were cleared inside the accumulation window: in {self.cleared} of {steps} "
+                "step(s) without a synchronized last microbatch, zero_grad() ran before that microbatch "
+                "and no optimizer step took what came before it. The microbatches before each "
+                "zero_grad() were discarded, so each update trained on the microbatches after it only.",
+                "call optimizer.zero_grad() once per update, after optimizer.step(), never between the "
+                "microbatches of one update",
+                {"rank_steps": int(self.unsynced), "cleared_steps": self.cleared},
+            )
         elif self.missing:
-            yield make_finding(self.context, Code.MISSING_SYNC, self.missing,
-                           f"The last microbatch of a step did not synchronize gradients on "
-                           f"{int(self.unsynced)} rank-step(s): those ranks stepped on their local gradient.",
-                           "run the last microbatch's forward and backward outside model.no_sync()",
-                           {"rank_steps": int(self.unsynced)})
+            yield make_finding(
+                self.context,
+                Code.MISSING_SYNC,
+                self.missing,
+                f"The last microbatch of a step did not synchronize gradients on "
+                f"{int(self.unsynced)} rank-step(s): those ranks stepped on their local gradient.",
+                "run the last microbatch's forward and backward outside model.no_sync()",
+                {"rank_steps": int(self.unsynced)},
+            )
         if self.every_count and self.every_count == self.multi_count:
-            yield make_finding(self.context, Code.SYNC_EVERY_MICRO, self.every,
-                           f"Every microbatch synchronized gradients in {self.every_count} multi-microbatch step(s): "
-                           f"correct, but {self.context.microbatches}× the communication.",
-                           "wrap all but the last microbatch in model.no_sync()", {"steps": self.every_count})
+            yield make_finding(
+                self.context,
+                Code.SYNC_EVERY_MICRO,
+                self.every,
+                f"Every microbatch synchronized gradients in {self.every_count} multi-microbatch step(s): "
+                f"correct, but {self.context.microbatches}× the communication.",
+                "wrap all but the last microbatch in model.no_sync()",
+                {"steps": self.every_count},
+            )
+
 
 class MissingRanksCheck(Check):
     """missing_rank: fewer ranks than W recorded a step that others recorded."""
@@ -256,14 +313,23 @@ class MissingRanksCheck(Check):
         first = self.missing.first
         w = int(first.world_high)
         absent = _unset_ranks(0 if pd.isna(first.rank_mask) else int(first.rank_mask), min(w, 64))
-        listed = f"ranks {step_list(absent)}" if w <= 64 else f"{w - int(first.ranks)} ranks (of those below 64: {step_list(absent)})"
-        yield make_finding(self.context, Code.MISSING_RANK, self.missing.steps,
-                       f"{self.missing.rows} step(s) lack records from some ranks (step {int(first.step)}: {listed} "
-                       f"of W={w} have none). A rank that skips backward or a collective desynchronizes DDP; if it only "
-                       "skipped recording, its tokens are missing from N here.",
-                       "every rank runs forward, backward and every collective each microbatch, with a zero loss when "
-                       "it has no valid token",
-                       {"step": int(first.step), "missing_ranks": absent, "world_size": w})
+        listed = (
+            f"ranks {step_list(absent)}"
+            if w <= 64
+            else f"{w - int(first.ranks)} ranks (of those below 64: {step_list(absent)})"
+        )
+        yield make_finding(
+            self.context,
+            Code.MISSING_RANK,
+            self.missing.steps,
+            f"{self.missing.rows} step(s) lack records from some ranks (step {int(first.step)}: {listed} "
+            f"of W={w} have none). A rank that skips backward or a collective desynchronizes DDP; if it only "
+            "skipped recording, its tokens are missing from N here.",
+            "every rank runs forward, backward and every collective each microbatch, with a zero loss when "
+            "it has no valid token",
+            {"step": int(first.step), "missing_ranks": absent, "world_size": w},
+        )
+
 
 class DivisorCheck(Check):
     """unknown_divisor: D could not be seen, so the weights' absolute scale is not judged."""
@@ -284,7 +350,10 @@ class DivisorCheck(Check):
         weighted = unknown & (column_of(block, "weighted_records") > 0)
         if weighted.any():
             self.weighted = True
-            weight_low, weight_high = column_of(block, "weight_low")[weighted], column_of(block, "weight_high")[weighted]
+            weight_low, weight_high = (
+                column_of(block, "weight_low")[weighted],
+                column_of(block, "weight_high")[weighted],
+            )
             self.q.add((weight_low + weight_high) / 2 * column_of(block, "tokens")[weighted])
 
     def findings(self) -> Iterator[Finding]:
@@ -298,15 +367,22 @@ class DivisorCheck(Check):
             q = median_of(self.q)
             self.q.close()
             evidence.update({"distortion_if_average": q, "distortion_if_sum": q * context.world_size})
-            detail = (f" If the reduction averages (D = W = {context.world_size}), tokens got q = e·N = {q:.4g}; "
-                      f"if it sums (D = 1), q = {q * context.world_size:.4g} (correct is 1).")
-        yield make_finding(context, Code.UNKNOWN_DIVISOR, self.unknown,
-                       f"The divisor D of the gradient reduction could not be seen in {self.rows} step(s) (a DDP comm hook "
-                       "the recorder does not know, or no DDP model given), so the absolute scale of the weights is not "
-                       f"judged; relative checks (local means, per-microbatch denominators) still ran.{detail}",
-                       "tell the recorder what the reduction divides by: Recorder(..., grad_divisor=1) for a summing "
-                       f"hook, grad_divisor={context.world_size} for an average (or pass the DDP model as model=)",
-                       evidence)
+            detail = (
+                f" If the reduction averages (D = W = {context.world_size}), tokens got q = e·N = {q:.4g}; "
+                f"if it sums (D = 1), q = {q * context.world_size:.4g} (correct is 1)."
+            )
+        yield make_finding(
+            context,
+            Code.UNKNOWN_DIVISOR,
+            self.unknown,
+            f"The divisor D of the gradient reduction could not be seen in {self.rows} step(s) (a DDP comm hook "
+            "the recorder does not know, or no DDP model given), so the absolute scale of the weights is not "
+            f"judged; relative checks (local means, per-microbatch denominators) still ran.{detail}",
+            "tell the recorder what the reduction divides by: Recorder(..., grad_divisor=1) for a summing "
+            f"hook, grad_divisor={context.world_size} for an average (or pass the DDP model as model=)",
+            evidence,
+        )
+
 
 class WeightPresenceCheck(Check):
     """no_weights: valid records without a usable weight (no b and no probe, or S = 0 without a probe)."""
@@ -326,32 +402,51 @@ class WeightPresenceCheck(Check):
         if not self.unweighted:
             return
         records = int(self.records)
-        yield make_finding(self.context, Code.NO_WEIGHTS, self.unweighted,
-                       f"{records} record(s) with valid tokens carry no usable weight (no backward scalar and no probe, "
-                       f"or a loss sum of 0 without a probe); {self.none_at_all} step(s) have no weight at all, so their "
-                       "normalization cannot be judged.",
-                       "record backward_scalar= with every record, or wrap the per-token loss in rec.probe()",
-                       {"records": records, "steps_without_weight": self.none_at_all})
+        yield make_finding(
+            self.context,
+            Code.NO_WEIGHTS,
+            self.unweighted,
+            f"{records} record(s) with valid tokens carry no usable weight (no backward scalar and no probe, "
+            f"or a loss sum of 0 without a probe); {self.none_at_all} step(s) have no weight at all, so their "
+            "normalization cannot be judged.",
+            "record backward_scalar= with every record, or wrap the per-token loss in rec.probe()",
+            {"records": records, "steps_without_weight": self.none_at_all},
+        )
+
 
 def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:
     """duplicate_records: the engine kept one of each repeated (group, term, step, micro, rank), the later. Not
     evidence about the gradient (the verdict reads the records kept): the cause and the files are named."""
     files = ", ".join(duplicates.files)
     if duplicates.identical and duplicates.same_time:
-        cause = ("bit-identical copies of the same records (a compacted or copied file beside the shards, or one "
-                 "folder given twice): one of each is kept")
+        cause = (
+            "bit-identical copies of the same records (a compacted or copied file beside the shards, or one "
+            "folder given twice): one of each is kept"
+        )
         fix = "leave the copies out of the folder audited (or audit the copy alone)"
     elif duplicates.identical:
-        cause = ("the same values written again later: a re-launch of the same script under the same run id, or a "
-                 "resume that replayed these steps; the later records were kept")
+        cause = (
+            "the same values written again later: a re-launch of the same script under the same run id, or a "
+            "resume that replayed these steps; the later records were kept"
+        )
         fix = "give each launch its own run_id (the integrations name it after the trainer's run), or a new folder"
     else:
-        cause = ("other values for the same steps: a re-launch under the same run id or a resume that replayed "
-                 "steps, whose later records (the later shard as published, whatever the clocks) were kept and judged")
+        cause = (
+            "other values for the same steps: a re-launch under the same run id or a resume that replayed "
+            "steps, whose later records (the later shard as published, whatever the clocks) were kept and judged"
+        )
         fix = "give each launch its own run_id, or resume from the checkpoint's step into a new shard sequence"
-    return Finding(run=run, code=Code.DUPLICATE_RECORDS, severity=DEFAULT_SEVERITY[Code.DUPLICATE_RECORDS],
-                   steps=StepRange(duplicates.first, duplicates.last, duplicates.steps),
-                   message=f"{duplicates.dropped} record(s) repeat a (group, term, step, micro, rank) already logged, "
-                           f"in {files}: {cause}. Duplicates do not decide the verdict.",
-                   fix=fix, evidence={"dropped_records": duplicates.dropped, "files": list(duplicates.files),
-                                      "identical": duplicates.identical})
+    return Finding(
+        run=run,
+        code=Code.DUPLICATE_RECORDS,
+        severity=DEFAULT_SEVERITY[Code.DUPLICATE_RECORDS],
+        steps=StepRange(duplicates.first, duplicates.last, duplicates.steps),
+        message=f"{duplicates.dropped} record(s) repeat a (group, term, step, micro, rank) already logged, "
+        f"in {files}: {cause}. Duplicates do not decide the verdict.",
+        fix=fix,
+        evidence={
+            "dropped_records": duplicates.dropped,
+            "files": list(duplicates.files),
+            "identical": duplicates.identical,
+        },
+    )

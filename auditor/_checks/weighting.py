@@ -11,11 +11,13 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit._checks.base import Check, RunContext, StepsSeen, TermInputs, weight_ratio, column_of, make_finding, step_list
+from tokaudit._checks.base import Check, RunContext, StepsSeen, TermInputs, weight_ratio, column_of, make_finding
+from tokaudit._checks.base import step_list
 from tokaudit._checks.structure import ALL_CODES
 from tokaudit._checks.weighting_findings import WeightingGroup, weighting_finding
 from tokaudit.codes import Code
-from tokaudit._normalization import DENOMINATOR_FACTS, DENOMINATORS, Denominator, Diagnoses, FactorExplanation, FactorKind, StepKind, ClusterStarts, cluster, explain_factor
+from tokaudit._normalization import DENOMINATOR_FACTS, DENOMINATORS, Denominator, Diagnoses, FactorExplanation
+from tokaudit._normalization import FactorKind, StepKind, ClusterStarts, cluster, explain_factor
 from tokaudit._report import Finding, StepRange
 from tokaudit._sorting import SortedColumn, middle, middle_positions
 
@@ -28,22 +30,31 @@ PLAUSIBLE_SHARE = 0.9
 """More distinct uniform factors than VARYING_CLUSTERS, most of them no plausible W or loss scale:
 one factor that varies from step to step, whatever a few steps happen to land on."""
 
-def _weighting_codes(diagnoses: Diagnoses, explanation: npt.NDArray[np.int32],
-                     table: list[FactorExplanation]) -> tuple[npt.NDArray[np.int16], npt.NDArray[np.int32]]:
+
+def _weighting_codes(
+    diagnoses: Diagnoses, explanation: npt.NDArray[np.int32], table: list[FactorExplanation]
+) -> tuple[npt.NDArray[np.int16], npt.NDArray[np.int32]]:
     """Per step, the index in ALL_CODES of its weighting finding (−1: none), and the explanation whose
     label tells kinds of factor apart (for world_size_mismatch and loss_scale; −1 otherwise).
     Narrow integers (2 and 4 bytes a step): at millions of steps every per-step array counts."""
-    by_denominator = np.array([ALL_CODES.index(_NONUNIFORM_CODES.get(d, Code.UNEXPLAINED_WEIGHTING))
-                               for d in DENOMINATORS], dtype=np.int16)
+    by_denominator = np.array(
+        [ALL_CODES.index(_NONUNIFORM_CODES.get(d, Code.UNEXPLAINED_WEIGHTING)) for d in DENOMINATORS], dtype=np.int16
+    )
     code = np.where(diagnoses.kind_is(StepKind.NONUNIFORM), by_denominator[diagnoses.denominator], np.int16(-1))
-    kinds = {FactorKind.WORLD_SIZE: Code.WORLD_SIZE_MISMATCH, FactorKind.LOSS_SCALE: Code.LOSS_SCALE,
-             FactorKind.OTHER: Code.SCALE_MISMATCH}
-    by_explanation = np.array([ALL_CODES.index(kinds[e.kind]) for e in table] + [ALL_CODES.index(Code.SCALE_MISMATCH)],
-                              dtype=np.int16)  # the last entry stands for "none"
+    kinds = {
+        FactorKind.WORLD_SIZE: Code.WORLD_SIZE_MISMATCH,
+        FactorKind.LOSS_SCALE: Code.LOSS_SCALE,
+        FactorKind.OTHER: Code.SCALE_MISMATCH,
+    }
+    by_explanation = np.array(
+        [ALL_CODES.index(kinds[e.kind]) for e in table] + [ALL_CODES.index(Code.SCALE_MISMATCH)], dtype=np.int16
+    )  # the last entry stands for "none"
     labelled = np.array([e.kind != FactorKind.OTHER for e in table] + [False])
     off = diagnoses.kind_is(StepKind.UNIFORM_OFF)
-    padded = np.isin(diagnoses.denominator, [DENOMINATORS.index(Denominator.POSITIONS),
-                                             DENOMINATORS.index(Denominator.STEP_POSITIONS)])
+    padded = np.isin(
+        diagnoses.denominator,
+        [DENOMINATORS.index(Denominator.POSITIONS), DENOMINATORS.index(Denominator.STEP_POSITIONS)],
+    )
     raw = diagnoses.denominator == DENOMINATORS.index(Denominator.ONE)
     named = np.where(explanation >= 0, explanation, np.int32(len(table)))
     # Written in place, one condition at a time: no nested np.where of whole columns.
@@ -52,6 +63,7 @@ def _weighting_codes(diagnoses: Diagnoses, explanation: npt.NDArray[np.int32],
     code[off & padded] = ALL_CODES.index(Code.PADDED_DENOMINATOR)
     label = np.where(off & ~padded & ~raw & labelled[named], named, np.int32(-1))
     return code, label
+
 
 @dataclass
 class FactorTable:
@@ -106,15 +118,18 @@ class FactorTable:
         ids[off] = numbers[inverse.reshape(-1)]  # a lookup per distinct (cluster, W), not per step
         return ids
 
-def factor_pairs(column: SortedColumn, rtol: float
-           ) -> tuple[npt.NDArray[np.float64], list[tuple[int, int]], list[int], list[float]]:
+
+def factor_pairs(
+    column: SortedColumn, rtol: float
+) -> tuple[npt.NDArray[np.float64], list[tuple[int, int]], list[int], list[float]]:
     """The clusters of q (`cluster`) as their smallest q, and per (cluster, W) in that order (as np.unique
     orders them): its steps and its median q."""
     if not column.spilled:
         q, world = column.in_order()
         labels = cluster(q, rtol)
-        found, inverse, counts = np.unique(np.stack([labels, world], axis=1), axis=0, return_inverse=True,
-                                           return_counts=True)
+        found, inverse, counts = np.unique(
+            np.stack([labels, world], axis=1), axis=0, return_inverse=True, return_counts=True
+        )
         inverse = inverse.reshape(-1)
         order = np.argsort(q, kind="stable")
         anchors = q[order][np.flatnonzero(np.r_[True, np.diff(labels[order]) != 0])]
@@ -142,10 +157,12 @@ def factor_pairs(column: SortedColumn, rtol: float
             seen[pair] += len(mine)
     return np.array(chain.starts), pairs, [count[pair] for pair in pairs], [middle(picked[pair]) for pair in pairs]
 
+
 def _counted(labels: npt.NDArray[Any], worlds: npt.NDArray[Any]) -> tuple[list[tuple[int, int]], list[int]]:
     """The distinct (label, W) of a chunk and how many of each."""
     found, counts = np.unique(np.stack([labels, worlds], axis=1), axis=0, return_counts=True)
     return [(int(label), int(w)) for label, w in found], [int(c) for c in counts]
+
 
 def _extend(bounds: list[float], values: npt.NDArray[np.float64]) -> list[float]:
     """[lowest, highest] of the values seen so far, NaN left out (empty while none is a number)."""
@@ -154,6 +171,7 @@ def _extend(bounds: list[float], values: npt.NDArray[np.float64]) -> list[float]
         return bounds
     low, high = float(values.min()), float(values.max())
     return [min(bounds[0], low), max(bounds[1], high)] if bounds else [low, high]
+
 
 class WeightingCheck(Check):
     """local_mean, per_micro_denominator, padded_denominator, unexplained_weighting, world_size_mismatch,
@@ -179,21 +197,26 @@ class WeightingCheck(Check):
         if not len(flagged):
             return
         # The four as one integer key (labels of equal text are one label).
-        key = ((code[flagged].astype(np.int64) * len(DENOMINATORS) + diagnoses.denominator[flagged]) * self.names
-               + self.label_numbers[label[flagged]]) * 2 + np.isnan(diagnoses.approximate[flagged])
+        key = (
+            (code[flagged].astype(np.int64) * len(DENOMINATORS) + diagnoses.denominator[flagged]) * self.names
+            + self.label_numbers[label[flagged]]
+        ) * 2 + np.isnan(diagnoses.approximate[flagged])
         keys, first, inverse = np.unique(key, return_index=True, return_inverse=True)
         inverse = inverse.reshape(-1)
         steps = column_of(block, "step")
-        ratio_all = weight_ratio(column_of(block, "token_weight_low").astype(float),
-                                 column_of(block, "token_weight_high").astype(float))
+        ratio_all = weight_ratio(
+            column_of(block, "token_weight_low").astype(float), column_of(block, "token_weight_high").astype(float)
+        )
         for index in np.argsort(first):
             value = int(keys[index])
             rows = flagged[inverse == index]
             group = self.groups.get(value)
             if group is None:
-                group = self.groups[value] = WeightingGroup(ALL_CODES[int(code[rows[0]])],
-                                                             DENOMINATORS[int(diagnoses.denominator[rows[0]])],
-                                                             StepsSeen(self.keep_steps))
+                group = self.groups[value] = WeightingGroup(
+                    ALL_CODES[int(code[rows[0]])],
+                    DENOMINATORS[int(diagnoses.denominator[rows[0]])],
+                    StepsSeen(self.keep_steps),
+                )
             group.steps.add(steps[rows])
             group.count += len(rows)
             group.factor_range = _extend(group.factor_range, diagnoses.factor[rows])
@@ -217,18 +240,26 @@ class WeightingCheck(Check):
                 group.diagnosis, group.explanation = diagnoses[row], int(explanation[row])
 
     def findings(self) -> Iterator[Finding]:
-        found = [weighting_finding(group, self.factors.table, self.context, self.extremes)
-                 for group in self.groups.values()]
+        found = [
+            weighting_finding(group, self.factors.table, self.context, self.extremes) for group in self.groups.values()
+        ]
         # a count taken before the shift, read in groups of steps its weights fit differently: one finding,
         # the evidence of its most unequal step
         shifted = [f for f in found if "extra_labels_per_record" in f.evidence]
         if len(shifted) > 1:
             worst = max(shifted, key=lambda f: f.evidence["weight_ratio"])
-            steps = StepRange(min(f.steps.first for f in shifted), max(f.steps.last for f in shifted),
-                              sum(f.steps.count for f in shifted))
-            found = [replace(f, steps=steps) if f is worst else f for f in found
-                     if f is worst or "extra_labels_per_record" not in f.evidence]
+            steps = StepRange(
+                min(f.steps.first for f in shifted),
+                max(f.steps.last for f in shifted),
+                sum(f.steps.count for f in shifted),
+            )
+            found = [
+                replace(f, steps=steps) if f is worst else f
+                for f in found
+                if f is worst or "extra_labels_per_record" not in f.evidence
+            ]
         yield from found
+
 
 class BalancedCheck(Check):
     """balanced_counts: in every step the counts that a local normalization needs to differ were
@@ -257,8 +288,12 @@ class BalancedCheck(Check):
         counts = sorted(self.counts)
         what, mistake = DENOMINATOR_FACTS[self.confused].confused
         detail = f"every record had the same valid-token count ({step_list(counts)})" if self.balanced else what
-        yield make_finding(self.context, Code.BALANCED_COUNTS, self.nonempty,
-                       f"In every step {detail}, so {mistake} and the global token mean give the same weights here: "
-                       "this run cannot show which one the code uses.",
-                       "audit a run with uneven counts (padding, ignored labels, different sequence lengths per rank)",
-                       {"counts": counts, "indistinguishable_from": self.confused.value})
+        yield make_finding(
+            self.context,
+            Code.BALANCED_COUNTS,
+            self.nonempty,
+            f"In every step {detail}, so {mistake} and the global token mean give the same weights here: "
+            "this run cannot show which one the code uses.",
+            "audit a run with uneven counts (padding, ignored labels, different sequence lengths per rank)",
+            {"counts": counts, "indistinguishable_from": self.confused.value},
+        )

@@ -8,8 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from tokaudit._checks.base import BF16_HINT, BF16_ROUNDING, DENOMINATOR_WORDS, Extremes, RunContext, StepsSeen, average_fix, make_finding, weight_ratio
-from tokaudit._checks.causes import COUNTED_BEFORE_SHIFT_FIX, UNTOLD, counted_before_shift, counted_before_shift_text, overcounted, world_size_cause
+from tokaudit._checks.base import BF16_HINT, BF16_ROUNDING, DENOMINATOR_WORDS, Extremes, RunContext, StepsSeen
+from tokaudit._checks.base import average_fix, make_finding, weight_ratio
+from tokaudit._checks.causes import COUNTED_BEFORE_SHIFT_FIX, UNTOLD, counted_before_shift, counted_before_shift_text
+from tokaudit._checks.causes import overcounted, world_size_cause
 from tokaudit._checks.rescale import schedule_finding
 from tokaudit.codes import Code
 from tokaudit._normalization import FORMULA, Denominator, FactorExplanation, StepKind, close
@@ -41,21 +43,30 @@ def _range(values: list[float]) -> list[float]:
     return [float(min(values)), float(max(values))]
 
 
-def weighting_finding(group: WeightingGroup, table: list[FactorExplanation], context: RunContext,
-                      extremes: Extremes | None = None) -> Finding:
+def weighting_finding(
+    group: WeightingGroup, table: list[FactorExplanation], context: RunContext, extremes: Extremes | None = None
+) -> Finding:
     """The finding of one group of steps weighted alike: the evidence every such finding holds, then what is
     said of weights that differ inside a step or of uniform weights off by a factor."""
     row, diagnosis = group.row, group.diagnosis
     factors = group.factor_range
-    evidence: dict[str, Any] = {"step": int(row.step), "denominator": group.denominator.value,
-                                "factor": diagnosis.factor, "world_size": int(row.world_high),
-                                "grad_divisor": float(row.divisor_high), "global_tokens": int(row.tokens)}
+    evidence: dict[str, Any] = {
+        "step": int(row.step),
+        "denominator": group.denominator.value,
+        "factor": diagnosis.factor,
+        "world_size": int(row.world_high),
+        "grad_divisor": float(row.divisor_high),
+        "global_tokens": int(row.tokens),
+    }
     if factors:
         evidence["factor_range"] = _range(factors)
     grp = f" (group {row.grp})" if str(row.grp) != UNNAMED else ""
     tokens = int(row.tokens)
-    lightest, heaviest = ((float(row.weight_low) * tokens, float(row.weight_high) * tokens)
-                          if diagnosis.kind == StepKind.NONUNIFORM else _range(group.distortion_range or [math.nan]))
+    lightest, heaviest = (
+        (float(row.weight_low) * tokens, float(row.weight_high) * tokens)
+        if diagnosis.kind == StepKind.NONUNIFORM
+        else _range(group.distortion_range or [math.nan])
+    )
     rescaled = schedule_finding(context, group.steps, lightest, heaviest, int(row.step), tokens, evidence)
     if rescaled is not None:
         return rescaled
@@ -64,8 +75,9 @@ def weighting_finding(group: WeightingGroup, table: list[FactorExplanation], con
     return _uniform_finding(group, table, context, evidence, grp)
 
 
-def _nonuniform_finding(group: WeightingGroup, context: RunContext, evidence: dict[str, Any], grp: str,
-                        extremes: Extremes | None) -> Finding:
+def _nonuniform_finding(
+    group: WeightingGroup, context: RunContext, evidence: dict[str, Any], grp: str, extremes: Extremes | None
+) -> Finding:
     """Tokens of one step weighed differently: where the heaviest and lightest were, and the denominator."""
     code, row = group.code, group.row
     step, tokens = int(row.step), int(row.tokens)
@@ -76,16 +88,29 @@ def _nonuniform_finding(group: WeightingGroup, context: RunContext, evidence: di
     # a record, which the records' mean weights described here cannot show
     tokens_ratio = float(weight_ratio(float(row.token_weight_low), float(row.token_weight_high)))
     evidence.update({"heaviest": heavy, "lightest": light, "weight_ratio": tokens_ratio})
-    where = (f"at step {step}{grp} a token on rank {heavy['rank']} (microbatch {heavy['micro']}, "
-             f"n={heavy['valid_tokens']}) received {ratio:.3g}× the weight of a token on rank {light['rank']} "
-             f"(microbatch {light['micro']}, n={light['valid_tokens']}); the correct weight is 1/N = 1/{tokens}, "
-             f"they got {heavy_e * tokens:.3g}/N and {light_e * tokens:.3g}/N")
-    shift = counted_before_shift((heavy["valid_tokens"], heavy_e), (light["valid_tokens"], light_e), tokens,
-                                 int(row.records)) if code in (Code.LOCAL_MEAN, Code.UNEXPLAINED_WEIGHTING) else None
+    where = (
+        f"at step {step}{grp} a token on rank {heavy['rank']} (microbatch {heavy['micro']}, "
+        f"n={heavy['valid_tokens']}) received {ratio:.3g}× the weight of a token on rank {light['rank']} "
+        f"(microbatch {light['micro']}, n={light['valid_tokens']}); the correct weight is 1/N = 1/{tokens}, "
+        f"they got {heavy_e * tokens:.3g}/N and {light_e * tokens:.3g}/N"
+    )
+    shift = (
+        counted_before_shift(
+            (heavy["valid_tokens"], heavy_e), (light["valid_tokens"], light_e), tokens, int(row.records)
+        )
+        if code in (Code.LOCAL_MEAN, Code.UNEXPLAINED_WEIGHTING)
+        else None
+    )
     if shift is not None:  # no denominator of the vocabulary: a count, the labels' own, with k more labels
         evidence["extra_labels_per_record"] = shift
-        return make_finding(context, Code.UNEXPLAINED_WEIGHTING, group.steps, counted_before_shift_text(shift, where),
-                            COUNTED_BEFORE_SHIFT_FIX, evidence)
+        return make_finding(
+            context,
+            Code.UNEXPLAINED_WEIGHTING,
+            group.steps,
+            counted_before_shift_text(shift, where),
+            COUNTED_BEFORE_SHIFT_FIX,
+            evidence,
+        )
     message = _nonuniform_message(group, context, evidence, where)
     return make_finding(context, code, group.steps, message, average_fix(context), evidence)
 
@@ -97,32 +122,48 @@ def _nonuniform_message(group: WeightingGroup, context: RunContext, evidence: di
     formula = f"b·g = {alpha}·{FORMULA.get(denominator, '?')}"
     near = _approximate_text(group, evidence)
     if code == Code.LOCAL_MEAN and denominator == Denominator.MICRO_TIMES_M:
-        message = (f"{near}Each microbatch's loss was its own mean over its n valid tokens, divided by the "
-                   f"number of microbatches M={context.microbatches} (loss.mean() / gradient_accumulation_steps; "
-                   f"{formula}), so microbatches count equally instead of tokens: {where}.")
+        message = (
+            f"{near}Each microbatch's loss was its own mean over its n valid tokens, divided by the "
+            f"number of microbatches M={context.microbatches} (loss.mean() / gradient_accumulation_steps; "
+            f"{formula}), so microbatches count equally instead of tokens: {where}."
+        )
     elif code == Code.LOCAL_MEAN and denominator == Denominator.MICRO and _is_world_size(diagnosis.factor, context):
         message = _mean_times_w(context, near, formula, where)
     elif code == Code.LOCAL_MEAN:
-        message = (f"{near}Each loss was divided by {DENOMINATOR_WORDS[denominator]} ({formula}), so ranks "
-                   f"and microbatches count equally instead of tokens: {where}.")
+        message = (
+            f"{near}Each loss was divided by {DENOMINATOR_WORDS[denominator]} ({formula}), so ranks "
+            f"and microbatches count equally instead of tokens: {where}."
+        )
     elif code == Code.PER_MICRO_DENOMINATOR:
-        message = (f"{near}Each microbatch was divided by its own global count N_m instead of the step's N "
-                   f"({formula}): {where}.")
+        message = (
+            f"{near}Each microbatch was divided by its own global count N_m instead of the step's N "
+            f"({formula}): {where}."
+        )
     elif code == Code.PADDED_DENOMINATOR:
-        message = (f"{near}The loss was divided by the positions T of each microbatch, padding and ignored "
-                   f"labels included ({formula}): {where}.")
+        message = (
+            f"{near}The loss was divided by the positions T of each microbatch, padding and ignored "
+            f"labels included ({formula}): {where}."
+        )
     elif diagnosis.approximate is not None:
-        message = (f"Tokens of one step received different weights; the nearest denominator is "
-                   f"{DENOMINATOR_WORDS[denominator]} ({formula}), off by up to "
-                   f"{evidence['approximation_error']:.2%}: {where}.")
+        message = (
+            f"Tokens of one step received different weights; the nearest denominator is "
+            f"{DENOMINATOR_WORDS[denominator]} ({formula}), off by up to "
+            f"{evidence['approximation_error']:.2%}: {where}."
+        )
         # nearest to the token mean itself (b·g = D·S/N, q = 1), and within bf16's rounding of it
-        if denominator == Denominator.N and evidence["approximation_error"] <= BF16_ROUNDING and \
-                diagnosis.factor is not None and abs(diagnosis.factor / float(row.divisor_high) - 1) <= BF16_ROUNDING:
+        if (
+            denominator == Denominator.N
+            and evidence["approximation_error"] <= BF16_ROUNDING
+            and diagnosis.factor is not None
+            and abs(diagnosis.factor / float(row.divisor_high) - 1) <= BF16_ROUNDING
+        ):
             evidence["within_bfloat16_rounding"] = True
             message += BF16_HINT
     else:
-        message = (f"Tokens of one step received different weights and no denominator (n, n_r, n·M, N_m, N, T, "
-                   f"1) explains them: {where}.")
+        message = (
+            f"Tokens of one step received different weights and no denominator (n, n_r, n·M, N_m, N, T, "
+            f"1) explains them: {where}."
+        )
     return message
 
 
@@ -132,13 +173,16 @@ def _approximate_text(group: WeightingGroup, evidence: dict[str, Any]) -> str:
         return ""
     off = group.approximate
     evidence.update({"approximate": True, "approximation_error": off})
-    return (f"The weights fit {DENOMINATOR_WORDS[group.denominator]} only approximately (α varies by up to "
-            f"{off:.2%}; a count that is off by a few tokens per sequence, such as one extra label per "
-            "row from unshifted labels, does this). ")
+    return (
+        f"The weights fit {DENOMINATOR_WORDS[group.denominator]} only approximately (α varies by up to "
+        f"{off:.2%}; a count that is off by a few tokens per sequence, such as one extra label per "
+        "row from unshifted labels, does this). "
+    )
 
 
-def _uniform_finding(group: WeightingGroup, table: list[FactorExplanation], context: RunContext,
-                     evidence: dict[str, Any], grp: str) -> Finding:
+def _uniform_finding(
+    group: WeightingGroup, table: list[FactorExplanation], context: RunContext, evidence: dict[str, Any], grp: str
+) -> Finding:
     """Every token of a step weighed alike, but q = e·N is not 1: a padded count, a loss scale, a world-size
     factor, a raw sum or another constant."""
     code, row, diagnosis = group.code, group.row, group.diagnosis
@@ -147,14 +191,21 @@ def _uniform_finding(group: WeightingGroup, table: list[FactorExplanation], cont
     q = diagnosis.distortion or 0.0
     distortions = group.distortion_range
     evidence.update({"distortion": q, "effective_weight": q / tokens, "distortion_range": _range(distortions)})
-    spread = "" if len(set(np.round(distortions, 12))) <= 1 else \
-        f"; over the {group.count} step(s) q ranges from {min(distortions):.4g} to {max(distortions):.4g}"
-    scaled = (f"every valid token received {q:.4g}/N instead of 1/N (step {step}{grp}, N={tokens}, W={w}, "
-              f"D={row.divisor_high:g}){spread}")
+    spread = (
+        ""
+        if len(set(np.round(distortions, 12))) <= 1
+        else f"; over the {group.count} step(s) q ranges from {min(distortions):.4g} to {max(distortions):.4g}"
+    )
+    scaled = (
+        f"every valid token received {q:.4g}/N instead of 1/N (step {step}{grp}, N={tokens}, W={w}, "
+        f"D={row.divisor_high:g}){spread}"
+    )
     if code == Code.PADDED_DENOMINATOR:
         evidence["positions"] = int(row.positions)
-        message = (f"The loss was divided by all {int(row.positions)} positions of the step, padding and ignored "
-                   f"labels included, instead of its {tokens} valid tokens: {scaled}.")
+        message = (
+            f"The loss was divided by all {int(row.positions)} positions of the step, padding and ignored "
+            f"labels included, instead of its {tokens} valid tokens: {scaled}."
+        )
         return make_finding(context, code, group.steps, message, average_fix(context), evidence)
     if code == Code.LOSS_SCALE:
         assert explanation is not None
@@ -165,29 +216,39 @@ def _uniform_finding(group: WeightingGroup, table: list[FactorExplanation], cont
     return _constant_finding(group, context, evidence, scaled, spread)
 
 
-def _loss_scale_finding(group: WeightingGroup, table: list[FactorExplanation], context: RunContext,
-                        evidence: dict[str, Any], scaled: str) -> Finding:
+def _loss_scale_finding(
+    group: WeightingGroup, table: list[FactorExplanation], context: RunContext, evidence: dict[str, Any], scaled: str
+) -> Finding:
     """Uniform weights off by a power of two that W does not explain: the loss scale of mixed precision."""
     w = int(group.row.world_high)
     exponents = sorted({j for i in group.explanations if i >= 0 and (j := table[i].integer) is not None})
     evidence["loss_scale_exponents"] = exponents
     shown = " to ".join(f"2^{j}" for j in ([exponents[0], exponents[-1]] if len(exponents) > 1 else exponents))
-    message = (f"Weights are uniform but carry a power-of-two factor ({shown}) that W={w} does not explain: "
-               f"{scaled}. This is the loss scale of mixed precision (a GradScaler), which the log does not "
-               "record, so the gradient's true scale cannot be judged here.")
-    fix = ("pass the scaler to the recorder, Recorder(..., scaler=scaler), so its scale is divided out of the "
-           "weights (the Hugging Face and Lightning callbacks find the trainer's scaler themselves)")
+    message = (
+        f"Weights are uniform but carry a power-of-two factor ({shown}) that W={w} does not explain: "
+        f"{scaled}. This is the loss scale of mixed precision (a GradScaler), which the log does not "
+        "record, so the gradient's true scale cannot be judged here."
+    )
+    fix = (
+        "pass the scaler to the recorder, Recorder(..., scaler=scaler), so its scale is divided out of the "
+        "weights (the Hugging Face and Lightning callbacks find the trainer's scaler themselves)"
+    )
     return make_finding(context, group.code, group.steps, message, fix, evidence)
 
 
-def _world_size_finding(group: WeightingGroup, explanation: FactorExplanation, context: RunContext,
-                        evidence: dict[str, Any], scaled: str) -> Finding:
+def _world_size_finding(
+    group: WeightingGroup, explanation: FactorExplanation, context: RunContext, evidence: dict[str, Any], scaled: str
+) -> Finding:
     """Uniform weights off by a world-size factor (1/W, 1/k, W'/W, k/W): its cause, and whether b is a raw sum."""
     row = group.row
     w, tokens, q = int(row.world_high), int(row.tokens), group.diagnosis.distortion or 0.0
     cause = world_size_cause(explanation, q, w, float(row.divisor_high), context)
-    evidence["integer_factor"] = {"1/W": f"1/{w}", "1/k": f"1/{explanation.integer}", "W'/W": f"{explanation.integer}/{w}",
-                                  "k/W": f"{explanation.integer}/{w}"}.get(explanation.label, explanation.integer)
+    evidence["integer_factor"] = {
+        "1/W": f"1/{w}",
+        "1/k": f"1/{explanation.integer}",
+        "W'/W": f"{explanation.integer}/{w}",
+        "k/W": f"{explanation.integer}/{w}",
+    }.get(explanation.label, explanation.integer)
     if explanation.label == "W'/W":
         evidence["world_sizes"] = [explanation.integer, w]
         evidence["stale_world_size"] = explanation.integer
@@ -197,18 +258,24 @@ def _world_size_finding(group: WeightingGroup, explanation: FactorExplanation, c
     return make_finding(context, group.code, group.steps, message, average_fix(context), evidence)
 
 
-def _constant_finding(group: WeightingGroup, context: RunContext, evidence: dict[str, Any], scaled: str,
-                      spread: str) -> Finding:
+def _constant_finding(
+    group: WeightingGroup, context: RunContext, evidence: dict[str, Any], scaled: str, spread: str
+) -> Finding:
     """Uniform weights off by no count, loss scale or world size: a raw sum (no denominator), or a constant or
     a factor that changes from step to step (`spread`)."""
     code, denominator, diagnosis, distortions = group.code, group.denominator, group.diagnosis, group.distortion_range
     if denominator == Denominator.ONE:
-        message = (f"The loss sum was backpropagated without a token denominator (b·g = {diagnosis.factor:g}·S): "
-                   f"{scaled}; the gradient's size grows with the number of valid tokens (under SGD so does the step; "
-                   f"under Adam(W) its balance against epsilon, weight decay and gradient clipping shifts).{UNTOLD}")
+        message = (
+            f"The loss sum was backpropagated without a token denominator (b·g = {diagnosis.factor:g}·S): "
+            f"{scaled}; the gradient's size grows with the number of valid tokens (under SGD so does the step; "
+            f"under Adam(W) its balance against epsilon, weight decay and gradient clipping shifts).{UNTOLD}"
+        )
     else:
-        aux = (" If this term is weighted on purpose (an auxiliary loss coefficient λ), this is that λ."
-               if context.term != UNNAMED else "")
+        aux = (
+            " If this term is weighted on purpose (an auxiliary loss coefficient λ), this is that λ."
+            if context.term != UNNAMED
+            else ""
+        )
         what = "a constant" if not spread else "a factor that changes from step to step"
         message = f"Weights are uniform within each step but scaled by {what}: {scaled}.{aux}"
         if spread and max(distortions) < 1:
@@ -227,9 +294,11 @@ def _mean_times_w(context: RunContext, near: str, formula: str, where: str) -> s
     w, m = context.world_size, context.microbatches
     own = advice(context.trainer, "mean_times_w")
     trainer = f" {own}" if own else ""
-    return (f"{near}Each microbatch's loss was its own mean over its n valid tokens, multiplied by W={w} and not "
-            f"divided by the M={m} microbatches ({formula}), so microbatches count equally instead of tokens and "
-            f"the gradient is about W·M={w * m} times the token mean's: {where}.{trainer}")
+    return (
+        f"{near}Each microbatch's loss was its own mean over its n valid tokens, multiplied by W={w} and not "
+        f"divided by the M={m} microbatches ({formula}), so microbatches count equally instead of tokens and "
+        f"the gradient is about W·M={w * m} times the token mean's: {where}.{trainer}"
+    )
 
 
 def _is_world_size(factor: float | None, context: RunContext) -> bool:
@@ -238,8 +307,9 @@ def _is_world_size(factor: float | None, context: RunContext) -> bool:
     return factor is not None and any(w > 0 and close(factor, float(w), context.rtol) for w in sizes)
 
 
-def _described(row: Any, extremes: Extremes | None, heavy_e: float, light_e: float, tokens: int
-               ) -> tuple[dict[str, Any], dict[str, Any]]:
+def _described(
+    row: Any, extremes: Extremes | None, heavy_e: float, light_e: float, tokens: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The records of the step's heaviest and lightest token (`_describe`), from the row's own evidence columns
     or found now."""
     if "heavy_rank" in row.index:
@@ -252,6 +322,11 @@ def _described(row: Any, extremes: Extremes | None, heavy_e: float, light_e: flo
 
 
 def _describe(row: Any, which: str, weight: float, tokens: int) -> dict[str, Any]:
-    return {"rank": int(getattr(row, f"{which}_rank")), "micro": int(getattr(row, f"{which}_micro")),
-            "valid_tokens": int(getattr(row, f"{which}_n")), "rank_tokens": int(getattr(row, f"{which}_rank_tokens")),
-            "effective_weight": weight, "distortion": weight * tokens}
+    return {
+        "rank": int(getattr(row, f"{which}_rank")),
+        "micro": int(getattr(row, f"{which}_micro")),
+        "valid_tokens": int(getattr(row, f"{which}_n")),
+        "rank_tokens": int(getattr(row, f"{which}_rank_tokens")),
+        "effective_weight": weight,
+        "distortion": weight * tokens,
+    }

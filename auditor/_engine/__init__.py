@@ -10,4 +10,18 @@ from tokaudit._engine.ranges import CHUNK_ROWS, RangeTask, step_ranges
 from tokaudit._engine.sql import step_sql
 from tokaudit._engine.tables import Duplicates, Spilled, one_value, sweep_scratch
 
-__all__ = ["aggregate_range", "CHUNK_ROWS", "Duplicates", "Engine", "EVIDENCE", "extremes_at", "one_value", "RangeTask", "Spilled", "STEP_COLUMNS", "step_ranges", "step_sql", "sweep_scratch"]
+__all__ = [
+    "aggregate_range",
+    "CHUNK_ROWS",
+    "Duplicates",
+    "Engine",
+    "EVIDENCE",
+    "extremes_at",
+    "one_value",
+    "RangeTask",
+    "Spilled",
+    "STEP_COLUMNS",
+    "step_ranges",
+    "step_sql",
+    "sweep_scratch",
+]

@@ -20,6 +20,7 @@ DEFAULT_MEMORY_LIMIT = "512MB"
 _MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|%)\s*$", re.IGNORECASE)
 """A size DuckDB reads: a number and a unit (it refuses a number alone), or a share of the memory."""
 
+
 def settings_from_environment() -> tuple[str, int]:
     """(memory limit, chunk rows) from TOKAUDIT_MEMORY_LIMIT and TOKAUDIT_CHUNK_ROWS, checked."""
     memory = os.environ.get("TOKAUDIT_MEMORY_LIMIT", DEFAULT_MEMORY_LIMIT)
@@ -30,6 +31,7 @@ def settings_from_environment() -> tuple[str, int]:
         raise UsageError(f"TOKAUDIT_CHUNK_ROWS={chunk!r} is not a positive whole number of rows")
     return memory.strip(), int(chunk)
 
+
 _QUIET_IO = {"async_threads": 0}
 """Settings a DuckDB that knows them takes. DuckDB 2 starts 8 threads of its own for asynchronous I/O in every
 database, whatever `threads` says; on local files they only wake and sleep, taking CPU from the query."""
@@ -38,6 +40,7 @@ _NAN_SAFE = "SET parquet_can_have_nan = true"
 """DuckDB 2 takes a float column's footer statistics for the truth unless told otherwise: on a file whose
 statistics say min = max = 1.0 (pyarrow leaves NaN out of them and writes no NaN count), `WHERE isnan(x)`
 skips the row group and finds nothing, and max(x) is 1.0. A NaN is what the audit looks for."""
+
 
 def connect(config: dict[str, Any]) -> duckdb.DuckDBPyConnection:
     """An in-memory database with `config`, and `_QUIET_IO` and `_NAN_SAFE` where this DuckDB has them."""
@@ -51,6 +54,7 @@ def connect(config: dict[str, Any]) -> duckdb.DuckDBPyConnection:
         pass
     return connection
 
+
 def half_limit(limit: str) -> str:
     """Half a memory limit as DuckDB reads one (`_MEMORY`: "768MB", "2GiB", "50%")."""
     found = _MEMORY.match(limit)
@@ -59,6 +63,15 @@ def half_limit(limit: str) -> str:
     number, unit = float(found.group(1)), found.group(2).lower()
     if unit == "%":
         return f"{number / 2:g}%"
-    scale = {"b": 1, "kb": 1e3, "kib": 2**10, "mb": 1e6, "mib": 2**20, "gb": 1e9, "gib": 2**30, "tb": 1e12,
-             "tib": 2**40}[unit]
+    scale = {
+        "b": 1,
+        "kb": 1e3,
+        "kib": 2**10,
+        "mb": 1e6,
+        "mib": 2**20,
+        "gb": 1e9,
+        "gib": 2**30,
+        "tb": 1e12,
+        "tib": 2**40,
+    }[unit]
     return f"{max(16, int(number * scale / 2 / 2**20))}MiB"

@@ -34,6 +34,7 @@ from tokaudit._storage import object_dataset
 _PLAIN_PATH = re.compile(r"^[A-Za-z0-9._/+=,@%:-]+$")
 """Paths DuckDB reads literally (no pattern, no escape): others are given to it through a link."""
 
+
 @dataclass
 class Engine:
     """A DuckDB connection with the view `records`: one row per record, defaults applied, deduplicated."""
@@ -84,26 +85,45 @@ class Engine:
     files it was given."""
 
     @classmethod
-    def open(cls, shards: Sequence[Shard], memory_limit: str | None = None,
-             threads: int | None = None, chunk_rows: int | None = None,
-             only_steps: tuple[int, int] | None = None, extremes: bool = False,
-             duplicates: dict[str, Duplicates] | None = None, ranges_map: RangesMap | None = None) -> Engine:
+    def open(
+        cls,
+        shards: Sequence[Shard],
+        memory_limit: str | None = None,
+        threads: int | None = None,
+        chunk_rows: int | None = None,
+        only_steps: tuple[int, int] | None = None,
+        extremes: bool = False,
+        duplicates: dict[str, Duplicates] | None = None,
+        ranges_map: RangesMap | None = None,
+    ) -> Engine:
         """An engine over these shards (memory limit and chunk rows from the environment unless given).
         `duplicates`: the repeated keys an earlier engine over the same shards found (`Engine.duplicates`), so that
         this one's views leave out the same records without aggregating every step again."""
         environment_memory, environment_chunk = settings_from_environment()
         memory_limit = memory_limit or environment_memory
-        connection = connect({"memory_limit": memory_limit, "temp_directory": tempfile.gettempdir(),
-                               "preserve_insertion_order": False})
+        connection = connect(
+            {"memory_limit": memory_limit, "temp_directory": tempfile.gettempdir(), "preserve_insertion_order": False}
+        )
         try:
             connection.execute("SET enable_progress_bar = false")
             if threads:
                 connection.execute(f"SET threads = {int(threads)}")
-            count = int(threads) if threads else int(connection.execute(
-                "SELECT current_setting('threads')").fetchall()[0][0])
-            engine = cls(connection=connection, shards=list(shards), duplicates=dict(duplicates or {}),
-                         chunk_rows=chunk_rows or environment_chunk, only_steps=only_steps, extremes=extremes,
-                         threads=count, memory_limit=memory_limit, ranges_map=ranges_map)
+            count = (
+                int(threads)
+                if threads
+                else int(connection.execute("SELECT current_setting('threads')").fetchall()[0][0])
+            )
+            engine = cls(
+                connection=connection,
+                shards=list(shards),
+                duplicates=dict(duplicates or {}),
+                chunk_rows=chunk_rows or environment_chunk,
+                only_steps=only_steps,
+                extremes=extremes,
+                threads=count,
+                memory_limit=memory_limit,
+                ranges_map=ranges_map,
+            )
             try:
                 engine._name_files()
                 engine._order_files()
@@ -144,8 +164,12 @@ class Engine:
         does not say), then the later file of it."""
         launches = [-1 if s.provenance.launch is None else s.provenance.launch for s in self.shards]
         published = sorted(range(len(self.shards)), key=lambda i: (launches[i], i))
-        order = pa.table({"filename": [self.link_names[id(self.shards[i])] for i in published],
-                          "file_index": pa.array(range(len(published)), pa.int64())})
+        order = pa.table(
+            {
+                "filename": [self.link_names[id(self.shards[i])] for i in published],
+                "file_index": pa.array(range(len(published)), pa.int64()),
+            }
+        )
         self.connection.register("file_order_source", order)
         self.connection.execute("CREATE TEMP TABLE file_order AS SELECT * FROM file_order_source")
         self.connection.unregister("file_order_source")
@@ -187,12 +211,18 @@ class Engine:
             # every file's footer when the query is bound, at every (re)definition of the view.
             union = "true" if not signature else "false"
             files = "[" + ", ".join(sql_string(self._link(s)) for s in local) + "]"
-            scans.append((local, f"read_parquet({files}, union_by_name = {union}, filename = true, "
-                                 "file_row_number = true) r"))
+            scans.append(
+                (local, f"read_parquet({files}, union_by_name = {union}, filename = true, file_row_number = true) r")
+            )
         for shard in members:
             if shard.store is not None and shard.record is None:
-                scans.append(([shard], f"(SELECT *, {sql_string(self._link(shard))} AS filename, "
-                                       f"CAST(NULL AS BIGINT) AS file_row_number FROM {self.remote_views[id(shard)]}) r"))
+                scans.append(
+                    (
+                        [shard],
+                        f"(SELECT *, {sql_string(self._link(shard))} AS filename, "
+                        f"CAST(NULL AS BIGINT) AS file_row_number FROM {self.remote_views[id(shard)]}) r",
+                    )
+                )
         return scans
 
     def _source(self, shards: Sequence[Shard], steps: tuple[int, int] | None) -> str:
@@ -202,9 +232,11 @@ class Engine:
         for shard in shards:
             by_run.setdefault((shard.default_run, shard.run_override), []).append(shard)
         where = f"WHERE r.step BETWEEN {steps[0]} AND {steps[1]}" if steps else ""
-        return " UNION ALL ".join(select_records(default_run, self._present(scanned), scan, where, override)
-                                  for (default_run, override), members in by_run.items()
-                                  for scanned, scan in self._scans(members))
+        return " UNION ALL ".join(
+            select_records(default_run, self._present(scanned), scan, where, override)
+            for (default_run, override), members in by_run.items()
+            for scanned, scan in self._scans(members)
+        )
 
     def _present(self, shards: Sequence[Shard]) -> set[str]:
         """The columns a scan of these shards reads: a column none of them holds a value of is a typed
@@ -226,8 +258,14 @@ class Engine:
         # Of two records with one key, the later published wins: the later file (a rank's shards are numbered in
         # the order they were written, a resumed launch's after the earlier's), then the later row. Never `time`:
         # a node whose clock runs ahead would win over the launch that replaced it.
-        dedup = ("LEFT JOIN file_order USING (filename) QUALIFY row_number() OVER (PARTITION BY run, grp, term, "
-                 "step, rank, micro ORDER BY file_index DESC, file_row_number DESC) = 1") if deduplicate else ""
+        dedup = (
+            (
+                "LEFT JOIN file_order USING (filename) QUALIFY row_number() OVER (PARTITION BY run, grp, term, "
+                "step, rank, micro ORDER BY file_index DESC, file_row_number DESC) = 1"
+            )
+            if deduplicate
+            else ""
+        )
         # c: implied weight per valid token before reduction = probe Σ∂b/∂ℓ / n, else b/S.
         # e = c·g/D: effective weight after the reduction. Correct iff e·N = 1.
         self.connection.execute(f"""
@@ -255,9 +293,15 @@ class Engine:
                 FROM raw_records GROUP BY run, grp, term, step, rank, micro HAVING count(*) > 1)
             GROUP BY run
         """).fetchall():
-            found[str(run)] = Duplicates(int(copies), int(first), int(last), int(steps),
-                                         tuple(os.path.basename(str(f)) for f in files), bool(identical),
-                                         bool(same_time))
+            found[str(run)] = Duplicates(
+                int(copies),
+                int(first),
+                int(last),
+                int(steps),
+                tuple(os.path.basename(str(f)) for f in files),
+                bool(identical),
+                bool(same_time),
+            )
         return found
 
     def step_table(self, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
@@ -271,8 +315,7 @@ class Engine:
         assert isinstance(table, pd.DataFrame)
         return table
 
-    def step_parts(self, progress: Callable[[str], None] | None = None,
-                   spill: bool = False) -> pd.DataFrame | Spilled:
+    def step_parts(self, progress: Callable[[str], None] | None = None, spill: bool = False) -> pd.DataFrame | Spilled:
         """`step_table`, or with `spill` and more than SPILL_STEPS steps, the table kept on disk a range at
         a time (`Spilled`, which the caller closes): what is held is then one range, whatever the number
         of steps."""
@@ -315,24 +358,38 @@ class Engine:
         # Each chunk comes sorted by step and chunks follow each other in step order: with one (run,
         # group, term) the whole table is in order already; only several need sorting.
         if any(len(joined[c].categories) > 1 for c in ("run", "grp", "term")):
-            reorder(joined, np.lexsort((joined["step"], joined["term"].codes, joined["grp"].codes,
-                                         joined["run"].codes)))
+            reorder(
+                joined, np.lexsort((joined["step"], joined["term"].codes, joined["grp"].codes, joined["run"].codes))
+            )
         return pd.DataFrame(joined, copy=False)
 
-    def _range_tables(self, chunks: list[tuple[tuple[int, int] | None, list[Shard]]]
-                      ) -> Iterator[tuple[dict[str, Any], dict[str, Duplicates]]]:
+    def _range_tables(
+        self, chunks: list[tuple[tuple[int, int] | None, list[Shard]]]
+    ) -> Iterator[tuple[dict[str, Any], dict[str, Duplicates]]]:
         """Each range's table and repeated keys, in order: here, or through `ranges_map` each by an engine of its
         own over the range's shards, given in this engine's order (of two records of one key the later file's
         wins) and with this engine's settings."""
         if self.ranges_map is None:
             return (self._range_table(steps, shards) for steps, shards in chunks)
         order = {id(shard): index for index, shard in enumerate(self.shards)}
-        return self.ranges_map(aggregate_range, [
-            RangeTask(tuple(sorted(shards, key=lambda s: order[id(s)])), steps, self.extremes, self.prune,
-                      self.footer_rows, self.memory_limit) for steps, shards in chunks])
+        return self.ranges_map(
+            aggregate_range,
+            [
+                RangeTask(
+                    tuple(sorted(shards, key=lambda s: order[id(s)])),
+                    steps,
+                    self.extremes,
+                    self.prune,
+                    self.footer_rows,
+                    self.memory_limit,
+                )
+                for steps, shards in chunks
+            ],
+        )
 
-    def _range_table(self, steps: tuple[int, int] | None, shards: list[Shard]
-                     ) -> tuple[dict[str, Any], dict[str, Duplicates]]:
+    def _range_table(
+        self, steps: tuple[int, int] | None, shards: list[Shard]
+    ) -> tuple[dict[str, Any], dict[str, Duplicates]]:
         """One range's step table by the query (`_aggregate`), its repeated keys found and left out first if it
         has any (and returned, per run)."""
         self._define(shards, steps, deduplicate=False)
@@ -359,8 +416,12 @@ class Engine:
         """The shards holding a NaN grad_divisor or grad_scale, or fewer positions than valid tokens (after
         `step_table`, which counts them)."""
         self._whole()
-        names = {name for (name,) in self.connection.execute(
-            f"SELECT DISTINCT filename FROM raw_records WHERE {UNUSABLE_RECORD}").fetchall()}
+        names = {
+            name
+            for (name,) in self.connection.execute(
+                f"SELECT DISTINCT filename FROM raw_records WHERE {UNUSABLE_RECORD}"
+            ).fetchall()
+        }
         return [s for s in self.shards if self._link(s) in names]
 
     def records_at(self, run: str, step: int) -> pd.DataFrame:
@@ -379,8 +440,9 @@ class Engine:
         self._whole()
         self.connection.execute(f"SET memory_limit = '{half_limit(self.memory_limit)}'")
         try:
-            return self.connection.execute(RANK_WEIGHTS_SQL, {"rows": rows, "columns": columns,
-                                                              "pooled": list(pooled)}).df()
+            return self.connection.execute(
+                RANK_WEIGHTS_SQL, {"rows": rows, "columns": columns, "pooled": list(pooled)}
+            ).df()
         finally:
             self.connection.execute(f"SET memory_limit = '{self.memory_limit}'")
 
@@ -395,6 +457,7 @@ class Engine:
         self.connection.close()
         if self.links is not None:
             shutil.rmtree(self.links, ignore_errors=True)
+
 
 def aggregate_range(task: RangeTask) -> tuple[dict[str, Any], dict[str, Duplicates]]:
     """A range's step table and its repeated keys, by an engine of its own over the range's shards, on one thread:
@@ -412,8 +475,9 @@ def extremes_at(shards: Sequence[Shard], step: int, threads: int | None = None) 
     """The EVIDENCE columns of one step, a row per (run, grp, term): the step aggregated again, alone, from the
     files whose footers say they can hold it, with the evidence aggregates the full query leaves out.
     The same records (deduplicated the same way) in the same aggregation as the full query's."""
-    engine = Engine.open([s for s in shards if s.may_hold(step, step)], threads=threads, only_steps=(step, step),
-                         extremes=True)
+    engine = Engine.open(
+        [s for s in shards if s.may_hold(step, step)], threads=threads, only_steps=(step, step), extremes=True
+    )
     try:
         table = engine.step_table()
     finally:

@@ -14,8 +14,10 @@ CHUNK_ROWS = 1_000_000
 CHUNK_STEPS = 62_500
 """Steps aggregated at a time at most: a range's share of the step table and of DuckDB's groups."""
 
-def step_ranges(shards: list[Shard], chunk_rows: int, only_steps: tuple[int, int] | None = None
-                ) -> list[tuple[tuple[int, int] | None, list[Shard]]]:
+
+def step_ranges(
+    shards: list[Shard], chunk_rows: int, only_steps: tuple[int, int] | None = None
+) -> list[tuple[tuple[int, int] | None, list[Shard]]]:
     """Step ranges of at most about `chunk_rows` rows and CHUNK_STEPS steps each, with the shards that
     overlap them. Rows bound DuckDB's aggregation; steps bound it too, and the range's share of the step
     table, which is what grows when each step has few records (few ranks, one microbatch).
@@ -36,14 +38,18 @@ def step_ranges(shards: list[Shard], chunk_rows: int, only_steps: tuple[int, int
             clipped.append(((max(low, first), min(high, last)), members))
     return clipped or [(only_steps, shards)]
 
+
 def _whole_ranges(shards: list[Shard], chunk_rows: int) -> list[tuple[tuple[int, int] | None, list[Shard]]]:
     """`step_ranges` over every step of the shards."""
     if any(s.step_range is None for s in shards):
         return [(None, shards)]
     # (first step, last step, rows, shard index) of each row group; a range's shards in step order (stable)
     shards = sorted(shards, key=lambda s: s.step_range or (0, 0))
-    groups = sorted((first, last, rows, index) for index, shard in enumerate(shards)
-                    for first, last, rows in shard.step_groups or ((*shard.step_range, shard.rows),))  # type: ignore[misc]
+    groups = sorted(
+        (first, last, rows, index)
+        for index, shard in enumerate(shards)
+        for first, last, rows in shard.step_groups or ((*shard.step_range, shard.rows),)  # type: ignore[misc]
+    )
     segments: list[tuple[int, int, int, set[int]]] = []  # (first step, last step, rows, shard indices)
     for first, last, rows, index in groups:
         if segments and first <= segments[-1][1]:
@@ -64,9 +70,11 @@ def _whole_ranges(shards: list[Shard], chunk_rows: int) -> list[tuple[tuple[int,
         return [(None, shards)]
     return [((low, high), [shards[i] for i in sorted(inside)]) for low, high, _, inside in packed]
 
+
 def _steps(first: int, last: int, rows: int) -> int:
     """Steps a range can hold: its span, and at most one a row whatever the numbering."""
     return min(last - first + 1, rows)
+
 
 @dataclass(frozen=True)
 class RangeTask:
@@ -82,6 +90,7 @@ class RangeTask:
 
     def __str__(self) -> str:
         return f"steps {self.steps[0]}–{self.steps[1]}" if self.steps else "every step"
+
 
 RangesMap = Callable[[Callable[[RangeTask], Any], Sequence[RangeTask]], Iterator[Any]]
 """An ordered map: the function's result for each task, in the tasks' order."""

@@ -16,14 +16,20 @@ from tokaudit._reader import NULLABLE_COLUMNS, Shard
 from tokaudit._schema import COLUMNS_BY_NAME, UNNAMED
 
 
-DUCKDB_TYPES = {"int": "BIGINT", "float": "DOUBLE", "bool": "BOOLEAN", "string": "VARCHAR",
-                "timestamp": "TIMESTAMPTZ"}
+DUCKDB_TYPES = {"int": "BIGINT", "float": "DOUBLE", "bool": "BOOLEAN", "string": "VARCHAR", "timestamp": "TIMESTAMPTZ"}
+
 
 def sql_string(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
-def step_sql(one_record: bool, evidence: bool = False, one_name: bool = False, absent: frozenset[str] = frozenset(),
-             declared: Sequence[StepColumn] = STEP_COLUMNS) -> str:
+
+def step_sql(
+    one_record: bool,
+    evidence: bool = False,
+    one_name: bool = False,
+    absent: frozenset[str] = frozenset(),
+    declared: Sequence[StepColumn] = STEP_COLUMNS,
+) -> str:
     """The per-step query, written from the declarations (`engine.columns`). `one_record`: the footers show every
     record is microbatch 0 of a rank below 64 (`one_record_form`), so a (rank, step) holds one record (unless a key
     is repeated): the per-rank values are then a projection of the records, aggregated in the one grouping by
@@ -36,43 +42,62 @@ def step_sql(one_record: bool, evidence: bool = False, one_name: bool = False, a
     rare table of several (run, group, term) is sorted as categories after (`Engine.step_parts`)."""
     columns = [c for c in declared if evidence or not c.evidence]
     read = " ".join(c.aggregate + " " + c.single for c in columns)
-    partials = [replace(p, aggregate=p.absent, one_record=p.absent) if _gone(p, absent) else p
-                for p in PARTIALS if (evidence or not p.evidence) and re.search(rf"\b{p.name}\b", read)]
+    partials = [
+        replace(p, aggregate=p.absent, one_record=p.absent) if _gone(p, absent) else p
+        for p in PARTIALS
+        if (evidence or not p.evidence) and re.search(rf"\b{p.name}\b", read)
+    ]
     # k stands for (run, grp, term) in the groupings: an integer hashes in a fraction of the time of three strings
     key, names = ("CAST(0 AS UBIGINT)", "") if one_name else ("hash(run, grp, term)", "run, grp, term, ")
     kept = "" if one_name else "any_value(run) AS run, any_value(grp) AS grp, any_value(term) AS term, "
     terms = _listed((t.expression or t.name, t.name) for t in TERMS)
-    ctes = [f"rec AS (\n    SELECT {key} AS k, {names}\n        {terms}\n    FROM records)",
-            f"weighted AS (\n    SELECT *, {WEIGHT.expression} AS {WEIGHT.name}\n    FROM rec)"]
-    more, joined = (_projected(columns, partials, absent, kept) if one_record
-                    else _grouped(columns, partials, absent, kept))
-    return ("WITH " + ",\n".join(ctes + more) + f"\nSELECT {names}step,\n    {_selected(columns, one_record, absent)}\n"
-            f"FROM {joined}\nORDER BY step\n")
+    ctes = [
+        f"rec AS (\n    SELECT {key} AS k, {names}\n        {terms}\n    FROM records)",
+        f"weighted AS (\n    SELECT *, {WEIGHT.expression} AS {WEIGHT.name}\n    FROM rec)",
+    ]
+    more, joined = (
+        _projected(columns, partials, absent, kept) if one_record else _grouped(columns, partials, absent, kept)
+    )
+    return (
+        "WITH " + ",\n".join(ctes + more) + f"\nSELECT {names}step,\n    {_selected(columns, one_record, absent)}\n"
+        f"FROM {joined}\nORDER BY step\n"
+    )
 
-def _projected(columns: list[StepColumn], partials: list[Partial], absent: frozenset[str], kept: str
-               ) -> tuple[list[str], str]:
+
+def _projected(
+    columns: list[StepColumn], partials: list[Partial], absent: frozenset[str], kept: str
+) -> tuple[list[str], str]:
     """The one-record form's CTEs after `weighted`, and what the final SELECT reads: the per-rank values a projection
     of each record, every column aggregated in the one grouping by step."""
     projected = [p for p in partials if p.level is Level.RANK and p.one_record]
     aggregated = [c for c in columns if not c.one_record and not _gone(c, absent)]
-    return [f"per_rank AS (\n    SELECT *, {_listed((p.one_record, p.name) for p in projected)}\n    FROM weighted)",
-            f"step_level AS (\n    SELECT k, {kept}step,\n        "
-            f"{_listed((c.single or c.aggregate, c.name) for c in aggregated)}\n"
-            "    FROM per_rank GROUP BY k, step)"], "step_level"
+    return [
+        f"per_rank AS (\n    SELECT *, {_listed((p.one_record, p.name) for p in projected)}\n    FROM weighted)",
+        f"step_level AS (\n    SELECT k, {kept}step,\n        "
+        f"{_listed((c.single or c.aggregate, c.name) for c in aggregated)}\n"
+        "    FROM per_rank GROUP BY k, step)",
+    ], "step_level"
 
-def _grouped(columns: list[StepColumn], partials: list[Partial], absent: frozenset[str], kept: str
-             ) -> tuple[list[str], str]:
+
+def _grouped(
+    columns: list[StepColumn], partials: list[Partial], absent: frozenset[str], kept: str
+) -> tuple[list[str], str]:
     """The general form's CTEs after `weighted`, and what the final SELECT reads: a grouping by step, and one by
     (step, rank) and by (step, microbatch) reduced again by step, joined."""
+
     def level(name: str, rows: str, of: Level) -> str:
         aggregates = [(c.aggregate, c.name) for c in columns if c.level is of and not _gone(c, absent)]
-        return (f"{name} AS (\n    SELECT k, {kept if of is Level.STEP else ''}step,\n        "
-                f"{_listed(aggregates)}\n    FROM {rows} GROUP BY k, step)")
+        return (
+            f"{name} AS (\n    SELECT k, {kept if of is Level.STEP else ''}step,\n        "
+            f"{_listed(aggregates)}\n    FROM {rows} GROUP BY k, step)"
+        )
 
     def partial(name: str, of: Level, by: str) -> str:
-        return (f"{name} AS (\n    SELECT k, step, {by},\n        "
-                f"{_listed((p.aggregate, p.name) for p in partials if p.level is of)}\n"
-                f"    FROM weighted GROUP BY k, step, {by})")
+        return (
+            f"{name} AS (\n    SELECT k, step, {by},\n        "
+            f"{_listed((p.aggregate, p.name) for p in partials if p.level is of)}\n"
+            f"    FROM weighted GROUP BY k, step, {by})"
+        )
 
     ctes, joined = [level("step_level", "weighted", Level.STEP)], "step_level"
     for of, by, join in ((Level.RANK, "rank", "JOIN"), (Level.MICRO, "micro", "LEFT JOIN")):
@@ -81,18 +106,26 @@ def _grouped(columns: list[StepColumn], partials: list[Partial], absent: frozens
             joined += f" {join} {by}_level USING (k, step)"
     return ctes, joined
 
+
 def _selected(columns: list[StepColumn], one_record: bool, absent: frozenset[str]) -> str:
     """The final SELECT's columns: each computed one (its declared type where it has one), its `absent` value or
     its one-record expression; not those held beside the query (`aliases`, `constants`)."""
     held = {**aliases(one_record, absent), **constants(one_record, absent)}
-    outputs = [(c.absent if _gone(c, absent) else c.one_record if one_record and c.one_record else c.name, c)
-               for c in columns if c.name not in held]
-    return ",\n    ".join(f"CAST({value} AS {c.type}) AS {c.name}" if c.type
-                          else (c.name if value == c.name else f"{value} AS {c.name}") for value, c in outputs)
+    outputs = [
+        (c.absent if _gone(c, absent) else c.one_record if one_record and c.one_record else c.name, c)
+        for c in columns
+        if c.name not in held
+    ]
+    return ",\n    ".join(
+        f"CAST({value} AS {c.type}) AS {c.name}" if c.type else (c.name if value == c.name else f"{value} AS {c.name}")
+        for value, c in outputs
+    )
+
 
 def _listed(pairs: Iterable[tuple[str, str]]) -> str:
     """`expression AS name`, one a line (a record's own column by its name alone)."""
     return ",\n        ".join(name if expression == name else f"{expression} AS {name}" for expression, name in pairs)
+
 
 _NULLS = ("NULL", "CAST(NULL AS DOUBLE)")
 FETCHED_TYPES: dict[str | None, type[np.generic]] = {"INTEGER": np.int32, "BIGINT": np.int64, None: np.float64}
@@ -121,21 +154,29 @@ def aliases(one_record: bool, absent: frozenset[str] = frozenset()) -> dict[str,
         found.update({c.name: c.one_record for c in STEP_COLUMNS if c.one_record in STEP_COLUMN_BY_NAME})
     return found
 
+
 def _gone(declared: StepColumn | Partial, absent: frozenset[str]) -> bool:
     """No record holds a value of what this column reads: it is its `absent` value."""
     return bool(declared.reads) and absent.issuperset(declared.reads)
 
+
 def one_record_form(shards: Sequence[Shard]) -> bool:
     """The footers of these shards show every record is microbatch 0, of a rank below 64: a (rank, step) holds one
     record unless a key is repeated, and the step's ranks fit the bits of one word (`step_sql`'s `one_record`)."""
-    return bool(shards) and all(s.micro_range == (0, 0) and s.rank_range is not None and s.rank_range[1] < 64
-                                for s in shards)
+    return bool(shards) and all(
+        s.micro_range == (0, 0) and s.rank_range is not None and s.rank_range[1] < 64 for s in shards
+    )
+
 
 def valueless_columns(shards: Sequence[Shard]) -> frozenset[str]:
     """The optional columns no record of these shards holds a value of: each file lacks them or holds only
     nulls in them (`Shard.null_columns`)."""
-    return frozenset(column for column in NULLABLE_COLUMNS
-                     if all(column not in s.columns or column in s.null_columns for s in shards))
+    return frozenset(
+        column
+        for column in NULLABLE_COLUMNS
+        if all(column not in s.columns or column in s.null_columns for s in shards)
+    )
+
 
 def absent_values(shards: Sequence[Shard]) -> frozenset[str]:
     """What no record of these shards holds, by their footers (`StepColumn.reads`): the valueless optional columns,
@@ -143,10 +184,12 @@ def absent_values(shards: Sequence[Shard]) -> frozenset[str]:
     narrow = bool(shards) and all(s.micro_range is not None and s.micro_range[1] < 64 for s in shards)
     return valueless_columns(shards) | (frozenset({WIDE_MICRO}) if narrow else frozenset())
 
+
 def one_name_of(shards: Sequence[Shard]) -> tuple[str, str, str] | None:
     """The (run, group, term) of every record of these shards, when their footers show there is one."""
     names = {shard.names for shard in shards}
     return names.pop() if len(names) == 1 and None not in names else None
+
 
 def footer_table(shards: Sequence[Shard], filenames: Sequence[str]) -> pa.Table:
     """The records of one-row shards of one schema as their footers give them (`Shard.record`), in the
@@ -157,11 +200,13 @@ def footer_table(shards: Sequence[Shard], filenames: Sequence[str]) -> pa.Table:
         held = footer_type(arrow_type)
         values = [shard.record[position] for shard in shards if shard.record is not None]
         # a timestamp is its stored integer, in its unit
-        arrays[column] = (pa.array(values, pa.int64()).cast(held) if pa.types.is_timestamp(held)
-                          else pa.array(values, held))
+        arrays[column] = (
+            pa.array(values, pa.int64()).cast(held) if pa.types.is_timestamp(held) else pa.array(values, held)
+        )
     arrays["filename"] = pa.array(filenames, pa.string())
     arrays["file_row_number"] = pa.array(np.zeros(len(shards), dtype=np.int64))
     return pa.table(arrays)
+
 
 def select_records(default_run: str, present: set[str], scan: str, where: str, override: bool = False) -> str:
     """One scan's records with the log format's defaults applied (docs/SCHEMA.md); columns its files lack are typed
@@ -174,26 +219,27 @@ def select_records(default_run: str, present: set[str], scan: str, where: str, o
     return f"""
         SELECT
             {sql_string(default_run) if override else f"coalesce({column('run_id')}, {sql_string(default_run)})"} AS run,
-            coalesce({column('group')}, {sql_string(UNNAMED)}) AS grp,
-            coalesce({column('term')}, {sql_string(UNNAMED)}) AS term,
-            {column('step')} AS step, {column('micro')} AS micro, {column('rank')} AS rank,
-            {column('world_size')} AS world_size,
-            {column('loss_sum')} AS loss_sum, {column('valid_tokens')} AS valid_tokens,
-            {column('backward_scalar')} AS backward_scalar,
-            coalesce({column('grad_divisor')}, {column('world_size')}::DOUBLE) AS grad_divisor,
-            coalesce({column('grad_scale')}, 1.0) AS grad_scale,
-            coalesce({column('divisor_known')}, true) AS divisor_known,
-            {column('positions')} AS positions,
-            {column('token_weight_sum')} AS token_weight_sum,
-            {column('token_weight_min')} AS token_weight_min,
-            {column('token_weight_max')} AS token_weight_max,
-            {column('masked_weight_abs_sum')} AS masked_weight_abs_sum,
-            {column('reported_loss')} AS reported_loss,
-            {column('sync')} AS sync, {column('skipped')} AS skipped, {column('time')} AS written,
-            {column('precision_bits')} AS precision_bits,
+            coalesce({column("group")}, {sql_string(UNNAMED)}) AS grp,
+            coalesce({column("term")}, {sql_string(UNNAMED)}) AS term,
+            {column("step")} AS step, {column("micro")} AS micro, {column("rank")} AS rank,
+            {column("world_size")} AS world_size,
+            {column("loss_sum")} AS loss_sum, {column("valid_tokens")} AS valid_tokens,
+            {column("backward_scalar")} AS backward_scalar,
+            coalesce({column("grad_divisor")}, {column("world_size")}::DOUBLE) AS grad_divisor,
+            coalesce({column("grad_scale")}, 1.0) AS grad_scale,
+            coalesce({column("divisor_known")}, true) AS divisor_known,
+            {column("positions")} AS positions,
+            {column("token_weight_sum")} AS token_weight_sum,
+            {column("token_weight_min")} AS token_weight_min,
+            {column("token_weight_max")} AS token_weight_max,
+            {column("masked_weight_abs_sum")} AS masked_weight_abs_sum,
+            {column("reported_loss")} AS reported_loss,
+            {column("sync")} AS sync, {column("skipped")} AS skipped, {column("time")} AS written,
+            {column("precision_bits")} AS precision_bits,
             r.filename, r.file_row_number
         FROM {scan}
         {where}"""
+
 
 # One scan: per (objective, step, rank) the rank's tokens and the extremes of its finite weights e, then
 # N per step from those rows. With N > 0 (a step with a valid record has one) rounding is monotone, so

@@ -31,6 +31,7 @@ def categorical(names: np.ndarray) -> pd.Categorical:
     rank[order] = np.arange(len(order))
     return pd.Categorical.from_codes(rank[codes], categories=pd.Index(list(names_found[order])))
 
+
 SPILL_STEPS = 2_000_000
 """Steps past which the audit keeps the step table on disk a range at a time (`Engine.step_parts`): whole,
 it costs about 127 bytes a step (1.6 GB at 12.5M steps) and the checks would add their own."""
@@ -54,7 +55,7 @@ def sweep_scratch() -> None:
         return
     for entry in entries:
         prefix = next((p for p in SCRATCH_PREFIXES if entry.name.startswith(p)), None)
-        pid = entry.name[len(prefix):].split("-", 1)[0] if prefix else ""
+        pid = entry.name[len(prefix) :].split("-", 1)[0] if prefix else ""
         if pid.isdigit() and not _alive(int(pid)) and entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path, ignore_errors=True)
 
@@ -89,8 +90,10 @@ class Spilled:
         if not rows:
             return
         self.names.update(table_names(table))
-        packed = {name: ("one value", values[:1].copy(), len(values)) if one_value(values) else values
-                  for name, values in table.items()}
+        packed = {
+            name: ("one value", values[:1].copy(), len(values)) if one_value(values) else values
+            for name, values in table.items()
+        }
         try:
             if self.folder is None:
                 self.folder = scratch_folder("tokaudit-steps-")
@@ -98,9 +101,11 @@ class Spilled:
             with open(path, "wb") as out:
                 pickle.dump(packed, out, protocol=5)
         except OSError as error:
-            raise UsageError(f"cannot keep the step table of this log on disk ({error.strerror or error}: "
-                             f"{error.filename or tempfile.gettempdir()}); it needs about 130 bytes a step: "
-                             "free space there or set TMPDIR to a folder that has it") from None
+            raise UsageError(
+                f"cannot keep the step table of this log on disk ({error.strerror or error}: "
+                f"{error.filename or tempfile.gettempdir()}); it needs about 130 bytes a step: "
+                "free space there or set TMPDIR to a folder that has it"
+            ) from None
         self.paths.append(path)
         self.unusable += int(np.count_nonzero(np.nan_to_num(table["unusable_values"]) > 0))
 
@@ -114,8 +119,14 @@ class Spilled:
         for path in self.paths:
             with open(path, "rb") as source:
                 packed = pickle.load(source)
-            yield pd.DataFrame({name: np.broadcast_to(values[1], (values[2],)) if isinstance(values, tuple) else values
-                                for name, values in packed.items()}, copy=False)
+            yield pd.DataFrame(
+                {
+                    name: np.broadcast_to(values[1], (values[2],)) if isinstance(values, tuple) else values
+                    for name, values in packed.items()
+                },
+                copy=False,
+            )
+
 
 def table_names(table: dict[str, Any]) -> set[tuple[str, str, str]]:
     """The (run, group, term) a range's table holds: its names' codes, each distinct combination once."""
@@ -127,9 +138,14 @@ def table_names(table: dict[str, Any]) -> set[tuple[str, str, str]]:
     for value in np.unique(key).tolist():
         value, term = divmod(value, sizes[2])
         run, group = divmod(value, sizes[1])
-        found.append(tuple(str(column.categories[code - 1]) if code else "nan"  # as a missing name reads as text
-                           for column, code in zip(columns, (run, group, term))))
+        found.append(
+            tuple(
+                str(column.categories[code - 1]) if code else "nan"  # as a missing name reads as text
+                for column, code in zip(columns, (run, group, term))
+            )
+        )
     return set(found)  # type: ignore[arg-type]
+
 
 def join_columns(columns: dict[str, list[Any]]) -> dict[str, Any]:
     """One table from the ranges' columns, a column at a time: each column's parts are let go as soon
@@ -162,6 +178,7 @@ def join_columns(columns: dict[str, list[Any]]) -> dict[str, Any]:
         del parts, value
     return {name: joined[name] for name in order}
 
+
 def constant_of(parts: list[Any]) -> np.ndarray | None:
     """A numeric column whose every row holds one value, bit for bit (W, D, a count that is always 0 or
     always the ranks, a column no record has: about half the columns of a run that never changed its
@@ -181,17 +198,24 @@ def constant_of(parts: list[Any]) -> np.ndarray | None:
             return None
     return np.broadcast_to(first.copy(), (rows,))
 
+
 def same_bits(one: Any, other: Any) -> bool:
     """Two numeric arrays of one dtype and length that hold the same bits in every row (NaN included)."""
-    if not (isinstance(one, np.ndarray) and isinstance(other, np.ndarray)) or one.dtype != other.dtype \
-            or one.dtype.kind not in "iuf" or one.shape != other.shape:
+    if (
+        not (isinstance(one, np.ndarray) and isinstance(other, np.ndarray))
+        or one.dtype != other.dtype
+        or one.dtype.kind not in "iuf"
+        or one.shape != other.shape
+    ):
         return False
     as_bits = np.dtype(f"u{one.dtype.itemsize}")
     return bool((one.view(as_bits) == other.view(as_bits)).all())
 
+
 def one_value(values: Any) -> bool:
     """An array that is one value repeated without memory (`constant_of`'s, stride 0)."""
     return isinstance(values, np.ndarray) and values.strides == (0,) and len(values) > 0
+
 
 def reorder(joined: dict[str, Any], order: np.ndarray) -> None:
     """Every column put in this order, in place, one at a time, each old column let go before the next
@@ -206,6 +230,7 @@ def reorder(joined: dict[str, Any], order: np.ndarray) -> None:
             taken[id(values)] = values.take(order)
         joined[name] = taken[id(values)]
         del values
+
 
 @dataclass(frozen=True)
 class Duplicates:
@@ -226,9 +251,15 @@ class Duplicates:
 
     def __add__(self, other: Duplicates) -> Duplicates:
         """Repeated keys found in another range (ranges hold different steps)."""
-        return Duplicates(self.dropped + other.dropped, min(self.first, other.first), max(self.last, other.last),
-                          self.steps + other.steps, tuple(sorted({*self.files, *other.files}))[:FILES_NAMED],
-                          self.identical and other.identical, self.same_time and other.same_time)
+        return Duplicates(
+            self.dropped + other.dropped,
+            min(self.first, other.first),
+            max(self.last, other.last),
+            self.steps + other.steps,
+            tuple(sorted({*self.files, *other.files}))[:FILES_NAMED],
+            self.identical and other.identical,
+            self.same_time and other.same_time,
+        )
 
 
 FILES_NAMED = 4
@@ -240,8 +271,10 @@ def add_duplicates(target: dict[str, Duplicates], found: dict[str, Duplicates]) 
     for run, duplicates in found.items():
         target[run] = target[run] + duplicates if run in target else duplicates
 
-def finished(table: dict[str, Any], names: tuple[str, str, str] | None, held: dict[str, str],
-             literal: dict[str, np.ndarray]) -> dict[str, Any]:
+
+def finished(
+    table: dict[str, Any], names: tuple[str, str, str] | None, held: dict[str, str], literal: dict[str, np.ndarray]
+) -> dict[str, Any]:
     """A range's fetched columns as the step table holds them, in the declared order: the names as categories
     (the one name of `names` when the query left them out), NULLs as NaN, constants as one value (`literal`'s,
     from `sql.constants`, never fetched), and one array for a column that is another's (`held`, from
@@ -249,8 +282,12 @@ def finished(table: dict[str, Any], names: tuple[str, str, str] | None, held: di
     rows = len(table["step"])
     if names is not None:
         # The one name of each column, as the categories `categorical` makes of it.
-        table.update({column: pd.Categorical.from_codes(np.zeros(rows, dtype=np.int8), categories=pd.Index([name]))
-                      for column, name in zip(("run", "grp", "term"), names)})
+        table.update(
+            {
+                column: pd.Categorical.from_codes(np.zeros(rows, dtype=np.int8), categories=pd.Index([name]))
+                for column, name in zip(("run", "grp", "term"), names)
+            }
+        )
     for name, values in table.items():
         if name in ("run", "grp", "term"):
             if names is None:
@@ -270,10 +307,16 @@ def finished(table: dict[str, Any], names: tuple[str, str, str] | None, held: di
         constant = constant_of([values])
         table[name] = values if constant is None else constant
     for name, value in literal.items():  # as a fetched column of that value would be held
-        table[name] = np.broadcast_to(value, (rows,)) if rows > 1 else \
-            np.repeat(value, rows) if rows else np.zeros(0, dtype=FETCHED_TYPES[STEP_COLUMN_BY_NAME[name].type])
+        table[name] = (
+            np.broadcast_to(value, (rows,))
+            if rows > 1
+            else np.repeat(value, rows)
+            if rows
+            else np.zeros(0, dtype=FETCHED_TYPES[STEP_COLUMN_BY_NAME[name].type])
+        )
     order = ["run", "grp", "term", "step", *(c.name for c in STEP_COLUMNS if c.name in table or c.name in held)]
     return {name: table[held.get(name, name)] for name in order}
+
 
 def note_precision(precision: dict[str, int], table: dict[str, Any]) -> None:
     """The fewest significant bits (`precision_bits_low`) of each run of a range's table, folded into `precision`."""

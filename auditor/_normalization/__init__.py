@@ -13,4 +13,32 @@ from tokaudit._normalization.decisions import Decisions
 from tokaudit._normalization.factors import resolvable_integer, explain_factor
 from tokaudit._normalization.spans import Span, MAX_SPANS, segments, span_rows, name_ranks, Spans
 
-__all__ = ["block_fits", "BLOCK_STEPS", "close", "cluster", "ClusterStarts", "Decisions", "Denominator", "DENOMINATOR_FACTS", "DENOMINATORS", "Diagnoses", "explain_factor", "FactorExplanation", "FactorKind", "FitBlock", "FORMULA", "KINDS", "LOCAL_DENOMINATORS", "MAX_SPANS", "name_ranks", "PREFERENCE", "RECORD_BOUNDS", "resolvable_integer", "segments", "Span", "span_rows", "Spans", "StepKind"]
+__all__ = [
+    "block_fits",
+    "BLOCK_STEPS",
+    "close",
+    "cluster",
+    "ClusterStarts",
+    "Decisions",
+    "Denominator",
+    "DENOMINATOR_FACTS",
+    "DENOMINATORS",
+    "Diagnoses",
+    "explain_factor",
+    "FactorExplanation",
+    "FactorKind",
+    "FitBlock",
+    "FORMULA",
+    "KINDS",
+    "LOCAL_DENOMINATORS",
+    "MAX_SPANS",
+    "name_ranks",
+    "PREFERENCE",
+    "RECORD_BOUNDS",
+    "resolvable_integer",
+    "segments",
+    "Span",
+    "span_rows",
+    "Spans",
+    "StepKind",
+]

@@ -18,8 +18,9 @@ from tokaudit._normalization.vocabulary import DENOMINATORS, Denominator, Diagno
 from tokaudit._sorting import SortedColumn
 
 
-def _first_pass(first: Iterable[FitBlock], rtol: float
-                ) -> tuple[list[SortedColumn], npt.NDArray[np.bool_], Confusion, bool]:
+def _first_pass(
+    first: Iterable[FitBlock], rtol: float
+) -> tuple[list[SortedColumn], npt.NDArray[np.bool_], Confusion, bool]:
     """What `Decisions.of` reads of the blocks the first time: per candidate its α over the steps it fits (in memory
     up to `sorting.RUN_VALUES`, past that on disk) and whether it fits a step N does not; what `Confusion` asks;
     and whether some step's weights are uniform with q = e·N not within rtol of 1."""
@@ -72,8 +73,13 @@ class Decisions:
     """Some step's weights are uniform with q = e·N not within rtol of 1: a step may be uniform_off."""
 
     @classmethod
-    def of(cls, first: Iterable[FitBlock], again: Callable[[], Iterable[FitBlock]], rtol: float,
-           world_sizes: Callable[[], Iterable[int]] = tuple) -> Decisions:
+    def of(
+        cls,
+        first: Iterable[FitBlock],
+        again: Callable[[], Iterable[FitBlock]],
+        rtol: float,
+        world_sizes: Callable[[], Iterable[int]] = tuple,
+    ) -> Decisions:
         """Read the blocks' candidates (`block_fits`) twice, in the same order: `first`, for the α of every
         fitting candidate (its clusters and medians) and what `Confusion` asks, then `again()`, for the
         count of each signature; the cover runs over those counts. `world_sizes()`: the run's W, asked
@@ -111,8 +117,20 @@ class Decisions:
             owner.extend([c] * len(medians))
             values.extend(medians)
             token_mean_whole = token_mean_whole or (c == 0 and len(medians) == 1 and not has_nan[c])
-        decisions = cls(rtol, voters, anchors, first_hypothesis, has_nan, owner, values, {}, [],
-                        np.zeros(0, np.int64), confusion.result(), may_be_off)
+        decisions = cls(
+            rtol,
+            voters,
+            anchors,
+            first_hypothesis,
+            has_nan,
+            owner,
+            values,
+            {},
+            [],
+            np.zeros(0, np.int64),
+            confusion.result(),
+            may_be_off,
+        )
         decisions.picked = decisions._cover(decisions._count_signatures(again()), set(world_sizes()))
         return decisions
 
@@ -133,8 +151,9 @@ class Decisions:
                 counts[number] += count
         return np.array(counts, dtype=np.int64)
 
-    def _distinct(self, codes: npt.NDArray[np.int32]
-                  ) -> tuple[list[int | bytes], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    def _distinct(
+        self, codes: npt.NDArray[np.int32]
+    ) -> tuple[list[int | bytes], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """The distinct signatures of these steps: their keys, a step of each, and how many steps have it."""
         keys, first_row, counts = np.unique(self._keys(codes), return_index=True, return_counts=True)
         return keys.tolist(), first_row, counts
@@ -177,7 +196,9 @@ class Decisions:
         picked = np.full(len(counts), -1, dtype=np.int64)
         if not len(counts):
             return picked
-        member_of = self._hypotheses(np.array(self.signature_codes, dtype=np.int32))  # per signature, per voter: its hypothesis
+        member_of = self._hypotheses(
+            np.array(self.signature_codes, dtype=np.int32)
+        )  # per signature, per voter: its hypothesis
         signatures_of: list[list[int]] = [[] for _ in self.owner]
         for signature, hypotheses in enumerate(member_of.tolist()):
             for h in hypotheses:
@@ -188,9 +209,16 @@ class Decisions:
         # Among hypotheses that explain as many steps: N (the token mean) first, then α = 1, the simplest
         # reading (S/n rather than 2·S/(n·M)), then α = W (a microbatch's mean × W, as the HF Trainer makes
         # of a model's own mean, reads 2·S/n rather than 4·S/(n·M)), then PREFERENCE.
-        plain = [0 if self.owner[h] == 0 else 1 if close(self.values[h], 1.0, self.rtol)
-                 else 2 if any(w > 1 and close(self.values[h], float(w), self.rtol) for w in world_sizes)
-                 else 3 for h in range(len(self.owner))]
+        plain = [
+            0
+            if self.owner[h] == 0
+            else 1
+            if close(self.values[h], 1.0, self.rtol)
+            else 2
+            if any(w > 1 and close(self.values[h], float(w), self.rtol) for w in world_sizes)
+            else 3
+            for h in range(len(self.owner))
+        ]
         heap = [(-size, plain[h], self.owner[h], h) for h, size in enumerate(sizes) if size]
         heapq.heapify(heap)
         while heap:
@@ -214,9 +242,11 @@ class Decisions:
         chosen, factor = self.vote(found)
 
         balanced = (float_column(block, "record_tokens_low") == float_column(block, "record_tokens_high")) & (
-            float_column(block, "microbatches_low") == float_column(block, "microbatches_high"))
-        unknown_divisor = float_column(block, "unknown_divisor") > 0 if "unknown_divisor" in block \
-            else np.zeros(count, dtype=bool)
+            float_column(block, "microbatches_low") == float_column(block, "microbatches_high")
+        )
+        unknown_divisor = (
+            float_column(block, "unknown_divisor") > 0 if "unknown_divisor" in block else np.zeros(count, dtype=bool)
+        )
         empty = float_column(block, "tokens") == 0
         uniform = fits[:, 0]  # e·N constant ⇔ e constant
 

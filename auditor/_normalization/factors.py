@@ -19,12 +19,14 @@ def resolvable_integer(value: float, rtol: float) -> int | None:
         return int(k)
     return None
 
+
 def power_of_two(value: float, rtol: float) -> int | None:
     """j when value ≈ 2^j."""
     if not (math.isfinite(value) and value > 0):
         return None
     j = round(math.log2(value))
-    return j if close(value, 2.0 ** j, rtol) else None
+    return j if close(value, 2.0**j, rtol) else None
+
 
 def explain_factor(q: float, world_size: int, run_world_sizes: Iterable[int], rtol: float) -> FactorExplanation:
     """Name a uniform factor q = e·N ≠ 1. Only plausible world-size factors count as W mistakes:

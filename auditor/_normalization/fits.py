@@ -21,8 +21,10 @@ def spread(low: Floats, high: Floats) -> Floats:
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(scale == 0, 0.0, (high - low) / scale)
 
+
 def close(value: float, target: float, rtol: float) -> bool:
     return abs(value - target) <= rtol * max(abs(target), 1e-300)
+
 
 def cluster(values: Floats, rtol: float) -> npt.NDArray[np.int64]:
     """Labels grouping values that agree within rtol: sorted, each cluster spans at most 2·rtol of
@@ -34,10 +36,12 @@ def cluster(values: Floats, rtol: float) -> npt.NDArray[np.int64]:
         labels[order[start:stop]] = label
     return labels
 
+
 def _reach(anchor: float, rtol: float) -> float:
     """The largest value in the cluster that starts at anchor: value − anchor ≤ 2·rtol·max(|anchor|,
     |value|); for a positive anchor that is value ≤ anchor/(1 − 2·rtol), else value ≤ anchor + 2·rtol·|anchor|."""
     return anchor / (1 - 2 * rtol) if anchor > 0 else anchor + 2 * rtol * abs(anchor)
+
 
 def _sorted_clusters(values: Floats, rtol: float) -> tuple[npt.NDArray[np.int64], Floats, list[int]]:
     """`cluster` as slices: the non-NaN values' indices in ascending order of value, those values, and
@@ -47,6 +51,7 @@ def _sorted_clusters(values: Floats, rtol: float) -> tuple[npt.NDArray[np.int64]
     ordered = values[order]
     sizes = np.bincount(ClusterStarts(rtol).add(ordered))
     return order, ordered, [0, *np.cumsum(sizes).tolist()]
+
 
 class ClusterStarts:
     """The clusters (`cluster`) of values read in ascending order, a chunk at a time: a cluster starts at
@@ -73,6 +78,7 @@ class ClusterStarts:
         labels: npt.NDArray[np.int64] = np.searchsorted(np.array(self.starts), values, side="right") - 1
         return labels
 
+
 def float_column(steps: pd.DataFrame, name: str) -> Floats:
     """A column as float64 (what is not a number as NaN): a column held as one value (`engine.tables.constant_of`)
     stays one value (read-only, no memory), a float64 column is the column itself."""
@@ -86,12 +92,15 @@ def float_column(steps: pd.DataFrame, name: str) -> Floats:
     converted: Floats = np.asarray(pd.to_numeric(steps[name], errors="coerce"), dtype=np.float64)
     return converted
 
+
 def candidate_bounds(steps: pd.DataFrame) -> dict[Denominator, tuple[Floats, Floats]]:
     """Per candidate denominator, the step's lowest and highest e·Den over its valid records."""
     return {denominator: _bounds(steps, denominator) for denominator in PREFERENCE}
 
+
 def _bounds(steps: pd.DataFrame, denominator: Denominator) -> tuple[Floats, Floats]:
     """One candidate's (lowest, highest) e·Den at every row of these steps."""
+
     def column(name: str) -> Floats:
         return float_column(steps, name)
 
@@ -109,13 +118,16 @@ def _bounds(steps: pd.DataFrame, denominator: Denominator) -> tuple[Floats, Floa
     step_positions = np.where(all_positions, positions, np.nan)
     return weight_low * step_positions, weight_high * step_positions
 
+
 def _alpha(low: Floats, high: Floats, divisor: Floats) -> Floats:
     """α = e·Den·D: the middle of a candidate's bounds times the reduction's divisor."""
     alpha: Floats = (low + high) / 2 * divisor
     return alpha
 
+
 BLOCK_STEPS = 65_536
 """Steps whose candidates are computed at a time (a few MB of temporaries)."""
+
 
 @dataclass(frozen=True, slots=True)
 class FitBlock:
@@ -132,6 +144,7 @@ class FitBlock:
     """W (world_high) and M (microbatches_high), which `Confusion` reads."""
     micro: Floats
 
+
 def clusters_of(column: SortedColumn, rtol: float) -> tuple[Floats, list[float]]:
     """A column's clusters (`cluster`): each one's smallest value and its median (its middle value, or the
     middle two's mean). In memory as a sort of the column; on disk (`SortedColumn.spilled`) from its runs."""
@@ -144,8 +157,10 @@ def clusters_of(column: SortedColumn, rtol: float) -> tuple[Floats, list[float]]
             # The one cluster `_sorted_clusters` would make, its median found without sorting.
             return np.array([column.low]), [float(np.median(values, overwrite_input=True))]
         _, ordered, bounds = _sorted_clusters(values, rtol)
-        medians = [middle([float(ordered[i]) for i in middle_positions(start, stop - start)])
-                   for start, stop in zip(bounds, bounds[1:])]
+        medians = [
+            middle([float(ordered[i]) for i in middle_positions(start, stop - start)])
+            for start, stop in zip(bounds, bounds[1:])
+        ]
         return ordered[bounds[:-1]], medians
     # On disk: the clusters' starts and sizes from one pass over the values in order, their medians
     # (a slice of the sorted values each: its middle) from a second.
@@ -159,13 +174,18 @@ def clusters_of(column: SortedColumn, rtol: float) -> tuple[Floats, list[float]]
     found = iter(at_positions(column, [p for pair in positions for p in pair]))
     return np.array(chain.starts), [middle([next(found) for _ in pair]) for pair in positions]
 
+
 def block_fits(steps: pd.DataFrame, rtol: float) -> FitBlock:
     """Per step of this block: which candidates fit within rtol, whether the step can be judged (valid
     tokens with a weight), q = e·N where the weights are uniform (else NaN), the nearest approximate fit
     with the spread it leaves (see `nearest_fit`), and each candidate's α = e·Den·D."""
     bounds = candidate_bounds(steps)
     divisor = float_column(steps, "divisor_high")
-    usable = (float_column(steps, "tokens") > 0) & (float_column(steps, "weighted_records") > 0) & ~np.isnan(float_column(steps, "weight_low"))
+    usable = (
+        (float_column(steps, "tokens") > 0)
+        & (float_column(steps, "weighted_records") > 0)
+        & ~np.isnan(float_column(steps, "weight_low"))
+    )
     shape = (len(steps), len(PREFERENCE))
     spreads, alphas = np.empty(shape, order="F"), np.empty(shape, order="F")
     for column, denominator in enumerate(PREFERENCE):  # written in place: no stack of columns copied
@@ -179,8 +199,16 @@ def block_fits(steps: pd.DataFrame, rtol: float) -> FitBlock:
     unfit = np.flatnonzero(~fits.any(axis=1))
     if len(unfit):
         nearest[unfit], nearest_spread[unfit] = nearest_fit(spreads[unfit], alphas[unfit], usable[unfit])
-    return FitBlock(fits, usable, distortion, nearest, nearest_spread, alphas, float_column(steps, "world_high"),
-                  float_column(steps, "microbatches_high"))
+    return FitBlock(
+        fits,
+        usable,
+        distortion,
+        nearest,
+        nearest_spread,
+        alphas,
+        float_column(steps, "world_high"),
+        float_column(steps, "microbatches_high"),
+    )
 
 
 class Confusion:
@@ -220,16 +248,19 @@ class Confusion:
                 here = bool((w > 1).any()) if denominator == Denominator.RANK else bool(((w > 1) | (m > 1)).any())
             self.nontrivial[denominator] |= here
             c = PREFERENCE.index(denominator)
-            self.agrees[denominator] = self.agrees[denominator] and bool(found.fits[rows, c].all()) and bool(
-                (np.abs(found.alphas[rows, c] - natural) <= self.rtol * np.abs(natural)).all())
+            self.agrees[denominator] = (
+                self.agrees[denominator]
+                and bool(found.fits[rows, c].all())
+                and bool((np.abs(found.alphas[rows, c] - natural) <= self.rtol * np.abs(natural)).all())
+            )
 
     def result(self) -> Denominator | None:
         if not self.any_usable or not self.token_mean_everywhere:
             return None
         return next((d for d in LOCAL_DENOMINATORS if self.nontrivial[d] and self.agrees[d]), None)
 
-def nearest_fit(spreads: Floats, alphas: Floats, usable: npt.NDArray[np.bool_]
-             ) -> tuple[npt.NDArray[np.int64], Floats]:
+
+def nearest_fit(spreads: Floats, alphas: Floats, usable: npt.NDArray[np.bool_]) -> tuple[npt.NDArray[np.int64], Floats]:
     """Per step, the candidate that leaves α least spread when none fits exactly, if it stands out:
     at most APPROXIMATE_SPREAD and APPROXIMATE_MARGIN× below every candidate that differs from it.
     Among equally spread candidates (n and n·M under a fixed M), the one whose α is nearest 1."""

@@ -19,36 +19,40 @@ from tokaudit.codes import Code
 
 Floats = npt.NDArray[np.float64]
 
+
 class Denominator(str, Enum):
     """A recovered denominator: the count each loss sum was divided by."""
 
-    N = "N"                        # the step's global valid-token count: the token mean
-    MICRO_GLOBAL = "N_m"           # the microbatch's count over all ranks
-    RANK = "n_rank"                # the rank's own count over the step: a rank-local mean
-    MICRO_TIMES_M = "n_micro*M"    # the microbatch's own count times the microbatches M: loss.mean() / M
-    MICRO = "n_micro"              # the microbatch's own count
-    POSITIONS = "T"                # the microbatch's positions, padding included
-    STEP_POSITIONS = "T_step"      # the step's positions, padding included
-    ONE = "1"                      # nothing: a raw loss sum
+    N = "N"  # the step's global valid-token count: the token mean
+    MICRO_GLOBAL = "N_m"  # the microbatch's count over all ranks
+    RANK = "n_rank"  # the rank's own count over the step: a rank-local mean
+    MICRO_TIMES_M = "n_micro*M"  # the microbatch's own count times the microbatches M: loss.mean() / M
+    MICRO = "n_micro"  # the microbatch's own count
+    POSITIONS = "T"  # the microbatch's positions, padding included
+    STEP_POSITIONS = "T_step"  # the step's positions, padding included
+    ONE = "1"  # nothing: a raw loss sum
     UNDETERMINED = "undetermined"  # equal counts everywhere: local and global means coincide
-    UNEXPLAINED = "unexplained"    # weights differ and nothing explains them
+    UNEXPLAINED = "unexplained"  # weights differ and nothing explains them
+
 
 class StepKind(str, Enum):
     """What one step's weights say."""
 
-    CORRECT = "correct"          # every token weighs 1/N
+    CORRECT = "correct"  # every token weighs 1/N
     UNIFORM_OFF = "uniform_off"  # every token weighs the same, q = e·N ≠ 1
-    NONUNIFORM = "nonuniform"    # tokens of one step weigh differently
-    UNJUDGED = "unjudged"        # uniform, but D could not be seen: the absolute scale is not judged
-    UNWEIGHTED = "unweighted"    # valid tokens without a usable weight
-    EMPTY = "empty"              # N = 0
+    NONUNIFORM = "nonuniform"  # tokens of one step weigh differently
+    UNJUDGED = "unjudged"  # uniform, but D could not be seen: the absolute scale is not judged
+    UNWEIGHTED = "unweighted"  # valid tokens without a usable weight
+    EMPTY = "empty"  # N = 0
+
 
 class FactorKind(str, Enum):
     """What a uniform factor q ≠ 1 most plausibly is."""
 
     WORLD_SIZE = "world_size"  # W, 1/W, W'/W, or a small integer: a world-size mistake
     LOSS_SCALE = "loss_scale"  # a large power of two: an AMP loss scale that was not recorded
-    OTHER = "other"            # any other constant
+    OTHER = "other"  # any other constant
+
 
 @dataclass(frozen=True)
 class DenominatorFacts:
@@ -71,29 +75,53 @@ class DenominatorFacts:
 DENOMINATOR_FACTS: dict[Denominator, DenominatorFacts] = {
     Denominator.N: DenominatorFacts("the step's global valid-token count N", "S/N"),
     Denominator.MICRO_GLOBAL: DenominatorFacts(
-        "each microbatch's own global count N_m", "S/N_m", ("weight_by_micro_low", "weight_by_micro_high"),
-        Code.PER_MICRO_DENOMINATOR, local=True,
-        confused=("every microbatch index held the same number of valid tokens over the ranks",
-                  "a per-microbatch global count N_m")),
+        "each microbatch's own global count N_m",
+        "S/N_m",
+        ("weight_by_micro_low", "weight_by_micro_high"),
+        Code.PER_MICRO_DENOMINATOR,
+        local=True,
+        confused=(
+            "every microbatch index held the same number of valid tokens over the ranks",
+            "a per-microbatch global count N_m",
+        ),
+    ),
     Denominator.RANK: DenominatorFacts(
-        "each rank's own valid-token count n_r", "S/n_r", ("weight_by_rank_low", "weight_by_rank_high"),
-        Code.LOCAL_MEAN, local=True,
-        confused=("each rank held the same number of valid tokens n_r", "a rank-local mean")),
+        "each rank's own valid-token count n_r",
+        "S/n_r",
+        ("weight_by_rank_low", "weight_by_rank_high"),
+        Code.LOCAL_MEAN,
+        local=True,
+        confused=("each rank held the same number of valid tokens n_r", "a rank-local mean"),
+    ),
     Denominator.MICRO_TIMES_M: DenominatorFacts(
-        "each microbatch's own mean (its own count n) divided by the number of microbatches M", "S/(n·M)",
-        ("weight_by_record_m_low", "weight_by_record_m_high"), Code.LOCAL_MEAN, local=True,
-        confused=("every microbatch held the same number of valid tokens", "a per-microbatch mean divided by M")),
+        "each microbatch's own mean (its own count n) divided by the number of microbatches M",
+        "S/(n·M)",
+        ("weight_by_record_m_low", "weight_by_record_m_high"),
+        Code.LOCAL_MEAN,
+        local=True,
+        confused=("every microbatch held the same number of valid tokens", "a per-microbatch mean divided by M"),
+    ),
     Denominator.MICRO: DenominatorFacts(
-        "each microbatch's own count n", "S/n", ("weight_by_record_low", "weight_by_record_high"), Code.LOCAL_MEAN,
-        local=True, confused=("every microbatch held the same number of valid tokens", "a per-microbatch mean")),
+        "each microbatch's own count n",
+        "S/n",
+        ("weight_by_record_low", "weight_by_record_high"),
+        Code.LOCAL_MEAN,
+        local=True,
+        confused=("every microbatch held the same number of valid tokens", "a per-microbatch mean"),
+    ),
     Denominator.POSITIONS: DenominatorFacts(
-        "the positions of each microbatch, padding and ignored labels included", "S/T",
-        ("weight_by_positions_low", "weight_by_positions_high"), Code.PADDED_DENOMINATOR),
+        "the positions of each microbatch, padding and ignored labels included",
+        "S/T",
+        ("weight_by_positions_low", "weight_by_positions_high"),
+        Code.PADDED_DENOMINATOR,
+    ),
     Denominator.STEP_POSITIONS: DenominatorFacts(
-        "the positions of the whole step, padding and ignored labels included", "S/T_step"),
+        "the positions of the whole step, padding and ignored labels included", "S/T_step"
+    ),
     Denominator.ONE: DenominatorFacts("nothing (a raw loss sum)", "S"),
     Denominator.UNDETERMINED: DenominatorFacts(
-        "undetermined: counts are equal everywhere, so local and global means coincide"),
+        "undetermined: counts are equal everywhere, so local and global means coincide"
+    ),
     Denominator.UNEXPLAINED: DenominatorFacts("no single denominator", code=Code.UNEXPLAINED_WEIGHTING),
 }
 """Every denominator's facts (a test holds it to the enum)."""
@@ -106,8 +134,14 @@ FORMULA = {d: facts.formula for d, facts in DENOMINATOR_FACTS.items() if facts.f
 # exactly the steps a constant fits wherever T never changes: positions are named only where they vary
 # as the weights do, or where α = 1 says the divisor was T itself (`Decisions._cover`).
 PREFERENCE: tuple[Denominator, ...] = (
-    Denominator.N, Denominator.RANK, Denominator.MICRO_TIMES_M, Denominator.MICRO, Denominator.MICRO_GLOBAL,
-    Denominator.ONE, Denominator.POSITIONS, Denominator.STEP_POSITIONS,
+    Denominator.N,
+    Denominator.RANK,
+    Denominator.MICRO_TIMES_M,
+    Denominator.MICRO,
+    Denominator.MICRO_GLOBAL,
+    Denominator.ONE,
+    Denominator.POSITIONS,
+    Denominator.STEP_POSITIONS,
 )
 
 RECORD_BOUNDS = {d: facts.bounds for d, facts in DENOMINATOR_FACTS.items() if facts.bounds}
@@ -129,6 +163,7 @@ MAX_WORLD_SIZE = 1 << 20
 LOSS_SCALE_MIN_EXPONENT = 8
 """Powers of two from 2^8 up are read as a loss scale (GradScaler starts at 2^16), not as a W."""
 
+
 @dataclass(frozen=True, slots=True)
 class StepDiagnosis:
     """The recovered normalization of one step."""
@@ -146,6 +181,7 @@ class StepDiagnosis:
     approximate: float | None = None
     """For a denominator that fits only nearly: the relative spread of α it leaves (0.03 = 3%)."""
 
+
 @dataclass(frozen=True, slots=True)
 class FactorExplanation:
     """Why a uniform q ≠ 1 is what it is."""
@@ -156,9 +192,11 @@ class FactorExplanation:
     integer: int | None = None
     """k, W' or the exponent j, where the label has one."""
 
+
 KINDS: tuple[StepKind, ...] = tuple(StepKind)
 
 DENOMINATORS: tuple[Denominator, ...] = tuple(Denominator)
+
 
 @dataclass(frozen=True, slots=True)
 class Diagnoses:
@@ -186,12 +224,17 @@ class Diagnoses:
         def number(values: Floats) -> float | None:
             return None if np.isnan(values[i]) else float(values[i])
 
-        return StepDiagnosis(KINDS[self.kind[i]], DENOMINATORS[self.denominator[i]], number(self.factor),
-                             number(self.distortion), bool(self.balanced[i]), number(self.approximate))
+        return StepDiagnosis(
+            KINDS[self.kind[i]],
+            DENOMINATORS[self.denominator[i]],
+            number(self.factor),
+            number(self.distortion),
+            bool(self.balanced[i]),
+            number(self.approximate),
+        )
 
     def __iter__(self) -> Iterator[StepDiagnosis]:
         return (self[i] for i in range(len(self)))
 
     def kind_is(self, *kinds: StepKind) -> npt.NDArray[np.bool_]:
         return np.isin(self.kind, [KINDS.index(k) for k in kinds])
-

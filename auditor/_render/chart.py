@@ -46,8 +46,11 @@ class LineChart:
         for index, ys in enumerate(columns):
             mask = np.isfinite(ys)
             # the cell of each point, rounded half to even as Python's round()
-            column = np.zeros(int(mask.sum()), dtype=np.int64) if self.x_high == self.x_low else \
-                np.round((x[mask] - self.x_low) / (self.x_high - self.x_low) * (width - 1)).astype(np.int64)
+            column = (
+                np.zeros(int(mask.sum()), dtype=np.int64)
+                if self.x_high == self.x_low
+                else np.round((x[mask] - self.x_low) / (self.x_high - self.x_low) * (width - 1)).astype(np.int64)
+            )
             line = height - 1 - np.round((ys[mask] - low) / (high - low) * (height - 1)).astype(np.int64)
             for cell in np.unique(line * width + column).tolist():
                 self.owners.setdefault(divmod(cell, width), set()).add(index)
@@ -76,8 +79,12 @@ class LineChart:
         return "\n".join(lines)
 
 
-def line_chart(x: Sequence[float] | npt.ArrayLike, series: dict[str, Sequence[float | None] | npt.ArrayLike],
-               width: int = 64, height: int = 14) -> str:
+def line_chart(
+    x: Sequence[float] | npt.ArrayLike,
+    series: dict[str, Sequence[float | None] | npt.ArrayLike],
+    width: int = 64,
+    height: int = 14,
+) -> str:
     """Plot each series with its own mark; where several fall on one cell, the shared mark ✱. Columns
     of numbers (None or NaN: no point): `LineChart` over one batch."""
     xs = np.asarray(x, dtype=np.float64)

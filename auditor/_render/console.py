@@ -33,8 +33,10 @@ would not fit): names and verdicts never vanish or fold."""
 BRIEF_RUNS = 8
 """Above this many runs, each finding is its header and the gist of its message (a folder of many runs reads on
 a screen or two; `--run` gives one run in full)."""
-LEGEND = ("q = e·N: each valid token's weight relative to 1/N (1 when correct) · max ratio: the largest ratio "
-          "between two tokens' weights in one step · steps a–b (n): first and last affected step (how many)")
+LEGEND = (
+    "q = e·N: each valid token's weight relative to 1/N (1 when correct) · max ratio: the largest ratio "
+    "between two tokens' weights in one step · steps a–b (n): first and last affected step (how many)"
+)
 
 
 def _divisors(run: RunSummary) -> str:
@@ -62,9 +64,14 @@ def render_report(report: AuditReport, console: Console) -> None:
         for f in report.findings:
             _print_finding(f, brief, console)
         if brief:
-            console.print(Text(f"{len(report.runs)} runs: each finding in brief; `tokaudit check PATHS --run RUN` "
-                               "gives a run's findings in full, with their numbers and fixes (so do --format html "
-                               "and markdown).", style="dim"))
+            console.print(
+                Text(
+                    f"{len(report.runs)} runs: each finding in brief; `tokaudit check PATHS --run RUN` "
+                    "gives a run's findings in full, with their numbers and fixes (so do --format html "
+                    "and markdown).",
+                    style="dim",
+                )
+            )
             console.print()
     elif report.runs:
         console.print("No findings." if not ignored_note(report) else "No findings listed.", style="green")
@@ -81,10 +88,15 @@ def _print_run(run: RunSummary, brief: bool, console: Console) -> None:
     head.append(": ")
     head.append(run.verdict, style=VERDICT_STYLE[run.verdict])
     head.append(reported_note(run))
-    line = (f"{factor_text(run.normalization, run.steps, run.normalization_judged)} · q {q_range_text(run)} · max ratio "
+    line = (
+        (
+            f"{factor_text(run.normalization, run.steps, run.normalization_judged)} · q {q_range_text(run)} · max ratio "
             f"{ratio_text(run.max_weight_ratio)} · {run.steps} steps, {run.ranks} ranks, W "
-            f"{', '.join(map(str, run.world_size))}, D {_divisors(run)}") if run.steps else \
-        f"{factor_text(run.normalization, run.steps, run.normalization_judged)}: every step left out (see the findings)"
+            f"{', '.join(map(str, run.world_size))}, D {_divisors(run)}"
+        )
+        if run.steps
+        else f"{factor_text(run.normalization, run.steps, run.normalization_judged)}: every step left out (see the findings)"
+    )
     if brief and head.cell_len + 3 + len(line) <= console.width:
         head.append(f" · {line}")  # many runs: one line each where it fits
         console.print(head)
@@ -120,11 +132,16 @@ def ignored_note(report: AuditReport) -> str:
     if not left_out:
         return ""
     codes = sorted({code for run in left_out for code in run.ignored})
-    stays = [f"{printable(run.run)} stays {run.verdict}" for run in report.runs
-             if run.gate_verdict not in (None, run.verdict)]
+    stays = [
+        f"{printable(run.run)} stays {run.verdict}"
+        for run in report.runs
+        if run.gate_verdict not in (None, run.verdict)
+    ]
     verdicts = f" ({'; '.join(stays)})" if stays else ""
-    return (f"ignored ({printable(report.ignored_from or 'audit(ignore=...)')}): {', '.join(codes)}: left out of the "
-            f"findings listed and of what fails the command; the verdict still counts them{verdicts}.")
+    return (
+        f"ignored ({printable(report.ignored_from or 'audit(ignore=...)')}): {', '.join(codes)}: left out of the "
+        f"findings listed and of what fails the command; the verdict still counts them{verdicts}."
+    )
 
 
 def _gist(message: str) -> str:
@@ -132,7 +149,7 @@ def _gist(message: str) -> str:
     depth = 0
     for i, char in enumerate(message):
         depth += (char == "(") - (char == ")")
-        if depth == 0 and char in ":;." and message[i + 1:i + 2] == " ":  # a stop outside parentheses
+        if depth == 0 and char in ":;." and message[i + 1 : i + 2] == " ":  # a stop outside parentheses
             return message[:i] + "."
     return message
 
@@ -157,9 +174,17 @@ def _runs_table(report: AuditReport, console: Console) -> Table | None:
     for run in report.runs:
         verdict = Text(run.verdict, style=VERDICT_STYLE[run.verdict])
         verdict.append(reported_note(run))
-        runs.add_row(Text(printable(run.run)), verdict, str(run.steps),
-                     str(run.ranks), ", ".join(map(str, run.world_size)), _divisors(run),
-                     factor_text(run.normalization, run.steps, run.normalization_judged), q_range_text(run), ratio_text(run.max_weight_ratio))
+        runs.add_row(
+            Text(printable(run.run)),
+            verdict,
+            str(run.steps),
+            str(run.ranks),
+            ", ".join(map(str, run.world_size)),
+            _divisors(run),
+            factor_text(run.normalization, run.steps, run.normalization_judged),
+            q_range_text(run),
+            ratio_text(run.max_weight_ratio),
+        )
     natural = Measurement.get(console, console.options.update_width(1 << 20), runs).maximum  # unconstrained
     return runs if natural <= console.width else None
 
@@ -175,17 +200,35 @@ def _number(value: object, digits: int = 5) -> str:
 def render_weights(run: str, step: int, records: pd.DataFrame, probe: ProbeQ | None, console: Console) -> None:
     """One row per record of one step: n, S, b, c, e and q = e·N (1 when correct); where the probe measured
     the lightest and heaviest valid token (`probe`), those as q too, beside the record's mean (its q)."""
-    table = Table(title=Text(f"{printable(run)}, step {step}: weight of one valid token (correct: q = e·N = 1)"),
-                  box=box.SIMPLE_HEAVY, title_justify="left")
+    table = Table(
+        title=Text(f"{printable(run)}, step {step}: weight of one valid token (correct: q = e·N = 1)"),
+        box=box.SIMPLE_HEAVY,
+        title_justify="left",
+    )
     probed = probe is not None
     terms = records.term.nunique() > 1  # each loss term is its own token mean, with its own N
-    columns = ["group", *(["term"] if terms else []), "rank", "micro", "n", "S", "b", "c", "D", "g", "e = c·g/D",
-               "q = e·N", *(["probe q"] if probed else []), "sync"]
+    columns = [
+        "group",
+        *(["term"] if terms else []),
+        "rank",
+        "micro",
+        "n",
+        "S",
+        "b",
+        "c",
+        "D",
+        "g",
+        "e = c·g/D",
+        "q = e·N",
+        *(["probe q"] if probed else []),
+        "sync",
+    ]
     for header in columns:
         table.add_column(header, justify="left" if header in ("group", "term", "sync") else "right", overflow="fold")
     outside = probe[2] if probe is not None else np.zeros(len(records), dtype=bool)
-    rows = [_record_cells(row, index, probe, outside, terms)
-            for index, row in enumerate(records.itertuples(index=False))]
+    rows = [
+        _record_cells(row, index, probe, outside, terms) for index, row in enumerate(records.itertuples(index=False))
+    ]
     for cells in rows:
         table.add_row(*cells)
     if Measurement.get(console, console.options.update_width(1 << 20), table).maximum <= console.width:
@@ -208,8 +251,9 @@ def render_weights(run: str, step: int, records: pd.DataFrame, probe: ProbeQ | N
     console.print(" · ".join(notes), style="dim")
 
 
-def _record_cells(row: Any, index: int, probe: ProbeQ | None, outside: npt.NDArray[np.bool_], terms: bool
-                  ) -> list[Text]:
+def _record_cells(
+    row: Any, index: int, probe: ProbeQ | None, outside: npt.NDArray[np.bool_], terms: bool
+) -> list[Text]:
     """One record's cells in `render_weights`' table: q green at 1, red off it; the probe's q red outside the
     record's own."""
     q = row.q
@@ -219,15 +263,30 @@ def _record_cells(row: Any, index: int, probe: ProbeQ | None, outside: npt.NDArr
         low, high = _number(probe[0][index], 4), _number(probe[1][index], 4)
         shown = "–" if "–" in (low, high) else low if low == high else f"{low}–{high}"
         extremes.append(Text(shown, style="red" if outside[index] else ""))
-    cells = [printable(str(row.grp)), *([printable(str(row.term))] if terms else []), str(row.rank), str(row.micro),
-             str(row.valid_tokens), _number(row.loss_sum), _number(row.backward_scalar), _number(row.implied_weight),
-             _number(row.grad_divisor, 4), _number(row.grad_scale, 4), _number(row.eff)]
-    return [*(Text(cell) for cell in cells), Text(_number(q, 4), style=style), *extremes,
-            Text(_number(None if pd.isna(row.sync) else bool(row.sync)))]
+    cells = [
+        printable(str(row.grp)),
+        *([printable(str(row.term))] if terms else []),
+        str(row.rank),
+        str(row.micro),
+        str(row.valid_tokens),
+        _number(row.loss_sum),
+        _number(row.backward_scalar),
+        _number(row.implied_weight),
+        _number(row.grad_divisor, 4),
+        _number(row.grad_scale, 4),
+        _number(row.eff),
+    ]
+    return [
+        *(Text(cell) for cell in cells),
+        Text(_number(q, 4), style=style),
+        *extremes,
+        Text(_number(None if pd.isna(row.sync) else bool(row.sync))),
+    ]
 
 
-def render_curve_table(run: str, shown: pd.DataFrame, steps: int, labels: Sequence[tuple[str, str]],
-                       console: Console) -> None:
+def render_curve_table(
+    run: str, shown: pd.DataFrame, steps: int, labels: Sequence[tuple[str, str]], console: Console
+) -> None:
     """The curve's rows `shown` (`render.curve.curve_views`: every k-th of its `steps`), a column per series
     (`labels`: key and label, `Curve.labels`)."""
     table = Table(title=Text(f"{printable(run)}: loss per step"), box=box.SIMPLE_HEAVY, title_justify="left")

@@ -36,8 +36,9 @@ class CurveViews:
     """Per series that has a value, by key: the (step, value) points `--plot` draws (none without it)."""
 
 
-def curve_views(curve: Curve, labels: Sequence[tuple[str, str]], csv_path: Path | None = None,
-                width: int = 64, plot: bool = False) -> CurveViews:
+def curve_views(
+    curve: Curve, labels: Sequence[tuple[str, str]], csv_path: Path | None = None, width: int = 64, plot: bool = False
+) -> CurveViews:
     """The curve's views, its parts read twice: first the CSV (every step, a part at a time), the steps,
     the axes' ranges and which series have a value; then the chart's cells, the table's rows and the
     plot's points. `labels`: (key, label) of each series, in the chart's order."""
@@ -57,7 +58,7 @@ def curve_views(curve: Curve, labels: Sequence[tuple[str, str]], csv_path: Path 
             present.update(key for key in keys if part[key].notna().any())
             chart.extent(part.step.to_numpy(dtype=np.float64), [_values(part, key) for key in keys])
         if out is not None and steps == 0:
-            pd.DataFrame({key: [] for key in (*CURVE_KEYS, *keys[len(CURVE_LABELS):])}).to_csv(out, index=False)
+            pd.DataFrame({key: [] for key in (*CURVE_KEYS, *keys[len(CURVE_LABELS) :])}).to_csv(out, index=False)
     except OSError as error:
         raise UsageError(f"{csv_path}: cannot write the CSV ({error.strerror or error})") from None
     finally:
@@ -80,10 +81,16 @@ def curve_views(curve: Curve, labels: Sequence[tuple[str, str]], csv_path: Path 
         if plot:
             for key, ys in zip(drawn, columns):
                 points[key].append((x, ys) if every else envelope(x, ys, (chart.x_low, chart.x_high)))
-    return CurveViews(steps=steps, chart=chart,
-                      shown=pd.concat(shown, ignore_index=True) if shown else pd.DataFrame({k: [] for k in CURVE_KEYS}),
-                      points={key: (np.concatenate([x for x, _ in held]), np.concatenate([y for _, y in held]))
-                              for key, held in points.items() if held})
+    return CurveViews(
+        steps=steps,
+        chart=chart,
+        shown=pd.concat(shown, ignore_index=True) if shown else pd.DataFrame({k: [] for k in CURVE_KEYS}),
+        points={
+            key: (np.concatenate([x for x, _ in held]), np.concatenate([y for _, y in held]))
+            for key, held in points.items()
+            if held
+        },
+    )
 
 
 def _values(part: pd.DataFrame, key: str) -> npt.NDArray[np.float64]:

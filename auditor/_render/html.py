@@ -43,33 +43,43 @@ def _e(text: object) -> str:
 
 
 def render_html(report: AuditReport, figures: dict[str, RunFigures]) -> str:
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             '<meta name="viewport" content="width=device-width, initial-scale=1">',
-             "<title>tokaudit report</title>", f"<style>{STYLE}</style></head><body>",
-             f"<h1>tokaudit report</h1><p id=summary>{_e(verdict_counts(report))}; {_e(finding_counts(report))}</p>"]
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        "<title>tokaudit report</title>",
+        f"<style>{STYLE}</style></head><body>",
+        f"<h1>tokaudit report</h1><p id=summary>{_e(verdict_counts(report))}; {_e(finding_counts(report))}</p>",
+    ]
     parts += [f"<p class=incorrect>unreadable: {_e(problem)}</p>" for problem in report.problems]
     if report.runs:
         parts.append(_run_table(report.runs))
     for run in report.runs:
         parts.append(_run_section(run, [f for f in report.findings if f.run == run.run], figures.get(run.run)))
-    parts.append(f"<p><small>tokaudit {_e(__version__)}: q = e·N is each valid token's weight relative to 1/N "
-                 "(1 when correct). <code>tokaudit explain CODE</code> derives each finding.</small></p>")
+    parts.append(
+        f"<p><small>tokaudit {_e(__version__)}: q = e·N is each valid token's weight relative to 1/N "
+        "(1 when correct). <code>tokaudit explain CODE</code> derives each finding.</small></p>"
+    )
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 
 
 def _run_table(runs: list[RunSummary]) -> str:
-    rows = ["<table id=runs><tr><th>run</th><th>verdict</th><th>logged loss</th><th>steps</th><th>ranks</th>"
-            "<th>W</th><th>D</th><th>normalization</th><th>q = e·N</th><th>max ratio</th></tr>"]
+    rows = [
+        "<table id=runs><tr><th>run</th><th>verdict</th><th>logged loss</th><th>steps</th><th>ranks</th>"
+        "<th>W</th><th>D</th><th>normalization</th><th>q = e·N</th><th>max ratio</th></tr>"
+    ]
     for run in runs:
         q = q_range_text(run, " – ")
-        rows.append(f'<tr><td><a href="#{_anchor(run.run)}">{_e(run.run)}</a></td>'
-                    f"<td class={run.verdict}>{run.verdict}</td><td>{run.reporting}</td>"
-                    f"<td class=n>{run.steps}</td><td class=n>{run.ranks}</td>"
-                    f"<td>{', '.join(map(str, run.world_size))}</td>"
-                    f"<td>{', '.join(f'{d:g}' for d in run.divisors) or '?'}</td>"
-                    f"<td>{_e(factor_text(run.normalization, run.steps, run.normalization_judged))}</td>"
-                    f"<td>{q}</td><td class=n>{_e(ratio_text(run.max_weight_ratio))}</td></tr>")
+        rows.append(
+            f'<tr><td><a href="#{_anchor(run.run)}">{_e(run.run)}</a></td>'
+            f"<td class={run.verdict}>{run.verdict}</td><td>{run.reporting}</td>"
+            f"<td class=n>{run.steps}</td><td class=n>{run.ranks}</td>"
+            f"<td>{', '.join(map(str, run.world_size))}</td>"
+            f"<td>{', '.join(f'{d:g}' for d in run.divisors) or '?'}</td>"
+            f"<td>{_e(factor_text(run.normalization, run.steps, run.normalization_judged))}</td>"
+            f"<td>{q}</td><td class=n>{_e(ratio_text(run.max_weight_ratio))}</td></tr>"
+        )
     return "\n".join(rows) + "</table>"
 
 
@@ -78,8 +88,10 @@ def _anchor(run: str) -> str:
 
 
 def _run_section(run: RunSummary, findings: list[Finding], figures: RunFigures | None) -> str:
-    parts = [f'<section class=run id="{_anchor(run.run)}"><h2>{_e(run.run)}: '
-             f"<span class={run.verdict}>{run.verdict}</span></h2>"]
+    parts = [
+        f'<section class=run id="{_anchor(run.run)}"><h2>{_e(run.run)}: '
+        f"<span class={run.verdict}>{run.verdict}</span></h2>"
+    ]
     parts += [_finding(f) for f in findings] or ["<p>No findings.</p>"]
     if figures is not None:
         parts.append(_heatmap(figures, run))
@@ -92,12 +104,14 @@ def _finding(finding: Finding) -> str:
     doc = CODE_DOCS[finding.code]
     term = f" · term {_e(finding.term)}" if finding.term != UNNAMED else ""
     evidence = json.dumps(finding.evidence, indent=1, default=str, allow_nan=True)
-    return (f"<div class='finding {finding.severity.value}' data-code={finding.code.value}>"
-            f"<h3>{finding.severity.value} <code>{finding.code.value}</code>{term} · steps "
-            f"{_e(steps_text(finding.steps))}</h3><p>{_e(finding.message)}</p><p><b>Fix:</b> {_e(finding.fix)}</p>"
-            + (f"<pre><code>{_e(finding.fix_code)}</code></pre>" if finding.fix_code else "") +
-            f"<details><summary>derivation</summary><p>{_e(doc.why)}</p><p>{_e(doc.example)}</p>"
-            f"<pre>{html.escape(evidence)}</pre></details></div>")
+    return (
+        f"<div class='finding {finding.severity.value}' data-code={finding.code.value}>"
+        f"<h3>{finding.severity.value} <code>{finding.code.value}</code>{term} · steps "
+        f"{_e(steps_text(finding.steps))}</h3><p>{_e(finding.message)}</p><p><b>Fix:</b> {_e(finding.fix)}</p>"
+        + (f"<pre><code>{_e(finding.fix_code)}</code></pre>" if finding.fix_code else "")
+        + f"<details><summary>derivation</summary><p>{_e(doc.why)}</p><p>{_e(doc.example)}</p>"
+        f"<pre>{html.escape(evidence)}</pre></details></div>"
+    )
 
 
 def _shade(q: float) -> str:
@@ -116,47 +130,66 @@ def _heatmap(figures: RunFigures, run: RunSummary) -> str:
     left, top = 64, 6
     width, tall = max(left + columns * cell + 8, 420), top + rows * height + 22
     tolerance = run.rtol or 0.0
-    out = [f'<figure><svg class=heatmap width="{width}" height="{tall}" role="img" '
-           f'aria-label="q by rank and step">']
+    out = [f'<figure><svg class=heatmap width="{width}" height="{tall}" role="img" aria-label="q by rank and step">']
     for at in cells.itertuples(index=False):
         low, high = float(at.q_low), float(at.q_high)
         worst = high if abs(math.log(max(high, 1e-300))) >= abs(math.log(max(low, 1e-300))) else low
         fill = "#ffffff" if abs(high - 1) <= tolerance and abs(low - 1) <= tolerance else _shade(worst)
         ranks = _span("rank", at.rank_first, at.rank_last)
         steps = _span("step", at.step_first, at.step_last)
-        out.append(f'<rect class=cell x="{left + int(at.col) * cell}" y="{top + int(at.row) * height}" '
-                   f'width="{cell}" height="{height}" fill="{fill}" stroke="#eaeef2" stroke-width="0.5">'
-                   f"<title>{ranks}, {steps}: q {_q(low, high)}</title></rect>")
+        out.append(
+            f'<rect class=cell x="{left + int(at.col) * cell}" y="{top + int(at.row) * height}" '
+            f'width="{cell}" height="{height}" fill="{fill}" stroke="#eaeef2" stroke-width="0.5">'
+            f"<title>{ranks}, {steps}: q {_q(low, high)}</title></rect>"
+        )
     first, last = int(cells.step_first.min()), int(cells.step_last.max())
-    out.append(f'<text x="{left - 4}" y="{top + 10}" text-anchor="end">rank {int(cells.rank_first.min())}</text>'
-               f'<text x="{left - 4}" y="{top + rows * height}" text-anchor="end">rank {int(cells.rank_last.max())}'
-               f'</text><text x="{left}" y="{tall - 4}">step {first}</text>'
-               f'<text x="{left + columns * cell}" y="{tall - 4}" text-anchor="end">step {last}</text></svg>')
-    right = all(abs(float(a) - 1) <= tolerance and abs(float(b) - 1) <= tolerance
-                for a, b in zip(cells.q_low, cells.q_high))
-    said = ("every cell is white: each valid token weighed 1/N, the token mean. " if right else "")
-    out.append(f"<figcaption>{_scale()} q = e·N per rank (rows) and step (columns): {said}White within tolerance "
-               "of 1, red where a token weighs more than 1/N, blue less (full colour at 4× either way); hover a cell "
-               "for its values.</figcaption></figure>")
+    out.append(
+        f'<text x="{left - 4}" y="{top + 10}" text-anchor="end">rank {int(cells.rank_first.min())}</text>'
+        f'<text x="{left - 4}" y="{top + rows * height}" text-anchor="end">rank {int(cells.rank_last.max())}'
+        f'</text><text x="{left}" y="{tall - 4}">step {first}</text>'
+        f'<text x="{left + columns * cell}" y="{tall - 4}" text-anchor="end">step {last}</text></svg>'
+    )
+    right = all(
+        abs(float(a) - 1) <= tolerance and abs(float(b) - 1) <= tolerance for a, b in zip(cells.q_low, cells.q_high)
+    )
+    said = "every cell is white: each valid token weighed 1/N, the token mean. " if right else ""
+    out.append(
+        f"<figcaption>{_scale()} q = e·N per rank (rows) and step (columns): {said}White within tolerance "
+        "of 1, red where a token weighs more than 1/N, blue less (full colour at 4× either way); hover a cell "
+        "for its values.</figcaption></figure>"
+    )
     return "".join(out)
 
 
 def _scale() -> str:
     """The heat-map's colour scale: q from ¼ to 4, white at 1."""
     stops = [0.25, 0.5, 1.0, 2.0, 4.0]
-    boxes = "".join(f'<rect x="{40 + 44 * i}" y="2" width="44" height="12" fill="{_shade(q)}" stroke="#d0d7de" '
-                    f'stroke-width="0.5"/><text x="{62 + 44 * i}" y="26" text-anchor="middle">'
-                    f'{"¼" if q == 0.25 else "½" if q == 0.5 else f"{q:g}"}</text>' for i, q in enumerate(stops))
-    return (f'<svg class=scale width="280" height="30" role="img" aria-label="colour scale of q">'
-            f'<text x="0" y="12">q</text>{boxes}</svg><br>')
+    boxes = "".join(
+        f'<rect x="{40 + 44 * i}" y="2" width="44" height="12" fill="{_shade(q)}" stroke="#d0d7de" '
+        f'stroke-width="0.5"/><text x="{62 + 44 * i}" y="26" text-anchor="middle">'
+        f"{'¼' if q == 0.25 else '½' if q == 0.5 else f'{q:g}'}</text>"
+        for i, q in enumerate(stops)
+    )
+    return (
+        f'<svg class=scale width="280" height="30" role="img" aria-label="colour scale of q">'
+        f'<text x="0" y="12">q</text>{boxes}</svg><br>'
+    )
 
 
 def _merged(series: list[tuple[str, np.ndarray, np.ndarray]]) -> list[tuple[str, np.ndarray, np.ndarray]]:
     """Curves equal at every step drawn once, under their labels joined: one on top of another hides it."""
     out: list[tuple[str, np.ndarray, np.ndarray]] = []
     for label, x, y in series:
-        same = next((i for i, (_, ox, oy) in enumerate(out) if len(ox) == len(x) and np.array_equal(ox, x)
-                     and np.allclose(oy, y, rtol=1e-6, atol=0.0, equal_nan=True)), None)
+        same = next(
+            (
+                i
+                for i, (_, ox, oy) in enumerate(out)
+                if len(ox) == len(x)
+                and np.array_equal(ox, x)
+                and np.allclose(oy, y, rtol=1e-6, atol=0.0, equal_nan=True)
+            ),
+            None,
+        )
         if same is None:
             out.append((label, x, y))
         else:
@@ -184,21 +217,29 @@ def _curves(figures: RunFigures) -> str:
     width, height, left, bottom = 640, 220, 56, 20
     x_scale = (width - left - 10) / max(x_high - x_low, 1.0)
     y_scale = (height - bottom - 10) / (y_high - y_low if y_high > y_low else 1.0)
-    out = [f'<figure><svg class=curves width="{width}" height="{height}" role="img" aria-label="loss curves">',
-           f'<text x="4" y="14">{y_high:.4g}</text><text x="4" y="{height - bottom}">{y_low:.4g}</text>',
-           f'<text x="12" y="{(height - bottom) / 2:.0f}" transform="rotate(-90 12 {(height - bottom) / 2:.0f})" '
-           'text-anchor="middle">loss</text>',
-           f'<text x="{left}" y="{height - 4}">step {x_low:.0f}</text>'
-           f'<text x="{width - 10}" y="{height - 4}" text-anchor="end">step {x_high:.0f}</text>']
+    out = [
+        f'<figure><svg class=curves width="{width}" height="{height}" role="img" aria-label="loss curves">',
+        f'<text x="4" y="14">{y_high:.4g}</text><text x="4" y="{height - bottom}">{y_low:.4g}</text>',
+        f'<text x="12" y="{(height - bottom) / 2:.0f}" transform="rotate(-90 12 {(height - bottom) / 2:.0f})" '
+        'text-anchor="middle">loss</text>',
+        f'<text x="{left}" y="{height - 4}">step {x_low:.0f}</text>'
+        f'<text x="{width - 10}" y="{height - 4}" text-anchor="end">step {x_high:.0f}</text>',
+    ]
     legend = []
     for index, (label, x, y) in enumerate(series):
         color = COLORS[index % len(COLORS)]
-        points = " ".join(f"{left + (a - x_low) * x_scale:.1f},{height - bottom - (b - y_low) * y_scale:.1f}"
-                          for a, b in zip(x.tolist(), y.tolist()))
+        points = " ".join(
+            f"{left + (a - x_low) * x_scale:.1f},{height - bottom - (b - y_low) * y_scale:.1f}"
+            for a, b in zip(x.tolist(), y.tolist())
+        )
         dash = ' stroke-dasharray="4 3"' if index % 2 else ""
-        out.append(f'<polyline class=series fill="none" stroke="{color}" stroke-width="1.5"{dash} points="{points}">'
-                   f"<title>{_e(label)}</title></polyline>")
+        out.append(
+            f'<polyline class=series fill="none" stroke="{color}" stroke-width="1.5"{dash} points="{points}">'
+            f"<title>{_e(label)}</title></polyline>"
+        )
         legend.append(f'<span style="color:{color}">■</span> {_e(label)}')
-    out.append("</svg><figcaption>" + " &nbsp; ".join(legend) + "<br>ΣS/N is the true token mean; the optimized "
-               "objective Σe·S is what the weights trained, equal to ΣS/N when the run is correct.</figcaption></figure>")
+    out.append(
+        "</svg><figcaption>" + " &nbsp; ".join(legend) + "<br>ΣS/N is the true token mean; the optimized "
+        "objective Σe·S is what the weights trained, equal to ΣS/N when the run is correct.</figcaption></figure>"
+    )
     return "".join(out)

@@ -27,25 +27,45 @@ def _segment(segment: Segment | None) -> dict[str, Any]:
 
 def run_dict(run: RunSummary) -> dict[str, Any]:
     return {
-        "run": run.run, "rows": run.rows, "steps": run.steps, "ranks": run.ranks, "world_size": run.world_size,
-        "verdict": run.verdict, "reporting": run.reporting, "normalization": _segment(run.normalization),
+        "run": run.run,
+        "rows": run.rows,
+        "steps": run.steps,
+        "ranks": run.ranks,
+        "world_size": run.world_size,
+        "verdict": run.verdict,
+        "reporting": run.reporting,
+        "normalization": _segment(run.normalization),
         "max_weight_ratio": _finite(run.max_weight_ratio),
-        "groups": run.groups, "microbatches": run.microbatches, "terms": run.terms,
+        "groups": run.groups,
+        "microbatches": run.microbatches,
+        "terms": run.terms,
         "terms_pooled": run.terms_pooled,
-        "skipped_steps": run.skipped_steps, "divisors": run.divisors,
+        "skipped_steps": run.skipped_steps,
+        "divisors": run.divisors,
         "weight_range": None if run.weight_range is None else list(run.weight_range),
-        "segments": [{"first": s.first, "last": s.last, "steps": s.steps, **_segment(s), "group": s.group,
-                      "term": s.term} for s in run.segments],
+        "segments": [
+            {"first": s.first, "last": s.last, "steps": s.steps, **_segment(s), "group": s.group, "term": s.term}
+            for s in run.segments
+        ],
         "segments_omitted": run.segments_omitted,
-        "precision_bits": run.precision_bits, "rtol": run.rtol,
-        "decided_by": run.decided_by, "ignored": run.ignored, "gate_verdict": run.gate_verdict or run.verdict,
+        "precision_bits": run.precision_bits,
+        "rtol": run.rtol,
+        "decided_by": run.decided_by,
+        "ignored": run.ignored,
+        "gate_verdict": run.gate_verdict or run.verdict,
     }
 
 
 def finding_dict(finding: Finding) -> dict[str, Any]:
-    out = {"run": finding.run, "code": finding.code.value, "severity": finding.severity.value,
-           "steps": asdict(finding.steps), "message": finding.message, "fix": finding.fix,
-           "evidence": finding.evidence}
+    out = {
+        "run": finding.run,
+        "code": finding.code.value,
+        "severity": finding.severity.value,
+        "steps": asdict(finding.steps),
+        "message": finding.message,
+        "fix": finding.fix,
+        "evidence": finding.evidence,
+    }
     if finding.term != UNNAMED:
         out["term"] = finding.term
     if finding.fix_code:

@@ -16,15 +16,20 @@ def render_junit(report: AuditReport) -> str:
     for run in report.runs:
         case = ElementTree.SubElement(suite, "testcase", classname="tokaudit", name=printable(run.run))
         findings = [f for f in report.findings if f.run == run.run]
-        text = "\n\n".join(f"{f.severity.value} {f.code.value} steps {f.steps.first}–{f.steps.last} "
-                           f"({f.steps.count}): {printable(f.message)}\nfix: {printable(f.fix)}" for f in findings)
+        text = "\n\n".join(
+            f"{f.severity.value} {f.code.value} steps {f.steps.first}–{f.steps.last} "
+            f"({f.steps.count}): {printable(f.message)}\nfix: {printable(f.fix)}"
+            for f in findings
+        )
         codes = ", ".join(sorted({f.code.value for f in findings}))
         if run.verdict == "incorrect":
             failures += 1
             ElementTree.SubElement(case, "failure", message=f"incorrect: {codes}", type="incorrect").text = text
         elif run.verdict == "inconclusive":
             skipped += 1
-            ElementTree.SubElement(case, "skipped", message=f"inconclusive: {codes or 'the logs cannot tell'}").text = text
+            ElementTree.SubElement(
+                case, "skipped", message=f"inconclusive: {codes or 'the logs cannot tell'}"
+            ).text = text
         elif text:
             ElementTree.SubElement(case, "system-out").text = text
     for problem in report.problems:

@@ -30,22 +30,39 @@ def summary_line(report: AuditReport) -> str:
 def render_markdown(report: AuditReport) -> str:
     lines = [MARKER, summary_line(report), ""]
     if report.runs:
-        lines += ["| run | verdict | steps | ranks | W | D | normalization | q = e·N | max ratio |",
-                  "|---|---|---:|---:|---|---|---|---|---:|"]
+        lines += [
+            "| run | verdict | steps | ranks | W | D | normalization | q = e·N | max ratio |",
+            "|---|---|---:|---:|---|---|---|---|---:|",
+        ]
         for run in report.runs:
             q = q_range_text(run, " – ")
-            lines.append(f"| `{_cell(run.run)}` | {ICONS[run.verdict]} {run.verdict}{reported_note(run)} | {run.steps} | {run.ranks} "
-                         f"| {', '.join(map(str, run.world_size))} | {', '.join(f'{d:g}' for d in run.divisors)} "
-                         f"| {_cell(factor_text(run.normalization, run.steps, run.normalization_judged))} | {q} | {ratio_text(run.max_weight_ratio)} |")
-        lines += ["", "q = e·N is each valid token's weight relative to 1/N (1 when correct); max ratio is the "
-                      "largest ratio between two tokens' weights in one step.", ""]
+            lines.append(
+                f"| `{_cell(run.run)}` | {ICONS[run.verdict]} {run.verdict}{reported_note(run)} | {run.steps} | {run.ranks} "
+                f"| {', '.join(map(str, run.world_size))} | {', '.join(f'{d:g}' for d in run.divisors)} "
+                f"| {_cell(factor_text(run.normalization, run.steps, run.normalization_judged))} | {q} | {ratio_text(run.max_weight_ratio)} |"
+            )
+        lines += [
+            "",
+            "q = e·N is each valid token's weight relative to 1/N (1 when correct); max ratio is the "
+            "largest ratio between two tokens' weights in one step.",
+            "",
+        ]
     for f in report.findings:
         term = f" · term `{_cell(f.term)}`" if f.term != UNNAMED else ""
-        lines += [f"<details><summary>{ICONS[f.severity.value]} <b>{f.severity.value}</b> <code>{f.code.value}</code> "
-                  f"· {html.escape(printable(f.run))}{html.escape(term)} · steps {steps_text(f.steps)}</summary>", "",
-                  html.escape(printable(f.message)), "", f"**Fix:** {html.escape(printable(f.fix))}", "",
-                  *([f"```python\n{f.fix_code}\n```", ""] if f.fix_code else []),
-                  f"`tokaudit explain {f.code.value}` derives it.", "", "</details>", ""]
+        lines += [
+            f"<details><summary>{ICONS[f.severity.value]} <b>{f.severity.value}</b> <code>{f.code.value}</code> "
+            f"· {html.escape(printable(f.run))}{html.escape(term)} · steps {steps_text(f.steps)}</summary>",
+            "",
+            html.escape(printable(f.message)),
+            "",
+            f"**Fix:** {html.escape(printable(f.fix))}",
+            "",
+            *([f"```python\n{f.fix_code}\n```", ""] if f.fix_code else []),
+            f"`tokaudit explain {f.code.value}` derives it.",
+            "",
+            "</details>",
+            "",
+        ]
     if report.runs and not report.findings:
         lines += ["No findings.", ""]
     for problem in report.problems:

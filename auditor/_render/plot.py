@@ -27,8 +27,10 @@ def check_format(path: Path) -> None:
     plt.close("all")
     extension = path.suffix.lower().lstrip(".")
     if extension not in formats:
-        raise UsageError(f"{path}: --plot writes {', '.join(sorted(formats))}; the name ends in "
-                         f"{'.' + extension if extension else 'no extension'}")
+        raise UsageError(
+            f"{path}: --plot writes {', '.join(sorted(formats))}; the name ends in "
+            f"{'.' + extension if extension else 'no extension'}"
+        )
 
 
 def write_png(run: str, points: dict[str, tuple[Any, Any]], labels: list[tuple[str, str]], path: Path) -> None:

@@ -32,6 +32,7 @@ def factor_text(segment: Segment | None, steps: int = 1, judged: bool = True) ->
 
 PRECISIONS = {8: "bfloat16", 11: "float16"}
 
+
 def q_range_text(run: RunSummary, between: str = "–") -> str:
     """The run's range of q = e·N ("1", "0.6–3"; "–" where it is not judged)."""
     if run.weight_range is None:
@@ -39,26 +40,35 @@ def q_range_text(run: RunSummary, between: str = "–") -> str:
     low, high = (f"{v:.4g}" for v in run.weight_range)
     return low if low == high else f"{low}{between}{high}"
 
+
 def many(count: int, word: str) -> str:
     return f"{count} {word}{'' if count == 1 else 's'}"
 
+
 def verdict_counts(report: AuditReport) -> str:
-    """"2 runs: 1 correct, 1 incorrect, 0 inconclusive"."""
+    """ "2 runs: 1 correct, 1 incorrect, 0 inconclusive"."""
     counts = [f"{sum(run.verdict == v for run in report.runs)} {v}" for v in ("correct", "incorrect", "inconclusive")]
     return f"{many(len(report.runs), 'run')}: {', '.join(counts)}"
 
+
 def finding_counts(report: AuditReport) -> str:
-    """"1 error, 1 warning, 0 info"."""
+    """ "1 error, 1 warning, 0 info"."""
     counts = {s: sum(f.severity.value == s for f in report.findings) for s in ("error", "warning", "info")}
     return f"{many(counts['error'], 'error')}, {many(counts['warning'], 'warning')}, {counts['info']} info"
+
 
 def reported_note(run: RunSummary) -> str:
     """What to show beside a verdict: that the logged loss is not the token mean, where the verdict is not
     `incorrect` (an incorrect run's findings say it already; the verdict is about the gradient alone), and the
     precision the run was judged at, where it is coarser than float32's."""
     notes = []
-    if run.verdict != "correct" and run.decided_by and run.max_weight_ratio == 1 and run.weight_range is not None \
-            and run.weight_range[0] == run.weight_range[1] == 1:
+    if (
+        run.verdict != "correct"
+        and run.decided_by
+        and run.max_weight_ratio == 1
+        and run.weight_range is not None
+        and run.weight_range[0] == run.weight_range[1] == 1
+    ):
         notes.append(f"by {', '.join(run.decided_by)}")  # q says nothing: say which finding decides
     if run.verdict != "incorrect" and run.reporting == "differs":
         notes.append("reported loss differs")

@@ -15,12 +15,15 @@ from tokaudit._auditing import audit
 from tokaudit.codes import Code, Severity
 
 
-@pytest.mark.parametrize("name, counts, scalar, extra", [
-    ("average", UNEVEN, token_mean, {}),
-    ("average_ga", UNEVEN_GA, token_mean, {}),
-    ("sum", UNEVEN_GA, lambda S, N, **_: S / N, {"grad_divisor": 1.0}),
-    ("raw_sum_rescaled", UNEVEN, lambda S, **_: S, {}),  # g = W/N is added per step below
-])
+@pytest.mark.parametrize(
+    "name, counts, scalar, extra",
+    [
+        ("average", UNEVEN, token_mean, {}),
+        ("average_ga", UNEVEN_GA, token_mean, {}),
+        ("sum", UNEVEN_GA, lambda S, N, **_: S / N, {"grad_divisor": 1.0}),
+        ("raw_sum_rescaled", UNEVEN, lambda S, **_: S, {}),  # g = W/N is added per step below
+    ],
+)
 def test_correct_constructions_pass(tmp_path: Path, name: str, counts: Any, scalar: Any, extra: dict[str, Any]) -> None:
     rows = records(counts, scalar, **extra)
     if name == "raw_sum_rescaled":
@@ -79,8 +82,10 @@ def test_a_count_taken_before_the_shift_is_named_not_a_local_mean(tmp_path: Path
     assert finding.evidence["extra_labels_per_record"] == 3 and "before the causal shift" in finding.message
     # a plain local mean (every record's e·n alike) never reads as a shift, nor a count off by one, S/(n + 1),
     # whose two extremes solve to k = n_h·n_l, more labels than the heavier record has
-    assert "extra_labels_per_record" not in only(audit_rows(tmp_path / "mean", records(counts, local_mean)),
-                                                 Code.LOCAL_MEAN).evidence
+    assert (
+        "extra_labels_per_record"
+        not in only(audit_rows(tmp_path / "mean", records(counts, local_mean)), Code.LOCAL_MEAN).evidence
+    )
     for case, near in enumerate(([[[1], [7], [1]]] * 3, [[[3, 8], [5, 2]], [[1, 6], [9, 4]]], counts)):
         near_miss = audit_rows(tmp_path / f"near{case}", records(near, lambda S, n, W, **_: W * S / (n + 1)))
         assert near_miss.findings and all("extra_labels_per_record" not in f.evidence for f in near_miss.findings)
@@ -108,8 +113,9 @@ def test_a_count_of_every_label_before_the_shift_is_named(tmp_path: Path, traine
     Hugging Face Trainer): every token light by a share that varies, named as a count before the causal shift;
     the Trainer's own setting as the fix where the log says it recorded the run."""
     rows = records(UNEVEN_GA, lambda S, N, W, **_: W * S / (N + 3))  # q = N/(N + 3): each step its own
-    finding = only(audit([write_by_rank(tmp_path / "run", rows, HF_PROVENANCE if trainer else None)]),
-                   Code.SCALE_MISMATCH)
+    finding = only(
+        audit([write_by_rank(tmp_path / "run", rows, HF_PROVENANCE if trainer else None)]), Code.SCALE_MISMATCH
+    )
     assert "one label per row counted before a causal shift" in finding.message
     assert ("model.loss_type" in finding.fix) == trainer and ("W·S_r/N" in finding.fix) != trainer
 
@@ -121,11 +127,14 @@ def test_per_micro_global_denominator(tmp_path: Path) -> None:
     assert codes(report) == {"per_micro_denominator"}
 
 
-@pytest.mark.parametrize("scalar, divisor, factor, cause", [
-    (lambda S, N, **_: S / N, None, "1/2", "W factor is missing"),           # S/N into an average
-    (lambda S, N, **_: 8 * S / N, None, 4, "hard-coded W"),                  # 8·S/N on W = 2
-    (lambda S, N, W, **_: W * S / N, 1.0, 2, "summing reduction"),           # W·S/N into a sum
-])
+@pytest.mark.parametrize(
+    "scalar, divisor, factor, cause",
+    [
+        (lambda S, N, **_: S / N, None, "1/2", "W factor is missing"),  # S/N into an average
+        (lambda S, N, **_: 8 * S / N, None, 4, "hard-coded W"),  # 8·S/N on W = 2
+        (lambda S, N, W, **_: W * S / N, 1.0, 2, "summing reduction"),  # W·S/N into a sum
+    ],
+)
 def test_world_size_mismatch(tmp_path: Path, scalar: Any, divisor: float | None, factor: Any, cause: str) -> None:
     extra = {} if divisor is None else {"grad_divisor": divisor}
     report = audit_rows(tmp_path, records(UNEVEN_GA, scalar, **extra))
@@ -139,7 +148,10 @@ def test_world_size_mismatch(tmp_path: Path, scalar: Any, divisor: float | None,
 def test_a_token_mean_divided_again_by_the_accumulation_steps_is_named(tmp_path: Path, microbatches: int) -> None:
     """b = W·S/(N·M): the token mean, then ÷ gradient_accumulation_steps. With M = 3 the factor 1/3 is named as
     that division; with M = 2 = W it reads as the missing W or as the division, and both are said."""
-    counts = [[[5, 1, 2][:microbatches], [3, 7, 4][:microbatches]], [[2, 6, 1][:microbatches], [6, 2, 5][:microbatches]]]
+    counts = [
+        [[5, 1, 2][:microbatches], [3, 7, 4][:microbatches]],
+        [[2, 6, 1][:microbatches], [6, 2, 5][:microbatches]],
+    ]
     rows = records(counts, lambda S, N, W, M, **_: W * S / (N * M))
     finding = only(audit_rows(tmp_path, rows), Code.WORLD_SIZE_MISMATCH)
     assert f"divided again by the M={microbatches} accumulation steps" in finding.message
@@ -195,16 +207,21 @@ def test_probe_findings(tmp_path: Path) -> None:
     rows = records(UNEVEN, token_mean)
     for row in rows:
         weight = row["backward_scalar"] / row["loss_sum"]
-        row.update(token_weight_sum=weight * row["valid_tokens"], token_weight_min=weight,
-                   token_weight_max=weight, masked_weight_abs_sum=0.0, backward_scalar=None)
+        row.update(
+            token_weight_sum=weight * row["valid_tokens"],
+            token_weight_min=weight,
+            token_weight_max=weight,
+            masked_weight_abs_sum=0.0,
+            backward_scalar=None,
+        )
     rows[0].update(token_weight_min=rows[0]["token_weight_min"] * 0.5, token_weight_max=rows[0]["token_weight_max"] * 2)
     rows[1]["masked_weight_abs_sum"] = 0.25
     report = audit_rows(tmp_path, rows, keep_steps=True)
     assert codes(report) == {"nonuniform_in_microbatch", "masked_tokens_weighted"}
     assert report.runs[0].max_weight_ratio == pytest.approx(4.0)
-    spread, = (f.evidence for f in report.findings if f.code == Code.NONUNIFORM_IN_MICROBATCH)
+    (spread,) = (f.evidence for f in report.findings if f.code == Code.NONUNIFORM_IN_MICROBATCH)
     assert spread == {"steps": 1, "largest_spread": pytest.approx((2 - 0.5) / 2)}  # (max − min) / max
-    masked, = (f.evidence for f in report.findings if f.code == Code.MASKED_TOKENS_WEIGHTED)
+    (masked,) = (f.evidence for f in report.findings if f.code == Code.MASKED_TOKENS_WEIGHTED)
     # 0.25 of ∂b/∂ℓ on masked positions, where each valid token of that record got b/S
     mean_weight = rows[1]["token_weight_sum"] / rows[1]["valid_tokens"]
     assert masked == {"steps": 1, "masked_weight_in_tokens": pytest.approx(0.25 / mean_weight)}
@@ -219,8 +236,12 @@ def _probed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The probe's columns of a record whose every valid token got the weight b/S (a reduced loss)."""
     for row in rows:
         weight = row["backward_scalar"] / row["loss_sum"]
-        row.update(token_weight_sum=weight * row["valid_tokens"], token_weight_min=weight, token_weight_max=weight,
-                   masked_weight_abs_sum=0.0)
+        row.update(
+            token_weight_sum=weight * row["valid_tokens"],
+            token_weight_min=weight,
+            token_weight_max=weight,
+            masked_weight_abs_sum=0.0,
+        )
     return rows
 
 
@@ -234,13 +255,18 @@ def test_a_count_the_probe_contradicts_leaves_its_steps_out_and_calls_nothing_wr
     report = audit_rows(tmp_path, rows)
     assert codes(report) == {"count_mismatch"} and report.runs[0].verdict == "inconclusive"
     finding = only(report, Code.COUNT_MISMATCH)
-    assert finding.severity == Severity.WARNING and (finding.steps.first, finding.steps.last, finding.steps.count) \
-        == (0, 2, 3)
+    assert finding.severity == Severity.WARNING and (finding.steps.first, finding.steps.last, finding.steps.count) == (
+        0,
+        2,
+        3,
+    )
     # Step 0: labelled counts (5, 1 | 3, 7), N = 16, every token's weight b/S = 2/16, e = 1/16 (D = 2). The
     # recorded N is 40: q = e·40 = 2.5 on every token; the lightest record, n = 1 of 10: 2.5/10 = 0.25.
     evidence = finding.evidence
     assert evidence["step"] == 0 and evidence["global_tokens"] == 40
-    assert evidence["probe_weight_range"] == pytest.approx([2.5, 2.5]) and evidence["mean_weight"] == pytest.approx(0.25)
+    assert evidence["probe_weight_range"] == pytest.approx([2.5, 2.5]) and evidence["mean_weight"] == pytest.approx(
+        0.25
+    )
     assert "the same weight, 2.5/N, on every valid token" in finding.message and "0.25/N, below" in finding.message
     assert report.runs[0].rows == 0 and report.runs[0].steps == 0
 
@@ -282,13 +308,15 @@ def test_miscounted_rows_compare_the_mean_weights_with_the_probe_s_extremes() ->
     record was probed; NaN (no weight) and unprobed steps are never flagged."""
     from tokaudit._checks import miscounted_rows
 
-    table = pd.DataFrame({
-        "probed": [4, 4, 4, 4, 0, 4, 4],
-        "weight_low": [0.25, 0.2499, 0.2, 0.25, 0.1, np.nan, 0.25],
-        "weight_high": [0.25, 0.25, 0.25, 0.2501, 0.5, np.nan, 0.250001],
-        "token_weight_low": [0.25, 0.25, 0.25, 0.25, 0.2, 0.25, 0.25],
-        "token_weight_high": [0.25, 0.25, 0.25, 0.25, 0.2, 0.25, 0.25],
-    })
+    table = pd.DataFrame(
+        {
+            "probed": [4, 4, 4, 4, 0, 4, 4],
+            "weight_low": [0.25, 0.2499, 0.2, 0.25, 0.1, np.nan, 0.25],
+            "weight_high": [0.25, 0.25, 0.25, 0.2501, 0.5, np.nan, 0.250001],
+            "token_weight_low": [0.25, 0.25, 0.25, 0.25, 0.2, 0.25, 0.25],
+            "token_weight_high": [0.25, 0.25, 0.25, 0.25, 0.2, 0.25, 0.25],
+        }
+    )
     assert miscounted_rows(table, 1e-4).tolist() == [False, True, True, True, False, False, False]
     assert miscounted_rows(table.drop(columns=["token_weight_low"]), 1e-4).tolist() == [False] * 7
 
@@ -322,10 +350,17 @@ def test_a_right_loop_computed_in_bfloat16_is_judged_at_its_precision(tmp_path: 
     bf16, its ranks' tokens 2× apart, is still a local mean at that precision."""
     right = audit_rows(tmp_path / "right", [dict(row, precision_bits=8) for row in _logged_in_bfloat16(probe)])
     assert right.findings == [] and right.runs[0].verdict == "correct"
-    assert (right.runs[0].precision_bits, right.runs[0].rtol) == (8, 2.0 ** -7)
+    assert (right.runs[0].precision_bits, right.runs[0].rtol) == (8, 2.0**-7)
     counts = [[[40, 40], [20, 20]], [[30, 30], [60, 60]]] * 3  # each step's ranks 2× apart
-    wrong = [dict(row, loss_sum=_bfloat16(row["loss_sum"]), backward_scalar=_bfloat16(row["backward_scalar"]),
-                  precision_bits=8) for row in records(counts, local_mean)]
+    wrong = [
+        dict(
+            row,
+            loss_sum=_bfloat16(row["loss_sum"]),
+            backward_scalar=_bfloat16(row["backward_scalar"]),
+            precision_bits=8,
+        )
+        for row in records(counts, local_mean)
+    ]
     report = audit_rows(tmp_path / "wrong", wrong)
     assert report.runs[0].verdict == "incorrect" and "local_mean" in codes(report)
     assert audit_rows(tmp_path / "float32", records(counts, local_mean)).runs[0].rtol == 1e-4  # nothing said
@@ -378,7 +413,8 @@ def test_ranks_with_no_record_in_any_step_make_the_run_inconclusive(tmp_path: Pa
 
 @pytest.mark.parametrize("synced, flagged", [("last", False), ("every", True), ("none of rank 1", True)])
 def test_uneven_microbatches_are_flagged_only_where_the_synced_backwards_do_not_match(
-        tmp_path: Path, synced: str, flagged: bool) -> None:
+    tmp_path: Path, synced: str, flagged: bool
+) -> None:
     """Rank 0 runs 3 microbatches and rank 1 runs 2, N counted over all: the weights are exact. With one synced
     backward per rank (its last) that is a correct loop; every microbatch syncing, or a rank that never
     syncs, pairs all-reduces wrongly and is flagged."""
@@ -414,6 +450,7 @@ def test_duplicates_keep_the_later_record(tmp_path: Path) -> None:
     assert codes(report) == {"duplicate_records"}
     # `time` never decides (a clock may run ahead): the later file wins, here the stale one written last.
     from datetime import datetime, timezone
+
     older, newer = datetime(2026, 1, 1, tzinfo=timezone.utc), datetime(2026, 1, 2, tzinfo=timezone.utc)
     write(tmp_path / "timed" / "a.parquet", [dict(r, time=newer) for r in good])
     write(tmp_path / "timed" / "b.parquet", [dict(r, time=older) for r in stale])
@@ -469,8 +506,10 @@ def test_reported_loss_mismatch_names_the_mean_of_local_means(tmp_path: Path) ->
 
 def _token_means(rows: list[dict[str, Any]]) -> dict[int, float]:
     steps = sorted({r["step"] for r in rows})
-    return {s: sum(r["loss_sum"] for r in rows if r["step"] == s) / sum(r["valid_tokens"] for r in rows if r["step"] == s)
-            for s in steps}
+    return {
+        s: sum(r["loss_sum"] for r in rows if r["step"] == s) / sum(r["valid_tokens"] for r in rows if r["step"] == s)
+        for s in steps
+    }
 
 
 @pytest.mark.parametrize("shift", [1, -1])
@@ -489,7 +528,8 @@ def test_a_reported_loss_stamped_one_update_off_is_named_not_called_wrong(tmp_pa
     assert finding.severity == Severity.INFO and report.runs[0].verdict == "correct"
     assert finding.steps.count == 8 and ("early" if shift == 1 else "late") in finding.message
     assert finding.evidence[f"token_mean_of_the_{'next' if shift == 1 else 'previous'}_step"] == pytest.approx(
-        means[finding.steps.first + shift])
+        means[finding.steps.first + shift]
+    )
 
     # The same losses, some stamped on their own step: only the others are named
     for row in rows:
@@ -570,7 +610,7 @@ def test_world_size_changes_are_found_group_by_group_as_a_group_by_finds_them(as
         """The check fed a few steps at a time, in the frame's order."""
         check = StructureCheck(TermInputs(context, keep_steps=True, main_term=True))
         for start in range(0, len(frame), block):
-            check.add(frame.iloc[start:start + block], None)
+            check.add(frame.iloc[start : start + block], None)
         return list(check.findings())
 
     rng = np.random.default_rng(5)
@@ -578,12 +618,19 @@ def test_world_size_changes_are_found_group_by_group_as_a_group_by_finds_them(as
     groups = rng.choice(["dp1", UNNAMED, "dp0"], count)
     world = rng.choice([4, 8, 2], count, p=[0.8, 0.1, 0.1]).astype(np.int32)
     world[groups == "dp1"] = 4  # one group never changes
-    frame = pd.DataFrame({"grp": pd.Categorical(groups) if as_categories else groups, "step": np.arange(count),
-                          "world_low": world, "world_high": world,
-                          "microbatches_low": np.broadcast_to(np.ones(1, np.int32), (count,)),
-                          "microbatches_high": np.broadcast_to(np.ones(1, np.int32), (count,))})
-    context = RunContext(run="r", term=UNNAMED, world_size=4, world_sizes=(2, 4, 8), microbatches=1, divisor=4.0,
-                         rtol=1e-4)
+    frame = pd.DataFrame(
+        {
+            "grp": pd.Categorical(groups) if as_categories else groups,
+            "step": np.arange(count),
+            "world_low": world,
+            "world_high": world,
+            "microbatches_low": np.broadcast_to(np.ones(1, np.int32), (count,)),
+            "microbatches_high": np.broadcast_to(np.ones(1, np.int32), (count,)),
+        }
+    )
+    context = RunContext(
+        run="r", term=UNNAMED, world_size=4, world_sizes=(2, 4, 8), microbatches=1, divisor=4.0, rtol=1e-4
+    )
     found = _structure_findings(frame, context)
     assert [str(f) for f in found] == [str(f) for f in _structure_findings(frame, context, block=len(frame))]
     expected = []
@@ -593,27 +640,38 @@ def test_world_size_changes_are_found_group_by_group_as_a_group_by_finds_them(as
             changed = per_group.step[per_group.world_high != per_group.world_high.iloc[0]]
             expected.append((group, sizes, int(changed.min()), int(changed.max()), len(changed)))
     assert len(expected) == 2
-    assert [(f.evidence["world_sizes"], f.steps.first, f.steps.last, f.steps.count) for f in found] == \
-        [(sizes, first, last, n) for _, sizes, first, last, n in expected]
+    assert [(f.evidence["world_sizes"], f.steps.first, f.steps.last, f.steps.count) for f in found] == [
+        (sizes, first, last, n) for _, sizes, first, last, n in expected
+    ]
     assert all(f.code == Code.WORLD_SIZE_CHANGED for f in found)
     assert ["in group" in found[0].message, "in group dp0" in found[1].message] == [False, True]  # "0" sorts first
 
     # W and M held as one value each: equal, nothing found; different, every step
     one = np.broadcast_to(np.full(1, 4, np.int32), (count,))
     other = np.broadcast_to(np.full(1, 3, np.int32), (count,))
+
     def held_as(**columns: Any) -> pd.DataFrame:
         held = pd.DataFrame({"grp": frame.grp, "step": frame.step.to_numpy(), **columns}, copy=False)
         assert all(held[name].to_numpy().strides == (0,) for name in columns)
         return held
 
-    assert not list(_structure_findings(held_as(world_low=one, world_high=one, microbatches_low=one, microbatches_high=one), context))
-    uneven = list(_structure_findings(held_as(world_low=one, world_high=one, microbatches_low=one, microbatches_high=other), context))
+    assert not list(
+        _structure_findings(
+            held_as(world_low=one, world_high=one, microbatches_low=one, microbatches_high=one), context
+        )
+    )
+    uneven = list(
+        _structure_findings(
+            held_as(world_low=one, world_high=one, microbatches_low=one, microbatches_high=other), context
+        )
+    )
     assert [f.code for f in uneven] == [Code.UNEVEN_MICROBATCHES] and uneven[0].steps.count == count
 
 
 @pytest.mark.parametrize("block", [1, 3, 7, 65_536])
 def test_a_finding_s_evidence_step_and_its_steps_do_not_depend_on_the_blocks(
-        tmp_path: Path, block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The weighting findings group their steps and pick the evidence step (most unequal weights, then q
     furthest from 1, the last of equals) a block of steps at a time: the same as one np.lexsort over
     every member, and the same report whatever the block, on random ratios with ties and on a log with
@@ -630,18 +688,38 @@ def test_a_finding_s_evidence_step_and_its_steps_do_not_depend_on_the_blocks(
     distortion = rng.choice([1.0, 0.5, 2.0, np.nan], count)
     context = RunContext(run="r", term="0", world_size=2, world_sizes=(2,), microbatches=1, divisor=2.0, rtol=1e-4)
     for members in (np.arange(count), np.sort(rng.choice(count, 37, replace=False))):
-        frame = pd.DataFrame({"step": members, "token_weight_low": low[members], "token_weight_high": high[members],
-                              "world_high": np.full(len(members), 2)})
+        frame = pd.DataFrame(
+            {
+                "step": members,
+                "token_weight_low": low[members],
+                "token_weight_high": high[members],
+                "world_high": np.full(len(members), 2),
+            }
+        )
         kind = np.full(len(members), KINDS.index(StepKind.NONUNIFORM), np.int8)
         denominator = np.full(len(members), DENOMINATORS.index(Denominator.UNEXPLAINED), np.int8)
-        diagnoses = Diagnoses(kind, denominator, np.full(len(members), np.nan), distortion[members],
-                              np.zeros(len(members), bool), np.full(len(members), np.nan))
-        weighting = WeightingCheck(TermInputs(context, keep_steps=False, main_term=True,
-                                              factors=FactorTable(1e-4, np.zeros(0), {}, [], False)))
+        diagnoses = Diagnoses(
+            kind,
+            denominator,
+            np.full(len(members), np.nan),
+            distortion[members],
+            np.zeros(len(members), bool),
+            np.full(len(members), np.nan),
+        )
+        weighting = WeightingCheck(
+            TermInputs(context, keep_steps=False, main_term=True, factors=FactorTable(1e-4, np.zeros(0), {}, [], False))
+        )
         for start in range(0, len(members), block):
             part = slice(start, start + block)
-            weighting.add(frame.iloc[part], Diagnoses(*(getattr(diagnoses, name)[part] for name in (
-                "kind", "denominator", "factor", "distortion", "balanced", "approximate"))))
+            weighting.add(
+                frame.iloc[part],
+                Diagnoses(
+                    *(
+                        getattr(diagnoses, name)[part]
+                        for name in ("kind", "denominator", "factor", "distortion", "balanced", "approximate")
+                    )
+                ),
+            )
         (group,) = weighting.groups.values()
         ratio = np.where(low[members] > 0, high[members] / np.where(low[members] > 0, low[members], 1), np.inf)
         unequal = np.where(ratio > 1 + 1e-4, ratio, 1.0)
@@ -653,8 +731,9 @@ def test_a_finding_s_evidence_step_and_its_steps_do_not_depend_on_the_blocks(
     from tokaudit._render.json_report import render_json
 
     counts = [[[5, 1], [3, 7]], [[2, 6], [6, 2]], [[8, 4], [2, 8]], [[3, 3], [3, 3]]] * 5
-    rows = records(counts, local_mean) + [dict(r, term="aux") for r in records(counts, lambda S, n, M, **_: S / (n * M)
-                                                                               if n else 0.0)]
+    rows = records(counts, local_mean) + [
+        dict(r, term="aux") for r in records(counts, lambda S, n, M, **_: S / (n * M) if n else 0.0)
+    ]
     for index, row in enumerate(rows):
         if row["step"] % 3 == 0:
             row["backward_scalar"] *= 2.0  # another factor: more than one finding per code
@@ -662,8 +741,17 @@ def test_a_finding_s_evidence_step_and_its_steps_do_not_depend_on_the_blocks(
     report = audit_rows(tmp_path / f"run{block}", rows)
     monkeypatch.setattr(checks_module, "BLOCK_STEPS", 65_536)
     assert render_json(report) == render_json(audit_rows(tmp_path / f"whole{block}", rows))
-    assert len([f for f in report.findings if f.code in (Code.LOCAL_MEAN, Code.SCALE_MISMATCH, Code.UNEXPLAINED_WEIGHTING,
-                                                        Code.PER_MICRO_DENOMINATOR)]) >= 2
+    assert (
+        len(
+            [
+                f
+                for f in report.findings
+                if f.code
+                in (Code.LOCAL_MEAN, Code.SCALE_MISMATCH, Code.UNEXPLAINED_WEIGHTING, Code.PER_MICRO_DENOMINATOR)
+            ]
+        )
+        >= 2
+    )
 
 
 def test_an_update_closed_unsynced_and_skipped_says_zero_grad_ran_inside_the_window(tmp_path: Path) -> None:
@@ -709,8 +797,15 @@ def _in_chunks(rows: list[dict[str, Any]], scalar: Any, parts: int = 3) -> list[
         n = row["valid_tokens"]
         for term, n_k in (("0", n // parts), ("1", n - n // parts)):
             S_k = row["loss_sum"] * n_k / n
-            out.append(dict(row, term=term, valid_tokens=n_k, loss_sum=S_k,
-                            backward_scalar=scalar(S_k, n_k, tokens[row["step"]], row["world_size"])))
+            out.append(
+                dict(
+                    row,
+                    term=term,
+                    valid_tokens=n_k,
+                    loss_sum=S_k,
+                    backward_scalar=scalar(S_k, n_k, tokens[row["step"]], row["world_size"]),
+                )
+            )
     return out
 
 

@@ -40,7 +40,9 @@ def test_a_column_that_some_ranges_lack_joins_as_nan_there_and_as_values_elsewhe
     import numpy as np
 
     rows = records(UNEVEN_GA * 4, local_mean)
-    write(tmp_path / "run" / "rank-all-000000.parquet", [dict(r, skipped=r["rank"] == 1) for r in rows if r["step"] < 6])
+    write(
+        tmp_path / "run" / "rank-all-000000.parquet", [dict(r, skipped=r["rank"] == 1) for r in rows if r["step"] < 6]
+    )
     write(tmp_path / "run" / "rank-all-000006.parquet", [r for r in rows if r["step"] >= 6])
     shards = load([tmp_path]).shards
     chunked = Engine.open(shards, chunk_rows=10)
@@ -88,8 +90,9 @@ def test_an_audit_can_be_held_to_one_thread(tmp_path: Path, monkeypatch: pytest.
     assert [f.code for f in one.findings] == [f.code for f in every.findings] and one.findings
 
 
-def test_an_engine_s_database_keeps_no_threads_for_asynchronous_io(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_engine_s_database_keeps_no_threads_for_asynchronous_io(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """DuckDB 2 gives every database 8 threads for asynchronous I/O besides `threads`: an engine's has none,
     and a DuckDB without that setting still opens the log, with the same table."""
     import duckdb
@@ -168,7 +171,8 @@ def test_the_step_table_is_lean_and_its_ranges_are_joined_without_a_second_copy(
 
 
 def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_the_same_steps(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Logs of one microbatch (every record microbatch 0, from the footers) skip the per-(rank, step)
     hash table. Its table must be the general one's, whatever the records hold: zero-token ranks, a
     missing rank, non-finite values, probe weights on some records, unknown sync, two loss terms, and a
@@ -214,7 +218,13 @@ def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_th
     # and the columns that equal another (M = 1, e·n_r = e·n) are that column's memory, not a copy
     import numpy as np
 
-    assert set(engine_module.aliases(True)) == {"microbatches_high", "weight_by_record_m_low", "weight_by_record_m_high", "weight_by_rank_low", "weight_by_rank_high"}
+    assert set(engine_module.aliases(True)) == {
+        "microbatches_high",
+        "weight_by_record_m_low",
+        "weight_by_record_m_high",
+        "weight_by_rank_low",
+        "weight_by_rank_high",
+    }
     for name, same in engine_module.aliases(True).items():
         assert np.shares_memory(fast_steps[name].to_numpy(), fast_steps[same].to_numpy()), name
         assert not np.shares_memory(general_steps[name].to_numpy(), general_steps[same].to_numpy()), name
@@ -222,7 +232,8 @@ def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_th
 
 @pytest.mark.parametrize("ranks", [4, 70], ids=["ranks-below-64", "ranks-past-64"])
 def test_the_one_record_form_finds_a_rank_written_twice_as_the_general_form_does(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranks: int) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranks: int
+) -> None:
     """Below 64 ranks (records − distinct ranks, as set bits) and past it (where the general form is taken), a
     rank whose step is written twice is found and deduplicated as by the general form."""
     import tokaudit._engine.database as engine_module
@@ -262,8 +273,10 @@ def test_ranges_end_between_files_so_that_no_file_is_read_twice(tmp_path: Path) 
     rows = records(counts, local_mean)
     for first in range(0, 12, 4):  # generations of 4 steps: 24 records in 3 files
         for rank in range(3):
-            write(tmp_path / "run" / f"rank-{rank:05d}-{first:06d}.parquet",
-                  [r for r in rows if r["rank"] == rank and first <= r["step"] < first + 4])
+            write(
+                tmp_path / "run" / f"rank-{rank:05d}-{first:06d}.parquet",
+                [r for r in rows if r["rank"] == rank and first <= r["step"] < first + 4],
+            )
     shards = load([tmp_path]).shards
     whole = Engine.open(shards).step_table()
     for chunk_rows, ranges in ((30, 3), (50, 2), (10, 3)):  # 24 > 10: a generation is still whole
@@ -299,8 +312,12 @@ def test_no_row_group_is_decoded_in_two_ranges_whatever_the_writer(tmp_path: Pat
             step = metadata.schema.names.index("step")
             for number in range(metadata.num_row_groups):
                 statistics = metadata.row_group(number).column(step).statistics
-                overlapping = [steps for steps, members in chunks if shard in members and (
-                    steps is None or (statistics.min <= steps[1] and statistics.max >= steps[0]))]
+                overlapping = [
+                    steps
+                    for steps, members in chunks
+                    if shard in members
+                    and (steps is None or (statistics.min <= steps[1] and statistics.max >= steps[0]))
+                ]
                 assert len(overlapping) == 1
         pd.testing.assert_frame_equal(Engine.open(shards).step_table(), Engine.open(shards, chunk_rows=10).step_table())
 
@@ -313,7 +330,12 @@ def test_the_evidence_of_one_step_is_the_whole_aggregation_s(tmp_path: Path) -> 
     from tokaudit._checks import check_run
     from tokaudit._engine import EVIDENCE, extremes_at
 
-    counts = [[[5, 2], [0, 3], [7, 7]], [[4, 4], [9, 1], [2, 2]], [[1, 1], [1, 1], [8, 0]], [[6, 3], [6, 3], [2, 6]]] * 2
+    counts = [
+        [[5, 2], [0, 3], [7, 7]],
+        [[4, 4], [9, 1], [2, 2]],
+        [[1, 1], [1, 1], [8, 0]],
+        [[6, 3], [6, 3], [2, 6]],
+    ] * 2
     rows = records(counts, local_mean, group="A") + records(counts, token_mean, group="B")
     rows += [dict(r, term="aux") for r in records(counts, lambda S, n, **_: S / max(n, 1), group="A")]
     for rank in range(3):
@@ -327,7 +349,9 @@ def test_the_evidence_of_one_step_is_the_whole_aggregation_s(tmp_path: Path) -> 
     for step in sorted(set(whole.step)):
         alone = extremes_at(shards, step)
         expected = whole[whole.step == step][keys + list(EVIDENCE)]
-        pd.testing.assert_frame_equal(alone.reset_index(drop=True), expected.reset_index(drop=True), check_categorical=False)
+        pd.testing.assert_frame_equal(
+            alone.reset_index(drop=True), expected.reset_index(drop=True), check_categorical=False
+        )
 
     # The audit's findings, from a table without the columns, name the same tokens as from one with them.
     lean = Engine.open(shards).step_table()
@@ -335,8 +359,9 @@ def test_the_evidence_of_one_step_is_the_whole_aggregation_s(tmp_path: Path) -> 
     report = audit([tmp_path])
     with_columns, _, _ = check_run("run", whole, 1e-4, Duplicates(1, 5, 5, 1))
     evidence = [(f.code, f.term, f.evidence.get("heaviest"), f.evidence.get("lightest")) for f in with_columns]
-    assert sorted(map(str, evidence)) == sorted(str((f.code, f.term, f.evidence.get("heaviest"), f.evidence.get("lightest")))
-                                                for f in report.findings)
+    assert sorted(map(str, evidence)) == sorted(
+        str((f.code, f.term, f.evidence.get("heaviest"), f.evidence.get("lightest"))) for f in report.findings
+    )
     assert any(f.evidence.get("heaviest") for f in report.findings)
 
 
@@ -349,11 +374,21 @@ def test_a_large_range_comes_back_in_step_order(tmp_path: Path) -> None:
 
     steps = 20_000
     for rank in range(2):
-        pq.write_table(pa.table({"step": np.arange(steps), "micro": np.zeros(steps, np.int32),
-                                 "rank": np.full(steps, rank, np.int32), "world_size": np.full(steps, 2, np.int32),
-                                 "loss_sum": np.arange(steps) + 1.0, "valid_tokens": np.full(steps, 3),
-                                 "backward_scalar": np.ones(steps)}),
-                       tmp_path / f"rank-{rank}.parquet", row_group_size=4096)
+        pq.write_table(
+            pa.table(
+                {
+                    "step": np.arange(steps),
+                    "micro": np.zeros(steps, np.int32),
+                    "rank": np.full(steps, rank, np.int32),
+                    "world_size": np.full(steps, 2, np.int32),
+                    "loss_sum": np.arange(steps) + 1.0,
+                    "valid_tokens": np.full(steps, 3),
+                    "backward_scalar": np.ones(steps),
+                }
+            ),
+            tmp_path / f"rank-{rank}.parquet",
+            row_group_size=4096,
+        )
     engine = Engine.open(load([tmp_path]).shards, chunk_rows=10 * steps, threads=2)
     table = engine.step_table()
     assert (table.step.to_numpy() == np.arange(steps)).all()
@@ -367,8 +402,10 @@ def test_a_window_of_steps_is_aggregated_in_the_whole_log_s_ranges_clipped(tmp_p
     rows = records(counts, local_mean)
     for rank in range(2):
         for part in range(6):
-            write(tmp_path / "run" / f"rank-{rank:05d}-{part:06d}.parquet",
-                  [r for r in rows if r["rank"] == rank and 10 * part <= r["step"] < 10 * part + 10])
+            write(
+                tmp_path / "run" / f"rank-{rank:05d}-{part:06d}.parquet",
+                [r for r in rows if r["rank"] == rank and 10 * part <= r["step"] < 10 * part + 10],
+            )
     shards = load([tmp_path]).shards
     whole = Engine.open(shards, chunk_rows=20).step_table()
     window = Engine.open(shards, chunk_rows=20, only_steps=(15, 33))
@@ -404,9 +441,15 @@ def test_a_table_of_several_names_is_put_in_order_a_column_at_a_time() -> None:
     random = np.random.default_rng(7)
     names = np.array(["b", "a", "c"], dtype=object)[random.integers(0, 3, rows)]
     shared = random.random(rows)
-    joined = {"run": pd.Categorical(names), "grp": pd.Categorical(np.full(rows, "0", dtype=object)),
-              "term": pd.Categorical(names[::-1].copy()), "step": random.permutation(rows).astype(np.int64),
-              "e": shared, "e_alias": shared, **{f"c{i}": random.random(rows) for i in range(6)}}
+    joined = {
+        "run": pd.Categorical(names),
+        "grp": pd.Categorical(np.full(rows, "0", dtype=object)),
+        "term": pd.Categorical(names[::-1].copy()),
+        "step": random.permutation(rows).astype(np.int64),
+        "e": shared,
+        "e_alias": shared,
+        **{f"c{i}": random.random(rows) for i in range(6)},
+    }
     want = pd.DataFrame(joined).sort_values(["run", "grp", "term", "step"], kind="stable", ignore_index=True)
     order = np.lexsort((joined["step"], joined["term"].codes, joined["grp"].codes, joined["run"].codes))
     reorder(joined, order)
@@ -427,9 +470,21 @@ def test_a_column_that_never_changes_is_held_as_one_value(tmp_path: Path, monkey
     write(tmp_path / "run" / "rank-all-000000.parquet", rows)
     shards = load([tmp_path]).shards
     held = Engine.open(shards, chunk_rows=10).step_table()
-    constant = {name for name in held.columns
-                if not isinstance(held[name].dtype, pd.CategoricalDtype) and held[name].to_numpy().strides == (0,)}
-    assert {"world_low", "world_high", "divisor_low", "divisor_high", "records", "ranks", "nonfinite_valid", "skipped_true"} <= constant
+    constant = {
+        name
+        for name in held.columns
+        if not isinstance(held[name].dtype, pd.CategoricalDtype) and held[name].to_numpy().strides == (0,)
+    }
+    assert {
+        "world_low",
+        "world_high",
+        "divisor_low",
+        "divisor_high",
+        "records",
+        "ranks",
+        "nonfinite_valid",
+        "skipped_true",
+    } <= constant
     assert not {"step", "tokens", "loss", "weight_low", "weight_high"} & constant
     monkeypatch.setattr(engine_module, "constant_of", lambda parts: None)
     pd.testing.assert_frame_equal(held, Engine.open(shards, chunk_rows=10).step_table())
@@ -444,20 +499,21 @@ def test_a_column_that_never_changes_is_held_as_one_value(tmp_path: Path, monkey
 
 
 def test_a_range_of_one_run_group_and_term_is_aggregated_without_hashing_names(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """When every footer of a range shows one (run, group, term), the query neither hashes the names per
     record nor aggregates them per step: they are passed as parameters (any text, quotes included). The
     table is the one the general query makes; a range whose files name two runs takes the general query."""
     import tokaudit._engine.database as engine_module
 
-    rows = [dict(r, run_id="it's \"x\" ∑ {names}", group="dp'0") for r in records(UNEVEN_GA * 4, local_mean)]
+    rows = [dict(r, run_id='it\'s "x" ∑ {names}', group="dp'0") for r in records(UNEVEN_GA * 4, local_mean)]
     for first in range(0, 12, 3):
         write(tmp_path / "run" / f"rank-all-{first:06d}.parquet", [r for r in rows if first <= r["step"] < first + 3])
     other = [dict(r, run_id="second") for r in records(UNEVEN_GA, local_mean)]
     write(tmp_path / "run" / "rank-all-999999.parquet", other)
     shards = load([tmp_path]).shards
     assert engine_module.one_name_of(shards) is None
-    single = [s for s in shards if s.names == ("it's \"x\" ∑ {names}", "dp'0", "0")]
+    single = [s for s in shards if s.names == ('it\'s "x" ∑ {names}', "dp'0", "0")]
     assert len(single) == 4 and engine_module.one_name_of(single) == single[0].names
     used: list[bool] = []
     original = engine_module.step_sql
@@ -473,7 +529,7 @@ def test_a_range_of_one_run_group_and_term_is_aggregated_without_hashing_names(
     monkeypatch.setattr(engine_module, "one_name_of", lambda shards: None)
     pd.testing.assert_frame_equal(fast, Engine.open(single, chunk_rows=10).step_table())
     pd.testing.assert_frame_equal(both, Engine.open(shards).step_table())
-    assert set(both.run.astype(str)) == {"it's \"x\" ∑ {names}", "second"}
+    assert set(both.run.astype(str)) == {'it\'s "x" ∑ {names}', "second"}
 
 
 def test_the_same_log_gives_the_same_sums_bit_for_bit_whatever_the_threads_did(tmp_path: Path) -> None:
@@ -493,8 +549,17 @@ def test_the_same_log_gives_the_same_sums_bit_for_bit_whatever_the_threads_did(t
             for micro in range(micros):
                 n = int(generator.integers(1, 512))
                 loss = n * float(10 ** generator.uniform(-3, 3))
-                rows.append({"step": step, "micro": micro, "rank": rank, "world_size": ranks, "loss_sum": loss,
-                             "valid_tokens": n, "backward_scalar": loss / n})
+                rows.append(
+                    {
+                        "step": step,
+                        "micro": micro,
+                        "rank": rank,
+                        "world_size": ranks,
+                        "loss_sum": loss,
+                        "valid_tokens": n,
+                        "backward_scalar": loss / n,
+                    }
+                )
         write(tmp_path / "run" / f"rank-{rank:05d}-000000.parquet", rows)
     shards = load([tmp_path]).shards
     tables = []
@@ -531,9 +596,15 @@ def test_without_a_probe_the_token_extremes_are_the_mean_weights_array(tmp_path:
     assert not np.shares_memory(apart.token_weight_low.to_numpy(), apart.weight_low.to_numpy())
     pd.testing.assert_frame_equal(shared, apart)
 
-    probed = [dict(r, token_weight_sum=r["backward_scalar"] * r["valid_tokens"] / r["loss_sum"],
-                   token_weight_min=0.5 * r["backward_scalar"] / r["loss_sum"],
-                   token_weight_max=2.0 * r["backward_scalar"] / r["loss_sum"]) for r in rows]
+    probed = [
+        dict(
+            r,
+            token_weight_sum=r["backward_scalar"] * r["valid_tokens"] / r["loss_sum"],
+            token_weight_min=0.5 * r["backward_scalar"] / r["loss_sum"],
+            token_weight_max=2.0 * r["backward_scalar"] / r["loss_sum"],
+        )
+        for r in rows
+    ]
     write(tmp_path / "probed" / "rank-all-000000.parquet", probed)
     table = Engine.open(load([tmp_path / "probed"]).shards).step_table()
     assert not np.shares_memory(table.token_weight_low.to_numpy(), table.weight_low.to_numpy())
@@ -548,7 +619,7 @@ def test_a_log_aggregated_in_ranges_answers_per_step_queries_for_the_whole_log(t
     the last step every rank has recorded."""
     rows = records(UNEVEN_GA * 4, local_mean)
     for index, start in enumerate(range(0, len(rows), 8)):
-        write(tmp_path / "run" / f"rank-all-{index:06d}.parquet", rows[start:start + 8])
+        write(tmp_path / "run" / f"rank-all-{index:06d}.parquet", rows[start : start + 8])
     shards = load([tmp_path]).shards
     engine = Engine.open(shards, chunk_rows=10)
     try:
@@ -565,11 +636,21 @@ def _same_table(one: pd.DataFrame, other: pd.DataFrame) -> list[str]:
     from tokaudit._engine.tables import same_bits
 
     assert list(one.columns) == list(other.columns)
-    return [c for c in one.columns if one[c].dtype != other[c].dtype or not (
-        one[c].equals(other[c]) if one[c].dtype.name == "category" else same_bits(one[c].to_numpy(), other[c].to_numpy()))]
+    return [
+        c
+        for c in one.columns
+        if one[c].dtype != other[c].dtype
+        or not (
+            one[c].equals(other[c])
+            if one[c].dtype.name == "category"
+            else same_bits(one[c].to_numpy(), other[c].to_numpy())
+        )
+    ]
 
 
-@pytest.mark.parametrize("counts", [[[[5], [0], [7], [3]], [[4], [9], [2], [6]]], UNEVEN_GA], ids=["one micro", "two micro"])
+@pytest.mark.parametrize(
+    "counts", [[[[5], [0], [7], [3]], [[4], [9], [2], [6]]], UNEVEN_GA], ids=["one micro", "two micro"]
+)
 def test_columns_no_record_holds_are_read_as_nulls_and_change_no_bit(tmp_path: Path, counts: Any) -> None:
     """A scan of files that lack an optional column or hold only nulls in it (`Shard.null_columns`) reads it as a
     typed NULL, not from the files. The step table must be the one read in full bit for bit: ranges with nothing
@@ -587,14 +668,19 @@ def test_columns_no_record_holds_are_read_as_nulls_and_change_no_bit(tmp_path: P
     divisor = plain[0]["world_size"] * 1.1  # a D no float32 holds
     plain = [dict(r, grad_divisor=divisor) for r in plain]
     full = pa.schema([WRITER_SCHEMA.field(n) for n in [*plain[0], *optional]])
-    quiet = plain[:len(plain) // 3]
-    write(tmp_path / "log" / "a-000000.parquet", quiet[:len(quiet) // 2], schema=full)  # every value null
-    write(tmp_path / "log" / "b-000000.parquet", quiet[len(quiet) // 2:])  # the columns absent
-    loud = records(counts * 6, token_mean, grad_divisor=divisor)[len(plain) // 3:]
+    quiet = plain[: len(plain) // 3]
+    write(tmp_path / "log" / "a-000000.parquet", quiet[: len(quiet) // 2], schema=full)  # every value null
+    write(tmp_path / "log" / "b-000000.parquet", quiet[len(quiet) // 2 :])  # the columns absent
+    loud = records(counts * 6, token_mean, grad_divisor=divisor)[len(plain) // 3 :]
     for index, row in enumerate(loud):
         if index % 3 == 0:
-            row.update(token_weight_sum=0.01 * row["valid_tokens"],
-                       token_weight_min=-0.0, token_weight_max=0.5, masked_weight_abs_sum=0.25, divisor_known=False)
+            row.update(
+                token_weight_sum=0.01 * row["valid_tokens"],
+                token_weight_min=-0.0,
+                token_weight_max=0.5,
+                masked_weight_abs_sum=0.25,
+                divisor_known=False,
+            )
         if index % 4 == 1:
             row.update(reported_loss=2.25, positions=row["valid_tokens"] + 16, sync=index % 8 == 1, skipped=False)
         if index % 5 == 2:
@@ -633,14 +719,25 @@ def test_a_column_that_reads_only_absent_columns_is_its_declared_value_and_not_c
     for one_record in (False, True):
         query = step_sql(one_record, True, False, frozenset(NULLABLE_COLUMNS))
         aggregated = query.split("weighted AS")[1].split("\nSELECT ")[0]  # not the final selection
-        for name in NULLABLE_COLUMNS - {"divisor_known", "positions"} | {"probe_low", "probe_high", "probe_spread",
-                                                                          "masked_share"}:
+        for name in NULLABLE_COLUMNS - {"divisor_known", "positions"} | {
+            "probe_low",
+            "probe_high",
+            "probe_spread",
+            "masked_share",
+        }:
             assert not re.search(rf"\b{name}\b(?! AS)", re.sub(rf"AS {name}\b", "", aggregated)), (one_record, name)
         gone = [c for c in STEP_COLUMNS if c.reads]
-        held = {**aliases(one_record, frozenset(NULLABLE_COLUMNS)), **constants(one_record, frozenset(NULLABLE_COLUMNS))}
-        assert gone and all(c.name in held or
-                            f"AS {c.name}," in query or query.rstrip().endswith(f"AS {c.name}") or
-                            f"AS {c.name}\n" in query for c in gone)
+        held = {
+            **aliases(one_record, frozenset(NULLABLE_COLUMNS)),
+            **constants(one_record, frozenset(NULLABLE_COLUMNS)),
+        }
+        assert gone and all(
+            c.name in held
+            or f"AS {c.name}," in query
+            or query.rstrip().endswith(f"AS {c.name}")
+            or f"AS {c.name}\n" in query
+            for c in gone
+        )
 
 
 def test_a_nan_divisor_that_no_footer_shows_is_counted_and_its_file_named(tmp_path: Path) -> None:
@@ -658,8 +755,9 @@ def test_a_nan_divisor_that_no_footer_shows_is_counted_and_its_file_named(tmp_pa
 
 
 @pytest.mark.slow
-def test_one_row_shards_are_read_from_their_footers_and_change_no_bit(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_row_shards_are_read_from_their_footers_and_change_no_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A one-row shard whose footer gives its record (`Shard.record`) is aggregated from that record, not
     from the file: the step tables (whole, in ranges, with the evidence columns), the records of a step,
     the steps complete so far, the duplicates and the report are the files' bit for bit. The log mixes
@@ -684,9 +782,16 @@ def test_one_row_shards_are_read_from_their_footers_and_change_no_bit(tmp_path: 
     log = tmp_path / "log" / "run"
     log.mkdir(parents=True)
     for index, row in enumerate(rows):
-        row = dict(row, grad_divisor=float(row["world_size"]), time=moment, reported_loss=None if index % 3 else 2.5,
-                   sync=row["micro"] == 1, positions=row["valid_tokens"] + index % 4, divisor_known=True,
-                   masked_weight_abs_sum=(0.0, -0.0, 0.5, None)[index % 4])
+        row = dict(
+            row,
+            grad_divisor=float(row["world_size"]),
+            time=moment,
+            reported_loss=None if index % 3 else 2.5,
+            sync=row["micro"] == 1,
+            positions=row["valid_tokens"] + index % 4,
+            divisor_known=True,
+            masked_weight_abs_sum=(0.0, -0.0, 0.5, None)[index % 4],
+        )
         schema = WRITER_SCHEMA
         if index % 7 == 1:
             row["loss_sum"] = 0.0 if index % 2 else -0.0
@@ -702,9 +807,13 @@ def test_one_row_shards_are_read_from_their_footers_and_change_no_bit(tmp_path: 
             row["run_id"] = "run"  # the folder's name, given
         table = pa.table({n: pa.array([row.get(n)], type=schema.field(n).type) for n in schema.names}, schema=schema)
         if index % 5 == 4:
-            table = table.set_column(table.schema.get_field_index("run_id"), "run_id", table["run_id"].dictionary_encode())
+            table = table.set_column(
+                table.schema.get_field_index("run_id"), "run_id", table["run_id"].dictionary_encode()
+            )
         pq.write_table(table, log / f"one-{index:04d}.parquet")
-    many = [dict(r, loss_sum=r["loss_sum"] * 2) for r in records(UNEVEN_GA * 2, token_mean, step_offset=len(UNEVEN_GA) * 5)]
+    many = [
+        dict(r, loss_sum=r["loss_sum"] * 2) for r in records(UNEVEN_GA * 2, token_mean, step_offset=len(UNEVEN_GA) * 5)
+    ]
     write(log / "many-0000.parquet", many)
     # repeated keys: the later file wins whatever the times (a record with a later time in an earlier file loses)
     later = dict(rows[4], loss_sum=rows[4]["loss_sum"] + 1, time=datetime(2026, 12, 1, tzinfo=timezone.utc))
@@ -775,7 +884,9 @@ def _footer_row_cases() -> Any:
     def case(draw: Any) -> dict[str, pa.Array]:
         world = draw(st.integers(1, 8))
         columns: dict[str, pa.Array] = {
-            "step": pa.array([draw(st.integers(0, 10**6))], draw(st.sampled_from([pa.int64(), pa.int32(), pa.uint32()]))),
+            "step": pa.array(
+                [draw(st.integers(0, 10**6))], draw(st.sampled_from([pa.int64(), pa.int32(), pa.uint32()]))
+            ),
             "micro": pa.array([draw(st.integers(0, 70))], draw(st.sampled_from([pa.int32(), pa.int8()]))),
             "rank": pa.array([draw(st.integers(0, world - 1))], pa.int32()),
             "world_size": pa.array([world], pa.int32()),
@@ -786,13 +897,19 @@ def _footer_row_cases() -> Any:
         if draw(st.booleans()):
             columns["loss_sum"] = columns["loss_sum"].cast(pa.float32(), safe=False)
         optional_columns = {
-            "run_id": (text, pa.string()), "group": (text, pa.string()), "term": (text, pa.string()),
+            "run_id": (text, pa.string()),
+            "group": (text, pa.string()),
+            "term": (text, pa.string()),
             "grad_divisor": (st.sampled_from([0.5, 2.0, 3.0, 1e300]), pa.float64()),
-            "divisor_known": (st.booleans(), pa.bool_()), "grad_scale": (floats, pa.float64()),
-            "positions": (st.integers(0, 10**6), pa.int64()), "token_weight_sum": (floats, pa.float64()),
-            "token_weight_min": (floats, pa.float64()), "token_weight_max": (floats, pa.float64()),
+            "divisor_known": (st.booleans(), pa.bool_()),
+            "grad_scale": (floats, pa.float64()),
+            "positions": (st.integers(0, 10**6), pa.int64()),
+            "token_weight_sum": (floats, pa.float64()),
+            "token_weight_min": (floats, pa.float64()),
+            "token_weight_max": (floats, pa.float64()),
             "masked_weight_abs_sum": (st.sampled_from([0.0, -0.0, 0.25]), pa.float64()),
-            "reported_loss": (floats, pa.float64()), "sync": (st.booleans(), pa.bool_()),
+            "reported_loss": (floats, pa.float64()),
+            "sync": (st.booleans(), pa.bool_()),
             "skipped": (st.booleans(), pa.bool_()),
         }
         for name, (values, arrow_type) in optional_columns.items():
@@ -804,7 +921,8 @@ def _footer_row_cases() -> Any:
         if draw(st.booleans()):
             unit = draw(st.sampled_from(["us", "ns"]))
             columns["time"] = pa.array([draw(optional(st.integers(0, 2**62)))], pa.int64()).cast(
-                pa.timestamp(unit, "UTC" if unit == "us" else None))
+                pa.timestamp(unit, "UTC" if unit == "us" else None)
+            )
         if draw(st.booleans()) and columns["grad_divisor" if "grad_divisor" in columns else "rank"].null_count == 0:
             columns["grad_divisor"] = pa.array([draw(st.integers(1, 9))], pa.int64())
         return columns
@@ -858,7 +976,8 @@ def test_a_footer_record_is_what_a_scan_of_its_file_gives_bit_for_bit(tmp_path: 
 
 
 def test_a_range_whose_file_cannot_be_decoded_names_the_file_and_audits_the_others(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A file whose pages are damaged (its footer intact) in a late step range: the audit names the file and
     audits every other range."""
     rows = records(UNEVEN_GA * 10, local_mean, positions=8)
@@ -887,10 +1006,11 @@ def test_the_engine_s_database_does_not_take_float_statistics_for_the_truth(tmp_
     engine = Engine.open(shards)
     try:
         found = engine.connection.execute(
-            f"SELECT count(*), max(grad_divisor) FROM read_parquet('{path}') WHERE isnan(grad_divisor)").fetchall()
+            f"SELECT count(*), max(grad_divisor) FROM read_parquet('{path}') WHERE isnan(grad_divisor)"
+        ).fetchall()
     finally:
         engine.close()
-    (count, highest), = found
+    ((count, highest),) = found
     assert count == 1 and highest != highest  # NaN
 
 
@@ -901,11 +1021,15 @@ def test_the_heat_map_is_each_valid_record_s_q_in_its_cell(tmp_path: Path) -> No
     import numpy as np
 
     def term_rows(term: str, scale: float) -> list[dict[str, Any]]:
-        return [dict(r, term=term, backward_scalar=r["backward_scalar"] * scale)
-                for r in records(UNEVEN_GA * 3, local_mean)]
+        return [
+            dict(r, term=term, backward_scalar=r["backward_scalar"] * scale) for r in records(UNEVEN_GA * 3, local_mean)
+        ]
 
-    mixed = records([[[3, 2], [0, 0], [2, 9], [5, 1], [1, 3]]] + [[[3, 2], [0, 0], [2, 4], [5, 1], [1, 3]]] * 6,
-                    local_mean, run_id="mixed")  # a rank without tokens; rank 2's 9 tokens its cell's lowest q
+    mixed = records(
+        [[[3, 2], [0, 0], [2, 9], [5, 1], [1, 3]]] + [[[3, 2], [0, 0], [2, 4], [5, 1], [1, 3]]] * 6,
+        local_mean,
+        run_id="mixed",
+    )  # a rank without tokens; rank 2's 9 tokens its cell's lowest q
     mixed[4]["backward_scalar"] = float("nan")  # rank 2's first microbatch: no weight, its second counted
     for rank in range(5):
         write(tmp_path / "mixed" / f"rank-{rank:05d}-000000.parquet", [r for r in mixed if r["rank"] == rank])
@@ -928,11 +1052,34 @@ def test_the_heat_map_is_each_valid_record_s_q_in_its_cell(tmp_path: Path) -> No
         row = mine["rank"] if top < rows else mine["rank"] * rows // (top + 1)
         col = mine.step - low if high - low < columns else (mine.step - low) * columns // (high - low + 1)
         for (r, c), cell in mine.groupby([row.rename("row"), col.rename("col")]):
-            expected.append((run, r, c, cell["rank"].min(), cell["rank"].max(), cell.step.min(), cell.step.max(),
-                             cell.q.min(), cell.q.max()))
+            expected.append(
+                (
+                    run,
+                    r,
+                    c,
+                    cell["rank"].min(),
+                    cell["rank"].max(),
+                    cell.step.min(),
+                    cell.step.max(),
+                    cell.q.min(),
+                    cell.q.max(),
+                )
+            )
     assert len({run for run, *_ in expected}) == 3 and len(expected) > 9  # every run, cells of several ranks and steps
-    found = [(str(r.run), int(r.row), int(r.col), int(r.rank_first), int(r.rank_last), int(r.step_first),
-              int(r.step_last), r.q_low, r.q_high) for r in got.itertuples()]
+    found = [
+        (
+            str(r.run),
+            int(r.row),
+            int(r.col),
+            int(r.rank_first),
+            int(r.rank_last),
+            int(r.step_first),
+            int(r.step_last),
+            r.q_low,
+            r.q_high,
+        )
+        for r in got.itertuples()
+    ]
     assert [cell[:7] for cell in found] == [cell[:7] for cell in sorted(expected)]
     assert np.allclose([cell[7:] for cell in found], [cell[7:] for cell in sorted(expected)], rtol=1e-15, atol=0)
 
@@ -977,9 +1124,20 @@ def test_the_documented_query_is_the_one_generated_and_the_one_that_runs(tmp_pat
     generated = step_sql(one_record=False, evidence=False, one_name=True, absent=frozenset({WIDE_MICRO}))
     assert documented is not None and documented.group(1) == generated, (
         "docs/design.md's query is stale: paste the output of python -c 'from tokaudit._engine import step_sql; "
-        "print(step_sql(False, False, True, frozenset({\"micro >= 64\"})), end=\"\")'")
-    every = dict(token_weight_sum=1.0, token_weight_min=0.5, token_weight_max=1.5, masked_weight_abs_sum=0.0,
-                 reported_loss=2.0, sync=True, skipped=False, positions=64, divisor_known=True, precision_bits=24)
+        'print(step_sql(False, False, True, frozenset({"micro >= 64"})), end="")\''
+    )
+    every = dict(
+        token_weight_sum=1.0,
+        token_weight_min=0.5,
+        token_weight_max=1.5,
+        masked_weight_abs_sum=0.0,
+        reported_loss=2.0,
+        sync=True,
+        skipped=False,
+        positions=64,
+        divisor_known=True,
+        precision_bits=24,
+    )
     rows = records(UNEVEN_GA * 4, local_mean, **every)
     for rank in (0, 1):
         write(tmp_path / "run" / f"rank-{rank:05d}-000000.parquet", [r for r in rows if r["rank"] == rank])
@@ -1022,8 +1180,10 @@ def test_ranges_aggregated_each_by_an_engine_of_its_own_give_the_same_table(tmp_
     rows += [dict(r, group="dp1", term="aux", backward_scalar=0.5 * r["backward_scalar"]) for r in rows]
     for first in range(0, 12, 3):
         write(tmp_path / "run" / f"rank-all-{first:06d}.parquet", [r for r in rows if first <= r["step"] < first + 3])
-    write(tmp_path / "run" / "rank-all-999999.parquet",
-          [dict(r, loss_sum=r["loss_sum"] + 1.0) for r in rows if r["step"] == 7])  # a later copy, other values
+    write(
+        tmp_path / "run" / "rank-all-999999.parquet",
+        [dict(r, loss_sum=r["loss_sum"] + 1.0) for r in rows if r["step"] == 7],
+    )  # a later copy, other values
     shards = load([tmp_path]).shards
     seen: list[RangeTask] = []
 

@@ -33,8 +33,15 @@ from tokaudit._normalization import (
 Record = tuple[int, int, int, float]
 
 
-def step_row(step: int, records: Sequence[Record], world_size: int = 2, divisor: float | None = None,
-             positions: int | None = None, group: str = "0", unknown_divisor: bool = False) -> dict[str, Any]:
+def step_row(
+    step: int,
+    records: Sequence[Record],
+    world_size: int = 2,
+    divisor: float | None = None,
+    positions: int | None = None,
+    group: str = "0",
+    unknown_divisor: bool = False,
+) -> dict[str, Any]:
     """The per-step columns normalization reads, from the definitions."""
     divisor = float(world_size) if divisor is None else divisor
     valid = [r for r in records if r[2] > 0]
@@ -51,18 +58,33 @@ def step_row(step: int, records: Sequence[Record], world_size: int = 2, divisor:
         return (min(values), max(values)) if values else (math.nan, math.nan)
 
     e = [r[3] for r in valid]
-    row = {"grp": group, "term": "0", "step": step, "records": len(records), "tokens": tokens,
-           "weighted_records": len(valid), "divisor_high": divisor, "world_high": world_size,
-           "record_tokens_low": min(r[2] for r in records), "record_tokens_high": max(r[2] for r in records),
-           "microbatches_low": min(microbatches.values()), "microbatches_high": max(microbatches.values()),
-           "positions": (positions or 0) * len(records), "positions_known": len(records) if positions else 0,
-           "unknown_divisor": len(valid) if unknown_divisor else 0}
+    row = {
+        "grp": group,
+        "term": "0",
+        "step": step,
+        "records": len(records),
+        "tokens": tokens,
+        "weighted_records": len(valid),
+        "divisor_high": divisor,
+        "world_high": world_size,
+        "record_tokens_low": min(r[2] for r in records),
+        "record_tokens_high": max(r[2] for r in records),
+        "microbatches_low": min(microbatches.values()),
+        "microbatches_high": max(microbatches.values()),
+        "positions": (positions or 0) * len(records),
+        "positions_known": len(records) if positions else 0,
+        "unknown_divisor": len(valid) if unknown_divisor else 0,
+    }
     row["weight_low"], row["weight_high"] = bounds(e)
     row["weight_by_record_low"], row["weight_by_record_high"] = bounds([r[3] * r[2] for r in valid])
     row["weight_by_rank_low"], row["weight_by_rank_high"] = bounds([r[3] * rank_tokens[r[0]] for r in valid])
-    row["weight_by_record_m_low"], row["weight_by_record_m_high"] = bounds([r[3] * r[2] * microbatches[r[0]] for r in valid])
+    row["weight_by_record_m_low"], row["weight_by_record_m_high"] = bounds(
+        [r[3] * r[2] * microbatches[r[0]] for r in valid]
+    )
     row["weight_by_micro_low"], row["weight_by_micro_high"] = bounds([r[3] * micro_tokens[r[1]] for r in valid])
-    row["weight_by_positions_low"], row["weight_by_positions_high"] = bounds([r[3] * positions for r in valid]) if positions else (math.nan, math.nan)
+    row["weight_by_positions_low"], row["weight_by_positions_high"] = (
+        bounds([r[3] * positions for r in valid]) if positions else (math.nan, math.nan)
+    )
     return row
 
 
@@ -88,6 +110,7 @@ UNEVEN_GA = [[[5, 1], [3, 6]], [[2, 6], [6, 1]], [[8, 4], [2, 8]]]
 def diagnose_steps(steps: pd.DataFrame, rtol: float) -> Diagnoses:
     """The normalization's one entry point as the checks call it: the run's decisions from two passes over
     the table (here one block), then the steps' diagnoses."""
+
     def passes() -> Any:
         return iter([block_fits(steps, rtol)])
 
@@ -100,15 +123,19 @@ def diagnose(counts: Any, weight: Any, rtol: float = 1e-4, **row: Any) -> list[A
     return diagnose_steps(steps, rtol)
 
 
-@pytest.mark.parametrize("weight, denominator, factor, kind", [
-    (lambda N, W, **_: 1 / N, Denominator.N, 2.0, StepKind.CORRECT),                 # W·S/N into an average
-    (lambda n_r, W, **_: 1 / (W * n_r), Denominator.RANK, 1.0, StepKind.NONUNIFORM),  # S_r/n_r
-    (lambda n, M, W, **_: 1 / (W * n * M), Denominator.MICRO_TIMES_M, 1.0, StepKind.NONUNIFORM),
-    (lambda N_m, M, W, **_: 1 / (M * N_m), Denominator.MICRO_GLOBAL, 1.0, StepKind.NONUNIFORM),  # α = W/M
-    (lambda N, W, **_: 1 / (W * N), Denominator.N, 1.0, StepKind.UNIFORM_OFF),       # missing W
-])
-def test_each_denominator_is_recovered_with_its_factor(weight: Any, denominator: Denominator, factor: float,
-                                                       kind: StepKind) -> None:
+@pytest.mark.parametrize(
+    "weight, denominator, factor, kind",
+    [
+        (lambda N, W, **_: 1 / N, Denominator.N, 2.0, StepKind.CORRECT),  # W·S/N into an average
+        (lambda n_r, W, **_: 1 / (W * n_r), Denominator.RANK, 1.0, StepKind.NONUNIFORM),  # S_r/n_r
+        (lambda n, M, W, **_: 1 / (W * n * M), Denominator.MICRO_TIMES_M, 1.0, StepKind.NONUNIFORM),
+        (lambda N_m, M, W, **_: 1 / (M * N_m), Denominator.MICRO_GLOBAL, 1.0, StepKind.NONUNIFORM),  # α = W/M
+        (lambda N, W, **_: 1 / (W * N), Denominator.N, 1.0, StepKind.UNIFORM_OFF),  # missing W
+    ],
+)
+def test_each_denominator_is_recovered_with_its_factor(
+    weight: Any, denominator: Denominator, factor: float, kind: StepKind
+) -> None:
     for diagnosis in diagnose(UNEVEN_GA, weight):
         assert (diagnosis.denominator, diagnosis.kind) == (denominator, kind)
         assert diagnosis.factor == pytest.approx(factor)
@@ -159,8 +186,13 @@ def test_segments_are_per_group_and_never_interleave() -> None:
         # group A is always correct; group B switches from a local mean to the token mean at step 2
         rows.append(step_row(step, weights(UNEVEN[step % 3], lambda N, **_: 1 / N), group="A"))
         local = step < 2
-        rows.append(step_row(step, weights(UNEVEN[step % 3], (lambda n_r, W, **_: 1 / (W * n_r)) if local
-                                           else (lambda N, **_: 1 / N)), group="B"))
+        rows.append(
+            step_row(
+                step,
+                weights(UNEVEN[step % 3], (lambda n_r, W, **_: 1 / (W * n_r)) if local else (lambda N, **_: 1 / N)),
+                group="B",
+            )
+        )
     steps = table(rows)
     spans = [(s.group, s.first, s.last, s.denominator) for s in segments(steps, diagnose_steps(steps, 1e-4))[0]]
     assert spans == [("A", 0, 3, Denominator.N), ("B", 0, 1, Denominator.RANK), ("B", 2, 3, Denominator.N)]
@@ -180,8 +212,9 @@ def test_a_normalization_that_alternates_lists_the_longest_spans_and_counts_the_
     for step in range(400):
         counts = [[int(rng.integers(2, 60))], [int(rng.integers(61, 120))]]  # uneven: the two readings differ
         local = step % 2 == 1 and not 300 <= step < 350  # steps 300..350 are one correct stretch
-        rows.append(step_row(step, weights(counts, (lambda n_r, W, **_: 1 / (W * n_r)) if local
-                                           else (lambda N, **_: 1 / N))))
+        rows.append(
+            step_row(step, weights(counts, (lambda n_r, W, **_: 1 / (W * n_r)) if local else (lambda N, **_: 1 / N)))
+        )
     steps = table(rows)
     spans, omitted = segments(steps, diagnose_steps(steps, 1e-4))
     # 0..299 and 351..399 alternate (349 one-step spans), 300..350 is one token-mean span of 51 steps
@@ -220,22 +253,26 @@ def test_empty_and_unweighted_steps() -> None:
     assert kinds == [StepKind.EMPTY, StepKind.UNWEIGHTED]
 
 
-@pytest.mark.parametrize("q, world_size, sizes, kind, label, integer", [
-    (0.5, 2, [2], FactorKind.WORLD_SIZE, "1/W", 2),            # S/N into an average
-    (1 / 1024, 1024, [1024], FactorKind.WORLD_SIZE, "1/W", 1024),
-    (2.0, 2, [2], FactorKind.WORLD_SIZE, "W", 2),              # W·S/N into a sum
-    (1.5, 2, [2, 3], FactorKind.WORLD_SIZE, "W'/W", 3),        # stale W=3 after a resize to 2
-    (4.0, 2, [2], FactorKind.WORLD_SIZE, "k", 4),              # hard-coded 8 on W=2
-    (8 / 3, 3, [3], FactorKind.WORLD_SIZE, "k/W", 8),          # hard-coded 8 on W=3
-    (1 / 3, 2, [2], FactorKind.WORLD_SIZE, "1/k", 3),          # N counted 3× (replicated ranks)
-    (65536.0, 2, [2], FactorKind.LOSS_SCALE, "2^j", 16),       # an unrecorded GradScaler
-    (32768.0, 2, [2], FactorKind.LOSS_SCALE, "2^j", 15),
-    (65536 / 3, 3, [3], FactorKind.LOSS_SCALE, "2^j", 16),     # a scale on a missing W=3
-    (1234.93, 2, [2], FactorKind.OTHER, "c", None),            # not an integer that rtol can resolve
-    (0.7, 2, [2], FactorKind.OTHER, "c", None),
-])
-def test_uniform_factors_are_named_only_when_plausible(q: float, world_size: int, sizes: list[int], kind: FactorKind,
-                                                       label: str, integer: int | None) -> None:
+@pytest.mark.parametrize(
+    "q, world_size, sizes, kind, label, integer",
+    [
+        (0.5, 2, [2], FactorKind.WORLD_SIZE, "1/W", 2),  # S/N into an average
+        (1 / 1024, 1024, [1024], FactorKind.WORLD_SIZE, "1/W", 1024),
+        (2.0, 2, [2], FactorKind.WORLD_SIZE, "W", 2),  # W·S/N into a sum
+        (1.5, 2, [2, 3], FactorKind.WORLD_SIZE, "W'/W", 3),  # stale W=3 after a resize to 2
+        (4.0, 2, [2], FactorKind.WORLD_SIZE, "k", 4),  # hard-coded 8 on W=2
+        (8 / 3, 3, [3], FactorKind.WORLD_SIZE, "k/W", 8),  # hard-coded 8 on W=3
+        (1 / 3, 2, [2], FactorKind.WORLD_SIZE, "1/k", 3),  # N counted 3× (replicated ranks)
+        (65536.0, 2, [2], FactorKind.LOSS_SCALE, "2^j", 16),  # an unrecorded GradScaler
+        (32768.0, 2, [2], FactorKind.LOSS_SCALE, "2^j", 15),
+        (65536 / 3, 3, [3], FactorKind.LOSS_SCALE, "2^j", 16),  # a scale on a missing W=3
+        (1234.93, 2, [2], FactorKind.OTHER, "c", None),  # not an integer that rtol can resolve
+        (0.7, 2, [2], FactorKind.OTHER, "c", None),
+    ],
+)
+def test_uniform_factors_are_named_only_when_plausible(
+    q: float, world_size: int, sizes: list[int], kind: FactorKind, label: str, integer: int | None
+) -> None:
     explanation = explain_factor(q, world_size, sizes, 1e-4)
     assert (explanation.kind, explanation.label, explanation.integer) == (kind, label, integer)
 
@@ -248,17 +285,24 @@ def test_resolvable_integers_depend_on_rtol() -> None:
     assert resolvable_integer(1.0, 1e-4) is None and resolvable_integer(math.inf, 1e-4) is None
 
 
-@pytest.mark.parametrize("counts, confused", [
-    ([[[3, 1], [2, 2]], [[5, 1], [4, 2]]], Denominator.RANK),    # n_r equal in every step, n is not
-    ([[[0, 1]]], Denominator.MICRO),                            # the only valid microbatch holds all of N
-    ([[[1, 4], [3, 0]]], Denominator.MICRO_GLOBAL),             # N_m = 4 for both microbatch indices
-    ([[[4], [4]], [[3], [3]]], Denominator.RANK),               # equal counts everywhere
-    ([[[1], [3]], [[4], [4]]], None),                           # step 0 tells them apart
-    ([[[3]], [[5]]], None),                                     # one rank, one microbatch: n_r is N
-])
+@pytest.mark.parametrize(
+    "counts, confused",
+    [
+        ([[[3, 1], [2, 2]], [[5, 1], [4, 2]]], Denominator.RANK),  # n_r equal in every step, n is not
+        ([[[0, 1]]], Denominator.MICRO),  # the only valid microbatch holds all of N
+        ([[[1, 4], [3, 0]]], Denominator.MICRO_GLOBAL),  # N_m = 4 for both microbatch indices
+        ([[[4], [4]], [[3], [3]]], Denominator.RANK),  # equal counts everywhere
+        ([[[1], [3]], [[4], [4]]], None),  # step 0 tells them apart
+        ([[[3]], [[5]]], None),  # one rank, one microbatch: n_r is N
+    ],
+)
 def test_a_token_mean_run_that_a_local_count_explains_just_as_well(counts: Any, confused: Denominator | None) -> None:
-    steps = table([step_row(i, weights(c, lambda N, **_: 1 / N, world_size=len(c)), world_size=len(c))
-                   for i, c in enumerate(counts)])
+    steps = table(
+        [
+            step_row(i, weights(c, lambda N, **_: 1 / N, world_size=len(c)), world_size=len(c))
+            for i, c in enumerate(counts)
+        ]
+    )
     diagnoses = diagnose_steps(steps, 1e-4)
     assert diagnoses.confused == confused
     undetermined = {d.denominator for d in diagnoses} == {Denominator.UNDETERMINED}
@@ -277,10 +321,24 @@ def test_a_long_run_costs_columns_not_an_object_per_step(monkeypatch: pytest.Mon
         counts = [[int(rng.integers(1, 300))], [int(rng.integers(1, 300))]]
         rows.append(step_row(step, weights(counts, lambda n_r, W, **_: 1 / (W * n_r))))
     steps = table(rows)
-    for column in ("world_low", "divisor_low", "probe_spread", "masked_share", "nonfinite_valid", "nonfinite_zero",
-                   "unsynced_ranks", "skipped_true", "skipped_false", "sync_known", "sync_true", "reported",
-                   "unweighted_records"):
-        steps[column] = steps["world_high"] if column == "world_low" else steps["divisor_high"] if column == "divisor_low" else 0
+    for column in (
+        "world_low",
+        "divisor_low",
+        "probe_spread",
+        "masked_share",
+        "nonfinite_valid",
+        "nonfinite_zero",
+        "unsynced_ranks",
+        "skipped_true",
+        "skipped_false",
+        "sync_known",
+        "sync_true",
+        "reported",
+        "unweighted_records",
+    ):
+        steps[column] = (
+            steps["world_high"] if column == "world_low" else steps["divisor_high"] if column == "divisor_low" else 0
+        )
     steps["ranks"], steps["rank_mask"] = 2, 3
     for which in ("heavy", "light"):
         for field in ("rank", "micro", "n", "rank_tokens"):
@@ -297,7 +355,9 @@ def test_a_long_run_costs_columns_not_an_object_per_step(monkeypatch: pytest.Mon
     diagnoses = diagnose_steps(steps, 1e-4)
     assert isinstance(diagnoses.kind, np.ndarray) and len(diagnoses.kind) == 20_000
     findings, spans, omitted = check_run("long", steps, 1e-4)
-    uneven = sum(row["record_tokens_low"] != row["record_tokens_high"] for row in rows)  # equal counts weigh the same either way
+    uneven = sum(
+        row["record_tokens_low"] != row["record_tokens_high"] for row in rows
+    )  # equal counts weigh the same either way
     assert [f.code.value for f in findings] == ["local_mean"] and findings[0].steps.count == uneven
     assert len(spans) == 1 and omitted == 0 and len(made) < 10
 
@@ -337,8 +397,11 @@ def _vote_by_labels(fits: np.ndarray, alphas: np.ndarray, rtol: float) -> tuple[
     taken = np.zeros(len(fits), dtype=bool)
     plain = [0 if c == 0 else 1 if abs(v - 1) <= rtol else 2 for _, c, v in hypotheses]
     while True:
-        best = min(range(len(hypotheses)), default=None,
-                   key=lambda h: (-int((~taken[hypotheses[h][0]]).sum()), plain[h], hypotheses[h][1], h))
+        best = min(
+            range(len(hypotheses)),
+            default=None,
+            key=lambda h: (-int((~taken[hypotheses[h][0]]).sum()), plain[h], hypotheses[h][1], h),
+        )
         if best is None:
             break
         members, c, value = hypotheses[best]
@@ -362,9 +425,15 @@ def test_a_block_s_candidates_are_the_whole_table_s_rows_bit_for_bit() -> None:
     rows = []
     for step in range(300):
         counts = [[int(rng.integers(0, 40)), int(rng.integers(1, 40))], [int(rng.integers(1, 40)), 0]]
-        rows.append(step_row(step, weights(counts, lambda n, M, **_: 1 / (n * M) if n else 0.0), world_size=2,
-                             divisor=float(rng.choice([1.0, 2.0, 3.0])),
-                             positions=int(rng.integers(1, 99)) if step % 3 else None))
+        rows.append(
+            step_row(
+                step,
+                weights(counts, lambda n, M, **_: 1 / (n * M) if n else 0.0),
+                world_size=2,
+                divisor=float(rng.choice([1.0, 2.0, 3.0])),
+                positions=int(rng.integers(1, 99)) if step % 3 else None,
+            )
+        )
     steps = table(rows)
     whole = block_fits(steps, 1e-4)
     for start, stop in ((0, 1), (1, 120), (120, 300), (299, 300)):
@@ -373,17 +442,26 @@ def test_a_block_s_candidates_are_the_whole_table_s_rows_bit_for_bit() -> None:
             np.testing.assert_array_equal(getattr(part, name), getattr(whole, name)[start:stop], err_msg=name)
 
 
-def _vote(fits: np.ndarray, alphas: np.ndarray, rtol: float, block: int | None = None
-          ) -> tuple[np.ndarray, np.ndarray]:
+def _vote(fits: np.ndarray, alphas: np.ndarray, rtol: float, block: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The vote (`Decisions`) over these candidates' fits and α, read `block` steps at a time (all at once
     when None): each step's winning candidate and the α it is read with."""
     from tokaudit._normalization import Decisions, FitBlock
 
     size = block or max(len(fits), 1)
     ones = np.ones(len(fits))
-    blocks = [FitBlock(fits[i:i + size], fits[i:i + size, 0], ones[i:i + size], np.full(len(fits[i:i + size]), -1),
-                     ones[i:i + size], alphas[i:i + size], ones[i:i + size], ones[i:i + size])
-              for i in range(0, len(fits), size)]
+    blocks = [
+        FitBlock(
+            fits[i : i + size],
+            fits[i : i + size, 0],
+            ones[i : i + size],
+            np.full(len(fits[i : i + size]), -1),
+            ones[i : i + size],
+            alphas[i : i + size],
+            ones[i : i + size],
+            ones[i : i + size],
+        )
+        for i in range(0, len(fits), size)
+    ]
     decisions = Decisions.of(blocks, lambda: blocks, rtol)
     votes = [decisions.vote(found) for found in blocks]
     return np.concatenate([v[0] for v in votes]), np.concatenate([v[1] for v in votes])
@@ -412,15 +490,19 @@ def test_vote_equals_the_plain_greedy_cover(seed: int) -> None:
         np.testing.assert_array_equal(representative, expected_representative)  # NaN equals NaN here
 
 
-def _plain_spans(frame: pd.DataFrame, keep: np.ndarray, denominator: np.ndarray, factor: np.ndarray
-                 ) -> tuple[list[Any], int]:
+def _plain_spans(
+    frame: pd.DataFrame, keep: np.ndarray, denominator: np.ndarray, factor: np.ndarray
+) -> tuple[list[Any], int]:
     """The spans by definition, one row at a time: the kept rows sorted by (group, term, step) as text
     and number, a span per run of equal (group, term, denominator, α) with NaN equal to NaN, the
     MAX_SPANS longest (the earliest among equals) of each (group, term), in order; and how many were left out."""
     from tokaudit._normalization import DENOMINATORS, MAX_SPANS, Span
 
-    rows = sorted((str(g), str(t), int(s), int(d), float(f))
-                  for g, t, s, d, f, k in zip(frame.grp, frame.term, frame.step, denominator, factor, keep) if k)
+    rows = sorted(
+        (str(g), str(t), int(s), int(d), float(f))
+        for g, t, s, d, f, k in zip(frame.grp, frame.term, frame.step, denominator, factor, keep)
+        if k
+    )
     runs: list[list[Any]] = []  # [group, term, first step, last step, length, denominator, α, first row]
     for index, (g, t, s, d, f) in enumerate(rows):
         last = runs[-1] if runs else None
@@ -433,13 +515,15 @@ def _plain_spans(frame: pd.DataFrame, keep: np.ndarray, denominator: np.ndarray,
         mine = sorted((r for r in runs if (r[0], r[1]) == pair), key=lambda r: (-r[4], r[7]))
         chosen += mine[:MAX_SPANS]
     chosen.sort(key=lambda r: r[7])
-    return [Span(g, t, a, b, n, DENOMINATORS[d], None if f != f else f) for g, t, a, b, n, d, f, _ in chosen], \
-        len(runs) - len(chosen)
+    return [Span(g, t, a, b, n, DENOMINATORS[d], None if f != f else f) for g, t, a, b, n, d, f, _ in chosen], len(
+        runs
+    ) - len(chosen)
 
 
 @pytest.mark.parametrize("block", [1, 2, 3, 7, 64, 1 << 20])
-def test_spans_read_a_block_at_a_time_are_the_spans_of_the_whole_table(block: int,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_spans_read_a_block_at_a_time_are_the_spans_of_the_whole_table(
+    block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`segments` reads SPAN_BLOCK rows at a time, carrying the open span and the longest kept ones:
     whatever the block size, its spans and count left out are those of a plain walk over the sorted
     rows (`_plain_spans`), on random diagnoses with empty steps, NaN α, runs of equal and alternating
@@ -452,7 +536,7 @@ def test_spans_read_a_block_at_a_time_are_the_spans_of_the_whole_table(block: in
     rng = np.random.default_rng(block)
     left_out = []
     for trial in range(12):
-        groups, terms = ["b", "a", "10", "9"][:1 + trial % 4], ["0", "aux"][:1 + trial % 2]
+        groups, terms = ["b", "a", "10", "9"][: 1 + trial % 4], ["0", "aux"][: 1 + trial % 2]
         rows = []
         for group in sorted(groups):
             for term in sorted(terms):
@@ -470,11 +554,18 @@ def test_spans_read_a_block_at_a_time_are_the_spans_of_the_whole_table(block: in
         choice = frame.choice.to_numpy()
         empty = rng.random(count) < 0.1
         kind = np.where(empty, KINDS.index(StepKind.EMPTY), KINDS.index(StepKind.NONUNIFORM)).astype(np.int8)
-        denominator = np.array([DENOMINATORS.index(Denominator.N), DENOMINATORS.index(Denominator.RANK),
-                                DENOMINATORS.index(Denominator.RANK)], dtype=np.int8)[choice]
+        denominator = np.array(
+            [
+                DENOMINATORS.index(Denominator.N),
+                DENOMINATORS.index(Denominator.RANK),
+                DENOMINATORS.index(Denominator.RANK),
+            ],
+            dtype=np.int8,
+        )[choice]
         factor = np.array([1.0, 0.5, np.nan])[choice]
-        diagnoses = Diagnoses(kind, denominator, factor, np.full(count, np.nan), np.zeros(count, bool),
-                              np.full(count, np.nan))
+        diagnoses = Diagnoses(
+            kind, denominator, factor, np.full(count, np.nan), np.zeros(count, bool), np.full(count, np.nan)
+        )
         whole = _plain_spans(frame, ~empty, denominator, factor)
         got = segments(frame, diagnoses)
         assert got == whole, (block, trial)
@@ -483,8 +574,14 @@ def test_spans_read_a_block_at_a_time_are_the_spans_of_the_whole_table(block: in
             # out of order from the middle on: the whole table is sorted and taken at once
             late = np.r_[np.arange(count // 2), np.arange(count // 2, count)[::-1]]
             shuffled = frame.iloc[late].reset_index(drop=True)
-            moved = Diagnoses(kind[late], denominator[late], factor[late], diagnoses.distortion, diagnoses.balanced,
-                              diagnoses.approximate)
+            moved = Diagnoses(
+                kind[late],
+                denominator[late],
+                factor[late],
+                diagnoses.distortion,
+                diagnoses.balanced,
+                diagnoses.approximate,
+            )
             assert segments(shuffled, moved) == whole, (block, trial)
     assert max(left_out) > 0 and min(left_out) == 0  # tables of more spans than MAX_SPANS, and of fewer
 
@@ -502,7 +599,9 @@ def test_the_vote_leaves_out_what_the_token_mean_covers_and_picks_the_same(seed:
     steps, candidates = int(rng.integers(4, 60)), 8
     fits = np.zeros((steps, candidates), dtype=bool)
     fits[:, 0] = rng.random(steps) < rng.uniform(0.3, 1.0)
-    alphas = rng.choice([0.5, 1.0, 2.0, 3.0], (steps, candidates)) * (1 + rng.uniform(-0.4, 0.4, (steps, candidates)) * rtol)
+    alphas = rng.choice([0.5, 1.0, 2.0, 3.0], (steps, candidates)) * (
+        1 + rng.uniform(-0.4, 0.4, (steps, candidates)) * rtol
+    )
     alphas[:, 0] = 8.0 * (1 + rng.uniform(-0.4, 0.4, steps) * rtol)
     for c in range(1, candidates):
         kind = rng.integers(0, 4)
@@ -554,8 +653,12 @@ def test_every_denominator_has_its_facts_in_the_one_table() -> None:
     from tokaudit._normalization import DENOMINATOR_FACTS, LOCAL_DENOMINATORS, RECORD_BOUNDS, Denominator
 
     assert list(DENOMINATOR_FACTS) == list(Denominator) and all(facts.words for facts in DENOMINATOR_FACTS.values())
-    assert LOCAL_DENOMINATORS == (Denominator.RANK, Denominator.MICRO_TIMES_M, Denominator.MICRO,
-                                  Denominator.MICRO_GLOBAL)
+    assert LOCAL_DENOMINATORS == (
+        Denominator.RANK,
+        Denominator.MICRO_TIMES_M,
+        Denominator.MICRO,
+        Denominator.MICRO_GLOBAL,
+    )
     assert all(DENOMINATOR_FACTS[d].confused[0] for d in LOCAL_DENOMINATORS)
     names = {column.name for column in STEP_COLUMNS}
     assert all(low in names and high in names for low, high in RECORD_BOUNDS.values())

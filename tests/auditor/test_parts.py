@@ -37,8 +37,10 @@ def _mixed_log(folder: Path) -> Path:
     rounded to 3 decimals and partly the mean of local means, and steps shared by the groups."""
     counts = [[[5, 1], [3, 7]], [[2, 6], [6, 2]], [[8, 4], [2, 8]], [[3, 3], [3, 3]], [[0, 4], [9, 1]]] * 4
     rows = records(counts, local_mean, group="dp0") + records(counts, token_mean, group="dp1")
-    rows += [dict(r, term="aux", backward_scalar=r["backward_scalar"] * (1.5 if r["step"] % 2 else 3.0))
-             for r in records(counts, token_mean, group="dp1")]
+    rows += [
+        dict(r, term="aux", backward_scalar=r["backward_scalar"] * (1.5 if r["step"] % 2 else 3.0))
+        for r in records(counts, token_mean, group="dp1")
+    ]
     for row in rows:
         if row["step"] % 3 == 0 and row.get("term") is None:
             row["reported_loss"] = round(2.0 + row["step"] / 10, 3)
@@ -55,8 +57,13 @@ def _miscounted_log(folder: Path) -> Path:
     for row in rows:
         weight = row["backward_scalar"] / row["loss_sum"]
         row.update(token_weight_sum=weight * row["valid_tokens"], token_weight_min=weight, token_weight_max=weight)
-        if (row["group"], row.get("term"), row["step"]) in {("dp0", None, 3), ("dp0", None, 7), ("dp1", None, 2), ("dp1", None, 7),
-                                                             ("dp1", "aux", 12)} and row["rank"] == row["micro"] == 1:
+        if (row["group"], row.get("term"), row["step"]) in {
+            ("dp0", None, 3),
+            ("dp0", None, 7),
+            ("dp1", None, 2),
+            ("dp1", None, 7),
+            ("dp1", "aux", 12),
+        } and row["rank"] == row["micro"] == 1:
             row["valid_tokens"] += 3
     return write_by_rank(folder, rows)
 
@@ -84,10 +91,15 @@ def _shifted_log(folder: Path, shift: int = 1, first: int = 0) -> Path:
     rows = []
     for group in ("dp0", "dp1"):
         mine = records(UNEVEN_GA * 4 if group == "dp0" else UNEVEN_GA[::-1] * 4, token_mean, group=group)
-        means = {s: sum(r["loss_sum"] for r in mine if r["step"] == s) / sum(r["valid_tokens"] for r in mine if r["step"] == s)
-                 for s in {r["step"] for r in mine}}
-        rows += [dict(r, reported_loss=means[r["step"] + shift]) if r["step"] + shift in means and r["step"] >= first
-                 else r for r in mine]
+        means = {
+            s: sum(r["loss_sum"] for r in mine if r["step"] == s)
+            / sum(r["valid_tokens"] for r in mine if r["step"] == s)
+            for s in {r["step"] for r in mine}
+        }
+        rows += [
+            dict(r, reported_loss=means[r["step"] + shift]) if r["step"] + shift in means and r["step"] >= first else r
+            for r in mine
+        ]
     return write_by_rank(folder, rows)
 
 
@@ -98,8 +110,9 @@ def _live_log(folder: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk_rows, block", [(7, 1), (40, 3), (200, 5)] if THOROUGH else [(40, 3)])
-def test_a_table_read_in_parts_gives_the_whole_table_s_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                               chunk_rows: int, block: int) -> None:
+def test_a_table_read_in_parts_gives_the_whole_table_s_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk_rows: int, block: int
+) -> None:
     """Three of the recorded DDP sample logs (all 31, every finding code they hold, with TOKAUDIT_THOROUGH=1),
     a log of two groups and two terms with several mistakes, and a log still being written (`--live`): the
     same JSON, and the same table kept for the caller, whole or in parts."""
@@ -109,8 +122,14 @@ def test_a_table_read_in_parts_gives_the_whole_table_s_report(tmp_path: Path, mo
     miscounted = _miscounted_log(tmp_path / "miscounted" / "run")
     cases: list[tuple[Path, dict[str, Any]]] = [
         (SAMPLE_LOGS, {"runs": ["bug_local_mean", "correct_token_mean_ga", "aux_head_named"], "keep_steps": True}),
-        (mixed.parent, {"keep_steps": True}), (live.parent, {"live": True}), (live.parent, {}), (shifted.parent, {}),
-        (late.parent, {}), (miscounted.parent, {}), *([(SAMPLE_LOGS, {})] if THOROUGH else [])]
+        (mixed.parent, {"keep_steps": True}),
+        (live.parent, {"live": True}),
+        (live.parent, {}),
+        (shifted.parent, {}),
+        (late.parent, {}),
+        (miscounted.parent, {}),
+        *([(SAMPLE_LOGS, {})] if THOROUGH else []),
+    ]
     whole = [audit([path], **options) for path, options in cases]
     _in_parts(monkeypatch, chunk_rows, block)
     parts = [audit([path], **options) for path, options in cases]
@@ -119,14 +138,26 @@ def test_a_table_read_in_parts_gives_the_whole_table_s_report(tmp_path: Path, mo
         if options.get("keep_steps"):
             assert expected.steps is not None and found.steps is not None
             pd.testing.assert_frame_equal(found.steps, expected.steps, check_categorical=False)
-    assert {f.code.value for f in whole[1].findings} == {"local_mean", "world_size_mismatch", "zero_token_nonfinite",
-                                                         "reported_loss_mismatch"}
+    assert {f.code.value for f in whole[1].findings} == {
+        "local_mean",
+        "world_size_mismatch",
+        "zero_token_nonfinite",
+        "reported_loss_mismatch",
+    }
     assert len([f for f in whole[1].findings if f.term == "aux"]) == 2  # two factors of the aux term
     assert whole[2].findings == [] and "missing_rank" in {f.code.value for f in whole[3].findings}
     (moved,) = whole[4].findings  # steps 0–10 of each group carry the next step's loss (11 steps, counted once)
-    assert moved.code.value == "reported_loss_shifted" and moved.steps.count == 11 and whole[4].runs[0].verdict == "correct"
+    assert (
+        moved.code.value == "reported_loss_shifted"
+        and moved.steps.count == 11
+        and whole[4].runs[0].verdict == "correct"
+    )
     (late_found,) = whole[5].findings  # steps 5–11 carry the previous step's loss, step 4 reported nothing
-    assert late_found.code.value == "reported_loss_shifted" and late_found.steps.first == 5 and "late" in late_found.message
+    assert (
+        late_found.code.value == "reported_loss_shifted"
+        and late_found.steps.first == 5
+        and "late" in late_found.message
+    )
     (counted,) = whole[6].findings  # steps 2, 3, 7 and 12 of a group left out (every term of the group's step)
     assert counted.code.value == "count_mismatch" and counted.steps.count == 4 and counted.evidence["step"] == 2
     assert whole[6].runs[0].verdict == "inconclusive" and whole[6].runs[0].steps == 15 - 1
@@ -148,7 +179,7 @@ def test_a_long_run_is_audited_from_disk_a_part_at_a_time(tmp_path: Path, monkey
     for rank in (0, 1):
         mine = [r for r in rows if r["rank"] == rank]
         for start in range(0, len(mine), 2_000):
-            write(tmp_path / "run" / f"rank-{rank:05d}-{start:06d}.parquet", mine[start:start + 2_000])
+            write(tmp_path / "run" / f"rank-{rank:05d}-{start:06d}.parquet", mine[start : start + 2_000])
 
     whole = render_json(audit([tmp_path / "run"], threads=1))
     monkeypatch.setattr(engine, "SPILL_STEPS", 2_000)
@@ -159,7 +190,8 @@ def test_a_long_run_is_audited_from_disk_a_part_at_a_time(tmp_path: Path, monkey
 
 
 def test_the_table_on_disk_is_removed_and_a_tmpdir_it_cannot_use_is_one_line(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The folder of a table kept on disk is made under TMPDIR and removed when the audit ends; a log small
     enough to stay in memory needs no TMPDIR at all; and where TMPDIR cannot be written, a log that needs it
     is one error line saying so (exit 2), not a traceback."""
@@ -206,20 +238,25 @@ def test_the_names_a_range_holds_are_its_rows_names() -> None:
     rng = np.random.default_rng(9)
     for _ in range(20):
         count = int(rng.integers(1, 60))
-        table = {name: pd.Categorical(rng.choice(choices, count), categories=sorted(set(choices) | {"unused"}))
-                 for name, choices in (("run", ["a", "b"]), ("grp", ["0", "dp1", "dp2"]), ("term", ["0", "aux"]))}
+        table = {
+            name: pd.Categorical(rng.choice(choices, count), categories=sorted(set(choices) | {"unused"}))
+            for name, choices in (("run", ["a", "b"]), ("grp", ["0", "dp1", "dp2"]), ("term", ["0", "aux"]))
+        }
         table["grp"][rng.random(count) < 0.1] = np.nan
         rows = pd.DataFrame({name: np.asarray(values).astype(str) for name, values in table.items()})
         assert table_names(table) == set(map(tuple, rows.drop_duplicates().itertuples(index=False)))
 
 
 def test_a_file_with_a_nan_divisor_is_named_whether_the_table_is_kept_on_disk_or_not(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A NaN divisor shows in no footer: the aggregation counts it (`Spilled.unusable` as ranges are
     written), and the file is named and left out, the rest audited, the same whole or on disk."""
     rows = records(UNEVEN_GA * 4, token_mean, grad_divisor=2.0)
-    write(tmp_path / "run" / "rank-00000-000000.parquet",
-          [dict(r, grad_divisor=float("nan") if r["step"] == 3 else 2.0) for r in rows if r["rank"] == 0])
+    write(
+        tmp_path / "run" / "rank-00000-000000.parquet",
+        [dict(r, grad_divisor=float("nan") if r["step"] == 3 else 2.0) for r in rows if r["rank"] == 0],
+    )
     write(tmp_path / "run" / "rank-00001-000000.parquet", [r for r in rows if r["rank"] == 1])
     whole = render_json(audit([tmp_path / "run"]))
     _in_parts(monkeypatch, 7, 2)
@@ -228,8 +265,9 @@ def test_a_file_with_a_nan_divisor_is_named_whether_the_table_is_kept_on_disk_or
 
 
 @pytest.mark.slow
-def test_a_long_curve_is_drawn_and_written_from_disk_a_part_at_a_time(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_long_curve_is_drawn_and_written_from_disk_a_part_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`tokaudit curve` of a table kept on disk: the CSV, the chart and the table of the whole table, byte
     for byte, with every step's rows of both groups and terms averaged within one part; what is read at a
     time is one range (the memory bound's mechanism: 12.5M steps took 2.3 GB whole, 0.7 GB in parts)."""
@@ -242,8 +280,7 @@ def test_a_long_curve_is_drawn_and_written_from_disk_a_part_at_a_time(tmp_path: 
 
     log = _mixed_log(tmp_path / "mixed" / "run")
     rng = np.random.default_rng(5)
-    counts = [[[int(rng.integers(0, 30)), int(rng.integers(1, 30))], [int(rng.integers(0, 30)), 4]]
-              for _ in range(300)]
+    counts = [[[int(rng.integers(0, 30)), int(rng.integers(1, 30))], [int(rng.integers(0, 30)), 4]] for _ in range(300)]
     long = write_by_rank(tmp_path / "long" / "run", records(counts, token_mean), steps_per_file=5)
 
     def curve(path: Path, name: str) -> tuple[str, str]:
@@ -279,15 +316,16 @@ def test_a_long_curve_s_plot_draws_each_series_envelope(monkeypatch: pytest.Monk
     x = np.arange(1000, dtype=np.float64)
     ys = np.sin(x / 7.0)
     ys[[3, 517, 518, 998]] = [9.0, -9.0, 8.0, np.nan]  # spikes, one a NaN (no point)
-    kept: list[tuple[np.ndarray, np.ndarray]] = [postmortem.envelope(x[a:b], ys[a:b], (0.0, 999.0))
-                                                 for a, b in ((0, 250), (250, 640), (640, 1000))]
+    kept: list[tuple[np.ndarray, np.ndarray]] = [
+        postmortem.envelope(x[a:b], ys[a:b], (0.0, 999.0)) for a, b in ((0, 250), (250, 640), (640, 1000))
+    ]
     kx, ky = np.concatenate([k[0] for k in kept]), np.concatenate([k[1] for k in kept])
     assert len(kx) <= 4 * (10 + 2)  # four a bucket, and a bucket across two parts four of each
     assert (np.diff(kx) > 0).all() and np.array_equal(ky, ys[kx.astype(int)])  # points of the curve, in order
     bucket = np.minimum((x / 999.0 * 10).astype(int), 9)
     for b in range(10):
         mine = (bucket == b) & np.isfinite(ys)
-        inside = (np.minimum((kx / 999.0 * 10).astype(int), 9) == b)
+        inside = np.minimum((kx / 999.0 * 10).astype(int), 9) == b
         assert ky[inside].min() == ys[mine].min() and ky[inside].max() == ys[mine].max()
         assert kx[inside].min() == x[mine].min() and kx[inside].max() == x[mine].max()
     assert {9.0, -9.0, 8.0} <= set(ky.tolist())
@@ -309,11 +347,14 @@ def test_a_long_curve_s_plot_is_its_envelope_end_to_end(tmp_path: Path, monkeypa
     log = write_by_rank(tmp_path / "long" / "run", records(counts, local_mean))
     drawn: list[dict[str, tuple[np.ndarray, np.ndarray]]] = []
     original = plot.write_png
-    monkeypatch.setattr(plot, "write_png",
-                        lambda run, points, labels, path: drawn.append(points) or original(run, points, labels, path))
+    monkeypatch.setattr(
+        plot, "write_png", lambda run, points, labels, path: drawn.append(points) or original(run, points, labels, path)
+    )
     png = tmp_path / "curve.png"
-    assert CliRunner().invoke(main, ["curve", str(log), "--plot", str(png), "--csv", str(tmp_path / "c.csv")]
-                              ).exit_code == 0
+    assert (
+        CliRunner().invoke(main, ["curve", str(log), "--plot", str(png), "--csv", str(tmp_path / "c.csv")]).exit_code
+        == 0
+    )
     every = drawn.pop()
     assert set(every) == {"token_mean", "mean_of_local_means", "optimized"}  # no reported loss: not drawn
     assert all(len(x) == 300 for x, _ in every.values())
@@ -331,7 +372,8 @@ def test_a_long_curve_s_plot_is_its_envelope_end_to_end(tmp_path: Path, monkeypa
 
 @pytest.mark.slow
 def test_a_step_that_is_not_there_is_named_from_the_table_read_a_part_at_a_time(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`weights --step` of a step a run lacks says which steps it has, from the whole log read a range at a
     time (a log of millions of steps held whole took gigabytes for this one line); a step of a run that
     the footers cannot single out is still found."""
@@ -348,8 +390,12 @@ def test_a_step_that_is_not_there_is_named_from_the_table_read_a_part_at_a_time(
         result = CliRunner().invoke(main, ["weights", *args])
         return result.exit_code, result.stdout, result.stderr
 
-    cases = [(str(log), "--step", "20"), (str(tmp_path), "--run", "b", "--step", "2"),
-             (str(tmp_path), "--step", "3"), (str(tmp_path), "--run", "b", "--step", "3")]
+    cases = [
+        (str(log), "--step", "20"),
+        (str(tmp_path), "--run", "b", "--step", "2"),
+        (str(tmp_path), "--step", "3"),
+        (str(tmp_path), "--run", "b", "--step", "3"),
+    ]
     whole = [weights(*case) for case in cases]
     assert whole[0][0] == 2 and "run 'run' has no step 20 (steps 0–19)" in whole[0][2]
     assert whole[1][0] == 2 and "run 'b' has no step 2 (steps 0–5)" in whole[1][2]

@@ -53,16 +53,23 @@ def confusable(counts: Counts) -> bool:
     code divided by W·n_r (rank-local mean), W·n·M (microbatch mean ÷ M), W·n (microbatch mean) or
     M·N_m (per-microbatch global count) where the token mean divides by N, and the count was not
     N itself by construction (one rank; one microbatch)."""
+
     def local_counts(step: list[list[int]], rank: int, micro: int) -> dict[str, int]:
         world, m = len(step), len(step[rank])
         n = step[rank][micro]
-        return {"rank": world * sum(step[rank]), "micro_m": world * n * m, "micro": world * n,
-                "micro_global": m * sum(r[micro] for r in step)}
+        return {
+            "rank": world * sum(step[rank]),
+            "micro_m": world * n * m,
+            "micro": world * n,
+            "micro_global": m * sum(r[micro] for r in step),
+        }
 
-    structural = {"rank": any(len(step) > 1 for step in counts),
-                  "micro_m": any(len(step) > 1 or len(step[0]) > 1 for step in counts),
-                  "micro": any(len(step) > 1 or len(step[0]) > 1 for step in counts),
-                  "micro_global": any(len(step[0]) > 1 for step in counts)}
+    structural = {
+        "rank": any(len(step) > 1 for step in counts),
+        "micro_m": any(len(step) > 1 or len(step[0]) > 1 for step in counts),
+        "micro": any(len(step) > 1 or len(step[0]) > 1 for step in counts),
+        "micro_global": any(len(step[0]) > 1 for step in counts),
+    }
     for mistake, nontrivial in structural.items():
         same = True
         for step in counts:
@@ -81,8 +88,11 @@ def serious(report: AuditReport) -> list[str]:
 
 
 @SETTINGS
-@given(counts=step_counts(), terms=st.integers(1, 3),
-       construction=st.sampled_from(["average", "sum", "rescaled_raw_sum", "loss_scale_recorded"]))
+@given(
+    counts=step_counts(),
+    terms=st.integers(1, 3),
+    construction=st.sampled_from(["average", "sum", "rescaled_raw_sum", "loss_scale_recorded"]),
+)
 def test_correct_constructions_are_never_incorrect(counts: Counts, terms: int, construction: str) -> None:
     if construction == "average":  # b = W·S/N into DDP's average (D = W)
         report = run(counts, lambda S, N, W, **_: W * S / max(N, 1), terms)
@@ -91,7 +101,7 @@ def test_correct_constructions_are_never_incorrect(counts: Counts, terms: int, c
     elif construction == "rescaled_raw_sum":  # b = S, then g = W/N after backward (torchtune)
         report = run(counts, lambda S, **_: S, terms, _rescale=True)
     else:  # an AMP loss scale multiplies b; the recorder writes g = 1/scale
-        report = run(counts, lambda S, N, W, **_: 2.0 ** 16 * W * S / max(N, 1), terms, grad_scale=2.0 ** -16)
+        report = run(counts, lambda S, N, W, **_: 2.0**16 * W * S / max(N, 1), terms, grad_scale=2.0**-16)
     (summary,) = report.runs
     assert serious(report) == []
     has_tokens = any(sum(map(sum, step)) for step in counts)
@@ -116,8 +126,9 @@ LOCAL = {"rank_local_mean", "micro_mean_over_m", "per_micro_global"}
 
 
 @SETTINGS
-@given(counts=step_counts(), terms=st.integers(1, 2), mistake=st.sampled_from(sorted(WRONG)),
-       wrong_term=st.integers(0, 1))
+@given(
+    counts=step_counts(), terms=st.integers(1, 2), mistake=st.sampled_from(sorted(WRONG)), wrong_term=st.integers(0, 1)
+)
 def test_wrong_constructions_are_never_correct(counts: Counts, terms: int, mistake: str, wrong_term: int) -> None:
     wrong_term = min(wrong_term, terms - 1)
     rows = []
@@ -130,9 +141,27 @@ def test_wrong_constructions_are_never_correct(counts: Counts, terms: int, mista
     # A wrong construction that trains exactly the token mean on these counts is no wrong gradient; it
     # must still never be called correct when a common mistake fits: then it is inconclusive.
     trains_token_mean = all(
-        abs(WRONG[mistake](S=1.0, n=n, n_r=sum(mine), N=sum(map(sum, step)), M=len(mine), W=len(step),
-                           N_m=sum(r[micro] for r in step)) / len(step) * sum(map(sum, step)) - 1) < 1e-12
-        for step in counts if sum(map(sum, step)) for mine in step for micro, n in enumerate(mine) if n)
+        abs(
+            WRONG[mistake](
+                S=1.0,
+                n=n,
+                n_r=sum(mine),
+                N=sum(map(sum, step)),
+                M=len(mine),
+                W=len(step),
+                N_m=sum(r[micro] for r in step),
+            )
+            / len(step)
+            * sum(map(sum, step))
+            - 1
+        )
+        < 1e-12
+        for step in counts
+        if sum(map(sum, step))
+        for mine in step
+        for micro, n in enumerate(mine)
+        if n
+    )
     if not trains_token_mean:
         assert summary.verdict != "correct", [f.code.value for f in report.findings]
     elif any(sum(map(sum, step)) for step in counts):

@@ -26,8 +26,11 @@ def good_run(folder: Path) -> Path:
 
 
 def tree_digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def table_without(column: str) -> pa.Table:
@@ -39,8 +42,7 @@ def bad_files(folder: Path) -> dict[str, str]:
     """file name → words its error line must contain."""
     folder.mkdir(parents=True)
     pq.write_table(table_without("valid_tokens"), folder / "missing.parquet")
-    typed = pa.Table.from_pylist(records(UNEVEN, token_mean)).set_column(
-        5, "valid_tokens", pa.array(["3"] * 6))
+    typed = pa.Table.from_pylist(records(UNEVEN, token_mean)).set_column(5, "valid_tokens", pa.array(["3"] * 6))
     pq.write_table(typed, folder / "mistyped.parquet")
     negative = records(UNEVEN, token_mean)
     negative[3]["valid_tokens"] = -4
@@ -68,19 +70,21 @@ def bad_files(folder: Path) -> dict[str, str]:
     whole = write(folder / "whole.parquet", records(UNEVEN, token_mean))
     (folder / "truncated.parquet").write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
     whole.unlink()
-    return {"missing.parquet": "missing column 'valid_tokens'",
-            "mistyped.parquet": "column 'valid_tokens' has type string, expected an integer type",
-            "negative.parquet": "column 'valid_tokens' has a negative count (-4) at row 3",
-            "newer.parquet": "schema_version 2 is newer than this tokaudit reads (1)",
-            "null.parquet": "column 'step' has a null value at row 1",
-            "nan_divisor.parquet": "column 'grad_divisor' is not a positive number",
-            "nan_scale.parquet": "column 'grad_scale' is NaN",
-            "rank.parquet": "column 'rank' is not below 'world_size'",
-            "masked.parquet": "column 'masked_weight_abs_sum' has a negative sum of absolute values (-0.5) at row 2",
-            "below.parquet": f"column 'positions' is below 'valid_tokens' ({below[4]['positions']} < "
-                             f"{below[4]['valid_tokens']}) at row 4",
-            "text.parquet": "not a readable Parquet file",
-            "truncated.parquet": "not a readable Parquet file"}
+    return {
+        "missing.parquet": "missing column 'valid_tokens'",
+        "mistyped.parquet": "column 'valid_tokens' has type string, expected an integer type",
+        "negative.parquet": "column 'valid_tokens' has a negative count (-4) at row 3",
+        "newer.parquet": "schema_version 2 is newer than this tokaudit reads (1)",
+        "null.parquet": "column 'step' has a null value at row 1",
+        "nan_divisor.parquet": "column 'grad_divisor' is not a positive number",
+        "nan_scale.parquet": "column 'grad_scale' is NaN",
+        "rank.parquet": "column 'rank' is not below 'world_size'",
+        "masked.parquet": "column 'masked_weight_abs_sum' has a negative sum of absolute values (-0.5) at row 2",
+        "below.parquet": f"column 'positions' is below 'valid_tokens' ({below[4]['positions']} < "
+        f"{below[4]['valid_tokens']}) at row 4",
+        "text.parquet": "not a readable Parquet file",
+        "truncated.parquet": "not a readable Parquet file",
+    }
 
 
 def test_every_bad_file_gets_one_line_and_the_good_run_is_still_audited(tmp_path: Path) -> None:
@@ -95,16 +99,20 @@ def test_every_bad_file_gets_one_line_and_the_good_run_is_still_audited(tmp_path
         (line,) = [line for line in lines if f"/{name}:" in line]
         assert words in line, line
     import json
+
     report = json.loads(result.stdout)
     assert [r["run"] for r in report["runs"]] == ["good"] and report["runs"][0]["verdict"] == "correct"
     assert len(report["problems"]) == len(expected)
     assert tree_digest(tmp_path / "logs") == before, "input modified"
 
 
-@pytest.mark.parametrize("setup, words", [
-    (lambda p: p.mkdir(), "no Parquet files"),
-    (lambda p: None, "no such file or directory"),
-])
+@pytest.mark.parametrize(
+    "setup, words",
+    [
+        (lambda p: p.mkdir(), "no Parquet files"),
+        (lambda p: None, "no such file or directory"),
+    ],
+)
 def test_empty_or_missing_paths(tmp_path: Path, setup: Any, words: str) -> None:
     setup(tmp_path / "runs")
     result = CliRunner().invoke(main, ["check", str(tmp_path / "runs")])
@@ -136,18 +144,20 @@ def test_killed_writer_temporaries_are_ignored(tmp_path: Path) -> None:
 def test_any_legal_shape_is_accepted(tmp_path: Path) -> None:
     rows = records(UNEVEN, token_mean, run_id="shaped", group="0")
     table = pa.Table.from_pylist(rows)
-    narrow = pa.table({
-        "backward_scalar": pa.array([r["backward_scalar"] for r in rows], pa.float32()),
-        "extra_column": pa.array(["x"] * len(rows)),
-        "valid_tokens": pa.array([r["valid_tokens"] for r in rows], pa.int16()),
-        "loss_sum": pa.array([r["loss_sum"] for r in rows], pa.float32()),
-        "world_size": pa.array([r["world_size"] for r in rows], pa.int8()),
-        "rank": pa.array([r["rank"] for r in rows], pa.int16()),
-        "micro": pa.array([r["micro"] for r in rows], pa.int8()),
-        "step": pa.array([r["step"] for r in rows], pa.int32()),
-        "run_id": pa.array([r["run_id"] for r in rows]).dictionary_encode(),
-        "group": table["group"].combine_chunks().dictionary_encode(),
-    })
+    narrow = pa.table(
+        {
+            "backward_scalar": pa.array([r["backward_scalar"] for r in rows], pa.float32()),
+            "extra_column": pa.array(["x"] * len(rows)),
+            "valid_tokens": pa.array([r["valid_tokens"] for r in rows], pa.int16()),
+            "loss_sum": pa.array([r["loss_sum"] for r in rows], pa.float32()),
+            "world_size": pa.array([r["world_size"] for r in rows], pa.int8()),
+            "rank": pa.array([r["rank"] for r in rows], pa.int16()),
+            "micro": pa.array([r["micro"] for r in rows], pa.int8()),
+            "step": pa.array([r["step"] for r in rows], pa.int32()),
+            "run_id": pa.array([r["run_id"] for r in rows]).dictionary_encode(),
+            "group": table["group"].combine_chunks().dictionary_encode(),
+        }
+    )
     (tmp_path / "run").mkdir()
     pq.write_table(narrow, tmp_path / "run" / "narrow.parquet")
     shard = inspect_shard(tmp_path / "run" / "narrow.parquet")
@@ -166,10 +176,24 @@ def test_a_column_of_nulls_alone_reads_as_its_nulls_not_as_a_wrong_type(tmp_path
     def write_rows(folder: Path, rows: list[dict[str, Any]]) -> None:
         folder.mkdir(parents=True)
         for rank in sorted({r["rank"] for r in rows}):
-            pq.write_table(pa.Table.from_pylist([r for r in rows if r["rank"] == rank]), folder / f"rank-{rank}.parquet")
+            pq.write_table(
+                pa.Table.from_pylist([r for r in rows if r["rank"] == rank]), folder / f"rank-{rank}.parquet"
+            )
 
-    blank = ("time", "group", "term", "reported_loss", "token_weight_sum", "grad_scale", "positions", "sync",
-             "skipped", "divisor_known", "masked_weight_abs_sum", "grad_divisor")
+    blank = (
+        "time",
+        "group",
+        "term",
+        "reported_loss",
+        "token_weight_sum",
+        "grad_scale",
+        "positions",
+        "sync",
+        "skipped",
+        "divisor_known",
+        "masked_weight_abs_sum",
+        "grad_divisor",
+    )
     rows = records(UNEVEN_GA, local_mean, run_id="nulls")
     write_rows(tmp_path / "absent" / "nulls", rows)
     write_rows(tmp_path / "null" / "nulls", [{**r, **dict.fromkeys(blank)} for r in rows])
@@ -210,7 +234,9 @@ def test_shards_of_one_schema_keep_their_own_footers(tmp_path: Path) -> None:
     schema = pa.schema([WRITER_SCHEMA.field(n) for n in names])
     noted = schema.with_metadata(dropped_metadata("run", "0", 1, [(4, 6, 2)]))
     write(tmp_path / "run" / "rank-00000.parquet", [r for r in rows if r["rank"] == 0], schema)
-    write(tmp_path / "run" / "rank-00001.parquet", [dict(r, step=r["step"] + 10) for r in rows if r["rank"] == 1], noted)
+    write(
+        tmp_path / "run" / "rank-00001.parquet", [dict(r, step=r["step"] + 10) for r in rows if r["rank"] == 1], noted
+    )
     write(tmp_path / "run" / "rank-00002.parquet", [dict(r, valid_tokens=-1) for r in rows if r["rank"] == 0], schema)
     found = load([tmp_path])
     first, second = found.shards
@@ -227,11 +253,16 @@ def _many_files(folder: Path) -> dict[str, str]:
     expected = bad_files(folder / "bad")
     rows = records(UNEVEN, token_mean)
     names = [f.name for f in WRITER_SCHEMA if f.name in rows[0]]
-    noted = pa.schema([WRITER_SCHEMA.field(n) for n in names]).with_metadata(dropped_metadata("good", "0", 1, [(2, 3, 1)]))
+    noted = pa.schema([WRITER_SCHEMA.field(n) for n in names]).with_metadata(
+        dropped_metadata("good", "0", 1, [(2, 3, 1)])
+    )
     for index in range(24):
         shifted = [dict(r, step=r["step"] + 10 * index) for r in rows]
         write(folder / "good" / f"rank-{index:05d}.parquet", shifted, noted if index == 7 else None)
-    write(folder / "good" / "other-schema.parquet", [dict(r, step=r["step"] + 500, positions=2 * r["valid_tokens"]) for r in rows])
+    write(
+        folder / "good" / "other-schema.parquet",
+        [dict(r, step=r["step"] + 500, positions=2 * r["valid_tokens"]) for r in rows],
+    )
     return expected
 
 
@@ -295,13 +326,17 @@ def test_the_commands_start_footer_workers_before_they_import_the_auditor(tmp_pa
         "    main(json.loads(sys.argv[1]))\n"
         "except SystemExit:\n"
         "    pass\n"
-        "print(json.dumps(seen))\n")
+        "print(json.dumps(seen))\n"
+    )
     logs = str(tmp_path / "logs")
-    for command in (["check", logs, "--format", "json", "-q", "-o", str(tmp_path / "report.json")],
-                    ["weights", logs, "--step", "1", "--run", "good", "--format", "csv"],
-                    ["curve", logs, "--run", "good", "--csv", str(tmp_path / "curve.csv")]):
-        done = subprocess.run([sys.executable, "-c", script, json.dumps(command)], capture_output=True, text=True,
-                              timeout=120)
+    for command in (
+        ["check", logs, "--format", "json", "-q", "-o", str(tmp_path / "report.json")],
+        ["weights", logs, "--step", "1", "--run", "good", "--format", "csv"],
+        ["curve", logs, "--run", "good", "--csv", str(tmp_path / "curve.csv")],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-c", script, json.dumps(command)], capture_output=True, text=True, timeout=120
+        )
         seen = json.loads(done.stdout.strip().splitlines()[-1])
         assert len(seen) >= 1 and all(not any(imported) for imported in seen), (command[0], seen)
     assert (tmp_path / "report.json").read_text() == render_json(audit([tmp_path / "logs"]))
@@ -323,9 +358,11 @@ def test_the_commands_start_footer_workers_before_they_import_the_auditor(tmp_pa
 _WORKER_FAULTS = {
     "worker fails": "import sys; sys.exit(3)",
     "worker hangs": "import time; time.sleep(120)",
-    "worker dies half-way": ("import pickle, sys; paths, thorough, sys.path[:] = pickle.load(sys.stdin.buffer); "
-                             "from tokaudit._loading import serve; serve(paths[:5], thorough, sys.stdout.buffer); "
-                             "sys.exit(3)"),
+    "worker dies half-way": (
+        "import pickle, sys; paths, thorough, sys.path[:] = pickle.load(sys.stdin.buffer); "
+        "from tokaudit._loading import serve; serve(paths[:5], thorough, sys.stdout.buffer); "
+        "sys.exit(3)"
+    ),
     "worker writes garbage": "import sys; sys.stdout.buffer.write((5).to_bytes(8, 'little') + b'hello'); sys.stdout.flush()",
 }
 
@@ -392,8 +429,12 @@ def test_footer_workers_are_bounded_by_the_files_and_a_cap(monkeypatch: Any) -> 
 
     monkeypatch.setattr(subprocess, "Popen", Worker)
     files = [Path(f"/nowhere/{i}.parquet") for i in range(100 * loading.BATCH_FILES)]
-    for workers, count, expected in ((64, len(files), loading.MAX_WORKERS - 1), (2, len(files), 1),
-                                     (64, 3 * loading.BATCH_FILES, 2), (64, loading.BATCH_FILES + 1, 0)):
+    for workers, count, expected in (
+        (64, len(files), loading.MAX_WORKERS - 1),
+        (2, len(files), 1),
+        (64, 3 * loading.BATCH_FILES, 2),
+        (64, loading.BATCH_FILES + 1, 0),
+    ):
         started.clear()
         monkeypatch.setattr(loading, "discover", lambda paths, notes=None, found=files[:count]: (found, []))
         with loading.start_loading(["/nowhere"], False, workers) as under_way:
@@ -411,15 +452,22 @@ def test_a_shard_names_its_one_run_group_and_term_only_when_its_footer_shows_it(
     column of nulls only has no min or max)."""
     rows = records(UNEVEN, token_mean)
     cases = {
-        "absent": ([{k: v for k, v in r.items() if k not in ("run_id", "group", "term")} for r in rows],
-                   ("folder", "0", "0")),
+        "absent": (
+            [{k: v for k, v in r.items() if k not in ("run_id", "group", "term")} for r in rows],
+            ("folder", "0", "0"),
+        ),
         "one": ([dict(r, run_id="it's ∑", group="dp0", term="aux") for r in rows], ("it's ∑", "dp0", "aux")),
         "all null": ([dict(r, run_id=None, term=None) for r in rows], None),
         "two terms": ([dict(r, term="aux" if r["rank"] else "lm") for r in rows], None),
         "a null among values": ([dict(r, group=None if r["rank"] else "dp0") for r in rows], None),
     }
-    run_groups = {"absent": ("folder", "0"), "one": ("it's ∑", "dp0"), "all null": None, "two terms": ("folder", "0"),
-                  "a null among values": None}
+    run_groups = {
+        "absent": ("folder", "0"),
+        "one": ("it's ∑", "dp0"),
+        "all null": None,
+        "two terms": ("folder", "0"),
+        "a null among values": None,
+    }
     for name, (written, expected) in cases.items():
         path = write(tmp_path / name.replace(" ", "_") / "folder" / "rank-all-000000.parquet", written)
         shard = inspect_shard(path)
@@ -437,18 +485,25 @@ def test_files_of_one_parquet_schema_keep_the_arrow_types_their_writers_stored(t
     plain = pa.schema([WRITER_SCHEMA.field(n) for n in names])
     table = pa.Table.from_pylist(rows, schema=plain)
     coded = table.set_column(table.schema.get_field_index("run_id"), "run_id", table["run_id"].dictionary_encode())
-    zoned = table.append_column(pa.field("time", pa.timestamp("us", tz="UTC")),
-                                pa.array([0] * len(rows), pa.timestamp("us", tz="UTC")))
-    naive = table.append_column(pa.field("time", pa.timestamp("us", tz="Asia/Tokyo")),
-                                pa.array([0] * len(rows), pa.timestamp("us", tz="Asia/Tokyo")))
+    zoned = table.append_column(
+        pa.field("time", pa.timestamp("us", tz="UTC")), pa.array([0] * len(rows), pa.timestamp("us", tz="UTC"))
+    )
+    naive = table.append_column(
+        pa.field("time", pa.timestamp("us", tz="Asia/Tokyo")),
+        pa.array([0] * len(rows), pa.timestamp("us", tz="Asia/Tokyo")),
+    )
     paths = {}
     for name, written in {"plain": table, "coded": coded, "zoned": zoned, "naive": naive}.items():
         paths[name] = tmp_path / f"{name}.parquet"
         pq.write_table(written, paths[name])
     assert pq.read_metadata(paths["plain"]).schema.equals(pq.read_metadata(paths["coded"]).schema)
     assert pq.read_metadata(paths["zoned"]).schema.equals(pq.read_metadata(paths["naive"]).schema)
-    for order in (["plain", "coded", "plain"], ["coded", "plain", "coded"], ["zoned", "naive", "zoned"],
-                  ["naive", "zoned", "naive"]):
+    for order in (
+        ["plain", "coded", "plain"],
+        ["coded", "plain", "coded"],
+        ["zoned", "naive", "zoned"],
+        ["naive", "zoned", "naive"],
+    ):
         for name in order:
             expected = dict((f.name, str(f.type)) for f in pq.read_schema(paths[name]))
             got = dict(inspect_shard(paths[name]).signature)
@@ -462,9 +517,13 @@ def test_a_shard_names_the_optional_columns_that_hold_no_value_from_its_footer(t
     the recorder writes for a probe or a reported loss it was not given); a value in any row group, or a
     footer without null counts, keeps the column out. Absent columns are not listed (the file lacks them)."""
     rows = records(UNEVEN * 4, token_mean)
-    full = pa.schema([WRITER_SCHEMA.field(n) for n in [*rows[0], "reported_loss", "positions", "sync", "token_weight_sum"]])
-    valued = [dict(r, reported_loss=2.0 if index == len(rows) - 1 else None, positions=None,
-                   sync=True, token_weight_sum=None) for index, r in enumerate(rows)]
+    full = pa.schema(
+        [WRITER_SCHEMA.field(n) for n in [*rows[0], "reported_loss", "positions", "sync", "token_weight_sum"]]
+    )
+    valued = [
+        dict(r, reported_loss=2.0 if index == len(rows) - 1 else None, positions=None, sync=True, token_weight_sum=None)
+        for index, r in enumerate(rows)
+    ]
     table = pa.Table.from_pylist(valued, schema=full)
     path = tmp_path / "groups.parquet"
     pq.write_table(table, path, row_group_size=5)  # the one reported loss sits in the last row group
@@ -490,23 +549,47 @@ def test_a_one_row_shard_gives_its_record_from_its_footer_only_where_it_is_exact
     import math
     import struct
 
-    base = {"step": pa.array([7], pa.uint16()), "micro": pa.array([0], pa.int8()), "rank": pa.array([3], pa.int32()),
-            "world_size": pa.array([4], pa.uint64()), "loss_sum": pa.array([0.1], pa.float32()),
-            "valid_tokens": pa.array([9], pa.int64()), "backward_scalar": pa.array([-2.5e-300]),
-            "run_id": pa.array(["rün ∑"]).dictionary_encode(), "grad_divisor": pa.array([3], pa.int64()),
-            "reported_loss": pa.array([None], pa.float64()), "sync": pa.array([False]),
-            "time": pa.array([1_700_000_000_123_456], pa.timestamp("us", tz="UTC")),
-            "positions": pa.array([None], pa.int64()), "masked_weight_abs_sum": pa.array([-0.0])}
+    base = {
+        "step": pa.array([7], pa.uint16()),
+        "micro": pa.array([0], pa.int8()),
+        "rank": pa.array([3], pa.int32()),
+        "world_size": pa.array([4], pa.uint64()),
+        "loss_sum": pa.array([0.1], pa.float32()),
+        "valid_tokens": pa.array([9], pa.int64()),
+        "backward_scalar": pa.array([-2.5e-300]),
+        "run_id": pa.array(["rün ∑"]).dictionary_encode(),
+        "grad_divisor": pa.array([3], pa.int64()),
+        "reported_loss": pa.array([None], pa.float64()),
+        "sync": pa.array([False]),
+        "time": pa.array([1_700_000_000_123_456], pa.timestamp("us", tz="UTC")),
+        "positions": pa.array([None], pa.int64()),
+        "masked_weight_abs_sum": pa.array([-0.0]),
+    }
     path = tmp_path / "one.parquet"
     pq.write_table(pa.table(base), path)
     shard = inspect_shard(path)
     assert [name for name, _ in shard.signature] == list(base)
     assert shard.record is not None
-    expected = [7, 0, 3, 4, struct.unpack("f", struct.pack("f", 0.1))[0], 9, -2.5e-300, "rün ∑", 3, None, False,
-                1_700_000_000_123_456, None, 0.0]
+    expected = [
+        7,
+        0,
+        3,
+        4,
+        struct.unpack("f", struct.pack("f", 0.1))[0],
+        9,
+        -2.5e-300,
+        "rün ∑",
+        3,
+        None,
+        False,
+        1_700_000_000_123_456,
+        None,
+        0.0,
+    ]
     assert [type(v) for v in shard.record] == [type(v) for v in expected]
     assert [struct.pack("d", v) if isinstance(v, float) else v for v in shard.record] == [
-        struct.pack("d", v) if isinstance(v, float) else v for v in expected]
+        struct.pack("d", v) if isinstance(v, float) else v for v in expected
+    ]
     ns = dict(base, time=pa.array([1_700_000_000_123_456_789], pa.timestamp("ns")))
     pq.write_table(pa.table(ns), path)
     assert inspect_shard(path).record[11] == 1_700_000_000_123_456_789  # type: ignore[index]
@@ -540,11 +623,14 @@ def test_a_half_float_divisor_is_accepted_and_audited_as_its_values(tmp_path: Pa
         pq.write_table(table.append_column("grad_divisor", divisors), tmp_path / folder / "run" / "a.parquet")
     half, double = audit([tmp_path / "half"]), audit([tmp_path / "double"])
     assert half.problems == [] and half.runs[0].steps == len(UNEVEN)
-    assert render_json(half).replace(str(tmp_path / "half"), "") == render_json(double).replace(str(tmp_path / "double"), "")
+    assert render_json(half).replace(str(tmp_path / "half"), "") == render_json(double).replace(
+        str(tmp_path / "double"), ""
+    )
 
 
-def test_a_one_row_shard_is_validated_from_its_record_as_from_its_statistics(tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_one_row_shard_is_validated_from_its_record_as_from_its_statistics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A one-row file whose record its footer gives (`Shard.record`) is validated from that record
     (`_record_stats`) instead of its statistics read again: the shard (ranges, names, columns of nulls
     only) and every problem are what the statistics give, for good files and for each kind of bad value."""
@@ -580,8 +666,11 @@ def test_a_one_row_shard_is_validated_from_its_record_as_from_its_statistics(tmp
     paths = [*sorted(folder.glob("*.parquet")), huge]
     from_records = [inspected(path) for path in paths]
     assert sum(isinstance(r, str) for r in from_records) == 8
-    assert all(inspect_shard(p, thorough=False).record is not None for p, r in zip(paths, from_records)
-               if not isinstance(r, str))
+    assert all(
+        inspect_shard(p, thorough=False).record is not None
+        for p, r in zip(paths, from_records)
+        if not isinstance(r, str)
+    )
     monkeypatch.setattr(reader, "footer_record", lambda *args: None)
     assert [inspected(path) for path in paths] == from_records
 
@@ -610,11 +699,13 @@ def test_a_folder_of_only_unusable_files_is_not_also_called_empty(tmp_path: Path
     files, problems = discover(["run"])
     assert files == []
     assert [(p.path, p.problem) for p in problems] == [
-        (str(tmp_path / "run" / "dangling.parquet"), "a link to nothing (dangling symlink)")]
+        (str(tmp_path / "run" / "dangling.parquet"), "a link to nothing (dangling symlink)")
+    ]
 
 
 def test_a_local_footer_read_from_the_file_s_last_bytes_gives_what_pyarrow_s_reader_gives(
-        tmp_path: Path, monkeypatch: Any) -> None:
+    tmp_path: Path, monkeypatch: Any
+) -> None:
     """A local file's footer is read with one pread of its end and parsed from memory (`local_footer`):
     every file below (a good run, Arrow types a writer stored, a footer longer than one read, bad files of
     every kind) gives the shard, or the problem, that pyarrow's reader of the file gives, and its schema."""
@@ -626,9 +717,12 @@ def test_a_local_footer_read_from_the_file_s_last_bytes_gives_what_pyarrow_s_rea
     bad_files(folder / "bad")
     rows = [dict(r, run_id="run") for r in records(UNEVEN, token_mean)]
     table = pa.Table.from_pylist(rows)
-    typed = table.set_column(table.schema.get_field_index("run_id"), "run_id",
-                             table["run_id"].dictionary_encode()).append_column(
-        pa.field("time", pa.timestamp("us", tz="Asia/Tokyo")), pa.array([0] * len(rows), pa.timestamp("us", tz="Asia/Tokyo")))
+    typed = table.set_column(
+        table.schema.get_field_index("run_id"), "run_id", table["run_id"].dictionary_encode()
+    ).append_column(
+        pa.field("time", pa.timestamp("us", tz="Asia/Tokyo")),
+        pa.array([0] * len(rows), pa.timestamp("us", tz="Asia/Tokyo")),
+    )
     pq.write_table(typed, folder / "typed.parquet")
     long = folder / "long-footer.parquet"
     pq.write_table(table.replace_schema_metadata({"note": "x" * 3 * footers.TAIL_BYTES}), long)

@@ -14,7 +14,7 @@ from tokaudit._sorting import SortedColumn
 def _column(values: np.ndarray, keys: np.ndarray, part: int) -> SortedColumn:
     column = SortedColumn()
     for start in range(0, len(values), part):
-        column.add(values[start:start + part], keys[start:start + part])
+        column.add(values[start : start + part], keys[start : start + part])
     return column
 
 
@@ -44,14 +44,17 @@ def test_runs_on_disk_read_back_as_the_column_sorted(monkeypatch: pytest.MonkeyP
     order = np.argsort(values[finite], kind="stable")
     np.testing.assert_array_equal(got_values, values[finite][order])
     # each value keeps its own key: equal values may meet in another order only at a merge's frontier
-    assert sorted(zip(got_values.tolist(), got_keys.tolist())) == sorted(zip(values[finite].tolist(), keys[finite].tolist()))
+    assert sorted(zip(got_values.tolist(), got_keys.tolist())) == sorted(
+        zip(values[finite].tolist(), keys[finite].tolist())
+    )
     assert (spilled.count, spilled.nan, spilled.low, spilled.high) == (whole.count, whole.nan, whole.low, whole.high)
     spilled.close()
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_clusters_and_medians_from_disk_are_those_of_the_column_in_memory(monkeypatch: pytest.MonkeyPatch,
-                                                                         seed: int) -> None:
+def test_clusters_and_medians_from_disk_are_those_of_the_column_in_memory(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
     """The vote's clusters of α, the uniform factors' (cluster, W) medians and the unknown divisor's median
     q, from runs on disk: the same numbers, bit for bit, as from the column held whole."""
     from tokaudit._checks.base import median_of
@@ -66,8 +69,18 @@ def test_clusters_and_medians_from_disk_are_those_of_the_column_in_memory(monkey
 
     def results() -> tuple[object, ...]:
         anchors, medians = clusters_of(_column(values, keys, 11), 1e-4)
-        bounds, pairs, counts, centers = factor_pairs(_column(values[~np.isnan(values)], keys[~np.isnan(values)], 11), 1e-4)
-        return (anchors.tolist(), medians, bounds.tolist(), pairs, counts, centers, median_of(_column(values, keys, 11)))
+        bounds, pairs, counts, centers = factor_pairs(
+            _column(values[~np.isnan(values)], keys[~np.isnan(values)], 11), 1e-4
+        )
+        return (
+            anchors.tolist(),
+            medians,
+            bounds.tolist(),
+            pairs,
+            counts,
+            centers,
+            median_of(_column(values, keys, 11)),
+        )
 
     whole = results()
     monkeypatch.setattr(sorting, "RUN_VALUES", int(rng.integers(3, 30)))

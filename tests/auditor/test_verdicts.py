@@ -32,7 +32,7 @@ def scaled(rows: list[dict[str, Any]], scale: Any) -> list[dict[str, Any]]:
 
 
 def test_an_unrecorded_loss_scale_is_inconclusive_and_a_recorded_one_is_correct(tmp_path: Path) -> None:
-    dynamic = scaled(records(UNEVEN_GA * 2, token_mean), lambda step: 2.0 ** 16 if step < 3 else 2.0 ** 15)
+    dynamic = scaled(records(UNEVEN_GA * 2, token_mean), lambda step: 2.0**16 if step < 3 else 2.0**15)
     report = audit_rows(tmp_path / "untold", dynamic)
     finding = only(report, Code.LOSS_SCALE)
     assert finding.severity == Severity.WARNING and finding.steps.count == 6
@@ -40,7 +40,7 @@ def test_an_unrecorded_loss_scale_is_inconclusive_and_a_recorded_one_is_correct(
     assert "Recorder(..., scaler=scaler)" in finding.fix
     assert codes(report) == {"loss_scale"} and verdict(report) == "inconclusive"
 
-    told = [dict(row, grad_scale=1 / (2.0 ** 16 if row["step"] < 3 else 2.0 ** 15)) for row in dynamic]
+    told = [dict(row, grad_scale=1 / (2.0**16 if row["step"] < 3 else 2.0**15)) for row in dynamic]
     report = audit_rows(tmp_path / "told", told)
     assert report.findings == [] and verdict(report) == "correct"
 
@@ -61,8 +61,9 @@ def test_a_skipped_update_with_non_finite_values_is_not_an_error(tmp_path: Path)
 
 def test_loss_terms_are_audited_each_on_its_own(tmp_path: Path) -> None:
     main = records(UNEVEN_GA, token_mean, term="0")
-    aux = [dict(row, term="aux", loss_sum=row["loss_sum"] / 3, backward_scalar=row["backward_scalar"] / 3)
-           for row in main]  # W·S_aux/N over the same tokens
+    aux = [
+        dict(row, term="aux", loss_sum=row["loss_sum"] / 3, backward_scalar=row["backward_scalar"] / 3) for row in main
+    ]  # W·S_aux/N over the same tokens
     report = audit_rows(tmp_path / "ok", main + aux)
     assert report.findings == [] and verdict(report) == "correct"
     assert report.runs[0].terms == ["0", "aux"]
@@ -82,8 +83,9 @@ def test_an_unseen_divisor_is_never_correct_but_local_means_still_show(tmp_path:
     for name, scalar in (("right_for_a_sum", lambda S, N, **_: S / N), ("right_for_an_average", token_mean)):
         report = audit_rows(tmp_path / name, records(UNEVEN_GA, scalar, divisor_known=False))
         assert codes(report) == {"unknown_divisor"} and verdict(report) == "inconclusive", name
-    finding = only(audit_rows(tmp_path / "w", records(UNEVEN_GA, token_mean, divisor_known=False)),
-                   Code.UNKNOWN_DIVISOR)
+    finding = only(
+        audit_rows(tmp_path / "w", records(UNEVEN_GA, token_mean, divisor_known=False)), Code.UNKNOWN_DIVISOR
+    )
     assert finding.evidence["distortion_if_average"] == pytest.approx(1.0)
     assert finding.evidence["distortion_if_sum"] == pytest.approx(2.0)
     report = audit_rows(tmp_path / "local", records(UNEVEN_GA, local_mean, divisor_known=False))
@@ -114,8 +116,10 @@ def test_a_mean_per_microbatch_divided_by_m_reads_in_the_users_words(tmp_path: P
 
 
 def test_a_rounded_logged_loss_is_not_a_mismatch(tmp_path: Path) -> None:
-    rows = [dict(row, loss_sum=row["loss_sum"] / 12.3456789, backward_scalar=row["backward_scalar"] / 12.3456789)
-            for row in records(UNEVEN, token_mean)]  # losses near 0.18
+    rows = [
+        dict(row, loss_sum=row["loss_sum"] / 12.3456789, backward_scalar=row["backward_scalar"] / 12.3456789)
+        for row in records(UNEVEN, token_mean)
+    ]  # losses near 0.18
     for row in rows:
         step_rows = [r for r in rows if r["step"] == row["step"]]
         truth = sum(r["loss_sum"] for r in step_rows) / sum(r["valid_tokens"] for r in step_rows)
@@ -143,7 +147,7 @@ def test_a_noisy_bf16_log_at_a_wide_rtol_is_one_finding_and_one_segment(tmp_path
     counts = [[[int(rng.integers(1, 400))], [int(rng.integers(1, 400))]] for _ in range(30)]
     rows = records(counts, local_mean)
     for row in rows:  # b and S rounded to bfloat16's 8 bits of mantissa
-        row["backward_scalar"] *= 1 + rng.uniform(-2 ** -8, 2 ** -8)
+        row["backward_scalar"] *= 1 + rng.uniform(-(2**-8), 2**-8)
     report = audit_rows(tmp_path, rows, rtol=1e-2)
     assert codes(report) == {"local_mean"} and only(report, Code.LOCAL_MEAN).steps.count == 30
     assert len(report.runs[0].segments) == 1
@@ -185,11 +189,20 @@ def test_a_long_run_with_a_constant_per_step_mistake_is_one_finding(tmp_path: Pa
     for rank in range(2):
         n = counts[:, rank]
         loss = n * 2.3
-        pq.write_table(pa.table({
-            "step": pa.array(np.arange(steps), pa.int64()), "micro": pa.array(np.zeros(steps), pa.int32()),
-            "rank": pa.array(np.full(steps, rank), pa.int32()), "world_size": pa.array(np.full(steps, 2), pa.int32()),
-            "loss_sum": loss, "valid_tokens": pa.array(n, pa.int64()),
-            "backward_scalar": 2 * loss / (tokens + 4)}), folder / f"rank-{rank:05d}-000000.parquet")
+        pq.write_table(
+            pa.table(
+                {
+                    "step": pa.array(np.arange(steps), pa.int64()),
+                    "micro": pa.array(np.zeros(steps), pa.int32()),
+                    "rank": pa.array(np.full(steps, rank), pa.int32()),
+                    "world_size": pa.array(np.full(steps, 2), pa.int32()),
+                    "loss_sum": loss,
+                    "valid_tokens": pa.array(n, pa.int64()),
+                    "backward_scalar": 2 * loss / (tokens + 4),
+                }
+            ),
+            folder / f"rank-{rank:05d}-000000.parquet",
+        )
     report = audit([folder])
     (finding,) = report.findings
     assert finding.code == Code.SCALE_MISMATCH and finding.steps.count == steps
@@ -209,7 +222,9 @@ def test_the_gate_and_the_summary_read_one_weight_ratio(tmp_path: Path) -> None:
     rows = records(UNEVEN_GA, local_mean)
     for row in rows:
         mean = row["backward_scalar"] / row["loss_sum"]  # c = b/S, each valid token's mean weight
-        row.update(token_weight_sum=mean * row["valid_tokens"], token_weight_min=0.5 * mean, token_weight_max=2.0 * mean)
+        row.update(
+            token_weight_sum=mean * row["valid_tokens"], token_weight_min=0.5 * mean, token_weight_max=2.0 * mean
+        )
     log = write_by_rank(tmp_path / "run", rows)
     report = audit([log])
     (finding,) = [f for f in report.findings if f.code.value == "local_mean"]

@@ -28,15 +28,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("variant, correct, codes", [("token_mean", True, set()),
-                                                     ("local_mean", False, {"local_mean"})])
+@pytest.mark.parametrize(
+    "variant, correct, codes", [("token_mean", True, set()), ("local_mean", False, {"local_mean"})]
+)
 def test_the_verdict_follows_the_float64_reference(runs: Path, variant: str, correct: bool, codes: set[str]) -> None:
     history: list[dict[str, Any]] = torch.load(runs / f"{variant}.pt")
-    scenario = Scenario(name=variant, strategy="token_mean", world_size=2, counts=COUNTS, correct=correct,
-                        description="")
-    agree = [all(torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in
-                 zip(record["grads"], reference_gradient(record["before"], scenario, step, [0, 1]), strict=True))
-             for step, record in enumerate(history)]
+    scenario = Scenario(
+        name=variant, strategy="token_mean", world_size=2, counts=COUNTS, correct=correct, description=""
+    )
+    agree = [
+        all(
+            torch.allclose(g, w, rtol=1e-9, atol=1e-12)
+            for g, w in zip(record["grads"], reference_gradient(record["before"], scenario, step, [0, 1]), strict=True)
+        )
+        for step, record in enumerate(history)
+    ]
     assert agree == [correct] * len(COUNTS)
     report = audit([runs / f"accelerate_{variant}"])
     (run,) = report.runs

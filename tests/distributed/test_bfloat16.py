@@ -61,14 +61,16 @@ def bf16_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
 
 
 @pytest.mark.parametrize("variant, correct", [("token_mean", True), ("local_mean", False)])
-def test_a_loss_computed_in_bfloat16_is_judged_at_bfloat16_precision(bf16_runs: Any, variant: str,
-                                                                    correct: bool) -> None:
+def test_a_loss_computed_in_bfloat16_is_judged_at_bfloat16_precision(
+    bf16_runs: Any, variant: str, correct: bool
+) -> None:
     from tests.logs import read_rows
     from tokaudit._auditing import audit
 
     root, runs = bf16_runs
-    scenario = Scenario(name=variant, strategy="token_mean", world_size=2, counts=COUNTS, correct=correct,
-                        description="")
+    scenario = Scenario(
+        name=variant, strategy="token_mean", world_size=2, counts=COUNTS, correct=correct, description=""
+    )
     for history in runs[variant]:
         for step, record in enumerate(history):
             want = reference_gradient(record["before"], scenario, step, [0, 1])  # float64 token mean

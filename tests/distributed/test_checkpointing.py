@@ -22,8 +22,9 @@ pytestmark = pytest.mark.distributed
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 def test_a_checkpointed_probe_measures_its_own_record(tmp_path: Path, reentrant: bool) -> None:
     (ranks,) = run_ddp_each(job, 2, [reentrant], str(tmp_path))
-    scenario = Scenario(name="ckpt", strategy="token_mean", world_size=2, counts=COUNTS, correct=True,
-                        description="checkpointed")
+    scenario = Scenario(
+        name="ckpt", strategy="token_mean", world_size=2, counts=COUNTS, correct=True, description="checkpointed"
+    )
     for step in range(len(COUNTS)):
         record = ranks[0]["history"][step]
         want = reference_gradient(record["before"], scenario, step, [0, 1])

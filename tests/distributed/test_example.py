@@ -28,8 +28,12 @@ def test_the_fixed_example_is_correct_and_the_mistake_is_caught(tmp_path: Path) 
         launch(*readme, "--log-dir", str(tmp_path / "broken"), "--run-id", "broken", "--mistake", "local-mean")
     finally:
         finished(fixed)
-    done = subprocess.run([sys.executable, "-m", "tokaudit.cli", "check", str(tmp_path / "fixed"), "--format", "json"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "tokaudit.cli", "check", str(tmp_path / "fixed"), "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     report = json.loads(done.stdout)
     assert done.returncode == 0 and report["runs"][0]["verdict"] == "correct" and report["findings"] == []
     assert report["runs"][0]["steps"] == 10 and report["runs"][0]["ranks"] == 2

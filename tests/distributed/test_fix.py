@@ -39,9 +39,14 @@ def fix_job(rank: int, world_size: int, reduction: str) -> list[dict[str, Any]]:
                 loss_sum = (per_token_loss(ddp, tokens, labels) * valid).sum()
                 token_mean_loss(loss_sum, tokens_n, reduction=reduction).backward()
             local_sum += loss_sum.detach()
-        out.append({"tokens": int(tokens_n), "empty": is_empty_update(tokens_n),
-                    "reported": float(reported_token_mean(local_sum, tokens_n)),
-                    "grads": [p.grad.detach().clone() for p in model.parameters()]})  # type: ignore[union-attr]
+        out.append(
+            {
+                "tokens": int(tokens_n),
+                "empty": is_empty_update(tokens_n),
+                "reported": float(reported_token_mean(local_sum, tokens_n)),
+                "grads": [p.grad.detach().clone() for p in model.parameters()],
+            }
+        )  # type: ignore[union-attr]
         ddp.zero_grad(set_to_none=True)
     dist.barrier()
     del ddp, model
@@ -59,8 +64,11 @@ def test_fix_matches_the_token_mean_reference(reduction: str) -> None:
         expected = reference_gradient(params, scenario, step, [0, 1, 2])
         model = make_model()
         with torch.no_grad():
-            sums = [float((per_token_loss(model, *microbatch(step, r, m, n)[:2]) * microbatch(step, r, m, n)[2]).sum())
-                    for r in range(3) for m, n in enumerate(step_counts[r])]
+            sums = [
+                float((per_token_loss(model, *microbatch(step, r, m, n)[:2]) * microbatch(step, r, m, n)[2]).sum())
+                for r in range(3)
+                for m, n in enumerate(step_counts[r])
+            ]
         for rank_result in results:
             record = rank_result[step]
             assert record["tokens"] == expected_tokens

@@ -62,23 +62,30 @@ def fsdp_job(rank: int, world_size: int, log_dir: str, variant: str) -> list[dic
 @pytest.fixture(scope="session")
 def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[Any]]]:
     root = tmp_path_factory.mktemp("fsdp2")
-    return root, {variant: run_ddp(fsdp_job, 2, str(root), variant, timeout=120)
-                  for variant in ("token_mean", "sum_factor", "sum_factor_wrong", "local_mean")}
+    return root, {
+        variant: run_ddp(fsdp_job, 2, str(root), variant, timeout=120)
+        for variant in ("token_mean", "sum_factor", "sum_factor_wrong", "local_mean")
+    }
 
 
-@pytest.mark.parametrize("variant, divisor, correct, codes", [
-    ("token_mean", 2.0, True, set()),
-    ("sum_factor", 1.0, True, set()),
-    ("sum_factor_wrong", 1.0, False, {"world_size_mismatch"}),  # W·S/N into a sum: W× too large
-    ("local_mean", 2.0, False, {"local_mean"}),
-])
-def test_fsdp2_divisor_is_read_and_the_verdict_follows_the_reference(fsdp_runs: Any, variant: str, divisor: float,
-                                                                     correct: bool, codes: set[str]) -> None:
+@pytest.mark.parametrize(
+    "variant, divisor, correct, codes",
+    [
+        ("token_mean", 2.0, True, set()),
+        ("sum_factor", 1.0, True, set()),
+        ("sum_factor_wrong", 1.0, False, {"world_size_mismatch"}),  # W·S/N into a sum: W× too large
+        ("local_mean", 2.0, False, {"local_mean"}),
+    ],
+)
+def test_fsdp2_divisor_is_read_and_the_verdict_follows_the_reference(
+    fsdp_runs: Any, variant: str, divisor: float, correct: bool, codes: set[str]
+) -> None:
     from tokaudit._auditing import audit
 
     root, runs = fsdp_runs
-    scenario = Scenario(name=variant, strategy="token_mean", world_size=2, counts=COUNTS, correct=correct,
-                        description="")
+    scenario = Scenario(
+        name=variant, strategy="token_mean", world_size=2, counts=COUNTS, correct=correct, description=""
+    )
     for result in runs[variant]:
         assert result[0]["divisor"] == divisor, "D read from the FSDP2 module"
         for step, record in enumerate(result[1:]):

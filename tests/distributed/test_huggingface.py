@@ -19,10 +19,27 @@ def tiny_model(family: str) -> Any:
     from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
 
     if family == "bert":
-        return BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                          num_attention_heads=2, max_position_embeddings=32))
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+        return BertForMaskedLM(
+            BertConfig(
+                vocab_size=64,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                max_position_embeddings=32,
+            )
+        )
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+    )
 
 
 def make_trainer(rank: int, log_dir: str, average_tokens: bool, family: str = "llama", smoothing: float = 0.0) -> Any:
@@ -34,11 +51,23 @@ def make_trainer(rank: int, log_dir: str, average_tokens: bool, family: str = "l
     torch.manual_seed(0)
     model = tiny_model(family)
     distributed = {"ddp_backend": "gloo", "ddp_find_unused_parameters": False} if "RANK" in os.environ else {}
-    args = TrainingArguments(output_dir=f"{log_dir}/out-{rank}", use_cpu=True, per_device_train_batch_size=2,
-                             gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3, logging_steps=1,
-                             report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
-                             average_tokens_across_devices=average_tokens, dataloader_num_workers=0,
-                             label_smoothing_factor=smoothing, **distributed)
+    args = TrainingArguments(
+        output_dir=f"{log_dir}/out-{rank}",
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        average_tokens_across_devices=average_tokens,
+        dataloader_num_workers=0,
+        label_smoothing_factor=smoothing,
+        **distributed,
+    )
     return Trainer(model=model, args=args, train_dataset=padded_sequences())
 
 
@@ -57,8 +86,15 @@ def trained_parameters(rank: int, log_dir: str, family: str, attached: bool, smo
 def attach_changes_nothing_job(rank: int, world_size: int, log_dir: str, family: str) -> None:
     import torch
 
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+        }
+    )
     plain = trained_parameters(rank, f"{log_dir}/plain", family, attached=False)
     recorded = trained_parameters(rank, log_dir, family, attached=True)
     assert all(torch.equal(a, b) for a, b in zip(plain, recorded)), "the attach changed the training"
@@ -68,15 +104,22 @@ def scaler_job(rank: int, world_size: int, log_dir: str) -> None:
     """Llama with average_tokens_across_devices=True under fp16's GradScaler, step 1 overflowing on rank 0."""
     import torch
 
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+        }
+    )
     from tokaudit.hooks.huggingface import TokauditCallback
 
     trainer = make_trainer(rank, log_dir, True)
     model = trainer.model
     # fp16 on CPU: Accelerate builds no GradScaler there, so give the Trainer the one it builds on a
     # GPU, before train() (prepare() hands it to the optimizer). Then overflow step 1 on rank 0.
-    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     forwards = {"count": 0}
 
     def overflow(module: Any, inputs: Any, output: torch.Tensor) -> None:
@@ -101,8 +144,15 @@ def hf_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-MATRIX_CELLS = ("llama", "llama-no-average", "bert", "gpt2", "trl-sft-completion", "trl-sft-packing",
-                "lightning-token-mean")
+MATRIX_CELLS = (
+    "llama",
+    "llama-no-average",
+    "bert",
+    "gpt2",
+    "trl-sft-completion",
+    "trl-sft-packing",
+    "lightning-token-mean",
+)
 """The cells of docs/trainer-matrix.md run here (`python scripts/trainer_matrix.py` runs them all)."""
 
 
@@ -168,10 +218,12 @@ def test_trainer_on_a_bert_style_model_trains_unchanged_and_is_audited(hf_logs: 
     assert run.steps == 4 and run.ranks == 2 and run.microbatches == 2 and run.verdict == "incorrect"
 
 
-@pytest.mark.parametrize("family, smoothing, verdict", [("llama", 0.0, "correct"), ("bert", 0.0, "incorrect"),
-                                                        ("llama", 0.1, "correct")])
-def test_single_process_trainer_trains_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str,
-                                                 smoothing: float, verdict: str) -> None:
+@pytest.mark.parametrize(
+    "family, smoothing, verdict", [("llama", 0.0, "correct"), ("bert", 0.0, "incorrect"), ("llama", 0.1, "correct")]
+)
+def test_single_process_trainer_trains_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str, smoothing: float, verdict: str
+) -> None:
     """One process, no torchrun: the Trainer scales the loss in place (`loss *= 1`), on BERT the raw
     cross-entropy output; nothing crashes or changes. Llama divides a sum by num_items_in_batch (right);
     BERT returns each microbatch's mean, not divided by the accumulation steps (wrong). With label smoothing
@@ -206,12 +258,13 @@ def test_trainer_under_a_grad_scaler_is_correct_and_its_overflow_is_a_skipped_st
     rows = read_rows(hf_logs / "fp16_scaler")
     assert {row["step"] for row in rows if row["skipped"]} == {1}, "the Trainer counts the skipped update as a step"
     # The callback found the Trainer's scaler: 2^16, halved by the overflow.
-    assert {row["grad_scale"] for row in rows if row["step"] <= 1} == {2.0 ** -16}
-    assert {row["grad_scale"] for row in rows if row["step"] >= 2} == {2.0 ** -15}
+    assert {row["grad_scale"] for row in rows if row["step"] <= 1} == {2.0**-16}
+    assert {row["grad_scale"] for row in rows if row["step"] >= 2} == {2.0**-15}
 
 
-def test_two_experiments_in_one_folder_are_two_runs_named_after_the_trainer(tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_experiments_in_one_folder_are_two_runs_named_after_the_trainer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`TokauditCallback.attach(trainer, "runs")` as the README shows it, twice into one folder: the run is named
     after TrainingArguments.run_name, so the second experiment (average_tokens_across_devices=False) is a run of
     its own with its own verdict, never merged into the first (one process: both count N alike, both right)."""

@@ -20,8 +20,16 @@ def lightning_job(rank: int, world_size: int, log_dir: str, fp16_scaler: bool = 
     from torch.utils.data import DataLoader, Dataset
 
     # As torchrun would set them: Lightning then joins the existing process group instead of launching.
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "NODE_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29555",
+        }
+    )
     import lightning as L
 
     from tokaudit.hooks.lightning import TokauditLightningCallback
@@ -57,11 +65,20 @@ def lightning_job(rank: int, world_size: int, log_dir: str, fp16_scaler: bool = 
     if fp16_scaler:
         from lightning.pytorch.plugins import MixedPrecision
 
-        plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 16))]
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy="ddp", max_steps=3,
-                        accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, plugins=plugins,
-                        callbacks=[TokauditLightningCallback(log_dir, run_id="lightning")])  # the one line
+        plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16))]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy="ddp",
+        max_steps=3,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=plugins,
+        callbacks=[TokauditLightningCallback(log_dir, run_id="lightning")],
+    )  # the one line
     trainer.fit(TinyLM(), DataLoader(Padded(), batch_size=2, shuffle=False))
     del trainer
     gc.collect()
@@ -91,4 +108,4 @@ def test_lightning_16_mixed_divides_its_loss_scale_out(tmp_path: Path) -> None:
     codes = {f.code.value for f in report.findings}
     assert "loss_scale" not in codes and "local_mean" in codes, codes  # the same mistake, no false alarm
     rows = read_rows(tmp_path / "lightning")
-    assert {row["grad_scale"] for row in rows} == {2.0 ** -16}
+    assert {row["grad_scale"] for row in rows} == {2.0**-16}

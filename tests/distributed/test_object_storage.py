@@ -37,12 +37,16 @@ def test_the_recorder_writes_to_s3_from_a_ddp_run(endpoint: dict[str, str], tmp_
     keys = sorted(o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="written")["Contents"])
     assert keys == ["runs/bug_local_mean/rank-00000-000000.parquet", "runs/bug_local_mean/rank-00001-000000.parquet"]
     remote, local = audit(["s3://written/runs"]), audit([tmp_path])
-    assert [f.code.value for f in remote.findings] == [f.code.value for f in local.findings] == \
-        ["local_mean", "reported_loss_mismatch"]
+    assert (
+        [f.code.value for f in remote.findings]
+        == [f.code.value for f in local.findings]
+        == ["local_mean", "reported_loss_mismatch"]
+    )
     assert [r.verdict for r in remote.runs] == ["incorrect"]
     # A resumed writer of the same rank takes the next free name instead of replacing a shard.
     run_ddp(recorded_job, 2, endpoint, "s3://written/runs")
     keys = sorted(o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="written")["Contents"])
-    assert keys[-2:] == ["runs/bug_local_mean/rank-00001-000000.parquet", "runs/bug_local_mean/rank-00001-000001.parquet"]
-
-
+    assert keys[-2:] == [
+        "runs/bug_local_mean/rank-00001-000000.parquet",
+        "runs/bug_local_mean/rank-00001-000001.parquet",
+    ]

@@ -22,16 +22,23 @@ pytestmark = pytest.mark.distributed
 
 # name: (set-up, the codes tokaudit must find); correct set-ups have none
 SETUPS: dict[str, tuple[PipelineSetup, set[str]]] = {
-    s.name: (s, codes) for s, codes in [
+    s.name: (s, codes)
+    for s, codes in [
         (PipelineSetup("gpipe_sum", "gpipe", scale_grads=False, calls=1, loss="sum_over_n"), set()),
         (PipelineSetup("gpipe_scaled", "gpipe", scale_grads=True, calls=1, loss="scaled"), set()),
-        (PipelineSetup("gpipe_divided_twice", "gpipe", scale_grads=True, calls=1, loss="sum_over_n"),
-         {"schedule_rescaled"}),
+        (
+            PipelineSetup("gpipe_divided_twice", "gpipe", scale_grads=True, calls=1, loss="sum_over_n"),
+            {"schedule_rescaled"},
+        ),
         (PipelineSetup("1f1b_accumulated", "1f1b", scale_grads=False, calls=2, loss="sum_over_n"), set()),
-        (PipelineSetup("1f1b_accumulated_divided", "1f1b", scale_grads=True, calls=2, loss="sum_over_n"),
-         {"schedule_rescaled"}),
-        (PipelineSetup("gpipe_captured_mean", "gpipe", scale_grads=True, calls=1, loss="captured_mean"),
-         {"local_mean"}),
+        (
+            PipelineSetup("1f1b_accumulated_divided", "1f1b", scale_grads=True, calls=2, loss="sum_over_n"),
+            {"schedule_rescaled"},
+        ),
+        (
+            PipelineSetup("gpipe_captured_mean", "gpipe", scale_grads=True, calls=1, loss="captured_mean"),
+            {"local_mean"},
+        ),
     ]
 }
 

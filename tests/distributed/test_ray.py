@@ -36,9 +36,28 @@ def cluster() -> Iterator[str]:
     folder = tempfile.mkdtemp(prefix="tray", dir="/tmp")
     port = _free_port()
     environment = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    started = subprocess.run([str(ray), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
-                              "--num-cpus", "2", "--temp-dir", folder, "--include-dashboard", "false",
-                              "--disable-usage-stats"], env=environment, capture_output=True, text=True, timeout=120)
+    started = subprocess.run(
+        [
+            str(ray),
+            "start",
+            "--head",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num-cpus",
+            "2",
+            "--temp-dir",
+            folder,
+            "--include-dashboard",
+            "false",
+            "--disable-usage-stats",
+        ],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     try:
         assert started.returncode == 0, started.stderr
         yield f"127.0.0.1:{port}"
@@ -54,15 +73,17 @@ def _json(paths: list[Path], **kwargs: object) -> str:
     return render_json(audit([str(p) for p in paths], **kwargs))  # type: ignore[arg-type]
 
 
-def test_the_cluster_s_report_is_the_one_process_s(cluster: str, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cluster_s_report_is_the_one_process_s(
+    cluster: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """sample_logs/ and a bench log cut into several step ranges (planted local means, duplicates), each range
     aggregated on a worker: the same JSON as one process."""
     from tests.logs import bench_synthetic
 
     bench = tmp_path / "bench"
-    bench_synthetic().write_log(bench / "run", ranks=8, steps=600, micro=2, steps_per_file=100, ranks_per_file=4,
-                                local_mean_every=2)
+    bench_synthetic().write_log(
+        bench / "run", ranks=8, steps=600, micro=2, steps_per_file=100, ranks_per_file=4, local_mean_every=2
+    )
     shutil.copy(next((bench / "run").glob("*.parquet")), bench / "run" / "zz-copy.parquet")  # repeated keys
     monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "2000")  # several ranges
     for log in (ROOT / "sample_logs", bench):
@@ -75,13 +96,15 @@ def test_the_command_line_takes_the_cluster_from_ray_address(cluster: str) -> No
     from tokaudit.cli import main
 
     alone = CliRunner().invoke(main, ["check", str(ROOT / "sample_logs"), "--format", "json"])
-    here = CliRunner().invoke(main, ["check", str(ROOT / "sample_logs"), "--format", "json", "--ray"],
-                              env={"RAY_ADDRESS": cluster})
+    here = CliRunner().invoke(
+        main, ["check", str(ROOT / "sample_logs"), "--format", "json", "--ray"], env={"RAY_ADDRESS": cluster}
+    )
     assert here.exit_code == alone.exit_code == 1 and here.stdout == alone.stdout
 
 
 def test_a_worker_that_dies_is_replaced_and_one_that_always_dies_ends_the_audit_in_one_line(
-        cluster: str, tmp_path: Path) -> None:
+    cluster: str, tmp_path: Path
+) -> None:
     """A task whose worker process is killed is run again; a task that kills every worker it gets ends the map
     with one line naming its item, never a partial result."""
     from tokaudit._cluster import Cluster
@@ -122,18 +145,29 @@ def test_a_node_with_another_tokaudit_is_refused_in_one_line(cluster: str, monke
 
 def test_a_cluster_that_does_not_answer_and_ray_missing_are_one_line_each(tmp_path: Path) -> None:
     env = {**os.environ, "RAY_ADDRESS": ""}
-    refused = subprocess.run([sys.executable, "-m", "tokaudit", "check", str(ROOT / "sample_logs"), "--ray",
-                              f"127.0.0.1:{_free_port()}"], capture_output=True, text=True, env=env, timeout=60)
+    refused = subprocess.run(
+        [sys.executable, "-m", "tokaudit", "check", str(ROOT / "sample_logs"), "--ray", f"127.0.0.1:{_free_port()}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
     assert "cannot reach the Ray cluster at 127.0.0.1:" in refused.stderr and "Traceback" not in refused.stderr
     # a Python where `import ray` fails
     blocker = tmp_path / "noray"
     (blocker / "ray").mkdir(parents=True)
     (blocker / "ray" / "__init__.py").write_text("raise ImportError('no ray here')\n")
-    missing = subprocess.run([sys.executable, "-m", "tokaudit", "check", str(ROOT / "sample_logs"), "--ray"],
-                             capture_output=True, text=True, env={**env, "PYTHONPATH": str(blocker)}, timeout=60)
+    missing = subprocess.run(
+        [sys.executable, "-m", "tokaudit", "check", str(ROOT / "sample_logs"), "--ray"],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(blocker)},
+        timeout=60,
+    )
     assert missing.returncode == 2 and missing.stderr == (
-        "tokaudit: error: --ray needs Ray on this machine and the cluster's: pip install 'tokaudit[ray]'\n")
+        "tokaudit: error: --ray needs Ray on this machine and the cluster's: pip install 'tokaudit[ray]'\n"
+    )
 
 
 def test_a_path_some_node_cannot_read_is_refused_before_any_work() -> None:

@@ -76,8 +76,11 @@ def test_reduced_gradient_matches_theory_and_reference(recordings: dict[str, Any
         members = result["members"]
         divisor = grad_divisor(scenario, members)
         for step, record in enumerate(result["recorded"]):
-            weights = {(r, m): theory_weight(scenario, r, m, step, members) / divisor
-                       for r in members for m in range(len(scenario.counts[step][r]))}
+            weights = {
+                (r, m): theory_weight(scenario, r, m, step, members) / divisor
+                for r in members
+                for m in range(len(scenario.counts[step][r]))
+            }
             expected = reference_gradient(record["before"], scenario, step, members, weights)
             for got, want in zip(record["grads"], expected, strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
@@ -99,8 +102,9 @@ def test_shards_round_trip_with_probe_weights(recordings: dict[str, Any], scenar
         for column in REQUIRED_COLUMNS:
             assert table.column(column).null_count == 0, (shard.name, column)
         rows.extend(table.to_pylist())
-    expected_rows = sum(len(scenario.counts[s][r]) for s in range(len(scenario.counts))
-                        for r in range(scenario.world_size))
+    expected_rows = sum(
+        len(scenario.counts[s][r]) for s in range(len(scenario.counts)) for r in range(scenario.world_size)
+    )
     assert len(rows) == expected_rows
     by_rank = {result["rank"]: result for result in results}
     model = make_model()
@@ -108,8 +112,11 @@ def test_shards_round_trip_with_probe_weights(recordings: dict[str, Any], scenar
         global_rank = by_rank[0]["members"][row["rank"]] if scenario.dp_size is None else None
         # Under DP subgroups the log's rank is the rank inside the group; find the global one.
         if global_rank is None:
-            global_rank = next(r for r, res in by_rank.items()
-                               if res["members"].index(r) == row["rank"] and _group_of(res["members"]) == row["group"])
+            global_rank = next(
+                r
+                for r, res in by_rank.items()
+                if res["members"].index(r) == row["rank"] and _group_of(res["members"]) == row["group"]
+            )
         members = by_rank[global_rank]["members"]
         step, micro = row["step"], row["micro"]
         n = scenario.counts[step][global_rank][micro]
@@ -119,8 +126,9 @@ def test_shards_round_trip_with_probe_weights(recordings: dict[str, Any], scenar
         assert row["grad_divisor"] == grad_divisor(scenario, members)
         assert row["run_id"] == scenario.name
         assert row["sync"] is (micro == microbatches - 1), "sync is DDP's flag at forward time"
-        assert row["backward_scalar"] == pytest.approx(by_rank[global_rank]["recorded"][step]["scalars"][micro],
-                                                       rel=1e-12, abs=1e-15)
+        assert row["backward_scalar"] == pytest.approx(
+            by_rank[global_rank]["recorded"][step]["scalars"][micro], rel=1e-12, abs=1e-15
+        )
         with torch.no_grad():
             for target, source in zip(model.parameters(), by_rank[global_rank]["recorded"][step]["before"]):
                 target.copy_(source)
@@ -161,7 +169,8 @@ def test_fresh_recordings_are_diagnosed(recordings: dict[str, Any], scenario: Sc
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_the_recordings_as_one_row_shards_in_ranges_give_the_same_diagnosis(
-        recordings: dict[str, Any], scenario: Scenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    recordings: dict[str, Any], scenario: Scenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same real DDP recordings (their gradients checked against the float64 reference above), each
     shard split into one-row files as `flush_every=1` writes them, so that most records come from their
     footers (`Shard.record`), and aggregated a few steps at a time: the report is the recorder's own shards' one, every verdict as expected,
@@ -193,7 +202,8 @@ def test_the_recordings_as_one_row_shards_in_ranges_give_the_same_diagnosis(
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_the_recordings_audited_from_disk_a_few_steps_at_a_time_give_the_same_diagnosis(
-        recordings: dict[str, Any], scenario: Scenario, monkeypatch: pytest.MonkeyPatch) -> None:
+    recordings: dict[str, Any], scenario: Scenario, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same real DDP recordings (their gradients checked against the float64 reference above), audited
     as a log of millions of steps is: the step table kept on disk in ranges of a few records
     (`engine.SPILL_STEPS`), every check fed 2 steps at a time (`checks.RunSteps`), the vote's α and the

@@ -44,8 +44,12 @@ def _comm_hook_job(rank: int, world_size: int, log_dir: str) -> list[str]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     messages = []
-    for name, hook, divisor in (("default", None, None), ("known", default_hooks.allreduce_hook, None),
-                                ("custom", _custom_hook, None), ("declared", _custom_hook, 1.0)):
+    for name, hook, divisor in (
+        ("default", None, None),
+        ("known", default_hooks.allreduce_hook, None),
+        ("custom", _custom_hook, None),
+        ("declared", _custom_hook, 1.0),
+    ):
         model = DDP(torch.nn.Linear(2, 1))
         if hook is not None:
             model.register_comm_hook(None, hook)
@@ -83,9 +87,15 @@ def test_n_counted_over_the_launch_names_the_replicas(tmp_path: Path) -> None:
     from scenarios.strategies import Scenario, reference_gradient, run_scenario
     from tokaudit._auditing import audit
 
-    scenario = Scenario(name="tokens_over_launch", strategy="tokens_over_launch", world_size=4,
-                        counts=(((2,), (2,), (5,), (5,)), ((8,), (8,), (4,), (4,))), dp_size=2, correct=False,
-                        description="N counted over all processes under DP×TP")
+    scenario = Scenario(
+        name="tokens_over_launch",
+        strategy="tokens_over_launch",
+        world_size=4,
+        counts=(((2,), (2,), (5,), (5,)), ((8,), (8,), (4,), (4,))),
+        dp_size=2,
+        correct=False,
+        description="N counted over all processes under DP×TP",
+    )
     results = run_ddp(run_scenario, 4, scenario, str(tmp_path))
     for result in results:
         for step, record in enumerate(result["recorded"]):

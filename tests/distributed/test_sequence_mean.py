@@ -21,16 +21,28 @@ pytestmark = pytest.mark.distributed
 def test_a_per_sequence_mean_leads_with_its_own_finding(tmp_path: Path) -> None:
     history = run_ddp(job, 2, str(tmp_path))[0]
     # the same tokens, each sequence a "microbatch" of the token-mean reference
-    tokens = Scenario(name="token_mean", strategy="token_mean", world_size=2, counts=COUNTS, correct=True,
-                      description="the token mean over the same sequences")
+    tokens = Scenario(
+        name="token_mean",
+        strategy="token_mean",
+        world_size=2,
+        counts=COUNTS,
+        correct=True,
+        description="the token mean over the same sequences",
+    )
     for step, record in enumerate(history):
         got = record["grads"]
-        assert all(torch.allclose(g, w, rtol=1e-9, atol=1e-12)
-                   for g, w in zip(got, reference_gradient(record["before"], step, 2)))
-        assert not all(torch.allclose(g, w, rtol=1e-6)
-                       for g, w in zip(got, token_mean_gradient(record["before"], tokens, step, [0, 1])))
+        assert all(
+            torch.allclose(g, w, rtol=1e-9, atol=1e-12)
+            for g, w in zip(got, reference_gradient(record["before"], step, 2))
+        )
+        assert not all(
+            torch.allclose(g, w, rtol=1e-6)
+            for g, w in zip(got, token_mean_gradient(record["before"], tokens, step, [0, 1]))
+        )
     report = audit([tmp_path / "sequence_mean"])
     assert [(f.code.value, f.severity.value) for f in report.findings] == [
-        ("nonuniform_in_microbatch", "error"), ("local_mean", "warning")]
+        ("nonuniform_in_microbatch", "error"),
+        ("local_mean", "warning"),
+    ]
     assert report.runs[0].verdict == "incorrect"
     assert "nonuniform_in_microbatch" in report.findings[1].message

@@ -56,8 +56,9 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
         for setup, ranks in zip(alike, run_ddp_each(job, world_size, alike, str(root))):
             histories[setup.name] = [r["history"] for r in ranks]
     for part in ELASTIC:  # in order: the run resized from W=3 to W=2
-        histories[f"{part.name}/W={part.world_size}"] = [r["history"] for r in
-                                                         run_ddp(job, part.world_size, part, str(root))]
+        histories[f"{part.name}/W={part.world_size}"] = [
+            r["history"] for r in run_ddp(job, part.world_size, part, str(root))
+        ]
     return root, histories
 
 
@@ -136,7 +137,8 @@ def test_a_loss_recorded_but_never_trained_on_is_no_microbatch(tmp_path: Path) -
     _check_against_reference(setup, [r["history"] for r in run_ddp(job, setup.world_size, setup, str(tmp_path))])
     rows = read_rows(tmp_path / setup.name)
     assert sorted((row["step"], row["rank"], row["micro"]) for row in rows) == [
-        (step, rank, micro) for step in range(len(_UNEVEN)) for rank in (0, 1) for micro in (0, 1)]
+        (step, rank, micro) for step in range(len(_UNEVEN)) for rank in (0, 1) for micro in (0, 1)
+    ]
     report = audit([tmp_path / setup.name])
     assert report.findings == [] and report.runs[0].verdict == "correct"
 
@@ -146,7 +148,7 @@ def test_a_told_scaler_is_divided_out_and_its_overflow_marked(recorded: Any) -> 
     rows = read_rows(root / "amp_told")
     by_step = {row["step"]: row for row in rows if row["rank"] == 0 and row["micro"] == 0}
     # GradScaler starts at 2^16 and halves at the overflow of step 1.
-    assert [by_step[s]["grad_scale"] for s in range(4)] == [2.0 ** -16, 2.0 ** -16, 2.0 ** -15, 2.0 ** -15]
+    assert [by_step[s]["grad_scale"] for s in range(4)] == [2.0**-16, 2.0**-16, 2.0**-15, 2.0**-15]
     assert all(row["skipped"] is (row["step"] == 1) for row in rows)
     untold = audit([root / "amp_untold"])
     (finding,) = untold.findings
@@ -162,8 +164,11 @@ def test_terms_are_guessed_from_the_targets(recorded: Any) -> None:
     setup = next(s for s in SETUPS if s.name == "chunked_cross_entropy")
     # The two chunks of each microbatch are one record: its n is the microbatch's whole count.
     assert sorted((r["step"], r["rank"], r["micro"], r["valid_tokens"]) for r in chunked) == sorted(
-        (step, rank, micro, n) for step, per_rank in enumerate(setup.counts) for rank, mine in enumerate(per_rank)
-        for micro, n in enumerate(mine))
+        (step, rank, micro, n)
+        for step, per_rank in enumerate(setup.counts)
+        for rank, mine in enumerate(per_rank)
+        for micro, n in enumerate(mine)
+    )
 
 
 def test_an_unseen_divisor_is_written_down(recorded: Any) -> None:

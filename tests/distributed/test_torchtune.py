@@ -18,9 +18,12 @@ from tokaudit._auditing import audit
 
 pytestmark = pytest.mark.distributed
 
-SETUPS = [TuneSetup("tune_recipe", "w_over_n", told=True), TuneSetup("tune_missing_w", "one_over_n", told=True),
-          TuneSetup("tune_untold", "w_over_n", told=False),
-          TuneSetup("tune_before_shift", "w_over_n", told=True, before_shift=True)]
+SETUPS = [
+    TuneSetup("tune_recipe", "w_over_n", told=True),
+    TuneSetup("tune_missing_w", "one_over_n", told=True),
+    TuneSetup("tune_untold", "w_over_n", told=False),
+    TuneSetup("tune_before_shift", "w_over_n", told=True, before_shift=True),
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +32,11 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     return root, {s.name: ranks for s, ranks in zip(SETUPS, run_ddp_each(job, 2, SETUPS, str(root)))}
 
 
-def _agrees(setup: TuneSetup, by_rank: list[list[dict[str, Any]]],
-            weights: Callable[[int], dict[tuple[int, int], float]] | None = None) -> list[bool]:
+def _agrees(
+    setup: TuneSetup,
+    by_rank: list[list[dict[str, Any]]],
+    weights: Callable[[int], dict[tuple[int, int], float]] | None = None,
+) -> list[bool]:
     out = []
     for step in range(len(COUNTS)):
         record = by_rank[0][step]

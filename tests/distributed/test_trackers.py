@@ -26,8 +26,16 @@ AUDIT_EVERY = 2
 
 def offline_trackers(root: str) -> None:
     """No network: W&B offline under `root`, MLflow's file store (kept as an opt-in since MLflow 3)."""
-    os.environ.update({"WANDB_MODE": "offline", "WANDB_DIR": root, "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
-                       "MLFLOW_ALLOW_FILE_STORE": "true", "MLFLOW_TRACKING_URI": f"file://{root}/mlruns"})
+    os.environ.update(
+        {
+            "WANDB_MODE": "offline",
+            "WANDB_DIR": root,
+            "WANDB_SILENT": "true",
+            "WANDB_CONSOLE": "off",
+            "MLFLOW_ALLOW_FILE_STORE": "true",
+            "MLFLOW_TRACKING_URI": f"file://{root}/mlruns",
+        }
+    )
 
 
 def ddp_job(rank: int, world_size: int, variant: str, root: str) -> dict[str, str]:
@@ -47,16 +55,23 @@ def ddp_job(rank: int, world_size: int, variant: str, root: str) -> dict[str, st
     trackers = None
     if rank == 0:
         writer = SummaryWriter(f"{root}/tensorboard/{variant}")
-        wandb_run = wandb.init(project="tokaudit", name=variant, dir=root,
-                               settings=wandb.Settings(x_disable_stats=True, x_disable_meta=True))
+        wandb_run = wandb.init(
+            project="tokaudit",
+            name=variant,
+            dir=root,
+            settings=wandb.Settings(x_disable_stats=True, x_disable_meta=True),
+        )
         mlflow_run = mlflow.start_run(run_name=variant)
         trackers = [writer, wandb_run, mlflow_run]
-        found = {"wandb": str(Path(wandb_run.dir).parent / f"run-{wandb_run.id}.wandb"),
-                 "mlflow": mlflow_run.info.run_id}
+        found = {
+            "wandb": str(Path(wandb_run.dir).parent / f"run-{wandb_run.id}.wandb"),
+            "mlflow": mlflow_run.info.run_id,
+        }
     model = DDP(make_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    rec = Recorder(f"{root}/logs", run_id=variant, model=model, optimizer=optimizer, trackers=trackers,
-                   audit_every=AUDIT_EVERY)  # every rank: all of them flush at the same steps
+    rec = Recorder(
+        f"{root}/logs", run_id=variant, model=model, optimizer=optimizer, trackers=trackers, audit_every=AUDIT_EVERY
+    )  # every rank: all of them flush at the same steps
     for step, per_rank in enumerate(COUNTS):
         batches = [microbatch(step, rank, micro, count) for micro, count in enumerate(per_rank[rank])]
         global_tokens = global_valid_tokens([labels for _, labels, _ in batches])
@@ -85,8 +100,10 @@ def ddp_job(rank: int, world_size: int, variant: str, root: str) -> dict[str, st
 def ddp_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, str]]]:
     root = tmp_path_factory.mktemp("trackers")
     variants = ["token_mean", "local_mean"]  # in one set of processes
-    found = {variant: ranks[0] for variant, ranks in zip(variants, run_ddp_each(ddp_job, 2, variants, str(root),
-                                                                                 timeout=180))}
+    found = {
+        variant: ranks[0]
+        for variant, ranks in zip(variants, run_ddp_each(ddp_job, 2, variants, str(root), timeout=180))
+    }
     return root, found
 
 
@@ -98,8 +115,9 @@ def audited(log_dir: Path) -> Any:
 
 
 @pytest.mark.parametrize("variant, verdict", [("token_mean", "correct"), ("local_mean", "incorrect")])
-def test_each_tracker_holds_the_audit_of_the_log(ddp_runs: tuple[Path, dict[str, dict[str, str]]], variant: str,
-                                                 verdict: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_tracker_holds_the_audit_of_the_log(
+    ddp_runs: tuple[Path, dict[str, dict[str, str]]], variant: str, verdict: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from tokaudit._auditing import audit
     from tokaudit.hooks.trackers import audit_metrics
 
@@ -151,9 +169,17 @@ def trainer_job(rank: int, world_size: int, root: str) -> None:
     """transformers.Trainer with report_to TensorBoard, W&B and MLflow, and the one-line attach:
     without token averaging across devices (a rank-local mean), GA 2, 4 steps."""
     offline_trackers(root)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-                       "TENSORBOARD_LOGGING_DIR": f"{root}/tensorboard", "WANDB_PROJECT": "tokaudit"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "TENSORBOARD_LOGGING_DIR": f"{root}/tensorboard",
+            "WANDB_PROJECT": "tokaudit",
+        }
+    )
     import torch
     import wandb
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
@@ -161,13 +187,31 @@ def trainer_job(rank: int, world_size: int, root: str) -> None:
     from tokaudit.hooks.huggingface import TokauditCallback
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
-    args = TrainingArguments(output_dir=f"{root}/out-{rank}", use_cpu=True, per_device_train_batch_size=2,
-                             gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3, logging_steps=1,
-                             report_to=["tensorboard", "wandb", "mlflow"], save_strategy="no", disable_tqdm=True,
-                             seed=0, ddp_backend="gloo", average_tokens_across_devices=False,
-                             dataloader_num_workers=0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    args = TrainingArguments(
+        output_dir=f"{root}/out-{rank}",
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=["tensorboard", "wandb", "mlflow"],
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        ddp_backend="gloo",
+        average_tokens_across_devices=False,
+        dataloader_num_workers=0,
+    )
     trainer = Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=padded_sequences())
     TokauditCallback.attach(trainer, f"{root}/logs", run_id="hf", audit_every=AUDIT_EVERY)  # the one line
     trainer.train()
@@ -180,8 +224,16 @@ def lightning_job(rank: int, world_size: int, root: str) -> None:
     """Lightning with TensorBoard, W&B and MLflow loggers: F.cross_entropy's mean per microbatch,
     accumulate_grad_batches=2, 4 steps."""
     offline_trackers(root)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29556"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "NODE_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29556",
+        }
+    )
     import lightning as L
     import torch
     import torch.nn.functional as F
@@ -207,14 +259,24 @@ def lightning_job(rank: int, world_size: int, root: str) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     torch.manual_seed(0)
-    loggers = [TensorBoardLogger(f"{root}/tensorboard", name="", version=""),
-               WandbLogger(project="tokaudit", save_dir=root, offline=True),
-               MLFlowLogger(tracking_uri=f"file://{root}/mlruns")]
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy="ddp", max_steps=4, accumulate_grad_batches=2,
-                        logger=loggers, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False,
-                        callbacks=[TokauditLightningCallback(f"{root}/logs", run_id="lightning",
-                                                             audit_every=AUDIT_EVERY)])  # the one line
+    loggers = [
+        TensorBoardLogger(f"{root}/tensorboard", name="", version=""),
+        WandbLogger(project="tokaudit", save_dir=root, offline=True),
+        MLFlowLogger(tracking_uri=f"file://{root}/mlruns"),
+    ]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy="ddp",
+        max_steps=4,
+        accumulate_grad_batches=2,
+        logger=loggers,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[TokauditLightningCallback(f"{root}/logs", run_id="lightning", audit_every=AUDIT_EVERY)],
+    )  # the one line
     trainer.fit(TinyLM(), DataLoader(padded_sequences(), batch_size=2, shuffle=False))
     if rank == 0:
         wandb.finish()
@@ -225,8 +287,16 @@ def accelerate_job(rank: int, world_size: int, root: str) -> None:
     """An Accelerate loop with log_with TensorBoard, W&B and MLflow: Recorder(accelerator=...) logs
     to the trackers of init_trackers by itself; Accelerate's usual per-microbatch mean, GA 2."""
     offline_trackers(root)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29557"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29557",
+        }
+    )
     import torch
     import wandb
     from accelerate import Accelerator
@@ -234,8 +304,12 @@ def accelerate_job(rank: int, world_size: int, root: str) -> None:
     from scenarios.strategies import make_model, microbatch, per_token_loss
     from tokaudit.hooks import Recorder
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, log_with=["tensorboard", "wandb", "mlflow"],
-                              project_dir=f"{root}/tensorboard")
+    accelerator = Accelerator(
+        cpu=True,
+        gradient_accumulation_steps=2,
+        log_with=["tensorboard", "wandb", "mlflow"],
+        project_dir=f"{root}/tensorboard",
+    )
     accelerator.init_trackers("accelerate")
     model, optimizer = accelerator.prepare(make_model(), torch.optim.SGD(make_model().parameters(), lr=0.5))
     recorder = Recorder(f"{root}/logs", run_id="accelerate", accelerator=accelerator, audit_every=AUDIT_EVERY)
@@ -257,11 +331,17 @@ def accelerate_job(rank: int, world_size: int, root: str) -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("job, run, loss_tag", [(trainer_job, "hf", "train/loss"),
-                                                (lightning_job, "lightning", "train_loss"),
-                                                (accelerate_job, "accelerate", None)])
-def test_trainer_callbacks_log_to_the_trainers_own_trackers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                            job: Any, run: str, loss_tag: str | None) -> None:
+@pytest.mark.parametrize(
+    "job, run, loss_tag",
+    [
+        (trainer_job, "hf", "train/loss"),
+        (lightning_job, "lightning", "train_loss"),
+        (accelerate_job, "accelerate", None),
+    ],
+)
+def test_trainer_callbacks_log_to_the_trainers_own_trackers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, job: Any, run: str, loss_tag: str | None
+) -> None:
     pytest.importorskip({"hf": "transformers", "lightning": "lightning", "accelerate": "accelerate"}[run])
     from mlflow.tracking import MlflowClient
 
@@ -279,8 +359,12 @@ def test_trainer_callbacks_log_to_the_trainers_own_trackers(tmp_path: Path, monk
     assert [step for step, _ in board["tokaudit/verdict"]] == [AUDIT_EVERY, 4]
     assert board["tokaudit/max_weight_ratio"][-1][1] == pytest.approx(summary.max_weight_ratio, rel=1e-6)
     assert loss_tag is None or loss_tag in board, "the trainer's own writer"
-    assert tensorboard_text(next(p.parent for p in (tmp_path / "tensorboard").rglob("events.out.tfevents.*")),
-                            "tokaudit/findings_text") == final.text["tokaudit/findings_text"]
+    assert (
+        tensorboard_text(
+            next(p.parent for p in (tmp_path / "tensorboard").rglob("events.out.tfevents.*")), "tokaudit/findings_text"
+        )
+        == final.text["tokaudit/findings_text"]
+    )
 
     (wandb_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     _, wandb_summary = wandb_records(wandb_file)
@@ -332,8 +416,8 @@ def wandb_records(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         if left < 7:  # a block's tail too short for a chunk header is padding
             position += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
-        pieces.append(data[position + 7:position + 7 + length])
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        pieces.append(data[position + 7 : position + 7 + length])
         position += 7 + length
         if kind not in (1, 4):
             continue
@@ -342,9 +426,11 @@ def wandb_records(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         pieces = []
         which = record.WhichOneof("record_type")
         if which == "history":
-            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                            for item in record.history.item})
+            history.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
         elif which == "summary":
-            summary.update({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                            for item in record.summary.update})
+            summary.update(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.summary.update}
+            )
     return history, summary

@@ -18,8 +18,15 @@ from tokaudit.hooks import Recorder, token_mean_loss
 from tokaudit.hooks._terms import Footprint
 
 
-def amp_loop(rec: Recorder | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
-             overflow_step: int, steps: int = 4, prescaled: bool = False) -> list[float]:
+def amp_loop(
+    rec: Recorder | None,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any,
+    overflow_step: int,
+    steps: int = 4,
+    prescaled: bool = False,
+) -> list[float]:
     """W = 1, one microbatch per step, b = S/N; step `overflow_step` gets an infinite gradient."""
     scalars = []
     for step in range(steps):
@@ -49,14 +56,14 @@ def amp_loop(rec: Recorder | None, model: torch.nn.Module, optimizer: torch.opti
 def test_a_grad_scaler_is_divided_out_and_its_skipped_update_marked(tmp_path: Path, prescaled: bool) -> None:
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     with Recorder(tmp_path, run_id="amp", optimizer=optimizer, scaler=scaler) as rec:
         scalars = amp_loop(rec, model, optimizer, scaler, overflow_step=1, prescaled=prescaled)
     rows = read_rows(tmp_path / "amp")
     assert [r["step"] for r in rows] == [0, 1, 2, 3], "the skipped update is its own step"
     # update() reads found_inf of every update: False where the optimizer stepped
     assert [r["skipped"] for r in rows] == [False, True, False, False]
-    scales = [2.0 ** 10, 2.0 ** 10, 2.0 ** 9, 2.0 ** 9]
+    scales = [2.0**10, 2.0**10, 2.0**9, 2.0**9]
     assert [r["grad_scale"] for r in rows] == [1 / s for s in scales]
     # b in the log is what backward ran on, scale·loss, whether the user passed loss or scale(loss).
     for row, scalar, scale in zip(rows, scalars, scales, strict=True):
@@ -71,7 +78,7 @@ def test_a_fused_optimizer_steps_through_an_overflow_and_found_inf_marks_it(tmp_
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
     except (RuntimeError, ValueError) as error:
         pytest.skip(f"no fused SGD on this device: {error}")
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     hooked = []
     optimizer.register_step_post_hook(lambda *_: hooked.append(1))
     with Recorder(tmp_path, run_id="fused", optimizer=optimizer, scaler=scaler) as rec:
@@ -87,7 +94,7 @@ def test_an_untold_scaler_shows_as_a_loss_scale(tmp_path: Path) -> None:
 
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     with Recorder(tmp_path, run_id="untold", optimizer=optimizer) as rec:
         amp_loop(rec, model, optimizer, scaler, overflow_step=1)
     rows = read_rows(tmp_path / "untold")
@@ -104,7 +111,7 @@ def test_recording_under_a_scaler_adds_no_host_sync(tmp_path: Path, monkeypatch:
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 3)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         rec = Recorder(tmp_path, run_id=f"sync{record}", optimizer=optimizer, scaler=scaler) if record else None
         for step in range(3):
             x = torch.randn(6, 4)
@@ -181,30 +188,41 @@ def test_terms_are_told_from_chunks_by_their_targets(tmp_path: Path) -> None:
         rec.begin_step(1)
         # one cross-entropy in two chunks of the flattened sequence: one term
         logits, flat = heads[0](hidden).flatten(0, 1), labels.flatten()
-        (F.cross_entropy(logits[:5], flat[:5], reduction="sum")
-         + F.cross_entropy(logits[5:], flat[5:], reduction="sum")).backward()
+        (
+            F.cross_entropy(logits[:5], flat[:5], reduction="sum")
+            + F.cross_entropy(logits[5:], flat[5:], reduction="sum")
+        ).backward()
         rec.begin_step(2)
         # chunks along the sequence of a 2-D batch (class dimension second): disjoint views, one term
         logits = heads[0](hidden).transpose(1, 2)
-        (F.cross_entropy(logits[..., :3], labels[:, :3], reduction="sum")
-         + F.cross_entropy(logits[..., 3:], labels[:, 3:], reduction="sum")).backward()
+        (
+            F.cross_entropy(logits[..., :3], labels[:, :3], reduction="sum")
+            + F.cross_entropy(logits[..., 3:], labels[:, 3:], reduction="sum")
+        ).backward()
         rec.begin_step(6)
         # two chunks, then a second head over the first chunk's labels: another term, though its
         # labels miss the last chunk
         logits, flat = heads[0](hidden).flatten(0, 1), labels.flatten()
-        (F.cross_entropy(logits[:5], flat[:5], reduction="sum") + F.cross_entropy(logits[5:], flat[5:], reduction="sum")
-         + F.cross_entropy(heads[1](hidden).flatten(0, 1)[:5], flat[:5], reduction="sum")).backward()
+        (
+            F.cross_entropy(logits[:5], flat[:5], reduction="sum")
+            + F.cross_entropy(logits[5:], flat[5:], reduction="sum")
+            + F.cross_entropy(heads[1](hidden).flatten(0, 1)[:5], flat[:5], reduction="sum")
+        ).backward()
         rec.begin_step(5)
         # chunks whose labels were copied (flatten of a 2-D slice) cannot be told from another head
         # by their targets: named, they are one term
         logits = heads[0](hidden)
         with rec.loss_term("0"):
-            (F.cross_entropy(logits[:, :3].flatten(0, 1), labels[:, :3].flatten(), reduction="sum")
-             + F.cross_entropy(logits[:, 3:].flatten(0, 1), labels[:, 3:].flatten(), reduction="sum")).backward()
+            (
+                F.cross_entropy(logits[:, :3].flatten(0, 1), labels[:, :3].flatten(), reduction="sum")
+                + F.cross_entropy(logits[:, 3:].flatten(0, 1), labels[:, 3:].flatten(), reduction="sum")
+            ).backward()
         rec.begin_step(3)
         # multi-token prediction: head k predicts the labels k positions on (overlapping views): 3 terms
-        total = sum(F.cross_entropy(heads[k](hidden)[:, : 6 - k].flatten(0, 1), labels[:, k:].flatten(),
-                                    reduction="sum") for k in range(3))
+        total = sum(
+            F.cross_entropy(heads[k](hidden)[:, : 6 - k].flatten(0, 1), labels[:, k:].flatten(), reduction="sum")
+            for k in range(3)
+        )
         total.backward()
         rec.begin_step(4)
         # named terms: the user says which is which
@@ -216,10 +234,20 @@ def test_terms_are_told_from_chunks_by_their_targets(tmp_path: Path) -> None:
     rows = read_rows(tmp_path / "terms")
     valid = int((labels != -100).sum())
     shape = sorted((r["step"], r["term"], r["micro"], r["valid_tokens"]) for r in rows)
-    assert shape == [(0, "0", 0, valid), (0, "1", 0, valid), (1, "0", 0, valid), (2, "0", 0, valid),
-                     (3, "0", 0, valid), (3, "1", 0, int((labels[:, 1:] != -100).sum())),
-                     (3, "2", 0, int((labels[:, 2:] != -100).sum())), (4, "lm", 0, valid), (4, "router", 0, valid),
-                     (5, "0", 0, valid), (6, "0", 0, valid), (6, "1", 0, int((flat[:5] != -100).sum()))]
+    assert shape == [
+        (0, "0", 0, valid),
+        (0, "1", 0, valid),
+        (1, "0", 0, valid),
+        (2, "0", 0, valid),
+        (3, "0", 0, valid),
+        (3, "1", 0, int((labels[:, 1:] != -100).sum())),
+        (3, "2", 0, int((labels[:, 2:] != -100).sum())),
+        (4, "lm", 0, valid),
+        (4, "router", 0, valid),
+        (5, "0", 0, valid),
+        (6, "0", 0, valid),
+        (6, "1", 0, int((flat[:5] != -100).sum())),
+    ]
     for row in rows:  # every captured term's probe saw its own tokens' weights
         expected = 1 / valid if row["step"] == 4 else 1.0
         assert row["token_weight_sum"] / row["valid_tokens"] == pytest.approx(expected, rel=1e-6)
@@ -239,15 +267,21 @@ def test_chunks_whose_labels_are_copies_are_one_term_by_the_split_their_logits_c
     assert all(part.untyped_storage().data_ptr() != labels.untyped_storage().data_ptr() for part in parts)
     with Recorder(tmp_path, run_id="copies", flush_every=1000) as rec, rec.capture_cross_entropy():
         rec.begin_step(0)  # the hidden state chunked, each chunk through the output layer in float32
-        sum(F.cross_entropy(head(chunk).float().reshape(-1, 5), target, reduction="sum")
-            for chunk, target in zip(hidden.chunk(4, dim=1), parts)).backward(retain_graph=True)
+        sum(
+            F.cross_entropy(head(chunk).float().reshape(-1, 5), target, reduction="sum")
+            for chunk, target in zip(hidden.chunk(4, dim=1), parts)
+        ).backward(retain_graph=True)
         rec.begin_step(1)  # the logits chunked
-        sum(F.cross_entropy(chunk.reshape(-1, 5), target, reduction="sum")
-            for chunk, target in zip(head(hidden).chunk(4, dim=1), parts)).backward(retain_graph=True)
+        sum(
+            F.cross_entropy(chunk.reshape(-1, 5), target, reduction="sum")
+            for chunk, target in zip(head(hidden).chunk(4, dim=1), parts)
+        ).backward(retain_graph=True)
         rec.begin_step(2)  # two heads: one projection cut along its classes
         first, second = wide(hidden).chunk(2, dim=-1)
-        (F.cross_entropy(first.reshape(-1, 5), labels.reshape(-1).clone(), reduction="sum")
-         + F.cross_entropy(second.reshape(-1, 5), labels.reshape(-1).clone(), reduction="sum")).backward()
+        (
+            F.cross_entropy(first.reshape(-1, 5), labels.reshape(-1).clone(), reduction="sum")
+            + F.cross_entropy(second.reshape(-1, 5), labels.reshape(-1).clone(), reduction="sum")
+        ).backward()
     shape = sorted((r["step"], r["term"], r["valid_tokens"]) for r in read_rows(tmp_path / "copies"))
     valid = int((labels != -100).sum())
     assert shape == [(0, "0", valid), (1, "0", valid), (2, "0", valid), (2, "1", valid)]
@@ -275,7 +309,7 @@ def test_the_fix_divides_in_float32(dtype: torch.dtype, tokens: int) -> None:
     # before the gradient is rounded into ℓ's own dtype.
     weight = per_token.grad.double()
     assert torch.isfinite(weight).all() and (weight > 0).all()
-    assert float(weight[0]) == pytest.approx(2 / tokens, rel=2 ** -7)
+    assert float(weight[0]) == pytest.approx(2 / tokens, rel=2**-7)
     assert float(scalar.detach()) == pytest.approx(2 * 16.0 / tokens, rel=1e-6)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -31,13 +31,17 @@ def inputs(shape: str, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     return logits.requires_grad_(), target
 
 
-GRID = list(itertools.product(["mean", "sum", "none"], [-100, 3], [0.0, 0.1], [False, True],
-                              ["2d", "3d", "unbatched", "probabilities"]))
+GRID = list(
+    itertools.product(
+        ["mean", "sum", "none"], [-100, 3], [0.0, 0.1], [False, True], ["2d", "3d", "unbatched", "probabilities"]
+    )
+)
 
 
 @pytest.mark.parametrize("reduction, ignore_index, smoothing, weighted, shape", GRID)
-def test_capture_is_bit_identical_and_measures_the_weights(tmp_path: Path, reduction: str, ignore_index: int,
-                                                           smoothing: float, weighted: bool, shape: str) -> None:
+def test_capture_is_bit_identical_and_measures_the_weights(
+    tmp_path: Path, reduction: str, ignore_index: int, smoothing: float, weighted: bool, shape: str
+) -> None:
     weight = torch.linspace(0.5, 2.0, C) if weighted else None
 
     def run(capture: bool, module: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +51,9 @@ def test_capture_is_bit_identical_and_measures_the_weights(tmp_path: Path, reduc
             kwargs["ignore_index"] = ignore_index
         with Recorder(tmp_path, run_id=f"{capture}-{module}") as rec:
             with rec.capture_cross_entropy() if capture else _null():
-                loss_fn = torch.nn.CrossEntropyLoss(**kwargs) if module else (lambda x, y: F.cross_entropy(x, y, **kwargs))
+                loss_fn = (
+                    torch.nn.CrossEntropyLoss(**kwargs) if module else (lambda x, y: F.cross_entropy(x, y, **kwargs))
+                )
                 out = loss_fn(logits, target)
                 scale = torch.linspace(1, 2, out.numel()).view_as(out) if out.dim() else torch.tensor(3.0)
                 (out * scale).sum().backward()

@@ -61,8 +61,9 @@ def test_a_probe_inside_the_compiled_function_measures_without_a_warning(tmp_pat
 
             def loss_sum_of(tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 valid = labels.flatten() != -100
-                per_token = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), reduction="none",
-                                            ignore_index=-100)
+                per_token = F.cross_entropy(
+                    model(tokens).flatten(0, 1), labels.flatten(), reduction="none", ignore_index=-100
+                )
                 return rec.probe(per_token, valid).sum(), valid.sum()
 
             compiled = torch.compile(loss_sum_of, backend="aot_eager")

@@ -48,8 +48,14 @@ def test_two_writers_of_one_rank_lose_nothing(tmp_path: Path) -> None:
 
 def test_one_bad_value_costs_one_record_and_is_written_down(tmp_path: Path) -> None:
     bad_values: list[dict[str, Any]] = [
-        {"loss_sum": "2.0"}, {"valid_tokens": [3]}, {"backward_scalar": torch.ones(3)}, {"valid_tokens": 1 << 70},
-        {"valid_tokens": None}, {"valid_tokens": -4}, {"loss_sum": None}, {"grad_scale": float("nan")},
+        {"loss_sum": "2.0"},
+        {"valid_tokens": [3]},
+        {"backward_scalar": torch.ones(3)},
+        {"valid_tokens": 1 << 70},
+        {"valid_tokens": None},
+        {"valid_tokens": -4},
+        {"loss_sum": None},
+        {"grad_scale": float("nan")},
         {"valid_tokens": 1 << 40},  # fits in 64 bits, not in the step table's 32: the auditor refuses it
     ]
     with warnings.catch_warnings(record=True) as caught:
@@ -80,8 +86,13 @@ def test_an_impossible_number_of_positions_is_written_as_null_and_the_record_kep
         warnings.simplefilter("always")
         with Recorder(tmp_path, run_id="positions", flush_every=4096) as rec:
             for step in range(12):
-                rec.record(loss_sum=6.0, valid_tokens=3, backward_scalar=2.0, step=step,  # b = S/N
-                           positions=impossible[step] if step < len(impossible) else 3 + step % 2 * 5.0)
+                rec.record(
+                    loss_sum=6.0,
+                    valid_tokens=3,
+                    backward_scalar=2.0,
+                    step=step,  # b = S/N
+                    positions=impossible[step] if step < len(impossible) else 3 + step % 2 * 5.0,
+                )
     rows = read_rows(tmp_path / "positions")
     assert [r["positions"] for r in sorted(rows, key=lambda r: r["step"])] == [None] * 4 + [3, 8] * 4
     assert sum("positions" in str(w.message) for w in caught) == 1
@@ -132,8 +143,9 @@ def test_a_full_disk_loses_nothing_once_space_returns(tmp_path: Path, monkeypatc
     assert report.findings == [] and report.runs[0].verdict == "correct"
 
 
-def test_a_long_outage_is_written_down_and_those_steps_are_not_judged(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_long_outage_is_written_down_and_those_steps_are_not_judged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Two ranks of W = 2; rank 1's disk is full for its first 12 flushes: the backlog (made 1 KiB here, three
     # tables of 2 records) cannot hold it all, so its oldest steps are dropped and noted.
     import tokaudit.hooks._identity as identity

@@ -23,8 +23,9 @@ from tokaudit._schema import WRITER_SCHEMA
 
 @pytest.mark.parametrize("shape", [(7,), (2, 5), (3, 2, 4)])
 @pytest.mark.parametrize("valid_fraction", [0.0, 0.4, 1.0])
-def test_probe_is_identity_to_the_bit_and_measures_each_weight(tmp_path: Path, shape: tuple[int, ...],
-                                                               valid_fraction: float) -> None:
+def test_probe_is_identity_to_the_bit_and_measures_each_weight(
+    tmp_path: Path, shape: tuple[int, ...], valid_fraction: float
+) -> None:
     generator = torch.Generator().manual_seed(7)
     logits = torch.randn(*shape, generator=generator, requires_grad=True)
     valid = torch.rand(*shape, generator=generator) < valid_fraction
@@ -59,8 +60,9 @@ def test_probe_is_identity_to_the_bit_and_measures_each_weight(tmp_path: Path, s
 
 
 @pytest.mark.parametrize("padding_label, counted", [(-100, False), (0, True)])
-def test_weight_on_an_exact_zero_loss_is_not_counted_as_masked_weight(tmp_path: Path, padding_label: int,
-                                                                      counted: bool) -> None:
+def test_weight_on_an_exact_zero_loss_is_not_counted_as_masked_weight(
+    tmp_path: Path, padding_label: int, counted: bool
+) -> None:
     """per_token.sum() / N over ignore_index positions (exact 0 loss, no gradient) is a token mean;
     padding labelled as a real token (a loss that is not 0) summed the same way is not."""
     generator = torch.Generator().manual_seed(3)
@@ -98,8 +100,13 @@ def test_no_host_sync_between_flushes(tmp_path: Path, monkeypatch: pytest.Monkey
             loss_sum = per_token.sum()
             valid_tokens = (labels != -100).sum()
             scalar = loss_sum / 8
-            rec.record(loss_sum=loss_sum, valid_tokens=valid_tokens, backward_scalar=scalar, positions=6,
-                       reported_loss=scalar.detach())
+            rec.record(
+                loss_sum=loss_sum,
+                valid_tokens=valid_tokens,
+                backward_scalar=scalar,
+                positions=6,
+                reported_loss=scalar.detach(),
+            )
             scalar.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -123,9 +130,13 @@ def _varied_loop(rec: Recorder, optimizer: torch.optim.Optimizer, model: torch.n
             per_token = rec.probe(torch.nn.functional.cross_entropy(model(x), labels, reduction="none"), valid)
             loss_sum = (per_token * valid).sum()
             scalar = loss_sum / 7
-            rec.record(loss_sum=loss_sum, valid_tokens=valid.sum().to(torch.int32),
-                       backward_scalar=scalar.detach().to(torch.bfloat16), positions=torch.tensor(6),
-                       grad_scale=torch.tensor(0.5, dtype=torch.float64))
+            rec.record(
+                loss_sum=loss_sum,
+                valid_tokens=valid.sum().to(torch.int32),
+                backward_scalar=scalar.detach().to(torch.bfloat16),
+                positions=torch.tensor(6),
+                grad_scale=torch.tensor(0.5, dtype=torch.float64),
+            )
             scalar.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -137,10 +148,24 @@ def _buffered(step: int, backward_done: bool) -> Record:
     probe = ProbeResult()
     if backward_done:
         probe.add(torch.tensor([0.25, 0.25, 0.0]), torch.tensor([True, True, False]), torch.tensor([False] * 3))
-    return new_record(step=step, micro=0, term="0", loss_sum=torch.tensor(1.5), valid_tokens=torch.tensor(2),
-                      backward_scalar=torch.tensor(0.5, dtype=torch.bfloat16), positions=torch.tensor(3),
-                      reported_loss=None, skipped=None, grad_scale=torch.tensor(1.0, dtype=torch.float64),
-                      loss_scale=None, prescaled=False, sync=None, probe=probe, captured=False, accelerate=None)
+    return new_record(
+        step=step,
+        micro=0,
+        term="0",
+        loss_sum=torch.tensor(1.5),
+        valid_tokens=torch.tensor(2),
+        backward_scalar=torch.tensor(0.5, dtype=torch.bfloat16),
+        positions=torch.tensor(3),
+        reported_loss=None,
+        skipped=None,
+        grad_scale=torch.tensor(1.0, dtype=torch.float64),
+        loss_scale=None,
+        prescaled=False,
+        sync=None,
+        probe=probe,
+        captured=False,
+        accelerate=None,
+    )
 
 
 def test_closed_updates_are_packed_into_one_slab_not_a_tensor_each() -> None:
@@ -153,12 +178,14 @@ def test_closed_updates_are_packed_into_one_slab_not_a_tensor_each() -> None:
         buffer.add(record)
     buffer.pack(open_step=3)
     for record in records[:-1]:
-        values = [getattr(record, name) for name in ("loss_sum", "valid_tokens", "backward_scalar", "positions",
-                                                     "grad_scale")]
+        values = [
+            getattr(record, name) for name in ("loss_sum", "valid_tokens", "backward_scalar", "positions", "grad_scale")
+        ]
         values += [getattr(record.probe, name) for name in ("weight_sum", "weight_min", "weight_max")]
         assert all(isinstance(v, Packed) for v in values), f"step {record.step} holds tensors of its own"
-    assert len({id(r.loss_sum.values) for r in records[:-1] if isinstance(r.loss_sum, Packed)}) == 1, \
+    assert len({id(r.loss_sum.values) for r in records[:-1] if isinstance(r.loss_sum, Packed)}) == 1, (
         "the updates are packed into one slab, not a tensor each"
+    )
     assert isinstance(records[-1].loss_sum, torch.Tensor) and buffer.unpacked == [records[-1]]
     for _ in range(2):  # a value set again on a packed record: it waits for the next pack, once
         buffer.set_value(records[0], "reported_loss", torch.tensor(0.5))
@@ -217,8 +244,10 @@ def test_packs_fill_a_slab_then_take_a_new_one_and_keep_every_value() -> None:
     from tokaudit.hooks._columns import Slabs, pack
 
     slabs = Slabs(numbers=5)
-    updates = [SimpleNamespace(a=torch.tensor(float(i)), b=torch.tensor(i, dtype=torch.int32), c=torch.tensor(-i / 4))
-               for i in range(4)]
+    updates = [
+        SimpleNamespace(a=torch.tensor(float(i)), b=torch.tensor(i, dtype=torch.int32), c=torch.tensor(-i / 4))
+        for i in range(4)
+    ]
     for update in updates:
         pack([(update, name) for name in ("a", "b", "c")], slabs)
     held = [value for update in updates for value in vars(update).values()]
@@ -227,7 +256,8 @@ def test_packs_fill_a_slab_then_take_a_new_one_and_keep_every_value() -> None:
     assert [len({id(value.values) for value in vars(update).values()}) for update in updates] == [1, 1, 1, 1]
     assert len({id(value.values) for value in held}) == 4
     assert [float(value.tensor()) for update in updates for value in vars(update).values()] == [
-        v for i in range(4) for v in (float(i), float(i), -i / 4)]
+        v for i in range(4) for v in (float(i), float(i), -i / 4)
+    ]
 
 
 def test_a_flush_copies_the_places_its_records_hold_not_the_whole_slab() -> None:
@@ -328,8 +358,11 @@ def test_without_optimizer_or_step_every_backward_is_its_own_update(tmp_path: Pa
         for _ in range(3):
             rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0)
     rows = read_rows(tmp_path / "auto")
-    assert [(r["step"], r["micro"], r["world_size"], r["rank"]) for r in rows] == [(0, 0, 1, 0), (1, 0, 1, 0),
-                                                                                   (2, 0, 1, 0)]
+    assert [(r["step"], r["micro"], r["world_size"], r["rank"]) for r in rows] == [
+        (0, 0, 1, 0),
+        (1, 0, 1, 0),
+        (2, 0, 1, 0),
+    ]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -342,8 +375,9 @@ def test_no_device_sync_on_cuda(tmp_path: Path) -> None:
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            per_token = torch.nn.functional.cross_entropy(model(torch.randn(6, 16, device="cuda")), labels,
-                                                          reduction="none")
+            per_token = torch.nn.functional.cross_entropy(
+                model(torch.randn(6, 16, device="cuda")), labels, reduction="none"
+            )
             per_token = rec.probe(per_token, labels != -100)
             loss_sum = per_token.sum()
             scalar = loss_sum / 4
@@ -369,12 +403,17 @@ def test_begin_step_and_report_loss(tmp_path: Path) -> None:
             rec.report_loss(0.5)  # the trainer's log for the update just closed
     rows = read_rows(tmp_path / "resumed")
     assert [(r["step"], r["micro"], r["reported_loss"]) for r in rows] == [
-        (100, 0, 0.5), (100, 1, 0.5), (101, 0, 0.5), (101, 1, 0.5)]
+        (100, 0, 0.5),
+        (100, 1, 0.5),
+        (101, 0, 0.5),
+        (101, 1, 0.5),
+    ]
 
 
 @pytest.mark.parametrize("when", ["before the optimizer step", "after it"])
-def test_a_loss_logged_before_or_after_the_optimizer_step_is_stamped_on_its_own_update(tmp_path: Path,
-                                                                                      when: str) -> None:
+def test_a_loss_logged_before_or_after_the_optimizer_step_is_stamped_on_its_own_update(
+    tmp_path: Path, when: str
+) -> None:
     """A loop that logs its loss after backward but before `optimizer.step()` (the update still under way)
     and one that logs it after the step (the update just closed) both stamp each update with its own token
     mean: the audit finds the reported loss right, and the run correct. Stamped on the update before, a
@@ -387,16 +426,19 @@ def test_a_loss_logged_before_or_after_the_optimizer_step_is_stamped_on_its_own_
     generator = torch.Generator().manual_seed(1)
     with Recorder(tmp_path, run_id="logged", optimizer=optimizer) as rec:
         for _ in range(4):
-            batches = [(torch.randn(4, 6, 8, generator=generator), torch.randint(0, 11, (4, 6), generator=generator))
-                       for _ in range(3)]
+            batches = [
+                (torch.randn(4, 6, 8, generator=generator), torch.randint(0, 11, (4, 6), generator=generator))
+                for _ in range(3)
+            ]
             for index, (_, labels) in enumerate(batches):
                 labels[torch.rand(4, 6, generator=generator) < 0.3 * index] = -100
             count = sum(int((labels != -100).sum()) for _, labels in batches)
             total = torch.zeros(())
             for x, labels in batches:
                 valid = labels.flatten() != -100
-                per_token = rec.probe(torch.nn.functional.cross_entropy(
-                    model(x).flatten(0, 1), labels.flatten(), reduction="none"), valid)
+                per_token = rec.probe(
+                    torch.nn.functional.cross_entropy(model(x).flatten(0, 1), labels.flatten(), reduction="none"), valid
+                )
                 loss_sum = per_token.sum()
                 scalar = loss_sum / count
                 rec.record(loss_sum=loss_sum, valid_tokens=valid.sum(), backward_scalar=scalar)
@@ -419,9 +461,11 @@ def test_records_are_flushed_at_interpreter_exit(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    code = ("from tokaudit.hooks import Recorder\n"
-            f"rec = Recorder({str(tmp_path)!r}, run_id='exit')\n"
-            "rec.record(loss_sum=1.0, valid_tokens=2, backward_scalar=0.5)\n")  # no close()
+    code = (
+        "from tokaudit.hooks import Recorder\n"
+        f"rec = Recorder({str(tmp_path)!r}, run_id='exit')\n"
+        "rec.record(loss_sum=1.0, valid_tokens=2, backward_scalar=0.5)\n"
+    )  # no close()
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert [row["valid_tokens"] for row in read_rows(tmp_path / "exit")] == [2]
 
@@ -452,8 +496,13 @@ class _Unhookable:
 def test_the_recorder_never_raises_at_construction_and_records_on(tmp_path: Path) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rec = Recorder(tmp_path, run_id="unhookable", model=_Unhookable(), optimizer=_Unhookable(),  # type: ignore[arg-type]
-                       flush_every=0)
+        rec = Recorder(
+            tmp_path,
+            run_id="unhookable",
+            model=_Unhookable(),
+            optimizer=_Unhookable(),  # type: ignore[arg-type]
+            flush_every=0,
+        )
         rec.record(loss_sum=torch.tensor(3.0), valid_tokens=3, backward_scalar=torch.tensor(1.0))
         rec.close()
     messages = " ".join(str(w.message) for w in caught)
@@ -482,8 +531,14 @@ def test_every_shard_says_where_it_came_from(tmp_path: Path) -> None:
         note = json.loads(pq.read_schema(shard).metadata[b"tokaudit.provenance"])
         launch = note.pop("launch")
         launches.add((launch["id"], launch["first_shard"]))
-        assert note == {"tokaudit": tokaudit.__version__, "torch": torch.__version__, "world_size": 1,
-                        "launch_world_size": 1, "trainer": "transformers", "trainer_version": "5.24.0"}
+        assert note == {
+            "tokaudit": tokaudit.__version__,
+            "torch": torch.__version__,
+            "world_size": 1,
+            "launch_world_size": 1,
+            "trainer": "transformers",
+            "trainer_version": "5.24.0",
+        }
     assert len(launches) == 1 and next(iter(launches))[1] == 0  # one launch, its first shard numbered 0
 
 
@@ -531,8 +586,12 @@ def test_each_record_says_the_precision_its_values_and_gradients_had(tmp_path: P
     with Recorder(tmp_path, run_id="bits", flush_every=16) as rec:
         rec.record(loss_sum=2.0, valid_tokens=2, backward_scalar=1.0, step=0)
         rec.record(loss_sum=torch.tensor(2.0), valid_tokens=2, backward_scalar=torch.tensor(1.0), step=1)
-        rec.record(loss_sum=torch.tensor(2.0, dtype=torch.float64), valid_tokens=2,
-                   backward_scalar=torch.tensor(1.0, dtype=torch.bfloat16), step=2)
+        rec.record(
+            loss_sum=torch.tensor(2.0, dtype=torch.float64),
+            valid_tokens=2,
+            backward_scalar=torch.tensor(1.0, dtype=torch.bfloat16),
+            step=2,
+        )
         with rec.capture_cross_entropy():  # the loss on bf16 logits: its gradient is bf16
             F.cross_entropy(logits.to(torch.bfloat16), labels).backward()
             rec.end_step()
@@ -542,6 +601,7 @@ def test_each_record_says_the_precision_its_values_and_gradients_had(tmp_path: P
 def test_a_second_run_into_a_folder_that_holds_shards_from_step_0_is_warned(tmp_path: Path) -> None:
     """A resumed run that does not say its step (begin_step) starts at 0 again beside the first run's shards: one
     warning names it; a resume that continues its numbering says nothing."""
+
     def run(first: int) -> list[str]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -559,9 +619,11 @@ def test_a_second_run_into_a_folder_that_holds_shards_from_step_0_is_warned(tmp_
 def test_a_warning_points_at_the_training_script_s_line(tmp_path: Path) -> None:
     """The recorder's warnings name the user's line that led to them, not a line of tokaudit or torch."""
     script = tmp_path / "train.py"
-    script.write_text("from tokaudit.hooks import Recorder\n"
-                      f"rec = Recorder({str(tmp_path / 'logs')!r}, flush_every=0, announce=False)\n"
-                      "rec.close()\n")
+    script.write_text(
+        "from tokaudit.hooks import Recorder\n"
+        f"rec = Recorder({str(tmp_path / 'logs')!r}, flush_every=0, announce=False)\n"
+        "rec.close()\n"
+    )
     import subprocess
     import sys
 

@@ -22,8 +22,15 @@ COUNTS = ((3, 5), (6, 1), (2, 2), (4, 7), (1, 6), (5, 3), (7, 2), (2, 4))
 """Valid tokens per step and microbatch: uneven, so a mean per microbatch is not the token mean."""
 
 
-def train(log_dir: Path, run_id: str, local_mean: bool, steps: int = 4, term: str | None = None,
-          between_steps: Any = None, **options: Any) -> Recorder:
+def train(
+    log_dir: Path,
+    run_id: str,
+    local_mean: bool,
+    steps: int = 4,
+    term: str | None = None,
+    between_steps: Any = None,
+    **options: Any,
+) -> Recorder:
     """W = 1, two microbatches per optimizer step, b = S/N or the per-microbatch local mean S/(n·M);
     returns the closed Recorder."""
     torch.manual_seed(0)
@@ -69,11 +76,13 @@ def test_the_metrics_of_a_recorded_run_are_what_the_audit_says(tmp_path: Path, l
     codes = {f.code.value: 1 for f in report.findings}
     assert ("local_mean" in codes) is local_mean
     assert metrics.run == "run"
-    assert metrics.scalars == {"tokaudit/verdict": float(VERDICT_VALUES[summary.verdict]),
-                               "tokaudit/max_weight_ratio": summary.max_weight_ratio,
-                               "tokaudit/steps": 4.0,
-                               "tokaudit/findings": float(len(report.findings)),
-                               **{f"tokaudit/code/{code}": 1.0 for code in codes}}
+    assert metrics.scalars == {
+        "tokaudit/verdict": float(VERDICT_VALUES[summary.verdict]),
+        "tokaudit/max_weight_ratio": summary.max_weight_ratio,
+        "tokaudit/steps": 4.0,
+        "tokaudit/findings": float(len(report.findings)),
+        **{f"tokaudit/code/{code}": 1.0 for code in codes},
+    }
     if local_mean:
         # S/(n·M): a token's weight is 1/(n·M), so the ratio in a step is n_max/n_min (step 1: 6/1).
         assert summary.max_weight_ratio == pytest.approx(6.0)
@@ -83,8 +92,10 @@ def test_the_metrics_of_a_recorded_run_are_what_the_audit_says(tmp_path: Path, l
     assert metrics.text["tokaudit/verdict_text"] == summary.verdict
     lines = metrics.text["tokaudit/findings_text"].splitlines()
     if report.findings:
-        assert lines == [f"{f.severity.value} {f.code.value} steps {f.steps.first}–{f.steps.last} ({f.steps.count}): "
-                         f"{f.message}" for f in report.findings]
+        assert lines == [
+            f"{f.severity.value} {f.code.value} steps {f.steps.first}–{f.steps.last} ({f.steps.count}): {f.message}"
+            for f in report.findings
+        ]
     else:
         assert lines == ["no findings"]
 
@@ -152,7 +163,8 @@ def test_options_the_recorder_cannot_use_warn_and_recording_goes_on(tmp_path: Pa
         train(tmp_path, "run", False, steps=3, trackers=tracker, audit_every="often")  # one tracker, not a list
     assert [str(w.message) for w in caught if "audit_every" in str(w.message)] == [
         "tokaudit: audit_every must be an int of at least 1, got 'often'; the run is audited for the trackers at "
-        "close() only"]
+        "close() only"
+    ]
     assert [step for step, _ in tracker.logged] == [3]
     assert len(read_rows(tmp_path / "run")) == 6
 
@@ -168,8 +180,15 @@ def test_a_tracker_that_raises_never_breaks_training_and_warns_once(tmp_path: Pa
     good = Collecting()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        train(tmp_path, "run", False, steps=6, trackers=[Failing(), object(), good], audit_every=1,
-              between_steps=lambda step: time.sleep(0.05))
+        train(
+            tmp_path,
+            "run",
+            False,
+            steps=6,
+            trackers=[Failing(), object(), good],
+            audit_every=1,
+            between_steps=lambda step: time.sleep(0.05),
+        )
     messages = [str(w.message) for w in caught if "tokaudit" in str(w.message)]
     assert len([m for m in messages if "tracker is down" in m]) == 1, messages
     assert len([m for m in messages if "cannot log an audit to a builtins.object" in m]) == 1, messages
@@ -178,8 +197,9 @@ def test_a_tracker_that_raises_never_breaks_training_and_warns_once(tmp_path: Pa
     assert len(read_rows(tmp_path / "run")) == 12, "every record written"
 
 
-def test_a_tensorboard_writer_that_cannot_write_any_more_is_tried_once(tmp_path: Path,
-                                                                      capfd: pytest.CaptureFixture[str]) -> None:
+def test_a_tensorboard_writer_that_cannot_write_any_more_is_tried_once(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """A SummaryWriter the trainer closed, whose folder is gone (a file in its place): reopening it fails; one
     warning, it is not reopened at every audit, and no writer thread's traceback reaches stderr."""
     import shutil
@@ -192,8 +212,15 @@ def test_a_tensorboard_writer_that_cannot_write_any_more_is_tried_once(tmp_path:
     (tmp_path / "tb").write_text("not a folder")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        train(tmp_path, "run", False, steps=6, trackers=[writer], audit_every=1,
-              between_steps=lambda step: time.sleep(0.05))
+        train(
+            tmp_path,
+            "run",
+            False,
+            steps=6,
+            trackers=[writer],
+            audit_every=1,
+            between_steps=lambda step: time.sleep(0.05),
+        )
     said = [str(w.message) for w in caught if "could not log the audit to TensorBoardTracker" in str(w.message)]
     assert len(said) == 1 and "not tried again" in said[0], said
     assert "Traceback" not in capfd.readouterr().err
@@ -201,7 +228,8 @@ def test_a_tensorboard_writer_that_cannot_write_any_more_is_tried_once(tmp_path:
 
 
 def test_a_hanging_tracker_never_holds_up_a_step_and_close_waits_a_bounded_time(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(trackers, "CLOSE_TIMEOUT_S", 1.0)
     release = threading.Event()
 
@@ -241,19 +269,21 @@ def test_a_hanging_tracker_never_holds_up_a_step_and_close_waits_a_bounded_time(
 
 
 @pytest.mark.parametrize("local_mean", [False, True])
-def test_the_recorder_says_where_it_records_and_the_verdict_at_close(tmp_path: Path, local_mean: bool,
-                                                                       monkeypatch: pytest.MonkeyPatch,
-                                                                       capfd: pytest.CaptureFixture[str]) -> None:
+def test_the_recorder_says_where_it_records_and_the_verdict_at_close(
+    tmp_path: Path, local_mean: bool, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
     """Global rank 0 says one line at its first record (where the shards go, W and D) and one at close() with the
     run's verdict (what `tokaudit check` says of it); announce=False, or TOKAUDIT_QUIET=1, says nothing."""
     monkeypatch.delenv("TOKAUDIT_QUIET", raising=False)
     train(tmp_path, "run", local_mean)
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("tokaudit:")]
     verdict = audit([tmp_path / "run"]).runs[0].verdict
-    assert lines == [f"tokaudit: recording run 'run' to {tmp_path / 'run'} (W=1, D=1); "
-                     f"`tokaudit check {tmp_path / 'run'}` audits it",
-                     f"tokaudit: run 'run' is {verdict} ({1 if local_mean else 0} finding(s)); "
-                     f"`tokaudit check {tmp_path / 'run'}` says why"], lines
+    assert lines == [
+        f"tokaudit: recording run 'run' to {tmp_path / 'run'} (W=1, D=1); "
+        f"`tokaudit check {tmp_path / 'run'}` audits it",
+        f"tokaudit: run 'run' is {verdict} ({1 if local_mean else 0} finding(s)); "
+        f"`tokaudit check {tmp_path / 'run'}` says why",
+    ], lines
     train(tmp_path, "quiet", local_mean, announce=False)
     monkeypatch.setenv("TOKAUDIT_QUIET", "1")
     train(tmp_path, "quieter", local_mean)
