@@ -10,7 +10,6 @@ import numpy as np
 import pandas as pd
 
 from tokaudit._checks.base import Check, Extremes, RunContext, RunSteps, TermInputs, column_of, world_sizes
-from tokaudit._checks.miscount import without_miscounted
 from tokaudit._checks.objective import OneObjective, one_objective
 from tokaudit._checks.probe import ProbeCheck, per_sequence_first
 from tokaudit._checks.reported import reported_findings
@@ -40,7 +39,7 @@ here, its code and words in `tokaudit.codes`."""
 
 def check_run(
     run: str,
-    steps: pd.DataFrame | RunSteps,
+    steps: RunSteps,
     rtol: float,
     duplicates: Duplicates | None = None,
     extremes: Extremes | None = None,
@@ -60,15 +59,12 @@ def check_run(
     for W, D and M), once for every check; once more for the uniform factors' clusters (`FactorTable`)
     where some step may be uniformly off, and twice for the reported losses where there are some.
 
-    A whole table has the steps whose counts the probe contradicts left out here (`without_miscounted`, one
-    count_mismatch finding); a RunSteps is taken as given, as the audit leaves them out before.
+    The steps are taken as given: the audit leaves out those whose counts the probe contradicts before
+    (`without_miscounted`), for its summary too.
 
     `objective`: the run's terms are one token mean (`one_objective`, which is asked here when not given): their
     weights are judged together, so no term's weighting is judged alone, and the run's normalization is theirs."""
-    if isinstance(steps, RunSteps):
-        source, miscounted = steps, None  # the audit leaves its miscounted steps out itself, for its summary too
-    else:
-        source, miscounted = without_miscounted(RunSteps.of(steps), rtol)
+    source = steps
     if absent := ranks_not_recorded(source):  # every step's N is partial: nothing about the normalization is judged
         return [not_recorded_finding(run, source, absent)], [], 0
     findings: list[Finding] = []
@@ -87,8 +83,6 @@ def check_run(
         findings.extend(reported_findings(source, run, rtol, source.terms[0], pooled=objective is not None))
     if duplicates is not None:
         findings.append(duplicates_finding(duplicates, run))
-    if miscounted:
-        findings.append(miscounted.finding(run))
     return findings, spans, omitted
 
 
