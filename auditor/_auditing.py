@@ -10,7 +10,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from tokaudit._checks import RunSteps, check_run, one_objective, without_miscounted
+from tokaudit._checks import check_run, one_objective, without_miscounted
 from tokaudit.codes import DEFAULT_RTOL, Code, code_named
 from tokaudit._engine import Duplicates, Spilled, extremes_at, sweep_scratch
 from tokaudit.errors import LogFormatError, UsageError
@@ -84,9 +84,8 @@ def audit_started(
         raise UsageError(f"--ignore: {error}; `tokaudit explain` lists the codes") from None
     cluster = Cluster.connect(ray) if ray is not None else None
     try:
-        return _audit(
-            paths, rtol, runs, progress, live, ignored, min_ratio, keep_steps, threads, started, then, cluster
-        )
+        judging = _Judging(rtol, ignored, min_ratio)
+        return _audit(paths, judging, runs, progress, live, keep_steps, threads, started, then, cluster)
     finally:
         if cluster is not None:
             cluster.close()
@@ -94,12 +93,10 @@ def audit_started(
 
 def _audit(
     paths: Sequence[str | os.PathLike[str]],
-    rtol: float,
+    judging: _Judging,
     runs: Sequence[str],
     progress: Progress | None,
     live: bool,
-    ignored: set[Code],
-    min_ratio: float | None,
     keep_steps: bool,
     threads: int | None,
     started: Loading | None,
@@ -122,23 +119,27 @@ def _audit(
         duplicates, precision = engine.duplicates, engine.precision
         engine.close()
         if horizon is not None and progress:
-            left_out = sum(int((~live_rows(part, horizon)).sum()) for part in selected_runs(parts, present))
-            if left_out:
-                progress(f"--live: left out {left_out} step(s) not yet recorded by every rank")
-        of_run, found, judging = runs_apart(steps, parts, present), (duplicates, precision), (rtol, ignored, min_ratio)
-        summaries, findings = _runs_audited(present, of_run, logset.shards, horizon, named, found, threads, judging)
-        kept = (
-            kept_steps(parts, present if runs else None, horizon, ordered=isinstance(steps, pd.DataFrame))
-            if keep_steps
-            else None
+            _say_left_out(parts, present, horizon, progress)
+        judge = _RunJudge(
+            judging,
+            horizon,
+            named,
+            duplicates,
+            precision,
+            dropped_steps(logset.shards),
+            setups_of(logset.shards),
+            _Extremes(logset.shards, threads),
         )
+        summaries, findings = judge.runs(present, runs_apart(steps, parts, present))
+        asked = present if runs else None
+        kept = kept_steps(parts, asked, horizon, ordered=isinstance(steps, pd.DataFrame)) if keep_steps else None
         report = AuditReport(
             runs=summaries,
             findings=findings,
             problems=problems,
             files=len(logset.shards),
             steps=kept,
-            ignored=sorted(code.value for code in ignored),
+            ignored=sorted(code.value for code in judging.ignored),
         )
         if then is not None:
             then(report, AuditedLog(logset.shards, duplicates, steps))
@@ -149,45 +150,16 @@ def _audit(
             steps.close()
 
 
-def _runs_audited(
+def _say_left_out(
+    parts: Callable[[], Iterable[pd.DataFrame]],
     present: list[str],
-    of_run: Callable[[str], Callable[[], Iterable[pd.DataFrame]]],
-    shards: list[Shard],
-    horizon: dict[tuple[str, str], int] | None,
-    names: set[tuple[str, str, str]] | None,
-    found: tuple[dict[str, Duplicates], dict[str, int]],
-    threads: int | None,
-    judging: tuple[float, set[Code], float | None],
-) -> tuple[list[RunSummary], list[Finding]]:
-    """Each run's summary, and every run's findings, the most severe first. `found`: the repeated keys the
-    aggregation left out and the fewest significant bits, per run (`Engine.duplicates`, `Engine.precision`);
-    `judging`: --rtol, --ignore and --min-ratio."""
-    (duplicates, precision), (rtol, ignored, min_ratio) = found, judging
-    extremes = _Extremes(shards, threads)
-    dropped, setups = dropped_steps(shards), setups_of(shards)
-    summaries: list[RunSummary] = []
-    findings: list[Finding] = []
-    for run in present:
-        run_findings, summary = _audited_run(
-            run,
-            of_run(run),
-            dropped.get(run),
-            horizon,
-            names,
-            (rtol, precision.get(run)),
-            duplicates.get(run),
-            extremes,
-            ignored,
-            min_ratio,
-            setups.get(run, Provenance()),
-        )
-        findings.extend(run_findings)
-        if summary is not None:
-            summaries.append(summary)
-    findings.sort(
-        key=lambda f: (-f.severity.rank, f.run, f.term != UNNAMED, f.term, _CODE_ORDER[f.code], f.steps.first)
-    )
-    return summaries, findings
+    horizon: dict[tuple[str, str], int],
+    progress: Progress,
+) -> None:
+    """`--live`: how many steps of these runs are left out, not yet recorded by every rank."""
+    left_out = sum(int((~live_rows(part, horizon)).sum()) for part in selected_runs(parts, present))
+    if left_out:
+        progress(f"--live: left out {left_out} step(s) not yet recorded by every rank")
 
 
 def _asked(names: set[str], runs: Sequence[str]) -> list[str]:
@@ -199,25 +171,6 @@ def _asked(names: set[str], runs: Sequence[str]) -> list[str]:
             raise UsageError(f"no run named {', '.join(map(repr, unknown))} in the logs (runs: {', '.join(present)})")
         present = [run for run in present if run in runs]
     return present
-
-
-def _audited_run(
-    run: str,
-    parts: Callable[[], Iterable[pd.DataFrame]],
-    lost: DroppedRecords | None,
-    horizon: dict[tuple[str, str], int] | None,
-    names: set[tuple[str, str, str]] | None,
-    tolerance: tuple[float, int | None],
-    duplicates: Duplicates | None,
-    extremes: _Extremes,
-    ignored: set[Code],
-    min_ratio: float | None,
-    provenance: Provenance,
-) -> tuple[list[Finding], RunSummary | None]:
-    """`_audit_run` on one run's parts of the table, less the steps that lost records (`lost`)."""
-    source = run_steps(parts, run, horizon, lost, names)
-    had_steps = source is not None or (lost is not None and run_steps(parts, run, horizon, None) is not None)
-    return _audit_run(run, source, lost, had_steps, tolerance, duplicates, extremes, ignored, min_ratio, provenance)
 
 
 @dataclass(frozen=True)
@@ -232,63 +185,101 @@ class AuditedLog:
     """The step table of every run, whole or on disk a range at a time."""
 
 
-def _audit_run(
-    run: str,
-    source: RunSteps | None,
-    lost: DroppedRecords | None,
-    had_steps: bool,
-    tolerance: tuple[float, int | None],
-    duplicates: Duplicates | None,
-    extremes: _Extremes,
-    ignored: set[Code],
-    min_ratio: float | None,
-    provenance: Provenance,
-) -> tuple[list[Finding], RunSummary | None]:
-    """One run's findings and summary. `source`: its steps, less those whose records were dropped (`lost`);
-    `had_steps`: whether it had any before they were left out. `tolerance`: --rtol and the fewest significant
-    bits the run's records were computed in (None: not said), which set the tolerance it is judged at."""
-    bits = tolerance[1]
-    rtol = judged_rtol(*tolerance)
-    if source is None:
-        # Steps that lost records are not judged on the part of their tokens that was kept.
-        if lost and had_steps:
-            return [lost.finding(run)], RunSummary(
-                run=run,
-                rows=0,
-                steps=0,
-                ranks=0,
-                world_size=[],
-                groups=0,
-                verdict="inconclusive",
-                normalization=None,
-                segments=[],
-                max_weight_ratio=1.0,
-                microbatches=0,
-                precision_bits=bits,
-                rtol=rtol,
-            )
-        return [], None
-    # Steps whose counts the probe contradicts are left out of the checks and the summary alike.
-    source, miscounted = without_miscounted(source, rtol)
-    objective = one_objective(source, rtol)
-    run_findings, spans, omitted = check_run(run, source, rtol, duplicates, extremes, provenance, objective)
-    if lost:
-        run_findings.append(lost.finding(run))
-    if miscounted:
-        run_findings.append(miscounted.finding(run))
-    # The verdict is a claim about the gradient: it reads every finding. --ignore leaves some out of the listing
-    # and of what fails the command (`gate_verdict`), never out of the verdict.
-    run_findings = apply_policy(run_findings, min_ratio)
-    listed = [f for f in run_findings if f.code not in ignored]
-    value = {d: d.value for d in Denominator}
-    segments = [Segment(s.first, s.last, s.steps, value[s.denominator], s.factor, s.group, s.term) for s in spans]
-    summary = run_summary(run, source, run_findings, segments, omitted, pooled=objective is not None, listed=listed)
-    return listed, replace(
-        summary,
+@dataclass(frozen=True)
+class _Judging:
+    """How the runs are judged and listed: --rtol, --ignore and --min-ratio."""
+
+    rtol: float
+    ignored: set[Code]
+    min_ratio: float | None
+
+
+@dataclass(frozen=True)
+class _RunJudge:
+    """What every run of one audit is judged with: the audit's choices, and what the aggregation and the footers
+    found, per run."""
+
+    judging: _Judging
+    horizon: dict[tuple[str, str], int] | None
+    """`--live`: per (run, group), the last step every rank has recorded."""
+    names: set[tuple[str, str, str]] | None
+    """Every (run, group, term) of a table kept on disk (noted as it was kept): spares a pass."""
+    duplicates: dict[str, Duplicates]
+    """The repeated keys the aggregation left out (`Engine.duplicates`)."""
+    precision: dict[str, int]
+    """The fewest significant bits the records say they were computed in (`Engine.precision`)."""
+    dropped: dict[str, DroppedRecords]
+    """The records the recorder could not write (`dropped_steps`)."""
+    setups: dict[str, Provenance]
+    extremes: _Extremes
+
+    def runs(
+        self, present: list[str], of_run: Callable[[str], Callable[[], Iterable[pd.DataFrame]]]
+    ) -> tuple[list[RunSummary], list[Finding]]:
+        """Each run's summary, and every run's findings, the most severe first."""
+        summaries: list[RunSummary] = []
+        findings: list[Finding] = []
+        for run in present:
+            run_findings, summary = self.run(run, of_run(run))
+            findings.extend(run_findings)
+            if summary is not None:
+                summaries.append(summary)
+        findings.sort(
+            key=lambda f: (-f.severity.rank, f.run, f.term != UNNAMED, f.term, _CODE_ORDER[f.code], f.steps.first)
+        )
+        return summaries, findings
+
+    def run(self, run: str, parts: Callable[[], Iterable[pd.DataFrame]]) -> tuple[list[Finding], RunSummary | None]:
+        """One run's findings and summary, judged at the tolerance its precision allows (`judged_rtol`). Its steps
+        that lost records are left out, and not judged on the part of their tokens that was kept."""
+        bits, lost = self.precision.get(run), self.dropped.get(run)
+        rtol = judged_rtol(self.judging.rtol, bits)
+        source = run_steps(parts, run, self.horizon, lost, self.names)
+        if source is None:
+            had_steps = lost is not None and run_steps(parts, run, self.horizon, None) is not None
+            return ([lost.finding(run)], _lost_summary(run, bits, rtol)) if lost and had_steps else ([], None)
+        # Steps whose counts the probe contradicts are left out of the checks and the summary alike.
+        source, miscounted = without_miscounted(source, rtol)
+        objective = one_objective(source, rtol)
+        run_findings, spans, omitted = check_run(
+            run, source, rtol, self.duplicates.get(run), self.extremes, self.setups.get(run, Provenance()), objective
+        )
+        if lost:
+            run_findings.append(lost.finding(run))
+        if miscounted:
+            run_findings.append(miscounted.finding(run))
+        # The verdict is a claim about the gradient: it reads every finding. --ignore leaves some out of the listing
+        # and of what fails the command (`gate_verdict`), never out of the verdict.
+        run_findings = apply_policy(run_findings, self.judging.min_ratio)
+        listed = [f for f in run_findings if f.code not in self.judging.ignored]
+        value = {d: d.value for d in Denominator}
+        segments = [Segment(s.first, s.last, s.steps, value[s.denominator], s.factor, s.group, s.term) for s in spans]
+        summary = run_summary(run, source, run_findings, segments, omitted, pooled=objective is not None, listed=listed)
+        return listed, replace(
+            summary,
+            precision_bits=bits,
+            rtol=rtol,
+            terms_pooled=objective is not None,
+            ignored=sorted({f.code.value for f in run_findings if f.code in self.judging.ignored}),
+        )
+
+
+def _lost_summary(run: str, bits: int | None, rtol: float) -> RunSummary:
+    """The summary of a run every step of which lost records: nothing judged."""
+    return RunSummary(
+        run=run,
+        rows=0,
+        steps=0,
+        ranks=0,
+        world_size=[],
+        groups=0,
+        verdict="inconclusive",
+        normalization=None,
+        segments=[],
+        max_weight_ratio=1.0,
+        microbatches=0,
         precision_bits=bits,
         rtol=rtol,
-        terms_pooled=objective is not None,
-        ignored=sorted({f.code.value for f in run_findings if f.code in ignored}),
     )
 
 

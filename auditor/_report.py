@@ -110,7 +110,7 @@ class RunSummary:
     """The fewest significant bits the run's records were computed in (`precision_bits`: 8 for bfloat16); None
     where the log does not say (float32 assumed)."""
     rtol: float | None = None
-    """The tolerance the run was judged at: --rtol, or what its precision rounds (`auditing.judged_rtol`)."""
+    """The tolerance the run was judged at: --rtol, or what its precision rounds (`_auditing.judged_rtol`)."""
     normalization_judged: bool = True
     """False where the files given lack some ranks' records (`ranks_not_recorded`): every step's N is partial,
     so neither the normalization nor q is judged (the JSON then has no weight_range)."""
