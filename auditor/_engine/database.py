@@ -21,10 +21,12 @@ import pyarrow as pa
 
 from tokaudit._engine.connection import DEFAULT_MEMORY_LIMIT, connect, half_limit, settings_from_environment
 from tokaudit._engine.ranges import CHUNK_ROWS, RangesMap, RangeTask, step_ranges
-from tokaudit._engine.columns import EVIDENCE, UNUSABLE_RECORD
-from tokaudit._engine.sql import COMPLETE_THROUGH_SQL, RANK_WEIGHTS_SQL, RECORDS_AT_SQL, absent_values, aliases
+from tokaudit._engine.columns import UNUSABLE_RECORD
+from tokaudit._engine.sql import COMPLETE_THROUGH_SQL, DUPLICATES_SQL, RANK_WEIGHTS_SQL, RECORDS_AT_SQL
+from tokaudit._engine.sql import absent_values, aliases
 from tokaudit._engine.sql import constants, footer_table, one_name_of
 from tokaudit._engine.sql import one_record_form, select_records, sql_string, step_sql, valueless_columns
+from tokaudit._engine.stream import Unsorted, row_groups, streamable, windowed
 from tokaudit._engine.tables import FILES_NAMED, SPILL_STEPS, Duplicates, Spilled, add_duplicates, finished
 from tokaudit._engine.tables import note_precision, scratch_folder, join_columns, reorder
 from tokaudit._reader import Shard
@@ -68,8 +70,8 @@ class Engine:
     """Per shard (by id): its link's name, or for a remote shard the name it goes by in dedup order."""
     remote_views: dict[int, str] = field(default_factory=dict)
     """Per remote shard (by id): the DuckDB view over its Arrow dataset."""
-    defined: tuple[tuple[int, ...], tuple[int, int] | None, bool] | None = None
-    """What the views hold now: (the shards' ids, the step range, deduplicated)."""
+    defined: tuple[tuple[int, ...], tuple[int, int] | None, bool, str | None] | None = None
+    """What the views hold now: (the shards' ids, the step range, deduplicated, the scan of a window)."""
     footer_tables: list[str] = field(default_factory=list)
     """The temporary tables of footer records (`footer_table`) the views read now."""
     footer_count: int = 0
@@ -225,13 +227,16 @@ class Engine:
                 )
         return scans
 
-    def _source(self, shards: Sequence[Shard], steps: tuple[int, int] | None) -> str:
+    def _source(self, shards: Sequence[Shard], steps: tuple[int, int] | None, scan: str | None = None) -> str:
         """SQL for the raw records of these shards: scans per default run id (the parent folder
-        name), so filling a missing run_id costs no per-row string work, and per schema."""
+        name), so filling a missing run_id costs no per-row string work, and per schema. `scan`: their records are
+        this one scan instead (a window of a segment read in step order: one schema, one default run)."""
+        where = f"WHERE r.step BETWEEN {steps[0]} AND {steps[1]}" if steps else ""
+        if scan is not None:
+            return select_records(shards[0].default_run, self._present(shards), scan, where, shards[0].run_override)
         by_run: dict[tuple[str, bool], list[Shard]] = {}
         for shard in shards:
             by_run.setdefault((shard.default_run, shard.run_override), []).append(shard)
-        where = f"WHERE r.step BETWEEN {steps[0]} AND {steps[1]}" if steps else ""
         return " UNION ALL ".join(
             select_records(default_run, self._present(scanned), scan, where, override)
             for (default_run, override), members in by_run.items()
@@ -244,15 +249,17 @@ class Engine:
         present = set().union(*(s.columns for s in shards))
         return present - valueless_columns(shards) if self.prune else present
 
-    def _define(self, shards: Sequence[Shard], steps: tuple[int, int] | None, deduplicate: bool) -> None:
+    def _define(
+        self, shards: Sequence[Shard], steps: tuple[int, int] | None, deduplicate: bool, scan: str | None = None
+    ) -> None:
         # The views of thousands of files take a while to write and bind: a definition that is already
         # in place (one range, no duplicates: the usual log) is not written again.
-        definition = (tuple(id(s) for s in shards), steps, deduplicate)
+        definition = (tuple(id(s) for s in shards), steps, deduplicate, scan)
         if definition == self.defined:
             return
         self.defined = definition
         replaced, self.footer_tables = self.footer_tables, []
-        self.connection.execute(f"CREATE OR REPLACE TEMP VIEW raw_records AS {self._source(shards, steps)}")
+        self.connection.execute(f"CREATE OR REPLACE TEMP VIEW raw_records AS {self._source(shards, steps, scan)}")
         for name in replaced:
             self.connection.execute(f"DROP TABLE {name}")
         # Of two records with one key, the later published wins: the later file (a rank's shards are numbered in
@@ -280,28 +287,12 @@ class Engine:
 
     def _find_duplicates(self) -> dict[str, Duplicates]:
         found = {}
-        # per run: the copies, where, whether every copy holds the kept record's values, and its time
-        for run, copies, first, last, steps, files, identical, same_time in self.connection.execute(f"""
-            SELECT run, sum(copies - 1), min(step), max(step), count(DISTINCT step),
-                   list_slice(list_sort(list_distinct(flatten(list(files)))), 1, {FILES_NAMED}),
-                   bool_and(values_seen = 1), bool_and(times_seen = 1) FROM (
-                SELECT run, step, count(*) AS copies, list(DISTINCT filename) AS files,
-                       count(DISTINCT (loss_sum, valid_tokens, backward_scalar, token_weight_sum, token_weight_min,
-                                       token_weight_max, masked_weight_abs_sum, grad_scale, grad_divisor,
-                                       world_size, sync, skipped)) AS values_seen,
-                       count(DISTINCT coalesce(written, TIMESTAMP '1970-01-01')) AS times_seen
-                FROM raw_records GROUP BY run, grp, term, step, rank, micro HAVING count(*) > 1)
-            GROUP BY run
-        """).fetchall():
-            found[str(run)] = Duplicates(
-                int(copies),
-                int(first),
-                int(last),
-                int(steps),
-                tuple(os.path.basename(str(f)) for f in files),
-                bool(identical),
-                bool(same_time),
-            )
+        for run, copies, first, last, steps, files, identical, same_time in self.connection.execute(
+            DUPLICATES_SQL, [FILES_NAMED]
+        ).fetchall():
+            named = tuple(os.path.basename(str(f)) for f in files)
+            counts = (int(copies), int(first), int(last), int(steps))
+            found[str(run)] = Duplicates(*counts, named, bool(identical), bool(same_time))
         return found
 
     def step_table(self, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
@@ -328,22 +319,24 @@ class Engine:
             for index, (steps, _) in enumerate(chunks):
                 if progress and len(chunks) > 1 and steps:
                     progress(f"aggregating steps {steps[0]}–{steps[1]} ({index + 1}/{len(chunks)})")
-                table, found = next(tables)
+                pieces, found = next(tables)
                 add_duplicates(self.duplicates, found)
-                note_precision(self.precision, table)
-                held += len(table["step"])
-                if spill and spilled is None and held > SPILL_STEPS:
-                    # Past SPILL_STEPS: the ranges held so far go to disk, and every one after.
-                    spilled = Spilled()
-                    for part in range(len(columns.get("step", []))):
-                        spilled.add({name: parts[part] for name, parts in columns.items()})
-                    columns = {}
-                if spilled is not None:
-                    spilled.add(table)
-                else:
-                    for name, values in table.items():
-                        columns.setdefault(name, []).append(values)
-                del table
+                while pieces:  # a range's tables in step order: one, or a window's each (`_windowed`)
+                    table = pieces.pop(0)
+                    note_precision(self.precision, table)
+                    held += len(table["step"])
+                    if spill and spilled is None and held > SPILL_STEPS:
+                        # Past SPILL_STEPS: the ranges held so far go to disk, and every one after.
+                        spilled = Spilled()
+                        for part in range(len(columns.get("step", []))):
+                            spilled.add({name: parts[part] for name, parts in columns.items()})
+                        columns = {}
+                    if spilled is not None:
+                        spilled.add(table)
+                    else:
+                        for name, values in table.items():
+                            columns.setdefault(name, []).append(values)
+                    del table
         except BaseException:
             if spilled is not None:
                 spilled.close()
@@ -365,8 +358,8 @@ class Engine:
 
     def _range_tables(
         self, chunks: list[tuple[tuple[int, int] | None, list[Shard]]]
-    ) -> Iterator[tuple[dict[str, Any], dict[str, Duplicates]]]:
-        """Each range's table and repeated keys, in order: here, or through `ranges_map` each by an engine of its
+    ) -> Iterator[tuple[list[dict[str, Any]], dict[str, Duplicates]]]:
+        """Each range's table (in parts) and repeated keys, in order: here, or through `ranges_map` each by an engine of its
         own over the range's shards, given in this engine's order (of two records of one key the later file's
         wins) and with this engine's settings."""
         if self.ranges_map is None:
@@ -389,17 +382,50 @@ class Engine:
 
     def _range_table(
         self, steps: tuple[int, int] | None, shards: list[Shard]
+    ) -> tuple[list[dict[str, Any]], dict[str, Duplicates]]:
+        """One range's step table, in parts in step order, and its repeated keys (per run): by windows of whole steps
+        where it is a segment of more steps than a range holds and its files are in step order (`_windowed`), else
+        by one query."""
+        if self.only_steps is None and streamable(shards):
+            try:
+                return self._windowed(steps, shards)
+            except Unsorted:
+                pass  # what the windows made is set aside: the segment is read whole
+        table, found = self._queried(steps, shards)
+        return [table], found
+
+    def _queried(
+        self, steps: tuple[int, int] | None, shards: list[Shard], scan: str | None = None
     ) -> tuple[dict[str, Any], dict[str, Duplicates]]:
-        """One range's step table by the query (`_aggregate`), its repeated keys found and left out first if it
-        has any (and returned, per run)."""
-        self._define(shards, steps, deduplicate=False)
+        """The step table of these shards' records (or of `scan`'s) by the query (`_aggregate`), its repeated keys
+        found and left out first if it has any (and returned, per run)."""
+        self._define(shards, steps, deduplicate=False, scan=scan)
         table = self._aggregate(shards)
         if np.nansum(table["repeated_micro"]) > 0 or np.nansum(table["wide_micro"]) > 0:
             found = self._find_duplicates()
             if found:
-                self._define(shards, steps, deduplicate=True)
+                self._define(shards, steps, deduplicate=True, scan=scan)
                 return self._aggregate(shards), found
         return table, {}
+
+    def _windowed(
+        self, steps: tuple[int, int] | None, shards: list[Shard]
+    ) -> tuple[list[dict[str, Any]], dict[str, Duplicates]]:
+        """A segment read once in windows of whole steps (`stream.windowed`), each aggregated by the query as the
+        records of the range."""
+
+        def aggregated(window: pa.Table) -> tuple[dict[str, Any], dict[str, Duplicates]]:
+            self.connection.register("window_records", window)
+            try:
+                return self._queried(steps, shards, scan="window_records r")
+            finally:  # the window goes back before the next is read
+                self.connection.unregister("window_records")
+
+        files = [(str(shard.path), self._link(shard), row_groups(shard, steps)) for shard in shards]
+        try:
+            return windowed(files, sorted(self._present(shards)), self.chunk_rows, aggregated)
+        finally:
+            self.defined = None
 
     def _aggregate(self, shards: Sequence[Shard]) -> dict[str, Any]:
         """One range's step table as arrays, by column: numpy's, as DuckDB hands them over (a pandas
@@ -459,8 +485,8 @@ class Engine:
             shutil.rmtree(self.links, ignore_errors=True)
 
 
-def aggregate_range(task: RangeTask) -> tuple[dict[str, Any], dict[str, Duplicates]]:
-    """A range's step table and its repeated keys, by an engine of its own over the range's shards, on one thread:
+def aggregate_range(task: RangeTask) -> tuple[list[dict[str, Any]], dict[str, Duplicates]]:
+    """A range's step table (in parts) and its repeated keys, by an engine of its own over the range's shards, on one thread:
     what `Engine.ranges_map` runs on a cluster's worker. The same query over the same records as the engine that
     cut the range, so the same bits."""
     engine = Engine.open(list(task.shards), memory_limit=task.memory_limit, threads=1, extremes=task.extremes)
@@ -469,17 +495,3 @@ def aggregate_range(task: RangeTask) -> tuple[dict[str, Any], dict[str, Duplicat
         return engine._range_table(task.steps, list(task.shards))
     finally:
         engine.close()
-
-
-def extremes_at(shards: Sequence[Shard], step: int, threads: int | None = None) -> pd.DataFrame:
-    """The EVIDENCE columns of one step, a row per (run, grp, term): the step aggregated again, alone, from the
-    files whose footers say they can hold it, with the evidence aggregates the full query leaves out.
-    The same records (deduplicated the same way) in the same aggregation as the full query's."""
-    engine = Engine.open(
-        [s for s in shards if s.may_hold(step, step)], threads=threads, only_steps=(step, step), extremes=True
-    )
-    try:
-        table = engine.step_table()
-    finally:
-        engine.close()
-    return table[["run", "grp", "term", "step", *EVIDENCE]]

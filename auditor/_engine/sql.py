@@ -287,3 +287,20 @@ SELECT run, grp, min(last_step) FROM (
 GROUP BY run, grp
 """
 """Per (run, group): the last step every rank has recorded (`Engine.complete_through`)."""
+
+
+# per run: the copies, where, whether every copy holds the kept record's values, and its time
+DUPLICATES_SQL = """
+SELECT run, sum(copies - 1), min(step), max(step), count(DISTINCT step),
+       list_slice(list_sort(list_distinct(flatten(list(files)))), 1, $1),
+       bool_and(values_seen = 1), bool_and(times_seen = 1) FROM (
+    SELECT run, step, count(*) AS copies, list(DISTINCT filename) AS files,
+           count(DISTINCT (loss_sum, valid_tokens, backward_scalar, token_weight_sum, token_weight_min,
+                           token_weight_max, masked_weight_abs_sum, grad_scale, grad_divisor,
+                           world_size, sync, skipped)) AS values_seen,
+           count(DISTINCT coalesce(written, TIMESTAMP '1970-01-01')) AS times_seen
+    FROM raw_records GROUP BY run, grp, term, step, rank, micro HAVING count(*) > 1)
+GROUP BY run
+"""
+"""Per run, the repeated (run, group, term, step, rank, micro) keys of `raw_records` (`Engine._find_duplicates`;
+parameter: how many files to name)."""

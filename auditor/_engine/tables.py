@@ -312,7 +312,7 @@ def finished(
             if rows > 1
             else np.repeat(value, rows)
             if rows
-            else np.zeros(0, dtype=FETCHED_TYPES[STEP_COLUMN_BY_NAME[name].type])
+            else np.zeros(0, dtype=FETCHED_TYPES[STEP_COLUMN_BY_NAME[name].type or None])
         )
     order = ["run", "grp", "term", "step", *(c.name for c in STEP_COLUMNS if c.name in table or c.name in held)]
     return {name: table[held.get(name, name)] for name in order}

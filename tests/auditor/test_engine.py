@@ -10,7 +10,7 @@ import pytest
 
 from tests.logs import UNEVEN_GA, local_mean, records, token_mean, write
 from tokaudit._auditing import audit
-from tokaudit._engine import Duplicates, Engine, step_ranges
+from tokaudit._engine import EVIDENCE, Duplicates, Engine, step_ranges
 from tokaudit._reader import NULLABLE_COLUMNS
 from tokaudit._loading import load
 
@@ -205,7 +205,7 @@ def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_th
     # and the evidence columns, aggregated in both forms
     general_extremes = Engine.open(shards, chunk_rows=25, extremes=True).step_table()
     pd.testing.assert_frame_equal(general_extremes, fast_extremes)
-    pd.testing.assert_frame_equal(general_extremes.drop(columns=list(engine_module.EVIDENCE)), general_steps)
+    pd.testing.assert_frame_equal(general_extremes.drop(columns=list(EVIDENCE)), general_steps)
     assert fast.duplicates == general.duplicates and _counts(fast.duplicates) == {"run": (2, 6, 6, 1)}
     assert fast_steps.repeated_micro.sum() == 0  # deduplicated before the table was kept
 

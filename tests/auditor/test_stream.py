@@ -1,0 +1,147 @@
+"""A segment of more steps than a range holds, read once in windows of whole steps: every record once, with the file
+row number DuckDB's scan gives it, and the same step table as the one aggregation of the segment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import tokaudit._engine.database as database
+import tokaudit._engine.stream as stream
+from tests.logs import records, token_mean, local_mean
+from tokaudit._engine import Engine
+from tokaudit._loading import load
+
+
+def _file(path: Path, steps: list[int], row_group_size: int | None = None) -> Path:
+    """A file of one column `step` and a `value` that names each row (its file and its row number)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    values = [f"{path.name}:{row}" for row in range(len(steps))]
+    pq.write_table(
+        pa.table({"step": pa.array(steps, pa.int64()), "value": values}), path, row_group_size=row_group_size
+    )
+    return path
+
+
+def _read(files: list[tuple[str, str, list[int]]], rows: int) -> list[pa.Table]:
+    return list(stream.windows(files, ["step", "value"], rows))
+
+
+def test_windows_hold_whole_steps_in_order_and_every_row_once_with_its_row_number(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stream, "CHUNK_STEPS", 4)
+    a = _file(tmp_path / "a.parquet", [0, 0, 1, 2, 2, 2, 5, 6, 9, 9, 9, 9, 10, 17], row_group_size=5)
+    b = _file(tmp_path / "b.parquet", [1, 1, 1, 3, 4, 5, 5, 6, 7, 8, 12, 20])
+    c = _file(tmp_path / "c.parquet", [2] * 9 + [3])  # one step of many rows
+    files = [(str(f), f.name, [0, 1, 2] if f == a else [0]) for f in (a, b, c)]
+    found = _read(files, rows=6)
+    assert len(found) > 3
+    steps = [w.column("step").to_pylist() for w in found]
+    assert all(max(one) < min(two) for one, two in zip(steps, steps[1:]))  # whole steps, in order
+    assert all(max(one) - min(one) < 4 for one in steps)  # at most CHUNK_STEPS steps a window
+    rows = [row for w in found for row in zip(w.column("filename").to_pylist(), w.column("file_row_number").to_pylist(),
+                                             w.column("value").to_pylist())]  # fmt: skip
+    assert sorted(value for _, _, value in rows) == sorted(
+        f"{f.name}:{row}" for f, count in ((a, 14), (b, 12), (c, 10)) for row in range(count)
+    )
+    assert all(value == f"{name}:{number}" for name, number, value in rows)
+
+
+def test_windows_read_only_the_row_groups_asked_for_with_their_file_row_numbers(tmp_path: Path) -> None:
+    f = _file(tmp_path / "a.parquet", list(range(12)), row_group_size=4)
+    (window,) = _read([(str(f), "a", [1])], rows=100)
+    assert window.column("step").to_pylist() == [4, 5, 6, 7]
+    assert window.column("file_row_number").to_pylist() == [4, 5, 6, 7]
+    assert window.column("value").to_pylist() == ["a.parquet:4", "a.parquet:5", "a.parquet:6", "a.parquet:7"]
+
+
+@pytest.mark.parametrize("steps", [[0, 1, 2, 1, 3], [0, 1, None, 2]], ids=["a step goes back", "a step is missing"])
+def test_a_file_whose_steps_are_not_in_order_is_said_to_be(tmp_path: Path, steps: list[Any]) -> None:
+    f = _file(tmp_path / "a.parquet", steps, row_group_size=2)
+    with pytest.raises(stream.Unsorted):
+        _read([(str(f), "a", [0, 1, 2])], rows=2)
+
+
+def _log(folder: Path, unsorted: bool = False) -> None:
+    """A file per rank of one row group over every step, as pandas leaves a log: four ranks of two microbatches
+    and 40 steps, a sync each, two loss terms, and one record written again by a later file."""
+    rows = records([[[1 + (s * 3 + r) % 7, 2 + (s + r) % 5] for r in range(4)] for s in range(40)], token_mean)
+    rows += [dict(r, term="aux", backward_scalar=0.5 * r["backward_scalar"]) for r in rows]
+    for row in rows:
+        row["sync"] = row["micro"] == 1 or (row["step"] == 9 and row["rank"] == 2)
+    frame = pd.DataFrame(rows)
+    for rank in range(4):
+        mine = frame[frame["rank"] == rank].sort_values(["step", "micro"], kind="stable")
+        if unsorted and rank == 3:
+            mine = pd.concat([mine[mine.step >= 20], mine[mine.step < 20]])
+        mine.to_parquet(folder / f"part-{rank:05d}.parquet", index=False)
+    again = frame[(frame["rank"] == 1) & (frame["step"] == 17)].assign(loss_sum=lambda f: f.loss_sum + 1.0)
+    again.to_parquet(folder / "part-00001-again.parquet", index=False)
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The windows the engine aggregates, and whether a file out of order ended them."""
+    seen: dict[str, Any] = {"rows": [], "unsorted": False}
+    original = stream.windows
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        try:
+            for window in original(*args, **kwargs):
+                seen["rows"].append(window.num_rows)
+                yield window
+        except stream.Unsorted:
+            seen["unsorted"] = True
+            raise
+
+    monkeypatch.setattr(stream, "windows", counting)
+    return seen
+
+
+@pytest.mark.parametrize("unsorted", [False, True], ids=["files in step order", "a file out of order"])
+def test_a_segment_read_in_windows_gives_the_table_of_one_aggregation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unsorted: bool
+) -> None:
+    """Windows of at most 6 steps over a segment of 40: the same table and repeated keys as the one query over the
+    segment; a file out of step order is found, and the segment is then read whole."""
+    (tmp_path / "run").mkdir()
+    _log(tmp_path / "run", unsorted)
+    shards = load([tmp_path]).shards
+    monkeypatch.setattr(stream, "CHUNK_STEPS", 6)
+    assert stream.streamable(shards)
+    seen = _counting(monkeypatch)
+    windowed = Engine.open(shards, chunk_rows=100)
+    table = windowed.step_table()
+    if unsorted:
+        assert seen["unsorted"]
+    else:
+        assert len(seen["rows"]) >= 7 and sum(seen["rows"]) == 640 + 4 and not seen["unsorted"]
+    monkeypatch.setattr(database, "streamable", lambda shards: False)
+    whole = Engine.open(shards, chunk_rows=100)
+    pd.testing.assert_frame_equal(whole.step_table(), table)
+    assert whole.duplicates == windowed.duplicates and windowed.duplicates["run"].dropped == 4
+    assert len(table) == 80
+
+
+def test_the_report_of_a_log_read_in_windows_is_that_of_it_read_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokaudit import audit
+    from tokaudit._render.json_report import render_json
+
+    (tmp_path / "run").mkdir()
+    frame = pd.DataFrame(records([[[1 + (s * 3 + r) % 7, 2] for r in range(4)] for s in range(40)], local_mean))
+    for rank in range(4):
+        frame[frame["rank"] == rank].to_parquet(tmp_path / "run" / f"part-{rank}.parquet", index=False)
+    monkeypatch.setattr(stream, "CHUNK_STEPS", 6)
+    seen = _counting(monkeypatch)
+    windowed = render_json(audit([tmp_path]))
+    assert len(seen["rows"]) >= 7
+    monkeypatch.setattr(database, "streamable", lambda shards: False)
+    whole = render_json(audit([tmp_path]))
+    assert windowed == whole and '"local_mean"' in whole
