@@ -5,7 +5,7 @@ Aggregated whole, such a segment holds every step's groups in DuckDB at once: pa
 spills, and a segment of a million steps takes several times the time of the same records in ranges. Files that a
 rank's log was written to are in step order; where one is not, `windows` says so and the segment is read whole.
 Each file being read holds a buffer per column: a segment of many files is aggregated whole (DuckDB reads them
-within its memory limit), as is one of few steps, where the grouping fits."""
+within its memory limit), as is one whose row groups span fewer steps, where the grouping fits."""
 
 from __future__ import annotations
 
@@ -27,8 +27,13 @@ BATCH_ROWS = 262_144
 BUFFER_BYTES = 262_144
 """What one column of a file being read holds of it (pyarrow's buffered stream, not the whole column chunk)."""
 
-MAX_FILES = 64
+MAX_FILES = 32
 """The most files a segment read in windows may have: each holds a buffer per column while it is read."""
+
+WIDE_ROW_GROUP = 500_000
+"""Steps a row group must span for its segment to be read in windows. DuckDB gives each thread a row group: one
+that spans more steps than its hash table holds at once (between 300,000 and 600,000 here) is flushed, unreduced,
+again and again, and the grouping spills; below that the one aggregation is the faster."""
 
 
 class Unsorted(Exception):
@@ -36,19 +41,24 @@ class Unsorted(Exception):
 
 
 def streamable(shards: Sequence[Shard]) -> bool:
-    """A segment worth reading in windows, and one that can be: more steps than a range holds (CHUNK_STEPS), at most
-    MAX_FILES files, each a local file read from its rows (not a footer's record, not object storage), all of one
-    schema and one default run."""
-    if not 0 < len(shards) <= MAX_FILES or any(s.step_range is None for s in shards):
-        return False
-    first = min(s.step_range[0] for s in shards if s.step_range)
-    last = max(s.step_range[1] for s in shards if s.step_range)
+    """A segment worth reading in windows, and one that can be: a row group of it spans more than WIDE_ROW_GROUP
+    steps, it has at most MAX_FILES files, each a local file read from its rows (not a footer's record, not object
+    storage), all of one schema and one default run."""
     return (
-        min(last - first + 1, sum(s.rows for s in shards)) > CHUNK_STEPS
+        0 < len(shards) <= MAX_FILES
+        and max(_widest(shard) for shard in shards) > WIDE_ROW_GROUP
         and all(s.store is None and s.record is None for s in shards)
         and len({s.signature for s in shards}) == 1
         and len({(s.default_run, s.run_override) for s in shards}) == 1
     )
+
+
+def _widest(shard: Shard) -> int:
+    """The most steps one row group of a shard spans (at most one a row; 0 without step statistics)."""
+    if shard.step_range is None:
+        return 0
+    groups = shard.step_groups or ((*shard.step_range, shard.rows),)
+    return max(min(last - first + 1, rows) for first, last, rows in groups)
 
 
 def row_groups(shard: Shard, steps: tuple[int, int] | None) -> list[int]:

@@ -113,6 +113,8 @@ def test_a_segment_read_in_windows_gives_the_table_of_one_aggregation(
     _log(tmp_path / "run", unsorted)
     shards = load([tmp_path]).shards
     monkeypatch.setattr(stream, "CHUNK_STEPS", 6)
+    assert not stream.streamable(shards)  # row groups of 40 steps: aggregated whole
+    monkeypatch.setattr(stream, "WIDE_ROW_GROUP", 30)
     assert stream.streamable(shards)
     seen = _counting(monkeypatch)
     windowed = Engine.open(shards, chunk_rows=100)
@@ -139,6 +141,7 @@ def test_the_report_of_a_log_read_in_windows_is_that_of_it_read_whole(
     for rank in range(4):
         frame[frame["rank"] == rank].to_parquet(tmp_path / "run" / f"part-{rank}.parquet", index=False)
     monkeypatch.setattr(stream, "CHUNK_STEPS", 6)
+    monkeypatch.setattr(stream, "WIDE_ROW_GROUP", 30)
     seen = _counting(monkeypatch)
     windowed = render_json(audit([tmp_path]))
     assert len(seen["rows"]) >= 7
