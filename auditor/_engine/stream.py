@@ -32,8 +32,8 @@ MAX_FILES = 32
 
 WIDE_ROW_GROUP = 500_000
 """Steps a row group must span for its segment to be read in windows. DuckDB gives each thread a row group: one
-that spans more steps than its hash table holds at once (between 300,000 and 600,000 here) is flushed, unreduced,
-again and again, and the grouping spills; below that the one aggregation is the faster."""
+that spans more steps than its hash table holds at once is flushed, unreduced, again and again, and the grouping
+spills; below that the one aggregation is the faster (docs/performance.md, "Logs as other tools write them")."""
 
 
 class Unsorted(Exception):
