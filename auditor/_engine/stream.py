@@ -139,32 +139,34 @@ class _File:
 
 def windows(files: Sequence[tuple[str, str, list[int]]], columns: list[str], rows: int) -> Iterator[pa.Table]:
     """The records of these files ((path, the name DuckDB knows it by, the row groups to read)) in windows of whole
-    steps, in step order, each
-    of about `rows` records (more where one step holds more), every row decoded once. Unsorted where a file's steps go
-    back, which may come after some windows: the caller then sets aside what it made of them."""
+    steps, in step order, each of about `rows` records (more where one step holds more) and at most CHUNK_STEPS
+    steps, every row decoded once. Unsorted where a file's steps go back, which may come after some windows: the
+    caller then sets aside what it made of them."""
     batch_rows = max(4_096, min(BATCH_ROWS, rows // (4 * max(len(files), 1))))
     readers = [_File(path, name, groups, columns, batch_rows) for path, name, groups in files]
-    for reader in readers:
-        reader.read()
-    while True:
-        reading = [r for r in readers if not r.done]
-        fresh = next((r for r in reading if r.last is None), None)
-        if fresh is not None:  # a file none of whose rows is read yet may hold any step
-            fresh.read()
-            continue
-        # Each file's steps only go up: every row of a step below the least last step read has been read.
-        bound = min(r.last or 0 for r in reading) if reading else None
-        first = min((int(r.steps[0]) for r in readers if len(r.steps)), default=None)
-        if bound is not None and first is not None and bound > first + CHUNK_STEPS:
-            bound = first + CHUNK_STEPS  # a window of CHUNK_STEPS steps is ready
-        elif reading and sum(r.below(bound) for r in readers) < rows:
-            min(reading, key=lambda r: r.last or 0).read()
-            continue
-        parts = [part for part in (r.take(bound) for r in readers) if part is not None]
-        if parts:
-            yield pa.concat_tables([parts[0], *(p.cast(parts[0].schema) for p in parts[1:])])
-        if not reading:
-            return
+    try:
+        while True:
+            reading = [r for r in readers if not r.done]
+            fresh = next((r for r in reading if r.last is None), None)
+            if fresh is not None:  # a file none of whose rows is read yet may hold any step
+                fresh.read()
+                continue
+            # Each file's steps only go up: every row of a step below the least last step read has been read.
+            bound = min(r.last or 0 for r in reading) if reading else None
+            first = min((int(r.steps[0]) for r in readers if len(r.steps)), default=None)
+            if bound is not None and first is not None and bound > first + CHUNK_STEPS:
+                bound = first + CHUNK_STEPS  # a window of CHUNK_STEPS steps is ready
+            elif reading and sum(r.below(bound) for r in readers) < rows:
+                min(reading, key=lambda r: r.last or 0).read()
+                continue
+            parts = [part for part in (r.take(bound) for r in readers) if part is not None]
+            if parts:
+                yield pa.concat_tables([parts[0], *(p.cast(parts[0].schema) for p in parts[1:])])
+            if not reading:
+                return
+    finally:
+        for reader in readers:
+            reader.file.close()
 
 
 def windowed(
