@@ -389,8 +389,10 @@ class Engine:
         if self.only_steps is None and streamable(shards):
             try:
                 return self._windowed(steps, shards)
-            except Unsorted:
-                pass  # what the windows made is set aside: the segment is read whole
+            except (Unsorted, pa.ArrowException, OSError):
+                # What the windows made is set aside and the segment is read whole: a file out of step order, or
+                # one pyarrow cannot decode, which DuckDB's error then names (`_opening`).
+                pass
         table, found = self._queried(steps, shards)
         return [table], found
 

@@ -148,3 +148,29 @@ def test_the_report_of_a_log_read_in_windows_is_that_of_it_read_whole(
     monkeypatch.setattr(database, "streamable", lambda shards: False)
     whole = render_json(audit([tmp_path]))
     assert windowed == whole and '"local_mean"' in whole
+
+
+def test_a_damaged_file_of_a_segment_read_in_windows_is_named_and_the_others_audited(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file whose pages are damaged (its footer intact) in a segment read in windows: as read whole, the audit
+    names the file and audits the others, never an internal error."""
+    from tokaudit import audit
+    from tokaudit._render.json_report import render_json
+
+    (tmp_path / "run").mkdir()
+    frame = pd.DataFrame(records([[[1 + (s * 3 + r) % 7, 2] for r in range(4)] for s in range(40)], local_mean))
+    for rank in range(4):
+        frame[frame["rank"] == rank].to_parquet(tmp_path / "run" / f"part-{rank}.parquet", index=False)
+    damaged = tmp_path / "run" / "part-2.parquet"
+    data = bytearray(damaged.read_bytes())
+    footer = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
+    data[4:footer] = b"\xff" * (footer - 4)  # every page, not the footer
+    damaged.write_bytes(bytes(data))
+    monkeypatch.setattr(stream, "CHUNK_STEPS", 6)
+    monkeypatch.setattr(stream, "WIDE_ROW_GROUP", 30)
+    windowed = audit([tmp_path])
+    assert any("part-2.parquet: corrupt data" in p for p in windowed.problems), windowed.problems
+    assert windowed.runs[0].rows == 3 * 2 * 40 and "ranks_not_recorded" in {f.code.value for f in windowed.findings}
+    monkeypatch.setattr(database, "streamable", lambda shards: False)
+    assert render_json(audit([tmp_path])) == render_json(windowed)
