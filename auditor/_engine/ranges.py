@@ -46,9 +46,7 @@ def _whole_ranges(shards: list[Shard], chunk_rows: int) -> list[tuple[tuple[int,
     # (first step, last step, rows, shard index) of each row group; a range's shards in step order (stable)
     shards = sorted(shards, key=lambda s: s.step_range or (0, 0))
     groups = sorted(
-        (first, last, rows, index)
-        for index, shard in enumerate(shards)
-        for first, last, rows in shard.step_groups or ((*shard.step_range, shard.rows),)  # type: ignore[misc]
+        (first, last, rows, index) for index, shard in enumerate(shards) for first, last, rows in units(shard)
     )
     segments: list[tuple[int, int, int, set[int]]] = []  # (first step, last step, rows, shard indices)
     for first, last, rows, index in groups:
@@ -69,6 +67,14 @@ def _whole_ranges(shards: list[Shard], chunk_rows: int) -> list[tuple[tuple[int,
     if len(packed) == 1:  # the whole log: no step filter
         return [(None, shards)]
     return [((low, high), [shards[i] for i in sorted(inside)]) for low, high, _, inside in packed]
+
+
+def units(shard: Shard) -> tuple[tuple[int, int, int], ...]:
+    """What a range may not cut in a shard, as (first step, last step, rows): each row group where the footer gives
+    each one's steps (`Shard.step_groups`), else the whole file; () without step statistics."""
+    if shard.step_range is None:
+        return ()
+    return shard.step_groups or ((*shard.step_range, shard.rows),)
 
 
 def _steps(first: int, last: int, rows: int) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tokaudit._engine.ranges import CHUNK_STEPS
+from tokaudit._engine.ranges import CHUNK_STEPS, units
 from tokaudit._engine.tables import Duplicates, add_duplicates
 from tokaudit._reader import Shard
 
@@ -54,26 +54,27 @@ def streamable(shards: Sequence[Shard]) -> bool:
 
 
 def _widest(shard: Shard) -> int:
-    """The most steps one row group of a shard spans (at most one a row; 0 without step statistics)."""
-    if shard.step_range is None:
-        return 0
-    groups = shard.step_groups or ((*shard.step_range, shard.rows),)
-    return max(min(last - first + 1, rows) for first, last, rows in groups)
+    """The most steps one unit of a shard a range may not cut spans (`ranges.units`; at most one a row; 0 without
+    step statistics)."""
+    return max((min(last - first + 1, rows) for first, last, rows in units(shard)), default=0)
 
 
-def row_groups(shard: Shard, steps: tuple[int, int] | None) -> list[int]:
-    """The row groups of a shard that hold steps of a range (every one for the whole log): a range never cuts one
-    (`ranges.step_ranges`), so these hold the range's records of the file and no other."""
-    groups = shard.step_groups or ((*(shard.step_range or (0, 0)), shard.rows),)
-    return [i for i, (first, last, _) in enumerate(groups) if steps is None or (first <= steps[1] and steps[0] <= last)]
+def row_groups(shard: Shard, steps: tuple[int, int] | None) -> list[int] | None:
+    """The row groups of a shard that hold steps of a range, None for every one: the whole log, or a file whose footer
+    does not give each row group's steps, which a range holds whole (`ranges.units`). A range never cuts a row
+    group, so these hold the range's records of the file and no other."""
+    if steps is None or not shard.step_groups:
+        return None
+    return [i for i, (first, last, _) in enumerate(shard.step_groups) if first <= steps[1] and steps[0] <= last]
 
 
 class _File:
     """One file's batches in step order (those of some row groups), and its rows read but not yet in a window."""
 
-    def __init__(self, path: str, name: str, groups: list[int], columns: list[str], batch_rows: int) -> None:
+    def __init__(self, path: str, name: str, groups: list[int] | None, columns: list[str], batch_rows: int) -> None:
         self.file = pq.ParquetFile(path, buffer_size=BUFFER_BYTES, pre_buffer=False)
-        self.groups, self.columns, self.batch_rows = list(groups), columns, batch_rows
+        every = range(self.file.metadata.num_row_groups)
+        self.groups, self.columns, self.batch_rows = list(every if groups is None else groups), columns, batch_rows
         self.batches: Iterator[pa.RecordBatch] = iter(())
         self.name = name
         self.pending: pa.Table | None = None
@@ -137,10 +138,10 @@ class _File:
         return taken.append_column("filename", name).append_column("file_row_number", pa.array(numbers))
 
 
-def windows(files: Sequence[tuple[str, str, list[int]]], columns: list[str], rows: int) -> Iterator[pa.Table]:
-    """The records of these files ((path, the name DuckDB knows it by, the row groups to read)) in windows of whole
-    steps, in step order, each of about `rows` records (more where one step holds more) and at most CHUNK_STEPS
-    steps, every row decoded once. Unsorted where a file's steps go back, which may come after some windows: the
+def windows(files: Sequence[tuple[str, str, list[int] | None]], columns: list[str], rows: int) -> Iterator[pa.Table]:
+    """The records of these files ((path, the name DuckDB knows it by, the row groups to read, None: every one)) in
+    windows of whole steps, in step order, each of about `rows` records (more where one step holds more) and at most
+    CHUNK_STEPS steps, every row decoded once. Unsorted where a file's steps go back, which may come after some windows: the
     caller then sets aside what it made of them."""
     batch_rows = max(4_096, min(BATCH_ROWS, rows // (4 * max(len(files), 1))))
     readers = [_File(path, name, groups, columns, batch_rows) for path, name, groups in files]
@@ -170,7 +171,7 @@ def windows(files: Sequence[tuple[str, str, list[int]]], columns: list[str], row
 
 
 def windowed(
-    files: Sequence[tuple[str, str, list[int]]],
+    files: Sequence[tuple[str, str, list[int] | None]],
     columns: list[str],
     rows: int,
     aggregated: Callable[[pa.Table], tuple[dict[str, Any], dict[str, Duplicates]]],

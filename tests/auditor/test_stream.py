@@ -174,3 +174,22 @@ def test_a_damaged_file_of_a_segment_read_in_windows_is_named_and_the_others_aud
     assert windowed.runs[0].rows == 3 * 2 * 40 and "ranks_not_recorded" in {f.code.value for f in windowed.findings}
     monkeypatch.setattr(database, "streamable", lambda shards: False)
     assert render_json(audit([tmp_path])) == render_json(windowed)
+
+
+def test_a_file_whose_footer_gives_no_row_group_s_steps_is_read_whole(tmp_path: Path) -> None:
+    """A file of several row groups whose footer gives the file's steps but not each row group's (no null counts, as
+    some writers leave it): a range holds it whole, so its windows read every row group, not the first alone."""
+    import dataclasses
+
+    from tokaudit._reader import Shard
+
+    f = tmp_path / "run" / "part-0.parquet"
+    f.parent.mkdir()
+    table = pa.Table.from_pandas(pd.DataFrame(records([[[3]] for _ in range(12)], token_mean)), preserve_index=False)
+    pq.write_table(table, f, row_group_size=4)
+    (shard,) = load([tmp_path]).shards
+    assert shard.step_groups and stream.row_groups(shard, (4, 7)) == [1]
+    whole = Shard(**{**{f.name: getattr(shard, f.name) for f in dataclasses.fields(shard)}, "step_groups": ()})
+    assert stream.row_groups(whole, (0, 11)) is None
+    (window,) = stream.windows([(str(f), "a", stream.row_groups(whole, (0, 11)))], ["step"], rows=100)
+    assert window.column("step").to_pylist() == window.column("file_row_number").to_pylist() == list(range(12))
