@@ -152,19 +152,20 @@ def windows(files: Sequence[tuple[str, str, list[int] | None]], columns: list[st
             if fresh is not None:  # a file none of whose rows is read yet may hold any step
                 fresh.read()
                 continue
-            # Each file's steps only go up: every row of a step below the least last step read has been read.
+            # Each file's steps only go up: every row of a step below the least last step read has been read (every
+            # row, once no file is left to read).
             bound = min(r.last or 0 for r in reading) if reading else None
             first = min((int(r.steps[0]) for r in readers if len(r.steps)), default=None)
-            if bound is not None and first is not None and bound > first + CHUNK_STEPS:
+            if first is None and not reading:
+                return
+            if first is not None and (bound is None or bound > first + CHUNK_STEPS):
                 bound = first + CHUNK_STEPS  # a window of CHUNK_STEPS steps is ready
-            elif reading and sum(r.below(bound) for r in readers) < rows:
+            elif sum(r.below(bound) for r in readers) < rows:
                 min(reading, key=lambda r: r.last or 0).read()
                 continue
             parts = [part for part in (r.take(bound) for r in readers) if part is not None]
             if parts:
                 yield pa.concat_tables([parts[0], *(p.cast(parts[0].schema) for p in parts[1:])])
-            if not reading:
-                return
     finally:
         for reader in readers:
             reader.file.close()

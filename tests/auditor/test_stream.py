@@ -53,6 +53,18 @@ def test_windows_hold_whole_steps_in_order_and_every_row_once_with_its_row_numbe
     assert all(value == f"{name}:{number}" for name, number, value in rows)
 
 
+def test_the_last_rows_read_are_windows_of_at_most_chunk_steps_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files read whole in their first batch: once nothing is left to read, what is pending is still cut every
+    CHUNK_STEPS steps, not handed over as one window."""
+    monkeypatch.setattr(stream, "CHUNK_STEPS", 4)
+    a = _file(tmp_path / "a.parquet", list(range(5)))
+    b = _file(tmp_path / "b.parquet", [0, 3, 3, 4])
+    found = _read([(str(a), "a", None), (str(b), "b", None)], rows=1000)
+    assert [sorted(set(w.column("step").to_pylist())) for w in found] == [[0, 1, 2, 3], [4]]
+
+
 def test_windows_read_only_the_row_groups_asked_for_with_their_file_row_numbers(tmp_path: Path) -> None:
     f = _file(tmp_path / "a.parquet", list(range(12)), row_group_size=4)
     (window,) = _read([(str(f), "a", [1])], rows=100)
