@@ -393,6 +393,14 @@ def checked_schema(schema: pa.Schema) -> SchemaFacts:
     return facts
 
 
+_PANDAS_INTEGERS = (
+    " (pandas stores an integer column holding a missing value as float; write it as pandas' nullable integer: "
+    "df.astype({{'{column}': 'Int64'}}))"
+)
+"""The fix where an integer column came as float: a pandas frame with NaN in it (one step without positions, a
+concatenation of frames where one lacks the column) writes the whole column so."""
+
+
 def _schema_problem(schema: pa.Schema, present: frozenset[str]) -> str | None:
     """What makes a schema unusable (required columns, no repeats, each column's type), or None.
     `present`: its schema columns."""
@@ -410,5 +418,8 @@ def _schema_problem(schema: pa.Schema, present: frozenset[str]) -> str | None:
         expected = COLUMNS_BY_NAME[column].kind
         arrow_type = schema.field(column).type
         if not kind_accepts(expected, arrow_type):
-            return f"column '{column}' has type {arrow_type}, expected {KIND_WORDS[expected]}"
+            problem = f"column '{column}' has type {arrow_type}, expected {KIND_WORDS[expected]}"
+            if expected == "int" and pa.types.is_floating(arrow_type):
+                problem += _PANDAS_INTEGERS.format(column=column)
+            return problem
     return None

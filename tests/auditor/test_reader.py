@@ -44,6 +44,10 @@ def bad_files(folder: Path) -> dict[str, str]:
     pq.write_table(table_without("valid_tokens"), folder / "missing.parquet")
     typed = pa.Table.from_pylist(records(UNEVEN, token_mean)).set_column(5, "valid_tokens", pa.array(["3"] * 6))
     pq.write_table(typed, folder / "mistyped.parquet")
+    # what pandas writes where one record lacks T: the integer column as float, NaN for the missing value
+    frame = pa.Table.from_pylist(records(UNEVEN, token_mean, positions=40)).to_pandas()
+    frame.loc[2, "positions"] = None
+    frame.to_parquet(folder / "pandas_float.parquet")
     negative = records(UNEVEN, token_mean)
     negative[3]["valid_tokens"] = -4
     write(folder / "negative.parquet", negative)
@@ -73,6 +77,9 @@ def bad_files(folder: Path) -> dict[str, str]:
     return {
         "missing.parquet": "missing column 'valid_tokens'",
         "mistyped.parquet": "column 'valid_tokens' has type string, expected an integer type",
+        "pandas_float.parquet": "column 'positions' has type double, expected an integer type (pandas stores an "
+        "integer column holding a missing value as float; write it as pandas' nullable integer: "
+        "df.astype({'positions': 'Int64'}))",
         "negative.parquet": "column 'valid_tokens' has a negative count (-4) at row 3",
         "newer.parquet": "schema_version 2 is newer than this tokaudit reads (1)",
         "null.parquet": "column 'step' has a null value at row 1",
