@@ -17,7 +17,7 @@ from tokaudit.errors import LogFormatError
 from tokaudit._footers import Footer, FragmentFooter, SchemaFacts, all_names, bounds_of, checked_schema, footer_record
 from tokaudit._footers import footer_stats, local_footer, names_of, range_of, record_stats, row_group_steps
 from tokaudit._footers import run_group_of
-from tokaudit._schema import Provenance, read_dropped, read_provenance
+from tokaudit._schema import REQUIRED_COLUMNS, Provenance, read_dropped, read_provenance
 from tokaudit._storage import Store, describe, sized_fragment
 from tokaudit._validation import INT64_MAX, check_values, raise_beyond_int64, short_error
 
@@ -190,8 +190,21 @@ def _read_footer(
     except Exception as error:
         raise LogFormatError(name, f"not a readable Parquet file ({short_error(error)})") from None
     if facts.problem is not None:
-        raise LogFormatError(name, facts.problem)
+        raise LogFormatError(name, facts.problem + _partition_hint(path, facts.present))
     return parquet, stored, facts, index
+
+
+def _partition_hint(path: PurePath, present: frozenset[str]) -> str:
+    """Where a required column the file lacks is named by a folder of its path (`rank=0`: a Hive-partitioned
+    dataset, Spark's `partitionBy`), what that is; else ''."""
+    for folder in path.parent.parts:
+        column, equals, _ = folder.partition("=")
+        if equals and column in REQUIRED_COLUMNS and column not in present:
+            return (
+                f" (the folder '{folder}' holds it as a Hive partition, which tokaudit does not read: keep "
+                f"'{column}' in the files)"
+            )
+    return ""
 
 
 def _footer_values(
