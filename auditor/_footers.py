@@ -369,25 +369,25 @@ class SchemaFacts:
     stored UTF-8 bytes decoded."""
 
 
-_SCHEMAS: dict[tuple[tuple[str, str], ...], SchemaFacts] = {}
-"""Schemas already checked, by their fields."""
+_SCHEMAS: dict[tuple[tuple[tuple[str, str], ...], frozenset[str]], SchemaFacts] = {}
+"""Schemas already checked, by their fields and the columns folders supplied."""
 
 
-def checked_schema(schema: pa.Schema) -> SchemaFacts:
+def checked_schema(schema: pa.Schema, supplied: frozenset[str] = frozenset()) -> SchemaFacts:
     """What a schema says, made once for all the shards that have it (the schema seen last is not even
-    made again: `_schema_of`)."""
+    made again: `_schema_of`). `supplied`: columns the file's folders give where it lacks them (`partitions`)."""
     fields = tuple((f.name, str(f.type)) for f in schema)
-    facts = _SCHEMAS.get(fields)
+    facts = _SCHEMAS.get((fields, supplied))
     if facts is None:
         if len(_SCHEMAS) > 1024:
             _SCHEMAS.clear()
         present = frozenset(column for column in schema.names if column in COLUMNS_BY_NAME)
-        problem = _schema_problem(schema, present)
+        problem = _schema_problem(schema, present, supplied)
         unsigned = () if problem else tuple(sorted(c for c in present if pa.types.is_uint64(schema.field(c).type)))
         signature = tuple(f for f in fields if f[0] in COLUMNS_BY_NAME)
         raw = frozenset(c for c, arrow_type in signature if (footer_reading(arrow_type) or (int, False, False))[1])
         text = frozenset(c for c, arrow_type in signature if footer_type(arrow_type) == pa.string())
-        facts = _SCHEMAS[fields] = SchemaFacts(
+        facts = _SCHEMAS[fields, supplied] = SchemaFacts(
             problem, present, (present & STATISTICS_COLUMNS) | set(unsigned), unsigned, signature, raw, text
         )
     return facts
@@ -401,10 +401,10 @@ _PANDAS_INTEGERS = (
 concatenation of frames where one lacks the column) writes the whole column so."""
 
 
-def _schema_problem(schema: pa.Schema, present: frozenset[str]) -> str | None:
+def _schema_problem(schema: pa.Schema, present: frozenset[str], supplied: frozenset[str]) -> str | None:
     """What makes a schema unusable (required columns, no repeats, each column's type), or None.
-    `present`: its schema columns."""
-    missing = [column for column in REQUIRED_COLUMNS if column not in schema.names]
+    `present`: its schema columns; `supplied`: those its folders give."""
+    missing = [column for column in REQUIRED_COLUMNS if column not in schema.names and column not in supplied]
     if len(missing) == len(REQUIRED_COLUMNS):
         return f"not a tokaudit log (no column {', '.join(repr(c) for c in missing)})"
     if missing:

@@ -164,6 +164,8 @@ def separate_runs(shards: list[Shard]) -> list[Shard]:
     them as one run, put their shards in one folder."""
     from dataclasses import replace
 
+    from tokaudit._partitions import run_folder  # (pyarrow: after the workers started)
+
     def run_of(shard: Shard) -> str | None:
         if shard.run_group is not None:
             return shard.run_group[0]
@@ -171,8 +173,8 @@ def separate_runs(shards: list[Shard]) -> list[Shard]:
 
     def folder_of(shard: Shard) -> str:
         if shard.store is not None:
-            return shard.store.url(shard.path.parent)
-        folder = os.path.dirname(str(shard.path))
+            return shard.store.url(run_folder(shard.path))
+        folder = str(run_folder(shard.path))
         shown = os.path.relpath(folder)
         return folder if shown.startswith("..") else shown
 

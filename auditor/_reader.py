@@ -17,7 +17,8 @@ from tokaudit.errors import LogFormatError
 from tokaudit._footers import Footer, FragmentFooter, SchemaFacts, all_names, bounds_of, checked_schema, footer_record
 from tokaudit._footers import footer_stats, local_footer, names_of, range_of, record_stats, row_group_steps
 from tokaudit._footers import run_group_of
-from tokaudit._schema import REQUIRED_COLUMNS, Provenance, read_dropped, read_provenance
+from tokaudit._partitions import PARTITION_COLUMNS, partition_folders, partition_values, run_folder
+from tokaudit._schema import Provenance, read_dropped, read_provenance
 from tokaudit._storage import Store, describe, sized_fragment
 from tokaudit._validation import INT64_MAX, check_values, raise_beyond_int64, short_error
 
@@ -67,6 +68,9 @@ class Shard:
     run_override: bool = False
     """Its records' run is `default_run` whatever their run_id says: a run id that other folders hold too,
     this folder's run named by its path (`loading.separate_runs`)."""
+    partition: tuple[tuple[str, Any], ...] = ()
+    """(column, value) of each column its `column=value` folders give and the file lacks (`partitions`), the value
+    of every record of it (None: a null); they are among `columns`, and not in `signature`."""
     step_groups: tuple[tuple[int, int, int], ...] = ()
     """Per row group (first step, last step, rows) where the file has several with step statistics
     (`footers.row_group_steps`); () for one row group, which `step_range` and `rows` describe."""
@@ -137,18 +141,21 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
     name = _name(path, store)
     parquet, stored, facts, index = _read_footer(path, store, name)
     metadata = parquet.metadata
-    present = facts.present
-    record, stats, empty = _footer_values(name, parquet, index, facts, thorough)
+    try:
+        given = partition_values(path, facts.present)
+    except LogFormatError as error:
+        raise LogFormatError(name, error.problem) from None
+    present = facts.present | given.keys()
+    record, stats, empty = _footer_values(name, parquet, index, facts, thorough, given)
     # the parent folder's name without pathlib's parsing of the path (a fifth of a footer's time)
     folder = os.path.basename(os.path.dirname(str(path))) if store is None else path.parent.name
-    if folder.endswith(".parquet"):  # a part file of a Spark-style dataset folder: the run is the folder around it
-        folder = (
-            os.path.basename(os.path.dirname(os.path.dirname(str(path)))) if store is None else path.parent.parent.name
-        )
+    if folder.endswith(".parquet") or "=" in folder:  # a part of a Spark-style dataset: its run's folder is above
+        folder = run_folder(path).name
     names = names_of(stats, present, folder)
     return Shard(
         path=path,
-        columns=frozenset(present),
+        columns=present,
+        partition=tuple(sorted(given.items())),
         rows=metadata.num_rows,
         default_run=folder,
         step_range=range_of(stats["step"]),
@@ -182,7 +189,7 @@ def _read_footer(
             parquet = FragmentFooter(fragment) if fragment is not None else Footer(_open(path, store))
         metadata = parquet.metadata
         stored = metadata.metadata  # its key-value pairs (made anew at every ask: asked once)
-        facts, index = _schema_of(parquet, stored)
+        facts, index = _schema_of(parquet, stored, _supplied(path))
     except OSError as error:
         if store is None:
             raise LogFormatError(name, f"not a readable Parquet file ({short_error(error)})") from None
@@ -190,31 +197,19 @@ def _read_footer(
     except Exception as error:
         raise LogFormatError(name, f"not a readable Parquet file ({short_error(error)})") from None
     if facts.problem is not None:
-        raise LogFormatError(name, facts.problem + _partition_hint(path, facts.present))
+        raise LogFormatError(name, facts.problem)
     return parquet, stored, facts, index
 
 
-def _partition_hint(path: PurePath, present: frozenset[str]) -> str:
-    """Where a required column the file lacks is named by a folder of its path (`rank=0`: a Hive-partitioned
-    dataset, Spark's `partitionBy`), what that is; else ''."""
-    for folder in path.parent.parts:
-        column, equals, _ = folder.partition("=")
-        if equals and column in REQUIRED_COLUMNS and column not in present:
-            return (
-                f" (the folder '{folder}' holds it as a Hive partition, which tokaudit does not read: keep "
-                f"'{column}' in the files)"
-            )
-    return ""
-
-
 def _footer_values(
-    name: str, parquet: Footer, index: dict[str, int], facts: SchemaFacts, thorough: bool
+    name: str, parquet: Footer, index: dict[str, int], facts: SchemaFacts, thorough: bool, given: dict[str, Any]
 ) -> tuple[tuple[Any, ...] | None, dict[str, tuple[Any, Any, int | None]], frozenset[str]]:
     """`inspect_shard`'s values checked: a one-row file's record where its footer gives it exactly (else None),
     each bounded column's (min, max, null count), and the columns of NULLABLE_COLUMNS with no value. Values no
-    audit can use raise their problem, named `name`."""
+    audit can use raise their problem, named `name`. `given`: the values its folders give (`partition_values`),
+    checked as the file's own."""
     metadata = parquet.metadata
-    present = facts.present
+    present = facts.present | given.keys()
     try:
         record = footer_record(metadata, index, facts.signature)
         empty: frozenset[str] = frozenset()
@@ -229,12 +224,28 @@ def _footer_values(
             high = stats[column][1]
             if high is None or high > INT64_MAX:
                 raise_beyond_int64(parquet, column)
-        check_values(parquet, present, stats, thorough, exact=record is not None)
+        for column, value in given.items():
+            stats[column] = (value, value, 0) if value is not None else (None, None, metadata.num_rows)
+        readable = _WithPartitions(parquet, given, metadata.num_rows) if given else parquet
+        check_values(readable, present, stats, thorough, exact=record is not None)
     except LogFormatError as error:
         raise LogFormatError(name, error.problem) from None
     except Exception as error:
         raise LogFormatError(name, f"cannot read the file's data ({short_error(error)})") from None
     return record, stats, empty
+
+
+class _WithPartitions:
+    """A file's columns read whole, with those its folders give (`partition_values`) as columns of their value."""
+
+    def __init__(self, parquet: Footer, given: dict[str, Any], rows: int) -> None:
+        self.parquet, self.given, self.rows = parquet, given, rows
+
+    def read(self, columns: list[str]) -> pa.Table:
+        own = [c for c in columns if c not in self.given]
+        table = self.parquet.read(own) if own else pa.table({})
+        given = {c: pa.array([self.given[c]] * self.rows) for c in columns if c in self.given}
+        return pa.table({**{c: table[c] for c in own}, **given})
 
 
 NULLABLE_COLUMNS = frozenset(
@@ -253,24 +264,31 @@ NULLABLE_COLUMNS = frozenset(
 )
 """Optional columns a scan of files that hold no value of them reads as typed NULLs (`engine.sql.valueless_columns`)."""
 
-_LAST_FOOTER: list[tuple[Any, bytes | None, SchemaFacts, dict[str, int]]] = []
-"""The Parquet schema seen last, its stored Arrow schema, what it says and each column's place in the footer:
-the shards of one log share them, and comparing two Parquet schemas is far cheaper than making the Arrow
-schema and the places again."""
+_LAST_FOOTER: list[tuple[Any, bytes | None, frozenset[str], SchemaFacts, dict[str, int]]] = []
+"""The Parquet schema seen last, its stored Arrow schema, the columns its folders gave, what it says and each
+column's place in the footer: the shards of one log share them, and comparing two Parquet schemas is far cheaper
+than making the Arrow schema and the places again."""
 
 
-def _schema_of(parquet: Footer, pairs: dict[bytes, bytes] | None) -> tuple[SchemaFacts, dict[str, int]]:
+def _schema_of(
+    parquet: Footer, pairs: dict[bytes, bytes] | None, supplied: frozenset[str]
+) -> tuple[SchemaFacts, dict[str, int]]:
     """What a file's schema says, and each column's place in its footer. Two files whose Parquet schemas
     are equal and whose writers stored the same Arrow schema (ARROW:schema, from which pyarrow takes the
     Arrow types the Parquet ones leave open: a dictionary, a time zone) have the same Arrow schema. `pairs`:
-    the footer's key-value metadata."""
+    the footer's key-value metadata; `supplied`: the columns its folders may give (`_supplied`)."""
     metadata = parquet.metadata
     stored = (pairs or {}).get(b"ARROW:schema")
     if _LAST_FOOTER:
-        schema, arrow, facts, index = _LAST_FOOTER[0]
-        if arrow == stored and metadata.schema.equals(schema):
+        schema, arrow, given, facts, index = _LAST_FOOTER[0]
+        if arrow == stored and given == supplied and metadata.schema.equals(schema):
             return facts, index
-    facts = checked_schema(parquet.schema_arrow)
+    facts = checked_schema(parquet.schema_arrow, supplied)
     index = {metadata.schema.column(i).name: i for i in range(metadata.num_columns)}
-    _LAST_FOOTER[:] = [(metadata.schema, stored, facts, index)]
+    _LAST_FOOTER[:] = [(metadata.schema, stored, supplied, facts, index)]
     return facts, index
+
+
+def _supplied(path: PurePath) -> frozenset[str]:
+    """The columns a file's `column=value` folders may give it (`partitions.partition_values`)."""
+    return frozenset(column for column, _ in partition_folders(path) if column in PARTITION_COLUMNS)

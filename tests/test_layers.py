@@ -25,6 +25,7 @@ LAYERS = (
     "_sorting",
     "_validation",
     "_footers",
+    "_partitions",
     "_reader",
     "_spool",
     "_discovery",

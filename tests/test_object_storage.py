@@ -39,6 +39,27 @@ def test_weights_and_curve_read_from_s3(endpoint: dict[str, str]) -> None:
     assert remote.returncode == local.returncode == 0 and remote.stdout == local.stdout
 
 
+def test_a_hive_partitioned_log_on_s3_gives_the_report_of_its_local_copy(
+    endpoint: dict[str, str], tmp_path: Path
+) -> None:
+    """Spark's partitionBy("rank") on object storage: `rank=0/` prefixes whose objects lack the column."""
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="hive")
+    local = tmp_path / "bug_local_mean"
+    table = pq.read_table(SAMPLE_LOGS / "bug_local_mean").replace_schema_metadata(None)
+    ds.write_dataset(table, local, format="parquet", partitioning=["rank"], partitioning_flavor="hive")
+    for path in sorted(local.rglob("*.parquet")):
+        client.upload_file(str(path), "hive", f"runs/{path.relative_to(tmp_path)}")
+    remote = tokaudit("check", "s3://hive/runs/", "--format", "json", env=endpoint)
+    here = tokaudit("check", str(local), "--format", "json")
+    assert remote.returncode == here.returncode == 1, remote.stderr
+    assert json.loads(remote.stdout) == json.loads(here.stdout)
+    assert [(run["run"], run["ranks"]) for run in json.loads(remote.stdout)["runs"]] == [("bug_local_mean", 2)]
+
+
 def test_a_damaged_object_is_one_line_and_the_others_are_audited(endpoint: dict[str, str]) -> None:
     client = boto3.client("s3")
     client.create_bucket(Bucket="damaged")

@@ -23,8 +23,8 @@ from tokaudit._engine.connection import DEFAULT_MEMORY_LIMIT, connect, half_limi
 from tokaudit._engine.ranges import CHUNK_ROWS, RangesMap, RangeTask, step_ranges
 from tokaudit._engine.columns import UNUSABLE_RECORD
 from tokaudit._engine.sql import COMPLETE_THROUGH_SQL, DUPLICATES_SQL, RANK_WEIGHTS_SQL, RECORDS_AT_SQL
-from tokaudit._engine.sql import absent_values, aliases
-from tokaudit._engine.sql import constants, footer_table, one_name_of
+from tokaudit._engine.sql import GIVEN, absent_values, aliases, given_literal, parquet_scan
+from tokaudit._engine.sql import constants, file_order_table, footer_table, one_name_of
 from tokaudit._engine.sql import one_record_form, select_records, sql_string, step_sql, valueless_columns
 from tokaudit._engine.stream import Unsorted, row_groups, streamable, windowed
 from tokaudit._engine.tables import FILES_NAMED, SPILL_STEPS, Duplicates, Spilled, add_duplicates, finished
@@ -161,18 +161,9 @@ class Engine:
             self.link_names[id(shard)] = name
 
     def _order_files(self) -> None:
-        """The table `file_order`: each file's place in the order of publication. Among duplicates the later
-        published wins: the later launch (the one whose first shard came after the other's, -1 for a file that
-        does not say), then the later file of it."""
-        launches = [-1 if s.provenance.launch is None else s.provenance.launch for s in self.shards]
-        published = sorted(range(len(self.shards)), key=lambda i: (launches[i], i))
-        order = pa.table(
-            {
-                "filename": [self.link_names[id(self.shards[i])] for i in published],
-                "file_index": pa.array(range(len(published)), pa.int64()),
-            }
-        )
-        self.connection.register("file_order_source", order)
+        """The table `file_order` (`file_order_table`): each file's place in the order of publication, and what its
+        folders give."""
+        self.connection.register("file_order_source", file_order_table(self.shards, self.link_names))
         self.connection.execute("CREATE TEMP TABLE file_order AS SELECT * FROM file_order_source")
         self.connection.unregister("file_order_source")
 
@@ -190,14 +181,16 @@ class Engine:
         (`footer_table`), one read_parquet per schema of the other local shards, one view per other
         remote shard (its row number unknown: a remote duplicate inside one file keeps an arbitrary
         copy; across files the later file still wins)."""
-        by_schema: dict[tuple[tuple[str, str], ...], list[Shard]] = {}
-        from_footers: dict[tuple[tuple[str, str], ...], list[Shard]] = {}
+        Signature = tuple[tuple[tuple[str, str], ...], tuple[str, ...]]  # and the columns folders give
+        by_schema: dict[Signature, list[Shard]] = {}
+        from_footers: dict[Signature, list[Shard]] = {}
         for shard in members:
+            kind = (shard.signature, tuple(column for column, _ in shard.partition))
             # (a remote one always: `open` made no view of its file)
             if shard.record is not None and (self.footer_rows or shard.store is not None):
-                from_footers.setdefault(shard.signature, []).append(shard)
+                from_footers.setdefault(kind, []).append(shard)
             elif shard.store is None:
-                by_schema.setdefault(shard.signature, []).append(shard)
+                by_schema.setdefault(kind, []).append(shard)
         scans: list[tuple[list[Shard], str]] = []
         for held in from_footers.values():
             # One-row shards whose footers gave their record: a table of those records, not a file read.
@@ -208,21 +201,20 @@ class Engine:
             self.connection.unregister(f"{name}_source")
             self.footer_tables.append(name)
             scans.append((held, f"{name} r"))
-        for signature, local in by_schema.items():
-            # Shards with one schema (all a recorder writes) need no union_by_name, which would read
-            # every file's footer when the query is bound, at every (re)definition of the view.
-            union = "true" if not signature else "false"
-            files = "[" + ", ".join(sql_string(self._link(s)) for s in local) + "]"
-            scans.append(
-                (local, f"read_parquet({files}, union_by_name = {union}, filename = true, file_row_number = true) r")
-            )
+        for (signature, given), local in by_schema.items():
+            scan = parquet_scan([self._link(s) for s in local], one_schema=bool(signature))
+            if given:  # what their folders give, from `file_order`: one scan of them all, not one a folder
+                columns = ", ".join(f'o."{GIVEN}{column}" AS "{column}"' for column in given)
+                scan = f"(SELECT r.*, {columns} FROM {scan} JOIN file_order o USING (filename)) r"
+            scans.append((local, scan))
         for shard in members:
             if shard.store is not None and shard.record is None:
+                literals = "".join(f', {given_literal(v, column)} AS "{column}"' for column, v in shard.partition)
                 scans.append(
                     (
                         [shard],
                         f"(SELECT *, {sql_string(self._link(shard))} AS filename, "
-                        f"CAST(NULL AS BIGINT) AS file_row_number FROM {self.remote_views[id(shard)]}) r",
+                        f"CAST(NULL AS BIGINT) AS file_row_number{literals} FROM {self.remote_views[id(shard)]}) r",
                     )
                 )
         return scans
@@ -423,9 +415,12 @@ class Engine:
             finally:  # the window goes back before the next is read
                 self.connection.unregister("window_records")
 
-        files = [(str(shard.path), self._link(shard), row_groups(shard, steps)) for shard in shards]
+        files = [
+            (str(shard.path), self._link(shard), row_groups(shard, steps), dict(shard.partition)) for shard in shards
+        ]
         try:
-            return windowed(files, sorted(self._present(shards)), self.chunk_rows, aggregated)
+            given = {column for column, _ in shards[0].partition}
+            return windowed(files, sorted(self._present(shards) - given), self.chunk_rows, aggregated)
         finally:
             self.defined = None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 import re
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -192,9 +193,9 @@ def one_name_of(shards: Sequence[Shard]) -> tuple[str, str, str] | None:
 
 
 def footer_table(shards: Sequence[Shard], filenames: Sequence[str]) -> pa.Table:
-    """The records of one-row shards of one schema as their footers give them (`Shard.record`), in the
-    columns a scan of their files has: theirs (as `footer_type` holds them), `filename` and
-    `file_row_number` (0, the one row)."""
+    """The records of one-row shards of one schema and the same columns given by their folders as their footers give
+    them (`Shard.record`), in the columns a scan of their files has: theirs (as `footer_type` holds them), those
+    their folders give, `filename` and `file_row_number` (0, the one row)."""
     arrays: dict[str, pa.Array] = {}
     for position, (column, arrow_type) in enumerate(shards[0].signature):
         held = footer_type(arrow_type)
@@ -203,9 +204,45 @@ def footer_table(shards: Sequence[Shard], filenames: Sequence[str]) -> pa.Table:
         arrays[column] = (
             pa.array(values, pa.int64()).cast(held) if pa.types.is_timestamp(held) else pa.array(values, held)
         )
+    for position, (column, _) in enumerate(shards[0].partition):  # what their folders give (`Shard.partition`)
+        values = [shard.partition[position][1] for shard in shards]
+        arrays[column] = pa.array(values, COLUMNS_BY_NAME[column].arrow_type)
     arrays["filename"] = pa.array(filenames, pa.string())
     arrays["file_row_number"] = pa.array(np.zeros(len(shards), dtype=np.int64))
     return pa.table(arrays)
+
+
+def parquet_scan(files: list[str], one_schema: bool) -> str:
+    """DuckDB's scan of these files as `r`, with each record's `filename` and `file_row_number`. Files of one schema
+    (all a recorder writes) need no union_by_name, which would read every file's footer when the query is bound, at
+    every (re)definition of the view. Hive partitioning off: DuckDB would otherwise take a `rank=0` folder's value
+    over the file's own column, and add one the file lacks without the checks of `partitions` (`file_order_table`
+    gives those)."""
+    listed = "[" + ", ".join(sql_string(file) for file in files) + "]"
+    return (
+        f"read_parquet({listed}, union_by_name = {str(not one_schema).lower()}, filename = true, "
+        "file_row_number = true, hive_partitioning = false) r"
+    )
+
+
+def file_order_table(shards: Sequence[Shard], names: dict[int, str]) -> pa.Table:
+    """Each file (by its name for DuckDB, `names` by shard id) with its place in the order of publication and the
+    values its folders give (`Shard.partition`, as columns named GIVEN + the column), which its scan joins. Among
+    duplicates the later published wins: the later launch (the one whose first shard came after the other's, -1
+    for a file that does not say), then the later file of it."""
+    launches = [-1 if s.provenance.launch is None else s.provenance.launch for s in shards]
+    published = [shards[i] for i in sorted(range(len(shards)), key=lambda i: (launches[i], i))]
+    given = {column: COLUMNS_BY_NAME[column].arrow_type for s in shards for column, _ in s.partition}
+    return pa.table(
+        {
+            "filename": [names[id(shard)] for shard in published],
+            "file_index": pa.array(range(len(published)), pa.int64()),
+            **{
+                f"{GIVEN}{column}": pa.array([dict(shard.partition).get(column) for shard in published], kind)
+                for column, kind in given.items()
+            },
+        }
+    )
 
 
 def select_records(default_run: str, present: set[str], scan: str, where: str, override: bool = False) -> str:
@@ -239,6 +276,17 @@ def select_records(default_run: str, present: set[str], scan: str, where: str, o
             r.filename, r.file_row_number
         FROM {scan}
         {where}"""
+
+
+GIVEN = "given_"
+"""`file_order`'s columns of the values files' folders give are named so: apart from the records' own."""
+
+
+def given_literal(value: Any, column: str) -> str:
+    """A value a folder gives, as SQL of its column's type."""
+    kind = DUCKDB_TYPES[COLUMNS_BY_NAME[column].kind]
+    text = "NULL" if value is None else sql_string(value) if isinstance(value, str) else str(int(value))
+    return f"CAST({text} AS {kind})"
 
 
 # One scan: per (objective, step, rank) the rank's tokens and the extremes of its finite weights e, then

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from tokaudit._engine.ranges import CHUNK_STEPS, units
 from tokaudit._engine.tables import Duplicates, add_duplicates
 from tokaudit._reader import Shard
+from tokaudit._schema import COLUMNS_BY_NAME
 
 
 BATCH_ROWS = 262_144
@@ -43,13 +44,13 @@ class Unsorted(Exception):
 def streamable(shards: Sequence[Shard]) -> bool:
     """A segment worth reading in windows, and one that can be: a row group of it spans more than WIDE_ROW_GROUP
     steps, it has at most MAX_FILES files, each a local file read from its rows (not a footer's record, not object
-    storage), all of one schema and one default run."""
+    storage), all of one schema, one default run and the same columns given by their folders."""
     return (
         0 < len(shards) <= MAX_FILES
         and max(_widest(shard) for shard in shards) > WIDE_ROW_GROUP
         and all(s.store is None and s.record is None for s in shards)
         and len({s.signature for s in shards}) == 1
-        and len({(s.default_run, s.run_override) for s in shards}) == 1
+        and len({(s.default_run, s.run_override, tuple(c for c, _ in s.partition)) for s in shards}) == 1
     )
 
 
@@ -71,8 +72,12 @@ def row_groups(shard: Shard, steps: tuple[int, int] | None) -> list[int] | None:
 class _File:
     """One file's batches in step order (those of some row groups), and its rows read but not yet in a window."""
 
-    def __init__(self, path: str, name: str, groups: list[int] | None, columns: list[str], batch_rows: int) -> None:
+    def __init__(
+        self, path: str, name: str, groups: list[int] | None, given: dict[str, Any], columns: list[str], batch_rows: int
+    ) -> None:
         self.file = pq.ParquetFile(path, buffer_size=BUFFER_BYTES, pre_buffer=False)
+        self.given = given
+        """The values its folders give (`Shard.partition`), added as columns of each window."""
         every = range(self.file.metadata.num_row_groups)
         self.groups, self.columns, self.batch_rows = list(every if groups is None else groups), columns, batch_rows
         self.batches: Iterator[pa.RecordBatch] = iter(())
@@ -133,18 +138,28 @@ class _File:
         taken = self.pending.slice(0, count).replace_schema_metadata(None)
         numbers = self.numbers[:count]
         self.pending, self.steps, self.numbers = self.pending.slice(count), self.steps[count:], self.numbers[count:]
-        # the name as a dictionary of one (DuckDB reads it as VARCHAR): not `count` copies of the string
-        name = pa.DictionaryArray.from_arrays(pa.array(np.zeros(count, dtype=np.int32)), pa.array([self.name]))
-        return taken.append_column("filename", name).append_column("file_row_number", pa.array(numbers))
+        for column, value in self.given.items():
+            taken = taken.append_column(column, _repeated(value, COLUMNS_BY_NAME[column].arrow_type, count))
+        return taken.append_column("filename", _repeated(self.name, pa.string(), count)).append_column(
+            "file_row_number", pa.array(numbers)
+        )
 
 
-def windows(files: Sequence[tuple[str, str, list[int] | None]], columns: list[str], rows: int) -> Iterator[pa.Table]:
-    """The records of these files ((path, the name DuckDB knows it by, the row groups to read, None: every one)) in
+def _repeated(value: Any, arrow_type: pa.DataType, count: int) -> pa.Array:
+    """`count` copies of one value: a dictionary of one (DuckDB reads it as the value's type), not `count` copies."""
+    return pa.DictionaryArray.from_arrays(pa.array(np.zeros(count, dtype=np.int32)), pa.array([value], arrow_type))
+
+
+def windows(
+    files: Sequence[tuple[str, str, list[int] | None, dict[str, Any]]], columns: list[str], rows: int
+) -> Iterator[pa.Table]:
+    """The records of these files ((path, the name DuckDB knows it by, the row groups to read, None: every one, the
+    values its folders give)) in
     windows of whole steps, in step order, each of about `rows` records (more where one step holds more) and at most
     CHUNK_STEPS steps, every row decoded once. Unsorted where a file's steps go back, which may come after some windows: the
     caller then sets aside what it made of them."""
     batch_rows = max(4_096, min(BATCH_ROWS, rows // (4 * max(len(files), 1))))
-    readers = [_File(path, name, groups, columns, batch_rows) for path, name, groups in files]
+    readers = [_File(path, name, groups, given, columns, batch_rows) for path, name, groups, given in files]
     try:
         while True:
             reading = [r for r in readers if not r.done]
@@ -172,7 +187,7 @@ def windows(files: Sequence[tuple[str, str, list[int] | None]], columns: list[st
 
 
 def windowed(
-    files: Sequence[tuple[str, str, list[int] | None]],
+    files: Sequence[tuple[str, str, list[int] | None, dict[str, Any]]],
     columns: list[str],
     rows: int,
     aggregated: Callable[[pa.Table], tuple[dict[str, Any], dict[str, Duplicates]]],

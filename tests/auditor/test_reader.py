@@ -71,9 +71,9 @@ def bad_files(folder: Path) -> dict[str, str]:
     rank_too_big[0]["rank"] = 5
     write(folder / "rank.parquet", rank_too_big)
     (folder / "text.parquet").write_text("step,micro\n1,2\n")
-    # Spark's partitionBy("rank"): the column is in the folder's name, not in the file
-    (folder / "rank=0").mkdir()
-    pq.write_table(table_without("rank"), folder / "rank=0" / "part.parquet")
+    # Spark's partitionBy("rank"): the column is in the folder's name, not in the file; this one's is no integer
+    (folder / "rank=x").mkdir()
+    pq.write_table(table_without("rank"), folder / "rank=x" / "part.parquet")
     whole = write(folder / "whole.parquet", records(UNEVEN, token_mean))
     (folder / "truncated.parquet").write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
     whole.unlink()
@@ -93,8 +93,7 @@ def bad_files(folder: Path) -> dict[str, str]:
         "below.parquet": f"column 'positions' is below 'valid_tokens' ({below[4]['positions']} < "
         f"{below[4]['valid_tokens']}) at row 4",
         "text.parquet": "not a readable Parquet file",
-        "part.parquet": "missing column 'rank' (the folder 'rank=0' holds it as a Hive partition, which tokaudit "
-        "does not read: keep 'rank' in the files)",
+        "part.parquet": "the folder 'rank=x' gives 'rank' a value that is not an int64",
         "truncated.parquet": "not a readable Parquet file",
     }
 

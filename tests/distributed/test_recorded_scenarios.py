@@ -271,3 +271,51 @@ def test_the_recordings_as_pandas_writes_them_read_in_windows_give_the_same_diag
     assert report.runs[0].verdict == EXPECTED_VERDICT[scenario.name]
     monkeypatch.setattr(engine, "streamable", lambda shards: False)
     assert json.loads(render_json(report)) == json.loads(render_json(audit([rewritten])))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_the_recordings_as_spark_partitions_them_give_the_same_diagnosis(
+    recordings: dict[str, Any], scenario: Scenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same real DDP recordings (their gradients checked against the float64 reference above), written as a
+    Hive-partitioned dataset (Spark's `partitionBy`: `rank=0/` folders, or `step=3/rank=1/micro=0/` and the group and term, the columns left
+    out of the files): read in windows of one step, and from the footers of their one-record files, they give the
+    report of the recorder's own files, every verdict as expected."""
+    import json
+
+    import pyarrow.dataset as ds
+
+    import tokaudit._engine.stream as stream
+    from tests.expected import EXPECTED_VERDICT
+    from tokaudit._auditing import audit
+    from tokaudit._loading import load
+    from tokaudit._render.json_report import render_json
+
+    _, log_dir = recordings[scenario.name]
+    whole = json.loads(render_json(audit([log_dir])))
+    table = pq.read_table(log_dir).sort_by([("step", "ascending"), ("micro", "ascending")])
+    by_rank, by_step = tmp_path / "by_rank" / scenario.name, tmp_path / "by_step" / scenario.name
+    keys = [c for c in ("step", "rank", "micro", "group", "term") if c in table.column_names]
+    for folder, columns in ((by_rank, ["rank"]), (by_step, keys)):
+        ds.write_dataset(table, folder, format="parquet", partitioning=columns, partitioning_flavor="hive")
+        assert "rank" not in pq.read_table(next(folder.rglob("*.parquet"))).column_names
+    monkeypatch.setattr(stream, "WIDE_ROW_GROUP", 1)
+    monkeypatch.setattr(stream, "CHUNK_STEPS", 1)
+    windows: list[int] = []
+    original = stream.windows
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        for window in original(*args, **kwargs):
+            windows.append(window.num_rows)
+            yield window
+
+    monkeypatch.setattr(stream, "windows", counting)
+    for folder in (by_rank, by_step):
+        report = audit([folder])
+        assert report.runs[0].verdict == EXPECTED_VERDICT[scenario.name]
+        files = len(list(folder.rglob("*.parquet")))
+        assert json.loads(render_json(report)) == dict(whole, files=files)
+        if folder == by_rank:  # a window a step, every record in one
+            assert len(windows) == len(set(table["step"].to_pylist())) and sum(windows) == table.num_rows
+    shards = load([by_step]).shards
+    assert any(s.record is not None for s in shards) and all(dict(s.partition).keys() == set(keys) for s in shards)

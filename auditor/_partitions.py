@@ -1,0 +1,65 @@
+"""What a Hive-partitioned path says (Spark's `partitionBy`, pyarrow's `partitioning="hive"`): a `column=value` folder
+holds that column's value for every record of the files under it, which leave the column out."""
+
+from __future__ import annotations
+
+import re
+from pathlib import PurePath
+from typing import Any
+from urllib.parse import unquote
+
+from tokaudit.errors import LogFormatError
+from tokaudit._schema import COLUMNS_BY_NAME
+
+
+PARTITION_COLUMNS = frozenset({"step", "micro", "rank", "world_size", "run_id", "group", "term"})
+"""The columns a folder may hold: what names a record (a run, a group, a term, a rank, a step), never a measured
+value."""
+
+_FOLDER = re.compile(r"^([^=/]+)=(.*)$")
+
+NULL_PARTITION = "__HIVE_DEFAULT_PARTITION__"
+"""What Spark and pyarrow name the folder of records whose value is null."""
+
+
+def partition_folders(path: PurePath) -> tuple[tuple[str, str], ...]:
+    """The `column=value` folders just above a file, outermost first, as (column, value unquoted): the chain of such
+    folders its writer made, whatever the column (`date=…` as well), up to the first folder of another name."""
+    found: list[tuple[str, str]] = []
+    if "=" not in str(path):
+        return ()
+    for folder in reversed(path.parent.parts):
+        matched = _FOLDER.match(folder)
+        if matched is None or folder.endswith(".parquet"):
+            break
+        found.append((unquote(matched.group(1)), unquote(matched.group(2))))
+    return tuple(reversed(found))
+
+
+def run_folder(path: PurePath) -> PurePath:
+    """The folder a file's run is named by (`Shard.default_run`): its parent, above any chain of `column=value`
+    folders, and the folder around a Spark-style dataset folder named *.parquet."""
+    folder = path.parent
+    for _ in partition_folders(path):
+        folder = folder.parent
+    return folder.parent if folder.name.endswith(".parquet") else folder
+
+
+def partition_values(path: PurePath, present: frozenset[str]) -> dict[str, Any]:
+    """The values the folders give columns of PARTITION_COLUMNS the file lacks (an integer column's as an int, null
+    where the folder is NULL_PARTITION; the innermost folder where two name one column). A value that is not of the
+    column's kind raises its problem, naming the folder."""
+    values: dict[str, Any] = {}
+    for column, text in partition_folders(path):
+        if column not in PARTITION_COLUMNS or column in present:
+            continue
+        if text == NULL_PARTITION:
+            values[column] = None
+        elif COLUMNS_BY_NAME[column].kind == "int":
+            value = int(text) if re.fullmatch(r"[+-]?\d{1,19}", text.strip()) else None
+            if value is None or not -(2**63) <= value < 2**63:
+                raise LogFormatError("", f"the folder '{column}={text}' gives '{column}' a value that is not an int64")
+            values[column] = value
+        else:
+            values[column] = text
+    return values

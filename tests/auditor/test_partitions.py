@@ -1,0 +1,99 @@
+"""Hive-partitioned logs (Spark's `partitionBy`, pyarrow's and pandas' `partition_cols`): what a `column=value`
+folder gives the files under it, and the audit of such a log against the same records written whole."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path, PurePosixPath
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from tests.logs import UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write_by_rank
+from tokaudit.cli import main
+from tokaudit.errors import LogFormatError
+from tokaudit._partitions import partition_folders, partition_values, run_folder
+
+
+def test_the_folders_just_above_a_file_are_its_partitions_outermost_first_unquoted() -> None:
+    path = PurePosixPath("/data/exp=1/logs/run-a/rank=3/term=aux%20head/part-0.parquet")
+    assert partition_folders(path) == (("rank", "3"), ("term", "aux head"))
+    assert partition_folders(PurePosixPath("/data/run-a/part-0.parquet")) == ()
+    assert run_folder(path) == PurePosixPath("/data/exp=1/logs/run-a")
+    # a Spark dataset folder named *.parquet: the run is the folder around it, as for its part files
+    assert run_folder(PurePosixPath("/logs/run.parquet/rank=0/part-0.parquet")) == PurePosixPath("/logs")
+    assert run_folder(PurePosixPath("/logs/run-a/part-0.parquet")) == PurePosixPath("/logs/run-a")
+
+
+def test_a_folder_gives_a_value_only_to_a_naming_column_the_file_lacks() -> None:
+    path = PurePosixPath("/r/date=2026-12-06/rank=3/step=-2/term=__HIVE_DEFAULT_PARTITION__/group=7/f.parquet")
+    values = partition_values(path, frozenset({"step"}))
+    assert values == {"rank": 3, "term": None, "group": "7"}  # step is the file's; date is no column of the log
+    assert isinstance(values["rank"], int) and isinstance(values["group"], str)
+
+
+@pytest.mark.parametrize("folder", ["rank=x", "rank=1.5", "step=99999999999999999999", "micro="])
+def test_a_folder_whose_value_is_not_an_integer_is_refused_naming_it(folder: str) -> None:
+    with pytest.raises(LogFormatError) as raised:
+        partition_values(PurePosixPath(f"/r/{folder}/f.parquet"), frozenset())
+    column, value = folder.split("=")
+    assert raised.value.problem == f"the folder '{folder}' gives '{column}' a value that is not an int64"
+
+
+def _report(*paths: Path) -> tuple[int, dict[str, object]]:
+    result = CliRunner().invoke(main, ["check", *map(str, paths), "--format", "json"])
+    assert "Traceback" not in result.output
+    return result.exit_code, json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("writer", ["pyarrow", "pandas"])
+def test_a_partitioned_log_gives_the_report_of_the_same_records_written_a_file_per_rank(
+    tmp_path: Path, writer: str
+) -> None:
+    plain = tmp_path / "plain"
+    for name, weights, counts in (("good", token_mean, UNEVEN), ("bad", local_mean, UNEVEN_GA)):
+        write_by_rank(plain / name, records(counts, weights))
+    code, expected = _report(plain)
+    assert code == 1
+    partitioned = tmp_path / "partitioned"
+    for run in ("good", "bad"):
+        table = pq.read_table(plain / run).replace_schema_metadata(None)
+        if writer == "pandas":
+            table.to_pandas().to_parquet(partitioned / run, partition_cols=["rank"])
+        else:
+            ds.write_dataset(
+                table, partitioned / run, format="parquet", partitioning=["rank"], partitioning_flavor="hive"
+            )
+    before = {p: p.read_bytes() for p in partitioned.rglob("*.parquet")}
+    code, report = _report(partitioned)
+    assert code == 1
+    assert report == dict(expected, files=len(before))
+    assert {run["run"]: run["verdict"] for run in report["runs"]} == {"good": "correct", "bad": "incorrect"}
+    assert {p: p.read_bytes() for p in partitioned.rglob("*.parquet")} == before, "input modified"
+
+
+def test_a_file_that_holds_the_column_itself_keeps_its_own_values(tmp_path: Path) -> None:
+    """A folder names a column only for files that leave it out: where a file holds it, the file's value stands
+    (DuckDB's own reading of Hive folders would take the folder's)."""
+    plain = write_by_rank(tmp_path / "plain" / "good", records(UNEVEN, token_mean))
+    misplaced = tmp_path / "misplaced" / "good" / "rank=0"
+    misplaced.mkdir(parents=True)
+    for index, shard in enumerate(sorted(plain.glob("*.parquet"))):  # every rank's file under rank=0
+        (misplaced / f"part-{index}.parquet").write_bytes(shard.read_bytes())
+    assert _report(tmp_path / "misplaced")[1]["runs"] == _report(tmp_path / "plain")[1]["runs"]
+
+
+def test_a_rank_beyond_the_world_size_given_by_a_folder_is_one_line(tmp_path: Path) -> None:
+    table = pa.Table.from_pylist(records(UNEVEN, token_mean))
+    table = table.filter(pc.equal(table["rank"], 0))
+    folder = tmp_path / "run" / "rank=5"
+    folder.mkdir(parents=True)
+    pq.write_table(table.drop_columns(["rank"]), folder / "part-0.parquet")
+    result = CliRunner().invoke(main, ["check", str(tmp_path), "--format", "json"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("tokaudit: error:")]
+    assert line.startswith(f"tokaudit: error: {folder / 'part-0.parquet'}: column 'rank' is not below 'world_size'")
