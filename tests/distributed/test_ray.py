@@ -76,8 +76,11 @@ def _json(paths: list[Path], **kwargs: object) -> str:
 def test_the_cluster_s_report_is_the_one_process_s(
     cluster: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """sample_logs/ and a bench log cut into several step ranges (planted local means, duplicates), each range
-    aggregated on a worker: the same JSON as one process."""
+    """sample_logs/ and a bench log cut into several step ranges (planted local means, duplicates), also as a
+    Hive-partitioned dataset, each range aggregated on a worker: the same JSON as one process."""
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
     from tests.logs import bench_synthetic
 
     bench = tmp_path / "bench"
@@ -85,8 +88,17 @@ def test_the_cluster_s_report_is_the_one_process_s(
         bench / "run", ranks=8, steps=600, micro=2, steps_per_file=100, ranks_per_file=4, local_mean_every=2
     )
     shutil.copy(next((bench / "run").glob("*.parquet")), bench / "run" / "zz-copy.parquet")  # repeated keys
+    hive = tmp_path / "hive"  # the same records as Spark's partitionBy("rank") leaves them
+    ds.write_dataset(
+        pq.read_table(bench / "run"),
+        hive / "run",
+        format="parquet",
+        partitioning=["rank"],
+        partitioning_flavor="hive",
+        max_rows_per_group=1000,
+    )
     monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "2000")  # several ranges
-    for log in (ROOT / "sample_logs", bench):
+    for log in (ROOT / "sample_logs", bench, hive):
         assert _json([log], ray=cluster) == _json([log]), log
 
 
