@@ -117,7 +117,7 @@ def write_log(
     return rows
 
 
-WRITERS = ("pandas", "pyarrow", "250k-steps", "spark", "one-file")
+WRITERS = ("pandas", "pyarrow", "250k-steps", "spark", "spark-by-rank", "one-file")
 """How other tools leave a log (`rewrite`): none of them writes tokaudit's footer metadata."""
 
 
@@ -126,8 +126,9 @@ def rewrite(source: Path, out: Path, writer: str) -> None:
     pandas: one file per rank, `DataFrame.to_parquet` with its defaults; pyarrow: one file per rank,
     `pq.write_table` with its defaults (row groups of up to 1Mi rows); 250k-steps: files of 250,000 steps, every
     rank in each, one row group a file (a compaction job); spark: 8 files of several ranks each, in row groups of
-    about 128 MB (Spark's `parquet.block.size`, here rows of about 64 bytes); one-file: the whole log in one file,
-    pyarrow's defaults."""
+    about 128 MB (Spark's `parquet.block.size`, here rows of about 64 bytes); spark-by-rank: Spark's
+    `partitionBy("rank")`, a `rank=R/` folder a rank whose file leaves the column out; one-file: the whole log in one
+    file, pyarrow's defaults."""
     import pyarrow.dataset as pads
 
     out.mkdir(parents=True, exist_ok=True)
@@ -149,6 +150,12 @@ def rewrite(source: Path, out: Path, writer: str) -> None:
         for first in range(0, int(steps.max()) + 1, 250_000):
             part = table.filter(pa.array((steps >= first) & (steps < first + 250_000)))
             pq.write_table(part, out / f"part-{first // 250_000:05d}.parquet", row_group_size=max(part.num_rows, 1))
+    elif writer == "spark-by-rank":
+        ranks = table.column("rank").to_numpy()
+        for rank in np.unique(ranks):
+            part = table.filter(pa.array(ranks == rank)).drop_columns(["rank"])
+            (out / f"rank={int(rank)}").mkdir()
+            pq.write_table(part, out / f"rank={int(rank)}" / "part-00000-c000.snappy.parquet", row_group_size=2_000_000)
     elif writer == "spark":
         ranks = table.column("rank").to_numpy()
         blocks = np.array_split(np.unique(ranks), 8)

@@ -62,7 +62,8 @@ def test_the_bench_one_row_shards_are_read_whole(tmp_path: Path) -> None:
 @pytest.mark.parametrize("writer", synthetic.WRITERS)
 def test_a_log_written_by_another_tool_gives_the_same_report(tmp_path: Path, writer: str) -> None:
     """The bench's logs as pandas, pyarrow, a compaction job or Spark leave them (no tokaudit metadata, other row
-    groups and files): the same runs, verdicts and planted findings as the recorder's layout."""
+    groups and files, a `rank=R/` folder a rank): the same runs, verdicts and planted findings as the recorder's
+    layout."""
     write_log(tmp_path / "recorder", ranks=4, steps=12, micro=2, steps_per_file=5, ranks_per_file=2, local_mean_every=2)
     synthetic.rewrite(tmp_path / "recorder", tmp_path / writer, writer)
     code, expected = report(tmp_path / "recorder")
