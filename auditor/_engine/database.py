@@ -305,7 +305,7 @@ class Engine:
         columns: dict[str, list[Any]] = {}
         spilled: Spilled | None = None
         held = 0
-        chunks = step_ranges(self.shards, self.chunk_rows, self.only_steps)
+        chunks = step_ranges(self.shards, self.chunk_rows, self.only_steps, self.threads)
         tables = self._range_tables(chunks)
         try:
             for index, (steps, _) in enumerate(chunks):

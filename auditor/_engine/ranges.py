@@ -16,7 +16,7 @@ CHUNK_STEPS = 62_500
 
 
 def step_ranges(
-    shards: list[Shard], chunk_rows: int, only_steps: tuple[int, int] | None = None
+    shards: list[Shard], chunk_rows: int, only_steps: tuple[int, int] | None = None, threads: int = 1
 ) -> list[tuple[tuple[int, int] | None, list[Shard]]]:
     """Step ranges of at most about `chunk_rows` rows and CHUNK_STEPS steps each, with the shards that
     overlap them. Rows bound DuckDB's aggregation; steps bound it too, and the range's share of the step
@@ -26,20 +26,24 @@ def step_ranges(
     a row group cut into k ranges would be decoded k times. Row groups that overlap in steps form a
     segment (1,024 ranks' recorder shards of the same 1,024 steps; a pandas file per rank, each of one row
     group over every step); segments are packed into ranges and never cut, however large: DuckDB's memory
-    limit bounds a large one's aggregation (it spills), not a second read. With `only_steps`, the same
-    ranges clipped to those steps (one step: one range)."""
+    limit bounds a large one's aggregation (it spills), not a second read. DuckDB reads a row group on one
+    thread: a range holds at least `threads` row groups where the log has them, past `chunk_rows` if it must
+    (a file of 1Mi-row row groups, pyarrow's default, in ranges of one would be aggregated on one core). With
+    `only_steps`, the same ranges clipped to those steps (one step: one range)."""
     if only_steps is None:
-        return _whole_ranges(shards, chunk_rows)
+        return _whole_ranges(shards, chunk_rows, threads)
     first, last = only_steps
     clipped: list[tuple[tuple[int, int] | None, list[Shard]]] = []
-    for steps, members in _whole_ranges(shards, chunk_rows):
+    for steps, members in _whole_ranges(shards, chunk_rows, threads):
         low, high = steps if steps is not None else only_steps
         if max(low, first) <= min(high, last):
             clipped.append(((max(low, first), min(high, last)), members))
     return clipped or [(only_steps, shards)]
 
 
-def _whole_ranges(shards: list[Shard], chunk_rows: int) -> list[tuple[tuple[int, int] | None, list[Shard]]]:
+def _whole_ranges(
+    shards: list[Shard], chunk_rows: int, threads: int
+) -> list[tuple[tuple[int, int] | None, list[Shard]]]:
     """`step_ranges` over every step of the shards."""
     if any(s.step_range is None for s in shards):
         return [(None, shards)]
@@ -48,25 +52,26 @@ def _whole_ranges(shards: list[Shard], chunk_rows: int) -> list[tuple[tuple[int,
     groups = sorted(
         (first, last, rows, index) for index, shard in enumerate(shards) for first, last, rows in units(shard)
     )
-    segments: list[tuple[int, int, int, set[int]]] = []  # (first step, last step, rows, shard indices)
+    # (first step, last step, rows, row groups, shard indices)
+    segments: list[tuple[int, int, int, int, set[int]]] = []
     for first, last, rows, index in groups:
         if segments and first <= segments[-1][1]:
-            low, high, held, members = segments[-1]
+            low, high, held, count, members = segments[-1]
             members.add(index)
-            segments[-1] = (low, max(high, last), held + rows, members)
+            segments[-1] = (low, max(high, last), held + rows, count + 1, members)
         else:
-            segments.append((first, last, rows, {index}))
-    packed: list[tuple[int, int, int, set[int]]] = []
-    for first, last, rows, members in segments:
+            segments.append((first, last, rows, 1, {index}))
+    packed: list[tuple[int, int, int, int, set[int]]] = []
+    for first, last, rows, count, members in segments:
         if packed:
-            low, _, held, inside = packed[-1]
-            if held + rows <= chunk_rows and _steps(low, last, held + rows) <= CHUNK_STEPS:
-                packed[-1] = (low, last, held + rows, inside | members)
+            low, _, held, had, inside = packed[-1]
+            if (held + rows <= chunk_rows or had < threads) and _steps(low, last, held + rows) <= CHUNK_STEPS:
+                packed[-1] = (low, last, held + rows, had + count, inside | members)
                 continue
-        packed.append((first, last, rows, set(members)))
+        packed.append((first, last, rows, count, set(members)))
     if len(packed) == 1:  # the whole log: no step filter
         return [(None, shards)]
-    return [((low, high), [shards[i] for i in sorted(inside)]) for low, high, _, inside in packed]
+    return [((low, high), [shards[i] for i in sorted(inside)]) for low, high, _, _, inside in packed]
 
 
 def units(shard: Shard) -> tuple[tuple[int, int, int], ...]:

@@ -322,6 +322,26 @@ def test_no_row_group_is_decoded_in_two_ranges_whatever_the_writer(tmp_path: Pat
         pd.testing.assert_frame_equal(Engine.open(shards).step_table(), Engine.open(shards, chunk_rows=10).step_table())
 
 
+def test_a_range_holds_a_row_group_for_each_thread_past_its_rows_if_it_must(tmp_path: Path) -> None:
+    """DuckDB reads a row group on one thread: one file of row groups larger than a range's rows (pyarrow's 1Mi-row
+    default) is cut into ranges of `threads` row groups, not of one, and the table is the whole aggregation's."""
+    import pyarrow.parquet as pq
+
+    rows = records([[[3, 1], [2, 2], [5, 4]]] * 12, local_mean)  # 6 records a step, in step order
+    folder = tmp_path / "run"
+    folder.mkdir()
+    pd.DataFrame(rows).to_parquet(folder / "log.parquet", index=False, row_group_size=12)  # 2 steps a row group
+    assert pq.ParquetFile(folder / "log.parquet").metadata.num_row_groups == 6
+    shards = load([folder]).shards
+    assert [steps for steps, _ in step_ranges(shards, 10)] == [(2 * i, 2 * i + 1) for i in range(6)]
+    assert [steps for steps, _ in step_ranges(shards, 10, threads=2)] == [(0, 3), (4, 7), (8, 11)]
+    assert [steps for steps, _ in step_ranges(shards, 30, threads=2)] == [(0, 3), (4, 7), (8, 11)]
+    assert [steps for steps, _ in step_ranges(shards, 10, threads=4)] == [(0, 7), (8, 11)]
+    pd.testing.assert_frame_equal(
+        Engine.open(shards).step_table(), Engine.open(shards, chunk_rows=10, threads=2).step_table()
+    )
+
+
 def test_the_evidence_of_one_step_is_the_whole_aggregation_s(tmp_path: Path) -> None:
     """Where the heaviest and lightest token were is aggregated only for the steps a finding names, again
     and alone, from the files whose footers can hold them: it must equal the same columns aggregated
