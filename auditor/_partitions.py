@@ -4,6 +4,7 @@ holds that column's value for every record of the files under it, which leave th
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from pathlib import PurePath
 from typing import Any
 from urllib.parse import unquote
@@ -36,11 +37,14 @@ def partition_folders(path: PurePath) -> tuple[tuple[str, str], ...]:
     return tuple(reversed(found))
 
 
-def run_folder(path: PurePath) -> PurePath:
-    """The folder a file's run is named by (`Shard.default_run`): its parent, above any chain of `column=value`
-    folders, and the folder around a Spark-style dataset folder named *.parquet."""
+def run_folder(path: PurePath, given: Collection[str]) -> PurePath:
+    """The folder a file's run is named by (`Shard.default_run`): its parent, above the `column=value` folders that
+    gave it a column (`given`: a sweep's `lr=0.001/` folder, or a `step=3/` folder above files that hold their own
+    step, is the run's), and the folder around a Spark-style dataset folder named *.parquet."""
     folder = path.parent
-    for _ in partition_folders(path):
+    for column, _ in reversed(partition_folders(path)):
+        if column not in given:
+            break
         folder = folder.parent
     return folder.parent if folder.name.endswith(".parquet") else folder
 

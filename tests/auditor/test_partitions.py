@@ -23,10 +23,22 @@ def test_the_folders_just_above_a_file_are_its_partitions_outermost_first_unquot
     path = PurePosixPath("/data/exp=1/logs/run-a/rank=3/term=aux%20head/part-0.parquet")
     assert partition_folders(path) == (("rank", "3"), ("term", "aux head"))
     assert partition_folders(PurePosixPath("/data/run-a/part-0.parquet")) == ()
-    assert run_folder(path) == PurePosixPath("/data/exp=1/logs/run-a")
+    assert run_folder(path, {"rank", "term"}) == PurePosixPath("/data/exp=1/logs/run-a")
+    assert run_folder(path, {"term"}) == PurePosixPath("/data/exp=1/logs/run-a/rank=3")  # the file holds its rank
     # a Spark dataset folder named *.parquet: the run is the folder around it, as for its part files
-    assert run_folder(PurePosixPath("/logs/run.parquet/rank=0/part-0.parquet")) == PurePosixPath("/logs")
-    assert run_folder(PurePosixPath("/logs/run-a/part-0.parquet")) == PurePosixPath("/logs/run-a")
+    assert run_folder(PurePosixPath("/logs/run.parquet/rank=0/part-0.parquet"), {"rank"}) == PurePosixPath("/logs")
+    assert run_folder(PurePosixPath("/logs/run-a/part-0.parquet"), ()) == PurePosixPath("/logs/run-a")
+    # a sweep's folders are runs, not partitions
+    assert run_folder(PurePosixPath("/sweep/lr=0.001/rank=0/f.parquet"), {"rank"}) == PurePosixPath("/sweep/lr=0.001")
+
+
+def test_the_runs_of_a_sweep_kept_in_lr_folders_stay_apart(tmp_path: Path) -> None:
+    for folder, weights in (("lr=0.001", token_mean), ("lr=0.003", local_mean)):
+        table = pa.Table.from_pylist(records(UNEVEN_GA, weights))
+        ds.write_dataset(table, tmp_path / folder, format="parquet", partitioning=["rank"], partitioning_flavor="hive")
+    code, report = _report(tmp_path)
+    assert code == 1
+    assert {run["run"]: run["verdict"] for run in report["runs"]} == {"lr=0.001": "correct", "lr=0.003": "incorrect"}
 
 
 def test_a_folder_gives_a_value_only_to_a_naming_column_the_file_lacks() -> None:
@@ -84,7 +96,8 @@ def test_a_file_that_holds_the_column_itself_keeps_its_own_values(tmp_path: Path
     misplaced.mkdir(parents=True)
     for index, shard in enumerate(sorted(plain.glob("*.parquet"))):  # every rank's file under rank=0
         (misplaced / f"part-{index}.parquet").write_bytes(shard.read_bytes())
-    assert _report(tmp_path / "misplaced")[1]["runs"] == _report(tmp_path / "plain")[1]["runs"]
+    (misplaced_run,), (plain_run,) = _report(tmp_path / "misplaced")[1]["runs"], _report(tmp_path / "plain")[1]["runs"]
+    assert misplaced_run == dict(plain_run, run="rank=0")  # a folder that gave nothing names the run, as any other
 
 
 def test_a_rank_beyond_the_world_size_given_by_a_folder_is_one_line(tmp_path: Path) -> None:
