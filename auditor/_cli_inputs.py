@@ -25,14 +25,12 @@ def begin_loading(paths: tuple[str, ...], workers: int | None = None) -> Loading
     for note in started.notes[:NOTES_SHOWN]:  # what is read from elsewhere is said, never followed in silence
         click.echo(f"tokaudit: note: {printable(note)}", err=True)  # one unwrapped line, as problem's
     if len(started.notes) > NOTES_SHOWN:
-        click.echo(
-            f"tokaudit: note: … and {len(started.notes) - NOTES_SHOWN} more links out of the folders given", err=True
-        )
+        click.echo(f"tokaudit: note: … and {len(started.notes) - NOTES_SHOWN} more notes", err=True)
     return started
 
 
 NOTES_SHOWN = 5
-"""Links out of the folders given that are named one by one; the rest are counted."""
+"""Notes (links out of the folders given, what was skipped) shown one by one; the rest are counted."""
 
 
 def refuse_inputs(output: Path | None, paths: tuple[str, ...]) -> None:

@@ -9,16 +9,18 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from tokaudit.errors import LogFormatError
+from tokaudit._storage import HIDDEN, hidden_note
 
 
 def discover(
     paths: Sequence[str | os.PathLike[str]], notes: list[str] | None = None
 ) -> tuple[list[Path], list[LogFormatError]]:
-    """Every *.parquet under the paths, each path taken literally. Dot-files (a killed writer's
-    temporaries) are skipped; anything else that cannot be read is one problem line, never a silence:
+    """Every *.parquet under the paths, each path taken literally. Below them, names that begin with '.' or '_'
+    are skipped (`storage.HIDDEN`), the second said in `notes`; anything else that cannot be read is one problem line, never a silence:
     an unreadable folder, a dangling or looping link, a FIFO, a folder named *.parquet with no part file. Such a
     folder (a Spark-style dataset) is read as its part files. `notes`: where each link that leads out of the
-    folder given is said, with what it is read from (it is read)."""
+    folder given is said, with what it is read from (it is read), and what was skipped for a name that begins
+    with '_'."""
     # One file reached twice (two paths, a link to it) is read once: keyed by its identity on disk,
     # from the stat that checks it is a file, rather than by resolving every path.
     found: dict[tuple[int, int], Path] = {}
@@ -52,6 +54,7 @@ def _walk(
         problems.append(LogFormatError(str(error.filename or root), f"cannot read this folder ({error.strerror})"))
 
     inside = os.path.realpath(root) + os.sep
+    skipped = 0  # folders and *.parquet files whose names begin with '_'
     datasets: dict[str, int] = {}  # folders named *.parquet (Spark-style datasets): the part files under each
     for folder, folders, files in _folders(str(root), unreadable):
         # Paths as strings until a file is kept: pathlib's parsing cost more than the stat itself on a
@@ -67,8 +70,11 @@ def _walk(
         seen.add((identity.st_dev, identity.st_ino))
         if notes is not None and os.path.islink(here):
             _note_outside(here, inside, notes)
-        folders[:] = sorted(f for f in folders if not f.startswith("."))
-        names = sorted(name for name in files if not name.startswith(".") and name.endswith(".parquet"))
+        skipped += sum(f.startswith("_") for f in folders) + sum(
+            n.startswith("_") and n.endswith(".parquet") for n in files
+        )
+        folders[:] = sorted(f for f in folders if not f.startswith(HIDDEN))
+        names = sorted(name for name in files if not name.startswith(HIDDEN) and name.endswith(".parquet"))
         if here.endswith(".parquet"):
             datasets.setdefault(here, 0)
         for dataset in datasets:
@@ -81,6 +87,8 @@ def _walk(
         for dataset, parts in datasets.items()
         if not parts
     )
+    if skipped and notes is not None:
+        notes.append(hidden_note(str(root), skipped))
     return reached
 
 

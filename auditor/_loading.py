@@ -150,7 +150,7 @@ def start_loading(paths: Sequence[str | os.PathLike[str]], thorough: bool = True
         from tokaudit._storage import discover_url  # (pyarrow's filesystems)
 
         for url in urls:
-            store, found, trouble = discover_url(url)
+            store, found, trouble = discover_url(url, notes)
             problems.extend(trouble)
             remote.extend((PurePosixPath(path), store) for path in found)
     shares = _start_workers(files, thorough, workers) if workers > 1 and len(files) >= PARALLEL_FILES else []

@@ -187,8 +187,23 @@ def _first_line(error: BaseException) -> str:
     return (text.splitlines()[0] if text else type(error).__name__)[:240]
 
 
-def discover_url(url: str) -> tuple[Store | None, list[str], list[LogFormatError]]:
-    """Every *.parquet under a URL (dot-files and dot-folders skipped), sorted, as paths in the store."""
+HIDDEN = (".", "_")
+"""What begins a name the walk skips below the paths given: a killed writer's temporaries (dot-files), and what a
+writer keeps beside its data (Spark's `_temporary/` of uncommitted tasks, Delta's `_delta_log/`, `_SUCCESS`), as
+Spark, Hadoop and pyarrow's datasets skip them."""
+
+
+def hidden_note(root: str, skipped: int) -> str:
+    """What is said of the folders and *.parquet files under `root` skipped for a name that begins with '_'."""
+    return (
+        f"{root}: {skipped} folder(s) or Parquet file(s) whose name begins with '_' skipped (a writer's own, such as "
+        "Spark's _temporary or Delta's _delta_log), as Spark and pyarrow skip them"
+    )
+
+
+def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None, list[str], list[LogFormatError]]:
+    """Every *.parquet under a URL, sorted, as paths in the store; names below it that begin with '.' or '_' skipped
+    as on disk (`HIDDEN`), the second said in `notes`."""
     import pyarrow.fs as pafs
 
     try:
@@ -210,15 +225,22 @@ def discover_url(url: str) -> tuple[Store | None, list[str], list[LogFormatError
         entries = filesystem.get_file_info(pafs.FileSelector(root, recursive=True))
     except OSError as error:
         return store, [], [LogFormatError(url, describe(error))]
-    found = []
+    found, skipped = [], set()
     for entry in entries:
         relative = PurePosixPath(entry.path).relative_to(PurePosixPath(root)) if entry.path != root else None
         if relative is None or any(part.startswith(".") for part in relative.parts):
+            continue
+        underscored = next((i for i, part in enumerate(relative.parts) if part.startswith("_")), None)
+        if underscored is not None:
+            if entry.path.endswith(".parquet") or underscored < len(relative.parts) - 1:
+                skipped.add(relative.parts[: underscored + 1])  # the outermost such folder or file, once
             continue
         if entry.type == pafs.FileType.File and entry.path.endswith(".parquet"):
             found.append(entry.path)
             if entry.size is not None:
                 store.sizes[entry.path] = entry.size
+    if skipped and notes is not None:
+        notes.append(hidden_note(url, len(skipped)))
     if not found:
         return store, [], [LogFormatError(url, "no Parquet files (*.parquet) under this URL")]
     return store, sorted(found), []

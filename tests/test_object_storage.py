@@ -60,6 +60,25 @@ def test_a_hive_partitioned_log_on_s3_gives_the_report_of_its_local_copy(
     assert [(run["run"], run["ranks"]) for run in json.loads(remote.stdout)["runs"]] == [("bug_local_mean", 2)]
 
 
+def test_a_writer_s_own_prefixes_on_s3_are_skipped_and_said(endpoint: dict[str, str]) -> None:
+    """`_temporary/` and `_delta_log/` under a run on object storage are skipped as on disk, in one note."""
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="spark")
+    for shard in sorted((SAMPLE_LOGS / "bug_local_mean").glob("*.parquet")):
+        client.upload_file(str(shard), "spark", f"runs/bug_local_mean/{shard.name}")
+    client.put_object(Bucket="spark", Key="runs/bug_local_mean/_temporary/0/part-0.parquet", Body=b"not parquet")
+    client.put_object(Bucket="spark", Key="runs/bug_local_mean/_delta_log/0.json", Body=b"{}")
+    client.put_object(Bucket="spark", Key="runs/bug_local_mean/_SUCCESS", Body=b"")
+    remote = tokaudit("check", "s3://spark/runs", "--format", "json", env=endpoint)
+    local = tokaudit("check", str(SAMPLE_LOGS / "bug_local_mean"), "--format", "json")
+    assert remote.returncode == local.returncode == 1, remote.stderr
+    assert json.loads(remote.stdout) == json.loads(local.stdout)
+    assert remote.stderr.splitlines() == [
+        "tokaudit: note: s3://spark/runs: 2 folder(s) or Parquet file(s) whose name begins with '_' skipped (a "
+        "writer's own, such as Spark's _temporary or Delta's _delta_log), as Spark and pyarrow skip them"
+    ]
+
+
 def test_a_damaged_object_is_one_line_and_the_others_are_audited(endpoint: dict[str, str]) -> None:
     client = boto3.client("s3")
     client.create_bucket(Bucket="damaged")
