@@ -243,7 +243,6 @@ def test_the_recordings_as_pandas_writes_them_read_in_windows_give_the_same_diag
     import pyarrow as pa
 
     import tokaudit._engine.database as engine
-    import tokaudit._engine.stream as stream
     from tests.expected import EXPECTED_VERDICT
     from tokaudit._auditing import audit
     from tokaudit._render.json_report import render_json
@@ -255,17 +254,7 @@ def test_the_recordings_as_pandas_writes_them_read_in_windows_give_the_same_diag
     rewritten.mkdir()
     for rank, part in frame.groupby("rank"):
         part.sort_values(["step", "micro"], kind="stable").to_parquet(rewritten / f"part-{rank}.parquet", index=False)
-    monkeypatch.setattr(stream, "WIDE_ROW_GROUP", 1)
-    monkeypatch.setattr(stream, "CHUNK_STEPS", 1)
-    windows: list[int] = []
-    original = stream.windows
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        for window in original(*args, **kwargs):
-            windows.append(window.num_rows)
-            yield window
-
-    monkeypatch.setattr(stream, "windows", counting)
+    windows = _windows_of_one_step(monkeypatch)
     report = audit([rewritten])
     assert len(windows) == frame["step"].nunique() and sum(windows) == table.num_rows  # a window a step
     assert report.runs[0].verdict == EXPECTED_VERDICT[scenario.name]
@@ -285,7 +274,6 @@ def test_the_recordings_as_spark_partitions_them_give_the_same_diagnosis(
 
     import pyarrow.dataset as ds
 
-    import tokaudit._engine.stream as stream
     from tests.expected import EXPECTED_VERDICT
     from tokaudit._auditing import audit
     from tokaudit._loading import load
@@ -299,6 +287,22 @@ def test_the_recordings_as_spark_partitions_them_give_the_same_diagnosis(
     for folder, columns in ((by_rank, ["rank"]), (by_step, keys)):
         ds.write_dataset(table, folder, format="parquet", partitioning=columns, partitioning_flavor="hive")
         assert "rank" not in pq.read_table(next(folder.rglob("*.parquet"))).column_names
+    windows = _windows_of_one_step(monkeypatch)
+    for folder in (by_rank, by_step):
+        report = audit([folder])
+        assert report.runs[0].verdict == EXPECTED_VERDICT[scenario.name]
+        files = len(list(folder.rglob("*.parquet")))
+        assert json.loads(render_json(report)) == dict(whole, files=files)
+        if folder == by_rank:  # a window a step, every record in one
+            assert len(windows) == len(set(table["step"].to_pylist())) and sum(windows) == table.num_rows
+    shards = load([by_step]).shards
+    assert any(s.record is not None for s in shards) and all(dict(s.partition).keys() == set(keys) for s in shards)
+
+
+def _windows_of_one_step(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every segment read in windows (`_engine.stream`) of one step each: the rows of each window, as they come."""
+    import tokaudit._engine.stream as stream
+
     monkeypatch.setattr(stream, "WIDE_ROW_GROUP", 1)
     monkeypatch.setattr(stream, "CHUNK_STEPS", 1)
     windows: list[int] = []
@@ -310,12 +314,4 @@ def test_the_recordings_as_spark_partitions_them_give_the_same_diagnosis(
             yield window
 
     monkeypatch.setattr(stream, "windows", counting)
-    for folder in (by_rank, by_step):
-        report = audit([folder])
-        assert report.runs[0].verdict == EXPECTED_VERDICT[scenario.name]
-        files = len(list(folder.rglob("*.parquet")))
-        assert json.loads(render_json(report)) == dict(whole, files=files)
-        if folder == by_rank:  # a window a step, every record in one
-            assert len(windows) == len(set(table["step"].to_pylist())) and sum(windows) == table.num_rows
-    shards = load([by_step]).shards
-    assert any(s.record is not None for s in shards) and all(dict(s.partition).keys() == set(keys) for s in shards)
+    return windows
