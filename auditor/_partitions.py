@@ -52,12 +52,14 @@ def run_folder(path: PurePath, given: Collection[str]) -> PurePath:
 def partition_values(path: PurePath, present: frozenset[str]) -> dict[str, Any]:
     """The values the folders give columns of PARTITION_COLUMNS the file lacks (an integer column's as an int, null
     where the folder is NULL_PARTITION; the innermost folder where two name one column). A value that is not of the
-    column's kind raises its problem, naming the folder."""
+    column's kind, or a null where the column is required, raises its problem, naming the folder."""
     values: dict[str, Any] = {}
     for column, text in partition_folders(path):
         if column not in PARTITION_COLUMNS or column in present:
             continue
         if text == NULL_PARTITION:
+            if COLUMNS_BY_NAME[column].required:
+                raise LogFormatError("", f"the folder '{column}={text}' gives '{column}' a null, and it may hold none")
             values[column] = None
         elif COLUMNS_BY_NAME[column].kind == "int":
             value = int(text) if re.fullmatch(r"[+-]?\d{1,19}", text.strip()) else None

@@ -56,6 +56,14 @@ def test_a_folder_whose_value_is_not_an_integer_is_refused_naming_it(folder: str
     assert raised.value.problem == f"the folder '{folder}' gives '{column}' a value that is not an int64"
 
 
+def test_a_folder_that_gives_a_required_column_a_null_is_refused_naming_it() -> None:
+    with pytest.raises(LogFormatError) as raised:
+        partition_values(PurePosixPath("/r/rank=__HIVE_DEFAULT_PARTITION__/f.parquet"), frozenset())
+    assert raised.value.problem == (
+        "the folder 'rank=__HIVE_DEFAULT_PARTITION__' gives 'rank' a null, and it may hold none"
+    )
+
+
 def _report(*paths: Path) -> tuple[int, dict[str, object]]:
     result = CliRunner().invoke(main, ["check", *map(str, paths), "--format", "json"])
     assert "Traceback" not in result.output
