@@ -228,12 +228,15 @@ def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None
     found, skipped = [], set()
     for entry in entries:
         relative = PurePosixPath(entry.path).relative_to(PurePosixPath(root)) if entry.path != root else None
-        if relative is None or any(part.startswith(".") for part in relative.parts):
+        if relative is None:
             continue
-        underscored = next((i for i, part in enumerate(relative.parts) if part.startswith("_")), None)
-        if underscored is not None:
-            if entry.path.endswith(".parquet") or underscored < len(relative.parts) - 1:
-                skipped.add(relative.parts[: underscored + 1])  # the outermost such folder or file, once
+        hidden = next((i for i, part in enumerate(relative.parts) if part.startswith(HIDDEN)), None)
+        if hidden is not None:
+            # the outermost such folder, or such a *.parquet, once (as the walk on disk counts them)
+            if relative.parts[hidden].startswith("_") and (
+                entry.path.endswith(".parquet") or hidden < len(relative.parts) - 1
+            ):
+                skipped.add(relative.parts[: hidden + 1])
             continue
         if entry.type == pafs.FileType.File and entry.path.endswith(".parquet"):
             found.append(entry.path)
