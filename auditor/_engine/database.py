@@ -26,7 +26,7 @@ from tokaudit._engine.sql import COMPLETE_THROUGH_SQL, DUPLICATES_SQL, RANK_WEIG
 from tokaudit._engine.sql import GIVEN, absent_values, aliases, given_literal, parquet_scan
 from tokaudit._engine.sql import constants, file_order_table, footer_table, one_name_of
 from tokaudit._engine.sql import one_record_form, select_records, sql_string, step_sql, valueless_columns
-from tokaudit._engine.stream import Unsorted, row_groups, streamable, windowed
+from tokaudit._engine.stream import Undecodable, Unsorted, row_groups, streamable, windowed
 from tokaudit._engine.tables import FILES_NAMED, SPILL_STEPS, Duplicates, Spilled, add_duplicates, finished
 from tokaudit._engine.tables import note_precision, scratch_folder, join_columns, reorder
 from tokaudit._reader import Shard
@@ -381,10 +381,12 @@ class Engine:
         if self.only_steps is None and streamable(shards):
             try:
                 return self._windowed(steps, shards)
-            except (Unsorted, pa.ArrowException, OSError):
-                # What the windows made is set aside and the segment is read whole: a file out of step order, or
-                # one pyarrow cannot decode, which DuckDB's error then names (`_opening`).
+            except Unsorted:  # what the windows made is set aside and the segment is read whole
                 pass
+            except Undecodable as error:
+                # DuckDB reads that file alone: where it cannot either, its error leads `_opening` to name the file
+                # without an aggregation of the whole segment first; where it can, the segment is read whole.
+                self.connection.execute(f"SELECT max(COLUMNS(*)) FROM {parquet_scan([error.name], one_schema=True)}")
         table, found = self._queried(steps, shards)
         return [table], found
 

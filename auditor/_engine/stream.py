@@ -41,6 +41,14 @@ class Unsorted(Exception):
     """A file's steps go back, or one is missing: its records cannot be cut into windows of whole steps in one read."""
 
 
+class Undecodable(Exception):
+    """A file pyarrow cannot read (`name`, as DuckDB knows it): whether it is damaged is DuckDB's to say."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
 def streamable(shards: Sequence[Shard]) -> bool:
     """A segment worth reading in windows, and one that can be: a row group of it spans more than WIDE_ROW_GROUP
     steps, it has at most MAX_FILES files, each a local file read from its rows (not a footer's record, not object
@@ -104,8 +112,12 @@ class _File:
         return batch
 
     def read(self) -> None:
-        """The next batch into `pending`, or `done`: Unsorted where its steps go back or one is NULL."""
-        batch = self._next()
+        """The next batch into `pending`, or `done`: Unsorted where its steps go back or one is NULL, Undecodable
+        where pyarrow cannot read it."""
+        try:
+            batch = self._next()
+        except (pa.ArrowException, OSError):
+            raise Undecodable(self.name) from None
         if batch is None:
             self.done = True
             return
@@ -156,10 +168,15 @@ def windows(
     """The records of these files ((path, the name DuckDB knows it by, the row groups to read, None: every one, the
     values its folders give)) in
     windows of whole steps, in step order, each of about `rows` records (more where one step holds more) and at most
-    CHUNK_STEPS steps, every row decoded once. Unsorted where a file's steps go back, which may come after some windows: the
-    caller then sets aside what it made of them."""
+    CHUNK_STEPS steps, every row decoded once. Unsorted where a file's steps go back, Undecodable where pyarrow
+    cannot read one, either of which may come after some windows: the caller then sets aside what it made of them."""
     batch_rows = max(4_096, min(BATCH_ROWS, rows // (4 * max(len(files), 1))))
-    readers = [_File(path, name, groups, given, columns, batch_rows) for path, name, groups, given in files]
+    readers = []
+    for path, name, groups, given in files:
+        try:
+            readers.append(_File(path, name, groups, given, columns, batch_rows))
+        except (pa.ArrowException, OSError):
+            raise Undecodable(name) from None
     try:
         while True:
             reading = [r for r in readers if not r.done]

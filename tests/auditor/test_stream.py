@@ -181,11 +181,46 @@ def test_a_damaged_file_of_a_segment_read_in_windows_is_named_and_the_others_aud
     damaged.write_bytes(bytes(data))
     monkeypatch.setattr(stream, "CHUNK_STEPS", 6)
     monkeypatch.setattr(stream, "WIDE_ROW_GROUP", 30)
+    whole: list[int] = []  # segments aggregated whole
+    queried = database.Engine._queried
+
+    def counting(self: database.Engine, steps: Any, shards: Any, scan: str | None = None) -> Any:
+        whole.extend([len(shards)] if scan is None else [])
+        return queried(self, steps, shards, scan)
+
+    monkeypatch.setattr(database.Engine, "_queried", counting)
     windowed = audit([tmp_path])
     assert any("part-2.parquet: corrupt data" in p for p in windowed.problems), windowed.problems
     assert windowed.runs[0].rows == 3 * 2 * 40 and "ranks_not_recorded" in {f.code.value for f in windowed.findings}
+    assert whole == []  # DuckDB read the damaged file alone, not the whole segment, before it was named
     monkeypatch.setattr(database, "streamable", lambda shards: False)
     assert render_json(audit([tmp_path])) == render_json(windowed)
+
+
+def test_a_file_pyarrow_alone_cannot_read_is_aggregated_whole_by_duckdb(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where pyarrow fails on a file that DuckDB reads, the file is no damaged file: the segment is aggregated whole,
+    with the report of the windows' audit, nothing named."""
+    from tokaudit import audit
+    from tokaudit._render.json_report import render_json
+
+    (tmp_path / "run").mkdir()
+    frame = pd.DataFrame(records([[[1 + (s * 3 + r) % 7, 2] for r in range(4)] for s in range(40)], local_mean))
+    for rank in range(4):
+        frame[frame["rank"] == rank].to_parquet(tmp_path / "run" / f"part-{rank}.parquet", index=False)
+    monkeypatch.setattr(stream, "CHUNK_STEPS", 6)
+    monkeypatch.setattr(stream, "WIDE_ROW_GROUP", 30)
+    expected = render_json(audit([tmp_path]))
+    batch = stream._File._next
+
+    def failing(self: Any) -> Any:
+        if self.name.endswith("part-2.parquet"):
+            raise pa.ArrowInvalid("a reader of pyarrow's own")
+        return batch(self)
+
+    monkeypatch.setattr(stream._File, "_next", failing)
+    assert render_json(audit([tmp_path])) == expected
 
 
 def test_a_file_whose_footer_gives_no_row_group_s_steps_is_read_whole(tmp_path: Path) -> None:
