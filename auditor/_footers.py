@@ -407,8 +407,8 @@ def _schema_problem(schema: pa.Schema, present: frozenset[str], supplied: frozen
     missing = [column for column in REQUIRED_COLUMNS if column not in schema.names and column not in supplied]
     if len(missing) == len(REQUIRED_COLUMNS):
         return f"not a tokaudit log (no column {', '.join(repr(c) for c in missing)})"
-    if missing:
-        return f"missing column '{missing[0]}'"
+    if missing:  # what it holds: a log another writer made lacks one most often
+        return f"missing column '{missing[0]}' ({COLUMNS_BY_NAME[missing[0]].meaning})"
     repeated = sorted(
         {column for column in schema.names if schema.names.count(column) > 1 and column in COLUMNS_BY_NAME}
     )

@@ -78,7 +78,7 @@ def bad_files(folder: Path) -> dict[str, str]:
     (folder / "truncated.parquet").write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
     whole.unlink()
     return {
-        "missing.parquet": "missing column 'valid_tokens'",
+        "missing.parquet": "missing column 'valid_tokens' (n: valid tokens of the microbatch)",
         "mistyped.parquet": "column 'valid_tokens' has type string, expected an integer type",
         "pandas_float.parquet": "column 'positions' has type double, expected an integer type (pandas stores an "
         "integer column holding a missing value as float; write it as pandas' nullable integer: "
