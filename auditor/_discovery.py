@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from tokaudit.errors import LogFormatError
+from tokaudit._delta import DELTA_LOG, Tables, local_log
 from tokaudit._storage import HIDDEN, hidden_note
 
 
@@ -55,6 +56,8 @@ def _walk(
 
     inside = os.path.realpath(root) + os.sep
     skipped = 0  # folders and *.parquet files whose names begin with '_'
+    tables = Tables(problems, local_log)  # Delta tables: the files their logs say they hold
+    tables.enter_above(str(Path(root).absolute()))
     datasets: dict[str, int] = {}  # folders named *.parquet (Spark-style datasets): the part files under each
     for folder, folders, files in _folders(str(root), unreadable):
         # Paths as strings until a file is kept: pathlib's parsing cost more than the stat itself on a
@@ -70,11 +73,13 @@ def _walk(
         seen.add((identity.st_dev, identity.st_ino))
         if notes is not None and os.path.islink(here):
             _note_outside(here, inside, notes)
-        skipped += sum(f.startswith("_") for f in folders) + sum(
+        if DELTA_LOG in folders:
+            tables.enter(here)
+        skipped += sum(f.startswith("_") and f != DELTA_LOG for f in folders) + sum(
             n.startswith("_") and n.endswith(".parquet") for n in files
         )
         folders[:] = sorted(f for f in folders if not f.startswith(HIDDEN))
-        names = sorted(name for name in files if not name.startswith(HIDDEN) and name.endswith(".parquet"))
+        names = tables.kept(here, sorted(n for n in files if not n.startswith(HIDDEN) and n.endswith(".parquet")))
         if here.endswith(".parquet"):
             datasets.setdefault(here, 0)
         for dataset in datasets:
@@ -87,8 +92,9 @@ def _walk(
         for dataset, parts in datasets.items()
         if not parts
     )
-    if skipped and notes is not None:
-        notes.append(hidden_note(str(root), skipped))
+    if notes is not None:
+        notes.extend([hidden_note(str(root), skipped)] if skipped else [])
+        notes.extend(tables.notes())
     return reached
 
 

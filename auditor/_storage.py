@@ -16,6 +16,7 @@ from pathlib import PurePath, PurePosixPath
 from typing import Any
 
 from tokaudit.errors import LogFormatError
+from tokaudit._delta import DELTA_LOG, Tables
 
 # pyarrow (a fifth of a second to import) is imported where a store is opened: the command line tells a URL
 # from a path (`is_url`) before it starts the footer workers (`tokaudit._loading`).
@@ -189,15 +190,16 @@ def _first_line(error: BaseException) -> str:
 
 HIDDEN = (".", "_")
 """What begins a name the walk skips below the paths given: a killed writer's temporaries (dot-files), and what a
-writer keeps beside its data (Spark's `_temporary/` of uncommitted tasks, Delta's `_delta_log/`, `_SUCCESS`), as
-Spark, Hadoop and pyarrow's datasets skip them."""
+writer keeps beside its data (Spark's `_temporary/` of uncommitted tasks, `_spark_metadata/`, `_SUCCESS`), as
+Spark, Hadoop and pyarrow's datasets skip them. A Delta table's `_delta_log/` is not audited either: it says which
+files the table holds (`delta.Tables`)."""
 
 
 def hidden_note(root: str, skipped: int) -> str:
     """What is said of the folders and *.parquet files under `root` skipped for a name that begins with '_'."""
     return (
         f"{root}: {skipped} folder(s) or Parquet file(s) whose name begins with '_' skipped (a writer's own, such as "
-        "Spark's _temporary or Delta's _delta_log), as Spark and pyarrow skip them"
+        "Spark's _temporary or _spark_metadata), as Spark and pyarrow skip them"
     )
 
 
@@ -226,24 +228,53 @@ def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None
     except OSError as error:
         return store, [], [LogFormatError(url, describe(error))]
     found, skipped = [], set()
+    logs: dict[str, list[str]] = {}  # each Delta table's root: the names in its log
     for entry in entries:
         relative = PurePosixPath(entry.path).relative_to(PurePosixPath(root)) if entry.path != root else None
         if relative is None:
             continue
         hidden = next((i for i, part in enumerate(relative.parts) if part.startswith(HIDDEN)), None)
         if hidden is not None:
-            # the outermost such folder, or such a *.parquet, once (as the walk on disk counts them)
-            if relative.parts[hidden].startswith("_") and (
-                entry.path.endswith(".parquet") or hidden < len(relative.parts) - 1
+            path = PurePosixPath(entry.path)
+            if relative.parts[hidden] == DELTA_LOG and hidden == len(relative.parts) - 2:  # a Delta table's log
+                logs.setdefault(str(path.parent.parent), []).append(path.name)
+            elif relative.parts[hidden].startswith("_") and (
+                path.suffix == ".parquet" or hidden < len(relative.parts) - 1
             ):
-                skipped.add(relative.parts[: hidden + 1])
+                skipped.add(relative.parts[: hidden + 1])  # the outermost such folder or *.parquet, once, as on disk
             continue
         if entry.type == pafs.FileType.File and entry.path.endswith(".parquet"):
             found.append(entry.path)
             if entry.size is not None:
                 store.sizes[entry.path] = entry.size
+    trouble: list[LogFormatError] = []
+    found = _held_by_tables(store, logs, found, trouble, notes)
     if skipped and notes is not None:
         notes.append(hidden_note(url, len(skipped)))
-    if not found:
+    if not found and not trouble:
         return store, [], [LogFormatError(url, "no Parquet files (*.parquet) under this URL")]
-    return store, sorted(found), []
+    return store, sorted(found), trouble
+
+
+def _held_by_tables(
+    store: Store, logs: dict[str, list[str]], found: list[str], trouble: list[LogFormatError], notes: list[str] | None
+) -> list[str]:
+    """Of the objects found, those the Delta tables among them hold (`delta.Tables`; `logs`: each table's root and
+    the names in its log), and every object outside a table."""
+    if not logs:
+        return found
+    import pyarrow.parquet as pq
+
+    def open_log(table: str) -> tuple[list[str], Any, Any]:
+        def opened(name: str) -> Any:
+            return store.filesystem.open_input_file(f"{table}/{DELTA_LOG}/{name}")
+
+        return logs[table], lambda name: opened(name).read(), lambda name: pq.read_table(opened(name))
+
+    tables = Tables(trouble, open_log, lambda table: store.url(PurePosixPath(table)))
+    for table in logs:
+        tables.enter(table)
+    kept = [path for path in found if tables.kept(str(PurePosixPath(path).parent), [PurePosixPath(path).name], "/")]
+    if notes is not None:
+        notes.extend(tables.notes())
+    return kept

@@ -21,6 +21,7 @@ LAYERS = (
     "codes",
     "_recipes",
     "_settings",
+    "_delta",
     "_storage",
     "_sorting",
     "_validation",

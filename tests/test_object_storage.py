@@ -60,14 +60,35 @@ def test_a_hive_partitioned_log_on_s3_gives_the_report_of_its_local_copy(
     assert [(run["run"], run["ranks"]) for run in json.loads(remote.stdout)["runs"]] == [("bug_local_mean", 2)]
 
 
+def test_a_delta_table_on_s3_is_audited_at_its_current_version(endpoint: dict[str, str], tmp_path: Path) -> None:
+    """A Delta table uploaded whole (its log and every file a rewrite left): the report of its local copy, the files
+    it no longer holds skipped and said."""
+    pytest.importorskip("deltalake")
+    from tests.auditor.test_delta import _history
+
+    _history(tmp_path / "run")
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="delta")
+    for path in sorted((tmp_path / "run").rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), "delta", f"runs/{path.relative_to(tmp_path)}")
+    remote = tokaudit("check", "s3://delta/runs", "--format", "json", env=endpoint)
+    local = tokaudit("check", str(tmp_path), "--format", "json")
+    assert remote.returncode == local.returncode == 0, remote.stderr
+    assert json.loads(remote.stdout) == json.loads(local.stdout)
+    assert remote.stderr.splitlines()[0].startswith(
+        "tokaudit: note: s3://delta/runs/run: a Delta table at version 3: 6 Parquet file(s) it no longer holds"
+    )
+
+
 def test_a_writer_s_own_prefixes_on_s3_are_skipped_and_said(endpoint: dict[str, str]) -> None:
-    """`_temporary/` and `_delta_log/` under a run on object storage are skipped as on disk, in one note."""
+    """`_temporary/` and `_spark_metadata/` under a run on object storage are skipped as on disk, in one note."""
     client = boto3.client("s3")
     client.create_bucket(Bucket="spark")
     for shard in sorted((SAMPLE_LOGS / "bug_local_mean").glob("*.parquet")):
         client.upload_file(str(shard), "spark", f"runs/bug_local_mean/{shard.name}")
     client.put_object(Bucket="spark", Key="runs/bug_local_mean/_temporary/0/part-0.parquet", Body=b"not parquet")
-    client.put_object(Bucket="spark", Key="runs/bug_local_mean/_delta_log/0.json", Body=b"{}")
+    client.put_object(Bucket="spark", Key="runs/bug_local_mean/_spark_metadata/0", Body=b"{}")
     client.put_object(Bucket="spark", Key="runs/bug_local_mean/_SUCCESS", Body=b"")
     remote = tokaudit("check", "s3://spark/runs", "--format", "json", env=endpoint)
     local = tokaudit("check", str(SAMPLE_LOGS / "bug_local_mean"), "--format", "json")
@@ -75,7 +96,7 @@ def test_a_writer_s_own_prefixes_on_s3_are_skipped_and_said(endpoint: dict[str, 
     assert json.loads(remote.stdout) == json.loads(local.stdout)
     assert remote.stderr.splitlines() == [
         "tokaudit: note: s3://spark/runs: 2 folder(s) or Parquet file(s) whose name begins with '_' skipped (a "
-        "writer's own, such as Spark's _temporary or Delta's _delta_log), as Spark and pyarrow skip them"
+        "writer's own, such as Spark's _temporary or _spark_metadata), as Spark and pyarrow skip them"
     ]
 
 

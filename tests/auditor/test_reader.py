@@ -703,21 +703,21 @@ def test_a_file_reached_by_several_paths_is_found_once(tmp_path: Path) -> None:
 
 def test_what_a_writer_keeps_beside_its_data_is_skipped_and_said(tmp_path: Path) -> None:
     """Spark's `_temporary/` (an uncommitted task's parts: here the same records with other weights) and Delta's
-    `_delta_log/` (a checkpoint that is Parquet, not a log) are skipped as Spark and pyarrow skip them, in one note;
+    `_spark_metadata/` (a streaming query's own Parquet, not a log) are skipped as Spark and pyarrow skip them, in one note;
     the report is the one of the data alone. A path given that begins with '_' is read: each path is taken literally."""
     good = good_run(tmp_path / "plain" / "run")
     run = tmp_path / "spark" / "run"
     for shard in sorted(good.glob("*.parquet")):
         write(run / f"part-{shard.stem}.parquet", pq.read_table(shard).to_pylist())
     write(run / "_temporary" / "0" / "part-00000.parquet", records(UNEVEN, local_mean))
-    (run / "_delta_log").mkdir()
-    pq.write_table(pa.table({"txn": [1]}), run / "_delta_log" / "0.checkpoint.parquet")
+    (run / "_spark_metadata").mkdir()
+    pq.write_table(pa.table({"txn": [1]}), run / "_spark_metadata" / "0.parquet")
     (run / "_SUCCESS").write_text("")
     result = CliRunner().invoke(main, ["check", str(tmp_path / "spark"), "--format", "json"])
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines() == [
         f"tokaudit: note: {tmp_path / 'spark'}: 2 folder(s) or Parquet file(s) whose name begins with '_' skipped (a "
-        "writer's own, such as Spark's _temporary or Delta's _delta_log), as Spark and pyarrow skip them"
+        "writer's own, such as Spark's _temporary or _spark_metadata), as Spark and pyarrow skip them"
     ]
     plain = CliRunner().invoke(main, ["check", str(tmp_path / "plain"), "--format", "json"])
     assert result.stdout == plain.stdout
