@@ -248,12 +248,28 @@ def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None
             if entry.size is not None:
                 store.sizes[entry.path] = entry.size
     trouble: list[LogFormatError] = []
+    logs.update(_log_above(store, root))
     found = _held_by_tables(store, logs, found, trouble, notes)
     if skipped and notes is not None:
         notes.append(hidden_note(url, len(skipped)))
     if not found and not trouble:
         return store, [], [LogFormatError(url, "no Parquet files (*.parquet) under this URL")]
     return store, sorted(found), trouble
+
+
+def _log_above(store: Store, root: str) -> dict[str, list[str]]:
+    """The Delta table a prefix given lies inside, if any (the nearest prefix above it, within its bucket, that holds
+    a log), with the names in its log: a request a level."""
+    import pyarrow.fs as pafs
+
+    for above in list(PurePosixPath(root).parents)[:-1]:  # up to the bucket (not its parent, ".")
+        try:
+            listed = store.filesystem.get_file_info(pafs.FileSelector(f"{above}/{DELTA_LOG}", allow_not_found=True))
+        except OSError:  # a prefix this reader may not list: no table known there
+            return {}
+        if listed:
+            return {str(above): [PurePosixPath(entry.path).name for entry in listed]}
+    return {}
 
 
 def _held_by_tables(

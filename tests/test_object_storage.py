@@ -79,6 +79,8 @@ def test_a_delta_table_on_s3_is_audited_at_its_current_version(endpoint: dict[st
     assert remote.stderr.splitlines()[0].startswith(
         "tokaudit: note: s3://delta/runs/run: a Delta table at version 3: 6 Parquet file(s) it no longer holds"
     )
+    inside = tokaudit("check", "s3://delta/runs/run/rank=1/", "--format", "json", env=endpoint)  # a prefix in it
+    assert inside.returncode == 0 and json.loads(inside.stdout)["files"] == 1, inside.stderr
 
 
 def test_a_writer_s_own_prefixes_on_s3_are_skipped_and_said(endpoint: dict[str, str]) -> None:
