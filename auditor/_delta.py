@@ -18,6 +18,11 @@ DELTA_LOG = "_delta_log"
 _COMMIT = re.compile(r"^(\d{20})\.json$")
 _CHECKPOINT = re.compile(r"^(\d{20})\.checkpoint(?:\.(\d{10})\.(\d{10}))?\.parquet$")
 
+_COLUMN_MAPPING = (
+    "a Delta table with column mapping (its files name their columns by id, not as the log format does), which "
+    "tokaudit does not read: export it as Parquet (spark.read.format('delta').load(...).write.parquet(...))"
+)
+
 _DELETION_VECTORS = (
     "a Delta table with deletion vectors (rows deleted inside its files), which tokaudit does not read: rewrite it "
     "without them (delta.enableDeletionVectors = false, then OPTIMIZE) or export it as Parquet"
@@ -45,7 +50,7 @@ def live_files(
         for name, _ in sorted(parts[start]):
             _apply(root, _checkpoint_actions(read_table(name)), live)
         start += 1
-    last = max(commits, default=start - 1)
+    last = max((v for v in commits if v >= start), default=start - 1)
     if any(v not in commits for v in range(start, last + 1)) or last < 0:
         return None
     for version in range(start, last + 1):
@@ -55,8 +60,8 @@ def live_files(
 
 
 def _checkpoint_actions(table: Any) -> Iterable[dict[str, Any]]:
-    """A checkpoint's add and remove actions, as a commit's lines give them."""
-    for column in ("add", "remove"):
+    """A checkpoint's metadata, add and remove actions, as a commit's lines give them."""
+    for column in ("metaData", "add", "remove"):
         if column in table.column_names:
             for value in table.column(column).to_pylist():
                 if value is not None:
@@ -66,6 +71,10 @@ def _checkpoint_actions(table: Any) -> Iterable[dict[str, Any]]:
 def _apply(root: str, actions: Iterable[dict[str, Any]], live: set[str]) -> None:
     """Each add's file joins the table, each remove's leaves it (paths as the log writes them: URL-escaped)."""
     for action in actions:
+        if action.get("metaData") is not None:
+            configuration = dict(action["metaData"].get("configuration") or {})
+            if configuration.get("delta.columnMapping.mode", "none") != "none":
+                raise LogFormatError(root, _COLUMN_MAPPING)
         if "add" in action and action["add"] is not None:
             if action["add"].get("deletionVector"):
                 raise LogFormatError(root, _DELETION_VECTORS)

@@ -61,8 +61,10 @@ def test_a_log_that_cannot_be_replayed_leaves_every_file_read_and_says_so(tmp_pa
     ]
 
 
-def test_deletion_vectors_and_a_damaged_log_are_one_line_each_and_the_other_runs_are_audited(tmp_path: Path) -> None:
-    for name in ("vectors", "damaged"):
+def test_deletion_vectors_column_mapping_and_a_damaged_log_are_one_line_each_and_the_other_runs_are_audited(
+    tmp_path: Path,
+) -> None:
+    for name in ("vectors", "damaged", "mapped"):
         deltalake.write_deltalake(
             tmp_path / name, pa.Table.from_pylist(records(UNEVEN_GA, token_mean)), partition_by=["rank"]
         )
@@ -71,13 +73,20 @@ def test_deletion_vectors_and_a_damaged_log_are_one_line_each_and_the_other_runs
     added = {"path": "rank=0/x.parquet", "partitionValues": {"rank": "0"}, "deletionVector": vector}
     commit.write_text(json.dumps({"add": added}) + "\n")
     (tmp_path / "damaged" / "_delta_log" / "00000000000000000001.json").write_text('{"add": {"path": \n')
+    mapping = {"metaData": {"id": "1", "configuration": {"delta.columnMapping.mode": "name"}}}
+    (tmp_path / "mapped" / "_delta_log" / "00000000000000000001.json").write_text(json.dumps(mapping) + "\n")
     write_by_rank(tmp_path / "good", records(UNEVEN_GA, token_mean))
     result = CliRunner().invoke(main, ["check", str(tmp_path), "--format", "json"])
     assert result.exit_code == 2 and "Traceback" not in result.output
     errors = [line for line in result.stderr.splitlines() if line.startswith("tokaudit: error:")]
-    assert len(errors) == 2
+    assert len(errors) == 3
     assert errors[0].startswith(f"tokaudit: error: {tmp_path / 'damaged'}: cannot read its Delta log (")
     assert errors[1] == (
+        f"tokaudit: error: {tmp_path / 'mapped'}: a Delta table with column mapping (its files name their columns by "
+        "id, not as the log format does), which tokaudit does not read: export it as Parquet "
+        "(spark.read.format('delta').load(...).write.parquet(...))"
+    )
+    assert errors[2] == (
         f"tokaudit: error: {tmp_path / 'vectors'}: a Delta table with deletion vectors (rows deleted inside its files), "
         "which tokaudit does not read: rewrite it without them (delta.enableDeletionVectors = false, then OPTIMIZE) or "
         "export it as Parquet"
@@ -99,3 +108,15 @@ def test_the_log_s_paths_are_unescaped_and_taken_relative_to_the_table() -> None
     version, live = live_files("bucket/logs/run", list(lines), lines.__getitem__, lambda name: None) or (0, set())
     assert version == 4
     assert live == {"rank=1/part-1.parquet", "s3://other/clone/part-2.parquet", "part-3.parquet"}
+
+
+def test_a_checkpoint_is_replayed_with_the_commits_after_it_only() -> None:
+    """Commits up to a checkpoint are in it (kept in the log or not); a checkpoint of several parts counts only
+    whole, and then the latest whole one."""
+    checkpoint = pa.table({"add": [{"path": "a.parquet"}, {"path": "b.parquet"}, None]})
+    names = [f"{v:020d}.json" for v in range(4)] + [f"{2:020d}.checkpoint.parquet"]
+    names += [f"{3:020d}.checkpoint.{1:010d}.{2:010d}.parquet"]  # one of two parts: not whole
+    later = {f"{3:020d}.json": json.dumps({"remove": {"path": "a.parquet"}}).encode()}
+    found = live_files("run", names, later.__getitem__, lambda name: checkpoint)
+    assert found == (3, {"b.parquet"})
+    assert live_files("run", names[:2] + names[3:4], later.__getitem__, lambda name: checkpoint) is None  # 2 missing
