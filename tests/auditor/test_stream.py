@@ -148,10 +148,7 @@ def test_the_report_of_a_log_read_in_windows_is_that_of_it_read_whole(
     from tokaudit import audit
     from tokaudit._render.json_report import render_json
 
-    (tmp_path / "run").mkdir()
-    frame = pd.DataFrame(records([[[1 + (s * 3 + r) % 7, 2] for r in range(4)] for s in range(40)], local_mean))
-    for rank in range(4):
-        frame[frame["rank"] == rank].to_parquet(tmp_path / "run" / f"part-{rank}.parquet", index=False)
+    _pandas_log(tmp_path / "run")
     monkeypatch.setattr(stream, "CHUNK_STEPS", 6)
     monkeypatch.setattr(stream, "WIDE_ROW_GROUP", 30)
     seen = _counting(monkeypatch)
@@ -170,10 +167,7 @@ def test_a_damaged_file_of_a_segment_read_in_windows_is_named_and_the_others_aud
     from tokaudit import audit
     from tokaudit._render.json_report import render_json
 
-    (tmp_path / "run").mkdir()
-    frame = pd.DataFrame(records([[[1 + (s * 3 + r) % 7, 2] for r in range(4)] for s in range(40)], local_mean))
-    for rank in range(4):
-        frame[frame["rank"] == rank].to_parquet(tmp_path / "run" / f"part-{rank}.parquet", index=False)
+    _pandas_log(tmp_path / "run")
     damaged = tmp_path / "run" / "part-2.parquet"
     data = bytearray(damaged.read_bytes())
     footer = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
@@ -205,10 +199,7 @@ def test_a_file_pyarrow_alone_cannot_read_is_aggregated_whole_by_duckdb(
     from tokaudit import audit
     from tokaudit._render.json_report import render_json
 
-    (tmp_path / "run").mkdir()
-    frame = pd.DataFrame(records([[[1 + (s * 3 + r) % 7, 2] for r in range(4)] for s in range(40)], local_mean))
-    for rank in range(4):
-        frame[frame["rank"] == rank].to_parquet(tmp_path / "run" / f"part-{rank}.parquet", index=False)
+    _pandas_log(tmp_path / "run")
     monkeypatch.setattr(stream, "CHUNK_STEPS", 6)
     monkeypatch.setattr(stream, "WIDE_ROW_GROUP", 30)
     expected = render_json(audit([tmp_path]))
@@ -240,3 +231,11 @@ def test_a_file_whose_footer_gives_no_row_group_s_steps_is_read_whole(tmp_path: 
     assert stream.row_groups(whole, (0, 11)) is None
     (window,) = stream.windows([(str(f), "a", stream.row_groups(whole, (0, 11)), {})], ["step"], rows=100)
     assert window.column("step").to_pylist() == window.column("file_row_number").to_pylist() == list(range(12))
+
+
+def _pandas_log(folder: Path) -> None:
+    """4 ranks × 40 steps of 2 microbatches, a rank-local mean, as pandas writes it: a file per rank, one row group."""
+    folder.mkdir()
+    frame = pd.DataFrame(records([[[1 + (s * 3 + r) % 7, 2] for r in range(4)] for s in range(40)], local_mean))
+    for rank in range(4):
+        frame[frame["rank"] == rank].to_parquet(folder / f"part-{rank}.parquet", index=False)
