@@ -39,8 +39,14 @@ def discover(
         else:
             reached = _walk(path, found, problems, notes)
             if not reached and not any(p.path.startswith(str(path)) for p in problems):
-                problems.append(LogFormatError(str(raw), "no Parquet files (*.parquet) in this folder"))
+                problems.append(LogFormatError(str(raw), "no Parquet files (*.parquet) in this folder" + _named(path)))
     return list(found.values()), problems
+
+
+def _named(folder: Path) -> str:
+    """Where a folder holds no *.parquet: the files under it named as other writers name Parquet, said."""
+    others = sum(1 for path in folder.rglob("*") if path.suffix in (".pq", ".parq") and path.is_file())
+    return f" ({others} file(s) end in .pq or .parq: tokaudit reads *.parquet, rename them)" if others else ""
 
 
 def _walk(

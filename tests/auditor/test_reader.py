@@ -725,6 +725,18 @@ def test_what_a_writer_keeps_beside_its_data_is_skipped_and_said(tmp_path: Path)
     assert files == [run / "_temporary" / "0" / "part-00000.parquet"] and not problems
 
 
+def test_a_folder_of_parquet_files_named_otherwise_says_so(tmp_path: Path) -> None:
+    write(tmp_path / "run" / "rank-0.pq", records(UNEVEN, token_mean))
+    files, problems = discover([tmp_path])
+    assert files == [] and [(p.path, p.problem) for p in problems] == [
+        (
+            str(tmp_path),
+            "no Parquet files (*.parquet) in this folder (1 file(s) end in .pq or .parq: tokaudit reads *.parquet, "
+            "rename them)",
+        )
+    ]
+
+
 def test_a_folder_of_only_unusable_files_is_not_also_called_empty(tmp_path: Path, monkeypatch: Any) -> None:
     """A folder, named relative to where the command runs, whose one *.parquet is a dangling link: one line,
     the link's, and not also "no Parquet files" for the folder."""
