@@ -10,18 +10,17 @@ from pathlib import Path
 
 from tokaudit.errors import LogFormatError
 from tokaudit._delta import DELTA_LOG, Tables, local_log
-from tokaudit._storage import HIDDEN, hidden_note
+from tokaudit._storage import WRITERS_FOLDERS, hidden, hidden_note
 
 
 def discover(
     paths: Sequence[str | os.PathLike[str]], notes: list[str] | None = None
 ) -> tuple[list[Path], list[LogFormatError]]:
-    """Every *.parquet under the paths, each path taken literally. Below them, names that begin with '.' or '_'
-    are skipped (`storage.HIDDEN`), the second said in `notes`; anything else that cannot be read is one problem line, never a silence:
+    """Every *.parquet under the paths, each path taken literally. Below them, dot-files and the folders writers keep
+    beside their data are skipped (`storage.hidden`), the second said in `notes`; anything else that cannot be read is one problem line, never a silence:
     an unreadable folder, a dangling or looping link, a FIFO, a folder named *.parquet with no part file. Such a
     folder (a Spark-style dataset) is read as its part files. `notes`: where each link that leads out of the
-    folder given is said, with what it is read from (it is read), and what was skipped for a name that begins
-    with '_'."""
+    folder given is said, with what it is read from (it is read), and the writers' folders skipped."""
     # One file reached twice (two paths, a link to it) is read once: keyed by its identity on disk,
     # from the stat that checks it is a file, rather than by resolving every path.
     found: dict[tuple[int, int], Path] = {}
@@ -61,7 +60,7 @@ def _walk(
         problems.append(LogFormatError(str(error.filename or root), f"cannot read this folder ({error.strerror})"))
 
     inside = os.path.realpath(root) + os.sep
-    skipped = 0  # folders and *.parquet files whose names begin with '_'
+    skipped = 0  # the writers' folders (storage.WRITERS_FOLDERS) skipped
     tables = Tables(problems, local_log)  # Delta tables: the files their logs say they hold
     tables.enter_above(str(Path(root).absolute()))
     datasets: dict[str, int] = {}  # folders named *.parquet (Spark-style datasets): the part files under each
@@ -81,11 +80,9 @@ def _walk(
             _note_outside(here, inside, notes)
         if DELTA_LOG in folders:
             tables.enter(here)
-        skipped += sum(f.startswith("_") and f != DELTA_LOG for f in folders) + sum(
-            n.startswith("_") and n.endswith(".parquet") for n in files
-        )
-        folders[:] = sorted(f for f in folders if not f.startswith(HIDDEN))
-        names = tables.kept(here, sorted(n for n in files if not n.startswith(HIDDEN) and n.endswith(".parquet")))
+        skipped += sum(f in WRITERS_FOLDERS and f != DELTA_LOG for f in folders)
+        folders[:] = sorted(f for f in folders if not hidden(f, folder=True))
+        names = tables.kept(here, sorted(n for n in files if not hidden(n, folder=False) and n.endswith(".parquet")))
         if here.endswith(".parquet"):
             datasets.setdefault(here, 0)
         for dataset in datasets:

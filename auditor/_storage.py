@@ -188,24 +188,29 @@ def _first_line(error: BaseException) -> str:
     return (text.splitlines()[0] if text else type(error).__name__)[:240]
 
 
-HIDDEN = (".", "_")
-"""What begins a name the walk skips below the paths given: a killed writer's temporaries (dot-files), and what a
-writer keeps beside its data (Spark's `_temporary/` of uncommitted tasks, `_spark_metadata/`, `_SUCCESS`), as
-Spark, Hadoop and pyarrow's datasets skip them. A Delta table's `_delta_log/` is not audited either: it says which
-files the table holds (`delta.Tables`)."""
+WRITERS_FOLDERS = frozenset({"_temporary", "_spark_metadata", "_impala_insert_staging", DELTA_LOG})
+"""The folders writers keep beside their data, which the walk skips below the paths given, as the writers' own readers
+do: Spark's `_temporary/` of uncommitted tasks and a streaming sink's `_spark_metadata/`, Impala's staging, a Delta
+table's log (which says what files the table holds, `delta.Tables`). Only these: a run whose id begins with '_' is a
+folder of the recorder's, and is read."""
+
+
+def hidden(name: str, folder: bool) -> bool:
+    """A name the walk skips below the paths given: a killed writer's temporaries (dot-files), and WRITERS_FOLDERS."""
+    return name.startswith(".") or folder and name in WRITERS_FOLDERS
 
 
 def hidden_note(root: str, skipped: int) -> str:
-    """What is said of the folders and *.parquet files under `root` skipped for a name that begins with '_'."""
+    """What is said of the WRITERS_FOLDERS under `root` skipped, but Delta's log (`delta.Tables` says its own)."""
     return (
-        f"{root}: {skipped} folder(s) or Parquet file(s) whose name begins with '_' skipped (a writer's own, such as "
-        "Spark's _temporary or _spark_metadata), as Spark and pyarrow skip them"
+        f"{root}: {skipped} folder(s) a writer keeps beside its data skipped (Spark's _temporary of uncommitted "
+        "tasks, _spark_metadata), as Spark and pyarrow skip them"
     )
 
 
 def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None, list[str], list[LogFormatError]]:
     """Every *.parquet under a URL, sorted, as paths in the store; names below it that begin with '.' or '_' skipped
-    as on disk (`HIDDEN`), the second said in `notes`."""
+    as on disk (`hidden`), said in `notes`."""
     import pyarrow.fs as pafs
 
     try:
@@ -233,15 +238,14 @@ def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None
         relative = PurePosixPath(entry.path).relative_to(PurePosixPath(root)) if entry.path != root else None
         if relative is None:
             continue
-        hidden = next((i for i, part in enumerate(relative.parts) if part.startswith(HIDDEN)), None)
-        if hidden is not None:
+        last = len(relative.parts) - 1
+        at = next((i for i, part in enumerate(relative.parts) if hidden(part, folder=i < last)), None)
+        if at is not None:
             path = PurePosixPath(entry.path)
-            if relative.parts[hidden] == DELTA_LOG and hidden == len(relative.parts) - 2:  # a Delta table's log
+            if relative.parts[at] == DELTA_LOG and at == last - 1:  # a Delta table's log
                 logs.setdefault(str(path.parent.parent), []).append(path.name)
-            elif relative.parts[hidden].startswith("_") and (
-                path.suffix == ".parquet" or hidden < len(relative.parts) - 1
-            ):
-                skipped.add(relative.parts[: hidden + 1])  # the outermost such folder or *.parquet, once, as on disk
+            elif relative.parts[at] in WRITERS_FOLDERS - {DELTA_LOG}:
+                skipped.add(relative.parts[: at + 1])  # the outermost such folder, once, as on disk
             continue
         if entry.type == pafs.FileType.File and entry.path.endswith(".parquet"):
             found.append(entry.path)

@@ -97,8 +97,8 @@ def test_a_writer_s_own_prefixes_on_s3_are_skipped_and_said(endpoint: dict[str, 
     assert remote.returncode == local.returncode == 1, remote.stderr
     assert json.loads(remote.stdout) == json.loads(local.stdout)
     assert remote.stderr.splitlines() == [
-        "tokaudit: note: s3://spark/runs: 2 folder(s) or Parquet file(s) whose name begins with '_' skipped (a "
-        "writer's own, such as Spark's _temporary or _spark_metadata), as Spark and pyarrow skip them"
+        "tokaudit: note: s3://spark/runs: 2 folder(s) a writer keeps beside its data skipped (Spark's _temporary of "
+        "uncommitted tasks, _spark_metadata), as Spark and pyarrow skip them"
     ]
 
 

@@ -4,6 +4,7 @@ nothing modified. Good input in any legal shape is accepted."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -702,9 +703,10 @@ def test_a_file_reached_by_several_paths_is_found_once(tmp_path: Path) -> None:
 
 
 def test_what_a_writer_keeps_beside_its_data_is_skipped_and_said(tmp_path: Path) -> None:
-    """Spark's `_temporary/` (an uncommitted task's parts: here the same records with other weights) and Delta's
-    `_spark_metadata/` (a streaming query's own Parquet, not a log) are skipped as Spark and pyarrow skip them, in one note;
-    the report is the one of the data alone. A path given that begins with '_' is read: each path is taken literally."""
+    """Spark's `_temporary/` (an uncommitted task's parts: here the same records with other weights) and
+    `_spark_metadata/` (a streaming sink's own, not a log) are skipped as Spark and pyarrow skip them, in one note; the
+    report is the one of the data alone. Another folder whose name begins with '_' is read (the recorder's folder of a
+    run id `_debug`), and so is a path given: each path is taken literally."""
     good = good_run(tmp_path / "plain" / "run")
     run = tmp_path / "spark" / "run"
     for shard in sorted(good.glob("*.parquet")):
@@ -716,11 +718,14 @@ def test_what_a_writer_keeps_beside_its_data_is_skipped_and_said(tmp_path: Path)
     result = CliRunner().invoke(main, ["check", str(tmp_path / "spark"), "--format", "json"])
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines() == [
-        f"tokaudit: note: {tmp_path / 'spark'}: 2 folder(s) or Parquet file(s) whose name begins with '_' skipped (a "
-        "writer's own, such as Spark's _temporary or _spark_metadata), as Spark and pyarrow skip them"
+        f"tokaudit: note: {tmp_path / 'spark'}: 2 folder(s) a writer keeps beside its data skipped (Spark's _temporary "
+        "of uncommitted tasks, _spark_metadata), as Spark and pyarrow skip them"
     ]
     plain = CliRunner().invoke(main, ["check", str(tmp_path / "plain"), "--format", "json"])
     assert result.stdout == plain.stdout
+    good_run(tmp_path / "spark" / "_debug")
+    runs = json.loads(CliRunner().invoke(main, ["check", str(tmp_path / "spark"), "--format", "json"]).stdout)["runs"]
+    assert sorted(run["run"] for run in runs) == ["_debug", "run"]
     files, problems = discover([run / "_temporary"])
     assert files == [run / "_temporary" / "0" / "part-00000.parquet"] and not problems
 
