@@ -13,7 +13,7 @@ import pandas as pd
 from tokaudit._checks import check_run, one_objective, without_miscounted
 from tokaudit.codes import DEFAULT_RTOL, Code, code_named
 from tokaudit._engine import Duplicates, Spilled, extremes_at, sweep_scratch
-from tokaudit.errors import LogFormatError, UsageError
+from tokaudit.errors import LogFormatError, UsageError, first_line
 from tokaudit._cluster import Cluster
 from tokaudit._loading import Loading
 from tokaudit._opening import Progress, open_log_parts
@@ -314,7 +314,7 @@ class _Extremes:
             except duckdb.Error as error:
                 raise LogFormatError(
                     self._where(),
-                    f"could not be read again for the evidence of step {step} ({str(error).splitlines()[0][:160]})",
+                    f"could not be read again for the evidence of step {step} ({first_line(error)})",
                 ) from None
         table = self.found[step, names]
         match = table[

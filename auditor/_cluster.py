@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
-from tokaudit.errors import UsageError
+from tokaudit.errors import UsageError, first_line
 from tokaudit._loading import BATCH_FILES, Loading, LogSet, inspected_log
 from tokaudit._storage import Store
-from tokaudit._validation import short_error
 
 IN_FLIGHT_PER_CPU = 2
 """Tasks submitted ahead per CPU of the cluster: enough to keep every worker busy, few enough that the parts
@@ -56,7 +55,7 @@ class Cluster:
                 runtime_env={"env_vars": forwarded_environment()},
             )
         except Exception as error:  # Ray raises ConnectionError, RuntimeError or its own for an absent cluster
-            raise UsageError(f"cannot reach the Ray cluster at {address} ({short_error(error)})") from None
+            raise UsageError(f"cannot reach the Ray cluster at {address} ({first_line(error)})") from None
         cluster = cls(ray, address)
         try:
             cluster._check_versions()
@@ -125,7 +124,7 @@ class Cluster:
                     yield self.ray.get(reference)
                 except Exception as error:
                     raise UsageError(
-                        f"the Ray task for {item} failed ({short_error(error).splitlines()[0]}); "
+                        f"the Ray task for {item} failed ({first_line(error)}); "
                         "no verdict was made from a part of the log"
                     ) from None
         finally:

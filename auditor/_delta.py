@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import unquote
 
-from tokaudit.errors import LogFormatError
+from tokaudit.errors import LogFormatError, first_line
 
 
 DELTA_LOG = "_delta_log"
@@ -118,8 +118,7 @@ class Tables:
             self.problems.append(LogFormatError(self.shown(root), error.problem))
             self.tables[root] = (-1, set())
         except Exception as error:  # a damaged commit or checkpoint: bad input, never a traceback
-            text = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
-            self.problems.append(LogFormatError(self.shown(root), f"cannot read its Delta log ({text})"))
+            self.problems.append(LogFormatError(self.shown(root), f"cannot read its Delta log ({first_line(error)})"))
             self.tables[root] = (-1, set())
 
     def enter_above(self, folder: str) -> None:

@@ -14,7 +14,7 @@ from tokaudit._cluster import Cluster
 from tokaudit._engine import Engine, Spilled
 from tokaudit._loading import Loading, LogSet, cores, load, start_loading
 from tokaudit._reader import Shard, inspect_shard
-from tokaudit.errors import LogFormatError, UsageError
+from tokaudit.errors import LogFormatError, UsageError, first_line
 
 
 Progress = Callable[[str], None]
@@ -144,12 +144,12 @@ def _aggregated(
         if not broken and isinstance(error, duckdb.OutOfMemoryException):
             # every file decodes: the limit is too small for this log, which is no file's fault
             raise UsageError(
-                f"DuckDB ran out of memory under its limit ({str(error).splitlines()[0][:200]}); "
+                f"DuckDB ran out of memory under its limit ({first_line(error, 200)}); "
                 "raise TOKAUDIT_MEMORY_LIMIT (default 512MB) or lower TOKAUDIT_CHUNK_ROWS"
             ) from None
         if not broken:
             raise LogFormatError(
-                ", ".join(s.name for s in shards[:3]), f"cannot be aggregated ({str(error).splitlines()[0][:200]})"
+                ", ".join(s.name for s in shards[:3]), f"cannot be aggregated ({first_line(error, 200)})"
             ) from None
         return broken
 
@@ -175,5 +175,5 @@ def _undecodable(shards: list[Shard]) -> dict[object, LogFormatError]:
             for _ in pq.ParquetFile(shard.open()).iter_batches(batch_size=65_536):
                 pass
         except Exception as error:
-            broken[shard.path] = LogFormatError(shard.name, f"corrupt data ({str(error).splitlines()[0][:160]})")
+            broken[shard.path] = LogFormatError(shard.name, f"corrupt data ({first_line(error)})")
     return broken

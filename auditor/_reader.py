@@ -13,14 +13,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from tokaudit.errors import LogFormatError
+from tokaudit.errors import LogFormatError, first_line
 from tokaudit._footers import Footer, FragmentFooter, SchemaFacts, all_names, bounds_of, checked_schema, footer_record
 from tokaudit._footers import footer_stats, local_footer, names_of, range_of, record_stats, row_group_steps
 from tokaudit._footers import run_group_of
 from tokaudit._partitions import PARTITION_COLUMNS, partition_folders, partition_values, run_folder
 from tokaudit._schema import Provenance, read_dropped, read_provenance
 from tokaudit._storage import Store, describe, sized_fragment
-from tokaudit._validation import INT64_MAX, check_values, raise_beyond_int64, short_error
+from tokaudit._validation import INT64_MAX, check_values, raise_beyond_int64
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,10 +192,10 @@ def _read_footer(
         facts, index = _schema_of(parquet, stored, _supplied(path))
     except OSError as error:
         if store is None:
-            raise LogFormatError(name, f"not a readable Parquet file ({short_error(error)})") from None
+            raise LogFormatError(name, f"not a readable Parquet file ({first_line(error)})") from None
         raise LogFormatError(name, describe(error)) from None
     except Exception as error:
-        raise LogFormatError(name, f"not a readable Parquet file ({short_error(error)})") from None
+        raise LogFormatError(name, f"not a readable Parquet file ({first_line(error)})") from None
     if facts.problem is not None:
         raise LogFormatError(name, facts.problem)
     return parquet, stored, facts, index
@@ -231,7 +231,7 @@ def _footer_values(
     except LogFormatError as error:
         raise LogFormatError(name, error.problem) from None
     except Exception as error:
-        raise LogFormatError(name, f"cannot read the file's data ({short_error(error)})") from None
+        raise LogFormatError(name, f"cannot read the file's data ({first_line(error)})") from None
     return record, stats, empty
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from tokaudit.errors import LogFormatError
+from tokaudit.errors import LogFormatError, first_line
 from tokaudit._schema import DESTINATION_KEY
 from tokaudit._storage import is_url, open_url, storage_timeout
 
@@ -36,7 +36,7 @@ def sync_one(path: Path) -> Synced:
         records = pq.read_metadata(path).num_rows
         data = path.read_bytes()
     except Exception as error:
-        raise LogFormatError(str(path), f"cannot be read ({str(error).splitlines()[0][:160]})") from None
+        raise LogFormatError(str(path), f"cannot be read ({first_line(error)})") from None
     destination = metadata.get(DESTINATION_KEY, b"").decode()
     if not destination:
         raise LogFormatError(str(path), "is no spooled shard (its footer names no destination)")
@@ -51,9 +51,7 @@ def sync_one(path: Path) -> Synced:
                 with store.filesystem.open_output_stream(target) as stream:
                     stream.write(data)
         except OSError as error:
-            raise LogFormatError(
-                str(path), f"cannot be written to {base} ({str(error).splitlines()[0][:160]})"
-            ) from None
+            raise LogFormatError(str(path), f"cannot be written to {base} ({first_line(error)})") from None
         written = f"{base.rstrip('/')}/{path.name}" + (f"?{query}" if query else "")
     else:
         folder_path = Path(destination)

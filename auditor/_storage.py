@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePath, PurePosixPath
 from typing import Any
 
-from tokaudit.errors import LogFormatError
+from tokaudit.errors import LogFormatError, first_line
 from tokaudit._delta import DELTA_LOG, Tables
 
 # pyarrow (a fifth of a second to import) is imported where a store is opened: the command line tells a URL
@@ -142,12 +142,12 @@ def _fsspec(url: str, arrow_error: Exception) -> tuple[Any, str]:
         import fsspec
     except ImportError:
         raise LogFormatError(
-            url, f"pyarrow cannot open this URL ({_first_line(arrow_error)}) and fsspec is not installed"
+            url, f"pyarrow cannot open this URL ({first_line(arrow_error, 240)}) and fsspec is not installed"
         ) from None
     try:
         filesystem, path = fsspec.core.url_to_fs(url)
     except Exception as error:
-        raise LogFormatError(url, f"cannot open this URL ({_first_line(error)})") from None
+        raise LogFormatError(url, f"cannot open this URL ({first_line(error, 240)})") from None
     return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem)), str(path)
 
 
@@ -157,7 +157,7 @@ UNREACHABLE = "cannot reach the storage endpoint"
 
 def describe(error: BaseException) -> str:
     """One line for a storage error: what it means first, the SDK's own words after."""
-    text = _first_line(error)
+    text = first_line(error, 240)
     lowered = text.lower()
     if (
         "access_denied" in lowered
@@ -181,11 +181,6 @@ def describe(error: BaseException) -> str:
     else:
         meaning = "cannot be read"
     return f"{meaning}: {text}"
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return (text.splitlines()[0] if text else type(error).__name__)[:240]
 
 
 WRITERS_FOLDERS = frozenset({"_temporary", "_spark_metadata", "_impala_insert_staging", DELTA_LOG})

@@ -179,8 +179,3 @@ def newer_version(version: int) -> str:
         f"schema_version {version} is newer than this tokaudit reads ({SCHEMA_VERSION}); "
         "upgrade tokaudit (pip install -U tokaudit)"
     )
-
-
-def short_error(error: BaseException) -> str:
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return text[:160]

@@ -1,4 +1,5 @@
-"""One error hierarchy: the core raises these, the CLI turns them into exit code 2 and one line."""
+"""One error hierarchy: the core raises these, the CLI turns them into exit code 2 and one line; and how an error
+from below reads inside such a line."""
 
 from __future__ import annotations
 
@@ -18,3 +19,10 @@ class LogFormatError(TokauditError):
 
 class UsageError(TokauditError):
     """The command line asks for something the logs cannot give (an unknown run or step)."""
+
+
+def first_line(error: BaseException, width: int = 160) -> str:
+    """What an error from below (pyarrow, DuckDB, the OS) says, as it reads inside one line of ours: its first line,
+    cut at `width`, or its type where it says nothing."""
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:width]
