@@ -23,7 +23,7 @@ from tokaudit._engine.connection import DEFAULT_MEMORY_LIMIT, connect, half_limi
 from tokaudit._engine.ranges import CHUNK_ROWS, RangesMap, RangeTask, step_ranges
 from tokaudit._engine.columns import UNUSABLE_RECORD
 from tokaudit._engine.sql import COMPLETE_THROUGH_SQL, DUPLICATES_SQL, RANK_WEIGHTS_SQL, RECORDS_AT_SQL
-from tokaudit._engine.sql import GIVEN, absent_values, aliases, given_literal, parquet_scan
+from tokaudit._engine.sql import absent_values, aliases, given, parquet_scan
 from tokaudit._engine.sql import constants, file_order_table, footer_table, one_name_of
 from tokaudit._engine.sql import one_record_form, select_records, sql_string, step_sql, valueless_columns
 from tokaudit._engine.stream import Undecodable, Unsorted, row_groups, streamable, windowed
@@ -201,20 +201,15 @@ class Engine:
             self.connection.unregister(f"{name}_source")
             self.footer_tables.append(name)
             scans.append((held, f"{name} r"))
-        for (signature, given), local in by_schema.items():
-            scan = parquet_scan([self._link(s) for s in local], one_schema=bool(signature))
-            if given:  # what their folders give, from `file_order`: one scan of them all, not one a folder
-                columns = ", ".join(f'o."{GIVEN}{column}" AS "{column}"' for column in given)
-                scan = f"(SELECT r.*, {columns} FROM {scan} JOIN file_order o USING (filename)) r"
-            scans.append((local, scan))
+        for (signature, _), local in by_schema.items():
+            scans.append((local, parquet_scan([self._link(s) for s in local], one_schema=bool(signature))))
         for shard in members:
             if shard.store is not None and shard.record is None:
-                literals = "".join(f', {given_literal(v, column)} AS "{column}"' for column, v in shard.partition)
                 scans.append(
                     (
                         [shard],
                         f"(SELECT *, {sql_string(self._link(shard))} AS filename, "
-                        f"CAST(NULL AS BIGINT) AS file_row_number{literals} FROM {self.remote_views[id(shard)]}) r",
+                        f"CAST(NULL AS BIGINT) AS file_row_number FROM {self.remote_views[id(shard)]}) r",
                     )
                 )
         return scans
@@ -225,12 +220,15 @@ class Engine:
         this one scan instead (a window of a segment read in step order: one schema, one default run)."""
         where = f"WHERE r.step BETWEEN {steps[0]} AND {steps[1]}" if steps else ""
         if scan is not None:
-            return select_records(shards[0].default_run, self._present(shards), scan, where, shards[0].run_override)
+            first = shards[0]
+            return select_records(
+                first.default_run, self._present(shards), given(scan, first), where, first.run_override
+            )
         by_run: dict[tuple[str, bool], list[Shard]] = {}
         for shard in shards:
             by_run.setdefault((shard.default_run, shard.run_override), []).append(shard)
         return " UNION ALL ".join(
-            select_records(default_run, self._present(scanned), scan, where, override)
+            select_records(default_run, self._present(scanned), given(scan, scanned[0]), where, override)
             for (default_run, override), members in by_run.items()
             for scanned, scan in self._scans(members)
         )
@@ -417,12 +415,10 @@ class Engine:
             finally:  # the window goes back before the next is read
                 self.connection.unregister("window_records")
 
-        files = [
-            (str(shard.path), self._link(shard), row_groups(shard, steps), dict(shard.partition)) for shard in shards
-        ]
-        try:
-            given = {column for column, _ in shards[0].partition}
-            return windowed(files, sorted(self._present(shards) - given), self.chunk_rows, aggregated)
+        files = [(str(shard.path), self._link(shard), row_groups(shard, steps)) for shard in shards]
+        try:  # (what their folders give is no column of the files: `sql.given` adds it to the window's records)
+            folders = {column for column, _ in shards[0].partition}
+            return windowed(files, sorted(self._present(shards) - folders), self.chunk_rows, aggregated)
         finally:
             self.defined = None
 

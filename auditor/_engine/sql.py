@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 import re
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -193,9 +192,9 @@ def one_name_of(shards: Sequence[Shard]) -> tuple[str, str, str] | None:
 
 
 def footer_table(shards: Sequence[Shard], filenames: Sequence[str]) -> pa.Table:
-    """The records of one-row shards of one schema and the same columns given by their folders as their footers give
-    them (`Shard.record`), in the columns a scan of their files has: theirs (as `footer_type` holds them), those
-    their folders give, `filename` and `file_row_number` (0, the one row)."""
+    """The records of one-row shards of one schema as their footers give them (`Shard.record`), in the
+    columns a scan of their files has: theirs (as `footer_type` holds them), `filename` and
+    `file_row_number` (0, the one row)."""
     arrays: dict[str, pa.Array] = {}
     for position, (column, arrow_type) in enumerate(shards[0].signature):
         held = footer_type(arrow_type)
@@ -204,9 +203,6 @@ def footer_table(shards: Sequence[Shard], filenames: Sequence[str]) -> pa.Table:
         arrays[column] = (
             pa.array(values, pa.int64()).cast(held) if pa.types.is_timestamp(held) else pa.array(values, held)
         )
-    for position, (column, _) in enumerate(shards[0].partition):  # what their folders give (`Shard.partition`)
-        values = [shard.partition[position][1] for shard in shards]
-        arrays[column] = pa.array(values, COLUMNS_BY_NAME[column].arrow_type)
     arrays["filename"] = pa.array(filenames, pa.string())
     arrays["file_row_number"] = pa.array(np.zeros(len(shards), dtype=np.int64))
     return pa.table(arrays)
@@ -282,11 +278,13 @@ GIVEN = "given_"
 """`file_order`'s columns of the values files' folders give are named so: apart from the records' own."""
 
 
-def given_literal(value: Any, column: str) -> str:
-    """A value a folder gives, as SQL of its column's type."""
-    kind = DUCKDB_TYPES[COLUMNS_BY_NAME[column].kind]
-    text = "NULL" if value is None else sql_string(value) if isinstance(value, str) else str(int(value))
-    return f"CAST({text} AS {kind})"
+def given(scan: str, shard: Shard) -> str:
+    """A scan (as `r`) of files whose folders give columns (`Shard.partition`; every shard of a scan has the same),
+    each record given their values from `file_order` (`file_order_table`): one scan of every folder's files."""
+    if not shard.partition:
+        return scan
+    columns = ", ".join(f'o."{GIVEN}{column}" AS "{column}"' for column, _ in shard.partition)
+    return f"(SELECT r.*, {columns} FROM {scan} JOIN file_order o USING (filename)) r"
 
 
 # One scan: per (objective, step, rank) the rank's tokens and the extremes of its finite weights e, then

@@ -19,7 +19,6 @@ import pyarrow.parquet as pq
 from tokaudit._engine.ranges import CHUNK_STEPS, units
 from tokaudit._engine.tables import Duplicates, add_duplicates
 from tokaudit._reader import Shard
-from tokaudit._schema import COLUMNS_BY_NAME
 
 
 BATCH_ROWS = 262_144
@@ -80,12 +79,8 @@ def row_groups(shard: Shard, steps: tuple[int, int] | None) -> list[int] | None:
 class _File:
     """One file's batches in step order (those of some row groups), and its rows read but not yet in a window."""
 
-    def __init__(
-        self, path: str, name: str, groups: list[int] | None, given: dict[str, Any], columns: list[str], batch_rows: int
-    ) -> None:
+    def __init__(self, path: str, name: str, groups: list[int] | None, columns: list[str], batch_rows: int) -> None:
         self.file = pq.ParquetFile(path, buffer_size=BUFFER_BYTES, pre_buffer=False)
-        self.given = given
-        """The values its folders give (`Shard.partition`), added as columns of each window."""
         every = range(self.file.metadata.num_row_groups)
         self.groups, self.columns, self.batch_rows = list(every if groups is None else groups), columns, batch_rows
         self.batches: Iterator[pa.RecordBatch] = iter(())
@@ -150,31 +145,21 @@ class _File:
         taken = self.pending.slice(0, count).replace_schema_metadata(None)
         numbers = self.numbers[:count]
         self.pending, self.steps, self.numbers = self.pending.slice(count), self.steps[count:], self.numbers[count:]
-        for column, value in self.given.items():
-            taken = taken.append_column(column, _repeated(value, COLUMNS_BY_NAME[column].arrow_type, count))
-        return taken.append_column("filename", _repeated(self.name, pa.string(), count)).append_column(
-            "file_row_number", pa.array(numbers)
-        )
+        # the name as a dictionary of one (DuckDB reads it as VARCHAR): not `count` copies of the string
+        name = pa.DictionaryArray.from_arrays(pa.array(np.zeros(count, dtype=np.int32)), pa.array([self.name]))
+        return taken.append_column("filename", name).append_column("file_row_number", pa.array(numbers))
 
 
-def _repeated(value: Any, arrow_type: pa.DataType, count: int) -> pa.Array:
-    """`count` copies of one value: a dictionary of one (DuckDB reads it as the value's type), not `count` copies."""
-    return pa.DictionaryArray.from_arrays(pa.array(np.zeros(count, dtype=np.int32)), pa.array([value], arrow_type))
-
-
-def windows(
-    files: Sequence[tuple[str, str, list[int] | None, dict[str, Any]]], columns: list[str], rows: int
-) -> Iterator[pa.Table]:
-    """The records of these files ((path, the name DuckDB knows it by, the row groups to read, None: every one, the
-    values its folders give)) in
+def windows(files: Sequence[tuple[str, str, list[int] | None]], columns: list[str], rows: int) -> Iterator[pa.Table]:
+    """The records of these files ((path, the name DuckDB knows it by, the row groups to read, None: every one)) in
     windows of whole steps, in step order, each of about `rows` records (more where one step holds more) and at most
     CHUNK_STEPS steps, every row decoded once. Unsorted where a file's steps go back, Undecodable where pyarrow
     cannot read one, either of which may come after some windows: the caller then sets aside what it made of them."""
     batch_rows = max(4_096, min(BATCH_ROWS, rows // (4 * max(len(files), 1))))
     readers = []
-    for path, name, groups, given in files:
+    for path, name, groups in files:
         try:
-            readers.append(_File(path, name, groups, given, columns, batch_rows))
+            readers.append(_File(path, name, groups, columns, batch_rows))
         except (pa.ArrowException, OSError):
             raise Undecodable(name) from None
     try:
@@ -204,7 +189,7 @@ def windows(
 
 
 def windowed(
-    files: Sequence[tuple[str, str, list[int] | None, dict[str, Any]]],
+    files: Sequence[tuple[str, str, list[int] | None]],
     columns: list[str],
     rows: int,
     aggregated: Callable[[pa.Table], tuple[dict[str, Any], dict[str, Duplicates]]],

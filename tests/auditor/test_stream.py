@@ -29,7 +29,7 @@ def _file(path: Path, steps: list[int], row_group_size: int | None = None) -> Pa
 
 
 def _read(files: list[tuple[str, str, list[int] | None]], rows: int) -> list[pa.Table]:
-    return list(stream.windows([(*file, {}) for file in files], ["step", "value"], rows))
+    return list(stream.windows(files, ["step", "value"], rows))
 
 
 def test_windows_hold_whole_steps_in_order_and_every_row_once_with_its_row_number(
@@ -229,7 +229,7 @@ def test_a_file_whose_footer_gives_no_row_group_s_steps_is_read_whole(tmp_path: 
     assert shard.step_groups and stream.row_groups(shard, (4, 7)) == [1]
     whole = Shard(**{**{f.name: getattr(shard, f.name) for f in dataclasses.fields(shard)}, "step_groups": ()})
     assert stream.row_groups(whole, (0, 11)) is None
-    (window,) = stream.windows([(str(f), "a", stream.row_groups(whole, (0, 11)), {})], ["step"], rows=100)
+    (window,) = stream.windows([(str(f), "a", stream.row_groups(whole, (0, 11)))], ["step"], rows=100)
     assert window.column("step").to_pylist() == window.column("file_row_number").to_pylist() == list(range(12))
 
 
