@@ -7,6 +7,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from typing import Any
 from urllib.parse import unquote
 
@@ -94,6 +95,10 @@ def _relative(root: str, path: str) -> str:
     return inside[at + len(bare) :] if at >= 0 else path
 
 
+REFUSED: tuple[int, frozenset[str]] = (-1, frozenset())
+"""A table none of whose files is read: its log is refused (deletion vectors, column mapping, damaged), one problem."""
+
+
 class Tables:
     """The Delta tables a walk meets (a folder that holds `_delta_log/`), and which of its Parquet files each holds.
     `open_log(root)`: the names in the root's log, and a reader of one of them as bytes and as an Arrow table."""
@@ -105,7 +110,8 @@ class Tables:
         shown: Callable[[str], str] = str,
     ) -> None:
         self.problems, self.open_log, self.shown = problems, open_log, shown
-        self.tables: dict[str, tuple[int, set[str]] | None] = {}
+        self.tables: dict[str, tuple[int, AbstractSet[str]] | None] = {}
+        """Per table's root: (its version, the files it holds), REFUSED, or None where its log cannot be replayed."""
         self.skipped: dict[str, int] = {}
 
     def enter(self, root: str) -> None:
@@ -116,10 +122,10 @@ class Tables:
             self.tables[root] = live_files(root, names, read, read_table)
         except LogFormatError as error:
             self.problems.append(LogFormatError(self.shown(root), error.problem))
-            self.tables[root] = (-1, set())
+            self.tables[root] = REFUSED
         except Exception as error:  # a damaged commit or checkpoint: bad input, never a traceback
             self.problems.append(LogFormatError(self.shown(root), f"cannot read its Delta log ({first_line(error)})"))
-            self.tables[root] = (-1, set())
+            self.tables[root] = REFUSED
 
     def enter_above(self, folder: str) -> None:
         """On disk, the table a folder given lies inside, if any: the nearest folder above it that holds a log."""
@@ -132,12 +138,12 @@ class Tables:
 
     def kept(self, folder: str, names: list[str], separator: str = os.sep) -> list[str]:
         """Those of `names` (files of `folder`) that their table holds; all of them outside any table."""
-        roots = [r for r in self.tables if folder == r or folder.startswith(r + separator)]
-        if not roots or self.tables[max(roots, key=len)] is None:
+        root = max((r for r in self.tables if folder == r or folder.startswith(r + separator)), key=len, default=None)
+        table = None if root is None else self.tables[root]
+        if root is None or table is None:
             return names
-        root = max(roots, key=len)
-        _, live = self.tables[root] or (0, set())
         inside = folder[len(root) + 1 :].replace(separator, "/")
+        live = table[1]
         keep = [name for name in names if (f"{inside}/{name}" if inside else name) in live]
         self.skipped[root] += len(names) - len(keep)
         return keep
@@ -148,7 +154,7 @@ class Tables:
         for root, table in self.tables.items():
             if table is None:
                 said.append(unreplayable_note(self.shown(root)))
-            elif table[0] >= 0 and self.skipped[root]:
+            elif table is not REFUSED and self.skipped[root]:
                 said.append(table_note(self.shown(root), table[0], self.skipped[root]))
         return said
 

@@ -16,11 +16,12 @@ from tokaudit._storage import WRITERS_FOLDERS, hidden, hidden_note
 def discover(
     paths: Sequence[str | os.PathLike[str]], notes: list[str] | None = None
 ) -> tuple[list[Path], list[LogFormatError]]:
-    """Every *.parquet under the paths, each path taken literally. Below them, dot-files and the folders writers keep
-    beside their data are skipped (`storage.hidden`), the second said in `notes`; anything else that cannot be read is one problem line, never a silence:
-    an unreadable folder, a dangling or looping link, a FIFO, a folder named *.parquet with no part file. Such a
-    folder (a Spark-style dataset) is read as its part files. `notes`: where each link that leads out of the
-    folder given is said, with what it is read from (it is read), and the writers' folders skipped."""
+    """Every *.parquet under the paths, each path taken literally (of a Delta table, those it holds: `delta.Tables`).
+    Below them, dot-files and the folders writers keep beside their data are skipped (`storage.hidden`); anything
+    else that cannot be read is one problem line, never a silence: an unreadable folder, a dangling or looping link,
+    a FIFO, a folder named *.parquet with no part file. Such a folder (a Spark-style dataset) is read as its part
+    files. `notes`: where each link that leads out of the folder given is said, with what it is read from (it is
+    read), the writers' folders skipped, and the files a Delta table no longer holds."""
     # One file reached twice (two paths, a link to it) is read once: keyed by its identity on disk,
     # from the stat that checks it is a file, rather than by resolving every path.
     found: dict[tuple[int, int], Path] = {}
@@ -80,7 +81,7 @@ def _walk(
             _note_outside(here, inside, notes)
         if DELTA_LOG in folders:
             tables.enter(here)
-        skipped += sum(f in WRITERS_FOLDERS and f != DELTA_LOG for f in folders)
+        skipped += sum(f in WRITERS_FOLDERS for f in folders)
         folders[:] = sorted(f for f in folders if not hidden(f, folder=True))
         names = tables.kept(here, sorted(n for n in files if not hidden(n, folder=False) and n.endswith(".parquet")))
         if here.endswith(".parquet"):

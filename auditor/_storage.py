@@ -183,20 +183,20 @@ def describe(error: BaseException) -> str:
     return f"{meaning}: {text}"
 
 
-WRITERS_FOLDERS = frozenset({"_temporary", "_spark_metadata", "_impala_insert_staging", DELTA_LOG})
-"""The folders writers keep beside their data, which the walk skips below the paths given, as the writers' own readers
-do: Spark's `_temporary/` of uncommitted tasks and a streaming sink's `_spark_metadata/`, Impala's staging, a Delta
-table's log (which says what files the table holds, `delta.Tables`). Only these: a run whose id begins with '_' is a
-folder of the recorder's, and is read."""
+WRITERS_FOLDERS = frozenset({"_temporary", "_spark_metadata", "_impala_insert_staging"})
+"""The folders writers keep beside their data, which the walk skips below the paths given and says it skipped, as the
+writers' own readers skip them: Spark's `_temporary/` of uncommitted tasks and a streaming sink's `_spark_metadata/`,
+Impala's staging. Only these: a run whose id begins with '_' is a folder of the recorder's, and is read."""
 
 
 def hidden(name: str, folder: bool) -> bool:
-    """A name the walk skips below the paths given: a killed writer's temporaries (dot-files), and WRITERS_FOLDERS."""
-    return name.startswith(".") or folder and name in WRITERS_FOLDERS
+    """A name the walk skips below the paths given: a killed writer's temporaries (dot-files), WRITERS_FOLDERS, and a
+    Delta table's log (which says what files the table holds, `delta.Tables`)."""
+    return name.startswith(".") or folder and (name in WRITERS_FOLDERS or name == DELTA_LOG)
 
 
 def hidden_note(root: str, skipped: int) -> str:
-    """What is said of the WRITERS_FOLDERS under `root` skipped, but Delta's log (`delta.Tables` says its own)."""
+    """What is said of the WRITERS_FOLDERS under `root` skipped."""
     return (
         f"{root}: {skipped} folder(s) a writer keeps beside its data skipped (Spark's _temporary of uncommitted "
         "tasks, _spark_metadata), as Spark and pyarrow skip them"
@@ -204,8 +204,8 @@ def hidden_note(root: str, skipped: int) -> str:
 
 
 def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None, list[str], list[LogFormatError]]:
-    """Every *.parquet under a URL, sorted, as paths in the store; names below it that begin with '.' or '_' skipped
-    as on disk (`hidden`), said in `notes`."""
+    """Every *.parquet under a URL, sorted, as paths in the store (of a Delta table, those it holds); below it, the
+    names the walk on disk skips (`hidden`), the writers' folders said in `notes`."""
     import pyarrow.fs as pafs
 
     try:
@@ -239,7 +239,7 @@ def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None
             path = PurePosixPath(entry.path)
             if relative.parts[at] == DELTA_LOG and at == last - 1:  # a Delta table's log
                 logs.setdefault(str(path.parent.parent), []).append(path.name)
-            elif relative.parts[at] in WRITERS_FOLDERS - {DELTA_LOG}:
+            elif relative.parts[at] in WRITERS_FOLDERS:
                 skipped.add(relative.parts[: at + 1])  # the outermost such folder, once, as on disk
             continue
         if entry.type == pafs.FileType.File and entry.path.endswith(".parquet"):
