@@ -49,12 +49,12 @@ def run_folder(path: PurePath, given: Collection[str]) -> PurePath:
     return folder.parent if folder.name.endswith(".parquet") else folder
 
 
-def partition_values(path: PurePath, present: frozenset[str]) -> dict[str, Any]:
-    """The values the folders give columns of PARTITION_COLUMNS the file lacks (an integer column's as an int, null
+def partition_values(folders: tuple[tuple[str, str], ...], present: frozenset[str]) -> dict[str, Any]:
+    """The values a file's folders (`partition_folders`) give columns of PARTITION_COLUMNS the file lacks (an integer column's as an int, null
     where the folder is NULL_PARTITION; the innermost folder where two name one column). A value that is not of the
     column's kind, or a null where the column is required, raises its problem, naming the folder."""
     values: dict[str, Any] = {}
-    for column, text in partition_folders(path):
+    for column, text in folders:
         if column not in PARTITION_COLUMNS or column in present:
             continue
         if text == NULL_PARTITION:

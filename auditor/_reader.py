@@ -139,10 +139,12 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
     `thorough=False` leaves out what only a full read of grad_divisor and grad_scale shows (NaN):
     `load(..., thorough=False)` callers check those values in their aggregation instead."""
     name = _name(path, store)
-    parquet, stored, facts, index = _read_footer(path, store, name)
+    folders = partition_folders(path)
+    supplied = frozenset(column for column, _ in folders if column in PARTITION_COLUMNS)
+    parquet, stored, facts, index = _read_footer(path, store, name, supplied)
     metadata = parquet.metadata
     try:
-        given = partition_values(path, facts.present)
+        given = partition_values(folders, facts.present)
     except LogFormatError as error:
         raise LogFormatError(name, error.problem) from None
     present = facts.present | given.keys()
@@ -176,11 +178,11 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
 
 
 def _read_footer(
-    path: PurePath, store: Store | None, name: str
+    path: PurePath, store: Store | None, name: str, supplied: frozenset[str]
 ) -> tuple[Footer, dict[bytes, bytes] | None, SchemaFacts, dict[str, int]]:
     """`inspect_shard`'s file opened: its footer, the footer's key-value pairs, what its schema says and each
     column's place in the footer. A file that is no readable Parquet file, or whose schema is refused, raises
-    its problem, named `name`."""
+    its problem, named `name`. `supplied`: the columns its folders may give (`partitions.PARTITION_COLUMNS`)."""
     try:
         if store is None:
             parquet = local_footer(name) or Footer(_open(path, store))
@@ -189,7 +191,7 @@ def _read_footer(
             parquet = FragmentFooter(fragment) if fragment is not None else Footer(_open(path, store))
         metadata = parquet.metadata
         stored = metadata.metadata  # its key-value pairs (made anew at every ask: asked once)
-        facts, index = _schema_of(parquet, stored, _supplied(path))
+        facts, index = _schema_of(parquet, stored, supplied)
     except OSError as error:
         if store is None:
             raise LogFormatError(name, f"not a readable Parquet file ({first_line(error)})") from None
@@ -276,7 +278,7 @@ def _schema_of(
     """What a file's schema says, and each column's place in its footer. Two files whose Parquet schemas
     are equal and whose writers stored the same Arrow schema (ARROW:schema, from which pyarrow takes the
     Arrow types the Parquet ones leave open: a dictionary, a time zone) have the same Arrow schema. `pairs`:
-    the footer's key-value metadata; `supplied`: the columns its folders may give (`_supplied`)."""
+    the footer's key-value metadata; `supplied`: the columns its folders may give."""
     metadata = parquet.metadata
     stored = (pairs or {}).get(b"ARROW:schema")
     if _LAST_FOOTER:
@@ -287,8 +289,3 @@ def _schema_of(
     index = {metadata.schema.column(i).name: i for i in range(metadata.num_columns)}
     _LAST_FOOTER[:] = [(metadata.schema, stored, supplied, facts, index)]
     return facts, index
-
-
-def _supplied(path: PurePath) -> frozenset[str]:
-    """The columns a file's `column=value` folders may give it (`partitions.partition_values`)."""
-    return frozenset(column for column, _ in partition_folders(path) if column in PARTITION_COLUMNS)

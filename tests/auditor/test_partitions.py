@@ -43,7 +43,7 @@ def test_the_runs_of_a_sweep_kept_in_lr_folders_stay_apart(tmp_path: Path) -> No
 
 def test_a_folder_gives_a_value_only_to_a_naming_column_the_file_lacks() -> None:
     path = PurePosixPath("/r/date=2026-12-06/rank=3/step=-2/term=__HIVE_DEFAULT_PARTITION__/group=7/f.parquet")
-    values = partition_values(path, frozenset({"step"}))
+    values = partition_values(partition_folders(path), frozenset({"step"}))
     assert values == {"rank": 3, "term": None, "group": "7"}  # step is the file's; date is no column of the log
     assert isinstance(values["rank"], int) and isinstance(values["group"], str)
 
@@ -51,14 +51,14 @@ def test_a_folder_gives_a_value_only_to_a_naming_column_the_file_lacks() -> None
 @pytest.mark.parametrize("folder", ["rank=x", "rank=1.5", "step=99999999999999999999", "micro="])
 def test_a_folder_whose_value_is_not_an_integer_is_refused_naming_it(folder: str) -> None:
     with pytest.raises(LogFormatError) as raised:
-        partition_values(PurePosixPath(f"/r/{folder}/f.parquet"), frozenset())
+        partition_values(partition_folders(PurePosixPath(f"/r/{folder}/f.parquet")), frozenset())
     column, value = folder.split("=")
     assert raised.value.problem == f"the folder '{folder}' gives '{column}' a value that is not an int64"
 
 
 def test_a_folder_that_gives_a_required_column_a_null_is_refused_naming_it() -> None:
     with pytest.raises(LogFormatError) as raised:
-        partition_values(PurePosixPath("/r/rank=__HIVE_DEFAULT_PARTITION__/f.parquet"), frozenset())
+        partition_values(partition_folders(PurePosixPath("/r/rank=__HIVE_DEFAULT_PARTITION__/f.parquet")), frozenset())
     assert raised.value.problem == (
         "the folder 'rank=__HIVE_DEFAULT_PARTITION__' gives 'rank' a null, and it may hold none"
     )
