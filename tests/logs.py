@@ -107,6 +107,20 @@ def write_by_rank(
     return folder
 
 
+def check_json(*paths: Path) -> tuple[int, dict[str, Any], list[str]]:
+    """`tokaudit check PATHS --format json` as a user runs it: its exit code, its report, its stderr lines (never a
+    traceback)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from tokaudit.cli import main
+
+    result = CliRunner().invoke(main, ["check", *map(str, paths), "--format", "json"])
+    assert "Traceback" not in result.output
+    return result.exit_code, json.loads(result.stdout), result.stderr.splitlines()
+
+
 def audit_rows(tmp_path: Path, rows: list[dict[str, Any]], **kwargs: Any) -> AuditReport:
     """Audit rows written as one shard per rank under tmp_path/run."""
     from tokaudit._auditing import audit

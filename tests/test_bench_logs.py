@@ -3,22 +3,14 @@ times real audits, so its writer must keep up with the log format."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from tests.logs import bench_synthetic
-from tokaudit.cli import main
+from tests.logs import bench_synthetic, check_json
 
 synthetic = bench_synthetic()
 write_log, write_small_shards = synthetic.write_log, synthetic.write_small_shards
-
-
-def report(log: Path) -> tuple[int, dict[str, object]]:
-    result = CliRunner().invoke(main, ["check", str(log), "--format", "json"])
-    return result.exit_code, json.loads(result.stdout)
 
 
 @pytest.mark.parametrize("recorder_columns", [False, True], ids=["plain", "every-recorder-column"])
@@ -42,9 +34,9 @@ def test_a_bench_log_is_correct_and_its_planted_local_means_are_found(tmp_path: 
         recorder_columns=recorder_columns,
         local_mean_every=2,
     )
-    code, correct = report(tmp_path / "correct")
+    code, correct, _ = check_json(tmp_path / "correct")
     assert code == 0 and [run["verdict"] for run in correct["runs"]] == ["correct"], correct  # type: ignore[index]
-    code, planted = report(tmp_path / "planted")
+    code, planted, _ = check_json(tmp_path / "planted")
     (run,) = planted["runs"]  # type: ignore[misc]
     assert code == 1 and run["verdict"] == "incorrect", run
     # planted at every odd step: 1, 3, …, 11
@@ -54,7 +46,7 @@ def test_a_bench_log_is_correct_and_its_planted_local_means_are_found(tmp_path: 
 
 def test_the_bench_one_row_shards_are_read_whole(tmp_path: Path) -> None:
     write_small_shards(tmp_path / "small", 3, 4, recorder_columns=True)
-    code, found = report(tmp_path / "small")
+    code, found, _ = check_json(tmp_path / "small")
     assert found["files"] == len(list((tmp_path / "small").rglob("*.parquet"))), found
     assert code == 0 and [run["verdict"] for run in found["runs"]] == ["correct"], found  # type: ignore[attr-defined]
 
@@ -66,6 +58,6 @@ def test_a_log_written_by_another_tool_gives_the_same_report(tmp_path: Path, wri
     layout."""
     write_log(tmp_path / "recorder", ranks=4, steps=12, micro=2, steps_per_file=5, ranks_per_file=2, local_mean_every=2)
     synthetic.rewrite(tmp_path / "recorder", tmp_path / writer, writer)
-    code, expected = report(tmp_path / "recorder")
-    again, found = report(tmp_path / writer)
+    code, expected, _ = check_json(tmp_path / "recorder")
+    again, found, _ = check_json(tmp_path / writer)
     assert (again, found["runs"], found["findings"]) == (code, expected["runs"], expected["findings"])

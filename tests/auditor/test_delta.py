@@ -10,17 +10,11 @@ import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 
-from tests.logs import UNEVEN_GA, local_mean, records, token_mean, write_by_rank
+from tests.logs import UNEVEN_GA, check_json, local_mean, records, token_mean, write_by_rank
 from tokaudit.cli import main
 from tokaudit._delta import live_files
 
 deltalake = pytest.importorskip("deltalake")
-
-
-def _check(path: Path) -> tuple[int, dict[str, object], list[str]]:
-    result = CliRunner().invoke(main, ["check", str(path), "--format", "json"])
-    assert "Traceback" not in result.output
-    return result.exit_code, json.loads(result.stdout), result.stderr.splitlines()
 
 
 def _history(table: Path) -> None:
@@ -38,22 +32,22 @@ def _history(table: Path) -> None:
 def test_a_delta_table_is_audited_at_its_current_version(tmp_path: Path) -> None:
     _history(tmp_path / "delta" / "run")
     write_by_rank(tmp_path / "plain" / "run", records(UNEVEN_GA, token_mean))
-    code, report, notes = _check(tmp_path / "delta")
-    expected_code, expected, _ = _check(tmp_path / "plain")
+    code, report, notes = check_json(tmp_path / "delta")
+    expected_code, expected, _ = check_json(tmp_path / "plain")
     files = len(list((tmp_path / "delta").rglob("*.parquet")))
     assert (code, report) == (expected_code, dict(expected, files=2)) and code == 0
     assert notes == [
         f"tokaudit: note: {tmp_path / 'delta' / 'run'}: a Delta table at version 3: {files - 3} Parquet file(s) it no "
         "longer holds (replaced by a later commit, or never committed) skipped"
     ]  # (the checkpoint, in the log, is not among them)
-    assert _check(tmp_path / "delta" / "run" / "rank=1")[1]["files"] == 1  # a folder given inside the table
+    assert check_json(tmp_path / "delta" / "run" / "rank=1")[1]["files"] == 1  # a folder given inside the table
 
 
 def test_a_log_that_cannot_be_replayed_leaves_every_file_read_and_says_so(tmp_path: Path) -> None:
     table = tmp_path / "run"
     deltalake.write_deltalake(table, pa.Table.from_pylist(records(UNEVEN_GA, token_mean)), partition_by=["rank"])
     (table / "_delta_log" / "00000000000000000000.json").rename(table / "_delta_log" / "00000000000000000001.json")
-    code, report, notes = _check(tmp_path)
+    code, report, notes = check_json(tmp_path)
     assert code == 0 and report["files"] == 2
     assert notes == [
         f"tokaudit: note: {table}: a Delta table whose log cannot be replayed (a commit is missing): every Parquet "

@@ -3,7 +3,6 @@ folder gives the files under it, and the audit of such a log against the same re
 
 from __future__ import annotations
 
-import json
 from pathlib import Path, PurePosixPath
 
 import pyarrow as pa
@@ -13,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from tests.logs import UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write_by_rank
+from tests.logs import UNEVEN, UNEVEN_GA, check_json, local_mean, records, token_mean, write_by_rank
 from tokaudit.cli import main
 from tokaudit.errors import LogFormatError
 from tokaudit._partitions import partition_folders, partition_values, run_folder
@@ -36,7 +35,7 @@ def test_the_runs_of_a_sweep_kept_in_lr_folders_stay_apart(tmp_path: Path) -> No
     for folder, weights in (("lr=0.001", token_mean), ("lr=0.003", local_mean)):
         table = pa.Table.from_pylist(records(UNEVEN_GA, weights))
         ds.write_dataset(table, tmp_path / folder, format="parquet", partitioning=["rank"], partitioning_flavor="hive")
-    code, report = _report(tmp_path)
+    code, report, _ = check_json(tmp_path)
     assert code == 1
     assert {run["run"]: run["verdict"] for run in report["runs"]} == {"lr=0.001": "correct", "lr=0.003": "incorrect"}
 
@@ -64,12 +63,6 @@ def test_a_folder_that_gives_a_required_column_a_null_is_refused_naming_it() -> 
     )
 
 
-def _report(*paths: Path) -> tuple[int, dict[str, object]]:
-    result = CliRunner().invoke(main, ["check", *map(str, paths), "--format", "json"])
-    assert "Traceback" not in result.output
-    return result.exit_code, json.loads(result.stdout)
-
-
 @pytest.mark.parametrize("writer", ["pyarrow", "pandas"])
 def test_a_partitioned_log_gives_the_report_of_the_same_records_written_a_file_per_rank(
     tmp_path: Path, writer: str
@@ -77,7 +70,7 @@ def test_a_partitioned_log_gives_the_report_of_the_same_records_written_a_file_p
     plain = tmp_path / "plain"
     for name, weights, counts in (("good", token_mean, UNEVEN), ("bad", local_mean, UNEVEN_GA)):
         write_by_rank(plain / name, records(counts, weights))
-    code, expected = _report(plain)
+    code, expected, _ = check_json(plain)
     assert code == 1
     partitioned = tmp_path / "partitioned"
     for run in ("good", "bad"):
@@ -89,7 +82,7 @@ def test_a_partitioned_log_gives_the_report_of_the_same_records_written_a_file_p
                 table, partitioned / run, format="parquet", partitioning=["rank"], partitioning_flavor="hive"
             )
     before = {p: p.read_bytes() for p in partitioned.rglob("*.parquet")}
-    code, report = _report(partitioned)
+    code, report, _ = check_json(partitioned)
     assert code == 1
     assert report == dict(expected, files=len(before))
     assert {run["run"]: run["verdict"] for run in report["runs"]} == {"good": "correct", "bad": "incorrect"}
@@ -104,7 +97,10 @@ def test_a_file_that_holds_the_column_itself_keeps_its_own_values(tmp_path: Path
     misplaced.mkdir(parents=True)
     for index, shard in enumerate(sorted(plain.glob("*.parquet"))):  # every rank's file under rank=0
         (misplaced / f"part-{index}.parquet").write_bytes(shard.read_bytes())
-    (misplaced_run,), (plain_run,) = _report(tmp_path / "misplaced")[1]["runs"], _report(tmp_path / "plain")[1]["runs"]
+    (misplaced_run,), (plain_run,) = (
+        check_json(tmp_path / "misplaced")[1]["runs"],
+        check_json(tmp_path / "plain")[1]["runs"],
+    )
     assert misplaced_run == dict(plain_run, run="rank=0")  # a folder that gave nothing names the run, as any other
 
 
