@@ -13,11 +13,12 @@ __version__ = "0.2.0"
 
 if TYPE_CHECKING:
     from tokaudit._auditing import audit
+    from tokaudit._engine import Aggregating
     from tokaudit._report import AuditReport, Finding, RunSummary
 
     Report = AuditReport
 
-__all__ = ["AuditReport", "Finding", "Report", "RunSummary", "__version__", "audit"]
+__all__ = ["Aggregating", "AuditReport", "Finding", "Report", "RunSummary", "__version__", "audit"]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,6 +27,10 @@ def __getattr__(name: str) -> Any:
         from tokaudit._auditing import audit
 
         return audit
+    if name == "Aggregating":
+        from tokaudit._engine import Aggregating
+
+        return Aggregating
     if name in ("AuditReport", "Report", "Finding", "RunSummary"):
         import tokaudit._report as report
 

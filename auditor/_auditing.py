@@ -42,6 +42,8 @@ def audit(
 ) -> AuditReport:
     """Audit every run under `paths`. Unreadable files become `problems`; the rest is still audited.
 
+    `progress`: told what the audit reads, as a line of text or, while it aggregates, an `Aggregating` (its `done`,
+    0 to 1; `str()` of it, a line) as each step range starts and about five times a second as it runs.
     `live`: the logs are still being written, so steps after the last one every rank has recorded
     are left out instead of being reported as missing ranks. `ignore`: finding codes to leave out.
     `min_ratio`: a weighting finding whose heaviest token weighs less than this many times the

@@ -2,55 +2,53 @@
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
+from tokaudit._engine import Aggregating
+from tokaudit._opening import Progress
 from tokaudit._outputs import stderr
 from tokaudit._render.text import printable
 
 
 @contextmanager
-def reading_progress(quiet: bool) -> Iterator[Callable[[str], None] | None]:
-    """What the audit is reading: on a terminal a transient status line, and one progress bar over the ranges it
-    aggregates ("… (i/n)"); in a pipe or a CI log a few plain lines: the first range, each quarter, the last."""
+def reading_progress(quiet: bool) -> Iterator[Progress | None]:
+    """What the audit is reading: on a terminal a transient status line that becomes one progress bar over the
+    aggregation, moving as DuckDB aggregates each range; in a pipe or a CI log a few plain lines: what it reads,
+    and where there are several ranges the first, the first past each quarter and the last."""
     if quiet:
         yield None
         return
     console = stderr()
     if not console.is_terminal:
 
-        def line(message: str) -> None:
-            done = _RANGE.search(message)
-            if done is None or _quarter_passed(int(done[1]), int(done[2])):
-                console.print(printable(message), style="dim", markup=False)
+        def line(said: str | Aggregating) -> None:
+            if isinstance(said, str):
+                console.print(printable(said), style="dim", markup=False)
+            elif said.started and said.ranges > 1 and _quarter_passed(said.index + 1, said.ranges):
+                console.print(str(said), style="dim", markup=False)
 
         yield line
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress as Bar, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-    with Progress(
+    with Bar(
         TextColumn("{task.description}", style="dim"),
         BarColumn(),
-        MofNCompleteColumn(),
+        TaskProgressColumn(text_format_no_percentage=""),
         TimeElapsedColumn(),
         console=console,
         transient=True,
     ) as bar:
         task = bar.add_task("reading logs", total=None)
 
-        def show(message: str) -> None:
-            done = _RANGE.search(message)
-            if done is None:
-                bar.update(task, description=printable(message))
+        def show(said: str | Aggregating) -> None:
+            if isinstance(said, str):
+                bar.update(task, description=printable(said))
             else:
-                bar.update(task, description="aggregating steps", completed=int(done[1]) - 1, total=int(done[2]))
+                bar.update(task, description=said.what, completed=said.done, total=1.0)
 
         yield show
-
-
-_RANGE = re.compile(r"\((\d+)/(\d+)\)$")
-"""The engine's "aggregating steps a–b (i/n)": range i of n."""
 
 
 def _quarter_passed(index: int, total: int) -> bool:

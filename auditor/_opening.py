@@ -11,13 +11,14 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from tokaudit._cluster import Cluster
-from tokaudit._engine import Engine, Spilled
+from tokaudit._engine import Aggregating, Engine, Spilled
 from tokaudit._loading import Loading, LogSet, cores, load, start_loading
 from tokaudit._reader import Shard, inspect_shard
 from tokaudit.errors import LogFormatError, UsageError, first_line
 
 
-Progress = Callable[[str], None]
+Progress = Callable[[str | Aggregating], None]
+"""What is told what the audit is doing: a line of text, or where the aggregation is."""
 
 PROGRESS_ROWS = 1_000_000
 """Logs larger than this say on stderr what is being read."""

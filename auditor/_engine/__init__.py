@@ -2,7 +2,7 @@
 
 `columns` declares what a step row is; `sql` writes the query of each log shape from it; `ranges` cuts a large
 log into step ranges; `stream` reads a segment no range may cut in windows of whole steps; `tables` joins the
-ranges' arrays; `evidence` aggregates one step again for a finding's evidence.
+ranges' arrays; `evidence` aggregates one step again for a finding's evidence; `watch` says how far it is.
 """
 
 from tokaudit._engine.columns import EVIDENCE, STEP_COLUMNS
@@ -11,8 +11,10 @@ from tokaudit._engine.database import Engine, aggregate_range
 from tokaudit._engine.ranges import CHUNK_ROWS, RangeTask, step_ranges
 from tokaudit._engine.sql import step_sql
 from tokaudit._engine.tables import Duplicates, Spilled, one_value, sweep_scratch
+from tokaudit._engine.watch import Aggregating
 
 __all__ = [
+    "Aggregating",
     "aggregate_range",
     "CHUNK_ROWS",
     "Duplicates",

@@ -9,7 +9,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import pandas as pd
 import pyarrow as pa
 
 from tokaudit._engine.connection import DEFAULT_MEMORY_LIMIT, connect, half_limit, settings_from_environment
-from tokaudit._engine.ranges import CHUNK_ROWS, RangesMap, RangeTask, step_ranges
+from tokaudit._engine.ranges import CHUNK_ROWS, RangesMap, RangeTask, range_rows, step_ranges
 from tokaudit._engine.columns import UNUSABLE_RECORD
 from tokaudit._engine.sql import COMPLETE_THROUGH_SQL, DUPLICATES_SQL, RANK_WEIGHTS_SQL, RECORDS_AT_SQL
 from tokaudit._engine.sql import absent_values, aliases, given, parquet_scan
@@ -29,6 +29,7 @@ from tokaudit._engine.sql import one_record_form, select_records, sql_string, st
 from tokaudit._engine.stream import Undecodable, Unsorted, row_groups, streamable, windowed
 from tokaudit._engine.tables import FILES_NAMED, SPILL_STEPS, Duplicates, Spilled, add_duplicates, finished
 from tokaudit._engine.tables import note_precision, scratch_folder, join_columns, reorder
+from tokaudit._engine.watch import Aggregating, Told, Watch, shares, watching
 from tokaudit._reader import Shard
 from tokaudit._storage import object_dataset
 
@@ -79,6 +80,8 @@ class Engine:
     ranges_map: RangesMap | None = None
     """Where the step ranges are aggregated: an ordered map that runs `aggregate_range` on each (a cluster's,
     `tokaudit._cluster`); None: in this process, on this engine's connection."""
+    watch: Watch | None = None
+    """What says how far the range being aggregated is (`step_parts` with progress)."""
     last_query: str = ""
     """The step query run last (`step_sql`): what a test compares with the documented one."""
     links: Path | None = None
@@ -107,7 +110,7 @@ class Engine:
             {"memory_limit": memory_limit, "temp_directory": tempfile.gettempdir(), "preserve_insertion_order": False}
         )
         try:
-            connection.execute("SET enable_progress_bar = false")
+            connection.execute("SET enable_progress_bar = false; SET enable_progress_bar_print = false")
             if threads:
                 connection.execute(f"SET threads = {int(threads)}")
             count = (
@@ -161,15 +164,13 @@ class Engine:
             self.link_names[id(shard)] = name
 
     def _order_files(self) -> None:
-        """The table `file_order` (`file_order_table`): each file's place in the order of publication, and what its
-        folders give."""
+        """The table `file_order` (`file_order_table`): each file's place in the order of publication, its folders' values."""
         self.connection.register("file_order_source", file_order_table(self.shards, self.link_names))
         self.connection.execute("CREATE TEMP TABLE file_order AS SELECT * FROM file_order_source")
         self.connection.unregister("file_order_source")
 
     def _whole(self) -> None:
-        """The views over every shard (deduplicated when `step_table` found repeated keys): what the
-        per-step queries read."""
+        """The views over every shard (deduplicated where `step_table` found repeated keys): what per-step queries read."""
         self._define(self.shards, self.only_steps, deduplicate=bool(self.duplicates))
 
     def _link(self, shard: Shard) -> str:
@@ -285,7 +286,7 @@ class Engine:
             found[str(run)] = Duplicates(*counts, named, bool(identical), bool(same_time))
         return found
 
-    def step_table(self, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
+    def step_table(self, progress: Told | None = None) -> pd.DataFrame:
         """One row per (run, grp, term, step) with everything the checks need (see `step_sql`).
 
         Large logs are aggregated a step range at a time, so that one range's aggregation is in DuckDB at
@@ -296,20 +297,22 @@ class Engine:
         assert isinstance(table, pd.DataFrame)
         return table
 
-    def step_parts(self, progress: Callable[[str], None] | None = None, spill: bool = False) -> pd.DataFrame | Spilled:
-        """`step_table`, or with `spill` and more than SPILL_STEPS steps, the table kept on disk a range at
-        a time (`Spilled`, which the caller closes): what is held is then one range, whatever the number
-        of steps."""
+    def step_parts(self, progress: Told | None = None, spill: bool = False) -> pd.DataFrame | Spilled:
+        """`step_table`, or with `spill` and more than SPILL_STEPS steps, the table kept on disk a range at a time
+        (`Spilled`, which the caller closes): what is held is then one range, whatever the number of steps.
+        `progress` is told each range as it starts and how far it is as it runs (`watch.watching`)."""
         columns: dict[str, list[Any]] = {}
         spilled: Spilled | None = None
         held = 0
         chunks = step_ranges(self.shards, self.chunk_rows, self.only_steps, self.threads)
         tables = self._range_tables(chunks)
         try:
+            parts = shares([range_rows(steps, members) for steps, members in chunks])
             for index, (steps, _) in enumerate(chunks):
-                if progress and len(chunks) > 1 and steps:
-                    progress(f"aggregating steps {steps[0]}–{steps[1]} ({index + 1}/{len(chunks)})")
-                pieces, found = next(tables)
+                at = Aggregating(index, len(chunks), steps, *parts[index])
+                with watching(self.connection, progress, at) as self.watch:
+                    pieces, found = next(tables)
+                self.watch = None
                 add_duplicates(self.duplicates, found)
                 while pieces:  # a range's tables in step order: one, or a window's each (`_windowed`)
                     table = pieces.pop(0)
@@ -407,8 +410,13 @@ class Engine:
     ) -> tuple[list[dict[str, Any]], dict[str, Duplicates]]:
         """A segment read once in windows of whole steps (`stream.windowed`), each aggregated by the query as the
         records of the range."""
+        rows, read = max(range_rows(steps, shards), 1), 0
 
         def aggregated(window: pa.Table) -> tuple[dict[str, Any], dict[str, Duplicates]]:
+            nonlocal read
+            if self.watch is not None:  # the window's share of the range's records
+                self.watch.covering(read / rows, window.num_rows / rows)
+            read += window.num_rows
             self.connection.register("window_records", window)
             try:
                 return self._queried(steps, shards, scan="window_records r")

@@ -82,6 +82,14 @@ def units(shard: Shard) -> tuple[tuple[int, int, int], ...]:
     return shard.step_groups or ((*shard.step_range, shard.rows),)
 
 
+def range_rows(steps: tuple[int, int] | None, shards: Sequence[Shard]) -> int:
+    """The records a range of `step_ranges` holds: its shards' units that overlap its steps (a range cuts none but
+    where `only_steps` clipped it)."""
+    if steps is None:
+        return sum(shard.rows for shard in shards)
+    return sum(rows for shard in shards for first, last, rows in units(shard) if first <= steps[1] and steps[0] <= last)
+
+
 def _steps(first: int, last: int, rows: int) -> int:
     """Steps a range can hold: its span, and at most one a row whatever the numbering."""
     return min(last - first + 1, rows)
