@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from tokaudit._engine import Aggregating
-from tokaudit._opening import Progress
 from tokaudit._outputs import stderr
 from tokaudit._render.text import printable
+
+if TYPE_CHECKING:  # (the engine's modules import DuckDB and pandas: a command starts its footer workers first)
+    from tokaudit._engine import Aggregating
+    from tokaudit._opening import Progress
 
 
 @contextmanager

@@ -366,6 +366,29 @@ def keep_large_blocks() -> bool:
         return False
 
 
+def _in_fresh_processes(processes: int, steps: int, keep_heap: bool, as_json: bool) -> None:
+    """The loops in fresh processes: each ratio, then their mean and standard error."""
+    try:
+        summary = in_processes(processes, steps, keep_heap)
+    except RuntimeError as error:
+        raise SystemExit(f"overhead.py: {error}") from None
+    if as_json:
+        print(json.dumps(summary))
+        return
+    for run in summary["runs"]:
+        print(
+            f"process: recorded/plain {run['ratio']:.4f}, control/plain {run['control_ratio']:.4f}, "
+            f"recorded/both {run['ratio_to_both']:.4f} (plain {run['plain_ms']:.1f} ms; {faults_line(run)})"
+        )
+    (ratio, ratio_error), (control, control_error) = summary["ratio"], summary["control_ratio"]
+    both, both_error = summary["ratio_to_both"]
+    print(
+        f"mean of {processes} processes: recorded/plain {ratio:.4f} ± {ratio_error:.4f}, "
+        f"control/plain {control:.4f} ± {control_error:.4f}, recorded/both plain loops {both:.4f} ± "
+        f"{both_error:.4f} (± one standard error)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=150, help="steps per loop")
@@ -386,25 +409,7 @@ def main() -> None:
     if args.processes:
         if args.processes < 2:
             parser.error("--processes takes 2 or more (a standard error needs two runs)")
-        try:
-            summary = in_processes(args.processes, args.steps, args.keep_heap)
-        except RuntimeError as error:
-            raise SystemExit(f"overhead.py: {error}") from None
-        if args.json:
-            print(json.dumps(summary))
-            return
-        for run in summary["runs"]:
-            print(
-                f"process: recorded/plain {run['ratio']:.4f}, control/plain {run['control_ratio']:.4f}, "
-                f"recorded/both {run['ratio_to_both']:.4f} (plain {run['plain_ms']:.1f} ms; {faults_line(run)})"
-            )
-        (ratio, ratio_error), (control, control_error) = summary["ratio"], summary["control_ratio"]
-        both, both_error = summary["ratio_to_both"]
-        print(
-            f"mean of {args.processes} processes: recorded/plain {ratio:.4f} ± {ratio_error:.4f}, "
-            f"control/plain {control:.4f} ± {control_error:.4f}, recorded/both plain loops {both:.4f} ± "
-            f"{both_error:.4f} (± one standard error)"
-        )
+        _in_fresh_processes(args.processes, args.steps, args.keep_heap, args.json)
         return
     if args.keep_heap:
         # Under glibc's defaults this CPU step maps and unmaps its activations: 6,000–8,000 page faults a

@@ -184,7 +184,7 @@ def _compile_audit_imports() -> None:
     subprocess.run([sys.executable, "-m", "compileall", "-q", *sorted(set(found.stdout.splitlines()))], check=True)
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=float, default=1e7, help="rows of the synthetic log (1e7 or 1e8)")
     parser.add_argument("--out", type=Path, default=HERE / "out", help="where synthetic logs are kept")
@@ -198,40 +198,42 @@ def main() -> None:
     )
     parser.add_argument("--process-steps", type=int, default=60, help="steps per loop in each of those processes")
     parser.add_argument("--repeat", type=int, default=2, help="runs of each audit, alternated (the best time counts)")
-    args = parser.parse_args()
-    rows: list[tuple[str, str]] = []
-    if not args.skip_overhead:
-        sys.path.insert(0, str(HERE))
-        import torch
-        from overhead import in_loop_line, measure, parts, parts_per_step
+    return parser.parse_args()
 
-        torch.set_num_threads(2)
-        result = measure(args.steps)
-        cost = parts()
-        per_step, ratio = parts_per_step(cost, result["plain_ms"])
-        rows += [
-            ("recorder: median step, plain", f"{result['plain_ms']:.1f} ms"),
-            ("recorder: median step, Recorder + probe", f"{result['recorded_ms']:.1f} ms"),
-            ("recorder: step-time ratio", _ratio(result)),
-            ("recorder: its calls, timed in the loop", in_loop_line(result).removeprefix("in the loop, ")),
-            ("recorder: ratio with shard flushes amortized", f"{result['ratio_with_flush']:.4f}"),
-            *_in_processes(args.processes, args.process_steps),
-            *_kept_heap(args.steps),
-            (
-                "recorder: parts per microbatch, timed alone",
-                ", ".join(f"{name[:-3].replace('_', ' ')} {value:.0f} µs" for name, value in cost.items()),
-            ),
-            ("recorder: parts per step, as a ratio", f"{per_step:.2f} ms, {ratio:.4f}"),
-        ]
+
+def _recorder_rows(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The recorder's cost in a training loop (`overhead.py`)."""
     sys.path.insert(0, str(HERE))
-    from synthetic import WRITERS, rewrite, write_log, write_small_shards
+    import torch
+    from overhead import in_loop_line, measure, parts, parts_per_step
 
-    _compile_audit_imports()
+    torch.set_num_threads(2)
+    result = measure(args.steps)
+    cost = parts()
+    per_step, ratio = parts_per_step(cost, result["plain_ms"])
+    return [
+        ("recorder: median step, plain", f"{result['plain_ms']:.1f} ms"),
+        ("recorder: median step, Recorder + probe", f"{result['recorded_ms']:.1f} ms"),
+        ("recorder: step-time ratio", _ratio(result)),
+        ("recorder: its calls, timed in the loop", in_loop_line(result).removeprefix("in the loop, ")),
+        ("recorder: ratio with shard flushes amortized", f"{result['ratio_with_flush']:.4f}"),
+        *_in_processes(args.processes, args.process_steps),
+        *_kept_heap(args.steps),
+        (
+            "recorder: parts per microbatch, timed alone",
+            ", ".join(f"{name[:-3].replace('_', ' ')} {value:.0f} µs" for name, value in cost.items()),
+        ),
+        ("recorder: parts per step, as a ratio", f"{per_step:.2f} ms, {ratio:.4f}"),
+    ]
 
-    # (label, ranks, micro, steps per file, ranks per file, every recorder column, folder suffix): the
-    # recorder's layout (one shard per rank, 4,096 records), then compacted logs (few large files, each of
-    # many steps and every rank, as compaction or a writer with a large flush_every leaves them); half the
-    # steps rank-local means, planted.
+
+def _layout_rows(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The synthetic logs in tokaudit's own layouts: the recorder's (one shard per rank, 4,096 records), then
+    compacted logs (few large files, each of many steps and every rank, as compaction or a writer with a large
+    flush_every leaves them); half the steps rank-local means, planted."""
+    from synthetic import write_log
+
+    # (label, ranks, micro, steps per file, ranks per file, every recorder column, folder suffix)
     layouts = [
         ("64 ranks × 4 micro", 64, 4, 1024, 1, False, ""),
         ("8 ranks × 1 micro", 8, 1, 4096, 1, False, ""),
@@ -244,6 +246,7 @@ def main() -> None:
             ("1,024 ranks × 4 micro", 1024, 4, 1024, 1, False, ""),
             ("8 ranks × 1 micro", 8, 1, 4096, 1, False, ""),
         ]
+    rows: list[tuple[str, str]] = []
     for label, ranks, micro, steps_per_file, ranks_per_file, recorder, suffix in layouts:
         steps = int(args.rows) // (ranks * micro)
         log = args.out / f"synthetic-{ranks}x{steps}x{micro}{suffix}"
@@ -251,14 +254,7 @@ def main() -> None:
         once(
             log,
             lambda path: write_log(
-                path,
-                ranks,
-                steps,
-                micro,
-                steps_per_file=steps_per_file,
-                ranks_per_file=ranks_per_file,
-                local_mean_every=2,
-                recorder_columns=recorder,
+                path, ranks, steps, micro, steps_per_file, ranks_per_file, local_mean_every=2, recorder_columns=recorder
             ),
         )
         rows += _compare(
@@ -267,7 +263,14 @@ def main() -> None:
             naive=ranks * steps * micro <= 2e7 and not suffix,
             repeat=args.repeat,
         )
-    # The same 64 × 4 log as other tools leave it (`synthetic.rewrite`), without tokaudit's metadata.
+    return rows
+
+
+def _writer_rows(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The same logs as other tools leave them (`synthetic.rewrite`), without tokaudit's metadata."""
+    from synthetic import WRITERS, rewrite
+
+    rows: list[tuple[str, str]] = []
     if args.rows < 1e8:
         steps = int(args.rows) // 256
         source = args.out / f"synthetic-64x{steps}x4"
@@ -291,12 +294,29 @@ def main() -> None:
         repeat=args.repeat,
     )
     rows.append(("  8 × 1 pyarrow: bytes decoded ÷ bytes in the log", decoded_share(log)))
+    return rows
+
+
+def _small_rows(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """10,000 one-row shards, with the bench's columns and with every column the recorder writes."""
+    from synthetic import write_small_shards
+
     small = once(args.out / "small-10000", lambda path: write_small_shards(path, 100, 100))
-    rows += _compare("10,000 one-row shards", small, naive=False, repeat=args.repeat)
     recorded = once(
         args.out / "small-10000-recorder", lambda path: write_small_shards(path, 100, 100, recorder_columns=True)
     )
-    rows += _compare("10,000 one-row shards, the recorder's 23 columns", recorded, naive=False, repeat=args.repeat)
+    return [
+        *_compare("10,000 one-row shards", small, naive=False, repeat=args.repeat),
+        *_compare("10,000 one-row shards, the recorder's 23 columns", recorded, naive=False, repeat=args.repeat),
+    ]
+
+
+def main() -> None:
+    args = _arguments()
+    rows = [] if args.skip_overhead else _recorder_rows(args)
+    sys.path.insert(0, str(HERE))
+    _compile_audit_imports()
+    rows += _layout_rows(args) + _writer_rows(args) + _small_rows(args)
     width = max(len(name) for name, _ in rows)
     print(f"{'benchmark':<{width}}  figure")
     print(f"{'-' * width}  ------")

@@ -15,6 +15,24 @@ import pyarrow.parquet as pq
 from tokaudit._schema import WRITER_SCHEMA
 
 
+_BENCH_COLUMNS = (
+    "step",
+    "micro",
+    "rank",
+    "world_size",
+    "loss_sum",
+    "valid_tokens",
+    "backward_scalar",
+    "run_id",
+    "group",
+    "grad_divisor",
+    "grad_scale",
+    "positions",
+    "sync",
+)
+"""The 13 columns a bench log holds (the recorder writes 23)."""
+
+
 def write_log(
     out: Path,
     ranks: int,
@@ -33,88 +51,82 @@ def write_log(
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     rows = 0
-    names = [
-        "step",
-        "micro",
-        "rank",
-        "world_size",
-        "loss_sum",
-        "valid_tokens",
-        "backward_scalar",
-        "run_id",
-        "group",
-        "grad_divisor",
-        "grad_scale",
-        "positions",
-        "sync",
-    ]
-    schema = WRITER_SCHEMA if recorder_columns else pa.schema([WRITER_SCHEMA.field(n) for n in names])
-    start = datetime.datetime(2026, 11, 30, tzinfo=datetime.timezone.utc)
+    schema = WRITER_SCHEMA if recorder_columns else pa.schema([WRITER_SCHEMA.field(n) for n in _BENCH_COLUMNS])
     for first in range(0, steps, steps_per_file):
         chunk = min(steps_per_file, steps - first)
         counts = rng.integers(0, 513, size=(chunk, ranks, micro))
-        step_tokens = counts.sum(axis=(1, 2))  # N per step
         losses = counts * rng.uniform(1.5, 3.5, size=counts.shape)
         for block in range(0, ranks, ranks_per_file):
             r = slice(block, min(block + ranks_per_file, ranks))
-            n = counts[:, r, :]
-            shape = n.shape
-            step = np.broadcast_to((first + np.arange(chunk))[:, None, None], shape)
-            rank = np.broadcast_to(np.arange(r.start, r.stop)[None, :, None], shape)
-            micro_index = np.broadcast_to(np.arange(micro)[None, None, :], shape)
-            loss = losses[:, r, :]
-            scalar = ranks * loss / np.maximum(step_tokens, 1)[:, None, None]  # W·S/N
-            if local_mean_every:
-                # every other step a rank-local mean S_r/n_r: a mistake planted in known steps
-                planted = (first + np.arange(chunk)) % local_mean_every == 1
-                rank_tokens = np.broadcast_to(n.sum(axis=2, keepdims=True), shape)
-                scalar = np.where(planted[:, None, None], loss / np.maximum(rank_tokens, 1), scalar)
-            size = n.size
-            columns = {
-                "step": pa.array(step.ravel(), pa.int64()),
-                "micro": pa.array(micro_index.ravel(), pa.int32()),
-                "rank": pa.array(rank.ravel(), pa.int32()),
-                "world_size": pa.array(np.full(size, ranks), pa.int32()),
-                "loss_sum": pa.array(loss.ravel()),
-                "valid_tokens": pa.array(n.ravel(), pa.int64()),
-                "backward_scalar": pa.array(scalar.ravel()),
-                "run_id": pa.array(["synthetic"] * size),
-                "group": pa.array(["0"] * size),
-                "grad_divisor": pa.array(np.full(size, float(ranks))),
-                "grad_scale": pa.array(np.ones(size)),
-                "positions": pa.array(np.full(size, 512), pa.int64()),
-                "sync": pa.array(micro_index.ravel() == micro - 1),
-            }
+            columns = _block_columns(first, counts, losses, r, local_mean_every)
             if recorder_columns:
-                # ∂b/∂ℓᵢ = b/S on each valid token of a mean loss; no loss scaler (g NULL); the step's mean loss
-                valid = n.ravel() > 0
-                weight = np.where(valid, scalar.ravel() / np.where(valid, loss.ravel(), 1.0), 0.0)
-                reported = np.broadcast_to(
-                    (losses.sum(axis=(1, 2)) / np.maximum(step_tokens, 1))[:, None, None], shape
-                ).ravel()
-                columns.update(
-                    {
-                        "term": pa.array(["0"] * size),
-                        "divisor_known": pa.array(np.ones(size, dtype=bool)),
-                        "grad_scale": pa.nulls(size, pa.float64()),
-                        "token_weight_sum": pa.array(weight * n.ravel()),
-                        "token_weight_min": pa.array(weight, mask=~valid),
-                        "token_weight_max": pa.array(weight, mask=~valid),
-                        "masked_weight_abs_sum": pa.array(np.zeros(size)),
-                        "reported_loss": pa.array(reported),
-                        "skipped": pa.nulls(size, pa.bool_()),
-                        "time": pa.array(
-                            np.full(size, int(start.timestamp() * 1e6) + first), pa.timestamp("us", tz="UTC")
-                        ),
-                        "schema_version": pa.array(np.ones(size, dtype=np.int32)),
-                        # a float32 model's S and b: 24 significant bits
-                        "precision_bits": pa.array(np.full(size, 24, dtype=np.int8)),
-                    }
-                )
+                columns.update(_recorder_columns(first, counts, losses, r, columns))
             table = pa.table(columns, schema=schema)
             pq.write_table(table, out / f"chunk-{first:07d}-ranks-{r.start:05d}.parquet", row_group_size=65536)
-            rows += size
+            rows += len(table)
     return rows
+
+
+def _block_columns(
+    first: int, counts: np.ndarray, losses: np.ndarray, r: slice, local_mean_every: int
+) -> dict[str, pa.Array]:
+    """The bench's columns of ranks `r` in a chunk of steps from `first` (counts and losses [step, rank, micro]):
+    b = W·S/N, the token mean, but in the steps planted with a rank-local mean S_r/n_r."""
+    chunk, ranks, micro = counts.shape
+    n, loss = counts[:, r, :], losses[:, r, :]
+    shape, size = n.shape, n.size
+    step_tokens = counts.sum(axis=(1, 2))  # N per step
+    micro_index = np.broadcast_to(np.arange(micro)[None, None, :], shape)
+    scalar = ranks * loss / np.maximum(step_tokens, 1)[:, None, None]  # W·S/N
+    if local_mean_every:
+        # every other step a rank-local mean S_r/n_r: a mistake planted in known steps
+        planted = (first + np.arange(chunk)) % local_mean_every == 1
+        rank_tokens = np.broadcast_to(n.sum(axis=2, keepdims=True), shape)
+        scalar = np.where(planted[:, None, None], loss / np.maximum(rank_tokens, 1), scalar)
+    return {
+        "step": pa.array(np.broadcast_to((first + np.arange(chunk))[:, None, None], shape).ravel(), pa.int64()),
+        "micro": pa.array(micro_index.ravel(), pa.int32()),
+        "rank": pa.array(np.broadcast_to(np.arange(r.start, r.stop)[None, :, None], shape).ravel(), pa.int32()),
+        "world_size": pa.array(np.full(size, ranks), pa.int32()),
+        "loss_sum": pa.array(loss.ravel()),
+        "valid_tokens": pa.array(n.ravel(), pa.int64()),
+        "backward_scalar": pa.array(scalar.ravel()),
+        "run_id": pa.array(["synthetic"] * size),
+        "group": pa.array(["0"] * size),
+        "grad_divisor": pa.array(np.full(size, float(ranks))),
+        "grad_scale": pa.array(np.ones(size)),
+        "positions": pa.array(np.full(size, 512), pa.int64()),
+        "sync": pa.array(micro_index.ravel() == micro - 1),
+    }
+
+
+def _recorder_columns(
+    first: int, counts: np.ndarray, losses: np.ndarray, r: slice, columns: dict[str, pa.Array]
+) -> dict[str, pa.Array]:
+    """The recorder's other columns for those records: ∂b/∂ℓᵢ = b/S on each valid token of a mean loss; no loss
+    scaler (g NULL); the step's mean loss reported."""
+    n = counts[:, r, :]
+    size = n.size
+    loss, scalar = losses[:, r, :].ravel(), columns["backward_scalar"].to_numpy()
+    valid = n.ravel() > 0
+    weight = np.where(valid, scalar / np.where(valid, loss, 1.0), 0.0)
+    step_mean = losses.sum(axis=(1, 2)) / np.maximum(counts.sum(axis=(1, 2)), 1)
+    start = datetime.datetime(2026, 11, 30, tzinfo=datetime.timezone.utc)
+    return {
+        "term": pa.array(["0"] * size),
+        "divisor_known": pa.array(np.ones(size, dtype=bool)),
+        "grad_scale": pa.nulls(size, pa.float64()),
+        "token_weight_sum": pa.array(weight * n.ravel()),
+        "token_weight_min": pa.array(weight, mask=~valid),
+        "token_weight_max": pa.array(weight, mask=~valid),
+        "masked_weight_abs_sum": pa.array(np.zeros(size)),
+        "reported_loss": pa.array(np.broadcast_to(step_mean[:, None, None], n.shape).ravel()),
+        "skipped": pa.nulls(size, pa.bool_()),
+        "time": pa.array(np.full(size, int(start.timestamp() * 1e6) + first), pa.timestamp("us", tz="UTC")),
+        "schema_version": pa.array(np.ones(size, dtype=np.int32)),
+        # a float32 model's S and b: 24 significant bits
+        "precision_bits": pa.array(np.full(size, 24, dtype=np.int8)),
+    }
 
 
 WRITERS = ("pandas", "pyarrow", "250k-steps", "spark", "spark-by-rank", "one-file")
