@@ -10,7 +10,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from tokaudit._checks import check_run, one_objective, without_miscounted
+from tokaudit._checks import check_run, one_objective, with_other_ranks, without_miscounted
 from tokaudit.codes import DEFAULT_RTOL, Code, code_named
 from tokaudit._engine import Duplicates, Spilled, extremes_at, sweep_scratch
 from tokaudit.errors import LogFormatError, UsageError, first_line
@@ -226,6 +226,7 @@ class _RunJudge:
             findings.extend(run_findings)
             if summary is not None:
                 summaries.append(summary)
+        findings = with_other_ranks(findings)
         findings.sort(
             key=lambda f: (-f.severity.rank, f.run, f.term != UNNAMED, f.term, _CODE_ORDER[f.code], f.steps.first)
         )

@@ -149,7 +149,8 @@ def run_summary(
     # steps) nor a Python float per step. Parts hold disjoint ranges of steps: distinct steps add up.
     weights = _Weights()
     rows = steps = skipped_steps = reported = 0
-    ranks, microbatches = -1, -math.inf
+    ranks = _Ranks()
+    microbatches = -math.inf
     divisors: set[float] = set()
     sizes: set[int] = set()
     for part in source.parts():
@@ -158,7 +159,7 @@ def run_summary(
         reported += int(part.reported.sum())  # records that carry a logged loss
         steps += _count_distinct(part.step.to_numpy())
         skipped_steps += _count_distinct(part.step.to_numpy()[part.skipped_true.to_numpy() > 0])
-        ranks = max(ranks, int(part.rank_max.max()))
+        ranks.add(part)
         microbatches = max(microbatches, float(part.microbatches_high.max()))
         both = np.concatenate([distinct(part.divisor_low).astype(float), distinct(part.divisor_high).astype(float)])
         divisors.update(float(d) for d in both[~np.isnan(both)])
@@ -171,7 +172,7 @@ def run_summary(
         run=run,
         rows=rows,
         steps=steps,
-        ranks=ranks + 1,
+        ranks=ranks.count(),
         world_size=sorted(sizes),
         groups=len(source.groups),
         verdict=verdict_of(findings, judged),
@@ -189,6 +190,22 @@ def run_summary(
         normalization_judged=judged_ranks,
         reporting=_reporting(findings, reported),
     )
+
+
+class _Ranks:
+    """The ranks that recorded some step of a run: below 64, the ranks set in any step's `rank_mask`; past that,
+    the most ranks one step holds (a run of a rank's records alone holds 1 rank, not its number + 1)."""
+
+    def __init__(self) -> None:
+        self.mask, self.highest, self.most = 0, -1, 0
+
+    def add(self, part: pd.DataFrame) -> None:
+        self.mask |= int(np.bitwise_or.reduce(np.nan_to_num(part.rank_mask.to_numpy()).astype(np.uint64)))
+        self.highest = max(self.highest, int(part.rank_max.max()))
+        self.most = max(self.most, int(part.ranks.max()))
+
+    def count(self) -> int:
+        return self.mask.bit_count() if self.highest < 64 else self.most
 
 
 class _Weights:

@@ -403,9 +403,15 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         "some ranks below W have no record in any step: the files given hold part of the run",
         why="N is the valid tokens of every rank, and each weight is judged against it: with a rank's files left "
         "out (one rank's file given alone), or a recorder made on rank 0 only, every step's N is partial, so "
-        "neither the weights' scale nor a local mean can be told. Nothing about the normalization is judged.",
-        fix="Give the whole run's folder (every rank's shards), and make the Recorder on every rank.",
-        example="`tokaudit check runs/exp/rank-00000-000000.parquet` of a W=2 run: 1 of 2 ranks' records.",
+        "neither the weights' scale nor a local mean can be told. Nothing about the normalization is judged. Where "
+        "other runs of the audit hold the missing ranks of the same W over the same steps, the finding names them "
+        "(`runs_with_other_ranks`): a run id made on each rank (a time stamp, a tracker's run id, the rank in it) "
+        "splits one run into runs of a few ranks each.",
+        fix="Give the whole run's folder (every rank's shards), and make the Recorder on every rank, with the same "
+        "run_id on every rank.",
+        example="`tokaudit check runs/exp/rank-00000-000000.parquet` of a W=2 run: 1 of 2 ranks' records. Or "
+        '`run_id=f"exp-{time.time():.0f}"` on each rank of a W=2 run: runs exp-1733000000 (rank 0) and exp-1733000001 '
+        "(rank 1).",
         undecidable=True,
     ),
     Code.TERMS_ONE_OBJECTIVE: CodeDoc(

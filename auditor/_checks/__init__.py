@@ -8,6 +8,7 @@ from tokaudit._checks.base import RunSteps, distinct, loss_terms, main_term_firs
 from tokaudit._checks.miscount import miscounted_rows, outside_probe_range, without_miscounted
 from tokaudit._checks.objective import one_objective, pooled_steps, pooled_sums
 from tokaudit._checks.run import check_run
+from tokaudit._checks.split_runs import with_other_ranks
 
 __all__ = [
     "check_run",
@@ -21,6 +22,7 @@ __all__ = [
     "pooled_sums",
     "RunSteps",
     "weight_ratio",
+    "with_other_ranks",
     "without_miscounted",
     "world_sizes",
 ]
