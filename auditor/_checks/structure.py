@@ -430,12 +430,23 @@ def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:
             "resume that replayed these steps; the later records were kept"
         )
         fix = "give each launch its own run_id (the integrations name it after the trainer's run), or a new folder"
+    elif duplicates.one_file:
+        cause = (
+            "other values for the same step inside one file: where the recorder wrote it (one process, one rank), "
+            "the step it was given went back during the run, as a per-epoch batch index or a counter reset each "
+            "epoch does; the later records were kept and judged"
+        )
+        fix = "give the recorder the optimizer's global step (one number per update that never goes back)"
     else:
         cause = (
-            "other values for the same steps: a re-launch under the same run id or a resume that replayed "
-            "steps, whose later records (the later shard as published, whatever the clocks) were kept and judged"
+            "other values for the same steps: a re-launch under the same run id, a resume that replayed steps, "
+            "or a step that went back (a per-epoch batch index given as the step), whose later records (the later "
+            "shard as published, whatever the clocks) were kept and judged"
         )
-        fix = "give each launch its own run_id, or resume from the checkpoint's step into a new shard sequence"
+        fix = (
+            "give each launch its own run_id, resume from the checkpoint's step into a new shard sequence, and give "
+            "the recorder the optimizer's global step"
+        )
     return Finding(
         run=run,
         code=Code.DUPLICATE_RECORDS,
@@ -448,5 +459,6 @@ def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:
             "dropped_records": duplicates.dropped,
             "files": list(duplicates.files),
             "identical": duplicates.identical,
+            "in_one_file": duplicates.one_file,
         },
     )

@@ -278,12 +278,12 @@ class Engine:
 
     def _find_duplicates(self) -> dict[str, Duplicates]:
         found = {}
-        for run, copies, first, last, steps, files, identical, same_time in self.connection.execute(
+        for run, copies, first, last, steps, files, *kinds in self.connection.execute(
             DUPLICATES_SQL, [FILES_NAMED]
         ).fetchall():
             named = tuple(os.path.basename(str(f)) for f in files)
             counts = (int(copies), int(first), int(last), int(steps))
-            found[str(run)] = Duplicates(*counts, named, bool(identical), bool(same_time))
+            found[str(run)] = Duplicates(*counts, named, *map(bool, kinds))
         return found
 
     def step_table(self, progress: Told | None = None) -> pd.DataFrame:

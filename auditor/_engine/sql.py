@@ -339,7 +339,7 @@ GROUP BY run, grp
 DUPLICATES_SQL = """
 SELECT run, sum(copies - 1), min(step), max(step), count(DISTINCT step),
        list_slice(list_sort(list_distinct(flatten(list(files)))), 1, $1),
-       bool_and(values_seen = 1), bool_and(times_seen = 1) FROM (
+       bool_and(values_seen = 1), bool_and(times_seen = 1), bool_or(len(files) = 1) FROM (
     SELECT run, step, count(*) AS copies, list(DISTINCT filename) AS files,
            count(DISTINCT (loss_sum, valid_tokens, backward_scalar, token_weight_sum, token_weight_min,
                            token_weight_max, masked_weight_abs_sum, grad_scale, grad_divisor,

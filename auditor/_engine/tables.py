@@ -250,6 +250,8 @@ class Duplicates:
     """Every repeated record holds the values of the one kept (S, n, b, the probe, g, D, W, sync, skipped)."""
     same_time: bool = True
     """And was written at the same time: a copy of the same records, not a second launch that computed them."""
+    one_file: bool = False
+    """Some key is repeated inside one file, which one process wrote: its step went back during that launch."""
 
     def __add__(self, other: Duplicates) -> Duplicates:
         """Repeated keys found in another range (ranges hold different steps)."""
@@ -261,6 +263,7 @@ class Duplicates:
             tuple(sorted({*self.files, *other.files}))[:FILES_NAMED],
             self.identical and other.identical,
             self.same_time and other.same_time,
+            self.one_file or other.one_file,
         )
 
 

@@ -706,3 +706,30 @@ def test_a_record_never_backpropagated_is_left_out_only_where_its_update_s_other
         warnings.simplefilter("error")
         copies = loop("copied", copied=True)
     assert sorted((row["step"], row["micro"]) for row in copies) == [(s, m) for s in (0, 1) for m in (0, 1, 2)]
+
+
+@pytest.mark.parametrize("flush_every", [4096, 3])
+def test_a_step_counter_reset_each_epoch_is_named_in_the_duplicates(tmp_path: Path, flush_every: int) -> None:
+    """A loop that gives the recorder each epoch's batch index as the step records every epoch's updates under the
+    same steps. Where the copies share a shard (one process wrote it) the finding says the step went back; where
+    an epoch starts a new shard it lists that beside a re-launch and a resume. Either way the fix names the step."""
+    from tokaudit import audit
+    from tokaudit.codes import Code
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(tmp_path, run_id="epochs", optimizer=optimizer, flush_every=flush_every) as rec:
+        for _epoch in range(2):
+            for batch in range(3):
+                rec.begin_step(batch)  # the mistake: the epoch's batch index, not the global step
+                x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+                loss_sum = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+                rec.record(loss_sum=loss_sum, valid_tokens=5, backward_scalar=loss_sum / 5)
+                (loss_sum / 5).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    (finding,) = [f for f in audit([tmp_path]).findings if f.code == Code.DUPLICATE_RECORDS]
+    assert finding.evidence["dropped_records"] == 3 and finding.evidence["in_one_file"] is (flush_every > 3)
+    said = "the step it was given went back" if flush_every > 3 else "a step that went back"
+    assert said in finding.message and "global step" in finding.fix
