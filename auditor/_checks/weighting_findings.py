@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 
 from tokaudit._checks.base import BF16_HINT, BF16_ROUNDING, DENOMINATOR_WORDS, Extremes, RunContext, StepsSeen
 from tokaudit._checks.base import average_fix, make_finding, weight_ratio
@@ -191,9 +190,10 @@ def _uniform_finding(
     q = diagnosis.distortion or 0.0
     distortions = group.distortion_range
     evidence.update({"distortion": q, "effective_weight": q / tokens, "distortion_range": _range(distortions)})
+    # q changes from step to step only beyond the tolerance the run is judged at (float32 noise is no change)
     spread = (
         ""
-        if len(set(np.round(distortions, 12))) <= 1
+        if close(min(distortions), max(distortions), context.rtol)
         else f"; over the {group.count} step(s) q ranges from {min(distortions):.4g} to {max(distortions):.4g}"
     )
     scaled = (

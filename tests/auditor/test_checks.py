@@ -836,3 +836,16 @@ def test_terms_that_together_are_one_token_mean_are_judged_as_one(tmp_path: Path
     report = audit_rows(tmp_path / "heads", heads)
     assert report.runs[0].verdict == "correct" and codes(report) == set()
     assert report.runs[0].terms == ["0", "head1"] and not report.runs[0].terms_pooled
+
+
+def test_a_constant_scale_with_float32_noise_is_called_a_constant(tmp_path: Path) -> None:
+    """q = 2⁻¹⁰ in every step, each b rounded as float32 arithmetic leaves it (relative noise of 1e-8): the factor
+    is a constant, not one that changes from step to step, and no overcount of labels is suggested."""
+    rows = records(
+        UNEVEN_GA * 3, lambda S, N, W, **_: float(np.float32(W * S / N * 2.0**-10) * (1 + 1e-8 * (S % 3)))
+    )
+    finding = only(audit_rows(tmp_path, rows), Code.SCALE_MISMATCH)
+    low, high = finding.evidence["distortion_range"]
+    assert low != high and abs(high / low - 1) < 1e-6
+    assert "scaled by a constant" in finding.message
+    assert "changes from step to step" not in finding.message and "more labels" not in finding.message
