@@ -89,6 +89,13 @@ COLUMNS: tuple[Column, ...] = (
     Column("divisor_known", "bool", pa.bool_(), False, "false when D could not be seen"),
     Column("grad_scale", "float", pa.float64(), False, "g: rescale after backward, 1/loss scale included"),
     Column(
+        "term_weight",
+        "float",
+        pa.float64(),
+        False,
+        "λ: the weight the objective gives this loss term on purpose (`loss_term(name, weight=λ)`); 1 where null",
+    ),
+    Column(
         "positions",
         "int",
         pa.int64(),

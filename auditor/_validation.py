@@ -29,10 +29,10 @@ float64. A file may store these columns in any integer type."""
 STATISTICS_COLUMNS = (
     frozenset(REQUIRED_COLUMNS)
     | {column for column, _, _ in _LOWER_BOUNDS}
-    | {"schema_version", "run_id", "group", "term", "grad_divisor"}
+    | {"schema_version", "run_id", "group", "term", "grad_divisor", "term_weight"}
 )
-"""Columns whose footer statistics are read: `check_values`'s, the names' (`names_of`) and D's
-(`Shard.divisor_range`)."""
+"""Columns whose footer statistics are read: `check_values`'s, the names' (`names_of`), D's (`Shard.divisor_range`)
+and λ's (positive)."""
 
 
 def check_values(
@@ -71,8 +71,9 @@ def check_values(
     for column, highest, _ in _UPPER_BOUNDS:
         if column in present and _beyond(stats[column][1], highest, unsure, above=True):
             need.add(column)
-    if "grad_divisor" in present and _beyond(stats["grad_divisor"][0], 0, unsure, inclusive=True):
-        need.add("grad_divisor")
+    for column in ("grad_divisor", "term_weight"):
+        if column in present and _beyond(stats[column][0], 0, unsure, inclusive=True):
+            need.add(column)
     if thorough and "positions" in present:
         # T ≥ n on every record (T counts the positions the n valid tokens are among): the statistics settle
         # it when the file's least T is at least its greatest n; otherwise the aggregation counts the records
@@ -84,7 +85,7 @@ def check_values(
     if rank_high is None or world_low is None or rank_high >= world_low:
         need.update({"rank", "world_size"})
     if thorough and unsure:
-        for column in ("grad_divisor", "grad_scale"):
+        for column in ("grad_divisor", "grad_scale", "term_weight"):
             if column in present:
                 need.add(column)  # NaN never shows in statistics
     if need:
@@ -139,10 +140,11 @@ def _check_rows(table: pa.Table, columns: Iterable[str]) -> None:
                 f"column 'positions' is below 'valid_tokens' ({table['positions'][row].as_py()} "
                 f"< {table['valid_tokens'][row].as_py()}) at row {row}",
             )
-    if "grad_divisor" in columns:
-        divisor = pc.cast(table["grad_divisor"], pa.float64())  # a half float has no kernels of its own
-        bad = pc.or_(pc.is_nan(divisor), pc.less_equal(divisor, 0))
-        _raise_at_first(bad, "column 'grad_divisor' is not a positive number", table["grad_divisor"])
+    for column in ("grad_divisor", "term_weight"):
+        if column in columns:
+            divisor = pc.cast(table[column], pa.float64())  # a half float has no kernels of its own
+            bad = pc.or_(pc.is_nan(divisor), pc.less_equal(divisor, 0))
+            _raise_at_first(bad, f"column '{column}' is not a positive number", table[column])
     if "grad_scale" in columns:
         _raise_at_first(
             pc.is_nan(pc.cast(table["grad_scale"], pa.float64())), "column 'grad_scale' is NaN", table["grad_scale"]

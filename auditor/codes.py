@@ -35,6 +35,7 @@ class Code(str, Enum):
     WORLD_SIZE_MISMATCH = "world_size_mismatch"
     SCHEDULE_RESCALED = "schedule_rescaled"
     SCALE_MISMATCH = "scale_mismatch"
+    UNDECLARED_TERM_WEIGHT = "undeclared_term_weight"
     PADDED_DENOMINATOR = "padded_denominator"
     UNEXPLAINED_WEIGHTING = "unexplained_weighting"
     NONUNIFORM_IN_MICROBATCH = "nonuniform_in_microbatch"
@@ -160,6 +161,18 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         fix="Backpropagate W·S_r/N (average) or S_r/N (sum) and record any post-backward rescale as grad_scale.",
         example="b_r = S_r (a raw sum): e = 1/2 for every token, q = e·N = 2 at this step and a different value at "
         "every step with another N.",
+    ),
+    Code.UNDECLARED_TERM_WEIGHT: CodeDoc(
+        Severity.WARNING,
+        "a loss term other than the main one weighs every token q/N, one q over the run, and no weight was declared",
+        why="An auxiliary term (a second head, a multi-token-prediction head) often carries a coefficient chosen "
+        "on purpose, L = ΣS/N + λ·ΣS_aux/N_aux, so its tokens weigh λ/N: uniform weights, one q = λ in every step. "
+        "A factor missing from that term's loss (its W, say) looks the same, so the logs cannot tell which.",
+        fix="Where λ is chosen on purpose, declare it, `with rec.loss_term(name, weight=λ):`, and the term is "
+        "judged against λ/N; else normalize the term as the main one (W·S/N into an average).",
+        example="An MTP head added with λ = 0.3 to the main loss, each a token mean: every token of the head weighs "
+        "0.3/N, q = 0.3 at every step.",
+        undecidable=True,
     ),
     Code.PADDED_DENOMINATOR: CodeDoc(
         Severity.ERROR,

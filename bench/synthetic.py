@@ -116,6 +116,7 @@ def _recorder_columns(
         "term": pa.array(["0"] * size),
         "divisor_known": pa.array(np.ones(size, dtype=bool)),
         "grad_scale": pa.nulls(size, pa.float64()),
+        "term_weight": pa.nulls(size, pa.float64()),
         "token_weight_sum": pa.array(weight * n.ravel()),
         "token_weight_min": pa.array(weight, mask=~valid),
         "token_weight_max": pa.array(weight, mask=~valid),

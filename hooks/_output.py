@@ -296,6 +296,7 @@ def _columns(records: list[Record], stamp: Stamp, packed: PackedHost) -> dict[st
         "run_id": [stamp.run_id] * count,
         "group": [stamp.group] * count,
         "term": [r.term for r in records],
+        "term_weight": [r.term_weight for r in records],
         "grad_divisor": [stamp.grad_divisor] * count,
         "divisor_known": [stamp.divisor_known] * count,
         "grad_scale": grad_scale,

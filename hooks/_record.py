@@ -56,6 +56,8 @@ class Record:
     """A captured call: the order in which its backward ran."""
     trained: bool | None = None
     """Whether a gradient has flowed through b (a hook on it); None where b is no tensor that requires grad."""
+    term_weight: float | None = None
+    """λ, the weight its term was declared with (`Recorder.loss_term(name, weight=λ)`); None: not declared."""
 
     @property
     def backpropagated(self) -> bool:

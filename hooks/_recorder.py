@@ -227,6 +227,7 @@ class Recorder(UpdateTracking):
             deferred = micro is None and _captured and probe is not None
             step, micro = self._numbered(term, step, micro, deferred)
             entry = self._entry(step, micro, term, skipped, probe, _captured, **values)
+            entry.term_weight = self._term_weights.get(term)
             self._hold(entry, probe, deferred)
         except Exception as error:
             self._pending_probe = None
@@ -302,9 +303,20 @@ class Recorder(UpdateTracking):
             self.flush(wait_for_backward=True)
 
     @contextmanager
-    def loss_term(self, name: str) -> Iterator[None]:
+    def loss_term(self, name: str, weight: float | None = None) -> Iterator[None]:
         """Records, probes and captured calls inside belong to loss term `name` (an auxiliary head,
-        MTP head k): each term is audited as its own token mean."""
+        MTP head k): each term is audited as its own token mean. `weight`: λ, the coefficient the objective
+        gives the term on purpose (L = ΣS/N + λ·ΣS_aux/N_aux): its tokens are judged against λ/N, and every
+        record of the term from now on carries it (a number: a changed λ holds from the next record)."""
+        if weight is not None:
+            if isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0:
+                self._term_weights[str(name)] = float(weight)
+            else:
+                self.warn_once(
+                    "term-weight",
+                    f"tokaudit: loss_term({name!r}, weight={weight!r}): a weight is a "
+                    "positive number; this one is left out, and the term is judged as a token mean",
+                )
         previous, self._active_term = self._active_term, str(name)
         try:
             yield

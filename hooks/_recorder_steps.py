@@ -35,6 +35,7 @@ class UpdateTracking:
         self._auto_closed: int | None = None
         self._micro_next: dict[str, int] = {}
         self._active_term: str | None = None
+        self._term_weights: dict[str, float] = {}  # λ of each term declared with one (`loss_term`)
         self._steps_known = self._optimizer is not None  # else until begin_step/end_step is called
 
     def _numbered(self, term: str, step: int | None, micro: int | None, deferred: bool) -> tuple[int, int]:

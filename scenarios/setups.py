@@ -51,6 +51,10 @@ class Setup:
     each chunk a loss term of its own."""
     aux_local_mean: bool = False
     """The last head is a local mean (F.cross_entropy's default reduction) instead of a token mean."""
+    aux_weight: float = 1.0
+    """λ: the last head's token mean weighed λ on purpose (L = Σ_terms ΣS/N, the last one times λ)."""
+    aux_weight_declared: bool = True
+    """λ declared to the recorder (`loss_term(name, weight=λ)`); False: the loop weighs the term and says nothing."""
     scaler: str = "none"
     """none, told (Recorder(scaler=...)) or untold (a GradScaler the recorder is not given)."""
     overflow: tuple[int, int] | None = None
@@ -133,7 +137,8 @@ def step_counts(setup: Setup, step: int, members: list[int]) -> list[int]:
 
 
 def reference_gradient(setup: Setup, params: list[torch.Tensor], step: int, members: list[int]) -> list[torch.Tensor]:
-    """Single process, float64: ∇ Σ_terms ΣS_term/N_term over the group's tokens of one step."""
+    """Single process, float64: ∇ Σ_terms λ_term·ΣS_term/N_term over the group's tokens of one step (λ = 1 but
+    for a weighed last head, `aux_weight`)."""
     model = make_heads(setup.heads)
     with torch.no_grad():
         for target, source in zip(model.parameters(), params, strict=True):
@@ -145,7 +150,8 @@ def reference_gradient(setup: Setup, params: list[torch.Tensor], step: int, memb
             tokens, labels, _ = microbatch(step, rank, micro, count, setup.length)
             for head, logits in enumerate(model(tokens)):
                 loss_sum, _ = term_sum(setup, head, logits, labels)
-                objective = objective + loss_sum / max(totals[head], 1)
+                weight = setup.aux_weight if head == setup.heads - 1 and head > 0 else 1.0
+                objective = objective + weight * loss_sum / max(totals[head], 1)
     objective.backward()
     return [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
 
@@ -206,7 +212,9 @@ def _microbatch_loss(
             total = total + _named_chunks(setup, recorder, per_token, valid, factor, global_tokens[head])
             continue
         name = "0" if head == 0 else f"head{head}"
-        context = recorder.loss_term(name) if recorder is not None else nullcontext()
+        weight = setup.aux_weight if head == setup.heads - 1 and head > 0 else 1.0
+        declared = weight if weight != 1.0 and setup.aux_weight_declared else None
+        context = recorder.loss_term(name, weight=declared) if recorder is not None else nullcontext()
         with context:
             if recorder is not None:
                 per_token = recorder.probe(per_token, valid)
@@ -215,7 +223,7 @@ def _microbatch_loss(
             if setup.near_miss:
                 term = loss_sum / (n + 1)
             else:
-                term = loss_sum / n if local_mean else factor * loss_sum / global_tokens[head].clamp(min=1)
+                term = loss_sum / n if local_mean else weight * factor * loss_sum / global_tokens[head].clamp(min=1)
             if recorder is not None:
                 recorder.record(
                     loss_sum=loss_sum,

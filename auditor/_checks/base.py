@@ -244,6 +244,8 @@ class TermInputs:
     """A step number repeats across groups: steps are counted as a set."""
     main_term: bool
     """The run's first term (its structure is checked once, there)."""
+    terms: int = 1
+    """The run's loss terms."""
     factors: Any = None
     """The uniform factors' clusters (`weighting.FactorTable`) where the term's weighting is judged alone."""
     extremes: Extremes | None = None

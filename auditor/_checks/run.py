@@ -150,6 +150,7 @@ def _check_term(
         context,
         keep_steps=len(source.groups) > 1,
         main_term=term == source.terms[0],
+        terms=len(source.terms),
         factors=factors,
         extremes=extremes,
         confused=decisions.confused if decisions is not None else None,

@@ -19,6 +19,7 @@ from tokaudit.codes import Code
 from tokaudit._normalization import DENOMINATOR_FACTS, DENOMINATORS, Denominator, Diagnoses, FactorExplanation
 from tokaudit._normalization import FactorKind, StepKind, ClusterStarts, cluster, explain_factor
 from tokaudit._report import Finding, StepRange
+from tokaudit._schema import UNNAMED
 from tokaudit._sorting import SortedColumn, middle, middle_positions
 
 
@@ -32,10 +33,11 @@ one factor that varies from step to step, whatever a few steps happen to land on
 
 
 def _weighting_codes(
-    diagnoses: Diagnoses, explanation: npt.NDArray[np.int32], table: list[FactorExplanation]
+    diagnoses: Diagnoses, explanation: npt.NDArray[np.int32], table: list[FactorExplanation], term_weight: bool
 ) -> tuple[npt.NDArray[np.int16], npt.NDArray[np.int32]]:
     """Per step, the index in ALL_CODES of its weighting finding (−1: none), and the explanation whose
     label tells kinds of factor apart (for world_size_mismatch and loss_scale; −1 otherwise).
+    `term_weight`: uniform weights off by the term's one factor are undeclared_term_weight (`WeightingCheck`).
     Narrow integers (2 and 4 bytes a step): at millions of steps every per-step array counts."""
     by_denominator = np.array(
         [ALL_CODES.index(_NONUNIFORM_CODES.get(d, Code.UNEXPLAINED_WEIGHTING)) for d in DENOMINATORS], dtype=np.int16
@@ -59,6 +61,8 @@ def _weighting_codes(
     named = np.where(explanation >= 0, explanation, np.int32(len(table)))
     # Written in place, one condition at a time: no nested np.where of whole columns.
     code[off] = by_explanation[named[off]]
+    if term_weight:
+        code[off] = ALL_CODES.index(Code.UNDECLARED_TERM_WEIGHT)
     code[off & raw] = ALL_CODES.index(Code.SCALE_MISMATCH)
     code[off & padded] = ALL_CODES.index(Code.PADDED_DENOMINATOR)
     label = np.where(off & ~padded & ~raw & labelled[named], named, np.int32(-1))
@@ -184,6 +188,15 @@ class WeightingCheck(Check):
         super().__init__(term)
         self.factors: FactorTable = term.factors
         self.extremes = term.extremes
+        # A named term beside others (not the default "0") whose uniform weights are off by one factor over the
+        # whole run: a coefficient λ chosen on purpose, or a factor missing from its loss; only a declared λ tells
+        # (it is then divided out of e, and q is 1).
+        self.term_weight = (
+            self.context.term != UNNAMED
+            and term.terms > 1
+            and len(self.factors.table) == 1
+            and not self.factors.varying
+        )
         names = [e.label for e in self.factors.table] + [""]
         self.label_numbers = np.array([names.index(name) for name in names], dtype=np.int64)
         self.names = len(names)
@@ -192,7 +205,7 @@ class WeightingCheck(Check):
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         assert diagnoses is not None  # (judges_weighting)
         explanation = self.factors.ids(block, diagnoses)
-        code, label = _weighting_codes(diagnoses, explanation, self.factors.table)
+        code, label = _weighting_codes(diagnoses, explanation, self.factors.table, self.term_weight)
         flagged = np.flatnonzero(code >= 0)
         if not len(flagged):
             return

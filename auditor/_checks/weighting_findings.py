@@ -13,7 +13,7 @@ from tokaudit._checks.causes import COUNTED_BEFORE_SHIFT_FIX, UNTOLD, counted_be
 from tokaudit._checks.causes import overcounted, world_size_cause
 from tokaudit._checks.rescale import schedule_finding
 from tokaudit.codes import Code
-from tokaudit._normalization import FORMULA, Denominator, FactorExplanation, StepKind, close
+from tokaudit._normalization import FORMULA, Denominator, FactorExplanation, FactorKind, StepKind, close
 from tokaudit._recipes import advice
 from tokaudit._report import Finding
 from tokaudit._schema import UNNAMED
@@ -207,6 +207,8 @@ def _uniform_finding(
             f"labels included, instead of its {tokens} valid tokens: {scaled}."
         )
         return make_finding(context, code, group.steps, message, average_fix(context), evidence)
+    if code == Code.UNDECLARED_TERM_WEIGHT:
+        return _term_weight_finding(group, explanation, context, evidence, scaled)
     if code == Code.LOSS_SCALE:
         assert explanation is not None
         return _loss_scale_finding(group, table, context, evidence, scaled)
@@ -214,6 +216,34 @@ def _uniform_finding(
         assert explanation is not None
         return _world_size_finding(group, explanation, context, evidence, scaled)
     return _constant_finding(group, context, evidence, scaled, spread)
+
+
+def _term_weight_finding(
+    group: WeightingGroup,
+    explanation: FactorExplanation | None,
+    context: RunContext,
+    evidence: dict[str, Any],
+    scaled: str,
+) -> Finding:
+    """A named term's tokens all weigh q/N, one q over the run: a coefficient λ = q chosen on purpose, or a factor
+    missing from the term's loss (what the factor looks like, where it looks like one); the logs cannot tell."""
+    q = group.diagnosis.distortion or 0.0
+    w = int(group.row.world_high)
+    looks = (
+        f", or a factor missing from this term's loss ({world_size_cause(explanation, q, w, float(group.row.divisor_high), context)})"
+        if explanation is not None and explanation.kind == FactorKind.WORLD_SIZE
+        else ", or a factor this term's loss should not carry"
+    )
+    message = (
+        f"Every step of loss term {context.term} weighed all its tokens alike, by one factor over the run: {scaled}. "
+        f"That is a coefficient λ = {q:.4g} the objective gives this term on purpose{looks}; the logs cannot tell "
+        "which, as no weight was declared for the term."
+    )
+    fix = (
+        f"if λ = {q:.4g} is chosen on purpose, declare it: `with rec.loss_term({context.term!r}, weight={q:.4g}):` "
+        "(its tokens are then judged against λ/N); else normalize this term as the main one"
+    )
+    return make_finding(context, group.code, group.steps, message, fix, evidence)
 
 
 def _loss_scale_finding(

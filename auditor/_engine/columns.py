@@ -74,8 +74,8 @@ WIDE_MICRO = "micro >= 64"
 """What `reads` names for a microbatch index of 64 or more: where the footers show none, a one-microbatch log's
 query reads no microbatch index at all."""
 
-UNUSABLE_RECORD = "isnan(grad_divisor) OR isnan(grad_scale) OR (positions < valid_tokens) IS TRUE"
-"""A record no audit can use that its file's statistics may not show: a NaN divisor or scale, or T < n (IS TRUE:
+UNUSABLE_RECORD = "isnan(grad_divisor) OR isnan(grad_scale) OR isnan(term_weight) OR (positions < valid_tokens) IS TRUE"
+"""A record no audit can use that its file's statistics may not show: a NaN divisor, scale or term weight, or T < n (IS TRUE:
 count_if over NULLs alone is NULL). Counted per step (`unusable_values`), then its files are named
 (`Engine.unusable_files`)."""
 
@@ -89,15 +89,17 @@ FINITE_VALID = """isfinite(loss_sum) AND coalesce(isfinite(backward_scalar), tru
 # Per-record weights e are only defined for valid records (n > 0) with every value finite.
 TERMS = (
     *(Term(name, "the record's own") for name in (
-        "step", "rank", "micro", "world_size", "grad_divisor", "grad_scale", "valid_tokens", "loss_sum", "positions",
+        "step", "rank", "micro", "world_size", "grad_divisor", "grad_scale", "term_weight", "valid_tokens", "loss_sum", "positions",
         "sync", "skipped", "reported_loss", "token_weight_sum", "divisor_known", "precision_bits")),
     Term("nonfinite_valid", "a record of valid tokens with a value that is not finite",
          f"valid_tokens > 0 AND NOT ({FINITE_VALID})"),
     Term("nonfinite_zero", "a record of no valid token whose backward scalar or probe is not finite",
          "valid_tokens = 0 AND NOT (coalesce(isfinite(backward_scalar), true) "
          "AND coalesce(isfinite(token_weight_sum), true))"),
-    Term("probe_low", "the probe's lightest token weight after the reduction", "token_weight_min * grad_scale / grad_divisor"),
-    Term("probe_high", "the probe's heaviest token weight after the reduction", "token_weight_max * grad_scale / grad_divisor"),
+    Term("probe_low", "the probe's lightest token weight after the reduction",
+         "token_weight_min * grad_scale / grad_divisor / term_weight"),
+    Term("probe_high", "the probe's heaviest token weight after the reduction",
+         "token_weight_max * grad_scale / grad_divisor / term_weight"),
     # how far apart one record's token weights are, (max − min) / |max|: only values, no tolerance (the checks
     # judge them; +inf where the denominator is 0: any spread then counts)
     Term("probe_spread", "how far apart the record's token weights are",
@@ -106,8 +108,8 @@ TERMS = (
     # how many valid tokens' weight its masked positions carry: Σ|∂b/∂ℓ| over them / |c|, c = e·D/g
     Term("masked_share", "the weight the record's masked positions carry, in valid tokens",
          "CASE WHEN masked_weight_abs_sum > 0 "
-         "THEN masked_weight_abs_sum / coalesce(abs(eff * grad_divisor / grad_scale), 0) END"),
-    Term("eff", "the effective weight e = c·g/D of each of the record's valid tokens"),
+         "THEN masked_weight_abs_sum / coalesce(abs(eff * grad_divisor / grad_scale * term_weight), 0) END"),
+    Term("eff", "the effective weight e = c·g/(D·λ) of each of the record's valid tokens"),
 )
 
 WEIGHT = Term("w", "e where it is one: valid tokens and every value finite",

@@ -264,15 +264,15 @@ class Engine:
             if deduplicate
             else ""
         )
-        # c: implied weight per valid token before reduction = probe Σ∂b/∂ℓ / n, else b/S.
-        # e = c·g/D: effective weight after the reduction. Correct iff e·N = 1.
+        # c: implied weight per valid token before reduction = probe Σ∂b/∂ℓ / n, else b/S. e = c·g/(D·λ): effective
+        # weight after the reduction, relative to the term's declared weight λ (1 unless declared). Correct iff e·N = 1.
         self.connection.execute(f"""
             CREATE OR REPLACE TEMP VIEW records AS
             SELECT *,
                 CASE WHEN valid_tokens > 0 THEN
                     CASE WHEN token_weight_sum IS NOT NULL THEN token_weight_sum / valid_tokens
                          WHEN loss_sum <> 0 THEN backward_scalar / loss_sum END
-                END * grad_scale / grad_divisor AS eff
+                END * grad_scale / grad_divisor / term_weight AS eff
             FROM raw_records {dedup}
         """)
 

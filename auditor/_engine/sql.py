@@ -260,6 +260,7 @@ def select_records(default_run: str, present: set[str], scan: str, where: str, o
             {column("backward_scalar")} AS backward_scalar,
             coalesce({column("grad_divisor")}, {column("world_size")}::DOUBLE) AS grad_divisor,
             coalesce({column("grad_scale")}, 1.0) AS grad_scale,
+            coalesce({column("term_weight")}, 1.0) AS term_weight,
             coalesce({column("divisor_known")}, true) AS divisor_known,
             {column("positions")} AS positions,
             {column("token_weight_sum")} AS token_weight_sum,
@@ -318,10 +319,10 @@ $pooled, the runs whose terms are one token mean)."""
 
 RECORDS_AT_SQL = """
 SELECT grp, term, rank, micro, world_size, valid_tokens, loss_sum, backward_scalar, grad_divisor,
-       grad_scale, eff * grad_divisor / grad_scale AS implied_weight, eff,
+       grad_scale, eff * grad_divisor / grad_scale * term_weight AS implied_weight, eff,
        eff * sum(valid_tokens) OVER (PARTITION BY grp, term) AS q,
-       token_weight_min * grad_scale / grad_divisor AS eff_min,
-       token_weight_max * grad_scale / grad_divisor AS eff_max,
+       token_weight_min * grad_scale / grad_divisor / term_weight AS eff_min,
+       token_weight_max * grad_scale / grad_divisor / term_weight AS eff_max,
        sync, reported_loss
 FROM records WHERE run = ? AND step = ? ORDER BY grp, term, rank, micro
 """
@@ -342,7 +343,7 @@ SELECT run, sum(copies - 1), min(step), max(step), count(DISTINCT step),
        bool_and(values_seen = 1), bool_and(times_seen = 1), bool_or(len(files) = 1) FROM (
     SELECT run, step, count(*) AS copies, list(DISTINCT filename) AS files,
            count(DISTINCT (loss_sum, valid_tokens, backward_scalar, token_weight_sum, token_weight_min,
-                           token_weight_max, masked_weight_abs_sum, grad_scale, grad_divisor,
+                           token_weight_max, masked_weight_abs_sum, grad_scale, grad_divisor, term_weight,
                            world_size, sync, skipped)) AS values_seen,
            count(DISTINCT coalesce(written, TIMESTAMP '1970-01-01')) AS times_seen
     FROM raw_records GROUP BY run, grp, term, step, rank, micro HAVING count(*) > 1)

@@ -841,11 +841,25 @@ def test_terms_that_together_are_one_token_mean_are_judged_as_one(tmp_path: Path
 def test_a_constant_scale_with_float32_noise_is_called_a_constant(tmp_path: Path) -> None:
     """q = 2⁻¹⁰ in every step, each b rounded as float32 arithmetic leaves it (relative noise of 1e-8): the factor
     is a constant, not one that changes from step to step, and no overcount of labels is suggested."""
-    rows = records(
-        UNEVEN_GA * 3, lambda S, N, W, **_: float(np.float32(W * S / N * 2.0**-10) * (1 + 1e-8 * (S % 3)))
-    )
+    rows = records(UNEVEN_GA * 3, lambda S, N, W, **_: float(np.float32(W * S / N * 2.0**-10) * (1 + 1e-8 * (S % 3))))
     finding = only(audit_rows(tmp_path, rows), Code.SCALE_MISMATCH)
     low, high = finding.evidence["distortion_range"]
     assert low != high and abs(high / low - 1) < 1e-6
     assert "scaled by a constant" in finding.message
     assert "changes from step to step" not in finding.message and "more labels" not in finding.message
+
+
+def test_a_named_term_off_by_one_factor_is_an_undeclared_weight_and_the_logs_cannot_tell(tmp_path: Path) -> None:
+    """A second term whose tokens all weigh 0.3/N in every step: a coefficient chosen on purpose or a factor that
+    does not belong (inconclusive, undeclared_term_weight); the same term with a λ = 0.3 declared in the log is
+    correct. A term alone, or a second term whose factor changes from step to step, is judged as before."""
+    main = records(UNEVEN_GA * 2, token_mean)
+    aux = [dict(r, term="aux", backward_scalar=0.3 * r["backward_scalar"]) for r in main]
+    report = audit_rows(tmp_path / "untold", main + aux)
+    assert codes(report) == {"undeclared_term_weight"} and report.runs[0].verdict == "inconclusive"
+    declared = audit_rows(tmp_path / "told", main + [dict(r, term_weight=0.3) for r in aux])
+    assert declared.findings == [] and declared.runs[0].verdict == "correct"
+    alone = audit_rows(tmp_path / "alone", aux)
+    assert codes(alone) == {"scale_mismatch"} and alone.runs[0].verdict == "incorrect"
+    varying = [dict(r, backward_scalar=(1 + r["step"]) * r["backward_scalar"]) for r in aux]
+    assert "undeclared_term_weight" not in codes(audit_rows(tmp_path / "varying", main + varying))

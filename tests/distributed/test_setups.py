@@ -183,3 +183,30 @@ def test_a_near_miss_is_named_with_how_far_it_is_off(recorded: Any) -> None:
     (finding,) = audit([root / "near_miss_local_mean"]).findings
     assert finding.evidence["approximate"] is True and finding.evidence["denominator"] in ("n_micro", "n_micro*M")
     assert 0 < finding.evidence["approximation_error"] < 0.1
+
+
+def test_an_auxiliary_head_weighed_on_purpose_is_judged_against_its_declared_weight(tmp_path: Path) -> None:
+    """Two heads on 2 ranks, the second's token mean weighed λ = 1/2 (= 1/W, the factor a missing W would leave):
+    the float64 reference of ΣS/N + λ·ΣS_aux/N_aux says the training is right. Declared with
+    loss_term(name, weight=λ), tokaudit judges the head against λ/N: correct, no finding. Not declared, the logs
+    cannot tell λ from a missing W: inconclusive, undeclared_term_weight, whose fix declares λ."""
+    setups = [
+        Setup(
+            name=f"aux_weighed_{said}",
+            counts=_UNEVEN,
+            heads=2,
+            aux_weight=0.5,
+            aux_weight_declared=said == "told",
+            correct=True,
+        )
+        for said in ("told", "untold")
+    ]
+    for setup, ranks in zip(setups, run_ddp_each(job, 2, setups, str(tmp_path))):
+        _check_against_reference(setup, [r["history"] for r in ranks])
+    told, untold = (audit([tmp_path / setup.name]) for setup in setups)
+    assert told.findings == [] and told.runs[0].verdict == "correct" and told.runs[0].terms == ["0", "head1"]
+    assert {row["term_weight"] for row in read_rows(tmp_path / "aux_weighed_told")} == {None, 0.5}
+    (finding,) = untold.findings
+    assert finding.code.value == "undeclared_term_weight" and finding.term == "head1"
+    assert untold.runs[0].verdict == "inconclusive"
+    assert "λ = 0.5" in finding.message and "weight=0.5" in finding.fix
