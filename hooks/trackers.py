@@ -468,15 +468,18 @@ class AuditLoop:
 def _missing(report: AuditReport, run: str, through: int) -> str | None:
     """What the live audit still lacks: "run" (no record of it), "ranks" (a rank has no shard yet),
     "steps" (a rank has not flushed through step `through` yet) or None."""
-    summary = next((s for s in report.runs if s.run == run), None)
-    if summary is None:
+    if not any(s.run == run for s in report.runs):
         return "run"
-    if summary.ranks < max(summary.world_size, default=1):
-        return "ranks"
     steps = report.steps
     audited = steps[steps.run == run] if steps is not None else None
+    if audited is None or audited.empty:
+        return "steps"
+    # read from the aggregated steps, every one of them: the summary counts the ranks of the steps it judged, none
+    # where every step was set aside (a count the probe contradicts), and all the records are there all the same
+    if int(audited.ranks.max()) < int(audited.world_high.max()):
+        return "ranks"
     # every group through the last step (a live audit leaves out the steps some rank of a group lacks)
-    if audited is None or audited.empty or int(audited.groupby("grp").step.max().min()) < through:
+    if int(audited.groupby("grp", observed=True).step.max().min()) < through:
         return "steps"
     return None
 
