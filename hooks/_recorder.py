@@ -228,6 +228,7 @@ class Recorder(UpdateTracking):
             step, micro = self._numbered(term, step, micro, deferred)
             entry = self._entry(step, micro, term, skipped, probe, _captured, **values)
             entry.term_weight = self._term_weights.get(term)
+            self._note_sync(term, entry.sync)
             self._hold(entry, probe, deferred)
         except Exception as error:
             self._pending_probe = None

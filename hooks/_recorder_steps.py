@@ -34,6 +34,7 @@ class UpdateTracking:
         self._closed_step: int | None = None
         self._auto_closed: int | None = None
         self._micro_next: dict[str, int] = {}
+        self._unsynced: set[str] = set()  # terms whose last record of the open update did not synchronize
         self._active_term: str | None = None
         self._term_weights: dict[str, float] = {}  # λ of each term declared with one (`loss_term`)
         self._steps_known = self._optimizer is not None  # else until begin_step/end_step is called
@@ -42,8 +43,9 @@ class UpdateTracking:
         """The update and microbatch of a new record of `term`: those given, else the open update's next."""
         if step is None:
             step = self._step
-            if not self._steps_known and self._micro_next.get(term, 0) > 0:
-                # No step boundaries known: every backward of a term is its own update.
+            if not self._steps_known and self._micro_next.get(term, 0) > 0 and term not in self._unsynced:
+                # No step boundaries known: a backward of a term that synchronized gradients (DDP's; every one
+                # where that is not known) ended its update, and one under no_sync() accumulates into the next.
                 self._advance()
                 step = self._step
             self._step_records += 1  # records of the open update: its end may still mark them skipped
@@ -55,6 +57,13 @@ class UpdateTracking:
             if step == self._step:
                 self._micro_next[term] = micro + 1
         return step, micro
+
+    def _note_sync(self, term: str, sync: bool | None) -> None:
+        """Whether the record of `term` just made synchronized gradients (`_numbered` reads it for the next)."""
+        if sync is False:
+            self._unsynced.add(term)
+        else:
+            self._unsynced.discard(term)
 
     def begin_step(self, step: int) -> None:
         """The next records belong to update `step` (a trainer's global step: a resumed run numbers on)."""
@@ -100,6 +109,7 @@ class UpdateTracking:
         self._auto_closed = None
         self._step += 1
         self._micro_next = {}
+        self._unsynced = set()
         self._step_records = 0
         self._calls.open = []
         if not self._packs_at_zero_grad or len(self._buffer.unpacked) > PACK_AT_ADVANCE:

@@ -83,6 +83,9 @@ class Setup:
     evaluated: bool = False
     """After its microbatches each rank computes a loss with gradients on one more batch, through the model itself,
     and records it; it is never backpropagated (an evaluation inside the loop)."""
+    steps_told: bool = True
+    """The recorder is given the optimizer; False: neither it nor begin_step (the updates are seen from the
+    backwards that synchronize)."""
     world_size: int = 2
     description: str = ""
     """One line for people."""
@@ -273,7 +276,7 @@ def train(rank: int, world_size: int, setup: Setup, log_dir: str | None) -> list
             log_dir,
             run_id=setup.name,
             model=ddp,
-            optimizer=optimizer,
+            optimizer=optimizer if setup.steps_told else None,
             scaler=scaler if setup.scaler == "told" else None,
         )
         if setup.first_step:

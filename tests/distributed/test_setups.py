@@ -210,3 +210,15 @@ def test_an_auxiliary_head_weighed_on_purpose_is_judged_against_its_declared_wei
     assert finding.code.value == "undeclared_term_weight" and finding.term == "head1"
     assert untold.runs[0].verdict == "inconclusive"
     assert "λ = 0.5" in finding.message and "weight=0.5" in finding.fix
+
+
+def test_without_the_optimizer_or_begin_step_the_updates_are_the_backwards_that_synchronize(tmp_path: Path) -> None:
+    """The token mean over 2 microbatches under no_sync() on 2 ranks, the recorder given the DDP model but neither
+    the optimizer nor begin_step: each update ends at the backward that all-reduces, so the log holds the loop's
+    4 updates of 2 microbatches each and the run is correct (each backward its own update read as missing_sync)."""
+    setup = Setup(name="steps_untold", counts=_UNEVEN, steps_told=False, correct=True)
+    _check_against_reference(setup, [r["history"] for r in run_ddp(job, setup.world_size, setup, str(tmp_path))])
+    rows = read_rows(tmp_path / setup.name)
+    assert sorted({(row["step"], row["micro"]) for row in rows}) == [(s, m) for s in range(4) for m in range(2)]
+    report = audit([tmp_path / setup.name])
+    assert report.findings == [] and report.runs[0].verdict == "correct"

@@ -353,7 +353,7 @@ def test_steps_come_from_the_optimizer_and_explicit_values_win(tmp_path: Path) -
     assert keys == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (42, 7)]
 
 
-def test_without_optimizer_or_step_every_backward_is_its_own_update(tmp_path: Path) -> None:
+def test_without_optimizer_or_step_every_backward_of_unknown_sync_is_its_own_update(tmp_path: Path) -> None:
     with Recorder(tmp_path, run_id="auto") as rec:
         for _ in range(3):
             rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0)
