@@ -344,6 +344,8 @@ class AuditLoop:
         `every` steps (every rank then flushes before recording it, so the audit sees the steps
         before `step` whole, from every rank)."""
         self._latest = max(self._latest, step)
+        if self._trackers is None:
+            self._resolve()  # while the process group is up: at close() it may be gone, and every rank "rank 0"
         if self.every is None:
             return False
         if self._next is not None and step < self._next:

@@ -296,3 +296,18 @@ def test_the_recorder_says_where_it_records_and_the_verdict_at_close(
     monkeypatch.setenv("TOKAUDIT_QUIET", "1")
     train(tmp_path, "quieter", local_mean)
     assert not [line for line in capfd.readouterr().err.splitlines() if line.startswith("tokaudit:")]
+
+
+def test_a_rank_is_told_apart_from_rank_0_while_its_group_is_up_not_at_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A worker of rank 1 that destroys its process group before exit (the recorder closed at exit): at close the
+    group is gone and, without RANK in the environment (mp.spawn sets none), any process reads as rank 0. Who says
+    the verdict line is decided while the group is up, so rank 1 says nothing then either."""
+    monkeypatch.delenv("TOKAUDIT_QUIET", raising=False)
+    monkeypatch.setattr(trackers, "_global_rank", lambda: 1)  # rank 1 while training
+    rec = Recorder(tmp_path, run_id="worker1")
+    rec.record(loss_sum=2.0, valid_tokens=4, backward_scalar=0.5)
+    monkeypatch.setattr(trackers, "_global_rank", lambda: 0)  # the group destroyed: the environment's default
+    rec.close()
+    assert not [line for line in capfd.readouterr().err.splitlines() if line.startswith("tokaudit:")]
