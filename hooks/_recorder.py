@@ -223,6 +223,13 @@ class Recorder(UpdateTracking):
                 grad_scale=grad_scale,
             )
             check_arguments(step, micro, **values)
+            if step is None and self._recorded_already(term, backward_scalar):
+                self.warn_once(
+                    "recorded-twice",
+                    f"tokaudit: record() was given the same backward_scalar twice for one backward of term {term!r}; "
+                    "the second call is left out (one record a backward and term)",
+                )
+                return
             probe = self._pending_probe
             deferred = micro is None and _captured and probe is not None
             step, micro = self._numbered(term, step, micro, deferred)

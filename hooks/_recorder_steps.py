@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ class UpdateTracking:
         self._auto_closed: int | None = None
         self._micro_next: dict[str, int] = {}
         self._unsynced: set[str] = set()  # terms whose last record of the open update did not synchronize
+        self._scalars: dict[str, weakref.ref[torch.Tensor]] = {}  # each term's last b of the open update
         self._active_term: str | None = None
         self._term_weights: dict[str, float] = {}  # λ of each term declared with one (`loss_term`)
         self._steps_known = self._optimizer is not None  # else until begin_step/end_step is called
@@ -58,6 +60,17 @@ class UpdateTracking:
                 self._micro_next[term] = micro + 1
         return step, micro
 
+    def _recorded_already(self, term: str, scalar: Any) -> bool:
+        """Whether `scalar` is the very tensor the term's last record of the open update holds (record() called
+        twice for one backward), else remember it as that record's."""
+        if not isinstance(scalar, torch.Tensor):
+            return False
+        last = self._scalars.get(term)
+        if last is not None and last() is scalar:
+            return True
+        self._scalars[term] = weakref.ref(scalar)
+        return False
+
     def _note_sync(self, term: str, sync: bool | None) -> None:
         """Whether the record of `term` just made synchronized gradients (`_numbered` reads it for the next)."""
         if sync is False:
@@ -72,6 +85,7 @@ class UpdateTracking:
         if step != self._step:
             self._step = step
             self._micro_next = {}
+            self._scalars = {}
             self._step_records = 0
             self._pack()
 
@@ -110,6 +124,7 @@ class UpdateTracking:
         self._step += 1
         self._micro_next = {}
         self._unsynced = set()
+        self._scalars = {}
         self._step_records = 0
         self._calls.open = []
         if not self._packs_at_zero_grad or len(self._buffer.unpacked) > PACK_AT_ADVANCE:

@@ -733,3 +733,31 @@ def test_a_step_counter_reset_each_epoch_is_named_in_the_duplicates(tmp_path: Pa
     assert finding.evidence["dropped_records"] == 3 and finding.evidence["in_one_file"] is (flush_every > 3)
     said = "the step it was given went back" if flush_every > 3 else "a step that went back"
     assert said in finding.message and "global step" in finding.fix
+
+
+def test_a_backward_recorded_twice_is_kept_once_with_one_warning(tmp_path: Path) -> None:
+    """record() called twice with the same backward_scalar (a loop that records before and after backward): the
+    second call would be read as a second microbatch, each token then weighing 2/N, a W applied twice. It is left
+    out with one warning, and the run is correct."""
+    from tokaudit import audit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Recorder(tmp_path, run_id="twice", optimizer=optimizer, announce=False) as rec:
+            for _ in range(3):
+                x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+                loss_sum = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+                b = loss_sum / 5
+                rec.record(loss_sum=loss_sum, valid_tokens=5, backward_scalar=b)
+                b.backward()
+                rec.record(loss_sum=loss_sum, valid_tokens=5, backward_scalar=b)  # again, after backward
+                optimizer.step()
+                optimizer.zero_grad()
+    said = [str(w.message) for w in caught if "twice" in str(w.message)]
+    assert len(said) == 1 and "left out" in said[0]
+    assert [(r["step"], r["micro"]) for r in read_rows(tmp_path / "twice")] == [(0, 0), (1, 0), (2, 0)]
+    report = audit([tmp_path / "twice"])
+    assert report.findings == [] and report.runs[0].verdict == "correct"
