@@ -116,6 +116,19 @@ def test_weights_shows_q_per_record(logs: Path) -> None:
     assert invoke("weights", str(logs), "--run", "bad", "--step", "99")[0] == 2
 
 
+def test_weights_shows_a_term_s_declared_weight_and_q_against_it(tmp_path: Path) -> None:
+    """A second term weighed λ = 0.3 and declared: its records show λ, e = c·g/(D·λ) and q = 1."""
+    main = records(UNEVEN_GA, token_mean)
+    aux = [dict(r, term="aux", term_weight=0.3, backward_scalar=0.3 * r["backward_scalar"]) for r in main]
+    write_by_rank(tmp_path / "weighed", main + aux)
+    code, out, _ = invoke("weights", str(tmp_path / "weighed"), "--step", "0", "--format", "csv")
+    rows = list(csv.DictReader(out.splitlines()))
+    assert code == 0 and {(r["term"], float(r["term_weight"])) for r in rows} == {("0", 1.0), ("aux", 0.3)}
+    assert all(abs(float(r["q"]) - 1) < 1e-12 for r in rows)
+    code, out, _ = invoke("weights", str(tmp_path / "weighed"), "--step", "0")
+    assert code == 0 and "λ" in out and "0.3" in out
+
+
 def test_weights_in_a_pipe_at_80_columns_never_splits_a_number(tmp_path: Path) -> None:
     """Too narrow for the table, each record is a block of key=value words that wrap between words only: every
     value reads back whole, the same as the CSV's."""

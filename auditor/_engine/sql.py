@@ -319,7 +319,7 @@ $pooled, the runs whose terms are one token mean)."""
 
 RECORDS_AT_SQL = """
 SELECT grp, term, rank, micro, world_size, valid_tokens, loss_sum, backward_scalar, grad_divisor,
-       grad_scale, eff * grad_divisor / grad_scale * term_weight AS implied_weight, eff,
+       grad_scale, term_weight, eff * grad_divisor / grad_scale * term_weight AS implied_weight, eff,
        eff * sum(valid_tokens) OVER (PARTITION BY grp, term) AS q,
        token_weight_min * grad_scale / grad_divisor / term_weight AS eff_min,
        token_weight_max * grad_scale / grad_divisor / term_weight AS eff_max,

@@ -207,6 +207,7 @@ def render_weights(run: str, step: int, records: pd.DataFrame, probe: ProbeQ | N
     )
     probed = probe is not None
     terms = records.term.nunique() > 1  # each loss term is its own token mean, with its own N
+    weighted = "term_weight" in records and bool((records.term_weight != 1).any())  # a term's declared λ
     columns = [
         "group",
         *(["term"] if terms else []),
@@ -218,7 +219,7 @@ def render_weights(run: str, step: int, records: pd.DataFrame, probe: ProbeQ | N
         "c",
         "D",
         "g",
-        "e = c·g/D",
+        *(["λ", "e = c·g/(D·λ)"] if weighted else ["e = c·g/D"]),
         "q = e·N",
         *(["probe q"] if probed else []),
         "sync",
@@ -227,7 +228,8 @@ def render_weights(run: str, step: int, records: pd.DataFrame, probe: ProbeQ | N
         table.add_column(header, justify="left" if header in ("group", "term", "sync") else "right", overflow="fold")
     outside = probe[2] if probe is not None else np.zeros(len(records), dtype=bool)
     rows = [
-        _record_cells(row, index, probe, outside, terms) for index, row in enumerate(records.itertuples(index=False))
+        _record_cells(row, index, probe, outside, terms, weighted)
+        for index, row in enumerate(records.itertuples(index=False))
     ]
     for cells in rows:
         table.add_row(*cells)
@@ -252,7 +254,7 @@ def render_weights(run: str, step: int, records: pd.DataFrame, probe: ProbeQ | N
 
 
 def _record_cells(
-    row: Any, index: int, probe: ProbeQ | None, outside: npt.NDArray[np.bool_], terms: bool
+    row: Any, index: int, probe: ProbeQ | None, outside: npt.NDArray[np.bool_], terms: bool, weighted: bool
 ) -> list[Text]:
     """One record's cells in `render_weights`' table: q green at 1, red off it; the probe's q red outside the
     record's own."""
@@ -274,6 +276,7 @@ def _record_cells(
         _number(row.implied_weight),
         _number(row.grad_divisor, 4),
         _number(row.grad_scale, 4),
+        *([_number(row.term_weight, 4)] if weighted else []),
         _number(row.eff),
     ]
     return [
