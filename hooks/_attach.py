@@ -57,10 +57,31 @@ def from_accelerator(accelerator: Any, model: Any, optimizer: Any, scaler: Any) 
         return model, optimizer, scaler
     models = list(getattr(accelerator, "_models", []))
     optimizers = list(getattr(accelerator, "_optimizers", []))
-    model = model if model is not None else (models[0] if len(models) == 1 else None)
+    if model is None and len(models) == 1:
+        model = models[0]
+        if not hasattr(model, "require_backward_grad_sync"):
+            # Accelerate keeps the bare module of a DDP model: the wrapper decides whether a backward syncs
+            model = _ddp_around(model) or model
     optimizer = optimizer if optimizer is not None else (optimizers[0] if len(optimizers) == 1 else None)
     scaler = scaler if scaler is not None else getattr(accelerator, "scaler", None)
     return model, optimizer, scaler
+
+
+def _ddp_around(module: Any) -> Any:
+    """The DistributedDataParallel that wraps `module`, found among what refers to it (the wrapper's `_modules`
+    dict, its attribute dict, the wrapper: three levels, searched once), else None."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    level = [module]
+    for _ in range(3):
+        referrers = [r for held in level for r in gc.get_referrers(held) if r is not level]
+        for holder in referrers:
+            if isinstance(holder, DistributedDataParallel) and holder.module is module:
+                return holder
+        level = [r for r in referrers if isinstance(r, dict)]
+    return None
 
 
 class AccelerateWatch:

@@ -9,6 +9,9 @@ Variants:
   so the reduced gradient is ∇ΣS/N.
 - local_mean: Accelerate's usual `loss = per_token[valid].mean()`; accelerator.backward divides it
   by GA: each microbatch weighs the same whatever its count.
+- manual_no_sync: W·S/N with Accelerate's gradient accumulation off (GA 1), the loop itself putting every
+  microbatch but the last under the prepared model's `no_sync()` and stepping once per update.
+- all_no_sync: the same with every microbatch under `no_sync()`: each rank steps on its own gradient.
 
 Rank 0 saves, per update, the parameters before it and the reduced gradient the optimizer saw
 (float64) to `<log-dir>/<variant>.pt`, for the test's single-process reference.
@@ -17,6 +20,7 @@ Rank 0 saves, per update, the parameters before it and the reduced gradient the 
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -34,8 +38,12 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--log-dir", required=True)
-    parser.add_argument("--variant", choices=("token_mean", "local_mean"), required=True)
+    parser.add_argument(
+        "--variant", choices=("token_mean", "local_mean", "manual_no_sync", "all_no_sync"), required=True
+    )
     args = parser.parse_args()
+    if args.variant.endswith("no_sync"):
+        return manual(args.log_dir, args.variant)
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     model = make_tiny_lm()  # float64, the same start in every process
@@ -70,6 +78,38 @@ def main() -> None:
         torch.save(history, Path(args.log_dir) / f"{args.variant}.pt")
     accelerator.end_training()
     del model, optimizer
+
+
+def manual(log_dir: str, variant: str) -> None:
+    """The loop accumulating by hand: `no_sync()` on the model Accelerate prepared (its DDP wrapper), which the
+    recorder finds from the bare module Accelerate keeps; one optimizer step per update."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    bare = make_tiny_lm()
+    model, optimizer = accelerator.prepare(bare, torch.optim.SGD(bare.parameters(), lr=0.5))
+    recorder = Recorder(log_dir, run_id=f"accelerate_{variant}", accelerator=accelerator)
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    history = []
+    for step, per_rank in enumerate(COUNTS):
+        batches = [microbatch(step, rank, micro, count) for micro, count in enumerate(per_rank[rank])]
+        global_tokens = global_valid_tokens([labels for _, labels, _ in batches])
+        before = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+        for micro, (tokens, labels, valid) in enumerate(batches):
+            synced = micro == len(batches) - 1 and variant == "manual_no_sync"
+            with nullcontext() if synced else model.no_sync():
+                per_token = recorder.probe(per_token_loss(model, tokens, labels), valid)
+                loss_sum = (per_token * valid).sum()
+                loss = world_size * loss_sum / global_tokens
+                recorder.record(loss_sum=loss_sum, valid_tokens=valid.sum(), backward_scalar=loss)
+                accelerator.backward(loss)
+        history.append({"before": before, "grads": [p.grad.detach().clone() for p in model.parameters()]})
+        optimizer.step()
+        optimizer.zero_grad()
+    recorder.close()
+    if rank == 0:
+        torch.save(history, Path(log_dir) / f"{variant}.pt")
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

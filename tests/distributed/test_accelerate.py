@@ -20,16 +20,27 @@ from tokaudit._auditing import audit
 pytestmark = [needs_integration("accelerate"), pytest.mark.distributed]
 
 
+VARIANTS = ("token_mean", "local_mean", "manual_no_sync", "all_no_sync")
+
+
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("accelerate")
-    for variant in ("token_mean", "local_mean"):  # as torchrun, which `accelerate launch` uses on CPU, runs it
+    for variant in VARIANTS:  # as torchrun, which `accelerate launch` uses on CPU, runs it
         launch("-m", "scenarios.accelerate_job", "--log-dir", str(root), "--variant", variant)
     return root
 
 
 @pytest.mark.parametrize(
-    "variant, correct, codes", [("token_mean", True, set()), ("local_mean", False, {"local_mean"})]
+    "variant, correct, codes",
+    [
+        ("token_mean", True, set()),
+        ("local_mean", False, {"local_mean"}),
+        # no accelerator.accumulate(): the recorder reads each backward's sync from the DDP wrapper Accelerate
+        # made (it keeps the bare module), not from sync_gradients, True outside accumulate()
+        ("manual_no_sync", True, set()),
+        ("all_no_sync", False, {"missing_sync"}),
+    ],
 )
 def test_the_verdict_follows_the_float64_reference(runs: Path, variant: str, correct: bool, codes: set[str]) -> None:
     history: list[dict[str, Any]] = torch.load(runs / f"{variant}.pt")
