@@ -424,11 +424,16 @@ class Recorder(UpdateTracking):
             run_deferred()  # a SIGTERM that arrived meanwhile acts now, on whole shards
 
     def _flush(self, wait_for_backward: bool) -> None:
+        def still_open(record: Record) -> bool:
+            return self._step_records > 0 and record.step == self._step
+
         if wait_for_backward and len(self._buffer) < 2 * self._flush_every:
             # the open update's records and those whose backward is still to come wait for the next shard
-            ready = self._buffer.take(
-                lambda record: record.backpropagated and not (self._step_records > 0 and record.step == self._step)
-            )
+            ready = self._buffer.take(lambda record: record.backpropagated and not still_open(record))
+        elif wait_for_backward:
+            # past twice a shard: every closed update goes, its backwards run or not; the open update's records
+            # wait still (a microbatch recorded before its backward is no record that never trained)
+            ready = self._buffer.take(lambda record: not still_open(record))
         else:
             ready = self._buffer.take(lambda record: True)
         # A captured loss that never reached backward (computed with grad, then unused) is no record.
