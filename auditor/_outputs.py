@@ -55,6 +55,7 @@ def emit(text: str, output: Path | None) -> None:
             temporary = Path(name)
             with os.fdopen(handle, "w", encoding="utf-8") as file:
                 file.write(text)
+            os.chmod(temporary, _mode_of(output))  # mkstemp's file is the owner's alone
             os.replace(temporary, output)
             temporary = None
     except OSError as error:
@@ -64,6 +65,16 @@ def emit(text: str, output: Path | None) -> None:
             temporary.unlink(missing_ok=True)
     if output.is_file():  # a device (/dev/null) or a pipe is no file written
         wrote(str(output))
+
+
+def _mode_of(output: Path) -> int:
+    """The permissions the report gets: those of the file it replaces, else a new file's under the umask."""
+    try:
+        return output.stat().st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def wrote(where: str, detail: str = "") -> None:

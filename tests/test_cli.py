@@ -455,6 +455,23 @@ def test_the_output_s_extension_names_its_format_and_it_is_said(logs: Path, tmp_
     assert code == 1 and json.loads((tmp_path / "report.out").read_text())["runs"]
 
 
+def test_a_report_gets_the_permissions_of_the_file_it_replaces_or_of_the_umask(logs: Path, tmp_path: Path) -> None:
+    """Written beside the output and renamed over it: the new file is not left the owner's alone (a temporary
+    file's 0600) but keeps the mode of the one it replaces, or a new file's under the umask."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        invoke("check", str(logs), "-q", "-o", str(tmp_path / "new.json"))
+        assert (tmp_path / "new.json").stat().st_mode & 0o777 == 0o644
+        (tmp_path / "shared.json").write_text("{}")
+        os.chmod(tmp_path / "shared.json", 0o664)
+        invoke("check", str(logs), "-q", "-o", str(tmp_path / "shared.json"))
+        assert (tmp_path / "shared.json").stat().st_mode & 0o777 == 0o664
+    finally:
+        os.umask(old)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="a tmpfs of 64 KiB is mounted for the full disk")
 def test_a_report_that_does_not_fit_leaves_the_one_before(logs: Path, tmp_path: Path) -> None:
     """-o onto a full filesystem: one line and exit 2, and the report that was there is whole, with no partial
