@@ -54,15 +54,17 @@ class TokenMean(L.LightningModule):  # each DataLoader item: one update's list o
 ACCELERATE = """\
 from tokaudit.hooks import global_valid_tokens, token_mean_loss
 
-batches = list(itertools.islice(loader_iter, M))  # M = gradient_accumulation_steps, drawn first
+# one update's microbatches, drawn first (the last update may hold fewer): no_sync() by hand, as accumulate()
+# cannot see the loader's end once its batches are drawn ahead
+batches = list(itertools.islice(loader_iter, M))  # M = gradient_accumulation_steps
 N = global_valid_tokens([b["labels"][:, 1:] for b in batches])
-for b in batches:
-    with accelerator.accumulate(model):
+for i, b in enumerate(batches):
+    with accelerator.no_sync(model) if i < len(batches) - 1 else contextlib.nullcontext():
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
         loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten(),
                                    ignore_index=-100, reduction="sum")
         accelerator.backward(M * token_mean_loss(loss_sum, N))  # Accelerate divides by M
-        optimizer.step(); optimizer.zero_grad()"""
+optimizer.step(); optimizer.zero_grad()"""
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ Variants:
   so the reduced gradient is ∇ΣS/N.
 - local_mean: Accelerate's usual `loss = per_token[valid].mean()`; accelerator.backward divides it
   by GA: each microbatch weighs the same whatever its count.
-- manual_no_sync: W·S/N with Accelerate's gradient accumulation off (GA 1), the loop itself putting every
-  microbatch but the last under the prepared model's `no_sync()` and stepping once per update.
+- manual_no_sync: docs/integrations.md's loop: GA·W·S/N, each update's microbatches drawn first and every one but
+  the last under `accelerator.no_sync(model)`, one optimizer step per update, the last update short.
 - all_no_sync: the same with every microbatch under `no_sync()`: each rank steps on its own gradient.
 
 Rank 0 saves, per update, the parameters before it and the reduced gradient the optimizer saw
@@ -31,6 +31,9 @@ from tokaudit.hooks import Recorder, global_valid_tokens
 
 # Valid tokens per step, rank and microbatch: uneven, so a local mean is not the token mean.
 COUNTS = (((5, 1), (3, 7)), ((2, 6), (6, 1)), ((8, 4), (2, 8)))
+
+MANUAL_COUNTS = (*COUNTS, ((3,), (5,)))
+"""The loops that sync by hand end on a short update: one microbatch where GA is 2."""
 
 
 def main() -> None:
@@ -85,22 +88,22 @@ def manual(log_dir: str, variant: str) -> None:
     recorder finds from the bare module Accelerate keeps; one optimizer step per update."""
     from accelerate import Accelerator
 
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     bare = make_tiny_lm()
     model, optimizer = accelerator.prepare(bare, torch.optim.SGD(bare.parameters(), lr=0.5))
     recorder = Recorder(log_dir, run_id=f"accelerate_{variant}", accelerator=accelerator)
     rank, world_size = accelerator.process_index, accelerator.num_processes
     history = []
-    for step, per_rank in enumerate(COUNTS):
+    for step, per_rank in enumerate(MANUAL_COUNTS):
         batches = [microbatch(step, rank, micro, count) for micro, count in enumerate(per_rank[rank])]
         global_tokens = global_valid_tokens([labels for _, labels, _ in batches])
         before = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
         for micro, (tokens, labels, valid) in enumerate(batches):
             synced = micro == len(batches) - 1 and variant == "manual_no_sync"
-            with nullcontext() if synced else model.no_sync():
+            with nullcontext() if synced else accelerator.no_sync(model):
                 per_token = recorder.probe(per_token_loss(model, tokens, labels), valid)
                 loss_sum = (per_token * valid).sum()
-                loss = world_size * loss_sum / global_tokens
+                loss = accelerator.gradient_accumulation_steps * world_size * loss_sum / global_tokens
                 recorder.record(loss_sum=loss_sum, valid_tokens=valid.sum(), backward_scalar=loss)
                 accelerator.backward(loss)
         history.append({"before": before, "grads": [p.grad.detach().clone() for p in model.parameters()]})

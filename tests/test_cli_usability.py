@@ -483,20 +483,3 @@ def test_a_weighting_finding_carries_the_token_mean_as_code_for_its_set_up() -> 
     code, out, _ = invoke("explain", "local_mean")
     longest = max(RECIPES["accelerate"].splitlines(), key=len)
     assert code == 0 and longest in out and "The token mean in Lightning" in out
-
-
-def test_in_a_pipe_the_aggregation_says_a_few_lines_however_many_ranges(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A log cut into many step ranges: in a pipe or a CI log, the first range, each quarter and the last, not a
-    line a range (on a terminal it is one progress bar)."""
-    from tests.logs import records, token_mean, write_by_rank
-
-    log = write_by_rank(tmp_path / "long", records([[[2], [3]]] * 400, token_mean), steps_per_file=10)
-    monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "20")
-    monkeypatch.setattr("tokaudit._opening.PROGRESS_ROWS", 1)  # progress is said for logs of a million rows and up
-    code, _, err = invoke("check", str(log))
-    said = [line for line in err.splitlines() if line.startswith("aggregating")]
-    total = int(said[-1].rsplit("/", 1)[-1].rstrip(")"))
-    assert code == 0 and 2 <= len(said) <= 5 and total >= 10, err
-    assert said[0].endswith(f"(1/{total})") and said[-1].endswith(f"({total}/{total})"), err
