@@ -30,6 +30,7 @@ def token_mean(outputs, labels, num_items_in_batch):  # num_items_in_batch: the 
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
                            reduction="sum") / num_items_in_batch
 
+model.loss_type = "ForCausalLM"  # the Trainer then counts num_items_in_batch over labels[..., 1:], as this loss
 args = TrainingArguments(..., average_tokens_across_devices=True)  # the Trainer multiplies by W
 trainer = Trainer(model=model, args=args, train_dataset=train_dataset, compute_loss_func=token_mean)"""
 

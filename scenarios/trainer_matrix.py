@@ -135,6 +135,7 @@ CELLS = (
     Cell("bert-no-average", "bert", False),
     Cell("custom-mean", "llama", True, loss="mean"),
     Cell("custom-sum", "llama", True, loss="sum"),
+    Cell("custom-sum-gpt2", "gpt2", True, loss="sum", loss_type="ForCausalLM"),
     Cell("no-kwargs", "llama", True, loss="no_kwargs"),
     Cell("lightning", "llama", False, trainer="lightning"),
     Cell("lightning-token-mean", "llama", False, loss="sum", trainer="lightning"),

@@ -152,6 +152,7 @@ MATRIX_CELLS = (
     "trl-sft-completion",
     "trl-sft-packing",
     "lightning-token-mean",
+    "custom-sum-gpt2",  # tokaudit._recipes.TRANSFORMERS, the fix its findings give Trainer users, on GPT-2
 )
 """The cells of docs/trainer-matrix.md run here (`python scripts/trainer_matrix.py` runs them all)."""
 
@@ -194,7 +195,7 @@ def test_the_verdict_and_exit_code_follow_the_float64_reference(matrix: dict[str
         finding = findings["scale_mismatch"]
         assert 0.8 < finding["evidence"]["distortion"] < 1.0
         assert "after the causal shift" in finding["fix"] and 'model.loss_type = "ForCausalLM"' in finding["fix"]
-    elif name == "lightning-token-mean":  # tokaudit._recipes.LIGHTNING, the fix its findings give Lightning users
+    elif name in ("lightning-token-mean", "custom-sum-gpt2"):  # tokaudit._recipes' LIGHTNING and TRANSFORMERS
         assert row.correct and run["normalization"]["denominator"] == "N"
     elif name.startswith("trl-"):
         # TRL's SFTTrainer: no cross-entropy call, the loss from its fused LM head, recorded there; completion-only
