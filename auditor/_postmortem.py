@@ -278,7 +278,9 @@ def curve_parts(
             and table.empty
             and (engine is not None or not logset.problems)
         ):
-            raise UsageError(f"no step from {steps[0]} to {steps[1]} in the logs")
+            raise UsageError(
+                f"no step from {steps[0]} to {steps[1]} in the logs (without --steps the curve has every step)"
+            )
         if engine is None:
             raise _nothing_readable(logset)
         try:

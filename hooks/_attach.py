@@ -61,13 +61,13 @@ def from_accelerator(accelerator: Any, model: Any, optimizer: Any, scaler: Any) 
         model = models[0]
         if not hasattr(model, "require_backward_grad_sync"):
             # Accelerate keeps the bare module of a DDP model: the wrapper decides whether a backward syncs
-            model = _ddp_around(model) or model
+            model = ddp_around(model) or model
     optimizer = optimizer if optimizer is not None else (optimizers[0] if len(optimizers) == 1 else None)
     scaler = scaler if scaler is not None else getattr(accelerator, "scaler", None)
     return model, optimizer, scaler
 
 
-def _ddp_around(module: Any) -> Any:
+def ddp_around(module: Any) -> Any:
     """The DistributedDataParallel that wraps `module`, found among what refers to it (the wrapper's `_modules`
     dict, its attribute dict, the wrapper: three levels, searched once), else None."""
     import gc

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from tokaudit.hooks._capture import record_mean
-from tokaudit.hooks._attach import trainer_run_id, version_of
+from tokaudit.hooks._attach import ddp_around, trainer_run_id, version_of
 from tokaudit.hooks._recorder import Recorder
 from tokaudit.hooks._trl_trainers import NOT_A_TOKEN_MEAN, trl_trainer, watch_fused_head
 
@@ -61,6 +61,8 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             warnings.warn(NOT_A_TOKEN_MEAN.format(name=trl), RuntimeWarning, stacklevel=2)
             return
         wrapped = getattr(self.trainer, "model_wrapped", None) if self.trainer is not None else None
+        if not isinstance(wrapped, DistributedDataParallel) and model is not None:
+            wrapped = ddp_around(model)  # given as callbacks=[...]: no trainer, the DDP wrapper found around its model
         ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
         # Accelerate wraps the optimizer; its step() reaches the torch optimizer once per update.
         torch_optimizer = getattr(optimizer, "optimizer", optimizer)

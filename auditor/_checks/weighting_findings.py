@@ -87,11 +87,16 @@ def _nonuniform_finding(
     # a record, which the records' mean weights described here cannot show
     tokens_ratio = float(weight_ratio(float(row.token_weight_low), float(row.token_weight_high)))
     evidence.update({"heaviest": heavy, "lightest": light, "weight_ratio": tokens_ratio})
+    # two records of one n weighed apart by their ranks' totals: the totals say why
+    totals = heavy["valid_tokens"] == light["valid_tokens"] and heavy["rank_tokens"] != light["rank_tokens"]
+    heavy_n, light_n = (
+        (f"n={record['valid_tokens']}" + (f" of its rank's n_r={record['rank_tokens']}" if totals else ""))
+        for record in (heavy, light)
+    )
     where = (
-        f"at step {step}{grp} a token on rank {heavy['rank']} (microbatch {heavy['micro']}, "
-        f"n={heavy['valid_tokens']}) received {ratio:.3g}× the weight of a token on rank {light['rank']} "
-        f"(microbatch {light['micro']}, n={light['valid_tokens']}); the correct weight is 1/N = 1/{tokens}, "
-        f"they got {heavy_e * tokens:.3g}/N and {light_e * tokens:.3g}/N"
+        f"at step {step}{grp} a token on rank {heavy['rank']} (microbatch {heavy['micro']}, {heavy_n}) received "
+        f"{ratio:.3g}× the weight of a token on rank {light['rank']} (microbatch {light['micro']}, {light_n}); the "
+        f"correct weight is 1/N = 1/{tokens}, they got {heavy_e * tokens:.3g}/N and {light_e * tokens:.3g}/N"
     )
     shift = (
         counted_before_shift(

@@ -863,3 +863,11 @@ def test_a_named_term_off_by_one_factor_is_an_undeclared_weight_and_the_logs_can
     assert codes(alone) == {"scale_mismatch"} and alone.runs[0].verdict == "incorrect"
     varying = [dict(r, backward_scalar=(1 + r["step"]) * r["backward_scalar"]) for r in aux]
     assert "undeclared_term_weight" not in codes(audit_rows(tmp_path / "varying", main + varying))
+
+
+def test_two_tokens_of_one_n_weighed_apart_by_their_ranks_totals_say_the_totals(tmp_path: Path) -> None:
+    """A rank-local mean where the heaviest and lightest records both hold n = 3: the message gives each one's
+    rank total n_r, which is what weighed them apart (n alone would read as no reason at all)."""
+    rows = records([[[3, 3], [3, 9]]] * 2, lambda S, n_r, **_: S / n_r)  # each rank's own mean
+    finding = only(audit_rows(tmp_path, rows), Code.LOCAL_MEAN)
+    assert "n=3 of its rank's n_r=6)" in finding.message and "n=3 of its rank's n_r=12)" in finding.message

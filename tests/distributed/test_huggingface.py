@@ -71,13 +71,18 @@ def make_trainer(rank: int, log_dir: str, average_tokens: bool, family: str = "l
     return Trainer(model=model, args=args, train_dataset=padded_sequences())
 
 
-def trained_parameters(rank: int, log_dir: str, family: str, attached: bool, smoothing: float = 0.0) -> list[Any]:
+def trained_parameters(
+    rank: int, log_dir: str, family: str, attached: bool, smoothing: float = 0.0, as_callback: bool = False
+) -> list[Any]:
     """Train with the HF Trainer's defaults (average_tokens_across_devices=True), with or without the
-    one-line attach; the parameters it ends with."""
+    one-line attach (or the callback given as Trainer(callbacks=[...]) does, no trainer known to it); the
+    parameters it ends with."""
     from tokaudit.hooks.huggingface import TokauditCallback
 
     trainer = make_trainer(rank, log_dir, True, family, smoothing)
-    if attached:
+    if as_callback:
+        trainer.add_callback(TokauditCallback(log_dir, run_id=f"{family}_callback"))
+    elif attached:
         TokauditCallback.attach(trainer, log_dir, run_id=family)
     trainer.train()
     return [p.detach().clone() for p in trainer.model.parameters()]
@@ -98,6 +103,8 @@ def attach_changes_nothing_job(rank: int, world_size: int, log_dir: str, family:
     plain = trained_parameters(rank, f"{log_dir}/plain", family, attached=False)
     recorded = trained_parameters(rank, log_dir, family, attached=True)
     assert all(torch.equal(a, b) for a, b in zip(plain, recorded)), "the attach changed the training"
+    if family == "llama":
+        trained_parameters(rank, log_dir, family, attached=True, as_callback=True)
 
 
 def scaler_job(rank: int, world_size: int, log_dir: str) -> None:
@@ -141,6 +148,7 @@ def hf_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # The raw cross-entropy reaches the Trainer, which scales it in place (`loss *= W`): a BERT-style
     # model that ignores num_items_in_batch. The attach must neither crash nor change the training.
     run_ddp(attach_changes_nothing_job, 2, str(root), "bert", timeout=240)
+    run_ddp(attach_changes_nothing_job, 2, str(root), "llama", timeout=240)
     return root
 
 
@@ -247,6 +255,14 @@ def test_single_process_trainer_trains_unchanged(
 
     for shard in (tmp_path / family).glob("*.parquet"):  # the fixes may then name the Trainer's settings
         assert json.loads(pq.read_schema(shard).metadata[b"tokaudit.provenance"])["trainer"] == "transformers"
+
+
+def test_the_callback_given_as_trainer_callbacks_finds_the_ddp_model_as_the_attach_does(hf_logs: Path) -> None:
+    """TokauditCallback given to the Trainer as a callback (no trainer known to it, only the model it is handed):
+    the DDP wrapper around that model gives D and each backward's sync, so the run reads as the attach's does."""
+    attached, given = (audit_run(hf_logs, name) for name in ("llama", "llama_callback"))
+    assert given.findings == attached.findings == []
+    assert given.runs[0].verdict == attached.runs[0].verdict == "correct" and given.runs[0].divisors == [2.0]
 
 
 def test_trainer_under_a_grad_scaler_is_correct_and_its_overflow_is_a_skipped_step(hf_logs: Path) -> None:
