@@ -244,9 +244,11 @@ class SyncCheck(Check):
         super().__init__(term)
         self.missing, self.unsynced, self.cleared = self.steps(), 0.0, 0
         self.every, self.every_count, self.multi_count = self.steps(), 0, 0
+        self.last_step = -1
 
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         step, unsynced = column_of(block, "step"), column_of(block, "unsynced_ranks")
+        self.last_step = max(self.last_step, int(step.max()) if len(step) else -1)
         records = column_of(block, "records")
         self.missing.add(step[unsynced > 0])
         self.unsynced += nan_sum(unsynced)
@@ -275,12 +277,20 @@ class SyncCheck(Check):
                 {"rank_steps": int(self.unsynced), "cleared_steps": self.cleared},
             )
         elif self.missing:
+            seen = self.missing.range()
+            # the run's last update alone: a loop that ended inside it (a loader drawn ahead, whose end the trainer
+            # did not see) neither syncs nor steps, and reads the same
+            ended = (
+                " Only the run's last step: if the run ended inside that update, nothing was applied."
+                if seen.count == 1 and seen.first == self.last_step
+                else ""
+            )
             yield make_finding(
                 self.context,
                 Code.MISSING_SYNC,
                 self.missing,
                 f"The last microbatch of a step did not synchronize gradients on "
-                f"{int(self.unsynced)} rank-step(s): those ranks stepped on their local gradient.",
+                f"{int(self.unsynced)} rank-step(s): those ranks stepped on their local gradient.{ended}",
                 "run the last microbatch's forward and backward outside model.no_sync()",
                 {"rank_steps": int(self.unsynced)},
             )

@@ -871,3 +871,17 @@ def test_two_tokens_of_one_n_weighed_apart_by_their_ranks_totals_say_the_totals(
     rows = records([[[3, 3], [3, 9]]] * 2, lambda S, n_r, **_: S / n_r)  # each rank's own mean
     finding = only(audit_rows(tmp_path, rows), Code.LOCAL_MEAN)
     assert "n=3 of its rank's n_r=6)" in finding.message and "n=3 of its rank's n_r=12)" in finding.message
+
+
+def test_a_run_whose_last_update_alone_never_synced_says_it_may_have_ended_inside_it(tmp_path: Path) -> None:
+    """The last microbatch of the run's last update unsynced on every rank (a loop that ended inside that update,
+    its loader drawn ahead): missing_sync says the update may never have been applied. Mid-run, it does not."""
+    rows = records(UNEVEN_GA * 2, token_mean)
+    for row in rows:
+        row["sync"] = row["micro"] == 1 and row["step"] != 5
+    finding = only(audit_rows(tmp_path / "last", rows), Code.MISSING_SYNC)
+    assert finding.steps.first == 5 and "Only the run's last step" in finding.message
+    for row in rows:
+        row["sync"] = row["micro"] == 1 and row["step"] != 2
+    finding = only(audit_rows(tmp_path / "middle", rows), Code.MISSING_SYNC)
+    assert "Only the run's last step" not in finding.message
