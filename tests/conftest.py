@@ -4,7 +4,10 @@ session fixtures are made once; every other test goes to whichever worker is fre
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
@@ -15,6 +18,11 @@ os.environ.setdefault("TOKAUDIT_QUIET", "1")
 # One OpenMP thread a process: two xdist workers and their jobs already fill the cores, and an idle OpenMP team
 # spins, taking CPU from the other worker. The DDP jobs set the same (scenarios/harness.py).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# What a recorder cannot write goes to a spool of the session's own, not the user's ~/.cache/tokaudit/spool (the
+# tests of unwritable folders spool shards there); worker processes and jobs inherit it.
+if "TOKAUDIT_SPOOL" not in os.environ:
+    os.environ["TOKAUDIT_SPOOL"] = tempfile.mkdtemp(prefix="tokaudit-test-spool-")
+    atexit.register(shutil.rmtree, os.environ["TOKAUDIT_SPOOL"], True)
 
 SERIAL = "tests/distributed/"
 
