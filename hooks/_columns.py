@@ -225,6 +225,14 @@ def check_scalar(name: str, value: object) -> None:
     raise ValueError(f"{name} must be a number or a one-element tensor, got {type(value).__name__}")
 
 
+def plain(value: object) -> Any:
+    """A numpy scalar or one-element array as the Python number it holds (Arrow takes no 0-d array); any other
+    value as it is. Called on `check_scalar`'s values."""
+    if value is None or isinstance(value, bool | int | float | torch.Tensor):
+        return value
+    return value.item()  # type: ignore[attr-defined]
+
+
 def writable_rows(columns: dict[str, Any], probed: list[bool]) -> tuple[list[bool], int]:
     """Rows the auditor accepts, and how many of them had their positions cleared. A row needs a
     count n of 0 to 2³¹ − 1, a loss sum, a backward scalar unless the probe measured the weights, and a

@@ -16,7 +16,7 @@ import torch
 from tokaudit.hooks._attach import AccelerateWatch, from_accelerator, torch_optimizer, version_of
 from tokaudit.hooks._buffer import RecordBuffer
 from tokaudit.hooks._record import UNTRAINED, Record, detached, never_trained, new_record
-from tokaudit.hooks._columns import Value, check_arguments, positive
+from tokaudit.hooks._columns import Value, check_arguments, plain, positive
 from tokaudit.hooks._identity import Placement
 from tokaudit.hooks._output import ShardOutput, Stamp
 from tokaudit.hooks._capture import capture_cross_entropy, probe_into
@@ -179,6 +179,13 @@ class Recorder(UpdateTracking):
         """Return `per_token_loss` unchanged; backward records ∂b/∂ℓᵢ for this microbatch's record."""
         if self._closed or self._paused:
             return per_token_loss
+        if per_token_loss.requires_grad and not torch.is_grad_enabled():  # its output would cut the gradient
+            self.warn_once(
+                "probe-no-grad",
+                "tokaudit: probe() was called under torch.no_grad(); it returns its input as it is and measures "
+                "nothing there (call it where the loss is computed, with gradients on)",
+            )
+            return per_token_loss
         if not per_token_loss.requires_grad or in_backward():  # activation checkpointing (`Recomputations`)
             result = self._recomputed.result(per_token_loss.requires_grad)
             return per_token_loss if result is None else probe_into(self, per_token_loss, valid_mask, result)
@@ -223,12 +230,8 @@ class Recorder(UpdateTracking):
                 grad_scale=grad_scale,
             )
             check_arguments(step, micro, **values)
+            values = {name: plain(value) for name, value in values.items()}
             if step is None and self._recorded_already(term, backward_scalar):
-                self.warn_once(
-                    "recorded-twice",
-                    f"tokaudit: record() was given the same backward_scalar twice for one backward of term {term!r}; "
-                    "the second call is left out (one record a backward and term)",
-                )
                 return
             probe = self._pending_probe
             deferred = micro is None and _captured and probe is not None

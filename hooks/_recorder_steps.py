@@ -62,11 +62,16 @@ class UpdateTracking:
 
     def _recorded_already(self, term: str, scalar: Any) -> bool:
         """Whether `scalar` is the very tensor the term's last record of the open update holds (record() called
-        twice for one backward), else remember it as that record's."""
+        twice for one backward: said once), else remember it as that record's."""
         if not isinstance(scalar, torch.Tensor):
             return False
         last = self._scalars.get(term)
         if last is not None and last() is scalar:
+            self.warn_once(
+                "recorded-twice",
+                f"tokaudit: record() was given the same backward_scalar twice for one backward of term {term!r}; "
+                "the second call is left out (one record a backward and term)",
+            )
             return True
         self._scalars[term] = weakref.ref(scalar)
         return False

@@ -788,3 +788,38 @@ def test_a_microbatch_recorded_before_its_backward_is_kept_whatever_the_shard_si
     assert not [w for w in caught if "tokaudit" in str(w.message)], [str(w.message) for w in caught]
     rows = read_rows(tmp_path / "small")
     assert sorted((r["step"], r["micro"]) for r in rows) == [(s, m) for s in range(3) for m in range(2)]
+
+
+def test_a_probe_called_under_no_grad_leaves_the_loss_trainable_and_says_so(tmp_path: Path) -> None:
+    """probe() inside torch.no_grad() (a loop that wraps its bookkeeping so): its output would hold no gradient and
+    the backward after it would raise. It returns its input, one warning says it measured nothing there, and
+    training goes on as without the recorder."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Recorder(tmp_path, run_id="nograd", announce=False) as rec:
+            per_token = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+            with torch.no_grad():
+                probed = rec.probe(per_token, torch.ones(5, dtype=torch.bool))
+            assert probed is per_token and probed.requires_grad
+            loss_sum = probed.sum()
+            rec.record(loss_sum=loss_sum, valid_tokens=5, backward_scalar=loss_sum / 5)
+            (loss_sum / 5).backward()
+    assert model.weight.grad is not None
+    assert sum("no_grad" in str(w.message) for w in caught) == 1
+    (row,) = read_rows(tmp_path / "nograd")
+    assert row["token_weight_sum"] is None  # nothing measured: the record is judged from b/S
+
+
+def test_numpy_numbers_and_zero_dimensional_arrays_are_recorded_as_numbers(tmp_path: Path) -> None:
+    """A loop computing its counts and sums with numpy: 0-d arrays and numpy scalars are the numbers they hold
+    (Arrow takes no 0-d array: every record was lost at the flush)."""
+    import numpy as np
+
+    with Recorder(tmp_path, run_id="numpy", announce=False) as rec:
+        rec.record(loss_sum=np.array(6.0), valid_tokens=np.array(4), backward_scalar=np.float64(1.5))
+        rec.record(loss_sum=np.float32(2.0), valid_tokens=np.int64(2), backward_scalar=np.array([0.5]))
+    rows = read_rows(tmp_path / "numpy")
+    assert [(r["loss_sum"], r["valid_tokens"], r["backward_scalar"]) for r in rows] == [(6.0, 4, 1.5), (2.0, 2, 0.5)]
