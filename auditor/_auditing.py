@@ -22,7 +22,8 @@ from tokaudit._reader import Shard
 from tokaudit._report import AuditReport, Finding, RunSummary, Segment
 from tokaudit._schema import UNNAMED, Provenance
 from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
-from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of
+from tokaudit._step_parts import without_step
+from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, unfinished_finding
 
 
 _CODE_ORDER = {code: index for index, code in enumerate(Code)}
@@ -241,7 +242,11 @@ class _RunJudge:
         if source is None:
             had_steps = lost is not None and run_steps(parts, run, self.horizon, None) is not None
             return ([lost.finding(run)], _lost_summary(run, bits, rtol)) if lost and had_steps else ([], None)
-        # Steps whose counts the probe contradicts are left out of the checks and the summary alike.
+        # An update the run stopped inside (its recorder said so) and steps whose counts the probe contradicts are
+        # left out of the checks and the summary alike.
+        stopped = self.setups.get(run, Provenance()).unfinished
+        unfinished = without_step(source, stopped) if stopped is not None else None
+        source = unfinished or source
         source, miscounted = without_miscounted(source, rtol)
         objective = one_objective(source, rtol)
         run_findings, spans, omitted = check_run(
@@ -251,6 +256,8 @@ class _RunJudge:
             run_findings.append(lost.finding(run))
         if miscounted:
             run_findings.append(miscounted.finding(run))
+        if unfinished is not None and stopped is not None:
+            run_findings.append(unfinished_finding(run, stopped))
         # The verdict is a claim about the gradient: it reads every finding. --ignore leaves some out of the listing
         # and of what fails the command (`gate_verdict`), never out of the verdict.
         run_findings = apply_policy(run_findings, self.judging.min_ratio)

@@ -170,8 +170,9 @@ def dropped_metadata(run: str, group: str, rank: int, steps: list[tuple[int, int
 
 PROVENANCE_KEY = b"tokaudit.provenance"
 """Shard footer metadata the recorder writes on every shard: JSON {"tokaudit", "torch", "world_size",
-"launch_world_size", "launch", "pipeline" with a schedule, and "trainer" with "trainer_version" when an integration
-attached it}; the fix text uses the trainer to name that trainer's own settings."""
+"launch_world_size", "launch", "pipeline" with a schedule, "trainer" with "trainer_version" when an integration
+attached it, and "unfinished", the update it closed inside}; the fix text uses the trainer to name that trainer's own
+settings."""
 
 
 def provenance_metadata(provenance: dict[str, Any]) -> dict[bytes, bytes]:
@@ -192,6 +193,8 @@ class Provenance:
     launch: int | None = None
     """The number the first shard of the launch that wrote this one took in its folder: of two launches, the one
     with the higher number started after the other had written (no clock involved). A shard's only."""
+    unfinished: int | None = None
+    """The update its recorder closed inside, its optimizer never stepped (a stopped job): a shard's only."""
 
 
 def read_provenance(metadata: dict[bytes, bytes] | None) -> Provenance:
@@ -213,6 +216,7 @@ def read_provenance(metadata: dict[bytes, bytes] | None) -> Provenance:
         schedule_divisor=whole(pipeline.get("microbatches"), 2) if pipeline.get("scale_grads") is True else None,
         launch_world_size=whole(facts.get("launch_world_size"), 1),
         launch=whole(launch.get("first_shard"), 0) if isinstance(launch, dict) else None,
+        unfinished=whole(facts.get("unfinished"), 0),
     )
 
 

@@ -117,3 +117,17 @@ def run_steps(
     if not groups:
         return None
     return RunSteps(selected, sorted(groups), main_term_first(terms))
+
+
+def without_step(source: RunSteps, step: int) -> RunSteps | None:
+    """The run's table without one step (every group and term of it); None where nothing else is left."""
+
+    def parts() -> Iterator[pd.DataFrame]:
+        for part in source.parts():
+            keep = part.step.to_numpy() != step
+            if not keep.all():
+                part = part[keep].reset_index(drop=True)
+            if len(part):
+                yield part
+
+    return RunSteps(parts, source.groups, source.terms) if any(True for _ in parts()) else None

@@ -76,7 +76,25 @@ def setups_of(shards: Sequence[Shard]) -> dict[str, Provenance]:
         for name in ("trainer", "schedule_divisor", "launch_world_size"):
             if getattr(shard.provenance, name) is not None:
                 facts.setdefault(name, getattr(shard.provenance, name))
+        if shard.provenance.unfinished is not None:  # the run's last update stopped inside (a recorder's, the latest)
+            facts["unfinished"] = max(facts.get("unfinished", -1), shard.provenance.unfinished)
     return {run: Provenance(**facts) for run, facts in found.items()}
+
+
+def unfinished_finding(run: str, step: int) -> Finding:
+    """unfinished_update: the update a recorder closed inside, never stepped, left out of the checks."""
+    return Finding(
+        run=run,
+        code=Code.UNFINISHED_UPDATE,
+        severity=DEFAULT_SEVERITY[Code.UNFINISHED_UPDATE],
+        steps=StepRange(step, step, 1),
+        message=f"The run stopped inside update {step}: its records never reached an optimizer step (a job "
+        "stopped or preempted, an error, or a loader that ended inside the update), so it holds part of its "
+        "microbatches at most and is not judged; the updates before it are.",
+        fix="nothing where the run was stopped; where a loader ends inside an update, let the trainer step the short "
+        "last update or draw whole updates only",
+        evidence={"step": step},
+    )
 
 
 def dropped_steps(shards: Sequence[Shard]) -> dict[str, DroppedRecords]:

@@ -60,6 +60,7 @@ class Code(str, Enum):
     COUNT_MISMATCH = "count_mismatch"
     RANKS_NOT_RECORDED = "ranks_not_recorded"
     TERMS_ONE_OBJECTIVE = "terms_one_objective"
+    UNFINISHED_UPDATE = "unfinished_update"
 
 
 Family = Literal["weighting", "reporting", ""]
@@ -443,6 +444,16 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         "W = 2 (D = 2): every token weighs e = 1/8; term 0 alone reads q = 3/8, term 1 q = 5/8, together "
         "e·ΣN = 1.",
         detail="at every step each term's tokens weigh the same e and e·ΣN over the terms is 1",
+    ),
+    Code.UNFINISHED_UPDATE: CodeDoc(
+        Severity.INFO,
+        "the run stopped inside an update its optimizer never stepped: that update is not judged",
+        why="A job stopped by SIGTERM (preemption, a time limit) or an error between two microbatches leaves the "
+        "records of an update that was never applied, and only some of its microbatches: N over them is not the "
+        "update's, so its weights would read as wrong. The recorder, which watches the optimizer, says so in the "
+        "shards' footers at close() or at the signal, and the audit leaves that update out.",
+        fix="Nothing where the run was stopped. Where a loader ends inside an update, let the trainer step it.",
+        example="SIGTERM between the two microbatches of update 5: steps 0–4 are judged, step 5 is said here.",
     ),
 }
 """Every Code, in the Code enum's order (tests check both)."""

@@ -455,6 +455,7 @@ class Recorder(UpdateTracking):
         """Stop a started capture, flush everything and detach the hooks. Safe to call twice."""
         if self._closed:
             return
+        self.note_unfinished()  # the update under way, if any, is never stepped now
         if self._capture is not None:
             self._capture.__exit__(None, None, None)
             self._capture = None
@@ -477,7 +478,6 @@ class Recorder(UpdateTracking):
         self.close()
 
     # ---------------------------------------------------------------- internals: identity, shards
-
     def _hook_model(self) -> None:
         if self._model is not None and hasattr(self._model, "require_backward_grad_sync"):
             # DDP decides at forward time whether this backward all-reduces, so read the flag there.

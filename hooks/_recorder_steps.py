@@ -26,6 +26,7 @@ class UpdateTracking:
     _scaler: ScalerWatch | None
     _handles: list[Any]
     _warned: set[str]
+    provenance: dict[str, Any]
 
     def _init_steps(self, grad_scale: float | None) -> None:
         """Where the next record goes: the update and microbatch counters, the open calls and the scale."""
@@ -75,6 +76,13 @@ class UpdateTracking:
             return True
         self._scalars[term] = weakref.ref(scalar)
         return False
+
+    def note_unfinished(self) -> None:
+        """At close() or a terminating signal: records of an update the watched optimizer never stepped (a job
+        stopped inside it, a loader that ended inside it) say so in the shards' footers ("unfinished"), and the
+        audit does not judge that update on the microbatches it holds."""
+        if self._optimizer is not None and self._step_records > 0:
+            self.provenance["unfinished"] = self._step
 
     def _note_sync(self, term: str, sync: bool | None) -> None:
         """Whether the record of `term` just made synchronized gradients (`_numbered` reads it for the next)."""

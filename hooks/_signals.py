@@ -40,6 +40,7 @@ def _flush_then_chain(signum: int, frame: Any) -> None:
         return
     for recorder in recorders:
         try:
+            recorder.note_unfinished()  # the update under way ends here, never stepped
             recorder.flush()
         except Exception:  # the signal's own action matters more than one last shard
             pass

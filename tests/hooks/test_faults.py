@@ -357,3 +357,43 @@ def test_a_failed_write_is_retried_alone_even_when_asking_the_store_about_it_fai
     store.down = store.cannot_tell = False
     assert backlog.write(lambda: store, lambda dropped: {}) is None
     assert written == [2, 1]
+
+
+INTERRUPTED_SCRIPT = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {root!r})
+    import torch
+    from tokaudit.hooks import Recorder
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = Recorder(sys.argv[1], run_id="stopped", optimizer=optimizer, announce=False)
+    for update in range(4):
+        counts = (2, 7)  # the update's N = 9 over its two microbatches, counted before the first backward
+        for micro, n in enumerate(counts):
+            x, y = torch.randn(n, 4), torch.randint(0, 3, (n,))
+            loss_sum = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+            rec.record(loss_sum=loss_sum, valid_tokens=n, backward_scalar=loss_sum / sum(counts))
+            (loss_sum / sum(counts)).backward()
+            if update == 3 and micro == 0:
+                print("inside", flush=True)  # SIGTERM now: the update's second microbatch never comes
+                time.sleep(60)
+        optimizer.step()
+        optimizer.zero_grad()
+""")
+
+
+@pytest.mark.slow
+def test_a_job_stopped_inside_an_update_is_judged_on_the_updates_before_it(tmp_path: Path) -> None:
+    """SIGTERM between the two microbatches of update 3 of a correct loop: the log holds that update's first
+    microbatch alone (N over it is not the update's: its weights would read 2/9 of 1/N, scale_mismatch). The
+    recorder says the update was never stepped; the audit leaves it out (unfinished_update, information) and the run
+    is correct on updates 0–2."""
+    from tokaudit import audit
+
+    code = terminate_when(INTERRUPTED_SCRIPT, tmp_path, "inside")
+    assert code == -signal.SIGTERM
+    assert sorted({(r["step"], r["micro"]) for r in read_rows(tmp_path / "stopped")})[-1] == (3, 0)
+    report = audit([tmp_path / "stopped"])
+    assert [(f.code.value, f.steps.first) for f in report.findings] == [("unfinished_update", 3)]
+    assert report.runs[0].verdict == "correct" and report.runs[0].steps == 3
