@@ -224,8 +224,8 @@ class ShardOutput:
                     "resumed",
                     f"tokaudit: {self.log_dir} already holds shards of {self.prefix} and this "
                     "recorder starts at step 0 again: a resumed run without rec.begin_step(step) "
-                    "(the trainer's global step) repeats step numbers, which the audit reports as "
-                    "duplicate_records",
+                    "(the trainer's global step), an earlier launch of the same run id, or a second Recorder of "
+                    "this run in one process repeats step numbers, which the audit reports as duplicate_records",
                 )
         return self.writer
 
