@@ -115,7 +115,8 @@ class RunSummary:
     """False where the files given lack some ranks' records (`ranks_not_recorded`): every step's N is partial,
     so neither the normalization nor q is judged (the JSON then has no weight_range)."""
     weight_range: tuple[float, float] | None = None
-    """Lowest and highest q = e·N of a valid token over the run: its weight relative to 1/N (1 when correct)."""
+    """Lowest and highest q = e·N of a valid token over the run: its weight relative to 1/N (1 when correct); None
+    where q cannot be stated (ranks without records, or a divisor D nobody could see)."""
     segments_omitted: int = 0
     """Segments not listed in `segments` (a normalization that changes at every step makes one per step)."""
     terms_pooled: bool = False

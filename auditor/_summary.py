@@ -184,7 +184,10 @@ def run_summary(
         weights.add(part, pooled)
     judged, max_ratio = weights.judged, weights.max_ratio()
     judged_ranks = not any(f.code == Code.RANKS_NOT_RECORDED for f in findings)  # else every N is partial
-    weight_range = (weights.q_low.value(), -weights.q_high.value()) if weights.weighted_any and judged_ranks else None
+    # q = e·N needs D: where the reduction's divisor could not be seen, the finding gives q under each reading
+    seen_divisor = not any(f.code == Code.UNKNOWN_DIVISOR for f in findings)
+    weighted = weights.weighted_any and judged_ranks and seen_divisor
+    weight_range = (weights.q_low.value(), -weights.q_high.value()) if weighted else None
     main = [s for s in segments if s.term == source.terms[0]]
     return RunSummary(
         run=run,
