@@ -326,6 +326,17 @@ def test_live_leaves_out_steps_not_every_rank_has_flushed(tmp_path: Path) -> Non
     assert code == 0 and report["findings"] == [] and report["runs"][0]["steps"] == 4
 
 
+def test_live_waits_for_no_rank_that_an_elastic_resize_left(tmp_path: Path) -> None:
+    """W = 2 through step 2, then W = 1 (rank 1 gone): --live judges every step rank 0 recorded since, not only
+    those rank 1 reached (the recorder's close audit waited 20 s for it, then said no verdict)."""
+    before = records(UNEVEN_GA, token_mean)
+    after = records([[[3, 4]]] * 3, token_mean, step_offset=3)  # rank 0 alone, W = 1
+    write_by_rank(tmp_path / "run", before + after)
+    code, out, _ = invoke("check", str(tmp_path), "--format", "json", "--live")
+    report = json.loads(out)
+    assert report["runs"][0]["steps"] == 6 and report["runs"][0]["world_size"] == [1, 2]
+
+
 def test_weights_reads_only_the_shards_that_hold_its_step(tmp_path: Path) -> None:
     """A one-step view of a large log: shards whose footer statistics put every step elsewhere are
     not read (a shard with damaged data pages for steps 3–5 stays unread for step 1)."""

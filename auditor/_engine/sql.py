@@ -331,9 +331,12 @@ FROM records WHERE run = ? AND step = ? ORDER BY grp, term, rank, micro
 COMPLETE_THROUGH_SQL = """
 SELECT run, grp, min(last_step) FROM (
     SELECT run, grp, rank, max(step) AS last_step FROM raw_records GROUP BY run, grp, rank)
+JOIN (SELECT run, grp, arg_max(world_size, step) AS world_now FROM raw_records GROUP BY run, grp) USING (run, grp)
+WHERE rank < world_now
 GROUP BY run, grp
 """
-"""Per (run, group): the last step every rank has recorded (`Engine.complete_through`)."""
+"""Per (run, group): the last step every rank of its latest W has recorded (`Engine.complete_through`); a rank a
+resize left (rank ≥ the W of the newest step) is waited for no more."""
 
 
 # per run: the copies, where, whether every copy holds the kept record's values, and its time
