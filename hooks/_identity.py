@@ -111,7 +111,8 @@ def resolve_divisor(model: Any, world_size: int, accelerate_ddp: bool) -> tuple[
         if divisor is not None:
             return divisor, None
         return None, (
-            "tokaudit: the FSDP2 module's reduce-scatter divisor cannot be read; pass "
+            "tokaudit: the FSDP2 module's reduce-scatter divisor is not one number that can be read (its modules' "
+            "divide factors differ, or none can be read); set one factor on every module, or pass "
             "Recorder(grad_divisor=...) (the divide factor, or the data-parallel size). " + _UNSEEN
         )
     if accelerate_ddp:

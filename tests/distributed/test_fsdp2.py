@@ -110,7 +110,7 @@ def test_an_fsdp2_module_whose_divisor_cannot_be_read_logs_it_unknown(tmp_path: 
     from tests.logs import read_rows
     from tokaudit.hooks import Recorder
 
-    with pytest.warns(RuntimeWarning, match="FSDP2 module's reduce-scatter divisor cannot be read"):
+    with pytest.warns(RuntimeWarning, match="FSDP2 module's reduce-scatter divisor is not one number that can be read"):
         with Recorder(tmp_path, run_id="fsdp", model=_UnreadableFSDP()) as recorder:
             recorder.record(loss_sum=torch.tensor(2.0), valid_tokens=2, backward_scalar=torch.tensor(1.0))
     (row,) = read_rows(tmp_path / "fsdp")
