@@ -270,10 +270,10 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         "the same (run, group, step, micro, rank) appears more than once",
         why="A copy of records (a compacted or copied file beside the shards), a second launch under the same run "
         "id, a resume that replayed steps into the same folder, or a step that went back during a launch (each "
-        "epoch's batch index given as the step: copies inside one file say so). One record of each key is kept, the later "
-        "published (a rank's shards are numbered in the order they are written; clocks are never used); the "
-        "finding names the files and which of these it looks like. Copies are not evidence about the gradient: "
-        "the verdict reads the records kept.",
+        "epoch's batch index given as the step: copies inside one file say so). One record of each key is kept, the "
+        "later published (shards are numbered as written; clocks are never used), and a rank's step two launches "
+        "recorded is the later launch's alone; the finding names the files and the likely cause. Copies are not "
+        "evidence about the gradient: the verdict reads the records kept.",
         fix="Leave copies out of the folder audited; give each launch its own run_id; resume from the "
         "checkpoint's step; give the recorder the optimizer's global step.",
         example="Steps 90–99 were recorded before a crash and again after resuming from step 90.",

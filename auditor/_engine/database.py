@@ -255,12 +255,12 @@ class Engine:
             self.connection.execute(f"DROP TABLE {name}")
         # Of two records with one key, the later published wins: the later file (a rank's shards are numbered in
         # the order they were written, a resumed launch's after the earlier's), then the later row. Never `time`:
-        # a node whose clock runs ahead would win over the launch that replaced it.
+        # a node whose clock runs ahead would win over the launch that replaced it. A rank's step recorded by two
+        # launches is the later launch's alone: the earlier's other microbatches are no part of it.
         dedup = (
-            (
-                "LEFT JOIN file_order USING (filename) QUALIFY row_number() OVER (PARTITION BY run, grp, term, "
-                "step, rank, micro ORDER BY file_index DESC, file_row_number DESC) = 1"
-            )
+            "LEFT JOIN file_order USING (filename) QUALIFY row_number() OVER (PARTITION BY run, grp, term, step, rank, "
+            "micro ORDER BY file_index DESC, file_row_number DESC) = 1 "
+            "AND launch = max(launch) OVER (PARTITION BY run, grp, step, rank)"
             if deduplicate
             else ""
         )

@@ -233,6 +233,7 @@ def file_order_table(shards: Sequence[Shard], names: dict[int, str]) -> pa.Table
         {
             "filename": [names[id(shard)] for shard in published],
             "file_index": pa.array(range(len(published)), pa.int64()),
+            "launch": pa.array(sorted(launches), pa.int64()),  # each published file's, in that order
             **{
                 f"{GIVEN}{column}": pa.array([dict(shard.partition).get(column) for shard in published], kind)
                 for column, kind in given.items()

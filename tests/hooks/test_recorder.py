@@ -823,3 +823,35 @@ def test_numpy_numbers_and_zero_dimensional_arrays_are_recorded_as_numbers(tmp_p
         rec.record(loss_sum=np.float32(2.0), valid_tokens=np.int64(2), backward_scalar=np.array([0.5]))
     rows = read_rows(tmp_path / "numpy")
     assert [(r["loss_sum"], r["valid_tokens"], r["backward_scalar"]) for r in rows] == [(6.0, 4, 1.5), (2.0, 2, 0.5)]
+
+
+def test_a_relaunch_under_the_same_run_id_replaces_the_earlier_launch_s_steps_whole(tmp_path: Path) -> None:
+    """A run launched with 4 microbatches an update, then launched again into the same folder under the same run id
+    with 2: each launch trains the token mean of its own updates. The later launch's steps are its own records
+    alone; the earlier launch's microbatches 2 and 3, which no later record repeats, are no part of them (kept,
+    they made the steps' weights differ: a wrong verdict on a right run)."""
+    from tokaudit import audit
+
+    def launch(microbatches: int) -> None:
+        torch.manual_seed(microbatches)
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the folder already holds shards: said, and tested elsewhere
+            with Recorder(tmp_path, run_id="again", optimizer=optimizer, announce=False) as rec:
+                for _ in range(3):
+                    counts = [2 + 3 * m for m in range(microbatches)]
+                    for n in counts:
+                        x, y = torch.randn(n, 4), torch.randint(0, 3, (n,))
+                        loss_sum = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+                        b = loss_sum / sum(counts)  # W = 1: S/N over the update's microbatches
+                        rec.record(loss_sum=loss_sum, valid_tokens=n, backward_scalar=b)
+                        b.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+    launch(4)
+    launch(2)
+    report = audit([tmp_path / "again"])
+    assert {f.code.value for f in report.findings} == {"duplicate_records"}
+    assert report.runs[0].verdict == "correct" and report.runs[0].microbatches == 2
