@@ -465,12 +465,23 @@ def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:
         severity=DEFAULT_SEVERITY[Code.DUPLICATE_RECORDS],
         steps=StepRange(duplicates.first, duplicates.last, duplicates.steps),
         message=f"{duplicates.dropped} record(s) repeat a (group, term, step, micro, rank) already logged, "
-        f"in {files}: {cause}. Duplicates do not decide the verdict.",
+        f"in {files}: {cause}.{_superseded(duplicates.superseded)} Duplicates do not decide the verdict.",
         fix=fix,
         evidence={
             "dropped_records": duplicates.dropped,
             "files": list(duplicates.files),
             "identical": duplicates.identical,
             "in_one_file": duplicates.one_file,
+            "superseded_records": duplicates.superseded,
         },
+    )
+
+
+def _superseded(records: int) -> str:
+    """The records of an earlier launch's steps a later launch recorded again, said where there are some."""
+    if not records:
+        return ""
+    return (
+        f" A rank's step that a later launch recorded again is that launch's alone: {records} more record(s) of "
+        "the earlier launch's, repeated by none, were left out with the copies."
     )

@@ -278,12 +278,11 @@ class Engine:
 
     def _find_duplicates(self) -> dict[str, Duplicates]:
         found = {}
-        for run, copies, first, last, steps, files, *kinds in self.connection.execute(
-            DUPLICATES_SQL, [FILES_NAMED]
-        ).fetchall():
+        for row in self.connection.execute(DUPLICATES_SQL, [FILES_NAMED]).fetchall():
+            run, copies, first, last, steps, files, identical, same_time, one_file, superseded = row
             named = tuple(os.path.basename(str(f)) for f in files)
-            counts = (int(copies), int(first), int(last), int(steps))
-            found[str(run)] = Duplicates(*counts, named, *map(bool, kinds))
+            kinds = (bool(identical), bool(same_time), bool(one_file))
+            found[str(run)] = Duplicates(int(copies), int(first), int(last), int(steps), named, *kinds, int(superseded))
         return found
 
     def step_table(self, progress: Told | None = None) -> pd.DataFrame:

@@ -340,17 +340,27 @@ GROUP BY run, grp
 resize left (rank ≥ the W of the newest step) is waited for no more."""
 
 
-# per run: the copies, where, whether every copy holds the kept record's values, and its time
+# per run: the copies, where, whether every copy holds the kept record's values, and its time; and the records of
+# an earlier launch's (step, rank) that a later launch recorded again, their own key repeated by none (the dedup of
+# `Engine._define` leaves them out with the copies)
 DUPLICATES_SQL = """
+WITH superseded AS (
+    SELECT run, count(*) AS superseded FROM (
+        SELECT run, count(*) OVER (PARTITION BY run, grp, term, step, rank, micro) AS copies,
+               launch < max(launch) OVER (PARTITION BY run, grp, step, rank) AS earlier
+        FROM raw_records LEFT JOIN file_order USING (filename))
+    WHERE earlier AND copies = 1 GROUP BY run)
 SELECT run, sum(copies - 1), min(step), max(step), count(DISTINCT step),
        list_slice(list_sort(list_distinct(flatten(list(files)))), 1, $1),
-       bool_and(values_seen = 1), bool_and(times_seen = 1), bool_or(len(files) = 1) FROM (
+       bool_and(values_seen = 1), bool_and(times_seen = 1), bool_or(len(files) = 1),
+       coalesce(any_value(superseded), 0) FROM (
     SELECT run, step, count(*) AS copies, list(DISTINCT filename) AS files,
            count(DISTINCT (loss_sum, valid_tokens, backward_scalar, token_weight_sum, token_weight_min,
                            token_weight_max, masked_weight_abs_sum, grad_scale, grad_divisor, term_weight,
                            world_size, sync, skipped)) AS values_seen,
            count(DISTINCT coalesce(written, TIMESTAMP '1970-01-01')) AS times_seen
     FROM raw_records GROUP BY run, grp, term, step, rank, micro HAVING count(*) > 1)
+LEFT JOIN superseded USING (run)
 GROUP BY run
 """
 """Per run, the repeated (run, group, term, step, rank, micro) keys of `raw_records` (`Engine._find_duplicates`;

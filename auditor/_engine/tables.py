@@ -252,6 +252,8 @@ class Duplicates:
     """And was written at the same time: a copy of the same records, not a second launch that computed them."""
     one_file: bool = False
     """Some key is repeated inside one file, which one process wrote: its step went back during that launch."""
+    superseded: int = 0
+    """Records of an earlier launch's (step, rank) that a later launch recorded again, left out with the copies."""
 
     def __add__(self, other: Duplicates) -> Duplicates:
         """Repeated keys found in another range (ranges hold different steps)."""
@@ -264,6 +266,7 @@ class Duplicates:
             self.identical and other.identical,
             self.same_time and other.same_time,
             self.one_file or other.one_file,
+            self.superseded + other.superseded,
         )
 
 

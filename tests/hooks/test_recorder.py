@@ -853,5 +853,9 @@ def test_a_relaunch_under_the_same_run_id_replaces_the_earlier_launch_s_steps_wh
     launch(4)
     launch(2)
     report = audit([tmp_path / "again"])
-    assert {f.code.value for f in report.findings} == {"duplicate_records"}
+    (finding,) = report.findings
+    assert finding.code.value == "duplicate_records"
     assert report.runs[0].verdict == "correct" and report.runs[0].microbatches == 2
+    # said, not left out in silence: microbatches 0–1 of 3 updates repeated, 2–3 of the earlier launch superseded
+    assert (finding.evidence["dropped_records"], finding.evidence["superseded_records"]) == (6, 6)
+    assert "6 more record(s) of the earlier launch's" in finding.message
