@@ -227,13 +227,14 @@ def file_order_table(shards: Sequence[Shard], names: dict[int, str]) -> pa.Table
     duplicates the later published wins: the later launch (the one whose first shard came after the other's, -1
     for a file that does not say), then the later file of it."""
     launches = [-1 if s.provenance.launch is None else s.provenance.launch for s in shards]
-    published = [shards[i] for i in sorted(range(len(shards)), key=lambda i: (launches[i], i))]
+    order = sorted(range(len(shards)), key=lambda i: (launches[i], i))
+    published = [shards[i] for i in order]
     given = {column: COLUMNS_BY_NAME[column].arrow_type for s in shards for column, _ in s.partition}
     return pa.table(
         {
             "filename": [names[id(shard)] for shard in published],
             "file_index": pa.array(range(len(published)), pa.int64()),
-            "launch": pa.array(sorted(launches), pa.int64()),  # each published file's, in that order
+            "launch": pa.array([launches[i] for i in order], pa.int64()),
             **{
                 f"{GIVEN}{column}": pa.array([dict(shard.partition).get(column) for shard in published], kind)
                 for column, kind in given.items()
