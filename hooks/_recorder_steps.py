@@ -96,10 +96,7 @@ class UpdateTracking:
         self._steps_known = True
         self._auto_closed = None
         if step != self._step:
-            self._step = step
-            self._micro_next = {}
-            self._scalars = {}
-            self._step_records = 0
+            self._open(step)
             self._pack()
 
     def end_step(self, skipped: bool | None = None) -> None:
@@ -132,13 +129,14 @@ class UpdateTracking:
         self.end_step(skipped=True)
         self._auto_closed = closed
 
+    def _open(self, step: int) -> None:
+        """Update `step` is the open one, nothing of it recorded yet."""
+        self._step, self._step_records = step, 0
+        self._micro_next, self._unsynced, self._scalars = {}, set(), {}
+
     def _advance(self) -> None:
         self._auto_closed = None
-        self._step += 1
-        self._micro_next = {}
-        self._unsynced = set()
-        self._scalars = {}
-        self._step_records = 0
+        self._open(self._step + 1)
         self._calls.open = []
         if not self._packs_at_zero_grad or len(self._buffer.unpacked) > PACK_AT_ADVANCE:
             self._pack()  # no optimizer's zero_grad to wait for (or one this loop never calls)
