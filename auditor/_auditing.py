@@ -22,7 +22,6 @@ from tokaudit._reader import Shard
 from tokaudit._report import AuditReport, Finding, RunSummary, Segment
 from tokaudit._schema import UNNAMED, Provenance
 from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
-from tokaudit._step_parts import without_step
 from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, unfinished_finding
 
 
@@ -238,15 +237,15 @@ class _RunJudge:
         that lost records are left out, and not judged on the part of their tokens that was kept."""
         bits, lost = self.precision.get(run), self.dropped.get(run)
         rtol = judged_rtol(self.judging.rtol, bits)
-        source = run_steps(parts, run, self.horizon, lost, self.names)
+        # the update the run stopped inside (its recorder said so) is left out, unless it is all there is
+        stopped = self.setups.get(run, Provenance()).unfinished
+        source = run_steps(parts, run, self.horizon, lost, self.names, stopped)
+        if source is None and stopped is not None:
+            stopped, source = None, run_steps(parts, run, self.horizon, lost, self.names)
         if source is None:
             had_steps = lost is not None and run_steps(parts, run, self.horizon, None) is not None
             return ([lost.finding(run)], _lost_summary(run, bits, rtol)) if lost and had_steps else ([], None)
-        # An update the run stopped inside (its recorder said so) and steps whose counts the probe contradicts are
-        # left out of the checks and the summary alike.
-        stopped = self.setups.get(run, Provenance()).unfinished
-        unfinished = without_step(source, stopped) if stopped is not None else None
-        source = unfinished or source
+        # Steps whose counts the probe contradicts are left out of the checks and the summary alike.
         source, miscounted = without_miscounted(source, rtol)
         objective = one_objective(source, rtol)
         run_findings, spans, omitted = check_run(
@@ -256,7 +255,7 @@ class _RunJudge:
             run_findings.append(lost.finding(run))
         if miscounted:
             run_findings.append(miscounted.finding(run))
-        if unfinished is not None and stopped is not None:
+        if stopped is not None:
             run_findings.append(unfinished_finding(run, stopped))
         # The verdict is a claim about the gradient: it reads every finding. --ignore leaves some out of the listing
         # and of what fails the command (`gate_verdict`), never out of the verdict.

@@ -89,10 +89,12 @@ def run_steps(
     horizon: dict[tuple[str, str], int] | None,
     lost: DroppedRecords | None,
     names: set[tuple[str, str, str]] | None = None,
+    stopped: int | None = None,
 ) -> RunSteps | None:
-    """One run's table in parts, its steps not yet complete (`--live`) and those that lost records left out;
-    None when nothing is left. The table itself when it is one part of one run and nothing is left out.
-    `names`: every (run, group, term) of the table, which spares a pass when nothing is left out."""
+    """One run's table in parts, its steps not yet complete (`--live`), those that lost records and the update it
+    `stopped` inside (its recorder said so) left out; None when nothing is left. The table itself when it is one
+    part of one run and nothing is left out. `names`: every (run, group, term) of the table, which spares a pass
+    when nothing is left out."""
 
     def selected() -> Iterator[pd.DataFrame]:
         for rows in selected_runs(parts, [run]):
@@ -101,6 +103,8 @@ def run_steps(
                 keep &= live_rows(rows, horizon)
             if lost:
                 keep &= ~lost.covers(rows)
+            if stopped is not None:
+                keep &= rows.step.to_numpy() != stopped
             if not keep.all():
                 rows = rows[keep].reset_index(drop=True)
             if len(rows):
@@ -108,7 +112,7 @@ def run_steps(
 
     groups: set[str] = set()
     terms: set[str] = set()
-    if names is not None and horizon is None and not lost:
+    if names is not None and horizon is None and not lost and stopped is None:
         groups = {g for r, g, _ in names if r == run}
         terms = {t for r, _, t in names if r == run}
     for rows in selected() if not groups else ():
@@ -117,17 +121,3 @@ def run_steps(
     if not groups:
         return None
     return RunSteps(selected, sorted(groups), main_term_first(terms))
-
-
-def without_step(source: RunSteps, step: int) -> RunSteps | None:
-    """The run's table without one step (every group and term of it); None where nothing else is left."""
-
-    def parts() -> Iterator[pd.DataFrame]:
-        for part in source.parts():
-            keep = part.step.to_numpy() != step
-            if not keep.all():
-                part = part[keep].reset_index(drop=True)
-            if len(part):
-                yield part
-
-    return RunSteps(parts, source.groups, source.terms) if any(True for _ in parts()) else None
