@@ -168,11 +168,11 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         "a loss term other than the main one weighs every token q/N, one q over the run, and no weight was declared",
         why="An auxiliary term (a second head, a multi-token-prediction head) often carries a coefficient chosen "
         "on purpose, L = ΣS/N + λ·ΣS_aux/N_aux, so its tokens weigh λ/N: uniform weights, one q = λ in every step. "
-        "A factor missing from that term's loss (its W, say) looks the same, so the logs cannot tell which.",
+        "A factor missing from that term's loss (its W, say) looks the same, so the logs cannot tell which. Where "
+        "every term is off by one same q, nothing is weighed apart: the whole loss is scaled, judged as one term.",
         fix="Where λ is chosen on purpose, declare it, `with rec.loss_term(name, weight=λ):`, and the term is "
         "judged against λ/N; else normalize the term as the main one (W·S/N into an average).",
-        example="An MTP head added with λ = 0.3 to the main loss, each a token mean: every token of the head weighs "
-        "0.3/N, q = 0.3 at every step.",
+        example="An MTP head added with λ = 0.3 to the main loss: each of its tokens weighs 0.3/N, q = 0.3 at every step.",
         undecidable=True,
     ),
     Code.PADDED_DENOMINATOR: CodeDoc(

@@ -244,8 +244,9 @@ class TermInputs:
     """A step number repeats across groups: steps are counted as a set."""
     main_term: bool
     """The run's first term (its structure is checked once, there)."""
-    terms: int = 1
-    """The run's loss terms."""
+    terms_apart: bool = False
+    """The run has several loss terms, not all off by one constant (`checks.run._one_scale`): a term's own
+    constant factor may be a coefficient chosen for it."""
     factors: Any = None
     """The uniform factors' clusters (`weighting.FactorTable`) where the term's weighting is judged alone."""
     extremes: Extremes | None = None

@@ -17,7 +17,7 @@ from tokaudit._checks.structure import DivisorCheck, MissingRanksCheck, Structur
 from tokaudit._checks.structure import WeightPresenceCheck, duplicates_finding, not_recorded_finding, ranks_not_recorded
 from tokaudit._checks.weighting import BalancedCheck, FactorTable, WeightingCheck
 from tokaudit._engine import Duplicates, one_value
-from tokaudit._normalization import Decisions, FitBlock, Span, Spans, block_fits, span_rows
+from tokaudit._normalization import Decisions, FitBlock, Span, Spans, block_fits, close, span_rows
 from tokaudit._report import Finding
 from tokaudit._schema import Provenance
 
@@ -99,6 +99,7 @@ def _check_terms(
     # W over every term: read with the main term's first pass when it is the only one.
     sizes: set[int] | None = None if len(terms) == 1 else {w for block in source.blocks() for w in world_sizes(block)}
     reported = len(terms) > 1
+    passed: list[tuple[str, Decisions | None, RunContext, FactorTable | None]] = []
     for term in terms:
         decisions, shape = _first_pass(source, term, rtol, judged=judged)
         if not shape.blocks:
@@ -107,7 +108,10 @@ def _check_terms(
             sizes = shape.worlds
         reported = reported or shape.reported
         context = shape.context(run, term, tuple(sorted(sizes)), rtol, provenance)
-        term_findings, listed, left_out = _check_term(source, term, decisions, context, extremes)
+        passed.append((term, decisions, context, _factors(source, term, decisions, context)))
+    apart = not _one_scale([factors for *_, factors in passed], rtol)
+    for term, decisions, context, factors in passed:
+        term_findings, listed, left_out = _check_term(source, term, decisions, context, factors, extremes, apart)
         findings.extend(term_findings)
         spans.extend(listed)
         omitted += left_out
@@ -133,24 +137,40 @@ def _first_pass(source: RunSteps, term: str, rtol: float, judged: bool) -> tuple
     return Decisions.of(observed(), again, rtol, lambda: shape.worlds), shape
 
 
+def _factors(source: RunSteps, term: str, decisions: Decisions | None, context: RunContext) -> FactorTable | None:
+    """The term's uniform factors' clusters, where its weighting is judged alone (`decisions`). They need every
+    uniform q ≠ 1 first: the term is read once more only where a step may have one."""
+    if decisions is None:
+        return None
+    if not decisions.may_be_off:
+        return FactorTable(context.rtol, np.zeros(0), {}, [], False)
+    return FactorTable.of(((block, decisions.diagnose(block)) for block in source.blocks(term)), context)
+
+
+def _one_scale(tables: list[FactorTable | None], rtol: float) -> bool:
+    """Every term of several off by one and the same constant q: nothing weighs a term against another, the whole
+    objective is scaled by q, as one term alone would be (no term's factor reads as a coefficient chosen for it)."""
+    ones = [t.anchors[0] for t in tables if t is not None and len(t.table) == 1 and not t.varying]
+    return len(tables) > 1 and len(ones) == len(tables) and all(close(q, ones[0], 2 * rtol) for q in ones)
+
+
 def _check_term(
-    source: RunSteps, term: str, decisions: Decisions | None, context: RunContext, extremes: Extremes | None
+    source: RunSteps,
+    term: str,
+    decisions: Decisions | None,
+    context: RunContext,
+    factors: FactorTable | None,
+    extremes: Extremes | None,
+    apart: bool,
 ) -> tuple[list[Finding], list[Span], int]:
     """Every check of one loss term, fed the term's blocks once: its findings, spans and spans left out.
-    Without `decisions` (the terms are one objective, judged together) its weighting is not judged alone."""
-    factors = None
-    if decisions is not None:
-        # q's clusters need every uniform q ≠ 1 first: read once more only where a step may have one.
-        factors = (
-            FactorTable.of(((block, decisions.diagnose(block)) for block in source.blocks(term)), context)
-            if decisions.may_be_off
-            else FactorTable(context.rtol, np.zeros(0), {}, [], False)
-        )
+    Without `decisions` (the terms are one objective, judged together) its weighting is not judged alone.
+    `apart`: the run's terms are not all off by one constant (`_one_scale`)."""
     inputs = TermInputs(
         context,
         keep_steps=len(source.groups) > 1,
         main_term=term == source.terms[0],
-        terms=len(source.terms),
+        terms_apart=len(source.terms) > 1 and apart,
         factors=factors,
         extremes=extremes,
         confused=decisions.confused if decisions is not None else None,

@@ -189,11 +189,11 @@ class WeightingCheck(Check):
         self.factors: FactorTable = term.factors
         self.extremes = term.extremes
         # A named term beside others (not the default "0") whose uniform weights are off by one factor over the
-        # whole run: a coefficient λ chosen on purpose, or a factor missing from its loss; only a declared λ tells
-        # (it is then divided out of e, and q is 1).
+        # whole run, where the terms are not all off by that one factor: a coefficient λ chosen on purpose, or a
+        # factor missing from its loss; only a declared λ tells (it is then divided out of e, and q is 1).
         self.term_weight = (
             self.context.term != UNNAMED
-            and term.terms > 1
+            and term.terms_apart
             and len(self.factors.table) == 1
             and not self.factors.varying
         )

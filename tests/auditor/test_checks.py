@@ -865,6 +865,22 @@ def test_a_named_term_off_by_one_factor_is_an_undeclared_weight_and_the_logs_can
     assert "undeclared_term_weight" not in codes(audit_rows(tmp_path / "varying", main + varying))
 
 
+def test_named_terms_all_off_by_one_factor_are_a_scale_of_the_whole_objective(tmp_path: Path) -> None:
+    """Every term named and each off by the same factor (1/W: W missing from both, or 0.3 on both): nothing
+    weighs one term against another, the whole objective is scaled, and the run is judged as a single term off by
+    that factor would be (incorrect), not as an undeclared coefficient. Two factors that differ stay undecidable."""
+    # aux counts its own tokens (3n + 1: its N is not ce's, so the two are not one mean over both terms' tokens)
+    aux_counts = [[[3 * n + 1 for n in mine] for mine in step] for step in UNEVEN_GA * 2]
+    for name, factor, code in (("both_miss_w", 0.5, "world_size_mismatch"), ("both_scaled", 0.3, "scale_mismatch")):
+        ce = records(UNEVEN_GA * 2, lambda S, N, W, **_: factor * W * S / N, term="ce")
+        aux = records(aux_counts, lambda S, N, W, **_: factor * W * S / N, term="aux")
+        report = audit_rows(tmp_path / name, ce + aux)
+        assert report.runs[0].verdict == "incorrect" and codes(report) == {code}, (name, codes(report))
+    apart = [dict(r, backward_scalar=0.5 / 0.3 * r["backward_scalar"]) for r in aux]
+    report = audit_rows(tmp_path / "apart", ce + apart)
+    assert report.runs[0].verdict == "inconclusive" and codes(report) == {"undeclared_term_weight"}, codes(report)
+
+
 def test_two_tokens_of_one_n_weighed_apart_by_their_ranks_totals_say_the_totals(tmp_path: Path) -> None:
     """A rank-local mean where the heaviest and lightest records both hold n = 3: the message gives each one's
     rank total n_r, which is what weighed them apart (n alone would read as no reason at all)."""
