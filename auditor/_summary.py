@@ -205,7 +205,7 @@ def run_summary(
         microbatches=max(int(microbatches), 0) if rows else 0,
         terms=source.terms,
         skipped_steps=skipped_steps,
-        divisors=sorted(divisors),
+        divisors=sorted(divisors) if seen_divisor else [],  # else what the records hold is the default W
         weight_range=weight_range,
         segments_omitted=omitted,
         normalization_judged=judged_ranks,

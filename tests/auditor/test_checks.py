@@ -903,11 +903,12 @@ def test_a_run_whose_last_update_alone_never_synced_says_it_may_have_ended_insid
     assert "Only the run's last step" not in finding.message
 
 
-def test_a_run_whose_divisor_nobody_saw_states_no_q_in_its_summary(tmp_path: Path) -> None:
+def test_a_run_whose_divisor_nobody_saw_states_no_q_nor_d_in_its_summary(tmp_path: Path) -> None:
     """D unseen (divisor_known false): q = e·N depends on it, and the finding gives q under each reading; the
     summary's weight_range, read as the run's q, is null rather than the average's reading (1 for W·S/N into a
-    summing hook, a wrong run)."""
-    rows = [dict(r, divisor_known=False) for r in records(UNEVEN_GA, token_mean)]
+    summing hook, a wrong run), and its divisors list no D: the records hold the recorder's default W, not a
+    divisor anyone saw."""
+    rows = [dict(r, divisor_known=False, grad_divisor=2.0) for r in records(UNEVEN_GA, token_mean)]
     report = audit_rows(tmp_path, rows)
     assert codes(report) == {"unknown_divisor"} and report.runs[0].verdict == "inconclusive"
-    assert report.runs[0].weight_range is None
+    assert report.runs[0].weight_range is None and report.runs[0].divisors == []
