@@ -5,6 +5,7 @@ run `incorrect`."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from scenarios.harness import run_ddp
-from scenarios.strategies import SCENARIOS_BY_NAME, reference_gradient, run_scenario
+from scenarios.strategies import SCENARIOS_BY_NAME, Scenario, reference_gradient, run_scenario
 from tokaudit._auditing import audit
 
 pytestmark = pytest.mark.distributed
@@ -20,10 +21,10 @@ pytestmark = pytest.mark.distributed
 SCENARIO = SCENARIOS_BY_NAME["correct_token_mean_ga"]
 
 
-def _launch(folder: Path) -> None:
-    for result in run_ddp(run_scenario, 2, SCENARIO, str(folder)):
+def _launch(folder: Path, scenario: Scenario = SCENARIO) -> None:
+    for result in run_ddp(run_scenario, 2, scenario, str(folder)):
         for step, record in enumerate(result["recorded"]):
-            want = reference_gradient(record["before"], SCENARIO, step, result["members"])
+            want = reference_gradient(record["before"], scenario, step, result["members"])
             assert all(torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(record["grads"], want))
 
 
@@ -43,6 +44,20 @@ def test_a_compacted_copy_and_a_second_launch_keep_a_right_run_correct(tmp_path:
     (finding,) = report.findings
     assert report.runs[0].verdict == "correct" and finding.code.value == "duplicate_records"
     assert "re-launch" in finding.message and len(finding.evidence["files"]) >= 2
+
+
+def test_a_relaunch_with_fewer_microbatches_keeps_a_right_run_correct(tmp_path: Path) -> None:
+    """The same run id launched again into the same folder with M = 1 where the first launch had M = 2, both the
+    token mean by the float64 reference: each rank's step is the later launch's records alone (the earlier
+    launch's second microbatches are no part of it), and the warning counts the records it superseded."""
+    _launch(tmp_path)
+    _launch(tmp_path, replace(SCENARIO, counts=tuple(tuple(mine[:1] for mine in step) for step in SCENARIO.counts)))
+    report = audit([tmp_path / SCENARIO.name])
+    (finding,) = report.findings
+    assert report.runs[0].verdict == "correct" and finding.code.value == "duplicate_records", report.findings
+    # of the first launch's 3 steps × 2 ranks × 2 microbatches: the 6 first microbatches are copies of a key the
+    # second recorded again, the 6 second ones no key of the second's
+    assert finding.evidence["dropped_records"] == 6 and finding.evidence["superseded_records"] == 6
 
 
 def test_ignoring_a_code_never_greens_a_wrong_run(tmp_path: Path) -> None:
