@@ -70,15 +70,39 @@ def setups_of(shards: Sequence[Shard]) -> dict[str, Provenance]:
     """Per run: what its shards' provenance says of how it was recorded, each fact from the first shard that says
     it (a launch is a shard's, never a run's)."""
     found: dict[str, dict[str, Any]] = {}
+    notes: dict[str, set[tuple[int | None, int]]] = {}  # per run, each (launch, update) a recorder stopped inside
     for shard in shards:
-        run = shard.run_group[0] if shard.run_group is not None else shard.default_run
+        run = _run_of(shard)
         facts = found.setdefault(run, {})
         for name in ("trainer", "schedule_divisor", "launch_world_size"):
             if getattr(shard.provenance, name) is not None:
                 facts.setdefault(name, getattr(shard.provenance, name))
-        if shard.provenance.unfinished is not None:  # the run's last update stopped inside (a recorder's, the latest)
-            facts["unfinished"] = max(facts.get("unfinished", -1), shard.provenance.unfinished)
+        if shard.provenance.unfinished is not None:
+            notes.setdefault(run, set()).add((shard.provenance.launch, shard.provenance.unfinished))
+    for run, redone in _redone(shards, notes).items():
+        if kept := [step for _, step in notes[run] - redone]:
+            found[run]["unfinished"] = max(kept)  # the run's last update stopped inside (a recorder's, the latest)
     return {run: Provenance(**facts) for run, facts in found.items()}
+
+
+def _run_of(shard: Shard) -> str:
+    return shard.run_group[0] if shard.run_group is not None else shard.default_run
+
+
+def _redone(
+    shards: Sequence[Shard], notes: dict[str, set[tuple[int | None, int]]]
+) -> dict[str, set[tuple[int | None, int]]]:
+    """Per run with notes, those a later launch voided: it recorded the update again, and a rank's step two launches
+    recorded is the later launch's alone (`engine.database`), whole where that launch stepped it."""
+    redone: dict[str, set[tuple[int | None, int]]] = {run: set() for run in notes}
+    for shard in shards:
+        launch, steps, run = shard.provenance.launch, shard.step_range, _run_of(shard)
+        if launch is None or steps is None or run not in notes:
+            continue
+        for note in notes[run]:
+            if note[0] is not None and note[0] < launch and steps[0] <= note[1] <= steps[1]:
+                redone[run].add(note)
+    return redone
 
 
 def unfinished_finding(run: str, step: int) -> Finding:

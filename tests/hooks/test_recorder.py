@@ -859,3 +859,39 @@ def test_a_relaunch_under_the_same_run_id_replaces_the_earlier_launch_s_steps_wh
     # said, not left out in silence: microbatches 0–1 of 3 updates repeated, 2–3 of the earlier launch superseded
     assert (finding.evidence["dropped_records"], finding.evidence["superseded_records"]) == (6, 6)
     assert "6 more record(s) of the earlier launch's" in finding.message
+
+
+def test_an_update_a_launch_stopped_inside_and_a_later_launch_redid_is_judged(tmp_path: Path) -> None:
+    """A launch closed inside update 3 (its first microbatch recorded, never stepped: the recorder notes it
+    unfinished), then the run launched again into the same folder and trained updates 0–3 whole: update 3 is the
+    later launch's, complete, and judged; the earlier launch's note no longer leaves it out. A launch that stops
+    inside an update no later launch redid still has it left out."""
+    from tokaudit import audit
+
+    def launch(updates: int, stop_inside: bool) -> None:
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the folder already holds shards: said, and tested elsewhere
+            with Recorder(tmp_path, run_id="redone", optimizer=optimizer, announce=False) as rec:
+                for update in range(updates + stop_inside):
+                    for n in (2, 7)[: 1 if update == updates else 2]:
+                        x, y = torch.randn(n, 4), torch.randint(0, 3, (n,))
+                        loss_sum = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+                        rec.record(loss_sum=loss_sum, valid_tokens=n, backward_scalar=loss_sum / 9)
+                        (loss_sum / 9).backward()
+                    if update < updates:
+                        optimizer.step()
+                        optimizer.zero_grad()
+
+    launch(3, stop_inside=True)
+    report = audit([tmp_path / "redone"])
+    assert [f.code.value for f in report.findings] == ["unfinished_update"] and report.runs[0].steps == 3
+    launch(4, stop_inside=False)
+    report = audit([tmp_path / "redone"])
+    assert [f.code.value for f in report.findings] == ["duplicate_records"], report.findings
+    assert report.runs[0].verdict == "correct" and report.runs[0].steps == 4
+    launch(4, stop_inside=True)  # a third launch stops inside update 4, which nobody redid
+    report = audit([tmp_path / "redone"])
+    assert sorted((f.code.value, f.steps.first) for f in report.findings)[-1] == ("unfinished_update", 4)
+    assert report.runs[0].verdict == "correct" and report.runs[0].steps == 4
