@@ -139,7 +139,7 @@ PARTIALS = (
             evidence=True),
     Partial("rank_en_low", "the rank's least e·n", Level.RANK, "min(w * valid_tokens)", "w * valid_tokens"),
     Partial("rank_en_high", "the rank's greatest e·n", Level.RANK, "max(w * valid_tokens)", "w * valid_tokens"),
-    Partial("last_sync", "sync of the rank's last microbatch", Level.RANK, "arg_max(sync, micro)", "sync",
+    Partial("last_sync", "sync of the rank's last microbatch", Level.RANK, "arg_max_null(sync, micro)", "sync",
             reads=("sync",), absent="CAST(NULL AS BOOLEAN)"),
     # distinct microbatch indices below 64, as set bits: fewer bits than rows means a repeated key
     Partial("repeated", "records of the rank's step that repeat a microbatch index below 64", Level.RANK,

@@ -570,6 +570,13 @@ def test_sync_findings(tmp_path: Path) -> None:
     finding = only(audit_rows(tmp_path / "every", rows), Code.SYNC_EVERY_MICRO)
     assert finding.severity == Severity.INFO
 
+    # null is "not said": a last microbatch whose sync nobody knew is no unsynced update (its microbatch 0 was)
+    rows = records(UNEVEN_GA, token_mean)
+    for row in rows:
+        row["sync"] = None if row["micro"] == 1 and row["step"] == 0 else row["micro"] == 1
+    report = audit_rows(tmp_path / "unsaid", rows)
+    assert report.findings == [] and report.runs[0].verdict == "correct", codes(report)
+
 
 def test_balanced_counts_are_inconclusive(tmp_path: Path) -> None:
     report = audit_rows(tmp_path, records([[[4], [4]], [[3], [3]]], local_mean))
