@@ -173,8 +173,8 @@ def separate_runs(shards: list[Shard]) -> list[Shard]:
 
     def folder_of(shard: Shard) -> str:
         if shard.store is not None:
-            return shard.store.url(run_folder(shard.path, dict(shard.partition)))
-        folder = str(run_folder(shard.path, dict(shard.partition)))
+            return shard.store.url(run_folder(shard.path))
+        folder = str(run_folder(shard.path))
         shown = os.path.relpath(folder)
         return folder if shown.startswith("..") else shown
 

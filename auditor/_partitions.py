@@ -4,18 +4,19 @@ holds that column's value for every record of the files under it, which leave th
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
 from pathlib import PurePath
 from typing import Any
 from urllib.parse import unquote
 
 from tokaudit.errors import LogFormatError
-from tokaudit._schema import COLUMNS_BY_NAME
+from tokaudit._schema import COLUMNS, COLUMNS_BY_NAME
 
 
-PARTITION_COLUMNS = frozenset({"step", "micro", "rank", "world_size", "run_id", "group", "term"})
-"""The columns a folder may hold: what names a record (a run, a group, a term, a rank, a step), never a measured
-value."""
+PARTITION_COLUMNS = frozenset(column.name for column in COLUMNS if column.kind != "timestamp")
+"""The columns a folder may give: any of the log's but the time (what names a record, a rank or a step, as Spark's
+partitionBy("rank") leaves it, and a measured value too, as pandas' partition_cols=["grad_divisor"] does)."""
+
+_KINDS = {"int": "an int64", "float": "a float64", "bool": "a bool"}
 
 _FOLDER = re.compile(r"^([^=/]+)=(.*)$")
 
@@ -37,22 +38,22 @@ def partition_folders(path: PurePath) -> tuple[tuple[str, str], ...]:
     return tuple(reversed(found))
 
 
-def run_folder(path: PurePath, given: Collection[str]) -> PurePath:
-    """The folder a file's run is named by (`Shard.default_run`): its parent, above the `column=value` folders that
-    gave it a column (`given`: a sweep's `lr=0.001/` folder, or a `step=3/` folder above files that hold their own
-    step, is the run's), and the folder around a Spark-style dataset folder named *.parquet."""
+def run_folder(path: PurePath) -> PurePath:
+    """The folder a file's run is named by (`Shard.default_run`): its parent, above the `column=value` folders of the
+    log's columns (a `rank=0/` folder is a part of its run, whether its files leave the rank out or hold it too; a
+    sweep's `lr=0.001/` folder is the run's), and the folder around a Spark-style dataset folder named *.parquet."""
     folder = path.parent
     for column, _ in reversed(partition_folders(path)):
-        if column not in given:
+        if column not in PARTITION_COLUMNS:
             break
         folder = folder.parent
     return folder.parent if folder.name.endswith(".parquet") else folder
 
 
 def partition_values(folders: tuple[tuple[str, str], ...], present: frozenset[str]) -> dict[str, Any]:
-    """The values a file's folders (`partition_folders`) give columns of PARTITION_COLUMNS the file lacks (an integer column's as an int, null
-    where the folder is NULL_PARTITION; the innermost folder where two name one column). A value that is not of the
-    column's kind, or a null where the column is required, raises its problem, naming the folder."""
+    """The values a file's folders (`partition_folders`) give columns of PARTITION_COLUMNS the file lacks, each of its
+    column's kind (null where the folder is NULL_PARTITION; the innermost folder where two name one column). A value
+    that is not of the column's kind, or a null where the column is required, raises its problem, naming the folder."""
     values: dict[str, Any] = {}
     for column, text in folders:
         if column not in PARTITION_COLUMNS or column in present:
@@ -61,11 +62,26 @@ def partition_values(folders: tuple[tuple[str, str], ...], present: frozenset[st
             if COLUMNS_BY_NAME[column].required:
                 raise LogFormatError("", f"the folder '{column}={text}' gives '{column}' a null, and it may hold none")
             values[column] = None
-        elif COLUMNS_BY_NAME[column].kind == "int":
-            value = int(text) if re.fullmatch(r"[+-]?\d{1,19}", text.strip()) else None
-            if value is None or not -(2**63) <= value < 2**63:
-                raise LogFormatError("", f"the folder '{column}={text}' gives '{column}' a value that is not an int64")
+        elif (kind := COLUMNS_BY_NAME[column].kind) == "string":
+            values[column] = text
+        elif (value := _parsed(kind, text.strip())) is not None:
             values[column] = value
         else:
-            values[column] = text
+            raise LogFormatError(
+                "", f"the folder '{column}={text}' gives '{column}' a value that is not {_KINDS[kind]}"
+            )
     return values
+
+
+def _parsed(kind: str, text: str) -> int | float | bool | None:
+    """A folder's text as a value of its column's kind, None where it is none (the values are then checked as a
+    file's own: a NaN divisor, a negative count)."""
+    if kind == "bool":  # Spark writes true/false, pandas True/False
+        return {"true": True, "false": False}.get(text.lower())
+    if kind == "int":
+        value = int(text) if re.fullmatch(r"[+-]?\d{1,19}", text) else None
+        return value if value is not None and -(2**63) <= value < 2**63 else None
+    try:
+        return float(text)
+    except ValueError:
+        return None

@@ -152,7 +152,7 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
     # the parent folder's name without pathlib's parsing of the path (a fifth of a footer's time)
     folder = os.path.basename(os.path.dirname(str(path))) if store is None else path.parent.name
     if folder.endswith(".parquet") or "=" in folder:  # a part of a Spark-style dataset: its run's folder is above
-        folder = run_folder(path, given).name
+        folder = run_folder(path).name
     names = names_of(stats, present, folder)
     return Shard(
         path=path,

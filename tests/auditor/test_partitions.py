@@ -22,13 +22,13 @@ def test_the_folders_just_above_a_file_are_its_partitions_outermost_first_unquot
     path = PurePosixPath("/data/exp=1/logs/run-a/rank=3/term=aux%20head/part-0.parquet")
     assert partition_folders(path) == (("rank", "3"), ("term", "aux head"))
     assert partition_folders(PurePosixPath("/data/run-a/part-0.parquet")) == ()
-    assert run_folder(path, {"rank", "term"}) == PurePosixPath("/data/exp=1/logs/run-a")
-    assert run_folder(path, {"term"}) == PurePosixPath("/data/exp=1/logs/run-a/rank=3")  # the file holds its rank
+    # a folder of a column of the log is a partition, whether the file leaves the column out or holds it too
+    assert run_folder(path) == PurePosixPath("/data/exp=1/logs/run-a")
     # a Spark dataset folder named *.parquet: the run is the folder around it, as for its part files
-    assert run_folder(PurePosixPath("/logs/run.parquet/rank=0/part-0.parquet"), {"rank"}) == PurePosixPath("/logs")
-    assert run_folder(PurePosixPath("/logs/run-a/part-0.parquet"), ()) == PurePosixPath("/logs/run-a")
+    assert run_folder(PurePosixPath("/logs/run.parquet/rank=0/part-0.parquet")) == PurePosixPath("/logs")
+    assert run_folder(PurePosixPath("/logs/run-a/part-0.parquet")) == PurePosixPath("/logs/run-a")
     # a sweep's folders are runs, not partitions
-    assert run_folder(PurePosixPath("/sweep/lr=0.001/rank=0/f.parquet"), {"rank"}) == PurePosixPath("/sweep/lr=0.001")
+    assert run_folder(PurePosixPath("/sweep/lr=0.001/rank=0/f.parquet")) == PurePosixPath("/sweep/lr=0.001")
 
 
 def test_the_runs_of_a_sweep_kept_in_lr_folders_stay_apart(tmp_path: Path) -> None:
@@ -40,11 +40,28 @@ def test_the_runs_of_a_sweep_kept_in_lr_folders_stay_apart(tmp_path: Path) -> No
     assert {run["run"]: run["verdict"] for run in report["runs"]} == {"lr=0.001": "correct", "lr=0.003": "incorrect"}
 
 
-def test_a_folder_gives_a_value_only_to_a_naming_column_the_file_lacks() -> None:
+def test_a_folder_gives_a_value_only_to_a_column_the_file_lacks() -> None:
     path = PurePosixPath("/r/date=2026-12-06/rank=3/step=-2/term=__HIVE_DEFAULT_PARTITION__/group=7/f.parquet")
     values = partition_values(partition_folders(path), frozenset({"step"}))
     assert values == {"rank": 3, "term": None, "group": "7"}  # step is the file's; date is no column of the log
     assert isinstance(values["rank"], int) and isinstance(values["group"], str)
+    # measured columns too, as pandas' partition_cols leaves them: a float, and a bool as Spark or pandas spells it
+    path = PurePosixPath("/r/grad_divisor=1.0/sync=True/skipped=false/f.parquet")
+    assert partition_values(partition_folders(path), frozenset()) == {
+        "grad_divisor": 1.0,
+        "sync": True,
+        "skipped": False,
+    }
+
+
+@pytest.mark.parametrize(
+    ("folder", "kind"), [("grad_divisor=one", "a float64"), ("sync=yes", "a bool"), ("sync=1", "a bool")]
+)
+def test_a_folder_whose_value_is_not_of_its_column_s_kind_is_refused_naming_it(folder: str, kind: str) -> None:
+    with pytest.raises(LogFormatError) as raised:
+        partition_values(partition_folders(PurePosixPath(f"/r/{folder}/f.parquet")), frozenset())
+    column, _ = folder.split("=")
+    assert raised.value.problem == f"the folder '{folder}' gives '{column}' a value that is not {kind}"
 
 
 @pytest.mark.parametrize("folder", ["rank=x", "rank=1.5", "step=99999999999999999999", "micro="])
@@ -101,7 +118,30 @@ def test_a_file_that_holds_the_column_itself_keeps_its_own_values(tmp_path: Path
         check_json(tmp_path / "misplaced")[1]["runs"],
         check_json(tmp_path / "plain")[1]["runs"],
     )
-    assert misplaced_run == dict(plain_run, run="rank=0")  # a folder that gave nothing names the run, as any other
+    assert misplaced_run == plain_run  # the rank=0 folder is a partition of run good, whose files keep their ranks
+
+
+@pytest.mark.parametrize("weights", [token_mean, local_mean])
+def test_rank_folders_over_files_that_keep_their_rank_are_one_run(tmp_path: Path, weights: object) -> None:
+    """Each rank's file under a `rank=R/` folder of its own run, each file holding its rank column too (a rank that
+    writes its own file into its folder): one run, judged whole, as the same files side by side are."""
+    plain = write_by_rank(tmp_path / "plain" / "exp1", records(UNEVEN_GA, weights))
+    for index, shard in enumerate(sorted(plain.glob("*.parquet"))):
+        folder = tmp_path / "folders" / "exp1" / f"rank={index}"
+        folder.mkdir(parents=True)
+        (folder / "part-0.parquet").write_bytes(shard.read_bytes())
+    (run,), (plain_run,) = check_json(tmp_path / "folders")[1]["runs"], check_json(tmp_path / "plain")[1]["runs"]
+    assert run == plain_run and run["run"] == "exp1"
+
+
+def test_a_measured_column_given_by_folders_is_read(tmp_path: Path) -> None:
+    """A summing reduction's log (b = S/N, D = 1: the token mean) written by pandas with partition_cols=["grad_divisor",
+    "rank"]: the files leave D out, and the folders give it (left out, D would default to W and read 1/W)."""
+    table = pa.Table.from_pylist(records(UNEVEN_GA, lambda S, N, **_: S / N, grad_divisor=1.0))
+    table.to_pandas().to_parquet(tmp_path / "sum", partition_cols=["grad_divisor", "rank"])
+    assert (tmp_path / "sum" / "grad_divisor=1").is_dir()  # as pandas writes 1.0
+    code, report, _ = check_json(tmp_path)
+    assert code == 0 and [(r["run"], r["verdict"]) for r in report["runs"]] == [("sum", "correct")], report
 
 
 def test_a_rank_beyond_the_world_size_given_by_a_folder_is_one_line(tmp_path: Path) -> None:
