@@ -17,11 +17,33 @@ from tokaudit.errors import LogFormatError, first_line
 DELTA_LOG = "_delta_log"
 
 _COMMIT = re.compile(r"^(\d{20})\.json$")
-_CHECKPOINT = re.compile(r"^(\d{20})\.checkpoint(?:\.(\d{10})\.(\d{10}))?\.parquet$")
+# a classic checkpoint (v.checkpoint.parquet), a part of n (v.checkpoint.p.n.parquet), or a V2 one named by a UUID
+# (v.checkpoint.<uuid>.parquet or .json, whose add and remove actions may lie in sidecar files)
+_CHECKPOINT = re.compile(
+    r"^(\d{20})\.checkpoint(?:(?:\.(\d{10})\.(\d{10}))?\.parquet|\.[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}"
+    r"\.(?:parquet|json))$"
+)
+SIDECARS = "_sidecars"
 
 _COLUMN_MAPPING = (
     "a Delta table with column mapping (its files name their columns by id, not as the log format does), which "
     "tokaudit does not read: export it as Parquet (spark.read.format('delta').load(...).write.parquet(...))"
+)
+
+_UNREPLAYABLE = (
+    "a Delta table whose log cannot be replayed (a commit after its last checkpoint is missing), so which files it "
+    "holds now is unknown and none is read: copy the whole table, or export it as Parquet "
+    "(spark.read.format('delta').load(...).write.parquet(...))"
+)
+
+_MISSING = (
+    "a file the Delta table holds at version {version} (its log says so), not there: a partial copy of the table?"
+)
+
+_DISPLACED = (
+    "a Delta table whose files' paths do not hold the partition values its log gives them (column '{column}', files "
+    "outside {column}=… folders), which tokaudit does not read: export it as Parquet "
+    "(spark.read.format('delta').load(...).write.parquet(...))"
 )
 
 _DELETION_VECTORS = (
@@ -39,30 +61,61 @@ def live_files(
     Deletion vectors and column mapping raise their problem, naming `root`."""
     names = list(names)
     commits = {int(m.group(1)): name for name in names if (m := _COMMIT.match(name))}
-    parts: dict[int, list[tuple[str, int]]] = {}
-    for name in names:
-        if m := _CHECKPOINT.match(name):
-            parts.setdefault(int(m.group(1)), []).append((name, int(m.group(3) or 1)))
-    complete = [v for v, found in parts.items() if len(found) == found[0][1]]
+    whole = _whole_checkpoints(names)
     live: set[str] = set()
     start = 0
-    if complete:  # the latest whole checkpoint holds the table's files at its version
-        start = max(complete)
-        for name, _ in sorted(parts[start]):
-            _apply(root, _checkpoint_actions(read_table(name)), live)
+    if whole:  # the latest whole checkpoint holds the table's files at its version
+        start = max(whole)
+        for name in whole[start]:
+            if name.endswith(".json"):  # a V2 checkpoint written as JSON: a commit's lines
+                actions: Iterable[dict[str, Any]] = _lines(read(name))
+            else:
+                actions = _checkpoint_actions(read_table(name))
+            _apply(root, _with_sidecars(actions, read_table), live)
         start += 1
     last = max((v for v in commits if v >= start), default=start - 1)
     if any(v not in commits for v in range(start, last + 1)) or last < 0:
         return None
     for version in range(start, last + 1):
-        actions = (json.loads(line) for line in read(commits[version]).decode().splitlines() if line.strip())
-        _apply(root, actions, live)
+        _apply(root, _lines(read(commits[version])), live)
     return last, live
 
 
+def _whole_checkpoints(names: Iterable[str]) -> dict[int, list[str]]:
+    """Per version, the files of one whole checkpoint: one file (classic or V2), or every part of one in parts."""
+    whole: dict[int, list[str]] = {}
+    parts: dict[tuple[int, int], list[str]] = {}
+    for name in sorted(names):
+        if (m := _CHECKPOINT.match(name)) is None:
+            continue
+        version = int(m.group(1))
+        if m.group(3) is None:
+            whole.setdefault(version, [name])
+            continue
+        held = parts.setdefault((version, int(m.group(3))), [])
+        held.append(name)
+        if len(held) == int(m.group(3)):
+            whole.setdefault(version, held)
+    return whole
+
+
+def _lines(data: bytes) -> Iterable[dict[str, Any]]:
+    return (json.loads(line) for line in data.decode().splitlines() if line.strip())
+
+
+def _with_sidecars(actions: Iterable[dict[str, Any]], read_table: Callable[[str], Any]) -> Iterable[dict[str, Any]]:
+    """A V2 checkpoint's actions, each sidecar replaced by the actions of its file (in `_delta_log/_sidecars/`)."""
+    for action in actions:
+        if action.get("sidecar") is not None:
+            name = unquote(action["sidecar"]["path"]).rsplit("/", 1)[-1]
+            yield from _checkpoint_actions(read_table(f"{SIDECARS}/{name}"))
+        else:
+            yield action
+
+
 def _checkpoint_actions(table: Any) -> Iterable[dict[str, Any]]:
-    """A checkpoint's metadata, add and remove actions, as a commit's lines give them."""
-    for column in ("metaData", "add", "remove"):
+    """A checkpoint's metadata, add, remove and sidecar actions, as a commit's lines give them."""
+    for column in ("metaData", "add", "remove", "sidecar"):
         if column in table.column_names:
             for value in table.column(column).to_pylist():
                 if value is not None:
@@ -79,9 +132,24 @@ def _apply(root: str, actions: Iterable[dict[str, Any]], live: set[str]) -> None
         if "add" in action and action["add"] is not None:
             if action["add"].get("deletionVector"):
                 raise LogFormatError(root, _DELETION_VECTORS)
-            live.add(_relative(root, action["add"]["path"]))
+            path = _relative(root, action["add"]["path"])
+            if column := _displaced(path, action["add"].get("partitionValues") or {}):
+                raise LogFormatError(root, _DISPLACED.format(column=column))
+            live.add(path)
         elif "remove" in action and action["remove"] is not None:
             live.discard(_relative(root, action["remove"]["path"]))
+
+
+def _displaced(path: str, values: dict[str, str | None]) -> str | None:
+    """A partition column of the log (`partitions.PARTITION_COLUMNS`) the log gives a file a value of, where its path
+    has no `column=…` folder (randomized prefixes): tokaudit takes partition values from folders alone."""
+    folders = {unquote(folder.split("=", 1)[0]) for folder in path.split("/")[:-1] if "=" in folder}
+    missing = [column for column in values if column not in folders]
+    if not missing:
+        return None
+    from tokaudit._partitions import PARTITION_COLUMNS  # (pyarrow, for the rare table that needs it)
+
+    return next((column for column in missing if column in PARTITION_COLUMNS), None)
 
 
 def _relative(root: str, path: str) -> str:
@@ -110,16 +178,24 @@ class Tables:
         shown: Callable[[str], str] = str,
     ) -> None:
         self.problems, self.open_log, self.shown = problems, open_log, shown
-        self.tables: dict[str, tuple[int, AbstractSet[str]] | None] = {}
-        """Per table's root: (its version, the files it holds), REFUSED, or None where its log cannot be replayed."""
+        self.tables: dict[str, tuple[int, AbstractSet[str]]] = {}
+        """Per table's root: (its version, the files it holds), or REFUSED."""
         self.skipped: dict[str, int] = {}
+        self.seen: dict[str, set[str]] = {}
+        """Per table's root, the files it holds that were found."""
+        self.within: dict[str, str] = {}
+        """Per table's root, the folder inside it the walk began at ("": the whole table)."""
 
-    def enter(self, root: str) -> None:
-        """A table's root: its log replayed (a log that cannot be read is one problem, and none of its files read)."""
-        self.skipped[root] = 0
+    def enter(self, root: str, within: str = "") -> None:
+        """A table's root: its log replayed (a log that cannot be read, or replayed, is one problem, and none of its
+        files read: which it holds is unknown). `within`: the folder inside it the walk began at."""
+        self.skipped[root], self.seen[root], self.within[root] = 0, set(), within
         try:
             names, read, read_table = self.open_log(root)
-            self.tables[root] = live_files(root, names, read, read_table)
+            found = live_files(root, names, read, read_table)
+            if found is None:
+                raise LogFormatError(root, _UNREPLAYABLE)
+            self.tables[root] = found
         except LogFormatError as error:
             self.problems.append(LogFormatError(self.shown(root), error.problem))
             self.tables[root] = REFUSED
@@ -130,33 +206,43 @@ class Tables:
     def enter_above(self, folder: str) -> None:
         """On disk, the table a folder given lies inside, if any: the nearest folder above it that holds a log."""
         parent = os.path.dirname(folder)
+        given = folder
         while parent != folder:
             if os.path.isdir(os.path.join(parent, DELTA_LOG)):
-                self.enter(parent)
+                self.enter(parent, os.path.relpath(given, parent).replace(os.sep, "/"))
                 return
             folder, parent = parent, os.path.dirname(parent)
 
     def kept(self, folder: str, names: list[str], separator: str = os.sep) -> list[str]:
         """Those of `names` (files of `folder`) that their table holds; all of them outside any table."""
         root = max((r for r in self.tables if folder == r or folder.startswith(r + separator)), key=len, default=None)
-        table = None if root is None else self.tables[root]
-        if root is None or table is None:
+        if root is None:
             return names
         inside = folder[len(root) + 1 :].replace(separator, "/")
-        live = table[1]
-        keep = [name for name in names if (f"{inside}/{name}" if inside else name) in live]
+        live = self.tables[root][1]
+        keep = [path for name in names if (path := f"{inside}/{name}" if inside else name) in live]
+        self.seen[root].update(keep)
         self.skipped[root] += len(names) - len(keep)
-        return keep
+        return [path.rsplit("/", 1)[-1] for path in keep]
+
+    def missing(self) -> list[LogFormatError]:
+        """Each file a table holds, under the folder its walk began at, that is not there (a partial copy of the
+        table): one problem each, as an unreadable file would be."""
+        problems = []
+        for root, (version, live) in self.tables.items():
+            within = self.within[root] + "/" if self.within[root] not in ("", ".") else ""
+            for path in sorted(live - self.seen[root]):
+                if path.startswith(within) and "://" not in path and not path.startswith("/"):  # (not a clone's)
+                    problems.append(LogFormatError(self.shown(f"{root}/{path}"), _MISSING.format(version=version)))
+        return problems
 
     def notes(self) -> list[str]:
-        """What was skipped of each table, and each table whose log could not be replayed."""
-        said = []
-        for root, table in self.tables.items():
-            if table is None:
-                said.append(unreplayable_note(self.shown(root)))
-            elif table is not REFUSED and self.skipped[root]:
-                said.append(table_note(self.shown(root), table[0], self.skipped[root]))
-        return said
+        """What was skipped of each table."""
+        return [
+            table_note(self.shown(root), table[0], self.skipped[root])
+            for root, table in self.tables.items()
+            if table is not REFUSED and self.skipped[root]
+        ]
 
 
 def local_log(root: str) -> tuple[list[str], Callable[[str], bytes], Callable[[str], Any]]:
@@ -178,7 +264,3 @@ def table_note(root: str, version: int, skipped: int) -> str:
         f"{root}: a Delta table at version {version}: {skipped} Parquet file(s) it no longer holds (replaced by a later "
         "commit, or never committed) skipped"
     )
-
-
-def unreplayable_note(root: str) -> str:
-    return f"{root}: a Delta table whose log cannot be replayed (a commit is missing): every Parquet file under it read"

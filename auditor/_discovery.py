@@ -96,6 +96,7 @@ def _walk(
         for dataset, parts in datasets.items()
         if not parts
     )
+    problems.extend(tables.missing())
     if notes is not None:
         notes.extend([hidden_note(str(root), skipped)] if skipped else [])
         notes.extend(tables.notes())

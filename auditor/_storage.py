@@ -248,7 +248,7 @@ def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None
                 store.sizes[entry.path] = entry.size
     trouble: list[LogFormatError] = []
     logs.update(_log_above(store, root))
-    found = _held_by_tables(store, logs, found, trouble, notes)
+    found = _held_by_tables(store, logs, found, trouble, notes, root)
     if skipped and notes is not None:
         notes.append(hidden_note(url, len(skipped)))
     if not found and not trouble:
@@ -272,10 +272,16 @@ def _log_above(store: Store, root: str) -> dict[str, list[str]]:
 
 
 def _held_by_tables(
-    store: Store, logs: dict[str, list[str]], found: list[str], trouble: list[LogFormatError], notes: list[str] | None
+    store: Store,
+    logs: dict[str, list[str]],
+    found: list[str],
+    trouble: list[LogFormatError],
+    notes: list[str] | None,
+    root: str,
 ) -> list[str]:
-    """Of the objects found, those the Delta tables among them hold (`delta.Tables`; `logs`: each table's root and
-    the names in its log), and every object outside a table."""
+    """Of the objects found under `root`, those the Delta tables among them hold (`delta.Tables`; `logs`: each
+    table's root and the names in its log), and every object outside a table. A file a table holds under `root`
+    that is not there is one problem in `trouble`."""
     if not logs:
         return found
     import pyarrow.parquet as pq
@@ -288,8 +294,10 @@ def _held_by_tables(
 
     tables = Tables(trouble, open_log, lambda table: store.url(PurePosixPath(table)))
     for table in logs:
-        tables.enter(table)
+        inside = PurePosixPath(root).is_relative_to(table)
+        tables.enter(table, str(PurePosixPath(root).relative_to(table)) if inside else "")
     kept = [path for path in found if tables.kept(str(PurePosixPath(path).parent), [PurePosixPath(path).name], "/")]
+    trouble.extend(tables.missing())
     if notes is not None:
         notes.extend(tables.notes())
     return kept

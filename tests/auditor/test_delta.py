@@ -43,16 +43,89 @@ def test_a_delta_table_is_audited_at_its_current_version(tmp_path: Path) -> None
     assert check_json(tmp_path / "delta" / "run" / "rank=1")[1]["files"] == 1  # a folder given inside the table
 
 
-def test_a_log_that_cannot_be_replayed_leaves_every_file_read_and_says_so(tmp_path: Path) -> None:
+def test_a_log_that_cannot_be_replayed_is_one_line_and_none_of_its_files_is_read(tmp_path: Path) -> None:
+    """A commit missing after the last checkpoint: which files the table holds now is unknown (a file an overwrite
+    removed may be among them), so none is read, as for any log tokaudit cannot follow; the other runs are audited."""
     table = tmp_path / "run"
     deltalake.write_deltalake(table, pa.Table.from_pylist(records(UNEVEN_GA, token_mean)), partition_by=["rank"])
     (table / "_delta_log" / "00000000000000000000.json").rename(table / "_delta_log" / "00000000000000000001.json")
-    code, report, notes = check_json(tmp_path)
-    assert code == 0 and report["files"] == 2
+    write_by_rank(tmp_path / "good", records(UNEVEN_GA, token_mean))
+    code, report, lines = check_json(tmp_path)
+    assert code == 2 and [run["run"] for run in report["runs"]] == ["good"]
+    assert f"tokaudit: error: {table}: a Delta table whose log cannot be replayed (a commit after its last " in lines[0]
+
+
+def test_a_v2_checkpoint_named_by_a_uuid_is_where_the_replay_starts(tmp_path: Path) -> None:
+    """A table overwritten with a rank-local mean, checkpointed, the checkpoint named as V2 checkpoints are
+    (`v.checkpoint.<uuid>.parquet`) and the commits before it gone, as log retention leaves them: the table's current
+    files alone are read (the removed token-mean file, still on disk, among none), every time."""
+    table = tmp_path / "run"
+    deltalake.write_deltalake(table, pa.Table.from_pylist(records(UNEVEN_GA, token_mean)))
+    deltalake.write_deltalake(table, pa.Table.from_pylist(records(UNEVEN_GA, local_mean)), mode="overwrite")
+    deltalake.DeltaTable(table).create_checkpoint()
+    log = table / "_delta_log"
+    (log / f"{1:020d}.checkpoint.parquet").rename(
+        log / f"{1:020d}.checkpoint.80a083e8-7026-4e79-81be-64bd76c43a11.parquet"
+    )
+    (log / f"{0:020d}.json").unlink()
+    code, report, notes = check_json(table)
+    assert code == 1 and report["files"] == 1 and report["runs"][0]["verdict"] == "incorrect"
     assert notes == [
-        f"tokaudit: note: {table}: a Delta table whose log cannot be replayed (a commit is missing): every Parquet "
-        "file under it read"
+        f"tokaudit: note: {table}: a Delta table at version 1: 1 Parquet file(s) it no longer holds "
+        "(replaced by a later commit, or never committed) skipped"
     ]
+
+
+def test_a_v2_checkpoint_s_sidecars_hold_its_files() -> None:
+    """A V2 checkpoint written as JSON whose add actions lie in a sidecar file (`_delta_log/_sidecars/`)."""
+    uuid = "3a0d65cd-4056-49b8-937b-95f9e3ee90e5"
+    names = [f"{4:020d}.checkpoint.{uuid}.json", f"{5:020d}.json"]
+    lines = {
+        names[0]: json.dumps({"sidecar": {"path": "016ae953-37a9-438e-8683-9a9a4a79a395.parquet"}}).encode(),
+        names[1]: json.dumps({"remove": {"path": "a.parquet"}}).encode(),
+    }
+    sidecar = pa.table({"add": [{"path": "a.parquet"}, {"path": "b.parquet"}]})
+    read = {"_sidecars/016ae953-37a9-438e-8683-9a9a4a79a395.parquet": sidecar}
+    assert live_files("run", names, lines.__getitem__, read.__getitem__) == (5, {"b.parquet"})
+
+
+def test_a_file_the_table_holds_that_is_not_there_is_one_line_and_the_rest_is_audited(tmp_path: Path) -> None:
+    """A partial copy of a table that lost one of its files (each rank's step a commit of its own): the lost file
+    is named (a missing rank would otherwise be blamed on the training), and the other files are audited."""
+    table = tmp_path / "run"
+    rows = records(UNEVEN_GA, token_mean)
+    for step in range(3):
+        for rank in range(2):
+            mine = [r for r in rows if r["step"] == step and r["rank"] == rank]
+            deltalake.write_deltalake(table, pa.Table.from_pylist(mine), mode="append")
+    commit = (table / "_delta_log" / f"{3:020d}.json").read_text().splitlines()
+    lost = next(json.loads(line)["add"]["path"] for line in commit if '"add"' in line)  # rank 1's step 1
+    (table / lost).unlink()
+    code, report, lines = check_json(tmp_path)
+    assert code == 2 and report["files"] == 5
+    assert lines[0] == (
+        f"tokaudit: error: {table}/{lost}: a file the Delta table holds at version 5 (its log says so), not there: a "
+        "partial copy of the table?"
+    )
+
+
+def test_partition_values_the_paths_do_not_hold_are_one_line(tmp_path: Path) -> None:
+    """A table partitioned by run_id whose files lie outside run_id=… folders (randomized prefixes: the values are in
+    the log alone): tokaudit, which takes them from folders, refuses the table rather than merge its runs."""
+    table = tmp_path / "runs"
+    rows = records(UNEVEN_GA, token_mean, run_id="good") + records(UNEVEN_GA, local_mean, run_id="bad")
+    deltalake.write_deltalake(table, pa.Table.from_pylist(rows), partition_by=["run_id"])
+    commit = table / "_delta_log" / f"{0:020d}.json"
+    actions = [json.loads(line) for line in commit.read_text().splitlines()]
+    for index, action in enumerate(a for a in actions if "add" in a):
+        (table / "data").mkdir(exist_ok=True)
+        (table / action["add"]["path"].replace("%3D", "=")).rename(table / "data" / f"part-{index}.parquet")
+        action["add"]["path"] = f"data/part-{index}.parquet"
+    commit.write_text("".join(json.dumps(action) + "\n" for action in actions))
+    code, report, lines = check_json(tmp_path)
+    assert code == 2 and report["runs"] == []
+    assert lines[0].startswith(f"tokaudit: error: {table}: a Delta table whose files' paths do not hold the partition ")
+    assert "(column 'run_id', files outside run_id=… folders)" in lines[0]
 
 
 def test_deletion_vectors_column_mapping_and_a_damaged_log_are_one_line_each_and_the_other_runs_are_audited(
