@@ -38,6 +38,8 @@ class Store:
     sizes: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
     """Each object's size as the listing gave it, by path: an object of known size is read without asking
     the store for its size first (`sized_fragment`), a request less per object."""
+    modified: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
+    """Each object's last modification (ns) as the listing gave it, by path (`modified_ns`)."""
 
     def url(self, path: str | PurePath) -> str:
         return f"{self.scheme}://{path}"
@@ -45,6 +47,17 @@ class Store:
 
 DEFAULT_TIMEOUT_S = 10.0
 """Seconds one request to an S3 store may take to connect or to answer (TOKAUDIT_STORAGE_TIMEOUT)."""
+
+
+def modified_ns(path: str | PurePath, store: Store | None) -> int:
+    """When a file was last modified (ns; 0 where that cannot be told): the order of files that do not say which
+    launch wrote them (`engine.sql.file_order_table`)."""
+    if store is not None:
+        return store.modified.get(str(path), 0)
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return 0
 
 
 def storage_timeout() -> float:
@@ -246,6 +259,8 @@ def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None
             found.append(entry.path)
             if entry.size is not None:
                 store.sizes[entry.path] = entry.size
+            if entry.mtime_ns is not None:
+                store.modified[entry.path] = entry.mtime_ns
     trouble: list[LogFormatError] = []
     logs.update(_log_above(store, root))
     found = _held_by_tables(store, logs, found, trouble, notes, root)

@@ -4,6 +4,7 @@ where its weights are wrong."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -129,7 +130,8 @@ def test_the_heat_map_leaves_out_the_repeated_records_the_audit_left_out(tmp_pat
     for first in range(0, 12, 3):
         write(run / f"rank-all-{first:06d}.parquet", [r for r in rows if first <= r["step"] < first + 3])
     wrong = records(UNEVEN_GA * 4, local_mean)
-    write(run / "rank-all-000002.parquet", [r for r in wrong if r["step"] == 7])  # read before the right copy
+    earlier = write(run / "rank-all-000002.parquet", [r for r in wrong if r["step"] == 7])
+    os.utime(earlier, ns=(1_700_000_000_000_000_000,) * 2)  # written before the right copy (its files say no launch)
     page = html_report([tmp_path / "logs"], tmp_path / "report.html")
     assert "data-code=duplicate_records" in page
     fills = re.findall(r'<rect class=cell [^>]*fill="([^"]+)"', page)

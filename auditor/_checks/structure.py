@@ -450,10 +450,15 @@ def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:
         )
         fix = "give the recorder the optimizer's global step (one number per update that never goes back)"
     else:
+        later = (
+            "the file modified last, as these files do not say which launch wrote them"
+            if duplicates.unlaunched
+            else "the later shard as published, whatever the clocks"
+        )
         cause = (
             "other values for the same steps: a re-launch under the same run id, a resume that replayed steps, "
-            "or a step that went back (a per-epoch batch index given as the step), whose later records (the later "
-            "shard as published, whatever the clocks) were kept and judged"
+            f"or a step that went back (a per-epoch batch index given as the step), whose later records ({later}) "
+            "were kept and judged"
         )
         fix = (
             "give each launch its own run_id, resume from the checkpoint's step into a new shard sequence, and give "
@@ -473,6 +478,7 @@ def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:
             "identical": duplicates.identical,
             "in_one_file": duplicates.one_file,
             "superseded_records": duplicates.superseded,
+            "kept_by_modification_time": duplicates.unlaunched,
         },
     )
 

@@ -279,10 +279,10 @@ class Engine:
     def _find_duplicates(self) -> dict[str, Duplicates]:
         found = {}
         for row in self.connection.execute(DUPLICATES_SQL, [FILES_NAMED]).fetchall():
-            run, copies, first, last, steps, files, identical, same_time, one_file, superseded = row
+            run, copies, first, last, steps, files, identical, same_time, one_file, superseded, unlaunched = row
             named = tuple(os.path.basename(str(f)) for f in files)
-            kinds = (bool(identical), bool(same_time), bool(one_file))
-            found[str(run)] = Duplicates(int(copies), int(first), int(last), int(steps), named, *kinds, int(superseded))
+            kinds = (bool(identical), bool(same_time), bool(one_file), int(superseded), bool(unlaunched))
+            found[str(run)] = Duplicates(int(copies), int(first), int(last), int(steps), named, *kinds)
         return found
 
     def step_table(self, progress: Told | None = None) -> pd.DataFrame:

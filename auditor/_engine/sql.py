@@ -13,6 +13,7 @@ from tokaudit._engine.columns import PARTIALS, STEP_COLUMN_BY_NAME, STEP_COLUMNS
 from tokaudit._engine.columns import Partial, StepColumn
 from tokaudit._footers import footer_type
 from tokaudit._reader import NULLABLE_COLUMNS, Shard
+from tokaudit._storage import modified_ns
 from tokaudit._schema import COLUMNS_BY_NAME, UNNAMED
 
 
@@ -225,9 +226,11 @@ def file_order_table(shards: Sequence[Shard], names: dict[int, str]) -> pa.Table
     """Each file (by its name for DuckDB, `names` by shard id) with its place in the order of publication and the
     values its folders give (`Shard.partition`, as columns named GIVEN + the column), which its scan joins. Among
     duplicates the later published wins: the later launch (the one whose first shard came after the other's, -1
-    for a file that does not say), then the later file of it."""
+    for a file that does not say), then the later file of it; of files that do not say (other writers', whose
+    names need not follow the order they were written in: pyarrow's UUIDs), the one modified last."""
     launches = [-1 if s.provenance.launch is None else s.provenance.launch for s in shards]
-    order = sorted(range(len(shards)), key=lambda i: (launches[i], i))
+    written = [modified_ns(s.path, s.store) if launches[i] < 0 else 0 for i, s in enumerate(shards)]
+    order = sorted(range(len(shards)), key=lambda i: (launches[i], written[i], i))
     published = [shards[i] for i in order]
     given = {column: COLUMNS_BY_NAME[column].arrow_type for s in shards for column, _ in s.partition}
     return pa.table(
@@ -341,7 +344,8 @@ GROUP BY run, grp
 resize left (rank ≥ the W of the newest step) is waited for no more."""
 
 
-# per run: the copies, where, whether every copy holds the kept record's values, and its time; and the records of
+# per run: the copies, where, whether every copy holds the kept record's values, and its time, and whether a copy lies
+# in a file that does not say which launch wrote it; and the records of
 # an earlier launch's (step, rank) that a later launch recorded again, their own key repeated by none (the dedup of
 # `Engine._define` leaves them out with the copies)
 DUPLICATES_SQL = """
@@ -354,13 +358,15 @@ WITH superseded AS (
 SELECT run, sum(copies - 1), min(step), max(step), count(DISTINCT step),
        list_slice(list_sort(list_distinct(flatten(list(files)))), 1, $1),
        bool_and(values_seen = 1), bool_and(times_seen = 1), bool_or(len(files) = 1),
-       coalesce(any_value(superseded), 0) FROM (
+       coalesce(any_value(superseded), 0), bool_or(unlaunched) FROM (
     SELECT run, step, count(*) AS copies, list(DISTINCT filename) AS files,
            count(DISTINCT (loss_sum, valid_tokens, backward_scalar, token_weight_sum, token_weight_min,
                            token_weight_max, masked_weight_abs_sum, grad_scale, grad_divisor, term_weight,
                            world_size, sync, skipped)) AS values_seen,
-           count(DISTINCT coalesce(written, TIMESTAMP '1970-01-01')) AS times_seen
-    FROM raw_records GROUP BY run, grp, term, step, rank, micro HAVING count(*) > 1)
+           count(DISTINCT coalesce(written, TIMESTAMP '1970-01-01')) AS times_seen,
+           bool_or(coalesce(launch, -1) < 0) AS unlaunched
+    FROM raw_records LEFT JOIN file_order USING (filename)
+    GROUP BY run, grp, term, step, rank, micro HAVING count(*) > 1)
 LEFT JOIN superseded USING (run)
 GROUP BY run
 """

@@ -254,6 +254,9 @@ class Duplicates:
     """Some key is repeated inside one file, which one process wrote: its step went back during that launch."""
     superseded: int = 0
     """Records of an earlier launch's (step, rank) that a later launch recorded again, left out with the copies."""
+    unlaunched: bool = False
+    """Some copy lies in a file that does not say which launch wrote it (another writer's): of those, the copy in
+    the file modified last was kept."""
 
     def __add__(self, other: Duplicates) -> Duplicates:
         """Repeated keys found in another range (ranges hold different steps)."""
@@ -267,6 +270,7 @@ class Duplicates:
             self.same_time and other.same_time,
             self.one_file or other.one_file,
             self.superseded + other.superseded,
+            self.unlaunched or other.unlaunched,
         )
 
 

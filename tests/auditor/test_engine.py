@@ -70,6 +70,27 @@ def test_of_two_copies_without_time_the_later_file_wins(tmp_path: Path) -> None:
     engine.close()
 
 
+@pytest.mark.parametrize("fixed_name", ["0b6f-0.parquet", "f3a9-0.parquet"])
+def test_of_other_writers_files_the_one_modified_last_wins_whatever_its_name(tmp_path: Path, fixed_name: str) -> None:
+    """A run logged with pyarrow's write_to_dataset (files named by random UUIDs, no launch in their footers) as a
+    rank-local mean, then fixed and launched again into the same folder: the later file's records are judged,
+    whichever name sorts last, and the finding says how the copy kept was chosen."""
+    import os
+
+    run = tmp_path / "exp1"
+    first = write(
+        run / ("f3a9-0.parquet" if fixed_name.startswith("0") else "0b6f-0.parquet"), records(UNEVEN_GA, local_mean)
+    )
+    fixed = write(run / fixed_name, records(UNEVEN_GA, token_mean))
+    os.utime(first, ns=(1_700_000_000_000_000_000,) * 2)
+    os.utime(fixed, ns=(1_700_000_060_000_000_000,) * 2)  # a minute later
+    report = audit([run])
+    (finding,) = report.findings
+    assert report.runs[0].verdict == "correct" and finding.code.value == "duplicate_records"
+    assert "(the file modified last, as these files do not say which launch wrote them)" in finding.message
+    assert finding.evidence["kept_by_modification_time"] is True
+
+
 def test_an_audit_can_be_held_to_one_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The trackers' audit runs beside training: `audit(threads=1)` reaches DuckDB, the report is the same."""
     import tokaudit._auditing as auditing
