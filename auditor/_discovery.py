@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tokaudit.errors import LogFormatError
 from tokaudit._delta import DELTA_LOG, Tables, local_log
-from tokaudit._storage import WRITERS_FOLDERS, hidden, hidden_note
+from tokaudit._storage import ICEBERG, WRITERS_FOLDERS, hidden, hidden_note, iceberg_marker
 
 
 def discover(
@@ -79,6 +79,12 @@ def _walk(
         seen.add((identity.st_dev, identity.st_ino))
         if notes is not None and os.path.islink(here):
             _note_outside(here, inside, notes)
+        if "metadata" in folders and any(
+            iceberg_marker(("metadata", n)) for n in _names(os.path.join(here, "metadata"))
+        ):
+            problems.append(LogFormatError(here, ICEBERG))  # its files are not read: which it holds now is unknown
+            folders[:] = []
+            continue
         if DELTA_LOG in folders:
             tables.enter(here)
         skipped += sum(f in WRITERS_FOLDERS for f in folders)
@@ -101,6 +107,13 @@ def _walk(
         notes.extend([hidden_note(str(root), skipped)] if skipped else [])
         notes.extend(tables.notes())
     return reached
+
+
+def _names(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
 
 
 def _add_files(

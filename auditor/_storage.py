@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import PurePath, PurePosixPath
+from collections.abc import Sequence
 from typing import Any
 
 from tokaudit.errors import LogFormatError, first_line
@@ -202,6 +203,17 @@ writers' own readers skip them: Spark's `_temporary/` of uncommitted tasks and a
 Impala's staging. Only these: a run whose id begins with '_' is a folder of the recorder's, and is read."""
 
 
+ICEBERG = (
+    "an Iceberg table (its metadata/ says which of the files under it the table holds now), which tokaudit does not "
+    "read: export it as Parquet (spark.table(...).write.parquet(...))"
+)
+
+
+def iceberg_marker(parts: Sequence[str]) -> bool:
+    """A path (its last parts) that marks an Iceberg table's root: `metadata/*.metadata.json`, its table metadata."""
+    return len(parts) >= 2 and parts[-2] == "metadata" and parts[-1].endswith(".metadata.json")
+
+
 def hidden(name: str, folder: bool) -> bool:
     """A name the walk skips below the paths given: a killed writer's temporaries (dot-files), WRITERS_FOLDERS, and a
     Delta table's log (which says what files the table holds, `delta.Tables`)."""
@@ -242,10 +254,13 @@ def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None
         return store, [], [LogFormatError(url, describe(error))]
     found, skipped = [], set()
     logs: dict[str, list[str]] = {}  # each Delta table's root: the names in its log
+    icebergs: set[tuple[str, ...]] = set()  # each Iceberg table's root, relative to the URL's
     for entry in entries:
         relative = PurePosixPath(entry.path).relative_to(PurePosixPath(root)) if entry.path != root else None
         if relative is None:
             continue
+        if iceberg_marker(relative.parts):
+            icebergs.add(relative.parts[:-2])
         last = len(relative.parts) - 1
         at = next((i for i, part in enumerate(relative.parts) if hidden(part, folder=i < last)), None)
         if at is not None:
@@ -261,7 +276,10 @@ def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None
                 store.sizes[entry.path] = entry.size
             if entry.mtime_ns is not None:
                 store.modified[entry.path] = entry.mtime_ns
-    trouble: list[LogFormatError] = []
+    trouble = [LogFormatError(store.url(PurePosixPath(root, *table)), ICEBERG) for table in sorted(icebergs)]
+    found = [
+        path for path in found if not any(PurePosixPath(path).is_relative_to(PurePosixPath(root, *t)) for t in icebergs)
+    ]
     logs.update(_log_above(store, root))
     found = _held_by_tables(store, logs, found, trouble, notes, root)
     if skipped and notes is not None:

@@ -404,3 +404,22 @@ def test_a_link_out_of_the_folder_given_is_read_and_said(tmp_path: Path) -> None
     assert len(notes) == 3 and all(f"read from {tmp_path / 'elsewhere'}" in note for note in notes), notes
     code, _, err = invoke("check", str(tmp_path))  # the targets are inside the folder given now
     assert "tokaudit: note:" not in err
+
+
+def test_an_iceberg_table_is_one_line_and_none_of_its_files_is_read(tmp_path: Path) -> None:
+    """An Iceberg table keeps the files an overwrite replaced in data/ until its snapshots expire, and only its
+    metadata/ says which it holds now: refused in one line, never read as loose files; a run beside it is audited."""
+    table = tmp_path / "ice"
+    write_by_rank(table / "data", records(UNEVEN, local_mean))
+    (table / "metadata").mkdir()
+    (table / "metadata" / "00001-5e1b.metadata.json").write_text("{}")
+    write_by_rank(tmp_path / "plain", records(UNEVEN, token_mean))
+    result = CliRunner().invoke(main, ["check", str(tmp_path), "--format", "json"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr.splitlines() == [
+        f"tokaudit: error: {table}: an Iceberg table (its metadata/ says which of the files under it the table holds "
+        "now), which tokaudit does not read: export it as Parquet (spark.table(...).write.parquet(...))"
+    ]
+    assert [run["run"] for run in json.loads(result.stdout)["runs"]] == ["plain"]
+    alone = CliRunner().invoke(main, ["check", str(table)])
+    assert alone.exit_code == 2 and alone.stderr.count("tokaudit: error:") == 1, alone.stderr

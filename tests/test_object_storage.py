@@ -83,6 +83,32 @@ def test_a_delta_table_on_s3_is_audited_at_its_current_version(endpoint: dict[st
     assert inside.returncode == 0 and json.loads(inside.stdout)["files"] == 1, inside.stderr
 
 
+def test_an_iceberg_table_and_a_file_a_delta_table_lost_on_s3_are_one_line_each(endpoint: dict[str, str]) -> None:
+    """An Iceberg table (metadata/*.metadata.json beside data/) is refused, none of its files read; a Delta table
+    uploaded without one of its files names that file; a plain run beside them is audited."""
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="tables")
+    shards = sorted((SAMPLE_LOGS / "bug_local_mean").glob("*.parquet"))
+    for shard in shards:
+        client.upload_file(str(shard), "tables", f"runs/plain/{shard.name}")
+        client.upload_file(str(shard), "tables", f"runs/ice/data/{shard.name}")
+    client.put_object(Bucket="tables", Key="runs/ice/metadata/00001-a.metadata.json", Body=b"{}")
+    client.upload_file(str(shards[0]), "tables", "runs/lake/a.parquet")
+    adds = "".join(json.dumps({"add": {"path": f"{name}.parquet", "partitionValues": {}}}) + "\n" for name in "ab")
+    client.put_object(Bucket="tables", Key=f"runs/lake/_delta_log/{0:020d}.json", Body=adds.encode())
+    done = tokaudit("check", "s3://tables/runs", "--format", "json", env=endpoint)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("tokaudit: error:")]
+    assert errors == [
+        "tokaudit: error: s3://tables/runs/ice: an Iceberg table (its metadata/ says which of the files under it the "
+        "table holds now), which tokaudit does not read: export it as Parquet (spark.table(...).write.parquet(...))",
+        "tokaudit: error: s3://tables/runs/lake/b.parquet: a file the Delta table holds at version 0 (its log says "
+        "so), not there: a partial copy of the table?",
+    ]
+    runs = sorted(run["run"] for run in json.loads(done.stdout)["runs"])  # one run id in two folders: named apart
+    assert runs == ["s3://tables/runs/lake:bug_local_mean", "s3://tables/runs/plain:bug_local_mean"]
+
+
 def test_a_writer_s_own_prefixes_on_s3_are_skipped_and_said(endpoint: dict[str, str]) -> None:
     """`_temporary/` and `_spark_metadata/` under a run on object storage are skipped as on disk, in one note."""
     client = boto3.client("s3")
