@@ -22,7 +22,8 @@ from tokaudit._reader import Shard
 from tokaudit._report import AuditReport, Finding, RunSummary, Segment
 from tokaudit._schema import UNNAMED, Provenance
 from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
-from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, unfinished_finding
+from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, stored_precision
+from tokaudit._summary import unfinished_finding
 
 
 _CODE_ORDER = {code: index for index, code in enumerate(Code)}
@@ -118,7 +119,9 @@ def _audit(
         present = _asked(names, runs)
         horizon = engine.complete_through() if live else None
         # The checks need only the step table: DuckDB's memory is given back before they run.
-        duplicates, precision = engine.duplicates, engine.precision
+        duplicates, precision = engine.duplicates, dict(engine.precision)
+        for run, bits in stored_precision(logset.shards).items():
+            precision[run] = min(precision.get(run, bits), bits)
         engine.close()
         if horizon is not None and progress:
             _say_left_out(parts, present, horizon, progress)

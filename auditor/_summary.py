@@ -85,6 +85,25 @@ def setups_of(shards: Sequence[Shard]) -> dict[str, Provenance]:
     return {run: Provenance(**facts) for run, facts in found.items()}
 
 
+WEIGHT_COLUMNS = ("loss_sum", "backward_scalar", "token_weight_sum", "token_weight_min", "token_weight_max")
+"""The columns a record's weight is read from: stored in a narrower float, they hold that float's bits at most."""
+
+STORED_BITS = {"halffloat": 11}
+"""Significant bits of the float types narrower than the default --rtol allows for (float32's 24 are within it)."""
+
+
+def stored_precision(shards: Sequence[Shard]) -> dict[str, int]:
+    """Per run, the fewest significant bits a file of it stores a weight column in (float16: 11), as `precision_bits`
+    would say: a value stored so is rounded there, whatever it was computed in."""
+    found: dict[str, int] = {}
+    for shard in shards:
+        stored = [STORED_BITS[kind] for name, kind in shard.signature if name in WEIGHT_COLUMNS and kind in STORED_BITS]
+        if stored:
+            run = _run_of(shard)
+            found[run] = min(found.get(run, 64), *stored)
+    return found
+
+
 def _run_of(shard: Shard) -> str:
     return shard.run_group[0] if shard.run_group is not None else shard.default_run
 

@@ -153,6 +153,21 @@ def test_a_noisy_bf16_log_at_a_wide_rtol_is_one_finding_and_one_segment(tmp_path
     assert len(report.runs[0].segments) == 1
 
 
+@pytest.mark.parametrize(("weights", "want"), [(token_mean, "correct"), (local_mean, "incorrect")])
+def test_a_log_stored_in_float16_is_judged_at_float16_s_precision(tmp_path: Path, weights: Any, want: str) -> None:
+    """S and b stored as float16 (a half tensor's .numpy() written by pandas or pyarrow) hold 11 significant bits,
+    whatever precision_bits says or not: a right run is judged at that rounding (not at --rtol's 1e-4, where its
+    rounding reads as unexplained weights), and a rank-local mean stays incorrect."""
+    table = pa.Table.from_pylist(records(UNEVEN_GA, weights))
+    for name in ("loss_sum", "backward_scalar"):
+        table = table.set_column(table.column_names.index(name), name, table[name].cast(pa.float16()))
+    (tmp_path / "run").mkdir()
+    pq.write_table(table, tmp_path / "run" / "half.parquet")
+    report = audit([tmp_path / "run"])
+    assert verdict(report) == want and report.runs[0].precision_bits == 11, codes(report)
+    assert codes(report) == (set() if want == "correct" else {"local_mean"})
+
+
 def test_numbers_that_must_not_pass(tmp_path: Path) -> None:
     cases: dict[str, Any] = {
         "inf_grad_scale": lambda rows: rows[0].update(grad_scale=math.inf),
