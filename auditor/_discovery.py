@@ -89,7 +89,7 @@ def _walk(
             tables.enter(here)
         skipped += sum(f in WRITERS_FOLDERS for f in folders)
         folders[:] = sorted(f for f in folders if not hidden(f, folder=True))
-        names = tables.kept(here, sorted(n for n in files if not hidden(n, folder=False) and n.endswith(".parquet")))
+        names = tables.kept(here, sorted(n for n in files if not hidden(n, folder=False) and _parquet(n)))
         if here.endswith(".parquet"):
             datasets.setdefault(here, 0)
         for dataset in datasets:
@@ -107,6 +107,11 @@ def _walk(
         notes.extend([hidden_note(str(root), skipped)] if skipped else [])
         notes.extend(tables.notes())
     return reached
+
+
+def _parquet(name: str) -> bool:
+    """A name Parquet files go by: *.parquet, in any letters (a .PARQUET file is read as its writer meant)."""
+    return name.lower().endswith(".parquet")
 
 
 def _names(folder: str) -> list[str]:

@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - every pyarrow this supports has it
 
 KIND_WORDS = {
     "int": "an integer type",
-    "float": "a numeric type",
+    "float": "a float or integer type",
     "bool": "bool",
     "string": "string",
     "timestamp": "a timestamp",
@@ -203,7 +203,7 @@ _FOOTER_TYPES = {
     "float": pa.float64(),
     "double": pa.float64(),
     "bool": pa.bool_(),
-    **dict.fromkeys(("string", "large_string"), pa.string()),
+    **dict.fromkeys(("string", "large_string", "string_view"), pa.string()),
 }
 
 _PYTHON_TYPES = {pa.int64(): int, pa.float64(): float, pa.bool_(): bool, pa.string(): str}
@@ -404,6 +404,12 @@ concatenation of frames where one lacks the column) writes the whole column so."
 def _schema_problem(schema: pa.Schema, present: frozenset[str], supplied: frozenset[str]) -> str | None:
     """What makes a schema unusable (required columns, no repeats, each column's type), or None.
     `present`: its schema columns; `supplied`: those its folders give."""
+    cased = [name for name in schema.names if name.lower() in COLUMNS_BY_NAME and name.lower() not in schema.names]
+    if cased:  # read as absent, an optional column's default would stand in for the file's own values
+        return (
+            f"column '{cased[0]}' is the log's '{cased[0].lower()}' in other letters: rename it (the log format's "
+            "names are lower-case)"
+        )
     missing = [column for column in REQUIRED_COLUMNS if column not in schema.names and column not in supplied]
     if len(missing) == len(REQUIRED_COLUMNS):
         return f"not a tokaudit log (no column {', '.join(repr(c) for c in missing)})"
@@ -421,5 +427,7 @@ def _schema_problem(schema: pa.Schema, present: frozenset[str], supplied: frozen
             problem = f"column '{column}' has type {arrow_type}, expected {KIND_WORDS[expected]}"
             if expected == "int" and pa.types.is_floating(arrow_type):
                 problem += _PANDAS_INTEGERS.format(column=column)
+            elif pa.types.is_decimal(arrow_type):  # numeric, but exact decimals are not a log's floats
+                problem += f" (write it as a float: CAST({column} AS DOUBLE))"
             return problem
     return None

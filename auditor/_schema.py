@@ -153,7 +153,11 @@ def kind_accepts(kind: Kind, arrow_type: pa.DataType) -> bool:
     if kind == "bool":
         return bool(pa.types.is_boolean(arrow_type))
     if kind == "string":
-        return bool(pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type))
+        return bool(
+            pa.types.is_string(arrow_type)
+            or pa.types.is_large_string(arrow_type)
+            or pa.types.is_string_view(arrow_type)
+        )
     return bool(pa.types.is_timestamp(arrow_type))
 
 

@@ -270,7 +270,7 @@ def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None
             elif relative.parts[at] in WRITERS_FOLDERS:
                 skipped.add(relative.parts[: at + 1])  # the outermost such folder, once, as on disk
             continue
-        if entry.type == pafs.FileType.File and entry.path.endswith(".parquet"):
+        if entry.type == pafs.FileType.File and entry.path.lower().endswith(".parquet"):
             found.append(entry.path)
             if entry.size is not None:
                 store.sizes[entry.path] = entry.size

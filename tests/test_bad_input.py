@@ -132,7 +132,36 @@ def _short_positions(folder: Path) -> None:
     )
 
 
+def _renamed(name: str, old: str, new: str) -> Any:
+    """A good run's file with one column renamed (an export that upper-cased its names)."""
+
+    def make(folder: Path) -> None:
+        table = pa.Table.from_pylist(records(UNEVEN, token_mean, grad_divisor=2.0))
+        pq.write_table(table.rename_columns([new if c == old else c for c in table.column_names]), folder / name)
+
+    return make
+
+
+def _decimal(folder: Path) -> None:
+    table = pa.Table.from_pylist(records(UNEVEN, token_mean))
+    exact = table["loss_sum"].cast(pa.decimal128(12, 6))
+    pq.write_table(
+        table.set_column(table.column_names.index("loss_sum"), "loss_sum", exact), folder / "decimal.parquet"
+    )
+
+
 CASES: dict[str, tuple[Any, str]] = {
+    # read as absent, GRAD_DIVISOR would leave D at its default (W) where the file says 2: a wrong verdict
+    "upper.parquet": (
+        _renamed("upper.parquet", "grad_divisor", "GRAD_DIVISOR"),
+        "column 'GRAD_DIVISOR' is the log's 'grad_divisor' in other letters: rename it",
+    ),
+    "step.parquet": (_renamed("step.parquet", "step", "Step"), "column 'Step' is the log's 'step' in other letters"),
+    "decimal.parquet": (
+        _decimal,
+        "column 'loss_sum' has type decimal128(12, 6), expected a float or integer type (write it as a float: "
+        "CAST(loss_sum AS DOUBLE))",
+    ),
     "uint64.parquet": (_uint64, "column 'step' holds a value beyond the int64 range"),
     "twice.parquet": (_duplicate_step, "column 'step' appears more than once"),
     "fifo.parquet": (_fifo, "not a regular file"),
@@ -423,3 +452,18 @@ def test_an_iceberg_table_is_one_line_and_none_of_its_files_is_read(tmp_path: Pa
     assert [run["run"] for run in json.loads(result.stdout)["runs"]] == ["plain"]
     alone = CliRunner().invoke(main, ["check", str(table)])
     assert alone.exit_code == 2 and alone.stderr.count("tokaudit: error:") == 1, alone.stderr
+
+
+def test_string_views_and_upper_case_file_names_are_read(tmp_path: Path) -> None:
+    """Run ids stored as string_view (what Polars and pyarrow's newer writers may leave) in files named *.PARQUET:
+    read as any log, each run's verdict its own."""
+    for name, weights in (("good", token_mean), ("bad", local_mean)):
+        for rank in (0, 1):
+            table = pa.Table.from_pylist([dict(r, run_id=name) for r in records(UNEVEN, weights) if r["rank"] == rank])
+            viewed = table["run_id"].cast(pa.string_view())
+            table = table.set_column(table.column_names.index("run_id"), "run_id", viewed)
+            (tmp_path / name).mkdir(exist_ok=True)
+            pq.write_table(table, tmp_path / name / f"RANK-{rank}.PARQUET")
+    code, out, err = invoke("check", str(tmp_path), "--format", "json")
+    assert code == 1 and err == "", err
+    assert {run["run"]: run["verdict"] for run in json.loads(out)["runs"]} == {"good": "correct", "bad": "incorrect"}
