@@ -158,10 +158,11 @@ def start_loading(paths: Sequence[str | os.PathLike[str]], thorough: bool = True
 
 
 def separate_runs(shards: list[Shard]) -> list[Shard]:
-    """A run is its folder and its run id: where one run id is held by the shards of several folders (two
-    experiments that reused a name), each folder's shards are a run of their own, named by the folder's path
-    (and the id, where the folder is named otherwise), as TensorBoard takes each folder for a run. To audit
-    them as one run, put their shards in one folder."""
+    """A run is its folder and its run id: where one run id is held by the shards of several folders that repeat a
+    (step, rank) (two experiments that reused a name), each folder's shards are a run of their own, named by the
+    folder's path (and the id, where the folder is named otherwise), as TensorBoard takes each folder for a run. To
+    audit them as one run, put their shards in one folder. Folders that share no (step, rank) are parts of one run
+    (a log partitioned by day, `date=…/`, a run past midnight in two)."""
     from dataclasses import replace
 
     from tokaudit._partitions import run_folder  # (pyarrow: after the workers started)
@@ -178,11 +179,11 @@ def separate_runs(shards: list[Shard]) -> list[Shard]:
         shown = os.path.relpath(folder)
         return folder if shown.startswith("..") else shown
 
-    folders: dict[str, set[str]] = {}
+    folders: dict[str, dict[str, list[Shard]]] = {}
     for shard in shards:
         if (run := run_of(shard)) is not None:
-            folders.setdefault(run, set()).add(folder_of(shard))
-    clashing = {run for run, held in folders.items() if len(held) > 1}
+            folders.setdefault(run, {}).setdefault(folder_of(shard), []).append(shard)
+    clashing = {run for run, held in folders.items() if len(held) > 1 and _repeat(held)}
     if not clashing:
         return shards
     out = []
@@ -203,6 +204,26 @@ def separate_runs(shards: list[Shard]) -> list[Shard]:
             )
         )
     return out
+
+
+def _repeat(folders: dict[str, list[Shard]]) -> bool:
+    """Whether two of the folders may hold one (group, step, rank), by their files' step and rank ranges (a file of
+    several ranks, or of no known range, may)."""
+    spans: dict[tuple[str, int], list[tuple[int, int, str]]] = {}
+    for folder, held in folders.items():
+        for shard in held:
+            steps, ranks = shard.step_range, shard.rank_range
+            if steps is None or ranks is None or ranks[0] != ranks[1]:
+                return True
+            group = shard.run_group[1] if shard.run_group is not None else ""
+            spans.setdefault((group, ranks[0]), []).append((steps[0], steps[1], folder))
+    for rank_spans in spans.values():
+        reach: dict[str, int] = {}  # per folder, the last step its spans so far reach
+        for first, last, folder in sorted(rank_spans):
+            if any(end >= first for other, end in reach.items() if other != folder):
+                return True
+            reach[folder] = max(reach.get(folder, last), last)
+    return False
 
 
 REMOTE_READERS = 16

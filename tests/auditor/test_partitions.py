@@ -154,3 +154,20 @@ def test_a_rank_beyond_the_world_size_given_by_a_folder_is_one_line(tmp_path: Pa
     assert result.exit_code == 2 and "Traceback" not in result.output
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("tokaudit: error:")]
     assert line.startswith(f"tokaudit: error: {folder / 'part-0.parquet'}: column 'rank' is not below 'world_size'")
+
+
+def test_a_run_partitioned_by_day_is_one_run_across_midnight(tmp_path: Path) -> None:
+    """A log partitioned by date and rank (`date=…/rank=…/`), one run id on every row, rank 1's last step written
+    after midnight: the two date folders share no (step, rank), so they are parts of one run (judged whole: the
+    token mean), where two folders repeating steps are two runs (test_the_runs_of_a_sweep_kept_in_lr_folders_…)."""
+    rows = records(UNEVEN_GA, token_mean, run_id="exp1")
+    for (day, rank), mine in {
+        ("2026-12-01", 0): [r for r in rows if r["rank"] == 0],
+        ("2026-12-01", 1): [r for r in rows if r["rank"] == 1 and r["step"] < 2],
+        ("2026-12-02", 1): [r for r in rows if r["rank"] == 1 and r["step"] == 2],
+    }.items():
+        folder = tmp_path / "logs" / f"date={day}" / f"rank={rank}"
+        folder.mkdir(parents=True)
+        pq.write_table(pa.Table.from_pylist(mine).drop_columns(["rank"]), folder / "part-0.parquet")
+    code, report, _ = check_json(tmp_path / "logs")
+    assert code == 0 and [(r["run"], r["verdict"], r["steps"]) for r in report["runs"]] == [("exp1", "correct", 3)]
