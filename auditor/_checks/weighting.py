@@ -90,7 +90,7 @@ class FactorTable:
         column = SortedColumn()
         try:
             for block, diagnoses in diagnosed:
-                off = diagnoses.kind_is(StepKind.UNIFORM_OFF) & ~np.isnan(diagnoses.distortion)
+                off = _uniform_off(block, diagnoses)
                 if off.any():
                     column.add(diagnoses.distortion[off], column_of(block, "world_high")[off].astype(np.int64))
             if not column.count:
@@ -108,7 +108,7 @@ class FactorTable:
     def ids(self, block: pd.DataFrame, diagnoses: Diagnoses) -> npt.NDArray[np.int32]:
         """Per step of this block, the index of its explanation in `table` (−1: none)."""
         ids = np.full(len(diagnoses), -1, dtype=np.int32)
-        off = np.flatnonzero(diagnoses.kind_is(StepKind.UNIFORM_OFF) & ~np.isnan(diagnoses.distortion))
+        off = np.flatnonzero(_uniform_off(block, diagnoses))
         if not len(off) or not self.table:
             return ids
         if self.varying:
@@ -121,6 +121,17 @@ class FactorTable:
         numbers = np.array([self.pairs[(int(label), int(w))] for label, w in found], dtype=np.int32)
         ids[off] = numbers[inverse.reshape(-1)]  # a lookup per distinct (cluster, W), not per step
         return ids
+
+
+def _whole(block: pd.DataFrame) -> npt.NDArray[np.bool_]:
+    """The steps every rank recorded: where one recorded none (missing_rank), N lacks its tokens and uniform
+    weights read light by their share, no factor of the loss."""
+    return np.asarray(column_of(block, "ranks") >= column_of(block, "world_high"))
+
+
+def _uniform_off(block: pd.DataFrame, diagnoses: Diagnoses) -> npt.NDArray[np.bool_]:
+    """The steps of every rank whose tokens all weigh q/N, one q ≠ 1."""
+    return diagnoses.kind_is(StepKind.UNIFORM_OFF) & ~np.isnan(diagnoses.distortion) & _whole(block)
 
 
 def factor_pairs(
@@ -206,6 +217,7 @@ class WeightingCheck(Check):
         assert diagnoses is not None  # (judges_weighting)
         explanation = self.factors.ids(block, diagnoses)
         code, label = _weighting_codes(diagnoses, explanation, self.factors.table, self.term_weight)
+        code[diagnoses.kind_is(StepKind.UNIFORM_OFF) & ~_whole(block)] = -1  # said by missing_rank
         flagged = np.flatnonzero(code >= 0)
         if not len(flagged):
             return

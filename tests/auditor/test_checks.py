@@ -390,6 +390,8 @@ def test_missing_rank_uneven_microbatches_and_world_size(tmp_path: Path) -> None
     report = audit_rows(tmp_path / "missing", rows)
     finding = only(report, Code.MISSING_RANK)
     assert finding.evidence["missing_ranks"] == [1] and finding.steps.first == 1
+    # the step's N lacks rank 1's tokens, so its weights read light by their share: no scale of the loss to fix
+    assert codes(report) == {"missing_rank"}, codes(report)
 
     rows = records([[[3, 2], [4]], [[1, 1], [2, 2]]], token_mean)
     assert only(audit_rows(tmp_path / "uneven", rows), Code.UNEVEN_MICROBATCHES).steps.first == 0
@@ -701,6 +703,7 @@ def test_a_finding_s_evidence_step_and_its_steps_do_not_depend_on_the_blocks(
                 "token_weight_low": low[members],
                 "token_weight_high": high[members],
                 "world_high": np.full(len(members), 2),
+                "ranks": np.full(len(members), 2),
             }
         )
         kind = np.full(len(members), KINDS.index(StepKind.NONUNIFORM), np.int8)
