@@ -224,7 +224,8 @@ def hidden_note(root: str, skipped: int) -> str:
     """What is said of the WRITERS_FOLDERS under `root` skipped."""
     return (
         f"{root}: {skipped} folder(s) a writer keeps beside its data skipped (Spark's _temporary of uncommitted "
-        "tasks, _spark_metadata), as Spark and pyarrow skip them"
+        "tasks, a streaming sink's _spark_metadata, whose list of committed files is not read: every part file beside "
+        "it is), as pyarrow skips them"
     )
 
 

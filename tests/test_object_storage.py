@@ -124,7 +124,8 @@ def test_a_writer_s_own_prefixes_on_s3_are_skipped_and_said(endpoint: dict[str, 
     assert json.loads(remote.stdout) == json.loads(local.stdout)
     assert remote.stderr.splitlines() == [
         "tokaudit: note: s3://spark/runs: 2 folder(s) a writer keeps beside its data skipped (Spark's _temporary of "
-        "uncommitted tasks, _spark_metadata), as Spark and pyarrow skip them"
+        "uncommitted tasks, a streaming sink's _spark_metadata, whose list of committed files is not read: every part "
+        "file beside it is), as pyarrow skips them"
     ]
 
 

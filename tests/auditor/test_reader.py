@@ -704,7 +704,7 @@ def test_a_file_reached_by_several_paths_is_found_once(tmp_path: Path) -> None:
 
 def test_what_a_writer_keeps_beside_its_data_is_skipped_and_said(tmp_path: Path) -> None:
     """Spark's `_temporary/` (an uncommitted task's parts: here the same records with other weights) and
-    `_spark_metadata/` (a streaming sink's own, not a log) are skipped as Spark and pyarrow skip them, in one note; the
+    `_spark_metadata/` (a streaming sink's own, not a log) are skipped as pyarrow skips them, in one note; the
     report is the one of the data alone. Another folder whose name begins with '_' is read (the recorder's folder of a
     run id `_debug`), and so is a path given: each path is taken literally."""
     good = good_run(tmp_path / "plain" / "run")
@@ -719,7 +719,8 @@ def test_what_a_writer_keeps_beside_its_data_is_skipped_and_said(tmp_path: Path)
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines() == [
         f"tokaudit: note: {tmp_path / 'spark'}: 2 folder(s) a writer keeps beside its data skipped (Spark's _temporary "
-        "of uncommitted tasks, _spark_metadata), as Spark and pyarrow skip them"
+        "of uncommitted tasks, a streaming sink's _spark_metadata, whose list of committed files is not read: every "
+        "part file beside it is), as pyarrow skips them"
     ]
     plain = CliRunner().invoke(main, ["check", str(tmp_path / "plain"), "--format", "json"])
     assert result.stdout == plain.stdout
