@@ -44,9 +44,21 @@ def discover(
 
 
 def _named(folder: Path) -> str:
-    """Where a folder holds no *.parquet: the files under it named as other writers name Parquet, said."""
-    others = sum(1 for path in folder.rglob("*") if path.suffix in (".pq", ".parq") and path.is_file())
-    return f" ({others} file(s) end in .pq or .parq: tokaudit reads *.parquet, rename them)" if others else ""
+    """Where a folder holds no *.parquet: the files under it named as other writers name Parquet, said (.pq, .parq,
+    and Hive's files of no extension, 000000_0, that begin as Parquet does)."""
+    files = [path for path in folder.rglob("*") if path.is_file() and not path.name.startswith(".")]
+    others = sum(1 for path in files if path.suffix in (".pq", ".parq") or not path.suffix and _begins_as_parquet(path))
+    if not others:
+        return ""
+    return f" ({others} file(s) are named .pq, .parq or with no extension: tokaudit reads *.parquet, rename them)"
+
+
+def _begins_as_parquet(path: Path) -> bool:
+    try:
+        with open(path, "rb") as file:
+            return file.read(4) == b"PAR1"
+    except OSError:
+        return False
 
 
 def _walk(

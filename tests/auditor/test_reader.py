@@ -732,13 +732,16 @@ def test_what_a_writer_keeps_beside_its_data_is_skipped_and_said(tmp_path: Path)
 
 
 def test_a_folder_of_parquet_files_named_otherwise_says_so(tmp_path: Path) -> None:
+    """.pq, and Hive's files of no extension (000000_0) that begin as Parquet does; not a _SUCCESS marker."""
     write(tmp_path / "run" / "rank-0.pq", records(UNEVEN, token_mean))
+    write(tmp_path / "hive" / "000000_0", records(UNEVEN, token_mean))
+    (tmp_path / "hive" / "_SUCCESS").write_text("")
     files, problems = discover([tmp_path])
     assert files == [] and [(p.path, p.problem) for p in problems] == [
         (
             str(tmp_path),
-            "no Parquet files (*.parquet) in this folder (1 file(s) end in .pq or .parq: tokaudit reads *.parquet, "
-            "rename them)",
+            "no Parquet files (*.parquet) in this folder (2 file(s) are named .pq, .parq or with no extension: "
+            "tokaudit reads *.parquet, rename them)",
         )
     ]
 
