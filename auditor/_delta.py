@@ -58,7 +58,7 @@ def live_files(
     """The table at `root` as its log says it is now: (its version, its files' paths relative to `root`), or None
     where the log cannot be replayed (a commit missing after the last checkpoint). `names`: the files in its
     `_delta_log/`; `read` and `read_table` read one of them (a commit's bytes, a checkpoint's Arrow table).
-    Deletion vectors and column mapping raise their problem, naming `root`."""
+    Deletion vectors, column mapping and partition values outside the paths raise their problem, naming `root`."""
     names = list(names)
     commits = {int(m.group(1)): name for name in names if (m := _COMMIT.match(name))}
     whole = _whole_checkpoints(names)
