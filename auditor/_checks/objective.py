@@ -40,6 +40,9 @@ class OneObjective:
     steps: StepsSeen
     counts: set[int]
     """Every record's valid-token count, where every record of every step had the same (else empty)."""
+    equal_terms: bool = False
+    """Every step's terms hold one count N_t: T pieces of one loss and T heads over the same tokens, each off by
+    1/T (W missing where T = W), weigh alike."""
 
     def findings(self, run: str, rtol: float) -> list[Finding]:
         """terms_one_objective, and balanced_counts where no count differs: a mean over each piece's own count
@@ -48,6 +51,8 @@ class OneObjective:
             run=run, term=self.terms[0], world_size=0, world_sizes=(), microbatches=0, divisor=0.0, rtol=rtol
         )
         found = [self._finding(context)]
+        if self.equal_terms and not self.counts:
+            found.append(self._equal_terms(context))
         if self.counts:
             counts = sorted(self.counts)
             found.append(
@@ -63,6 +68,22 @@ class OneObjective:
                 )
             )
         return found
+
+    def _equal_terms(self, context: RunContext) -> Finding:
+        """balanced_counts where the terms' counts never differ: pieces of one loss and heads that miss 1/T alike."""
+        t = len(self.terms)
+        return make_finding(
+            context,
+            Code.BALANCED_COUNTS,
+            self.steps,
+            f"In every step the loss terms {', '.join(self.terms)} held the same valid-token count N_t, so one loss "
+            f"computed in {t} equal pieces (the token mean over their combined tokens, as read here) and {t} heads "
+            f"over the same tokens, each weighing its tokens 1/({t}·N_t) (a factor 1/{t} missing, W where W = {t}), "
+            "give the same weights: this run cannot show which.",
+            "record the pieces of one loss under one term; give each head over the same tokens its own token mean "
+            "(W·S/N_t into an average)",
+            {"terms": self.terms, "indistinguishable_from": "N_t"},
+        )
 
     def _finding(self, context: RunContext) -> Finding:
         names = ", ".join(self.terms)
@@ -87,11 +108,13 @@ def one_objective(source: RunSteps, rtol: float) -> OneObjective | None:
     seen = StepsSeen(keep=False)  # parts hold disjoint ranges of steps, in order: each step is added once
     by_group: dict[str, list[pd.DataFrame]] = {}
     counts: set[int] | None = set()  # None once two counts differ inside a step
+    equal_terms = True  # every step's terms hold one N_t
     for part in source.parts():
         steps = _combined(part, rtol)
         if steps is None:
             return None
         seen.add(np.unique(steps.step.to_numpy()))
+        equal_terms = equal_terms and bool((steps.term_tokens_low == steps.term_tokens_high).all())
         if counts is not None:
             counts = (
                 counts | set(steps.record_tokens_low.astype(int).tolist())
@@ -117,7 +140,7 @@ def one_objective(source: RunSteps, rtol: float) -> OneObjective | None:
                     float(rows.divisor.median()),
                 )
             )
-    return OneObjective(list(source.terms), spans, seen, counts or set())
+    return OneObjective(list(source.terms), spans, seen, counts or set(), equal_terms)
 
 
 def _combined(part: pd.DataFrame, rtol: float) -> pd.DataFrame | None:
@@ -149,6 +172,8 @@ def _combined(part: pd.DataFrame, rtol: float) -> pd.DataFrame | None:
         divisor=("divisor", "max"),
         record_tokens_low=("record_tokens_low", "min"),
         record_tokens_high=("record_tokens_high", "max"),
+        term_tokens_low=("tokens", "min"),
+        term_tokens_high=("tokens", "max"),
     )
     steps = steps[steps.tokens > 0]
     with np.errstate(invalid="ignore"):

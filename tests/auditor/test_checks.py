@@ -848,6 +848,21 @@ def test_terms_that_together_are_one_token_mean_are_judged_as_one(tmp_path: Path
     assert report.runs[0].terms == ["0", "head1"] and not report.runs[0].terms_pooled
 
 
+def test_terms_of_one_count_in_every_step_cannot_be_told_from_heads_that_miss_w(tmp_path: Path) -> None:
+    """Two heads over the same tokens, each S/N on W = 2 (W missing: each half the token mean), weigh every token
+    1/(2N), as one loss in two equal pieces would: not correct, but inconclusive (balanced_counts names both); on
+    W = 3 the same heads are off by 1/3, no pooling fits, and each is world_size_mismatch."""
+    heads = [dict(r, term=t) for r in records(UNEVEN_GA * 2, lambda S, N, **_: S / N) for t in ("main", "mtp")]
+    report = audit_rows(tmp_path / "w2", heads)
+    assert report.runs[0].verdict == "inconclusive", codes(report)
+    assert codes(report) == {"terms_one_objective", "balanced_counts"}
+    assert "2 heads over the same tokens" in only(report, Code.BALANCED_COUNTS).message
+    three = [[[5, 1], [3, 6], [2, 2]], [[2, 6], [6, 1], [4, 4]]]
+    heads = [dict(r, term=t) for r in records(three, lambda S, N, **_: S / N) for t in ("main", "mtp")]
+    report = audit_rows(tmp_path / "w3", heads)
+    assert report.runs[0].verdict == "incorrect" and codes(report) == {"world_size_mismatch"}, codes(report)
+
+
 def test_a_constant_scale_with_float32_noise_is_called_a_constant(tmp_path: Path) -> None:
     """q = 2⁻¹⁰ in every step, each b rounded as float32 arithmetic leaves it (relative noise of 1e-8): the factor
     is a constant, not one that changes from step to step, and no overcount of labels is suggested."""
