@@ -199,11 +199,13 @@ def _uniform_finding(
     spread = (
         ""
         if close(min(distortions), max(distortions), context.rtol)
-        else f"; over the {group.count} step(s) q ranges from {min(distortions):.4g} to {max(distortions):.4g}"
+        else f"; over the {group.count} step(s) q ranges from {_q(min(distortions))} to {_q(max(distortions))}"
     )
+    near = abs(q - 1) < NEAR_ONE  # say the tolerance a q this close to 1 was judged against
     scaled = (
-        f"every valid token received {q:.4g}/N instead of 1/N (step {step}{grp}, N={tokens}, W={w}, "
+        f"every valid token received {_q(q)}/N instead of 1/N (step {step}{grp}, N={tokens}, W={w}, "
         f"D={row.divisor_high:g}){spread}"
+        + (f", |q − 1| = {abs(q - 1):.2g} past the tolerance rtol = {context.rtol:g} (--rtol)" if near else "")
     )
     if code == Code.PADDED_DENOMINATOR:
         evidence["positions"] = int(row.positions)
@@ -291,6 +293,18 @@ def _world_size_finding(
     if close(q * float(row.divisor_high), float(tokens), context.rtol):  # e = 1/D: b = S, as a raw sum
         message += UNTOLD
     return make_finding(context, group.code, group.steps, message, average_fix(context), evidence)
+
+
+NEAR_ONE = 0.01
+"""A uniform factor this close to 1 is said with the tolerance it was judged against."""
+
+
+def _q(q: float) -> str:
+    """q in 4 significant digits, more where 4 would show a q ≠ 1 as 1."""
+    digits = 4
+    while f"{q:.{digits}g}" == "1" and q != 1 and digits < 17:
+        digits += 1
+    return f"{q:.{digits}g}"
 
 
 def _constant_finding(

@@ -848,6 +848,15 @@ def test_terms_that_together_are_one_token_mean_are_judged_as_one(tmp_path: Path
     assert report.runs[0].terms == ["0", "head1"] and not report.runs[0].terms_pooled
 
 
+def test_a_factor_near_one_is_shown_in_the_digits_that_tell_it_from_one_with_the_tolerance(tmp_path: Path) -> None:
+    """q = 1.0002 everywhere: the message shows 1.0002/N (not "1/N instead of 1/N") and the tolerance it is past."""
+    finding = only(
+        audit_rows(tmp_path, records(UNEVEN_GA, lambda S, N, W, **_: 1.0002 * W * S / N)), Code.SCALE_MISMATCH
+    )
+    assert "every valid token received 1.0002/N instead of 1/N" in finding.message
+    assert "|q − 1| = 0.0002 past the tolerance rtol = 0.0001 (--rtol)" in finding.message
+
+
 def test_terms_of_one_count_in_every_step_cannot_be_told_from_heads_that_miss_w(tmp_path: Path) -> None:
     """Two heads over the same tokens, each S/N on W = 2 (W missing: each half the token mean), weigh every token
     1/(2N), as one loss in two equal pieces would: not correct, but inconclusive (balanced_counts names both); on
