@@ -17,7 +17,7 @@ from tokaudit._checks.structure import ALL_CODES
 from tokaudit._checks.weighting_findings import WeightingGroup, weighting_finding
 from tokaudit.codes import Code
 from tokaudit._normalization import DENOMINATOR_FACTS, DENOMINATORS, Denominator, Diagnoses, FactorExplanation
-from tokaudit._normalization import FactorKind, StepKind, ClusterStarts, cluster, explain_factor
+from tokaudit._normalization import FactorKind, StepKind, ClusterStarts, cluster, explain_factor, one_scaler
 from tokaudit._report import Finding, StepRange
 from tokaudit._schema import UNNAMED
 from tokaudit._sorting import SortedColumn, middle, middle_positions
@@ -99,6 +99,7 @@ class FactorTable:
         finally:
             column.close()
         table = [explain_factor(center, w, context.world_sizes, context.rtol) for (_, w), center in zip(pairs, centers)]
+        table = one_scaler(table, centers, context.rtol)
         plausible = sum(count for count, e in zip(counts, table) if e.kind != FactorKind.OTHER)
         numbered = {pair: index for index, pair in enumerate(pairs)}
         if len(table) > VARYING_CLUSTERS and plausible < PLAUSIBLE_SHARE * column.count:

@@ -10,7 +10,7 @@ from tokaudit._normalization.vocabulary import FORMULA, PREFERENCE, RECORD_BOUND
 from tokaudit._normalization.vocabulary import DENOMINATORS, Diagnoses
 from tokaudit._normalization.fits import close, cluster, ClusterStarts, BLOCK_STEPS, FitBlock, block_fits
 from tokaudit._normalization.decisions import Decisions
-from tokaudit._normalization.factors import resolvable_integer, explain_factor
+from tokaudit._normalization.factors import resolvable_integer, explain_factor, one_scaler
 from tokaudit._normalization.spans import Span, MAX_SPANS, segments, span_rows, name_ranks, Spans
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "KINDS",
     "LOCAL_DENOMINATORS",
     "MAX_SPANS",
+    "one_scaler",
     "name_ranks",
     "PREFERENCE",
     "RECORD_BOUNDS",

@@ -51,3 +51,16 @@ def explain_factor(q: float, world_size: int, run_world_sizes: Iterable[int], rt
     if (k := resolvable_integer(q * w, rtol)) is not None:
         return FactorExplanation(FactorKind.WORLD_SIZE, "k/W", k)
     return FactorExplanation(FactorKind.OTHER, "c")
+
+
+def one_scaler(table: list[FactorExplanation], centers: list[float], rtol: float) -> list[FactorExplanation]:
+    """A term's factors where one of them is a loss scale: its other powers of two from 2 up are the same scaler's,
+    lowered after overflows (a dynamic scaler halves at each), not a W mistake beside it."""
+    if not any(e.kind == FactorKind.LOSS_SCALE for e in table):
+        return table
+    scaled = []
+    for explanation, q in zip(table, centers):
+        j = power_of_two(q, rtol)
+        lowered = explanation.kind == FactorKind.WORLD_SIZE and j is not None and j >= 1
+        scaled.append(FactorExplanation(FactorKind.LOSS_SCALE, "2^j", j) if lowered else explanation)
+    return scaled

@@ -45,6 +45,18 @@ def test_an_unrecorded_loss_scale_is_inconclusive_and_a_recorded_one_is_correct(
     assert report.findings == [] and verdict(report) == "correct"
 
 
+def test_an_unrecorded_scale_lowered_by_overflows_is_one_scaler_not_a_world_size_factor(tmp_path: Path) -> None:
+    """A dynamic scaler halved from 2^16 at each of 10 overflows, then held at 2^6 = 64, never recorded: 64 alone
+    would read as a hard-coded W (q = 64 on W = 2), but beside the scaler's larger powers it is the same scaler, and
+    the run is inconclusive. A run whose only factor is 64 (no scaler seen) is still judged a W mistake."""
+    lowered = scaled(records(UNEVEN_GA * 6, token_mean), lambda step: 2.0 ** max(16 - step, 6))
+    report = audit_rows(tmp_path / "lowered", lowered)
+    assert codes(report) == {"loss_scale"} and verdict(report) == "inconclusive", codes(report)
+    assert only(report, Code.LOSS_SCALE).evidence["loss_scale_exponents"][0] == 6  # 64 among the scaler's powers
+    alone = audit_rows(tmp_path / "alone", scaled(records(UNEVEN_GA * 2, token_mean), lambda step: 64.0))
+    assert verdict(alone) == "incorrect" and codes(alone) == {"world_size_mismatch"}
+
+
 def test_a_skipped_update_with_non_finite_values_is_not_an_error(tmp_path: Path) -> None:
     rows = records(UNEVEN_GA, token_mean)
     for row in rows:
