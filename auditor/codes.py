@@ -165,7 +165,7 @@ CODE_DOCS: dict[Code, CodeDoc] = {
     ),
     Code.UNDECLARED_TERM_WEIGHT: CodeDoc(
         Severity.WARNING,
-        "a loss term other than the main one weighs every token q/N, one q over the run, and no weight was declared",
+        "a loss term other than the main one weighs every token q/N, one q a span of steps, and no weight declared",
         why="An auxiliary term (a second head, a multi-token-prediction head) often carries a coefficient chosen "
         "on purpose, L = ΣS/N + λ·ΣS_aux/N_aux, so its tokens weigh λ/N: uniform weights, one q = λ in every step. "
         "A factor missing from that term's loss (its W, say) looks the same, so the logs cannot tell which. Where "

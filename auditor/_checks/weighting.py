@@ -27,6 +27,9 @@ _NONUNIFORM_CODES = {d: facts.code for d, facts in DENOMINATOR_FACTS.items() if 
 
 VARYING_CLUSTERS = 3
 
+TERM_WEIGHTS = 4
+"""The most constant factors of a named term read as a schedule of its coefficient λ (undeclared_term_weight)."""
+
 PLAUSIBLE_SHARE = 0.9
 """More distinct uniform factors than VARYING_CLUSTERS, most of them no plausible W or loss scale:
 one factor that varies from step to step, whatever a few steps happen to land on."""
@@ -201,12 +204,13 @@ class WeightingCheck(Check):
         self.factors: FactorTable = term.factors
         self.extremes = term.extremes
         # A named term beside others (not the default "0") whose uniform weights are off by one factor over the
-        # whole run, where the terms are not all off by that one factor: a coefficient λ chosen on purpose, or a
-        # factor missing from its loss; only a declared λ tells (it is then divided out of e, and q is 1).
+        # whole run, or by a few, each over its steps (a schedule: DeepSeek-V3's MTP weight 0.3, then 0.1), where
+        # the terms are not all off by one factor: a coefficient λ chosen on purpose, or a factor missing from its
+        # loss; only a declared λ tells (it is then divided out of e, and q is 1).
         self.term_weight = (
             self.context.term != UNNAMED
             and term.terms_apart
-            and len(self.factors.table) == 1
+            and 0 < len(self.factors.table) <= TERM_WEIGHTS
             and not self.factors.varying
         )
         names = [e.label for e in self.factors.table] + [""]

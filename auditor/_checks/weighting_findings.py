@@ -215,7 +215,7 @@ def _uniform_finding(
         )
         return make_finding(context, code, group.steps, message, average_fix(context), evidence)
     if code == Code.UNDECLARED_TERM_WEIGHT:
-        return _term_weight_finding(group, explanation, context, evidence, scaled)
+        return _term_weight_finding(group, explanation, context, evidence, scaled, len(table))
     if code == Code.LOSS_SCALE:
         assert explanation is not None
         return _loss_scale_finding(group, table, context, evidence, scaled)
@@ -231,10 +231,18 @@ def _term_weight_finding(
     context: RunContext,
     evidence: dict[str, Any],
     scaled: str,
+    factors: int,
 ) -> Finding:
-    """A named term's tokens all weigh q/N, one q over the run: a coefficient λ = q chosen on purpose, or a factor
-    missing from the term's loss (what the factor looks like, where it looks like one); the logs cannot tell."""
+    """A named term's tokens all weigh q/N, one q over the run or over each span of a schedule of `factors` values:
+    a coefficient λ = q chosen on purpose, or a factor missing from the term's loss (what the factor looks like,
+    where it looks like one); the logs cannot tell."""
     q = group.diagnosis.distortion or 0.0
+    steps = group.steps.range()
+    over = (
+        "by one factor over the run"
+        if factors == 1
+        else f"by one factor over steps {steps.first}–{steps.last}, one of {factors} over the run (a schedule of λ)"
+    )
     w = int(group.row.world_high)
     looks = (
         f", or a factor missing from this term's loss ({world_size_cause(explanation, q, w, float(group.row.divisor_high), context)})"
@@ -242,7 +250,7 @@ def _term_weight_finding(
         else ", or a factor this term's loss should not carry"
     )
     message = (
-        f"Every step of loss term {context.term} weighed all its tokens alike, by one factor over the run: {scaled}. "
+        f"Every step of loss term {context.term} weighed all its tokens alike, {over}: {scaled}. "
         f"That is a coefficient λ = {q:.4g} the objective gives this term on purpose{looks}; the logs cannot tell "
         "which, as no weight was declared for the term."
     )

@@ -897,6 +897,13 @@ def test_a_named_term_off_by_one_factor_is_an_undeclared_weight_and_the_logs_can
     assert codes(alone) == {"scale_mismatch"} and alone.runs[0].verdict == "incorrect"
     varying = [dict(r, backward_scalar=(1 + r["step"]) * r["backward_scalar"]) for r in aux]
     assert "undeclared_term_weight" not in codes(audit_rows(tmp_path / "varying", main + varying))
+    # a schedule of λ (DeepSeek-V3's MTP weight: 0.3, then 0.1), undeclared: each value over its steps, inconclusive
+    schedule = [dict(r, backward_scalar=r["backward_scalar"] / 3) if r["step"] >= 3 else r for r in aux]
+    report = audit_rows(tmp_path / "schedule", main + schedule)
+    assert codes(report) == {"undeclared_term_weight"} and report.runs[0].verdict == "inconclusive", codes(report)
+    assert "by one factor over steps 3–5, one of 2 over the run (a schedule of λ)" in " ".join(
+        f.message for f in report.findings
+    )
 
 
 def test_named_terms_all_off_by_one_factor_are_a_scale_of_the_whole_objective(tmp_path: Path) -> None:
