@@ -245,8 +245,8 @@ class TermInputs:
     main_term: bool
     """The run's first term (its structure is checked once, there)."""
     terms_apart: bool = False
-    """The run has several loss terms, not all off by one constant (`checks.run._one_scale`): a term's own
-    constant factor may be a coefficient chosen for it."""
+    """The run has several loss terms, not all off by one constant (`checks.run._one_scale`), and this one declares
+    no weight λ: its own constant factor may be a coefficient chosen for it."""
     factors: Any = None
     """The uniform factors' clusters (`weighting.FactorTable`) where the term's weighting is judged alone."""
     extremes: Extremes | None = None

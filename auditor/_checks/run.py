@@ -99,7 +99,7 @@ def _check_terms(
     # W over every term: read with the main term's first pass when it is the only one.
     sizes: set[int] | None = None if len(terms) == 1 else {w for block in source.blocks() for w in world_sizes(block)}
     reported = len(terms) > 1
-    passed: list[tuple[str, Decisions | None, RunContext, FactorTable | None]] = []
+    passed: list[tuple[str, Decisions | None, RunContext, FactorTable | None, bool]] = []
     for term in terms:
         decisions, shape = _first_pass(source, term, rtol, judged=judged)
         if not shape.blocks:
@@ -108,10 +108,12 @@ def _check_terms(
             sizes = shape.worlds
         reported = reported or shape.reported
         context = shape.context(run, term, tuple(sorted(sizes)), rtol, provenance)
-        passed.append((term, decisions, context, _factors(source, term, decisions, context)))
-    apart = not _one_scale([factors for *_, factors in passed], rtol)
-    for term, decisions, context, factors in passed:
-        term_findings, listed, left_out = _check_term(source, term, decisions, context, factors, extremes, apart)
+        passed.append((term, decisions, context, _factors(source, term, decisions, context), shape.declared))
+    apart = not _one_scale([factors for _, _, _, factors, _ in passed], rtol)
+    for term, decisions, context, factors, declared in passed:
+        # a term that declares its λ has it divided out of e: what q is left is no coefficient
+        undeclared = apart and not declared
+        term_findings, listed, left_out = _check_term(source, term, decisions, context, factors, extremes, undeclared)
         findings.extend(term_findings)
         spans.extend(listed)
         omitted += left_out
@@ -165,7 +167,7 @@ def _check_term(
 ) -> tuple[list[Finding], list[Span], int]:
     """Every check of one loss term, fed the term's blocks once: its findings, spans and spans left out.
     Without `decisions` (the terms are one objective, judged together) its weighting is not judged alone.
-    `apart`: the run's terms are not all off by one constant (`_one_scale`)."""
+    `apart`: the run's terms are not all off by one constant (`_one_scale`), and this one declares no λ."""
     inputs = TermInputs(
         context,
         keep_steps=len(source.groups) > 1,
@@ -205,10 +207,12 @@ class _Shape:
         self.divisor_counts: dict[Any, int] = {}
         self.microbatches = -math.inf
         self.reported = False
+        self.declared = False
         self.blocks = 0
 
     def add(self, block: pd.DataFrame) -> None:
         self.blocks += 1
+        self.declared = self.declared or bool((column_of(block, "declared_weights") > 0).any())
         self.worlds.update(world_sizes(block))
         for counts, column in ((self.world_counts, block.world_high), (self.divisor_counts, block.divisor_high)):
             values = column.to_numpy()

@@ -213,6 +213,8 @@ STEP_COLUMNS = (
                reads=(WIDE_MICRO,), absent="0"),
     StepColumn("precision_bits_low", "the fewest significant bits of S and b", S, "min(precision_bits)", I,
                reads=("precision_bits",), absent="NULL"),
+    StepColumn("declared_weights", "records that declare their term's weight λ (≠ 1)", S, "count_if(term_weight <> 1)",
+               I, reads=("term_weight",), absent="0"),
     # NaN never shows in a file's statistics, nor T < n where a file's T and n overlap: counted here, the
     # files are then named (Engine.unusable_files)
     StepColumn("unusable_values", "records no audit can use (a NaN D or g, T < n)", S,

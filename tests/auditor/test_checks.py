@@ -893,6 +893,10 @@ def test_a_named_term_off_by_one_factor_is_an_undeclared_weight_and_the_logs_can
     assert codes(report) == {"undeclared_term_weight"} and report.runs[0].verdict == "inconclusive"
     declared = audit_rows(tmp_path / "told", main + [dict(r, term_weight=0.3) for r in aux])
     assert declared.findings == [] and declared.runs[0].verdict == "correct"
+    # λ = 0.2 declared, the term's loss missing W (b = λ·S/N on W = 2): what is left past λ is no coefficient
+    missing = [dict(r, term_weight=0.2, backward_scalar=r["backward_scalar"] / 0.3 * 0.2 / 2) for r in aux]
+    report = audit_rows(tmp_path / "told_missing_w", main + missing)
+    assert codes(report) == {"world_size_mismatch"} and report.runs[0].verdict == "incorrect", codes(report)
     alone = audit_rows(tmp_path / "alone", aux)
     assert codes(alone) == {"scale_mismatch"} and alone.runs[0].verdict == "incorrect"
     varying = [dict(r, backward_scalar=(1 + r["step"]) * r["backward_scalar"]) for r in aux]
