@@ -11,7 +11,8 @@ import duckdb
 import pandas as pd
 
 from tokaudit._checks import check_run, one_objective, with_other_ranks, without_miscounted
-from tokaudit.codes import DEFAULT_RTOL, Code, code_named
+from tokaudit.codes import DEFAULT_RTOL, Code
+from tokaudit._settings import code_named
 from tokaudit._engine import Duplicates, Spilled, extremes_at, sweep_scratch
 from tokaudit.errors import LogFormatError, UsageError, first_line
 from tokaudit._cluster import Cluster

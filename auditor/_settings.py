@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tokaudit.codes import code_named
+from tokaudit.codes import Code
 from tokaudit.errors import UsageError
 
 KEYS = {"fail-on": "fail_on", "ignore": "ignore", "rtol": "rtol", "min-ratio": "min_ratio", "ray": "ray"}
@@ -80,3 +80,19 @@ def _read(path: Path) -> dict[str, Any]:
         if b"[tool.tokaudit]" not in raw:
             return {}  # another project's broken file: not ours to refuse, the search goes on upward
         raise UsageError(f"{path}: cannot be read as TOML ({error})") from None
+
+
+def code_named(text: str | Code) -> Code:
+    """The code a user typed, in either spelling (local_mean, local-mean, any case); ValueError naming the
+    nearest code where there is one."""
+    if isinstance(text, Code):
+        return text
+    name = text.strip().lower().replace("-", "_")
+    try:
+        return Code(name)
+    except ValueError:
+        import difflib
+
+        near = difflib.get_close_matches(name, [code.value for code in Code], n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise ValueError(f"unknown code {text!r}{hint}") from None

@@ -13,7 +13,8 @@ import click
 from rich.console import Console
 
 from tokaudit import __version__
-from tokaudit.codes import DEFAULT_RTOL, code_named
+from tokaudit.codes import DEFAULT_RTOL
+from tokaudit._settings import code_named
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
 from tokaudit._outputs import (
     EXIT_BAD_INPUT,

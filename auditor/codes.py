@@ -61,6 +61,7 @@ class Code(str, Enum):
     RANKS_NOT_RECORDED = "ranks_not_recorded"
     TERMS_ONE_OBJECTIVE = "terms_one_objective"
     UNFINISHED_UPDATE = "unfinished_update"
+    SKIP_MISMATCH = "skip_mismatch"
 
 
 Family = Literal["weighting", "reporting", ""]
@@ -455,34 +456,28 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         fix="Nothing where the run was stopped. Where a loader ends inside an update, let the trainer step it.",
         example="SIGTERM between the two microbatches of update 5: steps 0–4 are judged, step 5 is said here.",
     ),
+    Code.SKIP_MISMATCH: CodeDoc(
+        Severity.ERROR,
+        "ranks disagree on skipping an update that has valid tokens",
+        why="An optimizer step one rank takes and another skips leaves the replicas' weights apart from then on, "
+        "and DDP never compares them again. A GradScaler decides from gradients every rank holds after the same "
+        "all-reduce, so all ranks skip together; a guard on a rank's own loss (a NaN check) does not.",
+        fix="Decide whether to skip from what every rank shares: the all-reduced gradients, or a flag all-reduced.",
+        example="At step 7 rank 0's own loss is NaN and it skips optimizer.step() while rank 1 steps: from step 8 "
+        "the two ranks train different weights.",
+    ),
 }
 """Every Code, in the Code enum's order (tests check both)."""
 
 DEFAULT_SEVERITY: dict[Code, Severity] = {code: doc.severity for code, doc in CODE_DOCS.items()}
 
 UNDECIDABLE: frozenset[Code] = frozenset(code for code, doc in CODE_DOCS.items() if doc.undecidable)
-
-
-def code_named(text: str | Code) -> Code:
-    """The code a user typed, in either spelling (local_mean, local-mean, any case); ValueError naming the
-    nearest code where there is one."""
-    if isinstance(text, Code):
-        return text
-    name = text.strip().lower().replace("-", "_")
-    try:
-        return Code(name)
-    except ValueError:
-        import difflib
-
-        near = difflib.get_close_matches(name, [code.value for code in Code], n=1)
-        hint = f" (did you mean {near[0]}?)" if near else ""
-        raise ValueError(f"unknown code {text!r}{hint}") from None
+"""Warnings that say the logs cannot tell: alone, they make a run `inconclusive`, not `incorrect`."""
 
 
 REPORTING: frozenset[Code] = frozenset(code for code, doc in CODE_DOCS.items() if doc.family == "reporting")
 """Findings about the logged loss, not the gradient: they never decide the verdict, which asks whether every
 valid token got the token-mean weight; the run's `reporting` status says them beside it."""
-"""Warnings that say the logs cannot tell: alone, they make a run `inconclusive`, not `incorrect`."""
 
 WEIGHTING: frozenset[Code] = frozenset(code for code, doc in CODE_DOCS.items() if doc.family == "weighting")
 """Findings that the tokens of a step weighed differently: --min-ratio reads their `weight_ratio`."""

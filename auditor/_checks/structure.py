@@ -1,4 +1,4 @@
-"""Checks of the log's structure and values: W, ranks, sync, divisor, weights present, duplicates."""
+"""Checks of the log's structure and values: W, ranks, sync, divisor, weights present."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ import pandas as pd
 
 from tokaudit._checks.base import Check, FlaggedSteps, TermInputs, RunSteps, ListedSteps, RunContext, StepsSeen
 from tokaudit._checks.base import column_of, differ_rows, grouped, make_finding, median_of, nan_sum, step_list
-from tokaudit._engine import Duplicates
 from tokaudit._normalization import Diagnoses
-from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
-from tokaudit._report import Finding, StepRange
+from tokaudit.codes import CODE_DOCS, Code, Severity
+from tokaudit._report import Finding
 from tokaudit._schema import UNNAMED
 from tokaudit._sorting import SortedColumn
 
@@ -156,7 +155,7 @@ def not_recorded_finding(run: str, source: RunSteps, absent: dict[str, tuple[lis
 
 
 class ValuesCheck(Check):
-    """nonfinite_values, zero_token_nonfinite, empty_update. Non-finite values of an update the
+    """nonfinite_values, zero_token_nonfinite, empty_update, skip_mismatch. Non-finite values of an update the
     trainer skipped (a GradScaler overflow) did not reach the weights: they are not errors."""
 
     def __init__(self, term: TermInputs) -> None:
@@ -164,6 +163,7 @@ class ValuesCheck(Check):
         self.nonfinite, self.nonfinite_records = self.steps(), 0.0
         self.zero_bad, self.zero_records = self.steps(), 0.0
         self.empty, self.empty_listed, self.disagree_listed = self.steps(), ListedSteps(), ListedSteps()
+        self.skip_apart, self.skip_listed = self.steps(), ListedSteps()
         self.unmarked = self.empty_nonfinite = False
 
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
@@ -176,6 +176,9 @@ class ValuesCheck(Check):
         self.zero_bad.add(step[nonfinite_zero > 0])
         self.zero_records += nan_sum(nonfinite_zero)
         empty = column_of(block, "tokens") == 0
+        apart = step[~empty & (skipped_true > 0) & (skipped_false > 0)]  # (with N = 0: empty_update's)
+        self.skip_apart.add(apart)
+        self.skip_listed.add(apart)
         if empty.any():
             disagree = (skipped_true[empty] > 0) & (skipped_false[empty] > 0)
             self.empty_nonfinite = self.empty_nonfinite or bool((nonfinite_zero[empty] > 0).any())
@@ -208,6 +211,17 @@ class ValuesCheck(Check):
                 "divide by the global count N (clamped to at least 1), never by the local count; a rank "
                 "with no valid token backpropagates an exact zero that stays connected to the graph",
                 {"records": int(self.zero_records)},
+            )
+        if self.skip_apart:
+            yield make_finding(
+                context,
+                Code.SKIP_MISMATCH,
+                self.skip_apart,
+                f"Some records of {self.skip_listed.count} update(s) with valid tokens say the update was skipped and "
+                f"others that it was applied (step(s) {self.skip_listed.text()}): the ranks' weights differ from "
+                "then on.",
+                CODE_DOCS[Code.SKIP_MISMATCH].fix,
+                {"steps": self.skip_listed.text()},
             )
         if self.empty:
             disagree = self.disagree_listed.count > 0
@@ -424,70 +438,3 @@ class WeightPresenceCheck(Check):
             "record backward_scalar= with every record, or wrap the per-token loss in rec.probe()",
             {"records": records, "steps_without_weight": self.none_at_all},
         )
-
-
-def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:
-    """duplicate_records: the engine kept one of each repeated (group, term, step, micro, rank), the later. Not
-    evidence about the gradient (the verdict reads the records kept): the cause and the files are named."""
-    files = ", ".join(duplicates.files)
-    if duplicates.identical and duplicates.same_time:
-        cause = (
-            "bit-identical copies of the same records (a compacted or copied file beside the shards, or one "
-            "folder given twice): one of each is kept"
-        )
-        fix = "leave the copies out of the folder audited (or audit the copy alone)"
-    elif duplicates.identical:
-        cause = (
-            "the same values written again later: a re-launch of the same script under the same run id, or a "
-            "resume that replayed these steps; the later records were kept"
-        )
-        fix = "give each launch its own run_id (the integrations name it after the trainer's run), or a new folder"
-    elif duplicates.one_file:
-        cause = (
-            "other values for the same step inside one file: where the recorder wrote it (one process, one rank), "
-            "the step it was given went back during the run, as a per-epoch batch index or a counter reset each "
-            "epoch does; the later records were kept and judged"
-        )
-        fix = "give the recorder the optimizer's global step (one number per update that never goes back)"
-    else:
-        later = (
-            "the file modified last, as these files do not say which launch wrote them"
-            if duplicates.unlaunched
-            else "the later shard as published, whatever the clocks"
-        )
-        cause = (
-            "other values for the same steps: a re-launch under the same run id, a resume that replayed steps, "
-            f"or a step that went back (a per-epoch batch index given as the step), whose later records ({later}) "
-            "were kept and judged"
-        )
-        fix = (
-            "give each launch its own run_id, resume from the checkpoint's step into a new shard sequence, and give "
-            "the recorder the optimizer's global step"
-        )
-    return Finding(
-        run=run,
-        code=Code.DUPLICATE_RECORDS,
-        severity=DEFAULT_SEVERITY[Code.DUPLICATE_RECORDS],
-        steps=StepRange(duplicates.first, duplicates.last, duplicates.steps),
-        message=f"{duplicates.dropped} record(s) repeat a (group, term, step, micro, rank) already logged, "
-        f"in {files}: {cause}.{_superseded(duplicates.superseded)} Duplicates do not decide the verdict.",
-        fix=fix,
-        evidence={
-            "dropped_records": duplicates.dropped,
-            "files": list(duplicates.files),
-            "identical": duplicates.identical,
-            "in_one_file": duplicates.one_file,
-            "superseded_records": duplicates.superseded,
-            "kept_by_modification_time": duplicates.unlaunched,
-        },
-    )
-
-
-def _superseded(records: int) -> str:
-    """The records of an earlier launch's steps a later launch recorded again, said where there are some."""
-    if not records:
-        return ""
-    return (
-        f" A rank's step that a later launch recorded again is that launch's alone: {records} more record(s) of "
-        "the earlier launch's, repeated by none, were left out with the copies."
-    )

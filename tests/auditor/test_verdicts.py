@@ -57,6 +57,19 @@ def test_an_unrecorded_scale_lowered_by_overflows_is_one_scaler_not_a_world_size
     assert verdict(alone) == "incorrect" and codes(alone) == {"world_size_mismatch"}
 
 
+def test_ranks_that_disagree_on_skipping_an_update_with_tokens_are_an_error(tmp_path: Path) -> None:
+    """Every weight the token mean's, but at step 1 rank 0 skipped the update and rank 1 applied it (a guard on a
+    rank's own loss): the replicas' weights part there, skip_mismatch, incorrect. Every rank skipping together
+    (a GradScaler's overflow) is no finding."""
+    rows = [dict(r, skipped=r["step"] == 1 and r["rank"] == 0) for r in records(UNEVEN_GA, token_mean)]
+    report = audit_rows(tmp_path / "apart", rows)
+    finding = only(report, Code.SKIP_MISMATCH)
+    assert verdict(report) == "incorrect" and codes(report) == {"skip_mismatch"}
+    assert finding.severity == Severity.ERROR and (finding.steps.first, finding.steps.count) == (1, 1)
+    together = [dict(r, skipped=r["step"] == 1) for r in records(UNEVEN_GA, token_mean)]
+    assert audit_rows(tmp_path / "together", together).findings == []
+
+
 def test_a_skipped_update_with_non_finite_values_is_not_an_error(tmp_path: Path) -> None:
     rows = records(UNEVEN_GA, token_mean)
     for row in rows:

@@ -1,0 +1,74 @@
+"""duplicate_records: the repeated records the engine left out, and which it kept, said with the likely cause."""
+
+from __future__ import annotations
+
+from tokaudit._engine import Duplicates
+from tokaudit.codes import DEFAULT_SEVERITY, Code
+from tokaudit._report import Finding, StepRange
+
+
+def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:
+    """duplicate_records: the engine kept one of each repeated (group, term, step, micro, rank), the later. Not
+    evidence about the gradient (the verdict reads the records kept): the cause and the files are named."""
+    files = ", ".join(duplicates.files)
+    if duplicates.identical and duplicates.same_time:
+        cause = (
+            "bit-identical copies of the same records (a compacted or copied file beside the shards, or one "
+            "folder given twice): one of each is kept"
+        )
+        fix = "leave the copies out of the folder audited (or audit the copy alone)"
+    elif duplicates.identical:
+        cause = (
+            "the same values written again later: a re-launch of the same script under the same run id, or a "
+            "resume that replayed these steps; the later records were kept"
+        )
+        fix = "give each launch its own run_id (the integrations name it after the trainer's run), or a new folder"
+    elif duplicates.one_file:
+        cause = (
+            "other values for the same step inside one file: where the recorder wrote it (one process, one rank), "
+            "the step it was given went back during the run, as a per-epoch batch index or a counter reset each "
+            "epoch does; the later records were kept and judged"
+        )
+        fix = "give the recorder the optimizer's global step (one number per update that never goes back)"
+    else:
+        later = (
+            "the file modified last, as these files do not say which launch wrote them"
+            if duplicates.unlaunched
+            else "the later shard as published, whatever the clocks"
+        )
+        cause = (
+            "other values for the same steps: a re-launch under the same run id, a resume that replayed steps, "
+            f"or a step that went back (a per-epoch batch index given as the step), whose later records ({later}) "
+            "were kept and judged"
+        )
+        fix = (
+            "give each launch its own run_id, resume from the checkpoint's step into a new shard sequence, and give "
+            "the recorder the optimizer's global step"
+        )
+    return Finding(
+        run=run,
+        code=Code.DUPLICATE_RECORDS,
+        severity=DEFAULT_SEVERITY[Code.DUPLICATE_RECORDS],
+        steps=StepRange(duplicates.first, duplicates.last, duplicates.steps),
+        message=f"{duplicates.dropped} record(s) repeat a (group, term, step, micro, rank) already logged, "
+        f"in {files}: {cause}.{_superseded(duplicates.superseded)} Duplicates do not decide the verdict.",
+        fix=fix,
+        evidence={
+            "dropped_records": duplicates.dropped,
+            "files": list(duplicates.files),
+            "identical": duplicates.identical,
+            "in_one_file": duplicates.one_file,
+            "superseded_records": duplicates.superseded,
+            "kept_by_modification_time": duplicates.unlaunched,
+        },
+    )
+
+
+def _superseded(records: int) -> str:
+    """The records of an earlier launch's steps a later launch recorded again, said where there are some."""
+    if not records:
+        return ""
+    return (
+        f" A rank's step that a later launch recorded again is that launch's alone: {records} more record(s) of "
+        "the earlier launch's, repeated by none, were left out with the copies."
+    )
