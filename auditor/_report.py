@@ -48,6 +48,9 @@ class Finding:
     """The loss term it concerns ("0", UNNAMED: the main one, or the only one)."""
     fix_code: str = ""
     """The token mean as code to paste, for the set-up the log shows (`recipes`); empty where the fix is not it."""
+    undecidable: bool | None = None
+    """Whether it says the logs cannot tell (`codes.UNDECIDABLE`): None, as its code says; set where this finding
+    says so and its code need not (no sync recorded)."""
 
 
 @dataclass(frozen=True, slots=True)

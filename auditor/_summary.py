@@ -184,7 +184,7 @@ def verdict_of(findings: Sequence[Finding], judged: bool) -> Verdict:
     logs cannot tell (or the counts are balanced, or nothing could be judged); correct otherwise. Findings about
     the logged loss (REPORTING) are the run's `reporting`, and repeated records its warning, never its verdict."""
     serious = deciding(findings)
-    if any(f.code not in UNDECIDABLE for f in serious):
+    if any(not (f.code in UNDECIDABLE if f.undecidable is None else f.undecidable) for f in serious):
         return "incorrect"
     if serious or any(f.code == Code.BALANCED_COUNTS for f in findings) or not judged:
         return "inconclusive"

@@ -249,6 +249,7 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         "all but each rank's last under no_sync.",
         example="Rank 0 runs 2 microbatches, rank 1 runs 3, every one syncing: the third backward of rank 1 syncs "
         "with rank 0's next step.",
+        severity_note="where no record says whether it synced, the logs cannot tell: alone, `inconclusive`",
     ),
     Code.WORLD_SIZE_INCONSISTENT: CodeDoc(
         Severity.ERROR,

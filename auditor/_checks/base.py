@@ -183,6 +183,7 @@ def make_finding(
     fix: str,
     evidence: dict[str, Any],
     severity: Severity | None = None,
+    undecidable: bool | None = None,
 ) -> Finding:
     if context.term != UNNAMED:
         message = f"[term {context.term}] {message}"
@@ -196,6 +197,7 @@ def make_finding(
         evidence=evidence,
         term=context.term,
         fix_code=recipe_for(context.trainer) if code in TOKEN_MEAN_FIXES else "",
+        undecidable=undecidable,
     )
 
 

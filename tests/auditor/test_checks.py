@@ -394,7 +394,12 @@ def test_missing_rank_uneven_microbatches_and_world_size(tmp_path: Path) -> None
     assert codes(report) == {"missing_rank"}, codes(report)
 
     rows = records([[[3, 2], [4]], [[1, 1], [2, 2]]], token_mean)
-    assert only(audit_rows(tmp_path / "uneven", rows), Code.UNEVEN_MICROBATCHES).steps.first == 0
+    report = audit_rows(tmp_path / "uneven", rows)
+    assert only(report, Code.UNEVEN_MICROBATCHES).steps.first == 0
+    # no record says whether it synced: one synced backward a rank, or one a microbatch, the logs cannot tell
+    assert report.runs[0].verdict == "inconclusive"
+    unsynced = [dict(r, sync=True) for r in rows]  # every backward synced: rank 0's second pairs with another
+    assert audit_rows(tmp_path / "every", unsynced).runs[0].verdict == "incorrect"
 
 
 def test_ranks_with_no_record_in_any_step_make_the_run_inconclusive(tmp_path: Path) -> None:
