@@ -292,8 +292,8 @@ CODE_DOCS: dict[Code, CodeDoc] = {
     Code.ZERO_TOKEN_NONFINITE: CodeDoc(
         Severity.ERROR,
         "a record with n = 0 has a non-finite backward scalar",
-        why="The code divided by its own zero count (S/n with n = 0 = 0/0 = NaN); DDP's all-reduce spreads the "
-        "NaN to every rank's gradient.",
+        why="The code divided by a zero count (S/n with n = 0, or S/N where N = 0: 0/0 = NaN); DDP's all-reduce "
+        "spreads the NaN to every rank's gradient.",
         fix="Divide by the global N (clamped to 1), never by the local count.",
         example="Rank 0 has n0 = 0: b0 = 0/0 = NaN, and after the average every parameter's gradient is NaN.",
     ),

@@ -208,7 +208,8 @@ class ValuesCheck(Check):
                 Code.ZERO_TOKEN_NONFINITE,
                 self.zero_bad,
                 f"{int(self.zero_records)} record(s) with no valid token have a non-finite backward "
-                "scalar: the code divided by its own zero count (0/0), and DDP spreads the NaN to every rank.",
+                "scalar: the code divided by a zero count (its own, or N where the whole update has no valid token: "
+                "0/0), and DDP spreads the NaN to every rank.",
                 "divide by the global count N (clamped to at least 1), never by the local count; a rank "
                 "with no valid token backpropagates an exact zero that stays connected to the graph",
                 {"records": int(self.zero_records)},
@@ -225,29 +226,33 @@ class ValuesCheck(Check):
                 {"steps": self.skip_listed.text()},
             )
         if self.empty:
-            disagree = self.disagree_listed.count > 0
-            severity = Severity.ERROR if self.empty_nonfinite or disagree else Severity.INFO
-            details = []
-            if disagree:
-                details.append(f"ranks disagree on skipping it at step(s) {self.disagree_listed.text()}")
-            if self.empty_nonfinite:
-                details.append("some ranks backpropagated a non-finite value")
-            if self.unmarked and not disagree:
-                details.append(
-                    "the log does not say the update was skipped; an optimizer step on zero gradients still "
-                    "moves weights through momentum and weight decay"
-                )
-            yield make_finding(
-                context,
-                Code.EMPTY_UPDATE,
-                self.empty,
-                f"No valid token anywhere in {self.empty_listed.count} step(s) (N = 0)"
-                + (": " + "; ".join(details) if details else ", and every rank skipped it together."),
-                "decide from the global N (known to every rank after one all-reduce): when N = 0, every rank "
-                "runs backward on a zero loss and skips optimizer.step() together",
-                {"steps": self.empty_listed.text()},
-                severity=severity,
+            yield self._empty_update()
+
+    def _empty_update(self) -> Finding:
+        """empty_update: an error where a rank backpropagated a non-finite value or the ranks disagree on skipping."""
+        disagree = self.disagree_listed.count > 0
+        severity = Severity.ERROR if self.empty_nonfinite or disagree else Severity.INFO
+        details = []
+        if disagree:
+            details.append(f"ranks disagree on skipping it at step(s) {self.disagree_listed.text()}")
+        if self.empty_nonfinite:
+            details.append("some ranks backpropagated a non-finite value")
+        if self.unmarked and not disagree:
+            details.append(
+                "the log does not say the update was skipped; an optimizer step on zero gradients still "
+                "moves weights through momentum and weight decay"
             )
+        return make_finding(
+            self.context,
+            Code.EMPTY_UPDATE,
+            self.empty,
+            f"No valid token anywhere in {self.empty_listed.count} step(s) (N = 0)"
+            + (": " + "; ".join(details) if details else ", and every rank skipped it together."),
+            "decide from the global N (known to every rank after one all-reduce): when N = 0, every rank "
+            "runs backward on a zero loss and skips optimizer.step() together",
+            {"steps": self.empty_listed.text()},
+            severity=severity,
+        )
 
 
 class SyncCheck(Check):
