@@ -246,9 +246,9 @@ class TermInputs:
     """A step number repeats across groups: steps are counted as a set."""
     main_term: bool
     """The run's first term (its structure is checked once, there)."""
-    terms_apart: bool = False
-    """The run has several loss terms, not all off by one constant (`checks.run._one_scale`), and this one declares
-    no weight λ: its own constant factor may be a coefficient chosen for it."""
+    coefficient: bool = False
+    """Its uniform factors may be a coefficient λ chosen for it (`checks.run._coefficient`): the run has several
+    loss terms, not all off by one constant; this one declares no λ; each of its factors holds over one span."""
     factors: Any = None
     """The uniform factors' clusters (`weighting.FactorTable`) where the term's weighting is judged alone."""
     extremes: Extremes | None = None

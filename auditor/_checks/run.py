@@ -112,9 +112,8 @@ def _check_terms(
         passed.append((term, decisions, context, _factors(source, term, decisions, context), shape.declared))
     apart = not _one_scale([factors for _, _, _, factors, _ in passed], rtol)
     for term, decisions, context, factors, declared in passed:
-        # a term that declares its λ has it divided out of e: what q is left is no coefficient
-        undeclared = apart and not declared
-        term_findings, listed, left_out = _check_term(source, term, decisions, context, factors, extremes, undeclared)
+        coefficient = apart and not declared and _in_spans(source, term, decisions, factors)
+        term_findings, listed, left_out = _check_term(source, term, decisions, context, factors, extremes, coefficient)
         findings.extend(term_findings)
         spans.extend(listed)
         omitted += left_out
@@ -150,6 +149,14 @@ def _factors(source: RunSteps, term: str, decisions: Decisions | None, context: 
     return FactorTable.of(((block, decisions.diagnose(block)) for block in source.blocks(term)), context)
 
 
+def _in_spans(source: RunSteps, term: str, decisions: Decisions | None, factors: FactorTable | None) -> bool:
+    """Whether a term's few uniform factors each hold over one span of steps (`FactorTable.in_spans`): read once
+    more only where there are several."""
+    if decisions is None or factors is None or len(factors.table) < 2:
+        return True
+    return factors.in_spans((block, decisions.diagnose(block)) for block in source.blocks(term))
+
+
 def _one_scale(tables: list[FactorTable | None], rtol: float) -> bool:
     """Every term of several off by one and the same constant q: nothing weighs a term against another, the whole
     objective is scaled by q, as one term alone would be (no term's factor reads as a coefficient chosen for it)."""
@@ -164,16 +171,17 @@ def _check_term(
     context: RunContext,
     factors: FactorTable | None,
     extremes: Extremes | None,
-    apart: bool,
+    coefficient: bool,
 ) -> tuple[list[Finding], list[Span], int]:
     """Every check of one loss term, fed the term's blocks once: its findings, spans and spans left out.
     Without `decisions` (the terms are one objective, judged together) its weighting is not judged alone.
-    `apart`: the run's terms are not all off by one constant (`_one_scale`), and this one declares no λ."""
+    `coefficient`: the run's terms are not all off by one constant (`_one_scale`), this one declares no λ, and
+    each of its factors holds over one span (`_in_spans`): its factors may be a coefficient chosen for it."""
     inputs = TermInputs(
         context,
         keep_steps=len(source.groups) > 1,
         main_term=term == source.terms[0],
-        terms_apart=len(source.terms) > 1 and apart,
+        coefficient=len(source.terms) > 1 and coefficient,
         factors=factors,
         extremes=extremes,
         confused=decisions.confused if decisions is not None else None,

@@ -109,6 +109,23 @@ class FactorTable:
             return cls(context.rtol, anchors, numbered, [FactorExplanation(FactorKind.OTHER, "c")], True)
         return cls(context.rtol, anchors, numbered, table, False)
 
+    def in_spans(self, diagnosed: Iterable[tuple[pd.DataFrame, Diagnoses]]) -> bool:
+        """Whether each factor holds over one span of the off steps of each group, as a schedule of λ does (0.3 for
+        steps 0–999, then 0.1), rather than coming back (factors that alternate with the steps' counts)."""
+        seen: set[tuple[str, int]] = set()
+        last: tuple[str, int] | None = None
+        for block, diagnoses in diagnosed:  # (a term's blocks: by group, then step)
+            ids = self.ids(block, diagnoses)
+            off = ids >= 0
+            groups, labels = block.grp.astype(str).to_numpy()[off], ids[off]
+            change = np.r_[True, (groups[1:] != groups[:-1]) | (labels[1:] != labels[:-1])] if len(labels) else off[:0]
+            for key in zip(groups[change].tolist(), labels[change].tolist()):
+                if key != last and key in seen:
+                    return False
+                seen.add(key)
+                last = key
+        return True
+
     def ids(self, block: pd.DataFrame, diagnoses: Diagnoses) -> npt.NDArray[np.int32]:
         """Per step of this block, the index of its explanation in `table` (−1: none)."""
         ids = np.full(len(diagnoses), -1, dtype=np.int32)
@@ -209,7 +226,7 @@ class WeightingCheck(Check):
         # loss; only a declared λ tells (it is then divided out of e, and q is 1).
         self.term_weight = (
             self.context.term != UNNAMED
-            and term.terms_apart
+            and term.coefficient
             and 0 < len(self.factors.table) <= TERM_WEIGHTS
             and not self.factors.varying
         )

@@ -913,6 +913,10 @@ def test_a_named_term_off_by_one_factor_is_an_undeclared_weight_and_the_logs_can
     assert "by one factor over steps 3–5, one of 2 over the run (a schedule of λ)" in " ".join(
         f.message for f in report.findings
     )
+    # two factors that come back step after step are no schedule: judged as factors of the loss
+    alternating = [dict(r, backward_scalar=r["backward_scalar"] * (5 / 3 if r["step"] % 2 else 1)) for r in aux]
+    report = audit_rows(tmp_path / "alternating", main + alternating)
+    assert "undeclared_term_weight" not in codes(report) and report.runs[0].verdict == "incorrect", codes(report)
 
 
 def test_named_terms_all_off_by_one_factor_are_a_scale_of_the_whole_objective(tmp_path: Path) -> None:
