@@ -157,7 +157,11 @@ class UpdateTracking:
         if self._capturing and not self._step_records and "compiled" not in self._warned:  # no capture saw its loss
             self.warn_once("invisible", f"tokaudit: optimizer step {self._step}: {NOTHING_CAPTURED}")
         self._closed_step = self._step
-        self.end_step()
+        # the watched optimizer stepped the update its records are in: it was applied (a rank that skips it alone
+        # then shows as the ranks disagreeing, skip_mismatch); under a watched scaler, its update() says (a fused
+        # optimizer steps through an overflow)
+        applied = bool(self._step_records) and self._scaler is None
+        self.end_step(skipped=False if applied else None)
 
     def _on_scaler_update(self, found_inf: torch.Tensor | None) -> None:
         """GradScaler.update(), once per update after step(): a step with records that no

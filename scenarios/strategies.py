@@ -205,7 +205,8 @@ def train(
                     reported_loss=_reported(scenario, local_sum, sum(mine), step_tokens, process_group, world_size),
                 )
         grads = [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
-        if float(step_tokens) == 0:  # every rank sees the same N: skip together
+        # every rank sees the same N: skip together; `skip_on` = (step, rank): one rank's own guard skips alone (a bug)
+        if float(step_tokens) == 0 or scenario.extra.get("skip_on") == (step, rank):
             optimizer.zero_grad()
             if recorder is not None:
                 recorder.end_step(skipped=True)

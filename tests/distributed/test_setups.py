@@ -8,6 +8,7 @@ that says why.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 
 from scenarios.harness import run_ddp, run_ddp_each
 from scenarios.setups import _UNEVEN, ELASTIC, SETUPS, Setup, job, reference_gradient
+from scenarios.strategies import SCENARIOS_BY_NAME, run_scenario
 from tests.expected import EXPECTED_CODES, EXPECTED_VERDICT
 from tests.logs import read_rows
 from tokaudit._auditing import audit
@@ -222,3 +224,15 @@ def test_without_the_optimizer_or_begin_step_the_updates_are_the_backwards_that_
     assert sorted({(row["step"], row["micro"]) for row in rows}) == [(s, m) for s in range(4) for m in range(2)]
     report = audit([tmp_path / setup.name])
     assert report.findings == [] and report.runs[0].verdict == "correct"
+
+
+def test_a_rank_that_skips_an_update_alone_parts_the_replicas_and_is_skip_mismatch(tmp_path: Path) -> None:
+    """The token mean on 2 real ranks, but rank 0's own guard skips update 1 while rank 1 applies it: from then on the
+    replicas hold different weights (the truth, their parameters compared), though every token weighed 1/N. The
+    audit says skip_mismatch and incorrect."""
+    scenario = replace(SCENARIOS_BY_NAME["correct_token_mean_ga"], name="skip_on_one_rank", extra={"skip_on": (1, 0)})
+    history = {result["rank"]: result["recorded"] for result in run_ddp(run_scenario, 2, scenario, str(tmp_path))}
+    same = [all(torch.equal(a, b) for a, b in zip(history[0][s]["before"], history[1][s]["before"])) for s in (1, 2)]
+    assert same == [True, False]  # one weights before update 1, two after it
+    report = audit([tmp_path / scenario.name])
+    assert report.runs[0].verdict == "incorrect" and {f.code.value for f in report.findings} == {"skip_mismatch"}

@@ -152,7 +152,8 @@ def test_zero_grad_ends_an_update_the_optimizer_skipped(tmp_path: Path) -> None:
                 rec.end_step(skipped=True)  # said by hand as well: no second boundary
     rows = read_rows(tmp_path / "guard")
     assert [(r["step"], r["micro"]) for r in rows] == [(s, m) for s in range(4) for m in range(2)]
-    assert [r["skipped"] for r in rows] == [None, None, True, True, None, None, None, None]
+    # the updates the watched optimizer stepped are said applied (False), the guard's skipped (True)
+    assert [r["skipped"] for r in rows] == [False, False, True, True, False, False, False, False]
 
 
 def test_a_capture_before_zero_grad_belongs_to_the_next_update(tmp_path: Path) -> None:
@@ -169,7 +170,7 @@ def test_a_capture_before_zero_grad_belongs_to_the_next_update(tmp_path: Path) -
                 optimizer.step()
         rec.report_loss(0.75, step=2)  # the record moved to update 2 by its zero_grad is found there
     rows = read_rows(tmp_path / "order")
-    assert [(r["step"], r["micro"], r["skipped"]) for r in rows] == [(0, 0, None), (1, 0, True), (2, 0, None)]
+    assert [(r["step"], r["micro"], r["skipped"]) for r in rows] == [(0, 0, False), (1, 0, True), (2, 0, False)]
     assert [r["reported_loss"] for r in rows] == [None, None, 0.75]
 
 
