@@ -90,6 +90,9 @@ def open_log_parts(
         shards = [s for s in shards if s.may_hold(*only_steps)]
     problems = list(logset.problems)
     rows = sum(s.rows for s in shards)
+    if shards and not rows and only_steps is None:  # files of the log's columns and no row: nothing to judge
+        said = f"no records: {len(shards)} Parquet file(s) of the log's columns, and no row in any"
+        problems.extend(LogFormatError(str(path), said) for path in paths)
     large = rows > PROGRESS_ROWS
     if progress and large:
         progress(f"reading {len(shards)} file(s), {rows:,} rows")

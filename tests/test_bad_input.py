@@ -467,3 +467,16 @@ def test_string_views_and_upper_case_file_names_are_read(tmp_path: Path) -> None
     code, out, err = invoke("check", str(tmp_path), "--format", "json")
     assert code == 1 and err == "", err
     assert {run["run"]: run["verdict"] for run in json.loads(out)["runs"]} == {"good": "correct", "bad": "incorrect"}
+
+
+def test_a_log_of_files_without_a_row_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Files with the log's columns and no row (a recorder killed before its first flush wrote, a query's empty
+    export): nothing to judge, said, exit 2; not an empty report and exit 0 that a CI gate would pass."""
+    table = pa.Table.from_pylist(records(UNEVEN, token_mean))
+    (tmp_path / "run").mkdir()
+    pq.write_table(table.slice(0, 0), tmp_path / "run" / "rank-00000-000000.parquet")
+    for args in (["check", str(tmp_path / "run")], ["check", str(tmp_path / "run"), "--format", "junit"]):
+        code, out, err = invoke(*args)
+        assert code == 2 and error_lines(err) == [
+            f"tokaudit: error: {tmp_path / 'run'}: no records: 1 Parquet file(s) of the log's columns, and no row in any"
+        ], err
