@@ -22,7 +22,7 @@ import pyarrow as pa
 from tokaudit._engine.connection import DEFAULT_MEMORY_LIMIT, connect, half_limit, settings_from_environment
 from tokaudit._engine.ranges import CHUNK_ROWS, RangesMap, RangeTask, range_rows, step_ranges
 from tokaudit._engine.columns import UNUSABLE_RECORD
-from tokaudit._engine.sql import COMPLETE_THROUGH_SQL, DUPLICATES_SQL, RANK_WEIGHTS_SQL, RECORDS_AT_SQL
+from tokaudit._engine.sql import COMPLETE_THROUGH_SQL, DUPLICATES_SQL, RANK_WEIGHTS_SQL, RECORDS_AT_SQL, RUN_SCANS
 from tokaudit._engine.sql import absent_values, aliases, given, parquet_scan
 from tokaudit._engine.sql import constants, file_order_table, footer_table, one_name_of
 from tokaudit._engine.sql import one_record_form, select_records, sql_string, step_sql, valueless_columns
@@ -173,9 +173,6 @@ class Engine:
         """The views over every shard (deduplicated where `step_table` found repeated keys): what per-step queries read."""
         self._define(self.shards, self.only_steps, deduplicate=bool(self.duplicates))
 
-    def _link(self, shard: Shard) -> str:
-        return self.link_names[id(shard)]
-
     def _scans(self, members: list[Shard]) -> list[tuple[list[Shard], str]]:
         """FROM clauses (as `r`) with `filename` and `file_row_number`, each with the shards it reads:
         a table of footer records per schema of the one-row shards whose footers give their record
@@ -197,41 +194,44 @@ class Engine:
             # One-row shards whose footers gave their record: a table of those records, not a file read.
             name = f"footer_records_{self.footer_count}"
             self.footer_count += 1
-            self.connection.register(f"{name}_source", footer_table(held, [self._link(s) for s in held]))
+            self.connection.register(f"{name}_source", footer_table(held, [self.link_names[id(s)] for s in held]))
             self.connection.execute(f"CREATE OR REPLACE TEMP TABLE {name} AS SELECT * FROM {name}_source")
             self.connection.unregister(f"{name}_source")
             self.footer_tables.append(name)
             scans.append((held, f"{name} r"))
         for (signature, _), local in by_schema.items():
-            scans.append((local, parquet_scan([self._link(s) for s in local], one_schema=bool(signature))))
+            scans.append((local, parquet_scan([self.link_names[id(s)] for s in local], one_schema=bool(signature))))
         for shard in members:
             if shard.store is not None and shard.record is None:
                 scans.append(
                     (
                         [shard],
-                        f"(SELECT *, {sql_string(self._link(shard))} AS filename, "
+                        f"(SELECT *, {sql_string(self.link_names[id(shard)])} AS filename, "
                         f"CAST(NULL AS BIGINT) AS file_row_number FROM {self.remote_views[id(shard)]}) r",
                     )
                 )
         return scans
 
     def _source(self, shards: Sequence[Shard], steps: tuple[int, int] | None, scan: str | None = None) -> str:
-        """SQL for the raw records of these shards: scans per default run id (the parent folder
-        name), so filling a missing run_id costs no per-row string work, and per schema. `scan`: their records are
-        this one scan instead (a window of a segment read in step order: one schema, one default run)."""
+        """SQL for the raw records of these shards: scans per default run id (the parent folder name), so filling a
+        missing run_id costs no per-row string work, and per schema; past RUN_SCANS runs, per schema alone, each
+        file's run joined. `scan`: their records are this one scan instead (a window of a segment read in step
+        order: one schema, one default run)."""
         where = f"WHERE r.step BETWEEN {steps[0]} AND {steps[1]}" if steps else ""
         if scan is not None:
             first = shards[0]
             return select_records(
                 first.default_run, self._present(shards), given(scan, first), where, first.run_override
             )
-        by_run: dict[tuple[str, bool], list[Shard]] = {}
+        by_run: dict[tuple[str | None, bool], list[Shard]] = {}
         for shard in shards:
             by_run.setdefault((shard.default_run, shard.run_override), []).append(shard)
+        if len(by_run) > RUN_SCANS:
+            by_run = {(None, False): list(shards)}
         return " UNION ALL ".join(
-            select_records(default_run, self._present(scanned), given(scan, scanned[0]), where, override)
-            for (default_run, override), members in by_run.items()
-            for scanned, scan in self._scans(members)
+            select_records(run, self._present(held), given(read, held[0], runs=run is None), where, override)
+            for (run, override), members in by_run.items()
+            for held, read in self._scans(members)
         )
 
     def _present(self, shards: Sequence[Shard]) -> set[str]:
@@ -422,7 +422,7 @@ class Engine:
             finally:  # the window goes back before the next is read
                 self.connection.unregister("window_records")
 
-        files = [(str(shard.path), self._link(shard), row_groups(shard, steps)) for shard in shards]
+        files = [(str(shard.path), self.link_names[id(shard)], row_groups(shard, steps)) for shard in shards]
         try:  # (what their folders give is no column of the files: `sql.given` adds it to the window's records)
             folders = {column for column, _ in shards[0].partition}
             return windowed(files, sorted(self._present(shards) - folders), self.chunk_rows, aggregated)
@@ -450,7 +450,7 @@ class Engine:
                 f"SELECT DISTINCT filename FROM raw_records WHERE {UNUSABLE_RECORD}"
             ).fetchall()
         }
-        return [s for s in self.shards if self._link(s) in names]
+        return [s for s in self.shards if self.link_names[id(s)] in names]
 
     def records_at(self, run: str, step: int) -> pd.DataFrame:
         """Every record of one step of one run, with c, e and q = e·N."""

@@ -238,6 +238,9 @@ def file_order_table(shards: Sequence[Shard], names: dict[int, str]) -> pa.Table
             "filename": [names[id(shard)] for shard in published],
             "file_index": pa.array(range(len(published)), pa.int64()),
             "launch": pa.array([launches[i] for i in order], pa.int64()),
+            # each file's default run, and whether it stands over run_id (`select_records`' joined form)
+            f"{GIVEN}run": pa.array([shard.default_run for shard in published], pa.string()),
+            f"{GIVEN}override": pa.array([shard.run_override for shard in published], pa.bool_()),
             **{
                 f"{GIVEN}{column}": pa.array([dict(shard.partition).get(column) for shard in published], kind)
                 for column, kind in given.items()
@@ -246,17 +249,24 @@ def file_order_table(shards: Sequence[Shard], names: dict[int, str]) -> pa.Table
     )
 
 
-def select_records(default_run: str, present: set[str], scan: str, where: str, override: bool = False) -> str:
+def select_records(default_run: str | None, present: set[str], scan: str, where: str, override: bool = False) -> str:
     """One scan's records with the log format's defaults applied (docs/SCHEMA.md); columns its files lack are typed
-    nulls. `override`: the run is `default_run` whatever run_id says (`Shard.run_override`)."""
+    nulls. `override`: the run is `default_run` whatever run_id says (`Shard.run_override`). `default_run` None: each
+    file's own, joined from `file_order` (`given(..., runs=True)`), for a scan of the files of many runs."""
 
     def column(name: str) -> str:
         kind = DUCKDB_TYPES[COLUMNS_BY_NAME[name].kind]
         return f'CAST(r."{name}" AS {kind})' if name in present else f"CAST(NULL AS {kind})"
 
+    if default_run is None:
+        run = f'CASE WHEN r."{GIVEN}override" THEN r."{GIVEN}run" ELSE coalesce({column("run_id")}, r."{GIVEN}run") END'
+    elif override:
+        run = sql_string(default_run)
+    else:
+        run = f"coalesce({column('run_id')}, {sql_string(default_run)})"
     return f"""
         SELECT
-            {sql_string(default_run) if override else f"coalesce({column('run_id')}, {sql_string(default_run)})"} AS run,
+            {run} AS run,
             coalesce({column("group")}, {sql_string(UNNAMED)}) AS grp,
             coalesce({column("term")}, {sql_string(UNNAMED)}) AS term,
             {column("step")} AS step, {column("micro")} AS micro, {column("rank")} AS rank,
@@ -280,17 +290,24 @@ def select_records(default_run: str, present: set[str], scan: str, where: str, o
         {where}"""
 
 
+RUN_SCANS = 16
+"""The most scans of one default run each (`Engine._source`) a query unions: each holds buffers of its own in the
+records' materialized CTE (120 took DuckDB's 512 MB limit), so past it a scan reads every run's files of a
+schema, each file's run joined from `file_order`."""
+
 GIVEN = "given_"
 """`file_order`'s columns of the values files' folders give are named so: apart from the records' own."""
 
 
-def given(scan: str, shard: Shard) -> str:
+def given(scan: str, shard: Shard, runs: bool = False) -> str:
     """A scan (as `r`) of files whose folders give columns (`Shard.partition`; every shard of a scan has the same),
-    each record given their values from `file_order` (`file_order_table`): one scan of every folder's files."""
-    if not shard.partition:
+    each record given their values from `file_order` (`file_order_table`): one scan of every folder's files. `runs`:
+    each record given its file's default run as well (`select_records`' joined form)."""
+    columns = [f'o."{GIVEN}{column}" AS "{column}"' for column, _ in shard.partition]
+    columns += [f'o."{GIVEN}run"', f'o."{GIVEN}override"'] if runs else []
+    if not columns:
         return scan
-    columns = ", ".join(f'o."{GIVEN}{column}" AS "{column}"' for column, _ in shard.partition)
-    return f"(SELECT r.*, {columns} FROM {scan} JOIN file_order o USING (filename)) r"
+    return f"(SELECT r.*, {', '.join(columns)} FROM {scan} JOIN file_order o USING (filename)) r"
 
 
 # One scan: per (objective, step, rank) the rank's tokens and the extremes of its finite weights e, then

@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from tests.logs import UNEVEN_GA, local_mean, records, token_mean, write
+from tests.logs import UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
 from tokaudit._auditing import audit
 from tokaudit._engine import EVIDENCE, Duplicates, Engine, step_ranges
 from tokaudit._reader import NULLABLE_COLUMNS
@@ -89,6 +89,33 @@ def test_of_other_writers_files_the_one_modified_last_wins_whatever_its_name(tmp
     assert report.runs[0].verdict == "correct" and finding.code.value == "duplicate_records"
     assert "(the file modified last, as these files do not say which launch wrote them)" in finding.message
     assert finding.evidence["kept_by_modification_time"] is True
+
+
+def test_a_folder_of_many_runs_is_read_in_a_scan_a_schema_with_the_report_of_a_scan_a_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """150 runs, each a folder of 2 small shards (a sweep's folder): audited within DuckDB's default memory, where a
+    scan a run took it all; and the report of runs read in one scan, each file's run joined, is the report of a scan
+    a run, on runs named by their folder, by their run_id, and by folder and run_id (one id in two folders)."""
+    from tokaudit._engine import sql
+
+    for index in range(150):
+        write_by_rank(
+            tmp_path / "sweep" / f"lr-{index:03d}", records(UNEVEN_GA, local_mean if index % 7 else token_mean)
+        )
+    report = audit([tmp_path / "sweep"])
+    assert len(report.runs) == 150 and {r.verdict for r in report.runs} == {"correct", "incorrect"}
+    mixed = tmp_path / "mixed"
+    write_by_rank(mixed / "plain", records(UNEVEN_GA, token_mean))
+    write_by_rank(mixed / "a" / "x", records(UNEVEN_GA, token_mean, run_id="exp"))
+    write_by_rank(mixed / "b" / "x", records(UNEVEN_GA, local_mean, run_id="exp"))
+    write_by_rank(mixed / "named", records(UNEVEN_GA, local_mean, run_id="other"))
+    from tokaudit._render.json_report import render_json
+
+    per_run = render_json(audit([mixed]))
+    monkeypatch.setattr(sql, "RUN_SCANS", 0)
+    monkeypatch.setattr("tokaudit._engine.database.RUN_SCANS", 0)
+    assert render_json(audit([mixed])) == per_run
 
 
 def test_an_audit_can_be_held_to_one_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
