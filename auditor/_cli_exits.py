@@ -8,21 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from tokaudit.codes import Severity
 from tokaudit.errors import LogFormatError, TokauditError
 from tokaudit._outputs import EXIT_BAD_INPUT, EXIT_CLOSED_PIPE, EXIT_OK, fail, interrupted, problem
 from tokaudit._render.text import printable
 
 if TYPE_CHECKING:
     from tokaudit._report import AuditReport
-
-FAIL_ON = {
-    "error": Severity.ERROR.rank,
-    "inconclusive": Severity.ERROR.rank,
-    "warning": Severity.WARNING.rank,
-    "info": Severity.INFO.rank,
-    "never": 99,
-}
 
 
 class Guarded(click.Group):
@@ -61,18 +52,8 @@ class Guarded(click.Group):
 
 
 def fails(report: AuditReport, fail_on: str) -> bool:
-    """Whether `tokaudit check --fail-on` exits 1 for this report."""
-    worst = max((f.severity.rank for f in report.findings), default=-1)
-    # what fails the command: the listed findings' own verdict (an ignored code never fails it)
-    gates = [run.gate_verdict or run.verdict for run in report.runs]
-    if fail_on == "inconclusive":
-        fails = worst >= Severity.ERROR.rank or any(verdict != "correct" for verdict in gates)
-    elif fail_on == "error":
-        # the default: a run reported incorrect never exits 0, whatever the severity of the findings that say so
-        fails = worst >= FAIL_ON[fail_on] or any(verdict == "incorrect" for verdict in gates)
-    else:
-        fails = worst >= FAIL_ON[fail_on]
-    return fails
+    """Whether `tokaudit check --fail-on` exits 1 for this report: a run fails (`AuditReport.failing`)."""
+    return bool(report.failing(fail_on))
 
 
 def exit_for_problems(problems: list[LogFormatError]) -> None:

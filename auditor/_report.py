@@ -10,6 +10,15 @@ from tokaudit._schema import UNNAMED
 
 Verdict = Literal["correct", "incorrect", "inconclusive"]
 
+FAIL_ON_RANK = {
+    "error": Severity.ERROR.rank,
+    "inconclusive": Severity.ERROR.rank,
+    "warning": Severity.WARNING.rank,
+    "info": Severity.INFO.rank,
+    "never": 99,
+}
+"""--fail-on's choices: the least severity of a finding that fails a run (`AuditReport.failing`)."""
+
 Reporting = Literal["matches", "differs", "absent"]
 """The logged loss against each step's token mean (`RunSummary.reporting`)."""
 
@@ -153,6 +162,24 @@ class AuditReport:
     """The codes asked to be left out (`audit(..., ignore=)`), whether or not a run had them."""
     ignored_from: str = ""
     """Where they were asked: "--ignore", or "[tool.tokaudit] in PATH" (set by the command line)."""
+
+    def failing(self, fail_on: str) -> list[str]:
+        """The runs that fail `tokaudit check --fail-on` (exit 1), by their listed findings and their gate verdict
+        (what --ignore leaves out never fails one): error, the default, fails an incorrect run or one with an
+        error; inconclusive also one that is not correct; warning and info, one with a finding of that severity."""
+        failed = []
+        for run in self.runs:
+            worst = max((f.severity.rank for f in self.findings if f.run == run.run), default=-1)
+            gate = run.gate_verdict or run.verdict
+            if fail_on == "inconclusive":
+                fails = worst >= Severity.ERROR.rank or gate != "correct"
+            elif fail_on == "error":
+                fails = worst >= Severity.ERROR.rank or gate == "incorrect"
+            else:
+                fails = worst >= FAIL_ON_RANK[fail_on]
+            if fails:
+                failed.append(run.run)
+        return failed
 
     @property
     def verdicts(self) -> dict[str, Verdict]:

@@ -31,7 +31,8 @@ from tokaudit._outputs import (
 )
 from tokaudit._outputs import run as outputs_run
 from tokaudit._render.text import printable
-from tokaudit._cli_exits import FAIL_ON, Guarded, exit_for_problems, fails
+from tokaudit._cli_exits import Guarded, exit_for_problems, fails
+from tokaudit._report import FAIL_ON_RANK
 from tokaudit._cli_inputs import begin_loading, refuse_inputs, step_window
 from tokaudit._cli_progress import reading_progress
 
@@ -80,7 +81,7 @@ def main(ctx: click.Context, debug: bool) -> None:
     from tokaudit._settings import check_defaults
 
     ctx.obj = {"debug": debug}
-    defaults, ctx.obj["settings"] = check_defaults(Path.cwd(), list(FAIL_ON))
+    defaults, ctx.obj["settings"] = check_defaults(Path.cwd(), list(FAIL_ON_RANK))
     if defaults:
         ctx.default_map = {"check": defaults}  # the command line wins
 
@@ -115,7 +116,7 @@ class _Settled(click.Command):
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Write the report here.")
 @click.option(
     "--fail-on",
-    type=click.Choice(list(FAIL_ON)),
+    type=click.Choice(list(FAIL_ON_RANK)),
     default="error",
     show_default=True,
     help="Exit 1 when a finding of this severity or worse exists (`error` also when a run is called "
@@ -198,7 +199,7 @@ def check(
             )
     if ignore:
         report = replace(report, ignored_from=_ignored_from())
-    _render(report, fmt, output, figures)
+    _render(report, fmt, output, figures, fail_on)
     for line in report.problems:
         problem(line)
     if report.problems:
@@ -206,8 +207,8 @@ def check(
     sys.exit(EXIT_FINDINGS if fails(report, fail_on) else EXIT_OK)
 
 
-def _render(report: AuditReport, fmt: str, output: Path | None, figures: dict[str, Any]) -> None:
-    """The report in the format asked, to stdout or `output`."""
+def _render(report: AuditReport, fmt: str, output: Path | None, figures: dict[str, Any], fail_on: str) -> None:
+    """The report in the format asked, to stdout or `output`: those CI reads say the gate the command exits by."""
     if fmt == "json":
         from tokaudit._render.json_report import render_json
 
@@ -215,11 +216,11 @@ def _render(report: AuditReport, fmt: str, output: Path | None, figures: dict[st
     elif fmt == "markdown":
         from tokaudit._render.markdown import render_markdown
 
-        emit(render_markdown(report), output)
+        emit(render_markdown(report, fail_on), output)
     elif fmt == "junit":
         from tokaudit._render.junit import render_junit
 
-        emit(render_junit(report), output)
+        emit(render_junit(report, fail_on), output)
     elif fmt == "html":
         from tokaudit._render.html import render_html
 
@@ -227,8 +228,8 @@ def _render(report: AuditReport, fmt: str, output: Path | None, figures: dict[st
     elif fmt == "github":
         from tokaudit._render.github import render_annotations, write_step_summary
 
-        emit(render_annotations(report), output)
-        write_step_summary(report)
+        emit(render_annotations(report, fail_on), output)
+        write_step_summary(report, fail_on)
     else:
         from tokaudit._render.console import render_report
 

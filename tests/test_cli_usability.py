@@ -223,9 +223,36 @@ def test_github_annotations_and_step_summary(tmp_path: Path) -> None:
     )
     assert code == 1
     assert any(line.startswith("::error title=tokaudit local_mean · bad::steps 0–2 (3)") for line in out.splitlines())
-    assert "::notice title=tokaudit bad::verdict: incorrect" in out
+    assert "::error title=tokaudit bad::verdict: incorrect (fails --fail-on error)" in out
     text = summary.read_text()
     assert text.startswith("<!-- tokaudit-report -->\n") and "<details>" in text
+
+
+@pytest.mark.parametrize(
+    ("run", "options", "exit_code"),
+    [
+        ("bug_local_mean", ["--ignore", "local_mean", "--ignore", "reported_loss_mismatch"], 0),
+        ("correct_token_mean_reported_local_means", ["--fail-on", "warning"], 1),
+        ("inconclusive_balanced_local_mean", ["--fail-on", "inconclusive"], 1),
+        ("inconclusive_balanced_local_mean", [], 0),
+        ("bug_local_mean", [], 1),
+    ],
+)
+def test_what_ci_reads_agrees_with_the_exit_code(run: str, options: list[str], exit_code: int) -> None:
+    """JUnit's failures, the GitHub annotations' errors and the Markdown summary's gate say what the exit code
+    says, whatever --ignore and --fail-on did to it: a CI system never passes a failed step or fails a passed one."""
+    import xml.etree.ElementTree as ElementTree
+
+    path = str(SAMPLE_LOGS / run)
+    code, junit, _ = invoke("check", path, "--format", "junit", *options)
+    assert code == exit_code
+    suite = ElementTree.fromstring(junit)
+    assert (int(suite.get("failures") or 0) > 0) == bool(exit_code), junit
+    code, github, _ = invoke("check", path, "--format", "github", *options)
+    errors = [line for line in github.splitlines() if line.startswith(f"::error title=tokaudit {run}::")]
+    assert code == exit_code and bool(errors) == bool(exit_code), github
+    code, markdown, _ = invoke("check", path, "--format", "markdown", *options)
+    assert code == exit_code and ("fails on 1 run" in markdown.splitlines()[1]) == bool(exit_code), markdown
 
 
 def test_markdown_is_a_summary_line_and_one_details_per_finding() -> None:

@@ -21,10 +21,15 @@ def _property(text: str) -> str:
     return _data(text).replace(":", "%3A").replace(",", "%2C")
 
 
-def render_annotations(report: AuditReport) -> str:
+def render_annotations(report: AuditReport, fail_on: str = "error") -> str:
+    """A run that fails the gate the step exits by (--fail-on) is an error annotation, saying so; the others a
+    notice of their verdict."""
     lines = []
+    failing = set(report.failing(fail_on))
     for run in report.runs:
-        lines.append(f"::notice title={_property(f'tokaudit {run.run}')}::{_data(f'verdict: {run.verdict}')}")
+        fails = run.run in failing
+        said = f"verdict: {run.verdict}" + (f" (fails --fail-on {fail_on})" if fails else "")
+        lines.append(f"::{'error' if fails else 'notice'} title={_property(f'tokaudit {run.run}')}::{_data(said)}")
     for f in report.findings:
         title = _property(f"tokaudit {f.code.value} · {f.run}" + (f" · term {f.term}" if f.term != UNNAMED else ""))
         body = _data(f"steps {steps_text(f.steps)}: {f.message} Fix: {f.fix}")
@@ -34,7 +39,7 @@ def render_annotations(report: AuditReport) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
-def write_step_summary(report: AuditReport) -> None:
+def write_step_summary(report: AuditReport, fail_on: str = "error") -> None:
     """Append the markdown report to $GITHUB_STEP_SUMMARY when the runner provides one."""
     path = os.environ.get("GITHUB_STEP_SUMMARY")
     if not path:
@@ -43,6 +48,6 @@ def write_step_summary(report: AuditReport) -> None:
 
     try:
         with open(path, "a", encoding="utf-8") as handle:
-            handle.write(render_markdown(report))
+            handle.write(render_markdown(report, fail_on))
     except OSError as error:
         raise UsageError(f"{path}: cannot write the step summary ({error.strerror or error})") from None

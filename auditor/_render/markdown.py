@@ -18,17 +18,20 @@ def _cell(text: str) -> str:
     return printable(text).replace("|", "\\|").replace("`", "'")
 
 
-def summary_line(report: AuditReport) -> str:
+def summary_line(report: AuditReport, fail_on: str = "error") -> str:
+    """The verdicts and findings in a line, and whether the gate the command exits by (--fail-on) fails."""
     verdicts = [run.verdict for run in report.runs]
     worst = "incorrect" if "incorrect" in verdicts else "inconclusive" if "inconclusive" in verdicts else "correct"
     line = f"{ICONS[worst]} **tokaudit**: {verdict_counts(report)}; {finding_counts(report)}"
     if report.problems:
         line += f"; {many(len(report.problems), 'unreadable input')}"
-    return line
+    failing = report.failing(fail_on)
+    gate = f"fails on {many(len(failing), 'run')}" if failing else "passes"
+    return line + f" — the gate (--fail-on {fail_on}) {gate}" + ("" if not report.problems else ", and the input fails")
 
 
-def render_markdown(report: AuditReport) -> str:
-    lines = [MARKER, summary_line(report), ""]
+def render_markdown(report: AuditReport, fail_on: str = "error") -> str:
+    lines = [MARKER, summary_line(report, fail_on), ""]
     if report.runs:
         lines += [
             "| run | verdict | steps | ranks | W | D | normalization | q = e·N | max ratio |",
