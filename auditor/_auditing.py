@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -80,8 +82,8 @@ def audit_started(
         paths = [paths]
     if not (0 < rtol < 1):
         raise UsageError(f"--rtol must be between 0 and 1, got {rtol}")
-    if min_ratio is not None and not min_ratio >= 1:
-        raise UsageError(f"--min-ratio must be at least 1, got {min_ratio}")
+    if min_ratio is not None and not 1 <= min_ratio < math.inf:  # (inf would make every weighting finding a note)
+        raise UsageError(f"--min-ratio must be a finite number of at least 1, got {min_ratio}")
     try:
         ignored = {code_named(code) for code in ignore}
     except ValueError as error:

@@ -77,7 +77,7 @@ def _read(path: Path) -> dict[str, Any]:
     except OSError:
         return {}  # a file that cannot be opened holds no settings of ours
     except tomllib.TOMLDecodeError as error:
-        if b"[tool.tokaudit]" not in raw:
+        if b"tool.tokaudit" not in raw:  # (a header missing its bracket, a dotted key: ours as well)
             return {}  # another project's broken file: not ours to refuse, the search goes on upward
         raise UsageError(f"{path}: cannot be read as TOML ({error})") from None
 

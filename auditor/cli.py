@@ -80,8 +80,14 @@ def main(ctx: click.Context, debug: bool) -> None:
     """Audit how distributed training normalized its token losses, from per-rank logs."""
     from tokaudit._settings import check_defaults
 
-    ctx.obj = {"debug": debug}
-    defaults, ctx.obj["settings"] = check_defaults(Path.cwd(), list(FAIL_ON_RANK))
+    ctx.obj = {"debug": debug, "settings": None, "settings_error": None}
+    if ctx.invoked_subcommand != "check":
+        return  # the settings are check's: a bad one never stops explain, weights or curve
+    try:
+        defaults, ctx.obj["settings"] = check_defaults(Path.cwd(), list(FAIL_ON_RANK))
+    except UsageError as error:  # said when check runs, after its --help (which names it) could be read
+        ctx.obj["settings_error"] = error
+        return
     if defaults:
         ctx.default_map = {"check": defaults}  # the command line wins
 
@@ -91,7 +97,11 @@ class _Settled(click.Command):
 
     def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         source = (ctx.find_root().obj or {}).get("settings")
+        error = (ctx.find_root().obj or {}).get("settings_error")
         formatter.write_paragraph()
+        if error is not None:
+            formatter.write(f"  Settings: {error}\n")
+            return
         # written as it is: a path wrapped at its hyphens could not be copied
         formatter.write(
             f"  Settings: [tool.tokaudit] of {source}\n  (the command line wins).\n"
@@ -177,6 +187,8 @@ def check(
     Exit 0: nothing at or above --fail-on; 1: findings; 2: bad usage or unreadable input; 130: interrupted
     (Ctrl-C); 141: the output's reader went away (| head).
     """
+    if (error := click.get_current_context().find_root().obj.get("settings_error")) is not None:
+        raise error
     refuse_inputs(output, paths)
     fmt = format_for(fmt, output)
     address = None if ray is None else ray or os.environ.get("RAY_ADDRESS") or "auto"
@@ -437,6 +449,8 @@ def sync(folder: Path | None) -> None:
     from tokaudit._schema import spool_folder
     from tokaudit._spool import spooled, sync_one
 
+    if folder is not None and not folder.is_dir():  # a spool named that is not there is no empty spool
+        raise UsageError(f"{folder}: no such folder (the spool: TOKAUDIT_SPOOL, else ~/.cache/tokaudit/spool)")
     failed: list[LogFormatError] = []
     done = 0
     for path in spooled(folder or spool_folder()):

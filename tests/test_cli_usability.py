@@ -213,6 +213,8 @@ def test_fail_on_inconclusive_ignore_and_min_ratio(tmp_path: Path) -> None:
     assert code == 0 and [f["severity"] for f in report["findings"]] == ["info"]
     assert invoke("check", str(nearly), "--min-ratio", "1.001")[0] == 1
     assert invoke("check", str(nearly), "--min-ratio", "0.5")[0] == 2
+    code, _, err = invoke("check", str(nearly), "--min-ratio", "inf")  # would make every weighting finding a note
+    assert code == 2 and "--min-ratio must be a finite number of at least 1, got inf" in err
 
 
 def test_github_annotations_and_step_summary(tmp_path: Path) -> None:
@@ -476,6 +478,15 @@ def test_a_misspelled_code_in_settings_names_the_file_and_a_broken_foreign_pypro
         "ignore: unknown code 'locl_mean' (did you mean local_mean?); "
         "`tokaudit explain` lists the codes"
     )
+    # the settings are check's: explain and weights run, and check's --help shows the problem it will stop at
+    assert invoke("explain", "local_mean")[0] == 0
+    assert invoke("weights", str(SAMPLE_LOGS / "bug_local_mean"), "--step", "1")[0] == 0
+    code, out, _ = invoke("check", "--help")
+    assert code == 0 and "Settings: " in out and "unknown code 'locl_mean'" in " ".join(out.split())
+    # a header missing its bracket is ours too: refused, not passed over for a file further up
+    (parent / "ours" / "pyproject.toml").write_text('[tool.tokaudit\nfail-on = "never"\n')
+    code, _, err = invoke("check", str(SAMPLE_LOGS / "bug_local_mean"))
+    assert code == 2 and "cannot be read as TOML" in err
     (parent / "ours" / "pyproject.toml").unlink()
     code, out, _ = invoke("check", str(SAMPLE_LOGS / "bug_local_mean"), "--format", "json")
     assert code == 1 and json.loads(out)["runs"][0]["verdict"] == "incorrect"
@@ -510,3 +521,12 @@ def test_a_weighting_finding_carries_the_token_mean_as_code_for_its_set_up() -> 
     code, out, _ = invoke("explain", "local_mean")
     longest = max(RECIPES["accelerate"].splitlines(), key=len)
     assert code == 0 and longest in out and "The token mean in Lightning" in out
+
+
+def test_sync_of_a_spool_that_is_not_there_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """A spool folder named that does not exist (a typo) is no empty spool: said, exit 2, never "nothing to sync"."""
+    code, _, err = invoke("sync", str(tmp_path / "no-such-spool"))
+    assert code == 2 and f"{tmp_path / 'no-such-spool'}: no such folder" in err
+    (tmp_path / "empty").mkdir()
+    code, _, err = invoke("sync", str(tmp_path / "empty"))
+    assert code == 0 and "nothing to sync" in err
