@@ -6,10 +6,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import click
 
 from tokaudit.errors import UsageError
-from tokaudit._render.text import printable
+from tokaudit._outputs import note
 
 if TYPE_CHECKING:
     from tokaudit._loading import Loading
@@ -22,10 +21,10 @@ def begin_loading(paths: tuple[str, ...], workers: int | None = None) -> Loading
     from tokaudit._loading import cores, start_loading
 
     started = start_loading(paths, thorough=False, workers=cores() if workers is None else workers)
-    for note in started.notes[:NOTES_SHOWN]:  # what is read from elsewhere is said, never followed in silence
-        click.echo(f"tokaudit: note: {printable(note)}", err=True)  # one unwrapped line, as problem's
+    for said in started.notes[:NOTES_SHOWN]:  # what is read from elsewhere is said, never followed in silence
+        note(said)
     if len(started.notes) > NOTES_SHOWN:
-        click.echo(f"tokaudit: note: … and {len(started.notes) - NOTES_SHOWN} more notes", err=True)
+        note(f"… and {len(started.notes) - NOTES_SHOWN} more notes")
     return started
 
 

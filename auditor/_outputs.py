@@ -33,6 +33,11 @@ def problem(line: str) -> None:
     click.echo(f"tokaudit: error: {printable(line)}", err=True)
 
 
+def note(line: str) -> None:
+    """A note on stderr, as `problem` writes an error: one line, text from the logs printed literally."""
+    click.echo(f"tokaudit: note: {printable(line)}", err=True)
+
+
 def fail(error: TokauditError) -> None:
     problem(str(error))
     if isinstance(error, LogFormatError):
@@ -94,18 +99,23 @@ FORMAT_OF_SUFFIX = {
 """`check -o FILE` without --format: the format FILE's extension names."""
 
 
-def format_for(fmt: str, output: Path | None) -> str:
-    """--format as given, else the one -o's extension names; an extension that names none is refused."""
+WEIGHTS_FORMAT_OF_SUFFIX = {".csv": "csv", ".json": "json", ".txt": "table", ".log": "table"}
+"""`tokaudit weights -o`'s extensions."""
+
+
+def format_for(fmt: str, output: Path | None, suffixes: dict[str, str] = FORMAT_OF_SUFFIX) -> str:
+    """--format as given, else the one -o's extension names (`suffixes`); an extension that names none is refused."""
     if output is None or click.get_current_context().get_parameter_source("fmt") not in (
         click.core.ParameterSource.DEFAULT,
         None,
     ):
         return fmt
-    found = FORMAT_OF_SUFFIX.get(output.suffix.lower())
+    found = suffixes.get(output.suffix.lower())
     if found is None:
+        named = sorted(suffixes)
         raise UsageError(
             f"-o {output}: cannot tell the format from the extension {output.suffix or '(none)'!r}; "
-            f"give --format (or name the file .html, .json, .xml, .md or .txt)"
+            f"give --format (or name the file {', '.join(named[:-1])} or {named[-1]})"
         )
     return found
 

@@ -161,9 +161,26 @@ class Curve:
             else:
                 yield _curve_rows(_pooled_rows(rows, self.terms[0]) if self.pooled else rows)
 
+    def partial_steps(self) -> list[int]:
+        """The steps some rank below W recorded none of (a log still being written, a rank that did not record):
+        their N, and so their values, are of the ranks present alone."""
+        found: list[int] = []
+        for rows in selected_runs(table_parts(self.table), [self.run]):
+            found.extend(int(step) for step in np.unique(rows.step.to_numpy()[rows.ranks < rows.world_high]))
+        return found
+
     def close(self) -> None:
         if isinstance(self.table, Spilled):
             self.table.close()
+
+
+def partial_note(steps: list[int]) -> str:
+    """What `curve` and `weights` say of steps some ranks recorded nothing of."""
+    shown = ", ".join(map(str, steps[:5])) + (f", … ({len(steps)} in all)" if len(steps) > 5 else "")
+    return (
+        f"step(s) {shown} lack some ranks' records (a log still being written, or a rank that did not record): "
+        "their N counts the ranks present, and their values are of those ranks alone"
+    )
 
 
 def _curve_rows(table: pd.DataFrame) -> pd.DataFrame:

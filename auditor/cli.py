@@ -22,7 +22,9 @@ from tokaudit._outputs import (
     EXIT_OK,
     emit,
     fail,
+    WEIGHTS_FORMAT_OF_SUFFIX,
     format_for,
+    note,
     print_rich,
     problem,
     rich_text,
@@ -267,13 +269,16 @@ def _ignored_from() -> str:
 def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str, output: Path | None) -> None:
     """Per rank and microbatch at one step: n, S, b, c, e and q = e·N (1 when correct)."""
     refuse_inputs(output, paths)
+    fmt = format_for(fmt, output, WEIGHTS_FORMAT_OF_SUFFIX)
     with begin_loading(paths) as started:
-        from tokaudit._postmortem import step_weights
+        from tokaudit._postmortem import partial_note, step_weights
 
         try:
             chosen, records, problems = step_weights(paths, step, run, started=started)
         except TokauditError as error:
             fail(error)
+    if records["rank"].nunique() < records["world_size"].max():
+        note(partial_note([step]))
     if fmt == "csv":
         emit(records.rename(columns=WEIGHT_NAMES).to_csv(index=False), output)
     elif fmt == "json":
@@ -347,6 +352,10 @@ def curve(
             from tokaudit._render.curve import curve_views
 
             curve, problems = curve_parts(paths, run, steps=window, started=started)
+        if partial := curve.partial_steps():
+            from tokaudit._postmortem import partial_note
+
+            note(partial_note(partial))
         if fmt == "json":
             _curve_json(curve, csv_path, plot_path)
             exit_for_problems(problems)

@@ -114,6 +114,27 @@ def test_weights_shows_q_per_record(logs: Path) -> None:
     )
     assert target.read_text() == invoke("weights", str(logs), "--run", "bad", "--step", "0", "--format", "csv")[1]
     assert invoke("weights", str(logs), "--run", "bad", "--step", "99")[0] == 2
+    # -o's extension names the format, as check's does: .json is JSON, and one that names none is refused
+    named = logs.parent / "weights.json"
+    assert invoke("weights", str(logs), "--run", "bad", "--step", "0", "-o", str(named))[0] == 0
+    assert json.loads(named.read_text())["step"] == 0
+    code, _, err = invoke("weights", str(logs), "--run", "bad", "--step", "0", "-o", str(logs.parent / "w.xyz"))
+    assert code == 2 and "cannot tell the format from the extension '.xyz'" in err
+
+
+def test_curve_and_weights_say_which_steps_lack_some_ranks(tmp_path: Path) -> None:
+    """A log still being written: rank 1's last step not flushed yet. Its N counts rank 0 alone, so its weights and
+    its ΣS/N are rank 0's: said, where the numbers would otherwise pass for the whole step's."""
+    rows = [r for r in records(UNEVEN_GA, token_mean) if not (r["rank"] == 1 and r["step"] == 2)]
+    write_by_rank(tmp_path / "run", rows)
+    note = (
+        "tokaudit: note: step(s) 2 lack some ranks' records (a log still being written, or a rank that did not record)"
+    )
+    code, _, err = invoke("curve", str(tmp_path / "run"), "--format", "json")
+    assert code == 0 and note in err
+    code, _, err = invoke("weights", str(tmp_path / "run"), "--step", "2")
+    assert code == 0 and note in err
+    assert note not in invoke("weights", str(tmp_path / "run"), "--step", "1")[2]
 
 
 def test_weights_shows_a_term_s_declared_weight_and_q_against_it(tmp_path: Path) -> None:
