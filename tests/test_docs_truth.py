@@ -278,3 +278,22 @@ def test_the_checks_catch_a_wrong_keyword_a_wrong_option_and_a_wrong_name() -> N
 def test_the_readme_reads_in_five_minutes() -> None:
     size = len((ROOT / "README.md").read_bytes())
     assert size <= README_BYTES, f"README.md is {size:,} bytes: move a section to a page under docs/"
+
+
+def test_the_readme_s_first_output_is_what_the_command_prints_at_100_columns() -> None:
+    """The front door's example is the command's own output, word for word (the README's code block is 100 wide)."""
+    import os
+    import subprocess
+    import sys
+
+    readme = (ROOT / "README.md").read_text()
+    command = "tokaudit check sample_logs/bug_local_mean sample_logs/correct_token_mean_ga"
+    shown = readme.split(f"$ {command}\n", 1)[1].split("$ echo $?", 1)[0]
+    done = subprocess.run(
+        [sys.executable, "-m", "tokaudit", *command.split()[1:]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "100", "NO_COLOR": "1"},
+    )
+    assert done.returncode == 1 and done.stdout == shown
