@@ -342,6 +342,8 @@ def curve(
     try:
         for target in (csv_path, plot_path):
             refuse_inputs(target, paths)
+        if csv_path is not None and plot_path is not None and csv_path.resolve() == plot_path.resolve():
+            raise UsageError(f"--csv and --plot name one file ({csv_path}): the plot would write over the CSV")
         if plot_path is not None:
             from tokaudit._render.plot import check_format
 

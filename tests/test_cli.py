@@ -122,6 +122,13 @@ def test_weights_shows_q_per_record(logs: Path) -> None:
     assert code == 2 and "cannot tell the format from the extension '.xyz'" in err
 
 
+def test_curve_refuses_one_file_for_its_csv_and_its_plot(logs: Path, tmp_path: Path) -> None:
+    code, _, err = invoke(
+        "curve", str(logs), "--run", "bad", "--csv", str(tmp_path / "c.png"), "--plot", str(tmp_path / "c.png")
+    )
+    assert code == 2 and "--csv and --plot name one file" in err and not (tmp_path / "c.png").exists()
+
+
 def test_curve_and_weights_say_which_steps_lack_some_ranks(tmp_path: Path) -> None:
     """A log still being written: rank 1's last step not flushed yet. Its N counts rank 0 alone, so its weights and
     its ΣS/N are rank 0's: said, where the numbers would otherwise pass for the whole step's."""
