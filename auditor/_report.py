@@ -6,18 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tokaudit.codes import Code, Severity
+from tokaudit._settings import FAIL_ON_RANK
 from tokaudit._schema import UNNAMED
 
 Verdict = Literal["correct", "incorrect", "inconclusive"]
 
-FAIL_ON_RANK = {
-    "error": Severity.ERROR.rank,
-    "inconclusive": Severity.ERROR.rank,
-    "warning": Severity.WARNING.rank,
-    "info": Severity.INFO.rank,
-    "never": 99,
-}
-"""--fail-on's choices: the least severity of a finding that fails a run (`AuditReport.failing`)."""
 
 Reporting = Literal["matches", "differs", "absent"]
 """The logged loss against each step's token mean (`RunSummary.reporting`)."""

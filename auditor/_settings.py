@@ -17,11 +17,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tokaudit.codes import Code
+from tokaudit.codes import Code, Severity
 from tokaudit.errors import UsageError
 
 KEYS = {"fail-on": "fail_on", "ignore": "ignore", "rtol": "rtol", "min-ratio": "min_ratio", "ray": "ray"}
 """Each setting and the `tokaudit check` option it sets (the option's name without its dashes)."""
+
+
+FAIL_ON_RANK = {
+    "error": Severity.ERROR.rank,
+    "inconclusive": Severity.ERROR.rank,
+    "warning": Severity.WARNING.rank,
+    "info": Severity.INFO.rank,
+    "never": 99,
+}
+"""--fail-on's choices (and `fail-on`'s here): the least severity of a finding that fails a run
+(`AuditReport.failing`)."""
 
 
 def find_settings(start: Path) -> tuple[Path, Any] | None:

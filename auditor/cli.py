@@ -34,7 +34,7 @@ from tokaudit._outputs import (
 from tokaudit._outputs import run as outputs_run
 from tokaudit._render.text import printable
 from tokaudit._cli_exits import Guarded, exit_for_problems, fails
-from tokaudit._report import FAIL_ON_RANK
+from tokaudit._settings import FAIL_ON_RANK
 from tokaudit._cli_inputs import begin_loading, refuse_inputs, step_window
 from tokaudit._cli_progress import reading_progress
 
