@@ -257,6 +257,14 @@ def test_what_ci_reads_agrees_with_the_exit_code(run: str, options: list[str], e
     assert code == exit_code and ("fails on 1 run" in markdown.splitlines()[1]) == bool(exit_code), markdown
 
 
+def test_a_run_id_with_backticks_and_a_pipe_stays_itself_in_markdown(tmp_path: Path) -> None:
+    """A run id holding backticks and a pipe is shown in a code span long enough to hold them (CommonMark), the pipe
+    escaped for the table: what a reader copies from the rendered table works in --run."""
+    write_by_rank(tmp_path / "logs" / "x", records(UNEVEN, local_mean, run_id="a|b`c`"))
+    code, out, _ = invoke("check", str(tmp_path / "logs"), "--format", "markdown")
+    assert code == 1 and "| `` a\\|b`c` `` |" in out, out
+
+
 def test_markdown_is_a_summary_line_and_one_details_per_finding() -> None:
     code, out, _ = invoke("check", str(SAMPLE_LOGS), "--format", "markdown")
     lines = out.splitlines()

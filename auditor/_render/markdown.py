@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import html
 
 from tokaudit._render.text import factor_text, finding_counts, many, printable, q_range_text, ratio_text, reported_note
@@ -16,6 +18,15 @@ ICONS = {"correct": "✅", "incorrect": "❌", "inconclusive": "❔", "error": "
 
 def _cell(text: str) -> str:
     return printable(text).replace("|", "\\|").replace("`", "'")
+
+
+def _code(text: str) -> str:
+    """Text from the log as a code span, its characters kept (a run id copied from it works in --run): delimited by
+    one backtick more than its longest run of them, padded where it begins or ends with one (CommonMark)."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{printable(text).replace('|', chr(92) + '|')}{pad}{fence}"
 
 
 def summary_line(report: AuditReport, fail_on: str = "error") -> str:
@@ -40,7 +51,7 @@ def render_markdown(report: AuditReport, fail_on: str = "error") -> str:
         for run in report.runs:
             q = q_range_text(run, " – ")
             lines.append(
-                f"| `{_cell(run.run)}` | {ICONS[run.verdict]} {run.verdict}{reported_note(run)} | {run.steps} | {run.ranks} "
+                f"| {_code(run.run)} | {ICONS[run.verdict]} {run.verdict}{reported_note(run)} | {run.steps} | {run.ranks} "
                 f"| {', '.join(map(str, run.world_size))} | {', '.join(f'{d:g}' for d in run.divisors)} "
                 f"| {_cell(factor_text(run.normalization, run.steps, run.normalization_judged))} | {q} | {ratio_text(run.max_weight_ratio)} |"
             )
@@ -51,7 +62,7 @@ def render_markdown(report: AuditReport, fail_on: str = "error") -> str:
             "",
         ]
     for f in report.findings:
-        term = f" · term `{_cell(f.term)}`" if f.term != UNNAMED else ""
+        term = f" · term {_code(f.term)}" if f.term != UNNAMED else ""
         lines += [
             f"<details><summary>{ICONS[f.severity.value]} <b>{f.severity.value}</b> <code>{f.code.value}</code> "
             f"· {html.escape(printable(f.run))}{html.escape(term)} · steps {steps_text(f.steps)}</summary>",
@@ -69,5 +80,5 @@ def render_markdown(report: AuditReport, fail_on: str = "error") -> str:
     if report.runs and not report.findings:
         lines += ["No findings.", ""]
     for problem in report.problems:
-        lines.append(f"- ❌ unreadable: `{_cell(problem)}`")
+        lines.append(f"- ❌ unreadable: {_code(problem)}")
     return "\n".join(lines).rstrip() + "\n"
