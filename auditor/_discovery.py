@@ -53,6 +53,11 @@ def _named(folder: Path) -> str:
     return f" ({others} file(s) are named .pq, .parq or with no extension: tokaudit reads *.parquet, rename them)"
 
 
+def _unnamed_parquet(folder: str, files: list[str]) -> int:
+    """Of a folder's files, those with no extension that begin as Parquet does (Hive's 000000_0)."""
+    return sum(1 for n in files if "." not in n and not hidden(n, folder=False) and _begins_as_parquet(Path(folder, n)))
+
+
 def _begins_as_parquet(path: Path) -> bool:
     try:
         with open(path, "rb") as file:
@@ -73,7 +78,7 @@ def _walk(
         problems.append(LogFormatError(str(error.filename or root), f"cannot read this folder ({error.strerror})"))
 
     inside = os.path.realpath(root) + os.sep
-    skipped = 0  # the writers' folders (storage.WRITERS_FOLDERS) skipped
+    skipped = unnamed = 0  # the writers' folders (storage.WRITERS_FOLDERS) skipped; Parquet files of no extension
     tables = Tables(problems, local_log)  # Delta tables: the files their logs say they hold
     tables.enter_above(str(Path(root).absolute()))
     datasets: dict[str, int] = {}  # folders named *.parquet (Spark-style datasets): the part files under each
@@ -91,9 +96,7 @@ def _walk(
         seen.add((identity.st_dev, identity.st_ino))
         if notes is not None and os.path.islink(here):
             _note_outside(here, inside, notes)
-        if "metadata" in folders and any(
-            iceberg_marker(("metadata", n)) for n in _names(os.path.join(here, "metadata"))
-        ):
+        if _iceberg(here, folders):
             problems.append(LogFormatError(here, ICEBERG))  # its files are not read: which it holds now is unknown
             folders[:] = []
             continue
@@ -102,13 +105,10 @@ def _walk(
         skipped += sum(f in WRITERS_FOLDERS for f in folders)
         folders[:] = sorted(f for f in folders if not hidden(f, folder=True))
         names = tables.kept(here, sorted(n for n in files if not hidden(n, folder=False) and _parquet(n)))
-        if here.endswith(".parquet"):
-            datasets.setdefault(here, 0)
-        for dataset in datasets:
-            if names and (here == dataset or here.startswith(dataset + os.sep)):
-                datasets[dataset] += len(names)
+        _count_parts(datasets, here, names)
         _add_files(here, names, identity.st_dev, found, problems, inside, notes)
         reached += len(names)
+        unnamed += _unnamed_parquet(here, files)
     problems.extend(
         LogFormatError(dataset, "a folder named *.parquet with no Parquet part files in it")
         for dataset, parts in datasets.items()
@@ -118,7 +118,28 @@ def _walk(
     if notes is not None:
         notes.extend([hidden_note(str(root), skipped)] if skipped else [])
         notes.extend(tables.notes())
+        if unnamed and reached:  # (with no *.parquet at all, the folder's one line says it)
+            notes.append(
+                f"{root}: {unnamed} file(s) with no extension begin as Parquet files do (Hive names them 000000_0), "
+                "not read: name them *.parquet to audit them"
+            )
     return reached
+
+
+def _count_parts(datasets: dict[str, int], here: str, names: list[str]) -> None:
+    """The part files of each folder named *.parquet (a Spark-style dataset) met so far, `here`'s added."""
+    if here.endswith(".parquet"):
+        datasets.setdefault(here, 0)
+    for dataset in datasets:
+        if names and (here == dataset or here.startswith(dataset + os.sep)):
+            datasets[dataset] += len(names)
+
+
+def _iceberg(folder: str, folders: list[str]) -> bool:
+    """Whether a folder is an Iceberg table's root: a `metadata/` of table metadata beside its data."""
+    return "metadata" in folders and any(
+        iceberg_marker(("metadata", n)) for n in _names(os.path.join(folder, "metadata"))
+    )
 
 
 def _parquet(name: str) -> bool:

@@ -746,6 +746,22 @@ def test_a_folder_of_parquet_files_named_otherwise_says_so(tmp_path: Path) -> No
     ]
 
 
+def test_parquet_files_of_no_extension_beside_parquet_ones_are_said(tmp_path: Path) -> None:
+    """A rank's Hive-named file (000001_0) beside another's .parquet: not read, and said in a note rather than left
+    out in silence (the run would read as missing a rank); a _SUCCESS marker is no such file."""
+    rows = records(UNEVEN, token_mean)
+    write(tmp_path / "run" / "rank-0.parquet", [r for r in rows if r["rank"] == 0])
+    write(tmp_path / "run" / "000001_0", [r for r in rows if r["rank"] == 1])
+    (tmp_path / "run" / "_SUCCESS").write_text("")
+    notes: list[str] = []
+    files, problems = discover([tmp_path], notes)
+    assert [f.name for f in files] == ["rank-0.parquet"] and not problems
+    assert notes == [
+        f"{tmp_path}: 1 file(s) with no extension begin as Parquet files do (Hive names them 000000_0), not read: "
+        "name them *.parquet to audit them"
+    ]
+
+
 def test_a_folder_of_only_unusable_files_is_not_also_called_empty(tmp_path: Path, monkeypatch: Any) -> None:
     """A folder, named relative to where the command runs, whose one *.parquet is a dangling link: one line,
     the link's, and not also "no Parquet files" for the folder."""
