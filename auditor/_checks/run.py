@@ -158,10 +158,15 @@ def _in_spans(source: RunSteps, term: str, decisions: Decisions | None, factors:
 
 
 def _one_scale(tables: list[FactorTable | None], rtol: float) -> bool:
-    """Every term of several off by one and the same constant q: nothing weighs a term against another, the whole
-    objective is scaled by q, as one term alone would be (no term's factor reads as a coefficient chosen for it)."""
-    ones = [t.anchors[0] for t in tables if t is not None and len(t.table) == 1 and not t.varying]
-    return len(tables) > 1 and len(ones) == len(tables) and all(close(q, ones[0], 2 * rtol) for q in ones)
+    """Every term of several off by the same constant factors q (one, or a few over the run: a stale W after each
+    resize): nothing weighs a term against another, the whole objective is scaled, as one term alone would be (no
+    term's factor reads as a coefficient chosen for it)."""
+    sets = [t.anchors for t in tables if t is not None and len(t.table) and not t.varying]
+    return (
+        len(tables) > 1
+        and len(sets) == len(tables)
+        and all(len(a) == len(sets[0]) and all(close(q, p, 2 * rtol) for q, p in zip(a, sets[0])) for a in sets)
+    )
 
 
 def _check_term(

@@ -229,6 +229,8 @@ class WeightingCheck(Check):
             and term.coefficient
             and 0 < len(self.factors.table) <= TERM_WEIGHTS
             and not self.factors.varying
+            # a loss scale, and a W kept across a resize (W'/W from the resize on), are what they look like
+            and not any(e.kind == FactorKind.LOSS_SCALE or e.label == "W'/W" for e in self.factors.table)
         )
         names = [e.label for e in self.factors.table] + [""]
         self.label_numbers = np.array([names.index(name) for name in names], dtype=np.int64)

@@ -54,13 +54,19 @@ def explain_factor(q: float, world_size: int, run_world_sizes: Iterable[int], rt
 
 
 def one_scaler(table: list[FactorExplanation], centers: list[float], rtol: float) -> list[FactorExplanation]:
-    """A term's factors where one of them is a loss scale: its other powers of two from 2 up are the same scaler's,
-    lowered after overflows (a dynamic scaler halves at each), not a W mistake beside it."""
-    if not any(e.kind == FactorKind.LOSS_SCALE for e in table):
+    """A term's factors where one of them is a loss scale: its other powers of two from 2 up that the scaler reaches
+    by halving, one power at a time from its least (a dynamic scaler halves at each overflow, and each overflow is
+    a step of the log), are the same scaler's, not a W mistake beside it; a power past a gap is what it looks like."""
+    exponents = [power_of_two(q, rtol) for q in centers]
+    held = {j for e, j in zip(table, exponents) if e.kind == FactorKind.LOSS_SCALE and j is not None}
+    if not held:
         return table
-    scaled = []
-    for explanation, q in zip(table, centers):
-        j = power_of_two(q, rtol)
-        lowered = explanation.kind == FactorKind.WORLD_SIZE and j is not None and j >= 1
-        scaled.append(FactorExplanation(FactorKind.LOSS_SCALE, "2^j", j) if lowered else explanation)
-    return scaled
+    lowered = set()
+    j = min(held) - 1
+    while j >= 1 and any(e.kind == FactorKind.WORLD_SIZE and k == j for e, k in zip(table, exponents)):
+        lowered.add(j)
+        j -= 1
+    return [
+        FactorExplanation(FactorKind.LOSS_SCALE, "2^j", j) if e.kind == FactorKind.WORLD_SIZE and j in lowered else e
+        for e, j in zip(table, exponents)
+    ]

@@ -853,6 +853,28 @@ def test_terms_that_together_are_one_token_mean_are_judged_as_one(tmp_path: Path
     assert report.runs[0].terms == ["0", "head1"] and not report.runs[0].terms_pooled
 
 
+def test_what_a_named_term_s_factor_looks_like_is_not_read_as_its_coefficient(tmp_path: Path) -> None:
+    """Named terms, none declaring λ: a W kept across a resize on the aux term alone (4 on W = 8: q = 1/2 from the
+    resize on) is a stale W; both terms off by the same factors over the run (a hard-coded W = 2 after 2 → 4) are
+    the whole loss's; an unrecorded loss scale on both is a loss scale. None reads as a λ chosen on purpose."""
+    two, four = [[[3, 1], [2, 5]]] * 2, [[[3, 1], [2, 5], [4, 2], [1, 6]]] * 2
+    eight = [[[3, 1], [2, 5], [4, 2], [1, 6], [2, 2], [5, 1], [1, 3], [2, 4]]] * 2
+    lm = records(four, token_mean, term="lm") + records(eight, token_mean, term="lm", step_offset=2)
+    aux = records(four, token_mean, term="aux") + records(eight, lambda S, N, **_: 4 * S / N, term="aux", step_offset=2)
+    report = audit_rows(tmp_path / "stale", lm + aux)
+    assert report.runs[0].verdict == "incorrect" and "undeclared_term_weight" not in codes(report), codes(report)
+    hard = lambda S, N, **_: 2 * S / N  # noqa: E731  (W = 2 hard-coded)
+    both = [dict(r, term=t) for t in ("lm", "aux") for r in records(two, hard) + records(four, hard, step_offset=2)]
+    report = audit_rows(tmp_path / "shared", both)
+    assert report.runs[0].verdict == "incorrect" and "undeclared_term_weight" not in codes(report), codes(report)
+    scaled = lambda S, N, W, step, **_: (2.0**16 if step < 2 else 2.0**15) * W * S / N  # noqa: E731
+    amp = [dict(r, term=t) for t in ("lm", "aux") for r in records(two * 2, lambda **k: scaled(step=0, **k))]
+    for row in amp:
+        row["backward_scalar"] *= 1 if row["step"] < 2 else 0.5
+    report = audit_rows(tmp_path / "amp", amp)
+    assert codes(report) == {"loss_scale"} and report.runs[0].verdict == "inconclusive", codes(report)
+
+
 def test_a_factor_near_one_is_shown_in_the_digits_that_tell_it_from_one_with_the_tolerance(tmp_path: Path) -> None:
     """q = 1.0002 everywhere: the message shows 1.0002/N (not "1/N instead of 1/N") and the tolerance it is past."""
     finding = only(

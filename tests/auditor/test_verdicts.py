@@ -55,6 +55,9 @@ def test_an_unrecorded_scale_lowered_by_overflows_is_one_scaler_not_a_world_size
     assert only(report, Code.LOSS_SCALE).evidence["loss_scale_exponents"][0] == 6  # 64 among the scaler's powers
     alone = audit_rows(tmp_path / "alone", scaled(records(UNEVEN_GA * 2, token_mean), lambda step: 64.0))
     assert verdict(alone) == "incorrect" and codes(alone) == {"world_size_mismatch"}
+    # 2^16, then q = 2 at once (a resume in bf16 with W hard-coded twice): no scaler falls 15 halvings in one step
+    gap = scaled(records(UNEVEN_GA * 4, token_mean), lambda step: 2.0**16 if step < 6 else 2.0)
+    assert verdict(audit_rows(tmp_path / "gap", gap)) == "incorrect"
 
 
 def test_ranks_that_disagree_on_skipping_an_update_with_tokens_are_an_error(tmp_path: Path) -> None:
