@@ -208,15 +208,16 @@ def separate_runs(shards: list[Shard]) -> list[Shard]:
 
 def _repeat(folders: dict[str, list[Shard]]) -> bool:
     """Whether two of the folders may hold one (group, step, rank), by their files' step and rank ranges (a file of
-    several ranks, or of no known range, may)."""
+    no known range, or of 64 ranks or more, may)."""
     spans: dict[tuple[str, int], list[tuple[int, int, str]]] = {}
     for folder, held in folders.items():
         for shard in held:
             steps, ranks = shard.step_range, shard.rank_range
-            if steps is None or ranks is None or ranks[0] != ranks[1]:
+            if steps is None or ranks is None or ranks[1] - ranks[0] >= 64:
                 return True
             group = shard.run_group[1] if shard.run_group is not None else ""
-            spans.setdefault((group, ranks[0]), []).append((steps[0], steps[1], folder))
+            for rank in range(ranks[0], ranks[1] + 1):  # a file of several ranks: its steps, for each of them
+                spans.setdefault((group, rank), []).append((steps[0], steps[1], folder))
     for rank_spans in spans.values():
         reach: dict[str, int] = {}  # per folder, the last step its spans so far reach
         for first, last, folder in sorted(rank_spans):

@@ -90,9 +90,8 @@ def open_log_parts(
         shards = [s for s in shards if s.may_hold(*only_steps)]
     problems = list(logset.problems)
     rows = sum(s.rows for s in shards)
-    if shards and not rows and only_steps is None:  # files of the log's columns and no row: nothing to judge
-        said = f"no records: {len(shards)} Parquet file(s) of the log's columns, and no row in any"
-        problems.extend(LogFormatError(str(path), said) for path in paths)
+    if only_steps is None:  # a folder of files of the log's columns and no row: nothing to judge there, said
+        problems.extend(_empty_folders(shards))
     large = rows > PROGRESS_ROWS
     if progress and large:
         progress(f"reading {len(shards)} file(s), {rows:,} rows")
@@ -107,6 +106,20 @@ def open_log_parts(
         engine, steps = done
         return LogSet(shards, problems), engine, steps
     return LogSet(shards, problems), None, pd.DataFrame()
+
+
+def _empty_folders(shards: Sequence[Shard]) -> list[LogFormatError]:
+    """Each folder whose files hold the log's columns and no row: one problem, whatever the folders beside it hold."""
+    held: dict[str, list[int]] = {}
+    for shard in shards:
+        held.setdefault(
+            str(shard.path.parent) if shard.store is None else shard.store.url(shard.path.parent), []
+        ).append(shard.rows)
+    return [
+        LogFormatError(folder, f"no records: {len(rows)} Parquet file(s) of the log's columns, and no row in any")
+        for folder, rows in held.items()
+        if not any(rows)
+    ]
 
 
 def _aggregated(

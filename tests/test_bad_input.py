@@ -480,3 +480,6 @@ def test_a_log_of_files_without_a_row_is_one_line_and_exit_2(tmp_path: Path) -> 
         assert code == 2 and error_lines(err) == [
             f"tokaudit: error: {tmp_path / 'run'}: no records: 1 Parquet file(s) of the log's columns, and no row in any"
         ], err
+    write_by_rank(tmp_path / "good", records(UNEVEN, token_mean))  # beside a run that has records: still said
+    code, out, err = invoke("check", str(tmp_path), "--format", "json")
+    assert code == 2 and len(error_lines(err)) == 1 and [r["run"] for r in json.loads(out)["runs"]] == ["good"]

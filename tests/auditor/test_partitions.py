@@ -171,3 +171,12 @@ def test_a_run_partitioned_by_day_is_one_run_across_midnight(tmp_path: Path) -> 
         pq.write_table(pa.Table.from_pylist(mine).drop_columns(["rank"]), folder / "part-0.parquet")
     code, report, _ = check_json(tmp_path / "logs")
     assert code == 0 and [(r["run"], r["verdict"], r["steps"]) for r in report["runs"]] == [("exp1", "correct", 3)]
+    # a file a day holding every rank, the days' steps apart: one run as well
+    for day, first in (("2026-12-01", 0), ("2026-12-02", 2)):
+        folder = tmp_path / "daily" / f"date={day}"
+        folder.mkdir(parents=True)
+        pq.write_table(
+            pa.Table.from_pylist([r for r in rows if first <= r["step"] < first + 2]), folder / "part-0.parquet"
+        )
+    code, report, _ = check_json(tmp_path / "daily")
+    assert code == 0 and [(r["run"], r["verdict"], r["steps"]) for r in report["runs"]] == [("exp1", "correct", 3)]
