@@ -38,7 +38,8 @@ def discover(
             problems.append(LogFormatError(str(raw), problem))
         else:
             reached = _walk(path, found, problems, notes)
-            if not reached and not any(p.path.startswith(str(path)) for p in problems):
+            said = (str(path), str(path.absolute()))  # (a problem may name it either way)
+            if not reached and not any(p.path.startswith(said) for p in problems):
                 problems.append(LogFormatError(str(raw), "no Parquet files (*.parquet) in this folder" + _named(path)))
     return list(found.values()), problems
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -71,8 +73,12 @@ def check_values(
     for column, highest, _ in _UPPER_BOUNDS:
         if column in present and _beyond(stats[column][1], highest, unsure, above=True):
             need.add(column)
-    for column in ("grad_divisor", "term_weight"):
-        if column in present and _beyond(stats[column][0], 0, unsure, inclusive=True):
+    for column in ("grad_divisor", "term_weight"):  # positive and finite (an infinite λ or D weighs nothing)
+        if column not in present:
+            continue
+        if _beyond(stats[column][0], 0, unsure, inclusive=True) or _beyond(
+            stats[column][1], math.inf, unsure, True, True
+        ):
             need.add(column)
     if thorough and "positions" in present:
         # T ≥ n on every record (T counts the positions the n valid tokens are among): the statistics settle
@@ -143,12 +149,11 @@ def _check_rows(table: pa.Table, columns: Iterable[str]) -> None:
     for column in ("grad_divisor", "term_weight"):
         if column in columns:
             divisor = pc.cast(table[column], pa.float64())  # a half float has no kernels of its own
-            bad = pc.or_(pc.is_nan(divisor), pc.less_equal(divisor, 0))
-            _raise_at_first(bad, f"column '{column}' is not a positive number", table[column])
+            bad = pc.or_(pc.or_(pc.is_nan(divisor), pc.less_equal(divisor, 0)), pc.is_inf(divisor))
+            _raise_at_first(bad, f"column '{column}' is not a finite positive number", table[column])
     if "grad_scale" in columns:
-        _raise_at_first(
-            pc.is_nan(pc.cast(table["grad_scale"], pa.float64())), "column 'grad_scale' is NaN", table["grad_scale"]
-        )
+        scale = pc.cast(table["grad_scale"], pa.float64())
+        _raise_at_first(pc.is_nan(scale), "column 'grad_scale' is NaN", table["grad_scale"])
 
 
 INT64_MAX = (1 << 63) - 1

@@ -192,7 +192,7 @@ CASES: dict[str, tuple[Any, str]] = {
     ),
     "divisor_one.parquet": (
         _one_row("divisor_one.parquet", grad_divisor=-2.0),
-        "column 'grad_divisor' is not a positive number (-2.0) at row 0",
+        "column 'grad_divisor' is not a finite positive number (-2.0) at row 0",
     ),
     "short_one.parquet": (
         _one_row("short_one.parquet", valid_tokens=5, positions=4),
@@ -203,6 +203,11 @@ CASES: dict[str, tuple[Any, str]] = {
         "column 'valid_tokens' has a negative count",
     ),
     "scale_nan_one.parquet": (_one_row("scale_nan_one.parquet", grad_scale=float("nan")), "column 'grad_scale' is NaN"),
+    # an infinite λ or D weighs every token 0: no weight a log can declare
+    "lambda_inf_one.parquet": (
+        _one_row("lambda_inf_one.parquet", term_weight=float("inf")),
+        "column 'term_weight' is not a finite positive number (inf) at row 0",
+    ),
     # T < n where the file's T and n overlap: no footer shows it, the aggregation counts it and names the file
     "short_positions.parquet": (_short_positions, "column 'positions' is below 'valid_tokens' ("),
 }

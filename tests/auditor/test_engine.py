@@ -819,7 +819,7 @@ def test_a_nan_divisor_that_no_footer_shows_is_counted_and_its_file_named(tmp_pa
     write(tmp_path / "nan" / "b-000000.parquet", plain[8:])
     assert load([tmp_path / "nan" / "a-000000.parquet"], thorough=False).shards[0].divisor_range == (2.2, 2.2)
     report = render_json(audit([tmp_path / "nan"]))
-    assert "a-000000.parquet" in report and "not a positive number" in report
+    assert "a-000000.parquet" in report and "not a finite positive number" in report
 
 
 @pytest.mark.slow

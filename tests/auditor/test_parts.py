@@ -261,7 +261,7 @@ def test_a_file_with_a_nan_divisor_is_named_whether_the_table_is_kept_on_disk_or
     whole = render_json(audit([tmp_path / "run"]))
     _in_parts(monkeypatch, 7, 2)
     assert render_json(audit([tmp_path / "run"])) == whole
-    assert "rank-00000-000000.parquet" in whole and "not a positive number" in whole
+    assert "rank-00000-000000.parquet" in whole and "not a finite positive number" in whole
 
 
 @pytest.mark.slow

@@ -87,7 +87,7 @@ def bad_files(folder: Path) -> dict[str, str]:
         "negative.parquet": "column 'valid_tokens' has a negative count (-4) at row 3",
         "newer.parquet": "schema_version 2 is newer than this tokaudit reads (1)",
         "null.parquet": "column 'step' has a null value at row 1",
-        "nan_divisor.parquet": "column 'grad_divisor' is not a positive number",
+        "nan_divisor.parquet": "column 'grad_divisor' is not a finite positive number",
         "nan_scale.parquet": "column 'grad_scale' is NaN",
         "rank.parquet": "column 'rank' is not below 'world_size'",
         "masked.parquet": "column 'masked_weight_abs_sum' has a negative sum of absolute values (-0.5) at row 2",
