@@ -32,7 +32,7 @@ def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:
         fix = "give the recorder the optimizer's global step (one number per update that never goes back)"
     else:
         later = (
-            "the file modified last, as these files do not say which launch wrote them"
+            "the file modified last, at equal times the later name, as these files do not say which launch wrote them"
             if duplicates.unlaunched
             else "the later shard as published, whatever the clocks"
         )

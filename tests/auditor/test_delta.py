@@ -43,7 +43,9 @@ def test_a_delta_table_is_audited_at_its_current_version(tmp_path: Path) -> None
     assert check_json(tmp_path / "delta" / "run" / "rank=1")[1]["files"] == 1  # a folder given inside the table
 
 
-def test_a_log_that_cannot_be_replayed_is_one_line_and_none_of_its_files_is_read(tmp_path: Path) -> None:
+def test_a_log_that_cannot_be_replayed_is_one_line_and_none_of_its_files_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A commit missing after the last checkpoint: which files the table holds now is unknown (a file an overwrite
     removed may be among them), so none is read, as for any log tokaudit cannot follow; the other runs are audited."""
     table = tmp_path / "run"
@@ -53,6 +55,9 @@ def test_a_log_that_cannot_be_replayed_is_one_line_and_none_of_its_files_is_read
     code, report, lines = check_json(tmp_path)
     assert code == 2 and [run["run"] for run in report["runs"]] == ["good"]
     assert f"tokaudit: error: {table}: a Delta table whose log cannot be replayed (a commit after its last " in lines[0]
+    monkeypatch.chdir(tmp_path)  # given by a relative path: that one line, not also "no Parquet files" for the folder
+    code, _, lines = check_json(Path("run"))
+    assert code == 2 and len(lines) == 1 and "cannot be replayed" in lines[0], lines
 
 
 def test_a_v2_checkpoint_named_by_a_uuid_is_where_the_replay_starts(tmp_path: Path) -> None:

@@ -87,7 +87,10 @@ def test_of_other_writers_files_the_one_modified_last_wins_whatever_its_name(tmp
     report = audit([run])
     (finding,) = report.findings
     assert report.runs[0].verdict == "correct" and finding.code.value == "duplicate_records"
-    assert "(the file modified last, as these files do not say which launch wrote them)" in finding.message
+    assert (
+        "(the file modified last, at equal times the later name, as these files do not say which launch"
+        in finding.message
+    )
     assert finding.evidence["kept_by_modification_time"] is True
 
 
