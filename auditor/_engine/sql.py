@@ -292,8 +292,8 @@ def select_records(default_run: str | None, present: set[str], scan: str, where:
 
 RUN_SCANS = 16
 """The most scans of one default run each (`Engine._source`) a query unions: each holds buffers of its own in the
-records' materialized CTE (120 took DuckDB's 512 MB limit), so past it a scan reads every run's files of a
-schema, each file's run joined from `file_order`."""
+records' materialized CTE, so memory would grow with the runs of a folder, not its records; past it a scan reads
+every run's files of a schema, each file's run joined from `file_order`."""
 
 GIVEN = "given_"
 """`file_order`'s columns of the values files' folders give are named so: apart from the records' own."""
