@@ -36,11 +36,16 @@ one factor that varies from step to step, whatever a few steps happen to land on
 
 
 def _weighting_codes(
-    diagnoses: Diagnoses, explanation: npt.NDArray[np.int32], table: list[FactorExplanation], term_weight: bool
+    diagnoses: Diagnoses,
+    explanation: npt.NDArray[np.int32],
+    table: list[FactorExplanation],
+    term_weight: bool,
+    whole: npt.NDArray[np.bool_],
 ) -> tuple[npt.NDArray[np.int16], npt.NDArray[np.int32]]:
     """Per step, the index in ALL_CODES of its weighting finding (−1: none), and the explanation whose
     label tells kinds of factor apart (for world_size_mismatch and loss_scale; −1 otherwise).
     `term_weight`: uniform weights off by the term's one factor are undeclared_term_weight (`WeightingCheck`).
+    `whole`: the steps every rank recorded (`_whole`); uniform weights of another are missing_rank's to say.
     Narrow integers (2 and 4 bytes a step): at millions of steps every per-step array counts."""
     by_denominator = np.array(
         [ALL_CODES.index(_NONUNIFORM_CODES.get(d, Code.UNEXPLAINED_WEIGHTING)) for d in DENOMINATORS], dtype=np.int16
@@ -55,7 +60,7 @@ def _weighting_codes(
         [ALL_CODES.index(kinds[e.kind]) for e in table] + [ALL_CODES.index(Code.SCALE_MISMATCH)], dtype=np.int16
     )  # the last entry stands for "none"
     labelled = np.array([e.kind != FactorKind.OTHER for e in table] + [False])
-    off = diagnoses.kind_is(StepKind.UNIFORM_OFF)
+    off = diagnoses.kind_is(StepKind.UNIFORM_OFF) & whole
     padded = np.isin(
         diagnoses.denominator,
         [DENOMINATORS.index(Denominator.POSITIONS), DENOMINATORS.index(Denominator.STEP_POSITIONS)],
@@ -240,8 +245,7 @@ class WeightingCheck(Check):
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         assert diagnoses is not None  # (judges_weighting)
         explanation = self.factors.ids(block, diagnoses)
-        code, label = _weighting_codes(diagnoses, explanation, self.factors.table, self.term_weight)
-        code[diagnoses.kind_is(StepKind.UNIFORM_OFF) & ~_whole(block)] = -1  # said by missing_rank
+        code, label = _weighting_codes(diagnoses, explanation, self.factors.table, self.term_weight, _whole(block))
         flagged = np.flatnonzero(code >= 0)
         if not len(flagged):
             return
