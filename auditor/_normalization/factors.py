@@ -62,10 +62,10 @@ def one_scaler(table: list[FactorExplanation], centers: list[float], rtol: float
     if not held:
         return table
     lowered = set()
-    j = min(held) - 1
-    while j >= 1 and any(e.kind == FactorKind.WORLD_SIZE and k == j for e, k in zip(table, exponents)):
-        lowered.add(j)
-        j -= 1
+    below = min(held) - 1
+    while below >= 1 and any(e.kind == FactorKind.WORLD_SIZE and j == below for e, j in zip(table, exponents)):
+        lowered.add(below)
+        below -= 1
     return [
         FactorExplanation(FactorKind.LOSS_SCALE, "2^j", j) if e.kind == FactorKind.WORLD_SIZE and j in lowered else e
         for e, j in zip(table, exponents)
