@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-import re
-
 import html
+import re
 
 from tokaudit._render.text import factor_text, finding_counts, many, printable, q_range_text, ratio_text, reported_note
 from tokaudit._render.text import steps_text, verdict_counts
@@ -16,8 +15,13 @@ MARKER = "<!-- tokaudit-report -->"
 ICONS = {"correct": "✅", "incorrect": "❌", "inconclusive": "❔", "error": "❌", "warning": "⚠️", "info": "ℹ️"}
 
 
+def _in_table(text: str) -> str:
+    """Text printed literally, its pipes escaped: inside a table cell (a code span's too), a pipe ends the cell."""
+    return printable(text).replace("|", "\\|")
+
+
 def _cell(text: str) -> str:
-    return printable(text).replace("|", "\\|").replace("`", "'")
+    return _in_table(text).replace("`", "'")
 
 
 def _code(text: str) -> str:
@@ -26,7 +30,7 @@ def _code(text: str) -> str:
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     fence = "`" * (longest + 1)
     pad = " " if text.startswith("`") or text.endswith("`") else ""
-    return f"{fence}{pad}{printable(text).replace('|', chr(92) + '|')}{pad}{fence}"
+    return f"{fence}{pad}{_in_table(text)}{pad}{fence}"
 
 
 def summary_line(report: AuditReport, fail_on: str = "error") -> str:
