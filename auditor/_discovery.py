@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tokaudit.errors import LogFormatError
 from tokaudit._delta import DELTA_LOG, Tables, local_log
-from tokaudit._storage import ICEBERG, WRITERS_FOLDERS, hidden, hidden_note, iceberg_marker
+from tokaudit._storage import ICEBERG, WRITERS_FOLDERS, hidden, hidden_note, iceberg_marker, parquet_name
 
 
 def discover(
@@ -47,8 +47,8 @@ def discover(
 def _named(folder: Path) -> str:
     """Where a folder holds no *.parquet: the files under it named as other writers name Parquet, said (.pq, .parq,
     and Hive's files of no extension, 000000_0, that begin as Parquet does)."""
-    files = [path for path in folder.rglob("*") if path.is_file() and not path.name.startswith(".")]
-    others = sum(1 for path in files if path.suffix in (".pq", ".parq") or not path.suffix and _begins_as_parquet(path))
+    files = [path for path in folder.rglob("*") if path.is_file() and not hidden(path.name, folder=False)]
+    others = sum(1 for path in files if path.suffix in (".pq", ".parq") or _extensionless_parquet(path))
     if not others:
         return ""
     return f" ({others} file(s) are named .pq, .parq or with no extension: tokaudit reads *.parquet, rename them)"
@@ -56,10 +56,13 @@ def _named(folder: Path) -> str:
 
 def _unnamed_parquet(folder: str, files: list[str]) -> int:
     """Of a folder's files, those with no extension that begin as Parquet does (Hive's 000000_0)."""
-    return sum(1 for n in files if "." not in n and not hidden(n, folder=False) and _begins_as_parquet(Path(folder, n)))
+    return sum(1 for n in files if not hidden(n, folder=False) and _extensionless_parquet(Path(folder, n)))
 
 
-def _begins_as_parquet(path: Path) -> bool:
+def _extensionless_parquet(path: Path) -> bool:
+    """A file of no extension that begins as Parquet does (Hive names its files 000000_0)."""
+    if "." in path.name:
+        return False
     try:
         with open(path, "rb") as file:
             return file.read(4) == b"PAR1"
@@ -105,7 +108,7 @@ def _walk(
             tables.enter(here)
         skipped += sum(f in WRITERS_FOLDERS for f in folders)
         folders[:] = sorted(f for f in folders if not hidden(f, folder=True))
-        names = tables.kept(here, sorted(n for n in files if not hidden(n, folder=False) and _parquet(n)))
+        names = tables.kept(here, sorted(n for n in files if not hidden(n, folder=False) and parquet_name(n)))
         _count_parts(datasets, here, names)
         _add_files(here, names, identity.st_dev, found, problems, inside, notes)
         reached += len(names)
@@ -141,11 +144,6 @@ def _iceberg(folder: str, folders: list[str]) -> bool:
     return "metadata" in folders and any(
         iceberg_marker(("metadata", n)) for n in _names(os.path.join(folder, "metadata"))
     )
-
-
-def _parquet(name: str) -> bool:
-    """A name Parquet files go by: *.parquet, in any letters (a .PARQUET file is read as its writer meant)."""
-    return name.lower().endswith(".parquet")
 
 
 def _names(folder: str) -> list[str]:

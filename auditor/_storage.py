@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import PurePath, PurePosixPath
 from collections.abc import Sequence
+from pathlib import PurePath, PurePosixPath
 from typing import Any
 
 from tokaudit.errors import LogFormatError, first_line
@@ -214,6 +214,11 @@ def iceberg_marker(parts: Sequence[str]) -> bool:
     return len(parts) >= 2 and parts[-2] == "metadata" and parts[-1].endswith(".metadata.json")
 
 
+def parquet_name(name: str) -> bool:
+    """A name Parquet files go by: *.parquet, in any letters (a .PARQUET file is read as its writer meant)."""
+    return name.lower().endswith(".parquet")
+
+
 def hidden(name: str, folder: bool) -> bool:
     """A name the walk skips below the paths given: a killed writer's temporaries (dot-files), WRITERS_FOLDERS, and a
     Delta table's log (which says what files the table holds, `delta.Tables`)."""
@@ -271,7 +276,7 @@ def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None
             elif relative.parts[at] in WRITERS_FOLDERS:
                 skipped.add(relative.parts[: at + 1])  # the outermost such folder, once, as on disk
             continue
-        if entry.type == pafs.FileType.File and entry.path.lower().endswith(".parquet"):
+        if entry.type == pafs.FileType.File and parquet_name(entry.path):
             found.append(entry.path)
             if entry.size is not None:
                 store.sizes[entry.path] = entry.size
