@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-
 from tokaudit.errors import UsageError
 from tokaudit._outputs import note
 

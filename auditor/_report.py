@@ -11,7 +11,6 @@ from tokaudit._schema import UNNAMED
 
 Verdict = Literal["correct", "incorrect", "inconclusive"]
 
-
 Reporting = Literal["matches", "differs", "absent"]
 """The logged loss against each step's token mean (`RunSummary.reporting`)."""
 
