@@ -13,6 +13,7 @@ ray = "auto"          # or a cluster's address: tokaudit check --ray
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,18 @@ from tokaudit.errors import UsageError
 
 KEYS = {"fail-on": "fail_on", "ignore": "ignore", "rtol": "rtol", "min-ratio": "min_ratio", "ray": "ray"}
 """Each setting and the `tokaudit check` option it sets (the option's name without its dashes)."""
+
+
+RAY_ADDRESS = re.compile(r"^(auto|local|ray://\S+|(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d+)$")
+"""What `ray.init` takes for a cluster: `auto`, `local`, a client's ray://…, or the head's HOST:PORT."""
+
+
+def ray_address_problem(value: str) -> str | None:
+    """Why `value` is no Ray address (None where it is one): what `--ray runs/` would otherwise pass to Ray, the
+    folder taken as the address."""
+    if RAY_ADDRESS.match(value):
+        return None
+    return f"{value!r} is no Ray cluster's address (auto, local, HOST:PORT or ray://HOST:PORT)"
 
 
 FAIL_ON_RANK = {
@@ -72,6 +85,8 @@ def check_defaults(start: Path, fail_on: Sequence[str]) -> tuple[dict[str, Any],
             raise UsageError(f"{where} {key} = {value!r}: expected a number")
         if key == "ray" and not isinstance(value, str):
             raise UsageError(f'{where} ray = {value!r}: expected a cluster\'s address, such as "auto"')
+        if key == "ray" and (problem := ray_address_problem(value)) is not None:
+            raise UsageError(f"{where} ray: {problem}")
         out[KEYS[key]] = tuple(value) if key == "ignore" else value
     return out, path
 

@@ -34,7 +34,7 @@ from tokaudit._outputs import (
 from tokaudit._outputs import run as outputs_run
 from tokaudit._render.text import printable
 from tokaudit._cli_exits import Guarded, exit_for_problems, fails
-from tokaudit._settings import FAIL_ON_RANK
+from tokaudit._settings import FAIL_ON_RANK, ray_address_problem
 from tokaudit._cli_inputs import begin_loading, refuse_inputs, step_window
 from tokaudit._cli_progress import reading_progress
 
@@ -112,6 +112,15 @@ class _Settled(click.Command):
         )
 
 
+def _ray_address(value: str | None) -> str | None:
+    """--ray's value, where it is a Ray address: `--ray runs/` would take the folder for one (the option's value is
+    optional, so the word after it is its value)."""
+    problem = None if not value else ray_address_problem(value)
+    if problem is not None:
+        raise click.BadParameter(f"{problem}: give the paths before --ray (check runs/ --ray), or --ray=ADDRESS")
+    return value
+
+
 @main.command(cls=_Settled)
 @PATHS
 @click.option(
@@ -167,6 +176,7 @@ class _Settled(click.Command):
     flag_value="",
     default=None,
     metavar="ADDRESS",
+    callback=lambda _ctx, _param, value: _ray_address(value),
     help="Read the footers and aggregate the step ranges on a Ray cluster's workers (pip install "
     "'tokaudit[ray]'): at ADDRESS, else RAY_ADDRESS, else `auto` (one running here). The workers read "
     "the log themselves: object storage or a folder they all see.",

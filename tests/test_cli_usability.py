@@ -435,6 +435,22 @@ def test_settings_in_pyproject_apply_from_below_and_the_command_line_wins(
         f"tokaudit: error: {project / 'pyproject.toml'}: [tool.tokaudit] "
         'ray = 5: expected a cluster\'s address, such as "auto"'
     )
+    (project / "pyproject.toml").write_text('[tool.tokaudit]\nray = "runs/"\n')
+    code, out, err = invoke("check", log)
+    assert (code, out) == (2, "") and "ray: 'runs/' is no Ray cluster's address" in err
+
+
+def test_a_folder_after_ray_is_not_taken_for_the_cluster_s_address() -> None:
+    """--ray's value is optional, so `check --ray runs/` gives it the folder: that is said, with the way out, not
+    "missing argument" nor an attempt to reach a cluster called runs/ (exit 2 either way)."""
+    log = str(SAMPLE_LOGS / "bug_local_mean")
+    for args in (["--ray", log], ["--ray", log, log]):
+        code, out, err = invoke("check", *args)
+        assert (code, out) == (2, "") and f"'{log}' is no Ray cluster's address" in err
+        assert "give the paths before --ray" in err and "Missing argument" not in err
+    for address in ("127.0.0.1:1", "localhost:1"):  # an address is tried: nothing answers there
+        code, _, err = invoke("check", log, "--ray", address)
+        assert code == 2 and f"cannot reach the Ray cluster at {address}" in err, err
 
 
 def test_junit_has_one_test_case_per_run_failed_when_incorrect(tmp_path: Path) -> None:
