@@ -36,6 +36,7 @@ class UpdateTracking:
         self._closed_step: int | None = None
         self._auto_closed: int | None = None
         self._micro_next: dict[str, int] = {}
+        self._given: tuple[int | None, dict[str, int]] = (None, {})  # a step given to record() not the open one
         self._unsynced: set[str] = set()  # terms whose last record of the open update did not synchronize
         self._scalars: dict[str, weakref.ref[torch.Tensor]] = {}  # each term's last b of the open update
         self._active_term: str | None = None
@@ -53,12 +54,17 @@ class UpdateTracking:
                 step = self._step
             self._step_records += 1  # records of the open update: its end may still mark them skipped
         if deferred:
-            micro = -1  # a captured call takes its index when its backward runs (an evaluation never does)
-        else:
-            if micro is None:
-                micro = self._micro_next.get(term, 0) if step == self._step else 0
-            if step == self._step:
-                self._micro_next[term] = micro + 1
+            return step, -1  # a captured call takes its index when its backward runs (an evaluation never does)
+        # the open update's microbatches are counted in _micro_next; those of a step given that is not the open
+        # one (record(step=s) without begin_step, or a trainer's own numbering) in _given, the last such step's
+        following = self._micro_next
+        if step != self._step:
+            if self._given[0] != step:
+                self._given = (step, {})
+            following = self._given[1]
+        if micro is None:
+            micro = following.get(term, 0)
+        following[term] = micro + 1
         return step, micro
 
     def _recorded_already(self, term: str, scalar: Any) -> bool:

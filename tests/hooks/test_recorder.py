@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+import tokaudit
 from tests.hooks.syncs import count_host_syncs
 from tests.logs import read_rows
 from tokaudit.hooks import Recorder
@@ -478,6 +479,29 @@ def test_manual_step_boundaries_without_optimizer(tmp_path: Path) -> None:
             rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0)
     keys = [(r["step"], r["micro"]) for r in read_rows(tmp_path / "manual")]
     assert keys == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_a_step_given_to_record_numbers_its_own_microbatches(tmp_path: Path) -> None:
+    """docs/recording.md: without an optimizer, begin_step(step) or step= says the update. Given to record() alone
+    (no micro=), each step's records are microbatches 0, 1, …: not every one microbatch 0 (a duplicate the audit
+    would drop). The same with a watched optimizer and a trainer's own numbering (its global step, from 1)."""
+    with Recorder(tmp_path, run_id="given") as rec:
+        for step in range(3):
+            for n in (1, 3):  # a token mean: b = S/N, N = 4
+                rec.record(loss_sum=float(n), valid_tokens=n, backward_scalar=n / 4, step=step)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(tmp_path, run_id="global", optimizer=optimizer) as rec:
+        for step in range(1, 4):
+            for n in (1, 3):
+                rec.record(loss_sum=float(n), valid_tokens=n, backward_scalar=n / 4, step=step)
+            optimizer.step()
+    assert [(r["step"], r["micro"]) for r in read_rows(tmp_path / "given")] == [(s, m) for s in range(3) for m in (0, 1)]
+    assert [(r["step"], r["micro"]) for r in read_rows(tmp_path / "global")] == [
+        (s, m) for s in range(1, 4) for m in (0, 1)
+    ]
+    report = tokaudit.audit([tmp_path / "given", tmp_path / "global"])
+    assert report.verdicts == {"given": "correct", "global": "correct"}
 
 
 class _Unhookable:
