@@ -48,16 +48,18 @@ def step_sql(
         for p in PARTIALS
         if (evidence or not p.evidence) and re.search(rf"\b{p.name}\b", read)
     ]
-    # k stands for (run, grp, term) in the groupings: an integer hashes in a fraction of the time of three strings
-    key, names = ("CAST(0 AS UBIGINT)", "") if one_name else ("hash(run, grp, term)", "run, grp, term, ")
-    kept = "" if one_name else "any_value(run) AS run, any_value(grp) AS grp, any_value(term) AS term, "
+    # k stands for (run, grp, term) in the groupings: an integer hashes in a fraction of the time of three strings.
+    # With one name there is no k: a constant key column still costs each grouping its hashing and its width.
+    key, names = ("", "") if one_name else ("hash(run, grp, term) AS k, ", "run, grp, term, ")
+    kept = "" if one_name else " any_value(run) AS run, any_value(grp) AS grp, any_value(term) AS term,"
     terms = _listed((t.expression or t.name, t.name) for t in TERMS)
     ctes = [
-        f"rec AS (\n    SELECT {key} AS k, {names}\n        {terms}\n    FROM records)",
+        f"rec AS (\n    SELECT {(key + names).rstrip()}\n        {terms}\n    FROM records)",
         f"weighted AS (\n    SELECT *, {WEIGHT.expression} AS {WEIGHT.name}\n    FROM rec)",
     ]
+    by = "step" if one_name else "k, step"
     more, joined = (
-        _projected(columns, partials, absent, kept) if one_record else _grouped(columns, partials, absent, kept)
+        _projected(columns, partials, absent, kept, by) if one_record else _grouped(columns, partials, absent, kept, by)
     )
     return (
         "WITH " + ",\n".join(ctes + more) + f"\nSELECT {names}step,\n    {_selected(columns, one_record, absent)}\n"
@@ -66,7 +68,7 @@ def step_sql(
 
 
 def _projected(
-    columns: list[StepColumn], partials: list[Partial], absent: frozenset[str], kept: str
+    columns: list[StepColumn], partials: list[Partial], absent: frozenset[str], kept: str, by: str
 ) -> tuple[list[str], str]:
     """The one-record form's CTEs after `weighted`, and what the final SELECT reads: the per-rank values a projection
     of each record, every column aggregated in the one grouping by step."""
@@ -74,37 +76,37 @@ def _projected(
     aggregated = [c for c in columns if not c.one_record and not _gone(c, absent)]
     return [
         f"per_rank AS (\n    SELECT *, {_listed((p.one_record, p.name) for p in projected)}\n    FROM weighted)",
-        f"step_level AS (\n    SELECT k, {kept}step,\n        "
+        f"step_level AS (\n    SELECT {by},{kept}\n        "
         f"{_listed((c.single or c.aggregate, c.name) for c in aggregated)}\n"
-        "    FROM per_rank GROUP BY k, step)",
+        f"    FROM per_rank GROUP BY {by})",
     ], "step_level"
 
 
 def _grouped(
-    columns: list[StepColumn], partials: list[Partial], absent: frozenset[str], kept: str
+    columns: list[StepColumn], partials: list[Partial], absent: frozenset[str], kept: str, by: str
 ) -> tuple[list[str], str]:
-    """The general form's CTEs after `weighted`, and what the final SELECT reads: a grouping by step, and one by
+    """The general form's CTEs after `weighted`, and what the final SELECT reads: a grouping `by` step, and one by
     (step, rank) and by (step, microbatch) reduced again by step, joined."""
 
     def level(name: str, rows: str, of: Level) -> str:
         aggregates = [(c.aggregate, c.name) for c in columns if c.level is of and not _gone(c, absent)]
         return (
-            f"{name} AS (\n    SELECT k, {kept if of is Level.STEP else ''}step,\n        "
-            f"{_listed(aggregates)}\n    FROM {rows} GROUP BY k, step)"
+            f"{name} AS (\n    SELECT {by},{kept if of is Level.STEP else ''}\n        "
+            f"{_listed(aggregates)}\n    FROM {rows} GROUP BY {by})"
         )
 
-    def partial(name: str, of: Level, by: str) -> str:
+    def partial(name: str, of: Level, within: str) -> str:
         return (
-            f"{name} AS (\n    SELECT k, step, {by},\n        "
+            f"{name} AS (\n    SELECT {by}, {within},\n        "
             f"{_listed((p.aggregate, p.name) for p in partials if p.level is of)}\n"
-            f"    FROM weighted GROUP BY k, step, {by})"
+            f"    FROM weighted GROUP BY {by}, {within})"
         )
 
     ctes, joined = [level("step_level", "weighted", Level.STEP)], "step_level"
-    for of, by, join in ((Level.RANK, "rank", "JOIN"), (Level.MICRO, "micro", "LEFT JOIN")):
+    for of, within, join in ((Level.RANK, "rank", "JOIN"), (Level.MICRO, "micro", "LEFT JOIN")):
         if any(c.level is of and not _gone(c, absent) for c in columns):  # (bench/columns.py drops levels)
-            ctes += [partial(of.value, of, by), level(f"{by}_level", of.value, of)]
-            joined += f" {join} {by}_level USING (k, step)"
+            ctes += [partial(of.value, of, within), level(f"{within}_level", of.value, of)]
+            joined += f" {join} {within}_level USING ({by})"
     return ctes, joined
 
 
