@@ -156,6 +156,22 @@ class ScalarProbe(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def unprobed(per_token_loss: object) -> tuple[str, str] | None:
+    """Why `Recorder.probe` returns its input as it is and measures nothing (a warning's key and text), if it does:
+    no tensor, or one that requires grad under torch.no_grad() (its output would cut the gradient)."""
+    if not isinstance(per_token_loss, torch.Tensor):
+        return "probe-type", (
+            f"tokaudit: probe() was given a {type(per_token_loss).__name__}, not the per-token loss tensor; it returns "
+            "it as it is and measures nothing"
+        )
+    if per_token_loss.requires_grad and not torch.is_grad_enabled():
+        return "probe-no-grad", (
+            "tokaudit: probe() was called under torch.no_grad(); it returns its input as it is and measures nothing "
+            "there (call it where the loss is computed, with gradients on)"
+        )
+    return None
+
+
 def in_backward() -> bool:
     """Whether autograd is running a backward now (a checkpoint recomputes its function there)."""
     return bool(torch._C._current_graph_task_id() != -1)

@@ -21,7 +21,7 @@ from tokaudit.hooks._identity import Placement
 from tokaudit.hooks._output import ShardOutput, Stamp
 from tokaudit.hooks._capture import capture_cross_entropy, probe_into
 from tokaudit.hooks._pipeline import watch_schedule
-from tokaudit.hooks._probe import ProbeResult, Recomputations, in_backward
+from tokaudit.hooks._probe import ProbeResult, Recomputations, in_backward, unprobed
 from tokaudit.hooks._signals import on_termination, run_deferred
 from tokaudit.hooks._terms import CapturedCalls, Footprint, OpenCall
 from tokaudit.hooks._recorder_steps import UpdateTracking
@@ -148,7 +148,7 @@ class Recorder(UpdateTracking):
         """The records held until the next flush, and where their values are packed."""
         self._buffer = RecordBuffer()
         self._packs_at_zero_grad = False  # the optimizer's zero_grad is watched: packing waits for it (grads freed)
-        self._pending_probe: ProbeResult | None = None
+        self._pending_probes: dict[str | None, ProbeResult] = {}  # by the loss_term() block they were made in
         self._calls = CapturedCalls()
         self._recomputed = Recomputations()
 
@@ -179,20 +179,16 @@ class Recorder(UpdateTracking):
         """Return `per_token_loss` unchanged; backward records ∂b/∂ℓᵢ for this microbatch's record."""
         if self._closed or self._paused:
             return per_token_loss
-        if per_token_loss.requires_grad and not torch.is_grad_enabled():  # its output would cut the gradient
-            self.warn_once(
-                "probe-no-grad",
-                "tokaudit: probe() was called under torch.no_grad(); it returns its input as it is and measures "
-                "nothing there (call it where the loss is computed, with gradients on)",
-            )
+        if (unmeasured := unprobed(per_token_loss)) is not None:
+            self.warn_once(*unmeasured)
             return per_token_loss
         if not per_token_loss.requires_grad or in_backward():  # activation checkpointing (`Recomputations`)
             result = self._recomputed.result(per_token_loss.requires_grad)
             return per_token_loss if result is None else probe_into(self, per_token_loss, valid_mask, result)
         self._recomputed.asked = False
-        if self._pending_probe is None:
-            self._pending_probe = ProbeResult()
-        return probe_into(self, per_token_loss, valid_mask, self._pending_probe)
+        # a probe goes to the next record of its loss_term() block; one outside any block, to the next record
+        pending = self._pending_probes.setdefault(self._active_term, ProbeResult())
+        return probe_into(self, per_token_loss, valid_mask, pending)
 
     def record(
         self,
@@ -221,6 +217,8 @@ class Recorder(UpdateTracking):
         try:
             self._placement.resolve(self._model, lambda: self._accelerate is not None and self._accelerate.wraps_ddp())
             term = str(term) if term is not None else (self._active_term or "0")
+            # the probe made for it: in its loss_term() block, else outside any block (dropped with it on an error)
+            probe = self._pending_probes.pop(term, None) or self._pending_probes.pop(None, None)
             values: dict[str, Value] = dict(
                 loss_sum=loss_sum,
                 valid_tokens=valid_tokens,
@@ -233,7 +231,6 @@ class Recorder(UpdateTracking):
             values = {name: plain(value) for name, value in values.items()}
             if step is None and self._recorded_already(term, backward_scalar):
                 return
-            probe = self._pending_probe
             deferred = micro is None and _captured and probe is not None
             step, micro = self._numbered(term, step, micro, deferred)
             entry = self._entry(step, micro, term, skipped, probe, _captured, **values)
@@ -241,7 +238,6 @@ class Recorder(UpdateTracking):
             self._note_sync(term, entry.sync)
             self._hold(entry, probe, deferred)
         except Exception as error:
-            self._pending_probe = None
             self._output.note_dropped(step if isinstance(step, int) else self._step, 1)
             self.warn_once(
                 "record",
@@ -309,7 +305,6 @@ class Recorder(UpdateTracking):
         self._recomputed.recorded(entry)
         if self._scaler is not None and self._scaler.enabled() and entry.loss_scale is None:
             self._scaler.await_scale(entry)  # before the scaler's first scale(): filled then
-        self._pending_probe = None
         if len(self._buffer) >= self._flush_every or time.monotonic() >= self._flush_due:
             self.flush(wait_for_backward=True)
 
@@ -356,7 +351,7 @@ class Recorder(UpdateTracking):
         if merged is not None:
             return merged
         term = self._calls.next_term(self._active_term)
-        probe = self._pending_probe = ProbeResult()
+        probe = self._pending_probes[term] = ProbeResult()
         self.record(
             loss_sum=loss_sum,
             valid_tokens=valid_tokens,

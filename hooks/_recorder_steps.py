@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import warnings
 import weakref
 from typing import Any
@@ -99,6 +100,17 @@ class UpdateTracking:
 
     def begin_step(self, step: int) -> None:
         """The next records belong to update `step` (a trainer's global step: a resumed run numbers on)."""
+        try:
+            step = operator.index(step)
+            if step < 0:
+                raise ValueError
+        except (TypeError, ValueError, RuntimeError):
+            self.warn_once(
+                "begin-step",
+                f"tokaudit: begin_step({step!r}) is given no update number (a non-negative int); it is left out, "
+                "and the records go on in the update they were in",
+            )
+            return
         self._steps_known = True
         self._auto_closed = None
         if step != self._step:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import tokaudit
 from tests.hooks.syncs import count_host_syncs
 from tests.logs import read_rows
 from tokaudit.hooks import Recorder, token_mean_loss
@@ -154,6 +155,47 @@ def test_zero_grad_ends_an_update_the_optimizer_skipped(tmp_path: Path) -> None:
     assert [(r["step"], r["micro"]) for r in rows] == [(s, m) for s in range(4) for m in range(2)]
     # the updates the watched optimizer stepped are said applied (False), the guard's skipped (True)
     assert [r["skipped"] for r in rows] == [False, False, True, True, False, False, False, False]
+
+
+def test_each_probe_goes_to_the_record_of_its_loss_term_block(tmp_path: Path) -> None:
+    """docs/recording.md: probes inside `loss_term(name)` belong to that term. Both terms probed first, each in its
+    block, then recorded, each in its block: each record carries its own term's weights (Σ∂b/∂ℓ = n/N of its own N),
+    and the two token means are correct. A probe outside any block still goes to the next record."""
+    weight = torch.ones(4, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    masks = [  # per microbatch: (main's valid tokens, aux's); N = 4 and N_aux = 3 over the update
+        (torch.tensor([True, True, True, False]), torch.tensor([True, False, False, False])),
+        (torch.tensor([True, False, False, False]), torch.tensor([True, True, False, False])),
+    ]
+    with Recorder(tmp_path, run_id="terms", optimizer=optimizer) as rec:
+        for _ in range(2):
+            for main_valid, aux_valid in masks:
+                per_token = weight * torch.arange(1.0, 5.0)
+                with rec.loss_term("main"):
+                    main = rec.probe(per_token, main_valid)
+                with rec.loss_term("aux"):
+                    aux = rec.probe(per_token * 2, aux_valid)
+                main_sum, aux_sum = (main * main_valid).sum(), (aux * aux_valid).sum()
+                scalars = token_mean_loss(main_sum, 4), token_mean_loss(aux_sum, 3)
+                with rec.loss_term("main"):
+                    rec.record(loss_sum=main_sum, valid_tokens=main_valid.sum(), backward_scalar=scalars[0])
+                with rec.loss_term("aux"):
+                    rec.record(loss_sum=aux_sum, valid_tokens=aux_valid.sum(), backward_scalar=scalars[1])
+                (scalars[0] + scalars[1]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        plain = rec.probe(weight * 1.0, torch.tensor([True, True, False, False]))
+        rec.record(loss_sum=plain[:2].sum(), valid_tokens=2, backward_scalar=plain[:2].sum() / 2, term="late")
+        (plain[:2].sum() / 2).backward()
+        optimizer.step()
+    rows = read_rows(tmp_path / "terms")
+    weights = {(r["step"], r["micro"], r["term"]): r["token_weight_sum"] for r in rows}
+    assert {key: pytest.approx(value) for key, value in weights.items()} == {
+        **{(s, m, "main"): n / 4 for s in (0, 1) for m, n in ((0, 3), (1, 1))},
+        **{(s, m, "aux"): n / 3 for s in (0, 1) for m, n in ((0, 1), (1, 2))},
+        (2, 0, "late"): 1.0,
+    }
+    assert tokaudit.audit([tmp_path / "terms"]).verdicts == {"terms": "correct"}
 
 
 def test_a_capture_before_zero_grad_belongs_to_the_next_update(tmp_path: Path) -> None:

@@ -496,7 +496,9 @@ def test_a_step_given_to_record_numbers_its_own_microbatches(tmp_path: Path) -> 
             for n in (1, 3):
                 rec.record(loss_sum=float(n), valid_tokens=n, backward_scalar=n / 4, step=step)
             optimizer.step()
-    assert [(r["step"], r["micro"]) for r in read_rows(tmp_path / "given")] == [(s, m) for s in range(3) for m in (0, 1)]
+    assert [(r["step"], r["micro"]) for r in read_rows(tmp_path / "given")] == [
+        (s, m) for s in range(3) for m in (0, 1)
+    ]
     assert [(r["step"], r["micro"]) for r in read_rows(tmp_path / "global")] == [
         (s, m) for s in range(1, 4) for m in (0, 1)
     ]
@@ -534,6 +536,37 @@ def test_the_recorder_never_raises_at_construction_and_records_on(tmp_path: Path
     assert "flush_every" in messages
     (row,) = read_rows(tmp_path / "unhookable")
     assert row["valid_tokens"] == 3 and row["loss_sum"] == 3.0
+
+
+MISUSES = {
+    "begin_step(None)": lambda rec: rec.begin_step(None),
+    "begin_step(-1)": lambda rec: rec.begin_step(-1),
+    "probe(0.0)": lambda rec: rec.probe(0.0),
+}
+
+
+@pytest.mark.parametrize("misuse", list(MISUSES))
+def test_a_call_given_what_it_cannot_use_warns_and_training_goes_on(tmp_path: Path, misuse: str) -> None:
+    """The recorder never raises into the training loop: begin_step given no update number (it used to make the
+    optimizer's next step raise, and close() after it), probe() given a number: one warning, the update goes on
+    being recorded where it was, and every record is written."""
+    weight = torch.ones(2, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Recorder(tmp_path, run_id="misused", optimizer=optimizer) as rec:
+            for step in range(2):
+                if step == 1:
+                    returned = MISUSES[misuse](rec)
+                    assert misuse != "probe(0.0)" or returned == 0.0
+                loss = (weight * 2).sum()
+                rec.record(loss_sum=loss, valid_tokens=2, backward_scalar=loss / 2)
+                (loss / 2).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert [(r["step"], r["micro"]) for r in read_rows(tmp_path / "misused")] == [(0, 0), (1, 0)]
+    said = [str(w.message) for w in caught if "tokaudit:" in str(w.message)]
+    assert len([m for m in said if "begin_step" in m or "probe()" in m]) == 1, said
 
 
 def test_every_shard_says_where_it_came_from(tmp_path: Path) -> None:
