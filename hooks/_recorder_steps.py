@@ -24,6 +24,7 @@ class UpdateTracking:
     _calls: CapturedCalls
     _packs_at_zero_grad: bool
     _optimizer: torch.optim.Optimizer | None
+    _model: Any
     _scaler: ScalerWatch | None
     _handles: list[Any]
     _warned: set[str]
@@ -193,7 +194,9 @@ class UpdateTracking:
         except Exception as error:
             self.warn_once("scaler", f"tokaudit: could not read the GradScaler's update ({error!r})")
 
-    def _watch_zero_grad(self, optimizer: Any) -> None:
+    def _watch_zero_grad(self, owner: Any) -> None:
+        """The optimizer's zero_grad, or the model's: gradients cleared (`_on_zero_grad`)."""
+
         def around(original: Any) -> Any:
             def zero_grad(*args: Any, **kwargs: Any) -> Any:
                 try:
@@ -206,7 +209,7 @@ class UpdateTracking:
 
             return zero_grad
 
-        self._handles.append(wrap_method(optimizer, "zero_grad", around))  # close() gives it back
+        self._handles.append(wrap_method(owner, "zero_grad", around))  # close() gives it back
         self._packs_at_zero_grad = True
 
     def _on_zero_grad(self) -> None:
@@ -231,6 +234,8 @@ class UpdateTracking:
             self._steps_known = False
             raise
         self._watch_zero_grad(self._optimizer)
+        if callable(getattr(self._model, "zero_grad", None)):  # gradients cleared through the model (a guard's skip)
+            self._watch_zero_grad(self._model)
 
     def _hook_scaler(self, scaler: Any) -> None:
         self._scaler = None if scaler is None else ScalerWatch(scaler, self._on_scaler_update)

@@ -157,6 +157,24 @@ def test_zero_grad_ends_an_update_the_optimizer_skipped(tmp_path: Path) -> None:
     assert [r["skipped"] for r in rows] == [False, False, True, True, False, False, False, False]
 
 
+def test_a_skipped_update_cleared_through_the_model_is_closed_as_skipped(tmp_path: Path) -> None:
+    """An inf/NaN guard skips update 1 and clears the gradients with model.zero_grad(), not the optimizer's: with the
+    model given, the update is closed as skipped, not merged into the next."""
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(tmp_path, run_id="guard", model=model, optimizer=optimizer) as rec:
+        for step in range(3):
+            for _ in range(2):
+                scalar = model(torch.ones(1, 2)).sum()
+                rec.record(loss_sum=1.0, valid_tokens=2, backward_scalar=scalar)
+                scalar.backward()
+            if step != 1:
+                optimizer.step()
+            model.zero_grad()
+    rows = read_rows(tmp_path / "guard")
+    assert [(r["step"], r["micro"], r["skipped"]) for r in rows] == [(s, m, s == 1) for s in range(3) for m in range(2)]
+
+
 def test_each_probe_goes_to_the_record_of_its_loss_term_block(tmp_path: Path) -> None:
     """docs/recording.md: probes inside `loss_term(name)` belong to that term. Both terms probed first, each in its
     block, then recorded, each in its block: each record carries its own term's weights (Σ∂b/∂ℓ = n/N of its own N),
