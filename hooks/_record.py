@@ -114,6 +114,10 @@ def new_record(
     if isinstance(backward_scalar, torch.Tensor) and backward_scalar.requires_grad:
         record.trained = False
         backward_scalar.register_hook(_seen(record))  # type: ignore[no-untyped-call]
+    elif probe is None and not torch.is_grad_enabled():
+        # made under no_grad (an evaluation in the loop): no gradient flows through b, and one that is a copy of a
+        # trained loss logged there is kept with its update's others, as long as none of them was seen either
+        record.trained = False
     if accelerate is not None and isinstance(backward_scalar, torch.Tensor):
         # b recorded before accelerator.backward(b) is divided there; recorded after, here.
         record.scalar_ref = weakref.ref(backward_scalar)

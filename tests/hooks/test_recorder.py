@@ -765,6 +765,36 @@ def test_a_record_never_backpropagated_is_left_out_only_where_its_update_s_other
     assert sorted((row["step"], row["micro"]) for row in copies) == [(s, m) for s in (0, 1) for m in (0, 1, 2)]
 
 
+def test_a_loss_recorded_under_no_grad_is_no_microbatch_of_the_update_it_falls_in(tmp_path: Path) -> None:
+    """A loss helper that always records, called for an evaluation under torch.no_grad() between updates: that record
+    would be microbatch 0 of the next update (its n in N, no probe). It is left out (with one warning) where the
+    update's other records went through backward; the run is a correct token mean."""
+    weight = torch.ones(4, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    masks = [torch.tensor([True, True, True, False]), torch.tensor([True, False, False, False])]  # N = 4
+
+    def loss_of(rec: Recorder, valid: torch.Tensor, tokens: int) -> torch.Tensor:
+        per_token = rec.probe(weight * torch.arange(1.0, 5.0), valid)
+        loss_sum = (per_token * valid).sum()
+        scalar = loss_sum / tokens
+        rec.record(loss_sum=loss_sum, valid_tokens=valid.sum(), backward_scalar=scalar)
+        return scalar
+
+    with pytest.warns(RuntimeWarning, match="never went through backward"):
+        with Recorder(tmp_path, run_id="evaluated", optimizer=optimizer) as rec:
+            for step in range(4):
+                for valid in masks:
+                    loss_of(rec, valid, 4).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if step in (0, 2):
+                    with torch.no_grad():
+                        loss_of(rec, torch.tensor([True, True, False, False]), 2)
+    rows = read_rows(tmp_path / "evaluated")
+    assert sorted((r["step"], r["valid_tokens"]) for r in rows) == [(s, n) for s in range(4) for n in (1, 3)]
+    assert tokaudit.audit([tmp_path / "evaluated"]).verdicts == {"evaluated": "correct"}
+
+
 @pytest.mark.parametrize("flush_every", [4096, 3])
 def test_a_step_counter_reset_each_epoch_is_named_in_the_duplicates(tmp_path: Path, flush_every: int) -> None:
     """A loop that gives the recorder each epoch's batch index as the step records every epoch's updates under the
