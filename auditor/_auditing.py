@@ -24,6 +24,7 @@ from tokaudit._normalization import Denominator
 from tokaudit._reader import Shard
 from tokaudit._report import AuditReport, Finding, RunSummary, Segment
 from tokaudit._schema import UNNAMED, Provenance
+from tokaudit._ends import UnevenEnd, uneven_ends
 from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
 from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, stored_precision
 from tokaudit._summary import unfinished_finding
@@ -137,6 +138,7 @@ def _audit(
             dropped_steps(logset.shards),
             setups_of(logset.shards),
             _Extremes(logset.shards, threads),
+            {} if live else uneven_ends(logset.shards),  # --live leaves every step not yet complete out
         )
         summaries, findings = judge.runs(present, runs_apart(steps, parts, present))
         asked = present if runs else None
@@ -220,6 +222,8 @@ class _RunJudge:
     """The records the recorder could not write (`dropped_steps`)."""
     setups: dict[str, Provenance]
     extremes: _Extremes
+    ends: dict[str, UnevenEnd]
+    """The runs whose ranks' records end at different steps (`uneven_ends`): the steps past the end all reached."""
 
     def runs(
         self, present: list[str], of_run: Callable[[str], Callable[[], Iterable[pd.DataFrame]]]
@@ -244,10 +248,10 @@ class _RunJudge:
         bits, lost = self.precision.get(run), self.dropped.get(run)
         rtol = judged_rtol(self.judging.rtol, bits)
         # the update the run stopped inside (its recorder said so) is left out, unless it is all there is
-        stopped = self.setups.get(run, Provenance()).unfinished
-        source = run_steps(parts, run, self.horizon, lost, self.names, stopped)
-        if source is None and stopped is not None:
-            stopped, source = None, run_steps(parts, run, self.horizon, lost, self.names)
+        stopped, ended = self.setups.get(run, Provenance()).unfinished, self.ends.get(run)
+        source = run_steps(parts, run, self.horizon, lost, self.names, stopped, ended)
+        if source is None and (stopped is not None or ended is not None):
+            stopped, ended, source = None, None, run_steps(parts, run, self.horizon, lost, self.names)
         if source is None:
             had_steps = lost is not None and run_steps(parts, run, self.horizon, None) is not None
             return ([lost.finding(run)], _lost_summary(run, bits, rtol)) if lost and had_steps else ([], None)
@@ -263,6 +267,8 @@ class _RunJudge:
             run_findings.append(miscounted.finding(run))
         if stopped is not None:
             run_findings.append(unfinished_finding(run, stopped))
+        if ended is not None:
+            run_findings.append(ended.finding(run))
         # The verdict is a claim about the gradient: it reads every finding. --ignore leaves some out of the listing
         # and of what fails the command (`gate_verdict`), never out of the verdict.
         run_findings = apply_policy(run_findings, self.judging.min_ratio)

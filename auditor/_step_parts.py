@@ -13,6 +13,7 @@ from pandas.api.types import union_categoricals
 from tokaudit._checks import RunSteps, main_term_first
 from tokaudit._engine import EVIDENCE, Spilled
 from tokaudit._normalization import name_ranks
+from tokaudit._ends import UnevenEnd
 from tokaudit._summary import DroppedRecords
 
 
@@ -90,11 +91,12 @@ def run_steps(
     lost: DroppedRecords | None,
     names: set[tuple[str, str, str]] | None = None,
     stopped: int | None = None,
+    ended: UnevenEnd | None = None,
 ) -> RunSteps | None:
-    """One run's table in parts, its steps not yet complete (`--live`), those that lost records and the update it
-    `stopped` inside (its recorder said so) left out; None when nothing is left. The table itself when it is one
-    part of one run and nothing is left out. `names`: every (run, group, term) of the table, which spares a pass
-    when nothing is left out."""
+    """One run's table in parts, its steps not yet complete (`--live`), those that lost records, the update it
+    `stopped` inside (its recorder said so) and the steps past the end every rank recorded (`ended`) left out; None
+    when nothing is left. The table itself when it is one part of one run and nothing is left out. `names`: every
+    (run, group, term) of the table, which spares a pass when nothing is left out."""
 
     def selected() -> Iterator[pd.DataFrame]:
         for rows in selected_runs(parts, [run]):
@@ -105,6 +107,8 @@ def run_steps(
                 keep &= ~lost.covers(rows)
             if stopped is not None:
                 keep &= rows.step.to_numpy() != stopped
+            if ended is not None:
+                keep &= ~ended.covers(rows)
             if not keep.all():
                 rows = rows[keep].reset_index(drop=True)
             if len(rows):
@@ -112,7 +116,7 @@ def run_steps(
 
     groups: set[str] = set()
     terms: set[str] = set()
-    if names is not None and horizon is None and not lost and stopped is None:
+    if names is not None and horizon is None and not lost and stopped is None and ended is None:
         groups = {g for r, g, _ in names if r == run}
         terms = {t for r, _, t in names if r == run}
     for rows in selected() if not groups else ():

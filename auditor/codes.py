@@ -449,13 +449,17 @@ CODE_DOCS: dict[Code, CodeDoc] = {
     ),
     Code.UNFINISHED_UPDATE: CodeDoc(
         Severity.INFO,
-        "the run stopped inside an update its optimizer never stepped: that update is not judged",
+        "the run stopped inside an update, or before each rank's last records were written: those steps are not judged",
         why="A job stopped by SIGTERM (preemption, a time limit) or an error between two microbatches leaves the "
-        "records of an update that was never applied, and only some of its microbatches: N over them is not the "
-        "update's, so its weights would read as wrong. The recorder, which watches the optimizer, says so in the "
-        "shards' footers at close() or at the signal, and the audit leaves that update out.",
-        fix="Nothing where the run was stopped. Where a loader ends inside an update, let the trainer step it.",
-        example="SIGTERM between the two microbatches of update 5: steps 0–4 are judged, step 5 is said here.",
+        "records of an update never applied, and only some of its microbatches; the recorder, which watches the "
+        "optimizer, says so in the footers. A rank killed at once (the OOM killer, a lost node) loses what its "
+        "recorder held since its last shard, so the ranks' records end at different steps. Either way N over those "
+        "steps is not the update's and its weights would read as wrong: the audit leaves them out. A rank short by "
+        "more than its widest shard is a rank missing (`missing_rank`).",
+        fix="Nothing where the run was stopped. Where a loader ends inside an update, let the trainer step it. A run "
+        "still training: `tokaudit check --live`.",
+        example="SIGTERM between the two microbatches of update 5: steps 0–4 are judged, step 5 is said here. Rank 1 "
+        "killed with its shards written through step 3, rank 0's through 5: steps 4–5 are said here.",
     ),
     Code.SKIP_MISMATCH: CodeDoc(
         Severity.ERROR,

@@ -7,6 +7,8 @@ the tests hold the theory for each one separately and check the recordings again
 from __future__ import annotations
 
 import gc
+import os
+import signal
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,7 +166,7 @@ def train(
             optimizer=optimizer,
             group=process_group,
             grad_divisor=1.0 if scenario.summing_hook else None,
-            flush_every=flush_every,
+            flush_every=scenario.extra.get("flush_every", flush_every),
         )
     history = []
     for step, step_counts in enumerate(scenario.counts):
@@ -214,6 +216,13 @@ def train(
             optimizer.step()
             optimizer.zero_grad()
         history.append({"before": before, "grads": grads, "scalars": scalars})
+        # `killed` = (step, rank): after that update the rank is killed at once (the OOM killer: SIGKILL, nothing
+        # written after), and the others stop as torchrun stops them, their recorders closed
+        if recorder is not None and scenario.extra.get("killed", (None,))[0] == step:
+            dist.barrier(group=process_group)
+            if rank == scenario.extra["killed"][1]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            break
     if recorder is not None:
         recorder.close()
     del ddp, model, optimizer

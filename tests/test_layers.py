@@ -36,6 +36,7 @@ LAYERS = (
     "_opening",
     "_normalization",
     "_report",
+    "_ends",
     "_checks",
     "_summary",
     "_step_parts",

@@ -402,6 +402,25 @@ def test_missing_rank_uneven_microbatches_and_world_size(tmp_path: Path) -> None
     assert audit_rows(tmp_path / "every", unsynced).runs[0].verdict == "incorrect"
 
 
+def test_a_rank_whose_records_end_early_by_at_most_a_shard_leaves_those_steps_unjudged(tmp_path: Path) -> None:
+    """A rank killed at once loses what its recorder held since its last shard: in files of 2 steps a rank, rank 1's
+    end at step 3 and rank 0's at 5. Steps 4–5 hold rank 0's tokens alone: left out and said (unfinished_update),
+    the run correct. A rank short by more than its widest shard is a rank missing; so is one in files of every rank
+    (where no recorder's buffer explains it)."""
+    rows = records(UNEVEN_GA * 2, token_mean)
+    killed = write_by_rank(tmp_path / "killed", [r for r in rows if r["rank"] == 0 or r["step"] <= 3], steps_per_file=2)
+    report = audit([killed])
+    (finding,) = report.findings
+    assert report.runs[0].verdict == "correct" and finding.code == Code.UNFINISHED_UPDATE
+    assert (finding.steps.first, finding.steps.last) == (4, 5) and finding.evidence["stopped_ranks"] == [1]
+    assert "rank 1 stops at step 3" in finding.message
+
+    short = write_by_rank(tmp_path / "short", [r for r in rows if r["rank"] == 0 or r["step"] <= 1], steps_per_file=2)
+    assert only(audit([short]), Code.MISSING_RANK).steps.first == 2
+    together = write(tmp_path / "together" / "all.parquet", [r for r in rows if r["rank"] == 0 or r["step"] <= 3])
+    assert only(audit([together.parent]), Code.MISSING_RANK).steps.first == 4
+
+
 def test_ranks_with_no_record_in_any_step_make_the_run_inconclusive(tmp_path: Path) -> None:
     """A W=2 log with only rank 1's records (a local mean, which the other rank's tokens would show): every
     step's N is partial, so nothing about the normalization is judged: one ranks_not_recorded, inconclusive.

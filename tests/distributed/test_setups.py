@@ -236,3 +236,20 @@ def test_a_rank_that_skips_an_update_alone_parts_the_replicas_and_is_skip_mismat
     assert same == [True, False]  # one weights before update 1, two after it
     report = audit([tmp_path / scenario.name])
     assert report.runs[0].verdict == "incorrect" and {f.code.value for f in report.findings} == {"skip_mismatch"}
+
+
+def test_a_rank_killed_at_once_leaves_the_steps_it_never_wrote_unjudged(tmp_path: Path) -> None:
+    """The token mean on 2 real ranks (correct_token_mean_ga's construction, which the float64 reference holds right),
+    writing a shard every 4 records; after update 4, rank 0 is SIGKILLed (the OOM killer: its last records never
+    written) and rank 1 stops and closes. The ranks' records end at different steps: the steps rank 0 never wrote are
+    left out and said (unfinished_update), never missing_rank, and the run is correct."""
+    base = SCENARIOS_BY_NAME["correct_token_mean_ga"]
+    scenario = replace(base, name="killed", counts=base.counts * 2, extra={"killed": (4, 0), "flush_every": 4})
+    with pytest.raises(RuntimeError, match="rank 0 died"):
+        run_ddp(run_scenario, 2, scenario, str(tmp_path))
+    last = {rank: max(row["step"] for row in read_rows(tmp_path / "killed") if row["rank"] == rank) for rank in (0, 1)}
+    assert last[0] < last[1] == 4  # what rank 0 held at the kill is lost
+    report = audit([tmp_path / "killed"])
+    (finding,) = report.findings
+    assert report.runs[0].verdict == "correct" and finding.code.value == "unfinished_update"
+    assert (finding.steps.first, finding.steps.last) == (last[0] + 1, 4)

@@ -1,0 +1,104 @@
+"""A run whose ranks' records end at different steps: a rank killed at once (the OOM killer, a lost node: SIGKILL,
+which no recorder can answer), or a job stopped before each rank wrote its last shard. The steps past the last one
+every rank recorded hold only some ranks' tokens, so their N is partial. Where each rank's missing end is no longer
+than the widest of its shards (what a recorder holds between two writes), those steps are left out and said
+(`unfinished_update`); a longer one is a rank missing, which `missing_rank` says. Read from the footers alone."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import pandas as pd
+
+from tokaudit.codes import DEFAULT_SEVERITY, Code
+from tokaudit._reader import Shard
+from tokaudit._report import Finding, StepRange
+
+
+@dataclass(frozen=True)
+class GroupEnd:
+    """Where one group's ranks stopped recording."""
+
+    complete: int
+    """The last step every rank recorded."""
+    last: int
+    """The last step any rank recorded."""
+    stopped: dict[int, int]
+    """Each rank whose records end before `last`, and its last step."""
+
+
+@dataclass(frozen=True)
+class UnevenEnd:
+    """One run's groups whose ranks' records end at different steps, each within what one shard holds."""
+
+    groups: dict[str, GroupEnd]
+
+    def covers(self, frame: pd.DataFrame) -> npt.NDArray[np.bool_]:
+        """Rows of the step table past their group's last complete step."""
+        hit = np.zeros(len(frame), dtype=bool)
+        groups, steps = frame.grp.astype(str).to_numpy(), frame.step.to_numpy()
+        for group, end in self.groups.items():
+            hit |= (groups == group) & (steps > end.complete)
+        return hit
+
+    def finding(self, run: str) -> Finding:
+        first = min(end.complete for end in self.groups.values()) + 1
+        last = max(end.last for end in self.groups.values())
+        stopped = sorted({(rank, step) for end in self.groups.values() for rank, step in end.stopped.items()})
+        said = (
+            f"rank {stopped[0][0]} stops at step {stopped[0][1]}"
+            if len(stopped) == 1
+            else "ranks "
+            + ", ".join(f"{rank} (at step {step})" for rank, step in stopped[:8])
+            + (f" and {len(stopped) - 8} more" if len(stopped) > 8 else "")
+            + " stop"
+        )
+        return Finding(
+            run=run,
+            code=Code.UNFINISHED_UPDATE,
+            severity=DEFAULT_SEVERITY[Code.UNFINISHED_UPDATE],
+            steps=StepRange(first, last, sum(end.last - end.complete for end in self.groups.values())),
+            message=f"The ranks' records end at different steps: {said} before the others' last step {last} (a rank "
+            "killed at once, such as by the OOM killer or a lost node, or shards not yet written). "
+            f"Steps {first}–{last} hold only some ranks' tokens and are not judged; the steps before them are.",
+            fix="nothing where a rank died; for a run still training, tokaudit check --live",
+            evidence={
+                "last_complete_step": first - 1,
+                "last_step": last,
+                "stopped_ranks": [rank for rank, _ in stopped],
+                "stopped_at": [step for _, step in stopped],
+            },
+        )
+
+
+def uneven_ends(shards: Sequence[Shard]) -> dict[str, UnevenEnd]:
+    """Per run, its groups whose ranks' records end at different steps, each rank short of the last step by at most
+    its widest shard. Only what the footers settle: shards of one rank each, whose run, group, steps and W they give,
+    one W over the group (a resize ends the ranks it leaves), every rank below it holding a shard."""
+    spans: dict[tuple[str, str], dict[int, tuple[int, int]]] = {}  # per rank: (its last step, its widest shard)
+    worlds: dict[tuple[str, str], set[tuple[int, int] | None]] = {}
+    unsettled: set[tuple[str, str]] = set()
+    for shard in shards:
+        if shard.run_group is None:
+            continue
+        key = (shard.default_run if shard.run_override else shard.run_group[0], shard.run_group[1])
+        worlds.setdefault(key, set()).add(shard.world_range)
+        held, steps = shard.rank_range, shard.step_range
+        if held is None or steps is None or held[0] != held[1]:
+            unsettled.add(key)
+            continue
+        last, widest = spans.setdefault(key, {}).get(held[0], (steps[1], 0))
+        spans[key][held[0]] = (max(last, steps[1]), max(widest, steps[1] - steps[0] + 1))
+    found: dict[str, dict[str, GroupEnd]] = {}
+    for key, ranks in spans.items():
+        world = next(iter(worlds[key])) if len(worlds[key]) == 1 else None
+        if key in unsettled or world is None or world[0] != world[1] or set(ranks) != set(range(world[0])):
+            continue
+        end = max(last for last, _ in ranks.values())
+        stopped = {rank: last for rank, (last, _) in ranks.items() if last < end}
+        if stopped and all(end - ranks[rank][0] <= ranks[rank][1] for rank in stopped):
+            found.setdefault(key[0], {})[key[1]] = GroupEnd(min(stopped.values()), end, stopped)
+    return {run: UnevenEnd(groups) for run, groups in found.items()}
