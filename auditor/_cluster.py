@@ -42,7 +42,10 @@ class Cluster:
         try:
             import ray
         except ImportError:
-            raise UsageError("--ray needs Ray on this machine and the cluster's: pip install 'tokaudit[ray]'") from None
+            raise UsageError(
+                "--ray needs Ray on this machine and the cluster's: pip install ray (or the ray extra: pip install "
+                "'.[ray]' in a checkout of tokaudit)"
+            ) from None
         _answers(address)
         # Ray's own C++ warnings (each failed retry of a connection, a line a second) are not the audit's output
         os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")

@@ -76,7 +76,7 @@ class Integration:
     """What the recorder's provenance calls the trainer (`Provenance.trainer`)."""
     words: str
     extra: str
-    """The pip extra that installs it beside tokaudit: `pip install tokaudit[EXTRA]`."""
+    """The pip extra that installs it beside tokaudit: `pip install '.[EXTRA]'` in a checkout."""
     modules: tuple[str, ...]
     """What its integration imports: the suite preloads them and skips its tests without them."""
     recipe: str = ""

@@ -184,5 +184,5 @@ def _raise_at_first(mask: Any, problem: str, values: Any = None) -> None:
 def newer_version(version: int) -> str:
     return (
         f"schema_version {version} is newer than this tokaudit reads ({SCHEMA_VERSION}); "
-        "upgrade tokaudit (pip install -U tokaudit)"
+        "upgrade tokaudit (pull its checkout and pip install it again)"
     )

@@ -177,8 +177,8 @@ def _ray_address(value: str | None) -> str | None:
     default=None,
     metavar="ADDRESS",
     callback=lambda _ctx, _param, value: _ray_address(value),
-    help="Read the footers and aggregate the step ranges on a Ray cluster's workers (pip install "
-    "'tokaudit[ray]'): at ADDRESS, else RAY_ADDRESS, else `auto` (one running here). The workers read "
+    help="Read the footers and aggregate the step ranges on a Ray cluster's workers (Ray on "
+    "this machine and every node: the `ray` extra): at ADDRESS, else RAY_ADDRESS, else `auto` (one running here). The workers read "
     "the log themselves: object storage or a folder they all see.",
 )
 def check(
@@ -197,7 +197,7 @@ def check(
     """Recover the normalization every run used and diagnose it.
 
     Exit 0: nothing at or above --fail-on; 1: findings; 2: bad usage or unreadable input; 130: interrupted
-    (Ctrl-C); 141: the output's reader went away (| head).
+    (Ctrl-C); 141: the output's reader went away (| head) before the report was written.
     """
     if (error := click.get_current_context().find_root().obj.get("settings_error")) is not None:
         raise error

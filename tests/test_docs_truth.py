@@ -280,17 +280,27 @@ def test_the_readme_reads_in_five_minutes() -> None:
     assert size <= README_BYTES, f"README.md is {size:,} bytes: move a section to a page under docs/"
 
 
-def test_the_readme_s_first_output_is_what_the_command_prints_at_100_columns() -> None:
-    """The front door's example is the command's own output, word for word (the README's code block is 100 wide)."""
+SHOWN_OUTPUTS = {
+    "README.md": "tokaudit check sample_logs/bug_local_mean sample_logs/correct_token_mean_ga",
+    "docs/mixed-precision.md": "tokaudit check sample_logs/ --run amp_told --run amp_untold --run nan_guard_skip \\\n"
+    "    --run aux_head_local_mean --run mtp_heads --run unknown_hook_wrong --run counted_positions \\\n"
+    "    --run elastic_stale_w",
+}
+"""The pages that show a command's output, and the command as the page writes it."""
+
+
+@pytest.mark.parametrize("page", list(SHOWN_OUTPUTS))
+def test_an_output_a_page_shows_is_what_the_command_prints_at_100_columns(page: str) -> None:
+    """The front door's example, and the other pages' shown output, are the command's own output, word for word
+    (their code blocks are 100 wide), up to the exit code or the end of the block."""
     import os
     import subprocess
     import sys
 
-    readme = (ROOT / "README.md").read_text()
-    command = "tokaudit check sample_logs/bug_local_mean sample_logs/correct_token_mean_ga"
-    shown = readme.split(f"$ {command}\n", 1)[1].split("$ echo $?", 1)[0]
+    command = SHOWN_OUTPUTS[page]
+    shown = (ROOT / page).read_text().split(f"$ {command}\n", 1)[1].split("$ echo $?", 1)[0].split("```", 1)[0]
     done = subprocess.run(
-        [sys.executable, "-m", "tokaudit", *command.split()[1:]],
+        [sys.executable, "-m", "tokaudit", *command.replace("\\\n", " ").split()[1:]],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""The loss curves as a PNG (matplotlib, an optional extra: pip install 'tokaudit[plot]')."""
+"""The loss curves as a PNG (matplotlib, an optional extra: the `plot` extra)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ def _pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'tokaudit[plot]'") from None
+        raise UsageError(
+            "--plot needs matplotlib: pip install matplotlib (or the plot extra: pip install '.[plot]' in a "
+            "checkout of tokaudit)"
+        ) from None
     return plt
 
 

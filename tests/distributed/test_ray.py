@@ -178,7 +178,8 @@ def test_a_cluster_that_does_not_answer_and_ray_missing_are_one_line_each(tmp_pa
         timeout=60,
     )
     assert missing.returncode == 2 and missing.stderr == (
-        "tokaudit: error: --ray needs Ray on this machine and the cluster's: pip install 'tokaudit[ray]'\n"
+        "tokaudit: error: --ray needs Ray on this machine and the cluster's: pip install ray (or the ray extra: "
+        "pip install '.[ray]' in a checkout of tokaudit)\n"
     )
 
 
