@@ -145,7 +145,8 @@ def test_a_table_read_in_parts_gives_the_whole_table_s_report(
         "reported_loss_mismatch",
     }
     assert len([f for f in whole[1].findings if f.term == "aux"]) == 2  # two factors of the aux term
-    assert whole[2].findings == [] and "missing_rank" in {f.code.value for f in whole[3].findings}
+    # without --live, the steps past rank 1's last shard are said and left out (the end a killed rank leaves)
+    assert whole[2].findings == [] and [f.code.value for f in whole[3].findings] == ["unfinished_update"]
     (moved,) = whole[4].findings  # steps 0–10 of each group carry the next step's loss (11 steps, counted once)
     assert (
         moved.code.value == "reported_loss_shifted"
