@@ -101,21 +101,18 @@ class UpdateTracking:
 
     def begin_step(self, step: int) -> None:
         """The next records belong to update `step` (a trainer's global step: a resumed run numbers on)."""
-        try:
-            step = operator.index(step)
-            if step < 0:
-                raise ValueError
-        except (TypeError, ValueError, RuntimeError):
+        number = update_number(step)
+        if number is None:
             self.warn_once(
                 "begin-step",
-                f"tokaudit: begin_step({step!r}) is given no update number (a non-negative int); it is left out, "
-                "and the records go on in the update they were in",
+                f"tokaudit: begin_step({step!r}) is given no update number (a whole number, not negative); the "
+                "update it begins is numbered after the last one",
             )
-            return
+            number = self._step + 1 if self._step_records or self._micro_next else self._step
         self._steps_known = True
         self._auto_closed = None
-        if step != self._step:
-            self._open(step)
+        if number != self._step:
+            self._open(number)
             self._pack()
 
     def end_step(self, skipped: bool | None = None) -> None:
@@ -219,7 +216,9 @@ class UpdateTracking:
         if not self._step_records:
             return
         current = list(self._buffer.at(self._step))
-        if not any(r.backpropagated for r in current):
+        # a record whose b or probe is still waiting for its backward says none has run (gradients cleared before
+        # backward, as tutorials do); one that cannot tell counts as run
+        if not any(r.backpropagated and r.seen_in_backward is not False for r in current):
             return
         self._close_skipped()
         self._step_records += self._buffer.carry_over(current, self._step, self._micro_next)
@@ -239,6 +238,20 @@ class UpdateTracking:
 
     def _hook_scaler(self, scaler: Any) -> None:
         self._scaler = None if scaler is None else ScalerWatch(scaler, self._on_scaler_update)
+
+
+def update_number(step: Any) -> int | None:
+    """A step as begin_step takes it: an int, or a number that is one (2.0, a numpy or tensor integer); None for
+    what is no whole number, or a negative one."""
+    try:
+        number = int(step) if isinstance(step, float) and step.is_integer() else operator.index(step)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        try:  # a numpy float or a one-element float tensor that holds a whole number
+            value = float(step)
+            number = int(value) if value.is_integer() else None
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            number = None
+    return number if number is not None and number >= 0 else None
 
 
 PACK_AT_ADVANCE = 64

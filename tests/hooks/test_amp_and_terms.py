@@ -175,6 +175,26 @@ def test_a_skipped_update_cleared_through_the_model_is_closed_as_skipped(tmp_pat
     assert [(r["step"], r["micro"], r["skipped"]) for r in rows] == [(s, m, s == 1) for s in range(3) for m in range(2)]
 
 
+@pytest.mark.parametrize("clears", ["model", "optimizer"])
+def test_gradients_cleared_between_a_record_and_its_backward_close_no_update(tmp_path: Path, clears: str) -> None:
+    """PyTorch's tutorials clear the gradients right before backward: `record(...)`, then `zero_grad()`, then
+    `backward()` and `step()`. The record's backward has not run when they are cleared: no update is closed there,
+    each is applied (skipped false), and a NaN the optimizer applies stays a non-finite value of an applied update."""
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(tmp_path, run_id=clears, model=model, optimizer=optimizer) as rec:
+        for step in range(3):
+            scalar = model(torch.ones(1, 2)).sum() * (math.nan if step == 1 else 1.0)
+            rec.record(loss_sum=scalar, valid_tokens=1, backward_scalar=scalar)
+            (model if clears == "model" else optimizer).zero_grad()
+            scalar.backward()
+            optimizer.step()
+    rows = read_rows(tmp_path / clears)
+    assert [(r["step"], r["micro"], r["skipped"]) for r in rows] == [(s, 0, False) for s in range(3)]
+    report = tokaudit.audit([tmp_path / clears])
+    assert report.verdicts == {clears: "incorrect"} and "nonfinite_values" in {f.code.value for f in report.findings}
+
+
 def test_each_probe_goes_to_the_record_of_its_loss_term_block(tmp_path: Path) -> None:
     """docs/recording.md: probes inside `loss_term(name)` belong to that term. Both terms probed first, each in its
     block, then recorded, each in its block: each record carries its own term's weights (Σ∂b/∂ℓ = n/N of its own N),

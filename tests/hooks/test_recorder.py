@@ -569,6 +569,29 @@ def test_a_call_given_what_it_cannot_use_warns_and_training_goes_on(tmp_path: Pa
     assert len([m for m in said if "begin_step" in m or "probe()" in m]) == 1, said
 
 
+def test_begin_step_takes_a_whole_number_of_any_type_and_numbers_on_past_what_is_none(tmp_path: Path) -> None:
+    """A trainer's step computed with `/` (2.0), a numpy or tensor integer: the update it says. None or 2.5 (no update
+    number): one warning, and the update still begins, numbered after the last; the microbatches stay together."""
+    import numpy as np
+
+    given = {"floats": [0.0, 1.0, 2.0], "numbers": [np.int64(0), torch.tensor(1), np.float64(2.0)]}
+    given["nothing"] = [None, None, 2.5]
+    for run, steps in given.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with Recorder(tmp_path, run_id=run) as rec:
+                for step in steps:
+                    rec.begin_step(step)
+                    for n in (1, 3):
+                        rec.record(loss_sum=float(n), valid_tokens=n, backward_scalar=n / 4)
+        assert [(r["step"], r["micro"]) for r in read_rows(tmp_path / run)] == [
+            (s, m) for s in range(3) for m in (0, 1)
+        ]
+        said = [str(w.message) for w in caught if "begin_step" in str(w.message)]
+        assert len(said) == (1 if run == "nothing" else 0), said
+    assert tokaudit.audit([tmp_path]).verdicts == {"floats": "correct", "numbers": "correct", "nothing": "correct"}
+
+
 def test_every_shard_says_where_it_came_from(tmp_path: Path) -> None:
     """Each shard's footer holds `tokaudit.provenance`: tokaudit's and torch's versions, the W the recorder saw,
     and the trainer an integration names (which the audit's fixes then speak in)."""
@@ -793,6 +816,35 @@ def test_a_loss_recorded_under_no_grad_is_no_microbatch_of_the_update_it_falls_i
     rows = read_rows(tmp_path / "evaluated")
     assert sorted((r["step"], r["valid_tokens"]) for r in rows) == [(s, n) for s in range(4) for n in (1, 3)]
     assert tokaudit.audit([tmp_path / "evaluated"]).verdicts == {"evaluated": "correct"}
+
+
+def test_a_term_recorded_after_backward_under_no_grad_is_kept_beside_one_recorded_before(tmp_path: Path) -> None:
+    """Term "main" recorded before backward (b requires grad, seen in backward), term "aux" recorded after it in a
+    no_grad metrics block with a detached b: aux was trained on, and a record is left out as never trained only
+    where records of its own term were seen. Here aux divides each microbatch by its own count (a local mean), which
+    the audit must then still see."""
+    weight = torch.ones(4, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    masks = [torch.tensor([True, True, True, False]), torch.tensor([True, False, False, False])]  # N = 4
+    with Recorder(tmp_path, run_id="metrics", optimizer=optimizer) as rec:
+        for _ in range(2):
+            for valid in masks:
+                per_token = weight * torch.arange(1.0, 5.0)
+                main_sum, aux_sum = (per_token * valid).sum(), (per_token * 2 * valid).sum()
+                scalar, aux_scalar = main_sum / 4, aux_sum / valid.sum()
+                rec.record(loss_sum=main_sum, valid_tokens=valid.sum(), backward_scalar=scalar, term="main")
+                (scalar + aux_scalar).backward()
+                with torch.no_grad():
+                    rec.record(aux_sum.detach(), valid.sum(), aux_scalar.detach(), term="aux")
+            optimizer.step()
+            optimizer.zero_grad()
+    assert sorted((r["step"], r["term"]) for r in read_rows(tmp_path / "metrics")) == [
+        (s, t) for s in (0, 1) for t in ("aux", "aux", "main", "main")
+    ]
+    report = tokaudit.audit([tmp_path / "metrics"])
+    assert report.verdicts == {"metrics": "incorrect"} and {(f.code.value, f.term) for f in report.findings} == {
+        ("local_mean", "aux")
+    }
 
 
 @pytest.mark.parametrize("flush_every", [4096, 3])
