@@ -243,6 +243,7 @@ class UpdateTracking:
 def update_number(step: Any) -> int | None:
     """A step as begin_step takes it: an int, or a number that is one (2.0, a numpy or tensor integer); None for
     what is no whole number, or a negative one."""
+    number: int | None
     try:
         number = int(step) if isinstance(step, float) and step.is_integer() else operator.index(step)
     except (TypeError, ValueError, RuntimeError, OverflowError):
