@@ -1,8 +1,10 @@
 """A run whose ranks' records end at different steps: a rank killed at once (the OOM killer, a lost node: SIGKILL,
 which no recorder can answer), or a job stopped before each rank wrote its last shard. The steps past the last one
 every rank recorded hold only some ranks' tokens, so their N is partial. Where each rank's missing end is no longer
-than the widest of its shards (what a recorder holds between two writes), those steps are left out and said
-(`unfinished_update`); a longer one is a rank missing, which `missing_rank` says. Read from the footers alone."""
+than the widest of its shards (what a recorder holds between two writes), and its last shard does not say its
+recorder was closed by the training code (a rank that ran out of data under DDP's join() ends so), those steps are
+left out and said (`unfinished_update`); otherwise a rank is missing, which `missing_rank` says. Read from the footers
+alone."""
 
 from __future__ import annotations
 
@@ -79,6 +81,7 @@ def uneven_ends(shards: Sequence[Shard]) -> dict[str, UnevenEnd]:
     its widest shard. Only what the footers settle: shards of one rank each, whose run, group, steps and W they give,
     one W over the group (a resize ends the ranks it leaves), every rank below it holding a shard."""
     spans: dict[tuple[str, str], dict[int, tuple[int, int]]] = {}  # per rank: (its last step, its widest shard)
+    closed: dict[tuple[str, str, int], tuple[int, bool]] = {}  # per rank: its last shard's last step, closed there
     worlds: dict[tuple[str, str], set[tuple[int, int] | None]] = {}
     unsettled: set[tuple[str, str]] = set()
     for shard in shards:
@@ -92,6 +95,8 @@ def uneven_ends(shards: Sequence[Shard]) -> dict[str, UnevenEnd]:
             continue
         last, widest = spans.setdefault(key, {}).get(held[0], (steps[1], 0))
         spans[key][held[0]] = (max(last, steps[1]), max(widest, steps[1] - steps[0] + 1))
+        if steps[1] >= closed.get((*key, held[0]), (-1, False))[0]:
+            closed[(*key, held[0])] = (steps[1], shard.provenance.closed)
     found: dict[str, dict[str, GroupEnd]] = {}
     for key, ranks in spans.items():
         world = next(iter(worlds[key])) if len(worlds[key]) == 1 else None
@@ -99,6 +104,6 @@ def uneven_ends(shards: Sequence[Shard]) -> dict[str, UnevenEnd]:
             continue
         end = max(last for last, _ in ranks.values())
         stopped = {rank: last for rank, (last, _) in ranks.items() if last < end}
-        if stopped and all(end - ranks[rank][0] <= ranks[rank][1] for rank in stopped):
+        if stopped and all(end - ranks[rank][0] <= ranks[rank][1] and not closed[(*key, rank)][1] for rank in stopped):
             found.setdefault(key[0], {})[key[1]] = GroupEnd(min(stopped.values()), end, stopped)
     return {run: UnevenEnd(groups) for run, groups in found.items()}

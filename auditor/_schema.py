@@ -199,6 +199,9 @@ class Provenance:
     with the higher number started after the other had written (no clock involved). A shard's only."""
     unfinished: int | None = None
     """The update its recorder closed inside, its optimizer never stepped (a stopped job): a shard's only."""
+    closed: bool = False
+    """Written as its recorder was closed by the training code (`Recorder.close`, no error in flight): the rank's
+    deliberate end, never a kill's (`tokaudit._ends`). A shard's only."""
 
 
 def read_provenance(metadata: dict[bytes, bytes] | None) -> Provenance:
@@ -221,6 +224,7 @@ def read_provenance(metadata: dict[bytes, bytes] | None) -> Provenance:
         launch_world_size=whole(facts.get("launch_world_size"), 1),
         launch=whole(launch.get("first_shard"), 0) if isinstance(launch, dict) else None,
         unfinished=whole(facts.get("unfinished"), 0),
+        closed=facts.get("closed") is True,
     )
 
 

@@ -455,7 +455,7 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         "optimizer, says so in the footers. A rank killed at once (the OOM killer, a lost node) loses what its "
         "recorder held since its last shard, so the ranks' records end at different steps. Either way N over those "
         "steps is not the update's and its weights would read as wrong: the audit leaves them out. A rank short by "
-        "more than its widest shard is a rank missing (`missing_rank`).",
+        "more than its widest shard, or closed by the training code (out of data under join()), is `missing_rank`.",
         fix="Nothing where the run was stopped. Where a loader ends inside an update, let the trainer step it. A run "
         "still training: `tokaudit check --live`.",
         example="SIGTERM between the two microbatches of update 5: steps 0–4 are judged, step 5 is said here. Rank 1 "

@@ -23,7 +23,7 @@ from tokaudit.hooks._capture import capture_cross_entropy, probe_into
 from tokaudit.hooks._pipeline import watch_schedule
 from tokaudit.hooks._probe import ProbeResult, Recomputations, in_backward, unprobed
 from tokaudit.hooks._signals import on_termination, run_deferred
-from tokaudit.hooks._terms import CapturedCalls, Footprint, OpenCall
+from tokaudit.hooks._terms import CapturedCalls, Footprint, OpenCall, weight_problem
 from tokaudit.hooks._recorder_steps import UpdateTracking
 from tokaudit.hooks.trackers import AuditLoop, announcing, start_line
 
@@ -88,7 +88,7 @@ class Recorder(UpdateTracking):
             self.log_dir, self.run_id, trackers, audit_every, accelerator, self.warn_once, announce
         )
         self._attach(scaler, schedule)
-        atexit.register(self.close)
+        atexit.register(self._close_at_exit)
         on_termination(self)
 
     def _init_flushes(self, flush_every: int, flush_seconds: float | None) -> None:
@@ -314,15 +314,10 @@ class Recorder(UpdateTracking):
         MTP head k): each term is audited as its own token mean. `weight`: λ, the coefficient the objective
         gives the term on purpose (L = ΣS/N + λ·ΣS_aux/N_aux): its tokens are judged against λ/N, and every
         record of the term from now on carries it (a number: a changed λ holds from the next record)."""
-        if weight is not None:
-            if isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0:
-                self._term_weights[str(name)] = float(weight)
-            else:
-                self.warn_once(
-                    "term-weight",
-                    f"tokaudit: loss_term({name!r}, weight={weight!r}): a weight is a "
-                    "positive number; this one is left out, and the term is judged as a token mean",
-                )
+        if weight is not None and (problem := weight_problem(name, weight)) is not None:
+            self.warn_once("term-weight", problem)
+        elif weight is not None:
+            self._term_weights[str(name)] = float(weight)
         previous, self._active_term = self._active_term, str(name)
         try:
             yield
@@ -447,9 +442,19 @@ class Recorder(UpdateTracking):
         self._output.write(stamp)
 
     def close(self) -> None:
-        """Stop a started capture, flush everything and detach the hooks. Safe to call twice."""
+        """Stop a started capture, flush everything and detach the hooks. Safe to call twice. Called by the training
+        code (not at exit, nor out of an error), it is a deliberate end, which the last shard's footer says
+        ("closed"): a rank whose records end before the others' is then missing, not killed (`tokaudit._ends`)."""
+        self._close(deliberate=True)
+
+    def _close_at_exit(self) -> None:
+        self._close(deliberate=False)
+
+    def _close(self, deliberate: bool) -> None:
         if self._closed:
             return
+        if deliberate:
+            self.provenance["closed"] = True
         self.note_unfinished()  # the update under way, if any, is never stepped now
         if self._capture is not None:
             self._capture.__exit__(None, None, None)
@@ -462,15 +467,15 @@ class Recorder(UpdateTracking):
         self._handles.clear()
         if self._scaler is not None:
             self._scaler.close()
-        atexit.unregister(self.close)
+        atexit.unregister(self._close_at_exit)
         if self._audits is not None:
             self._audits.close()  # rank 0: the final audit, logged to the trackers (a bounded wait)
 
     def __enter__(self) -> Recorder:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, *_: object) -> None:
+        self._close(deliberate=kind is None)
 
     # ---------------------------------------------------------------- internals: identity, shards
     def _hook_model(self) -> None:

@@ -11,6 +11,7 @@ on the host: no device sync.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,16 @@ SPLITS = ("SplitBackward0", "SplitWithSizesBackward0")
 
 GRAPH_DEPTH = 16
 """Nodes walked up from a call's logits to the split they were cut from (views, casts, the output layer)."""
+
+
+def weight_problem(name: str, weight: object) -> str | None:
+    """Why `loss_term(name, weight=…)` cannot take this λ (None where it can): a weight is a finite positive number."""
+    if isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight) and weight > 0:
+        return None
+    return (
+        f"tokaudit: loss_term({name!r}, weight={weight!r}): a weight is a positive number; this one is left out, "
+        "and the term is judged as a token mean"
+    )
 
 
 def split_origin(logits: torch.Tensor) -> tuple[int, int] | None:

@@ -12,6 +12,7 @@ import pytest
 
 from tests.logs import audit_rows, codes, only, UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
 from tokaudit._auditing import audit
+from tokaudit._schema import PROVENANCE_KEY
 from tokaudit.codes import Code, Severity
 
 
@@ -406,7 +407,7 @@ def test_a_rank_whose_records_end_early_by_at_most_a_shard_leaves_those_steps_un
     """A rank killed at once loses what its recorder held since its last shard: in files of 2 steps a rank, rank 1's
     end at step 3 and rank 0's at 5. Steps 4–5 hold rank 0's tokens alone: left out and said (unfinished_update),
     the run correct. A rank short by more than its widest shard is a rank missing; so is one in files of every rank
-    (where no recorder's buffer explains it)."""
+    (where no recorder's buffer explains it), and one whose recorder the training code closed."""
     rows = records(UNEVEN_GA * 2, token_mean)
     killed = write_by_rank(tmp_path / "killed", [r for r in rows if r["rank"] == 0 or r["step"] <= 3], steps_per_file=2)
     report = audit([killed])
@@ -419,6 +420,16 @@ def test_a_rank_whose_records_end_early_by_at_most_a_shard_leaves_those_steps_un
     assert only(audit([short]), Code.MISSING_RANK).steps.first == 2
     together = write(tmp_path / "together" / "all.parquet", [r for r in rows if r["rank"] == 0 or r["step"] <= 3])
     assert only(audit([together.parent]), Code.MISSING_RANK).steps.first == 4
+    # rank 1's last shard says its recorder was closed by the training code (under DDP's join(), say): it ended
+    # on purpose, while the other rank's updates went on without its tokens
+    joined = write_by_rank(tmp_path / "joined", [r for r in rows if r["rank"] == 0 or r["step"] <= 3], steps_per_file=2)
+    (joined / "rank-00001-000002.parquet").unlink()
+    write(
+        joined / "rank-00001-000002.parquet",
+        [r for r in rows if r["rank"] == 1 and r["step"] in (2, 3)],
+        metadata={PROVENANCE_KEY: b'{"closed": true}'},
+    )
+    assert only(audit([joined]), Code.MISSING_RANK).steps.first == 4
 
 
 def test_ranks_with_no_record_in_any_step_make_the_run_inconclusive(tmp_path: Path) -> None:

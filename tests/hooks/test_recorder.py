@@ -592,6 +592,29 @@ def test_begin_step_takes_a_whole_number_of_any_type_and_numbers_on_past_what_is
     assert tokaudit.audit([tmp_path]).verdicts == {"floats": "correct", "numbers": "correct", "nothing": "correct"}
 
 
+def test_the_last_shard_says_the_training_code_closed_the_recorder_and_never_at_an_error(tmp_path: Path) -> None:
+    """close() called by the training code (or a `with` block left normally) is a deliberate end, which the last
+    shard's footer says ("closed"): the audit then reads a rank whose records end early as missing, not killed.
+    A `with` block left by an error says nothing of it."""
+    import json
+
+    from tokaudit._schema import PROVENANCE_KEY
+
+    def said(run: str) -> list[bool]:
+        shards = sorted((tmp_path / run).glob("*.parquet"))
+        return [json.loads(pq.read_metadata(s).metadata[PROVENANCE_KEY]).get("closed") is True for s in shards]
+
+    with Recorder(tmp_path, run_id="closed", flush_every=2) as rec:
+        for step in range(3):
+            rec.begin_step(step)
+            rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with Recorder(tmp_path, run_id="errored") as rec:
+            rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0)
+            raise RuntimeError("out of memory")
+    assert said("closed")[-1] and not any(said("closed")[:-1]) and said("errored") == [False]
+
+
 def test_every_shard_says_where_it_came_from(tmp_path: Path) -> None:
     """Each shard's footer holds `tokaudit.provenance`: tokaudit's and torch's versions, the W the recorder saw,
     and the trainer an integration names (which the audit's fixes then speak in)."""
@@ -607,10 +630,11 @@ def test_every_shard_says_where_it_came_from(tmp_path: Path) -> None:
     shards = sorted((tmp_path / "prov").glob("*.parquet"))
     assert len(shards) == 2
     launches = set()
-    for shard in shards:
+    for index, shard in enumerate(shards):
         note = json.loads(pq.read_schema(shard).metadata[b"tokaudit.provenance"])
         launch = note.pop("launch")
         launches.add((launch["id"], launch["first_shard"]))
+        assert note.pop("closed", False) == (index == len(shards) - 1)  # written at close()
         assert note == {
             "tokaudit": tokaudit.__version__,
             "torch": torch.__version__,
