@@ -25,8 +25,9 @@ KEYS = {"fail-on": "fail_on", "ignore": "ignore", "rtol": "rtol", "min-ratio": "
 """Each setting and the `tokaudit check` option it sets (the option's name without its dashes)."""
 
 
-RAY_ADDRESS = re.compile(r"^(auto|local|ray://\S+|(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d+)$")
-"""What `ray.init` takes for a cluster: `auto`, `local`, a client's ray://…, or the head's HOST:PORT."""
+RAY_ADDRESS = re.compile(r"^(auto|local|(ray|anyscale)://\S+|(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d+)$")
+"""What `ray.init` takes for a cluster: `auto`, `local`, a client's ray://… (anyscale://… on Anyscale), or the head's
+HOST:PORT; never a log's s3://…"""
 
 
 def ray_address_problem(value: str) -> str | None:

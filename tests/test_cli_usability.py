@@ -444,9 +444,9 @@ def test_a_folder_after_ray_is_not_taken_for_the_cluster_s_address() -> None:
     """--ray's value is optional, so `check --ray runs/` gives it the folder: that is said, with the way out, not
     "missing argument" nor an attempt to reach a cluster called runs/ (exit 2 either way)."""
     log = str(SAMPLE_LOGS / "bug_local_mean")
-    for args in (["--ray", log], ["--ray", log, log]):
+    for args in (["--ray", log], ["--ray", log, log], ["--ray", "s3://bucket/runs/"]):
         code, out, err = invoke("check", *args)
-        assert (code, out) == (2, "") and f"'{log}' is no Ray cluster's address" in err
+        assert (code, out) == (2, "") and f"'{args[1]}' is no Ray cluster's address" in err
         assert "give the paths before --ray" in err and "Missing argument" not in err
     for address in ("127.0.0.1:1", "localhost:1"):  # an address is tried: nothing answers there
         code, _, err = invoke("check", log, "--ray", address)
