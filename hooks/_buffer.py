@@ -62,9 +62,10 @@ class RecordBuffer:
             self.unpacked.append(record)  # (a tensor already there: the record is waiting already)
         setattr(record, name, value)
 
-    def mark_skipped(self, step: int, skipped: bool | torch.Tensor) -> None:
+    def mark_skipped(self, step: int, skipped: bool | torch.Tensor, over: bool = False) -> None:
+        """The records of `step` that say nothing of it yet (`over`: all) say whether it was skipped."""
         for record in self.at(step):
-            if record.skipped is None:
+            if over or record.skipped is None:
                 self.set_value(record, "skipped", skipped)  # a scaler's found_inf is a tensor
 
     def rescale(self, step: int, factor: Value) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -402,9 +403,8 @@ class Recorder(UpdateTracking):
             self._buffer.set_value(record, "reported_loss", snapshot)
 
     def flush(self, wait_for_backward: bool = False) -> None:
-        """Write buffered records to a new shard. With `wait_for_backward` (the automatic flush),
-        the current update's records and those whose probe has not yet seen its backward stay
-        buffered for the next shard."""
+        """Write buffered records to a new shard. With `wait_for_backward` (the automatic flush), the current
+        update's records and those whose probe has not yet seen its backward stay buffered for the next shard."""
         if self.flushing or (not self._buffer.records and not self._output.backlog):
             return
         self.flushing = True
@@ -443,9 +443,9 @@ class Recorder(UpdateTracking):
 
     def close(self) -> None:
         """Stop a started capture, flush everything and detach the hooks. Safe to call twice. Called by the training
-        code (not at exit, nor out of an error), it is a deliberate end, which the last shard's footer says
-        ("closed"): a rank whose records end before the others' is then missing, not killed (`tokaudit._ends`)."""
-        self._close(deliberate=True)
+        code (not at exit, nor while an error is in flight: a `finally`), it is a deliberate end, which the last
+        shard's footer says ("closed"): a rank whose records end before the others' is then missing, not killed."""
+        self._close(deliberate=sys.exc_info()[0] is None)
 
     def _close_at_exit(self) -> None:
         self._close(deliberate=False)

@@ -44,6 +44,10 @@ class UpdateTracking:
         self._active_term: str | None = None
         self._term_weights: dict[str, float] = {}  # λ of each term declared with one (`loss_term`)
         self._steps_known = self._optimizer is not None  # else until begin_step/end_step is called
+        # backwards that reached the optimizer's first or last parameter, and how many had when the open update began
+        # (`_count_backwards`; None: not counted)
+        self._backwards: int | None = None
+        self._backwards_at_open = 0
 
     def _numbered(self, term: str, step: int | None, micro: int | None, deferred: bool) -> tuple[int, int]:
         """The update and microbatch of a new record of `term`: those given, else the open update's next."""
@@ -149,6 +153,7 @@ class UpdateTracking:
         """Update `step` is the open one, nothing of it recorded yet."""
         self._step, self._step_records = step, 0
         self._micro_next, self._unsynced, self._scalars = {}, set(), {}
+        self._backwards_at_open = self._backwards or 0
 
     def _advance(self) -> None:
         self._auto_closed = None
@@ -177,6 +182,10 @@ class UpdateTracking:
         # then shows as the ranks disagreeing, skip_mismatch); under a watched scaler, its update() says (a fused
         # optimizer steps through an overflow)
         applied = bool(self._step_records) and self._scaler is None
+        if self._auto_closed is not None and not self._step_records and self._scaler is None:
+            # the zero_grad that closed this update as skipped came before its backward (a tutorial's order, before
+            # any backward was counted): the step right after it, nothing recorded since, applied it
+            self._buffer.mark_skipped(self._auto_closed, False, over=True)
         self.end_step(skipped=False if applied else None)
 
     def _on_scaler_update(self, found_inf: torch.Tensor | None) -> None:
@@ -216,9 +225,14 @@ class UpdateTracking:
         if not self._step_records:
             return
         current = list(self._buffer.at(self._step))
-        # a record whose b or probe is still waiting for its backward says none has run (gradients cleared before
-        # backward, as tutorials do); one that cannot tell counts as run
-        if not any(r.backpropagated and r.seen_in_backward is not False for r in current):
+        # A backward ran in this update: one reached the optimizer's parameters since it began; before any is counted,
+        # one of its records went through backward (one that cannot tell counts; a b whose hook has not fired does
+        # not: recorded before its backward, gradients cleared first as tutorials do, or after it, hooked too late).
+        if self._backwards:  # counted, and the count has moved: the parameters' hooks work
+            ran = self._backwards > self._backwards_at_open
+        else:
+            ran = any(r.backpropagated and r.seen_in_backward is not False for r in current)
+        if not ran:
             return
         self._close_skipped()
         self._step_records += self._buffer.carry_over(current, self._step, self._micro_next)
@@ -235,6 +249,22 @@ class UpdateTracking:
         self._watch_zero_grad(self._optimizer)
         if callable(getattr(self._model, "zero_grad", None)):  # gradients cleared through the model (a guard's skip)
             self._watch_zero_grad(self._model)
+        self._count_backwards(self._optimizer)
+
+    def _count_backwards(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count the backwards that reach the optimizer's first or last parameter (a hook after each accumulates its
+        gradient: two calls a backward, no sync); where that cannot be hooked, none are counted."""
+        trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        try:
+            for parameter in {id(p): p for p in trained[:1] + trained[-1:]}.values():
+                self._handles.append(parameter.register_post_accumulate_grad_hook(lambda _: self._saw_backward()))
+            self._backwards = 0 if trained else None
+        except Exception:  # a parameter type without the hook: the records' own evidence decides
+            self._backwards = None
+
+    def _saw_backward(self) -> None:
+        if self._backwards is not None:
+            self._backwards += 1
 
     def _hook_scaler(self, scaler: Any) -> None:
         self._scaler = None if scaler is None else ScalerWatch(scaler, self._on_scaler_update)

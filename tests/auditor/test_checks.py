@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -430,6 +431,20 @@ def test_a_rank_whose_records_end_early_by_at_most_a_shard_leaves_those_steps_un
         metadata={PROVENANCE_KEY: b'{"closed": true}'},
     )
     assert only(audit([joined]), Code.MISSING_RANK).steps.first == 4
+    # a relaunch: both ranks closed at the end of launch 0 (steps 0–3), launch 4 went on and rank 1 was killed before
+    # its first shard: only a close in the group's latest launch says a rank ended on purpose
+    relaunched = tmp_path / "relaunched"
+    for rank in (0, 1):
+        first = {"launch": {"id": "a", "first_shard": 0}, "closed": True}
+        held = [r for r in rows if r["rank"] == rank and r["step"] <= 3]
+        write(
+            relaunched / f"rank-{rank:05d}-000000.parquet", held, metadata={PROVENANCE_KEY: json.dumps(first).encode()}
+        )
+    later = {"launch": {"id": "b", "first_shard": 4}}
+    held = [r for r in rows if r["rank"] == 0 and 4 <= r["step"] <= 5]
+    write(relaunched / "rank-00000-000004.parquet", held, metadata={PROVENANCE_KEY: json.dumps(later).encode()})
+    (finding,) = audit([relaunched]).findings
+    assert finding.code == Code.UNFINISHED_UPDATE and (finding.steps.first, finding.steps.last) == (4, 5)
 
 
 def test_ranks_with_no_record_in_any_step_make_the_run_inconclusive(tmp_path: Path) -> None:

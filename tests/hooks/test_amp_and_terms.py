@@ -195,6 +195,48 @@ def test_gradients_cleared_between_a_record_and_its_backward_close_no_update(tmp
     assert report.verdicts == {clears: "incorrect"} and "nonfinite_values" in {f.code.value for f in report.findings}
 
 
+@pytest.mark.parametrize("recorded", ["tensor", "no_grad", "float"])
+def test_a_guard_s_skip_is_closed_whether_the_record_comes_before_or_after_backward(
+    tmp_path: Path, recorded: str
+) -> None:
+    """b recorded after backward (hooked too late to be seen in it), under no_grad after backward, or as a Python
+    number before backward: a guard that skips update 2's optimizer step and clears the gradients closes that update
+    as skipped (a backward reached the optimizer's parameters in it), and the applied updates are said applied."""
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(tmp_path, run_id=recorded, optimizer=optimizer) as rec:
+        for step in range(4):
+            scalar = model(torch.ones(1, 2)).sum()
+            if recorded == "float":
+                rec.record(loss_sum=1.0, valid_tokens=2, backward_scalar=float(scalar.detach()))
+            scalar.backward()
+            if recorded == "tensor":
+                rec.record(loss_sum=scalar, valid_tokens=2, backward_scalar=scalar)
+            elif recorded == "no_grad":
+                with torch.no_grad():
+                    rec.record(loss_sum=scalar.detach(), valid_tokens=2, backward_scalar=scalar.detach())
+            if step != 2:
+                optimizer.step()
+            optimizer.zero_grad()
+    rows = read_rows(tmp_path / recorded)
+    assert [(r["step"], r["micro"], r["skipped"]) for r in rows] == [(s, 0, s == 2) for s in range(4)]
+
+
+def test_gradients_cleared_before_each_backward_of_a_number_leave_every_update_applied(tmp_path: Path) -> None:
+    """A tutorial's order with b recorded as a Python number: `record(b.item())`, `zero_grad()`, `backward()`,
+    `step()`. Every update was applied, from the first (no backward counted yet) on."""
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(tmp_path, run_id="numbers", optimizer=optimizer) as rec:
+        for _ in range(3):
+            scalar = model(torch.ones(1, 2)).sum()
+            rec.record(loss_sum=1.0, valid_tokens=2, backward_scalar=float(scalar.detach()))
+            optimizer.zero_grad()
+            scalar.backward()
+            optimizer.step()
+    assert [(r["step"], r["skipped"]) for r in read_rows(tmp_path / "numbers")] == [(s, False) for s in range(3)]
+
+
 def test_each_probe_goes_to_the_record_of_its_loss_term_block(tmp_path: Path) -> None:
     """docs/recording.md: probes inside `loss_term(name)` belong to that term. Both terms probed first, each in its
     block, then recorded, each in its block: each record carries its own term's weights (Σ∂b/∂ℓ = n/N of its own N),

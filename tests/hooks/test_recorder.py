@@ -595,7 +595,7 @@ def test_begin_step_takes_a_whole_number_of_any_type_and_numbers_on_past_what_is
 def test_the_last_shard_says_the_training_code_closed_the_recorder_and_never_at_an_error(tmp_path: Path) -> None:
     """close() called by the training code (or a `with` block left normally) is a deliberate end, which the last
     shard's footer says ("closed"): the audit then reads a rank whose records end early as missing, not killed.
-    A `with` block left by an error says nothing of it."""
+    A `with` block left by an error, or a close() in a `finally` while the error is in flight, says nothing of it."""
     import json
 
     from tokaudit._schema import PROVENANCE_KEY
@@ -612,7 +612,15 @@ def test_the_last_shard_says_the_training_code_closed_the_recorder_and_never_at_
         with Recorder(tmp_path, run_id="errored") as rec:
             rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0)
             raise RuntimeError("out of memory")
-    assert said("closed")[-1] and not any(said("closed")[:-1]) and said("errored") == [False]
+    rec = Recorder(tmp_path, run_id="finally")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        try:
+            rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0)
+            raise RuntimeError("out of memory")
+        finally:
+            rec.close()  # the error still in flight
+    assert said("closed")[-1] and not any(said("closed")[:-1])
+    assert said("errored") == [False] and said("finally") == [False]
 
 
 def test_every_shard_says_where_it_came_from(tmp_path: Path) -> None:
