@@ -81,9 +81,7 @@ def uneven_ends(shards: Sequence[Shard]) -> dict[str, UnevenEnd]:
     its widest shard. Only what the footers settle: shards of one rank each, whose run, group, steps and W they give,
     one W over the group (a resize ends the ranks it leaves), every rank below it holding a shard."""
     spans: dict[tuple[str, str], dict[int, tuple[int, int]]] = {}  # per rank: (its last step, its widest shard)
-    # per rank: its last shard's (launch, last step), and whether its recorder was closed there
-    closed: dict[tuple[str, str, int], tuple[tuple[int, int], bool]] = {}
-    latest: dict[tuple[str, str], int] = {}  # the group's latest launch
+    closes: dict[tuple[str, str], dict[int, set[int]]] = {}  # per rank: the last steps of its shards written at close()
     worlds: dict[tuple[str, str], set[tuple[int, int] | None]] = {}
     unsettled: set[tuple[str, str]] = set()
     for shard in shards:
@@ -97,10 +95,8 @@ def uneven_ends(shards: Sequence[Shard]) -> dict[str, UnevenEnd]:
             continue
         last, widest = spans.setdefault(key, {}).get(held[0], (steps[1], 0))
         spans[key][held[0]] = (max(last, steps[1]), max(widest, steps[1] - steps[0] + 1))
-        launch = -1 if shard.provenance.launch is None else shard.provenance.launch
-        latest[key] = max(latest.get(key, -1), launch)
-        if (launch, steps[1]) >= closed.get((*key, held[0]), ((-1, -1), False))[0]:
-            closed[(*key, held[0])] = ((launch, steps[1]), shard.provenance.closed)
+        if shard.provenance.closed:
+            closes.setdefault(key, {}).setdefault(held[0], set()).add(steps[1])
     found: dict[str, dict[str, GroupEnd]] = {}
     for key, ranks in spans.items():
         world = next(iter(worlds[key])) if len(worlds[key]) == 1 else None
@@ -108,9 +104,15 @@ def uneven_ends(shards: Sequence[Shard]) -> dict[str, UnevenEnd]:
             continue
         end = max(last for last, _ in ranks.values())
         stopped = {rank: last for rank, (last, _) in ranks.items() if last < end}
-        # closed by the training code in the group's latest launch (a rank a later launch lost before its first shard
-        # was closed only in an earlier one)
-        ended = {rank for rank in stopped if closed[(*key, rank)][1] and closed[(*key, rank)][0][0] == latest[key]}
+        # a rank the training code closed at its last step while the others went on ended on purpose; where another
+        # rank closed at that step too, the job ended there, and a relaunch went on without this rank (killed
+        # before its first shard)
+        closed = closes.get(key, {})
+        ended = {
+            rank
+            for rank, last in stopped.items()
+            if last in closed.get(rank, set()) and not any(last in at for other, at in closed.items() if other != rank)
+        }
         if stopped and not ended and all(end - ranks[rank][0] <= ranks[rank][1] for rank in stopped):
             found.setdefault(key[0], {})[key[1]] = GroupEnd(min(stopped.values()), end, stopped)
     return {run: UnevenEnd(groups) for run, groups in found.items()}

@@ -445,7 +445,7 @@ class Recorder(UpdateTracking):
         """Stop a started capture, flush everything and detach the hooks. Safe to call twice. Called by the training
         code (not at exit, nor while an error is in flight: a `finally`), it is a deliberate end, which the last
         shard's footer says ("closed"): a rank whose records end before the others' is then missing, not killed."""
-        self._close(deliberate=sys.exc_info()[0] is None)
+        self._close(deliberate=sys.exc_info()[0] in (None, StopIteration, StopAsyncIteration))  # data ran out: no error
 
     def _close_at_exit(self) -> None:
         self._close(deliberate=False)

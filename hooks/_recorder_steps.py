@@ -47,7 +47,7 @@ class UpdateTracking:
         # backwards that reached the optimizer's first or last parameter, and how many had when the open update began
         # (`_count_backwards`; None: not counted)
         self._backwards: int | None = None
-        self._backwards_at_open = 0
+        self._backwards_at_open = self._backwards_at_close = 0  # (and when zero_grad last closed one as skipped)
 
     def _numbered(self, term: str, step: int | None, micro: int | None, deferred: bool) -> tuple[int, int]:
         """The update and microbatch of a new record of `term`: those given, else the open update's next."""
@@ -145,7 +145,7 @@ class UpdateTracking:
     # ---------------------------------------------------------------- internals: steps
 
     def _close_skipped(self) -> None:
-        closed = self._step
+        closed, self._backwards_at_close = self._step, self._backwards or 0
         self.end_step(skipped=True)
         self._auto_closed = closed
 
@@ -182,10 +182,13 @@ class UpdateTracking:
         # then shows as the ranks disagreeing, skip_mismatch); under a watched scaler, its update() says (a fused
         # optimizer steps through an overflow)
         applied = bool(self._step_records) and self._scaler is None
-        if self._auto_closed is not None and not self._step_records and self._scaler is None:
-            # the zero_grad that closed this update as skipped came before its backward (a tutorial's order, before
-            # any backward was counted): the step right after it, nothing recorded since, applied it
-            self._buffer.mark_skipped(self._auto_closed, False, over=True)
+        if self._auto_closed is not None and not self._step_records:
+            # The zero_grad that closed this update as skipped came before a backward this step applies (a tutorial's
+            # order, before any backward was counted): it was applied after all. A step on the cleared gradients
+            # alone (no backward since) applies nothing. Either way the open update begins after this step.
+            if self._scaler is None and (self._backwards or 0) > self._backwards_at_close:
+                self._buffer.mark_skipped(self._auto_closed, False, over=True)
+            self._backwards_at_open = self._backwards or 0
         self.end_step(skipped=False if applied else None)
 
     def _on_scaler_update(self, found_inf: torch.Tensor | None) -> None:
@@ -225,14 +228,13 @@ class UpdateTracking:
         if not self._step_records:
             return
         current = list(self._buffer.at(self._step))
-        # A backward ran in this update: one reached the optimizer's parameters since it began; before any is counted,
-        # one of its records went through backward (one that cannot tell counts; a b whose hook has not fired does
-        # not: recorded before its backward, gradients cleared first as tutorials do, or after it, hooked too late).
-        if self._backwards:  # counted, and the count has moved: the parameters' hooks work
-            ran = self._backwards > self._backwards_at_open
-        else:
-            ran = any(r.backpropagated and r.seen_in_backward is not False for r in current)
-        if not ran:
+        # A backward ran in this update: one reached the optimizer's first or last parameter since it began, or one of
+        # its records was seen in backward. A b whose hook has not fired says nothing: recorded before its backward
+        # (gradients cleared first, as tutorials do) or after it (hooked too late). Until a backward is counted (the
+        # hooks may not work for these parameters), a record that cannot tell (a number, no probe) counts.
+        counted = (self._backwards or 0) > self._backwards_at_open
+        seen = any(r.seen_in_backward for r in current)
+        if not (counted or seen or not self._backwards and any(r.seen_in_backward is None for r in current)):
             return
         self._close_skipped()
         self._step_records += self._buffer.carry_over(current, self._step, self._micro_next)

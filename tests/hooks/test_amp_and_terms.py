@@ -222,6 +222,29 @@ def test_a_guard_s_skip_is_closed_whether_the_record_comes_before_or_after_backw
     assert [(r["step"], r["micro"], r["skipped"]) for r in rows] == [(s, 0, s == 2) for s in range(4)]
 
 
+def test_a_skip_whose_backward_missed_the_counted_parameters_and_a_step_on_cleared_gradients_stay_skipped(
+    tmp_path: Path,
+) -> None:
+    """The backwards are counted on the optimizer's first and last parameters. Update 1's backward reaches neither
+    (a head used on some batches only), and its guard skips the step: its record was seen in backward, so it is still
+    closed as skipped. Update 3's guard clears the gradients and calls step() anyway: a step on cleared gradients
+    applies nothing, and the update stays skipped."""
+    first, middle, last = (torch.nn.Parameter(torch.ones(1)) for _ in range(3))
+    optimizer = torch.optim.SGD([first, middle, last], lr=0.1)
+    with Recorder(tmp_path, run_id="skips", optimizer=optimizer) as rec:
+        for step in range(5):
+            scalar = (middle * 2).sum() if step == 1 else (first + middle + last).sum()
+            rec.record(loss_sum=scalar, valid_tokens=2, backward_scalar=scalar)
+            scalar.backward()
+            if step not in (1, 3):
+                optimizer.step()
+            optimizer.zero_grad()
+            if step == 3:
+                optimizer.step()  # nothing to apply: every gradient was cleared
+    rows = read_rows(tmp_path / "skips")
+    assert [(r["step"], r["micro"], r["skipped"]) for r in rows] == [(s, 0, s in (1, 3)) for s in range(5)]
+
+
 def test_gradients_cleared_before_each_backward_of_a_number_leave_every_update_applied(tmp_path: Path) -> None:
     """A tutorial's order with b recorded as a Python number: `record(b.item())`, `zero_grad()`, `backward()`,
     `step()`. Every update was applied, from the first (no backward counted yet) on."""

@@ -619,8 +619,14 @@ def test_the_last_shard_says_the_training_code_closed_the_recorder_and_never_at_
             raise RuntimeError("out of memory")
         finally:
             rec.close()  # the error still in flight
+    rec = Recorder(tmp_path, run_id="ran_out")
+    try:
+        rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0)
+        next(iter([]))
+    except StopIteration:  # the data ran out: no error
+        rec.close()
     assert said("closed")[-1] and not any(said("closed")[:-1])
-    assert said("errored") == [False] and said("finally") == [False]
+    assert said("errored") == [False] and said("finally") == [False] and said("ran_out") == [True]
 
 
 def test_every_shard_says_where_it_came_from(tmp_path: Path) -> None:
