@@ -8,6 +8,7 @@ that says why.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -253,3 +254,47 @@ def test_a_rank_killed_at_once_leaves_the_steps_it_never_wrote_unjudged(tmp_path
     (finding,) = report.findings
     assert report.runs[0].verdict == "correct" and finding.code.value == "unfinished_update"
     assert (finding.steps.first, finding.steps.last) == (last[0] + 1, 4)
+
+
+def _joined(rank: int, world_size: int, log_dir: str) -> list[float]:
+    """DDP under `join()`: rank 1's data runs out after 3 updates, rank 0 trains 2 more alone, and both close their
+    recorders. Each rank's b is S/n (every record holds 8 valid tokens: the token mean while both train). Returns, for
+    rank 0's updates alone, the applied gradient over the float64 token mean's (∇ S/N, N its own n)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tokaudit.hooks import Recorder
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    model = DistributedDataParallel(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = Recorder(log_dir, run_id="joined", model=model, optimizer=optimizer, announce=False)
+    ratios = []
+    with model.join():
+        for step in range(5 if rank == 0 else 3):
+            generator = torch.Generator().manual_seed(10 * step + rank)
+            tokens, labels = (torch.randint(0, 16, (1, 8), generator=generator) for _ in range(2))
+            loss_sum = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), reduction="sum")
+            rec.record(loss_sum, 8, loss_sum / 8)
+            (loss_sum / 8).backward()
+            if step >= 3:  # alone: the reference is rank 0's own token mean, in float64
+                reference = copy.deepcopy(net).double()
+                torch.nn.functional.cross_entropy(
+                    reference(tokens).flatten(0, 1), labels.flatten(), reduction="sum"
+                ).div(8).backward()
+                applied, truth = net[1].weight.grad.double().flatten(), reference[1].weight.grad.flatten()
+                ratios.append(float(applied @ truth / (truth @ truth)))  # g = ratio · ∇(S/N), projected
+            optimizer.step()
+            optimizer.zero_grad()
+    rec.close()
+    return ratios
+
+
+def test_a_rank_out_of_data_under_join_is_a_missing_rank_not_a_kill(tmp_path: Path) -> None:
+    """Rank 1 runs out of data and closes its recorder; rank 0 trains on under DDP's join(), which still divides by
+    W = 2: the float64 reference says its tokens then get half the token-mean weight. The short rank's last shard says
+    the training code closed it, so its early end is missing_rank, and the run incorrect (never excused as a kill)."""
+    ratios = run_ddp(_joined, 2, str(tmp_path))[0]
+    assert ratios == [pytest.approx(0.5), pytest.approx(0.5)]
+    report = audit([tmp_path / "joined"])
+    assert report.runs[0].verdict == "incorrect" and "missing_rank" in {f.code.value for f in report.findings}
