@@ -8,7 +8,7 @@ alone."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,11 +40,7 @@ class UnevenEnd:
 
     def covers(self, frame: pd.DataFrame) -> npt.NDArray[np.bool_]:
         """Rows of the step table past their group's last complete step."""
-        hit = np.zeros(len(frame), dtype=bool)
-        groups, steps = frame.grp.astype(str).to_numpy(), frame.step.to_numpy()
-        for group, end in self.groups.items():
-            hit |= (groups == group) & (steps > end.complete)
-        return hit
+        return spans_cover(frame, {group: [(end.complete + 1, end.last)] for group, end in self.groups.items()})
 
     def finding(self, run: str) -> Finding:
         first = min(end.complete for end in self.groups.values()) + 1
@@ -74,6 +70,18 @@ class UnevenEnd:
                 "stopped_at": [step for _, step in stopped],
             },
         )
+
+
+def spans_cover(frame: pd.DataFrame, spans: Mapping[str, Iterable[tuple[int, int]]]) -> npt.NDArray[np.bool_]:
+    """Rows of the step table whose step lies in one of its group's spans (first, last): the steps left out of a
+    run's judgement, here and where records were dropped (`summary.DroppedRecords`)."""
+    hit = np.zeros(len(frame), dtype=bool)
+    groups, steps = frame.grp.astype(str).to_numpy(), frame.step.to_numpy()
+    for group, held in spans.items():
+        mine = groups == group
+        for first, last in held:
+            hit |= mine & (steps >= first) & (steps <= last)
+    return hit
 
 
 def uneven_ends(shards: Sequence[Shard]) -> dict[str, UnevenEnd]:

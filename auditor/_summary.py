@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
+from tokaudit._ends import spans_cover
 from tokaudit._checks import RunSteps, distinct, pooled_sums, weight_ratio, world_sizes
 from tokaudit.codes import DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, WEIGHTING, Code, Severity
 from tokaudit._reader import Shard
@@ -29,13 +30,7 @@ class DroppedRecords:
 
     def covers(self, frame: pd.DataFrame) -> npt.NDArray[np.bool_]:
         """Rows of the step table whose (group, step) lost records."""
-        hit = np.zeros(len(frame), dtype=bool)
-        groups, steps = frame.grp.astype(str).to_numpy(), frame.step.to_numpy()
-        for group, spans in self.spans.items():
-            mine = groups == group
-            for first, last in spans:
-                hit |= mine & (steps >= first) & (steps <= last)
-        return hit
+        return spans_cover(frame, self.spans)
 
     def merged(self) -> list[tuple[int, int]]:
         """The step ranges of every group, as disjoint ranges in step order."""
