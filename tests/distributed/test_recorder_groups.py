@@ -25,6 +25,7 @@ def _before_init_job(rank: int, world_size: int, folder: str, rendezvous: str) -
     dist.destroy_process_group()
     rec = Recorder(folder, run_id="early")  # made before init_process_group, as trainers often do
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    dist.barrier()  # the same race again: no rank leaves this group before its peer has connected to it
     rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=1.0, step=0)
     rec.close()
     return rec.rank, rec.world_size
