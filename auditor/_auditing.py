@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import duckdb
+import numpy as np
 import pandas as pd
 
 from tokaudit._checks import check_run, one_objective, with_other_ranks, without_miscounted
@@ -92,7 +93,10 @@ def audit_started(
     cluster = Cluster.connect(ray) if ray is not None else None
     try:
         judging = _Judging(rtol, ignored, min_ratio)
-        return _audit(paths, judging, runs, progress, live, keep_steps, threads, started, then, cluster)
+        # A log's NaN, inf or 1e308 is data the checks look for and weigh, not a fault of their arithmetic: numpy's
+        # warnings about them would be lines of tokaudit's source among the report's.
+        with np.errstate(all="ignore"):
+            return _audit(paths, judging, runs, progress, live, keep_steps, threads, started, then, cluster)
     finally:
         if cluster is not None:
             cluster.close()

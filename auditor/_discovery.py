@@ -28,6 +28,8 @@ def discover(
     problems: list[LogFormatError] = []
     for raw in paths:
         path = Path(raw)
+        if _not_utf8(str(path), problems):
+            continue
         if not path.exists() and not path.is_symlink():
             problems.append(LogFormatError(str(raw), "no such file or directory"))
             continue
@@ -94,7 +96,8 @@ def _walk(
             identity = os.stat(here)
         except OSError:
             continue
-        if (identity.st_dev, identity.st_ino) in seen:  # a link back up the tree
+        # a link back up the tree; a name no UTF-8 (nor then are its files')
+        if (identity.st_dev, identity.st_ino) in seen or _not_utf8(here, problems):
             folders[:] = []
             continue
         seen.add((identity.st_dev, identity.st_ino))
@@ -171,6 +174,8 @@ def _add_files(
     child = getattr(base, "_make_child_relpath", base.joinpath)  # (pathlib's, without parsing the name again)
     for name in names:
         path = os.path.join(here, name)
+        if _not_utf8(path, problems):
+            continue
         inode = listed.get(name)
         if inode is not None and os.access(path, os.R_OK):
             key: tuple[int, int] | None = (device, inode)
@@ -183,6 +188,18 @@ def _add_files(
                 found[key] = child(name)
         else:
             problems.append(LogFormatError(path, problem))
+
+
+def _not_utf8(path: str, problems: list[LogFormatError]) -> bool:
+    """Whether a path is not UTF-8 (Python holds its other bytes as surrogate escapes), said in `problems` with those
+    bytes shown as \\xNN: DuckDB opens files, and every report names them, in UTF-8 alone."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(path).decode("utf-8", "backslashreplace")
+        problems.append(LogFormatError(shown, "the name is not UTF-8 (its other bytes shown as \\xNN): rename it"))
+        return True
+    return False
 
 
 def _note_outside(path: str, inside: str, notes: list[str]) -> None:

@@ -108,7 +108,7 @@ def uneven_ends(shards: Sequence[Shard]) -> dict[str, UnevenEnd]:
     found: dict[str, dict[str, GroupEnd]] = {}
     for key, ranks in spans.items():
         world = next(iter(worlds[key])) if len(worlds[key]) == 1 else None
-        if key in unsettled or world is None or world[0] != world[1] or set(ranks) != set(range(world[0])):
+        if key in unsettled or world is None or world[0] != world[1] or not _every_rank(ranks, world[0]):
             continue
         end = max(last for last, _ in ranks.values())
         stopped = {rank: last for rank, (last, _) in ranks.items() if last < end}
@@ -124,3 +124,8 @@ def uneven_ends(shards: Sequence[Shard]) -> dict[str, UnevenEnd]:
         if stopped and not ended and all(end - ranks[rank][0] <= ranks[rank][1] for rank in stopped):
             found.setdefault(key[0], {})[key[1]] = GroupEnd(min(stopped.values()), end, stopped)
     return {run: UnevenEnd(groups) for run, groups in found.items()}
+
+
+def _every_rank(ranks: Mapping[int, object], world: int) -> bool:
+    """Every rank below W holds a shard (distinct whole numbers: as many as W, each below it; never W's range)."""
+    return len(ranks) == world and all(0 <= rank < world for rank in ranks)

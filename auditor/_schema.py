@@ -208,13 +208,13 @@ def read_provenance(metadata: dict[bytes, bytes] | None) -> Provenance:
     """A shard's provenance, read once (empty where there is none or it cannot be read; never raises)."""
     try:
         facts = json.loads(metadata[PROVENANCE_KEY]) if metadata and PROVENANCE_KEY in metadata else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # what no recorder writes: nested past Python's limit
         facts = {}
     if not isinstance(facts, dict):
         return Provenance()
 
     def whole(value: Any, least: int) -> int | None:
-        return value if isinstance(value, int) and not isinstance(value, bool) and value >= least else None
+        return value if _int64(value) and value >= least else None
 
     pipeline, launch, trainer = facts.get("pipeline"), facts.get("launch"), facts.get("trainer")
     pipeline = pipeline if isinstance(pipeline, dict) else {}
@@ -247,7 +247,15 @@ def read_dropped(metadata: dict[bytes, bytes] | None) -> dict[str, Any] | None:
         return None
     try:
         note = json.loads(metadata[DROPPED_KEY])
-        steps = [(int(a), int(b), int(c)) for a, b, c in note["steps"]]
-        return {"run": str(note["run"]), "group": str(note["group"]), "rank": int(note["rank"]), "steps": steps}
-    except (ValueError, KeyError, TypeError):
+        steps = [(a, b, c) for a, b, c in note["steps"]]
+        numbers = [note["rank"], *(n for span in steps for n in span)]
+        if not all(_int64(n) for n in numbers):
+            return None
+        return {"run": str(note["run"]), "group": str(note["group"]), "rank": note["rank"], "steps": steps}
+    except (ValueError, KeyError, TypeError, RecursionError):
         return None
+
+
+def _int64(value: Any) -> bool:
+    """A whole number as a footer's JSON holds one, in the range of the step and rank columns (not a bool, not 1e400)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63

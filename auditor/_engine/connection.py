@@ -24,8 +24,9 @@ _MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|%)\s
 def settings_from_environment() -> tuple[str, int]:
     """(memory limit, chunk rows) from TOKAUDIT_MEMORY_LIMIT and TOKAUDIT_CHUNK_ROWS, checked."""
     memory = os.environ.get("TOKAUDIT_MEMORY_LIMIT", DEFAULT_MEMORY_LIMIT)
-    if not _MEMORY.match(memory):
-        raise UsageError(f"TOKAUDIT_MEMORY_LIMIT={memory!r} is not a size (examples: 768MB, 2GiB)")
+    size = _MEMORY.match(memory)
+    if size is None or float(size.group(1)) <= 0 or (size.group(2) == "%" and float(size.group(1)) > 100):
+        raise UsageError(f"TOKAUDIT_MEMORY_LIMIT={memory!r} is not a size (examples: 768MB, 2GiB, 50%)")
     chunk = os.environ.get("TOKAUDIT_CHUNK_ROWS", str(CHUNK_ROWS))
     if not chunk.strip().isdigit() or int(chunk) < 1:
         raise UsageError(f"TOKAUDIT_CHUNK_ROWS={chunk!r} is not a positive whole number of rows")

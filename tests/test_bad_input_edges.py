@@ -1,0 +1,128 @@
+"""Bad input at the edges: names that are not UTF-8, footer notes no recorder writes, a W of two billion over
+one shard per rank, values at the ends of the float range, a memory limit of more than the memory. Each is one
+line or none, never an internal error, and the good run beside it is still audited."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import warnings
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tests.logs import UNEVEN, local_mean, records, token_mean, write_by_rank
+from tokaudit.cli import main
+
+
+def check(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, ["check", *args], env=env)
+    for text in (result.stdout, result.stderr):
+        assert "Traceback" not in text and "internal error" not in text, text
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.fixture
+def good(tmp_path: Path) -> Path:
+    return write_by_rank(tmp_path / "logs" / "good", records(UNEVEN, token_mean))
+
+
+def renamed_to(path: Path, name: bytes) -> None:
+    """`path` renamed to these bytes, which are no UTF-8 (pyarrow writes no such name)."""
+    os.rename(os.fsencode(path), os.path.join(os.fsencode(path.parent), name))
+
+
+def test_a_folder_whose_name_is_not_utf8_is_one_line_and_the_good_run_is_audited(good: Path) -> None:
+    renamed_to(write_by_rank(good.parent / "bad", records(UNEVEN, local_mean)), b"run\xff\xfe")
+    code, out, err = check(str(good.parent), "--format", "json")
+    (line,) = err.splitlines()
+    assert code == 2
+    assert (
+        line
+        == f"tokaudit: error: {good.parent}/run\\xff\\xfe: the name is not UTF-8 (its other bytes shown as \\xNN): rename it"
+    )
+    report = json.loads(out)
+    assert [(r["run"], r["verdict"]) for r in report["runs"]] == [("good", "correct")]
+
+
+@pytest.mark.parametrize("fmt", ["json", "junit", "html", "markdown", "github", "table"])
+def test_a_file_whose_name_is_not_utf8_leaves_every_report_readable(good: Path, fmt: str) -> None:
+    (good / "r.parquet").write_bytes(b"not parquet")
+    renamed_to(good / "r.parquet", b"r\xff\xfe.parquet")
+    output = good.parent.parent / f"report.{fmt}"
+    code, _, err = check(str(good), "--format", fmt, "--output", str(output))
+    assert code == 2 and "r\\xff\\xfe.parquet: the name is not UTF-8" in err
+    text = output.read_bytes().decode("utf-8")  # strict: no byte of the name comes through raw
+    if fmt == "json":
+        assert json.loads(text)["runs"][0]["verdict"] == "correct"
+    elif fmt == "junit":
+        ElementTree.fromstring(text)
+
+
+@pytest.mark.parametrize(
+    "key, note",
+    [
+        (b"tokaudit.provenance", b'{"launch": {"first_shard": 9223372036854775808}}'),  # 2^63: no int64
+        (b"tokaudit.provenance", b"[" * 100_000 + b"]" * 100_000),  # nested past Python's recursion limit
+        (b"tokaudit.dropped_steps", b"[" * 100_000 + b"]" * 100_000),
+        (b"tokaudit.dropped_steps", b'{"run": "bad", "group": "0", "rank": 0, "steps": [[0, 1e400, 1]]}'),
+    ],
+)
+def test_a_footer_note_no_recorder_writes_is_read_as_none(good: Path, key: bytes, note: bytes) -> None:
+    """The notes are what the recorder adds; one that cannot be read says nothing, and the records are audited."""
+    write_by_rank(good.parent / "bad", records(UNEVEN, local_mean), metadata={key: note})
+    code, out, _ = check(str(good.parent), "--format", "json")
+    runs = {r["run"]: r["verdict"] for r in json.loads(out)["runs"]}
+    assert code == 1 and runs == {"good": "correct", "bad": "incorrect"}
+
+
+def test_a_world_size_of_two_billion_over_one_shard_per_rank_takes_no_memory_of_its_size(tmp_path: Path) -> None:
+    """Where each rank has its own shards the footers are asked whether every rank below W has one: answered
+    without a set of W ranks. Run under a 4 GiB address space, so a regression fails here instead of taking the
+    machine's memory."""
+    logs = write_by_rank(tmp_path / "run", records(UNEVEN, token_mean, world_size=2**31 - 1))
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tokaudit", "check", str(logs), "--format", "json"],
+        capture_output=True,
+        text=True,
+        preexec_fn=limited,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "missing_rank" in {f["code"] for f in json.loads(done.stdout)["findings"]}
+
+
+@pytest.mark.parametrize(
+    "columns",
+    [
+        {"reported_loss": float("inf")},
+        {"reported_loss": float("-inf")},
+        {"reported_loss": 1e308},
+        {"grad_scale": 1e308},
+    ],
+)
+def test_values_at_the_ends_of_the_float_range_leave_no_numpy_warning_on_stderr(
+    tmp_path: Path, columns: dict[str, float]
+) -> None:
+    logs = write_by_rank(tmp_path / "run", records(UNEVEN, token_mean, **columns))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # (pytest keeps warnings off stderr: one raised is seen)
+        code, out, err = check(str(logs), "--format", "json")
+    assert code in (0, 1) and err == "", err
+    assert json.loads(out)["runs"][0]["run"] == "run"
+
+
+@pytest.mark.parametrize("value", ["101%", "0%", "0MB"])
+def test_a_memory_limit_of_no_memory_or_more_than_all_of_it_names_the_variable(good: Path, value: str) -> None:
+    code, _, err = check(str(good), env={"TOKAUDIT_MEMORY_LIMIT": value})
+    (line,) = err.splitlines()
+    assert code == 2 and "TOKAUDIT_MEMORY_LIMIT" in line and str(good) not in line
