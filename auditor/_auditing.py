@@ -82,8 +82,10 @@ def audit_started(
     `figures.run_figures`, drawn from the same aggregation)."""
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
-    if not (0 < rtol < 1):
-        raise UsageError(f"--rtol must be between 0 and 1, got {rtol}")
+    if not (0 < rtol < 0.5):  # two weights within 2·rtol of each other are one (`fits.cluster`): below 1
+        raise UsageError(f"--rtol must be above 0 and below 0.5 (a relative tolerance, 1e-4 by default), got {rtol}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise UsageError(f"threads must be a whole number of at least 1 (None: every core), got {threads!r}")
     if min_ratio is not None and not 1 <= min_ratio < math.inf:  # (inf would make every weighting finding a note)
         raise UsageError(f"--min-ratio must be a finite number of at least 1, got {min_ratio}")
     try:

@@ -126,3 +126,30 @@ def test_a_memory_limit_of_no_memory_or_more_than_all_of_it_names_the_variable(g
     code, _, err = check(str(good), env={"TOKAUDIT_MEMORY_LIMIT": value})
     (line,) = err.splitlines()
     assert code == 2 and "TOKAUDIT_MEMORY_LIMIT" in line and str(good) not in line
+
+
+@pytest.mark.parametrize("rtol", ["0.5", "0.6", "0.99"])
+def test_a_tolerance_of_half_or_more_is_refused_as_usage(good: Path, rtol: str) -> None:
+    """Two weights within 2·rtol of each other are one: from 0.5 every weight is one with every other."""
+    code, _, err = check(str(good), "--rtol", rtol)
+    (line,) = err.splitlines()
+    assert code == 2 and line.startswith("tokaudit: error: --rtol must be above 0 and below 0.5")
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_a_run_computed_in_two_bits_or_fewer_is_judged_without_an_error(tmp_path: Path, bits: int) -> None:
+    """precision_bits of 1 or 2 (fp4's e2m1 holds 2) is judged at 2^(1−p) ≥ 0.5: every weight rounds to every other,
+    so no verdict says more than the records can."""
+    logs = write_by_rank(tmp_path / "run", records(UNEVEN, token_mean, precision_bits=bits))
+    code, out, _ = check(str(logs), "--format", "json")
+    assert code == 0 and json.loads(out)["runs"][0]["verdict"] in ("correct", "inconclusive")
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
+def test_a_thread_count_that_is_none_is_a_usage_error_not_a_damaged_file(good: Path, threads: object) -> None:
+    from tokaudit import audit
+    from tokaudit.errors import UsageError
+
+    with pytest.raises(UsageError, match="threads must be a whole number of at least 1") as raised:
+        audit(good, threads=threads)  # type: ignore[arg-type]
+    assert str(good) not in str(raised.value)

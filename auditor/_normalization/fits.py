@@ -39,8 +39,11 @@ def cluster(values: Floats, rtol: float) -> npt.NDArray[np.int64]:
 
 def _reach(anchor: float, rtol: float) -> float:
     """The largest value in the cluster that starts at anchor: value − anchor ≤ 2·rtol·max(|anchor|,
-    |value|); for a positive anchor that is value ≤ anchor/(1 − 2·rtol), else value ≤ anchor + 2·rtol·|anchor|."""
-    return anchor / (1 - 2 * rtol) if anchor > 0 else anchor + 2 * rtol * abs(anchor)
+    |value|); for a positive anchor that is value ≤ anchor/(1 − 2·rtol), and every value where 2·rtol ≥ 1 (a run
+    computed in 2 significant bits, fp4's: `judged_rtol`), else value ≤ anchor + 2·rtol·|anchor|."""
+    if anchor > 0:
+        return anchor / (1 - 2 * rtol) if rtol < 0.5 else math.inf
+    return anchor + 2 * rtol * abs(anchor)
 
 
 def _sorted_clusters(values: Floats, rtol: float) -> tuple[npt.NDArray[np.int64], Floats, list[int]]:
