@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -50,13 +52,15 @@ class Cluster:
         # Ray's own C++ warnings (each failed retry of a connection, a line a second) are not the audit's output
         os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
         try:
-            ray.init(
-                address=address,
-                logging_level=logging.ERROR,
-                log_to_driver=False,
-                configure_logging=False,
-                runtime_env={"env_vars": forwarded_environment()},
-            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a Ray client's warning of the timeout its error then says again
+                ray.init(
+                    address=address,
+                    logging_level=logging.ERROR,
+                    log_to_driver=False,
+                    configure_logging=False,
+                    runtime_env={"env_vars": forwarded_environment()},
+                )
         except Exception as error:  # Ray raises ConnectionError, RuntimeError or its own for an absent cluster
             raise UsageError(f"cannot reach the Ray cluster at {address} ({first_line(error)})") from None
         cluster = cls(ray, address)
@@ -109,7 +113,8 @@ class Cluster:
     def map(self, function: Callable[[Any], Any], items: Sequence[Any]) -> Iterator[Any]:
         """function(item) for each item on the cluster, in order, at most IN_FLIGHT_PER_CPU tasks a CPU ahead. A task
         whose worker dies is run again (Ray's retries); one that still fails ends the audit with one line naming
-        its item."""
+        its item. An error the function itself raised (DuckDB's, on a file it cannot decode) is raised here as one
+        process would raise it, so that the audit names the file and goes on without it, as it does there."""
         task = self.ray.remote(function).options(max_retries=3)
         pending: list[tuple[Any, Any]] = []
         queued = iter(items)
@@ -125,11 +130,13 @@ class Cluster:
                 item, reference = pending.pop(0)
                 try:
                     yield self.ray.get(reference)
+                except self.ray.exceptions.RayTaskError as error:
+                    cause = getattr(error, "cause", None)
+                    if isinstance(cause, Exception) and not isinstance(cause, self.ray.exceptions.RayError):
+                        raise cause from None
+                    raise _failed(item, error) from None
                 except Exception as error:
-                    raise UsageError(
-                        f"the Ray task for {item} failed ({first_line(error)}); "
-                        "no verdict was made from a part of the log"
-                    ) from None
+                    raise _failed(item, error) from None
         finally:
             for _, reference in pending:
                 try:
@@ -156,6 +163,12 @@ class Cluster:
         self.ray.shutdown()
 
 
+def _failed(item: object, error: Exception) -> UsageError:
+    """The line for a task that failed for good: Ray's text without its terminal colours."""
+    said = re.sub(r"\x1b\[[0-9;]*m", "", first_line(error))
+    return UsageError(f"the Ray task for {item} failed ({said}); no verdict was made from a part of the log")
+
+
 FORWARDED_PREFIXES = ("AWS_", "GOOGLE_", "GCS_", "AZURE_", "TOKAUDIT_")
 """The environment the workers get from this process: the object store's endpoint and credentials (as pyarrow's
 filesystems read them) and tokaudit's own settings, so that they read the log this process listed."""
@@ -166,10 +179,12 @@ def forwarded_environment() -> dict[str, str]:
 
 
 def _answers(address: str) -> None:
-    """A HOST:PORT that no server answers is refused at once: Ray would retry it for minutes."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or "://" in address:
-        return  # `auto`, a ray:// client address: Ray's own answer is quick
+    """A HOST:PORT, or a Ray client's ray://HOST:PORT, that no server answers is refused at once: Ray would retry it
+    for minutes (its client for half of one, with a warning of its own)."""
+    served = address.removeprefix("ray://")
+    host, _, port = served.rpartition(":")
+    if not host or not port.isdigit() or "://" in served:
+        return  # `auto`, `local`, another scheme: Ray's to answer
     try:
         socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS).close()
     except OSError as error:

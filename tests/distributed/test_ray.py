@@ -102,6 +102,25 @@ def test_the_cluster_s_report_is_the_one_process_s(
         assert _json([log], ray=cluster) == _json([log]), log
 
 
+def test_a_file_whose_data_pages_are_damaged_is_named_and_left_out_as_in_one_process(
+    cluster: str, tmp_path: Path
+) -> None:
+    """Its footer reads, so the workers aggregate it and DuckDB fails there: the audit names the file and audits the
+    rest, the same report as one process (once, the whole audit ended in a line that named no file)."""
+    import struct
+
+    log = tmp_path / "run"
+    shutil.copytree(ROOT / "sample_logs" / "bug_local_mean", log)
+    damaged = log / "rank-00001-000000.parquet"
+    data = bytearray(damaged.read_bytes())
+    footer = struct.unpack("<I", data[-8:-4])[0]
+    for at in range(4, len(data) - 8 - footer):  # every data page, the footer kept
+        data[at] ^= 0xA5
+    damaged.write_bytes(bytes(data))
+    here = _json([log], ray=cluster)
+    assert here == _json([log]) and f"{damaged}: corrupt data" in here
+
+
 def test_the_command_line_takes_the_cluster_from_ray_address(cluster: str) -> None:
     from click.testing import CliRunner
 
@@ -166,6 +185,17 @@ def test_a_cluster_that_does_not_answer_and_ray_missing_are_one_line_each(tmp_pa
     )
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
     assert "cannot reach the Ray cluster at 127.0.0.1:" in refused.stderr and "Traceback" not in refused.stderr
+    client = subprocess.run(  # a Ray client's address: refused at once too, not after its half-minute timeout
+        [sys.executable, "-m", "tokaudit", "check", str(ROOT / "sample_logs"), f"--ray=ray://127.0.0.1:{_free_port()}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=20,
+    )
+    assert client.returncode == 2 and client.stderr.startswith(
+        "tokaudit: error: cannot reach the Ray cluster at ray://"
+    )
+    assert client.stderr.count("\n") == 1
     # a Python where `import ray` fails
     blocker = tmp_path / "noray"
     (blocker / "ray").mkdir(parents=True)
