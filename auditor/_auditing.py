@@ -25,7 +25,7 @@ from tokaudit._normalization import Denominator
 from tokaudit._reader import Shard
 from tokaudit._report import AuditReport, Finding, RunSummary, Segment
 from tokaudit._schema import UNNAMED, Provenance
-from tokaudit._ends import UnevenEnd, uneven_ends
+from tokaudit._ends import UnevenEnd, recorded_end, uneven_ends
 from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
 from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, stored_precision
 from tokaudit._summary import unfinished_finding
@@ -144,7 +144,7 @@ def _audit(
             dropped_steps(logset.shards),
             setups_of(logset.shards),
             _Extremes(logset.shards, threads),
-            {} if live else uneven_ends(logset.shards),  # --live leaves every step not yet complete out
+            ({}, set()) if live else uneven_ends(logset.shards),  # --live: steps not yet complete are left out
         )
         summaries, findings = judge.runs(present, runs_apart(steps, parts, present))
         asked = present if runs else None
@@ -228,8 +228,9 @@ class _RunJudge:
     """The records the recorder could not write (`dropped_steps`)."""
     setups: dict[str, Provenance]
     extremes: _Extremes
-    ends: dict[str, UnevenEnd]
-    """The runs whose ranks' records end at different steps (`uneven_ends`): the steps past the end all reached."""
+    ends: tuple[dict[str, UnevenEnd], set[tuple[str, str]]]
+    """The runs whose ranks' records end at different steps as the footers say (`uneven_ends`), and the (run,
+    group)s they settle; the others' ends are read from their records (`recorded_end`), except with --live."""
 
     def runs(
         self, present: list[str], of_run: Callable[[str], Callable[[], Iterable[pd.DataFrame]]]
@@ -254,7 +255,9 @@ class _RunJudge:
         bits, lost = self.precision.get(run), self.dropped.get(run)
         rtol = judged_rtol(self.judging.rtol, bits)
         # the update the run stopped inside (its recorder said so) is left out, unless it is all there is
-        stopped, ended = self.setups.get(run, Provenance()).unfinished, self.ends.get(run)
+        stopped, ended = self.setups.get(run, Provenance()).unfinished, self.ends[0].get(run)
+        if ended is None and self.horizon is None:
+            ended = recorded_end(run, lambda: selected_runs(parts, [run]), self.ends[1])
         source = run_steps(parts, run, self.horizon, lost, self.names, stopped, ended)
         if source is None and (stopped is not None or ended is not None):
             stopped, ended, source = None, None, run_steps(parts, run, self.horizon, lost, self.names)

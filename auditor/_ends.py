@@ -8,14 +8,15 @@ alone."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit.codes import DEFAULT_SEVERITY, Code
+from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
 from tokaudit._reader import Shard
 from tokaudit._report import Finding, StepRange
 
@@ -37,6 +38,9 @@ class UnevenEnd:
     """One run's groups whose ranks' records end at different steps, each within what one shard holds."""
 
     groups: dict[str, GroupEnd]
+    undecided: bool = False
+    """Read from the records (`recorded_end`), no footer saying whether a rank was killed or closed: the finding is a
+    warning that the logs cannot tell."""
 
     def covers(self, frame: pd.DataFrame) -> npt.NDArray[np.bool_]:
         """Rows of the step table past their group's last complete step."""
@@ -54,15 +58,26 @@ class UnevenEnd:
             + (f" and {len(stopped) - 8} more" if len(stopped) > 8 else "")
             + " stop"
         )
+        cause = (
+            "a rank killed at once with records unwritten, or one that stopped while the others trained on, such as a "
+            "rank out of data under DDP's join(), whose tokens are then missing from N: shards of several ranks each "
+            "(a compaction's) cannot say which"
+            if self.undecided
+            else "a rank killed at once, such as by the OOM killer or a lost node, or shards not yet written"
+        )
         return Finding(
             run=run,
             code=Code.UNFINISHED_UPDATE,
-            severity=DEFAULT_SEVERITY[Code.UNFINISHED_UPDATE],
+            severity=Severity.WARNING if self.undecided else DEFAULT_SEVERITY[Code.UNFINISHED_UPDATE],
             steps=StepRange(first, last, sum(end.last - end.complete for end in self.groups.values())),
-            message=f"The ranks' records end at different steps: {said} before the others' last step {last} (a rank "
-            "killed at once, such as by the OOM killer or a lost node, or shards not yet written). "
-            f"Steps {first}–{last} hold only some ranks' tokens and are not judged; the steps before them are.",
-            fix="nothing where a rank died; for a run still training, tokaudit check --live",
+            message=f"The ranks' records end at different steps: {said} before the others' last step {last} "
+            f"({cause}). Steps {first}–{last} hold only some ranks' tokens and are not judged; the steps before "
+            "them are.",
+            fix="nothing where a rank died; audit the shards as the recorder wrote them (one rank each) to tell a "
+            "kill from a rank that stopped"
+            if self.undecided
+            else "nothing where a rank died; for a run still training, tokaudit check --live",
+            undecidable=True if self.undecided else None,
             evidence={
                 "last_complete_step": first - 1,
                 "last_step": last,
@@ -84,10 +99,11 @@ def spans_cover(frame: pd.DataFrame, spans: Mapping[str, Iterable[tuple[int, int
     return hit
 
 
-def uneven_ends(shards: Sequence[Shard]) -> dict[str, UnevenEnd]:
+def uneven_ends(shards: Sequence[Shard]) -> tuple[dict[str, UnevenEnd], set[tuple[str, str]]]:
     """Per run, its groups whose ranks' records end at different steps, each rank short of the last step by at most
     its widest shard. Only what the footers settle: shards of one rank each, whose run, group, steps and W they give,
-    one W over the group (a resize ends the ranks it leaves), every rank below it holding a shard."""
+    one W over the group (a resize ends the ranks it leaves), every rank below it holding a shard; and the (run,
+    group)s the footers settle so, uneven or not (the others' ends are read from their records: `recorded_end`)."""
     spans: dict[tuple[str, str], dict[int, tuple[int, int]]] = {}  # per rank: (its last step, its widest shard)
     closes: dict[tuple[str, str], dict[int, set[int]]] = {}  # per rank: the last steps of its shards written at close()
     worlds: dict[tuple[str, str], set[tuple[int, int] | None]] = {}
@@ -106,10 +122,12 @@ def uneven_ends(shards: Sequence[Shard]) -> dict[str, UnevenEnd]:
         if shard.provenance.closed:
             closes.setdefault(key, {}).setdefault(held[0], set()).add(steps[1])
     found: dict[str, dict[str, GroupEnd]] = {}
+    settled: set[tuple[str, str]] = set()
     for key, ranks in spans.items():
         world = next(iter(worlds[key])) if len(worlds[key]) == 1 else None
         if key in unsettled or world is None or world[0] != world[1] or not _every_rank(ranks, world[0]):
             continue
+        settled.add(key)
         end = max(last for last, _ in ranks.values())
         stopped = {rank: last for rank, (last, _) in ranks.items() if last < end}
         # a rank the training code closed at its last step while the others went on ended on purpose; where another
@@ -123,7 +141,85 @@ def uneven_ends(shards: Sequence[Shard]) -> dict[str, UnevenEnd]:
         }
         if stopped and not ended and all(end - ranks[rank][0] <= ranks[rank][1] for rank in stopped):
             found.setdefault(key[0], {})[key[1]] = GroupEnd(min(stopped.values()), end, stopped)
-    return {run: UnevenEnd(groups) for run, groups in found.items()}
+    return {run: UnevenEnd(groups) for run, groups in found.items()}, settled
+
+
+def recorded_end(
+    run: str, parts: Callable[[], Iterable[pd.DataFrame]], settled: set[tuple[str, str]]
+) -> UnevenEnd | None:
+    """The run's groups that its footers do not settle (shards of several ranks each, as a compaction leaves them)
+    whose ranks' records end at different steps, read from the step table's rank masks (W ≤ 64): one W, every rank
+    below it recorded, and each step past the last complete one holding exactly the ranks not yet stopped. What
+    ended them no record says (a rank killed with records unwritten, or one out of data under join()): those steps
+    are left out, and the run is inconclusive (`UnevenEnd.undecided`). A first pass reads each group's last step
+    alone; the groups whose last step lacks a rank are read whole."""
+    last: dict[str, list[Any]] = {}  # per group: [its last step, the ranks there, every rank seen, its W's bounds]
+    for part, group, rows in _groups(parts(), run, settled):
+        steps, masks = part.step.to_numpy()[rows], _masks(part)[rows]
+        top = steps.max()
+        seen = last.setdefault(group, [top, np.uint64(0), np.uint64(0), np.inf, -np.inf])
+        if top > seen[0]:
+            seen[0], seen[1] = top, np.uint64(0)
+        if top == seen[0]:
+            seen[1] |= np.bitwise_or.reduce(masks[steps == top])
+        seen[2] |= np.bitwise_or.reduce(masks)
+        seen[3] = min(seen[3], np.min(part.world_low.to_numpy(dtype=float)[rows], initial=np.inf))
+        seen[4] = max(seen[4], np.max(part.world_high.to_numpy(dtype=float)[rows], initial=-np.inf))
+    ragged = {
+        group
+        for group, (_, there, every, low, high) in last.items()
+        if low == high and 1 <= low <= 64 and every == (full := np.uint64((1 << int(low)) - 1)) and there != full
+    }
+    if not ragged:
+        return None
+    held: dict[str, list[tuple[Any, Any]]] = {}
+    for part, group, rows in _groups(parts(), run, settled):
+        if group in ragged:
+            held.setdefault(group, []).append((part.step.to_numpy()[rows], _masks(part)[rows]))
+    found = {group: end for group, pieces in held.items() if (end := _ragged(pieces, int(last[group][3]))) is not None}
+    return UnevenEnd(found, undecided=True) if found else None
+
+
+def _groups(
+    parts: Iterable[pd.DataFrame], run: str, settled: set[tuple[str, str]]
+) -> Iterator[tuple[pd.DataFrame, str, Any]]:
+    """Each part's rows of each group the footers do not settle: (part, group, its rows)."""
+    for part in parts:
+        categories = part.grp.cat.categories
+        if len(categories) == 1:
+            if (run, str(categories[0])) not in settled:
+                yield part, str(categories[0]), slice(None)
+            continue
+        codes = part.grp.cat.codes.to_numpy()
+        for code in np.unique(codes):
+            if (run, str(categories[code])) not in settled:
+                yield part, str(categories[code]), codes == code
+
+
+def _masks(part: pd.DataFrame) -> npt.NDArray[np.uint64]:
+    """The rank masks of a part's steps (bit r: rank r recorded the step), as unsigned integers."""
+    masks = part.rank_mask.to_numpy()
+    found: npt.NDArray[np.uint64] = masks if masks.dtype.kind == "u" else np.nan_to_num(masks).astype(np.uint64)
+    return found
+
+
+def _ragged(pieces: list[tuple[Any, Any]], world: int) -> GroupEnd | None:
+    """One group's ragged end from its steps' rank masks (each step's terms' masks or-ed), if it has one."""
+    steps, masks = (np.concatenate([p[i] for p in pieces]) for i in range(2))
+    order = np.argsort(steps, kind="stable")
+    steps, masks = steps[order], masks[order]
+    starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
+    steps, masks = steps[starts], np.bitwise_or.reduceat(masks, starts)
+    # each rank's last step: where its bit is last set
+    last = {r: int(steps[np.flatnonzero((masks >> np.uint64(r)) & np.uint64(1))[-1]]) for r in range(world)}
+    complete = min(last.values())
+    tail = steps > complete
+    expected = np.zeros(int(tail.sum()), dtype=np.uint64)
+    for rank, at in last.items():
+        expected |= (steps[tail] <= at).astype(np.uint64) << np.uint64(rank)
+    if not np.array_equal(masks[tail], expected):
+        return None  # a rank missing inside the tail and back after: no end, missing_rank
+    return GroupEnd(complete, int(steps[-1]), {r: at for r, at in last.items() if at < steps[-1]})
 
 
 def _every_rank(ranks: Mapping[int, object], world: int) -> bool:

@@ -1,8 +1,7 @@
 """Stable finding codes, and the one table of what each says: severity, title, why, fix, worked example.
 
-Tests and JSON match on the codes, never on the text. The table (CODE_DOCS) is the single source of
-`tokaudit explain` and of docs/CODES.md (`python scripts/write_codes_doc.py` writes it; a test fails when it
-is stale); checks take their default severity from it (DEFAULT_SEVERITY)."""
+Tests and JSON match on the codes, never on the text. CODE_DOCS is the single source of `tokaudit explain`, of
+docs/CODES.md (`scripts/write_codes_doc.py` writes it; a test fails when it is stale) and of DEFAULT_SEVERITY."""
 
 from __future__ import annotations
 
@@ -11,8 +10,8 @@ from typing import Literal
 from enum import Enum
 
 DEFAULT_RTOL = 1e-4
-"""Relative tolerance on weights: float32 sums of a few thousand tokens agree to ~1e-6; 1e-4 leaves room.
-Here, with the vocabulary every module shares, so that the command line's options need no heavy import."""
+"""Relative tolerance on weights: float32 sums of a few thousand tokens agree to ~1e-6; 1e-4 leaves room. Here, with
+the vocabulary every module shares: the command line's options need no heavy import."""
 
 
 class Severity(str, Enum):
@@ -130,9 +129,8 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         "(q = 1/W: the gradient silently ÷W); W·S/N into a summing hook or FSDP with divide factor 1 (q = W); "
         "a hard-coded or stale W; the global world size used on a data-parallel subgroup under DP×TP "
         "(q = TP); N summed over replicated ranks (q = 1/TP).",
-        fix="Take W from the process group that averages the gradients "
-        "(dist.get_world_size(ddp_model.process_group)) and match the reduction: W·S/N for an average, "
-        "S/N for a sum.",
+        fix="Take W from the process group that averages the gradients (dist.get_world_size(ddp_model.process_group)) "
+        "and match the reduction: W·S/N for an average, S/N for a sum.",
         example="b_r = S_r/N (no W): after the average e = 1/(2·4) = 0.125 for every token, q = 0.5. The direction "
         "is right but the gradient is half its size: under SGD the step halves; under Adam(W) the step "
         "barely changes, but epsilon now weighs 2× more, gradient clipping thresholds and the logged "
@@ -455,9 +453,11 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         "optimizer, says so in the footers. A rank killed at once (the OOM killer, a lost node) loses what its "
         "recorder held since its last shard, so the ranks' records end at different steps. Either way N over those "
         "steps is not the update's and its weights would read as wrong: the audit leaves them out. A rank short by "
-        "more than its widest shard, or closed by the training code (out of data under join()), is `missing_rank`.",
+        "more than its widest shard, or closed by the training code (out of data under join()), is `missing_rank`; "
+        "in shards of several ranks each (a compaction's) no footer says which.",
         fix="Nothing where the run was stopped. Where a loader ends inside an update, let the trainer step it. A run "
         "still training: `tokaudit check --live`.",
+        severity_note="warning where the shards hold several ranks each: the logs cannot tell, alone `inconclusive`",
         example="SIGTERM between the two microbatches of update 5: steps 0–4 are judged, step 5 is said here. Rank 1 "
         "killed with its shards written through step 3, rank 0's through 5: steps 4–5 are said here.",
     ),

@@ -254,6 +254,21 @@ def test_a_rank_killed_at_once_leaves_the_steps_it_never_wrote_unjudged(tmp_path
     (finding,) = report.findings
     assert report.runs[0].verdict == "correct" and finding.code.value == "unfinished_update"
     assert (finding.steps.first, finding.steps.last) == (last[0] + 1, 4)
+    # the same records compacted into one file: no footer says how wide a rank's unwritten records were, so the
+    # steps are left out and the run is inconclusive (once, missing_rank: incorrect on a correct run)
+    compacted = _compacted(tmp_path / "killed")
+    (finding,) = compacted.findings
+    assert finding.code.value == "unfinished_update" and finding.undecidable
+    assert compacted.runs[0].verdict == "inconclusive"
+
+
+def _compacted(log: Path) -> Any:
+    """The audit of a log's records rewritten as one file without the recorder's footers (as a compaction job leaves
+    them)."""
+    folder = log.with_name(log.name + "-compacted")
+    folder.mkdir()
+    pq.write_table(pq.read_table(log).replace_schema_metadata(None), folder / "part-00000.parquet")
+    return audit([folder])
 
 
 def _joined(rank: int, world_size: int, log_dir: str) -> list[float]:
@@ -298,3 +313,5 @@ def test_a_rank_out_of_data_under_join_is_a_missing_rank_not_a_kill(tmp_path: Pa
     assert ratios == [pytest.approx(0.5), pytest.approx(0.5)]
     report = audit([tmp_path / "joined"])
     assert report.runs[0].verdict == "incorrect" and "missing_rank" in {f.code.value for f in report.findings}
+    # compacted, no footer says the recorder was closed: the logs cannot tell, and the run is never correct
+    assert _compacted(tmp_path / "joined").runs[0].verdict == "inconclusive"
