@@ -62,9 +62,10 @@ def streamable(shards: Sequence[Shard]) -> bool:
 
 
 def _widest(shard: Shard) -> int:
-    """The most steps one unit of a shard a range may not cut spans (`ranges.units`; at most one a row; 0 without
-    step statistics)."""
-    return max((min(last - first + 1, rows) for first, last, rows in units(shard)), default=0)
+    """The most steps one unit of a shard a range may not cut spans (`ranges.units`; at most one a row). Without step
+    statistics, its rows: such a file is a unit of its own, and may hold a step a row (where its steps are not in
+    order, `windows` says so and it is read whole)."""
+    return max((min(last - first + 1, rows) for first, last, rows in units(shard)), default=shard.rows)
 
 
 def row_groups(shard: Shard, steps: tuple[int, int] | None) -> list[int] | None:

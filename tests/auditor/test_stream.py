@@ -239,3 +239,31 @@ def _pandas_log(folder: Path) -> None:
     frame = pd.DataFrame(records([[[1 + (s * 3 + r) % 7, 2] for r in range(4)] for s in range(40)], local_mean))
     for rank in range(4):
         frame[frame["rank"] == rank].to_parquet(folder / f"part-{rank}.parquet", index=False)
+
+
+@pytest.mark.parametrize("shuffled", [False, True], ids=["steps in order", "steps out of order"])
+def test_a_file_without_statistics_wider_than_a_row_group_may_be_is_read_in_windows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shuffled: bool
+) -> None:
+    """No footer gives its steps, so no range can cut it: once aggregated whole whatever its size (a million steps
+    ran DuckDB out of memory), it is read in windows where its rows could span more steps than a row group may; a file
+    out of step order is found and read whole. The report is the one of it read whole either way."""
+    from tokaudit import audit
+    from tokaudit._render.json_report import render_json
+
+    frame = pd.DataFrame(records([[[1 + s % 5], [2 + s % 3]] for s in range(60)], local_mean))
+    frame = frame.sample(frac=1.0, random_state=0) if shuffled else frame
+    (tmp_path / "run").mkdir()
+    pq.write_table(
+        pa.Table.from_pandas(frame, preserve_index=False), tmp_path / "run" / "all.parquet", write_statistics=False
+    )
+    (shard,) = load([tmp_path]).shards
+    assert shard.step_range is None
+    monkeypatch.setattr(stream, "CHUNK_STEPS", 6)
+    monkeypatch.setattr(stream, "WIDE_ROW_GROUP", 100)
+    assert stream.streamable([shard])  # 120 rows: it may span 120 steps
+    seen = _counting(monkeypatch)
+    windowed = render_json(audit([tmp_path]))
+    assert seen["unsorted"] == shuffled and (len(seen["rows"]) >= 10 or shuffled)
+    monkeypatch.setattr(database, "streamable", lambda shards: False)
+    assert render_json(audit([tmp_path])) == windowed and '"local_mean"' in windowed
