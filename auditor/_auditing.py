@@ -25,7 +25,7 @@ from tokaudit._normalization import Denominator
 from tokaudit._reader import Shard
 from tokaudit._report import AuditReport, Finding, RunSummary, Segment
 from tokaudit._schema import UNNAMED, Provenance
-from tokaudit._ends import UnevenEnd, recorded_end, uneven_ends
+from tokaudit._ends import UnevenEnd, both_ends, recorded_end, uneven_ends
 from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
 from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, stored_precision
 from tokaudit._summary import unfinished_finding
@@ -228,7 +228,7 @@ class _RunJudge:
     """The records the recorder could not write (`dropped_steps`)."""
     setups: dict[str, Provenance]
     extremes: _Extremes
-    ends: tuple[dict[str, UnevenEnd], set[tuple[str, str]]]
+    ends: tuple[dict[str, UnevenEnd], set[tuple[str, str]] | None]
     """The runs whose ranks' records end at different steps as the footers say (`uneven_ends`), and the (run,
     group)s they settle; the others' ends are read from their records (`recorded_end`), except with --live."""
 
@@ -256,8 +256,8 @@ class _RunJudge:
         rtol = judged_rtol(self.judging.rtol, bits)
         # the update the run stopped inside (its recorder said so) is left out, unless it is all there is
         stopped, ended = self.setups.get(run, Provenance()).unfinished, self.ends[0].get(run)
-        if ended is None and self.horizon is None:
-            ended = recorded_end(run, lambda: selected_runs(parts, [run]), self.ends[1])
+        if self.horizon is None:  # the groups the footers leave unsettled: from the records
+            ended = both_ends(ended, recorded_end(run, lambda: selected_runs(parts, [run]), self.ends[1]))
         source = run_steps(parts, run, self.horizon, lost, self.names, stopped, ended)
         if source is None and (stopped is not None or ended is not None):
             stopped, ended, source = None, None, run_steps(parts, run, self.horizon, lost, self.names)

@@ -99,19 +99,26 @@ def spans_cover(frame: pd.DataFrame, spans: Mapping[str, Iterable[tuple[int, int
     return hit
 
 
-def uneven_ends(shards: Sequence[Shard]) -> tuple[dict[str, UnevenEnd], set[tuple[str, str]]]:
+def uneven_ends(shards: Sequence[Shard]) -> tuple[dict[str, UnevenEnd], set[tuple[str, str]] | None]:
     """Per run, its groups whose ranks' records end at different steps, each rank short of the last step by at most
     its widest shard. Only what the footers settle: shards of one rank each, whose run, group, steps and W they give,
     one W over the group (a resize ends the ranks it leaves), every rank below it holding a shard; and the (run,
-    group)s the footers settle so, uneven or not (the others' ends are read from their records: `recorded_end`)."""
+    group)s whose ends are not the records' to read (`recorded_end`): those the footers settle so, uneven or not,
+    and those a shard says the training code closed (a rank out of data under join() ends so: `missing_rank`).
+    None where a shard that says so names no (run, group): no end is read from records then."""
     spans: dict[tuple[str, str], dict[int, tuple[int, int]]] = {}  # per rank: (its last step, its widest shard)
     closes: dict[tuple[str, str], dict[int, set[int]]] = {}  # per rank: the last steps of its shards written at close()
     worlds: dict[tuple[str, str], set[tuple[int, int] | None]] = {}
     unsettled: set[tuple[str, str]] = set()
+    closers: set[tuple[str, str]] = set()
     for shard in shards:
         if shard.run_group is None:
+            if shard.provenance.closed:
+                return {}, None
             continue
         key = (shard.default_run if shard.run_override else shard.run_group[0], shard.run_group[1])
+        if shard.provenance.closed:
+            closers.add(key)
         worlds.setdefault(key, set()).add(shard.world_range)
         held, steps = shard.rank_range, shard.step_range
         if held is None or steps is None or held[0] != held[1]:
@@ -141,18 +148,20 @@ def uneven_ends(shards: Sequence[Shard]) -> tuple[dict[str, UnevenEnd], set[tupl
         }
         if stopped and not ended and all(end - ranks[rank][0] <= ranks[rank][1] for rank in stopped):
             found.setdefault(key[0], {})[key[1]] = GroupEnd(min(stopped.values()), end, stopped)
-    return {run: UnevenEnd(groups) for run, groups in found.items()}, settled
+    return {run: UnevenEnd(groups) for run, groups in found.items()}, settled | closers
 
 
 def recorded_end(
-    run: str, parts: Callable[[], Iterable[pd.DataFrame]], settled: set[tuple[str, str]]
+    run: str, parts: Callable[[], Iterable[pd.DataFrame]], settled: set[tuple[str, str]] | None
 ) -> UnevenEnd | None:
     """The run's groups that its footers do not settle (shards of several ranks each, as a compaction leaves them)
     whose ranks' records end at different steps, read from the step table's rank masks (W ≤ 64): one W, every rank
     below it recorded, and each step past the last complete one holding exactly the ranks not yet stopped. What
     ended them no record says (a rank killed with records unwritten, or one out of data under join()): those steps
     are left out, and the run is inconclusive (`UnevenEnd.undecided`). A first pass reads each group's last step
-    alone; the groups whose last step lacks a rank are read whole."""
+    alone; the groups whose last step lacks a rank are read whole. None settled: none is read (`uneven_ends`)."""
+    if settled is None:
+        return None
     last: dict[str, list[Any]] = {}  # per group: [its last step, the ranks there, every rank seen, its W's bounds]
     for part, group, rows in _groups(parts(), run, settled):
         steps, masks = part.step.to_numpy()[rows], _masks(part)[rows]
@@ -178,6 +187,13 @@ def recorded_end(
             held.setdefault(group, []).append((part.step.to_numpy()[rows], _masks(part)[rows]))
     found = {group: end for group, pieces in held.items() if (end := _ragged(pieces, int(last[group][3]))) is not None}
     return UnevenEnd(found, undecided=True) if found else None
+
+
+def both_ends(footers: UnevenEnd | None, records: UnevenEnd | None) -> UnevenEnd | None:
+    """A run's ragged ends as its footers say them and as its records do (other groups): undecided where any is."""
+    if footers is None or records is None:
+        return footers or records
+    return UnevenEnd({**footers.groups, **records.groups}, undecided=True)
 
 
 def _groups(

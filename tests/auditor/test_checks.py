@@ -461,6 +461,37 @@ def test_a_rank_whose_records_end_early_by_at_most_a_shard_leaves_those_steps_un
     assert finding.code == Code.UNFINISHED_UPDATE and (finding.steps.first, finding.steps.last) == (4, 5)
 
 
+def test_a_close_any_footer_says_keeps_a_ragged_end_a_missing_rank_and_each_group_s_end_is_read(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's recorder closed by the training code at step 3 (out of data under join()), rank 0 on to 5: missing,
+    incorrect, whether its shards give their steps or not, and beside a compacted copy of the same records (which
+    alone could not say it). In a run of two groups, one in per-rank shards and one compacted, both killed at once:
+    each group's end is read, and the run is inconclusive."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [r for r in records(UNEVEN_GA * 2, token_mean) if r["rank"] == 0 or r["step"] <= 3]
+    closed = {PROVENANCE_KEY: b'{"closed": true}'}
+    for name, statistics in (("stats", True), ("no_stats", False)):
+        for rank in (0, 1):
+            mine = pa.Table.from_pylist([r for r in rows if r["rank"] == rank])
+            folder = tmp_path / name
+            folder.mkdir(exist_ok=True)
+            table = mine.replace_schema_metadata(closed if rank == 1 else None)
+            pq.write_table(table, folder / f"rank-{rank:05d}-000000.parquet", write_statistics=statistics)
+        assert only(audit([tmp_path / name]), Code.MISSING_RANK).steps.first == 4, name
+    write(tmp_path / "stats" / "compacted.parquet", rows)
+    assert audit([tmp_path / "stats"]).runs[0].verdict == "incorrect"
+
+    two = [dict(r, group="a") for r in rows] + [dict(r, group="b") for r in rows]
+    write_by_rank(tmp_path / "groups", [r for r in two if r["group"] == "a"], steps_per_file=2)
+    write(tmp_path / "groups" / "b.parquet", [r for r in two if r["group"] == "b"])
+    report = audit([tmp_path / "groups"])
+    (finding,) = report.findings
+    assert finding.code == Code.UNFINISHED_UPDATE and finding.undecidable and report.runs[0].verdict == "inconclusive"
+
+
 def test_ranks_with_no_record_in_any_step_make_the_run_inconclusive(tmp_path: Path) -> None:
     """A W=2 log with only rank 1's records (a local mean, which the other rank's tokens would show): every
     step's N is partial, so nothing about the normalization is judged: one ranks_not_recorded, inconclusive.
