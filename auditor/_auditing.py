@@ -84,8 +84,8 @@ def audit_started(
         paths = [paths]
     if not (0 < rtol < 0.5):  # two weights within 2·rtol of each other are one (`fits.cluster`): below 1
         raise UsageError(f"--rtol must be above 0 and below 0.5 (a relative tolerance, 1e-4 by default), got {rtol}")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise UsageError(f"threads must be a whole number of at least 1 (None: every core), got {threads!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024):
+        raise UsageError(f"threads must be a whole number from 1 to 1024 (None: every core), got {threads!r}")
     if min_ratio is not None and not 1 <= min_ratio < math.inf:  # (inf would make every weighting finding a note)
         raise UsageError(f"--min-ratio must be a finite number of at least 1, got {min_ratio}")
     try:
@@ -317,8 +317,9 @@ def judged_rtol(rtol: float, bits: int | None) -> float:
     """The tolerance a run is judged at: --rtol, or what its coarsest precision rounds, whichever is larger.
     A value computed in p significant bits is off by up to u = 2⁻ᵖ from its last rounding (b, or the probe's
     ∂b/∂ℓ), and a ratio of two such weights by 2u = 2^(1−p): 2⁻⁷ in bfloat16, 2⁻¹⁰ in float16, 2⁻²³ in float32
-    (below the default --rtol). No wider: a weight off by more than its rounding is a finding, not noise."""
-    return rtol if bits is None else max(rtol, 2.0 ** (1 - bits))
+    (below the default --rtol). No wider: a weight off by more than its rounding is a finding, not noise. A run whose
+    records do not say is float32's (the log format's rule), so no --rtol judges it finer than float32 rounds."""
+    return max(rtol, 2.0 ** (1 - (24 if bits is None else bits)))
 
 
 @dataclass

@@ -97,7 +97,7 @@ def _walk(
         except OSError:
             continue
         # a link back up the tree; a name no UTF-8 (nor then are its files')
-        if (identity.st_dev, identity.st_ino) in seen or _not_utf8(here, problems):
+        if (identity.st_dev, identity.st_ino) in seen or _not_utf8_folder(here, problems):
             folders[:] = []
             continue
         seen.add((identity.st_dev, identity.st_ino))
@@ -200,6 +200,18 @@ def _not_utf8(path: str, problems: list[LogFormatError]) -> bool:
         problems.append(LogFormatError(shown, "the name is not UTF-8 (its other bytes shown as \\xNN): rename it"))
         return True
     return False
+
+
+def _not_utf8_folder(folder: str, problems: list[LogFormatError]) -> bool:
+    """Whether a folder's path is not UTF-8 (its files' are not then either): said where a *.parquet lies below it,
+    passed over in silence where none does (a tracker's folder beside the log reads nothing)."""
+    try:
+        folder.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        if any(parquet_name(name) for _, _, names in os.walk(folder) for name in names):
+            _not_utf8(folder, problems)
+        return True
 
 
 def _note_outside(path: str, inside: str, notes: list[str]) -> None:

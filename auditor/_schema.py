@@ -249,8 +249,8 @@ def read_dropped(metadata: dict[bytes, bytes] | None) -> dict[str, Any] | None:
         note = json.loads(metadata[DROPPED_KEY])
         steps = [(a, b, c) for a, b, c in note["steps"]]
         numbers = [note["rank"], *(n for span in steps for n in span)]
-        if not all(_int64(n) for n in numbers):
-            return None
+        if not all(_int64(n) for n in numbers) or not all(0 <= b - a < 2**62 and c > 0 for a, b, c in steps):
+            return None  # spans the recorder writes: first ≤ last, some records lost
         return {"run": str(note["run"]), "group": str(note["group"]), "rank": note["rank"], "steps": steps}
     except (ValueError, KeyError, TypeError, RecursionError):
         return None

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tokaudit.errors import LogFormatError, first_line
@@ -31,13 +32,13 @@ def spooled(folder: Path) -> list[Path]:
 
 def sync_one(path: Path) -> Synced:
     """Write one spooled shard where its footer says it was going; raises LogFormatError naming it."""
-    try:
-        metadata = pq.read_schema(path).metadata or {}
-        records = pq.read_metadata(path).num_rows
+    try:  # (from its bytes: pyarrow opens no path that is not UTF-8)
         data = path.read_bytes()
+        metadata = pq.read_schema(pa.BufferReader(data)).metadata or {}
+        records = pq.read_metadata(pa.BufferReader(data)).num_rows
     except Exception as error:
         raise LogFormatError(str(path), f"cannot be read ({first_line(error)})") from None
-    destination = metadata.get(DESTINATION_KEY, b"").decode()
+    destination = os.fsdecode(metadata.get(DESTINATION_KEY, b""))  # a folder's name in any bytes, as the OS takes it
     if not destination:
         raise LogFormatError(str(path), "is no spooled shard (its footer names no destination)")
     if is_url(destination):

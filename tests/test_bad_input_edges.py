@@ -13,6 +13,7 @@ import warnings
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
@@ -48,6 +49,15 @@ def test_a_folder_whose_name_is_not_utf8_is_one_line_and_the_good_run_is_audited
     )
     report = json.loads(out)
     assert [(r["run"], r["verdict"]) for r in report["runs"]] == [("good", "correct")]
+
+
+def test_a_folder_whose_name_is_not_utf8_and_holds_no_parquet_file_is_passed_over(good: Path) -> None:
+    """A tracker's folder beside the shards reads nothing: no line, the audit as without it."""
+    (good / "tensorboard").mkdir()
+    (good / "tensorboard" / "events.out").write_bytes(b"")
+    renamed_to(good / "tensorboard", b"tensorboard\xe9")
+    code, out, err = check(str(good), "--format", "json")
+    assert code == 0 and err == "" and json.loads(out)["runs"][0]["verdict"] == "correct"
 
 
 @pytest.mark.parametrize("fmt", ["json", "junit", "html", "markdown", "github", "table"])
@@ -121,7 +131,7 @@ def test_values_at_the_ends_of_the_float_range_leave_no_numpy_warning_on_stderr(
     assert json.loads(out)["runs"][0]["run"] == "run"
 
 
-@pytest.mark.parametrize("value", ["101%", "0%", "0MB"])
+@pytest.mark.parametrize("value", ["101%", "0%", "0MB", "99999999999TB", "18446744073709551616B"])
 def test_a_memory_limit_of_no_memory_or_more_than_all_of_it_names_the_variable(good: Path, value: str) -> None:
     code, _, err = check(str(good), env={"TOKAUDIT_MEMORY_LIMIT": value})
     (line,) = err.splitlines()
@@ -145,11 +155,46 @@ def test_a_run_computed_in_two_bits_or_fewer_is_judged_without_an_error(tmp_path
     assert code == 0 and json.loads(out)["runs"][0]["verdict"] in ("correct", "inconclusive")
 
 
-@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True, 50_000, 2**63])
 def test_a_thread_count_that_is_none_is_a_usage_error_not_a_damaged_file(good: Path, threads: object) -> None:
     from tokaudit import audit
     from tokaudit.errors import UsageError
 
-    with pytest.raises(UsageError, match="threads must be a whole number of at least 1") as raised:
+    with pytest.raises(UsageError, match="threads must be a whole number from 1 to 1024") as raised:
         audit(good, threads=threads)  # type: ignore[arg-type]
     assert str(good) not in str(raised.value)
+
+
+def test_a_tolerance_finer_than_float32_rounds_judges_a_run_that_does_not_say_its_precision_at_float32s(
+    good: Path,
+) -> None:
+    """A log without precision_bits is float32's (the format's rule): --rtol 1e-300 no finer than 2⁻²³."""
+    code, out, _ = check(str(good), "--rtol", "1e-300", "--format", "json")
+    (run,) = json.loads(out)["runs"]
+    assert code == 0 and run["verdict"] == "correct" and run["rtol"] == 2.0**-23
+
+
+@pytest.mark.parametrize("spans", [[[2, 1, 3]], [[0, 1, -5]], [[-(2**63), 2**63 - 1, 1]]])
+def test_a_dropped_steps_note_of_spans_no_recorder_writes_is_read_as_none(good: Path, spans: list[list[int]]) -> None:
+    """A reversed span, a negative count of records, a span of every int64: no note, the run judged."""
+    note = json.dumps({"run": "bad", "group": "0", "rank": 0, "steps": spans}).encode()
+    write_by_rank(good.parent / "bad", records(UNEVEN, token_mean), metadata={b"tokaudit.dropped_steps": note})
+    code, out, _ = check(str(good.parent / "bad"), "--format", "json")
+    assert code == 0 and json.loads(out)["runs"][0]["verdict"] == "correct"
+
+
+def test_sync_writes_a_spooled_shard_whose_names_are_not_utf8_and_says_their_bytes(tmp_path: Path) -> None:
+    """A spool file and a destination folder named in bytes no UTF-8 (a recorder's log_dir may be): written there,
+    and the line shows those bytes as \\xNN."""
+    shard = write_by_rank(tmp_path / "make", records(UNEVEN, token_mean)) / "rank-00000-000000.parquet"
+    destination = os.path.join(os.fsencode(tmp_path), b"dest\xff")
+    table = pq.read_table(shard).replace_schema_metadata({b"tokaudit.destination": destination})
+    pq.write_table(table, tmp_path / "spooled.parquet")
+    (tmp_path / "spool").mkdir()
+    os.rename(
+        os.fsencode(tmp_path / "spooled.parquet"), os.path.join(os.fsencode(tmp_path / "spool"), b"r\xfe.parquet")
+    )
+    result = CliRunner().invoke(main, ["sync", str(tmp_path / "spool")])
+    assert result.exit_code == 0, result.output
+    assert os.listdir(destination) == [b"r\xfe.parquet"]
+    assert "dest\\xff/r\\xfe.parquet" in result.output and "\\udc" not in result.output

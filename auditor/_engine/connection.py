@@ -21,12 +21,22 @@ _MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|%)\s
 """A size DuckDB reads: a number and a unit (it refuses a number alone), or a share of the memory."""
 
 
+_BYTES = {"b": 1, "kb": 1e3, "kib": 2**10, "mb": 1e6, "mib": 2**20, "gb": 1e9, "gib": 2**30, "tb": 1e12, "tib": 2**40}
+_BIGGEST = {unit: 2**60 / scale for unit, scale in _BYTES.items()}
+"""The most of each unit DuckDB takes: an exbibyte (a larger limit it refuses, as if the log were at fault)."""
+
+
 def settings_from_environment() -> tuple[str, int]:
     """(memory limit, chunk rows) from TOKAUDIT_MEMORY_LIMIT and TOKAUDIT_CHUNK_ROWS, checked."""
     memory = os.environ.get("TOKAUDIT_MEMORY_LIMIT", DEFAULT_MEMORY_LIMIT)
     size = _MEMORY.match(memory)
-    if size is None or float(size.group(1)) <= 0 or (size.group(2) == "%" and float(size.group(1)) > 100):
-        raise UsageError(f"TOKAUDIT_MEMORY_LIMIT={memory!r} is not a size (examples: 768MB, 2GiB, 50%)")
+    if size is None or not 0 < float(size.group(1)) <= (
+        100 if size.group(2) == "%" else _BIGGEST[size.group(2).lower()]
+    ):
+        raise UsageError(
+            f"TOKAUDIT_MEMORY_LIMIT={memory!r} is no size up to an exbibyte or share of the memory up to 100% "
+            "(examples: 768MB, 2GiB, 50%)"
+        )
     chunk = os.environ.get("TOKAUDIT_CHUNK_ROWS", str(CHUNK_ROWS))
     if not chunk.strip().isdigit() or int(chunk) < 1:
         raise UsageError(f"TOKAUDIT_CHUNK_ROWS={chunk!r} is not a positive whole number of rows")
@@ -64,15 +74,4 @@ def half_limit(limit: str) -> str:
     number, unit = float(found.group(1)), found.group(2).lower()
     if unit == "%":
         return f"{number / 2:g}%"
-    scale = {
-        "b": 1,
-        "kb": 1e3,
-        "kib": 2**10,
-        "mb": 1e6,
-        "mib": 2**20,
-        "gb": 1e9,
-        "gib": 2**30,
-        "tb": 1e12,
-        "tib": 2**40,
-    }[unit]
-    return f"{max(16, int(number * scale / 2 / 2**20))}MiB"
+    return f"{max(16, int(number * _BYTES[unit] / 2 / 2**20))}MiB"

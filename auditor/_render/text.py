@@ -95,9 +95,11 @@ def printable(text: str) -> str:
         return text
     out = []
     for char in text:
-        if unicodedata.category(char) not in ("Cc", "Cf", "Zl", "Zp"):
+        code = ord(char)
+        if 0xDC80 <= code <= 0xDCFF:  # a byte of a file name that is not UTF-8, as Python holds it: that byte
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif unicodedata.category(char) not in ("Cc", "Cf", "Zl", "Zp", "Cs"):
             out.append(char)
         else:
-            code = ord(char)
             out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
     return "".join(out)
