@@ -82,8 +82,9 @@ def audit_started(
     `figures.run_figures`, drawn from the same aggregation)."""
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
-    if not (0 < rtol < 0.5):  # two weights within 2·rtol of each other are one (`fits.cluster`): below 1
-        raise UsageError(f"--rtol must be above 0 and below 0.5 (a relative tolerance, 1e-4 by default), got {rtol}")
+    # two weights within 2·rtol of each other are one (`fits.cluster`): below 1
+    if isinstance(rtol, bool) or not isinstance(rtol, int | float) or not 0 < rtol < 0.5:
+        raise UsageError(f"--rtol must be above 0 and below 0.5 (a relative tolerance, 1e-4 by default), got {rtol!r}")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024):
         raise UsageError(f"threads must be a whole number from 1 to 1024 (None: every core), got {threads!r}")
     if min_ratio is not None and not 1 <= min_ratio < math.inf:  # (inf would make every weighting finding a note)

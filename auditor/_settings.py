@@ -84,6 +84,8 @@ def check_defaults(start: Path, fail_on: Sequence[str]) -> tuple[dict[str, Any],
                     raise UsageError(f"{where} ignore: {error}; `tokaudit explain` lists the codes") from None
         if key in ("rtol", "min-ratio") and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise UsageError(f"{where} {key} = {value!r}: expected a number")
+        if key == "rtol" and not 0 < value < 0.5:
+            raise UsageError(f"{where} rtol = {value!r}: expected a number above 0 and below 0.5")
         if key == "ray" and not isinstance(value, str):
             raise UsageError(f'{where} ray = {value!r}: expected a cluster\'s address, such as "auto"')
         if key == "ray" and (problem := ray_address_problem(value)) is not None:

@@ -146,6 +146,15 @@ def test_a_tolerance_of_half_or_more_is_refused_as_usage(good: Path, rtol: str) 
     assert code == 2 and line.startswith("tokaudit: error: --rtol must be above 0 and below 0.5")
 
 
+@pytest.mark.parametrize("rtol", [None, "0.1", [0.1]])
+def test_a_tolerance_that_is_no_number_is_a_usage_error_in_python(good: Path, rtol: object) -> None:
+    from tokaudit import audit
+    from tokaudit.errors import UsageError
+
+    with pytest.raises(UsageError, match="--rtol must be above 0 and below 0.5"):
+        audit(good, rtol=rtol)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("bits", [1, 2])
 def test_a_run_computed_in_two_bits_or_fewer_is_judged_without_an_error(tmp_path: Path, bits: int) -> None:
     """precision_bits of 1 or 2 (fp4's e2m1 holds 2) is judged at 2^(1−p) ≥ 0.5: every weight rounds to every other,

@@ -438,6 +438,12 @@ def test_settings_in_pyproject_apply_from_below_and_the_command_line_wins(
     (project / "pyproject.toml").write_text('[tool.tokaudit]\nray = "runs/"\n')
     code, out, err = invoke("check", log)
     assert (code, out) == (2, "") and "ray: 'runs/' is no Ray cluster's address" in err
+    (project / "pyproject.toml").write_text("[tool.tokaudit]\nrtol = 0.7\n")  # the file named, not --rtol
+    code, out, err = invoke("check", log)
+    assert (code, out) == (2, "") and err.strip() == (
+        f"tokaudit: error: {project / 'pyproject.toml'}: [tool.tokaudit] rtol = 0.7: expected a number above 0 and "
+        "below 0.5"
+    )
 
 
 def test_a_folder_after_ray_is_not_taken_for_the_cluster_s_address() -> None:
