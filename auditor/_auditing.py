@@ -25,7 +25,7 @@ from tokaudit._normalization import Denominator
 from tokaudit._reader import Shard
 from tokaudit._report import AuditReport, Finding, RunSummary, Segment
 from tokaudit._schema import UNNAMED, Provenance
-from tokaudit._ends import UnevenEnd, both_ends, recorded_end, uneven_ends
+from tokaudit._ends import FooterEnds, both_ends, recorded_end, uneven_ends
 from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
 from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, stored_precision
 from tokaudit._summary import unfinished_finding
@@ -145,7 +145,7 @@ def _audit(
             dropped_steps(logset.shards),
             setups_of(logset.shards),
             _Extremes(logset.shards, threads),
-            ({}, set()) if live else uneven_ends(logset.shards),  # --live: steps not yet complete are left out
+            None if live else uneven_ends(logset.shards),  # --live: steps not yet complete are left out
         )
         summaries, findings = judge.runs(present, runs_apart(steps, parts, present))
         asked = present if runs else None
@@ -229,9 +229,9 @@ class _RunJudge:
     """The records the recorder could not write (`dropped_steps`)."""
     setups: dict[str, Provenance]
     extremes: _Extremes
-    ends: tuple[dict[str, UnevenEnd], set[tuple[str, str]] | None]
-    """The runs whose ranks' records end at different steps as the footers say (`uneven_ends`), and the (run,
-    group)s they settle; the others' ends are read from their records (`recorded_end`), except with --live."""
+    ends: FooterEnds | None
+    """Where the footers say each run's ranks stopped (`uneven_ends`); the others' ends are read from their records
+    (`recorded_end`). None with --live, which leaves every step not yet complete out."""
 
     def runs(
         self, present: list[str], of_run: Callable[[str], Callable[[], Iterable[pd.DataFrame]]]
@@ -256,9 +256,10 @@ class _RunJudge:
         bits, lost = self.precision.get(run), self.dropped.get(run)
         rtol = judged_rtol(self.judging.rtol, bits)
         # the update the run stopped inside (its recorder said so) is left out, unless it is all there is
-        stopped, ended = self.setups.get(run, Provenance()).unfinished, self.ends[0].get(run)
-        if self.horizon is None:  # the groups the footers leave unsettled: from the records
-            ended = both_ends(ended, recorded_end(run, lambda: selected_runs(parts, [run]), self.ends[1]))
+        stopped, ended = self.setups.get(run, Provenance()).unfinished, None
+        if self.ends is not None:  # the groups the footers leave unsettled: from the records
+            from_records = recorded_end(run, lambda: selected_runs(parts, [run]), self.ends)
+            ended = both_ends(self.ends.found.get(run), from_records)
         source = run_steps(parts, run, self.horizon, lost, self.names, stopped, ended)
         if source is None and (stopped is not None or ended is not None):
             stopped, ended, source = None, None, run_steps(parts, run, self.horizon, lost, self.names)

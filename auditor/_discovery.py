@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tokaudit.errors import LogFormatError
 from tokaudit._delta import DELTA_LOG, Tables, local_log
-from tokaudit._storage import ICEBERG, WRITERS_FOLDERS, hidden, hidden_note, iceberg_marker, parquet_name
+from tokaudit._storage import ICEBERG, WRITERS_FOLDERS, hidden, hidden_note, iceberg_marker, parquet_name, shown_path
 
 
 def discover(
@@ -28,10 +28,10 @@ def discover(
     problems: list[LogFormatError] = []
     for raw in paths:
         path = Path(raw)
-        if _not_utf8(str(path), problems):
-            continue
         if not path.exists() and not path.is_symlink():
-            problems.append(LogFormatError(str(raw), "no such file or directory"))
+            problems.append(LogFormatError(shown_path(str(raw)), "no such file or directory"))
+            continue
+        if _not_utf8(str(path), problems):
             continue
         identity, problem = _regular_file(path)
         if identity is not None:
@@ -96,8 +96,7 @@ def _walk(
             identity = os.stat(here)
         except OSError:
             continue
-        # a link back up the tree; a name no UTF-8 (nor then are its files')
-        if (identity.st_dev, identity.st_ino) in seen or _not_utf8_folder(here, problems):
+        if (identity.st_dev, identity.st_ino) in seen:  # a link back up the tree
             folders[:] = []
             continue
         seen.add((identity.st_dev, identity.st_ino))
@@ -169,6 +168,8 @@ def _add_files(
     not added again), or to `problems` where it is no readable file."""
     # A regular file's identity is its folder's device and the inode its folder's listing gives, with no
     # stat of its own (a tenth of a second on 25,000 shards); a link or anything else is looked at.
+    if names and _not_utf8(here, problems):  # one line for the folder, not one a file
+        return
     listed = _regular_inodes(here, set(names)) if names else {}
     base = Path(here)
     child = getattr(base, "_make_child_relpath", base.joinpath)  # (pathlib's, without parsing the name again)
@@ -193,25 +194,12 @@ def _add_files(
 def _not_utf8(path: str, problems: list[LogFormatError]) -> bool:
     """Whether a path is not UTF-8 (Python holds its other bytes as surrogate escapes), said in `problems` with those
     bytes shown as \\xNN: DuckDB opens files, and every report names them, in UTF-8 alone."""
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        shown = os.fsencode(path).decode("utf-8", "backslashreplace")
-        problems.append(LogFormatError(shown, "the name is not UTF-8 (its other bytes shown as \\xNN): rename it"))
-        return True
-    return False
-
-
-def _not_utf8_folder(folder: str, problems: list[LogFormatError]) -> bool:
-    """Whether a folder's path is not UTF-8 (its files' are not then either): said where a *.parquet lies below it,
-    passed over in silence where none does (a tracker's folder beside the log reads nothing)."""
-    try:
-        folder.encode("utf-8")
+    if shown_path(path) == path:
         return False
-    except UnicodeEncodeError:
-        if any(parquet_name(name) for _, _, names in os.walk(folder) for name in names):
-            _not_utf8(folder, problems)
-        return True
+    problems.append(
+        LogFormatError(shown_path(path), "the name is not UTF-8 (its other bytes shown as \\xNN): rename it")
+    )
+    return True
 
 
 def _note_outside(path: str, inside: str, notes: list[str]) -> None:

@@ -99,35 +99,51 @@ def spans_cover(frame: pd.DataFrame, spans: Mapping[str, Iterable[tuple[int, int
     return hit
 
 
-def uneven_ends(shards: Sequence[Shard]) -> tuple[dict[str, UnevenEnd], set[tuple[str, str]] | None]:
+@dataclass(frozen=True)
+class FooterEnds:
+    """What the footers say of where each (run, group)'s ranks stopped (`uneven_ends`)."""
+
+    found: dict[str, UnevenEnd]
+    """Per run, its groups whose ranks' records end at different steps, as a kill leaves them."""
+    settled: set[tuple[str, str]]
+    """The (run, group)s the footers settle, uneven or not."""
+    closes: dict[tuple[str, str], dict[int, set[int]]]
+    """Per (run, group) and rank, the last steps of its shards written at a close() by the training code."""
+    blind: set[tuple[str, str]] | None
+    """The (run, group)s with a close the footers place on no one rank; None: a close placed on no (run, group)."""
+
+    def unread(self, key: tuple[str, str]) -> bool:
+        """Whether the records are not to say this (run, group)'s end (`recorded_end`): the footers settle it, or a
+        close they cannot place might be the stopped rank's."""
+        return key in self.settled or self.blind is None or key in self.blind
+
+
+def uneven_ends(shards: Sequence[Shard]) -> FooterEnds:
     """Per run, its groups whose ranks' records end at different steps, each rank short of the last step by at most
-    its widest shard. Only what the footers settle: shards of one rank each, whose run, group, steps and W they give,
-    one W over the group (a resize ends the ranks it leaves), every rank below it holding a shard; and the (run,
-    group)s whose ends are not the records' to read (`recorded_end`): those the footers settle so, uneven or not,
-    and those a shard says the training code closed (a rank out of data under join() ends so: `missing_rank`).
-    None where a shard that says so names no (run, group): no end is read from records then."""
+    its widest shard and not closed then (`closed_on_purpose`). Only what the footers settle: shards of one rank each,
+    whose run, group, steps and W they give, one W over the group (a resize ends the ranks it leaves), every rank
+    below it holding a shard."""
     spans: dict[tuple[str, str], dict[int, tuple[int, int]]] = {}  # per rank: (its last step, its widest shard)
-    closes: dict[tuple[str, str], dict[int, set[int]]] = {}  # per rank: the last steps of its shards written at close()
+    closes: dict[tuple[str, str], dict[int, set[int]]] = {}
     worlds: dict[tuple[str, str], set[tuple[int, int] | None]] = {}
     unsettled: set[tuple[str, str]] = set()
-    closers: set[tuple[str, str]] = set()
+    blind: set[tuple[str, str]] | None = set()
     for shard in shards:
         if shard.run_group is None:
-            if shard.provenance.closed:
-                return {}, None
+            blind = None if shard.provenance.closed else blind
             continue
         key = (shard.default_run if shard.run_override else shard.run_group[0], shard.run_group[1])
-        if shard.provenance.closed:
-            closers.add(key)
         worlds.setdefault(key, set()).add(shard.world_range)
         held, steps = shard.rank_range, shard.step_range
         if held is None or steps is None or held[0] != held[1]:
             unsettled.add(key)
+            if shard.provenance.closed and blind is not None:
+                blind.add(key)
             continue
-        last, widest = spans.setdefault(key, {}).get(held[0], (steps[1], 0))
-        spans[key][held[0]] = (max(last, steps[1]), max(widest, steps[1] - steps[0] + 1))
         if shard.provenance.closed:
             closes.setdefault(key, {}).setdefault(held[0], set()).add(steps[1])
+        last, widest = spans.setdefault(key, {}).get(held[0], (steps[1], 0))
+        spans[key][held[0]] = (max(last, steps[1]), max(widest, steps[1] - steps[0] + 1))
     found: dict[str, dict[str, GroupEnd]] = {}
     settled: set[tuple[str, str]] = set()
     for key, ranks in spans.items():
@@ -137,33 +153,30 @@ def uneven_ends(shards: Sequence[Shard]) -> tuple[dict[str, UnevenEnd], set[tupl
         settled.add(key)
         end = max(last for last, _ in ranks.values())
         stopped = {rank: last for rank, (last, _) in ranks.items() if last < end}
-        # a rank the training code closed at its last step while the others went on ended on purpose; where another
-        # rank closed at that step too, the job ended there, and a relaunch went on without this rank (killed
-        # before its first shard)
-        closed = closes.get(key, {})
-        ended = {
-            rank
-            for rank, last in stopped.items()
-            if last in closed.get(rank, set()) and not any(last in at for other, at in closed.items() if other != rank)
-        }
+        ended = any(closed_on_purpose(closes.get(key, {}), rank, last) for rank, last in stopped.items())
         if stopped and not ended and all(end - ranks[rank][0] <= ranks[rank][1] for rank in stopped):
             found.setdefault(key[0], {})[key[1]] = GroupEnd(min(stopped.values()), end, stopped)
-    return {run: UnevenEnd(groups) for run, groups in found.items()}, settled | closers
+    return FooterEnds({run: UnevenEnd(groups) for run, groups in found.items()}, settled, closes, blind)
 
 
-def recorded_end(
-    run: str, parts: Callable[[], Iterable[pd.DataFrame]], settled: set[tuple[str, str]] | None
-) -> UnevenEnd | None:
+def closed_on_purpose(closes: Mapping[int, set[int]], rank: int, last: int) -> bool:
+    """Whether a rank whose records stop at `last` while the others go on was closed there by the training code (under
+    DDP's join(), out of data): ended on purpose, its tokens missing from the others' updates. Where another rank
+    closed at that step too, the job ended there, and a relaunch went on without this rank (killed before its first
+    shard)."""
+    return last in closes.get(rank, set()) and not any(last in at for other, at in closes.items() if other != rank)
+
+
+def recorded_end(run: str, parts: Callable[[], Iterable[pd.DataFrame]], footers: FooterEnds) -> UnevenEnd | None:
     """The run's groups that its footers do not settle (shards of several ranks each, as a compaction leaves them)
     whose ranks' records end at different steps, read from the step table's rank masks (W ≤ 64): one W, every rank
     below it recorded, and each step past the last complete one holding exactly the ranks not yet stopped. What
     ended them no record says (a rank killed with records unwritten, or one out of data under join()): those steps
     are left out, and the run is inconclusive (`UnevenEnd.undecided`). A first pass reads each group's last step
-    alone; the groups whose last step lacks a rank are read whole. None settled: none is read (`uneven_ends`)."""
-    if settled is None:
-        return None
+    alone; the groups whose last step lacks a rank are read whole. A stopped rank closed at its last step
+    (`closed_on_purpose`) leaves the end to `missing_rank`."""
     last: dict[str, list[Any]] = {}  # per group: [its last step, the ranks there, every rank seen, its W's bounds]
-    for part, group, rows in _groups(parts(), run, settled):
+    for part, group, rows in _groups(parts(), run, footers):
         steps, masks = part.step.to_numpy()[rows], _masks(part)[rows]
         top = steps.max()
         seen = last.setdefault(group, [top, np.uint64(0), np.uint64(0), np.inf, -np.inf])
@@ -182,10 +195,14 @@ def recorded_end(
     if not ragged:
         return None
     held: dict[str, list[tuple[Any, Any]]] = {}
-    for part, group, rows in _groups(parts(), run, settled):
+    for part, group, rows in _groups(parts(), run, footers):
         if group in ragged:
             held.setdefault(group, []).append((part.step.to_numpy()[rows], _masks(part)[rows]))
-    found = {group: end for group, pieces in held.items() if (end := _ragged(pieces, int(last[group][3]))) is not None}
+    found = {
+        group: end
+        for group, pieces in held.items()
+        if (end := _ragged(pieces, int(last[group][3]), footers.closes.get((run, group), {}))) is not None
+    }
     return UnevenEnd(found, undecided=True) if found else None
 
 
@@ -196,19 +213,17 @@ def both_ends(footers: UnevenEnd | None, records: UnevenEnd | None) -> UnevenEnd
     return UnevenEnd({**footers.groups, **records.groups}, undecided=True)
 
 
-def _groups(
-    parts: Iterable[pd.DataFrame], run: str, settled: set[tuple[str, str]]
-) -> Iterator[tuple[pd.DataFrame, str, Any]]:
-    """Each part's rows of each group the footers do not settle: (part, group, its rows)."""
+def _groups(parts: Iterable[pd.DataFrame], run: str, footers: FooterEnds) -> Iterator[tuple[pd.DataFrame, str, Any]]:
+    """Each part's rows of each group whose end is the records' to say (`FooterEnds.unread`): (part, group, rows)."""
     for part in parts:
         categories = part.grp.cat.categories
         if len(categories) == 1:
-            if (run, str(categories[0])) not in settled:
+            if not footers.unread((run, str(categories[0]))):
                 yield part, str(categories[0]), slice(None)
             continue
         codes = part.grp.cat.codes.to_numpy()
         for code in np.unique(codes):
-            if (run, str(categories[code])) not in settled:
+            if not footers.unread((run, str(categories[code]))):
                 yield part, str(categories[code]), codes == code
 
 
@@ -219,7 +234,7 @@ def _masks(part: pd.DataFrame) -> npt.NDArray[np.uint64]:
     return found
 
 
-def _ragged(pieces: list[tuple[Any, Any]], world: int) -> GroupEnd | None:
+def _ragged(pieces: list[tuple[Any, Any]], world: int, closes: Mapping[int, set[int]]) -> GroupEnd | None:
     """One group's ragged end from its steps' rank masks (each step's terms' masks or-ed), if it has one."""
     steps, masks = (np.concatenate([p[i] for p in pieces]) for i in range(2))
     order = np.argsort(steps, kind="stable")
@@ -235,7 +250,10 @@ def _ragged(pieces: list[tuple[Any, Any]], world: int) -> GroupEnd | None:
         expected |= (steps[tail] <= at).astype(np.uint64) << np.uint64(rank)
     if not np.array_equal(masks[tail], expected):
         return None  # a rank missing inside the tail and back after: no end, missing_rank
-    return GroupEnd(complete, int(steps[-1]), {r: at for r, at in last.items() if at < steps[-1]})
+    stopped = {r: at for r, at in last.items() if at < steps[-1]}
+    if any(closed_on_purpose(closes, rank, at) for rank, at in stopped.items()):
+        return None
+    return GroupEnd(complete, int(steps[-1]), stopped)
 
 
 def _every_rank(ranks: Mapping[int, object], world: int) -> bool:

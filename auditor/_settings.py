@@ -86,6 +86,8 @@ def check_defaults(start: Path, fail_on: Sequence[str]) -> tuple[dict[str, Any],
             raise UsageError(f"{where} {key} = {value!r}: expected a number")
         if key == "rtol" and not 0 < value < 0.5:
             raise UsageError(f"{where} rtol = {value!r}: expected a number above 0 and below 0.5")
+        if key == "min-ratio" and not 1 <= value < float("inf"):
+            raise UsageError(f"{where} min-ratio = {value!r}: expected a finite number of at least 1")
         if key == "ray" and not isinstance(value, str):
             raise UsageError(f'{where} ray = {value!r}: expected a cluster\'s address, such as "auto"')
         if key == "ray" and (problem := ray_address_problem(value)) is not None:

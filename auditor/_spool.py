@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from tokaudit.errors import LogFormatError, first_line
 from tokaudit._schema import DESTINATION_KEY
-from tokaudit._storage import is_url, open_url, storage_timeout
+from tokaudit._storage import is_url, open_url, shown_path, storage_timeout
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,21 @@ def sync_one(path: Path) -> Synced:
     destination = os.fsdecode(metadata.get(DESTINATION_KEY, b""))  # a folder's name in any bytes, as the OS takes it
     if not destination:
         raise LogFormatError(str(path), "is no spooled shard (its footer names no destination)")
+    try:
+        written = _write(path, data, destination)
+    except LogFormatError:
+        raise
+    except Exception as error:  # a destination no store or folder takes (a NUL byte, a scheme of no store)
+        raise LogFormatError(
+            str(path), f"cannot be written to {shown_path(destination)} ({first_line(error)})"
+        ) from None
+    path.unlink()
+    return Synced(path, written, records)
+
+
+def _write(path: Path, data: bytes, destination: str) -> str:
+    """The spooled file's bytes written whole under its own name in `destination` (a name already there is that file,
+    synced before); where it went."""
     if is_url(destination):
         base, query = destination.partition("?")[::2]
         store, folder = open_url(destination, storage_timeout())
@@ -53,18 +68,15 @@ def sync_one(path: Path) -> Synced:
                     stream.write(data)
         except OSError as error:
             raise LogFormatError(str(path), f"cannot be written to {base} ({first_line(error)})") from None
-        written = f"{base.rstrip('/')}/{path.name}" + (f"?{query}" if query else "")
-    else:
-        folder_path = Path(destination)
-        target_path = folder_path / path.name
-        try:
-            folder_path.mkdir(parents=True, exist_ok=True)
-            if not target_path.exists():
-                temporary = folder_path / f".{path.name}.tmp"
-                temporary.write_bytes(data)
-                os.replace(temporary, target_path)
-        except OSError as error:
-            raise LogFormatError(str(path), f"cannot be written to {folder_path} ({error.strerror or error})") from None
-        written = str(target_path)
-    path.unlink()
-    return Synced(path, written, records)
+        return f"{base.rstrip('/')}/{path.name}" + (f"?{query}" if query else "")
+    folder_path = Path(destination)
+    target_path = folder_path / path.name
+    try:
+        folder_path.mkdir(parents=True, exist_ok=True)
+        if not target_path.exists():
+            temporary = folder_path / f".{path.name}.tmp"
+            temporary.write_bytes(data)
+            os.replace(temporary, target_path)
+    except OSError as error:
+        raise LogFormatError(str(path), f"cannot be written to {folder_path} ({error.strerror or error})") from None
+    return str(target_path)

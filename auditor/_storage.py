@@ -340,3 +340,8 @@ def _held_by_tables(
     if notes is not None:
         notes.extend(tables.notes())
     return kept
+
+
+def shown_path(path: str) -> str:
+    """A path as text: the bytes of a name that is not UTF-8 (surrogate escapes, as Python holds them) as \\xNN."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")

@@ -204,7 +204,10 @@ class ShardOutput:
         metadata = {
             **(table.schema.metadata or {}),
             **self.last_metadata({}),
-            DESTINATION_KEY: str(self.log_dir).encode(),
+            # a folder as an absolute path (sync may run from anywhere), in the bytes the OS names it by
+            DESTINATION_KEY: self.log_dir.encode()
+            if isinstance(self.log_dir, str)
+            else os.fsencode(self.log_dir.absolute()),
         }
         name = f"{self.prefix}-spooled-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.parquet"
         temporary = folder / f".{name}.tmp"

@@ -60,6 +60,21 @@ def test_a_folder_whose_name_is_not_utf8_and_holds_no_parquet_file_is_passed_ove
     assert code == 0 and err == "" and json.loads(out)["runs"][0]["verdict"] == "correct"
 
 
+def test_a_folder_whose_name_is_not_utf8_and_holds_a_link_to_a_run_is_one_line(good: Path) -> None:
+    """The walk follows links to folders: a run reached through one is said, never passed over in silence."""
+    elsewhere = write_by_rank(good.parent.parent / "elsewhere", records(UNEVEN, local_mean))
+    (good.parent / "exp").mkdir()
+    os.symlink(elsewhere, good.parent / "exp" / "bad")
+    renamed_to(good.parent / "exp", b"exp-\xff")
+    code, _, err = check(str(good.parent))
+    assert code == 2 and "exp-\\xff/bad: the name is not UTF-8" in err
+
+
+def test_a_missing_path_whose_name_is_not_utf8_is_said_missing(good: Path) -> None:
+    code, _, err = check(os.fsdecode(os.fsencode(good.parent) + b"/gone\xff"))
+    assert code == 2 and err.strip().endswith("gone\\xff: no such file or directory")
+
+
 @pytest.mark.parametrize("fmt", ["json", "junit", "html", "markdown", "github", "table"])
 def test_a_file_whose_name_is_not_utf8_leaves_every_report_readable(good: Path, fmt: str) -> None:
     (good / "r.parquet").write_bytes(b"not parquet")
@@ -207,3 +222,22 @@ def test_sync_writes_a_spooled_shard_whose_names_are_not_utf8_and_says_their_byt
     assert result.exit_code == 0, result.output
     assert os.listdir(destination) == [b"r\xfe.parquet"]
     assert "dest\\xff/r\\xfe.parquet" in result.output and "\\udc" not in result.output
+
+
+def test_sync_names_a_spooled_shard_no_store_takes_and_writes_the_others(tmp_path: Path) -> None:
+    """A destination of a scheme no store serves (http://), or with a NUL byte: one line naming the spooled file, and
+    the rest of the spool is still written."""
+    shard = write_by_rank(tmp_path / "make", records(UNEVEN, token_mean)) / "rank-00000-000000.parquet"
+    (tmp_path / "spool").mkdir()
+    for name, destination in (
+        ("a", b"http://127.0.0.1:9/x"),
+        ("b", b"/tmp/with\x00nul"),
+        ("c", os.fsencode(tmp_path / "out")),
+    ):
+        table = pq.read_table(shard).replace_schema_metadata({b"tokaudit.destination": destination})
+        pq.write_table(table, tmp_path / "spool" / f"{name}.parquet")
+    result = CliRunner().invoke(main, ["sync", str(tmp_path / "spool")])
+    lines = [line for line in result.stderr.splitlines() if line.startswith("tokaudit: error:")]
+    assert result.exit_code == 2 and len(lines) == 2 and "internal error" not in result.stderr
+    assert all("cannot be written to" in line for line in lines), lines
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["c.parquet"]

@@ -484,6 +484,22 @@ def test_a_close_any_footer_says_keeps_a_ragged_end_a_missing_rank_and_each_grou
     write(tmp_path / "stats" / "compacted.parquet", rows)
     assert audit([tmp_path / "stats"]).runs[0].verdict == "incorrect"
 
+    # a close on the rank that went on (rank 0, at the end) says nothing of the one that stopped: a kill, and with
+    # a compacted copy beside the shards the footers cannot settle it: inconclusive, never incorrect
+    for name in ("killed", "copied"):
+        for rank in (0, 1):
+            mine = [r for r in rows if r["rank"] == rank]
+            write(tmp_path / name / f"rank-{rank:05d}-000000.parquet", mine, metadata=closed if rank == 0 else None)
+    assert audit([tmp_path / "killed"]).runs[0].verdict == "correct"
+    write(tmp_path / "copied" / "compacted.parquet", rows)
+    assert audit([tmp_path / "copied"]).runs[0].verdict == "inconclusive"
+    # a close no footer places on a (run, group), in another run's folder: the killed run's footers still settle it
+    other = write_by_rank(tmp_path / "other", records(UNEVEN_GA, token_mean, run_id="other"))
+    for shard in other.glob("*.parquet"):
+        pq.write_table(pq.read_table(shard).replace_schema_metadata(closed), shard, write_statistics=False)
+    report = audit([tmp_path / "killed", other])
+    assert {r.run: r.verdict for r in report.runs} == {"killed": "correct", "other": "correct"}
+
     two = [dict(r, group="a") for r in rows] + [dict(r, group="b") for r in rows]
     write_by_rank(tmp_path / "groups", [r for r in two if r["group"] == "a"], steps_per_file=2)
     write(tmp_path / "groups" / "b.parquet", [r for r in two if r["group"] == "b"])
