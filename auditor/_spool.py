@@ -49,16 +49,25 @@ def sync_one(path: Path) -> Synced:
         raise LogFormatError(
             str(path), f"cannot be written to {shown_path(destination)} ({first_line(error)})"
         ) from None
-    path.unlink()
+    try:
+        path.unlink()
+    except OSError as error:  # written: the next sync finds it there, the same bytes, and removes it then
+        raise LogFormatError(
+            str(path), f"written to {written}, not removed from the spool ({error.strerror})"
+        ) from None
     return Synced(path, written, records)
 
 
 def _write(path: Path, data: bytes, destination: str) -> str:
-    """The spooled file's bytes written whole under its own name in `destination` (a name already there is that file,
-    synced before); where it went."""
+    """The spooled file's bytes written whole under its own name in `destination`, where it went. A file of that name
+    already there is this one synced before where it holds the same bytes; any other (the spooled file itself, as
+    when a log's folder is given as the spool, or another file, or a folder) leaves it in the spool."""
     if is_url(destination):
-        base, query = destination.partition("?")[::2]
-        store, folder = open_url(destination, storage_timeout())
+        base = destination.partition("?")[0]
+        try:
+            store, folder = open_url(destination, storage_timeout())
+        except LogFormatError as error:
+            raise LogFormatError(str(path), f"cannot be written to {base} ({error.problem})") from None
         target = f"{folder}/{path.name}"
         try:
             from pyarrow import fs
@@ -66,17 +75,33 @@ def _write(path: Path, data: bytes, destination: str) -> str:
             if store.filesystem.get_file_info(target).type == fs.FileType.NotFound:
                 with store.filesystem.open_output_stream(target) as stream:
                     stream.write(data)
+            else:
+                with store.filesystem.open_input_stream(target) as stream:
+                    _same(path, stream.read(), data, base)
         except OSError as error:
             raise LogFormatError(str(path), f"cannot be written to {base} ({first_line(error)})") from None
+        query = destination.partition("?")[2]
         return f"{base.rstrip('/')}/{path.name}" + (f"?{query}" if query else "")
     folder_path = Path(destination)
     target_path = folder_path / path.name
     try:
         folder_path.mkdir(parents=True, exist_ok=True)
-        if not target_path.exists():
+        if target_path.exists() or target_path.is_symlink():
+            if target_path.is_file() and target_path.samefile(path):
+                raise LogFormatError(str(path), "is the file at its destination already (a log's shard): left as it is")
+            _same(path, target_path.read_bytes() if target_path.is_file() else None, data, str(folder_path))
+        else:
             temporary = folder_path / f".{path.name}.tmp"
             temporary.write_bytes(data)
             os.replace(temporary, target_path)
     except OSError as error:
         raise LogFormatError(str(path), f"cannot be written to {folder_path} ({error.strerror or error})") from None
     return str(target_path)
+
+
+def _same(path: Path, there: bytes | None, data: bytes, where: str) -> None:
+    """A file of the spooled file's name at its destination: this one, synced before, or a LogFormatError."""
+    if there != data:
+        raise LogFormatError(
+            str(path), f"{where} holds another file of its name: left in the spool (move one of them, then sync again)"
+        )

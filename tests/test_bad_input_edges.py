@@ -241,3 +241,26 @@ def test_sync_names_a_spooled_shard_no_store_takes_and_writes_the_others(tmp_pat
     assert result.exit_code == 2 and len(lines) == 2 and "internal error" not in result.stderr
     assert all("cannot be written to" in line for line in lines), lines
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["c.parquet"]
+
+
+def test_sync_never_removes_a_file_it_did_not_write_or_find_there_the_same(tmp_path: Path) -> None:
+    """Synced once, a shard in its log folder still says where it was going: sync given that folder as the spool finds
+    the file itself at its destination and leaves it. A destination holding another file of that name, or a folder
+    of it, leaves the spooled file in the spool."""
+    shard = write_by_rank(tmp_path / "make", records(UNEVEN, token_mean)) / "rank-00000-000000.parquet"
+    (tmp_path / "spool").mkdir()
+    table = pq.read_table(shard).replace_schema_metadata({b"tokaudit.destination": os.fsencode(tmp_path / "log")})
+    pq.write_table(table, tmp_path / "spool" / "a.parquet")
+    assert CliRunner().invoke(main, ["sync", str(tmp_path / "spool")]).exit_code == 0
+    again = CliRunner().invoke(main, ["sync", str(tmp_path / "log")])
+    assert again.exit_code == 2 and "is the file at its destination already" in again.stderr
+    assert (tmp_path / "log" / "a.parquet").is_file()
+    for name, taken in (("b", b"other bytes"), ("c", None)):
+        pq.write_table(table, tmp_path / "spool" / f"{name}.parquet")
+        if taken is None:
+            (tmp_path / "log" / f"{name}.parquet").mkdir()
+        else:
+            (tmp_path / "log" / f"{name}.parquet").write_bytes(taken)
+    kept = CliRunner().invoke(main, ["sync", str(tmp_path / "spool")])
+    assert kept.exit_code == 2 and kept.stderr.count("holds another file of its name") == 2
+    assert sorted(p.name for p in (tmp_path / "spool").iterdir()) == ["b.parquet", "c.parquet"]
