@@ -77,7 +77,7 @@ def _walk(
 ) -> int:
     """Every *.parquet under `root` added to `found` (a file already there is not added again), or to `problems`
     where it is no readable file: how many it reached, those found before and those it could not use included."""
-    seen: set[tuple[int, int]] = set()
+    seen: dict[bool, set[tuple[int, int]]] = {True: set(), False: set()}  # by whether the path is UTF-8
     reached = 0
 
     def unreadable(error: OSError) -> None:
@@ -89,17 +89,19 @@ def _walk(
     tables.enter_above(str(Path(root).absolute()))
     datasets: dict[str, int] = {}  # folders named *.parquet (Spark-style datasets): the part files under each
     for folder, folders, files in _folders(str(root), unreadable):
-        # Paths as strings until a file is kept: pathlib's parsing cost more than the stat itself on a
-        # folder of 10,000 shards (Path.absolute() once per folder, not per file).
-        here = str(Path(folder).absolute())
+        here = str(Path(folder).absolute())  # strings until a file is kept: pathlib's parsing costs more than a stat
         try:
             identity = os.stat(here)
         except OSError:
             continue
-        if (identity.st_dev, identity.st_ino) in seen:  # a link back up the tree
+        utf8 = shown_path(here) == here
+        if (identity.st_dev, identity.st_ino) in seen[utf8]:  # a link back up the tree
             folders[:] = []
             continue
-        seen.add((identity.st_dev, identity.st_ino))
+        seen[utf8].add((identity.st_dev, identity.st_ino))
+        if not utf8:  # nothing in it is read (reached by a link of a UTF-8 path, it is)
+            _not_utf8_folder(here, folders, files, problems)
+            continue
         if notes is not None and os.path.islink(here):
             _note_outside(here, inside, notes)
         if _iceberg(here, folders):
@@ -168,8 +170,6 @@ def _add_files(
     not added again), or to `problems` where it is no readable file."""
     # A regular file's identity is its folder's device and the inode its folder's listing gives, with no
     # stat of its own (a tenth of a second on 25,000 shards); a link or anything else is looked at.
-    if names and _not_utf8(here, problems):  # one line for the folder, not one a file
-        return
     listed = _regular_inodes(here, set(names)) if names else {}
     base = Path(here)
     child = getattr(base, "_make_child_relpath", base.joinpath)  # (pathlib's, without parsing the name again)
@@ -200,6 +200,17 @@ def _not_utf8(path: str, problems: list[LogFormatError]) -> bool:
         LogFormatError(shown_path(path), "the name is not UTF-8 (its other bytes shown as \\xNN): rename it")
     )
     return True
+
+
+def _not_utf8_folder(folder: str, folders: list[str], files: list[str], problems: list[LogFormatError]) -> None:
+    """A folder whose path is not UTF-8: where it holds Parquet files or a Delta table, one line naming the topmost
+    folder of its path whose name is not UTF-8 (once, whatever lies below it); its folders are walked still."""
+    if DELTA_LOG in folders or any(parquet_name(name) and not hidden(name, folder=False) for name in files):
+        parts = Path(folder).parts
+        top = next(p for i in range(1, len(parts) + 1) if shown_path(p := os.path.join(*parts[:i])) != p)
+        if not any(problem.path == shown_path(top) for problem in problems):
+            _not_utf8(top, problems)
+    folders[:] = sorted(f for f in folders if not hidden(f, folder=True) and f != DELTA_LOG)
 
 
 def _note_outside(path: str, inside: str, notes: list[str]) -> None:

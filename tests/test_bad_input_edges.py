@@ -67,7 +67,20 @@ def test_a_folder_whose_name_is_not_utf8_and_holds_a_link_to_a_run_is_one_line(g
     os.symlink(elsewhere, good.parent / "exp" / "bad")
     renamed_to(good.parent / "exp", b"exp-\xff")
     code, _, err = check(str(good.parent))
-    assert code == 2 and "exp-\\xff/bad: the name is not UTF-8" in err
+    (line,) = err.splitlines()
+    assert code == 2 and line.endswith("exp-\\xff: the name is not UTF-8 (its other bytes shown as \\xNN): rename it")
+
+
+def test_a_tree_below_a_folder_whose_name_is_not_utf8_is_one_line_naming_that_folder(good: Path) -> None:
+    """Hive's rank=N folders below it, a Delta table inside it: the one folder at fault is named, once."""
+    for rank in (0, 1):
+        write_by_rank(good.parent / "hive" / f"rank={rank}", records(UNEVEN, token_mean))
+    (good.parent / "hive" / "rank=1" / "_delta_log").mkdir()
+    renamed_to(good.parent / "hive", b"hive\xff")
+    code, out, err = check(str(good.parent), "--format", "json")
+    (line,) = err.splitlines()
+    assert code == 2 and line.endswith("/hive\\xff: the name is not UTF-8 (its other bytes shown as \\xNN): rename it")
+    assert [r["run"] for r in json.loads(out)["runs"]] == ["good"]
 
 
 def test_a_missing_path_whose_name_is_not_utf8_is_said_missing(good: Path) -> None:
