@@ -153,18 +153,17 @@ def uneven_ends(shards: Sequence[Shard]) -> FooterEnds:
         settled.add(key)
         end = max(last for last, _ in ranks.values())
         stopped = {rank: last for rank, (last, _) in ranks.items() if last < end}
-        ended = any(closed_on_purpose(closes.get(key, {}), rank, last) for rank, last in stopped.items())
+        ended = any(closed_on_purpose(closes.get(key, {}), rank, last, ranks) for rank, last in stopped.items())
         if stopped and not ended and all(end - ranks[rank][0] <= ranks[rank][1] for rank in stopped):
             found.setdefault(key[0], {})[key[1]] = GroupEnd(min(stopped.values()), end, stopped)
     return FooterEnds({run: UnevenEnd(groups) for run, groups in found.items()}, settled, closes, blind)
 
 
-def closed_on_purpose(closes: Mapping[int, set[int]], rank: int, last: int) -> bool:
+def closed_on_purpose(closes: Mapping[int, set[int]], rank: int, last: int, ranks: Iterable[int]) -> bool:
     """Whether a rank whose records stop at `last` while the others go on was closed there by the training code (under
-    DDP's join(), out of data): ended on purpose, its tokens missing from the others' updates. Where another rank
-    closed at that step too, the job ended there, and a relaunch went on without this rank (killed before its first
-    shard)."""
-    return last in closes.get(rank, set()) and not any(last in at for other, at in closes.items() if other != rank)
+    DDP's join(), out of data): ended on purpose, its tokens missing from the others' updates. Where every rank closed
+    at that step, the job ended there, and a relaunch went on without this rank (killed before its first shard)."""
+    return last in closes.get(rank, set()) and not all(last in closes.get(other, set()) for other in ranks)
 
 
 def recorded_end(run: str, parts: Callable[[], Iterable[pd.DataFrame]], footers: FooterEnds) -> UnevenEnd | None:
@@ -251,7 +250,7 @@ def _ragged(pieces: list[tuple[Any, Any]], world: int, closes: Mapping[int, set[
     if not np.array_equal(masks[tail], expected):
         return None  # a rank missing inside the tail and back after: no end, missing_rank
     stopped = {r: at for r, at in last.items() if at < steps[-1]}
-    if any(closed_on_purpose(closes, rank, at) for rank, at in stopped.items()):
+    if any(closed_on_purpose(closes, rank, at, range(world)) for rank, at in stopped.items()):
         return None
     return GroupEnd(complete, int(steps[-1]), stopped)
 

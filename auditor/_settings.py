@@ -84,16 +84,24 @@ def check_defaults(start: Path, fail_on: Sequence[str]) -> tuple[dict[str, Any],
                     raise UsageError(f"{where} ignore: {error}; `tokaudit explain` lists the codes") from None
         if key in ("rtol", "min-ratio") and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise UsageError(f"{where} {key} = {value!r}: expected a number")
-        if key == "rtol" and not 0 < value < 0.5:
-            raise UsageError(f"{where} rtol = {value!r}: expected a number above 0 and below 0.5")
-        if key == "min-ratio" and not 1 <= value < float("inf"):
-            raise UsageError(f"{where} min-ratio = {value!r}: expected a finite number of at least 1")
+        if key in ("rtol", "min-ratio"):
+            value = _number(value, where, key)
         if key == "ray" and not isinstance(value, str):
             raise UsageError(f'{where} ray = {value!r}: expected a cluster\'s address, such as "auto"')
         if key == "ray" and (problem := ray_address_problem(value)) is not None:
             raise UsageError(f"{where} ray: {problem}")
         out[KEYS[key]] = tuple(value) if key == "ignore" else value
     return out, path
+
+
+def _number(value: float, where: str, key: str) -> float:
+    """rtol in (0, 0.5), min-ratio in [1, ∞), as floats (an integer of 400 digits is none)."""
+    bounds = {"rtol": (0.0, 0.5, "above 0 and below 0.5"), "min-ratio": (1.0, float("inf"), "finite, at least 1")}
+    low, high, said = bounds[key]
+    number = float(value) if isinstance(value, float) or abs(value) < 2**1023 else float("inf")
+    if not (low < number < high if key == "rtol" else low <= number < high):
+        raise UsageError(f"{where} {key} = {value!r}: expected a number {said}")
+    return number
 
 
 def _read(path: Path) -> dict[str, Any]:

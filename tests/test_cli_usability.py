@@ -444,6 +444,9 @@ def test_settings_in_pyproject_apply_from_below_and_the_command_line_wins(
         f"tokaudit: error: {project / 'pyproject.toml'}: [tool.tokaudit] rtol = 0.7: expected a number above 0 and "
         "below 0.5"
     )
+    (project / "pyproject.toml").write_text("[tool.tokaudit]\nmin-ratio = 1" + "0" * 400 + "\n")  # no float
+    code, out, err = invoke("check", log)
+    assert (code, out) == (2, "") and "min-ratio = 1000" in err and "internal error" not in err
     (project / "pyproject.toml").write_text("[tool.tokaudit]\nmin-ratio = 0.5\n")
     code, out, err = invoke("check", log)
     assert (code, out) == (2, "") and f"{project / 'pyproject.toml'}: [tool.tokaudit] min-ratio = 0.5" in err

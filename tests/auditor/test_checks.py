@@ -493,6 +493,13 @@ def test_a_close_any_footer_says_keeps_a_ragged_end_a_missing_rank_and_each_grou
     assert audit([tmp_path / "killed"]).runs[0].verdict == "correct"
     write(tmp_path / "copied" / "compacted.parquet", rows)
     assert audit([tmp_path / "copied"]).runs[0].verdict == "inconclusive"
+    # two of 4 ranks out of data at once, both closed at step 3, while the other two go on: no job's end, but two
+    # ranks missing (a close is a job's end only where every rank closed at that step)
+    four = [r for r in records([[[2], [3], [1], [4]]] * 6, token_mean) if r["rank"] < 2 or r["step"] <= 3]
+    for rank in range(4):
+        mine = [r for r in four if r["rank"] == rank]
+        write(tmp_path / "two" / f"rank-{rank:05d}.parquet", mine, metadata=closed if rank >= 2 else None)
+    assert only(audit([tmp_path / "two"]), Code.MISSING_RANK).steps.first == 4
     # a close no footer places on a (run, group), in another run's folder: the killed run's footers still settle it
     other = write_by_rank(tmp_path / "other", records(UNEVEN_GA, token_mean, run_id="other"))
     for shard in other.glob("*.parquet"):
