@@ -95,7 +95,7 @@ def _walk(
         except OSError:
             continue
         utf8 = shown_path(here) == here
-        if (identity.st_dev, identity.st_ino) in seen[utf8]:  # a link back up the tree
+        if any((identity.st_dev, identity.st_ino) in seen[kind] for kind in {utf8, True}):  # a loop, or read
             folders[:] = []
             continue
         seen[utf8].add((identity.st_dev, identity.st_ino))

@@ -108,7 +108,8 @@ class FooterEnds:
     settled: set[tuple[str, str]]
     """The (run, group)s the footers settle, uneven or not."""
     closes: dict[tuple[str, str], dict[int, set[int]]]
-    """Per (run, group) and rank, the last steps of its shards written at a close() by the training code."""
+    """Per (run, group) and rank, the last steps of its shards written at a close() by the training code in the
+    group's latest launch."""
     blind: set[tuple[str, str]] | None
     """The (run, group)s with a close the footers place on no one rank; None: a close placed on no (run, group)."""
 
@@ -124,7 +125,7 @@ def uneven_ends(shards: Sequence[Shard]) -> FooterEnds:
     whose run, group, steps and W they give, one W over the group (a resize ends the ranks it leaves), every rank
     below it holding a shard."""
     spans: dict[tuple[str, str], dict[int, tuple[int, int]]] = {}  # per rank: (its last step, its widest shard)
-    closes: dict[tuple[str, str], dict[int, set[int]]] = {}
+    launched: dict[tuple[str, str], dict[int, dict[int, set[int]]]] = {}  # per launch, per rank: the steps it closed
     worlds: dict[tuple[str, str], set[tuple[int, int] | None]] = {}
     unsettled: set[tuple[str, str]] = set()
     blind: set[tuple[str, str]] | None = set()
@@ -134,6 +135,8 @@ def uneven_ends(shards: Sequence[Shard]) -> FooterEnds:
             continue
         key = (shard.default_run if shard.run_override else shard.run_group[0], shard.run_group[1])
         worlds.setdefault(key, set()).add(shard.world_range)
+        launch = -1 if shard.provenance.launch is None else shard.provenance.launch
+        launched.setdefault(key, {}).setdefault(launch, {})
         held, steps = shard.rank_range, shard.step_range
         if held is None or steps is None or held[0] != held[1]:
             unsettled.add(key)
@@ -141,9 +144,11 @@ def uneven_ends(shards: Sequence[Shard]) -> FooterEnds:
                 blind.add(key)
             continue
         if shard.provenance.closed:
-            closes.setdefault(key, {}).setdefault(held[0], set()).add(steps[1])
+            launched[key][launch].setdefault(held[0], set()).add(steps[1])
         last, widest = spans.setdefault(key, {}).get(held[0], (steps[1], 0))
         spans[key][held[0]] = (max(last, steps[1]), max(widest, steps[1] - steps[0] + 1))
+    # only a close in the group's latest launch can say a rank ended on purpose: an earlier launch's end is no join()
+    closes = {key: by_launch[max(by_launch)] for key, by_launch in launched.items()}
     found: dict[str, dict[str, GroupEnd]] = {}
     settled: set[tuple[str, str]] = set()
     for key, ranks in spans.items():

@@ -96,11 +96,14 @@ def check_defaults(start: Path, fail_on: Sequence[str]) -> tuple[dict[str, Any],
 
 def _number(value: float, where: str, key: str) -> float:
     """rtol in (0, 0.5), min-ratio in [1, ∞), as floats (an integer of 400 digits is none)."""
-    bounds = {"rtol": (0.0, 0.5, "above 0 and below 0.5"), "min-ratio": (1.0, float("inf"), "finite, at least 1")}
+    bounds = {"rtol": (0.0, 0.5, "above 0 and below 0.5"), "min-ratio": (1.0, float("inf"), "of at least 1")}
     low, high, said = bounds[key]
-    number = float(value) if isinstance(value, float) or abs(value) < 2**1023 else float("inf")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = float("inf")
     if not (low < number < high if key == "rtol" else low <= number < high):
-        raise UsageError(f"{where} {key} = {value!r}: expected a number {said}")
+        raise UsageError(f"{where} {key} = {value!r}: expected a finite number {said}")
     return number
 
 
@@ -115,7 +118,7 @@ def _read(path: Path) -> dict[str, Any]:
         return tomllib.loads(raw.decode("utf-8", errors="replace"))
     except OSError:
         return {}  # a file that cannot be opened holds no settings of ours
-    except tomllib.TOMLDecodeError as error:
+    except (tomllib.TOMLDecodeError, ValueError) as error:  # (an integer of more digits than Python converts)
         if b"tool.tokaudit" not in raw:  # (a header missing its bracket, a dotted key: ours as well)
             return {}  # another project's broken file: not ours to refuse, the search goes on upward
         raise UsageError(f"{path}: cannot be read as TOML ({error})") from None

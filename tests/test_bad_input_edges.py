@@ -83,6 +83,12 @@ def test_a_tree_below_a_folder_whose_name_is_not_utf8_is_one_line_naming_that_fo
     assert [r["run"] for r in json.loads(out)["runs"]] == ["good"]
 
 
+def test_a_link_not_utf8_back_to_a_folder_already_read_is_passed_over(good: Path) -> None:
+    os.symlink(".", os.path.join(os.fsencode(good), b"r\xe9sultats"))
+    code, out, err = check(str(good), "--format", "json")
+    assert code == 0 and err == "" and json.loads(out)["runs"][0]["verdict"] == "correct"
+
+
 def test_a_missing_path_whose_name_is_not_utf8_is_said_missing(good: Path) -> None:
     code, _, err = check(os.fsdecode(os.fsencode(good.parent) + b"/gone\xff"))
     assert code == 2 and err.strip().endswith("gone\\xff: no such file or directory")

@@ -441,12 +441,16 @@ def test_settings_in_pyproject_apply_from_below_and_the_command_line_wins(
     (project / "pyproject.toml").write_text("[tool.tokaudit]\nrtol = 0.7\n")  # the file named, not --rtol
     code, out, err = invoke("check", log)
     assert (code, out) == (2, "") and err.strip() == (
-        f"tokaudit: error: {project / 'pyproject.toml'}: [tool.tokaudit] rtol = 0.7: expected a number above 0 and "
+        f"tokaudit: error: {project / 'pyproject.toml'}: [tool.tokaudit] rtol = 0.7: expected a finite number above 0 and "
         "below 0.5"
     )
     (project / "pyproject.toml").write_text("[tool.tokaudit]\nmin-ratio = 1" + "0" * 400 + "\n")  # no float
     code, out, err = invoke("check", log)
     assert (code, out) == (2, "") and "min-ratio = 1000" in err and "internal error" not in err
+    (project / "pyproject.toml").write_text("[tool.tokaudit]\nmin-ratio = 9" + "0" * 307 + "\n")  # a float still
+    assert invoke("check", log)[0] == 0  # (the local mean's ratio below it: information)
+    (project / "pyproject.toml").write_text("[tool.black]\nx = 1" + "0" * 5000 + "\n")  # not ours, past int()'s digits
+    assert invoke("check", log)[0] == 1
     (project / "pyproject.toml").write_text("[tool.tokaudit]\nmin-ratio = 0.5\n")
     code, out, err = invoke("check", log)
     assert (code, out) == (2, "") and f"{project / 'pyproject.toml'}: [tool.tokaudit] min-ratio = 0.5" in err

@@ -500,6 +500,21 @@ def test_a_close_any_footer_says_keeps_a_ragged_end_a_missing_rank_and_each_grou
         mine = [r for r in four if r["rank"] == rank]
         write(tmp_path / "two" / f"rank-{rank:05d}.parquet", mine, metadata=closed if rank >= 2 else None)
     assert only(audit([tmp_path / "two"]), Code.MISSING_RANK).steps.first == 4
+    # W = 3: launch a ends at step 3, ranks 0 and 1 closing there (rank 2 not: an error in flight); launch b goes on
+    # to 5 on ranks 0 and 2, rank 1 killed before its first shard: only a close in the latest launch says on purpose
+    three = records([[[2], [3], [1]]] * 6, token_mean)
+    for rank in range(3):
+        for launch, first, last in (("a", 0, 3), ("b", 4, 5)):
+            mine = [r for r in three if r["rank"] == rank and first <= r["step"] <= last]
+            facts = {"launch": {"id": launch, "first_shard": first}, "closed": launch == "a" and rank < 2}
+            if mine and not (launch == "b" and rank == 1):
+                write(
+                    tmp_path / "relaunch" / f"rank-{rank:05d}-{first:06d}.parquet",
+                    mine,
+                    metadata={PROVENANCE_KEY: json.dumps(facts).encode()},
+                )
+    (finding,) = audit([tmp_path / "relaunch"]).findings
+    assert finding.code == Code.UNFINISHED_UPDATE and (finding.steps.first, finding.steps.last) == (4, 5)
     # a close no footer places on a (run, group), in another run's folder: the killed run's footers still settle it
     other = write_by_rank(tmp_path / "other", records(UNEVEN_GA, token_mean, run_id="other"))
     for shard in other.glob("*.parquet"):
