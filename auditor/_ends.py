@@ -3,8 +3,10 @@ which no recorder can answer), or a job stopped before each rank wrote its last 
 every rank recorded hold only some ranks' tokens, so their N is partial. Where each rank's missing end is no longer
 than the widest of its shards (what a recorder holds between two writes), and its last shard does not say its
 recorder was closed by the training code (a rank that ran out of data under DDP's join() ends so), those steps are
-left out and said (`unfinished_update`); otherwise a rank is missing, which `missing_rank` says. Read from the footers
-alone."""
+left out and said (`unfinished_update`); otherwise a rank is missing, which `missing_rank` says: read from the
+footers (`uneven_ends`). Where they cannot say (shards of several ranks each, as a compaction leaves them), each
+rank's last step is read from the step table's rank masks and those steps are left out with a warning that the logs
+cannot tell a kill from a deliberate end (`recorded_end`)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
+from tokaudit._checks import grouped, rank_masks
 from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
 from tokaudit._reader import Shard
 from tokaudit._report import Finding, StepRange
@@ -35,7 +38,8 @@ class GroupEnd:
 
 @dataclass(frozen=True)
 class UnevenEnd:
-    """One run's groups whose ranks' records end at different steps, each within what one shard holds."""
+    """One run's groups whose ranks' records end at different steps: each within what one shard holds, or (undecided)
+    as the records alone show it."""
 
     groups: dict[str, GroupEnd]
     undecided: bool = False
@@ -181,7 +185,7 @@ def recorded_end(run: str, parts: Callable[[], Iterable[pd.DataFrame]], footers:
     (`closed_on_purpose`) leaves the end to `missing_rank`."""
     last: dict[str, list[Any]] = {}  # per group: [its last step, the ranks there, every rank seen, its W's bounds]
     for part, group, rows in _groups(parts(), run, footers):
-        steps, masks = part.step.to_numpy()[rows], _masks(part)[rows]
+        steps, masks = part.step.to_numpy()[rows], rank_masks(part)[rows]
         top = steps.max()
         seen = last.setdefault(group, [top, np.uint64(0), np.uint64(0), np.inf, -np.inf])
         if top > seen[0]:
@@ -201,7 +205,7 @@ def recorded_end(run: str, parts: Callable[[], Iterable[pd.DataFrame]], footers:
     held: dict[str, list[tuple[Any, Any]]] = {}
     for part, group, rows in _groups(parts(), run, footers):
         if group in ragged:
-            held.setdefault(group, []).append((part.step.to_numpy()[rows], _masks(part)[rows]))
+            held.setdefault(group, []).append((part.step.to_numpy()[rows], rank_masks(part)[rows]))
     found = {
         group: end
         for group, pieces in held.items()
@@ -220,22 +224,9 @@ def both_ends(footers: UnevenEnd | None, records: UnevenEnd | None) -> UnevenEnd
 def _groups(parts: Iterable[pd.DataFrame], run: str, footers: FooterEnds) -> Iterator[tuple[pd.DataFrame, str, Any]]:
     """Each part's rows of each group whose end is the records' to say (`FooterEnds.unread`): (part, group, rows)."""
     for part in parts:
-        categories = part.grp.cat.categories
-        if len(categories) == 1:
-            if not footers.unread((run, str(categories[0]))):
-                yield part, str(categories[0]), slice(None)
-            continue
-        codes = part.grp.cat.codes.to_numpy()
-        for code in np.unique(codes):
-            if not footers.unread((run, str(categories[code]))):
-                yield part, str(categories[code]), codes == code
-
-
-def _masks(part: pd.DataFrame) -> npt.NDArray[np.uint64]:
-    """The rank masks of a part's steps (bit r: rank r recorded the step), as unsigned integers."""
-    masks = part.rank_mask.to_numpy()
-    found: npt.NDArray[np.uint64] = masks if masks.dtype.kind == "u" else np.nan_to_num(masks).astype(np.uint64)
-    return found
+        for group, rows in grouped(part.grp):
+            if not footers.unread((run, group)):
+                yield part, group, rows
 
 
 def _ragged(pieces: list[tuple[Any, Any]], world: int, closes: Mapping[int, set[int]]) -> GroupEnd | None:

@@ -4,7 +4,8 @@ Pure functions of the step table (one row per run, group, term and step): no Par
 normalization is recovered lives in `tokaudit._normalization`; each concern here is a module of its own.
 """
 
-from tokaudit._checks.base import RunSteps, distinct, loss_terms, main_term_first, weight_ratio, world_sizes
+from tokaudit._checks.base import RunSteps, distinct, grouped, loss_terms, main_term_first, rank_masks
+from tokaudit._checks.base import weight_ratio, world_sizes
 from tokaudit._checks.miscount import miscounted_rows, outside_probe_range, without_miscounted
 from tokaudit._checks.objective import one_objective, pooled_steps, pooled_sums
 from tokaudit._checks.run import check_run
@@ -13,6 +14,7 @@ from tokaudit._checks.split_runs import with_other_ranks
 __all__ = [
     "check_run",
     "distinct",
+    "grouped",
     "loss_terms",
     "main_term_first",
     "miscounted_rows",
@@ -20,6 +22,7 @@ __all__ = [
     "outside_probe_range",
     "pooled_steps",
     "pooled_sums",
+    "rank_masks",
     "RunSteps",
     "weight_ratio",
     "with_other_ranks",

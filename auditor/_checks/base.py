@@ -232,6 +232,13 @@ def column_of(block: pd.DataFrame, name: str) -> npt.NDArray[Any]:
     return values
 
 
+def rank_masks(block: pd.DataFrame) -> npt.NDArray[np.uint64]:
+    """The step table's rank masks (bit r: rank r recorded the step) as unsigned integers, a NULL none."""
+    masks = column_of(block, "rank_mask")
+    found: npt.NDArray[np.uint64] = masks if masks.dtype.kind == "u" else np.nan_to_num(masks).astype(np.uint64)
+    return found
+
+
 def nan_sum(values: npt.NDArray[Any]) -> float:
     """A column's sum with NaN left out, as pandas sums."""
     return float(np.nansum(values)) if values.dtype.kind == "f" else float(values.sum())

@@ -10,7 +10,8 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit._checks.base import Check, FlaggedSteps, TermInputs, RunSteps, ListedSteps, RunContext, StepsSeen
-from tokaudit._checks.base import column_of, differ_rows, grouped, make_finding, median_of, nan_sum, step_list
+from tokaudit._checks.base import column_of, differ_rows, grouped, make_finding, median_of, nan_sum, rank_masks
+from tokaudit._checks.base import step_list
 from tokaudit._normalization import Diagnoses
 from tokaudit.codes import CODE_DOCS, Code, Severity
 from tokaudit._report import Finding
@@ -118,10 +119,9 @@ def ranks_not_recorded(source: RunSteps) -> dict[str, tuple[list[int], int]]:
     seen: dict[str, int] = {}
     worlds: dict[str, int] = {}
     for block in source.blocks():
-        masks, world = column_of(block, "rank_mask"), column_of(block, "world_low")
+        masks, world = rank_masks(block), column_of(block, "world_low")
         for group, rows in grouped(block.grp):
-            bits = masks[rows] if masks.dtype.kind == "u" else np.nan_to_num(masks[rows]).astype(np.uint64)
-            present = np.bitwise_or.reduce(bits)
+            present = np.bitwise_or.reduce(masks[rows])
             seen[group] = seen.get(group, 0) | int(present)
             worlds[group] = min(worlds.get(group, 1 << 30), int(np.nanmin(world[rows])))
     absent = {group: (_unset_ranks(seen[group], worlds[group]), worlds[group]) for group in seen if worlds[group] <= 64}
