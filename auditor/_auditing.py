@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -15,7 +14,7 @@ import pandas as pd
 
 from tokaudit._checks import check_run, one_objective, with_other_ranks, without_miscounted
 from tokaudit.codes import DEFAULT_RTOL, Code
-from tokaudit._settings import code_named
+from tokaudit._settings import BOUNDS, code_named, within
 from tokaudit._engine import Duplicates, Spilled, extremes_at, sweep_scratch
 from tokaudit.errors import LogFormatError, UsageError, first_line
 from tokaudit._cluster import Cluster
@@ -82,13 +81,12 @@ def audit_started(
     `figures.run_figures`, drawn from the same aggregation)."""
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
-    # two weights within 2·rtol of each other are one (`fits.cluster`): below 1
-    if isinstance(rtol, bool) or not isinstance(rtol, int | float) or not 0 < rtol < 0.5:
-        raise UsageError(f"--rtol must be above 0 and below 0.5 (a relative tolerance, 1e-4 by default), got {rtol!r}")
+    if isinstance(rtol, bool) or not isinstance(rtol, int | float) or not within("rtol", rtol):
+        raise UsageError(f"--rtol must be {BOUNDS['rtol']} (a relative tolerance, 1e-4 by default), got {rtol!r}")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024):
         raise UsageError(f"threads must be a whole number from 1 to 1024 (None: every core), got {threads!r}")
-    if min_ratio is not None and not 1 <= min_ratio < math.inf:  # (inf would make every weighting finding a note)
-        raise UsageError(f"--min-ratio must be a finite number of at least 1, got {min_ratio}")
+    if min_ratio is not None and not within("min-ratio", min_ratio):
+        raise UsageError(f"--min-ratio must be a finite number {BOUNDS['min-ratio']}, got {min_ratio}")
     try:
         ignored = {code_named(code) for code in ignore}
     except ValueError as error:

@@ -13,6 +13,7 @@ ray = "auto"          # or a cluster's address: tokaudit check --ray
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -94,16 +95,25 @@ def check_defaults(start: Path, fail_on: Sequence[str]) -> tuple[dict[str, Any],
     return out, path
 
 
+BOUNDS = {"rtol": "above 0 and below 0.5", "min-ratio": "of at least 1"}
+"""What rtol and min-ratio may be, as their errors say it (`within`)."""
+
+
+def within(key: str, value: float) -> bool:
+    """Whether a number is one the setting may take: rtol in (0, 0.5), since two weights within 2·rtol of each other
+    are one (`fits.cluster`) and that must stay below 1; min-ratio finite and at least 1 (inf would make every
+    weighting finding a note)."""
+    return 0 < value < 0.5 if key == "rtol" else 1 <= value < math.inf
+
+
 def _number(value: float, where: str, key: str) -> float:
-    """rtol in (0, 0.5), min-ratio in [1, ∞), as floats (an integer of 400 digits is none)."""
-    bounds = {"rtol": (0.0, 0.5, "above 0 and below 0.5"), "min-ratio": (1.0, float("inf"), "of at least 1")}
-    low, high, said = bounds[key]
+    """A setting's number as a float, `within` its bounds (an integer of 400 digits is no float)."""
     try:
         number = float(value)
     except OverflowError:
-        number = float("inf")
-    if not (low < number < high if key == "rtol" else low <= number < high):
-        raise UsageError(f"{where} {key} = {value!r}: expected a finite number {said}")
+        number = math.inf
+    if not within(key, number):
+        raise UsageError(f"{where} {key} = {value!r}: expected a finite number {BOUNDS[key]}")
     return number
 
 

@@ -17,13 +17,14 @@ DEFAULT_MEMORY_LIMIT = "512MB"
 768 MiB, also where a segment that no range may cut is aggregated whole (`engine.ranges`)."""
 
 
-_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|%)\s*$", re.IGNORECASE)
-"""A size DuckDB reads: a number and a unit (it refuses a number alone), or a share of the memory."""
-
-
 _BYTES = {"b": 1, "kb": 1e3, "kib": 2**10, "mb": 1e6, "mib": 2**20, "gb": 1e9, "gib": 2**30, "tb": 1e12, "tib": 2**40}
+"""The units of a size DuckDB reads, in bytes."""
+
 _BIGGEST = {unit: 2**60 / scale for unit, scale in _BYTES.items()}
 """The most of each unit DuckDB takes: an exbibyte (a larger limit it refuses, as if the log were at fault)."""
+
+_MEMORY = re.compile(rf"^\s*(\d+(?:\.\d+)?)\s*({'|'.join(_BYTES)}|%)\s*$", re.IGNORECASE)
+"""A size DuckDB reads: a number and a unit (it refuses a number alone), or a share of the memory."""
 
 
 def settings_from_environment() -> tuple[str, int]:

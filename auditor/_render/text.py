@@ -6,6 +6,8 @@ import math
 import unicodedata
 from typing import TYPE_CHECKING
 
+from tokaudit._storage import shown_path
+
 if TYPE_CHECKING:  # (the report's module imports pyarrow: the command line imports this one first)
     from tokaudit._report import AuditReport, RunSummary, Segment, StepRange
 
@@ -97,7 +99,7 @@ def printable(text: str) -> str:
     for char in text:
         code = ord(char)
         if 0xDC80 <= code <= 0xDCFF:  # a byte of a file name that is not UTF-8, as Python holds it: that byte
-            out.append(f"\\x{code - 0xDC00:02x}")
+            out.append(shown_path(char))
         elif unicodedata.category(char) not in ("Cc", "Cf", "Zl", "Zp", "Cs"):
             out.append(char)
         else:
