@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
