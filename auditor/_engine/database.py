@@ -376,9 +376,8 @@ class Engine:
         self, steps: tuple[int, int] | None, shards: list[Shard]
     ) -> tuple[list[dict[str, Any]], dict[str, Duplicates]]:
         """One range's step table, in parts in step order, and its repeated keys (per run): by windows of whole steps
-        where it is a segment of more steps than a range holds and its files are in step order (`_windowed`), else
-        by one query."""
-        if self.only_steps is None and streamable(shards):
+        where `stream.streamable` says so and its files are in step order (`_windowed`), else by one query."""
+        if self.only_steps is None and streamable(shards, self.threads, self.chunk_rows):
             try:
                 return self._windowed(steps, shards)
             except Unsorted:  # what the windows made is set aside and the segment is read whole

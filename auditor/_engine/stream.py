@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tokaudit._engine.ranges import CHUNK_STEPS, units
+from tokaudit._engine.ranges import CHUNK_ROWS, CHUNK_STEPS, units
 from tokaudit._engine.tables import Duplicates, add_duplicates
 from tokaudit._reader import Shard
 
@@ -48,13 +48,18 @@ class Undecodable(Exception):
         self.name = name
 
 
-def streamable(shards: Sequence[Shard]) -> bool:
-    """A segment worth reading in windows, and one that can be: a row group of it spans more than WIDE_ROW_GROUP
-    steps, it has at most MAX_FILES files, each a local file read from its rows (not a footer's record, not object
-    storage), all of one schema, one default run and the same columns given by their folders."""
+def streamable(shards: Sequence[Shard], threads: int = 1, range_rows: int = CHUNK_ROWS) -> bool:
+    """A segment worth reading in windows, and one that can be. Worth it where a row group of it spans more than
+    WIDE_ROW_GROUP steps, or where it has fewer row groups than DuckDB has `threads` and more records than a range
+    holds (`range_rows`): DuckDB reads a row group on one thread, and the query's whole aggregation runs on the
+    thread that reads it, where the windows' Arrow batches reach every thread. It can be where it has at most
+    MAX_FILES files, each a local file read from its rows (not a footer's record, not object storage), all of one
+    schema, one default run and the same columns given by their folders."""
+    row_groups = sum(len(units(shard)) or 1 for shard in shards)
+    lone = row_groups < threads and sum(shard.rows for shard in shards) > range_rows
     return (
         0 < len(shards) <= MAX_FILES
-        and max(_widest(shard) for shard in shards) > WIDE_ROW_GROUP
+        and (lone or max(_widest(shard) for shard in shards) > WIDE_ROW_GROUP)
         and all(s.store is None and s.record is None for s in shards)
         and len({s.signature for s in shards}) == 1
         and len({(s.default_run, s.run_override, tuple(c for c, _ in s.partition)) for s in shards}) == 1

@@ -135,7 +135,7 @@ def test_a_segment_read_in_windows_gives_the_table_of_one_aggregation(
         assert seen["unsorted"]
     else:
         assert len(seen["rows"]) >= 7 and sum(seen["rows"]) == 640 + 4 and not seen["unsorted"]
-    monkeypatch.setattr(database, "streamable", lambda shards: False)
+    monkeypatch.setattr(database, "streamable", lambda *_: False)
     whole = Engine.open(shards, chunk_rows=100)
     pd.testing.assert_frame_equal(whole.step_table(), table)
     assert whole.duplicates == windowed.duplicates and windowed.duplicates["run"].dropped == 4
@@ -154,7 +154,7 @@ def test_the_report_of_a_log_read_in_windows_is_that_of_it_read_whole(
     seen = _counting(monkeypatch)
     windowed = render_json(audit([tmp_path]))
     assert len(seen["rows"]) >= 7
-    monkeypatch.setattr(database, "streamable", lambda shards: False)
+    monkeypatch.setattr(database, "streamable", lambda *_: False)
     whole = render_json(audit([tmp_path]))
     assert windowed == whole and '"local_mean"' in whole
 
@@ -187,7 +187,7 @@ def test_a_damaged_file_of_a_segment_read_in_windows_is_named_and_the_others_aud
     assert any("part-2.parquet: corrupt data" in p for p in windowed.problems), windowed.problems
     assert windowed.runs[0].rows == 3 * 2 * 40 and "ranks_not_recorded" in {f.code.value for f in windowed.findings}
     assert whole == []  # DuckDB read the damaged file alone, not the whole segment, before it was named
-    monkeypatch.setattr(database, "streamable", lambda shards: False)
+    monkeypatch.setattr(database, "streamable", lambda *_: False)
     assert render_json(audit([tmp_path])) == render_json(windowed)
 
 
@@ -265,5 +265,29 @@ def test_a_file_without_statistics_wider_than_a_row_group_may_be_is_read_in_wind
     seen = _counting(monkeypatch)
     windowed = render_json(audit([tmp_path]))
     assert seen["unsorted"] == shuffled and (len(seen["rows"]) >= 10 or shuffled)
-    monkeypatch.setattr(database, "streamable", lambda shards: False)
+    monkeypatch.setattr(database, "streamable", lambda *_: False)
     assert render_json(audit([tmp_path])) == windowed and '"local_mean"' in windowed
+
+
+def test_a_segment_of_fewer_row_groups_than_threads_is_read_in_windows_that_reach_every_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compaction job's file, every rank in one row group of 40 steps (fewer than a wide row group spans): DuckDB
+    would aggregate it on the one thread that reads the row group. With two threads and more records than a range
+    holds it is read in windows; with one thread, or as few records as a range holds, in one query. The same table."""
+    frame = pd.DataFrame(records([[[1 + (s * 3 + r) % 7, 2] for r in range(4)] for s in range(40)], local_mean))
+    (tmp_path / "run").mkdir()
+    frame.sort_values(["step", "rank", "micro"]).to_parquet(tmp_path / "run" / "all.parquet", index=False)
+    shards = load([tmp_path]).shards
+    monkeypatch.setattr(stream, "CHUNK_STEPS", 6)
+    assert stream.streamable(shards, threads=2, range_rows=100)
+    assert not stream.streamable(shards, threads=1, range_rows=100)
+    assert not stream.streamable(shards, threads=2, range_rows=320)  # its 320 records: a range's worth
+    seen = _counting(monkeypatch)
+    windowed = Engine.open(shards, threads=2, chunk_rows=100).step_table()
+    assert len(seen["rows"]) >= 7 and sum(seen["rows"]) == 320 and not seen["unsorted"]
+    windows = len(seen["rows"])
+    whole = Engine.open(shards, threads=1, chunk_rows=100).step_table()
+    assert len(seen["rows"]) == windows  # one query
+    pd.testing.assert_frame_equal(whole, windowed)
+    assert len(whole) == 40 and whole["ranks"].eq(4).all()
