@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from tokaudit._engine.ranges import CHUNK_ROWS, CHUNK_STEPS, units
 from tokaudit._engine.tables import Duplicates, add_duplicates
 from tokaudit._reader import Shard
+from tokaudit._schema import COLUMNS_BY_NAME
 
 
 BATCH_ROWS = 262_144
@@ -86,7 +87,10 @@ class _File:
     """One file's batches in step order (those of some row groups), and its rows read but not yet in a window."""
 
     def __init__(self, path: str, name: str, groups: list[int] | None, columns: list[str], batch_rows: int) -> None:
-        self.file = pq.ParquetFile(path, buffer_size=BUFFER_BYTES, pre_buffer=False)
+        # the names (run, group, term) as dictionaries: a string a row costs several times the decoding of the
+        # numbers, where a dictionary holds the one name of a file once
+        names = [c for c in columns if c in COLUMNS_BY_NAME and COLUMNS_BY_NAME[c].kind == "string"]
+        self.file = pq.ParquetFile(path, buffer_size=BUFFER_BYTES, pre_buffer=False, read_dictionary=names)
         every = range(self.file.metadata.num_row_groups)
         self.groups, self.columns, self.batch_rows = list(every if groups is None else groups), columns, batch_rows
         self.batches: Iterator[pa.RecordBatch] = iter(())

@@ -291,3 +291,27 @@ def test_a_segment_of_fewer_row_groups_than_threads_is_read_in_windows_that_reac
     assert len(seen["rows"]) == windows  # one query
     pd.testing.assert_frame_equal(whole, windowed)
     assert len(whole) == 40 and whole["ranks"].eq(4).all()
+
+
+def test_names_that_differ_from_file_to_file_read_in_windows_give_the_report_of_the_log_read_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run, group and term of a window's records are read as dictionaries, one a file: two runs across the files
+    and two terms within each give the report of the one aggregation."""
+    from tokaudit import audit
+    from tokaudit._render.json_report import render_json
+
+    frame = pd.DataFrame(records([[[1 + (s * 3 + r) % 7, 2] for r in range(4)] for s in range(40)], local_mean))
+    frame["run_id"] = ["first" if rank < 2 else "second" for rank in frame["rank"]]
+    frame.loc[frame["micro"] == 1, "term"] = "aux"
+    (tmp_path / "run").mkdir()
+    for rank in range(4):
+        frame[frame["rank"] == rank].to_parquet(tmp_path / "run" / f"part-{rank}.parquet", index=False)
+    monkeypatch.setattr(stream, "CHUNK_STEPS", 6)
+    monkeypatch.setattr(stream, "WIDE_ROW_GROUP", 30)
+    seen = _counting(monkeypatch)
+    windowed = render_json(audit([tmp_path]))
+    assert len(seen["rows"]) >= 7 and not seen["unsorted"]
+    monkeypatch.setattr(database, "streamable", lambda *_: False)
+    whole = render_json(audit([tmp_path]))
+    assert windowed == whole and '"first"' in whole and '"second"' in whole and '"aux"' in whole
