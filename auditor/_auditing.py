@@ -11,7 +11,7 @@ import duckdb
 import numpy as np
 import pandas as pd
 
-from tokaudit._checks import check_run, one_objective, with_other_ranks, without_miscounted
+from tokaudit._checks import check_run, one_objective, with_other_ranks, with_unread_files, without_miscounted
 from tokaudit.codes import DEFAULT_RTOL, Code
 from tokaudit._settings import BOUNDS, code_named, within
 from tokaudit._engine import Duplicates, Spilled, extremes_at, sweep_scratch
@@ -26,7 +26,7 @@ from tokaudit._schema import UNNAMED, Provenance
 from tokaudit._ends import FooterEnds, both_ends, recorded_end, uneven_ends
 from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
 from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, stored_precision
-from tokaudit._summary import unfinished_finding
+from tokaudit._summary import unfinished_finding, unread_files
 
 
 _CODE_ORDER = {code: index for index, code in enumerate(Code)}
@@ -128,8 +128,7 @@ def _audit(
         horizon = engine.complete_through() if live else None
         # The checks need only the step table: DuckDB's memory is given back before they run.
         duplicates, precision = engine.duplicates, dict(engine.precision)
-        for run, bits in stored_precision(logset.shards).items():
-            precision[run] = min(precision.get(run, bits), bits)
+        precision.update({run: min(precision.get(run, b), b) for run, b in stored_precision(logset.shards).items()})
         engine.close()
         if horizon is not None and progress:
             _say_left_out(parts, present, horizon, progress)
@@ -143,6 +142,7 @@ def _audit(
             setups_of(logset.shards),
             _Extremes(logset.shards, threads),
             None if live else uneven_ends(logset.shards),  # --live: steps not yet complete are left out
+            unread_files(logset.shards, logset.problems),
         )
         summaries, findings = judge.runs(present, runs_apart(steps, parts, present))
         asked = present if runs else None
@@ -229,6 +229,8 @@ class _RunJudge:
     ends: FooterEnds | None
     """Where the footers say each run's ranks stopped (`uneven_ends`); the others' ends are read from their records
     (`recorded_end`). None with --live, which leaves every step not yet complete out."""
+    unread: dict[str, list[str]]
+    """The files in each run's folder that could not be read (`unread_files`)."""
 
     def runs(
         self, present: list[str], of_run: Callable[[str], Callable[[], Iterable[pd.DataFrame]]]
@@ -277,6 +279,8 @@ class _RunJudge:
             run_findings.append(unfinished_finding(run, stopped))
         if ended is not None:
             run_findings.append(ended.finding(run))
+        if run in self.unread:
+            run_findings = with_unread_files(run, run_findings, self.unread[run], source)
         # The verdict is a claim about the gradient: it reads every finding. --ignore leaves some out of the listing
         # and of what fails the command (`gate_verdict`), never out of the verdict.
         run_findings = apply_policy(run_findings, self.judging.min_ratio)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import PurePosixPath
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -14,6 +15,8 @@ import pandas as pd
 from tokaudit._ends import spans_cover
 from tokaudit._checks import RunSteps, distinct, pooled_sums, weight_ratio, world_sizes
 from tokaudit.codes import DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, WEIGHTING, Code, Severity
+from tokaudit.errors import LogFormatError
+from tokaudit._partitions import run_folder
 from tokaudit._reader import Shard
 from tokaudit._report import Finding, RunSummary, Segment, StepRange, Verdict, Reporting
 from tokaudit._schema import Provenance
@@ -100,7 +103,24 @@ def stored_precision(shards: Sequence[Shard]) -> dict[str, int]:
 
 
 def _run_of(shard: Shard) -> str:
-    return shard.run_group[0] if shard.run_group is not None else shard.default_run
+    """The run of a shard's records where its footer shows one (`Shard.run_group`, or its folder's where
+    `run_override`), else its folder's default."""
+    return shard.run_group[0] if shard.run_group is not None and not shard.run_override else shard.default_run
+
+
+def unread_files(shards: Sequence[Shard], problems: Sequence[LogFormatError]) -> dict[str, list[str]]:
+    """Per run, the Parquet files that could not be read in a folder of its: a run folder (`partitions.run_folder`,
+    above a Spark-style part's `column=value` folders) that holds a readable file of the run. A file whose folder
+    holds none is no run's: its own line is all there is to say of it."""
+    runs: dict[str, set[str]] = {}
+    for shard in shards:
+        runs.setdefault(str(run_folder(PurePosixPath(shard.name))), set()).add(_run_of(shard))
+    found: dict[str, list[str]] = {}
+    for problem in problems:
+        if problem.path.endswith(".parquet"):
+            for run in sorted(runs.get(str(run_folder(PurePosixPath(problem.path))), ())):
+                found.setdefault(run, []).append(problem.path)
+    return found
 
 
 def _redone(

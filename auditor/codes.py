@@ -1,100 +1,14 @@
 """Stable finding codes, and the one table of what each says: severity, title, why, fix, worked example.
 
 Tests and JSON match on the codes, never on the text. CODE_DOCS is the single source of `tokaudit explain`, of
-docs/CODES.md (`scripts/write_codes_doc.py` writes it; a test fails when it is stale) and of DEFAULT_SEVERITY."""
+docs/CODES.md (`scripts/write_codes_doc.py` writes it; a test fails when it is stale) and of DEFAULT_SEVERITY. The
+codes themselves, their severities and the type of a code's documentation are `_code_names`'."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-from enum import Enum
+from tokaudit._code_names import DEFAULT_RTOL, EXAMPLE_SETUP, Code, CodeDoc, Family, Severity
 
-DEFAULT_RTOL = 1e-4
-"""Relative tolerance on weights: float32 sums of a few thousand tokens agree to ~1e-6; 1e-4 leaves room. Here, with
-the vocabulary every module shares: the command line's options need no heavy import."""
-
-
-class Severity(str, Enum):
-    """How bad a finding is; ordered info < warning < error."""
-
-    INFO = "info"
-    WARNING = "warning"
-    ERROR = "error"
-
-    @property
-    def rank(self) -> int:
-        return {"info": 0, "warning": 1, "error": 2}[self.value]
-
-
-class Code(str, Enum):
-    """What a finding says."""
-
-    LOCAL_MEAN = "local_mean"
-    PER_MICRO_DENOMINATOR = "per_micro_denominator"
-    WORLD_SIZE_MISMATCH = "world_size_mismatch"
-    SCHEDULE_RESCALED = "schedule_rescaled"
-    SCALE_MISMATCH = "scale_mismatch"
-    UNDECLARED_TERM_WEIGHT = "undeclared_term_weight"
-    PADDED_DENOMINATOR = "padded_denominator"
-    UNEXPLAINED_WEIGHTING = "unexplained_weighting"
-    NONUNIFORM_IN_MICROBATCH = "nonuniform_in_microbatch"
-    MASKED_TOKENS_WEIGHTED = "masked_tokens_weighted"
-    MISSING_RANK = "missing_rank"
-    UNEVEN_MICROBATCHES = "uneven_microbatches"
-    WORLD_SIZE_INCONSISTENT = "world_size_inconsistent"
-    WORLD_SIZE_CHANGED = "world_size_changed"
-    DUPLICATE_RECORDS = "duplicate_records"
-    EMPTY_UPDATE = "empty_update"
-    ZERO_TOKEN_NONFINITE = "zero_token_nonfinite"
-    NONFINITE_VALUES = "nonfinite_values"
-    REPORTED_LOSS_MISMATCH = "reported_loss_mismatch"
-    REPORTED_LOSS_SHIFTED = "reported_loss_shifted"
-    MISSING_SYNC = "missing_sync"
-    SYNC_EVERY_MICRO = "sync_every_micro"
-    BALANCED_COUNTS = "balanced_counts"
-    LOSS_SCALE = "loss_scale"
-    UNKNOWN_DIVISOR = "unknown_divisor"
-    NO_WEIGHTS = "no_weights"
-    RECORDS_DROPPED = "records_dropped"
-    COUNT_MISMATCH = "count_mismatch"
-    RANKS_NOT_RECORDED = "ranks_not_recorded"
-    TERMS_ONE_OBJECTIVE = "terms_one_objective"
-    UNFINISHED_UPDATE = "unfinished_update"
-    SKIP_MISMATCH = "skip_mismatch"
-
-
-Family = Literal["weighting", "reporting", ""]
-
-
-@dataclass(frozen=True)
-class CodeDoc:
-    """What one code says. Plain text with `backticks` around code: the terminal prints it as is and
-    docs/CODES.md renders it as Markdown."""
-
-    severity: Severity
-    title: str
-    """What the finding says, in one line: `tokaudit explain` lists it, docs/CODES.md's table shows it."""
-    why: str
-    """The derivation: what the code did and what it does to each token's weight."""
-    fix: str
-    example: str
-    """A worked example on EXAMPLE_SETUP (or on a set-up it states)."""
-    detail: str = ""
-    """What the title leaves out that the table in docs/CODES.md states after it (`title: detail`)."""
-    severity_note: str = ""
-    """When a finding can carry another severity than `severity`: docs/CODES.md shows `severity, or NOTE`."""
-    undecidable: bool = False
-    """A warning that says the logs cannot tell: alone, it makes a run `inconclusive`, not `incorrect`."""
-    family: Family = ""
-    """weighting: the tokens of a step weighed differently (what --min-ratio gates); reporting: the logged loss,
-    never the verdict; "": neither."""
-
-
-EXAMPLE_SETUP = (
-    "W = 2 ranks under DDP's average (D = 2); rank 0 has n0 = 1 valid token, rank 1 has n1 = 3, so "
-    "N = 4 and every token should weigh 1/N = 0.25."
-)
-"""The set-up the worked examples share (unless they state another), so that they can be compared."""
+__all__ = ["DEFAULT_RTOL", "EXAMPLE_SETUP", "Code", "CodeDoc", "Family", "Severity"]
 
 CODE_DOCS: dict[Code, CodeDoc] = {
     Code.LOCAL_MEAN: CodeDoc(
@@ -427,6 +341,20 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         example="`tokaudit check runs/exp/rank-00000-000000.parquet` of a W=2 run: 1 of 2 ranks' records. Or "
         '`run_id=f"exp-{time.time():.0f}"` on each rank of a W=2 run: runs exp-1733000000 (rank 0) and exp-1733000001 '
         "(rank 1).",
+        undecidable=True,
+    ),
+    Code.UNREADABLE_FILES: CodeDoc(
+        Severity.WARNING,
+        "files in the run's folder could not be read: what they hold is not audited, and the run is not called correct",
+        why="A damaged file (truncated by a full disk or a copy cut short, or not Parquet) is named on its own line "
+        "and the rest of the log is audited. The records it held may be any rank's at any step: a step that lacks "
+        "a rank's records may have them there, so the gap is not a training bug (`missing_rank` says the logs "
+        "cannot tell), and a step judged without them may have had more tokens in its N. Nothing read says the run "
+        "is right where part of it could not be read.",
+        fix="Restore or repair the file (the line that names it says what is wrong with it), or move it out of the "
+        "run's folder to audit what is left as it is.",
+        example="Rank 1 of a W=2 run writes a shard a step; the shard of step 1 is cut to 200 bytes by a failed copy: "
+        "step 1 lacks rank 1, said as the file's, and the run is `inconclusive`, not `incorrect`.",
         undecidable=True,
     ),
     Code.TERMS_ONE_OBJECTIVE: CodeDoc(

@@ -103,7 +103,9 @@ def test_a_file_whose_name_is_not_utf8_leaves_every_report_readable(good: Path, 
     assert code == 2 and "r\\xff\\xfe.parquet: the name is not UTF-8" in err
     text = output.read_bytes().decode("utf-8")  # strict: no byte of the name comes through raw
     if fmt == "json":
-        assert json.loads(text)["runs"][0]["verdict"] == "correct"
+        report = json.loads(text)  # the run is not called correct with a file of it unread, which its finding names
+        assert report["runs"][0]["verdict"] == "inconclusive"
+        assert report["findings"][0]["evidence"]["files"] == [f"{good}/r\\xff\\xfe.parquet"]
     elif fmt == "junit":
         ElementTree.fromstring(text)
 
@@ -283,3 +285,32 @@ def test_sync_never_removes_a_file_it_did_not_write_or_find_there_the_same(tmp_p
     kept = CliRunner().invoke(main, ["sync", str(tmp_path / "spool")])
     assert kept.exit_code == 2 and kept.stderr.count("holds another file of its name") == 2
     assert sorted(p.name for p in (tmp_path / "spool").iterdir()) == ["b.parquet", "c.parquet"]
+
+
+def _damaged(folder: Path, rows: list[dict[str, object]], step: int) -> Path:
+    """A W=2 log whose rank 1 writes a shard a step, the shard of `step` cut to 200 bytes (a copy cut short)."""
+    write_by_rank(folder, rows, steps_per_file=1)
+    with open(folder / f"rank-00001-{step:06d}.parquet", "r+b") as shard:
+        shard.truncate(200)
+    return folder
+
+
+@pytest.mark.parametrize("step", [1, 2], ids=["a middle shard", "the last shard"])
+def test_a_damaged_shard_never_makes_a_correct_run_incorrect_nor_leaves_it_correct(tmp_path: Path, step: int) -> None:
+    """The damaged file is named on its line; the gap it leaves is not a training bug (`missing_rank` says the logs
+    cannot tell) and the run is not called correct either: inconclusive, with the file named in the report. A
+    run in another folder, and a local mean whose complete steps show it, are judged as before."""
+    counts = [[[3, 1], [1, 1 + s]] for s in range(4)]
+    damaged = _damaged(tmp_path / "logs" / "good", records(counts, token_mean), step)
+    write_by_rank(tmp_path / "logs" / "other", records(counts, token_mean))
+    _damaged(tmp_path / "logs" / "bad", records(counts, local_mean), step)
+    code, out, err = check(str(tmp_path / "logs"), "--format", "json")
+    lines = sorted(err.splitlines())
+    assert code == 2 and len(lines) == 2
+    assert lines[1].startswith(f"tokaudit: error: {damaged}/rank-00001-{step:06d}.parquet: ")
+    report = json.loads(out)
+    verdicts = {r["run"]: r["verdict"] for r in report["runs"]}
+    assert verdicts == {"good": "inconclusive", "other": "correct", "bad": "incorrect"}
+    unread = [f for f in report["findings"] if f["run"] == "good" and f["code"] == "unreadable_files"]
+    assert unread[0]["evidence"] == {"files": [f"{damaged}/rank-00001-{step:06d}.parquet"], "count": 1}
+    assert all(f["severity"] != "error" for f in report["findings"] if f["run"] == "good")

@@ -53,6 +53,7 @@ def test_the_table_covers_every_code_in_order() -> None:
         Code.RECORDS_DROPPED,
         Code.COUNT_MISMATCH,
         Code.RANKS_NOT_RECORDED,
+        Code.UNREADABLE_FILES,
         Code.UNDECLARED_TERM_WEIGHT,
     }
 

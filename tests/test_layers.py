@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (
     "errors",
     "_schema",
+    "_code_names",
     "codes",
     "_recipes",
     "_settings",

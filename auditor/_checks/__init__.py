@@ -10,6 +10,7 @@ from tokaudit._checks.miscount import miscounted_rows, outside_probe_range, with
 from tokaudit._checks.objective import one_objective, pooled_steps, pooled_sums
 from tokaudit._checks.run import check_run
 from tokaudit._checks.split_runs import with_other_ranks
+from tokaudit._checks.unread import with_unread_files
 
 __all__ = [
     "check_run",
@@ -26,6 +27,7 @@ __all__ = [
     "RunSteps",
     "weight_ratio",
     "with_other_ranks",
+    "with_unread_files",
     "without_miscounted",
     "world_sizes",
 ]
