@@ -281,10 +281,11 @@ class _RunJudge:
             run_findings.append(ended.finding(run))
         if run in self.unread:
             run_findings = with_unread_files(run, run_findings, self.unread[run], source)
-        # The verdict is a claim about the gradient: it reads every finding. --ignore leaves some out of the listing
-        # and of what fails the command (`gate_verdict`), never out of the verdict.
-        run_findings = apply_policy(run_findings, self.judging.min_ratio)
-        listed = [f for f in run_findings if f.code not in self.judging.ignored]
+        # The verdict is a claim about the gradient: it reads every finding as found. --min-ratio makes some
+        # information and --ignore leaves some out, in the listing and in what fails the command (`gate_verdict`),
+        # never in the verdict.
+        gated = apply_policy(run_findings, self.judging.min_ratio)
+        listed = [f for f in gated if f.code not in self.judging.ignored]
         value = {d: d.value for d in Denominator}
         segments = [Segment(s.first, s.last, s.steps, value[s.denominator], s.factor, s.group, s.term) for s in spans]
         summary = run_summary(run, source, run_findings, segments, omitted, pooled=objective is not None, listed=listed)

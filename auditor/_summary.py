@@ -170,7 +170,8 @@ def dropped_steps(shards: Sequence[Shard]) -> dict[str, DroppedRecords]:
 
 
 def apply_policy(findings: list[Finding], min_ratio: float | None) -> list[Finding]:
-    """--min-ratio: a weighting finding below the ratio a CI gate accepts is information, before the verdict."""
+    """--min-ratio: a weighting finding below the ratio a CI gate accepts is information, in the listing and in what
+    fails the command; the verdict reads it as found."""
     kept = []
     for finding in findings:
         ratio = finding.evidence.get("weight_ratio")
@@ -220,7 +221,8 @@ def run_summary(
     listed: list[Finding] | None = None,
 ) -> RunSummary:
     """`pooled`: the run's terms are one objective (`checks.objective`): a token's q = e·N counts N over them.
-    `listed`: the findings shown, where --ignore left some of `findings` out (their own verdict gates the exit)."""
+    `listed`: the findings shown, where --ignore left some of `findings` out or --min-ratio made some information (their
+    own verdict gates the exit)."""
     # The run's parts read a block of steps at a time, never a filtered copy of the table (millions of
     # steps) nor a Python float per step. Parts hold disjoint ranges of steps: distinct steps add up.
     weights = _Weights()
@@ -258,7 +260,7 @@ def run_summary(
         normalization=max(main, key=lambda s: s.steps, default=None),
         segments=segments,
         decided_by=sorted({f.code.value for f in deciding(findings)}),
-        gate_verdict=None if listed is None or len(listed) == len(findings) else verdict_of(listed, judged),
+        gate_verdict=None if listed is None or listed == list(findings) else verdict_of(listed, judged),
         max_weight_ratio=max_ratio,
         microbatches=max(int(microbatches), 0) if rows else 0,
         terms=source.terms,

@@ -27,8 +27,9 @@ def assert_token_mean(
     allow_inconclusive: bool = False,
 ) -> AuditReport:
     """Audit the logs under `paths`; raise AssertionError, with every finding and its fix, unless every
-    run is `correct` (or `inconclusive` when allowed) and every file could be read. Returns the report.
-    `ignore`: codes a gate accepts, as `tokaudit check --ignore` (the verdict still counts them; the gate not)."""
+    run passes the gate, `correct` (or `inconclusive` when allowed), and every file could be read. Returns the
+    report. `ignore`: codes a gate accepts, as `tokaudit check --ignore`; `min_ratio`: weighting findings below it
+    are information, as `--min-ratio` (the verdict still counts both; the gate not)."""
     report = audit(paths, rtol=rtol, ignore=ignore, min_ratio=min_ratio)
     accepted = {"correct", "inconclusive"} if allow_inconclusive else {"correct"}
     failures = [f"unreadable: {problem}" for problem in report.problems]

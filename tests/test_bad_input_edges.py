@@ -314,3 +314,13 @@ def test_a_damaged_shard_never_makes_a_correct_run_incorrect_nor_leaves_it_corre
     unread = [f for f in report["findings"] if f["run"] == "good" and f["code"] == "unreadable_files"]
     assert unread[0]["evidence"] == {"files": [f"{damaged}/rank-00001-{step:06d}.parquet"], "count": 1}
     assert all(f["severity"] != "error" for f in report["findings"] if f["run"] == "good")
+
+
+def test_the_markdown_headline_of_input_that_fails_is_no_green_check(tmp_path: Path, good: Path) -> None:
+    """A PR comment's first line says what the exit code says: unreadable input fails the command."""
+    (tmp_path / "empty").mkdir()
+    (good / "cut.parquet").write_bytes(b"PAR1")
+    for path in (tmp_path / "empty", good):
+        code, out, _ = check(str(path), "--format", "markdown")
+        headline = out.splitlines()[1]
+        assert code == 2 and headline.startswith("❌ **tokaudit**") and headline.endswith("and the input fails")

@@ -211,6 +211,11 @@ def test_fail_on_inconclusive_ignore_and_min_ratio(tmp_path: Path) -> None:
     code, out, _ = invoke("check", str(nearly), "--min-ratio", "1.01", "--format", "json")
     report = json.loads(out)
     assert code == 0 and [f["severity"] for f in report["findings"]] == ["info"]
+    # the gate passes it; the verdict, a claim about the gradient, still says what the finding found
+    assert [(r["verdict"], r["gate_verdict"]) for r in report["runs"]] == [("incorrect", "correct")]
+    code, out, _ = invoke("check", str(nearly), "--min-ratio", "1.01")
+    assert code == 0 and "nearly: incorrect" in out and "the verdict still counts them (nearly stays incorrect)" in out
+    assert assert_token_mean(nearly, min_ratio=1.01).runs[0].verdict == "incorrect"
     assert invoke("check", str(nearly), "--min-ratio", "1.001")[0] == 1
     assert invoke("check", str(nearly), "--min-ratio", "0.5")[0] == 2
     code, _, err = invoke("check", str(nearly), "--min-ratio", "inf")  # would make every weighting finding a note

@@ -75,8 +75,9 @@ def render_report(report: AuditReport, console: Console) -> None:
             console.print()
     elif report.runs:
         console.print("No findings." if not ignored_note(report) else "No findings listed.", style="green")
-    if note := ignored_note(report):
-        console.print(Text(note, style="yellow"))
+    for note in (ignored_note(report), below_ratio_note(report)):
+        if note:
+            console.print(Text(note, style="yellow"))
     if report.runs:
         console.print(summary_line(report), markup=False)
 
@@ -141,6 +142,21 @@ def ignored_note(report: AuditReport) -> str:
     return (
         f"ignored ({printable(report.ignored_from or 'audit(ignore=...)')}): {', '.join(codes)}: left out of the "
         f"findings listed and of what fails the command; the verdict still counts them{verdicts}."
+    )
+
+
+def below_ratio_note(report: AuditReport) -> str:
+    """The runs that --min-ratio alone lets the gate pass: their verdict still counts what it made information."""
+    passed = [
+        f"{printable(run.run)} stays {run.verdict}"
+        for run in report.runs
+        if run.gate_verdict not in (None, run.verdict) and not run.ignored
+    ]
+    if not passed:
+        return ""
+    return (
+        f"--min-ratio: the weighting findings below it are information, left out of what fails the command; the "
+        f"verdict still counts them ({'; '.join(passed)})."
     )
 
 

@@ -37,6 +37,8 @@ def summary_line(report: AuditReport, fail_on: str = "error") -> str:
     """The verdicts and findings in a line, and whether the gate the command exits by (--fail-on) fails."""
     verdicts = [run.verdict for run in report.runs]
     worst = "incorrect" if "incorrect" in verdicts else "inconclusive" if "inconclusive" in verdicts else "correct"
+    if report.problems or not report.runs:  # input that fails the command (exit 2) is never a green line
+        worst = "error"
     line = f"{ICONS[worst]} **tokaudit**: {verdict_counts(report)}; {finding_counts(report)}"
     if report.problems:
         line += f"; {many(len(report.problems), 'unreadable input')}"
