@@ -197,12 +197,13 @@ def _curve_rows(table: pd.DataFrame) -> pd.DataFrame:
         "reported",
         "objective",
         "weighted_records",
+        "unknown_divisor",
         "mean_of_local_means",
     ]
     frame = table[used].copy()
     frame["token_mean"] = frame.loss / frame.tokens.where(frame.tokens > 0)
     frame["reported"] = ((frame.reported_low + frame.reported_high) / 2).where(frame.reported > 0)
-    frame["optimized"] = frame.objective.where(frame.weighted_records > 0)
+    frame["optimized"] = frame.objective.where(_optimized_known(frame))
     steps = frame.step.to_numpy()
     if len(steps) < 2 or (np.diff(steps) > 0).all():
         # one row a step (one group, one term), in order: the mean of one value is that value, as the
@@ -230,16 +231,23 @@ def _curve_rows(table: pd.DataFrame) -> pd.DataFrame:
     return curve
 
 
+def _optimized_known(table: pd.DataFrame) -> pd.Series:
+    """Steps whose Σe·S the records give: some record has a weight e = c·g/D, and every valid one's D was seen
+    (where the recorder could not see it, D is the default W, and e's scale, so Σe·S, is not known)."""
+    return (table.weighted_records > 0) & (table.unknown_divisor == 0)
+
+
 def _pooled_rows(table: pd.DataFrame, term: str) -> pd.DataFrame:
     """The rows of a run whose terms are one objective as one term's: per (group, step) the terms' tokens, loss
     sums, Σe·S and reported losses together. The mean of local means is not what the terms' rows can give
     (each rank's mean over all its pieces): left out."""
     pooled = pooled_steps(
-        table.assign(objective=table.objective.where(table.weighted_records > 0)),
+        table.assign(objective=table.objective.where(_optimized_known(table))),
         tokens=("tokens", "sum"),
         loss=("loss", "sum"),
         objective=("objective", lambda v: v.sum(min_count=1)),
         weighted_records=("weighted_records", "sum"),
+        unknown_divisor=("unknown_divisor", "sum"),
         reported_low=("reported_low", "min"),
         reported_high=("reported_high", "max"),
         reported=("reported", "sum"),

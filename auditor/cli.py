@@ -51,6 +51,11 @@ WEIGHT_NAMES = {
 }
 """`weights` columns under the log schema's names, and q as the table shows it."""
 
+UNSEEN_DIVISOR_NOTE = (
+    "the recorder could not see the divisor D of some records' reduction (divisor_known false): their e = c·g/D and "
+    "q are not shown (see `tokaudit explain unknown_divisor`)"
+)
+
 
 def _drawn_into(figures: dict[str, Any]) -> Callable[[AuditReport, AuditedLog], None]:
     """`audit_started(..., then)` for the HTML report: each run's figures, drawn from the audit's own aggregation."""
@@ -289,6 +294,8 @@ def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str, output
             fail(error)
     if records["rank"].nunique() < records["world_size"].max():
         note(partial_note([step]))
+    if records["grad_divisor"].isna().any():
+        note(UNSEEN_DIVISOR_NOTE)
     if fmt == "csv":
         emit(records.rename(columns=WEIGHT_NAMES).to_csv(index=False), output)
     elif fmt == "json":

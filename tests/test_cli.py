@@ -616,3 +616,22 @@ def test_a_killed_audit_s_scratch_is_swept_by_the_next_and_a_live_one_s_is_kept(
         assert remaining == [live.name], remaining
     finally:
         sleeper.kill()
+
+
+def test_a_divisor_the_recorder_could_not_see_gives_no_weight_in_the_post_mortems(tmp_path: Path) -> None:
+    """sample_logs/unknown_hook_wrong (a real DDP run, its reduction's D not seen, really W× too heavy): `check`
+    shows no q; `weights`, the curve's Σe·S and the HTML heat-map show none either, rather than q = 1 under the default
+    D = W the records stand for."""
+    log = Path(__file__).parent.parent / "sample_logs" / "unknown_hook_wrong"
+    code, out, err = invoke("weights", str(log), "--step", "0", "--format", "json")
+    rows = json.loads(out)["records"]
+    assert code == 0 and "could not see the divisor D" in err
+    assert all(r["grad_divisor"] is None and r["effective_weight"] is None and r["q"] is None for r in rows)
+    assert all(r["implied_weight"] > 0 for r in rows)  # c = b/S needs no D
+    code, _, _ = invoke("curve", str(log), "--csv", str(tmp_path / "curve.csv"))
+    with open(tmp_path / "curve.csv") as curve:
+        steps = list(csv.DictReader(curve))
+    assert code == 0 and steps and all(s["optimized"] == "" and float(s["token_mean"]) > 0 for s in steps)
+    code, _, _ = invoke("check", str(log), "--format", "html", "--output", str(tmp_path / "report.html"))
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    assert code == 0 and "class=heatmap" not in page and "could not be seen, so no q = e·N: no heat-map" in page

@@ -320,8 +320,8 @@ RANK_WEIGHTS_SQL = """
 WITH per_rank AS (
     SELECT hash(run, grp, CASE WHEN list_contains($pooled, run) THEN '' ELSE term END) AS k,
            any_value(run) AS run, step, rank, sum(valid_tokens) AS tokens,
-           min(eff) FILTER (valid_tokens > 0 AND isfinite(eff)) AS weight_low,
-           max(eff) FILTER (valid_tokens > 0 AND isfinite(eff)) AS weight_high
+           min(eff) FILTER (valid_tokens > 0 AND isfinite(eff) AND divisor_known) AS weight_low,
+           max(eff) FILTER (valid_tokens > 0 AND isfinite(eff) AND divisor_known) AS weight_high
     FROM records GROUP BY k, step, rank),
 counts AS (SELECT k, step, sum(tokens) AS tokens FROM per_rank GROUP BY k, step),
 valid AS (
@@ -339,18 +339,21 @@ FROM valid v JOIN spans s USING (run)
 GROUP BY ALL ORDER BY v.run, row, col
 """
 """Per run, q = e·N in cells of rank rows and step columns (`Engine.rank_weights`; parameters $rows, $columns and
-$pooled, the runs whose terms are one token mean)."""
+$pooled, the runs whose terms are one token mean); a record whose D the recorder could not see has no q."""
 
 RECORDS_AT_SQL = """
-SELECT grp, term, rank, micro, world_size, valid_tokens, loss_sum, backward_scalar, grad_divisor,
-       grad_scale, term_weight, eff * grad_divisor / grad_scale * term_weight AS implied_weight, eff,
-       eff * sum(valid_tokens) OVER (PARTITION BY grp, term) AS q,
-       token_weight_min * grad_scale / grad_divisor / term_weight AS eff_min,
-       token_weight_max * grad_scale / grad_divisor / term_weight AS eff_max,
+SELECT grp, term, rank, micro, world_size, valid_tokens, loss_sum, backward_scalar,
+       CASE WHEN divisor_known THEN grad_divisor END AS grad_divisor,
+       grad_scale, term_weight, eff * grad_divisor / grad_scale * term_weight AS implied_weight,
+       CASE WHEN divisor_known THEN eff END AS eff,
+       CASE WHEN divisor_known THEN eff * sum(valid_tokens) OVER (PARTITION BY grp, term) END AS q,
+       CASE WHEN divisor_known THEN token_weight_min * grad_scale / grad_divisor / term_weight END AS eff_min,
+       CASE WHEN divisor_known THEN token_weight_max * grad_scale / grad_divisor / term_weight END AS eff_max,
        sync, reported_loss
 FROM records WHERE run = ? AND step = ? ORDER BY grp, term, rank, micro
 """
-"""Every record of one step of one run (parameters: run, step), with c, e and q = e·N (`Engine.records_at`)."""
+"""Every record of one step of one run (parameters: run, step), with c, e and q = e·N (`Engine.records_at`); D, e
+and q NULL where the recorder could not see D (`divisor_known`): the default W it stands for is no measurement."""
 
 COMPLETE_THROUGH_SQL = """
 SELECT run, grp, min(last_step) FROM (

@@ -124,6 +124,8 @@ def _shade(q: float) -> str:
 def _heatmap(figures: RunFigures, run: RunSummary) -> str:
     cells = figures.heat
     if cells.empty:
+        if not run.divisors:  # the reduction's D was not seen: e = c·g/D and q are not known
+            return "<p>The divisor D of the reduction could not be seen, so no q = e·N: no heat-map.</p>"
         return "<p>No valid token carries a weight: no heat-map.</p>"
     rows, columns = int(cells.row.max()) + 1, int(cells.col.max()) + 1
     cell, height = max(4, min(40, HEAT_WIDTH // columns)), max(8, min(60, HEAT_HEIGHT // rows), -(-120 // rows))
