@@ -31,8 +31,9 @@ NOTES_SHOWN = 5
 """Notes (links out of the folders given, what was skipped) shown one by one; the rest are counted."""
 
 
-def refuse_inputs(output: Path | None, paths: tuple[str, ...]) -> None:
-    """An output that is one of the inputs would overwrite a log shard: refused before anything runs."""
+def refuse_inputs(output: Path | None, paths: tuple[str, ...], option: str = "--output") -> None:
+    """An output that is one of the inputs would overwrite a log shard: refused before anything runs, naming the
+    `option` that gave it."""
     if output is None:
         return
     from tokaudit._discovery import discover
@@ -47,7 +48,7 @@ def refuse_inputs(output: Path | None, paths: tuple[str, ...]) -> None:
         files, _ = discover(local)
         taken = any(os.path.samefile(target, f) for f in files)
     if taken:
-        raise UsageError(f"{output}: is one of the logs being audited; choose another --output")
+        raise UsageError(f"{output}: is one of the logs being audited; choose another {option}")
 
 
 STEP_LIMIT = (1 << 63) - 1

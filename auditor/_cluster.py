@@ -62,7 +62,10 @@ class Cluster:
                     runtime_env={"env_vars": forwarded_environment()},
                 )
         except Exception as error:  # Ray raises ConnectionError, RuntimeError or its own for an absent cluster
-            raise UsageError(f"cannot reach the Ray cluster at {address} ({first_line(error)})") from None
+            said = first_line(error)
+            if address == "auto" and "Could not find any running Ray instance" in said:  # Ray's remedy names its flag
+                said = "no Ray runs on this machine: start one with `ray start --head`, or give a cluster's address, --ray ADDRESS or RAY_ADDRESS"
+            raise UsageError(f"cannot reach the Ray cluster at {address} ({said})") from None
         cluster = cls(ray, address)
         try:
             cluster._check_versions()

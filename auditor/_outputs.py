@@ -16,7 +16,7 @@ from typing import Any
 import click
 from rich.console import Console
 
-from tokaudit.errors import LogFormatError, TokauditError, UsageError
+from tokaudit.errors import TokauditError, UsageError
 from tokaudit._render.text import printable
 
 EXIT_OK, EXIT_FINDINGS, EXIT_BAD_INPUT = 0, 1, 2
@@ -39,9 +39,7 @@ def note(line: str) -> None:
 
 
 def fail(error: TokauditError) -> None:
-    problem(str(error))
-    if isinstance(error, LogFormatError):
-        click.echo("Tip: the file is left as it is; fix or remove it, or pass only the good folders.", err=True)
+    problem(str(error))  # one line: the file (or option) and what is wrong with it
     sys.exit(EXIT_BAD_INPUT)
 
 

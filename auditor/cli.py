@@ -357,8 +357,8 @@ def curve(
     """Loss per step: the true token mean ΣS/N, the mean of local means, the reported loss, and the
     objective the optimizer followed (Σe·S)."""
     try:
-        for target in (csv_path, plot_path):
-            refuse_inputs(target, paths)
+        for target, option in ((csv_path, "--csv"), (plot_path, "--plot")):
+            refuse_inputs(target, paths, option)
         if csv_path is not None and plot_path is not None and csv_path.resolve() == plot_path.resolve():
             raise UsageError(f"--csv and --plot name one file ({csv_path}): the plot would write over the CSV")
         if plot_path is not None:

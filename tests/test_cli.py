@@ -127,6 +127,24 @@ def test_curve_refuses_one_file_for_its_csv_and_its_plot(logs: Path, tmp_path: P
         "curve", str(logs), "--run", "bad", "--csv", str(tmp_path / "c.png"), "--plot", str(tmp_path / "c.png")
     )
     assert code == 2 and "--csv and --plot name one file" in err and not (tmp_path / "c.png").exists()
+    shard = next((logs / "bad").glob("*.parquet"))
+    for option in ("--csv", "--plot"):  # an input is refused in the words of the option that named it
+        code, _, err = invoke("curve", str(logs), "--run", "bad", option, str(shard))
+        assert (
+            code == 2
+            and err == f"tokaudit: error: {shard}: is one of the logs being audited; choose another {option}\n"
+        )
+
+
+def test_input_that_cannot_be_read_is_one_line_in_every_command(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    for args in (
+        ["weights", str(tmp_path / "nowhere"), "--step", "1"],
+        ["curve", str(tmp_path / "empty")],
+        ["check", str(tmp_path / "nowhere")],
+    ):
+        code, out, err = invoke(*args)
+        assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("tokaudit: error: "), args
 
 
 def test_curve_and_weights_say_which_steps_lack_some_ranks(tmp_path: Path) -> None:

@@ -239,3 +239,25 @@ def test_a_log_on_s3_is_read_by_the_workers_with_the_one_process_s_report(cluste
 
     with contextlib.contextmanager(s3_endpoint.__wrapped__)():  # type: ignore[attr-defined]
         assert _json(["s3://logs/runs/"], ray=cluster) == _json(["s3://logs/runs/"])  # type: ignore[list-item]
+
+
+def test_auto_with_no_ray_on_this_machine_names_tokaudit_s_own_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's own remedy names its `--address` flag, which tokaudit has not: the line names --ray ADDRESS instead."""
+    import ray
+
+    from tokaudit import audit
+    from tokaudit.errors import UsageError
+
+    def absent(**_: object) -> None:
+        raise ConnectionError(
+            "Could not find any running Ray instance. Please specify the one to connect to by setting `--address` "
+            "flag or `RAY_ADDRESS` environment variable."
+        )
+
+    monkeypatch.setattr(ray, "init", absent)
+    with pytest.raises(UsageError) as refused:
+        audit([ROOT / "sample_logs" / "bug_local_mean"], ray="auto")
+    assert str(refused.value) == (
+        "cannot reach the Ray cluster at auto (no Ray runs on this machine: start one with `ray start --head`, or "
+        "give a cluster's address, --ray ADDRESS or RAY_ADDRESS)"
+    )
