@@ -78,8 +78,9 @@ def audit_started(
     (`start_loading(paths, thorough=False, ...)`, which it starts before it imports the auditor); `then`, called
     with the report and what it was computed from before that is closed (the HTML report's figures,
     `figures.run_figures`, drawn from the same aggregation)."""
-    if isinstance(paths, str | os.PathLike):
-        paths = [paths]
+    # one path, run or code given alone is one, not a sequence of its characters
+    paths = [paths] if isinstance(paths, str | os.PathLike) else paths
+    runs, ignore = [runs] if isinstance(runs, str) else runs, [ignore] if isinstance(ignore, str) else ignore
     if isinstance(rtol, bool) or not isinstance(rtol, int | float) or not within("rtol", rtol):
         raise UsageError(f"--rtol must be {BOUNDS['rtol']} (a relative tolerance, 1e-4 by default), got {rtol!r}")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokaudit.errors import UsageError
 from tokaudit._outputs import note
@@ -29,6 +30,23 @@ def begin_loading(paths: tuple[str, ...], workers: int | None = None) -> Loading
 
 NOTES_SHOWN = 5
 """Notes (links out of the folders given, what was skipped) shown one by one; the rest are counted."""
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def output_option(what: str) -> Callable[[F], F]:
+    """-o/--output FILE: where a command writes what it shows; `-` is standard output, as Unix tools read a dash,
+    not a file named `-`."""
+    import click
+
+    return click.option(
+        "--output",
+        "-o",
+        type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
+        callback=lambda _, __, output: None if output == Path("-") else output,
+        help=f"{what} (-: stdout).",
+    )
 
 
 def refuse_inputs(output: Path | None, paths: tuple[str, ...], option: str = "--output") -> None:

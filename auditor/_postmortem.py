@@ -174,6 +174,14 @@ class Curve:
             self.table.close()
 
 
+def unseen_divisor_note() -> str:
+    """`weights`' note where a record's D could not be seen (`divisor_known` false): it shows no e or q."""
+    return (
+        "the recorder could not see the divisor D of some records' reduction (divisor_known false): their e = c·g/D "
+        "and q are not shown (see `tokaudit explain unknown_divisor`)"
+    )
+
+
 def partial_note(steps: list[int]) -> str:
     """What `curve` and `weights` say of steps some ranks recorded nothing of."""
     shown = ", ".join(map(str, steps[:5])) + (f", … ({len(steps)} in all)" if len(steps) > 5 else "")

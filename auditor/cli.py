@@ -35,7 +35,7 @@ from tokaudit._outputs import run as outputs_run
 from tokaudit._render.text import printable
 from tokaudit._cli_exits import Guarded, exit_for_problems, fails
 from tokaudit._settings import FAIL_ON_RANK, ray_address_problem
-from tokaudit._cli_inputs import begin_loading, refuse_inputs, step_window
+from tokaudit._cli_inputs import begin_loading, output_option, refuse_inputs, step_window
 from tokaudit._cli_progress import reading_progress
 
 if TYPE_CHECKING:
@@ -50,11 +50,6 @@ WEIGHT_NAMES = {
     "eff_max": "effective_weight_max",
 }
 """`weights` columns under the log schema's names, and q as the table shows it."""
-
-UNSEEN_DIVISOR_NOTE = (
-    "the recorder could not see the divisor D of some records' reduction (divisor_known false): their e = c·g/D and "
-    "q are not shown (see `tokaudit explain unknown_divisor`)"
-)
 
 
 def _drawn_into(figures: dict[str, Any]) -> Callable[[AuditReport, AuditedLog], None]:
@@ -139,7 +134,7 @@ def _ray_address(value: str | None) -> str | None:
     "(one test case per run), html for one self-contained page with a heat-map of the weights and "
     "the loss curves of each run (-o report.html).",
 )
-@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Write the report here.")
+@output_option("Write the report here")
 @click.option(
     "--fail-on",
     type=click.Choice(list(FAIL_ON_RANK)),
@@ -280,13 +275,13 @@ def _ignored_from() -> str:
 @click.option("--step", type=int, required=True, help="Optimizer step to show.")
 @click.option("--run", default=None, help="Run id (needed when the logs hold several).")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
-@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Write them here.")
+@output_option("Write them here")
 def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str, output: Path | None) -> None:
     """Per rank and microbatch at one step: n, S, b, c, e and q = e·N (1 when correct)."""
     refuse_inputs(output, paths)
     fmt = format_for(fmt, output, WEIGHTS_FORMAT_OF_SUFFIX)
     with begin_loading(paths) as started:
-        from tokaudit._postmortem import partial_note, step_weights
+        from tokaudit._postmortem import partial_note, step_weights, unseen_divisor_note
 
         try:
             chosen, records, problems = step_weights(paths, step, run, started=started)
@@ -295,7 +290,7 @@ def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str, output
     if records["rank"].nunique() < records["world_size"].max():
         note(partial_note([step]))
     if records["grad_divisor"].isna().any():
-        note(UNSEEN_DIVISOR_NOTE)
+        note(unseen_divisor_note())
     if fmt == "csv":
         emit(records.rename(columns=WEIGHT_NAMES).to_csv(index=False), output)
     elif fmt == "json":

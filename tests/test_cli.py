@@ -653,3 +653,12 @@ def test_a_divisor_the_recorder_could_not_see_gives_no_weight_in_the_post_mortem
     code, _, _ = invoke("check", str(log), "--format", "html", "--output", str(tmp_path / "report.html"))
     page = (tmp_path / "report.html").read_text(encoding="utf-8")
     assert code == 0 and "class=heatmap" not in page and "could not be seen, so no q = e·N: no heat-map" in page
+
+
+def test_a_dash_for_output_is_standard_output(logs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, err = invoke("check", str(logs / "good"), "-o", "-", "--format", "json")
+    assert code == 0 and json.loads(out)["runs"][0]["verdict"] == "correct" and "wrote" not in err
+    code, out, _ = invoke("weights", str(logs / "good"), "--step", "1", "--output", "-", "--format", "csv")
+    assert code == 0 and out.startswith("group,term,rank,micro")
+    assert not (tmp_path / "-").exists()

@@ -575,3 +575,11 @@ def test_sync_of_a_spool_that_is_not_there_is_one_line_and_exit_2(tmp_path: Path
     (tmp_path / "empty").mkdir()
     code, _, err = invoke("sync", str(tmp_path / "empty"))
     assert code == 0 and "nothing to sync" in err
+
+
+def test_one_run_or_code_given_alone_to_audit_is_that_one(tmp_path: Path) -> None:
+    """`audit(path, runs="bad")` is the run named bad, not a run for each of its characters; so is an ignored code."""
+    write_by_rank(tmp_path / "good", records(UNEVEN, token_mean))
+    write_by_rank(tmp_path / "bad", records(UNEVEN, local_mean))
+    report = audit(tmp_path, runs="bad", ignore="local_mean")
+    assert [run.run for run in report.runs] == ["bad"] and report.runs[0].ignored == ["local_mean"]

@@ -27,6 +27,10 @@ _MEMORY = re.compile(rf"^\s*(\d+(?:\.\d+)?)\s*({'|'.join(_BYTES)}|%)\s*$", re.IG
 """A size DuckDB reads: a number and a unit (it refuses a number alone), or a share of the memory."""
 
 
+def _unit(name: str) -> str:
+    return name.upper().replace("IB", "iB")
+
+
 def settings_from_environment() -> tuple[str, int]:
     """(memory limit, chunk rows) from TOKAUDIT_MEMORY_LIMIT and TOKAUDIT_CHUNK_ROWS, checked."""
     memory = os.environ.get("TOKAUDIT_MEMORY_LIMIT", DEFAULT_MEMORY_LIMIT)
@@ -35,8 +39,8 @@ def settings_from_environment() -> tuple[str, int]:
         100 if size.group(2) == "%" else _BIGGEST[size.group(2).lower()]
     ):
         raise UsageError(
-            f"TOKAUDIT_MEMORY_LIMIT={memory!r} is no size up to an exbibyte or share of the memory up to 100% "
-            "(examples: 768MB, 2GiB, 50%)"
+            f"TOKAUDIT_MEMORY_LIMIT={memory!r} is no size up to an exbibyte, in {', '.join(map(_unit, _BYTES))}, "
+            "or share of the memory up to 100% (examples: 768MB, 2GiB, 50%)"
         )
     chunk = os.environ.get("TOKAUDIT_CHUNK_ROWS", str(CHUNK_ROWS))
     if not chunk.strip().isdigit() or int(chunk) < 1:
