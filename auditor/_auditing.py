@@ -261,11 +261,14 @@ class _RunJudge:
             from_records = recorded_end(run, lambda: selected_runs(parts, [run]), self.ends)
             ended = both_ends(self.ends.found.get(run), from_records)
         source = run_steps(parts, run, self.horizon, lost, self.names, stopped, ended)
-        if source is None and (stopped is not None or ended is not None):
-            stopped, ended, source = None, None, run_steps(parts, run, self.horizon, lost, self.names)
+        if source is None and stopped is not None and run_steps(parts, run, self.horizon, lost, self.names) is not None:
+            # the run stopped inside its only update: part of its microbatches, never stepped, is nothing to judge
+            return [unfinished_finding(run, stopped)], _unjudged_summary(run, bits, rtol)
+        if source is None and ended is not None:
+            ended, source = None, run_steps(parts, run, self.horizon, lost, self.names)
         if source is None:
             had_steps = lost is not None and run_steps(parts, run, self.horizon, None) is not None
-            return ([lost.finding(run)], _lost_summary(run, bits, rtol)) if lost and had_steps else ([], None)
+            return ([lost.finding(run)], _unjudged_summary(run, bits, rtol)) if lost and had_steps else ([], None)
         # Steps whose counts the probe contradicts are left out of the checks and the summary alike.
         source, miscounted = without_miscounted(source, rtol)
         objective = one_objective(source, rtol)
@@ -299,8 +302,9 @@ class _RunJudge:
         )
 
 
-def _lost_summary(run: str, bits: int | None, rtol: float) -> RunSummary:
-    """The summary of a run every step of which lost records: nothing judged."""
+def _unjudged_summary(run: str, bits: int | None, rtol: float) -> RunSummary:
+    """The summary of a run none of whose steps is judged (each lost records, or the run stopped inside its only
+    update): inconclusive."""
     return RunSummary(
         run=run,
         rows=0,

@@ -375,7 +375,7 @@ INTERRUPTED_SCRIPT = textwrap.dedent("""
             loss_sum = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
             rec.record(loss_sum=loss_sum, valid_tokens=n, backward_scalar=loss_sum / sum(counts))
             (loss_sum / sum(counts)).backward()
-            if update == 3 and micro == 0:
+            if update == int(sys.argv[2]) and micro == 0:
                 print("inside", flush=True)  # SIGTERM now: the update's second microbatch never comes
                 time.sleep(60)
         optimizer.step()
@@ -384,16 +384,17 @@ INTERRUPTED_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_a_job_stopped_inside_an_update_is_judged_on_the_updates_before_it(tmp_path: Path) -> None:
-    """SIGTERM between the two microbatches of update 3 of a correct loop: the log holds that update's first
+@pytest.mark.parametrize("stopped", [3, 0], ids=["inside update 3", "inside the first update"])
+def test_a_job_stopped_inside_an_update_is_judged_on_the_updates_before_it(tmp_path: Path, stopped: int) -> None:
+    """SIGTERM between the two microbatches of an update of a correct loop: the log holds that update's first
     microbatch alone (N over it is not the update's: its weights would read 2/9 of 1/N, scale_mismatch). The
     recorder says the update was never stepped; the audit leaves it out (unfinished_update, information) and the run
-    is correct on updates 0–2."""
+    is correct on the updates before it; stopped inside its first update, it has none, and is inconclusive."""
     from tokaudit import audit
 
-    code = terminate_when(INTERRUPTED_SCRIPT, tmp_path, "inside")
+    code = terminate_when(INTERRUPTED_SCRIPT, tmp_path, "inside", str(stopped))
     assert code == -signal.SIGTERM
-    assert sorted({(r["step"], r["micro"]) for r in read_rows(tmp_path / "stopped")})[-1] == (3, 0)
+    assert sorted({(r["step"], r["micro"]) for r in read_rows(tmp_path / "stopped")})[-1] == (stopped, 0)
     report = audit([tmp_path / "stopped"])
-    assert [(f.code.value, f.steps.first) for f in report.findings] == [("unfinished_update", 3)]
-    assert report.runs[0].verdict == "correct" and report.runs[0].steps == 3
+    assert [(f.code.value, f.steps.first) for f in report.findings] == [("unfinished_update", stopped)]
+    assert (report.runs[0].verdict, report.runs[0].steps) == (("correct", 3) if stopped else ("inconclusive", 0))
