@@ -129,7 +129,7 @@ def _audit(
         horizon = engine.complete_through() if live else None
         # The checks need only the step table: DuckDB's memory is given back before they run.
         duplicates, precision = engine.duplicates, dict(engine.precision)
-        precision.update({run: min(precision.get(run, b), b) for run, b in stored_precision(logset.shards).items()})
+        precision.update({r: min(precision.get(r, b), b) for r, b in stored_precision(logset.shards).items()})
         engine.close()
         if horizon is not None and progress:
             _say_left_out(parts, present, horizon, progress)

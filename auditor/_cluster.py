@@ -64,7 +64,10 @@ class Cluster:
         except Exception as error:  # Ray raises ConnectionError, RuntimeError or its own for an absent cluster
             said = first_line(error)
             if address == "auto" and "Could not find any running Ray instance" in said:  # Ray's remedy names its flag
-                said = "no Ray runs on this machine: start one with `ray start --head`, or give a cluster's address, --ray ADDRESS or RAY_ADDRESS"
+                said = (
+                    "no Ray runs on this machine: start one with `ray start --head`, or give a cluster's address, "
+                    "--ray ADDRESS or RAY_ADDRESS"
+                )
             raise UsageError(f"cannot reach the Ray cluster at {address} ({said})") from None
         cluster = cls(ray, address)
         try:

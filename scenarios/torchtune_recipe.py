@@ -22,6 +22,8 @@ from tokaudit.hooks import Recorder
 
 CHUNKS = 2
 COUNTS = (((1, 7), (5, 2)), ((3, 3), (8, 1)))  # counts[step][rank][micro]
+EMPTY_MICRO = (((1, 7), (5, 0)), ((3, 3), (8, 1)))
+"""Rank 1's second microbatch of step 0 has no valid label (a response truncated away): its chunked mean is 0/0."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class TuneSetup:
     before_shift: bool = False
     """N counted on the labels before the causal shift, as torchtune's recipe counts batch["labels"] before
     `_loss_step` shifts them: with the row's first label valid, one label per row more than the loss is over."""
+    counts: tuple[tuple[tuple[int, ...], ...], ...] = COUNTS
 
     @property
     def scenario(self) -> Scenario:
@@ -42,7 +45,7 @@ class TuneSetup:
             name=self.name,
             strategy="torchtune",
             world_size=2,
-            counts=COUNTS,
+            counts=self.counts,
             correct=True,
             description="torchtune recipe",
         )
@@ -63,7 +66,7 @@ def job(rank: int, world_size: int, setup: TuneSetup, out: str) -> list[dict[str
         Recorder(out, run_id=setup.name, model=model, optimizer=optimizer, announce=False) as rec,
         rec.capture_cross_entropy(),
     ):
-        for step, per_rank in enumerate(COUNTS):
+        for step, per_rank in enumerate(setup.counts):
             before = [p.detach().clone() for p in model.parameters()]
             num_tokens = torch.zeros((), dtype=torch.int64)
             for micro, count in enumerate(per_rank[rank]):

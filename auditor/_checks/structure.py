@@ -12,6 +12,7 @@ import pandas as pd
 from tokaudit._checks.base import Check, FlaggedSteps, TermInputs, RunSteps, ListedSteps, RunContext, StepsSeen
 from tokaudit._checks.base import column_of, differ_rows, grouped, make_finding, median_of, nan_sum, rank_masks
 from tokaudit._checks.base import step_list
+from tokaudit._checks.reach import Reach
 from tokaudit._normalization import Diagnoses
 from tokaudit.codes import CODE_DOCS, Code, Severity
 from tokaudit._report import Finding
@@ -162,10 +163,11 @@ class ValuesCheck(Check):
     def __init__(self, term: TermInputs) -> None:
         super().__init__(term)
         self.nonfinite, self.nonfinite_records = self.steps(), 0.0
-        self.zero_bad, self.zero_records = self.steps(), 0.0
+        self.zero_bad, self.zero_records, self.reach = self.steps(), 0.0, Reach()
         self.empty, self.empty_listed, self.disagree_listed = self.steps(), ListedSteps(), ListedSteps()
         self.skip_apart, self.skip_listed = self.steps(), ListedSteps()
-        self.unmarked = self.empty_nonfinite = False
+        self.unmarked = False
+        self.empty_nonfinite: list[int] = []
 
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         step = column_of(block, "step")
@@ -176,13 +178,14 @@ class ValuesCheck(Check):
         self.nonfinite_records += nan_sum(nonfinite_valid[nonfinite])
         self.zero_bad.add(step[nonfinite_zero > 0])
         self.zero_records += nan_sum(nonfinite_zero)
+        self.reach.add(block, nonfinite_zero > 0, skipped_true > 0)
         empty = column_of(block, "tokens") == 0
         apart = step[~empty & (skipped_true > 0) & (skipped_false > 0)]  # (with N = 0: empty_update's)
         self.skip_apart.add(apart)
         self.skip_listed.add(apart)
         if empty.any():
             disagree = (skipped_true[empty] > 0) & (skipped_false[empty] > 0)
-            self.empty_nonfinite = self.empty_nonfinite or bool((nonfinite_zero[empty] > 0).any())
+            self.empty_nonfinite += [int(s) for s in step[empty & (nonfinite_zero > 0)]]
             self.unmarked = self.unmarked or bool((skipped_true[empty] == 0).any())
             self.empty.add(step[empty])
             self.empty_listed.add(step[empty])
@@ -203,17 +206,7 @@ class ValuesCheck(Check):
                 {"records": records, "first_step": int(self.nonfinite.range().first)},
             )
         if self.zero_bad:
-            yield make_finding(
-                context,
-                Code.ZERO_TOKEN_NONFINITE,
-                self.zero_bad,
-                f"{int(self.zero_records)} record(s) with no valid token have a non-finite backward "
-                "scalar: the code divided by a zero count (its own, or N where the whole update has no valid token: "
-                "0/0), and DDP spreads the NaN to every rank.",
-                "divide by the global count N (clamped to at least 1), never by the local count; a rank "
-                "with no valid token backpropagates an exact zero that stays connected to the graph",
-                {"records": int(self.zero_records)},
-            )
+            yield self._zero_nonfinite()
         if self.skip_apart:
             yield make_finding(
                 context,
@@ -228,15 +221,62 @@ class ValuesCheck(Check):
         if self.empty:
             yield self._empty_update()
 
+    def _zero_nonfinite(self) -> Finding:
+        """zero_token_nonfinite: an error where the step after shows the value reached the weights, a warning that
+        the logs cannot tell where the run ends first, information where the steps after are finite (`Reach`)."""
+        reach = self.reach
+        said = (
+            f"{int(self.zero_records)} record(s) with no valid token have a non-finite backward scalar or probe: the "
+            "code divided by a zero count (its own, or N where the whole update has no valid token: 0/0)"
+        )
+        if reach.reached:
+            severity, undecidable = Severity.ERROR, None
+            said += (
+                f"; the step after step {min(reach.reached)} is not finite: the NaN reached the weights, as DDP "
+                "spreads it to every rank"
+            )
+        elif reach.unsettled:
+            severity, undecidable = Severity.WARNING, True
+            said += (
+                "; the run ends before a step that would show whether the NaN reached the weights: the logs cannot "
+                "tell (cross-entropy's backward gives an ignored position 0 whatever flows into it; a mean written "
+                "by hand spreads the NaN)"
+            )
+        else:
+            severity, undecidable = Severity.INFO, None
+            said += (
+                "; the step after each is finite, so the NaN never reached the weights (cross-entropy's backward "
+                "gives an ignored position 0 whatever flows into it), but a loss written otherwise would spread it "
+                "to every rank"
+            )
+        return make_finding(
+            self.context,
+            Code.ZERO_TOKEN_NONFINITE,
+            self.zero_bad,
+            said + ".",
+            "divide by the global count N (clamped to at least 1), never by the local count; a rank "
+            "with no valid token backpropagates an exact zero that stays connected to the graph",
+            {"records": int(self.zero_records), "reached_weights": bool(reach.reached)},
+            severity=severity,
+            undecidable=undecidable,
+        )
+
     def _empty_update(self) -> Finding:
-        """empty_update: an error where a rank backpropagated a non-finite value or the ranks disagree on skipping."""
+        """empty_update: an error where a rank backpropagated a non-finite value that reached the weights (`Reach`)
+        or the ranks disagree on skipping."""
         disagree = self.disagree_listed.count > 0
-        severity = Severity.ERROR if self.empty_nonfinite or disagree else Severity.INFO
+        reached = set(self.reach.reached).intersection(self.empty_nonfinite)
+        severity = Severity.ERROR if reached or disagree else Severity.INFO
         details = []
         if disagree:
             details.append(f"ranks disagree on skipping it at step(s) {self.disagree_listed.text()}")
-        if self.empty_nonfinite:
-            details.append("some ranks backpropagated a non-finite value")
+        if reached:
+            details.append("some ranks backpropagated a non-finite value, and the step after is not finite")
+        elif self.empty_nonfinite:
+            details.append(
+                "some ranks backpropagated a non-finite value (the step after shows it never reached the weights, "
+                "or none follows)"
+            )
         if self.unmarked and not disagree:
             details.append(
                 "the log does not say the update was skipped; an optimizer step on zero gradients still "

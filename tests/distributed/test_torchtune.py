@@ -13,7 +13,7 @@ import torch
 
 from scenarios.harness import run_ddp_each
 from scenarios.strategies import reference_gradient
-from scenarios.torchtune_recipe import COUNTS, TuneSetup, job
+from scenarios.torchtune_recipe import COUNTS, EMPTY_MICRO, TuneSetup, job
 from tokaudit._auditing import audit
 
 pytestmark = pytest.mark.distributed
@@ -23,6 +23,7 @@ SETUPS = [
     TuneSetup("tune_missing_w", "one_over_n", told=True),
     TuneSetup("tune_untold", "w_over_n", told=False),
     TuneSetup("tune_before_shift", "w_over_n", told=True, before_shift=True),
+    TuneSetup("tune_empty_micro", "w_over_n", told=True, counts=EMPTY_MICRO),
 ]
 
 
@@ -88,3 +89,15 @@ def test_a_count_taken_before_the_shift_is_named(recorded: Any) -> None:
     assert finding.code.value == "unexplained_weighting" and report.runs[0].verdict == "incorrect"
     assert finding.evidence["extra_labels_per_record"] == 1
     assert "before the causal shift" in finding.message and "labels[..., 1:]" in finding.fix
+
+
+def test_an_empty_microbatch_s_nan_that_never_reaches_the_weights_is_information(recorded: Any) -> None:
+    """torchtune's chunked mean times the count on a microbatch of no valid label: 0/0·0 = NaN is its backward
+    scalar, but cross-entropy's backward gives each ignored position an exact 0, so the gradient is the token mean's
+    (the float64 reference) and the step after is finite: information, and the run correct."""
+    root, histories = recorded
+    assert all(_agrees(SETUPS[4], histories["tune_empty_micro"]))
+    report = audit([root / "tune_empty_micro"])
+    zero = [f for f in report.findings if f.code.value == "zero_token_nonfinite"]
+    assert [f.severity.value for f in zero] == ["info"] and zero[0].steps.first == 0
+    assert report.runs[0].verdict == "correct"
