@@ -9,7 +9,8 @@ captured call with S = Σℓᵢ and n the fused head's label mask (its labels af
 completion-only, assistant-only, packed and padding-free set-ups count what the loss counts).
 
 The other trainers (DPO, KTO, ORPO, GRPO, ...) optimize objectives per pair or per sequence, not a token
-mean: they are not recorded, and a warning says what tokaudit can and cannot judge there.
+mean, and SFTTrainer's `loss_type="dft"` weighs each token by its own probability: they are not recorded, and a
+warning says what tokaudit can and cannot judge there.
 """
 
 from __future__ import annotations
@@ -32,12 +33,36 @@ NOT_A_TOKEN_MEAN = (
 )
 
 
-def trl_trainer(trainer: Any) -> str | None:
-    """The TRL trainer class `trainer` is or derives from ("SFTTrainer", "DPOTrainer", ...), None for another."""
+NOT_THE_NLL = (
+    "tokaudit: SFTTrainer with loss_type={loss_type!r} weighs each token by its own probability (DFT), on purpose: "
+    "not a mean over tokens, so tokaudit records nothing here and gives no verdict: it judges the token mean, "
+    "SFTTrainer's loss_type='nll'"
+)
+
+
+def trl_trainer(trainer: Any, args: Any = None) -> str | None:
+    """The TRL trainer class `trainer` is or derives from ("SFTTrainer", "DPOTrainer", ...), else the one whose
+    config `args` is (SFTConfig: "SFTTrainer"; a callback given as `callbacks=[...]` sees the arguments, never the
+    trainer); None for another."""
     for cls in type(trainer).__mro__:
         if cls.__module__.startswith("trl.") and cls.__name__.endswith("Trainer") and cls.__name__ != "Trainer":
             if not cls.__name__.startswith("_"):
                 return cls.__name__
+    for cls in type(args).__mro__:
+        if cls.__module__.startswith("trl.") and cls.__name__.endswith("Config") and not cls.__name__.startswith("_"):
+            return cls.__name__.removesuffix("Config") + "Trainer"
+    return None
+
+
+def refused(trainer: Any, args: Any) -> str | None:
+    """Why tokaudit records nothing under this TRL trainer, as a warning's text; None where it records: SFTTrainer
+    with its token-mean loss, or no TRL trainer."""
+    name = trl_trainer(trainer, args)
+    if name is not None and name != "SFTTrainer":
+        return NOT_A_TOKEN_MEAN.format(name=name)
+    loss_type = getattr(args, "loss_type", "nll")
+    if name == "SFTTrainer" and loss_type != "nll":
+        return NOT_THE_NLL.format(loss_type=loss_type)
     return None
 
 

@@ -28,7 +28,7 @@ from transformers import TrainerCallback
 from tokaudit.hooks._capture import record_mean
 from tokaudit.hooks._attach import ddp_around, trainer_run_id, version_of
 from tokaudit.hooks._recorder import Recorder
-from tokaudit.hooks._trl_trainers import NOT_A_TOKEN_MEAN, trl_trainer, watch_fused_head
+from tokaudit.hooks._trl_trainers import refused, trl_trainer, watch_fused_head
 
 
 class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
@@ -56,10 +56,10 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
     ) -> None:
-        trl = trl_trainer(self.trainer)
-        if trl is not None and trl != "SFTTrainer":
-            warnings.warn(NOT_A_TOKEN_MEAN.format(name=trl), RuntimeWarning, stacklevel=2)
+        if (why := refused(self.trainer, args)) is not None:
+            warnings.warn(why, RuntimeWarning, stacklevel=2)
             return
+        trl = trl_trainer(self.trainer, args)
         wrapped = getattr(self.trainer, "model_wrapped", None) if self.trainer is not None else None
         if not isinstance(wrapped, DistributedDataParallel) and model is not None:
             wrapped = ddp_around(model)  # given as callbacks=[...]: no trainer, the DDP wrapper found around its model

@@ -54,6 +54,9 @@ class Cell:
     data, completion-only loss), packing (bfd packing, padding-free) or padding_free."""
     checkpointing: bool = False
     """TrainingArguments.gradient_checkpointing (activation checkpointing)."""
+    callbacks: bool = False
+    """Recorded by the callback given to the trainer as `callbacks=[TokauditCallback(...)]`, not by `attach`: it sees
+    the trainer's arguments and model, never the trainer."""
 
     @property
     def setup(self) -> str:
@@ -76,9 +79,10 @@ class Cell:
                 "packing": "`packing=True` (bfd, padding-free)",
                 "padding_free": "`padding_free=True`",
             }[self.loss]
+            given = ", recorded by `callbacks=[TokauditCallback(...)]`" if self.callbacks else ""
             return (
                 f"TRL `SFTTrainer` (its fused LM head) on the `{self.family}` model, {data}, "
-                f"`average_tokens_across_devices={self.average_tokens}`"
+                f"`average_tokens_across_devices={self.average_tokens}`{given}"
             )
         if self.trainer == "torchtune":
             if self.loss == "before_shift":
@@ -150,6 +154,7 @@ CELLS = (
     Cell("trl-sft-assistant-only", "llama", True, loss="assistant", trainer="trl"),
     Cell("trl-sft-packing", "llama", True, loss="packing", trainer="trl"),
     Cell("trl-sft-padding-free", "llama", True, loss="padding_free", trainer="trl"),
+    Cell("trl-sft-callbacks", "llama", True, trainer="trl", callbacks=True),
 )
 CELLS_BY_NAME = {cell.name: cell for cell in CELLS}
 
@@ -369,7 +374,10 @@ def _train_recorded(trainer: Any, rank: int, root: str, cell: Cell, saved: dict[
 
     trainer.add_callback(Gradients())
     trainer.training_step = training_step
-    TokauditCallback.attach(trainer, f"{root}/logs", run_id=cell.name)  # the one line
+    if cell.callbacks:  # as `callbacks=[...]` gives it: no trainer, its arguments and model at train begin
+        trainer.add_callback(TokauditCallback(f"{root}/logs", run_id=cell.name))
+    else:
+        TokauditCallback.attach(trainer, f"{root}/logs", run_id=cell.name)  # the one line
     trainer.train()
 
 

@@ -159,6 +159,7 @@ MATRIX_CELLS = (
     "gpt2",
     "trl-sft-completion",
     "trl-sft-packing",
+    "trl-sft-callbacks",  # the callback given as callbacks=[...]: found to be SFTTrainer's by its config
     "lightning-token-mean",
     "custom-sum-gpt2",  # tokaudit._recipes.TRANSFORMERS, the fix its findings give Trainer users, on GPT-2
 )
