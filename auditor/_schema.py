@@ -189,6 +189,8 @@ class Provenance:
 
     trainer: str | None = None
     """The trainer whose integration recorded it ("transformers", "lightning", "accelerate")."""
+    pipelined: bool = False
+    """Recorded under a `torch.distributed.pipelining` schedule (`Recorder(schedule=)`): the loss on its last stage."""
     schedule_divisor: int | None = None
     """M, where a `torch.distributed.pipelining` schedule with `scale_grads=True` divided every gradient by its M
     microbatches after the backwards of each `step()` (recorded in g as 1/M)."""
@@ -220,6 +222,7 @@ def read_provenance(metadata: dict[bytes, bytes] | None) -> Provenance:
     pipeline = pipeline if isinstance(pipeline, dict) else {}
     return Provenance(
         trainer=trainer if isinstance(trainer, str) else None,
+        pipelined=bool(pipeline),
         schedule_divisor=whole(pipeline.get("microbatches"), 2) if pipeline.get("scale_grads") is True else None,
         launch_world_size=whole(facts.get("launch_world_size"), 1),
         launch=whole(launch.get("first_shard"), 0) if isinstance(launch, dict) else None,

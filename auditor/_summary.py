@@ -72,8 +72,8 @@ def setups_of(shards: Sequence[Shard]) -> dict[str, Provenance]:
     for shard in shards:
         run = _run_of(shard)
         facts = found.setdefault(run, {})
-        for name in ("trainer", "schedule_divisor", "launch_world_size"):
-            if getattr(shard.provenance, name) is not None:
+        for name in ("trainer", "pipelined", "schedule_divisor", "launch_world_size"):
+            if getattr(shard.provenance, name) not in (None, False):  # a fact a shard states
                 facts.setdefault(name, getattr(shard.provenance, name))
         if shard.provenance.unfinished is not None:
             notes.setdefault(run, set()).add((shard.provenance.launch, shard.provenance.unfinished))

@@ -36,6 +36,8 @@ class PipelineSetup:
     """sum_over_n: S_m/N, N the update's valid tokens; scaled: M·S_m/N (undone by scale_grads); captured_mean:
     F.cross_entropy's own mean over the microbatch, captured (a local mean)."""
     microbatches: int = 2
+    grouped: bool = True
+    """The Recorder given the loss's data-parallel group (the last stage alone); False: none, so W is the world's."""
 
 
 def make_model() -> tuple[nn.Embedding, nn.Linear]:
@@ -104,7 +106,12 @@ def job(rank: int, world_size: int, setup: PipelineSetup, out: str) -> list[dict
     )
     if rank == 1:
         recorder = Recorder(
-            out, run_id=setup.name, optimizer=optimizer, group=last_group, schedule=schedule, announce=False
+            out,
+            run_id=setup.name,
+            optimizer=optimizer,
+            group=last_group if setup.grouped else None,
+            schedule=schedule,
+            announce=False,
         )
     history = []
     for update in range(UPDATES):

@@ -134,9 +134,12 @@ def _unset_ranks(mask: int, below: int) -> list[int]:
     return [rank for rank in range(below) if not mask >> rank & 1]
 
 
-def not_recorded_finding(run: str, source: RunSteps, absent: dict[str, tuple[list[int], int]]) -> Finding:
+def not_recorded_finding(
+    run: str, source: RunSteps, absent: dict[str, tuple[list[int], int]], pipelined: bool = False
+) -> Finding:
     """ranks_not_recorded over every step of the run: which ranks of which group the files given lack, and that
-    nothing else is judged."""
+    nothing else is judged. `pipelined`: recorded under a pipeline schedule, whose loss only its last stage
+    computes: the recorder then wants the last stage's data-parallel group."""
     group, (ranks, w) = next(iter(sorted(absent.items())))
     steps = StepsSeen(True)
     for block in source.blocks():
@@ -151,7 +154,10 @@ def not_recorded_finding(run: str, source: RunSteps, absent: dict[str, tuple[lis
         f"The files given hold the records of {held} of W={w} ranks{where}: rank(s) {step_list(ranks)} "
         "have none in any step. Were their files left out, or is the Recorder made on some ranks only? "
         "Every step's N needs all ranks' tokens, so nothing about the normalization is judged.",
-        "give the whole run's folder (every rank's shards), and make the Recorder on every rank",
+        "under pipeline parallelism only the last stage computes the loss: make the Recorder on the ranks of the "
+        "last stage with group= their data-parallel group, whose size is W"
+        if pipelined
+        else "give the whole run's folder (every rank's shards), and make the Recorder on every rank",
         {"world_size": w, "ranks_not_recorded": ranks, "group": group},
     )
 
