@@ -207,14 +207,14 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         why="The code divided by a zero count (S/n with n = 0, or S/N where N = 0: 0/0 = NaN). Whether the NaN "
         "reaches the gradient depends on the loss: cross-entropy's backward gives an ignored position an exact 0 "
         "whatever flows into it, while a masked mean written by hand passes the NaN to every position, and DDP's "
-        "all-reduce then spreads it to every rank's gradient and the weights. The next step with valid tokens says "
-        "which: its losses are NaN once the weights are.",
+        "all-reduce then spreads it to every rank's gradient and the weights. The steps after it say which: weights "
+        "once NaN stay NaN, and so does every later loss, in every loss term.",
         fix="Divide by the global N (clamped to 1), never by the local count.",
         example="Rank 0 has n0 = 0: b0 = 0/0 = NaN. With a hand-written mean, after the average every parameter's "
         "gradient is NaN and every loss of the next step too (an error); with cross-entropy the next step is finite "
         "(information).",
-        severity_note="information where the next step is finite (the NaN never reached the weights); a warning "
-        "where the run ends first (the logs cannot tell, alone `inconclusive`)",
+        severity_note="information where a later loss is finite or the update was skipped (the NaN never reached "
+        "the weights); a warning where the run ends first (the logs cannot tell, alone `inconclusive`)",
     ),
     Code.NONFINITE_VALUES: CodeDoc(
         Severity.ERROR,

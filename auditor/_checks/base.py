@@ -19,6 +19,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit.codes import DEFAULT_SEVERITY, TOKEN_MEAN_FIXES, Code, Severity
+from tokaudit._checks.reach import Later
 from tokaudit._recipes import advice, recipe_for
 from tokaudit._engine import one_value
 from tokaudit._normalization import BLOCK_STEPS, DENOMINATOR_FACTS, Denominator, Diagnoses, name_ranks
@@ -261,6 +262,8 @@ class TermInputs:
     extremes: Extremes | None = None
     confused: Denominator | None = None
     """The local denominator the counts cannot tell from the token mean (`Decisions.confused`)."""
+    later: Later = Later()
+    """The run's last step with valid tokens and its last with finite losses, over every term."""
 
 
 class Check:

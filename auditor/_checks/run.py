@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from tokaudit._checks.reach import Later
 from tokaudit._checks.base import Check, Extremes, RunContext, RunSteps, TermInputs, column_of, world_sizes
 from tokaudit._checks.objective import OneObjective, one_objective
 from tokaudit._checks.probe import ProbeCheck, per_sequence_first
@@ -101,6 +102,7 @@ def _check_terms(
     sizes: set[int] | None = None if len(terms) == 1 else {w for block in source.blocks() for w in world_sizes(block)}
     reported = len(terms) > 1
     passed: list[tuple[str, Decisions | None, RunContext, FactorTable | None, bool]] = []
+    later = Later()  # over every term: they train one model
     for term in terms:
         decisions, shape = _first_pass(source, term, rtol, judged=judged)
         if not shape.blocks:
@@ -108,12 +110,15 @@ def _check_terms(
         if sizes is None:
             sizes = shape.worlds
         reported = reported or shape.reported
+        later = Later(max(later.told, shape.later.told), max(later.finite, shape.later.finite))
         context = shape.context(run, term, tuple(sorted(sizes)), rtol, provenance)
         passed.append((term, decisions, context, _factors(source, term, decisions, context), shape.declared))
     apart = not _one_scale([factors for _, _, _, factors, _ in passed], rtol)
     for term, decisions, context, factors, declared in passed:
         coefficient = apart and not declared and _in_spans(source, term, decisions, factors)
-        term_findings, listed, left_out = _check_term(source, term, decisions, context, factors, extremes, coefficient)
+        term_findings, listed, left_out = _check_term(
+            source, term, decisions, context, factors, extremes, coefficient, later
+        )
         findings.extend(term_findings)
         spans.extend(listed)
         omitted += left_out
@@ -177,6 +182,7 @@ def _check_term(
     factors: FactorTable | None,
     extremes: Extremes | None,
     coefficient: bool,
+    later: Later = Later(),
 ) -> tuple[list[Finding], list[Span], int]:
     """Every check of one loss term, fed the term's blocks once: its findings, spans and spans left out.
     Without `decisions` (the terms are one objective, judged together) its weighting is not judged alone.
@@ -190,6 +196,7 @@ def _check_term(
         factors=factors,
         extremes=extremes,
         confused=decisions.confused if decisions is not None else None,
+        later=later,
     )
     checks = [
         check(inputs)
@@ -223,6 +230,7 @@ class _Shape:
         self.reported = False
         self.declared = False
         self.blocks = 0
+        self.later = Later()
 
     def add(self, block: pd.DataFrame) -> None:
         self.blocks += 1
@@ -237,6 +245,12 @@ class _Shape:
                 counts[value] = counts.get(value, 0) + count * repeat
         self.microbatches = max(self.microbatches, float(block.microbatches_high.max()))
         self.reported = self.reported or bool((column_of(block, "reported") > 0).any())
+        step, told = column_of(block, "step"), column_of(block, "tokens") > 0
+        finite = told & np.isfinite(column_of(block, "loss"))
+        self.later = Later(
+            max(self.later.told, float(step[told].max()) if told.any() else -math.inf),
+            max(self.later.finite, float(step[finite].max()) if finite.any() else -math.inf),
+        )
 
     def context(self, run: str, term: str, sizes: tuple[int, ...], rtol: float, provenance: Provenance) -> RunContext:
         def mode(counts: dict[Any, int]) -> Any:

@@ -12,7 +12,6 @@ import pandas as pd
 from tokaudit._checks.base import Check, FlaggedSteps, TermInputs, RunSteps, ListedSteps, RunContext, StepsSeen
 from tokaudit._checks.base import column_of, differ_rows, grouped, make_finding, median_of, nan_sum, rank_masks
 from tokaudit._checks.base import step_list
-from tokaudit._checks.reach import Reach
 from tokaudit._normalization import Diagnoses
 from tokaudit.codes import CODE_DOCS, Code, Severity
 from tokaudit._report import Finding
@@ -169,7 +168,9 @@ class ValuesCheck(Check):
     def __init__(self, term: TermInputs) -> None:
         super().__init__(term)
         self.nonfinite, self.nonfinite_records = self.steps(), 0.0
-        self.zero_bad, self.zero_records, self.reach = self.steps(), 0.0, Reach()
+        self.zero_bad, self.zero_records, self.later = self.steps(), 0.0, term.later
+        self.zero_steps: list[npt.NDArray[np.int64]] = []
+        """Steps whose non-finite value of no valid token the trainer did not say it skipped."""
         self.empty, self.empty_listed, self.disagree_listed = self.steps(), ListedSteps(), ListedSteps()
         self.skip_apart, self.skip_listed = self.steps(), ListedSteps()
         self.unmarked = False
@@ -184,14 +185,14 @@ class ValuesCheck(Check):
         self.nonfinite_records += nan_sum(nonfinite_valid[nonfinite])
         self.zero_bad.add(step[nonfinite_zero > 0])
         self.zero_records += nan_sum(nonfinite_zero)
-        self.reach.add(block, nonfinite_zero > 0, skipped_true > 0)
+        self.zero_steps.append(step[(nonfinite_zero > 0) & ~(skipped_true > 0)])
         empty = column_of(block, "tokens") == 0
         apart = step[~empty & (skipped_true > 0) & (skipped_false > 0)]  # (with N = 0: empty_update's)
         self.skip_apart.add(apart)
         self.skip_listed.add(apart)
         if empty.any():
             disagree = (skipped_true[empty] > 0) & (skipped_false[empty] > 0)
-            self.empty_nonfinite += [int(s) for s in step[empty & (nonfinite_zero > 0)]]
+            self.empty_nonfinite += [int(s) for s in step[empty & (nonfinite_zero > 0) & ~(skipped_true > 0)]]
             self.unmarked = self.unmarked or bool((skipped_true[empty] == 0).any())
             self.empty.add(step[empty])
             self.empty_listed.add(step[empty])
@@ -228,20 +229,21 @@ class ValuesCheck(Check):
             yield self._empty_update()
 
     def _zero_nonfinite(self) -> Finding:
-        """zero_token_nonfinite: an error where the step after shows the value reached the weights, a warning that
-        the logs cannot tell where the run ends first, information where the steps after are finite (`Reach`)."""
-        reach = self.reach
+        """zero_token_nonfinite: an error where the steps after show the value reached the weights, a warning that
+        the logs cannot tell where the run ends first, information where a later loss is finite (`reach.Later`)."""
+        steps = np.concatenate([np.zeros(0, dtype=np.int64), *self.zero_steps])
+        reached, untold = self.later.reached(steps)
         said = (
             f"{int(self.zero_records)} record(s) with no valid token have a non-finite backward scalar or probe: the "
             "code divided by a zero count (its own, or N where the whole update has no valid token: 0/0)"
         )
-        if reach.reached:
+        if reached.any():
             severity, undecidable = Severity.ERROR, None
             said += (
-                f"; the step after step {min(reach.reached)} is not finite: the NaN reached the weights, as DDP "
+                f"; no loss after step {int(steps[reached].min())} is finite: the NaN reached the weights, as DDP "
                 "spreads it to every rank"
             )
-        elif reach.unsettled:
+        elif untold.any():
             severity, undecidable = Severity.WARNING, True
             said += (
                 "; the run ends before a step that would show whether the NaN reached the weights: the logs cannot "
@@ -251,9 +253,9 @@ class ValuesCheck(Check):
         else:
             severity, undecidable = Severity.INFO, None
             said += (
-                "; the step after each is finite, so the NaN never reached the weights (cross-entropy's backward "
-                "gives an ignored position 0 whatever flows into it), but a loss written otherwise would spread it "
-                "to every rank"
+                "; a later loss is finite (or the update was skipped), so the NaN never reached the weights "
+                "(cross-entropy's backward gives an ignored position 0 whatever flows into it), but a loss written "
+                "otherwise would spread it to every rank"
             )
         return make_finding(
             self.context,
@@ -262,7 +264,7 @@ class ValuesCheck(Check):
             said + ".",
             "divide by the global count N (clamped to at least 1), never by the local count; a rank "
             "with no valid token backpropagates an exact zero that stays connected to the graph",
-            {"records": int(self.zero_records), "reached_weights": bool(reach.reached)},
+            {"records": int(self.zero_records), "reached_weights": bool(reached.any())},
             severity=severity,
             undecidable=undecidable,
         )
@@ -271,16 +273,16 @@ class ValuesCheck(Check):
         """empty_update: an error where a rank backpropagated a non-finite value that reached the weights (`Reach`)
         or the ranks disagree on skipping."""
         disagree = self.disagree_listed.count > 0
-        reached = set(self.reach.reached).intersection(self.empty_nonfinite)
+        reached = bool(self.later.reached(np.array(self.empty_nonfinite, dtype=np.int64))[0].any())
         severity = Severity.ERROR if reached or disagree else Severity.INFO
         details = []
         if disagree:
             details.append(f"ranks disagree on skipping it at step(s) {self.disagree_listed.text()}")
         if reached:
-            details.append("some ranks backpropagated a non-finite value, and the step after is not finite")
+            details.append("some ranks backpropagated a non-finite value, and no later loss is finite")
         elif self.empty_nonfinite:
             details.append(
-                "some ranks backpropagated a non-finite value (the step after shows it never reached the weights, "
+                "some ranks backpropagated a non-finite value (a later loss shows it never reached the weights, "
                 "or none follows)"
             )
         if self.unmarked and not disagree:

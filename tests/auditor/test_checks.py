@@ -1128,3 +1128,23 @@ def test_a_run_whose_divisor_nobody_saw_states_no_q_nor_d_in_its_summary(tmp_pat
     report = audit_rows(tmp_path, rows)
     assert codes(report) == {"unknown_divisor"} and report.runs[0].verdict == "inconclusive"
     assert report.runs[0].weight_range is None and report.runs[0].divisors == []
+
+
+def test_whether_a_zero_token_nan_reached_the_weights_is_read_from_every_later_loss(tmp_path: Path) -> None:
+    """Weights once NaN make every later loss NaN, in every loss term: the aux term's NaN at step 1, its own later
+    steps empty, is settled by the main term's finite losses after it; and a later update skipped for an overflow
+    (b infinite, the loss finite) shows finite weights as well. Neither is an error."""
+    main = records([[[2], [3]]] * 4, token_mean)
+    aux = records([[[1], [2]], [[0], [2]], [[0], [0]], [[0], [0]]], token_mean, term="aux")
+    for row in aux:
+        if row["valid_tokens"] == 0:
+            row["backward_scalar"] = float("nan") if row["step"] == 1 else 0.0
+    report = audit_rows(tmp_path / "terms", main + aux)
+    assert only(report, Code.ZERO_TOKEN_NONFINITE).severity == Severity.INFO
+    assert not [f for f in report.findings if f.severity == Severity.ERROR]
+    rows = records([[[2], [3]], [[0], [4]], [[1], [5]]], lambda S, N, W, n, **_: W * S / N if n else float("nan"))
+    for row in rows:
+        if row["step"] == 2:
+            row.update(skipped=True, backward_scalar=math.inf if row["rank"] == 0 else row["backward_scalar"])
+    zero = only(audit_rows(tmp_path / "overflow", rows), Code.ZERO_TOKEN_NONFINITE)
+    assert zero.severity == Severity.INFO and not zero.evidence["reached_weights"]
