@@ -261,9 +261,14 @@ class _RunJudge:
             from_records = recorded_end(run, lambda: selected_runs(parts, [run]), self.ends)
             ended = both_ends(self.ends.found.get(run), from_records)
         source = run_steps(parts, run, self.horizon, lost, self.names, stopped, ended)
-        if source is None and stopped is not None and run_steps(parts, run, self.horizon, lost, self.names) is not None:
+        whole = (
+            run_steps(parts, run, self.horizon, lost, self.names) if source is None and stopped is not None else None
+        )
+        if whole is not None and stopped is not None:
             # the run stopped inside its only update: part of its microbatches, never stepped, is nothing to judge
-            return [unfinished_finding(run, stopped)], _unjudged_summary(run, bits, rtol)
+            said = [unfinished_finding(run, stopped)]
+            said = with_unread_files(run, said, self.unread[run], whole) if run in self.unread else said
+            return said, _unjudged_summary(run, bits, rtol)
         if source is None and ended is not None:
             ended, source = None, run_steps(parts, run, self.horizon, lost, self.names)
         if source is None:

@@ -112,15 +112,37 @@ def unread_files(shards: Sequence[Shard], problems: Sequence[LogFormatError]) ->
     """Per run, the Parquet files that could not be read in a folder of its: a run folder (`partitions.run_folder`,
     above a Spark-style part's `column=value` folders) that holds a readable file of the run. A file whose folder
     holds none is no run's: its own line is all there is to say of it."""
-    runs: dict[str, set[str]] = {}
-    for shard in shards:
-        runs.setdefault(str(run_folder(PurePosixPath(shard.name))), set()).add(_run_of(shard))
-    found: dict[str, list[str]] = {}
+    unread: dict[str, list[str]] = {}
     for problem in problems:
         if problem.path.endswith(".parquet"):
-            for run in sorted(runs.get(str(run_folder(PurePosixPath(problem.path))), ())):
-                found.setdefault(run, []).append(problem.path)
+            unread.setdefault(str(run_folder(PurePosixPath(problem.path))), []).append(problem.path)
+    found: dict[str, list[str]] = {}
+    if not unread:
+        return found
+    runs: dict[str, set[str]] = {}
+    for shard in shards:
+        if (folder := str(run_folder(PurePosixPath(shard.name)))) in unread:
+            runs.setdefault(folder, set()).update(_runs_in(shard))
+    for folder, files in unread.items():
+        for run in sorted(runs.get(folder, ())):
+            found.setdefault(run, []).extend(files)
     return found
+
+
+def _runs_in(shard: Shard) -> set[str]:
+    """The runs of a shard's records: the one its footer shows (`_run_of`), else its run_id column's values, read
+    (the folder's own run for a null): a file of several runs, or of one run over several groups."""
+    if shard.run_group is not None or shard.run_override or "run_id" not in shard.columns:
+        return {_run_of(shard)}
+    try:
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        with shard.open() as source:
+            values = pq.read_table(source, columns=["run_id"]).column("run_id")
+        return {shard.default_run if run is None else str(run) for run in pc.unique(values).to_pylist()}
+    except Exception:  # its own reading names what is wrong with it; here, the folder's run is the guess
+        return {shard.default_run}
 
 
 def _redone(

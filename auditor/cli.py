@@ -353,6 +353,8 @@ def curve(
     objective the optimizer followed (Σe·S)."""
     try:
         for target, option in ((csv_path, "--csv"), (plot_path, "--plot")):
+            if target == Path("-"):  # never a file named "-", as `-o -` is none
+                raise UsageError(f"{option} names a file; `--format json` writes every step to standard output")
             refuse_inputs(target, paths, option)
         if csv_path is not None and plot_path is not None and csv_path.resolve() == plot_path.resolve():
             raise UsageError(f"--csv and --plot name one file ({csv_path}): the plot would write over the CSV")

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from tests.logs import UNEVEN, local_mean, records, token_mean, write_by_rank
+from tests.logs import UNEVEN, local_mean, records, token_mean, write, write_by_rank
 from tokaudit.cli import main
 
 
@@ -326,3 +326,27 @@ def test_the_markdown_headline_of_input_that_fails_is_no_green_check(tmp_path: P
         code, out, _ = check(str(path), "--format", "markdown")
         headline = out.splitlines()[1]
         assert code == 2 and headline.startswith("❌ **tokaudit**") and headline.endswith("and the input fails")
+
+
+def test_a_damaged_file_beside_a_file_of_several_runs_is_every_one_of_their_s(tmp_path: Path) -> None:
+    """A compaction's file holds two runs (its run_id column) and a damaged file lies beside it: the footers do not
+    say which runs, so the file's run_id is read: neither run is called correct, and a rank the one run lacks at a
+    step is no error."""
+    counts = [[[3, 1], [1, 1 + s]] for s in range(3)]
+    first = records(counts, token_mean, run_id="first")
+    second = [row for row in records(counts, token_mean, run_id="second") if (row["step"], row["rank"]) != (1, 1)]
+    folder = tmp_path / "logs" / "compacted"
+    write(folder / "part-0.parquet", first + second)
+    (folder / "part-1.parquet").write_bytes(b"PAR1 cut short")
+    code, out, _ = check(str(folder), "--format", "json")
+    report = json.loads(out)
+    assert code == 2 and {r["run"]: r["verdict"] for r in report["runs"]} == {
+        "first": "inconclusive",
+        "second": "inconclusive",
+    }
+    codes = {(f["run"], f["code"], f["severity"]) for f in report["findings"]}
+    assert codes == {
+        ("first", "unreadable_files", "warning"),
+        ("second", "unreadable_files", "warning"),
+        ("second", "missing_rank", "warning"),
+    }

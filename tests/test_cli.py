@@ -661,4 +661,6 @@ def test_a_dash_for_output_is_standard_output(logs: Path, tmp_path: Path, monkey
     assert code == 0 and json.loads(out)["runs"][0]["verdict"] == "correct" and "wrote" not in err
     code, out, _ = invoke("weights", str(logs / "good"), "--step", "1", "--output", "-", "--format", "csv")
     assert code == 0 and out.startswith("group,term,rank,micro")
+    code, out, err = invoke("curve", str(logs / "good"), "--csv", "-")
+    assert code == 2 and out == "" and "--csv names a file; `--format json` writes every step" in err
     assert not (tmp_path / "-").exists()
