@@ -336,6 +336,7 @@ def test_a_long_run_costs_columns_not_an_object_per_step(monkeypatch: pytest.Mon
         "reported",
         "unweighted_records",
         "declared_weights",
+        "loss",
     ):
         steps[column] = (
             steps["world_high"] if column == "world_low" else steps["divisor_high"] if column == "divisor_low" else 0
