@@ -16,6 +16,7 @@ from tokaudit._ends import spans_cover
 from tokaudit._checks import RunSteps, distinct, pooled_sums, weight_ratio, world_sizes
 from tokaudit.codes import DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, WEIGHTING, Code, Severity
 from tokaudit.errors import LogFormatError
+from tokaudit._normalization import judged_steps
 from tokaudit._partitions import run_folder
 from tokaudit._reader import Shard
 from tokaudit._report import Finding, RunSummary, Segment, StepRange, Verdict, Reporting
@@ -321,7 +322,7 @@ class _Weights:
         self.q_low, self.q_high = _Extreme(), _Extreme()
 
     def add(self, part: pd.DataFrame, pooled: bool) -> None:
-        weighted_all = part.weighted_records.to_numpy() > 0
+        weighted_all = judged_steps(part)  # (an update skipped changed no weight: its records are not weighed)
         self.weighted_any = self.weighted_any or bool(weighted_all.any())
         tokens_all = _tokens(part, pooled)
         low_all, high_all = part.token_weight_low.to_numpy(dtype=float), part.token_weight_high.to_numpy(dtype=float)

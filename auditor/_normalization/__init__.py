@@ -9,12 +9,14 @@ from tokaudit._normalization.vocabulary import DENOMINATOR_FACTS, LOCAL_DENOMINA
 from tokaudit._normalization.vocabulary import FORMULA, PREFERENCE, RECORD_BOUNDS, FactorExplanation, KINDS
 from tokaudit._normalization.vocabulary import DENOMINATORS, Diagnoses
 from tokaudit._normalization.fits import close, cluster, ClusterStarts, BLOCK_STEPS, FitBlock, block_fits
+from tokaudit._normalization.fits import judged_steps
 from tokaudit._normalization.decisions import Decisions
 from tokaudit._normalization.factors import resolvable_integer, explain_factor, one_scaler
 from tokaudit._normalization.spans import Span, MAX_SPANS, segments, span_rows, name_ranks, Spans
 
 __all__ = [
     "block_fits",
+    "judged_steps",
     "BLOCK_STEPS",
     "close",
     "cluster",

@@ -13,7 +13,15 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit._normalization.fits import Confusion, FitBlock, block_fits, close, clusters_of, float_column
+from tokaudit._normalization.fits import (
+    Confusion,
+    FitBlock,
+    block_fits,
+    close,
+    clusters_of,
+    float_column,
+    skipped_updates,
+)
 from tokaudit._normalization.vocabulary import DENOMINATORS, Denominator, Diagnoses, Floats, KINDS, PREFERENCE, StepKind
 from tokaudit._sorting import SortedColumn
 
@@ -272,6 +280,7 @@ class Decisions:
         kind[~uniform] = index(StepKind.NONUNIFORM)
         kind[~usable] = index(StepKind.UNWEIGHTED)
         kind[empty] = index(StepKind.EMPTY)
+        kind[skipped_updates(block) & ~empty] = index(StepKind.SKIPPED)
         unjudged_here = ~usable | empty
         undetermined = DENOMINATORS.index(Denominator.UNDETERMINED)
         denominator[unjudged_here] = undetermined

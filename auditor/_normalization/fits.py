@@ -178,17 +178,36 @@ def clusters_of(column: SortedColumn, rtol: float) -> tuple[Floats, list[float]]
     return np.array(chain.starts), [middle([next(found) for _ in pair]) for pair in positions]
 
 
+def skipped_updates(steps: pd.DataFrame) -> npt.NDArray[np.bool_]:
+    """The steps every record of which says the trainer skipped the update (a GradScaler's overflow, a batch dropped
+    on an out-of-memory error): it changed no weight, so its records are no evidence of the normalization, whole or
+    not (the dropped batch's record may be missing)."""
+    if "skipped_true" not in steps or "skipped_false" not in steps:  # a table that holds no skip counts at all
+        return np.zeros(len(steps), dtype=bool)
+    skipped: npt.NDArray[np.bool_] = (float_column(steps, "skipped_true") > 0) & ~(
+        float_column(steps, "skipped_false") > 0
+    )
+    return skipped
+
+
+def judged_steps(steps: pd.DataFrame) -> npt.NDArray[np.bool_]:
+    """The steps whose weights are judged: valid tokens with a weight, in an update the trainer applied."""
+    judged: npt.NDArray[np.bool_] = (
+        (float_column(steps, "tokens") > 0)
+        & (float_column(steps, "weighted_records") > 0)
+        & ~np.isnan(float_column(steps, "weight_low"))
+        & ~skipped_updates(steps)
+    )
+    return judged
+
+
 def block_fits(steps: pd.DataFrame, rtol: float) -> FitBlock:
     """Per step of this block: which candidates fit within rtol, whether the step can be judged (valid
     tokens with a weight), q = e·N where the weights are uniform (else NaN), the nearest approximate fit
     with the spread it leaves (see `nearest_fit`), and each candidate's α = e·Den·D."""
     bounds = candidate_bounds(steps)
     divisor = float_column(steps, "divisor_high")
-    usable = (
-        (float_column(steps, "tokens") > 0)
-        & (float_column(steps, "weighted_records") > 0)
-        & ~np.isnan(float_column(steps, "weight_low"))
-    )
+    usable = judged_steps(steps)
     shape = (len(steps), len(PREFERENCE))
     spreads, alphas = np.empty(shape, order="F"), np.empty(shape, order="F")
     for column, denominator in enumerate(PREFERENCE):  # written in place: no stack of columns copied

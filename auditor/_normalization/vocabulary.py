@@ -44,6 +44,7 @@ class StepKind(str, Enum):
     UNJUDGED = "unjudged"  # uniform, but D could not be seen: the absolute scale is not judged
     UNWEIGHTED = "unweighted"  # valid tokens without a usable weight
     EMPTY = "empty"  # N = 0
+    SKIPPED = "skipped"  # an update the trainer skipped: it changed no weight, its records are no evidence
 
 
 class FactorKind(str, Enum):

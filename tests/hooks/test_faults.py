@@ -398,3 +398,39 @@ def test_a_job_stopped_inside_an_update_is_judged_on_the_updates_before_it(tmp_p
     report = audit([tmp_path / "stopped"])
     assert [(f.code.value, f.steps.first) for f in report.findings] == [("unfinished_update", stopped)]
     assert (report.runs[0].verdict, report.runs[0].steps) == (("correct", 3) if stopped else ("inconclusive", 0))
+
+
+def test_an_update_dropped_on_an_error_between_record_and_backward_is_not_judged(tmp_path: Path) -> None:
+    """The loop's usual guard: a microbatch that fails (an out-of-memory error, simulated) after its loss was
+    recorded, the gradients cleared, the update never stepped. Every update stepped is the token mean (the float64
+    reference of ΣS/N over its tokens); the dropped one changed no weight, so its partial records are not judged."""
+    from tokaudit import audit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3, dtype=torch.float64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    counts = (2, 5, 3)
+    agree = []
+    with Recorder(tmp_path, run_id="guarded", model=model, optimizer=optimizer, announce=False) as rec:
+        for update in range(4):
+            batches = [(torch.randn(n, 4, dtype=torch.float64), torch.randint(0, 3, (n,))) for n in counts]
+            try:
+                for micro, (x, y) in enumerate(batches):
+                    loss_sum = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+                    rec.record(loss_sum=loss_sum, valid_tokens=len(y), backward_scalar=loss_sum / sum(counts))
+                    if update == 2 and micro == 1:
+                        raise RuntimeError("out of memory (simulated)")
+                    (loss_sum / sum(counts)).backward()
+            except RuntimeError:
+                optimizer.zero_grad()
+                continue
+            reference = torch.autograd.grad(
+                sum(torch.nn.functional.cross_entropy(model(x), y, reduction="sum") for x, y in batches) / sum(counts),
+                list(model.parameters()),
+            )
+            agree.append(all(torch.allclose(p.grad, g) for p, g in zip(model.parameters(), reference)))
+            optimizer.step()
+            optimizer.zero_grad()
+    assert agree == [True, True, True]
+    report = audit([tmp_path / "guarded"])
+    assert report.runs[0].verdict == "correct" and report.runs[0].skipped_steps == 1, report.findings
