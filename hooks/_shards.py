@@ -37,6 +37,7 @@ class ShardWriter:
         if metadata:
             table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
         temporary = self.folder / f".{self.prefix}-{self.sequence:06d}.parquet.{os.getpid()}.tmp"
+        self.folder.mkdir(parents=True, exist_ok=True)  # a folder removed while training is made again
         try:
             pq.write_table(table, temporary)
             with open(temporary, "rb") as handle:

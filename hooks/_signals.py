@@ -8,7 +8,9 @@ import threading
 import weakref
 from typing import Any
 
-_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+_LIVE: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+"""Each live Recorder, and the process that made it: a child forked from it (a DataLoader's worker) inherits the
+handler and a copy of its records, which are the parent's to write."""
 _PREVIOUS: dict[int, Any] = {}
 
 
@@ -16,7 +18,7 @@ def on_termination(recorder: Any) -> None:
     """Flush every live Recorder on SIGTERM (what torchrun, Slurm and Kubernetes send first) and
     SIGINT, then hand the signal to whatever handled it before: the trainer's own handler still runs,
     and a default action still ends the process."""
-    _LIVE.add(recorder)
+    _LIVE[recorder] = os.getpid()
     if threading.current_thread() is not threading.main_thread():
         return
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -33,7 +35,7 @@ _DEFERRED: list[tuple[int, Any]] = []
 
 
 def _flush_then_chain(signum: int, frame: Any) -> None:
-    recorders = list(_LIVE)
+    recorders = [recorder for recorder, pid in list(_LIVE.items()) if pid == os.getpid()]
     if any(getattr(r, "flushing", False) for r in recorders):
         # The signal came in the middle of a flush: let it finish, then act (see run_deferred).
         _DEFERRED.append((signum, frame))

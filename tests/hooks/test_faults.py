@@ -222,6 +222,35 @@ def test_sigterm_flushes_every_record_and_keeps_the_trainers_handler(tmp_path: P
         assert code == -signal.SIGTERM, "the default action still ends the process"
 
 
+FORKED_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    sys.path.insert(0, {root!r})
+    from tokaudit.hooks import Recorder
+    rec = Recorder(sys.argv[1], run_id="forked", flush_every=100_000)
+    for step in range(700):
+        rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=0.5, step=step)
+    child = os.fork()  # a DataLoader's worker: the handler and a copy of the records, inherited
+    if child == 0:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C reaches the whole process group
+            time.sleep(5)
+        except KeyboardInterrupt:
+            pass
+        os._exit(0)
+    os.waitpid(child, 0)
+    rec.close()
+""")
+
+
+@pytest.mark.slow
+def test_a_signal_in_a_forked_worker_writes_none_of_the_parent_s_records(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(FORKED_SCRIPT.format(root=str(ROOT)))
+    subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, timeout=60)
+    assert len(list((tmp_path / "forked").glob("*.parquet"))) == 1
+    assert len(read_rows(tmp_path / "forked")) == 700
+
+
 KILL_SCRIPT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
@@ -434,3 +463,17 @@ def test_an_update_dropped_on_an_error_between_record_and_backward_is_not_judged
     assert agree == [True, True, True]
     report = audit([tmp_path / "guarded"])
     assert report.runs[0].verdict == "correct" and report.runs[0].skipped_steps == 1, report.findings
+
+
+def test_a_log_folder_removed_while_training_is_made_again_at_the_next_flush(tmp_path: Path) -> None:
+    import shutil
+
+    with Recorder(tmp_path, run_id="removed", flush_every=10, announce=False) as rec:
+        for step in range(10):
+            rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=0.5, step=step)
+        rec.flush()
+        shutil.rmtree(tmp_path / "removed")  # a clean-up job, a user's rm
+        for step in range(10, 20):
+            rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=0.5, step=step)
+        rec.flush()
+        assert sorted(row["step"] for row in read_rows(tmp_path / "removed")) == list(range(10, 20))
