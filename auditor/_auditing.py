@@ -26,7 +26,7 @@ from tokaudit._schema import UNNAMED, Provenance
 from tokaudit._ends import FooterEnds, both_ends, recorded_end, uneven_ends
 from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
 from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, stored_precision
-from tokaudit._summary import unfinished_finding, unread_files
+from tokaudit._summary import guessed_updates, unfinished_finding, unread_files
 
 
 _CODE_ORDER = {code: index for index, code in enumerate(Code)}
@@ -288,6 +288,8 @@ class _RunJudge:
             run_findings.append(unfinished_finding(run, stopped))
         if ended is not None:
             run_findings.append(ended.finding(run))
+        if self.setups.get(run, Provenance()).steps_inferred:
+            run_findings = guessed_updates(run, run_findings, source)
         if run in self.unread:
             run_findings = with_unread_files(run, run_findings, self.unread[run], source)
         # The verdict is a claim about the gradient: it reads every finding as found. --min-ratio makes some

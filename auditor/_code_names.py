@@ -57,6 +57,7 @@ class Code(str, Enum):
     COUNT_MISMATCH = "count_mismatch"
     RANKS_NOT_RECORDED = "ranks_not_recorded"
     UNREADABLE_FILES = "unreadable_files"
+    UPDATE_ENDS_GUESSED = "update_ends_guessed"
     TERMS_ONE_OBJECTIVE = "terms_one_objective"
     UNFINISHED_UPDATE = "unfinished_update"
     SKIP_MISMATCH = "skip_mismatch"

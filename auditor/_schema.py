@@ -191,6 +191,9 @@ class Provenance:
     """The trainer whose integration recorded it ("transformers", "lightning", "accelerate")."""
     pipelined: bool = False
     """Recorded under a `torch.distributed.pipelining` schedule (`Recorder(schedule=)`): the loss on its last stage."""
+    steps_inferred: bool = False
+    """The recorder was told no update's end (no optimizer, no `begin_step`, no `step=`): it took a backward that
+    synchronized gradients, or each one where that is not known, for the end of an update."""
     schedule_divisor: int | None = None
     """M, where a `torch.distributed.pipelining` schedule with `scale_grads=True` divided every gradient by its M
     microbatches after the backwards of each `step()` (recorded in g as 1/M)."""
@@ -223,6 +226,7 @@ def read_provenance(metadata: dict[bytes, bytes] | None) -> Provenance:
     return Provenance(
         trainer=trainer if isinstance(trainer, str) else None,
         pipelined=bool(pipeline),
+        steps_inferred=facts.get("steps_inferred") is True,
         schedule_divisor=whole(pipeline.get("microbatches"), 2) if pipeline.get("scale_grads") is True else None,
         launch_world_size=whole(facts.get("launch_world_size"), 1),
         launch=whole(launch.get("first_shard"), 0) if isinstance(launch, dict) else None,

@@ -14,7 +14,7 @@ import pandas as pd
 
 from tokaudit._ends import spans_cover
 from tokaudit._checks import RunSteps, distinct, pooled_sums, weight_ratio, world_sizes
-from tokaudit.codes import DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, WEIGHTING, Code, Severity
+from tokaudit.codes import CODE_DOCS, DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, WEIGHTING, Code, Severity
 from tokaudit.errors import LogFormatError
 from tokaudit._normalization import judged_steps
 from tokaudit._partitions import run_folder
@@ -73,7 +73,7 @@ def setups_of(shards: Sequence[Shard]) -> dict[str, Provenance]:
     for shard in shards:
         run = _run_of(shard)
         facts = found.setdefault(run, {})
-        for name in ("trainer", "pipelined", "schedule_divisor", "launch_world_size"):
+        for name in ("trainer", "pipelined", "steps_inferred", "schedule_divisor", "launch_world_size"):
             if getattr(shard.provenance, name) not in (None, False):  # a fact a shard states
                 facts.setdefault(name, getattr(shard.provenance, name))
         if shard.provenance.unfinished is not None:
@@ -190,6 +190,43 @@ def dropped_steps(shards: Sequence[Shard]) -> dict[str, DroppedRecords]:
             entry.records += records
             entry.spans.setdefault(note["group"], []).append((first, last))
     return out
+
+
+GUESSED_UPDATE_FACTORS = frozenset({Code.SCALE_MISMATCH, Code.WORLD_SIZE_MISMATCH})
+"""Uniform factors that updates' ends guessed from the backwards can make: each microbatch of an update taken for a
+whole one weighs N_micro/N of what the update's N gives it."""
+
+
+def guessed_updates(run: str, findings: list[Finding], source: RunSteps) -> list[Finding]:
+    """A run whose recorder was told no update's end (`Provenance.steps_inferred`): a uniform factor may be gradient
+    accumulation read a microbatch at a time, and a per-microbatch mean reads as the token mean, so the logs cannot
+    tell: update_ends_guessed says so, and the uniform factors say they cannot tell either."""
+    doc = CODE_DOCS[Code.UPDATE_ENDS_GUESSED]
+    kept = [
+        replace(
+            f,
+            severity=Severity.WARNING,
+            undecidable=True,
+            message=f"{f.message} The updates' ends were guessed, a backward each (update_ends_guessed): under "
+            "gradient accumulation each microbatch weighs N_micro/N, which this may be.",
+        )
+        if f.code in GUESSED_UPDATE_FACTORS
+        else f
+        for f in findings
+    ]
+    guessed = Finding(
+        run=run,
+        code=Code.UPDATE_ENDS_GUESSED,
+        severity=doc.severity,
+        steps=source.step_range(),
+        message="The recorder was told no update's end (no optimizer=, begin_step() or step=) and no backward said "
+        "whether it synchronized gradients, so it took each backward for an update. Under gradient accumulation "
+        "every N judged here is a microbatch's: the token mean reads as uniform weights below 1/N, and a "
+        "per-microbatch mean as the token mean. The logs cannot tell, so the run is not called correct.",
+        fix=doc.fix,
+        evidence={},
+    )
+    return [*kept, guessed]
 
 
 def apply_policy(findings: list[Finding], min_ratio: float | None) -> list[Finding]:

@@ -364,6 +364,20 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         "step 1 lacks rank 1, said as the file's, and the run is `inconclusive`, not `incorrect`.",
         undecidable=True,
     ),
+    Code.UPDATE_ENDS_GUESSED: CodeDoc(
+        Severity.WARNING,
+        "the recorder was told no update's end: it took each backward for one, so N may be a microbatch's",
+        why="Without optimizer=, begin_step() or step=, and with no backward saying whether it synchronized "
+        "gradients (no DDP model given), the recorder numbers each backward as an update of its own. Under "
+        "gradient accumulation an update is several backwards: a correct token mean then reads as uniform weights "
+        "N_micro/N of the token mean's, and a per-microbatch mean on one rank reads as the token mean. The logs "
+        "cannot tell which, so the run is not called correct, and a uniform factor is not called a mistake.",
+        fix="Give the Recorder the optimizer (optimizer=), or call begin_step() at each update, or pass step= to "
+        "record(); a DDP model given as model= says which backward synchronized.",
+        example="One process, 4 microbatches an update, b = S/N with N over the 4: each backward recorded as an "
+        "update holds N_micro = N/4 on average, q = 1/4 or so, uniform.",
+        undecidable=True,
+    ),
     Code.TERMS_ONE_OBJECTIVE: CodeDoc(
         Severity.INFO,
         "several loss terms together weigh every valid token 1/N over their combined tokens: judged as one",

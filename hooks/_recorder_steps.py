@@ -44,6 +44,7 @@ class UpdateTracking:
         self._active_term: str | None = None
         self._term_weights: dict[str, float] = {}  # λ of each term declared with one (`loss_term`)
         self._steps_known = self._optimizer is not None  # else until begin_step/end_step is called
+        self._guessing = False
         # backwards that reached the optimizer's first or last parameter, and how many had when the open update began
         # (`_count_backwards`; None: not counted)
         self._backwards: int | None = None
@@ -51,6 +52,7 @@ class UpdateTracking:
 
     def _numbered(self, term: str, step: int | None, micro: int | None, deferred: bool) -> tuple[int, int]:
         """The update and microbatch of a new record of `term`: those given, else the open update's next."""
+        self._guessing = step is None and not self._steps_known  # (`_note_sync` reads it)
         if step is None:
             step = self._step
             if not self._steps_known and self._micro_next.get(term, 0) > 0 and term not in self._unsynced:
@@ -97,7 +99,11 @@ class UpdateTracking:
             self.provenance["unfinished"] = self._step
 
     def _note_sync(self, term: str, sync: bool | None) -> None:
-        """Whether the record of `term` just made synchronized gradients (`_numbered` reads it for the next)."""
+        """Whether the record of `term` just made synchronized gradients (`_numbered` reads it for the next). Told no
+        update's end nor whether a backward synchronized, the recorder took this one for an update's end: a guess the
+        footers say (`steps_inferred`), as the audit then cannot tell gradient accumulation from its absence."""
+        if self._guessing and sync is None:
+            self.provenance["steps_inferred"] = True
         if sync is False:
             self._unsynced.add(term)
         else:

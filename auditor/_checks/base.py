@@ -78,6 +78,13 @@ class RunSteps:
                 frame = frame.iloc[order].reset_index(drop=True)
         return cls(lambda: [frame], groups, terms)
 
+    def step_range(self) -> StepRange:
+        """Every step of the run: a finding about the run as a whole covers them."""
+        steps = StepsSeen(True)
+        for block in self.blocks():
+            steps.add(column_of(block, "step"))
+        return steps.range()
+
     def frames(self, term: str | None = None) -> Iterator[pd.DataFrame]:
         """The rows of one term (every term when None), in the whole table's order: group by group, each
         group's steps in order."""

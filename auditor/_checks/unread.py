@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from tokaudit._checks.base import RunSteps, StepsSeen, column_of
+from tokaudit._checks.base import RunSteps
 from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
 from tokaudit._report import Finding
 
@@ -25,16 +25,13 @@ def with_unread_files(run: str, findings: list[Finding], files: Sequence[str], s
         else f
         for f in findings
     ]
-    steps = StepsSeen(True)
-    for block in source.blocks():
-        steps.add(column_of(block, "step"))
     return [
         *kept,
         Finding(
             run=run,
             code=Code.UNREADABLE_FILES,
             severity=DEFAULT_SEVERITY[Code.UNREADABLE_FILES],
-            steps=steps.range(),
+            steps=source.step_range(),
             message=f"{len(files)} file(s) in this run's folder could not be read ({shown}; each is named on a line "
             "of its own with what is wrong). The records they hold, of any rank at any step, are not in this audit: "
             "a step judged without them may lack some of its tokens, so the run is not called correct.",

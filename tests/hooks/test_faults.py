@@ -477,3 +477,44 @@ def test_a_log_folder_removed_while_training_is_made_again_at_the_next_flush(tmp
             rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=0.5, step=step)
         rec.flush()
         assert sorted(row["step"] for row in read_rows(tmp_path / "removed")) == list(range(10, 20))
+
+
+@pytest.mark.parametrize("optimizer", [True, False], ids=["optimizer given", "no optimizer"])
+def test_updates_whose_ends_the_recorder_was_not_told_are_never_called_correct_or_incorrect(
+    tmp_path: Path, optimizer: bool
+) -> None:
+    """One process, 3 microbatches an update: the token mean (b = S/N, N over the update) and a per-microbatch mean
+    (b = S/n). Told the optimizer, the recorder knows each update: correct and incorrect, as the float64 reference
+    of ΣS/N says. Told nothing, it takes each backward for an update, where the token mean reads as light weights
+    and the per-microbatch mean as the token mean: both are inconclusive, said as such."""
+    from tokaudit import audit
+
+    counts = (2, 7, 4)
+    verdicts, truth = {}, {}
+    for name in ("token_mean", "micro_mean"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3, dtype=torch.float64)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        given = {"optimizer": sgd} if optimizer else {}
+        agree = True
+        with Recorder(tmp_path / name, run_id=name, announce=False, **given) as rec:
+            for _ in range(3):
+                batches = [(torch.randn(n, 4, dtype=torch.float64), torch.randint(0, 3, (n,))) for n in counts]
+                for x, y in batches:
+                    loss_sum = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+                    b = loss_sum / (sum(counts) if name == "token_mean" else len(y))
+                    rec.record(loss_sum=loss_sum, valid_tokens=len(y), backward_scalar=b)
+                    b.backward()
+                total = sum(torch.nn.functional.cross_entropy(model(x), y, reduction="sum") for x, y in batches)
+                reference = torch.autograd.grad(total / sum(counts), list(model.parameters()))
+                agree = agree and all(torch.allclose(p.grad, g) for p, g in zip(model.parameters(), reference))
+                sgd.step()
+                sgd.zero_grad()
+        truth[name] = agree
+        report = audit([tmp_path / name / name])
+        verdicts[name] = (report.runs[0].verdict, "update_ends_guessed" in {f.code.value for f in report.findings})
+    assert truth == {"token_mean": True, "micro_mean": False}
+    if optimizer:
+        assert verdicts == {"token_mean": ("correct", False), "micro_mean": ("incorrect", False)}
+    else:
+        assert verdicts == {"token_mean": ("inconclusive", True), "micro_mean": ("inconclusive", True)}
