@@ -26,10 +26,27 @@ class Restore:
             delattr(self.owner, self.name)
 
 
+class Wrapped:
+    """`owner.name` with ours around it, held as an instance attribute of `owner`. Pickled or copied with it
+    (`torch.save(model)`, `copy.deepcopy(model)` for an EMA copy), it is the copy's own method again: no closure
+    to pickle, and nothing of ours, nor the original's bound method, in the copy."""
+
+    def __init__(self, owner: Any, name: str, call: Callable[..., Any]) -> None:
+        self.owner, self.name, self.call = owner, name, call
+        functools.update_wrapper(self, call)  # its name, doc and signature are the method's
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, str]]:
+        # (the copy's method, found on its class: its own attributes are not there yet while it is rebuilt)
+        return getattr, (self.owner, self.name)
+
+
 def wrap_method(owner: Any, name: str, around: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Restore:
     """`owner.name` replaced, as an instance attribute, by `around(owner.name)`; the handle gives it back."""
     original = getattr(owner, name)
-    ours = functools.wraps(original)(around(original))
+    ours = Wrapped(owner, name, functools.wraps(original)(around(original)))
     setattr(owner, name, ours)
     return Restore(owner, name, ours)
 

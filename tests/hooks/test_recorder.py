@@ -1072,3 +1072,21 @@ def test_an_update_a_launch_stopped_inside_and_a_later_launch_redid_is_judged(tm
     report = audit([tmp_path / "redone"])
     assert sorted((f.code.value, f.steps.first) for f in report.findings)[-1] == ("unfinished_update", 4)
     assert report.runs[0].verdict == "correct" and report.runs[0].steps == 4
+
+
+def test_a_model_given_to_the_recorder_saves_and_copies_as_it_did(tmp_path: Path) -> None:
+    """The recorder watches `model.zero_grad` from an attribute of the model: `torch.save(model)` still pickles it,
+    and a copy (an EMA model) clears its own gradients, not the original's, and holds nothing of the recorder."""
+    import copy
+    import io
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(tmp_path, run_id="saved", model=model, optimizer=optimizer, announce=False):
+        assert "zero_grad" in vars(model)  # (what is watched)
+        model(torch.randn(4, 3)).sum().backward()
+        torch.save(model, io.BytesIO())
+        ema = copy.deepcopy(model)
+        ema.zero_grad()
+        assert model.weight.grad is not None and ema.weight.grad is None
+        assert "zero_grad" not in vars(ema) or vars(ema)["zero_grad"].__self__ is ema
