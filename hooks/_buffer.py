@@ -48,6 +48,7 @@ class RecordBuffer:
         moved = 0
         for record in records:
             if not record.backpropagated:
+                record.carried_from = (record.step, record.micro)
                 self.move(record, step)
                 if record.micro >= 0:  # a captured call is numbered when its backward runs
                     record.micro = micro_next.get(record.term, 0)

@@ -58,6 +58,9 @@ class Record:
     """Whether a gradient has flowed through b (a hook on it); None where b is no tensor that requires grad."""
     term_weight: float | None = None
     """λ, the weight its term was declared with (`Recorder.loss_term(name, weight=λ)`); None: not declared."""
+    carried_from: tuple[int, int] | None = None
+    """The (update, microbatch) it was made in, where that update closed skipped before its backward ran and it
+    moved to the next (`RecordBuffer.carry_over`): where it never trains, it goes back there."""
 
     @property
     def backpropagated(self) -> bool:
@@ -142,11 +145,17 @@ def _seen(record: Record) -> Any:
 def never_trained(records: list[Record]) -> tuple[list[Record], list[Record]]:
     """(kept, left out): a record that never went through backward, in an update where another of its term did (a
     loss computed with gradients and recorded, never trained on: an evaluation inside the loop, a pipeline schedule's
-    shape inference), is no microbatch of it. Where no record of the update's term can tell, or none was seen, all
+    shape inference), is no microbatch of it; one carried out of a skipped update goes back there, kept. Where no record of the update's term can tell, or none was seen, all
     stay: a b recorded as a second copy of the loss that was trained on (after backward, under no_grad) is never
     seen itself."""
     seen = {(record.step, record.term) for record in records if record.seen_in_backward}
     left_out = [r for r in records if r.seen_in_backward is False and (r.step, r.term) in seen]
+    for record in left_out:
+        # moved out of an update that closed skipped before its backward ran (`RecordBuffer.carry_over`), and never
+        # trained in the next: the skipped update's (a batch dropped on an error between record() and backward())
+        if record.carried_from is not None:
+            (record.step, record.micro), record.skipped = record.carried_from, True
+    left_out = [record for record in left_out if record.carried_from is None]
     if not left_out:
         return records, []
     dropped = {id(record) for record in left_out}

@@ -440,12 +440,17 @@ def test_an_update_dropped_on_an_error_between_record_and_backward_is_not_judged
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     counts = (2, 5, 3)
     agree = []
-    with Recorder(tmp_path, run_id="guarded", model=model, optimizer=optimizer, announce=False) as rec:
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        Recorder(tmp_path, run_id="guarded", model=model, optimizer=optimizer, announce=False) as rec,
+    ):
+        warnings.simplefilter("always")
         for update in range(4):
             batches = [(torch.randn(n, 4, dtype=torch.float64), torch.randint(0, 3, (n,))) for n in counts]
             try:
                 for micro, (x, y) in enumerate(batches):
-                    loss_sum = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+                    losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+                    loss_sum = rec.probe(losses, torch.ones_like(y, dtype=torch.bool)).sum()  # the weights measured
                     rec.record(loss_sum=loss_sum, valid_tokens=len(y), backward_scalar=loss_sum / sum(counts))
                     if update == 2 and micro == 1:
                         raise RuntimeError("out of memory (simulated)")
@@ -463,6 +468,10 @@ def test_an_update_dropped_on_an_error_between_record_and_backward_is_not_judged
     assert agree == [True, True, True]
     report = audit([tmp_path / "guarded"])
     assert report.runs[0].verdict == "correct" and report.runs[0].skipped_steps == 1, report.findings
+    # the failed microbatch's record is the dropped update's, kept there, not the next update's
+    dropped = sorted((r["micro"], r["skipped"]) for r in read_rows(tmp_path / "guarded") if r["step"] == 2)
+    assert dropped == [(0, True), (1, True)]
+    assert not [w for w in caught if "never went through backward" in str(w.message)]
 
 
 def test_a_log_folder_removed_while_training_is_made_again_at_the_next_flush(tmp_path: Path) -> None:
