@@ -216,6 +216,8 @@ def test_fail_on_inconclusive_ignore_and_min_ratio(tmp_path: Path) -> None:
     code, out, _ = invoke("check", str(nearly), "--min-ratio", "1.01")
     assert code == 0 and "nearly: incorrect" in out and "the verdict still counts them (nearly stays incorrect)" in out
     assert assert_token_mean(nearly, min_ratio=1.01).runs[0].verdict == "incorrect"
+    code, out, _ = invoke("check", str(nearly), "--min-ratio", "1.01", "--format", "junit")
+    assert code == 0 and "incorrect, which this gate passes (--fail-on error, --min-ratio)" in out
     assert invoke("check", str(nearly), "--min-ratio", "1.001")[0] == 1
     assert invoke("check", str(nearly), "--min-ratio", "0.5")[0] == 2
     code, _, err = invoke("check", str(nearly), "--min-ratio", "inf")  # would make every weighting finding a note

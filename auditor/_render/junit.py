@@ -38,6 +38,8 @@ def render_junit(report: AuditReport, fail_on: str = "error") -> str:
             ).text = text
         elif text or run.verdict != "correct":
             ignored = f", --ignore {','.join(run.ignored)}" if run.ignored else ""
+            if run.gate_verdict not in (None, run.verdict) and not run.ignored:  # what made its findings information
+                ignored = ", --min-ratio"
             passed = f"{run.verdict}, which this gate passes (--fail-on {fail_on}{ignored})\n\n"
             ElementTree.SubElement(case, "system-out").text = (passed if run.verdict != "correct" else "") + text
     for problem in report.problems:
