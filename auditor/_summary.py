@@ -17,7 +17,7 @@ from tokaudit._checks import RunSteps, distinct, pooled_sums, weight_ratio, worl
 from tokaudit.codes import CODE_DOCS, DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, WEIGHTING, Code, Severity
 from tokaudit.errors import LogFormatError
 from tokaudit._normalization import judged_steps
-from tokaudit._partitions import run_folder
+from tokaudit._partitions import partition_folders, run_folder
 from tokaudit._reader import Shard
 from tokaudit._report import Finding, RunSummary, Segment, StepRange, Verdict, Reporting
 from tokaudit._schema import Provenance
@@ -125,8 +125,12 @@ def unread_files(shards: Sequence[Shard], problems: Sequence[LogFormatError]) ->
         if (folder := str(run_folder(PurePosixPath(shard.name)))) in unread:
             runs.setdefault(folder, set()).update(_runs_in(shard))
     for folder, files in unread.items():
-        for run in sorted(runs.get(folder, ())):
-            found.setdefault(run, []).extend(files)
+        for file in files:
+            # a `run_id=X/` folder above it names the one run it can hold (where that run is one of the folder's)
+            given = dict(partition_folders(PurePosixPath(file))).get("run_id")
+            held = runs.get(folder, set())
+            for run in sorted({given} & held if given in held else held):
+                found.setdefault(run, []).append(file)
     return found
 
 
@@ -219,9 +223,9 @@ def guessed_updates(run: str, findings: list[Finding], source: RunSteps) -> list
         code=Code.UPDATE_ENDS_GUESSED,
         severity=doc.severity,
         steps=source.step_range(),
-        message="The recorder was told no update's end (no optimizer=, begin_step() or step=) and no backward said "
-        "whether it synchronized gradients, so it took each backward for an update. Under gradient accumulation "
-        "every N judged here is a microbatch's: the token mean reads as uniform weights below 1/N, and a "
+        message="The recorder was told no update's end (no optimizer=, begin_step() or step=) and no backward ran "
+        "under no_sync(), so it took each backward for an update. Under gradient accumulation every N judged "
+        "here is a microbatch's: the token mean reads as uniform weights below 1/N, and a "
         "per-microbatch mean as the token mean. The logs cannot tell, so the run is not called correct.",
         fix=doc.fix,
         evidence={},

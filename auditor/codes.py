@@ -367,8 +367,9 @@ CODE_DOCS: dict[Code, CodeDoc] = {
     Code.UPDATE_ENDS_GUESSED: CodeDoc(
         Severity.WARNING,
         "the recorder was told no update's end: it took each backward for one, so N may be a microbatch's",
-        why="Without optimizer=, begin_step() or step=, and with no backward saying whether it synchronized "
-        "gradients (no DDP model given), the recorder numbers each backward as an update of its own. Under "
+        why="Without optimizer=, begin_step() or step=, the recorder ends an update at each backward that "
+        "synchronized gradients (every backward where no DDP model says): where no backward of an update ran under "
+        "no_sync(), that update may be one microbatch of an accumulation that synchronized each time. Under "
         "gradient accumulation an update is several backwards: a correct token mean then reads as uniform weights "
         "N_micro/N of the token mean's, and a per-microbatch mean on one rank reads as the token mean. The logs "
         "cannot tell which, so the run is not called correct, and a uniform factor is not called a mistake.",

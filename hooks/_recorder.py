@@ -58,7 +58,7 @@ class Recorder(UpdateTracking):
         schedule: Any = None,
         flush_seconds: float | None = DEFAULT_FLUSH_SECONDS,
     ) -> None:
-        self._closed = False
+        self._closed, self._pid = False, os.getpid()  # (a forked child's copy never writes: `_close`)
         self._paused = 0
         self.flushing = False  # a flush is writing (a signal handler then waits for it instead of starting another)
         self._warned: set[str] = set()
@@ -451,7 +451,7 @@ class Recorder(UpdateTracking):
         self._close(deliberate=False)
 
     def _close(self, deliberate: bool) -> None:
-        if self._closed:
+        if self._closed or os.getpid() != self._pid:  # a forked child's copy of the records is the parent's to write
             return
         if deliberate:
             self.provenance["closed"] = True

@@ -44,7 +44,7 @@ class UpdateTracking:
         self._active_term: str | None = None
         self._term_weights: dict[str, float] = {}  # λ of each term declared with one (`loss_term`)
         self._steps_known = self._optimizer is not None  # else until begin_step/end_step is called
-        self._guessing = False
+        self._unsynced_in_update = False  # a backward of the open update ran under no_sync()
         # backwards that reached the optimizer's first or last parameter, and how many had when the open update began
         # (`_count_backwards`; None: not counted)
         self._backwards: int | None = None
@@ -52,12 +52,15 @@ class UpdateTracking:
 
     def _numbered(self, term: str, step: int | None, micro: int | None, deferred: bool) -> tuple[int, int]:
         """The update and microbatch of a new record of `term`: those given, else the open update's next."""
-        self._guessing = step is None and not self._steps_known  # (`_note_sync` reads it)
         if step is None:
             step = self._step
             if not self._steps_known and self._micro_next.get(term, 0) > 0 and term not in self._unsynced:
                 # No step boundaries known: a backward of a term that synchronized gradients (DDP's; every one
                 # where that is not known) ended its update, and one under no_sync() accumulates into the next.
+                # An update none of whose backwards ran under no_sync() may be a microbatch of accumulation that
+                # synchronized each time: a guess the footers say, which the audit cannot tell from its absence.
+                if not self._unsynced_in_update:
+                    self.provenance["steps_inferred"] = True
                 self._advance()
                 step = self._step
             self._step_records += 1  # records of the open update: its end may still mark them skipped
@@ -99,12 +102,9 @@ class UpdateTracking:
             self.provenance["unfinished"] = self._step
 
     def _note_sync(self, term: str, sync: bool | None) -> None:
-        """Whether the record of `term` just made synchronized gradients (`_numbered` reads it for the next). Told no
-        update's end nor whether a backward synchronized, the recorder took this one for an update's end: a guess the
-        footers say (`steps_inferred`), as the audit then cannot tell gradient accumulation from its absence."""
-        if self._guessing and sync is None:
-            self.provenance["steps_inferred"] = True
+        """Whether the record of `term` just made synchronized gradients (`_numbered` reads it for the next)."""
         if sync is False:
+            self._unsynced_in_update = True
             self._unsynced.add(term)
         else:
             self._unsynced.discard(term)
@@ -130,9 +130,10 @@ class UpdateTracking:
 
         `skipped=True` marks this update's records as skipped: by policy (N = 0), or because an
         inf/NaN guard or the GradScaler did not step. With `optimizer=` or `scaler=`, skipped
-        updates are found without this call.
+        updates are found without this call. A skip said alone (a guard that clears the gradients itself) tells
+        no other update's end: the recorder goes on reading them as before.
         """
-        self._steps_known = True
+        self._steps_known = self._steps_known or skipped is not True
         if self._auto_closed is not None and not self._step_records:
             # zero_grad or the scaler already closed this skipped update: say it, do not close another.
             if skipped is not None:
@@ -162,7 +163,7 @@ class UpdateTracking:
         self._backwards_at_open = self._backwards or 0
 
     def _advance(self) -> None:
-        self._auto_closed = None
+        self._auto_closed, self._unsynced_in_update = None, False
         self._open(self._step + 1)
         self._calls.open = []
         if not self._packs_at_zero_grad or len(self._buffer.unpacked) > PACK_AT_ADVANCE:

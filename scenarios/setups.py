@@ -86,6 +86,8 @@ class Setup:
     steps_told: bool = True
     """The recorder is given the optimizer; False: neither it nor begin_step (the updates are seen from the
     backwards that synchronize)."""
+    no_sync: bool = True
+    """Every microbatch but the last under `ddp.no_sync()`; False: each backward all-reduces (the same gradient)."""
     world_size: int = 2
     description: str = ""
     """One line for people."""
@@ -299,7 +301,7 @@ def train(rank: int, world_size: int, setup: Setup, log_dir: str | None) -> list
                 last = micro == len(batches) - 1
                 if setup.zero_grad_each_micro:
                     optimizer.zero_grad()  # the earlier microbatches' gradients are gone
-                with nullcontext() if last else ddp.no_sync():
+                with nullcontext() if last or not setup.no_sync else ddp.no_sync():
                     outputs = ddp(tokens)
                     if setup.overflow == (step, rank) and micro == 0:
                         outputs[0].register_hook(lambda grad: grad * math.inf)  # an fp16 overflow

@@ -350,3 +350,15 @@ def test_a_damaged_file_beside_a_file_of_several_runs_is_every_one_of_their_s(tm
         ("second", "unreadable_files", "warning"),
         ("second", "missing_rank", "warning"),
     }
+
+
+def test_a_damaged_file_in_a_run_id_partition_is_that_run_s_alone(tmp_path: Path) -> None:
+    """Spark's partitionBy("run_id"): the `run_id=a/` folder names the one run a file in it can hold."""
+    counts = [[[3, 1], [1, 1 + s]] for s in range(3)]
+    dataset = tmp_path / "logs" / "dataset"
+    for run in ("a", "b"):
+        write(dataset / f"run_id={run}" / "part-0.parquet", records(counts, token_mean))
+    (dataset / "run_id=a" / "part-1.parquet").write_bytes(b"PAR1 cut short")
+    code, out, _ = check(str(dataset), "--format", "json")
+    report = json.loads(out)
+    assert code == 2 and {r["run"]: r["verdict"] for r in report["runs"]} == {"a": "inconclusive", "b": "correct"}

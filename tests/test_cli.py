@@ -664,3 +664,9 @@ def test_a_dash_for_output_is_standard_output(logs: Path, tmp_path: Path, monkey
     code, out, err = invoke("curve", str(logs / "good"), "--csv", "-")
     assert code == 2 and out == "" and "--csv names a file; `--format json` writes every step" in err
     assert not (tmp_path / "-").exists()
+
+
+def test_a_run_every_update_of_which_was_skipped_says_so(tmp_path: Path) -> None:
+    write_by_rank(tmp_path / "skipped", records(UNEVEN, local_mean, skipped=True))
+    code, out, _ = invoke("check", str(tmp_path))
+    assert code == 0 and "skipped: inconclusive" in out and "every update skipped: none weighed" in out

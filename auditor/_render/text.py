@@ -12,16 +12,19 @@ if TYPE_CHECKING:  # (the report's module imports pyarrow: the command line impo
     from tokaudit._report import AuditReport, RunSummary, Segment, StepRange
 
 
-def factor_text(segment: Segment | None, steps: int = 1, judged: bool = True) -> str:
+def factor_text(segment: Segment | None, steps: int = 1, judged: bool = True, skipped: int = 0) -> str:
     """`b·g = 2·S/N` style, the recovered normalization in one phrase; `steps`: the run's steps judged (none
     where every step was left out: records dropped, counts the probe contradicts); `judged`: False where the
-    files lack some ranks' records (`RunSummary.normalization_judged`)."""
+    files lack some ranks' records (`RunSummary.normalization_judged`); `skipped`: its updates said skipped, which
+    changed no weight and are not weighed."""
     # here, not at the top: the command line imports this module, and normalization imports pandas
     from tokaudit._normalization import FORMULA, Denominator
 
     if not judged:
         return "not judged: ranks without records"
     if segment is None:
+        if steps and skipped >= steps:
+            return "every update skipped: none weighed"
         return "no valid tokens" if steps else "no step judged"
     if segment.denominator == "undetermined":
         return "undetermined (balanced counts)"

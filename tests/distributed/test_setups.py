@@ -227,6 +227,17 @@ def test_without_the_optimizer_or_begin_step_the_updates_are_the_backwards_that_
     assert report.findings == [] and report.runs[0].verdict == "correct"
 
 
+def test_without_the_optimizer_an_update_of_backwards_that_all_synchronize_is_a_guess(tmp_path: Path) -> None:
+    """The same loop without no_sync(): every backward all-reduces, the gradient the same (the float64 reference),
+    but nothing tells an update of 2 microbatches from 2 updates: the footers say the ends were guessed, and the
+    run is inconclusive, not incorrect for each microbatch's N_micro/N."""
+    setup = Setup(name="steps_untold_synced", counts=_UNEVEN, steps_told=False, no_sync=False, correct=True)
+    _check_against_reference(setup, [r["history"] for r in run_ddp(job, setup.world_size, setup, str(tmp_path))])
+    report = audit([tmp_path / setup.name])
+    assert report.runs[0].verdict == "inconclusive"
+    assert "update_ends_guessed" in {f.code.value for f in report.findings}
+
+
 def test_a_rank_that_skips_an_update_alone_parts_the_replicas_and_is_skip_mismatch(tmp_path: Path) -> None:
     """The token mean on 2 real ranks, but rank 0's own guard skips update 1 while rank 1 applies it: from then on the
     replicas hold different weights (the truth, their parameters compared), though every token weighed 1/N. The

@@ -230,6 +230,8 @@ FORKED_SCRIPT = textwrap.dedent("""
     for step in range(700):
         rec.record(loss_sum=1.0, valid_tokens=1, backward_scalar=0.5, step=step)
     child = os.fork()  # a DataLoader's worker: the handler and a copy of the records, inherited
+    if child == 0 and sys.argv[2] == "exit":
+        sys.exit(0)  # its interpreter's exit runs the recorder's at-exit close, in the child
     if child == 0:
         try:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C reaches the whole process group
@@ -243,10 +245,11 @@ FORKED_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_a_signal_in_a_forked_worker_writes_none_of_the_parent_s_records(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ending", ["signal", "exit"])
+def test_a_signal_in_a_forked_worker_writes_none_of_the_parent_s_records(tmp_path: Path, ending: str) -> None:
     script = tmp_path / "job.py"
     script.write_text(FORKED_SCRIPT.format(root=str(ROOT)))
-    subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, timeout=60)
+    subprocess.run([sys.executable, str(script), str(tmp_path), ending], check=True, timeout=60)
     assert len(list((tmp_path / "forked").glob("*.parquet"))) == 1
     assert len(read_rows(tmp_path / "forked")) == 700
 
@@ -527,3 +530,21 @@ def test_updates_whose_ends_the_recorder_was_not_told_are_never_called_correct_o
         assert verdicts == {"token_mean": ("correct", False), "micro_mean": ("incorrect", False)}
     else:
         assert verdicts == {"token_mean": ("inconclusive", True), "micro_mean": ("inconclusive", True)}
+
+
+def test_a_skip_said_alone_leaves_the_other_updates_ends_as_they_were_read(tmp_path: Path) -> None:
+    """No optimizer: each backward is an update. A guard says one skip with `end_step(skipped=True)`, as the docs
+    ask where the gradients are cleared another way: the updates after it stay updates of their own."""
+    model = torch.nn.Linear(4, 3)
+    with Recorder(tmp_path, run_id="guard", announce=False) as rec:
+        for update in range(4):
+            loss_sum = torch.nn.functional.cross_entropy(
+                model(torch.randn(2, 4)), torch.tensor([0, 1]), reduction="sum"
+            )
+            rec.record(loss_sum=loss_sum, valid_tokens=2, backward_scalar=loss_sum / 2)
+            if update == 1:
+                rec.end_step(skipped=True)  # the guard's own skip; no backward
+                continue
+            (loss_sum / 2).backward()
+    steps = sorted((row["step"], bool(row["skipped"])) for row in read_rows(tmp_path / "guard"))
+    assert steps == [(0, False), (1, True), (2, False), (3, False)]
