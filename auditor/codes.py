@@ -256,6 +256,8 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         fix="Run the last microbatch outside model.no_sync(); call optimizer.zero_grad() once per update, after "
         "optimizer.step(), never between its microbatches.",
         example="Both microbatches of rank 0 ran in no_sync(): rank 0's parameters now differ from rank 1's.",
+        severity_note="information where every such update was closed skipped (gradients cleared, no step): nothing of "
+        "it reached the weights, and what its discarded microbatches cost the next update its weights show",
     ),
     Code.SYNC_EVERY_MICRO: CodeDoc(
         Severity.INFO,

@@ -332,6 +332,9 @@ class SyncCheck(Check):
     def findings(self) -> Iterator[Finding]:
         if self.missing and self.cleared:
             steps = self.missing.range().count
+            # Where every such update was cleared without a step, nothing of it reached the weights: what the
+            # discarded microbatches cost the updates after them (a partial window's N) their weights show.
+            all_cleared = self.cleared == steps
             yield make_finding(
                 self.context,
                 Code.MISSING_SYNC,
@@ -339,10 +342,12 @@ class SyncCheck(Check):
                 f"Gradients were cleared inside the accumulation window: in {self.cleared} of {steps} "
                 "step(s) without a synchronized last microbatch, zero_grad() ran before that microbatch "
                 "and no optimizer step took what came before it. The microbatches before each "
-                "zero_grad() were discarded, so each update trained on the microbatches after it only.",
+                "zero_grad() were discarded (a guard that drops a failed batch does this on purpose), so each "
+                "update trained on the microbatches after it only.",
                 "call optimizer.zero_grad() once per update, after optimizer.step(), never between the "
                 "microbatches of one update",
                 {"rank_steps": int(self.unsynced), "cleared_steps": self.cleared},
+                severity=Severity.INFO if all_cleared else None,
             )
         elif self.missing:
             seen = self.missing.range()

@@ -1148,3 +1148,17 @@ def test_whether_a_zero_token_nan_reached_the_weights_is_read_from_every_later_l
             row.update(skipped=True, backward_scalar=math.inf if row["rank"] == 0 else row["backward_scalar"])
     zero = only(audit_rows(tmp_path / "overflow", rows), Code.ZERO_TOKEN_NONFINITE)
     assert zero.severity == Severity.INFO and not zero.evidence["reached_weights"]
+
+
+def test_an_update_a_guard_dropped_before_its_last_microbatch_is_information(tmp_path: Path) -> None:
+    """A guard drops update 1 after its first microbatch (no_sync, then an error, the gradients cleared, no step): the
+    log holds that microbatch alone, never synchronized, the update skipped. Nothing of it reached the weights, and
+    every update after it is whole and the token mean: missing_sync is information, the run correct."""
+    rows = records([[[3, 2], [1, 7]], [[2, 2], [6, 1]], [[4, 1], [1, 1]]], token_mean)
+    for row in rows:
+        row["sync"] = row["micro"] == 1
+    rows = [row for row in rows if not (row["step"] == 1 and row["micro"] == 1)]
+    for row in rows:
+        row["skipped"] = row["step"] == 1
+    report = audit_rows(tmp_path / "dropped", rows)
+    assert only(report, Code.MISSING_SYNC).severity == Severity.INFO and report.runs[0].verdict == "correct"
