@@ -13,7 +13,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit._ends import spans_cover
-from tokaudit._checks import RunSteps, distinct, pooled_sums, weight_ratio, world_sizes
+from tokaudit._checks import RunSteps, cannot_tell, distinct, pooled_sums, run_finding, weight_ratio, world_sizes
 from tokaudit.codes import CODE_DOCS, DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, WEIGHTING, Code, Severity
 from tokaudit.errors import LogFormatError
 from tokaudit._normalization import judged_steps
@@ -205,32 +205,22 @@ def guessed_updates(run: str, findings: list[Finding], source: RunSteps) -> list
     """A run whose recorder was told no update's end (`Provenance.steps_inferred`): a uniform factor may be gradient
     accumulation read a microbatch at a time, and a per-microbatch mean reads as the token mean, so the logs cannot
     tell: update_ends_guessed says so, and the uniform factors say they cannot tell either."""
-    doc = CODE_DOCS[Code.UPDATE_ENDS_GUESSED]
-    kept = [
-        replace(
-            f,
-            severity=Severity.WARNING,
-            undecidable=True,
-            message=f"{f.message} The updates' ends were guessed, a backward each (update_ends_guessed): under "
-            "gradient accumulation each microbatch weighs N_micro/N, which this may be.",
-        )
-        if f.code in GUESSED_UPDATE_FACTORS
-        else f
-        for f in findings
-    ]
-    guessed = Finding(
-        run=run,
-        code=Code.UPDATE_ENDS_GUESSED,
-        severity=doc.severity,
-        steps=source.step_range(),
-        message="The recorder was told no update's end (no optimizer=, begin_step() or step=) and no backward ran "
+    guessed = run_finding(
+        run,
+        Code.UPDATE_ENDS_GUESSED,
+        source,
+        "The recorder was told no update's end (no optimizer=, begin_step() or step=) and no backward ran "
         "under no_sync(), so it took each backward for an update. Under gradient accumulation every N judged "
         "here is a microbatch's: the token mean reads as uniform weights below 1/N, and a "
         "per-microbatch mean as the token mean. The logs cannot tell, so the run is not called correct.",
-        fix=doc.fix,
-        evidence={},
+        CODE_DOCS[Code.UPDATE_ENDS_GUESSED].fix,
+        {},
     )
-    return [*kept, guessed]
+    why = (
+        "The updates' ends were guessed, a backward each (update_ends_guessed): under gradient accumulation each "
+        "microbatch weighs N_micro/N, which this may be."
+    )
+    return [*cannot_tell(findings, GUESSED_UPDATE_FACTORS, why), guessed]
 
 
 def apply_policy(findings: list[Finding], min_ratio: float | None) -> list[Finding]:

@@ -31,9 +31,9 @@ class Wrapped:
     (`torch.save(model)`, `copy.deepcopy(model)` for an EMA copy), it is the copy's own method again: no closure
     to pickle, and nothing of ours, nor the original's bound method, in the copy."""
 
-    def __init__(self, owner: Any, name: str, call: Callable[..., Any]) -> None:
+    def __init__(self, owner: Any, name: str, original: Callable[..., Any], call: Callable[..., Any]) -> None:
         self.owner, self.name, self.call = owner, name, call
-        functools.update_wrapper(self, call)  # its name, doc and signature are the method's
+        functools.update_wrapper(self, original)  # its name, doc and signature are the method's
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.call(*args, **kwargs)
@@ -46,7 +46,7 @@ class Wrapped:
 def wrap_method(owner: Any, name: str, around: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Restore:
     """`owner.name` replaced, as an instance attribute, by `around(owner.name)`; the handle gives it back."""
     original = getattr(owner, name)
-    ours = Wrapped(owner, name, functools.wraps(original)(around(original)))
+    ours = Wrapped(owner, name, original, around(original))
     setattr(owner, name, ours)
     return Restore(owner, name, ours)
 

@@ -145,9 +145,9 @@ def _seen(record: Record) -> Any:
 def never_trained(records: list[Record]) -> tuple[list[Record], list[Record]]:
     """(kept, left out): a record that never went through backward, in an update where another of its term did (a
     loss computed with gradients and recorded, never trained on: an evaluation inside the loop, a pipeline schedule's
-    shape inference), is no microbatch of it; one carried out of a skipped update goes back there, kept. Where no record of the update's term can tell, or none was seen, all
-    stay: a b recorded as a second copy of the loss that was trained on (after backward, under no_grad) is never
-    seen itself."""
+    shape inference), is no microbatch of it; one carried out of a skipped update goes back there, kept. Where no
+    record of the update's term can tell, or none was seen, all stay: a b recorded as a second copy of the loss that
+    was trained on (after backward, under no_grad) is never seen itself."""
     seen = {(record.step, record.term) for record in records if record.seen_in_backward}
     left_out = [r for r in records if r.seen_in_backward is False and (r.step, r.term) in seen]
     for record in left_out:

@@ -23,7 +23,7 @@ from tokaudit.hooks._output import ShardOutput, Stamp
 from tokaudit.hooks._capture import capture_cross_entropy, probe_into
 from tokaudit.hooks._pipeline import watch_schedule
 from tokaudit.hooks._probe import ProbeResult, Recomputations, in_backward, unprobed
-from tokaudit.hooks._signals import on_termination, run_deferred
+from tokaudit.hooks._signals import made_here, on_termination, run_deferred
 from tokaudit.hooks._terms import CapturedCalls, Footprint, OpenCall, weight_problem
 from tokaudit.hooks._recorder_steps import UpdateTracking
 from tokaudit.hooks.trackers import AuditLoop, announcing, start_line
@@ -58,7 +58,7 @@ class Recorder(UpdateTracking):
         schedule: Any = None,
         flush_seconds: float | None = DEFAULT_FLUSH_SECONDS,
     ) -> None:
-        self._closed, self._pid = False, os.getpid()  # (a forked child's copy never writes: `_close`)
+        self._closed = False
         self._paused = 0
         self.flushing = False  # a flush is writing (a signal handler then waits for it instead of starting another)
         self._warned: set[str] = set()
@@ -451,7 +451,7 @@ class Recorder(UpdateTracking):
         self._close(deliberate=False)
 
     def _close(self, deliberate: bool) -> None:
-        if self._closed or os.getpid() != self._pid:  # a forked child's copy of the records is the parent's to write
+        if self._closed or not made_here(self):  # a forked child's copy of the records is the parent's to write
             return
         if deliberate:
             self.provenance["closed"] = True

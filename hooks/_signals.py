@@ -34,8 +34,13 @@ def on_termination(recorder: Any) -> None:
 _DEFERRED: list[tuple[int, Any]] = []
 
 
+def made_here(recorder: Any) -> bool:
+    """The recorder was made in this process, not inherited by a child forked from the one that made it."""
+    return _LIVE.get(recorder, os.getpid()) == os.getpid()
+
+
 def _flush_then_chain(signum: int, frame: Any) -> None:
-    recorders = [recorder for recorder, pid in list(_LIVE.items()) if pid == os.getpid()]
+    recorders = [recorder for recorder in list(_LIVE) if made_here(recorder)]
     if any(getattr(r, "flushing", False) for r in recorders):
         # The signal came in the middle of a flush: let it finish, then act (see run_deferred).
         _DEFERRED.append((signum, frame))

@@ -54,10 +54,9 @@ def trl_trainer(trainer: Any, args: Any = None) -> str | None:
     return None
 
 
-def refused(trainer: Any, args: Any) -> str | None:
-    """Why tokaudit records nothing under this TRL trainer, as a warning's text; None where it records: SFTTrainer
-    with its token-mean loss, or no TRL trainer."""
-    name = trl_trainer(trainer, args)
+def refused(name: str | None, args: Any) -> str | None:
+    """Why tokaudit records nothing under the TRL trainer `name` (`trl_trainer`) run with `args`, as a warning's text;
+    None where it records: SFTTrainer with its token-mean loss, or no TRL trainer."""
     if name is not None and name != "SFTTrainer":
         return NOT_A_TOKEN_MEAN.format(name=name)
     loss_type = getattr(args, "loss_type", "nll")

@@ -56,10 +56,10 @@ class TokauditCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
     ) -> None:
-        if (why := refused(self.trainer, args)) is not None:
+        trl = trl_trainer(self.trainer, args)
+        if (why := refused(trl, args)) is not None:
             warnings.warn(why, RuntimeWarning, stacklevel=2)
             return
-        trl = trl_trainer(self.trainer, args)
         wrapped = getattr(self.trainer, "model_wrapped", None) if self.trainer is not None else None
         if not isinstance(wrapped, DistributedDataParallel) and model is not None:
             wrapped = ddp_around(model)  # given as callbacks=[...]: no trainer, the DDP wrapper found around its model

@@ -4,8 +4,8 @@ Pure functions of the step table (one row per run, group, term and step): no Par
 normalization is recovered lives in `tokaudit._normalization`; each concern here is a module of its own.
 """
 
-from tokaudit._checks.base import RunSteps, distinct, grouped, loss_terms, main_term_first, rank_masks
-from tokaudit._checks.base import weight_ratio, world_sizes
+from tokaudit._checks.base import RunSteps, cannot_tell, distinct, grouped, loss_terms, main_term_first, rank_masks
+from tokaudit._checks.base import run_finding, weight_ratio, world_sizes
 from tokaudit._checks.miscount import miscounted_rows, outside_probe_range, without_miscounted
 from tokaudit._checks.objective import one_objective, pooled_steps, pooled_sums
 from tokaudit._checks.run import check_run
@@ -13,6 +13,7 @@ from tokaudit._checks.split_runs import with_other_ranks
 from tokaudit._checks.unread import with_unread_files
 
 __all__ = [
+    "cannot_tell",
     "check_run",
     "distinct",
     "grouped",
@@ -24,6 +25,7 @@ __all__ = [
     "pooled_steps",
     "pooled_sums",
     "rank_masks",
+    "run_finding",
     "RunSteps",
     "weight_ratio",
     "with_other_ranks",

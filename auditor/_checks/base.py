@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -181,6 +181,29 @@ class ListedSteps:
 
     def text(self) -> str:
         return ", ".join(map(str, self.first)) + (f", … ({self.count} in all)" if self.count > 8 else "")
+
+
+def cannot_tell(findings: list[Finding], codes: Iterable[Code], why: str) -> list[Finding]:
+    """The findings of these codes as warnings that say the logs cannot tell, `why` added to each message (what may
+    explain them instead); the others as they are."""
+    said = frozenset(codes)
+    return [
+        replace(f, severity=Severity.WARNING, undecidable=True, message=f"{f.message} {why}") if f.code in said else f
+        for f in findings
+    ]
+
+
+def run_finding(run: str, code: Code, source: RunSteps, message: str, fix: str, evidence: dict[str, Any]) -> Finding:
+    """A finding about the run as a whole, over every step of it, at its code's severity."""
+    return Finding(
+        run=run,
+        code=code,
+        severity=DEFAULT_SEVERITY[code],
+        steps=source.step_range(),
+        message=message,
+        fix=fix,
+        evidence=evidence,
+    )
 
 
 def make_finding(

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
-from tokaudit._checks.base import RunSteps
-from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
+from tokaudit._checks.base import RunSteps, cannot_tell, run_finding
+from tokaudit.codes import Code
 from tokaudit._report import Finding
 
 LISTED_FILES = 10
@@ -18,24 +17,15 @@ def with_unread_files(run: str, findings: list[Finding], files: Sequence[str], s
     lacking a rank's records may have them there, so missing_rank says the logs cannot tell; unreadable_files, over
     every step of the run, says which files, and keeps the run from being called correct."""
     shown = files[0] + (f" and {len(files) - 1} more" if len(files) > 1 else "")
-    perhaps = f" {len(files)} file(s) of this run could not be read ({shown}): the records may be there."
-    kept = [
-        replace(f, severity=Severity.WARNING, undecidable=True, message=f.message + perhaps)
-        if f.code == Code.MISSING_RANK
-        else f
-        for f in findings
-    ]
-    return [
-        *kept,
-        Finding(
-            run=run,
-            code=Code.UNREADABLE_FILES,
-            severity=DEFAULT_SEVERITY[Code.UNREADABLE_FILES],
-            steps=source.step_range(),
-            message=f"{len(files)} file(s) in this run's folder could not be read ({shown}; each is named on a line "
-            "of its own with what is wrong). The records they hold, of any rank at any step, are not in this audit: "
-            "a step judged without them may lack some of its tokens, so the run is not called correct.",
-            fix="restore or repair the file(s), or move them out of the run's folder to audit what is left as it is",
-            evidence={"files": list(files[:LISTED_FILES]), "count": len(files)},
-        ),
-    ]
+    perhaps = f"{len(files)} file(s) of this run could not be read ({shown}): the records may be there."
+    unread = run_finding(
+        run,
+        Code.UNREADABLE_FILES,
+        source,
+        f"{len(files)} file(s) in this run's folder could not be read ({shown}; each is named on a line of its own "
+        "with what is wrong). The records they hold, of any rank at any step, are not in this audit: a step judged "
+        "without them may lack some of its tokens, so the run is not called correct.",
+        "restore or repair the file(s), or move them out of the run's folder to audit what is left as it is",
+        {"files": list(files[:LISTED_FILES]), "count": len(files)},
+    )
+    return [*cannot_tell(findings, [Code.MISSING_RANK], perhaps), unread]

@@ -91,12 +91,12 @@ def _print_run(run: RunSummary, brief: bool, console: Console) -> None:
     head.append(reported_note(run))
     line = (
         (
-            f"{factor_text(run.normalization, run.steps, run.normalization_judged, run.skipped_steps)} · q {q_range_text(run)} · max ratio "
+            f"{factor_text(run)} · q {q_range_text(run)} · max ratio "
             f"{ratio_text(run.max_weight_ratio)} · {run.steps} steps, {run.ranks} ranks, W "
             f"{', '.join(map(str, run.world_size))}, D {_divisors(run)}"
         )
         if run.steps
-        else f"{factor_text(run.normalization, run.steps, run.normalization_judged, run.skipped_steps)}: every step left out (see the findings)"
+        else f"{factor_text(run)}: every step left out (see the findings)"
     )
     if brief and head.cell_len + 3 + len(line) <= console.width:
         head.append(f" · {line}")  # many runs: one line each where it fits
@@ -197,7 +197,7 @@ def _runs_table(report: AuditReport, console: Console) -> Table | None:
             str(run.ranks),
             ", ".join(map(str, run.world_size)),
             _divisors(run),
-            factor_text(run.normalization, run.steps, run.normalization_judged, run.skipped_steps),
+            factor_text(run),
             q_range_text(run),
             ratio_text(run.max_weight_ratio),
         )

@@ -77,7 +77,7 @@ def _run_table(runs: list[RunSummary]) -> str:
             f"<td class=n>{run.steps}</td><td class=n>{run.ranks}</td>"
             f"<td>{', '.join(map(str, run.world_size))}</td>"
             f"<td>{', '.join(f'{d:g}' for d in run.divisors) or '?'}</td>"
-            f"<td>{_e(factor_text(run.normalization, run.steps, run.normalization_judged, run.skipped_steps))}</td>"
+            f"<td>{_e(factor_text(run))}</td>"
             f"<td>{q}</td><td class=n>{_e(ratio_text(run.max_weight_ratio))}</td></tr>"
         )
     return "\n".join(rows) + "</table>"

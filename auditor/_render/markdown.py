@@ -59,7 +59,7 @@ def render_markdown(report: AuditReport, fail_on: str = "error") -> str:
             lines.append(
                 f"| {_code(run.run)} | {ICONS[run.verdict]} {run.verdict}{reported_note(run)} | {run.steps} | {run.ranks} "
                 f"| {', '.join(map(str, run.world_size))} | {', '.join(f'{d:g}' for d in run.divisors)} "
-                f"| {_cell(factor_text(run.normalization, run.steps, run.normalization_judged, run.skipped_steps))} | {q} | {ratio_text(run.max_weight_ratio)} |"
+                f"| {_cell(factor_text(run))} | {q} | {ratio_text(run.max_weight_ratio)} |"
             )
         lines += [
             "",

@@ -9,23 +9,23 @@ from typing import TYPE_CHECKING
 from tokaudit._storage import shown_path
 
 if TYPE_CHECKING:  # (the report's module imports pyarrow: the command line imports this one first)
-    from tokaudit._report import AuditReport, RunSummary, Segment, StepRange
+    from tokaudit._report import AuditReport, RunSummary, StepRange
 
 
-def factor_text(segment: Segment | None, steps: int = 1, judged: bool = True, skipped: int = 0) -> str:
-    """`b·g = 2·S/N` style, the recovered normalization in one phrase; `steps`: the run's steps judged (none
-    where every step was left out: records dropped, counts the probe contradicts); `judged`: False where the
-    files lack some ranks' records (`RunSummary.normalization_judged`); `skipped`: its updates said skipped, which
-    changed no weight and are not weighed."""
+def factor_text(run: RunSummary) -> str:
+    """`b·g = 2·S/N` style, the run's recovered normalization in one phrase; where there is none, why: every step
+    left out (records dropped, counts the probe contradicts), the files lacking some ranks' records
+    (`normalization_judged`), or every update said skipped (which changed no weight and is not weighed)."""
     # here, not at the top: the command line imports this module, and normalization imports pandas
     from tokaudit._normalization import FORMULA, Denominator
 
-    if not judged:
+    segment = run.normalization
+    if not run.normalization_judged:
         return "not judged: ranks without records"
     if segment is None:
-        if steps and skipped >= steps:
+        if run.steps and run.skipped_steps >= run.steps:
             return "every update skipped: none weighed"
-        return "no valid tokens" if steps else "no step judged"
+        return "no valid tokens" if run.steps else "no step judged"
     if segment.denominator == "undetermined":
         return "undetermined (balanced counts)"
     if segment.denominator == "unexplained" or segment.factor is None:
