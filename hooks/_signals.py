@@ -45,20 +45,34 @@ def _flush_then_chain(signum: int, frame: Any) -> None:
         # The signal came in the middle of a flush: let it finish, then act (see run_deferred).
         _DEFERRED.append((signum, frame))
         return
+    # What is closed is written at once, before whatever the signal does next (a checkpoint's save, a kill); the
+    # update under way waits to see whether the process ends with it.
+    _flush(recorders, ending=False)
+    previous = _PREVIOUS.get(signum)
+    if previous == signal.SIG_IGN:
+        return
+    if callable(previous):
+        try:
+            previous(signum, frame)
+        except BaseException:  # the handler ends the run (SystemExit, KeyboardInterrupt): the update ends unstepped
+            _flush(recorders, ending=True)
+            raise
+        return  # handled, and the training goes on (a preemption flag): the update under way is no unfinished one
+    _flush(recorders, ending=True)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _flush(recorders: list[Any], ending: bool) -> None:
+    """Write the recorders' records: `ending`, every one, the update under way said never stepped; else those of
+    closed updates (the automatic flush's)."""
     for recorder in recorders:
         try:
-            recorder.note_unfinished()  # the update under way ends here, never stepped
-            recorder.flush()
+            if ending:
+                recorder.note_unfinished()
+            recorder.flush(wait_for_backward=not ending)
         except Exception:  # the signal's own action matters more than one last shard
             pass
-    previous = _PREVIOUS.get(signum)
-    if callable(previous):
-        previous(signum, frame)
-    elif previous == signal.SIG_IGN:
-        return
-    else:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
 
 
 def run_deferred() -> None:

@@ -432,6 +432,49 @@ def test_a_job_stopped_inside_an_update_is_judged_on_the_updates_before_it(tmp_p
     assert (report.runs[0].verdict, report.runs[0].steps) == (("correct", 3) if stopped else ("inconclusive", 0))
 
 
+PREEMPTION_FLAG_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    import torch
+    from tokaudit.hooks import Recorder
+    torch.manual_seed(0)
+    notices = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: notices.append(signum))  # a preemption notice: go on
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = Recorder(sys.argv[1], run_id="noticed", optimizer=optimizer, announce=False)
+    for update in range(4):
+        counts = (2, 7)
+        for micro, n in enumerate(counts):
+            x, y = torch.randn(n, 4), torch.randint(0, 3, (n,))
+            loss_sum = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+            rec.record(loss_sum=loss_sum, valid_tokens=n, backward_scalar=loss_sum / sum(counts))
+            (loss_sum / sum(counts)).backward()
+            if update == 1 and micro == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+        optimizer.step()
+        optimizer.zero_grad()
+    rec.close()
+    assert notices == [signal.SIGTERM]
+""")
+
+
+@pytest.mark.slow
+def test_a_sigterm_whose_handler_lets_training_go_on_ends_no_update(tmp_path: Path) -> None:
+    """A trainer's SIGTERM handler that notes the notice and returns (a preemption flag, checked at a later step):
+    the update under way goes on and is stepped. The recorder wrote what was closed at the signal, and said no
+    update was left unstepped (it said update 1 was, and the audit left it out as unfinished_update)."""
+    from tokaudit import audit
+
+    script = tmp_path / "job.py"
+    script.write_text(PREEMPTION_FLAG_SCRIPT.format(root=str(ROOT)))
+    subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, timeout=60)
+    assert len(read_rows(tmp_path / "noticed")) == 8
+    report = audit([tmp_path / "noticed"])
+    assert [f.code.value for f in report.findings] == []
+    assert (report.runs[0].verdict, report.runs[0].steps) == ("correct", 4)
+
+
 def test_an_update_dropped_on_an_error_between_record_and_backward_is_not_judged(tmp_path: Path) -> None:
     """The loop's usual guard: a microbatch that fails (an out-of-memory error, simulated) after its loss was
     recorded, the gradients cleared, the update never stepped. Every update stepped is the token mean (the float64
