@@ -250,10 +250,12 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         Severity.ERROR,
         "the last microbatch did not synchronize",
         why="Under gradient accumulation every microbatch but the last runs in no_sync(); here the last did "
-        "too, so the optimizer stepped on local gradients and ranks drift apart. Where such an update was "
+        "too (or its forward went through model.module, which DDP's reducer never sees), so the optimizer stepped "
+        "on local gradients and ranks drift apart. Where such an update was "
         "closed as skipped (zero_grad() before its last microbatch, no optimizer step), zero_grad() ran inside "
         "the accumulation window: the microbatches before it were discarded.",
-        fix="Run the last microbatch outside model.no_sync(); call optimizer.zero_grad() once per update, after "
+        fix="Run the last microbatch outside model.no_sync(), its forward through the DDP model (not model.module); "
+        "call optimizer.zero_grad() once per update, after "
         "optimizer.step(), never between its microbatches.",
         example="Both microbatches of rank 0 ran in no_sync(): rank 0's parameters now differ from rank 1's.",
         severity_note="information where every such update was closed skipped (gradients cleared, no step): nothing of "

@@ -272,11 +272,7 @@ class Recorder(UpdateTracking):
     ) -> Record:
         """One record as held until its shard is written: each value a snapshot, the loss scale and sync now."""
         scaler = self._scaler if self._scaler is not None and self._scaler.enabled() else None
-        sync = (
-            self._forward_sync
-            if self._forward_sync is not None
-            else (self._accelerate.sync() if self._accelerate is not None else None)
-        )
+        sync = self._sync_now()
         return new_record(
             step=step,
             micro=micro,
@@ -480,7 +476,9 @@ class Recorder(UpdateTracking):
     # ---------------------------------------------------------------- internals: identity, shards
     def _hook_model(self) -> None:
         if self._model is not None and hasattr(self._model, "require_backward_grad_sync"):
-            # DDP decides at forward time whether this backward all-reduces, so read the flag there.
+            # DDP decides at forward time whether this backward all-reduces, so read the flag there; a backward no
+            # forward of the wrapper preceded (model.module(x)) all-reduces nothing: DDP's hooks expect none.
+            self._unforwarded_sync = False
             self._handles.append(
                 self._model.register_forward_pre_hook(
                     lambda module, _: setattr(self, "_forward_sync", bool(module.require_backward_grad_sync))

@@ -26,6 +26,7 @@ class UpdateTracking:
     _optimizer: torch.optim.Optimizer | None
     _model: Any
     _scaler: ScalerWatch | None
+    _accelerate: Any
     _handles: list[Any]
     _warned: set[str]
     provenance: dict[str, Any]
@@ -34,6 +35,7 @@ class UpdateTracking:
         """Where the next record goes: the update and microbatch counters, the open calls and the scale."""
         self._grad_scale = grad_scale
         self._forward_sync: bool | None = None
+        self._unforwarded_sync: bool | None = None  # a record's sync where no forward of the model said it
         self._step = self._step_records = self._capturing = 0
         self._closed_step: int | None = None
         self._auto_closed: int | None = None
@@ -77,6 +79,13 @@ class UpdateTracking:
             micro = following.get(term, 0)
         following[term] = micro + 1
         return step, micro
+
+    def _sync_now(self) -> bool | None:
+        """Whether the backward of a record made now synchronizes gradients: as the model's last forward said, else
+        as Accelerate says, else False where the model is DDP's and no forward of it ran, else not known."""
+        if self._forward_sync is not None:
+            return self._forward_sync
+        return self._accelerate.sync() if self._accelerate is not None else self._unforwarded_sync
 
     def _recorded_already(self, term: str, scalar: Any) -> bool:
         """Whether `scalar` is the very tensor the term's last record of the open update holds (record() called

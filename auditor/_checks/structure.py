@@ -364,7 +364,8 @@ class SyncCheck(Check):
                 self.missing,
                 f"The last microbatch of a step did not synchronize gradients on "
                 f"{int(self.unsynced)} rank-step(s): those ranks stepped on their local gradient.{ended}",
-                "run the last microbatch's forward and backward outside model.no_sync()",
+                "run the last microbatch's forward (through the DDP model, not model.module) and backward outside "
+                "model.no_sync()",
                 {"rank_steps": int(self.unsynced)},
             )
         if self.every_count and self.every_count == self.multi_count:

@@ -238,6 +238,18 @@ def test_without_the_optimizer_an_update_of_backwards_that_all_synchronize_is_a_
     assert "update_ends_guessed" in {f.code.value for f in report.findings}
 
 
+def test_a_forward_that_bypasses_ddp_is_no_synchronized_backward(tmp_path: Path) -> None:
+    """The token mean's construction on 2 ranks, W·S/N, but each forward through `ddp.module`: DDP all-reduces
+    nothing, and each rank steps on its own gradient (the float64 reference disagrees at every update). The recorder,
+    given the DDP model, saw no forward of it: every record says it did not synchronize, and the audit says
+    missing_sync and incorrect (it read correct: the weights alone are the token mean's)."""
+    setup = Setup(name="bypassed", counts=_UNEVEN, bypass=True, correct=False)
+    _check_against_reference(setup, [r["history"] for r in run_ddp(job, setup.world_size, setup, str(tmp_path))])
+    assert {row["sync"] for row in read_rows(tmp_path / setup.name)} == {False}
+    report = audit([tmp_path / setup.name])
+    assert report.runs[0].verdict == "incorrect" and {f.code.value for f in report.findings} == {"missing_sync"}
+
+
 def test_a_rank_that_skips_an_update_alone_parts_the_replicas_and_is_skip_mismatch(tmp_path: Path) -> None:
     """The token mean on 2 real ranks, but rank 0's own guard skips update 1 while rank 1 applies it: from then on the
     replicas hold different weights (the truth, their parameters compared), though every token weighed 1/N. The
