@@ -11,13 +11,14 @@ import duckdb
 import numpy as np
 import pandas as pd
 
-from tokaudit._checks import check_run, one_objective, with_other_ranks, with_unread_files, without_miscounted
-from tokaudit.codes import DEFAULT_RTOL, Code
+from tokaudit._checks import Replaced, check_run, one_objective, with_other_ranks, with_replaced, with_unread_files
+from tokaudit._checks import without_miscounted
+from tokaudit.codes import DEFAULT_RTOL, Code, Severity
 from tokaudit._settings import BOUNDS, code_named, within
 from tokaudit._engine import Duplicates, Spilled, extremes_at, sweep_scratch
 from tokaudit.errors import LogFormatError, UsageError, first_line
 from tokaudit._cluster import Cluster
-from tokaudit._loading import Loading
+from tokaudit._loading import Loading, LogSet
 from tokaudit._opening import Progress, open_log_parts
 from tokaudit._normalization import Denominator
 from tokaudit._reader import Shard
@@ -133,18 +134,7 @@ def _audit(
         engine.close()
         if horizon is not None and progress:
             _say_left_out(parts, present, horizon, progress)
-        judge = _RunJudge(
-            judging,
-            horizon,
-            named,
-            duplicates,
-            precision,
-            dropped_steps(logset.shards),
-            setups_of(logset.shards),
-            _Extremes(logset.shards, threads),
-            None if live else uneven_ends(logset.shards),  # --live: steps not yet complete are left out
-            unread_files(logset.shards, logset.problems),
-        )
+        judge = _RunJudge.of(logset, judging, horizon, named, duplicates, precision, threads)
         summaries, findings = judge.runs(present, runs_apart(steps, parts, present))
         asked = present if runs else None
         kept = kept_steps(parts, asked, horizon, ordered=isinstance(steps, pd.DataFrame)) if keep_steps else None
@@ -232,6 +222,35 @@ class _RunJudge:
     (`recorded_end`). None with --live, which leaves every step not yet complete out."""
     unread: dict[str, list[str]]
     """The files in each run's folder that could not be read (`unread_files`)."""
+    replaced: dict[str, Replaced]
+    """Per run a later launch of which recorded steps again: its earlier launches' records judged alone (`_replaced`)."""
+
+    @classmethod
+    def of(
+        cls,
+        logset: LogSet,
+        judging: _Judging,
+        horizon: dict[tuple[str, str], int] | None,
+        names: set[tuple[str, str, str]] | None,
+        duplicates: dict[str, Duplicates],
+        precision: dict[str, int],
+        threads: int | None,
+    ) -> _RunJudge:
+        """The judge of an audit's runs, with what the footers of its shards say."""
+        shards = logset.shards
+        return cls(
+            judging,
+            horizon,
+            names,
+            duplicates,
+            precision,
+            dropped_steps(shards),
+            setups_of(shards),
+            _Extremes(shards, threads),
+            None if horizon is not None else uneven_ends(shards),  # --live: steps not yet complete are left out
+            unread_files(shards, logset.problems),
+            _replaced(shards, duplicates, judging, threads),
+        )
 
     def runs(
         self, present: list[str], of_run: Callable[[str], Callable[[], Iterable[pd.DataFrame]]]
@@ -292,6 +311,8 @@ class _RunJudge:
             run_findings = guessed_updates(run, run_findings, source)
         if run in self.unread:
             run_findings = with_unread_files(run, run_findings, self.unread[run], source)
+        if run in self.replaced:
+            run_findings = with_replaced(run_findings, self.replaced[run])
         # The verdict is a claim about the gradient: it reads every finding as found. --min-ratio makes some
         # information and --ignore leaves some out, in the listing and in what fails the command (`gate_verdict`),
         # never in the verdict.
@@ -307,6 +328,40 @@ class _RunJudge:
             terms_pooled=objective is not None,
             ignored=sorted({f.code.value for f in run_findings if f.code in self.judging.ignored}),
         )
+
+
+def _replaced(
+    shards: list[Shard], duplicates: dict[str, Duplicates], judging: _Judging, threads: int | None
+) -> dict[str, Replaced]:
+    """Per run a later launch of which recorded steps again with other values (the later kept, `Engine._define`):
+    the verdict and errors of its earlier launches' records, judged alone by an audit of their files. Only where the
+    footers say each copy's launch and its files are one rank's each (the recorder's): an earlier launch's files hold
+    no later one's records."""
+    found: dict[str, Replaced] = {}
+    for run, repeated in duplicates.items():
+        if repeated.identical or repeated.one_file or repeated.unlaunched:
+            continue
+        # a launch is numbered within its rank's shards (the number of its first): a rank's latest is its own
+        launched = [
+            (s.rank_range[0], s.provenance.launch, s)
+            for s in shards
+            if s.run_group is not None
+            and s.run_group[0] == run
+            and s.provenance.launch is not None
+            and s.store is None
+            and s.rank_range is not None
+            and s.rank_range[0] == s.rank_range[1]
+        ]
+        latest: dict[int, int] = {}
+        for rank, launch, _ in launched:
+            latest[rank] = max(launch, latest.get(rank, launch))
+        earlier = [str(s.path) for rank, launch, s in launched if launch < latest[rank]]
+        if earlier:
+            report = audit(earlier, rtol=judging.rtol, threads=threads)
+            verdicts = {r.verdict for r in report.runs}
+            errors = sorted({f.code.value for f in report.findings if f.severity is Severity.ERROR})
+            found[run] = Replaced("incorrect" if "incorrect" in verdicts else "not incorrect", tuple(errors))
+    return found
 
 
 def _unjudged_summary(run: str, bits: int | None, rtol: float) -> RunSummary:

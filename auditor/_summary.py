@@ -241,11 +241,14 @@ def apply_policy(findings: list[Finding], min_ratio: float | None) -> list[Findi
 
 def deciding(findings: Sequence[Finding]) -> list[Finding]:
     """The findings a verdict reads: warnings and errors about the gradient. Findings about the logged loss
-    (REPORTING) are the run's `reporting`, and repeated records its warning: copies are not evidence."""
+    (REPORTING) are the run's `reporting`, and repeated records its warning: copies are not evidence, unless they
+    say the logs cannot tell (`with_replaced`)."""
     return [
         f
         for f in findings
-        if f.severity.rank >= Severity.WARNING.rank and f.code not in REPORTING and f.code != Code.DUPLICATE_RECORDS
+        if f.severity.rank >= Severity.WARNING.rank
+        and f.code not in REPORTING
+        and (f.code != Code.DUPLICATE_RECORDS or f.undecidable)
     ]
 
 

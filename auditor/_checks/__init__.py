@@ -6,6 +6,7 @@ normalization is recovered lives in `tokaudit._normalization`; each concern here
 
 from tokaudit._checks.base import RunSteps, cannot_tell, distinct, grouped, loss_terms, main_term_first, rank_masks
 from tokaudit._checks.base import run_finding, weight_ratio, world_sizes
+from tokaudit._checks.duplicates import Replaced, with_replaced
 from tokaudit._checks.miscount import miscounted_rows, outside_probe_range, without_miscounted
 from tokaudit._checks.objective import one_objective, pooled_steps, pooled_sums
 from tokaudit._checks.run import check_run
@@ -25,10 +26,12 @@ __all__ = [
     "pooled_steps",
     "pooled_sums",
     "rank_masks",
+    "Replaced",
     "run_finding",
     "RunSteps",
     "weight_ratio",
     "with_other_ranks",
+    "with_replaced",
     "with_unread_files",
     "without_miscounted",
     "world_sizes",

@@ -2,9 +2,40 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
+from tokaudit._checks.base import cannot_tell
 from tokaudit._engine import Duplicates
 from tokaudit.codes import DEFAULT_SEVERITY, Code
 from tokaudit._report import Finding, StepRange
+
+
+NOT_DECIDING = " Duplicates do not decide the verdict."
+
+
+@dataclass(frozen=True)
+class Replaced:
+    """How the records of a run's earlier launches, which a later launch recorded again, are judged alone."""
+
+    verdict: str
+    codes: tuple[str, ...]
+    """Their errors' codes."""
+
+
+def with_replaced(findings: list[Finding], replaced: Replaced) -> list[Finding]:
+    """A run whose later launch recorded steps again that an earlier launch's records, judged alone, get wrong: the
+    later records are kept and judged, but where that launch resumed from a checkpoint taken after those steps (its
+    step numbers begun again), the earlier updates trained the model, which the logs cannot tell from a replay from
+    an earlier checkpoint. duplicate_records then says the logs cannot tell, and the run is not called correct."""
+    if replaced.verdict != "incorrect":
+        return findings
+    why = (
+        f"Judged alone, the earlier launch's records are incorrect ({', '.join(replaced.codes)}): where the later "
+        "launch resumed from a checkpoint taken after them and numbered its steps again, those updates trained the "
+        "model; where it replayed them from an earlier checkpoint, they did not. The logs cannot tell which."
+    )
+    said = [replace(f, message=f.message.replace(NOT_DECIDING, "")) for f in findings]
+    return cannot_tell(said, [Code.DUPLICATE_RECORDS], why)
 
 
 def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:
@@ -51,7 +82,7 @@ def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:
         severity=DEFAULT_SEVERITY[Code.DUPLICATE_RECORDS],
         steps=StepRange(duplicates.first, duplicates.last, duplicates.steps),
         message=f"{duplicates.dropped} record(s) repeat a (group, term, step, micro, rank) already logged, "
-        f"in {files}: {cause}.{_superseded(duplicates.superseded)} Duplicates do not decide the verdict.",
+        f"in {files}: {cause}.{_superseded(duplicates.superseded)}{NOT_DECIDING}",
         fix=fix,
         evidence={
             "dropped_records": duplicates.dropped,

@@ -75,3 +75,24 @@ def test_ignoring_a_code_never_greens_a_wrong_run(tmp_path: Path) -> None:
     assert report.findings == [] and run.verdict == "incorrect" and run.gate_verdict == "correct"
     assert run.ignored == ["local_mean", "reported_loss_mismatch"] and run.decided_by == ["local_mean"]
     assert_token_mean(tmp_path / scenario.name, ignore=["local_mean", "reported_loss_mismatch"])  # the gate
+
+
+def test_a_resume_that_numbers_its_steps_again_over_wrong_updates_is_inconclusive(tmp_path: Path) -> None:
+    """A first launch trains 3 updates with a rank-local mean over the accumulation (wrong by the float64 reference);
+    the run is resumed under the same run id and folder, the bug fixed, and its 3 token-mean updates numbered 0–2
+    again (no begin_step). The later records are kept and are right; but judged alone the earlier ones are wrong,
+    and whether the later launch started from a checkpoint after them (they trained the model) or replayed them
+    from an earlier one, the logs cannot tell: inconclusive, where it read correct. Both launches right: correct
+    (`test_a_compacted_copy_and_a_second_launch_keep_a_right_run_correct`)."""
+    wrong = replace(SCENARIOS_BY_NAME["bug_local_mean_accumulation"], name=SCENARIO.name)
+    for result in run_ddp(run_scenario, 2, wrong, str(tmp_path)):
+        for step, record in enumerate(result["recorded"]):
+            want = reference_gradient(record["before"], wrong, step, result["members"])
+            assert not all(torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(record["grads"], want))
+    _launch(tmp_path)
+    report = audit([tmp_path / SCENARIO.name])
+    (finding,) = report.findings
+    assert (
+        finding.code.value == "duplicate_records" and finding.undecidable and report.runs[0].verdict == "inconclusive"
+    )
+    assert "Judged alone, the earlier launch's records are incorrect (local_mean)" in finding.message
