@@ -13,7 +13,7 @@ import pandas as pd
 
 from tokaudit._checks import Replaced, check_run, one_objective, with_other_ranks, with_replaced, with_unread_files
 from tokaudit._checks import without_miscounted
-from tokaudit.codes import DEFAULT_RTOL, Code, Severity
+from tokaudit.codes import DEFAULT_RTOL, TOKEN_MEAN_FIXES, WEIGHTING, Code, Severity
 from tokaudit._settings import BOUNDS, code_named, within
 from tokaudit._engine import Duplicates, Spilled, extremes_at, sweep_scratch
 from tokaudit.errors import LogFormatError, UsageError, first_line
@@ -355,13 +355,27 @@ def _replaced(
         latest: dict[int, int] = {}
         for rank, launch, _ in launched:
             latest[rank] = max(launch, latest.get(rank, launch))
-        earlier = [str(s.path) for rank, launch, s in launched if launch < latest[rank]]
+        # an earlier launch's files that hold the steps recorded again (a replay's: its last shards); their steps
+        # may lack a rank that stopped first, so only what says its tokens were weighed wrong counts
+        steps = (repeated.first, repeated.last)
+        earlier = [
+            str(s.path)
+            for rank, launch, s in launched
+            if launch < latest[rank] and (s.step_range is None or _overlap(s.step_range, steps))
+        ]
         if earlier:
             report = audit(earlier, rtol=judging.rtol, threads=threads)
-            verdicts = {r.verdict for r in report.runs}
-            errors = sorted({f.code.value for f in report.findings if f.severity is Severity.ERROR})
-            found[run] = Replaced("incorrect" if "incorrect" in verdicts else "not incorrect", tuple(errors))
+            wrong = {f.code.value for f in report.findings if f.severity is Severity.ERROR and f.code in _WEIGHED_WRONG}
+            found[run] = Replaced(tuple(sorted(wrong)))
     return found
+
+
+_WEIGHED_WRONG = TOKEN_MEAN_FIXES | WEIGHTING
+"""What says a launch's tokens were weighed wrong: a normalization's errors."""
+
+
+def _overlap(first: tuple[int, int], second: tuple[int, int]) -> bool:
+    return first[0] <= second[1] and second[0] <= first[1]
 
 
 def _unjudged_summary(run: str, bits: int | None, rtol: float) -> RunSummary:

@@ -188,7 +188,7 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         "later published (shards are numbered as written; clocks are never used), and a rank's step two launches "
         "recorded is the later launch's alone; the finding names the files and the likely cause. Copies are not "
         "evidence about the gradient: the verdict reads the records kept. Except where the records a later launch "
-        "recorded again, judged alone, are incorrect: a launch that resumed from a checkpoint after them (its steps "
+        "recorded again, judged alone, weigh their tokens wrong (a normalization's error): a launch that resumed from a checkpoint after them (its steps "
         "numbered from 0 again) kept what they trained, one that replayed them from an earlier checkpoint did not, "
         "and the logs cannot tell which, so the run is inconclusive.",
         fix="Leave copies out of the folder audited; give each launch its own run_id; resume from the "

@@ -17,20 +17,19 @@ NOT_DECIDING = " Duplicates do not decide the verdict."
 class Replaced:
     """How the records of a run's earlier launches, which a later launch recorded again, are judged alone."""
 
-    verdict: str
     codes: tuple[str, ...]
-    """Their errors' codes."""
+    """The errors that say their tokens were weighed wrong (a normalization's: `TOKEN_MEAN_FIXES`, `WEIGHTING`)."""
 
 
 def with_replaced(findings: list[Finding], replaced: Replaced) -> list[Finding]:
-    """A run whose later launch recorded steps again that an earlier launch's records, judged alone, get wrong: the
+    """A run whose later launch recorded steps again that an earlier launch's records, judged alone, weigh wrong: the
     later records are kept and judged, but where that launch resumed from a checkpoint taken after those steps (its
     step numbers begun again), the earlier updates trained the model, which the logs cannot tell from a replay from
     an earlier checkpoint. duplicate_records then says the logs cannot tell, and the run is not called correct."""
-    if replaced.verdict != "incorrect":
+    if not replaced.codes:
         return findings
     why = (
-        f"Judged alone, the earlier launch's records are incorrect ({', '.join(replaced.codes)}): where the later "
+        f"Judged alone, the earlier launch's records weigh their tokens wrong ({', '.join(replaced.codes)}): where the later "
         "launch resumed from a checkpoint taken after them and numbered its steps again, those updates trained the "
         "model; where it replayed them from an earlier checkpoint, they did not. The logs cannot tell which."
     )

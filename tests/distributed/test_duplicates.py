@@ -95,4 +95,4 @@ def test_a_resume_that_numbers_its_steps_again_over_wrong_updates_is_inconclusiv
     assert (
         finding.code.value == "duplicate_records" and finding.undecidable and report.runs[0].verdict == "inconclusive"
     )
-    assert "Judged alone, the earlier launch's records are incorrect (local_mean)" in finding.message
+    assert "Judged alone, the earlier launch's records weigh their tokens wrong (local_mean)" in finding.message
