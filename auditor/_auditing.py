@@ -334,9 +334,9 @@ def _replaced(
     shards: list[Shard], duplicates: dict[str, Duplicates], judging: _Judging, threads: int | None
 ) -> dict[str, Replaced]:
     """Per run a later launch of which recorded steps again with other values (the later kept, `Engine._define`):
-    the verdict and errors of its earlier launches' records, judged alone by an audit of their files. Only where the
-    footers say each copy's launch and its files are one rank's each (the recorder's): an earlier launch's files hold
-    no later one's records."""
+    the normalization errors of its earlier launches' records of those steps, judged alone by an audit of their
+    files. Only where the footers say each copy's launch and its files are one rank's each (the recorder's): an
+    earlier launch's files hold no later one's records."""
     found: dict[str, Replaced] = {}
     for run, repeated in duplicates.items():
         if repeated.identical or repeated.one_file or repeated.unlaunched:

@@ -28,10 +28,11 @@ def with_replaced(findings: list[Finding], replaced: Replaced) -> list[Finding]:
     an earlier checkpoint. duplicate_records then says the logs cannot tell, and the run is not called correct."""
     if not replaced.codes:
         return findings
+    codes = ", ".join(replaced.codes)
     why = (
-        f"Judged alone, the earlier launch's records weigh their tokens wrong ({', '.join(replaced.codes)}): where the later "
-        "launch resumed from a checkpoint taken after them and numbered its steps again, those updates trained the "
-        "model; where it replayed them from an earlier checkpoint, they did not. The logs cannot tell which."
+        f"Judged alone, the earlier launch's records weigh their tokens wrong ({codes}): where the later launch "
+        "resumed from a checkpoint taken after them and numbered its steps again, those updates trained the model; "
+        "where it replayed them from an earlier checkpoint, they did not. The logs cannot tell which."
     )
     said = [replace(f, message=f.message.replace(NOT_DECIDING, "")) for f in findings]
     return cannot_tell(said, [Code.DUPLICATE_RECORDS], why)
