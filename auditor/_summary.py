@@ -13,7 +13,8 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit._ends import spans_cover
-from tokaudit._checks import RunSteps, cannot_tell, distinct, pooled_sums, run_finding, weight_ratio, world_sizes
+from tokaudit._checks import PARTIAL_UPDATE_FACTORS, RunSteps, cannot_tell, distinct, pooled_sums, run_finding
+from tokaudit._checks import weight_ratio, world_sizes
 from tokaudit.codes import CODE_DOCS, DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, WEIGHTING, Code, Severity
 from tokaudit.errors import LogFormatError
 from tokaudit._normalization import judged_steps
@@ -196,11 +197,6 @@ def dropped_steps(shards: Sequence[Shard]) -> dict[str, DroppedRecords]:
     return out
 
 
-GUESSED_UPDATE_FACTORS = frozenset({Code.SCALE_MISMATCH, Code.WORLD_SIZE_MISMATCH})
-"""Uniform factors that updates' ends guessed from the backwards can make: each microbatch of an update taken for a
-whole one weighs N_micro/N of what the update's N gives it."""
-
-
 def guessed_updates(run: str, findings: list[Finding], source: RunSteps) -> list[Finding]:
     """A run whose recorder was told no update's end (`Provenance.steps_inferred`): a uniform factor may be gradient
     accumulation read a microbatch at a time, and a per-microbatch mean reads as the token mean, so the logs cannot
@@ -220,7 +216,7 @@ def guessed_updates(run: str, findings: list[Finding], source: RunSteps) -> list
         "The updates' ends were guessed, a backward each (update_ends_guessed): under gradient accumulation each "
         "microbatch weighs N_micro/N, which this may be."
     )
-    return [*cannot_tell(findings, GUESSED_UPDATE_FACTORS, why), guessed]
+    return [*cannot_tell(findings, PARTIAL_UPDATE_FACTORS, why), guessed]
 
 
 def apply_policy(findings: list[Finding], min_ratio: float | None) -> list[Finding]:

@@ -190,7 +190,10 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         "evidence about the gradient: the verdict reads the records kept. Except where the records a later launch "
         "recorded again, judged alone, weigh their tokens wrong (a normalization's error): a launch that resumed from a checkpoint after them (its steps "
         "numbered from 0 again) kept what they trained, one that replayed them from an earlier checkpoint did not, "
-        "and the logs cannot tell which, so the run is inconclusive.",
+        "and the logs cannot tell which, so the run is inconclusive. And where copies inside one file differ "
+        "(microbatches logged under one index, loss terms without a term column, or a step given again): the later "
+        "copies alone may hold part of an update's tokens, so a uniform factor over those steps cannot be told "
+        "either.",
         fix="Leave copies out of the folder audited; give each launch its own run_id; resume from the "
         "checkpoint's step; give the recorder the optimizer's global step.",
         example="Steps 90–99 were recorded before a crash and again after resuming from step 90.",

@@ -5,7 +5,7 @@ normalization is recovered lives in `tokaudit._normalization`; each concern here
 """
 
 from tokaudit._checks.base import RunSteps, cannot_tell, distinct, grouped, loss_terms, main_term_first, rank_masks
-from tokaudit._checks.base import run_finding, weight_ratio, world_sizes
+from tokaudit._checks.base import PARTIAL_UPDATE_FACTORS, run_finding, weight_ratio, world_sizes
 from tokaudit._checks.duplicates import Replaced, with_replaced
 from tokaudit._checks.miscount import miscounted_rows, outside_probe_range, without_miscounted
 from tokaudit._checks.objective import one_objective, pooled_steps, pooled_sums
@@ -14,6 +14,7 @@ from tokaudit._checks.split_runs import with_other_ranks
 from tokaudit._checks.unread import with_unread_files
 
 __all__ = [
+    "PARTIAL_UPDATE_FACTORS",
     "cannot_tell",
     "check_run",
     "distinct",

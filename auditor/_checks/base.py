@@ -183,12 +183,21 @@ class ListedSteps:
         return ", ".join(map(str, self.first)) + (f", … ({self.count} in all)" if self.count > 8 else "")
 
 
-def cannot_tell(findings: list[Finding], codes: Iterable[Code], why: str) -> list[Finding]:
-    """The findings of these codes as warnings that say the logs cannot tell, `why` added to each message (what may
-    explain them instead); the others as they are."""
+PARTIAL_UPDATE_FACTORS = frozenset({Code.SCALE_MISMATCH, Code.WORLD_SIZE_MISMATCH})
+"""Uniform factors that an update judged on part of its records makes (its ends guessed from the backwards, copies
+of its keys dropped): each record weighs N_part/N of what the whole update's N gives it."""
+
+
+def cannot_tell(
+    findings: list[Finding], codes: Iterable[Code], why: str, where: Callable[[Finding], bool] | None = None
+) -> list[Finding]:
+    """The findings of these codes (and those `where` says) as warnings that say the logs cannot tell, `why` added to
+    each message (what may explain them instead); the others as they are."""
     said = frozenset(codes)
     return [
-        replace(f, severity=Severity.WARNING, undecidable=True, message=f"{f.message} {why}") if f.code in said else f
+        replace(f, severity=Severity.WARNING, undecidable=True, message=f"{f.message} {why}")
+        if f.code in said or (where is not None and where(f))
+        else f
         for f in findings
     ]
 

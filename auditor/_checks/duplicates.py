@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tokaudit._checks.base import cannot_tell
+from tokaudit._checks.base import PARTIAL_UPDATE_FACTORS, cannot_tell
 from tokaudit._engine import Duplicates
-from tokaudit.codes import DEFAULT_SEVERITY, Code
+from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
 from tokaudit._report import Finding, StepRange
 
 
@@ -36,6 +36,30 @@ def with_replaced(findings: list[Finding], replaced: Replaced) -> list[Finding]:
     )
     said = [replace(f, message=f.message.replace(NOT_DECIDING, "")) for f in findings]
     return cannot_tell(said, [Code.DUPLICATE_RECORDS], why)
+
+
+def with_copies_in_one_file(findings: list[Finding], duplicates: Duplicates) -> list[Finding]:
+    """Copies of a key inside one file whose values differ: records its writer did not tell apart (microbatches
+    logged under one index, loss terms without a term column), each of which counts, or a step given again, each an
+    update of its own. The steps they are in were judged on the later copies alone: the uniform factors over those steps
+    (`PARTIAL_UPDATE_FACTORS`: a part of an update's records), and duplicate_records, say the logs cannot tell; weights
+    that differ among the copies kept are no artefact of the part, and stand."""
+    if duplicates.identical or not duplicates.one_file:
+        return findings
+    why = (
+        "The copies in one file hold other values: records the writer did not tell apart (microbatches logged under "
+        "one index, loss terms without a term column), each of which counts, or a step given again, each an update "
+        "of its own. Either way the steps they are in were judged on the later copies alone, whose N may be part of the "
+        "update's: the logs cannot tell."
+    )
+
+    def over_copies(finding: Finding) -> bool:
+        steps = finding.steps
+        partial = finding.code in PARTIAL_UPDATE_FACTORS and finding.severity.rank >= Severity.WARNING.rank
+        return partial and steps.first <= duplicates.last and duplicates.first <= steps.last
+
+    said = [replace(f, message=f.message.replace(NOT_DECIDING, "")) for f in findings]
+    return cannot_tell(said, [Code.DUPLICATE_RECORDS], why, where=over_copies)
 
 
 def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:

@@ -15,7 +15,7 @@ from tokaudit._checks.objective import OneObjective, one_objective
 from tokaudit._checks.probe import ProbeCheck, per_sequence_first
 from tokaudit._checks.reported import reported_findings
 from tokaudit._checks.structure import DivisorCheck, MissingRanksCheck, StructureCheck, SyncCheck, ValuesCheck
-from tokaudit._checks.duplicates import duplicates_finding
+from tokaudit._checks.duplicates import duplicates_finding, with_copies_in_one_file
 from tokaudit._checks.structure import WeightPresenceCheck, not_recorded_finding, ranks_not_recorded
 from tokaudit._checks.weighting import BalancedCheck, FactorTable, WeightingCheck
 from tokaudit._engine import Duplicates, one_value
@@ -84,7 +84,7 @@ def check_run(
     if reported:
         findings.extend(reported_findings(source, run, rtol, source.terms[0], pooled=objective is not None))
     if duplicates is not None:
-        findings.append(duplicates_finding(duplicates, run))
+        findings = with_copies_in_one_file([*findings, duplicates_finding(duplicates, run)], duplicates)
     return findings, spans, omitted
 
 

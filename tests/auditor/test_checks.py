@@ -1162,3 +1162,31 @@ def test_an_update_a_guard_dropped_before_its_last_microbatch_is_information(tmp
         row["skipped"] = row["step"] == 1
     report = audit_rows(tmp_path / "dropped", rows)
     assert only(report, Code.MISSING_SYNC).severity == Severity.INFO and report.runs[0].verdict == "correct"
+
+
+def test_copies_of_a_key_in_one_file_that_differ_leave_the_verdict_to_what_they_cannot_change(tmp_path: Path) -> None:
+    """A writer that logs every microbatch under micro 0 (a correct token mean over 2 microbatches a rank): each
+    step's copies lie in one file and differ. Keeping the later copy alone halves N, a uniform factor that is no
+    evidence (it read incorrect, scale_mismatch): the logs cannot tell. Two loss heads logged without a term column,
+    the first a local mean, the second the token mean: the later copies are the second head's, and the run read
+    correct; it is inconclusive. A rank-local mean whose kept copies weigh their tokens apart stays incorrect."""
+    rows = records(UNEVEN_GA, token_mean)
+    for row in rows:
+        row["micro"] = 0
+    report = audit_rows(tmp_path / "untold", rows)
+    assert report.runs[0].verdict == "inconclusive", report.findings
+    assert all(f.undecidable for f in report.findings) and "duplicate_records" in codes(report)
+
+    heads = [
+        {**row, "micro": 0, "backward_scalar": scalar}
+        for main, aux in zip(records(UNEVEN, local_mean), records(UNEVEN, token_mean))
+        for row, scalar in ((main, main["backward_scalar"]), (aux, aux["backward_scalar"]))
+    ]
+    report = audit_rows(tmp_path / "heads", heads)
+    assert report.runs[0].verdict == "inconclusive", report.findings
+
+    wrong = records(UNEVEN_GA, local_mean)
+    for row in wrong:
+        row["micro"] = 0
+    report = audit_rows(tmp_path / "wrong", wrong)
+    assert report.runs[0].verdict == "incorrect", report.findings
