@@ -488,3 +488,16 @@ def test_a_log_of_files_without_a_row_is_one_line_and_exit_2(tmp_path: Path) -> 
     write_by_rank(tmp_path / "good", records(UNEVEN, token_mean))  # beside a run that has records: still said
     code, out, err = invoke("check", str(tmp_path), "--format", "json")
     assert code == 2 and len(error_lines(err)) == 1 and [r["run"] for r in json.loads(out)["runs"]] == ["good"]
+
+
+def test_an_empty_pandas_frame_beside_the_shards_is_no_record_and_no_problem(tmp_path: Path) -> None:
+    """A logger that flushes its empty buffer at start: `pd.DataFrame(columns=...).to_parquet()` writes the log's
+    columns with no row, each of Arrow type null. Beside a correct run's shards it holds nothing to check (its
+    values were read, and an Arrow kernel error made the run inconclusive and exit 2)."""
+    import pandas as pd
+
+    write_by_rank(tmp_path / "run", records(UNEVEN, token_mean))
+    pd.DataFrame(columns=list(records(UNEVEN, token_mean)[0])).to_parquet(tmp_path / "run" / "rank-0-000.parquet")
+    code, out, err = invoke("check", str(tmp_path / "run"), "--format", "json")
+    assert code == 0 and err == "", err
+    assert [run["verdict"] for run in json.loads(out)["runs"]] == ["correct"]
