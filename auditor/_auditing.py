@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from tokaudit._checks import Replaced, check_run, one_objective, with_other_ranks, with_replaced, with_unread_files
-from tokaudit._checks import without_miscounted
+from tokaudit._checks import RunSteps, without_miscounted
 from tokaudit.codes import DEFAULT_RTOL, TOKEN_MEAN_FIXES, WEIGHTING, Code, Severity
 from tokaudit._settings import BOUNDS, code_named, within
 from tokaudit._engine import Duplicates, Spilled, extremes_at, sweep_scratch
@@ -27,7 +27,7 @@ from tokaudit._schema import UNNAMED, Provenance
 from tokaudit._ends import FooterEnds, both_ends, recorded_end, uneven_ends
 from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
 from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, stored_precision
-from tokaudit._summary import guessed_updates, unfinished_finding, unread_files
+from tokaudit._summary import guessed_updates, unfinished_finding, unread_files, within_roundings
 
 
 _CODE_ORDER = {code: index for index, code in enumerate(Code)}
@@ -307,12 +307,7 @@ class _RunJudge:
             run_findings.append(unfinished_finding(run, stopped))
         if ended is not None:
             run_findings.append(ended.finding(run))
-        if self.setups.get(run, Provenance()).steps_inferred:
-            run_findings = guessed_updates(run, run_findings, source)
-        if run in self.unread:
-            run_findings = with_unread_files(run, run_findings, self.unread[run], source)
-        if run in self.replaced:
-            run_findings = with_replaced(run_findings, self.replaced[run])
+        run_findings = self._cannot_tell(run, run_findings, source, bits)
         # The verdict is a claim about the gradient: it reads every finding as found. --min-ratio makes some
         # information and --ignore leaves some out, in the listing and in what fails the command (`gate_verdict`),
         # never in the verdict.
@@ -328,6 +323,17 @@ class _RunJudge:
             terms_pooled=objective is not None,
             ignored=sorted({f.code.value for f in run_findings if f.code in self.judging.ignored}),
         )
+
+    def _cannot_tell(self, run: str, findings: list[Finding], source: RunSteps, bits: int | None) -> list[Finding]:
+        """The run's findings with what the logs cannot tell said so: updates' ends guessed, files unread, an earlier
+        launch replaced, weights apart by no more than the run's precision rounds twice."""
+        if self.setups.get(run, Provenance()).steps_inferred:
+            findings = guessed_updates(run, findings, source)
+        if run in self.unread:
+            findings = with_unread_files(run, findings, self.unread[run], source)
+        if run in self.replaced:
+            findings = with_replaced(findings, self.replaced[run])
+        return within_roundings(findings, bits)
 
 
 def _replaced(

@@ -219,6 +219,25 @@ def guessed_updates(run: str, findings: list[Finding], source: RunSteps) -> list
     return [*cannot_tell(findings, PARTIAL_UPDATE_FACTORS, why), guessed]
 
 
+def within_roundings(findings: list[Finding], bits: int | None) -> list[Finding]:
+    """Weights no further apart than two roundings at the run's precision make (p bits, u = 2⁻ᵖ): a weight b/S rounds
+    twice where the loss b divides was itself rounded to p bits and S was logged from a finer sum (a bfloat16 loss
+    backpropagated as S_bf16·W/N, S summed in float32), so two weights of a right run may be 4u = 2^(2−p) apart,
+    twice the 2u a run is judged at (`judged_rtol`), and a small mistake (S/(n+1) at n ≈ 100) reads the same. Those
+    findings say the logs cannot tell: never incorrect for a rounding, never correct for a mistake."""
+    band = 2.0 ** (2 - (24 if bits is None else bits))
+    why = (
+        f"Its weights are within {band:.3g} of each other: two roundings at {24 if bits is None else bits} bits "
+        "(a loss rounded before b divides it, S logged from a finer sum) make as much, so the logs cannot tell a "
+        "rounding from a small mistake."
+    )
+
+    def rounded(finding: Finding) -> bool:
+        return finding.code in WEIGHTING and finding.evidence.get("weight_ratio", math.inf) <= 1 + band
+
+    return cannot_tell(findings, (), why, where=rounded)
+
+
 def apply_policy(findings: list[Finding], min_ratio: float | None) -> list[Finding]:
     """--min-ratio: a weighting finding below the ratio a CI gate accepts is information, in the listing and in what
     fails the command; the verdict reads it as found."""

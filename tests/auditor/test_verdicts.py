@@ -279,3 +279,25 @@ def test_the_gate_and_the_summary_read_one_weight_ratio(tmp_path: Path) -> None:
     # the gate leaves it as severe as it was (a warning, after the probe's own finding, which leads)
     assert [f.severity.value for f in gated.findings if f.code.value == "local_mean"] == ["warning"]
     assert [f.severity.value for f in report.findings if f.code.value == "local_mean"] == ["warning"]
+
+
+def test_weights_within_two_bfloat16_roundings_are_neither_incorrect_nor_correct(tmp_path: Path) -> None:
+    """A right loop in bfloat16 whose logger sums S in float32 while b = S_bf16·W/N is computed in bfloat16: each
+    weight b/S rounds twice, and two records' weights may be 2⁻⁶ apart where the run is judged at 2⁻⁷ (it read
+    incorrect, padded_denominator). A near miss, S/(n + 1) at n of 100 to 400, weighs its tokens as little apart:
+    the logs cannot tell the two, and neither is called correct."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    counts = [[[int(rng.integers(100, 400)) for _ in range(2)] for _ in range(4)] for _ in range(8)]
+    rows = records(counts, token_mean, precision_bits=8)
+    for row in rows:
+        per_token = torch.tensor(rng.uniform(1.5, 3.0, size=row["valid_tokens"])).to(torch.bfloat16)
+        tokens = sum(r["valid_tokens"] for r in rows if r["step"] == row["step"])
+        row["loss_sum"] = float(per_token.float().sum())
+        row["backward_scalar"] = float(per_token.sum() * row["world_size"] / tokens)  # rounded in bfloat16
+    report = audit_rows(tmp_path / "rounded", rows)
+    assert verdict(report) == "inconclusive" and all(f.undecidable for f in report.findings), report.findings
+
+    near = records(counts, lambda S, n, **_: S / (n + 1), precision_bits=8)
+    assert verdict(audit_rows(tmp_path / "near", near)) != "correct"
