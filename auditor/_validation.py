@@ -169,16 +169,19 @@ def raise_beyond_int64(parquet: Readable, column: str) -> None:
 
 
 def _no_nulls(table: pa.Table, column: str) -> None:
-    _raise_at_first(pc.is_null(table[column]), f"column '{column}' has a null value")
+    # pandas writes a float NaN as a null: the NaN the log held (a non-finite loss, a finding of its own) is gone
+    floating = pa.types.is_floating(table.schema.field(column).type)
+    said = ": pandas writes a NaN as a null; write the NaN itself (pyarrow keeps it)" if floating else ""
+    _raise_at_first(pc.is_null(table[column]), f"column '{column}' has a null value", after=said)
 
 
-def _raise_at_first(mask: Any, problem: str, values: Any = None) -> None:
+def _raise_at_first(mask: Any, problem: str, values: Any = None, after: str = "") -> None:
     mask = pc.fill_null(mask, False)
     if not pc.any(mask).as_py():
         return
     row = pc.index(mask, True).as_py()
     shown = f" ({values[row].as_py()!r})" if values is not None else ""
-    raise LogFormatError("", f"{problem}{shown} at row {row}")
+    raise LogFormatError("", f"{problem}{shown} at row {row}{after}")
 
 
 def newer_version(version: int) -> str:

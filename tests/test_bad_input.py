@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -501,3 +502,19 @@ def test_an_empty_pandas_frame_beside_the_shards_is_no_record_and_no_problem(tmp
     code, out, err = invoke("check", str(tmp_path / "run"), "--format", "json")
     assert code == 0 and err == "", err
     assert [run["verdict"] for run in json.loads(out)["runs"]] == ["correct"]
+
+
+def test_a_nan_loss_that_pandas_wrote_as_a_null_says_so(tmp_path: Path) -> None:
+    """pandas writes a float column's NaN as a null: the log no longer holds the NaN (a non-finite loss, a finding of
+    its own) but a null, which a required column refuses. The one line says what pandas did."""
+    import pandas as pd
+
+    rows = records(UNEVEN, token_mean)
+    rows[3]["loss_sum"] = math.nan
+    (tmp_path / "run").mkdir()
+    pd.DataFrame(rows).to_parquet(tmp_path / "run" / "log.parquet")
+    code, _, err = invoke("check", str(tmp_path / "run"))
+    assert code == 2 and error_lines(err) == [
+        f"tokaudit: error: {tmp_path / 'run' / 'log.parquet'}: column 'loss_sum' has a null value at row 3: pandas "
+        "writes a NaN as a null; write the NaN itself (pyarrow keeps it)"
+    ], err

@@ -50,10 +50,11 @@ def _told(finding: Finding, names: list[str], ranks: frozenset[int], w: int) -> 
     message = (
         f"{finding.message} Other runs of this audit ({named}) hold rank(s) {step_list(sorted(ranks))} of W={w} "
         "over the same steps: if they are this run's other ranks, its run id differed from rank to rank (a time "
-        "stamp, a tracker's run id or the rank in it), which splits one run into runs of a few ranks each."
+        "stamp, a tracker's run id or the rank in it), or each rank's files lie in a folder of their own without a "
+        "run_id column (a run is then named by its folder), which splits one run into runs of a few ranks each."
     )
     fix = (
         "give every rank the same run_id (one the launcher sets, such as TORCHELASTIC_RUN_ID, or rank 0's, "
-        f"broadcast); else {finding.fix}"
+        f"broadcast), or put every rank's files in one folder (rank=N/ folders below it are its parts); else {finding.fix}"
     )
     return replace(finding, message=message, fix=fix, evidence={**finding.evidence, "runs_with_other_ranks": names})

@@ -60,3 +60,6 @@ def test_a_correct_run_recorded_under_a_run_id_per_rank_says_so_and_counts_its_r
     assert named == {"exp-1733000000": ["exp-1733000001"], "exp-1733000001": ["exp-1733000000"]}
     assert all("run id differed from rank to rank" in f["message"] for f in report["findings"])
     assert all(f["fix"].startswith("give every rank the same run_id") for f in report["findings"])
+    # no run_id column: the folders named the runs, and the message and fix say so
+    assert all("in a folder of their own without a run_id column" in f["message"] for f in report["findings"])
+    assert all("put every rank's files in one folder" in f["fix"] for f in report["findings"])
