@@ -62,8 +62,9 @@ def _unnamed_parquet(folder: str, files: list[str]) -> int:
 
 
 def _extensionless_parquet(path: Path) -> bool:
-    """A file of no extension that begins as Parquet does (Hive names its files 000000_0)."""
-    if "." in path.name:
+    """A file of no extension that begins as Parquet does (Hive names its files 000000_0). Not a writer's summary of
+    its dataset (pyarrow's _metadata and _common_metadata: footers, no row), which pyarrow skips too."""
+    if "." in path.name or path.name.startswith("_"):
         return False
     try:
         with open(path, "rb") as file:

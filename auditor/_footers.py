@@ -394,8 +394,8 @@ def checked_schema(schema: pa.Schema, supplied: frozenset[str] = frozenset()) ->
 
 
 _PANDAS_INTEGERS = (
-    " (pandas stores an integer column holding a missing value as float; write it as pandas' nullable integer: "
-    "df.astype({{'{column}': 'Int64'}}))"
+    " (a count written as float: pandas does so where one value is missing, numpy where it was computed as a float; "
+    "write it as an integer, with pandas' nullable integer where a value is missing: df.astype({{'{column}': 'Int64'}}))"
 )
 """The fix where an integer column came as float: a pandas frame with NaN in it (one step without positions, a
 concatenation of frames where one lacks the column) writes the whole column so."""

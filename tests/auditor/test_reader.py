@@ -81,9 +81,9 @@ def bad_files(folder: Path) -> dict[str, str]:
     return {
         "missing.parquet": "missing column 'valid_tokens' (n: valid tokens of the microbatch)",
         "mistyped.parquet": "column 'valid_tokens' has type string, expected an integer type",
-        "pandas_float.parquet": "column 'positions' has type double, expected an integer type (pandas stores an "
-        "integer column holding a missing value as float; write it as pandas' nullable integer: "
-        "df.astype({'positions': 'Int64'}))",
+        "pandas_float.parquet": "column 'positions' has type double, expected an integer type (a count written as "
+        "float: pandas does so where one value is missing, numpy where it was computed as a float; write it as an "
+        "integer, with pandas' nullable integer where a value is missing: df.astype({'positions': 'Int64'}))",
         "negative.parquet": "column 'valid_tokens' has a negative count (-4) at row 3",
         "newer.parquet": "schema_version 2 is newer than this tokaudit reads (1)",
         "null.parquet": "column 'step' has a null value at row 1",
@@ -748,11 +748,13 @@ def test_a_folder_of_parquet_files_named_otherwise_says_so(tmp_path: Path) -> No
 
 def test_parquet_files_of_no_extension_beside_parquet_ones_are_said(tmp_path: Path) -> None:
     """A rank's Hive-named file (000001_0) beside another's .parquet: not read, and said in a note rather than left
-    out in silence (the run would read as missing a rank); a _SUCCESS marker is no such file."""
+    out in silence (the run would read as missing a rank); a _SUCCESS marker is no such file, nor pyarrow's summary
+    of a dataset's schema (_common_metadata: a footer, no row)."""
     rows = records(UNEVEN, token_mean)
     write(tmp_path / "run" / "rank-0.parquet", [r for r in rows if r["rank"] == 0])
     write(tmp_path / "run" / "000001_0", [r for r in rows if r["rank"] == 1])
     (tmp_path / "run" / "_SUCCESS").write_text("")
+    pq.write_metadata(pq.read_schema(tmp_path / "run" / "rank-0.parquet"), tmp_path / "run" / "_common_metadata")
     notes: list[str] = []
     files, problems = discover([tmp_path], notes)
     assert [f.name for f in files] == ["rank-0.parquet"] and not problems
