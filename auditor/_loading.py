@@ -183,7 +183,7 @@ def separate_runs(shards: list[Shard]) -> list[Shard]:
     for shard in shards:
         if (run := run_of(shard)) is not None:
             folders.setdefault(run, {}).setdefault(folder_of(shard), []).append(shard)
-    clashing = {run for run, held in folders.items() if len(held) > 1 and _repeat(held)}
+    clashing = {run for run, held in folders.items() if len(held) > 1 and _repeat(held) and _keys_shared(held)}
     if not clashing:
         return shards
     out = []
@@ -225,6 +225,32 @@ def _repeat(folders: dict[str, list[Shard]]) -> bool:
                 return True
             reach[folder] = max(reach.get(folder, last), last)
     return False
+
+
+def _keys_shared(folders: dict[str, list[Shard]]) -> bool:
+    """Whether two of the folders hold one (step, rank), by their records: where their files' ranges overlap (a step
+    that ran past midnight, its ranks' records in two days' folders), the records say. A file on object storage, or
+    one that cannot be read here: they may."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    held = []
+    for shards in folders.values():
+        keys = []
+        for shard in shards:
+            given = dict(shard.partition)  # a column its folders give: every record's value
+            if shard.store is not None:
+                return True
+            try:
+                read = pq.read_table(shard.path, columns=[c for c in ("step", "rank") if c not in given])
+            except Exception:
+                return True
+            step, rank = ([given[c]] * read.num_rows if c in given else read[c] for c in ("step", "rank"))
+            # one number a key; ranks from 2²⁴ on may repeat another's, which reads as shared (the folders apart)
+            keys.append(np.asarray(step, np.int64) * (1 << 24) + np.asarray(rank, np.int64))
+        held.append(np.unique(np.concatenate(keys)))
+    every = np.concatenate(held)
+    return len(np.unique(every)) < len(every)
 
 
 REMOTE_READERS = 16

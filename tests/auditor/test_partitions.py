@@ -180,3 +180,14 @@ def test_a_run_partitioned_by_day_is_one_run_across_midnight(tmp_path: Path) -> 
         )
     code, report, _ = check_json(tmp_path / "daily")
     assert code == 0 and [(r["run"], r["verdict"], r["steps"]) for r in report["runs"]] == [("exp1", "correct", 3)]
+    # a file a day holding every rank, step 1 split at midnight (rank 0's before, rank 1's after): the files' step
+    # ranges overlap, their records share no (step, rank): one run (it read as two, one missing a rank: incorrect)
+    for day, kept in (
+        ("2026-12-01", lambda r: (r["step"], r["rank"]) < (1, 1)),
+        ("2026-12-02", lambda r: (r["step"], r["rank"]) >= (1, 1)),
+    ):
+        folder = tmp_path / "midnight" / f"date={day}"
+        folder.mkdir(parents=True)
+        pq.write_table(pa.Table.from_pylist([r for r in rows if kept(r)]), folder / "part-0.parquet")
+    code, report, _ = check_json(tmp_path / "midnight")
+    assert code == 0 and [(r["run"], r["verdict"], r["steps"]) for r in report["runs"]] == [("exp1", "correct", 3)]
