@@ -30,14 +30,26 @@ def decimals(values: np.ndarray) -> np.ndarray:
     return out
 
 
+HALF_PRECISIONS = ((8, np.uint32(0xFFFF)), (11, None))
+"""The binary formats a logged loss may have been stored in, coarsest first: bfloat16 (8 significant bits: a float32
+whose low 16 bits are 0) and float16 (11; exact where a cast to float16 and back keeps it)."""
+
+BINARY_SEEN = 3
+"""Distinct values that must all be exact in a half precision before the losses are read as stored in it (one such
+as 2.5 is exact in every one by chance; three losses of a real run, only where a half tensor held them)."""
+
+
 class _Rounding:
     """Half a unit of the last decimal a trainer rounded its logged losses to, read from all of them (a
-    value with few decimals by chance says nothing alone); 0 when they are not rounded."""
+    value with few decimals by chance says nothing alone); 0 when they are not rounded. And the relative half unit
+    of the coarsest half precision every one of them is exact in (a half tensor's value logged), 0 where none."""
 
     def __init__(self) -> None:
         self.most = -1
         self.unrounded = False
         self.seen = False
+        self.exact_in = {bits: True for bits, _ in HALF_PRECISIONS}
+        self.distinct: set[float] = set()
 
     def add(self, values: np.ndarray) -> None:
         if not len(values):
@@ -46,11 +58,25 @@ class _Rounding:
         self.seen = True
         self.unrounded = self.unrounded or bool((k < 0).any())
         self.most = max(self.most, int(k.max()))
+        finite = values[np.isfinite(values)]
+        single = finite.astype(np.float32)
+        in_single = bool((single == finite).all())
+        for bits, low in HALF_PRECISIONS:
+            cast = (single.view(np.uint32) & low) == 0 if low is not None else single.astype(np.float16) == single
+            self.exact_in[bits] = self.exact_in[bits] and in_single and bool(np.all(cast))
+        if len(self.distinct) < BINARY_SEEN:
+            self.distinct.update(finite[:BINARY_SEEN].tolist())
 
     def value(self) -> float:
         if not self.seen or self.unrounded:
             return 0.0
         return 0.5 * 10.0 ** (-self.most) * (1 + 1e-6)
+
+    def relative(self) -> float:
+        """2⁻ᵖ of the coarsest half precision (p bits) every loss is exact in: half a unit in its last place."""
+        if len(self.distinct) < BINARY_SEEN:
+            return 0.0
+        return next((2.0**-bits for bits, _ in HALF_PRECISIONS if self.exact_in[bits]), 0.0)
 
 
 def _agrees(reported: np.ndarray, truth: np.ndarray, rtol: float, rounding: float) -> np.ndarray:
@@ -211,6 +237,7 @@ def reported_findings(
     if not rounding_seen.seen:
         return
     rounding = rounding_seen.value()
+    rtol = max(rtol, rounding_seen.relative())  # (a float16 loss is off by its half unit: no mismatch)
 
     found = _Differing.of(source, main_term, rtol, rounding, pooled)
     if found.first is None:

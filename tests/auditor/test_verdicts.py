@@ -301,3 +301,36 @@ def test_weights_within_two_bfloat16_roundings_are_neither_incorrect_nor_correct
 
     near = records(counts, lambda S, n, **_: S / (n + 1), precision_bits=8)
     assert verdict(audit_rows(tmp_path / "near", near)) != "correct"
+
+
+def test_a_logged_loss_stored_in_float16_is_compared_within_its_rounding(tmp_path: Path) -> None:
+    """The token mean logged from a half tensor (a float16 column, or its values in a float64 one): off by up to
+    2⁻¹¹ of itself, no mismatch (it read "differs beyond rounding; 1× the token mean"). The mean of local means,
+    logged so, is still told apart."""
+    rows = records(UNEVEN_GA, token_mean)
+    for step in range(len(UNEVEN_GA)):
+        mine = [r for r in rows if r["step"] == step]
+        truth = sum(r["loss_sum"] for r in mine) / sum(r["valid_tokens"] for r in mine)
+        local = np.mean(
+            [
+                sum(r["loss_sum"] for r in mine if r["rank"] == k)
+                / sum(r["valid_tokens"] for r in mine if r["rank"] == k)
+                for k in (0, 1)
+            ]
+        )
+        for row in mine:
+            row["reported_loss"], row["local"] = float(np.float16(truth)), float(np.float16(local))
+    assert any(row["reported_loss"] != row["loss_sum"] for row in rows)
+    for name, stored in (("half", pa.float16()), ("double", pa.float64())):
+        table = pa.Table.from_pylist([{k: v for k, v in r.items() if k != "local"} for r in rows])
+        table = table.set_column(
+            table.column_names.index("reported_loss"), "reported_loss", table["reported_loss"].cast(stored)
+        )
+        (tmp_path / name).mkdir()
+        pq.write_table(table, tmp_path / name / "log.parquet")
+        report = audit([tmp_path / name])
+        assert report.findings == [] and verdict(report) == "correct", (name, report.findings)
+    local_rows = [dict(r, reported_loss=r["local"]) for r in rows]
+    for row in local_rows:
+        del row["local"]
+    assert "reported_loss_mismatch" in codes(audit_rows(tmp_path / "local", local_rows))
