@@ -62,7 +62,7 @@ class Cluster:
                     runtime_env={"env_vars": forwarded_environment()},
                 )
         except Exception as error:  # Ray raises ConnectionError, RuntimeError or its own for an absent cluster
-            said = first_line(error)
+            said = " ".join(str(error).split())[:400] or first_line(error)  # Ray's remedy may follow a line break
             if address == "auto" and "Could not find any running Ray instance" in said:  # Ray's remedy names its flag
                 said = (
                     "no Ray runs on this machine: start one with `ray start --head`, or give a cluster's address, "
@@ -185,16 +185,52 @@ def forwarded_environment() -> dict[str, str]:
 
 
 def _answers(address: str) -> None:
-    """A HOST:PORT, or a Ray client's ray://HOST:PORT, that no server answers is refused at once: Ray would retry it
-    for minutes (its client for half of one, with a warning of its own)."""
-    served = address.removeprefix("ray://")
+    """A HOST:PORT, or a Ray client's ray://HOST:PORT, that no Ray server answers is refused at once: Ray would retry it
+    for minutes (its client for half of one, with a warning of its own), or for ever where another server listens
+    there. `auto` is the address Ray would join (RAY_ADDRESS, else the cluster this machine last started), whose
+    head may have died since."""
+    served = (_auto_address() if address == "auto" else address.removeprefix("ray://")) or ""
     host, _, port = served.rpartition(":")
     if not host or not port.isdigit() or "://" in served:
-        return  # `auto`, `local`, another scheme: Ray's to answer
+        return  # `auto` with no cluster started here, `local`, another scheme: Ray's to answer
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # an IPv6 address, as sockets take it
     try:
-        socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS).close()
+        with socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS) as connection:
+            grpc = _speaks_http2(connection)
     except OSError as error:
-        raise UsageError(f"cannot reach the Ray cluster at {address} ({error.strerror or error})") from None
+        where = f"{served}: " if served != address.removeprefix("ray://") else ""  # what `auto` stood for
+        raise UsageError(f"cannot reach the Ray cluster at {address} ({where}{error.strerror or error})") from None
+    if not grpc:
+        raise UsageError(
+            f"cannot reach the Ray cluster at {address} ({served} answers, but not as Ray does: its head's port, "
+            "6379 unless `ray start --head --port` said another, or a Ray client's ray://HOST:10001)"
+        )
+
+
+def _speaks_http2(connection: socket.socket) -> bool:
+    """Whether the server speaks HTTP/2, as Ray's gRPC ports do: to a client's preface it answers with a frame of
+    SETTINGS (type 4, the fourth byte of its header) first, where an HTTP/1 server answers with text or closes."""
+    try:
+        connection.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+        head = connection.recv(9)
+    except OSError:
+        return False
+    return len(head) >= 4 and head[3] == 4
+
+
+def _auto_address() -> str | None:
+    """The address `ray.init("auto")` joins: RAY_ADDRESS, else the cluster last started on this machine (Ray's note of
+    it), None where there is none."""
+    from_environment = os.environ.get("RAY_ADDRESS")
+    if from_environment:
+        return from_environment.removeprefix("ray://")
+    try:
+        from ray._private.utils import read_ray_address  # (Ray's own reading of its note)
+
+        found = read_ray_address()
+        return str(found) if found else None
+    except Exception:
+        return None
 
 
 CONNECT_SECONDS = 10

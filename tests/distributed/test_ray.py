@@ -261,3 +261,38 @@ def test_auto_with_no_ray_on_this_machine_names_tokaudit_s_own_options(monkeypat
         "cannot reach the Ray cluster at auto (no Ray runs on this machine: start one with `ray start --head`, or "
         "give a cluster's address, --ray ADDRESS or RAY_ADDRESS)"
     )
+
+
+def test_an_address_where_another_server_listens_is_one_line_at_once() -> None:
+    """A port where a server that is not Ray listens (a web server): Ray retried it for ever. Refused in one line,
+    given as HOST:PORT, as an IPv6 [HOST]:PORT (its brackets were passed to the socket: "Name or service not
+    known"), or as RAY_ADDRESS behind a bare --ray."""
+    import http.server
+    import threading
+
+    class Quiet(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *_: object) -> None:
+            pass
+
+    for host, shown in (("127.0.0.1", "127.0.0.1"), ("::1", "[::1]")):
+        server_class = type("Server", (http.server.HTTPServer,), {"address_family": socket.getaddrinfo(host, 0)[0][0]})
+        server = server_class((host, 0), Quiet)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            address = f"{shown}:{server.server_address[1]}"
+            for args, env in (
+                (["--ray", address], {**os.environ, "RAY_ADDRESS": ""}),
+                (["--ray"], {**os.environ, "RAY_ADDRESS": address}),
+            ):
+                result = subprocess.run(
+                    [sys.executable, "-m", "tokaudit", "check", str(ROOT / "sample_logs" / "bug_local_mean"), *args],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                    timeout=60,
+                )
+                assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+                assert f"{address} answers, but not as Ray does" in result.stderr
+        finally:
+            server.shutdown()
+            server.server_close()
