@@ -196,7 +196,8 @@ def _answers(address: str) -> None:
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # an IPv6 address, as sockets take it
     try:
         with socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS) as connection:
-            grpc = _speaks_http2(connection)
+            # (a cluster that speaks TLS answers no plain preface: Ray's to judge)
+            grpc = os.environ.get("RAY_USE_TLS", "0").lower() not in ("", "0", "false") or _speaks_http2(connection)
     except OSError as error:
         where = f"{served}: " if served != address.removeprefix("ray://") else ""  # what `auto` stood for
         raise UsageError(f"cannot reach the Ray cluster at {address} ({where}{error.strerror or error})") from None
