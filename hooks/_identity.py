@@ -86,6 +86,48 @@ def fsdp2_divisor(model: Any) -> float | None:
     return factors.pop() if len(factors) == 1 else None
 
 
+def fsdp2_param_groups(model: Any) -> list[Any]:
+    """The parameter groups of an FSDP2 module (`fully_shard`) and its FSDP2 submodules: what reduces each one's
+    gradients, and whether it will ([] where there are none, or they cannot be read)."""
+    groups: list[Any] = []
+    try:
+        for module in model.modules():
+            get_state = getattr(module, "_get_fsdp_state", None)
+            if get_state is not None:
+                state = get_state()
+                single = getattr(state, "_fsdp_param_group", None)  # (torch before the list)
+                groups.extend(getattr(state, "_fsdp_param_groups", None) or ([single] if single is not None else []))
+    except Exception:
+        return []
+    return groups
+
+
+def fsdp2_sync(groups: list[Any]) -> bool | None:
+    """Whether the next backward of an FSDP2 module synchronizes its gradients over the data-parallel group: every
+    parameter group reduce-scatters (set_requires_gradient_sync), and under HSDP all-reduces across replicas too
+    (set_requires_all_reduce); None where that cannot be read."""
+    try:
+        return all(
+            group.reduce_grads and (group.all_reduce_grads or not hasattr(group.mesh_info, "replicate_mesh_size"))
+            for group in groups
+        )
+    except Exception:
+        return None
+
+
+def fsdp2_process_group(model: Any) -> Any:
+    """The group an FSDP2 module shards over, where it is one mesh dimension (its data-parallel group on a DP×TP
+    mesh); None for HSDP's two (the world then) or where it cannot be read."""
+    try:
+        meshes = {id(g.mesh_info.mesh): g.mesh_info for g in fsdp2_param_groups(model)}
+        if len(meshes) != 1:
+            return None
+        (info,) = meshes.values()
+        return None if hasattr(info, "replicate_mesh_size") else info.shard_process_group
+    except Exception:
+        return None
+
+
 _UNSEEN = "Until then the audit does not judge the gradient's scale."
 
 
@@ -145,7 +187,7 @@ class Placement:
         """Called once, when rank, W and D are first known (the Recorder's start line)."""
         if group is None:
             try:
-                self.process_group = getattr(model, "process_group", None)
+                self.process_group = getattr(model, "process_group", None) or fsdp2_process_group(model)
             except Exception:  # a model whose attributes raise: the default group
                 pass
         self.identity: Identity | None = None
