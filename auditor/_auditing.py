@@ -328,7 +328,7 @@ class _RunJudge:
         """The run's findings with what the logs cannot tell said so: updates' ends guessed, files unread, an earlier
         launch replaced, weights apart by no more than the run's precision rounds twice."""
         if self.setups.get(run, Provenance()).steps_inferred:
-            findings = guessed_updates(run, findings, source)
+            findings = guessed_updates(run, findings, source, judged_rtol(self.judging.rtol, bits))
         if run in self.unread:
             findings = with_unread_files(run, findings, self.unread[run], source)
         if run in self.replaced:

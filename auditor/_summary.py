@@ -197,10 +197,12 @@ def dropped_steps(shards: Sequence[Shard]) -> dict[str, DroppedRecords]:
     return out
 
 
-def guessed_updates(run: str, findings: list[Finding], source: RunSteps) -> list[Finding]:
+def guessed_updates(run: str, findings: list[Finding], source: RunSteps, rtol: float) -> list[Finding]:
     """A run whose recorder was told no update's end (`Provenance.steps_inferred`): a uniform factor may be gradient
     accumulation read a microbatch at a time, and a per-microbatch mean reads as the token mean, so the logs cannot
-    tell: update_ends_guessed says so, and the uniform factors say they cannot tell either."""
+    tell: update_ends_guessed says so, and the uniform factors say they cannot tell either. Where every step's
+    tokens weigh alike (within `rtol`), no weighting names a denominator either: what one of them reads in a step's
+    N or positions is a microbatch's count."""
     guessed = run_finding(
         run,
         Code.UPDATE_ENDS_GUESSED,
@@ -216,7 +218,14 @@ def guessed_updates(run: str, findings: list[Finding], source: RunSteps) -> list
         "The updates' ends were guessed, a backward each (update_ends_guessed): under gradient accumulation each "
         "microbatch weighs N_micro/N, which this may be."
     )
-    return [*cannot_tell(findings, PARTIAL_UPDATE_FACTORS, why), guessed]
+    uniform = all(_alike(block, rtol) for block in source.blocks())
+    return [*cannot_tell(findings, PARTIAL_UPDATE_FACTORS | (WEIGHTING if uniform else frozenset()), why), guessed]
+
+
+def _alike(block: pd.DataFrame, rtol: float) -> bool:
+    """Whether every step of the block weighs its tokens alike: its heaviest and lightest within rtol."""
+    low, high = block.token_weight_low.to_numpy(float), block.token_weight_high.to_numpy(float)
+    return not bool(np.any(high - low > rtol * np.maximum(np.abs(high), np.abs(low))))
 
 
 def within_roundings(findings: list[Finding], bits: int | None) -> list[Finding]:

@@ -1190,3 +1190,20 @@ def test_copies_of_a_key_in_one_file_that_differ_leave_the_verdict_to_what_they_
         row["micro"] = 0
     report = audit_rows(tmp_path / "wrong", wrong)
     assert report.runs[0].verdict == "incorrect", report.findings
+
+
+def test_guessed_update_ends_over_uniform_weights_name_no_denominator(tmp_path: Path) -> None:
+    """The token mean over 2 microbatches a rank, each microbatch taken for an update (the footers say the ends were
+    guessed), 12 positions recorded a microbatch and N = 24 an update: every step's tokens weigh alike, 1/24, which
+    the fits read as the 24 positions of a step's two records (it read padded_denominator, an error). No
+    denominator is named then: inconclusive. A rank-local mean, whose tokens weigh apart inside a step, stays
+    incorrect."""
+    counts = [[[5, 7], [3, 9]], [[2, 10], [6, 6]], [[8, 4], [4, 8]]]
+    for name, weights, want in (("token_mean", token_mean, "inconclusive"), ("local_mean", local_mean, "incorrect")):
+        rows = [
+            dict(row, step=2 * row["step"] + row["micro"], micro=0, positions=12) for row in records(counts, weights)
+        ]
+        folder = write_by_rank(tmp_path / name, rows, metadata={PROVENANCE_KEY: b'{"steps_inferred": true}'})
+        report = audit([folder])
+        assert report.runs[0].verdict == want, (name, report.findings)
+        assert "update_ends_guessed" in codes(report)
