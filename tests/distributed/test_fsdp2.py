@@ -18,8 +18,37 @@ pytestmark = pytest.mark.distributed
 COUNTS = (((5,), (2,)), ((1,), (7,)), ((6,), (3,)))
 
 
-def fsdp_job(rank: int, world_size: int, log_dir: str, variant: str) -> list[dict[str, Any]]:
+def _full(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every parameter whole (gathered from its shards): what the float64 reference starts from."""
+    return [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[operator]
+
+
+def _stepped(model: torch.nn.Module, optimizer: torch.optim.Optimizer, before: list[torch.Tensor]) -> dict[str, Any]:
+    """The update's parameters before it and its gradients whole, then the optimizer's step."""
+    grads = [p.grad.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
+    optimizer.step()
+    optimizer.zero_grad()
+    return {"before": before, "grads": grads}
+
+
+def _backward(recorder: Any, model: torch.nn.Module, batch: tuple[torch.Tensor, ...], w: int, n: Any) -> None:
+    """One microbatch's loss sum S recorded and backpropagated as b = W·S/N, the token mean into an average."""
+    tokens, labels, valid = batch
+    loss_sum = (per_token_loss(model, tokens, labels) * valid).sum()
+    scalar = w * loss_sum / n
+    recorder.record(loss_sum=loss_sum, valid_tokens=int(valid.sum()), backward_scalar=scalar)
+    scalar.backward()
+
+
+def _parted() -> None:
+    """The sharded model's memory given back on every rank before the processes part."""
     import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+
+
+def fsdp_job(rank: int, world_size: int, log_dir: str, variant: str) -> list[dict[str, Any]]:
     from torch.distributed.fsdp import fully_shard
 
     from tokaudit.hooks import Recorder, global_valid_tokens
@@ -36,7 +65,7 @@ def fsdp_job(rank: int, world_size: int, log_dir: str, variant: str) -> list[dic
         count = per_rank[rank][0]
         tokens, labels, valid = microbatch(step, rank, 0, count)
         global_tokens = global_valid_tokens([labels])
-        before = [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[operator]
+        before = _full(model)
         per_token = recorder.probe(per_token_loss(model, tokens, labels), valid)
         loss_sum = (per_token * valid).sum()
         if variant in ("token_mean", "sum_factor_wrong"):
@@ -47,15 +76,11 @@ def fsdp_job(rank: int, world_size: int, log_dir: str, variant: str) -> list[dic
             scalar = loss_sum / count  # a rank-local mean
         recorder.record(loss_sum=loss_sum, valid_tokens=count, backward_scalar=scalar)
         scalar.backward()
-        grads = [p.grad.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
-        optimizer.step()
-        optimizer.zero_grad()
-        history.append({"before": before, "grads": grads})
+        history.append(_stepped(model, optimizer, before))
     recorder.close()
     divisor = recorder.grad_divisor
     del model, optimizer
-    gc.collect()
-    dist.barrier()
+    _parted()
     return [{"divisor": divisor}, *history]
 
 
@@ -123,7 +148,6 @@ ACCUMULATED = (((5, 1), (2, 6)), ((1, 4), (7, 2)), ((6, 2), (3, 3)))
 def fsdp_accumulation_job(rank: int, world_size: int, log_dir: str, variant: str) -> list[dict[str, Any]]:
     """The token mean over 2 microbatches, gradients synchronized on the last one (`set_requires_gradient_sync`),
     or, `inverted`, on the first one only: the last microbatch's gradient never leaves its rank."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     from tokaudit.hooks import Recorder, global_valid_tokens
@@ -136,22 +160,15 @@ def fsdp_accumulation_job(rank: int, world_size: int, log_dir: str, variant: str
     for step, per_rank in enumerate(ACCUMULATED):
         batches = [microbatch(step, rank, micro, count) for micro, count in enumerate(per_rank[rank])]
         global_tokens = global_valid_tokens([labels for _, labels, _ in batches])
-        before = [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[operator]
+        before = _full(model)
         for micro, (tokens, labels, valid) in enumerate(batches):
             last = micro == len(batches) - 1
             model.set_requires_gradient_sync(last != (variant == "inverted"))  # type: ignore[operator]
-            loss_sum = (per_token_loss(model, tokens, labels) * valid).sum()
-            scalar = world_size * loss_sum / global_tokens
-            recorder.record(loss_sum=loss_sum, valid_tokens=int(valid.sum()), backward_scalar=scalar)
-            scalar.backward()
-        grads = [p.grad.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
-        optimizer.step()
-        optimizer.zero_grad()
-        history.append({"before": before, "grads": grads})
+            _backward(recorder, model, (tokens, labels, valid), world_size, global_tokens)
+        history.append(_stepped(model, optimizer, before))
     recorder.close()
     del model, optimizer
-    gc.collect()
-    dist.barrier()
+    _parted()
     return history
 
 
@@ -185,7 +202,6 @@ def test_fsdp2_s_gradient_sync_is_recorded_and_a_last_microbatch_never_synced_is
 def fsdp_dp_tp_job(rank: int, world_size: int, log_dir: str) -> list[dict[str, Any]]:
     """4 processes as a (dp=2, tp=2) mesh, fully_shard over the dp dimension, both tp ranks of a dp rank on the same
     tokens (what tensor parallelism's replicas see): the token mean over the dp group is W_dp·S/N, W_dp = 2."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -201,19 +217,12 @@ def fsdp_dp_tp_job(rank: int, world_size: int, log_dir: str) -> list[dict[str, A
     for step, per_rank in enumerate(COUNTS):
         tokens, labels, valid = microbatch(step, dp, 0, per_rank[dp][0])
         tokens_of_update = sum(counts[0] for counts in per_rank)  # N over the dp group's tokens
-        before = [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[operator]
-        loss_sum = (per_token_loss(model, tokens, labels) * valid).sum()
-        scalar = 2 * loss_sum / tokens_of_update
-        recorder.record(loss_sum=loss_sum, valid_tokens=int(valid.sum()), backward_scalar=scalar)
-        scalar.backward()
-        grads = [p.grad.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
-        optimizer.step()
-        optimizer.zero_grad()
-        history.append({"before": before, "grads": grads})
+        before = _full(model)
+        _backward(recorder, model, (tokens, labels, valid), 2, tokens_of_update)
+        history.append(_stepped(model, optimizer, before))
     recorder.close()
     del model, optimizer
-    gc.collect()
-    dist.barrier()
+    _parted()
     return history
 
 
