@@ -74,7 +74,9 @@ SCRIPT = "scripts/write_codes_doc.py"
 
 _VERDICT = textwrap.fill(
     "Verdict (per run), about the gradient: `correct` with no warning or error; `inconclusive` when every "
-    f"warning says the logs cannot tell ({_codes(UNDECIDABLE)}), when the run is `{Code.BALANCED_COUNTS.value}`, "
+    f"warning says the logs cannot tell ({_codes(UNDECIDABLE)}, or a finding of another code whose message says "
+    "why it cannot: update ends guessed, a file unread, an earlier launch replaced, copies inside one file, weights "
+    f"within two roundings of the run's precision), when the run is `{Code.BALANCED_COUNTS.value}`, "
     "or when no step could be judged (no step with valid tokens carries a usable weight); `incorrect` otherwise. "
     f"The logged loss ({_codes(REPORTING)}) is the run's `reporting` (matches, differs, absent), "
     "shown beside the verdict, never part of it.",
