@@ -242,7 +242,11 @@ def within_roundings(findings: list[Finding], bits: int | None) -> list[Finding]
     )
 
     def rounded(finding: Finding) -> bool:
-        return finding.code in WEIGHTING and finding.evidence.get("weight_ratio", math.inf) <= 1 + band
+        # the tokens' weights within the band of each other, and of the token mean's 1/N (q = e·N near 1): a
+        # denominator far off (S/T at T ≈ 2n, q ≈ 0.5) is no rounding, however alike its weights
+        q = [finding.evidence.get(side, {}).get("distortion", math.inf) for side in ("heaviest", "lightest")]
+        alike = finding.evidence.get("weight_ratio", math.inf) <= 1 + band
+        return finding.code in WEIGHTING and alike and all(abs(value - 1) <= band for value in q)
 
     return cannot_tell(findings, (), why, where=rounded)
 

@@ -476,14 +476,7 @@ class Recorder(UpdateTracking):
     # ---------------------------------------------------------------- internals: identity, shards
     def _hook_model(self) -> None:
         if self._model is not None and hasattr(self._model, "require_backward_grad_sync"):
-            # DDP decides at forward time whether this backward all-reduces, so read the flag there; a backward no
-            # forward of the wrapper preceded (model.module(x)) all-reduces nothing: DDP's hooks expect none.
-            self._unforwarded_sync = False
-            self._handles.append(
-                self._model.register_forward_pre_hook(
-                    lambda module, _: setattr(self, "_forward_sync", bool(module.require_backward_grad_sync))
-                )
-            )
+            self._watch_ddp_forward(self._model)
 
     def _hook_accelerator(self) -> None:
         if self._accelerator is not None:

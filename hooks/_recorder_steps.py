@@ -82,6 +82,28 @@ class UpdateTracking:
         following[term] = micro + 1
         return step, micro
 
+    def _watch_ddp_forward(self, model: Any) -> None:
+        """DDP decides at forward time whether this backward all-reduces, so the flag is read there: in its
+        `_pre_forward`, which `model(x)` and `model.forward(x)` both run (a forward pre-hook, where it has none). A
+        backward no forward of the wrapper preceded (`model.module(x)`) all-reduces nothing: DDP's hooks expect none."""
+
+        def read(module: Any, *_: Any) -> None:
+            self._forward_sync = bool(module.require_backward_grad_sync)
+
+        self._unforwarded_sync = False
+        if callable(getattr(model, "_pre_forward", None)):
+
+            def around(original: Any) -> Any:
+                def pre_forward(*args: Any, **kwargs: Any) -> Any:
+                    read(model)
+                    return original(*args, **kwargs)
+
+                return pre_forward
+
+            self._handles.append(wrap_method(model, "_pre_forward", around))
+        else:
+            self._handles.append(model.register_forward_pre_hook(read))
+
     def _sync_now(self) -> bool | None:
         """Whether the backward of a record made now synchronizes gradients: as the model's last forward said (DDP
         decides there), else as an FSDP2 model's parameter groups say now (it decides at the backward), else as

@@ -88,8 +88,9 @@ class Setup:
     backwards that synchronize)."""
     no_sync: bool = True
     """Every microbatch but the last under `ddp.no_sync()`; False: each backward all-reduces (the same gradient)."""
-    bypass: bool = False
-    """The forward through the module DDP wraps (`ddp.module(tokens)`, a bug): no backward all-reduces anything."""
+    forward: str = "call"
+    """How the loop runs DDP's forward: call (`ddp(tokens)`), method (`ddp.forward(tokens)`: no module hook runs,
+    DDP's reducer is prepared all the same) or module (`ddp.module(tokens)`, a bug: no backward all-reduces)."""
     world_size: int = 2
     description: str = ""
     """One line for people."""
@@ -304,7 +305,7 @@ def train(rank: int, world_size: int, setup: Setup, log_dir: str | None) -> list
                 if setup.zero_grad_each_micro:
                     optimizer.zero_grad()  # the earlier microbatches' gradients are gone
                 with nullcontext() if last or not setup.no_sync else ddp.no_sync():
-                    outputs = (ddp.module if setup.bypass else ddp)(tokens)
+                    outputs = {"call": ddp, "method": ddp.forward, "module": ddp.module}[setup.forward](tokens)
                     if setup.overflow == (step, rank) and micro == 0:
                         outputs[0].register_hook(lambda grad: grad * math.inf)  # an fp16 overflow
                     scalar = _microbatch_loss(setup, recorder, outputs, labels, global_tokens, world_size)

@@ -54,9 +54,11 @@ def with_copies_in_one_file(findings: list[Finding], duplicates: Duplicates) -> 
     )
 
     def over_copies(finding: Finding) -> bool:
+        # every step it covers among those holding copies: a step without any still says what it says
         steps = finding.steps
         partial = finding.code in PARTIAL_UPDATE_FACTORS and finding.severity.rank >= Severity.WARNING.rank
-        return partial and steps.first <= duplicates.last and duplicates.first <= steps.last
+        contiguous = duplicates.steps == duplicates.last - duplicates.first + 1  # (else a step between may hold none)
+        return partial and contiguous and duplicates.first <= steps.first and steps.last <= duplicates.last
 
     said = [replace(f, message=f.message.replace(NOT_DECIDING, "")) for f in findings]
     return cannot_tell(said, [Code.DUPLICATE_RECORDS], why, where=over_copies)

@@ -1191,6 +1191,14 @@ def test_copies_of_a_key_in_one_file_that_differ_leave_the_verdict_to_what_they_
     report = audit_rows(tmp_path / "wrong", wrong)
     assert report.runs[0].verdict == "incorrect", report.findings
 
+    # S/N into DDP's average (half the token mean at every step), one record of the last step logged twice: the
+    # steps without a copy still say it (the copy made the whole finding cannot-tell)
+    halved = records(UNEVEN_GA, lambda S, N, **_: S / N)
+    last = halved[-1]
+    halved.append(dict(last, loss_sum=last["loss_sum"] * 1.01, backward_scalar=last["backward_scalar"] * 1.01))
+    report = audit_rows(tmp_path / "halved", halved)
+    assert report.runs[0].verdict == "incorrect" and "world_size_mismatch" in codes(report), report.findings
+
 
 def test_guessed_update_ends_over_uniform_weights_name_no_denominator(tmp_path: Path) -> None:
     """The token mean over 2 microbatches a rank, each microbatch taken for an update (the footers say the ends were

@@ -302,6 +302,14 @@ def test_weights_within_two_bfloat16_roundings_are_neither_incorrect_nor_correct
     near = records(counts, lambda S, n, **_: S / (n + 1), precision_bits=8)
     assert verdict(audit_rows(tmp_path / "near", near)) != "correct"
 
+    # each microbatch over its positions, T = 2n + 1, n of 100 or 101: weights within 1% of each other, but q = e·N
+    # near 4, far beyond any rounding (it was cannot-tell too)
+    alike = [[[100 + int(rng.integers(0, 2)) for _ in range(2)] for _ in range(4)] for _ in range(8)]
+    padded = records(alike, lambda S, n, W, **_: W * S / (2 * n + 1), precision_bits=8)
+    for row in padded:
+        row["positions"] = 2 * row["valid_tokens"] + 1
+    assert verdict(audit_rows(tmp_path / "padded", padded)) == "incorrect"
+
 
 def test_a_logged_loss_stored_in_float16_is_compared_within_its_rounding(tmp_path: Path) -> None:
     """The token mean logged from a half tensor (a float16 column, or its values in a float64 one): off by up to

@@ -243,11 +243,17 @@ def test_a_forward_that_bypasses_ddp_is_no_synchronized_backward(tmp_path: Path)
     nothing, and each rank steps on its own gradient (the float64 reference disagrees at every update). The recorder,
     given the DDP model, saw no forward of it: every record says it did not synchronize, and the audit says
     missing_sync and incorrect (it read correct: the weights alone are the token mean's)."""
-    setup = Setup(name="bypassed", counts=_UNEVEN, bypass=True, correct=False)
+    setup = Setup(name="bypassed", counts=_UNEVEN, forward="module", correct=False)
     _check_against_reference(setup, [r["history"] for r in run_ddp(job, setup.world_size, setup, str(tmp_path))])
     assert {row["sync"] for row in read_rows(tmp_path / setup.name)} == {False}
     report = audit([tmp_path / setup.name])
     assert report.runs[0].verdict == "incorrect" and {f.code.value for f in report.findings} == {"missing_sync"}
+    # `ddp.forward(tokens)` runs no module hook, but DDP's own: its reducer all-reduces the last microbatch, and the
+    # records say so (it read missing_sync, incorrect, where the reference says the token mean was trained)
+    method = Setup(name="method", counts=_UNEVEN, forward="method", correct=True)
+    _check_against_reference(method, [r["history"] for r in run_ddp(job, method.world_size, method, str(tmp_path))])
+    report = audit([tmp_path / method.name])
+    assert report.runs[0].verdict == "correct" and report.findings == []
 
 
 def test_a_rank_that_skips_an_update_alone_parts_the_replicas_and_is_skip_mismatch(tmp_path: Path) -> None:
