@@ -234,9 +234,10 @@ def within_roundings(findings: list[Finding], bits: int | None) -> list[Finding]
     backpropagated as S_bf16·W/N, S summed in float32), so two weights of a right run may be 4u = 2^(2−p) apart,
     twice the 2u a run is judged at (`judged_rtol`), and a small mistake (S/(n+1) at n ≈ 100) reads the same. Those
     findings say the logs cannot tell: never incorrect for a rounding, never correct for a mistake."""
-    band = 2.0 ** (2 - (24 if bits is None else bits))
+    p = 24 if bits is None else bits  # (float32's, where the records do not say: the log format's rule)
+    band = 2.0 ** (2 - p)
     why = (
-        f"Its weights are within {band:.3g} of each other: two roundings at {24 if bits is None else bits} bits "
+        f"Its weights are within {band:.3g} of each other: two roundings at {p} bits "
         "(a loss rounded before b divides it, S logged from a finer sum) make as much, so the logs cannot tell a "
         "rounding from a small mistake."
     )

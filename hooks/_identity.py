@@ -69,13 +69,7 @@ def fsdp2_divisor(model: Any) -> float | None:
     None when the parameter groups disagree or cannot be read."""
     factors = set()
     try:
-        for module in model.modules():
-            get_state = getattr(module, "_get_fsdp_state", None)
-            if get_state is None:
-                continue
-            group = getattr(get_state(), "_fsdp_param_group", None)
-            if group is None:
-                continue
+        for group in fsdp2_param_groups(model):
             factor = group.gradient_divide_factor
             if factor is None:
                 mesh = group.mesh_info  # HSDP adds a replicate (all-reduce) dimension to the shard one

@@ -44,13 +44,20 @@ def trl_trainer(trainer: Any, args: Any = None) -> str | None:
     """The TRL trainer class `trainer` is or derives from ("SFTTrainer", "DPOTrainer", ...), else the one whose
     config `args` is (SFTConfig: "SFTTrainer"; a callback given as `callbacks=[...]` sees the arguments, never the
     trainer); None for another."""
-    for cls in type(trainer).__mro__:
-        if cls.__module__.startswith("trl.") and cls.__name__.endswith("Trainer") and cls.__name__ != "Trainer":
-            if not cls.__name__.startswith("_"):
-                return cls.__name__
-    for cls in type(args).__mro__:
-        if cls.__module__.startswith("trl.") and cls.__name__.endswith("Config") and not cls.__name__.startswith("_"):
-            return cls.__name__.removesuffix("Config") + "Trainer"
+    trainer_class = _trl_class(trainer, "Trainer")
+    if trainer_class is not None:
+        return trainer_class
+    config = _trl_class(args, "Config")
+    return None if config is None else config.removesuffix("Config") + "Trainer"
+
+
+def _trl_class(value: Any, suffix: str) -> str | None:
+    """The name of the TRL class ending in `suffix` that `value` is an instance of or derives from (not a private one,
+    nor one named the suffix alone)."""
+    for cls in type(value).__mro__:
+        name = cls.__name__
+        if cls.__module__.startswith("trl.") and name.endswith(suffix) and name != suffix and not name.startswith("_"):
+            return name
     return None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from tokaudit._checks.base import PARTIAL_UPDATE_FACTORS, cannot_tell
@@ -34,8 +35,7 @@ def with_replaced(findings: list[Finding], replaced: Replaced) -> list[Finding]:
         "resumed from a checkpoint taken after them and numbered its steps again, those updates trained the model; "
         "where it replayed them from an earlier checkpoint, they did not. The logs cannot tell which."
     )
-    said = [replace(f, message=f.message.replace(NOT_DECIDING, "")) for f in findings]
-    return cannot_tell(said, [Code.DUPLICATE_RECORDS], why)
+    return _copies_cannot_tell(findings, why)
 
 
 def with_copies_in_one_file(findings: list[Finding], duplicates: Duplicates) -> list[Finding]:
@@ -60,8 +60,16 @@ def with_copies_in_one_file(findings: list[Finding], duplicates: Duplicates) -> 
         contiguous = duplicates.steps == duplicates.last - duplicates.first + 1  # (else a step between may hold none)
         return partial and contiguous and duplicates.first <= steps.first and steps.last <= duplicates.last
 
+    return _copies_cannot_tell(findings, why, where=over_copies)
+
+
+def _copies_cannot_tell(
+    findings: list[Finding], why: str, where: Callable[[Finding], bool] | None = None
+) -> list[Finding]:
+    """duplicate_records (and what `where` says) as cannot-tell, `why` said: its message no longer says that
+    duplicates do not decide the verdict, for here they do."""
     said = [replace(f, message=f.message.replace(NOT_DECIDING, "")) for f in findings]
-    return cannot_tell(said, [Code.DUPLICATE_RECORDS], why, where=over_copies)
+    return cannot_tell(said, [Code.DUPLICATE_RECORDS], why, where=where)
 
 
 def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:

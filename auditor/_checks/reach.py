@@ -18,6 +18,19 @@ class Later:
     told: float = -math.inf
     finite: float = -math.inf
 
+    @classmethod
+    def of(cls, step: npt.NDArray[np.int64], told: npt.NDArray[np.bool_], finite: npt.NDArray[np.bool_]) -> Later:
+        """Of these steps: the last with valid tokens (`told`), and the last of those whose losses are `finite`."""
+        finite = told & finite
+        return cls(
+            float(step[told].max()) if told.any() else -math.inf,
+            float(step[finite].max()) if finite.any() else -math.inf,
+        )
+
+    def joined(self, other: Later) -> Later:
+        """Over both: the later of each."""
+        return Later(max(self.told, other.told), max(self.finite, other.finite))
+
     def reached(self, steps: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
         """Of these steps, where the value reached the weights (a step with valid tokens follows, and none after
         it has finite losses), and where the logs cannot tell (none follows). The others never reached them: a

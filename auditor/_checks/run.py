@@ -110,7 +110,7 @@ def _check_terms(
         if sizes is None:
             sizes = shape.worlds
         reported = reported or shape.reported
-        later = Later(max(later.told, shape.later.told), max(later.finite, shape.later.finite))
+        later = later.joined(shape.later)
         context = shape.context(run, term, tuple(sorted(sizes)), rtol, provenance)
         passed.append((term, decisions, context, _factors(source, term, decisions, context), shape.declared))
     apart = not _one_scale([factors for _, _, _, factors, _ in passed], rtol)
@@ -245,12 +245,8 @@ class _Shape:
                 counts[value] = counts.get(value, 0) + count * repeat
         self.microbatches = max(self.microbatches, float(block.microbatches_high.max()))
         self.reported = self.reported or bool((column_of(block, "reported") > 0).any())
-        step, told = column_of(block, "step"), column_of(block, "tokens") > 0
-        finite = told & np.isfinite(column_of(block, "loss"))
-        self.later = Later(
-            max(self.later.told, float(step[told].max()) if told.any() else -math.inf),
-            max(self.later.finite, float(step[finite].max()) if finite.any() else -math.inf),
-        )
+        told, finite = column_of(block, "tokens") > 0, np.isfinite(column_of(block, "loss"))
+        self.later = self.later.joined(Later.of(column_of(block, "step"), told, finite))
 
     def context(self, run: str, term: str, sizes: tuple[int, ...], rtol: float, provenance: Provenance) -> RunContext:
         def mode(counts: dict[Any, int]) -> Any:

@@ -42,7 +42,7 @@ def segments(steps: pd.DataFrame, diagnoses: Diagnoses) -> tuple[list[Span], int
     The step table comes in (group, term, step) order: it is read SPAN_BLOCK rows at a time, each
     block's spans added to the longest kept so far (a normalization that changes at every step makes
     a span per step: held whole, they were 90 bytes a step). A table in another order is sorted first."""
-    keep = ~(diagnoses.kind_is(StepKind.EMPTY) | diagnoses.kind_is(StepKind.SKIPPED))
+    keep = ~diagnoses.kind_is(StepKind.EMPTY, StepKind.SKIPPED)
     if not keep.any():
         return [], 0
     grp, grp_names = _name_ranks(steps.grp)
@@ -75,7 +75,7 @@ def span_rows(
 ) -> dict[str, npt.NDArray[Any]]:
     """What `Spans.add` reads of these steps of one term (every one but the empty and skipped ones): the rank of its
     group's name among the run's (`groups`), the term's rank, the step, the denominator and α."""
-    rows = np.flatnonzero(~(diagnoses.kind_is(StepKind.EMPTY) | diagnoses.kind_is(StepKind.SKIPPED)))
+    rows = np.flatnonzero(~diagnoses.kind_is(StepKind.EMPTY, StepKind.SKIPPED))
     return {
         "grp": name_ranks(steps.grp, groups)[rows].astype(np.int32),
         "term": np.full(len(rows), term_rank, dtype=np.int32),
