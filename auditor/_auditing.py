@@ -11,11 +11,19 @@ import duckdb
 import numpy as np
 import pandas as pd
 
-from tokaudit._checks import Replaced, check_run, one_objective, with_other_ranks, with_replaced, with_unread_files
+from tokaudit._checks import (
+    WEIGHED_WRONG,
+    Replaced,
+    check_run,
+    one_objective,
+    with_other_ranks,
+    with_replaced,
+    with_unread_files,
+)
 from tokaudit._checks import RunSteps, without_miscounted
-from tokaudit.codes import DEFAULT_RTOL, TOKEN_MEAN_FIXES, WEIGHTING, Code, Severity
+from tokaudit.codes import DEFAULT_RTOL, Code, Severity
 from tokaudit._settings import BOUNDS, code_named, within
-from tokaudit._engine import Duplicates, Spilled, extremes_at, sweep_scratch
+from tokaudit._engine import Duplicates, Spilled, extremes_at, publication_order, sweep_scratch
 from tokaudit.errors import LogFormatError, UsageError, first_line
 from tokaudit._cluster import Cluster
 from tokaudit._loading import Loading, LogSet
@@ -339,45 +347,59 @@ class _RunJudge:
 def _replaced(
     shards: list[Shard], duplicates: dict[str, Duplicates], judging: _Judging, threads: int | None
 ) -> dict[str, Replaced]:
-    """Per run a later launch of which recorded steps again with other values (the later kept, `Engine._define`):
-    the normalization errors of its earlier launches' records of those steps, judged alone by an audit of their
-    files. Only where the footers say each copy's launch and its files are one rank's each (the recorder's): an
-    earlier launch's files hold no later one's records."""
+    """Per run whose steps were recorded again with other values (the later published kept, `publication_order`):
+    the normalization errors of the copies left out, judged alone by an audit of their files."""
     found: dict[str, Replaced] = {}
     for run, repeated in duplicates.items():
-        if repeated.identical or repeated.one_file or repeated.unlaunched:
+        if repeated.identical or repeated.one_file:
             continue
-        # a launch is numbered within its rank's shards (the number of its first): a rank's latest is its own
-        launched = [
-            (s.rank_range[0], s.provenance.launch, s)
-            for s in shards
-            if s.run_group is not None
-            and s.run_group[0] == run
-            and s.provenance.launch is not None
-            and s.store is None
-            and s.rank_range is not None
-            and s.rank_range[0] == s.rank_range[1]
-        ]
-        latest: dict[int, int] = {}
-        for rank, launch, _ in launched:
-            latest[rank] = max(launch, latest.get(rank, launch))
-        # an earlier launch's files that hold the steps recorded again (a replay's: its last shards); their steps
-        # may lack a rank that stopped first, so only what says its tokens were weighed wrong counts
+        ones = [s for s in shards if s.run_group is not None and s.run_group[0] == run and s.store is None]
         steps = (repeated.first, repeated.last)
-        earlier = [
-            str(s.path)
-            for rank, launch, s in launched
-            if launch < latest[rank] and (s.step_range is None or _overlap(s.step_range, steps))
-        ]
+        earlier = _published_earlier(ones, steps) if repeated.unlaunched else _launched_earlier(ones, steps)
         if earlier:
             report = audit(earlier, rtol=judging.rtol, threads=threads)
-            wrong = {f.code.value for f in report.findings if f.severity is Severity.ERROR and f.code in _WEIGHED_WRONG}
-            found[run] = Replaced(tuple(sorted(wrong)))
+            wrong = {f.code.value for f in report.findings if f.severity is Severity.ERROR and f.code in WEIGHED_WRONG}
+            found[run] = Replaced(tuple(sorted(wrong)), ordered=not repeated.unlaunched, steps=steps)
     return found
 
 
-_WEIGHED_WRONG = TOKEN_MEAN_FIXES | WEIGHTING
-"""What says a launch's tokens were weighed wrong: a normalization's errors."""
+def _launched_earlier(ones: list[Shard], steps: tuple[int, int]) -> list[str]:
+    """The files of a rank's earlier launches that hold the steps recorded again (a replay's: its last shards; their
+    steps may lack a rank that stopped first, so only what says its tokens were weighed wrong counts). Files of one
+    rank each, as the recorder writes them: an earlier launch's then hold no later one's records."""
+    # a launch is numbered within its rank's shards (the number of its first): a rank's latest is its own
+    launched = [
+        (s.rank_range[0], s.provenance.launch, s)
+        for s in ones
+        if s.rank_range is not None and s.rank_range[0] == s.rank_range[1] and s.provenance.launch is not None
+    ]
+    latest: dict[int, int] = {}
+    for rank, launch, _ in launched:
+        latest[rank] = max(launch, latest.get(rank, launch))
+    return [
+        str(s.path)
+        for rank, launch, s in launched
+        if launch < latest[rank] and (s.step_range is None or _overlap(s.step_range, steps))
+    ]
+
+
+def _published_earlier(ones: list[Shard], steps: tuple[int, int]) -> list[str]:
+    """Of files that do not say which launch wrote them, those holding steps recorded again whose ranks and steps a
+    file published later (`publication_order`: modified later) holds too: a launch's, which another recorded again."""
+    place = {index: position for position, index in enumerate(publication_order(ones))}
+
+    def overlap(first: tuple[int, int] | None, second: tuple[int, int] | None) -> bool:
+        return first is None or second is None or _overlap(first, second)
+
+    return [
+        str(s.path)
+        for i, s in enumerate(ones)
+        if overlap(s.step_range, steps)
+        and any(
+            place[j] > place[i] and overlap(s.rank_range, t.rank_range) and overlap(s.step_range, t.step_range)
+            for j, t in enumerate(ones)
+        )
+    ]
 
 
 def _overlap(first: tuple[int, int], second: tuple[int, int]) -> bool:

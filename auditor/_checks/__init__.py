@@ -6,7 +6,7 @@ normalization is recovered lives in `tokaudit._normalization`; each concern here
 
 from tokaudit._checks.base import RunSteps, cannot_tell, distinct, grouped, loss_terms, main_term_first, rank_masks
 from tokaudit._checks.base import PARTIAL_UPDATE_FACTORS, run_finding, weight_ratio, world_sizes
-from tokaudit._checks.duplicates import Replaced, with_replaced
+from tokaudit._checks.duplicates import WEIGHED_WRONG, Replaced, with_replaced
 from tokaudit._checks.miscount import miscounted_rows, outside_probe_range, without_miscounted
 from tokaudit._checks.objective import one_objective, pooled_steps, pooled_sums
 from tokaudit._checks.run import check_run
@@ -28,6 +28,7 @@ __all__ = [
     "pooled_sums",
     "rank_masks",
     "Replaced",
+    "WEIGHED_WRONG",
     "run_finding",
     "RunSteps",
     "weight_ratio",

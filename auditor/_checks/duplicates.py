@@ -7,11 +7,15 @@ from dataclasses import dataclass, replace
 
 from tokaudit._checks.base import PARTIAL_UPDATE_FACTORS, cannot_tell
 from tokaudit._engine import Duplicates
-from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
+from tokaudit.codes import DEFAULT_SEVERITY, TOKEN_MEAN_FIXES, WEIGHTING, Code, Severity
 from tokaudit._report import Finding, StepRange
 
 
 NOT_DECIDING = " Duplicates do not decide the verdict."
+
+
+WEIGHED_WRONG = TOKEN_MEAN_FIXES | WEIGHTING
+"""What says a launch's tokens were weighed wrong: a normalization's errors."""
 
 
 @dataclass(frozen=True)
@@ -19,23 +23,44 @@ class Replaced:
     """How the records of a run's earlier launches, which a later launch recorded again, are judged alone."""
 
     codes: tuple[str, ...]
-    """The errors that say their tokens were weighed wrong (a normalization's: `TOKEN_MEAN_FIXES`, `WEIGHTING`)."""
+    """The errors that say their tokens were weighed wrong (WEIGHED_WRONG)."""
+    ordered: bool = True
+    """The files say which launch wrote each copy; else the copy kept is the one in the file modified last, which a
+    copy of the folder that did not keep the times may have made the earlier one."""
+    steps: tuple[int, int] = (0, -1)
+    """The first and last step recorded again."""
 
 
 def with_replaced(findings: list[Finding], replaced: Replaced) -> list[Finding]:
     """A run whose later launch recorded steps again that an earlier launch's records, judged alone, weigh wrong: the
     later records are kept and judged, but where that launch resumed from a checkpoint taken after those steps (its
     step numbers begun again), the earlier updates trained the model, which the logs cannot tell from a replay from
-    an earlier checkpoint. duplicate_records then says the logs cannot tell, and the run is not called correct."""
-    if not replaced.codes:
+    an earlier checkpoint. duplicate_records then says the logs cannot tell, and the run is not called correct.
+    Where the files do not say which launch was later, the other way round as well: the kept copies' errors over
+    the steps recorded again cannot tell where the copies left out weigh their tokens right."""
+    if replaced.codes:
+        codes = ", ".join(replaced.codes)
+        why = (
+            f"Judged alone, the earlier launch's records weigh their tokens wrong ({codes}): where the later launch "
+            "resumed from a checkpoint taken after them and numbered its steps again, those updates trained the "
+            "model; where it replayed them from an earlier checkpoint, they did not. The logs cannot tell which."
+        )
+        return _copies_cannot_tell(findings, why)
+    first, last = replaced.steps
+
+    def kept_wrong(finding: Finding) -> bool:
+        within = first <= finding.steps.first and finding.steps.last <= last
+        return finding.code in WEIGHED_WRONG and finding.severity is Severity.ERROR and within
+
+    if replaced.ordered or not any(kept_wrong(f) for f in findings):
         return findings
-    codes = ", ".join(replaced.codes)
     why = (
-        f"Judged alone, the earlier launch's records weigh their tokens wrong ({codes}): where the later launch "
-        "resumed from a checkpoint taken after them and numbered its steps again, those updates trained the model; "
-        "where it replayed them from an earlier checkpoint, they did not. The logs cannot tell which."
+        "The copies lie in files that do not say which launch wrote them: the copy in the file modified last was "
+        "judged, and the others, judged alone, weigh their tokens right. Where those were written last (a replay over "
+        "the wrong updates from an earlier checkpoint), the updates that trained the model were right: the logs "
+        "cannot tell which."
     )
-    return _copies_cannot_tell(findings, why)
+    return _copies_cannot_tell(findings, why, where=kept_wrong)
 
 
 def with_copies_in_one_file(findings: list[Finding], duplicates: Duplicates) -> list[Finding]:

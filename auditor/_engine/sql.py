@@ -227,12 +227,9 @@ def parquet_scan(files: list[str], one_schema: bool) -> str:
 def file_order_table(shards: Sequence[Shard], names: dict[int, str]) -> pa.Table:
     """Each file (by its name for DuckDB, `names` by shard id) with its place in the order of publication and the
     values its folders give (`Shard.partition`, as columns named GIVEN + the column), which its scan joins. Among
-    duplicates the later published wins: the later launch (the one whose first shard came after the other's, -1
-    for a file that does not say), then the later file of it; of files that do not say (other writers', whose
-    names need not follow the order they were written in: pyarrow's UUIDs), the one modified last."""
+    duplicates the later published wins (`publication_order`)."""
+    order = publication_order(shards)
     launches = [-1 if s.provenance.launch is None else s.provenance.launch for s in shards]
-    written = [modified_ns(s.path, s.store) if launches[i] < 0 else 0 for i, s in enumerate(shards)]
-    order = sorted(range(len(shards)), key=lambda i: (launches[i], written[i], i))
     published = [shards[i] for i in order]
     given = {column: COLUMNS_BY_NAME[column].arrow_type for s in shards for column, _ in s.partition}
     return pa.table(
@@ -249,6 +246,16 @@ def file_order_table(shards: Sequence[Shard], names: dict[int, str]) -> pa.Table
             },
         }
     )
+
+
+def publication_order(shards: Sequence[Shard]) -> list[int]:
+    """The shards' indices in the order of publication; of two copies of a record, the later published is kept. The
+    later launch (the one whose first shard came after the other's; -1 for a file that does not say), then the later
+    file of it; of files that do not say (other writers', whose names need not follow the order they were written
+    in: pyarrow's UUIDs), the one modified last."""
+    launches = [-1 if s.provenance.launch is None else s.provenance.launch for s in shards]
+    written = [modified_ns(s.path, s.store) if launches[i] < 0 else 0 for i, s in enumerate(shards)]
+    return sorted(range(len(shards)), key=lambda i: (launches[i], written[i], i))
 
 
 def select_records(default_run: str | None, present: set[str], scan: str, where: str, override: bool = False) -> str:

@@ -74,7 +74,8 @@ def test_of_two_copies_without_time_the_later_file_wins(tmp_path: Path) -> None:
 def test_of_other_writers_files_the_one_modified_last_wins_whatever_its_name(tmp_path: Path, fixed_name: str) -> None:
     """A run logged with pyarrow's write_to_dataset (files named by random UUIDs, no launch in their footers) as a
     rank-local mean, then fixed and launched again into the same folder: the later file's records are judged,
-    whichever name sorts last, and the finding says how the copy kept was chosen."""
+    whichever name sorts last, and the finding says how the copy kept was chosen. The earlier launch's updates may
+    have trained the model (a resume that numbered its steps again) or not (a replay): inconclusive."""
     import os
 
     run = tmp_path / "exp1"
@@ -86,12 +87,44 @@ def test_of_other_writers_files_the_one_modified_last_wins_whatever_its_name(tmp
     os.utime(fixed, ns=(1_700_000_060_000_000_000,) * 2)  # a minute later
     report = audit([run])
     (finding,) = report.findings
-    assert report.runs[0].verdict == "correct" and finding.code.value == "duplicate_records"
+    assert report.runs[0].verdict == "inconclusive" and finding.code.value == "duplicate_records"
     assert (
         "(the file modified last, at equal times the later name, as these files do not say which launch"
         in finding.message
     )
-    assert finding.evidence["kept_by_modification_time"] is True
+    assert "the earlier launch's records weigh their tokens wrong (local_mean)" in finding.message
+    assert finding.undecidable and finding.evidence["kept_by_modification_time"] is True
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "verdict"),
+    [
+        (local_mean, token_mean, "inconclusive"),
+        (token_mean, local_mean, "inconclusive"),
+        (token_mean, token_mean, "correct"),
+        (local_mean, local_mean, "incorrect"),
+    ],
+)
+@pytest.mark.parametrize("later", [0, 1])
+def test_two_launches_in_files_that_do_not_say_which_came_first_read_the_same_whichever_was_modified_last(
+    tmp_path: Path, first: Any, second: Any, verdict: str, later: int
+) -> None:
+    """Two launches of one run id, each a file per rank (another writer's: no launch in the footers), the second
+    numbering its steps from 0 again. Which was written last only the files' times say, and a copy that did not keep
+    them turns it round: a launch that weighs its tokens wrong, the other right, is inconclusive either way; two
+    right launches correct, two wrong incorrect."""
+    import os
+
+    for launch, mean in enumerate((first, second)):
+        rows = records(UNEVEN_GA, mean)
+        for rank in sorted({row["rank"] for row in rows}):
+            path = write(
+                tmp_path / "run" / f"rank-{rank:05d}-{launch:06d}.parquet", [r for r in rows if r["rank"] == rank]
+            )
+            seconds = 1_700_000_060 if launch == later else 1_700_000_000
+            os.utime(path, ns=(seconds * 1_000_000_000,) * 2)
+    report = audit([tmp_path / "run"])
+    assert [run.verdict for run in report.runs] == [verdict]
 
 
 def test_a_folder_of_many_runs_is_read_in_a_scan_a_schema_with_the_report_of_a_scan_a_run(
