@@ -154,6 +154,10 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
     if folder.endswith(".parquet") or "=" in folder:  # a part of a Spark-style dataset: its run's folder is above
         folder = run_folder(path).name
     names = names_of(stats, present, folder)
+    try:
+        dropped = read_dropped(stored)
+    except ValueError as error:
+        raise LogFormatError(name, str(error)) from None
     return Shard(
         path=path,
         columns=present,
@@ -165,7 +169,7 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
         micro_range=range_of(stats["micro"]),
         world_range=range_of(stats["world_size"]),
         divisor_range=bounds_of(stats["grad_divisor"]) if "grad_divisor" in stats else None,
-        dropped=read_dropped(stored),
+        dropped=dropped,
         provenance=read_provenance(stored),
         store=store,
         signature=facts.signature,

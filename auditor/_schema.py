@@ -249,18 +249,24 @@ def spool_folder() -> Path:
 
 
 def read_dropped(metadata: dict[bytes, bytes] | None) -> dict[str, Any] | None:
-    """The dropped-steps note of a shard's footer, if any (never raises)."""
+    """The dropped-steps note of a shard's footer, if any. A note that is not one the recorder writes raises
+    ValueError: it says records were lost, and where they were cannot be read, so no audit of its run is sound."""
     if not metadata or DROPPED_KEY not in metadata:
         return None
+    problem = f"its footer's {DROPPED_KEY.decode()} (records the recorder could not write) cannot be read"
     try:
         note = json.loads(metadata[DROPPED_KEY])
         steps = [(a, b, c) for a, b, c in note["steps"]]
         numbers = [note["rank"], *(n for span in steps for n in span)]
-        if not all(_int64(n) for n in numbers) or not all(0 <= b - a < 2**62 and c > 0 for a, b, c in steps):
-            return None  # spans the recorder writes: first ≤ last, some records lost
-        return {"run": str(note["run"]), "group": str(note["group"]), "rank": note["rank"], "steps": steps}
+        names = (note["run"], note["group"])
     except (ValueError, KeyError, TypeError, RecursionError):
-        return None
+        raise ValueError(problem) from None
+    # spans the recorder writes: first ≤ last, some records lost
+    if not all(_int64(n) for n in numbers) or not all(0 <= b - a < 2**62 and c > 0 for a, b, c in steps):
+        raise ValueError(f"{problem}: a rank or step span that is not one ({note['steps']!r})"[:300])
+    if not all(isinstance(name, str) for name in names):
+        raise ValueError(f"{problem}: its run or group is not a string")
+    return {"run": names[0], "group": names[1], "rank": note["rank"], "steps": steps}
 
 
 def _int64(value: Any) -> bool:

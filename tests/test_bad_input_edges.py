@@ -115,12 +115,11 @@ def test_a_file_whose_name_is_not_utf8_leaves_every_report_readable(good: Path, 
     [
         (b"tokaudit.provenance", b'{"launch": {"first_shard": 9223372036854775808}}'),  # 2^63: no int64
         (b"tokaudit.provenance", b"[" * 100_000 + b"]" * 100_000),  # nested past Python's recursion limit
-        (b"tokaudit.dropped_steps", b"[" * 100_000 + b"]" * 100_000),
-        (b"tokaudit.dropped_steps", b'{"run": "bad", "group": "0", "rank": 0, "steps": [[0, 1e400, 1]]}'),
     ],
 )
-def test_a_footer_note_no_recorder_writes_is_read_as_none(good: Path, key: bytes, note: bytes) -> None:
-    """The notes are what the recorder adds; one that cannot be read says nothing, and the records are audited."""
+def test_a_provenance_note_no_recorder_writes_is_read_as_none(good: Path, key: bytes, note: bytes) -> None:
+    """The provenance is what the recorder adds of its set-up; one that cannot be read says nothing, and the records
+    are audited."""
     write_by_rank(good.parent / "bad", records(UNEVEN, local_mean), metadata={key: note})
     code, out, _ = check(str(good.parent), "--format", "json")
     runs = {r["run"]: r["verdict"] for r in json.loads(out)["runs"]}
@@ -221,13 +220,34 @@ def test_a_tolerance_finer_than_float32_rounds_judges_a_run_that_does_not_say_it
     assert code == 0 and run["verdict"] == "correct" and run["rtol"] == 2.0**-23
 
 
-@pytest.mark.parametrize("spans", [[[2, 1, 3]], [[0, 1, -5]], [[-(2**63), 2**63 - 1, 1]]])
-def test_a_dropped_steps_note_of_spans_no_recorder_writes_is_read_as_none(good: Path, spans: list[list[int]]) -> None:
-    """A reversed span, a negative count of records, a span of every int64: no note, the run judged."""
-    note = json.dumps({"run": "bad", "group": "0", "rank": 0, "steps": spans}).encode()
-    write_by_rank(good.parent / "bad", records(UNEVEN, token_mean), metadata={b"tokaudit.dropped_steps": note})
-    code, out, _ = check(str(good.parent / "bad"), "--format", "json")
-    assert code == 0 and json.loads(out)["runs"][0]["verdict"] == "correct"
+_NOTE = {"run": "bad", "group": "0", "rank": 0, "steps": [[1, 2, 5]]}
+
+
+@pytest.mark.parametrize(
+    "note",
+    [
+        json.dumps(_NOTE)[:-5],  # cut short
+        json.dumps({**_NOTE, "rank": "0"}),
+        json.dumps({**_NOTE, "run": 7}),
+        json.dumps({**_NOTE, "steps": [[2, 1, 3]]}),  # reversed
+        json.dumps({**_NOTE, "steps": [[0, 1, -5]]}),  # a negative count of records
+        json.dumps({**_NOTE, "steps": [[-(2**63), 2**63 - 1, 1]]}),  # a span of every int64
+        json.dumps({**_NOTE, "steps": [[0, 1e400, 1]]}),
+        "[" * 100_000 + "]" * 100_000,  # nested past Python's recursion limit
+    ],
+)
+def test_a_dropped_steps_note_no_recorder_writes_names_its_file_and_leaves_no_run_correct(
+    good: Path, note: str
+) -> None:
+    """The note says the recorder lost records of the run; one that cannot be read cannot say which, so its run is no
+    more judged correct than one whose note says: its file is one line, exit 2, and the run beside it is audited."""
+    bad = good.parent / "bad"
+    write_by_rank(bad, records(UNEVEN, token_mean), metadata={b"tokaudit.dropped_steps": note.encode()})
+    code, out, err = check(str(good.parent), "--format", "json")
+    runs = {r["run"]: r["verdict"] for r in json.loads(out)["runs"]}
+    lines = err.strip().splitlines()
+    assert code == 2 and runs["good"] == "correct" and runs.get("bad") != "correct"
+    assert lines and all("tokaudit.dropped_steps" in line and f"{bad}{os.sep}rank-" in line for line in lines), err
 
 
 def test_sync_writes_a_spooled_shard_whose_names_are_not_utf8_and_says_their_bytes(tmp_path: Path) -> None:
