@@ -3,6 +3,7 @@ say what they gate, a JSON contract with a shipped schema, a notebook API, a pyt
 
 from __future__ import annotations
 
+import html
 import importlib.metadata
 import io
 import json
@@ -270,6 +271,21 @@ def test_a_run_id_with_backticks_and_a_pipe_stays_itself_in_markdown(tmp_path: P
     write_by_rank(tmp_path / "logs" / "x", records(UNEVEN, local_mean, run_id="a|b`c`"))
     code, out, _ = invoke("check", str(tmp_path / "logs"), "--format", "markdown")
     assert code == 1 and "| `` a\\|b`c` `` |" in out, out
+
+
+def test_a_group_name_of_markdown_is_printed_literally_in_the_markdown_report(tmp_path: Path) -> None:
+    """A group name that is Markdown (an image, a link, an @mention, emphasis, a tag) reaches the findings' text as
+    the log holds it: rendered (CommonMark), it makes no image, link or tag, and reads as written."""
+    from markdown_it import MarkdownIt
+
+    group = "![g](https://evil.example/g.png) @org/team [click](https://evil.example) *x* <b>y</b>"
+    write_by_rank(tmp_path / "logs" / "x", records(UNEVEN, local_mean, group=group))
+    code, out, _ = invoke("check", str(tmp_path / "logs"), "--format", "markdown")
+    rendered = MarkdownIt("commonmark").render(out)
+    paragraphs = [p for p in re.findall(r"<p>(.*?)</p>", rendered, re.S) if "evil" in p]
+    assert code == 1 and paragraphs, out
+    assert "<img" not in rendered and "<a " not in rendered and "<em>x</em>" not in rendered and "<b>y" not in rendered
+    assert all(html.escape(group, quote=False) in p for p in paragraphs), paragraphs
 
 
 def test_markdown_is_a_summary_line_and_one_details_per_finding() -> None:

@@ -33,6 +33,13 @@ def _code(text: str) -> str:
     return f"{fence}{pad}{_in_table(text)}{pad}{fence}"
 
 
+def _literal(text: str) -> str:
+    """Text that holds the log's (a run, group or file name in a message) printed literally in a paragraph: every
+    ASCII punctuation character backslash-escaped, as CommonMark allows for each, so that no link, image, emphasis,
+    HTML tag, @mention or autolink comes of it."""
+    return re.sub(r"([!-/:-@\[-`{-~])", r"\\\1", printable(text))
+
+
 def summary_line(report: AuditReport, fail_on: str = "error") -> str:
     """The verdicts and findings in a line, and whether the gate the command exits by (--fail-on) fails."""
     verdicts = [run.verdict for run in report.runs]
@@ -73,9 +80,9 @@ def render_markdown(report: AuditReport, fail_on: str = "error") -> str:
             f"<details><summary>{ICONS[f.severity.value]} <b>{f.severity.value}</b> <code>{f.code.value}</code> "
             f"· {html.escape(printable(f.run))}{html.escape(term)} · steps {steps_text(f.steps)}</summary>",
             "",
-            html.escape(printable(f.message)),
+            _literal(f.message),
             "",
-            f"**Fix:** {html.escape(printable(f.fix))}",
+            f"**Fix:** {_literal(f.fix)}",
             "",
             *([f"```python\n{f.fix_code}\n```", ""] if f.fix_code else []),
             f"`tokaudit explain {f.code.value}` derives it.",
