@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -21,9 +22,9 @@ from tokaudit._checks import (
     with_unread_files,
 )
 from tokaudit._checks import RunSteps, without_miscounted
-from tokaudit.codes import DEFAULT_RTOL, Code, Severity
+from tokaudit.codes import DEFAULT_RTOL, WEIGHTING, Code, Severity
 from tokaudit._settings import BOUNDS, code_named, within
-from tokaudit._engine import Duplicates, Spilled, extremes_at, publication_order, sweep_scratch
+from tokaudit._engine import Duplicates, Spilled, extremes_at, publication_order, scalars_at, sweep_scratch
 from tokaudit.errors import LogFormatError, UsageError, first_line
 from tokaudit._cluster import Cluster
 from tokaudit._loading import Loading, LogSet
@@ -35,7 +36,8 @@ from tokaudit._schema import UNNAMED, Provenance
 from tokaudit._ends import FooterEnds, both_ends, recorded_end, uneven_ends
 from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
 from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, stored_precision
-from tokaudit._summary import guessed_updates, unfinished_finding, unread_files, within_roundings
+from tokaudit._summary import ROUNDED_BITS, guessed_updates, rounded_bits, unfinished_finding, unread_files
+from tokaudit._summary import within_roundings
 
 
 _CODE_ORDER = {code: index for index, code in enumerate(Code)}
@@ -315,7 +317,9 @@ class _RunJudge:
             run_findings.append(unfinished_finding(run, stopped))
         if ended is not None:
             run_findings.append(ended.finding(run))
-        run_findings = self._cannot_tell(run, run_findings, source, bits)
+        run_findings = self._cannot_tell(
+            run, run_findings, source, bits if bits is not None else self._rounded(run, run_findings)
+        )
         # The verdict is a claim about the gradient: it reads every finding as found. --min-ratio makes some
         # information and --ignore leaves some out, in the listing and in what fails the command (`gate_verdict`),
         # never in the verdict.
@@ -331,6 +335,18 @@ class _RunJudge:
             terms_pooled=objective is not None,
             ignored=sorted({f.code.value for f in run_findings if f.code in self.judging.ignored}),
         )
+
+    def _rounded(self, run: str, findings: list[Finding]) -> int | None:
+        """Where no record says its precision: the bits every backward scalar of a weighting finding's step holds,
+        where they are bfloat16's or float16's (`rounded_bits`) and its weights are within two roundings of that:
+        b computed there and logged as a wider float, whose weights `within_roundings` then judges at it."""
+        band = 2.0 ** (2 - min(ROUNDED_BITS))
+        steps = sorted(
+            f.evidence["step"]
+            for f in findings
+            if f.code in WEIGHTING and f.evidence.get("weight_ratio", math.inf) <= 1 + band and "step" in f.evidence
+        )
+        return rounded_bits(self.extremes.scalars(run, int(steps[0]))) if steps else None
 
     def _cannot_tell(self, run: str, findings: list[Finding], source: RunSteps, bits: int | None) -> list[Finding]:
         """The run's findings with what the logs cannot tell said so: updates' ends guessed, files unread, an earlier
@@ -472,6 +488,17 @@ class _Extremes:
                 f"changed while it was audited: step {step} of run {row.run!r} is no longer there; audit it again",
             )
         return match.iloc[0]
+
+    def scalars(self, run: str, step: int) -> np.ndarray:
+        """The backward scalars of one step of one run, read again (`scalars_at`)."""
+        try:
+            return scalars_at(self.shards, run, step, self.threads)
+        except duckdb.InterruptException:
+            raise KeyboardInterrupt from None
+        except duckdb.Error as error:
+            raise LogFormatError(
+                self._where(), f"could not be read again for the values of step {step} ({first_line(error)})"
+            ) from None
 
     def _where(self) -> str:
         return ", ".join(s.name for s in self.shards[:3]) + (", …" if len(self.shards) > 3 else "")

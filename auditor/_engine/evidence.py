@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import pandas as pd
 
 from tokaudit._engine.columns import EVIDENCE
@@ -23,3 +24,13 @@ def extremes_at(shards: Sequence[Shard], step: int, threads: int | None = None) 
     finally:
         engine.close()
     return table[["run", "grp", "term", "step", *EVIDENCE]]
+
+
+def scalars_at(shards: Sequence[Shard], run: str, step: int, threads: int | None = None) -> np.ndarray:
+    """The backward scalars b of one step of one run, read again from the files whose footers say they can hold it."""
+    engine = Engine.open([s for s in shards if s.may_hold(step, step)], threads=threads, only_steps=(step, step))
+    try:
+        values: np.ndarray = engine.records_at(run, step)["backward_scalar"].to_numpy(dtype=np.float64)
+        return values
+    finally:
+        engine.close()

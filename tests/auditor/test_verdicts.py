@@ -311,6 +311,28 @@ def test_weights_within_two_bfloat16_roundings_are_neither_incorrect_nor_correct
     assert verdict(audit_rows(tmp_path / "padded", padded)) == "incorrect"
 
 
+def test_backward_scalars_rounded_in_bfloat16_and_logged_as_python_numbers_read_as_bfloat16s(tmp_path: Path) -> None:
+    """The right bfloat16 loop above, logged by a hand-written logger: b as a Python float (float64 in the file), no
+    precision_bits. Every b holding 8 significant bits says where it was computed, so the weights two roundings apart
+    are judged at bfloat16's as if the records said so (it read incorrect, unexplained_weighting). A near miss in
+    float32, whose b holds more bits, is still incorrect."""
+    import torch
+
+    rng = np.random.default_rng(1)
+    counts = [[[int(rng.integers(100, 400)) for _ in range(2)] for _ in range(4)] for _ in range(8)]
+    rows = records(counts, token_mean)
+    for row in rows:
+        per_token = torch.tensor(rng.uniform(1.5, 3.0, size=row["valid_tokens"])).to(torch.bfloat16)
+        tokens = sum(r["valid_tokens"] for r in rows if r["step"] == row["step"])
+        row["loss_sum"] = float(per_token.float().sum())
+        row["backward_scalar"] = float(per_token.sum() * row["world_size"] / tokens)  # rounded in bfloat16
+    report = audit_rows(tmp_path / "rounded", rows)
+    assert verdict(report) == "inconclusive" and all(f.undecidable for f in report.findings), report.findings
+
+    near = records(counts, lambda S, N, W, **_: W * S / N * (1 + 0.006 * rng.random()))  # float32: weights 0.6% apart
+    assert verdict(audit_rows(tmp_path / "near", near)) == "incorrect"
+
+
 def test_a_logged_loss_stored_in_float16_is_compared_within_its_rounding(tmp_path: Path) -> None:
     """The token mean logged from a half tensor (a float16 column, or its values in a float64 one): off by up to
     2⁻¹¹ of itself, no mismatch (it read "differs beyond rounding; 1× the token mean"). The mean of local means,
