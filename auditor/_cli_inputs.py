@@ -56,9 +56,9 @@ def refuse_inputs(output: Path | None, paths: tuple[str, ...], option: str = "--
         return
     from tokaudit._discovery import discover
 
-    from tokaudit._storage import is_url
+    from tokaudit._storage import is_url, local_path
 
-    local = [Path(p) for p in paths if not is_url(p)]  # an output is a local file: no URL can be it
+    local = [Path(local_path(p)) for p in paths if not is_url(p)]  # an output is a local file: no URL can be it
     target = output.resolve()
     taken = any(target == p.resolve() for p in local)
     if not taken and target.name.endswith(".parquet") and target.is_file():

@@ -22,7 +22,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from tokaudit.errors import LogFormatError
 from tokaudit._discovery import discover
-from tokaudit._storage import is_url
+from tokaudit._storage import is_url, local_path
 
 if TYPE_CHECKING:
     from tokaudit._reader import Shard
@@ -143,6 +143,7 @@ def start_loading(paths: Sequence[str | os.PathLike[str]], thorough: bool = True
     """`load`'s discovery, and its worker processes started on their shares: `result()` gives what `load`
     gives."""
     notes: list[str] = []
+    paths = [local_path(p) for p in paths]
     files, problems = discover([p for p in paths if not is_url(p)], notes)
     remote: list[tuple[PurePath, Store | None]] = []
     urls = [str(p) for p in paths if is_url(p)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from dataclasses import dataclass, field
 from collections.abc import Sequence
 from pathlib import PurePath, PurePosixPath
@@ -27,7 +28,17 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 def is_url(raw: object) -> bool:
     """Whether `raw` names a location by URL (s3://, gs://, …) rather than a local path."""
-    return isinstance(raw, str) and _URL.match(raw) is not None and not raw.startswith("file://")
+    return isinstance(raw, str) and _URL.match(raw) is not None and local_path(raw) is raw
+
+
+def local_path(raw: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """A file:// URL of this machine (file:///abs, file://localhost/abs: RFC 8089) as the local path it names, its
+    percent-escapes decoded; anything else as given."""
+    if isinstance(raw, str) and raw[:7].lower() == "file://":
+        parts = urllib.parse.urlsplit(raw)
+        if parts.netloc.lower() in ("", "localhost"):
+            return urllib.parse.unquote(parts.path)
+    return raw
 
 
 @dataclass(frozen=True, slots=True)

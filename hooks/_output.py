@@ -25,7 +25,7 @@ from tokaudit.hooks._shards import ShardWriter, StoreShardWriter
 from tokaudit.hooks._uploads import Backlog, Uploader
 from tokaudit._schema import DESTINATION_KEY, SCHEMA_VERSION, WRITER_SCHEMA, dropped_metadata, provenance_metadata
 from tokaudit._schema import spool_folder
-from tokaudit._storage import is_url
+from tokaudit._storage import is_url, local_path
 
 PACKED_VALUES = (
     "loss_sum",
@@ -125,7 +125,7 @@ class ShardOutput:
             self.uploader = Uploader(self.backlog, self._writer)
             return
         try:
-            base = Path(log_dir)
+            base = Path(local_path(log_dir))
             self.log_dir = base / run_id if run_id else base
         except TypeError as error:
             warn("log_dir", f"tokaudit: log_dir {log_dir!r} is not a path ({error}); nothing is recorded")

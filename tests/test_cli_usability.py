@@ -601,3 +601,25 @@ def test_one_run_or_code_given_alone_to_audit_is_that_one(tmp_path: Path) -> Non
     write_by_rank(tmp_path / "bad", records(UNEVEN, local_mean))
     report = audit(tmp_path, runs="bad", ignore="local_mean")
     assert [run.run for run in report.runs] == ["bad"] and report.runs[0].ignored == ["local_mean"]
+
+
+def test_a_file_url_names_the_local_folder_for_the_recorder_and_the_command(tmp_path: Path) -> None:
+    """file:///abs and file://localhost/abs (RFC 8089), percent-escapes decoded: the folder they name, where the
+    recorder writes and the command reads (it said "no such file or directory", and the recorder made a folder named
+    `file:`)."""
+    import urllib.parse
+
+    import torch
+
+    from tokaudit.hooks import Recorder
+
+    folder = tmp_path / "runs of a"
+    url = "file://" + urllib.parse.quote(str(folder))
+    with Recorder(url, run_id="exp") as rec:
+        loss = torch.tensor([2.0, 3.0], requires_grad=True).sum()
+        rec.record(loss_sum=loss, valid_tokens=2, backward_scalar=loss / 2)
+        (loss / 2).backward()
+    assert (folder / "exp").is_dir() and not (Path.cwd() / "file:").exists()
+    for given in (url, "file://localhost" + urllib.parse.quote(str(folder))):
+        code, out, err = invoke("check", given, "--format", "json")
+        assert code == 0 and [r["run"] for r in json.loads(out)["runs"]] == ["exp"], err
