@@ -91,6 +91,8 @@ def audit_started(
     `figures.run_figures`, drawn from the same aggregation)."""
     # one path, run or code given alone is one, not a sequence of its characters
     paths = [paths] if isinstance(paths, str | os.PathLike) else paths
+    if not paths:  # (an empty glob's list: nothing read would pass a gate on the verdicts)
+        raise UsageError("no path to audit: give a folder, a file or a URL")
     runs, ignore = [runs] if isinstance(runs, str) else runs, [ignore] if isinstance(ignore, str) else ignore
     if isinstance(rtol, bool) or not isinstance(rtol, int | float) or not within("rtol", rtol):
         raise UsageError(f"--rtol must be {BOUNDS['rtol']} (a relative tolerance, 1e-4 by default), got {rtol!r}")

@@ -382,3 +382,13 @@ def test_a_damaged_file_in_a_run_id_partition_is_that_run_s_alone(tmp_path: Path
     code, out, _ = check(str(dataset), "--format", "json")
     report = json.loads(out)
     assert code == 2 and {r["run"]: r["verdict"] for r in report["runs"]} == {"a": "inconclusive", "b": "correct"}
+
+
+@pytest.mark.parametrize("paths", [[], ()])
+def test_no_path_at_all_is_a_usage_error_not_an_empty_report(paths: list[str]) -> None:
+    """An empty glob's list audited no file and read no problem: a gate on the verdicts and the problems passed it."""
+    from tokaudit import audit
+    from tokaudit.errors import UsageError
+
+    with pytest.raises(UsageError, match="no path to audit"):
+        audit(paths)
