@@ -257,7 +257,8 @@ class Confusion:
         usable = found.usable
         self.any_usable = self.any_usable or bool(usable.any())
         self.token_mean_everywhere = self.token_mean_everywhere and bool((found.fits[:, 0] | ~usable).all())
-        rows = np.flatnonzero(usable)
+        # a step whose tokens all weigh 0 (g = 0) fits every denominator at α = 0, and tells none apart
+        rows = np.flatnonzero(usable & (found.alphas[:, 0] != 0))
         if not len(rows) or not self.token_mean_everywhere:
             return
         alpha_n = found.alphas[rows, 0]

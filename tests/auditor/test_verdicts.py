@@ -364,3 +364,11 @@ def test_a_logged_loss_stored_in_float16_is_compared_within_its_rounding(tmp_pat
     for row in local_rows:
         del row["local"]
     assert "reported_loss_mismatch" in codes(audit_rows(tmp_path / "local", local_rows))
+
+
+def test_weights_all_zero_say_no_count_was_balanced(tmp_path: Path) -> None:
+    """Every gradient multiplied by 0 (g = 0): each token weighs 0, which every denominator fits at α = 0. The run is
+    incorrect (scale_mismatch), and no balanced_counts says the ranks held the same count where they did not."""
+    report = audit_rows(tmp_path / "zero", records(UNEVEN, token_mean, grad_scale=0.0))
+    assert verdict(report) == "incorrect"
+    assert [f.code.value for f in report.findings] == ["scale_mismatch"], report.findings
