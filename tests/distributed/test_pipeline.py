@@ -35,6 +35,10 @@ SETUPS: dict[str, tuple[PipelineSetup, set[str]]] = {
             PipelineSetup("1f1b_accumulated_divided", "1f1b", scale_grads=True, calls=2, loss="sum_over_n"),
             {"schedule_rescaled"},
         ),
+        (  # M·S/N is right for one call; the first call's gradients are divided again by the second
+            PipelineSetup("1f1b_accumulated_scaled", "1f1b", scale_grads=True, calls=2, loss="scaled"),
+            {"schedule_rescaled"},
+        ),
         (
             PipelineSetup("gpipe_captured_mean", "gpipe", scale_grads=True, calls=1, loss="captured_mean"),
             {"local_mean"},
@@ -100,6 +104,8 @@ def test_the_schedule_s_division_names_the_schedule(recorded: Any) -> None:
     accumulated = audit([root / "1f1b_accumulated_divided"]).findings[0]
     assert accumulated.evidence["divisions"] == [1, 2]
     assert "scale_grads=False" in accumulated.fix
+    scaled = audit([root / "1f1b_accumulated_scaled"]).findings[0]
+    assert scaled.evidence["divisions"] == [0, 1] and "a loss of 2·S/N, right for one step() call" in scaled.message
 
 
 def test_a_pipeline_s_recorder_without_its_group_is_told_to_take_the_last_stage_s(recorded: Any) -> None:
