@@ -80,10 +80,10 @@ def step_window(text: str | None) -> tuple[int, int] | None:
     try:
         if not colon:
             raise ValueError
-        low = int(first) if first.strip() else 0
+        low = int(first) if first.strip() else -STEP_LIMIT - 1
         high = int(last) if last.strip() else STEP_LIMIT
     except ValueError:
         raise UsageError(f"--steps {text}: expected FIRST:LAST, such as 1000:2000, 1000: or :2000") from None
-    if not 0 <= low <= high <= STEP_LIMIT:
-        raise UsageError(f"--steps {text}: the first step must be at least 0 and at most the last")
+    if not -STEP_LIMIT - 1 <= low <= high <= STEP_LIMIT:  # (a log's steps are int64s, negative ones too)
+        raise UsageError(f"--steps {text}: the first step must be at most the last, both whole numbers of 64 bits")
     return low, high

@@ -310,7 +310,7 @@ def test_curve_of_a_window_reads_only_the_shards_that_can_hold_it(
         ("abc", "expected FIRST:LAST"),
         ("12", "expected FIRST:LAST"),
         ("5:2", "at most the last"),
-        ("-1:3", "at least 0"),
+        ("0:9223372036854775808", "whole numbers of 64 bits"),  # 2^63: past every step
         ("100:200", "no step from 100 to 200"),
     ],
 )
@@ -318,6 +318,17 @@ def test_curve_window_that_cannot_be_read_is_one_line(logs: Path, window: str, w
     code, _, err = invoke("curve", str(logs / "good"), "--steps", window)
     lines = [line for line in err.splitlines() if line.startswith("tokaudit: error:")]
     assert code == 2 and len(lines) == 1 and words in lines[0], err
+
+
+def test_a_curve_window_of_negative_steps_reads_a_log_of_negative_steps(tmp_path: Path) -> None:
+    """A log's steps are int64s: one that counts from −3 is drawn in a window of them (it was refused: the first
+    step must be at least 0), and an open start takes them in."""
+    rows = records(UNEVEN, token_mean, step_offset=-2)
+    for rank in {row["rank"] for row in rows}:
+        write(tmp_path / "run" / f"rank-{rank:05d}-000000.parquet", [r for r in rows if r["rank"] == rank])
+    for window, steps in (("-2:-1", [-2, -1]), (":-2", [-2])):
+        code, out, err = invoke("curve", str(tmp_path / "run"), "--steps", window, "--format", "json")
+        assert code == 0 and [s["step"] for s in json.loads(out)["steps"]] == steps, err
 
 
 def test_explain_every_code() -> None:
