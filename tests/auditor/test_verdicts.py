@@ -281,21 +281,28 @@ def test_the_gate_and_the_summary_read_one_weight_ratio(tmp_path: Path) -> None:
     assert [f.severity.value for f in report.findings if f.code.value == "local_mean"] == ["warning"]
 
 
-def test_weights_within_two_bfloat16_roundings_are_neither_incorrect_nor_correct(tmp_path: Path) -> None:
-    """A right loop in bfloat16 whose logger sums S in float32 while b = S_bf16·W/N is computed in bfloat16: each
-    weight b/S rounds twice, and two records' weights may be 2⁻⁶ apart where the run is judged at 2⁻⁷ (it read
-    incorrect, padded_denominator). A near miss, S/(n + 1) at n of 100 to 400, weighs its tokens as little apart:
-    the logs cannot tell the two, and neither is called correct."""
+def _bfloat16_loop(rng: np.random.Generator, **columns: Any) -> tuple[list[Any], list[dict[str, Any]]]:
+    """A right loop in bfloat16 (8 steps, 4 ranks, 2 microbatches of 100 to 400 tokens): S summed in float32, b =
+    S_bf16·W/N computed in bfloat16. Its counts and records."""
     import torch
 
-    rng = np.random.default_rng(0)
     counts = [[[int(rng.integers(100, 400)) for _ in range(2)] for _ in range(4)] for _ in range(8)]
-    rows = records(counts, token_mean, precision_bits=8)
+    rows = records(counts, token_mean, **columns)
     for row in rows:
         per_token = torch.tensor(rng.uniform(1.5, 3.0, size=row["valid_tokens"])).to(torch.bfloat16)
         tokens = sum(r["valid_tokens"] for r in rows if r["step"] == row["step"])
         row["loss_sum"] = float(per_token.float().sum())
         row["backward_scalar"] = float(per_token.sum() * row["world_size"] / tokens)  # rounded in bfloat16
+    return counts, rows
+
+
+def test_weights_within_two_bfloat16_roundings_are_neither_incorrect_nor_correct(tmp_path: Path) -> None:
+    """A right loop in bfloat16 whose logger sums S in float32 while b = S_bf16·W/N is computed in bfloat16: each
+    weight b/S rounds twice, and two records' weights may be 2⁻⁶ apart where the run is judged at 2⁻⁷ (it read
+    incorrect, padded_denominator). A near miss, S/(n + 1) at n of 100 to 400, weighs its tokens as little apart:
+    the logs cannot tell the two, and neither is called correct."""
+    rng = np.random.default_rng(0)
+    counts, rows = _bfloat16_loop(rng, precision_bits=8)
     report = audit_rows(tmp_path / "rounded", rows)
     assert verdict(report) == "inconclusive" and all(f.undecidable for f in report.findings), report.findings
 
@@ -316,16 +323,8 @@ def test_backward_scalars_rounded_in_bfloat16_and_logged_as_python_numbers_read_
     precision_bits. Every b holding 8 significant bits says where it was computed, so the weights two roundings apart
     are judged at bfloat16's as if the records said so (it read incorrect, unexplained_weighting). A near miss in
     float32, whose b holds more bits, is still incorrect."""
-    import torch
-
     rng = np.random.default_rng(1)
-    counts = [[[int(rng.integers(100, 400)) for _ in range(2)] for _ in range(4)] for _ in range(8)]
-    rows = records(counts, token_mean)
-    for row in rows:
-        per_token = torch.tensor(rng.uniform(1.5, 3.0, size=row["valid_tokens"])).to(torch.bfloat16)
-        tokens = sum(r["valid_tokens"] for r in rows if r["step"] == row["step"])
-        row["loss_sum"] = float(per_token.float().sum())
-        row["backward_scalar"] = float(per_token.sum() * row["world_size"] / tokens)  # rounded in bfloat16
+    counts, rows = _bfloat16_loop(rng)
     report = audit_rows(tmp_path / "rounded", rows)
     assert verdict(report) == "inconclusive" and all(f.undecidable for f in report.findings), report.findings
 
