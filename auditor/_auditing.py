@@ -24,7 +24,7 @@ from tokaudit._checks import (
 from tokaudit._checks import RunSteps, without_miscounted
 from tokaudit.codes import DEFAULT_RTOL, WEIGHTING, Code, Severity
 from tokaudit._settings import BOUNDS, code_named, within
-from tokaudit._engine import Duplicates, Spilled, extremes_at, publication_order, scalars_at, sweep_scratch
+from tokaudit._engine import Duplicates, Spilled, extremes_at, scalars_at, sweep_scratch
 from tokaudit.errors import LogFormatError, UsageError, first_line
 from tokaudit._cluster import Cluster
 from tokaudit._loading import Loading, LogSet
@@ -366,62 +366,27 @@ def _replaced(
     shards: list[Shard], duplicates: dict[str, Duplicates], judging: _Judging, threads: int | None
 ) -> dict[str, Replaced]:
     """Per run whose steps were recorded again with other values (the later published kept, `publication_order`):
-    the normalization errors of the copies left out, judged alone by an audit of their files."""
+    the normalization errors of the copies left out, judged alone by an audit of the files that hold them (their
+    steps may lack a rank that stopped first, so only what says their tokens were weighed wrong counts)."""
     found: dict[str, Replaced] = {}
+    local = {str(s.path) for s in shards if s.store is None}
     for run, repeated in duplicates.items():
-        if repeated.identical or repeated.one_file:
+        earlier = [path for path in repeated.left_out if path in local]
+        if repeated.identical or repeated.one_file or not earlier:
             continue
-        ones = [s for s in shards if s.run_group is not None and s.run_group[0] == run and s.store is None]
-        steps = (repeated.first, repeated.last)
-        earlier = _published_earlier(ones, steps) if repeated.unlaunched else _launched_earlier(ones, steps)
-        if earlier:
-            report = audit(earlier, rtol=judging.rtol, threads=threads)
-            wrong = {f.code.value for f in report.findings if f.severity is Severity.ERROR and f.code in WEIGHED_WRONG}
-            found[run] = Replaced(tuple(sorted(wrong)), ordered=not repeated.unlaunched, steps=steps)
+        report = audit(earlier, rtol=judging.rtol, threads=threads)
+        wrong = {f.code.value for f in report.findings if f.run == run and _weighed_wrong(f)}
+        contiguous = repeated.steps == repeated.last - repeated.first + 1
+        steps = (repeated.first, repeated.last) if contiguous else None
+        found[run] = Replaced(tuple(sorted(wrong)), ordered=not repeated.unlaunched, steps=steps)
     return found
 
 
-def _launched_earlier(ones: list[Shard], steps: tuple[int, int]) -> list[str]:
-    """The files of a rank's earlier launches that hold the steps recorded again (a replay's: its last shards; their
-    steps may lack a rank that stopped first, so only what says its tokens were weighed wrong counts). Files of one
-    rank each, as the recorder writes them: an earlier launch's then hold no later one's records."""
-    # a launch is numbered within its rank's shards (the number of its first): a rank's latest is its own
-    launched = [
-        (s.rank_range[0], s.provenance.launch, s)
-        for s in ones
-        if s.rank_range is not None and s.rank_range[0] == s.rank_range[1] and s.provenance.launch is not None
-    ]
-    latest: dict[int, int] = {}
-    for rank, launch, _ in launched:
-        latest[rank] = max(launch, latest.get(rank, launch))
-    return [
-        str(s.path)
-        for rank, launch, s in launched
-        if launch < latest[rank] and (s.step_range is None or _overlap(s.step_range, steps))
-    ]
-
-
-def _published_earlier(ones: list[Shard], steps: tuple[int, int]) -> list[str]:
-    """Of files that do not say which launch wrote them, those holding steps recorded again whose ranks and steps a
-    file published later (`publication_order`: modified later) holds too: a launch's, which another recorded again."""
-    place = {index: position for position, index in enumerate(publication_order(ones))}
-
-    def overlap(first: tuple[int, int] | None, second: tuple[int, int] | None) -> bool:
-        return first is None or second is None or _overlap(first, second)
-
-    return [
-        str(s.path)
-        for i, s in enumerate(ones)
-        if overlap(s.step_range, steps)
-        and any(
-            place[j] > place[i] and overlap(s.rank_range, t.rank_range) and overlap(s.step_range, t.step_range)
-            for j, t in enumerate(ones)
-        )
-    ]
-
-
-def _overlap(first: tuple[int, int], second: tuple[int, int]) -> bool:
-    return first[0] <= second[1] and second[0] <= first[1]
+def _weighed_wrong(finding: Finding) -> bool:
+    """A finding of records judged alone that says they weigh their tokens wrong, or may: a normalization's error,
+    or one the logs cannot tell (an earlier launch's own copies, judged alone in turn, that weigh them wrong)."""
+    may = finding.undecidable and (finding.code in WEIGHED_WRONG or finding.code is Code.DUPLICATE_RECORDS)
+    return may or (finding.severity is Severity.ERROR and finding.code in WEIGHED_WRONG)
 
 
 def _unjudged_summary(run: str, bits: int | None, rtol: float) -> RunSummary:

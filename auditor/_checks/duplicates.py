@@ -27,8 +27,8 @@ class Replaced:
     ordered: bool = True
     """The files say which launch wrote each copy; else the copy kept is the one in the file modified last, which a
     copy of the folder that did not keep the times may have made the earlier one."""
-    steps: tuple[int, int] = (0, -1)
-    """The first and last step recorded again."""
+    steps: tuple[int, int] | None = None
+    """The first and last step recorded again, where every step between them was (else None)."""
 
 
 def with_replaced(findings: list[Finding], replaced: Replaced) -> list[Finding]:
@@ -46,13 +46,15 @@ def with_replaced(findings: list[Finding], replaced: Replaced) -> list[Finding]:
             "model; where it replayed them from an earlier checkpoint, they did not. The logs cannot tell which."
         )
         return _copies_cannot_tell(findings, why)
+    if replaced.ordered or replaced.steps is None:  # (a step between the copies may hold none: it decides)
+        return findings
     first, last = replaced.steps
 
     def kept_wrong(finding: Finding) -> bool:
         within = first <= finding.steps.first and finding.steps.last <= last
         return finding.code in WEIGHED_WRONG and finding.severity is Severity.ERROR and within
 
-    if replaced.ordered or not any(kept_wrong(f) for f in findings):
+    if not any(kept_wrong(f) for f in findings):
         return findings
     why = (
         "The copies lie in files that do not say which launch wrote them: the copy in the file modified last was "

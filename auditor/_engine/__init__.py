@@ -9,7 +9,7 @@ from tokaudit._engine.columns import EVIDENCE, STEP_COLUMNS
 from tokaudit._engine.evidence import extremes_at, scalars_at
 from tokaudit._engine.database import Engine, aggregate_range
 from tokaudit._engine.ranges import CHUNK_ROWS, RangeTask, step_ranges
-from tokaudit._engine.sql import publication_order, step_sql
+from tokaudit._engine.sql import step_sql
 from tokaudit._engine.tables import Duplicates, Spilled, one_value, sweep_scratch
 from tokaudit._engine.watch import Aggregating
 
@@ -22,7 +22,6 @@ __all__ = [
     "EVIDENCE",
     "extremes_at",
     "one_value",
-    "publication_order",
     "RangeTask",
     "scalars_at",
     "Spilled",

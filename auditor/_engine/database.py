@@ -278,11 +278,14 @@ class Engine:
 
     def _find_duplicates(self) -> dict[str, Duplicates]:
         found = {}
+        # the files by the names DuckDB was given (a link for a path with pattern characters)
+        paths = {self.link_names[id(shard)]: str(shard.path) for shard in self.shards}
         for row in self.connection.execute(DUPLICATES_SQL, [FILES_NAMED]).fetchall():
-            run, copies, first, last, steps, files, identical, same_time, one_file, superseded, unlaunched = row
-            named = tuple(os.path.basename(str(f)) for f in files)
+            run, copies, first, last, steps, files, identical, same_time, one_file, superseded, unlaunched, out = row
+            named = tuple(os.path.basename(paths.get(f, f)) for f in files)
             kinds = (bool(identical), bool(same_time), bool(one_file), int(superseded), bool(unlaunched))
-            found[str(run)] = Duplicates(int(copies), int(first), int(last), int(steps), named, *kinds)
+            left_out = tuple(sorted(paths.get(f, f) for f in out))
+            found[str(run)] = Duplicates(int(copies), int(first), int(last), int(steps), named, *kinds, left_out)
         return found
 
     def step_table(self, progress: Told | None = None) -> pd.DataFrame:

@@ -387,8 +387,9 @@ WITH superseded AS (
 SELECT run, sum(copies - 1), min(step), max(step), count(DISTINCT step),
        list_slice(list_sort(list_distinct(flatten(list(files)))), 1, $1),
        bool_and(values_seen = 1), bool_and(times_seen = 1), bool_or(len(files) = 1),
-       coalesce(any_value(superseded), 0), bool_or(unlaunched) FROM (
-    SELECT run, step, count(*) AS copies, list(DISTINCT filename) AS files,
+       coalesce(any_value(superseded), 0), bool_or(unlaunched),
+       list_sort(list_distinct(flatten(list(list_filter(files, lambda f: f <> kept))))) FROM (
+    SELECT run, step, count(*) AS copies, list(DISTINCT filename) AS files, arg_max(filename, file_index) AS kept,
            count(DISTINCT (loss_sum, valid_tokens, backward_scalar, token_weight_sum, token_weight_min,
                            token_weight_max, masked_weight_abs_sum, grad_scale, grad_divisor, term_weight,
                            world_size, sync, skipped)) AS values_seen,
@@ -400,4 +401,4 @@ LEFT JOIN superseded USING (run)
 GROUP BY run
 """
 """Per run, the repeated (run, group, term, step, rank, micro) keys of `raw_records` (`Engine._find_duplicates`;
-parameter: how many files to name)."""
+parameter: how many files to name), and every file that holds a copy left out (the later published is kept)."""

@@ -257,6 +257,8 @@ class Duplicates:
     unlaunched: bool = False
     """Some copy lies in a file that does not say which launch wrote it (another writer's): of those, the copy in
     the file modified last was kept."""
+    left_out: tuple[str, ...] = ()
+    """Every file that holds a copy left out (a later published one kept), by its path."""
 
     def __add__(self, other: Duplicates) -> Duplicates:
         """Repeated keys found in another range (ranges hold different steps)."""
@@ -271,6 +273,7 @@ class Duplicates:
             self.one_file or other.one_file,
             self.superseded + other.superseded,
             self.unlaunched or other.unlaunched,
+            tuple(sorted({*self.left_out, *other.left_out})),
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -125,6 +126,43 @@ def test_two_launches_in_files_that_do_not_say_which_came_first_read_the_same_wh
             os.utime(path, ns=(seconds * 1_000_000_000,) * 2)
     report = audit([tmp_path / "run"])
     assert [run.verdict for run in report.runs] == [verdict]
+
+
+def _written(path: Path, rows: list[dict[str, Any]], seconds: int) -> None:
+    """Rows as another writer's file (no launch in its footer), modified at `seconds` past an epoch."""
+    import os
+
+    write(path, rows)
+    os.utime(path, ns=((1_700_000_000 + seconds) * 1_000_000_000,) * 2)
+
+
+def test_a_launch_s_copies_judged_alone_are_the_copies_left_out_not_files_whose_ranges_overlap(tmp_path: Path) -> None:
+    """Which records an earlier launch holds is read from the copies left out, not guessed from the files' ranges:
+    - a later launch written as hashed parts (each of every rank and step), both launches right: correct, no part
+      judged alone as a launch (each holds part of a step's records);
+    - three launches, the first a rank-local mean replayed by the second, the third resumed over the second's last
+      steps: inconclusive, as two launches are (the first's copies, judged with the second's, were inconclusive);
+    - an export of the right steps beside files whose other steps weigh wrong, recorded once: incorrect (those steps
+      have no copy, so no order of the copies could make them right)."""
+    counts = UNEVEN_GA * 4  # 12 steps
+    rows = records(counts, token_mean)
+    _written(tmp_path / "hashed" / "a.parquet", [r for r in rows if r["step"] < 8], 0)
+    later = records(counts, token_mean, step_offset=0)
+    later = [dict(r, loss_sum=r["loss_sum"] * 1.5, backward_scalar=r["backward_scalar"] * 1.5) for r in later]
+    for part in (0, 1):
+        _written(tmp_path / "hashed" / f"part-{part}.parquet", [r for i, r in enumerate(later) if i % 2 == part], 60)
+    wrong = records(counts, local_mean)
+    _written(tmp_path / "three" / "a.parquet", [r for r in wrong if r["step"] < 6], 0)
+    _written(tmp_path / "three" / "b.parquet", [r for r in rows if r["step"] < 9], 60)
+    _written(tmp_path / "three" / "c.parquet", [r for r in later if r["step"] >= 7], 120)
+    mixed = [w if w["step"] in (5, 6) else r for r, w in zip(rows, wrong)]
+    exported = [r for r in rows if r["step"] < 2 or r["step"] > 9]  # in float32: other bits, right values
+    exported = [dict(r, loss_sum=float(np.float32(r["loss_sum"]))) for r in exported]
+    _written(tmp_path / "hull" / "export.parquet", exported, 0)
+    for rank in (0, 1):
+        _written(tmp_path / "hull" / f"rank{rank}.parquet", [r for r in mixed if r["rank"] == rank], 60)
+    verdicts = {run: audit([tmp_path / run]).runs[0].verdict for run in ("hashed", "three", "hull")}
+    assert verdicts == {"hashed": "correct", "three": "inconclusive", "hull": "incorrect"}
 
 
 def test_a_folder_of_many_runs_is_read_in_a_scan_a_schema_with_the_report_of_a_scan_a_run(
