@@ -24,7 +24,7 @@ from tokaudit._checks import (
 from tokaudit._checks import RunSteps, without_miscounted
 from tokaudit.codes import DEFAULT_RTOL, WEIGHTING, Code, Severity
 from tokaudit._settings import BOUNDS, code_named, within
-from tokaudit._engine import Duplicates, Spilled, extremes_at, scalars_at, sweep_scratch
+from tokaudit._engine import Duplicates, Spilled, extremes_at, inexact_scalars, sweep_scratch
 from tokaudit.errors import LogFormatError, UsageError, first_line
 from tokaudit._cluster import Cluster
 from tokaudit._loading import Loading, LogSet
@@ -319,9 +319,8 @@ class _RunJudge:
             run_findings.append(unfinished_finding(run, stopped))
         if ended is not None:
             run_findings.append(ended.finding(run))
-        run_findings = self._cannot_tell(
-            run, run_findings, source, bits if bits is not None else self._rounded(run, run_findings)
-        )
+        run_findings = self._cannot_tell(run, run_findings, source, bits)
+        run_findings = self._rounded(run, run_findings) if bits is None else run_findings
         # The verdict is a claim about the gradient: it reads every finding as found. --min-ratio makes some
         # information and --ignore leaves some out, in the listing and in what fails the command (`gate_verdict`),
         # never in the verdict.
@@ -338,17 +337,21 @@ class _RunJudge:
             ignored=sorted({f.code.value for f in run_findings if f.code in self.judging.ignored}),
         )
 
-    def _rounded(self, run: str, findings: list[Finding]) -> int | None:
-        """Where no record says its precision: the bits every backward scalar of a weighting finding's step holds,
-        where they are bfloat16's or float16's (`rounded_bits`) and its weights are within two roundings of that:
-        b computed there and logged as a wider float, whose weights `within_roundings` then judges at it."""
+    def _rounded(self, run: str, findings: list[Finding]) -> list[Finding]:
+        """Where no record says its precision: each weighting finding whose weights are within two roundings of
+        bfloat16's or float16's, judged at that precision (`within_roundings`) where every backward scalar of its
+        steps holds it (`rounded_bits`): b computed there and logged as a wider float."""
         band = 2.0 ** (2 - min(ROUNDED_BITS))
-        steps = sorted(
-            f.evidence["step"]
-            for f in findings
-            if f.code in WEIGHTING and f.evidence.get("weight_ratio", math.inf) <= 1 + band and "step" in f.evidence
-        )
-        return rounded_bits(self.extremes.scalars(run, int(steps[0]))) if steps else None
+        judged = []
+        for finding in findings:
+            near = finding.evidence.get("weight_ratio", math.inf) <= 1 + band
+            if finding.code in WEIGHTING and near and not finding.undecidable:
+                steps = (finding.steps.first, finding.steps.last)
+                held = rounded_bits(*self.extremes.inexact(run, steps))
+                judged.extend(within_roundings([finding], held) if held is not None else [finding])
+            else:
+                judged.append(finding)
+        return judged
 
     def _cannot_tell(self, run: str, findings: list[Finding], source: RunSteps, bits: int | None) -> list[Finding]:
         """The run's findings with what the logs cannot tell said so: updates' ends guessed, files unread, an earlier
@@ -456,15 +459,16 @@ class _Extremes:
             )
         return match.iloc[0]
 
-    def scalars(self, run: str, step: int) -> np.ndarray:
-        """The backward scalars of one step of one run, read again (`scalars_at`)."""
+    def inexact(self, run: str, steps: tuple[int, int]) -> tuple[int, list[int]]:
+        """Of the run's backward scalars over these steps, read again: how many differ, and how many do not hold each
+        of ROUNDED_BITS (`inexact_scalars`)."""
         try:
-            return scalars_at(self.shards, run, step, self.threads)
+            return inexact_scalars(self.shards, run, steps, ROUNDED_BITS, self.threads)
         except duckdb.InterruptException:
             raise KeyboardInterrupt from None
         except duckdb.Error as error:
             raise LogFormatError(
-                self._where(), f"could not be read again for the values of step {step} ({first_line(error)})"
+                self._where(), f"could not be read again for the values of steps {steps} ({first_line(error)})"
             ) from None
 
     def _where(self) -> str:

@@ -232,19 +232,15 @@ ROUNDED_BITS = (8, 11)
 """The significant bits of bfloat16 and of float16."""
 
 
-def rounded_bits(values: np.ndarray) -> int | None:
-    """The fewest significant bits of bfloat16's or float16's (ROUNDED_BITS) that every finite, nonzero value holds
-    exactly, where at least 3 of them differ: values computed in that precision and logged as a wider float (a Python
+def rounded_bits(distinct: int, inexact: Sequence[int]) -> int | None:
+    """The fewest of ROUNDED_BITS that every backward scalar holds exactly (`inexact`: how many do not, for each),
+    where at least 3 of them differ (`distinct`): b computed in that precision and logged as a wider float (a Python
     number). A value of float32's holds 8 bits by chance once in 2¹⁵, three distinct ones once in 2⁴⁵."""
-    found = values[np.isfinite(values) & (values != 0)]
-    if len(np.unique(found)) < 3:
-        return None
-    mantissa, _ = np.frexp(found)  # x = m·2^e, 1/2 ≤ |m| < 1: x holds p bits where m·2^p is whole
-    for bits in ROUNDED_BITS:
-        scaled = mantissa * 2.0**bits
-        if np.array_equal(scaled, np.round(scaled)):
-            return bits
-    return None
+    return (
+        next((bits for bits, off in zip(ROUNDED_BITS, inexact, strict=True) if off == 0), None)
+        if distinct >= 3
+        else None
+    )
 
 
 def within_roundings(findings: list[Finding], bits: int | None) -> list[Finding]:

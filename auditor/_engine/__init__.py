@@ -6,7 +6,7 @@ ranges' arrays; `evidence` aggregates one step again for a finding's evidence; `
 """
 
 from tokaudit._engine.columns import EVIDENCE, STEP_COLUMNS
-from tokaudit._engine.evidence import extremes_at, scalars_at
+from tokaudit._engine.evidence import extremes_at, inexact_scalars
 from tokaudit._engine.database import Engine, aggregate_range
 from tokaudit._engine.ranges import CHUNK_ROWS, RangeTask, step_ranges
 from tokaudit._engine.sql import step_sql
@@ -21,9 +21,9 @@ __all__ = [
     "Engine",
     "EVIDENCE",
     "extremes_at",
+    "inexact_scalars",
     "one_value",
     "RangeTask",
-    "scalars_at",
     "Spilled",
     "STEP_COLUMNS",
     "step_ranges",

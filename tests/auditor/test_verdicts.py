@@ -330,6 +330,9 @@ def test_backward_scalars_rounded_in_bfloat16_and_logged_as_python_numbers_read_
 
     near = records(counts, lambda S, N, W, **_: W * S / N * (1 + 0.006 * rng.random()))  # float32: weights 0.6% apart
     assert verdict(audit_rows(tmp_path / "near", near)) == "incorrect"
+    # the bfloat16 loop, then the near miss in float32: its steps' b say nothing of bfloat16, and decide
+    switched = rows + records(counts, lambda S, N, W, **_: W * S / N * (1 + 0.006 * rng.random()), step_offset=8)
+    assert verdict(audit_rows(tmp_path / "switched", switched)) == "incorrect"
 
 
 def test_a_logged_loss_stored_in_float16_is_compared_within_its_rounding(tmp_path: Path) -> None:
