@@ -90,7 +90,7 @@ def audit_started(
     with the report and what it was computed from before that is closed (the HTML report's figures,
     `figures.run_figures`, drawn from the same aggregation)."""
     # one path, run or code given alone is one, not a sequence of its characters
-    paths = [paths] if isinstance(paths, str | os.PathLike) else paths
+    paths = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
     if not paths:  # (an empty glob's list: nothing read would pass a gate on the verdicts)
         raise UsageError("no path to audit: give a folder, a file or a URL")
     runs, ignore = [runs] if isinstance(runs, str) else runs, [ignore] if isinstance(ignore, str) else ignore

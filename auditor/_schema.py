@@ -261,9 +261,11 @@ def read_dropped(metadata: dict[bytes, bytes] | None) -> dict[str, Any] | None:
         names = (note["run"], note["group"])
     except (ValueError, KeyError, TypeError, RecursionError):
         raise ValueError(problem) from None
-    # spans the recorder writes: first ≤ last, some records lost
-    if not all(_int64(n) for n in numbers) or not all(0 <= b - a < 2**62 and c > 0 for a, b, c in steps):
-        raise ValueError(f"{problem}: a rank or step span that is not one ({note['steps']!r})"[:300])
+    if not _int64(note["rank"]):
+        raise ValueError(f"{problem}: its rank is not a whole number ({note['rank']!r})"[:300])
+    # spans the recorder writes: at least one, first ≤ last, some records lost
+    if not steps or not all(_int64(n) for n in numbers) or not all(0 <= b - a < 2**62 and c > 0 for a, b, c in steps):
+        raise ValueError(f"{problem}: no list of step spans [first, last, records lost] ({note['steps']!r})"[:300])
     if not all(isinstance(name, str) for name in names):
         raise ValueError(f"{problem}: its run or group is not a string")
     return {"run": names[0], "group": names[1], "rank": note["rank"], "steps": steps}

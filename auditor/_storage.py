@@ -32,11 +32,11 @@ def is_url(raw: object) -> bool:
 
 
 def local_path(raw: str | os.PathLike[str]) -> str | os.PathLike[str]:
-    """A file:// URL of this machine (file:///abs, file://localhost/abs: RFC 8089) as the local path it names, its
-    percent-escapes decoded; anything else as given."""
-    if isinstance(raw, str) and raw[:7].lower() == "file://":
+    """A file URL of this machine (file:///abs, file://localhost/abs, file:/abs: RFC 8089) as the local path it
+    names, its percent-escapes decoded; anything else as given."""
+    if isinstance(raw, str) and raw[:5].lower() == "file:":
         parts = urllib.parse.urlsplit(raw)
-        if parts.netloc.lower() in ("", "localhost"):
+        if parts.netloc.lower() in ("", "localhost") and parts.path.startswith("/"):
             return urllib.parse.unquote(parts.path)
     return raw
 

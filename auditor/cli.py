@@ -35,7 +35,7 @@ from tokaudit._outputs import run as outputs_run
 from tokaudit._render.text import printable
 from tokaudit._cli_exits import Guarded, exit_for_problems, fails
 from tokaudit._settings import FAIL_ON_RANK, ray_address_problem
-from tokaudit._cli_inputs import begin_loading, output_option, refuse_inputs, step_window
+from tokaudit._cli_inputs import begin_loading, local_file, output_option, refuse_inputs, step_window
 from tokaudit._cli_progress import reading_progress
 
 if TYPE_CHECKING:
@@ -318,12 +318,17 @@ def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str, output
 @PATHS
 @click.option("--run", default=None, help="Run id (needed when the logs hold several).")
 @click.option(
-    "--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path), help="Write every step's values as CSV."
+    "--csv",
+    "csv_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    callback=local_file,
+    help="Write every step's values as CSV.",
 )
 @click.option(
     "--plot",
     "plot_path",
     type=click.Path(dir_okay=False, path_type=Path),
+    callback=local_file,
     help="Draw the curves as a PNG (needs matplotlib).",
 )
 @click.option(
@@ -467,7 +472,7 @@ def _wrapped(text: str) -> str:
 
 
 @main.command()
-@click.argument("folder", required=False, type=click.Path(file_okay=False, path_type=Path))
+@click.argument("folder", required=False, type=click.Path(file_okay=False, path_type=Path), callback=local_file)
 def sync(folder: Path | None) -> None:
     """Write the shards a recorder kept in its local spool (the store did not answer by close()) to where they
     were going. FOLDER: the spool (default: TOKAUDIT_SPOOL, else ~/.cache/tokaudit/spool)."""

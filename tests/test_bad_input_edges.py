@@ -233,6 +233,7 @@ _NOTE = {"run": "bad", "group": "0", "rank": 0, "steps": [[1, 2, 5]]}
         json.dumps({**_NOTE, "steps": [[0, 1, -5]]}),  # a negative count of records
         json.dumps({**_NOTE, "steps": [[-(2**63), 2**63 - 1, 1]]}),  # a span of every int64
         json.dumps({**_NOTE, "steps": [[0, 1e400, 1]]}),
+        json.dumps({**_NOTE, "steps": []}),  # (an internal error: no span to say)
         "[" * 100_000 + "]" * 100_000,  # nested past Python's recursion limit
     ],
 )
@@ -384,7 +385,7 @@ def test_a_damaged_file_in_a_run_id_partition_is_that_run_s_alone(tmp_path: Path
     assert code == 2 and {r["run"]: r["verdict"] for r in report["runs"]} == {"a": "inconclusive", "b": "correct"}
 
 
-@pytest.mark.parametrize("paths", [[], ()])
+@pytest.mark.parametrize("paths", [[], (), iter([])])
 def test_no_path_at_all_is_a_usage_error_not_an_empty_report(paths: list[str]) -> None:
     """An empty glob's list audited no file and read no problem: a gate on the verdicts and the problems passed it."""
     from tokaudit import audit

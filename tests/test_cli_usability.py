@@ -620,6 +620,11 @@ def test_a_file_url_names_the_local_folder_for_the_recorder_and_the_command(tmp_
         rec.record(loss_sum=loss, valid_tokens=2, backward_scalar=loss / 2)
         (loss / 2).backward()
     assert (folder / "exp").is_dir() and not (Path.cwd() / "file:").exists()
-    for given in (url, "file://localhost" + urllib.parse.quote(str(folder))):
+    for given in (url, "file://localhost" + urllib.parse.quote(str(folder)), "file:" + str(folder)):
         code, out, err = invoke("check", given, "--format", "json")
         assert code == 0 and [r["run"] for r in json.loads(out)["runs"]] == ["exp"], err
+    report = tmp_path / "report of a.json"
+    assert invoke("check", url, "-o", "file://" + urllib.parse.quote(str(report)))[0] == 0 and report.is_file()
+    (tmp_path / "spool").mkdir()
+    code, _, err = invoke("sync", f"file://{tmp_path}/spool")
+    assert code == 0 and "nothing to sync" in err, err
