@@ -34,10 +34,15 @@ def _code(text: str) -> str:
 
 
 def _literal(text: str) -> str:
-    """Text that holds the log's (a run, group or file name in a message) printed literally in a paragraph: every
-    ASCII punctuation character backslash-escaped, as CommonMark allows for each, so that no link, image, emphasis,
-    HTML tag, @mention or autolink comes of it."""
-    return re.sub(r"([!-/:-@\[-`{-~])", r"\\\1", printable(text))
+    """Text that holds the log's (a run, group or file name in a message) printed literally in a paragraph, one line
+    (`printable`): each character that can begin markup backslash-escaped, as CommonMark allows for any ASCII
+    punctuation (a link or image needs its `[`, emphasis `*` or a `_` at a word's edge, code a backtick, HTML `<`, an
+    entity `&`, an @mention or e-mail `@`, an autolink or :emoji: a `:` before a non-space, math `$`), and `www.`'s
+    dot (GitHub's autolink of it); the rest, parentheses, commas, slashes, is left as it reads."""
+    escaped = re.sub(r"([\\`*\[\]<>#|~@&$])", r"\\\1", printable(text))
+    # an underscore inside a word opens no emphasis (n_r), a colon before a space no autolink or emoji
+    escaped = re.sub(r"(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])|:(?=\S)", r"\\\g<0>", escaped)
+    return re.sub(r"(?i)\b(www)\.", r"\1\\.", escaped)
 
 
 def summary_line(report: AuditReport, fail_on: str = "error") -> str:
@@ -75,10 +80,11 @@ def render_markdown(report: AuditReport, fail_on: str = "error") -> str:
             "",
         ]
     for f in report.findings:
-        term = f" · term {_code(f.term)}" if f.term != UNNAMED else ""
+        # names in code elements: no markup, and no @mention, comes of them
+        term = f" · term <code>{html.escape(printable(f.term))}</code>" if f.term != UNNAMED else ""
         lines += [
             f"<details><summary>{ICONS[f.severity.value]} <b>{f.severity.value}</b> <code>{f.code.value}</code> "
-            f"· {html.escape(printable(f.run))}{html.escape(term)} · steps {steps_text(f.steps)}</summary>",
+            f"· <code>{html.escape(printable(f.run))}</code>{term} · steps {steps_text(f.steps)}</summary>",
             "",
             _literal(f.message),
             "",
