@@ -278,8 +278,7 @@ class Engine:
 
     def _find_duplicates(self) -> dict[str, Duplicates]:
         found = {}
-        # the files by the names DuckDB was given (a link for a path with pattern characters)
-        paths = {self.link_names[id(shard)]: str(shard.path) for shard in self.shards}
+        paths = {self.link_names[id(shard)]: str(shard.path) for shard in self.shards}  # (DuckDB's names: links)
         for row in self.connection.execute(DUPLICATES_SQL, [FILES_NAMED]).fetchall():
             run, copies, first, last, steps, files, identical, same_time, one_file, superseded, unlaunched, out = row
             named = tuple(os.path.basename(paths.get(f, f)) for f in files)
