@@ -109,6 +109,25 @@ def fsdp2_sync(groups: list[Any]) -> bool | None:
         return None
 
 
+def fsdp1_modules(model: Any) -> list[Any]:
+    """The FullyShardedDataParallel (FSDP1) modules of a model ([] where there are none): each reduces its gradients
+    at the backward where its `_sync_gradients` is set, which `no_sync()` clears on all of them."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return [module for module in model.modules() if isinstance(module, FullyShardedDataParallel)]
+    except Exception:
+        return []
+
+
+def fsdp1_sync(modules: list[Any]) -> bool | None:
+    """Whether the next backward of an FSDP1 model reduces its gradients (None where that cannot be read)."""
+    try:
+        return all(bool(module._sync_gradients) for module in modules)
+    except Exception:
+        return None
+
+
 def fsdp2_process_group(model: Any) -> Any:
     """The group an FSDP2 module shards over, where it is one mesh dimension (its data-parallel group on a DP×TP
     mesh); None for HSDP's two (the world then) or where it cannot be read."""
@@ -155,6 +174,11 @@ def resolve_divisor(model: Any, world_size: int, accelerate_ddp: bool) -> tuple[
         # Accelerate wrapped the model in DDP (its comm hooks, fp16/bf16 compression and PowerSGD, all
         # average too): D = W.
         return float(world_size), None
+    if world_size > 1 and model is not None and fsdp1_modules(model):
+        return None, (
+            "tokaudit: an FSDP (FullyShardedDataParallel) model's gradient divisor is not read; pass "
+            "Recorder(grad_divisor=...) (W for its average, 1 for a summing hook). " + _UNSEEN
+        )
     if world_size > 1:
         return None, (
             "tokaudit: the gradient reduction cannot be seen (no DDP model= given); pass "

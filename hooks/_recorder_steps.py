@@ -13,7 +13,7 @@ from tokaudit.hooks._amp import ScalerWatch
 from tokaudit.hooks._attach import user_stacklevel, wrap_method
 from tokaudit.hooks._buffer import RecordBuffer
 from tokaudit.hooks._capture import NOTHING_CAPTURED
-from tokaudit.hooks._identity import fsdp2_param_groups, fsdp2_sync
+from tokaudit.hooks._identity import fsdp1_modules, fsdp1_sync, fsdp2_param_groups, fsdp2_sync
 from tokaudit.hooks._terms import CapturedCalls
 
 
@@ -38,6 +38,7 @@ class UpdateTracking:
         self._forward_sync: bool | None = None
         self._unforwarded_sync: bool | None = None  # a record's sync where no forward of the model said it
         self._fsdp_groups: list[Any] | None = None  # an FSDP2 model's parameter groups, found at the first record
+        self._fsdp1: list[Any] = []  # an FSDP1 model's modules, found with them
         self._step = self._step_records = self._capturing = 0
         self._closed_step: int | None = None
         self._auto_closed: int | None = None
@@ -106,14 +107,18 @@ class UpdateTracking:
 
     def _sync_now(self) -> bool | None:
         """Whether the backward of a record made now synchronizes gradients: as the model's last forward said (DDP
-        decides there), else as an FSDP2 model's parameter groups say now (it decides at the backward), else as
-        Accelerate says, else False where the model is DDP's and no forward of it ran, else not known."""
+        decides there), else as an FSDP2 model's parameter groups or an FSDP1 model's modules say now (both decide
+        at the backward), else as Accelerate says, else False where the model is DDP's and no forward of it ran,
+        else not known."""
         if self._forward_sync is not None:
             return self._forward_sync
         if self._fsdp_groups is None:
             self._fsdp_groups = fsdp2_param_groups(self._model) if self._model is not None else []
+            self._fsdp1 = fsdp1_modules(self._model) if self._model is not None and not self._fsdp_groups else []
         if self._fsdp_groups:
             return fsdp2_sync(self._fsdp_groups)
+        if self._fsdp1:
+            return fsdp1_sync(self._fsdp1)
         return self._accelerate.sync() if self._accelerate is not None else self._unforwarded_sync
 
     def _recorded_already(self, term: str, scalar: Any) -> bool:
