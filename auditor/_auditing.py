@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -22,9 +21,9 @@ from tokaudit._checks import (
     with_unread_files,
 )
 from tokaudit._checks import RunSteps, without_miscounted
-from tokaudit.codes import DEFAULT_RTOL, WEIGHTING, Code, Severity
+from tokaudit.codes import DEFAULT_RTOL, Code, Severity
 from tokaudit._settings import BOUNDS, code_named, within
-from tokaudit._engine import Duplicates, Spilled, extremes_at, inexact_scalars, sweep_scratch
+from tokaudit._engine import Duplicates, Spilled, extremes_at, rounded_precision, sweep_scratch
 from tokaudit.errors import LogFormatError, UsageError, first_line
 from tokaudit._cluster import Cluster
 from tokaudit._loading import Loading, LogSet
@@ -36,8 +35,7 @@ from tokaudit._schema import UNNAMED, Provenance
 from tokaudit._ends import FooterEnds, both_ends, recorded_end, uneven_ends
 from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
 from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, stored_precision
-from tokaudit._summary import ROUNDED_BITS, guessed_updates, rounded_bits, unfinished_finding, unread_files
-from tokaudit._summary import within_roundings
+from tokaudit._summary import guessed_updates, unfinished_finding, unread_files, within_roundings
 
 
 _CODE_ORDER = {code: index for index, code in enumerate(Code)}
@@ -143,6 +141,8 @@ def _audit(
         # The checks need only the step table: DuckDB's memory is given back before they run.
         duplicates, precision = engine.duplicates, dict(engine.precision)
         precision.update({r: min(precision.get(r, b), b) for r, b in stored_precision(logset.shards).items()})
+        # a run that says nothing of its precision, whose every b holds bfloat16's or float16's bits, was computed there
+        precision.update({r: b for r, b in rounded_precision(engine.rounded).items() if r not in precision})
         engine.close()
         if horizon is not None and progress:
             _say_left_out(parts, present, horizon, progress)
@@ -320,7 +320,6 @@ class _RunJudge:
         if ended is not None:
             run_findings.append(ended.finding(run))
         run_findings = self._cannot_tell(run, run_findings, source, bits)
-        run_findings = self._rounded(run, run_findings) if bits is None else run_findings
         # The verdict is a claim about the gradient: it reads every finding as found. --min-ratio makes some
         # information and --ignore leaves some out, in the listing and in what fails the command (`gate_verdict`),
         # never in the verdict.
@@ -336,22 +335,6 @@ class _RunJudge:
             terms_pooled=objective is not None,
             ignored=sorted({f.code.value for f in run_findings if f.code in self.judging.ignored}),
         )
-
-    def _rounded(self, run: str, findings: list[Finding]) -> list[Finding]:
-        """Where no record says its precision: each weighting finding whose weights are within two roundings of
-        bfloat16's or float16's, judged at that precision (`within_roundings`) where every backward scalar of its
-        steps holds it (`rounded_bits`): b computed there and logged as a wider float."""
-        band = 2.0 ** (2 - min(ROUNDED_BITS))
-        judged = []
-        for finding in findings:
-            near = finding.evidence.get("weight_ratio", math.inf) <= 1 + band
-            if finding.code in WEIGHTING and near and not finding.undecidable:
-                steps = (finding.steps.first, finding.steps.last)
-                held = rounded_bits(*self.extremes.inexact(run, steps))
-                judged.extend(within_roundings([finding], held) if held is not None else [finding])
-            else:
-                judged.append(finding)
-        return judged
 
     def _cannot_tell(self, run: str, findings: list[Finding], source: RunSteps, bits: int | None) -> list[Finding]:
         """The run's findings with what the logs cannot tell said so: updates' ends guessed, files unread, an earlier
@@ -458,18 +441,6 @@ class _Extremes:
                 f"changed while it was audited: step {step} of run {row.run!r} is no longer there; audit it again",
             )
         return match.iloc[0]
-
-    def inexact(self, run: str, steps: tuple[int, int]) -> tuple[int, list[int]]:
-        """Of the run's backward scalars over these steps, read again: how many differ, and how many do not hold each
-        of ROUNDED_BITS (`inexact_scalars`)."""
-        try:
-            return inexact_scalars(self.shards, run, steps, ROUNDED_BITS, self.threads)
-        except duckdb.InterruptException:
-            raise KeyboardInterrupt from None
-        except duckdb.Error as error:
-            raise LogFormatError(
-                self._where(), f"could not be read again for the values of steps {steps} ({first_line(error)})"
-            ) from None
 
     def _where(self) -> str:
         return ", ".join(s.name for s in self.shards[:3]) + (", …" if len(self.shards) > 3 else "")

@@ -228,21 +228,6 @@ def _alike(block: pd.DataFrame, rtol: float) -> bool:
     return not bool(np.any(high - low > rtol * np.maximum(np.abs(high), np.abs(low))))
 
 
-ROUNDED_BITS = (8, 11)
-"""The significant bits of bfloat16 and of float16."""
-
-
-def rounded_bits(distinct: int, inexact: Sequence[int]) -> int | None:
-    """The fewest of ROUNDED_BITS that every backward scalar holds exactly (`inexact`: how many do not, for each),
-    where at least 3 of them differ (`distinct`): b computed in that precision and logged as a wider float (a Python
-    number). A value of float32's holds 8 bits by chance once in 2¹⁵, three distinct ones once in 2⁴⁵."""
-    return (
-        next((bits for bits, off in zip(ROUNDED_BITS, inexact, strict=True) if off == 0), None)
-        if distinct >= 3
-        else None
-    )
-
-
 def within_roundings(findings: list[Finding], bits: int | None) -> list[Finding]:
     """Weights no further apart than two roundings at the run's precision make (p bits, u = 2⁻ᵖ): a weight b/S rounds
     twice where the loss b divides was itself rounded to p bits and S was logged from a finer sum (a bfloat16 loss

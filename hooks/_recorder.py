@@ -18,7 +18,7 @@ from tokaudit.hooks._attach import AccelerateWatch, from_accelerator, torch_opti
 from tokaudit.hooks._buffer import RecordBuffer
 from tokaudit.hooks._record import UNTRAINED, Record, detached, never_trained, new_record
 from tokaudit.hooks._columns import Value, check_arguments, plain, positive
-from tokaudit.hooks._identity import Placement
+from tokaudit.hooks._identity import Placement, fsdp1_modules
 from tokaudit.hooks._output import ShardOutput, Stamp
 from tokaudit.hooks._capture import capture_cross_entropy, probe_into
 from tokaudit.hooks._pipeline import watch_schedule
@@ -477,6 +477,8 @@ class Recorder(UpdateTracking):
     def _hook_model(self) -> None:
         if self._model is not None and hasattr(self._model, "require_backward_grad_sync"):
             self._watch_ddp_forward(self._model)
+        elif self._model is not None and (modules := fsdp1_modules(self._model)):
+            self._watch_fsdp1_forward(self._model, modules)
 
     def _hook_accelerator(self) -> None:
         if self._accelerator is not None:

@@ -105,6 +105,15 @@ class UpdateTracking:
         else:
             self._handles.append(model.register_forward_pre_hook(read))
 
+    def _watch_fsdp1_forward(self, model: Any, modules: list[Any]) -> None:
+        """FSDP1's no_sync() is a context its microbatch's forward and backward run in: the flag is read at the
+        forward, so a record made after the context is left still says what its backward did."""
+
+        def read(*_: Any) -> None:
+            self._forward_sync = fsdp1_sync(modules)
+
+        self._handles.append(model.register_forward_pre_hook(read))
+
     def _sync_now(self) -> bool | None:
         """Whether the backward of a record made now synchronizes gradients: as the model's last forward said (DDP
         decides there), else as an FSDP2 model's parameter groups or an FSDP1 model's modules say now (both decide

@@ -6,11 +6,11 @@ ranges' arrays; `evidence` aggregates one step again for a finding's evidence; `
 """
 
 from tokaudit._engine.columns import EVIDENCE, STEP_COLUMNS
-from tokaudit._engine.evidence import extremes_at, inexact_scalars
+from tokaudit._engine.evidence import extremes_at
 from tokaudit._engine.database import Engine, aggregate_range
 from tokaudit._engine.ranges import CHUNK_ROWS, RangeTask, step_ranges
 from tokaudit._engine.sql import step_sql
-from tokaudit._engine.tables import Duplicates, Spilled, one_value, sweep_scratch
+from tokaudit._engine.tables import Duplicates, Spilled, one_value, rounded_precision, sweep_scratch
 from tokaudit._engine.watch import Aggregating
 
 __all__ = [
@@ -21,9 +21,9 @@ __all__ = [
     "Engine",
     "EVIDENCE",
     "extremes_at",
-    "inexact_scalars",
     "one_value",
     "RangeTask",
+    "rounded_precision",
     "Spilled",
     "STEP_COLUMNS",
     "step_ranges",

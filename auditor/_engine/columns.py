@@ -84,6 +84,30 @@ FINITE_VALID = """isfinite(loss_sum) AND coalesce(isfinite(backward_scalar), tru
             AND coalesce(isfinite(token_weight_max), true) AND coalesce(isfinite(masked_weight_abs_sum), true)
             AND isfinite(grad_scale) AND isfinite(grad_divisor) AND coalesce(isfinite(eff), true)"""
 
+ROUNDED_BITS = (8, 11)
+"""The significant bits of bfloat16 and of float16: a run whose every backward scalar holds one of them exactly, and
+says no precision, computed b in it (`tables.rounded_precision`)."""
+
+
+def _held(bits: int) -> str:
+    """b holds `bits` significant bits exactly: b rounded to them by Veltkamp's split, c = b·(2^(53−bits) + 1),
+    c − (c − b), is b (a multiply and two subtractions, where log2 and pow took a fifth of the query)."""
+    split = f"backward_scalar * {2 ** (53 - bits) + 1}.0"
+    return f"{split} - ({split} - backward_scalar) = backward_scalar"
+
+
+# (the split is exact for normal doubles: below 1e-300, b counts as holding every bit). Rank 0's records alone: what
+# the run computed in, at a W-th of the cost (a CASE computes a branch only for the records that reach it).
+SCALAR_BITS = Term(
+    "scalar_bits",
+    "rank 0's: the fewest of 8, 11 or 53 significant bits that hold b exactly (NULL: another rank, b 0 or not finite)",
+    # the widest first: most b (float32's) fail it, and the CASE then computes no other
+    "CASE WHEN rank <> 0 OR NOT isfinite(backward_scalar) OR backward_scalar = 0 THEN NULL "
+    "WHEN abs(backward_scalar) < 1e-300 "
+    f"THEN 53 WHEN NOT ({_held(ROUNDED_BITS[-1])}) THEN 53 "
+    f"{' '.join(f'WHEN {_held(bits)} THEN {bits}' for bits in ROUNDED_BITS[:-1])} ELSE {ROUNDED_BITS[-1]} END",
+)
+
 # The declarations are tables, a row a line: the formatter leaves them as written.
 # fmt: off
 # Per-record weights e are only defined for valid records (n > 0) with every value finite.
@@ -110,6 +134,7 @@ TERMS = (
          "CASE WHEN masked_weight_abs_sum > 0 "
          "THEN masked_weight_abs_sum / coalesce(abs(eff * grad_divisor / grad_scale * term_weight), 0) END"),
     Term("eff", "the effective weight e = c·g/(D·λ) of each of the record's valid tokens"),
+    SCALAR_BITS,
 )
 
 WEIGHT = Term("w", "e where it is one: valid tokens and every value finite",
@@ -211,6 +236,8 @@ STEP_COLUMNS = (
     StepColumn("positions_known", "records with T", S, "count(positions)", I, reads=("positions",), absent="0"),
     StepColumn("wide_micro", "records of a microbatch index of 64 or more", S, "count_if(micro >= 64)", I,
                reads=(WIDE_MICRO,), absent="0"),
+    StepColumn("scalar_bits_high", "the most significant bits a b of rank 0 holds: 8 (bfloat16's), 11 (float16's) or 53",
+               S, "max(scalar_bits)", I),
     StepColumn("precision_bits_low", "the fewest significant bits of S and b", S, "min(precision_bits)", I,
                reads=("precision_bits",), absent="NULL"),
     StepColumn("declared_weights", "records that declare their term's weight λ (≠ 1)", S, "count_if(term_weight <> 1)",

@@ -49,7 +49,9 @@ class Engine:
     """Filled by `step_table`. Per run: (records dropped, first step, last step, steps) where a
     (run, group, term, step, micro, rank) key appeared more than once."""
     precision: dict[str, int] = field(default_factory=dict)
-    """Filled by `step_table`. Per run whose records say it (`precision_bits`): the fewest significant bits."""
+    rounded: dict[str, list[int]] = field(default_factory=dict)
+    """Both filled by `step_table` (`tables.note_precision`): per run whose records say it (`precision_bits`), the
+    fewest significant bits; per run, the most bits a backward scalar of rank 0 held, and in how many steps."""
     chunk_rows: int = CHUNK_ROWS
     """Rows aggregated at a time: bounds memory whatever the size of the log."""
     only_steps: tuple[int, int] | None = None
@@ -288,12 +290,9 @@ class Engine:
         return found
 
     def step_table(self, progress: Told | None = None) -> pd.DataFrame:
-        """One row per (run, grp, term, step) with everything the checks need (see `step_sql`).
-
-        Large logs are aggregated a step range at a time, so that one range's aggregation is in DuckDB at
-        once. Duplicates are looked for only where the cheap per-rank count says there may be some; those
-        records are then deduplicated. Memory: the table is never held twice (see `join_columns`).
-        """
+        """One row per (run, grp, term, step) with everything the checks need (see `step_sql`), aggregated a step
+        range at a time; duplicates looked for only where the per-rank count says there may be some, and left out.
+        Memory: the table is never held twice (see `join_columns`)."""
         table = self.step_parts(progress)
         assert isinstance(table, pd.DataFrame)
         return table
@@ -317,7 +316,7 @@ class Engine:
                 add_duplicates(self.duplicates, found)
                 while pieces:  # a range's tables in step order: one, or a window's each (`_windowed`)
                     table = pieces.pop(0)
-                    note_precision(self.precision, table)
+                    note_precision(self.precision, self.rounded, table)
                     held += len(table["step"])
                     if spill and spilled is None and held > SPILL_STEPS:
                         # Past SPILL_STEPS: the ranges held so far go to disk, and every one after.

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 from pandas.api.types import union_categoricals
 
-from tokaudit._engine.columns import STEP_COLUMN_BY_NAME, STEP_COLUMNS
+from tokaudit._engine.columns import ROUNDED_BITS, STEP_COLUMN_BY_NAME, STEP_COLUMNS
 from tokaudit._engine.sql import FETCHED_TYPES
 from tokaudit.errors import UsageError
 
@@ -333,11 +333,24 @@ def finished(
     return {name: table[held.get(name, name)] for name in order}
 
 
-def note_precision(precision: dict[str, int], table: dict[str, Any]) -> None:
-    """The fewest significant bits (`precision_bits_low`) of each run of a range's table, folded into `precision`."""
-    runs, bits = table["run"], np.asarray(table["precision_bits_low"], dtype=np.float64)
+def note_precision(precision: dict[str, int], rounded: dict[str, list[int]], table: dict[str, Any]) -> None:
+    """Per run of a range's table: the fewest significant bits its records say (`precision_bits_low`), folded into
+    `precision`; the most bits a backward scalar of rank 0 held (`scalar_bits_high`) and in how many steps, into
+    `rounded` (`rounded_precision`)."""
+    runs = table["run"]
+    said, held = (np.asarray(table[c], dtype=np.float64) for c in ("precision_bits_low", "scalar_bits_high"))
     for code in np.unique(runs.codes):
-        fewest = np.fmin.reduce(bits[runs.codes == code])  # NaN: no record of the run says
+        mine, run = runs.codes == code, str(runs.categories[code])
+        fewest, most = np.fmin.reduce(said[mine]), np.fmax.reduce(held[mine])  # NaN: no record says, no b held
         if not np.isnan(fewest):
-            run = str(runs.categories[code])
             precision[run] = min(precision.get(run, 64), int(fewest))
+        seen = rounded.setdefault(run, [0, 0])
+        seen[0] = seen[0] if np.isnan(most) else max(seen[0], int(most))
+        seen[1] += int(np.count_nonzero(~np.isnan(held[mine])))
+
+
+def rounded_precision(rounded: dict[str, list[int]]) -> dict[str, int]:
+    """The runs whose every backward scalar of rank 0 holds bfloat16's or float16's bits (`columns.ROUNDED_BITS`), in 3
+    steps or more: their b was computed in that precision (logged as a wider float: a Python number). A float32 value
+    holds 8 bits by chance once in 2¹⁶, three of them once in 2⁴⁸."""
+    return {run: most for run, (most, steps) in rounded.items() if 0 < most <= max(ROUNDED_BITS) and steps >= 3}

@@ -332,19 +332,34 @@ def _bfloat16(value: float) -> float:
     return float(np.array([bits], dtype=np.uint32).view(np.float32)[0])
 
 
-def _logged_in_bfloat16(probe: bool) -> list[dict[str, Any]]:
+def _logged_in_bfloat16(probe: bool, divided_in_float32: bool = False) -> list[dict[str, Any]]:
     """W·S/N computed on bf16 values: S and b rounded to 8 significant bits, or the probe's per-token weight
-    bf16(2/N). Every token's q is 1 within 2⁻⁸: the token mean up to bf16 rounding."""
+    bf16(2/N). Every token's q is 1 within 2⁻⁸: the token mean up to bf16 rounding. `divided_in_float32`: S rounded
+    to bf16 once, then W·S/N computed in float32 (b holds more bits than bf16's) and S logged unrounded."""
     counts = [[[37, 5], [13, 71]], [[22, 60], [61, 2]], [[8, 44], [29, 80]], [[50, 50], [3, 90]]] * 3
     rows = records(counts, token_mean)
     for row in rows:
         tokens = sum(sum(rank) for rank in counts[row["step"]])
+        if divided_in_float32:
+            row["backward_scalar"] = float(np.float32(2 * np.float32(_bfloat16(row["loss_sum"])) / np.float32(tokens)))
+            continue
         row["loss_sum"] = _bfloat16(row["loss_sum"])
         row["backward_scalar"] = _bfloat16(2 * row["loss_sum"] / tokens)
         if probe:
             weight = _bfloat16(_bfloat16(2.0) / tokens)
             row.update(token_weight_sum=weight * row["valid_tokens"], token_weight_min=weight, token_weight_max=weight)
     return rows
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_a_log_whose_every_b_holds_bfloat16_s_bits_is_judged_at_bfloat16_s_precision(
+    tmp_path: Path, probe: bool
+) -> None:
+    """The same bf16 loop logged as Python numbers, no precision_bits: every b holding 8 significant bits says where
+    it was computed, and the run is judged at bf16's precision as if the records said so (it read incorrect)."""
+    right = audit_rows(tmp_path / "right", _logged_in_bfloat16(probe))
+    assert right.findings == [] and right.runs[0].verdict == "correct"
+    assert (right.runs[0].precision_bits, right.runs[0].rtol) == (8, 2.0**-7)
 
 
 @pytest.mark.parametrize("probe", [True, False])
@@ -373,13 +388,13 @@ def test_a_right_loop_computed_in_bfloat16_is_judged_at_its_precision(tmp_path: 
 @pytest.mark.parametrize("probe", [True, False])
 def test_a_deviation_within_bfloat16_rounding_says_so_and_rtol_clears_it(tmp_path: Path, probe: bool) -> None:
     """Where the log does not say its precision (a log without precision_bits, values recorded as Python
-    floats): a finding whose every weight is within 2⁻⁷ of the token mean's says
-    that bf16 rounds that far and names --rtol 1e-2, which then finds nothing; W applied twice (q ≈ 2), on
-    the same bf16 values, says no such thing."""
-    rows = _logged_in_bfloat16(probe)
+    floats) and its b are no bf16 values (S rounded to bf16, then divided in float32): a finding whose every weight is
+    within 2⁻⁷ of the token mean's says that bf16 rounds that far and names --rtol 1e-2, which then finds nothing;
+    W applied twice (q ≈ 2), on the same values, says no such thing."""
+    rows = _logged_in_bfloat16(probe, divided_in_float32=True)
     report = audit_rows(tmp_path / "bf16", rows)
     (finding,) = report.findings
-    assert finding.code.value == ("scale_mismatch" if probe else "unexplained_weighting")
+    assert finding.code.value == "unexplained_weighting"  # (the probe's bf16 weights beside float32 b: no one factor)
     assert finding.evidence["within_bfloat16_rounding"] is True and "audit with --rtol 1e-2" in finding.message
     assert audit([tmp_path / "bf16"], rtol=1e-2).findings == []
     doubled = ("backward_scalar", "token_weight_sum", "token_weight_min", "token_weight_max")  # 2·W·S/N

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.logs import audit_rows, codes, only, UNEVEN, UNEVEN_GA, local_mean, records, token_mean
+from tests.logs import audit_rows, codes, only, UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write
 from tokaudit._auditing import audit
 from tokaudit.codes import Code, Severity
 from tokaudit._render.json_report import render_json
@@ -333,6 +334,12 @@ def test_backward_scalars_rounded_in_bfloat16_and_logged_as_python_numbers_read_
     # the bfloat16 loop, then the near miss in float32: its steps' b say nothing of bfloat16, and decide
     switched = rows + records(counts, lambda S, N, W, **_: W * S / N * (1 + 0.006 * rng.random()), step_offset=8)
     assert verdict(audit_rows(tmp_path / "switched", switched)) == "incorrect"
+    # the bfloat16 loop launched again over an earlier float32 launch of the same steps: the copies left out say
+    # nothing of the records kept
+    for launch, logged in enumerate((records(counts, token_mean), rows)):
+        path = write(tmp_path / "relaunched" / f"all-{launch}.parquet", logged)
+        os.utime(path, ns=((1_700_000_000 + 60 * launch) * 1_000_000_000,) * 2)
+    assert audit([tmp_path / "relaunched"]).runs[0].verdict == "inconclusive"
 
 
 def test_a_logged_loss_stored_in_float16_is_compared_within_its_rounding(tmp_path: Path) -> None:

@@ -21,13 +21,15 @@ ACCUMULATED = (((5, 1), (2, 6)), ((1, 4), (7, 2)), ((6, 2), (3, 3)))
 
 def fsdp1_job(rank: int, world_size: int, log_dir: str, variant: str) -> list[dict[str, Any]]:
     """The token mean W·S/N over 2 microbatches, the first under no_sync(); `inverted`: the last one under it, whose
-    gradient then never leaves its rank (NO_SHARD: a sharded model refuses to gather such gradients)."""
+    gradient then never leaves its rank (NO_SHARD: a sharded model refuses to gather such gradients); `inverted_after`:
+    the same, each record made after its microbatch's context is left."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
     from tokaudit.hooks import Recorder, global_valid_tokens
 
-    strategy = ShardingStrategy.NO_SHARD if variant == "inverted" else ShardingStrategy.FULL_SHARD
+    inverted = variant.startswith("inverted")
+    strategy = ShardingStrategy.NO_SHARD if inverted else ShardingStrategy.FULL_SHARD
     model = FullyShardedDataParallel(
         make_model(), sharding_strategy=strategy, use_orig_params=True, device_id=torch.device("cpu")
     )
@@ -40,12 +42,15 @@ def fsdp1_job(rank: int, world_size: int, log_dir: str, variant: str) -> list[di
         with FullyShardedDataParallel.summon_full_params(model):
             before = [p.detach().clone() for p in model.parameters()]
         for micro, (tokens, labels, valid) in enumerate(batches):
-            unsynced = micro == len(batches) - 1 if variant == "inverted" else micro < len(batches) - 1
+            unsynced = micro == len(batches) - 1 if inverted else micro < len(batches) - 1
             with model.no_sync() if unsynced else contextlib.nullcontext():
                 loss_sum = (per_token_loss(model, tokens, labels) * valid).sum()
                 scalar = world_size * loss_sum / global_tokens
-                recorder.record(loss_sum=loss_sum, valid_tokens=int(valid.sum()), backward_scalar=scalar)
                 scalar.backward()
+                if variant != "inverted_after":
+                    recorder.record(loss_sum=loss_sum, valid_tokens=int(valid.sum()), backward_scalar=scalar)
+            if variant == "inverted_after":
+                recorder.record(loss_sum=loss_sum, valid_tokens=int(valid.sum()), backward_scalar=scalar)
         with FullyShardedDataParallel.summon_full_params(model, with_grads=True):
             grads = [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
         optimizer.step()
@@ -58,13 +63,14 @@ def fsdp1_job(rank: int, world_size: int, log_dir: str, variant: str) -> list[di
     return history
 
 
-@pytest.mark.parametrize("variant, correct", [("synced_last", True), ("inverted", False)])
+@pytest.mark.parametrize("variant, correct", [("synced_last", True), ("inverted", False), ("inverted_after", False)])
 def test_fsdp1_s_no_sync_is_recorded_and_a_last_microbatch_never_synced_is_missing_sync(
     tmp_path: Path, variant: str, correct: bool
 ) -> None:
     """FSDP1 decides at each backward whether it reduces (its modules' flag, which no_sync() clears): the records say
     so. The first microbatch under no_sync() is the token mean (the float64 reference): correct; the last under it
-    leaves each rank's own gradient of it: missing_sync (it read correct, every record's sync unknown)."""
+    leaves each rank's own gradient of it: missing_sync (it read correct, every record's sync unknown), also where
+    each record is made after the context (the flag is read at the forward)."""
     from tests.logs import read_rows
     from tokaudit._auditing import audit
 
