@@ -355,16 +355,19 @@ def _replaced(
     the normalization errors of the copies left out, judged alone by an audit of the files that hold them (their
     steps may lack a rank that stopped first, so only what says their tokens were weighed wrong counts)."""
     found: dict[str, Replaced] = {}
-    local = {str(s.path) for s in shards if s.store is None}
+    where = {
+        str(s.path): str(s.path) if s.store is None else s.store.url(s.path) for s in shards
+    }  # (a URL for a store)
     for run, repeated in duplicates.items():
-        earlier = [path for path in repeated.left_out if path in local]
+        earlier = [where[path] for path in repeated.left_out if path in where]
         if repeated.identical or repeated.one_file or not earlier:
             continue
         report = audit(earlier, rtol=judging.rtol, threads=threads)
         wrong = {f.code.value for f in report.findings if f.run == run and _weighed_wrong(f)}
         contiguous = repeated.steps == repeated.last - repeated.first + 1
         steps = (repeated.first, repeated.last) if contiguous else None
-        found[run] = Replaced(tuple(sorted(wrong)), ordered=not repeated.unlaunched, steps=steps)
+        unread = bool(report.problems)
+        found[run] = Replaced(tuple(sorted(wrong)), ordered=not repeated.unlaunched, steps=steps, unread=unread)
     return found
 
 

@@ -33,6 +33,26 @@ def test_an_s3_log_gives_the_report_of_its_local_copy(endpoint: dict[str, str]) 
     assert {run["run"] for run in remote_report["runs"]} == set(RUNS)
 
 
+def test_a_relaunch_on_s3_judges_the_copies_left_out_as_its_local_copy_does(
+    endpoint: dict[str, str], tmp_path: Path
+) -> None:
+    """A rank-local mean, then a right replay of its steps uploaded later (another writer's files, no launch in their
+    footers): the copies left out are read from the store and judged alone, inconclusive as on disk (it read correct:
+    only local files were judged again)."""
+    from tests.logs import UNEVEN_GA, local_mean, records, token_mean, write
+
+    client = boto3.client("s3")
+    for launch, mean in enumerate((local_mean, token_mean)):
+        path = write(tmp_path / "relaunch" / f"all-{launch}.parquet", records(UNEVEN_GA * 2, mean))
+        os.utime(path, ns=((1_700_000_000 + 60 * launch) * 1_000_000_000,) * 2)
+        client.upload_file(str(path), "logs", f"relaunch/run/{path.name}")
+        time.sleep(1.1)  # (the store's modification times are whole seconds)
+    remote = tokaudit("check", "s3://logs/relaunch/run", "--format", "json", env=endpoint)
+    local = tokaudit("check", str(tmp_path / "relaunch"), "--format", "json")
+    verdicts = [json.loads(report.stdout)["runs"][0]["verdict"] for report in (remote, local)]
+    assert verdicts == ["inconclusive", "inconclusive"], remote.stderr
+
+
 def test_weights_and_curve_read_from_s3(endpoint: dict[str, str]) -> None:
     remote = tokaudit("weights", "s3://logs/runs/bug_local_mean", "--step", "1", env=endpoint)
     local = tokaudit("weights", str(SAMPLE_LOGS / "bug_local_mean"), "--step", "1")

@@ -29,6 +29,8 @@ class Replaced:
     copy of the folder that did not keep the times may have made the earlier one."""
     steps: tuple[int, int] | None = None
     """The first and last step recorded again, where every step between them was (else None)."""
+    unread: bool = False
+    """Some file of the copies left out could not be read again to be judged alone."""
 
 
 def with_replaced(findings: list[Finding], replaced: Replaced) -> list[Finding]:
@@ -44,6 +46,12 @@ def with_replaced(findings: list[Finding], replaced: Replaced) -> list[Finding]:
             f"Judged alone, the earlier launch's records weigh their tokens wrong ({codes}): where the later launch "
             "resumed from a checkpoint taken after them and numbered its steps again, those updates trained the "
             "model; where it replayed them from an earlier checkpoint, they did not. The logs cannot tell which."
+        )
+        return _copies_cannot_tell(findings, why)
+    if replaced.unread:
+        why = (
+            "The files of the copies left out could not all be read again to be judged alone: where the earlier "
+            "launch weighed its tokens wrong and those updates trained the model, the logs here cannot tell."
         )
         return _copies_cannot_tell(findings, why)
     if replaced.ordered or replaced.steps is None:  # (a step between the copies may hold none: it decides)
