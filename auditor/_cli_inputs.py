@@ -43,18 +43,18 @@ def output_option(what: str) -> Callable[[F], F]:
     return click.option(
         "--output",
         "-o",
-        type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
-        callback=lambda _, __, output: None if output == Path("-") else local_file(_, __, output),
+        type=click.Path(dir_okay=False, allow_dash=True),
+        callback=lambda _, __, output: None if output == "-" else local_file(_, __, output),
         help=f"{what} (-: stdout).",
     )
 
 
-def local_file(_: object, __: object, given: Path | None) -> Path | None:
-    """A click callback: a path option given as a file URL of this machine (click has made file:///x the path
-    file:/x) as the path it names (`storage.local_path`)."""
+def local_file(_: object, __: object, given: str | None) -> Path | None:
+    """A click callback: a path option as a Path, a file URL of this machine as the path it names
+    (`storage.local_path`; the option's type must leave it a string: a Path has made file:///x file:/x)."""
     from tokaudit._storage import local_path
 
-    return None if given is None else Path(local_path(str(given)))
+    return None if given is None else Path(local_path(given))
 
 
 def refuse_inputs(output: Path | None, paths: tuple[str, ...], option: str = "--output") -> None:

@@ -36,7 +36,13 @@ def local_path(raw: str | os.PathLike[str]) -> str | os.PathLike[str]:
     names, its percent-escapes decoded; anything else as given."""
     if isinstance(raw, str) and raw[:5].lower() == "file:":
         parts = urllib.parse.urlsplit(raw)
-        if parts.netloc.lower() in ("", "localhost") and parts.path.startswith("/"):
+        # (a '#' or '?' of the path itself is written %23, %3F: one left bare would cut the path short)
+        if (
+            parts.netloc.lower() in ("", "localhost")
+            and parts.path.startswith("/")
+            and "#" not in raw
+            and "?" not in raw
+        ):
             return urllib.parse.unquote(parts.path)
     return raw
 

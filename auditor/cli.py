@@ -320,14 +320,14 @@ def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str, output
 @click.option(
     "--csv",
     "csv_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=click.Path(dir_okay=False),
     callback=local_file,
     help="Write every step's values as CSV.",
 )
 @click.option(
     "--plot",
     "plot_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=click.Path(dir_okay=False),
     callback=local_file,
     help="Draw the curves as a PNG (needs matplotlib).",
 )
@@ -472,7 +472,7 @@ def _wrapped(text: str) -> str:
 
 
 @main.command()
-@click.argument("folder", required=False, type=click.Path(file_okay=False, path_type=Path), callback=local_file)
+@click.argument("folder", required=False, type=click.Path(file_okay=False), callback=local_file)
 def sync(folder: Path | None) -> None:
     """Write the shards a recorder kept in its local spool (the store did not answer by close()) to where they
     were going. FOLDER: the spool (default: TOKAUDIT_SPOOL, else ~/.cache/tokaudit/spool)."""

@@ -623,8 +623,12 @@ def test_a_file_url_names_the_local_folder_for_the_recorder_and_the_command(tmp_
     for given in (url, "file://localhost" + urllib.parse.quote(str(folder)), "file:" + str(folder)):
         code, out, err = invoke("check", given, "--format", "json")
         assert code == 0 and [r["run"] for r in json.loads(out)["runs"]] == ["exp"], err
-    report = tmp_path / "report of a.json"
-    assert invoke("check", url, "-o", "file://" + urllib.parse.quote(str(report)))[0] == 0 and report.is_file()
+    for host in ("", "localhost"):
+        report = tmp_path / f"report of a{host}.json"
+        assert invoke("check", url, "-o", f"file://{host}" + urllib.parse.quote(str(report)))[0] == 0
+        assert report.is_file()
     (tmp_path / "spool").mkdir()
-    code, _, err = invoke("sync", f"file://{tmp_path}/spool")
+    code, _, err = invoke("sync", f"file://localhost{tmp_path}/spool")
     assert code == 0 and "nothing to sync" in err, err
+    code, _, err = invoke("check", f"file://{folder}#1")  # a bare '#' cuts no path short: the name is not found
+    assert code == 2 and "#1" in err, err

@@ -24,13 +24,14 @@ def _cell(text: str) -> str:
     return _in_table(text).replace("`", "'")
 
 
-def _code(text: str) -> str:
+def _code(text: str, in_table: bool = True) -> str:
     """Text from the log as a code span, its characters kept (a run id copied from it works in --run): delimited by
-    one backtick more than its longest run of them, padded where it begins or ends with one (CommonMark)."""
+    one backtick more than its longest run of them, padded where it begins or ends with one (CommonMark); its pipes
+    escaped `in_table` (elsewhere a backslash would show)."""
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     fence = "`" * (longest + 1)
     pad = " " if text.startswith("`") or text.endswith("`") else ""
-    return f"{fence}{pad}{_in_table(text)}{pad}{fence}"
+    return f"{fence}{pad}{_in_table(text) if in_table else printable(text)}{pad}{fence}"
 
 
 def _literal(text: str) -> str:
@@ -99,5 +100,5 @@ def render_markdown(report: AuditReport, fail_on: str = "error") -> str:
     if report.runs and not report.findings:
         lines += ["No findings.", ""]
     for problem in report.problems:
-        lines.append(f"- ❌ unreadable: {_code(problem)}")
+        lines.append(f"- ❌ unreadable: {_code(problem, in_table=False)}")
     return "\n".join(lines).rstrip() + "\n"
