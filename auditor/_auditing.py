@@ -141,12 +141,11 @@ def _audit(
         # The checks need only the step table: DuckDB's memory is given back before they run.
         duplicates, precision = engine.duplicates, dict(engine.precision)
         precision.update({r: min(precision.get(r, b), b) for r, b in stored_precision(logset.shards).items()})
-        # a run that says nothing of its precision, whose every b holds bfloat16's or float16's bits, was computed there
-        precision.update({r: b for r, b in rounded_precision(engine.rounded).items() if r not in precision})
+        rounded = {r: b for r, b in rounded_precision(engine.rounded).items() if r not in precision}
         engine.close()
         if horizon is not None and progress:
             _say_left_out(parts, present, horizon, progress)
-        judge = _RunJudge.of(logset, judging, horizon, named, duplicates, precision, threads)
+        judge = _RunJudge.of(logset, judging, horizon, named, duplicates, precision, threads, rounded)
         summaries, findings = judge.runs(present, runs_apart(steps, parts, present))
         asked = present if runs else None
         kept = kept_steps(parts, asked, horizon, ordered=isinstance(steps, pd.DataFrame)) if keep_steps else None
@@ -236,6 +235,10 @@ class _RunJudge:
     """The files in each run's folder that could not be read (`unread_files`)."""
     replaced: dict[str, Replaced]
     """Per run a later launch of which recorded steps again: its earlier launches' records judged alone (`_replaced`)."""
+    rounded: dict[str, int]
+    """Per run that says nothing of its precision: the bits every backward scalar of rank 0 holds, bfloat16's or
+    float16's (`rounded_precision`). Round numbers hold them too (integer losses), so they make no error vanish
+    at that precision: they make one within two of its roundings say the logs cannot tell (`within_roundings`)."""
 
     @classmethod
     def of(
@@ -247,6 +250,7 @@ class _RunJudge:
         duplicates: dict[str, Duplicates],
         precision: dict[str, int],
         threads: int | None,
+        rounded: dict[str, int],
     ) -> _RunJudge:
         """The judge of an audit's runs, with what the footers of its shards say."""
         shards = logset.shards
@@ -262,6 +266,7 @@ class _RunJudge:
             None if horizon is not None else uneven_ends(shards),  # --live: steps not yet complete are left out
             unread_files(shards, logset.problems),
             _replaced(shards, duplicates, judging, threads),
+            rounded,
         )
 
     def runs(
@@ -320,6 +325,8 @@ class _RunJudge:
         if ended is not None:
             run_findings.append(ended.finding(run))
         run_findings = self._cannot_tell(run, run_findings, source, bits)
+        if bits is None and run in self.rounded:
+            run_findings = within_roundings(run_findings, self.rounded[run])
         # The verdict is a claim about the gradient: it reads every finding as found. --min-ratio makes some
         # information and --ignore leaves some out, in the listing and in what fails the command (`gate_verdict`),
         # never in the verdict.

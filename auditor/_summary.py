@@ -244,9 +244,13 @@ def within_roundings(findings: list[Finding], bits: int | None) -> list[Finding]
 
     def rounded(finding: Finding) -> bool:
         # the tokens' weights within the band of each other, and of the token mean's 1/N (q = e·N near 1): a
-        # denominator far off (S/T at T ≈ 2n, q ≈ 0.5) is no rounding, however alike its weights
-        q = [finding.evidence.get(side, {}).get("distortion", math.inf) for side in ("heaviest", "lightest")]
-        alike = finding.evidence.get("weight_ratio", math.inf) <= 1 + band
+        # denominator far off (S/T at T ≈ 2n, q ≈ 0.5) is no rounding, however alike its weights; a uniform factor
+        # (scale_mismatch, world_size_mismatch: each step's weights alike) by the range of its steps' q
+        evidence = finding.evidence
+        if finding.code in PARTIAL_UPDATE_FACTORS and "distortion_range" in evidence:
+            return all(abs(value - 1) <= band for value in evidence["distortion_range"])
+        q = [evidence.get(side, {}).get("distortion", math.inf) for side in ("heaviest", "lightest")]
+        alike = evidence.get("weight_ratio", math.inf) <= 1 + band
         return finding.code in WEIGHTING and alike and all(abs(value - 1) <= band for value in q)
 
     return cannot_tell(findings, (), why, where=rounded)

@@ -86,7 +86,7 @@ FINITE_VALID = """isfinite(loss_sum) AND coalesce(isfinite(backward_scalar), tru
 
 ROUNDED_BITS = (8, 11)
 """The significant bits of bfloat16 and of float16: a run whose every backward scalar holds one of them exactly, and
-says no precision, computed b in it (`tables.rounded_precision`)."""
+says no precision, may have computed b in it (`tables.rounded_precision`)."""
 
 
 def _held(bits: int) -> str:

@@ -346,11 +346,12 @@ def note_precision(precision: dict[str, int], rounded: dict[str, list[int]], tab
             precision[run] = min(precision.get(run, 64), int(fewest))
         seen = rounded.setdefault(run, [0, 0])
         seen[0] = seen[0] if np.isnan(most) else max(seen[0], int(most))
-        seen[1] += int(np.count_nonzero(~np.isnan(held[mine])))
+        seen[1] += len(np.unique(np.asarray(table["step"])[mine][~np.isnan(held[mine])]))  # (ranges: other steps)
 
 
 def rounded_precision(rounded: dict[str, list[int]]) -> dict[str, int]:
     """The runs whose every backward scalar of rank 0 holds bfloat16's or float16's bits (`columns.ROUNDED_BITS`), in 3
-    steps or more: their b was computed in that precision (logged as a wider float: a Python number). A float32 value
-    holds 8 bits by chance once in 2¹⁶, three of them once in 2⁴⁸."""
+    steps or more: their b was computed in that precision (logged as a wider float: a Python number), or is round
+    numbers (integer losses), which hold those bits too; a float32 value of a real loss holds 8 bits by chance once in
+    2¹⁶."""
     return {run: most for run, (most, steps) in rounded.items() if 0 < most <= max(ROUNDED_BITS) and steps >= 3}

@@ -352,14 +352,14 @@ def _logged_in_bfloat16(probe: bool, divided_in_float32: bool = False) -> list[d
 
 
 @pytest.mark.parametrize("probe", [True, False])
-def test_a_log_whose_every_b_holds_bfloat16_s_bits_is_judged_at_bfloat16_s_precision(
+def test_a_log_whose_every_b_holds_bfloat16_s_bits_is_never_incorrect_for_its_rounding(
     tmp_path: Path, probe: bool
 ) -> None:
-    """The same bf16 loop logged as Python numbers, no precision_bits: every b holding 8 significant bits says where
-    it was computed, and the run is judged at bf16's precision as if the records said so (it read incorrect)."""
+    """The same bf16 loop logged as Python numbers, no precision_bits: every b holding 8 significant bits may say
+    where it was computed (or be round numbers), so weights within two bf16 roundings say the logs cannot tell (it
+    read incorrect). A log with precision_bits = 8 is judged at that precision (the test below)."""
     right = audit_rows(tmp_path / "right", _logged_in_bfloat16(probe))
-    assert right.findings == [] and right.runs[0].verdict == "correct"
-    assert (right.runs[0].precision_bits, right.runs[0].rtol) == (8, 2.0**-7)
+    assert right.runs[0].verdict != "incorrect" and all(f.undecidable for f in right.findings), right.findings
 
 
 @pytest.mark.parametrize("probe", [True, False])
