@@ -141,7 +141,7 @@ def _audit(
         # The checks need only the step table: DuckDB's memory is given back before they run.
         duplicates, precision = engine.duplicates, dict(engine.precision)
         precision.update({r: min(precision.get(r, b), b) for r, b in stored_precision(logset.shards).items()})
-        rounded = {r: b for r, b in rounded_precision(engine.rounded).items() if r not in precision}
+        rounded = rounded_precision(engine.rounded)
         engine.close()
         if horizon is not None and progress:
             _say_left_out(parts, present, horizon, progress)
@@ -236,8 +236,8 @@ class _RunJudge:
     replaced: dict[str, Replaced]
     """Per run a later launch of which recorded steps again: its earlier launches' records judged alone (`_replaced`)."""
     rounded: dict[str, int]
-    """Per run that says nothing of its precision: the bits every backward scalar of rank 0 holds, bfloat16's or
-    float16's (`rounded_precision`). Round numbers hold them too (integer losses), so they make no error vanish
+    """Per run: the bits every backward scalar of rank 0 holds, bfloat16's or float16's (`rounded_precision`), read
+    where the run says nothing of its precision. Round numbers hold them too (integer losses), so they make no error vanish
     at that precision: they make one within two of its roundings say the logs cannot tell (`within_roundings`)."""
 
     @classmethod
@@ -325,8 +325,6 @@ class _RunJudge:
         if ended is not None:
             run_findings.append(ended.finding(run))
         run_findings = self._cannot_tell(run, run_findings, source, bits)
-        if bits is None and run in self.rounded:
-            run_findings = within_roundings(run_findings, self.rounded[run])
         # The verdict is a claim about the gradient: it reads every finding as found. --min-ratio makes some
         # information and --ignore leaves some out, in the listing and in what fails the command (`gate_verdict`),
         # never in the verdict.
@@ -352,7 +350,8 @@ class _RunJudge:
             findings = with_unread_files(run, findings, self.unread[run], source)
         if run in self.replaced:
             findings = with_replaced(findings, self.replaced[run])
-        return within_roundings(findings, bits)
+        # a run that says no precision is judged at float32's; its b may still have been rounded coarser
+        return within_roundings(findings, bits if bits is not None else self.rounded.get(run))
 
 
 def _replaced(

@@ -131,6 +131,10 @@ COLUMNS: tuple[Column, ...] = (
     Column("schema_version", "int", pa.int32(), False, "log format version"),
 )
 
+HALF_PRECISION_BITS = {"bfloat16": 8, "float16": 11}
+"""Significant bits of the half precisions, which `precision_bits` says and which values logged as wider floats may
+hold alone (a logged loss, `checks.reported`; the backward scalars, `engine.columns.ROUNDED_BITS`)."""
+
 COLUMNS_BY_NAME = {column.name: column for column in COLUMNS}
 UNNAMED = "0"
 """The group and the term of a record whose column is absent or null (the run's is its file's folder)."""

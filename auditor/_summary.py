@@ -21,7 +21,7 @@ from tokaudit._normalization import judged_steps
 from tokaudit._partitions import partition_folders, run_folder
 from tokaudit._reader import Shard
 from tokaudit._report import Finding, RunSummary, Segment, StepRange, Verdict, Reporting
-from tokaudit._schema import Provenance
+from tokaudit._schema import HALF_PRECISION_BITS, Provenance
 
 
 @dataclass
@@ -88,7 +88,7 @@ def setups_of(shards: Sequence[Shard]) -> dict[str, Provenance]:
 WEIGHT_COLUMNS = ("loss_sum", "backward_scalar", "token_weight_sum", "token_weight_min", "token_weight_max")
 """The columns a record's weight is read from: stored in a narrower float, they hold that float's bits at most."""
 
-STORED_BITS = {"halffloat": 11}
+STORED_BITS = {"halffloat": HALF_PRECISION_BITS["float16"]}
 """Significant bits of the float types narrower than the default --rtol allows for (float32's 24 are within it)."""
 
 

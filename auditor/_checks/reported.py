@@ -13,6 +13,7 @@ from tokaudit._checks.base import RunContext, RunSteps, StepsSeen, column_of, ma
 from tokaudit._checks.objective import pooled_sums
 from tokaudit.codes import Code
 from tokaudit._report import Finding
+from tokaudit._schema import HALF_PRECISION_BITS
 
 
 MAX_DECIMALS = 6
@@ -30,7 +31,7 @@ def decimals(values: np.ndarray) -> np.ndarray:
     return out
 
 
-HALF_PRECISIONS = ((8, np.uint32(0xFFFF)), (11, None))
+HALF_PRECISIONS = ((HALF_PRECISION_BITS["bfloat16"], np.uint32(0xFFFF)), (HALF_PRECISION_BITS["float16"], None))
 """The binary formats a logged loss may have been stored in, coarsest first: bfloat16 (8 significant bits: a float32
 whose low 16 bits are 0) and float16 (11; exact where a cast to float16 and back keeps it)."""
 

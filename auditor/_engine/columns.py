@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from tokaudit._schema import HALF_PRECISION_BITS
+
 
 class Level(Enum):
     """What a step column reduces: the step's records, or the per-rank or per-microbatch rows (`Partial`)."""
@@ -84,9 +86,9 @@ FINITE_VALID = """isfinite(loss_sum) AND coalesce(isfinite(backward_scalar), tru
             AND coalesce(isfinite(token_weight_max), true) AND coalesce(isfinite(masked_weight_abs_sum), true)
             AND isfinite(grad_scale) AND isfinite(grad_divisor) AND coalesce(isfinite(eff), true)"""
 
-ROUNDED_BITS = (8, 11)
-"""The significant bits of bfloat16 and of float16: a run whose every backward scalar holds one of them exactly, and
-says no precision, may have computed b in it (`tables.rounded_precision`)."""
+ROUNDED_BITS = tuple(sorted(HALF_PRECISION_BITS.values()))
+"""The significant bits of bfloat16 and of float16, the fewest first: a run whose every backward scalar holds one of
+them exactly, and says no precision, may have computed b in it (`tables.rounded_precision`)."""
 
 
 def _held(bits: int) -> str:
