@@ -13,7 +13,7 @@ from tokaudit.hooks._amp import ScalerWatch
 from tokaudit.hooks._attach import user_stacklevel, wrap_method
 from tokaudit.hooks._buffer import RecordBuffer
 from tokaudit.hooks._capture import NOTHING_CAPTURED
-from tokaudit.hooks._identity import fsdp1_modules, fsdp1_sync, fsdp2_param_groups, fsdp2_sync
+from tokaudit.hooks._identity import fsdp1_sync, fsdp2_param_groups, fsdp2_sync
 from tokaudit.hooks._terms import CapturedCalls
 
 
@@ -38,7 +38,7 @@ class UpdateTracking:
         self._forward_sync: bool | None = None
         self._unforwarded_sync: bool | None = None  # a record's sync where no forward of the model said it
         self._fsdp_groups: list[Any] | None = None  # an FSDP2 model's parameter groups, found at the first record
-        self._fsdp1: list[Any] = []  # an FSDP1 model's modules, found with them
+        self._fsdp1: list[Any] = []  # an FSDP1 model's modules (`_watch_fsdp1_forward`)
         self._step = self._step_records = self._capturing = 0
         self._closed_step: int | None = None
         self._auto_closed: int | None = None
@@ -112,6 +112,7 @@ class UpdateTracking:
         def read(*_: Any) -> None:
             self._forward_sync = fsdp1_sync(modules)
 
+        self._fsdp1 = modules  # (read at a record where no forward of it has run yet)
         self._handles.append(model.register_forward_pre_hook(read))
 
     def _sync_now(self) -> bool | None:
@@ -123,7 +124,6 @@ class UpdateTracking:
             return self._forward_sync
         if self._fsdp_groups is None:
             self._fsdp_groups = fsdp2_param_groups(self._model) if self._model is not None else []
-            self._fsdp1 = fsdp1_modules(self._model) if self._model is not None and not self._fsdp_groups else []
         if self._fsdp_groups:
             return fsdp2_sync(self._fsdp_groups)
         if self._fsdp1:
