@@ -47,6 +47,20 @@ def local_path(raw: str | os.PathLike[str]) -> str | os.PathLike[str]:
     return raw
 
 
+def other_machine(raw: object) -> str | None:
+    """Why a file URL naming another machine's file (file://host/path) names no file here, or None: no local path
+    is it, and the file reader would look for //host/path on this machine."""
+    if not isinstance(raw, str) or raw[:7].lower() != "file://":
+        return None
+    host = urllib.parse.urlsplit(raw).netloc
+    if host.lower() in ("", "localhost"):
+        return None
+    return (
+        f"a file URL of another machine ('{host}'): tokaudit reads and writes this machine's files; "
+        "give a path here (where that machine's folder is mounted)"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Store:
     """An open filesystem and the URL scheme it was opened for (to write locations back as URLs)."""
@@ -96,6 +110,9 @@ def open_url(url: str, timeout: float | None = None) -> tuple[Store, str]:
 
     match = _URL.match(url)
     scheme = match.group(1).lower() if match else ""
+    elsewhere = other_machine(url)
+    if elsewhere is not None:
+        raise LogFormatError(url, elsewhere)
     try:
         filesystem, path = pafs.FileSystem.from_uri(url)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as arrow_error:

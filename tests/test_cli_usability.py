@@ -632,3 +632,15 @@ def test_a_file_url_names_the_local_folder_for_the_recorder_and_the_command(tmp_
     assert code == 0 and "nothing to sync" in err, err
     code, _, err = invoke("check", f"file://{folder}#1")  # a bare '#' cuts no path short: the name is not found
     assert code == 2 and "#1" in err, err
+
+
+def test_a_file_url_of_another_machine_is_refused_by_name_not_read_as_a_missing_local_file(tmp_path: Path) -> None:
+    """file://host/path names a file of another machine: the command says so, for a log and for -o (it said "no such
+    file or directory", and wrote the report to a folder named `file:`), and writes nothing."""
+    logs = tmp_path / "logs"
+    write_by_rank(logs / "exp", records(UNEVEN, token_mean))
+    code, out, err = invoke("check", f"file://otherhost{logs}")
+    assert code == 2 and "another machine ('otherhost')" in err and f"file://otherhost{logs}" in err, err
+    code, _, err = invoke("check", str(logs), "-o", f"file://h2{tmp_path}/report.json")
+    assert code == 2 and "another machine ('h2')" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"] and not (Path.cwd() / "file:").exists()
