@@ -121,7 +121,8 @@ def _check_rows(table: pa.Table, columns: Iterable[str]) -> None:
         missing = pc.is_null(table["backward_scalar"])
         if "token_weight_sum" in table.column_names:
             missing = pc.and_(missing, pc.is_null(table["token_weight_sum"]))
-        _raise_at_first(missing, "column 'backward_scalar' is null where no probe weights were recorded")
+        problem = "column 'backward_scalar' is null where no probe weights were recorded"
+        _raise_at_first(missing, problem, after=_pandas_nan(table, "backward_scalar"))
     for column, lowest, meaning in _LOWER_BOUNDS:
         if column in columns:
             values = table[column]
@@ -169,10 +170,14 @@ def raise_beyond_int64(parquet: Readable, column: str) -> None:
 
 
 def _no_nulls(table: pa.Table, column: str) -> None:
-    # pandas writes a float NaN as a null: the NaN the log held (a non-finite loss, a finding of its own) is gone
+    _raise_at_first(pc.is_null(table[column]), f"column '{column}' has a null value", after=_pandas_nan(table, column))
+
+
+def _pandas_nan(table: pa.Table, column: str) -> str:
+    """What a null in a float column most likely was: pandas writes a float NaN as a null, and the NaN the log held
+    (a non-finite loss or backward scalar, a finding of its own) is gone."""
     floating = pa.types.is_floating(table.schema.field(column).type)
-    said = ": pandas writes a NaN as a null; write the NaN itself (pyarrow keeps it)" if floating else ""
-    _raise_at_first(pc.is_null(table[column]), f"column '{column}' has a null value", after=said)
+    return ": pandas writes a NaN as a null; write the NaN itself (pyarrow keeps it)" if floating else ""
 
 
 def _raise_at_first(mask: Any, problem: str, values: Any = None, after: str = "") -> None:

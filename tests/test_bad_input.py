@@ -518,3 +518,13 @@ def test_a_nan_loss_that_pandas_wrote_as_a_null_says_so(tmp_path: Path) -> None:
         f"tokaudit: error: {tmp_path / 'run' / 'log.parquet'}: column 'loss_sum' has a null value at row 3: pandas "
         "writes a NaN as a null; write the NaN itself (pyarrow keeps it)"
     ], err
+
+    # a backward scalar's NaN (a mean over no token: zero_token_nonfinite) meets the same fate
+    rows = records(UNEVEN, token_mean)
+    rows[2].update(valid_tokens=0, backward_scalar=math.nan)
+    pd.DataFrame(rows).to_parquet(tmp_path / "run" / "log.parquet")
+    code, _, err = invoke("check", str(tmp_path / "run"))
+    assert code == 2 and error_lines(err) == [
+        f"tokaudit: error: {tmp_path / 'run' / 'log.parquet'}: column 'backward_scalar' is null where no probe weights "
+        "were recorded at row 2: pandas writes a NaN as a null; write the NaN itself (pyarrow keeps it)"
+    ], err
