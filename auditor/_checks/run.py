@@ -14,7 +14,8 @@ from tokaudit._checks.base import Check, Extremes, RunContext, RunSteps, TermInp
 from tokaudit._checks.objective import OneObjective, one_objective
 from tokaudit._checks.probe import ProbeCheck, per_sequence_first
 from tokaudit._checks.reported import reported_findings
-from tokaudit._checks.structure import DivisorCheck, MissingRanksCheck, StructureCheck, SyncCheck, ValuesCheck
+from tokaudit._checks.structure import DivisorCheck, MissingRanksCheck, StructureCheck, ValuesCheck
+from tokaudit._checks.sync import SyncCheck
 from tokaudit._checks.duplicates import duplicates_finding, with_copies_in_one_file
 from tokaudit._checks.structure import WeightPresenceCheck, not_recorded_finding, ranks_not_recorded
 from tokaudit._checks.weighting import BalancedCheck, FactorTable, WeightingCheck

@@ -1,4 +1,4 @@
-"""Checks of the log's structure and values: W, ranks, sync, divisor, weights present."""
+"""Checks of the log's structure and values: W, ranks, divisor, weights present."""
 
 from __future__ import annotations
 
@@ -303,83 +303,6 @@ class ValuesCheck(Check):
         )
 
 
-class SyncCheck(Check):
-    """missing_sync, sync_every_micro."""
-
-    main_term_only = True
-
-    def __init__(self, term: TermInputs) -> None:
-        super().__init__(term)
-        self.missing, self.unsynced, self.cleared = self.steps(), 0.0, 0
-        self.every, self.every_count, self.multi_count = self.steps(), 0, 0
-        self.last_step = -1
-
-    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
-        step, unsynced = column_of(block, "step"), column_of(block, "unsynced_ranks")
-        self.last_step = max(self.last_step, int(step.max()) if len(step) else -1)
-        records = column_of(block, "records")
-        self.missing.add(step[unsynced > 0])
-        self.unsynced += nan_sum(unsynced)
-        # An update whose last microbatch never synchronized, closed as skipped: no optimizer step took it, its
-        # gradients were cleared (zero_grad) before its window ended, and the update after it starts afresh.
-        self.cleared += int(((unsynced > 0) & (column_of(block, "skipped_true") == records)).sum())
-        multi = (column_of(block, "microbatches_high") > 1) & (column_of(block, "sync_known") == records)
-        every = multi & (column_of(block, "sync_true") == records)
-        self.every.add(step[every])
-        self.every_count += int(every.sum())
-        self.multi_count += int(multi.sum())
-
-    def findings(self) -> Iterator[Finding]:
-        if self.missing and self.cleared:
-            steps = self.missing.range().count
-            # Where every such update was cleared without a step, nothing of it reached the weights: what the
-            # discarded microbatches cost the updates after them (a partial window's N) their weights show.
-            all_cleared = self.cleared == steps
-            yield make_finding(
-                self.context,
-                Code.MISSING_SYNC,
-                self.missing,
-                f"Gradients were cleared inside the accumulation window: in {self.cleared} of {steps} "
-                "step(s) without a synchronized last microbatch, zero_grad() ran before that microbatch "
-                "and no optimizer step took what came before it. The microbatches before each "
-                "zero_grad() were discarded (a guard that drops a failed batch does this on purpose), so each "
-                "update trained on the microbatches after it only.",
-                "call optimizer.zero_grad() once per update, after optimizer.step(), never between the "
-                "microbatches of one update",
-                {"rank_steps": int(self.unsynced), "cleared_steps": self.cleared},
-                severity=Severity.INFO if all_cleared else None,
-            )
-        elif self.missing:
-            seen = self.missing.range()
-            # the run's last update alone: a loop that ended inside it (a loader drawn ahead, whose end the trainer
-            # did not see) neither syncs nor steps, and reads the same
-            ended = (
-                " Only the run's last step: if the run ended inside that update, nothing was applied."
-                if seen.count == 1 and seen.first == self.last_step
-                else ""
-            )
-            yield make_finding(
-                self.context,
-                Code.MISSING_SYNC,
-                self.missing,
-                f"The last microbatch of a step did not synchronize gradients on "
-                f"{int(self.unsynced)} rank-step(s): those ranks stepped on their local gradient.{ended}",
-                "run the last microbatch's forward (through the DDP model, not model.module) and backward outside "
-                "model.no_sync()",
-                {"rank_steps": int(self.unsynced)},
-            )
-        if self.every_count and self.every_count == self.multi_count:
-            yield make_finding(
-                self.context,
-                Code.SYNC_EVERY_MICRO,
-                self.every,
-                f"Every microbatch synchronized gradients in {self.every_count} multi-microbatch step(s): "
-                f"correct, but {self.context.microbatches}× the communication.",
-                "wrap all but the last microbatch in model.no_sync()",
-                {"steps": self.every_count},
-            )
-
-
 class MissingRanksCheck(Check):
     """missing_rank: fewer ranks than W recorded a step that others recorded."""
 
@@ -402,13 +325,20 @@ class MissingRanksCheck(Check):
             if w <= 64
             else f"{w - int(first.ranks)} ranks (of those below 64: {step_list(absent)})"
         )
+        # q = e·N over the records there: 1 on every one, within rtol, and the missing ranks held no token N counted
+        q = np.array([first.weight_low, first.weight_high], dtype=float) * float(first.tokens)
+        held = (
+            "the records there weigh every token 1/N of their own tokens, so the missing ranks held none that N counted; "
+            "if they ran backward and only their rows were left out, record every backward, n = 0 included"
+            if np.all(np.abs(q - 1) <= self.context.rtol)
+            else "if it only skipped recording, its tokens are missing from N here"
+        )
         yield make_finding(
             self.context,
             Code.MISSING_RANK,
             self.missing.steps,
             f"{self.missing.rows} step(s) lack records from some ranks (step {int(first.step)}: {listed} "
-            f"of W={w} have none). A rank that skips backward or a collective desynchronizes DDP; if it only "
-            "skipped recording, its tokens are missing from N here.",
+            f"of W={w} have none). A rank that skips backward or a collective desynchronizes DDP; {held}.",
             "every rank runs forward, backward and every collective each microbatch, with a zero loss when "
             "it has no valid token",
             {"step": int(first.step), "missing_ranks": absent, "world_size": w},

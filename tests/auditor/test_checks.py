@@ -411,6 +411,14 @@ def test_missing_rank_uneven_microbatches_and_world_size(tmp_path: Path) -> None
     assert finding.evidence["missing_ranks"] == [1] and finding.steps.first == 1
     # the step's N lacks rank 1's tokens, so its weights read light by their share: no scale of the loss to fix
     assert codes(report) == {"missing_rank"}, codes(report)
+    assert "its tokens are missing from N here" in finding.message
+
+    # a rank of no valid token at step 1, its rows left out of a log written by hand: the records there weigh every
+    # token 1/N of their own, which the message says (its fix: record every backward, n = 0 included)
+    rows = [r for r in records([[[5, 1], [3, 7]], [[2, 6], [0, 0]], [[8, 4], [2, 8]]], token_mean) if r["valid_tokens"]]
+    finding = only(audit_rows(tmp_path / "empty", rows), Code.MISSING_RANK)
+    assert finding.evidence["missing_ranks"] == [1] and "held none that N counted" in finding.message
+    assert "n = 0 included" in finding.message and "missing from N" not in finding.message
 
     rows = records([[[3, 2], [4]], [[1, 1], [2, 2]]], token_mean)
     report = audit_rows(tmp_path / "uneven", rows)

@@ -1,0 +1,90 @@
+"""missing_sync and sync_every_micro: whether each rank's last microbatch synchronized gradients, as the records
+say."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pandas as pd
+
+from tokaudit._checks.base import Check, TermInputs, column_of, make_finding, nan_sum
+from tokaudit._normalization import Diagnoses
+from tokaudit.codes import Code, Severity
+from tokaudit._report import Finding
+
+
+class SyncCheck(Check):
+    """missing_sync, sync_every_micro."""
+
+    main_term_only = True
+
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
+        self.missing, self.unsynced, self.cleared = self.steps(), 0.0, 0
+        self.every, self.every_count, self.multi_count = self.steps(), 0, 0
+        self.last_step = -1
+
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
+        step, unsynced = column_of(block, "step"), column_of(block, "unsynced_ranks")
+        self.last_step = max(self.last_step, int(step.max()) if len(step) else -1)
+        records = column_of(block, "records")
+        self.missing.add(step[unsynced > 0])
+        self.unsynced += nan_sum(unsynced)
+        # An update whose last microbatch never synchronized, closed as skipped: no optimizer step took it, its
+        # gradients were cleared (zero_grad) before its window ended, and the update after it starts afresh.
+        self.cleared += int(((unsynced > 0) & (column_of(block, "skipped_true") == records)).sum())
+        multi = (column_of(block, "microbatches_high") > 1) & (column_of(block, "sync_known") == records)
+        every = multi & (column_of(block, "sync_true") == records)
+        self.every.add(step[every])
+        self.every_count += int(every.sum())
+        self.multi_count += int(multi.sum())
+
+    def findings(self) -> Iterator[Finding]:
+        if self.missing and self.cleared:
+            steps = self.missing.range().count
+            # Where every such update was cleared without a step, nothing of it reached the weights: what the
+            # discarded microbatches cost the updates after them (a partial window's N) their weights show.
+            all_cleared = self.cleared == steps
+            yield make_finding(
+                self.context,
+                Code.MISSING_SYNC,
+                self.missing,
+                f"Gradients were cleared inside the accumulation window: in {self.cleared} of {steps} "
+                "step(s) without a synchronized last microbatch, zero_grad() ran before that microbatch "
+                "and no optimizer step took what came before it. The microbatches before each "
+                "zero_grad() were discarded (a guard that drops a failed batch does this on purpose), so each "
+                "update trained on the microbatches after it only.",
+                "call optimizer.zero_grad() once per update, after optimizer.step(), never between the "
+                "microbatches of one update",
+                {"rank_steps": int(self.unsynced), "cleared_steps": self.cleared},
+                severity=Severity.INFO if all_cleared else None,
+            )
+        elif self.missing:
+            seen = self.missing.range()
+            # the run's last update alone: a loop that ended inside it (a loader drawn ahead, whose end the trainer
+            # did not see) neither syncs nor steps, and reads the same
+            ended = (
+                " Only the run's last step: if the run ended inside that update, nothing was applied."
+                if seen.count == 1 and seen.first == self.last_step
+                else ""
+            )
+            yield make_finding(
+                self.context,
+                Code.MISSING_SYNC,
+                self.missing,
+                f"The last microbatch of a step did not synchronize gradients on "
+                f"{int(self.unsynced)} rank-step(s): those ranks stepped on their local gradient.{ended}",
+                "run the last microbatch's forward (through the DDP model, not model.module) and backward outside "
+                "model.no_sync()",
+                {"rank_steps": int(self.unsynced)},
+            )
+        if self.every_count and self.every_count == self.multi_count:
+            yield make_finding(
+                self.context,
+                Code.SYNC_EVERY_MICRO,
+                self.every,
+                f"Every microbatch synchronized gradients in {self.every_count} multi-microbatch step(s): "
+                f"correct, but {self.context.microbatches}× the communication.",
+                "wrap all but the last microbatch in model.no_sync()",
+                {"steps": self.every_count},
+            )
