@@ -97,6 +97,11 @@ def _nonuniform_finding(
         f"at step {step}{grp} a token on rank {heavy['rank']} (microbatch {heavy['micro']}, {heavy_n}) received "
         f"{ratio:.3g}× the weight of a token on rank {light['rank']} (microbatch {light['micro']}, {light_n}); the "
         f"correct weight is 1/N = 1/{tokens}, they got {heavy_e * tokens:.3g}/N and {light_e * tokens:.3g}/N"
+        if light_e >= 0  # a weight below 0 is no ratio of weights: a loss ascended, not descended
+        else f"at step {step}{grp} a token on rank {light['rank']} (microbatch {light['micro']}, {light_n}) received "
+        f"a negative weight, {light_e * tokens:.3g}/N: the update ascended its loss (a sign flipped); the correct "
+        f"weight is 1/N = 1/{tokens}, and a token on rank {heavy['rank']} (microbatch {heavy['micro']}, {heavy_n}) "
+        f"got {heavy_e * tokens:.3g}/N"
     )
     shift = (
         counted_before_shift(
@@ -168,6 +173,14 @@ def _nonuniform_message(group: WeightingGroup, context: RunContext, evidence: di
             f"Tokens of one step received different weights and no denominator (n, n_r, n·M, N_m, N, T, "
             f"1) explains them: {where}."
         )
+        # q = e·N equal to the record's own n: b/S' = (W·S/N)/(S/n), the token mean's b over a logged mean S' = S/n
+        records = (evidence["heaviest"], evidence["lightest"])
+        if all(close(record["distortion"], record["valid_tokens"], context.rtol) for record in records):
+            message += (
+                " Each of these tokens weighs its record's own n/N: the token mean's b over a loss_sum that holds "
+                "the record's mean (S/n, a mean loss's .item()) gives exactly that; if the log holds means, record "
+                "each record's sum and audit again."
+            )
     return message
 
 

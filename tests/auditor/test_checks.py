@@ -203,6 +203,34 @@ def test_unexplained_weighting(tmp_path: Path) -> None:
     weights = iter([0.9, 0.1, 0.3, 0.2, 0.5, 0.05])
     report = audit_rows(tmp_path, records(UNEVEN, lambda S, **_: S * next(weights)))
     assert codes(report) == {"unexplained_weighting"}
+    assert "negative" not in only(report, Code.UNEXPLAINED_WEIGHTING).message
+
+
+def test_a_loss_sum_logged_as_the_mean_is_named_by_weights_that_are_each_record_s_own_n(tmp_path: Path) -> None:
+    """The token mean's b over a loss_sum that holds the record's mean S/n: each token weighs n/N, no denominator of
+    the vocabulary. The message says what gives exactly that; weights that are not n/N do not get it."""
+    rows = records(UNEVEN_GA, token_mean)
+    for row in rows:
+        row["loss_sum"] /= row["valid_tokens"]
+    finding = only(audit_rows(tmp_path / "means", rows), Code.UNEXPLAINED_WEIGHTING)
+    assert (
+        "weighs its record's own n/N" in finding.message and "loss_sum that holds the record's mean" in finding.message
+    )
+    weights = iter([0.9, 0.1, 0.3, 0.2, 0.5, 0.05])
+    other = audit_rows(tmp_path / "other", records(UNEVEN, lambda S, **_: S * next(weights)))
+    assert "own n/N" not in only(other, Code.UNEXPLAINED_WEIGHTING).message
+
+
+def test_a_token_whose_weight_is_negative_is_said_to_be_ascended_not_infinitely_lighter(tmp_path: Path) -> None:
+    """One record's b negated: its tokens weigh −1/N. The message says the update ascended its loss, not that the other
+    tokens weighed inf× as much."""
+    rows = records(UNEVEN_GA, token_mean)
+    rows[1]["backward_scalar"] = -rows[1]["backward_scalar"]
+    report = audit_rows(tmp_path, rows)
+    finding = only(report, Code.UNEXPLAINED_WEIGHTING)
+    assert report.runs[0].verdict == "incorrect" and finding.steps.first == 0
+    assert "received a negative weight, -1/N: the update ascended its loss" in finding.message
+    assert "inf×" not in finding.message
 
 
 def test_probe_findings(tmp_path: Path) -> None:
