@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -211,7 +212,7 @@ class Placement:
         self.identity: Identity | None = None
         self.grad_divisor = None if grad_divisor is None else float(grad_divisor)
         self.divisor_known = True
-        self.divisor_resolved = grad_divisor is not None
+        self.divisor_resolved = False
         self.warn = warn
 
     def who(self) -> Identity:
@@ -231,10 +232,34 @@ class Placement:
         identity = self.who()
         if not self.divisor_resolved:
             self.divisor_resolved = True
-            self.grad_divisor, warning = resolve_divisor(model, identity.world_size, wraps_ddp())
-            if warning is not None:
-                self.divisor_known = False
-                self.warn("divisor", warning)
+            if self.grad_divisor is not None:
+                self._check_given(model, identity.world_size, wraps_ddp())
+            else:
+                self.grad_divisor, warning = resolve_divisor(model, identity.world_size, wraps_ddp())
+                if warning is not None:
+                    self.divisor_known = False
+                    self.warn("divisor", warning)
         if self.announce is not None:
             announce, self.announce = self.announce, None
             announce(self)
+
+    def _check_given(self, model: Any, world_size: int, accelerate_ddp: bool) -> None:
+        """A given D against the one the model's reduction shows, where it shows one: two that differ cannot both be
+        the divisor the gradients went through (a Megatron-style sum told with grad_divisor=1 into DDP's default
+        average is W× too small), so D is recorded as unknown (null, W standing for it), said once. DDP's alone: an
+        FSDP2 factor set anew at every step is read at the first record, and grad_divisor=1 stands over it
+        (docs/integrations.md)."""
+        if getattr(model, "_comm_hooks", None) is None and not accelerate_ddp:
+            return
+        seen, _ = resolve_divisor(model, world_size, accelerate_ddp)
+        given = self.grad_divisor
+        if seen is None or given is None or math.isclose(seen, given, rel_tol=1e-9):
+            return
+        self.grad_divisor, self.divisor_known = None, False  # as a divisor no one can see: W stands for it
+        self.warn(
+            "divisor",
+            f"tokaudit: grad_divisor={given:g} was given, but the model's reduction divides by {seen:g} (DDP's "
+            "average divides by W; a known comm hook says its own); the records cannot say which the "
+            "gradients went through: drop grad_divisor where the model's reduction is the one, or give "
+            "grad_divisor without model= where the gradients are reduced another way. " + _UNSEEN,
+        )

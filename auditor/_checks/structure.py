@@ -390,8 +390,8 @@ class DivisorCheck(Check):
             Code.UNKNOWN_DIVISOR,
             self.unknown,
             f"The divisor D of the gradient reduction could not be seen in {self.rows} step(s) (a DDP comm hook "
-            "the recorder does not know, FSDP2 modules whose divide factors disagree, or no DDP or FSDP2 model "
-            "given), so the absolute scale of the weights is not "
+            "the recorder does not know, FSDP2 modules whose divide factors disagree, no DDP or FSDP2 model "
+            "given, or a grad_divisor= the model's reduction contradicts), so the absolute scale of the weights is not "
             f"judged; relative checks (local means, per-microbatch denominators) still ran.{detail}",
             "tell the recorder what the reduction divides by: Recorder(..., grad_divisor=1) for a summing "
             f"hook, grad_divisor={context.world_size} for an average (or pass the DDP or FSDP2 model as model=, with one "

@@ -50,6 +50,8 @@ def _comm_hook_job(rank: int, world_size: int, log_dir: str) -> list[str]:
         ("known", default_hooks.allreduce_hook, None),
         ("custom", _custom_hook, None),
         ("declared", _custom_hook, 1.0),
+        ("agreed", None, 2.0),
+        ("contradicted", None, 1.0),  # a Megatron-style sum told as such, into DDP's default average
     ):
         model = DDP(torch.nn.Linear(2, 1))
         if hook is not None:
@@ -71,13 +73,37 @@ def _custom_hook(state, bucket):  # type: ignore[no-untyped-def]
 
 
 def test_divisor_comes_from_the_comm_hook_or_a_warning(tmp_path: Path) -> None:
+    """D from the model's reduction, or said; a D said that contradicts the one the reduction shows is recorded as
+    unknown, said once (it was taken as said: a sum told with grad_divisor=1 into DDP's average, W× too small, read
+    correct), and the audit judges no scale of it."""
+    from tokaudit._auditing import audit
+
     messages = run_ddp(_comm_hook_job, 2, str(tmp_path))[0]
-    assert messages[0] == "" and messages[1] == "" and messages[3] == ""
+    assert messages[0] == "" and messages[1] == "" and messages[3] == "" and messages[4] == ""
     assert "grad_divisor" in messages[2] and "_custom_hook" in messages[2]
-    divisors = {run: read_rows(tmp_path / run)[0]["grad_divisor"] for run in ("default", "known", "custom", "declared")}
-    assert divisors == {"default": 2.0, "known": 2.0, "custom": None, "declared": 1.0}
-    known = {run: read_rows(tmp_path / run)[0]["divisor_known"] for run in ("default", "known", "custom", "declared")}
-    assert known == {"default": True, "known": True, "custom": False, "declared": True}
+    assert "grad_divisor=1 was given, but the model's reduction divides by 2" in messages[5]
+    runs = ("default", "known", "custom", "declared", "agreed", "contradicted")
+    divisors = {run: read_rows(tmp_path / run)[0]["grad_divisor"] for run in runs}
+    assert divisors == {
+        "default": 2.0,
+        "known": 2.0,
+        "custom": None,
+        "declared": 1.0,
+        "agreed": 2.0,
+        "contradicted": None,
+    }
+    known = {run: read_rows(tmp_path / run)[0]["divisor_known"] for run in runs}
+    assert known == {
+        "default": True,
+        "known": True,
+        "custom": False,
+        "declared": True,
+        "agreed": True,
+        "contradicted": False,
+    }
+    report = audit([tmp_path / "contradicted"])
+    assert report.runs[0].verdict == "inconclusive" and "unknown_divisor" in {f.code.value for f in report.findings}
+    assert "a grad_divisor= the model's reduction contradicts" in report.findings[0].message
 
 
 def test_n_counted_over_the_launch_names_the_replicas(tmp_path: Path) -> None:
