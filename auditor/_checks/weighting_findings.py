@@ -121,7 +121,7 @@ def _nonuniform_finding(
             evidence,
         )
     message = _nonuniform_message(group, context, evidence, where)
-    return make_finding(context, code, group.steps, message, average_fix(context), evidence)
+    return make_finding(context, code, group.steps, message, average_fix(context, group.row), evidence)
 
 
 def _nonuniform_message(group: WeightingGroup, context: RunContext, evidence: dict[str, Any], where: str) -> str:
@@ -226,7 +226,7 @@ def _uniform_finding(
             f"The loss was divided by all {int(row.positions)} positions of the step, padding and ignored "
             f"labels included, instead of its {tokens} valid tokens: {scaled}."
         )
-        return make_finding(context, code, group.steps, message, average_fix(context), evidence)
+        return make_finding(context, code, group.steps, message, average_fix(context, group.row), evidence)
     if code == Code.UNDECLARED_TERM_WEIGHT:
         return _term_weight_finding(group, explanation, context, evidence, scaled, len(table))
     if code == Code.LOSS_SCALE:
@@ -313,7 +313,7 @@ def _world_size_finding(
     message = f"Weights are uniform but off by a world-size factor: {scaled}; {cause}."
     if close(q * float(row.divisor_high), float(tokens), context.rtol):  # e = 1/D: b = S, as a raw sum
         message += UNTOLD
-    return make_finding(context, group.code, group.steps, message, average_fix(context), evidence)
+    return make_finding(context, group.code, group.steps, message, average_fix(context, group.row), evidence)
 
 
 NEAR_ONE = 0.01
@@ -355,7 +355,7 @@ def _constant_finding(
         if max(abs(d - 1) for d in distortions) <= BF16_ROUNDING:
             evidence["within_bfloat16_rounding"] = True
             message += BF16_HINT
-    return make_finding(context, code, group.steps, message, average_fix(context), evidence)
+    return make_finding(context, code, group.steps, message, average_fix(context, group.row), evidence)
 
 
 def _mean_times_w(context: RunContext, near: str, formula: str, where: str) -> str:

@@ -1266,3 +1266,18 @@ def test_guessed_update_ends_over_uniform_weights_name_no_denominator(tmp_path: 
         report = audit([folder])
         assert report.runs[0].verdict == want, (name, report.findings)
         assert "update_ends_guessed" in codes(report)
+
+
+def test_a_stale_w_after_a_resize_is_fixed_in_the_w_and_microbatches_of_the_steps_it_affects(tmp_path: Path) -> None:
+    """W = 2 with 3 microbatches, then a relaunch on W = 4 with 2 that kept b = 2·S/N: the fix names the affected
+    steps' W = 4, their 2 microbatches and 4 ranks (it named the first launch's W = 2, 3 microbatches, 2 ranks)."""
+    two = [[[3, 1, 2], [2, 5, 1]]] * 2
+    four = [[[3, 1], [2, 5], [4, 2], [1, 6]]] * 2
+    stale = lambda S, N, **_: 2 * S / N  # noqa: E731
+    rows = records(two, token_mean) + records(four, stale, step_offset=2)
+    finding = only(audit_rows(tmp_path, rows), Code.WORLD_SIZE_MISMATCH)
+    assert (finding.steps.first, finding.steps.last) == (2, 3)
+    assert (
+        "W=4 (the size of the averaging group)" in finding.fix
+        and "all 2 microbatches of the step on all 4 ranks" in finding.fix
+    )
