@@ -311,9 +311,19 @@ def _world_size_finding(
         evidence["world_sizes"] = [explanation.integer, w]
         evidence["stale_world_size"] = explanation.integer
     message = f"Weights are uniform but off by a world-size factor: {scaled}; {cause}."
-    if close(q * float(row.divisor_high), float(tokens), context.rtol):  # e = 1/D: b = S, as a raw sum
+    divisor, fix = float(row.divisor_high), average_fix(context, group.row)
+    if close(q * divisor, float(tokens), context.rtol):  # e = 1/D: b = S, as a raw sum
         message += UNTOLD
-    return make_finding(context, group.code, group.steps, message, average_fix(context, group.row), evidence)
+    if float(row.divisor_low) == divisor and divisor.is_integer() and 1 < divisor < w and w % divisor == 0:
+        # D said, of a group W/D times smaller than the ranks recorded: a DP×TP (or CP) loop recorded without group=
+        # counts each token once per replica in N, and all ranks as W
+        message += (
+            f" D={divisor:g} is no average over W={w}: if the gradients are averaged over a data-parallel group "
+            f"of {divisor:g} ranks, each token held by {w // int(divisor)} ranks (DP×TP, DP×CP), the log counts every "
+            f"token once per rank that holds it, and all {w} ranks as W."
+        )
+        fix = f"record with Recorder(group=the data-parallel group) where the gradients average over one; else {fix}"
+    return make_finding(context, group.code, group.steps, message, fix, evidence)
 
 
 NEAR_ONE = 0.01

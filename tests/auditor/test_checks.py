@@ -1281,3 +1281,18 @@ def test_a_stale_w_after_a_resize_is_fixed_in_the_w_and_microbatches_of_the_step
         "W=4 (the size of the averaging group)" in finding.fix
         and "all 2 microbatches of the step on all 4 ranks" in finding.fix
     )
+
+
+def test_a_dp_by_tp_loop_recorded_without_its_group_is_told_to_give_it(tmp_path: Path) -> None:
+    """2 DP × 2 TP on 4 ranks, the token mean over the DP group of 2 (b = 2·S/N, N counted once), recorded without
+    group=: W = 4, D = 2 said, each TP pair's records alike, so the log's N counts every token twice (q = 2). The
+    finding says what D ≠ W points to, and its fix gives group= first; a D of W (or 1) does not."""
+    dp = [[[3, 1], [2, 5]], [[4, 2], [1, 6]]]  # step, DP rank, microbatch
+    rows = []
+    for row in records(dp, token_mean):
+        for tp in range(2):  # each DP rank's tokens held by two ranks, recorded as ranks 2·r and 2·r + 1
+            rows.append(dict(row, rank=2 * row["rank"] + tp, world_size=4, grad_divisor=2.0))
+    finding = only(audit_rows(tmp_path / "nogroup", rows), Code.WORLD_SIZE_MISMATCH)
+    assert "D=2 is no average over W=4" in finding.message and finding.fix.startswith("record with Recorder(group=")
+    hard = records(UNEVEN_GA, lambda S, N, **_: 4 * S / N)  # W = 2, a hard-coded 4: D = W
+    assert "no average over" not in only(audit_rows(tmp_path / "hard", hard), Code.WORLD_SIZE_MISMATCH).message
