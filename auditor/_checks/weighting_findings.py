@@ -350,6 +350,11 @@ def _constant_finding(
             f"{scaled}; the gradient's size grows with the number of valid tokens (under SGD so does the step; "
             f"under Adam(W) its balance against epsilon, weight decay and gradient clipping shifts).{UNTOLD}"
         )
+        if close(diagnosis.factor, 1.0, context.rtol):  # b = S: both columns may hold one value, the record's mean
+            message += (
+                " If loss_sum holds each record's mean (S/n) rather than its sum, as b does, the loss was each "
+                "microbatch's own mean (local_mean): record the sum to tell."
+            )
     else:
         aux = (
             " If this term is weighted on purpose (an auxiliary loss coefficient λ), this is that λ."

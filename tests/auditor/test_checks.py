@@ -176,6 +176,10 @@ def test_scale_mismatch_and_unnormalized_sum(tmp_path: Path) -> None:
     finding = only(report, Code.SCALE_MISMATCH)
     assert finding.evidence["denominator"] == "1" and "without a token denominator" in finding.message
     assert finding.severity == Severity.WARNING
+    # b = S to the bit, which a per-microbatch mean logged in both columns gives too: the message says so
+    assert "If loss_sum holds each record's mean (S/n) rather than its sum, as b does" in finding.message
+    report = audit_rows(tmp_path / "c", records(UNEVEN_GA, lambda S, **_: 3 * S))
+    assert "record's mean" not in only(report, Code.SCALE_MISMATCH).message
 
 
 def test_padded_denominators(tmp_path: Path) -> None:
