@@ -25,13 +25,6 @@ from tokaudit._sorting import SortedColumn, middle, middle_positions
 
 _NONUNIFORM_CODES = {d: facts.code for d, facts in DENOMINATOR_FACTS.items() if facts.code is not None}
 
-_LOCAL_DENOMINATORS = [
-    DENOMINATORS.index(d)
-    for d, code in _NONUNIFORM_CODES.items()
-    if code in (Code.LOCAL_MEAN, Code.PER_MICRO_DENOMINATOR)
-]
-"""The local counts (n_r, n, n·M, N_m): their findings name them wherever the vote picks them."""
-
 VARYING_CLUSTERS = 3
 
 TERM_WEIGHTS = 4
@@ -73,9 +66,6 @@ def _weighting_codes(
         [DENOMINATORS.index(Denominator.POSITIONS), DENOMINATORS.index(Denominator.STEP_POSITIONS)],
     )
     raw = diagnoses.denominator == DENOMINATORS.index(Denominator.ONE)
-    # a local count the run's vote picked for the step (a rank-local mean where one rank held every token: its
-    # tokens weigh 1/(W·N) alike) is that count's finding, not a factor of its own
-    local = np.isin(diagnoses.denominator, _LOCAL_DENOMINATORS)
     named = np.where(explanation >= 0, explanation, np.int32(len(table)))
     # Written in place, one condition at a time: no nested np.where of whole columns.
     code[off] = by_explanation[named[off]]
@@ -83,8 +73,7 @@ def _weighting_codes(
         code[off] = ALL_CODES.index(Code.UNDECLARED_TERM_WEIGHT)
     code[off & raw] = ALL_CODES.index(Code.SCALE_MISMATCH)
     code[off & padded] = ALL_CODES.index(Code.PADDED_DENOMINATOR)
-    code[off & local] = by_denominator[diagnoses.denominator[off & local]]
-    label = np.where(off & ~padded & ~raw & ~local & labelled[named], named, np.int32(-1))
+    label = np.where(off & ~padded & ~raw & labelled[named], named, np.int32(-1))
     return code, label
 
 
