@@ -1300,3 +1300,17 @@ def test_a_dp_by_tp_loop_recorded_without_its_group_is_told_to_give_it(tmp_path:
     assert "D=2 is no average over W=4" in finding.message and finding.fix.startswith("record with Recorder(group=")
     hard = records(UNEVEN_GA, lambda S, N, **_: 4 * S / N)  # W = 2, a hard-coded 4: D = W
     assert "no average over" not in only(audit_rows(tmp_path / "hard", hard), Code.WORLD_SIZE_MISMATCH).message
+
+
+def test_an_untold_loss_scale_that_halves_beside_steps_one_rank_holds_is_never_a_local_mean(tmp_path: Path) -> None:
+    """The token mean under a GradScaler the recorder was not given, its scale halving once (65536 → 32768, = W),
+    with steps where one rank holds every token: the rank count fits every step at one α (balanced and single-holder
+    steps weigh their tokens alike), yet no step's weights differ. A loss scale the logs show, never local_mean."""
+    counts = [[[6], [6]], [[4], [4]], [[7], [7]], [[5], [5]], [[0], [9]], [[8], [0]], [[3], [3]], [[2], [2]]]
+    rows = []
+    for step, ranks in enumerate(counts):
+        scale = 65536 if step < 4 else 32768
+        rows += records([ranks], lambda S, N, W, **_: scale * W * S / N, step_offset=step)  # noqa: B023
+    report = audit_rows(tmp_path, rows)
+    assert report.runs[0].verdict != "incorrect" and "local_mean" not in codes(report), codes(report)
+    assert "loss_scale" in codes(report)
