@@ -55,10 +55,15 @@ def known_hook_divisor(hook: Callable[..., Any], world_size: int) -> float | Non
     """D for DDP comm hooks whose reduction is known: the default ones all-reduce then divide by W."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
     averaging = {
         default_hooks.allreduce_hook,
         default_hooks.fp16_compress_hook,
         getattr(default_hooks, "bf16_compress_hook", default_hooks.allreduce_hook),
+        # PowerSGD all-reduces its factors (and, before it starts, the gradient) and divides them by W
+        powerSGD_hook.powerSGD_hook,
+        powerSGD_hook.batched_powerSGD_hook,
     }
     return float(world_size) if hook in averaging else None
 
@@ -233,7 +238,7 @@ class Placement:
         if not self.divisor_resolved:
             self.divisor_resolved = True
             if self.grad_divisor is not None:
-                self._check_given(model, identity.world_size, wraps_ddp())
+                self._check_given(model, identity.world_size)
             else:
                 self.grad_divisor, warning = resolve_divisor(model, identity.world_size, wraps_ddp())
                 if warning is not None:
@@ -243,15 +248,15 @@ class Placement:
             announce, self.announce = self.announce, None
             announce(self)
 
-    def _check_given(self, model: Any, world_size: int, accelerate_ddp: bool) -> None:
+    def _check_given(self, model: Any, world_size: int) -> None:
         """A given D against the one the model's reduction shows, where it shows one: two that differ cannot both be
         the divisor the gradients went through (a Megatron-style sum told with grad_divisor=1 into DDP's default
         average is W× too small), so D is recorded as unknown (null, W standing for it), said once. DDP's alone: an
         FSDP2 factor set anew at every step is read at the first record, and grad_divisor=1 stands over it
         (docs/integrations.md)."""
-        if getattr(model, "_comm_hooks", None) is None and not accelerate_ddp:
+        if getattr(model, "_comm_hooks", None) is None:  # no DDP model seen: an average assumed is no divisor seen
             return
-        seen, _ = resolve_divisor(model, world_size, accelerate_ddp)
+        seen, _ = resolve_divisor(model, world_size, False)
         given = self.grad_divisor
         if seen is None or given is None or math.isclose(seen, given, rel_tol=1e-9):
             return

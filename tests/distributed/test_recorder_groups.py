@@ -41,7 +41,7 @@ def test_a_recorder_made_before_the_process_group_records_the_right_rank(tmp_pat
 
 def _comm_hook_job(rank: int, world_size: int, log_dir: str) -> list[str]:
     import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     messages = []
@@ -52,9 +52,12 @@ def _comm_hook_job(rank: int, world_size: int, log_dir: str) -> list[str]:
         ("declared", _custom_hook, 1.0),
         ("agreed", None, 2.0),
         ("contradicted", None, 1.0),  # a Megatron-style sum told as such, into DDP's default average
+        ("powersgd", powerSGD_hook.powerSGD_hook, 1.0),  # PowerSGD divides by W too
     ):
         model = DDP(torch.nn.Linear(2, 1))
-        if hook is not None:
+        if hook is powerSGD_hook.powerSGD_hook:
+            model.register_comm_hook(powerSGD_hook.PowerSGDState(process_group=None, start_powerSGD_iter=2), hook)
+        elif hook is not None:
             model.register_comm_hook(None, hook)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -82,7 +85,8 @@ def test_divisor_comes_from_the_comm_hook_or_a_warning(tmp_path: Path) -> None:
     assert messages[0] == "" and messages[1] == "" and messages[3] == "" and messages[4] == ""
     assert "grad_divisor" in messages[2] and "_custom_hook" in messages[2]
     assert "grad_divisor=1 was given, but the model's reduction divides by 2" in messages[5]
-    runs = ("default", "known", "custom", "declared", "agreed", "contradicted")
+    assert "grad_divisor=1 was given, but the model's reduction divides by 2" in messages[6]
+    runs = ("default", "known", "custom", "declared", "agreed", "contradicted", "powersgd")
     divisors = {run: read_rows(tmp_path / run)[0]["grad_divisor"] for run in runs}
     assert divisors == {
         "default": 2.0,
@@ -91,6 +95,7 @@ def test_divisor_comes_from_the_comm_hook_or_a_warning(tmp_path: Path) -> None:
         "declared": 1.0,
         "agreed": 2.0,
         "contradicted": None,
+        "powersgd": None,
     }
     known = {run: read_rows(tmp_path / run)[0]["divisor_known"] for run in runs}
     assert known == {
@@ -100,6 +105,7 @@ def test_divisor_comes_from_the_comm_hook_or_a_warning(tmp_path: Path) -> None:
         "declared": True,
         "agreed": True,
         "contradicted": False,
+        "powersgd": False,
     }
     report = audit([tmp_path / "contradicted"])
     assert report.runs[0].verdict == "inconclusive" and "unknown_divisor" in {f.code.value for f in report.findings}
