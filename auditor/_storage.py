@@ -31,18 +31,17 @@ def is_url(raw: object) -> bool:
     return isinstance(raw, str) and _URL.match(raw) is not None and local_path(raw) is raw
 
 
+THIS_MACHINE = ("", "localhost", "127.0.0.1", "[::1]")
+"""The hosts of a file URL that name this machine."""
+
+
 def local_path(raw: str | os.PathLike[str]) -> str | os.PathLike[str]:
     """A file URL of this machine (file:///abs, file://localhost/abs, file:/abs: RFC 8089) as the local path it
     names, its percent-escapes decoded; anything else as given."""
     if isinstance(raw, str) and raw[:5].lower() == "file:":
         parts = urllib.parse.urlsplit(raw)
         # (a '#' or '?' of the path itself is written %23, %3F: one left bare would cut the path short)
-        if (
-            parts.netloc.lower() in ("", "localhost")
-            and parts.path.startswith("/")
-            and "#" not in raw
-            and "?" not in raw
-        ):
+        if parts.netloc.lower() in THIS_MACHINE and parts.path.startswith("/") and "#" not in raw and "?" not in raw:
             return urllib.parse.unquote(parts.path)
     return raw
 
@@ -53,7 +52,7 @@ def other_machine(raw: object) -> str | None:
     if not isinstance(raw, str) or raw[:7].lower() != "file://":
         return None
     host = urllib.parse.urlsplit(raw).netloc
-    if host.lower() in ("", "localhost"):
+    if host.lower() in THIS_MACHINE:
         return None
     return (
         f"a file URL of another machine ('{host}'): tokaudit reads and writes this machine's files; "

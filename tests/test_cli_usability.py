@@ -620,7 +620,12 @@ def test_a_file_url_names_the_local_folder_for_the_recorder_and_the_command(tmp_
         rec.record(loss_sum=loss, valid_tokens=2, backward_scalar=loss / 2)
         (loss / 2).backward()
     assert (folder / "exp").is_dir() and not (Path.cwd() / "file:").exists()
-    for given in (url, "file://localhost" + urllib.parse.quote(str(folder)), "file:" + str(folder)):
+    for given in (
+        url,
+        "file://localhost" + urllib.parse.quote(str(folder)),
+        "file:" + str(folder),
+        f"file://127.0.0.1{url[7:]}",
+    ):
         code, out, err = invoke("check", given, "--format", "json")
         assert code == 0 and [r["run"] for r in json.loads(out)["runs"]] == ["exp"], err
     for host in ("", "localhost"):

@@ -363,6 +363,10 @@ def _constant_finding(
         )
         what = "a constant" if not spread else "a factor that changes from step to step"
         message = f"Weights are uniform within each step but scaled by {what}: {scaled}.{aux}"
+        if max(distortions) < 0:
+            message += (
+                " Every weight is negative: the update ascended the loss rather than descended it (a sign flipped)."
+            )
         if spread and max(distortions) < 1:
             message += overcounted(context)
             if own_fix := advice(context.trainer, "overcounted_fix"):

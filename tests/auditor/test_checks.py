@@ -171,6 +171,14 @@ def test_scale_mismatch_and_unnormalized_sum(tmp_path: Path) -> None:
     assert "If loss_sum holds each record's mean (S/n) rather than its sum, as b does" in finding.message
     report = audit_rows(tmp_path / "c", records(UNEVEN_GA, lambda S, **_: 3 * S))
     assert "record's mean" not in only(report, Code.SCALE_MISMATCH).message
+    negated = only(audit_rows(tmp_path / "d", records(UNEVEN_GA, lambda S, N, W, **_: -W * S / N)), Code.SCALE_MISMATCH)
+    assert "Every weight is negative: the update ascended the loss" in negated.message
+    assert (
+        "negative"
+        not in only(
+            audit_rows(tmp_path / "e", records(UNEVEN_GA, lambda S, N, W, **_: 0.7 * W * S / N)), Code.SCALE_MISMATCH
+        ).message
+    )
 
 
 def test_padded_denominators(tmp_path: Path) -> None:
