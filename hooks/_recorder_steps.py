@@ -54,6 +54,8 @@ class UpdateTracking:
         # (`_count_backwards`; None: not counted)
         self._backwards: int | None = None
         self._backwards_at_open = self._backwards_at_close = 0  # (and when zero_grad last closed one as skipped)
+        self._other_stepped = False  # another optimizer stepped the model's parameters in the open update
+        self._steps_model: dict[int, bool] = {}  # per other optimizer: whether it holds a parameter of the model
 
     def _numbered(self, term: str, step: int | None, micro: int | None, deferred: bool) -> tuple[int, int]:
         """The update and microbatch of a new record of `term`: those given, else the open update's next."""
@@ -194,6 +196,7 @@ class UpdateTracking:
             return
         if skipped is not None:
             self._buffer.mark_skipped(self._step, skipped)
+        self._other_stepped = False
         self._advance()
 
     def warn_once(self, key: str, message: str) -> None:  # the integrations warn through it; training goes on
@@ -295,6 +298,9 @@ class UpdateTracking:
         seen = any(r.seen_in_backward for r in current)
         if not (counted or seen or not self._backwards and any(r.seen_in_backward is None for r in current)):
             return
+        if self._other_stepped:  # a second optimizer on the model stepped it: applied, by an optimizer not watched
+            self.end_step(skipped=None)
+            return
         self._close_skipped()
         self._step_records += self._buffer.carry_over(current, self._step, self._micro_next)
 
@@ -310,7 +316,32 @@ class UpdateTracking:
         self._watch_zero_grad(self._optimizer)
         if callable(getattr(self._model, "zero_grad", None)):  # gradients cleared through the model (a guard's skip)
             self._watch_zero_grad(self._model)
+            self._watch_other_optimizers()
         self._count_backwards(self._optimizer)
+
+    def _watch_other_optimizers(self) -> None:
+        """Every optimizer's step (torch's global hook): one other than the watched that steps a parameter of the model
+        (a second optimizer on one model, as a GAN-like loop or a split learning rate has) applies the update whose
+        gradients the model's zero_grad then clears, which would otherwise read as skipped."""
+        try:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._handles.append(register_optimizer_step_post_hook(self._on_any_step))
+        except Exception:  # an older torch: a second optimizer's updates read as skipped
+            pass
+
+    def _on_any_step(self, optimizer: Any, *_: Any) -> None:
+        if optimizer is self._optimizer:
+            return
+        try:
+            steps_model = self._steps_model.get(id(optimizer))
+            if steps_model is None:
+                mine = {id(p) for p in self._model.parameters()}
+                steps_model = any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
+                self._steps_model[id(optimizer)] = steps_model
+            self._other_stepped = self._other_stepped or steps_model
+        except Exception as error:
+            self.warn_once("other-optimizer", f"tokaudit: could not follow another optimizer's step ({error!r})")
 
     def _count_backwards(self, optimizer: torch.optim.Optimizer) -> None:
         """Count the backwards that reach the optimizer's first or last parameter (a hook after each accumulates its

@@ -109,12 +109,16 @@ def one_objective(source: RunSteps, rtol: float) -> OneObjective | None:
     by_group: dict[str, list[pd.DataFrame]] = {}
     counts: set[int] | None = set()  # None once two counts differ inside a step
     equal_terms = True  # every step's terms hold one N_t
+    together = False  # some step holds tokens of two terms: terms that never meet (each update a term of its own,
+    # as two optimizers stepping in turn make) are each a token mean alone, no pieces of one
     for part in source.parts():
         steps = _combined(part, rtol)
         if steps is None:
             return None
         seen.add(np.unique(steps.step.to_numpy()))
-        equal_terms = equal_terms and bool((steps.term_tokens_low == steps.term_tokens_high).all())
+        met = steps.terms.to_numpy() >= 2
+        together = together or bool(met.any())
+        equal_terms = equal_terms and bool((steps.term_tokens_low == steps.term_tokens_high)[met].all())
         if counts is not None:
             counts = (
                 counts | set(steps.record_tokens_low.astype(int).tolist())
@@ -123,7 +127,7 @@ def one_objective(source: RunSteps, rtol: float) -> OneObjective | None:
             )
         for group, rows in steps.groupby("grp", sort=False):
             by_group.setdefault(str(group), []).append(rows)
-    if not seen:
+    if not seen or not together:
         return None
     spans = []
     for group in source.groups:
@@ -161,6 +165,7 @@ def _combined(part: pd.DataFrame, rtol: float) -> pd.DataFrame | None:
             "divisor": part.divisor_high.to_numpy(dtype=float),
             "record_tokens_low": np.where(valid, part.record_tokens_low.to_numpy(dtype=float), np.inf),
             "record_tokens_high": np.where(valid, part.record_tokens_high.to_numpy(dtype=float), -np.inf),
+            "valid": valid.astype(np.int64),
         }
     )
     steps = pooled_steps(
@@ -174,6 +179,7 @@ def _combined(part: pd.DataFrame, rtol: float) -> pd.DataFrame | None:
         record_tokens_high=("record_tokens_high", "max"),
         term_tokens_low=("tokens", "min"),
         term_tokens_high=("tokens", "max"),
+        terms=("valid", "sum"),
     )
     steps = steps[steps.tokens > 0]
     with np.errstate(invalid="ignore"):

@@ -1322,3 +1322,13 @@ def test_an_untold_loss_scale_that_halves_beside_steps_one_rank_holds_is_never_a
     report = audit_rows(tmp_path, rows)
     assert report.runs[0].verdict != "incorrect" and "local_mean" not in codes(report), codes(report)
     assert "loss_scale" in codes(report)
+
+
+def test_terms_that_never_share_a_step_are_each_a_token_mean_of_their_own(tmp_path: Path) -> None:
+    """Two terms in turn, a step each (two optimizers on one model, each its own updates): each weighs its tokens 1/N
+    of its own step, correct; no step holds both, so they are no pieces of one loss, and equal counts say nothing."""
+    rows = []
+    for step, ranks in enumerate([[[3, 1], [2, 5]], [[4, 2], [1, 6]], [[2, 2], [2, 2]], [[5, 1], [1, 5]]]):
+        rows += records([ranks], token_mean, step_offset=step, term="A" if step % 2 == 0 else "B")
+    report = audit_rows(tmp_path, rows)
+    assert report.runs[0].verdict == "correct" and codes(report) == set(), codes(report)
