@@ -82,6 +82,7 @@ def capture_cross_entropy(recorder: Recorder) -> Iterator[None]:
                 reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
             return _record(recorder, out, input, target, weight, ignore_index, reduction)
         except Exception as error:
+            reraise_control(error)
             recorder.warn_once("capture", f"tokaudit: a cross-entropy call was not recorded ({error!r})")
             return out
 
@@ -90,6 +91,16 @@ def capture_cross_entropy(recorder: Recorder) -> Iterator[None]:
         yield
     finally:
         F.cross_entropy = original
+
+
+def reraise_control(error: Exception) -> None:
+    """Raise again what is no failure of the recording but the control flow of the code around it: non-reentrant
+    activation checkpointing stops its recomputation in backward by raising from a tensor the recomputed forward
+    saves (one of ours, when the loss is recomputed): caught, the recomputation would run on, with a false warning."""
+    from torch.utils import checkpoint
+
+    if isinstance(error, getattr(checkpoint, "_StopRecomputationError", ())):
+        raise error
 
 
 def _record(

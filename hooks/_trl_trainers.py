@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokaudit.hooks._capture import probe_into
+from tokaudit.hooks._capture import probe_into, reraise_control
 from tokaudit.hooks._terms import Footprint
 
 if TYPE_CHECKING:
@@ -93,6 +93,7 @@ def watch_fused_head(recorder: Recorder, model: torch.nn.Module) -> Any:
             )
             output["log_probs"] = -probe_into(recorder, nll, mask, result)  # -(-x) is x, to the bit
         except Exception as error:
+            reraise_control(error)
             recorder.warn_once("trl", f"tokaudit: a forward of TRL's fused LM head was not recorded ({error!r})")
         return output
 

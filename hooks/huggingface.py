@@ -25,7 +25,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
-from tokaudit.hooks._capture import record_mean
+from tokaudit.hooks._capture import record_mean, reraise_control
 from tokaudit.hooks._attach import ddp_around, trainer_run_id, version_of
 from tokaudit.hooks._recorder import Recorder
 from tokaudit.hooks._trl_trainers import refused, trl_trainer, watch_fused_head
@@ -134,6 +134,7 @@ class RecordedSmoother:
                 denominator = torch.as_tensor(num_items_in_batch, device=out.device).to(out.dtype)
             return record_mean(self.recorder, out, valid, valid_count, target, denominator)
         except Exception as error:
+            reraise_control(error)
             self.recorder.warn_once("smoother", f"tokaudit: a label-smoothed loss was not recorded ({error!r})")
             return out
 

@@ -4,6 +4,7 @@ The loss is the token mean W·S_r/N; each job returns, per step, the parameters 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -22,10 +23,10 @@ class Checkpointed(torch.nn.Module):
     """The strategies' TinyLM with its head and per-token loss checkpointed, the probe inside: forward returns
     the microbatch's loss sum S."""
 
-    def __init__(self, recorder: Recorder | None, reentrant: bool) -> None:
+    def __init__(self, recorder: Recorder | None, reentrant: bool, captured: bool = False) -> None:
         super().__init__()
         self.lm = make_model()
-        self.recorder, self.reentrant = recorder, reentrant
+        self.recorder, self.reentrant, self.captured = recorder, reentrant, captured
 
     def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         valid = labels.reshape(-1) != IGNORE_INDEX
@@ -35,6 +36,8 @@ class Checkpointed(torch.nn.Module):
             ignore_index=IGNORE_INDEX,
             reduction="none",
         )
+        if self.captured:  # the cross-entropy call is the record (capture_cross_entropy)
+            return per_token.sum()
         assert self.recorder is not None
         return self.recorder.probe(per_token, valid).sum()
 
@@ -43,26 +46,37 @@ class Checkpointed(torch.nn.Module):
         return loss_sum
 
 
-def job(rank: int, world_size: int, reentrant: bool, out: str) -> dict[str, Any]:
-    name = "checkpoint_reentrant" if reentrant else "checkpoint_non_reentrant"
+def job(rank: int, world_size: int, variant: str, out: str) -> dict[str, Any]:
+    """`variant`: reentrant, non_reentrant (the probe and rec.record), or captured (non-reentrant, the cross-entropy
+    captured: the recomputation in backward runs it again and stops from inside the capture's own tensors)."""
+    name = f"checkpoint_{variant}"
     history = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = DDP(Checkpointed(None, reentrant))
+        model = DDP(Checkpointed(None, variant == "reentrant", captured=variant == "captured"))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         with Recorder(out, run_id=name, model=model, optimizer=optimizer, announce=False) as rec:
             model.module.recorder = rec
-            for step, per_rank in enumerate(COUNTS):
-                before = [p.detach().clone() for p in model.parameters()]
-                tokens_n = sum(sum(counts) for counts in per_rank)
-                for micro, count in enumerate(per_rank[rank]):
-                    tokens, labels, valid = microbatch(step, rank, micro, count)
-                    loss_sum = model(tokens, labels)
-                    backward_scalar = world_size * loss_sum / tokens_n
-                    rec.record(loss_sum=loss_sum, valid_tokens=valid.sum(), backward_scalar=backward_scalar)
-                    backward_scalar.backward()
-                history.append({"before": before, "grads": [p.grad.detach().clone() for p in model.parameters()]})
-                optimizer.step()
-                optimizer.zero_grad()
+            capture = rec.capture_cross_entropy() if variant == "captured" else contextlib.nullcontext()
+            with capture:
+                _train(rank, world_size, model, optimizer, rec, variant == "captured", history)
     ours = [str(w.message) for w in caught if "tokaudit" in str(w.message)]
     return {"history": history, "warnings": ours}
+
+
+def _train(
+    rank: int, world_size: int, model: Any, optimizer: Any, rec: Recorder, captured: bool, history: list[Any]
+) -> None:
+    for step, per_rank in enumerate(COUNTS):
+        before = [p.detach().clone() for p in model.parameters()]
+        tokens_n = sum(sum(counts) for counts in per_rank)
+        for micro, count in enumerate(per_rank[rank]):
+            tokens, labels, valid = microbatch(step, rank, micro, count)
+            loss_sum = model(tokens, labels)
+            backward_scalar = world_size * loss_sum / tokens_n
+            if not captured:
+                rec.record(loss_sum=loss_sum, valid_tokens=valid.sum(), backward_scalar=backward_scalar)
+            backward_scalar.backward()
+        history.append({"before": before, "grads": [p.grad.detach().clone() for p in model.parameters()]})
+        optimizer.step()
+        optimizer.zero_grad()
