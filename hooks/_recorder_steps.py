@@ -151,8 +151,9 @@ class UpdateTracking:
     def note_unfinished(self) -> None:
         """At close() or a terminating signal: records of an update the watched optimizer never stepped (a job
         stopped inside it, a loader that ended inside it) say so in the shards' footers ("unfinished"), and the
-        audit does not judge that update on the microbatches it holds."""
-        if self._optimizer is not None and self._step_records > 0:
+        audit does not judge that update on the microbatches it holds. A captured call whose backward never ran
+        (micro −1: an evaluation with gradients after the last step) is no microbatch of it, and never written."""
+        if self._optimizer is not None and any(r.micro >= 0 for r in self._buffer.at(self._step)):
             self.provenance["unfinished"] = self._step
 
     def _note_sync(self, term: str, sync: bool | None) -> None:

@@ -332,6 +332,25 @@ def test_evaluation_with_grad_takes_no_microbatch_and_no_term(tmp_path: Path) ->
     assert [(r["step"], r["term"], r["micro"]) for r in rows] == [(0, "0", 0), (0, "0", 1), (1, "0", 0), (1, "0", 1)]
 
 
+def test_an_evaluation_with_grad_after_the_last_step_leaves_no_update_unfinished(tmp_path: Path) -> None:
+    """An evaluation with gradients after each optimizer step, the last one's before close(): no microbatch of an
+    update, so the run did not stop inside one (the footers said update 2 was unfinished, and the audit said the run
+    stopped there)."""
+    from tokaudit import audit
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    labels = torch.tensor([0, 1, 2, -100])
+    with Recorder(tmp_path, run_id="eval", optimizer=optimizer, announce=False) as rec, rec.capture_cross_entropy():
+        for step in range(2):
+            (F.cross_entropy(model(torch.randn(4, 4)), labels, reduction="sum") / 3).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            F.cross_entropy(model(torch.randn(4, 4)), labels)  # an evaluation with grad, never backpropagated
+    report = audit([tmp_path / "eval"])
+    assert report.findings == [] and (report.runs[0].verdict, report.runs[0].steps) == ("correct", 2)
+
+
 DURING_FLUSH_SCRIPT = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {root!r})
