@@ -53,7 +53,8 @@ def overcounted(context: RunContext) -> str:
     trainer = f": {own}" if own else ""
     return (
         " Every token is light by a share that varies: N counted more labels than the loss was computed on "
-        f"(one label per row counted before a causal shift does this{trainer})."
+        f"(one label per row counted before a causal shift does this{trainer}), or the loss is a weighted mean (class "
+        "weights over their sum), an objective of its own."
     )
 
 
