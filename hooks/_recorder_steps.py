@@ -152,8 +152,10 @@ class UpdateTracking:
         """At close() or a terminating signal: records of an update the watched optimizer never stepped (a job
         stopped inside it, a loader that ended inside it) say so in the shards' footers ("unfinished"), and the
         audit does not judge that update on the microbatches it holds. A captured call whose backward never ran
-        (micro −1: an evaluation with gradients after the last step) is no microbatch of it, and never written."""
-        if self._optimizer is not None and any(r.micro >= 0 for r in self._buffer.at(self._step)):
+        (numbered at its backward, micro −1 until then: an evaluation with gradients after the last step) is no
+        microbatch of it, and never written."""
+        held = self._buffer.at(self._step)
+        if self._optimizer is not None and any(r.micro >= 0 or r.seen_in_backward for r in held):
             self.provenance["unfinished"] = self._step
 
     def _note_sync(self, term: str, sync: bool | None) -> None:
@@ -197,7 +199,6 @@ class UpdateTracking:
             return
         if skipped is not None:
             self._buffer.mark_skipped(self._step, skipped)
-        self._other_stepped = False
         self._advance()
 
     def warn_once(self, key: str, message: str) -> None:  # the integrations warn through it; training goes on
@@ -217,6 +218,7 @@ class UpdateTracking:
         self._step, self._step_records = step, 0
         self._micro_next, self._unsynced, self._scalars = {}, set(), {}
         self._backwards_at_open = self._backwards or 0
+        self._other_stepped = False
 
     def _advance(self) -> None:
         self._auto_closed, self._unsynced_in_update = None, False
@@ -332,7 +334,9 @@ class UpdateTracking:
             pass
 
     def _on_any_step(self, optimizer: Any, *_: Any) -> None:
-        if optimizer is self._optimizer:
+        # only a step of the open update's gradients: one after the watched step closed it (optA.step(); optB.step()),
+        # or before its first record (a GAN's other phase), steps none of them
+        if optimizer is self._optimizer or not self._step_records:
             return
         try:
             steps_model = self._steps_model.get(id(optimizer))

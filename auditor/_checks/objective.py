@@ -116,9 +116,9 @@ def one_objective(source: RunSteps, rtol: float) -> OneObjective | None:
         if steps is None:
             return None
         seen.add(np.unique(steps.step.to_numpy()))
-        met = steps.terms.to_numpy() >= 2
-        together = together or bool(met.any())
-        equal_terms = equal_terms and bool((steps.term_tokens_low == steps.term_tokens_high)[met].all())
+        together = together or bool((steps.terms.to_numpy() >= 2).any())
+        # (a step one term holds alone, the other's count 0, tells pieces from heads: q = 1 there is no 1/T)
+        equal_terms = equal_terms and bool((steps.term_tokens_low == steps.term_tokens_high).all())
         if counts is not None:
             counts = (
                 counts | set(steps.record_tokens_low.astype(int).tolist())

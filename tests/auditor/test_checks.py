@@ -1332,3 +1332,20 @@ def test_terms_that_never_share_a_step_are_each_a_token_mean_of_their_own(tmp_pa
         rows += records([ranks], token_mean, step_offset=step, term="A" if step % 2 == 0 else "B")
     report = audit_rows(tmp_path, rows)
     assert report.runs[0].verdict == "correct" and codes(report) == set(), codes(report)
+
+
+def test_pieces_of_one_loss_with_a_step_one_piece_holds_alone_are_correct(tmp_path: Path) -> None:
+    """One loss in two pieces recorded as terms, each W·S/N over the whole step's N: equal counts wherever both hold
+    tokens, and one step piece B holds none. That step tells pieces from two heads missing 1/2 (q would be 1/2 there):
+    correct, with no balanced_counts."""
+    pieces = {
+        "A": [[[3], [2]], [[4], [1]], [[2], [5]], [[6], [2]]],
+        "B": [[[3], [2]], [[4], [1]], [[2], [5]], [[0], [0]]],
+    }
+    rows = []
+    for step in range(4):
+        total = sum(sum(ranks[0]) + sum(ranks[1]) for ranks in (pieces["A"][step], pieces["B"][step]))
+        for term, counts in pieces.items():
+            rows += records([counts[step]], lambda S, W, **_: W * S / total, step_offset=step, term=term)  # noqa: B023
+    report = audit_rows(tmp_path, rows)
+    assert report.runs[0].verdict == "correct" and "balanced_counts" not in codes(report), codes(report)

@@ -3,6 +3,8 @@ Recorder made before the process group. Records made are counted against records
 
 from __future__ import annotations
 
+import math
+
 import errno
 import signal
 import subprocess
@@ -330,6 +332,67 @@ def test_evaluation_with_grad_takes_no_microbatch_and_no_term(tmp_path: Path) ->
             optimizer.zero_grad()
     rows = read_rows(tmp_path / "eval")
     assert [(r["step"], r["term"], r["micro"]) for r in rows] == [(0, "0", 0), (0, "0", 1), (1, "0", 0), (1, "0", 1)]
+
+
+def test_a_captured_loop_that_fails_inside_an_update_leaves_that_update_out(tmp_path: Path) -> None:
+    """capture_cross_entropy, 3 microbatches an update; an error after 2 of update 1's were backpropagated, before
+    its optimizer step: the update under way is unfinished and left out, as with probe and record (a captured record
+    is numbered at its backward, so its index said nothing, and the partial update was judged: q = 2/3)."""
+    from tokaudit import audit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3, dtype=torch.float64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    labels = [torch.tensor([0, 1, 2, -100]), torch.tensor([0, -100, -100, 1]), torch.tensor([2, 2, 2, 2])]  # N = 9
+    with Recorder(tmp_path, run_id="failed", optimizer=optimizer, announce=False) as rec, rec.capture_cross_entropy():
+        try:
+            for step in range(2):
+                for micro in range(3):
+                    if (step, micro) == (1, 2):
+                        raise RuntimeError("out of memory")
+                    x = torch.randn(4, 4, dtype=torch.float64)
+                    (F.cross_entropy(model(x), labels[micro], reduction="sum") / 9).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        except RuntimeError:
+            pass
+    report = audit([tmp_path / "failed"])
+    assert [(f.code.value, f.steps.first) for f in report.findings] == [("unfinished_update", 1)]
+    assert (report.runs[0].verdict, report.runs[0].steps) == ("correct", 1)
+
+
+@pytest.mark.parametrize("order", ["watched_first", "other_first"])
+def test_a_guard_s_skip_reads_skipped_beside_a_second_optimizer(tmp_path: Path, order: str) -> None:
+    """Two optimizers on one model (a split learning rate), both stepping every update, the recorder watching one; a
+    NaN guard skips both steps of update 2 and clears through the model. That update reads skipped, the others applied:
+    the second optimizer's step after the watched one's, which closed its update, applies nothing of the next (it did,
+    and the skipped update was judged: nonfinite_values)."""
+    from tokaudit import audit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3, dtype=torch.float64)
+    watched = torch.optim.SGD([model.weight], lr=0.1)
+    other = torch.optim.SGD([model.bias], lr=0.1)
+    labels = [torch.tensor([0, 1, 2, -100]), torch.tensor([0, -100, -100, 1])]  # N = 5
+    with Recorder(tmp_path, run_id=order, model=model, optimizer=watched, announce=False) as rec:
+        with rec.capture_cross_entropy():
+            for step in range(4):
+                for micro in range(2):
+                    loss = F.cross_entropy(
+                        model(torch.randn(4, 4, dtype=torch.float64)), labels[micro], reduction="sum"
+                    )
+                    (loss / 5 * (math.nan if step == 2 else 1.0)).backward()
+                if step != 2:  # the guard: no step where a gradient is not finite
+                    for optimizer in (watched, other) if order == "watched_first" else (other, watched):
+                        optimizer.step()
+                model.zero_grad()
+    assert sorted({(r["step"], r["skipped"]) for r in read_rows(tmp_path / order)}) == [
+        (0, False),
+        (1, False),
+        (2, True),
+        (3, False),
+    ]
+    assert audit([tmp_path / order]).runs[0].verdict == "correct"
 
 
 def test_an_evaluation_with_grad_after_the_last_step_leaves_no_update_unfinished(tmp_path: Path) -> None:
