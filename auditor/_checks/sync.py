@@ -3,6 +3,7 @@ say."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import pandas as pd
@@ -22,6 +23,7 @@ class SyncCheck(Check):
         super().__init__(term)
         self.missing, self.unsynced, self.cleared = self.steps(), 0.0, 0
         self.every, self.every_count, self.multi_count = self.steps(), 0, 0
+        self.every_micro = (math.inf, 0.0)  # the fewest and most microbatches of those steps
         self.last_step = -1
 
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
@@ -37,6 +39,12 @@ class SyncCheck(Check):
         every = multi & (column_of(block, "sync_true") == records)
         self.every.add(step[every])
         self.every_count += int(every.sum())
+        if every.any():
+            micro = column_of(block, "microbatches_high")[every]
+            self.every_micro = (
+                min(self.every_micro[0], float(micro.min())),
+                max(self.every_micro[1], float(micro.max())),
+            )
         self.multi_count += int(multi.sum())
 
     def findings(self) -> Iterator[Finding]:
@@ -84,7 +92,13 @@ class SyncCheck(Check):
                 Code.SYNC_EVERY_MICRO,
                 self.every,
                 f"Every microbatch synchronized gradients in {self.every_count} multi-microbatch step(s): "
-                f"correct, but {self.context.microbatches}× the communication.",
+                f"correct, but {_times(self.every_micro)} the communication.",
                 "wrap all but the last microbatch in model.no_sync()",
                 {"steps": self.every_count},
             )
+
+
+def _times(micro: tuple[float, float]) -> str:
+    """M× (M the microbatches of those steps), or M₁–M₂× where they differ."""
+    low, high = int(micro[0]), int(micro[1])
+    return f"{low}×" if low == high else f"{low}–{high}×"

@@ -225,6 +225,9 @@ def _uniform_finding(
         message = (
             f"The loss was divided by all {int(row.positions)} positions of the step, padding and ignored "
             f"labels included, instead of its {tokens} valid tokens: {scaled}."
+            if group.denominator == Denominator.STEP_POSITIONS
+            else "Each microbatch's loss was divided by its own positions T (every record of the step holds as many), "
+            f"padding and ignored labels included, instead of the step's {tokens} valid tokens: {scaled}."
         )
         return make_finding(context, code, group.steps, message, average_fix(context, group.row), evidence)
     if code == Code.UNDECLARED_TERM_WEIGHT:

@@ -194,6 +194,13 @@ def test_padded_denominators(tmp_path: Path) -> None:
     finding = only(audit_rows(tmp_path / "global", rows), Code.PADDED_DENOMINATOR)
     assert finding.evidence["denominator"] in ("T", "T_step") and finding.evidence["positions"] == 16
     assert finding.evidence["distortion"] == pytest.approx(4 / 16)
+    # Each microbatch over its own 16 positions, 2 a rank: uniform (every record holds as many), q = N/(W·T·...), and
+    # the message names each microbatch's positions, not the step's (it said "all 64 positions of the step")
+    rows = records(UNEVEN_GA, lambda S, **_: S / 16, positions=16)
+    finding = only(audit_rows(tmp_path / "each", rows), Code.PADDED_DENOMINATOR)
+    assert finding.evidence["denominator"] == "T", finding.evidence
+    assert "Each microbatch's loss was divided by its own positions T" in finding.message
+    assert "positions of the step" not in finding.message
 
 
 def test_positions_that_never_change_are_no_evidence_of_a_padded_denominator(tmp_path: Path) -> None:
@@ -778,7 +785,11 @@ def test_sync_findings(tmp_path: Path) -> None:
 
     rows = records(UNEVEN_GA, token_mean, sync=True)
     finding = only(audit_rows(tmp_path / "every", rows), Code.SYNC_EVERY_MICRO)
-    assert finding.severity == Severity.INFO
+    assert finding.severity == Severity.INFO and "correct, but 2× the communication" in finding.message
+    # steps of 2 and of 3 microbatches: as many all-reduces each, 2–3× (it said 3×, the run's most)
+    rows = records([[[2, 3], [4, 1]], [[1, 2, 3], [3, 2, 1]]], token_mean, sync=True)
+    finding = only(audit_rows(tmp_path / "every_varied", rows), Code.SYNC_EVERY_MICRO)
+    assert "correct, but 2–3× the communication" in finding.message
 
     # null is "not said": a last microbatch whose sync nobody knew is no unsynced update (its microbatch 0 was)
     rows = records(UNEVEN_GA, token_mean)
@@ -1349,3 +1360,13 @@ def test_pieces_of_one_loss_with_a_step_one_piece_holds_alone_are_correct(tmp_pa
             rows += records([counts[step]], lambda S, W, **_: W * S / total, step_offset=step, term=term)  # noqa: B023
     report = audit_rows(tmp_path, rows)
     assert report.runs[0].verdict == "correct" and "balanced_counts" not in codes(report), codes(report)
+
+
+def test_the_fix_names_the_microbatches_of_the_step_it_shows(tmp_path: Path) -> None:
+    """A rank-local mean over steps of 1, 3 and 2 microbatches: the finding shows one step, and its fix counts that
+    step's microbatches (it counted the run's most, 3, beside a step of 2)."""
+    counts = [[[4], [2]], [[3, 1, 5], [2, 2, 6]], [[2, 6], [5, 1]]]
+    finding = only(audit_rows(tmp_path, records(counts, lambda S, n_r, **_: S / n_r)), Code.LOCAL_MEAN)
+    micro = len(counts[finding.evidence["step"]][0])
+    said = f"all {micro} microbatches of the step on all 2 ranks" if micro > 1 else "N summed over all 2 ranks,"
+    assert said in finding.fix, (finding.evidence["step"], finding.fix)
