@@ -22,6 +22,10 @@ from tokaudit._sorting import SortedColumn
 ALL_CODES: tuple[Code, ...] = tuple(Code)
 
 
+CHANGES_SAID = 16
+"""The most sizes world_size_changed lists, in the order W took them."""
+
+
 class StructureCheck(Check):
     """world_size_inconsistent, world_size_changed, uneven_microbatches. W's changes are looked for group
     by group, in the groups' order: the sizes in order of appearance, and the steps where W is not the
@@ -42,15 +46,20 @@ class StructureCheck(Check):
         # (its last, the others under no_sync): DDP then all-reduces once on every rank, and the weights say
         # whether N counted every microbatch. Flagged where the log shows otherwise or does not say.
         self.uneven.add(block, differ_rows(block, "microbatches_low", "microbatches_high") & ~_synced_once(block))
-        world = column_of(block, "world_high")
+        world, steps = column_of(block, "world_high"), column_of(block, "step")
+        agreed = column_of(block, "world_low") == world  # (a step whose ranks disagree is world_size_inconsistent's)
         for group, rows in grouped(block.grp):
-            values = world[rows]
+            values, at = world[rows][agreed[rows]], steps[rows][agreed[rows]]
+            if not len(values):
+                continue
             if group not in self.changes:
                 self.changes[group] = ([int(values[0])], self.steps())
             sizes, changed = self.changes[group]
-            new = values[np.sort(np.unique(values, return_index=True)[1])]  # in order of appearance
-            sizes.extend(int(w) for w in new if int(w) not in sizes)
-            changed.add(column_of(block, "step")[rows][values != sizes[0]])
+            # each change in step order, a change back included (3 → 2 → 3), up to CHANGES_SAID
+            for w in values[np.r_[True, values[1:] != values[:-1]]].tolist():
+                if int(w) != sizes[-1] and len(sizes) <= CHANGES_SAID:
+                    sizes.append(int(w))
+            changed.add(at[values != sizes[0]])
 
     def findings(self) -> Iterator[Finding]:
         context = self.context
@@ -74,9 +83,10 @@ class StructureCheck(Check):
                     Code.WORLD_SIZE_CHANGED,
                     changed,
                     f"W changed between steps{'' if group == UNNAMED else f' in group {group}'}: "
-                    f"{' → '.join(map(str, sizes))} (an elastic restart or a resume on other hardware).",
+                    f"{' → '.join(map(str, sizes[:CHANGES_SAID]))}{' → …' if len(sizes) > CHANGES_SAID else ''} "
+                    "(an elastic restart or a resume on other hardware).",
                     "nothing to fix if the restart was intended; check that N and W were recomputed after it",
-                    {"world_sizes": sizes},
+                    {"world_sizes": sizes[:CHANGES_SAID]},
                 )
         if self.uneven:
             row = self.uneven.first
@@ -193,7 +203,7 @@ class ValuesCheck(Check):
         if empty.any():
             disagree = (skipped_true[empty] > 0) & (skipped_false[empty] > 0)
             self.empty_nonfinite += [int(s) for s in step[empty & (nonfinite_zero > 0) & ~(skipped_true > 0)]]
-            self.unmarked = self.unmarked or bool((skipped_true[empty] == 0).any())
+            self.unmarked = self.unmarked or bool((~(skipped_true[empty] > 0)).any())  # 0, or no skipped column
             self.empty.add(step[empty])
             self.empty_listed.add(step[empty])
             self.disagree_listed.add(step[empty][disagree])
@@ -312,13 +322,14 @@ class MissingRanksCheck(Check):
         self.missing = FlaggedSteps(keep_steps)
 
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
-        self.missing.add(block, column_of(block, "ranks") < column_of(block, "world_high"))
+        # below the least W of the step: a rank that says a larger W (world_size_inconsistent) adds no rank to find
+        self.missing.add(block, column_of(block, "ranks") < column_of(block, "world_low"))
 
     def findings(self) -> Iterator[Finding]:
         if not self.missing:
             return
         first = self.missing.first
-        w = int(first.world_high)
+        w = int(first.world_low)
         absent = _unset_ranks(0 if pd.isna(first.rank_mask) else int(first.rank_mask), min(w, 64))
         listed = (
             f"ranks {step_list(absent)}"

@@ -669,6 +669,10 @@ def test_empty_updates(tmp_path: Path) -> None:
         row["skipped"] = True if row["step"] == 1 else None
     finding = only(audit_rows(tmp_path / "skipped", rows), Code.EMPTY_UPDATE)
     assert finding.severity == Severity.INFO and finding.steps.first == 1
+    assert finding.message.endswith("and every rank skipped it together.")
+    # no skipped column: the log does not say (it said every rank skipped it)
+    finding = only(audit_rows(tmp_path / "unsaid", records(counts, token_mean)), Code.EMPTY_UPDATE)
+    assert "the log does not say the update was skipped" in finding.message and "together" not in finding.message
 
     rows = records(counts, token_mean)
     for row in rows:
@@ -828,7 +832,8 @@ def test_runs_are_audited_separately(tmp_path: Path) -> None:
 @pytest.mark.parametrize("as_categories", [True, False])
 def test_world_size_changes_are_found_group_by_group_as_a_group_by_finds_them(as_categories: bool) -> None:
     """world_size_changed per group, in the group-by's order, with the steps where W differs from the
-    group's first and the sizes in order of appearance; W and M compared as arrays or as one value each
+    group's first and the sizes in the order W took them (a change back said again, 16 at most); W and M compared as
+    arrays or as one value each
     (`engine.constant_of`'s stride-0 columns). The reference is pandas' group-by, written here."""
     from tokaudit._checks.base import RunContext, TermInputs
     from tokaudit._checks.structure import StructureCheck
@@ -863,7 +868,8 @@ def test_world_size_changes_are_found_group_by_group_as_a_group_by_finds_them(as
     assert [str(f) for f in found] == [str(f) for f in _structure_findings(frame, context, block=len(frame))]
     expected = []
     for group, per_group in frame.groupby("grp", sort=True, observed=True):
-        sizes = list(dict.fromkeys(int(w) for w in per_group.world_high))
+        values = [int(w) for w in per_group.world_high]
+        sizes = [w for i, w in enumerate(values) if i == 0 or w != values[i - 1]][:16]  # each change, in step order
         if len(sizes) > 1:
             changed = per_group.step[per_group.world_high != per_group.world_high.iloc[0]]
             expected.append((group, sizes, int(changed.min()), int(changed.max()), len(changed)))
@@ -1370,3 +1376,18 @@ def test_the_fix_names_the_microbatches_of_the_step_it_shows(tmp_path: Path) -> 
     micro = len(counts[finding.evidence["step"]][0])
     said = f"all {micro} microbatches of the step on all 2 ranks" if micro > 1 else "N summed over all 2 ranks,"
     assert said in finding.fix, (finding.evidence["step"], finding.fix)
+
+
+def test_a_w_that_returns_is_said_in_order_and_a_w_one_rank_misreports_adds_no_missing_rank(tmp_path: Path) -> None:
+    """W 3 → 2 → 3 over five steps: the change back is said (it read 3 → 2). A step where one rank says W = 4 among
+    ranks that say 3 is world_size_inconsistent alone: no rank 3 to miss, and no change of W (both were said)."""
+    three, two = [[[2], [3], [1]]], [[[4], [2]]]
+    rows = records(three, token_mean) + records(two * 2, token_mean, step_offset=1)
+    rows += records(three * 2, token_mean, step_offset=3)
+    finding = only(audit_rows(tmp_path / "back", rows), Code.WORLD_SIZE_CHANGED)
+    assert "3 → 2 → 3" in finding.message and finding.evidence["world_sizes"] == [3, 2, 3]
+    rows = records(three * 4, token_mean, grad_divisor=3.0)  # (the divisor said: the W misreported divides nothing)
+    for row in rows:
+        if row["step"] == 2 and row["rank"] == 1:
+            row["world_size"] = 4
+    assert codes(audit_rows(tmp_path / "misreported", rows)) == {"world_size_inconsistent"}
