@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from tokaudit._checks.base import PARTIAL_UPDATE_FACTORS, cannot_tell
-from tokaudit._engine import Duplicates
+from tokaudit._engine import FILES_NAMED, Duplicates
 from tokaudit.codes import DEFAULT_SEVERITY, TOKEN_MEAN_FIXES, WEIGHTING, Code, Severity
 from tokaudit._report import Finding, StepRange
 
@@ -110,7 +110,8 @@ def _copies_cannot_tell(
 def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:
     """duplicate_records: the engine kept one of each repeated (group, term, step, micro, rank), the later. Not
     evidence about the gradient (the verdict reads the records kept): the cause and the files are named."""
-    files = ", ".join(duplicates.files)
+    named = duplicates.files[:FILES_NAMED]
+    files = ", ".join(named) + (" and more" if len(duplicates.files) > FILES_NAMED else "")
     if duplicates.identical and duplicates.same_time:
         cause = (
             "bit-identical copies of the same records (a compacted or copied file beside the shards, or one "
@@ -155,7 +156,7 @@ def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:
         fix=fix,
         evidence={
             "dropped_records": duplicates.dropped,
-            "files": list(duplicates.files),
+            "files": list(named),
             "identical": duplicates.identical,
             "in_one_file": duplicates.one_file,
             "superseded_records": duplicates.superseded,

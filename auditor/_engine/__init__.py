@@ -10,7 +10,7 @@ from tokaudit._engine.evidence import extremes_at
 from tokaudit._engine.database import Engine, aggregate_range
 from tokaudit._engine.ranges import CHUNK_ROWS, RangeTask, step_ranges
 from tokaudit._engine.sql import step_sql
-from tokaudit._engine.tables import Duplicates, Spilled, one_value, rounded_precision, sweep_scratch
+from tokaudit._engine.tables import FILES_NAMED, Duplicates, Spilled, one_value, rounded_precision, sweep_scratch
 from tokaudit._engine.watch import Aggregating
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "Engine",
     "EVIDENCE",
     "extremes_at",
+    "FILES_NAMED",
     "one_value",
     "RangeTask",
     "rounded_precision",

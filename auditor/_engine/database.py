@@ -281,7 +281,7 @@ class Engine:
     def _find_duplicates(self) -> dict[str, Duplicates]:
         found = {}
         paths = {self.link_names[id(shard)]: str(shard.path) for shard in self.shards}  # (DuckDB's names: links)
-        for row in self.connection.execute(DUPLICATES_SQL, [FILES_NAMED]).fetchall():
+        for row in self.connection.execute(DUPLICATES_SQL, [FILES_NAMED + 1]).fetchall():  # (one more: there are more)
             run, copies, first, last, steps, files, identical, same_time, one_file, superseded, unlaunched, out = row
             named = tuple(os.path.basename(paths.get(f, f)) for f in files)
             kinds = (bool(identical), bool(same_time), bool(one_file), int(superseded), bool(unlaunched))

@@ -245,7 +245,7 @@ class Duplicates:
     steps: int
     """First and last step with a repeated key, and how many steps had one."""
     files: tuple[str, ...] = ()
-    """Some of the files the repeated keys were found in (a few, sorted)."""
+    """The first files the repeated keys were found in, sorted: FILES_NAMED, and one more where there are more."""
     identical: bool = True
     """Every repeated record holds the values of the one kept (S, n, b, the probe, g, D, W, sync, skipped)."""
     same_time: bool = True
@@ -267,7 +267,7 @@ class Duplicates:
             min(self.first, other.first),
             max(self.last, other.last),
             self.steps + other.steps,
-            tuple(sorted({*self.files, *other.files}))[:FILES_NAMED],
+            tuple(sorted({*self.files, *other.files}))[: FILES_NAMED + 1],
             self.identical and other.identical,
             self.same_time and other.same_time,
             self.one_file or other.one_file,

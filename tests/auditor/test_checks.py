@@ -1391,3 +1391,20 @@ def test_a_w_that_returns_is_said_in_order_and_a_w_one_rank_misreports_adds_no_m
         if row["step"] == 2 and row["rank"] == 1:
             row["world_size"] = 4
     assert codes(audit_rows(tmp_path / "misreported", rows)) == {"world_size_inconsistent"}
+
+
+def test_duplicate_records_in_more_files_than_it_names_says_there_are_more(tmp_path: Path) -> None:
+    """The log written twice, a file a rank each time, 3 ranks: six files hold copies. The finding names four and says
+    there are more (it named four as if they were all); four files it names as they are."""
+
+    def written_twice(folder: Path, counts: list[Any]) -> Path:
+        rows = records(counts, token_mean)
+        for copy in ("a", "b"):
+            for rank in range(len(counts[0])):
+                write(folder / f"{copy}-rank-{rank}.parquet", [r for r in rows if r["rank"] == rank])
+        return folder
+
+    finding = only(audit([written_twice(tmp_path / "six", [[[2], [3], [4]], [[1], [5], [2]]])]), Code.DUPLICATE_RECORDS)
+    assert len(finding.evidence["files"]) == 4 and " and more:" in finding.message, finding.message
+    finding = only(audit([written_twice(tmp_path / "four", [[[2], [3]], [[1], [5]]])]), Code.DUPLICATE_RECORDS)
+    assert len(finding.evidence["files"]) == 4 and "and more" not in finding.message, finding.message
