@@ -509,22 +509,21 @@ def test_a_nan_loss_that_pandas_wrote_as_a_null_says_so(tmp_path: Path) -> None:
     its own) but a null, which a required column refuses. The one line says what pandas did."""
     import pandas as pd
 
-    rows = records(UNEVEN, token_mean)
-    rows[3]["loss_sum"] = math.nan
     (tmp_path / "run").mkdir()
-    pd.DataFrame(rows).to_parquet(tmp_path / "run" / "log.parquet")
-    code, _, err = invoke("check", str(tmp_path / "run"))
-    assert code == 2 and error_lines(err) == [
-        f"tokaudit: error: {tmp_path / 'run' / 'log.parquet'}: column 'loss_sum' has a null value at row 3: pandas "
-        "writes a NaN as a null; write the NaN itself (pyarrow keeps it)"
-    ], err
-
-    # a backward scalar's NaN (a mean over no token: zero_token_nonfinite) meets the same fate
-    rows = records(UNEVEN, token_mean)
-    rows[2].update(valid_tokens=0, backward_scalar=math.nan)
-    pd.DataFrame(rows).to_parquet(tmp_path / "run" / "log.parquet")
-    code, _, err = invoke("check", str(tmp_path / "run"))
-    assert code == 2 and error_lines(err) == [
-        f"tokaudit: error: {tmp_path / 'run' / 'log.parquet'}: column 'backward_scalar' is null where no probe weights "
-        "were recorded at row 2: pandas writes a NaN as a null; write the NaN itself (pyarrow keeps it)"
-    ], err
+    # a loss sum's NaN, and a backward scalar's (a mean over no token: zero_token_nonfinite), meet the same fate
+    for row, values, said in (
+        (3, {"loss_sum": math.nan}, "column 'loss_sum' has a null value at row 3"),
+        (
+            2,
+            {"valid_tokens": 0, "backward_scalar": math.nan},
+            "column 'backward_scalar' is null where no probe weights were recorded at row 2",
+        ),
+    ):
+        rows = records(UNEVEN, token_mean)
+        rows[row].update(values)
+        pd.DataFrame(rows).to_parquet(tmp_path / "run" / "log.parquet")
+        code, _, err = invoke("check", str(tmp_path / "run"))
+        assert code == 2 and error_lines(err) == [
+            f"tokaudit: error: {tmp_path / 'run' / 'log.parquet'}: {said}: pandas writes a NaN as a null; write the "
+            "NaN itself (pyarrow keeps it)"
+        ], err
