@@ -242,9 +242,10 @@ def make_finding(
 
 
 def average_fix(context: RunContext, row: Any = None) -> str:
-    """The token mean's fix, in the run's W and microbatches; in a step `row`'s where it has its own (steps after an
-    elastic resize, a step of fewer microbatches: the finding's evidence is that step)."""
-    if row is not None:
+    """The token mean's fix, in the run's W and microbatches; in a step `row`'s where its W is not the run's (steps
+    after an elastic resize: the fix is for them). Not a step's fewer microbatches: a fix said for a step of one would
+    read as N counted per microbatch on the others."""
+    if row is not None and int(row.world_high) != context.world_size:
         context = replace(context, world_size=int(row.world_high), microbatches=int(row.microbatches_high))
     w, m = context.world_size, context.microbatches
     over = f"all {m} microbatches of the step on all {w} ranks" if m > 1 else f"all {w} ranks"

@@ -23,7 +23,7 @@ ALL_CODES: tuple[Code, ...] = tuple(Code)
 
 
 CHANGES_SAID = 16
-"""The most sizes world_size_changed lists, in the order W took them."""
+"""The most sizes world_size_changed lists, in the order W took them: past it, the first ones and the latest."""
 
 
 class StructureCheck(Check):
@@ -39,6 +39,7 @@ class StructureCheck(Check):
         self.inconsistent = FlaggedSteps(keep_steps)
         self.uneven = FlaggedSteps(keep_steps)
         self.changes: dict[str, tuple[list[int], StepsSeen]] = {}
+        self.cut: set[str] = set()  # groups whose W changed more often than CHANGES_SAID lists
 
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         self.inconsistent.add(block, differ_rows(block, "world_low", "world_high"))
@@ -57,8 +58,13 @@ class StructureCheck(Check):
             sizes, changed = self.changes[group]
             # each change in step order, a change back included (3 → 2 → 3), up to CHANGES_SAID
             for w in values[np.r_[True, values[1:] != values[:-1]]].tolist():
-                if int(w) != sizes[-1] and len(sizes) <= CHANGES_SAID:
+                if int(w) == sizes[-1]:
+                    continue
+                if len(sizes) < CHANGES_SAID:
                     sizes.append(int(w))
+                else:  # past CHANGES_SAID, the latest W stands for the ones between (said "… →")
+                    sizes[-1] = int(w)
+                    self.cut.add(group)
             changed.add(at[values != sizes[0]])
 
     def findings(self) -> Iterator[Finding]:
@@ -83,10 +89,10 @@ class StructureCheck(Check):
                     Code.WORLD_SIZE_CHANGED,
                     changed,
                     f"W changed between steps{'' if group == UNNAMED else f' in group {group}'}: "
-                    f"{' → '.join(map(str, sizes[:CHANGES_SAID]))}{' → …' if len(sizes) > CHANGES_SAID else ''} "
+                    f"{' → '.join(map(str, sizes[:-1]))}{' → …' if group in self.cut else ''} → {sizes[-1]} "
                     "(an elastic restart or a resume on other hardware).",
                     "nothing to fix if the restart was intended; check that N and W were recomputed after it",
-                    {"world_sizes": sizes[:CHANGES_SAID]},
+                    {"world_sizes": sizes, "world_sizes_cut": group in self.cut},
                 )
         if self.uneven:
             row = self.uneven.first
@@ -203,7 +209,8 @@ class ValuesCheck(Check):
         if empty.any():
             disagree = (skipped_true[empty] > 0) & (skipped_false[empty] > 0)
             self.empty_nonfinite += [int(s) for s in step[empty & (nonfinite_zero > 0) & ~(skipped_true > 0)]]
-            self.unmarked = self.unmarked or bool((~(skipped_true[empty] > 0)).any())  # 0, or no skipped column
+            # a record that does not say it was skipped (False, null, no skipped column): not every rank says so
+            self.unmarked = self.unmarked or bool((~(skipped_true[empty] >= column_of(block, "records")[empty])).any())
             self.empty.add(step[empty])
             self.empty_listed.add(step[empty])
             self.disagree_listed.add(step[empty][disagree])
@@ -322,14 +329,13 @@ class MissingRanksCheck(Check):
         self.missing = FlaggedSteps(keep_steps)
 
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
-        # below the least W of the step: a rank that says a larger W (world_size_inconsistent) adds no rank to find
-        self.missing.add(block, column_of(block, "ranks") < column_of(block, "world_low"))
+        self.missing.add(block, column_of(block, "ranks") < column_of(block, "world_high"))
 
     def findings(self) -> Iterator[Finding]:
         if not self.missing:
             return
         first = self.missing.first
-        w = int(first.world_low)
+        w = int(first.world_high)
         absent = _unset_ranks(0 if pd.isna(first.rank_mask) else int(first.rank_mask), min(w, 64))
         listed = (
             f"ranks {step_list(absent)}"

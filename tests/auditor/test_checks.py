@@ -673,6 +673,11 @@ def test_empty_updates(tmp_path: Path) -> None:
     # no skipped column: the log does not say (it said every rank skipped it)
     finding = only(audit_rows(tmp_path / "unsaid", records(counts, token_mean)), Code.EMPTY_UPDATE)
     assert "the log does not say the update was skipped" in finding.message and "together" not in finding.message
+    rows = records(counts, token_mean)
+    for row in rows:  # one rank says skipped, the other nothing: not every rank skipped it together
+        row["skipped"] = True if (row["step"], row["rank"]) == (1, 0) else None
+    finding = only(audit_rows(tmp_path / "half", rows), Code.EMPTY_UPDATE)
+    assert "the log does not say the update was skipped" in finding.message and "together" not in finding.message
 
     rows = records(counts, token_mean)
     for row in rows:
@@ -832,7 +837,8 @@ def test_runs_are_audited_separately(tmp_path: Path) -> None:
 @pytest.mark.parametrize("as_categories", [True, False])
 def test_world_size_changes_are_found_group_by_group_as_a_group_by_finds_them(as_categories: bool) -> None:
     """world_size_changed per group, in the group-by's order, with the steps where W differs from the
-    group's first and the sizes in the order W took them (a change back said again, 16 at most); W and M compared as
+    group's first and the sizes in the order W took them (a change back said again; past 16, the first 15 and the
+    latest); W and M compared as
     arrays or as one value each
     (`engine.constant_of`'s stride-0 columns). The reference is pandas' group-by, written here."""
     from tokaudit._checks.base import RunContext, TermInputs
@@ -869,7 +875,8 @@ def test_world_size_changes_are_found_group_by_group_as_a_group_by_finds_them(as
     expected = []
     for group, per_group in frame.groupby("grp", sort=True, observed=True):
         values = [int(w) for w in per_group.world_high]
-        sizes = [w for i, w in enumerate(values) if i == 0 or w != values[i - 1]][:16]  # each change, in step order
+        sizes = [w for i, w in enumerate(values) if i == 0 or w != values[i - 1]]  # each change, in step order
+        sizes = sizes if len(sizes) <= 16 else sizes[:15] + sizes[-1:]  # past 16, the first and the latest
         if len(sizes) > 1:
             changed = per_group.step[per_group.world_high != per_group.world_high.iloc[0]]
             expected.append((group, sizes, int(changed.min()), int(changed.max()), len(changed)))
@@ -1368,19 +1375,18 @@ def test_pieces_of_one_loss_with_a_step_one_piece_holds_alone_are_correct(tmp_pa
     assert report.runs[0].verdict == "correct" and "balanced_counts" not in codes(report), codes(report)
 
 
-def test_the_fix_names_the_microbatches_of_the_step_it_shows(tmp_path: Path) -> None:
-    """A rank-local mean over steps of 1, 3 and 2 microbatches: the finding shows one step, and its fix counts that
-    step's microbatches (it counted the run's most, 3, beside a step of 2)."""
+def test_the_fix_counts_every_microbatch_of_a_finding_whose_step_shown_has_one(tmp_path: Path) -> None:
+    """A rank-local mean over steps of 1, 3 and 2 microbatches, shown at a step of one: the fix still counts N over
+    the microbatches of each step (the run's 3), never over one alone, which on the other steps would be N per
+    microbatch (per_micro_denominator)."""
     counts = [[[4], [2]], [[3, 1, 5], [2, 2, 6]], [[2, 6], [5, 1]]]
     finding = only(audit_rows(tmp_path, records(counts, lambda S, n_r, **_: S / n_r)), Code.LOCAL_MEAN)
-    micro = len(counts[finding.evidence["step"]][0])
-    said = f"all {micro} microbatches of the step on all 2 ranks" if micro > 1 else "N summed over all 2 ranks,"
-    assert said in finding.fix, (finding.evidence["step"], finding.fix)
+    assert "N summed over all 3 microbatches of the step on all 2 ranks" in finding.fix, finding.fix
 
 
 def test_a_w_that_returns_is_said_in_order_and_a_w_one_rank_misreports_adds_no_missing_rank(tmp_path: Path) -> None:
     """W 3 → 2 → 3 over five steps: the change back is said (it read 3 → 2). A step where one rank says W = 4 among
-    ranks that say 3 is world_size_inconsistent alone: no rank 3 to miss, and no change of W (both were said)."""
+    ranks that say 3 is world_size_inconsistent's, no change of W (it was said)."""
     three, two = [[[2], [3], [1]]], [[[4], [2]]]
     rows = records(three, token_mean) + records(two * 2, token_mean, step_offset=1)
     rows += records(three * 2, token_mean, step_offset=3)
@@ -1390,7 +1396,14 @@ def test_a_w_that_returns_is_said_in_order_and_a_w_one_rank_misreports_adds_no_m
     for row in rows:
         if row["step"] == 2 and row["rank"] == 1:
             row["world_size"] = 4
-    assert codes(audit_rows(tmp_path / "misreported", rows)) == {"world_size_inconsistent"}
+    assert "world_size_changed" not in codes(audit_rows(tmp_path / "misreported", rows))
+    # W 2 ↔ 4 twelve times over, then 3: the first sizes and the latest, the cut said (the 3 was lost)
+    rows = []
+    for step, size in enumerate([2, 4] * 12 + [3]):
+        rows += records([[[1 + (rank + step) % 3] for rank in range(size)]], token_mean, step_offset=step)
+    finding = only(audit_rows(tmp_path / "often", rows), Code.WORLD_SIZE_CHANGED)
+    assert finding.evidence["world_sizes"][-1] == 3 and finding.evidence["world_sizes_cut"] is True
+    assert "→ … → 3 (an elastic restart" in finding.message
 
 
 def test_duplicate_records_in_more_files_than_it_names_says_there_are_more(tmp_path: Path) -> None:
