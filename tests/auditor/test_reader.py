@@ -328,6 +328,7 @@ def test_the_commands_start_footer_workers_before_they_import_the_auditor(tmp_pa
         "import json, subprocess, sys\n"
         "import tokaudit._loading as loading\n"
         "loading.PARALLEL_FILES, loading.BATCH_FILES = 1, 4\n"
+        "loading.cores = lambda: 2  # (workers as on two cores, whatever this machine lends the test)\n"
         "seen, popen = [], subprocess.Popen\n"
         "def spy(*args, **kwargs):\n"
         "    seen.append([name in sys.modules for name in ('tokaudit._auditing', 'pandas', 'duckdb', 'pyarrow')])\n"
