@@ -243,10 +243,13 @@ def make_finding(
 
 def average_fix(context: RunContext, row: Any = None) -> str:
     """The token mean's fix, in the run's W and microbatches; in a step `row`'s where its W is not the run's (steps
-    after an elastic resize: the fix is for them). Not a step's fewer microbatches: a fix said for a step of one would
-    read as N counted per microbatch on the others."""
+    after an elastic resize: the fix is for them), with its microbatches where it has several. Never a step's one
+    microbatch where the run has more: a fix said for it would read as N counted per microbatch on the others."""
     if row is not None and int(row.world_high) != context.world_size:
-        context = replace(context, world_size=int(row.world_high), microbatches=int(row.microbatches_high))
+        shown = int(row.microbatches_high)
+        context = replace(
+            context, world_size=int(row.world_high), microbatches=shown if shown > 1 else context.microbatches
+        )
     w, m = context.world_size, context.microbatches
     over = f"all {m} microbatches of the step on all {w} ranks" if m > 1 else f"all {w} ranks"
     if context.divisor == 1:

@@ -1317,6 +1317,14 @@ def test_a_stale_w_after_a_resize_is_fixed_in_the_w_and_microbatches_of_the_step
         "W=4 (the size of the averaging group)" in finding.fix
         and "all 2 microbatches of the step on all 4 ranks" in finding.fix
     )
+    # after the resize one microbatch a step, the run's 3 before it: the fix keeps the 3 (a fix of one microbatch would
+    # read as N counted per microbatch)
+    one = [[[3], [2], [5]]] * 2
+    rows = records(two, token_mean) + records(one, stale, step_offset=2)
+    finding = only(audit_rows(tmp_path / "one", rows), Code.WORLD_SIZE_MISMATCH)
+    assert "W=3 (the size" in finding.fix and "all 3 microbatches of the step on all 3 ranks" in finding.fix, (
+        finding.fix
+    )
 
 
 def test_a_dp_by_tp_loop_recorded_without_its_group_is_told_to_give_it(tmp_path: Path) -> None:
