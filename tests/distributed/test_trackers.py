@@ -348,6 +348,10 @@ def test_trainer_callbacks_log_to_the_trainers_own_trackers(
     from tokaudit._auditing import audit
     from tokaudit.hooks.trackers import audit_metrics
 
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    MlflowClient(
+        f"file://{tmp_path}/mlruns"
+    )  # the store and its default experiment made once: two ranks making it race
     run_ddp(job, 2, str(tmp_path), timeout=240)
     report = audit([tmp_path / "logs" / run])
     (summary,) = report.runs
