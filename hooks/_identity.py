@@ -53,9 +53,7 @@ def resolve_identity(process_group: Any) -> Identity:
 
 def known_hook_divisor(hook: Callable[..., Any], world_size: int) -> float | None:
     """D for DDP comm hooks whose reduction is known: the default ones all-reduce then divide by W."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     averaging = {
         default_hooks.allreduce_hook,

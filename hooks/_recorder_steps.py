@@ -55,7 +55,9 @@ class UpdateTracking:
         self._backwards: int | None = None
         self._backwards_at_open = self._backwards_at_close = 0  # (and when zero_grad last closed one as skipped)
         self._other_stepped = False  # another optimizer stepped the model's parameters in the open update
-        self._steps_model: dict[int, bool] = {}  # per other optimizer: whether it holds a parameter of the model
+        # per other optimizer (weakly: one made anew each epoch may take a freed one's id): whether it holds a
+        # parameter of the model
+        self._steps_model: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
     def _numbered(self, term: str, step: int | None, micro: int | None, deferred: bool) -> tuple[int, int]:
         """The update and microbatch of a new record of `term`: those given, else the open update's next."""
@@ -339,11 +341,11 @@ class UpdateTracking:
         if optimizer is self._optimizer or not self._step_records:
             return
         try:
-            steps_model = self._steps_model.get(id(optimizer))
+            steps_model = self._steps_model.get(optimizer)
             if steps_model is None:
                 mine = {id(p) for p in self._model.parameters()}
                 steps_model = any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
-                self._steps_model[id(optimizer)] = steps_model
+                self._steps_model[optimizer] = steps_model
             self._other_stepped = self._other_stepped or steps_model
         except Exception as error:
             self.warn_once("other-optimizer", f"tokaudit: could not follow another optimizer's step ({error!r})")

@@ -28,8 +28,8 @@ CHANGES_SAID = 16
 
 class StructureCheck(Check):
     """world_size_inconsistent, world_size_changed, uneven_microbatches. W's changes are looked for group
-    by group, in the groups' order: the sizes in order of appearance, and the steps where W is not the
-    group's first."""
+    by group, in the groups' order: the sizes in the order W took them (a return said again), and the steps where
+    W is not the group's first; a step whose ranks disagree on W is world_size_inconsistent's alone."""
 
     main_term_only = True
 
