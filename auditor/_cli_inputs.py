@@ -52,13 +52,11 @@ def output_option(what: str) -> Callable[[F], F]:
 def local_file(_: object, __: object, given: str | None) -> Path | None:
     """A click callback: a path option as a Path, a file URL of this machine as the path it names
     (`storage.local_path`; the option's type must leave it a string: a Path has made file:///x file:/x)."""
-    import click
-
     from tokaudit._storage import local_path, other_machine
 
     elsewhere = other_machine(given)
-    if elsewhere is not None:
-        raise click.BadParameter(f"{given}: {elsewhere}")
+    if elsewhere is not None:  # one line, exit 2, as a path that names no file is said
+        raise UsageError(f"{given}: {elsewhere}")
     return None if given is None else Path(local_path(given))
 
 
