@@ -7,7 +7,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tokaudit.errors import UsageError
+from tokaudit.errors import EMPTY_PATH, UsageError
 from tokaudit._outputs import note
 
 if TYPE_CHECKING:
@@ -49,11 +49,14 @@ def output_option(what: str) -> Callable[[F], F]:
     )
 
 
-def local_file(_: object, __: object, given: str | None) -> Path | None:
+def local_file(_: object, option: Any, given: str | None) -> Path | None:
     """A click callback: a path option as a Path, a file URL of this machine as the path it names
     (`storage.local_path`; the option's type must leave it a string: a Path has made file:///x file:/x)."""
     from tokaudit._storage import local_path, other_machine
 
+    if given == "":
+        named = option.opts[0] if option.param_type_name == "option" else option.human_readable_name
+        raise UsageError(f"{named}: {EMPTY_PATH}")
     elsewhere = other_machine(given)
     if elsewhere is not None:  # one line, exit 2, as a path that names no file is said
         raise UsageError(f"{given}: {elsewhere}")

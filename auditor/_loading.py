@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath, PurePosixPath
 from typing import IO, TYPE_CHECKING, Any
 
-from tokaudit.errors import LogFormatError
+from tokaudit.errors import EMPTY_PATH, LogFormatError
 from tokaudit._discovery import discover
 from tokaudit._storage import is_url, local_path
 
@@ -143,8 +143,11 @@ def start_loading(paths: Sequence[str | os.PathLike[str]], thorough: bool = True
     """`load`'s discovery, and its worker processes started on their shares: `result()` gives what `load`
     gives."""
     notes: list[str] = []
-    paths = [local_path(p) for p in paths]
+    # "" is no folder (an unset $VAR), though Path("") is the current one: auditing that would judge other logs
+    empty = [LogFormatError('""', EMPTY_PATH) for p in paths if os.fspath(p) == ""]
+    paths = [local_path(p) for p in paths if os.fspath(p) != ""]
     files, problems = discover([p for p in paths if not is_url(p)], notes)
+    problems = empty + problems
     remote: list[tuple[PurePath, Store | None]] = []
     urls = [str(p) for p in paths if is_url(p)]
     if urls:

@@ -17,6 +17,10 @@ class LogFormatError(TokauditError):
         self.problem = problem
 
 
+EMPTY_PATH = "an empty path (an unset variable?), which would read as the current folder"
+"""What a path given as "" is said to be: refused, not taken as the current folder."""
+
+
 class UsageError(TokauditError):
     """The command line asks for something the logs cannot give (an unknown run or step)."""
 

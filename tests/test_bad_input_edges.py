@@ -393,3 +393,27 @@ def test_no_path_at_all_is_a_usage_error_not_an_empty_report(paths: list[str]) -
 
     with pytest.raises(UsageError, match="no path to audit"):
         audit(paths)
+
+
+def test_an_empty_path_is_a_problem_not_the_current_folder(
+    good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "$RUNS" of an unset variable: Path("") is the current folder, whose logs (here a correct run) would pass a CI
+    gate that audited none of the run meant."""
+    from tokaudit import audit
+
+    monkeypatch.chdir(good.parent)
+    code, out, err = check("", "--fail-on", "inconclusive")
+    assert (
+        code == 2
+        and out == ""
+        and err.strip().endswith('"": an empty path (an unset variable?), which would read as the current folder')
+    )
+    report = audit("")
+    assert report.verdicts == {} and report.problems == [
+        '"": an empty path (an unset variable?), which would read as the current folder'
+    ]
+    code, _, err = check(str(good), "-o", "")
+    assert code == 2 and "--output: an empty path" in err
+    result = CliRunner().invoke(main, ["sync", ""])
+    assert result.exit_code == 2 and "FOLDER: an empty path" in result.stderr
