@@ -32,7 +32,7 @@ from tokaudit._normalization import Denominator
 from tokaudit._reader import Shard
 from tokaudit._report import AuditReport, Finding, RunSummary, Segment
 from tokaudit._schema import UNNAMED, Provenance
-from tokaudit._ends import FooterEnds, both_ends, recorded_end, uneven_ends
+from tokaudit._ends import FooterEnds, both_ends, recorded_end, uneven_ends, unsynced_end
 from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
 from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, stored_precision
 from tokaudit._summary import guessed_updates, unfinished_finding, unread_files, within_roundings
@@ -145,7 +145,9 @@ def _audit(
         engine.close()
         if horizon is not None and progress:
             _say_left_out(parts, present, horizon, progress)
-        judge = _RunJudge.of(logset, judging, horizon, named, duplicates, precision, threads, rounded)
+        # where no step lacks a synchronization, no run ended inside an update unsynced (`unsynced_end`): no pass
+        unsynced = steps.unsynced > 0 if isinstance(steps, Spilled) else bool((steps.unsynced_ranks > 0).any())
+        judge = _RunJudge.of(logset, judging, horizon, named, duplicates, precision, threads, rounded, unsynced)
         summaries, findings = judge.runs(present, runs_apart(steps, parts, present))
         asked = present if runs else None
         kept = kept_steps(parts, asked, horizon, ordered=isinstance(steps, pd.DataFrame)) if keep_steps else None
@@ -239,6 +241,8 @@ class _RunJudge:
     """Per run: the bits every backward scalar of rank 0 holds, bfloat16's or float16's (`rounded_precision`), read
     where the run says nothing of its precision. Round numbers hold them too (integer losses), so they make no error vanish
     at that precision: they make one within two of its roundings say the logs cannot tell (`within_roundings`)."""
+    unsynced: bool
+    """Some step of the log lacks a synchronization: a run may have ended inside its last update (`unsynced_end`)."""
 
     @classmethod
     def of(
@@ -251,6 +255,7 @@ class _RunJudge:
         precision: dict[str, int],
         threads: int | None,
         rounded: dict[str, int],
+        unsynced: bool,
     ) -> _RunJudge:
         """The judge of an audit's runs, with what the footers of its shards say."""
         shards = logset.shards
@@ -267,6 +272,7 @@ class _RunJudge:
             unread_files(shards, logset.problems),
             _replaced(shards, duplicates, judging, threads),
             rounded,
+            unsynced,
         )
 
     def runs(
@@ -293,6 +299,11 @@ class _RunJudge:
         rtol = judged_rtol(self.judging.rtol, bits)
         # the update the run stopped inside (its recorder said so) is left out, unless it is all there is
         stopped, ended = self.setups.get(run, Provenance()).unfinished, None
+        unsynced = stopped is None
+        if (
+            stopped is None and self.unsynced
+        ):  # or as its records show it: no rank's last microbatch of its last update synchronized
+            stopped = unsynced_end(selected_runs(parts, [run]))
         if self.ends is not None:  # the groups the footers leave unsettled: from the records
             from_records = recorded_end(run, lambda: selected_runs(parts, [run]), self.ends)
             ended = both_ends(self.ends.found.get(run), from_records)
@@ -302,7 +313,7 @@ class _RunJudge:
         )
         if whole is not None and stopped is not None:
             # the run stopped inside its only update: part of its microbatches, never stepped, is nothing to judge
-            said = [unfinished_finding(run, stopped)]
+            said = [unfinished_finding(run, stopped, unsynced)]
             said = with_unread_files(run, said, self.unread[run], whole) if run in self.unread else said
             return said, _unjudged_summary(run, bits, rtol)
         if source is None and ended is not None:
@@ -321,7 +332,7 @@ class _RunJudge:
         if miscounted:
             run_findings.append(miscounted.finding(run))
         if stopped is not None:
-            run_findings.append(unfinished_finding(run, stopped))
+            run_findings.append(unfinished_finding(run, stopped, unsynced))
         if ended is not None:
             run_findings.append(ended.finding(run))
         run_findings = self._cannot_tell(run, run_findings, source, bits)

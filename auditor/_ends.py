@@ -254,3 +254,32 @@ def _ragged(pieces: list[tuple[Any, Any]], world: int, closes: Mapping[int, set[
 def _every_rank(ranks: Mapping[int, object], world: int) -> bool:
     """Every rank below W holds a shard (distinct whole numbers: as many as W, each below it; never W's range)."""
     return len(ranks) == world and all(0 <= rank < world for rank in ranks)
+
+
+def unsynced_end(parts: Iterable[pd.DataFrame]) -> int | None:
+    """The run's last step where the run ended inside that update, nothing of it applied: it holds fewer microbatches
+    than any update before it on every rank, and every rank's last of them says it did not synchronize gradients,
+    where no step before it lacks a synchronization and some say they had one (a job killed inside the update after
+    a flush: SIGKILL, which no recorder can answer, leaves no note that it stopped). None otherwise: an update of its
+    whole microbatches that did not synchronize, or a step before it that did not, is `missing_sync`'s."""
+    last, first_unsynced, last_not_whole, synced = -np.inf, np.inf, -np.inf, False
+    tops = []  # per part: its last step, the most microbatches a rank holds there, the fewest below it and there
+    for part in parts:
+        step = part.step.to_numpy(dtype=float)  # (inf bounds the empty selections)
+        if not len(step):
+            continue
+        unsynced = part.unsynced_ranks.to_numpy(dtype=float, na_value=np.nan)
+        known = part.sync_known.to_numpy() == part.records.to_numpy()
+        # every rank's last microbatch unsynced, and not an update the recorder closed as skipped (`missing_sync`)
+        whole = known & (unsynced == part.ranks.to_numpy()) & (part.skipped_true.to_numpy(float, na_value=0) == 0)
+        synced |= bool((known & (unsynced == 0)).any())
+        first_unsynced = min(first_unsynced, step[unsynced > 0].min(initial=np.inf))
+        last_not_whole = max(last_not_whole, step[~whole].max(initial=-np.inf))
+        top, low, high = step.max(), part.microbatches_low.to_numpy(float), part.microbatches_high.to_numpy(float)
+        tops.append((top, high[step == top].max(), low[step < top].min(initial=np.inf), low[step == top].min()))
+        last = max(last, top)
+    if not (synced and first_unsynced == last and last_not_whole < last):
+        return None
+    most = max(high for top, high, _, _ in tops if top == last)
+    fewest_before = min(min(below, at if top < last else np.inf) for top, _, below, at in tops)
+    return int(last) if most < fewest_before else None

@@ -167,14 +167,21 @@ def _redone(
     return redone
 
 
-def unfinished_finding(run: str, step: int) -> Finding:
-    """unfinished_update: the update a recorder closed inside, never stepped, left out of the checks."""
+def unfinished_finding(run: str, step: int, unsynced: bool = False) -> Finding:
+    """unfinished_update: the update a recorder closed inside, never stepped, left out of the checks. `unsynced`: no
+    recorder said so; no rank's last microbatch of the run's last update synchronized (`ends.unsynced_end`)."""
+    seen = (
+        "it holds fewer microbatches than every update before it, and no rank's last of them synchronized "
+        "gradients, as those of every update before it did: "
+        if unsynced
+        else ""
+    )
     return Finding(
         run=run,
         code=Code.UNFINISHED_UPDATE,
         severity=DEFAULT_SEVERITY[Code.UNFINISHED_UPDATE],
         steps=StepRange(step, step, 1),
-        message=f"The run stopped inside update {step}: its records never reached an optimizer step (a job "
+        message=f"The run stopped inside update {step}: {seen}its records never reached an optimizer step (a job "
         "stopped or preempted, an error, or a loader that ended inside the update), so it holds part of its "
         "microbatches at most and is not judged; the updates before it are.",
         fix="nothing where the run was stopped; where a loader ends inside an update, let the trainer step the short "

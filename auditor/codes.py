@@ -416,7 +416,9 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         why="A job stopped by SIGTERM (preemption, a time limit) or an error between two microbatches leaves the "
         "records of an update never applied, and only some of its microbatches; the recorder, which watches the "
         "optimizer, says so in the footers. A rank killed at once (the OOM killer, a lost node) loses what its "
-        "recorder held since its last shard, so the ranks' records end at different steps. Either way N over those "
+        "recorder held since its last shard, so the ranks' records end at different steps; killed inside an update "
+        "after a flush, every rank's last update holds fewer microbatches than the updates before it, none of them "
+        "synchronized. Either way N over those "
         "steps is not the update's and its weights would read as wrong: the audit leaves them out. A rank short by "
         "more than its widest shard, or closed by the training code (out of data under join()), is `missing_rank`; "
         "in shards of several ranks each (a compaction's) no footer says which.",

@@ -86,6 +86,8 @@ class Spilled:
         self.unusable = 0
         """Steps with a NaN divisor or scale or T < n (`unusable_values`), counted as the ranges are written: the
         caller need not read them back to know."""
+        self.unsynced = 0
+        """Steps some rank's last microbatch of which did not synchronize (`unsynced_ranks`), counted the same way."""
 
     def add(self, table: dict[str, Any]) -> None:
         rows = len(table["step"])
@@ -110,6 +112,7 @@ class Spilled:
             ) from None
         self.paths.append(path)
         self.unusable += int(np.count_nonzero(np.nan_to_num(table["unusable_values"]) > 0))
+        self.unsynced += int(np.count_nonzero(np.nan_to_num(table["unsynced_ranks"]) > 0))
 
     def close(self) -> None:
         if self.folder is not None:

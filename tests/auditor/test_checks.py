@@ -1206,6 +1206,28 @@ def test_a_run_whose_last_update_alone_never_synced_says_it_may_have_ended_insid
     assert "Only the run's last step" not in finding.message
 
 
+@pytest.mark.parametrize("scalar", [token_mean, local_mean])
+def test_a_run_killed_inside_its_last_update_after_a_flush_leaves_that_update_out(tmp_path: Path, scalar: Any) -> None:
+    """A flush inside an update, then SIGKILL (which leaves no note that the run stopped): the last update holds its
+    first microbatch alone on every rank, unsynchronized, and no optimizer step took it. Its weights (half an
+    update's tokens, whatever its loss) are no claim about the run; it is left out and said (it read missing_sync
+    and scale_mismatch: incorrect). Cut to one microbatch on one rank only, or unsynced mid-run, it is judged."""
+    rows = records(UNEVEN_GA, token_mean) + [
+        row for row in records([[[4, 3], [1, 6]]], scalar, step_offset=3) if row["micro"] == 0
+    ]
+    for row in rows:
+        row["sync"] = row["micro"] == 1
+    report = audit_rows(tmp_path / "killed", rows)
+    finding = only(report, Code.UNFINISHED_UPDATE)
+    assert report.verdicts == {"run": "correct"} and codes(report) == {"unfinished_update"}
+    assert finding.steps.first == 3 and "fewer microbatches than every update before it" in finding.message
+    rows.append(dict(rows[-1], micro=1, sync=True))  # rank 1 finished it: rank 0 stepped on its own gradient
+    assert "missing_sync" in codes(audit_rows(tmp_path / "one", rows))
+    for row in rows:
+        row["sync"] = row["micro"] == 1 and row["step"] != 1
+    assert "missing_sync" in codes(audit_rows(tmp_path / "middle", rows))
+
+
 def test_a_run_whose_divisor_nobody_saw_states_no_q_nor_d_in_its_summary(tmp_path: Path) -> None:
     """D unseen (divisor_known false): q = e·N depends on it, and the finding gives q under each reading; the
     summary's weight_range, read as the run's q, is null rather than the average's reading (1 for W·S/N into a
