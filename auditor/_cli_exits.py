@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from tokaudit.errors import LogFormatError, TokauditError
-from tokaudit._outputs import EXIT_BAD_INPUT, EXIT_CLOSED_PIPE, EXIT_OK, fail, interrupted, problem
+from tokaudit._outputs import EXIT_BAD_INPUT, EXIT_OK, closed_pipe, fail, interrupted, problem
 from tokaudit._render.text import printable
 
 if TYPE_CHECKING:
@@ -18,6 +17,13 @@ if TYPE_CHECKING:
 
 class Guarded(click.Group):
     """Every failure ends in exit 2 with one line: exit 1 means findings and nothing else."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:  # (where --help and --version print: click would end a closed pipe in exit 1)
+            return super().parse_args(ctx, args)
+        except BrokenPipeError:
+            closed_pipe()
+            raise  # (closed_pipe exits)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -29,9 +35,7 @@ class Guarded(click.Group):
         except KeyboardInterrupt:
             interrupted()
         except BrokenPipeError:
-            # the reader went away (| head): nothing left to say, and nothing left to flush at exit
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(EXIT_CLOSED_PIPE)
+            closed_pipe()
         except OSError as error:
             if ctx.obj and ctx.obj.get("debug"):
                 raise

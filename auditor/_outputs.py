@@ -4,6 +4,7 @@ exit 130 for a Ctrl-C at any moment."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import os
 import signal
@@ -129,6 +130,12 @@ def run(main: Callable[..., Any]) -> None:
         main(prog_name="tokaudit")
     except KeyboardInterrupt:
         interrupted()
+    except OSError as error:  # what click writes before a command runs (--help, --version), or stderr itself
+        with contextlib.suppress(OSError):
+            problem(f"{getattr(error, 'filename', None) or 'output'}: {error.strerror or error}")
+        # what is left in the buffer would fail again at exit, in a traceback of the interpreter's own
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(EXIT_BAD_INPUT)
     finally:
         signal.signal(signal.SIGINT, interrupted_now)
 
@@ -136,6 +143,12 @@ def run(main: Callable[..., Any]) -> None:
 def interrupted_now(signum: int, frame: Any) -> None:
     problem("interrupted")
     os._exit(EXIT_INTERRUPTED)  # the report, if any, is out already: nothing else is left to stop
+
+
+def closed_pipe() -> None:
+    """The reader went away (| head): nothing left to say, and nothing left to flush at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(EXIT_CLOSED_PIPE)
 
 
 def interrupted() -> None:

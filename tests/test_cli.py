@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -440,6 +441,21 @@ def test_a_reader_that_goes_away_is_exit_141_and_quiet(logs: Path) -> None:
     child.stdout.close()  # before the audit ends and the report is written
     errors = child.stderr.read()
     assert child.wait(timeout=60) == 141 and errors == b"", errors
+
+
+@pytest.mark.parametrize("option", ["--help", "--version"])
+def test_help_and_version_that_cannot_be_written_are_one_line_or_quiet(option: str) -> None:
+    """What click prints before any command runs: a full disk is one line and exit 2 (it was a traceback and exit 1,
+    which means findings); a reader that went away, exit 141 and nothing said (it was exit 1)."""
+    command = [sys.executable, "-m", "tokaudit", option]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (2, "tokaudit: error: output: No space left on device\n")
+    read, write = os.pipe()
+    os.close(read)
+    done = subprocess.run(command, stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
+    os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
 
 
 def test_piped_output_has_no_trailing_spaces(logs: Path) -> None:
