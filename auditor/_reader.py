@@ -236,7 +236,10 @@ def _footer_values(
         if metadata.num_rows:  # a file of no record (pandas' empty frame: columns of type null) has no value to check
             check_values(readable, present, stats, thorough, exact=record is not None)
     except LogFormatError as error:
-        raise LogFormatError(name, error.problem) from None
+        # a value its folder gave is the folder's to mend, not the file's
+        folders = [f"{column}={value}" for column, value in given.items() if f"'{column}'" in error.problem]
+        said = f" (from its folder {', '.join(folders)})" if folders else ""
+        raise LogFormatError(name, error.problem + said) from None
     except Exception as error:
         raise LogFormatError(name, f"cannot read the file's data ({first_line(error)})") from None
     return record, stats, empty

@@ -133,20 +133,15 @@ def _check_rows(table: pa.Table, columns: Iterable[str]) -> None:
         if column in columns:
             _raise_at_first(pc.greater(table[column], highest), f"column '{column}' holds {meaning}", table[column])
     if {"rank", "world_size"} <= columns:
-        _raise_at_first(
-            pc.greater_equal(table["rank"], table["world_size"]),
-            "column 'rank' is not below 'world_size'",
-            table["rank"],
+        rank, world = table["rank"], table["world_size"]
+        _raise_at_first_of_two(
+            pc.greater_equal(rank, world), "column 'rank' is not below 'world_size'", rank, "≥", world
         )
     if {"positions", "valid_tokens"} <= columns:
-        below = pc.fill_null(pc.less(table["positions"], table["valid_tokens"]), False)
-        if pc.any(below).as_py():
-            row = pc.index(below, True).as_py()
-            raise LogFormatError(
-                "",
-                f"column 'positions' is below 'valid_tokens' ({table['positions'][row].as_py()} "
-                f"< {table['valid_tokens'][row].as_py()}) at row {row}",
-            )
+        positions, valid = table["positions"], table["valid_tokens"]
+        _raise_at_first_of_two(
+            pc.less(positions, valid), "column 'positions' is below 'valid_tokens'", positions, "<", valid
+        )
     for column in ("grad_divisor", "term_weight"):
         if column in columns:
             divisor = pc.cast(table[column], pa.float64())  # a half float has no kernels of its own
@@ -178,6 +173,15 @@ def _pandas_nan(table: pa.Table, column: str) -> str:
     (a non-finite loss or backward scalar, a finding of its own) is gone."""
     floating = pa.types.is_floating(table.schema.field(column).type)
     return ": pandas writes a NaN as a null; write the NaN itself (pyarrow keeps it)" if floating else ""
+
+
+def _raise_at_first_of_two(mask: Any, problem: str, first: Any, sign: str, second: Any) -> None:
+    """`_raise_at_first` of a problem between two columns, both values said (a rank of 5 and a W of 2 read "(5)"
+    after 'world_size', as if W were 5)."""
+    mask = pc.fill_null(mask, False)
+    if pc.any(mask).as_py():
+        row = pc.index(mask, True).as_py()
+        raise LogFormatError("", f"{problem} ({first[row].as_py()} {sign} {second[row].as_py()}) at row {row}")
 
 
 def _raise_at_first(mask: Any, problem: str, values: Any = None, after: str = "") -> None:

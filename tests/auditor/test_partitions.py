@@ -153,7 +153,10 @@ def test_a_rank_beyond_the_world_size_given_by_a_folder_is_one_line(tmp_path: Pa
     result = CliRunner().invoke(main, ["check", str(tmp_path), "--format", "json"])
     assert result.exit_code == 2 and "Traceback" not in result.output
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("tokaudit: error:")]
-    assert line.startswith(f"tokaudit: error: {folder / 'part-0.parquet'}: column 'rank' is not below 'world_size'")
+    assert line == (
+        f"tokaudit: error: {folder / 'part-0.parquet'}: column 'rank' is not below 'world_size' (5 ≥ 2) at row 0 "
+        "(from its folder rank=5)"
+    )
 
 
 def test_a_run_partitioned_by_day_is_one_run_across_midnight(tmp_path: Path) -> None:
