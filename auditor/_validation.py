@@ -73,10 +73,12 @@ def check_values(
     for column, highest, _ in _UPPER_BOUNDS:
         if column in present and _beyond(stats[column][1], highest, unsure, above=True):
             need.add(column)
-    for column in ("grad_divisor", "term_weight"):  # positive and finite (an infinite λ or D weighs nothing)
+    # D positive, λ at least 0 (0: the term switched off on purpose, a warm-up), each finite (an infinite one weighs
+    # nothing)
+    for column, zero in (("grad_divisor", True), ("term_weight", False)):
         if column not in present:
             continue
-        if _beyond(stats[column][0], 0, unsure, inclusive=True) or _beyond(
+        if _beyond(stats[column][0], 0, unsure, inclusive=zero) or _beyond(
             stats[column][1], math.inf, unsure, True, True
         ):
             need.add(column)
@@ -142,11 +144,14 @@ def _check_rows(table: pa.Table, columns: Iterable[str]) -> None:
         _raise_at_first_of_two(
             pc.less(positions, valid), "column 'positions' is below 'valid_tokens'", positions, "<", valid
         )
-    for column in ("grad_divisor", "term_weight"):
+    for column, below, meaning in (
+        ("grad_divisor", pc.less_equal, "positive number"),
+        ("term_weight", pc.less, "number ≥ 0"),
+    ):
         if column in columns:
             divisor = pc.cast(table[column], pa.float64())  # a half float has no kernels of its own
-            bad = pc.or_(pc.or_(pc.is_nan(divisor), pc.less_equal(divisor, 0)), pc.is_inf(divisor))
-            _raise_at_first(bad, f"column '{column}' is not a finite positive number", table[column])
+            bad = pc.or_(pc.or_(pc.is_nan(divisor), below(divisor, 0)), pc.is_inf(divisor))
+            _raise_at_first(bad, f"column '{column}' is not a finite {meaning}", table[column])
     if "grad_scale" in columns:
         scale = pc.cast(table["grad_scale"], pa.float64())
         _raise_at_first(pc.is_nan(scale), "column 'grad_scale' is NaN", table["grad_scale"])

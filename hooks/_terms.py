@@ -32,11 +32,12 @@ GRAPH_DEPTH = 16
 
 
 def weight_problem(name: str, weight: object) -> str | None:
-    """Why `loss_term(name, weight=…)` cannot take this λ (None where it can): a weight is a finite positive number."""
-    if isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight) and weight > 0:
+    """Why `loss_term(name, weight=…)` cannot take this λ (None where it can): a weight is a finite number ≥ 0 (0: the
+    term switched off on purpose, as a warm-up starts, whose tokens the audit then does not judge)."""
+    if isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight) and weight >= 0:
         return None
     return (
-        f"tokaudit: loss_term({name!r}, weight={weight!r}): a weight is a positive number; this one is left out, "
+        f"tokaudit: loss_term({name!r}, weight={weight!r}): a weight is a finite number ≥ 0; this one is left out, "
         "and the term is judged as a token mean"
     )
 

@@ -207,7 +207,11 @@ CASES: dict[str, tuple[Any, str]] = {
     # an infinite λ or D weighs every token 0: no weight a log can declare
     "lambda_inf_one.parquet": (
         _one_row("lambda_inf_one.parquet", term_weight=float("inf")),
-        "column 'term_weight' is not a finite positive number (inf) at row 0",
+        "column 'term_weight' is not a finite number ≥ 0 (inf) at row 0",
+    ),
+    "lambda_negative_one.parquet": (
+        _one_row("lambda_negative_one.parquet", term_weight=-0.5),
+        "column 'term_weight' is not a finite number ≥ 0 (-0.5) at row 0",
     ),
     # T < n where the file's T and n overlap: no footer shows it, the aggregation counts it and names the file
     "short_positions.parquet": (_short_positions, "column 'positions' is below 'valid_tokens' ("),

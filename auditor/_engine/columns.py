@@ -123,9 +123,9 @@ TERMS = (
          "valid_tokens = 0 AND NOT (coalesce(isfinite(backward_scalar), true) "
          "AND coalesce(isfinite(token_weight_sum), true))"),
     Term("probe_low", "the probe's lightest token weight after the reduction",
-         "token_weight_min * grad_scale / grad_divisor / term_weight"),
+         "token_weight_min * grad_scale / grad_divisor / nullif(term_weight, 0)"),
     Term("probe_high", "the probe's heaviest token weight after the reduction",
-         "token_weight_max * grad_scale / grad_divisor / term_weight"),
+         "token_weight_max * grad_scale / grad_divisor / nullif(term_weight, 0)"),
     # how far apart one record's token weights are, (max − min) / |max|: only values, no tolerance (the checks
     # judge them; +inf where the denominator is 0: any spread then counts)
     Term("probe_spread", "how far apart the record's token weights are",
@@ -207,8 +207,8 @@ STEP_COLUMNS = (
     StepColumn("token_weight_high", "the heaviest token weight", S, "max(coalesce(probe_high, w) + 0 * w)",
                reads=_PROBE, absent="weight_high"),
     StepColumn("weighted_records", "records with a weight e", S, "count(w)", I),
-    StepColumn("unweighted_records", "valid, finite records without one (S = 0 and no probe)", S,
-               "count_if(valid_tokens > 0 AND w IS NULL AND NOT nonfinite_valid)", I),
+    StepColumn("unweighted_records", "valid, finite records without one (S = 0 and no probe), of a λ other than 0", S,
+               "count_if(valid_tokens > 0 AND w IS NULL AND NOT nonfinite_valid AND term_weight <> 0)", I),
     StepColumn("unknown_divisor", "valid records whose D the recorder could not know", S,
                "count_if(valid_tokens > 0 AND NOT divisor_known)", I, reads=("divisor_known",), absent="0"),
     StepColumn("objective", "Σe·S, the loss the update optimized", S, "coalesce(fsum(w * loss_sum), 0)"),

@@ -354,8 +354,8 @@ SELECT grp, term, rank, micro, world_size, valid_tokens, loss_sum, backward_scal
        grad_scale, term_weight, eff * grad_divisor / grad_scale * term_weight AS implied_weight,
        CASE WHEN divisor_known THEN eff END AS eff,
        CASE WHEN divisor_known THEN eff * sum(valid_tokens) OVER (PARTITION BY grp, term) END AS q,
-       CASE WHEN divisor_known THEN token_weight_min * grad_scale / grad_divisor / term_weight END AS eff_min,
-       CASE WHEN divisor_known THEN token_weight_max * grad_scale / grad_divisor / term_weight END AS eff_max,
+       CASE WHEN divisor_known THEN token_weight_min * grad_scale / grad_divisor / nullif(term_weight, 0) END AS eff_min,
+       CASE WHEN divisor_known THEN token_weight_max * grad_scale / grad_divisor / nullif(term_weight, 0) END AS eff_max,
        sync, reported_loss
 FROM records WHERE run = ? AND step = ? ORDER BY grp, term, rank, micro
 """

@@ -1228,6 +1228,40 @@ def test_a_run_killed_inside_its_last_update_after_a_flush_leaves_that_update_ou
     assert "missing_sync" in codes(audit_rows(tmp_path / "middle", rows))
 
 
+def test_a_term_declared_off_by_a_weight_of_zero_is_not_judged_and_one_that_weighs_its_tokens_is(
+    tmp_path: Path,
+) -> None:
+    """λ = 0 (a warm-up that starts the aux term off) weighs its tokens 0 whatever the normalization: those records
+    carry no weight to judge, and the term's later steps of λ > 0 are judged against λ/N. A record that says λ = 0 but
+    weighs its tokens was not off: judged as a token mean (λ = 1). The main term is judged as ever."""
+    main = records(UNEVEN_GA, token_mean)
+
+    def warmed(scalar: Any) -> list[dict[str, Any]]:  # λ = 0, 0, then 0.5
+        rows = records(UNEVEN_GA, scalar, term="aux")
+        return [
+            dict(r, term_weight=0.0, backward_scalar=0.0)
+            if r["step"] < 2
+            else dict(r, term_weight=0.5, backward_scalar=0.5 * r["backward_scalar"])
+            for r in rows
+        ]
+
+    off = records(UNEVEN_GA, lambda **_: 0.0, term="aux", term_weight=0.0)
+    verdicts = {
+        "warm_up": (main + warmed(token_mean), "correct", set()),
+        "warm_up_local_mean": (main + warmed(local_mean), "incorrect", {("local_mean", "aux")}),
+        "off_main_local_mean": (records(UNEVEN_GA, local_mean) + off, "incorrect", {("local_mean", "0")}),
+        "said_off_weighs_local": (
+            main + records(UNEVEN_GA, local_mean, term="aux", term_weight=0.0),
+            "incorrect",
+            {("local_mean", "aux")},
+        ),
+    }
+    for name, (rows, verdict, found) in verdicts.items():
+        report = audit_rows(tmp_path / name, rows)
+        assert report.problems == [] and report.verdicts == {"run": verdict}, name
+        assert {(f.code.value, f.term) for f in report.findings} == found, name
+
+
 def test_a_run_whose_divisor_nobody_saw_states_no_q_nor_d_in_its_summary(tmp_path: Path) -> None:
     """D unseen (divisor_known false): q = e·N depends on it, and the finding gives q under each reading; the
     summary's weight_range, read as the run's q, is null rather than the average's reading (1 for W·S/N into a

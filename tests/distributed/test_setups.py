@@ -215,6 +215,17 @@ def test_an_auxiliary_head_weighed_on_purpose_is_judged_against_its_declared_wei
     assert "λ = 0.5" in finding.message and "weight=0.5" in finding.fix
 
 
+def test_an_auxiliary_head_switched_off_by_a_declared_weight_of_zero_is_not_judged(tmp_path: Path) -> None:
+    """λ = 0 declared (a warm-up's first steps): the head weighs its tokens 0, which the float64 reference of
+    ΣS/N + 0·ΣS_aux/N_aux says is right. Its records carry λ = 0 and no weight to judge: correct, no finding (the
+    recorder refused the 0 and the head read "0/N instead of 1/N", scale_mismatch: incorrect)."""
+    setup = Setup(name="aux_off", counts=_UNEVEN, heads=2, aux_weight=0.0, correct=True)
+    _check_against_reference(setup, [r["history"] for r in run_ddp(job, setup.world_size, setup, str(tmp_path))])
+    report = audit([tmp_path / setup.name])
+    assert report.findings == [] and report.runs[0].verdict == "correct" and report.runs[0].terms == ["0", "head1"]
+    assert {row["term_weight"] for row in read_rows(tmp_path / setup.name)} == {None, 0.0}
+
+
 def test_without_the_optimizer_or_begin_step_the_updates_are_the_backwards_that_synchronize(tmp_path: Path) -> None:
     """The token mean over 2 microbatches under no_sync() on 2 ranks, the recorder given the DDP model but neither
     the optimizer nor begin_step: each update ends at the backward that all-reduces, so the log holds the loop's
