@@ -15,6 +15,7 @@ import select
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath, PurePosixPath
@@ -106,6 +107,8 @@ class Loading:
     """Each worker started and its share of `files`, in order; none: this process validates them all."""
     notes: list[str] = field(default_factory=list)
     """Links out of the folders given, each with what it is read from (`discover`)."""
+    since: int = field(default_factory=time.time_ns)
+    """When the files were found (ns): one modified after it changed while the audit read it (`opening.changed`)."""
 
     @property
     def workers(self) -> list[subprocess.Popen[bytes]]:

@@ -4,6 +4,7 @@ decoded or whose values no audit can use named and left out."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 
 import duckdb
@@ -83,6 +84,7 @@ def open_log_parts(
     which the caller closes). `loaded`: the logs' footers already validated (`load(paths, thorough=False)`),
     which are then not validated again. `cluster`: the footers and the step ranges are read and aggregated on its
     workers (`tokaudit._cluster`)."""
+    since = started.since if started is not None else time.time_ns()
     logset = loaded if loaded is not None else load_logs(paths, started, threads, cluster)
     shards = list(logset.shards)
     if only_steps is not None:
@@ -97,7 +99,14 @@ def open_log_parts(
         progress(f"reading {len(shards)} file(s), {rows:,} rows")
     while shards:
         done = _aggregated(
-            shards, only_steps, threads, evidence and rows <= EVIDENCE_ROWS, cluster, progress if large else None, spill
+            shards,
+            only_steps,
+            threads,
+            evidence and rows <= EVIDENCE_ROWS,
+            cluster,
+            progress if large else None,
+            spill,
+            since,
         )
         if isinstance(done, dict):  # files to leave out, named in the problems: the others are aggregated again
             problems.extend(done.values())
@@ -130,9 +139,11 @@ def _aggregated(
     cluster: Cluster | None,
     progress: Progress | None,
     spill: bool,
+    since: int,
 ) -> tuple[Engine, pd.DataFrame | Spilled] | dict[object, LogFormatError]:
     """One aggregation of these shards: the engine and its step table, or the files to leave out before the next
-    try (values no audit can use, or a file DuckDB cannot decode), each with its problem."""
+    try (values no audit can use, a file DuckDB cannot decode, or one changed since the audit found it at `since`),
+    each with its problem."""
     try:
         engine = Engine.open(
             shards,
@@ -157,7 +168,7 @@ def _aggregated(
     except duckdb.InterruptException:
         raise KeyboardInterrupt from None  # Ctrl-C inside a query: the user's, never a shard's fault
     except duckdb.Error as error:
-        broken = _undecodable(shards)
+        broken = _undecodable(shards) or changed(shards, since)
         if not broken and isinstance(error, duckdb.OutOfMemoryException):
             # every file decodes: the limit is too small for this log, which is no file's fault
             raise UsageError(
@@ -169,6 +180,23 @@ def _aggregated(
                 ", ".join(s.name for s in shards[:3]), f"cannot be aggregated ({first_line(error, 200)})"
             ) from None
         return broken
+
+
+def changed(shards: list[Shard], since: int) -> dict[object, LogFormatError]:
+    """Local shards modified, or gone, since the audit found them (`since`, ns): a file rewritten or replaced while
+    it was read (a compaction, an rsync) may fail the aggregation and read whole again after; the others are not
+    to blame."""
+    found: dict[object, LogFormatError] = {}
+    for shard in shards:
+        try:
+            moved = shard.store is None and os.stat(shard.path).st_mtime_ns >= since
+        except OSError:
+            moved = True
+        if moved:
+            found[shard.path] = LogFormatError(
+                shard.name, "changed while the audit read it (rewritten or replaced): audit it again once it is written"
+            )
+    return found
 
 
 def _unusable(shards: list[Shard]) -> dict[object, LogFormatError]:

@@ -10,6 +10,7 @@ import resource
 import subprocess
 import sys
 import warnings
+from typing import Any
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
@@ -417,3 +418,31 @@ def test_an_empty_path_is_a_problem_not_the_current_folder(
     assert code == 2 and "--output: an empty path" in err
     result = CliRunner().invoke(main, ["sync", ""])
     assert result.exit_code == 2 and "FOLDER: an empty path" in result.stderr
+
+
+def test_a_file_replaced_while_it_is_read_is_named_alone_and_the_other_runs_are_audited(
+    good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compaction or an rsync replaces a file while DuckDB reads it: the read fails, and the file reads whole again
+    after. It is named as changed, left out, and the runs beside it are audited (the audit ended in one line that
+    named the range's first three files, the untouched ones among them, and reported no run)."""
+    import duckdb
+
+    from tokaudit import audit
+    from tokaudit._engine import Engine
+
+    replaced = write(tmp_path / "logs" / "compacted" / "all.parquet", records(UNEVEN, token_mean))
+    aggregate = Engine.step_parts
+    raced: list[bool] = []
+
+    def racing(engine: Engine, *args: Any, **kwargs: Any) -> Any:
+        if not raced:  # the first aggregation: the file replaced by its copy as DuckDB reads it
+            raced.append(True)
+            os.utime(replaced)
+            raise duckdb.IOException("Prefetch registered for bytes outside file")
+        return aggregate(engine, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "step_parts", racing)
+    report = audit(tmp_path / "logs")
+    said = "changed while the audit read it (rewritten or replaced): audit it again once it is written"
+    assert report.problems == [f"{replaced}: {said}"] and report.verdicts == {"good": "correct"}
