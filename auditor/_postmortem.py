@@ -316,8 +316,14 @@ def curve_parts(
             )
         if engine is None:
             raise _nothing_readable(logset)
+        held = table_runs(table)
+        if steps is not None and run is not None and run not in held:  # (it may hold steps outside the window)
+            raise UsageError(
+                f"no step from {steps[0]} to {steps[1]} of a run named {run!r} (runs with steps there: "
+                f"{_names(sorted(str(r) for r in held))})"
+            )
         try:
-            chosen = _pick_run(table_runs(table), run)
+            chosen = _pick_run(held, run)
         except UsageError as error:
             if steps is None:
                 raise

@@ -321,6 +321,16 @@ def test_curve_window_that_cannot_be_read_is_one_line(logs: Path, window: str, w
     assert code == 2 and len(lines) == 1 and words in lines[0], err
 
 
+def test_a_curve_window_a_run_holds_no_step_of_says_so_not_that_there_is_no_such_run(tmp_path: Path) -> None:
+    """--run R --steps A:B where R's steps lie outside the window (another run's inside): it said "no run named R"."""
+    write_by_rank(tmp_path / "short", records(UNEVEN, token_mean))
+    write_by_rank(tmp_path / "long", records(UNEVEN * 3, token_mean))
+    code, _, err = invoke("curve", str(tmp_path), "--run", "short", "--steps", "5:8")
+    assert code == 2 and err.strip() == (
+        "tokaudit: error: no step from 5 to 8 of a run named 'short' (runs with steps there: long)"
+    )
+
+
 def test_a_curve_window_of_negative_steps_reads_a_log_of_negative_steps(tmp_path: Path) -> None:
     """A log's steps are int64s: one that counts from −3 is drawn in a window of them (it was refused: the first
     step must be at least 0), and an open start takes them in."""
