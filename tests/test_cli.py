@@ -331,6 +331,12 @@ def test_a_curve_window_a_run_holds_no_step_of_says_so_not_that_there_is_no_such
     )
 
 
+def test_a_curve_csv_that_does_not_fit_names_its_file(logs: Path) -> None:
+    """The last of a CSV is written as it is closed: a full disk there said "output", not the file."""
+    code, _, err = invoke("curve", str(logs / "good"), "--csv", "/dev/full")
+    assert code == 2 and err.strip() == "tokaudit: error: /dev/full: cannot write the CSV (No space left on device)"
+
+
 def test_a_curve_window_of_negative_steps_reads_a_log_of_negative_steps(tmp_path: Path) -> None:
     """A log's steps are int64s: one that counts from −3 is drawn in a window of them (it was refused: the first
     step must be at least 0), and an open start takes them in."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,11 +60,14 @@ def curve_views(
             chart.extent(part.step.to_numpy(dtype=np.float64), [_values(part, key) for key in keys])
         if out is not None and steps == 0:
             pd.DataFrame({key: [] for key in (*CURVE_KEYS, *keys[len(CURVE_LABELS) :])}).to_csv(out, index=False)
+        if out is not None:
+            out.close()  # the last of the CSV is written here: a full disk says so here
     except OSError as error:
         raise UsageError(f"{csv_path}: cannot write the CSV ({error.strerror or error})") from None
     finally:
         if out is not None:
-            out.close()
+            with contextlib.suppress(OSError):  # (closed already, or failing: said above)
+                out.close()
     drawn = [key for key in keys if key in present]
     chart.names = [label for key, label in labels if key in present]
     stride = max(1, steps // TABLE_STEPS) if steps > TABLE_STEPS else 1
