@@ -7,10 +7,12 @@ and runs the checks. The workers read the log themselves: object storage, or a f
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import socket
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -52,7 +54,7 @@ class Cluster:
         # Ray's own C++ warnings (each failed retry of a connection, a line a second) are not the audit's output
         os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _quiet_stderr():
                 warnings.simplefilter("ignore")  # a Ray client's warning of the timeout its error then says again
                 ray.init(
                     address=address,
@@ -280,3 +282,20 @@ def unreadable(paths: Sequence[str]) -> str:
         if not os.access(path, os.R_OK):
             return path
     return ""
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Standard error, the file descriptor, to nowhere while Ray starts in this process: what its C++ core and its
+    Python say of themselves there (the log level it read, the cluster's token authentication) is not the audit's
+    output, and a failure to connect is the exception `connect` says in one line."""
+    sys.stderr.flush()
+    kept = os.dup(2)
+    nowhere = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(nowhere, 2)
+        yield
+    finally:
+        os.dup2(kept, 2)
+        os.close(kept)
+        os.close(nowhere)

@@ -133,6 +133,14 @@ def test_the_command_line_takes_the_cluster_from_ray_address(cluster: str) -> No
     assert here.exit_code == alone.exit_code == 1 and here.stdout == alone.stdout
 
 
+def test_quiet_on_the_cluster_says_nothing_on_stderr(cluster: str) -> None:
+    """-q: Ray's C++ core and its Python said of themselves on the process's stderr as it joined (the log level it
+    read from the environment, a cluster's token authentication)."""
+    command = [sys.executable, "-m", "tokaudit", "check", str(ROOT / "sample_logs"), "-q", "--format", "json"]
+    done = subprocess.run([*command, "--ray", cluster], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and done.stderr == ""
+
+
 def test_a_worker_that_dies_is_replaced_and_one_that_always_dies_ends_the_audit_in_one_line(
     cluster: str, tmp_path: Path
 ) -> None:
