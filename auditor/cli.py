@@ -14,7 +14,6 @@ from rich.console import Console
 
 from tokaudit import __version__
 from tokaudit.codes import DEFAULT_RTOL
-from tokaudit._settings import code_named
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
 from tokaudit._outputs import (
     EXIT_BAD_INPUT,
@@ -34,7 +33,7 @@ from tokaudit._outputs import (
 from tokaudit._outputs import run as outputs_run
 from tokaudit._render.text import printable
 from tokaudit._cli_exits import Guarded, exit_for_problems, fails
-from tokaudit._settings import FAIL_ON_RANK, ray_address_problem
+from tokaudit._settings import FAIL_ON_RANK, code_named, ray_address_problem
 from tokaudit._cli_inputs import begin_loading, local_file, output_option, refuse_inputs, step_window
 from tokaudit._cli_progress import reading_progress
 
@@ -177,10 +176,10 @@ def _ray_address(value: str | None) -> str | None:
     default=None,
     metavar="ADDRESS",
     callback=lambda _ctx, _param, value: _ray_address(value),
-    help="Read the footers and aggregate the step ranges on a Ray cluster's workers (Ray on "
-    "this machine and every node: the `ray` extra): at ADDRESS, else RAY_ADDRESS, else `auto` (one running here). The workers read "
-    "the log themselves: object storage or a folder they all see.",
+    help="Read the footers and aggregate the step ranges on a Ray cluster's workers (Ray on this machine and every "
+    "node): at ADDRESS, else RAY_ADDRESS, else `auto`. The workers read the log: object storage or a shared folder.",
 )
+@click.option("--no-ray", is_flag=True, help="Audit in this process, whatever [tool.tokaudit] ray says.")
 def check(
     paths: tuple[str, ...],
     fmt: str,
@@ -193,6 +192,7 @@ def check(
     live: bool,
     quiet: bool,
     ray: str | None,
+    no_ray: bool,
 ) -> None:
     """Recover the normalization every run used and diagnose it.
 
@@ -203,7 +203,7 @@ def check(
         raise error
     refuse_inputs(output, paths)
     fmt = format_for(fmt, output)
-    address = None if ray is None else ray or os.environ.get("RAY_ADDRESS") or "auto"
+    address = None if ray is None or no_ray else ray or os.environ.get("RAY_ADDRESS") or "auto"
     with reading_progress(quiet) as progress:
         with begin_loading(paths, workers=1 if address else None) as started:
             from tokaudit._auditing import audit_started

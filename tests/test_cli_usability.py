@@ -7,6 +7,7 @@ import html
 import importlib.metadata
 import io
 import json
+import socket
 import os
 import re
 import subprocess
@@ -426,6 +427,22 @@ def test_check_ends_with_one_line_of_runs_by_verdict_and_says_nothing_when_nothi
     code, out, err = invoke("check", str(tmp_path / "other.parquet"))
     assert (code, out) == (2, "")
     assert "not a tokaudit log (no column 'step', 'micro', 'rank', 'world_size'" in err
+
+
+def test_no_ray_audits_in_this_process_whatever_the_settings_say(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ray = ADDRESS in [tool.tokaudit]: --no-ray wins, as every option on the command line does (none did)."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (tmp_path / "pyproject.toml").write_text(f'[tool.tokaudit]\nray = "127.0.0.1:{port}"\n')
+    monkeypatch.chdir(tmp_path)
+    log = str(SAMPLE_LOGS / "bug_local_mean")
+    code, _, err = invoke("check", log, "-q")
+    assert code == 2 and "cannot reach the Ray cluster" in err
+    code, out, err = invoke("check", log, "-q", "--format", "json", "--no-ray")
+    assert (code, err) == (1, "") and json.loads(out)["runs"][0]["verdict"] == "incorrect"
 
 
 def test_settings_in_pyproject_apply_from_below_and_the_command_line_wins(
