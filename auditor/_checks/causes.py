@@ -90,9 +90,17 @@ def world_size_cause(explanation: FactorExplanation, q: float, w: int, divisor: 
         return cause if microbatches != w or microbatches < 2 else f"{cause}; or, as M = W here, {again}"
     if explanation.label == "1/k" and k == microbatches:
         return f"the gradient is {k}× too small: {again}, or N counted {k}× the tokens"
+    # q = M: a per-microbatch mean (S/n, every n the same here, so the weights are uniform) summed over M
+    # microbatches without the 1/M: M× the token mean whatever W is
+    summed = (
+        f"; or each microbatch's own mean (its count n, the same in every microbatch here) summed over the "
+        f"M={microbatches} microbatches without dividing by M"
+        if microbatches >= 2 and close(q, microbatches, context.rtol)
+        else ""
+    )
     if explanation.label == "W":
         if divisor == 1:
-            return f"W·S/N (W={w}) went into a summing reduction (D=1), which needs S/N"
+            return f"W·S/N (W={w}) went into a summing reduction (D=1), which needs S/N{summed}"
     if explanation.label == "W'/W":
         return (
             f"the code still scales by W={k} while the averaging group now has W={w}: a stale W kept "
@@ -106,5 +114,5 @@ def world_size_cause(explanation: FactorExplanation, q: float, w: int, divisor: 
     used = q * w
     return (
         f"the code scaled by {used:.4g} where the averaging group has W={w}: a hard-coded W, a stale "
-        "constant, the global world size used on a data-parallel subgroup (DP×TP), or W applied twice"
+        f"constant, the global world size used on a data-parallel subgroup (DP×TP), or W applied twice{summed}"
     )

@@ -1262,6 +1262,17 @@ def test_a_term_declared_off_by_a_weight_of_zero_is_not_judged_and_one_that_weig
         assert {(f.code.value, f.term) for f in report.findings} == found, name
 
 
+def test_twice_the_token_mean_where_m_is_w_names_a_per_microbatch_mean_not_divided_by_m(tmp_path: Path) -> None:
+    """Each microbatch's own mean S/n, 2 microbatches of one count on 2 ranks: uniform weights at 2/N, which a W
+    applied twice gives too. The cause named the W alone ("the code scaled by 4"), where the loop never scaled."""
+    rows = records([[[3, 3], [3, 3]], [[5, 5], [5, 5]], [[2, 2], [2, 2]]], lambda S, n, **_: S / n)
+    finding = only(audit_rows(tmp_path, rows), Code.WORLD_SIZE_MISMATCH)
+    assert finding.message.endswith(
+        "or each microbatch's own mean (its count n, the same in every microbatch here) summed over the M=2 "
+        "microbatches without dividing by M."
+    )
+
+
 def test_a_run_whose_divisor_nobody_saw_states_no_q_nor_d_in_its_summary(tmp_path: Path) -> None:
     """D unseen (divisor_known false): q = e·N depends on it, and the finding gives q under each reading; the
     summary's weight_range, read as the run's q, is null rather than the average's reading (1 for W·S/N into a
