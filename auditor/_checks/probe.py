@@ -100,6 +100,11 @@ def per_sequence_first(findings: list[Finding]) -> list[Finding]:
 def _spread_text(spread: float) -> str:
     if not np.isfinite(spread):
         return "in one record the heaviest token's weight is 0 and another's below it"
+    if spread > 1:  # (max − min)/|max| > 1: the lightest below 0, where "a % below" reads as nothing
+        return (
+            f"in one record token weights differ by {spread:.3g}× the heaviest's magnitude and some are below 0, as "
+            "where a loss pushes some tokens' likelihood down, a preference loss's rejected tokens"
+        )
     return f"in one record the lightest token's weight is {spread:.0%} below the heaviest's"
 
 

@@ -1273,6 +1273,22 @@ def test_twice_the_token_mean_where_m_is_w_names_a_per_microbatch_mean_not_divid
     )
 
 
+def test_token_weights_below_0_are_said_so_not_a_percentage_below_the_heaviest(tmp_path: Path) -> None:
+    """A preference loss's rejected tokens weigh below 0: "the lightest token's weight is 133% below the heaviest's"
+    said nothing a reader could use."""
+    rows = records(UNEVEN_GA, token_mean)
+    for row in rows:  # a token pushed down (−c), another up to keep Σ = n·c
+        c, n = row["backward_scalar"] / row["loss_sum"], row["valid_tokens"]
+        row.update(
+            token_weight_sum=c * n, token_weight_min=-c if n > 1 else c, token_weight_max=c * (n + 1) if n > 1 else c
+        )
+    finding = only(audit_rows(tmp_path, rows), Code.NONUNIFORM_IN_MICROBATCH)
+    assert (
+        "in one record token weights differ by 1.33× the heaviest's magnitude and some are below 0" in finding.message
+    )
+    assert "% below" not in finding.message
+
+
 def test_a_run_whose_divisor_nobody_saw_states_no_q_nor_d_in_its_summary(tmp_path: Path) -> None:
     """D unseen (divisor_known false): q = e·N depends on it, and the finding gives q under each reading; the
     summary's weight_range, read as the run's q, is null rather than the average's reading (1 for W·S/N into a
