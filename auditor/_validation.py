@@ -73,13 +73,11 @@ def check_values(
     for column, highest, _ in _UPPER_BOUNDS:
         if column in present and _beyond(stats[column][1], highest, unsure, above=True):
             need.add(column)
-    # D positive, λ at least 0 (0: the term switched off on purpose, a warm-up), each finite (an infinite one weighs
-    # nothing)
+    # D positive, λ at least 0 (0: a term switched off on purpose, a warm-up), each finite (an infinite one weighs none)
     for column, zero in (("grad_divisor", True), ("term_weight", False)):
-        if column not in present:
-            continue
-        if _beyond(stats[column][0], 0, unsure, inclusive=zero) or _beyond(
-            stats[column][1], math.inf, unsure, True, True
+        low, high = stats.get(column, (0, 0, 0))[:2]
+        if column in present and (
+            _beyond(low, 0, unsure, inclusive=zero) or _beyond(high, math.inf, unsure, True, True)
         ):
             need.add(column)
     if thorough and "positions" in present:

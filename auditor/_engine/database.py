@@ -24,7 +24,7 @@ from tokaudit._engine.ranges import CHUNK_ROWS, RangesMap, RangeTask, range_rows
 from tokaudit._engine.columns import UNUSABLE_RECORD
 from tokaudit._engine.sql import COMPLETE_THROUGH_SQL, DUPLICATES_SQL, RANK_WEIGHTS_SQL, RECORDS_AT_SQL, RUN_SCANS
 from tokaudit._engine.sql import absent_values, aliases, given, parquet_scan
-from tokaudit._engine.sql import constants, file_order_table, footer_table, one_name_of
+from tokaudit._engine.sql import constants, file_order_table, footer_table, one_name_of, records_view
 from tokaudit._engine.sql import one_record_form, select_records, sql_string, step_sql, valueless_columns
 from tokaudit._engine.stream import Undecodable, Unsorted, row_groups, streamable, windowed
 from tokaudit._engine.tables import FILES_NAMED, SPILL_STEPS, Duplicates, Spilled, add_duplicates, finished
@@ -266,22 +266,7 @@ class Engine:
             if deduplicate
             else ""
         )
-        # c: implied weight per valid token before reduction = probe Σ∂b/∂ℓ / n, else b/S. e = c·g/(D·λ): effective
-        # weight after the reduction, relative to the term's declared weight λ (1 unless declared). Correct iff e·N = 1.
-        # λ = 0, a term switched off on purpose (a warm-up), weighs its tokens 0 whatever the normalization: no e where
-        # c = 0; where c ≠ 0 the term was not off, and its weight is judged as a token mean's (λ = 1).
-        self.connection.execute(f"""
-            CREATE OR REPLACE TEMP VIEW records AS
-            SELECT * EXCLUDE (c),
-                c * grad_scale / grad_divisor / CASE WHEN term_weight <> 0 THEN term_weight WHEN c <> 0 THEN 1 END AS eff
-            FROM (
-                SELECT *,
-                    CASE WHEN valid_tokens > 0 THEN
-                        CASE WHEN token_weight_sum IS NOT NULL THEN token_weight_sum / valid_tokens
-                             WHEN loss_sum <> 0 THEN backward_scalar / loss_sum END
-                    END AS c
-                FROM raw_records {dedup})
-        """)
+        self.connection.execute(records_view(dedup))
 
     def _find_duplicates(self) -> dict[str, Duplicates]:
         found = {}

@@ -299,6 +299,26 @@ def select_records(default_run: str | None, present: set[str], scan: str, where:
         {where}"""
 
 
+def records_view(dedup: str) -> str:
+    """The view `records`: `raw_records` (each key once, by `dedup`'s clause) with each record's e.
+
+    c: implied weight per valid token before reduction = probe Σ∂b/∂ℓ / n, else b/S. e = c·g/(D·λ): effective
+    weight after the reduction, relative to the term's declared weight λ (1 unless declared). Correct iff e·N = 1.
+    λ = 0, a term switched off on purpose (a warm-up), weighs its tokens 0 whatever the normalization: no e where
+    c = 0; where c ≠ 0 the term was not off, and its weight is judged as a token mean's (λ = 1)."""
+    return f"""
+        CREATE OR REPLACE TEMP VIEW records AS
+        SELECT * EXCLUDE (c),
+            c * grad_scale / grad_divisor / CASE WHEN term_weight <> 0 THEN term_weight WHEN c <> 0 THEN 1 END AS eff
+        FROM (
+            SELECT *,
+                CASE WHEN valid_tokens > 0 THEN
+                    CASE WHEN token_weight_sum IS NOT NULL THEN token_weight_sum / valid_tokens
+                         WHEN loss_sum <> 0 THEN backward_scalar / loss_sum END
+                END AS c
+            FROM raw_records {dedup})"""
+
+
 RUN_SCANS = 16
 """The most scans of one default run each (`Engine._source`) a query unions: each holds buffers of its own in the
 records' materialized CTE, so memory would grow with the runs of a folder, not its records; past it a scan reads
