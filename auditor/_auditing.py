@@ -299,11 +299,9 @@ class _RunJudge:
         rtol = judged_rtol(self.judging.rtol, bits)
         # the update the run stopped inside (its recorder said so) is left out, unless it is all there is
         stopped, ended = self.setups.get(run, Provenance()).unfinished, None
-        unsynced = stopped is None
-        if (
-            stopped is None and self.unsynced
-        ):  # or as its records show it: no rank's last microbatch of its last update synchronized
-            stopped = unsynced_end(selected_runs(parts, [run]))
+        # or as its records show it: its last update cut short, unsynchronized, and never said applied
+        cut = unsynced_end(selected_runs(parts, [run])) if stopped is None and self.unsynced else None
+        stopped = cut.step if cut is not None else stopped
         if self.ends is not None:  # the groups the footers leave unsettled: from the records
             from_records = recorded_end(run, lambda: selected_runs(parts, [run]), self.ends)
             ended = both_ends(self.ends.found.get(run), from_records)
@@ -313,7 +311,7 @@ class _RunJudge:
         )
         if whole is not None and stopped is not None:
             # the run stopped inside its only update: part of its microbatches, never stepped, is nothing to judge
-            said = [unfinished_finding(run, stopped, unsynced)]
+            said = [unfinished_finding(run, stopped, cut)]
             said = with_unread_files(run, said, self.unread[run], whole) if run in self.unread else said
             return said, _unjudged_summary(run, bits, rtol)
         if source is None and ended is not None:
@@ -332,7 +330,7 @@ class _RunJudge:
         if miscounted:
             run_findings.append(miscounted.finding(run))
         if stopped is not None:
-            run_findings.append(unfinished_finding(run, stopped, unsynced))
+            run_findings.append(unfinished_finding(run, stopped, cut))
         if ended is not None:
             run_findings.append(ended.finding(run))
         run_findings = self._cannot_tell(run, run_findings, source, bits)

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit._ends import spans_cover
+from tokaudit._ends import UnsyncedEnd, spans_cover
 from tokaudit._checks import PARTIAL_UPDATE_FACTORS, RunSteps, cannot_tell, distinct, pooled_sums, run_finding
 from tokaudit._checks import weight_ratio, world_sizes
 from tokaudit.codes import CODE_DOCS, DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, WEIGHTING, Code, Severity
@@ -167,26 +167,37 @@ def _redone(
     return redone
 
 
-def unfinished_finding(run: str, step: int, unsynced: bool = False) -> Finding:
-    """unfinished_update: the update a recorder closed inside, never stepped, left out of the checks. `unsynced`: no
-    recorder said so; no rank's last microbatch of the run's last update synchronized (`ends.unsynced_end`)."""
+def unfinished_finding(run: str, step: int, cut: UnsyncedEnd | None = None) -> Finding:
+    """unfinished_update: the update a recorder closed inside, never stepped, left out of the checks. `cut`: no
+    recorder said so; the run's last update is cut short and unsynchronized (`ends.unsynced_end`), which logs that
+    say nothing of applying updates cannot tell from a short last update stepped unsynchronized: a warning."""
     seen = (
         "it holds fewer microbatches than every update before it, and no rank's last of them synchronized "
         "gradients, as those of every update before it did: "
-        if unsynced
+        if cut is not None
+        else ""
+    )
+    untold = cut is not None and not cut.told
+    cannot = (
+        " These logs do not say which updates were applied (`skipped`), so they cannot tell this from a short last "
+        "update stepped without synchronizing, a bug."
+        if untold
         else ""
     )
     return Finding(
         run=run,
         code=Code.UNFINISHED_UPDATE,
-        severity=DEFAULT_SEVERITY[Code.UNFINISHED_UPDATE],
+        severity=Severity.WARNING if untold else DEFAULT_SEVERITY[Code.UNFINISHED_UPDATE],
         steps=StepRange(step, step, 1),
         message=f"The run stopped inside update {step}: {seen}its records never reached an optimizer step (a job "
         "stopped or preempted, an error, or a loader that ended inside the update), so it holds part of its "
-        "microbatches at most and is not judged; the updates before it are.",
-        fix="nothing where the run was stopped; where a loader ends inside an update, let the trainer step the short "
+        f"microbatches at most and is not judged; the updates before it are.{cannot}",
+        fix="record with Recorder(..., optimizer=...), which says which updates were applied"
+        if untold
+        else "nothing where the run was stopped; where a loader ends inside an update, let the trainer step the short "
         "last update or draw whole updates only",
         evidence={"step": step},
+        undecidable=True if untold else None,
     )
 
 

@@ -1209,23 +1209,33 @@ def test_a_run_whose_last_update_alone_never_synced_says_it_may_have_ended_insid
 @pytest.mark.parametrize("scalar", [token_mean, local_mean])
 def test_a_run_killed_inside_its_last_update_after_a_flush_leaves_that_update_out(tmp_path: Path, scalar: Any) -> None:
     """A flush inside an update, then SIGKILL (which leaves no note that the run stopped): the last update holds its
-    first microbatch alone on every rank, unsynchronized, and no optimizer step took it. Its weights (half an
-    update's tokens, whatever its loss) are no claim about the run; it is left out and said (it read missing_sync
-    and scale_mismatch: incorrect). Cut to one microbatch on one rank only, or unsynced mid-run, it is judged."""
-    rows = records(UNEVEN_GA, token_mean) + [
-        row for row in records([[[4, 3], [1, 6]]], scalar, step_offset=3) if row["micro"] == 0
-    ]
+    first microbatch alone on every rank, unsynchronized, and the recorder, which said of every update before it
+    that it was applied, said nothing of it. Its weights (half an update's tokens, whatever its loss) are no claim
+    about the run; it is left out and said (it read missing_sync and scale_mismatch: incorrect), whatever a term
+    recorded on the first microbatch alone shows; in logs that never say what was applied, left out with a warning
+    that they cannot tell (inconclusive). Said applied, cut on one rank only, or unsynced mid-run, it is judged: a
+    short last update stepped unsynchronized is a real bug."""
+    killed = [row for row in records([[[4, 3], [1, 6]]], scalar, step_offset=3) if row["micro"] == 0]
+    rows = [dict(row, skipped=False) for row in records(UNEVEN_GA, token_mean)] + killed
     for row in rows:
         row["sync"] = row["micro"] == 1
-    report = audit_rows(tmp_path / "killed", rows)
+    firsts = [[[ranks[0][0]], [ranks[1][0]]] for ranks in [*UNEVEN_GA, [[4, 3], [1, 6]]]]  # microbatch 0's tokens
+    aux = [dict(row, term="aux", sync=False) for row in records(firsts, token_mean)]
+    for name, judged in (("killed", rows), ("with_aux", rows + aux)):
+        report = audit_rows(tmp_path / name, judged)
+        finding = only(report, Code.UNFINISHED_UPDATE)
+        assert report.verdicts == {"run": "correct"} and codes(report) == {"unfinished_update"}, name
+        assert finding.steps.first == 3 and "fewer microbatches than every update before it" in finding.message
+    # logs that never say what was applied cannot tell it from a short last update stepped unsynchronized
+    report = audit_rows(tmp_path / "untold", [dict(row, skipped=None) for row in rows])
     finding = only(report, Code.UNFINISHED_UPDATE)
-    assert report.verdicts == {"run": "correct"} and codes(report) == {"unfinished_update"}
-    assert finding.steps.first == 3 and "fewer microbatches than every update before it" in finding.message
-    rows.append(dict(rows[-1], micro=1, sync=True))  # rank 1 finished it: rank 0 stepped on its own gradient
-    assert "missing_sync" in codes(audit_rows(tmp_path / "one", rows))
-    for row in rows:
-        row["sync"] = row["micro"] == 1 and row["step"] != 1
-    assert "missing_sync" in codes(audit_rows(tmp_path / "middle", rows))
+    assert report.verdicts == {"run": "inconclusive"} and finding.severity == Severity.WARNING
+    assert "These logs do not say which updates were applied (`skipped`)" in finding.message
+    said = [dict(row, skipped=False) if row["step"] == 3 else row for row in rows]
+    cut = [*rows, dict(rows[-1], micro=1, sync=True)]  # rank 1 finished it: rank 0 stepped on its own gradient
+    middle = [dict(row, sync=row["micro"] == 1 and row["step"] != 1) for row in rows]
+    for name, judged in (("said", said), ("cut", cut), ("middle", middle)):
+        assert "missing_sync" in codes(audit_rows(tmp_path / name, judged)), name
 
 
 def test_a_term_declared_off_by_a_weight_of_zero_is_not_judged_and_one_that_weighs_its_tokens_is(
