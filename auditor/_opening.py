@@ -183,13 +183,14 @@ def _aggregated(
 
 
 def changed(shards: list[Shard], since: int) -> dict[object, LogFormatError]:
-    """Local shards modified, or gone, since the audit found them (`since`, ns): a file rewritten or replaced while
-    it was read (a compaction, an rsync) may fail the aggregation and read whole again after; the others are not
-    to blame."""
+    """Local shards changed, or gone, since the audit found them (`since`, ns): a file rewritten or replaced while it
+    was read (a compaction, an rsync) may fail the aggregation and read whole again after; the others are not to
+    blame. The change time, which this machine's clock sets and no tool can (rsync -a and cp -p set the modification
+    time back to the source's, and a clock ahead sets it in the future)."""
     found: dict[object, LogFormatError] = {}
     for shard in shards:
         try:
-            moved = shard.store is None and os.stat(shard.path).st_mtime_ns >= since
+            moved = shard.store is None and os.stat(shard.path).st_ctime_ns >= since
         except OSError:
             moved = True
         if moved:

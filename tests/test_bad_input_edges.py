@@ -424,8 +424,9 @@ def test_a_file_replaced_while_it_is_read_is_named_alone_and_the_other_runs_are_
     good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A compaction or an rsync replaces a file while DuckDB reads it: the read fails, and the file reads whole again
-    after. It is named as changed, left out, and the runs beside it are audited (the audit ended in one line that
-    named the range's first three files, the untouched ones among them, and reported no run)."""
+    after. It is named as changed (by its change time: rsync -a sets the modification time back), left out, and the
+    runs beside it are audited (the audit ended in one line that named the range's first three files, the untouched
+    ones among them, and reported no run)."""
     import duckdb
 
     from tokaudit import audit
@@ -436,9 +437,12 @@ def test_a_file_replaced_while_it_is_read_is_named_alone_and_the_other_runs_are_
     raced: list[bool] = []
 
     def racing(engine: Engine, *args: Any, **kwargs: Any) -> Any:
-        if not raced:  # the first aggregation: the file replaced by its copy as DuckDB reads it
-            raced.append(True)
-            os.utime(replaced)
+        if not raced:  # the first aggregation: the file replaced as DuckDB reads it, as rsync -a does (by a copy
+            raced.append(True)  # whose modification time is the source's, in the past)
+            copy = replaced.with_suffix(".tmp")
+            copy.write_bytes(replaced.read_bytes())
+            os.utime(copy, ns=(0, 0))
+            os.replace(copy, replaced)
             raise duckdb.IOException("Prefetch registered for bytes outside file")
         return aggregate(engine, *args, **kwargs)
 
