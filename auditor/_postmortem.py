@@ -18,11 +18,20 @@ from tokaudit._engine import Spilled
 from tokaudit._normalization import name_ranks
 from tokaudit._loading import Loading, LogSet
 from tokaudit.errors import LogFormatError, TokauditError, UsageError
+from tokaudit._validation import INT64_MAX
 
 
 def _names(runs: list[str], shown: int = 50) -> str:
     more = f", and {len(runs) - shown} more" if len(runs) > shown else ""
     return ", ".join(runs[:shown]) + more
+
+
+def _window(steps: tuple[int, int]) -> str:
+    """--steps' window as the user gave it: an open end, which stands for the end of int64's range, unsaid."""
+    first, last = steps
+    if last >= INT64_MAX:
+        return "at all" if first < -INT64_MAX else f"from {first} on"
+    return f"up to {last}" if first < -INT64_MAX else f"from {first} to {last}"
 
 
 def _nothing_readable(logset: LogSet) -> TokauditError:
@@ -311,15 +320,13 @@ def curve_parts(
             and table.empty
             and (engine is not None or not logset.problems)
         ):
-            raise UsageError(
-                f"no step from {steps[0]} to {steps[1]} in the logs (without --steps the curve has every step)"
-            )
+            raise UsageError(f"no step {_window(steps)} in the logs (without --steps the curve has every step)")
         if engine is None:
             raise _nothing_readable(logset)
         held = table_runs(table)
         if steps is not None and run is not None and run not in held:  # (it may hold steps outside the window)
             raise UsageError(
-                f"no step from {steps[0]} to {steps[1]} of a run named {run!r} (runs with steps there: "
+                f"no run named {run!r} with a step {_window(steps)} (runs with steps there: "
                 f"{_names(sorted(str(r) for r in held))})"
             )
         try:

@@ -322,12 +322,17 @@ def test_curve_window_that_cannot_be_read_is_one_line(logs: Path, window: str, w
 
 
 def test_a_curve_window_a_run_holds_no_step_of_says_so_not_that_there_is_no_such_run(tmp_path: Path) -> None:
-    """--run R --steps A:B where R's steps lie outside the window (another run's inside): it said "no run named R"."""
+    """--run R --steps A:B where R's steps lie outside the window (another run's inside): it said "no run named R";
+    an open end, as the end of int64's range."""
     write_by_rank(tmp_path / "short", records(UNEVEN, token_mean))
     write_by_rank(tmp_path / "long", records(UNEVEN * 3, token_mean))
     code, _, err = invoke("curve", str(tmp_path), "--run", "short", "--steps", "5:8")
     assert code == 2 and err.strip() == (
-        "tokaudit: error: no step from 5 to 8 of a run named 'short' (runs with steps there: long)"
+        "tokaudit: error: no run named 'short' with a step from 5 to 8 (runs with steps there: long)"
+    )
+    code, _, err = invoke("curve", str(tmp_path), "--run", "shrot", "--steps", "5:")  # an open end is said so
+    assert code == 2 and err.strip() == (
+        "tokaudit: error: no run named 'shrot' with a step from 5 on (runs with steps there: long)"
     )
 
 
