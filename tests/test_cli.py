@@ -176,6 +176,18 @@ def test_weights_shows_a_term_s_declared_weight_and_q_against_it(tmp_path: Path)
     assert code == 0 and "λ" in out and "0.3" in out
 
 
+def test_weights_of_a_term_switched_off_shows_its_c_of_0_and_no_e(tmp_path: Path) -> None:
+    """λ = 0: c = b/S = 0 is measured, e = c·g/(D·λ) has no value (c was shown as unknown, from e)."""
+    main = records(UNEVEN_GA, token_mean)
+    off = [dict(r, term="aux", term_weight=0.0, backward_scalar=0.0) for r in main]
+    write_by_rank(tmp_path / "off", main + off)
+    code, out, _ = invoke("weights", str(tmp_path / "off"), "--step", "0", "--format", "csv")
+    rows = [r for r in csv.DictReader(out.splitlines()) if r["term"] == "aux"]
+    assert (
+        code == 0 and rows and {(r["implied_weight"], r["effective_weight"], r["q"]) for r in rows} == {("0.0", "", "")}
+    )
+
+
 def test_weights_in_a_pipe_at_80_columns_never_splits_a_number(tmp_path: Path) -> None:
     """Too narrow for the table, each record is a block of key=value words that wrap between words only: every
     value reads back whole, the same as the CSV's."""

@@ -300,7 +300,7 @@ def select_records(default_run: str | None, present: set[str], scan: str, where:
 
 
 def records_view(dedup: str) -> str:
-    """The view `records`: `raw_records` (each key once, by `dedup`'s clause) with each record's e.
+    """The view `records`: `raw_records` (each key once, by `dedup`'s clause) with each record's c and e.
 
     c: implied weight per valid token before reduction = probe Σ∂b/∂ℓ / n, else b/S. e = c·g/(D·λ): effective
     weight after the reduction, relative to the term's declared weight λ (1 unless declared). Correct iff e·N = 1.
@@ -308,7 +308,7 @@ def records_view(dedup: str) -> str:
     c = 0; where c ≠ 0 the term was not off, and its weight is judged as a token mean's (λ = 1)."""
     return f"""
         CREATE OR REPLACE TEMP VIEW records AS
-        SELECT * EXCLUDE (c),
+        SELECT *,
             c * grad_scale / grad_divisor / CASE WHEN term_weight <> 0 THEN term_weight WHEN c <> 0 THEN 1 END AS eff
         FROM (
             SELECT *,
@@ -371,7 +371,7 @@ $pooled, the runs whose terms are one token mean); a record whose D the recorder
 RECORDS_AT_SQL = """
 SELECT grp, term, rank, micro, world_size, valid_tokens, loss_sum, backward_scalar,
        CASE WHEN divisor_known THEN grad_divisor END AS grad_divisor,
-       grad_scale, term_weight, eff * grad_divisor / grad_scale * term_weight AS implied_weight,
+       grad_scale, term_weight, c AS implied_weight,
        CASE WHEN divisor_known THEN eff END AS eff,
        CASE WHEN divisor_known THEN eff * sum(valid_tokens) OVER (PARTITION BY grp, term) END AS q,
        CASE WHEN divisor_known THEN token_weight_min * grad_scale / grad_divisor / nullif(term_weight, 0) END AS eff_min,
