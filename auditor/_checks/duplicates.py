@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from tokaudit._checks.base import PARTIAL_UPDATE_FACTORS, cannot_tell
@@ -107,10 +108,19 @@ def _copies_cannot_tell(
     return cannot_tell(said, [Code.DUPLICATE_RECORDS], why, where=where)
 
 
+def _below_their_folder(paths: Sequence[str]) -> list[str]:
+    """Files as named below the folder they all share: their names in one folder; in rank=K/ folders, whose files
+    are named alike (part-0.parquet in each), the folder too."""
+    if len(paths) < 2:
+        return [os.path.basename(path) for path in paths]
+    shared = os.path.commonpath(paths)
+    return [os.path.relpath(path, shared) for path in paths]
+
+
 def duplicates_finding(duplicates: Duplicates, run: str) -> Finding:
     """duplicate_records: the engine kept one of each repeated (group, term, step, micro, rank), the later. Not
     evidence about the gradient (the verdict reads the records kept): the cause and the files are named."""
-    named = duplicates.files[:FILES_NAMED]
+    named = _below_their_folder(duplicates.files[:FILES_NAMED])
     files = ", ".join(named) + (" and more" if len(duplicates.files) > FILES_NAMED else "")
     if duplicates.identical and duplicates.same_time:
         cause = (

@@ -271,9 +271,9 @@ class Engine:
     def _find_duplicates(self) -> dict[str, Duplicates]:
         found = {}
         paths = {self.link_names[id(shard)]: str(shard.path) for shard in self.shards}  # (DuckDB's names: links)
-        for row in self.connection.execute(DUPLICATES_SQL, [FILES_NAMED + 1]).fetchall():  # (one more: there are more)
+        for row in self.connection.execute(DUPLICATES_SQL).fetchall():
             run, copies, first, last, steps, files, identical, same_time, one_file, superseded, unlaunched, out = row
-            named = tuple(os.path.basename(paths.get(f, f)) for f in files)
+            named = tuple(sorted(paths.get(f, f) for f in files)[: FILES_NAMED + 1])  # (one more: there are more)
             kinds = (bool(identical), bool(same_time), bool(one_file), int(superseded), bool(unlaunched))
             left_out = tuple(sorted(paths.get(f, f) for f in out))
             found[str(run)] = Duplicates(int(copies), int(first), int(last), int(steps), named, *kinds, left_out)

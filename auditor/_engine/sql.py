@@ -405,7 +405,7 @@ WITH superseded AS (
         FROM raw_records LEFT JOIN file_order USING (filename))
     WHERE earlier AND copies = 1 GROUP BY run)
 SELECT run, sum(copies - 1), min(step), max(step), count(DISTINCT step),
-       list_slice(list_sort(list_distinct(flatten(list(files)))), 1, $1),
+       list_distinct(flatten(list(files))),
        bool_and(values_seen = 1), bool_and(times_seen = 1), bool_or(len(files) = 1),
        coalesce(any_value(superseded), 0), bool_or(unlaunched),
        list_sort(list_distinct(flatten(list(list_filter(files, lambda f: f <> kept))))) FROM (
@@ -420,5 +420,5 @@ SELECT run, sum(copies - 1), min(step), max(step), count(DISTINCT step),
 LEFT JOIN superseded USING (run)
 GROUP BY run
 """
-"""Per run, the repeated (run, group, term, step, rank, micro) keys of `raw_records` (`Engine._find_duplicates`;
-parameter: how many files to name), and every file that holds a copy left out (the later published is kept)."""
+"""Per run, the repeated (run, group, term, step, rank, micro) keys of `raw_records` (`Engine._find_duplicates`), every
+file that holds a copy, and every file that holds a copy left out (the later published is kept)."""

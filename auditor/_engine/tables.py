@@ -248,7 +248,8 @@ class Duplicates:
     steps: int
     """First and last step with a repeated key, and how many steps had one."""
     files: tuple[str, ...] = ()
-    """The first files the repeated keys were found in, sorted: FILES_NAMED, and one more where there are more."""
+    """The first files the repeated keys were found in, by their paths, sorted: FILES_NAMED, and one more where there
+    are more (every range's first, so the first of all where ranges are added)."""
     identical: bool = True
     """Every repeated record holds the values of the one kept (S, n, b, the probe, g, D, W, sync, skipped)."""
     same_time: bool = True

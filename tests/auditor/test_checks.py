@@ -1522,3 +1522,21 @@ def test_duplicate_records_in_more_files_than_it_names_says_there_are_more(tmp_p
     assert len(finding.evidence["files"]) == 4 and " and more:" in finding.message, finding.message
     finding = only(audit([written_twice(tmp_path / "four", [[[2], [3]], [[1], [5]]])]), Code.DUPLICATE_RECORDS)
     assert len(finding.evidence["files"]) == 4 and "and more" not in finding.message, finding.message
+
+
+def test_duplicate_records_name_their_files_below_rank_folders_whatever_the_ranges(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rank=K/ folders whose files are named alike (part-0.parquet in each), a copy of one record beside each: the
+    files named are the same whether the log is aggregated in one range or many, each with its folder (several
+    ranges named part-0.parquet and part-1.parquet once each, with no "and more"; one range, part-0.parquet twice)."""
+    rows = records([[[2], [3], [4]]] * 40, token_mean)
+    for rank in range(3):
+        mine = [{k: v for k, v in r.items() if k != "rank"} for r in rows if r["rank"] == rank]
+        write(tmp_path / "run" / f"rank={rank}" / "part-0.parquet", mine)
+        write(tmp_path / "run" / f"rank={rank}" / "part-1.parquet", [mine[10 * rank]])
+    named = ["rank=0/part-0.parquet", "rank=0/part-1.parquet", "rank=1/part-0.parquet", "rank=1/part-1.parquet"]
+    for chunk in ("1000000", "20"):
+        monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", chunk)
+        finding = only(audit([tmp_path / "run"]), Code.DUPLICATE_RECORDS)
+        assert finding.evidence["files"] == named and f"in {', '.join(named)} and more:" in finding.message, chunk
