@@ -1540,3 +1540,10 @@ def test_duplicate_records_name_their_files_below_rank_folders_whatever_the_rang
         monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", chunk)
         finding = only(audit([tmp_path / "run"]), Code.DUPLICATE_RECORDS)
         assert finding.evidence["files"] == named and f"in {', '.join(named)} and more:" in finding.message, chunk
+
+
+def test_a_per_microbatch_mean_divided_by_m_says_the_m_of_the_step_it_shows(tmp_path: Path) -> None:
+    """loss.mean() / M, a step of 2 microbatches shown, the run's most 3: it said M=3 beside the step of 2."""
+    rows = records([[[9, 1], [1, 9]], [[3, 3, 4], [3, 4, 3]]], lambda S, n, M, **_: S / (n * M))
+    finding = only(audit_rows(tmp_path, rows), Code.LOCAL_MEAN)
+    assert "at step 0 " in finding.message and "divided by the number of microbatches M=2 " in finding.message
