@@ -131,12 +131,9 @@ def _nonuniform_message(group: WeightingGroup, context: RunContext, evidence: di
     formula = f"b·g = {alpha}·{FORMULA.get(denominator, '?')}"
     near = _approximate_text(group, evidence)
     if code == Code.LOCAL_MEAN and denominator == Denominator.MICRO_TIMES_M:
-        # the M of the step shown, its ranks' own (e·n·M is read per rank): not the run's most
-        low, high = (int(row.microbatches_low), int(row.microbatches_high)) if row is not None else (0, 0)
-        shown = context.microbatches if high < 1 else high if low == high else f"{low}–{high}"
         message = (
             f"{near}Each microbatch's loss was its own mean over its n valid tokens, divided by the "
-            f"number of microbatches M={shown} (loss.mean() / gradient_accumulation_steps; "
+            f"number of microbatches M={_step_m(context, row)} (loss.mean() / gradient_accumulation_steps; "
             f"{formula}), so microbatches count equally instead of tokens: {where}."
         )
     elif code == Code.LOCAL_MEAN and denominator == Denominator.MICRO and _is_world_size(diagnosis.factor, context):
@@ -381,6 +378,12 @@ def _constant_finding(
             evidence["within_bfloat16_rounding"] = True
             message += BF16_HINT
     return make_finding(context, code, group.steps, message, average_fix(context, group.row), evidence)
+
+
+def _step_m(context: RunContext, row: Any) -> int | str:
+    """The M of the step shown, its ranks' own (e·n·M is read per rank), not the run's most."""
+    low, high = (int(row.microbatches_low), int(row.microbatches_high)) if row is not None else (0, 0)
+    return context.microbatches if high < 1 else high if low == high else f"{low}–{high}"
 
 
 def _mean_times_w(context: RunContext, near: str, formula: str, where: str) -> str:
