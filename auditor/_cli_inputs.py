@@ -101,3 +101,28 @@ def step_window(text: str | None) -> tuple[int, int] | None:
     if not -STEP_LIMIT - 1 <= low <= high <= STEP_LIMIT:  # (a log's steps are int64s, negative ones too)
         raise UsageError(f"--steps {text}: the first step must be at most the last, both whole numbers of 64 bits")
     return low, high
+
+
+def ray_address(value: str | None) -> str | None:
+    """--ray's value, where it is a Ray address: `--ray runs/` would take the folder for one (the option's value is
+    optional, so the word after it is its value)."""
+    import click
+
+    from tokaudit._settings import ray_address_problem
+
+    problem = None if not value else ray_address_problem(value)
+    if problem is not None:
+        raise click.BadParameter(f"{problem}: give the paths before --ray (check runs/ --ray), or --ray=ADDRESS")
+    return value
+
+
+def ray_choice(ray: str | None, no_ray: bool) -> str | None:
+    """The Ray cluster `check` runs on: --ray's address (bare: RAY_ADDRESS, else `auto`), or none under --no-ray,
+    which wins over a `ray` setting; both given on the command line is a usage error."""
+    import click
+    from click.core import ParameterSource
+
+    given = click.get_current_context().get_parameter_source("ray") is ParameterSource.COMMANDLINE
+    if no_ray and ray is not None and given:
+        raise UsageError("--ray and --no-ray: give one of them")
+    return None if ray is None or no_ray else ray or os.environ.get("RAY_ADDRESS") or "auto"

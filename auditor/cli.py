@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -33,8 +32,9 @@ from tokaudit._outputs import (
 from tokaudit._outputs import run as outputs_run
 from tokaudit._render.text import printable
 from tokaudit._cli_exits import Guarded, exit_for_problems, fails
-from tokaudit._settings import FAIL_ON_RANK, code_named, ray_address_problem
-from tokaudit._cli_inputs import begin_loading, local_file, output_option, refuse_inputs, step_window
+from tokaudit._settings import FAIL_ON_RANK, code_named
+from tokaudit._cli_inputs import begin_loading, local_file, output_option, ray_address, ray_choice, refuse_inputs
+from tokaudit._cli_inputs import step_window
 from tokaudit._cli_progress import reading_progress
 
 if TYPE_CHECKING:
@@ -111,15 +111,6 @@ class _Settled(click.Command):
         )
 
 
-def _ray_address(value: str | None) -> str | None:
-    """--ray's value, where it is a Ray address: `--ray runs/` would take the folder for one (the option's value is
-    optional, so the word after it is its value)."""
-    problem = None if not value else ray_address_problem(value)
-    if problem is not None:
-        raise click.BadParameter(f"{problem}: give the paths before --ray (check runs/ --ray), or --ray=ADDRESS")
-    return value
-
-
 @main.command(cls=_Settled)
 @PATHS
 @click.option(
@@ -175,7 +166,7 @@ def _ray_address(value: str | None) -> str | None:
     flag_value="",
     default=None,
     metavar="ADDRESS",
-    callback=lambda _ctx, _param, value: _ray_address(value),
+    callback=lambda _ctx, _param, value: ray_address(value),
     help="Read the footers and aggregate the step ranges on a Ray cluster's workers (Ray on this machine and every "
     "node): at ADDRESS, else RAY_ADDRESS, else `auto`. The workers read the log: object storage or a shared folder.",
 )
@@ -203,7 +194,7 @@ def check(
         raise error
     refuse_inputs(output, paths)
     fmt = format_for(fmt, output)
-    address = None if ray is None or no_ray else ray or os.environ.get("RAY_ADDRESS") or "auto"
+    address = ray_choice(ray, no_ray)
     with reading_progress(quiet) as progress:
         with begin_loading(paths, workers=1 if address else None) as started:
             from tokaudit._auditing import audit_started

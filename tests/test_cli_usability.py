@@ -443,6 +443,8 @@ def test_no_ray_audits_in_this_process_whatever_the_settings_say(
     assert code == 2 and "cannot reach the Ray cluster" in err
     code, out, err = invoke("check", log, "-q", "--format", "json", "--no-ray")
     assert (code, err) == (1, "") and json.loads(out)["runs"][0]["verdict"] == "incorrect"
+    code, out, err = invoke("check", log, "--ray", f"127.0.0.1:{port}", "--no-ray")  # both said: which one?
+    assert (code, out, err) == (2, "", "tokaudit: error: --ray and --no-ray: give one of them\n")
 
 
 def test_settings_in_pyproject_apply_from_below_and_the_command_line_wins(
