@@ -188,6 +188,14 @@ def test_weights_of_a_term_switched_off_shows_its_c_of_0_and_no_e(tmp_path: Path
     )
 
 
+def test_a_run_whose_every_term_is_switched_off_says_nothing_weighs_its_tokens(tmp_path: Path) -> None:
+    """Every record λ = 0 and b = 0 (uneven counts): inconclusive, and the headline said "balanced counts"."""
+    rows = [dict(r, term_weight=0.0, backward_scalar=0.0) for r in records(UNEVEN_GA, token_mean)]
+    write_by_rank(tmp_path / "off", rows)
+    code, out, _ = invoke("check", str(tmp_path / "off"))
+    assert code == 0 and "off: inconclusive" in out and "not judged: no record weighs its tokens" in out, out
+
+
 def test_weights_in_a_pipe_at_80_columns_never_splits_a_number(tmp_path: Path) -> None:
     """Too narrow for the table, each record is a block of key=value words that wrap between words only: every
     value reads back whole, the same as the CSV's."""

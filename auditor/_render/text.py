@@ -15,7 +15,8 @@ if TYPE_CHECKING:  # (the report's module imports pyarrow: the command line impo
 def factor_text(run: RunSummary) -> str:
     """`b·g = 2·S/N` style, the run's recovered normalization in one phrase; where there is none, why: every step
     left out (records dropped, counts the probe contradicts), the files lacking some ranks' records
-    (`normalization_judged`), or every update said skipped (which changed no weight and is not weighed)."""
+    (`normalization_judged`), every update said skipped (which changed no weight and is not weighed), or no record
+    that weighs its tokens."""
     # here, not at the top: the command line imports this module, and normalization imports pandas
     from tokaudit._normalization import FORMULA, Denominator
 
@@ -27,7 +28,9 @@ def factor_text(run: RunSummary) -> str:
             return "every update skipped: none weighed"
         return "no valid tokens" if run.steps else "no step judged"
     if segment.denominator == "undetermined":
-        return "undetermined (balanced counts)"
+        # no weight at all where D was seen: every record's weight none or 0 (terms switched off, λ = 0)
+        weighed = run.weight_range is not None or not run.divisors
+        return "undetermined (balanced counts)" if weighed else "not judged: no record weighs its tokens"
     if segment.denominator == "unexplained" or segment.factor is None:
         return "unexplained"
     factor = f"{segment.factor:.4g}·" if f"{segment.factor:.4g}" != "1" else ""
