@@ -33,6 +33,7 @@ class Code(str, Enum):
     SCHEDULE_RESCALED = "schedule_rescaled"
     SCALE_MISMATCH = "scale_mismatch"
     UNDECLARED_TERM_WEIGHT = "undeclared_term_weight"
+    TERM_WEIGHT_INCONSISTENT = "term_weight_inconsistent"
     PADDED_DENOMINATOR = "padded_denominator"
     UNEXPLAINED_WEIGHTING = "unexplained_weighting"
     NONUNIFORM_IN_MICROBATCH = "nonuniform_in_microbatch"

@@ -88,6 +88,18 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         example="An MTP head added with λ = 0.3 to the main loss: each of its tokens weighs 0.3/N, q = 0.3 at every step.",
         undecidable=True,
     ),
+    Code.TERM_WEIGHT_INCONSISTENT: CodeDoc(
+        Severity.ERROR,
+        "records of one step declare different weights λ for one loss term",
+        why="A term's tokens are judged against the λ/N its records declare, each record against its own. Where "
+        "the records of one update declare different λ, the term's tokens weigh λ/N by rank or microbatch: the "
+        "objective is no λ·ΣS/N, whatever each record's weight reads. A warm-up or schedule counted per rank (a "
+        "rank-local counter), or loss_term(name, weight=λ) said on some ranks or microbatches only, does this.",
+        fix="Compute λ from the optimizer's global step, the same on every rank and microbatch of an update, and "
+        "declare it on every record of the term: `with rec.loss_term(name, weight=λ):`.",
+        example="An auxiliary head warmed up by a counter each rank keeps: at step 5 rank 0 declares λ = 0 and rank 1 "
+        "λ = 0.5; rank 1's tokens weigh 0.5/N, rank 0's nothing.",
+    ),
     Code.PADDED_DENOMINATOR: CodeDoc(
         Severity.ERROR,
         "the denominator counts padding or ignored labels",

@@ -17,7 +17,8 @@ from tokaudit._checks.reported import reported_findings
 from tokaudit._checks.structure import DivisorCheck, MissingRanksCheck, StructureCheck, ValuesCheck
 from tokaudit._checks.sync import SyncCheck
 from tokaudit._checks.duplicates import duplicates_finding, with_copies_in_one_file
-from tokaudit._checks.structure import WeightPresenceCheck, not_recorded_finding, ranks_not_recorded
+from tokaudit._checks.structure import DeclaredWeightCheck, WeightPresenceCheck, not_recorded_finding
+from tokaudit._checks.structure import ranks_not_recorded
 from tokaudit._checks.weighting import BalancedCheck, FactorTable, WeightingCheck
 from tokaudit._engine import Duplicates, one_value
 from tokaudit._normalization import Decisions, FitBlock, Span, Spans, block_fits, close, span_rows
@@ -34,6 +35,7 @@ CHECKS: tuple[type[Check], ...] = (
     MissingRanksCheck,
     DivisorCheck,
     WeightPresenceCheck,
+    DeclaredWeightCheck,
     BalancedCheck,
 )
 """Every check of a loss term, in the order their findings are listed (`_check_term`): a new check is a `Check`

@@ -445,3 +445,32 @@ class WeightPresenceCheck(Check):
             "record backward_scalar= with every record, or wrap the per-token loss in rec.probe()",
             {"records": records, "steps_without_weight": self.none_at_all},
         )
+
+
+class DeclaredWeightCheck(Check):
+    """term_weight_inconsistent: records of one step of this term that declare different λ."""
+
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
+        self.differ = FlaggedSteps(term.keep_steps)
+
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
+        low, high = column_of(block, "declared_low"), column_of(block, "declared_high")
+        self.differ.add(block, np.broadcast_to(low != high, len(block)) & ~np.isnan(low))
+
+    def findings(self) -> Iterator[Finding]:
+        if not self.differ:
+            return
+        row = self.differ.first
+        yield make_finding(
+            self.context,
+            Code.TERM_WEIGHT_INCONSISTENT,
+            self.differ.steps,
+            f"Records of one step declare different weights λ for this loss term (step {int(row.step)}: λ from "
+            f"{row.declared_low:.4g} to {row.declared_high:.4g}), so its tokens weigh λ/N by rank or microbatch, "
+            "not one λ·ΣS/N: a warm-up or schedule counted per rank, or loss_term(name, weight=λ) said on some "
+            "ranks or microbatches only.",
+            "compute λ from the optimizer's global step, the same on every rank and microbatch of an update, and "
+            "declare it on every record of the term: with rec.loss_term(name, weight=λ)",
+            {"step": int(row.step), "declared_low": float(row.declared_low), "declared_high": float(row.declared_high)},
+        )

@@ -1547,3 +1547,21 @@ def test_a_per_microbatch_mean_divided_by_m_says_the_m_of_the_step_it_shows(tmp_
     rows = records([[[9, 1], [1, 9]], [[3, 3, 4], [3, 4, 3]]], lambda S, n, M, **_: S / (n * M))
     finding = only(audit_rows(tmp_path, rows), Code.LOCAL_MEAN)
     assert "at step 0 " in finding.message and "divided by the number of microbatches M=2 " in finding.message
+
+
+def test_records_of_one_step_that_declare_different_weights_for_a_term_are_an_error(tmp_path: Path) -> None:
+    """A warm-up counted per rank: at step 1 rank 0 declares λ = 0 (its aux loss times 0) and rank 1 λ = 0.5. Each
+    record reads right against its own λ, so the run read correct; its aux tokens weigh 0 on one rank and 0.5/N on
+    the other, no λ·ΣS/N. Said, and the run incorrect; one λ a step over the ranks stays correct."""
+    main = records(UNEVEN_GA, token_mean)
+
+    def aux(per_rank: Any) -> list[dict[str, Any]]:
+        rows = records(UNEVEN_GA, token_mean, term="aux")
+        return [dict(r, term_weight=(w := per_rank(r)), backward_scalar=w * r["backward_scalar"]) for r in rows]
+
+    report = audit_rows(tmp_path / "per_rank", main + aux(lambda r: 0.0 if r["step"] == 1 and r["rank"] == 0 else 0.5))
+    finding = only(report, Code.TERM_WEIGHT_INCONSISTENT)
+    assert report.verdicts == {"run": "incorrect"} and finding.term == "aux" and finding.steps.first == 1
+    assert "(step 1: λ from 0 to 0.5)" in finding.message
+    report = audit_rows(tmp_path / "per_step", main + aux(lambda r: 0.0 if r["step"] == 1 else 0.5))
+    assert report.verdicts == {"run": "correct"} and report.findings == []
