@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -195,14 +197,27 @@ def to_host(values: Sequence[Value | Packed], dtype: torch.dtype, packed: Packed
     return out
 
 
-def check_arguments(step: object, micro: object, **values: object) -> None:
-    """`record()`'s arguments: a step and microbatch index that are non-negative ints (or None), and one number
-    per value."""
+def check_arguments(step: object, micro: object, skipped: object, **values: object) -> tuple[int | None, int | None]:
+    """`record()`'s arguments: one number per value, `skipped` a bool or None, and the step and microbatch index as
+    the non-negative ints they hold (a numpy or tensor integer too, as `begin_step` takes them), or None."""
     for name, value in values.items():
         check_scalar(name, value)
-    for name, number in (("step", step), ("micro", micro)):
-        if number is not None and not (isinstance(number, int) and 0 <= number <= INT64_MAX):
-            raise ValueError(f"{name} must be a non-negative int, got {number!r}")
+    if skipped is not None and not isinstance(skipped, bool):
+        raise ValueError(f"skipped must be True, False or None, got {skipped!r}")
+    return _index("step", step), _index("micro", micro)
+
+
+def _index(name: str, number: object) -> int | None:
+    """The non-negative whole number of 64 bits a step or microbatch index holds (None: None)."""
+    if number is None:
+        return None
+    try:
+        whole = operator.index(number)  # type: ignore[arg-type]
+    except TypeError:
+        whole = -1
+    if not 0 <= whole <= INT64_MAX:
+        raise ValueError(f"{name} must be a non-negative int, got {number!r}")
+    return whole
 
 
 def check_scalar(name: str, value: object) -> None:
@@ -223,6 +238,15 @@ def check_scalar(name: str, value: object) -> None:
     if hasattr(value, "item") and getattr(value, "size", 1) == 1 and not isinstance(value, str | bytes):
         return  # a numpy scalar
     raise ValueError(f"{name} must be a number or a one-element tensor, got {type(value).__name__}")
+
+
+def scalar_problem(name: str, value: object) -> str | None:
+    """Why `check_scalar` refuses a value (None where it takes it)."""
+    try:
+        check_scalar(name, value)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def plain(value: object) -> Any:

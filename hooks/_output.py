@@ -262,8 +262,35 @@ class ShardOutput:
                 "noted in the log as dropped",
             )
             columns = {name: [v for v, ok in zip(values, keep) if ok] for name, values in columns.items()}
-        arrays = {name: pa.array(list(values), type=WRITER_SCHEMA.field(name).type) for name, values in columns.items()}
-        return pa.table([arrays[field.name] for field in WRITER_SCHEMA], schema=WRITER_SCHEMA)
+        listed = {name: list(values) for name, values in columns.items()}
+        try:
+            return _arrow(listed)
+        except (pa.ArrowException, TypeError, ValueError) as error:
+            # one value Arrow cannot hold (a bool count) costs its own record, not the others': each row tried alone
+            kept = [r for r, ok in zip(records, keep) if ok]
+            fits = [_fits({name: values[i] for name, values in listed.items()}) for i in range(len(kept))]
+            self.note_dropped_records([r for r, ok in zip(kept, fits) if not ok])
+            self.warn(
+                "table",
+                f"tokaudit: {fits.count(False)} record(s) could not be read back ({error!r}); they are noted in the "
+                "log as dropped",
+            )
+            return _arrow({name: [v for v, ok in zip(values, fits) if ok] for name, values in listed.items()})
+
+
+def _arrow(columns: dict[str, list[Any]]) -> pa.Table:
+    """The shard's table of these columns, in the writer's schema."""
+    arrays = {name: pa.array(values, type=WRITER_SCHEMA.field(name).type) for name, values in columns.items()}
+    return pa.table([arrays[field.name] for field in WRITER_SCHEMA], schema=WRITER_SCHEMA)
+
+
+def _fits(row: dict[str, Any]) -> bool:
+    """One record's values each fit their column's type."""
+    try:
+        _arrow({name: [value] for name, value in row.items()})
+    except (pa.ArrowException, TypeError, ValueError):
+        return False
+    return True
 
 
 def _bits(record: Record) -> int | None:

@@ -17,7 +17,7 @@ import torch
 from tokaudit.hooks._attach import AccelerateWatch, from_accelerator, torch_optimizer, version_of
 from tokaudit.hooks._buffer import RecordBuffer
 from tokaudit.hooks._record import UNTRAINED, Record, detached, never_trained, new_record
-from tokaudit.hooks._columns import Value, check_arguments, plain, positive
+from tokaudit.hooks._columns import Value, check_arguments, check_scalar, plain, positive, scalar_problem
 from tokaudit.hooks._identity import Placement, fsdp1_modules
 from tokaudit.hooks._output import ShardOutput, Stamp
 from tokaudit.hooks._capture import capture_cross_entropy, probe_into
@@ -122,6 +122,7 @@ class Recorder(UpdateTracking):
             start_line(self._output.log_dir, self._output.run_id) if announce else None,
         )
         self._closed = self._closed or not self._output.usable
+        self._closed_here = False  # by close(): a record after it is said
         self.log_dir: Path | str = self._output.log_dir
         """Where the shards go: a local folder, or a URL on object storage (s3://bucket/runs/exp1)."""
         self.run_id: str = self._output.run_id
@@ -213,6 +214,8 @@ class Recorder(UpdateTracking):
         `scaler.scale()` (or the scaled tensor itself): the log holds b = scale·loss, g = 1/scale.
         """
         if self._closed or self._paused:
+            if self._closed_here:
+                self.warn_once("closed", "tokaudit: record() after close(): the recorder writes no more records")
             return
         self._audit_if_due(step)
         try:
@@ -228,7 +231,7 @@ class Recorder(UpdateTracking):
                 reported_loss=reported_loss,
                 grad_scale=grad_scale,
             )
-            check_arguments(step, micro, **values)
+            step, micro = check_arguments(step, micro, skipped, **values)
             values = {name: plain(value) for name, value in values.items()}
             if step is None and self._recorded_already(term, backward_scalar):
                 return
@@ -376,13 +379,13 @@ class Recorder(UpdateTracking):
         """Gradients multiplied by `factor` after backward (torchtune's `training.scale_grads`, a pipeline schedule's,
         `p.grad.mul_`; not clipping): each backpropagated token of the open update now weighs ∂b/∂ℓᵢ·g·factor."""
         try:
-            self._buffer.rescale(self._step, detached(factor))
+            check_scalar("factor", factor)
+            self._buffer.rescale(self._step, detached(plain(factor)))
         except Exception as error:
-            self.warn_once(
-                "scale_grads",
-                f"tokaudit: could not record a gradient rescale ({error!r}); its "
-                "update's weights are judged without it",
+            said = (
+                f"tokaudit: could not record a gradient rescale ({error!r}); its update's weights are judged without it"
             )
+            self.warn_once("scale_grads", said)
 
     def next_microbatch(self) -> None:
         """The next captured call opens a microbatch, whatever came before it (a pipeline schedule's loss_fn)."""
@@ -394,15 +397,17 @@ class Recorder(UpdateTracking):
         `optimizer.step()`), else the update just closed (logged after the step)."""
         if step is None:
             step = self._step if self._buffer.at(self._step) else self._step - 1
-        snapshot = detached(value)  # one copy for the update's records
+        if (problem := scalar_problem("reported loss", value)) is not None:
+            return self.warn_once("report_loss", f"tokaudit: report_loss() left out ({problem}); the records keep none")
+        snapshot = detached(plain(value))  # one copy for the update's records
         for record in self._buffer.at(step):
             self._buffer.set_value(record, "reported_loss", snapshot)
 
     def flush(self, wait_for_backward: bool = False) -> None:
         """Write buffered records to a new shard. With `wait_for_backward` (the automatic flush), the current
         update's records and those whose probe has not yet seen its backward stay buffered for the next shard."""
-        if self.flushing or (not self._buffer.records and not self._output.backlog):
-            return
+        if self.flushing or (not self._buffer.records and not self._output.backlog) or not made_here(self):
+            return  # (a forked child's copy of the records is the parent's to write)
         self.flushing = True
         if self._flush_seconds is not None:
             self._flush_due = time.monotonic() + self._flush_seconds
@@ -457,7 +462,7 @@ class Recorder(UpdateTracking):
             self._capture = None
         self.flush()
         self._output.close()  # the last upload tried whatever failed before; what is left unwritten is said
-        self._closed = True
+        self._closed = self._closed_here = True
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -59,6 +59,8 @@ def test_one_bad_value_costs_one_record_and_is_written_down(tmp_path: Path) -> N
         {"loss_sum": None},
         {"grad_scale": float("nan")},
         {"valid_tokens": 1 << 40},  # fits in 64 bits, not in the step table's 32: the auditor refuses it
+        {"valid_tokens": True},  # a bool Arrow will not put in int64: the whole flush's table failed
+        {"skipped": "no"},  # was written as True
     ]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -72,12 +74,51 @@ def test_one_bad_value_costs_one_record_and_is_written_down(tmp_path: Path) -> N
     rows = read_rows(tmp_path / "bad")
     assert len(rows) == 10 + len(bad_values) + 10, "only the bad records are left out"
     assert {r["step"] for r in rows} & set(range(10, 10 + len(bad_values))) == set()
-    assert sum("dropped" in str(w.message) or "left out" in str(w.message) for w in caught) <= 2, "warned once each"
+    assert sum("dropped" in str(w.message) or "left out" in str(w.message) for w in caught) <= 3, "warned once each"
     report = audit([tmp_path / "bad"])
     assert {f.code.value for f in report.findings} == {"records_dropped"} and report.runs[0].verdict == "inconclusive"
     finding = report.findings[0]
     assert finding.evidence["records"] == len(bad_values)
     assert finding.evidence["steps"] == list(range(10, 10 + len(bad_values)))
+
+
+def test_values_given_beside_the_records_and_steps_of_numpy_are_taken_or_refused_alone(tmp_path: Path) -> None:
+    """report_loss() and scale_grads() of a numpy number are the number it holds; of a list, a string or a tensor of
+    several, refused with one warning, the records kept (they failed the whole flush's table, or a tensor of two
+    spread its numbers over two records). A step or microbatch index of numpy or tensor integers is the number it
+    holds, as begin_step takes it (the record was dropped). A record after close() is said once."""
+    import numpy as np
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Recorder(tmp_path, run_id="values", flush_every=4096) as rec:
+            for step, (loss, factor) in enumerate(
+                [(np.array(1.5), np.array(1.0)), ("1.5", [1.0]), (torch.tensor([1.5, 2.5]), np.float32(1.0))]
+            ):
+                rec.begin_step(step)
+                for micro in range(2):
+                    rec.record(
+                        loss_sum=6.0,
+                        valid_tokens=3,
+                        backward_scalar=1.0,
+                        step=np.int64(step),
+                        micro=torch.tensor(micro),
+                    )
+                rec.scale_grads(factor)
+                rec.report_loss(loss)
+        rec.record(loss_sum=6.0, valid_tokens=3, backward_scalar=1.0, step=9)
+    rows = read_rows(tmp_path / "values")
+    assert [(r["step"], r["micro"], r["reported_loss"], r["grad_scale"]) for r in rows] == [
+        (0, 0, 1.5, 1.0),
+        (0, 1, 1.5, 1.0),
+        (1, 0, None, None),
+        (1, 1, None, None),
+        (2, 0, None, 1.0),
+        (2, 1, None, 1.0),
+    ]
+    said = [str(w.message) for w in caught]
+    assert sum("report_loss() left out" in s for s in said) == 1 and sum("gradient rescale" in s for s in said) == 1
+    assert sum("record() after close()" in s for s in said) == 1
 
 
 def test_an_impossible_number_of_positions_is_written_as_null_and_the_record_kept(tmp_path: Path) -> None:
@@ -234,6 +275,9 @@ FORKED_SCRIPT = textwrap.dedent("""
     child = os.fork()  # a DataLoader's worker: the handler and a copy of the records, inherited
     if child == 0 and sys.argv[2] == "exit":
         sys.exit(0)  # its interpreter's exit runs the recorder's at-exit close, in the child
+    if child == 0 and sys.argv[2] == "flush":
+        rec.flush()  # a worker_init_fn that flushes
+        os._exit(0)
     if child == 0:
         try:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C reaches the whole process group
@@ -247,7 +291,7 @@ FORKED_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ending", ["signal", "exit"])
+@pytest.mark.parametrize("ending", ["signal", "exit", "flush"])
 def test_a_signal_in_a_forked_worker_writes_none_of_the_parent_s_records(tmp_path: Path, ending: str) -> None:
     script = tmp_path / "job.py"
     script.write_text(FORKED_SCRIPT.format(root=str(ROOT)))
