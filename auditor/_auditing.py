@@ -32,7 +32,8 @@ from tokaudit._normalization import Denominator
 from tokaudit._reader import Shard
 from tokaudit._report import AuditReport, Finding, RunSummary, Segment
 from tokaudit._schema import UNNAMED, Provenance
-from tokaudit._ends import FooterEnds, both_ends, recorded_end, uneven_ends, unsynced_end
+from tokaudit._cut import unsynced_end
+from tokaudit._ends import FooterEnds, both_ends, recorded_end, uneven_ends
 from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
 from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, stored_precision
 from tokaudit._summary import guessed_updates, unfinished_finding, unread_files, within_roundings

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit._checks import grouped, main_term_first, rank_masks
+from tokaudit._checks import grouped, rank_masks
 from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
 from tokaudit._reader import Shard
 from tokaudit._report import Finding, StepRange
@@ -254,67 +254,3 @@ def _ragged(pieces: list[tuple[Any, Any]], world: int, closes: Mapping[int, set[
 def _every_rank(ranks: Mapping[int, object], world: int) -> bool:
     """Every rank below W holds a shard (distinct whole numbers: as many as W, each below it; never W's range)."""
     return len(ranks) == world and all(0 <= rank < world for rank in ranks)
-
-
-@dataclass(frozen=True)
-class UnsyncedEnd:
-    """The run's last update, cut short unsynchronized (`unsynced_end`)."""
-
-    step: int
-    told: bool
-    """The recorder said of the updates before it that they were applied, and of this one nothing: it was not. Else
-    the logs say nothing of applying, and cannot tell it from a short last update stepped unsynchronized."""
-
-
-def unsynced_end(parts: Iterable[pd.DataFrame]) -> UnsyncedEnd | None:
-    """The run's last step where the run may have ended inside that update, as its main loss term's records show it
-    (as `missing_sync` reads them): it holds fewer microbatches than every update before it on every rank, every
-    rank's last of them did not synchronize gradients, nothing says it was applied, and no step before it lacks a
-    synchronization while some had one. A job killed inside the update after a flush (SIGKILL, which no recorder can
-    answer) leaves it so. None otherwise: an update of its whole microbatches, or one said applied, is
-    `missing_sync`'s to judge."""
-    ends: dict[str, _TermEnd] = {}
-    for part in parts:
-        for term, rows in grouped(part.term):
-            ends.setdefault(term, _TermEnd()).add(part.iloc[rows] if isinstance(rows, np.ndarray) else part)
-    if not ends:
-        return None
-    main = ends[main_term_first(ends)[0]]
-    step = main.end()
-    return None if step is None else UnsyncedEnd(step, main.applied)
-
-
-class _TermEnd:
-    """One loss term's steps as `unsynced_end` reads them, a part at a time."""
-
-    def __init__(self) -> None:
-        self.last, self.first_unsynced, self.last_not_whole = -np.inf, np.inf, -np.inf
-        self.synced = self.applied = False
-        self.tops: list[tuple[float, float, float, float]] = []
-        """Per part: its last step, the most microbatches a rank holds there, the fewest below it and there."""
-
-    def add(self, rows: pd.DataFrame) -> None:
-        step = rows.step.to_numpy(dtype=float)  # (inf bounds the empty selections)
-        if not len(step):
-            return
-        unsynced = rows.unsynced_ranks.to_numpy(dtype=float, na_value=np.nan)
-        known = rows.sync_known.to_numpy() == rows.records.to_numpy()
-        taken = rows.skipped_false.to_numpy(float, na_value=0)
-        said = rows.skipped_true.to_numpy(float, na_value=0) + taken  # records the recorder said applied or not
-        # every rank's last microbatch unsynced, nothing said of applying it
-        whole = known & (unsynced == rows.ranks.to_numpy()) & (said == 0)
-        self.synced |= bool((known & (unsynced == 0)).any())
-        self.applied |= bool((taken > 0).any())
-        self.first_unsynced = min(self.first_unsynced, step[unsynced > 0].min(initial=np.inf))
-        self.last_not_whole = max(self.last_not_whole, step[~whole].max(initial=-np.inf))
-        top, low, high = step.max(), rows.microbatches_low.to_numpy(float), rows.microbatches_high.to_numpy(float)
-        self.tops.append((top, high[step == top].max(), low[step < top].min(initial=np.inf), low[step == top].min()))
-        self.last = max(self.last, top)
-
-    def end(self) -> int | None:
-        last = self.last
-        if not (self.synced and self.first_unsynced == last and self.last_not_whole < last):
-            return None
-        most = max(high for top, high, _, _ in self.tops if top == last)
-        fewest_before = min(min(below, at if top < last else np.inf) for top, _, below, at in self.tops)
-        return int(last) if most < fewest_before else None

@@ -12,7 +12,8 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit._ends import UnsyncedEnd, spans_cover
+from tokaudit._cut import UnsyncedEnd
+from tokaudit._ends import spans_cover
 from tokaudit._checks import PARTIAL_UPDATE_FACTORS, RunSteps, cannot_tell, distinct, pooled_sums, run_finding
 from tokaudit._checks import weight_ratio, world_sizes
 from tokaudit.codes import CODE_DOCS, DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, WEIGHTING, Code, Severity

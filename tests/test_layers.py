@@ -39,6 +39,7 @@ LAYERS = (
     "_report",
     "_checks",
     "_ends",
+    "_cut",
     "_summary",
     "_step_parts",
     "_auditing",

@@ -11,9 +11,11 @@ from tokaudit._checks.miscount import miscounted_rows, outside_probe_range, with
 from tokaudit._checks.objective import one_objective, pooled_steps, pooled_sums
 from tokaudit._checks.run import check_run
 from tokaudit._checks.split_runs import with_other_ranks
+from tokaudit._checks.sync import Ending
 from tokaudit._checks.unread import with_unread_files
 
 __all__ = [
+    "Ending",
     "PARTIAL_UPDATE_FACTORS",
     "cannot_tell",
     "check_run",

@@ -10,7 +10,8 @@ import numpy as np
 import pandas as pd
 
 from tokaudit._checks.reach import Later
-from tokaudit._checks.base import Check, Extremes, RunContext, RunSteps, TermInputs, column_of, world_sizes
+from tokaudit._checks.base import Check, Extremes, RunContext, RunSteps, TermInputs, cannot_tell, column_of, world_sizes
+from tokaudit.codes import Code
 from tokaudit._checks.objective import OneObjective, one_objective
 from tokaudit._checks.probe import ProbeCheck, per_sequence_first
 from tokaudit._checks.reported import reported_findings
@@ -88,7 +89,23 @@ def check_run(
         findings.extend(reported_findings(source, run, rtol, source.terms[0], pooled=objective is not None))
     if duplicates is not None:
         findings = with_copies_in_one_file([*findings, duplicates_finding(duplicates, run)], duplicates)
-    return findings, spans, omitted
+    return _cut_short(findings), spans, omitted
+
+
+def _cut_short(findings: list[Finding]) -> list[Finding]:
+    """The run's last update cut short, unsynchronized and never said applied (`missing_sync`, `cut_short`): a kill
+    inside it reads the same, and then its weights are part of an update's. What else is said of that step alone
+    cannot tell either."""
+    cut = next((f for f in findings if f.code == Code.MISSING_SYNC and f.evidence.get("cut_short")), None)
+    if cut is None:
+        return findings
+    step = cut.steps.first
+    return cannot_tell(
+        findings,
+        (),
+        f"Step {step} may be an update cut short by a kill, never applied: its weights are part of an update's.",
+        where=lambda f: f is not cut and f.steps.first == f.steps.last == step,
+    )
 
 
 def _check_terms(

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
+import numpy as np
 import pandas as pd
 
 from tokaudit._checks.base import Check, TermInputs, column_of, make_finding, nan_sum
@@ -24,11 +26,11 @@ class SyncCheck(Check):
         self.missing, self.unsynced, self.cleared = self.steps(), 0.0, 0
         self.every, self.every_count, self.multi_count = self.steps(), 0, 0
         self.every_micro = (math.inf, 0.0)  # the fewest and most microbatches of those steps
-        self.last_step = -1
+        self.ending = Ending()
 
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         step, unsynced = column_of(block, "step"), column_of(block, "unsynced_ranks")
-        self.last_step = max(self.last_step, int(step.max()) if len(step) else -1)
+        self.ending.add(block)
         records = column_of(block, "records")
         self.missing.add(step[unsynced > 0])
         self.unsynced += nan_sum(unsynced)
@@ -71,20 +73,31 @@ class SyncCheck(Check):
             seen = self.missing.range()
             # the run's last update alone: a loop that ended inside it (a loader drawn ahead, whose end the trainer
             # did not see) neither syncs nor steps, and reads the same
+            last, at, before = self.ending.last, self.ending.at, self.ending.before
+            alone = seen.count == 1 and seen.first == last
             ended = (
-                " Only the run's last step: if the run ended inside that update, nothing was applied."
-                if seen.count == 1 and seen.first == self.last_step
-                else ""
+                " Only the run's last step: if the run ended inside that update, nothing was applied." if alone else ""
             )
+            # cut short (fewer microbatches on some rank than every update before) and never said applied: a kill
+            # inside the update reads the same, and the logs cannot tell
+            cannot = alone and at.fewest < before.fewest and not at.applied
             yield make_finding(
                 self.context,
                 Code.MISSING_SYNC,
                 self.missing,
                 f"The last microbatch of a step did not synchronize gradients on "
-                f"{int(self.unsynced)} rank-step(s): those ranks stepped on their local gradient.{ended}",
+                f"{int(self.unsynced)} rank-step(s): those ranks stepped on their local gradient.{ended}"
+                + (
+                    " It holds fewer microbatches than the updates before it and nothing says it was applied: the "
+                    "logs cannot tell."
+                    if cannot
+                    else ""
+                ),
                 "run the last microbatch's forward (through the DDP model, not model.module) and backward outside "
                 "model.no_sync()",
-                {"rank_steps": int(self.unsynced)},
+                {"rank_steps": int(self.unsynced), **({"cut_short": True} if cannot else {})},
+                severity=Severity.WARNING if cannot else None,
+                undecidable=True if cannot else None,
             )
         if self.every_count and self.every_count == self.multi_count:
             yield make_finding(
@@ -102,3 +115,65 @@ def _times(micro: tuple[float, float]) -> str:
     """M× (M the microbatches of those steps), or M₁–M₂× where they differ."""
     low, high = int(micro[0]), int(micro[1])
     return f"{low}×" if low == high else f"{low}–{high}×"
+
+
+@dataclass
+class Seen:
+    """What some steps of one (group, term) show."""
+
+    fewest: float = np.inf
+    """The fewest microbatches a rank holds."""
+    unsynced: bool = False
+    """Some rank's last microbatch did not synchronize."""
+    synced: bool = False
+    """Some step synchronized on every rank."""
+    unsaid: bool = False
+    """Some record says nothing of whether its update was applied (`skipped` null)."""
+    applied: bool = False
+    """Some record says its update was applied (`skipped` false)."""
+    cut: bool = True
+    """Every step: every rank's last microbatch unsynchronized, known so, and no record said applied or not."""
+
+    def merge(self, other: Seen) -> None:
+        self.fewest = min(self.fewest, other.fewest)
+        self.unsynced, self.synced = self.unsynced or other.unsynced, self.synced or other.synced
+        self.unsaid, self.cut = self.unsaid or other.unsaid, self.cut and other.cut
+        self.applied = self.applied or other.applied
+
+    @classmethod
+    def of(cls, rows: pd.DataFrame) -> Seen:
+        if not len(rows):
+            return cls()
+        unsynced = rows.unsynced_ranks.to_numpy(dtype=float, na_value=np.nan)
+        records = rows.records.to_numpy()
+        known = rows.sync_known.to_numpy() == records
+        taken = rows.skipped_false.to_numpy(float, na_value=0)
+        said = rows.skipped_true.to_numpy(float, na_value=0) + taken
+        return cls(
+            fewest=float(rows.microbatches_low.min()),
+            unsynced=bool((unsynced > 0).any()),
+            synced=bool((known & (unsynced == 0)).any()),
+            unsaid=bool((said < records).any()),
+            applied=bool((taken > 0).any()),
+            cut=bool((known & (unsynced == rows.ranks.to_numpy()) & (said == 0)).all()),
+        )
+
+
+@dataclass
+class Ending:
+    """One (group, term)'s steps a part at a time: its last step, what it shows, and what the steps before it do."""
+
+    last: float = -np.inf
+    at: Seen = field(default_factory=Seen)
+    before: Seen = field(default_factory=Seen)
+
+    def add(self, rows: pd.DataFrame) -> None:
+        step = rows.step.to_numpy()
+        if not len(step):
+            return
+        if step.max() > self.last:  # what was the last step is one before it now
+            if self.last > -np.inf:
+                self.before.merge(self.at)
+            self.last, self.at = float(step.max()), Seen()
+        self.before.merge(Seen.of(rows[step < self.last]))
+        self.at.merge(Seen.of(rows[step == self.last]))

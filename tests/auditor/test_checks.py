@@ -1565,3 +1565,47 @@ def test_records_of_one_step_that_declare_different_weights_for_a_term_are_an_er
     assert "(step 1: λ from 0 to 0.5)" in finding.message
     report = audit_rows(tmp_path / "per_step", main + aux(lambda r: 0.0 if r["step"] == 1 else 0.5))
     assert report.verdicts == {"run": "correct"} and report.findings == []
+
+
+def _killed(counts: list[Any], cut: list[Any], **columns: Any) -> list[dict[str, Any]]:
+    """Whole updates said applied, each rank's last microbatch synchronized; then `cut`'s first microbatches of one
+    more update, unsynchronized and said nothing of (a kill inside it after a flush)."""
+    whole = [dict(r, skipped=False, **columns) for r in records(counts, token_mean)]
+    ends = {
+        (r["step"], r["rank"]): max(x["micro"] for x in whole if (x["step"], x["rank"]) == (r["step"], r["rank"]))
+        for r in whole
+    }
+    for r in whole:
+        r["sync"] = r["micro"] == ends[(r["step"], r["rank"])]
+    return whole + [dict(r, sync=False, **columns) for r in records(cut, token_mean, step_offset=len(counts))]
+
+
+def test_a_last_update_cut_short_is_read_per_group_and_rank_and_never_where_something_says_it_was_applied(
+    tmp_path: Path,
+) -> None:
+    """A kill inside the last update: left out where each group's ranks hold fewer microbatches than before (a group
+    of one microbatch beside one of two; ranks of 2 and 4 microbatches cut to 1 and 3), not where another term says
+    the update was applied and synchronized (that term's weights then judged), and inconclusive where launches before
+    it did not say what they applied. Where the cut cannot be left out (sync recorded by one rank only), the logs
+    cannot tell: inconclusive, not incorrect."""
+    two = [[[5, 1], [3, 7]], [[2, 6], [6, 2]], [[8, 4], [2, 8]]]
+    groups = _killed(two, [[[4], [1]]], group="g0") + [
+        dict(r, group="g1", skipped=False, sync=True) for r in records([[[3], [4]]] * 3, token_mean)
+    ]
+    ranks = _killed([[[2, 3], [1, 2, 3, 4]]] * 3, [[[2], [1, 2, 3]]])
+    for name, rows in (("groups", groups), ("ranks", ranks)):
+        report = audit_rows(tmp_path / name, rows)
+        assert report.verdicts == {"run": "correct"} and codes(report) == {"unfinished_update"}, name
+    applied = _killed(two, [[[4], [1]]]) + [
+        dict(r, term="x", sync=r["micro"] == 1, skipped=False, backward_scalar=2 * r["backward_scalar"])
+        for r in records([*two, [[4, 3], [1, 6]]], token_mean)
+    ]
+    assert "unfinished_update" not in codes(audit_rows(tmp_path / "applied", applied))
+    unsaid = [dict(r, skipped=None) if 1 <= r["step"] else r for r in _killed(two, [[[4], [1]]])]
+    report = audit_rows(tmp_path / "unsaid", unsaid)
+    assert (
+        report.verdicts == {"run": "inconclusive"} and only(report, Code.UNFINISHED_UPDATE).severity == Severity.WARNING
+    )
+    one_rank = [dict(r, sync=None) if r["rank"] == 1 else r for r in _killed(two, [[[4], [1]]])]
+    report = audit_rows(tmp_path / "one_rank", one_rank)
+    assert report.verdicts == {"run": "inconclusive"} and only(report, Code.MISSING_SYNC).evidence["cut_short"]

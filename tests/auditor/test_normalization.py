@@ -336,6 +336,8 @@ def test_a_long_run_costs_columns_not_an_object_per_step(monkeypatch: pytest.Mon
         "reported",
         "unweighted_records",
         "declared_weights",
+        "declared_low",
+        "declared_high",
         "loss",
     ):
         steps[column] = (

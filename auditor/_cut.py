@@ -1,0 +1,51 @@
+"""A run whose last update was cut short: a job killed inside it after a flush (SIGKILL, which no recorder can answer,
+leaves no note that it stopped) leaves that update's first microbatches, none synchronized, never applied. Its weights
+(part of an update's tokens) are no claim about the run: it is left out and said (`unfinished_update`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from tokaudit._checks import Ending, grouped, main_term_first
+
+
+@dataclass(frozen=True)
+class UnsyncedEnd:
+    """The run's last update, cut short unsynchronized (`unsynced_end`)."""
+
+    step: int
+    told: bool
+    """The recorder said of every update before it whether it was applied, and of this one nothing: it was not. Else
+    the logs cannot tell it from a short last update stepped unsynchronized, a bug."""
+
+
+def unsynced_end(parts: Iterable[pd.DataFrame]) -> UnsyncedEnd | None:
+    """The run's last step, where the run may have ended inside that update: every record of it, of every group and
+    term, unsynchronized on every rank and said neither applied nor skipped; and on each group's main term it holds
+    fewer microbatches on some rank than every update before it held, where those synchronized (none lacks a
+    synchronization, some had one). None otherwise: an update of its whole microbatches, one said applied, or a
+    term that synchronized there, is judged (`missing_sync` reads it)."""
+    endings: dict[tuple[str, str], Ending] = {}
+    for part in parts:
+        for group, rows in grouped(part.grp):
+            block = part.iloc[rows] if isinstance(rows, np.ndarray) else part
+            for term, held in grouped(block.term):
+                endings.setdefault((group, term), Ending()).add(
+                    block.iloc[held] if isinstance(held, np.ndarray) else block
+                )
+    if not endings:
+        return None
+    last = max(ending.last for ending in endings.values())
+    at_last = {key: ending for key, ending in endings.items() if ending.last == last}
+    main = main_term_first(term for _, term in endings)[0]
+    mains = [ending for (_, term), ending in at_last.items() if term == main]
+    cut = (
+        bool(mains)
+        and all(ending.at.cut for ending in at_last.values())
+        and all(e.before.synced and not e.before.unsynced and e.at.fewest < e.before.fewest for e in mains)
+    )
+    return UnsyncedEnd(int(last), not any(e.before.unsaid for e in mains)) if cut else None
