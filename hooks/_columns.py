@@ -236,6 +236,8 @@ def check_scalar(name: str, value: object) -> None:
             raise ValueError(f"{name} must be real, got {value.dtype}")
         return
     if hasattr(value, "item") and getattr(value, "size", 1) == 1 and not isinstance(value, str | bytes):
+        if getattr(getattr(value, "dtype", None), "kind", "f") not in "biuf":  # (complex, a date: no number of ours)
+            raise ValueError(f"{name} must be a real number, got {value.dtype}")  # type: ignore[attr-defined]
         return  # a numpy scalar
     raise ValueError(f"{name} must be a number or a one-element tensor, got {type(value).__name__}")
 

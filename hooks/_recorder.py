@@ -380,7 +380,9 @@ class Recorder(UpdateTracking):
         `p.grad.mul_`; not clipping): each backpropagated token of the open update now weighs ∂b/∂ℓᵢ·g·factor."""
         try:
             check_scalar("factor", factor)
-            self._buffer.rescale(self._step, detached(plain(factor)))
+            if isinstance(number := plain(factor), float) and not math.isfinite(number):
+                raise ValueError(f"factor {number} is no finite number")
+            self._buffer.rescale(self._step, detached(number))
         except Exception as error:
             said = (
                 f"tokaudit: could not record a gradient rescale ({error!r}); its update's weights are judged without it"

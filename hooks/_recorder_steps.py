@@ -174,7 +174,7 @@ class UpdateTracking:
         if number is None:
             self.warn_once(
                 "begin-step",
-                f"tokaudit: begin_step({step!r}) is given no update number (a whole number, not negative); the "
+                f"tokaudit: begin_step({step!r}) is given no update number (a whole number of 64 bits, not negative); the "
                 "update it begins is numbered after the last one",
             )
             number = self._step + 1 if self._step_records or self._micro_next else self._step
@@ -371,7 +371,7 @@ class UpdateTracking:
 
 def update_number(step: Any) -> int | None:
     """A step as begin_step takes it: an int, or a number that is one (2.0, a numpy or tensor integer); None for
-    what is no whole number, or a negative one."""
+    what is no whole number, a negative one, or one past 64 bits."""
     number: int | None
     try:
         number = int(step) if isinstance(step, float) and step.is_integer() else operator.index(step)
@@ -381,7 +381,7 @@ def update_number(step: Any) -> int | None:
             number = int(value) if value.is_integer() else None
         except (TypeError, ValueError, RuntimeError, OverflowError):
             number = None
-    return number if number is not None and number >= 0 else None
+    return number if number is not None and 0 <= number < 1 << 63 else None  # (a step is an int64)
 
 
 PACK_AT_ADVANCE = 64

@@ -121,6 +121,27 @@ def test_values_given_beside_the_records_and_steps_of_numpy_are_taken_or_refused
     assert sum("record() after close()" in s for s in said) == 1
 
 
+def test_numbers_no_column_holds_cost_their_own_record_or_value_never_the_flush(tmp_path: Path) -> None:
+    """A numpy complex count, a complex reported loss, a NaN rescale and a step past 64 bits each lost every record
+    of the flush or of its update (a complex passed the check as a numpy scalar; the step failed the table)."""
+    import numpy as np
+
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        with Recorder(tmp_path, run_id="numbers", flush_every=4096) as rec:
+            for step in range(4):
+                rec.begin_step(step if step != 2 else 1 << 70)
+                rec.record(loss_sum=6.0, valid_tokens=3, backward_scalar=1.0)
+                rec.record(loss_sum=6.0, valid_tokens=np.complex128(3) if step == 0 else 3, backward_scalar=1.0)
+                rec.report_loss(np.complex128(2.0) if step == 1 else 2.0)
+                rec.scale_grads(float("nan") if step == 3 else 1.0)
+    rows = read_rows(tmp_path / "numbers")
+    assert len(rows) == 7 and sorted({r["step"] for r in rows}) == [0, 1, 2, 3]
+    assert [r["reported_loss"] for r in rows if r["step"] == 1] == [None, None]
+    assert {r["grad_scale"] for r in rows if r["step"] != 3} == {1.0}
+    assert {r["grad_scale"] for r in rows if r["step"] == 3} == {None}
+
+
 def test_an_impossible_number_of_positions_is_written_as_null_and_the_record_kept(tmp_path: Path) -> None:
     """T below n, negative, not whole or past 2³¹ − 1 would make the auditor refuse the whole shard: the
     recorder writes that T as null, keeps the record (and every good T), and warns once."""
