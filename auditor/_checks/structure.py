@@ -448,7 +448,8 @@ class WeightPresenceCheck(Check):
 
 
 class DeclaredWeightCheck(Check):
-    """term_weight_inconsistent: records of one step of this term that declare different λ."""
+    """term_weight_inconsistent: records of valid tokens of one step of this term that declare different λ, beyond
+    the tolerance (λ = 0.1·3 on one rank, 0.3 on another, is one λ)."""
 
     def __init__(self, term: TermInputs) -> None:
         super().__init__(term)
@@ -456,7 +457,9 @@ class DeclaredWeightCheck(Check):
 
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         low, high = column_of(block, "declared_low"), column_of(block, "declared_high")
-        self.differ.add(block, np.broadcast_to(low != high, len(block)) & ~np.isnan(low))
+        with np.errstate(invalid="ignore"):  # (NaN: no record declares one)
+            apart = np.abs(high - low) > self.context.rtol * np.maximum(np.abs(high), np.abs(low))
+        self.differ.add(block, np.broadcast_to(apart, len(block)))
 
     def findings(self) -> Iterator[Finding]:
         if not self.differ:

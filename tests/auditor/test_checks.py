@@ -1565,6 +1565,20 @@ def test_records_of_one_step_that_declare_different_weights_for_a_term_are_an_er
     assert "(step 1: λ from 0 to 0.5)" in finding.message
     report = audit_rows(tmp_path / "per_step", main + aux(lambda r: 0.0 if r["step"] == 1 else 0.5))
     assert report.verdicts == {"run": "correct"} and report.findings == []
+    # a record of no valid token weighs nothing whatever its λ; 0.1·3 and 0.3 are one λ
+    some_empty = [[[0, 1], [3, 7]], [[2, 6], [6, 2]], [[8, 4], [2, 8]]]  # rank 0's first microbatch: no aux token
+    empty = [
+        dict(
+            r,
+            term="aux",
+            term_weight=0.0 if r["valid_tokens"] == 0 else 0.3,
+            backward_scalar=0.3 * r["backward_scalar"],
+        )
+        for r in records(some_empty, token_mean)
+    ]
+    rounded = aux(lambda r: 0.1 * 3 if r["rank"] == 0 else 0.3)
+    for name, rows in (("empty", main + empty), ("rounded", main + rounded)):
+        assert audit_rows(tmp_path / name, rows).verdicts == {"run": "correct"}, name
 
 
 def _killed(counts: list[Any], cut: list[Any], **columns: Any) -> list[dict[str, Any]]:
