@@ -25,8 +25,8 @@ class UnsyncedEnd:
 
 def unsynced_end(parts: Iterable[pd.DataFrame]) -> UnsyncedEnd | None:
     """The run's last step, where the run may have ended inside that update: every record of it, of every group and
-    term, unsynchronized on every rank and said neither applied nor skipped; and on each group's main term it holds
-    fewer microbatches on some rank than every update before it held, where those synchronized (none lacks a
+    term, unsynchronized on every rank and said neither applied nor skipped; and on each group's main term every rank
+    of it holds fewer microbatches than any rank held in any update before it, where those synchronized (none lacks a
     synchronization, some had one). None otherwise: an update of its whole microbatches, one said applied, or a
     term that synchronized there, is judged (`missing_sync` reads it)."""
     endings: dict[tuple[str, str], Ending] = {}
@@ -46,6 +46,6 @@ def unsynced_end(parts: Iterable[pd.DataFrame]) -> UnsyncedEnd | None:
     cut = (
         bool(mains)
         and all(ending.at.cut for ending in at_last.values())
-        and all(e.before.synced and not e.before.unsynced and e.at.fewest < e.before.fewest for e in mains)
+        and all(e.before.synced and not e.before.unsynced and e.short for e in mains)
     )
     return UnsyncedEnd(int(last), not any(e.before.unsaid for e in mains)) if cut else None

@@ -12,24 +12,29 @@ import numpy.typing as npt
 
 @dataclass(frozen=True)
 class Later:
-    """Of a run, over every loss term and group: its last step with valid tokens, and its last whose losses ΣS are
-    finite (-inf: none)."""
+    """Of a run, over every loss term and group: its last step with valid tokens, its last whose losses ΣS are
+    finite, and its last a record says was applied (`skipped` false) (-inf: none)."""
 
     told: float = -math.inf
     finite: float = -math.inf
+    applied: float = -math.inf
 
     @classmethod
-    def of(cls, step: npt.NDArray[np.int64], told: npt.NDArray[np.bool_], finite: npt.NDArray[np.bool_]) -> Later:
-        """Of these steps: the last with valid tokens (`told`), and the last of those whose losses are `finite`."""
+    def of(
+        cls,
+        step: npt.NDArray[np.int64],
+        told: npt.NDArray[np.bool_],
+        finite: npt.NDArray[np.bool_],
+        applied: npt.NDArray[np.bool_],
+    ) -> Later:
+        """Of these steps: the last with valid tokens (`told`), the last of those whose losses are `finite`, and the
+        last said `applied`."""
         finite = told & finite
-        return cls(
-            float(step[told].max()) if told.any() else -math.inf,
-            float(step[finite].max()) if finite.any() else -math.inf,
-        )
+        return cls(*(float(step[at].max()) if at.any() else -math.inf for at in (told, finite, applied)))
 
     def joined(self, other: Later) -> Later:
         """Over both: the later of each."""
-        return Later(max(self.told, other.told), max(self.finite, other.finite))
+        return Later(max(self.told, other.told), max(self.finite, other.finite), max(self.applied, other.applied))
 
     def reached(self, steps: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
         """Of these steps, where the value reached the weights (a step with valid tokens follows, and none after

@@ -266,7 +266,8 @@ class _Shape:
         self.microbatches = max(self.microbatches, float(block.microbatches_high.max()))
         self.reported = self.reported or bool((column_of(block, "reported") > 0).any())
         told, finite = column_of(block, "tokens") > 0, np.isfinite(column_of(block, "loss"))
-        self.later = self.later.joined(Later.of(column_of(block, "step"), told, finite))
+        applied = column_of(block, "skipped_false") > 0
+        self.later = self.later.joined(Later.of(column_of(block, "step"), told, finite, applied))
 
     def context(self, run: str, term: str, sizes: tuple[int, ...], rtol: float, provenance: Provenance) -> RunContext:
         def mode(counts: dict[Any, int]) -> Any:

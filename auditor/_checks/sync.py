@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from tokaudit._checks.base import Check, TermInputs, column_of, make_finding, nan_sum
+from tokaudit._checks.base import Check, TermInputs, column_of, grouped, make_finding, nan_sum
 from tokaudit._normalization import Diagnoses
 from tokaudit.codes import Code, Severity
 from tokaudit._report import Finding
@@ -26,11 +26,14 @@ class SyncCheck(Check):
         self.missing, self.unsynced, self.cleared = self.steps(), 0.0, 0
         self.every, self.every_count, self.multi_count = self.steps(), 0, 0
         self.every_micro = (math.inf, 0.0)  # the fewest and most microbatches of those steps
-        self.ending = Ending()
+        self.endings: dict[str, Ending] = {}  # per group
+        self.run_last = term.later.told  # the run's last step with valid tokens, over every term
+        self.applied_last = term.later.applied >= self.run_last  # a record of it, of any term, said applied
 
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         step, unsynced = column_of(block, "step"), column_of(block, "unsynced_ranks")
-        self.ending.add(block)
+        for group, rows in grouped(block.grp):
+            self.endings.setdefault(group, Ending()).add(block.iloc[rows] if isinstance(rows, np.ndarray) else block)
         records = column_of(block, "records")
         self.missing.add(step[unsynced > 0])
         self.unsynced += nan_sum(unsynced)
@@ -73,14 +76,14 @@ class SyncCheck(Check):
             seen = self.missing.range()
             # the run's last update alone: a loop that ended inside it (a loader drawn ahead, whose end the trainer
             # did not see) neither syncs nor steps, and reads the same
-            last, at, before = self.ending.last, self.ending.at, self.ending.before
-            alone = seen.count == 1 and seen.first == last
+            alone = seen.count == 1 and seen.first == self.run_last
             ended = (
                 " Only the run's last step: if the run ended inside that update, nothing was applied." if alone else ""
             )
-            # cut short (fewer microbatches on some rank than every update before) and never said applied: a kill
-            # inside the update reads the same, and the logs cannot tell
-            cannot = alone and at.fewest < before.fewest and not at.applied
+            # in every group that holds it cut short (fewer microbatches on every rank than every update before) and
+            # never said applied: a kill inside the update reads the same, and the logs cannot tell
+            there = [ending for ending in self.endings.values() if ending.last == self.run_last]
+            cannot = alone and bool(there) and not self.applied_last and all(e.short for e in there)
             yield make_finding(
                 self.context,
                 Code.MISSING_SYNC,
@@ -123,6 +126,8 @@ class Seen:
 
     fewest: float = np.inf
     """The fewest microbatches a rank holds."""
+    most: float = -np.inf
+    """The most."""
     unsynced: bool = False
     """Some rank's last microbatch did not synchronize."""
     synced: bool = False
@@ -135,7 +140,7 @@ class Seen:
     """Every step: every rank's last microbatch unsynchronized, known so, and no record said applied or not."""
 
     def merge(self, other: Seen) -> None:
-        self.fewest = min(self.fewest, other.fewest)
+        self.fewest, self.most = min(self.fewest, other.fewest), max(self.most, other.most)
         self.unsynced, self.synced = self.unsynced or other.unsynced, self.synced or other.synced
         self.unsaid, self.cut = self.unsaid or other.unsaid, self.cut and other.cut
         self.applied = self.applied or other.applied
@@ -151,6 +156,7 @@ class Seen:
         said = rows.skipped_true.to_numpy(float, na_value=0) + taken
         return cls(
             fewest=float(rows.microbatches_low.min()),
+            most=float(rows.microbatches_high.max()),
             unsynced=bool((unsynced > 0).any()),
             synced=bool((known & (unsynced == 0)).any()),
             unsaid=bool((said < records).any()),
@@ -177,3 +183,8 @@ class Ending:
             self.last, self.at = float(step.max()), Seen()
         self.before.merge(Seen.of(rows[step < self.last]))
         self.at.merge(Seen.of(rows[step == self.last]))
+
+    @property
+    def short(self) -> bool:
+        """Every rank of the last step holds fewer microbatches than any rank held in any update before it."""
+        return self.at.most < self.before.fewest

@@ -1598,18 +1598,19 @@ def test_a_last_update_cut_short_is_read_per_group_and_rank_and_never_where_some
     tmp_path: Path,
 ) -> None:
     """A kill inside the last update: left out where each group's ranks hold fewer microbatches than before (a group
-    of one microbatch beside one of two; ranks of 2 and 4 microbatches cut to 1 and 3), not where another term says
-    the update was applied and synchronized (that term's weights then judged), and inconclusive where launches before
-    it did not say what they applied. Where the cut cannot be left out (sync recorded by one rank only), the logs
-    cannot tell: inconclusive, not incorrect."""
+    of one microbatch beside one of two), not where a rank holds as many as before, nor where another term says the
+    update was applied and synchronized (that term's weights then judged), and inconclusive where launches before it
+    did not say what they applied. Where the cut cannot be left out (sync recorded by one rank only), the logs cannot
+    tell: inconclusive, not incorrect."""
     two = [[[5, 1], [3, 7]], [[2, 6], [6, 2]], [[8, 4], [2, 8]]]
     groups = _killed(two, [[[4], [1]]], group="g0") + [
         dict(r, group="g1", skipped=False, sync=True) for r in records([[[3], [4]]] * 3, token_mean)
     ]
-    ranks = _killed([[[2, 3], [1, 2, 3, 4]]] * 3, [[[2], [1, 2, 3]]])
-    for name, rows in (("groups", groups), ("ranks", ranks)):
-        report = audit_rows(tmp_path / name, rows)
-        assert report.verdicts == {"run": "correct"} and codes(report) == {"unfinished_update"}, name
+    report = audit_rows(tmp_path / "groups", groups)
+    assert report.verdicts == {"run": "correct"} and codes(report) == {"unfinished_update"}
+    # a rank that ran as many microbatches as before and never synchronized is no kill's
+    full = [r for r in _killed(two, [[[4, 3], [1, 6]]]) if not (r["step"] == 3 and r["rank"] == 0 and r["micro"] == 1)]
+    assert "missing_sync" in codes(audit_rows(tmp_path / "full", full))
     applied = _killed(two, [[[4], [1]]]) + [
         dict(r, term="x", sync=r["micro"] == 1, skipped=False, backward_scalar=2 * r["backward_scalar"])
         for r in records([*two, [[4, 3], [1, 6]]], token_mean)
@@ -1623,3 +1624,18 @@ def test_a_last_update_cut_short_is_read_per_group_and_rank_and_never_where_some
     one_rank = [dict(r, sync=None) if r["rank"] == 1 else r for r in _killed(two, [[[4], [1]]])]
     report = audit_rows(tmp_path / "one_rank", one_rank)
     assert report.verdicts == {"run": "inconclusive"} and only(report, Code.MISSING_SYNC).evidence["cut_short"]
+    # a group whose whole last update did not synchronize beside one cut short; a term's update cut short mid-run
+    beside = groups + [
+        dict(r, group="g2", skipped=r["step"] < 3 or None, sync=r["micro"] == 1 and r["step"] < 3)
+        for r in records([*two, [[4, 3], [1, 6]]], token_mean)
+    ]
+    assert "missing_sync" in {
+        f.code.value for f in audit_rows(tmp_path / "beside", beside).findings if f.severity == Severity.ERROR
+    }
+    # (terms named "main" and "aux": "aux", first by name, is the one whose sync is read)
+    mid = [dict(r, term="main", skipped=False, sync=r["micro"] == 1) for r in records([*two, *two], token_mean)]
+    mid = [dict(r, backward_scalar=r["loss_sum"] / r["valid_tokens"]) if r["step"] == 1 else r for r in mid]
+    aux = records([[[4, 3], [1, 6]], [[2], [6]]], token_mean, term="aux")
+    mid += [dict(r, skipped=False, sync=r["micro"] == 1 and r["step"] == 0) for r in aux]
+    report = audit_rows(tmp_path / "mid", mid)
+    assert report.verdicts == {"run": "incorrect"} and only(report, Code.LOCAL_MEAN).severity == Severity.ERROR
