@@ -1,6 +1,7 @@
 """A run whose last update was cut short: a job killed inside it after a flush (SIGKILL, which no recorder can answer,
 leaves no note that it stopped) leaves that update's first microbatches, none synchronized, never applied. Its weights
-(part of an update's tokens) are no claim about the run: it is left out and said (`unfinished_update`)."""
+(part of an update's tokens) are no claim about the run: it is left out, and said with a warning (`unfinished_update`):
+a loop that flushed and then stepped a short last update unsynchronized leaves the same records."""
 
 from __future__ import annotations
 
@@ -18,16 +19,13 @@ class UnsyncedEnd:
     """The run's last update, cut short unsynchronized (`unsynced_end`)."""
 
     step: int
-    told: bool
-    """The recorder said of every update before it whether it was applied, and of this one nothing: it was not. Else
-    the logs cannot tell it from a short last update stepped unsynchronized, a bug."""
 
 
 def unsynced_end(parts: Iterable[pd.DataFrame]) -> UnsyncedEnd | None:
     """The run's last step, where the run may have ended inside that update: every record of it, of every group and
     term, unsynchronized on every rank and said neither applied nor skipped; and on each group's main term every rank
-    of it holds fewer microbatches than any rank held in any update before it, where those synchronized (none lacks a
-    synchronization, some had one). None otherwise: an update of its whole microbatches, one said applied, or a
+    of it holds fewer microbatches than the most a rank held before (`Ending.short`), where those synchronized (none
+    lacks a synchronization but an update said skipped, some had one). None otherwise: an update of its whole microbatches, one said applied, or a
     term that synchronized there, is judged (`missing_sync` reads it)."""
     endings: dict[tuple[str, str], Ending] = {}
     for part in parts:
@@ -48,4 +46,4 @@ def unsynced_end(parts: Iterable[pd.DataFrame]) -> UnsyncedEnd | None:
         and all(ending.at.cut for ending in at_last.values())
         and all(e.before.synced and not e.before.unsynced and e.short for e in mains)
     )
-    return UnsyncedEnd(int(last), not any(e.before.unsaid for e in mains)) if cut else None
+    return UnsyncedEnd(int(last)) if cut else None

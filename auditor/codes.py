@@ -436,7 +436,9 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         "in shards of several ranks each (a compaction's) no footer says which.",
         fix="Nothing where the run was stopped. Where a loader ends inside an update, let the trainer step it. A run "
         "still training: `tokaudit check --live`.",
-        severity_note="warning where the shards hold several ranks each: the logs cannot tell, alone `inconclusive`",
+        severity_note="warning where the shards hold several ranks each, and for a last update cut short after a flush "
+        "(a loop that flushed and then stepped it unsynchronized leaves the same records): the logs cannot tell, alone "
+        "`inconclusive`",
         example="SIGTERM between the two microbatches of update 5: steps 0–4 are judged, step 5 is said here. Rank 1 "
         "killed with its shards written through step 3, rank 0's through 5: steps 4–5 are said here.",
     ),

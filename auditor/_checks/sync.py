@@ -129,7 +129,7 @@ class Seen:
     most: float = -np.inf
     """The most."""
     unsynced: bool = False
-    """Some rank's last microbatch did not synchronize."""
+    """Some rank's last microbatch did not synchronize, in an update not said skipped (a guard's, cleared)."""
     synced: bool = False
     """Some step synchronized on every rank."""
     unsaid: bool = False
@@ -157,7 +157,7 @@ class Seen:
         return cls(
             fewest=float(rows.microbatches_low.min()),
             most=float(rows.microbatches_high.max()),
-            unsynced=bool((unsynced > 0).any()),
+            unsynced=bool(((unsynced > 0) & ~(rows.skipped_true.to_numpy(float, na_value=0) == records)).any()),
             synced=bool((known & (unsynced == 0)).any()),
             unsaid=bool((said < records).any()),
             applied=bool((taken > 0).any()),
@@ -186,5 +186,6 @@ class Ending:
 
     @property
     def short(self) -> bool:
-        """Every rank of the last step holds fewer microbatches than any rank held in any update before it."""
-        return self.at.most < self.before.fewest
+        """Every rank of the last step holds fewer microbatches than the most a rank held before (a rank of as many
+        ran its whole update: no kill's; updates of fewer microbatches, or ranks that run fewer, may come before)."""
+        return self.at.most < self.before.most

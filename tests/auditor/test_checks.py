@@ -1209,28 +1209,25 @@ def test_a_run_whose_last_update_alone_never_synced_says_it_may_have_ended_insid
 @pytest.mark.parametrize("scalar", [token_mean, local_mean])
 def test_a_run_killed_inside_its_last_update_after_a_flush_leaves_that_update_out(tmp_path: Path, scalar: Any) -> None:
     """A flush inside an update, then SIGKILL (which leaves no note that the run stopped): the last update holds its
-    first microbatch alone on every rank, unsynchronized, and the recorder, which said of every update before it
-    that it was applied, said nothing of it. Its weights (half an update's tokens, whatever its loss) are no claim
-    about the run; it is left out and said (it read missing_sync and scale_mismatch: incorrect), whatever a term
-    recorded on the first microbatch alone shows; in logs that never say what was applied, left out with a warning
-    that they cannot tell (inconclusive). Said applied, cut on one rank only, or unsynced mid-run, it is judged: a
-    short last update stepped unsynchronized is a real bug."""
+    first microbatch alone on every rank, unsynchronized, and nothing says it was applied. Its weights (half an
+    update's tokens, whatever its loss) are no claim about the run, and a loop that flushed and then stepped a short
+    last update unsynchronized leaves the same records: left out with a warning that the logs cannot tell,
+    inconclusive (it read missing_sync and scale_mismatch: incorrect), whatever a term recorded on the first
+    microbatch alone shows. Said applied, cut on one rank only, or unsynced mid-run, it is judged: a short last
+    update stepped unsynchronized is a real bug."""
     killed = [row for row in records([[[4, 3], [1, 6]]], scalar, step_offset=3) if row["micro"] == 0]
     rows = [dict(row, skipped=False) for row in records(UNEVEN_GA, token_mean)] + killed
     for row in rows:
         row["sync"] = row["micro"] == 1
     firsts = [[[ranks[0][0]], [ranks[1][0]]] for ranks in [*UNEVEN_GA, [[4, 3], [1, 6]]]]  # microbatch 0's tokens
     aux = [dict(row, term="aux", sync=False) for row in records(firsts, token_mean)]
-    for name, judged in (("killed", rows), ("with_aux", rows + aux)):
+    untold = [dict(row, skipped=None) for row in rows]
+    for name, judged in (("killed", rows), ("with_aux", rows + aux), ("untold", untold)):
         report = audit_rows(tmp_path / name, judged)
         finding = only(report, Code.UNFINISHED_UPDATE)
-        assert report.verdicts == {"run": "correct"} and codes(report) == {"unfinished_update"}, name
-        assert finding.steps.first == 3 and "fewer microbatches than every update before it" in finding.message
-    # logs that never say what was applied cannot tell it from a short last update stepped unsynchronized
-    report = audit_rows(tmp_path / "untold", [dict(row, skipped=None) for row in rows])
-    finding = only(report, Code.UNFINISHED_UPDATE)
-    assert report.verdicts == {"run": "inconclusive"} and finding.severity == Severity.WARNING
-    assert "These logs do not say which updates were applied (`skipped`)" in finding.message
+        assert report.verdicts == {"run": "inconclusive"} and codes(report) == {"unfinished_update"}, name
+        assert finding.steps.first == 3 and finding.severity == Severity.WARNING
+        assert "fewer microbatches than the updates before it" in finding.message and "cannot tell" in finding.message
     said = [dict(row, skipped=False) if row["step"] == 3 else row for row in rows]
     cut = [*rows, dict(rows[-1], micro=1, sync=True)]  # rank 1 finished it: rank 0 stepped on its own gradient
     middle = [dict(row, sync=row["micro"] == 1 and row["step"] != 1) for row in rows]
@@ -1597,17 +1594,23 @@ def _killed(counts: list[Any], cut: list[Any], **columns: Any) -> list[dict[str,
 def test_a_last_update_cut_short_is_read_per_group_and_rank_and_never_where_something_says_it_was_applied(
     tmp_path: Path,
 ) -> None:
-    """A kill inside the last update: left out where each group's ranks hold fewer microbatches than before (a group
-    of one microbatch beside one of two), not where a rank holds as many as before, nor where another term says the
-    update was applied and synchronized (that term's weights then judged), and inconclusive where launches before it
-    did not say what they applied. Where the cut cannot be left out (sync recorded by one rank only), the logs cannot
-    tell: inconclusive, not incorrect."""
+    """A kill inside the last update: left out with a warning where each group's ranks hold fewer microbatches than
+    the most before (a group of one microbatch beside one of two; updates of 4, 4, 2 and 4 microbatches, cut at 2;
+    an update a guard dropped before), not where a rank holds as many as before, nor where another term says the
+    update was applied and synchronized (that term's weights then judged). Where the cut cannot be left out (sync
+    recorded by one rank only), the logs cannot tell: inconclusive, not incorrect."""
     two = [[[5, 1], [3, 7]], [[2, 6], [6, 2]], [[8, 4], [2, 8]]]
     groups = _killed(two, [[[4], [1]]], group="g0") + [
         dict(r, group="g1", skipped=False, sync=True) for r in records([[[3], [4]]] * 3, token_mean)
     ]
-    report = audit_rows(tmp_path / "groups", groups)
-    assert report.verdicts == {"run": "correct"} and codes(report) == {"unfinished_update"}
+    varied = _killed(
+        [[[1, 1, 1, 1], [2, 2, 2, 2]]] * 2 + [[[3, 3], [1, 5]], [[1, 1, 1, 1], [2, 2, 2, 2]]], [[[2, 2], [1, 1]]]
+    )
+    guarded = _killed(two, [[[4], [1]]])
+    guarded = [dict(r, skipped=True, sync=False) if r["step"] == 1 else r for r in guarded]  # dropped by a guard
+    for name, rows in (("groups", groups), ("varied", varied), ("guarded", guarded)):
+        report = audit_rows(tmp_path / name, rows)
+        assert report.verdicts == {"run": "inconclusive"} and "unfinished_update" in codes(report), name
     # a rank that ran as many microbatches as before and never synchronized is no kill's
     full = [r for r in _killed(two, [[[4, 3], [1, 6]]]) if not (r["step"] == 3 and r["rank"] == 0 and r["micro"] == 1)]
     assert "missing_sync" in codes(audit_rows(tmp_path / "full", full))
