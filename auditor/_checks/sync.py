@@ -187,5 +187,6 @@ class Ending:
     @property
     def short(self) -> bool:
         """Every rank of the last step holds fewer microbatches than the most a rank held before (a rank of as many
-        ran its whole update: no kill's; updates of fewer microbatches, or ranks that run fewer, may come before)."""
-        return self.at.most < self.before.most
+        ran its whole update: no kill's; updates of fewer microbatches, or ranks that run fewer, may come before), or
+        it is the only step (no update says how many a whole one holds)."""
+        return self.at.most < self.before.most or self.before.most == -np.inf

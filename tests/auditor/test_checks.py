@@ -1625,8 +1625,10 @@ def test_a_last_update_cut_short_is_read_per_group_and_rank_and_never_where_some
         report.verdicts == {"run": "inconclusive"} and only(report, Code.UNFINISHED_UPDATE).severity == Severity.WARNING
     )
     one_rank = [dict(r, sync=None) if r["rank"] == 1 else r for r in _killed(two, [[[4], [1]]])]
-    report = audit_rows(tmp_path / "one_rank", one_rank)
-    assert report.verdicts == {"run": "inconclusive"} and only(report, Code.MISSING_SYNC).evidence["cut_short"]
+    only_one = _killed([], [[[4], [1]]])  # a run of one step, cut: no update says how many a whole one holds
+    for name, rows in (("one_rank", one_rank), ("only_one", only_one)):
+        report = audit_rows(tmp_path / name, rows)
+        assert report.verdicts == {"run": "inconclusive"} and only(report, Code.MISSING_SYNC).evidence["cut_short"]
     # a group whose whole last update did not synchronize beside one cut short; a term's update cut short mid-run
     beside = groups + [
         dict(r, group="g2", skipped=r["step"] < 3 or None, sync=r["micro"] == 1 and r["step"] < 3)
