@@ -32,9 +32,7 @@ def unsynced_end(parts: Iterable[pd.DataFrame]) -> UnsyncedEnd | None:
         for group, rows in grouped(part.grp):
             block = part.iloc[rows] if isinstance(rows, np.ndarray) else part
             for term, held in grouped(block.term):
-                endings.setdefault((group, term), Ending()).add(
-                    block.iloc[held] if isinstance(held, np.ndarray) else block
-                )
+                endings.setdefault((group, term), Ending()).add(block, held)
     if not endings:
         return None
     last = max(ending.last for ending in endings.values())

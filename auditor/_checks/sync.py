@@ -6,8 +6,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 
 from tokaudit._checks.base import Check, TermInputs, column_of, grouped, make_finding, nan_sum
@@ -33,7 +35,7 @@ class SyncCheck(Check):
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         step, unsynced = column_of(block, "step"), column_of(block, "unsynced_ranks")
         for group, rows in grouped(block.grp):
-            self.endings.setdefault(group, Ending()).add(block.iloc[rows] if isinstance(rows, np.ndarray) else block)
+            self.endings.setdefault(group, Ending()).add(block, rows)
         records = column_of(block, "records")
         self.missing.add(step[unsynced > 0])
         self.unsynced += nan_sum(unsynced)
@@ -146,23 +148,37 @@ class Seen:
         self.applied = self.applied or other.applied
 
     @classmethod
-    def of(cls, rows: pd.DataFrame) -> Seen:
-        if not len(rows):
+    def of(cls, columns: dict[str, npt.NDArray[Any]], rows: npt.NDArray[np.bool_]) -> Seen:
+        """Of these `rows` of a block's `columns` (`Ending.add`)."""
+        if not rows.any():
             return cls()
-        unsynced = rows.unsynced_ranks.to_numpy(dtype=float, na_value=np.nan)
-        records = rows.records.to_numpy()
-        known = rows.sync_known.to_numpy() == records
-        taken = rows.skipped_false.to_numpy(float, na_value=0)
-        said = rows.skipped_true.to_numpy(float, na_value=0) + taken
+        unsynced, records, ranks = columns["unsynced_ranks"][rows], columns["records"][rows], columns["ranks"][rows]
+        known = columns["sync_known"][rows] == records
+        taken, dropped = columns["skipped_false"][rows], columns["skipped_true"][rows]
+        said = dropped + taken
         return cls(
-            fewest=float(rows.microbatches_low.min()),
-            most=float(rows.microbatches_high.max()),
-            unsynced=bool(((unsynced > 0) & ~(rows.skipped_true.to_numpy(float, na_value=0) == records)).any()),
+            fewest=float(columns["microbatches_low"][rows].min()),
+            most=float(columns["microbatches_high"][rows].max()),
+            unsynced=bool(((unsynced > 0) & ~(dropped == records)).any()),
             synced=bool((known & (unsynced == 0)).any()),
             unsaid=bool((said < records).any()),
             applied=bool((taken > 0).any()),
-            cut=bool((known & (unsynced == rows.ranks.to_numpy()) & (said == 0)).all()),
+            cut=bool((known & (unsynced == ranks) & (said == 0)).all()),
         )
+
+
+_READ = (
+    "unsynced_ranks",
+    "records",
+    "ranks",
+    "sync_known",
+    "skipped_false",
+    "skipped_true",
+    "microbatches_low",
+    "microbatches_high",
+)
+_NAN = ("unsynced_ranks", "sync_known")
+"""What `Seen.of` reads; where no record says whether it synchronized (NaN), no step counts as synchronized or not."""
 
 
 @dataclass
@@ -173,16 +189,22 @@ class Ending:
     at: Seen = field(default_factory=Seen)
     before: Seen = field(default_factory=Seen)
 
-    def add(self, rows: pd.DataFrame) -> None:
-        step = rows.step.to_numpy()
+    def add(self, block: pd.DataFrame, rows: Any = slice(None)) -> None:
+        """These `rows` of a block (a slice, or the indices of one group's)."""
+        step = column_of(block, "step")[rows]
         if not len(step):
             return
         if step.max() > self.last:  # what was the last step is one before it now
             if self.last > -np.inf:
                 self.before.merge(self.at)
             self.last, self.at = float(step.max()), Seen()
-        self.before.merge(Seen.of(rows[step < self.last]))
-        self.at.merge(Seen.of(rows[step == self.last]))
+        # the columns read, as arrays (a mask of a frame would copy every column of it); a count absent is 0
+        columns = {
+            name: np.nan_to_num(column_of(block, name)[rows].astype(float)) for name in _READ if name not in _NAN
+        }
+        columns.update({name: column_of(block, name)[rows].astype(float) for name in _NAN})
+        self.before.merge(Seen.of(columns, step < self.last))
+        self.at.merge(Seen.of(columns, step == self.last))
 
     @property
     def short(self) -> bool:
