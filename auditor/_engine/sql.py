@@ -306,17 +306,15 @@ def records_view(dedup: str) -> str:
     weight after the reduction, relative to the term's declared weight λ (1 unless declared). Correct iff e·N = 1.
     λ = 0, a term switched off on purpose (a warm-up), weighs its tokens 0 whatever the normalization: no e where
     c = 0; where c ≠ 0 the term was not off, and its weight is judged as a token mean's (λ = 1)."""
+    c = """CASE WHEN valid_tokens > 0 THEN
+                CASE WHEN token_weight_sum IS NOT NULL THEN token_weight_sum / valid_tokens
+                     WHEN loss_sum <> 0 THEN backward_scalar / loss_sum END
+            END"""
     return f"""
         CREATE OR REPLACE TEMP VIEW records AS
-        SELECT *,
-            c * grad_scale / grad_divisor / CASE WHEN term_weight <> 0 THEN term_weight WHEN c <> 0 THEN 1 END AS eff
-        FROM (
-            SELECT *,
-                CASE WHEN valid_tokens > 0 THEN
-                    CASE WHEN token_weight_sum IS NOT NULL THEN token_weight_sum / valid_tokens
-                         WHEN loss_sum <> 0 THEN backward_scalar / loss_sum END
-                END AS c
-            FROM raw_records {dedup})"""
+        SELECT *, {c} AS c,
+            {c} * grad_scale / grad_divisor / CASE WHEN term_weight <> 0 THEN term_weight WHEN {c} <> 0 THEN 1 END AS eff
+        FROM raw_records {dedup}"""
 
 
 RUN_SCANS = 16
