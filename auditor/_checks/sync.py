@@ -149,21 +149,21 @@ class Seen:
 
     @classmethod
     def of(cls, columns: dict[str, npt.NDArray[Any]], rows: npt.NDArray[np.bool_]) -> Seen:
-        """Of these `rows` of a block's `columns` (`Ending.add`)."""
+        """Of these `rows` of a block's `columns` (`Ending.add`), read where they are, not copied out."""
         if not rows.any():
             return cls()
-        unsynced, records, ranks = columns["unsynced_ranks"][rows], columns["records"][rows], columns["ranks"][rows]
-        known = columns["sync_known"][rows] == records
-        taken, dropped = columns["skipped_false"][rows], columns["skipped_true"][rows]
+        unsynced, records, ranks = columns["unsynced_ranks"], columns["records"], columns["ranks"]
+        known = columns["sync_known"] == records
+        taken, dropped = columns["skipped_false"], columns["skipped_true"]
         said = dropped + taken
         return cls(
             fewest=float(columns["microbatches_low"][rows].min()),
             most=float(columns["microbatches_high"][rows].max()),
-            unsynced=bool(((unsynced > 0) & ~(dropped == records)).any()),
-            synced=bool((known & (unsynced == 0)).any()),
-            unsaid=bool((said < records).any()),
-            applied=bool((taken > 0).any()),
-            cut=bool((known & (unsynced == ranks) & (said == 0)).all()),
+            unsynced=bool(((unsynced > 0) & (dropped != records) & rows).any()),
+            synced=bool((known & (unsynced == 0) & rows).any()),
+            unsaid=bool(((said < records) & rows).any()),
+            applied=bool(((taken > 0) & rows).any()),
+            cut=bool((known & (unsynced == ranks) & (said == 0) | ~rows).all()),
         )
 
 
@@ -177,7 +177,6 @@ _READ = (
     "microbatches_low",
     "microbatches_high",
 )
-_NAN = ("unsynced_ranks", "sync_known")
 """What `Seen.of` reads; where no record says whether it synchronized (NaN), no step counts as synchronized or not."""
 
 
@@ -198,11 +197,10 @@ class Ending:
             if self.last > -np.inf:
                 self.before.merge(self.at)
             self.last, self.at = float(step.max()), Seen()
-        # the columns read, as arrays (a mask of a frame would copy every column of it); a count absent is 0
-        columns = {
-            name: np.nan_to_num(column_of(block, name)[rows].astype(float)) for name in _READ if name not in _NAN
-        }
-        columns.update({name: column_of(block, name)[rows].astype(float) for name in _NAN})
+        # the columns read, as arrays (a mask of a frame would copy every column of it); a skip not said is 0
+        columns = {name: column_of(block, name)[rows] for name in _READ}
+        for name in ("skipped_false", "skipped_true"):
+            columns[name] = np.nan_to_num(columns[name].astype(float, copy=False))
         self.before.merge(Seen.of(columns, step < self.last))
         self.at.merge(Seen.of(columns, step == self.last))
 
