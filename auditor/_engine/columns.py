@@ -245,9 +245,9 @@ STEP_COLUMNS = (
     StepColumn("declared_weights", "records that declare their term's weight λ (≠ 1)", S, "count_if(term_weight <> 1)",
                I, reads=("term_weight",), absent="0"),
     StepColumn("declared_low", "the least λ a record of valid tokens declares (1: none)", S,
-               "min(term_weight) FILTER (valid_tokens > 0)", reads=("term_weight",), absent="CAST(NULL AS DOUBLE)"),
+               "min(term_weight) FILTER (valid_tokens > 0)", reads=("term_weight",), absent="1"),
     StepColumn("declared_high", "the greatest λ", S, "max(term_weight) FILTER (valid_tokens > 0)",
-               reads=("term_weight",), absent="CAST(NULL AS DOUBLE)"),
+               reads=("term_weight",), absent="1"),
     # NaN never shows in a file's statistics, nor T < n where a file's T and n overlap: counted here, the
     # files are then named (Engine.unusable_files)
     StepColumn("unusable_values", "records no audit can use (a NaN D or g, T < n)", S,

@@ -145,7 +145,7 @@ def constants(one_record: bool, absent: frozenset[str] = frozenset()) -> dict[st
         if value in _NULLS:
             found[c.name] = np.array([np.nan])
         elif value is not None and value.isdigit():
-            found[c.name] = np.array([int(value)], dtype=FETCHED_TYPES[c.type])
+            found[c.name] = np.array([int(value)], dtype=FETCHED_TYPES[c.type or None])
     return found
 
 
@@ -183,9 +183,15 @@ def valueless_columns(shards: Sequence[Shard]) -> frozenset[str]:
 
 def absent_values(shards: Sequence[Shard]) -> frozenset[str]:
     """What no record of these shards holds, by their footers (`StepColumn.reads`): the valueless optional columns,
-    and WIDE_MICRO where no microbatch index reaches 64."""
+    `term_weight` where no file has the column (every λ its default, 1), and WIDE_MICRO where no microbatch index
+    reaches 64."""
     narrow = bool(shards) and all(s.micro_range is not None and s.micro_range[1] < 64 for s in shards)
-    return valueless_columns(shards) | (frozenset({WIDE_MICRO}) if narrow else frozenset())
+    undeclared = bool(shards) and all("term_weight" not in s.columns for s in shards)
+    return (
+        valueless_columns(shards)
+        | (frozenset({WIDE_MICRO}) if narrow else frozenset())
+        | (frozenset({"term_weight"}) if undeclared else frozenset())
+    )
 
 
 def one_name_of(shards: Sequence[Shard]) -> tuple[str, str, str] | None:

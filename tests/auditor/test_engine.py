@@ -1278,6 +1278,7 @@ def test_the_documented_query_is_the_one_generated_and_the_one_that_runs(tmp_pat
         skipped=False,
         positions=64,
         divisor_known=True,
+        term_weight=1.0,
         precision_bits=24,
     )
     rows = records(UNEVEN_GA * 4, local_mean, **every)
