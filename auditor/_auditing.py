@@ -300,9 +300,10 @@ class _RunJudge:
         rtol = judged_rtol(self.judging.rtol, bits)
         # the update the run stopped inside (its recorder said so) is left out, unless it is all there is
         stopped, ended = self.setups.get(run, Provenance()).unfinished, None
-        # or as its records show it: its last update cut short, unsynchronized, and never said applied
-        cut = unsynced_end(selected_runs(parts, [run])) if stopped is None and self.unsynced else None
-        stopped = cut.step if cut is not None else stopped
+        cut = False  # or as its records show it: its last update cut short, unsynchronized, never said applied
+        if stopped is None and self.unsynced:
+            stopped = unsynced_end(selected_runs(parts, [run]))
+            cut = stopped is not None
         if self.ends is not None:  # the groups the footers leave unsettled: from the records
             from_records = recorded_end(run, lambda: selected_runs(parts, [run]), self.ends)
             ended = both_ends(self.ends.found.get(run), from_records)

@@ -6,7 +6,6 @@ a loop that flushed and then stepped a short last update unsynchronized leaves t
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -14,19 +13,12 @@ import pandas as pd
 from tokaudit._checks import Ending, grouped, main_term_first
 
 
-@dataclass(frozen=True)
-class UnsyncedEnd:
-    """The run's last update, cut short unsynchronized (`unsynced_end`)."""
-
-    step: int
-
-
-def unsynced_end(parts: Iterable[pd.DataFrame]) -> UnsyncedEnd | None:
+def unsynced_end(parts: Iterable[pd.DataFrame]) -> int | None:
     """The run's last step, where the run may have ended inside that update: every record of it, of every group and
     term, unsynchronized on every rank and said neither applied nor skipped; and on each group's main term every rank
     of it holds fewer microbatches than the most a rank held before (`Ending.short`), where those synchronized (none
-    lacks a synchronization but an update said skipped, some had one). None otherwise: an update of its whole microbatches, one said applied, or a
-    term that synchronized there, is judged (`missing_sync` reads it)."""
+    lacks a synchronization but an update said skipped, some had one). None otherwise: an update of its whole
+    microbatches, one said applied, or a term that synchronized there, is judged (`missing_sync` reads it)."""
     endings: dict[tuple[str, str], Ending] = {}
     for part in parts:
         for group, rows in grouped(part.grp):
@@ -44,4 +36,4 @@ def unsynced_end(parts: Iterable[pd.DataFrame]) -> UnsyncedEnd | None:
         and all(ending.at.cut for ending in at_last.values())
         and all(e.before.synced and not e.before.unsynced and e.short for e in mains)
     )
-    return UnsyncedEnd(int(last)) if cut else None
+    return int(last) if cut else None

@@ -12,7 +12,6 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit._cut import UnsyncedEnd
 from tokaudit._ends import spans_cover
 from tokaudit._checks import PARTIAL_UPDATE_FACTORS, RunSteps, cannot_tell, distinct, pooled_sums, run_finding
 from tokaudit._checks import weight_ratio, world_sizes
@@ -168,37 +167,37 @@ def _redone(
     return redone
 
 
-def unfinished_finding(run: str, step: int, cut: UnsyncedEnd | None = None) -> Finding:
+def unfinished_finding(run: str, step: int, cut: bool = False) -> Finding:
     """unfinished_update: the update a recorder closed inside, never stepped, left out of the checks. `cut`: no
     recorder said so; the run's last update is cut short and unsynchronized (`cut.unsynced_end`), which a loop that
     flushed and then stepped it unsynchronized leaves as well: a warning that the logs cannot tell."""
     seen = (
         "it holds fewer microbatches than the updates before it, and no rank's last of them synchronized "
         "gradients, as those of every update before it did: "
-        if cut is not None
+        if cut
         else ""
     )
     cannot = (
         " Nothing says it was applied, and a loop that flushed and then stepped a short last update without "
         "synchronizing (a bug) leaves the same records: the logs cannot tell."
-        if cut is not None
+        if cut
         else ""
     )
     return Finding(
         run=run,
         code=Code.UNFINISHED_UPDATE,
-        severity=Severity.WARNING if cut is not None else DEFAULT_SEVERITY[Code.UNFINISHED_UPDATE],
+        severity=Severity.WARNING if cut else DEFAULT_SEVERITY[Code.UNFINISHED_UPDATE],
         steps=StepRange(step, step, 1),
         message=f"The run stopped inside update {step}: {seen}its records never reached an optimizer step (a job "
         "stopped or preempted, an error, or a loader that ended inside the update), so it holds part of its "
         f"microbatches at most and is not judged; the updates before it are.{cannot}",
         fix="nothing where the run was killed; else synchronize the last microbatch of a short last update (outside "
         "no_sync()) or drop that update"
-        if cut is not None
+        if cut
         else "nothing where the run was stopped; where a loader ends inside an update, let the trainer step the short "
         "last update or draw whole updates only",
         evidence={"step": step},
-        undecidable=True if cut is not None else None,
+        undecidable=True if cut else None,
     )
 
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import operator
-
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 

@@ -82,8 +82,8 @@ class SyncCheck(Check):
             ended = (
                 " Only the run's last step: if the run ended inside that update, nothing was applied." if alone else ""
             )
-            # in every group that holds it cut short (fewer microbatches on every rank than every update before) and
-            # never said applied: a kill inside the update reads the same, and the logs cannot tell
+            # cut short in every group that holds it (`Ending.short`) and said applied by no record of any term: a
+            # kill inside the update reads the same, and the logs cannot tell
             there = [ending for ending in self.endings.values() if ending.last == self.run_last]
             cannot = alone and bool(there) and not self.applied_last and all(e.short for e in there)
             yield make_finding(
@@ -134,8 +134,6 @@ class Seen:
     """Some rank's last microbatch did not synchronize, in an update not said skipped (a guard's, cleared)."""
     synced: bool = False
     """Some step synchronized on every rank."""
-    unsaid: bool = False
-    """Some record says nothing of whether its update was applied (`skipped` null)."""
     applied: bool = False
     """Some record says its update was applied (`skipped` false)."""
     cut: bool = True
@@ -144,8 +142,7 @@ class Seen:
     def merge(self, other: Seen) -> None:
         self.fewest, self.most = min(self.fewest, other.fewest), max(self.most, other.most)
         self.unsynced, self.synced = self.unsynced or other.unsynced, self.synced or other.synced
-        self.unsaid, self.cut = self.unsaid or other.unsaid, self.cut and other.cut
-        self.applied = self.applied or other.applied
+        self.applied, self.cut = self.applied or other.applied, self.cut and other.cut
 
     @classmethod
     def of(cls, columns: dict[str, npt.NDArray[Any]], rows: npt.NDArray[np.bool_]) -> Seen:
@@ -161,7 +158,6 @@ class Seen:
             most=float(columns["microbatches_high"][rows].max()),
             unsynced=bool(((unsynced > 0) & (dropped != records) & rows).any()),
             synced=bool((known & (unsynced == 0) & rows).any()),
-            unsaid=bool(((said < records) & rows).any()),
             applied=bool(((taken > 0) & rows).any()),
             cut=bool((known & (unsynced == ranks) & (said == 0) | ~rows).all()),
         )
