@@ -58,8 +58,6 @@ class StepColumn:
     type: str = ""
     """DuckDB's type the table holds it in, where not the aggregate's own (counts as INTEGER: 4 bytes a step, not
     the 16 of DuckDB's sums)."""
-    single: str = ""
-    """Where every (rank, step) holds one record: the reduction over the step's records, where it differs."""
     one_record: str = ""
     """Where every (rank, step) holds one record: the value as an expression of the step's other columns, not
     aggregated (one other column's name: that column's array, held once)."""
@@ -263,18 +261,19 @@ STEP_COLUMNS = (
     StepColumn("light_n", "its record's valid tokens", R, f"arg_min(rank_light_n, {_LIGHT_RANK})", I, evidence=True),
     StepColumn("light_rank_tokens", "its rank's valid tokens", R, f"arg_min(rank_tokens, {_LIGHT_RANK})", B,
                evidence=True),
-    StepColumn("ranks", "ranks that recorded the step", R, "count(*)", I),
+    StepColumn("ranks", "ranks that recorded the step", R, "count(*)", I, one_record="records"),
     StepColumn("mean_of_local_means", "the mean over ranks of S_r/n_r", R,
                "favg(rank_loss / rank_tokens) FILTER (rank_tokens > 0)"),
     # ranks below 64 present in the step, as set bits (the missing-rank evidence); 0: none of them
     StepColumn("rank_mask", "ranks below 64 present, as set bits", R,
                "coalesce(bit_or(CASE WHEN rank < 64 THEN CAST(1 AS UBIGINT) << CAST(rank AS UBIGINT) END), 0)"),
+    # one record a rank: its last microbatch is its record, so the ranks that did not are the records of sync false
     StepColumn("unsynced_ranks", "ranks whose last microbatch did not synchronize", R, "count_if(last_sync = false)", I,
-               reads=("sync",), absent="NULL"),
-    # one record a (rank, step), ranks below 64: a repeated key is a repeated rank, records − distinct ranks (as
-    # set bits of one word: a tenth of the time of count(DISTINCT rank))
+               one_record="sync_known - sync_true", reads=("sync",), absent="NULL"),
+    # one record a (rank, step), ranks below 64: a repeated key is a repeated rank, records − distinct ranks (the
+    # rank mask's set bits: a tenth of the time of count(DISTINCT rank))
     StepColumn("repeated_micro", "records that repeat a (rank, microbatch) key", R, "coalesce(sum(repeated), 0)", I,
-               single="count(*) - bit_count(bit_or(CAST(1 AS UBIGINT) << CAST(rank AS UBIGINT)))"),
+               one_record="records - bit_count(rank_mask)"),
     StepColumn("microbatches_low", "the fewest microbatches of a rank", R, "min(microbatches)", I, one_record="1"),
     StepColumn("microbatches_high", "the most microbatches of a rank", R, "max(microbatches)", I, one_record="microbatches_low"),
     StepColumn("weight_by_record_m_low", "the least e·n·M (a per-microbatch mean's weight)", R, "min(rank_en_low * microbatches)",

@@ -42,7 +42,7 @@ def step_sql(
     By step only: sorting by the names as well costs more than the rest of the query at millions of steps; the
     rare table of several (run, group, term) is sorted as categories after (`Engine.step_parts`)."""
     columns = [c for c in declared if evidence or not c.evidence]
-    read = " ".join(c.aggregate + " " + c.single for c in columns)
+    read = " ".join(c.aggregate for c in columns)
     partials = [
         replace(p, aggregate=p.absent, one_record=p.absent) if _gone(p, absent) else p
         for p in PARTIALS
@@ -77,7 +77,7 @@ def _projected(
     return [
         f"per_rank AS (\n    SELECT *, {_listed((p.one_record, p.name) for p in projected)}\n    FROM weighted)",
         f"step_level AS (\n    SELECT {by},{kept}\n        "
-        f"{_listed((c.single or c.aggregate, c.name) for c in aggregated)}\n"
+        f"{_listed((c.aggregate, c.name) for c in aggregated)}\n"
         f"    FROM per_rank GROUP BY {by})",
     ], "step_level"
 

@@ -350,7 +350,10 @@ def note_precision(precision: dict[str, int], rounded: dict[str, list[int]], tab
             precision[run] = min(precision.get(run, 64), int(fewest))
         seen = rounded.setdefault(run, [0, 0])
         seen[0] = seen[0] if np.isnan(most) else max(seen[0], int(most))
-        seen[1] += len(np.unique(np.asarray(table["step"])[mine][~np.isnan(held[mine])]))  # (ranges: other steps)
+        # the distinct steps where rank 0 held a b (ranges hold other steps): the table is in step order (`step_sql`),
+        # so a step's rows are adjacent
+        steps = np.asarray(table["step"])[mine][~np.isnan(held[mine])]
+        seen[1] += int(np.count_nonzero(steps[1:] != steps[:-1])) + int(len(steps) > 0)
 
 
 def rounded_precision(rounded: dict[str, list[int]]) -> dict[str, int]:

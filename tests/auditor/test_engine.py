@@ -337,10 +337,11 @@ def test_one_record_per_rank_is_aggregated_without_a_per_rank_table_and_gives_th
         return sum(text.count("GROUP_BY") for _, text in fast.connection.execute(sql).fetchall())
 
     assert groupings(True) == 1 and groupings(False) == 5
-    # and the columns that equal another (M = 1, e·n_r = e·n) are that column's memory, not a copy
+    # and the columns that equal another (M = 1, e·n_r = e·n, a rank a record) are that column's memory, not a copy
     import numpy as np
 
     assert set(engine_module.aliases(True)) == {
+        "ranks",
         "microbatches_high",
         "weight_by_record_m_low",
         "weight_by_record_m_high",
