@@ -12,7 +12,8 @@ import pandas as pd
 
 from tokaudit._opening import Progress, load_logs, open_log_parts, open_logs
 from tokaudit._step_parts import selected_runs, table_parts, table_runs
-from tokaudit._checks import RunSteps, loss_terms, main_term_first, one_objective, outside_probe_range, pooled_steps
+from tokaudit._checks import RunSteps, loss_terms, main_term_first, main_term_known, one_objective, outside_probe_range
+from tokaudit._checks import pooled_steps, term_records
 from tokaudit.codes import DEFAULT_RTOL
 from tokaudit._engine import Spilled
 from tokaudit._normalization import name_ranks
@@ -361,7 +362,8 @@ def run_terms(table: pd.DataFrame | Spilled, run: str) -> list[str]:
     """The loss terms of one run of the table, the main one first."""
     if isinstance(table, pd.DataFrame):
         return loss_terms(table[table.run.astype(str) == run])
-    return main_term_first(term for name, _, term in table.names if name == run)
+    terms = dict.fromkeys((term for name, _, term in table.names if name == run), 0.0)
+    return main_term_first(terms if main_term_known(terms) else term_records(selected_runs(table_parts(table), [run])))
 
 
 PLOT_BUCKETS = 25_000

@@ -10,7 +10,7 @@ import numpy.typing as npt
 import pandas as pd
 from pandas.api.types import union_categoricals
 
-from tokaudit._checks import RunSteps, main_term_first
+from tokaudit._checks import RunSteps, main_term_first, main_term_known, term_records
 from tokaudit._engine import EVIDENCE, Spilled
 from tokaudit._normalization import name_ranks
 from tokaudit._ends import UnevenEnd
@@ -115,13 +115,16 @@ def run_steps(
                 yield rows
 
     groups: set[str] = set()
-    terms: set[str] = set()
+    terms: dict[str, float] = {}
     if names is not None and horizon is None and not lost and stopped is None and ended is None:
         groups = {g for r, g, _ in names if r == run}
-        terms = {t for r, _, t in names if r == run}
+        terms = dict.fromkeys((t for r, _, t in names if r == run), 0.0)
+    if groups and not main_term_known(terms):  # which term is the main one: their records say
+        terms = term_records(selected())
     for rows in selected() if not groups else ():
         groups.update(str(g) for g in rows.grp.unique())
-        terms.update(str(t) for t in rows.term.unique())
+        for term, records in term_records([rows]).items():
+            terms[term] = terms.get(term, 0.0) + records
     if not groups:
         return None
     return RunSteps(selected, sorted(groups), main_term_first(terms))

@@ -55,6 +55,11 @@ class Setup:
     """λ: the last head's token mean weighed λ on purpose (L = Σ_terms ΣS/N, the last one times λ)."""
     aux_weight_declared: bool = True
     """λ declared to the recorder (`loss_term(name, weight=λ)`); False: the loop weighs the term and says nothing."""
+    aux_first_only: bool = False
+    """The last head's loss on each update's first microbatch alone (an auxiliary loss computed once an update), its
+    N the first microbatches' tokens over the ranks."""
+    names: tuple[str, ...] = ()
+    """Each head's loss term as recorded; empty: "0", then "head1", "head2"…"""
     scaler: str = "none"
     """none, told (Recorder(scaler=...)) or untold (a GradScaler the recorder is not given)."""
     overflow: tuple[int, int] | None = None
@@ -133,6 +138,11 @@ def term_sum(setup: Setup, head: int, logits: torch.Tensor, labels: torch.Tensor
     return per_token.sum(), int((labels != IGNORE_INDEX).sum())
 
 
+def computed(setup: Setup, head: int, micro: int) -> bool:
+    """Whether a head's loss is computed on this microbatch of an update (`Setup.aux_first_only`)."""
+    return micro == 0 or not (setup.aux_first_only and head == setup.heads - 1 and head > 0)
+
+
 def step_counts(setup: Setup, step: int, members: list[int]) -> list[int]:
     """N per term over the members' microbatches."""
     totals = [0] * setup.heads
@@ -140,7 +150,8 @@ def step_counts(setup: Setup, step: int, members: list[int]) -> list[int]:
         for micro, count in enumerate(setup.counts[step][rank]):
             tokens, labels, _ = microbatch(step, rank, micro, count, setup.length)
             for head in range(setup.heads):
-                totals[head] += int((term_targets(setup, head, tokens, labels)[1] != IGNORE_INDEX).sum())
+                if computed(setup, head, micro):
+                    totals[head] += int((term_targets(setup, head, tokens, labels)[1] != IGNORE_INDEX).sum())
     return totals
 
 
@@ -157,6 +168,8 @@ def reference_gradient(setup: Setup, params: list[torch.Tensor], step: int, memb
         for micro, count in enumerate(setup.counts[step][rank]):
             tokens, labels, _ = microbatch(step, rank, micro, count, setup.length)
             for head, logits in enumerate(model(tokens)):
+                if not computed(setup, head, micro):
+                    continue
                 loss_sum, _ = term_sum(setup, head, logits, labels)
                 weight = setup.aux_weight if head == setup.heads - 1 and head > 0 else 1.0
                 objective = objective + weight * loss_sum / max(totals[head], 1)
@@ -171,11 +184,15 @@ def _microbatch_loss(
     labels: torch.Tensor,
     global_tokens: torch.Tensor,
     world_size: int,
+    micro: int = 0,
 ) -> torch.Tensor:
-    """The backward scalar b of one microbatch (every term), recorded as this set-up records it."""
+    """The backward scalar b of one microbatch (every term computed on it), recorded as this set-up records it."""
     factor = setup.factor if setup.factor is not None else (1 if setup.summing_hook else world_size)
     total = torch.zeros((), dtype=torch.float64)
     for head, logits in enumerate(outputs):
+        if not computed(setup, head, micro):
+            total = total + 0.0 * logits.sum()  # the head still in the graph: DDP expects a gradient of every parameter
+            continue
         logits, targets = term_targets(setup, head, logits, labels)
         valid = targets != IGNORE_INDEX
         local_mean = setup.aux_local_mean and head == setup.heads - 1
@@ -219,7 +236,7 @@ def _microbatch_loss(
         if setup.chunking == "named":
             total = total + _named_chunks(setup, recorder, per_token, valid, factor, global_tokens[head])
             continue
-        name = "0" if head == 0 else f"head{head}"
+        name = setup.names[head] if setup.names else "0" if head == 0 else f"head{head}"
         weight = setup.aux_weight if head == setup.heads - 1 and head > 0 else 1.0
         declared = weight if weight != 1.0 and setup.aux_weight_declared else None
         context = recorder.loss_term(name, weight=declared) if recorder is not None else nullcontext()
@@ -294,7 +311,13 @@ def train(rank: int, world_size: int, setup: Setup, log_dir: str | None) -> list
             # N per term for the whole update, counted before the first backward (one all-reduce each).
             global_tokens = torch.stack(
                 [
-                    global_valid_tokens([term_targets(setup, head, tokens, labels)[1] for tokens, labels, _ in batches])
+                    global_valid_tokens(
+                        [
+                            term_targets(setup, head, tokens, labels)[1]
+                            for micro, (tokens, labels, _) in enumerate(batches)
+                            if computed(setup, head, micro)
+                        ]
+                    )
                     for head in range(setup.heads)
                 ]
             )
@@ -308,7 +331,7 @@ def train(rank: int, world_size: int, setup: Setup, log_dir: str | None) -> list
                     outputs = {"call": ddp, "method": ddp.forward, "module": ddp.module}[setup.forward](tokens)
                     if setup.overflow == (step, rank) and micro == 0:
                         outputs[0].register_hook(lambda grad: grad * math.inf)  # an fp16 overflow
-                    scalar = _microbatch_loss(setup, recorder, outputs, labels, global_tokens, world_size)
+                    scalar = _microbatch_loss(setup, recorder, outputs, labels, global_tokens, world_size, micro)
                     (scaler.scale(scalar) if scaler is not None else scalar).backward()
                     reported += term_sum(setup, 0, outputs[0].detach(), labels)[0]
             if recorder is not None and setup.evaluated:  # recorded, never trained on

@@ -5,6 +5,7 @@ normalization is recovered lives in `tokaudit._normalization`; each concern here
 """
 
 from tokaudit._checks.base import RunSteps, cannot_tell, distinct, grouped, loss_terms, main_term_first, rank_masks
+from tokaudit._checks.base import main_term_known, term_records
 from tokaudit._checks.base import PARTIAL_UPDATE_FACTORS, run_finding, weight_ratio, world_sizes
 from tokaudit._checks.duplicates import WEIGHED_WRONG, Replaced, with_replaced
 from tokaudit._checks.miscount import miscounted_rows, outside_probe_range, without_miscounted
@@ -23,6 +24,7 @@ __all__ = [
     "grouped",
     "loss_terms",
     "main_term_first",
+    "main_term_known",
     "miscounted_rows",
     "one_objective",
     "outside_probe_range",
@@ -32,6 +34,7 @@ __all__ = [
     "Replaced",
     "WEIGHED_WRONG",
     "run_finding",
+    "term_records",
     "RunSteps",
     "weight_ratio",
     "with_other_ranks",

@@ -10,7 +10,7 @@ step, so a run of any length costs the same few arrays."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -412,14 +412,34 @@ def median_of(column: SortedColumn) -> float:
 
 
 def loss_terms(steps: pd.DataFrame) -> list[str]:
-    """The loss terms of a step table, as text, the main term (UNNAMED, "0") first: each distinct value named
-    once, not every row converted."""
-    return main_term_first(str(term) for term in steps.term.unique())
+    """The loss terms of a step table, as text, the main term first (`main_term_first`)."""
+    return main_term_first(term_records([steps]))
 
 
-def main_term_first(terms: Iterable[str]) -> list[str]:
-    """Each loss term once, as text, the main term (UNNAMED, "0") first, then the others in order."""
-    return sorted(set(terms), key=lambda t: (t != UNNAMED, t))
+def term_records(parts: Iterable[pd.DataFrame]) -> dict[str, float]:
+    """Per loss term of these parts of a step table (as text), its records: each distinct term named once, not
+    every row converted."""
+    held: dict[str, float] = {}
+    for part in parts:
+        records = column_of(part, "records") if "records" in part else np.zeros(len(part))
+        for term, rows in grouped(part.term):
+            held[str(term)] = held.get(str(term), 0.0) + nan_sum(records[rows])
+    return held
+
+
+def main_term_first(records: Mapping[str, float]) -> list[str]:
+    """The loss terms (with their records, `term_records`), the main term first, then the others by name. The main
+    term is UNNAMED ("0"), the recorder's default; where no record is of it (every term named), the term of the most
+    records, ties by name: the one recorded on every microbatch, where an auxiliary head recorded on the first alone
+    ends no update (its records are unsynchronized in a correct loop) and is no run's logged loss."""
+    main = UNNAMED if UNNAMED in records or not records else min(records, key=lambda t: (-records[t], t))
+    return sorted(records, key=lambda t: (t != main, t))
+
+
+def main_term_known(terms: Iterable[str]) -> bool:
+    """The main term of these terms needs no count of records: one term, or UNNAMED among them."""
+    names = set(terms)
+    return len(names) < 2 or UNNAMED in names
 
 
 def step_list(values: Any) -> str:

@@ -183,6 +183,8 @@ class Ending:
     last: float = -np.inf
     at: Seen = field(default_factory=Seen)
     before: Seen = field(default_factory=Seen)
+    records: float = 0.0
+    """Its records over every step (which term is the main one: `main_term_first`)."""
 
     def add(self, block: pd.DataFrame, rows: Any = slice(None)) -> None:
         """These `rows` of a block (a slice, or the indices of one group's)."""
@@ -197,6 +199,7 @@ class Ending:
         columns = {name: column_of(block, name)[rows] for name in _READ}
         for name in ("skipped_false", "skipped_true"):
             columns[name] = np.nan_to_num(columns[name].astype(float, copy=False))
+        self.records += nan_sum(columns["records"])
         self.before.merge(Seen.of(columns, step < self.last))
         self.at.merge(Seen.of(columns, step == self.last))
 

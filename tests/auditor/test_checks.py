@@ -1644,3 +1644,15 @@ def test_a_last_update_cut_short_is_read_per_group_and_rank_and_never_where_some
     mid += [dict(r, skipped=False, sync=r["micro"] == 1 and r["step"] == 0) for r in aux]
     report = audit_rows(tmp_path / "mid", mid)
     assert report.verdicts == {"run": "incorrect"} and only(report, Code.LOCAL_MEAN).severity == Severity.ERROR
+
+
+def test_the_main_term_is_the_unnamed_one_else_the_one_of_the_most_records() -> None:
+    """ "0" (the recorder's default) is the main term wherever a record is of it; where every term is named, the one
+    of the most records (recorded on every microbatch, where an auxiliary loss of the first alone is not), ties by
+    name."""
+    from tokaudit._checks import main_term_first
+
+    assert main_term_first({"aux": 4.0, "lm": 8.0}) == ["lm", "aux"]
+    assert main_term_first({"aux": 8.0, "0": 2.0, "b": 9.0}) == ["0", "aux", "b"]
+    assert main_term_first({"mtp2": 6.0, "mtp1": 6.0, "ce": 3.0}) == ["mtp1", "ce", "mtp2"]
+    assert main_term_first({"only": 0.0}) == ["only"] and main_term_first({}) == []

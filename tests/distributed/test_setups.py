@@ -226,6 +226,24 @@ def test_an_auxiliary_head_switched_off_by_a_declared_weight_of_zero_is_not_judg
     assert {row["term_weight"] for row in read_rows(tmp_path / setup.name)} == {None, 0.0}
 
 
+def test_an_auxiliary_loss_of_the_first_microbatch_alone_every_term_named_is_correct(tmp_path: Path) -> None:
+    """Every term named: "lm", and "aux", an auxiliary loss computed on each update's first microbatch alone (its own
+    token mean over those microbatches' tokens). The float64 reference says the set-up is right. With no term "0",
+    the main term is the one of the most records, "lm": "aux", first by name, was taken for it, and its records,
+    unsynchronized as every first microbatch under no_sync() is, read missing_sync (incorrect)."""
+    setup = Setup(
+        name="aux_first_named", counts=_UNEVEN, heads=2, aux_first_only=True, names=("lm", "aux"), correct=True
+    )
+    _check_against_reference(setup, [r["history"] for r in run_ddp(job, setup.world_size, setup, str(tmp_path))])
+    assert {(row["term"], row["micro"]) for row in read_rows(tmp_path / setup.name)} == {
+        ("lm", 0),
+        ("lm", 1),
+        ("aux", 0),
+    }
+    report = audit([tmp_path / setup.name])
+    assert report.findings == [] and report.runs[0].verdict == "correct" and report.runs[0].terms == ["lm", "aux"]
+
+
 def test_without_the_optimizer_or_begin_step_the_updates_are_the_backwards_that_synchronize(tmp_path: Path) -> None:
     """The token mean over 2 microbatches under no_sync() on 2 ranks, the recorder given the DDP model but neither
     the optimizer nor begin_step: each update ends at the backward that all-reduces, so the log holds the loop's
