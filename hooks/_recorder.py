@@ -24,7 +24,7 @@ from tokaudit.hooks._capture import capture_cross_entropy, probe_into
 from tokaudit.hooks._pipeline import watch_schedule
 from tokaudit.hooks._probe import ProbeResult, Recomputations, in_backward, unprobed
 from tokaudit.hooks._signals import made_here, on_termination, run_deferred
-from tokaudit.hooks._terms import CapturedCalls, Footprint, OpenCall, weight_problem
+from tokaudit.hooks._terms import CapturedCalls, Footprint, OpenCall, term_weight
 from tokaudit.hooks._recorder_steps import UpdateTracking
 from tokaudit.hooks.trackers import AuditLoop, announcing, start_line
 
@@ -309,15 +309,15 @@ class Recorder(UpdateTracking):
             self.flush(wait_for_backward=True)
 
     @contextmanager
-    def loss_term(self, name: str, weight: float | None = None) -> Iterator[None]:
+    def loss_term(self, name: str, weight: object = None) -> Iterator[None]:
         """Records, probes and captured calls inside belong to loss term `name` (an auxiliary head,
         MTP head k): each term is audited as its own token mean. `weight`: λ, the coefficient the objective
         gives the term on purpose (L = ΣS/N + λ·ΣS_aux/N_aux): its tokens are judged against λ/N, and every
-        record of the term from now on carries it (a number: a changed λ holds from the next record)."""
-        if weight is not None and (problem := weight_problem(name, weight)) is not None:
-            self.warn_once("term-weight", problem)
-        elif weight is not None:
-            self._term_weights[str(name)] = float(weight)
+        record of the term from now on carries it (a number, `terms.term_weight`: a changed λ holds from the next record)."""
+        if isinstance(taken := term_weight(name, weight), str):
+            self.warn_once("term-weight", taken)
+        elif taken is not None:
+            self._term_weights[str(name)] = taken
         previous, self._active_term = self._active_term, str(name)
         try:
             yield

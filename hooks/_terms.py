@@ -12,6 +12,7 @@ on the host: no device sync.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,15 +32,43 @@ GRAPH_DEPTH = 16
 """Nodes walked up from a call's logits to the split they were cut from (views, casts, the output layer)."""
 
 
-def weight_problem(name: str, weight: object) -> str | None:
-    """Why `loss_term(name, weight=…)` cannot take this λ (None where it can): a weight is a finite number ≥ 0 (0: the
-    term switched off on purpose, as a warm-up starts, whose tokens the audit then does not judge)."""
-    if isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight) and weight >= 0:
+def term_weight(name: str, weight: object) -> float | str | None:
+    """λ as `loss_term(name, weight=…)` takes it (None: none declared), or why it cannot: a number (a Python or numpy number, a one-element
+    numpy array, a one-element tensor on the CPU: read there with no device sync), finite and ≥ 0 (0: the term
+    switched off on purpose, as a warm-up starts, whose tokens the audit then does not judge)."""
+    if weight is None:
         return None
-    return (
-        f"tokaudit: loss_term({name!r}, weight={weight!r}): a weight is a finite number ≥ 0; this one is left out, "
-        "and the term is judged as a token mean"
-    )
+    number = _number(weight)
+    if number is not None and math.isfinite(number) and number >= 0:
+        return number
+    if number is not None:
+        why = "a weight is finite and ≥ 0"
+    elif isinstance(weight, torch.Tensor) and weight.numel() == 1 and weight.device.type != "cpu":
+        why = f"a tensor on {weight.device} would cost a device sync at each call: pass λ as a number"
+    else:
+        why = f"a weight is a number (Python, numpy, or a one-element tensor on the CPU), not {type(weight).__name__}"
+    return f"tokaudit: loss_term({name!r}, weight={weight!r}): {why}; this one is left out, and the term is judged as a token mean"
+
+
+def _number(weight: object) -> float | None:
+    """The real number a weight holds, None where it holds none (a bool is no weight)."""
+    if isinstance(weight, bool | np.bool_):
+        return None
+    if isinstance(weight, numbers.Real):
+        return float(weight)
+    if isinstance(weight, np.ndarray) and weight.size == 1 and weight.dtype.kind in "iuf":
+        return float(weight.reshape(()))
+    if (
+        isinstance(weight, torch.Tensor)
+        and weight.numel() == 1
+        and weight.device.type == "cpu"
+        and (weight.dtype.is_floating_point or weight.dtype in _INTEGERS)
+    ):
+        return float(weight.detach().reshape(()))
+    return None
+
+
+_INTEGERS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 def split_origin(logits: torch.Tensor) -> tuple[int, int] | None:

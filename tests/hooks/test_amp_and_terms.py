@@ -481,3 +481,38 @@ def test_a_loss_the_capture_cannot_see_is_said_at_the_first_step(tmp_path: Path)
                 optimizer.zero_grad()
     said = [str(w.message) for w in caught if "no cross-entropy call was captured" in str(w.message)]
     assert len(said) == 1 and "rec.probe" in said[0] and "step 0" in said[0]
+
+
+def test_a_declared_weight_is_any_number_and_a_refused_one_says_why(tmp_path: Path) -> None:
+    """`loss_term(name, weight=λ)` takes λ as a Python or numpy number, a one-element array or a CPU tensor (a
+    schedule's value, as `record()` takes its numbers): each record of the term carries it. A weight it cannot take
+    is left out with one warning that says what was wrong with it (its type, or its value), and the term is judged
+    as a token mean (an np.float32 was refused, "a finite number ≥ 0" said of 0.5)."""
+    import numpy as np
+
+    given = [np.float32(0.5), torch.tensor(0.25, dtype=torch.float64), np.array([2.0]), np.int64(3), 1.5, 0]
+    with Recorder(tmp_path, run_id="weights", announce=False) as rec:
+        for step, weight in enumerate(given):
+            rec.begin_step(step)
+            with rec.loss_term("aux", weight=weight):
+                rec.record(loss_sum=2.0, valid_tokens=4, backward_scalar=0.5)
+    rows = read_rows(tmp_path / "weights")
+    assert [row["term_weight"] for row in sorted(rows, key=lambda r: r["step"])] == [0.5, 0.25, 2.0, 3.0, 1.5, 0.0]
+
+    for weight, said in [
+        ("0.5", "not str"),
+        (True, "not bool"),
+        (torch.tensor([0.5, 0.5]), "not Tensor"),
+        (-1.0, "finite and ≥ 0"),
+        (math.nan, "finite and ≥ 0"),
+        (np.float32("inf"), "finite and ≥ 0"),
+    ]:
+        with (
+            warnings.catch_warnings(record=True) as caught,
+            Recorder(tmp_path / "refused", run_id="refused", announce=False) as rec,
+        ):
+            warnings.simplefilter("always")
+            with rec.loss_term("aux", weight=weight):
+                rec.record(loss_sum=2.0, valid_tokens=4, backward_scalar=0.5)
+        messages = [str(w.message) for w in caught if "loss_term" in str(w.message)]
+        assert len(messages) == 1 and said in messages[0] and "left out" in messages[0], (weight, messages)
