@@ -305,8 +305,8 @@ def select_records(default_run: str | None, present: set[str], scan: str, where:
         {where}"""
 
 
-def records_view(dedup: str) -> str:
-    """The view `records`: `raw_records` (each key once, by `dedup`'s clause) with each record's c and e.
+def records_view(dedup: str, source: str = "raw_records") -> str:
+    """The view `records`: `source`'s records (each key once, by `dedup`'s clause) with each record's c and e.
 
     c: implied weight per valid token before reduction = probe Σ∂b/∂ℓ / n, else b/S. e = c·g/(D·λ): effective
     weight after the reduction, relative to the term's declared weight λ (1 unless declared). Correct iff e·N = 1.
@@ -320,7 +320,7 @@ def records_view(dedup: str) -> str:
         CREATE OR REPLACE TEMP VIEW records AS
         SELECT *, {c} AS c,
             {c} * grad_scale / grad_divisor / CASE WHEN term_weight <> 0 THEN term_weight WHEN {c} <> 0 THEN 1 END AS eff
-        FROM raw_records {dedup}"""
+        FROM {source} {dedup}"""
 
 
 RUN_SCANS = 16
@@ -397,6 +397,19 @@ GROUP BY run, grp
 resize left (rank ≥ the W of the newest step) is waited for no more."""
 
 
+LAUNCHED_VIEW = """
+CREATE OR REPLACE TEMP VIEW launched AS
+SELECT *, NOT latest OR rank >= max(CASE WHEN replayed AND latest THEN world_size END)
+                                OVER (PARTITION BY run, grp, step) IS TRUE AS superseded
+FROM (
+    SELECT *, launch = max(launch) OVER rank_step AS latest, min(launch) OVER rank_step < max(launch) OVER rank_step AS replayed
+    FROM raw_records LEFT JOIN file_order USING (filename)
+    WINDOW rank_step AS (PARTITION BY run, grp, step, rank))
+"""
+"""`raw_records` with their files' order and whether a later launch superseded each: a rank's step that two launches
+recorded is the later one's alone (the earlier's other microbatches are no part of it), and where a later launch of
+W' recorded a step again, the step's records of ranks ≥ W' are an earlier launch's (a run resumed on fewer ranks)."""
+
 # per run: the copies, where, whether every copy holds the kept record's values, and its time, and whether a copy lies
 # in a file that does not say which launch wrote it; and the records of
 # an earlier launch's (step, rank) that a later launch recorded again, their own key repeated by none (the dedup of
@@ -404,10 +417,8 @@ resize left (rank ≥ the W of the newest step) is waited for no more."""
 DUPLICATES_SQL = """
 WITH superseded AS (
     SELECT run, count(*) AS superseded FROM (
-        SELECT run, count(*) OVER (PARTITION BY run, grp, term, step, rank, micro) AS copies,
-               launch < max(launch) OVER (PARTITION BY run, grp, step, rank) AS earlier
-        FROM raw_records LEFT JOIN file_order USING (filename))
-    WHERE earlier AND copies = 1 GROUP BY run)
+        SELECT run, superseded, count(*) OVER (PARTITION BY run, grp, term, step, rank, micro) AS copies FROM launched)
+    WHERE superseded AND copies = 1 GROUP BY run)
 SELECT run, sum(copies - 1), min(step), max(step), count(DISTINCT step),
        list_distinct(flatten(list(files))),
        bool_and(values_seen = 1), bool_and(times_seen = 1), bool_or(len(files) = 1),

@@ -257,7 +257,8 @@ class Duplicates:
     one_file: bool = False
     """Some key is repeated inside one file, which one process wrote: its step went back during that launch."""
     superseded: int = 0
-    """Records of an earlier launch's (step, rank) that a later launch recorded again, left out with the copies."""
+    """Records of an earlier launch's (step, rank) that a later launch recorded again, or of a rank past its W at a
+    step it recorded again (`sql.LAUNCHED_VIEW`), left out with the copies."""
     unlaunched: bool = False
     """Some copy lies in a file that does not say which launch wrote it (another writer's): of those, the copy in
     the file modified last was kept."""

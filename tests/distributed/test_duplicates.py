@@ -22,7 +22,7 @@ SCENARIO = SCENARIOS_BY_NAME["correct_token_mean_ga"]
 
 
 def _launch(folder: Path, scenario: Scenario = SCENARIO) -> None:
-    for result in run_ddp(run_scenario, 2, scenario, str(folder)):
+    for result in run_ddp(run_scenario, scenario.world_size, scenario, str(folder)):
         for step, record in enumerate(result["recorded"]):
             want = reference_gradient(record["before"], scenario, step, result["members"])
             assert all(torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(record["grads"], want))
@@ -58,6 +58,21 @@ def test_a_relaunch_with_fewer_microbatches_keeps_a_right_run_correct(tmp_path: 
     # of the first launch's 3 steps × 2 ranks × 2 microbatches: the 6 first microbatches are copies of a key the
     # second recorded again, the 6 second ones no key of the second's
     assert finding.evidence["dropped_records"] == 6 and finding.evidence["superseded_records"] == 6
+
+
+def test_a_run_launched_again_on_fewer_ranks_is_the_later_launch_s_at_each_step_it_recorded(tmp_path: Path) -> None:
+    """The run on 3 ranks, then the same run id launched again into the same folder on 2 (a job resumed on fewer
+    GPUs, its steps numbered again from 0), both the token mean by the float64 reference: each step the second
+    launch recorded is its W = 2 records alone. The first launch's rank 2, which no record of the second replaces,
+    stayed beside them (world_size_inconsistent, unexplained_weighting: incorrect); the warning counts them."""
+    wide = SCENARIOS_BY_NAME["correct_token_mean_w3"]
+    _launch(tmp_path, replace(wide, name=SCENARIO.name))
+    _launch(tmp_path, replace(SCENARIO, counts=SCENARIO.counts[: len(wide.counts)]))
+    report = audit([tmp_path / SCENARIO.name])
+    (finding,) = report.findings
+    assert report.runs[0].verdict == "correct" and finding.code.value == "duplicate_records", report.findings
+    rank_two = sum(len(step[2]) for step in wide.counts[: len(SCENARIO.counts)])
+    assert finding.evidence["superseded_records"] == rank_two and f"{rank_two} more record(s)" in finding.message
 
 
 def test_ignoring_a_code_never_greens_a_wrong_run(tmp_path: Path) -> None:
