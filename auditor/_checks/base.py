@@ -417,21 +417,27 @@ def loss_terms(steps: pd.DataFrame) -> list[str]:
 
 
 def term_records(parts: Iterable[pd.DataFrame]) -> dict[str, float]:
-    """Per loss term of these parts of a step table (as text), its records: each distinct term named once, not
-    every row converted."""
-    held: dict[str, float] = {}
+    """Per loss term of these parts of a step table (as text), the most records one group holds of it (a pipeline's
+    stages each a group: an auxiliary loss of every stage outnumbers the loss of the last one, over the run)."""
+    held: dict[tuple[str, str], float] = {}
     for part in parts:
         records = column_of(part, "records") if "records" in part else np.zeros(len(part))
-        for term, rows in grouped(part.term):
-            held[str(term)] = held.get(str(term), 0.0) + nan_sum(records[rows])
-    return held
+        for group, in_group in grouped(part.grp):
+            terms = part.term if isinstance(in_group, slice) else part.term.iloc[in_group]
+            for term, rows in grouped(terms):
+                key = (group, str(term))
+                held[key] = held.get(key, 0.0) + nan_sum(records[in_group][rows])
+    most: dict[str, float] = {}
+    for (_, term), count in held.items():
+        most[term] = max(most.get(term, 0.0), count)
+    return most
 
 
 def main_term_first(records: Mapping[str, float]) -> list[str]:
     """The loss terms (with their records, `term_records`), the main term first, then the others by name. The main
     term is UNNAMED ("0"), the recorder's default; where no record is of it (every term named), the term of the most
-    records, ties by name: the one recorded on every microbatch, where an auxiliary head recorded on the first alone
-    ends no update (its records are unsynchronized in a correct loop) and is no run's logged loss."""
+    records in one group, ties by name: the one recorded on every microbatch, where an auxiliary head recorded on the
+    first alone ends no update (its records are unsynchronized in a correct loop) and is no run's logged loss."""
     main = UNNAMED if UNNAMED in records or not records else min(records, key=lambda t: (-records[t], t))
     return sorted(records, key=lambda t: (t != main, t))
 

@@ -1656,3 +1656,36 @@ def test_the_main_term_is_the_unnamed_one_else_the_one_of_the_most_records() -> 
     assert main_term_first({"aux": 8.0, "0": 2.0, "b": 9.0}) == ["0", "aux", "b"]
     assert main_term_first({"mtp2": 6.0, "mtp1": 6.0, "ce": 3.0}) == ["mtp1", "ce", "mtp2"]
     assert main_term_first({"only": 0.0}) == ["only"] and main_term_first({}) == []
+
+
+def test_an_auxiliary_loss_of_every_pipeline_stage_is_not_the_main_term_of_the_last_stage_s_loss(
+    tmp_path: Path,
+) -> None:
+    """Three pipeline stages, each a group of 2 ranks under no_sync() over 2 microbatches: the last stage records
+    "lm" on every microbatch, every stage an auxiliary "router" on its first microbatch alone, each a token mean,
+    the reported loss lm's ΣS/N. Counted over the run, router's records outnumber lm's (3 groups against 1) and
+    router was read as the main term: its unsynchronized first microbatches missing_sync, the logged loss a
+    reported_loss_mismatch (incorrect). The most records one group holds decides: lm, correct."""
+    counts = [[[5, 3], [2, 7]], [[4, 4], [9, 1]], [[3, 6], [6, 2]]]
+    lm = [dict(r, term="lm", group="s2", sync=r["micro"] == 1) for r in records(counts, token_mean)]
+    firsts = [[[mine[0]] for mine in step] for step in counts]
+    router = [
+        dict(
+            r,
+            term="router",
+            group=g,
+            sync=False,
+            loss_sum=0.01 * r["loss_sum"],
+            backward_scalar=0.01 * r["backward_scalar"],
+        )
+        for g in ("s0", "s1", "s2")
+        for r in records(firsts, token_mean)
+    ]
+    means = {s: sum(r["loss_sum"] for r in lm if r["step"] == s) / sum(map(sum, counts[s])) for s in range(3)}
+    rows = [dict(r, reported_loss=means[r["step"]]) for r in lm + router]
+    for group, rank in {(r["group"], r["rank"]) for r in rows}:
+        write(
+            tmp_path / "run" / f"{group}-{rank}.parquet", [r for r in rows if (r["group"], r["rank"]) == (group, rank)]
+        )
+    report = audit([tmp_path])
+    assert report.findings == [] and report.runs[0].verdict == "correct" and report.runs[0].terms == ["lm", "router"]
