@@ -278,10 +278,12 @@ def _terms_curve_rows(table: pd.DataFrame, terms: list[str]) -> pd.DataFrame:
     the terms (each a token mean of its own: the update follows their sum) and each other term's ΣS/N."""
     term = table.term.astype(str)
     curve = _curve_rows(table[(term == terms[0]).to_numpy()])
-    # Σ over terms of Σe·S per (step, group), then the groups' mean, as `_curve_rows` averages groups
+    # Σ over terms of Σe·S per (step, group), then the groups' mean, as `_curve_rows` averages groups; the terms
+    # summed in the order of their names, whatever order a range's rows came in (a sum's last bit depends on it)
     weighted = table[["step", "grp", "objective"]].assign(
-        objective=table.objective.where(table.weighted_records > 0), grp=table.grp.astype(str)
+        objective=table.objective.where(table.weighted_records > 0), grp=table.grp.astype(str), term=term
     )
+    weighted = weighted.sort_values(["step", "grp", "term"], kind="stable")
     optimized = weighted.groupby(["step", "grp"], sort=True).objective.sum(min_count=1).groupby("step").mean()
     curve["optimized"] = optimized.reindex(curve.step).to_numpy()
     for other in terms[1:]:

@@ -270,7 +270,8 @@ def test_a_long_curve_is_drawn_and_written_from_disk_a_part_at_a_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`tokaudit curve` of a table kept on disk: the CSV, the chart and the table of the whole table, byte
-    for byte, with every step's rows of both groups and terms averaged within one part; what is read at a
+    for byte, with every step's rows of both groups and terms averaged within one part, and three terms' Σe·S summed
+    in one order (the order a range's rows came in made its last bit); what is read at a
     time is one range (the memory bound's mechanism: 12.5M steps took 2.3 GB whole, 0.7 GB in parts)."""
     import tempfile
 
@@ -283,13 +284,24 @@ def test_a_long_curve_is_drawn_and_written_from_disk_a_part_at_a_time(
     rng = np.random.default_rng(5)
     counts = [[[int(rng.integers(0, 30)), int(rng.integers(1, 30))], [int(rng.integers(0, 30)), 4]] for _ in range(300)]
     long = write_by_rank(tmp_path / "long" / "run", records(counts, token_mean), steps_per_file=5)
+    # three terms whose Σe·S (b·g/D, W = 1) sum to another last bit in another order: 0.1 + 0.2 + 0.3
+    one = [[[4]] for _ in range(40)]
+    terms = write_by_rank(
+        tmp_path / "terms" / "run",
+        [
+            dict(r, term=name, backward_scalar=b * (1 + r["step"] % 7))
+            for name, b in (("a", 0.1), ("b", 0.2), ("c", 0.3))
+            for r in records(one, token_mean)
+        ],
+        steps_per_file=4,
+    )
 
     def curve(path: Path, name: str) -> tuple[str, str]:
         result = CliRunner().invoke(main, ["curve", str(path), "--csv", str(tmp_path / name)], env={"COLUMNS": "100"})
         assert result.exit_code == 0, result.output
         return result.stdout, (tmp_path / name).read_text()
 
-    whole = [curve(path, f"whole{index}.csv") for index, path in enumerate((log, long))]
+    whole = [curve(path, f"whole{index}.csv") for index, path in enumerate((log, long, terms))]
     assert "(43 of 300 steps shown; --csv writes all)" in whole[1][0]  # steps 0, 7, 14, …, 294
     monkeypatch.setattr(engine, "SPILL_STEPS", 0)
     monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "24")
@@ -297,7 +309,7 @@ def test_a_long_curve_is_drawn_and_written_from_disk_a_part_at_a_time(
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    for index, path in enumerate((log, long)):
+    for index, path in enumerate((log, long, terms)):
         read.clear()
         assert curve(path, f"parts{index}.csv") == whole[index]
         assert read and max(read) <= 24 < sum(read)  # every range read alone, never the table
