@@ -23,7 +23,7 @@ from tokaudit._engine.connection import DEFAULT_MEMORY_LIMIT, connect, half_limi
 from tokaudit._engine.ranges import CHUNK_ROWS, RangesMap, RangeTask, range_rows, step_ranges
 from tokaudit._engine.columns import UNUSABLE_RECORD
 from tokaudit._engine.sql import COMPLETE_THROUGH_SQL, DUPLICATES_SQL, LAUNCHED_VIEW, RANK_WEIGHTS_SQL, RECORDS_AT_SQL
-from tokaudit._engine.sql import RUN_SCANS
+from tokaudit._engine.sql import KEPT, RUN_SCANS
 from tokaudit._engine.sql import absent_values, aliases, given, parquet_scan
 from tokaudit._engine.sql import constants, file_order_table, footer_table, one_name_of, records_view
 from tokaudit._engine.sql import one_record_form, select_records, sql_string, step_sql, valueless_columns
@@ -256,16 +256,9 @@ class Engine:
         self.connection.execute(f"CREATE OR REPLACE TEMP VIEW raw_records AS {self._source(shards, steps, scan)}")
         for name in replaced:
             self.connection.execute(f"DROP TABLE {name}")
-        # Of two records with one key, the later published wins: the later file (a rank's shards are numbered in
-        # the order they were written, a resumed launch's after the earlier's), then the later row. Never `time`:
-        # a node whose clock runs ahead would win over the launch that replaced it. What a later launch superseded
+        # Of two records with one key, the later published is kept (`KEPT`); what a later launch superseded
         # (`LAUNCHED_VIEW`) is no part of the step.
-        dedup = (
-            "QUALIFY row_number() OVER (PARTITION BY run, grp, term, step, rank, "
-            "micro ORDER BY file_index DESC, file_row_number DESC) = 1 AND NOT superseded"
-            if deduplicate
-            else ""
-        )
+        dedup = f"QUALIFY row_number() OVER ({KEPT}) = 1 AND NOT superseded" if deduplicate else ""
         self.connection.execute(LAUNCHED_VIEW)  # (what `DUPLICATES_SQL` reads too)
         self.connection.execute(records_view(dedup, "launched" if deduplicate else "raw_records"))
 

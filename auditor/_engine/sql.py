@@ -397,9 +397,14 @@ GROUP BY run, grp
 resize left (rank ≥ the W of the newest step) is waited for no more."""
 
 
+KEPT = "PARTITION BY run, grp, term, step, rank, micro ORDER BY file_index DESC, file_row_number DESC"
+"""Of two records with one key, the later published is kept: the later file (a rank's shards are numbered in the order
+they were written, a resumed launch's after the earlier's), then the later row; the first in this window. Never `time`:
+a node whose clock runs ahead would win over the launch that replaced it."""
+
 LAUNCHED_VIEW = """
 CREATE OR REPLACE TEMP VIEW launched AS
-SELECT *, NOT latest OR rank >= max(CASE WHEN replayed AND latest THEN world_size END)
+SELECT *, NOT latest OR rank >= min(CASE WHEN replayed AND latest THEN world_size END)
                                 OVER (PARTITION BY run, grp, step) IS TRUE AS superseded
 FROM (
     SELECT *, launch = max(launch) OVER rank_step AS latest, min(launch) OVER rank_step < max(launch) OVER rank_step AS replayed
@@ -408,22 +413,26 @@ FROM (
 """
 """`raw_records` with their files' order and whether a later launch superseded each: a rank's step that two launches
 recorded is the later one's alone (the earlier's other microbatches are no part of it), and where a later launch of
-W' recorded a step again, the step's records of ranks ≥ W' are an earlier launch's (a run resumed on fewer ranks)."""
+W' recorded a step again, the step's records of ranks ≥ W' are an earlier launch's (a run resumed on fewer ranks). W'
+is the least W of the latest records of the ranks recorded again: a rank below the latest launch's W has that launch
+as its latest, one past it an earlier launch of a W above its rank (4 → 3 → 2: rank 2's latest says 3)."""
 
 # per run: the copies, where, whether every copy holds the kept record's values, and its time, and whether a copy lies
 # in a file that does not say which launch wrote it; and the records of
 # an earlier launch's (step, rank) that a later launch recorded again, their own key repeated by none (the dedup of
 # `Engine._define` leaves them out with the copies)
-DUPLICATES_SQL = """
+DUPLICATES_SQL = f"""
 WITH superseded AS (
-    SELECT run, count(*) AS superseded FROM (
-        SELECT run, superseded, count(*) OVER (PARTITION BY run, grp, term, step, rank, micro) AS copies FROM launched)
-    WHERE superseded AND copies = 1 GROUP BY run)
+    SELECT run, count(*) FILTER (kept AND superseded) AS superseded,
+           list(DISTINCT filename) FILTER (superseded) AS superseded_files
+    FROM (SELECT run, superseded, filename, row_number() OVER ({KEPT}) = 1 AS kept FROM launched)
+    GROUP BY run)
 SELECT run, sum(copies - 1), min(step), max(step), count(DISTINCT step),
        list_distinct(flatten(list(files))),
        bool_and(values_seen = 1), bool_and(times_seen = 1), bool_or(len(files) = 1),
        coalesce(any_value(superseded), 0), bool_or(unlaunched),
-       list_sort(list_distinct(flatten(list(list_filter(files, lambda f: f <> kept))))) FROM (
+       list_sort(list_distinct(list_concat(flatten(list(list_filter(files, lambda f: f <> kept))),
+                                           coalesce(any_value(superseded_files), [])))) FROM (
     SELECT run, step, count(*) AS copies, list(DISTINCT filename) AS files, arg_max(filename, file_index) AS kept,
            count(DISTINCT (loss_sum, valid_tokens, backward_scalar, token_weight_sum, token_weight_min,
                            token_weight_max, masked_weight_abs_sum, grad_scale, grad_divisor, term_weight,
@@ -436,4 +445,5 @@ LEFT JOIN superseded USING (run)
 GROUP BY run
 """
 """Per run, the repeated (run, group, term, step, rank, micro) keys of `raw_records` (`Engine._find_duplicates`), every
-file that holds a copy, and every file that holds a copy left out (the later published is kept)."""
+file that holds a copy, and every file that holds a record left out (a copy: the later published is kept; or one a later
+launch superseded, `LAUNCHED_VIEW`)."""

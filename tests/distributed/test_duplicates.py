@@ -61,18 +61,40 @@ def test_a_relaunch_with_fewer_microbatches_keeps_a_right_run_correct(tmp_path: 
 
 
 def test_a_run_launched_again_on_fewer_ranks_is_the_later_launch_s_at_each_step_it_recorded(tmp_path: Path) -> None:
-    """The run on 3 ranks, then the same run id launched again into the same folder on 2 (a job resumed on fewer
-    GPUs, its steps numbered again from 0), both the token mean by the float64 reference: each step the second
-    launch recorded is its W = 2 records alone. The first launch's rank 2, which no record of the second replaces,
-    stayed beside them (world_size_inconsistent, unexplained_weighting: incorrect); the warning counts them."""
+    """The run on 4 ranks, then the same run id launched again into the same folder on 3, then on 2 (a job resumed on
+    fewer GPUs, its steps numbered again from 0 each time), every launch the token mean by the float64 reference:
+    each step is the last launch's W = 2 records alone. The earlier launches' ranks that no later record replaces
+    (rank 3 of the first, rank 2 of the second, whose latest records say W = 3) stayed beside them
+    (world_size_inconsistent, unexplained_weighting: incorrect); the warning counts them."""
     wide = SCENARIOS_BY_NAME["correct_token_mean_w3"]
+    four = ((5, 1), (3, 7), (2, 2), (4, 3)), ((0, 0), (6, 2), (8, 1), (2, 5)), ((8, 4), (2, 8), (1, 0), (3, 3))
+    _launch(tmp_path, replace(wide, name=SCENARIO.name, world_size=4, counts=four))
     _launch(tmp_path, replace(wide, name=SCENARIO.name))
-    _launch(tmp_path, replace(SCENARIO, counts=SCENARIO.counts[: len(wide.counts)]))
+    _launch(tmp_path, SCENARIO)
     report = audit([tmp_path / SCENARIO.name])
     (finding,) = report.findings
     assert report.runs[0].verdict == "correct" and finding.code.value == "duplicate_records", report.findings
-    rank_two = sum(len(step[2]) for step in wide.counts[: len(SCENARIO.counts)])
-    assert finding.evidence["superseded_records"] == rank_two and f"{rank_two} more record(s)" in finding.message
+    # rank 3's records of the first launch and rank 2's of the second (the first's repeated by the second's)
+    assert finding.evidence["superseded_records"] == 12 and finding.evidence["dropped_records"] == 30
+
+
+def test_a_wrong_launch_replaced_by_one_on_fewer_ranks_is_judged_alone_whole(tmp_path: Path) -> None:
+    """A rank-local mean on 3 ranks (wrong by the float64 reference), then the run launched again on 2, the token mean,
+    its steps numbered from 0 again: the kept records are right, and the earlier launch judged alone must be all of
+    it, its rank 2 included, whose records no later record repeats (without it the earlier launch's steps lacked a
+    rank and said nothing of their weights: correct)."""
+    wrong = replace(
+        SCENARIOS_BY_NAME["correct_token_mean_w3"], name=SCENARIO.name, strategy="local_mean", correct=False
+    )
+    for result in run_ddp(run_scenario, 3, wrong, str(tmp_path)):
+        for step, record in enumerate(result["recorded"]):
+            want = reference_gradient(record["before"], wrong, step, result["members"])
+            assert not all(torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(record["grads"], want))
+    _launch(tmp_path)
+    report = audit([tmp_path / SCENARIO.name])
+    (finding,) = report.findings
+    assert finding.code.value == "duplicate_records" and report.runs[0].verdict == "inconclusive", report.findings
+    assert "Judged alone, the earlier launch's records weigh their tokens wrong (local_mean)" in finding.message
 
 
 def test_ignoring_a_code_never_greens_a_wrong_run(tmp_path: Path) -> None:
