@@ -29,9 +29,10 @@ def unsynced_end(parts: Iterable[pd.DataFrame]) -> int | None:
         return None
     last = max(ending.last for ending in endings.values())
     at_last = {key: ending for key, ending in endings.items() if ending.last == last}
-    records: dict[str, float] = {}  # (the most of one group: `term_records`)
+    records: dict[str, tuple[float, float]] = {}  # (as `term_records` counts)
     for (_, term), ending in endings.items():
-        records[term] = max(records.get(term, 0.0), ending.records)
+        synced, most = records.get(term, (0.0, 0.0))
+        records[term] = (synced + ending.synced, max(most, ending.records))
     main = main_term_first(records)[0]
     mains = [ending for (_, term), ending in at_last.items() if term == main]
     cut = (

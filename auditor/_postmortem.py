@@ -364,7 +364,7 @@ def run_terms(table: pd.DataFrame | Spilled, run: str) -> list[str]:
     """The loss terms of one run of the table, the main one first."""
     if isinstance(table, pd.DataFrame):
         return loss_terms(table[table.run.astype(str) == run])
-    terms = dict.fromkeys((term for name, _, term in table.names if name == run), 0.0)
+    terms = dict.fromkeys((term for name, _, term in table.names if name == run), (0.0, 0.0))
     return main_term_first(terms if main_term_known(terms) else term_records(selected_runs(table_parts(table), [run])))
 
 

@@ -416,29 +416,37 @@ def loss_terms(steps: pd.DataFrame) -> list[str]:
     return main_term_first(term_records([steps]))
 
 
-def term_records(parts: Iterable[pd.DataFrame]) -> dict[str, float]:
-    """Per loss term of these parts of a step table (as text), the most records one group holds of it (a pipeline's
-    stages each a group: an auxiliary loss of every stage outnumbers the loss of the last one, over the run)."""
-    held: dict[tuple[str, str], float] = {}
+def term_records(parts: Iterable[pd.DataFrame]) -> dict[str, tuple[float, float]]:
+    """Per loss term of these parts of a step table (as text): its records that synchronized, and the most records
+    one group holds of it (a pipeline's stages each a group: an auxiliary loss of every stage outnumbers the loss of
+    the last one, over the run)."""
+    held: dict[tuple[str, str], tuple[float, float]] = {}
     for part in parts:
         records = column_of(part, "records") if "records" in part else np.zeros(len(part))
+        synced = np.nan_to_num(column_of(part, "sync_true").astype(float)) if "sync_true" in part else records * 0
         for group, in_group in grouped(part.grp):
             terms = part.term if isinstance(in_group, slice) else part.term.iloc[in_group]
             for term, rows in grouped(terms):
-                key = (group, str(term))
-                held[key] = held.get(key, 0.0) + nan_sum(records[in_group][rows])
-    most: dict[str, float] = {}
-    for (_, term), count in held.items():
-        most[term] = max(most.get(term, 0.0), count)
+                key, (had_synced, had) = (group, str(term)), held.get((group, str(term)), (0.0, 0.0))
+                held[key] = (had_synced + nan_sum(synced[in_group][rows]), had + nan_sum(records[in_group][rows]))
+    most: dict[str, tuple[float, float]] = {}
+    for (_, term), (synced_here, count) in held.items():
+        before = most.get(term, (0.0, 0.0))
+        most[term] = (before[0] + synced_here, max(before[1], count))
     return most
 
 
-def main_term_first(records: Mapping[str, float]) -> list[str]:
-    """The loss terms (with their records, `term_records`), the main term first, then the others by name. The main
-    term is UNNAMED ("0"), the recorder's default; where no record is of it (every term named), the term of the most
-    records in one group, ties by name: the one recorded on every microbatch, where an auxiliary head recorded on the
-    first alone ends no update (its records are unsynchronized in a correct loop) and is no run's logged loss."""
-    main = UNNAMED if UNNAMED in records or not records else min(records, key=lambda t: (-records[t], t))
+def main_term_first(records: Mapping[str, tuple[float, float]]) -> list[str]:
+    """The loss terms (with what `term_records` counts), the main term first, then the others by name. The main term
+    is UNNAMED ("0"), the recorder's default; where no record is of it (every term named), a term some record of
+    which synchronized before one none of whose did (an auxiliary loss of the first microbatch, recorded once or by
+    several layers, is unsynchronized in a correct loop: it ends no update and is no run's logged loss), then the term
+    of the most records in one group, ties by name."""
+    main = (
+        UNNAMED
+        if UNNAMED in records or not records
+        else min(records, key=lambda t: (records[t][0] <= 0, -records[t][1], t))
+    )
     return sorted(records, key=lambda t: (t != main, t))
 
 

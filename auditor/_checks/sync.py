@@ -164,6 +164,7 @@ class Seen:
 
 
 _READ = (
+    "sync_true",
     "unsynced_ranks",
     "records",
     "ranks",
@@ -184,7 +185,8 @@ class Ending:
     at: Seen = field(default_factory=Seen)
     before: Seen = field(default_factory=Seen)
     records: float = 0.0
-    """Its records over every step (which term is the main one: `main_term_first`)."""
+    """Its records over every step, and those that synchronized (which term is the main one: `main_term_first`)."""
+    synced: float = 0.0
 
     def add(self, block: pd.DataFrame, rows: Any = slice(None)) -> None:
         """These `rows` of a block (a slice, or the indices of one group's)."""
@@ -200,6 +202,7 @@ class Ending:
         for name in ("skipped_false", "skipped_true"):
             columns[name] = np.nan_to_num(columns[name].astype(float, copy=False))
         self.records += nan_sum(columns["records"])
+        self.synced += float(np.nansum(columns["sync_true"].astype(float, copy=False)))
         self.before.merge(Seen.of(columns, step < self.last))
         self.at.merge(Seen.of(columns, step == self.last))
 

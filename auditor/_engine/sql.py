@@ -407,13 +407,15 @@ CREATE OR REPLACE TEMP VIEW launched AS
 SELECT *, NOT latest OR rank >= min(CASE WHEN replayed AND latest THEN world_size END)
                                 OVER (PARTITION BY run, grp, step) IS TRUE AS superseded
 FROM (
-    SELECT *, launch = max(launch) OVER rank_step AS latest, min(launch) OVER rank_step < max(launch) OVER rank_step AS replayed
+    SELECT *, launch = max(launch) OVER rank_step AS latest,
+              min(launch) FILTER (launch >= 0) OVER rank_step < max(launch) OVER rank_step AS replayed
     FROM raw_records LEFT JOIN file_order USING (filename)
     WINDOW rank_step AS (PARTITION BY run, grp, step, rank))
 """
 """`raw_records` with their files' order and whether a later launch superseded each: a rank's step that two launches
 recorded is the later one's alone (the earlier's other microbatches are no part of it), and where a later launch of
-W' recorded a step again, the step's records of ranks ≥ W' are an earlier launch's (a run resumed on fewer ranks). W'
+W' recorded a step again, the step's records of ranks ≥ W' are an earlier launch's (a run resumed on fewer ranks). A
+rank is recorded again by two launches that say so (a copy in a file that does not, a pandas backup, is no launch). W'
 is the least W of the latest records of the ranks recorded again: a rank below the latest launch's W has that launch
 as its latest, one past it an earlier launch of a W above its rank (4 → 3 → 2: rank 2's latest says 3)."""
 

@@ -1646,16 +1646,18 @@ def test_a_last_update_cut_short_is_read_per_group_and_rank_and_never_where_some
     assert report.verdicts == {"run": "incorrect"} and only(report, Code.LOCAL_MEAN).severity == Severity.ERROR
 
 
-def test_the_main_term_is_the_unnamed_one_else_the_one_of_the_most_records() -> None:
-    """ "0" (the recorder's default) is the main term wherever a record is of it; where every term is named, the one
-    of the most records (recorded on every microbatch, where an auxiliary loss of the first alone is not), ties by
-    name."""
+def test_the_main_term_is_the_unnamed_one_else_one_that_synchronized_else_the_one_of_the_most_records() -> None:
+    """ "0" (the recorder's default) is the main term wherever a record is of it; where every term is named, one some
+    record of which synchronized (an auxiliary loss of the first microbatch, recorded by several layers, outnumbers
+    the loss but never synchronizes), then the most records in one group, ties by name. (synchronized, most)."""
     from tokaudit._checks import main_term_first
 
-    assert main_term_first({"aux": 4.0, "lm": 8.0}) == ["lm", "aux"]
-    assert main_term_first({"aux": 8.0, "0": 2.0, "b": 9.0}) == ["0", "aux", "b"]
-    assert main_term_first({"mtp2": 6.0, "mtp1": 6.0, "ce": 3.0}) == ["mtp1", "ce", "mtp2"]
-    assert main_term_first({"only": 0.0}) == ["only"] and main_term_first({}) == []
+    assert main_term_first({"aux": (0.0, 4.0), "lm": (2.0, 8.0)}) == ["lm", "aux"]
+    assert main_term_first({"router": (0.0, 12.0), "lm": (2.0, 8.0)}) == ["lm", "router"]
+    assert main_term_first({"aux": (1.0, 8.0), "0": (0.0, 2.0), "b": (1.0, 9.0)}) == ["0", "aux", "b"]
+    assert main_term_first({"mtp2": (3.0, 6.0), "mtp1": (3.0, 6.0), "ce": (3.0, 3.0)}) == ["mtp1", "ce", "mtp2"]
+    assert main_term_first({"x": (0.0, 4.0), "y": (0.0, 6.0)}) == ["y", "x"]  # none synchronized: the most records
+    assert main_term_first({"only": (0.0, 0.0)}) == ["only"] and main_term_first({}) == []
 
 
 def test_an_auxiliary_loss_of_every_pipeline_stage_is_not_the_main_term_of_the_last_stage_s_loss(
@@ -1689,3 +1691,19 @@ def test_an_auxiliary_loss_of_every_pipeline_stage_is_not_the_main_term_of_the_l
         )
     report = audit([tmp_path])
     assert report.findings == [] and report.runs[0].verdict == "correct" and report.runs[0].terms == ["lm", "router"]
+
+
+def test_an_auxiliary_loss_recorded_by_several_layers_in_the_first_microbatch_is_not_the_main_term(
+    tmp_path: Path,
+) -> None:
+    """2 ranks under no_sync() over 2 microbatches: "lm" on each, "router" recorded by 3 layers in the first alone
+    (its microbatch indices count per term: 0, 1, 2, every record unsynchronized), each a token mean. router's
+    records outnumber lm's and it was read as the main term (missing_sync: incorrect); a term some record of which
+    synchronized comes first."""
+    counts = [[[5, 3], [2, 7]], [[4, 4], [9, 1]], [[3, 6], [6, 2]]]
+    lm = [dict(r, term="lm", sync=r["micro"] == 1) for r in records(counts, token_mean)]
+    layers = [[[mine[0] + layer for layer in range(3)] for mine in step] for step in counts]  # (tokens routed)
+    router = [dict(r, term="router", sync=False) for r in records(layers, token_mean)]
+    report = audit_rows(tmp_path / "run", lm + router)
+    assert report.runs[0].verdict == "correct" and report.runs[0].terms == ["lm", "router"]
+    assert report.findings == []

@@ -1340,3 +1340,27 @@ def test_ranges_aggregated_each_by_an_engine_of_its_own_give_the_same_table(tmp_
     assert not _same_table(one.step_table(), apart.step_table())
     assert len(seen) > 1 and all(isinstance(task, RangeTask) for task in seen) and aggregate_range is not None
     assert one.duplicates == apart.duplicates and _counts(apart.duplicates) == {"run": (8, 7, 7, 1)}
+
+
+def test_a_pandas_copy_beside_one_launch_is_no_later_launch(tmp_path: Path) -> None:
+    """One launch of 4 ranks whose ranks 0 and 1 say W = 2 and take the token mean over their pair, ranks 2 and 3
+    W = 4 over all four (broken: world_size_inconsistent). A pandas backup of rank 0's shard beside it (a file that
+    says no launch) repeats rank 0's keys, which is no launch recording the step again: ranks 2 and 3 were taken
+    for an earlier launch's ranks past W = 2 and left out, and the run read correct."""
+    import json
+
+    from tokaudit._schema import PROVENANCE_KEY
+
+    counts = [[[5, 3], [2, 7]], [[4, 4], [9, 1]], [[3, 6], [6, 2]]]
+    pair = records(counts, token_mean, world_size=2)
+    four = [r for r in records([step * 2 for step in counts], token_mean, world_size=4) if r["rank"] >= 2]
+    folder = tmp_path / "run"
+    facts = json.dumps({"launch": {"id": "a", "first_shard": 0}}).encode()
+    for rank in range(4):
+        mine = [r for r in pair + four if r["rank"] == rank]
+        write(folder / f"rank-{rank:05d}-000000.parquet", mine, metadata={PROVENANCE_KEY: facts})
+    alone = audit([folder])
+    pd.read_parquet(folder / "rank-00000-000000.parquet").to_parquet(folder / "rank0_backup.parquet")
+    copied = audit([folder])
+    assert alone.runs[0].verdict == copied.runs[0].verdict == "incorrect"
+    assert "world_size_inconsistent" in {f.code.value for f in alone.findings} & {f.code.value for f in copied.findings}
