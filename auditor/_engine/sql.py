@@ -408,15 +408,17 @@ SELECT *, NOT latest OR rank >= min(CASE WHEN replayed AND latest THEN world_siz
                                 OVER (PARTITION BY run, grp, step) IS TRUE AS superseded
 FROM (
     SELECT *, launch = max(launch) OVER rank_step AS latest,
-              min(launch) FILTER (launch >= 0) OVER rank_step < max(launch) OVER rank_step AS replayed
+              min(launch) OVER rank_step < max(launch) OVER rank_step
+              AND min(world_size) OVER rank_step < max(world_size) OVER rank_step AS replayed
     FROM raw_records LEFT JOIN file_order USING (filename)
     WINDOW rank_step AS (PARTITION BY run, grp, step, rank))
 """
 """`raw_records` with their files' order and whether a later launch superseded each: a rank's step that two launches
 recorded is the later one's alone (the earlier's other microbatches are no part of it), and where a later launch of
 W' recorded a step again, the step's records of ranks ≥ W' are an earlier launch's (a run resumed on fewer ranks). A
-rank is recorded again by two launches that say so (a copy in a file that does not, a pandas backup, is no launch). W'
-is the least W of the latest records of the ranks recorded again: a rank below the latest launch's W has that launch
+rank is recorded again with another W by a later launch (a copy of its records, a pandas backup, says the same W and
+drops nothing; an earlier launch's files may say no launch). W' is the least W of the latest records of the ranks
+recorded again: a rank below the latest launch's W has that launch
 as its latest, one past it an earlier launch of a W above its rank (4 → 3 → 2: rank 2's latest says 3)."""
 
 # per run: the copies, where, whether every copy holds the kept record's values, and its time, and whether a copy lies

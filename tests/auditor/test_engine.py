@@ -1364,3 +1364,27 @@ def test_a_pandas_copy_beside_one_launch_is_no_later_launch(tmp_path: Path) -> N
     copied = audit([folder])
     assert alone.runs[0].verdict == copied.runs[0].verdict == "incorrect"
     assert "world_size_inconsistent" in {f.code.value for f in alone.findings} & {f.code.value for f in copied.findings}
+
+
+def test_an_earlier_launch_in_files_that_say_no_launch_is_still_an_earlier_launch(tmp_path: Path) -> None:
+    """A run on 4 ranks written by another writer (no launch in its footers), then relaunched on 2 by the recorder
+    over the same steps, both the token mean: each step is the later launch's W = 2 records (the earlier's ranks 2
+    and 3 stayed beside them when only launches that say so could record a step again: incorrect)."""
+    import json
+    import os
+
+    from tokaudit._schema import PROVENANCE_KEY
+
+    counts = [[[5, 3], [2, 7], [4, 4], [9, 1]], [[3, 6], [6, 2], [1, 8], [2, 2]]]
+    wide = records(counts, token_mean)
+    narrow = records([step[:2] for step in counts], token_mean)
+    facts = json.dumps({"launch": {"id": "b", "first_shard": 1}}).encode()
+    for rank in range(4):
+        earlier = write(tmp_path / "run" / f"rank-{rank:05d}-000000.parquet", [r for r in wide if r["rank"] == rank])
+        os.utime(earlier, ns=(1_700_000_000_000_000_000,) * 2)
+    for rank in range(2):
+        mine = [r for r in narrow if r["rank"] == rank]
+        write(tmp_path / "run" / f"rank-{rank:05d}-000001.parquet", mine, metadata={PROVENANCE_KEY: facts})
+    report = audit([tmp_path / "run"])
+    (finding,) = report.findings
+    assert report.runs[0].verdict == "correct" and finding.code.value == "duplicate_records", report.findings
