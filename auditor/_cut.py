@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 
-from tokaudit._checks import Ending, grouped, main_term_first
+from tokaudit._checks import Ending, grouped, main_term_first, over_groups
 
 
 def unsynced_end(parts: Iterable[pd.DataFrame]) -> int | None:
@@ -29,11 +29,7 @@ def unsynced_end(parts: Iterable[pd.DataFrame]) -> int | None:
         return None
     last = max(ending.last for ending in endings.values())
     at_last = {key: ending for key, ending in endings.items() if ending.last == last}
-    records: dict[str, tuple[float, float]] = {}  # (as `term_records` counts)
-    for (_, term), ending in endings.items():
-        synced, most = records.get(term, (0.0, 0.0))
-        records[term] = (synced + ending.synced, max(most, ending.records))
-    main = main_term_first(records)[0]
+    main = main_term_first(over_groups({key: (e.synced, e.records) for key, e in endings.items()}))[0]
     mains = [ending for (_, term), ending in at_last.items() if term == main]
     cut = (
         bool(mains)

@@ -115,17 +115,15 @@ def run_steps(
                 yield rows
 
     groups: set[str] = set()
-    terms: dict[str, tuple[float, float]] = {}
+    terms: set[str] = set()
     if names is not None and horizon is None and not lost and stopped is None and ended is None:
         groups = {g for r, g, _ in names if r == run}
-        terms = dict.fromkeys((t for r, _, t in names if r == run), (0.0, 0.0))
-    if groups and not main_term_known(terms):  # which term is the main one: their records say
-        terms = term_records(selected())
+        terms = {t for r, _, t in names if r == run}
     for rows in selected() if not groups else ():
         groups.update(str(g) for g in rows.grp.unique())
-        for term, (synced, records) in term_records([rows]).items():
-            before = terms.get(term, (0.0, 0.0))
-            terms[term] = (before[0] + synced, max(before[1], records))
+        terms.update(str(t) for t in rows.term.unique())
     if not groups:
         return None
-    return RunSteps(selected, sorted(groups), main_term_first(terms))
+    # which term is the main one, where the names do not say: their records (one more pass)
+    counts = dict.fromkeys(terms, (0.0, 0.0)) if main_term_known(terms) else term_records(selected())
+    return RunSteps(selected, sorted(groups), main_term_first(counts))

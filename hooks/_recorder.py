@@ -313,7 +313,7 @@ class Recorder(UpdateTracking):
         """Records, probes and captured calls inside belong to loss term `name` (an auxiliary head,
         MTP head k): each term is audited as its own token mean. `weight`: λ, the coefficient the objective
         gives the term on purpose (L = ΣS/N + λ·ΣS_aux/N_aux): its tokens are judged against λ/N, and every
-        record of the term from now on carries it (a number, `terms.term_weight`: a changed λ holds from the next record)."""
+        record of the term from now on carries it (a number, `term_weight`: a changed λ holds from the next record)."""
         if isinstance(taken := term_weight(name, weight), str):
             self.warn_once("term-weight", taken)
         elif taken is not None:

@@ -33,9 +33,9 @@ GRAPH_DEPTH = 16
 
 
 def term_weight(name: str, weight: object) -> float | str | None:
-    """λ as `loss_term(name, weight=…)` takes it (None: none declared), or why it cannot: a number (a Python or numpy number, a one-element
-    numpy array, a one-element tensor on the CPU: read there with no device sync), finite and ≥ 0 (0: the term
-    switched off on purpose, as a warm-up starts, whose tokens the audit then does not judge)."""
+    """λ as `loss_term(name, weight=…)` takes it (None: none declared), or why it cannot: a number (a Python or numpy
+    number, a one-element numpy array, a one-element tensor on the CPU: read there with no device sync), finite and
+    ≥ 0 (0: the term switched off on purpose, as a warm-up starts, whose tokens the audit then does not judge)."""
     if weight is None:
         return None
     number = _number(weight)
@@ -47,7 +47,10 @@ def term_weight(name: str, weight: object) -> float | str | None:
         why = f"a tensor on {weight.device} would cost a device sync at each call: pass λ as a number"
     else:
         why = f"a weight is a number (Python, numpy, or a one-element tensor on the CPU), not {type(weight).__name__}"
-    return f"tokaudit: loss_term({name!r}, weight={weight!r}): {why}; this one is left out, and the term is judged as a token mean"
+    return (
+        f"tokaudit: loss_term({name!r}, weight={weight!r}): {why}; this one is left out, and the term is judged as a "
+        "token mean"
+    )
 
 
 def _number(weight: object) -> float | None:

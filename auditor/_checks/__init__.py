@@ -5,7 +5,7 @@ normalization is recovered lives in `tokaudit._normalization`; each concern here
 """
 
 from tokaudit._checks.base import RunSteps, cannot_tell, distinct, grouped, loss_terms, main_term_first, rank_masks
-from tokaudit._checks.base import main_term_known, term_records
+from tokaudit._checks.base import main_term_known, over_groups, term_records
 from tokaudit._checks.base import PARTIAL_UPDATE_FACTORS, run_finding, weight_ratio, world_sizes
 from tokaudit._checks.duplicates import WEIGHED_WRONG, Replaced, with_replaced
 from tokaudit._checks.miscount import miscounted_rows, outside_probe_range, without_miscounted
@@ -28,6 +28,7 @@ __all__ = [
     "miscounted_rows",
     "one_objective",
     "outside_probe_range",
+    "over_groups",
     "pooled_steps",
     "pooled_sums",
     "rank_masks",

@@ -429,10 +429,16 @@ def term_records(parts: Iterable[pd.DataFrame]) -> dict[str, tuple[float, float]
             for term, rows in grouped(terms):
                 key, (had_synced, had) = (group, str(term)), held.get((group, str(term)), (0.0, 0.0))
                 held[key] = (had_synced + nan_sum(synced[in_group][rows]), had + nan_sum(records[in_group][rows]))
+    return over_groups(held)
+
+
+def over_groups(held: Mapping[tuple[str, str], tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    """Per term, from its (records that synchronized, records) per (group, term): those that synchronized in every
+    group, and the most records one group holds (what `main_term_first` reads)."""
     most: dict[str, tuple[float, float]] = {}
-    for (_, term), (synced_here, count) in held.items():
+    for (_, term), (synced, count) in held.items():
         before = most.get(term, (0.0, 0.0))
-        most[term] = (before[0] + synced_here, max(before[1], count))
+        most[term] = (before[0] + synced, max(before[1], count))
     return most
 
 

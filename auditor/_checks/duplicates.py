@@ -180,7 +180,6 @@ def _superseded(records: int) -> str:
     if not records:
         return ""
     return (
-        f" A step that a later launch recorded again is that launch's alone (each of its ranks, and no rank past its W): "
-        f"{records} more record(s) of "
-        "the earlier launch's, repeated by none, were left out with the copies."
+        " A step that a later launch recorded again is that launch's alone (each of its ranks, and no rank past its "
+        f"W): {records} more record(s) of the earlier launch's, repeated by none, were left out with the copies."
     )

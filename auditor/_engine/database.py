@@ -258,13 +258,15 @@ class Engine:
             self.connection.execute(f"DROP TABLE {name}")
         # Of two records with one key, the later published is kept (`KEPT`); what a later launch superseded
         # (`LAUNCHED_VIEW`) is no part of the step.
+        if deduplicate:
+            self.connection.execute(LAUNCHED_VIEW)
         dedup = f"QUALIFY row_number() OVER ({KEPT}) = 1 AND NOT superseded" if deduplicate else ""
-        self.connection.execute(LAUNCHED_VIEW)  # (what `DUPLICATES_SQL` reads too)
         self.connection.execute(records_view(dedup, "launched" if deduplicate else "raw_records"))
 
     def _find_duplicates(self) -> dict[str, Duplicates]:
         found = {}
         paths = {self.link_names[id(shard)]: str(shard.path) for shard in self.shards}  # (DuckDB's names: links)
+        self.connection.execute(LAUNCHED_VIEW)  # (over the records as `_define` last defined them)
         for row in self.connection.execute(DUPLICATES_SQL).fetchall():
             run, copies, first, last, steps, files, identical, same_time, one_file, superseded, unlaunched, out = row
             named = tuple(sorted(paths.get(f, f) for f in files)[: FILES_NAMED + 1])  # (one more: there are more)
