@@ -10,7 +10,7 @@ import numpy.typing as npt
 import pandas as pd
 from pandas.api.types import union_categoricals
 
-from tokaudit._checks import RunSteps, main_term_first, main_term_known, term_records
+from tokaudit._checks import RunSteps, group_records, main_term_first, main_term_known, over_groups, stand_ins
 from tokaudit._engine import EVIDENCE, Spilled
 from tokaudit._normalization import name_ranks
 from tokaudit._ends import UnevenEnd
@@ -124,6 +124,10 @@ def run_steps(
         terms.update(str(t) for t in rows.term.unique())
     if not groups:
         return None
-    # which term is the main one, where the names do not say: their records (one more pass)
-    counts = dict.fromkeys(terms, (0.0, 0.0)) if main_term_known(terms) else term_records(selected())
-    return RunSteps(selected, sorted(groups), main_term_first(counts))
+    if len(terms) > 1 and (len(groups) > 1 or not main_term_known(terms)):
+        # which term is the main one where the names do not say, and which stands for it in a group that holds
+        # none of it: their records (one more pass)
+        held = group_records(selected())
+        ordered = main_term_first(over_groups(held))
+        return RunSteps(selected, sorted(groups), ordered, stand_ins(held, ordered[0]))
+    return RunSteps(selected, sorted(groups), main_term_first(dict.fromkeys(terms, (0.0, 0.0))))

@@ -5,7 +5,7 @@ normalization is recovered lives in `tokaudit._normalization`; each concern here
 """
 
 from tokaudit._checks.base import RunSteps, cannot_tell, distinct, grouped, loss_terms, main_term_first, rank_masks
-from tokaudit._checks.base import main_term_known, over_groups, term_records
+from tokaudit._checks.base import group_records, main_term_known, over_groups, stand_ins, term_records
 from tokaudit._checks.base import PARTIAL_UPDATE_FACTORS, run_finding, weight_ratio, world_sizes
 from tokaudit._checks.duplicates import WEIGHED_WRONG, Replaced, with_replaced
 from tokaudit._checks.miscount import miscounted_rows, outside_probe_range, without_miscounted
@@ -21,6 +21,7 @@ __all__ = [
     "cannot_tell",
     "check_run",
     "distinct",
+    "group_records",
     "grouped",
     "loss_terms",
     "main_term_first",
@@ -35,6 +36,7 @@ __all__ = [
     "Replaced",
     "WEIGHED_WRONG",
     "run_finding",
+    "stand_ins",
     "term_records",
     "RunSteps",
     "weight_ratio",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -66,17 +66,20 @@ class RunSteps:
     """The run's groups, in the order of the whole table (sorted as text)."""
     terms: list[str]
     """The run's loss terms, the main term (UNNAMED) first (`loss_terms`)."""
+    stand_ins: Mapping[str, str] = field(default_factory=dict)
+    """Per group that holds no record of the main term, the term that stands for it there (`stand_ins`)."""
 
     @classmethod
     def of(cls, frame: pd.DataFrame) -> RunSteps:
         """One run's whole table, put in the table's order (group, term, step) if it is not."""
-        groups, terms = sorted({str(g) for g in frame.grp.unique()}), loss_terms(frame)
+        held = group_records([frame])
+        groups, terms = sorted({str(g) for g in frame.grp.unique()}), main_term_first(over_groups(held))
         step = frame.step.to_numpy()
         if len(groups) > 1 or len(terms) > 1 or not bool((step[1:] > step[:-1]).all()):
             order = np.lexsort((step, name_ranks(frame.term, terms), name_ranks(frame.grp, groups)))
             if (order != np.arange(len(order))).any():
                 frame = frame.iloc[order].reset_index(drop=True)
-        return cls(lambda: [frame], groups, terms)
+        return cls(lambda: [frame], groups, terms, stand_ins(held, terms[0]) if terms else {})
 
     def step_range(self) -> StepRange:
         """Every step of the run: a finding about the run as a whole covers them."""
@@ -300,7 +303,8 @@ class TermInputs:
     keep_steps: bool
     """A step number repeats across groups: steps are counted as a set."""
     main_term: bool
-    """The run's first term (its structure is checked once, there)."""
+    """The run's first term (its structure is checked there, and in a group without it by the term that stands for
+    it: `RunSteps.stand_ins`)."""
     coefficient: bool = False
     """Its uniform factors may be a coefficient λ chosen for it (`checks.run._coefficient`): the run has several
     loss terms, not all off by one constant; this one declares no λ; each of its factors holds over one span."""
@@ -316,7 +320,7 @@ class TermInputs:
 class Check:
     """One check of one loss term: made from its `TermInputs`, fed the term's table a block at a time with each
     step's diagnosis (`add`; None where the term's weighting is not judged alone), then asked for its findings.
-    `main_term_only`: made for the run's first term only; `judges_weighting`: made only where the term's weighting
+    `main_term_only`: made for the run's first term (and a term standing for it in some groups) only; `judges_weighting`: made only where the term's weighting
     is judged alone (its diagnoses are never None)."""
 
     main_term_only = False
@@ -420,6 +424,12 @@ def term_records(parts: Iterable[pd.DataFrame]) -> dict[str, tuple[float, float]
     """Per loss term of these parts of a step table (as text): its records that synchronized, and the most records
     one group holds of it (a pipeline's stages each a group: an auxiliary loss of every stage outnumbers the loss of
     the last one, over the run)."""
+    return over_groups(group_records(parts))
+
+
+def group_records(parts: Iterable[pd.DataFrame]) -> dict[tuple[str, str], tuple[float, float]]:
+    """Per (group, loss term) of these parts of a step table (as text): its records that synchronized, and its
+    records."""
     held: dict[tuple[str, str], tuple[float, float]] = {}
     for part in parts:
         records = column_of(part, "records") if "records" in part else np.zeros(len(part))
@@ -429,7 +439,7 @@ def term_records(parts: Iterable[pd.DataFrame]) -> dict[str, tuple[float, float]
             for term, rows in grouped(terms):
                 key, (had_synced, had) = (group, str(term)), held.get((group, str(term)), (0.0, 0.0))
                 held[key] = (had_synced + nan_sum(synced[in_group][rows]), had + nan_sum(records[in_group][rows]))
-    return over_groups(held)
+    return held
 
 
 def over_groups(held: Mapping[tuple[str, str], tuple[float, float]]) -> dict[str, tuple[float, float]]:
@@ -454,6 +464,18 @@ def main_term_first(records: Mapping[str, tuple[float, float]]) -> list[str]:
         else min(records, key=lambda t: (records[t][0] <= 0, -records[t][1], t))
     )
     return sorted(records, key=lambda t: (t != main, t))
+
+
+def stand_ins(held: Mapping[tuple[str, str], tuple[float, float]], main: str) -> dict[str, str]:
+    """Per group with no record of the `main` term (a pipeline stage whose loss is another's), the term that stands
+    for it there: the group's own main term (`main_term_first` of its terms), where a record of it synchronized
+    (one none of whose did, an auxiliary loss of the first microbatch, ends no update: the group's structure and
+    synchronization are then not read, as before). `held`: what `group_records` counts."""
+    terms: dict[str, dict[str, tuple[float, float]]] = {}
+    for (group, term), counts in held.items():
+        terms.setdefault(group, {})[term] = counts
+    first = {group: main_term_first(counts)[0] for group, counts in terms.items() if main not in counts}
+    return {group: term for group, term in first.items() if terms[group][term][0] > 0}
 
 
 def main_term_known(terms: Iterable[str]) -> bool:

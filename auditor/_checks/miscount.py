@@ -132,4 +132,4 @@ def without_miscounted(source: RunSteps, rtol: float) -> tuple[RunSteps, Miscoun
             found.steps, found.first, found.complete = steps, first, True
 
     found.parts = parts
-    return RunSteps(parts, source.groups, source.terms), found
+    return RunSteps(parts, source.groups, source.terms, source.stand_ins), found

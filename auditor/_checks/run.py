@@ -218,19 +218,25 @@ def _check_term(
         confused=decisions.confused if decisions is not None else None,
         later=later,
     )
+    # a check of the run's structure reads the main term, and where a group holds none of it, the term that stands
+    # for it there (a pipeline stage of another loss): this term's blocks of those groups alone
+    standing = None if inputs.main_term else {group for group, t in source.stand_ins.items() if t == term}
     checks = [
-        check(inputs)
+        (check(inputs), standing if check.main_term_only else None)
         for check in CHECKS
-        if (inputs.main_term or not check.main_term_only) and (decisions is not None or not check.judges_weighting)
+        if (inputs.main_term or standing or not check.main_term_only)
+        and (decisions is not None or not check.judges_weighting)
     ]
     term_spans = Spans()
     for block in source.blocks(term):
         diagnoses = decisions.diagnose(block) if decisions is not None else None
-        for check in checks:
-            check.add(block, diagnoses)
+        group = str(block.grp.iloc[0]) if standing and len(block) else ""  # (a block is one group's: `frames`)
+        for check, groups in checks:
+            if groups is None or group in groups:
+                check.add(block, diagnoses)
         if diagnoses is not None:
             term_spans.add(span_rows(block, diagnoses, source.groups, 0))
-    findings = per_sequence_first([finding for check in checks for finding in check.findings()])
+    findings = per_sequence_first([finding for check, _ in checks for finding in check.findings()])
     if decisions is None:
         return findings, [], 0
     listed, left_out = term_spans.listed(source.groups, [term])

@@ -1707,3 +1707,33 @@ def test_an_auxiliary_loss_recorded_by_several_layers_in_the_first_microbatch_is
     report = audit_rows(tmp_path / "run", lm + router)
     assert report.runs[0].verdict == "correct" and report.runs[0].terms == ["lm", "router"]
     assert report.findings == []
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_pipeline_stage_that_holds_no_record_of_the_main_term_is_judged_by_its_own_loss(
+    tmp_path: Path, broken: bool
+) -> None:
+    """Two pipeline stages, each a group of 2 ranks under no_sync(): the first records "router" on each of its 4
+    virtual-chunk microbatches, the second "lm" on each of its 2, each a token mean synchronized on its last
+    microbatch. router, of the most records in one group, is the run's main term, and no sync or structure check
+    read lm's stage: one whose lm never synchronized at step 1 read correct. A group without the main term is
+    judged by its own: missing_sync, said of lm at that step."""
+    lm_counts = [[[5, 3], [2, 7]], [[4, 4], [9, 1]], [[3, 6], [6, 2]]]
+    router_counts = [[[2, 3, 1, 4], [5, 1, 2, 2]], [[3, 3, 3, 1], [1, 2, 6, 2]], [[4, 1, 2, 2], [2, 5, 1, 3]]]
+    lm = [
+        dict(r, term="lm", group="s1", sync=r["micro"] == 1 and not (broken and r["step"] == 1))
+        for r in records(lm_counts, token_mean)
+    ]
+    router = [dict(r, term="router", group="s0", sync=r["micro"] == 3) for r in records(router_counts, token_mean)]
+    for group, rank in {(r["group"], r["rank"]) for r in lm + router}:
+        mine = [r for r in lm + router if (r["group"], r["rank"]) == (group, rank)]
+        write(tmp_path / "run" / f"{group}-{rank}.parquet", mine)
+    report = audit([tmp_path])
+    assert report.runs[0].terms == ["router", "lm"]
+    if not broken:
+        assert report.findings == [] and report.runs[0].verdict == "correct"
+        return
+    assert report.runs[0].verdict == "incorrect"
+    (finding,) = report.findings
+    assert (finding.code, finding.term, finding.steps.first, finding.steps.last) == (Code.MISSING_SYNC, "lm", 1, 1)
+    assert finding.evidence["rank_steps"] == 2
