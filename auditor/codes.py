@@ -254,7 +254,9 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         why="The logged loss differs from the token mean of the step: often the mean of per-rank means "
         "(Lightning sync_dist, rank-0 logging of a local mean) or ×GAS. Losses rounded to a few decimals are compared "
         "within half their last decimal, and losses that are all exact in a half precision (a float16 or bfloat16 "
-        "tensor's values) within half its last place.",
+        "tensor's values) within half its last place. Of several loss terms, ΣS/N is the main term's, or the sum of "
+        "the terms' token means; where the records cannot tell the main term from another (two heads on every "
+        "microbatch), a logged loss that is either one's is none.",
         fix="Report all_reduce(ΣS)/all_reduce(Σn) from detached sums and counts.",
         example="S0 = 3 (n0 = 1), S1 = 3 (n1 = 3): ΣS/N = 6/4 = 1.5, the mean of local means is (3 + 1)/2 = 2.",
     ),

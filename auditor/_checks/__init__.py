@@ -4,13 +4,14 @@ Pure functions of the step table (one row per run, group, term and step): no Par
 normalization is recovered lives in `tokaudit._normalization`; each concern here is a module of its own.
 """
 
-from tokaudit._checks.base import RunSteps, cannot_tell, distinct, grouped, loss_terms, main_term_first, rank_masks
-from tokaudit._checks.base import group_records, main_term_known, over_groups, stand_ins, term_records
+from tokaudit._checks.base import RunSteps, cannot_tell, distinct, grouped, rank_masks
 from tokaudit._checks.base import PARTIAL_UPDATE_FACTORS, run_finding, weight_ratio, world_sizes
 from tokaudit._checks.duplicates import WEIGHED_WRONG, Replaced, with_replaced
 from tokaudit._checks.miscount import miscounted_rows, outside_probe_range, without_miscounted
 from tokaudit._checks.objective import one_objective, pooled_steps, pooled_sums
 from tokaudit._checks.run import check_run
+from tokaudit._checks.terms import group_records, loss_terms, main_term_first, main_term_known, over_groups
+from tokaudit._checks.terms import stand_ins, term_records, tied_terms, whole_run
 from tokaudit._checks.split_runs import with_other_ranks
 from tokaudit._checks.sync import Ending
 from tokaudit._checks.unread import with_unread_files
@@ -38,10 +39,12 @@ __all__ = [
     "run_finding",
     "stand_ins",
     "term_records",
+    "tied_terms",
     "RunSteps",
     "weight_ratio",
     "with_other_ranks",
     "with_replaced",
+    "whole_run",
     "with_unread_files",
     "without_miscounted",
     "world_sizes",

@@ -68,18 +68,8 @@ class RunSteps:
     """The run's loss terms, the main term (UNNAMED) first (`loss_terms`)."""
     stand_ins: Mapping[str, str] = field(default_factory=dict)
     """Per group that holds no record of the main term, the term that stands for it there (`stand_ins`)."""
-
-    @classmethod
-    def of(cls, frame: pd.DataFrame) -> RunSteps:
-        """One run's whole table, put in the table's order (group, term, step) if it is not."""
-        held = group_records([frame])
-        groups, terms = sorted({str(g) for g in frame.grp.unique()}), main_term_first(over_groups(held))
-        step = frame.step.to_numpy()
-        if len(groups) > 1 or len(terms) > 1 or not bool((step[1:] > step[:-1]).all()):
-            order = np.lexsort((step, name_ranks(frame.term, terms), name_ranks(frame.grp, groups)))
-            if (order != np.arange(len(order))).any():
-                frame = frame.iloc[order].reset_index(drop=True)
-        return cls(lambda: [frame], groups, terms, stand_ins(held, terms[0]) if terms else {})
+    tied: tuple[str, ...] = ()
+    """The terms the counts cannot tell from the main term (`tied_terms`)."""
 
     def step_range(self) -> StepRange:
         """Every step of the run: a finding about the run as a whole covers them."""
@@ -413,75 +403,6 @@ def median_of(column: SortedColumn) -> float:
     if not column.spilled:
         return float(pd.Series(column.in_order()[0]).median())
     return middle(at_positions(column, middle_positions(0, column.count)))
-
-
-def loss_terms(steps: pd.DataFrame) -> list[str]:
-    """The loss terms of a step table, as text, the main term first (`main_term_first`)."""
-    return main_term_first(term_records([steps]))
-
-
-def term_records(parts: Iterable[pd.DataFrame]) -> dict[str, tuple[float, float]]:
-    """Per loss term of these parts of a step table (as text): its records that synchronized, and the most records
-    one group holds of it (a pipeline's stages each a group: an auxiliary loss of every stage outnumbers the loss of
-    the last one, over the run)."""
-    return over_groups(group_records(parts))
-
-
-def group_records(parts: Iterable[pd.DataFrame]) -> dict[tuple[str, str], tuple[float, float]]:
-    """Per (group, loss term) of these parts of a step table (as text): its records that synchronized, and its
-    records."""
-    held: dict[tuple[str, str], tuple[float, float]] = {}
-    for part in parts:
-        records = column_of(part, "records") if "records" in part else np.zeros(len(part))
-        synced = np.nan_to_num(column_of(part, "sync_true").astype(float)) if "sync_true" in part else records * 0
-        for group, in_group in grouped(part.grp):
-            terms = part.term if isinstance(in_group, slice) else part.term.iloc[in_group]
-            for term, rows in grouped(terms):
-                key, (had_synced, had) = (group, str(term)), held.get((group, str(term)), (0.0, 0.0))
-                held[key] = (had_synced + nan_sum(synced[in_group][rows]), had + nan_sum(records[in_group][rows]))
-    return held
-
-
-def over_groups(held: Mapping[tuple[str, str], tuple[float, float]]) -> dict[str, tuple[float, float]]:
-    """Per term, from its (records that synchronized, records) per (group, term): those that synchronized in every
-    group, and the most records one group holds (what `main_term_first` reads)."""
-    most: dict[str, tuple[float, float]] = {}
-    for (_, term), (synced, count) in held.items():
-        before = most.get(term, (0.0, 0.0))
-        most[term] = (before[0] + synced, max(before[1], count))
-    return most
-
-
-def main_term_first(records: Mapping[str, tuple[float, float]]) -> list[str]:
-    """The loss terms (with what `term_records` counts), the main term first, then the others by name. The main term
-    is UNNAMED ("0"), the recorder's default; where no record is of it (every term named), a term some record of
-    which synchronized before one none of whose did (an auxiliary loss of the first microbatch, recorded once or by
-    several layers, is unsynchronized in a correct loop: it ends no update and is no run's logged loss), then the term
-    of the most records in one group, ties by name."""
-    main = (
-        UNNAMED
-        if UNNAMED in records or not records
-        else min(records, key=lambda t: (records[t][0] <= 0, -records[t][1], t))
-    )
-    return sorted(records, key=lambda t: (t != main, t))
-
-
-def stand_ins(held: Mapping[tuple[str, str], tuple[float, float]], main: str) -> dict[str, str]:
-    """Per group with no record of the `main` term (a pipeline stage whose loss is another's), the term that stands
-    for it there: the group's own main term (`main_term_first` of its terms), where a record of it synchronized
-    (one none of whose did, an auxiliary loss of the first microbatch, ends no update: the group's structure and
-    synchronization are then not read, as before). `held`: what `group_records` counts."""
-    terms: dict[str, dict[str, tuple[float, float]]] = {}
-    for (group, term), counts in held.items():
-        terms.setdefault(group, {})[term] = counts
-    first = {group: main_term_first(counts)[0] for group, counts in terms.items() if main not in counts}
-    return {group: term for group, term in first.items() if terms[group][term][0] > 0}
-
-
-def main_term_known(terms: Iterable[str]) -> bool:
-    """The main term of these terms needs no count of records: one term, or UNNAMED among them."""
-    names = set(terms)
-    return len(names) < 2 or UNNAMED in names
 
 
 def step_list(values: Any) -> str:

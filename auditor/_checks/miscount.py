@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -132,4 +132,4 @@ def without_miscounted(source: RunSteps, rtol: float) -> tuple[RunSteps, Miscoun
             found.steps, found.first, found.complete = steps, first, True
 
     found.parts = parts
-    return RunSteps(parts, source.groups, source.terms, source.stand_ins), found
+    return replace(source, parts=parts), found

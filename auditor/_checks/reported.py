@@ -189,6 +189,8 @@ class _Differing:
 
     steps: StepsSeen
     count: int = 0
+    compared: int = 0
+    """Steps with a reported loss, of these (`count`) differ."""
     first: Any = None
     """The first such row (None: every reported loss agrees)."""
     all_local: bool = True
@@ -197,10 +199,17 @@ class _Differing:
     """Every step that differs carries the next step's token mean (`all_previous`: the previous one's)."""
     all_previous: bool = True
 
+    def agrees(self, main: _Differing) -> bool:
+        """Every reported loss of these steps agrees, and they are as many as the main term's (`main`): a logged loss
+        is stamped on every record of its step, whatever the term (a few of another term's agreeing by chance do
+        not clear the main term's)."""
+        return self.first is None and self.compared >= main.compared > 0
+
     @classmethod
     def of(cls, source: RunSteps, main_term: str, rtol: float, rounding: float, pooled: bool) -> _Differing:
         found = cls(StepsSeen(len(source.groups) > 1))
         for rows in _reported_rows(source, main_term, pooled):
+            found.compared += len(rows)
             fine = _agree(rows, "mean", "total", rtol, rounding)
             if fine.all():
                 continue
@@ -225,13 +234,14 @@ class _Differing:
 
 
 def reported_findings(
-    source: RunSteps, run: str, rtol: float, main_term: str, pooled: bool = False
+    source: RunSteps, run: str, rtol: float, main_term: str, pooled: bool = False, tied: tuple[str, ...] = ()
 ) -> Iterator[Finding]:
     """reported_loss_mismatch: the logged loss against ΣS/N of the main term, or against the sum of
     the terms' token means when the trainer logs the whole objective. Read twice: how the losses were
     rounded is read from all of them first. reported_loss_shifted (information) instead, where every step
     that differs (two or more) carries the token mean of the step after it, or every one that of the step
-    before, and none the mean of local means: the right losses, stamped one update off."""
+    before, and none the mean of local means: the right losses, stamped one update off. `tied`: terms the records
+    cannot tell from the main term (`RunSteps.tied`): a logged loss that is one of theirs is no mismatch."""
     rounding_seen = _Rounding()
     for rows in _reported_rows(source, main_term, pooled):
         rounding_seen.add(np.concatenate([rows.reported_low.to_numpy(float), rows.reported_high.to_numpy(float)]))
@@ -241,7 +251,7 @@ def reported_findings(
     rtol = max(rtol, rounding_seen.relative())  # (a float16 loss is off by its half unit: no mismatch)
 
     found = _Differing.of(source, main_term, rtol, rounding, pooled)
-    if found.first is None:
+    if found.first is None or any(_Differing.of(source, t, rtol, rounding, pooled).agrees(found) for t in tied):
         return
     first, bad_steps, bad_count = found.first, found.steps, found.count
     all_local, any_local = found.all_local, found.any_local

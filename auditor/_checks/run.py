@@ -86,7 +86,9 @@ def check_run(
     findings.extend(term_findings)
     spans.extend(term_spans)
     if reported:
-        findings.extend(reported_findings(source, run, rtol, source.terms[0], pooled=objective is not None))
+        findings.extend(
+            reported_findings(source, run, rtol, source.terms[0], pooled=objective is not None, tied=source.tied)
+        )
     if duplicates is not None:
         findings = with_copies_in_one_file([*findings, duplicates_finding(duplicates, run)], duplicates)
     return _cut_short(findings), spans, omitted

@@ -1737,3 +1737,40 @@ def test_a_pipeline_stage_that_holds_no_record_of_the_main_term_is_judged_by_its
     (finding,) = report.findings
     assert (finding.code, finding.term, finding.steps.first, finding.steps.last) == (Code.MISSING_SYNC, "lm", 1, 1)
     assert finding.evidence["rank_steps"] == 2
+
+
+@pytest.mark.parametrize("logged", ["ntp", "mtp", "local means on mtp alone"])
+def test_a_logged_loss_of_either_of_two_terms_the_records_cannot_tell_apart_is_no_mismatch(
+    tmp_path: Path, logged: str
+) -> None:
+    """Two heads, "ntp" and "mtp", on every microbatch of 2 ranks, each a token mean: their records cannot tell
+    which is the main term, which their names ordered (mtp). A trainer that logs ntp's ΣS/N was told
+    reported_loss_mismatch; a logged loss that is either term's is none, and one that is neither stays one, whichever
+    records carry it."""
+    ntp = [dict(r, term="ntp", sync=r["micro"] == 1) for r in records(UNEVEN_GA, token_mean)]
+    # mtp's loss another head's: S' = S/2 + 0.1, b = W·S'/N
+    mtp = [dict(r, term="mtp", loss_sum=0.5 * r["loss_sum"] + 0.1) for r in ntp]
+    mtp = [dict(r, backward_scalar=2 * r["loss_sum"] / sum(map(sum, UNEVEN_GA[r["step"]]))) for r in mtp]
+
+    def means(rows: list[dict[str, Any]]) -> dict[int, float]:
+        return {s: sum(r["loss_sum"] for r in rows if r["step"] == s) / sum(map(sum, UNEVEN_GA[s])) for s in range(3)}
+
+    if logged == "local means on mtp alone":
+        local = {
+            s: sum(
+                sum(r["loss_sum"] for r in mtp if (r["step"], r["rank"]) == (s, k)) / sum(UNEVEN_GA[s][k])
+                for k in range(2)
+            )
+            / 2
+            for s in range(3)
+        }
+        rows = ntp + [dict(r, reported_loss=local[r["step"]]) for r in mtp]
+    else:
+        logged_means = means(ntp if logged == "ntp" else mtp)
+        rows = [dict(r, reported_loss=logged_means[r["step"]]) for r in ntp + mtp]
+    report = audit_rows(tmp_path, rows)
+    assert report.runs[0].verdict == "correct" and report.runs[0].terms == ["mtp", "ntp"]
+    if logged == "local means on mtp alone":
+        assert only(report, Code.REPORTED_LOSS_MISMATCH).term == "mtp"
+    else:
+        assert report.findings == []

@@ -470,7 +470,7 @@ def test_the_evidence_of_one_step_is_the_whole_aggregation_s(tmp_path: Path) -> 
     and alone, from the files whose footers can hold them: it must equal the same columns aggregated
     over the whole log (ties, a repeated key, several groups and terms, steps spread over files)."""
     from tests.logs import token_mean
-    from tokaudit._checks import RunSteps, check_run
+    from tokaudit._checks import check_run, whole_run
     from tokaudit._engine import EVIDENCE, extremes_at
 
     counts = [
@@ -500,7 +500,7 @@ def test_the_evidence_of_one_step_is_the_whole_aggregation_s(tmp_path: Path) -> 
     lean = Engine.open(shards).step_table()
     assert not set(EVIDENCE) & set(lean.columns)
     report = audit([tmp_path])
-    with_columns, _, _ = check_run("run", RunSteps.of(whole), 1e-4, Duplicates(1, 5, 5, 1))
+    with_columns, _, _ = check_run("run", whole_run(whole), 1e-4, Duplicates(1, 5, 5, 1))
     evidence = [(f.code, f.term, f.evidence.get("heaviest"), f.evidence.get("lightest")) for f in with_columns]
     assert sorted(map(str, evidence)) == sorted(
         str((f.code, f.term, f.evidence.get("heaviest"), f.evidence.get("lightest"))) for f in report.findings

@@ -313,7 +313,7 @@ def test_a_long_run_costs_columns_not_an_object_per_step(monkeypatch: pytest.Mon
     """The memory bound's mechanism: diagnoses, votes, codes and spans are arrays; a Python object is
     made per finding or per span, never per step."""
     import tokaudit._normalization.vocabulary as normalization
-    from tokaudit._checks import RunSteps, check_run
+    from tokaudit._checks import check_run, whole_run
 
     rng = np.random.default_rng(5)
     rows = []
@@ -358,7 +358,7 @@ def test_a_long_run_costs_columns_not_an_object_per_step(monkeypatch: pytest.Mon
     monkeypatch.setattr(normalization.StepDiagnosis, "__init__", counting)
     diagnoses = diagnose_steps(steps, 1e-4)
     assert isinstance(diagnoses.kind, np.ndarray) and len(diagnoses.kind) == 20_000
-    findings, spans, omitted = check_run("long", RunSteps.of(steps), 1e-4)
+    findings, spans, omitted = check_run("long", whole_run(steps), 1e-4)
     uneven = sum(
         row["record_tokens_low"] != row["record_tokens_high"] for row in rows
     )  # equal counts weigh the same either way

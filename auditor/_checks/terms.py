@@ -1,0 +1,106 @@
+"""Which loss term is a run's main one (its structure and synchronization are read there, its loss is the one a
+trainer logs), which stands for it in a group that holds none of it, and which the records cannot tell from it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import pandas as pd
+
+from tokaudit._checks.base import RunSteps, column_of, grouped, nan_sum
+from tokaudit._normalization import name_ranks
+from tokaudit._schema import UNNAMED
+
+
+def whole_run(frame: pd.DataFrame) -> RunSteps:
+    """One run's whole table as `RunSteps`, put in the table's order (group, term, step) if it is not."""
+    held = group_records([frame])
+    counts = over_groups(held)
+    groups, terms = sorted({str(g) for g in frame.grp.unique()}), main_term_first(counts)
+    step = frame.step.to_numpy()
+    if len(groups) > 1 or len(terms) > 1 or not bool((step[1:] > step[:-1]).all()):
+        order = np.lexsort((step, name_ranks(frame.term, terms), name_ranks(frame.grp, groups)))
+        if (order != np.arange(len(order))).any():
+            frame = frame.iloc[order].reset_index(drop=True)
+    main = terms[0] if terms else UNNAMED
+    return RunSteps(lambda: [frame], groups, terms, stand_ins(held, main), tied_terms(counts, main))
+
+
+def loss_terms(steps: pd.DataFrame) -> list[str]:
+    """The loss terms of a step table, as text, the main term first (`main_term_first`)."""
+    return main_term_first(term_records([steps]))
+
+
+def term_records(parts: Iterable[pd.DataFrame]) -> dict[str, tuple[float, float]]:
+    """Per loss term of these parts of a step table (as text): its records that synchronized, and the most records
+    one group holds of it (a pipeline's stages each a group: an auxiliary loss of every stage outnumbers the loss of
+    the last one, over the run)."""
+    return over_groups(group_records(parts))
+
+
+def group_records(parts: Iterable[pd.DataFrame]) -> dict[tuple[str, str], tuple[float, float]]:
+    """Per (group, loss term) of these parts of a step table (as text): its records that synchronized, and its
+    records."""
+    held: dict[tuple[str, str], tuple[float, float]] = {}
+    for part in parts:
+        records = column_of(part, "records") if "records" in part else np.zeros(len(part))
+        synced = np.nan_to_num(column_of(part, "sync_true").astype(float)) if "sync_true" in part else records * 0
+        for group, in_group in grouped(part.grp):
+            terms = part.term if isinstance(in_group, slice) else part.term.iloc[in_group]
+            for term, rows in grouped(terms):
+                key, (had_synced, had) = (group, str(term)), held.get((group, str(term)), (0.0, 0.0))
+                held[key] = (had_synced + nan_sum(synced[in_group][rows]), had + nan_sum(records[in_group][rows]))
+    return held
+
+
+def over_groups(held: Mapping[tuple[str, str], tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    """Per term, from its (records that synchronized, records) per (group, term): those that synchronized in every
+    group, and the most records one group holds (what `main_term_first` reads)."""
+    most: dict[str, tuple[float, float]] = {}
+    for (_, term), (synced, count) in held.items():
+        before = most.get(term, (0.0, 0.0))
+        most[term] = (before[0] + synced, max(before[1], count))
+    return most
+
+
+def main_term_first(records: Mapping[str, tuple[float, float]]) -> list[str]:
+    """The loss terms (with what `term_records` counts), the main term first, then the others by name. The main term
+    is UNNAMED ("0"), the recorder's default; where no record is of it (every term named), a term some record of
+    which synchronized before one none of whose did (an auxiliary loss of the first microbatch, recorded once or by
+    several layers, is unsynchronized in a correct loop: it ends no update and is no run's logged loss), then the term
+    of the most records in one group, ties by name."""
+    main = UNNAMED if UNNAMED in records or not records else min(records, key=lambda t: (*_told(records[t]), t))
+    return sorted(records, key=lambda t: (t != main, t))
+
+
+def _told(counts: tuple[float, float]) -> tuple[bool, float]:
+    """What tells a main term from the others by its (records that synchronized, most records in one group): the
+    least comes first."""
+    return counts[0] <= 0, -counts[1]
+
+
+def tied_terms(records: Mapping[str, tuple[float, float]], main: str) -> tuple[str, ...]:
+    """The terms other than `main` that their counts (`term_records`) cannot tell from it, whose order only their
+    names gave (two heads on every microbatch: a trainer may log either one's loss)."""
+    if main == UNNAMED or main not in records:
+        return ()
+    return tuple(t for t in sorted(records) if t != main and _told(records[t]) == _told(records[main]))
+
+
+def stand_ins(held: Mapping[tuple[str, str], tuple[float, float]], main: str) -> dict[str, str]:
+    """Per group with no record of the `main` term (a pipeline stage whose loss is another's), the term that stands
+    for it there: the group's own main term (`main_term_first` of its terms), where a record of it synchronized
+    (one none of whose did, an auxiliary loss of the first microbatch, ends no update: the group's structure and
+    synchronization are then not read, as before). `held`: what `group_records` counts."""
+    terms: dict[str, dict[str, tuple[float, float]]] = {}
+    for (group, term), counts in held.items():
+        terms.setdefault(group, {})[term] = counts
+    first = {group: main_term_first(counts)[0] for group, counts in terms.items() if main not in counts}
+    return {group: term for group, term in first.items() if terms[group][term][0] > 0}
+
+
+def main_term_known(terms: Iterable[str]) -> bool:
+    """The main term of these terms needs no count of records: one term, or UNNAMED among them."""
+    names = set(terms)
+    return len(names) < 2 or UNNAMED in names
