@@ -33,7 +33,7 @@ from tokaudit._reader import Shard
 from tokaudit._report import AuditReport, Finding, RunSummary, Segment
 from tokaudit._schema import UNNAMED, Provenance
 from tokaudit._cut import unsynced_end
-from tokaudit._ends import FooterEnds, both_ends, recorded_end, uneven_ends
+from tokaudit._ends import FooterEnds, both_ends, recorded_end, under_join, uneven_ends
 from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
 from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, stored_precision
 from tokaudit._summary import guessed_updates, unfinished_finding, unread_files, within_roundings
@@ -361,6 +361,8 @@ class _RunJudge:
             findings = with_unread_files(run, findings, self.unread[run], source)
         if run in self.replaced:
             findings = with_replaced(findings, self.replaced[run])
+        if self.ends is not None and run in self.ends.joined:
+            findings = under_join(findings, self.ends.joined[run])
         # a run that says no precision is judged at float32's; its b may still have been rounded coarser
         return within_roundings(findings, bits if bits is not None else self.rounded.get(run))
 

@@ -305,6 +305,10 @@ class TermInputs:
     """The local denominator the counts cannot tell from the token mean (`Decisions.confused`)."""
     later: Later = Later()
     """The run's last step with valid tokens and its last with finite losses, over every term."""
+    stand_in: bool = False
+    """Not the main term, it stands for it in groups that hold none of it (`RunSteps.stand_ins`): their logs may hold
+    no record of an update's last microbatch (an auxiliary loss of some microbatches), so whether it synchronized
+    and how many microbatches a rank ran the records cannot tell."""
 
 
 class Check:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,10 +87,11 @@ def _agrees(reported: np.ndarray, truth: np.ndarray, rtol: float, rounding: floa
     return agrees
 
 
-def _step_means(frame: pd.DataFrame, main_term: str, pooled: bool) -> pd.DataFrame:
+def _step_means(frame: pd.DataFrame, main_term: str, pooled: bool, tied: tuple[str, ...] = ()) -> pd.DataFrame:
     """The main term's steps with valid tokens, in order: the step, its token mean ΣS/N (`mean`) and the sum of
     every term's token mean (`total`), each (group, step)'s own. `pooled`: the terms are one objective
-    (`checks.objective`), and `total` is its token mean, ΣS/ΣN over the terms."""
+    (`checks.objective`), and `total` is its token mean, ΣS/ΣN over the terms. `tied`: terms the records cannot tell
+    from the main one (`RunSteps.tied`), each one's ΣS/N at the same (group, step) a column (`tied_columns`)."""
     counted = frame[column_of(frame, "tokens") > 0]
     means = counted[["grp", "term", "step"]].assign(mean=counted.loss / counted.tokens)
     if pooled:
@@ -99,14 +100,29 @@ def _step_means(frame: pd.DataFrame, main_term: str, pooled: bool) -> pd.DataFra
     else:
         total = means.groupby(["grp", "step"], observed=True)["mean"].transform("sum")
     rows = means[means.term.astype(str) == main_term]
+    at = pd.MultiIndex.from_arrays([rows.grp.astype(str), rows.step])
+    theirs = {
+        column: means[means.term.astype(str) == term]
+        .assign(grp=lambda m: m.grp.astype(str))
+        .set_index(["grp", "step"])["mean"]
+        .reindex(at)
+        .to_numpy(float)
+        for column, term in zip(tied_columns(tied), tied)
+    }
     return pd.DataFrame(
         {
             "step": rows.step.to_numpy(np.int64),
             "mean": rows["mean"].to_numpy(float),
             "total": total[rows.index].to_numpy(float),
+            **theirs,
         },
         index=rows.index,
     )
+
+
+def tied_columns(tied: tuple[str, ...]) -> list[str]:
+    """The columns of `_step_means` that hold the tied terms' token means."""
+    return [f"tied_{index}" for index in range(len(tied))]
 
 
 def _step_at(frame: pd.DataFrame, step: int, main_term: str, pooled: bool) -> tuple[float, float] | None:
@@ -115,7 +131,9 @@ def _step_at(frame: pd.DataFrame, step: int, main_term: str, pooled: bool) -> tu
     return (float(at["mean"].iloc[0]), float(at["total"].iloc[0])) if len(at) else None
 
 
-def _reported_rows(source: RunSteps, main_term: str, pooled: bool) -> Iterator[pd.DataFrame]:
+def _reported_rows(
+    source: RunSteps, main_term: str, pooled: bool, tied: tuple[str, ...] = ()
+) -> Iterator[pd.DataFrame]:
     """The main term's steps with a reported loss and valid tokens, in the table's order, with the token
     mean of the main term (`mean`) and the sum of every term's token mean (`total`), each (group, step)'s own,
     and those of the step before and after it (`previous_mean`, `next_mean`, `previous_total`, `next_total`;
@@ -130,7 +148,7 @@ def _reported_rows(source: RunSteps, main_term: str, pooled: bool) -> Iterator[p
             # nothing here to compare: only its last step is read, the next part's first step's neighbour
             carried, current = (group, last, _step_at(current, last, main_term, pooled)), following
             continue
-        steps = _step_means(current, main_term, pooled)
+        steps = _step_means(current, main_term, pooled, tied)
         step, mean, total = steps.step.to_numpy(), steps["mean"].to_numpy(), steps["total"].to_numpy()
         # each step's neighbours: the rows beside it, where their steps are one apart; at the part's ends,
         # the last step of the part before and the first of the part after, of the same group
@@ -166,6 +184,7 @@ def _reported_rows(source: RunSteps, main_term: str, pooled: bool) -> Iterator[p
             previous_total=previous[1],
             next_mean=next_[0],
             next_total=next_[1],
+            **{column: steps[column].to_numpy(float) for column in tied_columns(tied)},
         )
         rows = rows[column_of(rows, "reported") > 0]
         if len(rows):
@@ -173,13 +192,16 @@ def _reported_rows(source: RunSteps, main_term: str, pooled: bool) -> Iterator[p
         current = following
 
 
-def _agree(rows: pd.DataFrame, mean: str, total: str, rtol: float, rounding: float) -> np.ndarray:
-    """Each row's reported loss (every record's) is its `mean` column's value, or its `total`'s."""
+def _agree(
+    rows: pd.DataFrame, mean: str, total: str, rtol: float, rounding: float, others: Iterable[str] = ()
+) -> np.ndarray:
+    """Each row's reported loss (every record's) is its `mean` column's value, or its `total`'s, or one of the
+    `others`'."""
     low, high = rows.reported_low.to_numpy(float), rows.reported_high.to_numpy(float)
-    truth, whole = rows[mean].to_numpy(float), rows[total].to_numpy(float)
-    agrees: np.ndarray = (_agrees(low, truth, rtol, rounding) & _agrees(high, truth, rtol, rounding)) | (
-        _agrees(low, whole, rtol, rounding) & _agrees(high, whole, rtol, rounding)
-    )
+    agrees: np.ndarray = np.zeros(len(rows), dtype=bool)
+    for column in (mean, total, *others):
+        truth = rows[column].to_numpy(float)
+        agrees |= _agrees(low, truth, rtol, rounding) & _agrees(high, truth, rtol, rounding)
     return agrees
 
 
@@ -189,8 +211,6 @@ class _Differing:
 
     steps: StepsSeen
     count: int = 0
-    compared: int = 0
-    """Steps with a reported loss, of these (`count`) differ."""
     first: Any = None
     """The first such row (None: every reported loss agrees)."""
     all_local: bool = True
@@ -199,18 +219,13 @@ class _Differing:
     """Every step that differs carries the next step's token mean (`all_previous`: the previous one's)."""
     all_previous: bool = True
 
-    def agrees(self, main: _Differing) -> bool:
-        """Every reported loss of these steps agrees, and they are as many as the main term's (`main`): a logged loss
-        is stamped on every record of its step, whatever the term (a few of another term's agreeing by chance do
-        not clear the main term's)."""
-        return self.first is None and self.compared >= main.compared > 0
-
     @classmethod
-    def of(cls, source: RunSteps, main_term: str, rtol: float, rounding: float, pooled: bool) -> _Differing:
+    def of(
+        cls, source: RunSteps, main_term: str, rtol: float, rounding: float, pooled: bool, tied: tuple[str, ...]
+    ) -> _Differing:
         found = cls(StepsSeen(len(source.groups) > 1))
-        for rows in _reported_rows(source, main_term, pooled):
-            found.compared += len(rows)
-            fine = _agree(rows, "mean", "total", rtol, rounding)
+        for rows in _reported_rows(source, main_term, pooled, tied):
+            fine = _agree(rows, "mean", "total", rtol, rounding, tied_columns(tied))
             if fine.all():
                 continue
             bad = rows[~fine]
@@ -241,17 +256,18 @@ def reported_findings(
     rounded is read from all of them first. reported_loss_shifted (information) instead, where every step
     that differs (two or more) carries the token mean of the step after it, or every one that of the step
     before, and none the mean of local means: the right losses, stamped one update off. `tied`: terms the records
-    cannot tell from the main term (`RunSteps.tied`): a logged loss that is one of theirs is no mismatch."""
+    cannot tell from the main term (`RunSteps.tied`): a step whose logged loss is one of theirs at that step is no
+    mismatch."""
     rounding_seen = _Rounding()
-    for rows in _reported_rows(source, main_term, pooled):
+    for rows in _reported_rows(source, main_term, pooled, tied):
         rounding_seen.add(np.concatenate([rows.reported_low.to_numpy(float), rows.reported_high.to_numpy(float)]))
     if not rounding_seen.seen:
         return
     rounding = rounding_seen.value()
     rtol = max(rtol, rounding_seen.relative())  # (a float16 loss is off by its half unit: no mismatch)
 
-    found = _Differing.of(source, main_term, rtol, rounding, pooled)
-    if found.first is None or any(_Differing.of(source, t, rtol, rounding, pooled).agrees(found) for t in tied):
+    found = _Differing.of(source, main_term, rtol, rounding, pooled, tied)
+    if found.first is None:
         return
     first, bad_steps, bad_count = found.first, found.steps, found.count
     all_local, any_local = found.all_local, found.any_local

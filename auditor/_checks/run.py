@@ -210,24 +210,25 @@ def _check_term(
     Without `decisions` (the terms are one objective, judged together) its weighting is not judged alone.
     `coefficient`: the run's terms are not all off by one constant (`_one_scale`), this one declares no λ, and
     each of its factors holds over one span (`_in_spans`): its factors may be a coefficient chosen for it."""
+    main = term == source.terms[0]
+    # a check of the run's structure reads the main term, and where a group holds none of it, the term that stands
+    # for it there (a pipeline stage of another loss): this term's blocks of those groups alone
+    standing = None if main else {group for group, t in source.stand_ins.items() if t == term}
     inputs = TermInputs(
         context,
         keep_steps=len(source.groups) > 1,
-        main_term=term == source.terms[0],
+        main_term=main,
         coefficient=len(source.terms) > 1 and coefficient,
         factors=factors,
         extremes=extremes,
         confused=decisions.confused if decisions is not None else None,
         later=later,
+        stand_in=bool(standing),
     )
-    # a check of the run's structure reads the main term, and where a group holds none of it, the term that stands
-    # for it there (a pipeline stage of another loss): this term's blocks of those groups alone
-    standing = None if inputs.main_term else {group for group, t in source.stand_ins.items() if t == term}
     checks = [
         (check(inputs), standing if check.main_term_only else None)
         for check in CHECKS
-        if (inputs.main_term or standing or not check.main_term_only)
-        and (decisions is not None or not check.judges_weighting)
+        if (main or standing or not check.main_term_only) and (decisions is not None or not check.judges_weighting)
     ]
     term_spans = Spans()
     for block in source.blocks(term):

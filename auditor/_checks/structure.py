@@ -40,13 +40,15 @@ class StructureCheck(Check):
         self.uneven = FlaggedSteps(keep_steps)
         self.changes: dict[str, tuple[list[int], StepsSeen]] = {}
         self.cut: set[str] = set()  # groups whose W changed more often than CHANGES_SAID lists
+        self.stand_in = term.stand_in  # its records may not count a rank's microbatches (`TermInputs.stand_in`)
 
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         self.inconsistent.add(block, differ_rows(block, "world_low", "world_high"))
         # Ranks may run different numbers of microbatches as long as each runs one synced backward a step
         # (its last, the others under no_sync): DDP then all-reduces once on every rank, and the weights say
         # whether N counted every microbatch. Flagged where the log shows otherwise or does not say.
-        self.uneven.add(block, differ_rows(block, "microbatches_low", "microbatches_high") & ~_synced_once(block))
+        if not self.stand_in:
+            self.uneven.add(block, differ_rows(block, "microbatches_low", "microbatches_high") & ~_synced_once(block))
         world, steps = column_of(block, "world_high"), column_of(block, "step")
         agreed = column_of(block, "world_low") == world  # (a step whose ranks disagree is world_size_inconsistent's)
         for group, rows in grouped(block.grp):
@@ -327,9 +329,17 @@ class MissingRanksCheck(Check):
         super().__init__(term)
         keep_steps = term.keep_steps
         self.missing = FlaggedSteps(keep_steps)
+        self.fit = True  # every such step's records weigh each token 1/N of their own tokens: q = e·N = 1
 
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
-        self.missing.add(block, column_of(block, "ranks") < column_of(block, "world_high"))
+        rows = column_of(block, "ranks") < column_of(block, "world_high")
+        self.missing.add(block, rows)
+        if self.fit and rows.any():
+            tokens = column_of(block, "tokens")[rows].astype(float)
+            q = np.concatenate(
+                [column_of(block, c)[rows].astype(float) * tokens for c in ("weight_low", "weight_high")]
+            )
+            self.fit = bool(np.all(np.abs(q - 1) <= self.context.rtol))
 
     def findings(self) -> Iterator[Finding]:
         if not self.missing:
@@ -343,11 +353,10 @@ class MissingRanksCheck(Check):
             else f"{w - int(first.ranks)} ranks (of those below 64: {step_list(absent)})"
         )
         # q = e·N over the records there: 1 on every one, within rtol, and the missing ranks held no token N counted
-        q = np.array([first.weight_low, first.weight_high], dtype=float) * float(first.tokens)
         held = (
             "the records there weigh every token 1/N of their own tokens, so the missing ranks held none that N counted; "
             "if they ran backward and only their rows were left out, record every backward, n = 0 included"
-            if np.all(np.abs(q - 1) <= self.context.rtol)
+            if self.fit
             else "if it only skipped recording, its tokens are missing from N here"
         )
         yield make_finding(
@@ -358,7 +367,7 @@ class MissingRanksCheck(Check):
             f"of W={w} have none). A rank that skips backward or a collective desynchronizes DDP; {held}.",
             "every rank runs forward, backward and every collective each microbatch, with a zero loss when "
             "it has no valid token",
-            {"step": int(first.step), "missing_ranks": absent, "world_size": w},
+            {"step": int(first.step), "missing_ranks": absent, "world_size": w, "weights_fit": self.fit},
         )
 
 

@@ -29,6 +29,7 @@ class SyncCheck(Check):
         self.every, self.every_count, self.multi_count = self.steps(), 0, 0
         self.every_micro = (math.inf, 0.0)  # the fewest and most microbatches of those steps
         self.endings: dict[str, Ending] = {}  # per group
+        self.stand_in = term.stand_in
         self.run_last = term.later.told  # the run's last step with valid tokens, over every term
         self.applied_last = term.later.applied >= self.run_last  # a record of it, of any term, said applied
 
@@ -55,6 +56,9 @@ class SyncCheck(Check):
         self.multi_count += int(multi.sum())
 
     def findings(self) -> Iterator[Finding]:
+        yield from self._stand_in_findings() if self.stand_in else self._main_findings()
+
+    def _main_findings(self) -> Iterator[Finding]:
         if self.missing and self.cleared:
             steps = self.missing.range().count
             # Where every such update was cleared without a step, nothing of it reached the weights: what the
@@ -114,6 +118,27 @@ class SyncCheck(Check):
                 "wrap all but the last microbatch in model.no_sync()",
                 {"steps": self.every_count},
             )
+
+    def _stand_in_findings(self) -> Iterator[Finding]:
+        """A term standing for the main one in groups that hold none of it (`TermInputs.stand_in`): its last record
+        unsynchronized may be of a microbatch before the update's last, which then holds no record of it."""
+        if not self.missing:
+            return
+        term = self.context.term
+        yield make_finding(
+            self.context,
+            Code.MISSING_SYNC,
+            self.missing,
+            f"The last record of loss term {term} did not synchronize gradients on {int(self.unsynced)} rank-step(s), "
+            f"in a group that records no other loss (a pipeline stage's): if {term} is recorded on every microbatch, "
+            "those ranks stepped on their local gradient; if not on the update's last (an auxiliary loss of some "
+            "microbatches), that microbatch has no record. The logs cannot tell which.",
+            f"record {term} on every microbatch of the update (a zero where the microbatch has none), or the stage's "
+            "own loss, so its last microbatch is recorded",
+            {"rank_steps": int(self.unsynced)},
+            severity=Severity.WARNING,
+            undecidable=True,
+        )
 
 
 def _times(micro: tuple[float, float]) -> str:

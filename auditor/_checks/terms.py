@@ -39,32 +39,41 @@ def term_records(parts: Iterable[pd.DataFrame]) -> dict[str, tuple[float, float]
     return over_groups(group_records(parts))
 
 
-def group_records(parts: Iterable[pd.DataFrame]) -> dict[tuple[str, str], tuple[float, float]]:
-    """Per (group, loss term) of these parts of a step table (as text): its records that synchronized, and its
-    records."""
-    held: dict[tuple[str, str], tuple[float, float]] = {}
+Held = tuple[float, float, float]
+"""Of a (group, loss term): its records that synchronized, its records, and the most of them one rank holds in a
+step (`group_records`)."""
+
+
+def group_records(parts: Iterable[pd.DataFrame]) -> dict[tuple[str, str], Held]:
+    """Per (group, loss term) of these parts of a step table (as text): what `Held` counts."""
+    held: dict[tuple[str, str], Held] = {}
     for part in parts:
         records = column_of(part, "records") if "records" in part else np.zeros(len(part))
         synced = np.nan_to_num(column_of(part, "sync_true").astype(float)) if "sync_true" in part else records * 0
+        most = column_of(part, "microbatches_high").astype(float) if "microbatches_high" in part else records * 0
         for group, in_group in grouped(part.grp):
             terms = part.term if isinstance(in_group, slice) else part.term.iloc[in_group]
             for term, rows in grouped(terms):
-                key, (had_synced, had) = (group, str(term)), held.get((group, str(term)), (0.0, 0.0))
-                held[key] = (had_synced + nan_sum(synced[in_group][rows]), had + nan_sum(records[in_group][rows]))
+                key, (had_synced, had, had_most) = (group, str(term)), held.get((group, str(term)), (0.0, 0.0, 0.0))
+                held[key] = (
+                    had_synced + nan_sum(synced[in_group][rows]),
+                    had + nan_sum(records[in_group][rows]),
+                    max(had_most, float(np.nanmax(most[in_group][rows], initial=0.0))),
+                )
     return held
 
 
-def over_groups(held: Mapping[tuple[str, str], tuple[float, float]]) -> dict[str, tuple[float, float]]:
-    """Per term, from its (records that synchronized, records) per (group, term): those that synchronized in every
+def over_groups(held: Mapping[tuple[str, str], tuple[float, ...]]) -> dict[str, tuple[float, float]]:
+    """Per term, from its (records that synchronized, records, …) per (group, term): those that synchronized in every
     group, and the most records one group holds (what `main_term_first` reads)."""
     most: dict[str, tuple[float, float]] = {}
-    for (_, term), (synced, count) in held.items():
+    for (_, term), (synced, count, *_) in held.items():
         before = most.get(term, (0.0, 0.0))
         most[term] = (before[0] + synced, max(before[1], count))
     return most
 
 
-def main_term_first(records: Mapping[str, tuple[float, float]]) -> list[str]:
+def main_term_first(records: Mapping[str, tuple[float, ...]]) -> list[str]:
     """The loss terms (with what `term_records` counts), the main term first, then the others by name. The main term
     is UNNAMED ("0"), the recorder's default; where no record is of it (every term named), a term some record of
     which synchronized before one none of whose did (an auxiliary loss of the first microbatch, recorded once or by
@@ -74,7 +83,7 @@ def main_term_first(records: Mapping[str, tuple[float, float]]) -> list[str]:
     return sorted(records, key=lambda t: (t != main, t))
 
 
-def _told(counts: tuple[float, float]) -> tuple[bool, float]:
+def _told(counts: tuple[float, ...]) -> tuple[bool, float]:
     """What tells a main term from the others by its (records that synchronized, most records in one group): the
     least comes first."""
     return counts[0] <= 0, -counts[1]
@@ -88,16 +97,17 @@ def tied_terms(records: Mapping[str, tuple[float, float]], main: str) -> tuple[s
     return tuple(t for t in sorted(records) if t != main and _told(records[t]) == _told(records[main]))
 
 
-def stand_ins(held: Mapping[tuple[str, str], tuple[float, float]], main: str) -> dict[str, str]:
+def stand_ins(held: Mapping[tuple[str, str], Held], main: str) -> dict[str, str]:
     """Per group with no record of the `main` term (a pipeline stage whose loss is another's), the term that stands
-    for it there: the group's own main term (`main_term_first` of its terms), where a record of it synchronized
-    (one none of whose did, an auxiliary loss of the first microbatch, ends no update: the group's structure and
-    synchronization are then not read, as before). `held`: what `group_records` counts."""
-    terms: dict[str, dict[str, tuple[float, float]]] = {}
+    for it there: the group's own main term (`main_term_first` of its terms), where a record of it synchronized and
+    a rank held several of it in one step. One none of whose records synchronized (an auxiliary loss of the first
+    microbatch) ends no update; one recorded once a step shows no update's microbatches: the group's structure and
+    synchronization are then not read, as before."""
+    terms: dict[str, dict[str, Held]] = {}
     for (group, term), counts in held.items():
         terms.setdefault(group, {})[term] = counts
     first = {group: main_term_first(counts)[0] for group, counts in terms.items() if main not in counts}
-    return {group: term for group, term in first.items() if terms[group][term][0] > 0}
+    return {group: term for group, term in first.items() if terms[group][term][0] > 0 and terms[group][term][2] > 1}
 
 
 def main_term_known(terms: Iterable[str]) -> bool:

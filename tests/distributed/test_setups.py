@@ -329,10 +329,11 @@ def _compacted(log: Path) -> Any:
     return audit([folder])
 
 
-def _joined(rank: int, world_size: int, log_dir: str) -> list[float]:
+def _joined(rank: int, world_size: int, log_dir: str, right: bool = False) -> list[float]:
     """DDP under `join()`: rank 1's data runs out after 3 updates, rank 0 trains 2 more alone, and both close their
-    recorders. Each rank's b is S/n (every record holds 8 valid tokens: the token mean while both train). Returns, for
-    rank 0's updates alone, the applied gradient over the float64 token mean's (∇ S/N, N its own n)."""
+    recorders. Each rank's b is S/n (every record holds 8 valid tokens: the token mean while both train); alone, rank
+    0's b is W·S/N with N its own n where `right` (join() still divides by W), else S/n still. Returns, for rank 0's
+    updates alone, the applied gradient over the float64 token mean's (∇ S/N, N its own n)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from tokaudit.hooks import Recorder
@@ -348,8 +349,9 @@ def _joined(rank: int, world_size: int, log_dir: str) -> list[float]:
             generator = torch.Generator().manual_seed(10 * step + rank)
             tokens, labels = (torch.randint(0, 16, (1, 8), generator=generator) for _ in range(2))
             loss_sum = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), reduction="sum")
-            rec.record(loss_sum, 8, loss_sum / 8)
-            (loss_sum / 8).backward()
+            scalar = loss_sum * world_size / 8 if right and step >= 3 else loss_sum / 8
+            rec.record(loss_sum, 8, scalar)
+            scalar.backward()
             if step >= 3:  # alone: the reference is rank 0's own token mean, in float64
                 reference = copy.deepcopy(net).double()
                 torch.nn.functional.cross_entropy(
@@ -373,3 +375,19 @@ def test_a_rank_out_of_data_under_join_is_a_missing_rank_not_a_kill(tmp_path: Pa
     assert report.runs[0].verdict == "incorrect" and "missing_rank" in {f.code.value for f in report.findings}
     # compacted, no footer says the recorder was closed: the logs cannot tell, and the run is never correct
     assert _compacted(tmp_path / "joined").runs[0].verdict == "inconclusive"
+
+
+def test_a_rank_out_of_data_under_join_with_the_token_mean_of_the_ranks_left_is_never_incorrect(
+    tmp_path: Path,
+) -> None:
+    """The same join() run, rank 0 alone backpropagating W·S/N over its own tokens: join() still divides by W = 2, so
+    the float64 reference says it trains the token mean. Its records weigh each token 1/N of the ranks still training,
+    which is also what a join() that divides by the ranks still joined (divide_by_initial_world_size=False) would
+    double: the logs cannot tell, the run is inconclusive (it read incorrect, missing_rank)."""
+    ratios = run_ddp(_joined, 2, str(tmp_path), True)[0]
+    assert ratios == [pytest.approx(1.0), pytest.approx(1.0)]
+    report = audit([tmp_path / "joined"])
+    assert report.runs[0].verdict == "inconclusive"
+    (missing,) = [f for f in report.findings if f.code.value == "missing_rank"]
+    assert missing.undecidable and missing.severity.value == "warning" and "join()" in missing.message
+    assert {f.code.value for f in report.findings} == {"missing_rank"}
