@@ -33,7 +33,7 @@ from tokaudit._reader import Shard
 from tokaudit._report import AuditReport, Finding, RunSummary, Segment
 from tokaudit._schema import UNNAMED, Provenance
 from tokaudit._cut import unsynced_end
-from tokaudit._ends import FooterEnds, both_ends, recorded_end, under_join, uneven_ends
+from tokaudit._ends import FooterEnds, both_ends, recorded_end, uneven_ends
 from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
 from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, stored_precision
 from tokaudit._summary import guessed_updates, unfinished_finding, unread_files, within_roundings
@@ -325,7 +325,7 @@ class _RunJudge:
         source, miscounted = without_miscounted(source, rtol)
         objective = one_objective(source, rtol)
         run_findings, spans, omitted = check_run(
-            run, source, rtol, self.duplicates.get(run), self.extremes, self.setups.get(run, Provenance()), objective
+            run, source, rtol, self.duplicates.get(run), self.extremes, self._provenance(run), objective
         )
         if lost:
             run_findings.append(lost.finding(run))
@@ -352,6 +352,11 @@ class _RunJudge:
             ignored=sorted({f.code.value for f in run_findings if f.code in self.judging.ignored}),
         )
 
+    def _provenance(self, run: str) -> Provenance:
+        """What the run's shards say of how it was recorded, with the ranks closed while the others went on."""
+        joined = self.ends.joined.get(run, ()) if self.ends is not None else ()
+        return replace(self.setups.get(run, Provenance()), joined=joined)
+
     def _cannot_tell(self, run: str, findings: list[Finding], source: RunSteps, bits: int | None) -> list[Finding]:
         """The run's findings with what the logs cannot tell said so: updates' ends guessed, files unread, an earlier
         launch replaced, weights apart by no more than the run's precision rounds twice."""
@@ -361,8 +366,6 @@ class _RunJudge:
             findings = with_unread_files(run, findings, self.unread[run], source)
         if run in self.replaced:
             findings = with_replaced(findings, self.replaced[run])
-        if self.ends is not None and run in self.ends.joined:
-            findings = under_join(findings, self.ends.joined[run])
         # a run that says no precision is judged at float32's; its b may still have been rounded coarser
         return within_roundings(findings, bits if bits is not None else self.rounded.get(run))
 

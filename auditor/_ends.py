@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit._checks import cannot_tell, grouped, rank_masks
+from tokaudit._checks import grouped, rank_masks
 from tokaudit.codes import DEFAULT_SEVERITY, Code, Severity
 from tokaudit._reader import Shard
 from tokaudit._report import Finding, StepRange
@@ -116,9 +116,9 @@ class FooterEnds:
     group's latest launch."""
     blind: set[tuple[str, str]] | None
     """The (run, group)s with a close the footers place on no one rank; None: a close placed on no (run, group)."""
-    joined: dict[str, dict[int, int]] = field(default_factory=dict)
-    """Per run, each rank the training code closed while the others went on (`closed_on_purpose`: out of data under
-    DDP's join()), and the step it closed at."""
+    joined: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
+    """Per run, (group, rank, step): each rank the training code closed at that step while the others went on
+    (`closed_on_purpose`: out of data under DDP's join(); `Provenance.joined`)."""
 
     def unread(self, key: tuple[str, str]) -> bool:
         """Whether the records are not to say this (run, group)'s end (`recorded_end`): the footers settle it, or a
@@ -158,7 +158,7 @@ def uneven_ends(shards: Sequence[Shard]) -> FooterEnds:
     closes = {key: by_launch[max(by_launch)] for key, by_launch in launched.items()}
     found: dict[str, dict[str, GroupEnd]] = {}
     settled: set[tuple[str, str]] = set()
-    joined: dict[str, dict[int, int]] = {}
+    joined: dict[str, tuple[tuple[str, int, int], ...]] = {}
     for key, ranks in spans.items():
         world = next(iter(worlds[key])) if len(worlds[key]) == 1 else None
         if key in unsettled or world is None or world[0] != world[1] or not _every_rank(ranks, world[0]):
@@ -169,35 +169,11 @@ def uneven_ends(shards: Sequence[Shard]) -> FooterEnds:
         closed = {
             rank: last for rank, last in stopped.items() if closed_on_purpose(closes.get(key, {}), rank, last, ranks)
         }
-        joined.setdefault(key[0], {}).update(closed)
+        joined[key[0]] = (*joined.get(key[0], ()), *((key[1], rank, last) for rank, last in sorted(closed.items())))
         ended = bool(closed)
         if stopped and not ended and all(end - ranks[rank][0] <= ranks[rank][1] for rank in stopped):
             found.setdefault(key[0], {})[key[1]] = GroupEnd(min(stopped.values()), end, stopped)
     return FooterEnds({run: UnevenEnd(groups) for run, groups in found.items()}, settled, closes, blind, joined)
-
-
-def under_join(findings: list[Finding], joined: Mapping[int, int]) -> list[Finding]:
-    """missing_rank past the step the training code closed each missing rank at while the others went on (out of data
-    under DDP's join(), which shadows its collectives), where the records there weigh every token 1/N of the ranks
-    still training (`weights_fit`): the token mean where join() still divides by the initial W (its default), twice
-    or more that where divide_by_initial_world_size=False divides by the ranks still joined. The logs cannot tell."""
-
-    def shadowed(finding: Finding) -> bool:
-        missing = finding.evidence.get("missing_ranks") or []
-        return (
-            finding.code == Code.MISSING_RANK
-            and finding.evidence.get("weights_fit") is True
-            and bool(missing)
-            and all(rank in joined and finding.steps.first > joined[rank] for rank in missing)
-        )
-
-    why = (
-        "Those ranks' recorders were closed by the training code while the others went on (out of data under DDP's "
-        "join(), which shadows their collectives), and the records there weigh every token 1/N of the ranks still "
-        "training: the token mean where join() divides by the initial W (divide_by_initial_world_size=True, its "
-        "default), not where it divides by the ranks still joined; the logs cannot tell which ran."
-    )
-    return cannot_tell(findings, (), why, where=shadowed)
 
 
 def closed_on_purpose(closes: Mapping[int, set[int]], rank: int, last: int, ranks: Iterable[int]) -> bool:

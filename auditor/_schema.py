@@ -211,6 +211,9 @@ class Provenance:
     closed: bool = False
     """Written as its recorder was closed by the training code (`Recorder.close`, no error in flight): the rank's
     deliberate end, never a kill's (`tokaudit._ends`). A shard's only."""
+    joined: tuple[tuple[str, int, int], ...] = ()
+    """(group, rank, step): each rank the training code closed at that step while the others of its group went on
+    (out of data under DDP's join(): `_ends.uneven_ends`). A run's only, read from its shards' footers."""
 
 
 def read_provenance(metadata: dict[bytes, bytes] | None) -> Provenance:

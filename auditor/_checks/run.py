@@ -15,11 +15,11 @@ from tokaudit.codes import Code
 from tokaudit._checks.objective import OneObjective, one_objective
 from tokaudit._checks.probe import ProbeCheck, per_sequence_first
 from tokaudit._checks.reported import reported_findings
-from tokaudit._checks.structure import DivisorCheck, MissingRanksCheck, StructureCheck, ValuesCheck
+from tokaudit._checks.ranks import MissingRanksCheck, not_recorded_finding, ranks_not_recorded
+from tokaudit._checks.structure import DivisorCheck, StructureCheck, ValuesCheck
 from tokaudit._checks.sync import SyncCheck
 from tokaudit._checks.duplicates import duplicates_finding, with_copies_in_one_file
-from tokaudit._checks.structure import DeclaredWeightCheck, WeightPresenceCheck, not_recorded_finding
-from tokaudit._checks.structure import ranks_not_recorded
+from tokaudit._checks.structure import DeclaredWeightCheck, WeightPresenceCheck
 from tokaudit._checks.weighting import BalancedCheck, FactorTable, WeightingCheck
 from tokaudit._engine import Duplicates, one_value
 from tokaudit._normalization import Decisions, FitBlock, Span, Spans, block_fits, close, span_rows

@@ -121,8 +121,9 @@ class SyncCheck(Check):
 
     def _stand_in_findings(self) -> Iterator[Finding]:
         """A term standing for the main one in groups that hold none of it (`TermInputs.stand_in`): its last record
-        unsynchronized may be of a microbatch before the update's last, which then holds no record of it."""
-        if not self.missing:
+        unsynchronized may be of a microbatch before the update's last, which then holds no record of it. Updates
+        closed as skipped (a guard's, cleared) are the main term's to say."""
+        if not self.missing or self.cleared == self.missing.range().count:
             return
         term = self.context.term
         yield make_finding(

@@ -40,8 +40,8 @@ def term_records(parts: Iterable[pd.DataFrame]) -> dict[str, tuple[float, float]
 
 
 Held = tuple[float, float, float]
-"""Of a (group, loss term): its records that synchronized, its records, and the most of them one rank holds in a
-step (`group_records`)."""
+"""Of a (group, loss term): its records that synchronized, its records, and its steps that hold both records that
+synchronized and records that did not (an accumulation's: no_sync() before the last microbatch) (`group_records`)."""
 
 
 def group_records(parts: Iterable[pd.DataFrame]) -> dict[tuple[str, str], Held]:
@@ -50,15 +50,15 @@ def group_records(parts: Iterable[pd.DataFrame]) -> dict[tuple[str, str], Held]:
     for part in parts:
         records = column_of(part, "records") if "records" in part else np.zeros(len(part))
         synced = np.nan_to_num(column_of(part, "sync_true").astype(float)) if "sync_true" in part else records * 0
-        most = column_of(part, "microbatches_high").astype(float) if "microbatches_high" in part else records * 0
+        mixed = ((synced > 0) & (synced < records)).astype(float)
         for group, in_group in grouped(part.grp):
             terms = part.term if isinstance(in_group, slice) else part.term.iloc[in_group]
             for term, rows in grouped(terms):
-                key, (had_synced, had, had_most) = (group, str(term)), held.get((group, str(term)), (0.0, 0.0, 0.0))
+                key, (had_synced, had, had_mixed) = (group, str(term)), held.get((group, str(term)), (0.0, 0.0, 0.0))
                 held[key] = (
                     had_synced + nan_sum(synced[in_group][rows]),
                     had + nan_sum(records[in_group][rows]),
-                    max(had_most, float(np.nanmax(most[in_group][rows], initial=0.0))),
+                    had_mixed + nan_sum(mixed[in_group][rows]),
                 )
     return held
 
@@ -99,15 +99,15 @@ def tied_terms(records: Mapping[str, tuple[float, float]], main: str) -> tuple[s
 
 def stand_ins(held: Mapping[tuple[str, str], Held], main: str) -> dict[str, str]:
     """Per group with no record of the `main` term (a pipeline stage whose loss is another's), the term that stands
-    for it there: the group's own main term (`main_term_first` of its terms), where a record of it synchronized and
-    a rank held several of it in one step. One none of whose records synchronized (an auxiliary loss of the first
-    microbatch) ends no update; one recorded once a step shows no update's microbatches: the group's structure and
-    synchronization are then not read, as before."""
+    for it there: the group's own main term (`main_term_first` of its terms), where some step holds records of it
+    that synchronized and records that did not, as an accumulation's last microbatch and those before it do. One
+    never so (an auxiliary loss of the first microbatch, or of the last, by one layer or several) shows no update's
+    end: the group's structure and synchronization are then not read, as before."""
     terms: dict[str, dict[str, Held]] = {}
     for (group, term), counts in held.items():
         terms.setdefault(group, {})[term] = counts
     first = {group: main_term_first(counts)[0] for group, counts in terms.items() if main not in counts}
-    return {group: term for group, term in first.items() if terms[group][term][0] > 0 and terms[group][term][2] > 1}
+    return {group: term for group, term in first.items() if terms[group][term][2] > 0}
 
 
 def main_term_known(terms: Iterable[str]) -> bool:

@@ -11,7 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.logs import audit_rows, codes, only, UNEVEN, UNEVEN_GA, local_mean, records, token_mean, write, write_by_rank
+from tests.logs import audit_rows, codes, only, UNEVEN, UNEVEN_GA, local_mean, records, token_loss, token_mean, write
+from tests.logs import write_by_rank
 from tokaudit._auditing import audit
 from tokaudit._schema import PROVENANCE_KEY
 from tokaudit.codes import Code, Severity
@@ -1709,16 +1710,18 @@ def test_an_auxiliary_loss_recorded_by_several_layers_in_the_first_microbatch_is
     assert report.findings == []
 
 
-@pytest.mark.parametrize("broken", [False, True])
+@pytest.mark.parametrize("broken", [False, True, "cleared"])
 def test_a_pipeline_stage_that_holds_no_record_of_the_main_term_is_read_by_its_own_loss(
-    tmp_path: Path, broken: bool
+    tmp_path: Path, broken: bool | str
 ) -> None:
     """Two pipeline stages, each a group of 2 ranks under no_sync(): the first records "router" on each of its 4
     virtual-chunk microbatches, the second "lm" on each of its 2, each a token mean synchronized on its last
     microbatch. router, of the most records in one group, is the run's main term, and no sync or structure check
     read lm's stage: one whose lm never synchronized at step 1 read correct. A group without the main term is read by
     its own; as its loss may be an auxiliary one that the update's last microbatch does not record, the logs cannot
-    tell whether that microbatch synchronized: missing_sync at that step, a warning, inconclusive."""
+    tell whether that microbatch synchronized: missing_sync at that step, a warning, inconclusive. An update a guard
+    dropped on both stages (its first microbatch alone recorded, unsynchronized, every record skipped) is the main
+    term's to say (information): correct."""
     lm_counts = [[[5, 3], [2, 7]], [[4, 4], [9, 1]], [[3, 6], [6, 2]]]
     router_counts = [[[2, 3, 1, 4], [5, 1, 2, 2]], [[3, 3, 3, 1], [1, 2, 6, 2]], [[4, 1, 2, 2], [2, 5, 1, 3]]]
     lm = [
@@ -1726,8 +1729,16 @@ def test_a_pipeline_stage_that_holds_no_record_of_the_main_term_is_read_by_its_o
         for r in records(lm_counts, token_mean)
     ]
     router = [dict(r, term="router", group="s0", sync=r["micro"] == 3) for r in records(router_counts, token_mean)]
-    report = _by_group(tmp_path, lm + router)
+    dropped = [dict(r, sync=False, skipped=True) for r in lm + router if r["step"] == 1 and r["micro"] == 0]
+    if broken == "cleared":  # step 1 of each stage: its first microbatch alone
+        lm, router = ([r for r in rows if r["step"] != 1] for rows in (lm, router))
+    report = _by_group(tmp_path, lm + router + (dropped if broken == "cleared" else []))
     assert report.runs[0].terms == ["router", "lm"]
+    if broken == "cleared":
+        assert report.runs[0].verdict == "correct" and [(f.code, f.term) for f in report.findings] == [
+            (Code.MISSING_SYNC, "router")
+        ]
+        return
     if not broken:
         assert report.findings == [] and report.runs[0].verdict == "correct"
         return
@@ -1836,3 +1847,56 @@ def test_a_logged_loss_of_either_of_two_terms_the_records_cannot_tell_apart_is_n
     finding = only(report, Code.REPORTED_LOSS_MISMATCH)
     assert finding.term == "mtp" and finding.steps.first == mismatched[0] and finding.steps.last == mismatched[-1]
     assert finding.steps.count == len(mismatched) and "mean of per-rank means" in finding.message
+
+
+def _present_mean(counts: dict[int, int], step: int, world: int, group: str = "a") -> list[dict[str, Any]]:
+    """One record per present rank of a step (`counts`: rank → its valid tokens), each a token mean over the ranks
+    present: b = W·S/N, N their tokens."""
+    tokens = sum(counts.values())
+    return [
+        dict(
+            step=step, rank=rank, micro=0, world_size=world, group=group, valid_tokens=n,
+            loss_sum=token_loss(step, rank, 0, n), backward_scalar=world * token_loss(step, rank, 0, n) / tokens,
+        )
+        for rank, n in counts.items()
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "verdict"),
+    [
+        ("rank 2 closed", "inconclusive"),
+        ("rank 1 missing once, never closed", "incorrect"),
+        ("rank 1 stops unclosed", "incorrect"),
+        ("another group's hole", "incorrect"),
+    ],
+)
+def test_ranks_missing_past_a_close_are_said_under_join_only_where_every_missing_rank_closed_before(
+    tmp_path: Path, case: str, verdict: str
+) -> None:
+    """W = 3: rank 2's recorder closed by the training code at step 2 (out of data under join()), ranks 0 and 1 on
+    to step 7, each a token mean over the ranks present: right under join()'s default, not under
+    divide_by_initial_world_size=False, so missing_rank is a warning (inconclusive). A rank missing that no close
+    explains (rank 1 skipping step 5, or stopping at step 4 with no close, or a hole in another group at step 6)
+    stays an error, wherever it falls among the steps past the close."""
+    sizes = {0: 5, 1: 3, 2: 7}
+    rows = []
+    for step in range(8):
+        present = {r: n + step for r, n in sizes.items() if r < 2 or step <= 2}
+        if case.startswith("rank 1 missing") and step == 5 or case.startswith("rank 1 stops") and step > 4:
+            present.pop(1)
+        rows += _present_mean(present, step, 3)
+        if case.startswith("another"):
+            rows += _present_mean({r: n for r, n in {0: 4, 1: 6}.items() if (step, r) != (6, 0)}, step, 2, "b")
+    closed = {PROVENANCE_KEY: b'{"closed": true}'}
+    for group, rank in {(r["group"], r["rank"]) for r in rows}:
+        mine = [r for r in rows if (r["group"], r["rank"]) == (group, rank)]
+        write(
+            tmp_path / "run" / f"{group}-{rank}.parquet", mine, metadata=closed if (group, rank) == ("a", 2) else None
+        )
+    report = audit([tmp_path / "run"])
+    assert report.runs[0].verdict == verdict and {f.code for f in report.findings} == {Code.MISSING_RANK}
+    (finding,) = report.findings
+    assert bool(finding.undecidable) == (verdict == "inconclusive") and ("join()" in finding.message) == bool(
+        finding.undecidable
+    )

@@ -1,0 +1,157 @@
+"""Ranks that recorded nothing or not every step: ranks_not_recorded (none of a group's steps), missing_rank (some)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import numpy.typing as npt
+import pandas as pd
+
+from tokaudit._checks.base import Check, FlaggedSteps, RunSteps, TermInputs, column_of, grouped, make_finding
+from tokaudit._checks.base import RunContext, StepsSeen, rank_masks, step_list
+from tokaudit._normalization import Diagnoses
+from tokaudit.codes import Code, Severity
+from tokaudit._report import Finding
+from tokaudit._schema import UNNAMED
+
+
+def ranks_not_recorded(source: RunSteps) -> dict[str, tuple[list[int], int]]:
+    """Per group of W ≤ 64: the ranks below W with no record in any step of the run (its files not given, or
+    no recorder on it), and W; only the groups that lack some. W is the least any record says, so that a
+    record's wrong W (world_size_inconsistent) does not make up absent ranks."""
+    seen: dict[str, int] = {}
+    worlds: dict[str, int] = {}
+    for block in source.blocks():
+        masks, world = rank_masks(block), column_of(block, "world_low")
+        for group, rows in grouped(block.grp):
+            present = np.bitwise_or.reduce(masks[rows])
+            seen[group] = seen.get(group, 0) | int(present)
+            worlds[group] = min(worlds.get(group, 1 << 30), int(np.nanmin(world[rows])))
+    absent = {group: (_unset_ranks(seen[group], worlds[group]), worlds[group]) for group in seen if worlds[group] <= 64}
+    return {group: found for group, found in absent.items() if found[0]}
+
+
+def _unset_ranks(mask: int, below: int) -> list[int]:
+    """The ranks under `below` whose bit a rank mask (rank_mask: bit r set where rank r recorded) does not set."""
+    return [rank for rank in range(below) if not mask >> rank & 1]
+
+
+def not_recorded_finding(
+    run: str, source: RunSteps, absent: dict[str, tuple[list[int], int]], pipelined: bool = False
+) -> Finding:
+    """ranks_not_recorded over every step of the run: which ranks of which group the files given lack, and that
+    nothing else is judged. `pipelined`: recorded under a pipeline schedule, whose loss only its last stage
+    computes: the recorder then wants the last stage's data-parallel group."""
+    group, (ranks, w) = next(iter(sorted(absent.items())))
+    steps = StepsSeen(True)
+    for block in source.blocks():
+        steps.add(column_of(block, "step"))
+    where = "" if group == UNNAMED else f" of group {group}"
+    held = w - len(ranks)
+    context = RunContext(run=run, term=UNNAMED, world_size=w, world_sizes=(w,), microbatches=0, divisor=0.0, rtol=0.0)
+    return make_finding(
+        context,
+        Code.RANKS_NOT_RECORDED,
+        steps,
+        f"The files given hold the records of {held} of W={w} ranks{where}: rank(s) {step_list(ranks)} "
+        "have none in any step. Were their files left out, or is the Recorder made on some ranks only? "
+        "Every step's N needs all ranks' tokens, so nothing about the normalization is judged.",
+        "under pipeline parallelism only the last stage computes the loss: make the Recorder on the ranks of the "
+        "last stage with group= their data-parallel group, whose size is W"
+        if pipelined
+        else "give the whole run's folder (every rank's shards), and make the Recorder on every rank",
+        {"world_size": w, "ranks_not_recorded": ranks, "group": group},
+    )
+
+
+class MissingRanksCheck(Check):
+    """missing_rank: fewer ranks than W recorded a step that others recorded."""
+
+    def __init__(self, term: TermInputs) -> None:
+        super().__init__(term)
+        keep_steps = term.keep_steps
+        self.missing = FlaggedSteps(keep_steps)
+        self.fit = True  # every such step's records weigh each token 1/N of their own tokens: q = e·N = 1
+        self.joined: dict[str, dict[int, int]] = {}  # per group, each rank closed while the others went on: its step
+        for group, rank, step in term.context.provenance.joined:
+            self.joined.setdefault(group, {})[rank] = step
+        self.unjoined = 0  # such steps a rank is missing from that no close before them explains
+
+    def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
+        rows = column_of(block, "ranks") < column_of(block, "world_high")
+        self.missing.add(block, rows)
+        if not rows.any():
+            return
+        self.unjoined += int((rows & ~_closed_before(block, self.joined)).sum())
+        if self.fit:
+            tokens = column_of(block, "tokens")[rows].astype(float)
+            q = np.concatenate(
+                [column_of(block, c)[rows].astype(float) * tokens for c in ("weight_low", "weight_high")]
+            )
+            self.fit = bool(np.all(np.abs(q - 1) <= self.context.rtol))
+
+    def findings(self) -> Iterator[Finding]:
+        if not self.missing:
+            return
+        first = self.missing.first
+        w = int(first.world_high)
+        absent = _unset_ranks(0 if pd.isna(first.rank_mask) else int(first.rank_mask), min(w, 64))
+        listed = (
+            f"ranks {step_list(absent)}"
+            if w <= 64
+            else f"{w - int(first.ranks)} ranks (of those below 64: {step_list(absent)})"
+        )
+        # q = e·N over the records there: 1 on every one, within rtol, and the missing ranks held no token N counted
+        held = (
+            "the records there weigh every token 1/N of their own tokens, so the missing ranks held none that N counted; "
+            "if they ran backward and only their rows were left out, record every backward, n = 0 included"
+            if self.fit
+            else "if it only skipped recording, its tokens are missing from N here"
+        )
+        # every such step lacks only ranks closed before it, and weighs each token 1/N of the ranks still training:
+        # the token mean where join() divides by the initial W (its default), not by the ranks still joined
+        shadowed = self.fit and self.unjoined == 0
+        yield make_finding(
+            self.context,
+            Code.MISSING_RANK,
+            self.missing.steps,
+            f"{self.missing.rows} step(s) lack records from some ranks (step {int(first.step)}: {listed} "
+            f"of W={w} have none). A rank that skips backward or a collective desynchronizes DDP; {held}."
+            + (JOINED if shadowed else ""),
+            "every rank runs forward, backward and every collective each microbatch, with a zero loss when "
+            "it has no valid token",
+            {"step": int(first.step), "missing_ranks": absent, "world_size": w, "weights_fit": self.fit},
+            severity=Severity.WARNING if shadowed else None,
+            undecidable=True if shadowed else None,
+        )
+
+
+JOINED = (
+    " Those ranks' recorders were closed by the training code while the others went on (out of data under DDP's "
+    "join(), which shadows their collectives): that is the token mean where join() divides by the initial W "
+    "(divide_by_initial_world_size=True, its default), not where it divides by the ranks still joined; the logs "
+    "cannot tell which ran."
+)
+
+
+def _closed_before(block: pd.DataFrame, joined: dict[str, dict[int, int]]) -> npt.NDArray[np.bool_]:
+    """The steps (W ≤ 64) whose every missing rank the training code closed at an earlier step of their group, the
+    others going on (out of data under DDP's join(): `Provenance.joined`)."""
+    found = np.zeros(len(block), dtype=bool)
+    if not joined:
+        return found
+    steps, world, masks = column_of(block, "step"), np.nan_to_num(column_of(block, "world_high")), rank_masks(block)
+    for group, rows in grouped(block.grp):
+        closed = joined.get(group, {})
+        at = np.arange(len(block))[rows]
+        small = (world[at] >= 1) & (world[at] <= 64)
+        # every rank below W as a bit; W = 64: every bit (a shift by 64 is undefined)
+        width = np.clip(world[at], 0, 63).astype(np.uint64)
+        every = np.where(world[at] >= 64, np.uint64(2**64 - 1), (np.uint64(1) << width) - np.uint64(1))
+        gone = np.zeros(len(at), dtype=np.uint64)
+        for rank, step in closed.items():
+            if rank < 64:
+                gone |= np.where(steps[at] > step, np.uint64(1) << np.uint64(rank), np.uint64(0))
+        found[at] = small & ((every & ~masks[at] & ~gone) == 0)
+    return found
