@@ -26,6 +26,7 @@ class SyncCheck(Check):
     def __init__(self, term: TermInputs) -> None:
         super().__init__(term)
         self.missing, self.unsynced, self.cleared = self.steps(), 0.0, 0
+        self.missed = 0  # (group, step)s of missing: with cleared, what a step number repeated across groups hides
         self.every, self.every_count, self.multi_count = self.steps(), 0, 0
         self.every_micro = (math.inf, 0.0)  # the fewest and most microbatches of those steps
         self.endings: dict[str, Ending] = {}  # per group
@@ -43,6 +44,7 @@ class SyncCheck(Check):
         # An update whose last microbatch never synchronized, closed as skipped: no optimizer step took it, its
         # gradients were cleared (zero_grad) before its window ended, and the update after it starts afresh.
         self.cleared += int(((unsynced > 0) & (column_of(block, "skipped_true") == records)).sum())
+        self.missed += int((unsynced > 0).sum())
         multi = (column_of(block, "microbatches_high") > 1) & (column_of(block, "sync_known") == records)
         every = multi & (column_of(block, "sync_true") == records)
         self.every.add(step[every])
@@ -60,7 +62,7 @@ class SyncCheck(Check):
 
     def _main_findings(self) -> Iterator[Finding]:
         if self.missing and self.cleared:
-            steps = self.missing.range().count
+            steps = self.missed
             # Where every such update was cleared without a step, nothing of it reached the weights: what the
             # discarded microbatches cost the updates after them (a partial window's N) their weights show.
             all_cleared = self.cleared == steps
@@ -123,7 +125,7 @@ class SyncCheck(Check):
         """A term standing for the main one in groups that hold none of it (`TermInputs.stand_in`): its last record
         unsynchronized may be of a microbatch before the update's last, which then holds no record of it. Updates
         closed as skipped (a guard's, cleared) are the main term's to say."""
-        if not self.missing or self.cleared == self.missing.range().count:
+        if not self.missing or self.cleared == self.missed:
             return
         term = self.context.term
         yield make_finding(

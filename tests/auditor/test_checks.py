@@ -1900,3 +1900,26 @@ def test_ranks_missing_past_a_close_are_said_under_join_only_where_every_missing
     assert bool(finding.undecidable) == (verdict == "inconclusive") and ("join()" in finding.message) == bool(
         finding.undecidable
     )
+
+
+@pytest.mark.parametrize("stages", [("0", "0"), ("aux", "aux", "0")])
+def test_an_update_a_guard_dropped_on_every_stage_is_said_once_as_information(
+    tmp_path: Path, stages: tuple[str, ...]
+) -> None:
+    """Pipeline stages, each a group of 2 ranks under no_sync() over 2 microbatches, each recording a token mean on
+    every microbatch: the loss ("0") on each, or on the last with "aux" on the others (which it stands for). At step
+    1 a guard drops the update on every stage: the window stops before its last microbatch, no optimizer step, every
+    record skipped. Nothing of it reached the weights (missing_sync, information). The cleared updates were counted
+    per (group, step) and the missing ones per step number, repeated across groups: an error (incorrect) for two
+    stages of the loss, a warning (inconclusive) for the stand-in of two."""
+    counts = [[[5, 3], [2, 7]], [[4, 4], [9, 1]], [[3, 6], [6, 2]], [[2, 5], [4, 4]]]
+    rows = [
+        dict(r, term=term, group=f"s{index}", sync=r["micro"] == 1 and r["step"] != 1, skipped=r["step"] == 1)
+        for index, term in enumerate(stages)
+        for r in records(counts, token_mean)
+        if (r["step"], r["micro"]) != (1, 1)
+    ]
+    report = _by_group(tmp_path, rows)
+    assert report.runs[0].verdict == "correct"
+    (finding,) = report.findings
+    assert (finding.code, finding.severity, finding.term) == (Code.MISSING_SYNC, Severity.INFO, "0")
