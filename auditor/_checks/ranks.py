@@ -84,10 +84,12 @@ class MissingRanksCheck(Check):
         if not rows.any():
             return
         self.unjoined += int((rows & ~_closed_before(block, self.joined)).sum())
-        if self.fit:
-            tokens = column_of(block, "tokens")[rows].astype(float)
+        # an update every record of which says skipped (a guard's) trained nothing: its weights say nothing here
+        weighed = rows & ~(column_of(block, "skipped_true") == column_of(block, "records"))
+        if self.fit and weighed.any():
+            tokens = column_of(block, "tokens")[weighed].astype(float)
             q = np.concatenate(
-                [column_of(block, c)[rows].astype(float) * tokens for c in ("weight_low", "weight_high")]
+                [column_of(block, c)[weighed].astype(float) * tokens for c in ("weight_low", "weight_high")]
             )
             self.fit = bool(np.all(np.abs(q - 1) <= self.context.rtol))
 

@@ -1866,6 +1866,7 @@ def _present_mean(counts: dict[int, int], step: int, world: int, group: str = "a
     ("case", "verdict"),
     [
         ("rank 2 closed", "inconclusive"),
+        ("rank 2 closed, a guard drops step 5", "inconclusive"),
         ("rank 1 missing once, never closed", "incorrect"),
         ("rank 1 stops unclosed", "incorrect"),
         ("another group's hole", "incorrect"),
@@ -1878,14 +1879,20 @@ def test_ranks_missing_past_a_close_are_said_under_join_only_where_every_missing
     to step 7, each a token mean over the ranks present: right under join()'s default, not under
     divide_by_initial_world_size=False, so missing_rank is a warning (inconclusive). A rank missing that no close
     explains (rank 1 skipping step 5, or stopping at step 4 with no close, or a hole in another group at step 6)
-    stays an error, wherever it falls among the steps past the close."""
+    stays an error, wherever it falls among the steps past the close. An update a guard dropped past the close (every
+    record skipped, b of a window the records do not hold all of) trained nothing: its weights say nothing there."""
     sizes = {0: 5, 1: 3, 2: 7}
     rows = []
     for step in range(8):
         present = {r: n + step for r, n in sizes.items() if r < 2 or step <= 2}
         if case.startswith("rank 1 missing") and step == 5 or case.startswith("rank 1 stops") and step > 4:
             present.pop(1)
-        rows += _present_mean(present, step, 3)
+        if "guard" in case and step == 5:  # N of the whole window, of which the guard let only these run
+            rows += [
+                dict(r, skipped=True, backward_scalar=r["backward_scalar"] / 2) for r in _present_mean(present, 5, 3)
+            ]
+        else:
+            rows += _present_mean(present, step, 3)
         if case.startswith("another"):
             rows += _present_mean({r: n for r, n in {0: 4, 1: 6}.items() if (step, r) != (6, 0)}, step, 2, "b")
     closed = {PROVENANCE_KEY: b'{"closed": true}'}
@@ -1923,3 +1930,21 @@ def test_an_update_a_guard_dropped_on_every_stage_is_said_once_as_information(
     assert report.runs[0].verdict == "correct"
     (finding,) = report.findings
     assert (finding.code, finding.severity, finding.term) == (Code.MISSING_SYNC, Severity.INFO, "0")
+
+
+def test_an_auxiliary_loss_synchronized_in_one_stage_and_most_recorded_unsynchronized_in_another_is_no_main_term(
+    tmp_path: Path,
+) -> None:
+    """Stage s0 records "aux" by 3 layers on its first microbatch (unsynchronized under no_sync()); stage s1 records
+    "lm" on each of its 2 microbatches and "aux" once on its last (synchronized), each a token mean. aux synchronized
+    somewhere and holds the most records in one group: it was the main term, its first-microbatch records
+    missing_sync (incorrect). Where it is most recorded it never synchronized: lm is the main term, correct."""
+    counts = [[[5, 3], [2, 7]], [[4, 4], [9, 1]], [[3, 6], [6, 2]]]
+    lm = [dict(r, term="lm", group="s1", sync=r["micro"] == 1) for r in records(counts, token_mean)]
+    layers = [[[mine[0] + layer for layer in range(3)] for mine in step] for step in counts]
+    first = [dict(r, term="aux", group="s0", sync=False) for r in records(layers, token_mean)]
+    last = [
+        dict(r, term="aux", group="s1", sync=True) for r in records([[[m[1]] for m in s] for s in counts], token_mean)
+    ]
+    report = _by_group(tmp_path, lm + first + last)
+    assert report.runs[0].terms == ["lm", "aux"] and report.runs[0].verdict == "correct" and report.findings == []
