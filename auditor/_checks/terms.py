@@ -33,9 +33,9 @@ def loss_terms(steps: pd.DataFrame) -> list[str]:
 
 
 def term_records(parts: Iterable[pd.DataFrame]) -> dict[str, tuple[float, float]]:
-    """Per loss term of these parts of a step table (as text), of the group that holds the most of it: its records
-    there that synchronized, and its records there (a pipeline's stages each a group: an auxiliary loss of every
-    stage outnumbers the loss of the last one, over the run)."""
+    """Per loss term of these parts of a step table (as text): its records that synchronized, and the most records
+    one group holds of it (a pipeline's stages each a group: an auxiliary loss of every stage outnumbers the loss of
+    the last one, over the run)."""
     return over_groups(group_records(parts))
 
 
@@ -64,22 +64,19 @@ def group_records(parts: Iterable[pd.DataFrame]) -> dict[tuple[str, str], Held]:
 
 
 def over_groups(held: Mapping[tuple[str, str], tuple[float, ...]]) -> dict[str, tuple[float, float]]:
-    """Per term, from its (records that synchronized, records, …) per (group, term): of the group that holds the most
-    of it (of those, the most that synchronized), its records that synchronized and its records (what
-    `main_term_first` reads). An auxiliary loss recorded by several layers on the first microbatch of one stage,
-    never synchronized there, is no main term for synchronizing where another stage records it once."""
+    """Per term, from its (records that synchronized, records, …) per (group, term): those that synchronized in every
+    group, and the most records one group holds (what `main_term_first` reads)."""
     most: dict[str, tuple[float, float]] = {}
     for (_, term), (synced, count, *_) in held.items():
-        before = most.get(term)
-        if before is None or (count, synced) > (before[1], before[0]):
-            most[term] = (synced, count)
+        before = most.get(term, (0.0, 0.0))
+        most[term] = (before[0] + synced, max(before[1], count))
     return most
 
 
 def main_term_first(records: Mapping[str, tuple[float, ...]]) -> list[str]:
     """The loss terms (with what `term_records` counts), the main term first, then the others by name. The main term
     is UNNAMED ("0"), the recorder's default; where no record is of it (every term named), a term some record of
-    which synchronized in the group that holds the most of it before one none of whose did there (an auxiliary loss of the first microbatch, recorded once or by
+    which synchronized before one none of whose did (an auxiliary loss of the first microbatch, recorded once or by
     several layers, is unsynchronized in a correct loop: it ends no update and is no run's logged loss), then the term
     of the most records in one group, ties by name."""
     main = UNNAMED if UNNAMED in records or not records else min(records, key=lambda t: (*_told(records[t]), t))

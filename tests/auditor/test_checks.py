@@ -1930,21 +1930,3 @@ def test_an_update_a_guard_dropped_on_every_stage_is_said_once_as_information(
     assert report.runs[0].verdict == "correct"
     (finding,) = report.findings
     assert (finding.code, finding.severity, finding.term) == (Code.MISSING_SYNC, Severity.INFO, "0")
-
-
-def test_an_auxiliary_loss_synchronized_in_one_stage_and_most_recorded_unsynchronized_in_another_is_no_main_term(
-    tmp_path: Path,
-) -> None:
-    """Stage s0 records "aux" by 3 layers on its first microbatch (unsynchronized under no_sync()); stage s1 records
-    "lm" on each of its 2 microbatches and "aux" once on its last (synchronized), each a token mean. aux synchronized
-    somewhere and holds the most records in one group: it was the main term, its first-microbatch records
-    missing_sync (incorrect). Where it is most recorded it never synchronized: lm is the main term, correct."""
-    counts = [[[5, 3], [2, 7]], [[4, 4], [9, 1]], [[3, 6], [6, 2]]]
-    lm = [dict(r, term="lm", group="s1", sync=r["micro"] == 1) for r in records(counts, token_mean)]
-    layers = [[[mine[0] + layer for layer in range(3)] for mine in step] for step in counts]
-    first = [dict(r, term="aux", group="s0", sync=False) for r in records(layers, token_mean)]
-    last = [
-        dict(r, term="aux", group="s1", sync=True) for r in records([[[m[1]] for m in s] for s in counts], token_mean)
-    ]
-    report = _by_group(tmp_path, lm + first + last)
-    assert report.runs[0].terms == ["lm", "aux"] and report.runs[0].verdict == "correct" and report.findings == []
