@@ -91,7 +91,7 @@ def _step_means(frame: pd.DataFrame, main_term: str, pooled: bool, tied: tuple[s
     """The main term's steps with valid tokens, in order: the step, its token mean ΣS/N (`mean`) and the sum of
     every term's token mean (`total`), each (group, step)'s own. `pooled`: the terms are one objective
     (`checks.objective`), and `total` is its token mean, ΣS/ΣN over the terms. `tied`: terms the records cannot tell
-    from the main one (`RunSteps.tied`), each one's ΣS/N at the same (group, step) a column (`tied_columns`)."""
+    from the main one (`RunSteps.tied`), each one's ΣS/N at the same (group, step) a column (`_tied_columns`)."""
     counted = frame[column_of(frame, "tokens") > 0]
     means = counted[["grp", "term", "step"]].assign(mean=counted.loss / counted.tokens)
     if pooled:
@@ -107,7 +107,7 @@ def _step_means(frame: pd.DataFrame, main_term: str, pooled: bool, tied: tuple[s
         .set_index(["grp", "step"])["mean"]
         .reindex(at)
         .to_numpy(float)
-        for column, term in zip(tied_columns(tied), tied)
+        for column, term in zip(_tied_columns(tied), tied)
     }
     return pd.DataFrame(
         {
@@ -120,7 +120,7 @@ def _step_means(frame: pd.DataFrame, main_term: str, pooled: bool, tied: tuple[s
     )
 
 
-def tied_columns(tied: tuple[str, ...]) -> list[str]:
+def _tied_columns(tied: tuple[str, ...]) -> list[str]:
     """The columns of `_step_means` that hold the tied terms' token means."""
     return [f"tied_{index}" for index in range(len(tied))]
 
@@ -184,7 +184,7 @@ def _reported_rows(
             previous_total=previous[1],
             next_mean=next_[0],
             next_total=next_[1],
-            **{column: steps[column].to_numpy(float) for column in tied_columns(tied)},
+            **{column: steps[column].to_numpy(float) for column in _tied_columns(tied)},
         )
         rows = rows[column_of(rows, "reported") > 0]
         if len(rows):
@@ -225,7 +225,7 @@ class _Differing:
     ) -> _Differing:
         found = cls(StepsSeen(len(source.groups) > 1))
         for rows in _reported_rows(source, main_term, pooled, tied):
-            fine = _agree(rows, "mean", "total", rtol, rounding, tied_columns(tied))
+            fine = _agree(rows, "mean", "total", rtol, rounding, _tied_columns(tied))
             if fine.all():
                 continue
             bad = rows[~fine]
