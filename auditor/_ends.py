@@ -169,7 +169,8 @@ def uneven_ends(shards: Sequence[Shard]) -> FooterEnds:
         closed = {
             rank: last for rank, last in stopped.items() if closed_on_purpose(closes.get(key, {}), rank, last, ranks)
         }
-        joined[key[0]] = (*joined.get(key[0], ()), *((key[1], rank, last) for rank, last in sorted(closed.items())))
+        if closed:
+            joined[key[0]] = (*joined.get(key[0], ()), *((key[1], rank, last) for rank, last in sorted(closed.items())))
         ended = bool(closed)
         if stopped and not ended and all(end - ranks[rank][0] <= ranks[rank][1] for rank in stopped):
             found.setdefault(key[0], {})[key[1]] = GroupEnd(min(stopped.values()), end, stopped)

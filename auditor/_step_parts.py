@@ -10,8 +10,7 @@ import numpy.typing as npt
 import pandas as pd
 from pandas.api.types import union_categoricals
 
-from tokaudit._checks import RunSteps, group_records, main_term_first, main_term_known, over_groups, stand_ins
-from tokaudit._checks import tied_terms
+from tokaudit._checks import RunSteps, group_records, main_term_first, main_term_known, terms_of
 from tokaudit._engine import EVIDENCE, Spilled
 from tokaudit._normalization import name_ranks
 from tokaudit._ends import UnevenEnd
@@ -128,8 +127,5 @@ def run_steps(
     if len(terms) > 1 and (len(groups) > 1 or not main_term_known(terms)):
         # which term is the main one where the names do not say, and which stands for it in a group that holds
         # none of it: their records (one more pass)
-        held = group_records(selected())
-        counts = over_groups(held)
-        ordered = main_term_first(counts)
-        return RunSteps(selected, sorted(groups), ordered, stand_ins(held, ordered[0]), tied_terms(counts, ordered[0]))
+        return RunSteps(selected, sorted(groups), *terms_of(group_records(selected())))
     return RunSteps(selected, sorted(groups), main_term_first(dict.fromkeys(terms, (0.0, 0.0))))

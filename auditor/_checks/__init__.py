@@ -11,7 +11,7 @@ from tokaudit._checks.miscount import miscounted_rows, outside_probe_range, with
 from tokaudit._checks.objective import one_objective, pooled_steps, pooled_sums
 from tokaudit._checks.run import check_run
 from tokaudit._checks.terms import group_records, loss_terms, main_term_first, main_term_known, over_groups
-from tokaudit._checks.terms import stand_ins, term_records, tied_terms, whole_run
+from tokaudit._checks.terms import term_records, terms_of, whole_run
 from tokaudit._checks.split_runs import with_other_ranks
 from tokaudit._checks.sync import Ending
 from tokaudit._checks.unread import with_unread_files
@@ -37,9 +37,8 @@ __all__ = [
     "Replaced",
     "WEIGHED_WRONG",
     "run_finding",
-    "stand_ins",
     "term_records",
-    "tied_terms",
+    "terms_of",
     "RunSteps",
     "weight_ratio",
     "with_other_ranks",

@@ -314,8 +314,8 @@ class TermInputs:
 class Check:
     """One check of one loss term: made from its `TermInputs`, fed the term's table a block at a time with each
     step's diagnosis (`add`; None where the term's weighting is not judged alone), then asked for its findings.
-    `main_term_only`: made for the run's first term (and a term standing for it in some groups) only; `judges_weighting`: made only where the term's weighting
-    is judged alone (its diagnoses are never None)."""
+    `main_term_only`: made for the run's first term (and a term standing for it in some groups) only;
+    `judges_weighting`: made only where the term's weighting is judged alone (its diagnoses are never None)."""
 
     main_term_only = False
     judges_weighting = False

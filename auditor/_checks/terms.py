@@ -15,16 +15,23 @@ from tokaudit._schema import UNNAMED
 
 def whole_run(frame: pd.DataFrame) -> RunSteps:
     """One run's whole table as `RunSteps`, put in the table's order (group, term, step) if it is not."""
-    held = group_records([frame])
-    counts = over_groups(held)
-    groups, terms = sorted({str(g) for g in frame.grp.unique()}), main_term_first(counts)
+    terms, standing, tied = terms_of(group_records([frame]))
+    groups = sorted({str(g) for g in frame.grp.unique()})
     step = frame.step.to_numpy()
     if len(groups) > 1 or len(terms) > 1 or not bool((step[1:] > step[:-1]).all()):
         order = np.lexsort((step, name_ranks(frame.term, terms), name_ranks(frame.grp, groups)))
         if (order != np.arange(len(order))).any():
             frame = frame.iloc[order].reset_index(drop=True)
+    return RunSteps(lambda: [frame], groups, terms, standing, tied)
+
+
+def terms_of(held: Mapping[tuple[str, str], Held]) -> tuple[list[str], dict[str, str], tuple[str, ...]]:
+    """From what `group_records` counts: the terms, the main one first (`main_term_first`), the term that stands for
+    it in each group that holds none of it (`stand_ins`), and those tied with it (`tied_terms`)."""
+    counts = over_groups(held)
+    terms = main_term_first(counts)
     main = terms[0] if terms else UNNAMED
-    return RunSteps(lambda: [frame], groups, terms, stand_ins(held, main), tied_terms(counts, main))
+    return terms, stand_ins(held, main), tied_terms(counts, main)
 
 
 def loss_terms(steps: pd.DataFrame) -> list[str]:

@@ -418,8 +418,8 @@ recorded is the later one's alone (the earlier's other microbatches are no part 
 W' recorded a step again, the step's records of ranks ≥ W' are an earlier launch's (a run resumed on fewer ranks). A
 rank is recorded again with another W by a later launch (a copy of its records, a pandas backup, says the same W and
 drops nothing; an earlier launch's files may say no launch). W' is the least W of the latest records of the ranks
-recorded again: a rank below the latest launch's W has that launch
-as its latest, one past it an earlier launch of a W above its rank (4 → 3 → 2: rank 2's latest says 3)."""
+recorded again: a rank below the latest launch's W has that launch as its latest, one past it an earlier launch of a
+W above its rank (4 → 3 → 2: rank 2's latest says 3)."""
 
 # per run: the copies, where, whether every copy holds the kept record's values, and its time, and whether a copy lies
 # in a file that does not say which launch wrote it; and the records of
