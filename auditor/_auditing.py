@@ -36,7 +36,7 @@ from tokaudit._cut import unsynced_end
 from tokaudit._ends import FooterEnds, both_ends, recorded_end, uneven_ends
 from tokaudit._step_parts import kept_steps, live_rows, run_steps, runs_apart, selected_runs, table_parts, table_runs
 from tokaudit._summary import DroppedRecords, apply_policy, dropped_steps, run_summary, setups_of, stored_precision
-from tokaudit._summary import guessed_updates, unfinished_finding, unread_files, within_roundings
+from tokaudit._summary import class_weighted, guessed_updates, unfinished_finding, unread_files, within_roundings
 
 
 _CODE_ORDER = {code: index for index, code in enumerate(Code)}
@@ -362,6 +362,8 @@ class _RunJudge:
         launch replaced, weights apart by no more than the run's precision rounds twice."""
         if self.setups.get(run, Provenance()).steps_inferred:
             findings = guessed_updates(run, findings, source, judged_rtol(self.judging.rtol, bits))
+        if self.setups.get(run, Provenance()).class_weights:
+            findings = class_weighted(findings, source, judged_rtol(self.judging.rtol, bits))
         if run in self.unread:
             findings = with_unread_files(run, findings, self.unread[run], source)
         if run in self.replaced:

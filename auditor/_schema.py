@@ -211,6 +211,9 @@ class Provenance:
     closed: bool = False
     """Written as its recorder was closed by the training code (`Recorder.close`, no error in flight): the rank's
     deliberate end, never a kill's (`tokaudit._ends`). A shard's only."""
+    class_weights: bool = False
+    """A captured cross-entropy weighed its classes (`cross_entropy(weight=…)`): ℓᵢ = w_{yᵢ}·(−log pᵢ), and the mean
+    it means divides by Σw over the update's tokens, which no record holds, not by their count N."""
     joined: tuple[tuple[str, int, int], ...] = ()
     """(group, rank, step): each rank the training code closed at that step while the others of its group went on
     (out of data under DDP's join(): `_ends.uneven_ends`). A run's only, read from its shards' footers."""
@@ -239,6 +242,7 @@ def read_provenance(metadata: dict[bytes, bytes] | None) -> Provenance:
         launch=whole(launch.get("first_shard"), 0) if isinstance(launch, dict) else None,
         unfinished=whole(facts.get("unfinished"), 0),
         closed=facts.get("closed") is True,
+        class_weights=facts.get("class_weights") is True,
     )
 
 

@@ -74,7 +74,14 @@ def setups_of(shards: Sequence[Shard]) -> dict[str, Provenance]:
     for shard in shards:
         run = _run_of(shard)
         facts = found.setdefault(run, {})
-        for name in ("trainer", "pipelined", "steps_inferred", "schedule_divisor", "launch_world_size"):
+        for name in (
+            "trainer",
+            "pipelined",
+            "steps_inferred",
+            "schedule_divisor",
+            "launch_world_size",
+            "class_weights",
+        ):
             if getattr(shard.provenance, name) not in (None, False):  # a fact a shard states
                 facts.setdefault(name, getattr(shard.provenance, name))
         if shard.provenance.unfinished is not None:
@@ -238,6 +245,20 @@ def guessed_updates(run: str, findings: list[Finding], source: RunSteps, rtol: f
     )
     uniform = all(_alike(block, rtol) for block in source.blocks())
     return [*cannot_tell(findings, PARTIAL_UPDATE_FACTORS | (WEIGHTING if uniform else frozenset()), why), guessed]
+
+
+def class_weighted(findings: list[Finding], source: RunSteps, rtol: float) -> list[Finding]:
+    """A run whose cross-entropy weighed its classes (`Provenance.class_weights`): its weighted mean over Σw weighs
+    every token of a step 1/Σw, N/Σw of 1/N, a uniform factor the labels set, so the uniform factors (and, where every
+    step's tokens weigh alike, the weightings) say the logs cannot tell. Tokens of one step weighed apart stay what
+    they are: a mean over Σw weighs them alike."""
+    why = (
+        "The loss weighs its classes (cross_entropy(weight=...)): its mean divides by the class weights' sum Σw, "
+        "which no record holds, not by N, and weighs every token N/Σw of 1/N, which this may be."
+    )
+    uniform = all(_alike(block, rtol) for block in source.blocks())
+    factors = PARTIAL_UPDATE_FACTORS | {Code.LOSS_SCALE, Code.UNDECLARED_TERM_WEIGHT}
+    return cannot_tell(findings, factors | (WEIGHTING if uniform else frozenset()), why)
 
 
 def _alike(block: pd.DataFrame, rtol: float) -> bool:

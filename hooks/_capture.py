@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,9 @@ from tokaudit.hooks._terms import Footprint
 
 class Recorder(Protocol):
     """What a capture asks of the recorder it records for (`hooks.recorder.Recorder`)."""
+
+    provenance: dict[str, Any]
+    """In every shard's footer: a call with class weights says so here (`class_weights`)."""
 
     def probe_failed(self, error: BaseException) -> None: ...
 
@@ -114,6 +117,10 @@ def _record(
 ) -> torch.Tensor:
     valid = _valid_mask(input, target, ignore_index)
     valid_count = valid.sum()
+    if weight is not None:
+        # ℓᵢ = w_{yᵢ}·(−log p): the token mean the loss means is over Σw, which no record holds (the audit's N
+        # counts tokens), so a right normalization weighs every token N/Σw of 1/N: the audit is told
+        recorder.provenance["class_weights"] = True
     if reduction == "none":
         loss_sum = out.detach().sum()  # positions that are not valid hold 0
         result = _captured_call(recorder, loss_sum, valid_count, valid.numel(), target, input)

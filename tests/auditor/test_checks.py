@@ -1395,6 +1395,35 @@ def test_guessed_update_ends_over_uniform_weights_name_no_denominator(tmp_path: 
         assert "update_ends_guessed" in codes(report)
 
 
+def test_a_class_weighted_mean_is_never_incorrect_for_a_uniform_factor_and_stays_incorrect_for_tokens_weighed_apart(
+    tmp_path: Path,
+) -> None:
+    """A cross-entropy with class weights (the footers say `class_weights`) divided by Σw over the update: every token
+    of a step weighs 1/Σw, N/Σw of 1/N, a uniform factor the labels set (1/1.3, 1/0.8, 1/1.7 here; all classes
+    weighing 2: 1/2, which W = 2 reads as a world-size mismatch). Without the fact both are incorrect; with it, the
+    logs cannot tell. A rank-local mean, whose tokens weigh apart inside a step, stays incorrect."""
+    mass = {0: 1.3, 1: 0.8, 2: 1.7}  # Σw / N of each step
+    by_labels = [
+        dict(row, backward_scalar=row["backward_scalar"] / mass[row["step"]]) for row in records(UNEVEN_GA, token_mean)
+    ]
+    doubled = [dict(row, backward_scalar=row["backward_scalar"] / 2) for row in records(UNEVEN_GA, token_mean)]
+    cases = (("by_labels", by_labels, "scale_mismatch"), ("doubled", doubled, "world_size_mismatch"))
+    for name, rows, code in cases:
+        report = audit([write_by_rank(tmp_path / name, rows)])
+        assert report.runs[0].verdict == "incorrect" and code in codes(report), (name, report.findings)
+        weighted = write_by_rank(
+            tmp_path / f"{name}_weighted", rows, metadata={PROVENANCE_KEY: b'{"class_weights": true}'}
+        )
+        report = audit([weighted])
+        assert report.runs[0].verdict == "inconclusive", (name, report.findings)
+        finding = only(report, Code(code))
+        assert finding.undecidable and "cross_entropy(weight=...)" in finding.message
+    apart = write_by_rank(
+        tmp_path / "local", records(UNEVEN_GA, local_mean), metadata={PROVENANCE_KEY: b'{"class_weights": true}'}
+    )
+    assert audit([apart]).runs[0].verdict == "incorrect"
+
+
 def test_a_stale_w_after_a_resize_is_fixed_in_the_w_and_microbatches_of_the_steps_it_affects(tmp_path: Path) -> None:
     """W = 2 with 3 microbatches, then a relaunch on W = 4 with 2 that kept b = 2·S/N: the fix names the affected
     steps' W = 4, their 2 microbatches and 4 ranks (it named the first launch's W = 2, 3 microbatches, 2 ranks)."""

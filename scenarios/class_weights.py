@@ -1,0 +1,83 @@
+"""Class-weighted cross-entropy (`F.cross_entropy(weight=…)`) captured in real DDP: the weighted token mean
+Σ_r Σ w_y·ℓ / Σ_r Σ w_y over every rank and microbatch (right), or each rank's own weighted mean averaged by DDP
+(wrong). Each job returns, per step, the parameters before it and the gradient."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from scenarios.strategies import IGNORE_INDEX, VOCAB, make_model, microbatch
+from tokaudit.hooks import Recorder
+
+COUNTS = (((2, 7), (5, 3)), ((3, 3), (8, 1)), ((6, 2), (1, 4)))  # counts[step][rank][micro]
+
+CLASS_WEIGHTS = torch.linspace(0.25, 3.0, VOCAB, dtype=torch.float64)
+"""A class's weight w_y: every class its own, so that Σw over a microbatch is never its count."""
+
+
+def weight_mass(step: int, rank: int, micro: int, count: int) -> torch.Tensor:
+    """Σ w_y over the microbatch's valid labels (float64)."""
+    _, labels, valid = microbatch(step, rank, micro, count)
+    return CLASS_WEIGHTS[labels[valid]].sum()
+
+
+def job(rank: int, world_size: int, variant: str, out: str) -> dict[str, Any]:
+    """`variant`: global (b = W·Σw·ℓ / Σ_global w, the weighted token mean), local (each microbatch's own
+    `reduction="mean"` over its Σw, divided by the microbatches: what DDP averages is each rank's weighted mean)."""
+    model = DDP(make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    history = []
+    weights = CLASS_WEIGHTS
+    with Recorder(out, run_id=f"class_weights_{variant}", model=model, optimizer=optimizer, announce=False) as rec:
+        with rec.capture_cross_entropy():
+            for step, per_rank in enumerate(COUNTS):
+                before = [p.detach().clone() for p in model.parameters()]
+                micros = per_rank[rank]
+                # Σw over every microbatch of every rank, by one all-reduce before the first backward
+                mass = sum(
+                    (weight_mass(step, rank, m, c) for m, c in enumerate(micros)), torch.zeros((), dtype=torch.float64)
+                )
+                dist.all_reduce(mass)
+                for micro, count in enumerate(micros):
+                    last = micro == len(micros) - 1
+                    with contextlib.nullcontext() if last else model.no_sync():
+                        tokens, labels, _ = microbatch(step, rank, micro, count)
+                        flat, target = model(tokens).reshape(-1, VOCAB), labels.reshape(-1)
+                        if variant == "global":
+                            loss = F.cross_entropy(
+                                flat, target, weight=weights, ignore_index=IGNORE_INDEX, reduction="sum"
+                            )
+                            scalar = world_size * loss / mass
+                        else:
+                            loss = F.cross_entropy(flat, target, weight=weights, ignore_index=IGNORE_INDEX)
+                            scalar = loss / len(micros)
+                        scalar.backward()
+                history.append({"before": before, "grads": [p.grad.detach().clone() for p in model.parameters()]})
+                optimizer.step()
+                optimizer.zero_grad()
+    return {"history": history}
+
+
+def reference_gradient(before: list[torch.Tensor], step: int) -> list[torch.Tensor]:
+    """The weighted token mean's gradient over every rank and microbatch of the step, in one float64 process."""
+    model = make_model()
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), before):
+            p.copy_(value)
+    total, mass = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for rank, counts in enumerate(COUNTS[step]):
+        for micro, count in enumerate(counts):
+            tokens, labels, _ = microbatch(step, rank, micro, count)
+            logits = model(tokens).reshape(-1, VOCAB)
+            total = total + F.cross_entropy(
+                logits, labels.reshape(-1), weight=CLASS_WEIGHTS, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+            mass = mass + weight_mass(step, rank, micro, count)
+    (total / mass).backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
