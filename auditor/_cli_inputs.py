@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -81,6 +82,15 @@ def refuse_inputs(output: Path | None, paths: tuple[str, ...], option: str = "--
         taken = any(os.path.samefile(target, f) for f in files)
     if taken:
         raise UsageError(f"{output}: is one of the logs being audited; choose another {option}")
+
+
+def stdout_open(output: Path | None = None, option: str = "") -> None:
+    """What goes to stdout where the command started with it closed (`>&-`: no `sys.stdout`, and click drops what
+    is written there in silence, the exit code saying all went well) is refused before anything runs. `option`: the
+    one that writes it to a file instead, where the command has one."""
+    if output is None and sys.stdout is None:
+        instead = f" or give {option} FILE" if option else ""
+        raise UsageError(f"stdout is closed: what this command writes there would be lost; open it{instead}")
 
 
 STEP_LIMIT = (1 << 63) - 1

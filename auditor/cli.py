@@ -34,7 +34,7 @@ from tokaudit._render.text import printable
 from tokaudit._cli_exits import Guarded, exit_for_problems, fails
 from tokaudit._settings import FAIL_ON_RANK, code_named
 from tokaudit._cli_inputs import begin_loading, local_file, output_option, ray_address, ray_choice, refuse_inputs
-from tokaudit._cli_inputs import step_window
+from tokaudit._cli_inputs import step_window, stdout_open
 from tokaudit._cli_progress import reading_progress
 
 if TYPE_CHECKING:
@@ -193,6 +193,7 @@ def check(
     if (error := click.get_current_context().find_root().obj.get("settings_error")) is not None:
         raise error
     refuse_inputs(output, paths)
+    stdout_open(output, "-o")
     fmt = format_for(fmt, output)
     address = ray_choice(ray, no_ray)
     with reading_progress(quiet) as progress:
@@ -270,6 +271,7 @@ def _ignored_from() -> str:
 def weights(paths: tuple[str, ...], step: int, run: str | None, fmt: str, output: Path | None) -> None:
     """Per rank and microbatch at one step: n, S, b, c, e and q = e·N (1 when correct)."""
     refuse_inputs(output, paths)
+    stdout_open(output, "-o")
     fmt = format_for(fmt, output, WEIGHTS_FORMAT_OF_SUFFIX)
     with begin_loading(paths) as started:
         from tokaudit._postmortem import partial_note, step_weights, unseen_divisor_note
@@ -348,6 +350,7 @@ def curve(
     """Loss per step: the true token mean ΣS/N, the mean of local means, the reported loss, and the
     objective the optimizer followed (Σe·S)."""
     try:
+        stdout_open()  # the chart and table, or every step as JSON
         for target, option in ((csv_path, "--csv"), (plot_path, "--plot")):
             if target == Path("-"):  # never a file named "-", as `-o -` is none
                 raise UsageError(f"{option} names a file; `--format json` writes every step to standard output")
@@ -430,6 +433,7 @@ def explain(code: str | None) -> None:
     """The derivation, the fix and a worked two-rank example for a finding CODE (all codes without one)."""
     from tokaudit._explain import explain as explain_text, explain_code, listing
 
+    stdout_open()
     if code is None:
         for line in listing():
             click.echo(line)

@@ -484,6 +484,33 @@ def test_a_reader_that_goes_away_is_exit_141_and_quiet(logs: Path) -> None:
     assert child.wait(timeout=60) == 141 and errors == b"", errors
 
 
+def test_a_command_started_with_stdout_closed_says_so_before_it_runs(logs: Path, tmp_path: Path) -> None:
+    """`tokaudit check runs/ >&-`: with no stdout the report was dropped in silence and a correct run exited 0.
+    Each command that writes there says so in one line, exit 2; `-o FILE` needs no stdout."""
+    good = str(logs / "good")
+    commands = (["check", good], ["weights", good, "--step", "0"], ["curve", good], ["explain", "local_mean"])
+    for args in commands:
+        done = subprocess.run(
+            [sys.executable, "-m", "tokaudit", *args],
+            stdout=None,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            preexec_fn=lambda: os.close(1),
+        )
+        said = done.stderr.splitlines()
+        assert done.returncode == 2 and len(said) == 1 and said[0].startswith("tokaudit: error: stdout is closed"), args
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "tokaudit", "check", good, "-o", str(report)],
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: os.close(1),
+    )
+    assert done.returncode == 0 and json.loads(report.read_text())["runs"][0]["verdict"] == "correct", done.stderr
+
+
 @pytest.mark.parametrize("option", ["--help", "--version"])
 def test_help_and_version_that_cannot_be_written_are_one_line_or_quiet(option: str) -> None:
     """What click prints before any command runs: a full disk is one line and exit 2 (it was a traceback and exit 1,
