@@ -93,6 +93,22 @@ def stdout_open(output: Path | None = None, option: str = "") -> None:
         raise UsageError(f"stdout is closed: what this command writes there would be lost; open it{instead}")
 
 
+def curve_outputs(paths: tuple[str, ...], csv_path: Path | None, plot_path: Path | None) -> None:
+    """What `curve` writes, refused before anything is read where it cannot be written: stdout (the chart and table,
+    or every step as JSON), and the --csv and --plot files."""
+    stdout_open()
+    for target, option in ((csv_path, "--csv"), (plot_path, "--plot")):
+        if target == Path("-"):  # never a file named "-", as `-o -` is none
+            raise UsageError(f"{option} names a file; `--format json` writes every step to standard output")
+        refuse_inputs(target, paths, option)
+    if csv_path is not None and plot_path is not None and csv_path.resolve() == plot_path.resolve():
+        raise UsageError(f"--csv and --plot name one file ({csv_path}): the plot would write over the CSV")
+    if plot_path is not None:
+        from tokaudit._render.plot import check_format
+
+        check_format(plot_path)
+
+
 STEP_LIMIT = (1 << 63) - 1
 
 

@@ -34,7 +34,7 @@ from tokaudit._render.text import printable
 from tokaudit._cli_exits import Guarded, exit_for_problems, fails
 from tokaudit._settings import FAIL_ON_RANK, code_named
 from tokaudit._cli_inputs import begin_loading, local_file, output_option, ray_address, ray_choice, refuse_inputs
-from tokaudit._cli_inputs import step_window, stdout_open
+from tokaudit._cli_inputs import curve_outputs, step_window, stdout_open
 from tokaudit._cli_progress import reading_progress
 
 if TYPE_CHECKING:
@@ -350,17 +350,7 @@ def curve(
     """Loss per step: the true token mean ΣS/N, the mean of local means, the reported loss, and the
     objective the optimizer followed (Σe·S)."""
     try:
-        stdout_open()  # the chart and table, or every step as JSON
-        for target, option in ((csv_path, "--csv"), (plot_path, "--plot")):
-            if target == Path("-"):  # never a file named "-", as `-o -` is none
-                raise UsageError(f"{option} names a file; `--format json` writes every step to standard output")
-            refuse_inputs(target, paths, option)
-        if csv_path is not None and plot_path is not None and csv_path.resolve() == plot_path.resolve():
-            raise UsageError(f"--csv and --plot name one file ({csv_path}): the plot would write over the CSV")
-        if plot_path is not None:
-            from tokaudit._render.plot import check_format
-
-            check_format(plot_path)
+        curve_outputs(paths, csv_path, plot_path)
         window = step_window(step_range)
         with begin_loading(paths) as started:
             from tokaudit._postmortem import curve_parts
