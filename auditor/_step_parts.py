@@ -128,4 +128,4 @@ def run_steps(
         # which term is the main one where the names do not say, and which stands for it in a group that holds
         # none of it: their records (one more pass)
         return RunSteps(selected, sorted(groups), *terms_of(group_records(selected())))
-    return RunSteps(selected, sorted(groups), main_term_first(dict.fromkeys(terms, (0.0, 0.0))))
+    return RunSteps(selected, sorted(groups), main_term_first(dict.fromkeys(terms, (0.0, 0.0, 0.0))))

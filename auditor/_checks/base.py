@@ -285,6 +285,20 @@ def nan_sum(values: npt.NDArray[Any]) -> float:
     return float(np.nansum(values)) if values.dtype.kind == "f" else float(values.sum())
 
 
+def mixed_sync(synced: npt.NDArray[Any], records: npt.NDArray[Any]) -> npt.NDArray[np.bool_]:
+    """Steps whose records (`records` a step, `synced` of them synchronized, NaN: not said) hold both some that
+    synchronized and some that did not: an accumulation's (no_sync() before the last microbatch), or ranks that
+    disagree."""
+    synced = np.nan_to_num(synced.astype(float, copy=False))
+    return (synced > 0) & (synced < records)
+
+
+def accumulating(synced: npt.NDArray[Any], records: npt.NDArray[Any], ranks: npt.NDArray[Any]) -> npt.NDArray[np.bool_]:
+    """`mixed_sync` steps where a rank holds several records (more records than `ranks`): an accumulation's pattern,
+    not only ranks of one record each that disagree."""
+    return mixed_sync(synced, records) & (records > ranks)
+
+
 @dataclass(frozen=True)
 class TermInputs:
     """What every check of one loss term is made from (`checks.run.CHECKS`)."""

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit._checks.base import Check, TermInputs, column_of, grouped, make_finding, nan_sum
+from tokaudit._checks.base import Check, TermInputs, accumulating, column_of, grouped, make_finding, nan_sum
 from tokaudit._normalization import Diagnoses
 from tokaudit.codes import Code, Severity
 from tokaudit._report import Finding
@@ -213,8 +213,10 @@ class Ending:
     at: Seen = field(default_factory=Seen)
     before: Seen = field(default_factory=Seen)
     records: float = 0.0
-    """Its records over every step, and those that synchronized (which term is the main one: `main_term_first`)."""
+    """Its records over every step, those that synchronized, and its steps of an accumulation's pattern
+    (`accumulating`): which term is the main one (`main_term_first`)."""
     synced: float = 0.0
+    accumulated: float = 0.0
 
     def add(self, block: pd.DataFrame, rows: Any = slice(None)) -> None:
         """These `rows` of a block (a slice, or the indices of one group's)."""
@@ -231,6 +233,7 @@ class Ending:
             columns[name] = np.nan_to_num(columns[name].astype(float, copy=False))
         self.records += nan_sum(columns["records"])
         self.synced += float(np.nansum(columns["sync_true"].astype(float, copy=False)))
+        self.accumulated += float(accumulating(columns["sync_true"], columns["records"], columns["ranks"]).sum())
         self.before.merge(Seen.of(columns, step < self.last))
         self.at.merge(Seen.of(columns, step == self.last))
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import pandas as pd
 
-from tokaudit._checks.base import RunSteps, column_of, grouped, nan_sum
+from tokaudit._checks.base import RunSteps, accumulating, column_of, grouped, mixed_sync, nan_sum
 from tokaudit._normalization import name_ranks
 from tokaudit._schema import UNNAMED
 
@@ -39,16 +39,17 @@ def loss_terms(steps: pd.DataFrame) -> list[str]:
     return main_term_first(term_records([steps]))
 
 
-def term_records(parts: Iterable[pd.DataFrame]) -> dict[str, tuple[float, float]]:
-    """Per loss term of these parts of a step table (as text): its records that synchronized, and the most records
-    one group holds of it (a pipeline's stages each a group: an auxiliary loss of every stage outnumbers the loss of
-    the last one, over the run)."""
+def term_records(parts: Iterable[pd.DataFrame]) -> dict[str, tuple[float, float, float]]:
+    """Per loss term of these parts of a step table (as text): its records that synchronized, the most records one
+    group holds of it (a pipeline's stages each a group: an auxiliary loss of every stage outnumbers the loss of the
+    last one, over the run), and its steps of an accumulation's pattern (`over_groups`)."""
     return over_groups(group_records(parts))
 
 
-Held = tuple[float, float, float]
-"""Of a (group, loss term): its records that synchronized, its records, and its steps that hold both records that
-synchronized and records that did not (an accumulation's: no_sync() before the last microbatch) (`group_records`)."""
+Held = tuple[float, float, float, float]
+"""Of a (group, loss term): its records that synchronized, its records, its steps that hold both records that
+synchronized and records that did not (`mixed_sync`), and those of them where a rank holds several (`accumulating`:
+no_sync() before the last microbatch) (`group_records`)."""
 
 
 def group_records(parts: Iterable[pd.DataFrame]) -> dict[tuple[str, str], Held]:
@@ -56,27 +57,26 @@ def group_records(parts: Iterable[pd.DataFrame]) -> dict[tuple[str, str], Held]:
     held: dict[tuple[str, str], Held] = {}
     for part in parts:
         records = column_of(part, "records") if "records" in part else np.zeros(len(part))
-        synced = np.nan_to_num(column_of(part, "sync_true").astype(float)) if "sync_true" in part else records * 0
-        mixed = ((synced > 0) & (synced < records)).astype(float)
+        synced = column_of(part, "sync_true").astype(float) if "sync_true" in part else records * 0.0
+        ranks = column_of(part, "ranks") if "ranks" in part else records
+        counted = (np.nan_to_num(synced), records, mixed_sync(synced, records), accumulating(synced, records, ranks))
         for group, in_group in grouped(part.grp):
             terms = part.term if isinstance(in_group, slice) else part.term.iloc[in_group]
             for term, rows in grouped(terms):
-                key, (had_synced, had, had_mixed) = (group, str(term)), held.get((group, str(term)), (0.0, 0.0, 0.0))
-                held[key] = (
-                    had_synced + nan_sum(synced[in_group][rows]),
-                    had + nan_sum(records[in_group][rows]),
-                    had_mixed + nan_sum(mixed[in_group][rows]),
-                )
+                had = held.get((group, str(term)), (0.0, 0.0, 0.0, 0.0))
+                more = [nan_sum(np.asarray(column[in_group][rows], dtype=float)) for column in counted]
+                held[(group, str(term))] = (had[0] + more[0], had[1] + more[1], had[2] + more[2], had[3] + more[3])
     return held
 
 
-def over_groups(held: Mapping[tuple[str, str], tuple[float, ...]]) -> dict[str, tuple[float, float]]:
-    """Per term, from its (records that synchronized, records, …) per (group, term): those that synchronized in every
-    group, and the most records one group holds (what `main_term_first` reads)."""
-    most: dict[str, tuple[float, float]] = {}
-    for (_, term), (synced, count, *_) in held.items():
-        before = most.get(term, (0.0, 0.0))
-        most[term] = (before[0] + synced, max(before[1], count))
+def over_groups(held: Mapping[tuple[str, str], Held]) -> dict[str, tuple[float, float, float]]:
+    """Per term, from what `group_records` counts of it per (group, term): its records that synchronized in every
+    group, the most records one group holds, and its steps of an accumulation's pattern (`accumulating`) in every
+    group (what `main_term_first` reads)."""
+    most: dict[str, tuple[float, float, float]] = {}
+    for (_, term), (synced, count, _, accumulated) in held.items():
+        before = most.get(term, (0.0, 0.0, 0.0))
+        most[term] = (before[0] + synced, max(before[1], count), before[2] + accumulated)
     return most
 
 
@@ -84,19 +84,22 @@ def main_term_first(records: Mapping[str, tuple[float, ...]]) -> list[str]:
     """The loss terms (with what `term_records` counts), the main term first, then the others by name. The main term
     is UNNAMED ("0"), the recorder's default; where no record is of it (every term named), a term some record of
     which synchronized before one none of whose did (an auxiliary loss of the first microbatch, recorded once or by
-    several layers, is unsynchronized in a correct loop: it ends no update and is no run's logged loss), then the term
-    of the most records in one group, ties by name."""
+    several layers, is unsynchronized in a correct loop: it ends no update and is no run's logged loss), then one
+    some step of which holds records that synchronized and records that did not, a rank holding several (an
+    accumulation's, no_sync() before the last microbatch: the loss of every microbatch shows it, an auxiliary loss of
+    the first or the last microbatch alone never, however many layers record it), then the term of the most records in one group, ties
+    by name."""
     main = UNNAMED if UNNAMED in records or not records else min(records, key=lambda t: (*_told(records[t]), t))
     return sorted(records, key=lambda t: (t != main, t))
 
 
-def _told(counts: tuple[float, ...]) -> tuple[bool, float]:
-    """What tells a main term from the others by its (records that synchronized, most records in one group): the
-    least comes first."""
-    return counts[0] <= 0, -counts[1]
+def _told(counts: tuple[float, ...]) -> tuple[bool, bool, float]:
+    """What tells a main term from the others by its (records that synchronized, most records in one group, steps of
+    an accumulation's pattern): the least comes first."""
+    return counts[0] <= 0, counts[2] <= 0, -counts[1]
 
 
-def tied_terms(records: Mapping[str, tuple[float, float]], main: str) -> tuple[str, ...]:
+def tied_terms(records: Mapping[str, tuple[float, float, float]], main: str) -> tuple[str, ...]:
     """The terms other than `main` that their counts (`term_records`) cannot tell from it, whose order only their
     names gave (two heads on every microbatch: a trainer may log either one's loss)."""
     if main == UNNAMED or main not in records:
@@ -107,13 +110,18 @@ def tied_terms(records: Mapping[str, tuple[float, float]], main: str) -> tuple[s
 def stand_ins(held: Mapping[tuple[str, str], Held], main: str) -> dict[str, str]:
     """Per group with no record of the `main` term (a pipeline stage whose loss is another's), the term that stands
     for it there: the group's own main term (`main_term_first` of its terms), where some step holds records of it
-    that synchronized and records that did not, as an accumulation's last microbatch and those before it do. One
-    never so (an auxiliary loss of the first microbatch, or of the last, by one layer or several) shows no update's
-    end: the group's structure and synchronization are then not read, as before."""
+    that synchronized and records that did not (`mixed_sync`), as an accumulation's last microbatch and those before
+    it do, or ranks of which one missed its synchronization. One never so (an auxiliary loss of the first microbatch,
+    or of the last, by one layer or several) shows no update's end: the group's structure and synchronization are then
+    not read, as before."""
     terms: dict[str, dict[str, Held]] = {}
     for (group, term), counts in held.items():
         terms.setdefault(group, {})[term] = counts
-    first = {group: main_term_first(counts)[0] for group, counts in terms.items() if main not in counts}
+    first = {
+        group: main_term_first(over_groups({(group, t): h for t, h in counts.items()}))[0]
+        for group, counts in terms.items()
+        if main not in counts
+    }
     return {group: term for group, term in first.items() if terms[group][term][2] > 0}
 
 

@@ -1676,18 +1676,54 @@ def test_a_last_update_cut_short_is_read_per_group_and_rank_and_never_where_some
     assert report.verdicts == {"run": "incorrect"} and only(report, Code.LOCAL_MEAN).severity == Severity.ERROR
 
 
-def test_the_main_term_is_the_unnamed_one_else_one_that_synchronized_else_the_one_of_the_most_records() -> None:
+def test_the_main_term_is_the_unnamed_one_else_one_that_synchronized_else_one_that_accumulated_else_the_most() -> None:
     """ "0" (the recorder's default) is the main term wherever a record is of it; where every term is named, one some
     record of which synchronized (an auxiliary loss of the first microbatch, recorded by several layers, outnumbers
-    the loss but never synchronizes), then the most records in one group, ties by name. (synchronized, most)."""
+    the loss but never synchronizes), then one some step of which holds records that synchronized and records that
+    did not (an accumulation's: an auxiliary loss of the last microbatch by several layers outnumbers the loss and
+    synchronizes, but never so), then the most records in one group, ties by name. (synchronized, most, accumulating
+    steps)."""
     from tokaudit._checks import main_term_first
 
-    assert main_term_first({"aux": (0.0, 4.0), "lm": (2.0, 8.0)}) == ["lm", "aux"]
-    assert main_term_first({"router": (0.0, 12.0), "lm": (2.0, 8.0)}) == ["lm", "router"]
-    assert main_term_first({"aux": (1.0, 8.0), "0": (0.0, 2.0), "b": (1.0, 9.0)}) == ["0", "aux", "b"]
-    assert main_term_first({"mtp2": (3.0, 6.0), "mtp1": (3.0, 6.0), "ce": (3.0, 3.0)}) == ["mtp1", "ce", "mtp2"]
-    assert main_term_first({"x": (0.0, 4.0), "y": (0.0, 6.0)}) == ["y", "x"]  # none synchronized: the most records
-    assert main_term_first({"only": (0.0, 0.0)}) == ["only"] and main_term_first({}) == []
+    assert main_term_first({"aux": (0.0, 4.0, 0.0), "lm": (2.0, 8.0, 2.0)}) == ["lm", "aux"]
+    assert main_term_first({"router": (0.0, 12.0, 0.0), "lm": (2.0, 8.0, 2.0)}) == ["lm", "router"]
+    assert main_term_first({"aux": (1.0, 8.0, 1.0), "0": (0.0, 2.0, 0.0), "b": (1.0, 9.0, 1.0)}) == ["0", "aux", "b"]
+    tied = {"mtp2": (3.0, 6.0, 3.0), "mtp1": (3.0, 6.0, 3.0), "ce": (3.0, 3.0, 3.0)}
+    assert main_term_first(tied) == ["mtp1", "ce", "mtp2"]
+    assert main_term_first({"z": (6.0, 12.0, 0.0), "lm": (3.0, 8.0, 3.0)}) == ["lm", "z"]
+    assert main_term_first({"z": (6.0, 12.0, 0.0), "lm": (3.0, 8.0, 0.0)}) == ["z", "lm"]  # (no accumulation)
+    assert main_term_first({"x": (0.0, 4.0, 0.0), "y": (0.0, 6.0, 0.0)}) == ["y", "x"]  # none synchronized: the most
+    assert main_term_first({"only": (0.0, 0.0, 0.0)}) == ["only"] and main_term_first({}) == []
+
+
+@pytest.mark.parametrize(
+    "aux", ["3 layers on the first microbatch of one stage, once on the other", "3 layers on the last"]
+)
+def test_an_auxiliary_loss_of_more_records_that_never_accumulates_is_not_the_main_term(
+    tmp_path: Path, aux: str
+) -> None:
+    """2 ranks under no_sync() over 2 microbatches, "lm" on each (synchronized on the last), each a token mean, the
+    logged loss lm's ΣS/N. "aux" recorded by 3 layers on the first microbatch of stage s0 (unsynchronized) and once
+    on the last of s1 (synchronized), or by 3 layers on the last microbatch beside lm: it synchronized somewhere and
+    outnumbers lm in one group, so it was the main term, its first microbatch's records a missing_sync (incorrect),
+    or every microbatch synchronizing (sync_every_micro) and the logged loss 3× off (reported_loss_mismatch). lm's
+    steps hold records that synchronized and records that did not, as an accumulation's loss does: correct."""
+    counts = [[[5, 3], [2, 7]], [[4, 4], [9, 1]], [[3, 6], [6, 2]]]
+    lm = [dict(r, term="lm", group="s1", sync=r["micro"] == 1) for r in records(counts, token_mean)]
+    micro = 0 if aux.endswith("other") else 1
+    layers = [[[mine[micro] + layer for layer in range(3)] for mine in step] for step in counts]
+    extra = [
+        dict(r, term="aux", group="s0" if micro == 0 else "s1", sync=micro == 1) for r in records(layers, token_mean)
+    ]
+    if micro == 0:  # and once, on the last microbatch of s1
+        extra += [
+            dict(r, term="aux", group="s1", sync=True)
+            for r in records([[[s[k][1]] for k in range(2)] for s in counts], token_mean)
+        ]
+    means = {s: sum(r["loss_sum"] for r in lm if r["step"] == s) / sum(map(sum, counts[s])) for s in range(3)}
+    report = _by_group(tmp_path, [dict(r, reported_loss=means[r["step"]]) for r in lm + extra])
+    assert report.runs[0].terms == ["lm", "aux"]
+    assert report.runs[0].verdict == "correct" and report.findings == [], report.findings
 
 
 def test_an_auxiliary_loss_of_every_pipeline_stage_is_not_the_main_term_of_the_last_stage_s_loss(
