@@ -13,6 +13,11 @@ from tokaudit._delta import DELTA_LOG, Tables, local_log
 from tokaudit._storage import ICEBERG, WRITERS_FOLDERS, hidden, hidden_note, iceberg_marker, parquet_name, shown_path
 
 
+UNREADABLE_FOLDER = "cannot read this folder"
+"""What a folder below the paths given that cannot be listed is said to be: the files of its run's it may hold are
+unread (`summary.unread_files`)."""
+
+
 def discover(
     paths: Sequence[str | os.PathLike[str]], notes: list[str] | None = None
 ) -> tuple[list[Path], list[LogFormatError]]:
@@ -82,7 +87,8 @@ def _walk(
     reached = 0
 
     def unreadable(error: OSError) -> None:
-        problems.append(LogFormatError(str(error.filename or root), f"cannot read this folder ({error.strerror})"))
+        folder = Path(error.filename or root).absolute()  # (as the files are named)
+        problems.append(LogFormatError(str(folder), f"{UNREADABLE_FOLDER} ({error.strerror})"))
 
     inside = os.path.realpath(root) + os.sep
     skipped = unnamed = 0  # the writers' folders (storage.WRITERS_FOLDERS) skipped; Parquet files of no extension

@@ -18,6 +18,7 @@ from tokaudit._checks import weight_ratio, world_sizes
 from tokaudit.codes import CODE_DOCS, DEFAULT_SEVERITY, REPORTING, UNDECIDABLE, WEIGHTING, Code, Severity
 from tokaudit.errors import LogFormatError
 from tokaudit._normalization import judged_steps
+from tokaudit._discovery import UNREADABLE_FOLDER
 from tokaudit._partitions import partition_folders, run_folder
 from tokaudit._reader import Shard
 from tokaudit._report import Finding, RunSummary, Segment, StepRange, Verdict, Reporting
@@ -118,13 +119,15 @@ def _run_of(shard: Shard) -> str:
 
 
 def unread_files(shards: Sequence[Shard], problems: Sequence[LogFormatError]) -> dict[str, list[str]]:
-    """Per run, the Parquet files that could not be read in a folder of its: a run folder (`partitions.run_folder`,
+    """Per run, the Parquet files (and folders) that could not be read in a folder of its: a run folder (`partitions.run_folder`,
     above a Spark-style part's `column=value` folders) that holds a readable file of the run. A file whose folder
     holds none is no run's: its own line is all there is to say of it."""
     unread: dict[str, list[str]] = {}
     for problem in problems:
         if problem.path.endswith(".parquet"):
             unread.setdefault(str(run_folder(PurePosixPath(problem.path))), []).append(problem.path)
+        elif problem.problem.startswith(UNREADABLE_FOLDER):  # (a `step=2/` folder of the run: any file of it)
+            unread.setdefault(str(run_folder(PurePosixPath(problem.path, "x.parquet"))), []).append(problem.path)
     found: dict[str, list[str]] = {}
     if not unread:
         return found
@@ -248,10 +251,9 @@ def guessed_updates(run: str, findings: list[Finding], source: RunSteps, rtol: f
 
 
 def class_weighted(findings: list[Finding], source: RunSteps, rtol: float) -> list[Finding]:
-    """A run whose cross-entropy weighed its classes (`Provenance.class_weights`): its weighted mean over Σw weighs
-    every token of a step 1/Σw, N/Σw of 1/N, a uniform factor the labels set, so the uniform factors (and, where every
-    step's tokens weigh alike, the weightings) say the logs cannot tell. Tokens of one step weighed apart stay what
-    they are: a mean over Σw weighs them alike."""
+    """A run whose cross-entropy weighed its classes (`Provenance.class_weights`): its mean over Σw weighs every token
+    N/Σw of 1/N, a uniform factor the labels set, so the uniform factors (and, where every step's tokens weigh alike,
+    the weightings) say the logs cannot tell. Tokens of one step weighed apart stay wrong: a mean over Σw is uniform."""
     why = (
         "The loss weighs its classes (cross_entropy(weight=...)): its mean divides by the class weights' sum Σw, "
         "which no record holds, not by N, and weighs every token N/Σw of 1/N, which this may be."

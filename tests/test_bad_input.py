@@ -258,6 +258,31 @@ def test_an_unreadable_folder_is_reported(tmp_path: Path) -> None:
     assert code == 2 and any(str(locked) in line and "cannot read" in line for line in error_lines(err))
 
 
+def test_an_unreadable_partition_folder_keeps_its_run_from_being_called_correct(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A run laid out by step (`step=0/`, `step=1/`, `step=2/`, as pyarrow's write_to_dataset leaves it) whose
+    `step=2/` cannot be listed: the run was called correct on the two steps read; the folder's line names it (in full,
+    as files are named), exit 2, and the run is inconclusive by unreadable_files, as for an unreadable file there.
+    (Listing it fails as mode 000 would for a user other than root.)"""
+    run = tmp_path / "run"
+    pq.write_to_dataset(pa.Table.from_pylist(records(UNEVEN, token_mean)), str(run), partition_cols=["step"])
+    locked, scandir = run / "step=2", os.scandir
+
+    def listing(path: Any = ".") -> Any:
+        if Path(path).absolute() == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", listing)
+    code, out, err = invoke("check", str(run), "--format", "json")
+    assert code == 2 and error_lines(err) == [f"tokaudit: error: {locked}: cannot read this folder (Permission denied)"]
+    report = json.loads(out)
+    assert report["runs"][0]["verdict"] == "inconclusive"
+    (unread,) = [f for f in report["findings"] if f["code"] == "unreadable_files"]
+    assert unread["evidence"]["files"] == [str(locked)]
+
+
 def test_the_path_given_is_the_path_read(tmp_path: Path) -> None:
     write_by_rank(tmp_path / "run[1]", records(UNEVEN, local_mean))  # glob characters in the name
     write_by_rank(tmp_path / "run1", records(UNEVEN, token_mean))
