@@ -10,7 +10,8 @@ from pathlib import Path
 
 from tokaudit.errors import LogFormatError
 from tokaudit._delta import DELTA_LOG, Tables, local_log
-from tokaudit._storage import ICEBERG, WRITERS_FOLDERS, hidden, hidden_note, iceberg_marker, parquet_name, shown_path
+from tokaudit._storage import ICEBERG, WRITERS_FOLDERS, dot_folder_note, hidden, hidden_note, iceberg_marker
+from tokaudit._storage import parquet_name, shown_path
 
 
 UNREADABLE_FOLDER = "cannot read this folder"
@@ -118,6 +119,8 @@ def _walk(
         if DELTA_LOG in folders:
             tables.enter(here)
         skipped += sum(f in WRITERS_FOLDERS for f in folders)
+        if notes is not None:
+            notes.extend(dot_folder_note(os.path.join(here, f)) for f in sorted(folders) if _dotted(here, f))
         folders[:] = sorted(f for f in folders if not hidden(f, folder=True))
         names = tables.kept(here, sorted(n for n in files if not hidden(n, folder=False) and parquet_name(n)))
         _count_parts(datasets, here, names)
@@ -139,6 +142,20 @@ def _walk(
                 "not read: name them *.parquet to audit them"
             )
     return reached
+
+
+def _dotted(folder: str, name: str, looked: int = 10_000) -> bool:
+    """A folder `name` in `folder` whose name begins with '.' (skipped) and that holds Parquet files, of the first
+    `looked` names below it (a .git or a snapshot's copy is not walked whole to say so)."""
+    if not name.startswith("."):
+        return False
+    for _, _, files in os.walk(os.path.join(folder, name)):
+        if any(parquet_name(f) and not f.startswith(".") for f in files):
+            return True
+        looked -= len(files) + 1
+        if looked < 0:
+            return False
+    return False
 
 
 def _count_parts(datasets: dict[str, int], here: str, names: list[str]) -> None:

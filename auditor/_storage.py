@@ -258,6 +258,15 @@ def hidden(name: str, folder: bool) -> bool:
     return name.startswith(".") or folder and (name in WRITERS_FOLDERS or name == DELTA_LOG)
 
 
+def dot_folder_note(folder: str) -> str:
+    """What is said of a folder below the paths given whose name begins with '.' and that holds Parquet files: skipped
+    (writers stage there: Spark's .spark-staging-*, Hive's .hive-staging*), never in silence (a run id may begin so)."""
+    return (
+        f"{folder}: a folder whose name begins with '.' is skipped (writers stage files there), and it holds Parquet "
+        "files: give it as a path to audit them"
+    )
+
+
 def hidden_note(root: str, skipped: int) -> str:
     """What is said of the WRITERS_FOLDERS under `root` skipped."""
     return (
@@ -291,7 +300,7 @@ def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None
         entries = filesystem.get_file_info(pafs.FileSelector(root, recursive=True))
     except OSError as error:
         return store, [], [LogFormatError(url, describe(error))]
-    found, skipped = [], set()
+    found, skipped, dotted = [], set(), set()
     logs: dict[str, list[str]] = {}  # each Delta table's root: the names in its log
     icebergs: set[tuple[str, ...]] = set()  # each Iceberg table's root, relative to the URL's
     for entry in entries:
@@ -308,6 +317,8 @@ def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None
                 logs.setdefault(str(path.parent.parent), []).append(path.name)
             elif relative.parts[at] in WRITERS_FOLDERS:
                 skipped.add(relative.parts[: at + 1])  # the outermost such folder, once, as on disk
+            elif at < last and relative.parts[at].startswith(".") and parquet_name(entry.path):
+                dotted.add(relative.parts[: at + 1])
             continue
         if entry.type == pafs.FileType.File and parquet_name(entry.path):
             found.append(entry.path)
@@ -323,6 +334,8 @@ def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None
     found = _held_by_tables(store, logs, found, trouble, notes, root)
     if skipped and notes is not None:
         notes.append(hidden_note(url, len(skipped)))
+    if notes is not None:
+        notes.extend(dot_folder_note(store.url(PurePosixPath(root, *folder))) for folder in sorted(dotted))
     if not found and not trouble:
         return store, [], [LogFormatError(url, "no Parquet files (*.parquet) under this URL")]
     return store, sorted(found), trouble

@@ -130,7 +130,8 @@ def test_an_iceberg_table_and_a_file_a_delta_table_lost_on_s3_are_one_line_each(
 
 
 def test_a_writer_s_own_prefixes_on_s3_are_skipped_and_said(endpoint: dict[str, str]) -> None:
-    """`_temporary/` and `_spark_metadata/` under a run on object storage are skipped as on disk, in one note."""
+    """`_temporary/` and `_spark_metadata/` under a run on object storage are skipped as on disk, in one note; a folder
+    whose name begins with '.' and holds Parquet files, in one of its own."""
     client = boto3.client("s3")
     client.create_bucket(Bucket="spark")
     for shard in sorted((SAMPLE_LOGS / "bug_local_mean").glob("*.parquet")):
@@ -138,6 +139,7 @@ def test_a_writer_s_own_prefixes_on_s3_are_skipped_and_said(endpoint: dict[str, 
     client.put_object(Bucket="spark", Key="runs/bug_local_mean/_temporary/0/part-0.parquet", Body=b"not parquet")
     client.put_object(Bucket="spark", Key="runs/bug_local_mean/_spark_metadata/0", Body=b"{}")
     client.put_object(Bucket="spark", Key="runs/bug_local_mean/_SUCCESS", Body=b"")
+    client.put_object(Bucket="spark", Key="runs/.staging/run/part-0.parquet", Body=b"not parquet")  # said, not read
     remote = tokaudit("check", "s3://spark/runs", "--format", "json", env=endpoint)
     local = tokaudit("check", str(SAMPLE_LOGS / "bug_local_mean"), "--format", "json")
     assert remote.returncode == local.returncode == 1, remote.stderr
@@ -145,7 +147,9 @@ def test_a_writer_s_own_prefixes_on_s3_are_skipped_and_said(endpoint: dict[str, 
     assert remote.stderr.splitlines() == [
         "tokaudit: note: s3://spark/runs: 2 folder(s) a writer keeps beside its data skipped (Spark's _temporary of "
         "uncommitted tasks, a streaming sink's _spark_metadata, whose list of committed files is not read: every part "
-        "file beside it is), as pyarrow skips them"
+        "file beside it is), as pyarrow skips them",
+        "tokaudit: note: s3://spark/runs/.staging: a folder whose name begins with '.' is skipped (writers stage files "
+        "there), and it holds Parquet files: give it as a path to audit them",
     ]
 
 

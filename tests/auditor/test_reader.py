@@ -703,6 +703,25 @@ def test_a_file_reached_by_several_paths_is_found_once(tmp_path: Path) -> None:
     assert all(type(path) is type(run) for path in files)
 
 
+def test_a_folder_whose_name_begins_with_a_dot_is_skipped_but_never_in_silence(tmp_path: Path) -> None:
+    """A run folder `.exp2` (the recorder's folder of a run id ".exp2") beside `exp1`: skipped, as pyarrow skips a
+    writer's staging folders (.spark-staging-*), and it was skipped in silence, its incorrect run left out and the
+    command's exit 0. Now a note names it; given as a path, it is audited. A dot-folder that holds no Parquet file
+    (a .git) is not said."""
+    good_run(tmp_path / "runs" / "exp1")
+    write_by_rank(tmp_path / "runs" / ".exp2" / "deeper", records(UNEVEN, local_mean))
+    (tmp_path / "runs" / ".git").mkdir()
+    (tmp_path / "runs" / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    result = CliRunner().invoke(main, ["check", str(tmp_path / "runs"), "--format", "json"])
+    assert result.exit_code == 0 and [r["run"] for r in json.loads(result.stdout)["runs"]] == ["exp1"]
+    assert result.stderr.splitlines() == [
+        f"tokaudit: note: {tmp_path / 'runs' / '.exp2'}: a folder whose name begins with '.' is skipped (writers stage "
+        "files there), and it holds Parquet files: give it as a path to audit them"
+    ]
+    given = CliRunner().invoke(main, ["check", str(tmp_path / "runs" / ".exp2"), "--format", "json"])
+    assert given.exit_code == 1 and json.loads(given.stdout)["runs"][0]["verdict"] == "incorrect"
+
+
 def test_what_a_writer_keeps_beside_its_data_is_skipped_and_said(tmp_path: Path) -> None:
     """Spark's `_temporary/` (an uncommitted task's parts: here the same records with other weights) and
     `_spark_metadata/` (a streaming sink's own, not a log) are skipped as pyarrow skips them, in one note; the
