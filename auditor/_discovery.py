@@ -19,6 +19,42 @@ UNREADABLE_FOLDER = "cannot read this folder"
 unread (`summary.unread_files`)."""
 
 
+Identity = tuple[int, int]
+"""A file's (device, inode): one file reached by two names is read once."""
+
+
+class _Found:
+    """Each file found, once, by the name it is read by, and the other names that reached it (links, hard links)."""
+
+    def __init__(self) -> None:
+        self.names: dict[Identity, Path] = {}
+        self.others: dict[Identity, list[Path]] = {}
+
+    def add(self, key: Identity, name: Path) -> None:
+        """A file reached by `name`. Reached again, it is read by a name that reaches it through no link over one
+        that does (a link says nothing then: the file is read where it lies), else by the one with more shards beside
+        it, which is said: a name in another run's folder would take the shard from its own run."""
+        kept = self.names.setdefault(key, name)
+        if kept is name or kept.parent == name.parent:
+            return
+        if (_direct(name), _shards_beside(name)) > (_direct(kept), _shards_beside(kept)):
+            self.names[key], kept, name = name, name, kept
+        if _direct(name) == _direct(kept):
+            self.others.setdefault(key, []).append(name)
+
+    def notes(self) -> list[str]:
+        """Per pair of folders, the files read from one that the other holds too, said once."""
+        pairs: dict[tuple[Path, Path], int] = {}
+        for key, others in self.others.items():
+            for other in others:
+                pair = (self.names[key].parent, other.parent)
+                pairs[pair] = pairs.get(pair, 0) + 1
+        return [
+            f"{other}: {n} file(s) that {kept} holds too (links to one file): read there"
+            for (kept, other), n in pairs.items()
+        ]
+
+
 def discover(
     paths: Sequence[str | os.PathLike[str]], notes: list[str] | None = None
 ) -> tuple[list[Path], list[LogFormatError]]:
@@ -30,7 +66,7 @@ def discover(
     read), the writers' folders skipped, and the files a Delta table no longer holds."""
     # One file reached twice (two paths, a link to it) is read once: keyed by its identity on disk,
     # from the stat that checks it is a file, rather than by resolving every path.
-    found: dict[tuple[int, int], Path] = {}
+    found = _Found()
     problems: list[LogFormatError] = []
     for raw in paths:
         path = Path(raw)
@@ -41,7 +77,7 @@ def discover(
             continue
         identity, problem = _regular_file(path)
         if identity is not None:
-            found.setdefault(identity, path.absolute())
+            found.names.setdefault(identity, path.absolute())
         elif not path.is_dir():
             problems.append(LogFormatError(str(raw), problem))
         else:
@@ -49,7 +85,9 @@ def discover(
             said = (str(path), str(path.absolute()))  # (a problem may name it either way)
             if not reached and not any(p.path.startswith(said) for p in problems):
                 problems.append(LogFormatError(str(raw), "no Parquet files (*.parquet) in this folder" + _named(path)))
-    return list(found.values()), problems
+    if notes is not None:
+        notes.extend(found.notes())
+    return list(found.names.values()), problems
 
 
 def _named(folder: Path) -> str:
@@ -79,12 +117,10 @@ def _extensionless_parquet(path: Path) -> bool:
         return False
 
 
-def _walk(
-    root: Path, found: dict[tuple[int, int], Path], problems: list[LogFormatError], notes: list[str] | None = None
-) -> int:
+def _walk(root: Path, found: _Found, problems: list[LogFormatError], notes: list[str] | None = None) -> int:
     """Every *.parquet under `root` added to `found` (a file already there is not added again), or to `problems`
     where it is no readable file: how many it reached, those found before and those it could not use included."""
-    seen: dict[bool, set[tuple[int, int]]] = {True: set(), False: set()}  # by whether the path is UTF-8
+    seen: dict[bool, set[Identity]] = {True: set(), False: set()}  # by whether the path is UTF-8
     reached = 0
 
     def unreadable(error: OSError) -> None:
@@ -185,7 +221,7 @@ def _add_files(
     here: str,
     names: list[str],
     device: int,
-    found: dict[tuple[int, int], Path],
+    found: _Found,
     problems: list[LogFormatError],
     inside: str,
     notes: list[str] | None,
@@ -203,14 +239,13 @@ def _add_files(
             continue
         inode = listed.get(name)
         if inode is not None and os.access(path, os.R_OK):
-            key: tuple[int, int] | None = (device, inode)
+            key: Identity | None = (device, inode)
         else:
             key, problem = _regular_file(path)
             if key is not None and notes is not None and os.path.islink(path):
                 _note_outside(path, inside, notes)
         if key is not None:
-            if key not in found:
-                found[key] = child(name)
+            found.add(key, child(name))
         else:
             problems.append(LogFormatError(path, problem))
 
@@ -244,12 +279,24 @@ def _note_outside(path: str, inside: str, notes: list[str]) -> None:
         notes.append(f"{path} is a link out of the folder given: read from {target}")
 
 
+def _direct(path: Path) -> bool:
+    """A name that reaches its file through no link (a file's, or one of its folders')."""
+    return os.path.realpath(path) == os.path.abspath(path)
+
+
+def _shards_beside(path: Path) -> int:
+    """The *.parquet in a file's folder (itself too)."""
+    return sum(parquet_name(n) and not hidden(n, folder=False) for n in _names(str(path.parent)))
+
+
 def _folders(root: str, onerror: Callable[[OSError], None]) -> Iterator[tuple[str, list[str], list[str]]]:
     """os.walk's (folder, its folders, its files), top down, links to folders followed, with a stack instead of
-    recursion: a tree a thousand folders deep is walked as any other. The caller may prune the folders list."""
-    stack = [root]
-    while stack:
-        top = stack.pop()
+    recursion: a tree a thousand folders deep is walked as any other. The caller may prune the folders list. Links to
+    folders come after every folder reached without one: a folder both reach is read under its own name."""
+    stack: list[str] = [root]
+    links: list[str] = []
+    while stack or links:
+        top = stack.pop() if stack else links.pop(0)
         try:
             with os.scandir(top) as listing:
                 entries = list(listing)
@@ -265,7 +312,9 @@ def _folders(root: str, onerror: Callable[[OSError], None]) -> Iterator[tuple[st
                 is_folder = False
             (folders if is_folder else files).append(entry.name)
         yield top, folders, files
-        stack.extend(os.path.join(top, name) for name in reversed(folders))
+        below = [os.path.join(top, name) for name in folders]
+        stack.extend(path for path in reversed(below) if not os.path.islink(path))
+        links.extend(path for path in below if os.path.islink(path))
 
 
 def _regular_inodes(folder: str, names: set[str]) -> dict[str, int]:
@@ -282,7 +331,7 @@ def _regular_inodes(folder: str, names: set[str]) -> dict[str, int]:
         return {}
 
 
-def _regular_file(path: str | Path) -> tuple[tuple[int, int] | None, str]:
+def _regular_file(path: str | Path) -> tuple[Identity | None, str]:
     """(device, inode) of a readable regular file; else (None, why it is not one)."""
     try:
         info = os.stat(path)

@@ -455,7 +455,8 @@ def test_a_thousand_nested_folders_and_a_spark_style_dataset_folder_are_read(tmp
 
 def test_a_link_out_of_the_folder_given_is_read_and_said(tmp_path: Path) -> None:
     """A shard (or a folder) reached through a link whose target lies outside the folder given is audited, and a
-    note on stderr says what is read from where; a link that stays inside says nothing."""
+    note on stderr says what is read from where; a link that stays inside says nothing. Files two folders hold (a
+    folder of links, a link to the folder) are read once and said once."""
     elsewhere = write_by_rank(tmp_path / "elsewhere" / "run", records(UNEVEN, token_mean))
     (tmp_path / "logs" / "run").mkdir(parents=True)
     for shard in sorted(elsewhere.glob("*.parquet")):
@@ -465,9 +466,39 @@ def test_a_link_out_of_the_folder_given_is_read_and_said(tmp_path: Path) -> None
     no_traceback(out, err)
     notes = [line for line in err.splitlines() if line.startswith("tokaudit: note:")]
     assert code == 0 and json.loads(out)["runs"][0]["verdict"] == "correct"
-    assert len(notes) == 3 and all(f"read from {tmp_path / 'elsewhere'}" in note for note in notes), notes
+    outside = [note for note in notes if f"read from {tmp_path / 'elsewhere'}" in note]
+    assert len(outside) == 3 and len(notes) == 4, notes  # and the folder link's files, the run's links' too:
+    assert notes[-1] == (
+        f"tokaudit: note: {tmp_path / 'logs' / 'folder' / 'run'}: 2 file(s) that {tmp_path / 'logs' / 'run'} holds "
+        "too (links to one file): read there"
+    )
     code, _, err = invoke("check", str(tmp_path))  # the targets are inside the folder given now
     assert "tokaudit: note:" not in err
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard", "folder"])
+def test_a_link_in_another_folder_never_takes_a_shard_from_its_run(tmp_path: Path, link: str) -> None:
+    """A broken run's shard linked from a folder that sorts first (`dbg/x.parquet`, or `a_latest` linked to the run's
+    folder): the file, read once, was read by the first name the walk met, so `dbg` became a run of its own and the
+    broken run, a rank short, inconclusive (exit 0). A name reached through no link is read (the link says nothing), else
+    the one with more shards beside it, said in a note: the run stays incorrect."""
+    run = write_by_rank(tmp_path / "logs" / "exp_b", records(UNEVEN, local_mean))
+    shard = run / "rank-00000-000000.parquet"
+    (tmp_path / "logs" / "dbg").mkdir()
+    if link == "symbolic":
+        (tmp_path / "logs" / "dbg" / "x.parquet").symlink_to(shard)
+    elif link == "hard":
+        os.link(shard, tmp_path / "logs" / "dbg" / "x.parquet")
+    else:
+        (tmp_path / "logs" / "a_latest").symlink_to(run, target_is_directory=True)
+    code, out, err = invoke("check", str(tmp_path / "logs"), "--format", "json")
+    report = json.loads(out)
+    assert code == 1 and [(r["run"], r["verdict"]) for r in report["runs"]] == [("exp_b", "incorrect")], err
+    notes = [line for line in err.splitlines() if line.startswith("tokaudit: note:")]
+    said = (
+        f"tokaudit: note: {tmp_path / 'logs' / 'dbg'}: 1 file(s) that {run} holds too (links to one file): read there"
+    )
+    assert notes == ([said] if link == "hard" else [])
 
 
 def test_an_iceberg_table_is_one_line_and_none_of_its_files_is_read(tmp_path: Path) -> None:
