@@ -287,6 +287,8 @@ def reported_findings(
         what = "the mean of per-rank means, not the token mean"
     elif any_local:
         what = "partly the mean of per-rank means"
+    elif not np.isfinite(first.reported_high):  # (a ratio to ΣS/N would read nan× or inf×)
+        what = "not finite where ΣS/N is"
     else:
         what = f"{float(first.reported_high) / true_value:.4g}× the token mean" if true_value else "not the token mean"
     yield make_finding(

@@ -731,6 +731,16 @@ def test_reported_loss_mismatch_names_the_mean_of_local_means(tmp_path: Path) ->
     assert codes(audit_rows(tmp_path / "ok", rows)) == set()
 
 
+@pytest.mark.parametrize("logged", [math.nan, math.inf])
+def test_a_logged_loss_that_is_not_finite_is_said_so_not_as_a_ratio(tmp_path: Path, logged: float) -> None:
+    """A right run whose trainer logged nan (or inf) at every step: the mismatch said it was "nan× the token mean"."""
+    rows = [dict(r, reported_loss=logged) for r in records(UNEVEN, token_mean)]
+    report = audit_rows(tmp_path, rows)
+    finding = only(report, Code.REPORTED_LOSS_MISMATCH)
+    assert "it is not finite where ΣS/N is (step 0: reported " in finding.message and "×" not in finding.message
+    assert report.runs[0].verdict == "correct"  # (the logged loss is no claim about the update)
+
+
 def _token_means(rows: list[dict[str, Any]]) -> dict[int, float]:
     steps = sorted({r["step"] for r in rows})
     return {
