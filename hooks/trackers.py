@@ -14,6 +14,7 @@ waits for an audit; an audit or a tracker that fails warns once and training goe
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import threading
 import time
@@ -247,6 +248,19 @@ def announcing(announce: bool) -> bool:
     return announce and os.environ.get(QUIET, "").lower() not in ("1", "true", "yes")
 
 
+def shown(path: Path | str) -> str:
+    """A path in a line of ours, its control characters escaped (a run id from a job name may hold any): as it is
+    where every character prints, else as Python writes it (`'a\\x1b[31m'`)."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
+
+
+def shell_word(path: Path | str) -> str:
+    """A path as a word of a command to copy into a shell: quoted where it needs it (`shown` where it cannot be)."""
+    text = str(path)
+    return shlex.quote(text) if text.isprintable() else repr(text)
+
+
 def start_line(log_dir: Path | str, run_id: str) -> Callable[[Any], None]:
     """The Recorder's one line once rank, W and D are known (its first record), on global rank 0 alone."""
 
@@ -258,8 +272,8 @@ def start_line(log_dir: Path | str, run_id: str) -> Callable[[Any], None]:
             f"D={divisor:g}" if placement.divisor_known and divisor is not None else "D not seen (pass grad_divisor=)"
         )
         print(
-            f"tokaudit: recording run {run_id!r} to {log_dir} (W={placement.identity.world_size}, {seen}); "
-            f"`tokaudit check {log_dir}` audits it",
+            f"tokaudit: recording run {run_id!r} to {shown(log_dir)} (W={placement.identity.world_size}, {seen}); "
+            f"`tokaudit check {shell_word(log_dir)}` audits it",
             file=sys.stderr,
             flush=True,
         )
@@ -278,7 +292,7 @@ class VerdictLine:
         findings = int(metrics.scalars.get("tokaudit/findings", 0))
         print(
             f"tokaudit: run {metrics.run!r} is {metrics.text['tokaudit/verdict_text']} ({findings} finding(s)); "
-            f"`tokaudit check {self.log_dir}` says why",
+            f"`tokaudit check {shell_word(self.log_dir)}` says why",
             file=sys.stderr,
             flush=True,
         )
@@ -400,7 +414,7 @@ class AuditLoop:
                     "trackers-timeout",
                     f"tokaudit: the final audit for the trackers did not finish within "
                     f"{CLOSE_TIMEOUT_S:.0f} s; training goes on without it (run "
-                    f"`tokaudit check {self.log_dir}`)",
+                    f"`tokaudit check {shell_word(self.log_dir)}`)",
                 )
         except Exception as error:
             self._warn("trackers-start", f"tokaudit: could not audit the run for the trackers ({error!r})")
@@ -442,8 +456,8 @@ class AuditLoop:
                     self._warn(
                         "trackers-ranks",
                         f"tokaudit: not every rank's records of run {self.run_id!r} were "
-                        f"in {self.log_dir} within {WAIT_FOR_RANKS_S:.0f} s, so no verdict "
-                        f"is said or logged here; `tokaudit check {self.log_dir}` audits the "
+                        f"in {shown(self.log_dir)} within {WAIT_FOR_RANKS_S:.0f} s, so no verdict "
+                        f"is said or logged here; `tokaudit check {shell_word(self.log_dir)}` audits the "
                         "complete log",
                     )
                 return

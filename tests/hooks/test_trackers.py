@@ -286,6 +286,14 @@ def test_the_recorder_says_where_it_records_and_the_verdict_at_close(
         f"tokaudit: run 'run' is {verdict} ({1 if local_mean else 0} finding(s)); "
         f"`tokaudit check {tmp_path / 'run'}` says why",
     ], lines
+    # a run id from a job name: a space quoted for the shell, an escape code shown, never sent to the terminal
+    for name in ("my run", "esc\x1b[31m red"):
+        train(tmp_path, name, local_mean)
+        said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("tokaudit: recording")]
+        folder = str(tmp_path / name)
+        shown = repr(folder) if "\x1b" in name else folder
+        command = repr(folder) if "\x1b" in name else f"'{folder}'"
+        assert said == [f"tokaudit: recording run {name!r} to {shown} (W=1, D=1); `tokaudit check {command}` audits it"]
     # every step set aside (the probe contradicts each count): the records are all there, said at once
     start = time.monotonic()
     train(tmp_path, "miscounted", local_mean, count_positions=True)
