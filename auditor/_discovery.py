@@ -128,7 +128,8 @@ def _walk(root: Path, found: _Found, problems: list[LogFormatError], notes: list
         problems.append(LogFormatError(str(folder), f"{UNREADABLE_FOLDER} ({error.strerror})"))
 
     inside = os.path.realpath(root) + os.sep
-    skipped = unnamed = 0  # the writers' folders (storage.WRITERS_FOLDERS) skipped; Parquet files of no extension
+    # the writers' folders (storage.WRITERS_FOLDERS) skipped; Parquet files of no extension, and named .pq or .parq
+    skipped = unnamed = other_names = 0
     tables = Tables(problems, local_log)  # Delta tables: the files their logs say they hold
     tables.enter_above(str(Path(root).absolute()))
     datasets: dict[str, int] = {}  # folders named *.parquet (Spark-style datasets): the part files under each
@@ -163,6 +164,7 @@ def _walk(root: Path, found: _Found, problems: list[LogFormatError], notes: list
         _add_files(here, names, identity.st_dev, found, problems, inside, notes)
         reached += len(names)
         unnamed += _unnamed_parquet(here, files)
+        other_names += sum(n.lower().endswith((".pq", ".parq")) and not hidden(n, folder=False) for n in files)
     problems.extend(
         LogFormatError(dataset, "a folder named *.parquet with no Parquet part files in it")
         for dataset, parts in datasets.items()
@@ -172,11 +174,7 @@ def _walk(root: Path, found: _Found, problems: list[LogFormatError], notes: list
     if notes is not None:
         notes.extend([hidden_note(str(root), skipped)] if skipped else [])
         notes.extend(tables.notes())
-        if unnamed and reached:  # (with no *.parquet at all, the folder's one line says it)
-            notes.append(
-                f"{root}: {unnamed} file(s) with no extension begin as Parquet files do (Hive names them 000000_0), "
-                "not read: name them *.parquet to audit them"
-            )
+        notes.extend(_named_otherwise(root, unnamed, other_names) if reached else [])
     return reached
 
 
@@ -192,6 +190,14 @@ def _dotted(folder: str, name: str, looked: int = 10_000) -> bool:
         if looked < 0:
             return False
     return False
+
+
+def _named_otherwise(root: Path, unnamed: int, other: int) -> list[str]:
+    """What is said of the Parquet files under `root` not read for their names (where some *.parquet is: with none at
+    all, the folder's one line says it): of no extension, or named .pq or .parq."""
+    said = [f"{root}: {unnamed} file(s) with no extension begin as Parquet files do (Hive names them 000000_0)"]
+    said = (said if unnamed else []) + ([f"{root}: {other} file(s) named .pq or .parq"] if other else [])
+    return [f"{line}, not read: name them *.parquet to audit them" for line in said]
 
 
 def _count_parts(datasets: dict[str, int], here: str, names: list[str]) -> None:

@@ -276,6 +276,29 @@ def hidden_note(root: str, skipped: int) -> str:
     )
 
 
+def _skipped(
+    relative: PurePosixPath,
+    path: PurePosixPath,
+    logs: dict[str, list[str]],
+    skipped: set[tuple[str, ...]],
+    dotted: set[tuple[str, ...]],
+) -> bool:
+    """Whether an object (`path`, `relative` to the URL's) lies below a name the walk skips (`hidden`), and where it
+    does, what is kept of it: a Delta table's log (`logs`), a writer's folder (`skipped`, the outermost once, as on
+    disk) and a folder whose name begins with '.' that holds Parquet files (`dotted`)."""
+    last = len(relative.parts) - 1
+    at = next((i for i, part in enumerate(relative.parts) if hidden(part, folder=i < last)), None)
+    if at is None:
+        return False
+    if relative.parts[at] == DELTA_LOG and at == last - 1:  # a Delta table's log
+        logs.setdefault(str(path.parent.parent), []).append(path.name)
+    elif relative.parts[at] in WRITERS_FOLDERS:
+        skipped.add(relative.parts[: at + 1])
+    elif at < last and relative.parts[at].startswith(".") and parquet_name(path.name):
+        dotted.add(relative.parts[: at + 1])
+    return True
+
+
 def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None, list[str], list[LogFormatError]]:
     """Every *.parquet under a URL, sorted, as paths in the store (of a Delta table, those it holds); below it, the
     names the walk on disk skips (`hidden`), the writers' folders said in `notes`."""
@@ -300,7 +323,9 @@ def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None
         entries = filesystem.get_file_info(pafs.FileSelector(root, recursive=True))
     except OSError as error:
         return store, [], [LogFormatError(url, describe(error))]
-    found, skipped, dotted = [], set(), set()
+    found: list[str] = []
+    skipped: set[tuple[str, ...]] = set()
+    dotted: set[tuple[str, ...]] = set()
     logs: dict[str, list[str]] = {}  # each Delta table's root: the names in its log
     icebergs: set[tuple[str, ...]] = set()  # each Iceberg table's root, relative to the URL's
     for entry in entries:
@@ -309,16 +334,7 @@ def discover_url(url: str, notes: list[str] | None = None) -> tuple[Store | None
             continue
         if iceberg_marker(relative.parts):
             icebergs.add(relative.parts[:-2])
-        last = len(relative.parts) - 1
-        at = next((i for i, part in enumerate(relative.parts) if hidden(part, folder=i < last)), None)
-        if at is not None:
-            path = PurePosixPath(entry.path)
-            if relative.parts[at] == DELTA_LOG and at == last - 1:  # a Delta table's log
-                logs.setdefault(str(path.parent.parent), []).append(path.name)
-            elif relative.parts[at] in WRITERS_FOLDERS:
-                skipped.add(relative.parts[: at + 1])  # the outermost such folder, once, as on disk
-            elif at < last and relative.parts[at].startswith(".") and parquet_name(entry.path):
-                dotted.add(relative.parts[: at + 1])
+        if _skipped(relative, PurePosixPath(entry.path), logs, skipped, dotted):
             continue
         if entry.type == pafs.FileType.File and parquet_name(entry.path):
             found.append(entry.path)

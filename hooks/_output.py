@@ -4,6 +4,7 @@ backlog, `tokaudit.hooks._uploads`), the steps whose records could not be kept n
 from __future__ import annotations
 
 import os
+import shlex
 import re
 import time
 import uuid
@@ -69,6 +70,19 @@ def _packed_values(record: Record) -> Iterator[Packed]:
     for holder, name in holders(record):
         if isinstance(value := getattr(holder, name), Packed):
             yield value
+
+
+def shown(path: Path | str) -> str:
+    """A path in a line of ours, its control characters escaped (a run id from a job name may hold any): as it is
+    where every character prints, else as Python writes it (`'a\\x1b[31m'`)."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
+
+
+def shell_word(path: Path | str) -> str:
+    """A path as a word of a command to copy into a shell: quoted where it needs it (`shown` where it cannot be)."""
+    text = str(path)
+    return shlex.quote(text) if text.isprintable() else repr(text)
 
 
 def run_folder(run_id: str, warn: Warn) -> str:

@@ -14,7 +14,6 @@ waits for an audit; an audit or a tracker that fails warns once and training goe
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 import threading
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tokaudit._storage import is_url
+from tokaudit.hooks._output import shell_word, shown
 
 if TYPE_CHECKING:
     from tokaudit import AuditReport, Finding
@@ -246,19 +246,6 @@ QUIET = "TOKAUDIT_QUIET"
 
 def announcing(announce: bool) -> bool:
     return announce and os.environ.get(QUIET, "").lower() not in ("1", "true", "yes")
-
-
-def shown(path: Path | str) -> str:
-    """A path in a line of ours, its control characters escaped (a run id from a job name may hold any): as it is
-    where every character prints, else as Python writes it (`'a\\x1b[31m'`)."""
-    text = str(path)
-    return text if text.isprintable() else repr(text)
-
-
-def shell_word(path: Path | str) -> str:
-    """A path as a word of a command to copy into a shell: quoted where it needs it (`shown` where it cannot be)."""
-    text = str(path)
-    return shlex.quote(text) if text.isprintable() else repr(text)
 
 
 def start_line(log_dir: Path | str, run_id: str) -> Callable[[Any], None]:

@@ -784,6 +784,18 @@ def test_parquet_files_of_no_extension_beside_parquet_ones_are_said(tmp_path: Pa
     ]
 
 
+def test_a_rank_s_file_named_pq_beside_the_others_is_said(tmp_path: Path) -> None:
+    """One rank's shard saved as rank-1.pq beside rank-0.parquet: not read (*.parquet is what is read), and it was
+    left out in silence, the run read as missing a rank; now a note says so."""
+    rows = records(UNEVEN, token_mean)
+    write(tmp_path / "run" / "rank-0.parquet", [r for r in rows if r["rank"] == 0])
+    write(tmp_path / "run" / "rank-1.pq", [r for r in rows if r["rank"] == 1])
+    notes: list[str] = []
+    files, problems = discover([tmp_path], notes)
+    assert [f.name for f in files] == ["rank-0.parquet"] and not problems
+    assert notes == [f"{tmp_path}: 1 file(s) named .pq or .parq, not read: name them *.parquet to audit them"]
+
+
 def test_a_folder_of_only_unusable_files_is_not_also_called_empty(tmp_path: Path, monkeypatch: Any) -> None:
     """A folder, named relative to where the command runs, whose one *.parquet is a dangling link: one line,
     the link's, and not also "no Parquet files" for the folder."""
