@@ -59,17 +59,19 @@ def find_settings(start: Path) -> tuple[Path, Any] | None:
     return None
 
 
-def check_defaults(start: Path, fail_on: Sequence[str]) -> tuple[dict[str, Any], Path | None]:
-    """The options [tool.tokaudit] sets for `tokaudit check` (as click's default_map takes them), and the file;
-    a setting that is unknown or of the wrong kind is a UsageError naming the file."""
+def check_defaults(start: Path, fail_on: Sequence[str]) -> tuple[dict[str, Any], Path | None, UsageError | None]:
+    """The options [tool.tokaudit] sets for `tokaudit check` (as click's default_map takes them), the file, and what
+    is wrong with its `ray` (said unless --no-ray sets it aside: `ray = …` is then read by no one); another setting
+    that is unknown or of the wrong kind is a UsageError naming the file."""
     found = find_settings(start)
     if found is None:
-        return {}, None
+        return {}, None, None
     path, settings = found
     where = f"{path}: [tool.tokaudit]"
     if not isinstance(settings, dict):
         raise UsageError(f"{where} is not a table")
     out: dict[str, Any] = {}
+    ray: UsageError | None = None
     for key, value in settings.items():
         if key not in KEYS:
             raise UsageError(f"{where} has no setting {key!r} (settings: {', '.join(KEYS)})")
@@ -87,12 +89,18 @@ def check_defaults(start: Path, fail_on: Sequence[str]) -> tuple[dict[str, Any],
             raise UsageError(f"{where} {key} = {value!r}: expected a number")
         if key in ("rtol", "min-ratio"):
             value = _number(value, where, key)
-        if key == "ray" and not isinstance(value, str):
-            raise UsageError(f'{where} ray = {value!r}: expected a cluster\'s address, such as "auto"')
-        if key == "ray" and (problem := ray_address_problem(value)) is not None:
-            raise UsageError(f"{where} ray: {problem}")
+        if key == "ray" and (ray := _ray_problem(value, where)) is not None:
+            continue
         out[KEYS[key]] = tuple(value) if key == "ignore" else value
-    return out, path
+    return out, path, ray
+
+
+def _ray_problem(value: Any, where: str) -> UsageError | None:
+    """What is wrong with a `ray` setting's value, if anything."""
+    if not isinstance(value, str):
+        return UsageError(f'{where} ray = {value!r}: expected a cluster\'s address, such as "auto"')
+    problem = ray_address_problem(value)
+    return None if problem is None else UsageError(f"{where} ray: {problem}")
 
 
 BOUNDS = {"rtol": "above 0 and below 0.5", "min-ratio": "of at least 1"}

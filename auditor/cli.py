@@ -81,11 +81,11 @@ def main(ctx: click.Context, debug: bool) -> None:
     """Audit how distributed training normalized its token losses, from per-rank logs."""
     from tokaudit._settings import check_defaults
 
-    ctx.obj = {"debug": debug, "settings": None, "settings_error": None}
+    ctx.obj = {"debug": debug, "settings": None, "settings_error": None, "ray_error": None}
     if ctx.invoked_subcommand != "check":
         return  # the settings are check's: a bad one never stops explain, weights or curve
     try:
-        defaults, ctx.obj["settings"] = check_defaults(Path.cwd(), list(FAIL_ON_RANK))
+        defaults, ctx.obj["settings"], ctx.obj["ray_error"] = check_defaults(Path.cwd(), list(FAIL_ON_RANK))
     except UsageError as error:  # said when check runs, after its --help (which names it) could be read
         ctx.obj["settings_error"] = error
         return
@@ -190,8 +190,10 @@ def check(
     Exit 0: nothing at or above --fail-on; 1: findings; 2: bad usage or unreadable input; 130: interrupted
     (Ctrl-C); 141: the output's reader went away (| head) before the report was written.
     """
-    if (error := click.get_current_context().find_root().obj.get("settings_error")) is not None:
-        raise error
+    settled = click.get_current_context().find_root().obj
+    for error in (settled.get("settings_error"), None if no_ray else settled.get("ray_error")):
+        if error is not None:
+            raise error
     refuse_inputs(output, paths)
     stdout_open(output, "-o")
     fmt = format_for(fmt, output)

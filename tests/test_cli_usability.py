@@ -445,6 +445,12 @@ def test_no_ray_audits_in_this_process_whatever_the_settings_say(
     assert (code, err) == (1, "") and json.loads(out)["runs"][0]["verdict"] == "incorrect"
     code, out, err = invoke("check", log, "--ray", f"127.0.0.1:{port}", "--no-ray")  # both said: which one?
     assert (code, out, err) == (2, "", "tokaudit: error: --ray and --no-ray: give one of them\n")
+    # a malformed ray setting is read by no one under --no-ray (it stopped the command); the other settings hold
+    (tmp_path / "pyproject.toml").write_text('[tool.tokaudit]\nray = 5\nfail-on = "never"\n')
+    code, out, err = invoke("check", log, "-q", "--format", "json", "--no-ray")
+    assert (code, err) == (0, "") and json.loads(out)["runs"][0]["verdict"] == "incorrect"
+    code, out, err = invoke("check", log, "-q")
+    assert (code, out) == (2, "") and "ray = 5: expected a cluster's address" in err
 
 
 def test_settings_in_pyproject_apply_from_below_and_the_command_line_wins(
