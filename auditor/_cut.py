@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 
-from tokaudit._checks import Ending, grouped, main_term_first, over_groups
+from tokaudit._checks import Ending, Held, grouped, main_term_first, over_groups
 
 
 def unsynced_end(parts: Iterable[pd.DataFrame]) -> int | None:
@@ -29,9 +29,9 @@ def unsynced_end(parts: Iterable[pd.DataFrame]) -> int | None:
         return None
     last = max(ending.last for ending in endings.values())
     at_last = {key: ending for key, ending in endings.items() if ending.last == last}
-    main = main_term_first(over_groups({key: (e.synced, e.records, 0.0, e.accumulated) for key, e in endings.items()}))[
-        0
-    ]
+    main = main_term_first(
+        over_groups({key: Held(e.synced, e.records, accumulating=e.accumulated) for key, e in endings.items()})
+    )[0]
     mains = [ending for (_, term), ending in at_last.items() if term == main]
     cut = (
         bool(mains)

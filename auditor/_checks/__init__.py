@@ -10,7 +10,7 @@ from tokaudit._checks.duplicates import WEIGHED_WRONG, Replaced, with_replaced
 from tokaudit._checks.miscount import miscounted_rows, outside_probe_range, without_miscounted
 from tokaudit._checks.objective import one_objective, pooled_steps, pooled_sums
 from tokaudit._checks.run import check_run
-from tokaudit._checks.terms import group_records, loss_terms, main_term_first, main_term_known, over_groups
+from tokaudit._checks.terms import Held, group_records, loss_terms, main_term_first, main_term_known, over_groups
 from tokaudit._checks.terms import term_records, terms_of, whole_run
 from tokaudit._checks.split_runs import with_other_ranks
 from tokaudit._checks.sync import Ending
@@ -23,6 +23,7 @@ __all__ = [
     "check_run",
     "distinct",
     "group_records",
+    "Held",
     "grouped",
     "loss_terms",
     "main_term_first",

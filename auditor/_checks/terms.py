@@ -3,7 +3,8 @@ trainer logs), which stands for it in a group that holds none of it, and which t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -46,10 +47,29 @@ def term_records(parts: Iterable[pd.DataFrame]) -> dict[str, tuple[float, float,
     return over_groups(group_records(parts))
 
 
-Held = tuple[float, float, float, float]
-"""Of a (group, loss term): its records that synchronized, its records, its steps that hold both records that
-synchronized and records that did not (`mixed_sync`), and those of them where a rank holds several (`accumulating`:
-no_sync() before the last microbatch) (`group_records`)."""
+@dataclass
+class Held:
+    """What the records of one (group, loss term) show over its steps (`group_records`)."""
+
+    synced: float = 0.0
+    """Records that synchronized."""
+    records: float = 0.0
+    mixed: float = 0.0
+    """Steps that hold both records that synchronized and records that did not (`mixed_sync`)."""
+    accumulating: float = 0.0
+    """Of those, the steps where a rank holds several (`accumulating`: no_sync() before the last microbatch)."""
+    all_synced: float = 0.0
+    """Steps every record of which synchronized (an update of one microbatch, or a loop without no_sync())."""
+    unsynced: float = 0.0
+    """Steps whose records say whether they synchronized, none of which did."""
+
+    def add(self, counts: Sequence[float]) -> None:
+        """Counts of more steps, in the order of the fields."""
+        for name, count in zip(_HELD, counts):
+            setattr(self, name, getattr(self, name) + count)
+
+
+_HELD = ("synced", "records", "mixed", "accumulating", "all_synced", "unsynced")
 
 
 def group_records(parts: Iterable[pd.DataFrame]) -> dict[tuple[str, str], Held]:
@@ -57,15 +77,22 @@ def group_records(parts: Iterable[pd.DataFrame]) -> dict[tuple[str, str], Held]:
     held: dict[tuple[str, str], Held] = {}
     for part in parts:
         records = column_of(part, "records") if "records" in part else np.zeros(len(part))
-        synced = column_of(part, "sync_true").astype(float) if "sync_true" in part else records * 0.0
+        synced = column_of(part, "sync_true").astype(float) if "sync_true" in part else records * np.nan
+        known = column_of(part, "sync_known") if "sync_known" in part else records * 0
         ranks = column_of(part, "ranks") if "ranks" in part else records
-        counted = (np.nan_to_num(synced), records, mixed_sync(synced, records), accumulating(synced, records, ranks))
+        counted = (
+            np.nan_to_num(synced),
+            records,
+            mixed_sync(synced, records),
+            accumulating(synced, records, ranks),
+            (records > 0) & (np.nan_to_num(synced) == records),
+            (known > 0) & (np.nan_to_num(synced) == 0),
+        )
         for group, in_group in grouped(part.grp):
             terms = part.term if isinstance(in_group, slice) else part.term.iloc[in_group]
             for term, rows in grouped(terms):
-                had = held.get((group, str(term)), (0.0, 0.0, 0.0, 0.0))
                 more = [nan_sum(np.asarray(column[in_group][rows], dtype=float)) for column in counted]
-                held[(group, str(term))] = (had[0] + more[0], had[1] + more[1], had[2] + more[2], had[3] + more[3])
+                held.setdefault((group, str(term)), Held()).add(more)
     return held
 
 
@@ -74,9 +101,9 @@ def over_groups(held: Mapping[tuple[str, str], Held]) -> dict[str, tuple[float, 
     group, the most records one group holds, and its steps of an accumulation's pattern (`accumulating`) in every
     group (what `main_term_first` reads)."""
     most: dict[str, tuple[float, float, float]] = {}
-    for (_, term), (synced, count, _, accumulated) in held.items():
+    for (_, term), counts in held.items():
         before = most.get(term, (0.0, 0.0, 0.0))
-        most[term] = (before[0] + synced, max(before[1], count), before[2] + accumulated)
+        most[term] = (before[0] + counts.synced, max(before[1], counts.records), before[2] + counts.accumulating)
     return most
 
 
@@ -109,11 +136,9 @@ def tied_terms(records: Mapping[str, tuple[float, float, float]], main: str) -> 
 
 def stand_ins(held: Mapping[tuple[str, str], Held], main: str) -> dict[str, str]:
     """Per group with no record of the `main` term (a pipeline stage whose loss is another's), the term that stands
-    for it there: the group's own main term (`main_term_first` of its terms), where some step holds records of it
-    that synchronized and records that did not (`mixed_sync`), as an accumulation's last microbatch and those before
-    it do, or ranks of which one missed its synchronization. One never so (an auxiliary loss of the first microbatch,
-    or of the last, by one layer or several) shows no update's end: the group's structure and synchronization are then
-    not read, as before."""
+    for it there: the group's own main term (`main_term_first` of its terms), where its records show where updates
+    end (`_ends_updates`). One that never does (an auxiliary loss of the first microbatch, never synchronized, or of
+    the last, always) shows no update's end: the group's structure and synchronization are then not read."""
     terms: dict[str, dict[str, Held]] = {}
     for (group, term), counts in held.items():
         terms.setdefault(group, {})[term] = counts
@@ -122,7 +147,15 @@ def stand_ins(held: Mapping[tuple[str, str], Held], main: str) -> dict[str, str]
         for group, counts in terms.items()
         if main not in counts
     }
-    return {group: term for group, term in first.items() if terms[group][term][2] > 0}
+    return {group: term for group, term in first.items() if _ends_updates(terms[group][term])}
+
+
+def _ends_updates(held: Held) -> bool:
+    """A term whose records show where updates end, as a loss's do: a step of records that synchronized and records
+    that did not (an accumulation's), or one whose records all synchronized (a loop without no_sync(), or of one
+    microbatch) beside one where none did (an update that never synchronized, or an auxiliary loss's steps but
+    for a last update of one microbatch: which, the logs cannot tell)."""
+    return held.mixed > 0 or held.all_synced > 0 and held.unsynced > 0
 
 
 def main_term_known(terms: Iterable[str]) -> bool:

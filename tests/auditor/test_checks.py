@@ -1405,33 +1405,29 @@ def test_guessed_update_ends_over_uniform_weights_name_no_denominator(tmp_path: 
         assert "update_ends_guessed" in codes(report)
 
 
-def test_a_class_weighted_mean_is_never_incorrect_for_a_uniform_factor_and_stays_incorrect_for_tokens_weighed_apart(
+def test_a_class_weighted_mean_is_never_incorrect_for_its_factor_and_stays_incorrect_for_what_weights_do_not_make(
     tmp_path: Path,
 ) -> None:
     """A cross-entropy with class weights (the footers say `class_weights`) divided by Σw over the update: every token
-    of a step weighs 1/Σw, N/Σw of 1/N, a uniform factor the labels set (1/1.3, 1/0.8, 1/1.7 here; all classes
-    weighing 2: 1/2, which W = 2 reads as a world-size mismatch). Without the fact both are incorrect; with it, the
-    logs cannot tell. A rank-local mean, whose tokens weigh apart inside a step, stays incorrect."""
+    of a step weighs 1/Σw, N/Σw of 1/N, a factor the labels set (1/1.3, 1/0.8, 1/1.7 here). Without the fact it is
+    incorrect (scale_mismatch); with it, the logs cannot tell. What class weights do not make stays incorrect with
+    the fact: a rank-local mean, whose tokens weigh apart inside a step, and a factor of exactly 1/W at every step
+    (the W left out: weights of 1 passed as weight=, or an unweighted main loss beside a weighted auxiliary one)."""
     mass = {0: 1.3, 1: 0.8, 2: 1.7}  # Σw / N of each step
     by_labels = [
         dict(row, backward_scalar=row["backward_scalar"] / mass[row["step"]]) for row in records(UNEVEN_GA, token_mean)
     ]
-    doubled = [dict(row, backward_scalar=row["backward_scalar"] / 2) for row in records(UNEVEN_GA, token_mean)]
-    cases = (("by_labels", by_labels, "scale_mismatch"), ("doubled", doubled, "world_size_mismatch"))
-    for name, rows, code in cases:
-        report = audit([write_by_rank(tmp_path / name, rows)])
-        assert report.runs[0].verdict == "incorrect" and code in codes(report), (name, report.findings)
-        weighted = write_by_rank(
-            tmp_path / f"{name}_weighted", rows, metadata={PROVENANCE_KEY: b'{"class_weights": true}'}
-        )
-        report = audit([weighted])
-        assert report.runs[0].verdict == "inconclusive", (name, report.findings)
-        finding = only(report, Code(code))
-        assert finding.undecidable and "cross_entropy(weight=...)" in finding.message
-    apart = write_by_rank(
-        tmp_path / "local", records(UNEVEN_GA, local_mean), metadata={PROVENANCE_KEY: b'{"class_weights": true}'}
-    )
-    assert audit([apart]).runs[0].verdict == "incorrect"
+    report = audit([write_by_rank(tmp_path / "by_labels", by_labels)])
+    assert report.runs[0].verdict == "incorrect" and "scale_mismatch" in codes(report), report.findings
+    said = {PROVENANCE_KEY: b'{"class_weights": true}'}
+    report = audit([write_by_rank(tmp_path / "by_labels_weighted", by_labels, metadata=said)])
+    assert report.runs[0].verdict == "inconclusive", report.findings
+    finding = only(report, Code.SCALE_MISMATCH)
+    assert finding.undecidable and "cross_entropy(weight=...)" in finding.message
+    halved = [dict(row, backward_scalar=row["backward_scalar"] / 2) for row in records(UNEVEN_GA, token_mean)]
+    for name, rows in (("local", records(UNEVEN_GA, local_mean)), ("halved", halved)):
+        report = audit([write_by_rank(tmp_path / name, rows, metadata=said)])
+        assert report.runs[0].verdict == "incorrect", (name, report.findings)
 
 
 def test_a_stale_w_after_a_resize_is_fixed_in_the_w_and_microbatches_of_the_steps_it_affects(tmp_path: Path) -> None:
@@ -1821,6 +1817,36 @@ def test_a_pipeline_stage_that_holds_no_record_of_the_main_term_is_read_by_its_o
     (finding,) = report.findings
     assert (finding.code, finding.term, finding.steps.first, finding.steps.last) == (Code.MISSING_SYNC, "lm", 1, 1)
     assert finding.undecidable and finding.evidence["rank_steps"] == 2
+
+
+@pytest.mark.parametrize("microbatches", [2, 1])
+def test_a_stage_whose_loss_synchronizes_every_microbatch_but_one_update_never_is_never_correct(
+    tmp_path: Path, microbatches: int
+) -> None:
+    """Stage s0 records "router" under no_sync() over 2 microbatches (the run's main term: its steps show an
+    accumulation); stage s1 records "lm" on each of its microbatches, every one synchronized (a loop without
+    no_sync(), or of one microbatch), but at step 1, where none did: s1 stepped on its local gradients. lm shows no
+    accumulation, so it stood in for no one and s1 was read by no check: correct. A term whose steps all synchronized
+    beside one that never did shows where updates end: read, its missing sync a warning (an auxiliary loss of the
+    first microbatch synchronizes only in a last update of one microbatch: the logs cannot tell), never correct."""
+    counts = [[[5, 3], [2, 7]], [[4, 4], [9, 1]], [[3, 6], [6, 2]]]
+    lm_counts = [[mine[:microbatches] for mine in step] for step in counts]
+    lm = [dict(r, term="lm", group="s1", sync=r["step"] != 1) for r in records(lm_counts, token_mean)]
+    router = [
+        dict(
+            r,
+            term="router",
+            group="s0",
+            sync=r["micro"] == 1,
+            loss_sum=0.01 * r["loss_sum"],
+            backward_scalar=0.01 * r["backward_scalar"],
+        )
+        for r in records(counts, token_mean)
+    ]
+    report = _by_group(tmp_path, lm + router)
+    assert report.runs[0].terms == ["router", "lm"] and report.runs[0].verdict == "inconclusive", report.findings
+    (finding,) = report.findings
+    assert (finding.code, finding.term, finding.steps.first, finding.undecidable) == (Code.MISSING_SYNC, "lm", 1, True)
 
 
 # which microbatches of 3 hold an image, per (step, rank): a vision stage's auxiliary loss is recorded on those
