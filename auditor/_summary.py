@@ -252,15 +252,14 @@ def guessed_updates(run: str, findings: list[Finding], source: RunSteps, rtol: f
 
 def class_weighted(findings: list[Finding], source: RunSteps, rtol: float) -> list[Finding]:
     """A run whose cross-entropy weighed its classes (`Provenance.class_weights`): its mean over Σw weighs every token
-    N/Σw of 1/N, a uniform factor the labels set, so the uniform factors (and, where every step's tokens weigh alike,
-    the weightings) say the logs cannot tell. Tokens of one step weighed apart stay wrong: a mean over Σw is uniform."""
+    N/Σw of 1/N, a factor the labels set, which scale_mismatch may be (and, where every step's tokens weigh alike, a
+    weighting): those say the logs cannot tell. A factor of W, a power of two or one λ over a span is none of it."""
     why = (
         "The loss weighs its classes (cross_entropy(weight=...)): its mean divides by the class weights' sum Σw, "
         "which no record holds, not by N, and weighs every token N/Σw of 1/N, which this may be."
     )
     uniform = all(_alike(block, rtol) for block in source.blocks())
-    factors = PARTIAL_UPDATE_FACTORS | {Code.LOSS_SCALE, Code.UNDECLARED_TERM_WEIGHT}
-    return cannot_tell(findings, factors | (WEIGHTING if uniform else frozenset()), why)
+    return cannot_tell(findings, {Code.SCALE_MISMATCH} | (WEIGHTING if uniform else frozenset()), why)
 
 
 def _alike(block: pd.DataFrame, rtol: float) -> bool:

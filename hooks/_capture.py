@@ -117,9 +117,10 @@ def _record(
 ) -> torch.Tensor:
     valid = _valid_mask(input, target, ignore_index)
     valid_count = valid.sum()
-    if weight is not None:
+    if weight is not None and not (weight.device.type == "cpu" and bool((weight == 1).all())):
         # ℓᵢ = w_{yᵢ}·(−log p): the token mean the loss means is over Σw, which no record holds (the audit's N
-        # counts tokens), so a right normalization weighs every token N/Σw of 1/N: the audit is told
+        # counts tokens), so a right normalization weighs every token N/Σw of 1/N: the audit is told. (Weights of 1,
+        # Σw = N, are none; a device's are not read, which would cost a sync at every call.)
         recorder.provenance["class_weights"] = True
     if reduction == "none":
         loss_sum = out.detach().sum()  # positions that are not valid hold 0

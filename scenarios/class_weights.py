@@ -21,19 +21,20 @@ CLASS_WEIGHTS = torch.linspace(0.25, 3.0, VOCAB, dtype=torch.float64)
 """A class's weight w_y: every class its own, so that Σw over a microbatch is never its count."""
 
 
-def weight_mass(step: int, rank: int, micro: int, count: int) -> torch.Tensor:
+def weight_mass(step: int, rank: int, micro: int, count: int, weights: torch.Tensor = CLASS_WEIGHTS) -> torch.Tensor:
     """Σ w_y over the microbatch's valid labels (float64)."""
     _, labels, valid = microbatch(step, rank, micro, count)
-    return CLASS_WEIGHTS[labels[valid]].sum()
+    return weights[labels[valid]].sum()
 
 
 def job(rank: int, world_size: int, variant: str, out: str) -> dict[str, Any]:
     """`variant`: global (b = W·Σw·ℓ / Σ_global w, the weighted token mean), local (each microbatch's own
-    `reduction="mean"` over its Σw, divided by the microbatches: what DDP averages is each rank's weighted mean)."""
+    `reduction="mean"` over its Σw, divided by the microbatches: what DDP averages is each rank's weighted mean),
+    ones_without_w (weights of 1, b = Σℓ / N: the W left out, half the token mean under W = 2)."""
     model = DDP(make_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     history = []
-    weights = CLASS_WEIGHTS
+    weights = torch.ones_like(CLASS_WEIGHTS) if variant == "ones_without_w" else CLASS_WEIGHTS
     with Recorder(out, run_id=f"class_weights_{variant}", model=model, optimizer=optimizer, announce=False) as rec:
         with rec.capture_cross_entropy():
             for step, per_rank in enumerate(COUNTS):
@@ -49,7 +50,12 @@ def job(rank: int, world_size: int, variant: str, out: str) -> dict[str, Any]:
                     with contextlib.nullcontext() if last else model.no_sync():
                         tokens, labels, _ = microbatch(step, rank, micro, count)
                         flat, target = model(tokens).reshape(-1, VOCAB), labels.reshape(-1)
-                        if variant == "global":
+                        if variant == "ones_without_w":
+                            loss = F.cross_entropy(
+                                flat, target, weight=weights, ignore_index=IGNORE_INDEX, reduction="sum"
+                            )
+                            scalar = loss / sum(sum(counts) for counts in per_rank)
+                        elif variant == "global":
                             loss = F.cross_entropy(
                                 flat, target, weight=weights, ignore_index=IGNORE_INDEX, reduction="sum"
                             )
@@ -64,7 +70,9 @@ def job(rank: int, world_size: int, variant: str, out: str) -> dict[str, Any]:
     return {"history": history}
 
 
-def reference_gradient(before: list[torch.Tensor], step: int) -> list[torch.Tensor]:
+def reference_gradient(
+    before: list[torch.Tensor], step: int, weights: torch.Tensor = CLASS_WEIGHTS
+) -> list[torch.Tensor]:
     """The weighted token mean's gradient over every rank and microbatch of the step, in one float64 process."""
     model = make_model()
     with torch.no_grad():
@@ -76,8 +84,8 @@ def reference_gradient(before: list[torch.Tensor], step: int) -> list[torch.Tens
             tokens, labels, _ = microbatch(step, rank, micro, count)
             logits = model(tokens).reshape(-1, VOCAB)
             total = total + F.cross_entropy(
-                logits, labels.reshape(-1), weight=CLASS_WEIGHTS, ignore_index=IGNORE_INDEX, reduction="sum"
+                logits, labels.reshape(-1), weight=weights, ignore_index=IGNORE_INDEX, reduction="sum"
             )
-            mass = mass + weight_mass(step, rank, micro, count)
+            mass = mass + weight_mass(step, rank, micro, count, weights)
     (total / mass).backward()
     return [p.grad.detach().clone() for p in model.parameters()]

@@ -2,7 +2,7 @@
 processes, 2 microbatches a rank. The float64 reference is the weighted token mean over every rank and microbatch,
 Σ w_y·ℓ / Σ w_y: the loop that divides by the global Σw matches it and must never read `incorrect` (its tokens weigh
 N/Σw of 1/N, which no record can show right: `inconclusive`, saying why); each rank's own weighted mean averaged by
-DDP does not match it and stays `incorrect`."""
+DDP does not match it and stays `incorrect`, as does a loss of weights all 1 that leaves W out (half the mean)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scenarios.class_weights import COUNTS, job, reference_gradient
+from scenarios.class_weights import CLASS_WEIGHTS, COUNTS, job, reference_gradient
 from scenarios.harness import run_ddp_each
 from tokaudit._auditing import audit
 
@@ -19,12 +19,13 @@ pytestmark = pytest.mark.distributed
 
 
 def test_a_class_weighted_token_mean_is_never_incorrect_and_a_local_one_is(tmp_path: Path) -> None:
-    variants = ["global", "local"]
+    variants = ["global", "local", "ones_without_w"]
     for variant, ranks in zip(variants, run_ddp_each(job, 2, variants, str(tmp_path))):
         matches = []
         for step in range(len(COUNTS)):
             record = ranks[0]["history"][step]
-            want = reference_gradient(record["before"], step)
+            weights = torch.ones_like(CLASS_WEIGHTS) if variant == "ones_without_w" else CLASS_WEIGHTS
+            want = reference_gradient(record["before"], step, weights)
             matches.append(all(torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(record["grads"], want)))
         report = audit([tmp_path / f"class_weights_{variant}"])
         verdict = report.runs[0].verdict
