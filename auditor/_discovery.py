@@ -29,6 +29,9 @@ class _Found:
     def __init__(self) -> None:
         self.names: dict[Identity, Path] = {}
         self.others: dict[Identity, list[Path]] = {}
+        self.roots: list[tuple[str, str]] = []
+        """Each folder walked, as given (absolute) and with its links resolved: a name below it is direct where
+        nothing below the folder given is a link, whether the folder given is one or not."""
 
     def add(self, key: Identity, name: Path) -> None:
         """A file reached by `name`. Reached again, it is read by a name that reaches it through no link over one
@@ -37,10 +40,19 @@ class _Found:
         kept = self.names.setdefault(key, name)
         if kept is name or kept.parent == name.parent:
             return
-        if (_direct(name), _shards_beside(name)) > (_direct(kept), _shards_beside(kept)):
+        if (self.direct(name), _shards_beside(name)) > (self.direct(kept), _shards_beside(kept)):
             self.names[key], kept, name = name, name, kept
-        if _direct(name) == _direct(kept):
+        if self.direct(name) == self.direct(kept):
             self.others.setdefault(key, []).append(name)
+
+    def direct(self, path: Path) -> bool:
+        """A name that reaches its file through no link below the folder it was found in (`roots`)."""
+        real = os.path.realpath(path)
+        for given, resolved in self.roots:
+            below = os.path.relpath(path, given)
+            if not below.startswith(os.pardir) and real == os.path.normpath(os.path.join(resolved, below)):
+                return True
+        return real == os.path.abspath(path)
 
     def notes(self) -> list[str]:
         """Per pair of folders, the files read from one that the other holds too, said once."""
@@ -128,6 +140,7 @@ def _walk(root: Path, found: _Found, problems: list[LogFormatError], notes: list
         problems.append(LogFormatError(str(folder), f"{UNREADABLE_FOLDER} ({error.strerror})"))
 
     inside = os.path.realpath(root) + os.sep
+    found.roots.append((str(Path(root).absolute()), inside[:-1]))
     # the writers' folders (storage.WRITERS_FOLDERS) skipped; Parquet files of no extension, and named .pq or .parq
     skipped = unnamed = other_names = 0
     tables = Tables(problems, local_log)  # Delta tables: the files their logs say they hold
@@ -283,11 +296,6 @@ def _note_outside(path: str, inside: str, notes: list[str]) -> None:
     target = os.path.realpath(path)
     if not (target + os.sep).startswith(inside):
         notes.append(f"{path} is a link out of the folder given: read from {target}")
-
-
-def _direct(path: Path) -> bool:
-    """A name that reaches its file through no link (a file's, or one of its folders')."""
-    return os.path.realpath(path) == os.path.abspath(path)
 
 
 def _shards_beside(path: Path) -> int:

@@ -126,6 +126,9 @@ def run(main: Callable[..., Any]) -> None:
     # handlers it installed, and a Ctrl-C would kill the process silently (any of its threads may take it). Ignored
     # instead (a disposition of the whole process, which the interpreter leaves alone), the exit code stands.
     atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
+    if sys.stdout is None and {"-h", "--help", "--version"} & set(sys.argv[1:]):  # what click writes before a command
+        problem("stdout is closed: what this command writes there would be lost; open it")
+        sys.exit(EXIT_BAD_INPUT)
     try:
         main(prog_name="tokaudit")
     except KeyboardInterrupt:

@@ -476,7 +476,7 @@ def test_a_link_out_of_the_folder_given_is_read_and_said(tmp_path: Path) -> None
     assert "tokaudit: note:" not in err
 
 
-@pytest.mark.parametrize("link", ["symbolic", "hard", "folder"])
+@pytest.mark.parametrize("link", ["symbolic", "symbolic, the logs given by a link", "hard", "folder"])
 def test_a_link_in_another_folder_never_takes_a_shard_from_its_run(tmp_path: Path, link: str) -> None:
     """A broken run's shard linked from a folder that sorts first (`dbg/x.parquet`, or `a_latest` linked to the run's
     folder): the file, read once, was read by the first name the walk met, so `dbg` became a run of its own and the
@@ -485,13 +485,17 @@ def test_a_link_in_another_folder_never_takes_a_shard_from_its_run(tmp_path: Pat
     run = write_by_rank(tmp_path / "logs" / "exp_b", records(UNEVEN, local_mean))
     shard = run / "rank-00000-000000.parquet"
     (tmp_path / "logs" / "dbg").mkdir()
-    if link == "symbolic":
+    if link.startswith("symbolic"):
         (tmp_path / "logs" / "dbg" / "x.parquet").symlink_to(shard)
     elif link == "hard":
         os.link(shard, tmp_path / "logs" / "dbg" / "x.parquet")
     else:
         (tmp_path / "logs" / "a_latest").symlink_to(run, target_is_directory=True)
-    code, out, err = invoke("check", str(tmp_path / "logs"), "--format", "json")
+    given = tmp_path / "logs"
+    if link.endswith("by a link"):  # no name below it a link but the one in dbg/, whatever the folder given is
+        (tmp_path / "alias").symlink_to(tmp_path / "logs", target_is_directory=True)
+        given = tmp_path / "alias"
+    code, out, err = invoke("check", str(given), "--format", "json")
     report = json.loads(out)
     assert code == 1 and [(r["run"], r["verdict"]) for r in report["runs"]] == [("exp_b", "incorrect")], err
     notes = [line for line in err.splitlines() if line.startswith("tokaudit: note:")]

@@ -488,7 +488,14 @@ def test_a_command_started_with_stdout_closed_says_so_before_it_runs(logs: Path,
     """`tokaudit check runs/ >&-`: with no stdout the report was dropped in silence and a correct run exited 0.
     Each command that writes there says so in one line, exit 2; `-o FILE` needs no stdout."""
     good = str(logs / "good")
-    commands = (["check", good], ["weights", good, "--step", "0"], ["curve", good], ["explain", "local_mean"])
+    commands = (
+        ["check", good],
+        ["weights", good, "--step", "0"],
+        ["curve", good],
+        ["explain", "local_mean"],
+        ["check", "--help"],
+        ["--version"],
+    )
     for args in commands:
         done = subprocess.run(
             [sys.executable, "-m", "tokaudit", *args],
