@@ -24,26 +24,30 @@ Identity = tuple[int, int]
 
 
 class _Found:
-    """Each file found, once, by the name it is read by, and the other names that reached it (links, hard links)."""
+    """Each file found, by the name it is read by: once, whatever links lead to it; a hard link, a name of its own in
+    another folder, is read there too, as a copy would be."""
 
     def __init__(self) -> None:
         self.names: dict[Identity, Path] = {}
-        self.others: dict[Identity, list[Path]] = {}
+        self.copies: list[Path] = []
+        """Second names of files, in folders of their own, that reach them through no link (hard links)."""
         self.roots: list[tuple[str, str]] = []
         """Each folder walked, as given (absolute) and with its links resolved: a name below it is direct where
         nothing below the folder given is a link, whether the folder given is one or not."""
 
     def add(self, key: Identity, name: Path) -> None:
-        """A file reached by `name`. Reached again, it is read by a name that reaches it through no link over one
-        that does (a link says nothing then: the file is read where it lies), else by the one with more shards beside
-        it, which is said: a name in another run's folder would take the shard from its own run."""
+        """A file reached by `name`. Reached again in another folder, it is read by the name that reaches it through
+        no link (a link in another run's folder would take the shard from its own run; one that is a link says
+        nothing: the file is read where it lies), by both where neither is a link (a hard link: a copy's own),
+        else by the first."""
         kept = self.names.setdefault(key, name)
         if kept is name or kept.parent == name.parent:
             return
-        if (self.direct(name), _shards_beside(name)) > (self.direct(kept), _shards_beside(kept)):
-            self.names[key], kept, name = name, name, kept
-        if self.direct(name) == self.direct(kept):
-            self.others.setdefault(key, []).append(name)
+        direct = self.direct(name)
+        if direct and self.direct(kept):
+            self.copies.append(name)
+        elif direct:
+            self.names[key] = name
 
     def direct(self, path: Path) -> bool:
         """A name that reaches its file through no link below the folder it was found in (`roots`)."""
@@ -53,18 +57,6 @@ class _Found:
             if not below.startswith(os.pardir) and real == os.path.normpath(os.path.join(resolved, below)):
                 return True
         return real == os.path.abspath(path)
-
-    def notes(self) -> list[str]:
-        """Per pair of folders, the files read from one that the other holds too, said once."""
-        pairs: dict[tuple[Path, Path], int] = {}
-        for key, others in self.others.items():
-            for other in others:
-                pair = (self.names[key].parent, other.parent)
-                pairs[pair] = pairs.get(pair, 0) + 1
-        return [
-            f"{other}: {n} file(s) that {kept} holds too (links to one file): read there"
-            for (kept, other), n in pairs.items()
-        ]
 
 
 def discover(
@@ -97,9 +89,7 @@ def discover(
             said = (str(path), str(path.absolute()))  # (a problem may name it either way)
             if not reached and not any(p.path.startswith(said) for p in problems):
                 problems.append(LogFormatError(str(raw), "no Parquet files (*.parquet) in this folder" + _named(path)))
-    if notes is not None:
-        notes.extend(found.notes())
-    return list(found.names.values()), problems
+    return [*found.names.values(), *found.copies], problems
 
 
 def _named(folder: Path) -> str:
@@ -296,11 +286,6 @@ def _note_outside(path: str, inside: str, notes: list[str]) -> None:
     target = os.path.realpath(path)
     if not (target + os.sep).startswith(inside):
         notes.append(f"{path} is a link out of the folder given: read from {target}")
-
-
-def _shards_beside(path: Path) -> int:
-    """The *.parquet in a file's folder (itself too)."""
-    return sum(parquet_name(n) and not hidden(n, folder=False) for n in _names(str(path.parent)))
 
 
 def _folders(root: str, onerror: Callable[[OSError], None]) -> Iterator[tuple[str, list[str], list[str]]]:
