@@ -44,8 +44,9 @@ class _Found:
         if kept is name or kept.parent == name.parent:
             return
         direct = self.direct(name)
-        if direct and self.direct(kept):
-            self.copies.append(name)
+        if direct and self.direct(kept):  # (a folder given twice, or by a link, holds the same names: one file)
+            if os.path.realpath(kept.parent) != os.path.realpath(name.parent):
+                self.copies.append(name)
         elif direct:
             self.names[key] = name
 
