@@ -117,10 +117,12 @@ def _record(
 ) -> torch.Tensor:
     valid = _valid_mask(input, target, ignore_index)
     valid_count = valid.sum()
-    if weight is not None and not (weight.device.type == "cpu" and bool((weight == 1).all())):
-        # ℓᵢ = w_{yᵢ}·(−log p): the token mean the loss means is over Σw, which no record holds (the audit's N
-        # counts tokens), so a right normalization weighs every token N/Σw of 1/N: the audit is told. (Weights of 1,
-        # Σw = N, are none; a device's are not read, which would cost a sync at every call.)
+    # Every class weighing one c (weight=torch.full(...), read on the CPU alone: a device's would cost a sync at every
+    # call) is no class weighting of labels: ℓᵢ = c·ℓ'ᵢ, the mean Σcℓ'/(c·n) is the unweighted one, and a sum's
+    # token ℓ'ᵢ gets c·∂b/∂out. Other weights: the mean is over Σw, which no record holds (the audit's N counts
+    # tokens), so a right normalization weighs every token N/Σw of 1/N: the audit is told.
+    c = _one_weight(weight) if not target.is_floating_point() and reduction != "none" else None
+    if weight is not None and c is None and not (weight.device.type == "cpu" and bool((weight == 1).all())):
         recorder.provenance["class_weights"] = True
     if reduction == "none":
         loss_sum = out.detach().sum()  # positions that are not valid hold 0
@@ -131,22 +133,31 @@ def _record(
     if reduction == "mean":
         if target.is_floating_point():
             denominator = torch.full((), float(valid.numel()), device=out.device)
-        elif weight is not None:
+        elif weight is not None and c is None:
             denominator = (weight[target.masked_fill(~valid, 0)] * valid).sum()
         else:
             denominator = valid_count.to(out.dtype)
         return record_mean(recorder, out, valid, valid_count, target, denominator, input)
-    # sum = Σℓᵢ: ∂loss/∂ℓᵢ = 1
+    # sum = Σℓᵢ: ∂loss/∂ℓᵢ = 1 (of an unweighted token ℓ'ᵢ = ℓᵢ/c, c)
+    scale = 1.0 if c is None else c
     return _probed_scalar(
         recorder,
         out,
-        out.detach(),
-        torch.ones((), dtype=torch.float64, device=out.device),
+        out.detach() / scale,
+        torch.full((), scale, dtype=torch.float64, device=out.device),
         valid,
         valid_count,
         target,
         input,
     )
+
+
+def _one_weight(weight: torch.Tensor | None) -> float | None:
+    """c > 0 where a CPU tensor of class weights gives every class c; else None."""
+    if weight is None or weight.device.type != "cpu" or not weight.numel():
+        return None
+    c = float(weight.reshape(-1)[0])
+    return c if c > 0 and bool((weight == c).all()) else None
 
 
 def record_mean(

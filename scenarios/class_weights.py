@@ -21,6 +21,12 @@ CLASS_WEIGHTS = torch.linspace(0.25, 3.0, VOCAB, dtype=torch.float64)
 """A class's weight w_y: every class its own, so that Σw over a microbatch is never its count."""
 
 
+def variant_weights(variant: str) -> torch.Tensor:
+    """The class weights a variant of `job` passes."""
+    fill = {"ones_without_w": 1.0, "every_class_two": 2.0}.get(variant)
+    return CLASS_WEIGHTS if fill is None else torch.full_like(CLASS_WEIGHTS, fill)
+
+
 def weight_mass(step: int, rank: int, micro: int, count: int, weights: torch.Tensor = CLASS_WEIGHTS) -> torch.Tensor:
     """Σ w_y over the microbatch's valid labels (float64)."""
     _, labels, valid = microbatch(step, rank, micro, count)
@@ -30,11 +36,12 @@ def weight_mass(step: int, rank: int, micro: int, count: int, weights: torch.Ten
 def job(rank: int, world_size: int, variant: str, out: str) -> dict[str, Any]:
     """`variant`: global (b = W·Σw·ℓ / Σ_global w, the weighted token mean), local (each microbatch's own
     `reduction="mean"` over its Σw, divided by the microbatches: what DDP averages is each rank's weighted mean),
-    ones_without_w (weights of 1, b = Σℓ / N: the W left out, half the token mean under W = 2)."""
+    ones_without_w (weights of 1, b = Σℓ / N: the W left out, half the token mean under W = 2), every_class_two (weights
+    of 2, b = W·Σ2ℓ / Σ_global w: the plain token mean, with its losses doubled)."""
     model = DDP(make_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     history = []
-    weights = torch.ones_like(CLASS_WEIGHTS) if variant == "ones_without_w" else CLASS_WEIGHTS
+    weights = variant_weights(variant)
     with Recorder(out, run_id=f"class_weights_{variant}", model=model, optimizer=optimizer, announce=False) as rec:
         with rec.capture_cross_entropy():
             for step, per_rank in enumerate(COUNTS):
@@ -42,7 +49,8 @@ def job(rank: int, world_size: int, variant: str, out: str) -> dict[str, Any]:
                 micros = per_rank[rank]
                 # Σw over every microbatch of every rank, by one all-reduce before the first backward
                 mass = sum(
-                    (weight_mass(step, rank, m, c) for m, c in enumerate(micros)), torch.zeros((), dtype=torch.float64)
+                    (weight_mass(step, rank, m, c, weights) for m, c in enumerate(micros)),
+                    torch.zeros((), dtype=torch.float64),
                 )
                 dist.all_reduce(mass)
                 for micro, count in enumerate(micros):
@@ -55,7 +63,7 @@ def job(rank: int, world_size: int, variant: str, out: str) -> dict[str, Any]:
                                 flat, target, weight=weights, ignore_index=IGNORE_INDEX, reduction="sum"
                             )
                             scalar = loss / sum(sum(counts) for counts in per_rank)
-                        elif variant == "global":
+                        elif variant in ("global", "every_class_two"):
                             loss = F.cross_entropy(
                                 flat, target, weight=weights, ignore_index=IGNORE_INDEX, reduction="sum"
                             )

@@ -136,18 +136,20 @@ def tied_terms(records: Mapping[str, tuple[float, float, float]], main: str) -> 
 
 def stand_ins(held: Mapping[tuple[str, str], Held], main: str) -> dict[str, str]:
     """Per group with no record of the `main` term (a pipeline stage whose loss is another's), the term that stands
-    for it there: the group's own main term (`main_term_first` of its terms), where its records show where updates
-    end (`_ends_updates`). One that never does (an auxiliary loss of the first microbatch, never synchronized, or of
-    the last, always) shows no update's end: the group's structure and synchronization are then not read."""
+    for it there: the first of the group's terms in its own order (`main_term_first`) whose records show where
+    updates end (`_ends_updates`). One that never does (an auxiliary loss of the first microbatch, never
+    synchronized, or of the last, always, by one layer or several) shows no update's end; a group none of whose
+    terms does is not read for its structure and synchronization."""
     terms: dict[str, dict[str, Held]] = {}
     for (group, term), counts in held.items():
         terms.setdefault(group, {})[term] = counts
-    first = {
-        group: main_term_first(over_groups({(group, t): h for t, h in counts.items()}))[0]
-        for group, counts in terms.items()
-        if main not in counts
-    }
-    return {group: term for group, term in first.items() if _ends_updates(terms[group][term])}
+    found = {}
+    for group, of_group in terms.items():
+        ordered = main_term_first(over_groups({(group, t): h for t, h in of_group.items()}))
+        ending = [t for t in ordered if _ends_updates(of_group[t])]
+        if main not in of_group and ending:
+            found[group] = ending[0]
+    return found
 
 
 def _ends_updates(held: Held) -> bool:

@@ -1849,6 +1849,22 @@ def test_a_stage_whose_loss_synchronizes_every_microbatch_but_one_update_never_i
     assert (finding.code, finding.term, finding.steps.first, finding.undecidable) == (Code.MISSING_SYNC, "lm", 1, True)
 
 
+def test_a_stage_is_read_by_the_first_of_its_terms_that_shows_where_updates_end(tmp_path: Path) -> None:
+    """Stage s1 records "lm" under no_sync() over 2 microbatches (the run's main term); stage s0 "enc" on its one
+    microbatch an update, synchronized but at step 1, where no rank did, and from step 2 "router" by 4 layers (a
+    warm-up), always synchronized. router, of the most records there, is s0's own first term but shows no update's
+    end, and s0 was read by no check: correct. The first of its terms that does (enc) stands in: never correct."""
+    counts = [[[5, 3], [2, 7]], [[4, 4], [9, 1]], [[3, 6], [6, 2]], [[2, 5], [4, 4]]]
+    firsts = [[mine[:1] for mine in step] for step in counts]
+    lm = [dict(r, term="lm", group="s1", sync=r["micro"] == 1) for r in records(counts, token_mean)]
+    enc = [dict(r, term="enc", group="s0", sync=r["step"] != 1) for r in records(firsts, token_mean)]
+    layers = [[[mine[0] + layer for layer in range(4)] for mine in step] for step in firsts]
+    router = [dict(r, term="router", group="s0", sync=True) for r in records(layers, token_mean) if r["step"] >= 2]
+    report = _by_group(tmp_path, lm + enc + router)
+    assert report.runs[0].verdict == "inconclusive", report.findings
+    assert [(f.code, f.term, f.steps.first) for f in report.findings] == [(Code.MISSING_SYNC, "enc", 1)]
+
+
 # which microbatches of 3 hold an image, per (step, rank): a vision stage's auxiliary loss is recorded on those
 _IMAGES = {(0, 0): [0, 2], (0, 1): [1, 2], (1, 0): [0, 1], (1, 1): [2], (2, 0): [1], (2, 1): [0, 2]}
 
