@@ -69,7 +69,7 @@ def discover(
     a FIFO, a folder named *.parquet with no part file. Such a folder (a Spark-style dataset) is read as its part
     files. `notes`: where each link that leads out of the folder given is said, with what it is read from (it is
     read), the writers' folders skipped, and the files a Delta table no longer holds."""
-    # One file reached twice (two paths, a link to it) is read once: keyed by its identity on disk,
+    # One file reached twice (two paths, a link to it) is read once (`_Found`): keyed by its identity on disk,
     # from the stat that checks it is a file, rather than by resolving every path.
     found = _Found()
     problems: list[LogFormatError] = []
@@ -121,8 +121,8 @@ def _extensionless_parquet(path: Path) -> bool:
 
 
 def _walk(root: Path, found: _Found, problems: list[LogFormatError], notes: list[str] | None = None) -> int:
-    """Every *.parquet under `root` added to `found` (a file already there is not added again), or to `problems`
-    where it is no readable file: how many it reached, those found before and those it could not use included."""
+    """Every *.parquet under `root` added to `found` (`_Found.add`), or to `problems` where it is no readable file:
+    how many it reached, those found before and those it could not use included."""
     seen: dict[bool, set[Identity]] = {True: set(), False: set()}  # by whether the path is UTF-8
     reached = 0
 

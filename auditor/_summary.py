@@ -119,9 +119,9 @@ def _run_of(shard: Shard) -> str:
 
 
 def unread_files(shards: Sequence[Shard], problems: Sequence[LogFormatError]) -> dict[str, list[str]]:
-    """Per run, the Parquet files (and folders) that could not be read in a folder of its: a run folder (`partitions.run_folder`,
-    above a Spark-style part's `column=value` folders) that holds a readable file of the run. A file whose folder
-    holds none is no run's: its own line is all there is to say of it."""
+    """Per run, the Parquet files (and folders) that could not be read in a folder of its: a run folder
+    (`partitions.run_folder`, above a Spark-style part's `column=value` folders) that holds a readable file of the
+    run. A file whose folder holds none is no run's: its own line is all there is to say of it."""
     unread: dict[str, list[str]] = {}
     for problem in problems:
         if problem.path.endswith(".parquet"):

@@ -114,8 +114,8 @@ def main_term_first(records: Mapping[str, tuple[float, ...]]) -> list[str]:
     several layers, is unsynchronized in a correct loop: it ends no update and is no run's logged loss), then one
     some step of which holds records that synchronized and records that did not, a rank holding several (an
     accumulation's, no_sync() before the last microbatch: the loss of every microbatch shows it, an auxiliary loss of
-    the first or the last microbatch alone never, however many layers record it), then the term of the most records in one group, ties
-    by name."""
+    the first or the last microbatch alone never, however many layers record it), then the term of the most records
+    in one group, ties by name."""
     main = UNNAMED if UNNAMED in records or not records else min(records, key=lambda t: (*_told(records[t]), t))
     return sorted(records, key=lambda t: (t != main, t))
 
