@@ -182,3 +182,34 @@ def test_in_place_operations_after_the_probe_train_as_without_it(tmp_path: Path,
     assert row["token_weight_min"] == pytest.approx(per_token_weight)
     assert row["token_weight_max"] == pytest.approx(per_token_weight)
     assert row["token_weight_sum"] == pytest.approx(per_token_weight * n)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("fill", [1.0, 2.0, None])
+def test_class_weights_are_said_in_the_footer_and_one_weight_for_every_class_is_the_plain_mean(
+    tmp_path: Path, reduction: str, fill: float | None
+) -> None:
+    """weight= of one value c for every class (2.0) is the unweighted loss times c: recorded as it, S = Σℓ' over
+    the unweighted per-token losses and each token's ∂b/∂ℓ', so the audit judges the plain token mean; weights that
+    differ by class (None here: linspace) say `class_weights` in the footer; ones say nothing. The loss and its
+    gradient stay those of the call, to the bit."""
+    weight = torch.linspace(0.5, 2.0, C) if fill is None else torch.full((C,), fill)
+    logits, target = inputs("2d", -100)
+    with Recorder(tmp_path, run_id="run") as rec, rec.capture_cross_entropy():
+        out = F.cross_entropy(logits, target, weight=weight, reduction=reduction)
+        (3.0 * out).backward()
+    shard = next((tmp_path / "run").glob("*.parquet"))
+    (row,) = pq.read_table(shard).to_pylist()
+    provenance = pq.read_metadata(shard).metadata[b"tokaudit.provenance"].decode()
+    assert ('"class_weights": true' in provenance) == (fill is None)
+    if fill is None:
+        return
+    plain = F.cross_entropy(logits.detach(), target, reduction="none")  # ℓ', the unweighted per-token losses
+    valid = target != -100
+    assert row["loss_sum"] == pytest.approx(float(plain[valid].sum()), rel=1e-6)
+    # b = 3·out: of the mean, 3/n each (Σcℓ'/(c·n)); of the sum, 3·c each
+    each = 3.0 / int(valid.sum()) if reduction == "mean" else 3.0 * fill
+    assert row["token_weight_sum"] == pytest.approx(each * int(valid.sum()), rel=1e-6)
+    assert row["token_weight_min"] == pytest.approx(each, rel=1e-6) and row["token_weight_max"] == pytest.approx(
+        each, rel=1e-6
+    )
