@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokaudit.errors import EMPTY_PATH, UsageError
-from tokaudit._outputs import note
+from tokaudit._outputs import STDOUT_CLOSED, note
 
 if TYPE_CHECKING:
     from tokaudit._loading import Loading
@@ -90,7 +90,7 @@ def stdout_open(output: Path | None = None, option: str = "") -> None:
     one that writes it to a file instead, where the command has one."""
     if output is None and sys.stdout is None:
         instead = f" or give {option} FILE" if option else ""
-        raise UsageError(f"stdout is closed: what this command writes there would be lost; open it{instead}")
+        raise UsageError(f"{STDOUT_CLOSED}{instead}")
 
 
 def curve_outputs(paths: tuple[str, ...], csv_path: Path | None, plot_path: Path | None) -> None:

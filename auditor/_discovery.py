@@ -312,9 +312,9 @@ def _folders(root: str, onerror: Callable[[OSError], None]) -> Iterator[tuple[st
                 is_folder = False
             (folders if is_folder else files).append(entry.name)
         yield top, folders, files
-        below = [os.path.join(top, name) for name in folders]
-        stack.extend(path for path in reversed(below) if not os.path.islink(path))
-        links.extend(path for path in below if os.path.islink(path))
+        below = [(path, os.path.islink(path)) for path in (os.path.join(top, name) for name in folders)]
+        stack.extend(path for path, linked in reversed(below) if not linked)
+        links.extend(path for path, linked in below if linked)
 
 
 def _regular_inodes(folder: str, names: set[str]) -> dict[str, int]:

@@ -25,6 +25,10 @@ EXIT_INTERRUPTED, EXIT_CLOSED_PIPE = 130, 141
 """128 + SIGINT and 128 + SIGPIPE, as a shell reports a Unix tool stopped by Ctrl-C or by a reader that went away."""
 
 
+STDOUT_CLOSED = "stdout is closed: what this command writes there would be lost; open it"
+"""What a command started with stdout closed (`>&-`) says before it runs (`cli_inputs.stdout_open`, `run`)."""
+
+
 def stderr() -> Console:
     return Console(stderr=True, highlight=False)
 
@@ -127,7 +131,7 @@ def run(main: Callable[..., Any]) -> None:
     # instead (a disposition of the whole process, which the interpreter leaves alone), the exit code stands.
     atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
     if sys.stdout is None and {"-h", "--help", "--version"} & set(sys.argv[1:]):  # what click writes before a command
-        problem("stdout is closed: what this command writes there would be lost; open it")
+        problem(STDOUT_CLOSED)
         sys.exit(EXIT_BAD_INPUT)
     try:
         main(prog_name="tokaudit")

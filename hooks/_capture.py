@@ -121,8 +121,9 @@ def _record(
     # call) is no class weighting of labels: ℓᵢ = c·ℓ'ᵢ, the mean Σcℓ'/(c·n) is the unweighted one, and a sum's
     # token ℓ'ᵢ gets c·∂b/∂out. Other weights: the mean is over Σw, which no record holds (the audit's N counts
     # tokens), so a right normalization weighs every token N/Σw of 1/N: the audit is told.
-    c = _one_weight(weight) if not target.is_floating_point() and reduction != "none" else None
-    if weight is not None and c is None and not (weight.device.type == "cpu" and bool((weight == 1).all())):
+    one = _one_weight(weight)
+    c = one if not target.is_floating_point() and reduction != "none" else None
+    if weight is not None and c is None and one != 1.0:  # (weights of 1 are none, whatever the reduction)
         recorder.provenance["class_weights"] = True
     if reduction == "none":
         loss_sum = out.detach().sum()  # positions that are not valid hold 0

@@ -4,7 +4,7 @@ trainer logs), which stands for it in a group that holds none of it, and which t
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import pandas as pd
@@ -65,11 +65,8 @@ class Held:
 
     def add(self, counts: Sequence[float]) -> None:
         """Counts of more steps, in the order of the fields."""
-        for name, count in zip(_HELD, counts):
-            setattr(self, name, getattr(self, name) + count)
-
-
-_HELD = ("synced", "records", "mixed", "accumulating", "all_synced", "unsynced")
+        for field, count in zip(fields(self), counts):
+            setattr(self, field.name, getattr(self, field.name) + count)
 
 
 def group_records(parts: Iterable[pd.DataFrame]) -> dict[tuple[str, str], Held]:
@@ -78,15 +75,16 @@ def group_records(parts: Iterable[pd.DataFrame]) -> dict[tuple[str, str], Held]:
     for part in parts:
         records = column_of(part, "records") if "records" in part else np.zeros(len(part))
         synced = column_of(part, "sync_true").astype(float) if "sync_true" in part else records * np.nan
+        said = np.nan_to_num(synced)  # (NaN: no record of the step says)
         known = column_of(part, "sync_known") if "sync_known" in part else records * 0
         ranks = column_of(part, "ranks") if "ranks" in part else records
         counted = (
-            np.nan_to_num(synced),
+            said,
             records,
             mixed_sync(synced, records),
             accumulating(synced, records, ranks),
-            (records > 0) & (np.nan_to_num(synced) == records),
-            (known > 0) & (np.nan_to_num(synced) == 0),
+            (records > 0) & (said == records),
+            (known > 0) & (said == 0),
         )
         for group, in_group in grouped(part.grp):
             terms = part.term if isinstance(in_group, slice) else part.term.iloc[in_group]
