@@ -13,6 +13,8 @@ import os
 import re
 import socket
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,6 +40,10 @@ class Cluster:
         self.ray = ray
         self.address = address
         self.cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        head = str(ray.get_runtime_context().gcs_address)
+        self._kept_printer = _quiet_pushed_errors(ray)
+        self._watching = threading.Event()
+        threading.Thread(target=_watch_head, args=(address, head, self._watching), daemon=True).start()
 
     @classmethod
     def connect(cls, address: str) -> Cluster:
@@ -51,8 +57,9 @@ class Cluster:
                 "'.[ray]' in a checkout of tokaudit)"
             ) from None
         _answers(address)
-        # Ray's own C++ warnings (each failed retry of a connection, a line a second) are not the audit's output
-        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
+        # Ray's own C++ warnings and errors (each failed retry of a connection, a line a second; each error it could not
+        # push to a driver) are not the audit's output: a failure is one line of the audit's
+        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
         try:
             with warnings.catch_warnings(), _quiet_stderr():
                 warnings.simplefilter("ignore")  # a Ray client's warning of the timeout its error then says again
@@ -71,7 +78,11 @@ class Cluster:
                     "--ray ADDRESS or RAY_ADDRESS"
                 )
             raise UsageError(f"cannot reach the Ray cluster at {address} ({said})") from None
-        cluster = cls(ray, address)
+        try:
+            cluster = cls(ray, address)
+        except Exception as error:  # the cluster's head died since it answered
+            ray.shutdown()
+            raise _failed("joining the cluster", error) from None
         try:
             cluster._check_versions()
         except BaseException:
@@ -79,26 +90,21 @@ class Cluster:
             raise
         return cluster
 
-    def _on_every_node(self, function: Callable[..., Any], *arguments: Any) -> list[Any]:
-        """`function(*arguments)` once on each live node, pinned there."""
+    def _on_every_node(self, what: str, function: Callable[..., Any], *arguments: Any) -> list[Any]:
+        """`function(*arguments)` once on each live node, pinned there (`what` it asks, for the line of a failure)."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        task = self.ray.remote(function)
-        nodes = [node["NodeID"] for node in self.ray.nodes() if node.get("Alive")]
-        return list(
-            self.ray.get(
-                [
-                    task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-                        *arguments
-                    )
-                    for node in nodes
-                ]
-            )
-        )
+        try:
+            task = self.ray.remote(function)
+            nodes = [node["NodeID"] for node in self.ray.nodes() if node.get("Alive")]
+            pinned = [NodeAffinitySchedulingStrategy(node, soft=False) for node in nodes]
+            return list(self.ray.get([task.options(scheduling_strategy=where).remote(*arguments) for where in pinned]))
+        except Exception as error:  # a node died meanwhile
+            raise _failed(what, error) from None
 
     def _check_versions(self) -> None:
         here = versions()
-        for there in self._on_every_node(versions):
+        for there in self._on_every_node("the versions on every node", versions):
             if there != here:
                 raise UsageError(
                     f"a node of the Ray cluster at {self.address} runs {_versions_text(there)}, this "
@@ -111,12 +117,9 @@ class Cluster:
             return
         step = max(1, len(files) // VISIBLE_SAMPLE)
         sample = sorted({str(files[0]), str(files[-1]), *(str(path) for path in files[::step])})
-        for missing in self._on_every_node(unreadable, sample):
+        for missing in self._on_every_node("the log's files on every node", unreadable, sample):
             if missing:
-                raise UsageError(
-                    f"{missing}: the Ray cluster's workers cannot read it; give them a folder they all "
-                    "see or an object-storage URL (s3://, gs://, …)"
-                )
+                raise _unseen(missing)
 
     def map(self, function: Callable[[Any], Any], items: Sequence[Any]) -> Iterator[Any]:
         """function(item) for each item on the cluster, in order, at most IN_FLIGHT_PER_CPU tasks a CPU ahead. A task
@@ -132,7 +135,10 @@ class Cluster:
                     item = next(queued, None)
                     if item is None:
                         break
-                    pending.append((item, task.remote(item)))
+                    try:  # (a raylet that died refuses the submission)
+                        pending.append((item, task.remote(item)))
+                    except Exception as error:
+                        raise _failed(item, error) from None
                 if not pending:
                     return
                 item, reference = pending.pop(0)
@@ -160,14 +166,20 @@ class Cluster:
             (list(found.files[i : i + BATCH_FILES]), None) for i in range(0, len(found.files), BATCH_FILES)
         ]
         batches += [([path], [store]) for path, store in found.remote]
-        inspected = [
-            item
-            for part in self.map(_inspect, [_Footers(*batch, found.thorough) for batch in batches])
-            for item in part
-        ]
+        footers = [_Footers(*batch, found.thorough) for batch in batches]
+        inspected = []
+        for batch, part in zip(footers, self.map(_inspect, footers), strict=True):
+            if isinstance(part, str):  # a file the worker could not open: refused where this process reads it
+                if os.access(part, os.R_OK):
+                    raise _unseen(part)
+                part = _inspect(batch, here=True)  # as one process reads a file it cannot open
+            inspected += part
         return inspected_log(inspected, found.problems)
 
     def close(self) -> None:
+        self._watching.set()
+        if self._kept_printer is not None:
+            self.ray._private.worker.print_to_stdstream = self._kept_printer
         self.ray.shutdown()
 
 
@@ -238,6 +250,34 @@ def _auto_address() -> str | None:
 
 CONNECT_SECONDS = 10
 
+HEAD_PATIENCE = 20.0
+"""Seconds the audit waits for a cluster head (its GCS) that stopped answering. Ray's driver waits a minute, blocked
+wherever it was (listing nodes, submitting a task, waiting for one), then ends the process itself in exit 1, which
+means findings; a head that restarts sooner, as one with fault tolerance does, is waited for."""
+
+
+def _watch_head(address: str, head: str, stopped: threading.Event) -> None:
+    """Every second until `stopped`: whether the head answers. Silent for HEAD_PATIENCE seconds, or half of Ray's own
+    wait where that is set shorter, the audit ends in one line and exit 2 (the main thread is blocked in Ray's C++)."""
+    patience = min(HEAD_PATIENCE, float(os.environ.get("RAY_gcs_rpc_server_reconnect_timeout_s", 60)) / 2)
+    host, _, port = head.rpartition(":")
+    silent_since = None
+    while not stopped.wait(1.0):
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                silent_since = None
+                continue
+        except OSError as error:
+            said = error.strerror or str(error)
+        silent_since = silent_since or time.monotonic()
+        if time.monotonic() - silent_since >= patience and not stopped.is_set():
+            sys.stderr.write(
+                f"tokaudit: error: the Ray cluster at {address} stopped answering mid-audit (its head, {head}: "
+                f"{said}); no verdict was made from a part of the log\n"
+            )
+            sys.stderr.flush()
+            os._exit(2)  # (EXIT_BAD_INPUT)
+
 
 @dataclass(frozen=True)
 class _Footers:
@@ -255,10 +295,20 @@ class _Footers:
         )
 
 
-def _inspect(batch: _Footers) -> list[Any]:
+def _inspect(batch: _Footers, here: bool = False) -> list[Any] | str:
+    """What `reader.inspect_batch` reads of the batch, or the first of its local files this worker cannot open (one
+    outside the sample `Cluster.check_visible` asked every node about)."""
     from tokaudit._reader import inspect_batch
 
-    return inspect_batch(batch.paths, batch.thorough, batch.stores)
+    missing = unreadable([str(path) for path in batch.paths]) if batch.stores is None and not here else ""
+    return missing or inspect_batch(batch.paths, batch.thorough, batch.stores)
+
+
+def _unseen(path: str) -> UsageError:
+    return UsageError(
+        f"{path}: the Ray cluster's workers cannot read it; give them a folder they all see or an object-storage URL "
+        "(s3://, gs://, …)"
+    )
 
 
 def versions() -> tuple[str, str, str]:
@@ -282,6 +332,16 @@ def unreadable(paths: Sequence[str]) -> str:
         if not os.access(path, os.R_OK):
             return path
     return ""
+
+
+def _quiet_pushed_errors(ray: Any) -> Callable[..., None] | None:
+    """Ray's driver prints each error the cluster pushes to it (a node marked dead, a worker killed) on stdout, where
+    the report goes: the audit says such a failure in one line of its own (`Cluster.map`). Ray's printer, to put back."""
+    worker = getattr(getattr(ray, "_private", None), "worker", None)
+    kept = getattr(worker, "print_to_stdstream", None)
+    if kept is not None:
+        worker.print_to_stdstream = lambda *_, **__: None  # type: ignore[union-attr]
+    return kept
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -28,10 +29,10 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
+@contextlib.contextmanager
+def _started() -> Iterator[tuple[str, str]]:
     """A head node on 127.0.0.1 with 2 CPUs (two worker processes), Ray's usage reporting off and its files under a
-    temporary folder (short: Ray's sockets live there); stopped, and its folder removed, after the module."""
+    temporary folder (short: Ray's sockets live there); its address and folder, then stopped and the folder removed."""
     ray = Path(sys.executable).with_name("ray")
     folder = tempfile.mkdtemp(prefix="tray", dir="/tmp")
     port = _free_port()
@@ -60,10 +61,22 @@ def cluster() -> Iterator[str]:
     )
     try:
         assert started.returncode == 0, started.stderr
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", folder
     finally:
         subprocess.run([str(ray), "stop", "--force"], env=environment, capture_output=True, timeout=120)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def running() -> Iterator[tuple[str, str]]:
+    """The module's cluster: its address and its folder (the last test stops its head)."""
+    with _started() as started:
+        yield started
+
+
+@pytest.fixture
+def cluster(running: tuple[str, str]) -> str:
+    return running[0]
 
 
 def _json(paths: list[Path], **kwargs: object) -> str:
@@ -233,7 +246,7 @@ def test_a_path_some_node_cannot_read_is_refused_before_any_work() -> None:
         def __init__(self) -> None:
             self.address = "here"
 
-        def _on_every_node(self, function: object, *arguments: object) -> list[object]:
+        def _on_every_node(self, what: str, function: object, *arguments: object) -> list[object]:
             return ["", "/local/run/rank-00000.parquet"]
 
     with pytest.raises(UsageError, match=r"^/local/run/rank-00000\.parquet: the Ray cluster's workers cannot read it"):
@@ -304,3 +317,121 @@ def test_an_address_where_another_server_listens_is_one_line_at_once() -> None:
         finally:
             server.shutdown()
             server.server_close()
+
+
+def test_a_file_outside_the_sample_that_the_workers_cannot_read_is_refused_as_the_sample_is(
+    cluster: str, tmp_path: Path
+) -> None:
+    """Each node is asked about 64 of the files before work; the worker that reads a file's footer asks about it
+    too. Here one file of 200 is a link through /proc/self/cwd: this process, started in tmp_path, reads it, a worker
+    (started elsewhere) does not. Once, the audit went on past it as a damaged file."""
+    import random
+
+    from tests.logs import records, token_mean, write_by_rank
+
+    rng = random.Random(5)
+    write_by_rank(
+        tmp_path / "run",
+        records([[[rng.randint(1, 40)] for _ in range(2)] for _ in range(200)], token_mean),
+        steps_per_file=2,
+    )
+    name = "rank-00001-000102.parquet"  # outside the sample: every third file, the first and the last
+    (tmp_path / "hidden").mkdir()
+    (tmp_path / "run" / name).rename(tmp_path / "hidden" / name)
+    (tmp_path / "run" / name).symlink_to(f"/proc/self/cwd/hidden/{name}")
+    command = [sys.executable, "-m", "tokaudit", "check", "run", "-q", "--format", "json"]
+    alone = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert alone.returncode == 0, alone.stderr
+    done = subprocess.run([*command, "--ray", cluster], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines()[-1] == (
+        f"tokaudit: error: {tmp_path / 'run' / name}: the Ray cluster's workers cannot read it; give them a folder "
+        "they all see or an object-storage URL (s3://, gs://, …)"
+    )
+
+
+def test_an_error_the_cluster_pushes_to_the_driver_is_not_printed_among_the_report(
+    cluster: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Ray's driver prints each error the cluster pushes to it (a node marked dead) on stdout, where a JSON report
+    goes: joined for an audit, it prints none, and Ray's printer is back after."""
+    import ray
+
+    from tokaudit._cluster import Cluster
+
+    pushed = {"lines": ["The node with node id: 7678 has been marked dead"], "pid": "raylet", "is_err": False}
+    connected = Cluster.connect(cluster)
+    try:
+        ray._private.worker.print_to_stdstream(pushed, ignore_prefix=False)
+        assert capfd.readouterr().out == ""
+    finally:
+        connected.close()
+    ray._private.worker.print_to_stdstream(pushed, ignore_prefix=False)
+    assert "has been marked dead" in capfd.readouterr().out
+
+
+def test_a_node_that_dies_as_a_node_is_asked_ends_the_audit_in_one_line() -> None:
+    """The raylet dying while every node is asked something (Ray's LocalRayletDiedError; once, an internal error)."""
+    from tokaudit._cluster import Cluster
+    from tokaudit.errors import UsageError
+
+    class Died(Exception):
+        pass
+
+    class Ray:
+        def remote(self, function: object) -> object:
+            return function
+
+        def nodes(self) -> list[object]:
+            raise Died("The task's local raylet died. Check raylet.out for more information.")
+
+    class Staged(Cluster):
+        def __init__(self) -> None:
+            self.address, self.ray = "here", Ray()
+
+    with pytest.raises(UsageError, match=r"^the Ray task for the versions on every node failed \(The task's local"):
+        Staged()._check_versions()
+
+
+# Last: it stops the module's cluster.
+def test_a_cluster_whose_head_dies_mid_audit_ends_it_in_one_line_and_exit_2(
+    running: tuple[str, str], tmp_path: Path
+) -> None:
+    """Ray waits for a head (GCS) that died for a minute, blocked, then ends the process in exit 1, which means
+    findings. The audit says it in one line and exit 2 first (here after half of a 10-second Ray wait)."""
+    address, folder = running
+    script = tmp_path / "joined.py"
+    script.write_text(
+        "import sys\n"
+        "import tokaudit._cluster as cluster\n"
+        "joined = cluster.Cluster.connect(sys.argv[1])\n"
+        "cluster.Cluster.connect = classmethod(lambda cls, address: joined)\n"
+        "print('joined', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "sys.argv = ['tokaudit', 'check', sys.argv[2], '--format', 'json', '--ray', sys.argv[1]]\n"
+        "from tokaudit.cli import run\n"
+        "run()\n"
+    )
+    environment = {**os.environ, "RAY_gcs_rpc_server_reconnect_timeout_s": "10"}
+    audit = subprocess.Popen(
+        [sys.executable, str(script), address, str(ROOT / "sample_logs")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
+    )
+    try:
+        assert audit.stdout is not None and audit.stdout.readline() == "joined\n"
+        head = subprocess.run(["pgrep", "-f", f"gcs_server.*{folder}"], capture_output=True, text=True).stdout.split()
+        assert len(head) == 1
+        os.kill(int(head[0]), 9)
+        out, err = audit.communicate("go\n", timeout=60)
+    finally:
+        audit.kill()
+    assert audit.returncode == 2 and out == "", err
+    assert re.fullmatch(
+        rf"tokaudit: error: the Ray cluster at {address} stopped answering mid-audit \(its head, [0-9.]+:"
+        rf"{address.split(':')[1]}: Connection refused\); no verdict was made from a part of the log\n",
+        err,
+    ), err
