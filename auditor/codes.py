@@ -167,11 +167,13 @@ CODE_DOCS: dict[Code, CodeDoc] = {
     ),
     Code.UNEVEN_MICROBATCHES: CodeDoc(
         Severity.WARNING,
-        "ranks ran different numbers of microbatches in one step, without one synced backward each",
+        "ranks ran different numbers of microbatches in one step, without synchronizing equally often",
         why="A backward that syncs all-reduces on every rank: a rank that syncs more often than another pairs with "
-        "the wrong partner or waits alone. Different counts are fine when every rank syncs exactly once, on "
-        "its last microbatch (the others under no_sync), and N counts every microbatch (the weights say so); "
-        "this is raised where the records show otherwise or do not record sync.",
+        "the wrong partner or waits alone. Different counts are fine when every rank syncs as often as every "
+        "other, its last microbatch among them (usually once, the others under no_sync; a loss recorded by k layers "
+        "leaves k records of that backward), and N counts every microbatch (the weights say so): the all-reduces "
+        "pair off one for one, and a sum of all-reduced sums is the all-reduced sum. This is raised where the "
+        "records show otherwise or do not record sync.",
         fix="Give every rank the same number of microbatches (pad with empty ones that still run backward), or run "
         "all but each rank's last under no_sync.",
         example="Rank 0 runs 2 microbatches, rank 1 runs 3, every one syncing: the third backward of rank 1 syncs "

@@ -43,8 +43,9 @@ class StructureCheck(Check):
 
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         self.inconsistent.add(block, differ_rows(block, "world_low", "world_high"))
-        # Ranks may run different numbers of microbatches as long as each runs one synced backward a step
-        # (its last, the others under no_sync): DDP then all-reduces once on every rank, and the weights say
+        # Ranks may run different numbers of microbatches as long as each synchronizes as often as the others, its
+        # last included (one synced backward, the others under no_sync): DDP then all-reduces as often on every rank
+        # (a sum of all-reduced sums is the all-reduced sum), and the weights say
         # whether N counted every microbatch. Flagged where the log shows otherwise or does not say.
         if not self.stand_in:
             self.uneven.add(block, differ_rows(block, "microbatches_low", "microbatches_high") & ~_synced_once(block))
@@ -104,8 +105,9 @@ class StructureCheck(Check):
                 Code.UNEVEN_MICROBATCHES,
                 self.uneven.steps,
                 f"Ranks ran different numbers of microbatches in one step (step {int(row.step)}: from "
-                f"{int(row.microbatches_low)} to {int(row.microbatches_high)}), and the records {said} one synced backward per "
-                "rank: every backward that syncs must be matched on all ranks.",
+                f"{int(row.microbatches_low)} to {int(row.microbatches_high)}), and the records {said} that every rank "
+                "synchronized as often as every other, on its last microbatch among others: every backward that syncs "
+                "must be matched on all ranks.",
                 "give every rank the same number of microbatches per step (pad with empty ones that "
                 "still run backward with a zero contribution)",
                 {
@@ -118,13 +120,15 @@ class StructureCheck(Check):
 
 
 def _synced_once(block: pd.DataFrame) -> npt.NDArray[np.bool_]:
-    """Steps whose every record says whether it synced, with as many synced records as ranks and no rank whose
-    last microbatch did not sync: each rank ran exactly one synced backward, its last."""
-    if "sync_known" not in block:  # a table that holds no sync counts at all
+    """Steps whose every record says whether it synced, where every rank synchronized as often as every other, its
+    last microbatch included: DDP's all-reduces then pair off one for one on every rank (one synced backward each,
+    its last, or a loss recorded by several layers, k records of one backward on every rank)."""
+    if "sync_known" not in block or "rank_synced_low" not in block:  # a table that holds no sync counts at all
         return np.zeros(len(block), dtype=bool)
     known = column_of(block, "sync_known") == column_of(block, "records")
+    low = column_of(block, "rank_synced_low")
     synced: npt.NDArray[np.bool_] = (
-        known & (column_of(block, "sync_true") == column_of(block, "ranks")) & (column_of(block, "unsynced_ranks") == 0)
+        known & (low >= 1) & (low == column_of(block, "rank_synced_high")) & (column_of(block, "unsynced_ranks") == 0)
     )
     return synced
 

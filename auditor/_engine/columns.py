@@ -166,6 +166,8 @@ PARTIALS = (
     Partial("rank_en_high", "the rank's greatest e·n", Level.RANK, "max(w * valid_tokens)", "w * valid_tokens"),
     Partial("last_sync", "sync of the rank's last microbatch", Level.RANK, "arg_max_null(sync, micro)", "sync",
             reads=("sync",), absent="CAST(NULL AS BOOLEAN)"),
+    Partial("rank_synced", "records of the rank's step that said they synchronized", Level.RANK,
+            "count_if(sync IS TRUE)", "CAST(sync IS TRUE AS INTEGER)", reads=("sync",), absent="CAST(0 AS BIGINT)"),
     # distinct microbatch indices below 64, as set bits: fewer bits than rows means a repeated key
     Partial("repeated", "records of the rank's step that repeat a microbatch index below 64", Level.RANK,
             "count_if(micro < 64) - coalesce(bit_count(bit_or("
@@ -270,6 +272,12 @@ STEP_COLUMNS = (
     # one record a rank: its last microbatch is its record, so the ranks that did not are the records of sync false
     StepColumn("unsynced_ranks", "ranks whose last microbatch did not synchronize", R, "count_if(last_sync = false)", I,
                one_record="sync_known - sync_true", reads=("sync",), absent="NULL"),
+    # how often each rank synchronized: equal counts on every rank match DDP's all-reduces one for one, whatever
+    # number of microbatches each ran (one record a rank: 1 where every record synchronized, else 0, and so on)
+    StepColumn("rank_synced_low", "the fewest synchronized records of a rank", R, "min(rank_synced)", I,
+               one_record="CASE WHEN sync_true = records THEN 1 ELSE 0 END", reads=("sync",), absent="0"),
+    StepColumn("rank_synced_high", "the most synchronized records of a rank", R, "max(rank_synced)", I,
+               one_record="CASE WHEN sync_true > 0 THEN 1 ELSE 0 END", reads=("sync",), absent="0"),
     # one record a (rank, step), ranks below 64: a repeated key is a repeated rank, records − distinct ranks (the
     # rank mask's set bits: a tenth of the time of count(DISTINCT rank))
     StepColumn("repeated_micro", "records that repeat a (rank, microbatch) key", R, "coalesce(sum(repeated), 0)", I,

@@ -617,18 +617,28 @@ def test_ranks_with_no_record_in_any_step_make_the_run_inconclusive(tmp_path: Pa
     assert finding.code == Code.RANKS_NOT_RECORDED and finding.evidence["group"] == "dp1"
 
 
-@pytest.mark.parametrize("synced, flagged", [("last", False), ("every", True), ("none of rank 1", True)])
+@pytest.mark.parametrize(
+    "synced, flagged",
+    [("last", False), ("last two", False), ("every", True), ("none of rank 1", True), ("all but the last", True)],
+)
 def test_uneven_microbatches_are_flagged_only_where_the_synced_backwards_do_not_match(
     tmp_path: Path, synced: str, flagged: bool
 ) -> None:
     """Rank 0 runs 3 microbatches and rank 1 runs 2, N counted over all: the weights are exact. With one synced
-    backward per rank (its last) that is a correct loop; every microbatch syncing, or a rank that never
-    syncs, pairs all-reduces wrongly and is flagged."""
+    backward per rank (its last) that is a correct loop, and with two on every rank, its last two: the all-reduces
+    pair off one for one, and (g₀₀ + g₀₁ + g₁₀)/2 + (g₀₂ + g₁₁)/2 is the mean of the sums. Every microbatch syncing
+    (3 on one rank, 2 on the other), a rank that never syncs, or syncs before its last, is flagged."""
     counts = [[[3, 2, 4], [4, 1]], [[1, 5], [2, 2, 6]], [[2, 2, 1], [7, 3]]]
     rows = records(counts, token_mean)
     for row in rows:
-        last = row["micro"] == len(counts[row["step"]][row["rank"]]) - 1
-        row["sync"] = {"last": last, "every": True, "none of rank 1": last and row["rank"] == 0}[synced]
+        left = len(counts[row["step"]][row["rank"]]) - 1 - row["micro"]  # microbatches after this one
+        row["sync"] = {
+            "last": left == 0,
+            "last two": left < 2,
+            "every": True,
+            "none of rank 1": left == 0 and row["rank"] == 0,
+            "all but the last": left == 1,
+        }[synced]
     report = audit_rows(tmp_path, rows)
     assert (Code.UNEVEN_MICROBATCHES in {f.code for f in report.findings}) == flagged
     assert report.runs[0].verdict == ("incorrect" if flagged else "correct"), [f.message for f in report.findings]
@@ -642,6 +652,40 @@ def test_uneven_microbatches_are_flagged_only_where_the_synced_backwards_do_not_
     changed = only(report, Code.WORLD_SIZE_CHANGED)
     assert changed.severity == Severity.INFO and changed.evidence["world_sizes"] == [2, 4]
     assert report.runs[0].verdict == "correct" and report.runs[0].world_size == [2, 4]
+
+
+def test_uneven_microbatches_with_a_loss_recorded_by_two_layers_are_correct_where_every_rank_syncs_alike(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 runs 2 microbatches and rank 1 one (at step 0) under no_sync() but the last; "lm" a token mean on each,
+    "aux" recorded by 2 layers on each microbatch, so each rank's synced backward leaves 2 records of aux. aux
+    outnumbers lm: it is the main term, whose 2 synced records a rank were read as 2 synced backwards against 1
+    (uneven_microbatches, incorrect). Every rank synced its last backward alone: correct. A rank that synced its
+    first microbatch too is flagged."""
+    counts = [[[5, 3], [2]], [[4, 4], [9, 1]], [[3], [6, 2]]]
+
+    def terms(early: bool) -> list[dict[str, object]]:
+        def synced(step: int, rank: int, micro: int) -> bool:
+            return micro == len(counts[step][rank]) - 1 or (early and (step, rank) == (0, 0))
+
+        lm = [dict(r, term="lm", sync=synced(r["step"], r["rank"], r["micro"])) for r in records(counts, token_mean)]
+        layered = [[[n + layer for n in mine for layer in range(2)] for mine in step] for step in counts]
+        aux = [
+            dict(
+                r,
+                term="aux",
+                sync=synced(r["step"], r["rank"], r["micro"] // 2),
+                loss_sum=r["loss_sum"] / 100,
+                backward_scalar=r["backward_scalar"] / 100,
+            )
+            for r in records(layered, token_mean)
+        ]
+        return lm + aux
+
+    report = audit_rows(tmp_path / "alike", terms(early=False))
+    assert report.runs[0].verdict == "correct" and report.findings == [], [f.message for f in report.findings]
+    report = audit_rows(tmp_path / "early", terms(early=True))
+    assert report.runs[0].verdict == "incorrect" and Code.UNEVEN_MICROBATCHES in {f.code for f in report.findings}
 
 
 def test_duplicates_keep_the_later_record(tmp_path: Path) -> None:
