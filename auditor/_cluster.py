@@ -36,14 +36,14 @@ VISIBLE_SAMPLE = 64
 class Cluster:
     """A connection to a Ray cluster, with this tokaudit and DuckDB on every node (`connect`)."""
 
-    def __init__(self, ray: Any, address: str) -> None:
+    def __init__(self, ray: Any, address: str, watch: HeadWatch) -> None:
         self.ray = ray
         self.address = address
         self.cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-        head = str(ray.get_runtime_context().gcs_address)
+        self._watch = watch
+        if not address.startswith("ray://"):  # (a Ray client talks to the cluster through its server alone)
+            watch.head = str(ray.get_runtime_context().gcs_address)  # the head `auto` stood for
         self._kept_printer = _quiet_pushed_errors(ray)
-        self._watching = threading.Event()
-        threading.Thread(target=_watch_head, args=(address, head, self._watching), daemon=True).start()
 
     @classmethod
     def connect(cls, address: str) -> Cluster:
@@ -56,7 +56,13 @@ class Cluster:
                 "--ray needs Ray on this machine and the cluster's: pip install ray (or the ray extra: pip install "
                 "'.[ray]' in a checkout of tokaudit)"
             ) from None
+        if ray.is_initialized():
+            raise UsageError(
+                "Ray is already initialized in this process (ray.init): the audit joins the cluster itself; call "
+                "ray.shutdown() first, or audit in a process of its own (tokaudit check … --ray)"
+            )
         _answers(address)
+        watch = HeadWatch(address)
         # Ray's own C++ warnings and errors (each failed retry of a connection, a line a second; each error it could not
         # push to a driver) are not the audit's output: a failure is one line of the audit's
         os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
@@ -71,6 +77,7 @@ class Cluster:
                     runtime_env={"env_vars": forwarded_environment()},
                 )
         except Exception as error:  # Ray raises ConnectionError, RuntimeError or its own for an absent cluster
+            watch.stop()
             said = " ".join(str(error).split())[:400] or first_line(error)  # Ray's remedy may follow a line break
             if address == "auto" and "Could not find any running Ray instance" in said:  # Ray's remedy names its flag
                 said = (
@@ -79,8 +86,9 @@ class Cluster:
                 )
             raise UsageError(f"cannot reach the Ray cluster at {address} ({said})") from None
         try:
-            cluster = cls(ray, address)
+            cluster = cls(ray, address, watch)
         except Exception as error:  # the cluster's head died since it answered
+            watch.stop()
             ray.shutdown()
             raise _failed("joining the cluster", error) from None
         try:
@@ -177,10 +185,14 @@ class Cluster:
         return inspected_log(inspected, found.problems)
 
     def close(self) -> None:
-        self._watching.set()
-        if self._kept_printer is not None:
-            self.ray._private.worker.print_to_stdstream = self._kept_printer
-        self.ray.shutdown()
+        """Leave the cluster. Ray's printer is put back after: the errors of the tasks `map` cancelled arrive until
+        then."""
+        self._watch.stop()
+        try:
+            self.ray.shutdown()
+        finally:
+            if self._kept_printer is not None:
+                self.ray._private.worker.print_to_stdstream = self._kept_printer
 
 
 def _failed(item: object, error: Exception) -> UsageError:
@@ -211,7 +223,7 @@ def _answers(address: str) -> None:
     try:
         with socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS) as connection:
             # (a cluster that speaks TLS answers no plain preface: Ray's to judge)
-            grpc = os.environ.get("RAY_USE_TLS", "0").lower() not in ("", "0", "false") or _speaks_http2(connection)
+            grpc = _tls() or _speaks_http2(connection)
     except OSError as error:
         where = f"{served}: " if served != address.removeprefix("ray://") else ""  # what `auto` stood for
         raise UsageError(f"cannot reach the Ray cluster at {address} ({where}{error.strerror or error})") from None
@@ -256,27 +268,61 @@ wherever it was (listing nodes, submitting a task, waiting for one), then ends t
 means findings; a head that restarts sooner, as one with fault tolerance does, is waited for."""
 
 
-def _watch_head(address: str, head: str, stopped: threading.Event) -> None:
-    """Every second until `stopped`: whether the head answers. Silent for HEAD_PATIENCE seconds, or half of Ray's own
-    wait where that is set shorter, the audit ends in one line and exit 2 (the main thread is blocked in Ray's C++)."""
-    patience = min(HEAD_PATIENCE, float(os.environ.get("RAY_gcs_rpc_server_reconnect_timeout_s", 60)) / 2)
-    host, _, port = head.rpartition(":")
-    silent_since = None
-    while not stopped.wait(1.0):
+class HeadWatch:
+    """From before Ray joins the cluster until the audit leaves it, every second: whether the head answers as Ray's
+    gRPC does (a frozen head accepts connections but answers nothing). Silent for HEAD_PATIENCE seconds, or half of
+    Ray's own wait where that is set shorter, the audit ends in one line and exit 2: the main thread may be blocked in
+    Ray's C++, and standard error sent nowhere while Ray joins (`_quiet_stderr`), so the line goes to a copy of it."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        served = _auto_address() if address == "auto" else address.removeprefix("ray://")
+        self.head: str | None = served if served and served.rpartition(":")[2].isdigit() else None
+        self._stopped = threading.Event()
         try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
-                silent_since = None
-                continue
-        except OSError as error:
-            said = error.strerror or str(error)
-        silent_since = silent_since or time.monotonic()
-        if time.monotonic() - silent_since >= patience and not stopped.is_set():
-            sys.stderr.write(
-                f"tokaudit: error: the Ray cluster at {address} stopped answering mid-audit (its head, {head}: "
-                f"{said}); no verdict was made from a part of the log\n"
-            )
-            sys.stderr.flush()
-            os._exit(2)  # (EXIT_BAD_INPUT)
+            self._error = os.dup(2)
+        except OSError:  # standard error closed: the line goes nowhere, the exit code says it
+            self._error = os.open(os.devnull, os.O_WRONLY)
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        patience = min(HEAD_PATIENCE, float(os.environ.get("RAY_gcs_rpc_server_reconnect_timeout_s", 60)) / 2)
+        silent_since = None
+        try:
+            while not self._stopped.wait(1.0):
+                head = self.head
+                said = _silence(head) if head else ""
+                if not said:
+                    silent_since = None
+                    continue
+                silent_since = silent_since or time.monotonic()
+                if time.monotonic() - silent_since >= patience and not self._stopped.is_set():
+                    line = (
+                        f"tokaudit: error: the Ray cluster at {self.address} stopped answering mid-audit (its head, "
+                        f"{head}: {said}); no verdict was made from a part of the log\n"
+                    )
+                    os.write(self._error, line.encode(errors="replace"))
+                    os._exit(2)  # (EXIT_BAD_INPUT)
+        finally:
+            os.close(self._error)
+
+
+def _silence(head: str) -> str:
+    """'' where the head answers (a TLS one: accepts a connection), else why not."""
+    host, _, port = head.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0) as connection:
+            connection.settimeout(1.0)
+            return "" if _tls() or _speaks_http2(connection) else "no answer within a second"
+    except OSError as error:
+        return error.strerror or str(error)
+
+
+def _tls() -> bool:
+    return os.environ.get("RAY_USE_TLS", "0").lower() not in ("", "0", "false")
 
 
 @dataclass(frozen=True)

@@ -370,6 +370,23 @@ def test_an_error_the_cluster_pushes_to_the_driver_is_not_printed_among_the_repo
     assert "has been marked dead" in capfd.readouterr().out
 
 
+def test_a_process_that_already_joined_ray_is_told_so_in_one_line(cluster: str) -> None:
+    """A notebook or training script that called ray.init itself: Ray's second init said the cluster could not be
+    reached, which it can."""
+    import ray
+
+    from tokaudit._cluster import Cluster
+    from tokaudit.errors import UsageError
+
+    ray.init(address=cluster, log_to_driver=False)
+    try:
+        with pytest.raises(UsageError, match=r"^Ray is already initialized in this process \(ray\.init\)"):
+            Cluster.connect(cluster)
+    finally:
+        ray.shutdown()
+    Cluster.connect(cluster).close()
+
+
 def test_a_node_that_dies_as_a_node_is_asked_ends_the_audit_in_one_line() -> None:
     """The raylet dying while every node is asked something (Ray's LocalRayletDiedError; once, an internal error)."""
     from tokaudit._cluster import Cluster
@@ -393,45 +410,53 @@ def test_a_node_that_dies_as_a_node_is_asked_ends_the_audit_in_one_line() -> Non
         Staged()._check_versions()
 
 
-# Last: it stops the module's cluster.
-def test_a_cluster_whose_head_dies_mid_audit_ends_it_in_one_line_and_exit_2(
-    running: tuple[str, str], tmp_path: Path
+HEAD_SCRIPT = """
+import os, signal, sys
+address, log, how, head = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+if how == "frozen":  # once joined
+    import tokaudit._cluster as cluster
+    joined = cluster.Cluster.connect(address)
+    cluster.Cluster.connect = classmethod(lambda cls, address: joined)
+    os.kill(head, signal.SIGSTOP)
+else:  # inside ray.init, as Ray builds this process's view of the node
+    import ray._private.node as node
+    class Node(node.Node):
+        def __init__(self, *args, **kwargs):
+            os.kill(head, signal.SIGKILL)
+            super().__init__(*args, **kwargs)
+    node.Node = Node
+sys.argv = ["tokaudit", "check", log, "--format", "json", "--ray", address]
+from tokaudit.cli import run
+run()
+"""
+
+
+# Last: the second case stops the module's cluster.
+@pytest.mark.parametrize("how, said", [("frozen", "no answer within a second"), ("killed", "Connection refused")])
+def test_a_cluster_whose_head_stops_answering_ends_the_audit_in_one_line_and_exit_2(
+    running: tuple[str, str], tmp_path: Path, how: str, said: str
 ) -> None:
     """Ray waits for a head (GCS) that died for a minute, blocked, then ends the process in exit 1, which means
-    findings. The audit says it in one line and exit 2 first (here after half of a 10-second Ray wait)."""
+    findings; a head that froze (SIGSTOP), or one killed while Ray joins the cluster, it waits for for ever. The audit
+    says it in one line and exit 2 (here after half of a 10-second Ray wait), with nothing on stdout."""
     address, folder = running
-    script = tmp_path / "joined.py"
-    script.write_text(
-        "import sys\n"
-        "import tokaudit._cluster as cluster\n"
-        "joined = cluster.Cluster.connect(sys.argv[1])\n"
-        "cluster.Cluster.connect = classmethod(lambda cls, address: joined)\n"
-        "print('joined', flush=True)\n"
-        "sys.stdin.readline()\n"
-        "sys.argv = ['tokaudit', 'check', sys.argv[2], '--format', 'json', '--ray', sys.argv[1]]\n"
-        "from tokaudit.cli import run\n"
-        "run()\n"
-    )
-    environment = {**os.environ, "RAY_gcs_rpc_server_reconnect_timeout_s": "10"}
-    audit = subprocess.Popen(
-        [sys.executable, str(script), address, str(ROOT / "sample_logs")],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=environment,
-    )
+    (script := tmp_path / "head.py").write_text(HEAD_SCRIPT)
+    head = subprocess.run(["pgrep", "-f", f"gcs_server.*{folder}"], capture_output=True, text=True).stdout.split()
+    assert len(head) == 1
     try:
-        assert audit.stdout is not None and audit.stdout.readline() == "joined\n"
-        head = subprocess.run(["pgrep", "-f", f"gcs_server.*{folder}"], capture_output=True, text=True).stdout.split()
-        assert len(head) == 1
-        os.kill(int(head[0]), 9)
-        out, err = audit.communicate("go\n", timeout=60)
+        done = subprocess.run(
+            [sys.executable, str(script), address, str(ROOT / "sample_logs"), how, head[0]],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "RAY_gcs_rpc_server_reconnect_timeout_s": "10"},
+            timeout=120,
+        )
     finally:
-        audit.kill()
-    assert audit.returncode == 2 and out == "", err
+        if how == "frozen":
+            os.kill(int(head[0]), 18)  # SIGCONT: the cluster goes on for the next case
+    assert done.returncode == 2 and done.stdout == "", done.stderr
     assert re.fullmatch(
         rf"tokaudit: error: the Ray cluster at {address} stopped answering mid-audit \(its head, [0-9.]+:"
-        rf"{address.split(':')[1]}: Connection refused\); no verdict was made from a part of the log\n",
-        err,
-    ), err
+        rf"{address.split(':')[1]}: {said}\); no verdict was made from a part of the log\n",
+        done.stderr,
+    ), done.stderr
