@@ -220,6 +220,8 @@ def _undecodable(shards: list[Shard]) -> dict[object, LogFormatError]:
             # and a whole file read here would add to it
             for _ in pq.ParquetFile(shard.open()).iter_batches(batch_size=65_536):
                 pass
+        except FileNotFoundError:
+            broken[shard.path] = LogFormatError(shard.name, "gone: removed or renamed since the audit listed it")
         except Exception as error:
             broken[shard.path] = LogFormatError(shard.name, f"corrupt data ({first_line(error)})")
     return broken

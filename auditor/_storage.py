@@ -113,8 +113,14 @@ def open_url(url: str, timeout: float | None = None) -> tuple[Store, str]:
     if elsewhere is not None:
         raise LogFormatError(url, elsewhere)
     try:
-        filesystem, path = pafs.FileSystem.from_uri(url)
+        filesystem, path = pafs.FileSystem.from_uri(_encoded(url) if scheme in ARROW_SCHEMES else url)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as arrow_error:
+        if scheme in ARROW_SCHEMES:  # (fsspec's advice would be to install its own filesystem for them)
+            raise LogFormatError(
+                url,
+                f"not a URL pyarrow reads ({first_line(arrow_error, 240)}): a key's '?', '#' and '%' are written "
+                "%3F, %23 and %25",
+            ) from None
         filesystem, path = _fsspec(url, arrow_error)
     except OSError as error:
         raise LogFormatError(url, describe(error)) from None
@@ -131,6 +137,17 @@ def open_url(url: str, timeout: float | None = None) -> tuple[Store, str]:
     elif timeout is not None and isinstance(filesystem, pafs.GcsFileSystem):
         filesystem = _bounded_gcs(url, timeout)
     return Store(filesystem, scheme), path.rstrip("/")
+
+
+ARROW_SCHEMES = ("s3", "gs", "gcs")
+
+
+def _encoded(url: str) -> str:
+    """The URL with a key's spaces and other characters no URI holds (non-ASCII ones, as UTF-8) percent-encoded, as
+    pyarrow parses it; what a URI holds, '%', '?' and '#' included, is left as written."""
+    import urllib.parse
+
+    return urllib.parse.quote(url, safe="%/:=&?~#+!$,;'@()*[]")
 
 
 def _bounded_gcs(url: str, timeout: float) -> Any:

@@ -153,6 +153,27 @@ def test_a_writer_s_own_prefixes_on_s3_are_skipped_and_said(endpoint: dict[str, 
     ]
 
 
+def test_a_key_with_a_space_or_unicode_is_read_as_written_and_one_with_a_query_is_told_how(
+    endpoint: dict[str, str],
+) -> None:
+    """Keys hold any character: a space or `ünï ✓` given as written (pyarrow parses a URI, which holds neither) is read
+    as its local copy is (it read 'Install s3fs to access S3'); a '?' reads as a query string, and the line says how
+    to write it."""
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="odd")
+    for prefix in ("sp ace", "ünï ✓", "q?x"):
+        for shard in sorted((SAMPLE_LOGS / "bug_local_mean").glob("*.parquet")):
+            client.upload_file(str(shard), "odd", f"{prefix}/bug_local_mean/{shard.name}")
+    local = tokaudit("check", str(SAMPLE_LOGS / "bug_local_mean"), "--format", "json")
+    for prefix in ("sp ace", "ünï ✓", "q%3Fx"):
+        remote = tokaudit("check", f"s3://odd/{prefix}/", "--format", "json", env=endpoint)
+        assert remote.returncode == local.returncode == 1, remote.stderr
+        assert json.loads(remote.stdout) == json.loads(local.stdout)
+    query = tokaudit("check", "s3://odd/q?x/", env=endpoint)
+    assert query.returncode == 2 and query.stderr.count("\n") == 1, query.stderr
+    assert query.stderr.endswith("a key's '?', '#' and '%' are written %3F, %23 and %25\n"), query.stderr
+
+
 def test_a_damaged_object_is_one_line_and_the_others_are_audited(endpoint: dict[str, str]) -> None:
     client = boto3.client("s3")
     client.create_bucket(Bucket="damaged")

@@ -1137,6 +1137,22 @@ def test_a_range_whose_file_cannot_be_decoded_names_the_file_and_audits_the_othe
     assert report.runs[0].steps == 27
 
 
+def test_a_file_removed_while_the_audit_reads_is_said_gone_not_corrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A late step range's file deleted once the audit has listed the log (as the first range starts): named as
+    gone, the other ranges audited."""
+    rows = records(UNEVEN_GA * 10, token_mean)
+    for first in range(0, 30, 3):
+        write(tmp_path / "run" / f"rank-all-{first:06d}.parquet", [r for r in rows if first <= r["step"] < first + 3])
+    late = tmp_path / "run" / "rank-all-000024.parquet"
+    monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "24")
+    monkeypatch.setattr("tokaudit._opening.PROGRESS_ROWS", 0)  # progress said of a log this small
+    report = audit([tmp_path], progress=lambda *_: late.unlink(missing_ok=True))
+    assert not late.exists() and report.runs[0].steps == 27
+    assert f"{late}: gone: removed or renamed since the audit listed it" in report.problems, report.problems
+
+
 def test_the_engine_s_database_does_not_take_float_statistics_for_the_truth(tmp_path: Path) -> None:
     """pyarrow leaves NaN out of a float column's statistics and writes no NaN count; DuckDB 2 by default
     then skips the row group of `WHERE isnan(x)` and answers max(x) from the statistics. A NaN is what the
