@@ -162,13 +162,15 @@ def _aggregated(
                         steps.close()
                     return unusable
             return engine, steps
-        except duckdb.Error:
+        except (duckdb.Error, OSError):
             engine.close()
             raise
     except duckdb.InterruptException:
         raise KeyboardInterrupt from None  # Ctrl-C inside a query: the user's, never a shard's fault
-    except duckdb.Error as error:
+    except (duckdb.Error, OSError) as error:  # (an object store's file gone: pyarrow's OSError, in DuckDB's scan)
         broken = _undecodable(shards) or changed(shards, since)
+        if not broken and not isinstance(error, duckdb.Error):
+            raise
         if not broken and isinstance(error, duckdb.OutOfMemoryException):
             # every file decodes: the limit is too small for this log, which is no file's fault
             raise UsageError(
@@ -220,8 +222,19 @@ def _undecodable(shards: list[Shard]) -> dict[object, LogFormatError]:
             # and a whole file read here would add to it
             for _ in pq.ParquetFile(shard.open()).iter_batches(batch_size=65_536):
                 pass
-        except FileNotFoundError:
-            broken[shard.path] = LogFormatError(shard.name, "gone: removed or renamed since the audit listed it")
         except Exception as error:
-            broken[shard.path] = LogFormatError(shard.name, f"corrupt data ({first_line(error)})")
+            said = "gone: removed or renamed since the audit listed it" if _gone(shard) else None
+            broken[shard.path] = LogFormatError(shard.name, said or f"corrupt data ({first_line(error)})")
     return broken
+
+
+def _gone(shard: Shard) -> bool:
+    """Whether the shard's file is no longer where the audit listed it (on disk or in its object store)."""
+    try:
+        if shard.store is None:
+            return not os.path.lexists(shard.path)
+        import pyarrow.fs as pafs
+
+        return bool(shard.store.filesystem.get_file_info(str(shard.path)).type == pafs.FileType.NotFound)
+    except OSError:
+        return False

@@ -112,6 +112,10 @@ def open_url(url: str, timeout: float | None = None) -> tuple[Store, str]:
     elsewhere = other_machine(url)
     if elsewhere is not None:
         raise LogFormatError(url, elsewhere)
+    if scheme in ARROW_SCHEMES and "#" in url:  # pyarrow would cut the key there, and read another folder
+        raise LogFormatError(
+            url, "a URL's '#' begins a fragment, which object storage has none of: write a key's '#' %23"
+        )
     try:
         filesystem, path = pafs.FileSystem.from_uri(_encoded(url) if scheme in ARROW_SCHEMES else url)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as arrow_error:
@@ -143,11 +147,11 @@ ARROW_SCHEMES = ("s3", "gs", "gcs")
 
 
 def _encoded(url: str) -> str:
-    """The URL with a key's spaces and other characters no URI holds (non-ASCII ones, as UTF-8) percent-encoded, as
-    pyarrow parses it; what a URI holds, '%', '?' and '#' included, is left as written."""
+    """The URL with a key's spaces, brackets and other characters pyarrow's URI parser refuses there (non-ASCII ones,
+    as UTF-8) percent-encoded; '%', '?' and '#', which a URL reads as its own, are left as written."""
     import urllib.parse
 
-    return urllib.parse.quote(url, safe="%/:=&?~#+!$,;'@()*[]")
+    return urllib.parse.quote(url, safe="%/:=&?~#+!$,;'@()*")
 
 
 def _bounded_gcs(url: str, timeout: float) -> Any:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scenarios.strategies import IGNORE_INDEX, VOCAB, make_model, microbatch
+from scenarios.strategies import IGNORE_INDEX, VOCAB, loaded, make_model, microbatch
 from tokaudit.hooks import Recorder
 
 COUNTS = (((2, 7), (5, 3)), ((3, 3), (8, 1)), ((6, 2), (1, 4)))  # counts[step][rank][micro]
@@ -82,10 +82,7 @@ def reference_gradient(
     before: list[torch.Tensor], step: int, weights: torch.Tensor = CLASS_WEIGHTS
 ) -> list[torch.Tensor]:
     """The weighted token mean's gradient over every rank and microbatch of the step, in one float64 process."""
-    model = make_model()
-    with torch.no_grad():
-        for p, value in zip(model.parameters(), before):
-            p.copy_(value)
+    model = loaded(make_model(), before)
     total, mass = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     for rank, counts in enumerate(COUNTS[step]):
         for micro, count in enumerate(counts):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from scenarios.strategies import loaded
 from tokaudit.hooks import Recorder
 
 VOCAB, WIDTH, SEQ, ROWS, IGNORE_INDEX = 13, 8, 6, 4, -100
@@ -61,10 +62,7 @@ def update_tokens(update: int, calls: int) -> int:
 def reference_gradient(params: list[torch.Tensor], update: int, calls: int) -> list[torch.Tensor]:
     """Single process, float64: ∇ ΣS/N over every token of the update."""
     embedding, head = make_model()
-    model = nn.Sequential(embedding, head)
-    with torch.no_grad():
-        for target, source in zip(model.parameters(), params, strict=True):
-            target.copy_(source)
+    model = loaded(nn.Sequential(embedding, head), params)
     objective = torch.zeros((), dtype=torch.float64)
     for call in range(calls):
         tokens, labels = batch(update, call)

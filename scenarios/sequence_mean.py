@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scenarios.strategies import IGNORE_INDEX, VOCAB, make_model, microbatch
+from scenarios.strategies import IGNORE_INDEX, VOCAB, loaded, make_model, microbatch
 from tokaudit.hooks import Recorder
 
 COUNTS = (((2, 7), (5, 3)), ((8, 1), (4, 6)))
@@ -36,10 +36,7 @@ def per_token(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor
 
 def reference_gradient(params: list[torch.Tensor], step: int, world_size: int) -> list[torch.Tensor]:
     """Single process, float64: ∇ Σ_seq S_seq/(n_seq·W·B), every sequence of the step weighed alike."""
-    model = make_model()
-    with torch.no_grad():
-        for target, source in zip(model.parameters(), params):
-            target.copy_(source)
+    model = loaded(make_model(), params)
     total = torch.zeros((), dtype=torch.float64)
     for rank, counts in enumerate(COUNTS[step]):
         tokens, labels = sequences(step, rank, counts)

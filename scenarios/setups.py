@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scenarios.strategies import IGNORE_INDEX, SEQ, VOCAB, WIDTH, Counts, _summing_hook, microbatch
+from scenarios.strategies import IGNORE_INDEX, SEQ, VOCAB, WIDTH, Counts, _summing_hook, loaded, microbatch
 from tokaudit.hooks import Recorder, global_valid_tokens
 
 
@@ -158,10 +158,7 @@ def step_counts(setup: Setup, step: int, members: list[int]) -> list[int]:
 def reference_gradient(setup: Setup, params: list[torch.Tensor], step: int, members: list[int]) -> list[torch.Tensor]:
     """Single process, float64: ∇ Σ_terms λ_term·ΣS_term/N_term over the group's tokens of one step (λ = 1 but
     for a weighed last head, `aux_weight`)."""
-    model = make_heads(setup.heads)
-    with torch.no_grad():
-        for target, source in zip(model.parameters(), params, strict=True):
-            target.copy_(source)
+    model = loaded(make_heads(setup.heads), params)
     totals = step_counts(setup, step, members)
     objective = torch.zeros((), dtype=torch.float64)
     for rank in members:

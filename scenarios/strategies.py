@@ -11,7 +11,7 @@ import os
 import signal
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,17 @@ class TinyLM(nn.Module):
 def make_model() -> TinyLM:
     torch.manual_seed(1234)
     return TinyLM().double()
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def loaded(model: M, params: list[torch.Tensor]) -> M:
+    """The model with these parameters: where a float64 reference starts a step from."""
+    with torch.no_grad():
+        for target, source in zip(model.parameters(), params, strict=True):
+            target.copy_(source)
+    return model
 
 
 def microbatch(
@@ -266,10 +277,7 @@ def reference_gradient(
 
     With `weights=None`, w = 1/N: the token-mean objective L = ΣS/N.
     """
-    model = make_model()
-    with torch.no_grad():
-        for target, source in zip(model.parameters(), params):
-            target.copy_(source)
+    model = loaded(make_model(), params)
     step_tokens = sum(sum(scenario.counts[step][r]) for r in members)
     total = torch.zeros((), dtype=torch.float64)
     for rank in members:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scenarios.strategies import make_model, microbatch, per_token_loss
+from scenarios.strategies import loaded, make_model, microbatch, per_token_loss
 from tokaudit.hooks import Recorder
 
 COUNTS = (((2, 7, 4), (5, 3)), ((3, 3), (8, 1, 2)), ((6, 2, 5), (1, 4)))  # counts[step][rank][micro]
@@ -48,10 +48,7 @@ def job(rank: int, world_size: int, variant: str, out: str) -> dict[str, Any]:
 
 def reference_gradient(before: list[torch.Tensor], step: int) -> list[torch.Tensor]:
     """The token mean's gradient over every rank and microbatch of the step, in one float64 process."""
-    model = make_model()
-    with torch.no_grad():
-        for p, value in zip(model.parameters(), before):
-            p.copy_(value)
+    model = loaded(make_model(), before)
     total = torch.zeros((), dtype=torch.float64)
     for rank, counts in enumerate(COUNTS[step]):
         for micro, count in enumerate(counts):

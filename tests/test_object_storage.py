@@ -161,17 +161,51 @@ def test_a_key_with_a_space_or_unicode_is_read_as_written_and_one_with_a_query_i
     to write it."""
     client = boto3.client("s3")
     client.create_bucket(Bucket="odd")
-    for prefix in ("sp ace", "ünï ✓", "q?x"):
+    for prefix in ("sp ace", "ünï ✓", "q?x", "br[1]"):
         for shard in sorted((SAMPLE_LOGS / "bug_local_mean").glob("*.parquet")):
             client.upload_file(str(shard), "odd", f"{prefix}/bug_local_mean/{shard.name}")
     local = tokaudit("check", str(SAMPLE_LOGS / "bug_local_mean"), "--format", "json")
-    for prefix in ("sp ace", "ünï ✓", "q%3Fx"):
+    for prefix in ("sp ace", "ünï ✓", "q%3Fx", "br[1]"):
         remote = tokaudit("check", f"s3://odd/{prefix}/", "--format", "json", env=endpoint)
         assert remote.returncode == local.returncode == 1, remote.stderr
         assert json.loads(remote.stdout) == json.loads(local.stdout)
     query = tokaudit("check", "s3://odd/q?x/", env=endpoint)
     assert query.returncode == 2 and query.stderr.count("\n") == 1, query.stderr
     assert query.stderr.endswith("a key's '?', '#' and '%' are written %3F, %23 and %25\n"), query.stderr
+    # a '#' would cut the key short: pyarrow read s3://odd/q/, another folder, without a word
+    fragment = tokaudit("check", "s3://odd/q#x/", env=endpoint)
+    assert fragment.returncode == 2 and fragment.stdout == "", fragment.stderr
+    assert fragment.stderr == (
+        "tokaudit: error: s3://odd/q#x/: a URL's '#' begins a fragment, which object storage has none of: write a "
+        "key's '#' %23\n"
+    )
+
+
+def test_an_object_removed_while_the_audit_reads_is_said_gone_and_the_others_are_audited(
+    endpoint: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """As on disk: a late step range's object deleted once the audit has listed the log (as the first range starts)
+    is named as gone and the other ranges audited (it was a traceback from the library, and from the command an
+    "output:" line that audited nothing)."""
+    from tests.logs import UNEVEN_GA, records, token_mean, write
+    from tokaudit import audit
+
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="gone")
+    rows = records(UNEVEN_GA * 10, token_mean)
+    for first in range(0, 30, 3):
+        path = write(tmp_path / f"rank-all-{first:06d}.parquet", [r for r in rows if first <= r["step"] < first + 3])
+        client.upload_file(str(path), "gone", f"run/{path.name}")
+    for name, value in endpoint.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TOKAUDIT_CHUNK_ROWS", "24")
+    monkeypatch.setattr("tokaudit._opening.PROGRESS_ROWS", 0)  # progress said of a log this small
+    report = audit(["s3://gone/run/"], progress=lambda *_: client.delete_object(Bucket="gone", Key=LATE))
+    assert report.runs[0].steps == 27
+    assert f"s3://gone/{LATE}: gone: removed or renamed since the audit listed it" in report.problems, report.problems
+
+
+LATE = "run/rank-all-000024.parquet"
 
 
 def test_a_damaged_object_is_one_line_and_the_others_are_audited(endpoint: dict[str, str]) -> None:

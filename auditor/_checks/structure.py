@@ -37,6 +37,7 @@ class StructureCheck(Check):
         keep_steps = term.keep_steps
         self.inconsistent = FlaggedSteps(keep_steps)
         self.uneven = FlaggedSteps(keep_steps)
+        self.uneven_known = FlaggedSteps(False)  # those whose every record says whether it synced: decided
         self.changes: dict[str, tuple[list[int], StepsSeen]] = {}
         self.cut: set[str] = set()  # groups whose W changed more often than CHANGES_SAID lists
         self.stand_in = term.stand_in  # its records may not count a rank's microbatches (`TermInputs.stand_in`)
@@ -48,7 +49,10 @@ class StructureCheck(Check):
         # (a sum of all-reduced sums is the all-reduced sum), and the weights say
         # whether N counted every microbatch. Flagged where the log shows otherwise or does not say.
         if not self.stand_in:
-            self.uneven.add(block, differ_rows(block, "microbatches_low", "microbatches_high") & ~_synced_once(block))
+            uneven = differ_rows(block, "microbatches_low", "microbatches_high") & ~_synced_once(block)
+            self.uneven.add(block, uneven)
+            if "sync_known" in block:
+                self.uneven_known.add(block, uneven & (column_of(block, "sync_known") == column_of(block, "records")))
         world, steps = column_of(block, "world_high"), column_of(block, "step")
         agreed = column_of(block, "world_low") == world  # (a step whose ranks disagree is world_size_inconsistent's)
         for group, rows in grouped(block.grp):
@@ -97,9 +101,10 @@ class StructureCheck(Check):
                     {"world_sizes": sizes, "world_sizes_cut": group in self.cut},
                 )
         if self.uneven:
-            row = self.uneven.first
-            known = "sync_known" in row.index and row.sync_known == row.records
-            said = "do not show" if known else "do not say (no sync recorded)"
+            # the first step the records decide, where some do: one step not said does not make the others so
+            known = bool(self.uneven_known)
+            row = self.uneven_known.first if known else self.uneven.first
+            said = "do not show" if known else "do not say (not every record says whether it synced)"
             yield make_finding(
                 context,
                 Code.UNEVEN_MICROBATCHES,

@@ -688,6 +688,20 @@ def test_uneven_microbatches_with_a_loss_recorded_by_two_layers_are_correct_wher
     assert report.runs[0].verdict == "incorrect" and Code.UNEVEN_MICROBATCHES in {f.code for f in report.findings}
 
 
+def test_a_step_that_does_not_say_whether_it_synced_leaves_the_steps_that_do_decided(tmp_path: Path) -> None:
+    """Rank 0 runs 2 microbatches and rank 1 one, every microbatch synchronizing (2 all-reduces against 1); at step 0
+    rank 1's record says nothing of its sync. Steps 1 and 2 show the mismatch: incorrect, named at step 1 (the run
+    read inconclusive, by its first step alone)."""
+    rows = [dict(r, sync=True) for r in records([[[3, 2], [4]]] * 3, token_mean)]
+    for row in rows:
+        if (row["step"], row["rank"]) == (0, 1):
+            row["sync"] = None
+    report = audit_rows(tmp_path, rows)
+    finding = only(report, Code.UNEVEN_MICROBATCHES)
+    assert report.runs[0].verdict == "incorrect" and not finding.undecidable
+    assert finding.evidence["step"] == 1 and "the records do not show that every rank" in finding.message
+
+
 def test_duplicates_keep_the_later_record(tmp_path: Path) -> None:
     good = records(UNEVEN, token_mean)
     stale = [dict(row, backward_scalar=row["backward_scalar"] * 3) for row in good if row["step"] == 2]
