@@ -40,6 +40,7 @@ class Code(str, Enum):
     MASKED_TOKENS_WEIGHTED = "masked_tokens_weighted"
     MISSING_RANK = "missing_rank"
     UNEVEN_MICROBATCHES = "uneven_microbatches"
+    UNEQUAL_SYNCS = "unequal_syncs"
     WORLD_SIZE_INCONSISTENT = "world_size_inconsistent"
     WORLD_SIZE_CHANGED = "world_size_changed"
     DUPLICATE_RECORDS = "duplicate_records"

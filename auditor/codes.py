@@ -180,6 +180,16 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         "with rank 0's next step.",
         severity_note="where no record says whether it synced, the logs cannot tell: alone, `inconclusive`",
     ),
+    Code.UNEQUAL_SYNCS: CodeDoc(
+        Severity.WARNING,
+        "ranks of as many microbatches synchronized different numbers of times in one step",
+        why="A backward that syncs all-reduces on every rank: where one rank syncs more often than another, its extra "
+        "all-reduce pairs with the other's next one or waits alone (`uneven_microbatches` judges uneven counts).",
+        fix="Run all but each rank's last microbatch under no_sync() on every rank alike (the same accumulation "
+        "steps everywhere).",
+        example="Two microbatches a rank: rank 0 runs both outside no_sync(), rank 1 only its last; rank 0's second "
+        "all-reduce pairs with rank 1's first of the next step.",
+    ),
     Code.WORLD_SIZE_INCONSISTENT: CodeDoc(
         Severity.ERROR,
         "ranks disagree on W within one step",

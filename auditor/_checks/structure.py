@@ -9,7 +9,7 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit._checks.base import Check, FlaggedSteps, TermInputs, ListedSteps, StepsSeen
+from tokaudit._checks.base import Check, FlaggedSteps, RunContext, TermInputs, ListedSteps, StepsSeen
 from tokaudit._checks.base import column_of, differ_rows, grouped, make_finding, median_of, nan_sum
 from tokaudit._normalization import Diagnoses
 from tokaudit.codes import CODE_DOCS, Code, Severity
@@ -38,6 +38,7 @@ class StructureCheck(Check):
         self.inconsistent = FlaggedSteps(keep_steps)
         self.uneven = FlaggedSteps(keep_steps)
         self.uneven_known = FlaggedSteps(False)  # those whose every record says whether it synced: decided
+        self.unequal = FlaggedSteps(keep_steps)
         self.changes: dict[str, tuple[list[int], StepsSeen]] = {}
         self.cut: set[str] = set()  # groups whose W changed more often than CHANGES_SAID lists
         self.stand_in = term.stand_in  # its records may not count a rank's microbatches (`TermInputs.stand_in`)
@@ -51,8 +52,14 @@ class StructureCheck(Check):
         if not self.stand_in:
             uneven = differ_rows(block, "microbatches_low", "microbatches_high") & ~_synced_once(block)
             self.uneven.add(block, uneven)
-            if "sync_known" in block:
-                self.uneven_known.add(block, uneven & (column_of(block, "sync_known") == column_of(block, "records")))
+            if "sync_known" in block and "rank_synced_low" in block:
+                known = column_of(block, "sync_known") == column_of(block, "records")
+                self.uneven_known.add(block, uneven & known)
+                # as many microbatches on every rank, each last one synchronized (else missing_sync's), more often on
+                # some (a loss recorded by k layers leaves k records of each backward on every rank alike)
+                even = ~differ_rows(block, "microbatches_low", "microbatches_high")
+                synced = differ_rows(block, "rank_synced_low", "rank_synced_high")
+                self.unequal.add(block, known & even & synced & (column_of(block, "unsynced_ranks") == 0))
         world, steps = column_of(block, "world_high"), column_of(block, "step")
         agreed = column_of(block, "world_low") == world  # (a step whose ranks disagree is world_size_inconsistent's)
         for group, rows in grouped(block.grp):
@@ -100,6 +107,23 @@ class StructureCheck(Check):
                     "nothing to fix if the restart was intended; check that N and W were recomputed after it",
                     {"world_sizes": sizes, "world_sizes_cut": group in self.cut},
                 )
+        yield from self._sync_findings(context)
+
+    def _sync_findings(self, context: RunContext) -> Iterator[Finding]:
+        """uneven_microbatches and unequal_syncs: ranks whose synced backwards do not pair one for one."""
+        if self.unequal:
+            row = self.unequal.first
+            low, high = int(row.rank_synced_low), int(row.rank_synced_high)
+            yield make_finding(
+                context,
+                Code.UNEQUAL_SYNCS,
+                self.unequal.steps,
+                f"Ranks running {int(row.microbatches_low)} microbatch(es) each synchronized gradients different "
+                f"numbers of times in one step (step {int(row.step)}: from {low} to {high} synchronized records a "
+                "rank): an extra all-reduce pairs with another rank's next one, or waits alone.",
+                "run all but each rank's last microbatch under no_sync() on every rank alike",
+                {"step": int(row.step), "synced_records_low": low, "synced_records_high": high},
+            )
         if self.uneven:
             # the first step the records decide, where some do: one step not said does not make the others so
             known = bool(self.uneven_known)

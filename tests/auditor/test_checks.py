@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 from tests.logs import audit_rows, codes, only, UNEVEN, UNEVEN_GA, local_mean, records, token_loss, token_mean, write
 from tests.logs import write_by_rank
 from tokaudit._auditing import audit
+from tokaudit._report import AuditReport
 from tokaudit._schema import PROVENANCE_KEY
 from tokaudit.codes import Code, Severity
 
@@ -686,6 +688,25 @@ def test_uneven_microbatches_with_a_loss_recorded_by_two_layers_are_correct_wher
     assert report.runs[0].verdict == "correct" and report.findings == [], [f.message for f in report.findings]
     report = audit_rows(tmp_path / "early", terms(early=True))
     assert report.runs[0].verdict == "incorrect" and Code.UNEVEN_MICROBATCHES in {f.code for f in report.findings}
+
+
+def test_ranks_of_as_many_microbatches_that_synchronize_unequally_are_incorrect(tmp_path: Path) -> None:
+    """2 microbatches a rank, the token mean: rank 0 runs both outside no_sync(), rank 1 only its last, so rank 0's
+    second all-reduce pairs with rank 1's first of the next step (it read correct: only uneven counts were looked
+    at). Both ranks syncing both, or each only its last, is correct (sync_every_micro, information, for the first)."""
+    counts = [[[3, 2], [4, 1]], [[1, 5], [2, 6]]]
+
+    def audited(name: str, synced: Callable[[int, int], bool]) -> AuditReport:
+        rows = [dict(r, sync=synced(r["rank"], r["micro"])) for r in records(counts, token_mean)]
+        return audit_rows(tmp_path / name, rows)
+
+    report = audited("unequal", lambda rank, micro: micro == 1 or rank == 0)
+    finding = only(report, Code.UNEQUAL_SYNCS)
+    assert report.runs[0].verdict == "incorrect" and finding.steps.count == 2
+    assert finding.evidence == {"step": 0, "synced_records_low": 1, "synced_records_high": 2}
+    assert audited("last", lambda rank, micro: micro == 1).runs[0].verdict == "correct"
+    every = audited("every", lambda rank, micro: True)
+    assert every.runs[0].verdict == "correct" and codes(every) == {"sync_every_micro"}, codes(every)
 
 
 def test_a_step_that_does_not_say_whether_it_synced_leaves_the_steps_that_do_decided(tmp_path: Path) -> None:
