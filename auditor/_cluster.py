@@ -215,15 +215,12 @@ def _answers(address: str) -> None:
     for minutes (its client for half of one, with a warning of its own), or for ever where another server listens
     there. `auto` is the address Ray would join (RAY_ADDRESS, else the cluster this machine last started), whose
     head may have died since."""
-    served = (_auto_address() if address == "auto" else address.removeprefix("ray://")) or ""
-    host, _, port = served.rpartition(":")
-    if not host or not port.isdigit() or "://" in served:
+    found = _server(address)
+    if found is None:
         return  # `auto` with no cluster started here, `local`, another scheme: Ray's to answer
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # an IPv6 address, as sockets take it
+    served, host, port = found
     try:
-        with socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS) as connection:
-            # (a cluster that speaks TLS answers no plain preface: Ray's to judge)
-            grpc = _tls() or _speaks_http2(connection)
+        grpc = _speaks_grpc(host, port, CONNECT_SECONDS)
     except OSError as error:
         where = f"{served}: " if served != address.removeprefix("ray://") else ""  # what `auto` stood for
         raise UsageError(f"cannot reach the Ray cluster at {address} ({where}{error.strerror or error})") from None
@@ -232,6 +229,24 @@ def _answers(address: str) -> None:
             f"cannot reach the Ray cluster at {address} ({served} answers, but not as Ray does: its head's port, "
             "6379 unless `ray start --head --port` said another, or a Ray client's ray://HOST:10001)"
         )
+
+
+def _server(address: str) -> tuple[str, str, int] | None:
+    """The server an address names (`auto`: the cluster Ray would join; ray://: a Ray client's server): its HOST:PORT,
+    its host as sockets take it and its port; None where only Ray can tell."""
+    served = (_auto_address() if address == "auto" else address.removeprefix("ray://")) or ""
+    host, _, port = served.rpartition(":")
+    if not host or not port.isdigit() or "://" in served:
+        return None
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # an IPv6 address, as sockets take it
+    return served, host, int(port)
+
+
+def _speaks_grpc(host: str, port: int, timeout: float) -> bool:
+    """Whether the server answers as Ray's gRPC does (a cluster that speaks TLS answers no plain preface: connecting
+    is all there is to ask it); OSError where it cannot be reached."""
+    with socket.create_connection((host, port), timeout=timeout) as connection:
+        return _tls() or _speaks_http2(connection)
 
 
 def _speaks_http2(connection: socket.socket) -> bool:
@@ -276,8 +291,8 @@ class HeadWatch:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        served = _auto_address() if address == "auto" else address.removeprefix("ray://")
-        self.head: str | None = served if served and served.rpartition(":")[2].isdigit() else None
+        found = _server(address)
+        self.head = found[0] if found else None
         self._stopped = threading.Event()
         try:
             self._error = os.dup(2)
@@ -311,12 +326,10 @@ class HeadWatch:
 
 
 def _silence(head: str) -> str:
-    """'' where the head answers (a TLS one: accepts a connection), else why not."""
-    host, _, port = head.rpartition(":")
+    """'' where the head (HOST:PORT) answers, else why not."""
+    _, host, port = _server(head) or (head, head, 0)
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0) as connection:
-            connection.settimeout(1.0)
-            return "" if _tls() or _speaks_http2(connection) else "no answer within a second"
+        return "" if _speaks_grpc(host, port, 1.0) else "no answer within a second"
     except OSError as error:
         return error.strerror or str(error)
 

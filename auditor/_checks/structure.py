@@ -45,21 +45,8 @@ class StructureCheck(Check):
 
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         self.inconsistent.add(block, differ_rows(block, "world_low", "world_high"))
-        # Ranks may run different numbers of microbatches as long as each synchronizes as often as the others, its
-        # last included (one synced backward, the others under no_sync): DDP then all-reduces as often on every rank
-        # (a sum of all-reduced sums is the all-reduced sum), and the weights say
-        # whether N counted every microbatch. Flagged where the log shows otherwise or does not say.
         if not self.stand_in:
-            uneven = differ_rows(block, "microbatches_low", "microbatches_high") & ~_synced_once(block)
-            self.uneven.add(block, uneven)
-            if "sync_known" in block and "rank_synced_low" in block:
-                known = column_of(block, "sync_known") == column_of(block, "records")
-                self.uneven_known.add(block, uneven & known)
-                # as many microbatches on every rank, each last one synchronized (else missing_sync's), more often on
-                # some (a loss recorded by k layers leaves k records of each backward on every rank alike)
-                even = ~differ_rows(block, "microbatches_low", "microbatches_high")
-                synced = differ_rows(block, "rank_synced_low", "rank_synced_high")
-                self.unequal.add(block, known & even & synced & (column_of(block, "unsynced_ranks") == 0))
+            self._add_syncs(block)
         world, steps = column_of(block, "world_high"), column_of(block, "step")
         agreed = column_of(block, "world_low") == world  # (a step whose ranks disagree is world_size_inconsistent's)
         for group, rows in grouped(block.grp):
@@ -79,6 +66,27 @@ class StructureCheck(Check):
                     sizes[-1] = int(w)
                     self.cut.add(group)
             changed.add(at[values != sizes[0]])
+
+    def _add_syncs(self, block: pd.DataFrame) -> None:
+        """Steps whose ranks' synced backwards may not pair one for one (`_sync_findings`). Ranks may run different
+        numbers of microbatches as long as each synchronizes as often as the others, its last included: DDP then
+        all-reduces as often on every rank (a sum of all-reduced sums is the all-reduced sum), and the weights say
+        whether N counted every microbatch. Flagged where the log shows otherwise or does not say."""
+        uneven = differ_rows(block, "microbatches_low", "microbatches_high")
+        if "sync_known" not in block or "rank_synced_low" not in block:  # a table that holds no sync counts at all
+            self.uneven.add(block, uneven)
+            return
+        # every record says whether it synced, every rank's last microbatch did, and each rank as often as every
+        # other: the all-reduces pair off one for one (one synced backward each, or a loss recorded by k layers,
+        # k records of each backward on every rank alike)
+        known = column_of(block, "sync_known") == column_of(block, "records")
+        last = column_of(block, "unsynced_ranks") == 0
+        unequal = differ_rows(block, "rank_synced_low", "rank_synced_high")
+        paired = known & last & ~unequal & (column_of(block, "rank_synced_low") >= 1)
+        self.uneven.add(block, uneven & ~paired)
+        self.uneven_known.add(block, uneven & ~paired & known)
+        # as many microbatches on every rank, each last one synchronized (else missing_sync's), more often on some
+        self.unequal.add(block, known & last & unequal & ~uneven)
 
     def findings(self) -> Iterator[Finding]:
         context = self.context
@@ -146,20 +154,6 @@ class StructureCheck(Check):
                 },
                 undecidable=None if known else True,  # nothing says how often each rank synced
             )
-
-
-def _synced_once(block: pd.DataFrame) -> npt.NDArray[np.bool_]:
-    """Steps whose every record says whether it synced, where every rank synchronized as often as every other, its
-    last microbatch included: DDP's all-reduces then pair off one for one on every rank (one synced backward each,
-    its last, or a loss recorded by several layers, k records of one backward on every rank)."""
-    if "sync_known" not in block or "rank_synced_low" not in block:  # a table that holds no sync counts at all
-        return np.zeros(len(block), dtype=bool)
-    known = column_of(block, "sync_known") == column_of(block, "records")
-    low = column_of(block, "rank_synced_low")
-    synced: npt.NDArray[np.bool_] = (
-        known & (low >= 1) & (low == column_of(block, "rank_synced_high")) & (column_of(block, "unsynced_ranks") == 0)
-    )
-    return synced
 
 
 class ValuesCheck(Check):
