@@ -192,10 +192,20 @@ def windows(files: Sequence[tuple[str, str, list[int] | None]], columns: list[st
                 continue
             parts = [part for part in (r.take(bound) for r in readers) if part is not None]
             if parts:
-                yield pa.concat_tables([parts[0], *(p.cast(parts[0].schema) for p in parts[1:])])
+                yield _merged(parts)
     finally:
         for reader in readers:
             reader.file.close()
+
+
+def _merged(parts: list[pa.Table]) -> pa.Table:
+    """The files' parts of one window as one table in step order. Each part is in step order already: a stable sort
+    merges them (numpy's timsort finds the runs), and DuckDB's grouping by step then meets each step's records
+    together, not one file's steps after another's (a window's query takes about two thirds of the time)."""
+    table = pa.concat_tables([parts[0], *(p.cast(parts[0].schema) for p in parts[1:])])
+    if len(parts) == 1:
+        return table
+    return table.take(np.argsort(table.column("step").to_numpy(), kind="stable"))
 
 
 def windowed(

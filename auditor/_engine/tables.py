@@ -32,11 +32,12 @@ def categorical(names: np.ndarray) -> pd.Categorical:
     return pd.Categorical.from_codes(rank[codes], categories=pd.Index(list(names_found[order])))
 
 
-SPILL_STEPS = 1_000_000
+SPILL_STEPS = 1_250_000
 """Steps past which the audit keeps the step table on disk a range at a time (`Engine.step_parts`): whole,
 it costs about 127 bytes a step (1.6 GB at 12.5M steps) and the checks would add their own. What is held before it
 goes, beside the range or window being aggregated, is what decides the audit's peak on a log of millions of steps:
-at 10⁶ steps the 768 MiB budget holds with room for a window's records in Arrow's memory."""
+up to 1.25M steps the 768 MiB budget holds with a window's records in Arrow's memory beside them (at 1.5M it does
+not). Below it the checks' passes read the table in memory, not each range again from disk."""
 
 SCRATCH_PREFIXES = ("tokaudit-steps-", "tokaudit-shards-")
 """The folders an audit makes under TMPDIR: a spilled step table, the links to shards with odd names."""

@@ -45,6 +45,7 @@ def test_windows_hold_whole_steps_in_order_and_every_row_once_with_its_row_numbe
     steps = [w.column("step").to_pylist() for w in found]
     assert all(max(one) < min(two) for one, two in zip(steps, steps[1:]))  # whole steps, in order
     assert all(max(one) - min(one) < 4 for one in steps)  # at most CHUNK_STEPS steps a window
+    assert all(one == sorted(one) for one in steps)  # the files' parts merged: each window in step order
     rows = [row for w in found for row in zip(w.column("filename").to_pylist(), w.column("file_row_number").to_pylist(),
                                              w.column("value").to_pylist())]  # fmt: skip
     assert sorted(value for _, _, value in rows) == sorted(
