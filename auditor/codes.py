@@ -154,12 +154,12 @@ CODE_DOCS: dict[Code, CodeDoc] = {
     Code.MISSING_RANK: CodeDoc(
         Severity.ERROR,
         "a rank has no record for a step others recorded",
-        why="Records of a step come from fewer ranks than W. Either the rank skipped forward/backward (a "
-        "desynchronized collective: DDP hangs or mixes steps) or it did not record, and then its tokens are "
-        "missing from the audit's N. Where every such step lacks only ranks whose recorders the training code closed "
-        "at an earlier step of their group while the others went on (out of data under DDP's join(); W ≤ 64), and "
-        "its records weigh every token 1/N of the ranks still training, that is the token mean under join()'s "
-        "default and not where it divides by the ranks still joined: a warning that the logs cannot tell.",
+        why="Records of a step come from fewer ranks than W. Either the rank skipped forward/backward (a desynchronized "
+        "collective: DDP hangs or mixes steps) or it did not record, and its tokens are missing from the audit's N. "
+        "Where every such step lacks only ranks whose recorders the training code closed earlier while the others went "
+        "on (out of data under DDP's join(); W ≤ 64), its records weighing every token 1/N of the ranks still training, "
+        "that is the token mean under join()'s default, not where it divides by the ranks still joined: a warning that "
+        "the logs cannot tell. A term other than the main one, lacked where the main loss was recorded, its weights right: info.",
         fix="Every rank runs every microbatch's forward and backward, with a zero loss that stays connected to "
         "the graph when it has no valid token; record on every rank.",
         example="Rank 0 has no valid token and `continue`s past backward: rank 1's all-reduce waits for a partner "

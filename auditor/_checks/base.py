@@ -319,6 +319,9 @@ class TermInputs:
     """The local denominator the counts cannot tell from the token mean (`Decisions.confused`)."""
     later: Later = Later()
     """The run's last step with valid tokens and its last with finite losses, over every term."""
+    main_ranks: Any = None
+    """Where the run has several terms: the main term's ranks at each step (`ranks.MainRanks`), which another term's
+    missing_rank reads."""
     stand_in: bool = False
     """Not the main term, it stands for it in groups that hold none of it (`RunSteps.stand_ins`): their logs may hold
     no record of an update's last microbatch (an auxiliary loss of some microbatches), so whether it synchronized

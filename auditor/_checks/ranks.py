@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -65,6 +66,39 @@ def not_recorded_finding(
     )
 
 
+class MainRanks:
+    """Per group, the main term's steps and the ranks that recorded each (`rank_mask`), from its blocks (`add`): a
+    rank that recorded the main term at a step ran backward and its collectives there, whatever another term of
+    that step holds of it."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]]]] = {}
+        self.joined: dict[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]]] = {}
+
+    def add(self, block: pd.DataFrame) -> None:
+        steps, masks = column_of(block, "step").astype(np.int64), rank_masks(block)
+        for group, rows in grouped(block.grp):
+            self.parts.setdefault(group, []).append((steps[rows], masks[rows]))
+
+    def at(self, group: str, steps: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
+        """The main term's rank masks at these steps of a group (0 where it holds none of the step)."""
+        if group in self.parts:  # joined once, in step order, when first asked
+            held = self.parts.pop(group)
+            every = np.concatenate([s for s, _ in held])
+            order = np.argsort(every, kind="stable")
+            self.joined[group] = (every[order], np.concatenate([m for _, m in held])[order])
+        known, masks = self.joined.get(group, (np.zeros(0, np.int64), np.zeros(0, np.uint64)))
+        at = np.minimum(np.searchsorted(known, steps), max(len(known) - 1, 0))
+        found = (known[at] == steps) if len(known) else np.zeros(len(steps), dtype=bool)
+        return np.where(found, masks[at] if len(known) else 0, 0).astype(np.uint64)
+
+
+def _below(worlds: npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
+    """The mask of every rank below W (W ≤ 64): 2^W − 1, every bit at W = 64."""
+    shift = np.minimum(worlds.astype(np.int64), 63).astype(np.uint64)
+    return np.where(worlds >= 64, np.uint64(2**64 - 1), (np.uint64(1) << shift) - np.uint64(1)).astype(np.uint64)
+
+
 class MissingRanksCheck(Check):
     """missing_rank: fewer ranks than W recorded a step that others recorded."""
 
@@ -77,12 +111,17 @@ class MissingRanksCheck(Check):
         for group, rank, step in term.context.provenance.joined:
             self.joined.setdefault(group, {})[rank] = step
         self.unjoined = 0  # such steps a rank is missing from that no close before them explains
+        # Another term's: every rank missing from it at such a step recorded the main term there (W ≤ 64)
+        self.main_ranks = None if term.main_term else term.main_ranks
+        self.elsewhere = self.main_ranks is not None
 
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         rows = column_of(block, "ranks") < column_of(block, "world_high")
         self.missing.add(block, rows)
         if not rows.any():
             return
+        if self.elsewhere and self.main_ranks is not None:
+            self.elsewhere = self._recorded_main(block, rows, self.main_ranks)
         self.unjoined += int((rows & ~_closed_before(block, self.joined)).sum())
         # an update every record of which says skipped (a guard's) trained nothing: its weights say nothing here
         weighed = rows & ~(column_of(block, "skipped_true") == column_of(block, "records"))
@@ -93,8 +132,27 @@ class MissingRanksCheck(Check):
             )
             self.fit = bool(np.all(np.abs(q - 1) <= self.context.rtol))
 
+    @staticmethod
+    def _recorded_main(block: pd.DataFrame, rows: npt.NDArray[np.bool_], main: MainRanks) -> bool:
+        """Every rank below W missing from these rows (ranks < W) recorded the main term at the same step."""
+        worlds = column_of(block, "world_high")
+        if (worlds[rows] > 64).any():
+            return False
+        steps, masks = column_of(block, "step").astype(np.int64), rank_masks(block)
+        for group, within in grouped(block.grp):
+            flagged = np.zeros(len(block), dtype=bool)
+            flagged[within] = True
+            flagged &= rows
+            absent = _below(worlds[flagged]) & ~masks[flagged]
+            if np.any(absent & ~main.at(group, steps[flagged])):
+                return False
+        return True
+
     def findings(self) -> Iterator[Finding]:
         if not self.missing:
+            return
+        if self.elsewhere and self.fit:
+            yield self._other_term_finding()
             return
         first = self.missing.first
         w = int(first.world_high)
@@ -126,6 +184,33 @@ class MissingRanksCheck(Check):
             {"step": int(first.step), "missing_ranks": absent, "world_size": w, "weights_fit": self.fit},
             severity=Severity.WARNING if shadowed else None,
             undecidable=True if shadowed else None,
+        )
+
+    def _other_term_finding(self) -> Finding:
+        """missing_rank of a term other than the main one whose missing ranks recorded the main term at those steps,
+        the records there weighing every token 1/N of the term's own: they ran backward and the collectives, with
+        no token of this term (an auxiliary loss of data only some ranks had)."""
+        first, term = self.missing.first, self.context.term
+        w = int(first.world_high)
+        absent = _unset_ranks(0 if pd.isna(first.rank_mask) else int(first.rank_mask), w)
+        return make_finding(
+            self.context,
+            Code.MISSING_RANK,
+            self.missing.steps,
+            f"{self.missing.rows} step(s) hold no record of loss term {term} from some ranks (step {int(first.step)}: "
+            f"ranks {step_list(absent)} of W={w}), each of which recorded the main loss there: they ran backward "
+            f"and its collectives, with no token of {term}. The records there weigh every token 1/N of {term}'s own "
+            "tokens.",
+            f"nothing, if those ranks had no token of {term}; under DDP a head that gets no gradient on some ranks "
+            "needs find_unused_parameters=True, or a zero loss through it",
+            {
+                "step": int(first.step),
+                "missing_ranks": absent,
+                "world_size": w,
+                "weights_fit": True,
+                "recorded_main_term": True,
+            },
+            severity=Severity.INFO,
         )
 
 

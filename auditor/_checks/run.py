@@ -15,7 +15,7 @@ from tokaudit.codes import Code
 from tokaudit._checks.objective import OneObjective, one_objective
 from tokaudit._checks.probe import ProbeCheck, per_sequence_first
 from tokaudit._checks.reported import reported_findings
-from tokaudit._checks.ranks import MissingRanksCheck, not_recorded_finding, ranks_not_recorded
+from tokaudit._checks.ranks import MainRanks, MissingRanksCheck, not_recorded_finding, ranks_not_recorded
 from tokaudit._checks.structure import DivisorCheck, StructureCheck, ValuesCheck
 from tokaudit._checks.sync import SyncCheck
 from tokaudit._checks.duplicates import duplicates_finding, with_copies_in_one_file
@@ -125,8 +125,11 @@ def _check_terms(
     reported = len(terms) > 1
     passed: list[tuple[str, Decisions | None, RunContext, FactorTable | None, bool]] = []
     later = Later()  # over every term: they train one model
+    main_ranks = MainRanks() if len(terms) > 1 else None
     for term in terms:
-        decisions, shape = _first_pass(source, term, rtol, judged=judged)
+        decisions, shape = _first_pass(
+            source, term, rtol, judged=judged, ranks=main_ranks if term == terms[0] else None
+        )
         if not shape.blocks:
             continue  # every step of the term was left out (count_mismatch)
         if sizes is None:
@@ -139,7 +142,7 @@ def _check_terms(
     for term, decisions, context, factors, declared in passed:
         coefficient = apart and not declared and _in_spans(source, term, decisions, factors)
         term_findings, listed, left_out = _check_term(
-            source, term, decisions, context, factors, extremes, coefficient, later
+            source, term, decisions, context, factors, extremes, coefficient, later, main_ranks
         )
         findings.extend(term_findings)
         spans.extend(listed)
@@ -147,9 +150,13 @@ def _check_terms(
     return findings, spans, omitted, reported
 
 
-def _first_pass(source: RunSteps, term: str, rtol: float, judged: bool) -> tuple[Decisions | None, _Shape]:
-    """A term's decisions (`Decisions.of`, None where its weighting is not `judged` alone) and its shape."""
+def _first_pass(
+    source: RunSteps, term: str, rtol: float, judged: bool, ranks: MainRanks | None = None
+) -> tuple[Decisions | None, _Shape]:
+    """A term's decisions (`Decisions.of`, None where its weighting is not `judged` alone) and its shape; `ranks`
+    noted from its blocks as well (the main term's, where there are others)."""
     shape = _Shape()
+    shape.ranks = ranks
     if not judged:
         for block in source.blocks(term):
             shape.add(block)
@@ -205,6 +212,7 @@ def _check_term(
     extremes: Extremes | None,
     coefficient: bool,
     later: Later = Later(),
+    main_ranks: MainRanks | None = None,
 ) -> tuple[list[Finding], list[Span], int]:
     """Every check of one loss term, fed the term's blocks once: its findings, spans and spans left out.
     Without `decisions` (the terms are one objective, judged together) its weighting is not judged alone.
@@ -223,6 +231,7 @@ def _check_term(
         extremes=extremes,
         confused=decisions.confused if decisions is not None else None,
         later=later,
+        main_ranks=main_ranks,
         stand_in=bool(standing),
     )
     checks = [
@@ -260,9 +269,12 @@ class _Shape:
         self.declared = False
         self.blocks = 0
         self.later = Later()
+        self.ranks: MainRanks | None = None
 
     def add(self, block: pd.DataFrame) -> None:
         self.blocks += 1
+        if self.ranks is not None:
+            self.ranks.add(block)
         self.declared = self.declared or bool((column_of(block, "declared_weights") > 0).any())
         self.worlds.update(world_sizes(block))
         for counts, column in ((self.world_counts, block.world_high), (self.divisor_counts, block.divisor_high)):

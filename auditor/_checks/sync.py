@@ -36,6 +36,9 @@ class SyncCheck(Check):
 
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
         step, unsynced = column_of(block, "step"), column_of(block, "unsynced_ranks")
+        # a group of one rank (W = 1) reduces nothing: its local gradient is the update's, synchronized or not
+        alone = column_of(block, "world_high") == 1
+        unsynced = np.where(alone, 0.0, unsynced)
         for group, rows in grouped(block.grp):
             self.endings.setdefault(group, Ending()).add(block, rows)
         records = column_of(block, "records")
@@ -45,7 +48,7 @@ class SyncCheck(Check):
         # gradients were cleared (zero_grad) before its window ended, and the update after it starts afresh.
         self.cleared += int(((unsynced > 0) & (column_of(block, "skipped_true") == records)).sum())
         self.missed += int((unsynced > 0).sum())
-        multi = (column_of(block, "microbatches_high") > 1) & (column_of(block, "sync_known") == records)
+        multi = (column_of(block, "microbatches_high") > 1) & (column_of(block, "sync_known") == records) & ~alone
         every = multi & (column_of(block, "sync_true") == records)
         self.every.add(step[every])
         self.every_count += int(every.sum())

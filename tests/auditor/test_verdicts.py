@@ -386,3 +386,41 @@ def test_weights_all_zero_say_no_count_was_balanced(tmp_path: Path) -> None:
     report = audit_rows(tmp_path / "zero", records(UNEVEN, token_mean, grad_scale=0.0))
     assert verdict(report) == "incorrect"
     assert [f.code.value for f in report.findings] == ["scale_mismatch"], report.findings
+
+
+def test_a_term_only_some_ranks_hold_weighs_right_where_its_missing_ranks_recorded_the_main_loss(
+    tmp_path: Path,
+) -> None:
+    """An auxiliary loss of data only rank 0 has (image tokens in its batch alone), each token 1/N of the term's own
+    tokens: rank 1 recorded the main loss at every step, so it ran backward and the collectives. Said (info), not an
+    error; the same term normalized by a count that holds tokens no record has stays missing_rank, an error."""
+    main = records(UNEVEN_GA, token_mean, term="0", sync=None)
+    aux_counts = [[[3, 4]], [[2, 5]], [[6, 1]]]  # rank 0's alone, W = 2: N_aux = its own tokens
+    aux = records(aux_counts, token_mean, world_size=2, term="aux")
+    report = audit_rows(tmp_path / "ok", main + aux)
+    finding = only(report, Code.MISSING_RANK)
+    assert verdict(report) == "correct" and finding.severity == Severity.INFO
+    assert finding.term == "aux" and finding.evidence["missing_ranks"] == [1]
+    assert "recorded the main loss" in finding.message and "find_unused_parameters" in finding.fix
+
+    # N_aux + 4: the weights there are 7/11, 7/11, 7/11 of 1/N, no token of rank 1 makes them up
+    padded = records(aux_counts, lambda S, N, W, **_: W * S / (N + 4), world_size=2, term="aux")
+    report = audit_rows(tmp_path / "padded", main + padded)
+    assert only(report, Code.MISSING_RANK).severity == Severity.ERROR and verdict(report) == "incorrect"
+
+    # rank 1 records neither term at step 1: that step is the main term's missing rank, an error
+    gone = [r for r in main if not (r["step"] == 1 and r["rank"] == 1)]
+    report = audit_rows(tmp_path / "gone", gone + aux)
+    assert {f.severity for f in report.findings if f.code == Code.MISSING_RANK} >= {Severity.ERROR}
+    assert verdict(report) == "incorrect"
+
+
+def test_one_rank_that_says_it_never_synchronized_stepped_on_the_whole_gradient(tmp_path: Path) -> None:
+    """W = 1: no collective, so the local gradient is the update's. Records of sync false on every microbatch (a
+    single process's loop, no DDP) are no missing_sync; a local mean there is still one."""
+    counts = [[[5, 17, 3]], [[2, 6, 9]], [[8, 4, 1]]]
+    report = audit_rows(tmp_path / "ok", records(counts, token_mean, sync=False))
+    assert report.findings == [] and verdict(report) == "correct"
+    local = records(counts, lambda S, n, M, **_: S / n / M, sync=False)
+    report = audit_rows(tmp_path / "local", local)
+    assert Code.MISSING_SYNC not in {f.code for f in report.findings} and verdict(report) == "incorrect"
