@@ -367,6 +367,13 @@ class SchemaFacts:
     text: frozenset[str]
     """Its columns of text (string, large_string, a dictionary of either), whose statistics' value is their
     stored UTF-8 bytes decoded."""
+    shadowed: tuple[str, ...] = ()
+    """`Shard.shadowed`: its extra columns named as the scan's own (SCAN_COLUMNS)."""
+
+
+SCAN_COLUMNS = ("filename", "file_row_number")
+"""What the aggregation's scan adds to each record (its file and its row there): a file's own column of either name
+is an extra column DuckDB's Parquet scan cannot read beside them."""
 
 
 _SCHEMAS: dict[tuple[tuple[tuple[str, str], ...], frozenset[str]], SchemaFacts] = {}
@@ -387,8 +394,9 @@ def checked_schema(schema: pa.Schema, supplied: frozenset[str] = frozenset()) ->
         signature = tuple(f for f in fields if f[0] in COLUMNS_BY_NAME)
         raw = frozenset(c for c, arrow_type in signature if (footer_reading(arrow_type) or (int, False, False))[1])
         text = frozenset(c for c, arrow_type in signature if footer_type(arrow_type) == pa.string())
+        shadowed = tuple(column for column in SCAN_COLUMNS if column in schema.names)
         facts = _SCHEMAS[fields, supplied] = SchemaFacts(
-            problem, present, (present & STATISTICS_COLUMNS) | set(unsigned), unsigned, signature, raw, text
+            problem, present, (present & STATISTICS_COLUMNS) | set(unsigned), unsigned, signature, raw, text, shadowed
         )
     return facts
 

@@ -78,6 +78,9 @@ class Shard:
     """A one-row file's record, one value per `signature` column (None: a null), when its footer's
     statistics give every value exactly (`footer_record`): the aggregation reads it from here instead of
     opening the file again (what most of the audit of many one-row shards would cost)."""
+    shadowed: tuple[str, ...] = ()
+    """Its extra columns named as what the aggregation's scan adds to each record (`footers.SCAN_COLUMNS`): DuckDB's
+    Parquet scan cannot read the file beside them, so it is scanned as an Arrow dataset without them."""
 
     @property
     def name(self) -> str:
@@ -178,6 +181,7 @@ def inspect_shard(path: PurePath, store: Store | None = None, thorough: bool = T
         null_columns=empty,
         step_groups=row_group_steps(metadata, index, facts) if record is None else (),
         record=record,
+        shadowed=facts.shadowed,
     )
 
 

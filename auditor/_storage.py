@@ -192,10 +192,13 @@ def sized_fragment(store: Store, path: str) -> Any:
         return None
 
 
-def object_dataset(store: Store, path: str) -> Any:
-    """One object as an Arrow dataset, which DuckDB scans with the columns and steps it asks for."""
+def object_dataset(store: Store | None, path: str) -> Any:
+    """One object (a local file: `store` None) as an Arrow dataset, which DuckDB scans with the columns and steps it
+    asks for."""
     import pyarrow.dataset as pads
 
+    if store is None:
+        return pads.dataset(path, format="parquet")
     fragment = sized_fragment(store, path)
     if fragment is None:
         return pads.dataset(path, filesystem=store.filesystem, format="parquet")

@@ -450,3 +450,32 @@ def test_a_file_replaced_while_it_is_read_is_named_alone_and_the_other_runs_are_
     report = audit(tmp_path / "logs")
     said = "changed while the audit read it (rewritten or replaced): audit it again once it is written"
     assert report.problems == [f"{replaced}: {said}"] and report.verdicts == {"good": "correct"}
+
+
+@pytest.mark.parametrize("column", ["filename", "file_row_number"])
+def test_an_extra_column_named_as_the_scan_s_own_is_an_extra_column_like_any_other(tmp_path: Path, column: str) -> None:
+    """A writer that notes each record's source file in a `filename` (or its row in a `file_row_number`) column: an
+    extra column, ignored, whichever shard holds it (it made DuckDB's scan fail, and the run beside it unaudited).
+    A repeated key inside such a file is still said and left out."""
+    correct, broken = records(UNEVEN, token_mean), records(UNEVEN, local_mean)
+    for name, rows in (("correct", correct), ("broken", broken)):
+        for rank in (0, 1):
+            mine = [dict(r) for r in rows if r["rank"] == rank]
+            path = write(tmp_path / name / f"rank-{rank:05d}-000000.parquet", mine)
+            if rank == 0:  # (the first shard of its scan)
+                table = pq.read_table(path)
+                pq.write_table(table.append_column(column, [["elsewhere.pt"] * table.num_rows]), path)
+    code, out, err = check(str(tmp_path / "correct"), str(tmp_path / "broken"), "--format", "json")
+    runs = {run["run"]: run["verdict"] for run in json.loads(out)["runs"]}
+    assert code == 1 and err == "" and runs == {"correct": "correct", "broken": "incorrect"}
+
+    twice = tmp_path / "twice" / "rank-00000-000000.parquet"
+    write(twice, [r for r in correct if r["rank"] == 0] * 2)
+    write(tmp_path / "twice" / "rank-00001-000000.parquet", [r for r in correct if r["rank"] == 1])
+    table = pq.read_table(twice)
+    pq.write_table(table.append_column(column, [["elsewhere.pt"] * table.num_rows]), twice)
+    code, out, _ = check(str(tmp_path / "twice"), "--format", "json")
+    report = json.loads(out)
+    assert [f["code"] for f in report["findings"]] == ["duplicate_records"] and report["runs"][0][
+        "verdict"
+    ] != "incorrect"

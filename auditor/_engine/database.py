@@ -159,9 +159,10 @@ class Engine:
                 link = self.links / f"{index:08d}.parquet"
                 os.symlink(name, link)
                 name = str(link)
-            elif shard.store is not None and shard.record is None:
-                # On object storage DuckDB scans the file through pyarrow (no httpfs extension, no
-                # local copy): one Arrow dataset per shard, streamed with the columns and steps asked.
+            if shard.store is not None and shard.record is None or shard.shadowed:
+                # DuckDB scans the file through pyarrow on object storage (no httpfs extension, no local copy), and
+                # where the file's own columns shadow what its scan adds (`Shard.shadowed`): one Arrow dataset per
+                # shard, streamed with the columns and steps asked.
                 self.connection.register(f"remote_{index}", object_dataset(shard.store, str(shard.path)))
                 self.remote_views[id(shard)] = f"remote_{index}"
             self.link_names[id(shard)] = name
@@ -180,18 +181,22 @@ class Engine:
         """FROM clauses (as `r`) with `filename` and `file_row_number`, each with the shards it reads:
         a table of footer records per schema of the one-row shards whose footers give their record
         (`footer_table`), one read_parquet per schema of the other local shards, one view per other
-        remote shard (its row number unknown: a remote duplicate inside one file keeps an arbitrary
-        copy; across files the later file still wins)."""
+        remote shard and per local one whose columns shadow the scan's (`Shard.shadowed`), without them (its row
+        number unknown: a duplicate inside one such file keeps an arbitrary copy; across files the later file still
+        wins)."""
         Signature = tuple[tuple[tuple[str, str], ...], tuple[str, ...]]  # and the columns folders give
         by_schema: dict[Signature, list[Shard]] = {}
         from_footers: dict[Signature, list[Shard]] = {}
+        through_arrow: list[Shard] = []
         for shard in members:
             kind = (shard.signature, tuple(column for column, _ in shard.partition))
             # (a remote one always: `open` made no view of its file)
             if shard.record is not None and (self.footer_rows or shard.store is not None):
                 from_footers.setdefault(kind, []).append(shard)
-            elif shard.store is None:
+            elif shard.store is None and not shard.shadowed:
                 by_schema.setdefault(kind, []).append(shard)
+            else:
+                through_arrow.append(shard)
         scans: list[tuple[list[Shard], str]] = []
         for held in from_footers.values():
             # One-row shards whose footers gave their record: a table of those records, not a file read.
@@ -204,15 +209,15 @@ class Engine:
             scans.append((held, f"{name} r"))
         for (signature, _), local in by_schema.items():
             scans.append((local, parquet_scan([self.link_names[id(s)] for s in local], one_schema=bool(signature))))
-        for shard in members:
-            if shard.store is not None and shard.record is None:
-                scans.append(
-                    (
-                        [shard],
-                        f"(SELECT *, {sql_string(self.link_names[id(shard)])} AS filename, "
-                        f"CAST(NULL AS BIGINT) AS file_row_number FROM {self.remote_views[id(shard)]}) r",
-                    )
+        for shard in through_arrow:
+            every = f"* EXCLUDE ({', '.join(shard.shadowed)})" if shard.shadowed else "*"
+            scans.append(
+                (
+                    [shard],
+                    f"(SELECT {every}, {sql_string(self.link_names[id(shard)])} AS filename, "
+                    f"CAST(NULL AS BIGINT) AS file_row_number FROM {self.remote_views[id(shard)]}) r",
                 )
+            )
         return scans
 
     def _source(self, shards: Sequence[Shard], steps: tuple[int, int] | None, scan: str | None = None) -> str:
