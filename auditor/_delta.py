@@ -125,19 +125,32 @@ def _checkpoint_actions(table: Any) -> Iterable[dict[str, Any]]:
 def _apply(root: str, actions: Iterable[dict[str, Any]], live: set[str]) -> None:
     """Each add's file joins the table, each remove's leaves it (paths as the log writes them: URL-escaped)."""
     for action in actions:
+        if not isinstance(action, dict):
+            raise LogFormatError(root, "its Delta log holds a line that is no JSON object (each line is one action)")
         if action.get("metaData") is not None:
             configuration = dict(action["metaData"].get("configuration") or {})
             if configuration.get("delta.columnMapping.mode", "none") != "none":
                 raise LogFormatError(root, _COLUMN_MAPPING)
         if "add" in action and action["add"] is not None:
-            if action["add"].get("deletionVector"):
+            add = _file_action(root, "add", action["add"])
+            if add.get("deletionVector"):
                 raise LogFormatError(root, _DELETION_VECTORS)
-            path = _relative(root, action["add"]["path"])
-            if column := _displaced(path, action["add"].get("partitionValues") or {}):
+            path = _relative(root, add["path"])
+            if column := _displaced(path, add.get("partitionValues") or {}):
                 raise LogFormatError(root, _DISPLACED.format(column=column))
             live.add(path)
         elif "remove" in action and action["remove"] is not None:
-            live.discard(_relative(root, action["remove"]["path"]))
+            live.discard(_relative(root, _file_action(root, "remove", action["remove"])["path"]))
+
+
+def _file_action(root: str, kind: str, action: Any) -> dict[str, Any]:
+    """An add or remove action of the log, checked to name its file: an object with a "path" string."""
+    if not isinstance(action, dict) or not isinstance(action.get("path"), str):
+        raise LogFormatError(
+            root,
+            f'its Delta log holds {"an" if kind == "add" else "a"} {kind} action that names no file (no "path" string)',
+        )
+    return action
 
 
 def _displaced(path: str, values: dict[str, str | None]) -> str | None:

@@ -335,8 +335,12 @@ def _regular_file(path: str | Path) -> tuple[Identity | None, str]:
     """(device, inode) of a readable regular file; else (None, why it is not one)."""
     try:
         info = os.stat(path)
-    except FileNotFoundError:
-        return None, "a link to nothing (dangling symlink)"
+    except FileNotFoundError:  # listed a moment ago: a link to nothing, or a file removed since
+        gone = not os.path.islink(path)
+        return (
+            None,
+            "gone: removed or renamed since the audit listed it" if gone else "a link to nothing (dangling symlink)",
+        )
     except OSError as error:
         if error.errno == errno.ELOOP:
             return None, "a link that loops back on itself"

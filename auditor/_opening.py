@@ -15,6 +15,7 @@ from tokaudit._cluster import Cluster
 from tokaudit._engine import Aggregating, Engine, Spilled
 from tokaudit._loading import Loading, LogSet, cores, load, start_loading
 from tokaudit._reader import Shard, inspect_shard
+from tokaudit._validation import check_every_row
 from tokaudit.errors import LogFormatError, UsageError, first_line
 
 
@@ -154,13 +155,18 @@ def _aggregated(
         )
         try:
             steps = engine.step_parts(progress, spill)
-            if steps.unusable_values.sum() > 0 if isinstance(steps, pd.DataFrame) else steps.unusable > 0:
+            # a file rewritten or replaced while it was read, which DuckDB read without an error, is as much to leave
+            # out as one it could not read
+            unusable = changed(shards, since)
+            if not unusable and (
+                steps.unusable_values.sum() > 0 if isinstance(steps, pd.DataFrame) else steps.unusable > 0
+            ):
                 unusable = _unusable(engine.unusable_files())
-                if unusable:
-                    engine.close()
-                    if isinstance(steps, Spilled):
-                        steps.close()
-                    return unusable
+            if unusable:
+                engine.close()
+                if isinstance(steps, Spilled):
+                    steps.close()
+                return unusable
             return engine, steps
         except (duckdb.Error, OSError):
             engine.close()
@@ -203,13 +209,15 @@ def changed(shards: list[Shard], since: int) -> dict[object, LogFormatError]:
 
 
 def _unusable(shards: list[Shard]) -> dict[object, LogFormatError]:
-    """The thorough check of the shards the aggregation found a NaN divisor or scale or T < n in: one line each."""
+    """The thorough check of the shards the aggregation found a value no audit can use in (`UNUSABLE_RECORD`), then
+    every row of those whose statistics passed it: one line each."""
     found: dict[object, LogFormatError] = {}
     for shard in shards:
         try:
             inspect_shard(shard.path, shard.store, thorough=True)
+            check_every_row(pq.ParquetFile(shard.open()), frozenset(c for c, _ in shard.signature))
         except LogFormatError as error:
-            found[shard.path] = error
+            found[shard.path] = LogFormatError(shard.name, error.problem) if not error.path else error
     return found
 
 

@@ -420,13 +420,15 @@ def test_an_empty_path_is_a_problem_not_the_current_folder(
     assert result.exit_code == 2 and "FOLDER: an empty path" in result.stderr
 
 
+@pytest.mark.parametrize("read_fails", [True, False])
 def test_a_file_replaced_while_it_is_read_is_named_alone_and_the_other_runs_are_audited(
-    good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, read_fails: bool
 ) -> None:
-    """A compaction or an rsync replaces a file while DuckDB reads it: the read fails, and the file reads whole again
-    after. It is named as changed (by its change time: rsync -a sets the modification time back), left out, and the
-    runs beside it are audited (the audit ended in one line that named the range's first three files, the untouched
-    ones among them, and reported no run)."""
+    """A compaction or an rsync replaces a file while DuckDB reads it: the read fails, or reads what it finds, and the
+    file reads whole again after. It is named as changed (by its change time: rsync -a sets the modification time
+    back), left out, and the runs beside it are audited (the audit ended in one line that named the range's first
+    three files, the untouched ones among them, and reported no run; where the read went through, it judged records
+    that are no longer in the file)."""
     import duckdb
 
     from tokaudit import audit
@@ -443,7 +445,8 @@ def test_a_file_replaced_while_it_is_read_is_named_alone_and_the_other_runs_are_
             copy.write_bytes(replaced.read_bytes())
             os.utime(copy, ns=(0, 0))
             os.replace(copy, replaced)
-            raise duckdb.IOException("Prefetch registered for bytes outside file")
+            if read_fails:
+                raise duckdb.IOException("Prefetch registered for bytes outside file")
         return aggregate(engine, *args, **kwargs)
 
     monkeypatch.setattr(Engine, "step_parts", racing)
@@ -479,3 +482,49 @@ def test_an_extra_column_named_as_the_scan_s_own_is_an_extra_column_like_any_oth
     assert [f["code"] for f in report["findings"]] == ["duplicate_records"] and report["runs"][0][
         "verdict"
     ] != "incorrect"
+
+
+def test_a_file_whose_statistics_do_not_hold_its_values_is_named_with_the_value(good: Path, tmp_path: Path) -> None:
+    """A damaged page (or a writer's bug) holds valid_tokens = -5 where the footer's statistics say 123456789: the
+    statistics pass, the aggregation counts the record no audit can use, and every row of that file is read: one line
+    naming it and the value, exit 2, the run beside it audited (it was judged, as findings, exit 1)."""
+    rows = records(UNEVEN, token_mean)
+    run = tmp_path / "run"
+    write(run / "rank-00000-000000.parquet", [r for r in rows if r["rank"] == 0])
+    damaged = run / "rank-00001-000000.parquet"
+    table = pq.read_table(write(damaged, [dict(r, valid_tokens=123456789) for r in rows if r["rank"] == 1]))
+    pq.write_table(table, damaged, compression="none", use_dictionary=False)
+    data = damaged.read_bytes()
+    footer = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
+    mark, value = (123456789).to_bytes(8, "little"), (-5).to_bytes(8, "little", signed=True)
+    damaged.write_bytes(data[:footer].replace(mark, value) + data[footer:])
+    assert pq.read_table(damaged).column("valid_tokens").to_pylist() == [-5, -5, -5]
+    column = table.schema.get_field_index("valid_tokens")
+    assert pq.ParquetFile(damaged).metadata.row_group(0).column(column).statistics.min == 123456789
+    code, out, err = check(str(run), str(good), "--format", "json")
+    assert code == 2 and err.splitlines() == [
+        f"tokaudit: error: {damaged}: column 'valid_tokens' has a negative count (-5) at row 0"
+    ]
+    assert {r["run"]: r["verdict"] for r in json.loads(out)["runs"]} == {"run": "inconclusive", "good": "correct"}
+
+
+def test_a_file_removed_between_the_listing_and_its_reading_is_said_gone_not_a_dangling_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folder listed, then a file of it removed (a cleanup, an rsync --delete) before the audit looks at it: one
+    line that says it is gone, not that a regular file was a link to nothing."""
+    import tokaudit._discovery
+
+    rows = records(UNEVEN, token_mean)
+    run = tmp_path / "run"
+    paths = [write(run / f"rank-{rank:05d}-000000.parquet", [r for r in rows if r["rank"] == rank]) for rank in (0, 1)]
+
+    def removed_after_listing(here: str, names: set[str]) -> dict[str, Any]:
+        paths[1].unlink()
+        return {}  # (as the listing's inodes would have it, had the removal come between the two)
+
+    monkeypatch.setattr(tokaudit._discovery, "_regular_inodes", removed_after_listing)
+    code, _, err = check(str(run))
+    assert code == 2 and err.splitlines() == [
+        f"tokaudit: error: {paths[1]}: gone: removed or renamed since the audit listed it"
+    ]

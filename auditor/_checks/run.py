@@ -72,7 +72,10 @@ def check_run(
     weights are judged together, so no term's weighting is judged alone, and the run's normalization is theirs."""
     source = steps
     if absent := ranks_not_recorded(source):  # every step's N is partial: nothing about the normalization is judged
-        return [not_recorded_finding(run, source, absent, provenance.pipelined)], [], 0
+        partial = [not_recorded_finding(run, source, absent, provenance.pipelined)]
+        if duplicates is not None:  # (what the files hold twice is no normalization's)
+            partial = with_copies_in_one_file([*partial, duplicates_finding(duplicates, run)], duplicates)
+        return partial, [], 0
     findings: list[Finding] = []
     spans: list[Span] = []
     if objective is None:

@@ -202,8 +202,9 @@ class ValuesCheck(Check):
                 context,
                 Code.NONFINITE_VALUES,
                 self.nonfinite,
-                f"NaN or infinity in S, b, g, D or the probe columns of {records} record(s) with valid tokens; "
-                "the reduced gradient of those steps is not finite, or its weight cannot be read.",
+                f"NaN or infinity in S, b, g, D or the probe columns of {records} record(s) with valid tokens, or a "
+                "weight e = (b/S)·g/D of theirs past the float range (a D near 0); the reduced gradient of those steps "
+                "is not finite, or its weight cannot be read.",
                 "find the first non-finite loss (torch.autograd.set_detect_anomaly) and guard the division; "
                 "record finite grad_scale and grad_divisor values",
                 {"records": records, "first_step": int(self.nonfinite.range().first)},

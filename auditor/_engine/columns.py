@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from tokaudit._schema import HALF_PRECISION_BITS
+from tokaudit._schema import COLUMNS, HALF_PRECISION_BITS
 
 
 class Level(Enum):
@@ -74,10 +74,18 @@ WIDE_MICRO = "micro >= 64"
 """What `reads` names for a microbatch index of 64 or more: where the footers show none, a one-microbatch log's
 query reads no microbatch index at all."""
 
-UNUSABLE_RECORD = "isnan(grad_divisor) OR isnan(grad_scale) OR isnan(term_weight) OR (positions < valid_tokens) IS TRUE"
-"""A record no audit can use that its file's statistics may not show: a NaN divisor, scale or term weight, or T < n (IS TRUE:
-count_if over NULLs alone is NULL). Counted per step (`unusable_values`), then its files are named
-(`Engine.unusable_files`)."""
+# (the required columns' least values: an optional column may be absent, and then no query reads it; a negative T is
+# below n all the same)
+UNUSABLE_RECORD = (
+    "isnan(grad_divisor) OR isnan(grad_scale) OR isnan(term_weight) OR (positions < valid_tokens) IS TRUE"
+    + "".join(
+        f" OR {column.name} < {column.low[0]}" for column in COLUMNS if column.low is not None and column.required
+    )
+)
+"""A record no audit can use that its file's statistics may not show: a NaN divisor, scale or term weight, or T < n (IS
+TRUE: count_if over NULLs alone is NULL); or one below a column's least value (a negative count) in a file whose
+statistics say otherwise (a damaged page, a writer's bug). Counted per step (`unusable_values`), then its files are
+named (`Engine.unusable_files`)."""
 
 FINITE_VALID = """isfinite(loss_sum) AND coalesce(isfinite(backward_scalar), true)
             AND coalesce(isfinite(token_weight_sum), true) AND coalesce(isfinite(token_weight_min), true)

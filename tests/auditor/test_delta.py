@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from tests.logs import UNEVEN_GA, check_json, local_mean, records, token_mean, write_by_rank
 from tokaudit.cli import main
 from tokaudit._delta import live_files
+from tokaudit.errors import LogFormatError
 
 deltalake = pytest.importorskip("deltalake")
 
@@ -164,6 +165,24 @@ def test_deletion_vectors_column_mapping_and_a_damaged_log_are_one_line_each_and
         "export it as Parquet"
     )
     assert [run["run"] for run in json.loads(result.stdout)["runs"]] == ["good"]
+
+
+@pytest.mark.parametrize(
+    "line, said",
+    [
+        ('["add"]', "its Delta log holds a line that is no JSON object (each line is one action)"),
+        ('{"add": ["x.parquet"]}', 'its Delta log holds an add action that names no file (no "path" string)'),
+        ('{"add": {"path": 7}}', 'its Delta log holds an add action that names no file (no "path" string)'),
+        ('{"remove": {"size": 1}}', 'its Delta log holds a remove action that names no file (no "path" string)'),
+    ],
+)
+def test_a_commit_whose_actions_are_not_as_the_protocol_writes_them_says_what_is_wrong(line: str, said: str) -> None:
+    """A commit written by hand or by a broken writer: the problem, in words, naming the table (it said Python's own
+    exception, "'list' object has no attribute 'get'")."""
+    lines = {"00000000000000000000.json": line.encode()}
+    with pytest.raises(LogFormatError) as raised:
+        live_files("logs/run", list(lines), lines.__getitem__, lambda name: None)
+    assert raised.value.path == "logs/run" and raised.value.problem == said
 
 
 def test_the_log_s_paths_are_unescaped_and_taken_relative_to_the_table() -> None:

@@ -424,3 +424,12 @@ def test_one_rank_that_says_it_never_synchronized_stepped_on_the_whole_gradient(
     local = records(counts, lambda S, n, M, **_: S / n / M, sync=False)
     report = audit_rows(tmp_path / "local", local)
     assert Code.MISSING_SYNC not in {f.code for f in report.findings} and verdict(report) == "incorrect"
+
+
+def test_records_repeated_in_a_log_of_some_ranks_alone_are_said_beside_the_ranks_not_recorded(tmp_path: Path) -> None:
+    """Only rank 0's file of a run of W = 2, its records written twice with other values: nothing about the
+    normalization is judged (ranks_not_recorded), and the copies are still said (they were left out in silence)."""
+    rows = [r for r in records(UNEVEN_GA, token_mean) if r["rank"] == 0]
+    report = audit_rows(tmp_path, rows + [dict(r, loss_sum=r["loss_sum"] * 2) for r in rows])
+    assert codes(report) == {"ranks_not_recorded", "duplicate_records"} and verdict(report) == "inconclusive"
+    assert only(report, Code.DUPLICATE_RECORDS).evidence["dropped_records"] == len(rows)
