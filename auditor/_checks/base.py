@@ -322,6 +322,9 @@ class TermInputs:
     main_ranks: Any = None
     """Where the run has several terms: the main term's ranks at each step (`ranks.MainRanks`), which another term's
     missing_rank reads."""
+    other_syncs: Any = None
+    """Where the run has several terms: the main term's unsynchronized steps another term synchronized
+    (`sync.OtherTermSyncs`), which missing_sync reads."""
     stand_in: bool = False
     """Not the main term, it stands for it in groups that hold none of it (`RunSteps.stand_ins`): their logs may hold
     no record of an update's last microbatch (an auxiliary loss of some microbatches), so whether it synchronized

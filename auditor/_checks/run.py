@@ -17,7 +17,7 @@ from tokaudit._checks.probe import ProbeCheck, per_sequence_first
 from tokaudit._checks.reported import reported_findings
 from tokaudit._checks.ranks import MainRanks, MissingRanksCheck, not_recorded_finding, ranks_not_recorded
 from tokaudit._checks.structure import DivisorCheck, StructureCheck, ValuesCheck
-from tokaudit._checks.sync import SyncCheck
+from tokaudit._checks.sync import OtherTermSyncs, SyncCheck
 from tokaudit._checks.duplicates import duplicates_finding, with_copies_in_one_file
 from tokaudit._checks.structure import DeclaredWeightCheck, WeightPresenceCheck
 from tokaudit._checks.weighting import BalancedCheck, FactorTable, WeightingCheck
@@ -128,11 +128,10 @@ def _check_terms(
     reported = len(terms) > 1
     passed: list[tuple[str, Decisions | None, RunContext, FactorTable | None, bool]] = []
     later = Later()  # over every term: they train one model
-    main_ranks = MainRanks() if len(terms) > 1 else None
+    main_ranks, other_syncs = (MainRanks(), OtherTermSyncs()) if len(terms) > 1 else (None, None)
     for term in terms:
-        decisions, shape = _first_pass(
-            source, term, rtol, judged=judged, ranks=main_ranks if term == terms[0] else None
-        )
+        main = term == terms[0]
+        decisions, shape = _first_pass(source, term, rtol, judged, main_ranks if main else None, (other_syncs, main))
         if not shape.blocks:
             continue  # every step of the term was left out (count_mismatch)
         if sizes is None:
@@ -145,7 +144,7 @@ def _check_terms(
     for term, decisions, context, factors, declared in passed:
         coefficient = apart and not declared and _in_spans(source, term, decisions, factors)
         term_findings, listed, left_out = _check_term(
-            source, term, decisions, context, factors, extremes, coefficient, later, main_ranks
+            source, term, decisions, context, factors, extremes, coefficient, later, (main_ranks, other_syncs)
         )
         findings.extend(term_findings)
         spans.extend(listed)
@@ -154,12 +153,18 @@ def _check_terms(
 
 
 def _first_pass(
-    source: RunSteps, term: str, rtol: float, judged: bool, ranks: MainRanks | None = None
+    source: RunSteps,
+    term: str,
+    rtol: float,
+    judged: bool,
+    ranks: MainRanks | None = None,
+    syncs: tuple[OtherTermSyncs | None, bool] = (None, True),
 ) -> tuple[Decisions | None, _Shape]:
     """A term's decisions (`Decisions.of`, None where its weighting is not `judged` alone) and its shape; `ranks`
-    noted from its blocks as well (the main term's, where there are others)."""
+    noted from its blocks as well (the main term's, where there are others), and `syncs` (the term's, as the main
+    term's or not)."""
     shape = _Shape()
-    shape.ranks = ranks
+    shape.ranks, shape.syncs = ranks, syncs
     if not judged:
         for block in source.blocks(term):
             shape.add(block)
@@ -215,7 +220,7 @@ def _check_term(
     extremes: Extremes | None,
     coefficient: bool,
     later: Later = Later(),
-    main_ranks: MainRanks | None = None,
+    across: tuple[MainRanks | None, OtherTermSyncs | None] = (None, None),
 ) -> tuple[list[Finding], list[Span], int]:
     """Every check of one loss term, fed the term's blocks once: its findings, spans and spans left out.
     Without `decisions` (the terms are one objective, judged together) its weighting is not judged alone.
@@ -234,7 +239,8 @@ def _check_term(
         extremes=extremes,
         confused=decisions.confused if decisions is not None else None,
         later=later,
-        main_ranks=main_ranks,
+        main_ranks=across[0],
+        other_syncs=across[1],
         stand_in=bool(standing),
     )
     checks = [
@@ -273,11 +279,15 @@ class _Shape:
         self.blocks = 0
         self.later = Later()
         self.ranks: MainRanks | None = None
+        self.syncs: tuple[OtherTermSyncs | None, bool] = (None, True)
 
     def add(self, block: pd.DataFrame) -> None:
         self.blocks += 1
         if self.ranks is not None:
             self.ranks.add(block)
+        syncs, main = self.syncs
+        if syncs is not None:
+            (syncs.add_main if main else syncs.add_other)(block)
         self.declared = self.declared or bool((column_of(block, "declared_weights") > 0).any())
         self.worlds.update(world_sizes(block))
         for counts, column in ((self.world_counts, block.world_high), (self.divisor_counts, block.divisor_high)):

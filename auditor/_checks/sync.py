@@ -32,6 +32,8 @@ class SyncCheck(Check):
         self.endings: dict[str, Ending] = {}  # per group
         self.stand_in = term.stand_in
         self.run_last = term.later.told  # the run's last step with valid tokens, over every term
+        self.others: OtherTermSyncs | None = term.other_syncs
+        self.undecided, self.undecided_ranks = self.steps(), 0.0  # unsynchronized where another term synchronized
         self.applied_last = term.later.applied >= self.run_last  # a record of it, of any term, said applied
 
     def add(self, block: pd.DataFrame, diagnoses: Diagnoses | None) -> None:
@@ -39,6 +41,15 @@ class SyncCheck(Check):
         # a group of one rank (W = 1) reduces nothing: its local gradient is the update's, synchronized or not
         alone = column_of(block, "world_high") == 1
         unsynced = np.where(alone, 0.0, unsynced)
+        if self.others is not None and not self.stand_in:  # another term's backward synchronized: cannot tell
+            for group, rows in grouped(block.grp):
+                within = np.zeros(len(block), dtype=bool)
+                within[rows] = True
+                covered = within & (unsynced > 0)
+                covered[covered] = self.others.covered(group, step[covered])
+                self.undecided.add(step[covered])
+                self.undecided_ranks += nan_sum(unsynced[covered])
+                unsynced = np.where(covered, 0.0, unsynced)
         for group, rows in grouped(block.grp):
             self.endings.setdefault(group, Ending()).add(block, rows)
         records = column_of(block, "records")
@@ -62,6 +73,28 @@ class SyncCheck(Check):
 
     def findings(self) -> Iterator[Finding]:
         yield from self._stand_in_findings() if self.stand_in else self._main_findings()
+        if self.undecided and not self.missing:
+            yield self._undecided_finding()
+
+    def _undecided_finding(self) -> Finding:
+        """missing_sync where, at every such step, another term's records of the last microbatch synchronized: a
+        backward of its own after the main loss's carried both (as DDP's no_sync() promises), one before it did not.
+        The logs cannot tell which."""
+        term = self.context.term
+        return make_finding(
+            self.context,
+            Code.MISSING_SYNC,
+            self.undecided,
+            f"The last microbatch's record of loss term {term} did not synchronize gradients on "
+            f"{int(self.undecided_ranks)} rank-step(s), where another loss term's record of that microbatch, a "
+            "backward of its own, did: if that backward ran after this one's, its all-reduce carried both "
+            "(DDP reduces what no_sync() accumulated at the first synchronized backward); if before, the last "
+            f"gradients of {term} stayed local. The logs cannot tell which ran last.",
+            "run every backward of the last microbatch outside model.no_sync(), or the one that synchronizes last",
+            {"rank_steps": int(self.undecided_ranks), "synchronized_by_another_term": True},
+            severity=Severity.WARNING,
+            undecidable=True,
+        )
 
     def _main_findings(self) -> Iterator[Finding]:
         if self.missing and self.cleared:
@@ -246,3 +279,57 @@ class Ending:
         ran its whole update: no kill's; updates of fewer microbatches, or ranks that run fewer, may come before), or
         it is the only step (no update says how many a whole one holds)."""
         return self.at.most < self.before.most or self.before.most == -np.inf
+
+
+class OtherTermSyncs:
+    """The main term's steps whose last microbatch did not synchronize on some rank (`add_main`), and of those the ones
+    another term's records show synchronized on every rank, of as many ranks (`add_other`): that term's own backward
+    synchronized last on each rank. Run after the main term's last, its all-reduce carried both; run before it, not the
+    main loss's last gradients. The step table does not say which ran last, nor in which microbatch."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[npt.NDArray[np.float64]]] = {}  # per group: rows of (step, ranks)
+        self.main: dict[str, npt.NDArray[np.float64]] = {}
+        self.synced: dict[str, npt.NDArray[np.bool_]] = {}
+
+    def add_main(self, block: pd.DataFrame) -> None:
+        self._add(block, column_of(block, "unsynced_ranks") > 0, self.parts)
+
+    def add_other(self, block: pd.DataFrame) -> None:
+        records, unsynced = column_of(block, "records"), column_of(block, "unsynced_ranks")
+        rows = (unsynced == 0) & (column_of(block, "sync_known") == records) & (column_of(block, "sync_true") > 0)
+        found: dict[str, list[npt.NDArray[np.float64]]] = {}
+        self._add(block, rows, found)
+        for group, held in found.items():
+            main = self._main(group)
+            if not len(main):
+                continue
+            other = np.concatenate(held)  # (a step is one row of a group's main term: its steps are sorted, unique)
+            at = np.minimum(np.searchsorted(main[:, 0], other[:, 0]), len(main) - 1)
+            self.synced[group][at[(main[at] == other).all(axis=1)]] = True
+
+    def covered(self, group: str, steps: npt.NDArray[Any]) -> npt.NDArray[np.bool_]:
+        """Of these unsynchronized steps of the main term's group, those another term synchronized as above."""
+        main = self._main(group)
+        if not len(main):
+            return np.zeros(len(steps), dtype=bool)
+        return np.isin(steps, main[self.synced[group], 0])
+
+    @staticmethod
+    def _add(block: pd.DataFrame, rows: npt.NDArray[np.bool_], into: dict[str, list[npt.NDArray[np.float64]]]) -> None:
+        if not rows.any():
+            return
+        columns = [column_of(block, c).astype(float) for c in ("step", "ranks")]
+        for group, within in grouped(block.grp):
+            picked = np.zeros(len(block), dtype=bool)
+            picked[within] = True
+            picked &= rows
+            if picked.any():
+                into.setdefault(group, []).append(np.stack([c[picked] for c in columns], axis=1))
+
+    def _main(self, group: str) -> npt.NDArray[np.float64]:
+        if group in self.parts:  # joined once, in step order, when first asked
+            joined = np.concatenate(self.parts.pop(group))
+            self.main[group] = joined[np.argsort(joined[:, 0], kind="stable")]
+            self.synced[group] = np.zeros(len(self.main[group]), dtype=bool)
+        return self.main.get(group, np.zeros((0, 2)))

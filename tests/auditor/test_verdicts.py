@@ -433,3 +433,26 @@ def test_records_repeated_in_a_log_of_some_ranks_alone_are_said_beside_the_ranks
     report = audit_rows(tmp_path, rows + [dict(r, loss_sum=r["loss_sum"] * 2) for r in rows])
     assert codes(report) == {"ranks_not_recorded", "duplicate_records"} and verdict(report) == "inconclusive"
     assert only(report, Code.DUPLICATE_RECORDS).evidence["dropped_records"] == len(rows)
+
+
+def test_a_last_microbatch_synchronized_by_another_term_s_own_backward_is_inconclusive_not_missing_sync(
+    tmp_path: Path,
+) -> None:
+    """Each microbatch runs the main loss's backward and then the auxiliary loss's, each of its own, all under
+    no_sync() but the last microbatch's auxiliary one: that all-reduce carries what the main loss accumulated (DDP
+    reduces at the first synchronized backward), but had it run first, the main loss's last gradients stayed local.
+    The step table cannot tell: a warning that says so (it read missing_sync, an error). Where no record of the last
+    microbatch synchronized, it is still missing_sync."""
+    main = [dict(r, sync=False) for r in records(UNEVEN_GA, token_mean, term="0")]
+    aux = [
+        dict(r, term="aux", loss_sum=r["loss_sum"] / 3, backward_scalar=r["backward_scalar"] / 3, sync=r["micro"] == 1)
+        for r in records(UNEVEN_GA, token_mean)
+    ]
+    report = audit_rows(tmp_path / "separate", main + aux)
+    finding = only(report, Code.MISSING_SYNC)
+    assert verdict(report) == "inconclusive" and finding.severity == Severity.WARNING and finding.undecidable
+    assert finding.evidence["synchronized_by_another_term"] is True and "cannot tell which ran last" in finding.message
+
+    unsynced = [dict(r, sync=False) for r in aux]
+    report = audit_rows(tmp_path / "never", main + unsynced)
+    assert only(report, Code.MISSING_SYNC).severity == Severity.ERROR and verdict(report) == "incorrect"
