@@ -18,19 +18,31 @@ from tokaudit._schema import UNNAMED
 
 
 def ranks_not_recorded(source: RunSteps) -> dict[str, tuple[list[int], int]]:
-    """Per group of W ≤ 64: the ranks below W with no record in any step of the run (its files not given, or
-    no recorder on it), and W; only the groups that lack some. W is the least any record says, so that a
-    record's wrong W (world_size_inconsistent) does not make up absent ranks."""
-    seen: dict[str, int] = {}
-    worlds: dict[str, int] = {}
+    """Per group: the ranks below W with no record in any step of that W (its files not given, or no recorder on it),
+    and W; only the groups that lack some. Each W is that of the steps whose every record says it (an elastic run's
+    each size): a step whose records disagree (a record's wrong W, world_size_inconsistent) makes up no absent rank.
+    Up to W = 64 the steps' rank masks say which ranks recorded; past it, the ranks above the highest that recorded
+    are absent (a run given the files of its first ranks alone)."""
+    seen: dict[tuple[str, int], int] = {}
+    highest: dict[tuple[str, int], int] = {}
     for block in source.blocks():
-        masks, world = rank_masks(block), column_of(block, "world_low")
+        masks, low, high = rank_masks(block), column_of(block, "world_low"), column_of(block, "world_high")
+        top = column_of(block, "rank_max") if "rank_max" in block else None  # (a table without: no rank above is known)
         for group, rows in grouped(block.grp):
-            present = np.bitwise_or.reduce(masks[rows])
-            seen[group] = seen.get(group, 0) | int(present)
-            worlds[group] = min(worlds.get(group, 1 << 30), int(np.nanmin(world[rows])))
-    absent = {group: (_unset_ranks(seen[group], worlds[group]), worlds[group]) for group in seen if worlds[group] <= 64}
-    return {group: found for group, found in absent.items() if found[0]}
+            one = np.zeros(len(block), dtype=bool)
+            one[rows] = True
+            one &= low == high
+            for w in np.unique(low[one]).tolist():
+                at = one & (low == w)
+                key = (group, int(w))
+                seen[key] = seen.get(key, 0) | int(np.bitwise_or.reduce(masks[at]))
+                highest[key] = max(highest.get(key, -1), int(np.nanmax(top[at])) if top is not None else 1 << 62)
+    absent: dict[str, tuple[list[int], int]] = {}
+    for (group, w), mask in sorted(seen.items()):
+        ranks = _unset_ranks(mask, w) if w <= 64 else list(range(highest[group, w] + 1, w))
+        if ranks and group not in absent:
+            absent[group] = (ranks, w)
+    return absent
 
 
 def _unset_ranks(mask: int, below: int) -> list[int]:
@@ -160,7 +172,7 @@ class MissingRanksCheck(Check):
         listed = (
             f"ranks {step_list(absent)}"
             if w <= 64
-            else f"{w - int(first.ranks)} ranks (of those below 64: {step_list(absent)})"
+            else f"{w - int(first.ranks)} ranks" + (f" (of those below 64: {step_list(absent)})" if absent else "")
         )
         # q = e·N over the records there: 1 on every one, within rtol, and the missing ranks held no token N counted
         held = (

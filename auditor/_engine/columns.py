@@ -248,8 +248,9 @@ STEP_COLUMNS = (
                reads=(WIDE_MICRO,), absent="0"),
     StepColumn("scalar_bits_high", "the most significant bits a b of rank 0 holds: 8 (bfloat16's), 11 (float16's) or 53",
                S, "max(scalar_bits)", I),
-    StepColumn("precision_bits_low", "the fewest significant bits of S and b", S, "min(precision_bits)", I,
-               reads=("precision_bits",), absent="NULL"),
+    # (a record of no valid token weighs nothing whatever its precision: it does not make the step's tolerance coarser)
+    StepColumn("precision_bits_low", "the fewest significant bits of S and b of a record of valid tokens", S,
+               "min(precision_bits) FILTER (valid_tokens > 0)", I, reads=("precision_bits",), absent="NULL"),
     StepColumn("declared_weights", "records that declare their term's weight λ (≠ 1)", S, "count_if(term_weight <> 1)",
                I, reads=("term_weight",), absent="0"),
     StepColumn("declared_low", "the least λ a record of valid tokens declares (1: none)", S,

@@ -456,3 +456,43 @@ def test_a_last_microbatch_synchronized_by_another_term_s_own_backward_is_inconc
     unsynced = [dict(r, sync=False) for r in aux]
     report = audit_rows(tmp_path / "never", main + unsynced)
     assert only(report, Code.MISSING_SYNC).severity == Severity.ERROR and verdict(report) == "incorrect"
+
+
+def test_a_record_of_no_valid_token_in_bfloat16_leaves_a_float32_run_judged_at_float32(tmp_path: Path) -> None:
+    """Every record computed in float32 (24 bits) but one of no valid token that says 8: the run divides by N + 2, q =
+    N/(N + 2) ≈ 0.9967 at N ≈ 600, off by far more than float32 rounds and less than bfloat16's two roundings of 2⁻⁷.
+    The empty record weighs nothing: it does not make the tolerance bfloat16's (it read correct)."""
+    counts = [[[150, 140], [160, 0]], [[155, 145], [150, 0]], [[148, 152], [151, 0]]]
+    rows = records(counts, lambda S, N, W, **_: W * S / (N + 2), precision_bits=24)
+    rows = [dict(r, precision_bits=8) if r["valid_tokens"] == 0 else r for r in rows]
+    report = audit_rows(tmp_path, rows)
+    assert verdict(report) == "incorrect" and report.runs[0].precision_bits == 24, codes(report)
+
+
+@pytest.mark.parametrize("world, kept", [(128, 100), (8, 6)])
+def test_a_run_given_with_the_files_of_its_first_ranks_alone_is_inconclusive_whatever_w(
+    tmp_path: Path, world: int, kept: int
+) -> None:
+    """A correct run of W = 128 (or 8) whose files of ranks 100–127 (6–7) were not given: N lacks their tokens in every
+    step, so nothing about the normalization is judged (past 64 ranks it read missing_rank, an error)."""
+    counts = [[[3 + (rank + step) % 5] for rank in range(world)] for step in range(3)]
+    rows = [r for r in records(counts, token_mean) if r["rank"] < kept]
+    report = audit_rows(tmp_path, rows)
+    finding = only(report, Code.RANKS_NOT_RECORDED)
+    assert verdict(report) == "inconclusive" and codes(report) == {"ranks_not_recorded"}
+    assert finding.evidence["ranks_not_recorded"] == list(range(kept, world))
+
+
+def test_an_elastic_run_whose_larger_world_s_last_ranks_were_not_given_is_inconclusive(tmp_path: Path) -> None:
+    """W = 8 for steps 0–2, then 4: the files of ranks 6 and 7, which only the W = 8 steps had, were not given. Those
+    steps' N lacks their tokens: ranks not recorded at W = 8, inconclusive (it read missing_rank, an error: W was taken
+    as the least any record says, 4)."""
+    before = records([[[2 + (r + s) % 3] for r in range(8)] for s in range(3)], token_mean)
+    after = records([[[4 + r] for r in range(4)] for _ in range(3)], token_mean, step_offset=3)
+    report = audit_rows(tmp_path, [r for r in before if r["rank"] < 6] + after)
+    assert verdict(report) == "inconclusive" and Code.MISSING_RANK not in {f.code for f in report.findings}
+    assert only(report, Code.RANKS_NOT_RECORDED).evidence == {
+        "world_size": 8,
+        "ranks_not_recorded": [6, 7],
+        "group": "0",
+    }
