@@ -11,7 +11,7 @@ from tokaudit._schema import UNNAMED
 
 Verdict = Literal["correct", "incorrect", "inconclusive"]
 
-Reporting = Literal["matches", "differs", "absent"]
+Reporting = Literal["matches", "differs", "absent", "unjudged"]
 """The logged loss against each step's token mean (`RunSummary.reporting`)."""
 
 
@@ -108,8 +108,8 @@ class RunSummary:
     """Distinct divisors D of the gradient reduction (W for DDP's average, 1 for a sum)."""
     reporting: Reporting = "absent"
     """The logged loss against each step's token mean ΣS/N: "matches", "differs" (reported_loss_mismatch, or
-    reported_loss_shifted: right, stamped one update off) or "absent" (none logged). Beside the verdict, never
-    part of it."""
+    reported_loss_shifted: right, stamped one update off), "absent" (none logged) or "unjudged" (logged, where some
+    ranks' files were not given). Beside the verdict, never part of it."""
     precision_bits: int | None = None
     """The fewest significant bits the run's records were computed in (`precision_bits`: 8 for bfloat16); None
     where the log does not say (float32 assumed)."""

@@ -391,7 +391,7 @@ def run_summary(
         segments=segments,
         decided_by=sorted({f.code.value for f in deciding(findings)}),
         gate_verdict=None if listed is None or listed == list(findings) else verdict_of(listed, judged),
-        max_weight_ratio=max_ratio,
+        max_weight_ratio=max_ratio if judged_ranks else math.nan,  # (some ranks' records alone: no step's ratio)
         microbatches=max(int(microbatches), 0) if rows else 0,
         terms=source.terms,
         skipped_steps=skipped_steps,
@@ -399,7 +399,7 @@ def run_summary(
         weight_range=weight_range,
         segments_omitted=omitted,
         normalization_judged=judged_ranks,
-        reporting=_reporting(findings, reported),
+        reporting=_reporting(findings, reported, judged_ranks),
     )
 
 
@@ -469,11 +469,12 @@ def _tokens(part: pd.DataFrame, pooled: bool) -> Any:
     return pooled_sums(part, ["tokens"]).tokens.to_numpy()
 
 
-def _reporting(findings: list[Finding], reported: int) -> Reporting:
-    """The logged loss against the token mean, from the findings about it and the records that carry one."""
+def _reporting(findings: list[Finding], reported: int, judged: bool = True) -> Reporting:
+    """The logged loss against the token mean, from the findings about it and the records that carry one; "unjudged"
+    where every step's N is partial (not `judged`: ranks not recorded)."""
     if {f.code for f in findings} & REPORTING:
         return "differs"
-    return "matches" if reported else "absent"
+    return "absent" if not reported else "matches" if judged else "unjudged"
 
 
 class _Extreme:

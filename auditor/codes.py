@@ -62,7 +62,7 @@ CODE_DOCS: dict[Code, CodeDoc] = {
         "divided by the update's N (every microbatch of every step() call and every data-parallel rank), "
         "times W where the data-parallel reduction averages; with Recorder(..., schedule=schedule) tokaudit "
         "sees the schedule's division.",
-        example="M = 2 microbatches, loss_fn returns S_m/N: the schedule's scale_grads(2) leaves e = 1/(2N) for "
+        example="M = 2 microbatches, loss_fn returns 2·S_m/N (W·S/N): the schedule's scale_grads(2) leaves e = 1/(2N) for "
         "every token, q = 0.5. With two step() calls per update the first call's tokens get 1/(4N), the "
         "second's 1/(2N): 2× apart.",
     ),

@@ -239,10 +239,18 @@ def test_each_bad_file_is_one_line_and_never_hides_the_good_run(tmp_path: Path) 
 
 
 def test_a_world_size_of_two_billion_is_no_memory_error(tmp_path: Path) -> None:
+    """Two ranks' records that say W = 2³¹ − 1: the files of every rank above 1 are missing (or W is wrong), so nothing
+    is judged: ranks_not_recorded, its ranks counted, not listed."""
     _huge_world(tmp_path)
     code, out, err = invoke("check", str(tmp_path), "--format", "json")
     no_traceback(out, err)
-    assert code == 1 and "missing_rank" in {f["code"] for f in json.loads(out)["findings"]}
+    (finding,) = json.loads(out)["findings"]
+    assert code == 0 and finding["code"] == "ranks_not_recorded"
+    assert (
+        finding["evidence"]["ranks_not_recorded_count"] == 2**31 - 3
+        and len(finding["evidence"]["ranks_not_recorded"]) == 64
+    )
+    assert "rank(s) 2, 3, 4, 5, 6, 7, 8, 9, … (2147483645 in all)" in finding["message"]
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads any folder")

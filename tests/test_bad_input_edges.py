@@ -143,8 +143,8 @@ def test_a_world_size_of_two_billion_over_one_shard_per_rank_takes_no_memory_of_
         preexec_fn=limited,
         timeout=120,
     )
-    assert done.returncode == 1, done.stderr
-    assert "missing_rank" in {f["code"] for f in json.loads(done.stdout)["findings"]}
+    assert done.returncode == 0, done.stderr  # (the files of the ranks above 1 are not given, or W is wrong)
+    assert [f["code"] for f in json.loads(done.stdout)["findings"]] == ["ranks_not_recorded"]
 
 
 @pytest.mark.parametrize(

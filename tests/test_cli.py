@@ -247,11 +247,16 @@ def test_weights_shows_the_probe_s_extremes_and_each_loss_term(tmp_path: Path) -
         "q",
         "sync",
     ]
-    table = [line.split() for line in out.splitlines() if line.strip().startswith("0 ")]
+    # (the mark of a record whose q lies outside its probe q, in words: one cell)
+    table = [
+        line.replace(" (q outside)", "(q-outside)").split()
+        for line in out.splitlines()
+        if line.strip().startswith("0 ")
+    ]
     # step 1: labelled counts (2, 6 | 6, 2), N = 16 as the probe saw; the log's N is 18 for term 0: every token
-    # weighs 18/16 = 1.125 in q, and the miscounted record's mean 1.125·6/8 = 0.84375
+    # weighs 18/16 = 1.125 in q, and the miscounted record's mean 1.125·6/8 = 0.84375, outside it
     first_term = [cells for cells in table if cells[1] == "0"]
-    assert [cells[-2] for cells in first_term] == ["1.125"] * 4
+    assert [cells[-2] for cells in first_term] == ["1.125", "1.125(q-outside)", "1.125", "1.125"]
     assert [cells[-3] for cells in first_term] == ["1.125", "0.8438", "1.125", "1.125"]
     assert [cells[-2] for cells in table if cells[1] == "aux"] == ["–"] * 4  # no probe on that term
     assert "count_mismatch" in out and "a q outside its probe q" in out

@@ -9,6 +9,8 @@ step, so a run of any length costs the same few arrays."""
 
 from __future__ import annotations
 
+import itertools
+
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -430,5 +432,6 @@ def median_of(column: SortedColumn) -> float:
 
 
 def step_list(values: Any) -> str:
-    items = [str(int(v)) for v in values]
-    return ", ".join(items[:8]) + (f", … ({len(items)} in all)" if len(items) > 8 else "")
+    """The first 8 values, and how many there are in all past 8 (of a list, an array or a range: only 8 are read)."""
+    shown = [str(int(v)) for v in itertools.islice(values, 8)]
+    return ", ".join(shown) + (f", … ({len(values)} in all)" if len(values) > 8 else "")

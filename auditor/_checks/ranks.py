@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,7 @@ from tokaudit._report import Finding
 from tokaudit._schema import UNNAMED
 
 
-def ranks_not_recorded(source: RunSteps) -> dict[str, tuple[list[int], int]]:
+def ranks_not_recorded(source: RunSteps) -> dict[str, tuple[Sequence[int], int]]:
     """Per group: the ranks below W with no record in any step of that W (its files not given, or no recorder on it),
     and W; only the groups that lack some. Each W is that of the steps whose every record says it (an elastic run's
     each size): a step whose records disagree (a record's wrong W, world_size_inconsistent) makes up no absent rank.
@@ -37,9 +37,10 @@ def ranks_not_recorded(source: RunSteps) -> dict[str, tuple[list[int], int]]:
                 key = (group, int(w))
                 seen[key] = seen.get(key, 0) | int(np.bitwise_or.reduce(masks[at]))
                 highest[key] = max(highest.get(key, -1), int(np.nanmax(top[at])) if top is not None else 1 << 62)
-    absent: dict[str, tuple[list[int], int]] = {}
+    absent: dict[str, tuple[Sequence[int], int]] = {}
     for (group, w), mask in sorted(seen.items()):
-        ranks = _unset_ranks(mask, w) if w <= 64 else list(range(highest[group, w] + 1, w))
+        # (past 64 a range, however many: W may be two billion)
+        ranks: Sequence[int] = _unset_ranks(mask, w) if w <= 64 else range(highest[group, w] + 1, w)
         if ranks and group not in absent:
             absent[group] = (ranks, w)
     return absent
@@ -51,7 +52,7 @@ def _unset_ranks(mask: int, below: int) -> list[int]:
 
 
 def not_recorded_finding(
-    run: str, source: RunSteps, absent: dict[str, tuple[list[int], int]], pipelined: bool = False
+    run: str, source: RunSteps, absent: dict[str, tuple[Sequence[int], int]], pipelined: bool = False
 ) -> Finding:
     """ranks_not_recorded over every step of the run: which ranks of which group the files given lack, and that
     nothing else is judged. `pipelined`: recorded under a pipeline schedule, whose loss only its last stage
@@ -74,7 +75,12 @@ def not_recorded_finding(
         "last stage with group= their data-parallel group, whose size is W"
         if pipelined
         else "give the whole run's folder (every rank's shards), and make the Recorder on every rank",
-        {"world_size": w, "ranks_not_recorded": ranks, "group": group},
+        {
+            "world_size": w,
+            "ranks_not_recorded": list(ranks[:64]),
+            **({"ranks_not_recorded_count": len(ranks)} if len(ranks) > 64 else {}),
+            "group": group,
+        },
     )
 
 

@@ -22,7 +22,8 @@ def with_other_ranks(findings: list[Finding]) -> list[Finding]:
     present: dict[int, frozenset[int]] = {}
     alike: dict[tuple[int, str], list[int]] = defaultdict(list)
     for index, finding in enumerate(findings):
-        if finding.code == Code.RANKS_NOT_RECORDED:
+        # (past W = 64 only the ranks above the highest that recorded are known absent: no run's ranks are known)
+        if finding.code == Code.RANKS_NOT_RECORDED and int(finding.evidence["world_size"]) <= 64:
             w = int(finding.evidence["world_size"])
             present[index] = frozenset(range(w)) - frozenset(finding.evidence["ranks_not_recorded"])
             alike[(w, str(finding.evidence["group"]))].append(index)

@@ -265,7 +265,7 @@ def render_weights(run: str, step: int, records: pd.DataFrame, probe: ProbeQ | N
     if probed:
         notes.append("probe q: the lightest and heaviest valid token the probe measured")
     if outside.any():
-        notes.append("a q outside its probe q: n is not the number of tokens the probe saw (count_mismatch)")
+        notes.append("(q outside): a q outside its probe q, n not the number of tokens the probe saw (count_mismatch)")
     console.print(" · ".join(notes), style="dim")
 
 
@@ -280,7 +280,10 @@ def _record_cells(
     if probe is not None:
         low, high = _number(probe[0][index], 4), _number(probe[1][index], 4)
         shown = "–" if "–" in (low, high) else low if low == high else f"{low}–{high}"
-        extremes.append(Text(shown, style="red" if outside[index] else ""))
+        # marked in words as well as red: a pipe or a CI log shows no colour
+        extremes.append(
+            Text(f"{shown} (q outside)" if outside[index] else shown, style="red" if outside[index] else "")
+        )
     cells = [
         printable(str(row.grp)),
         *([printable(str(row.term))] if terms else []),

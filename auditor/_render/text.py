@@ -87,7 +87,7 @@ def reported_note(run: RunSummary) -> str:
 
 
 def ratio_text(ratio: float) -> str:
-    return "∞" if not math.isfinite(ratio) else f"{ratio:.3g}"
+    return "–" if math.isnan(ratio) else "∞" if not math.isfinite(ratio) else f"{ratio:.3g}"
 
 
 def steps_text(steps: StepRange) -> str:

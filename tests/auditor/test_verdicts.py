@@ -496,3 +496,17 @@ def test_an_elastic_run_whose_larger_world_s_last_ranks_were_not_given_is_inconc
         "ranks_not_recorded": [6, 7],
         "group": "0",
     }
+
+
+def test_a_log_of_some_ranks_alone_says_no_weight_ratio_and_its_logged_loss_unjudged(tmp_path: Path) -> None:
+    """Rank 0's file alone of a run whose logged loss is the mean of local means: no step's N nor ΣS/N is known, so
+    the run says no weight ratio (null: a rank's own records weigh alike, and read 1, as a correct run) and its logged
+    loss `unjudged` (it read `matches`)."""
+    rows = records(UNEVEN_GA, local_mean)
+    for row in rows:  # the mean over ranks of S_r/n_r, on every record of the step
+        ranks = [[r for r in rows if r["step"] == row["step"] and r["rank"] == k] for k in (0, 1)]
+        means = [sum(r["loss_sum"] for r in mine) / sum(r["valid_tokens"] for r in mine) for mine in ranks]
+        row["reported_loss"] = sum(means) / 2
+    report = audit_rows(tmp_path, [r for r in rows if r["rank"] == 0])
+    (run,) = json.loads(render_json(report))["runs"]
+    assert run["verdict"] == "inconclusive" and run["reporting"] == "unjudged" and run["max_weight_ratio"] is None
