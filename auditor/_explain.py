@@ -78,7 +78,7 @@ _VERDICT = textwrap.fill(
     "why it cannot: update ends guessed, a file unread, an earlier launch replaced, copies inside one file, weights "
     f"within two roundings of the run's precision), when the run is `{Code.BALANCED_COUNTS.value}`, "
     "or when no step could be judged (no step with valid tokens carries a usable weight); `incorrect` otherwise. "
-    f"The logged loss ({_codes(REPORTING)}) is the run's `reporting` (matches, differs, absent), "
+    f"The logged loss ({_codes(REPORTING)}) is the run's `reporting` (matches, differs, absent, unjudged), "
     "shown beside the verdict, never part of it.",
     width=105,
     break_long_words=False,
