@@ -216,6 +216,7 @@ def _curve_rows(table: pd.DataFrame) -> pd.DataFrame:
         "objective",
         "weighted_records",
         "unknown_divisor",
+        "nonfinite_valid",
         "mean_of_local_means",
     ]
     frame = table[used].copy()
@@ -250,9 +251,10 @@ def _curve_rows(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def _optimized_known(table: pd.DataFrame) -> pd.Series:
-    """Steps whose Σe·S the records give: some record has a weight e = c·g/D, and every valid one's D was seen
-    (where the recorder could not see it, D is the default W, and e's scale, so Σe·S, is not known)."""
-    return (table.weighted_records > 0) & (table.unknown_divisor == 0)
+    """Steps whose Σe·S the records give: some record has a weight e = c·g/D, every valid one's D was seen (where the
+    recorder could not see it, D is the default W, and e's scale, so Σe·S, is not known), and none holds a value that
+    is not finite (its gradient is not: a sum over the others' is no step's objective)."""
+    return (table.weighted_records > 0) & (table.unknown_divisor == 0) & ~(table.nonfinite_valid > 0)
 
 
 def _pooled_rows(table: pd.DataFrame, term: str) -> pd.DataFrame:
@@ -266,6 +268,7 @@ def _pooled_rows(table: pd.DataFrame, term: str) -> pd.DataFrame:
         objective=("objective", lambda v: v.sum(min_count=1)),
         weighted_records=("weighted_records", "sum"),
         unknown_divisor=("unknown_divisor", "sum"),
+        nonfinite_valid=("nonfinite_valid", "sum"),
         reported_low=("reported_low", "min"),
         reported_high=("reported_high", "max"),
         reported=("reported", "sum"),
@@ -281,7 +284,7 @@ def _terms_curve_rows(table: pd.DataFrame, terms: list[str]) -> pd.DataFrame:
     # Σ over terms of Σe·S per (step, group), then the groups' mean, as `_curve_rows` averages groups; the terms
     # summed in the order of their names, whatever order a range's rows came in (a sum's last bit depends on it)
     weighted = table[["step", "grp", "objective"]].assign(
-        objective=table.objective.where(table.weighted_records > 0), grp=table.grp.astype(str), term=term
+        objective=table.objective.where(_optimized_known(table)), grp=table.grp.astype(str), term=term
     )
     weighted = weighted.sort_values(["step", "grp", "term"], kind="stable")
     optimized = weighted.groupby(["step", "grp"], sort=True).objective.sum(min_count=1).groupby("step").mean()

@@ -777,3 +777,20 @@ def test_a_run_every_update_of_which_was_skipped_says_so(tmp_path: Path) -> None
     write_by_rank(tmp_path / "skipped", records(UNEVEN, local_mean, skipped=True))
     code, out, _ = invoke("check", str(tmp_path))
     assert code == 0 and "skipped: inconclusive" in out and "every update skipped: none weighed" in out
+
+
+def test_curve_says_no_objective_for_a_step_whose_gradient_is_not_finite(tmp_path: Path) -> None:
+    """A record of step 1 holds S = NaN and b = inf: check calls that step's gradient not finite, and the curve says
+    no Σe·S there (it summed the other records' and printed a number)."""
+    rows = records(UNEVEN, token_mean)
+    rows[2].update(loss_sum=float("nan"), backward_scalar=float("inf"))  # step 1, rank 0
+    write(tmp_path / "run" / "all.parquet", rows)
+    csv_path = tmp_path / "curve.csv"
+    code, _, _ = invoke("curve", str(tmp_path / "run"), "--csv", str(csv_path))
+    optimized = [r["optimized"] for r in csv.DictReader(csv_path.read_text().splitlines())]
+    assert (
+        code == 0
+        and optimized[1] in ("", "nan")
+        and optimized[0] not in ("", "nan")
+        and optimized[2] not in ("", "nan")
+    )
