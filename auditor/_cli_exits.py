@@ -24,6 +24,16 @@ class Guarded(click.Group):
         except BrokenPipeError:
             closed_pipe()
             raise  # (closed_pipe exits)
+        except click.NoSuchOption as error:  # a command's option written before the command: say where it goes
+            owners = [n for n, c in self.commands.items() if any(error.option_name in p.opts for p in c.params)]
+            if not owners:
+                raise
+            said = (
+                f"No such option '{error.option_name}' before the command: it is an option of "
+                f"{', '.join(f'tokaudit {n}' for n in owners)}, written after it (tokaudit {owners[0]} … "
+                f"{error.option_name} …)."
+            )
+            raise click.NoSuchOption(error.option_name, message=said, ctx=error.ctx) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

@@ -675,3 +675,19 @@ def test_a_file_url_of_another_machine_is_refused_by_name_not_read_as_a_missing_
     assert code == 2 and err.startswith("tokaudit: error: file://h2") and "another machine ('h2')" in err, err
     assert len(err.strip().splitlines()) == 1, err  # one line, as a path that names no file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"] and not (Path.cwd() / "file:").exists()
+
+
+def test_a_command_s_option_written_before_the_command_says_where_it_goes() -> None:
+    """`tokaudit --format json check …`: click said only "No such option '--format'"; the line names the commands that
+    have it and where it is written. An option no command has is said as before."""
+    from click.testing import CliRunner
+
+    from tokaudit.cli import main
+
+    result = CliRunner().invoke(main, ["--format", "json", "check", "runs/"])
+    assert result.exit_code == 2 and result.stderr.splitlines()[-1] == (
+        "Error: No such option '--format' before the command: it is an option of tokaudit check, tokaudit weights, "
+        "tokaudit curve, written after it (tokaudit check … --format …)."
+    )
+    result = CliRunner().invoke(main, ["--bogus", "check", "runs/"])
+    assert result.exit_code == 2 and result.stderr.splitlines()[-1] == "Error: No such option '--bogus'."
