@@ -322,8 +322,8 @@ class TermInputs:
     later: Later = Later()
     """The run's last step with valid tokens and its last with finite losses, over every term."""
     main_ranks: Any = None
-    """Where the run has several terms: the main term's ranks at each step (`ranks.MainRanks`), which another term's
-    missing_rank reads."""
+    """Where the run has several terms: the main term's steps (`ranks.MainSteps`), which another term's missing_rank
+    reads."""
     other_syncs: Any = None
     """Where the run has several terms: the main term's unsynchronized steps another term synchronized
     (`sync.OtherTermSyncs`), which missing_sync reads."""

@@ -84,31 +84,37 @@ def not_recorded_finding(
     )
 
 
-class MainRanks:
-    """Per group, the main term's steps and the ranks that recorded each (`rank_mask`), from its blocks (`add`): a
-    rank that recorded the main term at a step ran backward and its collectives there, whatever another term of
-    that step holds of it."""
+class MainSteps:
+    """Per group, the main term's steps, from its blocks (`add`): the ranks that recorded each (`rank_mask`), how many,
+    and how many of their last microbatches did not synchronize. What another term's checks compare with the main
+    term's at the same step: its missing ranks (`MissingRanksCheck`), its synchronization (`sync.OtherTermSyncs`)."""
 
     def __init__(self) -> None:
-        self.parts: dict[str, list[tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]]]] = {}
-        self.joined: dict[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]]] = {}
+        self.parts: dict[str, list[tuple[npt.NDArray[Any], ...]]] = {}
+        self.joined: dict[str, tuple[npt.NDArray[Any], ...]] = {}
 
     def add(self, block: pd.DataFrame) -> None:
         steps, masks = column_of(block, "step").astype(np.int64), rank_masks(block)
+        ranks, unsynced = (np.nan_to_num(column_of(block, c).astype(float)) for c in ("ranks", "unsynced_ranks"))
         for group, rows in grouped(block.grp):
-            self.parts.setdefault(group, []).append((steps[rows], masks[rows]))
+            self.parts.setdefault(group, []).append((steps[rows], masks[rows], ranks[rows], unsynced[rows]))
 
-    def at(self, group: str, steps: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
-        """The main term's rank masks at these steps of a group (0 where it holds none of the step)."""
+    def at(self, group: str, steps: npt.NDArray[np.int64]) -> tuple[npt.NDArray[Any], ...]:
+        """At these steps of a group: whether the main term holds each, and its rank mask, ranks and unsynchronized
+        ranks there (0 where it holds none)."""
         if group in self.parts:  # joined once, in step order, when first asked
             held = self.parts.pop(group)
-            every = np.concatenate([s for s, _ in held])
-            order = np.argsort(every, kind="stable")
-            self.joined[group] = (every[order], np.concatenate([m for _, m in held])[order])
-        known, masks = self.joined.get(group, (np.zeros(0, np.int64), np.zeros(0, np.uint64)))
-        at = np.minimum(np.searchsorted(known, steps), max(len(known) - 1, 0))
-        found = (known[at] == steps) if len(known) else np.zeros(len(steps), dtype=bool)
-        return np.where(found, masks[at] if len(known) else 0, 0).astype(np.uint64)
+            order = np.argsort(np.concatenate([part[0] for part in held]), kind="stable")
+            self.joined[group] = tuple(np.concatenate([part[k] for part in held])[order] for k in range(4))
+        known = self.joined.get(group)
+        if known is None or not len(known[0]):
+            return (
+                np.zeros(len(steps), dtype=bool),
+                *(np.zeros(len(steps), dtype=t) for t in (np.uint64, float, float)),
+            )
+        at = np.minimum(np.searchsorted(known[0], steps), len(known[0]) - 1)
+        found = known[0][at] == steps
+        return (found, *(np.where(found, values[at], 0).astype(values.dtype) for values in known[1:]))
 
 
 def _below(worlds: npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
@@ -151,7 +157,7 @@ class MissingRanksCheck(Check):
             self.fit = bool(np.all(np.abs(q - 1) <= self.context.rtol))
 
     @staticmethod
-    def _recorded_main(block: pd.DataFrame, rows: npt.NDArray[np.bool_], main: MainRanks) -> bool:
+    def _recorded_main(block: pd.DataFrame, rows: npt.NDArray[np.bool_], main: MainSteps) -> bool:
         """Every rank below W missing from these rows (ranks < W) recorded the main term at the same step."""
         worlds = column_of(block, "world_high")
         if (worlds[rows] > 64).any():
@@ -162,7 +168,7 @@ class MissingRanksCheck(Check):
             flagged[within] = True
             flagged &= rows
             absent = _below(worlds[flagged]) & ~masks[flagged]
-            if np.any(absent & ~main.at(group, steps[flagged])):
+            if np.any(absent & ~main.at(group, steps[flagged])[1]):
                 return False
         return True
 

@@ -15,7 +15,7 @@ from tokaudit.codes import Code
 from tokaudit._checks.objective import OneObjective, one_objective
 from tokaudit._checks.probe import ProbeCheck, per_sequence_first
 from tokaudit._checks.reported import reported_findings
-from tokaudit._checks.ranks import MainRanks, MissingRanksCheck, not_recorded_finding, ranks_not_recorded
+from tokaudit._checks.ranks import MainSteps, MissingRanksCheck, not_recorded_finding, ranks_not_recorded
 from tokaudit._checks.structure import DivisorCheck, StructureCheck, ValuesCheck
 from tokaudit._checks.sync import OtherTermSyncs, SyncCheck
 from tokaudit._checks.duplicates import duplicates_finding, with_copies_in_one_file
@@ -128,10 +128,12 @@ def _check_terms(
     reported = len(terms) > 1
     passed: list[tuple[str, Decisions | None, RunContext, FactorTable | None, bool]] = []
     later = Later()  # over every term: they train one model
-    main_ranks, other_syncs = (MainRanks(), OtherTermSyncs()) if len(terms) > 1 else (None, None)
+    # several terms: the main term's steps (its first pass, which comes first) and another's syncs beside them
+    main_steps = MainSteps() if len(terms) > 1 else None
+    other_syncs = OtherTermSyncs(main_steps) if main_steps is not None else None
     for term in terms:
-        main = term == terms[0]
-        decisions, shape = _first_pass(source, term, rtol, judged, main_ranks if main else None, (other_syncs, main))
+        noted = main_steps if term == terms[0] else other_syncs
+        decisions, shape = _first_pass(source, term, rtol, judged, noted)
         if not shape.blocks:
             continue  # every step of the term was left out (count_mismatch)
         if sizes is None:
@@ -144,7 +146,7 @@ def _check_terms(
     for term, decisions, context, factors, declared in passed:
         coefficient = apart and not declared and _in_spans(source, term, decisions, factors)
         term_findings, listed, left_out = _check_term(
-            source, term, decisions, context, factors, extremes, coefficient, later, (main_ranks, other_syncs)
+            source, term, decisions, context, factors, extremes, coefficient, later, (main_steps, other_syncs)
         )
         findings.extend(term_findings)
         spans.extend(listed)
@@ -157,14 +159,12 @@ def _first_pass(
     term: str,
     rtol: float,
     judged: bool,
-    ranks: MainRanks | None = None,
-    syncs: tuple[OtherTermSyncs | None, bool] = (None, True),
+    noted: MainSteps | OtherTermSyncs | None = None,
 ) -> tuple[Decisions | None, _Shape]:
-    """A term's decisions (`Decisions.of`, None where its weighting is not `judged` alone) and its shape; `ranks`
-    noted from its blocks as well (the main term's, where there are others), and `syncs` (the term's, as the main
-    term's or not)."""
+    """A term's decisions (`Decisions.of`, None where its weighting is not `judged` alone) and its shape; its blocks
+    added to `noted` as well (where there are several terms: the main term's steps, or another's syncs)."""
     shape = _Shape()
-    shape.ranks, shape.syncs = ranks, syncs
+    shape.noted = noted
     if not judged:
         for block in source.blocks(term):
             shape.add(block)
@@ -220,7 +220,7 @@ def _check_term(
     extremes: Extremes | None,
     coefficient: bool,
     later: Later = Later(),
-    across: tuple[MainRanks | None, OtherTermSyncs | None] = (None, None),
+    across: tuple[MainSteps | None, OtherTermSyncs | None] = (None, None),
 ) -> tuple[list[Finding], list[Span], int]:
     """Every check of one loss term, fed the term's blocks once: its findings, spans and spans left out.
     Without `decisions` (the terms are one objective, judged together) its weighting is not judged alone.
@@ -278,16 +278,12 @@ class _Shape:
         self.declared = False
         self.blocks = 0
         self.later = Later()
-        self.ranks: MainRanks | None = None
-        self.syncs: tuple[OtherTermSyncs | None, bool] = (None, True)
+        self.noted: MainSteps | OtherTermSyncs | None = None
 
     def add(self, block: pd.DataFrame) -> None:
         self.blocks += 1
-        if self.ranks is not None:
-            self.ranks.add(block)
-        syncs, main = self.syncs
-        if syncs is not None:
-            (syncs.add_main if main else syncs.add_other)(block)
+        if self.noted is not None:
+            self.noted.add(block)
         self.declared = self.declared or bool((column_of(block, "declared_weights") > 0).any())
         self.worlds.update(world_sizes(block))
         for counts, column in ((self.world_counts, block.world_high), (self.divisor_counts, block.divisor_high)):

@@ -13,6 +13,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from tokaudit._checks.base import Check, TermInputs, accumulating, column_of, grouped, make_finding, nan_sum
+from tokaudit._checks.ranks import MainSteps
 from tokaudit._normalization import Diagnoses
 from tokaudit.codes import Code, Severity
 from tokaudit._report import Finding
@@ -282,54 +283,30 @@ class Ending:
 
 
 class OtherTermSyncs:
-    """The main term's steps whose last microbatch did not synchronize on some rank (`add_main`), and of those the ones
-    another term's records show synchronized on every rank, of as many ranks (`add_other`): that term's own backward
-    synchronized last on each rank. Run after the main term's last, its all-reduce carried both; run before it, not the
-    main loss's last gradients. The step table does not say which ran last, nor in which microbatch."""
+    """Of the main term's steps whose last microbatch did not synchronize on some rank (`ranks.MainSteps`), those
+    another term's records show synchronized on every rank, of as many ranks (`add`, that term's blocks): its own
+    backward synchronized last on each rank. Run after the main term's last, its all-reduce carried both; run before
+    it, not the main loss's last gradients. The step table does not say which ran last, nor in which microbatch."""
 
-    def __init__(self) -> None:
-        self.parts: dict[str, list[npt.NDArray[np.float64]]] = {}  # per group: rows of (step, ranks)
-        self.main: dict[str, npt.NDArray[np.float64]] = {}
-        self.synced: dict[str, npt.NDArray[np.bool_]] = {}
+    def __init__(self, main: MainSteps) -> None:
+        self.main = main
+        self.steps: dict[str, list[npt.NDArray[np.int64]]] = {}  # per group
 
-    def add_main(self, block: pd.DataFrame) -> None:
-        self._add(block, column_of(block, "unsynced_ranks") > 0, self.parts)
-
-    def add_other(self, block: pd.DataFrame) -> None:
+    def add(self, block: pd.DataFrame) -> None:
         records, unsynced = column_of(block, "records"), column_of(block, "unsynced_ranks")
         rows = (unsynced == 0) & (column_of(block, "sync_known") == records) & (column_of(block, "sync_true") > 0)
-        found: dict[str, list[npt.NDArray[np.float64]]] = {}
-        self._add(block, rows, found)
-        for group, held in found.items():
-            main = self._main(group)
-            if not len(main):
-                continue
-            other = np.concatenate(held)  # (a step is one row of a group's main term: its steps are sorted, unique)
-            at = np.minimum(np.searchsorted(main[:, 0], other[:, 0]), len(main) - 1)
-            self.synced[group][at[(main[at] == other).all(axis=1)]] = True
-
-    def covered(self, group: str, steps: npt.NDArray[Any]) -> npt.NDArray[np.bool_]:
-        """Of these unsynchronized steps of the main term's group, those another term synchronized as above."""
-        main = self._main(group)
-        if not len(main):
-            return np.zeros(len(steps), dtype=bool)
-        return np.isin(steps, main[self.synced[group], 0])
-
-    @staticmethod
-    def _add(block: pd.DataFrame, rows: npt.NDArray[np.bool_], into: dict[str, list[npt.NDArray[np.float64]]]) -> None:
         if not rows.any():
             return
-        columns = [column_of(block, c).astype(float) for c in ("step", "ranks")]
+        steps, ranks = column_of(block, "step").astype(np.int64), column_of(block, "ranks")
         for group, within in grouped(block.grp):
             picked = np.zeros(len(block), dtype=bool)
             picked[within] = True
             picked &= rows
-            if picked.any():
-                into.setdefault(group, []).append(np.stack([c[picked] for c in columns], axis=1))
+            found, _, main_ranks, main_unsynced = self.main.at(group, steps[picked])
+            hit = found & (main_unsynced > 0) & (main_ranks == ranks[picked])
+            self.steps.setdefault(group, []).append(steps[picked][hit])
 
-    def _main(self, group: str) -> npt.NDArray[np.float64]:
-        if group in self.parts:  # joined once, in step order, when first asked
-            joined = np.concatenate(self.parts.pop(group))
-            self.main[group] = joined[np.argsort(joined[:, 0], kind="stable")]
-            self.synced[group] = np.zeros(len(self.main[group]), dtype=bool)
-        return self.main.get(group, np.zeros((0, 2)))
+    def covered(self, group: str, steps: npt.NDArray[Any]) -> npt.NDArray[np.bool_]:
+        """Of these unsynchronized steps of the main term's group, those another term synchronized as above."""
+        held = self.steps.get(group)
+        return np.isin(steps, np.concatenate(held)) if held else np.zeros(len(steps), dtype=bool)
