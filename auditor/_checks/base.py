@@ -406,6 +406,14 @@ def distinct(column: pd.Series) -> npt.NDArray[Any]:
     return np.unique(values[:1] if one_value(values) else values)
 
 
+def grouped_rows(block: pd.DataFrame, rows: npt.NDArray[np.bool_]) -> Iterator[tuple[str, npt.NDArray[np.bool_]]]:
+    """(name, mask) per group of a block (`grouped`): these `rows` of the group's."""
+    for group, within in grouped(block.grp):
+        mask = np.zeros(len(block), dtype=bool)
+        mask[within] = True
+        yield group, mask & rows
+
+
 def grouped(column: pd.Series) -> Iterator[tuple[str, Any]]:
     """(name, rows) per group, in a group-by's order (the names sorted): rows a slice of every row when
     there is one group, else the group's indices."""

@@ -9,7 +9,16 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit._checks.base import Check, FlaggedSteps, RunSteps, TermInputs, column_of, grouped, make_finding
+from tokaudit._checks.base import (
+    Check,
+    FlaggedSteps,
+    RunSteps,
+    TermInputs,
+    column_of,
+    grouped,
+    grouped_rows,
+    make_finding,
+)
 from tokaudit._checks.base import RunContext, StepsSeen, rank_masks, step_list
 from tokaudit._normalization import Diagnoses
 from tokaudit.codes import Code, Severity
@@ -28,10 +37,7 @@ def ranks_not_recorded(source: RunSteps) -> dict[str, tuple[Sequence[int], int]]
     for block in source.blocks():
         masks, low, high = rank_masks(block), column_of(block, "world_low"), column_of(block, "world_high")
         top = column_of(block, "rank_max") if "rank_max" in block else None  # (a table without: no rank above is known)
-        for group, rows in grouped(block.grp):
-            one = np.zeros(len(block), dtype=bool)
-            one[rows] = True
-            one &= low == high
+        for group, one in grouped_rows(block, low == high):
             for w in np.unique(low[one]).tolist():
                 at = one & (low == w)
                 key = (group, int(w))
@@ -163,10 +169,7 @@ class MissingRanksCheck(Check):
         if (worlds[rows] > 64).any():
             return False
         steps, masks = column_of(block, "step").astype(np.int64), rank_masks(block)
-        for group, within in grouped(block.grp):
-            flagged = np.zeros(len(block), dtype=bool)
-            flagged[within] = True
-            flagged &= rows
+        for group, flagged in grouped_rows(block, rows):
             absent = _below(worlds[flagged]) & ~masks[flagged]
             if np.any(absent & ~main.at(group, steps[flagged])[1]):
                 return False

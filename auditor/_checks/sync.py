@@ -12,7 +12,16 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from tokaudit._checks.base import Check, TermInputs, accumulating, column_of, grouped, make_finding, nan_sum
+from tokaudit._checks.base import (
+    Check,
+    TermInputs,
+    accumulating,
+    column_of,
+    grouped,
+    grouped_rows,
+    make_finding,
+    nan_sum,
+)
 from tokaudit._checks.ranks import MainSteps
 from tokaudit._normalization import Diagnoses
 from tokaudit.codes import Code, Severity
@@ -43,10 +52,7 @@ class SyncCheck(Check):
         alone = column_of(block, "world_high") == 1
         unsynced = np.where(alone, 0.0, unsynced)
         if self.others is not None and not self.stand_in:  # another term's backward synchronized: cannot tell
-            for group, rows in grouped(block.grp):
-                within = np.zeros(len(block), dtype=bool)
-                within[rows] = True
-                covered = within & (unsynced > 0)
+            for group, covered in grouped_rows(block, unsynced > 0):
                 covered[covered] = self.others.covered(group, step[covered])
                 self.undecided.add(step[covered])
                 self.undecided_ranks += nan_sum(unsynced[covered])
@@ -298,10 +304,7 @@ class OtherTermSyncs:
         if not rows.any():
             return
         steps, ranks = column_of(block, "step").astype(np.int64), column_of(block, "ranks")
-        for group, within in grouped(block.grp):
-            picked = np.zeros(len(block), dtype=bool)
-            picked[within] = True
-            picked &= rows
+        for group, picked in grouped_rows(block, rows):
             found, _, main_ranks, main_unsynced = self.main.at(group, steps[picked])
             hit = found & (main_unsynced > 0) & (main_ranks == ranks[picked])
             self.steps.setdefault(group, []).append(steps[picked][hit])
