@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from tokaudit._cluster import Cluster
 from tokaudit._engine import Aggregating, Engine, Spilled
 from tokaudit._loading import Loading, LogSet, cores, load, start_loading
-from tokaudit._reader import Shard, inspect_shard
+from tokaudit._reader import Shard
 from tokaudit._validation import check_every_row
 from tokaudit.errors import LogFormatError, UsageError, first_line
 
@@ -209,15 +209,16 @@ def changed(shards: list[Shard], since: int) -> dict[object, LogFormatError]:
 
 
 def _unusable(shards: list[Shard]) -> dict[object, LogFormatError]:
-    """The thorough check of the shards the aggregation found a value no audit can use in (`UNUSABLE_RECORD`), then
-    every row of those whose statistics passed it: one line each."""
+    """Every row of the shards the aggregation found a value no audit can use in (`UNUSABLE_RECORD`) checked, whatever
+    their statistics say (they were checked at load): one line each."""
     found: dict[object, LogFormatError] = {}
     for shard in shards:
         try:
-            inspect_shard(shard.path, shard.store, thorough=True)
             check_every_row(pq.ParquetFile(shard.open()), frozenset(c for c, _ in shard.signature))
         except LogFormatError as error:
-            found[shard.path] = LogFormatError(shard.name, error.problem) if not error.path else error
+            found[shard.path] = LogFormatError(shard.name, error.problem)
+        except Exception as error:  # (a file gone or damaged since the aggregation read it)
+            found[shard.path] = LogFormatError(shard.name, f"cannot read the file's data ({first_line(error)})")
     return found
 
 
